@@ -1,0 +1,5 @@
+module github.com/cudaipc/cudaipc
+
+go 1.26.0
+
+require github.com/alecthomas/kong v1.17.0

@@ -1,0 +1,113 @@
+// Package cli implements the cudaipc command line. main calls Run; every
+// command writes to the writers it is given so tests can run it in-process.
+package cli
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"os"
+
+	"github.com/alecthomas/kong"
+)
+
+// Globals are the flags every command sees, plus the writers and context the
+// command runs with.
+type Globals struct {
+	Socket   string `help:"Path of the store daemon's socket (default: $CUDAIPC_SOCKET, else a per-user path; see 'cudaipc serve --help')." env:"CUDAIPC_SOCKET" placeholder:"PATH"`
+	LogLevel string `help:"Log level: debug, info, warn, error." default:"info" enum:"debug,info,warn,error" name:"log-level"`
+
+	ctx    context.Context
+	stdout io.Writer
+	stderr io.Writer
+	log    *slog.Logger
+}
+
+// Context returns the context the command runs under: cancelled on SIGINT
+// or SIGTERM.
+func (g *Globals) Context() context.Context { return g.ctx }
+
+// cli lists the commands. Each command is a struct with a
+// Run(*Globals) error method, in a file of its own.
+type cliRoot struct {
+	Globals
+}
+
+// ExitError carries an exit code other than 1.
+type ExitError struct {
+	Code int
+	Err  error
+}
+
+func (e *ExitError) Error() string { return e.Err.Error() }
+func (e *ExitError) Unwrap() error { return e.Err }
+
+// ExitCode returns the process exit code for an error returned by Run.
+func ExitCode(err error) int {
+	var ee *ExitError
+	if errors.As(err, &ee) {
+		return ee.Code
+	}
+	return 1
+}
+
+// Run parses args and runs the chosen command. ctx is cancelled when the
+// process is asked to stop.
+func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var root cliRoot
+	exit := -1
+	parser, err := kong.New(&root,
+		kong.Name("cudaipc"),
+		kong.Description("Zero-copy GPU memory sharing between processes on one machine."),
+		kong.Writers(stdout, stderr),
+		kong.Exit(func(code int) { exit = code; panic(exitPanic{}) }),
+		kong.UsageOnError(),
+	)
+	if err != nil {
+		return err
+	}
+	var kctx *kong.Context
+	func() {
+		defer func() {
+			if r := recover(); r != nil {
+				if _, ok := r.(exitPanic); !ok {
+					panic(r)
+				}
+			}
+		}()
+		kctx, err = parser.Parse(args)
+	}()
+	if exit >= 0 { // --help or a parse error already reported by kong
+		if exit == 0 {
+			return nil
+		}
+		return &ExitError{Code: exit, Err: errors.New("invalid arguments")}
+	}
+	if err != nil {
+		return &ExitError{Code: 2, Err: err}
+	}
+	root.ctx = ctx
+	root.stdout = stdout
+	root.stderr = stderr
+	root.log = newLogger(stderr, root.LogLevel)
+	return kctx.Run(&root.Globals)
+}
+
+type exitPanic struct{}
+
+func newLogger(w io.Writer, level string) *slog.Logger {
+	var l slog.Level
+	_ = l.UnmarshalText([]byte(level))
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l}))
+}
+
+// isTerminal reports whether w is a terminal, for progress bars.
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	st, err := f.Stat()
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
+}
