@@ -32,6 +32,12 @@ func (g *Globals) Context() context.Context { return g.ctx }
 // Run(*Globals) error method, in a file of its own.
 type cliRoot struct {
 	Globals
+
+	Put  putCmd  `cmd:"" help:"Store a file as a sealed object."`
+	Get  getCmd  `cmd:"" help:"Write an object's bytes to a file or standard output."`
+	Ls   lsCmd   `cmd:"" help:"List objects in the store."`
+	Stat statCmd `cmd:"" help:"Describe one object."`
+	Rm   rmCmd   `cmd:"" help:"Remove objects from the store."`
 }
 
 // ExitError carries an exit code other than 1.

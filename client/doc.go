@@ -1,0 +1,26 @@
+// Package client talks to the cudaipc object store daemon (cudaipc serve).
+//
+// A Client holds one connection to the daemon. Calls on it are safe for
+// concurrent use: a Get that waits for an object to be sealed does not hold
+// up other calls, and subscription events arrive while calls are in flight.
+//
+// Lifetimes:
+//
+//   - Create returns an Object: a writable buffer visible only to this
+//     client until Seal. Seal makes it immutable and visible to readers;
+//     Abort (or closing the client, or the process dying) discards it. After
+//     Seal or Abort the Object's Bytes must not be used.
+//   - Get returns a Lease: a read-only view of a sealed object. The memory
+//     stays valid until Release, even if the object is deleted or the
+//     store wants the space. A lease the client forgets is released when the
+//     connection closes (including when the process is killed).
+//   - Memory is mapped once per daemon arena and cached, so a Get costs one
+//     socket round trip. Mappings are unmapped when the client is closed and
+//     no Object or Lease uses them any more; Bytes of a released lease must
+//     not be used.
+//
+// Errors match the package's sentinels with errors.Is: ErrNotFound,
+// ErrExists, ErrTimeout, ErrStoreFull, ErrPermission, ErrLimit, ErrInvalid,
+// ErrNotSealed, ErrSealed and ErrStoreGone (the daemon went away: Dial
+// again once a new daemon runs).
+package client

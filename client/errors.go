@@ -1,0 +1,53 @@
+package client
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Sentinel errors. Every error a Client returns for a failed request wraps
+// one of them (errors.Is), or a context error.
+var (
+	ErrNotFound   = errors.New("object not found")
+	ErrExists     = errors.New("object already exists")
+	ErrTimeout    = errors.New("timed out")
+	ErrStoreFull  = errors.New("store full")
+	ErrPermission = errors.New("permission denied")
+	ErrLimit      = errors.New("per-client limit reached")
+	ErrInvalid    = errors.New("invalid argument")
+	ErrNotSealed  = errors.New("object not sealed")
+	ErrSealed     = errors.New("object already sealed")
+	// ErrStoreGone means the connection to the daemon is lost (the daemon
+	// stopped, restarted or closed the connection) or there is no daemon.
+	// The Client is unusable afterwards; Dial again.
+	ErrStoreGone = errors.New("store daemon gone")
+	// ErrVersion means the daemon does not speak this client's protocol
+	// version.
+	ErrVersion = errors.New("protocol version not supported by the daemon")
+	// ErrInternal is a failure inside the daemon, or a daemon reply that
+	// breaks the protocol.
+	ErrInternal = errors.New("internal store error")
+)
+
+// Error is the error a request fails with: the operation, the object it was
+// about, and the store's reason. It unwraps to one of the sentinels.
+type Error struct {
+	Op      string // "create", "get", ...
+	Name    string // object name, if any
+	Message string // the daemon's message, if any
+	Err     error  // a sentinel, e.g. ErrNotFound
+}
+
+func (e *Error) Error() string {
+	s := "cudaipc " + e.Op
+	if e.Name != "" {
+		s += fmt.Sprintf(" %q", e.Name)
+	}
+	s += ": " + e.Err.Error()
+	if e.Message != "" && e.Message != e.Err.Error() {
+		s += ": " + e.Message
+	}
+	return s
+}
+
+func (e *Error) Unwrap() error { return e.Err }

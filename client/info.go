@@ -1,0 +1,54 @@
+package client
+
+import (
+	"encoding/json"
+	"time"
+)
+
+// ObjectInfo describes an object in the store. Its JSON form is what
+// 'cudaipc stat --json' prints.
+type ObjectInfo struct {
+	Name     string    `json:"name"`
+	Size     int64     `json:"size"`
+	Device   string    `json:"device"` // "host", or a GPU ordinal or UUID
+	Sealed   bool      `json:"sealed"`
+	Leases   int       `json:"leases"` // live leases on the object
+	Shared   bool      `json:"shared"` // readable by every uid the daemon admits
+	OwnerUID uint32    `json:"owner_uid"`
+	Created  time.Time `json:"created"`
+	// Region is the GPU region descriptor of the object's memory; empty for
+	// host memory.
+	Region json.RawMessage `json:"region,omitempty"`
+}
+
+// Event is a change in the store, delivered to subscribers.
+type Event struct {
+	Kind string // EventSealed, EventDeleted, EventEvicted or EventAborted
+	Name string // the object's name
+}
+
+// Event kinds.
+const (
+	EventSealed  = "sealed"
+	EventDeleted = "deleted"
+	EventEvicted = "evicted"
+	EventAborted = "aborted"
+)
+
+// ServerInfo is what the daemon said about itself in the handshake.
+type ServerInfo struct {
+	Version       uint32 // protocol version
+	ServerVersion string // daemon build version
+	PID           int    // daemon process id
+	Backend       string // memory backend, e.g. "host"
+}
+
+// CreateOptions are the options of Client.Create.
+type CreateOptions struct {
+	// Device is where the memory lives: "" or "host" for host memory, or a
+	// GPU ordinal or UUID once the daemon has a GPU backend.
+	Device string
+	// Shared makes the sealed object readable by every uid the daemon
+	// admits, not only by its creator's uid.
+	Shared bool
+}

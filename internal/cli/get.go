@@ -1,0 +1,85 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/cudaipc/cudaipc/client"
+)
+
+type getCmd struct {
+	Name    string        `arg:"" help:"Object to read." placeholder:"NAME"`
+	Output  string        `short:"o" default:"-" help:"Write the object to FILE instead of standard output." placeholder:"FILE|-"`
+	Timeout time.Duration `default:"0s" help:"How long to wait for NAME to be sealed; 0 waits until it is (or Ctrl-C)." placeholder:"D"`
+}
+
+func (c *getCmd) Help() string {
+	return "Waits until NAME is sealed, then writes its bytes. The lease is held while writing, so the object's memory cannot be reused underneath."
+}
+
+func (c *getCmd) Run(g *Globals) error {
+	cl, err := g.dial()
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
+
+	ctx := g.Context()
+	if c.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, c.Timeout)
+		defer cancel()
+	}
+	lease, err := cl.Get(ctx, c.Name)
+	if errors.Is(err, client.ErrTimeout) {
+		return fmt.Errorf("%q was not sealed within %s: check the name with 'cudaipc ls', or wait longer with --timeout (%w)", c.Name, c.Timeout, err)
+	}
+	if err != nil {
+		return explain(err, g.socketPath())
+	}
+	defer lease.Release()
+
+	if c.Output == "-" {
+		return writeAll(g.stdout, lease.Bytes(), nil)
+	}
+	// Write next to the target and rename, so that FILE is never left half
+	// written.
+	tmp, err := os.CreateTemp(filepath.Dir(c.Output), "."+filepath.Base(c.Output)+".*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name())
+	bar := newProgress(g.stderr, int64(len(lease.Bytes())), "get "+c.Name)
+	err = writeAll(tmp, lease.Bytes(), func(n int) { progressAdd(bar, n) })
+	progressDone(bar)
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("writing %s: %w", c.Output, err)
+	}
+	if err := os.Chmod(tmp.Name(), 0o644); err != nil {
+		return err
+	}
+	return os.Rename(tmp.Name(), c.Output)
+}
+
+func writeAll(w io.Writer, b []byte, progress func(int)) error {
+	for off := 0; off < len(b); {
+		end := min(off+copyChunk, len(b))
+		n, err := w.Write(b[off:end])
+		if progress != nil {
+			progress(n)
+		}
+		if err != nil {
+			return err
+		}
+		off += n
+	}
+	return nil
+}
