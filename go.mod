@@ -2,4 +2,7 @@ module github.com/cudaipc/cudaipc
 
 go 1.26.0
 
-require github.com/alecthomas/kong v1.17.0
+require (
+	github.com/alecthomas/kong v1.17.0
+	google.golang.org/protobuf v1.36.12
+)
