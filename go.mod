@@ -6,3 +6,5 @@ require (
 	github.com/alecthomas/kong v1.17.0
 	google.golang.org/protobuf v1.36.12
 )
+
+require golang.org/x/sys v0.50.0 // indirect
