@@ -201,7 +201,7 @@ func parseRights(oob []byte) ([]*os.File, error) {
 // peerGone turns the errors that mean "the other end has closed" into ones
 // matching io.EOF, so callers test a single condition.
 func peerGone(err error) error {
-	if err == io.EOF {
+	if errors.Is(err, io.EOF) {
 		return io.EOF
 	}
 	if errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) {
