@@ -3,66 +3,360 @@ package client
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+
+	"github.com/cudaipc/cudaipc/protocol"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
-var errNotYet = errors.New("client: not implemented yet")
+// ErrClosed is returned by calls on a Client after Close.
+var ErrClosed = errors.New("client closed")
 
 // Client is a connection to the store daemon. Its methods are safe for
 // concurrent use.
-type Client struct{}
+//
+// One goroutine reads every packet the daemon sends and hands each reply to
+// the call that waits for it (by request id) and each event to the
+// subscribers, so a Get that waits for a seal holds up nothing else.
+type Client struct {
+	conn   *protocol.Conn
+	socket string
+	server ServerInfo
+
+	sendMu sync.Mutex // one sender at a time on conn
+
+	mu        sync.Mutex
+	nextID    uint64
+	pending   map[uint64]chan reply // calls waiting for their reply
+	abandoned map[uint64]string     // calls whose caller gave up (value: object name); the reply is cleaned up
+	subs      map[*subscription]struct{}
+	arenas    map[arenaKey]*arena
+	err       error // why the connection ended; nil while it lives
+	closed    bool  // Close was called
+
+	readerDone chan struct{}
+}
+
+// reply is what the reader hands to a waiting call. The placement in a
+// create or get reply has already been mapped by the reader (m), so that
+// the arena cache follows the daemon's record of what this connection was
+// sent even when the caller has gone.
+type reply struct {
+	resp *storev1.Response
+	m    *mapping // mapping holding the placement, with a reference for the caller
+	err  error    // mapping failed, or the connection ended
+}
 
 // Dial connects to the daemon at socket ("" means DefaultSocketPath) and
-// performs the handshake.
-func Dial(ctx context.Context, socket string) (*Client, error) { return nil, errNotYet }
+// performs the handshake. If there is no daemon the error wraps
+// ErrStoreGone; if the daemon does not admit this user, ErrPermission.
+func Dial(ctx context.Context, socket string) (*Client, error) {
+	if socket == "" {
+		socket = DefaultSocketPath()
+	}
+	conn, err := protocol.Dial(ctx, socket)
+	if err != nil {
+		return nil, dialError(socket, err)
+	}
+	c := &Client{
+		conn:       conn,
+		socket:     socket,
+		nextID:     1,
+		pending:    make(map[uint64]chan reply),
+		abandoned:  make(map[uint64]string),
+		subs:       make(map[*subscription]struct{}),
+		arenas:     make(map[arenaKey]*arena),
+		readerDone: make(chan struct{}),
+	}
+	if err := c.handshake(ctx); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	go c.read()
+	return c, nil
+}
 
-// Close closes the connection.
-func (c *Client) Close() error { return nil }
+func dialError(socket string, err error) error {
+	e := &Error{Op: "dial", Message: fmt.Sprintf("%s: %v", socket, err), Err: ErrStoreGone}
+	switch {
+	case errors.Is(err, syscall.EACCES), errors.Is(err, syscall.EPERM):
+		e.Err = ErrPermission
+	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		e.Err = err
+	}
+	return e
+}
+
+func (c *Client) handshake(ctx context.Context) error {
+	name := filepath.Base(os.Args[0]) + "[" + strconv.Itoa(os.Getpid()) + "]"
+	if len(name) > protocol.MaxClientNameLen {
+		name = name[len(name)-protocol.MaxClientNameLen:]
+	}
+	h, err := protocol.ClientHello(ctx, c.conn, name)
+	if err != nil {
+		return c.handshakeError(ctx, err)
+	}
+	c.nextID = 2 // the hello was request 1
+	c.server = ServerInfo{Version: h.GetVersion(), ServerVersion: h.GetServerVersion(), PID: int(h.GetPid()), Backend: h.GetBackend()}
+	return nil
+}
+
+func (c *Client) handshakeError(ctx context.Context, err error) error {
+	if cerr := ctx.Err(); cerr != nil {
+		return &Error{Op: "dial", Err: cerr}
+	}
+	var ce *protocol.CodeError
+	if errors.As(err, &ce) {
+		return &Error{Op: "dial", Err: codeSentinel(ce.Code), Message: ce.Message}
+	}
+	if errors.Is(err, protocol.ErrVersion) {
+		return &Error{Op: "dial", Err: ErrVersion, Message: err.Error()}
+	}
+	msg := fmt.Sprintf("%s: %v", c.socket, err)
+	if errors.Is(err, io.EOF) {
+		// The daemon hangs up on peers it does not admit.
+		msg = fmt.Sprintf("the daemon at %s closed the connection during the handshake (is this uid admitted? see 'cudaipc serve --allow-uid')", c.socket)
+	}
+	return &Error{Op: "dial", Err: ErrStoreGone, Message: msg}
+}
 
 // Server returns what the daemon said about itself in the handshake.
-func (c *Client) Server() ServerInfo { return ServerInfo{} }
+func (c *Client) Server() ServerInfo { return c.server }
 
-// Object is an object being written.
-type Object struct{}
+// Socket returns the path of the daemon's socket.
+func (c *Client) Socket() string { return c.socket }
 
-// Create creates an object.
-func (c *Client) Create(ctx context.Context, name string, size int64, opts CreateOptions) (*Object, error) {
-	return nil, errNotYet
+// Close closes the connection. Objects not yet sealed are aborted by the
+// daemon and leases are released. Memory of Objects and Leases not yet
+// sealed or released stays mapped until they are; Close unmaps the rest.
+// Close is idempotent.
+func (c *Client) Close() error {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil
+	}
+	c.closed = true
+	c.mu.Unlock()
+	err := c.conn.Close()
+	<-c.readerDone
+	c.mu.Lock()
+	c.releaseArenasLocked()
+	c.mu.Unlock()
+	return err
 }
 
-// Bytes returns the writable memory.
-func (o *Object) Bytes() []byte { return nil }
-
-// Seal makes the object visible.
-func (o *Object) Seal(ctx context.Context) error { return errNotYet }
-
-// Abort discards the object.
-func (o *Object) Abort(ctx context.Context) error { return errNotYet }
-
-// Lease is a read-only view of a sealed object.
-type Lease struct{}
-
-// Get waits until name is sealed and leases it.
-func (c *Client) Get(ctx context.Context, name string) (*Lease, error) { return nil, errNotYet }
-
-// Bytes returns the read-only memory.
-func (l *Lease) Bytes() []byte { return nil }
-
-// Info describes the leased object.
-func (l *Lease) Info() ObjectInfo { return ObjectInfo{} }
-
-// Release ends the lease.
-func (l *Lease) Release() error { return nil }
-
-// Delete removes name.
-func (c *Client) Delete(ctx context.Context, name string) error { return errNotYet }
-
-// List lists objects.
-func (c *Client) List(ctx context.Context) ([]ObjectInfo, error) { return nil, errNotYet }
-
-// Stat describes name.
-func (c *Client) Stat(ctx context.Context, name string) (ObjectInfo, error) {
-	return ObjectInfo{}, errNotYet
+// read is the connection's only receiver.
+func (c *Client) read() {
+	defer close(c.readerDone)
+	for {
+		resp := new(storev1.Response)
+		files, err := c.conn.Recv(resp)
+		if err == nil {
+			err = protocol.ValidateResponse(resp, len(files))
+		}
+		if err != nil {
+			closeFiles(files)
+			c.fail(err)
+			return
+		}
+		if resp.GetId() == 0 {
+			closeFiles(files)
+			if ev := resp.GetEvent(); ev != nil {
+				c.dispatch(ev)
+			}
+			continue
+		}
+		r := reply{resp: resp}
+		if p := placementOf(resp); p != nil && responseError("", "", resp) == nil {
+			r.m, r.err = c.place(p, files)
+		} else {
+			closeFiles(files)
+		}
+		c.mu.Lock()
+		ch, ok := c.pending[resp.GetId()]
+		delete(c.pending, resp.GetId())
+		name, gaveUp := c.abandoned[resp.GetId()]
+		delete(c.abandoned, resp.GetId())
+		c.mu.Unlock()
+		switch {
+		case ok:
+			ch <- r // buffered
+		case gaveUp:
+			c.cleanup(r, name)
+		}
+	}
 }
 
-// Subscribe subscribes to events.
-func (c *Client) Subscribe(ctx context.Context) (<-chan Event, error) { return nil, errNotYet }
+// fail ends the connection: every waiting call and later call gets
+// ErrStoreGone (or ErrClosed after Close), and subscriptions end.
+func (c *Client) fail(cause error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		c.err = ErrClosed
+	} else {
+		c.err = fmt.Errorf("%w: %v", ErrStoreGone, cause)
+		c.conn.Close()
+	}
+	for id, ch := range c.pending {
+		ch <- reply{err: c.err}
+		delete(c.pending, id)
+	}
+	for s := range c.subs {
+		s.end()
+		delete(c.subs, s)
+	}
+}
+
+// cleanup undoes the effect of a reply nobody waits for any more: a lease
+// is released, a created object aborted.
+func (c *Client) cleanup(r reply, name string) {
+	if r.m != nil {
+		c.unref(r.m)
+	}
+	resp := r.resp
+	if resp == nil || responseError("", "", resp) != nil {
+		return
+	}
+	var req *storev1.Request
+	switch {
+	case resp.GetGet() != nil:
+		req = &storev1.Request{Body: &storev1.Request_Release{Release: &storev1.ReleaseRequest{LeaseId: resp.GetGet().GetLeaseId()}}}
+	case resp.GetCreate() != nil && name != "":
+		req = &storev1.Request{Body: &storev1.Request_Abort{Abort: &storev1.AbortRequest{Name: name}}}
+	default:
+		return
+	}
+	go func() { _ = c.sendDetached(req) }()
+}
+
+// sendDetached sends req and ignores its reply.
+func (c *Client) sendDetached(req *storev1.Request) error {
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return c.err
+	}
+	req.Id = c.nextID
+	c.nextID++
+	c.abandoned[req.Id] = ""
+	c.mu.Unlock()
+	c.sendMu.Lock()
+	defer c.sendMu.Unlock()
+	return c.conn.Send(req)
+}
+
+// roundTrip sends req and waits for its reply. When ctx ends first the
+// call is abandoned: its reply, when it comes, is cleaned up by the reader.
+func (c *Client) roundTrip(ctx context.Context, op, name string, req *storev1.Request) (reply, error) {
+	if err := ctx.Err(); err != nil {
+		return reply{}, &Error{Op: op, Name: name, Err: err}
+	}
+	ch := make(chan reply, 1)
+	c.mu.Lock()
+	if c.err != nil {
+		err := c.err
+		c.mu.Unlock()
+		return reply{}, &Error{Op: op, Name: name, Err: err}
+	}
+	id := c.nextID
+	c.nextID++
+	req.Id = id
+	c.pending[id] = ch
+	c.mu.Unlock()
+
+	c.sendMu.Lock()
+	err := c.conn.Send(req)
+	c.sendMu.Unlock()
+	if err != nil {
+		c.mu.Lock()
+		delete(c.pending, id)
+		gone := c.err
+		c.mu.Unlock()
+		if gone == nil {
+			gone = fmt.Errorf("%w: %v", ErrStoreGone, err)
+		}
+		return reply{}, &Error{Op: op, Name: name, Err: gone}
+	}
+
+	select {
+	case r := <-ch:
+		if r.err != nil {
+			if r.m != nil {
+				c.unref(r.m)
+			}
+			return reply{}, &Error{Op: op, Name: name, Err: r.err}
+		}
+		if err := responseError(op, name, r.resp); err != nil {
+			return reply{}, err
+		}
+		return r, nil
+	case <-ctx.Done():
+		c.mu.Lock()
+		_, stillPending := c.pending[id]
+		if stillPending {
+			delete(c.pending, id)
+			c.abandoned[id] = name
+		}
+		c.mu.Unlock()
+		if !stillPending {
+			// The reply raced with ctx; it is in ch.
+			c.cleanup(<-ch, name)
+		}
+		return reply{}, &Error{Op: op, Name: name, Err: ctx.Err()}
+	}
+}
+
+// responseError converts the daemon's error, if any, to an *Error.
+func responseError(op, name string, resp *storev1.Response) error {
+	e := resp.GetError()
+	if e.GetCode() == storev1.Error_OK {
+		return nil
+	}
+	return &Error{Op: op, Name: name, Message: e.GetMessage(), Err: codeSentinel(e.GetCode())}
+}
+
+func codeSentinel(code storev1.Error_Code) error {
+	switch code {
+	case storev1.Error_INVALID:
+		return ErrInvalid
+	case storev1.Error_NOT_FOUND:
+		return ErrNotFound
+	case storev1.Error_EXISTS:
+		return ErrExists
+	case storev1.Error_TIMEOUT:
+		return ErrTimeout
+	case storev1.Error_STORE_FULL:
+		return ErrStoreFull
+	case storev1.Error_PERMISSION:
+		return ErrPermission
+	case storev1.Error_LIMIT:
+		return ErrLimit
+	case storev1.Error_NOT_SEALED:
+		return ErrNotSealed
+	case storev1.Error_SEALED:
+		return ErrSealed
+	case storev1.Error_VERSION:
+		return ErrVersion
+	}
+	return ErrInternal
+}
+
+func placementOf(resp *storev1.Response) *storev1.Placement {
+	if g := resp.GetGet(); g != nil {
+		return g.GetPlacement()
+	}
+	if cr := resp.GetCreate(); cr != nil {
+		return cr.GetPlacement()
+	}
+	return nil
+}
+
+func closeFiles(files []*os.File) { protocol.CloseFiles(files) }

@@ -36,6 +36,8 @@ type Error struct {
 	Name    string // object name, if any
 	Message string // the daemon's message, if any
 	Err     error  // a sentinel, e.g. ErrNotFound
+
+	cause error // a second error matched by errors.Is, e.g. context.DeadlineExceeded
 }
 
 func (e *Error) Error() string {
@@ -50,4 +52,11 @@ func (e *Error) Error() string {
 	return s
 }
 
-func (e *Error) Unwrap() error { return e.Err }
+// Unwrap returns the sentinel and, for a Get whose context deadline
+// passed, context.DeadlineExceeded.
+func (e *Error) Unwrap() []error {
+	if e.cause != nil {
+		return []error{e.Err, e.cause}
+	}
+	return []error{e.Err}
+}
