@@ -16,9 +16,10 @@ type ObjectInfo struct {
 	Shared   bool      `json:"shared"` // readable by every uid the daemon admits
 	OwnerUID uint32    `json:"owner_uid"`
 	Created  time.Time `json:"created"`
-	// Region is the GPU region descriptor of the object's memory; empty for
-	// host memory.
-	Region json.RawMessage `json:"region,omitempty"`
+	// Region is the GPU region descriptor of the object's memory; empty
+	// (JSON null) for host memory. Always present in JSON so that scripts
+	// can test it.
+	Region json.RawMessage `json:"region"`
 }
 
 // Event is a change in the store, delivered to subscribers.

@@ -38,9 +38,13 @@ func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
 	req := &storev1.Request{Body: &storev1.Request_Get{Get: &storev1.GetRequest{Name: name, TimeoutMs: timeout}}}
 	r, err := c.roundTrip(ctx, "get", name, req)
 	if err != nil {
+		// Whether the daemon's timeout (derived from the deadline) or the
+		// context fired first, the error matches both.
 		var e *Error
 		if errors.As(err, &e) && errors.Is(e.Err, context.DeadlineExceeded) {
 			e.Err, e.Message = ErrTimeout, "context deadline exceeded"
+		}
+		if errors.As(err, &e) && e.Err == ErrTimeout && timeout >= 0 {
 			e.cause = context.DeadlineExceeded
 		}
 		return nil, err

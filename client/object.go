@@ -80,8 +80,8 @@ func (o *Object) finish(ctx context.Context, op string, req *storev1.Request) er
 		return &Error{Op: op, Name: o.name, Err: ErrInvalid, Message: "object already sealed or aborted"}
 	}
 	_, err := o.c.roundTrip(ctx, op, o.name, req)
-	if err != nil && !isGone(err) {
-		return err // e.g. a cancelled context: the object is still ours
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return err // the object may still be ours: Seal or Abort again
 	}
 	o.done = true
 	o.c.unref(o.m)
