@@ -3,32 +3,35 @@ package store
 import (
 	"errors"
 	"fmt"
+
+	"github.com/cudaipc/cudaipc/protocol"
 )
 
-// Errors the store reports. Each matches, with errors.Is, the protocol
-// error code a client receives for it.
+// Errors the store reports. Except ErrDaemonRunning, they are the
+// protocol's sentinels, so that errors.Is matches them and
+// protocol.CodeOf maps them to the code a client receives.
 var (
 	// ErrNotFound: no object of that name, or lease of that id, visible to
 	// the caller.
-	ErrNotFound = errors.New("not found")
+	ErrNotFound = protocol.ErrNotFound
 	// ErrExists: an object of that name exists already.
-	ErrExists = errors.New("already exists")
+	ErrExists = protocol.ErrExists
 	// ErrStoreFull: not enough memory on the device, even after eviction.
-	ErrStoreFull = errors.New("store full")
+	ErrStoreFull = protocol.ErrStoreFull
 	// ErrPermission: the caller may not do this.
-	ErrPermission = errors.New("permission denied")
+	ErrPermission = protocol.ErrPermission
 	// ErrLimit: a per-client limit (objects, leases) was reached.
-	ErrLimit = errors.New("limit reached")
+	ErrLimit = protocol.ErrLimit
 	// ErrInvalid: a malformed or out-of-range argument.
-	ErrInvalid = errors.New("invalid argument")
+	ErrInvalid = protocol.ErrInvalid
 	// ErrNotSealed: the operation needs a sealed object.
-	ErrNotSealed = errors.New("object not sealed")
+	ErrNotSealed = protocol.ErrNotSealed
 	// ErrSealed: the operation needs an unsealed object.
-	ErrSealed = errors.New("object already sealed")
+	ErrSealed = protocol.ErrSealed
 	// ErrTimeout: a get's object was not sealed in time.
-	ErrTimeout = errors.New("timed out")
-	// ErrDaemonRunning: ListenAndServe found another daemon answering on
-	// the socket.
+	ErrTimeout = protocol.ErrTimeout
+	// ErrDaemonRunning: ListenAndServe found another daemon serving the
+	// socket.
 	ErrDaemonRunning = errors.New("a store daemon is already running")
 )
 

@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/cudaipc/cudaipc/protocol"
 )
 
 // helperEnv names the role a re-executed test binary plays.
@@ -21,10 +23,48 @@ func TestMain(m *testing.M) {
 		os.Exit(m.Run())
 	case "reopen":
 		os.Exit(reopenHelper())
+	case "dial":
+		os.Exit(dialHelper())
 	default:
 		fmt.Fprintf(os.Stderr, "unknown helper role %q\n", os.Getenv(helperEnv))
 		os.Exit(2)
 	}
+}
+
+// dropRoot makes the process a plain user: uid and gid 65534 (nobody).
+func dropRoot() error {
+	if err := syscall.Setgroups(nil); err != nil {
+		return err
+	}
+	if err := syscall.Setresgid(65534, 65534, 65534); err != nil {
+		return err
+	}
+	return syscall.Setresuid(65534, 65534, 65534)
+}
+
+// dialHelper connects to the store at $CUDAIPC_STORE_TEST_SOCKET as uid
+// 65534 and reports the handshake's outcome by its exit code: 0 admitted,
+// 3 refused with PERMISSION, 4 unable to connect at all.
+func dialHelper() int {
+	if err := dropRoot(); err != nil {
+		fmt.Fprintln(os.Stderr, "dropping root:", err)
+		return 2
+	}
+	c, err := protocol.Dial(context.Background(), os.Getenv("CUDAIPC_STORE_TEST_SOCKET"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "dial:", err)
+		return 4
+	}
+	defer c.Close()
+	_, err = protocol.ClientHello(context.Background(), c, "other-uid")
+	switch {
+	case err == nil:
+		return 0
+	case errors.Is(err, protocol.ErrPermission):
+		return 3
+	}
+	fmt.Fprintln(os.Stderr, "hello:", err)
+	return 1
 }
 
 // reopenHelper runs as a reader of another uid would: it drops root, then
@@ -32,16 +72,8 @@ func TestMain(m *testing.M) {
 // plain memfd, the control: reopening it must work, or the check proves
 // nothing.
 func reopenHelper() int {
-	if err := syscall.Setgroups(nil); err != nil {
-		fmt.Fprintln(os.Stderr, "setgroups:", err)
-		return 2
-	}
-	if err := syscall.Setresgid(65534, 65534, 65534); err != nil {
-		fmt.Fprintln(os.Stderr, "setresgid:", err)
-		return 2
-	}
-	if err := syscall.Setresuid(65534, 65534, 65534); err != nil {
-		fmt.Fprintln(os.Stderr, "setresuid:", err)
+	if err := dropRoot(); err != nil {
+		fmt.Fprintln(os.Stderr, "dropping root:", err)
 		return 2
 	}
 	if fd, err := unix.Open("/proc/self/fd/4", unix.O_RDWR, 0); err != nil {

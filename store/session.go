@@ -4,9 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
+	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/store/internal/alloc"
 )
 
@@ -270,54 +270,86 @@ func (ss *session) abortLocked(o *object) {
 // waits until such an object exists and is sealed, or ctx ends (ErrTimeout
 // when its deadline passed); without, it fails at once with ErrTimeout.
 func (ss *session) get(ctx context.Context, name string, wait bool) (placement, error) {
+	for {
+		p, err := ss.tryGet(name)
+		if !wait || !errors.Is(err, ErrTimeout) {
+			return p, err
+		}
+		if err := ss.waitSealed(ctx, name); err != nil {
+			return placement{}, err
+		}
+	}
+}
+
+// tryGet returns a read-only lease on the sealed object name, or
+// ErrTimeout at once when there is no such object this session may read.
+func (ss *session) tryGet(name string) (placement, error) {
 	s := ss.s
 	if err := checkName(name); err != nil {
 		return placement{}, err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for {
-		if ss.closed {
-			return placement{}, errSessionClosed
-		}
-		o := s.objects[name]
-		if o != nil && o.sealed && o.readableBy(ss.peer.uid) {
-			if len(ss.leases)+ss.waiting >= s.cfg.MaxLeasesPerClient {
-				return placement{}, fmt.Errorf("%w: this connection already holds %d leases", ErrLimit, len(ss.leases))
-			}
-			return ss.leaseLocked(o)
-		}
-		if !wait {
-			return placement{}, fmt.Errorf("object %q is not sealed: %w", name, ErrTimeout)
-		}
-		if len(ss.leases)+ss.waiting >= s.cfg.MaxLeasesPerClient {
-			return placement{}, fmt.Errorf("%w: this connection already holds %d leases and waiting gets", ErrLimit, len(ss.leases)+ss.waiting)
-		}
-		w := s.waiters[name]
-		if w == nil {
-			w = &waiter{ch: make(chan struct{})}
-			s.waiters[name] = w
-		}
-		w.n++
-		ss.waiting++
-		s.mu.Unlock()
-		select {
-		case <-w.ch:
-		case <-ctx.Done():
-		case <-ss.ctx.Done():
-		}
-		s.mu.Lock()
-		ss.waiting--
-		if w.n--; w.n == 0 && s.waiters[name] == w {
-			delete(s.waiters, name)
-		}
-		if err := ctx.Err(); err != nil {
-			if errors.Is(err, context.DeadlineExceeded) {
-				return placement{}, fmt.Errorf("object %q was not sealed in time: %w", name, ErrTimeout)
-			}
-			return placement{}, err
-		}
+	if ss.closed {
+		return placement{}, errSessionClosed
 	}
+	o := s.objects[name]
+	if o == nil || !o.sealed || !o.readableBy(ss.peer.uid) {
+		return placement{}, fmt.Errorf("object %q is not sealed: %w", name, ErrTimeout)
+	}
+	if len(ss.leases)+ss.waiting >= s.cfg.MaxLeasesPerClient {
+		return placement{}, fmt.Errorf("%w: this connection already holds %d leases and %d waiting gets", ErrLimit, len(ss.leases), ss.waiting)
+	}
+	return ss.leaseLocked(o)
+}
+
+// waitSealed returns once an object name this session may read is sealed
+// (possibly already), or fails when ctx or the session ends: ErrTimeout when
+// ctx's deadline passed. A waiting get counts against the lease limit.
+func (ss *session) waitSealed(ctx context.Context, name string) error {
+	s := ss.s
+	if err := checkName(name); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return errSessionClosed
+	}
+	if o := s.objects[name]; o != nil && o.sealed && o.readableBy(ss.peer.uid) {
+		return nil
+	}
+	if len(ss.leases)+ss.waiting >= s.cfg.MaxLeasesPerClient {
+		return fmt.Errorf("%w: this connection already holds %d leases and %d waiting gets", ErrLimit, len(ss.leases), ss.waiting)
+	}
+	w := s.waiters[name]
+	if w == nil {
+		w = &waiter{ch: make(chan struct{})}
+		s.waiters[name] = w
+	}
+	w.n++
+	ss.waiting++
+	s.mu.Unlock()
+	select {
+	case <-w.ch:
+	case <-ctx.Done():
+	case <-ss.ctx.Done():
+	}
+	s.mu.Lock()
+	ss.waiting--
+	if w.n--; w.n == 0 && s.waiters[name] == w {
+		delete(s.waiters, name)
+	}
+	if err := ctx.Err(); err != nil {
+		if errors.Is(err, context.DeadlineExceeded) {
+			return fmt.Errorf("object %q was not sealed in time: %w", name, ErrTimeout)
+		}
+		return err
+	}
+	if ss.ctx.Err() != nil {
+		return errSessionClosed
+	}
+	return nil
 }
 
 func (ss *session) leaseLocked(o *object) (placement, error) {
@@ -518,12 +550,7 @@ func (ss *session) close(cause error) {
 }
 
 // checkName rejects names the protocol does not allow.
-func checkName(name string) error {
-	if name == "" || len(name) > 255 || strings.ContainsRune(name, '/') {
-		return invalidf("object name %q: want 1 to 255 bytes without '/'", name)
-	}
-	return nil
-}
+func checkName(name string) error { return protocol.ValidateName(name) }
 
 // closeShare closes the file of a placement that will not be sent.
 func (p *placement) closeShare() {
