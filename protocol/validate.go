@@ -189,12 +189,13 @@ func RequestKind(r *storev1.Request) string {
 
 // ValidateResponse checks a response received with nfiles attached file
 // descriptors against the protocol's rules, as a client should before
-// trusting it: id 0 exactly for events; an error response has no body and
-// no files; a success has one known body; placements are consistent
-// (offset + size <= arena_size, writable for create and read-only for get,
-// fd_attached exactly when one file is attached); names are valid. Unknown
-// error codes and event kinds are accepted, since a newer server may send
-// them. The error is a *MessageError wrapping ErrMalformed.
+// trusting it: id 0 for events; an error response has no body and no files;
+// a success has one known body; placements are consistent (offset + size <=
+// arena_size, writable for create and read-only for get, fd_attached exactly
+// when one file is attached); names are valid. Accepted as well: unknown
+// error codes and event kinds, which a newer server may send, and an error
+// with id 0, which reports a connection-level failure just before the server
+// closes the connection. The error is a *MessageError wrapping ErrMalformed.
 func ValidateResponse(r *storev1.Response, nfiles int) error {
 	if err := validateResponse(r, nfiles); err != nil {
 		return &MessageError{Op: "validate", Err: ErrMalformed, Detail: err.Error()}
@@ -214,9 +215,8 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		return invalid("bad file count")
 	}
 	if r.GetError().GetCode() != storev1.Error_OK {
-		if r.GetId() == 0 {
-			return invalid("error response with id 0")
-		}
+		// Id 0 is allowed here: a connection-level error (a packet the
+		// server could not decode) sent just before the server closes.
 		if r.GetBody() != nil {
 			return invalid("error response with a body")
 		}
