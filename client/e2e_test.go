@@ -1,0 +1,524 @@
+package client_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cudaipc/cudaipc/client"
+)
+
+func TestShareBetweenProcesses(t *testing.T) {
+	d := startDaemon(t, socketPath(t))
+	c := dial(t, d.socket)
+	if got := c.Server().Backend; got != "host" {
+		t.Errorf("backend %q, want host", got)
+	}
+	for _, size := range []int64{1, 4095, 4096, 1 << 20, 8<<20 + 3} {
+		name := fmt.Sprintf("obj-%d", size)
+		p := spawn(t, "producer", nil, "CUDAIPC_SOCKET="+d.socket, "NAME="+name, "SIZE="+strconv.FormatInt(size, 10))
+		sum := p.expect("sealed ")
+		l, err := c.Get(context.Background(), name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if int64(len(l.Bytes())) != size || hash(l.Bytes()) != sum {
+			t.Errorf("%s: read %d bytes hashing %s, producer wrote %d hashing %s", name, len(l.Bytes()), hash(l.Bytes()), size, sum)
+		}
+		info := l.Info()
+		if info.Name != name || info.Size != size || !info.Sealed || info.Device != "host" {
+			t.Errorf("lease info %+v", info)
+		}
+		if err := l.Release(); err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Release(); err != nil {
+			t.Errorf("second Release: %v", err)
+		}
+	}
+}
+
+func TestGetWaitsForSealWhileOtherCallsProceed(t *testing.T) {
+	d := startDaemon(t, socketPath(t))
+	c := dial(t, d.socket)
+	ctx := context.Background()
+	events, err := c.Subscribe(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan []byte, 1)
+	go func() {
+		l, err := c.Get(ctx, "later")
+		if err != nil {
+			t.Error(err)
+			got <- nil
+			return
+		}
+		got <- bytes.Clone(l.Bytes())
+		l.Release()
+	}()
+	// The waiting Get does not block other calls on the same connection.
+	want := put(t, c, "other", 12345)
+	if _, err := c.Stat(ctx, "other"); err != nil {
+		t.Fatal(err)
+	}
+	for ev := range events {
+		if ev.Kind == client.EventSealed && ev.Name == "other" {
+			break
+		}
+	}
+	w2 := dial(t, d.socket)
+	want2 := put(t, w2, "later", 777)
+	if b := <-got; !bytes.Equal(b, want2) {
+		t.Errorf("waiting Get read %d bytes, not what was sealed", len(b))
+	}
+	l, err := c.Get(ctx, "other")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release()
+	if !bytes.Equal(l.Bytes(), want) {
+		t.Error("other: bytes differ")
+	}
+}
+
+func TestGetDeadlineAndCancel(t *testing.T) {
+	d := startDaemon(t, socketPath(t))
+	c := dial(t, d.socket)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	_, err := c.Get(ctx, "never")
+	if !errors.Is(err, client.ErrTimeout) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Get past deadline: %v; want ErrTimeout and DeadlineExceeded", err)
+	}
+
+	// A Get abandoned by its caller while it waits must not leave a lease
+	// behind once the object is sealed.
+	cctx, ccancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { _, err := c.Get(cctx, "abandoned"); done <- err }()
+	other := dial(t, d.socket)
+	o, err := other.Create(context.Background(), "abandoned", 100, client.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ccancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled Get: %v", err)
+	}
+	rand.NewChaCha8([32]byte{1}).Read(o.Bytes())
+	if err := o.Seal(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	// The daemon may have granted the abandoned get's lease; the client
+	// releases it. Either way the count ends at 0.
+	waitLeases(t, other, "abandoned", 0)
+	// The connection is still fine.
+	l, err := c.Get(context.Background(), "abandoned")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.Release()
+}
+
+func TestErrors(t *testing.T) {
+	d := startDaemon(t, socketPath(t))
+	c := dial(t, d.socket)
+	ctx := context.Background()
+	if _, err := c.Stat(ctx, "missing"); !errors.Is(err, client.ErrNotFound) {
+		t.Errorf("Stat missing: %v", err)
+	}
+	if err := c.Delete(ctx, "missing"); !errors.Is(err, client.ErrNotFound) {
+		t.Errorf("Delete missing: %v", err)
+	}
+	put(t, c, "x", 10)
+	if _, err := c.Create(ctx, "x", 10, client.CreateOptions{}); !errors.Is(err, client.ErrExists) {
+		t.Errorf("Create existing: %v", err)
+	}
+	for _, bad := range []string{"", "a/b", "tab\there", string(make([]byte, 256))} {
+		if _, err := c.Create(ctx, bad, 10, client.CreateOptions{}); !errors.Is(err, client.ErrInvalid) {
+			t.Errorf("Create %q: %v", bad, err)
+		}
+	}
+	if _, err := c.Create(ctx, "zero", 0, client.CreateOptions{}); !errors.Is(err, client.ErrInvalid) {
+		t.Errorf("Create size 0: %v", err)
+	}
+	_, err := client.Dial(ctx, filepath.Join(t.TempDir(), "nobody.sock"))
+	if !errors.Is(err, client.ErrStoreGone) {
+		t.Errorf("Dial without daemon: %v", err)
+	}
+}
+
+func TestKillLeaseHolder(t *testing.T) {
+	d := startDaemon(t, socketPath(t))
+	c := dial(t, d.socket)
+	want := put(t, c, "held", 1<<20)
+	h := spawn(t, "holder", nil, "CUDAIPC_SOCKET="+d.socket, "NAME=held")
+	if got := h.expect("leased "); got != hash(want) {
+		t.Fatalf("holder read hash %s, want %s", got, hash(want))
+	}
+	waitLeases(t, c, "held", 1)
+	h.kill9()
+	waitLeases(t, c, "held", 0)
+	if err := c.Delete(context.Background(), "held"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestKillCreatorMidWrite(t *testing.T) {
+	d := startDaemon(t, socketPath(t))
+	c := dial(t, d.socket)
+	ctx := context.Background()
+	events, err := c.Subscribe(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cr := spawn(t, "creator", nil, "CUDAIPC_SOCKET="+d.socket, "NAME=half", "SIZE=2097152")
+	cr.expect("writing")
+	// Unsealed: invisible to others, and Get does not return it.
+	short, cancel := context.WithTimeout(ctx, 10*time.Millisecond)
+	_, err = c.Get(short, "half")
+	cancel()
+	if !errors.Is(err, client.ErrTimeout) {
+		t.Fatalf("Get of an unsealed object: %v, want ErrTimeout", err)
+	}
+	cr.kill9()
+	for ev := range events {
+		if ev.Name == "half" {
+			if ev.Kind != client.EventAborted {
+				t.Fatalf("event %+v, want aborted", ev)
+			}
+			break
+		}
+	}
+	if _, err := c.Stat(ctx, "half"); !errors.Is(err, client.ErrNotFound) {
+		t.Errorf("Stat after the creator died: %v", err)
+	}
+	// The name is free again.
+	want := put(t, c, "half", 1<<20)
+	l, err := c.Get(ctx, "half")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release()
+	if !bytes.Equal(l.Bytes(), want) {
+		t.Error("bytes differ")
+	}
+}
+
+func TestUIDNotAllowed(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("needs root to run a child as another uid (CI runs as root)")
+	}
+	// A world-traversable directory, so that the refusal comes from the
+	// daemon's SO_PEERCRED check and not from file permissions.
+	dir, err := os.MkdirTemp("", "cudaipc-uid-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	if err := os.Chmod(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(dir, "store.sock")
+	d := startDaemon(t, sock, "ALLOW_UIDS=65534")
+	// The go tool builds the test binary in a directory only root may
+	// enter; the children run a copy.
+	exe := filepath.Join(dir, "client.test")
+	bin, err := os.ReadFile(os.Args[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(exe, bin, 0o755); err != nil {
+		t.Fatal(err)
+	}
+
+	allowed := spawnExe(t, exe, "dialer", &syscall.Credential{Uid: 65534, Gid: 65534}, "CUDAIPC_SOCKET="+sock, "NAME=from-nobody")
+	if got := allowed.line(); got != "ok" {
+		t.Errorf("allowed uid 65534: %s", got)
+	}
+	denied := spawnExe(t, exe, "dialer", &syscall.Credential{Uid: 65533, Gid: 65533}, "CUDAIPC_SOCKET="+sock, "NAME=from-other")
+	if got := denied.expect("err "); got[:len("permission")] != "permission" {
+		t.Errorf("uid 65533 not admitted: dial said %s, want permission", got)
+	}
+	// The admitted uid's object is private to it: root sees it, the
+	// admitted uid made it.
+	c := dial(t, d.socket)
+	info, err := c.Stat(context.Background(), "from-nobody")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.OwnerUID != 65534 || info.Shared {
+		t.Errorf("object of uid 65534: %+v", info)
+	}
+}
+
+func TestManyConcurrentClients(t *testing.T) {
+	d := startDaemon(t, socketPath(t))
+	const n = 64
+	seed := rand.Uint64()
+	name := func(i int) string { return "c" + strconv.Itoa(i) }
+	size := func(i int) int { return 1000 + 997*i }
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx := context.Background()
+			c, err := client.Dial(ctx, d.socket)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			defer c.Close()
+			o, err := c.Create(ctx, name(i), int64(size(i)), client.CreateOptions{})
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			copy(o.Bytes(), stream(seed, name(i), size(i)))
+			if err := o.Seal(ctx); err != nil {
+				t.Error(err)
+				return
+			}
+			// Read everyone's object, waiting for those not sealed yet,
+			// several Gets in flight on one connection at once.
+			var rg sync.WaitGroup
+			for j := range n {
+				rg.Add(1)
+				go func() {
+					defer rg.Done()
+					l, err := c.Get(ctx, name(j))
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					defer l.Release()
+					if !bytes.Equal(l.Bytes(), stream(seed, name(j), size(j))) {
+						t.Errorf("client %d read wrong bytes for %s", i, name(j))
+					}
+				}()
+			}
+			rg.Wait()
+			// Keep the connection (and so the object) until all have read.
+		}()
+	}
+	wg.Wait()
+	c := dial(t, d.socket)
+	objs, err := c.List(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(objs) != n {
+		t.Errorf("List: %d objects, want %d", len(objs), n)
+	}
+	for _, o := range objs {
+		if o.Leases != 0 {
+			t.Errorf("%s still has %d leases", o.Name, o.Leases)
+		}
+	}
+}
+
+func TestDeleteWhileLeased(t *testing.T) {
+	d := startDaemon(t, socketPath(t))
+	c := dial(t, d.socket)
+	ctx := context.Background()
+	want := put(t, c, "doomed", 3<<20)
+	l, err := c.Get(ctx, "doomed")
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := dial(t, d.socket)
+	if err := other.Delete(ctx, "doomed"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.Stat(ctx, "doomed"); !errors.Is(err, client.ErrNotFound) {
+		t.Errorf("Stat after Delete: %v", err)
+	}
+	// The name is free at once; the new object must not reuse the leased
+	// memory.
+	want2 := put(t, other, "doomed", 3<<20)
+	if !bytes.Equal(l.Bytes(), want) {
+		t.Fatal("a deleted object's bytes changed under its lease")
+	}
+	if err := l.Release(); err != nil {
+		t.Fatal(err)
+	}
+	l2, err := c.Get(ctx, "doomed")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l2.Release()
+	if !bytes.Equal(l2.Bytes(), want2) {
+		t.Error("the new object's bytes differ")
+	}
+}
+
+func TestEvictionUnderPressure(t *testing.T) {
+	const mib = 1 << 20
+	d := startDaemon(t, socketPath(t), "CAPACITY="+strconv.Itoa(8*mib))
+	c := dial(t, d.socket)
+	ctx := context.Background()
+	events, err := c.Subscribe(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A leased object is never evicted.
+	keep := put(t, c, "keep", mib)
+	l, err := c.Get(ctx, "keep")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release()
+	// Far more than fits: older unleased objects make room for newer.
+	for i := range 24 {
+		put(t, c, "e"+strconv.Itoa(i), mib)
+	}
+	if !bytes.Equal(l.Bytes(), keep) {
+		t.Fatal("a leased object's bytes changed under pressure")
+	}
+	if _, err := c.Stat(ctx, "keep"); err != nil {
+		t.Errorf("leased object evicted: %v", err)
+	}
+	if _, err := c.Stat(ctx, "e0"); !errors.Is(err, client.ErrNotFound) {
+		t.Errorf("oldest unleased object still there: %v", err)
+	}
+	if _, err := c.Stat(ctx, "e23"); err != nil {
+		t.Errorf("newest object missing: %v", err)
+	}
+	// The oldest went first.
+	for ev := range events {
+		if ev.Kind == client.EventEvicted {
+			if ev.Name != "e0" {
+				t.Errorf("first eviction %q, want e0", ev.Name)
+			}
+			break
+		}
+	}
+	// When everything is leased, nothing can be evicted: ErrStoreFull.
+	objs, err := c.List(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, o := range objs {
+		if o.Name == "keep" {
+			continue
+		}
+		ol, err := c.Get(ctx, o.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ol.Release()
+	}
+	if _, err := c.Create(ctx, "nope", 7*mib, client.CreateOptions{}); !errors.Is(err, client.ErrStoreFull) {
+		t.Errorf("Create with everything leased: %v, want ErrStoreFull", err)
+	}
+}
+
+func TestNoEvict(t *testing.T) {
+	const mib = 1 << 20
+	d := startDaemon(t, socketPath(t), "CAPACITY="+strconv.Itoa(4*mib), "NOEVICT=1")
+	c := dial(t, d.socket)
+	var err error
+	for i := 0; err == nil && i < 10; i++ {
+		var o *client.Object
+		o, err = c.Create(context.Background(), "n"+strconv.Itoa(i), mib, client.CreateOptions{})
+		if err == nil {
+			err = o.Seal(context.Background())
+		}
+	}
+	if !errors.Is(err, client.ErrStoreFull) {
+		t.Errorf("10 MiB into 4 MiB without eviction: %v, want ErrStoreFull", err)
+	}
+	if _, err := c.Stat(context.Background(), "n0"); err != nil {
+		t.Errorf("n0 evicted despite NoEvict: %v", err)
+	}
+}
+
+func TestDaemonRestart(t *testing.T) {
+	sock := socketPath(t)
+	d := startDaemon(t, sock)
+	c := dial(t, sock)
+	ctx := context.Background()
+	want := put(t, c, "before", 5000)
+	l, err := c.Get(ctx, "before")
+	if err != nil {
+		t.Fatal(err)
+	}
+	events, err := c.Subscribe(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waiting := make(chan error, 1)
+	go func() { _, err := c.Get(ctx, "never-sealed"); waiting <- err }()
+
+	d.kill9() // leaves a stale socket behind
+	if err := <-waiting; !errors.Is(err, client.ErrStoreGone) {
+		t.Errorf("waiting Get when the daemon died: %v, want ErrStoreGone", err)
+	}
+	for range events { // closed when the connection is lost
+	}
+	if _, err := c.Stat(ctx, "before"); !errors.Is(err, client.ErrStoreGone) {
+		t.Errorf("Stat after the daemon died: %v, want ErrStoreGone", err)
+	}
+	// The lease's memory stays mapped until Release.
+	if !bytes.Equal(l.Bytes(), want) {
+		t.Error("lease bytes changed after the daemon died")
+	}
+	if err := l.Release(); err != nil {
+		t.Errorf("Release after the daemon died: %v", err)
+	}
+	if _, err := client.Dial(ctx, sock); !errors.Is(err, client.ErrStoreGone) {
+		t.Errorf("Dial with no daemon: %v, want ErrStoreGone", err)
+	}
+
+	startDaemon(t, sock) // replaces the stale socket
+	c2 := dial(t, sock)
+	if _, err := c2.Stat(ctx, "before"); !errors.Is(err, client.ErrNotFound) {
+		t.Errorf("new daemon knows an old object: %v", err)
+	}
+	want2 := put(t, c2, "after", 5000)
+	l2, err := c2.Get(ctx, "after")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l2.Release()
+	if !bytes.Equal(l2.Bytes(), want2) {
+		t.Error("bytes differ on the new daemon")
+	}
+}
+
+func TestCloseWithLiveLease(t *testing.T) {
+	d := startDaemon(t, socketPath(t))
+	c, err := client.Dial(context.Background(), d.socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := put(t, c, "kept", 9000)
+	l, err := c.Get(context.Background(), "kept")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	// Still mapped: Close leaves memory in use alone.
+	if !bytes.Equal(l.Bytes(), want) {
+		t.Error("bytes changed after Close")
+	}
+	if err := l.Release(); err != nil {
+		t.Errorf("Release after Close: %v", err)
+	}
+	if _, err := c.Stat(context.Background(), "kept"); !errors.Is(err, client.ErrClosed) {
+		t.Errorf("Stat after Close: %v, want ErrClosed", err)
+	}
+}

@@ -1,0 +1,336 @@
+package client_test
+
+// The tests here run the store daemon and most clients as separate
+// processes: this test binary re-executed with CUDAIPC_TEST_ROLE naming
+// what the child does (TestMain dispatches). Children talk to the test
+// over stdin/stdout lines, so the tests wait on events, never on timers.
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	mrand "math/rand/v2"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/store"
+)
+
+const roleEnv = "CUDAIPC_TEST_ROLE"
+
+func TestMain(m *testing.M) {
+	if role := os.Getenv(roleEnv); role != "" {
+		if err := runRole(role); err != nil {
+			fmt.Fprintf(os.Stderr, "role %s: %v\n", role, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+func runRole(role string) error {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
+	sock := os.Getenv("CUDAIPC_SOCKET")
+	if role == "daemon" {
+		return runDaemon(ctx, sock)
+	}
+	out := bufio.NewWriter(os.Stdout)
+	say := func(format string, a ...any) {
+		fmt.Fprintf(out, format+"\n", a...)
+		out.Flush()
+	}
+	c, err := client.Dial(ctx, sock)
+	if role == "dialer" {
+		// Reports how the dial went, then tries to create and seal.
+		if err != nil {
+			say("err %s", errClass(err))
+			return nil
+		}
+		defer c.Close()
+		o, err := c.Create(ctx, os.Getenv("NAME"), 4096, client.CreateOptions{})
+		if err == nil {
+			rand.Read(o.Bytes())
+			err = o.Seal(ctx)
+		}
+		if err != nil {
+			say("created-err %s", errClass(err))
+			return nil
+		}
+		say("ok")
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	name := os.Getenv("NAME")
+	switch role {
+	case "holder": // leases NAME, reports its hash, holds until killed
+		l, err := c.Get(ctx, name)
+		if err != nil {
+			return err
+		}
+		say("leased %s", hash(l.Bytes()))
+		io.Copy(io.Discard, os.Stdin)
+		return l.Release()
+	case "creator": // creates NAME, writes half of it, then waits to be killed
+		size, _ := strconv.ParseInt(os.Getenv("SIZE"), 10, 64)
+		o, err := c.Create(ctx, name, size, client.CreateOptions{})
+		if err != nil {
+			return err
+		}
+		rand.Read(o.Bytes()[:size/2])
+		say("writing")
+		io.Copy(io.Discard, os.Stdin)
+		return nil
+	case "producer": // creates, fills with random bytes and seals NAME
+		size, _ := strconv.ParseInt(os.Getenv("SIZE"), 10, 64)
+		o, err := c.Create(ctx, name, size, client.CreateOptions{})
+		if err != nil {
+			return err
+		}
+		rand.Read(o.Bytes())
+		h := hash(o.Bytes())
+		if err := o.Seal(ctx); err != nil {
+			return err
+		}
+		say("sealed %s", h)
+		return nil
+	}
+	return fmt.Errorf("unknown role %q", role)
+}
+
+func runDaemon(ctx context.Context, sock string) error {
+	cfg := store.Config{Backend: "host"}
+	if v := os.Getenv("CAPACITY"); v != "" {
+		cfg.Capacity, _ = strconv.ParseInt(v, 10, 64)
+	}
+	cfg.NoEvict = os.Getenv("NOEVICT") == "1"
+	for _, f := range strings.Fields(os.Getenv("ALLOW_UIDS")) {
+		u, _ := strconv.ParseUint(f, 10, 32)
+		cfg.AllowUIDs = append(cfg.AllowUIDs, uint32(u))
+	}
+	st, err := store.New(cfg)
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	return st.ListenAndServe(ctx, sock)
+}
+
+// errClass names the client sentinel err matches, for children to report.
+func errClass(err error) string {
+	for _, s := range []struct {
+		name string
+		err  error
+	}{
+		{"permission", client.ErrPermission}, {"gone", client.ErrStoreGone}, {"notfound", client.ErrNotFound},
+		{"timeout", client.ErrTimeout}, {"full", client.ErrStoreFull}, {"exists", client.ErrExists},
+	} {
+		if errors.Is(err, s.err) {
+			return s.name + " " + strconv.Quote(err.Error())
+		}
+	}
+	return "other " + strconv.Quote(err.Error())
+}
+
+func hash(b []byte) string {
+	h := sha256.Sum256(b)
+	return hex.EncodeToString(h[:])
+}
+
+// proc is a child process of the test.
+type proc struct {
+	t      *testing.T
+	cmd    *exec.Cmd
+	in     io.WriteCloser
+	out    *bufio.Reader
+	stderr *syncBuffer
+	waited chan struct{}
+	err    error
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// spawn starts this test binary in role, with env added ("K=V").
+func spawn(t *testing.T, role string, cred *syscall.Credential, env ...string) *proc {
+	t.Helper()
+	return spawnExe(t, os.Args[0], role, cred, env...)
+}
+
+// spawnExe is spawn with another copy of this test binary, for a child of
+// another uid that may not reach the original.
+func spawnExe(t *testing.T, exe, role string, cred *syscall.Credential, env ...string) *proc {
+	t.Helper()
+	cmd := exec.Command(exe, "-test.run=^$")
+	cmd.Env = append(append(os.Environ(), roleEnv+"="+role), env...)
+	if cred != nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+	}
+	p := &proc{t: t, cmd: cmd, stderr: &syncBuffer{}, waited: make(chan struct{})}
+	cmd.Stderr = p.stderr
+	var err error
+	if p.in, err = cmd.StdinPipe(); err != nil {
+		t.Fatal(err)
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.out = bufio.NewReader(out)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { p.err = cmd.Wait(); close(p.waited) }()
+	t.Cleanup(func() {
+		p.cmd.Process.Kill()
+		p.in.Close()
+		<-p.waited
+	})
+	return p
+}
+
+// line reads the child's next line of output.
+func (p *proc) line() string {
+	p.t.Helper()
+	s, err := p.out.ReadString('\n')
+	if err != nil {
+		<-p.waited
+		p.t.Fatalf("%s: no more output (%v, exit %v); stderr:\n%s", p.cmd.Env[len(os.Environ())], err, p.err, p.stderr.String())
+	}
+	return strings.TrimSuffix(s, "\n")
+}
+
+// expect reads a line and checks that it starts with prefix; it returns
+// the rest.
+func (p *proc) expect(prefix string) string {
+	p.t.Helper()
+	l := p.line()
+	if !strings.HasPrefix(l, prefix) {
+		p.t.Fatalf("child said %q, want %q...; stderr:\n%s", l, prefix, p.stderr.String())
+	}
+	return strings.TrimSpace(strings.TrimPrefix(l, prefix))
+}
+
+func (p *proc) kill9() {
+	p.t.Helper()
+	if err := p.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		p.t.Fatal(err)
+	}
+	<-p.waited
+}
+
+// daemon is a store daemon child process.
+type daemon struct {
+	*proc
+	socket string
+}
+
+// startDaemon runs a daemon on sock and waits until it answers.
+func startDaemon(t *testing.T, sock string, env ...string) *daemon {
+	t.Helper()
+	d := &daemon{proc: spawn(t, "daemon", nil, append(env, "CUDAIPC_SOCKET="+sock)...), socket: sock}
+	for {
+		c, err := client.Dial(context.Background(), sock)
+		if err == nil {
+			c.Close()
+			return d
+		}
+		select {
+		case <-d.waited:
+			t.Fatalf("daemon exited (%v):\n%s", d.err, d.stderr.String())
+		case <-time.After(5 * time.Millisecond): // poll interval, not a deadline
+		}
+	}
+}
+
+// socketPath returns a socket path in a fresh directory.
+func socketPath(t *testing.T) string {
+	return filepath.Join(t.TempDir(), "store.sock")
+}
+
+func dial(t *testing.T, sock string) *client.Client {
+	t.Helper()
+	c, err := client.Dial(context.Background(), sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// put creates, fills with random bytes and seals an object, returning
+// its contents.
+func put(t *testing.T, c *client.Client, name string, size int64) []byte {
+	t.Helper()
+	ctx := context.Background()
+	o, err := c.Create(ctx, name, size, client.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create %s: %v", name, err)
+	}
+	rand.Read(o.Bytes())
+	want := bytes.Clone(o.Bytes())
+	if err := o.Seal(ctx); err != nil {
+		t.Fatalf("seal %s: %v", name, err)
+	}
+	return want
+}
+
+// stream is deterministic random content: every client can check an
+// object written by any other.
+func stream(seed uint64, name string, size int) []byte {
+	var key [32]byte
+	h := sha256.Sum256([]byte(strconv.FormatUint(seed, 10) + name))
+	copy(key[:], h[:])
+	b := make([]byte, size)
+	mrand.NewChaCha8(key).Read(b)
+	return b
+}
+
+// waitLeases polls Stat until name has n leases (the daemon notices a
+// dead client asynchronously; there is no event for it).
+func waitLeases(t *testing.T, c *client.Client, name string, n int) {
+	t.Helper()
+	for {
+		info, err := c.Stat(context.Background(), name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.Leases == n {
+			return
+		}
+		time.Sleep(2 * time.Millisecond) // poll interval, not a deadline
+	}
+}
