@@ -19,6 +19,7 @@ type Globals struct {
 	LogLevel string `help:"Log level: debug, info, warn, error." default:"info" enum:"debug,info,warn,error" name:"log-level"`
 
 	ctx    context.Context
+	stdin  io.Reader
 	stdout io.Writer
 	stderr io.Writer
 	log    *slog.Logger
@@ -38,6 +39,12 @@ type cliRoot struct {
 	Ls   lsCmd   `cmd:"" help:"List objects in the store."`
 	Stat statCmd `cmd:"" help:"Describe one object."`
 	Rm   rmCmd   `cmd:"" help:"Remove objects from the store."`
+
+	Serve serveCmd `cmd:"" help:"Run the object store daemon."`
+	Demo  demoCmd  `cmd:"" help:"Share objects between two processes through an embedded store, check every byte, and report how fast."`
+	Bench benchCmd `cmd:"" help:"Measure."`
+
+	DemoWorker demoWorkerCmd `cmd:"" name:"demo-worker" hidden:"" help:"Producer or consumer process of 'cudaipc demo'."`
 }
 
 // ExitError carries an exit code other than 1.
@@ -61,6 +68,11 @@ func ExitCode(err error) int {
 // Run parses args and runs the chosen command. ctx is cancelled when the
 // process is asked to stop.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	return run(ctx, args, os.Stdin, stdout, stderr)
+}
+
+// run is Run with standard input as a parameter, for tests.
+func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) error {
 	var root cliRoot
 	exit := -1
 	parser, err := kong.New(&root,
@@ -94,6 +106,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return &ExitError{Code: 2, Err: err}
 	}
 	root.ctx = ctx
+	root.stdin = stdin
 	root.stdout = stdout
 	root.stderr = stderr
 	root.log = newLogger(stderr, root.LogLevel)

@@ -52,7 +52,11 @@ func (c *putCmd) Run(g *Globals) error {
 // openInput opens FILE or standard input and returns its size. A pipe is
 // read into memory first, since an object's size is fixed at creation.
 func openInput(name string, g *Globals) (io.ReadCloser, int64, error) {
-	f := os.Stdin
+	f, ok := g.stdin.(*os.File)
+	if name == "-" && !ok {
+		data, err := io.ReadAll(g.stdin)
+		return io.NopCloser(bytes.NewReader(data)), int64(len(data)), err
+	}
 	if name != "-" {
 		var err error
 		if f, err = os.Open(name); err != nil {
@@ -65,6 +69,9 @@ func openInput(name string, g *Globals) (io.ReadCloser, int64, error) {
 		return nil, 0, err
 	}
 	if st.Mode().IsRegular() {
+		if name == "-" {
+			return io.NopCloser(f), st.Size(), nil // never close our stdin
+		}
 		return f, st.Size(), nil
 	}
 	if st.IsDir() {

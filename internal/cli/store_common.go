@@ -116,18 +116,6 @@ func formatBytes(n int64) string {
 	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTP"[exp])
 }
 
-// formatRate prints bytes per second in GB/s or MB/s.
-func formatRate(n int64, d time.Duration) string {
-	if d <= 0 {
-		return "-"
-	}
-	bps := float64(n) / d.Seconds()
-	if bps >= 1e9 {
-		return fmt.Sprintf("%.1f GB/s", bps/1e9)
-	}
-	return fmt.Sprintf("%.0f MB/s", bps/1e6)
-}
-
 // newProgress returns a byte progress bar on w when w is a terminal, else
 // nil (callers use progressAdd, which accepts nil).
 func newProgress(w io.Writer, total int64, what string) *progressbar.ProgressBar {

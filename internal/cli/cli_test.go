@@ -1,0 +1,232 @@
+package cli
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// mainEnv makes this test binary act as the cudaipc command, for the
+// processes that 'cudaipc demo' starts by re-executing itself.
+const mainEnv = "CUDAIPC_CLI_TEST_MAIN"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(mainEnv) == "1" {
+		err := Run(context.Background(), os.Args[1:], os.Stdout, os.Stderr)
+		if err != nil {
+			os.Stderr.WriteString("cudaipc: " + err.Error() + "\n")
+			os.Exit(ExitCode(err))
+		}
+		os.Exit(0)
+	}
+	os.Setenv(mainEnv, "1") // inherited by the demo's workers only
+	os.Exit(m.Run())
+}
+
+// runCLI runs the CLI in-process and returns its output.
+func runCLI(t *testing.T, args ...string) (stdout, stderr string, err error) {
+	t.Helper()
+	var o, e bytes.Buffer
+	err = run(context.Background(), args, strings.NewReader(""), &o, &e)
+	return o.String(), e.String(), err
+}
+
+func mustRun(t *testing.T, args ...string) string {
+	t.Helper()
+	out, errOut, err := runCLI(t, args...)
+	if err != nil {
+		t.Fatalf("cudaipc %s: %v\nstderr: %s", strings.Join(args, " "), err, errOut)
+	}
+	return out
+}
+
+// serve runs 'cudaipc serve' on a fresh socket until the test ends.
+func serve(t *testing.T, args ...string) string {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "store.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Add(1)
+	var errOut bytes.Buffer
+	var serr error
+	go func() {
+		defer wg.Done()
+		serr = Run(ctx, append([]string{"serve", "--socket", sock, "--log-level", "warn"}, args...), &bytes.Buffer{}, &errOut)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		wg.Wait()
+		if serr != nil {
+			t.Errorf("serve: %v\n%s", serr, errOut.String())
+		}
+	})
+	// Wait until it answers.
+	for {
+		if _, _, err := runCLI(t, "ls", "--socket", sock); err == nil {
+			return sock
+		}
+		time.Sleep(5 * time.Millisecond) // poll interval, not a deadline
+	}
+}
+
+func TestParseSize(t *testing.T) {
+	for in, want := range map[string]int64{"4096": 4096, "4KiB": 4096, "64k": 64 << 10, "16MiB": 16 << 20, "1G": 1 << 30, "2 GiB": 2 << 30, "0": 0} {
+		if got, err := parseSize(in); err != nil || got != want {
+			t.Errorf("parseSize(%q) = %d, %v; want %d", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "-1", "1.5G", "MiB", "12XB"} {
+		if _, err := parseSize(in); err == nil {
+			t.Errorf("parseSize(%q) accepted", in)
+		}
+	}
+	if got := formatBytes(64 << 20); got != "64.0 MiB" {
+		t.Errorf("formatBytes: %q", got)
+	}
+	if got := metricsAddr("9464"); got != "127.0.0.1:9464" {
+		t.Errorf("metricsAddr: %q", got)
+	}
+	if got := metricsAddr("0.0.0.0:9464"); got != "0.0.0.0:9464" {
+		t.Errorf("metricsAddr: %q", got)
+	}
+}
+
+func TestNoDaemon(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "none.sock")
+	_, _, err := runCLI(t, "ls", "--socket", sock)
+	if err == nil || !strings.Contains(err.Error(), "start one with 'cudaipc serve'") || !strings.Contains(err.Error(), sock) {
+		t.Fatalf("ls without a daemon: %v", err)
+	}
+	t.Setenv("CUDAIPC_SOCKET", sock)
+	if _, _, err := runCLI(t, "stat", "x"); err == nil || !strings.Contains(err.Error(), sock) {
+		t.Fatalf("CUDAIPC_SOCKET not used: %v", err)
+	}
+}
+
+func TestStoreCommands(t *testing.T) {
+	sock := serve(t)
+	dir := t.TempDir()
+	data := make([]byte, 300<<10+17)
+	rand.Read(data)
+	in := filepath.Join(dir, "in.bin")
+	if err := os.WriteFile(in, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out := mustRun(t, "put", in, "--name", "blob", "--socket", sock)
+	if !strings.Contains(out, `"blob"`) {
+		t.Errorf("put said %q", out)
+	}
+	if _, _, err := runCLI(t, "put", in, "--name", "blob", "--socket", sock); err == nil || !strings.Contains(err.Error(), "cudaipc rm") {
+		t.Errorf("put of an existing name: %v", err)
+	}
+
+	if got := mustRun(t, "get", "blob", "--socket", sock); got != string(data) {
+		t.Errorf("get to stdout: %d bytes, want %d", len(got), len(data))
+	}
+	outFile := filepath.Join(dir, "out.bin")
+	mustRun(t, "get", "blob", "-o", outFile, "--socket", sock)
+	if got, err := os.ReadFile(outFile); err != nil || !bytes.Equal(got, data) {
+		t.Errorf("get -o: %d bytes, %v", len(got), err)
+	}
+
+	var info map[string]any
+	if err := json.Unmarshal([]byte(mustRun(t, "stat", "blob", "--json", "--socket", sock)), &info); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"name", "size", "device", "sealed", "leases", "region"} {
+		if _, ok := info[k]; !ok {
+			t.Errorf("stat --json lacks %q: %v", k, info)
+		}
+	}
+	if info["name"] != "blob" || info["size"] != float64(len(data)) || info["sealed"] != true || info["leases"] != float64(0) || info["device"] != "host" {
+		t.Errorf("stat --json: %v", info)
+	}
+	if human := mustRun(t, "stat", "blob", "--socket", sock); !strings.Contains(human, "sealed:") {
+		t.Errorf("stat: %q", human)
+	}
+
+	var list []map[string]any
+	if err := json.Unmarshal([]byte(mustRun(t, "ls", "--json", "--socket", sock)), &list); err != nil {
+		t.Fatal(err)
+	}
+	if len(list) != 1 || list[0]["name"] != "blob" {
+		t.Errorf("ls --json: %v", list)
+	}
+	if table := mustRun(t, "ls", "--socket", sock); !strings.Contains(table, "blob") || !strings.HasPrefix(table, "NAME") {
+		t.Errorf("ls: %q", table)
+	}
+
+	// From standard input.
+	var o, e bytes.Buffer
+	if err := run(context.Background(), []string{"put", "-", "--name", "piped", "--socket", sock}, bytes.NewReader(data[:1000]), &o, &e); err != nil {
+		t.Fatalf("put -: %v\n%s", err, e.String())
+	}
+	if got := mustRun(t, "get", "piped", "--socket", sock); got != string(data[:1000]) {
+		t.Errorf("put - then get: %d bytes", len(got))
+	}
+
+	mustRun(t, "rm", "blob", "piped", "--socket", sock)
+	if _, _, err := runCLI(t, "stat", "blob", "--socket", sock); err == nil || !strings.Contains(err.Error(), "cudaipc ls") {
+		t.Errorf("stat after rm: %v", err)
+	}
+	if got := mustRun(t, "ls", "--json", "--socket", sock); strings.TrimSpace(got) != "[]" {
+		t.Errorf("ls --json of an empty store: %q", got)
+	}
+	if _, _, err := runCLI(t, "get", "blob", "--timeout", "20ms", "--socket", sock); err == nil || !strings.Contains(err.Error(), "not sealed within") {
+		t.Errorf("get with timeout: %v", err)
+	}
+}
+
+func TestServeDetectsRunningDaemon(t *testing.T) {
+	sock := serve(t)
+	_, _, err := runCLI(t, "serve", "--socket", sock, "--log-level", "error")
+	if err == nil || !strings.Contains(err.Error(), "already running") {
+		t.Fatalf("second serve on one socket: %v", err)
+	}
+}
+
+func TestDemo(t *testing.T) {
+	out := mustRun(t, "demo", "--sizes", "4KiB,1MiB,3MiB", "--json")
+	var rep demoReport
+	if err := json.Unmarshal([]byte(out), &rep); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	if !rep.OK || len(rep.Objects) != 3 || rep.Backend != "host" || rep.ProducerPID == rep.ConsumerPID {
+		t.Fatalf("demo report: %+v", rep)
+	}
+	for _, o := range rep.Objects {
+		if !o.OK || len(o.SHA256) != 64 {
+			t.Errorf("object %+v", o)
+		}
+	}
+	human := mustRun(t, "demo", "--sizes", "64KiB")
+	if !strings.Contains(human, "every byte matched") {
+		t.Errorf("demo output:\n%s", human)
+	}
+}
+
+func TestBenchStore(t *testing.T) {
+	out := mustRun(t, "bench", "store", "--clients", "2", "--duration", "100ms", "--size", "8KiB", "--json")
+	var res map[string]any
+	if err := json.Unmarshal([]byte(out), &res); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	for _, k := range []string{"ops_per_sec", "p50_us", "p99_us"} {
+		if v, ok := res[k].(float64); !ok || v <= 0 {
+			t.Errorf("%s = %v", k, res[k])
+		}
+	}
+	// Against a running daemon too.
+	sock := serve(t)
+	out = mustRun(t, "bench", "store", "--clients", "1", "--duration", "50ms", "--socket", sock)
+	if !strings.Contains(out, "get+release cycles") {
+		t.Errorf("bench store: %q", out)
+	}
+}

@@ -1,0 +1,387 @@
+package cli
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/cudaipc/cudaipc/client"
+)
+
+type demoCmd struct {
+	Sizes []byteSize `default:"4KiB,64KiB,1MiB,16MiB,64MiB" sep:"," help:"Sizes of the objects to share." placeholder:"BYTES,..."`
+	JSON  bool       `name:"json" help:"Print the results as one JSON object."`
+}
+
+func (c *demoCmd) Help() string {
+	return `Shows the store at work with nothing to set up: runs a store in this process (auto
+backend: host memory on a machine without a GPU), starts a producer process and a
+consumer process, shares objects of several sizes between them, checks every byte
+and reports how fast each step was.`
+}
+
+// demoResult is one object's story, and the JSON the demo prints.
+type demoResult struct {
+	Name            string  `json:"name"`
+	Size            int64   `json:"size"`
+	SHA256          string  `json:"sha256"`
+	WriteGBps       float64 `json:"write_gbps"`         // producer writing its bytes into the shared mapping
+	SealToGetUS     float64 `json:"seal_to_get_us"`     // producer's seal request to consumer holding the lease
+	VerifyGBps      float64 `json:"verify_gbps"`        // consumer comparing every byte of the mapping
+	GetReleaseP50US float64 `json:"get_release_p50_us"` // one get+release round trip, mapping cached
+	OK              bool    `json:"ok"`
+}
+
+type demoReport struct {
+	Backend     string       `json:"backend"`
+	Socket      string       `json:"socket"`
+	ProducerPID int          `json:"producer_pid"`
+	ConsumerPID int          `json:"consumer_pid"`
+	Objects     []demoResult `json:"objects"`
+	TotalBytes  int64        `json:"total_bytes"`
+	ElapsedS    float64      `json:"elapsed_s"`
+	OK          bool         `json:"ok"`
+}
+
+func (c *demoCmd) Run(g *Globals) error {
+	if len(c.Sizes) == 0 {
+		return errors.New("--sizes needs at least one size")
+	}
+	var total int64
+	for _, s := range c.Sizes {
+		if s <= 0 {
+			return fmt.Errorf("--sizes: %d is not a positive size", s)
+		}
+		total += int64(s)
+	}
+	ctx := g.Context()
+	start := time.Now()
+	emb, err := startEmbedded(ctx, g, max(1<<30, 2*total))
+	if err != nil {
+		return err
+	}
+	defer emb.Close()
+
+	admin, err := client.Dial(ctx, emb.socket)
+	if err != nil {
+		return fmt.Errorf("connecting to the embedded store: %w", err)
+	}
+	defer admin.Close()
+
+	prefix := fmt.Sprintf("demo-%d-%08x-", os.Getpid(), rand.Uint32())
+	seed := rand.Uint64()
+	args := []string{"demo-worker", "--prefix", prefix, "--seed", strconv.FormatUint(seed, 10),
+		"--log-level", g.LogLevel, "--sizes", joinSizes(c.Sizes)}
+
+	// The consumer starts first and waits in Get until the producer seals.
+	cons, err := startWorker(ctx, emb.socket, "consumer", args)
+	if err != nil {
+		return err
+	}
+	prod, err := startWorker(ctx, emb.socket, "producer", args)
+	if err != nil {
+		cons.kill()
+		return err
+	}
+	// Lock-step: the producer makes object i once the consumer has
+	// finished object i-1, so the consumer is already waiting in Get and
+	// seal→lease measures the store, not the consumer's backlog.
+	for range c.Sizes {
+		if _, err := fmt.Fprintln(prod.stdin, "next"); err != nil {
+			break
+		}
+		if !prod.next() || !cons.next() {
+			break
+		}
+	}
+	prod.stdin.Close()
+	perr := prod.wait()
+	if perr != nil {
+		cons.kill()
+	}
+	cerr := cons.wait()
+	if err := errors.Join(perr, cerr); err != nil {
+		return err
+	}
+	for _, s := range c.Sizes {
+		_ = admin.Delete(ctx, demoName(prefix, int64(s)))
+	}
+
+	rep := demoReport{
+		Backend: admin.Server().Backend, Socket: emb.socket,
+		ProducerPID: prod.cmd.Process.Pid, ConsumerPID: cons.cmd.Process.Pid,
+		TotalBytes: total, OK: true,
+	}
+	for i, s := range c.Sizes {
+		var p producerLine
+		var q consumerLine
+		if i >= len(prod.lines) || i >= len(cons.lines) {
+			return errors.New("demo: a worker reported fewer objects than it was given")
+		}
+		_ = json.Unmarshal(prod.lines[i], &p)
+		_ = json.Unmarshal(cons.lines[i], &q)
+		r := demoResult{
+			Name: p.Name, Size: int64(s), SHA256: q.SHA256,
+			WriteGBps:       gbps(int64(s), p.FillNS),
+			SealToGetUS:     float64(q.GotUnixNano-p.SealUnixNano) / 1e3,
+			VerifyGBps:      gbps(int64(s), q.VerifyNS),
+			GetReleaseP50US: float64(q.RoundTripP50NS) / 1e3,
+			OK:              q.Match && p.SHA256 == q.SHA256 && p.Name == q.Name,
+		}
+		rep.OK = rep.OK && r.OK
+		rep.Objects = append(rep.Objects, r)
+	}
+	rep.ElapsedS = time.Since(start).Seconds()
+
+	if c.JSON {
+		if err := printJSON(g.stdout, rep); err != nil {
+			return err
+		}
+	} else {
+		printDemo(g.stdout, rep)
+	}
+	if !rep.OK {
+		return errors.New("demo: the consumer did not read what the producer wrote (see the table above)")
+	}
+	return nil
+}
+
+func printDemo(w io.Writer, rep demoReport) {
+	fmt.Fprintf(w, "cudaipc demo: embedded store, %s backend, socket %s\n", rep.Backend, rep.Socket)
+	fmt.Fprintf(w, "producer (pid %d) created each object, wrote random bytes into it and sealed it;\n", rep.ProducerPID)
+	fmt.Fprintf(w, "consumer (pid %d) waited for it, leased it and compared every byte in place.\n", rep.ConsumerPID)
+	fmt.Fprintf(w, "Only names, offsets and one fd per arena crossed the socket.\n\n")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "size\twrite\tseal→lease\tread+compare\tget+release p50\tcheck\t")
+	for _, r := range rep.Objects {
+		check := "ok"
+		if !r.OK {
+			check = "MISMATCH"
+		}
+		fmt.Fprintf(tw, "%s\t%.2f GB/s\t%.0f µs\t%.2f GB/s\t%.1f µs\t%s\t\n",
+			formatBytes(r.Size), r.WriteGBps, r.SealToGetUS, r.VerifyGBps, r.GetReleaseP50US, check)
+	}
+	tw.Flush()
+	verdict := "every byte matched (byte-for-byte against the producer's random stream, and SHA-256)"
+	if !rep.OK {
+		verdict = "MISMATCH: the consumer read something other than what the producer wrote"
+	}
+	fmt.Fprintf(w, "\n%d objects, %s: %s, in %.2f s.\n", len(rep.Objects), formatBytes(rep.TotalBytes), verdict, rep.ElapsedS)
+}
+
+func gbps(n, ns int64) float64 {
+	if ns <= 0 {
+		return 0
+	}
+	return float64(n) / float64(ns)
+}
+
+func demoName(prefix string, size int64) string { return prefix + strconv.FormatInt(size, 10) }
+
+func joinSizes(s []byteSize) string {
+	parts := make([]string, len(s))
+	for i, v := range s {
+		parts[i] = strconv.FormatInt(int64(v), 10)
+	}
+	return strings.Join(parts, ",")
+}
+
+// worker is a demo producer or consumer process: this binary re-executed
+// with the hidden demo-worker command. It prints one JSON line per object.
+type worker struct {
+	role   string
+	cmd    *exec.Cmd
+	stdin  io.WriteCloser
+	out    *bufio.Scanner
+	stderr bytes.Buffer
+	lines  [][]byte
+}
+
+func startWorker(ctx context.Context, socket, role string, args []string) (*worker, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, fmt.Errorf("demo: finding this program to start the workers: %w", err)
+	}
+	args = append(slices.Clip(args), "--role", role)
+	w := &worker{role: role, cmd: exec.CommandContext(ctx, exe, args...)}
+	w.cmd.Env = append(os.Environ(), "CUDAIPC_SOCKET="+socket)
+	w.cmd.Stderr = &w.stderr
+	out, err := w.cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if w.stdin, err = w.cmd.StdinPipe(); err != nil {
+		return nil, err
+	}
+	if err := w.cmd.Start(); err != nil {
+		return nil, fmt.Errorf("demo: starting a worker process: %w", err)
+	}
+	w.out = bufio.NewScanner(out)
+	return w, nil
+}
+
+// next reads the worker's next result line; false when it has no more.
+func (w *worker) next() bool {
+	if !w.out.Scan() {
+		return false
+	}
+	w.lines = append(w.lines, slices.Clone(w.out.Bytes()))
+	return true
+}
+
+func (w *worker) wait() error {
+	for w.next() { // drain, so that Wait does not block on a full pipe
+	}
+	if err := w.cmd.Wait(); err != nil {
+		return fmt.Errorf("demo: the %s process failed: %v\n%s", w.role, err, strings.TrimSpace(w.stderr.String()))
+	}
+	return nil
+}
+
+func (w *worker) kill() {
+	_ = w.cmd.Process.Kill()
+	_ = w.cmd.Wait()
+}
+
+// demoWorkerCmd is the hidden command the demo runs in its child
+// processes.
+type demoWorkerCmd struct {
+	Role   string     `required:"" enum:"producer,consumer"`
+	Prefix string     `required:""`
+	Seed   uint64     `required:""`
+	Sizes  []byteSize `required:"" sep:","`
+	Rounds int        `default:"200" help:"get+release round trips per object (consumer)."`
+}
+
+type producerLine struct {
+	Name         string `json:"name"`
+	FillNS       int64  `json:"fill_ns"`
+	SealUnixNano int64  `json:"seal_unix_nano"`
+	SHA256       string `json:"sha256"`
+}
+
+type consumerLine struct {
+	Name           string `json:"name"`
+	GotUnixNano    int64  `json:"got_unix_nano"`
+	VerifyNS       int64  `json:"verify_ns"`
+	RoundTripP50NS int64  `json:"round_trip_p50_ns"`
+	SHA256         string `json:"sha256"`
+	Match          bool   `json:"match"`
+	MismatchAt     int64  `json:"mismatch_at"`
+}
+
+func (c *demoWorkerCmd) Run(g *Globals) error {
+	cl, err := g.dial()
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
+	enc := json.NewEncoder(g.stdout)
+	in := bufio.NewScanner(os.Stdin)
+	for _, s := range c.Sizes {
+		if c.Role == "producer" && !in.Scan() {
+			return nil // the demo stopped early
+		}
+		name := demoName(c.Prefix, int64(s))
+		var line any
+		var err error
+		if c.Role == "producer" {
+			line, err = c.produce(g.Context(), cl, name, int64(s))
+		} else {
+			line, err = c.consume(g.Context(), cl, name)
+		}
+		if err != nil {
+			return err
+		}
+		if err := enc.Encode(line); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// demoStream is the object's content: random bytes that both sides derive
+// from the seed and the name, so the consumer can check every byte.
+func demoStream(seed uint64, name string) *rand.ChaCha8 {
+	var key [32]byte
+	h := sha256.Sum256([]byte(strconv.FormatUint(seed, 10) + "/" + name))
+	copy(key[:], h[:])
+	return rand.NewChaCha8(key)
+}
+
+func (c *demoWorkerCmd) produce(ctx context.Context, cl *client.Client, name string, size int64) (producerLine, error) {
+	obj, err := cl.Create(ctx, name, size, client.CreateOptions{})
+	if err != nil {
+		return producerLine{}, err
+	}
+	src := make([]byte, size)
+	_, _ = demoStream(c.Seed, name).Read(src)
+	t := time.Now()
+	copy(obj.Bytes(), src) // the first touch of these pages is part of the cost
+	fill := time.Since(t)
+	sum := sha256.Sum256(src)
+	sealAt := time.Now()
+	if err := obj.Seal(ctx); err != nil {
+		return producerLine{}, err
+	}
+	return producerLine{Name: name, FillNS: fill.Nanoseconds(), SealUnixNano: sealAt.UnixNano(), SHA256: hex.EncodeToString(sum[:])}, nil
+}
+
+func (c *demoWorkerCmd) consume(ctx context.Context, cl *client.Client, name string) (consumerLine, error) {
+	lease, err := cl.Get(ctx, name)
+	if err != nil {
+		return consumerLine{}, err
+	}
+	got := time.Now()
+	defer lease.Release()
+	b := lease.Bytes()
+
+	line := consumerLine{Name: name, GotUnixNano: got.UnixNano(), Match: true, MismatchAt: -1}
+	want := make([]byte, len(b))
+	_, _ = demoStream(c.Seed, name).Read(want)
+	t := time.Now()
+	line.Match = bytes.Equal(b, want) // reads every byte of the shared mapping
+	line.VerifyNS = time.Since(t).Nanoseconds()
+	if !line.Match {
+		for i := range b {
+			if b[i] != want[i] {
+				line.MismatchAt = int64(i)
+				break
+			}
+		}
+	}
+	sum := sha256.Sum256(b)
+	line.SHA256 = hex.EncodeToString(sum[:])
+
+	lat := make([]time.Duration, 0, c.Rounds)
+	for range c.Rounds {
+		t := time.Now()
+		l, err := cl.Get(ctx, name)
+		if err != nil {
+			return consumerLine{}, err
+		}
+		if err := l.Release(); err != nil {
+			return consumerLine{}, err
+		}
+		lat = append(lat, time.Since(t))
+	}
+	if len(lat) > 0 {
+		slices.Sort(lat)
+		line.RoundTripP50NS = lat[len(lat)/2].Nanoseconds()
+	}
+	return line, nil
+}

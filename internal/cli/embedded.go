@@ -1,0 +1,61 @@
+package cli
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+
+	"github.com/cudaipc/cudaipc/store"
+)
+
+// embeddedStore is a store served in this process on a socket in a private
+// temporary directory, for demo and bench: no daemon to start.
+type embeddedStore struct {
+	socket string
+	dir    string
+	st     *store.Store
+	cancel context.CancelFunc
+	done   chan error
+}
+
+func startEmbedded(ctx context.Context, g *Globals, capacity int64) (*embeddedStore, error) {
+	log := g.log
+	if g.LogLevel == "info" {
+		// The store logs every connection at info; the demo's own output
+		// says what happens.
+		log = newLogger(g.stderr, "warn")
+	}
+	st, err := store.New(store.Config{Backend: "auto", Capacity: capacity, Logger: log})
+	if err != nil {
+		return nil, fmt.Errorf("starting the embedded store: %w", err)
+	}
+	dir, err := os.MkdirTemp("", "cudaipc-embedded-")
+	if err != nil {
+		st.Close()
+		return nil, err
+	}
+	sock := filepath.Join(dir, "store.sock")
+	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: sock, Net: "unixpacket"})
+	if err != nil {
+		st.Close()
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("starting the embedded store: %w", err)
+	}
+	sctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	e := &embeddedStore{socket: sock, dir: dir, st: st, cancel: cancel, done: make(chan error, 1)}
+	go func() { e.done <- st.Serve(sctx, l) }()
+	return e, nil
+}
+
+// Close stops serving, closes the store and removes the socket directory.
+func (e *embeddedStore) Close() error {
+	e.cancel()
+	err := <-e.done
+	if cerr := e.st.Close(); err == nil {
+		err = cerr
+	}
+	os.RemoveAll(e.dir)
+	return err
+}

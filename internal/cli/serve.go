@@ -1,0 +1,107 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/cudaipc/cudaipc/store"
+)
+
+type serveCmd struct {
+	Backend    string   `default:"auto" enum:"auto,host" help:"Memory backend: auto (a GPU backend where there is one, else host) or host."`
+	Capacity   byteSize `default:"0" help:"Bytes of memory per device the store may use, e.g. 4GiB (0: the backend's default, 1 GiB for host)." placeholder:"BYTES"`
+	AllowUID   []uint32 `name:"allow-uid" help:"Also admit this uid (repeatable; the daemon's own uid and root are always admitted)." placeholder:"N"`
+	AllowGID   []uint32 `name:"allow-gid" help:"Also admit members of this gid (repeatable)." placeholder:"N"`
+	Metrics    string   `help:"Serve Prometheus metrics on ADDR at /metrics; a bare port (9464 or :9464) binds loopback only." placeholder:"ADDR"`
+	NoEvict    bool     `name:"no-evict" help:"Never evict sealed, unleased objects to make room; creation fails with 'store full' instead."`
+	MaxObjects int      `name:"max-objects" default:"0" help:"Most unsealed+sealed objects one client may create (0: default 4096)." placeholder:"N"`
+	MaxLeases  int      `name:"max-leases" default:"0" help:"Most leases one client may hold at once (0: default 65536)." placeholder:"N"`
+}
+
+func (c *serveCmd) Help() string {
+	return `Runs the object store daemon in the foreground until SIGINT or SIGTERM.
+
+The socket is --socket, else $CUDAIPC_SOCKET, else $XDG_RUNTIME_DIR/cudaipc/store.sock,
+else /run/cudaipc/store.sock for root and /tmp/cudaipc-<uid>/store.sock for others.
+Only the daemon's uid and root may connect unless --allow-uid/--allow-gid admit others.
+Objects are private to their creator's uid unless created shared ('cudaipc put --shared').`
+}
+
+func (c *serveCmd) Run(g *Globals) error {
+	if c.Capacity < 0 || c.MaxObjects < 0 || c.MaxLeases < 0 {
+		return errors.New("--capacity, --max-objects and --max-leases must not be negative")
+	}
+	st, err := store.New(store.Config{
+		Backend:             c.Backend,
+		Capacity:            int64(c.Capacity),
+		NoEvict:             c.NoEvict,
+		AllowUIDs:           c.AllowUID,
+		AllowGIDs:           c.AllowGID,
+		MaxObjectsPerClient: c.MaxObjects,
+		MaxLeasesPerClient:  c.MaxLeases,
+		Logger:              g.log,
+	})
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+
+	ctx, cancel := context.WithCancel(g.Context())
+	defer cancel()
+	if c.Metrics != "" {
+		stop, err := serveMetrics(ctx, g, metricsAddr(c.Metrics), st.MetricsHandler())
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
+	sock := g.socketPath()
+	g.log.Info("store daemon starting", "socket", sock, "backend", c.Backend, "capacity", int64(c.Capacity), "evict", !c.NoEvict)
+	err = st.ListenAndServe(ctx, sock)
+	if errors.Is(err, store.ErrDaemonRunning) {
+		return fmt.Errorf("a store daemon is already running at %s: use it, stop it first, or pick another --socket (%w)", sock, err)
+	}
+	if err != nil {
+		return fmt.Errorf("serving on %s: %w", sock, err)
+	}
+	g.log.Info("store daemon stopped", "socket", sock)
+	return nil
+}
+
+// metricsAddr binds a bare port to loopback: metrics are for the node's
+// own scraper unless the user names an interface.
+func metricsAddr(a string) string {
+	if _, err := strconv.Atoi(a); err == nil {
+		return "127.0.0.1:" + a
+	}
+	if len(a) > 0 && a[0] == ':' {
+		return "127.0.0.1" + a
+	}
+	return a
+}
+
+func serveMetrics(ctx context.Context, g *Globals, addr string, h http.Handler) (stop func(), err error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("metrics address %s: %w (pick another --metrics address)", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", h)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			g.log.Error("metrics server failed", "addr", ln.Addr().String(), "err", err)
+		}
+	}()
+	g.log.Info("serving metrics", "url", "http://"+ln.Addr().String()+"/metrics")
+	return func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+	}, nil
+}
