@@ -3,6 +3,7 @@ package client
 import (
 	"errors"
 	"fmt"
+	"strings"
 )
 
 // Sentinel errors. Every error a Client returns for a failed request wraps
@@ -41,13 +42,15 @@ type Error struct {
 }
 
 func (e *Error) Error() string {
-	s := "cudaipc " + e.Op
+	s := "store " + e.Op
 	if e.Name != "" {
 		s += fmt.Sprintf(" %q", e.Name)
 	}
 	s += ": " + e.Err.Error()
-	if e.Message != "" && e.Message != e.Err.Error() {
-		s += ": " + e.Message
+	// The daemon's message often ends with the code's text; say it once.
+	msg := strings.TrimSuffix(e.Message, ": "+e.Err.Error())
+	if msg != "" && msg != e.Err.Error() {
+		s += ": " + msg
 	}
 	return s
 }
