@@ -49,6 +49,7 @@ func (e *Error) Error() string {
 	s += ": " + e.Err.Error()
 	// The daemon's message often ends with the code's text; say it once.
 	msg := strings.TrimSuffix(e.Message, ": "+e.Err.Error())
+	msg = strings.TrimPrefix(msg, e.Err.Error()+": ")
 	if msg != "" && msg != e.Err.Error() {
 		s += ": " + msg
 	}

@@ -42,7 +42,7 @@ type cliRoot struct {
 
 	Serve serveCmd `cmd:"" help:"Run the object store daemon."`
 	Demo  demoCmd  `cmd:"" help:"Share objects between two processes through an embedded store, check every byte, and report how fast."`
-	Bench benchCmd `cmd:"" help:"Measure."`
+	Bench benchCmd `cmd:"" help:"Measure performance (bench store: get+release round trips)."`
 
 	DemoWorker demoWorkerCmd `cmd:"" name:"demo-worker" hidden:"" help:"Producer or consumer process of 'cudaipc demo'."`
 }

@@ -35,6 +35,13 @@ func (c *getCmd) Run(g *Globals) error {
 		ctx, cancel = context.WithTimeout(ctx, c.Timeout)
 		defer cancel()
 	}
+	if isTerminal(g.stderr) {
+		// A name nobody seals (a typo) would otherwise look like a hang.
+		note := time.AfterFunc(time.Second, func() {
+			fmt.Fprintf(g.stderr, "waiting for %q to be sealed (Ctrl-C to stop; 'cudaipc ls' lists what exists)...\n", c.Name)
+		})
+		defer note.Stop()
+	}
 	lease, err := cl.Get(ctx, c.Name)
 	if errors.Is(err, client.ErrTimeout) {
 		return fmt.Errorf("%q was not sealed within %s: check the name with 'cudaipc ls', or wait longer with --timeout (%w)", c.Name, c.Timeout, err)
