@@ -55,12 +55,18 @@ func ClientHello(ctx context.Context, c *Conn, clientName string) (*storev1.Hell
 		return nil, err
 	}
 	// A deadline in the past wakes a blocked Send or Recv when ctx ends.
-	stop := context.AfterFunc(ctx, func() { c.uc.SetDeadline(time.Unix(1, 0)) })
+	interrupted := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		c.uc.SetDeadline(time.Unix(1, 0))
+		close(interrupted)
+	})
 	defer func() {
-		if stop() {
-			return
+		if !stop() {
+			// ctx ended: wait for the deadline to be set before clearing
+			// it, so a handshake that won the race leaves c usable.
+			<-interrupted
+			c.uc.SetDeadline(time.Time{})
 		}
-		c.uc.SetDeadline(time.Time{})
 	}()
 	req := &storev1.Request{Id: 1, Body: &storev1.Request_Hello{Hello: &storev1.HelloRequest{
 		Version: Version, ClientName: clientName}}}
