@@ -4,7 +4,6 @@ go 1.26.0
 
 require (
 	github.com/alecthomas/kong v1.17.0
+	golang.org/x/sys v0.50.0
 	google.golang.org/protobuf v1.36.12
 )
-
-require golang.org/x/sys v0.50.0 // indirect
