@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -447,5 +448,84 @@ func TestServerShutdown(t *testing.T) {
 	defer s.mu.Unlock()
 	if len(s.sessions) != 0 || s.objects["half"] != nil || s.objects["x"] == nil {
 		t.Fatalf("after shutdown: %d sessions, objects %v", len(s.sessions), s.objects)
+	}
+}
+
+// TestServerConcurrentClients runs 64 clients at once over real sockets;
+// run it with -race.
+func TestServerConcurrentClients(t *testing.T) {
+	s, path, _ := serve(t, Config{Capacity: 256 << 20})
+	var wg sync.WaitGroup
+	for i := range 64 {
+		wg.Go(func() {
+			c := dialRaw(t, path)
+			for j := range 20 {
+				name := "c" + string(rune('A'+i%26)) + string(rune('a'+i/26)) + string(rune('a'+j))
+				data := c.put(name, 1+(i*7919+j*104729)%100_000, i%2 == 0)
+				resp, files := c.do(req(&storev1.GetRequest{Name: name, TimeoutMs: -1}))
+				if code(resp) != storev1.Error_OK {
+					t.Errorf("get %s: %v", name, resp.GetError())
+					return
+				}
+				if !bytes.Equal(c.mapping(resp.GetGet().GetPlacement(), files), data) {
+					t.Errorf("%s: bytes differ", name)
+				}
+				if j%2 == 0 {
+					c.do(req(&storev1.ReleaseRequest{LeaseId: resp.GetGet().GetLeaseId()}))
+				}
+				c.do(req(&storev1.DeleteRequest{Name: name}))
+			}
+			c.c.Close()
+		})
+	}
+	wg.Wait()
+	// Every connection is gone or going; once all sessions are cleaned
+	// up, no memory is held.
+	for {
+		s.mu.Lock()
+		n, leases, used := len(s.sessions), s.leases, s.devices["host"].alloc.Stats().Used
+		s.mu.Unlock()
+		if n == 0 {
+			if leases != 0 || used != 0 {
+				t.Fatalf("after all clients left: %d leases, %d bytes used", leases, used)
+			}
+			break
+		}
+		runtime.Gosched()
+	}
+}
+
+// TestServerSlowSubscriberDisconnected checks that a subscriber that never
+// reads is cut off instead of making the daemon queue events forever.
+func TestServerSlowSubscriberDisconnected(t *testing.T) {
+	s, path, _ := serve(t, Config{})
+	sub := dialRaw(t, path)
+	resp, _ := sub.do(req(&storev1.SubscribeRequest{}))
+	wantCode(t, resp, storev1.Error_OK)
+	producer := connect(t, s, uint32(os.Geteuid()))
+	for i := 0; ; i++ {
+		s.mu.Lock()
+		n := len(s.subscribers)
+		s.mu.Unlock()
+		if n == 0 {
+			break
+		}
+		if i > 1_000_000 {
+			t.Fatal("subscriber never disconnected")
+		}
+		producer.put("e", 1, false)
+		if err := producer.ss.delete("e"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for {
+		var r storev1.Response
+		_, err := sub.c.Recv(&r)
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
 	}
 }
