@@ -44,8 +44,9 @@ func serve(t *testing.T, cfg Config) (s *Store, path string, stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		defer cleanup()
-		done <- s.Serve(ctx, l)
+		err := s.Serve(ctx, l)
+		cleanup() // before reporting, so that the socket is gone once stop returns
+		done <- err
 	}()
 	var once sync.Once
 	stop = func() {
