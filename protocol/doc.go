@@ -29,9 +29,18 @@
 // such errors, however wrapped, back to codes, so server and client share
 // one table.
 //
+// # Handshake
+//
+// A client's first request is a hello naming the protocol Version; the
+// server answers with its own hello, or with a VERSION error and closes.
+// ClientHello does the client side; a server checks the request with
+// ValidateRequest and CheckVersion.
+//
 // # Validation
 //
 // ValidateRequest (server side) and ValidateResponse (client side) check
 // everything about a message that does not depend on the store's state:
-// ids, names, sizes, placements and how many files came with it.
+// ids, names, sizes, placements and how many files came with it. ListPage
+// cuts a listing into packets that fit; NewEvent builds the packets sent to
+// subscribers.
 package protocol

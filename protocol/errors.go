@@ -3,6 +3,7 @@ package protocol
 import (
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
@@ -24,7 +25,7 @@ var (
 // one of ErrTooLarge, ErrMalformed or ErrTooManyFiles, so callers test it with
 // errors.Is; Cause, when set, is the underlying decoding or system error.
 type MessageError struct {
-	Op     string // "send" or "recv"
+	Op     string // "send", "recv" or "validate"
 	Err    error  // ErrTooLarge, ErrMalformed or ErrTooManyFiles
 	Detail string // what exactly was wrong, for logs
 	Cause  error  // underlying error, or nil
@@ -136,21 +137,41 @@ func CodeOf(err error) storev1.Error_Code {
 }
 
 // ErrorResponse returns the response that reports err to the request with
-// the given id: code CodeOf(err) and err's text as the message. A nil err is
-// reported as INTERNAL, since a response without body or error is invalid.
+// the given id: code CodeOf(err) and err's text as the message, less the
+// code's own name (the receiver's CodeError.Error adds it back). A nil err
+// is reported as INTERNAL, since a response without body or error is
+// invalid.
 func ErrorResponse(id uint64, err error) *storev1.Response {
 	if err == nil {
 		err = Errorf(storev1.Error_INTERNAL, "no result")
 	}
 	code := CodeOf(err)
-	msg := err.Error()
-	if ce, ok := err.(*CodeError); ok {
-		msg = ce.Message
-	}
 	if code == storev1.Error_OK {
 		code = storev1.Error_INTERNAL
 	}
-	return &storev1.Response{Id: id, Error: &storev1.Error{Code: code, Message: msg}}
+	return &storev1.Response{Id: id, Error: &storev1.Error{Code: code, Message: errorMessage(err)}}
+}
+
+// errorMessage is err's text without the name of its code, which the
+// receiver adds back (CodeError.Error), so that it is not said twice.
+func errorMessage(err error) string {
+	msg := err.Error()
+	if ce, ok := errors.AsType[*CodeError](err); ok {
+		if err == error(ce) {
+			return ce.Message
+		}
+		if ce.Message == "" {
+			return strings.TrimSuffix(msg, ": "+ce.Error())
+		}
+		return strings.Replace(msg, ce.Error(), ce.Message, 1)
+	}
+	if s := codeSentinels[CodeOf(err)]; s != nil {
+		if msg == s.Error() {
+			return ""
+		}
+		return strings.TrimSuffix(msg, ": "+s.Error())
+	}
+	return msg
 }
 
 // ResponseError returns nil when r reports success, else a *CodeError with

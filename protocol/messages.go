@@ -17,10 +17,12 @@ func NewEvent(kind storev1.Event_Kind, name string) *storev1.Response {
 }
 
 // ListPage returns the response to list request id holding the longest
-// prefix of objects (already sorted by name and filtered by start_after)
-// that fits in one packet, with more set when some were left out. The caller
-// must pass at least one object per page or the client cannot make progress;
-// an ObjectInfo with valid fields always fits.
+// prefix of objects (sorted by name, starting after the request's
+// start_after) that fits in one packet, with more set when some were left
+// out. A page always holds at least the first object, so a client paging
+// with start_after always progresses; should that one object not fit, Send
+// reports ErrTooLarge (no ObjectInfo within the validation limits is that
+// large unless its region is).
 func ListPage(id uint64, objects []*storev1.ObjectInfo) *storev1.Response {
 	list := &storev1.ListResponse{}
 	resp := &storev1.Response{Id: id, Body: &storev1.Response_List{List: list}}
@@ -49,18 +51,25 @@ func ListPage(id uint64, objects []*storev1.ObjectInfo) *storev1.Response {
 // connection: it sends a hello with the given client name and request id 1,
 // and waits for the answer. On success it returns the server's hello; on a
 // refusal, a *CodeError (ErrVersion when the server does not speak Version).
-// If ctx ends first, ClientHello returns ctx's error and c is unusable.
+// If ctx ends first, ClientHello returns an error matching ctx.Err(); the
+// handshake's state is then unknown and c should be closed.
 func ClientHello(ctx context.Context, c *Conn, clientName string) (*storev1.HelloResponse, error) {
 	if err := validateText("client name", clientName, MaxClientNameLen); err != nil {
 		return nil, err
 	}
 	// A deadline in the past wakes a blocked Send or Recv when ctx ends.
-	stop := context.AfterFunc(ctx, func() { c.uc.SetDeadline(time.Unix(1, 0)) })
+	interrupted := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		c.uc.SetDeadline(time.Unix(1, 0))
+		close(interrupted)
+	})
 	defer func() {
-		if stop() {
-			return
+		if !stop() {
+			// ctx ended: wait for the deadline to be set before clearing
+			// it, so a handshake that won the race leaves c usable.
+			<-interrupted
+			c.uc.SetDeadline(time.Time{})
 		}
-		c.uc.SetDeadline(time.Time{})
 	}()
 	req := &storev1.Request{Id: 1, Body: &storev1.Request_Hello{Hello: &storev1.HelloRequest{
 		Version: Version, ClientName: clientName}}}

@@ -239,7 +239,7 @@ func TestErrorCodesRoundTrip(t *testing.T) {
 		}
 		// Server side: a wrapped sentinel becomes a response with that code.
 		resp := ErrorResponse(11, fmt.Errorf("seal %q: %w", "obj", sentinel))
-		if resp.GetError().GetCode() != c || resp.GetId() != 11 || !strings.Contains(resp.GetError().GetMessage(), "obj") {
+		if resp.GetError().GetCode() != c || resp.GetId() != 11 || resp.GetError().GetMessage() != `seal "obj"` {
 			t.Errorf("ErrorResponse for %v = %v", c, resp)
 		}
 		// Across the wire and back: the client sees the same sentinel.
@@ -257,6 +257,23 @@ func TestErrorCodesRoundTrip(t *testing.T) {
 		}
 		if !strings.Contains(err.Error(), sentinel.Error()) {
 			t.Errorf("message %q does not name the error %q", err, sentinel)
+		}
+	}
+	// The code's name appears once in the client's error text.
+	for _, c := range []struct {
+		err  error
+		want string
+	}{
+		{ErrNotFound, "not found"},
+		{fmt.Errorf("seal %q: %w", "x", ErrNotFound), `not found: seal "x"`},
+		{Errorf(storev1.Error_EXISTS, "object %q", "x"), `already exists: object "x"`},
+		{fmt.Errorf("create: %w", Errorf(storev1.Error_STORE_FULL, "need 4096 bytes")), "store full: create: need 4096 bytes"},
+		{fmt.Errorf("create: %w", &CodeError{Code: storev1.Error_LIMIT}), "limit reached: create"},
+		{errors.New("disk on fire"), "internal error: disk on fire"},
+	} {
+		got := ResponseError(ErrorResponse(1, c.err))
+		if got.Error() != c.want {
+			t.Errorf("error %q arrives as %q, want %q", c.err, got, c.want)
 		}
 	}
 	if CodeOf(nil) != storev1.Error_OK {
