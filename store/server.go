@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"os"
 	"os/user"
@@ -397,7 +398,8 @@ func (cn *conn) grant(id uint64, name string, retry bool) bool {
 // when negative).
 func (cn *conn) waitAndGrant(id uint64, name string, timeoutMs int64) {
 	ctx := cn.ss.ctx
-	if timeoutMs > 0 {
+	// Beyond what a Duration holds (292 years) is as good as forever.
+	if timeoutMs > 0 && timeoutMs <= math.MaxInt64/int64(time.Millisecond) {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(timeoutMs)*time.Millisecond)
 		defer cancel()
