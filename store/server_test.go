@@ -388,6 +388,18 @@ func TestServerBadPacketsCloseOnlyThatConnection(t *testing.T) {
 			t.Fatalf("connection not closed: %v", err)
 		}
 	})
+	t.Run("unknown operation", func(t *testing.T) {
+		c := dialRaw(t, path)
+		// id 7 and field 50, an operation of some later version, empty.
+		if _, err := c.uc.Write([]byte{0x08, 0x07, 0x92, 0x03, 0x00}); err != nil {
+			t.Fatal(err)
+		}
+		resp, _ := c.recv(7)
+		wantCode(t, resp, storev1.Error_INVALID)
+		// The connection stays usable.
+		resp, _ = c.do(req(&storev1.StatRequest{Name: "x"}))
+		wantCode(t, resp, storev1.Error_OK)
+	})
 	resp, files := good.do(req(&storev1.GetRequest{Name: "x"}))
 	wantCode(t, resp, storev1.Error_OK)
 	protocol.CloseFiles(files)
@@ -439,6 +451,12 @@ func TestServerShutdown(t *testing.T) {
 	if err := c.c.Send(&storev1.Request{Id: 77, Body: &storev1.Request_Get{Get: &storev1.GetRequest{Name: "never", TimeoutMs: -1}}}); err != nil {
 		t.Fatal(err)
 	}
+	// A client that never says hello does not hold up the shutdown.
+	silent, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
 	stop()
 	var r storev1.Response
 	if _, err := c.c.Recv(&r); !errors.Is(err, io.EOF) {
