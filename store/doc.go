@@ -36,6 +36,7 @@
 // are node-global, so a create can learn that a name is taken, but nothing
 // else about a private object. Only the owner (or root) may delete a sealed
 // object. Logs carry names, sizes and ids, never descriptors' contents or
-// object bytes. Each connection is bounded in objects and leases, and a
-// subscriber that stops reading its events is disconnected.
+// object bytes. Each connection is bounded in objects and leases (waiting
+// gets count as leases), and a subscriber that stops reading its events
+// misses them rather than making the daemon buffer them without bound.
 package store

@@ -24,7 +24,9 @@ var (
 	ErrLimit = protocol.ErrLimit
 	// ErrInvalid: a malformed or out-of-range argument.
 	ErrInvalid = protocol.ErrInvalid
-	// ErrNotSealed: the operation needs a sealed object.
+	// ErrNotSealed: the operation needs a sealed object. The store does
+	// not report it today (a get of an unsealed object waits, then times
+	// out); it completes the protocol's set.
 	ErrNotSealed = protocol.ErrNotSealed
 	// ErrSealed: the operation needs an unsealed object.
 	ErrSealed = protocol.ErrSealed

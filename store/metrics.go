@@ -23,6 +23,8 @@ type metrics struct {
 	evictions *prometheus.CounterVec
 	requests  *prometheus.CounterVec
 	rejected  *prometheus.CounterVec
+
+	eventsDropped prometheus.Counter
 }
 
 const metricPrefix = "cudaipc_store_"
@@ -58,11 +60,15 @@ func newMetrics(s *Store) *metrics {
 			Name: metricPrefix + "connections_rejected_total",
 			Help: "Connections closed before or during the handshake, by reason.",
 		}, []string{"reason"}),
+		eventsDropped: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: metricPrefix + "events_dropped_total",
+			Help: "Events not delivered because a subscriber's queue was full.",
+		}),
 	}
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	return errors.Join(reg.Register(m), reg.Register(m.evictions), reg.Register(m.requests), reg.Register(m.rejected))
+	return errors.Join(reg.Register(m), reg.Register(m.evictions), reg.Register(m.requests), reg.Register(m.rejected), reg.Register(m.eventsDropped))
 }
 
 // Describe implements prometheus.Collector.

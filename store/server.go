@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"os"
 	"os/user"
@@ -93,6 +94,9 @@ type conn struct {
 func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 	c := protocol.NewConn(uc)
 	defer c.Close()
+	// Shutdown must not wait for a client that dawdles over its hello.
+	stopEarly := context.AfterFunc(ctx, func() { c.Close() })
+	defer stopEarly()
 	cred, err := c.PeerCred()
 	if err != nil {
 		s.log.Warn("rejecting connection: no peer credentials", "err", err)
@@ -113,8 +117,8 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 	}
 	log = log.With("session", ss.id)
 	cn := &conn{s: s, c: c, ss: ss, log: log}
-	// Closing the socket is how a session's end (shutdown, a subscriber
-	// that fell behind) interrupts the Recv below.
+	// Closing the socket is how a session's end (shutdown, Store.Close, a
+	// failed send) interrupts the Recv below.
 	stop := context.AfterFunc(ss.ctx, func() { c.Close() })
 	defer func() {
 		stop()
@@ -143,9 +147,11 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 			protocol.CloseFiles(files)
 			op := protocol.RequestKind(&req)
 			cn.reply(op, protocol.ErrorResponse(req.GetId(), err), nil)
-			if len(files) > 0 || req.GetId() == 0 || op == "unknown" {
+			if len(files) > 0 || req.GetId() == 0 {
 				// Not a bad argument but a client that does not follow the
-				// protocol: it cannot be trusted to read replies right.
+				// framing rules (docs/protocol.md, section 2); an error
+				// with id 0 means the connection closes. Unknown
+				// operations, from a newer client, only get INVALID.
 				log.Warn("closing connection: protocol violation", "op", op, "err", err)
 				return
 			}
@@ -397,7 +403,8 @@ func (cn *conn) grant(id uint64, name string, retry bool) bool {
 // when negative).
 func (cn *conn) waitAndGrant(id uint64, name string, timeoutMs int64) {
 	ctx := cn.ss.ctx
-	if timeoutMs > 0 {
+	// Beyond what a Duration holds (292 years) is as good as forever.
+	if timeoutMs > 0 && timeoutMs <= math.MaxInt64/int64(time.Millisecond) {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(timeoutMs)*time.Millisecond)
 		defer cancel()

@@ -9,10 +9,13 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"golang.org/x/sys/unix"
 
 	"github.com/cudaipc/cudaipc/protocol"
@@ -43,8 +46,9 @@ func serve(t *testing.T, cfg Config) (s *Store, path string, stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		defer cleanup()
-		done <- s.Serve(ctx, l)
+		err := s.Serve(ctx, l)
+		cleanup() // before reporting, so that the socket is gone once stop returns
+		done <- err
 	}()
 	var once sync.Once
 	stop = func() {
@@ -384,6 +388,18 @@ func TestServerBadPacketsCloseOnlyThatConnection(t *testing.T) {
 			t.Fatalf("connection not closed: %v", err)
 		}
 	})
+	t.Run("unknown operation", func(t *testing.T) {
+		c := dialRaw(t, path)
+		// id 7 and field 50, an operation of some later version, empty.
+		if _, err := c.uc.Write([]byte{0x08, 0x07, 0x92, 0x03, 0x00}); err != nil {
+			t.Fatal(err)
+		}
+		resp, _ := c.recv(7)
+		wantCode(t, resp, storev1.Error_INVALID)
+		// The connection stays usable.
+		resp, _ = c.do(req(&storev1.StatRequest{Name: "x"}))
+		wantCode(t, resp, storev1.Error_OK)
+	})
 	resp, files := good.do(req(&storev1.GetRequest{Name: "x"}))
 	wantCode(t, resp, storev1.Error_OK)
 	protocol.CloseFiles(files)
@@ -435,6 +451,12 @@ func TestServerShutdown(t *testing.T) {
 	if err := c.c.Send(&storev1.Request{Id: 77, Body: &storev1.Request_Get{Get: &storev1.GetRequest{Name: "never", TimeoutMs: -1}}}); err != nil {
 		t.Fatal(err)
 	}
+	// A client that never says hello does not hold up the shutdown.
+	silent, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
 	stop()
 	var r storev1.Response
 	if _, err := c.c.Recv(&r); !errors.Is(err, io.EOF) {
@@ -448,4 +470,85 @@ func TestServerShutdown(t *testing.T) {
 	if len(s.sessions) != 0 || s.objects["half"] != nil || s.objects["x"] == nil {
 		t.Fatalf("after shutdown: %d sessions, objects %v", len(s.sessions), s.objects)
 	}
+}
+
+// TestServerConcurrentClients runs 64 clients at once over real sockets;
+// run it with -race.
+func TestServerConcurrentClients(t *testing.T) {
+	s, path, _ := serve(t, Config{Capacity: 256 << 20})
+	var wg sync.WaitGroup
+	for i := range 64 {
+		wg.Go(func() {
+			c := dialRaw(t, path)
+			for j := range 20 {
+				name := "c" + string(rune('A'+i%26)) + string(rune('a'+i/26)) + string(rune('a'+j))
+				data := c.put(name, 1+(i*7919+j*104729)%100_000, i%2 == 0)
+				resp, files := c.do(req(&storev1.GetRequest{Name: name, TimeoutMs: -1}))
+				if code(resp) != storev1.Error_OK {
+					t.Errorf("get %s: %v", name, resp.GetError())
+					return
+				}
+				if !bytes.Equal(c.mapping(resp.GetGet().GetPlacement(), files), data) {
+					t.Errorf("%s: bytes differ", name)
+				}
+				if j%2 == 0 {
+					c.do(req(&storev1.ReleaseRequest{LeaseId: resp.GetGet().GetLeaseId()}))
+				}
+				c.do(req(&storev1.DeleteRequest{Name: name}))
+			}
+			c.c.Close()
+		})
+	}
+	wg.Wait()
+	// Every connection is gone or going; once all sessions are cleaned
+	// up, no memory is held.
+	for {
+		s.mu.Lock()
+		n, leases, used := len(s.sessions), s.leases, s.devices["host"].alloc.Stats().Used
+		s.mu.Unlock()
+		if n == 0 {
+			if leases != 0 || used != 0 {
+				t.Fatalf("after all clients left: %d leases, %d bytes used", leases, used)
+			}
+			break
+		}
+		runtime.Gosched()
+	}
+}
+
+// TestServerSlowSubscriber checks that a subscriber that does not read
+// misses events instead of making the daemon queue them without bound or
+// block, and that its connection still works.
+func TestServerSlowSubscriber(t *testing.T) {
+	s, path, _ := serve(t, Config{})
+	sub := dialRaw(t, path)
+	resp, _ := sub.do(req(&storev1.SubscribeRequest{}))
+	wantCode(t, resp, storev1.Error_OK)
+	sub.put("mine", 10, false)
+	resp, _ = sub.do(req(&storev1.GetRequest{Name: "mine"}))
+	wantCode(t, resp, storev1.Error_OK)
+	producer := connect(t, s, uint32(os.Geteuid()))
+	for i := 0; testutilCounter(s.metrics.eventsDropped) == 0; i++ {
+		if i > 1_000_000 {
+			t.Fatal("no event ever dropped")
+		}
+		producer.put("e", 1, false)
+		if err := producer.ss.delete("e"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Still connected, lease intact.
+	resp, _ = sub.do(req(&storev1.StatRequest{Name: "mine"}))
+	wantCode(t, resp, storev1.Error_OK)
+	if resp.GetStat().GetInfo().GetLeases() != 1 {
+		t.Fatalf("lease lost: %v", resp.GetStat().GetInfo())
+	}
+}
+
+func testutilCounter(c prometheus.Counter) float64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		panic(err)
+	}
+	return m.GetCounter().GetValue()
 }

@@ -35,6 +35,9 @@ type session struct {
 	waiting int              // gets waiting for an object
 	sent    map[sentKey]bool // arenas (and modes) already sent
 	events  chan event       // nil until subscribed
+	// dropping is set while events are dropped for want of queue space,
+	// so that an episode is logged once.
+	dropping bool
 }
 
 // lease is a read-only hold on a sealed object.
@@ -78,9 +81,10 @@ type event struct {
 	name string
 }
 
-// eventQueue is how many events a subscriber may fall behind before its
-// connection is closed: a client that does not read must not make the
-// daemon buffer without bound.
+// eventQueue is how many events a subscriber may fall behind before it
+// misses events: a client that does not read must neither make the daemon
+// buffer without bound nor block it. Dropping (as docs/protocol.md says)
+// rather than disconnecting keeps its leases and objects alive.
 const eventQueue = 4096
 
 // placement tells a client where an object lives. share is set when the
@@ -480,7 +484,7 @@ func (ss *session) stat(name string) (info, error) {
 
 // subscribe starts the delivery of events for the objects this session may
 // read, and returns the channel they arrive on. A subscriber that falls
-// eventQueue events behind is closed.
+// eventQueue events behind misses the events that do not fit.
 func (ss *session) subscribe() (<-chan event, error) {
 	s := ss.s
 	s.mu.Lock()
@@ -503,18 +507,18 @@ func (s *Store) emitLocked(kind eventKind, o *object) {
 		}
 		select {
 		case ss.events <- event{kind, o.name}:
+			ss.dropping = false
 		default:
-			delete(s.subscribers, ss)
-			s.log.Warn("closing a subscriber that does not read its events", "session", ss.id, "pid", ss.peer.pid, "queued", eventQueue)
-			ss.cancel(errEventOverflow)
+			if !ss.dropping {
+				ss.dropping = true
+				s.log.Warn("dropping events for a subscriber that does not read them", "session", ss.id, "pid", ss.peer.pid, "queued", eventQueue)
+			}
+			s.metrics.eventsDropped.Inc()
 		}
 	}
 }
 
-var (
-	errSessionClosed = errors.New("connection closed")
-	errEventOverflow = errors.New("subscriber fell too far behind")
-)
+var errSessionClosed = errors.New("connection closed")
 
 // close ends the session: its unsealed objects are aborted, its leases
 // released, its waiting gets woken. cause says why, for the session's

@@ -87,8 +87,9 @@ func TestStaleSocketReplaced(t *testing.T) {
 	}
 	done := make(chan error)
 	go func() {
-		defer cleanup()
-		done <- s.Serve(ctx, l2)
+		err := s.Serve(ctx, l2)
+		cleanup()
+		done <- err
 	}()
 	dialRaw(t, path).put("x", 10, false)
 	cancel()

@@ -25,9 +25,13 @@ import (
 // good for any vector load on both the CPU and a GPU.
 const Alignment = 256
 
-// DefaultArenaSize is the size of a new arena when Config.ArenaSize is zero.
-// A larger block gets an arena of its own size.
+// DefaultArenaSize is the largest size of a new arena when
+// Config.ArenaSize is zero. A larger block gets an arena of its own size.
 const DefaultArenaSize = 64 << 20
+
+// DefaultMinArenaSize is the size of a pool's first arena when
+// Config.MinArenaSize is zero.
+const DefaultMinArenaSize = 1 << 20
 
 // DefaultGranularity is the granularity of arena sizes when
 // Config.Granularity is zero: a page.
@@ -41,9 +45,14 @@ var ErrFull = errors.New("alloc: no space left")
 type Config[P comparable, V any] struct {
 	// Capacity bounds the sum of the sizes of all arenas.
 	Capacity int64
-	// ArenaSize is the size of new arenas (DefaultArenaSize when zero),
-	// clipped to what is left of Capacity.
-	ArenaSize int64
+	// MinArenaSize and ArenaSize bound the size of new arenas
+	// (DefaultMinArenaSize and DefaultArenaSize when zero): a pool's first
+	// arena is MinArenaSize, each further one twice the previous, up to
+	// ArenaSize, so that a pool with few objects does not take a large
+	// share of the capacity from the others. A block larger than that gets
+	// an arena of its own size. Sizes are clipped to what is left of
+	// Capacity.
+	MinArenaSize, ArenaSize int64
 	// Granularity is the unit of arena sizes (DefaultGranularity when zero);
 	// a power of two and a multiple of Alignment.
 	Granularity int64
@@ -118,10 +127,14 @@ func New[P comparable, V any](cfg Config[P, V]) (*Allocator[P, V], error) {
 	if cfg.ArenaSize == 0 {
 		cfg.ArenaSize = DefaultArenaSize
 	}
-	if cfg.ArenaSize < 0 {
-		return nil, fmt.Errorf("alloc: arena size %d is negative", cfg.ArenaSize)
+	if cfg.MinArenaSize == 0 {
+		cfg.MinArenaSize = DefaultMinArenaSize
+	}
+	if cfg.ArenaSize < 0 || cfg.MinArenaSize < 0 {
+		return nil, fmt.Errorf("alloc: arena sizes %d and %d must not be negative", cfg.MinArenaSize, cfg.ArenaSize)
 	}
 	cfg.ArenaSize = roundUp(cfg.ArenaSize, cfg.Granularity)
+	cfg.MinArenaSize = min(roundUp(cfg.MinArenaSize, cfg.Granularity), cfg.ArenaSize)
 	if cfg.NewArena == nil || cfg.FreeArena == nil {
 		return nil, errors.New("alloc: NewArena and FreeArena must be set")
 	}
@@ -215,13 +228,17 @@ func (a *Allocator[P, V]) grow(pool P, span int64) (*candidate[P, V], error) {
 	if need > left {
 		return nil, nil
 	}
-	size := min(max(a.cfg.ArenaSize, need), left/a.cfg.Granularity*a.cfg.Granularity)
+	arenas := a.pools[pool]
+	want := a.cfg.ArenaSize
+	if n := len(arenas); n < 63 && a.cfg.MinArenaSize<<n < want {
+		want = a.cfg.MinArenaSize << n
+	}
+	size := min(max(want, need), left/a.cfg.Granularity*a.cfg.Granularity)
 	id, err := a.cfg.NewArena(pool, size)
 	if err != nil {
 		return nil, fmt.Errorf("alloc: new arena of %d bytes: %w", size, err)
 	}
 	ar := &Arena[P, V]{ID: id, Pool: pool, Size: size, free: []extent{{0, size}}}
-	arenas := a.pools[pool]
 	i, _ := slices.BinarySearchFunc(arenas, id, func(x *Arena[P, V], id uint64) int {
 		switch {
 		case x.ID < id:

@@ -338,3 +338,23 @@ func checkInvariants(t *testing.T, a *Allocator[pool, string]) {
 		t.Fatalf("stats %+v, counted reserved %d used %d", st, reserved, used)
 	}
 }
+
+func TestArenasDoubleFromMinimum(t *testing.T) {
+	h := newHarness(t, 1<<30, 0, true)
+	var sizes []int64
+	for range 9 {
+		// Each block fills its arena: 1 MiB, 2, 4, ... up to 64 MiB.
+		b := h.alloc("p", 1, "x")
+		ar := b.Arena()
+		sizes = append(sizes, ar.Size)
+		h.alloc("p", ar.LargestFree(), "fill")
+	}
+	want := []int64{1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20, 64 << 20, 64 << 20, 64 << 20}
+	if !slices.Equal(sizes, want) {
+		t.Fatalf("arena sizes %v, want %v", sizes, want)
+	}
+	// Another pool starts small again.
+	if b := h.alloc("q", 1, "q"); b.Arena().Size != 1<<20 {
+		t.Fatalf("first arena of a new pool: %d bytes", b.Arena().Size)
+	}
+}
