@@ -3,3 +3,8 @@ module github.com/cudaipc/cudaipc
 go 1.26.0
 
 require github.com/alecthomas/kong v1.17.0
+
+require (
+	github.com/ebitengine/purego v0.11.3 // indirect
+	golang.org/x/sys v0.50.0 // indirect
+)

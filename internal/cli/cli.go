@@ -32,6 +32,8 @@ func (g *Globals) Context() context.Context { return g.ctx }
 // Run(*Globals) error method, in a file of its own.
 type cliRoot struct {
 	Globals
+
+	Info InfoCmd `cmd:"" help:"Show the driver, each GPU and the peer-access matrix."`
 }
 
 // ExitError carries an exit code other than 1.
