@@ -226,11 +226,10 @@ func TestIPCOpenTwiceSamePointerTwoCloses(t *testing.T) {
 	if err := dev.CloseMemHandle(p2); err != nil {
 		t.Fatal(err)
 	}
-	err = dev.CloseMemHandle(p2)
-	if err == nil {
-		t.Fatal("a third close succeeded")
+	// The mapping is gone: a third close names a pointer that is not mapped.
+	if err := dev.CloseMemHandle(p2); !errors.Is(err, cudaipc.ErrInvalidValue) {
+		t.Fatalf("third close: %v, want ErrInvalidValue", err)
 	}
-	t.Logf("third close: %v", err)
 }
 
 func TestIPCOpenInExporterIsTypedError(t *testing.T) {
@@ -274,11 +273,10 @@ func TestIPCGarbageHandles(t *testing.T) {
 	if !errors.Is(err, cudaipc.ErrInvalidValue) {
 		t.Fatalf("zero handle: %v", err)
 	}
-	_, err = dev.OpenEventHandle(cudaipc.EventHandle(testutil.RandomBytes(7, 64)))
-	if err == nil {
-		t.Fatal("garbage event handle opened")
+	_, err = dev.OpenEventHandle(cudaipc.EventHandle(testutil.RandomBytes(uint64(time.Now().UnixNano()), 64)))
+	if !errors.Is(err, cudaipc.ErrMapBufferObjectFailed) {
+		t.Fatalf("garbage event handle: %v, want ErrMapBufferObjectFailed", err)
 	}
-	t.Logf("garbage event handle: %v", err)
 }
 
 func TestIPCEventOrdersImporterAfterExporterWrite(t *testing.T) {
@@ -357,10 +355,9 @@ func TestIPCMappingOutlivesExporter(t *testing.T) {
 		t.Fatalf("close after exporter exit: %v", err)
 	}
 	_, err = dev.OpenMemHandle(m.Handle, cudaipc.LazyEnablePeerAccess)
-	if !errors.Is(err, cudaipc.ErrInvalidResourceHandle) && !errors.Is(err, cudaipc.ErrInvalidValue) {
+	if !errors.Is(err, cudaipc.ErrInvalidResourceHandle) {
 		t.Fatalf("new open after exporter exit: %v, want ErrInvalidResourceHandle", err)
 	}
-	t.Logf("open after exporter exit: %v", err)
 }
 
 func TestIPCHandleFromOtherGPU(t *testing.T) {
