@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"strconv"
 
 	"github.com/alecthomas/kong"
 )
@@ -33,7 +34,8 @@ func (g *Globals) Context() context.Context { return g.ctx }
 type cliRoot struct {
 	Globals
 
-	Info InfoCmd `cmd:"" help:"Show the driver, each GPU and the peer-access matrix."`
+	Info   InfoCmd   `cmd:"" help:"Show the driver, each GPU and the peer-access matrix."`
+	Doctor DoctorCmd `cmd:"" help:"Check that this machine can share GPU memory, and say what to fix."`
 }
 
 // ExitError carries an exit code other than 1.
@@ -112,4 +114,25 @@ func isTerminal(w io.Writer) bool {
 	}
 	st, err := f.Stat()
 	return err == nil && st.Mode()&os.ModeCharDevice != 0
+}
+
+// socketPath returns the store socket: --socket, else $CUDAIPC_SOCKET (kong
+// fills both into Socket), else the per-user default.
+func (g *Globals) socketPath() string {
+	if g.Socket != "" {
+		return g.Socket
+	}
+	return defaultSocketPath()
+}
+
+// defaultSocketPath mirrors client.DefaultSocketPath for commands that must
+// not depend on the client package.
+func defaultSocketPath() string {
+	if os.Getuid() == 0 {
+		return "/run/cudaipc/store.sock"
+	}
+	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
+		return d + "/cudaipc/store.sock"
+	}
+	return "/tmp/cudaipc-" + strconv.Itoa(os.Getuid()) + "/store.sock"
 }
