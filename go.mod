@@ -2,9 +2,9 @@ module github.com/cudaipc/cudaipc
 
 go 1.26.0
 
-require github.com/alecthomas/kong v1.17.0
-
 require (
-	github.com/ebitengine/purego v0.11.3 // indirect
-	golang.org/x/sys v0.50.0 // indirect
+	github.com/alecthomas/kong v1.17.0
+	github.com/ebitengine/purego v0.11.3
+	golang.org/x/sys v0.50.0
+	google.golang.org/protobuf v1.36.12
 )

@@ -1,0 +1,245 @@
+package protocol
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
+)
+
+const (
+	// Version is the protocol version this package speaks.
+	Version = 1
+	// MaxMessageSize is the largest packet, in bytes, either side may send.
+	MaxMessageSize = 64 << 10
+	// MaxFiles is the most file descriptors one packet may carry.
+	MaxFiles = 4
+)
+
+// oobSize leaves room for more descriptors than MaxFiles so that a peer
+// sending too many is detected, and the excess closed, rather than having
+// the kernel drop them silently behind MSG_CTRUNC.
+var oobSize = unix.CmsgSpace(4 * 4 * MaxFiles)
+
+// Conn is one end of a store connection: a Unix SOCK_SEQPACKET socket on
+// which every packet is one protobuf message, optionally with file
+// descriptors attached as SCM_RIGHTS.
+//
+// Send and Recv may be called from different goroutines at the same time;
+// concurrent Sends (or Recvs) are serialized.
+type Conn struct {
+	uc *net.UnixConn
+
+	sendMu  sync.Mutex
+	sendBuf []byte
+
+	recvMu sync.Mutex
+	buf    []byte // MaxMessageSize+1: a packet that fills it is too large
+	oob    []byte
+}
+
+// NewConn returns a Conn using c, which must be a connected Unix socket of
+// type SOCK_SEQPACKET ("unixpacket"). The Conn owns c from now on.
+func NewConn(c *net.UnixConn) *Conn {
+	return &Conn{
+		uc:  c,
+		buf: make([]byte, MaxMessageSize+1),
+		oob: make([]byte, oobSize),
+	}
+}
+
+// Dial connects to the store socket at path. It does not perform the
+// handshake; see ClientHello.
+func Dial(ctx context.Context, path string) (*Conn, error) {
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unixpacket", path)
+	if err != nil {
+		return nil, err
+	}
+	return NewConn(c.(*net.UnixConn)), nil
+}
+
+// Send writes m as one packet, with files attached as SCM_RIGHTS. The files
+// are duplicated into the peer by the kernel; the caller still owns (and
+// eventually closes) its copies. Errors: a *MessageError (ErrTooLarge,
+// ErrTooManyFiles, ErrMalformed) when the message cannot be sent, one
+// matching io.EOF when the peer has gone, or the system error.
+func (c *Conn) Send(m proto.Message, files ...*os.File) error {
+	if len(files) > MaxFiles {
+		return &MessageError{Op: "send", Err: ErrTooManyFiles,
+			Detail: fmt.Sprintf("%d files, at most %d", len(files), MaxFiles)}
+	}
+	c.sendMu.Lock()
+	defer c.sendMu.Unlock()
+	b, err := proto.MarshalOptions{}.MarshalAppend(c.sendBuf[:0], m)
+	if err != nil {
+		return &MessageError{Op: "send", Err: ErrMalformed, Cause: err}
+	}
+	if cap(b) <= 2*MaxMessageSize {
+		c.sendBuf = b
+	}
+	if len(b) > MaxMessageSize {
+		return &MessageError{Op: "send", Err: ErrTooLarge,
+			Detail: fmt.Sprintf("%d bytes, at most %d", len(b), MaxMessageSize)}
+	}
+	if len(b) == 0 {
+		// The receiver could not tell an empty packet from the end of the
+		// stream; no valid Request or Response encodes to nothing.
+		return &MessageError{Op: "send", Err: ErrMalformed, Detail: "empty message"}
+	}
+	for i, f := range files {
+		if f == nil {
+			return &MessageError{Op: "send", Err: ErrMalformed, Detail: fmt.Sprintf("file %d is nil", i)}
+		}
+	}
+	return withFds(files, nil, func(fds []int) error {
+		var oob []byte
+		if len(fds) > 0 {
+			oob = unix.UnixRights(fds...)
+		}
+		n, _, err := c.uc.WriteMsgUnix(b, oob, nil)
+		if err != nil {
+			return peerGone(err)
+		}
+		if n != len(b) {
+			return fmt.Errorf("protocol: send: short write of %d of %d bytes", n, len(b))
+		}
+		return nil
+	})
+}
+
+// withFds calls fn with the descriptors of files, holding each file's
+// SyscallConn so none can be closed meanwhile. File.Fd would instead switch
+// pollable files (pipes) to blocking mode.
+func withFds(files []*os.File, fds []int, fn func([]int) error) error {
+	if len(files) == 0 {
+		return fn(fds)
+	}
+	rc, err := files[0].SyscallConn()
+	if err != nil {
+		return fmt.Errorf("protocol: send: %w", err)
+	}
+	var inner error
+	if err := rc.Control(func(fd uintptr) {
+		inner = withFds(files[1:], append(fds, int(fd)), fn)
+	}); err != nil {
+		return fmt.Errorf("protocol: send: file %s: %w", files[0].Name(), err)
+	}
+	return inner
+}
+
+// Recv reads one packet, decodes it into m and returns the files attached to
+// it, which the caller owns and must close. On any error no files are
+// returned: those received are closed. Errors: io.EOF (or an error matching
+// it) when the peer has closed the connection; a *MessageError (ErrTooLarge,
+// ErrMalformed, ErrTooManyFiles) for a packet that breaks the protocol,
+// after which the connection should be closed; or the system error.
+func (c *Conn) Recv(m proto.Message) ([]*os.File, error) {
+	c.recvMu.Lock()
+	defer c.recvMu.Unlock()
+	n, oobn, flags, _, rerr := c.uc.ReadMsgUnix(c.buf, c.oob)
+	var files []*os.File
+	var ferr error
+	if oobn > 0 {
+		// Collect descriptors even when the read failed: a peer may attach
+		// them to an empty (end-of-stream-looking) or oversized packet.
+		files, ferr = parseRights(c.oob[:oobn])
+	}
+	fail := func(err error) ([]*os.File, error) {
+		CloseFiles(files)
+		return nil, err
+	}
+	switch {
+	case rerr != nil:
+		return fail(peerGone(rerr))
+	case ferr != nil:
+		return fail(ferr)
+	case flags&unix.MSG_TRUNC != 0 || n > MaxMessageSize:
+		return fail(&MessageError{Op: "recv", Err: ErrTooLarge,
+			Detail: fmt.Sprintf("packet exceeds %d bytes", MaxMessageSize)})
+	case flags&unix.MSG_CTRUNC != 0 || len(files) > MaxFiles:
+		return fail(&MessageError{Op: "recv", Err: ErrTooManyFiles,
+			Detail: fmt.Sprintf("more than %d files on one packet", MaxFiles)})
+	}
+	if err := proto.Unmarshal(c.buf[:n], m); err != nil {
+		return fail(&MessageError{Op: "recv", Err: ErrMalformed, Cause: err})
+	}
+	return files, nil
+}
+
+// parseRights returns the descriptors in the SCM_RIGHTS messages of oob as
+// files. Other control messages are ignored; on error the descriptors found
+// so far are returned for closing.
+func parseRights(oob []byte) ([]*os.File, error) {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, &MessageError{Op: "recv", Err: ErrMalformed, Detail: "control message", Cause: err}
+	}
+	var files []*os.File
+	for _, msg := range msgs {
+		if msg.Header.Level != unix.SOL_SOCKET || msg.Header.Type != unix.SCM_RIGHTS {
+			continue
+		}
+		fds, err := unix.ParseUnixRights(&msg)
+		if err != nil {
+			return files, &MessageError{Op: "recv", Err: ErrMalformed, Detail: "SCM_RIGHTS", Cause: err}
+		}
+		for _, fd := range fds {
+			files = append(files, os.NewFile(uintptr(fd), fmt.Sprintf("scm-rights-fd-%d", fd)))
+		}
+	}
+	return files, nil
+}
+
+// peerGone turns the errors that mean "the other end has closed" into ones
+// matching io.EOF, so callers test a single condition.
+func peerGone(err error) error {
+	if errors.Is(err, io.EOF) {
+		return io.EOF
+	}
+	if errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) {
+		return fmt.Errorf("protocol: peer closed the connection: %w (%w)", io.EOF, err)
+	}
+	return err
+}
+
+// CloseFiles closes every non-nil file in files, ignoring errors. It is for
+// received files that will not be used.
+func CloseFiles(files []*os.File) {
+	for _, f := range files {
+		if f != nil {
+			f.Close()
+		}
+	}
+}
+
+// PeerCred returns the credentials (pid, uid, gid) of the peer process as of
+// the time the connection was made (SO_PEERCRED).
+func (c *Conn) PeerCred() (*unix.Ucred, error) {
+	rc, err := c.uc.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return nil, err
+	}
+	if cerr != nil {
+		return nil, fmt.Errorf("protocol: SO_PEERCRED: %w", cerr)
+	}
+	return cred, nil
+}
+
+// Close closes the connection; a Recv blocked in another goroutine returns
+// an error matching net.ErrClosed.
+func (c *Conn) Close() error { return c.uc.Close() }

@@ -1,0 +1,237 @@
+package protocol
+
+import (
+	"errors"
+	"io"
+	"os"
+	"strings"
+	"testing"
+	"unicode/utf8"
+
+	"github.com/cudaipc/cudaipc/protocol/storev1"
+	"google.golang.org/protobuf/proto"
+)
+
+// seedRequests are valid requests of every kind, for the fuzz corpora.
+func seedRequests() []*storev1.Request {
+	return []*storev1.Request{
+		{Id: 1, Body: &storev1.Request_Hello{Hello: &storev1.HelloRequest{Version: 1, ClientName: "py-client"}}},
+		createRequest(2, "tensor-0", 1<<20),
+		{Id: 3, Body: &storev1.Request_Seal{Seal: &storev1.SealRequest{Name: "tensor-0"}}},
+		{Id: 4, Body: &storev1.Request_Abort{Abort: &storev1.AbortRequest{Name: "tensor-0"}}},
+		{Id: 5, Body: &storev1.Request_Get{Get: &storev1.GetRequest{Name: "tensor-0", TimeoutMs: -1}}},
+		{Id: 6, Body: &storev1.Request_Release{Release: &storev1.ReleaseRequest{LeaseId: 17}}},
+		{Id: 7, Body: &storev1.Request_Delete{Delete: &storev1.DeleteRequest{Name: "tensor-0"}}},
+		{Id: 8, Body: &storev1.Request_List{List: &storev1.ListRequest{StartAfter: "t"}}},
+		{Id: 9, Body: &storev1.Request_Stat{Stat: &storev1.StatRequest{Name: "tensor-0"}}},
+		{Id: 10, Body: &storev1.Request_Subscribe{Subscribe: &storev1.SubscribeRequest{}}},
+	}
+}
+
+func seedResponses() []*storev1.Response {
+	return []*storev1.Response{
+		{Id: 1, Body: &storev1.Response_Hello{Hello: &storev1.HelloResponse{Version: 1, ServerVersion: "dev", Pid: 42, Backend: "host"}}},
+		{Id: 2, Body: &storev1.Response_Create{Create: &storev1.CreateResponse{Placement: placement(true, true)}}},
+		{Id: 5, Body: &storev1.Response_Get{Get: &storev1.GetResponse{LeaseId: 3, Placement: placement(false, false), Info: info("x")}}},
+		ListPage(8, []*storev1.ObjectInfo{info("a"), info("b")}),
+		{Id: 9, Body: &storev1.Response_Stat{Stat: &storev1.StatResponse{Info: info("x")}}},
+		{Id: 3, Body: &storev1.Response_Seal{Seal: &storev1.SealResponse{}}},
+		NewEvent(storev1.Event_EVICTED, "x"),
+		ErrorResponse(4, Errorf(storev1.Error_STORE_FULL, "need %d bytes", 1<<30)),
+	}
+}
+
+// fuzzDecode sends data as one raw packet with nfiles descriptors attached
+// and receives it into m, checking the Conn's guarantees: the error is one
+// of the documented ones, oversized packets are refused, and no received
+// descriptor outlives the call.
+func fuzzDecode(t *testing.T, raw *os.File, c *Conn, data []byte, nfiles uint8, m proto.Message) (ok bool, files int) {
+	if len(data) > 3*MaxMessageSize {
+		t.Skip("larger than the socket buffer")
+	}
+	n := int(nfiles) % (MaxFiles + 3)
+	probes := make([]*leakProbe, n)
+	fds := make([]int, n)
+	for i := range probes {
+		probes[i] = newLeakProbe(t)
+		fds[i] = int(probes[i].w.Fd())
+	}
+	sendRaw(t, raw, data, fds...)
+	got, err := c.Recv(m)
+	CloseFiles(got)
+	for i, p := range probes {
+		if !p.closedEverywhere(t) {
+			t.Fatalf("descriptor %d of %d leaked (Recv error: %v)", i, n, err)
+		}
+	}
+	if err != nil {
+		var me *MessageError
+		switch {
+		case err == io.EOF && len(data) == 0 && n == 0:
+		case errors.As(err, &me) && (errors.Is(err, ErrTooLarge) || errors.Is(err, ErrMalformed) || errors.Is(err, ErrTooManyFiles)):
+		default:
+			t.Fatalf("Recv of %d bytes, %d fds: unexpected error %v", len(data), n, err)
+		}
+		if got != nil {
+			t.Fatal("files returned with an error")
+		}
+		return false, 0
+	}
+	if len(data) > MaxMessageSize || n > MaxFiles {
+		t.Fatalf("Recv accepted %d bytes with %d fds", len(data), n)
+	}
+	if len(got) != n {
+		t.Fatalf("sent %d fds, received %d", n, len(got))
+	}
+	return true, len(got)
+}
+
+func FuzzDecodeRequest(f *testing.F) {
+	for i, r := range seedRequests() {
+		f.Add(mustMarshal(f, r), uint8(i%2))
+	}
+	f.Add([]byte{0x08, 0x01, 0x5a, 0x04, 0x0a, 0x02, 0xff, 0xfe}, uint8(0))
+	raw, sock := socketpair(f)
+	c := newConn(f, sock)
+	f.Fuzz(func(t *testing.T, data []byte, nfiles uint8) {
+		var req storev1.Request
+		ok, files := fuzzDecode(t, raw, c, data, nfiles, &req)
+		if !ok {
+			return
+		}
+		if err := ValidateRequest(&req, files); err != nil {
+			if !errors.Is(err, ErrInvalid) || CodeOf(err) != storev1.Error_INVALID {
+				t.Fatalf("ValidateRequest error %v is not INVALID", err)
+			}
+			// The daemon answers with this; it must fit in a packet.
+			if b, err := proto.Marshal(ErrorResponse(req.GetId(), err)); err != nil || len(b) > MaxMessageSize {
+				t.Fatalf("error response: %d bytes, %v", len(b), err)
+			}
+			return
+		}
+		if files != 0 || req.GetId() == 0 || RequestKind(&req) == "unknown" {
+			t.Fatalf("ValidateRequest accepted %v with %d files", &req, files)
+		}
+		if c := req.GetCreate(); c != nil && (c.GetSize() == 0 || c.GetSize() > MaxObjectSize) {
+			t.Fatalf("accepted size %d", c.GetSize())
+		}
+	})
+}
+
+func FuzzDecodeResponse(f *testing.F) {
+	for i, r := range seedResponses() {
+		f.Add(mustMarshal(f, r), uint8(i%2))
+	}
+	raw, sock := socketpair(f)
+	c := newConn(f, sock)
+	f.Fuzz(func(t *testing.T, data []byte, nfiles uint8) {
+		var resp storev1.Response
+		ok, files := fuzzDecode(t, raw, c, data, nfiles, &resp)
+		if !ok {
+			return
+		}
+		rerr := ResponseError(&resp)
+		if rerr != nil && CodeOf(rerr) != resp.GetError().GetCode() {
+			t.Fatalf("ResponseError code %v, response code %v", CodeOf(rerr), resp.GetError().GetCode())
+		}
+		if err := ValidateResponse(&resp, files); err != nil {
+			if !errors.Is(err, ErrMalformed) {
+				t.Fatalf("ValidateResponse error %v is not ErrMalformed", err)
+			}
+			return
+		}
+		if rerr != nil {
+			if resp.GetBody() != nil || files != 0 {
+				t.Fatal("accepted an error response with a body or files")
+			}
+			return
+		}
+		for _, p := range []*storev1.Placement{resp.GetCreate().GetPlacement(), resp.GetGet().GetPlacement()} {
+			if p == nil {
+				continue
+			}
+			// What a client will do with it: slice [offset, offset+size)
+			// out of a mapping of arena_size bytes.
+			end := p.GetOffset() + p.GetSize()
+			if end < p.GetOffset() || end > p.GetArenaSize() || p.GetSize() == 0 {
+				t.Fatalf("accepted placement %v", p)
+			}
+			if p.GetFdAttached() != (files == 1) {
+				t.Fatalf("accepted fd_attached=%v with %d files", p.GetFdAttached(), files)
+			}
+		}
+		if (resp.GetId() == 0) != (resp.GetEvent() != nil) {
+			t.Fatalf("accepted id %d with body %T", resp.GetId(), resp.GetBody())
+		}
+	})
+}
+
+func FuzzValidateName(f *testing.F) {
+	for _, s := range []string{"a", "tensor-0", "a/b", "", "\x00", "é", "\u202e", strings.Repeat("x", 256)} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, name string) {
+		err := ValidateName(name)
+		if err != nil {
+			if !errors.Is(err, ErrInvalid) || CodeOf(err) != storev1.Error_INVALID {
+				t.Fatalf("ValidateName(%q) = %v, not INVALID", name, err)
+			}
+			return
+		}
+		if len(name) == 0 || len(name) > MaxNameLen || !utf8.ValidString(name) || strings.ContainsAny(name, "/\x00\n\r\t\x7f") {
+			t.Fatalf("ValidateName accepted %q", name)
+		}
+		for i := 0; i < len(name); i++ {
+			if name[i] < 0x20 {
+				t.Fatalf("ValidateName accepted control byte in %q", name)
+			}
+		}
+		// A valid name survives the wire in every request that takes one.
+		for _, r := range []*storev1.Request{
+			createRequest(1, name, 1),
+			{Id: 1, Body: &storev1.Request_Get{Get: &storev1.GetRequest{Name: name}}},
+			{Id: 1, Body: &storev1.Request_List{List: &storev1.ListRequest{StartAfter: name}}},
+		} {
+			var back storev1.Request
+			if err := proto.Unmarshal(mustMarshal(t, r), &back); err != nil {
+				t.Fatal(err)
+			}
+			if err := ValidateRequest(&back, 0); err != nil {
+				t.Fatalf("valid name %q: %v", name, err)
+			}
+		}
+	})
+}
+
+func FuzzValidateCreate(f *testing.F) {
+	f.Add("x", uint64(1), "host", "client")
+	f.Add("x", uint64(0), "", "")
+	f.Add("x", uint64(1<<40+1), "GPU-0", "a\tb")
+	f.Fuzz(func(t *testing.T, name string, size uint64, device, clientName string) {
+		serr, derr := ValidateSize(size), ValidateDevice(device)
+		if (serr == nil) != (size >= 1 && size <= MaxObjectSize) {
+			t.Fatalf("ValidateSize(%d) = %v", size, serr)
+		}
+		if derr == nil {
+			for i := 0; i < len(device); i++ {
+				if device[i] <= ' ' || device[i] > '~' {
+					t.Fatalf("ValidateDevice accepted %q", device)
+				}
+			}
+			if len(device) > MaxDeviceLen {
+				t.Fatalf("ValidateDevice accepted %d bytes", len(device))
+			}
+		}
+		req := &storev1.Request{Id: 1, Body: &storev1.Request_Create{Create: &storev1.CreateRequest{Name: name, Size: size, Device: device}}}
+		want := ValidateName(name) == nil && serr == nil && derr == nil
+		if err := ValidateRequest(req, 0); (err == nil) != want {
+			t.Fatalf("ValidateRequest(%v) = %v, want ok=%v", req, err, want)
+		}
+		hello := &storev1.Request{Id: 1, Body: &storev1.Request_Hello{Hello: &storev1.HelloRequest{Version: 1, ClientName: clientName}}}
+		if err := ValidateRequest(hello, 0); err == nil {
+			if len(clientName) > MaxClientNameLen || !utf8.ValidString(clientName) || strings.ContainsAny(clientName, "\x00\n\x7f") {
+				t.Fatalf("accepted client name %q", clientName)
+			}
+		}
+	})
+}

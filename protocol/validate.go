@@ -1,0 +1,319 @@
+package protocol
+
+import (
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/cudaipc/cudaipc/protocol/storev1"
+)
+
+// Limits on request arguments, enforced by ValidateRequest.
+const (
+	// MaxNameLen is the longest object name, in bytes.
+	MaxNameLen = 255
+	// MaxObjectSize is the largest object, in bytes (1 TiB).
+	MaxObjectSize = 1 << 40
+	// MaxDeviceLen is the longest device string, in bytes.
+	MaxDeviceLen = 64
+	// MaxClientNameLen is the longest client name in a hello, in bytes.
+	MaxClientNameLen = 255
+)
+
+// ValidateName reports whether name is a valid object name: 1 to MaxNameLen
+// bytes of valid UTF-8, every character printable (unicode.IsPrint: letters,
+// marks, numbers, punctuation, symbols and the ASCII space) and none of them
+// '/'. The error is a *CodeError with code INVALID.
+func ValidateName(name string) error {
+	if name == "" {
+		return Errorf(storev1.Error_INVALID, "empty object name")
+	}
+	if len(name) > MaxNameLen {
+		return Errorf(storev1.Error_INVALID, "object name is %d bytes, at most %d", len(name), MaxNameLen)
+	}
+	if !utf8.ValidString(name) {
+		return Errorf(storev1.Error_INVALID, "object name %q is not valid UTF-8", name)
+	}
+	for i, r := range name {
+		switch {
+		case r == '/':
+			return Errorf(storev1.Error_INVALID, "object name %q contains '/'", name)
+		case !unicode.IsPrint(r):
+			return Errorf(storev1.Error_INVALID, "object name %q contains non-printable character %U at byte %d", name, r, i)
+		}
+	}
+	return nil
+}
+
+// ValidateSize reports whether size is a valid object size: 1 to
+// MaxObjectSize bytes. The error is a *CodeError with code INVALID.
+func ValidateSize(size uint64) error {
+	if size == 0 {
+		return Errorf(storev1.Error_INVALID, "object size is 0")
+	}
+	if size > MaxObjectSize {
+		return Errorf(storev1.Error_INVALID, "object size %d exceeds the maximum of %d bytes", size, uint64(MaxObjectSize))
+	}
+	return nil
+}
+
+// ValidateDevice reports whether device is well-formed: empty (meaning
+// host), or at most MaxDeviceLen printable ASCII characters without spaces
+// ("host", "0", "GPU-<uuid>"). Whether the device exists is for the server
+// to say. The error is a *CodeError with code INVALID.
+func ValidateDevice(device string) error {
+	if len(device) > MaxDeviceLen {
+		return Errorf(storev1.Error_INVALID, "device is %d bytes, at most %d", len(device), MaxDeviceLen)
+	}
+	for i := 0; i < len(device); i++ {
+		if c := device[i]; c <= ' ' || c > '~' {
+			return Errorf(storev1.Error_INVALID, "device %q contains byte %#02x; only printable ASCII without spaces is allowed", device, c)
+		}
+	}
+	return nil
+}
+
+// validateText checks a free-form string such as a client name.
+func validateText(field, s string, max int) error {
+	if len(s) > max {
+		return Errorf(storev1.Error_INVALID, "%s is %d bytes, at most %d", field, len(s), max)
+	}
+	if !utf8.ValidString(s) {
+		return Errorf(storev1.Error_INVALID, "%s is not valid UTF-8", field)
+	}
+	for _, r := range s {
+		if unicode.IsControl(r) {
+			return Errorf(storev1.Error_INVALID, "%s contains control character %U", field, r)
+		}
+	}
+	return nil
+}
+
+// ValidateRequest checks a request received with nfiles attached file
+// descriptors against the protocol's rules: a non-zero id, exactly one known
+// body, no files, and valid arguments (names, sizes, devices). It does not
+// check the hello's version (see CheckVersion) or anything that depends on
+// the server's state. The error is a *CodeError with code INVALID, to be
+// sent back with ErrorResponse.
+func ValidateRequest(r *storev1.Request, nfiles int) error {
+	if r == nil {
+		return Errorf(storev1.Error_INVALID, "nil request")
+	}
+	if r.GetId() == 0 {
+		return Errorf(storev1.Error_INVALID, "request id 0 is reserved for events")
+	}
+	if nfiles != 0 {
+		return Errorf(storev1.Error_INVALID, "requests carry no file descriptors, got %d", nfiles)
+	}
+	switch b := r.GetBody().(type) {
+	case *storev1.Request_Hello:
+		if b.Hello.GetVersion() == 0 {
+			return Errorf(storev1.Error_INVALID, "hello: version 0")
+		}
+		return validateText("hello: client_name", b.Hello.GetClientName(), MaxClientNameLen)
+	case *storev1.Request_Create:
+		c := b.Create
+		if err := ValidateName(c.GetName()); err != nil {
+			return err
+		}
+		if err := ValidateSize(c.GetSize()); err != nil {
+			return err
+		}
+		return ValidateDevice(c.GetDevice())
+	case *storev1.Request_Seal:
+		return ValidateName(b.Seal.GetName())
+	case *storev1.Request_Abort:
+		return ValidateName(b.Abort.GetName())
+	case *storev1.Request_Get:
+		return ValidateName(b.Get.GetName())
+	case *storev1.Request_Release:
+		if b.Release.GetLeaseId() == 0 {
+			return Errorf(storev1.Error_INVALID, "release: lease id 0")
+		}
+		return nil
+	case *storev1.Request_Delete:
+		return ValidateName(b.Delete.GetName())
+	case *storev1.Request_List:
+		if s := b.List.GetStartAfter(); s != "" {
+			return ValidateName(s)
+		}
+		return nil
+	case *storev1.Request_Stat:
+		return ValidateName(b.Stat.GetName())
+	case *storev1.Request_Subscribe:
+		return nil
+	case nil:
+		return Errorf(storev1.Error_INVALID, "request %d has no known operation", r.GetId())
+	default:
+		return Errorf(storev1.Error_INVALID, "request %d: unsupported operation %T", r.GetId(), b)
+	}
+}
+
+// CheckVersion returns nil when the server speaks the client's protocol
+// version v, else a *CodeError with code VERSION to send back before
+// closing the connection.
+func CheckVersion(v uint32) error {
+	if v != Version {
+		return Errorf(storev1.Error_VERSION, "client speaks protocol version %d, server speaks %d", v, Version)
+	}
+	return nil
+}
+
+// RequestKind returns the name of r's operation ("hello", "create", ...), or
+// "unknown"; it suits log fields and metric labels.
+func RequestKind(r *storev1.Request) string {
+	switch r.GetBody().(type) {
+	case *storev1.Request_Hello:
+		return "hello"
+	case *storev1.Request_Create:
+		return "create"
+	case *storev1.Request_Seal:
+		return "seal"
+	case *storev1.Request_Abort:
+		return "abort"
+	case *storev1.Request_Get:
+		return "get"
+	case *storev1.Request_Release:
+		return "release"
+	case *storev1.Request_Delete:
+		return "delete"
+	case *storev1.Request_List:
+		return "list"
+	case *storev1.Request_Stat:
+		return "stat"
+	case *storev1.Request_Subscribe:
+		return "subscribe"
+	default:
+		return "unknown"
+	}
+}
+
+// ValidateResponse checks a response received with nfiles attached file
+// descriptors against the protocol's rules, as a client should before
+// trusting it: id 0 for events; an error response has no body and no files;
+// a success has one known body; placements are consistent (offset + size <=
+// arena_size, writable for create and read-only for get, fd_attached exactly
+// when one file is attached); names are valid. Accepted as well: unknown
+// error codes and event kinds, which a newer server may send, and an error
+// with id 0, which reports a connection-level failure just before the server
+// closes the connection. The error is a *MessageError wrapping ErrMalformed.
+func ValidateResponse(r *storev1.Response, nfiles int) error {
+	if err := validateResponse(r, nfiles); err != nil {
+		return &MessageError{Op: "validate", Err: ErrMalformed, Detail: err.Error()}
+	}
+	return nil
+}
+
+type invalid string
+
+func (s invalid) Error() string { return string(s) }
+
+func validateResponse(r *storev1.Response, nfiles int) error {
+	if r == nil {
+		return invalid("nil response")
+	}
+	if nfiles < 0 || nfiles > MaxFiles {
+		return invalid("bad file count")
+	}
+	if r.GetError().GetCode() != storev1.Error_OK {
+		// Id 0 is allowed here: a connection-level error (a packet the
+		// server could not decode) sent just before the server closes.
+		if r.GetBody() != nil {
+			return invalid("error response with a body")
+		}
+		if nfiles != 0 {
+			return invalid("error response with files attached")
+		}
+		return nil
+	}
+	_, isEvent := r.GetBody().(*storev1.Response_Event)
+	if (r.GetId() == 0) != isEvent {
+		return invalid("id 0 is for events and events only")
+	}
+	placementFiles := 0
+	switch b := r.GetBody().(type) {
+	case *storev1.Response_Hello:
+		if b.Hello.GetVersion() == 0 {
+			return invalid("hello: version 0")
+		}
+	case *storev1.Response_Create:
+		if err := validatePlacement(b.Create.GetPlacement(), true); err != nil {
+			return err
+		}
+		if b.Create.GetPlacement().GetFdAttached() {
+			placementFiles = 1
+		}
+	case *storev1.Response_Get:
+		g := b.Get
+		if g.GetLeaseId() == 0 {
+			return invalid("get: lease id 0")
+		}
+		if err := validatePlacement(g.GetPlacement(), false); err != nil {
+			return err
+		}
+		if g.GetPlacement().GetFdAttached() {
+			placementFiles = 1
+		}
+		if err := validateInfo(g.GetInfo()); err != nil {
+			return err
+		}
+		if g.GetInfo().GetSize() != g.GetPlacement().GetSize() {
+			return invalid("get: info and placement sizes differ")
+		}
+	case *storev1.Response_List:
+		for _, o := range b.List.GetObjects() {
+			if err := validateInfo(o); err != nil {
+				return err
+			}
+		}
+	case *storev1.Response_Stat:
+		if err := validateInfo(b.Stat.GetInfo()); err != nil {
+			return err
+		}
+	case *storev1.Response_Event:
+		if err := ValidateName(b.Event.GetName()); err != nil {
+			return invalid("event: " + err.Error())
+		}
+	case *storev1.Response_Seal, *storev1.Response_Abort, *storev1.Response_Release,
+		*storev1.Response_Delete, *storev1.Response_Subscribe:
+	case nil:
+		return invalid("success response without a known body")
+	default:
+		return invalid("unsupported response body")
+	}
+	if nfiles != placementFiles {
+		return invalid("file count does not match fd_attached")
+	}
+	return nil
+}
+
+func validatePlacement(p *storev1.Placement, writable bool) error {
+	switch {
+	case p == nil:
+		return invalid("missing placement")
+	case p.GetWritable() != writable:
+		return invalid("placement has the wrong access mode")
+	case ValidateSize(p.GetSize()) != nil:
+		return invalid("placement: bad size")
+	case p.GetArenaSize() < p.GetSize() || p.GetOffset() > p.GetArenaSize()-p.GetSize():
+		return invalid("placement: object extends past the arena")
+	case ValidateDevice(p.GetDevice()) != nil:
+		return invalid("placement: bad device")
+	}
+	return nil
+}
+
+func validateInfo(o *storev1.ObjectInfo) error {
+	if o == nil {
+		return invalid("missing object info")
+	}
+	if err := ValidateName(o.GetName()); err != nil {
+		return invalid("object info: " + err.Error())
+	}
+	if ValidateSize(o.GetSize()) != nil {
+		return invalid("object info: bad size")
+	}
+	if ValidateDevice(o.GetDevice()) != nil {
+		return invalid("object info: bad device")
+	}
+	return nil
+}
