@@ -444,3 +444,16 @@ func TestMissingDriverIsClearError(t *testing.T) {
 		}
 	}
 }
+
+func TestLibraryWithoutEntryPointsIsClearError(t *testing.T) {
+	// libc loads fine but has no CUDA entry points: the error must say so.
+	c := testutil.Spawn(t, "nodriver", cudaipc.EnvLibrary+"=libc.so.6")
+	var r map[string]any
+	if err := c.Recv(&r); err != nil {
+		t.Fatalf("%v\n%s", err, c.Stderr())
+	}
+	msg, _ := r["err"].(string)
+	if r["nodriver"] != true || !strings.Contains(msg, "lacks cuInit") || !strings.Contains(msg, "libc.so.6") {
+		t.Fatalf("error %q (matches ErrNoDriver: %v)", msg, r["nodriver"])
+	}
+}

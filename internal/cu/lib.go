@@ -232,7 +232,7 @@ func load(path string) error {
 		if fp == 0 {
 			p, err := purego.Dlsym(h, e.symbol)
 			if err != nil {
-				return &LoadError{Path: path, Reason: "the driver lacks " + e.symbol + " (driver too old: CUDA 12.0 or newer is needed)"}
+				return &LoadError{Path: path, Reason: "it lacks " + e.symbol + ": not the NVIDIA driver library, or a driver older than CUDA 12.0"}
 			}
 			fp = p
 		}
