@@ -228,7 +228,7 @@ type eventRef struct {
 	closed bool
 	cache  *importCache
 	entry  *eventEntry // nil when the event is this process's own
-	desc   string
+	desc   EventDescriptor
 }
 
 func (r *eventRef) release() error {
@@ -245,7 +245,7 @@ func (r *eventRef) release() error {
 }
 
 func releaseLeakedEvent(r *eventRef) {
-	slog.Warn("cudaipc: RemoteEvent garbage-collected without Close; closing it", "event", r.desc)
+	slog.Warn("cudaipc: RemoteEvent garbage-collected without Close; closing it", "event", r.desc.String())
 	if err := r.release(); err != nil {
 		slog.Warn("cudaipc: closing leaked RemoteEvent failed", "err", err)
 	}
@@ -269,7 +269,7 @@ func (c *importCache) importEvent(d EventDescriptor, opts ...ImportOption) (*Rem
 	if err := checkReach("event", d.BootID, d.PIDNamespace, self); err != nil {
 		return nil, err
 	}
-	ref := &eventRef{cache: c, desc: d.String()}
+	ref := &eventRef{cache: c, desc: d}
 	var ev *Event
 	if d.ExporterPID == self.PID {
 		exportedEvents.mu.Lock()

@@ -31,9 +31,6 @@ func WithFallbackDevice(d *Device) ImportOption {
 // and the leak is logged; the pointer must not be used after that, so keep
 // the Mapping reachable (runtime.KeepAlive) while kernels use Ptr.
 type Mapping struct {
-	region  Region
-	dev     *Device
-	ptr     DevicePtr
 	ref     *mappingRef
 	cleanup runtime.Cleanup
 }
@@ -41,12 +38,14 @@ type Mapping struct {
 // mappingRef is what a Mapping releases. It is separate from the Mapping so
 // that the cleanup backstop can hold it without keeping the Mapping alive.
 type mappingRef struct {
+	dev    *Device
+	ptr    DevicePtr // the region's first byte
 	mu     sync.Mutex
 	closed bool
 	cache  *importCache
 	entry  *memEntry // nil for a same-process import
 	local  *Buffer   // the Buffer of a same-process import, if this package allocated it
-	desc   string
+	region Region
 }
 
 func (r *mappingRef) release() error {
@@ -73,15 +72,15 @@ func (r *mappingRef) isClosed() bool {
 }
 
 func releaseLeakedMapping(r *mappingRef) {
-	slog.Warn("cudaipc: Mapping garbage-collected without Close; closing it", "region", r.desc)
+	slog.Warn("cudaipc: Mapping garbage-collected without Close; closing it", "region", r.region.String())
 	if err := r.release(); err != nil {
 		slog.Warn("cudaipc: closing leaked Mapping failed", "err", err)
 	}
 }
 
 func newMapping(r Region, dev *Device, ptr DevicePtr, ref *mappingRef) *Mapping {
-	ref.desc = r.String()
-	m := &Mapping{region: r, dev: dev, ptr: ptr, ref: ref}
+	ref.region, ref.dev, ref.ptr = r, dev, ptr
+	m := &Mapping{ref: ref}
 	live.mappings.Add(1)
 	m.cleanup = runtime.AddCleanup(m, releaseLeakedMapping, ref)
 	return m
@@ -176,16 +175,16 @@ func (c *importCache) importLocal(r Region) (*Mapping, error) {
 
 // Ptr returns the device address of the region's first byte, valid in
 // Device's context and, with peer access, in other devices' contexts.
-func (m *Mapping) Ptr() DevicePtr { return m.ptr }
+func (m *Mapping) Ptr() DevicePtr { return m.ref.ptr }
 
 // Size returns the region's size in bytes.
-func (m *Mapping) Size() int64 { return m.region.Size }
+func (m *Mapping) Size() int64 { return m.ref.region.Size }
 
 // Device returns the device the memory is mapped through.
-func (m *Mapping) Device() *Device { return m.dev }
+func (m *Mapping) Device() *Device { return m.ref.dev }
 
 // Region returns the region the mapping was imported from.
-func (m *Mapping) Region() Region { return m.region }
+func (m *Mapping) Region() Region { return m.ref.region }
 
 // Local reports whether the mapping is the exporting process's own memory
 // (no driver mapping).
@@ -196,7 +195,7 @@ func (m *Mapping) ReadAt(p []byte, off int64) (int, error) {
 	if m.ref.isClosed() {
 		return 0, fmt.Errorf("ReadAt: %w", ErrClosed)
 	}
-	return readAt(m.dev, m.ptr, m.region.Size, p, off)
+	return readAt(m.ref.dev, m.ref.ptr, m.ref.region.Size, p, off)
 }
 
 // WriteAt copies p into the region at offset off.
@@ -204,7 +203,7 @@ func (m *Mapping) WriteAt(p []byte, off int64) (int, error) {
 	if m.ref.isClosed() {
 		return 0, fmt.Errorf("WriteAt: %w", ErrClosed)
 	}
-	return writeAt(m.dev, m.ptr, m.region.Size, p, off)
+	return writeAt(m.ref.dev, m.ref.ptr, m.ref.region.Size, p, off)
 }
 
 // Close releases the mapping; the last Close of an allocation's mappings

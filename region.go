@@ -112,6 +112,8 @@ func (r Region) Validate() error {
 		return regionErr("version", "%d: this package reads version %d", r.Version, RegionVersion)
 	case r.Kind == KindVMMFD || r.Kind == KindHost:
 		return regionErr("kind", "%s (%d) is reserved and not implemented by this version", r.Kind, uint16(r.Kind))
+	case r.Kind == 0:
+		return regionErr("kind", "missing")
 	case r.Kind != KindCUDAIPC:
 		return regionErr("kind", "unknown kind %d", uint16(r.Kind))
 	case r.Handle.IsZero():
@@ -272,13 +274,20 @@ func (r *Region) UnmarshalJSON(b []byte) error {
 	if err := strictJSON(b, &j); err != nil {
 		return regionErr("json", "%v", err)
 	}
-	k, err := ParseKind(j.Kind)
-	if err != nil {
-		return regionErr("kind", "%v", err)
+	// Missing fields decode as zero and Validate reports them in order.
+	var k Kind
+	if j.Kind != "" {
+		var err error
+		if k, err = ParseKind(j.Kind); err != nil {
+			return regionErr("kind", "%v", err)
+		}
 	}
-	base, err := parseHexAddr(j.ExporterBase)
-	if err != nil {
-		return regionErr("exporter_base", "%v", err)
+	var base DevicePtr
+	if j.ExporterBase != "" {
+		var err error
+		if base, err = parseHexAddr(j.ExporterBase); err != nil {
+			return regionErr("exporter_base", "%v", err)
+		}
 	}
 	v := Region{
 		Version: j.Version, Kind: k, Handle: j.Handle,

@@ -34,6 +34,7 @@ type cliRoot struct {
 	Globals
 
 	Info InfoCmd `cmd:"" help:"Show the driver, each GPU and the peer-access matrix."`
+	Dump DumpCmd `cmd:"" help:"Write the bytes of a region exported by any program (Go, PyTorch, CuPy, C) to a file or stdout."`
 }
 
 // ExitError carries an exit code other than 1.
