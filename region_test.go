@@ -7,6 +7,7 @@ import (
 	"errors"
 	"hash/crc32"
 	"math"
+	"os"
 	"strings"
 	"testing"
 )
@@ -403,4 +404,38 @@ func FuzzEventDescriptorJSON(f *testing.F) {
 			t.Fatalf("re-decoding differs: %v", err)
 		}
 	})
+}
+
+// TestDocExamples keeps docs/region.md's examples in step with the code.
+func TestDocExamples(t *testing.T) {
+	doc, err := os.ReadFile("docs/region.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	j := between(t, string(doc), "```json\n", "```")
+	r, err := DecodeRegion([]byte(j))
+	if err != nil || r != exampleRegion() {
+		t.Fatalf("the doc's JSON example: %v\n%+v", err, r)
+	}
+	b, _ := exampleRegion().MarshalBinary()
+	if !strings.Contains(string(doc), hex.Dump(b)) {
+		t.Fatalf("the doc's binary example differs from:\n%s", hex.Dump(b))
+	}
+	e, _ := exampleEvent().MarshalBinary()
+	if !strings.Contains(string(doc), hex.Dump(e)) {
+		t.Fatalf("the doc's event example differs from:\n%s", hex.Dump(e))
+	}
+}
+
+func between(t *testing.T, s, start, end string) string {
+	t.Helper()
+	_, after, ok := strings.Cut(s, start)
+	if !ok {
+		t.Fatalf("no %q", start)
+	}
+	v, _, ok := strings.Cut(after, end)
+	if !ok {
+		t.Fatalf("no %q", end)
+	}
+	return v
 }
