@@ -28,7 +28,7 @@ for lib in "${libs[@]}"; do
   exec 3>&-
   wait "$pid"
   if [ -n "$want" ] && [ "$got" = "$want" ]; then
-    echo "$lib: ok  sha256 $got  region $(cut -c1-160 "$tmp/region.json" | sed 's/"handle":"[^"]*"/"handle":"…"/')"
+    echo "$lib: ok  sha256 $got  region $(sed 's/"handle":"[^"]*"/"handle":"…"/' "$tmp/region.json")"
   else
     echo "$lib: FAIL want '$want' got '$got'"
     cat "$tmp/err.txt" "$tmp/dump.txt"
