@@ -139,4 +139,40 @@ func BenchmarkOpenEventHandle(b *testing.B) {
 	open.report(b, "open")
 }
 
+// BenchmarkImportCached imports and closes a region of an allocation that
+// another Mapping keeps open: the cache answers without a driver call, to
+// set against BenchmarkOpenCloseCold's open and close.
+func BenchmarkImportCached(b *testing.B) {
+	dev := testutil.RequireGPU(b)
+	c := testutil.Spawn(b, "regionExporter", "SIZE=1048576", "SEED=1", "DEVICE="+dev.UUID().String())
+	var msg regionMsg
+	if err := c.Recv(&msg); err != nil || msg.Err != "" {
+		b.Fatalf("exporter: %v %s", err, msg.Err)
+	}
+	keep, err := cudaipc.Import(msg.Region)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer keep.Close()
+	sub, _ := msg.Region.Sub(4096, 4096)
+	before := cudaipc.ImportCacheStats()
+	var tm timer
+	b.ReportAllocs()
+	for b.Loop() {
+		tm.time(func() {
+			m, err := cudaipc.Import(sub)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := m.Close(); err != nil {
+				b.Fatal(err)
+			}
+		})
+	}
+	tm.report(b, "import+close")
+	if d := cudaipc.ImportCacheStats().Opens - before.Opens; d != 0 {
+		b.Fatalf("%d driver opens in the cached loop", d)
+	}
+}
+
 func itoa(n int64) string { return strconv.FormatInt(n, 10) }

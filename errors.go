@@ -67,6 +67,18 @@ var (
 	// ErrInUse is returned by Buffer.Free while this process still holds
 	// mappings of the buffer that it knows of.
 	ErrInUse = errors.New("cudaipc: buffer still has open mappings in this process")
+	// ErrOtherHost is returned by Import for a Region or EventDescriptor
+	// exported on another machine, or before a reboot: legacy IPC handles
+	// mean nothing there.
+	ErrOtherHost = errors.New("cudaipc: exported on another machine or boot")
+	// ErrOtherPIDNamespace is returned by Import for a Region or
+	// EventDescriptor exported in another PID namespace (another
+	// container): the driver finds the exporter by pid and cannot.
+	ErrOtherPIDNamespace = errors.New("cudaipc: exported in another PID namespace")
+	// ErrStaleMapping is returned by Import when the allocation a Region
+	// names was freed and the memory at its handle or address is now
+	// another allocation that this process cannot tell apart from it.
+	ErrStaleMapping = errors.New("cudaipc: stale mapping")
 )
 
 // ArgError reports an argument rejected before any driver call, with the

@@ -30,6 +30,7 @@ type Event struct {
 	flags    EventFlags
 	imported bool
 	closed   bool
+	exported *EventHandle // set by Export, for same-process ImportEvent
 }
 
 // NewEvent creates an event with the given flags.
@@ -163,6 +164,7 @@ func (e *Event) Close() error {
 	if err := e.dev.do(func() error { return cu.EventDestroy(e.e) }); err != nil {
 		return err
 	}
+	e.unregisterExported()
 	e.closed = true
 	live.events.Add(-1)
 	return nil

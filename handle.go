@@ -25,11 +25,13 @@ func fingerprint(b []byte) string {
 }
 
 func decodeHandle(kind string, dst *[HandleSize]byte, text []byte) error {
-	var tmp [HandleSize + 3]byte // room to detect over-long input
-	n, err := base64.StdEncoding.Strict().Decode(tmp[:], text)
+	// Check the length before decoding: Decode writes past a destination
+	// that is too short for its input (and panics).
 	if len(text) > base64.StdEncoding.EncodedLen(HandleSize) {
 		return fmt.Errorf("cudaipc: invalid %s text: %d characters, want %d", kind, len(text), base64.StdEncoding.EncodedLen(HandleSize))
 	}
+	var tmp [HandleSize + 3]byte // room to detect over-long input
+	n, err := base64.StdEncoding.Strict().Decode(tmp[:], text)
 	if err != nil {
 		return fmt.Errorf("cudaipc: invalid %s text: %v", kind, err)
 	}

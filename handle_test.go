@@ -51,6 +51,8 @@ func TestMemHandleRejectsBadInput(t *testing.T) {
 	bad := [][]byte{
 		nil, []byte("x"), text[:87], append(append([]byte{}, text...), 'A'), []byte(strings.Repeat("A", 88)[:86] + "!!"),
 		[]byte(strings.Repeat("QUFB", 22)), // 66 bytes decoded
+		[]byte(strings.Repeat("0", 92)),    // over-long: used to panic inside base64.Decode
+		[]byte(strings.Repeat("QUFB", 200)),
 	}
 	for _, b := range bad {
 		var out MemHandle

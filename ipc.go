@@ -61,7 +61,7 @@ func (d *Device) OpenMemHandle(h MemHandle, flags IPCFlags) (DevicePtr, error) {
 	if err != nil {
 		return 0, err
 	}
-	live.mappings.Add(1)
+	live.memOpens.Add(1)
 	return DevicePtr(p), nil
 }
 
@@ -73,7 +73,7 @@ func (d *Device) CloseMemHandle(base DevicePtr) error {
 	}
 	err := d.do(func() error { return cu.IpcCloseMemHandle(cu.DevicePtr(base)) })
 	if err == nil {
-		live.mappings.Add(-1)
+		live.memOpens.Add(-1)
 	}
 	return err
 }

@@ -15,6 +15,9 @@ var roles = testutil.Roles{
 	"exporter": roleExporter,
 	"importer": roleImporter,
 	"nodriver": roleNoDriver,
+
+	"regionExporter": roleRegionExporter,
+	"regionImporter": roleRegionImporter,
 }
 
 func TestMain(m *testing.M) {

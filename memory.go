@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"weak"
 
 	"github.com/cudaipc/cudaipc/internal/cu"
 )
@@ -17,11 +18,16 @@ type DevicePtr uint64
 // Live counts the objects of this package that are open in this process:
 // a test that ends with a non-zero count leaked.
 type Live struct {
-	Buffers, HostBuffers, Streams, Events, Mappings int64
+	Buffers, HostBuffers, Streams, Events int64
+	// Mappings counts Mapping values returned by Import and not yet closed.
+	Mappings int64
+	// MemHandleOpens counts driver-level opens (Device.OpenMemHandle, which
+	// the Import cache also uses) not yet undone by CloseMemHandle.
+	MemHandleOpens int64
 }
 
 var live struct {
-	buffers, hostBuffers, streams, events, mappings atomic.Int64
+	buffers, hostBuffers, streams, events, mappings, memOpens atomic.Int64
 }
 
 // LiveObjects returns how many objects are open now.
@@ -29,6 +35,7 @@ func LiveObjects() Live {
 	return Live{
 		Buffers: live.buffers.Load(), HostBuffers: live.hostBuffers.Load(),
 		Streams: live.streams.Load(), Events: live.events.Load(), Mappings: live.mappings.Load(),
+		MemHandleOpens: live.memOpens.Load(),
 	}
 }
 
@@ -47,8 +54,45 @@ type Buffer struct {
 
 	mu        sync.Mutex
 	closed    bool
-	localRefs int // mappings of this buffer opened through Import in this process
+	localRefs int    // mappings of this buffer opened through Import in this process
+	bufferID  uint64 // CU_POINTER_ATTRIBUTE_BUFFER_ID, learnt on first Export; 0 until then
 	cleanup   runtime.Cleanup
+}
+
+// localBuffers finds the Buffer of this package at a base address, so that
+// a Region imported in its own exporting process takes a reference on the
+// Buffer (and Free refuses while it is held). It is keyed by address rather
+// than by buffer id because the address is known at Alloc without another
+// driver call; the id is checked at import. Weak pointers keep the leak
+// backstop of an unreachable Buffer working.
+var localBuffers struct {
+	mu sync.Mutex
+	m  map[DevicePtr]weak.Pointer[Buffer]
+}
+
+func registerBuffer(b *Buffer) {
+	localBuffers.mu.Lock()
+	defer localBuffers.mu.Unlock()
+	if localBuffers.m == nil {
+		localBuffers.m = map[DevicePtr]weak.Pointer[Buffer]{}
+	}
+	localBuffers.m[b.ptr] = weak.Make(b)
+}
+
+// unregisterBuffer forgets the Buffer at p if it is b, or if it is gone
+// (b == nil, from the leak backstop).
+func unregisterBuffer(p DevicePtr, b *Buffer) {
+	localBuffers.mu.Lock()
+	defer localBuffers.mu.Unlock()
+	if w, ok := localBuffers.m[p]; ok && w.Value() == b {
+		delete(localBuffers.m, p)
+	}
+}
+
+func lookupBuffer(p DevicePtr) *Buffer {
+	localBuffers.mu.Lock()
+	defer localBuffers.mu.Unlock()
+	return localBuffers.m[p].Value()
 }
 
 type bufferLeak struct {
@@ -59,6 +103,7 @@ type bufferLeak struct {
 
 func freeLeakedBuffer(l bufferLeak) {
 	slog.Warn("cudaipc: Buffer garbage-collected without Free; freeing it", "device", l.dev.ordinal, "size", l.size)
+	unregisterBuffer(l.ptr, nil)
 	if err := l.dev.do(func() error { return cu.MemFree(cu.DevicePtr(l.ptr)) }); err != nil {
 		slog.Warn("cudaipc: freeing leaked Buffer failed", "err", err)
 	}
@@ -84,6 +129,7 @@ func (d *Device) Alloc(size int64) (*Buffer, error) {
 	b := &Buffer{dev: d, ptr: DevicePtr(p), size: size}
 	live.buffers.Add(1)
 	b.cleanup = runtime.AddCleanup(b, freeLeakedBuffer, bufferLeak{d, b.ptr, size})
+	registerBuffer(b)
 	return b, nil
 }
 
@@ -154,6 +200,7 @@ func (b *Buffer) Free() error {
 	if err != nil {
 		return err
 	}
+	unregisterBuffer(b.ptr, b)
 	b.closed = true
 	b.cleanup.Stop()
 	live.buffers.Add(-1)
@@ -163,16 +210,33 @@ func (b *Buffer) Free() error {
 // Close is Free, for io.Closer.
 func (b *Buffer) Close() error { return b.Free() }
 
-// addLocalRef records a same-process mapping; it fails if the buffer is
-// already freed.
-func (b *Buffer) addLocalRef() error {
+// addLocalRef records a same-process mapping of the allocation with the
+// given buffer id; it fails if the buffer is freed or is another allocation
+// at the same address. idOf learns the buffer id when no Export did.
+func (b *Buffer) addLocalRef(id uint64, idOf func() (uint64, error)) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
 		return ErrClosed
 	}
+	if b.bufferID == 0 {
+		v, err := idOf()
+		if err != nil {
+			return err
+		}
+		b.bufferID = v
+	}
+	if b.bufferID != id {
+		return fmt.Errorf("%w: buffer id %d, the allocation now at that address is %d", ErrStaleMapping, id, b.bufferID)
+	}
 	b.localRefs++
 	return nil
+}
+
+func (b *Buffer) setBufferID(id uint64) {
+	b.mu.Lock()
+	b.bufferID = id
+	b.mu.Unlock()
 }
 
 func (b *Buffer) dropLocalRef() {
