@@ -121,19 +121,20 @@ func (r *ipcBenchReport) setRatios() {
 func writeIPCTable(w io.Writer, r *ipcBenchReport) error {
 	fmt.Fprintf(w, "%s: %s, %d GPU(s), large = %s, %d repetitions a latency, %d a bandwidth\n\n",
 		r.Tool, r.Device, r.GPUs, formatBytes(r.Size), r.Iters, r.BWIters)
-	line := func(cells ...any) {
-		fmt.Fprintln(w, strings.TrimRight(fmt.Sprintf("%-18s %10s %10s %5s  %-18s %s", cells...), " "))
+	line := func(format string, cells ...any) {
+		fmt.Fprintln(w, strings.TrimRight(fmt.Sprintf(format, cells...), " "))
 	}
-	line("latency", "p50 µs", "p99 µs", "n", "", "")
+	const latRow, bwRow = "%-18s %10s %10s %5s  %s", "%-18s %10s %10s %5s  %-18s %s"
+	line(latRow, "latency", "p50 µs", "p99 µs", "n", "")
 	for _, m := range ipcMetrics {
 		s, ok := r.Metrics[m.Key]
 		if !ok || s.Unit != "us" {
 			continue
 		}
-		line(m.Key, formatNum(s.P50), formatNum(s.P99), strconv.Itoa(s.N), "", m.What)
+		line(latRow, m.Key, formatNum(s.P50), formatNum(s.P99), strconv.Itoa(s.N), m.What)
 	}
 	fmt.Fprintln(w)
-	line("bandwidth", "p50 GB/s", "p99 GB/s", "n", "vs reference", "")
+	line(bwRow, "bandwidth", "p50 GB/s", "p99 GB/s", "n", "vs reference", "")
 	for _, m := range ipcMetrics {
 		s, ok := r.Metrics[m.Key]
 		if !ok || s.Unit != "GB/s" {
@@ -143,7 +144,7 @@ func writeIPCTable(w io.Writer, r *ipcBenchReport) error {
 		if s.Ref != "" && s.Ratio != 0 {
 			ratio = fmt.Sprintf("%.3gx %s", s.Ratio, s.Ref)
 		}
-		line(m.Key, formatNum(s.P50), formatNum(s.P99), strconv.Itoa(s.N), ratio, m.What)
+		line(bwRow, m.Key, formatNum(s.P50), formatNum(s.P99), strconv.Itoa(s.N), ratio, m.What)
 	}
 	if r.Staging != "" {
 		fmt.Fprintf(w, "\nhost_staged: %s\n", r.Staging)
