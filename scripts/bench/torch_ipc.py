@@ -34,6 +34,8 @@ import multiprocessing
 import sys
 import time
 
+TIMEOUT = 120  # seconds to wait for the other process before giving up
+
 SMALL = 1 << 20
 WARMUP = 5
 BW_WARMUP = 3
@@ -154,6 +156,11 @@ def torch_bench(args):
     keep = []
     bad = 0
 
+    def reply():
+        if not recv.is_alive() and back.empty():
+            raise SystemExit("torch_ipc: the receiver process died (exit %s)" % recv.exitcode)
+        return back.get(timeout=TIMEOUT)
+
     def new_tensor(n):
         t = torch.empty(n, dtype=torch.uint8, device=dev)
         t.random_(0, 256)  # in place: no other allocation to split segments
@@ -166,7 +173,7 @@ def torch_bench(args):
         nonlocal bad
         torch.cuda.synchronize()
         q.put(("share", time.perf_counter_ns(), t, chk))
-        ns, ok = back.get()
+        ns, ok = reply()
         bad += not ok
         return ns
 
@@ -188,7 +195,7 @@ def torch_bench(args):
     if split:
         out["notes"].append("%d of %d 1 MiB pairs did not share a segment: share_1mib_again mixes in cold opens" % (split, len(cold)))
     q.put(("drop",))
-    back.get()
+    reply()
     keep.clear()
     torch.cuda.empty_cache()
 
@@ -208,12 +215,12 @@ def torch_bench(args):
 
     # Bandwidth in the receiver: through the mapping, and in-process.
     q.put(("read", big[0], args.bw_iters))
-    ipc_secs, local_secs, ok = back.get()
+    ipc_secs, local_secs, ok = reply()
     bad += not ok
     m["d2d_local"] = bw_stat(args.size, local_secs, "d2d_local")
     m["ipc_read"] = bw_stat(args.size, ipc_secs, "d2d_local")
     q.put(("drop",))
-    back.get()
+    reply()
     src = big[0]
     big.clear()
     torch.cuda.empty_cache()
@@ -227,7 +234,7 @@ def torch_bench(args):
         t0 = time.perf_counter_ns()
         c = src.cpu()
         q.put(("staged", t0, c, chk))
-        ns, ok = back.get()
+        ns, ok = reply()
         bad += not ok
         del c
         if i >= 1:
@@ -250,7 +257,10 @@ def cupy_exporter(conn, size, iters):
     cupy.cuda.Device(0).use()
     small = rt.malloc(SMALL)
     large = rt.malloc(size)
-    data = cupy.random.randint(0, 256, size, dtype=cupy.uint8)
+    try:
+        data = cupy.random.randint(0, 256, size, dtype=cupy.uint8)
+    except (TypeError, ValueError):  # an older randint without unsigned dtypes
+        data = cupy.random.random(size // 8 + 1).view(cupy.uint8)[:size]
     rt.memcpy(large, data.data.ptr, size, rt.memcpyDeviceToDevice)
     rt.memcpy(small, data.data.ptr, SMALL, rt.memcpyDeviceToDevice)
     want = cupy.asnumpy(data[:4096]).tobytes()
@@ -270,13 +280,13 @@ def cupy_exporter(conn, size, iters):
         again.append(time.perf_counter_ns() - t0)
     for p in fresh:
         rt.free(p)
-    ev = rt.eventCreateWithFlags(0x2 | 0x4)  # cudaEventDisableTiming | cudaEventInterprocess
-    rt.eventRecord(ev, 0)
+    ev = cupy.cuda.Event(block=False, disable_timing=True, interprocess=True)
+    ev.record()
     conn.send({"small": rt.ipcGetMemHandle(small), "large": rt.ipcGetMemHandle(large),
-               "event": rt.ipcGetEventHandle(ev), "want": want,
+               "event": rt.ipcGetEventHandle(ev.ptr), "want": want,
                "export_first": first[WARMUP:], "export_again": again[WARMUP:]})
-    conn.recv()  # hold the memory until the importer is done
-    rt.eventDestroy(ev)
+    conn.poll(TIMEOUT * 5)  # hold the memory until the importer is done
+    del ev
     rt.free(large)
     rt.free(small)
 
@@ -290,8 +300,11 @@ def cupy_bench(args):
     exp = ctx.Process(target=cupy_exporter, args=(there, args.size, args.iters), daemon=True)
     exp.start()
     cupy.cuda.Device(0).use()
+    if not here.poll(TIMEOUT):
+        raise SystemExit("torch_ipc: no word from the CuPy exporter (exit %s)" % exp.exitcode)
     hello = here.recv()
-    out = {"tool": "cupy", "device": rt.getDeviceProperties(0)["name"].decode(),
+    name = rt.getDeviceProperties(0)["name"]
+    out = {"tool": "cupy", "device": name.decode() if isinstance(name, bytes) else name,
            "gpus": rt.getDeviceCount(), "size": args.size, "iters": args.iters,
            "bw_iters": 0, "metrics": {}, "notes": ["cupy %s" % cupy.__version__]}
     m = out["metrics"]
