@@ -104,14 +104,14 @@ struct hello {
     struct summary export_first, export_again;
 };
 
-static CUcontext context0(void) {
+static CUdevice context0(void) {
     CUdevice dev;
     CUcontext ctx;
     CK(cuInit(0));
     CK(cuDeviceGet(&dev, 0));
     CK(cuDevicePrimaryCtxRetain(&ctx, dev));
     CK(cuCtxSetCurrent(ctx));
-    return ctx;
+    return dev;
 }
 
 static void exporter(int in, int out, size_t size, int iters, uint64_t seed) {
@@ -217,11 +217,9 @@ int main(int argc, char **argv) {
 
     struct hello h;
     read_full(c2p[0], &h, sizeof h);
-    context0();
-    CUdevice dev;
+    CUdevice dev = context0();
     char name[256] = "";
     int ngpu = 0;
-    CK(cuCtxGetDevice(&dev));
     CK(cuDeviceGetName(name, sizeof name, dev));
     CK(cuDeviceGetCount(&ngpu));
 

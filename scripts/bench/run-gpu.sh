@@ -28,9 +28,12 @@ timeout 100 "$here/../bin/cudaipc" bench ipc --size "$size" --iters "$iters" --b
 step "C driver API (ipc_bench.c)"
 cbin=/tmp/cudaipc-ipc_bench
 cuda=/usr/local/cuda
+# The toolkit's stub libcuda.so to link; at run time the driver's libcuda.so.1.
 if gcc -O2 -Wall -I"$cuda/include" "$here/ipc_bench.c" -o "$cbin" \
      -L"$cuda/lib64/stubs" -L"$cuda/targets/x86_64-linux/lib/stubs" -lcuda >"$out/c-build.log" 2>&1 ||
-   nvcc -O2 "$here/ipc_bench.c" -o "$cbin" -lcuda >>"$out/c-build.log" 2>&1; then
+   gcc -O2 -Wall -I"$cuda/include" "$here/ipc_bench.c" -o "$cbin" \
+     -L/usr/local/nvidia/lib64 -L/lib/x86_64-linux-gnu -l:libcuda.so.1 >>"$out/c-build.log" 2>&1 ||
+   nvcc -O2 "$here/ipc_bench.c" -o "$cbin" -L"$cuda/lib64/stubs" -lcuda >>"$out/c-build.log" 2>&1; then
   timeout 40 "$cbin" --size "$size" --iters "$iters" >"$out/c.json" 2>"$out/c.log" ||
     { echo "ipc_bench failed (rc $?):"; tail -5 "$out/c.log"; }
 else
