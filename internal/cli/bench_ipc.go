@@ -97,7 +97,7 @@ type ipcBench struct {
 	cleanup  []func()
 }
 
-func (b *ipcBench) defer_(f func()) { b.cleanup = append(b.cleanup, f) }
+func (b *ipcBench) onClose(f func()) { b.cleanup = append(b.cleanup, f) }
 
 func (b *ipcBench) close() {
 	for i := len(b.cleanup) - 1; i >= 0; i-- {
@@ -247,7 +247,7 @@ func (b *ipcBench) startExporter(ctx context.Context, devs []*cudaipc.Device) (*
 		return nil, fmt.Errorf("memfd_create: %w", err)
 	}
 	memfd := os.NewFile(uintptr(fd), "cudaipc-bench-staging")
-	b.defer_(func() { memfd.Close() })
+	b.onClose(func() { memfd.Close() })
 	if err := memfd.Truncate(b.c.Size); err != nil {
 		return nil, fmt.Errorf("memfd: %w", err)
 	}
@@ -255,7 +255,7 @@ func (b *ipcBench) startExporter(ctx context.Context, devs []*cudaipc.Device) (*
 	if err != nil {
 		return nil, fmt.Errorf("mmap of the staging memfd: %w", err)
 	}
-	b.defer_(func() { unix.Munmap(staging) })
+	b.onClose(func() { unix.Munmap(staging) })
 
 	exe, err := os.Executable()
 	if err != nil {
@@ -279,7 +279,7 @@ func (b *ipcBench) startExporter(ctx context.Context, devs []*cudaipc.Device) (*
 		return nil, err
 	}
 	ex := &benchExporter{enc: json.NewEncoder(stdin), dec: json.NewDecoder(stdout), staging: staging}
-	b.defer_(func() {
+	b.onClose(func() {
 		_ = ex.enc.Encode(benchExportRequest{Op: "exit"})
 		stdin.Close()
 		done := make(chan struct{})
@@ -419,17 +419,17 @@ func (b *ipcBench) newCopyTimer() (*copyTimer, error) {
 	if err != nil {
 		return nil, err
 	}
-	b.defer_(func() { s.Close() })
+	b.onClose(func() { s.Close() })
 	start, err := b.dev.NewEvent(cudaipc.EventDefault)
 	if err != nil {
 		return nil, err
 	}
-	b.defer_(func() { start.Close() })
+	b.onClose(func() { start.Close() })
 	end, err := b.dev.NewEvent(cudaipc.EventDefault)
 	if err != nil {
 		return nil, err
 	}
-	b.defer_(func() { end.Close() })
+	b.onClose(func() { end.Close() })
 	return &copyTimer{s, start, end}, nil
 }
 
@@ -466,7 +466,7 @@ func (b *ipcBench) alloc(d *cudaipc.Device) (*cudaipc.Buffer, error) {
 	if err != nil {
 		return nil, err
 	}
-	b.defer_(func() { x.Free() })
+	b.onClose(func() { x.Free() })
 	return x, nil
 }
 
@@ -489,7 +489,7 @@ func (b *ipcBench) bandwidths(ex *benchExporter) error {
 	if err != nil {
 		return err
 	}
-	b.defer_(func() { host.Free() })
+	b.onClose(func() { host.Free() })
 	hb := host.Bytes()
 	fillRandom(hb, rand.Uint64())
 	srcCRC := crc32.ChecksumIEEE(hb)
@@ -527,7 +527,7 @@ func (b *ipcBench) bandwidths(ex *benchExporter) error {
 	if err != nil {
 		return err
 	}
-	b.defer_(func() { b.dev.CloseMemHandle(m) })
+	b.onClose(func() { b.dev.CloseMemHandle(m) })
 	if err := dst.Memset(0); err != nil {
 		return err
 	}
@@ -601,7 +601,7 @@ func (b *ipcBench) bandwidths(ex *benchExporter) error {
 	if err != nil {
 		return err
 	}
-	b.defer_(func() { b.dev.CloseMemHandle(pm) })
+	b.onClose(func() { b.dev.CloseMemHandle(pm) })
 	if err := dst.Memset(0); err != nil {
 		return err
 	}

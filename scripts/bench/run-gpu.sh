@@ -27,7 +27,7 @@ timeout 100 "$here/../bin/cudaipc" bench ipc --size "$size" --iters "$iters" --b
 
 step "C driver API (ipc_bench.c)"
 cbin=/tmp/cudaipc-ipc_bench
-cuda=/usr/local/cuda
+cuda=${CUDA_HOME:-/usr/local/cuda}
 # The toolkit's stub libcuda.so to link; at run time the driver's libcuda.so.1.
 if gcc -O2 -Wall -I"$cuda/include" "$here/ipc_bench.c" -o "$cbin" \
      -L"$cuda/lib64/stubs" -L"$cuda/targets/x86_64-linux/lib/stubs" -lcuda >"$out/c-build.log" 2>&1 ||
