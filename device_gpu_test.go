@@ -185,3 +185,70 @@ func TestStreamsAndEventsInProcess(t *testing.T) {
 		t.Fatalf("use after close: %v", err)
 	}
 }
+
+// TestEventElapsed times a 256 MiB device copy with events: the result must
+// be positive and below what the copy would take at 100 GB/s (an H200
+// copies at about 2 TB/s), and events without timing must be refused.
+func TestEventElapsed(t *testing.T) {
+	dev := testutil.RequireGPU(t)
+	const size = 256 << 20
+	src, err := dev.Alloc(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Free()
+	dst, err := dev.Alloc(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dst.Free()
+	if _, err := src.WriteAt(testutil.RandomBytes(uint64(time.Now().UnixNano()), size), 0); err != nil {
+		t.Fatal(err)
+	}
+	s, err := dev.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	start, err := dev.NewEvent(cudaipc.EventDefault)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer start.Close()
+	end, err := dev.NewEvent(cudaipc.EventDefault)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer end.Close()
+	for range 2 { // the first copy warms up
+		if err := start.Record(s); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.CopyAsync(dst.Ptr(), src.Ptr(), size); err != nil {
+			t.Fatal(err)
+		}
+		if err := end.Record(s); err != nil {
+			t.Fatal(err)
+		}
+		if err := end.Synchronize(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	d, err := end.Elapsed(start)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d <= 0 || d > size*time.Second/100e9 {
+		t.Fatalf("256 MiB copy took %v by events", d)
+	}
+	t.Logf("256 MiB device copy: %v, %.0f GB/s", d, size/d.Seconds()/1e9)
+	noTiming, err := dev.NewEvent(cudaipc.EventDisableTiming)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer noTiming.Close()
+	var ae *cudaipc.ArgError
+	if _, err := noTiming.Elapsed(start); !errors.As(err, &ae) {
+		t.Fatalf("Elapsed on an event without timing: %v", err)
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/cudaipc/cudaipc/internal/cu"
 )
@@ -152,6 +153,38 @@ func (e *Event) Done() (bool, error) {
 		return false, nil
 	}
 	return false, err
+}
+
+// Elapsed returns the GPU time between start's last Record and e's
+// (cuEventElapsedTime, resolution about 0.5 µs): the way to time device
+// work without the host's launch and wake-up latency. Both events must be
+// of one device, created without EventDisableTiming, and completed
+// (ErrNotReady otherwise: Synchronize on e first).
+func (e *Event) Elapsed(start *Event) (time.Duration, error) {
+	end, err := e.handle("Elapsed")
+	if err != nil {
+		return 0, err
+	}
+	begin, err := start.handle("Elapsed")
+	if err != nil {
+		return 0, err
+	}
+	if e.flags&EventDisableTiming != 0 || start.flags&EventDisableTiming != 0 {
+		return 0, &ArgError{Op: "Elapsed", Arg: "event", Reason: "created with EventDisableTiming (IPC events never time)"}
+	}
+	if start.dev != e.dev {
+		return 0, &ArgError{Op: "Elapsed", Arg: "start", Reason: fmt.Sprintf("on %s, not on %s", start.dev, e.dev)}
+	}
+	var ms float32
+	err = e.dev.do(func() error {
+		var err error
+		ms, err = cu.EventElapsedTime(begin, end)
+		return err
+	})
+	if err != nil {
+		return 0, err
+	}
+	return time.Duration(float64(ms) * float64(time.Millisecond)), nil
 }
 
 // Close destroys the event; closing twice is not an error.

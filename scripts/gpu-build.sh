@@ -6,6 +6,8 @@
 #   scripts/gpu-build.sh            # then run .gpu/gpu-run.sh on the GPU machine,
 #                                   # e.g. device run with carry [".gpu"]:
 #                                   #   bash .gpu/gpu-run.sh
+#                                   # or the IPC benchmark table:
+#                                   #   bash .gpu/bench/run-gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .gpu && mkdir -p .gpu/bin
@@ -17,4 +19,7 @@ for pkg in $(go list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.ImportPath}}{{en
 done
 go build -o .gpu/bin/cudaipc ./cmd/cudaipc
 cp scripts/gpu-run.sh .gpu/
+# The IPC benchmark's C and Python programs and its driver script
+# (bash .gpu/bench/run-gpu.sh).
+mkdir -p .gpu/bench && cp scripts/bench/*.c scripts/bench/*.py scripts/bench/*.sh .gpu/bench/
 echo "built: $(ls .gpu/bin | tr '\n' ' ')"

@@ -15,7 +15,7 @@ import (
 )
 
 func main() {
-	if cli.RunDoctorExporter() {
+	if cli.RunDoctorExporter() || cli.RunBenchExporter() {
 		return
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)

@@ -463,6 +463,17 @@ func EventQuery(e Event) error {
 	return check("cuEventQuery", cuEventQuery(e))
 }
 
+// EventElapsedTime returns the milliseconds between two completed events
+// created without EventDisableTiming (resolution about 0.5 µs).
+func EventElapsedTime(start, end Event) (float32, error) {
+	if err := loaded("cuEventElapsedTime"); err != nil {
+		return 0, err
+	}
+	var ms float32
+	err := check("cuEventElapsedTime", cuEventElapsedTime(&ms, start, end))
+	return ms, err
+}
+
 // IpcGetMemHandle exports the allocation containing p.
 func IpcGetMemHandle(p DevicePtr) (IpcMemHandle, error) {
 	var h IpcMemHandle

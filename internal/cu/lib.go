@@ -154,6 +154,7 @@ var (
 	cuEventRecord             func(e Event, s Stream) Result
 	cuEventSynchronize        func(e Event) Result
 	cuEventQuery              func(e Event) Result
+	cuEventElapsedTime        func(ms *float32, start, end Event) Result
 	cuIpcGetMemHandle         func(h *IpcMemHandle, p DevicePtr) Result
 	cuIpcOpenMemHandle        func(p *DevicePtr, h IpcMemHandle, flags uint32) Result
 	cuIpcCloseMemHandle       func(p DevicePtr) Result
@@ -205,6 +206,7 @@ var entries = []entry{
 	{"cuEventRecord", "cuEventRecord", &cuEventRecord},
 	{"cuEventSynchronize", "cuEventSynchronize", &cuEventSynchronize},
 	{"cuEventQuery", "cuEventQuery", &cuEventQuery},
+	{"cuEventElapsedTime", "cuEventElapsedTime", &cuEventElapsedTime},
 	{"cuIpcGetMemHandle", "cuIpcGetMemHandle", &cuIpcGetMemHandle},
 	{"cuIpcOpenMemHandle", "cuIpcOpenMemHandle_v2", &cuIpcOpenMemHandle},
 	{"cuIpcCloseMemHandle", "cuIpcCloseMemHandle", &cuIpcCloseMemHandle},
