@@ -37,6 +37,7 @@ type cliRoot struct {
 	Info   InfoCmd   `cmd:"" help:"Show the driver, each GPU and the peer-access matrix."`
 	Doctor DoctorCmd `cmd:"" help:"Check that this machine can share GPU memory, and say what to fix."`
 	Dump   DumpCmd   `cmd:"" help:"Write the bytes of a region exported by any program (Go, PyTorch, CuPy, C) to a file or stdout."`
+	Bench  benchCmd  `cmd:"" help:"Measure."`
 }
 
 // ExitError carries an exit code other than 1.

@@ -1,0 +1,6 @@
+package cli
+
+// benchCmd groups the measurements.
+type benchCmd struct {
+	IPC BenchIPCCmd `cmd:"" name:"ipc" help:"Measure GPU sharing between processes against C, the hardware and host staging."`
+}
