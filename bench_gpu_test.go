@@ -144,7 +144,7 @@ func BenchmarkOpenEventHandle(b *testing.B) {
 // set against BenchmarkOpenCloseCold's open and close.
 func BenchmarkImportCached(b *testing.B) {
 	dev := testutil.RequireGPU(b)
-	c := testutil.Spawn(b, "regionExporter", "SIZE=1048576", "SEED=1", "DEVICE="+dev.UUID().String())
+	c := testutil.Spawn(b, "regionExporter", "SIZE=4194304", "SEED=1", "DEVICE="+dev.UUID().String())
 	var msg regionMsg
 	if err := c.Recv(&msg); err != nil || msg.Err != "" {
 		b.Fatalf("exporter: %v %s", err, msg.Err)
