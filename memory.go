@@ -18,10 +18,12 @@ type DevicePtr uint64
 // a test that ends with a non-zero count leaked.
 type Live struct {
 	Buffers, HostBuffers, Streams, Events, Mappings int64
+	ShareableBuffers, FDMappings                    int64
 }
 
 var live struct {
 	buffers, hostBuffers, streams, events, mappings atomic.Int64
+	shareableBuffers, fdMappings                    atomic.Int64
 }
 
 // LiveObjects returns how many objects are open now.
@@ -29,6 +31,7 @@ func LiveObjects() Live {
 	return Live{
 		Buffers: live.buffers.Load(), HostBuffers: live.hostBuffers.Load(),
 		Streams: live.streams.Load(), Events: live.events.Load(), Mappings: live.mappings.Load(),
+		ShareableBuffers: live.shareableBuffers.Load(), FDMappings: live.fdMappings.Load(),
 	}
 }
 
