@@ -12,9 +12,11 @@ import (
 // roles are the helper processes the tests start by re-executing the test
 // binary.
 var roles = testutil.Roles{
-	"exporter": roleExporter,
-	"importer": roleImporter,
-	"nodriver": roleNoDriver,
+	"exporter":   roleExporter,
+	"importer":   roleImporter,
+	"nodriver":   roleNoDriver,
+	"fdimporter": roleFDImporter,
+	"fdexporter": roleFDExporter,
 }
 
 func TestMain(m *testing.M) {
