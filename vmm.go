@@ -323,9 +323,12 @@ func (d *Device) ImportFD(f *os.File, size int64) (*FDMapping, error) {
 		if e != nil {
 			return e
 		}
+		// The allocation's own properties give its granularity; should the
+		// driver not report them for an imported handle, this device's
+		// granularity for the same kind of memory serves.
 		prop, e := cu.MemGetAllocationPropertiesFromHandle(h)
 		if e != nil {
-			return errors.Join(e, cu.MemRelease(h))
+			prop = cu.DevicePinnedProp(d.dev, cu.MemHandleTypePosixFD)
 		}
 		g, e := cu.MemGetAllocationGranularity(prop, cu.MemAllocGranularityMinimum)
 		if e != nil {
