@@ -18,6 +18,9 @@ var roles = testutil.Roles{
 
 	"regionExporter": roleRegionExporter,
 	"regionImporter": roleRegionImporter,
+
+	"fdimporter": roleFDImporter,
+	"fdexporter": roleFDExporter,
 }
 
 func TestMain(m *testing.M) {

@@ -24,10 +24,14 @@ type Live struct {
 	// MemHandleOpens counts driver-level opens (Device.OpenMemHandle, which
 	// the Import cache also uses) not yet undone by CloseMemHandle.
 	MemHandleOpens int64
+	// ShareableBuffers and FDMappings count VMM allocations and imports of
+	// their file descriptors.
+	ShareableBuffers, FDMappings int64
 }
 
 var live struct {
 	buffers, hostBuffers, streams, events, mappings, memOpens atomic.Int64
+	shareableBuffers, fdMappings                              atomic.Int64
 }
 
 // LiveObjects returns how many objects are open now.
@@ -35,7 +39,8 @@ func LiveObjects() Live {
 	return Live{
 		Buffers: live.buffers.Load(), HostBuffers: live.hostBuffers.Load(),
 		Streams: live.streams.Load(), Events: live.events.Load(), Mappings: live.mappings.Load(),
-		MemHandleOpens: live.memOpens.Load(),
+		MemHandleOpens:   live.memOpens.Load(),
+		ShareableBuffers: live.shareableBuffers.Load(), FDMappings: live.fdMappings.Load(),
 	}
 }
 

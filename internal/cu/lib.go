@@ -44,6 +44,10 @@ type (
 	IpcMemHandle struct{ Reserved [64]byte }
 	// IpcEventHandle is CUipcEventHandle, passed by value to the driver.
 	IpcEventHandle struct{ Reserved [64]byte }
+	// MemGenericAllocationHandle is CUmemGenericAllocationHandle (unsigned
+	// long long): a process-local handle to physical memory made by
+	// cuMemCreate or cuMemImportFromShareableHandle.
+	MemGenericAllocationHandle uint64
 )
 
 var (
@@ -160,6 +164,20 @@ var (
 	cuIpcCloseMemHandle       func(p DevicePtr) Result
 	cuIpcGetEventHandle       func(h *IpcEventHandle, e Event) Result
 	cuIpcOpenEventHandle      func(e *Event, h IpcEventHandle) Result
+
+	// Virtual memory management. The struct pointers point at Go values
+	// whose layout vmm_test.go checks against cuda.h.
+	cuMemCreate                            func(h *MemGenericAllocationHandle, size uint64, prop *MemAllocationProp, flags uint64) Result
+	cuMemRelease                           func(h MemGenericAllocationHandle) Result
+	cuMemExportToShareableHandle           func(shareable *int32, h MemGenericAllocationHandle, handleType int32, flags uint64) Result
+	cuMemImportFromShareableHandle         func(h *MemGenericAllocationHandle, osHandle uintptr, handleType int32) Result
+	cuMemAddressReserve                    func(p *DevicePtr, size, alignment uint64, addr DevicePtr, flags uint64) Result
+	cuMemAddressFree                       func(p DevicePtr, size uint64) Result
+	cuMemMap                               func(p DevicePtr, size, offset uint64, h MemGenericAllocationHandle, flags uint64) Result
+	cuMemUnmap                             func(p DevicePtr, size uint64) Result
+	cuMemSetAccess                         func(p DevicePtr, size uint64, desc *MemAccessDesc, count uint64) Result
+	cuMemGetAllocationGranularity          func(g *uint64, prop *MemAllocationProp, option int32) Result
+	cuMemGetAllocationPropertiesFromHandle func(prop *MemAllocationProp, h MemGenericAllocationHandle) Result
 )
 
 var entries = []entry{
@@ -212,6 +230,17 @@ var entries = []entry{
 	{"cuIpcCloseMemHandle", "cuIpcCloseMemHandle", &cuIpcCloseMemHandle},
 	{"cuIpcGetEventHandle", "cuIpcGetEventHandle", &cuIpcGetEventHandle},
 	{"cuIpcOpenEventHandle", "cuIpcOpenEventHandle", &cuIpcOpenEventHandle},
+	{"cuMemCreate", "cuMemCreate", &cuMemCreate},
+	{"cuMemRelease", "cuMemRelease", &cuMemRelease},
+	{"cuMemExportToShareableHandle", "cuMemExportToShareableHandle", &cuMemExportToShareableHandle},
+	{"cuMemImportFromShareableHandle", "cuMemImportFromShareableHandle", &cuMemImportFromShareableHandle},
+	{"cuMemAddressReserve", "cuMemAddressReserve", &cuMemAddressReserve},
+	{"cuMemAddressFree", "cuMemAddressFree", &cuMemAddressFree},
+	{"cuMemMap", "cuMemMap", &cuMemMap},
+	{"cuMemUnmap", "cuMemUnmap", &cuMemUnmap},
+	{"cuMemSetAccess", "cuMemSetAccess", &cuMemSetAccess},
+	{"cuMemGetAllocationGranularity", "cuMemGetAllocationGranularity", &cuMemGetAllocationGranularity},
+	{"cuMemGetAllocationPropertiesFromHandle", "cuMemGetAllocationPropertiesFromHandle", &cuMemGetAllocationPropertiesFromHandle},
 }
 
 func load(path string) error {

@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -151,9 +152,29 @@ type Child struct {
 // variables. The child is killed when the test ends.
 func Spawn(t testing.TB, role string, env ...string) *Child {
 	t.Helper()
+	return SpawnWith(t, role, SpawnOptions{Env: env})
+}
+
+// SpawnOptions are what SpawnWith adds to Spawn.
+type SpawnOptions struct {
+	// Env holds extra environment variables, "NAME=value".
+	Env []string
+	// ExtraFiles become the child's descriptors 3, 4, ... (exec.Cmd.ExtraFiles).
+	// The caller keeps and closes its copies.
+	ExtraFiles []*os.File
+	// SysProcAttr, if set, is the child's exec.Cmd.SysProcAttr, e.g. to
+	// start it in new namespaces.
+	SysProcAttr *syscall.SysProcAttr
+}
+
+// SpawnWith is Spawn with descriptors to pass and process attributes.
+func SpawnWith(t testing.TB, role string, o SpawnOptions) *Child {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
-	cmd.Env = append(append(os.Environ(), EnvRole+"="+role), env...)
+	cmd.Env = append(append(os.Environ(), EnvRole+"="+role), o.Env...)
+	cmd.ExtraFiles = o.ExtraFiles
+	cmd.SysProcAttr = o.SysProcAttr
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatal(err)
