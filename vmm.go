@@ -338,7 +338,9 @@ func (d *Device) ImportFD(f *os.File, size int64) (*FDMapping, error) {
 			return errors.Join(e, cu.MemRelease(h))
 		}
 		if p, e = mapHandle(d.dev, h, rounded, int64(g)); e != nil {
-			if errors.Is(e, ErrInvalidValue) {
+			// The H200 driver answers a map larger than the allocation
+			// with CUDA_ERROR_NOT_SUPPORTED, other drivers with INVALID_VALUE.
+			if errors.Is(e, ErrInvalidValue) || errors.Is(e, ErrNotSupported) {
 				e = fmt.Errorf("%w (is size %d, rounded to %d, larger than the exported allocation?)", e, size, rounded)
 			}
 			return errors.Join(e, cu.MemRelease(h))

@@ -88,11 +88,41 @@ func Sum(b []byte) string {
 // TestMain calls RunRole before m.Run.
 type Roles map[string]func(*Peer) error
 
+// EnvMountProc, set to 1 in a helper started in new PID and mount
+// namespaces (NewNamespaces), makes it mount a /proc of its own before its
+// role runs, as `unshare --pid --fork --mount-proc` does: the CUDA driver
+// fails to initialize (CUDA_ERROR_OPERATING_SYSTEM) when /proc shows
+// another PID namespace than the process's.
+const EnvMountProc = "CUDAIPC_TEST_MOUNT_PROC"
+
+// NewNamespaces returns SpawnOptions fields for a helper in a new PID
+// namespace with its own /proc, like a process in a container.
+func NewNamespaces() (*syscall.SysProcAttr, string) {
+	return &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS}, EnvMountProc + "=1"
+}
+
+func mountOwnProc() error {
+	// Keep our mounts out of the parent's namespace, then replace /proc.
+	if err := syscall.Mount("", "/", "", syscall.MS_REC|syscall.MS_PRIVATE, ""); err != nil {
+		return fmt.Errorf("make mounts private: %w", err)
+	}
+	if err := syscall.Mount("proc", "/proc", "proc", syscall.MS_NOSUID|syscall.MS_NODEV|syscall.MS_NOEXEC, ""); err != nil {
+		return fmt.Errorf("mount /proc: %w", err)
+	}
+	return nil
+}
+
 // RunRole runs the role named by EnvRole, if any, and exits the process.
 func RunRole(roles Roles) {
 	name := os.Getenv(EnvRole)
 	if name == "" {
 		return
+	}
+	if os.Getenv(EnvMountProc) == "1" {
+		if err := mountOwnProc(); err != nil {
+			fmt.Fprintf(os.Stderr, "role %s: %v\n", name, err)
+			os.Exit(3)
+		}
 	}
 	f, ok := roles[name]
 	if !ok {
