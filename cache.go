@@ -333,13 +333,13 @@ func (c *importCache) target(u UUID, cfg importConfig) (*Device, error) {
 
 // checkReach says why a handle from identity (boot, pidns) cannot work in
 // this process, if it cannot.
-func checkReach(what string, boot BootID, pidns uint64, self Identity) error {
+func checkReach(what string, boot BootID, pidns uint64, self Identity, anyPIDNamespace bool) error {
 	if boot != self.BootID {
 		return fmt.Errorf("%w: the %s was exported under boot id %s, this process runs under %s; a CUDA IPC handle works only on the machine (and boot) that made it: copy the bytes instead",
 			ErrOtherHost, what, boot, self.BootID)
 	}
-	if pidns != self.PIDNamespace {
-		return fmt.Errorf("%w: the %s was exported in PID namespace %d, this process is in %d; legacy CUDA IPC cannot cross PID namespaces (containers): use the VMM POSIX-fd path through the store daemon (cudaipc serve), or run both processes in one PID namespace (e.g. docker --pid=host)",
+	if pidns != self.PIDNamespace && !anyPIDNamespace {
+		return fmt.Errorf("%w: the %s was exported in PID namespace %d, this process is in %d; legacy CUDA IPC cannot cross PID namespaces (containers): use the VMM POSIX-fd path through the store daemon (cudaipc serve), or run both processes in one PID namespace (e.g. docker --pid=host); WithAnyPIDNamespace tries anyway (nested namespaces work)",
 			ErrOtherPIDNamespace, what, pidns, self.PIDNamespace)
 	}
 	return nil

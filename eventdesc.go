@@ -266,12 +266,13 @@ func (c *importCache) importEvent(d EventDescriptor, opts ...ImportOption) (*Rem
 	if err != nil {
 		return nil, err
 	}
-	if err := checkReach("event", d.BootID, d.PIDNamespace, self); err != nil {
+	cfg := configure(opts)
+	if err := checkReach("event", d.BootID, d.PIDNamespace, self, cfg.anyPIDNamespace); err != nil {
 		return nil, err
 	}
 	ref := &eventRef{cache: c, desc: d}
 	var ev *Event
-	if d.ExporterPID == self.PID {
+	if d.ExporterPID == self.PID && d.PIDNamespace == self.PIDNamespace {
 		exportedEvents.mu.Lock()
 		ev = exportedEvents.m[d.Handle]
 		exportedEvents.mu.Unlock()
@@ -279,10 +280,6 @@ func (c *importCache) importEvent(d EventDescriptor, opts ...ImportOption) (*Rem
 			return nil, fmt.Errorf("cudaipc: ImportEvent: the event was exported by this process and is closed: %w", ErrClosed)
 		}
 	} else {
-		var cfg importConfig
-		for _, o := range opts {
-			o(&cfg)
-		}
 		dev, err := c.target(d.Device, cfg)
 		if err != nil {
 			return nil, err

@@ -11,7 +11,26 @@ import (
 type ImportOption func(*importConfig)
 
 type importConfig struct {
-	fallback *Device
+	fallback        *Device
+	anyPIDNamespace bool
+}
+
+// WithAnyPIDNamespace lets Import try a region or event exported in another
+// PID namespace instead of refusing it with ErrOtherPIDNamespace. Measured
+// on driver 580: an importer in a PID namespace nested inside the
+// exporter's (a container started by the exporter's host) opens legacy
+// handles fine; between sibling containers the driver cannot find the
+// exporter and the open fails. The driver's error is returned then.
+func WithAnyPIDNamespace() ImportOption {
+	return func(c *importConfig) { c.anyPIDNamespace = true }
+}
+
+func configure(opts []ImportOption) importConfig {
+	var cfg importConfig
+	for _, o := range opts {
+		o(&cfg)
+	}
+	return cfg
 }
 
 // WithFallbackDevice names the device to map through when the exporter's
@@ -115,15 +134,12 @@ func (c *importCache) importMem(r Region, opts ...ImportOption) (*Mapping, error
 	if err != nil {
 		return nil, err
 	}
-	if err := checkReach("region", r.BootID, r.PIDNamespace, self); err != nil {
+	cfg := configure(opts)
+	if err := checkReach("region", r.BootID, r.PIDNamespace, self, cfg.anyPIDNamespace); err != nil {
 		return nil, err
 	}
-	if r.ExporterPID == self.PID {
+	if r.ExporterPID == self.PID && r.PIDNamespace == self.PIDNamespace {
 		return c.importLocal(r)
-	}
-	var cfg importConfig
-	for _, o := range opts {
-		o(&cfg)
 	}
 	dev, err := c.target(r.Device, cfg)
 	if err != nil {
