@@ -2,6 +2,7 @@ package cu
 
 import (
 	"bytes"
+	"github.com/ebitengine/purego"
 	"unsafe"
 )
 
@@ -173,7 +174,8 @@ func CtxSetCurrent(c Context) error {
 	if err := loaded("cuCtxSetCurrent"); err != nil {
 		return err
 	}
-	return check("cuCtxSetCurrent", cuCtxSetCurrent(c))
+	r, _, _ := purego.SyscallN(cuCtxSetCurrentAddr, uintptr(c))
+	return check("cuCtxSetCurrent", Result(int32(r)))
 }
 
 // CtxGetCurrent returns the context bound to the calling OS thread.

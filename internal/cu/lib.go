@@ -110,7 +110,13 @@ type entry struct {
 	name   string
 	symbol string
 	fn     any
+	raw    *uintptr // also keep the address, for calls made with SyscallN
 }
+
+// cuCtxSetCurrentAddr is called through purego.SyscallN rather than a
+// RegisterFunc binding: it runs before every context-bound call, and
+// SyscallN skips the reflection of a bound function.
+var cuCtxSetCurrentAddr uintptr
 
 // The bound driver functions. Types follow cuda.h on LP64 Linux: size_t and
 // CUdeviceptr are 64-bit, int is int32, pointers to C objects are uintptr.
@@ -181,66 +187,66 @@ var (
 )
 
 var entries = []entry{
-	{"cuInit", "cuInit", &cuInit},
-	{"cuDriverGetVersion", "cuDriverGetVersion", &cuDriverGetVersion},
-	{"cuDeviceGetCount", "cuDeviceGetCount", &cuDeviceGetCount},
-	{"cuDeviceGet", "cuDeviceGet", &cuDeviceGet},
-	{"cuDeviceGetName", "cuDeviceGetName", &cuDeviceGetName},
-	{"cuDeviceGetUuid", "cuDeviceGetUuid_v2", &cuDeviceGetUuid},
-	{"cuDeviceGetPCIBusId", "cuDeviceGetPCIBusId", &cuDeviceGetPCIBusId},
-	{"cuDeviceTotalMem", "cuDeviceTotalMem_v2", &cuDeviceTotalMem},
-	{"cuDeviceGetAttribute", "cuDeviceGetAttribute", &cuDeviceGetAttribute},
-	{"cuDeviceCanAccessPeer", "cuDeviceCanAccessPeer", &cuDeviceCanAccessPeer},
-	{"cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", &cuDevicePrimaryCtxRetain},
-	{"cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxRelease_v2", &cuDevicePrimaryCtxRelease},
-	{"cuCtxSetCurrent", "cuCtxSetCurrent", &cuCtxSetCurrent},
-	{"cuCtxGetCurrent", "cuCtxGetCurrent", &cuCtxGetCurrent},
-	{"cuCtxSynchronize", "cuCtxSynchronize", &cuCtxSynchronize},
-	{"cuCtxEnablePeerAccess", "cuCtxEnablePeerAccess", &cuCtxEnablePeerAccess},
-	{"cuCtxDisablePeerAccess", "cuCtxDisablePeerAccess", &cuCtxDisablePeerAccess},
-	{"cuMemAlloc", "cuMemAlloc_v2", &cuMemAlloc},
-	{"cuMemFree", "cuMemFree_v2", &cuMemFree},
-	{"cuMemAllocHost", "cuMemAllocHost_v2", &cuMemAllocHost},
-	{"cuMemFreeHost", "cuMemFreeHost", &cuMemFreeHost},
-	{"cuMemGetInfo", "cuMemGetInfo_v2", &cuMemGetInfo},
-	{"cuMemGetAddressRange", "cuMemGetAddressRange_v2", &cuMemGetAddressRange},
-	{"cuPointerGetAttribute", "cuPointerGetAttribute", &cuPointerGetAttribute},
-	{"cuMemcpy", "cuMemcpy", &cuMemcpy},
-	{"cuMemcpyHtoD", "cuMemcpyHtoD_v2", &cuMemcpyHtoD},
-	{"cuMemcpyDtoH", "cuMemcpyDtoH_v2", &cuMemcpyDtoH},
-	{"cuMemcpyPeer", "cuMemcpyPeer", &cuMemcpyPeer},
-	{"cuMemcpyAsync", "cuMemcpyAsync", &cuMemcpyAsync},
-	{"cuMemcpyHtoDAsync", "cuMemcpyHtoDAsync_v2", &cuMemcpyHtoDAsync},
-	{"cuMemcpyDtoHAsync", "cuMemcpyDtoHAsync_v2", &cuMemcpyDtoHAsync},
-	{"cuMemsetD8", "cuMemsetD8_v2", &cuMemsetD8},
-	{"cuMemsetD8Async", "cuMemsetD8Async", &cuMemsetD8Async},
-	{"cuStreamCreate", "cuStreamCreate", &cuStreamCreate},
-	{"cuStreamDestroy", "cuStreamDestroy_v2", &cuStreamDestroy},
-	{"cuStreamSynchronize", "cuStreamSynchronize", &cuStreamSynchronize},
-	{"cuStreamQuery", "cuStreamQuery", &cuStreamQuery},
-	{"cuStreamWaitEvent", "cuStreamWaitEvent", &cuStreamWaitEvent},
-	{"cuEventCreate", "cuEventCreate", &cuEventCreate},
-	{"cuEventDestroy", "cuEventDestroy_v2", &cuEventDestroy},
-	{"cuEventRecord", "cuEventRecord", &cuEventRecord},
-	{"cuEventSynchronize", "cuEventSynchronize", &cuEventSynchronize},
-	{"cuEventQuery", "cuEventQuery", &cuEventQuery},
-	{"cuEventElapsedTime", "cuEventElapsedTime", &cuEventElapsedTime},
-	{"cuIpcGetMemHandle", "cuIpcGetMemHandle", &cuIpcGetMemHandle},
-	{"cuIpcOpenMemHandle", "cuIpcOpenMemHandle_v2", &cuIpcOpenMemHandle},
-	{"cuIpcCloseMemHandle", "cuIpcCloseMemHandle", &cuIpcCloseMemHandle},
-	{"cuIpcGetEventHandle", "cuIpcGetEventHandle", &cuIpcGetEventHandle},
-	{"cuIpcOpenEventHandle", "cuIpcOpenEventHandle", &cuIpcOpenEventHandle},
-	{"cuMemCreate", "cuMemCreate", &cuMemCreate},
-	{"cuMemRelease", "cuMemRelease", &cuMemRelease},
-	{"cuMemExportToShareableHandle", "cuMemExportToShareableHandle", &cuMemExportToShareableHandle},
-	{"cuMemImportFromShareableHandle", "cuMemImportFromShareableHandle", &cuMemImportFromShareableHandle},
-	{"cuMemAddressReserve", "cuMemAddressReserve", &cuMemAddressReserve},
-	{"cuMemAddressFree", "cuMemAddressFree", &cuMemAddressFree},
-	{"cuMemMap", "cuMemMap", &cuMemMap},
-	{"cuMemUnmap", "cuMemUnmap", &cuMemUnmap},
-	{"cuMemSetAccess", "cuMemSetAccess", &cuMemSetAccess},
-	{"cuMemGetAllocationGranularity", "cuMemGetAllocationGranularity", &cuMemGetAllocationGranularity},
-	{"cuMemGetAllocationPropertiesFromHandle", "cuMemGetAllocationPropertiesFromHandle", &cuMemGetAllocationPropertiesFromHandle},
+	{"cuInit", "cuInit", &cuInit, nil},
+	{"cuDriverGetVersion", "cuDriverGetVersion", &cuDriverGetVersion, nil},
+	{"cuDeviceGetCount", "cuDeviceGetCount", &cuDeviceGetCount, nil},
+	{"cuDeviceGet", "cuDeviceGet", &cuDeviceGet, nil},
+	{"cuDeviceGetName", "cuDeviceGetName", &cuDeviceGetName, nil},
+	{"cuDeviceGetUuid", "cuDeviceGetUuid_v2", &cuDeviceGetUuid, nil},
+	{"cuDeviceGetPCIBusId", "cuDeviceGetPCIBusId", &cuDeviceGetPCIBusId, nil},
+	{"cuDeviceTotalMem", "cuDeviceTotalMem_v2", &cuDeviceTotalMem, nil},
+	{"cuDeviceGetAttribute", "cuDeviceGetAttribute", &cuDeviceGetAttribute, nil},
+	{"cuDeviceCanAccessPeer", "cuDeviceCanAccessPeer", &cuDeviceCanAccessPeer, nil},
+	{"cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", &cuDevicePrimaryCtxRetain, nil},
+	{"cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxRelease_v2", &cuDevicePrimaryCtxRelease, nil},
+	{"cuCtxSetCurrent", "cuCtxSetCurrent", &cuCtxSetCurrent, &cuCtxSetCurrentAddr},
+	{"cuCtxGetCurrent", "cuCtxGetCurrent", &cuCtxGetCurrent, nil},
+	{"cuCtxSynchronize", "cuCtxSynchronize", &cuCtxSynchronize, nil},
+	{"cuCtxEnablePeerAccess", "cuCtxEnablePeerAccess", &cuCtxEnablePeerAccess, nil},
+	{"cuCtxDisablePeerAccess", "cuCtxDisablePeerAccess", &cuCtxDisablePeerAccess, nil},
+	{"cuMemAlloc", "cuMemAlloc_v2", &cuMemAlloc, nil},
+	{"cuMemFree", "cuMemFree_v2", &cuMemFree, nil},
+	{"cuMemAllocHost", "cuMemAllocHost_v2", &cuMemAllocHost, nil},
+	{"cuMemFreeHost", "cuMemFreeHost", &cuMemFreeHost, nil},
+	{"cuMemGetInfo", "cuMemGetInfo_v2", &cuMemGetInfo, nil},
+	{"cuMemGetAddressRange", "cuMemGetAddressRange_v2", &cuMemGetAddressRange, nil},
+	{"cuPointerGetAttribute", "cuPointerGetAttribute", &cuPointerGetAttribute, nil},
+	{"cuMemcpy", "cuMemcpy", &cuMemcpy, nil},
+	{"cuMemcpyHtoD", "cuMemcpyHtoD_v2", &cuMemcpyHtoD, nil},
+	{"cuMemcpyDtoH", "cuMemcpyDtoH_v2", &cuMemcpyDtoH, nil},
+	{"cuMemcpyPeer", "cuMemcpyPeer", &cuMemcpyPeer, nil},
+	{"cuMemcpyAsync", "cuMemcpyAsync", &cuMemcpyAsync, nil},
+	{"cuMemcpyHtoDAsync", "cuMemcpyHtoDAsync_v2", &cuMemcpyHtoDAsync, nil},
+	{"cuMemcpyDtoHAsync", "cuMemcpyDtoHAsync_v2", &cuMemcpyDtoHAsync, nil},
+	{"cuMemsetD8", "cuMemsetD8_v2", &cuMemsetD8, nil},
+	{"cuMemsetD8Async", "cuMemsetD8Async", &cuMemsetD8Async, nil},
+	{"cuStreamCreate", "cuStreamCreate", &cuStreamCreate, nil},
+	{"cuStreamDestroy", "cuStreamDestroy_v2", &cuStreamDestroy, nil},
+	{"cuStreamSynchronize", "cuStreamSynchronize", &cuStreamSynchronize, nil},
+	{"cuStreamQuery", "cuStreamQuery", &cuStreamQuery, nil},
+	{"cuStreamWaitEvent", "cuStreamWaitEvent", &cuStreamWaitEvent, nil},
+	{"cuEventCreate", "cuEventCreate", &cuEventCreate, nil},
+	{"cuEventDestroy", "cuEventDestroy_v2", &cuEventDestroy, nil},
+	{"cuEventRecord", "cuEventRecord", &cuEventRecord, nil},
+	{"cuEventSynchronize", "cuEventSynchronize", &cuEventSynchronize, nil},
+	{"cuEventQuery", "cuEventQuery", &cuEventQuery, nil},
+	{"cuEventElapsedTime", "cuEventElapsedTime", &cuEventElapsedTime, nil},
+	{"cuIpcGetMemHandle", "cuIpcGetMemHandle", &cuIpcGetMemHandle, nil},
+	{"cuIpcOpenMemHandle", "cuIpcOpenMemHandle_v2", &cuIpcOpenMemHandle, nil},
+	{"cuIpcCloseMemHandle", "cuIpcCloseMemHandle", &cuIpcCloseMemHandle, nil},
+	{"cuIpcGetEventHandle", "cuIpcGetEventHandle", &cuIpcGetEventHandle, nil},
+	{"cuIpcOpenEventHandle", "cuIpcOpenEventHandle", &cuIpcOpenEventHandle, nil},
+	{"cuMemCreate", "cuMemCreate", &cuMemCreate, nil},
+	{"cuMemRelease", "cuMemRelease", &cuMemRelease, nil},
+	{"cuMemExportToShareableHandle", "cuMemExportToShareableHandle", &cuMemExportToShareableHandle, nil},
+	{"cuMemImportFromShareableHandle", "cuMemImportFromShareableHandle", &cuMemImportFromShareableHandle, nil},
+	{"cuMemAddressReserve", "cuMemAddressReserve", &cuMemAddressReserve, nil},
+	{"cuMemAddressFree", "cuMemAddressFree", &cuMemAddressFree, nil},
+	{"cuMemMap", "cuMemMap", &cuMemMap, nil},
+	{"cuMemUnmap", "cuMemUnmap", &cuMemUnmap, nil},
+	{"cuMemSetAccess", "cuMemSetAccess", &cuMemSetAccess, nil},
+	{"cuMemGetAllocationGranularity", "cuMemGetAllocationGranularity", &cuMemGetAllocationGranularity, nil},
+	{"cuMemGetAllocationPropertiesFromHandle", "cuMemGetAllocationPropertiesFromHandle", &cuMemGetAllocationPropertiesFromHandle, nil},
 }
 
 func load(path string) error {
@@ -268,6 +274,9 @@ func load(path string) error {
 			fp = p
 		}
 		purego.RegisterFunc(e.fn, fp)
+		if e.raw != nil {
+			*e.raw = fp
+		}
 	}
 	if r := cuInit(0); r != Success {
 		return &Error{Func: "cuInit", Code: r}
