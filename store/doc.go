@@ -1,0 +1,42 @@
+// Package store is the cudaipc object store daemon. It owns the memory of
+// every object and hands clients zero-copy mappings of it over a Unix
+// SOCK_SEQPACKET socket, speaking package protocol.
+//
+// # Objects and their lifetime
+//
+// A client creates an object (a name, a size, a device) and gets a writable
+// placement: an offset in an arena it maps once and then reuses. The object
+// is visible to its creating connection only until that connection seals
+// it; from then on it is immutable by contract and visible to every peer
+// allowed to read it. Gets wait until the name exists and is sealed and
+// grant a read-only lease. Deleting removes the name at once; the memory
+// is freed when the last lease ends. A connection that goes away, however
+// it dies, has its unsealed objects aborted and its leases released.
+//
+// # Memory
+//
+// Objects live in arenas, sub-allocated with 256-byte alignment by
+// store/internal/alloc. An arena holds the objects of one owner uid with one
+// sharing mode only, so a mapping never exposes bytes its holder may not
+// read. Arenas are added up to Config.Capacity per device and given back
+// when empty. When a create does not fit, sealed objects without leases are
+// evicted, least recently used first, unless Config.NoEvict.
+//
+// The host backend keeps arenas in memfds. Creators receive a read-write
+// descriptor; readers a read-only one, which cannot be mapped writable,
+// written, resized, or reopened for writing through /proc (the memfd's
+// mode is 0). A later CUDA backend shares arenas as an opaque region
+// description instead of, or besides, a descriptor.
+//
+// # Security
+//
+// Peers are identified by SO_PEERCRED when they connect. Only the daemon's
+// uid, root and Config.AllowUIDs/AllowGIDs may talk to the store. Objects
+// are private to their owner's uid (and root) unless created shared; names
+// are node-global, so a create can learn that a name is taken, but nothing
+// else about a private object. Only the owner (or root) may delete a sealed
+// object. Logs carry names, sizes and ids, never descriptors' contents or
+// object bytes. Each connection is bounded in objects and leases (waiting
+// gets count as leases), and a subscriber that stops reading its events
+// misses them rather than making the daemon buffer them without bound.
+package store

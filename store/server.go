@@ -1,0 +1,486 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"net"
+	"os"
+	"os/user"
+	"runtime/debug"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/cudaipc/cudaipc/protocol"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
+)
+
+// handshakeTimeout bounds how long a new connection may take to say hello,
+// so that idle connections cannot pile up unidentified.
+const handshakeTimeout = 10 * time.Second
+
+// Serve accepts connections on l and serves each in its own goroutine until
+// ctx is done. It then closes l and every connection (which aborts their
+// unsealed objects and releases their leases), waits for them, and returns
+// nil. It returns early with an error only if l fails for good.
+func (s *Store) Serve(ctx context.Context, l *net.UnixListener) error {
+	connCtx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	defer func() {
+		cancel()
+		wg.Wait()
+	}()
+	stop := context.AfterFunc(ctx, func() { l.Close() })
+	defer stop()
+	s.log.Info("serving", "addr", l.Addr().String(), "backend", s.backend.name(), "capacity", s.cfg.Capacity, "evict", !s.cfg.NoEvict)
+
+	var backoff time.Duration
+	for {
+		uc, err := l.AcceptUnix()
+		if err != nil {
+			if ctx.Err() != nil {
+				s.log.Info("shutting down", "cause", context.Cause(ctx))
+				return nil
+			}
+			if !temporary(err) {
+				return fmt.Errorf("store: accept: %w", err)
+			}
+			// Out of descriptors or memory: wait for connections to go
+			// away rather than spin.
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			s.log.Warn("accept failed; retrying", "err", err, "in", backoff)
+			select {
+			case <-time.After(backoff):
+			case <-ctx.Done():
+			}
+			continue
+		}
+		backoff = 0
+		wg.Go(func() { s.serveConn(connCtx, uc) })
+	}
+}
+
+func temporary(err error) bool {
+	for _, e := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM, syscall.ECONNABORTED, syscall.EINTR} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+// conn is one client connection being served.
+type conn struct {
+	s   *Store
+	c   *protocol.Conn
+	ss  *session
+	log *slog.Logger
+
+	// order is held from the moment a reply's placement is decided until
+	// the reply is sent, so that a reply that omits an arena's descriptor
+	// (already sent) never overtakes the reply that carries it.
+	order   sync.Mutex
+	wg      sync.WaitGroup // waiting gets and the event pump
+	pumping bool           // the event pump runs; read and set by the receiving goroutine only
+}
+
+func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
+	c := protocol.NewConn(uc)
+	defer c.Close()
+	// Shutdown must not wait for a client that dawdles over its hello.
+	stopEarly := context.AfterFunc(ctx, func() { c.Close() })
+	defer stopEarly()
+	cred, err := c.PeerCred()
+	if err != nil {
+		s.log.Warn("rejecting connection: no peer credentials", "err", err)
+		s.metrics.rejected.WithLabelValues("peercred").Inc()
+		return
+	}
+	p := peer{pid: cred.Pid, uid: cred.Uid, gid: cred.Gid}
+	log := s.log.With("pid", p.pid, "uid", p.uid)
+
+	hello, ok := s.handshake(uc, c, p, log)
+	if !ok {
+		return
+	}
+	ss, err := s.newSession(ctx, p)
+	if err != nil {
+		c.Send(protocol.ErrorResponse(hello.GetId(), protocol.Errorf(storev1.Error_INTERNAL, "the store is shutting down")))
+		return
+	}
+	log = log.With("session", ss.id)
+	cn := &conn{s: s, c: c, ss: ss, log: log}
+	// Closing the socket is how a session's end (shutdown, Store.Close, a
+	// failed send) interrupts the Recv below.
+	stop := context.AfterFunc(ss.ctx, func() { c.Close() })
+	defer func() {
+		stop()
+		ss.close(errSessionClosed)
+		cn.wg.Wait()
+	}()
+	if err := cn.send(&storev1.Response{Id: hello.GetId(), Body: &storev1.Response_Hello{Hello: &storev1.HelloResponse{
+		Version:       protocol.Version,
+		ServerVersion: serverVersion(),
+		Pid:           uint32(os.Getpid()),
+		Backend:       s.backend.name(),
+	}}}); err != nil {
+		return
+	}
+	log.Debug("client connected", "client", hello.GetHello().GetClientName())
+	s.metrics.requests.WithLabelValues("hello", "ok").Inc()
+
+	for {
+		var req storev1.Request
+		files, err := c.Recv(&req)
+		if err != nil {
+			cn.logRecvError(err)
+			return
+		}
+		if err := protocol.ValidateRequest(&req, len(files)); err != nil {
+			protocol.CloseFiles(files)
+			op := protocol.RequestKind(&req)
+			cn.reply(op, protocol.ErrorResponse(req.GetId(), err), nil)
+			if len(files) > 0 || req.GetId() == 0 {
+				// Not a bad argument but a client that does not follow the
+				// framing rules (docs/protocol.md, section 2); an error
+				// with id 0 means the connection closes. Unknown
+				// operations, from a newer client, only get INVALID.
+				log.Warn("closing connection: protocol violation", "op", op, "err", err)
+				return
+			}
+			continue
+		}
+		cn.handle(&req)
+	}
+}
+
+// handshake reads the client's hello and checks its version and the
+// peer's right to connect. On failure it answers with the error and
+// reports false.
+func (s *Store) handshake(uc *net.UnixConn, c *protocol.Conn, p peer, log *slog.Logger) (*storev1.Request, bool) {
+	uc.SetReadDeadline(time.Now().Add(handshakeTimeout))
+	var req storev1.Request
+	files, err := c.Recv(&req)
+	if err != nil {
+		log.Warn("closing connection: no hello", "err", err)
+		s.metrics.rejected.WithLabelValues("handshake").Inc()
+		return nil, false
+	}
+	uc.SetReadDeadline(time.Time{})
+	protocol.CloseFiles(files)
+	reject := func(reason string, err error) (*storev1.Request, bool) {
+		log.Warn("rejecting connection", "reason", reason, "err", err)
+		s.metrics.rejected.WithLabelValues(reason).Inc()
+		c.Send(protocol.ErrorResponse(req.GetId(), err))
+		return nil, false
+	}
+	if err := protocol.ValidateRequest(&req, len(files)); err != nil {
+		return reject("handshake", err)
+	}
+	if req.GetHello() == nil {
+		return reject("handshake", protocol.Errorf(storev1.Error_INVALID, "the first request must be hello, not %s", protocol.RequestKind(&req)))
+	}
+	if err := protocol.CheckVersion(req.GetHello().GetVersion()); err != nil {
+		return reject("version", err)
+	}
+	if !s.authorized(p) {
+		return reject("permission", protocol.Errorf(storev1.Error_PERMISSION,
+			"uid %d may not use this store; the daemon admits uid %d, root and those given with --allow-uid/--allow-gid", p.uid, s.uid))
+	}
+	return &req, true
+}
+
+// authorized reports whether a peer may use the store: root, the daemon's
+// own uid, and the uids and groups of Config.AllowUIDs and AllowGIDs.
+func (s *Store) authorized(p peer) bool {
+	if p.uid == 0 || p.uid == s.uid || slices.Contains(s.cfg.AllowUIDs, p.uid) {
+		return true
+	}
+	if len(s.cfg.AllowGIDs) == 0 {
+		return false
+	}
+	if slices.Contains(s.cfg.AllowGIDs, p.gid) {
+		return true
+	}
+	// Supplementary groups come from the group database, as for a login:
+	// the kernel does not pass them with SO_PEERCRED.
+	u, err := user.LookupId(strconv.FormatUint(uint64(p.uid), 10))
+	if err != nil {
+		return false
+	}
+	gids, err := u.GroupIds()
+	if err != nil {
+		return false
+	}
+	for _, g := range gids {
+		if n, err := strconv.ParseUint(g, 10, 32); err == nil && slices.Contains(s.cfg.AllowGIDs, uint32(n)) {
+			return true
+		}
+	}
+	return false
+}
+
+func serverVersion() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
+		return "cudaipc " + bi.Main.Version
+	}
+	return "cudaipc (devel)"
+}
+
+func (cn *conn) logRecvError(err error) {
+	var me *protocol.MessageError
+	switch {
+	case errors.Is(err, io.EOF):
+		cn.log.Debug("client disconnected")
+	case cn.ss.ctx.Err() != nil:
+		cn.log.Debug("connection closed", "cause", context.Cause(cn.ss.ctx))
+	case errors.As(err, &me):
+		cn.log.Warn("closing connection: bad packet", "err", err)
+	default:
+		cn.log.Warn("closing connection: receive failed", "err", err)
+	}
+}
+
+// send sends one response, in order with the others.
+func (cn *conn) send(resp *storev1.Response, files ...*os.File) error {
+	cn.order.Lock()
+	defer cn.order.Unlock()
+	return cn.sendLocked(resp, files...)
+}
+
+func (cn *conn) sendLocked(resp *storev1.Response, files ...*os.File) error {
+	err := cn.c.Send(resp, files...)
+	if err != nil {
+		if !errors.Is(err, io.EOF) && cn.ss.ctx.Err() == nil {
+			cn.log.Warn("closing connection: send failed", "err", err)
+		}
+		cn.ss.cancel(errSessionClosed)
+	}
+	return err
+}
+
+// reply counts and sends the response to an operation; with p, the
+// placement's arena share travels with it and is closed afterwards.
+// cn.order must not be held.
+func (cn *conn) reply(op string, resp *storev1.Response, p *placement) {
+	cn.order.Lock()
+	defer cn.order.Unlock()
+	cn.replyLocked(op, resp, p)
+}
+
+func (cn *conn) replyLocked(op string, resp *storev1.Response, p *placement) {
+	result := "ok"
+	if code := resp.GetError().GetCode(); code != storev1.Error_OK {
+		result = strings.ToLower(code.String())
+		cn.log.Debug("request failed", "op", op, "id", resp.GetId(), "code", code.String(), "err", resp.GetError().GetMessage())
+	}
+	cn.s.metrics.requests.WithLabelValues(op, result).Inc()
+	var files []*os.File
+	if p != nil && p.share != nil && p.share.file != nil {
+		files = append(files, p.share.file)
+		defer p.closeShare()
+	}
+	cn.sendLocked(resp, files...)
+}
+
+// handle serves one valid request. Gets that may wait run in their own
+// goroutine so the connection keeps serving other requests meanwhile.
+func (cn *conn) handle(req *storev1.Request) {
+	id, op := req.GetId(), protocol.RequestKind(req)
+	fail := func(err error) { cn.reply(op, protocol.ErrorResponse(id, err), nil) }
+	ok := func(body *storev1.Response) {
+		body.Id = id
+		cn.reply(op, body, nil)
+	}
+	ss := cn.ss
+	switch b := req.GetBody().(type) {
+	case *storev1.Request_Hello:
+		fail(protocol.Errorf(storev1.Error_INVALID, "hello is only valid as the first request"))
+	case *storev1.Request_Create:
+		r := b.Create
+		cn.order.Lock()
+		defer cn.order.Unlock()
+		p, err := ss.create(r.GetName(), int64(r.GetSize()), r.GetDevice(), r.GetShared())
+		if err != nil {
+			cn.replyLocked(op, protocol.ErrorResponse(id, err), nil)
+			return
+		}
+		cn.replyLocked(op, &storev1.Response{Id: id, Body: &storev1.Response_Create{Create: &storev1.CreateResponse{
+			Placement: p.proto()}}}, &p)
+	case *storev1.Request_Seal:
+		if err := ss.seal(b.Seal.GetName()); err != nil {
+			fail(err)
+			return
+		}
+		ok(&storev1.Response{Body: &storev1.Response_Seal{Seal: &storev1.SealResponse{}}})
+	case *storev1.Request_Abort:
+		if err := ss.abort(b.Abort.GetName()); err != nil {
+			fail(err)
+			return
+		}
+		ok(&storev1.Response{Body: &storev1.Response_Abort{Abort: &storev1.AbortResponse{}}})
+	case *storev1.Request_Get:
+		r := b.Get
+		if r.GetTimeoutMs() == 0 {
+			cn.order.Lock()
+			defer cn.order.Unlock()
+			cn.grant(id, r.GetName(), false)
+			return
+		}
+		cn.wg.Go(func() { cn.waitAndGrant(id, r.GetName(), r.GetTimeoutMs()) })
+	case *storev1.Request_Release:
+		if err := ss.release(b.Release.GetLeaseId()); err != nil {
+			fail(err)
+			return
+		}
+		ok(&storev1.Response{Body: &storev1.Response_Release{Release: &storev1.ReleaseResponse{}}})
+	case *storev1.Request_Delete:
+		if err := ss.delete(b.Delete.GetName()); err != nil {
+			fail(err)
+			return
+		}
+		ok(&storev1.Response{Body: &storev1.Response_Delete{Delete: &storev1.DeleteResponse{}}})
+	case *storev1.Request_List:
+		infos := ss.list(b.List.GetStartAfter())
+		objs := make([]*storev1.ObjectInfo, len(infos))
+		for i, in := range infos {
+			objs[i] = in.proto()
+		}
+		cn.reply(op, protocol.ListPage(id, objs), nil)
+	case *storev1.Request_Stat:
+		in, err := ss.stat(b.Stat.GetName())
+		if err != nil {
+			fail(err)
+			return
+		}
+		ok(&storev1.Response{Body: &storev1.Response_Stat{Stat: &storev1.StatResponse{Info: in.proto()}}})
+	case *storev1.Request_Subscribe:
+		events, err := ss.subscribe()
+		if err != nil {
+			fail(err)
+			return
+		}
+		// The acknowledgement goes out before the first event: the pump
+		// starts after it.
+		ok(&storev1.Response{Body: &storev1.Response_Subscribe{Subscribe: &storev1.SubscribeResponse{}}})
+		if !cn.pumping {
+			cn.pumping = true
+			cn.wg.Go(func() { cn.pump(events) })
+		}
+	default:
+		fail(protocol.Errorf(storev1.Error_INVALID, "unsupported operation %s", op))
+	}
+}
+
+// grant answers a get at once: a lease, or the reason there is none. With
+// retry, it reports false and sends nothing when the object is not ready.
+// cn.order must be held.
+func (cn *conn) grant(id uint64, name string, retry bool) bool {
+	p, err := cn.ss.tryGet(name)
+	if retry && errors.Is(err, ErrTimeout) {
+		return false
+	}
+	if err != nil {
+		cn.replyLocked("get", protocol.ErrorResponse(id, err), nil)
+		return true
+	}
+	cn.replyLocked("get", &storev1.Response{Id: id, Body: &storev1.Response_Get{Get: &storev1.GetResponse{
+		LeaseId:   p.leaseID,
+		Placement: p.proto(),
+		Info:      p.info.proto(),
+	}}}, &p)
+	return true
+}
+
+// waitAndGrant answers a get that may wait timeoutMs milliseconds (forever
+// when negative).
+func (cn *conn) waitAndGrant(id uint64, name string, timeoutMs int64) {
+	ctx := cn.ss.ctx
+	// Beyond what a Duration holds (292 years) is as good as forever.
+	if timeoutMs > 0 && timeoutMs <= math.MaxInt64/int64(time.Millisecond) {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, time.Duration(timeoutMs)*time.Millisecond)
+		defer cancel()
+	}
+	for {
+		if err := cn.ss.waitSealed(ctx, name); err != nil {
+			if cn.ss.ctx.Err() == nil {
+				cn.reply("get", protocol.ErrorResponse(id, err), nil)
+			}
+			return
+		}
+		cn.order.Lock()
+		// Not ready means deleted or evicted between the wake-up and now:
+		// wait on.
+		done := cn.grant(id, name, true)
+		cn.order.Unlock()
+		if done {
+			return
+		}
+	}
+}
+
+// pump sends the session's events until it ends.
+func (cn *conn) pump(events <-chan event) {
+	for {
+		select {
+		case e := <-events:
+			if cn.send(protocol.NewEvent(e.kind.proto(), e.name)) != nil {
+				return
+			}
+		case <-cn.ss.ctx.Done():
+			return
+		}
+	}
+}
+
+func (k eventKind) proto() storev1.Event_Kind {
+	switch k {
+	case eventSealed:
+		return storev1.Event_SEALED
+	case eventDeleted:
+		return storev1.Event_DELETED
+	case eventEvicted:
+		return storev1.Event_EVICTED
+	case eventAborted:
+		return storev1.Event_ABORTED
+	}
+	return storev1.Event_KIND_UNSPECIFIED
+}
+
+func (p *placement) proto() *storev1.Placement {
+	pp := &storev1.Placement{
+		ArenaId:   p.arenaID,
+		Device:    p.device,
+		Offset:    uint64(p.offset),
+		Size:      uint64(p.size),
+		ArenaSize: uint64(p.arenaSize),
+		Writable:  p.writable,
+	}
+	if p.share != nil {
+		pp.FdAttached = p.share.file != nil
+		pp.Region = p.share.region
+	}
+	return pp
+}
+
+func (in *info) proto() *storev1.ObjectInfo {
+	return &storev1.ObjectInfo{
+		Name:            in.Name,
+		Size:            uint64(in.Size),
+		Device:          in.Device,
+		Sealed:          in.Sealed,
+		Leases:          uint32(in.Leases),
+		Shared:          in.Shared,
+		OwnerUid:        in.OwnerUID,
+		CreatedUnixNano: in.Created.UnixNano(),
+		Region:          in.Region,
+	}
+}

@@ -1,0 +1,564 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/cudaipc/cudaipc/protocol"
+	"github.com/cudaipc/cudaipc/store/internal/alloc"
+)
+
+// peer identifies the process at the other end of a connection, as the
+// kernel reported it (SO_PEERCRED).
+type peer struct {
+	pid      int32
+	uid, gid uint32
+}
+
+// session is the store's state for one client connection: what it created,
+// the leases it holds and the arenas it has been sent. Everything in it is
+// guarded by Store.mu. Closing a session aborts its unsealed objects and
+// releases its leases, which is what makes a killed client harmless.
+type session struct {
+	s    *Store
+	id   uint64
+	peer peer
+
+	ctx    context.Context // ends when the session closes
+	cancel context.CancelCauseFunc
+
+	closed  bool
+	created map[*object]struct{} // live objects it created, sealed or not
+	leases  map[uint64]*lease
+	waiting int              // gets waiting for an object
+	sent    map[sentKey]bool // arenas (and modes) already sent
+	events  chan event       // nil until subscribed
+	// dropping is set while events are dropped for want of queue space,
+	// so that an episode is logged once.
+	dropping bool
+}
+
+// lease is a read-only hold on a sealed object.
+type lease struct {
+	id  uint64
+	obj *object
+}
+
+type sentKey struct {
+	arena    uint64
+	writable bool
+}
+
+// eventKind is what happened to an object, for subscribers.
+type eventKind int
+
+const (
+	eventSealed eventKind = iota + 1
+	eventDeleted
+	eventEvicted
+	eventAborted
+)
+
+func (k eventKind) String() string {
+	switch k {
+	case eventSealed:
+		return "sealed"
+	case eventDeleted:
+		return "deleted"
+	case eventEvicted:
+		return "evicted"
+	case eventAborted:
+		return "aborted"
+	}
+	return fmt.Sprintf("event(%d)", int(k))
+}
+
+// event is a notification for subscribers.
+type event struct {
+	kind eventKind
+	name string
+}
+
+// eventQueue is how many events a subscriber may fall behind before it
+// misses events: a client that does not read must neither make the daemon
+// buffer without bound nor block it. Dropping (as docs/protocol.md says)
+// rather than disconnecting keeps its leases and objects alive.
+const eventQueue = 4096
+
+// placement tells a client where an object lives. share is set when the
+// session is sent the arena for the first time in this mode; the caller
+// must close share.file.
+type placement struct {
+	arenaID   uint64
+	device    string
+	offset    int64
+	size      int64
+	arenaSize int64
+	writable  bool
+	leaseID   uint64 // gets only
+	share     *arenaShare
+	info      info // gets only
+}
+
+// newSession starts a session for a peer. ctx bounds its life.
+func (s *Store) newSession(ctx context.Context, p peer) (*session, error) {
+	ctx, cancel := context.WithCancelCause(ctx)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		cancel(errStoreClosed)
+		return nil, errStoreClosed
+	}
+	s.nextSession++
+	ss := &session{
+		s:       s,
+		id:      s.nextSession,
+		peer:    p,
+		ctx:     ctx,
+		cancel:  cancel,
+		created: make(map[*object]struct{}),
+		leases:  make(map[uint64]*lease),
+		sent:    make(map[sentKey]bool),
+	}
+	s.sessions[ss] = struct{}{}
+	return ss, nil
+}
+
+// create allocates a writable object that only this session sees until it
+// seals it.
+func (ss *session) create(name string, size int64, dev string, shared bool) (placement, error) {
+	s := ss.s
+	if err := checkName(name); err != nil {
+		return placement{}, err
+	}
+	if size <= 0 {
+		return placement{}, invalidf("object size %d is not positive", size)
+	}
+	devName, err := s.backend.device(dev)
+	if err != nil {
+		return placement{}, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return placement{}, errSessionClosed
+	}
+	if _, ok := s.objects[name]; ok {
+		return placement{}, fmt.Errorf("object %q: %w", name, ErrExists)
+	}
+	if len(ss.created) >= s.cfg.MaxObjectsPerClient {
+		return placement{}, fmt.Errorf("%w: this connection already has %d objects", ErrLimit, len(ss.created))
+	}
+	d, err := s.deviceLocked(devName)
+	if err != nil {
+		return placement{}, err
+	}
+	o := &object{
+		name:    name,
+		size:    size,
+		shared:  shared,
+		owner:   ss.peer.uid,
+		created: time.Now(),
+		dev:     d,
+		creator: ss,
+	}
+	b, err := d.alloc.Alloc(pool{owner: o.owner, shared: shared}, size, o)
+	if errors.Is(err, alloc.ErrFull) {
+		return placement{}, fmt.Errorf("%w: device %s: %v", ErrStoreFull, devName, err)
+	}
+	if err != nil {
+		return placement{}, fmt.Errorf("object %q: %w", name, err)
+	}
+	o.block = b
+	p, err := ss.placeLocked(o, true)
+	if err != nil {
+		s.freeLocked(o)
+		return placement{}, err
+	}
+	s.objects[name] = o
+	ss.created[o] = struct{}{}
+	s.log.Debug("object created", "session", ss.id, "name", name, "size", size, "device", devName, "shared", shared)
+	return p, nil
+}
+
+// placeLocked describes where o lives, with the arena's share attached the
+// first time this session is sent that arena in that mode.
+func (ss *session) placeLocked(o *object, writable bool) (placement, error) {
+	ar := o.block.Arena()
+	p := placement{
+		arenaID:   ar.ID,
+		device:    o.dev.name,
+		offset:    o.block.Offset,
+		size:      o.size,
+		arenaSize: ar.Size,
+		writable:  writable,
+	}
+	k := sentKey{ar.ID, writable}
+	if !ss.sent[k] {
+		sh, err := o.dev.arenas[ar.ID].share(writable)
+		if err != nil {
+			return placement{}, err
+		}
+		p.share = &sh
+		ss.sent[k] = true
+	}
+	return p, nil
+}
+
+// unsealedLocked returns the unsealed object name this session created, or
+// the error for an operation that needs one.
+func (ss *session) unsealedLocked(name string) (*object, error) {
+	o := ss.s.objects[name]
+	switch {
+	case o == nil:
+	case !o.sealed && o.creator == ss:
+		return o, nil
+	case o.sealed && o.readableBy(ss.peer.uid):
+		return nil, fmt.Errorf("object %q: %w", name, ErrSealed)
+	}
+	return nil, fmt.Errorf("object %q: %w", name, ErrNotFound)
+}
+
+// seal makes an object this session created immutable and visible.
+func (ss *session) seal(name string) error {
+	s := ss.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return errSessionClosed
+	}
+	o, err := ss.unsealedLocked(name)
+	if err != nil {
+		return err
+	}
+	o.sealed = true
+	o.dev.alloc.SetEvictable(o.block, true)
+	if w := s.waiters[name]; w != nil {
+		close(w.ch)
+		delete(s.waiters, name)
+	}
+	s.emitLocked(eventSealed, o)
+	s.log.Debug("object sealed", "session", ss.id, "name", name)
+	return nil
+}
+
+// abort discards an object this session created and has not sealed.
+func (ss *session) abort(name string) error {
+	s := ss.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return errSessionClosed
+	}
+	o, err := ss.unsealedLocked(name)
+	if err != nil {
+		return err
+	}
+	ss.abortLocked(o)
+	return nil
+}
+
+func (ss *session) abortLocked(o *object) {
+	s := ss.s
+	delete(s.objects, o.name)
+	o.deleted = true
+	s.forgetCreatorLocked(o)
+	s.emitLocked(eventAborted, o)
+	s.freeLocked(o)
+	s.log.Debug("object aborted", "session", ss.id, "name", o.name)
+}
+
+// get returns a read-only lease on the sealed object name. With wait, it
+// waits until such an object exists and is sealed, or ctx ends (ErrTimeout
+// when its deadline passed); without, it fails at once with ErrTimeout.
+func (ss *session) get(ctx context.Context, name string, wait bool) (placement, error) {
+	for {
+		p, err := ss.tryGet(name)
+		if !wait || !errors.Is(err, ErrTimeout) {
+			return p, err
+		}
+		if err := ss.waitSealed(ctx, name); err != nil {
+			return placement{}, err
+		}
+	}
+}
+
+// tryGet returns a read-only lease on the sealed object name, or
+// ErrTimeout at once when there is no such object this session may read.
+func (ss *session) tryGet(name string) (placement, error) {
+	s := ss.s
+	if err := checkName(name); err != nil {
+		return placement{}, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return placement{}, errSessionClosed
+	}
+	o := s.objects[name]
+	if o == nil || !o.sealed || !o.readableBy(ss.peer.uid) {
+		return placement{}, fmt.Errorf("object %q is not sealed: %w", name, ErrTimeout)
+	}
+	if len(ss.leases)+ss.waiting >= s.cfg.MaxLeasesPerClient {
+		return placement{}, fmt.Errorf("%w: this connection already holds %d leases and %d waiting gets", ErrLimit, len(ss.leases), ss.waiting)
+	}
+	return ss.leaseLocked(o)
+}
+
+// waitSealed returns once an object name this session may read is sealed
+// (possibly already), or fails when ctx or the session ends: ErrTimeout when
+// ctx's deadline passed. A waiting get counts against the lease limit.
+func (ss *session) waitSealed(ctx context.Context, name string) error {
+	s := ss.s
+	if err := checkName(name); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return errSessionClosed
+	}
+	if o := s.objects[name]; o != nil && o.sealed && o.readableBy(ss.peer.uid) {
+		return nil
+	}
+	if len(ss.leases)+ss.waiting >= s.cfg.MaxLeasesPerClient {
+		return fmt.Errorf("%w: this connection already holds %d leases and %d waiting gets", ErrLimit, len(ss.leases), ss.waiting)
+	}
+	w := s.waiters[name]
+	if w == nil {
+		w = &waiter{ch: make(chan struct{})}
+		s.waiters[name] = w
+	}
+	w.n++
+	ss.waiting++
+	s.mu.Unlock()
+	select {
+	case <-w.ch:
+	case <-ctx.Done():
+	case <-ss.ctx.Done():
+	}
+	s.mu.Lock()
+	ss.waiting--
+	if w.n--; w.n == 0 && s.waiters[name] == w {
+		delete(s.waiters, name)
+	}
+	if err := ctx.Err(); err != nil {
+		if errors.Is(err, context.DeadlineExceeded) {
+			return fmt.Errorf("object %q was not sealed in time: %w", name, ErrTimeout)
+		}
+		return err
+	}
+	if ss.ctx.Err() != nil {
+		return errSessionClosed
+	}
+	return nil
+}
+
+func (ss *session) leaseLocked(o *object) (placement, error) {
+	s := ss.s
+	p, err := ss.placeLocked(o, false)
+	if err != nil {
+		return placement{}, err
+	}
+	s.nextLease++
+	l := &lease{id: s.nextLease, obj: o}
+	ss.leases[l.id] = l
+	o.leases++
+	s.leases++
+	o.dev.alloc.SetEvictable(o.block, false)
+	p.leaseID = l.id
+	p.info = o.info()
+	return p, nil
+}
+
+// release ends a lease of this session.
+func (ss *session) release(id uint64) error {
+	s := ss.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return errSessionClosed
+	}
+	l := ss.leases[id]
+	if l == nil {
+		return fmt.Errorf("lease %d: %w", id, ErrNotFound)
+	}
+	ss.releaseLocked(l)
+	return nil
+}
+
+func (ss *session) releaseLocked(l *lease) {
+	s := ss.s
+	delete(ss.leases, l.id)
+	s.leases--
+	o := l.obj
+	if o.leases--; o.leases > 0 {
+		return
+	}
+	if o.deleted {
+		o.dev.deleted--
+		s.freeLocked(o)
+		return
+	}
+	// The most recently used object is the last to be evicted.
+	o.dev.alloc.SetEvictable(o.block, true)
+}
+
+// delete removes an object's name at once; its memory is freed when its
+// last lease ends. Deleting an unsealed object of this session aborts it.
+func (ss *session) delete(name string) error {
+	s := ss.s
+	if err := checkName(name); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return errSessionClosed
+	}
+	o := s.objects[name]
+	if o == nil || !ss.seesLocked(o) {
+		return fmt.Errorf("object %q: %w", name, ErrNotFound)
+	}
+	if !o.sealed {
+		ss.abortLocked(o)
+		return nil
+	}
+	if o.owner != ss.peer.uid && ss.peer.uid != 0 {
+		return fmt.Errorf("object %q belongs to uid %d: %w", name, o.owner, ErrPermission)
+	}
+	delete(s.objects, name)
+	o.deleted = true
+	s.forgetCreatorLocked(o)
+	s.emitLocked(eventDeleted, o)
+	if o.leases == 0 {
+		s.freeLocked(o)
+	} else {
+		o.dev.deleted++
+	}
+	s.log.Debug("object deleted", "session", ss.id, "name", name, "leases", o.leases)
+	return nil
+}
+
+// seesLocked reports whether o shows in this session's list and stat:
+// sealed objects it may read, and the unsealed ones it created.
+func (ss *session) seesLocked(o *object) bool {
+	if !o.sealed {
+		return o.creator == ss
+	}
+	return o.readableBy(ss.peer.uid)
+}
+
+// list returns the objects this session sees whose names sort after
+// startAfter, sorted by name.
+func (ss *session) list(startAfter string) []info {
+	s := ss.s
+	s.mu.Lock()
+	var infos []info
+	for name, o := range s.objects {
+		if name > startAfter && ss.seesLocked(o) {
+			infos = append(infos, o.info())
+		}
+	}
+	s.mu.Unlock()
+	sortInfos(infos)
+	return infos
+}
+
+// stat describes one object this session sees.
+func (ss *session) stat(name string) (info, error) {
+	if err := checkName(name); err != nil {
+		return info{}, err
+	}
+	s := ss.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	o := s.objects[name]
+	if o == nil || !ss.seesLocked(o) {
+		return info{}, fmt.Errorf("object %q: %w", name, ErrNotFound)
+	}
+	return o.info(), nil
+}
+
+// subscribe starts the delivery of events for the objects this session may
+// read, and returns the channel they arrive on. A subscriber that falls
+// eventQueue events behind misses the events that do not fit.
+func (ss *session) subscribe() (<-chan event, error) {
+	s := ss.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return nil, errSessionClosed
+	}
+	if ss.events == nil {
+		ss.events = make(chan event, eventQueue)
+		s.subscribers[ss] = struct{}{}
+	}
+	return ss.events, nil
+}
+
+// emitLocked queues an event for every subscriber that may read o.
+func (s *Store) emitLocked(kind eventKind, o *object) {
+	for ss := range s.subscribers {
+		if !o.readableBy(ss.peer.uid) || !o.sealed && kind != eventAborted {
+			continue
+		}
+		select {
+		case ss.events <- event{kind, o.name}:
+			ss.dropping = false
+		default:
+			if !ss.dropping {
+				ss.dropping = true
+				s.log.Warn("dropping events for a subscriber that does not read them", "session", ss.id, "pid", ss.peer.pid, "queued", eventQueue)
+			}
+			s.metrics.eventsDropped.Inc()
+		}
+	}
+}
+
+var errSessionClosed = errors.New("connection closed")
+
+// close ends the session: its unsealed objects are aborted, its leases
+// released, its waiting gets woken. cause says why, for the session's
+// context. It is idempotent.
+func (ss *session) close(cause error) {
+	s := ss.s
+	ss.cancel(cause)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return
+	}
+	ss.closed = true
+	delete(s.sessions, ss)
+	delete(s.subscribers, ss)
+	aborted, released := 0, len(ss.leases)
+	for o := range ss.created {
+		if !o.sealed {
+			ss.abortLocked(o)
+			aborted++
+		} else {
+			o.creator = nil
+		}
+	}
+	clear(ss.created)
+	for _, l := range ss.leases {
+		ss.releaseLocked(l)
+	}
+	if aborted > 0 || released > 0 {
+		s.log.Info("connection closed: cleaned up", "session", ss.id, "pid", ss.peer.pid, "uid", ss.peer.uid,
+			"aborted", aborted, "released", released)
+	}
+}
+
+// checkName rejects names the protocol does not allow.
+func checkName(name string) error { return protocol.ValidateName(name) }
+
+// closeShare closes the file of a placement that will not be sent.
+func (p *placement) closeShare() {
+	if p.share != nil && p.share.file != nil {
+		p.share.file.Close()
+	}
+}

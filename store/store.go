@@ -1,0 +1,329 @@
+package store
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/cudaipc/cudaipc/store/internal/alloc"
+)
+
+// Defaults for the zero values of Config.
+const (
+	// DefaultCapacity is the capacity of each host device.
+	DefaultCapacity = 1 << 30
+	// DefaultMaxObjectsPerClient bounds the live objects one connection
+	// created.
+	DefaultMaxObjectsPerClient = 4096
+	// DefaultMaxLeasesPerClient bounds the leases (and waiting gets) of one
+	// connection.
+	DefaultMaxLeasesPerClient = 65536
+)
+
+// Config configures a Store. The zero value is a usable configuration.
+type Config struct {
+	// Backend is the memory backend: "auto" (or "") or "host". auto picks
+	// host until GPU backends exist.
+	Backend string
+	// Capacity bounds the memory of each device, in bytes; 0 means
+	// DefaultCapacity.
+	Capacity int64
+	// NoEvict turns off the eviction of sealed objects without leases:
+	// creates fail with ErrStoreFull instead.
+	NoEvict bool
+	// AllowUIDs and AllowGIDs admit peers of these uids, and peers whose
+	// primary or supplementary groups include these gids, besides the
+	// daemon's own uid and root.
+	AllowUIDs, AllowGIDs []uint32
+	// MaxObjectsPerClient and MaxLeasesPerClient are per-connection
+	// limits; 0 means DefaultMaxObjectsPerClient and
+	// DefaultMaxLeasesPerClient.
+	MaxObjectsPerClient, MaxLeasesPerClient int
+	// Logger receives the store's logs; nil discards them.
+	Logger *slog.Logger
+	// Registerer receives the store's metrics; nil means a private
+	// registry, served by MetricsHandler.
+	Registerer prometheus.Registerer
+}
+
+// Store is the object store daemon: it owns the memory of every object and
+// serves clients over a Unix socket (Serve, ListenAndServe). Its methods
+// are safe for concurrent use.
+type Store struct {
+	cfg      Config
+	log      *slog.Logger
+	backend  backend
+	gatherer prometheus.Gatherer
+	metrics  *metrics
+	uid      uint32 // the daemon's effective uid, always admitted
+
+	mu          sync.Mutex
+	closed      bool
+	devices     map[string]*device
+	objects     map[string]*object // by name; sealed or not, never deleted ones
+	waiters     map[string]*waiter // gets waiting for a name to be sealed
+	sessions    map[*session]struct{}
+	subscribers map[*session]struct{}
+	leases      int
+	nextArena   uint64
+	nextLease   uint64
+	nextSession uint64
+}
+
+// device is the store's state for one device: its allocator and arenas.
+type device struct {
+	name    string
+	alloc   *alloc.Allocator[pool, *object]
+	arenas  map[uint64]arena
+	deleted int // deleted objects still leased
+}
+
+// pool says which objects may share an arena: those of one owner with the
+// same sharing, so that whoever may map an arena may read all of it.
+type pool struct {
+	owner  uint32
+	shared bool
+}
+
+// object is a named range of an arena.
+type object struct {
+	name    string
+	size    int64
+	shared  bool
+	owner   uint32
+	created time.Time
+	dev     *device
+	block   *alloc.Block[pool, *object]
+
+	sealed  bool
+	deleted bool     // name removed; memory kept until the last lease ends
+	creator *session // the connection that created it, while it lives
+	leases  int
+}
+
+// waiter wakes the gets waiting for one name.
+type waiter struct {
+	ch chan struct{} // closed when an object of that name is sealed
+	n  int           // gets waiting on ch
+}
+
+// New returns a store configured by cfg. Call Close when done with it.
+func New(cfg Config) (*Store, error) {
+	if cfg.Capacity < 0 {
+		return nil, invalidf("capacity %d is negative", cfg.Capacity)
+	}
+	if cfg.Capacity == 0 {
+		cfg.Capacity = DefaultCapacity
+	}
+	if cfg.MaxObjectsPerClient < 0 || cfg.MaxLeasesPerClient < 0 {
+		return nil, invalidf("per-client limits must not be negative")
+	}
+	if cfg.MaxObjectsPerClient == 0 {
+		cfg.MaxObjectsPerClient = DefaultMaxObjectsPerClient
+	}
+	if cfg.MaxLeasesPerClient == 0 {
+		cfg.MaxLeasesPerClient = DefaultMaxLeasesPerClient
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	b, err := newBackend(cfg.Backend)
+	if err != nil {
+		return nil, err
+	}
+	s := &Store{
+		cfg:         cfg,
+		log:         cfg.Logger,
+		backend:     b,
+		uid:         uint32(os.Geteuid()),
+		devices:     make(map[string]*device),
+		objects:     make(map[string]*object),
+		waiters:     make(map[string]*waiter),
+		sessions:    make(map[*session]struct{}),
+		subscribers: make(map[*session]struct{}),
+	}
+	reg := cfg.Registerer
+	if reg == nil {
+		r := prometheus.NewRegistry()
+		reg, s.gatherer = r, r
+	} else if g, ok := reg.(prometheus.Gatherer); ok {
+		s.gatherer = g
+	} else {
+		s.gatherer = prometheus.DefaultGatherer
+	}
+	s.metrics = newMetrics(s)
+	if err := s.metrics.register(reg); err != nil {
+		return nil, fmt.Errorf("store: registering metrics: %w", err)
+	}
+	// The default device exists from the start so that its capacity shows
+	// in the metrics before the first object.
+	def, err := b.device("")
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	_, err = s.deviceLocked(def)
+	s.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// deviceLocked returns the state of a canonical device name, creating it on
+// first use.
+func (s *Store) deviceLocked(name string) (*device, error) {
+	if d := s.devices[name]; d != nil {
+		return d, nil
+	}
+	d := &device{name: name, arenas: make(map[uint64]arena)}
+	a, err := alloc.New(alloc.Config[pool, *object]{
+		Capacity:    s.cfg.Capacity,
+		Granularity: s.backend.granularity(name),
+		NoEvict:     s.cfg.NoEvict,
+		NewArena: func(_ pool, size int64) (uint64, error) {
+			s.nextArena++
+			id := s.nextArena
+			ar, err := s.backend.newArena(name, id, size)
+			if err != nil {
+				return 0, err
+			}
+			d.arenas[id] = ar
+			s.log.Debug("arena created", "device", name, "arena", id, "size", size)
+			return id, nil
+		},
+		FreeArena: func(id uint64) {
+			if err := d.arenas[id].close(); err != nil {
+				s.log.Warn("closing arena", "device", name, "arena", id, "err", err)
+			}
+			delete(d.arenas, id)
+			s.log.Debug("arena released", "device", name, "arena", id)
+		},
+		Evict: func(b *alloc.Block[pool, *object]) { s.evictLocked(b.Value) },
+	})
+	if err != nil {
+		return nil, fmt.Errorf("store: device %s: %w", name, err)
+	}
+	d.alloc = a
+	s.devices[name] = d
+	return d, nil
+}
+
+// evictLocked forgets an object the allocator is about to free.
+func (s *Store) evictLocked(o *object) {
+	delete(s.objects, o.name)
+	o.deleted = true
+	s.forgetCreatorLocked(o)
+	s.metrics.evictions.WithLabelValues(o.dev.name).Inc()
+	s.log.Info("object evicted", "name", o.name, "size", o.size, "device", o.dev.name)
+	s.emitLocked(eventEvicted, o)
+	o.discardLocked()
+}
+
+// freeLocked gives an object's memory back to its device.
+func (s *Store) freeLocked(o *object) {
+	o.discardLocked()
+	o.dev.alloc.Free(o.block)
+	o.block = nil
+}
+
+// discardLocked tells the backend the object's bytes are no longer needed.
+func (o *object) discardLocked() {
+	if ar := o.dev.arenas[o.block.Arena().ID]; ar != nil {
+		ar.discard(o.block.Offset, o.size)
+	}
+}
+
+// forgetCreatorLocked stops counting o against its creator's limit.
+func (s *Store) forgetCreatorLocked(o *object) {
+	if c := o.creator; c != nil {
+		delete(c.created, o)
+		o.creator = nil
+	}
+}
+
+// readableBy reports whether a peer of uid may read o once sealed: its
+// owner, root, and anyone when o is shared.
+func (o *object) readableBy(uid uint32) bool {
+	return o.shared || o.owner == uid || uid == 0
+}
+
+// MetricsHandler returns an http.Handler serving the store's metrics in the
+// Prometheus exposition format. With a Config.Registerer that is not a
+// prometheus.Gatherer, it serves prometheus.DefaultGatherer.
+func (s *Store) MetricsHandler() http.Handler {
+	return promhttp.HandlerFor(s.gatherer, promhttp.HandlerOpts{})
+}
+
+// Close ends every session (aborting unsealed objects, releasing leases)
+// and frees the store's memory. Clients keep the mappings they made. Close
+// does not stop Serve: cancel its context first. It is idempotent.
+func (s *Store) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	sessions := make([]*session, 0, len(s.sessions))
+	for ss := range s.sessions {
+		sessions = append(sessions, ss)
+	}
+	s.mu.Unlock()
+	for _, ss := range sessions {
+		ss.close(errStoreClosed)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var errs []error
+	for _, d := range s.devices {
+		for id, ar := range d.arenas {
+			errs = append(errs, ar.close())
+			delete(d.arenas, id)
+		}
+	}
+	clear(s.objects)
+	return errors.Join(errs...)
+}
+
+var errStoreClosed = errors.New("store closed")
+
+// info describes an object for list and stat.
+type info struct {
+	Name     string
+	Size     int64
+	Device   string
+	Sealed   bool
+	Leases   int
+	Shared   bool
+	OwnerUID uint32
+	Created  time.Time
+	Region   []byte
+}
+
+func (o *object) info() info {
+	return info{
+		Name:     o.name,
+		Size:     o.size,
+		Device:   o.dev.name,
+		Sealed:   o.sealed,
+		Leases:   o.leases,
+		Shared:   o.shared,
+		OwnerUID: o.owner,
+		Created:  o.created,
+	}
+}
+
+func sortInfos(infos []info) {
+	slices.SortFunc(infos, func(a, b info) int { return cmp.Compare(a.Name, b.Name) })
+}
