@@ -10,6 +10,7 @@ package cu
 import (
 	"errors"
 	"os"
+	"strings"
 	"sync"
 	"unsafe"
 
@@ -252,7 +253,11 @@ var entries = []entry{
 func load(path string) error {
 	h, err := purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_GLOBAL)
 	if err != nil {
-		return &LoadError{Path: path, Reason: err.Error()}
+		reason := strings.TrimSpace(err.Error())
+		if reason == "" { // purego over cgo's dlopen can lose dlerror's text
+			reason = "the dynamic loader cannot open it (not installed, or not on the library path)"
+		}
+		return &LoadError{Path: path, Reason: reason}
 	}
 	var getProc func(symbol string, pfn *uintptr, version int32, flags uint64, status *int32) Result
 	if p, err := purego.Dlsym(h, "cuGetProcAddress_v2"); err == nil {
