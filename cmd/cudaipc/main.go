@@ -15,6 +15,9 @@ import (
 )
 
 func main() {
+	if cli.RunDoctorExporter() || cli.RunBenchExporter() {
+		return
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := cli.Run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()

@@ -13,10 +13,6 @@ import (
 	"github.com/cudaipc/cudaipc/client"
 )
 
-type benchCmd struct {
-	Store benchStoreCmd `cmd:"" help:"Measure get+release round trips against the object store."`
-}
-
 type benchStoreCmd struct {
 	Clients  int           `default:"8" help:"Concurrent clients, each with its own connection." placeholder:"N"`
 	Duration time.Duration `default:"5s" help:"How long to measure." placeholder:"D"`
@@ -144,7 +140,7 @@ func (c *benchStoreCmd) Run(g *Globals) error {
 		return printJSON(g.stdout, res)
 	}
 	fmt.Fprintf(g.stdout, "bench store: %d clients, %s object, %s store (%s backend), %.1f s\n",
-		res.Clients, formatBytes(res.Size), res.Store, res.Backend, res.DurationS)
+		res.Clients, humanBytes(res.Size), res.Store, res.Backend, res.DurationS)
 	fmt.Fprintf(g.stdout, "%d get+release cycles: %.0f per second; latency p50 %.1f µs, p90 %.1f µs, p99 %.1f µs, max %.1f µs\n",
 		res.Ops, res.OpsPerSec, res.P50US, res.P90US, res.P99US, res.MaxUS)
 	return nil

@@ -34,15 +34,19 @@ func (g *Globals) Context() context.Context { return g.ctx }
 type cliRoot struct {
 	Globals
 
-	Put  putCmd  `cmd:"" help:"Store a file as a sealed object."`
-	Get  getCmd  `cmd:"" help:"Write an object's bytes to a file or standard output."`
-	Ls   lsCmd   `cmd:"" help:"List objects in the store."`
-	Stat statCmd `cmd:"" help:"Describe one object."`
-	Rm   rmCmd   `cmd:"" help:"Remove objects from the store."`
+	Info   InfoCmd   `cmd:"" help:"Show the driver, each GPU and the peer-access matrix."`
+	Doctor DoctorCmd `cmd:"" help:"Check that this machine can share GPU memory, and say what to fix."`
+	Dump   DumpCmd   `cmd:"" help:"Write the bytes of a region exported by any program (Go, PyTorch, CuPy, C) to a file or stdout."`
 
 	Serve serveCmd `cmd:"" help:"Run the object store daemon."`
+	Put   putCmd   `cmd:"" help:"Store a file as a sealed object."`
+	Get   getCmd   `cmd:"" help:"Write an object's bytes to a file or standard output."`
+	Ls    lsCmd    `cmd:"" help:"List objects in the store."`
+	Stat  statCmd  `cmd:"" help:"Describe one object."`
+	Rm    rmCmd    `cmd:"" help:"Remove objects from the store."`
+
 	Demo  demoCmd  `cmd:"" help:"Share objects between two processes through an embedded store, check every byte, and report how fast."`
-	Bench benchCmd `cmd:"" help:"Measure performance (bench store: get+release round trips)."`
+	Bench benchCmd `cmd:"" help:"Measure (bench ipc: GPU sharing; bench store: the object store)."`
 
 	DemoWorker demoWorkerCmd `cmd:"" name:"demo-worker" hidden:"" help:"Producer or consumer process of 'cudaipc demo'."`
 }
@@ -68,11 +72,11 @@ func ExitCode(err error) int {
 // Run parses args and runs the chosen command. ctx is cancelled when the
 // process is asked to stop.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	return run(ctx, args, os.Stdin, stdout, stderr)
+	return runIO(ctx, args, os.Stdin, stdout, stderr)
 }
 
-// run is Run with standard input as a parameter, for tests.
-func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) error {
+// runIO is Run with standard input as a parameter, for tests.
+func runIO(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) error {
 	var root cliRoot
 	exit := -1
 	parser, err := kong.New(&root,

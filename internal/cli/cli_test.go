@@ -17,30 +17,32 @@ import (
 // processes that 'cudaipc demo' starts by re-executing itself.
 const mainEnv = "CUDAIPC_CLI_TEST_MAIN"
 
-func TestMain(m *testing.M) {
-	if os.Getenv(mainEnv) == "1" {
-		err := Run(context.Background(), os.Args[1:], os.Stdout, os.Stderr)
-		if err != nil {
-			os.Stderr.WriteString("cudaipc: " + err.Error() + "\n")
-			os.Exit(ExitCode(err))
-		}
-		os.Exit(0)
+// runAsCLIMain runs the CLI as main would when this test binary was
+// started as a demo worker; TestMain (info_test.go) calls it first.
+func runAsCLIMain() bool {
+	if os.Getenv(mainEnv) != "1" {
+		os.Setenv(mainEnv, "1") // inherited by the demo's workers
+		return false
 	}
-	os.Setenv(mainEnv, "1") // inherited by the demo's workers only
-	os.Exit(m.Run())
+	err := Run(context.Background(), os.Args[1:], os.Stdout, os.Stderr)
+	if err != nil {
+		os.Stderr.WriteString("cudaipc: " + err.Error() + "\n")
+		os.Exit(ExitCode(err))
+	}
+	return true
 }
 
-// runCLI runs the CLI in-process and returns its output.
-func runCLI(t *testing.T, args ...string) (stdout, stderr string, err error) {
+// storeCLI runs the CLI in-process and returns its output.
+func storeCLI(t *testing.T, args ...string) (stdout, stderr string, err error) {
 	t.Helper()
 	var o, e bytes.Buffer
-	err = run(context.Background(), args, strings.NewReader(""), &o, &e)
+	err = runIO(context.Background(), args, strings.NewReader(""), &o, &e)
 	return o.String(), e.String(), err
 }
 
 func mustRun(t *testing.T, args ...string) string {
 	t.Helper()
-	out, errOut, err := runCLI(t, args...)
+	out, errOut, err := storeCLI(t, args...)
 	if err != nil {
 		t.Fatalf("cudaipc %s: %v\nstderr: %s", strings.Join(args, " "), err, errOut)
 	}
@@ -69,7 +71,7 @@ func serve(t *testing.T, args ...string) string {
 	})
 	// Wait until it answers.
 	for {
-		if _, _, err := runCLI(t, "ls", "--socket", sock); err == nil {
+		if _, _, err := storeCLI(t, "ls", "--socket", sock); err == nil {
 			return sock
 		}
 		time.Sleep(5 * time.Millisecond) // poll interval, not a deadline
@@ -87,7 +89,7 @@ func TestParseSize(t *testing.T) {
 			t.Errorf("parseSize(%q) accepted", in)
 		}
 	}
-	if got := formatBytes(64 << 20); got != "64.0 MiB" {
+	if got := humanBytes(64 << 20); got != "64.0 MiB" {
 		t.Errorf("formatBytes: %q", got)
 	}
 	if got := metricsAddr("9464"); got != "127.0.0.1:9464" {
@@ -100,12 +102,12 @@ func TestParseSize(t *testing.T) {
 
 func TestNoDaemon(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "none.sock")
-	_, _, err := runCLI(t, "ls", "--socket", sock)
+	_, _, err := storeCLI(t, "ls", "--socket", sock)
 	if err == nil || !strings.Contains(err.Error(), "start one with 'cudaipc serve'") || !strings.Contains(err.Error(), sock) {
 		t.Fatalf("ls without a daemon: %v", err)
 	}
 	t.Setenv("CUDAIPC_SOCKET", sock)
-	if _, _, err := runCLI(t, "stat", "x"); err == nil || !strings.Contains(err.Error(), sock) {
+	if _, _, err := storeCLI(t, "stat", "x"); err == nil || !strings.Contains(err.Error(), sock) {
 		t.Fatalf("CUDAIPC_SOCKET not used: %v", err)
 	}
 }
@@ -123,7 +125,7 @@ func TestStoreCommands(t *testing.T) {
 	if !strings.Contains(out, `"blob"`) {
 		t.Errorf("put said %q", out)
 	}
-	if _, _, err := runCLI(t, "put", in, "--name", "blob", "--socket", sock); err == nil || !strings.Contains(err.Error(), "cudaipc rm") {
+	if _, _, err := storeCLI(t, "put", in, "--name", "blob", "--socket", sock); err == nil || !strings.Contains(err.Error(), "cudaipc rm") {
 		t.Errorf("put of an existing name: %v", err)
 	}
 
@@ -165,7 +167,7 @@ func TestStoreCommands(t *testing.T) {
 
 	// From standard input.
 	var o, e bytes.Buffer
-	if err := run(context.Background(), []string{"put", "-", "--name", "piped", "--socket", sock}, bytes.NewReader(data[:1000]), &o, &e); err != nil {
+	if err := runIO(context.Background(), []string{"put", "-", "--name", "piped", "--socket", sock}, bytes.NewReader(data[:1000]), &o, &e); err != nil {
 		t.Fatalf("put -: %v\n%s", err, e.String())
 	}
 	if got := mustRun(t, "get", "piped", "--socket", sock); got != string(data[:1000]) {
@@ -173,20 +175,20 @@ func TestStoreCommands(t *testing.T) {
 	}
 
 	mustRun(t, "rm", "blob", "piped", "--socket", sock)
-	if _, _, err := runCLI(t, "stat", "blob", "--socket", sock); err == nil || !strings.Contains(err.Error(), "cudaipc ls") {
+	if _, _, err := storeCLI(t, "stat", "blob", "--socket", sock); err == nil || !strings.Contains(err.Error(), "cudaipc ls") {
 		t.Errorf("stat after rm: %v", err)
 	}
 	if got := mustRun(t, "ls", "--json", "--socket", sock); strings.TrimSpace(got) != "[]" {
 		t.Errorf("ls --json of an empty store: %q", got)
 	}
-	if _, _, err := runCLI(t, "get", "blob", "--timeout", "20ms", "--socket", sock); err == nil || !strings.Contains(err.Error(), "not sealed within") {
+	if _, _, err := storeCLI(t, "get", "blob", "--timeout", "20ms", "--socket", sock); err == nil || !strings.Contains(err.Error(), "not sealed within") {
 		t.Errorf("get with timeout: %v", err)
 	}
 }
 
 func TestServeDetectsRunningDaemon(t *testing.T) {
 	sock := serve(t)
-	_, _, err := runCLI(t, "serve", "--socket", sock, "--log-level", "error")
+	_, _, err := storeCLI(t, "serve", "--socket", sock, "--log-level", "error")
 	if err == nil || !strings.Contains(err.Error(), "already running") {
 		t.Fatalf("second serve on one socket: %v", err)
 	}

@@ -173,14 +173,14 @@ func printDemo(w io.Writer, rep demoReport) {
 			check = "MISMATCH"
 		}
 		fmt.Fprintf(tw, "%s\t%.2f GB/s\t%.0f µs\t%.2f GB/s\t%.1f µs\t%s\t\n",
-			formatBytes(r.Size), r.WriteGBps, r.SealToGetUS, r.VerifyGBps, r.GetReleaseP50US, check)
+			humanBytes(r.Size), r.WriteGBps, r.SealToGetUS, r.VerifyGBps, r.GetReleaseP50US, check)
 	}
 	tw.Flush()
 	verdict := "every byte matched (byte-for-byte against the producer's random stream, and SHA-256)"
 	if !rep.OK {
 		verdict = "MISMATCH: the consumer read something other than what the producer wrote"
 	}
-	fmt.Fprintf(w, "\n%d objects, %s: %s, in %.2f s.\n", len(rep.Objects), formatBytes(rep.TotalBytes), verdict, rep.ElapsedS)
+	fmt.Fprintf(w, "\n%d objects, %s: %s, in %.2f s.\n", len(rep.Objects), humanBytes(rep.TotalBytes), verdict, rep.ElapsedS)
 }
 
 func gbps(n, ns int64) float64 {

@@ -45,7 +45,7 @@ func (c *putCmd) Run(g *Globals) error {
 	if err := obj.Seal(ctx); err != nil {
 		return explain(err, g.socketPath())
 	}
-	fmt.Fprintf(g.stdout, "stored %q: %s (%d bytes) on %s\n", c.Name, formatBytes(size), size, c.Device)
+	fmt.Fprintf(g.stdout, "stored %q: %s (%d bytes) on %s\n", c.Name, humanBytes(size), size, c.Device)
 	return nil
 }
 

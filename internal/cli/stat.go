@@ -26,7 +26,7 @@ func (c *statCmd) Run(g *Globals) error {
 	}
 	tw := tabwriter.NewWriter(g.stdout, 0, 0, 1, ' ', 0)
 	fmt.Fprintf(tw, "name:\t%s\n", o.Name)
-	fmt.Fprintf(tw, "size:\t%s (%d bytes)\n", formatBytes(o.Size), o.Size)
+	fmt.Fprintf(tw, "size:\t%s (%d bytes)\n", humanBytes(o.Size), o.Size)
 	fmt.Fprintf(tw, "device:\t%s\n", o.Device)
 	fmt.Fprintf(tw, "sealed:\t%t\n", o.Sealed)
 	fmt.Fprintf(tw, "leases:\t%d\n", o.Leases)

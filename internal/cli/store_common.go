@@ -72,7 +72,7 @@ func (b *byteSize) UnmarshalText(text []byte) error {
 	return nil
 }
 
-func (b byteSize) String() string { return formatBytes(int64(b)) }
+func (b byteSize) String() string { return humanBytes(int64(b)) }
 
 func parseSize(s string) (int64, error) {
 	t := strings.TrimSpace(s)
@@ -102,8 +102,8 @@ func parseSize(s string) (int64, error) {
 	return n * mult, nil
 }
 
-// formatBytes prints n in IEC units: 4.0 KiB, 64.0 MiB.
-func formatBytes(n int64) string {
+// humanBytes prints n in IEC units: 4.0 KiB, 64.0 MiB.
+func humanBytes(n int64) string {
 	const unit = 1024
 	if n < unit {
 		return fmt.Sprintf("%d B", n)

@@ -1,0 +1,231 @@
+package cli
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cudaipc/cudaipc"
+)
+
+// DoctorCmd checks that this machine can share GPU memory between processes
+// and says what to fix when it cannot.
+type DoctorCmd struct {
+	JSON bool `help:"Print the checks as a JSON array."`
+}
+
+type check struct {
+	Name   string `json:"name"`
+	Status string `json:"status"` // ok, warn, fail, skip
+	Detail string `json:"detail"`
+}
+
+// Run implements the command.
+func (c *DoctorCmd) Run(g *Globals) error {
+	var checks []check
+	add := func(name, status, detail string) { checks = append(checks, check{name, status, detail}) }
+
+	devs, derr := cudaipc.Devices()
+	switch {
+	case derr != nil && errors.Is(derr, cudaipc.ErrNoDriver):
+		add("driver", "fail", derr.Error())
+	case derr != nil:
+		add("driver", "fail", derr.Error()+" (is the GPU visible to this container? see nvidia-smi)")
+	default:
+		v, _ := cudaipc.DriverVersion()
+		add("driver", "ok", fmt.Sprintf("CUDA %d.%d from %s", v/1000, v%1000/10, cudaipc.LibraryPath()))
+		if len(devs) == 0 {
+			add("devices", "warn", "driver loaded but no device visible (CUDA_VISIBLE_DEVICES="+os.Getenv("CUDA_VISIBLE_DEVICES")+")")
+		}
+		for _, d := range devs {
+			st := "ok"
+			var notes []string
+			if !d.LegacyIPCSupported() {
+				st = "fail"
+				notes = append(notes, "no legacy IPC")
+			}
+			if !d.VMMFDSupported() {
+				notes = append(notes, "no VMM POSIX-fd export (needed across PID namespaces)")
+			}
+			if !d.IPCEventSupported() {
+				notes = append(notes, "no IPC events")
+			}
+			detail := d.String()
+			if len(notes) > 0 {
+				detail += ": " + strings.Join(notes, "; ")
+			}
+			add(fmt.Sprintf("GPU %d", d.Ordinal()), st, detail)
+		}
+	}
+	if v, ok := os.LookupEnv("CUDA_VISIBLE_DEVICES"); ok {
+		add("CUDA_VISIBLE_DEVICES", "ok", fmt.Sprintf("%q: ordinals differ between processes; regions name GPUs by UUID", v))
+	}
+
+	if ns, err := os.Readlink("/proc/self/ns/pid"); err == nil {
+		detail := ns + ": legacy IPC works only between processes of one PID namespace"
+		if init, err := os.Readlink("/proc/1/ns/pid"); err == nil && init != ns {
+			detail += " (this process is not in the init namespace: a container?)"
+		}
+		add("pid namespace", "ok", detail)
+	}
+
+	if fd, err := unix.MemfdCreate("cudaipc-doctor", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING); err != nil {
+		add("memfd", "fail", "memfd_create: "+err.Error()+" (the store's host backend needs it)")
+	} else {
+		unix.Close(fd)
+		add("memfd", "ok", "memfd_create works (host-memory objects)")
+	}
+
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim); err == nil {
+		if lim.Cur != unix.RLIM_INFINITY && lim.Cur < 64<<20 {
+			add("memlock", "warn", fmt.Sprintf("RLIMIT_MEMLOCK is %d KiB: pinned host buffers may fail; raise it (ulimit -l)", lim.Cur>>10))
+		} else {
+			add("memlock", "ok", "RLIMIT_MEMLOCK "+formatLimit(lim.Cur))
+		}
+	}
+
+	if derr == nil && len(devs) > 0 {
+		add(ipcSelfTest(g.Context(), devs[0]))
+	} else {
+		add("ipc round trip", "skip", "no GPU")
+	}
+
+	sock := g.socketPath()
+	if st, err := os.Stat(sock); err == nil && st.Mode()&os.ModeSocket != 0 {
+		add("store socket", "ok", sock+" exists")
+	} else {
+		add("store socket", "warn", "no store daemon at "+sock+": start one with 'cudaipc serve'")
+	}
+
+	failed := 0
+	for _, ch := range checks {
+		if ch.Status == "fail" {
+			failed++
+		}
+	}
+	if c.JSON {
+		enc := json.NewEncoder(g.stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(checks); err != nil {
+			return err
+		}
+	} else {
+		for _, ch := range checks {
+			fmt.Fprintf(g.stdout, "%-4s  %-20s %s\n", ch.Status, ch.Name, ch.Detail)
+		}
+	}
+	if failed > 0 {
+		return fmt.Errorf("%d check(s) failed", failed)
+	}
+	return nil
+}
+
+func formatLimit(v uint64) string {
+	if v == unix.RLIM_INFINITY {
+		return "unlimited"
+	}
+	return strconv.FormatUint(v>>10, 10) + " KiB"
+}
+
+// doctorExportEnv marks the re-executed doctor process that exports memory.
+const doctorExportEnv = "CUDAIPC_DOCTOR_EXPORT"
+
+// ipcSelfTest exports random bytes from a child process (this binary,
+// re-executed) and maps them here, as two real users of CUDA IPC would.
+func ipcSelfTest(ctx context.Context, dev *cudaipc.Device) (string, string, string) {
+	const name = "ipc round trip"
+	exe, err := os.Executable()
+	if err != nil {
+		return name, "fail", err.Error()
+	}
+	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, exe, "doctor")
+	cmd.Env = append(os.Environ(), doctorExportEnv+"="+dev.UUID().String())
+	stdin, _ := cmd.StdinPipe()
+	stdout, _ := cmd.StdoutPipe()
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		return name, "fail", err.Error()
+	}
+	defer func() { stdin.Close(); _ = cmd.Wait() }()
+	var msg doctorExport
+	if err := json.NewDecoder(stdout).Decode(&msg); err != nil {
+		return name, "fail", "exporter process: " + strings.TrimSpace(stderr.String())
+	}
+	if msg.Err != "" {
+		return name, "fail", "exporter process: " + msg.Err
+	}
+	t0 := time.Now()
+	p, err := dev.OpenMemHandle(msg.Handle, cudaipc.LazyEnablePeerAccess)
+	open := time.Since(t0)
+	if err != nil {
+		return name, "fail", "open: " + err.Error()
+	}
+	defer dev.CloseMemHandle(p)
+	got := make([]byte, len(msg.Data))
+	if err := dev.CopyFromDevice(got, p); err != nil {
+		return name, "fail", err.Error()
+	}
+	if !bytes.Equal(got, msg.Data) {
+		return name, "fail", "the imported bytes differ from the exported ones"
+	}
+	return name, "ok", fmt.Sprintf("pid %d exported %d random bytes, this process read them back; open took %v", msg.Pid, len(got), open.Round(time.Microsecond))
+}
+
+type doctorExport struct {
+	Handle cudaipc.MemHandle `json:"handle"`
+	Data   []byte            `json:"data"`
+	Pid    int               `json:"pid"`
+	Err    string            `json:"err,omitempty"`
+}
+
+// RunDoctorExporter is the child side of the doctor's IPC self-test. It
+// returns false when this process is not such a child.
+func RunDoctorExporter() bool {
+	uuid := os.Getenv(doctorExportEnv)
+	if uuid == "" {
+		return false
+	}
+	enc := json.NewEncoder(os.Stdout)
+	fail := func(err error) bool { _ = enc.Encode(doctorExport{Err: err.Error()}); return true }
+	u, err := cudaipc.ParseUUID(uuid)
+	if err != nil {
+		return fail(err)
+	}
+	dev, err := cudaipc.DeviceByUUID(u)
+	if err != nil {
+		return fail(err)
+	}
+	data := make([]byte, 1<<20)
+	if _, err := rand.Read(data); err != nil {
+		return fail(err)
+	}
+	buf, err := dev.Alloc(int64(len(data)))
+	if err != nil {
+		return fail(err)
+	}
+	defer buf.Free()
+	if _, err := buf.WriteAt(data, 0); err != nil {
+		return fail(err)
+	}
+	h, err := buf.MemHandle()
+	if err != nil {
+		return fail(err)
+	}
+	_ = enc.Encode(doctorExport{Handle: h, Data: data, Pid: os.Getpid()})
+	_, _ = os.Stdin.Read(make([]byte, 1)) // hold the memory until the parent is done
+	return true
+}

@@ -1,0 +1,422 @@
+package cudaipc
+
+import (
+	"fmt"
+	"io"
+	"log/slog"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"weak"
+
+	"github.com/cudaipc/cudaipc/internal/cu"
+)
+
+// DevicePtr is a device address in the unified address space (CUdeviceptr).
+type DevicePtr uint64
+
+// Live counts the objects of this package that are open in this process:
+// a test that ends with a non-zero count leaked.
+type Live struct {
+	Buffers, HostBuffers, Streams, Events int64
+	// Mappings counts Mapping values returned by Import and not yet closed.
+	Mappings int64
+	// MemHandleOpens counts driver-level opens (Device.OpenMemHandle, which
+	// the Import cache also uses) not yet undone by CloseMemHandle.
+	MemHandleOpens int64
+	// ShareableBuffers and FDMappings count VMM allocations and imports of
+	// their file descriptors.
+	ShareableBuffers, FDMappings int64
+}
+
+var live struct {
+	buffers, hostBuffers, streams, events, mappings, memOpens atomic.Int64
+	shareableBuffers, fdMappings                              atomic.Int64
+}
+
+// LiveObjects returns how many objects are open now.
+func LiveObjects() Live {
+	return Live{
+		Buffers: live.buffers.Load(), HostBuffers: live.hostBuffers.Load(),
+		Streams: live.streams.Load(), Events: live.events.Load(), Mappings: live.mappings.Load(),
+		MemHandleOpens:   live.memOpens.Load(),
+		ShareableBuffers: live.shareableBuffers.Load(), FDMappings: live.fdMappings.Load(),
+	}
+}
+
+// Buffer is device memory allocated by this process with cuMemAlloc. It
+// implements io.ReaderAt and io.WriterAt with synchronous copies.
+//
+// Free (or Close) releases it. CUDA leaves it undefined what importers in
+// other processes see once the exporter frees: free only after they have
+// closed their mappings (the object store does this bookkeeping for you).
+// A Buffer that becomes unreachable without Free is freed by a cleanup and
+// the leak is logged.
+type Buffer struct {
+	dev  *Device
+	ptr  DevicePtr
+	size int64
+
+	mu        sync.Mutex
+	closed    bool
+	localRefs int    // mappings of this buffer opened through Import in this process
+	bufferID  uint64 // CU_POINTER_ATTRIBUTE_BUFFER_ID, learnt on first Export; 0 until then
+	cleanup   runtime.Cleanup
+}
+
+// localBuffers finds the Buffer of this package at a base address, so that
+// a Region imported in its own exporting process takes a reference on the
+// Buffer (and Free refuses while it is held). It is keyed by address rather
+// than by buffer id because the address is known at Alloc without another
+// driver call; the id is checked at import. Weak pointers keep the leak
+// backstop of an unreachable Buffer working.
+var localBuffers struct {
+	mu sync.Mutex
+	m  map[DevicePtr]weak.Pointer[Buffer]
+}
+
+func registerBuffer(b *Buffer) {
+	localBuffers.mu.Lock()
+	defer localBuffers.mu.Unlock()
+	if localBuffers.m == nil {
+		localBuffers.m = map[DevicePtr]weak.Pointer[Buffer]{}
+	}
+	localBuffers.m[b.ptr] = weak.Make(b)
+}
+
+// unregisterBuffer forgets the Buffer at p if it is b, or if it is gone
+// (b == nil, from the leak backstop).
+func unregisterBuffer(p DevicePtr, b *Buffer) {
+	localBuffers.mu.Lock()
+	defer localBuffers.mu.Unlock()
+	if w, ok := localBuffers.m[p]; ok && w.Value() == b {
+		delete(localBuffers.m, p)
+	}
+}
+
+func lookupBuffer(p DevicePtr) *Buffer {
+	localBuffers.mu.Lock()
+	defer localBuffers.mu.Unlock()
+	return localBuffers.m[p].Value()
+}
+
+type bufferLeak struct {
+	dev  *Device
+	ptr  DevicePtr
+	size int64
+}
+
+func freeLeakedBuffer(l bufferLeak) {
+	slog.Warn("cudaipc: Buffer garbage-collected without Free; freeing it", "device", l.dev.ordinal, "size", l.size)
+	unregisterBuffer(l.ptr, nil)
+	if err := l.dev.do(func() error { return cu.MemFree(cu.DevicePtr(l.ptr)) }); err != nil {
+		slog.Warn("cudaipc: freeing leaked Buffer failed", "err", err)
+	}
+	live.buffers.Add(-1)
+}
+
+// Alloc allocates size bytes of device memory (cuMemAlloc). The memory is
+// not initialized. Allocations are aligned to at least 256 bytes and can be
+// exported with MemHandle.
+func (d *Device) Alloc(size int64) (*Buffer, error) {
+	if size <= 0 {
+		return nil, &ArgError{Op: "Alloc", Arg: "size", Reason: fmt.Sprintf("%d: must be positive", size)}
+	}
+	var p cu.DevicePtr
+	err := d.do(func() error {
+		var e error
+		p, e = cu.MemAlloc(uint64(size))
+		return e
+	})
+	if err != nil {
+		return nil, err
+	}
+	b := &Buffer{dev: d, ptr: DevicePtr(p), size: size}
+	live.buffers.Add(1)
+	b.cleanup = runtime.AddCleanup(b, freeLeakedBuffer, bufferLeak{d, b.ptr, size})
+	registerBuffer(b)
+	return b, nil
+}
+
+// Device returns the device that holds the buffer.
+func (b *Buffer) Device() *Device { return b.dev }
+
+// Ptr returns the buffer's device address.
+func (b *Buffer) Ptr() DevicePtr { return b.ptr }
+
+// Size returns the buffer's size in bytes.
+func (b *Buffer) Size() int64 { return b.size }
+
+func (b *Buffer) check(op string) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return fmt.Errorf("%s: %w", op, ErrClosed)
+	}
+	return nil
+}
+
+// ReadAt copies len(p) bytes at offset off of the buffer into p.
+func (b *Buffer) ReadAt(p []byte, off int64) (int, error) {
+	if err := b.check("ReadAt"); err != nil {
+		return 0, err
+	}
+	return readAt(b.dev, b.ptr, b.size, p, off)
+}
+
+// WriteAt copies p into the buffer at offset off.
+func (b *Buffer) WriteAt(p []byte, off int64) (int, error) {
+	if err := b.check("WriteAt"); err != nil {
+		return 0, err
+	}
+	return writeAt(b.dev, b.ptr, b.size, p, off)
+}
+
+// Memset sets every byte of the buffer to v.
+func (b *Buffer) Memset(v byte) error {
+	if err := b.check("Memset"); err != nil {
+		return err
+	}
+	return b.dev.Memset(b.ptr, v, b.size)
+}
+
+// MemHandle exports the buffer for other processes (cuIpcGetMemHandle).
+// The handle is a bearer capability: any process on this machine in the
+// same PID namespace that holds it can map the memory. Keep it secret.
+func (b *Buffer) MemHandle() (MemHandle, error) {
+	if err := b.check("MemHandle"); err != nil {
+		return MemHandle{}, err
+	}
+	return b.dev.GetMemHandle(b.ptr)
+}
+
+// Free releases the memory. It returns ErrInUse while mappings of the buffer
+// imported in this same process are open, and nil when already freed.
+func (b *Buffer) Free() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return nil
+	}
+	if b.localRefs > 0 {
+		return fmt.Errorf("Free: %w (%d open); close them first", ErrInUse, b.localRefs)
+	}
+	err := b.dev.do(func() error { return cu.MemFree(cu.DevicePtr(b.ptr)) })
+	if err != nil {
+		return err
+	}
+	unregisterBuffer(b.ptr, b)
+	b.closed = true
+	b.cleanup.Stop()
+	live.buffers.Add(-1)
+	return nil
+}
+
+// Close is Free, for io.Closer.
+func (b *Buffer) Close() error { return b.Free() }
+
+// addLocalRef records a same-process mapping of the allocation with the
+// given buffer id; it fails if the buffer is freed or is another allocation
+// at the same address. idOf learns the buffer id when no Export did.
+func (b *Buffer) addLocalRef(id uint64, idOf func() (uint64, error)) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return ErrClosed
+	}
+	if b.bufferID == 0 {
+		v, err := idOf()
+		if err != nil {
+			return err
+		}
+		b.bufferID = v
+	}
+	if b.bufferID != id {
+		return fmt.Errorf("%w: buffer id %d, the allocation now at that address is %d", ErrStaleMapping, id, b.bufferID)
+	}
+	b.localRefs++
+	return nil
+}
+
+func (b *Buffer) setBufferID(id uint64) {
+	b.mu.Lock()
+	b.bufferID = id
+	b.mu.Unlock()
+}
+
+func (b *Buffer) dropLocalRef() {
+	b.mu.Lock()
+	b.localRefs--
+	b.mu.Unlock()
+}
+
+func checkRange(op string, size int64, n int, off int64) error {
+	if off < 0 || off > size || int64(n) > size-off {
+		return &ArgError{Op: op, Arg: "offset", Reason: fmt.Sprintf("[%d, %d) is outside the %d-byte range", off, off+int64(n), size)}
+	}
+	return nil
+}
+
+func readAt(d *Device, base DevicePtr, size int64, p []byte, off int64) (int, error) {
+	if off >= size && len(p) > 0 && off >= 0 {
+		return 0, io.EOF
+	}
+	n := len(p)
+	var short bool
+	if off >= 0 && int64(n) > size-off {
+		n, short = int(size-off), true
+	}
+	if err := checkRange("ReadAt", size, n, off); err != nil {
+		return 0, err
+	}
+	if err := d.CopyFromDevice(p[:n], base+DevicePtr(off)); err != nil {
+		return 0, err
+	}
+	if short {
+		return n, io.EOF
+	}
+	return n, nil
+}
+
+func writeAt(d *Device, base DevicePtr, size int64, p []byte, off int64) (int, error) {
+	if err := checkRange("WriteAt", size, len(p), off); err != nil {
+		return 0, err
+	}
+	if err := d.CopyToDevice(base+DevicePtr(off), p); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+// CopyToDevice copies src to device address dst, synchronously.
+func (d *Device) CopyToDevice(dst DevicePtr, src []byte) error {
+	return d.do(func() error { return cu.MemcpyHtoD(cu.DevicePtr(dst), src) })
+}
+
+// CopyFromDevice copies len(dst) bytes from device address src, synchronously.
+func (d *Device) CopyFromDevice(dst []byte, src DevicePtr) error {
+	return d.do(func() error { return cu.MemcpyDtoH(dst, cu.DevicePtr(src)) })
+}
+
+// Copy copies n bytes between two device addresses, which may be on
+// different devices or be mappings imported from other processes.
+func (d *Device) Copy(dst, src DevicePtr, n int64) error {
+	if n < 0 {
+		return &ArgError{Op: "Copy", Arg: "n", Reason: "negative"}
+	}
+	return d.do(func() error { return cu.Memcpy(cu.DevicePtr(dst), cu.DevicePtr(src), uint64(n)) })
+}
+
+// Memset sets n bytes at p to v.
+func (d *Device) Memset(p DevicePtr, v byte, n int64) error {
+	if n < 0 {
+		return &ArgError{Op: "Memset", Arg: "n", Reason: "negative"}
+	}
+	return d.do(func() error { return cu.MemsetD8(cu.DevicePtr(p), v, uint64(n)) })
+}
+
+// PointerInfo describes the allocation that holds a device address.
+type PointerInfo struct {
+	Base     DevicePtr // start of the allocation (cuMemGetAddressRange)
+	Size     int64     // size of the allocation
+	BufferID uint64    // process-unique id of the allocation; a new allocation at the same address gets a new id
+	Device   int       // ordinal of the device that holds the memory
+	Managed  bool      // managed (unified) memory, which legacy IPC cannot export
+	IPC      bool      // the driver reports the allocation as legacy-IPC capable
+}
+
+// PointerInfo returns what the driver knows about the allocation holding p.
+func (d *Device) PointerInfo(p DevicePtr) (PointerInfo, error) {
+	var pi PointerInfo
+	err := d.do(func() error {
+		base, size, err := cu.MemGetAddressRange(cu.DevicePtr(p))
+		if err != nil {
+			return err
+		}
+		pi.Base, pi.Size = DevicePtr(base), int64(size)
+		if pi.BufferID, err = cu.PointerGetAttributeUint64(cu.PointerAttrBufferID, cu.DevicePtr(p)); err != nil {
+			return err
+		}
+		ord, err := cu.PointerGetAttributeInt32(cu.PointerAttrDeviceOrdinal, cu.DevicePtr(p))
+		if err != nil {
+			return err
+		}
+		pi.Device = int(ord)
+		m, err := cu.PointerGetAttributeInt32(cu.PointerAttrIsManaged, cu.DevicePtr(p))
+		if err != nil {
+			return err
+		}
+		pi.Managed = m != 0
+		ipc, err := cu.PointerGetAttributeInt32(cu.PointerAttrLegacyIPC, cu.DevicePtr(p))
+		if err != nil {
+			return err
+		}
+		pi.IPC = ipc != 0
+		return nil
+	})
+	return pi, err
+}
+
+// HostBuffer is page-locked (pinned) host memory from cuMemAllocHost: the
+// fastest source and destination for copies, and the only host memory that
+// asynchronous copies read or write after they return.
+type HostBuffer struct {
+	dev     *Device
+	mu      sync.Mutex
+	b       []byte
+	cleanup runtime.Cleanup
+}
+
+type hostLeak struct {
+	dev *Device
+	b   []byte
+}
+
+func freeLeakedHost(l hostLeak) {
+	slog.Warn("cudaipc: HostBuffer garbage-collected without Free; freeing it", "size", len(l.b))
+	_ = l.dev.do(func() error { return cu.MemFreeHost(l.b) })
+	live.hostBuffers.Add(-1)
+}
+
+// AllocHost allocates size bytes of pinned host memory.
+func (d *Device) AllocHost(size int64) (*HostBuffer, error) {
+	if size <= 0 {
+		return nil, &ArgError{Op: "AllocHost", Arg: "size", Reason: fmt.Sprintf("%d: must be positive", size)}
+	}
+	var b []byte
+	err := d.do(func() error {
+		var e error
+		b, e = cu.MemAllocHost(uint64(size))
+		return e
+	})
+	if err != nil {
+		return nil, err
+	}
+	h := &HostBuffer{dev: d, b: b}
+	live.hostBuffers.Add(1)
+	h.cleanup = runtime.AddCleanup(h, freeLeakedHost, hostLeak{d, b})
+	return h, nil
+}
+
+// Bytes returns the memory. It must not be used after Free.
+func (h *HostBuffer) Bytes() []byte {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.b
+}
+
+// Free releases the memory; freeing twice is not an error.
+func (h *HostBuffer) Free() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.b == nil {
+		return nil
+	}
+	if err := h.dev.do(func() error { return cu.MemFreeHost(h.b) }); err != nil {
+		return err
+	}
+	h.b = nil
+	h.cleanup.Stop()
+	live.hostBuffers.Add(-1)
+	return nil
+}

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds everything the GPU machine runs into .gpu/ (ignored by git): one
+# test binary per package that has tests, the CLI, and gpu-run.sh. The GPU
+# machine has no Go toolchain; these are static CGO_ENABLED=0 binaries.
+#
+#   scripts/gpu-build.sh            # then run .gpu/gpu-run.sh on the GPU machine,
+#                                   # e.g. device run with carry [".gpu"]:
+#                                   #   bash .gpu/gpu-run.sh
+#                                   # or the IPC benchmark table:
+#                                   #   bash .gpu/bench/run-gpu.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf .gpu && mkdir -p .gpu/bin
+export CGO_ENABLED=0 GOOS=linux GOARCH=amd64
+for pkg in $(go list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.ImportPath}}{{end}}' ./...); do
+  name=$(echo "${pkg#github.com/cudaipc/cudaipc}" | tr / _)
+  name=${name:-_root}; name=${name#_}; name=${name:-root}
+  go test -c -o ".gpu/bin/$name.test" "$pkg"
+done
+go build -o .gpu/bin/cudaipc ./cmd/cudaipc
+cp scripts/gpu-run.sh .gpu/
+# The IPC benchmark's C and Python programs and its driver script
+# (bash .gpu/bench/run-gpu.sh).
+mkdir -p .gpu/bench && cp scripts/bench/*.c scripts/bench/*.py scripts/bench/*.sh .gpu/bench/
+echo "built: $(ls .gpu/bin | tr '\n' ' ')"

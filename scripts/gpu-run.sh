@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, after scripts/gpu-build.sh.
+# Every test binary runs with CUDAIPC_REQUIRE_GPU=1, so a test that would skip
+# for lack of a GPU fails instead. Logs go to $OUT (or /tmp/gpu-out).
+#
+#   bash .gpu/gpu-run.sh [test-regexp] [bench-regexp]
+set -uo pipefail
+out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
+export CUDAIPC_REQUIRE_GPU=1
+# NVLink multicast must stay off on shared hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+run=${1:-.}; bench=${2:-}
+nvidia-smi --query-gpu=index,name,uuid,driver_version --format=csv,noheader | tee "$out/nvidia-smi.txt"
+.gpu/bin/cudaipc info | tee "$out/info.txt"
+total_pass=0; total_fail=0; total_skip=0; failed=""
+for t in .gpu/bin/*.test; do
+  name=$(basename "$t" .test)
+  # Test binaries run in their package directory (testdata, relative paths).
+  dir=$(echo "$name" | tr _ /); [ "$name" = root ] && dir=.
+  ( cd "$dir" 2>/dev/null || cd .; "$OLDPWD/$t" -test.v -test.count=1 -test.timeout=8m -test.run "$run" ) >"$out/$name.log" 2>&1
+  rc=$?
+  p=$(grep -c -- '^\s*--- PASS' "$out/$name.log"); f=$(grep -c -- '^\s*--- FAIL' "$out/$name.log"); s=$(grep -c -- '^\s*--- SKIP' "$out/$name.log")
+  total_pass=$((total_pass+p)); total_fail=$((total_fail+f)); total_skip=$((total_skip+s))
+  [ $rc -ne 0 ] && failed="$failed $name(rc=$rc)"
+  printf '%-22s pass %3d  fail %3d  skip %3d  rc %d\n' "$name" "$p" "$f" "$s" "$rc"
+done | tee "$out/summary.txt"
+if [ -n "$bench" ]; then
+  for t in .gpu/bin/*.test; do
+    name=$(basename "$t" .test)
+    "$t" -test.run '^$' -test.bench "$bench" -test.benchtime=200x -test.count=1 2>&1 | grep -E '^(Benchmark|ok|FAIL|---)' | tee -a "$out/bench.txt"
+  done
+fi
+grep -h -B2 -A20 -- '--- FAIL' "$out"/*.log | head -150
+echo "logs in $out"

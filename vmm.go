@@ -1,0 +1,407 @@
+package cudaipc
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"os"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"syscall"
+
+	"github.com/cudaipc/cudaipc/internal/cu"
+)
+
+// This file is the file-descriptor path of sharing device memory: memory
+// made with the virtual memory management (VMM) API, exported as a POSIX
+// file descriptor and sent over a Unix socket with SCM_RIGHTS. Unlike
+// legacy IPC handles, which name the exporting process and only open in
+// its PID namespace, a descriptor works across PID namespaces, i.e. between
+// containers that share the GPU. docs/fd-sharing.md has the rules.
+
+func notSupported(op string, d *Device) error {
+	return fmt.Errorf("cudaipc: %s: %s does not support POSIX file-descriptor handles (VMMFDSupported is false): %w", op, d, ErrNotSupported)
+}
+
+// VMMGranularity returns the size and alignment unit of shareable
+// allocations on this device (the driver's minimum granularity for pinned
+// device memory exportable as a POSIX file descriptor; 2 MiB on current
+// GPUs). AllocShareable and ImportFD round sizes up to it.
+func (d *Device) VMMGranularity() (int64, error) {
+	if !d.VMMFDSupported() {
+		return 0, notSupported("VMMGranularity", d)
+	}
+	var g uint64
+	err := d.do(func() error {
+		var e error
+		g, e = cu.MemGetAllocationGranularity(cu.DevicePinnedProp(d.dev, cu.MemHandleTypePosixFD), cu.MemAllocGranularityMinimum)
+		return e
+	})
+	return int64(g), err
+}
+
+// roundUp rounds size up to a multiple of gran, or reports overflow.
+func roundUp(op string, size, gran int64) (int64, error) {
+	if gran <= 0 {
+		return 0, fmt.Errorf("cudaipc: %s: the driver reported granularity %d", op, gran)
+	}
+	if size > math.MaxInt64-(gran-1) {
+		return 0, &ArgError{Op: op, Arg: "size", Reason: fmt.Sprintf("%d overflows when rounded up to the %d-byte granularity", size, gran)}
+	}
+	return (size + gran - 1) / gran * gran, nil
+}
+
+// mapHandle reserves address space for size bytes, maps h there and grants
+// dev read-write access, undoing what it did if a step fails. It runs in
+// Device.do.
+func mapHandle(dev cu.Device, h cu.MemGenericAllocationHandle, size, align int64) (cu.DevicePtr, error) {
+	p, err := cu.MemAddressReserve(uint64(size), uint64(align))
+	if err != nil {
+		return 0, err
+	}
+	if err := cu.MemMap(p, uint64(size), h); err != nil {
+		return 0, errors.Join(err, cu.MemAddressFree(p, uint64(size)))
+	}
+	if err := cu.MemSetAccess(p, uint64(size), dev, cu.MemAccessFlagsProtReadWrite); err != nil {
+		return 0, errors.Join(err, cu.MemUnmap(p, uint64(size)), cu.MemAddressFree(p, uint64(size)))
+	}
+	return p, nil
+}
+
+// unmapRelease undoes mapHandle and drops h. It runs in Device.do and tries
+// every step even if one fails.
+func unmapRelease(p cu.DevicePtr, size int64, h cu.MemGenericAllocationHandle) error {
+	return errors.Join(cu.MemUnmap(p, uint64(size)), cu.MemAddressFree(p, uint64(size)), cu.MemRelease(h))
+}
+
+// vmmLeak is what a cleanup backstop needs to tear down a mapping whose
+// owner was garbage-collected without Free or Close.
+type vmmLeak struct {
+	what    string
+	dev     *Device
+	handle  cu.MemGenericAllocationHandle
+	ptr     cu.DevicePtr
+	size    int64
+	counter *atomic.Int64 // the LiveObjects count to decrement
+}
+
+func freeLeakedVMM(l vmmLeak) {
+	slog.Warn("cudaipc: "+l.what+" garbage-collected without being closed; releasing it", "device", l.dev.ordinal, "size", l.size)
+	if err := l.dev.do(func() error { return unmapRelease(l.ptr, l.size, l.handle) }); err != nil {
+		slog.Warn("cudaipc: releasing leaked "+l.what+" failed", "err", err)
+	}
+	l.counter.Add(-1)
+}
+
+// ShareableBuffer is device memory allocated with the VMM API (cuMemCreate)
+// so that it can be exported as a POSIX file descriptor (ExportFD) and
+// imported by another process, in the same container or another one, with
+// ImportFD. It is mapped read-write for its device in this process, and
+// implements io.ReaderAt and io.WriterAt with synchronous copies.
+//
+// Free (or Close) unmaps it and drops this process's reference. The
+// physical memory lives on while any importer's mapping or any exported
+// descriptor still refers to it. A ShareableBuffer that becomes
+// unreachable without Free is released by a cleanup and the leak is logged.
+type ShareableBuffer struct {
+	dev    *Device
+	handle cu.MemGenericAllocationHandle
+	ptr    DevicePtr
+	size   int64
+	gran   int64
+
+	mu      sync.Mutex
+	closed  bool
+	cleanup runtime.Cleanup
+}
+
+// AllocShareable allocates at least size bytes of device memory that can be
+// exported as a POSIX file descriptor. The size is rounded up to the
+// device's VMM granularity (Granularity reports it, Size the rounded size).
+// The memory is not initialized. It returns an error matching
+// ErrNotSupported, before any driver call, on a device without POSIX
+// file-descriptor handles (see VMMFDSupported).
+func (d *Device) AllocShareable(size int64) (*ShareableBuffer, error) {
+	if size <= 0 {
+		return nil, &ArgError{Op: "AllocShareable", Arg: "size", Reason: fmt.Sprintf("%d: must be positive", size)}
+	}
+	if !d.VMMFDSupported() {
+		return nil, notSupported("AllocShareable", d)
+	}
+	gran, err := d.VMMGranularity()
+	if err != nil {
+		return nil, err
+	}
+	rounded, err := roundUp("AllocShareable", size, gran)
+	if err != nil {
+		return nil, err
+	}
+	var h cu.MemGenericAllocationHandle
+	var p cu.DevicePtr
+	err = d.do(func() error {
+		var e error
+		if h, e = cu.MemCreate(uint64(rounded), cu.DevicePinnedProp(d.dev, cu.MemHandleTypePosixFD)); e != nil {
+			return e
+		}
+		if p, e = mapHandle(d.dev, h, rounded, gran); e != nil {
+			return errors.Join(e, cu.MemRelease(h))
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	b := &ShareableBuffer{dev: d, handle: h, ptr: DevicePtr(p), size: rounded, gran: gran}
+	live.shareableBuffers.Add(1)
+	b.cleanup = runtime.AddCleanup(b, freeLeakedVMM, vmmLeak{"ShareableBuffer", d, h, p, rounded, &live.shareableBuffers})
+	return b, nil
+}
+
+// Device returns the device that holds the memory.
+func (b *ShareableBuffer) Device() *Device { return b.dev }
+
+// Ptr returns the memory's device address in this process.
+func (b *ShareableBuffer) Ptr() DevicePtr { return b.ptr }
+
+// Size returns the size in bytes: the requested size rounded up to
+// Granularity. An importer maps at most this many bytes.
+func (b *ShareableBuffer) Size() int64 { return b.size }
+
+// Granularity returns the unit Size was rounded up to.
+func (b *ShareableBuffer) Granularity() int64 { return b.gran }
+
+func (b *ShareableBuffer) check(op string) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return fmt.Errorf("%s: %w", op, ErrClosed)
+	}
+	return nil
+}
+
+// ReadAt copies len(p) bytes at offset off of the buffer into p.
+func (b *ShareableBuffer) ReadAt(p []byte, off int64) (int, error) {
+	if err := b.check("ReadAt"); err != nil {
+		return 0, err
+	}
+	return readAt(b.dev, b.ptr, b.size, p, off)
+}
+
+// WriteAt copies p into the buffer at offset off.
+func (b *ShareableBuffer) WriteAt(p []byte, off int64) (int, error) {
+	if err := b.check("WriteAt"); err != nil {
+		return 0, err
+	}
+	return writeAt(b.dev, b.ptr, b.size, p, off)
+}
+
+// ExportFD exports the memory as a new POSIX file descriptor
+// (cuMemExportToShareableHandle), close-on-exec, on every call. Send it to
+// the importing process over a Unix socket with SCM_RIGHTS, then close
+// this copy: the receiver's descriptor is a reference of its own.
+//
+// The descriptor is a bearer capability: whoever holds it can map the
+// memory read-write. Send it only to peers you trust.
+func (b *ShareableBuffer) ExportFD() (*os.File, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return nil, fmt.Errorf("ExportFD: %w", ErrClosed)
+	}
+	fd := -1
+	err := b.dev.do(func() error {
+		// The driver may not set O_CLOEXEC; hold ForkLock, as the os
+		// package does for such descriptors, so that no child started in
+		// between inherits it.
+		syscall.ForkLock.RLock()
+		defer syscall.ForkLock.RUnlock()
+		var e error
+		if fd, e = cu.MemExportToShareableHandleFD(b.handle); e != nil {
+			return e
+		}
+		syscall.CloseOnExec(fd)
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	if fd < 0 {
+		return nil, fmt.Errorf("cudaipc: ExportFD: cuMemExportToShareableHandle succeeded but returned descriptor %d", fd)
+	}
+	return os.NewFile(uintptr(fd), "cuda-vmm:"+b.dev.uuid.String()), nil
+}
+
+// Free unmaps the memory and releases this process's handle. Importers'
+// mappings and descriptors already exported stay valid (each holds its own
+// reference to the physical memory). Freeing twice is not an error. If a
+// driver step fails the buffer is still marked freed, since retrying the
+// other steps could free what another object now owns.
+func (b *ShareableBuffer) Free() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return nil
+	}
+	b.closed = true
+	b.cleanup.Stop()
+	live.shareableBuffers.Add(-1)
+	return b.dev.do(func() error { return unmapRelease(cu.DevicePtr(b.ptr), b.size, b.handle) })
+}
+
+// Close is Free, for io.Closer.
+func (b *ShareableBuffer) Close() error { return b.Free() }
+
+// FDMapping is device memory of another process (or of this one), imported
+// from a POSIX file descriptor with ImportFD and mapped read-write for one
+// device. It implements io.ReaderAt and io.WriterAt with synchronous
+// copies. Close unmaps it; a mapping that becomes unreachable without Close
+// is closed by a cleanup and the leak is logged.
+type FDMapping struct {
+	dev    *Device
+	handle cu.MemGenericAllocationHandle
+	ptr    DevicePtr
+	size   int64
+
+	mu      sync.Mutex
+	closed  bool
+	cleanup runtime.Cleanup
+}
+
+// ImportFD maps memory exported with ShareableBuffer.ExportFD (in any
+// process, in any PID namespace, that shares the GPU) into this device's
+// address space, read-write, and returns the mapping. It calls
+// cuMemImportFromShareableHandle, cuMemAddressReserve, cuMemMap and
+// cuMemSetAccess. Importing costs milliseconds on large allocations: keep
+// mappings open and reuse them.
+//
+// size is how many bytes to map from the start of the allocation; it is
+// rounded up to the allocation's granularity, and must not exceed the
+// exporter's ShareableBuffer.Size (the driver's cuMemMap rejects a larger
+// size with ErrInvalidValue; a descriptor carries no size the importer
+// could check first). ImportFD does not take ownership of f: the mapping
+// holds its own reference to the memory, so close f once ImportFD returns.
+//
+// A nil or closed f, or size <= 0, is an *ArgError; a descriptor that is not
+// a CUDA memory export fails in the driver with an *Error.
+func (d *Device) ImportFD(f *os.File, size int64) (*FDMapping, error) {
+	if size <= 0 {
+		return nil, &ArgError{Op: "ImportFD", Arg: "size", Reason: fmt.Sprintf("%d: must be positive", size)}
+	}
+	if f == nil {
+		return nil, &ArgError{Op: "ImportFD", Arg: "file", Reason: "nil *os.File"}
+	}
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return nil, &ArgError{Op: "ImportFD", Arg: "file", Reason: err.Error()}
+	}
+	// Control keeps f open (and its descriptor number valid) for the call.
+	var open bool
+	if err := rc.Control(func(fd uintptr) {
+		var st syscall.Stat_t
+		open = syscall.Fstat(int(fd), &st) == nil
+	}); err != nil {
+		return nil, &ArgError{Op: "ImportFD", Arg: "file", Reason: f.Name() + " is closed"}
+	}
+	if !open {
+		return nil, &ArgError{Op: "ImportFD", Arg: "file", Reason: f.Name() + " is not an open descriptor (EBADF)"}
+	}
+	if !d.VMMFDSupported() {
+		return nil, notSupported("ImportFD", d)
+	}
+	var (
+		h       cu.MemGenericAllocationHandle
+		p       cu.DevicePtr
+		rounded int64
+	)
+	err = d.do(func() error {
+		var e error
+		if cerr := rc.Control(func(fd uintptr) { h, e = cu.MemImportFromShareableHandleFD(int(fd)) }); cerr != nil {
+			return &ArgError{Op: "ImportFD", Arg: "file", Reason: f.Name() + " was closed during the call"}
+		}
+		if e != nil {
+			return e
+		}
+		// The allocation's own properties give its granularity; should the
+		// driver not report them for an imported handle, this device's
+		// granularity for the same kind of memory serves.
+		prop, e := cu.MemGetAllocationPropertiesFromHandle(h)
+		if e != nil {
+			prop = cu.DevicePinnedProp(d.dev, cu.MemHandleTypePosixFD)
+		}
+		g, e := cu.MemGetAllocationGranularity(prop, cu.MemAllocGranularityMinimum)
+		if e != nil {
+			return errors.Join(e, cu.MemRelease(h))
+		}
+		if rounded, e = roundUp("ImportFD", size, int64(g)); e != nil {
+			return errors.Join(e, cu.MemRelease(h))
+		}
+		if p, e = mapHandle(d.dev, h, rounded, int64(g)); e != nil {
+			// The H200 driver answers a map larger than the allocation
+			// with CUDA_ERROR_NOT_SUPPORTED, other drivers with INVALID_VALUE.
+			if errors.Is(e, ErrInvalidValue) || errors.Is(e, ErrNotSupported) {
+				e = fmt.Errorf("%w (is size %d, rounded to %d, larger than the exported allocation?)", e, size, rounded)
+			}
+			return errors.Join(e, cu.MemRelease(h))
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	m := &FDMapping{dev: d, handle: h, ptr: DevicePtr(p), size: rounded}
+	live.fdMappings.Add(1)
+	m.cleanup = runtime.AddCleanup(m, freeLeakedVMM, vmmLeak{"FDMapping", d, h, p, rounded, &live.fdMappings})
+	return m, nil
+}
+
+// Device returns the device the memory is mapped for.
+func (m *FDMapping) Device() *Device { return m.dev }
+
+// Ptr returns the mapping's device address in this process.
+func (m *FDMapping) Ptr() DevicePtr { return m.ptr }
+
+// Size returns the mapped size: ImportFD's size rounded up to the
+// allocation's granularity.
+func (m *FDMapping) Size() int64 { return m.size }
+
+func (m *FDMapping) check(op string) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return fmt.Errorf("%s: %w", op, ErrClosed)
+	}
+	return nil
+}
+
+// ReadAt copies len(p) bytes at offset off of the mapping into p.
+func (m *FDMapping) ReadAt(p []byte, off int64) (int, error) {
+	if err := m.check("ReadAt"); err != nil {
+		return 0, err
+	}
+	return readAt(m.dev, m.ptr, m.size, p, off)
+}
+
+// WriteAt copies p into the mapping at offset off.
+func (m *FDMapping) WriteAt(p []byte, off int64) (int, error) {
+	if err := m.check("WriteAt"); err != nil {
+		return 0, err
+	}
+	return writeAt(m.dev, m.ptr, m.size, p, off)
+}
+
+// Close unmaps the memory, frees the address range and releases the
+// imported handle (cuMemUnmap, cuMemAddressFree, cuMemRelease). Closing
+// twice is not an error; as with Free, a failed step still marks it closed.
+func (m *FDMapping) Close() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return nil
+	}
+	m.closed = true
+	m.cleanup.Stop()
+	live.fdMappings.Add(-1)
+	return m.dev.do(func() error { return unmapRelease(cu.DevicePtr(m.ptr), m.size, m.handle) })
+}
