@@ -97,6 +97,15 @@ func (c *demoCmd) Run(g *Globals) error {
 		cons.kill()
 		return err
 	}
+	// The consumer says when it is connected, so that its start-up is not
+	// counted as seal→lease latency.
+	if !cons.out.Scan() || cons.out.Text() != "ready" {
+		prod.kill()
+		if err := cons.wait(); err != nil {
+			return err
+		}
+		return errors.New("demo: the consumer process stopped before it was ready")
+	}
 	// Lock-step: the producer makes object i once the consumer has
 	// finished object i-1, so the consumer is already waiting in Get and
 	// seal→lease measures the store, not the consumer's backlog.
@@ -290,6 +299,9 @@ func (c *demoWorkerCmd) Run(g *Globals) error {
 		return err
 	}
 	defer cl.Close()
+	if c.Role == "consumer" {
+		fmt.Fprintln(g.stdout, "ready")
+	}
 	enc := json.NewEncoder(g.stdout)
 	in := bufio.NewScanner(os.Stdin)
 	for _, s := range c.Sizes {
