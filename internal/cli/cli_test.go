@@ -6,9 +6,12 @@ import (
 	"crypto/rand"
 	"encoding/json"
 	"os"
+	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -24,7 +27,9 @@ func runAsCLIMain() bool {
 		os.Setenv(mainEnv, "1") // inherited by the demo's workers
 		return false
 	}
-	err := Run(context.Background(), os.Args[1:], os.Stdout, os.Stderr)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	err := Run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	if err != nil {
 		os.Stderr.WriteString("cudaipc: " + err.Error() + "\n")
 		os.Exit(ExitCode(err))
@@ -230,5 +235,34 @@ func TestBenchStore(t *testing.T) {
 	out = mustRun(t, "bench", "store", "--clients", "1", "--duration", "50ms", "--socket", sock)
 	if !strings.Contains(out, "get+release cycles") {
 		t.Errorf("bench store: %q", out)
+	}
+}
+
+func TestServeStopsOnSIGTERM(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "store.sock")
+	var errOut bytes.Buffer
+	cmd := exec.Command(os.Args[0], "serve", "--socket", sock) // runs as cudaipc (runAsCLIMain)
+	cmd.Stderr = &errOut
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		if _, _, err := storeCLI(t, "ls", "--socket", sock); err == nil {
+			break
+		}
+		time.Sleep(5 * time.Millisecond) // poll interval, not a deadline
+	}
+	mustRun(t, "put", os.Args[0], "--name", "self", "--socket", sock)
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("serve after SIGTERM: %v\n%s", err, errOut.String())
+	}
+	if _, err := os.Lstat(sock); !os.IsNotExist(err) {
+		t.Errorf("socket left behind after a clean shutdown: %v", err)
+	}
+	if !strings.Contains(errOut.String(), "store daemon stopped") {
+		t.Errorf("serve's log:\n%s", errOut.String())
 	}
 }
