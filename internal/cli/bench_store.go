@@ -14,9 +14,9 @@ import (
 )
 
 type benchStoreCmd struct {
-	Clients  int           `default:"8" help:"Concurrent clients, each with its own connection." placeholder:"N"`
-	Duration time.Duration `default:"5s" help:"How long to measure." placeholder:"D"`
-	Size     byteSize      `default:"4KiB" help:"Size of the object the clients lease." placeholder:"BYTES"`
+	Clients  int           `default:"8" help:"Concurrent clients, each with its own connection (default ${default})." placeholder:"N"`
+	Duration time.Duration `default:"5s" help:"How long to measure (default ${default})." placeholder:"D"`
+	Size     byteSize      `default:"4KiB" help:"Size of the object the clients lease (default ${default})." placeholder:"BYTES"`
 	JSON     bool          `name:"json" help:"Print one JSON object: ops_per_sec, p50_us, p99_us and more."`
 }
 

@@ -23,7 +23,7 @@ import (
 )
 
 type demoCmd struct {
-	Sizes []byteSize `default:"4KiB,64KiB,1MiB,16MiB,64MiB" sep:"," help:"Sizes of the objects to share." placeholder:"BYTES,..."`
+	Sizes []byteSize `default:"4KiB,64KiB,1MiB,16MiB,64MiB" sep:"," help:"Sizes of the objects to share (default ${default})." placeholder:"BYTES,..."`
 	JSON  bool       `name:"json" help:"Print the results as one JSON object."`
 }
 
