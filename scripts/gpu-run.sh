@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, after scripts/gpu-build.sh.
-# Every test binary runs with CUDAIPC_REQUIRE_GPU=1, so a test that would skip
-# for lack of a GPU fails instead. Logs go to $OUT (or /tmp/gpu-out).
+# Every test binary runs with CUDAIPC_REQUIRE_GPU=<number of GPUs>, so a test
+# that would skip for lack of a GPU this machine has fails instead. Logs go to $OUT (or /tmp/gpu-out).
 #
 #   bash .gpu/gpu-run.sh [test-regexp] [bench-regexp]
 set -uo pipefail
 out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
-export CUDAIPC_REQUIRE_GPU=1
+# Every GPU this machine has must be usable: tests needing up to this many
+# GPUs fail instead of skipping.
+export CUDAIPC_REQUIRE_GPU=${CUDAIPC_REQUIRE_GPU:-$(nvidia-smi -L | grep -c '^GPU')}
 # NVLink multicast must stay off on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 run=${1:-.}; bench=${2:-}

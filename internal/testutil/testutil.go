@@ -14,6 +14,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -23,15 +24,26 @@ import (
 	"github.com/cudaipc/cudaipc"
 )
 
-// EnvRequireGPU, set to 1, turns every skip for lack of a GPU into a
-// failure. The GPU machine's test script sets it.
+// EnvRequireGPU turns skips for lack of a GPU into failures. Its value is
+// the number of GPUs the machine has: with CUDAIPC_REQUIRE_GPU=1 a test
+// that needs one GPU fails instead of skipping, while a test that needs two
+// still skips; with 2 both fail if the GPUs are missing. The GPU machine's
+// test script (scripts/gpu-run.sh) sets it to the count nvidia-smi reports.
 const EnvRequireGPU = "CUDAIPC_REQUIRE_GPU"
 
 // EnvRole names the helper role a re-executed test binary plays.
 const EnvRole = "CUDAIPC_TEST_ROLE"
 
-// GPURequired reports whether EnvRequireGPU is set.
-func GPURequired() bool { return os.Getenv(EnvRequireGPU) == "1" }
+// GPURequired reports whether EnvRequireGPU asks for at least one GPU.
+func GPURequired() bool { return requiredGPUs() >= 1 }
+
+func requiredGPUs() int {
+	n, err := strconv.Atoi(os.Getenv(EnvRequireGPU))
+	if err != nil {
+		return 0
+	}
+	return n
+}
 
 // RequireGPUs returns the first n devices, or skips the test (fails it when
 // EnvRequireGPU=1) when the driver or the devices are missing.
@@ -40,9 +52,9 @@ func RequireGPUs(t testing.TB, n int) []*cudaipc.Device {
 	devs, err := cudaipc.Devices()
 	switch {
 	case err != nil:
-		skipOrFail(t, fmt.Sprintf("no CUDA driver: %v", err))
+		skipOrFail(t, n, fmt.Sprintf("no CUDA driver: %v", err))
 	case len(devs) < n:
-		skipOrFail(t, fmt.Sprintf("need %d GPU(s), have %d", n, len(devs)))
+		skipOrFail(t, n, fmt.Sprintf("need %d GPU(s), have %d", n, len(devs)))
 	}
 	return devs[:n]
 }
@@ -53,10 +65,10 @@ func RequireGPU(t testing.TB) *cudaipc.Device {
 	return RequireGPUs(t, 1)[0]
 }
 
-func skipOrFail(t testing.TB, why string) {
+func skipOrFail(t testing.TB, n int, why string) {
 	t.Helper()
-	if GPURequired() {
-		t.Fatalf("%s (and %s=1)", why, EnvRequireGPU)
+	if req := requiredGPUs(); req >= n {
+		t.Fatalf("%s (and %s=%d)", why, EnvRequireGPU, req)
 	}
 	t.Skip(why)
 }
