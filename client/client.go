@@ -174,7 +174,10 @@ func (c *Client) read() {
 			continue
 		}
 		r := reply{resp: resp}
-		if p := placementOf(resp); p != nil && responseError("", "", resp) == nil {
+		// Host placements are mapped here, so that the arena cache follows
+		// what the daemon sent; GPU placements (with a region) need no
+		// per-connection state and are imported by the caller.
+		if p := placementOf(resp); p != nil && len(p.GetRegion()) == 0 && responseError("", "", resp) == nil {
 			r.m, r.err = c.place(p, files)
 		} else {
 			closeFiles(files)
