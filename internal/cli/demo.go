@@ -218,17 +218,14 @@ func resolveGPU(s string) (*cudaipc.Device, error) {
 
 func printDemo(w io.Writer, rep demoReport) {
 	gpu := rep.Device != "host"
-	where := "host memory"
 	if gpu {
-		where = "GPU " + rep.Device
-	}
-	fmt.Fprintf(w, "cudaipc demo: embedded store, %s backend, objects in %s, socket %s\n", rep.Backend, where, rep.Socket)
-	if gpu {
+		fmt.Fprintf(w, "cudaipc demo: embedded store, %s backend, objects on GPU %s, socket %s\n", rep.Backend, rep.Device, rep.Socket)
 		fmt.Fprintf(w, "producer (pid %d) created each object, copied random bytes into it (WriteAt) and sealed it;\n", rep.ProducerPID)
 		fmt.Fprintf(w, "consumer (pid %d) waited for it, leased it, read every byte through its mapping and\n", rep.ConsumerPID)
 		fmt.Fprintf(w, "compared them, and copied the object on the GPU from its mapping into a buffer of its own.\n")
 		fmt.Fprintf(w, "Only names, offsets and regions crossed the socket; each process opened each arena once (cuIpcOpenMemHandle).\n\n")
 	} else {
+		fmt.Fprintf(w, "cudaipc demo: embedded store, %s backend, socket %s\n", rep.Backend, rep.Socket)
 		fmt.Fprintf(w, "producer (pid %d) created each object, wrote random bytes into it and sealed it;\n", rep.ProducerPID)
 		fmt.Fprintf(w, "consumer (pid %d) waited for it, leased it and compared every byte in place.\n", rep.ConsumerPID)
 		fmt.Fprintf(w, "Only names, offsets and one fd per arena crossed the socket.\n\n")
