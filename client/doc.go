@@ -24,8 +24,8 @@
 //     Use ReadAt/WriteAt, or Ptr and Mapping on the device; Bytes is nil.
 //     The mapping is closed before Seal, Abort or Release reaches the
 //     daemon, which may then free the memory: finish device work first.
-//     Release GPU leases before closing the Client: once the connection is
-//     gone the daemon may free their memory.
+//     Client.Close closes the GPU mappings of the Objects and Leases still
+//     open (the daemon may free that memory once the connection is gone).
 //
 // Errors match the package's sentinels with errors.Is: ErrNotFound,
 // ErrExists, ErrTimeout, ErrStoreFull, ErrPermission, ErrLimit, ErrInvalid,

@@ -48,6 +48,40 @@ func importPlacement(op, name string, p *storev1.Placement) (*cudaipc.Mapping, e
 	return m, nil
 }
 
+// gpuUser is an Object or Lease with a GPU mapping, which Client.Close
+// closes.
+type gpuUser interface{ closeGPU() }
+
+// trackGPU records u until untrackGPU; false when the client is closed
+// already (then u must close its mapping itself).
+func (c *Client) trackGPU(u gpuUser) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return false
+	}
+	c.gpu[u] = struct{}{}
+	return true
+}
+
+func (c *Client) untrackGPU(u gpuUser) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.gpu, u)
+}
+
+func (o *Object) closeGPU() {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	_ = o.v.close()
+}
+
+func (l *Lease) closeGPU() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	_ = l.v.close()
+}
+
 // resolveDevice turns CreateOptions.Device into what the daemon takes: ""
 // and "host" stay, a GPU UUID is written canonically, and an ordinal
 // becomes the UUID of this process's GPU with that ordinal (ordinals depend

@@ -214,6 +214,27 @@ func TestGPUKilledLeaseHolderReleases(t *testing.T) {
 	waitLeases(t, c, "held-0", 1)
 	h.kill9()
 	waitLeases(t, c, "held-0", 0)
+
+	// Closing a client closes the GPU mappings of its leases: the daemon
+	// may free that memory once the connection is gone.
+	c2, err := client.Dial(context.Background(), d.socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := c2.Get(context.Background(), "held-0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c2.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.ReadAt(make([]byte, 1), 0); err == nil || l.Ptr() != 0 || l.Mapping() != nil {
+		t.Fatalf("lease of a closed client: ReadAt %v, ptr %#x", err, l.Ptr())
+	}
+	if err := l.Release(); err != nil {
+		t.Fatal(err)
+	}
+	waitLeases(t, c, "held-0", 0)
 	if err := c.Delete(context.Background(), "held-0"); err != nil {
 		t.Fatal(err)
 	}

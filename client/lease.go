@@ -78,6 +78,10 @@ func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
 		c.cleanup(reply{resp: r.resp}, name) // releases the lease
 		return nil, err
 	}
+	if !c.trackGPU(l) {
+		l.v.close()
+		return nil, &Error{Op: "get", Name: name, Err: ErrClosed}
+	}
 	return l, nil
 }
 
@@ -140,6 +144,7 @@ func (l *Lease) Release() error {
 	}
 	l.released = true
 	verr := l.v.close()
+	l.c.untrackGPU(l)
 	req := &storev1.Request{Body: &storev1.Request_Release{Release: &storev1.ReleaseRequest{LeaseId: l.id}}}
 	_, err := l.c.roundTrip(context.Background(), "release", l.info.Name, req)
 	if l.m != nil {

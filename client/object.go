@@ -75,6 +75,10 @@ func (c *Client) Create(ctx context.Context, name string, size int64, opts Creat
 		c.cleanup(reply{resp: r.resp}, name) // aborts the object
 		return nil, err
 	}
+	if !c.trackGPU(o) {
+		o.v.close()
+		return nil, &Error{Op: "create", Name: name, Err: ErrClosed}
+	}
 	return o, nil
 }
 
@@ -152,6 +156,7 @@ func (o *Object) finish(ctx context.Context, op string, req *storev1.Request) er
 	// Once sealed, the object may be deleted and its arena freed at once:
 	// a GPU mapping must be gone before the daemon hears of the seal.
 	verr := o.v.close()
+	o.c.untrackGPU(o)
 	_, err := o.c.roundTrip(ctx, op, o.name, req)
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return err // the object may still be ours: Seal or Abort again
