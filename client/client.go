@@ -37,8 +37,9 @@ type Client struct {
 	abandoned map[uint64]string     // calls whose caller gave up (value: object name); the reply is cleaned up
 	subs      map[*subscription]struct{}
 	arenas    map[arenaKey]*arena
-	err       error // why the connection ended; nil while it lives
-	closed    bool  // Close was called
+	gpu       map[gpuUser]struct{} // Objects and Leases with an open GPU mapping
+	err       error                // why the connection ended; nil while it lives
+	closed    bool                 // Close was called
 
 	readerDone chan struct{}
 }
@@ -72,6 +73,7 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 		abandoned:  make(map[uint64]string),
 		subs:       make(map[*subscription]struct{}),
 		arenas:     make(map[arenaKey]*arena),
+		gpu:        make(map[gpuUser]struct{}),
 		readerDone: make(chan struct{}),
 	}
 	if err := c.handshake(ctx); err != nil {
@@ -133,9 +135,11 @@ func (c *Client) Server() ServerInfo { return c.server }
 func (c *Client) Socket() string { return c.socket }
 
 // Close closes the connection. Objects not yet sealed are aborted by the
-// daemon and leases are released. Memory of Objects and Leases not yet
+// daemon and leases are released. Host memory of Objects and Leases not yet
 // sealed or released stays mapped until they are; Close unmaps the rest.
-// Close is idempotent.
+// GPU mappings of Objects and Leases are closed first (their ReadAt and
+// WriteAt fail afterwards, Ptr is 0), because the daemon may free that
+// memory once the connection is gone. Close is idempotent.
 func (c *Client) Close() error {
 	c.mu.Lock()
 	if c.closed {
@@ -143,7 +147,15 @@ func (c *Client) Close() error {
 		return nil
 	}
 	c.closed = true
+	users := make([]gpuUser, 0, len(c.gpu))
+	for u := range c.gpu {
+		users = append(users, u)
+	}
+	clear(c.gpu)
 	c.mu.Unlock()
+	for _, u := range users {
+		u.closeGPU()
+	}
 	err := c.conn.Close()
 	<-c.readerDone
 	c.mu.Lock()
@@ -174,7 +186,10 @@ func (c *Client) read() {
 			continue
 		}
 		r := reply{resp: resp}
-		if p := placementOf(resp); p != nil && responseError("", "", resp) == nil {
+		// Host placements are mapped here, so that the arena cache follows
+		// what the daemon sent; GPU placements (with a region) need no
+		// per-connection state and are imported by the caller.
+		if p := placementOf(resp); p != nil && len(p.GetRegion()) == 0 && responseError("", "", resp) == nil {
 			r.m, r.err = c.place(p, files)
 		} else {
 			closeFiles(files)

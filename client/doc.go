@@ -18,6 +18,14 @@
 //     socket round trip. Mappings are unmapped when the client is closed and
 //     no Object or Lease uses them any more; Bytes of a released lease must
 //     not be used.
+//   - GPU objects (CreateOptions.Device a GPU ordinal or UUID, on a daemon
+//     with the cuda backend) are mapped with cudaipc.Import through its
+//     process-wide cache: one driver open per daemon arena per process.
+//     Use ReadAt/WriteAt, or Ptr and Mapping on the device; Bytes is nil.
+//     The mapping is closed before Seal, Abort or Release reaches the
+//     daemon, which may then free the memory: finish device work first.
+//     Client.Close closes the GPU mappings of the Objects and Leases still
+//     open (the daemon may free that memory once the connection is gone).
 //
 // Errors match the package's sentinels with errors.Is: ErrNotFound,
 // ErrExists, ErrTimeout, ErrStoreFull, ErrPermission, ErrLimit, ErrInvalid,

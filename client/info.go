@@ -10,15 +10,17 @@ import (
 type ObjectInfo struct {
 	Name     string    `json:"name"`
 	Size     int64     `json:"size"`
-	Device   string    `json:"device"` // "host", or a GPU ordinal or UUID
+	Device   string    `json:"device"` // "host", or a GPU UUID ("GPU-…")
 	Sealed   bool      `json:"sealed"`
 	Leases   int       `json:"leases"` // live leases on the object
 	Shared   bool      `json:"shared"` // readable by every uid the daemon admits
 	OwnerUID uint32    `json:"owner_uid"`
 	Created  time.Time `json:"created"`
-	// Region is the GPU region descriptor of the object's memory; empty
-	// (JSON null) for host memory. Always present in JSON so that scripts
-	// can test it.
+	// Region is the region (docs/region.md, JSON encoding) of exactly the
+	// object's GPU memory, which 'cudaipc dump --region' and CuPy or
+	// PyTorch can map; empty (JSON null) for host memory. Always present in
+	// JSON so that scripts can test it. Like any region it is a bearer
+	// capability for the object's memory.
 	Region json.RawMessage `json:"region"`
 }
 
@@ -46,8 +48,10 @@ type ServerInfo struct {
 
 // CreateOptions are the options of Client.Create.
 type CreateOptions struct {
-	// Device is where the memory lives: "" or "host" for host memory, or a
-	// GPU ordinal or UUID once the daemon has a GPU backend.
+	// Device is where the memory lives: "" or "host" for host memory, a
+	// GPU UUID ("GPU-…"), or a GPU ordinal ("0", "1", …), which Create
+	// resolves to the UUID of this process's GPU of that ordinal. GPU
+	// objects need a daemon with the cuda backend.
 	Device string
 	// Shared makes the sealed object readable by every uid the daemon
 	// admits, not only by its creator's uid.

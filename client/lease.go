@@ -7,19 +7,26 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
 // Lease is a read-only view of a sealed object. Its memory stays valid,
 // even if the object is deleted, until Release.
+//
+// Host objects are read through Bytes (or ReadAt); GPU objects through
+// ReadAt, or on the device at Ptr (kernels, device-to-device copies: the
+// zero-copy path), and Bytes is nil for them. CUDA IPC cannot map memory
+// read-only: a GPU lease's memory is writable on the device, and writing
+// it is a bug that other readers would see.
 type Lease struct {
 	c    *Client
 	id   uint64
 	info ObjectInfo
-	data []byte
 
-	mu       sync.Mutex
-	m        *mapping
+	mu       sync.RWMutex
+	v        view
+	m        *mapping // host arena mapping; nil for GPU objects and after Release
 	released bool
 }
 
@@ -51,22 +58,71 @@ func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
 	}
 	g := r.resp.GetGet()
 	p := g.GetPlacement()
-	if r.m == nil || p.GetWritable() {
+	if p.GetWritable() || (r.m == nil) == (len(p.GetRegion()) == 0) {
 		if r.m != nil {
 			c.unref(r.m)
 		}
+		c.cleanup(reply{resp: r.resp}, name)
 		return nil, &Error{Op: "get", Name: name, Err: ErrInternal, Message: "daemon sent no read-only placement"}
 	}
 	info := infoFromProto(g.GetInfo())
 	if info.Name == "" {
-		info = ObjectInfo{Name: name, Size: int64(p.GetSize()), Device: p.GetDevice(), Sealed: true, Region: regionJSON(p.GetRegion())}
+		info = ObjectInfo{Name: name, Size: int64(p.GetSize()), Device: p.GetDevice(), Sealed: true}
 	}
-	return &Lease{c: c, id: g.GetLeaseId(), info: info, data: r.m.slice(p), m: r.m}, nil
+	l := &Lease{c: c, id: g.GetLeaseId(), info: info, m: r.m, v: view{device: p.GetDevice(), size: int64(p.GetSize()), open: true}}
+	if r.m != nil {
+		l.v.data = r.m.slice(p)
+		return l, nil
+	}
+	if l.v.gpu, err = importPlacement("get", name, p); err != nil {
+		c.cleanup(reply{resp: r.resp}, name) // releases the lease
+		return nil, err
+	}
+	if !c.trackGPU(l) {
+		l.v.close()
+		return nil, &Error{Op: "get", Name: name, Err: ErrClosed}
+	}
+	return l, nil
 }
 
-// Bytes returns the object's memory, read-only (writing to it faults). It
-// must not be used after Release.
-func (l *Lease) Bytes() []byte { return l.data }
+// Bytes returns the memory of a host object, read-only (writing to it
+// faults). It must not be used after Release. It is nil for a GPU object:
+// use ReadAt, or Ptr on the device.
+func (l *Lease) Bytes() []byte {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	return l.v.data
+}
+
+// Device returns where the object's memory is: "host" or a GPU UUID.
+func (l *Lease) Device() string { return l.v.device }
+
+// Size returns the object's size in bytes.
+func (l *Lease) Size() int64 { return l.v.size }
+
+// Ptr returns the device address of a GPU object's first byte in this
+// process (valid until Release), or 0 for a host object.
+func (l *Lease) Ptr() cudaipc.DevicePtr {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	return l.v.ptr()
+}
+
+// Mapping returns the mapping of a GPU object (until Release), or nil for
+// a host object. It belongs to the Lease: do not close it.
+func (l *Lease) Mapping() *cudaipc.Mapping {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	return l.v.mapping()
+}
+
+// ReadAt copies the object's bytes at offset off into p (io.ReaderAt), for
+// host and GPU objects alike. It fails after Release.
+func (l *Lease) ReadAt(p []byte, off int64) (int, error) {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	return l.v.readAt("read", l.info.Name, p, off)
+}
 
 // Info describes the leased object as it was when the lease was granted.
 func (l *Lease) Info() ObjectInfo { return l.info }
@@ -75,9 +131,11 @@ func (l *Lease) Info() ObjectInfo { return l.info }
 func (l *Lease) ID() uint64 { return l.id }
 
 // Release ends the lease and unmaps its memory when nothing else uses the
-// mapping. Bytes must not be used afterwards. Release is idempotent; when
-// the connection is already gone the daemon has ended the lease itself and
-// Release returns nil.
+// mapping (a GPU mapping is closed before the daemon is told, so that the
+// daemon may free the arena once the lease ends). Bytes, Ptr and Mapping
+// must not be used afterwards. Release is idempotent; when the connection
+// is already gone the daemon has ended the lease itself and Release
+// returns nil.
 func (l *Lease) Release() error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -85,13 +143,19 @@ func (l *Lease) Release() error {
 		return nil
 	}
 	l.released = true
+	verr := l.v.close()
+	l.c.untrackGPU(l)
 	req := &storev1.Request{Body: &storev1.Request_Release{Release: &storev1.ReleaseRequest{LeaseId: l.id}}}
 	_, err := l.c.roundTrip(context.Background(), "release", l.info.Name, req)
-	l.c.unref(l.m)
-	l.m = nil
-	l.data = nil
+	if l.m != nil {
+		l.c.unref(l.m)
+		l.m = nil
+	}
 	if isGone(err) {
-		return nil
+		err = nil
+	}
+	if err == nil && verr != nil {
+		err = &Error{Op: "release", Name: l.info.Name, Err: ErrInternal, Message: "unmapping the GPU object: " + verr.Error()}
 	}
 	return err
 }
@@ -115,11 +179,18 @@ func infoFromProto(p *storev1.ObjectInfo) ObjectInfo {
 	}
 }
 
-// regionJSON makes the wire's region bytes printable as JSON: as they are
-// when they already are JSON, else as a base64 string.
+// regionJSON makes the wire's region bytes printable as JSON: a region
+// (binary or JSON) in its JSON encoding (docs/region.md), which 'cudaipc
+// dump --region' and Python read; anything else as it is when it is JSON,
+// else as a base64 string.
 func regionJSON(b []byte) json.RawMessage {
 	if len(b) == 0 {
 		return nil
+	}
+	if r, err := cudaipc.DecodeRegion(b); err == nil {
+		if j, err := r.MarshalJSON(); err == nil {
+			return j
+		}
 	}
 	if json.Valid(b) {
 		return json.RawMessage(b)

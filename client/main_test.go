@@ -114,11 +114,17 @@ func runRole(role string) error {
 		say("sealed %s", h)
 		return nil
 	}
+	if f := gpuRoles[role]; f != nil {
+		return f(ctx, c, say)
+	}
 	return fmt.Errorf("unknown role %q", role)
 }
 
 func runDaemon(ctx context.Context, sock string) error {
 	cfg := store.Config{Backend: "host"}
+	if v := os.Getenv("BACKEND"); v != "" {
+		cfg.Backend = v
+	}
 	if v := os.Getenv("CAPACITY"); v != "" {
 		cfg.Capacity, _ = strconv.ParseInt(v, 10, 64)
 	}

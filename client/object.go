@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 
+	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
@@ -15,14 +16,22 @@ const MaxObjectSize = 1 << 40
 
 // Object is an object being written: Create returns it, Seal publishes it,
 // Abort discards it.
+//
+// Host objects are written through Bytes (or WriteAt); GPU objects through
+// WriteAt, or on the device at Ptr (kernels, copies; keep the Object
+// reachable meanwhile), and Bytes is nil for them. Seal and Abort end
+// writing: the Object's memory is unmapped before the daemon is told, so
+// Bytes, Ptr and Mapping must not be used afterwards (a GPU mapping must be
+// closed before the daemon may free its arena). Device work on Ptr must be
+// complete (synchronized) before Seal.
 type Object struct {
 	c    *Client
 	name string
-	data []byte
 	p    *storev1.Placement
 
-	mu   sync.Mutex
-	m    *mapping // nil after Seal or Abort
+	mu   sync.RWMutex
+	v    view
+	m    *mapping // host arena mapping; nil after Seal or Abort, and for GPU objects
 	done bool
 }
 
@@ -33,42 +42,107 @@ func (c *Client) Create(ctx context.Context, name string, size int64, opts Creat
 	if err := checkName("create", name); err != nil {
 		return nil, err
 	}
-	if err := protocol.ValidateDevice(opts.Device); err != nil {
+	dev, err := resolveDevice(opts.Device)
+	if err == nil {
+		err = protocol.ValidateDevice(dev)
+	}
+	if err != nil {
 		return nil, &Error{Op: "create", Name: name, Err: ErrInvalid, Message: err.Error()}
 	}
 	if size <= 0 || size > MaxObjectSize {
 		return nil, &Error{Op: "create", Name: name, Err: ErrInvalid, Message: fmt.Sprintf("size %d is outside 1..%d", size, int64(MaxObjectSize))}
 	}
 	req := &storev1.Request{Body: &storev1.Request_Create{Create: &storev1.CreateRequest{
-		Name: name, Size: uint64(size), Device: opts.Device, Shared: opts.Shared}}}
+		Name: name, Size: uint64(size), Device: dev, Shared: opts.Shared}}}
 	r, err := c.roundTrip(ctx, "create", name, req)
 	if err != nil {
 		return nil, err
 	}
 	p := r.resp.GetCreate().GetPlacement()
-	if r.m == nil || !p.GetWritable() || p.GetSize() != uint64(size) {
+	if !p.GetWritable() || p.GetSize() != uint64(size) || (r.m == nil) == (len(p.GetRegion()) == 0) {
 		if r.m != nil {
 			c.unref(r.m)
 		}
+		c.cleanup(reply{resp: r.resp}, name)
 		return nil, &Error{Op: "create", Name: name, Err: ErrInternal, Message: "daemon sent no writable placement of the requested size"}
 	}
-	return &Object{c: c, name: name, data: r.m.slice(p), p: p, m: r.m}, nil
+	o := &Object{c: c, name: name, p: p, m: r.m, v: view{device: p.GetDevice(), size: size, open: true}}
+	if r.m != nil {
+		o.v.data = r.m.slice(p)
+		return o, nil
+	}
+	if o.v.gpu, err = importPlacement("create", name, p); err != nil {
+		c.cleanup(reply{resp: r.resp}, name) // aborts the object
+		return nil, err
+	}
+	if !c.trackGPU(o) {
+		o.v.close()
+		return nil, &Error{Op: "create", Name: name, Err: ErrClosed}
+	}
+	return o, nil
 }
 
 // Name returns the object's name.
 func (o *Object) Name() string { return o.name }
 
-// Bytes returns the object's memory, writable until Seal or Abort. It must
-// not be used after either.
-func (o *Object) Bytes() []byte { return o.data }
+// Size returns the object's size in bytes.
+func (o *Object) Size() int64 { return o.v.size }
 
-// Seal makes the object immutable and visible to readers. Bytes must not be
-// used afterwards.
+// Device returns where the object's memory is: "host" or a GPU UUID.
+func (o *Object) Device() string { return o.v.device }
+
+// Bytes returns the memory of a host object, writable until Seal or Abort.
+// It must not be used after either. It is nil for a GPU object: use
+// WriteAt, or Ptr on the device.
+func (o *Object) Bytes() []byte {
+	o.mu.RLock()
+	defer o.mu.RUnlock()
+	return o.v.data
+}
+
+// Ptr returns the device address of a GPU object's first byte in this
+// process (valid until Seal or Abort), or 0 for a host object.
+func (o *Object) Ptr() cudaipc.DevicePtr {
+	o.mu.RLock()
+	defer o.mu.RUnlock()
+	return o.v.ptr()
+}
+
+// Mapping returns the mapping of a GPU object (until Seal or Abort), or nil
+// for a host object. It belongs to the Object: do not close it.
+func (o *Object) Mapping() *cudaipc.Mapping {
+	o.mu.RLock()
+	defer o.mu.RUnlock()
+	return o.v.mapping()
+}
+
+// WriteAt copies p into the object at offset off, for host and GPU objects
+// alike. Writes past the end of the object fail; so do writes after Seal or
+// Abort.
+func (o *Object) WriteAt(p []byte, off int64) (int, error) {
+	o.mu.RLock()
+	defer o.mu.RUnlock()
+	return o.v.writeAt("write", o.name, p, off)
+}
+
+// ReadAt copies the object's bytes at offset off into p (io.ReaderAt), for
+// host and GPU objects alike, until Seal or Abort.
+func (o *Object) ReadAt(p []byte, off int64) (int, error) {
+	o.mu.RLock()
+	defer o.mu.RUnlock()
+	return o.v.readAt("read", o.name, p, off)
+}
+
+// Seal makes the object immutable and visible to readers. Its memory is
+// unmapped in this process first: Bytes, Ptr and Mapping must not be used
+// afterwards. If ctx ends before the daemon answers, the object is still
+// unsealed and can be sealed (or aborted) again, but no longer written.
 func (o *Object) Seal(ctx context.Context) error {
 	return o.finish(ctx, "seal", &storev1.Request{Body: &storev1.Request_Seal{Seal: &storev1.SealRequest{Name: o.name}}})
 }
 
-// Abort discards the object. Bytes must not be used afterwards.
+// Abort discards the object. Bytes, Ptr and Mapping must not be used
+// afterwards.
 func (o *Object) Abort(ctx context.Context) error {
 	return o.finish(ctx, "abort", &storev1.Request{Body: &storev1.Request_Abort{Abort: &storev1.AbortRequest{Name: o.name}}})
 }
@@ -79,14 +153,22 @@ func (o *Object) finish(ctx context.Context, op string, req *storev1.Request) er
 	if o.done {
 		return &Error{Op: op, Name: o.name, Err: ErrInvalid, Message: "object already sealed or aborted"}
 	}
+	// Once sealed, the object may be deleted and its arena freed at once:
+	// a GPU mapping must be gone before the daemon hears of the seal.
+	verr := o.v.close()
+	o.c.untrackGPU(o)
 	_, err := o.c.roundTrip(ctx, op, o.name, req)
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return err // the object may still be ours: Seal or Abort again
 	}
 	o.done = true
-	o.c.unref(o.m)
-	o.m = nil
-	o.data = nil
+	if o.m != nil {
+		o.c.unref(o.m)
+		o.m = nil
+	}
+	if err == nil && verr != nil {
+		err = &Error{Op: op, Name: o.name, Err: ErrInternal, Message: "unmapping the GPU object: " + verr.Error()}
+	}
 	return err
 }
 

@@ -1,20 +1,32 @@
 package store
 
-import "os"
+import (
+	"fmt"
+	"log/slog"
+	"os"
+
+	"github.com/cudaipc/cudaipc"
+)
 
 // backend is the seam between the store and the memory it hands out: the
-// host backend (memfd arenas) now, a CUDA backend later. The store keeps all
+// host backend (memfd arenas) and the CUDA backend (device allocations,
+// plus host memory for the "host" device). The store keeps all
 // bookkeeping; a backend only creates, shares and destroys arenas.
 type backend interface {
-	// name is what the hello response reports: "host", later "cuda".
+	// name is what the hello response reports: "host" or "cuda".
 	name() string
 	// device returns the canonical name of the device a request asks for
-	// ("" picks the default), or an error wrapping ErrInvalid when the
-	// backend has no such device.
+	// ("" picks the default, host memory), or an error wrapping ErrInvalid
+	// when the backend has no such device.
 	device(requested string) (string, error)
 	// granularity is the unit of arena sizes on device: a power of two, at
 	// least 256.
 	granularity(device string) int64
+	// arenaSizes bounds the arenas of device: a pool's first arena is
+	// first bytes, each further one twice the previous, up to most (a
+	// larger object gets an arena of its own size). 0 means the
+	// allocator's defaults.
+	arenaSizes(device string) (first, most int64)
 	// newArena creates an arena of size bytes (a multiple of granularity)
 	// on device. id is unique for the life of the store, for names in
 	// /proc and logs.
@@ -27,28 +39,68 @@ type arena interface {
 	// caller closes it, usually after sending it) and, for GPU backends, an
 	// opaque region description. writable selects the mode: a read-only
 	// share must not let the client write, even by reopening the file.
+	// (GPU arenas cannot honour that: CUDA IPC maps read-write only.)
 	share(writable bool) (arenaShare, error)
+	// objectRegion describes [off, off+n) of the arena for ObjectInfo:
+	// the binary encoding of a cudaipc.Region for GPU arenas, nil for
+	// host ones.
+	objectRegion(off, n int64) []byte
 	// discard tells the backend that [off, off+n) holds no object any more,
 	// so it may give the memory back to the system. It is only a hint.
 	discard(off, n int64)
-	// close releases the arena. Clients that mapped it keep their mappings.
+	// close releases the arena. Host clients that mapped it keep their
+	// mappings; a GPU arena must only be closed when no client maps it any
+	// more, which the store guarantees by closing an arena only once no
+	// object (sealed, unsealed, or deleted but leased) remains in it.
 	close() error
 }
 
-// arenaShare is what a client needs to map an arena. Either field may be
-// empty: host arenas travel as a file, GPU arenas as a region blob (and
-// maybe a file).
+// arenaShare is what a client needs to map an arena. Host arenas travel as
+// a file, once per connection and mode; GPU arenas as a region blob
+// (docs/region.md, binary) of the whole arena, in every placement and
+// without a file.
 type arenaShare struct {
 	file   *os.File
 	region []byte
 }
 
-// newBackend returns the backend Config.Backend names.
-func newBackend(name string) (backend, error) {
+// newBackend returns the backend Config.Backend names. auto picks cuda
+// when the CUDA driver loads and sees at least one GPU, else host; cuda
+// fails without a GPU.
+func newBackend(name string, log *slog.Logger) (backend, error) {
 	switch name {
-	case "", "auto", "host":
-		// auto picks host until GPU backends exist.
+	case "", "auto":
+		devs, err := cudaipc.Devices()
+		if err != nil || len(devs) == 0 {
+			why := "no GPU visible"
+			if err != nil {
+				why = err.Error()
+			}
+			log.Info("backend auto: host memory only", "reason", why)
+			return hostBackend{}, nil
+		}
+		b, err := newCUDABackend(devs)
+		if err != nil {
+			return nil, err
+		}
+		log.Info("backend auto: cuda and host", "gpus", b.uuids)
+		return b, nil
+	case "host":
 		return hostBackend{}, nil
+	case "cuda":
+		devs, err := cudaipc.Devices()
+		if err != nil {
+			return nil, fmt.Errorf("store: backend cuda needs the CUDA driver and a GPU: %w (use --backend host or auto on a machine without one)", err)
+		}
+		if len(devs) == 0 {
+			return nil, fmt.Errorf("store: backend cuda needs a GPU, and the driver sees none (use --backend host or auto)")
+		}
+		b, err := newCUDABackend(devs)
+		if err != nil {
+			return nil, err
+		}
+		log.Info("backend cuda", "gpus", b.uuids)
+		return b, nil
 	}
-	return nil, invalidf("unknown backend %q (want auto or host)", name)
+	return nil, invalidf("unknown backend %q (want auto, cuda or host)", name)
 }

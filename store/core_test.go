@@ -25,6 +25,10 @@ type testClient struct {
 
 func newTestStore(t *testing.T, cfg Config) *Store {
 	t.Helper()
+	if cfg.Backend == "" {
+		// The same on every machine: auto would pick cuda on a GPU one.
+		cfg.Backend = "host"
+	}
 	s, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)

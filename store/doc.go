@@ -25,8 +25,14 @@
 // The host backend keeps arenas in memfds. Creators receive a read-write
 // descriptor; readers a read-only one, which cannot be mapped writable,
 // written, resized, or reopened for writing through /proc (the memfd's
-// mode is 0). A later CUDA backend shares arenas as an opaque region
-// description instead of, or besides, a descriptor.
+// mode is 0). The CUDA backend keeps GPU objects in device allocations of
+// the daemon (named by GPU UUID), one per arena, and describes each to
+// clients by the cudaipc.Region of the whole allocation, sent in every
+// placement; ObjectInfo carries the region of exactly the object. CUDA IPC
+// cannot map read-only, so GPU readers are trusted not to write. A GPU
+// arena is freed only when no object (sealed, unsealed, or deleted but
+// leased) is left in it; clients close their mapping before sealing,
+// aborting or releasing, so none maps freed memory.
 //
 // # Security
 //

@@ -466,8 +466,8 @@ func (p *placement) proto() *storev1.Placement {
 	}
 	if p.share != nil {
 		pp.FdAttached = p.share.file != nil
-		pp.Region = p.share.region
 	}
+	pp.Region = p.region
 	return pp
 }
 

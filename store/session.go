@@ -97,6 +97,7 @@ type placement struct {
 	size      int64
 	arenaSize int64
 	writable  bool
+	region    []byte // GPU arenas: the whole arena's region, in every placement
 	leaseID   uint64 // gets only
 	share     *arenaShare
 	info      info // gets only
@@ -200,6 +201,12 @@ func (ss *session) placeLocked(o *object, writable bool) (placement, error) {
 		sh, err := o.dev.arenas[ar.ID].share(writable)
 		if err != nil {
 			return placement{}, err
+		}
+		if sh.file == nil {
+			// A GPU arena: its region travels in every placement, so
+			// that clients need no per-connection state for it.
+			p.region = sh.region
+			return p, nil
 		}
 		p.share = &sh
 		ss.sent[k] = true

@@ -32,11 +32,13 @@ const (
 
 // Config configures a Store. The zero value is a usable configuration.
 type Config struct {
-	// Backend is the memory backend: "auto" (or "") or "host". auto picks
-	// host until GPU backends exist.
+	// Backend is the memory backend: "auto" (or ""), "cuda" or "host".
+	// cuda keeps objects on the GPUs (named by UUID) and on "host"; it
+	// fails without a CUDA driver and a GPU. auto is cuda when the driver
+	// loads and sees a GPU, else host.
 	Backend string
-	// Capacity bounds the memory of each device, in bytes; 0 means
-	// DefaultCapacity.
+	// Capacity bounds the memory of each device (host, and every GPU), in
+	// bytes; 0 means DefaultCapacity.
 	Capacity int64
 	// NoEvict turns off the eviction of sealed objects without leases:
 	// creates fail with ErrStoreFull instead.
@@ -137,7 +139,7 @@ func New(cfg Config) (*Store, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
-	b, err := newBackend(cfg.Backend)
+	b, err := newBackend(cfg.Backend, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
@@ -187,10 +189,13 @@ func (s *Store) deviceLocked(name string) (*device, error) {
 		return d, nil
 	}
 	d := &device{name: name, arenas: make(map[uint64]arena)}
+	first, most := s.backend.arenaSizes(name)
 	a, err := alloc.New(alloc.Config[pool, *object]{
-		Capacity:    s.cfg.Capacity,
-		Granularity: s.backend.granularity(name),
-		NoEvict:     s.cfg.NoEvict,
+		Capacity:     s.cfg.Capacity,
+		Granularity:  s.backend.granularity(name),
+		MinArenaSize: first,
+		ArenaSize:    most,
+		NoEvict:      s.cfg.NoEvict,
 		NewArena: func(_ pool, size int64) (uint64, error) {
 			s.nextArena++
 			id := s.nextArena
@@ -202,6 +207,10 @@ func (s *Store) deviceLocked(name string) (*device, error) {
 			s.log.Debug("arena created", "device", name, "arena", id, "size", size)
 			return id, nil
 		},
+		// An arena is freed when no object is left in it: not sealed, not
+		// unsealed, not deleted but still leased. Clients unmap an arena
+		// when their last object or lease in it goes, before telling the
+		// daemon, so no client maps a GPU arena that is freed.
 		FreeArena: func(id uint64) {
 			if err := d.arenas[id].close(); err != nil {
 				s.log.Warn("closing arena", "device", name, "arena", id, "err", err)
@@ -312,7 +321,14 @@ type info struct {
 }
 
 func (o *object) info() info {
+	var region []byte
+	if o.block != nil {
+		if ar := o.dev.arenas[o.block.Arena().ID]; ar != nil {
+			region = ar.objectRegion(o.block.Offset, o.size)
+		}
+	}
 	return info{
+		Region:   region,
 		Name:     o.name,
 		Size:     o.size,
 		Device:   o.dev.name,

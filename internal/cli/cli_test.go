@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/cudaipc/cudaipc"
 )
 
 // mainEnv makes this test binary act as the cudaipc command, for the
@@ -205,7 +207,13 @@ func TestDemo(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &rep); err != nil {
 		t.Fatalf("%v\n%s", err, out)
 	}
-	if !rep.OK || len(rep.Objects) != 3 || rep.Backend != "host" || rep.ProducerPID == rep.ConsumerPID {
+	// Without a GPU the demo is all host memory; with one (the auto
+	// backend picks cuda) TestGPUDemo checks it further.
+	wantBackend, wantDevice := "host", "host"
+	if n, err := cudaipc.DeviceCount(); err == nil && n > 0 {
+		wantBackend, wantDevice = "cuda", "GPU-"
+	}
+	if !rep.OK || len(rep.Objects) != 3 || rep.Backend != wantBackend || !strings.HasPrefix(rep.Device, wantDevice) || rep.ProducerPID == rep.ConsumerPID {
 		t.Fatalf("demo report: %+v", rep)
 	}
 	for _, o := range rep.Objects {

@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -19,19 +20,23 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/client"
 )
 
 type demoCmd struct {
-	Sizes []byteSize `default:"4KiB,64KiB,1MiB,16MiB,64MiB" sep:"," help:"Sizes of the objects to share (default ${default})." placeholder:"BYTES,..."`
-	JSON  bool       `name:"json" help:"Print the results as one JSON object."`
+	Sizes  []byteSize `default:"4KiB,64KiB,1MiB,16MiB,64MiB" sep:"," help:"Sizes of the objects to share (default ${default})." placeholder:"BYTES,..."`
+	Device string     `help:"Where the objects live: host, a GPU ordinal or UUID (default: GPU 0 when the store has the cuda backend, else host)." placeholder:"host|ORDINAL|UUID"`
+	JSON   bool       `name:"json" help:"Print the results as one JSON object."`
 }
 
 func (c *demoCmd) Help() string {
 	return `Shows the store at work with nothing to set up: runs a store in this process (auto
-backend: host memory on a machine without a GPU), starts a producer process and a
-consumer process, shares objects of several sizes between them, checks every byte
-and reports how fast each step was.`
+backend: objects on GPU 0 where the CUDA driver sees a GPU, host memory otherwise),
+starts a producer process and a consumer process, shares objects of several sizes
+between them, checks every byte and reports how fast each step was. With GPU
+objects it also times a device-to-device copy from the consumer's mapping, the
+zero-copy path. --device host forces host objects.`
 }
 
 // demoResult is one object's story, and the JSON the demo prints.
@@ -43,11 +48,15 @@ type demoResult struct {
 	SealToGetUS     float64 `json:"seal_to_get_us"`     // producer's seal request to consumer holding the lease
 	VerifyGBps      float64 `json:"verify_gbps"`        // consumer comparing every byte of the mapping
 	GetReleaseP50US float64 `json:"get_release_p50_us"` // one get+release round trip, mapping cached
-	OK              bool    `json:"ok"`
+	// CopyGBps is a device-to-device copy from the consumer's mapping into
+	// its own buffer (GPU objects only): reading in place, on the GPU.
+	CopyGBps float64 `json:"d2d_copy_gbps,omitempty"`
+	OK       bool    `json:"ok"`
 }
 
 type demoReport struct {
 	Backend     string       `json:"backend"`
+	Device      string       `json:"device"` // "host" or the GPU's UUID
 	Socket      string       `json:"socket"`
 	ProducerPID int          `json:"producer_pid"`
 	ConsumerPID int          `json:"consumer_pid"`
@@ -82,10 +91,14 @@ func (c *demoCmd) Run(g *Globals) error {
 	}
 	defer admin.Close()
 
+	dev, err := c.device(admin.Server().Backend)
+	if err != nil {
+		return err
+	}
 	prefix := fmt.Sprintf("demo-%d-%08x-", os.Getpid(), rand.Uint32())
 	seed := rand.Uint64()
 	args := []string{"demo-worker", "--prefix", prefix, "--seed", strconv.FormatUint(seed, 10),
-		"--log-level", g.LogLevel, "--sizes", joinSizes(c.Sizes)}
+		"--log-level", g.LogLevel, "--sizes", joinSizes(c.Sizes), "--device", dev}
 
 	// The consumer starts first and waits in Get until the producer seals.
 	cons, err := startWorker(ctx, emb.socket, "consumer", args)
@@ -131,7 +144,7 @@ func (c *demoCmd) Run(g *Globals) error {
 	}
 
 	rep := demoReport{
-		Backend: admin.Server().Backend, Socket: emb.socket,
+		Backend: admin.Server().Backend, Device: dev, Socket: emb.socket,
 		ProducerPID: prod.cmd.Process.Pid, ConsumerPID: cons.cmd.Process.Pid,
 		TotalBytes: total, OK: true,
 	}
@@ -149,6 +162,7 @@ func (c *demoCmd) Run(g *Globals) error {
 			SealToGetUS:     float64(q.GotUnixNano-p.SealUnixNano) / 1e3,
 			VerifyGBps:      gbps(int64(s), q.VerifyNS),
 			GetReleaseP50US: float64(q.RoundTripP50NS) / 1e3,
+			CopyGBps:        gbps(int64(s), q.CopyNS),
 			OK:              q.Match && p.SHA256 == q.SHA256 && p.Name == q.Name,
 		}
 		rep.OK = rep.OK && r.OK
@@ -169,17 +183,68 @@ func (c *demoCmd) Run(g *Globals) error {
 	return nil
 }
 
+// device picks where the demo's objects live, given the store's backend:
+// --device, else GPU 0 (by UUID, as the daemon names GPUs) with the cuda
+// backend, else host.
+func (c *demoCmd) device(backend string) (string, error) {
+	if c.Device == "" && backend != "cuda" || c.Device == "host" {
+		return "host", nil
+	}
+	if backend != "cuda" {
+		return "", fmt.Errorf("--device %s: the embedded store has the %s backend (no GPU visible); use --device host", c.Device, backend)
+	}
+	want := c.Device
+	if want == "" {
+		want = "0"
+	}
+	dev, err := resolveGPU(want)
+	if err != nil {
+		return "", fmt.Errorf("--device: %w", err)
+	}
+	return dev.UUID().String(), nil
+}
+
+// resolveGPU finds a GPU of this process by ordinal or UUID.
+func resolveGPU(s string) (*cudaipc.Device, error) {
+	if n, err := strconv.Atoi(s); err == nil {
+		return cudaipc.DeviceByOrdinal(n)
+	}
+	u, err := cudaipc.ParseUUID(s)
+	if err != nil {
+		return nil, err
+	}
+	return cudaipc.DeviceByUUID(u)
+}
+
 func printDemo(w io.Writer, rep demoReport) {
-	fmt.Fprintf(w, "cudaipc demo: embedded store, %s backend, socket %s\n", rep.Backend, rep.Socket)
-	fmt.Fprintf(w, "producer (pid %d) created each object, wrote random bytes into it and sealed it;\n", rep.ProducerPID)
-	fmt.Fprintf(w, "consumer (pid %d) waited for it, leased it and compared every byte in place.\n", rep.ConsumerPID)
-	fmt.Fprintf(w, "Only names, offsets and one fd per arena crossed the socket.\n\n")
+	gpu := rep.Device != "host"
+	if gpu {
+		fmt.Fprintf(w, "cudaipc demo: embedded store, %s backend, objects on GPU %s, socket %s\n", rep.Backend, rep.Device, rep.Socket)
+		fmt.Fprintf(w, "producer (pid %d) created each object, copied random bytes into it (WriteAt) and sealed it;\n", rep.ProducerPID)
+		fmt.Fprintf(w, "consumer (pid %d) waited for it, leased it, read every byte through its mapping and\n", rep.ConsumerPID)
+		fmt.Fprintf(w, "compared them, and copied the object on the GPU from its mapping into a buffer of its own.\n")
+		fmt.Fprintf(w, "Only names, offsets and regions crossed the socket; each process opened each arena once (cuIpcOpenMemHandle).\n\n")
+	} else {
+		fmt.Fprintf(w, "cudaipc demo: embedded store, %s backend, socket %s\n", rep.Backend, rep.Socket)
+		fmt.Fprintf(w, "producer (pid %d) created each object, wrote random bytes into it and sealed it;\n", rep.ProducerPID)
+		fmt.Fprintf(w, "consumer (pid %d) waited for it, leased it and compared every byte in place.\n", rep.ConsumerPID)
+		fmt.Fprintf(w, "Only names, offsets and one fd per arena crossed the socket.\n\n")
+	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "size\twrite\tseal→lease\tread+compare\tget+release p50\tcheck\t")
+	if gpu {
+		fmt.Fprintln(tw, "size\twrite (H2D)\tseal→lease\tread (D2H)+compare\tGPU copy from mapping\tget+release p50\tcheck\t")
+	} else {
+		fmt.Fprintln(tw, "size\twrite\tseal→lease\tread+compare\tget+release p50\tcheck\t")
+	}
 	for _, r := range rep.Objects {
 		check := "ok"
 		if !r.OK {
 			check = "MISMATCH"
+		}
+		if gpu {
+			fmt.Fprintf(tw, "%s\t%.2f GB/s\t%.0f µs\t%.2f GB/s\t%.1f GB/s\t%.1f µs\t%s\t\n",
+				humanBytes(r.Size), r.WriteGBps, r.SealToGetUS, r.VerifyGBps, r.CopyGBps, r.GetReleaseP50US, check)
+			continue
 		}
 		fmt.Fprintf(tw, "%s\t%.2f GB/s\t%.0f µs\t%.2f GB/s\t%.1f µs\t%s\t\n",
 			humanBytes(r.Size), r.WriteGBps, r.SealToGetUS, r.VerifyGBps, r.GetReleaseP50US, check)
@@ -273,6 +338,7 @@ type demoWorkerCmd struct {
 	Prefix string     `required:""`
 	Seed   uint64     `required:""`
 	Sizes  []byteSize `required:"" sep:","`
+	Device string     `default:"host" help:"Where the producer creates the objects: host or a GPU UUID."`
 	Rounds int        `default:"200" help:"get+release round trips per object (consumer)."`
 }
 
@@ -291,6 +357,7 @@ type consumerLine struct {
 	SHA256         string `json:"sha256"`
 	Match          bool   `json:"match"`
 	MismatchAt     int64  `json:"mismatch_at"`
+	CopyNS         int64  `json:"copy_ns,omitempty"` // device-to-device copy from the mapping (GPU objects)
 }
 
 func (c *demoWorkerCmd) Run(g *Globals) error {
@@ -336,14 +403,19 @@ func demoStream(seed uint64, name string) *rand.ChaCha8 {
 }
 
 func (c *demoWorkerCmd) produce(ctx context.Context, cl *client.Client, name string, size int64) (producerLine, error) {
-	obj, err := cl.Create(ctx, name, size, client.CreateOptions{})
+	obj, err := cl.Create(ctx, name, size, client.CreateOptions{Device: c.Device})
 	if err != nil {
 		return producerLine{}, err
 	}
 	src := make([]byte, size)
 	_, _ = demoStream(c.Seed, name).Read(src)
 	t := time.Now()
-	copy(obj.Bytes(), src) // the first touch of these pages is part of the cost
+	if b := obj.Bytes(); b != nil {
+		copy(b, src) // the first touch of these pages is part of the cost
+	} else if _, err := obj.WriteAt(src, 0); err != nil { // a GPU object
+		_ = obj.Abort(ctx)
+		return producerLine{}, err
+	}
 	fill := time.Since(t)
 	sum := sha256.Sum256(src)
 	sealAt := time.Now()
@@ -363,11 +435,22 @@ func (c *demoWorkerCmd) consume(ctx context.Context, cl *client.Client, name str
 	b := lease.Bytes()
 
 	line := consumerLine{Name: name, GotUnixNano: got.UnixNano(), Match: true, MismatchAt: -1}
-	want := make([]byte, len(b))
+	want := make([]byte, lease.Size())
 	_, _ = demoStream(c.Seed, name).Read(want)
 	t := time.Now()
+	if b == nil { // a GPU object: read it through the mapping
+		b = make([]byte, lease.Size())
+		if _, err := lease.ReadAt(b, 0); err != nil {
+			return consumerLine{}, err
+		}
+	}
 	line.Match = bytes.Equal(b, want) // reads every byte of the shared mapping
 	line.VerifyNS = time.Since(t).Nanoseconds()
+	if m := lease.Mapping(); m != nil {
+		if line.CopyNS, err = copyFromMapping(m); err != nil {
+			return consumerLine{}, err
+		}
+	}
 	if !line.Match {
 		for i := range b {
 			if b[i] != want[i] {
@@ -396,4 +479,30 @@ func (c *demoWorkerCmd) consume(ctx context.Context, cl *client.Client, name str
 		line.RoundTripP50NS = lat[len(lat)/2].Nanoseconds()
 	}
 	return line, nil
+}
+
+// copyFromMapping copies a GPU object from the consumer's mapping into a
+// buffer of the consumer's own on the same GPU, the way a consumer uses
+// shared memory without staging it through the host, and returns the best
+// time of a few copies.
+func copyFromMapping(m *cudaipc.Mapping) (int64, error) {
+	dev := m.Device()
+	dst, err := dev.Alloc(m.Size())
+	if err != nil {
+		return 0, fmt.Errorf("demo: allocating the consumer's copy: %w", err)
+	}
+	defer dst.Free()
+	best := int64(math.MaxInt64)
+	for range 4 { // the first copy warms up
+		t := time.Now()
+		if err := dev.Copy(dst.Ptr(), m.Ptr(), m.Size()); err != nil {
+			return 0, fmt.Errorf("demo: device-to-device copy: %w", err)
+		}
+		// A device-to-device copy does not wait for the GPU.
+		if err := dev.Synchronize(); err != nil {
+			return 0, err
+		}
+		best = min(best, time.Since(t).Nanoseconds())
+	}
+	return best, nil
 }

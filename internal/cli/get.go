@@ -52,7 +52,7 @@ func (c *getCmd) Run(g *Globals) error {
 	defer lease.Release()
 
 	if c.Output == "-" {
-		return writeAll(g.stdout, lease.Bytes(), nil)
+		return writeLease(g.stdout, lease, nil)
 	}
 	// Write next to the target and rename, so that FILE is never left half
 	// written.
@@ -61,8 +61,8 @@ func (c *getCmd) Run(g *Globals) error {
 		return err
 	}
 	defer os.Remove(tmp.Name())
-	bar := newProgress(g.stderr, int64(len(lease.Bytes())), "get "+c.Name)
-	err = writeAll(tmp, lease.Bytes(), func(n int) { progressAdd(bar, n) })
+	bar := newProgress(g.stderr, lease.Size(), "get "+c.Name)
+	err = writeLease(tmp, lease, func(n int) { progressAdd(bar, n) })
 	progressDone(bar)
 	if cerr := tmp.Close(); err == nil {
 		err = cerr
@@ -74,6 +74,27 @@ func (c *getCmd) Run(g *Globals) error {
 		return err
 	}
 	return os.Rename(tmp.Name(), c.Output)
+}
+
+// writeLease writes a leased object's bytes to w: a host object straight
+// from its mapping, a GPU object through ReadAt into a host buffer, one
+// chunk at a time.
+func writeLease(w io.Writer, l *client.Lease, progress func(int)) error {
+	if b := l.Bytes(); b != nil || l.Size() == 0 {
+		return writeAll(w, b, progress)
+	}
+	buf := make([]byte, min(int64(copyChunk), l.Size()))
+	for off := int64(0); off < l.Size(); {
+		n, err := l.ReadAt(buf[:min(int64(len(buf)), l.Size()-off)], off)
+		if err != nil && !(err == io.EOF && off+int64(n) == l.Size()) {
+			return fmt.Errorf("reading %q from the GPU: %w", l.Info().Name, err)
+		}
+		if err := writeAll(w, buf[:n], progress); err != nil {
+			return err
+		}
+		off += int64(n)
+	}
+	return nil
 }
 
 func writeAll(w io.Writer, b []byte, progress func(int)) error {

@@ -12,7 +12,7 @@ import (
 type putCmd struct {
 	File   string `arg:"" help:"File to store, or - for standard input." placeholder:"FILE|-"`
 	Name   string `required:"" help:"Name of the new object." placeholder:"NAME"`
-	Device string `default:"host" help:"Where the object's memory lives: host, or a GPU ordinal or UUID (needs a GPU backend)." placeholder:"host|ORDINAL|UUID"`
+	Device string `default:"host" help:"Where the object's memory lives: host, a GPU ordinal (of this process, resolved to its UUID) or a GPU UUID; GPUs need a daemon with the cuda backend." placeholder:"host|ORDINAL|UUID"`
 	Shared bool   `help:"Let every user the daemon admits read the object (default: only your uid)."`
 }
 
@@ -38,14 +38,14 @@ func (c *putCmd) Run(g *Globals) error {
 	if err != nil {
 		return explain(err, g.socketPath())
 	}
-	if err := fill(obj.Bytes(), src, g, c.Name); err != nil {
+	if err := fill(obj, size, src, g, c.Name); err != nil {
 		_ = obj.Abort(ctx)
 		return fmt.Errorf("reading %s: %w (nothing was stored)", c.File, err)
 	}
 	if err := obj.Seal(ctx); err != nil {
 		return explain(err, g.socketPath())
 	}
-	fmt.Fprintf(g.stdout, "stored %q: %s (%d bytes) on %s\n", c.Name, humanBytes(size), size, c.Device)
+	fmt.Fprintf(g.stdout, "stored %q: %s (%d bytes) on %s\n", c.Name, humanBytes(size), size, obj.Device())
 	return nil
 }
 
@@ -88,20 +88,37 @@ func openInput(name string, g *Globals) (io.ReadCloser, int64, error) {
 	return io.NopCloser(bytes.NewReader(data)), int64(len(data)), nil
 }
 
-// fill reads exactly len(dst) bytes from src into dst, showing progress on
-// a terminal.
-func fill(dst []byte, src io.Reader, g *Globals, name string) error {
-	bar := newProgress(g.stderr, int64(len(dst)), "put "+name)
+// fill reads exactly size bytes from src into obj, showing progress on a
+// terminal. Host objects are filled in place; GPU objects through a host
+// buffer, one chunk at a time.
+func fill(obj *client.Object, size int64, src io.Reader, g *Globals, name string) error {
+	bar := newProgress(g.stderr, size, "put "+name)
 	defer progressDone(bar)
-	for off := 0; off < len(dst); {
-		end := min(off+copyChunk, len(dst))
-		n, err := io.ReadFull(src, dst[off:end])
+	dst := obj.Bytes()
+	var buf []byte
+	if dst == nil {
+		buf = make([]byte, min(int64(copyChunk), size))
+	}
+	for off := int64(0); off < size; {
+		end := min(off+copyChunk, size)
+		var chunk []byte
+		if dst != nil {
+			chunk = dst[off:end]
+		} else {
+			chunk = buf[:end-off]
+		}
+		n, err := io.ReadFull(src, chunk)
 		progressAdd(bar, n)
 		if err == io.ErrUnexpectedEOF || err == io.EOF {
-			return fmt.Errorf("input shrank while reading: got %d of %d bytes", off+n, len(dst))
+			return fmt.Errorf("input shrank while reading: got %d of %d bytes", off+int64(n), size)
 		}
 		if err != nil {
 			return err
+		}
+		if dst == nil {
+			if _, err := obj.WriteAt(chunk, off); err != nil {
+				return err
+			}
 		}
 		off = end
 	}

@@ -13,8 +13,8 @@ import (
 )
 
 type serveCmd struct {
-	Backend    string   `default:"auto" enum:"auto,host" help:"Memory backend: auto (a GPU backend where there is one, else host) or host."`
-	Capacity   byteSize `default:"0" help:"Bytes of memory per device the store may use, e.g. 4GiB (0: the backend's default, 1 GiB for host)." placeholder:"BYTES"`
+	Backend    string   `default:"auto" enum:"auto,cuda,host" help:"Memory backend: auto (cuda where the CUDA driver sees a GPU, else host), cuda (GPU objects, named by UUID, and host ones; fails without a GPU) or host."`
+	Capacity   byteSize `default:"0" help:"Bytes of memory per device (host, and each GPU) the store may use, e.g. 4GiB (0: 1 GiB)." placeholder:"BYTES"`
 	AllowUID   []uint32 `name:"allow-uid" help:"Also admit this uid (repeatable; the daemon's own uid and root are always admitted)." placeholder:"N"`
 	AllowGID   []uint32 `name:"allow-gid" help:"Also admit members of this gid (repeatable)." placeholder:"N"`
 	Metrics    string   `help:"Serve Prometheus metrics on ADDR at /metrics; a bare port (9464 or :9464) binds loopback only." placeholder:"ADDR"`

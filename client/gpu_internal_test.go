@@ -1,0 +1,82 @@
+package client
+
+import (
+	"encoding/json"
+	"errors"
+	"io"
+	"testing"
+
+	"github.com/cudaipc/cudaipc"
+)
+
+func TestResolveDevice(t *testing.T) {
+	for in, want := range map[string]string{
+		"":                                 "",
+		"host":                             "host",
+		"5F1C2A3B4D5E6F708192A3B4C5D6E7F8": "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8",
+		"GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8": "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8",
+	} {
+		if got, err := resolveDevice(in); err != nil || got != want {
+			t.Errorf("resolveDevice(%q) = %q, %v; want %q", in, got, err, want)
+		}
+	}
+	if _, err := resolveDevice("tpu0"); err == nil {
+		t.Error("resolveDevice accepted tpu0")
+	}
+	// An ordinal this process does not have (or no driver at all).
+	if _, err := resolveDevice("99"); err == nil {
+		t.Error("resolveDevice accepted ordinal 99")
+	}
+}
+
+func TestRegionJSON(t *testing.T) {
+	u, _ := cudaipc.ParseUUID("GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8")
+	r := cudaipc.Region{
+		Version: cudaipc.RegionVersion, Kind: cudaipc.KindCUDAIPC, Handle: cudaipc.MemHandle{1},
+		Offset: 1 << 20, Size: 4096, AllocSize: 64 << 20, Device: u,
+		ExporterPID: 4242, PIDNamespace: 4026531836, BootID: cudaipc.BootID{2},
+		BufferID: 17, ExporterBase: 0x7f3a00000000,
+	}
+	bin, err := r.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	j := regionJSON(bin)
+	var obj map[string]any
+	if err := json.Unmarshal(j, &obj); err != nil || obj["kind"] != "cuda-ipc" {
+		t.Fatalf("regionJSON = %s (%v)", j, err)
+	}
+	back, err := cudaipc.DecodeRegion(j)
+	if err != nil || back != r {
+		t.Fatalf("round trip: %v, %v", back, err)
+	}
+	if regionJSON(nil) != nil {
+		t.Fatal("empty region is not null")
+	}
+}
+
+func TestHostView(t *testing.T) {
+	v := view{device: "host", size: 8, data: make([]byte, 8), open: true}
+	if n, err := v.writeAt("write", "x", []byte{1, 2, 3}, 6); err == nil || n != 0 {
+		t.Fatalf("write past the end: %d, %v", n, err)
+	}
+	if _, err := v.writeAt("write", "x", []byte{7, 8, 9}, 5); err != nil {
+		t.Fatal(err)
+	}
+	p := make([]byte, 4)
+	if n, err := v.readAt("read", "x", p, 5); n != 3 || err != io.EOF || p[0] != 7 || p[2] != 9 {
+		t.Fatalf("short read: %d, %v, %v", n, err, p)
+	}
+	if v.ptr() != 0 || v.mapping() != nil {
+		t.Fatal("host view has a device pointer")
+	}
+	if err := v.close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := v.readAt("read", "x", p, 0); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("read after close: %v", err)
+	}
+	if _, err := v.writeAt("write", "x", p, 0); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("write after close: %v", err)
+	}
+}

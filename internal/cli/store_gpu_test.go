@@ -1,0 +1,142 @@
+package cli
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/internal/testutil"
+)
+
+func TestServeCUDAWithoutGPU(t *testing.T) {
+	if n, err := cudaipc.DeviceCount(); err == nil && n > 0 {
+		t.Skip("this machine has a GPU")
+	}
+	sock := filepath.Join(t.TempDir(), "store.sock")
+	_, _, err := storeCLI(t, "serve", "--backend", "cuda", "--socket", sock, "--log-level", "error")
+	if err == nil || !strings.Contains(err.Error(), "backend cuda needs") || !strings.Contains(err.Error(), "--backend host") {
+		t.Fatalf("serve --backend cuda without a GPU: %v", err)
+	}
+	if _, err := os.Stat(sock); err == nil {
+		t.Fatal("a failed serve left its socket")
+	}
+}
+
+// serveProcess runs 'cudaipc serve' as a child process (this test binary
+// acting as the CLI), so that its GPU memory crosses a process boundary.
+func serveProcess(t *testing.T, args ...string) string {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "store.sock")
+	cmd := exec.Command(os.Args[0], append([]string{"serve", "--socket", sock, "--log-level", "warn"}, args...)...)
+	cmd.Env = append(os.Environ(), mainEnv+"=1")
+	var errOut bytes.Buffer
+	cmd.Stderr = &errOut
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	t.Cleanup(func() {
+		cmd.Process.Signal(os.Interrupt)
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v\n%s", err, errOut.String())
+		}
+	})
+	for {
+		if _, _, err := storeCLI(t, "ls", "--socket", sock); err == nil {
+			return sock
+		}
+		select {
+		case err := <-done:
+			t.Fatalf("serve exited: %v\n%s", err, errOut.String())
+		case <-time.After(5 * time.Millisecond): // poll interval, not a deadline
+		}
+	}
+}
+
+// put --device, get, ls, stat --json and dump --region of the stat's
+// region, against a daemon process with the cuda backend.
+func TestGPUStoreCommands(t *testing.T) {
+	dev := testutil.RequireGPU(t)
+	sock := serveProcess(t, "--backend", "cuda")
+	dir := t.TempDir()
+	data := testutil.RandomBytes(42, 9<<20+13) // more than two put/get chunks
+	in := filepath.Join(dir, "in.bin")
+	if err := os.WriteFile(in, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	uuid := dev.UUID().String()
+	if out := mustRun(t, "put", in, "--name", "g0", "--device", "0", "--socket", sock); !strings.Contains(out, uuid) {
+		t.Errorf("put said %q, want the GPU's UUID", out)
+	}
+	mustRun(t, "put", in, "--name", "g1", "--device", uuid, "--socket", sock)
+	if _, _, err := storeCLI(t, "put", in, "--name", "g2", "--device", "99", "--socket", sock); err == nil || !strings.Contains(err.Error(), "ordinal 99") {
+		t.Errorf("put --device 99: %v", err)
+	}
+
+	for _, name := range []string{"g0", "g1"} {
+		out := filepath.Join(dir, name+".out")
+		mustRun(t, "get", name, "-o", out, "--socket", sock)
+		if got, err := os.ReadFile(out); err != nil || !bytes.Equal(got, data) {
+			t.Errorf("get %s -o: %d bytes, %v", name, len(got), err)
+		}
+	}
+	if got := mustRun(t, "get", "g0", "--socket", sock); got != string(data) {
+		t.Errorf("get to stdout: %d bytes", len(got))
+	}
+	if table := mustRun(t, "ls", "--socket", sock); !strings.Contains(table, uuid) {
+		t.Errorf("ls does not show the device: %q", table)
+	}
+
+	var info struct {
+		Device string          `json:"device"`
+		Size   int64           `json:"size"`
+		Region json.RawMessage `json:"region"`
+	}
+	if err := json.Unmarshal([]byte(mustRun(t, "stat", "g1", "--json", "--socket", sock)), &info); err != nil {
+		t.Fatal(err)
+	}
+	r, err := cudaipc.DecodeRegion(info.Region)
+	if err != nil || info.Device != uuid || r.Size != int64(len(data)) || r.Device != dev.UUID() {
+		t.Fatalf("stat --json: device %q, region %s (%v)", info.Device, info.Region, err)
+	}
+	dumped := filepath.Join(dir, "dump.bin")
+	mustRun(t, "dump", "--region", string(info.Region), "-o", dumped)
+	if got, err := os.ReadFile(dumped); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("dump of the stat region: %d bytes, %v", len(got), err)
+	}
+	mustRun(t, "rm", "g0", "g1", "--socket", sock)
+}
+
+func TestGPUDemo(t *testing.T) {
+	dev := testutil.RequireGPU(t)
+	var rep demoReport
+	if err := json.Unmarshal([]byte(mustRun(t, "demo", "--sizes", "4KiB,1MiB,96MiB", "--json")), &rep); err != nil {
+		t.Fatal(err)
+	}
+	if !rep.OK || rep.Backend != "cuda" || rep.Device != dev.UUID().String() || len(rep.Objects) != 3 {
+		t.Fatalf("demo report: %+v", rep)
+	}
+	for _, o := range rep.Objects {
+		if !o.OK || o.CopyGBps <= 0 {
+			t.Errorf("object %+v", o)
+		}
+	}
+	human := mustRun(t, "demo", "--sizes", "64KiB")
+	if !strings.Contains(human, "objects on GPU "+dev.UUID().String()) || !strings.Contains(human, "GPU copy from mapping") {
+		t.Errorf("demo output:\n%s", human)
+	}
+	// --device host forces host objects, even with a GPU.
+	if err := json.Unmarshal([]byte(mustRun(t, "demo", "--sizes", "64KiB", "--device", "host", "--json")), &rep); err != nil {
+		t.Fatal(err)
+	}
+	if !rep.OK || rep.Device != "host" || rep.Objects[0].CopyGBps != 0 {
+		t.Fatalf("demo --device host: %+v", rep)
+	}
+}

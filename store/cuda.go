@@ -1,0 +1,148 @@
+package store
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/cudaipc/cudaipc"
+)
+
+// Arena sizes of GPU devices. Each arena costs every client that reads from
+// it one cuIpcOpenMemHandle (40–80 µs, more across GPUs), so GPU arenas
+// start larger than host ones and grow to 1 GiB; an object larger than
+// that gets an arena of its own size.
+const (
+	gpuFirstArena  = 64 << 20
+	gpuMostArena   = 1 << 30
+	gpuGranularity = 2 << 20 // cuMemAlloc's own granularity on current GPUs
+)
+
+// gpuMemory is one device allocation as the CUDA backend uses it: the seam
+// in front of the driver, so that the backend's logic runs in CPU tests
+// with a fake. *cudaipc.Buffer implements it.
+type gpuMemory interface {
+	// Export describes [off, off+size) of the allocation for another
+	// process.
+	Export(off, size int64) (cudaipc.Region, error)
+	// Free gives the allocation back to the driver.
+	Free() error
+}
+
+// cudaBackend keeps objects of GPU devices in device allocations (one per
+// arena, made with cuMemAlloc by the daemon) and objects of the "host"
+// device in memfd arenas, like hostBackend. GPUs are named by UUID
+// ("GPU-…"), which, unlike ordinals, mean the same in every process.
+type cudaBackend struct {
+	host  hostBackend
+	uuids []string // canonical UUIDs of the GPUs, in the daemon's ordinal order
+	alloc func(uuid string, size int64) (gpuMemory, error)
+}
+
+func newCUDABackend(devs []*cudaipc.Device) (*cudaBackend, error) {
+	byUUID := make(map[string]*cudaipc.Device, len(devs))
+	b := &cudaBackend{}
+	for _, d := range devs {
+		u := d.UUID().String()
+		if !d.LegacyIPCSupported() {
+			return nil, fmt.Errorf("store: backend cuda: %s (%s) does not support CUDA IPC", u, d.Name())
+		}
+		byUUID[u] = d
+		b.uuids = append(b.uuids, u)
+	}
+	b.alloc = func(uuid string, size int64) (gpuMemory, error) {
+		return byUUID[uuid].Alloc(size)
+	}
+	return b, nil
+}
+
+func (*cudaBackend) name() string { return "cuda" }
+
+func (b *cudaBackend) isGPU(device string) bool { return device != hostDevice }
+
+func (b *cudaBackend) device(requested string) (string, error) {
+	if requested == "" || requested == hostDevice {
+		return hostDevice, nil
+	}
+	u, err := cudaipc.ParseUUID(requested)
+	if err != nil {
+		if _, nerr := strconv.Atoi(requested); nerr == nil {
+			return "", invalidf("device %q: the daemon names GPUs by UUID, not ordinal (clients resolve ordinals in their own process); its GPUs are %s", requested, strings.Join(b.uuids, ", "))
+		}
+		return "", invalidf("device %q: want %q or a GPU UUID (%s)", requested, hostDevice, strings.Join(b.uuids, ", "))
+	}
+	s := u.String()
+	for _, have := range b.uuids {
+		if have == s {
+			return s, nil
+		}
+	}
+	return "", invalidf("device %q: the daemon has no such GPU; its GPUs are %s", requested, strings.Join(b.uuids, ", "))
+}
+
+func (b *cudaBackend) granularity(device string) int64 {
+	if b.isGPU(device) {
+		return gpuGranularity
+	}
+	return b.host.granularity(device)
+}
+
+func (b *cudaBackend) arenaSizes(device string) (first, most int64) {
+	if b.isGPU(device) {
+		return gpuFirstArena, gpuMostArena
+	}
+	return b.host.arenaSizes(device)
+}
+
+func (b *cudaBackend) newArena(device string, id uint64, size int64) (arena, error) {
+	if !b.isGPU(device) {
+		return b.host.newArena(device, id, size)
+	}
+	mem, err := b.alloc(device, size)
+	if err != nil {
+		if errors.Is(err, cudaipc.ErrOutOfMemory) {
+			return nil, fmt.Errorf("%w: %s: allocating a %d-byte arena: %v", ErrStoreFull, device, size, err)
+		}
+		return nil, fmt.Errorf("arena %d on %s: %w", id, device, err)
+	}
+	r, err := mem.Export(0, size)
+	if err == nil {
+		var blob []byte
+		if blob, err = r.MarshalBinary(); err == nil {
+			return &cudaArena{mem: mem, region: r, blob: blob}, nil
+		}
+	}
+	return nil, errors.Join(fmt.Errorf("arena %d on %s: exporting: %w", id, device, err), mem.Free())
+}
+
+// cudaArena is one device allocation, exported once.
+type cudaArena struct {
+	mem    gpuMemory
+	region cudaipc.Region // of the whole allocation
+	blob   []byte         // region's binary encoding
+}
+
+// share returns the whole arena's region. It cannot be made read-only:
+// CUDA IPC maps device memory read-write, so readers are trusted not to
+// write (arenas per owner and sharing keep other users' objects out of
+// their reach).
+func (a *cudaArena) share(bool) (arenaShare, error) { return arenaShare{region: a.blob}, nil }
+
+func (a *cudaArena) objectRegion(off, n int64) []byte {
+	r, err := a.region.Sub(off, n)
+	if err != nil {
+		return nil
+	}
+	b, err := r.MarshalBinary()
+	if err != nil {
+		return nil
+	}
+	return b
+}
+
+// discard does nothing: device memory cannot be partly given back, and the
+// arena is freed as a whole once empty.
+func (*cudaArena) discard(_, _ int64) {}
+
+func (a *cudaArena) close() error { return a.mem.Free() }

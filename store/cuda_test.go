@@ -1,0 +1,217 @@
+package store
+
+import (
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/cudaipc/cudaipc"
+)
+
+const fakeGPU = "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8"
+
+// fakeGPUs stands in for the driver behind the cuda backend: allocations
+// are bookkeeping, regions are well-formed but map nothing.
+type fakeGPUs struct {
+	mu     sync.Mutex
+	next   uint64
+	live   map[uint64]int64 // buffer id -> size
+	allocs []int64
+}
+
+type fakeMem struct {
+	g    *fakeGPUs
+	id   uint64
+	size int64
+	dev  cudaipc.UUID
+}
+
+func (m *fakeMem) Export(off, size int64) (cudaipc.Region, error) {
+	var h cudaipc.MemHandle
+	h[0], h[8] = byte(m.id), 1
+	r := cudaipc.Region{
+		Version: cudaipc.RegionVersion, Kind: cudaipc.KindCUDAIPC, Handle: h,
+		Offset: off, Size: size, AllocSize: m.size, Device: m.dev,
+		ExporterPID: 4242, PIDNamespace: 4026531836, BootID: cudaipc.BootID{1},
+		BufferID: m.id, ExporterBase: cudaipc.DevicePtr(m.id << 32),
+	}
+	return r, r.Validate()
+}
+
+func (m *fakeMem) Free() error {
+	m.g.mu.Lock()
+	defer m.g.mu.Unlock()
+	if _, ok := m.g.live[m.id]; !ok {
+		return errors.New("double free")
+	}
+	delete(m.g.live, m.id)
+	return nil
+}
+
+func (g *fakeGPUs) liveCount() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return len(g.live)
+}
+
+// newFakeCUDAStore returns a store whose backend is the cuda backend over
+// one fake GPU.
+func newFakeCUDAStore(t *testing.T, cfg Config) (*Store, *fakeGPUs) {
+	t.Helper()
+	s := newTestStore(t, cfg)
+	g := &fakeGPUs{live: map[uint64]int64{}}
+	u, err := cudaipc.ParseUUID(fakeGPU)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.backend = &cudaBackend{uuids: []string{fakeGPU}, alloc: func(uuid string, size int64) (gpuMemory, error) {
+		if uuid != fakeGPU {
+			t.Errorf("alloc on %q", uuid)
+		}
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		g.next++
+		g.live[g.next] = size
+		g.allocs = append(g.allocs, size)
+		return &fakeMem{g: g, id: g.next, size: size, dev: u}, nil
+	}}
+	return s, g
+}
+
+func decodeRegion(t *testing.T, b []byte) cudaipc.Region {
+	t.Helper()
+	r, err := cudaipc.DecodeRegion(b)
+	if err != nil {
+		t.Fatalf("region %x: %v", b, err)
+	}
+	return r
+}
+
+func TestCUDABackendPlacements(t *testing.T) {
+	s, g := newFakeCUDAStore(t, Config{Capacity: 4 << 30})
+	c := connect(t, s, 1000)
+	var arena cudaipc.Region
+	for i, size := range []int64{1, 4096, 1 << 20, 3<<20 + 5} {
+		name := "gpu-" + strings.Repeat("x", i+1)
+		p, err := c.ss.create(name, size, strings.ToLower(strings.TrimPrefix(fakeGPU, "GPU-")), false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.share != nil || p.device != fakeGPU {
+			t.Fatalf("placement %+v: want no fd and device %s", p, fakeGPU)
+		}
+		r := decodeRegion(t, p.region)
+		if i == 0 {
+			arena = r
+		}
+		// The whole arena, in every placement; all in the first arena.
+		if r != arena || r.Offset != 0 || r.Size != p.arenaSize || r.AllocSize != p.arenaSize || p.offset+p.size > r.Size {
+			t.Fatalf("object %d: region %v for placement [%d,+%d) of a %d-byte arena", i, r, p.offset, p.size, p.arenaSize)
+		}
+		if err := c.ss.seal(name); err != nil {
+			t.Fatal(err)
+		}
+		in, err := c.ss.stat(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want, _ := arena.Sub(p.offset, size)
+		if got := decodeRegion(t, in.Region); got != want || in.Device != fakeGPU {
+			t.Fatalf("stat region %v, want %v (device %q)", got, want, in.Device)
+		}
+		lp, err := c.ss.get(t.Context(), name, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if decodeRegion(t, lp.region) != arena || decodeRegion(t, lp.info.Region) != want || lp.writable {
+			t.Fatalf("get placement %+v", lp)
+		}
+		if err := c.ss.release(lp.leaseID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(g.allocs) != 1 || g.allocs[0] != gpuFirstArena {
+		t.Fatalf("arenas allocated: %v, want one of %d bytes", g.allocs, gpuFirstArena)
+	}
+	// Host objects still live in memfds, without a region.
+	hp := c.put("host-obj", 100, false)
+	if in, _ := c.ss.stat("host-obj"); in.Device != "host" || in.Region != nil || len(hp) != 100 {
+		t.Fatalf("host object: %+v", in)
+	}
+	// An object larger than the largest arena gets its own.
+	if _, err := c.ss.create("big", gpuMostArena+1, fakeGPU, false); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(g.allocs); n != 2 || g.allocs[1] != gpuMostArena+gpuGranularity {
+		t.Fatalf("arenas allocated: %v", g.allocs)
+	}
+}
+
+func TestCUDABackendDevices(t *testing.T) {
+	s, _ := newFakeCUDAStore(t, Config{})
+	c := connect(t, s, 1000)
+	for _, tc := range []struct{ dev, want string }{
+		{"0", "by UUID, not ordinal"},
+		{"GPU-00000000-0000-0000-0000-000000000001", "no such GPU"},
+		{"tpu", "want \"host\" or a GPU UUID"},
+	} {
+		_, err := c.ss.create("x", 10, tc.dev, false)
+		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), fakeGPU) {
+			t.Errorf("device %q: %v, want INVALID saying %q and naming the GPUs", tc.dev, err, tc.want)
+		}
+	}
+}
+
+// An arena is freed only when no object, sealed, unsealed or deleted but
+// leased, is left in it: clients may map it until then.
+func TestCUDAArenaFreedWhenEmpty(t *testing.T) {
+	s, g := newFakeCUDAStore(t, Config{})
+	w := connect(t, s, 1000)
+	r := connect(t, s, 1000)
+	for _, name := range []string{"a", "b"} {
+		if _, err := w.ss.create(name, 1<<20, fakeGPU, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := w.ss.seal("a"); err != nil {
+		t.Fatal(err)
+	}
+	lp, err := r.ss.get(t.Context(), "a", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.ss.delete("a"); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.ss.abort("b"); err != nil {
+		t.Fatal(err)
+	}
+	if g.liveCount() != 1 {
+		t.Fatal("arena freed while a deleted object is still leased")
+	}
+	if err := r.ss.release(lp.leaseID); err != nil {
+		t.Fatal(err)
+	}
+	if g.liveCount() != 0 {
+		t.Fatal("arena kept after its last object went")
+	}
+}
+
+func TestBackendCUDAWithoutGPU(t *testing.T) {
+	if n, err := cudaipc.DeviceCount(); err == nil && n > 0 {
+		t.Skip("this machine has a GPU")
+	}
+	_, err := New(Config{Backend: "cuda"})
+	if err == nil || !strings.Contains(err.Error(), "backend cuda needs") || !strings.Contains(err.Error(), "--backend host") {
+		t.Fatalf("cuda backend without a GPU: %v", err)
+	}
+	s, err := New(Config{Backend: "auto"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if s.backend.name() != "host" {
+		t.Fatalf("auto without a GPU picked %s", s.backend.name())
+	}
+}
