@@ -15,11 +15,14 @@ export CGO_ENABLED=0 GOOS=linux GOARCH=amd64
 for pkg in $(go list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.ImportPath}}{{end}}' ./...); do
   name=$(echo "${pkg#github.com/cudaipc/cudaipc}" | tr / _)
   name=${name:-_root}; name=${name#_}; name=${name:-root}
-  go test -c -o ".gpu/bin/$name.test" "$pkg"
+  go test -c -trimpath -ldflags="-s -w" -o ".gpu/bin/$name.test" "$pkg"
 done
-go build -o .gpu/bin/cudaipc ./cmd/cudaipc
+go build -trimpath -ldflags="-s -w" -o .gpu/bin/cudaipc ./cmd/cudaipc
+# Compressed, so that .gpu stays under the device tool's 64 MiB carry limit;
+# gpu-run.sh and bench/run-gpu.sh unpack them.
+gzip -9 .gpu/bin/*
 cp scripts/gpu-run.sh .gpu/
 # The IPC benchmark's C and Python programs and its driver script
 # (bash .gpu/bench/run-gpu.sh).
 mkdir -p .gpu/bench && cp scripts/bench/*.c scripts/bench/*.py scripts/bench/*.sh .gpu/bench/
-echo "built: $(ls .gpu/bin | tr '\n' ' ')"
+echo "built: $(ls .gpu/bin | tr '\n' ' ')($(du -sh .gpu | cut -f1))"

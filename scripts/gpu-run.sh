@@ -12,6 +12,7 @@ export CUDAIPC_REQUIRE_GPU=${CUDAIPC_REQUIRE_GPU:-$(nvidia-smi -L | grep -c '^GP
 # NVLink multicast must stay off on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 run=${1:-.}; bench=${2:-}
+for f in .gpu/bin/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
 nvidia-smi --query-gpu=index,name,uuid,driver_version --format=csv,noheader | tee "$out/nvidia-smi.txt"
 .gpu/bin/cudaipc info | tee "$out/info.txt"
 total_pass=0; total_fail=0; total_skip=0; failed=""

@@ -13,6 +13,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/gpu-out}/bench; mkdir -p "$out"
 size=${SIZE:-1073741824}; iters=${ITERS:-200}; bw=${BW_ITERS:-20}
 export PYTHONUNBUFFERED=1
+for f in "$here"/../bin/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done # gpu-build.sh compresses them
 # NVLink multicast must stay off on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 t_start=$SECONDS
