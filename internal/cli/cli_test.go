@@ -5,10 +5,14 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/json"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -16,6 +20,7 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
 // mainEnv makes this test binary act as the cudaipc command, for the
@@ -272,5 +277,47 @@ func TestServeStopsOnSIGTERM(t *testing.T) {
 	}
 	if !strings.Contains(errOut.String(), "store daemon stopped") {
 		t.Errorf("serve's log:\n%s", errOut.String())
+	}
+}
+
+func TestServeMetrics(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
+	l.Close() // a small window in which another process could take the port
+	sock := serve(t, "--metrics", port)
+	data := testutil.RandomBytes(uint64(time.Now().UnixNano()), 10000)
+	file := filepath.Join(t.TempDir(), "in")
+	if err := os.WriteFile(file, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := storeCLI(t, "put", file, "--name", "m1", "--socket", sock); err != nil {
+		t.Fatal(err)
+	}
+	var body []byte
+	for i := 0; ; i++ { // the listener starts beside the socket: poll until it answers
+		resp, err := http.Get("http://127.0.0.1:" + port + "/metrics")
+		if err == nil {
+			body, err = io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if err == nil && resp.StatusCode == http.StatusOK {
+				break
+			}
+		}
+		if i == 500 {
+			t.Fatalf("no metrics on port %s: %v", port, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	for _, want := range []string{
+		`cudaipc_store_objects{device="host",state="sealed"} 1`,
+		`cudaipc_store_requests_total{op="create",result="ok"} 1`,
+		`cudaipc_store_bytes_used{device="host"}`,
+	} {
+		if !strings.Contains(string(body), want) {
+			t.Errorf("metrics lack %s", want)
+		}
 	}
 }
