@@ -168,6 +168,9 @@ func ipcSelfTest(ctx context.Context, dev *cudaipc.Device) (string, string, stri
 	if msg.Err != "" {
 		return name, "fail", "exporter process: " + msg.Err
 	}
+	if err := dev.Synchronize(); err != nil { // create the context outside the timing
+		return name, "fail", err.Error()
+	}
 	t0 := time.Now()
 	p, err := dev.OpenMemHandle(msg.Handle, cudaipc.LazyEnablePeerAccess)
 	open := time.Since(t0)
