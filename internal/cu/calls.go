@@ -2,7 +2,6 @@ package cu
 
 import (
 	"bytes"
-	"github.com/ebitengine/purego"
 	"unsafe"
 )
 
@@ -174,8 +173,7 @@ func CtxSetCurrent(c Context) error {
 	if err := loaded("cuCtxSetCurrent"); err != nil {
 		return err
 	}
-	r, _, _ := purego.SyscallN(cuCtxSetCurrentAddr, uintptr(c))
-	return check("cuCtxSetCurrent", Result(int32(r)))
+	return check("cuCtxSetCurrent", cuCtxSetCurrent(c))
 }
 
 // CtxGetCurrent returns the context bound to the calling OS thread.
