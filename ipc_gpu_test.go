@@ -84,29 +84,13 @@ func roleExporter(p *testutil.Peer) error {
 		}
 		switch c.Op {
 		case "write":
-			host, err := dev.AllocHost(size)
-			if err != nil {
-				return err
-			}
-			copy(host.Bytes(), testutil.RandomBytes(c.Seed, int(size)))
-			for i := 0; i < 40; i++ {
-				if err := stream.CopyAsync(scratch2.Ptr(), scratch.Ptr(), scratch.Size()); err != nil {
+			late := lateWriter{dev: dev, stream: stream, scratch: scratch, scratch2: scratch2}
+			if err := late.write(buf.Ptr(), size, c.Seed, func() error {
+				if err := ev.Record(stream); err != nil {
 					return err
 				}
-			}
-			if err := stream.CopyToDeviceAsync(buf.Ptr(), host.Bytes()); err != nil {
-				return err
-			}
-			if err := ev.Record(stream); err != nil {
-				return err
-			}
-			if err := p.Send(map[string]string{"recorded": "yes"}); err != nil {
-				return err
-			}
-			if err := stream.Synchronize(); err != nil {
-				return err
-			}
-			if err := host.Free(); err != nil {
+				return p.Send(map[string]string{"recorded": "yes"})
+			}); err != nil {
 				return err
 			}
 		case "exit":
@@ -115,6 +99,39 @@ func roleExporter(p *testutil.Peer) error {
 			return fmt.Errorf("unknown command %q", c.Op)
 		}
 	}
+}
+
+// lateWriter queues a write of random bytes behind ~20 GiB of copies on a
+// stream, so that the write lands well after the exporter has told the
+// test it was queued: only an event can then order the test's read.
+type lateWriter struct {
+	dev               *cudaipc.Device
+	stream            *cudaipc.Stream
+	scratch, scratch2 *cudaipc.Buffer
+}
+
+// write queues the busy copies and the write of size bytes from seed at
+// dst, calls queued (which records or signals an event and tells the test),
+// then waits for the stream.
+func (w lateWriter) write(dst cudaipc.DevicePtr, size int64, seed uint64, queued func() error) error {
+	host, err := w.dev.AllocHost(size)
+	if err != nil {
+		return err
+	}
+	defer host.Free()
+	copy(host.Bytes(), testutil.RandomBytes(seed, int(size)))
+	for i := 0; i < 40; i++ {
+		if err := w.stream.CopyAsync(w.scratch2.Ptr(), w.scratch.Ptr(), w.scratch.Size()); err != nil {
+			return err
+		}
+	}
+	if err := w.stream.CopyToDeviceAsync(dst, host.Bytes()); err != nil {
+		return err
+	}
+	if err := queued(); err != nil {
+		return err
+	}
+	return w.stream.Synchronize()
 }
 
 // roleImporter opens HANDLE on its device 0 and reports the bytes' hash.

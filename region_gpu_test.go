@@ -106,29 +106,13 @@ func roleRegionExporter(p *testutil.Peer) error {
 				return err
 			}
 		case "write":
-			host, err := dev.AllocHost(size)
-			if err != nil {
-				return err
-			}
-			copy(host.Bytes(), testutil.RandomBytes(c.Seed, int(size)))
-			for i := 0; i < 40; i++ {
-				if err := stream.CopyAsync(scratch2.Ptr(), scratch.Ptr(), scratch.Size()); err != nil {
+			late := lateWriter{dev: dev, stream: stream, scratch: scratch, scratch2: scratch2}
+			if err := late.write(buf.Ptr(), size, c.Seed, func() error {
+				if err := ev.Signal(stream); err != nil {
 					return err
 				}
-			}
-			if err := stream.CopyToDeviceAsync(buf.Ptr(), host.Bytes()); err != nil {
-				return err
-			}
-			if err := ev.Signal(stream); err != nil {
-				return err
-			}
-			if err := p.Send(map[string]string{"signalled": "yes"}); err != nil {
-				return err
-			}
-			if err := stream.Synchronize(); err != nil {
-				return err
-			}
-			if err := host.Free(); err != nil {
+				return p.Send(map[string]string{"signalled": "yes"})
+			}); err != nil {
 				return err
 			}
 		case "exit":
