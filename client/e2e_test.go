@@ -144,7 +144,7 @@ func TestErrors(t *testing.T) {
 	if _, err := c.Create(ctx, "x", 10, client.CreateOptions{}); !errors.Is(err, client.ErrExists) {
 		t.Errorf("Create existing: %v", err)
 	}
-	for _, bad := range []string{"", "a/b", "tab\there", string(make([]byte, 256))} {
+	for _, bad := range []string{"", "nl\nhere", "tab\there", string(make([]byte, 256))} {
 		if _, err := c.Create(ctx, bad, 10, client.CreateOptions{}); !errors.Is(err, client.ErrInvalid) {
 			t.Errorf("Create %q: %v", bad, err)
 		}

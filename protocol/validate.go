@@ -21,8 +21,9 @@ const (
 
 // ValidateName reports whether name is a valid object name: 1 to MaxNameLen
 // bytes of valid UTF-8, every character printable (unicode.IsPrint: letters,
-// marks, numbers, punctuation, symbols and the ASCII space) and none of them
-// '/'. The error is a *CodeError with code INVALID.
+// marks, numbers, punctuation, symbols and the ASCII space). '/' is allowed,
+// so that names can be hierarchical ("model/layer.0"); names are keys, never
+// file paths. The error is a *CodeError with code INVALID.
 func ValidateName(name string) error {
 	if name == "" {
 		return Errorf(storev1.Error_INVALID, "empty object name")
@@ -35,8 +36,6 @@ func ValidateName(name string) error {
 	}
 	for i, r := range name {
 		switch {
-		case r == '/':
-			return Errorf(storev1.Error_INVALID, "object name %q contains '/'", name)
 		case !unicode.IsPrint(r):
 			return Errorf(storev1.Error_INVALID, "object name %q contains non-printable character %U at byte %d", name, r, i)
 		}

@@ -12,8 +12,8 @@ import (
 )
 
 func TestValidateName(t *testing.T) {
-	good := []string{"a", "tensor-0", "weights.layer 3", "ünïcödé", "日本語", strings.Repeat("x", MaxNameLen), "\uFFFD", "a:b@c=d"}
-	bad := []string{"", strings.Repeat("x", MaxNameLen+1), "a/b", "/", "nul\x00", "tab\t", "nl\n", "del\x7f",
+	good := []string{"a", "tensor-0", "model/layer.0", "weights.layer 3", "ünïcödé", "日本語", strings.Repeat("x", MaxNameLen), "\uFFFD", "a:b@c=d"}
+	bad := []string{"", strings.Repeat("x", MaxNameLen+1), "nul\x00", "tab\t", "nl\n", "del\x7f",
 		"c1\u0085", "\xff", "bidi\u202e", "zero\u200bwidth", "nbsp\u00a0"}
 	for _, n := range good {
 		if err := ValidateName(n); err != nil {
@@ -110,12 +110,12 @@ func TestValidateRequest(t *testing.T) {
 		"create huge":   req(1, &storev1.CreateRequest{Name: "x", Size: MaxObjectSize + 1}),
 		"create noname": req(1, &storev1.CreateRequest{Size: 1}),
 		"create device": req(1, &storev1.CreateRequest{Name: "x", Size: 1, Device: "a b"}),
-		"seal slash":    req(1, &storev1.SealRequest{Name: "a/b"}),
+		"seal tab":      req(1, &storev1.SealRequest{Name: "a\tb"}),
 		"abort empty":   req(1, &storev1.AbortRequest{}),
 		"get empty":     req(1, &storev1.GetRequest{}),
 		"release 0":     req(1, &storev1.ReleaseRequest{}),
 		"delete ctl":    req(1, &storev1.DeleteRequest{Name: "\x01"}),
-		"list bad":      req(1, &storev1.ListRequest{StartAfter: "a/b"}),
+		"list bad":      req(1, &storev1.ListRequest{StartAfter: "a\nb"}),
 		"stat empty":    req(1, &storev1.StatRequest{}),
 	}
 	for name, r := range bad {
@@ -216,7 +216,7 @@ func TestValidateResponse(t *testing.T) {
 		"sizes differ":      {get(placement(false, false), wrongSize), 0},
 		"lease 0":           {&storev1.Response{Id: 1, Body: &storev1.Response_Get{Get: &storev1.GetResponse{Placement: placement(false, false), Info: info("x")}}}, 0},
 		"hello v0":          {&storev1.Response{Id: 1, Body: &storev1.Response_Hello{Hello: &storev1.HelloResponse{}}}, 0},
-		"list bad name":     {&storev1.Response{Id: 1, Body: &storev1.Response_List{List: &storev1.ListResponse{Objects: []*storev1.ObjectInfo{info("a/b")}}}}, 0},
+		"list bad name":     {&storev1.Response{Id: 1, Body: &storev1.Response_List{List: &storev1.ListResponse{Objects: []*storev1.ObjectInfo{info("a\x00b")}}}}, 0},
 		"stat no info":      {&storev1.Response{Id: 1, Body: &storev1.Response_Stat{Stat: &storev1.StatResponse{}}}, 0},
 		"event bad name":    {NewEvent(storev1.Event_DELETED, ""), 0},
 		"ok with a file":    {&storev1.Response{Id: 2, Body: &storev1.Response_Seal{Seal: &storev1.SealResponse{}}}, 1},

@@ -485,7 +485,7 @@ func TestInvalidArguments(t *testing.T) {
 		name, dev string
 		size      int64
 	}{
-		{"", "", 1}, {"a/b", "", 1}, {strings.Repeat("n", 256), "", 1}, {"ok", "", 0}, {"ok", "", -1}, {"ok", "cuda:0", 1},
+		{"", "", 1}, {"a\x00b", "", 1}, {strings.Repeat("n", 256), "", 1}, {"ok", "", 0}, {"ok", "", -1}, {"ok", "cuda:0", 1},
 	} {
 		_, err := c.ss.create(tc.name, tc.size, tc.dev, false)
 		wantErr(t, err, ErrInvalid)

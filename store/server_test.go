@@ -259,7 +259,7 @@ func TestServerRoundTrip(t *testing.T) {
 	wantCode(t, resp, storev1.Error_NOT_FOUND)
 	resp, _ = w.do(req(&storev1.HelloRequest{Version: 1}))
 	wantCode(t, resp, storev1.Error_INVALID)
-	resp, _ = w.do(req(&storev1.CreateRequest{Name: "bad/name", Size: 1}))
+	resp, _ = w.do(req(&storev1.CreateRequest{Name: "bad\tname", Size: 1}))
 	wantCode(t, resp, storev1.Error_INVALID)
 
 	// Metrics reflect what happened.
