@@ -42,7 +42,7 @@ func importPlacement(op, name string, p *storev1.Placement) (*cudaipc.Mapping, e
 	if err != nil {
 		msg := err.Error()
 		if errors.Is(err, cudaipc.ErrOtherPIDNamespace) {
-			msg += " (legacy CUDA IPC needs the daemon and its clients in one PID namespace: run them in the same container, or share the host's PID namespace)"
+			msg += " (legacy CUDA IPC needs the daemon and its clients in one PID namespace: start the daemon with --gpu-share fd, run them in the same container, or share the host's PID namespace)"
 		}
 		return nil, &Error{Op: op, Name: name, Err: ErrInternal, Message: "mapping the GPU object: " + msg, cause: err}
 	}

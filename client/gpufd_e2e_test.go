@@ -138,8 +138,8 @@ func TestGPUFDNewPIDNamespace(t *testing.T) {
 	})
 	t.Run("ipc", func(t *testing.T) {
 		got := run(t, "ipc")
-		if !strings.HasPrefix(got, "err ") {
-			t.Fatalf("reader in a new PID namespace, legacy IPC: %s, want an error", got)
+		if !strings.HasPrefix(got, "err ") || !strings.Contains(got, "--gpu-share fd") {
+			t.Fatalf("reader in a new PID namespace, legacy IPC: %s, want an error pointing at --gpu-share fd", got)
 		}
 		t.Logf("legacy IPC in a new PID namespace: %s", got)
 	})
