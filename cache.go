@@ -339,7 +339,7 @@ func checkReach(what string, boot BootID, pidns uint64, self Identity, anyPIDNam
 			ErrOtherHost, what, boot, self.BootID)
 	}
 	if pidns != self.PIDNamespace && !anyPIDNamespace {
-		return fmt.Errorf("%w: the %s was exported in PID namespace %d, this process is in %d; legacy CUDA IPC cannot cross PID namespaces (containers): use the VMM POSIX-fd path through the store daemon (cudaipc serve), or run both processes in one PID namespace (e.g. docker --pid=host); WithAnyPIDNamespace tries anyway (nested namespaces work)",
+		return fmt.Errorf("%w: the %s was exported in PID namespace %d, this process is in %d; legacy CUDA IPC cannot cross PID namespaces (containers): use the VMM POSIX-fd path through the store daemon (cudaipc serve --gpu-share fd), or run both processes in one PID namespace (e.g. docker --pid=host); WithAnyPIDNamespace tries anyway (nested namespaces work)",
 			ErrOtherPIDNamespace, what, pidns, self.PIDNamespace)
 	}
 	return nil

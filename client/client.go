@@ -38,6 +38,7 @@ type Client struct {
 	subs      map[*subscription]struct{}
 	arenas    map[arenaKey]*arena
 	gpu       map[gpuUser]struct{} // Objects and Leases with an open GPU mapping
+	fd        fdArenas             // GPU arenas imported from descriptors
 	err       error                // why the connection ended; nil while it lives
 	closed    bool                 // Close was called
 
@@ -51,6 +52,7 @@ type Client struct {
 type reply struct {
 	resp *storev1.Response
 	m    *mapping // mapping holding the placement, with a reference for the caller
+	file *os.File // the descriptor of a GPU arena shared by descriptor; the caller closes it
 	err  error    // mapping failed, or the connection ended
 }
 
@@ -74,6 +76,7 @@ func Dial(ctx context.Context, socket string) (*Client, error) {
 		subs:       make(map[*subscription]struct{}),
 		arenas:     make(map[arenaKey]*arena),
 		gpu:        make(map[gpuUser]struct{}),
+		fd:         fdArenas{arenas: make(map[uint64]*fdArena)},
 		readerDone: make(chan struct{}),
 	}
 	if err := c.handshake(ctx); err != nil {
@@ -137,9 +140,10 @@ func (c *Client) Socket() string { return c.socket }
 // Close closes the connection. Objects not yet sealed are aborted by the
 // daemon and leases are released. Host memory of Objects and Leases not yet
 // sealed or released stays mapped until they are; Close unmaps the rest.
-// GPU mappings of Objects and Leases are closed first (their ReadAt and
-// WriteAt fail afterwards, Ptr is 0), because the daemon may free that
-// memory once the connection is gone. Close is idempotent.
+// GPU mappings of Objects and Leases (legacy IPC mappings and imported
+// arenas alike) are closed first (their ReadAt and WriteAt fail
+// afterwards, Ptr is 0), because the daemon may free that memory once the
+// connection is gone. Close is idempotent.
 func (c *Client) Close() error {
 	c.mu.Lock()
 	if c.closed {
@@ -161,6 +165,7 @@ func (c *Client) Close() error {
 	c.mu.Lock()
 	c.releaseArenasLocked()
 	c.mu.Unlock()
+	c.fd.closeAll()
 	return err
 }
 
@@ -187,11 +192,18 @@ func (c *Client) read() {
 		}
 		r := reply{resp: resp}
 		// Host placements are mapped here, so that the arena cache follows
-		// what the daemon sent; GPU placements (with a region) need no
-		// per-connection state and are imported by the caller.
-		if p := placementOf(resp); p != nil && len(p.GetRegion()) == 0 && responseError("", "", resp) == nil {
+		// what the daemon sent; GPU placements (a region, or a descriptor
+		// in every placement) need no per-connection state and are
+		// imported by the caller.
+		p := placementOf(resp)
+		switch {
+		case p == nil || responseError("", "", resp) != nil:
+			closeFiles(files)
+		case gpuShareOf(p) == gpuShareHost:
 			r.m, r.err = c.place(p, files)
-		} else {
+		case gpuShareOf(p) == gpuShareFD && len(files) == 1:
+			r.file = files[0]
+		default:
 			closeFiles(files)
 		}
 		c.mu.Lock()
@@ -235,6 +247,9 @@ func (c *Client) fail(cause error) {
 func (c *Client) cleanup(r reply, name string) {
 	if r.m != nil {
 		c.unref(r.m)
+	}
+	if r.file != nil {
+		r.file.Close()
 	}
 	resp := r.resp
 	if resp == nil || responseError("", "", resp) != nil {
@@ -306,6 +321,9 @@ func (c *Client) roundTrip(ctx context.Context, op, name string, req *storev1.Re
 		if r.err != nil {
 			if r.m != nil {
 				c.unref(r.m)
+			}
+			if r.file != nil {
+				r.file.Close()
 			}
 			return reply{}, &Error{Op: op, Name: name, Err: r.err}
 		}

@@ -22,6 +22,12 @@
 //     with the cuda backend) are mapped with cudaipc.Import through its
 //     process-wide cache: one driver open per daemon arena per process.
 //     Use ReadAt/WriteAt, or Ptr and Mapping on the device; Bytes is nil.
+//     From a daemon started with --gpu-share fd, a GPU object comes as the
+//     file descriptor of its arena instead (GPUShare "fd"): the client
+//     imports each arena once (cudaipc.Device.ImportFD) and keeps it while
+//     an Object or Lease of this client uses it; Mapping is nil then, and
+//     Ptr and CUDADevice serve device code. This path works from another
+//     PID namespace (a container), which legacy IPC does not.
 //     The mapping is closed before Seal, Abort or Release reaches the
 //     daemon, which may then free the memory: finish device work first.
 //     Client.Close closes the GPU mappings of the Objects and Leases still

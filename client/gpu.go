@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"strconv"
 
 	"github.com/cudaipc/cudaipc"
@@ -41,7 +42,7 @@ func importPlacement(op, name string, p *storev1.Placement) (*cudaipc.Mapping, e
 	if err != nil {
 		msg := err.Error()
 		if errors.Is(err, cudaipc.ErrOtherPIDNamespace) {
-			msg += " (legacy CUDA IPC needs the daemon and its clients in one PID namespace: run them in the same container, or share the host's PID namespace)"
+			msg += " (legacy CUDA IPC needs the daemon and its clients in one PID namespace: start the daemon with --gpu-share fd, run them in the same container, or share the host's PID namespace)"
 		}
 		return nil, &Error{Op: op, Name: name, Err: ErrInternal, Message: "mapping the GPU object: " + msg, cause: err}
 	}
@@ -105,12 +106,15 @@ func resolveDevice(dev string) (string, error) {
 }
 
 // view is where an Object's or Lease's bytes are: a slice of a mapped host
-// arena, or a Mapping of a GPU object. Its zero value has no memory.
+// arena, a Mapping of a GPU object shared by legacy IPC, or a part of an
+// imported GPU arena shared by descriptor. Its zero value has no memory.
 type view struct {
 	device string
+	share  string // gpuShareHost, gpuShareIPC or gpuShareFD
 	size   int64
 	data   []byte           // host objects
-	gpu    *cudaipc.Mapping // GPU objects
+	gpu    *cudaipc.Mapping // GPU objects shared by legacy IPC
+	fd     fdView           // GPU objects shared by descriptor (fd.a != nil)
 	open   bool
 }
 
@@ -120,6 +124,13 @@ func (v *view) readAt(op, name string, p []byte, off int64) (int, error) {
 	}
 	if v.gpu != nil {
 		return v.gpu.ReadAt(p, off)
+	}
+	if v.fd.a != nil {
+		n, err := v.fd.readAt(v.size, p, off)
+		if err != nil && err != io.EOF {
+			return n, &Error{Op: op, Name: name, Err: ErrInvalid, Message: err.Error(), cause: err}
+		}
+		return n, err
 	}
 	if off < 0 {
 		return 0, &Error{Op: op, Name: name, Err: ErrInvalid, Message: fmt.Sprintf("negative offset %d", off)}
@@ -147,14 +158,35 @@ func (v *view) writeAt(op, name string, p []byte, off int64) (int, error) {
 	if v.gpu != nil {
 		return v.gpu.WriteAt(p, off)
 	}
+	if v.fd.a != nil {
+		return v.fd.a.m.WriteAt(p, v.fd.off+off)
+	}
 	return copy(v.data[off:], p), nil
 }
 
 func (v *view) ptr() cudaipc.DevicePtr {
-	if v.gpu == nil || !v.open {
+	switch {
+	case !v.open:
 		return 0
+	case v.gpu != nil:
+		return v.gpu.Ptr()
+	case v.fd.a != nil:
+		return v.fd.a.m.Ptr() + cudaipc.DevicePtr(v.fd.off)
 	}
-	return v.gpu.Ptr()
+	return 0
+}
+
+// cudaDevice is the GPU the object is mapped for in this process.
+func (v *view) cudaDevice() *cudaipc.Device {
+	switch {
+	case !v.open:
+		return nil
+	case v.gpu != nil:
+		return v.gpu.Device()
+	case v.fd.a != nil:
+		return v.fd.a.m.Device()
+	}
+	return nil
 }
 
 func (v *view) mapping() *cudaipc.Mapping {
@@ -165,7 +197,8 @@ func (v *view) mapping() *cudaipc.Mapping {
 }
 
 // close ends access; a GPU Mapping is closed (the last one of an arena in
-// this process unmaps it). It is idempotent.
+// this process unmaps it), a reference to an imported arena dropped (the
+// client's last one unmaps it). It is idempotent.
 func (v *view) close() error {
 	if !v.open {
 		return nil
@@ -175,5 +208,45 @@ func (v *view) close() error {
 	if v.gpu != nil {
 		return v.gpu.Close()
 	}
+	if a := v.fd.a; a != nil {
+		v.fd.a = nil
+		return a.unref()
+	}
 	return nil
+}
+
+// placeGPU maps the GPU object of placement p into v: importing its region,
+// or the arena's descriptor f (which it closes).
+func (c *Client) placeGPU(op, name string, p *storev1.Placement, f *os.File, v *view) error {
+	v.share = gpuShareOf(p)
+	if v.share == gpuShareFD {
+		a, err := c.importFD(op, name, p, f)
+		if err != nil {
+			return err
+		}
+		v.fd = fdView{a: a, off: int64(p.GetOffset())}
+		return nil
+	}
+	if f != nil {
+		f.Close()
+	}
+	m, err := importPlacement(op, name, p)
+	if err != nil {
+		return err
+	}
+	v.gpu = m
+	return nil
+}
+
+// holds reports whether a create or get reply carries what its placement
+// needs: the host arena's mapping, nothing more for a region, or the
+// arena's descriptor.
+func (r reply) holds(p *storev1.Placement) bool {
+	switch gpuShareOf(p) {
+	case gpuShareHost:
+		return r.m != nil && r.file == nil
+	case gpuShareIPC:
+		return r.m == nil && r.file == nil
+	}
+	return r.m == nil && r.file != nil
 }

@@ -6,6 +6,7 @@ package client_test
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"fmt"
 	"os"
@@ -30,8 +31,12 @@ var gpuRoles = map[string]func(ctx context.Context, c *client.Client, say func(s
 			if err != nil {
 				return err
 			}
-			if o.Bytes() != nil || o.Ptr() == 0 || o.Mapping() == nil || !strings.HasPrefix(o.Device(), "GPU-") {
-				return fmt.Errorf("GPU object %s: bytes %v, ptr %#x, device %q", name, o.Bytes() != nil, o.Ptr(), o.Device())
+			// Shared by legacy IPC, an object has a Mapping; by descriptor
+			// (GPU_SHARE=fd), none.
+			share := cmp.Or(os.Getenv("GPU_SHARE"), "ipc")
+			if o.Bytes() != nil || o.Ptr() == 0 || o.CUDADevice() == nil || o.GPUShare() != share ||
+				(o.Mapping() != nil) != (share == "ipc") || !strings.HasPrefix(o.Device(), "GPU-") {
+				return fmt.Errorf("GPU object %s: bytes %v, ptr %#x, device %q, share %q, mapping %v", name, o.Bytes() != nil, o.Ptr(), o.Device(), o.GPUShare(), o.Mapping() != nil)
 			}
 			if _, err := o.WriteAt(stream(seed, name, int(size)), 0); err != nil {
 				return err
@@ -73,6 +78,45 @@ var gpuRoles = map[string]func(ctx context.Context, c *client.Client, say func(s
 		say("ok opens=%d hits=%d mapped=%d unmapped=%d", after.Opens-before.Opens, after.Hits-before.Hits, after.Mapped, cudaipc.ImportCacheStats().Mapped)
 		return nil
 	},
+	// Leases every object and compares every byte read at the lease's
+	// offset in the imported arena, holding all the leases; reports the
+	// FDMappings this process holds meanwhile and after releasing them, and
+	// how the leases were shared. A failing Get is reported, not returned,
+	// so that a test can expect it.
+	"gpu-fd-reader": func(ctx context.Context, c *client.Client, say func(string, ...any)) error {
+		seed, names, size := gpuEnv()
+		before := cudaipc.LiveObjects().FDMappings
+		var leases []*client.Lease
+		share := ""
+		for _, name := range names {
+			l, err := c.Get(ctx, name)
+			if err != nil {
+				say("err %s", errClass(err))
+				return nil
+			}
+			leases = append(leases, l)
+			share = l.GPUShare()
+			got := make([]byte, size)
+			if _, err := l.ReadAt(got, 0); err != nil {
+				return err
+			}
+			if i := firstDiff(got, stream(seed, name, int(size))); i >= 0 {
+				say("mismatch %s at %d", name, i)
+				return nil
+			}
+			if l.Mapping() != nil || l.Info().Region != nil || l.Ptr() == 0 || l.CUDADevice() == nil {
+				return fmt.Errorf("%s: mapping %v, region %s, ptr %#x", name, l.Mapping() != nil, l.Info().Region, l.Ptr())
+			}
+		}
+		held := cudaipc.LiveObjects().FDMappings - before
+		for _, l := range leases {
+			if err := l.Release(); err != nil {
+				return err
+			}
+		}
+		say("ok share=%s fdmaps=%d after=%d", share, held, cudaipc.LiveObjects().FDMappings-before)
+		return nil
+	},
 	// Leases NAME-0, reports its hash, and holds it until killed.
 	"gpu-holder": func(ctx context.Context, c *client.Client, say func(string, ...any)) error {
 		_, names, size := gpuEnv()
@@ -104,11 +148,12 @@ func gpuEnvs(sock string, seed uint64, name string, count int, size int64) []str
 		"COUNT=" + strconv.Itoa(count), "SIZE=" + strconv.FormatInt(size, 10), "DEVICE=0"}
 }
 
-// startGPUDaemon runs a daemon child with the cuda backend.
-func startGPUDaemon(t *testing.T) (*daemon, *cudaipc.Device) {
+// startGPUDaemon runs a daemon child with the cuda backend and, in env,
+// more of its settings (GPU_SHARE=fd).
+func startGPUDaemon(t *testing.T, env ...string) (*daemon, *cudaipc.Device) {
 	t.Helper()
 	dev := testutil.RequireGPU(t)
-	d := startDaemon(t, socketPath(t), "BACKEND=cuda", "CAPACITY="+strconv.Itoa(4<<30))
+	d := startDaemon(t, socketPath(t), append([]string{"BACKEND=cuda", "CAPACITY=" + strconv.Itoa(4<<30)}, env...)...)
 	return d, dev
 }
 
@@ -238,4 +283,17 @@ func TestGPUKilledLeaseHolderReleases(t *testing.T) {
 	if err := c.Delete(context.Background(), "held-0"); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// firstDiff returns the index of the first byte where a and b differ, or -1.
+func firstDiff(a, b []byte) int {
+	if len(a) != len(b) {
+		return min(len(a), len(b))
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return -1
 }

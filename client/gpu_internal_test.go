@@ -4,9 +4,11 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"os"
 	"testing"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
 func TestResolveDevice(t *testing.T) {
@@ -78,5 +80,39 @@ func TestHostView(t *testing.T) {
 	}
 	if _, err := v.writeAt("write", "x", p, 0); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("write after close: %v", err)
+	}
+}
+
+// A placement says how it is shared: host memory, a region, or (neither
+// host nor region) the descriptor of a GPU arena, which the reply must
+// carry.
+func TestGPUShareOf(t *testing.T) {
+	const gpu = "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8"
+	f, err := os.Open(os.DevNull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	for _, tc := range []struct {
+		p     *storev1.Placement
+		share string
+		holds []reply // replies that carry what p needs; the others do not
+	}{
+		{&storev1.Placement{Device: "host"}, gpuShareHost, []reply{{m: &mapping{}}}},
+		{&storev1.Placement{Device: gpu, Region: []byte{1}}, gpuShareIPC, []reply{{}}},
+		{&storev1.Placement{Device: gpu, FdAttached: true}, gpuShareFD, []reply{{file: f}}},
+	} {
+		if got := gpuShareOf(tc.p); got != tc.share {
+			t.Errorf("gpuShareOf(%v) = %q, want %q", tc.p, got, tc.share)
+		}
+		for _, r := range []reply{{}, {m: &mapping{}}, {file: f}} {
+			want := false
+			for _, h := range tc.holds {
+				want = want || (h.m != nil) == (r.m != nil) && (h.file != nil) == (r.file != nil)
+			}
+			if got := r.holds(tc.p); got != want {
+				t.Errorf("share %q: reply (mapping %v, file %v) holds = %v", tc.share, r.m != nil, r.file != nil, got)
+			}
+		}
 	}
 }

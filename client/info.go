@@ -18,7 +18,9 @@ type ObjectInfo struct {
 	Created  time.Time `json:"created"`
 	// Region is the region (docs/region.md, JSON encoding) of exactly the
 	// object's GPU memory, which 'cudaipc dump --region' and CuPy or
-	// PyTorch can map; empty (JSON null) for host memory. Always present in
+	// PyTorch can map; empty (JSON null) for host memory and for GPU
+	// objects of a daemon sharing by descriptor (--gpu-share fd), which
+	// have no region another process could open. Always present in
 	// JSON so that scripts can test it. Like any region it is a bearer
 	// capability for the object's memory.
 	Region json.RawMessage `json:"region"`

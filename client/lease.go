@@ -16,9 +16,10 @@ import (
 //
 // Host objects are read through Bytes (or ReadAt); GPU objects through
 // ReadAt, or on the device at Ptr (kernels, device-to-device copies: the
-// zero-copy path), and Bytes is nil for them. CUDA IPC cannot map memory
-// read-only: a GPU lease's memory is writable on the device, and writing
-// it is a bug that other readers would see.
+// zero-copy path), and Bytes is nil for them. CUDA cannot map device
+// memory read-only, by legacy IPC or by descriptor: a GPU lease's memory
+// is writable on the device, and writing it is a bug that other readers
+// would see.
 type Lease struct {
 	c    *Client
 	id   uint64
@@ -58,11 +59,8 @@ func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
 	}
 	g := r.resp.GetGet()
 	p := g.GetPlacement()
-	if p.GetWritable() || (r.m == nil) == (len(p.GetRegion()) == 0) {
-		if r.m != nil {
-			c.unref(r.m)
-		}
-		c.cleanup(reply{resp: r.resp}, name)
+	if p.GetWritable() || !r.holds(p) {
+		c.cleanup(r, name)
 		return nil, &Error{Op: "get", Name: name, Err: ErrInternal, Message: "daemon sent no read-only placement"}
 	}
 	info := infoFromProto(g.GetInfo())
@@ -74,7 +72,7 @@ func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
 		l.v.data = r.m.slice(p)
 		return l, nil
 	}
-	if l.v.gpu, err = importPlacement("get", name, p); err != nil {
+	if err = c.placeGPU("get", name, p, r.file, &l.v); err != nil {
 		c.cleanup(reply{resp: r.resp}, name) // releases the lease
 		return nil, err
 	}
@@ -108,12 +106,28 @@ func (l *Lease) Ptr() cudaipc.DevicePtr {
 	return l.v.ptr()
 }
 
-// Mapping returns the mapping of a GPU object (until Release), or nil for
-// a host object. It belongs to the Lease: do not close it.
+// Mapping returns the legacy IPC mapping of a GPU object (until Release),
+// or nil for a host object and for a GPU object shared by descriptor
+// (GPUShare "fd"), which has no Mapping of its own: use Ptr and
+// CUDADevice. It belongs to the Lease: do not close it.
 func (l *Lease) Mapping() *cudaipc.Mapping {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
 	return l.v.mapping()
+}
+
+// GPUShare says how a GPU object reached this process: "ipc" (a legacy
+// CUDA IPC region; Mapping is set) or "fd" (the descriptor of its arena,
+// imported once per client and arena: a daemon started with --gpu-share
+// fd); "" for a host object.
+func (l *Lease) GPUShare() string { return l.v.share }
+
+// CUDADevice returns the GPU a GPU object is mapped for in this process,
+// for device work at Ptr (until Release), or nil for a host object.
+func (l *Lease) CUDADevice() *cudaipc.Device {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	return l.v.cudaDevice()
 }
 
 // ReadAt copies the object's bytes at offset off into p (io.ReaderAt), for

@@ -28,6 +28,7 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/internal/testutil"
 	"github.com/cudaipc/cudaipc/store"
 )
 
@@ -35,6 +36,10 @@ const roleEnv = "CUDAIPC_TEST_ROLE"
 
 func TestMain(m *testing.M) {
 	if role := os.Getenv(roleEnv); role != "" {
+		if err := testutil.MountProcIfAsked(); err != nil {
+			fmt.Fprintf(os.Stderr, "role %s: %v\n", role, err)
+			os.Exit(3)
+		}
 		if err := runRole(role); err != nil {
 			fmt.Fprintf(os.Stderr, "role %s: %v\n", role, err)
 			os.Exit(1)
@@ -125,6 +130,7 @@ func runDaemon(ctx context.Context, sock string) error {
 	if v := os.Getenv("BACKEND"); v != "" {
 		cfg.Backend = v
 	}
+	cfg.GPUShare = os.Getenv("GPU_SHARE")
 	if v := os.Getenv("CAPACITY"); v != "" {
 		cfg.Capacity, _ = strconv.ParseInt(v, 10, 64)
 	}
@@ -200,11 +206,20 @@ func spawn(t *testing.T, role string, cred *syscall.Credential, env ...string) *
 // another uid that may not reach the original.
 func spawnExe(t *testing.T, exe, role string, cred *syscall.Credential, env ...string) *proc {
 	t.Helper()
+	var attr *syscall.SysProcAttr
+	if cred != nil {
+		attr = &syscall.SysProcAttr{Credential: cred}
+	}
+	return spawnAttr(t, exe, role, attr, env...)
+}
+
+// spawnAttr is spawnExe with the child's process attributes, e.g. new
+// namespaces (testutil.NewNamespaces).
+func spawnAttr(t *testing.T, exe, role string, attr *syscall.SysProcAttr, env ...string) *proc {
+	t.Helper()
 	cmd := exec.Command(exe, "-test.run=^$")
 	cmd.Env = append(append(os.Environ(), roleEnv+"="+role), env...)
-	if cred != nil {
-		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
-	}
+	cmd.SysProcAttr = attr
 	p := &proc{t: t, cmd: cmd, stderr: &syncBuffer{}, waited: make(chan struct{})}
 	cmd.Stderr = p.stderr
 	var err error

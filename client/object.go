@@ -59,11 +59,8 @@ func (c *Client) Create(ctx context.Context, name string, size int64, opts Creat
 		return nil, err
 	}
 	p := r.resp.GetCreate().GetPlacement()
-	if !p.GetWritable() || p.GetSize() != uint64(size) || (r.m == nil) == (len(p.GetRegion()) == 0) {
-		if r.m != nil {
-			c.unref(r.m)
-		}
-		c.cleanup(reply{resp: r.resp}, name)
+	if !p.GetWritable() || p.GetSize() != uint64(size) || !r.holds(p) {
+		c.cleanup(r, name)
 		return nil, &Error{Op: "create", Name: name, Err: ErrInternal, Message: "daemon sent no writable placement of the requested size"}
 	}
 	o := &Object{c: c, name: name, p: p, m: r.m, v: view{device: p.GetDevice(), size: size, open: true}}
@@ -71,7 +68,7 @@ func (c *Client) Create(ctx context.Context, name string, size int64, opts Creat
 		o.v.data = r.m.slice(p)
 		return o, nil
 	}
-	if o.v.gpu, err = importPlacement("create", name, p); err != nil {
+	if err = c.placeGPU("create", name, p, r.file, &o.v); err != nil {
 		c.cleanup(reply{resp: r.resp}, name) // aborts the object
 		return nil, err
 	}
@@ -108,12 +105,28 @@ func (o *Object) Ptr() cudaipc.DevicePtr {
 	return o.v.ptr()
 }
 
-// Mapping returns the mapping of a GPU object (until Seal or Abort), or nil
-// for a host object. It belongs to the Object: do not close it.
+// Mapping returns the legacy IPC mapping of a GPU object (until Seal or
+// Abort), or nil for a host object and for a GPU object shared by
+// descriptor (GPUShare "fd"), which has no Mapping of its own: use Ptr and
+// CUDADevice. It belongs to the Object: do not close it.
 func (o *Object) Mapping() *cudaipc.Mapping {
 	o.mu.RLock()
 	defer o.mu.RUnlock()
 	return o.v.mapping()
+}
+
+// GPUShare says how a GPU object reached this process: "ipc" (a legacy
+// CUDA IPC region; Mapping is set) or "fd" (the descriptor of its arena,
+// imported once per client and arena: a daemon started with --gpu-share
+// fd); "" for a host object.
+func (o *Object) GPUShare() string { return o.v.share }
+
+// CUDADevice returns the GPU a GPU object is mapped for in this process,
+// for device work at Ptr (until Seal or Abort), or nil for a host object.
+func (o *Object) CUDADevice() *cudaipc.Device {
+	o.mu.RLock()
+	defer o.mu.RUnlock()
+	return o.v.cudaDevice()
 }
 
 // WriteAt copies p into the object at offset off, for host and GPU objects

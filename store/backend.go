@@ -39,11 +39,18 @@ type arena interface {
 	// caller closes it, usually after sending it) and, for GPU backends, an
 	// opaque region description. writable selects the mode: a read-only
 	// share must not let the client write, even by reopening the file.
-	// (GPU arenas cannot honour that: CUDA IPC maps read-write only.)
+	// (GPU arenas cannot honour that: CUDA maps device memory read-write
+	// only.)
 	share(writable bool) (arenaShare, error)
+	// sharePerPlacement reports whether the share travels with every
+	// placement rather than once per connection and mode: GPU arenas,
+	// whose clients keep nothing of an arena they no longer map (a kept
+	// descriptor of a VMM arena would keep its device memory allocated
+	// after the store frees it).
+	sharePerPlacement() bool
 	// objectRegion describes [off, off+n) of the arena for ObjectInfo:
-	// the binary encoding of a cudaipc.Region for GPU arenas, nil for
-	// host ones.
+	// the binary encoding of a cudaipc.Region for GPU arenas shared by
+	// legacy IPC, nil for host and descriptor-shared ones.
 	objectRegion(off, n int64) []byte
 	// discard tells the backend that [off, off+n) holds no object any more,
 	// so it may give the memory back to the system. It is only a hint.
@@ -56,18 +63,19 @@ type arena interface {
 }
 
 // arenaShare is what a client needs to map an arena. Host arenas travel as
-// a file, once per connection and mode; GPU arenas as a region blob
-// (docs/region.md, binary) of the whole arena, in every placement and
-// without a file.
+// a file, once per connection and mode; GPU arenas shared by legacy IPC as
+// a region blob (docs/region.md, binary) of the whole arena, in every
+// placement and without a file; GPU arenas shared by descriptor as a
+// file, in every placement, the same for readers and writers.
 type arenaShare struct {
 	file   *os.File
 	region []byte
 }
 
-// newBackend returns the backend Config.Backend names. auto picks cuda
-// when the CUDA driver loads and sees at least one GPU, else host; cuda
-// fails without a GPU.
-func newBackend(name string, log *slog.Logger) (backend, error) {
+// newBackend returns the backend Config.Backend names, its GPU arenas
+// shared as Config.GPUShare says. auto picks cuda when the CUDA driver
+// loads and sees at least one GPU, else host; cuda fails without a GPU.
+func newBackend(name, gpuShare string, log *slog.Logger) (backend, error) {
 	switch name {
 	case "", "auto":
 		devs, err := cudaipc.Devices()
@@ -79,11 +87,11 @@ func newBackend(name string, log *slog.Logger) (backend, error) {
 			log.Info("backend auto: host memory only", "reason", why)
 			return hostBackend{}, nil
 		}
-		b, err := newCUDABackend(devs)
+		b, err := newCUDABackend(devs, gpuShare)
 		if err != nil {
 			return nil, err
 		}
-		log.Info("backend auto: cuda and host", "gpus", b.uuids)
+		log.Info("backend auto: cuda and host", "gpus", b.uuids, "gpu_share", gpuShare)
 		return b, nil
 	case "host":
 		return hostBackend{}, nil
@@ -95,11 +103,11 @@ func newBackend(name string, log *slog.Logger) (backend, error) {
 		if len(devs) == 0 {
 			return nil, fmt.Errorf("store: backend cuda needs a GPU, and the driver sees none (use --backend host or auto)")
 		}
-		b, err := newCUDABackend(devs)
+		b, err := newCUDABackend(devs, gpuShare)
 		if err != nil {
 			return nil, err
 		}
-		log.Info("backend cuda", "gpus", b.uuids)
+		log.Info("backend cuda", "gpus", b.uuids, "gpu_share", gpuShare)
 		return b, nil
 	}
 	return nil, invalidf("unknown backend %q (want auto, cuda or host)", name)

@@ -3,14 +3,17 @@ package store
 import (
 	"errors"
 	"fmt"
+	"os"
 	"strconv"
 	"strings"
 
 	"github.com/cudaipc/cudaipc"
+	"golang.org/x/sys/unix"
 )
 
 // Arena sizes of GPU devices. Each arena costs every client that reads from
-// it one cuIpcOpenMemHandle (40–80 µs, more across GPUs), so GPU arenas
+// it one cuIpcOpenMemHandle (40–80 µs, more across GPUs) or, shared by
+// descriptor, one import and map (67–134 µs on an H200), so GPU arenas
 // start larger than host ones and grow to 1 GiB; an object larger than
 // that gets an arena of its own size.
 const (
@@ -30,29 +33,63 @@ type gpuMemory interface {
 	Free() error
 }
 
-// cudaBackend keeps objects of GPU devices in device allocations (one per
-// arena, made with cuMemAlloc by the daemon) and objects of the "host"
-// device in memfd arenas, like hostBackend. GPUs are named by UUID
-// ("GPU-…"), which, unlike ordinals, mean the same in every process.
-type cudaBackend struct {
-	host  hostBackend
-	uuids []string // canonical UUIDs of the GPUs, in the daemon's ordinal order
-	alloc func(uuid string, size int64) (gpuMemory, error)
+// gpuFDMemory is one shareable (VMM) device allocation, the seam of the
+// descriptor path as gpuMemory is of the legacy one.
+// *cudaipc.ShareableBuffer implements it.
+type gpuFDMemory interface {
+	// ExportFD returns a new descriptor of the allocation.
+	ExportFD() (*os.File, error)
+	// Free drops the daemon's reference; descriptors and importers' mappings
+	// keep the memory alive.
+	Free() error
 }
 
-func newCUDABackend(devs []*cudaipc.Device) (*cudaBackend, error) {
+// cudaBackend keeps objects of GPU devices in device allocations (one per
+// arena, made by the daemon) and objects of the "host" device in memfd
+// arenas, like hostBackend. GPUs are named by UUID ("GPU-…"), which,
+// unlike ordinals, mean the same in every process. Exactly one of alloc
+// (GPUShareIPC: cuMemAlloc, shared as legacy IPC regions) and allocFD
+// (GPUShareFD: cuMemCreate, shared as descriptors) is set.
+type cudaBackend struct {
+	host    hostBackend
+	uuids   []string // canonical UUIDs of the GPUs, in the daemon's ordinal order
+	alloc   func(uuid string, size int64) (gpuMemory, error)
+	allocFD func(uuid string, size int64) (gpuFDMemory, error)
+}
+
+func newCUDABackend(devs []*cudaipc.Device, share string) (*cudaBackend, error) {
 	byUUID := make(map[string]*cudaipc.Device, len(devs))
 	b := &cudaBackend{}
 	for _, d := range devs {
 		u := d.UUID().String()
-		if !d.LegacyIPCSupported() {
-			return nil, fmt.Errorf("store: backend cuda: %s (%s) does not support CUDA IPC", u, d.Name())
+		switch {
+		case share == GPUShareFD && !d.VMMFDSupported():
+			return nil, fmt.Errorf("store: backend cuda: %s (%s) cannot export memory as file descriptors (use --gpu-share ipc)", u, d.Name())
+		case share != GPUShareFD && !d.LegacyIPCSupported():
+			return nil, fmt.Errorf("store: backend cuda: %s (%s) does not support CUDA IPC (try --gpu-share fd)", u, d.Name())
+		}
+		if share == GPUShareFD {
+			// Arena sizes are multiples of gpuGranularity; cuMemCreate
+			// needs multiples of the VMM granularity.
+			g, err := d.VMMGranularity()
+			if err != nil {
+				return nil, fmt.Errorf("store: backend cuda: %s: %w", u, err)
+			}
+			if g <= 0 || gpuGranularity%g != 0 {
+				return nil, fmt.Errorf("store: backend cuda: %s: VMM granularity %d does not divide the store's %d-byte arena unit (use --gpu-share ipc)", u, g, gpuGranularity)
+			}
 		}
 		byUUID[u] = d
 		b.uuids = append(b.uuids, u)
 	}
-	b.alloc = func(uuid string, size int64) (gpuMemory, error) {
-		return byUUID[uuid].Alloc(size)
+	if share == GPUShareFD {
+		b.allocFD = func(uuid string, size int64) (gpuFDMemory, error) {
+			return byUUID[uuid].AllocShareable(size)
+		}
+	} else {
+		b.alloc = func(uuid string, size int64) (gpuMemory, error) {
+			return byUUID[uuid].Alloc(size)
+		}
 	}
 	return b, nil
 }
@@ -99,12 +136,12 @@ func (b *cudaBackend) newArena(device string, id uint64, size int64) (arena, err
 	if !b.isGPU(device) {
 		return b.host.newArena(device, id, size)
 	}
+	if b.allocFD != nil {
+		return b.newFDArena(device, id, size)
+	}
 	mem, err := b.alloc(device, size)
 	if err != nil {
-		if errors.Is(err, cudaipc.ErrOutOfMemory) {
-			return nil, fmt.Errorf("%w: %s: allocating a %d-byte arena: %v", ErrStoreFull, device, size, err)
-		}
-		return nil, fmt.Errorf("arena %d on %s: %w", id, device, err)
+		return nil, allocError(device, id, size, err)
 	}
 	r, err := mem.Export(0, size)
 	if err == nil {
@@ -114,6 +151,25 @@ func (b *cudaBackend) newArena(device string, id uint64, size int64) (arena, err
 		}
 	}
 	return nil, errors.Join(fmt.Errorf("arena %d on %s: exporting: %w", id, device, err), mem.Free())
+}
+
+func allocError(device string, id uint64, size int64, err error) error {
+	if errors.Is(err, cudaipc.ErrOutOfMemory) {
+		return fmt.Errorf("%w: %s: allocating a %d-byte arena: %v", ErrStoreFull, device, size, err)
+	}
+	return fmt.Errorf("arena %d on %s: %w", id, device, err)
+}
+
+func (b *cudaBackend) newFDArena(device string, id uint64, size int64) (arena, error) {
+	mem, err := b.allocFD(device, size)
+	if err != nil {
+		return nil, allocError(device, id, size, err)
+	}
+	f, err := mem.ExportFD()
+	if err != nil {
+		return nil, errors.Join(fmt.Errorf("arena %d on %s: exporting: %w", id, device, err), mem.Free())
+	}
+	return &cudaFDArena{mem: mem, file: f}, nil
 }
 
 // cudaArena is one device allocation, exported once.
@@ -146,3 +202,35 @@ func (a *cudaArena) objectRegion(off, n int64) []byte {
 func (*cudaArena) discard(_, _ int64) {}
 
 func (a *cudaArena) close() error { return a.mem.Free() }
+
+func (*cudaArena) sharePerPlacement() bool { return true }
+
+// cudaFDArena is one shareable device allocation, exported once as a
+// descriptor that every share duplicates.
+type cudaFDArena struct {
+	mem  gpuFDMemory
+	file *os.File
+}
+
+// share returns a duplicate of the arena's descriptor, for readers and
+// writers alike: a descriptor of device memory maps read-write whoever
+// holds it, so read-only is advisory, as with legacy IPC.
+func (a *cudaFDArena) share(bool) (arenaShare, error) {
+	fd, err := unix.FcntlInt(a.file.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return arenaShare{}, fmt.Errorf("dup arena fd: %w", err)
+	}
+	return arenaShare{file: os.NewFile(uintptr(fd), a.file.Name())}, nil
+}
+
+func (*cudaFDArena) sharePerPlacement() bool { return true }
+
+// objectRegion is nil: a descriptor-shared object has no region a process
+// outside the store could open.
+func (*cudaFDArena) objectRegion(_, _ int64) []byte { return nil }
+
+func (*cudaFDArena) discard(_, _ int64) {}
+
+// close drops the daemon's references. Clients' mappings and descriptors in
+// flight keep the memory until they go.
+func (a *cudaFDArena) close() error { return errors.Join(a.file.Close(), a.mem.Free()) }

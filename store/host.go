@@ -80,6 +80,8 @@ func (a *hostArena) share(writable bool) (arenaShare, error) {
 	return arenaShare{file: os.NewFile(uintptr(fd), f.Name())}, nil
 }
 
+func (*hostArena) sharePerPlacement() bool { return false }
+
 func (a *hostArena) discard(off, n int64) {
 	// Only whole pages can go back to the kernel.
 	page := int64(os.Getpagesize())

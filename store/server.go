@@ -39,7 +39,7 @@ func (s *Store) Serve(ctx context.Context, l *net.UnixListener) error {
 	}()
 	stop := context.AfterFunc(ctx, func() { l.Close() })
 	defer stop()
-	s.log.Info("serving", "addr", l.Addr().String(), "backend", s.backend.name(), "capacity", s.cfg.Capacity, "evict", !s.cfg.NoEvict)
+	s.log.Info("serving", "addr", l.Addr().String(), "backend", s.backend.name(), "gpu_share", s.cfg.GPUShare, "capacity", s.cfg.Capacity, "evict", !s.cfg.NoEvict)
 
 	var backoff time.Duration
 	for {

@@ -88,8 +88,9 @@ type event struct {
 const eventQueue = 4096
 
 // placement tells a client where an object lives. share is set when the
-// session is sent the arena for the first time in this mode; the caller
-// must close share.file.
+// session is sent the arena for the first time in this mode, and in every
+// placement of a descriptor-shared GPU arena; the caller must close
+// share.file.
 type placement struct {
 	arenaID   uint64
 	device    string
@@ -97,7 +98,7 @@ type placement struct {
 	size      int64
 	arenaSize int64
 	writable  bool
-	region    []byte // GPU arenas: the whole arena's region, in every placement
+	region    []byte // GPU arenas shared by legacy IPC: the whole arena's region, in every placement
 	leaseID   uint64 // gets only
 	share     *arenaShare
 	info      info // gets only
@@ -196,17 +197,25 @@ func (ss *session) placeLocked(o *object, writable bool) (placement, error) {
 		arenaSize: ar.Size,
 		writable:  writable,
 	}
-	k := sentKey{ar.ID, writable}
-	if !ss.sent[k] {
-		sh, err := o.dev.arenas[ar.ID].share(writable)
+	a := o.dev.arenas[ar.ID]
+	if a.sharePerPlacement() {
+		// A GPU arena: its region or descriptor travels in every
+		// placement, so that clients need no per-connection state for it.
+		sh, err := a.share(writable)
 		if err != nil {
 			return placement{}, err
 		}
-		if sh.file == nil {
-			// A GPU arena: its region travels in every placement, so
-			// that clients need no per-connection state for it.
-			p.region = sh.region
-			return p, nil
+		p.region = sh.region
+		if sh.file != nil {
+			p.share = &sh
+		}
+		return p, nil
+	}
+	k := sentKey{ar.ID, writable}
+	if !ss.sent[k] {
+		sh, err := a.share(writable)
+		if err != nil {
+			return placement{}, err
 		}
 		p.share = &sh
 		ss.sent[k] = true

@@ -30,6 +30,18 @@ const (
 	DefaultMaxLeasesPerClient = 65536
 )
 
+// How the cuda backend shares GPU arenas (Config.GPUShare).
+const (
+	// GPUShareIPC allocates arenas with cuMemAlloc and describes each by
+	// a legacy CUDA IPC region in every placement: cheapest to open, but
+	// only within the daemon's PID namespace.
+	GPUShareIPC = "ipc"
+	// GPUShareFD allocates arenas with the VMM API (cuMemCreate) and sends
+	// each as a POSIX file descriptor with every placement: clients in
+	// other PID namespaces (containers) can map it too.
+	GPUShareFD = "fd"
+)
+
 // Config configures a Store. The zero value is a usable configuration.
 type Config struct {
 	// Backend is the memory backend: "auto" (or ""), "cuda" or "host".
@@ -37,6 +49,10 @@ type Config struct {
 	// fails without a CUDA driver and a GPU. auto is cuda when the driver
 	// loads and sees a GPU, else host.
 	Backend string
+	// GPUShare is how GPU arenas of the cuda backend reach clients:
+	// GPUShareIPC (or "") or GPUShareFD. It does not matter to the host
+	// backend.
+	GPUShare string
 	// Capacity bounds the memory of each device (host, and every GPU), in
 	// bytes; 0 means DefaultCapacity.
 	Capacity int64
@@ -139,7 +155,14 @@ func New(cfg Config) (*Store, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
-	b, err := newBackend(cfg.Backend, cfg.Logger)
+	switch cfg.GPUShare {
+	case "":
+		cfg.GPUShare = GPUShareIPC
+	case GPUShareIPC, GPUShareFD:
+	default:
+		return nil, invalidf("unknown GPU sharing %q (want %s or %s)", cfg.GPUShare, GPUShareIPC, GPUShareFD)
+	}
+	b, err := newBackend(cfg.Backend, cfg.GPUShare, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}

@@ -49,7 +49,7 @@ func (c *benchStoreCmd) Run(g *Globals) error {
 	res := benchStoreResult{Store: "embedded", Clients: c.Clients, Size: int64(c.Size)}
 	sock := g.Socket
 	if sock == "" {
-		emb, err := startEmbedded(ctx, g, max(1<<30, 2*int64(c.Size)))
+		emb, err := startEmbedded(ctx, g, max(1<<30, 2*int64(c.Size)), "")
 		if err != nil {
 			return err
 		}

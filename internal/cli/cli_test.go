@@ -321,3 +321,16 @@ func TestServeMetrics(t *testing.T) {
 		}
 	}
 }
+
+// --gpu-share takes ipc or fd; anything else fails before a store starts.
+// Without a GPU, fd is accepted and does not matter to the host backend.
+func TestGPUShareFlag(t *testing.T) {
+	for _, cmd := range []string{"serve", "demo"} {
+		_, _, err := run(t, cmd, "--gpu-share", "bogus", "--socket", filepath.Join(t.TempDir(), "s.sock"))
+		if err == nil || !strings.Contains(err.Error(), "--gpu-share") || !strings.Contains(err.Error(), `"bogus"`) {
+			t.Errorf("%s --gpu-share bogus: %v", cmd, err)
+		}
+	}
+	sock := serve(t, "--backend", "host", "--gpu-share", "fd")
+	mustRun(t, "ls", "--socket", sock)
+}

@@ -25,9 +25,10 @@ import (
 )
 
 type demoCmd struct {
-	Sizes  []byteSize `default:"4KiB,64KiB,1MiB,16MiB,64MiB" sep:"," help:"Sizes of the objects to share (default ${default})." placeholder:"BYTES,..."`
-	Device string     `help:"Where the objects live: host, a GPU ordinal or UUID (default: GPU 0 when the store has the cuda backend, else host)." placeholder:"host|ORDINAL|UUID"`
-	JSON   bool       `name:"json" help:"Print the results as one JSON object."`
+	Sizes    []byteSize `default:"4KiB,64KiB,1MiB,16MiB,64MiB" sep:"," help:"Sizes of the objects to share (default ${default})." placeholder:"BYTES,..."`
+	Device   string     `help:"Where the objects live: host, a GPU ordinal or UUID (default: GPU 0 when the store has the cuda backend, else host)." placeholder:"host|ORDINAL|UUID"`
+	JSON     bool       `name:"json" help:"Print the results as one JSON object."`
+	GPUShare string     `name:"gpu-share" default:"ipc" enum:"ipc,fd" help:"How the embedded store shares GPU arenas: ipc (legacy CUDA IPC) or fd (VMM memory sent as file descriptors, as for containers)."`
 }
 
 func (c *demoCmd) Help() string {
@@ -36,7 +37,8 @@ backend: objects on GPU 0 where the CUDA driver sees a GPU, host memory otherwis
 starts a producer process and a consumer process, shares objects of several sizes
 between them, checks every byte and reports how fast each step was. With GPU
 objects it also times a device-to-device copy from the consumer's mapping, the
-zero-copy path. --device host forces host objects.`
+zero-copy path. --device host forces host objects; --gpu-share fd shares GPU arenas
+as file descriptors (the container path) instead of legacy CUDA IPC handles.`
 }
 
 // demoResult is one object's story, and the JSON the demo prints.
@@ -55,8 +57,11 @@ type demoResult struct {
 }
 
 type demoReport struct {
-	Backend     string       `json:"backend"`
-	Device      string       `json:"device"` // "host" or the GPU's UUID
+	Backend string `json:"backend"`
+	Device  string `json:"device"` // "host" or the GPU's UUID
+	// GPUShare is how the consumer mapped the GPU objects: "ipc" or "fd";
+	// empty for host objects.
+	GPUShare    string       `json:"gpu_share,omitempty"`
 	Socket      string       `json:"socket"`
 	ProducerPID int          `json:"producer_pid"`
 	ConsumerPID int          `json:"consumer_pid"`
@@ -79,7 +84,7 @@ func (c *demoCmd) Run(g *Globals) error {
 	}
 	ctx := g.Context()
 	start := time.Now()
-	emb, err := startEmbedded(ctx, g, max(1<<30, 2*total))
+	emb, err := startEmbedded(ctx, g, max(1<<30, 2*total), c.GPUShare)
 	if err != nil {
 		return err
 	}
@@ -156,6 +161,9 @@ func (c *demoCmd) Run(g *Globals) error {
 		}
 		_ = json.Unmarshal(prod.lines[i], &p)
 		_ = json.Unmarshal(cons.lines[i], &q)
+		if q.GPUShare != "" {
+			rep.GPUShare = q.GPUShare
+		}
 		r := demoResult{
 			Name: p.Name, Size: int64(s), SHA256: q.SHA256,
 			WriteGBps:       gbps(int64(s), p.FillNS),
@@ -223,7 +231,11 @@ func printDemo(w io.Writer, rep demoReport) {
 		fmt.Fprintf(w, "producer (pid %d) created each object, copied random bytes into it (WriteAt) and sealed it;\n", rep.ProducerPID)
 		fmt.Fprintf(w, "consumer (pid %d) waited for it, leased it, read every byte through its mapping and\n", rep.ConsumerPID)
 		fmt.Fprintf(w, "compared them, and copied the object on the GPU from its mapping into a buffer of its own.\n")
-		fmt.Fprintf(w, "Only names, offsets and regions crossed the socket; each process opened each arena once (cuIpcOpenMemHandle).\n\n")
+		if rep.GPUShare == "fd" {
+			fmt.Fprintf(w, "GPU sharing: fd. Only names, offsets and arena descriptors crossed the socket; each process imported each arena once (VMM, ImportFD).\n\n")
+		} else {
+			fmt.Fprintf(w, "GPU sharing: ipc. Only names, offsets and regions crossed the socket; each process opened each arena once (cuIpcOpenMemHandle).\n\n")
+		}
 	} else {
 		fmt.Fprintf(w, "cudaipc demo: embedded store, %s backend, socket %s\n", rep.Backend, rep.Socket)
 		fmt.Fprintf(w, "producer (pid %d) created each object, wrote random bytes into it and sealed it;\n", rep.ProducerPID)
@@ -358,6 +370,7 @@ type consumerLine struct {
 	Match          bool   `json:"match"`
 	MismatchAt     int64  `json:"mismatch_at"`
 	CopyNS         int64  `json:"copy_ns,omitempty"` // device-to-device copy from the mapping (GPU objects)
+	GPUShare       string `json:"gpu_share,omitempty"`
 }
 
 func (c *demoWorkerCmd) Run(g *Globals) error {
@@ -457,8 +470,9 @@ func (c *demoWorkerCmd) consume(ctx context.Context, cl *client.Client, name str
 	}
 	line.Match = bytes.Equal(b, want) // reads every byte of the shared mapping
 	line.VerifyNS = time.Since(t).Nanoseconds()
-	if m := lease.Mapping(); m != nil {
-		if line.CopyNS, err = copyFromMapping(m); err != nil {
+	if dev := lease.CUDADevice(); dev != nil {
+		line.GPUShare = lease.GPUShare()
+		if line.CopyNS, err = copyFromMapping(dev, lease.Ptr(), lease.Size()); err != nil {
 			return consumerLine{}, err
 		}
 	}
@@ -496,9 +510,8 @@ func (c *demoWorkerCmd) consume(ctx context.Context, cl *client.Client, name str
 // buffer of the consumer's own on the same GPU, the way a consumer uses
 // shared memory without staging it through the host, and returns the best
 // time of a few copies.
-func copyFromMapping(m *cudaipc.Mapping) (int64, error) {
-	dev := m.Device()
-	dst, err := dev.Alloc(m.Size())
+func copyFromMapping(dev *cudaipc.Device, src cudaipc.DevicePtr, size int64) (int64, error) {
+	dst, err := dev.Alloc(size)
 	if err != nil {
 		return 0, fmt.Errorf("demo: allocating the consumer's copy: %w", err)
 	}
@@ -506,7 +519,7 @@ func copyFromMapping(m *cudaipc.Mapping) (int64, error) {
 	best := int64(math.MaxInt64)
 	for range 4 { // the first copy warms up
 		t := time.Now()
-		if err := dev.Copy(dst.Ptr(), m.Ptr(), m.Size()); err != nil {
+		if err := dev.Copy(dst.Ptr(), src, size); err != nil {
 			return 0, fmt.Errorf("demo: device-to-device copy: %w", err)
 		}
 		// A device-to-device copy does not wait for the GPU.

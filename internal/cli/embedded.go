@@ -20,14 +20,16 @@ type embeddedStore struct {
 	done   chan error
 }
 
-func startEmbedded(ctx context.Context, g *Globals, capacity int64) (*embeddedStore, error) {
+// startEmbedded starts a store with the auto backend; gpuShare is its
+// Config.GPUShare ("" for the default).
+func startEmbedded(ctx context.Context, g *Globals, capacity int64, gpuShare string) (*embeddedStore, error) {
 	log := g.log
 	if g.LogLevel == "info" {
 		// The store logs every connection at info; the demo's own output
 		// says what happens.
 		log = newLogger(g.stderr, "warn")
 	}
-	st, err := store.New(store.Config{Backend: "auto", Capacity: capacity, Logger: log})
+	st, err := store.New(store.Config{Backend: "auto", GPUShare: gpuShare, Capacity: capacity, Logger: log})
 	if err != nil {
 		return nil, fmt.Errorf("starting the embedded store: %w", err)
 	}

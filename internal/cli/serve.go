@@ -14,6 +14,7 @@ import (
 
 type serveCmd struct {
 	Backend    string   `default:"auto" enum:"auto,cuda,host" help:"Memory backend: auto (cuda where the CUDA driver sees a GPU, else host), cuda (GPU objects, named by UUID, and host ones; fails without a GPU) or host."`
+	GPUShare   string   `name:"gpu-share" default:"ipc" enum:"ipc,fd" help:"How GPU arenas reach clients: ipc (legacy CUDA IPC, clients in the daemon's PID namespace only) or fd (VMM memory sent as file descriptors: clients in other containers too)."`
 	Capacity   byteSize `default:"0" help:"Bytes of memory per device (host, and each GPU) the store may use, e.g. 4GiB (0: 1 GiB)." placeholder:"BYTES"`
 	AllowUID   []uint32 `name:"allow-uid" help:"Also admit this uid (repeatable; the daemon's own uid and root are always admitted)." placeholder:"N"`
 	AllowGID   []uint32 `name:"allow-gid" help:"Also admit members of this gid (repeatable)." placeholder:"N"`
@@ -38,6 +39,7 @@ func (c *serveCmd) Run(g *Globals) error {
 	}
 	st, err := store.New(store.Config{
 		Backend:             c.Backend,
+		GPUShare:            c.GPUShare,
 		Capacity:            int64(c.Capacity),
 		NoEvict:             c.NoEvict,
 		AllowUIDs:           c.AllowUID,
@@ -61,7 +63,7 @@ func (c *serveCmd) Run(g *Globals) error {
 		defer stop()
 	}
 	sock := g.socketPath()
-	g.log.Info("store daemon starting", "socket", sock, "backend", c.Backend, "capacity", int64(c.Capacity), "evict", !c.NoEvict)
+	g.log.Info("store daemon starting", "socket", sock, "backend", c.Backend, "gpu_share", c.GPUShare, "capacity", int64(c.Capacity), "evict", !c.NoEvict)
 	err = st.ListenAndServe(ctx, sock)
 	if errors.Is(err, store.ErrDaemonRunning) {
 		return fmt.Errorf("a store daemon is already running at %s: use it, stop it first, or pick another --socket (%w)", sock, err)

@@ -8,7 +8,7 @@ import (
 
 type statCmd struct {
 	Name string `arg:"" help:"Object to describe." placeholder:"NAME"`
-	JSON bool   `name:"json" help:"Print one JSON object: name, size, device, sealed, leases, shared, owner_uid, created, region (GPU objects only)."`
+	JSON bool   `name:"json" help:"Print one JSON object: name, size, device, sealed, leases, shared, owner_uid, created, region (GPU objects shared by legacy IPC only; null otherwise)."`
 }
 
 func (c *statCmd) Run(g *Globals) error {

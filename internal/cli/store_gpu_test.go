@@ -120,7 +120,7 @@ func TestGPUDemo(t *testing.T) {
 	if err := json.Unmarshal([]byte(mustRun(t, "demo", "--sizes", "4KiB,1MiB,96MiB", "--json")), &rep); err != nil {
 		t.Fatal(err)
 	}
-	if !rep.OK || rep.Backend != "cuda" || rep.Device != dev.UUID().String() || len(rep.Objects) != 3 {
+	if !rep.OK || rep.Backend != "cuda" || rep.Device != dev.UUID().String() || rep.GPUShare != "ipc" || len(rep.Objects) != 3 {
 		t.Fatalf("demo report: %+v", rep)
 	}
 	for _, o := range rep.Objects {
@@ -140,5 +140,25 @@ func TestGPUDemo(t *testing.T) {
 	}
 	if !hostRep.OK || hostRep.Device != "host" || len(hostRep.Objects) != 1 || hostRep.Objects[0].CopyGBps != 0 {
 		t.Fatalf("demo --device host: %+v", hostRep)
+	}
+}
+
+// demo --gpu-share fd shares the GPU arenas as descriptors, and says so.
+func TestGPUDemoFD(t *testing.T) {
+	dev := testutil.RequireGPU(t)
+	var rep demoReport
+	if err := json.Unmarshal([]byte(mustRun(t, "demo", "--gpu-share", "fd", "--sizes", "4KiB,1MiB,96MiB", "--json")), &rep); err != nil {
+		t.Fatal(err)
+	}
+	if !rep.OK || rep.Backend != "cuda" || rep.Device != dev.UUID().String() || rep.GPUShare != "fd" || len(rep.Objects) != 3 {
+		t.Fatalf("demo report: %+v", rep)
+	}
+	for _, o := range rep.Objects {
+		if !o.OK || o.CopyGBps <= 0 {
+			t.Errorf("object %+v", o)
+		}
+	}
+	if human := mustRun(t, "demo", "--gpu-share", "fd", "--sizes", "64KiB"); !strings.Contains(human, "GPU sharing: fd") {
+		t.Errorf("demo output:\n%s", human)
 	}
 }

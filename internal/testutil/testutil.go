@@ -124,17 +124,25 @@ func mountOwnProc() error {
 	return nil
 }
 
+// MountProcIfAsked mounts a /proc of the process's own PID namespace when
+// EnvMountProc asks for it (a helper started with NewNamespaces). RunRole
+// calls it; a TestMain that dispatches roles itself calls it first.
+func MountProcIfAsked() error {
+	if os.Getenv(EnvMountProc) != "1" {
+		return nil
+	}
+	return mountOwnProc()
+}
+
 // RunRole runs the role named by EnvRole, if any, and exits the process.
 func RunRole(roles Roles) {
 	name := os.Getenv(EnvRole)
 	if name == "" {
 		return
 	}
-	if os.Getenv(EnvMountProc) == "1" {
-		if err := mountOwnProc(); err != nil {
-			fmt.Fprintf(os.Stderr, "role %s: %v\n", name, err)
-			os.Exit(3)
-		}
+	if err := MountProcIfAsked(); err != nil {
+		fmt.Fprintf(os.Stderr, "role %s: %v\n", name, err)
+		os.Exit(3)
 	}
 	f, ok := roles[name]
 	if !ok {

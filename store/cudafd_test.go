@@ -1,0 +1,160 @@
+package store
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// fakeFDGPUs stands in for the driver behind the cuda backend with
+// GPUShareFD: an allocation is a memfd, exported as duplicates of it.
+type fakeFDGPUs struct {
+	mu     sync.Mutex
+	live   int
+	allocs []int64
+}
+
+type fakeFDMem struct {
+	g     *fakeFDGPUs
+	f     *os.File
+	freed bool
+}
+
+func (m *fakeFDMem) ExportFD() (*os.File, error) {
+	fd, err := unix.FcntlInt(m.f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), "fake-vmm"), nil
+}
+
+func (m *fakeFDMem) Free() error {
+	m.g.mu.Lock()
+	defer m.g.mu.Unlock()
+	if m.freed {
+		return errors.New("double free")
+	}
+	m.freed = true
+	m.g.live--
+	return m.f.Close()
+}
+
+func (g *fakeFDGPUs) liveCount() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.live
+}
+
+// newFakeFDStore returns a store whose backend is the cuda backend, sharing
+// by descriptor, over one fake GPU.
+func newFakeFDStore(t *testing.T) (*Store, *fakeFDGPUs) {
+	t.Helper()
+	s := newTestStore(t, Config{Capacity: 4 << 30, GPUShare: GPUShareFD})
+	g := &fakeFDGPUs{}
+	s.backend = &cudaBackend{uuids: []string{fakeGPU}, allocFD: func(uuid string, size int64) (gpuFDMemory, error) {
+		if uuid != fakeGPU {
+			t.Errorf("alloc on %q", uuid)
+		}
+		fd, err := unix.MemfdCreate("fake-vmm", unix.MFD_CLOEXEC)
+		if err != nil {
+			return nil, err
+		}
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		g.live++
+		g.allocs = append(g.allocs, size)
+		return &fakeFDMem{g: g, f: os.NewFile(uintptr(fd), "fake-vmm")}, nil
+	}}
+	return s, g
+}
+
+// inode identifies the open file behind a descriptor.
+func inode(t *testing.T, f *os.File) uint64 {
+	t.Helper()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Ino
+}
+
+// Every placement of a descriptor-shared GPU arena, writable or not,
+// carries the same arena's descriptor and no region; ObjectInfo has no
+// region either.
+func TestCUDAFDPlacements(t *testing.T) {
+	s, g := newFakeFDStore(t)
+	c := connect(t, s, 1000)
+	var arenaIno uint64
+	for i, size := range []int64{1, 4096, 3<<20 + 5} {
+		name := fmt.Sprintf("fd-%d", i)
+		p, err := c.ss.create(name, size, fakeGPU, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.share == nil || p.share.file == nil || p.region != nil || p.device != fakeGPU || !p.proto().GetFdAttached() {
+			t.Fatalf("create placement %+v: want a descriptor and no region", p)
+		}
+		ino := inode(t, p.share.file)
+		if i == 0 {
+			arenaIno = ino
+		}
+		if ino != arenaIno || p.arenaSize != gpuFirstArena {
+			t.Fatalf("object %d: arena inode %d (want %d), arena size %d", i, ino, arenaIno, p.arenaSize)
+		}
+		p.closeShare()
+		if err := c.ss.seal(name); err != nil {
+			t.Fatal(err)
+		}
+		if in, err := c.ss.stat(name); err != nil || in.Region != nil || in.Device != fakeGPU {
+			t.Fatalf("stat %+v, %v: want no region", in, err)
+		}
+		// A read-only lease on the same connection: the same descriptor
+		// again, read-only being advisory for GPU memory.
+		lp, err := c.ss.get(t.Context(), name, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if lp.share == nil || lp.share.file == nil || inode(t, lp.share.file) != arenaIno || lp.region != nil || lp.writable || lp.info.Region != nil {
+			t.Fatalf("get placement %+v", lp)
+		}
+		lp.closeShare()
+		if err := c.ss.release(lp.leaseID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(g.allocs) != 1 {
+		t.Fatalf("arenas allocated: %v, want one", g.allocs)
+	}
+	// The arena goes, descriptor and allocation, with its last object.
+	for i := range 3 {
+		if err := c.ss.delete(fmt.Sprintf("fd-%d", i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if g.liveCount() != 0 {
+		t.Fatal("arena kept after its last object went")
+	}
+	// Host objects still live in memfds sent once per connection.
+	if hp := c.put("host-obj", 100, false); len(hp) != 100 {
+		t.Fatal("host object")
+	}
+}
+
+func TestGPUShareConfig(t *testing.T) {
+	_, err := New(Config{Backend: "host", GPUShare: "bogus"})
+	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), `"bogus"`) || !strings.Contains(err.Error(), "want ipc or fd") {
+		t.Fatalf("GPUShare bogus: %v", err)
+	}
+	for _, share := range []string{"", GPUShareIPC, GPUShareFD} {
+		s, err := New(Config{Backend: "host", GPUShare: share})
+		if err != nil {
+			t.Fatalf("GPUShare %q: %v", share, err)
+		}
+		s.Close()
+	}
+}
