@@ -288,10 +288,26 @@ func writeAt(d *Device, base DevicePtr, size int64, p []byte, off int64) (int, e
 	return len(p), nil
 }
 
-// CopyToDevice copies src to device address dst, synchronously.
+// CopyToDevice copies src to device address dst and returns once the bytes
+// are in device memory (it waits for the DMA, which the driver alone does
+// not for pageable src), so the caller may then hand dst to another process.
 func (d *Device) CopyToDevice(dst DevicePtr, src []byte) error {
-	return d.do(func() error { return cu.MemcpyHtoD(cu.DevicePtr(dst), src) })
+	return d.do(func() error {
+		if err := cu.MemcpyHtoD(cu.DevicePtr(dst), src); err != nil {
+			return err
+		}
+		return settle()
+	})
 }
+
+// settle waits for the legacy default stream, where the driver queues the
+// synchronous copy and memset calls. cuMemcpyHtoD from pageable memory
+// returns once the bytes are staged, before the DMA reaches device memory;
+// device-to-device copies and memsets do not wait at all. Without this, a
+// caller that writes, then tells another process (or unmaps) could race
+// the DMA: on the H200 an unmap during such a DMA faulted the context
+// (CUDA_ERROR_LAUNCH_FAILED at the next call).
+func settle() error { return cu.StreamSynchronize(0) }
 
 // CopyFromDevice copies len(dst) bytes from device address src, synchronously.
 func (d *Device) CopyFromDevice(dst []byte, src DevicePtr) error {
@@ -299,20 +315,31 @@ func (d *Device) CopyFromDevice(dst []byte, src DevicePtr) error {
 }
 
 // Copy copies n bytes between two device addresses, which may be on
-// different devices or be mappings imported from other processes.
+// different devices or be mappings imported from other processes, and
+// returns when the copy has completed. Stream.CopyAsync does not wait.
 func (d *Device) Copy(dst, src DevicePtr, n int64) error {
 	if n < 0 {
 		return &ArgError{Op: "Copy", Arg: "n", Reason: "negative"}
 	}
-	return d.do(func() error { return cu.Memcpy(cu.DevicePtr(dst), cu.DevicePtr(src), uint64(n)) })
+	return d.do(func() error {
+		if err := cu.Memcpy(cu.DevicePtr(dst), cu.DevicePtr(src), uint64(n)); err != nil {
+			return err
+		}
+		return settle()
+	})
 }
 
-// Memset sets n bytes at p to v.
+// Memset sets n bytes at p to v and returns when they are set.
 func (d *Device) Memset(p DevicePtr, v byte, n int64) error {
 	if n < 0 {
 		return &ArgError{Op: "Memset", Arg: "n", Reason: "negative"}
 	}
-	return d.do(func() error { return cu.MemsetD8(cu.DevicePtr(p), v, uint64(n)) })
+	return d.do(func() error {
+		if err := cu.MemsetD8(cu.DevicePtr(p), v, uint64(n)); err != nil {
+			return err
+		}
+		return settle()
+	})
 }
 
 // PointerInfo describes the allocation that holds a device address.
