@@ -79,9 +79,7 @@ func (c *BenchIPCCmd) Run(g *Globals) error {
 		return err
 	}
 	if c.JSON {
-		enc := json.NewEncoder(g.stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(r)
+		return printJSON(g.stdout, r)
 	}
 	return writeIPCTable(g.stdout, r)
 }

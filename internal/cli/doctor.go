@@ -115,9 +115,7 @@ func (c *DoctorCmd) Run(g *Globals) error {
 		}
 	}
 	if c.JSON {
-		enc := json.NewEncoder(g.stdout)
-		enc.SetIndent("", "  ")
-		if err := enc.Encode(checks); err != nil {
+		if err := printJSON(g.stdout, checks); err != nil {
 			return err
 		}
 	} else {

@@ -1,7 +1,6 @@
 package cli
 
 import (
-	"encoding/json"
 	"fmt"
 	"text/tabwriter"
 
@@ -71,9 +70,7 @@ func (c *InfoCmd) Run(g *Globals) error {
 		return err
 	}
 	if c.JSON {
-		enc := json.NewEncoder(g.stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(r)
+		return printJSON(g.stdout, r)
 	}
 	fmt.Fprintf(g.stdout, "driver: CUDA %s (%s), %d device(s)\n", r.DriverVersion, r.Library, len(r.Devices))
 	tw := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
