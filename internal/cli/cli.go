@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"runtime/debug"
 
 	"github.com/alecthomas/kong"
 )
@@ -33,6 +34,7 @@ func (g *Globals) Context() context.Context { return g.ctx }
 // Run(*Globals) error method, in a file of its own.
 type cliRoot struct {
 	Globals
+	Version kong.VersionFlag `help:"Print the version and exit."`
 
 	Info   InfoCmd   `cmd:"" help:"Show the driver, each GPU and the peer-access matrix."`
 	Doctor DoctorCmd `cmd:"" help:"Check that this machine can share GPU memory, and say what to fix."`
@@ -85,6 +87,7 @@ func runIO(ctx context.Context, args []string, stdin io.Reader, stdout, stderr i
 		kong.Writers(stdout, stderr),
 		kong.Exit(func(code int) { exit = code; panic(exitPanic{}) }),
 		kong.UsageOnError(),
+		kong.Vars{"version": version()},
 	)
 	if err != nil {
 		return err
@@ -133,4 +136,26 @@ func isTerminal(w io.Writer) bool {
 	}
 	st, err := f.Stat()
 	return err == nil && st.Mode()&os.ModeCharDevice != 0
+}
+
+// version names the module version this binary was built from (a release
+// tag, or the VCS revision for a build from a checkout).
+func version() string {
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return "cudaipc (unknown version)"
+	}
+	v := bi.Main.Version
+	for _, s := range bi.Settings {
+		if s.Key == "vcs.revision" && (v == "" || v == "(devel)") {
+			v = s.Value
+			if len(v) > 12 {
+				v = v[:12]
+			}
+		}
+	}
+	if v == "" {
+		v = "(devel)"
+	}
+	return "cudaipc " + v + " (" + bi.GoVersion + ")"
 }

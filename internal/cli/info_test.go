@@ -87,3 +87,10 @@ func TestDoctor(t *testing.T) {
 		t.Fatalf("ipc round trip: %+v", rt)
 	}
 }
+
+func TestVersionFlag(t *testing.T) {
+	out, _, err := run(t, "--version")
+	if err != nil || !strings.HasPrefix(out, "cudaipc ") || !strings.Contains(out, "go1.") {
+		t.Fatalf("--version: %q, %v", out, err)
+	}
+}
