@@ -95,6 +95,7 @@ func TestArgumentsRejectedBeforeTheDriver(t *testing.T) {
 		{"flags 0", func() error { _, err := d.OpenMemHandle(h, 0); return err }(), "LazyEnablePeerAccess"},
 		{"flags 2", func() error { _, err := d.OpenMemHandle(h, 2); return err }(), "LazyEnablePeerAccess"},
 		{"flags 3", func() error { _, err := d.OpenMemHandle(h, 3); return err }(), "does not define"},
+		{"flags 1|2", func() error { _, err := d.OpenMemHandle(h, LazyEnablePeerAccess, 2); return err }(), "does not define"},
 		{"zero handle", func() error { _, err := d.OpenMemHandle(MemHandle{}, LazyEnablePeerAccess); return err }(), "zero"},
 		{"zero event handle", func() error { _, err := d.OpenEventHandle(EventHandle{}); return err }(), "zero"},
 		{"alloc 0", func() error { _, err := d.Alloc(0); return err }(), "positive"},

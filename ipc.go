@@ -33,16 +33,25 @@ func (d *Device) GetMemHandle(p DevicePtr) (MemHandle, error) {
 }
 
 // OpenMemHandle maps an allocation exported by another process into this
-// device's context and returns its base address (cuIpcOpenMemHandle). Pass
-// LazyEnablePeerAccess (the only flag the driver defines); a handle from
-// another GPU is then reachable through peer access.
+// device's context and returns its base address (cuIpcOpenMemHandle). With
+// no flags it passes LazyEnablePeerAccess, the only flag the driver defines
+// and one it requires, so a handle from another GPU is reachable through
+// peer access; flags given explicitly are OR-ed and checked, and 0 (which
+// the driver rejects) is refused with an *ArgError before the call.
 //
 // Opening a handle that this process already has open returns the same
 // address, and every open needs its own CloseMemHandle. Opening a handle in
 // the process that exported it fails with ErrDeviceUninitialized (Region
 // and Import handle that case for you). Each open costs tens of
 // microseconds to milliseconds: cache mappings (Import does).
-func (d *Device) OpenMemHandle(h MemHandle, flags IPCFlags) (DevicePtr, error) {
+func (d *Device) OpenMemHandle(h MemHandle, flagList ...IPCFlags) (DevicePtr, error) {
+	flags := LazyEnablePeerAccess
+	if len(flagList) > 0 {
+		flags = 0
+		for _, f := range flagList {
+			flags |= f
+		}
+	}
 	if flags&LazyEnablePeerAccess == 0 {
 		return 0, &ArgError{Op: "OpenMemHandle", Arg: "flags", Reason: fmt.Sprintf("%#x lacks LazyEnablePeerAccess (0x1), which the driver requires", uint32(flags))}
 	}

@@ -202,7 +202,7 @@ func TestIPCReadsExportersBytes(t *testing.T) {
 	if m.Pid == os.Getpid() {
 		t.Fatal("exporter ran in the test process")
 	}
-	p, err := dev.OpenMemHandle(m.Handle, cudaipc.LazyEnablePeerAccess)
+	p, err := dev.OpenMemHandle(m.Handle) // the default flags: LazyEnablePeerAccess
 	if err != nil {
 		t.Fatal(err)
 	}
