@@ -159,8 +159,16 @@ func (l *Lease) Release() error {
 	l.released = true
 	verr := l.v.close()
 	l.c.untrackGPU(l)
+	// The release is pipelined: sent now, its reply not waited for. The
+	// daemon handles a connection's requests in order, so every later call
+	// on this Client sees the lease gone; other connections see it gone a
+	// round trip later at most. A get+release cycle costs one round trip,
+	// not two.
 	req := &storev1.Request{Body: &storev1.Request_Release{Release: &storev1.ReleaseRequest{LeaseId: l.id}}}
-	_, err := l.c.roundTrip(context.Background(), "release", l.info.Name, req)
+	var err error
+	if serr := l.c.sendDetached(req); serr != nil {
+		err = &Error{Op: "release", Name: l.info.Name, Err: serr}
+	}
 	if l.m != nil {
 		l.c.unref(l.m)
 		l.m = nil
