@@ -149,7 +149,8 @@ func (l *Lease) ID() uint64 { return l.id }
 // daemon may free the arena once the lease ends). Bytes, Ptr and Mapping
 // must not be used afterwards. Release is idempotent; when the connection
 // is already gone the daemon has ended the lease itself and Release
-// returns nil.
+// returns nil. It does not wait for the daemon's reply: later calls on
+// this Client see the lease gone, other clients a round trip later at most.
 func (l *Lease) Release() error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
