@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
@@ -42,7 +43,32 @@ type Client struct {
 	err       error                // why the connection ended; nil while it lives
 	closed    bool                 // Close was called
 
-	readerDone chan struct{}
+	callTimeout time.Duration // bounds the calls that take no context
+	readerDone  chan struct{}
+}
+
+// Defaults for the zero values of Options.
+const (
+	// DefaultDialTimeout bounds Dial (connect and handshake) when its
+	// context has no earlier deadline.
+	DefaultDialTimeout = 10 * time.Second
+	// DefaultCallTimeout bounds the calls that take no context:
+	// Lease.Release, and Close's wait for the daemon to end the connection.
+	DefaultCallTimeout = 30 * time.Second
+)
+
+// Options configure a Client (DialOptions). The zero value is the default.
+type Options struct {
+	// DialTimeout bounds connecting and the handshake, so that a daemon
+	// that does not answer (stopped, overloaded) fails Dial with ErrTimeout
+	// instead of hanging; the context's deadline applies when earlier.
+	// 0 means DefaultDialTimeout; a negative value leaves only the context.
+	DialTimeout time.Duration
+	// CallTimeout bounds the calls that take no context: Lease.Release
+	// waits at most this long for the daemon's acknowledgement, Close at
+	// most this long for the daemon to end the connection. 0 means
+	// DefaultCallTimeout. Calls that take a context are bounded by it.
+	CallTimeout time.Duration
 }
 
 // reply is what the reader hands to a waiting call. The placement in a
@@ -57,17 +83,36 @@ type reply struct {
 }
 
 // Dial connects to the daemon at socket ("" means DefaultSocketPath) and
-// performs the handshake. If there is no daemon the error wraps
-// ErrStoreGone; if the daemon does not admit this user, ErrPermission.
+// performs the handshake, with the default Options. If there is no daemon
+// the error wraps ErrStoreGone; if the daemon does not admit this user,
+// ErrPermission; if it does not answer within DefaultDialTimeout (or ctx's
+// deadline), ErrTimeout.
 func Dial(ctx context.Context, socket string) (*Client, error) {
+	return DialOptions(ctx, socket, Options{})
+}
+
+// DialOptions is Dial with options.
+func DialOptions(ctx context.Context, socket string, opts Options) (*Client, error) {
 	if socket == "" {
 		socket = DefaultSocketPath()
+	}
+	if opts.DialTimeout == 0 {
+		opts.DialTimeout = DefaultDialTimeout
+	}
+	if opts.CallTimeout <= 0 {
+		opts.CallTimeout = DefaultCallTimeout
+	}
+	if opts.DialTimeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, opts.DialTimeout)
+		defer cancel()
 	}
 	conn, err := protocol.Dial(ctx, socket)
 	if err != nil {
 		return nil, dialError(socket, err)
 	}
 	c := &Client{
+		callTimeout: opts.CallTimeout,
 		conn:       conn,
 		socket:     socket,
 		nextID:     1,
@@ -92,7 +137,9 @@ func dialError(socket string, err error) error {
 	switch {
 	case errors.Is(err, syscall.EACCES), errors.Is(err, syscall.EPERM):
 		e.Err = ErrPermission
-	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+	case errors.Is(err, context.DeadlineExceeded):
+		e.Err, e.cause = ErrTimeout, context.DeadlineExceeded
+	case errors.Is(err, context.Canceled):
 		e.Err = err
 	}
 	return e
@@ -114,6 +161,9 @@ func (c *Client) handshake(ctx context.Context) error {
 
 func (c *Client) handshakeError(ctx context.Context, err error) error {
 	if cerr := ctx.Err(); cerr != nil {
+		if errors.Is(cerr, context.DeadlineExceeded) {
+			return &Error{Op: "dial", Err: ErrTimeout, Message: fmt.Sprintf("the daemon at %s did not answer the handshake in time (is it stopped or overloaded?)", c.socket), cause: cerr}
+		}
 		return &Error{Op: "dial", Err: cerr}
 	}
 	var ce *protocol.CodeError
@@ -138,7 +188,11 @@ func (c *Client) Server() ServerInfo { return c.server }
 func (c *Client) Socket() string { return c.socket }
 
 // Close closes the connection. Objects not yet sealed are aborted by the
-// daemon and leases are released. Host memory of Objects and Leases not yet
+// daemon and leases are released: when Close returns, the daemon has done
+// so, and every connection sees those leases gone and their memory
+// reusable (Close waits for the daemon to end the connection, at most
+// Options.CallTimeout; past that it closes the socket without waiting and
+// the guarantee does not hold). Host memory of Objects and Leases not yet
 // sealed or released stays mapped until they are; Close unmaps the rest.
 // GPU mappings of Objects and Leases (legacy IPC mappings and imported
 // arenas alike) are closed first (their ReadAt and WriteAt fail
@@ -159,6 +213,17 @@ func (c *Client) Close() error {
 	c.mu.Unlock()
 	for _, u := range users {
 		u.closeGPU()
+	}
+	// Half-close and wait for the daemon to hang up: it cleans up the
+	// session (aborts, releases) before it closes its end, so once the
+	// reader sees the end of the stream other connections see the cleanup.
+	if c.conn.CloseWrite() == nil {
+		t := time.NewTimer(c.callTimeout)
+		select {
+		case <-c.readerDone:
+		case <-t.C:
+		}
+		t.Stop()
 	}
 	err := c.conn.Close()
 	<-c.readerDone

@@ -13,7 +13,9 @@
 //   - Get returns a Lease: a read-only view of a sealed object. The memory
 //     stays valid until Release, even if the object is deleted or the
 //     store wants the space. A lease the client forgets is released when the
-//     connection closes (including when the process is killed).
+//     connection closes (including when the process is killed). When
+//     Release (or Close) returns, the daemon has ended the lease: every
+//     connection sees it gone and a deleted object's memory reusable.
 //   - Memory is mapped once per daemon arena and cached, so a Get costs one
 //     socket round trip. Mappings are unmapped when the client is closed and
 //     no Object or Lease uses them any more; Bytes of a released lease must

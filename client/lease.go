@@ -147,10 +147,16 @@ func (l *Lease) ID() uint64 { return l.id }
 // Release ends the lease and unmaps its memory when nothing else uses the
 // mapping (a GPU mapping is closed before the daemon is told, so that the
 // daemon may free the arena once the lease ends). Bytes, Ptr and Mapping
-// must not be used afterwards. Release is idempotent; when the connection
-// is already gone the daemon has ended the lease itself and Release
-// returns nil. It does not wait for the daemon's reply: later calls on
-// this Client see the lease gone, other clients a round trip later at most.
+// must not be used afterwards.
+//
+// When Release returns nil the daemon has ended the lease: every
+// connection, this one and others, sees it gone (Stat's Leases, List) and
+// the memory it held reusable (a deleted object's space is free for the
+// next Create). Release waits for the daemon at most Options.CallTimeout;
+// past that it fails with ErrTimeout and the daemon ends the lease when it
+// reads the request (or when the connection closes). Release is
+// idempotent; when the connection is already gone the daemon has ended
+// the lease itself and Release returns nil.
 func (l *Lease) Release() error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -160,22 +166,20 @@ func (l *Lease) Release() error {
 	l.released = true
 	verr := l.v.close()
 	l.c.untrackGPU(l)
-	// The release is pipelined: sent now, its reply not waited for. The
-	// daemon handles a connection's requests in order, so every later call
-	// on this Client sees the lease gone; other connections see it gone a
-	// round trip later at most. A get+release cycle costs one round trip,
-	// not two.
+	ctx, cancel := context.WithTimeout(context.Background(), l.c.callTimeout)
+	defer cancel()
 	req := &storev1.Request{Body: &storev1.Request_Release{Release: &storev1.ReleaseRequest{LeaseId: l.id}}}
-	var err error
-	if serr := l.c.sendDetached(req); serr != nil {
-		err = &Error{Op: "release", Name: l.info.Name, Err: serr}
-	}
+	_, err := l.c.roundTrip(ctx, "release", l.info.Name, req)
 	if l.m != nil {
 		l.c.unref(l.m)
 		l.m = nil
 	}
 	if isGone(err) {
 		err = nil
+	}
+	var e *Error
+	if errors.As(err, &e) && errors.Is(e.Err, context.DeadlineExceeded) {
+		e.Err, e.cause, e.Message = ErrTimeout, context.DeadlineExceeded, "the daemon did not acknowledge the release in time; it ends the lease when it reads the request or the connection closes"
 	}
 	if err == nil && verr != nil {
 		err = &Error{Op: "release", Name: l.info.Name, Err: ErrInternal, Message: "unmapping the GPU object: " + verr.Error()}

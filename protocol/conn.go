@@ -240,6 +240,11 @@ func (c *Conn) PeerCred() (*unix.Ucred, error) {
 	return cred, nil
 }
 
+// CloseWrite shuts down the sending side: the peer's Recv returns io.EOF
+// once it has read every packet sent before, while this side can still
+// receive.
+func (c *Conn) CloseWrite() error { return c.uc.CloseWrite() }
+
 // Close closes the connection; a Recv blocked in another goroutine returns
 // an error matching net.ErrClosed.
 func (c *Conn) Close() error { return c.uc.Close() }
