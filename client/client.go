@@ -113,16 +113,16 @@ func DialOptions(ctx context.Context, socket string, opts Options) (*Client, err
 	}
 	c := &Client{
 		callTimeout: opts.CallTimeout,
-		conn:       conn,
-		socket:     socket,
-		nextID:     1,
-		pending:    make(map[uint64]chan reply),
-		abandoned:  make(map[uint64]string),
-		subs:       make(map[*subscription]struct{}),
-		arenas:     make(map[arenaKey]*arena),
-		gpu:        make(map[gpuUser]struct{}),
-		fd:         fdArenas{arenas: make(map[uint64]*fdArena)},
-		readerDone: make(chan struct{}),
+		conn:        conn,
+		socket:      socket,
+		nextID:      1,
+		pending:     make(map[uint64]chan reply),
+		abandoned:   make(map[uint64]string),
+		subs:        make(map[*subscription]struct{}),
+		arenas:      make(map[arenaKey]*arena),
+		gpu:         make(map[gpuUser]struct{}),
+		fd:          fdArenas{arenas: make(map[uint64]*fdArena)},
+		readerDone:  make(chan struct{}),
 	}
 	if err := c.handshake(ctx); err != nil {
 		conn.Close()
