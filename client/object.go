@@ -193,7 +193,7 @@ func checkName(op, name string) error {
 		if errors.As(err, &ce) {
 			msg = ce.Message
 		}
-		return &Error{Op: op, Name: name, Err: ErrInvalid, Message: msg + " (names are 1 to 255 bytes of printable UTF-8 without '/')"}
+		return &Error{Op: op, Name: name, Err: ErrInvalid, Message: msg + " (names are 1 to 255 bytes of printable UTF-8)"}
 	}
 	return nil
 }

@@ -31,6 +31,12 @@ const handshakeTimeout = 10 * time.Second
 // unsealed objects and releases their leases), waits for them, and returns
 // nil. It returns early with an error only if l fails for good.
 func (s *Store) Serve(ctx context.Context, l *net.UnixListener) error {
+	return s.serve(ctx, l, l.Addr().String())
+}
+
+// serve is Serve, logging path as the socket's: ListenAndServe binds under
+// a temporary name that l.Addr still reports after the rename.
+func (s *Store) serve(ctx context.Context, l *net.UnixListener, path string) error {
 	connCtx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	defer func() {
@@ -39,7 +45,7 @@ func (s *Store) Serve(ctx context.Context, l *net.UnixListener) error {
 	}()
 	stop := context.AfterFunc(ctx, func() { l.Close() })
 	defer stop()
-	s.log.Info("serving", "addr", l.Addr().String(), "backend", s.backend.name(), "gpu_share", s.cfg.GPUShare, "capacity", s.cfg.Capacity, "evict", !s.cfg.NoEvict)
+	s.log.Info("serving", "path", path, "backend", s.backend.name(), "gpu_share", s.cfg.GPUShare, "capacity", s.cfg.Capacity, "evict", !s.cfg.NoEvict)
 
 	var backoff time.Duration
 	for {

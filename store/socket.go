@@ -32,7 +32,7 @@ func (s *Store) ListenAndServe(ctx context.Context, socketPath string) error {
 		return err
 	}
 	defer cleanup()
-	return s.Serve(ctx, l)
+	return s.serve(ctx, l, socketPath)
 }
 
 func (s *Store) listen(path string) (_ *net.UnixListener, cleanup func(), err error) {

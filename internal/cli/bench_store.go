@@ -22,7 +22,8 @@ type benchStoreCmd struct {
 
 func (c *benchStoreCmd) Help() string {
 	return `Creates one object, then has N clients lease and release it in a loop for D
-and reports the rate and latency of a get+release cycle (two round trips).
+and reports the rate and latency of a get+release cycle (one round trip: the
+release travels without waiting for its reply).
 With --socket (or CUDAIPC_SOCKET) it measures that running daemon; without, it
 runs an embedded store in this process.`
 }

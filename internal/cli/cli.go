@@ -8,9 +8,15 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"reflect"
 	"runtime/debug"
+	"slices"
+	"strconv"
+	"strings"
+	"unicode/utf8"
 
 	"github.com/alecthomas/kong"
+	"golang.org/x/sys/unix"
 )
 
 // Globals are the flags every command sees, plus the writers and context the
@@ -92,6 +98,11 @@ func runIO(ctx context.Context, args []string, stdin io.Reader, stdout, stderr i
 	if err != nil {
 		return err
 	}
+	// kong turns bytes that are not UTF-8 into U+FFFD; such arguments go
+	// through it masked and come back as given, so that a bad object name
+	// reaches the client and gets its error instead of becoming another
+	// name.
+	masked, raw := maskInvalidUTF8(args)
 	var kctx *kong.Context
 	func() {
 		defer func() {
@@ -101,7 +112,7 @@ func runIO(ctx context.Context, args []string, stdin io.Reader, stdout, stderr i
 				}
 			}
 		}()
-		kctx, err = parser.Parse(args)
+		kctx, err = parser.Parse(masked)
 	}()
 	if exit >= 0 { // --help or a parse error already reported by kong
 		if exit == 0 {
@@ -112,6 +123,7 @@ func runIO(ctx context.Context, args []string, stdin io.Reader, stdout, stderr i
 	if err != nil {
 		return &ExitError{Code: 2, Err: err}
 	}
+	unmaskStrings(reflect.ValueOf(&root).Elem(), raw)
 	root.ctx = ctx
 	root.stdin = stdin
 	root.stdout = stdout
@@ -128,14 +140,16 @@ func newLogger(w io.Writer, level string) *slog.Logger {
 	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l}))
 }
 
-// isTerminal reports whether w is a terminal, for progress bars.
+// isTerminal reports whether w is a terminal: for progress bars, and to
+// refuse writing binary data to one. Other character devices (/dev/null)
+// are not terminals.
 func isTerminal(w io.Writer) bool {
 	f, ok := w.(*os.File)
 	if !ok {
 		return false
 	}
-	st, err := f.Stat()
-	return err == nil && st.Mode()&os.ModeCharDevice != 0
+	_, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS)
+	return err == nil
 }
 
 // version names the module version this binary was built from (a release
@@ -158,4 +172,55 @@ func version() string {
 		v = "(devel)"
 	}
 	return "cudaipc " + v + " (" + bi.GoVersion + ")"
+}
+
+// maskInvalidUTF8 replaces each argument that is not valid UTF-8 by a
+// placeholder no one types, and returns the placeholders' originals.
+func maskInvalidUTF8(args []string) ([]string, map[string]string) {
+	var raw map[string]string
+	out := args
+	for i, a := range args {
+		if utf8.ValidString(a) {
+			continue
+		}
+		if raw == nil {
+			raw = make(map[string]string)
+			out = slices.Clone(args)
+		}
+		k := "\x00cudaipc-arg-" + strconv.Itoa(i) + "\x00"
+		if flag, value, ok := strings.Cut(a, "="); ok && strings.HasPrefix(a, "-") && utf8.ValidString(flag) {
+			raw[k], out[i] = value, flag+"="+k // --name=VALUE
+		} else {
+			raw[k], out[i] = a, k
+		}
+	}
+	return out, raw
+}
+
+// unmaskStrings puts the originals of maskInvalidUTF8 back into the parsed
+// string fields of v.
+func unmaskStrings(v reflect.Value, raw map[string]string) {
+	if len(raw) == 0 {
+		return
+	}
+	switch v.Kind() {
+	case reflect.Struct:
+		for i := range v.NumField() {
+			if v.Type().Field(i).IsExported() {
+				unmaskStrings(v.Field(i), raw)
+			}
+		}
+	case reflect.Slice:
+		for i := range v.Len() {
+			unmaskStrings(v.Index(i), raw)
+		}
+	case reflect.String:
+		s := v.String()
+		for k, orig := range raw {
+			s = strings.ReplaceAll(s, k, orig)
+		}
+		if v.CanSet() {
+			v.SetString(s)
+		}
+	}
 }

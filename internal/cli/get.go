@@ -23,6 +23,9 @@ func (c *getCmd) Help() string {
 }
 
 func (c *getCmd) Run(g *Globals) error {
+	if c.Output == "-" && isTerminal(g.stdout) {
+		return &ExitError{Code: 2, Err: errors.New("refusing to write binary data to a terminal: use -o FILE or redirect stdout")}
+	}
 	cl, err := g.dial()
 	if err != nil {
 		return err

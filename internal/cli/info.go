@@ -25,6 +25,9 @@ type deviceInfo struct {
 }
 
 type infoReport struct {
+	// Error says why the rest is missing (no driver, no GPU access); set
+	// only on failure, so that scripts reading --json always get JSON.
+	Error         string       `json:"error,omitempty"`
 	Library       string       `json:"library"`
 	DriverVersion string       `json:"driver_cuda_version"`
 	Devices       []deviceInfo `json:"devices"`
@@ -67,6 +70,13 @@ func gatherInfo() (*infoReport, error) {
 func (c *InfoCmd) Run(g *Globals) error {
 	r, err := gatherInfo()
 	if err != nil {
+		if c.JSON {
+			// Exit non-zero as well: the JSON is for scripts that read
+			// stdout, the exit code for those that only check it.
+			if perr := printJSON(g.stdout, &infoReport{Error: err.Error(), Devices: []deviceInfo{}, PeerAccess: [][]bool{}}); perr != nil {
+				return perr
+			}
+		}
 		return err
 	}
 	if c.JSON {

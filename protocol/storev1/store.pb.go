@@ -463,12 +463,14 @@ func (x *HelloRequest) GetClientName() string {
 // until sealed.
 type CreateRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Object name: 1..255 bytes of printable UTF-8 without '/'.
+	// Object name: 1..255 bytes of printable UTF-8 ('/' allowed, for
+	// hierarchical keys such as model/layer.0).
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// Size in bytes: 1..2^40.
 	Size uint64 `protobuf:"varint,2,opt,name=size,proto3" json:"size,omitempty"`
-	// Device to allocate on: "" or "host" for host memory; a GPU ordinal or
-	// UUID once GPU backends exist.
+	// Device to allocate on: "" or "host" for host memory; a GPU's UUID
+	// ("GPU-...") on daemons with the cuda backend. Ordinals are not accepted:
+	// clients resolve them to UUIDs in their own process.
 	Device string `protobuf:"bytes,3,opt,name=device,proto3" json:"device,omitempty"`
 	// When true, every user allowed to connect may read the object once it is
 	// sealed; otherwise only the creator's uid (and root) may.
@@ -1213,7 +1215,8 @@ type HelloResponse struct {
 	ServerVersion string `protobuf:"bytes,2,opt,name=server_version,json=serverVersion,proto3" json:"server_version,omitempty"`
 	// Process id of the server.
 	Pid uint32 `protobuf:"varint,3,opt,name=pid,proto3" json:"pid,omitempty"`
-	// Memory backend in use: "host" (later "cuda").
+	// Memory backend in use: "host" (host memory only) or "cuda" (GPUs by
+	// UUID, and host memory).
 	Backend       string `protobuf:"bytes,4,opt,name=backend,proto3" json:"backend,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1292,11 +1295,12 @@ type Placement struct {
 	ArenaSize uint64 `protobuf:"varint,5,opt,name=arena_size,json=arenaSize,proto3" json:"arena_size,omitempty"`
 	// True for a read-write mapping (create), false for read-only (get).
 	Writable bool `protobuf:"varint,6,opt,name=writable,proto3" json:"writable,omitempty"`
-	// True when this packet carries the arena's file descriptor (SCM_RIGHTS),
-	// sent the first time this connection is given the arena in this mode.
+	// True when this packet carries the arena's file descriptor (SCM_RIGHTS):
+	// for host arenas the first time this connection is given the arena in
+	// this mode; for GPU arenas shared by descriptor in every placement.
 	FdAttached bool `protobuf:"varint,7,opt,name=fd_attached,json=fdAttached,proto3" json:"fd_attached,omitempty"`
-	// Backend-specific description of the memory for GPU backends; empty for
-	// host memory.
+	// GPU arenas shared by legacy IPC: the binary region (docs/region.md) of
+	// the whole arena; empty for host memory and descriptor-shared arenas.
 	Region        []byte `protobuf:"bytes,8,opt,name=region,proto3" json:"region,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

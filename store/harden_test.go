@@ -1,0 +1,56 @@
+package store
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// logBuffer collects a store's logs for a test.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *logBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *logBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+func (b *logBuffer) logger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(b, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+// TestServeLogsRealPath: the daemon binds under a temporary name and
+// renames; its log must name the path clients use.
+func TestServeLogsRealPath(t *testing.T) {
+	var logs logBuffer
+	s := newTestStore(t, Config{Logger: logs.logger()})
+	path := filepath.Join(shortTempDir(t), "store.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.ListenAndServe(ctx, path) }()
+	for !strings.Contains(logs.String(), "msg=serving") {
+		time.Sleep(time.Millisecond) // poll interval, not a deadline
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	out := logs.String()
+	if strings.Contains(out, ".tmp") || !strings.Contains(out, "msg=serving path="+path+" ") {
+		t.Fatalf("log does not name %s:\n%s", path, out)
+	}
+}
