@@ -15,14 +15,11 @@ import (
 )
 
 func main() {
-	if cli.RunDoctorExporter() || cli.RunBenchExporter() {
-		return
-	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := cli.Run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "cudaipc:", err)
+		fmt.Fprintln(os.Stderr, cli.Message(err))
 		os.Exit(cli.ExitCode(err))
 	}
 }

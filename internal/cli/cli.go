@@ -17,6 +17,9 @@ import (
 
 	"github.com/alecthomas/kong"
 	"golang.org/x/sys/unix"
+
+	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/internal/diag"
 )
 
 // Globals are the flags every command sees, plus the writers and context the
@@ -36,15 +39,16 @@ type Globals struct {
 // or SIGTERM.
 func (g *Globals) Context() context.Context { return g.ctx }
 
-// cli lists the commands. Each command is a struct with a
-// Run(*Globals) error method, in a file of its own.
+// cliRoot is the command tree. Each command is a struct with a Run method,
+// in a file of its own; the diagnostics (doctor, demo, bench) live in
+// package diag and run with a *diag.Env.
 type cliRoot struct {
 	Globals
 	Version kong.VersionFlag `help:"Print the version and exit."`
 
-	Info   InfoCmd   `cmd:"" help:"Show the driver, each GPU and the peer-access matrix."`
-	Doctor DoctorCmd `cmd:"" help:"Check that this machine can share GPU memory, and say what to fix."`
-	Dump   DumpCmd   `cmd:"" help:"Write the bytes of a region exported by any program (Go, PyTorch, CuPy, C) to a file or stdout."`
+	Info   InfoCmd        `cmd:"" help:"Show the driver, each GPU and the peer-access matrix."`
+	Doctor diag.DoctorCmd `cmd:"" help:"Check that this machine can share GPU memory, and say what to fix."`
+	Dump   DumpCmd        `cmd:"" help:"Write the bytes of a region exported by any program (Go, PyTorch, CuPy, C) to a file or stdout."`
 
 	Serve serveCmd `cmd:"" help:"Run the object store daemon."`
 	Put   putCmd   `cmd:"" help:"Store a file as a sealed object."`
@@ -53,11 +57,25 @@ type cliRoot struct {
 	Stat  statCmd  `cmd:"" help:"Describe one object."`
 	Rm    rmCmd    `cmd:"" help:"Remove objects from the store."`
 
-	Demo  demoCmd  `cmd:"" help:"Share objects between two processes through an embedded store, check every byte, and report how fast."`
-	Bench benchCmd `cmd:"" help:"Measure (bench ipc: GPU sharing; bench store: the object store)."`
+	Demo  diag.DemoCmd `cmd:"" help:"Share objects between two processes through an embedded store, check every byte, and report how fast."`
+	Bench benchCmd     `cmd:"" help:"Measure (bench ipc: GPU sharing; bench store: the object store)."`
 
-	DemoWorker demoWorkerCmd `cmd:"" name:"demo-worker" hidden:"" help:"Producer or consumer process of 'cudaipc demo'."`
+	DiagHelper diagHelperCmd `cmd:"" name:"diag-helper" hidden:"" help:"A helper process of doctor, demo or bench (see package diag)."`
 }
+
+// benchCmd groups the measurements.
+type benchCmd struct {
+	IPC   diag.BenchIPCCmd   `cmd:"" name:"ipc" help:"Measure GPU sharing between processes against C, the hardware and host staging."`
+	Store diag.BenchStoreCmd `cmd:"" help:"Measure get+release round trips against the object store."`
+}
+
+// diagHelperCmd is the one way the diagnostics re-execute this program.
+type diagHelperCmd struct {
+	Role   string `arg:""`
+	Config string `arg:""`
+}
+
+func (c *diagHelperCmd) Run(e *diag.Env) error { return diag.RunHelper(e, c.Role, c.Config) }
 
 // ExitError carries an exit code other than 1.
 type ExitError struct {
@@ -68,13 +86,26 @@ type ExitError struct {
 func (e *ExitError) Error() string { return e.Err.Error() }
 func (e *ExitError) Unwrap() error { return e.Err }
 
-// ExitCode returns the process exit code for an error returned by Run.
+// ExitCode returns the process exit code for an error returned by Run: 2
+// for bad arguments, else 1 unless an *ExitError says otherwise.
 func ExitCode(err error) int {
 	var ee *ExitError
 	if errors.As(err, &ee) {
 		return ee.Code
 	}
+	var ue *diag.UsageError
+	if errors.As(err, &ue) {
+		return 2
+	}
 	return 1
+}
+
+// Message is the line main prints for an error Run returned: "cudaipc: "
+// and the error, on one line.
+func Message(err error) string {
+	s := strings.TrimSpace(err.Error())
+	s = strings.ReplaceAll(s, "\n", "; ")
+	return "cudaipc: " + strings.TrimPrefix(s, "cudaipc: ")
 }
 
 // Run parses args and runs the chosen command. ctx is cancelled when the
@@ -129,7 +160,17 @@ func runIO(ctx context.Context, args []string, stdin io.Reader, stdout, stderr i
 	root.stdout = stdout
 	root.stderr = stderr
 	root.log = newLogger(stderr, root.LogLevel)
-	return kctx.Run(&root.Globals)
+	return kctx.Run(&root.Globals, root.env())
+}
+
+// env is what the diagnostics run with.
+func (g *Globals) env() *diag.Env {
+	return &diag.Env{
+		Ctx: g.ctx, Stdin: g.stdin, Stdout: g.stdout, Stderr: g.stderr,
+		Log: g.log, LogLevel: g.LogLevel,
+		Socket: g.Socket, DefaultSocket: client.DefaultSocketPath(),
+		Explain: explain,
+	}
 }
 
 type exitPanic struct{}

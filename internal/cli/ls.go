@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/internal/bytesize"
 )
 
 type lsCmd struct {
@@ -47,7 +48,7 @@ func printTable(w io.Writer, objs []client.ObjectInfo) error {
 		if !o.Sealed {
 			state = "writing"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%t\t%d\t%s\n", o.Name, humanBytes(o.Size), o.Device, state,
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%t\t%d\t%s\n", o.Name, bytesize.Format(o.Size), o.Device, state,
 			o.Leases, o.Shared, o.OwnerUID, o.Created.Local().Format(time.DateTime))
 	}
 	return tw.Flush()

@@ -7,6 +7,7 @@ import (
 	"os"
 
 	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/internal/bytesize"
 )
 
 type putCmd struct {
@@ -45,7 +46,7 @@ func (c *putCmd) Run(g *Globals) error {
 	if err := obj.Seal(ctx); err != nil {
 		return explain(err, g.socketPath())
 	}
-	fmt.Fprintf(g.stdout, "stored %q: %s (%d bytes) on %s\n", c.Name, humanBytes(size), size, obj.Device())
+	fmt.Fprintf(g.stdout, "stored %q: %s (%d bytes) on %s\n", c.Name, bytesize.Format(size), size, obj.Device())
 	return nil
 }
 

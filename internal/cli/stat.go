@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"text/tabwriter"
 	"time"
+
+	"github.com/cudaipc/cudaipc/internal/bytesize"
 )
 
 type statCmd struct {
@@ -26,7 +28,7 @@ func (c *statCmd) Run(g *Globals) error {
 	}
 	tw := tabwriter.NewWriter(g.stdout, 0, 0, 1, ' ', 0)
 	fmt.Fprintf(tw, "name:\t%s\n", o.Name)
-	fmt.Fprintf(tw, "size:\t%s (%d bytes)\n", humanBytes(o.Size), o.Size)
+	fmt.Fprintf(tw, "size:\t%s (%d bytes)\n", bytesize.Format(o.Size), o.Size)
 	fmt.Fprintf(tw, "device:\t%s\n", o.Device)
 	fmt.Fprintf(tw, "sealed:\t%t\n", o.Sealed)
 	fmt.Fprintf(tw, "leases:\t%d\n", o.Leases)

@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/cudaipc/cudaipc/client"
@@ -57,63 +55,6 @@ func explain(err error, socket string) error {
 		return fmt.Errorf("%w (release leases or remove objects this client holds)", err)
 	}
 	return err
-}
-
-// byteSize is a flag value in bytes that accepts suffixes: 4096, 64KiB,
-// 16MiB, 1GiB, 1G (powers of 1024 either way).
-type byteSize int64
-
-func (b *byteSize) UnmarshalText(text []byte) error {
-	n, err := parseSize(string(text))
-	if err != nil {
-		return err
-	}
-	*b = byteSize(n)
-	return nil
-}
-
-func (b byteSize) String() string { return humanBytes(int64(b)) }
-
-func parseSize(s string) (int64, error) {
-	t := strings.TrimSpace(s)
-	mult := int64(1)
-	lower := strings.ToLower(t)
-	for _, u := range []struct {
-		suffix string
-		mult   int64
-	}{
-		{"tib", 1 << 40}, {"gib", 1 << 30}, {"mib", 1 << 20}, {"kib", 1 << 10},
-		{"tb", 1 << 40}, {"gb", 1 << 30}, {"mb", 1 << 20}, {"kb", 1 << 10},
-		{"t", 1 << 40}, {"g", 1 << 30}, {"m", 1 << 20}, {"k", 1 << 10}, {"b", 1},
-	} {
-		if strings.HasSuffix(lower, u.suffix) {
-			mult = u.mult
-			t = strings.TrimSpace(t[:len(t)-len(u.suffix)])
-			break
-		}
-	}
-	n, err := strconv.ParseInt(t, 10, 64)
-	if err != nil || n < 0 {
-		return 0, fmt.Errorf("bad size %q: want a byte count such as 4096, 64KiB, 16MiB or 1GiB", s)
-	}
-	if n > (1<<62)/mult {
-		return 0, fmt.Errorf("size %q is too large", s)
-	}
-	return n * mult, nil
-}
-
-// humanBytes prints n in IEC units: 4.0 KiB, 64.0 MiB.
-func humanBytes(n int64) string {
-	const unit = 1024
-	if n < unit {
-		return fmt.Sprintf("%d B", n)
-	}
-	div, exp := int64(unit), 0
-	for m := n / unit; m >= unit && exp < 4; m /= unit {
-		div *= unit
-		exp++
-	}
-	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTP"[exp])
 }
 
 // newProgress returns a byte progress bar on w when w is a terminal, else

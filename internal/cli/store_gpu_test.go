@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/internal/diag"
 	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
@@ -116,7 +117,7 @@ func TestGPUStoreCommands(t *testing.T) {
 
 func TestGPUDemo(t *testing.T) {
 	dev := testutil.RequireGPU(t)
-	var rep demoReport
+	var rep diag.DemoReport
 	if err := json.Unmarshal([]byte(mustRun(t, "demo", "--sizes", "4KiB,1MiB,96MiB", "--json")), &rep); err != nil {
 		t.Fatal(err)
 	}
@@ -134,7 +135,7 @@ func TestGPUDemo(t *testing.T) {
 	}
 	// --device host forces host objects, even with a GPU. (A fresh report:
 	// json.Unmarshal into a used slice keeps fields the JSON omits.)
-	var hostRep demoReport
+	var hostRep diag.DemoReport
 	if err := json.Unmarshal([]byte(mustRun(t, "demo", "--sizes", "64KiB", "--device", "host", "--json")), &hostRep); err != nil {
 		t.Fatal(err)
 	}
@@ -146,7 +147,7 @@ func TestGPUDemo(t *testing.T) {
 // demo --gpu-share fd shares the GPU arenas as descriptors, and says so.
 func TestGPUDemoFD(t *testing.T) {
 	dev := testutil.RequireGPU(t)
-	var rep demoReport
+	var rep diag.DemoReport
 	if err := json.Unmarshal([]byte(mustRun(t, "demo", "--gpu-share", "fd", "--sizes", "4KiB,1MiB,96MiB", "--json")), &rep); err != nil {
 		t.Fatal(err)
 	}
@@ -161,4 +162,43 @@ func TestGPUDemoFD(t *testing.T) {
 	if human := mustRun(t, "demo", "--gpu-share", "fd", "--sizes", "64KiB"); !strings.Contains(human, "GPU sharing: fd") {
 		t.Errorf("demo output:\n%s", human)
 	}
+}
+
+// TestBenchIPC runs 'cudaipc bench ipc' small on a GPU, its exporter
+// process (this binary as 'cudaipc diag-helper') included.
+func TestBenchIPC(t *testing.T) {
+	testutil.RequireGPU(t)
+	out, errOut, err := storeCLI(t, "bench", "ipc", "--size", "67108864", "--iters", "20", "--bw-iters", "5", "--json")
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errOut)
+	}
+	var r struct {
+		GPUs    int `json:"gpus"`
+		Metrics map[string]struct {
+			P50, P99, Ratio float64
+			N               int
+		} `json:"metrics"`
+	}
+	if err := json.Unmarshal([]byte(out), &r); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	for _, k := range []string{"export_first", "export_again", "open_cold_1mib", "close_1mib", "open_cold_large", "close_large",
+		"open_already_open", "close_decrement", "event_open", "d2d_local", "ipc_read", "host_staged", "host_staged_dma"} {
+		m, ok := r.Metrics[k]
+		if !ok || m.P50 <= 0 || m.P99 <= 0 || m.N == 0 {
+			t.Errorf("%s: %+v", k, m)
+		}
+	}
+	if m := r.Metrics["ipc_read"]; m.Ratio < 0.5 {
+		t.Errorf("ipc_read at %.2fx the in-process copy (FACTS: no loss)", m.Ratio)
+	}
+	if r.Metrics["host_staged"].P50 >= r.Metrics["ipc_read"].P50 {
+		t.Errorf("host staging faster than IPC: %+v", r.Metrics)
+	}
+	if r.GPUs > 1 {
+		if m := r.Metrics["peer_ipc"]; m.Ratio < 0.5 {
+			t.Errorf("peer_ipc: %+v", m)
+		}
+	}
+	t.Log("\n" + mustRun(t, "bench", "ipc", "--size", "1048576", "--iters", "2", "--bw-iters", "1"))
 }

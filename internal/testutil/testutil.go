@@ -11,7 +11,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"os"
 	"os/exec"
 	"strconv"
@@ -22,6 +21,7 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/internal/seeddata"
 )
 
 // EnvRequireGPU turns skips for lack of a GPU into failures. Its value is
@@ -73,22 +73,9 @@ func skipOrFail(t testing.TB, n int, why string) {
 	t.Skip(why)
 }
 
-// RandomBytes returns n bytes from a PRNG seeded with seed, so that two
+// RandomBytes returns n bytes of the seeddata stream of seed, so that two
 // processes can make the same data from a seed they share.
-func RandomBytes(seed uint64, n int) []byte {
-	r := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
-	b := make([]byte, n)
-	for i := 0; i+8 <= n; i += 8 {
-		v := r.Uint64()
-		for j := 0; j < 8; j++ {
-			b[i+j] = byte(v >> (8 * j))
-		}
-	}
-	for i := n &^ 7; i < n; i++ {
-		b[i] = byte(r.Uint32())
-	}
-	return b
-}
+func RandomBytes(seed uint64, n int) []byte { return seeddata.Bytes(seed, n) }
 
 // Sum returns the hex SHA-256 of b.
 func Sum(b []byte) string {

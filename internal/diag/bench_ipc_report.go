@@ -1,4 +1,4 @@
-package cli
+package diag
 
 import (
 	"fmt"
@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/cudaipc/cudaipc/internal/bytesize"
 )
 
 // ipcStat is one measured quantity. Latencies are in µs; bandwidths in
@@ -69,10 +71,20 @@ var ipcMetrics = []ipcMetric{
 
 // rankIndex returns the index of the pct-th percentile in a sorted slice of
 // n values by the nearest-rank method, ceil(pct/100*n)-1, in integers so
-// that the C and Python programs pick the same element.
+// that the C and Python programs pick the same element. Every percentile
+// the diagnostics report is this one.
 func rankIndex(n, pct int) int {
 	i := (pct*n+99)/100 - 1
 	return max(i, 0)
+}
+
+// percentile returns the pct-th percentile of sorted (nearest rank); 0 for
+// none.
+func percentile(sorted []time.Duration, pct int) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	return sorted[rankIndex(len(sorted), pct)]
 }
 
 // latencyStat summarizes durations as median and p99 in µs.
@@ -82,8 +94,7 @@ func latencyStat(d []time.Duration) ipcStat {
 	}
 	s := slices.Clone(d)
 	slices.Sort(s)
-	us := func(x time.Duration) float64 { return float64(x.Nanoseconds()) / 1e3 }
-	return ipcStat{Unit: "us", P50: us(s[rankIndex(len(s), 50)]), P99: us(s[rankIndex(len(s), 99)]), N: len(s)}
+	return ipcStat{Unit: "us", P50: micros(percentile(s, 50)), P99: micros(percentile(s, 99)), N: len(s)}
 }
 
 // bandwidthStat turns the durations of copies of n bytes into GB/s: P50 of
@@ -100,8 +111,11 @@ func bandwidthStat(n int64, d []time.Duration) ipcStat {
 		}
 		return float64(n) / x.Seconds() / 1e9
 	}
-	return ipcStat{Unit: "GB/s", P50: gbs(s[rankIndex(len(s), 50)]), P99: gbs(s[rankIndex(len(s), 99)]), N: len(s)}
+	return ipcStat{Unit: "GB/s", P50: gbs(percentile(s, 50)), P99: gbs(percentile(s, 99)), N: len(s)}
 }
+
+// micros is d in microseconds.
+func micros(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 
 // setRatios fills Ratio of every bandwidth metric that names a Ref present
 // in the report.
@@ -120,7 +134,7 @@ func (r *ipcBenchReport) setRatios() {
 // bandwidths, in the order of ipcMetrics.
 func writeIPCTable(w io.Writer, r *ipcBenchReport) error {
 	fmt.Fprintf(w, "%s: %s, %d GPU(s), large = %s, %d repetitions a latency, %d a bandwidth\n\n",
-		r.Tool, r.Device, r.GPUs, formatBytes(r.Size), r.Iters, r.BWIters)
+		r.Tool, r.Device, r.GPUs, bytesize.Format(r.Size), r.Iters, r.BWIters)
 	line := func(format string, cells ...any) {
 		fmt.Fprintln(w, strings.TrimRight(fmt.Sprintf(format, cells...), " "))
 	}
@@ -169,18 +183,4 @@ func formatNum(v float64) string {
 	default:
 		return strings.TrimRight(strings.TrimRight(fmt.Sprintf("%.3f", v), "0"), ".")
 	}
-}
-
-// formatBytes prints a size with a binary unit when it is a whole number of
-// them, else in bytes.
-func formatBytes(n int64) string {
-	for _, u := range []struct {
-		shift uint
-		name  string
-	}{{30, "GiB"}, {20, "MiB"}, {10, "KiB"}} {
-		if n >= 1<<u.shift && n%(1<<u.shift) == 0 {
-			return fmt.Sprintf("%d %s", n>>u.shift, u.name)
-		}
-	}
-	return fmt.Sprintf("%d B", n)
 }

@@ -1,14 +1,13 @@
-package cli
+package diag
 
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
 	"time"
@@ -16,10 +15,11 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/internal/seeddata"
 )
 
 // DoctorCmd checks that this machine can share GPU memory between processes
-// and says what to fix when it cannot.
+// and says what to fix when it cannot: 'cudaipc doctor'.
 type DoctorCmd struct {
 	JSON bool `help:"Print the checks as a JSON array."`
 }
@@ -30,8 +30,8 @@ type check struct {
 	Detail string `json:"detail"`
 }
 
-// Run implements the command.
-func (c *DoctorCmd) Run(g *Globals) error {
+// Run runs the checks and prints them; it fails when one fails.
+func (c *DoctorCmd) Run(e *Env) error {
 	var checks []check
 	add := func(name, status, detail string) { checks = append(checks, check{name, status, detail}) }
 
@@ -40,7 +40,7 @@ func (c *DoctorCmd) Run(g *Globals) error {
 	case derr != nil && errors.Is(derr, cudaipc.ErrNoDriver):
 		add("driver", "fail", derr.Error())
 	case derr != nil:
-		add("driver", "fail", derr.Error()+" (is the GPU visible to this container? see nvidia-smi)")
+		add("driver", "fail", derr.Error()+": is the GPU visible to this container? see nvidia-smi")
 	default:
 		v, _ := cudaipc.DriverVersion()
 		add("driver", "ok", fmt.Sprintf("CUDA %d.%d from %s", v/1000, v%1000/10, cudaipc.LibraryPath()))
@@ -72,15 +72,17 @@ func (c *DoctorCmd) Run(g *Globals) error {
 	}
 
 	if ns, err := os.Readlink("/proc/self/ns/pid"); err == nil {
-		detail := ns + ": legacy IPC works only between processes of one PID namespace"
+		// As measured (docs/fd-sharing.md): legacy IPC handles open in this
+		// namespace and in namespaces nested in it, not in sibling ones.
+		detail := ns + ": legacy IPC reaches processes of this PID namespace and of namespaces nested in it, not of sibling namespaces (other containers); for those run 'cudaipc serve --gpu-share fd'"
 		if init, err := os.Readlink("/proc/1/ns/pid"); err == nil && init != ns {
-			detail += " (this process is not in the init namespace: a container?)"
+			detail += "; this process is not in the namespace of /proc/1 (a container?)"
 		}
 		add("pid namespace", "ok", detail)
 	}
 
 	if fd, err := unix.MemfdCreate("cudaipc-doctor", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING); err != nil {
-		add("memfd", "fail", "memfd_create: "+err.Error()+" (the store's host backend needs it)")
+		add("memfd", "fail", "memfd_create: "+err.Error()+": the store's host backend needs it")
 	} else {
 		unix.Close(fd)
 		add("memfd", "ok", "memfd_create works (host-memory objects)")
@@ -96,12 +98,12 @@ func (c *DoctorCmd) Run(g *Globals) error {
 	}
 
 	if derr == nil && len(devs) > 0 {
-		add(ipcSelfTest(g.Context(), devs[0]))
+		add(ipcSelfTest(e.Ctx, devs[0]))
 	} else {
 		add("ipc round trip", "skip", "no GPU")
 	}
 
-	sock := g.socketPath()
+	sock := e.socket()
 	if st, err := os.Stat(sock); err == nil && st.Mode()&os.ModeSocket != 0 {
 		add("store socket", "ok", sock+" exists")
 	} else {
@@ -115,16 +117,16 @@ func (c *DoctorCmd) Run(g *Globals) error {
 		}
 	}
 	if c.JSON {
-		if err := printJSON(g.stdout, checks); err != nil {
+		if err := printJSON(e.Stdout, checks); err != nil {
 			return err
 		}
 	} else {
 		for _, ch := range checks {
-			fmt.Fprintf(g.stdout, "%-4s  %-20s %s\n", ch.Status, ch.Name, ch.Detail)
+			fmt.Fprintf(e.Stdout, "%-4s  %-20s %s\n", ch.Status, ch.Name, ch.Detail)
 		}
 	}
 	if failed > 0 {
-		return fmt.Errorf("%d check(s) failed", failed)
+		return fmt.Errorf("doctor: %d check(s) failed: fix what the lines marked fail say", failed)
 	}
 	return nil
 }
@@ -136,32 +138,20 @@ func formatLimit(v uint64) string {
 	return strconv.FormatUint(v>>10, 10) + " KiB"
 }
 
-// doctorExportEnv marks the re-executed doctor process that exports memory.
-const doctorExportEnv = "CUDAIPC_DOCTOR_EXPORT"
-
-// ipcSelfTest exports random bytes from a child process (this binary,
-// re-executed) and maps them here, as two real users of CUDA IPC would.
+// ipcSelfTest exports random bytes from a helper process and maps them
+// here, as two real users of CUDA IPC would.
 func ipcSelfTest(ctx context.Context, dev *cudaipc.Device) (string, string, string) {
 	const name = "ipc round trip"
-	exe, err := os.Executable()
+	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	h, err := startHelper(ctx, "doctor-exporter", doctorExportConfig{Device: dev.UUID()}, nil)
 	if err != nil {
 		return name, "fail", err.Error()
 	}
-	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, exe, "doctor")
-	cmd.Env = append(os.Environ(), doctorExportEnv+"="+dev.UUID().String())
-	stdin, _ := cmd.StdinPipe()
-	stdout, _ := cmd.StdoutPipe()
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		return name, "fail", err.Error()
-	}
-	defer func() { stdin.Close(); _ = cmd.Wait() }()
+	defer func() { _ = h.wait(10 * time.Second) }()
 	var msg doctorExport
-	if err := json.NewDecoder(stdout).Decode(&msg); err != nil {
-		return name, "fail", "exporter process: " + strings.TrimSpace(stderr.String())
+	if err := json.NewDecoder(h.stdout).Decode(&msg); err != nil {
+		return name, "fail", "the exporter process stopped" + h.why()
 	}
 	if msg.Err != "" {
 		return name, "fail", "exporter process: " + msg.Err
@@ -186,6 +176,10 @@ func ipcSelfTest(ctx context.Context, dev *cudaipc.Device) (string, string, stri
 	return name, "ok", fmt.Sprintf("pid %d exported %d random bytes, this process read them back; open took %v", msg.Pid, len(got), open.Round(time.Microsecond))
 }
 
+type doctorExportConfig struct {
+	Device cudaipc.UUID `json:"device"`
+}
+
 type doctorExport struct {
 	Handle cudaipc.MemHandle `json:"handle"`
 	Data   []byte            `json:"data"`
@@ -193,27 +187,21 @@ type doctorExport struct {
 	Err    string            `json:"err,omitempty"`
 }
 
-// RunDoctorExporter is the child side of the doctor's IPC self-test. It
-// returns false when this process is not such a child.
-func RunDoctorExporter() bool {
-	uuid := os.Getenv(doctorExportEnv)
-	if uuid == "" {
-		return false
+// doctorExporter is the helper process of the doctor's IPC self-test: it
+// exports 1 MiB of random bytes and holds them until its standard input
+// closes.
+func doctorExporter(env *Env, config []byte) error {
+	enc := json.NewEncoder(env.Stdout)
+	fail := func(err error) error { _ = enc.Encode(doctorExport{Err: err.Error()}); return err }
+	var cfg doctorExportConfig
+	if err := json.Unmarshal(config, &cfg); err != nil {
+		return fail(err)
 	}
-	enc := json.NewEncoder(os.Stdout)
-	fail := func(err error) bool { _ = enc.Encode(doctorExport{Err: err.Error()}); return true }
-	u, err := cudaipc.ParseUUID(uuid)
+	dev, err := cudaipc.DeviceByUUID(cfg.Device)
 	if err != nil {
 		return fail(err)
 	}
-	dev, err := cudaipc.DeviceByUUID(u)
-	if err != nil {
-		return fail(err)
-	}
-	data := make([]byte, 1<<20)
-	if _, err := rand.Read(data); err != nil {
-		return fail(err)
-	}
+	data := seeddata.Bytes(rand.Uint64(), 1<<20)
 	buf, err := dev.Alloc(int64(len(data)))
 	if err != nil {
 		return fail(err)
@@ -227,6 +215,6 @@ func RunDoctorExporter() bool {
 		return fail(err)
 	}
 	_ = enc.Encode(doctorExport{Handle: h, Data: data, Pid: os.Getpid()})
-	_, _ = os.Stdin.Read(make([]byte, 1)) // hold the memory until the parent is done
-	return true
+	_, _ = env.Stdin.Read(make([]byte, 1)) // hold the memory until the parent is done
+	return nil
 }

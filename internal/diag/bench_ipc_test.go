@@ -1,9 +1,9 @@
-package cli
+package diag
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
+	"errors"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -11,7 +11,7 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/cudaipc/cudaipc/internal/testutil"
+	"github.com/cudaipc/cudaipc/internal/seeddata"
 )
 
 func TestRankIndex(t *testing.T) {
@@ -175,11 +175,6 @@ func TestFormatNum(t *testing.T) {
 			t.Errorf("formatNum(%v) = %q, want %q", v, got, want)
 		}
 	}
-	for n, want := range map[int64]string{1 << 30: "1 GiB", 4 << 30: "4 GiB", 1 << 20: "1 MiB", 1536 << 10: "1536 KiB", 1000: "1000 B"} {
-		if got := formatBytes(n); got != want {
-			t.Errorf("formatBytes(%d) = %q, want %q", n, got, want)
-		}
-	}
 }
 
 func TestBenchIPCValidate(t *testing.T) {
@@ -188,68 +183,32 @@ func TestBenchIPCValidate(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, c := range []BenchIPCCmd{{Size: 1<<20 - 1, Iters: 1, BWIters: 1}, {Size: 1 << 20, Iters: 0, BWIters: 1}, {Size: 1 << 20, Iters: 1, BWIters: 0}} {
-		if err := c.validate(); err == nil {
-			t.Errorf("%+v accepted", c)
+		var ue *UsageError
+		if err := c.validate(); !errors.As(err, &ue) {
+			t.Errorf("%+v: %v, want a *UsageError", c, err)
 		}
 	}
 }
 
-func TestParallelCopyAndFill(t *testing.T) {
+func TestParallelCopy(t *testing.T) {
 	for _, n := range []int{0, 1, 7, 4096, 1<<20 + 13} {
-		src := make([]byte, n)
-		fillRandom(src, uint64(n))
-		if n >= 4096 && bytes.Count(src, []byte{0}) > n/64 {
-			t.Fatalf("fillRandom(%d) has too many zeros", n)
-		}
+		src := seeddata.Bytes(uint64(n), n)
 		dst := make([]byte, n)
 		parallelCopy(dst, src)
 		if !bytes.Equal(dst, src) {
 			t.Fatalf("parallelCopy of %d bytes differs", n)
 		}
 	}
-	a, b := make([]byte, 64), make([]byte, 64)
-	fillRandom(a, 1)
-	fillRandom(b, 2)
-	if bytes.Equal(a, b) {
-		t.Fatal("different seeds gave the same bytes")
-	}
 }
 
-// TestBenchIPC runs the whole benchmark small on a GPU, exporter process
-// included (TestMain serves it).
-func TestBenchIPC(t *testing.T) {
-	testutil.RequireGPU(t)
-	var out, errb bytes.Buffer
-	g := &Globals{ctx: context.Background(), stdout: &out, stderr: &errb}
-	c := &BenchIPCCmd{Size: 64 << 20, Iters: 20, BWIters: 5, JSON: true}
-	if err := c.Run(g); err != nil {
-		t.Fatalf("%v\n%s", err, errb.String())
-	}
-	var r ipcBenchReport
-	if err := json.Unmarshal(out.Bytes(), &r); err != nil {
-		t.Fatalf("%v\n%s", err, out.String())
-	}
-	for _, k := range []string{"export_first", "export_again", "open_cold_1mib", "close_1mib", "open_cold_large", "close_large",
-		"open_already_open", "close_decrement", "event_open", "d2d_local", "ipc_read", "host_staged", "host_staged_dma"} {
-		m, ok := r.Metrics[k]
-		if !ok || m.P50 <= 0 || m.P99 <= 0 || m.N == 0 {
-			t.Errorf("%s: %+v", k, m)
+func TestPercentile(t *testing.T) {
+	d := []time.Duration{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
+	for pct, want := range map[int]time.Duration{50: 5, 90: 9, 99: 10, 100: 10, 1: 1} {
+		if got := percentile(d, pct); got != want {
+			t.Errorf("percentile(1..10, %d) = %d, want %d", pct, got, want)
 		}
 	}
-	if m := r.Metrics["ipc_read"]; m.Ratio < 0.5 {
-		t.Errorf("ipc_read at %.2fx the in-process copy (FACTS: no loss)", m.Ratio)
+	if percentile(nil, 50) != 0 {
+		t.Error("percentile of nothing")
 	}
-	if r.Metrics["host_staged"].P50 >= r.Metrics["ipc_read"].P50 {
-		t.Errorf("host staging faster than IPC: %+v", r.Metrics)
-	}
-	if r.GPUs > 1 {
-		if m := r.Metrics["peer_ipc"]; m.Ratio < 0.5 {
-			t.Errorf("peer_ipc: %+v", m)
-		}
-	}
-	var text bytes.Buffer
-	if err := writeIPCTable(&text, &r); err != nil {
-		t.Fatal(err)
-	}
-	t.Log("\n" + text.String())
 }

@@ -1,9 +1,7 @@
-package cli
+package diag
 
 import (
-	"bytes"
 	"context"
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -11,22 +9,22 @@ import (
 	"io"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"runtime"
-	"strings"
 	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/internal/bytesize"
+	"github.com/cudaipc/cudaipc/internal/seeddata"
 )
 
 // BenchIPCCmd measures what sharing GPU memory between two processes costs:
 // the latency of each IPC call, and the bandwidth of reading another
 // process's memory next to the in-process copy (the hardware reference) and
 // next to the host-staged hand-over people use instead. It re-executes this
-// binary as the exporting process.
+// program as the exporting process: 'cudaipc bench ipc'.
 type BenchIPCCmd struct {
 	Size    int64 `help:"Bytes of the large allocation and of every bandwidth copy." default:"1073741824" placeholder:"BYTES"`
 	Iters   int   `help:"Repetitions of each latency." default:"200" placeholder:"N"`
@@ -40,9 +38,6 @@ const (
 	bwWarmup  = 3       // untimed copies before each bandwidth loop
 	peerIters = 20      // cap for peer opens: each maps over NVLink (FACTS: 10-13 ms the first time)
 
-	// benchExportEnv marks the re-executed exporter process; its value is
-	// the exporter's configuration as JSON.
-	benchExportEnv = "CUDAIPC_BENCH_IPC_EXPORT"
 	// stagingFD is the exporter's file descriptor of the shared memfd
 	// (the first of exec.Cmd.ExtraFiles).
 	stagingFD = 3
@@ -53,35 +48,35 @@ const (
 func (c *BenchIPCCmd) validate() error {
 	switch {
 	case c.Size < ipcSmall:
-		return fmt.Errorf("--size %d: must be at least 1 MiB (%d)", c.Size, ipcSmall)
+		return usagef("--size %d: must be at least 1 MiB (%d)", c.Size, ipcSmall)
 	case c.Iters < 1:
-		return fmt.Errorf("--iters %d: must be at least 1", c.Iters)
+		return usagef("--iters %d: must be at least 1", c.Iters)
 	case c.BWIters < 1:
-		return fmt.Errorf("--bw-iters %d: must be at least 1", c.BWIters)
+		return usagef("--bw-iters %d: must be at least 1", c.BWIters)
 	}
 	return nil
 }
 
-// Run implements the command.
-func (c *BenchIPCCmd) Run(g *Globals) error {
+// Run measures and prints the report; progress goes to e.Stderr.
+func (c *BenchIPCCmd) Run(e *Env) error {
 	if err := c.validate(); err != nil {
-		return &ExitError{Code: 2, Err: err}
+		return err
 	}
 	devs, err := cudaipc.Devices()
 	if err != nil {
-		return fmt.Errorf("%w (run 'cudaipc doctor')", err)
+		return fmt.Errorf("bench ipc: %w: run 'cudaipc doctor'", err)
 	}
 	if len(devs) == 0 {
-		return errors.New("no GPU visible to this process (check CUDA_VISIBLE_DEVICES; run 'cudaipc doctor')")
+		return fmt.Errorf("bench ipc: %w", errNoGPU)
 	}
-	r, err := c.bench(g.Context(), devs, g.stderr)
+	r, err := c.bench(e.Ctx, devs, e.Stderr)
 	if err != nil {
-		return err
+		return fmt.Errorf("bench ipc: %w", err)
 	}
 	if c.JSON {
-		return printJSON(g.stdout, r)
+		return printJSON(e.Stdout, r)
 	}
-	return writeIPCTable(g.stdout, r)
+	return writeIPCTable(e.Stdout, r)
 }
 
 // ipcBench holds what one run owns; close releases it in the right order
@@ -132,7 +127,7 @@ func (c *BenchIPCCmd) bench(ctx context.Context, devs []*cudaipc.Device, progres
 	// This process holds a source and a destination of Size bytes; the
 	// exporter one more on GPU 0 (and one on GPU 1).
 	if free, _, err := b.dev.MemInfo(); err == nil && uint64(3*c.Size+8*ipcSmall) > free {
-		return nil, fmt.Errorf("--size %s needs 3x that free on GPU 0, which has %s free: pass a smaller --size", formatBytes(c.Size), formatBytes(int64(free)))
+		return nil, usagef("--size %s needs 3x that free on GPU 0, which has %s free: pass a smaller --size", bytesize.Format(c.Size), bytesize.Format(int64(free)))
 	}
 	if err := b.export(); err != nil {
 		return nil, err
@@ -213,14 +208,15 @@ type (
 	}
 )
 
-type benchExporter struct {
+// exporterConn is the importer's side of the conversation.
+type exporterConn struct {
 	hello   benchExportHello
 	enc     *json.Encoder
 	dec     *json.Decoder
 	staging []byte // the shared memfd, mapped here too
 }
 
-func (e *benchExporter) stage(poison bool) (benchExportReply, error) {
+func (e *exporterConn) stage(poison bool) (benchExportReply, error) {
 	var rep benchExportReply
 	if err := e.enc.Encode(benchExportRequest{Op: "stage", Poison: poison}); err != nil {
 		return rep, fmt.Errorf("exporter process: %w", err)
@@ -234,12 +230,12 @@ func (e *benchExporter) stage(poison bool) (benchExportReply, error) {
 	return rep, nil
 }
 
-func (b *ipcBench) startExporter(ctx context.Context, devs []*cudaipc.Device) (*benchExporter, error) {
+func (b *ipcBench) startExporter(ctx context.Context, devs []*cudaipc.Device) (*exporterConn, error) {
 	cfg := benchExportConfig{Size: b.c.Size, Devices: []cudaipc.UUID{b.dev.UUID()}, Seed: rand.Uint64(), Threads: copyThreads()}
 	if b.peer != nil {
 		cfg.Devices = append(cfg.Devices, devs[1].UUID())
 	}
-	b.step("starting the exporter process (%s of random data on %d GPU(s))", formatBytes(b.c.Size), len(cfg.Devices))
+	b.step("starting the exporter process (%s of random data on %d GPU(s))", bytesize.Format(b.c.Size), len(cfg.Devices))
 	fd, err := unix.MemfdCreate("cudaipc-bench-staging", unix.MFD_CLOEXEC)
 	if err != nil {
 		return nil, fmt.Errorf("memfd_create: %w", err)
@@ -255,42 +251,17 @@ func (b *ipcBench) startExporter(ctx context.Context, devs []*cudaipc.Device) (*
 	}
 	b.onClose(func() { unix.Munmap(staging) })
 
-	exe, err := os.Executable()
+	h, err := startHelper(ctx, "bench-exporter", cfg, []*os.File{memfd})
 	if err != nil {
 		return nil, err
 	}
-	cfgJSON, _ := json.Marshal(cfg)
-	cmd := exec.CommandContext(ctx, exe)
-	cmd.Env = append(os.Environ(), benchExportEnv+"="+string(cfgJSON))
-	cmd.ExtraFiles = []*os.File{memfd}
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		return nil, err
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		return nil, err
-	}
-	ex := &benchExporter{enc: json.NewEncoder(stdin), dec: json.NewDecoder(stdout), staging: staging}
+	ex := &exporterConn{enc: json.NewEncoder(h.stdin), dec: json.NewDecoder(h.stdout), staging: staging}
 	b.onClose(func() {
 		_ = ex.enc.Encode(benchExportRequest{Op: "exit"})
-		stdin.Close()
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(30 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
+		_ = h.wait(30 * time.Second)
 	})
 	if err := ex.dec.Decode(&ex.hello); err != nil {
-		return nil, fmt.Errorf("exporter process: %v: %s", err, strings.TrimSpace(stderr.String()))
+		return nil, fmt.Errorf("the exporter process stopped%s", h.why())
 	}
 	if ex.hello.Err != "" {
 		return nil, errors.New("exporter process: " + ex.hello.Err)
@@ -298,7 +269,7 @@ func (b *ipcBench) startExporter(ctx context.Context, devs []*cudaipc.Device) (*
 	return ex, nil
 }
 
-func (b *ipcBench) latencies(ex *benchExporter) error {
+func (b *ipcBench) latencies(ex *exporterConn) error {
 	n := b.c.Iters
 	h := ex.hello
 	openClose := func(key string, h cudaipc.MemHandle, iters int) error {
@@ -338,7 +309,7 @@ func (b *ipcBench) latencies(ex *benchExporter) error {
 		b.lat("close_"+key, cl)
 		return nil
 	}
-	b.step("open/close latency, 1 MiB and %s, %d times each", formatBytes(b.c.Size), n)
+	b.step("open/close latency, 1 MiB and %s, %d times each", bytesize.Format(b.c.Size), n)
 	if err := openClose("1mib", h.Small, n); err != nil {
 		return err
 	}
@@ -481,7 +452,7 @@ func (b *ipcBench) checkDevice(what string, p cudaipc.DevicePtr, host []byte, wa
 	return nil
 }
 
-func (b *ipcBench) bandwidths(ex *benchExporter) error {
+func (b *ipcBench) bandwidths(ex *exporterConn) error {
 	n, reps := b.c.Size, b.c.BWIters
 	host, err := b.dev.AllocHost(n)
 	if err != nil {
@@ -489,7 +460,7 @@ func (b *ipcBench) bandwidths(ex *benchExporter) error {
 	}
 	b.onClose(func() { host.Free() })
 	hb := host.Bytes()
-	fillRandom(hb, rand.Uint64())
+	seeddata.Fill(hb, rand.Uint64())
 	srcCRC := crc32.ChecksumIEEE(hb)
 	src, err := b.alloc(b.dev)
 	if err != nil {
@@ -507,7 +478,7 @@ func (b *ipcBench) bandwidths(ex *benchExporter) error {
 		return err
 	}
 
-	b.step("in-process device copy, %s x %d", formatBytes(n), reps)
+	b.step("in-process device copy, %s x %d", bytesize.Format(n), reps)
 	if err := dst.Memset(0); err != nil {
 		return err
 	}
@@ -520,7 +491,7 @@ func (b *ipcBench) bandwidths(ex *benchExporter) error {
 	}
 	b.bw("d2d_local", "d2d_local", d)
 
-	b.step("copy through an imported mapping, %s x %d", formatBytes(n), reps)
+	b.step("copy through an imported mapping, %s x %d", bytesize.Format(n), reps)
 	m, err := b.dev.OpenMemHandle(ex.hello.Large, cudaipc.LazyEnablePeerAccess)
 	if err != nil {
 		return err
@@ -537,7 +508,7 @@ func (b *ipcBench) bandwidths(ex *benchExporter) error {
 	}
 	b.bw("ipc_read", "d2d_local", d)
 
-	b.step("host-staged hand-over, %s x %d", formatBytes(n), reps)
+	b.step("host-staged hand-over, %s x %d", bytesize.Format(n), reps)
 	var e2e, dma []time.Duration
 	for i := range reps + 1 { // the first round warms up and checks the bytes
 		check := i == 0
@@ -574,7 +545,7 @@ func (b *ipcBench) bandwidths(ex *benchExporter) error {
 	if b.peer == nil {
 		return nil
 	}
-	b.step("GPU 1 -> GPU 0 copies, in-process and through an imported mapping, %s x %d", formatBytes(n), reps)
+	b.step("GPU 1 -> GPU 0 copies, in-process and through an imported mapping, %s x %d", bytesize.Format(n), reps)
 	if err := b.dev.EnablePeerAccess(b.peer); err != nil {
 		return err
 	}
@@ -629,38 +600,25 @@ func parallelCopy(dst, src []byte) {
 	wg.Wait()
 }
 
-// fillRandom fills b with ChaCha8 output: random data, never zeros, at a
-// few GB/s.
-func fillRandom(b []byte, seed uint64) {
-	var s [32]byte
-	binary.LittleEndian.PutUint64(s[:], seed)
-	_, _ = rand.NewChaCha8(s).Read(b)
-}
-
-// RunBenchExporter is the exporting process of 'cudaipc bench ipc'. main
-// calls it first; it returns false when this process is not one.
-func RunBenchExporter() bool {
-	cfg := os.Getenv(benchExportEnv)
-	if cfg == "" {
-		return false
-	}
-	enc := json.NewEncoder(os.Stdout)
-	if err := benchExport(cfg, enc, json.NewDecoder(os.Stdin)); err != nil {
+// benchExporter is the exporting helper process of 'cudaipc bench ipc'.
+func benchExporter(env *Env, config []byte) error {
+	enc := json.NewEncoder(env.Stdout)
+	if err := benchExport(config, enc, json.NewDecoder(env.Stdin)); err != nil {
 		// Both message types carry "err": the parent reads it whichever
 		// it waits for.
 		_ = enc.Encode(benchExportReply{Err: err.Error()})
-		os.Exit(1)
+		return err
 	}
-	return true
+	return nil
 }
 
-func benchExport(cfgText string, enc *json.Encoder, dec *json.Decoder) error {
+func benchExport(config []byte, enc *json.Encoder, dec *json.Decoder) error {
 	var cfg benchExportConfig
-	if err := json.Unmarshal([]byte(cfgText), &cfg); err != nil {
-		return fmt.Errorf("%s: %w", benchExportEnv, err)
+	if err := json.Unmarshal(config, &cfg); err != nil {
+		return fmt.Errorf("bench-exporter configuration: %w", err)
 	}
 	if len(cfg.Devices) == 0 || cfg.Size < ipcSmall {
-		return fmt.Errorf("%s: bad configuration %s", benchExportEnv, cfgText)
+		return fmt.Errorf("bench-exporter configuration %s: no device, or a size under 1 MiB", config)
 	}
 	dev, err := cudaipc.DeviceByUUID(cfg.Devices[0])
 	if err != nil {
@@ -677,7 +635,7 @@ func benchExport(cfgText string, enc *json.Encoder, dec *json.Decoder) error {
 	}
 	defer host.Free()
 	hb := host.Bytes()
-	fillRandom(hb, cfg.Seed)
+	seeddata.Fill(hb, cfg.Seed)
 	hello := benchExportHello{Pid: os.Getpid(), SmallCRC: crc32.ChecksumIEEE(hb[:ipcSmall]), LargeCRC: crc32.ChecksumIEEE(hb)}
 
 	upload := func(d *cudaipc.Device, size int64) (*cudaipc.Buffer, cudaipc.MemHandle, error) {

@@ -1,8 +1,9 @@
-package cli
+package diag
 
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -22,12 +23,12 @@ type embeddedStore struct {
 
 // startEmbedded starts a store with the auto backend; gpuShare is its
 // Config.GPUShare ("" for the default).
-func startEmbedded(ctx context.Context, g *Globals, capacity int64, gpuShare string) (*embeddedStore, error) {
-	log := g.log
-	if g.LogLevel == "info" {
+func startEmbedded(ctx context.Context, e *Env, capacity int64, gpuShare string) (*embeddedStore, error) {
+	log := e.Log
+	if e.LogLevel == "info" {
 		// The store logs every connection at info; the demo's own output
 		// says what happens.
-		log = newLogger(g.stderr, "warn")
+		log = slog.New(slog.NewTextHandler(e.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	}
 	st, err := store.New(store.Config{Backend: "auto", GPUShare: gpuShare, Capacity: capacity, Logger: log})
 	if err != nil {
@@ -46,9 +47,9 @@ func startEmbedded(ctx context.Context, g *Globals, capacity int64, gpuShare str
 		return nil, fmt.Errorf("starting the embedded store: %w", err)
 	}
 	sctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	e := &embeddedStore{socket: sock, dir: dir, st: st, cancel: cancel, done: make(chan error, 1)}
-	go func() { e.done <- st.Serve(sctx, l) }()
-	return e, nil
+	emb := &embeddedStore{socket: sock, dir: dir, st: st, cancel: cancel, done: make(chan error, 1)}
+	go func() { emb.done <- st.Serve(sctx, l) }()
+	return emb, nil
 }
 
 // Close stops serving, closes the store and removes the socket directory.

@@ -1,4 +1,4 @@
-package cli
+package diag
 
 import (
 	"context"
@@ -11,16 +11,20 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/internal/bytesize"
 )
 
-type benchStoreCmd struct {
+// BenchStoreCmd measures get+release round trips against the object store:
+// 'cudaipc bench store'.
+type BenchStoreCmd struct {
 	Clients  int           `default:"8" help:"Concurrent clients, each with its own connection (default ${default})." placeholder:"N"`
 	Duration time.Duration `default:"5s" help:"How long to measure (default ${default})." placeholder:"D"`
-	Size     byteSize      `default:"4KiB" help:"Size of the object the clients lease (default ${default})." placeholder:"BYTES"`
+	Size     bytesize.Size `default:"4KiB" help:"Size of the object the clients lease (default ${default})." placeholder:"BYTES"`
 	JSON     bool          `name:"json" help:"Print one JSON object: ops_per_sec, p50_us, p99_us and more."`
 }
 
-func (c *benchStoreCmd) Help() string {
+// Help is the command's long description.
+func (c *BenchStoreCmd) Help() string {
 	return `Creates one object, then has N clients lease and release it in a loop for D
 and reports the rate and latency of a get+release cycle (one round trip: the
 release travels without waiting for its reply).
@@ -42,15 +46,16 @@ type benchStoreResult struct {
 	MaxUS     float64 `json:"max_us"`
 }
 
-func (c *benchStoreCmd) Run(g *Globals) error {
+// Run measures and prints the result.
+func (c *BenchStoreCmd) Run(e *Env) error {
 	if c.Clients < 1 || c.Duration <= 0 || c.Size <= 0 {
-		return errors.New("--clients, --duration and --size must be positive")
+		return usagef("--clients, --duration and --size must be positive")
 	}
-	ctx := g.Context()
+	ctx := e.Ctx
 	res := benchStoreResult{Store: "embedded", Clients: c.Clients, Size: int64(c.Size)}
-	sock := g.Socket
+	sock := e.Socket
 	if sock == "" {
-		emb, err := startEmbedded(ctx, g, max(1<<30, 2*int64(c.Size)), "")
+		emb, err := startEmbedded(ctx, e, max(1<<30, 2*int64(c.Size)), "")
 		if err != nil {
 			return err
 		}
@@ -60,33 +65,33 @@ func (c *benchStoreCmd) Run(g *Globals) error {
 		res.Store = sock
 	}
 
-	admin, err := client.Dial(ctx, sock)
+	admin, err := e.dial(sock)
 	if err != nil {
-		return explain(err, sock)
+		return err
 	}
 	defer admin.Close()
 	res.Backend = admin.Server().Backend
 	name := fmt.Sprintf("bench-%d-%d", os.Getpid(), time.Now().UnixNano())
 	obj, err := admin.Create(ctx, name, int64(c.Size), client.CreateOptions{})
 	if err != nil {
-		return explain(err, sock)
+		return e.explain(err, sock)
 	}
 	_, _ = rand.Read(obj.Bytes())
 	if err := obj.Seal(ctx); err != nil {
-		return explain(err, sock)
+		return e.explain(err, sock)
 	}
 	defer admin.Delete(context.WithoutCancel(ctx), name)
 
 	clients := make([]*client.Client, c.Clients)
 	for i := range clients {
-		if clients[i], err = client.Dial(ctx, sock); err != nil {
-			return explain(err, sock)
+		if clients[i], err = e.dial(sock); err != nil {
+			return err
 		}
 		defer clients[i].Close()
 		// Warm up: map the arena once, as a long-lived client would have.
 		l, err := clients[i].Get(ctx, name)
 		if err != nil {
-			return explain(err, sock)
+			return e.explain(err, sock)
 		}
 		_ = l.Release()
 	}
@@ -122,7 +127,7 @@ func (c *benchStoreCmd) Run(g *Globals) error {
 	wg.Wait()
 	elapsed := time.Since(start)
 	if err := errors.Join(errs...); err != nil {
-		return explain(err, sock)
+		return e.explain(err, sock)
 	}
 	if err := ctx.Err(); err != nil {
 		return err
@@ -132,26 +137,17 @@ func (c *benchStoreCmd) Run(g *Globals) error {
 	res.DurationS = elapsed.Seconds()
 	res.Ops = int64(len(all))
 	res.OpsPerSec = float64(len(all)) / elapsed.Seconds()
-	res.P50US = percentileUS(all, 0.50)
-	res.P90US = percentileUS(all, 0.90)
-	res.P99US = percentileUS(all, 0.99)
-	res.MaxUS = percentileUS(all, 1)
+	res.P50US = micros(percentile(all, 50))
+	res.P90US = micros(percentile(all, 90))
+	res.P99US = micros(percentile(all, 99))
+	res.MaxUS = micros(percentile(all, 100))
 
 	if c.JSON {
-		return printJSON(g.stdout, res)
+		return printJSON(e.Stdout, res)
 	}
-	fmt.Fprintf(g.stdout, "bench store: %d clients, %s object, %s store (%s backend), %.1f s\n",
-		res.Clients, humanBytes(res.Size), res.Store, res.Backend, res.DurationS)
-	fmt.Fprintf(g.stdout, "%d get+release cycles: %.0f per second; latency p50 %.1f µs, p90 %.1f µs, p99 %.1f µs, max %.1f µs\n",
+	fmt.Fprintf(e.Stdout, "bench store: %d clients, %s object, %s store (%s backend), %.1f s\n",
+		res.Clients, bytesize.Format(res.Size), res.Store, res.Backend, res.DurationS)
+	fmt.Fprintf(e.Stdout, "%d get+release cycles: %.0f per second; latency p50 %.1f µs, p90 %.1f µs, p99 %.1f µs, max %.1f µs\n",
 		res.Ops, res.OpsPerSec, res.P50US, res.P90US, res.P99US, res.MaxUS)
 	return nil
-}
-
-// percentileUS returns the q-quantile of sorted durations in microseconds.
-func percentileUS(sorted []time.Duration, q float64) float64 {
-	if len(sorted) == 0 {
-		return 0
-	}
-	i := int(q * float64(len(sorted)-1))
-	return float64(sorted[i].Nanoseconds()) / 1e3
 }

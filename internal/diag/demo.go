@@ -1,4 +1,4 @@
-package cli
+package diag
 
 import (
 	"bufio"
@@ -13,25 +13,28 @@ import (
 	"math"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"slices"
 	"strconv"
-	"strings"
 	"text/tabwriter"
 	"time"
 
 	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/internal/bytesize"
+	"github.com/cudaipc/cudaipc/internal/seeddata"
 )
 
-type demoCmd struct {
-	Sizes    []byteSize `default:"4KiB,64KiB,1MiB,16MiB,64MiB" sep:"," help:"Sizes of the objects to share (default ${default})." placeholder:"BYTES,..."`
-	Device   string     `help:"Where the objects live: host, a GPU ordinal or UUID (default: GPU 0 when the store has the cuda backend, else host)." placeholder:"host|ORDINAL|UUID"`
-	JSON     bool       `name:"json" help:"Print the results as one JSON object."`
-	GPUShare string     `name:"gpu-share" default:"ipc" enum:"ipc,fd" help:"How the embedded store shares GPU arenas: ipc (legacy CUDA IPC) or fd (VMM memory sent as file descriptors, as for containers)."`
+// DemoCmd shares objects between two processes through an embedded store
+// and reports how fast: 'cudaipc demo'.
+type DemoCmd struct {
+	Sizes    []bytesize.Size `default:"4KiB,64KiB,1MiB,16MiB,64MiB" sep:"," help:"Sizes of the objects to share (default ${default})." placeholder:"BYTES,..."`
+	Device   string          `help:"Where the objects live: host, a GPU ordinal or UUID (default: GPU 0 when the store has the cuda backend, else host)." placeholder:"host|ORDINAL|UUID"`
+	JSON     bool            `name:"json" help:"Print the results as one JSON object."`
+	GPUShare string          `name:"gpu-share" default:"ipc" enum:"ipc,fd" help:"How the embedded store shares GPU arenas: ipc (legacy CUDA IPC) or fd (VMM memory sent as file descriptors, as for containers)."`
 }
 
-func (c *demoCmd) Help() string {
+// Help is the command's long description.
+func (c *DemoCmd) Help() string {
 	return `Shows the store at work with nothing to set up: runs a store in this process (auto
 backend: objects on GPU 0 where the CUDA driver sees a GPU, host memory otherwise),
 starts a producer process and a consumer process, shares objects of several sizes
@@ -41,8 +44,8 @@ zero-copy path. --device host forces host objects; --gpu-share fd shares GPU are
 as file descriptors (the container path) instead of legacy CUDA IPC handles.`
 }
 
-// demoResult is one object's story, and the JSON the demo prints.
-type demoResult struct {
+// DemoResult is one object's story in a DemoReport.
+type DemoResult struct {
 	Name            string  `json:"name"`
 	Size            int64   `json:"size"`
 	SHA256          string  `json:"sha256"`
@@ -56,7 +59,8 @@ type demoResult struct {
 	OK       bool    `json:"ok"`
 }
 
-type demoReport struct {
+// DemoReport is what the demo prints with --json.
+type DemoReport struct {
 	Backend string `json:"backend"`
 	Device  string `json:"device"` // "host" or the GPU's UUID
 	// GPUShare is how the consumer mapped the GPU objects: "ipc" or "fd";
@@ -65,26 +69,29 @@ type demoReport struct {
 	Socket      string       `json:"socket"`
 	ProducerPID int          `json:"producer_pid"`
 	ConsumerPID int          `json:"consumer_pid"`
-	Objects     []demoResult `json:"objects"`
+	Objects     []DemoResult `json:"objects"`
 	TotalBytes  int64        `json:"total_bytes"`
 	ElapsedS    float64      `json:"elapsed_s"`
 	OK          bool         `json:"ok"`
 }
 
-func (c *demoCmd) Run(g *Globals) error {
+// Run runs the demo and prints its report; it fails when a byte differs.
+func (c *DemoCmd) Run(e *Env) error {
 	if len(c.Sizes) == 0 {
-		return errors.New("--sizes needs at least one size")
+		return usagef("--sizes needs at least one size")
 	}
 	var total int64
-	for _, s := range c.Sizes {
+	sizes := make([]int64, len(c.Sizes))
+	for i, s := range c.Sizes {
 		if s <= 0 {
-			return fmt.Errorf("--sizes: %d is not a positive size", s)
+			return usagef("--sizes: %d is not a positive size", s)
 		}
 		total += int64(s)
+		sizes[i] = int64(s)
 	}
-	ctx := g.Context()
+	ctx := e.Ctx
 	start := time.Now()
-	emb, err := startEmbedded(ctx, g, max(1<<30, 2*total), c.GPUShare)
+	emb, err := startEmbedded(ctx, e, max(1<<30, 2*total), c.GPUShare)
 	if err != nil {
 		return err
 	}
@@ -92,7 +99,7 @@ func (c *demoCmd) Run(g *Globals) error {
 
 	admin, err := client.Dial(ctx, emb.socket)
 	if err != nil {
-		return fmt.Errorf("connecting to the embedded store: %w", err)
+		return fmt.Errorf("demo: connecting to the embedded store: %w", err)
 	}
 	defer admin.Close()
 
@@ -100,17 +107,19 @@ func (c *demoCmd) Run(g *Globals) error {
 	if err != nil {
 		return err
 	}
-	prefix := fmt.Sprintf("demo-%d-%08x-", os.Getpid(), rand.Uint32())
-	seed := rand.Uint64()
-	args := []string{"demo-worker", "--prefix", prefix, "--seed", strconv.FormatUint(seed, 10),
-		"--log-level", g.LogLevel, "--sizes", joinSizes(c.Sizes), "--device", dev}
+	cfg := demoWorkerConfig{
+		Socket: emb.socket, Prefix: fmt.Sprintf("demo-%d-%08x-", os.Getpid(), rand.Uint32()),
+		Seed: rand.Uint64(), Sizes: sizes, Device: dev, Rounds: 200,
+	}
 
 	// The consumer starts first and waits in Get until the producer seals.
-	cons, err := startWorker(ctx, emb.socket, "consumer", args)
+	cfg.Role = "consumer"
+	cons, err := startWorker(ctx, cfg)
 	if err != nil {
 		return err
 	}
-	prod, err := startWorker(ctx, emb.socket, "producer", args)
+	cfg.Role = "producer"
+	prod, err := startWorker(ctx, cfg)
 	if err != nil {
 		cons.kill()
 		return err
@@ -128,14 +137,14 @@ func (c *demoCmd) Run(g *Globals) error {
 	// finished object i-1, so the consumer is already waiting in Get and
 	// seal→lease measures the store, not the consumer's backlog.
 	for range c.Sizes {
-		if _, err := fmt.Fprintln(prod.stdin, "next"); err != nil {
+		if _, err := fmt.Fprintln(prod.h.stdin, "next"); err != nil {
 			break
 		}
 		if !prod.next() || !cons.next() {
 			break
 		}
 	}
-	prod.stdin.Close()
+	prod.h.stdin.Close()
 	perr := prod.wait()
 	if perr != nil {
 		cons.kill()
@@ -144,13 +153,13 @@ func (c *demoCmd) Run(g *Globals) error {
 	if err := errors.Join(perr, cerr); err != nil {
 		return err
 	}
-	for _, s := range c.Sizes {
-		_ = admin.Delete(ctx, demoName(prefix, int64(s)))
+	for _, s := range sizes {
+		_ = admin.Delete(ctx, demoName(cfg.Prefix, s))
 	}
 
-	rep := demoReport{
+	rep := DemoReport{
 		Backend: admin.Server().Backend, Device: dev, Socket: emb.socket,
-		ProducerPID: prod.cmd.Process.Pid, ConsumerPID: cons.cmd.Process.Pid,
+		ProducerPID: prod.h.cmd.Process.Pid, ConsumerPID: cons.h.cmd.Process.Pid,
 		TotalBytes: total, OK: true,
 	}
 	for i, s := range c.Sizes {
@@ -164,7 +173,7 @@ func (c *demoCmd) Run(g *Globals) error {
 		if q.GPUShare != "" {
 			rep.GPUShare = q.GPUShare
 		}
-		r := demoResult{
+		r := DemoResult{
 			Name: p.Name, Size: int64(s), SHA256: q.SHA256,
 			WriteGBps:       gbps(int64(s), p.FillNS),
 			SealToGetUS:     float64(q.GotUnixNano-p.SealUnixNano) / 1e3,
@@ -179,14 +188,14 @@ func (c *demoCmd) Run(g *Globals) error {
 	rep.ElapsedS = time.Since(start).Seconds()
 
 	if c.JSON {
-		if err := printJSON(g.stdout, rep); err != nil {
+		if err := printJSON(e.Stdout, rep); err != nil {
 			return err
 		}
 	} else {
-		printDemo(g.stdout, rep)
+		printDemo(e.Stdout, rep)
 	}
 	if !rep.OK {
-		return errors.New("demo: the consumer did not read what the producer wrote (see the table above)")
+		return errors.New("demo: the consumer did not read what the producer wrote: see the table above")
 	}
 	return nil
 }
@@ -194,12 +203,12 @@ func (c *demoCmd) Run(g *Globals) error {
 // device picks where the demo's objects live, given the store's backend:
 // --device, else GPU 0 (by UUID, as the daemon names GPUs) with the cuda
 // backend, else host.
-func (c *demoCmd) device(backend string) (string, error) {
+func (c *DemoCmd) device(backend string) (string, error) {
 	if c.Device == "" && backend != "cuda" || c.Device == "host" {
 		return "host", nil
 	}
 	if backend != "cuda" {
-		return "", fmt.Errorf("--device %s: the embedded store has the %s backend (no GPU visible); use --device host", c.Device, backend)
+		return "", usagef("--device %s: the embedded store has the %s backend (no GPU visible): use --device host", c.Device, backend)
 	}
 	want := c.Device
 	if want == "" {
@@ -207,7 +216,7 @@ func (c *demoCmd) device(backend string) (string, error) {
 	}
 	dev, err := resolveGPU(want)
 	if err != nil {
-		return "", fmt.Errorf("--device: %w", err)
+		return "", usagef("--device: %w", err)
 	}
 	return dev.UUID().String(), nil
 }
@@ -224,7 +233,7 @@ func resolveGPU(s string) (*cudaipc.Device, error) {
 	return cudaipc.DeviceByUUID(u)
 }
 
-func printDemo(w io.Writer, rep demoReport) {
+func printDemo(w io.Writer, rep DemoReport) {
 	gpu := rep.Device != "host"
 	if gpu {
 		fmt.Fprintf(w, "cudaipc demo: embedded store, %s backend, objects on GPU %s, socket %s\n", rep.Backend, rep.Device, rep.Socket)
@@ -255,18 +264,18 @@ func printDemo(w io.Writer, rep demoReport) {
 		}
 		if gpu {
 			fmt.Fprintf(tw, "%s\t%.2f GB/s\t%.0f µs\t%.2f GB/s\t%.1f GB/s\t%.1f µs\t%s\t\n",
-				humanBytes(r.Size), r.WriteGBps, r.SealToGetUS, r.VerifyGBps, r.CopyGBps, r.GetReleaseP50US, check)
+				bytesize.Format(r.Size), r.WriteGBps, r.SealToGetUS, r.VerifyGBps, r.CopyGBps, r.GetReleaseP50US, check)
 			continue
 		}
 		fmt.Fprintf(tw, "%s\t%.2f GB/s\t%.0f µs\t%.2f GB/s\t%.1f µs\t%s\t\n",
-			humanBytes(r.Size), r.WriteGBps, r.SealToGetUS, r.VerifyGBps, r.GetReleaseP50US, check)
+			bytesize.Format(r.Size), r.WriteGBps, r.SealToGetUS, r.VerifyGBps, r.GetReleaseP50US, check)
 	}
 	tw.Flush()
 	verdict := "every byte matched (byte-for-byte against the producer's random stream, and SHA-256)"
 	if !rep.OK {
 		verdict = "MISMATCH: the consumer read something other than what the producer wrote"
 	}
-	fmt.Fprintf(w, "\n%d objects, %s: %s, in %.2f s.\n", len(rep.Objects), humanBytes(rep.TotalBytes), verdict, rep.ElapsedS)
+	fmt.Fprintf(w, "\n%d objects, %s: %s, in %.2f s.\n", len(rep.Objects), bytesize.Format(rep.TotalBytes), verdict, rep.ElapsedS)
 }
 
 func gbps(n, ns int64) float64 {
@@ -278,46 +287,20 @@ func gbps(n, ns int64) float64 {
 
 func demoName(prefix string, size int64) string { return prefix + strconv.FormatInt(size, 10) }
 
-func joinSizes(s []byteSize) string {
-	parts := make([]string, len(s))
-	for i, v := range s {
-		parts[i] = strconv.FormatInt(int64(v), 10)
-	}
-	return strings.Join(parts, ",")
-}
-
-// worker is a demo producer or consumer process: this binary re-executed
-// with the hidden demo-worker command. It prints one JSON line per object.
+// worker is a demo producer or consumer: a helper process that prints one
+// JSON line per object.
 type worker struct {
-	role   string
-	cmd    *exec.Cmd
-	stdin  io.WriteCloser
-	out    *bufio.Scanner
-	stderr bytes.Buffer
-	lines  [][]byte
+	h     *helper
+	out   *bufio.Scanner
+	lines [][]byte
 }
 
-func startWorker(ctx context.Context, socket, role string, args []string) (*worker, error) {
-	exe, err := os.Executable()
+func startWorker(ctx context.Context, cfg demoWorkerConfig) (*worker, error) {
+	h, err := startHelper(ctx, "demo-worker", cfg, nil)
 	if err != nil {
-		return nil, fmt.Errorf("demo: finding this program to start the workers: %w", err)
+		return nil, fmt.Errorf("demo: %w", err)
 	}
-	args = append(slices.Clip(args), "--role", role)
-	w := &worker{role: role, cmd: exec.CommandContext(ctx, exe, args...)}
-	w.cmd.Env = append(os.Environ(), "CUDAIPC_SOCKET="+socket)
-	w.cmd.Stderr = &w.stderr
-	out, err := w.cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	if w.stdin, err = w.cmd.StdinPipe(); err != nil {
-		return nil, err
-	}
-	if err := w.cmd.Start(); err != nil {
-		return nil, fmt.Errorf("demo: starting a worker process: %w", err)
-	}
-	w.out = bufio.NewScanner(out)
-	return w, nil
+	return &worker{h: h, out: bufio.NewScanner(h.stdout)}, nil
 }
 
 // next reads the worker's next result line; false when it has no more.
@@ -330,28 +313,25 @@ func (w *worker) next() bool {
 }
 
 func (w *worker) wait() error {
-	for w.next() { // drain, so that Wait does not block on a full pipe
+	for w.next() { // drain, so that the worker does not block on a full pipe
 	}
-	if err := w.cmd.Wait(); err != nil {
-		return fmt.Errorf("demo: the %s process failed: %v\n%s", w.role, err, strings.TrimSpace(w.stderr.String()))
+	if err := w.h.wait(time.Minute); err != nil {
+		return fmt.Errorf("demo: %w", err)
 	}
 	return nil
 }
 
-func (w *worker) kill() {
-	_ = w.cmd.Process.Kill()
-	_ = w.cmd.Wait()
-}
+func (w *worker) kill() { w.h.kill() }
 
-// demoWorkerCmd is the hidden command the demo runs in its child
-// processes.
-type demoWorkerCmd struct {
-	Role   string     `required:"" enum:"producer,consumer"`
-	Prefix string     `required:""`
-	Seed   uint64     `required:""`
-	Sizes  []byteSize `required:"" sep:","`
-	Device string     `default:"host" help:"Where the producer creates the objects: host or a GPU UUID."`
-	Rounds int        `default:"200" help:"get+release round trips per object (consumer)."`
+// demoWorkerConfig is a demo worker's configuration.
+type demoWorkerConfig struct {
+	Role   string  `json:"role"` // producer or consumer
+	Socket string  `json:"socket"`
+	Prefix string  `json:"prefix"`
+	Seed   uint64  `json:"seed"`
+	Sizes  []int64 `json:"sizes"`
+	Device string  `json:"device"` // where the producer creates the objects: host or a GPU UUID
+	Rounds int     `json:"rounds"` // get+release round trips per object (consumer)
 }
 
 type producerLine struct {
@@ -373,8 +353,13 @@ type consumerLine struct {
 	GPUShare       string `json:"gpu_share,omitempty"`
 }
 
-func (c *demoWorkerCmd) Run(g *Globals) error {
-	cl, err := g.dial()
+// demoWorker is the helper process of a demo producer or consumer.
+func demoWorker(env *Env, config []byte) error {
+	var c demoWorkerConfig
+	if err := json.Unmarshal(config, &c); err != nil {
+		return fmt.Errorf("demo-worker configuration: %w", err)
+	}
+	cl, err := env.dial(c.Socket)
 	if err != nil {
 		return err
 	}
@@ -391,21 +376,21 @@ func (c *demoWorkerCmd) Run(g *Globals) error {
 		}
 	}
 	if c.Role == "consumer" {
-		fmt.Fprintln(g.stdout, "ready")
+		fmt.Fprintln(env.Stdout, "ready")
 	}
-	enc := json.NewEncoder(g.stdout)
-	in := bufio.NewScanner(os.Stdin)
+	enc := json.NewEncoder(env.Stdout)
+	in := bufio.NewScanner(env.Stdin)
 	for _, s := range c.Sizes {
 		if c.Role == "producer" && !in.Scan() {
 			return nil // the demo stopped early
 		}
-		name := demoName(c.Prefix, int64(s))
+		name := demoName(c.Prefix, s)
 		var line any
 		var err error
 		if c.Role == "producer" {
-			line, err = c.produce(g.Context(), cl, name, int64(s))
+			line, err = c.produce(env.Ctx, cl, name, s)
 		} else {
-			line, err = c.consume(g.Context(), cl, name)
+			line, err = c.consume(env.Ctx, cl, name)
 		}
 		if err != nil {
 			return err
@@ -417,22 +402,18 @@ func (c *demoWorkerCmd) Run(g *Globals) error {
 	return nil
 }
 
-// demoStream is the object's content: random bytes that both sides derive
+// demoData is the object's content: random bytes that both sides derive
 // from the seed and the name, so the consumer can check every byte.
-func demoStream(seed uint64, name string) *rand.ChaCha8 {
-	var key [32]byte
-	h := sha256.Sum256([]byte(strconv.FormatUint(seed, 10) + "/" + name))
-	copy(key[:], h[:])
-	return rand.NewChaCha8(key)
+func demoData(seed uint64, name string, size int64) []byte {
+	return seeddata.Bytes(seeddata.Named(seed, name), int(size))
 }
 
-func (c *demoWorkerCmd) produce(ctx context.Context, cl *client.Client, name string, size int64) (producerLine, error) {
+func (c *demoWorkerConfig) produce(ctx context.Context, cl *client.Client, name string, size int64) (producerLine, error) {
 	obj, err := cl.Create(ctx, name, size, client.CreateOptions{Device: c.Device})
 	if err != nil {
 		return producerLine{}, err
 	}
-	src := make([]byte, size)
-	_, _ = demoStream(c.Seed, name).Read(src)
+	src := demoData(c.Seed, name, size)
 	t := time.Now()
 	if b := obj.Bytes(); b != nil {
 		copy(b, src) // the first touch of these pages is part of the cost
@@ -449,7 +430,7 @@ func (c *demoWorkerCmd) produce(ctx context.Context, cl *client.Client, name str
 	return producerLine{Name: name, FillNS: fill.Nanoseconds(), SealUnixNano: sealAt.UnixNano(), SHA256: hex.EncodeToString(sum[:])}, nil
 }
 
-func (c *demoWorkerCmd) consume(ctx context.Context, cl *client.Client, name string) (consumerLine, error) {
+func (c *demoWorkerConfig) consume(ctx context.Context, cl *client.Client, name string) (consumerLine, error) {
 	lease, err := cl.Get(ctx, name)
 	if err != nil {
 		return consumerLine{}, err
@@ -459,8 +440,7 @@ func (c *demoWorkerCmd) consume(ctx context.Context, cl *client.Client, name str
 	b := lease.Bytes()
 
 	line := consumerLine{Name: name, GotUnixNano: got.UnixNano(), Match: true, MismatchAt: -1}
-	want := make([]byte, lease.Size())
-	_, _ = demoStream(c.Seed, name).Read(want)
+	want := demoData(c.Seed, name, lease.Size())
 	t := time.Now()
 	if b == nil { // a GPU object: read it through the mapping
 		b = make([]byte, lease.Size())
@@ -499,10 +479,8 @@ func (c *demoWorkerCmd) consume(ctx context.Context, cl *client.Client, name str
 		}
 		lat = append(lat, time.Since(t))
 	}
-	if len(lat) > 0 {
-		slices.Sort(lat)
-		line.RoundTripP50NS = lat[len(lat)/2].Nanoseconds()
-	}
+	slices.Sort(lat)
+	line.RoundTripP50NS = percentile(lat, 50).Nanoseconds()
 	return line, nil
 }
 
