@@ -2,54 +2,159 @@ package cudaipc
 
 import (
 	"fmt"
+	"os"
 	"sync"
 	"sync/atomic"
+
+	"github.com/cudaipc/cudaipc/internal/cu"
 )
+
+// This file is the process-wide import cache and its seam to the driver.
+// The policy that decides what to import, and through which device, is in
+// import.go; the cache only counts references and makes sure that one
+// driver mapping serves every import of one allocation and that a stale
+// one is never served.
 
 // driver is the seam between the import cache and the CUDA driver: the
 // cache's logic (reference counts, single flights, stale entries) is tested
-// on a CPU with a fake; cudaDriver is the real thing.
+// on a CPU with a fake (cache_test.go); cudaDriver is the real thing. It
+// sits below the public API: cudaDriver calls the raw layer in the
+// device's context, not Device methods.
 type driver interface {
 	devices() ([]*Device, error)
-	openMem(d *Device, h MemHandle) (DevicePtr, error)
-	closeMem(d *Device, base DevicePtr) error
-	bufferID(d *Device, p DevicePtr) (uint64, error)
+	// openIPC maps a legacy IPC handle (cuIpcOpenMemHandle) and returns its
+	// base and the size of the allocation as this process's driver reports
+	// it (cuMemGetAddressRange of the base).
+	openIPC(d *Device, h MemHandle) (base DevicePtr, size int64, err error)
+	closeIPC(d *Device, base DevicePtr) error
+	// importFD imports the VMM allocation behind f and maps its first size
+	// bytes (rounded up to the granularity) for d.
+	importFD(d *Device, f *os.File, size int64) (vmmMapping, error)
+	unmapFD(d *Device, m vmmMapping) error
+	// allocation describes the allocation of this process that holds p.
+	allocation(d *Device, p DevicePtr) (base DevicePtr, size int64, bufferID uint64, err error)
 	openEvent(d *Device, h EventHandle) (*Event, error)
 	closeEvent(e *Event) error
+}
+
+// vmmMapping is one import of a VMM allocation: the process-local handle,
+// and the address range it is mapped at.
+type vmmMapping struct {
+	handle cu.MemGenericAllocationHandle
+	ptr    DevicePtr
+	size   int64
 }
 
 type cudaDriver struct{}
 
 func (cudaDriver) devices() ([]*Device, error) { return devices() }
-func (cudaDriver) openMem(d *Device, h MemHandle) (DevicePtr, error) {
-	return d.OpenMemHandle(h, LazyEnablePeerAccess)
-}
-func (cudaDriver) closeMem(d *Device, base DevicePtr) error { return d.CloseMemHandle(base) }
-func (cudaDriver) bufferID(d *Device, p DevicePtr) (uint64, error) {
-	pi, err := d.PointerInfo(p)
-	return pi.BufferID, err
-}
-func (cudaDriver) openEvent(d *Device, h EventHandle) (*Event, error) { return d.OpenEventHandle(h) }
-func (cudaDriver) closeEvent(e *Event) error                          { return e.Close() }
 
-// memKey names one driver mapping: the allocation's handle bytes, mapped
-// through one device of this process.
+func (cudaDriver) openIPC(d *Device, h MemHandle) (DevicePtr, int64, error) {
+	var base cu.DevicePtr
+	var size uint64
+	err := d.do(func() error {
+		var e error
+		if base, e = cu.IpcOpenMemHandle(cu.IpcMemHandle{Reserved: h}, cu.IpcMemLazyEnablePeerAccess); e != nil {
+			return e
+		}
+		if _, size, e = cu.MemGetAddressRange(base); e != nil {
+			_ = cu.IpcCloseMemHandle(base)
+			return e
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, 0, err
+	}
+	live.memOpens.Add(1)
+	return DevicePtr(base), int64(size), nil
+}
+
+func (cudaDriver) closeIPC(d *Device, base DevicePtr) error {
+	err := d.do(func() error { return cu.IpcCloseMemHandle(cu.DevicePtr(base)) })
+	if err == nil {
+		live.memOpens.Add(-1)
+	}
+	return err
+}
+
+func (cudaDriver) importFD(d *Device, f *os.File, size int64) (vmmMapping, error) {
+	m, err := importFDMapping("Import", d, f, size)
+	if err == nil {
+		live.fdMappings.Add(1)
+	}
+	return m, err
+}
+
+func (cudaDriver) unmapFD(d *Device, m vmmMapping) error {
+	live.fdMappings.Add(-1)
+	return d.do(func() error { return unmapRelease(cu.DevicePtr(m.ptr), m.size, m.handle) })
+}
+
+func (cudaDriver) allocation(d *Device, p DevicePtr) (DevicePtr, int64, uint64, error) {
+	var base cu.DevicePtr
+	var size, id uint64
+	err := d.do(func() error {
+		var e error
+		if base, size, e = cu.MemGetAddressRange(cu.DevicePtr(p)); e != nil {
+			return e
+		}
+		id, e = cu.PointerGetAttributeUint64(cu.PointerAttrBufferID, cu.DevicePtr(p))
+		return e
+	})
+	return DevicePtr(base), int64(size), id, err
+}
+
+func (cudaDriver) openEvent(d *Device, h EventHandle) (*Event, error) {
+	var e cu.Event
+	if err := d.do(func() error {
+		var err error
+		e, err = cu.IpcOpenEventHandle(cu.IpcEventHandle{Reserved: h})
+		return err
+	}); err != nil {
+		return nil, err
+	}
+	return newEvent(d, e, EventInterprocess|EventDisableTiming, true), nil
+}
+
+func (cudaDriver) closeEvent(e *Event) error { return e.Close() }
+
+// memKey names one driver mapping of an allocation through one device of
+// this process. It is built so that a key never names two allocations at
+// once: for KindCUDAIPC the handle bytes (which hold the exporter's pid and
+// address) and the exporter's PID namespace, with the buffer id checked on
+// every hit (a freed and re-made allocation can get the same handle bytes);
+// for KindVMMFD the allocation id, which its exporter never reuses.
 type memKey struct {
-	handle MemHandle
-	dev    UUID
+	kind  Kind
+	id    [64]byte // the IPC handle, or the allocation id in the first 16 bytes
+	pidns uint64   // KindCUDAIPC: the exporter's PID namespace
+	dev   UUID     // the device of this process it is mapped through
 }
 
-// memEntry is one driver open of an allocation, shared by every Mapping of
-// that allocation through that device.
+func keyOf(r Region, dev *Device) memKey {
+	k := memKey{kind: r.Kind, dev: dev.uuid}
+	if r.Kind == KindVMMFD {
+		copy(k.id[:], r.AllocationID[:])
+	} else {
+		k.id, k.pidns = r.Handle, r.PIDNamespace
+	}
+	return k
+}
+
+// memEntry is one driver mapping of an allocation, shared by every Mapping
+// of that allocation through that device.
 type memEntry struct {
-	key      memKey
-	bufferID uint64
-	dev      *Device
-	base     DevicePtr
-	refs     int
-	ready    chan struct{} // closed once the open finished
-	err      error         // the open's error, for those that waited on it
-	gone     chan struct{} // closed once the driver close returned
+	key       memKey
+	bufferID  uint64 // KindCUDAIPC: the buffer id the entry was opened for
+	dev       *Device
+	base      DevicePtr
+	allocSize int64      // what the driver mapped: the allocation's size
+	vmm       vmmMapping // KindVMMFD: what unmapFD undoes
+	refs      int
+	ready     chan struct{} // closed once the open finished
+	err       error         // the open's error, for those that waited on it
+	gone      chan struct{} // closed once the driver close returned
 }
 
 type eventKey struct {
@@ -92,8 +197,8 @@ var defaultCache = newImportCache(cudaDriver{}, SelfIdentity)
 
 // CacheStats counts what the import cache did since the process started.
 type CacheStats struct {
-	Opens  int64 // driver opens of memory handles (cuIpcOpenMemHandle)
-	Closes int64 // driver closes of memory handles
+	Opens  int64 // driver opens of allocations (cuIpcOpenMemHandle, or a descriptor's import and map)
+	Closes int64 // driver closes of allocations
 	Hits   int64 // imports served by an open mapping, without a driver call
 	Stale  int64 // entries dropped because the handle now names another allocation
 	Mapped int   // allocations mapped now
@@ -120,15 +225,19 @@ func (c *importCache) stats() CacheStats {
 	}
 }
 
+// opener makes the driver mapping of a new entry: it sets e.base,
+// e.allocSize and, for a descriptor, e.vmm.
+type opener func(e *memEntry) error
+
 // acquireMem returns the entry for key holding one more reference, opening
-// the allocation if no usable entry exists. Concurrent callers for one key
-// share one open; an open's failure is returned to those that waited on it
-// and is not remembered.
-func (c *importCache) acquireMem(key memKey, bufferID uint64, dev *Device) (*memEntry, error) {
+// the allocation with open if no usable entry exists. Concurrent callers
+// for one key share one open; an open's failure is returned to those that
+// waited on it and is not remembered.
+func (c *importCache) acquireMem(key memKey, bufferID uint64, dev *Device, open opener) (*memEntry, error) {
 	c.mu.Lock()
 	for {
 		if cl := c.closing[key]; len(cl) > 0 {
-			// A close of this handle is in flight: an open now could be
+			// A close of this allocation is in flight: an open now could be
 			// handed that dying mapping by the driver's refcount. Wait.
 			gone := cl[0].gone
 			c.mu.Unlock()
@@ -168,7 +277,7 @@ func (c *importCache) acquireMem(key memKey, bufferID uint64, dev *Device) (*mem
 	c.mem[key] = e
 	c.mu.Unlock()
 
-	base, err := c.drv.openMem(dev, key.handle)
+	err := open(e)
 	if err == nil {
 		c.memOpens.Add(1)
 	}
@@ -177,7 +286,7 @@ func (c *importCache) acquireMem(key memKey, bufferID uint64, dev *Device) (*mem
 	var stale *memEntry
 	if err == nil {
 		for _, o := range c.orphans[key] {
-			if o.base == base {
+			if o.base == e.base {
 				stale = o
 			}
 		}
@@ -187,10 +296,10 @@ func (c *importCache) acquireMem(key memKey, bufferID uint64, dev *Device) (*mem
 			delete(c.mem, key)
 		}
 	}
-	e.base, e.err = base, err
+	e.err = err
 	if stale != nil {
 		e.err = fmt.Errorf("%w: the allocation behind handle %s was freed and another exported with the same handle bytes (buffer id %d, was %d) while this process still maps the old one at %#x; close the old Mappings and import again",
-			ErrStaleMapping, key.handle, bufferID, stale.bufferID, uint64(base))
+			ErrStaleMapping, MemHandle(key.id), bufferID, stale.bufferID, uint64(e.base))
 	}
 	close(e.ready)
 	c.mu.Unlock()
@@ -199,12 +308,19 @@ func (c *importCache) acquireMem(key memKey, bufferID uint64, dev *Device) (*mem
 		// The driver handed back the old mapping with one more reference:
 		// give that reference back, never serve the old memory.
 		c.memCloses.Add(1)
-		_ = c.drv.closeMem(dev, base)
+		_ = c.closeDriver(e)
 	}
 	if e.err != nil {
 		return nil, e.err
 	}
 	return e, nil
+}
+
+func (c *importCache) closeDriver(e *memEntry) error {
+	if e.key.kind == KindVMMFD {
+		return c.drv.unmapFD(e.dev, e.vmm)
+	}
+	return c.drv.closeIPC(e.dev, e.base)
 }
 
 // releaseMem drops one reference; the last one closes the driver mapping.
@@ -225,7 +341,7 @@ func (c *importCache) releaseMem(e *memEntry) error {
 	c.closing[e.key] = append(c.closing[e.key], e)
 	c.mu.Unlock()
 
-	err := c.drv.closeMem(e.dev, e.base)
+	err := c.closeDriver(e)
 	c.memCloses.Add(1)
 
 	c.mu.Lock()
@@ -306,41 +422,4 @@ func (c *importCache) releaseEvent(e *eventEntry) error {
 	c.mu.Unlock()
 	c.evCloses.Add(1)
 	return c.drv.closeEvent(e.ev)
-}
-
-// target picks the device to map through: the one with the exporter's
-// UUID if this process sees it, else the fallback (default: the first
-// visible device), which reaches the memory through peer access. Never the
-// exporter's ordinal: CUDA_VISIBLE_DEVICES renumbers devices per process.
-func (c *importCache) target(u UUID, cfg importConfig) (*Device, error) {
-	l, err := c.drv.devices()
-	if err != nil {
-		return nil, err
-	}
-	for _, d := range l {
-		if d.uuid == u {
-			return d, nil
-		}
-	}
-	if cfg.fallback != nil {
-		return cfg.fallback, nil
-	}
-	if len(l) == 0 {
-		return nil, fmt.Errorf("cudaipc: no visible GPU to map %s through: %w", u, ErrNoDevice)
-	}
-	return l[0], nil
-}
-
-// checkReach says why a handle from identity (boot, pidns) cannot work in
-// this process, if it cannot.
-func checkReach(what string, boot BootID, pidns uint64, self Identity, anyPIDNamespace bool) error {
-	if boot != self.BootID {
-		return fmt.Errorf("%w: the %s was exported under boot id %s, this process runs under %s; a CUDA IPC handle works only on the machine (and boot) that made it: copy the bytes instead",
-			ErrOtherHost, what, boot, self.BootID)
-	}
-	if pidns != self.PIDNamespace && !anyPIDNamespace {
-		return fmt.Errorf("%w: the %s was exported in PID namespace %d, this process is in %d; legacy CUDA IPC cannot cross PID namespaces (containers): use the VMM POSIX-fd path through the store daemon (cudaipc serve --gpu-share fd), or run both processes in one PID namespace (e.g. docker --pid=host); WithAnyPIDNamespace tries anyway (nested namespaces work)",
-			ErrOtherPIDNamespace, what, pidns, self.PIDNamespace)
-	}
-	return nil
 }

@@ -3,6 +3,7 @@ package cudaipc
 import (
 	"errors"
 	"fmt"
+	"os"
 	"runtime"
 	"strings"
 	"sync"
@@ -29,6 +30,10 @@ type fakeDriver struct {
 	violations  []string
 	newPointers bool // every open maps anew (a driver that does not refcount by handle)
 	ids         map[DevicePtr]uint64
+	allocSize   int64            // what openIPC and allocation report; 8 MiB by default
+	fdSizes     map[string]int64 // the allocation behind each descriptor, by file name
+	fdImports   int
+	fdUnmaps    int
 	evOpens     int
 	evCloses    int
 }
@@ -39,7 +44,8 @@ type fakeMapKey struct {
 }
 
 func newFakeDriver(ndev int) *fakeDriver {
-	f := &fakeDriver{refs: map[fakeMapKey]int{}, ptrs: map[fakeMapKey]DevicePtr{}, closing: map[fakeMapKey]bool{}, next: 0x7000_0000_0000, ids: map[DevicePtr]uint64{}}
+	f := &fakeDriver{refs: map[fakeMapKey]int{}, ptrs: map[fakeMapKey]DevicePtr{}, closing: map[fakeMapKey]bool{}, next: 0x7000_0000_0000, ids: map[DevicePtr]uint64{},
+		allocSize: 8 << 20, fdSizes: map[string]int64{}}
 	for i := 0; i < ndev; i++ {
 		f.devs = append(f.devs, &Device{ordinal: i, name: "fake", uuid: UUID{0xf0, byte(i + 1)}})
 	}
@@ -47,6 +53,13 @@ func newFakeDriver(ndev int) *fakeDriver {
 }
 
 func (f *fakeDriver) devices() ([]*Device, error) { return f.devs, nil }
+
+func (f *fakeDriver) openIPC(d *Device, h MemHandle) (DevicePtr, int64, error) {
+	p, err := f.openMem(d, h)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return p, f.allocSize, err
+}
 
 func (f *fakeDriver) openMem(d *Device, h MemHandle) (DevicePtr, error) {
 	f.mu.Lock()
@@ -76,7 +89,7 @@ func (f *fakeDriver) openMem(d *Device, h MemHandle) (DevicePtr, error) {
 	return f.next, nil
 }
 
-func (f *fakeDriver) closeMem(d *Device, base DevicePtr) error {
+func (f *fakeDriver) closeIPC(d *Device, base DevicePtr) error {
 	f.mu.Lock()
 	var key fakeMapKey
 	found := false
@@ -101,14 +114,47 @@ func (f *fakeDriver) closeMem(d *Device, base DevicePtr) error {
 	return nil
 }
 
-func (f *fakeDriver) bufferID(d *Device, p DevicePtr) (uint64, error) {
+func (f *fakeDriver) allocation(d *Device, p DevicePtr) (DevicePtr, int64, uint64, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	id, ok := f.ids[p]
 	if !ok {
-		return 0, ErrInvalidValue
+		return 0, 0, 0, ErrInvalidValue
 	}
-	return id, nil
+	return p, f.allocSize, id, nil
+}
+
+// importFD maps size bytes of the allocation f stands for, 2 MiB granular;
+// more than fdSizes says it holds fails as the H200 driver fails.
+func (f *fakeDriver) importFD(d *Device, file *os.File, size int64) (vmmMapping, error) {
+	f.mu.Lock()
+	f.attempts++
+	delay, fail := f.delay, f.failOpen
+	f.mu.Unlock()
+	time.Sleep(delay)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if fail != nil {
+		return vmmMapping{}, fail
+	}
+	have, ok := f.fdSizes[file.Name()]
+	if !ok {
+		return vmmMapping{}, ErrInvalidValue
+	}
+	rounded := (size + 2<<20 - 1) / (2 << 20) * (2 << 20)
+	if rounded > have {
+		return vmmMapping{}, &mapSizeError{size: size, rounded: rounded, err: ErrNotSupported}
+	}
+	f.fdImports++
+	f.next += 1 << 30
+	return vmmMapping{handle: 1, ptr: f.next, size: rounded}, nil
+}
+
+func (f *fakeDriver) unmapFD(d *Device, m vmmMapping) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.fdUnmaps++
+	return nil
 }
 
 func (f *fakeDriver) openEvent(d *Device, h EventHandle) (*Event, error) {
@@ -501,7 +547,7 @@ func TestCacheSameProcess(t *testing.T) {
 	c := newTestCache(f)
 	dev := f.devs[0]
 	// A Buffer of this package, as Alloc and Export leave it.
-	b := &Buffer{dev: dev, ptr: 0x5000_0000_0000, size: 1 << 20, bufferID: 42}
+	b := &Buffer{dev: dev, ptr: 0x5000_0000_0000, size: 1 << 20, bufferID: 42, allocSize: 1 << 20}
 	registerBuffer(b)
 	defer unregisterBuffer(b.ptr, b)
 	r := remoteRegion(dev.uuid, 10, 42)
@@ -652,5 +698,155 @@ func BenchmarkImportCachedFake(b *testing.B) {
 	}
 	if o, _ := f.counts(); o != 1 {
 		b.Fatalf("%d opens", o)
+	}
+}
+
+// vmmRegion is a vmm-fd region of another process, in another PID
+// namespace: descriptors cross namespaces.
+func vmmRegion(dev UUID, id byte, allocSize int64) Region {
+	r := exampleVMMRegion()
+	r.AllocationID = AllocationID{id, 0xaa}
+	r.Device, r.ExporterPID, r.PIDNamespace, r.BootID = dev, 7, 4026532999, testSelf.BootID
+	r.Offset, r.Size, r.AllocSize = 0, allocSize, allocSize
+	return r
+}
+
+// fakeFD returns a file whose name the fake driver knows as a descriptor
+// of an allocation of size bytes.
+func fakeFD(t testing.TB, f *fakeDriver, size int64) *os.File {
+	t.Helper()
+	file, err := os.CreateTemp(t.TempDir(), "fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { file.Close() })
+	f.mu.Lock()
+	f.fdSizes[file.Name()] = size
+	f.mu.Unlock()
+	return file
+}
+
+func TestCacheVMMFD(t *testing.T) {
+	f := newFakeDriver(2)
+	c := newTestCache(f)
+	r := vmmRegion(f.devs[1].uuid, 1, 8<<20)
+	fd := fakeFD(t, f, 8<<20)
+	var ms []*Mapping
+	for i := int64(0); i < 100; i++ {
+		sub, _ := r.Sub(i*4096, 4096)
+		m, err := c.importMem(sub, WithFile(fd))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.Device() != f.devs[1] || m.Local() || m.Ptr() != ms0Base(ms, m)+DevicePtr(i*4096) {
+			t.Fatalf("import %d: %v at %#x", i, m.Device(), m.Ptr())
+		}
+		ms = append(ms, m)
+	}
+	if f.fdImports != 1 {
+		t.Fatalf("%d descriptor imports for 100 regions of one allocation", f.fdImports)
+	}
+	if s := c.stats(); s.Opens != 1 || s.Hits != 99 || s.Mapped != 1 {
+		t.Fatalf("stats %+v", s)
+	}
+	// Another allocation id is another mapping, even with the same
+	// descriptor: the id, not the descriptor, names the allocation.
+	other := vmmRegion(f.devs[1].uuid, 2, 8<<20)
+	m2, err := c.importMem(other, WithFile(fd))
+	if err != nil || m2.Ptr() == ms[0].Ptr() || f.fdImports != 2 {
+		t.Fatalf("second allocation: %v, %d imports", err, f.fdImports)
+	}
+	closeAll(t, append(ms, m2))
+	if f.fdUnmaps != 2 || c.stats().Mapped != 0 {
+		t.Fatalf("%d unmaps, %+v", f.fdUnmaps, c.stats())
+	}
+	// Once closed, the allocation is imported again from a descriptor.
+	m3, err := c.importMem(r, WithFile(fd))
+	if err != nil || f.fdImports != 3 {
+		t.Fatalf("re-import: %v, %d imports", err, f.fdImports)
+	}
+	closeAll(t, []*Mapping{m3})
+}
+
+func TestCacheVMMFDRefusals(t *testing.T) {
+	f := newFakeDriver(1)
+	c := newTestCache(f)
+	dev := f.devs[0].uuid
+	var ae *ArgError
+	if _, err := c.importMem(vmmRegion(dev, 1, 2<<20)); !errors.As(err, &ae) || ae.Arg != "file" || !strings.Contains(err.Error(), "WithFile") {
+		t.Fatalf("vmm-fd without a descriptor: %v", err)
+	}
+	fd := fakeFD(t, f, 2<<20)
+	if _, err := c.importMem(remoteRegion(dev, 1, 7), WithFile(fd)); !errors.As(err, &ae) || ae.Arg != "file" {
+		t.Fatalf("cuda-ipc with a descriptor: %v", err)
+	}
+	r := vmmRegion(dev, 1, 2<<20)
+	r.BootID = BootID{9}
+	if _, err := c.importMem(r, WithFile(fd)); !errors.Is(err, ErrOtherHost) {
+		t.Fatalf("vmm-fd of another boot: %v", err)
+	}
+	// A region that claims more than the descriptor's allocation holds is
+	// refused by name, before any mapping is served.
+	big := vmmRegion(dev, 3, 4<<20)
+	_, err := c.importMem(big, WithFile(fd))
+	var re *RegionError
+	if !errors.As(err, &re) || re.Field != "alloc_size" || !strings.Contains(err.Error(), "4194304") {
+		t.Fatalf("vmm-fd region larger than its allocation: %v", err)
+	}
+	if f.fdImports != 0 || c.stats().Mapped != 0 {
+		t.Fatalf("%d imports, %+v after refusals", f.fdImports, c.stats())
+	}
+	// Once mapped at its real size, a region of the same id claiming more
+	// is refused without a driver call, and the mapping stays for others.
+	ok, err := c.importMem(vmmRegion(dev, 3, 2<<20), WithFile(fd))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.importMem(big, WithFile(fd)); !errors.As(err, &re) || re.Field != "alloc_size" {
+		t.Fatalf("cached allocation, larger region: %v", err)
+	}
+	if s := c.stats(); s.Mapped != 1 || f.fdUnmaps != 0 {
+		t.Fatalf("the refusal released another's mapping: %+v, %d unmaps", s, f.fdUnmaps)
+	}
+	closeAll(t, []*Mapping{ok})
+	if f.fdUnmaps != 1 {
+		t.Fatalf("%d unmaps", f.fdUnmaps)
+	}
+}
+
+func TestCacheAllocSizeLargerThanAllocation(t *testing.T) {
+	f := newFakeDriver(1)
+	f.allocSize = 1 << 20 // what the driver finds behind the handle
+	c := newTestCache(f)
+	r := remoteRegion(f.devs[0].uuid, 40, 7) // claims 8 MiB
+	_, err := c.importMem(r)
+	var re *RegionError
+	if !errors.As(err, &re) || re.Field != "alloc_size" || !errors.Is(err, ErrInvalidRegion) ||
+		!strings.Contains(err.Error(), "8388608") || !strings.Contains(err.Error(), "1048576") {
+		t.Fatalf("region larger than its allocation: %v", err)
+	}
+	if o, cl := f.counts(); o != 1 || cl != 1 || c.stats().Mapped != 0 {
+		t.Fatalf("opens %d closes %d: the refused open was not given back", o, cl)
+	}
+	// A region within the allocation imports.
+	r.AllocSize, r.Size = 1<<20, 1<<20
+	m, err := c.importMem(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeAll(t, []*Mapping{m})
+	// In the exporting process, the driver's size of the allocation is
+	// checked too.
+	f.ids[0x6000_0000_0000] = 99
+	r.ExporterPID, r.ExporterBase, r.BufferID, r.AllocSize = testSelf.PID, 0x6000_0000_0000, 99, 2<<20
+	if _, err := c.importMem(r); !errors.As(err, &re) || re.Field != "alloc_size" {
+		t.Fatalf("local region larger than its allocation: %v", err)
+	}
+	b := &Buffer{dev: f.devs[0], ptr: 0x5000_0000_0000, size: 1 << 20, bufferID: 42, allocSize: 1 << 20}
+	registerBuffer(b)
+	defer unregisterBuffer(b.ptr, b)
+	r.ExporterBase, r.BufferID = b.ptr, 42
+	if _, err := c.importMem(r); !errors.As(err, &re) || re.Field != "alloc_size" || b.localRefs != 0 {
+		t.Fatalf("local Buffer region larger than the Buffer: %v", err)
 	}
 }

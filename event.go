@@ -51,8 +51,7 @@ func (d *Device) NewEvent(flags EventFlags) (*Event, error) {
 	if err != nil {
 		return nil, err
 	}
-	live.events.Add(1)
-	return &Event{dev: d, e: e, flags: flags}, nil
+	return newEvent(d, e, flags, false), nil
 }
 
 // NewIPCEvent creates an event that can be exported to other processes
@@ -76,8 +75,13 @@ func (d *Device) OpenEventHandle(h EventHandle) (*Event, error) {
 	if err != nil {
 		return nil, err
 	}
+	return newEvent(d, e, EventInterprocess|EventDisableTiming, true), nil
+}
+
+// newEvent wraps an event the driver made or opened.
+func newEvent(d *Device, e cu.Event, flags EventFlags, imported bool) *Event {
 	live.events.Add(1)
-	return &Event{dev: d, e: e, flags: EventInterprocess | EventDisableTiming, imported: true}, nil
+	return &Event{dev: d, e: e, flags: flags, imported: imported}
 }
 
 func (e *Event) handle(op string) (cu.Event, error) {

@@ -251,50 +251,6 @@ func releaseLeakedEvent(r *eventRef) {
 	}
 }
 
-// ImportEvent opens the event d describes, through the cache. The device
-// is chosen as for Import. In the exporting process it returns the
-// exporter's own event.
-func ImportEvent(d EventDescriptor, opts ...ImportOption) (*RemoteEvent, error) {
-	return defaultCache.importEvent(d, opts...)
-}
-
-func (c *importCache) importEvent(d EventDescriptor, opts ...ImportOption) (*RemoteEvent, error) {
-	if err := d.Validate(); err != nil {
-		return nil, err
-	}
-	self, err := c.self()
-	if err != nil {
-		return nil, err
-	}
-	cfg := configure(opts)
-	if err := checkReach("event", d.BootID, d.PIDNamespace, self, cfg.anyPIDNamespace); err != nil {
-		return nil, err
-	}
-	ref := &eventRef{cache: c, desc: d}
-	var ev *Event
-	if d.ExporterPID == self.PID && d.PIDNamespace == self.PIDNamespace {
-		exportedEvents.mu.Lock()
-		ev = exportedEvents.m[d.Handle]
-		exportedEvents.mu.Unlock()
-		if ev == nil {
-			return nil, fmt.Errorf("cudaipc: ImportEvent: the event was exported by this process and is closed: %w", ErrClosed)
-		}
-	} else {
-		dev, err := c.target(d.Device, cfg)
-		if err != nil {
-			return nil, err
-		}
-		e, err := c.acquireEvent(eventKey{d.Handle, dev.uuid}, dev)
-		if err != nil {
-			return nil, err
-		}
-		ref.entry, ev = e, e.ev
-	}
-	re := &RemoteEvent{desc: d, ev: ev, ref: ref}
-	re.cleanup = runtime.AddCleanup(re, releaseLeakedEvent, ref)
-	return re, nil
-}
-
 func (r *RemoteEvent) event(op string) (*Event, error) {
 	r.ref.mu.Lock()
 	defer r.ref.mu.Unlock()

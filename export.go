@@ -50,7 +50,7 @@ func Export(dev *Device, ptr DevicePtr, size int64) (Region, error) {
 		return Region{}, err
 	}
 	if b := lookupBuffer(pi.Base); b != nil {
-		b.setBufferID(pi.BufferID)
+		b.setExported(pi.BufferID, pi.Size)
 	}
 	r := Region{
 		Version: RegionVersion, Kind: KindCUDAIPC, Handle: h,

@@ -3,16 +3,24 @@ package cudaipc
 import (
 	"fmt"
 	"log/slog"
+	"os"
 	"runtime"
 	"sync"
 )
 
-// ImportOption changes how Import and ImportEvent pick the device.
+// This file is the import policy: which regions and events this process
+// may import, through which device, and what a Mapping is. The cache that
+// shares driver mappings between imports, and its seam to the driver, are
+// in cache.go.
+
+// ImportOption changes how Import and ImportEvent pick the device, and
+// gives Import what a region does not carry (its descriptor).
 type ImportOption func(*importConfig)
 
 type importConfig struct {
 	fallback        *Device
 	anyPIDNamespace bool
+	file            *os.File
 }
 
 // WithAnyPIDNamespace lets Import try a region or event exported in another
@@ -21,16 +29,9 @@ type importConfig struct {
 // exporter's (a container started by the exporter's host) opens legacy
 // handles fine; between sibling containers the driver cannot find the
 // exporter and the open fails. The driver's error is returned then.
+// KindVMMFD regions work in any PID namespace without it.
 func WithAnyPIDNamespace() ImportOption {
 	return func(c *importConfig) { c.anyPIDNamespace = true }
-}
-
-func configure(opts []ImportOption) importConfig {
-	var cfg importConfig
-	for _, o := range opts {
-		o(&cfg)
-	}
-	return cfg
 }
 
 // WithFallbackDevice names the device to map through when the exporter's
@@ -40,6 +41,23 @@ func configure(opts []ImportOption) importConfig {
 // always used, whatever this option says.
 func WithFallbackDevice(d *Device) ImportOption {
 	return func(c *importConfig) { c.fallback = d }
+}
+
+// WithFile gives Import the POSIX file descriptor of a KindVMMFD region's
+// allocation (ShareableBuffer.ExportFD, received over a Unix socket).
+// Import does not take ownership of f: close it when Import returns (the
+// mapping holds its own reference to the memory). When the allocation is
+// already mapped in this process, f is not used at all.
+func WithFile(f *os.File) ImportOption {
+	return func(c *importConfig) { c.file = f }
+}
+
+func configure(opts []ImportOption) importConfig {
+	var cfg importConfig
+	for _, o := range opts {
+		o(&cfg)
+	}
+	return cfg
 }
 
 // Mapping is a Region imported into this process: device memory readable
@@ -106,22 +124,32 @@ func newMapping(r Region, dev *Device, ptr DevicePtr, ref *mappingRef) *Mapping 
 }
 
 // Import maps the memory r describes into this process, through the
-// process-wide cache: the first import of an allocation opens it
-// (cuIpcOpenMemHandle, 40 µs to 13 ms), later imports of the same
-// allocation at any offset share that mapping, and the last Close unmaps
-// it. Concurrent first imports open once.
+// process-wide cache: the first import of an allocation opens it, later
+// imports of the same allocation at any offset share that mapping, and the
+// last Close unmaps it. Concurrent first imports open once.
+//
+// A KindCUDAIPC region is opened with cuIpcOpenMemHandle (40 µs to 13 ms).
+// In the process that exported it, Import makes no IPC call and returns the
+// exporter's own memory (a Buffer of this package then refuses Free until
+// the Mapping is closed).
+//
+// A KindVMMFD region needs its allocation's descriptor, given with
+// WithFile; the first import of the allocation imports the descriptor and
+// maps AllocSize bytes (cuMemImportFromShareableHandle, cuMemMap,
+// cuMemSetAccess: milliseconds). It works in any PID namespace, and in the
+// exporting process too.
 //
 // The device is the visible one with r.Device's UUID, else the one
-// WithFallbackDevice names, else the first visible device. In the process
-// that exported r, Import makes no IPC call and returns the exporter's own
-// memory (a Buffer of this package then refuses Free until the Mapping is
-// closed).
+// WithFallbackDevice names, else the first visible device.
 //
-// Errors: *RegionError for an invalid r; ErrOtherHost and
-// ErrOtherPIDNamespace when the exporter is out of reach; ErrStaleMapping
-// when r's allocation was freed and the handle now names another one that
-// this process still maps; the driver's errors otherwise
-// (ErrInvalidResourceHandle: the exporter freed the memory or exited).
+// Errors: *RegionError for an invalid r, and for an r whose AllocSize is
+// larger than the allocation the driver finds behind the handle or
+// descriptor (field "alloc_size"), before any copy; *ArgError for a
+// missing or unexpected WithFile; ErrOtherHost and ErrOtherPIDNamespace
+// when the exporter is out of reach; ErrStaleMapping when r's allocation
+// was freed and the handle now names another one that this process still
+// maps; the driver's errors otherwise (ErrInvalidResourceHandle: the
+// exporter freed the memory or exited).
 func Import(r Region, opts ...ImportOption) (*Mapping, error) {
 	return defaultCache.importMem(r, opts...)
 }
@@ -130,26 +158,75 @@ func (c *importCache) importMem(r Region, opts ...ImportOption) (*Mapping, error
 	if err := r.Validate(); err != nil {
 		return nil, err
 	}
+	cfg := configure(opts)
+	switch {
+	case r.Kind == KindVMMFD && cfg.file == nil:
+		return nil, &ArgError{Op: "Import", Arg: "file", Reason: "a vmm-fd region needs its allocation's descriptor: pass WithFile(f) with the descriptor received beside the region"}
+	case r.Kind != KindVMMFD && cfg.file != nil:
+		return nil, &ArgError{Op: "Import", Arg: "file", Reason: fmt.Sprintf("WithFile is for vmm-fd regions; this one is %s", r.Kind)}
+	}
 	self, err := c.self()
 	if err != nil {
 		return nil, err
 	}
-	cfg := configure(opts)
-	if err := checkReach("region", r.BootID, r.PIDNamespace, self, cfg.anyPIDNamespace); err != nil {
-		return nil, err
-	}
-	if r.ExporterPID == self.PID && r.PIDNamespace == self.PIDNamespace {
-		return c.importLocal(r)
+	if r.Kind == KindVMMFD {
+		// A descriptor works in any PID namespace; only another boot (a
+		// region that did not come with its descriptor) is out of reach.
+		if err := checkReach("region", r.BootID, self.PIDNamespace, self, false); err != nil {
+			return nil, err
+		}
+	} else {
+		if err := checkReach("region", r.BootID, r.PIDNamespace, self, cfg.anyPIDNamespace); err != nil {
+			return nil, err
+		}
+		if r.ExporterPID == self.PID && r.PIDNamespace == self.PIDNamespace {
+			return c.importLocal(r)
+		}
 	}
 	dev, err := c.target(r.Device, cfg)
 	if err != nil {
 		return nil, err
 	}
-	e, err := c.acquireMem(memKey{r.Handle, dev.uuid}, r.BufferID, dev)
+	var open opener
+	if r.Kind == KindVMMFD {
+		open = func(e *memEntry) error {
+			m, err := c.drv.importFD(dev, cfg.file, r.AllocSize)
+			if err != nil {
+				if tooLarge(err) {
+					return regionErr("alloc_size", "%d bytes: the driver refuses to map that much of the allocation behind the descriptor (%v): the allocation is smaller, or the descriptor is another allocation's", r.AllocSize, err)
+				}
+				return err
+			}
+			e.base, e.allocSize, e.vmm = m.ptr, m.size, m
+			return nil
+		}
+	} else {
+		open = func(e *memEntry) error {
+			var err error
+			e.base, e.allocSize, err = c.drv.openIPC(dev, r.Handle)
+			return err
+		}
+	}
+	e, err := c.acquireMem(keyOf(r, dev), r.BufferID, dev, open)
 	if err != nil {
 		return nil, err
 	}
+	if r.AllocSize > e.allocSize {
+		// Refuse before any copy: reading past the real allocation fails in
+		// the driver with a bare CUDA_ERROR_INVALID_VALUE, or worse, reads
+		// a neighbour's memory.
+		err := regionErr("alloc_size", "%d bytes, but the allocation mapped for this region is %d bytes (cuMemGetAddressRange): the region was made for another allocation, or is corrupt", r.AllocSize, e.allocSize)
+		return nil, joinRelease(err, c.releaseMem(e))
+	}
 	return newMapping(r, dev, e.base+DevicePtr(r.Offset), &mappingRef{cache: c, entry: e}), nil
+}
+
+// joinRelease returns err, logging a failure to give back what was taken.
+func joinRelease(err, releaseErr error) error {
+	if releaseErr != nil {
+		slog.Warn("cudaipc: releasing a refused import failed", "err", releaseErr)
+	}
+	return err
 }
 
 // importLocal serves a region exported by this very process: the driver
@@ -168,25 +245,121 @@ func (c *importCache) importLocal(r Region) (*Mapping, error) {
 	if dev == nil {
 		return nil, fmt.Errorf("cudaipc: region exported by this process names %s, which it does not see: %w", r.Device, ErrDeviceNotVisible)
 	}
-	idOf := func() (uint64, error) { return c.drv.bufferID(dev, r.ExporterBase) }
+	describe := func() (allocInfo, error) {
+		_, size, id, err := c.drv.allocation(dev, r.ExporterBase)
+		return allocInfo{id: id, size: size}, err
+	}
 	ref := &mappingRef{cache: c}
 	if b := lookupBuffer(r.ExporterBase); b != nil {
-		if err := b.addLocalRef(r.BufferID, idOf); err != nil {
+		if err := b.addLocalRef(r.BufferID, r.AllocSize, describe); err != nil {
 			return nil, fmt.Errorf("cudaipc: Import of a region of this process: %w", err)
 		}
 		ref.local = b
 	} else {
 		// Not a Buffer of this package (PyTorch, CuPy, ...): check that the
 		// allocation exported is still the one at that address.
-		id, err := idOf()
+		a, err := describe()
 		if err != nil {
 			return nil, fmt.Errorf("%w: the allocation this process exported at %#x is gone: %v", ErrStaleMapping, uint64(r.ExporterBase), err)
 		}
-		if id != r.BufferID {
-			return nil, fmt.Errorf("%w: the allocation this process exported at %#x (buffer id %d) was freed; buffer %d is there now", ErrStaleMapping, uint64(r.ExporterBase), r.BufferID, id)
+		if a.id != r.BufferID {
+			return nil, fmt.Errorf("%w: the allocation this process exported at %#x (buffer id %d) was freed; buffer %d is there now", ErrStaleMapping, uint64(r.ExporterBase), r.BufferID, a.id)
+		}
+		if r.AllocSize > a.size {
+			return nil, regionErr("alloc_size", "%d bytes, but the allocation at %#x is %d bytes (cuMemGetAddressRange)", r.AllocSize, uint64(r.ExporterBase), a.size)
 		}
 	}
 	return newMapping(r, dev, r.ExporterBase+DevicePtr(r.Offset), ref), nil
+}
+
+// allocInfo is what the driver says of an allocation of this process.
+type allocInfo struct {
+	id   uint64 // CU_POINTER_ATTRIBUTE_BUFFER_ID
+	size int64  // cuMemGetAddressRange
+}
+
+// ImportEvent opens the event d describes, through the cache. The device
+// is chosen as for Import. In the exporting process it returns the
+// exporter's own event.
+func ImportEvent(d EventDescriptor, opts ...ImportOption) (*RemoteEvent, error) {
+	return defaultCache.importEvent(d, opts...)
+}
+
+func (c *importCache) importEvent(d EventDescriptor, opts ...ImportOption) (*RemoteEvent, error) {
+	if err := d.Validate(); err != nil {
+		return nil, err
+	}
+	self, err := c.self()
+	if err != nil {
+		return nil, err
+	}
+	cfg := configure(opts)
+	if cfg.file != nil {
+		return nil, &ArgError{Op: "ImportEvent", Arg: "file", Reason: "WithFile is for vmm-fd regions, not events"}
+	}
+	if err := checkReach("event", d.BootID, d.PIDNamespace, self, cfg.anyPIDNamespace); err != nil {
+		return nil, err
+	}
+	ref := &eventRef{cache: c, desc: d}
+	var ev *Event
+	if d.ExporterPID == self.PID && d.PIDNamespace == self.PIDNamespace {
+		exportedEvents.mu.Lock()
+		ev = exportedEvents.m[d.Handle]
+		exportedEvents.mu.Unlock()
+		if ev == nil {
+			return nil, fmt.Errorf("cudaipc: ImportEvent: the event was exported by this process and is closed: %w", ErrClosed)
+		}
+	} else {
+		dev, err := c.target(d.Device, cfg)
+		if err != nil {
+			return nil, err
+		}
+		e, err := c.acquireEvent(eventKey{d.Handle, dev.uuid}, dev)
+		if err != nil {
+			return nil, err
+		}
+		ref.entry, ev = e, e.ev
+	}
+	re := &RemoteEvent{desc: d, ev: ev, ref: ref}
+	re.cleanup = runtime.AddCleanup(re, releaseLeakedEvent, ref)
+	return re, nil
+}
+
+// target picks the device to map through: the one with the exporter's
+// UUID if this process sees it, else the fallback (default: the first
+// visible device), which reaches the memory through peer access. Never the
+// exporter's ordinal: CUDA_VISIBLE_DEVICES renumbers devices per process.
+func (c *importCache) target(u UUID, cfg importConfig) (*Device, error) {
+	l, err := c.drv.devices()
+	if err != nil {
+		return nil, err
+	}
+	for _, d := range l {
+		if d.uuid == u {
+			return d, nil
+		}
+	}
+	if cfg.fallback != nil {
+		return cfg.fallback, nil
+	}
+	if len(l) == 0 {
+		return nil, fmt.Errorf("cudaipc: no visible GPU to map %s through: %w", u, ErrNoDevice)
+	}
+	return l[0], nil
+}
+
+// checkReach says why a handle from identity (boot, pidns) cannot work in
+// this process, if it cannot.
+func checkReach(what string, boot BootID, pidns uint64, self Identity, anyPIDNamespace bool) error {
+	if boot != self.BootID {
+		return fmt.Errorf("%w: the %s was exported under boot id %s, this process runs under %s; a CUDA IPC handle works only on the machine (and boot) that made it: copy the bytes instead",
+			ErrOtherHost, what, boot, self.BootID)
+	}
+	if pidns != self.PIDNamespace && !anyPIDNamespace {
+		return fmt.Errorf("%w: the %s was exported in PID namespace %d, this process is in %d; legacy CUDA IPC cannot cross PID namespaces (containers): use the VMM POSIX-fd path through the store daemon (cudaipc serve --gpu-share fd), or run both processes in one PID namespace (e.g. docker --pid=host); WithAnyPIDNamespace tries anyway (nested namespaces work)",
+			ErrOtherPIDNamespace, what, pidns, self.PIDNamespace)
+	}
+	return nil
 }
 
 // Ptr returns the device address of the region's first byte, valid in

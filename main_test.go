@@ -21,6 +21,8 @@ var roles = testutil.Roles{
 
 	"fdimporter": roleFDImporter,
 	"fdexporter": roleFDExporter,
+
+	"fdRegionImporter": roleFDRegionImporter,
 }
 
 func TestMain(m *testing.M) {

@@ -61,6 +61,7 @@ type Buffer struct {
 	closed    bool
 	localRefs int    // mappings of this buffer opened through Import in this process
 	bufferID  uint64 // CU_POINTER_ATTRIBUTE_BUFFER_ID, learnt on first Export; 0 until then
+	allocSize int64  // cuMemGetAddressRange's size, learnt with bufferID
 	cleanup   runtime.Cleanup
 }
 
@@ -216,31 +217,36 @@ func (b *Buffer) Free() error {
 func (b *Buffer) Close() error { return b.Free() }
 
 // addLocalRef records a same-process mapping of the allocation with the
-// given buffer id; it fails if the buffer is freed or is another allocation
-// at the same address. idOf learns the buffer id when no Export did.
-func (b *Buffer) addLocalRef(id uint64, idOf func() (uint64, error)) error {
+// given buffer id and size; it fails if the buffer is freed, is another
+// allocation at the same address, or is smaller than allocSize. describe
+// asks the driver when no Export did.
+func (b *Buffer) addLocalRef(id uint64, allocSize int64, describe func() (allocInfo, error)) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
 		return ErrClosed
 	}
 	if b.bufferID == 0 {
-		v, err := idOf()
+		a, err := describe()
 		if err != nil {
 			return err
 		}
-		b.bufferID = v
+		b.bufferID, b.allocSize = a.id, a.size
 	}
 	if b.bufferID != id {
 		return fmt.Errorf("%w: buffer id %d, the allocation now at that address is %d", ErrStaleMapping, id, b.bufferID)
+	}
+	if allocSize > b.allocSize {
+		return regionErr("alloc_size", "%d bytes, but the allocation at %#x is %d bytes (cuMemGetAddressRange)", allocSize, uint64(b.ptr), b.allocSize)
 	}
 	b.localRefs++
 	return nil
 }
 
-func (b *Buffer) setBufferID(id uint64) {
+// setExported records what the driver said of the buffer at its Export.
+func (b *Buffer) setExported(id uint64, allocSize int64) {
 	b.mu.Lock()
-	b.bufferID = id
+	b.bufferID, b.allocSize = id, allocSize
 	b.mu.Unlock()
 }
 

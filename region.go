@@ -2,7 +2,9 @@ package cudaipc
 
 import (
 	"bytes"
+	"crypto/rand"
 	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -15,15 +17,16 @@ import (
 // Kind says what a Region's handle names and how it is opened.
 type Kind uint16
 
-// Region kinds. Only KindCUDAIPC is implemented; the others are reserved
-// so that every implementation of docs/region.md numbers them alike.
+// Region kinds. KindCUDAIPC and KindVMMFD are implemented; KindHost is
+// reserved so that every implementation of docs/region.md numbers it alike.
 const (
 	// KindCUDAIPC is device memory from cuMemAlloc/cudaMalloc exported with
 	// cuIpcGetMemHandle ("cuda-ipc"): same machine, same PID namespace.
 	KindCUDAIPC Kind = 1
-	// KindVMMFD is reserved for VMM allocations shared as POSIX file
-	// descriptors over a Unix socket ("vmm-fd"), which work across PID
-	// namespaces.
+	// KindVMMFD is a VMM allocation (cuMemCreate) shared as a POSIX file
+	// descriptor ("vmm-fd"). The region carries everything but the
+	// descriptor, which travels beside it (SCM_RIGHTS over a Unix socket)
+	// and is given to Import with WithFile. It works across PID namespaces.
 	KindVMMFD Kind = 2
 	// KindHost is reserved for shared host memory ("host").
 	KindHost Kind = 3
@@ -62,24 +65,74 @@ var regionMagic = [4]byte{'C', 'I', 'P', 'R'}
 // so that another can map it: what one process hands another. It is a plain
 // value; see docs/region.md for its binary and JSON encodings.
 //
-// The handle names the whole allocation, which is why Offset travels beside
-// it. Like the handle, a Region is a bearer capability: any process of the
-// same machine and PID namespace that holds it can read and write the
-// memory. Keep it secret.
+// The handle (KindCUDAIPC) or the descriptor (KindVMMFD) names the whole
+// allocation, which is why Offset travels beside it. Like the handle, a
+// KindCUDAIPC Region is a bearer capability: any process of the same
+// machine and PID namespace that holds it can read and write the memory.
+// Keep it secret. A KindVMMFD Region is useless without its descriptor.
 type Region struct {
-	Version      uint16    // format version, RegionVersion
-	Kind         Kind      // KindCUDAIPC
-	Handle       MemHandle // cuIpcGetMemHandle of the allocation's base
-	Offset       int64     // start of the region inside the allocation
-	Size         int64     // length of the region in bytes, > 0
-	AllocSize    int64     // size of the whole allocation (cuMemGetAddressRange)
-	Device       UUID      // the GPU that holds the memory
-	ExporterPID  int       // pid of the exporting process, in its PID namespace
-	PIDNamespace uint64    // inode of the exporter's /proc/self/ns/pid
-	BootID       BootID    // the exporter's /proc/sys/kernel/random/boot_id
-	BufferID     uint64    // CU_POINTER_ATTRIBUTE_BUFFER_ID of the allocation in the exporter
-	ExporterBase DevicePtr // the allocation's base address in the exporter
+	Version      uint16       // format version, RegionVersion
+	Kind         Kind         // KindCUDAIPC or KindVMMFD
+	Handle       MemHandle    // KindCUDAIPC: cuIpcGetMemHandle of the allocation's base; KindVMMFD: zero
+	AllocationID AllocationID // KindVMMFD: the exporter's id of the allocation; KindCUDAIPC: zero
+	Offset       int64        // start of the region inside the allocation
+	Size         int64        // length of the region in bytes, > 0
+	AllocSize    int64        // size of the whole allocation (cuMemGetAddressRange; KindVMMFD: the mapped size)
+	Device       UUID         // the GPU that holds the memory
+	ExporterPID  int          // pid of the exporting process, in its PID namespace
+	PIDNamespace uint64       // inode of the exporter's /proc/self/ns/pid
+	BootID       BootID       // the exporter's /proc/sys/kernel/random/boot_id
+	BufferID     uint64       // KindCUDAIPC: CU_POINTER_ATTRIBUTE_BUFFER_ID of the allocation in the exporter; KindVMMFD: zero
+	ExporterBase DevicePtr    // the allocation's base address in the exporter
 }
+
+// AllocationID names one VMM allocation for importers: the exporter draws
+// it at random when it allocates (ShareableBuffer) and never gives it to
+// another allocation, so that two KindVMMFD regions with the same id are
+// pieces of the same physical memory and share one import. It is not a
+// secret: without the descriptor it opens nothing.
+type AllocationID [16]byte
+
+// NewAllocationID returns a random AllocationID (crypto/rand: 128 bits,
+// so ids of different exporters do not collide).
+func NewAllocationID() AllocationID {
+	var a AllocationID
+	for a.IsZero() {
+		_, _ = rand.Read(a[:])
+	}
+	return a
+}
+
+// String returns the 32 lower-case hex digits of a.
+func (a AllocationID) String() string { return hex.EncodeToString(a[:]) }
+
+// ParseAllocationID parses the form String prints.
+func ParseAllocationID(s string) (AllocationID, error) {
+	var a AllocationID
+	if len(s) != 32 {
+		return a, fmt.Errorf("%q: want 32 hex digits", s)
+	}
+	if _, err := hex.Decode(a[:], []byte(s)); err != nil {
+		return a, fmt.Errorf("%q: %v", s, err)
+	}
+	return a, nil
+}
+
+// MarshalText implements encoding.TextMarshaler.
+func (a AllocationID) MarshalText() ([]byte, error) { return []byte(a.String()), nil }
+
+// UnmarshalText implements encoding.TextUnmarshaler.
+func (a *AllocationID) UnmarshalText(b []byte) error {
+	v, err := ParseAllocationID(string(b))
+	if err != nil {
+		return err
+	}
+	*a = v
+	return nil
+}
+
+// IsZero reports whether a is the zero id.
+func (a AllocationID) IsZero() bool { return a == AllocationID{} }
 
 // ErrInvalidRegion matches every error about a malformed Region or
 // EventDescriptor (a *RegionError).
@@ -110,14 +163,20 @@ func (r Region) Validate() error {
 	switch {
 	case r.Version != RegionVersion:
 		return regionErr("version", "%d: this package reads version %d", r.Version, RegionVersion)
-	case r.Kind == KindVMMFD || r.Kind == KindHost:
+	case r.Kind == KindHost:
 		return regionErr("kind", "%s (%d) is reserved and not implemented by this version", r.Kind, uint16(r.Kind))
 	case r.Kind == 0:
 		return regionErr("kind", "missing")
-	case r.Kind != KindCUDAIPC:
+	case r.Kind != KindCUDAIPC && r.Kind != KindVMMFD:
 		return regionErr("kind", "unknown kind %d", uint16(r.Kind))
-	case r.Handle.IsZero():
+	case r.Kind == KindCUDAIPC && r.Handle.IsZero():
 		return regionErr("handle", "all zero bytes: not an exported handle")
+	case r.Kind == KindCUDAIPC && !r.AllocationID.IsZero():
+		return regionErr("allocation_id", "set in a cuda-ipc region: only vmm-fd regions have one")
+	case r.Kind == KindVMMFD && r.AllocationID.IsZero():
+		return regionErr("allocation_id", "zero: a vmm-fd region names its allocation by a non-zero id")
+	case r.Kind == KindVMMFD && !r.Handle.IsZero():
+		return regionErr("handle", "set in a vmm-fd region: its descriptor travels beside the region, not in it")
 	case r.Size <= 0:
 		return regionErr("size", "%d: must be positive", r.Size)
 	case r.Offset < 0:
@@ -134,8 +193,10 @@ func (r Region) Validate() error {
 		return regionErr("pid_namespace", "zero: want the inode of the exporter's /proc/self/ns/pid")
 	case r.BootID.IsZero():
 		return regionErr("boot_id", "zero: want the exporter's /proc/sys/kernel/random/boot_id")
-	case r.BufferID == 0:
+	case r.Kind == KindCUDAIPC && r.BufferID == 0:
 		return regionErr("buffer_id", "zero: want CU_POINTER_ATTRIBUTE_BUFFER_ID of the allocation")
+	case r.Kind == KindVMMFD && r.BufferID != 0:
+		return regionErr("buffer_id", "%d in a vmm-fd region: must be zero (the allocation id names the allocation)", r.BufferID)
 	case r.ExporterBase == 0:
 		return regionErr("exporter_base", "zero: want the allocation's base address in the exporter")
 	case uint64(r.ExporterBase)+uint64(r.AllocSize) < uint64(r.ExporterBase):
@@ -159,6 +220,10 @@ func (r Region) Sub(off, size int64) (Region, error) {
 
 // String describes r for logs without the handle's bytes.
 func (r Region) String() string {
+	if r.Kind == KindVMMFD {
+		return fmt.Sprintf("Region(%s %d bytes at +%d of %d, %s, pid %d, allocation %s)",
+			r.Kind, r.Size, r.Offset, r.AllocSize, r.Device, r.ExporterPID, r.AllocationID)
+	}
 	return fmt.Sprintf("Region(%s %d bytes at +%d of %d, %s, pid %d, buffer %d, %s)",
 		r.Kind, r.Size, r.Offset, r.AllocSize, r.Device, r.ExporterPID, r.BufferID, r.Handle)
 }
@@ -172,7 +237,13 @@ func (r Region) AppendBinary(b []byte) ([]byte, error) {
 	b = append(b, regionMagic[:]...)
 	b = binary.LittleEndian.AppendUint16(b, r.Version)
 	b = binary.LittleEndian.AppendUint16(b, uint16(r.Kind))
-	b = append(b, r.Handle[:]...)
+	if r.Kind == KindVMMFD {
+		// The 64 handle bytes: the allocation id, then 48 zero bytes.
+		b = append(b, r.AllocationID[:]...)
+		b = append(b, make([]byte, 64-len(r.AllocationID))...)
+	} else {
+		b = append(b, r.Handle[:]...)
+	}
 	b = binary.LittleEndian.AppendUint64(b, uint64(r.Offset))
 	b = binary.LittleEndian.AppendUint64(b, uint64(r.Size))
 	b = binary.LittleEndian.AppendUint64(b, uint64(r.AllocSize))
@@ -217,7 +288,14 @@ func (r *Region) UnmarshalBinary(b []byte) error {
 	var v Region
 	v.Version = le.Uint16(b[4:])
 	v.Kind = Kind(le.Uint16(b[6:]))
-	copy(v.Handle[:], b[8:72])
+	if v.Kind == KindVMMFD {
+		copy(v.AllocationID[:], b[8:24])
+		if !allZero(b[24:72]) {
+			return regionErr("handle", "bytes 24-71 of a vmm-fd region are reserved and must be zero")
+		}
+	} else {
+		copy(v.Handle[:], b[8:72])
+	}
 	off, size, alloc := le.Uint64(b[72:]), le.Uint64(b[80:]), le.Uint64(b[88:])
 	if off > math.MaxInt64 || size > math.MaxInt64 || alloc > math.MaxInt64 {
 		return regionErr("size", "offset %d, size %d, alloc_size %d: must be below 2^63", off, size, alloc)
@@ -236,20 +314,32 @@ func (r *Region) UnmarshalBinary(b []byte) error {
 	return nil
 }
 
-// regionJSON is the JSON form; docs/region.md documents each field.
+func allZero(b []byte) bool {
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// regionJSON is the JSON form; docs/region.md documents each field. The
+// per-kind fields are pointers so that a field of the other kind is an
+// error even when it holds zero.
 type regionJSON struct {
-	Version      uint16    `json:"version"`
-	Kind         string    `json:"kind"`
-	Handle       MemHandle `json:"handle"`
-	Offset       int64     `json:"offset"`
-	Size         int64     `json:"size"`
-	AllocSize    int64     `json:"alloc_size"`
-	Device       UUID      `json:"device"`
-	ExporterPID  int       `json:"exporter_pid"`
-	PIDNamespace uint64    `json:"pid_namespace"`
-	BootID       BootID    `json:"boot_id"`
-	BufferID     uint64    `json:"buffer_id"`
-	ExporterBase string    `json:"exporter_base"`
+	Version      uint16        `json:"version"`
+	Kind         string        `json:"kind"`
+	Handle       *MemHandle    `json:"handle,omitempty"`
+	AllocationID *AllocationID `json:"allocation_id,omitempty"`
+	Offset       int64         `json:"offset"`
+	Size         int64         `json:"size"`
+	AllocSize    int64         `json:"alloc_size"`
+	Device       UUID          `json:"device"`
+	ExporterPID  int           `json:"exporter_pid"`
+	PIDNamespace uint64        `json:"pid_namespace"`
+	BootID       BootID        `json:"boot_id"`
+	BufferID     *uint64       `json:"buffer_id,omitempty"`
+	ExporterBase string        `json:"exporter_base"`
 }
 
 // MarshalJSON encodes r as one JSON object, the handle in base64, the
@@ -259,12 +349,18 @@ func (r Region) MarshalJSON() ([]byte, error) {
 	if err := r.Validate(); err != nil {
 		return nil, err
 	}
-	return json.Marshal(regionJSON{
-		Version: r.Version, Kind: r.Kind.String(), Handle: r.Handle,
+	j := regionJSON{
+		Version: r.Version, Kind: r.Kind.String(),
 		Offset: r.Offset, Size: r.Size, AllocSize: r.AllocSize, Device: r.Device,
 		ExporterPID: r.ExporterPID, PIDNamespace: r.PIDNamespace, BootID: r.BootID,
-		BufferID: r.BufferID, ExporterBase: "0x" + strconv.FormatUint(uint64(r.ExporterBase), 16),
-	})
+		ExporterBase: "0x" + strconv.FormatUint(uint64(r.ExporterBase), 16),
+	}
+	if r.Kind == KindVMMFD {
+		j.AllocationID = &r.AllocationID
+	} else {
+		j.Handle, j.BufferID = &r.Handle, &r.BufferID
+	}
+	return json.Marshal(j)
 }
 
 // UnmarshalJSON decodes and validates the JSON encoding. Unknown fields are
@@ -290,10 +386,28 @@ func (r *Region) UnmarshalJSON(b []byte) error {
 		}
 	}
 	v := Region{
-		Version: j.Version, Kind: k, Handle: j.Handle,
+		Version: j.Version, Kind: k,
 		Offset: j.Offset, Size: j.Size, AllocSize: j.AllocSize, Device: j.Device,
 		ExporterPID: j.ExporterPID, PIDNamespace: j.PIDNamespace, BootID: j.BootID,
-		BufferID: j.BufferID, ExporterBase: base,
+		ExporterBase: base,
+	}
+	// A field of the other kind is refused by name, even when zero.
+	switch {
+	case k == KindVMMFD && j.Handle != nil:
+		return regionErr("handle", "not a field of a vmm-fd region: its descriptor travels beside the region")
+	case k == KindVMMFD && j.BufferID != nil:
+		return regionErr("buffer_id", "not a field of a vmm-fd region")
+	case k == KindCUDAIPC && j.AllocationID != nil:
+		return regionErr("allocation_id", "not a field of a %s region", k)
+	}
+	if j.Handle != nil {
+		v.Handle = *j.Handle
+	}
+	if j.AllocationID != nil {
+		v.AllocationID = *j.AllocationID
+	}
+	if j.BufferID != nil {
+		v.BufferID = *j.BufferID
 	}
 	if err := v.Validate(); err != nil {
 		return err

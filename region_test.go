@@ -28,6 +28,16 @@ func exampleRegion() Region {
 	}
 }
 
+// exampleVMMRegion is the vmm-fd region of docs/region.md's examples.
+func exampleVMMRegion() Region {
+	r := exampleRegion()
+	r.Kind, r.Handle, r.BufferID = KindVMMFD, MemHandle{}, 0
+	r.AllocationID, _ = ParseAllocationID("a1b2c3d4e5f60718293a4b5c6d7e8f90")
+	r.Offset, r.Size, r.AllocSize = 2<<20, 1<<20, 32<<20
+	r.ExporterBase = 0x7f3b00000000
+	return r
+}
+
 // exampleRegionHex is exampleRegion's binary encoding, as docs/region.md
 // shows it.
 const exampleRegionHex = "43495052010001000001020304050607" +
@@ -96,7 +106,8 @@ func TestRegionValidate(t *testing.T) {
 	}{
 		{"version", func(r *Region) { r.Version = 2 }},
 		{"kind", func(r *Region) { r.Kind = 0 }},
-		{"kind", func(r *Region) { r.Kind = KindVMMFD }},
+		{"allocation_id", func(r *Region) { r.Kind = KindVMMFD }},
+		{"allocation_id", func(r *Region) { r.AllocationID = AllocationID{1} }},
 		{"kind", func(r *Region) { r.Kind = KindHost }},
 		{"kind", func(r *Region) { r.Kind = 99 }},
 		{"handle", func(r *Region) { r.Handle = MemHandle{} }},
@@ -183,10 +194,74 @@ func TestRegionBinaryRejects(t *testing.T) {
 		t.Errorf("huge size: %s", f)
 	}
 	b = append([]byte{}, good...)
-	b[6] = 2 // kind vmm-fd, reserved
+	b[6] = 3 // kind host, reserved
 	fixCRC(b)
 	if f := field(b); f != "kind" {
 		t.Errorf("reserved kind: %s", f)
+	}
+	b = append([]byte{}, good...)
+	b[6] = 2 // kind vmm-fd with a handle's bytes
+	fixCRC(b)
+	if f := field(b); f != "handle" {
+		t.Errorf("vmm-fd with handle bytes: %s", f)
+	}
+}
+
+func TestRegionVMMFDValidate(t *testing.T) {
+	for _, tc := range []struct {
+		field string
+		edit  func(*Region)
+	}{
+		{"allocation_id", func(r *Region) { r.AllocationID = AllocationID{} }},
+		{"handle", func(r *Region) { r.Handle = MemHandle{1} }},
+		{"buffer_id", func(r *Region) { r.BufferID = 3 }},
+		{"size", func(r *Region) { r.Offset, r.Size = r.AllocSize-1, 2 }},
+		{"pid_namespace", func(r *Region) { r.PIDNamespace = 0 }},
+		{"exporter_base", func(r *Region) { r.ExporterBase = 0 }},
+	} {
+		r := exampleVMMRegion()
+		tc.edit(&r)
+		var re *RegionError
+		if err := r.Validate(); !errors.As(err, &re) || re.Field != tc.field {
+			t.Errorf("%s: %v", tc.field, err)
+		}
+	}
+	r := exampleVMMRegion()
+	if err := r.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	s, err := r.Sub(4096, 8192)
+	if err != nil || s.AllocationID != r.AllocationID || s.Offset != r.Offset+4096 || s.Kind != KindVMMFD {
+		t.Fatalf("Sub: %+v %v", s, err)
+	}
+	if !strings.Contains(r.String(), r.AllocationID.String()) || !strings.Contains(r.String(), "vmm-fd") {
+		t.Fatalf("String: %s", r)
+	}
+	// A field of the other kind is refused by name in JSON, even when zero.
+	good, _ := json.Marshal(r)
+	for _, tc := range []struct{ add, field string }{
+		{`"handle":"` + strings.Repeat("A", 86) + `==",`, "handle"},
+		{`"buffer_id":0,`, "buffer_id"},
+	} {
+		in := strings.Replace(string(good), `"offset"`, tc.add+`"offset"`, 1)
+		var re *RegionError
+		if _, err := DecodeRegion([]byte(in)); !errors.As(err, &re) || re.Field != tc.field {
+			t.Errorf("%s in a vmm-fd region: %v", tc.field, err)
+		}
+	}
+	ipc, _ := json.Marshal(exampleRegion())
+	in := strings.Replace(string(ipc), `"offset"`, `"allocation_id":"a1b2c3d4e5f60718293a4b5c6d7e8f90","offset"`, 1)
+	var re *RegionError
+	if _, err := DecodeRegion([]byte(in)); !errors.As(err, &re) || re.Field != "allocation_id" {
+		t.Errorf("allocation_id in a cuda-ipc region: %v", err)
+	}
+	if a, b := NewAllocationID(), NewAllocationID(); a == b || a.IsZero() {
+		t.Fatal("NewAllocationID repeats or is zero")
+	}
+	for _, bad := range []string{"", "a1b2", strings.Repeat("g", 32), strings.Repeat("a", 33)} {
+		if _, err := ParseAllocationID(bad); err == nil {
+			t.Errorf("ParseAllocationID(%q) accepted", bad)
+		}
 	}
 }
 
@@ -406,24 +481,43 @@ func FuzzEventDescriptorJSON(f *testing.F) {
 	})
 }
 
-// TestDocExamples keeps docs/region.md's examples in step with the code.
+// TestDocExamples keeps docs/region.md's examples in step with the code
+// and the vectors in testdata/region: every vector's hex dump is in the
+// doc, and every JSON example of the doc decodes to a vector's region.
 func TestDocExamples(t *testing.T) {
 	doc, err := os.ReadFile("docs/region.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	j := between(t, string(doc), "```json\n", "```")
-	r, err := DecodeRegion([]byte(j))
-	if err != nil || r != exampleRegion() {
-		t.Fatalf("the doc's JSON example: %v\n%+v", err, r)
+	seen := map[string]bool{}
+	rest := string(doc)
+	for {
+		_, after, ok := strings.Cut(rest, "```json\n")
+		if !ok {
+			break
+		}
+		j, tail, _ := strings.Cut(after, "```")
+		rest = tail
+		if r, err := DecodeRegion([]byte(j)); err == nil {
+			switch r {
+			case exampleRegion():
+				seen["cuda-ipc"] = true
+			case exampleVMMRegion():
+				seen["vmm-fd"] = true
+			default:
+				t.Errorf("a JSON example of the doc is no vector's region:\n%s", j)
+			}
+		} else if !strings.Contains(j, `"pieces"`) {
+			t.Errorf("a JSON example of the doc does not decode: %v\n%s", err, j)
+		}
 	}
-	b, _ := exampleRegion().MarshalBinary()
-	if !strings.Contains(string(doc), hex.Dump(b)) {
-		t.Fatalf("the doc's binary example differs from:\n%s", hex.Dump(b))
+	if !seen["cuda-ipc"] || !seen["vmm-fd"] {
+		t.Errorf("JSON examples found: %v; want cuda-ipc and vmm-fd", seen)
 	}
-	e, _ := exampleEvent().MarshalBinary()
-	if !strings.Contains(string(doc), hex.Dump(e)) {
-		t.Fatalf("the doc's event example differs from:\n%s", hex.Dump(e))
+	for _, v := range regionVectors() {
+		if !strings.Contains(string(doc), hex.Dump(v.bin)) {
+			t.Errorf("the doc's %s binary example differs from:\n%s", v.name, hex.Dump(v.bin))
+		}
 	}
 }
 

@@ -111,6 +111,7 @@ type ShareableBuffer struct {
 	ptr    DevicePtr
 	size   int64
 	gran   int64
+	id     AllocationID // drawn at allocation; names it in every Region
 
 	mu      sync.Mutex
 	closed  bool
@@ -153,7 +154,7 @@ func (d *Device) AllocShareable(size int64) (*ShareableBuffer, error) {
 	if err != nil {
 		return nil, err
 	}
-	b := &ShareableBuffer{dev: d, handle: h, ptr: DevicePtr(p), size: rounded, gran: gran}
+	b := &ShareableBuffer{dev: d, handle: h, ptr: DevicePtr(p), size: rounded, gran: gran, id: NewAllocationID()}
 	live.shareableBuffers.Add(1)
 	b.cleanup = runtime.AddCleanup(b, freeLeakedVMM, vmmLeak{"ShareableBuffer", d, h, p, rounded, &live.shareableBuffers})
 	return b, nil
@@ -171,6 +172,35 @@ func (b *ShareableBuffer) Size() int64 { return b.size }
 
 // Granularity returns the unit Size was rounded up to.
 func (b *ShareableBuffer) Granularity() int64 { return b.gran }
+
+// AllocationID returns the random id that names the allocation in its
+// regions: importers share one mapping per id.
+func (b *ShareableBuffer) AllocationID() AllocationID { return b.id }
+
+// Export describes size bytes of the buffer, starting off bytes in, for
+// another process: a KindVMMFD Region. The region carries no descriptor:
+// send one from ExportFD beside it (once per importing process is enough;
+// the importer's cache maps an allocation once, keyed by AllocationID),
+// and the importer passes it to Import with WithFile.
+func (b *ShareableBuffer) Export(off, size int64) (Region, error) {
+	if err := b.check("Export"); err != nil {
+		return Region{}, err
+	}
+	if off < 0 || size <= 0 || off > b.size || size > b.size-off {
+		return Region{}, &ArgError{Op: "ShareableBuffer.Export", Arg: "range", Reason: fmt.Sprintf("[%d, %d+%d) is outside the %d-byte buffer", off, off, size, b.size)}
+	}
+	id, err := SelfIdentity()
+	if err != nil {
+		return Region{}, err
+	}
+	r := Region{
+		Version: RegionVersion, Kind: KindVMMFD, AllocationID: b.id,
+		Offset: off, Size: size, AllocSize: b.size, Device: b.dev.uuid,
+		ExporterPID: id.PID, PIDNamespace: id.PIDNamespace, BootID: id.BootID,
+		ExporterBase: b.ptr,
+	}
+	return r, r.Validate()
+}
 
 func (b *ShareableBuffer) check(op string) error {
 	b.mu.Lock()
@@ -286,15 +316,31 @@ type FDMapping struct {
 // A nil or closed f, or size <= 0, is an *ArgError; a descriptor that is not
 // a CUDA memory export fails in the driver with an *Error.
 func (d *Device) ImportFD(f *os.File, size int64) (*FDMapping, error) {
+	vm, err := importFDMapping("ImportFD", d, f, size)
+	if err != nil {
+		return nil, err
+	}
+	h, p, rounded := vm.handle, cu.DevicePtr(vm.ptr), vm.size
+	m := &FDMapping{dev: d, handle: h, ptr: DevicePtr(p), size: rounded}
+	live.fdMappings.Add(1)
+	m.cleanup = runtime.AddCleanup(m, freeLeakedVMM, vmmLeak{"FDMapping", d, h, p, rounded, &live.fdMappings})
+	return m, nil
+}
+
+// importFDMapping imports the allocation behind f and maps its first size
+// bytes, rounded up to the allocation's granularity, read-write for d:
+// the work of ImportFD, and of Import's cache for KindVMMFD regions. A map
+// larger than the allocation fails with a *mapSizeError.
+func importFDMapping(op string, d *Device, f *os.File, size int64) (vmmMapping, error) {
 	if size <= 0 {
-		return nil, &ArgError{Op: "ImportFD", Arg: "size", Reason: fmt.Sprintf("%d: must be positive", size)}
+		return vmmMapping{}, &ArgError{Op: op, Arg: "size", Reason: fmt.Sprintf("%d: must be positive", size)}
 	}
 	if f == nil {
-		return nil, &ArgError{Op: "ImportFD", Arg: "file", Reason: "nil *os.File"}
+		return vmmMapping{}, &ArgError{Op: op, Arg: "file", Reason: "nil *os.File"}
 	}
 	rc, err := f.SyscallConn()
 	if err != nil {
-		return nil, &ArgError{Op: "ImportFD", Arg: "file", Reason: err.Error()}
+		return vmmMapping{}, &ArgError{Op: op, Arg: "file", Reason: err.Error()}
 	}
 	// Control keeps f open (and its descriptor number valid) for the call.
 	var open bool
@@ -302,13 +348,13 @@ func (d *Device) ImportFD(f *os.File, size int64) (*FDMapping, error) {
 		var st syscall.Stat_t
 		open = syscall.Fstat(int(fd), &st) == nil
 	}); err != nil {
-		return nil, &ArgError{Op: "ImportFD", Arg: "file", Reason: f.Name() + " is closed"}
+		return vmmMapping{}, &ArgError{Op: op, Arg: "file", Reason: f.Name() + " is closed"}
 	}
 	if !open {
-		return nil, &ArgError{Op: "ImportFD", Arg: "file", Reason: f.Name() + " is not an open descriptor (EBADF)"}
+		return vmmMapping{}, &ArgError{Op: op, Arg: "file", Reason: f.Name() + " is not an open descriptor (EBADF)"}
 	}
 	if !d.VMMFDSupported() {
-		return nil, notSupported("ImportFD", d)
+		return vmmMapping{}, notSupported(op, d)
 	}
 	var (
 		h       cu.MemGenericAllocationHandle
@@ -318,7 +364,7 @@ func (d *Device) ImportFD(f *os.File, size int64) (*FDMapping, error) {
 	err = d.do(func() error {
 		var e error
 		if cerr := rc.Control(func(fd uintptr) { h, e = cu.MemImportFromShareableHandleFD(int(fd)) }); cerr != nil {
-			return &ArgError{Op: "ImportFD", Arg: "file", Reason: f.Name() + " was closed during the call"}
+			return &ArgError{Op: op, Arg: "file", Reason: f.Name() + " was closed during the call"}
 		}
 		if e != nil {
 			return e
@@ -334,26 +380,41 @@ func (d *Device) ImportFD(f *os.File, size int64) (*FDMapping, error) {
 		if e != nil {
 			return errors.Join(e, cu.MemRelease(h))
 		}
-		if rounded, e = roundUp("ImportFD", size, int64(g)); e != nil {
+		if rounded, e = roundUp(op, size, int64(g)); e != nil {
 			return errors.Join(e, cu.MemRelease(h))
 		}
 		if p, e = mapHandle(d.dev, h, rounded, int64(g)); e != nil {
 			// The H200 driver answers a map larger than the allocation
 			// with CUDA_ERROR_NOT_SUPPORTED, other drivers with INVALID_VALUE.
 			if errors.Is(e, ErrInvalidValue) || errors.Is(e, ErrNotSupported) {
-				e = fmt.Errorf("%w (is size %d, rounded to %d, larger than the exported allocation?)", e, size, rounded)
+				e = &mapSizeError{size: size, rounded: rounded, err: e}
 			}
 			return errors.Join(e, cu.MemRelease(h))
 		}
 		return nil
 	})
 	if err != nil {
-		return nil, err
+		return vmmMapping{}, err
 	}
-	m := &FDMapping{dev: d, handle: h, ptr: DevicePtr(p), size: rounded}
-	live.fdMappings.Add(1)
-	m.cleanup = runtime.AddCleanup(m, freeLeakedVMM, vmmLeak{"FDMapping", d, h, p, rounded, &live.fdMappings})
-	return m, nil
+	return vmmMapping{handle: h, ptr: DevicePtr(p), size: rounded}, nil
+}
+
+// mapSizeError is a map the driver refused as it refuses one larger than
+// the allocation.
+type mapSizeError struct {
+	size, rounded int64
+	err           error
+}
+
+func (e *mapSizeError) Error() string {
+	return fmt.Sprintf("%v (is size %d, rounded to %d, larger than the exported allocation?)", e.err, e.size, e.rounded)
+}
+
+func (e *mapSizeError) Unwrap() error { return e.err }
+
+func tooLarge(err error) bool {
+	var m *mapSizeError
+	return errors.As(err, &m)
 }
 
 // Device returns the device the memory is mapped for.
