@@ -520,16 +520,3 @@ func TestDocExamples(t *testing.T) {
 		}
 	}
 }
-
-func between(t *testing.T, s, start, end string) string {
-	t.Helper()
-	_, after, ok := strings.Cut(s, start)
-	if !ok {
-		t.Fatalf("no %q", start)
-	}
-	v, _, ok := strings.Cut(after, end)
-	if !ok {
-		t.Fatalf("no %q", end)
-	}
-	return v
-}
