@@ -350,9 +350,17 @@ func (c *Client) sendDetached(req *storev1.Request) error {
 
 // roundTrip sends req and waits for its reply. When ctx ends first the
 // call is abandoned: its reply, when it comes, is cleaned up by the reader.
+// Every call but a get (which may wait for a seal as long as its caller
+// likes) is bounded by the call timeout when ctx has no deadline, so a
+// daemon that stopped answering cannot hang it.
 func (c *Client) roundTrip(ctx context.Context, op, name string, req *storev1.Request) (reply, error) {
+	if _, ok := ctx.Deadline(); !ok && op != "get" {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, c.callTimeout)
+		defer cancel()
+	}
 	if err := ctx.Err(); err != nil {
-		return reply{}, &Error{Op: op, Name: name, Err: err}
+		return reply{}, ctxError(op, name, err)
 	}
 	ch := make(chan reply, 1)
 	c.mu.Lock()
@@ -408,8 +416,17 @@ func (c *Client) roundTrip(ctx context.Context, op, name string, req *storev1.Re
 			// The reply raced with ctx; it is in ch.
 			c.cleanup(<-ch, name)
 		}
-		return reply{}, &Error{Op: op, Name: name, Err: ctx.Err()}
+		return reply{}, ctxError(op, name, ctx.Err())
 	}
+}
+
+// ctxError is the error of a call whose context ended: a passed deadline
+// matches ErrTimeout and context.DeadlineExceeded.
+func ctxError(op, name string, err error) error {
+	if errors.Is(err, context.DeadlineExceeded) {
+		return &Error{Op: op, Name: name, Err: ErrTimeout, Message: "no answer from the daemon before the deadline", cause: err}
+	}
+	return &Error{Op: op, Name: name, Err: err}
 }
 
 // responseError converts the daemon's error, if any, to an *Error.

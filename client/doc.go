@@ -35,6 +35,13 @@
 //     Client.Close closes the GPU mappings of the Objects and Leases still
 //     open (the daemon may free that memory once the connection is gone).
 //
+// Timeouts: no call hangs on a daemon that stopped answering. Dial is
+// bounded by Options.DialTimeout (10 s by default) or its context's
+// deadline; Get waits as long as its context allows (it may wait for a
+// seal); every other call is bounded by its context's deadline or, without
+// one, by Options.CallTimeout (30 s by default), as are Release and Close.
+// A call that runs out of time fails with ErrTimeout.
+//
 // Errors match the package's sentinels with errors.Is: ErrNotFound,
 // ErrExists, ErrTimeout, ErrStoreFull, ErrPermission, ErrLimit, ErrInvalid,
 // ErrNotSealed, ErrSealed and ErrStoreGone (the daemon went away: Dial

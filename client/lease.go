@@ -49,9 +49,6 @@ func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
 		// Whether the daemon's timeout (derived from the deadline) or the
 		// context fired first, the error matches both.
 		var e *Error
-		if errors.As(err, &e) && errors.Is(e.Err, context.DeadlineExceeded) {
-			e.Err, e.Message = ErrTimeout, "context deadline exceeded"
-		}
 		if errors.As(err, &e) && e.Err == ErrTimeout && timeout >= 0 {
 			e.cause = context.DeadlineExceeded
 		}
@@ -178,8 +175,8 @@ func (l *Lease) Release() error {
 		err = nil
 	}
 	var e *Error
-	if errors.As(err, &e) && errors.Is(e.Err, context.DeadlineExceeded) {
-		e.Err, e.cause, e.Message = ErrTimeout, context.DeadlineExceeded, "the daemon did not acknowledge the release in time; it ends the lease when it reads the request or the connection closes"
+	if errors.As(err, &e) && e.Err == ErrTimeout {
+		e.Message = "the daemon did not acknowledge the release in time; it ends the lease when it reads the request or the connection closes"
 	}
 	if err == nil && verr != nil {
 		err = &Error{Op: "release", Name: l.info.Name, Err: ErrInternal, Message: "unmapping the GPU object: " + verr.Error()}

@@ -322,3 +322,30 @@ func TestGPUShareFlag(t *testing.T) {
 	sock := serve(t, "--backend", "host", "--gpu-share", "fd")
 	mustRun(t, "ls", "--socket", sock)
 }
+
+// TestGetTimeoutStoppedDaemon checks that get's --timeout bounds the whole
+// command, the dial included, against a daemon that stopped answering.
+func TestGetTimeoutStoppedDaemon(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "store.sock")
+	cmd := exec.Command(os.Args[0], "serve", "--socket", sock, "--log-level", "warn") // runs as cudaipc (runAsCLIMain)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		cmd.Process.Signal(syscall.SIGCONT)
+		cmd.Process.Signal(syscall.SIGTERM)
+		cmd.Wait()
+	}()
+	for {
+		if _, _, err := storeCLI(t, "ls", "--socket", sock); err == nil {
+			break
+		}
+		time.Sleep(5 * time.Millisecond) // poll interval, not a deadline
+	}
+	mustRun(t, "put", os.Args[0], "--name", "self", "--socket", sock)
+	testutil.Stop(t, cmd.Process.Pid)
+	_, _, err := storeCLI(t, "get", "self", "--timeout", "300ms", "--socket", sock, "-o", filepath.Join(t.TempDir(), "out"))
+	if err == nil || !strings.Contains(err.Error(), "did not answer within --timeout 300ms") {
+		t.Errorf("get --timeout against a stopped daemon: %v", err)
+	}
+}

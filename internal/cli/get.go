@@ -15,7 +15,7 @@ import (
 type getCmd struct {
 	Name    string        `arg:"" help:"Object to read." placeholder:"NAME"`
 	Output  string        `short:"o" default:"-" help:"Write the object to FILE instead of standard output." placeholder:"FILE|-"`
-	Timeout time.Duration `default:"0s" help:"How long to wait for NAME to be sealed; 0 waits until it is (or Ctrl-C)." placeholder:"D"`
+	Timeout time.Duration `default:"0s" help:"Bound on the whole command: connecting, waiting for NAME to be sealed and writing it; 0 waits until NAME is sealed (or Ctrl-C)." placeholder:"D"`
 }
 
 func (c *getCmd) Help() string {
@@ -26,18 +26,21 @@ func (c *getCmd) Run(g *Globals) error {
 	if c.Output == "-" && isTerminal(g.stdout) {
 		return &ExitError{Code: 2, Err: errors.New("refusing to write binary data to a terminal: use -o FILE or redirect stdout")}
 	}
-	cl, err := g.dial()
-	if err != nil {
-		return err
-	}
-	defer cl.Close()
-
 	ctx := g.Context()
 	if c.Timeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, c.Timeout)
 		defer cancel()
 	}
+	cl, err := g.dialCtx(ctx)
+	if errors.Is(err, client.ErrTimeout) && c.Timeout > 0 {
+		return fmt.Errorf("the store daemon at %s did not answer within --timeout %s: check that 'cudaipc serve' is running and not stopped (%w)", g.socketPath(), c.Timeout, err)
+	}
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
+
 	if isTerminal(g.stderr) {
 		// A name nobody seals (a typo) would otherwise look like a hang.
 		note := time.AfterFunc(time.Second, func() {
@@ -55,7 +58,7 @@ func (c *getCmd) Run(g *Globals) error {
 	defer lease.Release()
 
 	if c.Output == "-" {
-		return writeLease(g.stdout, lease, nil)
+		return writeLease(ctx, g.stdout, lease, nil)
 	}
 	// Write next to the target and rename, so that FILE is never left half
 	// written.
@@ -65,7 +68,7 @@ func (c *getCmd) Run(g *Globals) error {
 	}
 	defer os.Remove(tmp.Name())
 	bar := newProgress(g.stderr, lease.Size(), "get "+c.Name)
-	err = writeLease(tmp, lease, func(n int) { progressAdd(bar, n) })
+	err = writeLease(ctx, tmp, lease, func(n int) { progressAdd(bar, n) })
 	progressDone(bar)
 	if cerr := tmp.Close(); err == nil {
 		err = cerr
@@ -81,10 +84,10 @@ func (c *getCmd) Run(g *Globals) error {
 
 // writeLease writes a leased object's bytes to w: a host object straight
 // from its mapping, a GPU object through ReadAt into a host buffer, one
-// chunk at a time.
-func writeLease(w io.Writer, l *client.Lease, progress func(int)) error {
+// chunk at a time, stopping between chunks when ctx ends.
+func writeLease(ctx context.Context, w io.Writer, l *client.Lease, progress func(int)) error {
 	if b := l.Bytes(); b != nil || l.Size() == 0 {
-		return writeAll(w, b, progress)
+		return writeAll(ctx, w, b, progress)
 	}
 	buf := make([]byte, min(int64(copyChunk), l.Size()))
 	for off := int64(0); off < l.Size(); {
@@ -92,7 +95,7 @@ func writeLease(w io.Writer, l *client.Lease, progress func(int)) error {
 		if err != nil && !(err == io.EOF && off+int64(n) == l.Size()) {
 			return fmt.Errorf("reading %q from the GPU: %w", l.Info().Name, err)
 		}
-		if err := writeAll(w, buf[:n], progress); err != nil {
+		if err := writeAll(ctx, w, buf[:n], progress); err != nil {
 			return err
 		}
 		off += int64(n)
@@ -100,8 +103,11 @@ func writeLease(w io.Writer, l *client.Lease, progress func(int)) error {
 	return nil
 }
 
-func writeAll(w io.Writer, b []byte, progress func(int)) error {
+func writeAll(ctx context.Context, w io.Writer, b []byte, progress func(int)) error {
 	for off := 0; off < len(b); {
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("stopped after %d of %d bytes: %w", off, len(b), context.Cause(ctx))
+		}
 		end := min(off+copyChunk, len(b))
 		n, err := w.Write(b[off:end])
 		if progress != nil {

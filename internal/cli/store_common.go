@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -22,9 +23,12 @@ func (g *Globals) socketPath() string {
 
 // dial connects to the store daemon, with an error that says what to do
 // when there is none.
-func (g *Globals) dial() (*client.Client, error) {
+func (g *Globals) dial() (*client.Client, error) { return g.dialCtx(g.Context()) }
+
+// dialCtx is dial bounded by ctx (a command's --timeout).
+func (g *Globals) dialCtx(ctx context.Context) (*client.Client, error) {
 	sock := g.socketPath()
-	c, err := client.Dial(g.Context(), sock)
+	c, err := client.Dial(ctx, sock)
 	if err != nil {
 		return nil, explain(err, sock)
 	}
@@ -41,6 +45,8 @@ func explain(err error, socket string) error {
 	case isDial && errors.Is(err, client.ErrPermission):
 		uid := os.Getuid()
 		return fmt.Errorf("the store daemon at %s does not admit uid %d: ask whoever runs it to add '--allow-uid %d' (or --allow-gid) to 'cudaipc serve' (%w)", socket, uid, uid, err)
+	case isDial && errors.Is(err, client.ErrTimeout):
+		return fmt.Errorf("the store daemon at %s did not answer in time: check that 'cudaipc serve' is running and not stopped or overloaded, then retry (%w)", socket, err)
 	case isDial && errors.Is(err, client.ErrVersion):
 		return fmt.Errorf("the store daemon at %s speaks another protocol version: run a cudaipc of the same release as the daemon (%w)", socket, err)
 	case errors.Is(err, client.ErrStoreGone):
