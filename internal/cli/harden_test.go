@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -115,5 +116,87 @@ func TestInvalidUTF8Name(t *testing.T) {
 	}
 	if out := mustRun(t, "ls", "--socket", sock, "--json"); strings.Contains(out, "\ufffd") || strings.Contains(out, `"name"`) {
 		t.Errorf("an object was stored: %s", out)
+	}
+}
+
+// putFromPipe runs 'cudaipc put - ARGS' as a process whose standard input
+// is a pipe fed with random bytes, up to limit bytes or until the reader
+// stops, and returns its error output, its exit code and its peak RSS.
+func putFromPipe(t *testing.T, limit int64, args ...string) (stderr string, code int, maxRSS int64) {
+	t.Helper()
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(os.Args[0], append([]string{"put", "-"}, args...)...)
+	cmd.Env = append(os.Environ(), mainEnv+"=1")
+	cmd.Stdin = r
+	var errb bytes.Buffer
+	cmd.Stderr = &errb
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	fed := make(chan struct{})
+	go func() {
+		defer close(fed)
+		defer w.Close()
+		buf := make([]byte, 1<<20)
+		rand.Read(buf)
+		for n := int64(0); n < limit; n += int64(len(buf)) {
+			if _, err := w.Write(buf); err != nil {
+				return // the reader stopped: EPIPE
+			}
+		}
+	}()
+	err = cmd.Wait()
+	w.Close() // unblocks the feeder if the child died holding the pipe
+	<-fed
+	var ee *exec.ExitError
+	if err != nil && !errors.As(err, &ee) {
+		t.Fatal(err)
+	}
+	ru := cmd.ProcessState.SysUsage().(*syscall.Rusage)
+	return errb.String(), cmd.ProcessState.ExitCode(), ru.Maxrss << 10
+}
+
+// TestPutEndlessPipe: put from a pipe that does not end fails cleanly,
+// with or without --size, and its memory stays bounded; a sized pipe
+// streams.
+func TestPutEndlessPipe(t *testing.T) {
+	sock := serve(t)
+	// "Endless": far more than put may buffer, and than its RSS bound.
+	const endless = 1 << 30
+	const rssBound = 160 << 20
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"unsized", []string{"--name", "a"}, "give --size"},
+		{"sized", []string{"--name", "b", "--size", "8MiB"}, "longer than --size"},
+	} {
+		errOut, code, rss := putFromPipe(t, endless, append(tc.args, "--socket", sock)...)
+		if code != 1 || !strings.Contains(errOut, tc.want) || !strings.Contains(errOut, "nothing was stored") {
+			t.Errorf("%s: exit %d, stderr %q; want exit 1 and %q", tc.name, code, errOut, tc.want)
+		}
+		if rss > rssBound {
+			t.Errorf("%s: peak RSS %d MiB, want at most %d MiB", tc.name, rss>>20, rssBound>>20)
+		}
+		t.Logf("%s: peak RSS %d MiB", tc.name, rss>>20)
+	}
+	if out := mustRun(t, "ls", "--socket", sock, "--json"); strings.Contains(out, `"name"`) {
+		t.Errorf("a failed put left an object: %s", out)
+	}
+	// A pipe of exactly --size bytes streams into the object.
+	if errOut, code, _ := putFromPipe(t, 96<<20, "--name", "c", "--size", "96MiB", "--socket", sock); code != 0 {
+		t.Fatalf("sized pipe: exit %d: %s", code, errOut)
+	}
+	if out := mustRun(t, "stat", "c", "--socket", sock, "--json"); !strings.Contains(out, `"size": 100663296`) {
+		t.Errorf("stat of the streamed object: %s", out)
+	}
+	// A pipe shorter than --size fails and stores nothing.
+	if errOut, code, _ := putFromPipe(t, 1<<20, "--name", "d", "--size", "2MiB", "--socket", sock); code != 1 || !strings.Contains(errOut, "ended after 1048576 of 2097152 bytes") {
+		t.Errorf("short pipe: exit %d: %s", code, errOut)
 	}
 }

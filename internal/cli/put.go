@@ -2,6 +2,7 @@ package cli
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -10,23 +11,35 @@ import (
 	"github.com/cudaipc/cudaipc/internal/bytesize"
 )
 
+// maxUnsizedInput bounds what put reads into memory from an input whose
+// size it cannot know in advance (a pipe without --size): an object's size
+// is fixed when it is created, so such input is read before the create.
+const maxUnsizedInput = 64 << 20
+
 type putCmd struct {
-	File   string `arg:"" help:"File to store, or - for standard input." placeholder:"FILE|-"`
-	Name   string `required:"" help:"Name of the new object." placeholder:"NAME"`
-	Device string `default:"host" help:"Where the object's memory lives: host, a GPU ordinal (of this process, resolved to its UUID) or a GPU UUID; GPUs need a daemon with the cuda backend." placeholder:"host|ORDINAL|UUID"`
-	Shared bool   `help:"Let every user the daemon admits read the object (default: only your uid)."`
+	File   string        `arg:"" help:"File to store, or - for standard input." placeholder:"FILE|-"`
+	Name   string        `required:"" help:"Name of the new object." placeholder:"NAME"`
+	Size   bytesize.Size `help:"Size of the object in bytes (4096, 16MiB, 1G). Needed to stream a pipe longer than 64 MiB; from a device such as /dev/urandom put stores the first SIZE bytes. A regular file must have exactly SIZE bytes." placeholder:"SIZE"`
+	Device string        `default:"host" help:"Where the object's memory lives: host, a GPU ordinal (of this process, resolved to its UUID) or a GPU UUID; GPUs need a daemon with the cuda backend." placeholder:"host|ORDINAL|UUID"`
+	Shared bool          `help:"Let every user the daemon admits read the object (default: only your uid)."`
 }
 
 func (c *putCmd) Help() string {
-	return "Copies FILE into a new object NAME and seals it, so that readers can 'cudaipc get' it. A progress bar shows on a terminal."
+	return "Copies FILE into a new object NAME and seals it, so that readers can 'cudaipc get' it. " +
+		"Files and sized input stream into the object without being held in memory; a pipe of unknown length is read first, up to 64 MiB (give --size for more). " +
+		"A progress bar shows on a terminal."
 }
 
 func (c *putCmd) Run(g *Globals) error {
-	src, size, err := openInput(c.File, g)
+	want := int64(-1) // not given
+	if c.Size > 0 {
+		want = int64(c.Size)
+	}
+	in, err := openInput(c.File, want, g)
 	if err != nil {
 		return err
 	}
-	defer src.Close()
+	defer in.Close()
 
 	cl, err := g.dial()
 	if err != nil {
@@ -35,58 +48,131 @@ func (c *putCmd) Run(g *Globals) error {
 	defer cl.Close()
 
 	ctx := g.Context()
-	obj, err := cl.Create(ctx, c.Name, size, client.CreateOptions{Device: c.Device, Shared: c.Shared})
+	obj, err := cl.Create(ctx, c.Name, in.size, client.CreateOptions{Device: c.Device, Shared: c.Shared})
 	if err != nil {
 		return explain(err, g.socketPath())
 	}
-	if err := fill(obj, size, src, g, c.Name); err != nil {
+	err = fill(obj, in.size, in.r, g, c.Name)
+	if err == nil && in.exact {
+		err = checkEnded(in.r, in.size)
+	}
+	if err != nil {
 		_ = obj.Abort(ctx)
 		return fmt.Errorf("reading %s: %w (nothing was stored)", c.File, err)
 	}
 	if err := obj.Seal(ctx); err != nil {
 		return explain(err, g.socketPath())
 	}
-	fmt.Fprintf(g.stdout, "stored %q: %s (%d bytes) on %s\n", c.Name, bytesize.Format(size), size, obj.Device())
+	fmt.Fprintf(g.stdout, "stored %q: %s (%d bytes) on %s\n", c.Name, bytesize.Format(in.size), in.size, obj.Device())
 	return nil
 }
 
-// openInput opens FILE or standard input and returns its size. A pipe is
-// read into memory first, since an object's size is fixed at creation.
-func openInput(name string, g *Globals) (io.ReadCloser, int64, error) {
-	f, ok := g.stdin.(*os.File)
-	if name == "-" && !ok {
-		data, err := io.ReadAll(g.stdin)
-		return io.NopCloser(bytes.NewReader(data)), int64(len(data)), err
+// input is what put reads: size bytes from r.
+type input struct {
+	r     io.Reader
+	size  int64
+	exact bool // r must end after size bytes (a pipe given --size)
+	close func() error
+}
+
+func (in *input) Close() error {
+	if in.close == nil {
+		return nil
 	}
-	if name != "-" {
+	return in.close()
+}
+
+// openInput opens FILE or standard input and decides the object's size
+// (want, or -1 when --size is not given) without reading more than a
+// bounded amount into memory: a regular file has its size; a pipe or
+// device is streamed with --size, else read first, up to maxUnsizedInput.
+func openInput(name string, want int64, g *Globals) (*input, error) {
+	what := name
+	if name == "-" {
+		what = "standard input"
+	}
+	var f *os.File
+	in := &input{}
+	if name == "-" {
+		f, _ = g.stdin.(*os.File) // never closed: it is our stdin
+	} else {
 		var err error
 		if f, err = os.Open(name); err != nil {
-			return nil, 0, err
+			return nil, err
+		}
+		in.close = f.Close
+	}
+	var st os.FileInfo
+	if f != nil {
+		var err error
+		if st, err = f.Stat(); err != nil {
+			in.Close()
+			return nil, err
+		}
+		in.r = f
+	} else {
+		in.r = g.stdin
+	}
+	switch {
+	case st != nil && st.IsDir():
+		in.Close()
+		return nil, fmt.Errorf("%s is a directory: put stores one file", name)
+	case st != nil && st.Mode().IsRegular():
+		if want >= 0 && want != st.Size() {
+			in.Close()
+			return nil, &ExitError{Code: 2, Err: fmt.Errorf("--size %d, but %s has %d bytes", want, what, st.Size())}
+		}
+		if st.Size() == 0 {
+			in.Close()
+			return nil, fmt.Errorf("%s is empty: objects have at least 1 byte", what)
+		}
+		in.size = st.Size()
+		return in, nil
+	case want >= 0:
+		// A device (/dev/urandom) yields as much as asked: store its first
+		// bytes. A pipe must end there, or put would silently cut it.
+		in.size = want
+		in.exact = st == nil || st.Mode()&os.ModeCharDevice == 0
+		return in, nil
+	}
+	// Fixed chunks rather than one growing buffer: the memory taken stays
+	// close to what was read, with no copies while growing.
+	var chunks []io.Reader
+	var n int64
+	for n <= maxUnsizedInput {
+		buf := make([]byte, copyChunk)
+		k, err := io.ReadFull(in.r, buf)
+		n += int64(k)
+		chunks = append(chunks, bytes.NewReader(buf[:k]))
+		if err == io.EOF || err == io.ErrUnexpectedEOF {
+			break
+		}
+		if err != nil {
+			in.Close()
+			return nil, fmt.Errorf("reading %s: %w", what, err)
 		}
 	}
-	st, err := f.Stat()
-	if err != nil {
-		f.Close()
-		return nil, 0, err
+	in.Close()
+	if n > maxUnsizedInput {
+		return nil, fmt.Errorf("%s is longer than %s and its size is not known in advance: give --size to stream it (nothing was stored)", what, bytesize.Format(maxUnsizedInput))
 	}
-	if st.Mode().IsRegular() {
-		if name == "-" {
-			return io.NopCloser(f), st.Size(), nil // never close our stdin
-		}
-		return f, st.Size(), nil
+	if n == 0 {
+		return nil, fmt.Errorf("%s is empty: objects have at least 1 byte", what)
 	}
-	if st.IsDir() {
-		f.Close()
-		return nil, 0, fmt.Errorf("%s is a directory: put stores one file", name)
+	return &input{r: io.MultiReader(chunks...), size: n}, nil
+}
+
+// checkEnded makes sure r has nothing after the size bytes already read.
+func checkEnded(r io.Reader, size int64) error {
+	var one [1]byte
+	n, err := io.ReadFull(r, one[:])
+	if n > 0 {
+		return fmt.Errorf("input is longer than --size %d", size)
 	}
-	data, err := io.ReadAll(f)
-	if name != "-" {
-		f.Close()
+	if errors.Is(err, io.EOF) {
+		return nil
 	}
-	if err != nil {
-		return nil, 0, err
-	}
-	return io.NopCloser(bytes.NewReader(data)), int64(len(data)), nil
+	return err
 }
 
 // fill reads exactly size bytes from src into obj, showing progress on a
@@ -111,7 +197,7 @@ func fill(obj *client.Object, size int64, src io.Reader, g *Globals, name string
 		n, err := io.ReadFull(src, chunk)
 		progressAdd(bar, n)
 		if err == io.ErrUnexpectedEOF || err == io.EOF {
-			return fmt.Errorf("input shrank while reading: got %d of %d bytes", off+int64(n), size)
+			return fmt.Errorf("input ended after %d of %d bytes", off+int64(n), size)
 		}
 		if err != nil {
 			return err
