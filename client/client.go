@@ -79,7 +79,10 @@ type reply struct {
 	resp *storev1.Response
 	m    *mapping // mapping holding the placement, with a reference for the caller
 	file *os.File // the descriptor of a GPU arena shared by descriptor; the caller closes it
-	err  error    // mapping failed, or the connection ended
+	// manifest is a bundle's manifest memfd (the packet's last
+	// descriptor); the caller closes it.
+	manifest *os.File
+	err      error // mapping failed, or the connection ended
 }
 
 // Dial connects to the daemon at socket ("" means DefaultSocketPath) and
@@ -256,6 +259,9 @@ func (c *Client) read() {
 			continue
 		}
 		r := reply{resp: resp}
+		if manifestAttached(resp) && len(files) > 0 && responseError("", "", resp) == nil {
+			r.manifest, files = files[len(files)-1], files[:len(files)-1]
+		}
 		// Host placements are mapped here, so that the arena cache follows
 		// what the daemon sent; GPU placements (a region, or a descriptor
 		// in every placement) need no per-connection state and are
@@ -316,6 +322,9 @@ func (c *Client) cleanup(r reply, name string) {
 	if r.file != nil {
 		r.file.Close()
 	}
+	if r.manifest != nil {
+		r.manifest.Close()
+	}
 	resp := r.resp
 	if resp == nil || responseError("", "", resp) != nil {
 		return
@@ -325,7 +334,9 @@ func (c *Client) cleanup(r reply, name string) {
 	case resp.GetGet() != nil:
 		req = &storev1.Request{Body: &storev1.Request_Release{Release: &storev1.ReleaseRequest{LeaseId: resp.GetGet().GetLeaseId()}}}
 	case resp.GetCreate() != nil && name != "":
-		req = &storev1.Request{Body: &storev1.Request_Abort{Abort: &storev1.AbortRequest{Name: name}}}
+		// For a shard, the daemon aborts its version whichever shard
+		// index the abort names.
+		req = &storev1.Request{Body: &storev1.Request_Abort{Abort: &storev1.AbortRequest{Name: name, Version: resp.GetCreate().GetVersion()}}}
 	default:
 		return
 	}
@@ -397,6 +408,9 @@ func (c *Client) roundTrip(ctx context.Context, op, name string, req *storev1.Re
 			}
 			if r.file != nil {
 				r.file.Close()
+			}
+			if r.manifest != nil {
+				r.manifest.Close()
 			}
 			return reply{}, &Error{Op: op, Name: name, Err: r.err}
 		}
@@ -475,3 +489,9 @@ func placementOf(resp *storev1.Response) *storev1.Placement {
 }
 
 func closeFiles(files []*os.File) { protocol.CloseFiles(files) }
+
+// manifestAttached reports whether a reply's last descriptor is a
+// bundle's manifest.
+func manifestAttached(resp *storev1.Response) bool {
+	return resp.GetCreate().GetManifestAttached() || resp.GetGet().GetManifestAttached()
+}

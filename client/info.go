@@ -24,12 +24,25 @@ type ObjectInfo struct {
 	// JSON so that scripts can test it. Like any region it is a bearer
 	// capability for the object's memory.
 	Region json.RawMessage `json:"region"`
+
+	// Version, Shards and Shard place a shard of a version of a versioned
+	// name (omitted for a plain object).
+	Version uint64 `json:"version,omitempty"`
+	Shards  int    `json:"shards,omitempty"`
+	Shard   int    `json:"shard,omitempty"`
+	// ManifestSize and Tensors describe a bundle's manifest (omitted for
+	// a plain object).
+	ManifestSize int64 `json:"manifest_size,omitempty"`
+	Tensors      int   `json:"tensors,omitempty"`
 }
 
 // Event is a change in the store, delivered to subscribers.
 type Event struct {
 	Kind string // EventSealed, EventDeleted, EventEvicted or EventAborted
 	Name string // the object's name
+	// Version is the version of a versioned name the event is about: for
+	// EventSealed, the version just published (all shards sealed).
+	Version uint64
 }
 
 // Event kinds.
@@ -58,4 +71,33 @@ type CreateOptions struct {
 	// Shared makes the sealed object readable by every uid the daemon
 	// admits, not only by its creator's uid.
 	Shared bool
+
+	// Versioned creates a shard of a version of a versioned name rather
+	// than a plain object (Publish sets it); Version, Shards, Shard and
+	// KeepLast are for versioned objects only.
+	Versioned bool
+	// Version is the version to create: 0 means the next one (or, for a
+	// sharded version, the oldest pending one still missing Shard, so
+	// that N ranks creating "the next version" meet in one).
+	Version uint64
+	// Shards is how many shards the version has (0 means 1): it becomes
+	// visible when all are sealed, and is aborted if the creator of an
+	// unsealed shard disconnects. Shard is this object's index.
+	Shards, Shard int
+	// KeepLast keeps the newest KeepLast visible versions of the name
+	// even without leases (0: the name's setting, or the daemon's).
+	KeepLast int
+	// Manifest is a bundle's manifest (a safetensors header, package
+	// bundle), sent beside the object: CreateBundle sets it.
+	Manifest []byte
+}
+
+// GetOptions select a version of a versioned name for GetWith.
+type GetOptions struct {
+	// Version is the version to get; 0 means the latest visible one.
+	Version uint64
+	// Shard is the shard of the version to get.
+	Shard int
+	// NewerThan waits for a version above it (WaitNewer).
+	NewerThan uint64
 }

@@ -29,6 +29,7 @@ type Lease struct {
 	v        view
 	m        *mapping // host arena mapping; nil for GPU objects and after Release
 	released bool
+	bundle   leaseManifest
 }
 
 // Get waits until the object name exists and is sealed, then leases it.
@@ -36,6 +37,10 @@ type Lease struct {
 // the error wraps ErrTimeout (and context.DeadlineExceeded). Other calls
 // on the client proceed while Get waits.
 func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
+	return c.get(ctx, name, &storev1.GetRequest{Name: name})
+}
+
+func (c *Client) get(ctx context.Context, name string, gr *storev1.GetRequest) (*Lease, error) {
 	if err := checkName("get", name); err != nil {
 		return nil, err
 	}
@@ -43,7 +48,8 @@ func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
 	if dl, ok := ctx.Deadline(); ok {
 		timeout = max(time.Until(dl).Milliseconds(), 0)
 	}
-	req := &storev1.Request{Body: &storev1.Request_Get{Get: &storev1.GetRequest{Name: name, TimeoutMs: timeout}}}
+	gr.TimeoutMs = timeout
+	req := &storev1.Request{Body: &storev1.Request_Get{Get: gr}}
 	r, err := c.roundTrip(ctx, "get", name, req)
 	if err != nil {
 		// Whether the daemon's timeout (derived from the deadline) or the
@@ -65,12 +71,13 @@ func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
 		info = ObjectInfo{Name: name, Size: int64(p.GetSize()), Device: p.GetDevice(), Sealed: true}
 	}
 	l := &Lease{c: c, id: g.GetLeaseId(), info: info, m: r.m, v: view{device: p.GetDevice(), size: int64(p.GetSize()), open: true}}
+	l.bundle.file = r.manifest
 	if r.m != nil {
 		l.v.data = r.m.slice(p)
 		return l, nil
 	}
 	if err = c.placeGPU("get", name, p, r.file, &l.v); err != nil {
-		c.cleanup(reply{resp: r.resp}, name) // releases the lease
+		c.cleanup(reply{resp: r.resp, manifest: r.manifest}, name) // releases the lease
 		return nil, err
 	}
 	if !c.trackGPU(l) {
@@ -161,6 +168,7 @@ func (l *Lease) Release() error {
 		return nil
 	}
 	l.released = true
+	l.bundle.close()
 	verr := l.v.close()
 	l.c.untrackGPU(l)
 	ctx, cancel := context.WithTimeout(context.Background(), l.c.callTimeout)
@@ -200,6 +208,12 @@ func infoFromProto(p *storev1.ObjectInfo) ObjectInfo {
 		OwnerUID: p.GetOwnerUid(),
 		Created:  time.Unix(0, p.GetCreatedUnixNano()),
 		Region:   regionJSON(p.GetRegion()),
+
+		Version:      p.GetVersion(),
+		Shards:       int(p.GetShards()),
+		Shard:        int(p.GetShard()),
+		ManifestSize: int64(p.GetManifestSize()),
+		Tensors:      int(p.GetTensors()),
 	}
 }
 

@@ -33,6 +33,9 @@ type Object struct {
 	v    view
 	m    *mapping // host arena mapping; nil after Seal or Abort, and for GPU objects
 	done bool
+
+	version uint64 // for a shard of a version
+	shard   int
 }
 
 // Create allocates a writable object of size bytes named name. Only this
@@ -52,18 +55,31 @@ func (c *Client) Create(ctx context.Context, name string, size int64, opts Creat
 	if size <= 0 || size > MaxObjectSize {
 		return nil, &Error{Op: "create", Name: name, Err: ErrInvalid, Message: fmt.Sprintf("size %d is outside 1..%d", size, int64(MaxObjectSize))}
 	}
-	req := &storev1.Request{Body: &storev1.Request_Create{Create: &storev1.CreateRequest{
-		Name: name, Size: uint64(size), Device: dev, Shared: opts.Shared}}}
+	cr := &storev1.CreateRequest{Name: name, Size: uint64(size), Device: dev, Shared: opts.Shared}
+	if err := opts.extend(cr); err != nil {
+		return nil, &Error{Op: "create", Name: name, Err: ErrInvalid, Message: err.Error()}
+	}
+	req := &storev1.Request{Body: &storev1.Request_Create{Create: cr}}
 	r, err := c.roundTrip(ctx, "create", name, req)
 	if err != nil {
 		return nil, err
 	}
 	p := r.resp.GetCreate().GetPlacement()
-	if !p.GetWritable() || p.GetSize() != uint64(size) || !r.holds(p) {
+	if !p.GetWritable() || p.GetSize() != uint64(size) || !r.holds(p) || (len(opts.Manifest) > 0) != (r.manifest != nil) {
 		c.cleanup(r, name)
 		return nil, &Error{Op: "create", Name: name, Err: ErrInternal, Message: "daemon sent no writable placement of the requested size"}
 	}
-	o := &Object{c: c, name: name, p: p, m: r.m, v: view{device: p.GetDevice(), size: size, open: true}}
+	if r.manifest != nil {
+		_, err := r.manifest.WriteAt(opts.Manifest, 0)
+		r.manifest.Close()
+		r.manifest = nil
+		if err != nil {
+			c.cleanup(r, name)
+			return nil, &Error{Op: "create", Name: name, Err: ErrInternal, Message: "writing the manifest: " + err.Error()}
+		}
+	}
+	o := &Object{c: c, name: name, p: p, m: r.m, v: view{device: p.GetDevice(), size: size, open: true},
+		version: r.resp.GetCreate().GetVersion(), shard: opts.Shard}
 	if r.m != nil {
 		o.v.data = r.m.slice(p)
 		return o, nil
@@ -151,13 +167,13 @@ func (o *Object) ReadAt(p []byte, off int64) (int, error) {
 // afterwards. If ctx ends before the daemon answers, the object is still
 // unsealed and can be sealed (or aborted) again, but no longer written.
 func (o *Object) Seal(ctx context.Context) error {
-	return o.finish(ctx, "seal", &storev1.Request{Body: &storev1.Request_Seal{Seal: &storev1.SealRequest{Name: o.name}}})
+	return o.finish(ctx, "seal", &storev1.Request{Body: &storev1.Request_Seal{Seal: &storev1.SealRequest{Name: o.name, Version: o.version, Shard: uint32(o.shard)}}})
 }
 
 // Abort discards the object. Bytes, Ptr and Mapping must not be used
 // afterwards.
 func (o *Object) Abort(ctx context.Context) error {
-	return o.finish(ctx, "abort", &storev1.Request{Body: &storev1.Request_Abort{Abort: &storev1.AbortRequest{Name: o.name}}})
+	return o.finish(ctx, "abort", &storev1.Request{Body: &storev1.Request_Abort{Abort: &storev1.AbortRequest{Name: o.name, Version: o.version, Shard: uint32(o.shard)}}})
 }
 
 func (o *Object) finish(ctx context.Context, op string, req *storev1.Request) error {

@@ -139,7 +139,7 @@ func (s *subscription) deliver(ctx context.Context, c *Client) {
 
 // dispatch hands an event to every subscription; called by the reader.
 func (c *Client) dispatch(ev *storev1.Event) {
-	e := Event{Name: ev.GetName()}
+	e := Event{Name: ev.GetName(), Version: ev.GetVersion()}
 	switch ev.GetKind() {
 	case storev1.Event_SEALED:
 		e.Kind = EventSealed

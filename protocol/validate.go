@@ -241,6 +241,9 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		if b.Create.GetPlacement().GetFdAttached() {
 			placementFiles = 1
 		}
+		if b.Create.GetManifestAttached() {
+			placementFiles++
+		}
 	case *storev1.Response_Get:
 		g := b.Get
 		if g.GetLeaseId() == 0 {
@@ -251,6 +254,12 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		}
 		if g.GetPlacement().GetFdAttached() {
 			placementFiles = 1
+		}
+		if g.GetManifestAttached() {
+			if g.GetInfo().GetManifestSize() == 0 {
+				return invalid("get: a manifest attached without its size")
+			}
+			placementFiles++
 		}
 		if err := validateInfo(g.GetInfo()); err != nil {
 			return err
@@ -280,7 +289,7 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		return invalid("unsupported response body")
 	}
 	if nfiles != placementFiles {
-		return invalid("file count does not match fd_attached")
+		return invalid("file count does not match fd_attached and manifest_attached")
 	}
 	return nil
 }

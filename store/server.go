@@ -291,6 +291,11 @@ func (cn *conn) replyLocked(op string, resp *storev1.Response, p *placement) {
 	var files []*os.File
 	if p != nil && p.share != nil && p.share.file != nil {
 		files = append(files, p.share.file)
+	}
+	if p != nil && p.manifest != nil {
+		files = append(files, p.manifest)
+	}
+	if p != nil {
 		defer p.closeShare()
 	}
 	cn.sendLocked(resp, files...)
@@ -313,6 +318,10 @@ func (cn *conn) handle(req *storev1.Request) {
 		r := b.Create
 		cn.order.Lock()
 		defer cn.order.Unlock()
+		if r.GetVersioned() || r.GetManifestSize() > 0 {
+			cn.createExt(id, r)
+			return
+		}
 		p, err := ss.create(r.GetName(), int64(r.GetSize()), r.GetDevice(), r.GetShared())
 		if err != nil {
 			cn.replyLocked(op, protocol.ErrorResponse(id, err), nil)
@@ -321,19 +330,23 @@ func (cn *conn) handle(req *storev1.Request) {
 		cn.replyLocked(op, &storev1.Response{Id: id, Body: &storev1.Response_Create{Create: &storev1.CreateResponse{
 			Placement: p.proto()}}}, &p)
 	case *storev1.Request_Seal:
-		if err := ss.seal(b.Seal.GetName()); err != nil {
+		if err := ss.sealExt(b.Seal.GetName(), b.Seal.GetVersion(), b.Seal.GetShard()); err != nil {
 			fail(err)
 			return
 		}
 		ok(&storev1.Response{Body: &storev1.Response_Seal{Seal: &storev1.SealResponse{}}})
 	case *storev1.Request_Abort:
-		if err := ss.abort(b.Abort.GetName()); err != nil {
+		if err := ss.abortExt(b.Abort.GetName(), b.Abort.GetVersion(), b.Abort.GetShard()); err != nil {
 			fail(err)
 			return
 		}
 		ok(&storev1.Response{Body: &storev1.Response_Abort{Abort: &storev1.AbortResponse{}}})
 	case *storev1.Request_Get:
 		r := b.Get
+		if sel := (versionSel{r.GetVersion(), r.GetShard(), r.GetNewerThan()}); sel != (versionSel{}) {
+			cn.wg.Go(func() { cn.waitAndGrantVersion(id, r.GetName(), sel, r.GetTimeoutMs()) })
+			return
+		}
 		if r.GetTimeoutMs() == 0 {
 			cn.order.Lock()
 			defer cn.order.Unlock()
@@ -398,9 +411,10 @@ func (cn *conn) grant(id uint64, name string, retry bool) bool {
 		return true
 	}
 	cn.replyLocked("get", &storev1.Response{Id: id, Body: &storev1.Response_Get{Get: &storev1.GetResponse{
-		LeaseId:   p.leaseID,
-		Placement: p.proto(),
-		Info:      p.info.proto(),
+		LeaseId:          p.leaseID,
+		Placement:        p.proto(),
+		Info:             p.info.proto(),
+		ManifestAttached: p.manifest != nil,
 	}}}, &p)
 	return true
 }
@@ -438,7 +452,9 @@ func (cn *conn) pump(events <-chan event) {
 	for {
 		select {
 		case e := <-events:
-			if cn.send(protocol.NewEvent(e.kind.proto(), e.name)) != nil {
+			ev := protocol.NewEvent(e.kind.proto(), e.name)
+			ev.GetEvent().Version = e.version
+			if cn.send(ev) != nil {
 				return
 			}
 		case <-cn.ss.ctx.Done():
@@ -488,5 +504,10 @@ func (in *info) proto() *storev1.ObjectInfo {
 		OwnerUid:        in.OwnerUID,
 		CreatedUnixNano: in.Created.UnixNano(),
 		Region:          in.Region,
+		Version:         in.Version,
+		Shards:          uint32(in.Shards),
+		Shard:           uint32(in.Shard),
+		ManifestSize:    uint64(in.ManifestSize),
+		Tensors:         uint32(in.Tensors),
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"time"
 
 	"github.com/cudaipc/cudaipc/protocol"
@@ -77,8 +78,9 @@ func (k eventKind) String() string {
 
 // event is a notification for subscribers.
 type event struct {
-	kind eventKind
-	name string
+	kind    eventKind
+	name    string
+	version uint64 // for a versioned name
 }
 
 // eventQueue is how many events a subscriber may fall behind before it
@@ -101,7 +103,8 @@ type placement struct {
 	region    []byte // GPU arenas shared by legacy IPC: the whole arena's region, in every placement
 	leaseID   uint64 // gets only
 	share     *arenaShare
-	info      info // gets only
+	manifest  *os.File // a bundle's manifest, sent after the arena's file; the caller closes it
+	info      info     // gets only
 }
 
 // newSession starts a session for a peer. ctx bounds its life.
@@ -147,7 +150,7 @@ func (ss *session) create(name string, size int64, dev string, shared bool) (pla
 	if ss.closed {
 		return placement{}, errSessionClosed
 	}
-	if _, ok := s.objects[name]; ok {
+	if _, ok := s.objects[name]; ok || s.series[name] != nil {
 		return placement{}, fmt.Errorf("object %q: %w", name, ErrExists)
 	}
 	if len(ss.created) >= s.cfg.MaxObjectsPerClient {
@@ -249,6 +252,14 @@ func (ss *session) seal(name string) error {
 	if err != nil {
 		return err
 	}
+	ss.sealLocked(o)
+	return nil
+}
+
+// sealLocked seals a plain object.
+func (ss *session) sealLocked(o *object) {
+	s := ss.s
+	name := o.name
 	o.sealed = true
 	o.dev.alloc.SetEvictable(o.block, true)
 	if w := s.waiters[name]; w != nil {
@@ -257,7 +268,6 @@ func (ss *session) seal(name string) error {
 	}
 	s.emitLocked(eventSealed, o)
 	s.log.Debug("object sealed", "session", ss.id, "name", name)
-	return nil
 }
 
 // abort discards an object this session created and has not sealed.
@@ -278,6 +288,10 @@ func (ss *session) abort(name string) error {
 
 func (ss *session) abortLocked(o *object) {
 	s := ss.s
+	if o.ver != nil {
+		s.abortVersionLocked(o.ver)
+		return
+	}
 	delete(s.objects, o.name)
 	o.deleted = true
 	s.forgetCreatorLocked(o)
@@ -314,6 +328,14 @@ func (ss *session) tryGet(name string) (placement, error) {
 		return placement{}, errSessionClosed
 	}
 	o := s.objects[name]
+	if o == nil {
+		// A versioned name: its latest version's first shard.
+		if sr := s.series[name]; sr != nil && sr.latest != 0 {
+			if v := sr.versions[sr.latest]; v != nil {
+				o = v.shards[0]
+			}
+		}
+	}
 	if o == nil || !o.sealed || !o.readableBy(ss.peer.uid) {
 		return placement{}, fmt.Errorf("object %q is not sealed: %w", name, ErrTimeout)
 	}
@@ -337,6 +359,9 @@ func (ss *session) waitSealed(ctx context.Context, name string) error {
 		return errSessionClosed
 	}
 	if o := s.objects[name]; o != nil && o.sealed && o.readableBy(ss.peer.uid) {
+		return nil
+	}
+	if sr := s.series[name]; sr != nil && sr.latest != 0 {
 		return nil
 	}
 	if len(ss.leases)+ss.waiting >= s.cfg.MaxLeasesPerClient {
@@ -380,8 +405,17 @@ func (ss *session) leaseLocked(o *object) (placement, error) {
 	}
 	s.nextLease++
 	l := &lease{id: s.nextLease, obj: o}
+	if o.manifest != nil {
+		if p.manifest, err = o.manifest.dup(); err != nil {
+			p.closeShare()
+			return placement{}, err
+		}
+	}
 	ss.leases[l.id] = l
 	o.leases++
+	if o.ver != nil {
+		o.ver.leases++
+	}
 	s.leases++
 	o.dev.alloc.SetEvictable(o.block, false)
 	p.leaseID = l.id
@@ -410,7 +444,15 @@ func (ss *session) releaseLocked(l *lease) {
 	delete(ss.leases, l.id)
 	s.leases--
 	o := l.obj
-	if o.leases--; o.leases > 0 {
+	o.leases--
+	if v := o.ver; v != nil {
+		// A version lives as long as any of its shards is leased.
+		if v.leases--; v.leases == 0 && v.retired {
+			s.freeVersionLocked(v)
+		}
+		return
+	}
+	if o.leases > 0 {
 		return
 	}
 	if o.deleted {
@@ -435,6 +477,11 @@ func (ss *session) delete(name string) error {
 		return errSessionClosed
 	}
 	o := s.objects[name]
+	if sr := s.series[name]; o == nil && sr != nil {
+		if _, ok := ss.seriesInfoLocked(sr); ok || sr.owner == ss.peer.uid {
+			return ss.deleteSeriesLocked(sr)
+		}
+	}
 	if o == nil || !ss.seesLocked(o) {
 		return fmt.Errorf("object %q: %w", name, ErrNotFound)
 	}
@@ -478,6 +525,13 @@ func (ss *session) list(startAfter string) []info {
 			infos = append(infos, o.info())
 		}
 	}
+	for name, sr := range s.series {
+		if name > startAfter {
+			if in, ok := ss.seriesInfoLocked(sr); ok {
+				infos = append(infos, in)
+			}
+		}
+	}
 	s.mu.Unlock()
 	sortInfos(infos)
 	return infos
@@ -492,6 +546,11 @@ func (ss *session) stat(name string) (info, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	o := s.objects[name]
+	if sr := s.series[name]; o == nil && sr != nil {
+		if in, ok := ss.seriesInfoLocked(sr); ok {
+			return in, nil
+		}
+	}
 	if o == nil || !ss.seesLocked(o) {
 		return info{}, fmt.Errorf("object %q: %w", name, ErrNotFound)
 	}
@@ -522,7 +581,7 @@ func (s *Store) emitLocked(kind eventKind, o *object) {
 			continue
 		}
 		select {
-		case ss.events <- event{kind, o.name}:
+		case ss.events <- o.event(kind):
 			ss.dropping = false
 		default:
 			if !ss.dropping {
@@ -576,5 +635,8 @@ func checkName(name string) error { return protocol.ValidateName(name) }
 func (p *placement) closeShare() {
 	if p.share != nil && p.share.file != nil {
 		p.share.file.Close()
+	}
+	if p.manifest != nil {
+		p.manifest.Close()
 	}
 }

@@ -67,6 +67,10 @@ type Config struct {
 	// limits; 0 means DefaultMaxObjectsPerClient and
 	// DefaultMaxLeasesPerClient.
 	MaxObjectsPerClient, MaxLeasesPerClient int
+	// KeepVersions is how many of a versioned name's newest visible
+	// versions are kept without leases (a name may set its own); 0 means
+	// DefaultKeepVersions.
+	KeepVersions int
 	// Logger receives the store's logs; nil discards them.
 	Logger *slog.Logger
 	// Registerer receives the store's metrics; nil means a private
@@ -92,6 +96,8 @@ type Store struct {
 	waiters     map[string]*waiter // gets waiting for a name to be sealed
 	sessions    map[*session]struct{}
 	subscribers map[*session]struct{}
+	series      map[string]*series // versioned names
+	published   chan struct{}      // closed and replaced when a version is published
 	leases      int
 	nextArena   uint64
 	nextLease   uint64
@@ -127,6 +133,10 @@ type object struct {
 	deleted bool     // name removed; memory kept until the last lease ends
 	creator *session // the connection that created it, while it lives
 	leases  int
+
+	ver      *version  // the version it is a shard of; nil for a plain object
+	shard    int       // its shard index in ver
+	manifest *manifest // a bundle's manifest; nil for a plain object
 }
 
 // waiter wakes the gets waiting for one name.
@@ -152,6 +162,12 @@ func New(cfg Config) (*Store, error) {
 	if cfg.MaxLeasesPerClient == 0 {
 		cfg.MaxLeasesPerClient = DefaultMaxLeasesPerClient
 	}
+	if cfg.KeepVersions < 0 {
+		return nil, invalidf("keep-versions %d is negative", cfg.KeepVersions)
+	}
+	if cfg.KeepVersions == 0 {
+		cfg.KeepVersions = DefaultKeepVersions
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
@@ -176,6 +192,8 @@ func New(cfg Config) (*Store, error) {
 		waiters:     make(map[string]*waiter),
 		sessions:    make(map[*session]struct{}),
 		subscribers: make(map[*session]struct{}),
+		series:      make(map[string]*series),
+		published:   make(chan struct{}),
 	}
 	reg := cfg.Registerer
 	if reg == nil {
@@ -264,6 +282,7 @@ func (s *Store) evictLocked(o *object) {
 
 // freeLocked gives an object's memory back to its device.
 func (s *Store) freeLocked(o *object) {
+	o.manifest.close()
 	o.discardLocked()
 	o.dev.alloc.Free(o.block)
 	o.block = nil
@@ -324,7 +343,20 @@ func (s *Store) Close() error {
 			delete(d.arenas, id)
 		}
 	}
+	for _, o := range s.objects {
+		o.manifest.close()
+	}
+	for _, sr := range s.series {
+		for _, v := range sr.versions {
+			for _, o := range v.shards {
+				if o != nil {
+					o.manifest.close()
+				}
+			}
+		}
+	}
 	clear(s.objects)
+	clear(s.series)
 	return errors.Join(errs...)
 }
 
@@ -341,6 +373,13 @@ type info struct {
 	OwnerUID uint32
 	Created  time.Time
 	Region   []byte
+	// Version, Shards and Shard place a shard of a version (0, 0, 0 for a
+	// plain object); ManifestSize and Tensors describe a bundle.
+	Version      uint64
+	Shards       int
+	Shard        int
+	ManifestSize int64
+	Tensors      int
 }
 
 func (o *object) info() info {
@@ -350,7 +389,7 @@ func (o *object) info() info {
 			region = ar.objectRegion(o.block.Offset, o.size)
 		}
 	}
-	return info{
+	in := info{
 		Region:   region,
 		Name:     o.name,
 		Size:     o.size,
@@ -361,6 +400,13 @@ func (o *object) info() info {
 		OwnerUID: o.owner,
 		Created:  o.created,
 	}
+	if o.ver != nil {
+		in.Version, in.Shards, in.Shard = o.ver.n, len(o.ver.shards), o.shard
+	}
+	if o.manifest != nil {
+		in.ManifestSize, in.Tensors = o.manifest.size, o.manifest.tensors
+	}
+	return in
 }
 
 func sortInfos(infos []info) {

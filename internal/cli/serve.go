@@ -14,15 +14,16 @@ import (
 )
 
 type serveCmd struct {
-	Backend    string        `default:"auto" enum:"auto,cuda,host" help:"Memory backend: auto (cuda where the CUDA driver sees a GPU, else host), cuda (GPU objects, named by UUID, and host ones; fails without a GPU) or host."`
-	GPUShare   string        `name:"gpu-share" default:"ipc" enum:"ipc,fd" help:"How GPU arenas reach clients: ipc (legacy CUDA IPC, clients in the daemon's PID namespace only) or fd (VMM memory sent as file descriptors: clients in other containers too)."`
-	Capacity   bytesize.Size `default:"0" help:"Bytes of memory per device (host, and each GPU) the store may use, e.g. 4GiB (0: 1 GiB)." placeholder:"BYTES"`
-	AllowUID   []uint32      `name:"allow-uid" help:"Also admit this uid (repeatable; the daemon's own uid and root are always admitted)." placeholder:"N"`
-	AllowGID   []uint32      `name:"allow-gid" help:"Also admit members of this gid (repeatable)." placeholder:"N"`
-	Metrics    string        `help:"Serve Prometheus metrics on ADDR at /metrics; a bare port (9464 or :9464) binds loopback only." placeholder:"ADDR"`
-	NoEvict    bool          `name:"no-evict" help:"Never evict sealed, unleased objects to make room; creation fails with 'store full' instead."`
-	MaxObjects int           `name:"max-objects" default:"0" help:"Most unsealed+sealed objects one client may create (0: default 4096)." placeholder:"N"`
-	MaxLeases  int           `name:"max-leases" default:"0" help:"Most leases one client may hold at once (0: default 65536)." placeholder:"N"`
+	Backend      string        `default:"auto" enum:"auto,cuda,host" help:"Memory backend: auto (cuda where the CUDA driver sees a GPU, else host), cuda (GPU objects, named by UUID, and host ones; fails without a GPU) or host."`
+	GPUShare     string        `name:"gpu-share" default:"ipc" enum:"ipc,fd" help:"How GPU arenas reach clients: ipc (legacy CUDA IPC, clients in the daemon's PID namespace only) or fd (VMM memory sent as file descriptors: clients in other containers too)."`
+	Capacity     bytesize.Size `default:"0" help:"Bytes of memory per device (host, and each GPU) the store may use, e.g. 4GiB (0: 1 GiB)." placeholder:"BYTES"`
+	AllowUID     []uint32      `name:"allow-uid" help:"Also admit this uid (repeatable; the daemon's own uid and root are always admitted)." placeholder:"N"`
+	AllowGID     []uint32      `name:"allow-gid" help:"Also admit members of this gid (repeatable)." placeholder:"N"`
+	Metrics      string        `help:"Serve Prometheus metrics on ADDR at /metrics; a bare port (9464 or :9464) binds loopback only." placeholder:"ADDR"`
+	NoEvict      bool          `name:"no-evict" help:"Never evict sealed, unleased objects to make room; creation fails with 'store full' instead."`
+	KeepVersions int           `name:"keep-versions" default:"1" help:"Keep this many newest versions of each versioned name without leases (a name may set its own)."`
+	MaxObjects   int           `name:"max-objects" default:"0" help:"Most unsealed+sealed objects one client may create (0: default 4096)." placeholder:"N"`
+	MaxLeases    int           `name:"max-leases" default:"0" help:"Most leases one client may hold at once (0: default 65536)." placeholder:"N"`
 }
 
 func (c *serveCmd) Help() string {
@@ -43,6 +44,7 @@ func (c *serveCmd) Run(g *Globals) error {
 		GPUShare:            c.GPUShare,
 		Capacity:            int64(c.Capacity),
 		NoEvict:             c.NoEvict,
+		KeepVersions:        c.KeepVersions,
 		AllowUIDs:           c.AllowUID,
 		AllowGIDs:           c.AllowGID,
 		MaxObjectsPerClient: c.MaxObjects,

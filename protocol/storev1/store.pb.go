@@ -474,7 +474,26 @@ type CreateRequest struct {
 	Device string `protobuf:"bytes,3,opt,name=device,proto3" json:"device,omitempty"`
 	// When true, every user allowed to connect may read the object once it is
 	// sealed; otherwise only the creator's uid (and root) may.
-	Shared        bool `protobuf:"varint,4,opt,name=shared,proto3" json:"shared,omitempty"`
+	Shared bool `protobuf:"varint,4,opt,name=shared,proto3" json:"shared,omitempty"`
+	// Versions (fields 35-39): when versioned, the object is one shard of
+	// a version of the versioned name; docs/protocol.md section 6.2.
+	Versioned bool `protobuf:"varint,35,opt,name=versioned,proto3" json:"versioned,omitempty"`
+	// The version to create: 0 = the next one (or the oldest pending one
+	// still missing this shard); otherwise a number above the latest
+	// visible version.
+	Version uint64 `protobuf:"varint,36,opt,name=version,proto3" json:"version,omitempty"`
+	// How many shards the version has (0 means 1); it becomes visible when
+	// all are sealed.
+	Shards uint32 `protobuf:"varint,37,opt,name=shards,proto3" json:"shards,omitempty"`
+	// This shard's index, below shards.
+	Shard uint32 `protobuf:"varint,38,opt,name=shard,proto3" json:"shard,omitempty"`
+	// Keep the last keep_last visible versions of the name even without
+	// leases; 0 leaves the name's setting (or the daemon's default).
+	KeepLast uint32 `protobuf:"varint,39,opt,name=keep_last,json=keepLast,proto3" json:"keep_last,omitempty"`
+	// Bundles (field 40): the size of the object's manifest (a safetensors
+	// header), for which the daemon makes a memfd sent with the reply;
+	// 0 for none. docs/protocol.md section 6.3.
+	ManifestSize  uint64 `protobuf:"varint,40,opt,name=manifest_size,json=manifestSize,proto3" json:"manifest_size,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -537,10 +556,55 @@ func (x *CreateRequest) GetShared() bool {
 	return false
 }
 
+func (x *CreateRequest) GetVersioned() bool {
+	if x != nil {
+		return x.Versioned
+	}
+	return false
+}
+
+func (x *CreateRequest) GetVersion() uint64 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+func (x *CreateRequest) GetShards() uint32 {
+	if x != nil {
+		return x.Shards
+	}
+	return 0
+}
+
+func (x *CreateRequest) GetShard() uint32 {
+	if x != nil {
+		return x.Shard
+	}
+	return 0
+}
+
+func (x *CreateRequest) GetKeepLast() uint32 {
+	if x != nil {
+		return x.KeepLast
+	}
+	return 0
+}
+
+func (x *CreateRequest) GetManifestSize() uint64 {
+	if x != nil {
+		return x.ManifestSize
+	}
+	return 0
+}
+
 // SealRequest makes an object the caller created immutable and visible.
 type SealRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// For a shard of a version: its version and shard index.
+	Version       uint64 `protobuf:"varint,35,opt,name=version,proto3" json:"version,omitempty"`
+	Shard         uint32 `protobuf:"varint,36,opt,name=shard,proto3" json:"shard,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -582,10 +646,27 @@ func (x *SealRequest) GetName() string {
 	return ""
 }
 
+func (x *SealRequest) GetVersion() uint64 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+func (x *SealRequest) GetShard() uint32 {
+	if x != nil {
+		return x.Shard
+	}
+	return 0
+}
+
 // AbortRequest discards an object the caller created and has not sealed.
 type AbortRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// For a shard of a version: its version (the whole version is aborted).
+	Version       uint64 `protobuf:"varint,35,opt,name=version,proto3" json:"version,omitempty"`
+	Shard         uint32 `protobuf:"varint,36,opt,name=shard,proto3" json:"shard,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -627,6 +708,20 @@ func (x *AbortRequest) GetName() string {
 	return ""
 }
 
+func (x *AbortRequest) GetVersion() uint64 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+func (x *AbortRequest) GetShard() uint32 {
+	if x != nil {
+		return x.Shard
+	}
+	return 0
+}
+
 // GetRequest waits until the named object exists and is sealed, then grants a
 // read-only lease on it.
 type GetRequest struct {
@@ -634,7 +729,12 @@ type GetRequest struct {
 	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// How long to wait: 0 = do not wait (TIMEOUT at once unless the object is
 	// already sealed), > 0 = at most that many milliseconds, < 0 = without limit.
-	TimeoutMs     int64 `protobuf:"varint,2,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	TimeoutMs int64 `protobuf:"varint,2,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	// For a versioned name: the version to get (0 = the latest visible
+	// one), the shard, and newer_than: wait for a version above it.
+	Version       uint64 `protobuf:"varint,35,opt,name=version,proto3" json:"version,omitempty"`
+	Shard         uint32 `protobuf:"varint,36,opt,name=shard,proto3" json:"shard,omitempty"`
+	NewerThan     uint64 `protobuf:"varint,37,opt,name=newer_than,json=newerThan,proto3" json:"newer_than,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -679,6 +779,27 @@ func (x *GetRequest) GetName() string {
 func (x *GetRequest) GetTimeoutMs() int64 {
 	if x != nil {
 		return x.TimeoutMs
+	}
+	return 0
+}
+
+func (x *GetRequest) GetVersion() uint64 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+func (x *GetRequest) GetShard() uint32 {
+	if x != nil {
+		return x.Shard
+	}
+	return 0
+}
+
+func (x *GetRequest) GetNewerThan() uint64 {
+	if x != nil {
+		return x.NewerThan
 	}
 	return 0
 }
@@ -1407,7 +1528,16 @@ type ObjectInfo struct {
 	// Creation time, nanoseconds since the Unix epoch.
 	CreatedUnixNano int64 `protobuf:"varint,8,opt,name=created_unix_nano,json=createdUnixNano,proto3" json:"created_unix_nano,omitempty"`
 	// Backend-specific memory description; empty for host memory.
-	Region        []byte `protobuf:"bytes,9,opt,name=region,proto3" json:"region,omitempty"`
+	Region []byte `protobuf:"bytes,9,opt,name=region,proto3" json:"region,omitempty"`
+	// For a shard of a version: its version, the version's shard count
+	// and its index (version 0: not versioned).
+	Version uint64 `protobuf:"varint,35,opt,name=version,proto3" json:"version,omitempty"`
+	Shards  uint32 `protobuf:"varint,36,opt,name=shards,proto3" json:"shards,omitempty"`
+	Shard   uint32 `protobuf:"varint,37,opt,name=shard,proto3" json:"shard,omitempty"`
+	// The size of the object's manifest, and its tensor count, for a
+	// bundle; 0 otherwise.
+	ManifestSize  uint64 `protobuf:"varint,38,opt,name=manifest_size,json=manifestSize,proto3" json:"manifest_size,omitempty"`
+	Tensors       uint32 `protobuf:"varint,39,opt,name=tensors,proto3" json:"tensors,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1505,12 +1635,51 @@ func (x *ObjectInfo) GetRegion() []byte {
 	return nil
 }
 
+func (x *ObjectInfo) GetVersion() uint64 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+func (x *ObjectInfo) GetShards() uint32 {
+	if x != nil {
+		return x.Shards
+	}
+	return 0
+}
+
+func (x *ObjectInfo) GetShard() uint32 {
+	if x != nil {
+		return x.Shard
+	}
+	return 0
+}
+
+func (x *ObjectInfo) GetManifestSize() uint64 {
+	if x != nil {
+		return x.ManifestSize
+	}
+	return 0
+}
+
+func (x *ObjectInfo) GetTensors() uint32 {
+	if x != nil {
+		return x.Tensors
+	}
+	return 0
+}
+
 // CreateResponse gives the writable placement of a new object.
 type CreateResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Placement     *Placement             `protobuf:"bytes,1,opt,name=placement,proto3" json:"placement,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Placement *Placement             `protobuf:"bytes,1,opt,name=placement,proto3" json:"placement,omitempty"`
+	// The version created, for a versioned create.
+	Version uint64 `protobuf:"varint,35,opt,name=version,proto3" json:"version,omitempty"`
+	// The last descriptor of the packet is the manifest's writable memfd.
+	ManifestAttached bool `protobuf:"varint,36,opt,name=manifest_attached,json=manifestAttached,proto3" json:"manifest_attached,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *CreateResponse) Reset() {
@@ -1548,6 +1717,20 @@ func (x *CreateResponse) GetPlacement() *Placement {
 		return x.Placement
 	}
 	return nil
+}
+
+func (x *CreateResponse) GetVersion() uint64 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+func (x *CreateResponse) GetManifestAttached() bool {
+	if x != nil {
+		return x.ManifestAttached
+	}
+	return false
 }
 
 // SealResponse acknowledges a seal.
@@ -1628,11 +1811,14 @@ func (*AbortResponse) Descriptor() ([]byte, []int) {
 type GetResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Non-zero lease identifier, for ReleaseRequest.
-	LeaseId       uint64      `protobuf:"varint,1,opt,name=lease_id,json=leaseId,proto3" json:"lease_id,omitempty"`
-	Placement     *Placement  `protobuf:"bytes,2,opt,name=placement,proto3" json:"placement,omitempty"`
-	Info          *ObjectInfo `protobuf:"bytes,3,opt,name=info,proto3" json:"info,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	LeaseId   uint64      `protobuf:"varint,1,opt,name=lease_id,json=leaseId,proto3" json:"lease_id,omitempty"`
+	Placement *Placement  `protobuf:"bytes,2,opt,name=placement,proto3" json:"placement,omitempty"`
+	Info      *ObjectInfo `protobuf:"bytes,3,opt,name=info,proto3" json:"info,omitempty"`
+	// The last descriptor of the packet is the manifest's sealed memfd
+	// (info.manifest_size bytes).
+	ManifestAttached bool `protobuf:"varint,35,opt,name=manifest_attached,json=manifestAttached,proto3" json:"manifest_attached,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *GetResponse) Reset() {
@@ -1684,6 +1870,13 @@ func (x *GetResponse) GetInfo() *ObjectInfo {
 		return x.Info
 	}
 	return nil
+}
+
+func (x *GetResponse) GetManifestAttached() bool {
+	if x != nil {
+		return x.ManifestAttached
+	}
+	return false
 }
 
 // ReleaseResponse acknowledges a release.
@@ -1900,9 +2093,11 @@ func (*SubscribeResponse) Descriptor() ([]byte, []int) {
 // Event is a notification sent, with Response.id 0, to subscribed
 // connections.
 type Event struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Kind          Event_Kind             `protobuf:"varint,1,opt,name=kind,proto3,enum=cudaipc.store.v1.Event_Kind" json:"kind,omitempty"`
-	Name          string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Kind  Event_Kind             `protobuf:"varint,1,opt,name=kind,proto3,enum=cudaipc.store.v1.Event_Kind" json:"kind,omitempty"`
+	Name  string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	// For a versioned name: the version the event is about.
+	Version       uint64 `protobuf:"varint,35,opt,name=version,proto3" json:"version,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1951,6 +2146,13 @@ func (x *Event) GetName() string {
 	return ""
 }
 
+func (x *Event) GetVersion() uint64 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
 var File_store_proto protoreflect.FileDescriptor
 
 const file_store_proto_rawDesc = "" +
@@ -1973,21 +2175,35 @@ const file_store_proto_rawDesc = "" +
 	"\fHelloRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1f\n" +
 	"\vclient_name\x18\x02 \x01(\tR\n" +
-	"clientName\"g\n" +
+	"clientName\"\x8f\x02\n" +
 	"\rCreateRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x16\n" +
 	"\x06device\x18\x03 \x01(\tR\x06device\x12\x16\n" +
-	"\x06shared\x18\x04 \x01(\bR\x06shared\"!\n" +
+	"\x06shared\x18\x04 \x01(\bR\x06shared\x12\x1c\n" +
+	"\tversioned\x18# \x01(\bR\tversioned\x12\x18\n" +
+	"\aversion\x18$ \x01(\x04R\aversion\x12\x16\n" +
+	"\x06shards\x18% \x01(\rR\x06shards\x12\x14\n" +
+	"\x05shard\x18& \x01(\rR\x05shard\x12\x1b\n" +
+	"\tkeep_last\x18' \x01(\rR\bkeepLast\x12#\n" +
+	"\rmanifest_size\x18( \x01(\x04R\fmanifestSize\"Q\n" +
 	"\vSealRequest\x12\x12\n" +
-	"\x04name\x18\x01 \x01(\tR\x04name\"\"\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
+	"\aversion\x18# \x01(\x04R\aversion\x12\x14\n" +
+	"\x05shard\x18$ \x01(\rR\x05shard\"R\n" +
 	"\fAbortRequest\x12\x12\n" +
-	"\x04name\x18\x01 \x01(\tR\x04name\"?\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
+	"\aversion\x18# \x01(\x04R\aversion\x12\x14\n" +
+	"\x05shard\x18$ \x01(\rR\x05shard\"\x8e\x01\n" +
 	"\n" +
 	"GetRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1d\n" +
 	"\n" +
-	"timeout_ms\x18\x02 \x01(\x03R\ttimeoutMs\"+\n" +
+	"timeout_ms\x18\x02 \x01(\x03R\ttimeoutMs\x12\x18\n" +
+	"\aversion\x18# \x01(\x04R\aversion\x12\x14\n" +
+	"\x05shard\x18$ \x01(\rR\x05shard\x12\x1d\n" +
+	"\n" +
+	"newer_than\x18% \x01(\x04R\tnewerThan\"+\n" +
 	"\x0eReleaseRequest\x12\x19\n" +
 	"\blease_id\x18\x01 \x01(\x04R\aleaseId\"#\n" +
 	"\rDeleteRequest\x12\x12\n" +
@@ -2051,7 +2267,7 @@ const file_store_proto_rawDesc = "" +
 	"\bwritable\x18\x06 \x01(\bR\bwritable\x12\x1f\n" +
 	"\vfd_attached\x18\a \x01(\bR\n" +
 	"fdAttached\x12\x16\n" +
-	"\x06region\x18\b \x01(\fR\x06region\"\xf5\x01\n" +
+	"\x06region\x18\b \x01(\fR\x06region\"\xfc\x02\n" +
 	"\n" +
 	"ObjectInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
@@ -2062,15 +2278,23 @@ const file_store_proto_rawDesc = "" +
 	"\x06shared\x18\x06 \x01(\bR\x06shared\x12\x1b\n" +
 	"\towner_uid\x18\a \x01(\rR\bownerUid\x12*\n" +
 	"\x11created_unix_nano\x18\b \x01(\x03R\x0fcreatedUnixNano\x12\x16\n" +
-	"\x06region\x18\t \x01(\fR\x06region\"K\n" +
+	"\x06region\x18\t \x01(\fR\x06region\x12\x18\n" +
+	"\aversion\x18# \x01(\x04R\aversion\x12\x16\n" +
+	"\x06shards\x18$ \x01(\rR\x06shards\x12\x14\n" +
+	"\x05shard\x18% \x01(\rR\x05shard\x12#\n" +
+	"\rmanifest_size\x18& \x01(\x04R\fmanifestSize\x12\x18\n" +
+	"\atensors\x18' \x01(\rR\atensors\"\x92\x01\n" +
 	"\x0eCreateResponse\x129\n" +
-	"\tplacement\x18\x01 \x01(\v2\x1b.cudaipc.store.v1.PlacementR\tplacement\"\x0e\n" +
+	"\tplacement\x18\x01 \x01(\v2\x1b.cudaipc.store.v1.PlacementR\tplacement\x12\x18\n" +
+	"\aversion\x18# \x01(\x04R\aversion\x12+\n" +
+	"\x11manifest_attached\x18$ \x01(\bR\x10manifestAttached\"\x0e\n" +
 	"\fSealResponse\"\x0f\n" +
-	"\rAbortResponse\"\x95\x01\n" +
+	"\rAbortResponse\"\xc2\x01\n" +
 	"\vGetResponse\x12\x19\n" +
 	"\blease_id\x18\x01 \x01(\x04R\aleaseId\x129\n" +
 	"\tplacement\x18\x02 \x01(\v2\x1b.cudaipc.store.v1.PlacementR\tplacement\x120\n" +
-	"\x04info\x18\x03 \x01(\v2\x1c.cudaipc.store.v1.ObjectInfoR\x04info\"\x11\n" +
+	"\x04info\x18\x03 \x01(\v2\x1c.cudaipc.store.v1.ObjectInfoR\x04info\x12+\n" +
+	"\x11manifest_attached\x18# \x01(\bR\x10manifestAttached\"\x11\n" +
 	"\x0fReleaseResponse\"\x10\n" +
 	"\x0eDeleteResponse\"Z\n" +
 	"\fListResponse\x126\n" +
@@ -2078,10 +2302,11 @@ const file_store_proto_rawDesc = "" +
 	"\x04more\x18\x02 \x01(\bR\x04more\"@\n" +
 	"\fStatResponse\x120\n" +
 	"\x04info\x18\x01 \x01(\v2\x1c.cudaipc.store.v1.ObjectInfoR\x04info\"\x13\n" +
-	"\x11SubscribeResponse\"\x9e\x01\n" +
+	"\x11SubscribeResponse\"\xb8\x01\n" +
 	"\x05Event\x120\n" +
 	"\x04kind\x18\x01 \x01(\x0e2\x1c.cudaipc.store.v1.Event.KindR\x04kind\x12\x12\n" +
-	"\x04name\x18\x02 \x01(\tR\x04name\"O\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12\x18\n" +
+	"\aversion\x18# \x01(\x04R\aversion\"O\n" +
 	"\x04Kind\x12\x14\n" +
 	"\x10KIND_UNSPECIFIED\x10\x00\x12\n" +
 	"\n" +
