@@ -368,7 +368,8 @@ func (r Region) MarshalJSON() ([]byte, error) {
 func (r *Region) UnmarshalJSON(b []byte) error {
 	var j regionJSON
 	if err := strictJSON(b, &j); err != nil {
-		return regionErr("json", "%v", err)
+		// encoding/json's errors begin with "json: " too: say it once.
+		return regionErr("json", "%s", strings.TrimPrefix(err.Error(), "json: "))
 	}
 	// Missing fields decode as zero and Validate reports them in order.
 	var k Kind

@@ -137,6 +137,10 @@ func DialOptions(ctx context.Context, socket string, opts Options) (*Client, err
 
 func dialError(socket string, err error) error {
 	e := &Error{Op: "dial", Message: fmt.Sprintf("%s: %v", socket, err), Err: ErrStoreGone}
+	var errno syscall.Errno
+	if errors.As(err, &errno) {
+		e.cause = errno // for callers that word their own message
+	}
 	switch {
 	case errors.Is(err, syscall.EACCES), errors.Is(err, syscall.EPERM):
 		e.Err = ErrPermission
@@ -171,7 +175,7 @@ func (c *Client) handshakeError(ctx context.Context, err error) error {
 	}
 	var ce *protocol.CodeError
 	if errors.As(err, &ce) {
-		return &Error{Op: "dial", Err: codeSentinel(ce.Code), Message: ce.Message}
+		return &Error{Op: "dial", Err: protocol.Sentinel(ce.Code), Message: ce.Message}
 	}
 	if errors.Is(err, protocol.ErrVersion) {
 		return &Error{Op: "dial", Err: ErrVersion, Message: err.Error()}
@@ -449,34 +453,9 @@ func responseError(op, name string, resp *storev1.Response) error {
 	if e.GetCode() == storev1.Error_OK {
 		return nil
 	}
-	return &Error{Op: op, Name: name, Message: e.GetMessage(), Err: codeSentinel(e.GetCode())}
+	return &Error{Op: op, Name: name, Message: e.GetMessage(), Err: protocol.Sentinel(e.GetCode())}
 }
 
-func codeSentinel(code storev1.Error_Code) error {
-	switch code {
-	case storev1.Error_INVALID:
-		return ErrInvalid
-	case storev1.Error_NOT_FOUND:
-		return ErrNotFound
-	case storev1.Error_EXISTS:
-		return ErrExists
-	case storev1.Error_TIMEOUT:
-		return ErrTimeout
-	case storev1.Error_STORE_FULL:
-		return ErrStoreFull
-	case storev1.Error_PERMISSION:
-		return ErrPermission
-	case storev1.Error_LIMIT:
-		return ErrLimit
-	case storev1.Error_NOT_SEALED:
-		return ErrNotSealed
-	case storev1.Error_SEALED:
-		return ErrSealed
-	case storev1.Error_VERSION:
-		return ErrVersion
-	}
-	return ErrInternal
-}
 
 func placementOf(resp *storev1.Response) *storev1.Placement {
 	if g := resp.GetGet(); g != nil {

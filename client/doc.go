@@ -44,6 +44,10 @@
 //
 // Errors match the package's sentinels with errors.Is: ErrNotFound,
 // ErrExists, ErrTimeout, ErrStoreFull, ErrPermission, ErrLimit, ErrInvalid,
-// ErrNotSealed, ErrSealed and ErrStoreGone (the daemon went away: Dial
-// again once a new daemon runs).
+// ErrNotSealed, ErrSealed, ErrVersion and ErrInternal are protocol's (one
+// table maps the daemon's codes to them); ErrStoreGone (the daemon went
+// away: Dial again once a new daemon runs) and ErrClosed are the client's
+// own. When this process cannot map GPU memory the daemon sent, the error
+// wraps the cudaipc error that says why (cudaipc.ErrOtherPIDNamespace: the
+// daemon shares by legacy IPC and this process is in another container).
 package client

@@ -4,30 +4,36 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/cudaipc/cudaipc/protocol"
 )
 
 // Sentinel errors. Every error a Client returns for a failed request wraps
-// one of them (errors.Is), or a context error.
+// one of them (errors.Is), a context error, or, when this process cannot
+// map the memory the daemon sent, the cudaipc error that says why (for
+// example cudaipc.ErrOtherPIDNamespace). The daemon's error codes map to
+// these through protocol's table: they are protocol's sentinels.
 var (
-	ErrNotFound   = errors.New("object not found")
-	ErrExists     = errors.New("object already exists")
-	ErrTimeout    = errors.New("timed out")
-	ErrStoreFull  = errors.New("store full")
-	ErrPermission = errors.New("permission denied")
-	ErrLimit      = errors.New("per-client limit reached")
-	ErrInvalid    = errors.New("invalid argument")
-	ErrNotSealed  = errors.New("object not sealed")
-	ErrSealed     = errors.New("object already sealed")
-	// ErrStoreGone means the connection to the daemon is lost (the daemon
-	// stopped, restarted or closed the connection) or there is no daemon.
-	// The Client is unusable afterwards; Dial again.
-	ErrStoreGone = errors.New("store daemon gone")
+	ErrNotFound   = protocol.ErrNotFound
+	ErrExists     = protocol.ErrExists
+	ErrTimeout    = protocol.ErrTimeout
+	ErrStoreFull  = protocol.ErrStoreFull
+	ErrPermission = protocol.ErrPermission
+	ErrLimit      = protocol.ErrLimit
+	ErrInvalid    = protocol.ErrInvalid
+	ErrNotSealed  = protocol.ErrNotSealed
+	ErrSealed     = protocol.ErrSealed
 	// ErrVersion means the daemon does not speak this client's protocol
 	// version.
-	ErrVersion = errors.New("protocol version not supported by the daemon")
+	ErrVersion = protocol.ErrVersion
 	// ErrInternal is a failure inside the daemon, or a daemon reply that
 	// breaks the protocol.
-	ErrInternal = errors.New("internal store error")
+	ErrInternal = protocol.ErrInternal
+	// ErrStoreGone means the connection to the daemon is lost (the daemon
+	// stopped, restarted or closed the connection) or there is no daemon.
+	// The Client is unusable afterwards; Dial again. It has no protocol
+	// code: no daemon sends it.
+	ErrStoreGone = errors.New("store daemon gone")
 )
 
 // Error is the error a request fails with: the operation, the object it was
@@ -36,7 +42,7 @@ type Error struct {
 	Op      string // "create", "get", ...
 	Name    string // object name, if any
 	Message string // the daemon's message, if any
-	Err     error  // a sentinel, e.g. ErrNotFound
+	Err     error  // a sentinel, e.g. ErrNotFound, or a cudaipc error of mapping
 
 	cause error // a second error matched by errors.Is, e.g. context.DeadlineExceeded
 }

@@ -1,7 +1,6 @@
 package client
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -40,11 +39,10 @@ func importPlacement(op, name string, p *storev1.Placement) (*cudaipc.Mapping, e
 	}
 	m, err := cudaipc.Import(r)
 	if err != nil {
-		msg := err.Error()
-		if errors.Is(err, cudaipc.ErrOtherPIDNamespace) {
-			msg += " (legacy CUDA IPC needs the daemon and its clients in one PID namespace: start the daemon with --gpu-share fd, run them in the same container, or share the host's PID namespace)"
-		}
-		return nil, &Error{Op: op, Name: name, Err: ErrInternal, Message: "mapping the GPU object: " + msg, cause: err}
+		// Not ErrInternal: the daemon did its part; this process cannot
+		// map the memory (another PID namespace, no such GPU, ...), and
+		// the cudaipc error says why.
+		return nil, &Error{Op: op, Name: name, Err: fmt.Errorf("mapping the GPU object: %w", err)}
 	}
 	return m, nil
 }

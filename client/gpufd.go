@@ -69,7 +69,7 @@ func (c *Client) importFD(op, name string, p *storev1.Placement, f *os.File) (*f
 		}
 		m, err := dev.ImportFD(f, int64(p.GetArenaSize()))
 		if err != nil {
-			return nil, &Error{Op: op, Name: name, Err: ErrInternal, Message: "mapping the GPU object: importing the arena's descriptor: " + err.Error(), cause: err}
+			return nil, &Error{Op: op, Name: name, Err: fmt.Errorf("mapping the GPU object: importing the arena's descriptor: %w", err)}
 		}
 		a = &fdArena{c: c, id: p.GetArenaId(), m: m}
 		c.fd.arenas[a.id] = a

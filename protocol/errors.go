@@ -82,6 +82,19 @@ var codeSentinels = map[storev1.Error_Code]error{
 	storev1.Error_INTERNAL:   ErrInternal,
 }
 
+// Sentinel returns the sentinel error of code: ErrNotFound for NOT_FOUND,
+// and so on; ErrInternal for codes this version does not know, nil for OK.
+// It is the one table from codes to errors, which package client uses too.
+func Sentinel(code storev1.Error_Code) error {
+	if code == storev1.Error_OK {
+		return nil
+	}
+	if s, ok := codeSentinels[code]; ok {
+		return s
+	}
+	return ErrInternal
+}
+
 // CodeError is a failure with a protocol error code: what the server puts in
 // an error response and what a client decodes from one.
 type CodeError struct {

@@ -1,6 +1,7 @@
 package store
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -98,10 +99,10 @@ func newBackend(name, gpuShare string, log *slog.Logger) (backend, error) {
 	case "cuda":
 		devs, err := cudaipc.Devices()
 		if err != nil {
-			return nil, fmt.Errorf("store: backend cuda needs the CUDA driver and a GPU: %w (use --backend host or auto on a machine without one)", err)
+			return nil, fmt.Errorf("store: backend cuda needs the CUDA driver and a GPU: %w; or use --backend host (or auto) on a machine without one", err)
 		}
 		if len(devs) == 0 {
-			return nil, fmt.Errorf("store: backend cuda needs a GPU, and the driver sees none (use --backend host or auto)")
+			return nil, errors.New("store: backend cuda needs a GPU, and the driver sees none: use --backend host or auto")
 		}
 		b, err := newCUDABackend(devs, gpuShare)
 		if err != nil {

@@ -101,10 +101,12 @@ func ExitCode(err error) int {
 }
 
 // Message is the line main prints for an error Run returned: "cudaipc: "
-// and the error, on one line.
+// and the error, on one line, naming the program once (errors of package
+// cudaipc begin with "cudaipc: " too, also when the CLI wraps them).
 func Message(err error) string {
 	s := strings.TrimSpace(err.Error())
 	s = strings.ReplaceAll(s, "\n", "; ")
+	s = strings.ReplaceAll(s, ": cudaipc: ", ": ")
 	return "cudaipc: " + strings.TrimPrefix(s, "cudaipc: ")
 }
 

@@ -49,7 +49,7 @@ func (c *DumpCmd) readRegion() (cudaipc.Region, error) {
 	}
 	r, err := cudaipc.DecodeRegion(text)
 	if err != nil {
-		return r, fmt.Errorf("--region: %w (the format is in docs/region.md)", err)
+		return r, fmt.Errorf("--region: %w: see docs/region.md for the format", err)
 	}
 	return r, nil
 }
@@ -75,15 +75,16 @@ func (c *DumpCmd) options() ([]cudaipc.ImportOption, error) {
 	return []cudaipc.ImportOption{cudaipc.WithFallbackDevice(d)}, nil
 }
 
-// importHint tells the user what an Import error means for them.
+// importHint tells the user, on the same line, what an Import error means
+// for them.
 func importHint(err error) error {
 	switch {
 	case errors.Is(err, cudaipc.ErrInvalidResourceHandle):
-		return fmt.Errorf("%w\nthe exporting process freed the memory or exited: export it again while it is alive", err)
+		return fmt.Errorf("importing the region: %w: the exporting process freed the memory or exited; export it again while it is alive", err)
 	case errors.Is(err, cudaipc.ErrInvalidValue):
-		return fmt.Errorf("%w\nthe driver rejected the handle: check that the exporter is still running and that the region was exported on this machine", err)
+		return fmt.Errorf("importing the region: %w: the driver rejected the handle; check that the exporter still runs and that the region was exported on this machine", err)
 	}
-	return err
+	return fmt.Errorf("importing the region: %w", err)
 }
 
 // Run implements the command.

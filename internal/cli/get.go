@@ -50,7 +50,7 @@ func (c *getCmd) Run(g *Globals) error {
 	}
 	lease, err := cl.Get(ctx, c.Name)
 	if errors.Is(err, client.ErrTimeout) {
-		return fmt.Errorf("%q was not sealed within %s: check the name with 'cudaipc ls', or wait longer with --timeout (%w)", c.Name, c.Timeout, err)
+		return reword(err, "get %q: not sealed within %s: check the name with 'cudaipc ls', or wait longer with --timeout", c.Name, c.Timeout)
 	}
 	if err != nil {
 		return explain(err, g.socketPath())
@@ -64,7 +64,7 @@ func (c *getCmd) Run(g *Globals) error {
 	// written.
 	tmp, err := os.CreateTemp(filepath.Dir(c.Output), "."+filepath.Base(c.Output)+".*")
 	if err != nil {
-		return err
+		return fmt.Errorf("get: %w: -o names a file in a directory you can write", err)
 	}
 	defer os.Remove(tmp.Name())
 	bar := newProgress(g.stderr, lease.Size(), "get "+c.Name)

@@ -37,7 +37,7 @@ func (c *putCmd) Run(g *Globals) error {
 	}
 	in, err := openInput(c.File, want, g)
 	if err != nil {
-		return err
+		return fmt.Errorf("put: %w", err)
 	}
 	defer in.Close()
 

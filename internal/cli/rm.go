@@ -1,6 +1,9 @@
 package cli
 
-import "errors"
+import (
+	"errors"
+	"strings"
+)
 
 type rmCmd struct {
 	Names []string `arg:"" help:"Objects to remove." placeholder:"NAME"`
@@ -17,10 +20,16 @@ func (c *rmCmd) Run(g *Globals) error {
 	}
 	defer cl.Close()
 	var errs []error
+	var texts []string
 	for _, n := range c.Names {
 		if err := cl.Delete(g.Context(), n); err != nil {
-			errs = append(errs, explain(err, g.socketPath()))
+			err = explain(err, g.socketPath())
+			errs, texts = append(errs, err), append(texts, err.Error())
 		}
 	}
-	return errors.Join(errs...)
+	if len(errs) == 0 {
+		return nil
+	}
+	// One line for all of them (errors.Join would print one per line).
+	return reword(errors.Join(errs...), "%s", strings.Join(texts, "; "))
 }

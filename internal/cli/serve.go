@@ -69,10 +69,10 @@ func (c *serveCmd) Run(g *Globals) error {
 	g.log.Info("store daemon starting", "socket", sock, "backend", c.Backend, "gpu_share", c.GPUShare, "capacity", int64(c.Capacity), "evict", !c.NoEvict)
 	err = st.ListenAndServe(ctx, sock)
 	if errors.Is(err, store.ErrDaemonRunning) {
-		return fmt.Errorf("a store daemon is already running at %s: use it, stop it first, or pick another --socket (%w)", sock, err)
+		return reword(err, "serve: a store daemon is already running at %s: use it, stop it first, or pick another --socket", sock)
 	}
 	if err != nil {
-		return fmt.Errorf("serving on %s: %w", sock, err)
+		return fmt.Errorf("serve: on %s: %w", sock, err)
 	}
 	g.log.Info("store daemon stopped", "socket", sock)
 	return nil
@@ -93,7 +93,7 @@ func metricsAddr(a string) string {
 func serveMetrics(ctx context.Context, g *Globals, addr string, h http.Handler) (stop func(), err error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return nil, fmt.Errorf("metrics address %s: %w (pick another --metrics address)", addr, err)
+		return nil, fmt.Errorf("serve: metrics address %s: %w: pick another --metrics address", addr, err)
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", h)

@@ -6,8 +6,11 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
+	"syscall"
 	"time"
 
+	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/client"
 	"github.com/schollz/progressbar/v3"
 )
@@ -35,32 +38,81 @@ func (g *Globals) dialCtx(ctx context.Context) (*client.Client, error) {
 	return c, nil
 }
 
-// explain turns a client error into one that tells the user what to do next.
+// explain turns a client error into one line for a person: what failed,
+// why, and what to do next. The result still matches what err matched.
 func explain(err error, socket string) error {
 	var ce *client.Error
-	isDial := errors.As(err, &ce) && ce.Op == "dial"
+	if !errors.As(err, &ce) {
+		return err
+	}
+	what := ce.Op
+	if ce.Name != "" {
+		what += fmt.Sprintf(" %q", ce.Name)
+	}
+	why := func(s string) string { // s, and the daemon's detail when it has one
+		if d := detail(ce); d != "" {
+			return s + " (" + d + ")"
+		}
+		return s
+	}
+	isDial := ce.Op == "dial"
 	switch {
 	case isDial && errors.Is(err, client.ErrStoreGone):
-		return fmt.Errorf("no store daemon at %s: start one with 'cudaipc serve', or point --socket (or CUDAIPC_SOCKET) at a running one (%w)", socket, err)
+		return reword(err, "no store daemon at %s%s: start one with 'cudaipc serve', or point --socket or CUDAIPC_SOCKET at a running one", socket, errnoOf(err))
 	case isDial && errors.Is(err, client.ErrPermission):
 		uid := os.Getuid()
-		return fmt.Errorf("the store daemon at %s does not admit uid %d: ask whoever runs it to add '--allow-uid %d' (or --allow-gid) to 'cudaipc serve' (%w)", socket, uid, uid, err)
+		return reword(err, "the store daemon at %s does not admit uid %d: ask whoever runs it to add '--allow-uid %d' (or --allow-gid) to 'cudaipc serve'", socket, uid, uid)
 	case isDial && errors.Is(err, client.ErrTimeout):
-		return fmt.Errorf("the store daemon at %s did not answer in time: check that 'cudaipc serve' is running and not stopped or overloaded, then retry (%w)", socket, err)
+		return reword(err, "the store daemon at %s did not answer in time: check that 'cudaipc serve' is running and not stopped or overloaded, then retry", socket)
 	case isDial && errors.Is(err, client.ErrVersion):
-		return fmt.Errorf("the store daemon at %s speaks another protocol version: run a cudaipc of the same release as the daemon (%w)", socket, err)
+		return reword(err, "%s: the store daemon at %s speaks another protocol version: run a cudaipc of the daemon's release", why("dial"), socket)
 	case errors.Is(err, client.ErrStoreGone):
-		return fmt.Errorf("lost the connection to the store daemon at %s: check that 'cudaipc serve' is still running, then retry (%w)", socket, err)
+		return reword(err, "%s: lost the connection to the store daemon at %s: check that 'cudaipc serve' still runs, then retry", what, socket)
 	case errors.Is(err, client.ErrNotFound):
-		return fmt.Errorf("%w (see 'cudaipc ls' for the objects you can read)", err)
+		return reword(err, "%s: no such object: 'cudaipc ls' lists the objects you can read", what)
 	case errors.Is(err, client.ErrExists):
-		return fmt.Errorf("%w (pick another --name, or remove the old one with 'cudaipc rm')", err)
+		return reword(err, "%s: an object of that name exists: pick another --name, or remove the old one with 'cudaipc rm'", what)
 	case errors.Is(err, client.ErrStoreFull):
-		return fmt.Errorf("%w (free space with 'cudaipc rm', or restart 'cudaipc serve' with a larger --capacity)", err)
+		return reword(err, "%s: %s: free space with 'cudaipc rm', or restart 'cudaipc serve' with a larger --capacity", what, why("the store is full"))
 	case errors.Is(err, client.ErrLimit):
-		return fmt.Errorf("%w (release leases or remove objects this client holds)", err)
+		return reword(err, "%s: %s: release leases or remove objects this client holds", what, why("per-client limit reached"))
+	case errors.Is(err, cudaipc.ErrOtherPIDNamespace):
+		return reword(err, "%s: the store daemon shares GPU memory by legacy CUDA IPC, which cannot reach this process's PID namespace: restart the daemon with 'cudaipc serve --gpu-share fd', or run this command in the daemon's PID namespace", what)
 	}
-	return err
+	// The command says which store operation failed; "store " adds nothing.
+	return reword(err, "%s", strings.TrimPrefix(err.Error(), "store "))
+}
+
+// detail is the daemon's message of ce, without what Error says anyway.
+func detail(ce *client.Error) string {
+	d := strings.TrimSpace(ce.Message)
+	if ce.Err != nil {
+		d = strings.TrimSuffix(strings.TrimPrefix(d, ce.Err.Error()), ": "+ce.Err.Error())
+	}
+	return strings.TrimLeft(d, ": ")
+}
+
+// errnoOf is " (connect: <errno>)" for a failed connect, else "".
+func errnoOf(err error) string {
+	var errno syscall.Errno
+	if errors.As(err, &errno) {
+		return " (connect: " + errno.Error() + ")"
+	}
+	return ""
+}
+
+// reworded is an error with text for a person that still matches (errors.Is,
+// errors.As) what it rewords.
+type reworded struct {
+	text string
+	err  error
+}
+
+func (r *reworded) Error() string { return r.text }
+func (r *reworded) Unwrap() error { return r.err }
+
+func reword(err error, format string, args ...any) error {
+	return &reworded{text: fmt.Sprintf(format, args...), err: err}
 }
 
 // newProgress returns a byte progress bar on w when w is a terminal, else

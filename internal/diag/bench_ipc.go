@@ -63,6 +63,9 @@ func (c *BenchIPCCmd) Run(e *Env) error {
 		return err
 	}
 	devs, err := cudaipc.Devices()
+	if errors.Is(err, cudaipc.ErrNoDriver) { // its message says what to install
+		return fmt.Errorf("bench ipc: %w", err)
+	}
 	if err != nil {
 		return fmt.Errorf("bench ipc: %w: run 'cudaipc doctor'", err)
 	}

@@ -1,0 +1,107 @@
+package cli
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/client"
+)
+
+// TestFailuresAreOneLine runs each failure path of the CLI as a process and
+// checks what a person sees: one line on stderr, naming the program once,
+// with no doubled prefix, and the exit status (2 for bad arguments, else 1).
+func TestFailuresAreOneLine(t *testing.T) {
+	sock := serve(t)
+	dir := t.TempDir()
+	file := filepath.Join(dir, "in")
+	if err := os.WriteFile(file, []byte("some bytes"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, "put", file, "--name", "taken", "--socket", sock)
+	none := filepath.Join(dir, "none.sock")
+	noDriver := cudaipc.Init() != nil
+
+	cases := []struct {
+		args []string
+		code int
+		want string // in the line
+		skip bool
+	}{
+		{args: []string{"bogus"}, code: 2, want: "unexpected argument"},
+		{args: []string{"get"}, code: 2, want: "name"},
+		{args: []string{"ls", "--socket", none}, code: 1, want: "start one with 'cudaipc serve'"},
+		{args: []string{"stat", "missing", "--socket", sock}, code: 1, want: "'cudaipc ls'"},
+		{args: []string{"rm", "missing1", "missing2", "--socket", sock}, code: 1, want: `"missing1": no such object: 'cudaipc ls' lists the objects you can read; delete "missing2"`},
+		{args: []string{"put", file, "--name", "taken", "--socket", sock}, code: 1, want: "'cudaipc rm'"},
+		{args: []string{"put", filepath.Join(dir, "absent"), "--name", "x", "--socket", sock}, code: 1, want: "no such file"},
+		{args: []string{"put", file, "--name", "bad\x01name", "--socket", sock}, code: 1, want: "names are"},
+		{args: []string{"get", "never", "--timeout", "20ms", "--socket", sock}, code: 1, want: "--timeout"},
+		{args: []string{"get", "taken", "-o", filepath.Join(dir, "no", "such", "dir"), "--socket", sock}, code: 1, want: "-o"},
+		{args: []string{"serve", "--socket", sock, "--log-level", "warn"}, code: 1, want: "already running"},
+		{args: []string{"serve", "--gpu-share", "bogus", "--socket", none}, code: 2, want: "--gpu-share"},
+		{args: []string{"dump", "--region", "xyz"}, code: 2, want: "docs/region.md"},
+		{args: []string{"dump", "--region", `{"version":"x"}`}, code: 2, want: "docs/region.md"},
+		{args: []string{"dump", "--region", `{"version":1,"device":"bad"}`}, code: 2, want: "GPU UUID"},
+		{args: []string{"dump", "--region", "@" + filepath.Join(dir, "absent")}, code: 2, want: "--region"},
+		{args: []string{"dump", "--region", "{}", "--chunk", "0"}, code: 2, want: "--chunk"},
+		{args: []string{"bench", "ipc", "--size", "5"}, code: 2, want: "--size"},
+		{args: []string{"bench", "store", "--clients", "0"}, code: 2, want: "--clients"},
+		{args: []string{"demo", "--sizes", "0"}, code: 2, want: "--sizes"},
+		{args: []string{"diag-helper", "bogus", "{}"}, code: 2, want: "bogus"},
+		{args: []string{"info"}, code: 1, want: "libcuda.so.1", skip: !noDriver},
+		{args: []string{"doctor", "--socket", none}, code: 1, want: "check(s) failed", skip: !noDriver},
+		{args: []string{"bench", "ipc"}, code: 1, want: "libcuda.so.1", skip: !noDriver},
+		{args: []string{"serve", "--backend", "cuda", "--socket", none}, code: 1, want: "--backend host", skip: !noDriver},
+		{args: []string{"demo", "--device", "0"}, code: 2, want: "--device host", skip: !noDriver},
+	}
+	for _, c := range cases {
+		if c.skip {
+			continue
+		}
+		cmd := exec.Command(os.Args[0], c.args...) // this binary as cudaipc (runAsCLIMain)
+		cmd.Env = append(os.Environ(), mainEnv+"=1", "CUDAIPC_SOCKET=")
+		var stderr bytes.Buffer
+		cmd.Stdout, cmd.Stderr = new(bytes.Buffer), &stderr
+		err := cmd.Run()
+		code := 0
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			code = ee.ExitCode()
+		}
+		line := strings.TrimSuffix(stderr.String(), "\n")
+		name := strings.Join(c.args, " ")
+		switch {
+		case code != c.code:
+			t.Errorf("cudaipc %s: exit %d, want %d\n%s", name, code, c.code, stderr.String())
+		case line == "" || strings.Contains(line, "\n"):
+			t.Errorf("cudaipc %s: want one line on stderr, got:\n%s", name, stderr.String())
+		case !strings.HasPrefix(line, "cudaipc: ") || strings.Contains(line[len("cudaipc: "):], "cudaipc: "):
+			t.Errorf("cudaipc %s: want the program named once at the start: %s", name, line)
+		case strings.Contains(line, "json: json:") || strings.Contains(line, "internal"):
+			t.Errorf("cudaipc %s: doubled prefix or internal label: %s", name, line)
+		case !strings.Contains(line, c.want):
+			t.Errorf("cudaipc %s: %q lacks %q", name, line, c.want)
+		default:
+			t.Logf("exit %d: %s", code, line)
+		}
+	}
+}
+
+// A client in another PID namespace than a daemon sharing by legacy IPC
+// gets a setup error naming the flag that fixes it, not an internal one.
+func TestExplainOtherPIDNamespace(t *testing.T) {
+	inner := fmt.Errorf("%w: the region was exported in PID namespace 1, this process is in 2; WithAnyPIDNamespace tries anyway", cudaipc.ErrOtherPIDNamespace)
+	err := explain(&client.Error{Op: "get", Name: "x", Err: fmt.Errorf("mapping the GPU object: %w", inner)}, "/s")
+	line := Message(err)
+	if !errors.Is(err, cudaipc.ErrOtherPIDNamespace) || strings.Contains(line, "\n") || !strings.Contains(line, "'cudaipc serve --gpu-share fd'") ||
+		strings.Contains(line, "With") || strings.Contains(line, "internal") || !strings.HasPrefix(line, `cudaipc: get "x": `) {
+		t.Fatalf("%s", line)
+	}
+}
