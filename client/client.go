@@ -456,7 +456,6 @@ func responseError(op, name string, resp *storev1.Response) error {
 	return &Error{Op: op, Name: name, Message: e.GetMessage(), Err: protocol.Sentinel(e.GetCode())}
 }
 
-
 func placementOf(resp *storev1.Response) *storev1.Placement {
 	if g := resp.GetGet(); g != nil {
 		return g.GetPlacement()
