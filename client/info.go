@@ -3,6 +3,8 @@ package client
 import (
 	"encoding/json"
 	"time"
+
+	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
 // ObjectInfo describes an object in the store. Its JSON form is what
@@ -34,6 +36,25 @@ type ObjectInfo struct {
 	// a plain object).
 	ManifestSize int64 `json:"manifest_size,omitempty"`
 	Tensors      int   `json:"tensors,omitempty"`
+	// Tensor is the typed-array descriptor the creator gave
+	// (CreateOptions.Tensor), or nil (JSON null) for an untyped object.
+	Tensor *TensorDesc `json:"tensor"`
+}
+
+// TensorDesc says what an object's bytes are as a typed array, so that
+// readers (the Python client's Lease.tensor, NumPy, PyTorch) can view them
+// without being told out of band. The daemon checks it against the
+// object's size and stores it; it never interprets the bytes.
+type TensorDesc struct {
+	// DType is the element type: bool, int8, uint8, int16, uint16, int32,
+	// uint32, int64, uint64, float16, bfloat16, float32, float64,
+	// complex64, complex128, float8_e4m3fn or float8_e5m2.
+	DType string `json:"dtype"`
+	// Shape is the extent of each dimension (empty: a scalar).
+	Shape []int64 `json:"shape"`
+	// Strides is the step of each dimension in elements, not bytes; nil
+	// means C-contiguous (row-major).
+	Strides []int64 `json:"strides,omitempty"`
 }
 
 // Event is a change in the store, delivered to subscribers.
@@ -90,6 +111,10 @@ type CreateOptions struct {
 	// Manifest is a bundle's manifest (a safetensors header, package
 	// bundle), sent beside the object: CreateBundle sets it.
 	Manifest []byte
+	// Tensor, if set, records what the bytes are as a typed array; its
+	// extent must fit in the object's size. Readers find it in
+	// ObjectInfo.Tensor.
+	Tensor *TensorDesc
 }
 
 // GetOptions select a version of a versioned name for GetWith.
@@ -100,4 +125,18 @@ type GetOptions struct {
 	Shard int
 	// NewerThan waits for a version above it (WaitNewer).
 	NewerThan uint64
+}
+
+func (t *TensorDesc) proto() *storev1.TensorDesc {
+	if t == nil {
+		return nil
+	}
+	return &storev1.TensorDesc{Dtype: t.DType, Shape: t.Shape, Strides: t.Strides}
+}
+
+func tensorFromProto(p *storev1.TensorDesc) *TensorDesc {
+	if p == nil {
+		return nil
+	}
+	return &TensorDesc{DType: p.GetDtype(), Shape: append([]int64{}, p.GetShape()...), Strides: p.GetStrides()}
 }

@@ -214,6 +214,7 @@ func infoFromProto(p *storev1.ObjectInfo) ObjectInfo {
 		Shard:        int(p.GetShard()),
 		ManifestSize: int64(p.GetManifestSize()),
 		Tensors:      int(p.GetTensors()),
+		Tensor:       tensorFromProto(p.GetTensor()),
 	}
 }
 

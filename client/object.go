@@ -55,7 +55,11 @@ func (c *Client) Create(ctx context.Context, name string, size int64, opts Creat
 	if size <= 0 || size > MaxObjectSize {
 		return nil, &Error{Op: "create", Name: name, Err: ErrInvalid, Message: fmt.Sprintf("size %d is outside 1..%d", size, int64(MaxObjectSize))}
 	}
-	cr := &storev1.CreateRequest{Name: name, Size: uint64(size), Device: dev, Shared: opts.Shared}
+	tensor := opts.Tensor.proto()
+	if err := protocol.ValidateTensor(tensor, uint64(size)); err != nil {
+		return nil, &Error{Op: "create", Name: name, Err: ErrInvalid, Message: err.(*protocol.CodeError).Message}
+	}
+	cr := &storev1.CreateRequest{Name: name, Size: uint64(size), Device: dev, Shared: opts.Shared, Tensor: tensor}
 	if err := opts.extend(cr); err != nil {
 		return nil, &Error{Op: "create", Name: name, Err: ErrInvalid, Message: err.Error()}
 	}

@@ -117,6 +117,9 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 		if err := ValidateSize(c.GetSize()); err != nil {
 			return err
 		}
+		if err := ValidateTensor(c.GetTensor(), c.GetSize()); err != nil {
+			return err
+		}
 		return ValidateDevice(c.GetDevice())
 	case *storev1.Request_Seal:
 		return ValidateName(b.Seal.GetName())

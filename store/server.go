@@ -322,7 +322,7 @@ func (cn *conn) handle(req *storev1.Request) {
 			cn.createExt(id, r)
 			return
 		}
-		p, err := ss.create(r.GetName(), int64(r.GetSize()), r.GetDevice(), r.GetShared())
+		p, err := ss.createTyped(r.GetName(), int64(r.GetSize()), r.GetDevice(), r.GetShared(), r.GetTensor())
 		if err != nil {
 			cn.replyLocked(op, protocol.ErrorResponse(id, err), nil)
 			return
@@ -509,5 +509,6 @@ func (in *info) proto() *storev1.ObjectInfo {
 		Shard:           uint32(in.Shard),
 		ManifestSize:    uint64(in.ManifestSize),
 		Tensors:         uint32(in.Tensors),
+		Tensor:          in.Tensor,
 	}
 }

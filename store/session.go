@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc/protocol"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
 	"github.com/cudaipc/cudaipc/store/internal/alloc"
 )
 
@@ -134,6 +135,12 @@ func (s *Store) newSession(ctx context.Context, p peer) (*session, error) {
 // create allocates a writable object that only this session sees until it
 // seals it.
 func (ss *session) create(name string, size int64, dev string, shared bool) (placement, error) {
+	return ss.createTyped(name, size, dev, shared, nil)
+}
+
+// createTyped is create with the object's typed-array descriptor (nil for
+// none), already validated against size by protocol.ValidateRequest.
+func (ss *session) createTyped(name string, size int64, dev string, shared bool, tensor *storev1.TensorDesc) (placement, error) {
 	s := ss.s
 	if err := checkName(name); err != nil {
 		return placement{}, err
@@ -168,6 +175,7 @@ func (ss *session) create(name string, size int64, dev string, shared bool) (pla
 		created: time.Now(),
 		dev:     d,
 		creator: ss,
+		tensor:  tensor,
 	}
 	b, err := d.alloc.Alloc(pool{owner: o.owner, shared: shared}, size, o)
 	if errors.Is(err, alloc.ErrFull) {

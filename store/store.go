@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/cudaipc/cudaipc/protocol/storev1"
 	"github.com/cudaipc/cudaipc/store/internal/alloc"
 )
 
@@ -134,9 +135,10 @@ type object struct {
 	creator *session // the connection that created it, while it lives
 	leases  int
 
-	ver      *version  // the version it is a shard of; nil for a plain object
-	shard    int       // its shard index in ver
-	manifest *manifest // a bundle's manifest; nil for a plain object
+	ver      *version            // the version it is a shard of; nil for a plain object
+	shard    int                 // its shard index in ver
+	manifest *manifest           // a bundle's manifest; nil for a plain object
+	tensor   *storev1.TensorDesc // typed-array descriptor from create; nil if none; never modified
 }
 
 // waiter wakes the gets waiting for one name.
@@ -380,6 +382,7 @@ type info struct {
 	Shard        int
 	ManifestSize int64
 	Tensors      int
+	Tensor       *storev1.TensorDesc // shared with the object: read only
 }
 
 func (o *object) info() info {
@@ -399,6 +402,7 @@ func (o *object) info() info {
 		Shared:   o.shared,
 		OwnerUID: o.owner,
 		Created:  o.created,
+		Tensor:   o.tensor,
 	}
 	if o.ver != nil {
 		in.Version, in.Shards, in.Shard = o.ver.n, len(o.ver.shards), o.shard

@@ -9,6 +9,7 @@ import (
 
 	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/internal/bytesize"
+	"github.com/cudaipc/cudaipc/protocol"
 )
 
 // maxUnsizedInput bounds what put reads into memory from an input whose
@@ -17,11 +18,14 @@ import (
 const maxUnsizedInput = 64 << 20
 
 type putCmd struct {
-	File   string        `arg:"" help:"File to store, or - for standard input." placeholder:"FILE|-"`
-	Name   string        `required:"" help:"Name of the new object." placeholder:"NAME"`
-	Size   bytesize.Size `help:"Size of the object in bytes (4096, 16MiB, 1G). Needed to stream a pipe longer than 64 MiB; from a device such as /dev/urandom put stores the first SIZE bytes. A regular file must have exactly SIZE bytes." placeholder:"SIZE"`
-	Device string        `default:"host" help:"Where the object's memory lives: host, a GPU ordinal (of this process, resolved to its UUID) or a GPU UUID; GPUs need a daemon with the cuda backend." placeholder:"host|ORDINAL|UUID"`
-	Shared bool          `help:"Let every user the daemon admits read the object (default: only your uid)."`
+	File    string        `arg:"" help:"File to store, or - for standard input." placeholder:"FILE|-"`
+	Name    string        `required:"" help:"Name of the new object." placeholder:"NAME"`
+	Size    bytesize.Size `help:"Size of the object in bytes (4096, 16MiB, 1G). Needed to stream a pipe longer than 64 MiB; from a device such as /dev/urandom put stores the first SIZE bytes. A regular file must have exactly SIZE bytes." placeholder:"SIZE"`
+	Device  string        `default:"host" help:"Where the object's memory lives: host, a GPU ordinal (of this process, resolved to its UUID) or a GPU UUID; GPUs need a daemon with the cuda backend." placeholder:"host|ORDINAL|UUID"`
+	Shared  bool          `help:"Let every user the daemon admits read the object (default: only your uid)."`
+	DType   string        `name:"dtype" help:"Record what the bytes are as a typed array: the element type (float32, bfloat16, uint8, ...); readers such as the Python client view the object with it." placeholder:"DTYPE"`
+	Shape   []int64       `help:"With --dtype: the array's shape, comma-separated (default: one dimension covering the input)." placeholder:"N,M,..."`
+	Strides []int64       `help:"With --dtype: strides in elements, comma-separated (default: C order)." placeholder:"S,T,..."`
 }
 
 func (c *putCmd) Help() string {
@@ -48,7 +52,21 @@ func (c *putCmd) Run(g *Globals) error {
 	defer cl.Close()
 
 	ctx := g.Context()
-	obj, err := cl.Create(ctx, c.Name, in.size, client.CreateOptions{Device: c.Device, Shared: c.Shared})
+	opts := client.CreateOptions{Device: c.Device, Shared: c.Shared}
+	if c.DType != "" {
+		shape := c.Shape
+		if shape == nil {
+			item := protocol.DTypeSizes[c.DType]
+			if item == 0 || in.size%item != 0 {
+				return fmt.Errorf("--dtype %s: give --shape (the input's %d bytes are not a whole number of %s elements)", c.DType, in.size, c.DType)
+			}
+			shape = []int64{in.size / item}
+		}
+		opts.Tensor = &client.TensorDesc{DType: c.DType, Shape: shape, Strides: c.Strides}
+	} else if c.Shape != nil || c.Strides != nil {
+		return fmt.Errorf("--shape and --strides need --dtype")
+	}
+	obj, err := cl.Create(ctx, c.Name, in.size, opts)
 	if err != nil {
 		return explain(err, g.socketPath())
 	}

@@ -10,7 +10,7 @@ import (
 
 type statCmd struct {
 	Name string `arg:"" help:"Object to describe." placeholder:"NAME"`
-	JSON bool   `name:"json" help:"Print one JSON object: name, size, device, sealed, leases, shared, owner_uid, created, region (GPU objects shared by legacy IPC only; null otherwise)."`
+	JSON bool   `name:"json" help:"Print one JSON object: name, size, device, sealed, leases, shared, owner_uid, created, region (GPU objects shared by legacy IPC only; null otherwise), tensor (dtype, shape, strides; null when untyped)."`
 }
 
 func (c *statCmd) Run(g *Globals) error {
@@ -35,6 +35,13 @@ func (c *statCmd) Run(g *Globals) error {
 	fmt.Fprintf(tw, "shared:\t%t\n", o.Shared)
 	fmt.Fprintf(tw, "owner uid:\t%d\n", o.OwnerUID)
 	fmt.Fprintf(tw, "created:\t%s\n", o.Created.Local().Format(time.RFC3339Nano))
+	if t := o.Tensor; t != nil {
+		fmt.Fprintf(tw, "tensor:\t%s %v", t.DType, t.Shape)
+		if t.Strides != nil {
+			fmt.Fprintf(tw, " strides %v", t.Strides)
+		}
+		fmt.Fprintln(tw)
+	}
 	if len(o.Region) > 0 {
 		fmt.Fprintf(tw, "region:\t%s\n", o.Region)
 	}

@@ -119,7 +119,7 @@ func (x Error_Code) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Error_Code.Descriptor instead.
 func (Error_Code) EnumDescriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{12, 0}
+	return file_store_proto_rawDescGZIP(), []int{13, 0}
 }
 
 type Event_Kind int32
@@ -178,7 +178,7 @@ func (x Event_Kind) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Event_Kind.Descriptor instead.
 func (Event_Kind) EnumDescriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{25, 0}
+	return file_store_proto_rawDescGZIP(), []int{26, 0}
 }
 
 // Request is the only message a client sends.
@@ -493,7 +493,11 @@ type CreateRequest struct {
 	// Bundles (field 40): the size of the object's manifest (a safetensors
 	// header), for which the daemon makes a memfd sent with the reply;
 	// 0 for none. docs/protocol.md section 6.3.
-	ManifestSize  uint64 `protobuf:"varint,40,opt,name=manifest_size,json=manifestSize,proto3" json:"manifest_size,omitempty"`
+	ManifestSize uint64 `protobuf:"varint,40,opt,name=manifest_size,json=manifestSize,proto3" json:"manifest_size,omitempty"`
+	// Optional: what the bytes are as a typed array (dtype, shape, strides).
+	// The daemon checks it against size, stores it and returns it in
+	// ObjectInfo.tensor; it never interprets the bytes.
+	Tensor        *TensorDesc `protobuf:"bytes,20,opt,name=tensor,proto3" json:"tensor,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -598,6 +602,82 @@ func (x *CreateRequest) GetManifestSize() uint64 {
 	return 0
 }
 
+func (x *CreateRequest) GetTensor() *TensorDesc {
+	if x != nil {
+		return x.Tensor
+	}
+	return nil
+}
+
+// TensorDesc describes an object's bytes as a typed, strided array, the way
+// NumPy, PyTorch, CuPy and DLPack do, so that readers can view the object
+// without being told out of band.
+type TensorDesc struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Element type: one of bool, int8, uint8, int16, uint16, int32, uint32,
+	// int64, uint64, float16, bfloat16, float32, float64, complex64,
+	// complex128, float8_e4m3fn, float8_e5m2.
+	Dtype string `protobuf:"bytes,1,opt,name=dtype,proto3" json:"dtype,omitempty"`
+	// Extent of each dimension (at most 32 dimensions; none: a scalar).
+	Shape []int64 `protobuf:"varint,2,rep,packed,name=shape,proto3" json:"shape,omitempty"`
+	// Step of each dimension in elements (not bytes), non-negative; empty
+	// means C-contiguous (row-major). When set, as many as shape.
+	Strides       []int64 `protobuf:"varint,3,rep,packed,name=strides,proto3" json:"strides,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TensorDesc) Reset() {
+	*x = TensorDesc{}
+	mi := &file_store_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TensorDesc) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TensorDesc) ProtoMessage() {}
+
+func (x *TensorDesc) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TensorDesc.ProtoReflect.Descriptor instead.
+func (*TensorDesc) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *TensorDesc) GetDtype() string {
+	if x != nil {
+		return x.Dtype
+	}
+	return ""
+}
+
+func (x *TensorDesc) GetShape() []int64 {
+	if x != nil {
+		return x.Shape
+	}
+	return nil
+}
+
+func (x *TensorDesc) GetStrides() []int64 {
+	if x != nil {
+		return x.Strides
+	}
+	return nil
+}
+
 // SealRequest makes an object the caller created immutable and visible.
 type SealRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -611,7 +691,7 @@ type SealRequest struct {
 
 func (x *SealRequest) Reset() {
 	*x = SealRequest{}
-	mi := &file_store_proto_msgTypes[3]
+	mi := &file_store_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -623,7 +703,7 @@ func (x *SealRequest) String() string {
 func (*SealRequest) ProtoMessage() {}
 
 func (x *SealRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[3]
+	mi := &file_store_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -636,7 +716,7 @@ func (x *SealRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SealRequest.ProtoReflect.Descriptor instead.
 func (*SealRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{3}
+	return file_store_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *SealRequest) GetName() string {
@@ -673,7 +753,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_store_proto_msgTypes[4]
+	mi := &file_store_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -685,7 +765,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[4]
+	mi := &file_store_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -698,7 +778,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{4}
+	return file_store_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *AbortRequest) GetName() string {
@@ -741,7 +821,7 @@ type GetRequest struct {
 
 func (x *GetRequest) Reset() {
 	*x = GetRequest{}
-	mi := &file_store_proto_msgTypes[5]
+	mi := &file_store_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -753,7 +833,7 @@ func (x *GetRequest) String() string {
 func (*GetRequest) ProtoMessage() {}
 
 func (x *GetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[5]
+	mi := &file_store_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -766,7 +846,7 @@ func (x *GetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetRequest.ProtoReflect.Descriptor instead.
 func (*GetRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{5}
+	return file_store_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *GetRequest) GetName() string {
@@ -814,7 +894,7 @@ type ReleaseRequest struct {
 
 func (x *ReleaseRequest) Reset() {
 	*x = ReleaseRequest{}
-	mi := &file_store_proto_msgTypes[6]
+	mi := &file_store_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -826,7 +906,7 @@ func (x *ReleaseRequest) String() string {
 func (*ReleaseRequest) ProtoMessage() {}
 
 func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[6]
+	mi := &file_store_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -839,7 +919,7 @@ func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{6}
+	return file_store_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ReleaseRequest) GetLeaseId() uint64 {
@@ -860,7 +940,7 @@ type DeleteRequest struct {
 
 func (x *DeleteRequest) Reset() {
 	*x = DeleteRequest{}
-	mi := &file_store_proto_msgTypes[7]
+	mi := &file_store_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -872,7 +952,7 @@ func (x *DeleteRequest) String() string {
 func (*DeleteRequest) ProtoMessage() {}
 
 func (x *DeleteRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[7]
+	mi := &file_store_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -885,7 +965,7 @@ func (x *DeleteRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteRequest.ProtoReflect.Descriptor instead.
 func (*DeleteRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{7}
+	return file_store_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *DeleteRequest) GetName() string {
@@ -908,7 +988,7 @@ type ListRequest struct {
 
 func (x *ListRequest) Reset() {
 	*x = ListRequest{}
-	mi := &file_store_proto_msgTypes[8]
+	mi := &file_store_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -920,7 +1000,7 @@ func (x *ListRequest) String() string {
 func (*ListRequest) ProtoMessage() {}
 
 func (x *ListRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[8]
+	mi := &file_store_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -933,7 +1013,7 @@ func (x *ListRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRequest.ProtoReflect.Descriptor instead.
 func (*ListRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{8}
+	return file_store_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ListRequest) GetStartAfter() string {
@@ -953,7 +1033,7 @@ type StatRequest struct {
 
 func (x *StatRequest) Reset() {
 	*x = StatRequest{}
-	mi := &file_store_proto_msgTypes[9]
+	mi := &file_store_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -965,7 +1045,7 @@ func (x *StatRequest) String() string {
 func (*StatRequest) ProtoMessage() {}
 
 func (x *StatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[9]
+	mi := &file_store_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -978,7 +1058,7 @@ func (x *StatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatRequest.ProtoReflect.Descriptor instead.
 func (*StatRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{9}
+	return file_store_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *StatRequest) GetName() string {
@@ -998,7 +1078,7 @@ type SubscribeRequest struct {
 
 func (x *SubscribeRequest) Reset() {
 	*x = SubscribeRequest{}
-	mi := &file_store_proto_msgTypes[10]
+	mi := &file_store_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1010,7 +1090,7 @@ func (x *SubscribeRequest) String() string {
 func (*SubscribeRequest) ProtoMessage() {}
 
 func (x *SubscribeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[10]
+	mi := &file_store_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1023,7 +1103,7 @@ func (x *SubscribeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeRequest.ProtoReflect.Descriptor instead.
 func (*SubscribeRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{10}
+	return file_store_proto_rawDescGZIP(), []int{11}
 }
 
 // Response is the only message a server sends.
@@ -1055,7 +1135,7 @@ type Response struct {
 
 func (x *Response) Reset() {
 	*x = Response{}
-	mi := &file_store_proto_msgTypes[11]
+	mi := &file_store_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1067,7 +1147,7 @@ func (x *Response) String() string {
 func (*Response) ProtoMessage() {}
 
 func (x *Response) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[11]
+	mi := &file_store_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1080,7 +1160,7 @@ func (x *Response) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Response.ProtoReflect.Descriptor instead.
 func (*Response) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{11}
+	return file_store_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Response) GetId() uint64 {
@@ -1285,7 +1365,7 @@ type Error struct {
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_store_proto_msgTypes[12]
+	mi := &file_store_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1297,7 +1377,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[12]
+	mi := &file_store_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1310,7 +1390,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{12}
+	return file_store_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Error) GetCode() Error_Code {
@@ -1345,7 +1425,7 @@ type HelloResponse struct {
 
 func (x *HelloResponse) Reset() {
 	*x = HelloResponse{}
-	mi := &file_store_proto_msgTypes[13]
+	mi := &file_store_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1357,7 +1437,7 @@ func (x *HelloResponse) String() string {
 func (*HelloResponse) ProtoMessage() {}
 
 func (x *HelloResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[13]
+	mi := &file_store_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1370,7 +1450,7 @@ func (x *HelloResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HelloResponse.ProtoReflect.Descriptor instead.
 func (*HelloResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{13}
+	return file_store_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *HelloResponse) GetVersion() uint32 {
@@ -1429,7 +1509,7 @@ type Placement struct {
 
 func (x *Placement) Reset() {
 	*x = Placement{}
-	mi := &file_store_proto_msgTypes[14]
+	mi := &file_store_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1441,7 +1521,7 @@ func (x *Placement) String() string {
 func (*Placement) ProtoMessage() {}
 
 func (x *Placement) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[14]
+	mi := &file_store_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1454,7 +1534,7 @@ func (x *Placement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Placement.ProtoReflect.Descriptor instead.
 func (*Placement) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{14}
+	return file_store_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Placement) GetArenaId() uint64 {
@@ -1536,15 +1616,17 @@ type ObjectInfo struct {
 	Shard   uint32 `protobuf:"varint,37,opt,name=shard,proto3" json:"shard,omitempty"`
 	// The size of the object's manifest, and its tensor count, for a
 	// bundle; 0 otherwise.
-	ManifestSize  uint64 `protobuf:"varint,38,opt,name=manifest_size,json=manifestSize,proto3" json:"manifest_size,omitempty"`
-	Tensors       uint32 `protobuf:"varint,39,opt,name=tensors,proto3" json:"tensors,omitempty"`
+	ManifestSize uint64 `protobuf:"varint,38,opt,name=manifest_size,json=manifestSize,proto3" json:"manifest_size,omitempty"`
+	Tensors      uint32 `protobuf:"varint,39,opt,name=tensors,proto3" json:"tensors,omitempty"`
+	// The typed-array descriptor given at create, if any.
+	Tensor        *TensorDesc `protobuf:"bytes,20,opt,name=tensor,proto3" json:"tensor,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ObjectInfo) Reset() {
 	*x = ObjectInfo{}
-	mi := &file_store_proto_msgTypes[15]
+	mi := &file_store_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1556,7 +1638,7 @@ func (x *ObjectInfo) String() string {
 func (*ObjectInfo) ProtoMessage() {}
 
 func (x *ObjectInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[15]
+	mi := &file_store_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1569,7 +1651,7 @@ func (x *ObjectInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectInfo.ProtoReflect.Descriptor instead.
 func (*ObjectInfo) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{15}
+	return file_store_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ObjectInfo) GetName() string {
@@ -1670,6 +1752,13 @@ func (x *ObjectInfo) GetTensors() uint32 {
 	return 0
 }
 
+func (x *ObjectInfo) GetTensor() *TensorDesc {
+	if x != nil {
+		return x.Tensor
+	}
+	return nil
+}
+
 // CreateResponse gives the writable placement of a new object.
 type CreateResponse struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
@@ -1684,7 +1773,7 @@ type CreateResponse struct {
 
 func (x *CreateResponse) Reset() {
 	*x = CreateResponse{}
-	mi := &file_store_proto_msgTypes[16]
+	mi := &file_store_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1696,7 +1785,7 @@ func (x *CreateResponse) String() string {
 func (*CreateResponse) ProtoMessage() {}
 
 func (x *CreateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[16]
+	mi := &file_store_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1709,7 +1798,7 @@ func (x *CreateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateResponse.ProtoReflect.Descriptor instead.
 func (*CreateResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{16}
+	return file_store_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *CreateResponse) GetPlacement() *Placement {
@@ -1742,7 +1831,7 @@ type SealResponse struct {
 
 func (x *SealResponse) Reset() {
 	*x = SealResponse{}
-	mi := &file_store_proto_msgTypes[17]
+	mi := &file_store_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1754,7 +1843,7 @@ func (x *SealResponse) String() string {
 func (*SealResponse) ProtoMessage() {}
 
 func (x *SealResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[17]
+	mi := &file_store_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1767,7 +1856,7 @@ func (x *SealResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SealResponse.ProtoReflect.Descriptor instead.
 func (*SealResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{17}
+	return file_store_proto_rawDescGZIP(), []int{18}
 }
 
 // AbortResponse acknowledges an abort.
@@ -1779,7 +1868,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_store_proto_msgTypes[18]
+	mi := &file_store_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1791,7 +1880,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[18]
+	mi := &file_store_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1804,7 +1893,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{18}
+	return file_store_proto_rawDescGZIP(), []int{19}
 }
 
 // GetResponse grants a read-only lease.
@@ -1823,7 +1912,7 @@ type GetResponse struct {
 
 func (x *GetResponse) Reset() {
 	*x = GetResponse{}
-	mi := &file_store_proto_msgTypes[19]
+	mi := &file_store_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1835,7 +1924,7 @@ func (x *GetResponse) String() string {
 func (*GetResponse) ProtoMessage() {}
 
 func (x *GetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[19]
+	mi := &file_store_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1848,7 +1937,7 @@ func (x *GetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetResponse.ProtoReflect.Descriptor instead.
 func (*GetResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{19}
+	return file_store_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *GetResponse) GetLeaseId() uint64 {
@@ -1888,7 +1977,7 @@ type ReleaseResponse struct {
 
 func (x *ReleaseResponse) Reset() {
 	*x = ReleaseResponse{}
-	mi := &file_store_proto_msgTypes[20]
+	mi := &file_store_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1900,7 +1989,7 @@ func (x *ReleaseResponse) String() string {
 func (*ReleaseResponse) ProtoMessage() {}
 
 func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[20]
+	mi := &file_store_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1913,7 +2002,7 @@ func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{20}
+	return file_store_proto_rawDescGZIP(), []int{21}
 }
 
 // DeleteResponse acknowledges a delete.
@@ -1925,7 +2014,7 @@ type DeleteResponse struct {
 
 func (x *DeleteResponse) Reset() {
 	*x = DeleteResponse{}
-	mi := &file_store_proto_msgTypes[21]
+	mi := &file_store_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1937,7 +2026,7 @@ func (x *DeleteResponse) String() string {
 func (*DeleteResponse) ProtoMessage() {}
 
 func (x *DeleteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[21]
+	mi := &file_store_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1950,7 +2039,7 @@ func (x *DeleteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteResponse.ProtoReflect.Descriptor instead.
 func (*DeleteResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{21}
+	return file_store_proto_rawDescGZIP(), []int{22}
 }
 
 // ListResponse is one page of objects, sorted by name.
@@ -1966,7 +2055,7 @@ type ListResponse struct {
 
 func (x *ListResponse) Reset() {
 	*x = ListResponse{}
-	mi := &file_store_proto_msgTypes[22]
+	mi := &file_store_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1978,7 +2067,7 @@ func (x *ListResponse) String() string {
 func (*ListResponse) ProtoMessage() {}
 
 func (x *ListResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[22]
+	mi := &file_store_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1991,7 +2080,7 @@ func (x *ListResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListResponse.ProtoReflect.Descriptor instead.
 func (*ListResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{22}
+	return file_store_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ListResponse) GetObjects() []*ObjectInfo {
@@ -2018,7 +2107,7 @@ type StatResponse struct {
 
 func (x *StatResponse) Reset() {
 	*x = StatResponse{}
-	mi := &file_store_proto_msgTypes[23]
+	mi := &file_store_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2030,7 +2119,7 @@ func (x *StatResponse) String() string {
 func (*StatResponse) ProtoMessage() {}
 
 func (x *StatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[23]
+	mi := &file_store_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2043,7 +2132,7 @@ func (x *StatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatResponse.ProtoReflect.Descriptor instead.
 func (*StatResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{23}
+	return file_store_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *StatResponse) GetInfo() *ObjectInfo {
@@ -2062,7 +2151,7 @@ type SubscribeResponse struct {
 
 func (x *SubscribeResponse) Reset() {
 	*x = SubscribeResponse{}
-	mi := &file_store_proto_msgTypes[24]
+	mi := &file_store_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2074,7 +2163,7 @@ func (x *SubscribeResponse) String() string {
 func (*SubscribeResponse) ProtoMessage() {}
 
 func (x *SubscribeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[24]
+	mi := &file_store_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2087,7 +2176,7 @@ func (x *SubscribeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeResponse.ProtoReflect.Descriptor instead.
 func (*SubscribeResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{24}
+	return file_store_proto_rawDescGZIP(), []int{25}
 }
 
 // Event is a notification sent, with Response.id 0, to subscribed
@@ -2104,7 +2193,7 @@ type Event struct {
 
 func (x *Event) Reset() {
 	*x = Event{}
-	mi := &file_store_proto_msgTypes[25]
+	mi := &file_store_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2116,7 +2205,7 @@ func (x *Event) String() string {
 func (*Event) ProtoMessage() {}
 
 func (x *Event) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[25]
+	mi := &file_store_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2129,7 +2218,7 @@ func (x *Event) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Event.ProtoReflect.Descriptor instead.
 func (*Event) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{25}
+	return file_store_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *Event) GetKind() Event_Kind {
@@ -2175,7 +2264,7 @@ const file_store_proto_rawDesc = "" +
 	"\fHelloRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1f\n" +
 	"\vclient_name\x18\x02 \x01(\tR\n" +
-	"clientName\"\x8f\x02\n" +
+	"clientName\"\xc5\x02\n" +
 	"\rCreateRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x16\n" +
@@ -2186,7 +2275,13 @@ const file_store_proto_rawDesc = "" +
 	"\x06shards\x18% \x01(\rR\x06shards\x12\x14\n" +
 	"\x05shard\x18& \x01(\rR\x05shard\x12\x1b\n" +
 	"\tkeep_last\x18' \x01(\rR\bkeepLast\x12#\n" +
-	"\rmanifest_size\x18( \x01(\x04R\fmanifestSize\"Q\n" +
+	"\rmanifest_size\x18( \x01(\x04R\fmanifestSize\x124\n" +
+	"\x06tensor\x18\x14 \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\"R\n" +
+	"\n" +
+	"TensorDesc\x12\x14\n" +
+	"\x05dtype\x18\x01 \x01(\tR\x05dtype\x12\x14\n" +
+	"\x05shape\x18\x02 \x03(\x03R\x05shape\x12\x18\n" +
+	"\astrides\x18\x03 \x03(\x03R\astrides\"Q\n" +
 	"\vSealRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
 	"\aversion\x18# \x01(\x04R\aversion\x12\x14\n" +
@@ -2267,7 +2362,7 @@ const file_store_proto_rawDesc = "" +
 	"\bwritable\x18\x06 \x01(\bR\bwritable\x12\x1f\n" +
 	"\vfd_attached\x18\a \x01(\bR\n" +
 	"fdAttached\x12\x16\n" +
-	"\x06region\x18\b \x01(\fR\x06region\"\xfc\x02\n" +
+	"\x06region\x18\b \x01(\fR\x06region\"\xb2\x03\n" +
 	"\n" +
 	"ObjectInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
@@ -2283,7 +2378,8 @@ const file_store_proto_rawDesc = "" +
 	"\x06shards\x18$ \x01(\rR\x06shards\x12\x14\n" +
 	"\x05shard\x18% \x01(\rR\x05shard\x12#\n" +
 	"\rmanifest_size\x18& \x01(\x04R\fmanifestSize\x12\x18\n" +
-	"\atensors\x18' \x01(\rR\atensors\"\x92\x01\n" +
+	"\atensors\x18' \x01(\rR\atensors\x124\n" +
+	"\x06tensor\x18\x14 \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\"\x92\x01\n" +
 	"\x0eCreateResponse\x129\n" +
 	"\tplacement\x18\x01 \x01(\v2\x1b.cudaipc.store.v1.PlacementR\tplacement\x12\x18\n" +
 	"\aversion\x18# \x01(\x04R\aversion\x12+\n" +
@@ -2328,72 +2424,75 @@ func file_store_proto_rawDescGZIP() []byte {
 }
 
 var file_store_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
+var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_store_proto_goTypes = []any{
 	(Error_Code)(0),           // 0: cudaipc.store.v1.Error.Code
 	(Event_Kind)(0),           // 1: cudaipc.store.v1.Event.Kind
 	(*Request)(nil),           // 2: cudaipc.store.v1.Request
 	(*HelloRequest)(nil),      // 3: cudaipc.store.v1.HelloRequest
 	(*CreateRequest)(nil),     // 4: cudaipc.store.v1.CreateRequest
-	(*SealRequest)(nil),       // 5: cudaipc.store.v1.SealRequest
-	(*AbortRequest)(nil),      // 6: cudaipc.store.v1.AbortRequest
-	(*GetRequest)(nil),        // 7: cudaipc.store.v1.GetRequest
-	(*ReleaseRequest)(nil),    // 8: cudaipc.store.v1.ReleaseRequest
-	(*DeleteRequest)(nil),     // 9: cudaipc.store.v1.DeleteRequest
-	(*ListRequest)(nil),       // 10: cudaipc.store.v1.ListRequest
-	(*StatRequest)(nil),       // 11: cudaipc.store.v1.StatRequest
-	(*SubscribeRequest)(nil),  // 12: cudaipc.store.v1.SubscribeRequest
-	(*Response)(nil),          // 13: cudaipc.store.v1.Response
-	(*Error)(nil),             // 14: cudaipc.store.v1.Error
-	(*HelloResponse)(nil),     // 15: cudaipc.store.v1.HelloResponse
-	(*Placement)(nil),         // 16: cudaipc.store.v1.Placement
-	(*ObjectInfo)(nil),        // 17: cudaipc.store.v1.ObjectInfo
-	(*CreateResponse)(nil),    // 18: cudaipc.store.v1.CreateResponse
-	(*SealResponse)(nil),      // 19: cudaipc.store.v1.SealResponse
-	(*AbortResponse)(nil),     // 20: cudaipc.store.v1.AbortResponse
-	(*GetResponse)(nil),       // 21: cudaipc.store.v1.GetResponse
-	(*ReleaseResponse)(nil),   // 22: cudaipc.store.v1.ReleaseResponse
-	(*DeleteResponse)(nil),    // 23: cudaipc.store.v1.DeleteResponse
-	(*ListResponse)(nil),      // 24: cudaipc.store.v1.ListResponse
-	(*StatResponse)(nil),      // 25: cudaipc.store.v1.StatResponse
-	(*SubscribeResponse)(nil), // 26: cudaipc.store.v1.SubscribeResponse
-	(*Event)(nil),             // 27: cudaipc.store.v1.Event
+	(*TensorDesc)(nil),        // 5: cudaipc.store.v1.TensorDesc
+	(*SealRequest)(nil),       // 6: cudaipc.store.v1.SealRequest
+	(*AbortRequest)(nil),      // 7: cudaipc.store.v1.AbortRequest
+	(*GetRequest)(nil),        // 8: cudaipc.store.v1.GetRequest
+	(*ReleaseRequest)(nil),    // 9: cudaipc.store.v1.ReleaseRequest
+	(*DeleteRequest)(nil),     // 10: cudaipc.store.v1.DeleteRequest
+	(*ListRequest)(nil),       // 11: cudaipc.store.v1.ListRequest
+	(*StatRequest)(nil),       // 12: cudaipc.store.v1.StatRequest
+	(*SubscribeRequest)(nil),  // 13: cudaipc.store.v1.SubscribeRequest
+	(*Response)(nil),          // 14: cudaipc.store.v1.Response
+	(*Error)(nil),             // 15: cudaipc.store.v1.Error
+	(*HelloResponse)(nil),     // 16: cudaipc.store.v1.HelloResponse
+	(*Placement)(nil),         // 17: cudaipc.store.v1.Placement
+	(*ObjectInfo)(nil),        // 18: cudaipc.store.v1.ObjectInfo
+	(*CreateResponse)(nil),    // 19: cudaipc.store.v1.CreateResponse
+	(*SealResponse)(nil),      // 20: cudaipc.store.v1.SealResponse
+	(*AbortResponse)(nil),     // 21: cudaipc.store.v1.AbortResponse
+	(*GetResponse)(nil),       // 22: cudaipc.store.v1.GetResponse
+	(*ReleaseResponse)(nil),   // 23: cudaipc.store.v1.ReleaseResponse
+	(*DeleteResponse)(nil),    // 24: cudaipc.store.v1.DeleteResponse
+	(*ListResponse)(nil),      // 25: cudaipc.store.v1.ListResponse
+	(*StatResponse)(nil),      // 26: cudaipc.store.v1.StatResponse
+	(*SubscribeResponse)(nil), // 27: cudaipc.store.v1.SubscribeResponse
+	(*Event)(nil),             // 28: cudaipc.store.v1.Event
 }
 var file_store_proto_depIdxs = []int32{
 	3,  // 0: cudaipc.store.v1.Request.hello:type_name -> cudaipc.store.v1.HelloRequest
 	4,  // 1: cudaipc.store.v1.Request.create:type_name -> cudaipc.store.v1.CreateRequest
-	5,  // 2: cudaipc.store.v1.Request.seal:type_name -> cudaipc.store.v1.SealRequest
-	6,  // 3: cudaipc.store.v1.Request.abort:type_name -> cudaipc.store.v1.AbortRequest
-	7,  // 4: cudaipc.store.v1.Request.get:type_name -> cudaipc.store.v1.GetRequest
-	8,  // 5: cudaipc.store.v1.Request.release:type_name -> cudaipc.store.v1.ReleaseRequest
-	9,  // 6: cudaipc.store.v1.Request.delete:type_name -> cudaipc.store.v1.DeleteRequest
-	10, // 7: cudaipc.store.v1.Request.list:type_name -> cudaipc.store.v1.ListRequest
-	11, // 8: cudaipc.store.v1.Request.stat:type_name -> cudaipc.store.v1.StatRequest
-	12, // 9: cudaipc.store.v1.Request.subscribe:type_name -> cudaipc.store.v1.SubscribeRequest
-	14, // 10: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
-	15, // 11: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
-	18, // 12: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
-	19, // 13: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
-	20, // 14: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
-	21, // 15: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
-	22, // 16: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
-	23, // 17: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
-	24, // 18: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
-	25, // 19: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
-	26, // 20: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
-	27, // 21: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
-	0,  // 22: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
-	16, // 23: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
-	16, // 24: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
-	17, // 25: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	17, // 26: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
-	17, // 27: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	1,  // 28: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
-	29, // [29:29] is the sub-list for method output_type
-	29, // [29:29] is the sub-list for method input_type
-	29, // [29:29] is the sub-list for extension type_name
-	29, // [29:29] is the sub-list for extension extendee
-	0,  // [0:29] is the sub-list for field type_name
+	6,  // 2: cudaipc.store.v1.Request.seal:type_name -> cudaipc.store.v1.SealRequest
+	7,  // 3: cudaipc.store.v1.Request.abort:type_name -> cudaipc.store.v1.AbortRequest
+	8,  // 4: cudaipc.store.v1.Request.get:type_name -> cudaipc.store.v1.GetRequest
+	9,  // 5: cudaipc.store.v1.Request.release:type_name -> cudaipc.store.v1.ReleaseRequest
+	10, // 6: cudaipc.store.v1.Request.delete:type_name -> cudaipc.store.v1.DeleteRequest
+	11, // 7: cudaipc.store.v1.Request.list:type_name -> cudaipc.store.v1.ListRequest
+	12, // 8: cudaipc.store.v1.Request.stat:type_name -> cudaipc.store.v1.StatRequest
+	13, // 9: cudaipc.store.v1.Request.subscribe:type_name -> cudaipc.store.v1.SubscribeRequest
+	5,  // 10: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	15, // 11: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
+	16, // 12: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
+	19, // 13: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
+	20, // 14: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
+	21, // 15: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
+	22, // 16: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
+	23, // 17: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
+	24, // 18: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
+	25, // 19: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
+	26, // 20: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
+	27, // 21: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
+	28, // 22: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
+	0,  // 23: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
+	5,  // 24: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	17, // 25: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
+	17, // 26: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
+	18, // 27: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	18, // 28: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
+	18, // 29: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	1,  // 30: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
+	31, // [31:31] is the sub-list for method output_type
+	31, // [31:31] is the sub-list for method input_type
+	31, // [31:31] is the sub-list for extension type_name
+	31, // [31:31] is the sub-list for extension extendee
+	0,  // [0:31] is the sub-list for field type_name
 }
 
 func init() { file_store_proto_init() }
@@ -2413,7 +2512,7 @@ func file_store_proto_init() {
 		(*Request_Stat)(nil),
 		(*Request_Subscribe)(nil),
 	}
-	file_store_proto_msgTypes[11].OneofWrappers = []any{
+	file_store_proto_msgTypes[12].OneofWrappers = []any{
 		(*Response_Hello)(nil),
 		(*Response_Create)(nil),
 		(*Response_Seal)(nil),
@@ -2432,7 +2531,7 @@ func file_store_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_store_proto_rawDesc), len(file_store_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   26,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
