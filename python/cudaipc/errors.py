@@ -1,0 +1,153 @@
+"""Exceptions. Each store error code has its own class, mirroring the Go
+client's sentinels (client.ErrNotFound is NotFound, and so on)."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Type
+
+__all__ = [
+    "CudaipcError", "StoreError", "InvalidArgument", "NotFound", "Exists", "Timeout",
+    "StoreFull", "PermissionDenied", "LimitReached", "NotSealed", "Sealed",
+    "VersionMismatch", "InternalError", "StoreGone", "Closed", "InvalidRegion",
+    "CudaError",
+]
+
+
+class CudaipcError(Exception):
+    """Base class of every exception this package raises on purpose."""
+
+
+class StoreError(CudaipcError):
+    """A request to the store failed.
+
+    Attributes: ``op`` (``"get"``, ``"create"``, ...), ``name`` (the object,
+    or ``""``), ``message`` (the daemon's detail, for humans) and ``code``
+    (the protocol's error code, 0 when the failure happened in this process).
+    """
+
+    code = 0
+    text = "store error"
+
+    def __init__(self, op: str, name: str = "", message: str = "", code: Optional[int] = None):
+        self.op = op
+        self.name = name
+        self.message = message
+        if code is not None:
+            self.code = code
+        s = "store " + op
+        if name:
+            s += " %r" % name
+        s += ": " + self.text
+        msg = message
+        if msg.endswith(": " + self.text):
+            msg = msg[: -len(self.text) - 2]
+        if msg.startswith(self.text + ": "):
+            msg = msg[len(self.text) + 2:]
+        if msg and msg != self.text:
+            s += ": " + msg
+        super().__init__(s)
+
+
+class InvalidArgument(StoreError, ValueError):
+    """A malformed or out-of-range argument (code INVALID); Go's ErrInvalid."""
+    code, text = 1, "invalid argument"
+
+
+class NotFound(StoreError, KeyError):
+    """No such object (or lease) visible to the caller; Go's ErrNotFound."""
+    code, text = 2, "object not found"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return Exception.__str__(self)
+
+
+class Exists(StoreError):
+    """The name is taken; Go's ErrExists."""
+    code, text = 3, "object already exists"
+
+
+class Timeout(StoreError, TimeoutError):
+    """get waited its timeout without the object being sealed; Go's ErrTimeout."""
+    code, text = 4, "timed out"
+
+
+class StoreFull(StoreError, MemoryError):
+    """Not enough memory on the device even after eviction; Go's ErrStoreFull."""
+    code, text = 5, "store full"
+
+
+class PermissionDenied(StoreError, PermissionError):
+    """The caller may not do this, or the daemon does not admit this user; Go's ErrPermission."""
+    code, text = 6, "permission denied"
+
+
+class LimitReached(StoreError):
+    """A per-client limit (objects, leases) was reached; Go's ErrLimit."""
+    code, text = 7, "per-client limit reached"
+
+
+class NotSealed(StoreError):
+    """The operation needs a sealed object; Go's ErrNotSealed."""
+    code, text = 8, "object not sealed"
+
+
+class Sealed(StoreError):
+    """The operation needs an unsealed object; Go's ErrSealed."""
+    code, text = 9, "object already sealed"
+
+
+class VersionMismatch(StoreError):
+    """The daemon does not speak this client's protocol version; Go's ErrVersion."""
+    code, text = 10, "protocol version not supported by the daemon"
+
+
+class InternalError(StoreError):
+    """A failure inside the daemon, or a reply that breaks the protocol; Go's ErrInternal."""
+    code, text = 11, "internal store error"
+
+
+class StoreGone(StoreError, ConnectionError):
+    """There is no daemon, or the connection to it is lost; Go's ErrStoreGone.
+
+    The Store is unusable afterwards: connect again."""
+    text = "store daemon gone"
+
+
+class Closed(StoreError):
+    """A call on a Store after close(); Go's ErrClosed."""
+    text = "client closed"
+
+
+_BY_CODE: Dict[int, Type[StoreError]] = {
+    c.code: c for c in (InvalidArgument, NotFound, Exists, Timeout, StoreFull, PermissionDenied,
+                        LimitReached, NotSealed, Sealed, VersionMismatch, InternalError)
+}
+
+
+def from_code(code: int, op: str, name: str, message: str) -> StoreError:
+    """The exception for a protocol error code; unknown codes are InternalError."""
+    cls = _BY_CODE.get(code, InternalError)
+    return cls(op, name, message, code=code)
+
+
+class InvalidRegion(CudaipcError, ValueError):
+    """A malformed region (docs/region.md): ``field`` names the bad field; Go's ErrInvalidRegion."""
+
+    def __init__(self, field: str, reason: str, what: str = "region"):
+        self.field = field
+        self.reason = reason
+        super().__init__("cudaipc: invalid %s: %s: %s" % (what, field, reason))
+
+
+class CudaError(CudaipcError, RuntimeError):
+    """A CUDA driver call failed, or no driver or cuda-bindings is available.
+
+    ``call`` names the driver function, ``result`` the CUresult name."""
+
+    def __init__(self, call: str, result: str, detail: str = ""):
+        self.call = call
+        self.result = result
+        s = "%s: %s" % (call, result)
+        if detail:
+            s += " (" + detail + ")"
+        super().__init__(s)

@@ -1,0 +1,327 @@
+"""Regions (docs/region.md): what one process hands another so that it can map a
+byte range of GPU memory without copying it. The binary (164 bytes) and JSON
+encodings are byte-for-byte those of the Go package (region.go); the shared
+vectors in testdata/regions/ keep both honest.
+
+A region is a bearer capability: whoever holds one on the same machine (and,
+for legacy CUDA IPC, in the same PID namespace) can read and write the memory.
+Never log one.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import json
+import os
+import re
+import struct
+import zlib
+from typing import Any, Dict, Optional, Union
+
+from .errors import InvalidRegion
+
+__all__ = ["Region", "KIND_CUDA_IPC", "KIND_VMM_FD", "KIND_HOST", "BINARY_SIZE", "decode_region"]
+
+KIND_CUDA_IPC = 1
+"""Memory from cuMemAlloc/cudaMalloc exported with cuIpcGetMemHandle ("cuda-ipc")."""
+KIND_VMM_FD = 2
+"""Reserved: VMM allocations passed as POSIX file descriptors ("vmm-fd")."""
+KIND_HOST = 3
+"""Reserved: shared host memory ("host")."""
+
+_KIND_NAMES = {KIND_CUDA_IPC: "cuda-ipc", KIND_VMM_FD: "vmm-fd", KIND_HOST: "host"}
+VERSION = 1
+BINARY_SIZE = 164
+_MAGIC = b"CIPR"
+_FIELDS = ("version", "kind", "handle", "offset", "size", "alloc_size", "device",
+           "exporter_pid", "pid_namespace", "boot_id", "buffer_id", "exporter_base")
+_U63 = 1 << 63
+
+
+def _uuid_text(b: bytes) -> str:
+    h = b.hex()
+    return "%s-%s-%s-%s-%s" % (h[0:8], h[8:12], h[12:16], h[16:20], h[20:32])
+
+
+def parse_gpu_uuid(s: str) -> bytes:
+    """The 16 bytes of a GPU UUID written "GPU-xxxxxxxx-xxxx-..." (prefix optional)."""
+    t = s[4:] if s.startswith("GPU-") else s
+    t = t.replace("-", "")
+    if len(t) != 32:
+        raise ValueError("invalid GPU UUID %r: want GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" % s)
+    try:
+        return bytes.fromhex(t)
+    except ValueError as e:
+        raise ValueError("invalid GPU UUID %r: %s" % (s, e)) from None
+
+
+def gpu_uuid_text(b: bytes) -> str:
+    """The text form of a GPU UUID's 16 bytes, as nvidia-smi -L prints it."""
+    return "GPU-" + _uuid_text(b)
+
+
+def _parse_boot_id(s: str) -> bytes:
+    s = s.lower()
+    if len(s) != 36 or s[8] != "-" or s[13] != "-" or s[18] != "-" or s[23] != "-":
+        raise ValueError("%r: want xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" % s)
+    return bytes.fromhex(s[0:8] + s[9:13] + s[14:18] + s[19:23] + s[24:36])
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """A byte range of a GPU allocation exported by one process (docs/region.md).
+
+    Build one with :meth:`from_torch`, :meth:`from_cupy` or :meth:`from_pointer`;
+    encode with :meth:`to_bytes` / :meth:`to_json`; decode with
+    :meth:`from_bytes` / :meth:`from_json` (or :func:`decode_region`); map it in
+    another process with :func:`cudaipc.import_region`.
+    """
+
+    handle: bytes          # 64 bytes: cuIpcGetMemHandle of the allocation's base
+    offset: int            # first byte of the region inside the allocation
+    size: int              # length in bytes, > 0
+    alloc_size: int        # size of the whole allocation
+    device: bytes          # 16-byte UUID of the GPU holding the memory
+    exporter_pid: int
+    pid_namespace: int     # inode of the exporter's /proc/self/ns/pid
+    boot_id: bytes         # 16 bytes of /proc/sys/kernel/random/boot_id
+    buffer_id: int         # CU_POINTER_ATTRIBUTE_BUFFER_ID of the allocation
+    exporter_base: int     # the allocation's base address in the exporter
+    kind: int = KIND_CUDA_IPC
+    version: int = VERSION
+
+    # -- validation ---------------------------------------------------------
+    def validate(self) -> None:
+        """Raise InvalidRegion naming the first bad field, in the order region.go checks them."""
+        bad = InvalidRegion
+        if self.version != VERSION:
+            raise bad("version", "%d: this package reads version %d" % (self.version, VERSION))
+        if self.kind in (KIND_VMM_FD, KIND_HOST):
+            raise bad("kind", "%s (%d) is reserved and not implemented by this version" % (_KIND_NAMES[self.kind], self.kind))
+        if self.kind == 0:
+            raise bad("kind", "missing")
+        if self.kind != KIND_CUDA_IPC:
+            raise bad("kind", "unknown kind %d" % self.kind)
+        if len(self.handle) != 64:
+            raise bad("handle", "%d bytes, want 64" % len(self.handle))
+        if self.handle == bytes(64):
+            raise bad("handle", "all zero bytes: not an exported handle")
+        if not 0 < self.size < _U63:
+            raise bad("size", "%d: must be positive" % self.size)
+        if not 0 <= self.offset < _U63:
+            raise bad("offset", "%d: must not be negative" % self.offset)
+        if not 0 < self.alloc_size < _U63:
+            raise bad("alloc_size", "%d: must be positive" % self.alloc_size)
+        if self.offset > self.alloc_size or self.size > self.alloc_size - self.offset:
+            raise bad("size", "[%d, %d+%d) runs past the end of the %d-byte allocation"
+                      % (self.offset, self.offset, self.size, self.alloc_size))
+        if len(self.device) != 16 or self.device == bytes(16):
+            raise bad("device", "zero GPU UUID")
+        if not 0 < self.exporter_pid <= 0x7FFFFFFF:
+            raise bad("exporter_pid", "%d: not a process id" % self.exporter_pid)
+        if self.pid_namespace == 0:
+            raise bad("pid_namespace", "zero: want the inode of the exporter's /proc/self/ns/pid")
+        if len(self.boot_id) != 16 or self.boot_id == bytes(16):
+            raise bad("boot_id", "zero: want the exporter's /proc/sys/kernel/random/boot_id")
+        if self.buffer_id == 0:
+            raise bad("buffer_id", "zero: want CU_POINTER_ATTRIBUTE_BUFFER_ID of the allocation")
+        if self.exporter_base == 0:
+            raise bad("exporter_base", "zero: want the allocation's base address in the exporter")
+        if self.exporter_base + self.alloc_size >= 1 << 64:
+            raise bad("exporter_base", "%#x + %d bytes wraps around the address space" % (self.exporter_base, self.alloc_size))
+
+    # -- derived values -------------------------------------------------------
+    @property
+    def device_uuid(self) -> str:
+        """The GPU's UUID in text form, "GPU-…"."""
+        return gpu_uuid_text(self.device)
+
+    def sub(self, off: int, size: int) -> "Region":
+        """The part of this region that starts ``off`` bytes in and is ``size`` bytes long."""
+        if off < 0 or size <= 0 or off > self.size or size > self.size - off:
+            raise ValueError("Region.sub: [%d, %d+%d) is outside the %d-byte region" % (off, off, size, self.size))
+        return dataclasses.replace(self, offset=self.offset + off, size=size)
+
+    def __repr__(self) -> str:  # never the handle's bytes: it is a capability
+        return "Region(%s %d bytes at +%d of %d, %s, pid %d, buffer %d)" % (
+            _KIND_NAMES.get(self.kind, self.kind), self.size, self.offset, self.alloc_size,
+            self.device_uuid, self.exporter_pid, self.buffer_id)
+
+    __str__ = __repr__
+
+    # -- binary ---------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """The 164-byte binary encoding (docs/region.md)."""
+        self.validate()
+        b = _MAGIC + struct.pack("<HH", self.version, self.kind) + self.handle
+        b += struct.pack("<QQQ", self.offset, self.size, self.alloc_size) + self.device
+        b += struct.pack("<IIQ", self.exporter_pid, 0, self.pid_namespace) + self.boot_id
+        b += struct.pack("<QQ", self.buffer_id, self.exporter_base)
+        return b + struct.pack("<I", zlib.crc32(b))
+
+    @classmethod
+    def from_bytes(cls, b: bytes) -> "Region":
+        """Decode and validate the binary encoding; raise InvalidRegion otherwise."""
+        b = bytes(b)
+        if len(b) < 8:
+            raise InvalidRegion("length", "%d bytes: too short for a binary region (%d)" % (len(b), BINARY_SIZE))
+        if b[:4] != _MAGIC:
+            raise InvalidRegion("magic", "%r: want %r" % (b[:4], _MAGIC))
+        version, kind = struct.unpack_from("<HH", b, 4)
+        if version != VERSION:
+            raise InvalidRegion("version", "%d: this package reads version %d" % (version, VERSION))
+        if len(b) != BINARY_SIZE:
+            raise InvalidRegion("length", "%d bytes: want %d" % (len(b), BINARY_SIZE))
+        (crc,) = struct.unpack_from("<I", b, 160)
+        if crc != zlib.crc32(b[:160]):
+            raise InvalidRegion("crc32", "%#08x: bytes 0-159 sum to %#08x" % (crc, zlib.crc32(b[:160])))
+        (flags,) = struct.unpack_from("<I", b, 116)
+        if flags:
+            raise InvalidRegion("flags", "%#x: no flags are defined; must be zero" % flags)
+        off, size, alloc = struct.unpack_from("<QQQ", b, 72)
+        if off >= _U63 or size >= _U63 or alloc >= _U63:
+            raise InvalidRegion("size", "offset %d, size %d, alloc_size %d: must be below 2^63" % (off, size, alloc))
+        (pid,) = struct.unpack_from("<I", b, 112)
+        (ns,) = struct.unpack_from("<Q", b, 120)
+        bid, base = struct.unpack_from("<QQ", b, 144)
+        r = cls(handle=b[8:72], offset=off, size=size, alloc_size=alloc, device=b[96:112],
+                exporter_pid=pid, pid_namespace=ns, boot_id=b[128:144], buffer_id=bid,
+                exporter_base=base, kind=kind, version=version)
+        r.validate()
+        return r
+
+    # -- JSON -----------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON encoding as a dict, fields in the order Go writes them."""
+        self.validate()
+        return {
+            "version": self.version, "kind": _KIND_NAMES[self.kind],
+            "handle": base64.b64encode(self.handle).decode(),
+            "offset": self.offset, "size": self.size, "alloc_size": self.alloc_size,
+            "device": self.device_uuid, "exporter_pid": self.exporter_pid,
+            "pid_namespace": self.pid_namespace, "boot_id": _uuid_text(self.boot_id),
+            "buffer_id": self.buffer_id, "exporter_base": "0x%x" % self.exporter_base,
+        }
+
+    def to_json(self) -> str:
+        """The JSON encoding, byte for byte what Go's json.Marshal writes."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, s: Union[str, bytes, Dict[str, Any]]) -> "Region":
+        """Decode and validate the JSON encoding (a string or an already parsed dict).
+
+        Unknown fields are an error, so that a misspelt field is never read as zero."""
+        if isinstance(s, dict):
+            d = s
+        else:
+            try:
+                d = json.loads(s)
+            except ValueError as e:
+                raise InvalidRegion("json", str(e)) from None
+        if not isinstance(d, dict):
+            raise InvalidRegion("json", "want one JSON object")
+        unknown = sorted(set(d) - set(_FIELDS))
+        if unknown:
+            raise InvalidRegion("json", "unknown field %r" % unknown[0])
+
+        def num(f: str) -> int:
+            v = d.get(f, 0)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise InvalidRegion("json", "field %s: want an integer, got %r" % (f, v))
+            return v
+
+        kind = 0
+        if d.get("kind"):
+            names = {v: k for k, v in _KIND_NAMES.items()}
+            if d["kind"] not in names:
+                raise InvalidRegion("kind", "unknown kind %r" % d["kind"])
+            kind = names[d["kind"]]
+        handle = bytes(64)
+        if d.get("handle"):
+            try:
+                handle = base64.b64decode(d["handle"], validate=True)
+            except (binascii.Error, ValueError, TypeError) as e:
+                raise InvalidRegion("json", "handle: %s" % e) from None
+            if len(handle) != 64:
+                raise InvalidRegion("json", "handle: %d bytes, want 64" % len(handle))
+        device = bytes(16)
+        if d.get("device"):
+            try:
+                device = parse_gpu_uuid(d["device"])
+            except (ValueError, AttributeError) as e:
+                raise InvalidRegion("json", "device: %s" % e) from None
+        boot = bytes(16)
+        if d.get("boot_id"):
+            try:
+                boot = _parse_boot_id(d["boot_id"])
+            except (ValueError, AttributeError) as e:
+                raise InvalidRegion("json", "boot_id: %s" % e) from None
+        base = 0
+        if d.get("exporter_base"):
+            eb = d["exporter_base"]
+            if not isinstance(eb, str) or not re.fullmatch(r"0x[0-9a-fA-F]{1,16}", eb):
+                raise InvalidRegion("exporter_base", "%r: want a hex address such as \"0x7f3a00000000\"" % (eb,))
+            base = int(eb[2:], 16)
+        for f in ("offset", "size", "alloc_size"):
+            if num(f) >= _U63 or num(f) < -_U63:
+                raise InvalidRegion("json", "field %s: out of range" % f)
+        r = cls(handle=handle, offset=num("offset"), size=num("size"), alloc_size=num("alloc_size"),
+                device=device, exporter_pid=num("exporter_pid"), pid_namespace=num("pid_namespace"),
+                boot_id=boot, buffer_id=num("buffer_id"), exporter_base=base, kind=kind,
+                version=num("version"))
+        r.validate()
+        return r
+
+    # -- producers --------------------------------------------------------------
+    @classmethod
+    def from_pointer(cls, ptr: int, nbytes: int) -> "Region":
+        """The region of ``nbytes`` at device address ``ptr`` (cudaMalloc memory, any
+        offset inside the allocation: PyTorch's caching allocator and CuPy's pool
+        carve tensors out of larger segments). The pointer's context must be
+        current or be a primary context (as PyTorch and CuPy leave it)."""
+        from . import _cuda
+        return _cuda.export_region(ptr, nbytes)
+
+    @classmethod
+    def from_torch(cls, tensor: Any) -> "Region":
+        """The region of a CUDA ``torch.Tensor``'s memory (its storage's bytes that the
+        tensor spans). Keep the tensor alive while importers use the region."""
+        if not getattr(tensor, "is_cuda", False):
+            raise ValueError("Region.from_torch: the tensor is on %s, want a CUDA tensor" % getattr(tensor, "device", "?"))
+        if not tensor.is_contiguous():
+            raise ValueError("Region.from_torch: the tensor is not contiguous; call .contiguous() first")
+        n = tensor.numel() * tensor.element_size()
+        if n == 0:
+            raise ValueError("Region.from_torch: the tensor is empty")
+        return cls.from_pointer(tensor.data_ptr(), n)
+
+    @classmethod
+    def from_cupy(cls, array: Any) -> "Region":
+        """The region of a C-contiguous ``cupy.ndarray``'s memory."""
+        if not array.flags.c_contiguous:
+            raise ValueError("Region.from_cupy: the array is not C-contiguous")
+        if array.nbytes == 0:
+            raise ValueError("Region.from_cupy: the array is empty")
+        with array.device:
+            return cls.from_pointer(array.data.ptr, array.nbytes)
+
+
+def decode_region(b: Union[bytes, str]) -> Region:
+    """Decode either encoding: binary when it starts with the magic "CIPR", JSON otherwise."""
+    if isinstance(b, (bytes, bytearray, memoryview)) and bytes(b[:4]) == _MAGIC:
+        return Region.from_bytes(bytes(b))
+    return Region.from_json(b)
+
+
+def local_identity() -> "tuple[int, bytes]":
+    """This process's PID namespace inode and boot id, as regions record them."""
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = _parse_boot_id(f.read().strip())
+    return ns, boot
+
+
+_ = Optional  # typing re-export for older Pythons
