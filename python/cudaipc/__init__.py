@@ -1,0 +1,39 @@
+"""cudaipc: zero-copy sharing of GPU and host memory between processes.
+
+A client of the cudaipc store daemon (``cudaipc serve``)::
+
+    import cudaipc
+    with cudaipc.connect() as store:                 # $CUDAIPC_SOCKET or the default path
+        store.put("w0", weights)                     # a torch.Tensor, CuPy/NumPy array or bytes
+        with store.get("w0", timeout=5) as lease:
+            t = lease.tensor()                       # zero-copy, on the object's device
+
+and CUDA IPC regions of PyTorch and CuPy memory without the store::
+
+    r = cudaipc.Region.from_torch(t)                 # send r.to_json() or r.to_bytes()
+    m = cudaipc.import_region(r)                     # in another process
+    t2 = m.tensor(torch.float32, (1024,))
+
+Lifetimes: memory stays leased (or mapped) while the Lease (or Mapping) or any view
+made from it is alive, even after ``release()`` or the end of a ``with`` block.
+GPU work goes through NVIDIA's cuda-bindings, imported only when a GPU object is
+touched; host objects need only protobuf (NumPy for numpy() and tensor()).
+"""
+
+from .errors import (Closed, CudaError, CudaipcError, Exists, InternalError, InvalidArgument,
+                     InvalidRegion, LimitReached, NotFound, NotSealed, PermissionDenied, Sealed,
+                     StoreError, StoreFull, StoreGone, Timeout, VersionMismatch)
+from .mapping import Mapping, import_region
+from .region import Region, decode_region
+from .store import (Event, Lease, Object, ObjectInfo, ServerInfo, Store, TensorDesc, connect,
+                    default_socket_path)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "connect", "default_socket_path", "Store", "Lease", "Object", "ObjectInfo", "TensorDesc",
+    "Event", "ServerInfo", "Region", "decode_region", "import_region", "Mapping",
+    "CudaipcError", "StoreError", "InvalidArgument", "NotFound", "Exists", "Timeout", "StoreFull",
+    "PermissionDenied", "LimitReached", "NotSealed", "Sealed", "VersionMismatch", "InternalError",
+    "StoreGone", "Closed", "InvalidRegion", "CudaError",
+]

@@ -1,0 +1,284 @@
+"""The GPU side, through NVIDIA's cuda-bindings (``cuda.bindings.driver``).
+
+Imported only when a GPU object or region is touched, so that the host backend
+needs nothing but protobuf. Every mapping is cached per process: legacy IPC
+handles are opened once per (handle, buffer id, GPU) and reference-counted
+(docs/region.md "Consuming a region"); imported VMM arenas likewise.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+from .errors import CudaError
+
+_lock = threading.RLock()
+_cu: Any = None
+_ctx: Dict[int, Any] = {}               # ordinal -> retained primary context
+_uuids: Optional[List[bytes]] = None    # UUID bytes by ordinal
+
+
+def driver() -> Any:
+    """The cuda.bindings.driver module, initialised (cuInit) once."""
+    global _cu
+    if _cu is not None:
+        return _cu
+    with _lock:
+        if _cu is None:
+            try:
+                from cuda.bindings import driver as cu  # cuda-bindings >= 12.6
+            except ImportError:
+                try:
+                    from cuda import cuda as cu  # type: ignore  # older cuda-python
+                except ImportError:
+                    raise CudaError("import cuda.bindings.driver", "not installed",
+                                    "GPU objects need NVIDIA's cuda-bindings: pip install cuda-bindings") from None
+            err = cu.cuInit(0)[0]
+            if err != cu.CUresult.CUDA_SUCCESS:
+                raise CudaError("cuInit", _name(cu, err), "no usable CUDA driver or GPU")
+            _cu = cu
+    return _cu
+
+
+def _name(cu: Any, err: Any) -> str:
+    try:
+        r = cu.cuGetErrorName(err)
+        n = r[1]
+        return n.decode() if isinstance(n, bytes) else str(n)
+    except Exception:  # noqa: BLE001 - naming an error must not fail
+        return str(err)
+
+
+def check(call: str, res: Any) -> Any:
+    """Unpack a cuda-bindings result tuple: raise CudaError unless CUDA_SUCCESS."""
+    cu = driver()
+    if not isinstance(res, tuple):
+        res = (res,)
+    err = res[0]
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise CudaError(call, _name(cu, err))
+    rest = res[1:]
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+def _bytes(v: Any, n: int) -> bytes:
+    if isinstance(v, str):
+        v = v.encode("latin-1")
+    if isinstance(v, (list, tuple)):
+        v = bytes((x + 256) % 256 for x in v)
+    b = bytes(v)
+    if len(b) != n:
+        raise CudaError("cuda-bindings", "unexpected %d-byte value" % len(b), "want %d bytes" % n)
+    return b
+
+
+def device_count() -> int:
+    """How many GPUs this process sees."""
+    return int(check("cuDeviceGetCount", driver().cuDeviceGetCount()))
+
+
+def uuids() -> List[bytes]:
+    """The UUID of each visible GPU, by ordinal."""
+    global _uuids
+    if _uuids is None:
+        cu = driver()
+        out = []
+        for i in range(device_count()):
+            dev = check("cuDeviceGet", cu.cuDeviceGet(i))
+            fn = getattr(cu, "cuDeviceGetUuid_v2", None) or cu.cuDeviceGetUuid
+            u = check("cuDeviceGetUuid", fn(dev))
+            out.append(_bytes(u.bytes, 16))
+        _uuids = out
+    return _uuids
+
+
+def ordinal_of(uuid: bytes) -> Optional[int]:
+    """This process's ordinal of the GPU with that UUID, or None if it does not see it."""
+    try:
+        return uuids().index(uuid)
+    except ValueError:
+        return None
+
+
+def make_current(ordinal: int) -> None:
+    """Make the GPU's primary context current on this thread (as PyTorch and CuPy use it)."""
+    cu = driver()
+    ctx = _ctx.get(ordinal)
+    if ctx is None:
+        with _lock:
+            ctx = _ctx.get(ordinal)
+            if ctx is None:
+                dev = check("cuDeviceGet", cu.cuDeviceGet(ordinal))
+                ctx = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(dev))
+                _ctx[ordinal] = ctx
+    check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
+
+
+def pick_ordinal(uuid: bytes) -> int:
+    """The GPU to map memory of GPU ``uuid`` through: that GPU if visible, else the
+    first visible one (peer access reaches it)."""
+    o = ordinal_of(uuid)
+    if o is not None:
+        return o
+    if device_count() == 0:
+        raise CudaError("cuDeviceGetCount", "no GPU visible in this process")
+    return 0
+
+
+# -- legacy IPC -----------------------------------------------------------------
+
+_ipc: Dict[Tuple[bytes, int, int], List[Any]] = {}   # (handle, buffer id, ordinal) -> [base, refs]
+
+
+def ipc_open(handle: bytes, buffer_id: int, ordinal: int) -> int:
+    """Open (or reuse) a legacy IPC handle on GPU ``ordinal``; return the base address."""
+    cu = driver()
+    key = (handle, buffer_id, ordinal)
+    with _lock:
+        e = _ipc.get(key)
+        if e is not None:
+            e[1] += 1
+            return int(e[0])
+        make_current(ordinal)
+        h = cu.CUipcMemHandle()
+        h.reserved = handle
+        flag = cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        base = check("cuIpcOpenMemHandle", cu.cuIpcOpenMemHandle(h, flag))
+        _ipc[key] = [base, 1]
+        return int(base)
+
+
+def ipc_close(handle: bytes, buffer_id: int, ordinal: int) -> None:
+    """Drop one reference taken by ipc_open; close the handle with the last."""
+    cu = driver()
+    key = (handle, buffer_id, ordinal)
+    with _lock:
+        e = _ipc.get(key)
+        if e is None:
+            return
+        e[1] -= 1
+        if e[1] > 0:
+            return
+        del _ipc[key]
+        make_current(ordinal)
+        check("cuIpcCloseMemHandle", cu.cuIpcCloseMemHandle(e[0]))
+
+
+def ipc_open_count() -> int:
+    """How many legacy IPC handles this process has open (for tests)."""
+    with _lock:
+        return len(_ipc)
+
+
+# -- VMM arenas shared by descriptor ------------------------------------------------
+
+class FDArena:
+    """A GPU arena imported from a POSIX file descriptor and mapped once."""
+
+    def __init__(self, fd: int, size: int, ordinal: int):
+        cu = driver()
+        self.size = size
+        self.ordinal = ordinal
+        make_current(ordinal)
+        handle = check("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(
+            fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+        ptr = None
+        mapped = False
+        try:
+            ptr = check("cuMemAddressReserve", cu.cuMemAddressReserve(size, 0, 0, 0))
+            check("cuMemMap", cu.cuMemMap(ptr, size, 0, handle, 0))
+            mapped = True
+            acc = cu.CUmemAccessDesc()
+            acc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            acc.location.id = ordinal
+            acc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            check("cuMemSetAccess", cu.cuMemSetAccess(ptr, size, [acc], 1))
+        except BaseException:
+            if mapped:
+                cu.cuMemUnmap(ptr, size)
+            if ptr is not None:
+                cu.cuMemAddressFree(ptr, size)
+            cu.cuMemRelease(handle)
+            raise
+        # The mapping keeps the memory alive; the handle is not needed any more.
+        check("cuMemRelease", cu.cuMemRelease(handle))
+        self.ptr = int(ptr)
+        self._dptr = ptr
+
+    def close(self) -> None:
+        """Unmap the arena (the memory stays valid elsewhere)."""
+        if self._dptr is None:
+            return
+        cu = driver()
+        make_current(self.ordinal)
+        check("cuMemUnmap", cu.cuMemUnmap(self._dptr, self.size))
+        check("cuMemAddressFree", cu.cuMemAddressFree(self._dptr, self.size))
+        self._dptr = None
+        self.ptr = 0
+
+
+# -- copies and regions -------------------------------------------------------------
+
+def memcpy_dtod(dst: int, src: int, n: int, stream: int = 0) -> None:
+    """Copy n bytes between device addresses on ``stream`` (0: the legacy stream), then
+    wait for it, so that the bytes are there before the caller seals."""
+    cu = driver()
+    check("cuMemcpyDtoDAsync", cu.cuMemcpyDtoDAsync(dst, src, n, stream))
+    check("cuStreamSynchronize", cu.cuStreamSynchronize(stream))
+
+
+def memcpy_htod(dst: int, src_addr: int, n: int) -> None:
+    """Copy n bytes from host address src_addr to the device."""
+    cu = driver()
+    check("cuMemcpyHtoD", cu.cuMemcpyHtoD(dst, src_addr, n))
+
+
+def memcpy_dtoh(dst_addr: int, src: int, n: int) -> None:
+    """Copy n bytes from the device to host address dst_addr."""
+    cu = driver()
+    check("cuMemcpyDtoH", cu.cuMemcpyDtoH(dst_addr, src, n))
+
+
+def synchronize(ordinal: int) -> None:
+    """Wait for all work on the GPU's primary context."""
+    make_current(ordinal)
+    check("cuCtxSynchronize", driver().cuCtxSynchronize())
+
+
+def pointer_ordinal(ptr: int) -> int:
+    """The ordinal of the GPU that holds device address ptr."""
+    cu = driver()
+    v = check("cuPointerGetAttribute", cu.cuPointerGetAttribute(
+        cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr))
+    return int(v)
+
+
+def export_region(ptr: int, nbytes: int) -> Any:
+    """The Region of nbytes at ptr: the allocation's base (cuMemGetAddressRange), its
+    legacy IPC handle, buffer id and GPU."""
+    from .region import Region, local_identity
+    cu = driver()
+    if nbytes <= 0:
+        raise ValueError("export_region: size %d must be positive" % nbytes)
+    ordinal = pointer_ordinal(ptr)
+    make_current(ordinal)
+    base, alloc = check("cuMemGetAddressRange", cu.cuMemGetAddressRange(ptr))
+    base, alloc = int(base), int(alloc)
+    if ptr + nbytes > base + alloc:
+        raise ValueError("export_region: [%#x, +%d) runs past its %d-byte allocation at %#x" % (ptr, nbytes, alloc, base))
+    bid = int(check("cuPointerGetAttribute", cu.cuPointerGetAttribute(
+        cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID, ptr)))
+    try:
+        h = check("cuIpcGetMemHandle", cu.cuIpcGetMemHandle(base))
+    except CudaError as e:
+        raise CudaError(e.call, e.result, "legacy IPC cannot export this memory: PyTorch with "
+                        "expandable_segments:True or cudaMallocAsync pools are not exportable; "
+                        "use the default caching allocator") from None
+    ns, boot = local_identity()
+    return Region(handle=_bytes(h.reserved, 64), offset=ptr - base, size=nbytes, alloc_size=alloc,
+                  device=uuids()[ordinal], exporter_pid=os.getpid(), pid_namespace=ns,
+                  boot_id=boot, buffer_id=bid, exporter_base=base)

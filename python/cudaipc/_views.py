@@ -1,0 +1,188 @@
+"""Typed views (NumPy, PyTorch, CuPy, memoryview) of memory owned by a lease, an
+object being written, or an imported region.
+
+Every view keeps its owner alive through its memory-owner chain: a NumPy array's
+``base``, the object a PyTorch tensor was built from (its storage's deleter holds a
+reference), a CuPy ``UnownedMemory``'s ``owner``, a memoryview's exporter. The owner
+ends the lease (or closes the mapping) only when the last of them is collected.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+__all__ = ["DTYPES", "dtype_name", "Layout", "resolve_layout"]
+
+# name -> (itemsize, NumPy typestr or None when NumPy has no such type, typestr of
+# an integer type of the same size to carry it)
+DTYPES: Dict[str, Tuple[int, Optional[str], str]] = {
+    "bool": (1, "|b1", "|u1"), "int8": (1, "|i1", "|i1"), "uint8": (1, "|u1", "|u1"),
+    "int16": (2, "<i2", "<i2"), "uint16": (2, "<u2", "<u2"), "int32": (4, "<i4", "<i4"),
+    "uint32": (4, "<u4", "<u4"), "int64": (8, "<i8", "<i8"), "uint64": (8, "<u8", "<u8"),
+    "float16": (2, "<f2", "<i2"), "bfloat16": (2, None, "<i2"), "float32": (4, "<f4", "<i4"),
+    "float64": (8, "<f8", "<i8"), "complex64": (8, "<c8", "<i8"), "complex128": (16, "<c16", "<c16"),
+    "float8_e4m3fn": (1, None, "|u1"), "float8_e5m2": (1, None, "|u1"),
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """The protocol's name of a dtype given as a string, NumPy/CuPy dtype or torch.dtype."""
+    if isinstance(dtype, str):
+        name = dtype
+    elif type(dtype).__module__.startswith("torch"):
+        name = str(dtype).replace("torch.", "")
+    else:
+        try:
+            import numpy as np
+            name = np.dtype(dtype).name
+        except Exception:  # noqa: BLE001
+            name = str(dtype)
+    name = {"bool_": "bool", "half": "float16", "float": "float32", "double": "float64"}.get(name, name)
+    if name not in DTYPES:
+        raise TypeError("dtype %r is not one of %s" % (dtype, ", ".join(sorted(DTYPES))))
+    return name
+
+
+class Layout:
+    """A dtype, shape and strides (in elements) over ``nbytes`` of memory."""
+
+    __slots__ = ("dtype", "shape", "strides")
+
+    def __init__(self, dtype: str, shape: Tuple[int, ...], strides: Optional[Tuple[int, ...]]):
+        self.dtype = dtype
+        self.shape = shape
+        self.strides = strides
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][0]
+
+    def c_strides(self) -> Tuple[int, ...]:
+        s, acc = [], 1
+        for d in reversed(self.shape):
+            s.append(acc)
+            acc *= d
+        return tuple(reversed(s))
+
+    def elem_strides(self) -> Tuple[int, ...]:
+        return self.strides if self.strides is not None else self.c_strides()
+
+    def byte_strides(self) -> Tuple[int, ...]:
+        return tuple(s * self.itemsize for s in self.elem_strides())
+
+    def extent(self) -> int:
+        if any(d == 0 for d in self.shape):
+            return 0
+        last = sum((d - 1) * s for d, s in zip(self.shape, self.elem_strides()))
+        return (last + 1) * self.itemsize
+
+
+def resolve_layout(nbytes: int, recorded: Optional[Any], dtype: Any = None,
+                   shape: Optional[Sequence[int]] = None) -> Layout:
+    """The layout to view ``nbytes`` with: the caller's dtype/shape, else what the
+    producer recorded (a TensorDesc), else bytes. Raises ValueError when the shape
+    does not fit."""
+    rec_dtype = recorded.dtype if recorded is not None and recorded.dtype else None
+    name = dtype_name(dtype) if dtype is not None else (rec_dtype or "uint8")
+    item = DTYPES[name][0]
+    strides: Optional[Tuple[int, ...]] = None
+    if shape is None:
+        if recorded is not None and name == rec_dtype:
+            shp = tuple(int(d) for d in recorded.shape)
+            strides = tuple(int(s) for s in (recorded.strides or ())) or None
+        else:
+            if nbytes % item:
+                raise ValueError("%d bytes are not a whole number of %s elements (%d bytes each): give a shape"
+                                 % (nbytes, name, item))
+            shp = (nbytes // item,)
+    else:
+        if isinstance(shape, int):
+            shape = (shape,)
+        shp = tuple(int(d) for d in shape)
+        if shp.count(-1) > 1 or any(d < -1 for d in shp):
+            raise ValueError("shape %r: at most one -1 and no other negative extent" % (shp,))
+        if -1 in shp:
+            known = 1
+            for d in shp:
+                if d != -1:
+                    known *= d
+            if known == 0 or nbytes % (known * item):
+                raise ValueError("shape %r of %s does not divide the object's %d bytes" % (shp, name, nbytes))
+            shp = tuple(nbytes // (known * item) if d == -1 else d for d in shp)
+    lay = Layout(name, shp, strides)
+    if lay.extent() > nbytes:
+        raise ValueError("shape %r of %s needs %d bytes; the object has %d"
+                         % (shp, name, lay.extent(), nbytes))
+    return lay
+
+
+class HostArray:
+    """What NumPy builds a host array from: ``__array_interface__`` over raw memory.
+    ``owner`` is kept alive as long as any array made from it."""
+
+    def __init__(self, owner: Any, addr: int, lay: Layout, readonly: bool, carrier: bool = False):
+        self.owner = owner
+        typestr = DTYPES[lay.dtype][2 if carrier else 1]
+        if typestr is None:
+            raise TypeError("NumPy has no %s: use .tensor(), or numpy(dtype=...) with an integer type of the same size" % lay.dtype)
+        self.__array_interface__ = {
+            "version": 3, "shape": lay.shape, "typestr": typestr,
+            "data": (addr, readonly), "strides": lay.byte_strides() if lay.strides is not None else None,
+        }
+
+
+class CudaArray:
+    """What PyTorch (or any ``__cuda_array_interface__`` consumer) builds a device
+    array from; ``owner`` stays alive as long as any array made from it."""
+
+    def __init__(self, owner: Any, ptr: int, lay: Layout, readonly: bool):
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "version": 3, "shape": lay.shape, "typestr": DTYPES[lay.dtype][2] if DTYPES[lay.dtype][1] is None else DTYPES[lay.dtype][1],
+            "data": (ptr, readonly), "strides": lay.byte_strides() if lay.strides is not None else None,
+            "stream": None,
+        }
+
+
+def numpy_view(owner: Any, addr: int, lay: Layout, readonly: bool) -> Any:
+    import numpy as np
+    return np.asarray(HostArray(owner, addr, lay, readonly))
+
+
+def torch_host_view(owner: Any, addr: int, lay: Layout, readonly: bool) -> Any:
+    import numpy as np
+    import torch
+    arr = np.asarray(HostArray(owner, addr, lay, readonly, carrier=DTYPES[lay.dtype][1] is None))
+    with warnings.catch_warnings():
+        # A read-only lease: PyTorch has no read-only tensors and warns; writing faults.
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(arr)
+    if DTYPES[lay.dtype][1] is None:
+        t = t.view(getattr(torch, lay.dtype))
+    return t
+
+
+def torch_cuda_view(owner: Any, ptr: int, lay: Layout, ordinal: int, readonly: bool) -> Any:
+    import torch
+    t = torch.as_tensor(CudaArray(owner, ptr, lay, readonly), device="cuda:%d" % ordinal)
+    if DTYPES[lay.dtype][1] is None:
+        t = t.view(getattr(torch, lay.dtype))
+    return t
+
+
+def cupy_view(owner: Any, ptr: int, nbytes: int, lay: Layout, ordinal: int) -> Any:
+    import cupy
+    if DTYPES[lay.dtype][1] is None:
+        raise TypeError("CuPy has no %s: use .tensor(), or cupy(dtype=...) with an integer type of the same size" % lay.dtype)
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=ordinal)
+    return cupy.ndarray(lay.shape, dtype=DTYPES[lay.dtype][1], memptr=cupy.cuda.MemoryPointer(mem, 0),
+                        strides=lay.byte_strides())
+
+
+def host_memoryview(owner: Any, addr: int, nbytes: int, readonly: bool) -> memoryview:
+    buf = (ctypes.c_char * nbytes).from_address(addr)
+    buf._cudaipc_owner = owner  # type: ignore[attr-defined]  # the chain: memoryview -> buf -> owner
+    mv = memoryview(buf).cast("B")
+    return mv.toreadonly() if readonly else mv

@@ -1,0 +1,351 @@
+"""The connection to the daemon: SOCK_SEQPACKET framing, SCM_RIGHTS, request ids,
+replies matched to callers, events, and the per-connection host arena cache
+(docs/protocol.md sections 1, 2, 5 and 8)."""
+
+from __future__ import annotations
+
+import array
+import collections
+import ctypes
+import itertools
+import os
+import socket
+import threading
+import weakref
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+
+from . import _store_pb2 as pb
+from .errors import Closed, InternalError, StoreGone, StoreError, from_code
+
+MAX_MESSAGE = 65536
+MAX_FILES = 4
+_ANC = socket.CMSG_SPACE(16 * 4)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_PROT_READ, _PROT_WRITE, _MAP_SHARED = 1, 2, 1
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _unmap(addr: int, size: int, fd: int) -> None:
+    _libc.munmap(addr, size)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+class HostArena:
+    """One mmap of a memfd arena, unmapped (and its descriptor closed) when the
+    connection and every lease or object using it have let go of it."""
+
+    def __init__(self, fd: int, size: int, writable: bool):
+        prot = _PROT_READ | (_PROT_WRITE if writable else 0)
+        addr = _libc.mmap(None, size, prot, _MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            e = ctypes.get_errno()
+            raise OSError(e, "mmap of a %d-byte arena: %s" % (size, os.strerror(e)))
+        self.addr = int(addr)
+        self.size = size
+        self.fd = fd
+        self._fin = weakref.finalize(self, _unmap, self.addr, size, fd)
+
+
+class Reply:
+    """A response, with what the reader did with its placement."""
+
+    __slots__ = ("resp", "arena", "fd")
+
+    def __init__(self, resp: Any, arena: Optional[HostArena] = None, fd: int = -1):
+        self.resp = resp
+        self.arena = arena
+        self.fd = fd  # a GPU arena's descriptor, for the caller to import and close
+
+
+class Conn:
+    """A protocol connection. Calls from several threads may wait at once: whichever
+    waiter finds no reader reads the next packet and hands it out (no thread of its
+    own, so nothing runs behind the user's back)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            s.connect(path)
+        except BaseException:
+            s.close()
+            raise
+        self.sock = s
+        self._ids = itertools.count(1)
+        self._send_lock = threading.RLock()  # re-entrant: a finalizer may release during a send
+        self._cv = threading.Condition(threading.Lock())
+        self._reading = False
+        self._replies: Dict[int, Reply] = {}
+        self._waiting: Set[int] = set()
+        self._abandoned: Dict[int, Tuple[str, str]] = {}   # id -> (op, name): clean up the reply
+        self._detached: Set[int] = set()                   # ids whose reply nobody reads
+        self._arenas: Dict[Tuple[int, bool], HostArena] = {}
+        self.events: Deque[Any] = collections.deque()
+        self.subscribed = False
+        self.dead: Optional[StoreError] = None
+        self.closed = False
+
+    # -- sending ---------------------------------------------------------------
+    def send(self, req: Any) -> int:
+        rid = next(self._ids)
+        req.id = rid
+        data = req.SerializeToString()
+        with self._send_lock:
+            if self.dead is not None:
+                raise self.dead
+            try:
+                self.sock.send(data)
+            except OSError as e:
+                self._fail(StoreGone("send", message="%s: %s" % (self.path, e)))
+                raise self.dead  # type: ignore[misc]
+        return rid
+
+    def send_detached(self, req: Any) -> None:
+        """Send a request whose reply is dropped unread (a pipelined release)."""
+        with self._cv:
+            if self.dead is not None or self.closed:
+                return
+        try:
+            rid = next(self._ids)
+            req.id = rid
+            with self._cv:
+                self._detached.add(rid)
+            with self._send_lock:
+                self.sock.send(req.SerializeToString())
+        except (OSError, StoreError):
+            pass
+
+    # -- receiving -------------------------------------------------------------
+    def call(self, req: Any, op: str, name: str = "") -> Reply:
+        """Send req and wait for its reply; raise the StoreError of a failed response."""
+        with self._cv:
+            if self.dead is not None:
+                raise type(self.dead)(op, name, self.dead.message)
+        rid = self.send(req)
+        with self._cv:
+            self._waiting.add(rid)
+        try:
+            r = self.wait(rid)
+        except BaseException:
+            with self._cv:
+                self._waiting.discard(rid)
+                if rid not in self._replies and self.dead is None:
+                    self._abandoned[rid] = (op, name)
+                r2 = self._replies.pop(rid, None)
+            if r2 is not None:
+                self._cleanup(r2, op, name)
+            raise
+        err = r.resp.error if r.resp.HasField("error") else None
+        if err is not None and err.code != 0:
+            if r.fd >= 0:
+                os.close(r.fd)
+            raise from_code(err.code, op, name, err.message)
+        return r
+
+    def wait(self, rid: int) -> Reply:
+        while True:
+            with self._cv:
+                while True:
+                    r = self._replies.pop(rid, None)
+                    if r is not None:
+                        self._waiting.discard(rid)
+                        return r
+                    if self.dead is not None:
+                        self._waiting.discard(rid)
+                        raise self.dead
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    self._cv.wait()
+            try:
+                self._read_one()
+            finally:
+                with self._cv:
+                    self._reading = False
+                    self._cv.notify_all()
+
+    def wait_event(self, timeout: Optional[float]) -> Optional[Any]:
+        """The next event (an Event message), or None when timeout seconds pass."""
+        import time
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cv:
+                while True:
+                    if self.events:
+                        return self.events.popleft()
+                    if self.dead is not None:
+                        raise self.dead
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return None
+                    self._cv.wait(left)
+            try:
+                left = None if deadline is None else max(deadline - time.monotonic(), 0)
+                self.sock.settimeout(left)
+                try:
+                    self._read_one()
+                except socket.timeout:
+                    return None
+                finally:
+                    if self.dead is None:
+                        self.sock.settimeout(None)
+            finally:
+                with self._cv:
+                    self._reading = False
+                    self._cv.notify_all()
+
+    def _read_one(self) -> None:
+        try:
+            data, anc, flags, _ = self.sock.recvmsg(MAX_MESSAGE + 1, _ANC, socket.MSG_CMSG_CLOEXEC)
+        except socket.timeout:
+            raise
+        except OSError as e:
+            self._fail(StoreGone("recv", message="%s: %s" % (self.path, e)))
+            return
+        fds: List[int] = []
+        for level, typ, cdata in anc:
+            if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+                a = array.array("i")
+                a.frombytes(cdata[: len(cdata) - len(cdata) % a.itemsize])
+                fds.extend(a)
+        try:
+            self._handle(data, flags, fds)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def _handle(self, data: bytes, flags: int, fds: List[int]) -> None:
+        if not data:
+            self._fail(StoreGone("recv", message="the daemon at %s closed the connection" % self.path))
+            for fd in fds:
+                os.close(fd)
+            return
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > MAX_MESSAGE or len(fds) > MAX_FILES:
+            for fd in fds:
+                os.close(fd)
+            self._fail(InternalError("recv", message="oversized packet or too many descriptors from the daemon"))
+            return
+        resp = pb.Response()
+        try:
+            resp.ParseFromString(data)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError differs between versions
+            for fd in fds:
+                os.close(fd)
+            self._fail(InternalError("recv", message="undecodable packet from the daemon: %s" % e))
+            return
+        if resp.id == 0:
+            for fd in fds:
+                os.close(fd)
+            if resp.WhichOneof("body") == "event":
+                with self._cv:
+                    self.events.append(resp.event)
+            elif resp.HasField("error"):
+                self._fail(from_code(resp.error.code, "connection", "", resp.error.message)
+                           if resp.error.code not in (0,) else StoreGone("connection"))
+            return
+        reply = self._place(resp, fds)
+        with self._cv:
+            if resp.id in self._detached:
+                self._detached.discard(resp.id)
+                drop = True
+            elif resp.id in self._abandoned:
+                op, name = self._abandoned.pop(resp.id)
+                drop = False
+                cleanup = (op, name)
+            else:
+                self._replies[resp.id] = reply
+                return
+        if drop:
+            if reply.fd >= 0:
+                os.close(reply.fd)
+            return
+        self._cleanup(reply, *cleanup)
+
+    def _place(self, resp: Any, fds: List[int]) -> Reply:
+        """Map a host placement now, in the order the daemon sent them, so that the
+        arena cache follows what this connection was given."""
+        body = resp.WhichOneof("body")
+        p = None
+        if body == "create":
+            p = resp.create.placement
+        elif body == "get":
+            p = resp.get.placement
+        if p is None or (resp.HasField("error") and resp.error.code != 0):
+            for fd in fds:
+                os.close(fd)
+            return Reply(resp)
+        host = p.device in ("", "host")
+        if not host:
+            if p.fd_attached and len(fds) == 1:
+                return Reply(resp, fd=fds[0])
+            for fd in fds:
+                os.close(fd)
+            if p.fd_attached:
+                raise_later = InternalError("recv", message="GPU placement says a descriptor is attached, %d came" % len(fds))
+                self._fail(raise_later)
+            return Reply(resp)
+        key = (p.arena_id, p.writable)
+        if p.fd_attached != (len(fds) == 1):
+            for fd in fds:
+                os.close(fd)
+            self._fail(InternalError("recv", message="host placement: fd_attached is %s with %d descriptors" % (p.fd_attached, len(fds))))
+            return Reply(resp)
+        a = self._arenas.get(key)
+        if p.fd_attached:
+            a = HostArena(fds[0], p.arena_size, p.writable)
+            self._arenas[key] = a
+        elif a is None:
+            self._fail(InternalError("recv", message="placement in arena %d without its descriptor" % p.arena_id))
+            return Reply(resp)
+        elif a.size < p.offset + p.size:  # the arena grew: map it again
+            a = HostArena(os.dup(a.fd), p.arena_size, p.writable)
+            self._arenas[key] = a
+        return Reply(resp, arena=a)
+
+    def _cleanup(self, r: Reply, op: str, name: str) -> None:
+        """Undo the reply of a call whose caller gave up."""
+        if r.fd >= 0:
+            os.close(r.fd)
+        body = r.resp.WhichOneof("body")
+        if body == "get":
+            self.send_detached(pb.Request(release=pb.ReleaseRequest(lease_id=r.resp.get.lease_id)))
+        elif body == "create":
+            self.send_detached(pb.Request(abort=pb.AbortRequest(name=name)))
+
+    def _fail(self, err: StoreError) -> None:
+        with self._cv:
+            if self.dead is None:
+                self.dead = err
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            if self.closed:
+                return
+            self.closed = True
+            if self.dead is None:
+                self.dead = Closed("call")
+            self._cv.notify_all()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        # Arenas still used by live leases stay mapped until those end.
+        self._arenas.clear()
+        for r in self._replies.values():
+            if r.fd >= 0:
+                os.close(r.fd)
+        self._replies.clear()
+

@@ -1,0 +1,745 @@
+"""The store client: connect, put/create/seal, get -> Lease, ls/stat/rm/subscribe."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import os
+import sys
+import threading
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+from . import _store_pb2 as pb
+from . import _views
+from ._wire import Conn, HostArena, Reply
+from .errors import (Closed, CudaError, InternalError, InvalidArgument, PermissionDenied,
+                     StoreError, StoreGone)
+from .region import Region, gpu_uuid_text, parse_gpu_uuid
+
+__all__ = ["connect", "default_socket_path", "Store", "Lease", "Object", "ObjectInfo",
+           "TensorDesc", "Event", "ServerInfo"]
+
+MAX_OBJECT_SIZE = 1 << 40
+
+
+def default_socket_path() -> str:
+    """The daemon's socket when none is given, as the Go client picks it:
+    $CUDAIPC_SOCKET; else $XDG_RUNTIME_DIR/cudaipc/store.sock; else
+    /run/cudaipc/store.sock for root and /tmp/cudaipc-<uid>/store.sock for others."""
+    p = os.environ.get("CUDAIPC_SOCKET")
+    if p:
+        return p
+    d = os.environ.get("XDG_RUNTIME_DIR")
+    if d:
+        return os.path.join(d, "cudaipc", "store.sock")
+    uid = os.getuid()
+    if uid == 0:
+        return "/run/cudaipc/store.sock"
+    return os.path.join(os.environ.get("TMPDIR") or "/tmp", "cudaipc-%d" % uid, "store.sock")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorDesc:
+    """What an object's bytes are as a typed array: dtype name, shape, and strides in
+    elements (None: C order). Recorded by the producer, returned by get/stat."""
+    dtype: str
+    shape: Tuple[int, ...]
+    strides: Optional[Tuple[int, ...]] = None
+
+    @classmethod
+    def _from_pb(cls, t: Any) -> "TensorDesc":
+        return cls(t.dtype, tuple(t.shape), tuple(t.strides) or None)
+
+    def _to_pb(self) -> Any:
+        return pb.TensorDesc(dtype=self.dtype, shape=list(self.shape), strides=list(self.strides or ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """An object as ``stat`` describes it (the Go client's ObjectInfo)."""
+    name: str
+    size: int
+    device: str            # "host", or a GPU UUID "GPU-…"
+    sealed: bool
+    leases: int
+    shared: bool
+    owner_uid: int
+    created: datetime.datetime
+    region: Optional[Region]        # GPU objects with a region; None otherwise
+    tensor: Optional[TensorDesc]    # the producer's typed-array descriptor, if any
+
+    @classmethod
+    def _from_pb(cls, o: Any) -> "ObjectInfo":
+        region = None
+        if o.region:
+            try:
+                from .region import decode_region
+                region = decode_region(o.region)
+            except Exception:  # noqa: BLE001 - a newer daemon's region kind: leave it out
+                region = None
+        return cls(o.name, o.size, o.device, o.sealed, o.leases, o.shared, o.owner_uid,
+                   datetime.datetime.fromtimestamp(o.created_unix_nano / 1e9, datetime.timezone.utc),
+                   region, TensorDesc._from_pb(o.tensor) if o.HasField("tensor") else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """A change in the store: kind is "sealed", "deleted", "evicted" or "aborted"."""
+    kind: str
+    name: str
+
+
+_EVENT_KINDS = {1: "sealed", 2: "deleted", 3: "evicted", 4: "aborted"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerInfo:
+    """What the daemon said in the handshake."""
+    version: int
+    server_version: str
+    pid: int
+    backend: str
+
+
+# -- memory held by a lease or an object --------------------------------------------------
+
+def _end(conn: Conn, request: Any, gpu_close: Any) -> None:
+    """Finalizer of a _Memory: unmap GPU memory first (the daemon may free it as soon as
+    it hears), then tell the daemon (pipelined: the reply is not awaited)."""
+    try:
+        if gpu_close is not None:
+            gpu_close()
+    finally:
+        if request is not None:
+            conn.send_detached(request)
+
+
+class _GPUClose:
+    """Closes a GPU mapping once (legacy IPC reference or imported arena reference)."""
+
+    def __init__(self, fn: Any, *args: Any):
+        self.fn, self.args, self.done = fn, args, False
+        self.lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self.lock:
+            if self.done:
+                return
+            self.done = True
+        self.fn(*self.args)
+
+
+class _Memory:
+    """The bytes of one lease or object: address, size, device. Views made from it
+    keep it alive; when the last reference goes its finalizer ends the lease (or
+    aborts an object never sealed)."""
+
+    def __init__(self, conn: Conn, nbytes: int, device: str, addr: int, ordinal: Optional[int],
+                 writable: bool, arena: Optional[HostArena], gpu_close: Optional[_GPUClose],
+                 end_request: Any, tensor: Optional[TensorDesc], share: str):
+        self.nbytes = nbytes
+        self.device = device
+        self.addr = addr          # host address, or device address of a GPU object
+        self.ordinal = ordinal    # GPU ordinal this process maps a GPU object through
+        self.writable = writable
+        self.arena = arena        # keeps a host arena mapped
+        self.gpu_close = gpu_close
+        self.tensor = tensor
+        self.share = share        # "" (host), "ipc" or "fd"
+        self.end_request = end_request
+        self.finalizer = weakref.finalize(self, _end, conn, end_request, gpu_close)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.ordinal is not None
+
+
+def _view(mem: _Memory, owner: Any, kind: str, dtype: Any, shape: Any) -> Any:
+    lay = _views.resolve_layout(mem.nbytes, mem.tensor, dtype, shape)
+    ro = not mem.writable
+    if kind == "memoryview":
+        if mem.is_gpu:
+            raise TypeError("memoryview() needs a host object; this one is on %s: use tensor() or cupy()" % mem.device)
+        return _views.host_memoryview(owner, mem.addr, mem.nbytes, ro)
+    if kind == "numpy":
+        if mem.is_gpu:
+            raise TypeError("numpy() needs a host object; this one is on %s: use tensor() or cupy()" % mem.device)
+        return _views.numpy_view(owner, mem.addr, lay, ro)
+    if kind == "tensor":
+        if mem.is_gpu:
+            return _views.torch_cuda_view(owner, mem.addr, lay, mem.ordinal, ro)  # type: ignore[arg-type]
+        return _views.torch_host_view(owner, mem.addr, lay, ro)
+    if kind == "cupy":
+        if not mem.is_gpu:
+            raise TypeError("cupy() needs a GPU object; this one is in host memory: use numpy()")
+        return _views.cupy_view(owner, mem.addr, mem.nbytes, lay, mem.ordinal)  # type: ignore[arg-type]
+    raise AssertionError(kind)
+
+
+class Lease:
+    """A read-only lease on a sealed object (from :meth:`Store.get`).
+
+    ``tensor()``, ``cupy()``, ``numpy()`` and ``memoryview()`` return zero-copy views.
+    The lifetime rule: the object's memory stays leased while the Lease *or any view
+    made from it* is alive. ``release()`` (or leaving a ``with`` block) gives up the
+    Lease's own hold; the daemon hears of the release when the last view is collected
+    too. A killed process's leases are released by the daemon.
+
+    GPU memory is writable on the device (CUDA cannot map it read-only) but must not
+    be written; host views are read-only (writing through a PyTorch CPU tensor faults).
+    """
+
+    def __init__(self, mem: _Memory, lease_id: int, info: ObjectInfo):
+        self._mem: Optional[_Memory] = mem
+        self._lease_id = lease_id
+        self._info = info
+        self._nbytes = mem.nbytes
+        self._device = mem.device
+
+    @property
+    def info(self) -> ObjectInfo:
+        """The object, as the daemon described it when granting the lease."""
+        return self._info
+
+    @property
+    def name(self) -> str:
+        return self._info.name
+
+    @property
+    def size(self) -> int:
+        """The object's size in bytes."""
+        return self._nbytes
+
+    @property
+    def device(self) -> str:
+        """"host" or the GPU's UUID."""
+        return self._device
+
+    @property
+    def lease_id(self) -> int:
+        return self._lease_id
+
+    @property
+    def tensor_desc(self) -> Optional[TensorDesc]:
+        """The producer's dtype/shape/strides, if it recorded them."""
+        return self._info.tensor
+
+    @property
+    def gpu_share(self) -> str:
+        """How a GPU object reached this process: "ipc" or "fd"; "" for host objects."""
+        return self._live().share
+
+    @property
+    def data_ptr(self) -> int:
+        """The address of the object's first byte in this process (device address for GPU objects)."""
+        return self._live().addr
+
+    @property
+    def ordinal(self) -> Optional[int]:
+        """The GPU (this process's ordinal) a GPU object is mapped through; None for host."""
+        return self._live().ordinal
+
+    def _live(self) -> _Memory:
+        m = self._mem
+        if m is None:
+            raise InvalidArgument("use", self._info.name, "the lease was released; views made before stay valid")
+        return m
+
+    def tensor(self, dtype: Any = None, shape: Optional[Sequence[int]] = None) -> Any:
+        """A zero-copy ``torch.Tensor`` of the object on its device (CUDA for GPU objects,
+        CPU for host ones). dtype and shape default to what the producer recorded, else
+        uint8 bytes; a shape may contain one -1."""
+        m = self._live()
+        return _view(m, m, "tensor", dtype, shape)
+
+    def cupy(self, dtype: Any = None, shape: Optional[Sequence[int]] = None) -> Any:
+        """A zero-copy ``cupy.ndarray`` of a GPU object."""
+        m = self._live()
+        return _view(m, m, "cupy", dtype, shape)
+
+    def numpy(self, dtype: Any = None, shape: Optional[Sequence[int]] = None) -> Any:
+        """A zero-copy, read-only ``numpy.ndarray`` of a host object."""
+        m = self._live()
+        return _view(m, m, "numpy", dtype, shape)
+
+    def memoryview(self) -> memoryview:
+        """A zero-copy, read-only memoryview of a host object's bytes."""
+        m = self._live()
+        return _view(m, m, "memoryview", None, None)
+
+    def read(self) -> bytes:
+        """A copy of the object's bytes (host or GPU)."""
+        m = self._live()
+        return _read(m)
+
+    def release(self) -> None:
+        """Give up this Lease's hold; views made from it keep the memory leased until
+        they are collected. Idempotent."""
+        self._mem = None
+
+    @property
+    def released(self) -> bool:
+        return self._mem is None
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return "<cudaipc.Lease %r %d bytes on %s%s>" % (self._info.name, self._nbytes, self._device,
+                                                         " released" if self._mem is None else "")
+
+
+def _read(m: _Memory) -> bytes:
+    if not m.is_gpu:
+        return ctypes.string_at(m.addr, m.nbytes)
+    from . import _cuda
+    buf = ctypes.create_string_buffer(m.nbytes)
+    _cuda.make_current(m.ordinal)  # type: ignore[arg-type]
+    _cuda.memcpy_dtoh(ctypes.addressof(buf), m.addr, m.nbytes)
+    return buf.raw
+
+
+class Object:
+    """A new object being written (from :meth:`Store.create`): fill its memory in place
+    through ``tensor()``, ``cupy()``, ``numpy()``, ``memoryview()`` or ``write()``, then
+    ``seal()`` (publish) or ``abort()``. Views of an Object must not be used after
+    seal or abort (GPU mappings are closed then, as the protocol requires). An Object
+    collected unsealed is aborted."""
+
+    def __init__(self, store: "Store", name: str, mem: _Memory):
+        self._store = store
+        self._name = name
+        self._mem: Optional[_Memory] = mem
+        self._nbytes = mem.nbytes
+        self._device = mem.device
+        self._state = "open"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def size(self) -> int:
+        return self._nbytes
+
+    @property
+    def device(self) -> str:
+        return self._device
+
+    @property
+    def data_ptr(self) -> int:
+        """The address of the object's first byte in this process (device address for GPU objects)."""
+        return self._live().addr
+
+    @property
+    def ordinal(self) -> Optional[int]:
+        return self._live().ordinal
+
+    def _live(self) -> _Memory:
+        if self._mem is None:
+            raise InvalidArgument("write", self._name, "the object is %s: it can no longer be written" % self._state)
+        return self._mem
+
+    def tensor(self, dtype: Any = None, shape: Optional[Sequence[int]] = None) -> Any:
+        """A writable zero-copy ``torch.Tensor`` of the object's memory."""
+        m = self._live()
+        return _view(m, m, "tensor", dtype, shape)
+
+    def cupy(self, dtype: Any = None, shape: Optional[Sequence[int]] = None) -> Any:
+        """A writable zero-copy ``cupy.ndarray`` of a GPU object's memory."""
+        m = self._live()
+        return _view(m, m, "cupy", dtype, shape)
+
+    def numpy(self, dtype: Any = None, shape: Optional[Sequence[int]] = None) -> Any:
+        """A writable zero-copy ``numpy.ndarray`` of a host object's memory."""
+        m = self._live()
+        return _view(m, m, "numpy", dtype, shape)
+
+    def memoryview(self) -> memoryview:
+        """A writable memoryview of a host object's bytes."""
+        m = self._live()
+        return _view(m, m, "memoryview", None, None)
+
+    def write(self, data: Any, offset: int = 0) -> None:
+        """Copy bytes (any buffer) into the object at offset, host or GPU."""
+        m = self._live()
+        src = memoryview(data).cast("B")
+        n = src.nbytes
+        if offset < 0 or offset + n > m.nbytes:
+            raise InvalidArgument("write", self._name, "[%d, %d) is outside the %d-byte object" % (offset, offset + n, m.nbytes))
+        if not m.is_gpu:
+            ctypes.memmove(m.addr + offset, (ctypes.c_char * n).from_buffer_copy(src) if src.readonly else (ctypes.c_char * n).from_buffer(src), n)
+            return
+        from . import _cuda
+        tmp = (ctypes.c_char * n).from_buffer_copy(src)
+        _cuda.make_current(m.ordinal)  # type: ignore[arg-type]
+        _cuda.memcpy_htod(m.addr + offset, ctypes.addressof(tmp), n)
+
+    def seal(self) -> None:
+        """Publish the object: readers may get it from now on. Device work writing it
+        must be complete (synchronize your stream first)."""
+        self._finish("seal", pb.Request(seal=pb.SealRequest(name=self._name)))
+
+    def abort(self) -> None:
+        """Discard the object."""
+        self._finish("abort", pb.Request(abort=pb.AbortRequest(name=self._name)))
+
+    def _finish(self, op: str, req: Any) -> None:
+        m = self._mem
+        if m is None:
+            raise InvalidArgument(op, self._name, "object already %s" % self._state)
+        # The GPU mapping goes before the daemon hears: it may free the arena at once.
+        m.finalizer.detach()
+        if m.gpu_close is not None:
+            m.gpu_close()
+        self._mem = None
+        self._state = "sealed" if op == "seal" else "aborted"
+        self._store._conn.call(req, op, self._name)
+
+    def __enter__(self) -> "Object":
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if self._mem is not None:
+            if exc_type is None:
+                self.seal()
+            else:
+                self.abort()
+
+    def __repr__(self) -> str:
+        return "<cudaipc.Object %r %d bytes on %s, %s>" % (self._name, self._nbytes, self._device, self._state)
+
+
+class Store:
+    """A connection to the store daemon (:func:`connect`). Safe to use from several
+    threads; a ``get`` that waits holds up no other call."""
+
+    def __init__(self, socket: Optional[str] = None, client_name: Optional[str] = None):
+        path = socket or default_socket_path()
+        self.socket = path
+        try:
+            self._conn = Conn(path)
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            raise StoreGone("dial", message="%s: %s (is the daemon running? start it with 'cudaipc serve')" % (path, e.strerror)) from None
+        except PermissionError as e:
+            raise PermissionDenied("dial", message="%s: %s" % (path, e.strerror)) from None
+        except OSError as e:
+            raise StoreGone("dial", message="%s: %s" % (path, e)) from None
+        self._fd_lock = threading.Lock()
+        self._fd_arenas: Dict[int, List[Any]] = {}   # arena id -> [FDArena, refs]
+        name = client_name or "%s[%d]" % (os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python"), os.getpid())
+        try:
+            r = self._conn.call(pb.Request(hello=pb.HelloRequest(version=1, client_name=name[-255:])), "dial")
+        except StoreGone:
+            self._conn.close()
+            raise StoreGone("dial", message="the daemon at %s closed the connection during the handshake (is this uid admitted? see 'cudaipc serve --allow-uid')" % path) from None
+        except BaseException:
+            self._conn.close()
+            raise
+        h = r.resp.hello
+        if h.version != 1:
+            self._conn.close()
+            raise InternalError("dial", message="daemon answered version %d to version 1" % h.version)
+        self.server = ServerInfo(h.version, h.server_version, h.pid, h.backend)
+
+    # -- lifecycle -----------------------------------------------------------------
+    def close(self) -> None:
+        """Close the connection: the daemon aborts unsealed objects and releases leases.
+        Host memory of views still alive stays mapped until they are collected (it may
+        be reused by the daemon: do not read it any more). Idempotent."""
+        self._conn.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- create / put ----------------------------------------------------------------
+    def create(self, name: str, nbytes: int, device: Any = None, *, shared: bool = False,
+               dtype: Any = None, shape: Optional[Sequence[int]] = None,
+               strides: Optional[Sequence[int]] = None) -> Object:
+        """Allocate a writable object of ``nbytes`` on ``device`` ("host" or None, a GPU
+        ordinal, "cuda:N", a torch.device, or a GPU UUID). Give ``dtype`` (and ``shape``,
+        ``strides`` in elements) to record what the bytes are for readers."""
+        dev = _resolve_device(device)
+        if not isinstance(nbytes, int) or not 0 < nbytes <= MAX_OBJECT_SIZE:
+            raise InvalidArgument("create", name, "size %r is outside 1..%d" % (nbytes, MAX_OBJECT_SIZE))
+        desc = _desc(nbytes, dtype, shape, strides, name)
+        req = pb.Request(create=pb.CreateRequest(name=name, size=nbytes, device=dev, shared=shared))
+        if desc is not None:
+            req.create.tensor.CopyFrom(desc._to_pb())
+        r = self._conn.call(req, "create", name)
+        p = r.resp.create.placement
+        if not p.writable or p.size != nbytes:
+            self._conn._cleanup(r, "create", name)
+            raise InternalError("create", name, "daemon sent no writable placement of the requested size")
+        try:
+            mem = self._memory(r, p, desc, pb.Request(abort=pb.AbortRequest(name=name)), "create", name)
+        except BaseException:
+            self._conn._cleanup(r, "create", name)
+            raise
+        return Object(self, name, mem)
+
+    def put(self, name: str, data: Any, device: Any = None, *, shared: bool = False) -> ObjectInfo:
+        """Copy ``data`` into a new sealed object and return its info. ``data`` is a
+        torch.Tensor (CPU or CUDA), a CuPy or NumPy array, or any bytes-like object.
+        ``device`` defaults to where the data is; GPU->GPU copies run on the data's
+        current stream and finish before the seal. dtype and shape are recorded."""
+        src = _Source.of(data)
+        if device is None:
+            device = src.ordinal if src.ordinal is not None else "host"
+        obj = self.create(name, src.nbytes, device, shared=shared,
+                          dtype=src.dtype, shape=src.shape)
+        try:
+            src.copy_to(obj._live())
+        except BaseException:
+            obj.abort()
+            raise
+        obj.seal()
+        return self.stat(name)
+
+    # -- get ---------------------------------------------------------------------------
+    def get(self, name: str, timeout: Optional[float] = None) -> Lease:
+        """Wait until ``name`` exists and is sealed (at most ``timeout`` seconds; None:
+        without limit; 0: not at all), then lease it. Raises Timeout when it is not
+        sealed in time."""
+        if timeout is None:
+            ms = -1
+        else:
+            ms = max(int(timeout * 1000), 0)
+        r = self._conn.call(pb.Request(get=pb.GetRequest(name=name, timeout_ms=ms)), "get", name)
+        g = r.resp.get
+        p = g.placement
+        if p.writable:
+            self._conn._cleanup(r, "get", name)
+            raise InternalError("get", name, "daemon sent a writable placement for a get")
+        info = ObjectInfo._from_pb(g.info) if g.HasField("info") and g.info.name else ObjectInfo(
+            name, p.size, p.device, True, 1, False, 0, datetime.datetime.now(datetime.timezone.utc), None, None)
+        try:
+            mem = self._memory(r, p, info.tensor, pb.Request(release=pb.ReleaseRequest(lease_id=g.lease_id)), "get", name)
+        except BaseException:
+            self._conn._cleanup(r, "get", name)
+            raise
+        return Lease(mem, g.lease_id, info)
+
+    def _memory(self, r: Reply, p: Any, desc: Optional[TensorDesc], end: Any, op: str, name: str) -> _Memory:
+        if p.device in ("", "host"):
+            if r.arena is None:
+                raise InternalError(op, name, "host placement without a mapped arena")
+            return _Memory(self._conn, p.size, "host", r.arena.addr + p.offset, None, p.writable,
+                           r.arena, None, end, desc, "")
+        if p.region:
+            return self._ipc_memory(p, desc, end, op, name)
+        if r.fd >= 0:
+            fd, r.fd = r.fd, -1
+            return self._fd_memory(fd, p, desc, end, op, name)
+        raise InternalError(op, name, "GPU placement with neither a region nor a descriptor")
+
+    def _ipc_memory(self, p: Any, desc: Optional[TensorDesc], end: Any, op: str, name: str) -> _Memory:
+        from . import _cuda
+        try:
+            arena = Region.from_bytes(p.region)
+        except Exception as e:  # noqa: BLE001
+            raise InternalError(op, name, "daemon sent an invalid region: %s" % e) from None
+        if p.offset + p.size > arena.size:
+            raise InternalError(op, name, "placement [%d, %d) lies outside the arena's %d-byte region" % (p.offset, p.offset + p.size, arena.size))
+        if arena.device_uuid != p.device:
+            raise InternalError(op, name, "placement on %s comes with a region of %s" % (p.device, arena.device_uuid))
+        r = arena.sub(p.offset, p.size)
+        from .region import local_identity
+        ns, boot = local_identity()
+        if r.boot_id != boot or r.pid_namespace != ns:
+            raise InternalError(op, name, "the daemon runs in another PID namespace or boot: legacy CUDA IPC cannot reach it "
+                                "(start the daemon with 'cudaipc serve --gpu-share fd', or share its PID namespace)")
+        ordinal = _cuda.pick_ordinal(r.device)
+        base = _cuda.ipc_open(r.handle, r.buffer_id, ordinal)
+        close = _GPUClose(_cuda.ipc_close, r.handle, r.buffer_id, ordinal)
+        return _Memory(self._conn, p.size, p.device, base + r.offset, ordinal, p.writable, None,
+                       close, end, desc, "ipc")
+
+    def _fd_memory(self, fd: int, p: Any, desc: Optional[TensorDesc], end: Any, op: str, name: str) -> _Memory:
+        from . import _cuda
+        try:
+            with self._fd_lock:
+                e = self._fd_arenas.get(p.arena_id)
+                if e is None:
+                    ordinal = _cuda.pick_ordinal(parse_gpu_uuid(p.device))
+                    e = [_cuda.FDArena(fd, p.arena_size, ordinal), 0]
+                    self._fd_arenas[p.arena_id] = e
+                if p.offset + p.size > e[0].size:
+                    raise InternalError(op, name, "placement [%d, %d) lies outside arena %d's %d-byte mapping" % (p.offset, p.offset + p.size, p.arena_id, e[0].size))
+                e[1] += 1
+        finally:
+            os.close(fd)
+        close = _GPUClose(self._fd_unref, p.arena_id, e)
+        return _Memory(self._conn, p.size, p.device, e[0].ptr + p.offset, e[0].ordinal, p.writable, None,
+                       close, end, desc, "fd")
+
+    def _fd_unref(self, arena_id: int, e: List[Any]) -> None:
+        with self._fd_lock:
+            e[1] -= 1
+            if e[1] > 0:
+                return
+            if self._fd_arenas.get(arena_id) is e:
+                del self._fd_arenas[arena_id]
+        e[0].close()
+
+    # -- the rest --------------------------------------------------------------------------
+    def stat(self, name: str) -> ObjectInfo:
+        """Describe one object; NotFound if there is none this user may read."""
+        r = self._conn.call(pb.Request(stat=pb.StatRequest(name=name)), "stat", name)
+        return ObjectInfo._from_pb(r.resp.stat.info)
+
+    def ls(self) -> List[ObjectInfo]:
+        """The objects this user may read, sorted by name."""
+        out: List[ObjectInfo] = []
+        after = ""
+        while True:
+            r = self._conn.call(pb.Request(list=pb.ListRequest(start_after=after)), "list")
+            page = r.resp.list
+            out.extend(ObjectInfo._from_pb(o) for o in page.objects)
+            if not page.more or not page.objects:
+                return out
+            after = out[-1].name
+
+    def rm(self, name: str) -> None:
+        """Remove the object's name now; its memory is freed when its last lease ends."""
+        self._conn.call(pb.Request(delete=pb.DeleteRequest(name=name)), "delete", name)
+
+    def subscribe(self, timeout: Optional[float] = None) -> Iterator[Event]:
+        """Iterate over store events (seals, deletions, evictions, aborts) from now on.
+        With a timeout (seconds), the iteration ends when no event comes for that long."""
+        if not self._conn.subscribed:
+            self._conn.call(pb.Request(subscribe=pb.SubscribeRequest()), "subscribe")
+            self._conn.subscribed = True
+        return self._events(timeout)
+
+    def _events(self, timeout: Optional[float]) -> Iterator[Event]:
+        while True:
+            ev = self._conn.wait_event(timeout)
+            if ev is None:
+                return
+            kind = _EVENT_KINDS.get(ev.kind)
+            if kind is not None:
+                yield Event(kind, ev.name)
+
+    def __repr__(self) -> str:
+        return "<cudaipc.Store %s backend=%s>" % (self.socket, getattr(self, "server", None) and self.server.backend)
+
+
+def connect(socket: Optional[str] = None, client_name: Optional[str] = None) -> Store:
+    """Connect to the store daemon at ``socket`` (default: :func:`default_socket_path`,
+    which honours $CUDAIPC_SOCKET). Raises StoreGone when there is no daemon."""
+    return Store(socket, client_name)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def _resolve_device(device: Any) -> str:
+    """The protocol's device string: "" for host, a GPU UUID for a GPU."""
+    if device is None or device == "host" or device == "":
+        return ""
+    if type(device).__module__.startswith("torch") and hasattr(device, "type"):  # torch.device
+        if device.type == "cpu":
+            return ""
+        device = device.index if device.index is not None else 0
+    if isinstance(device, str) and device.startswith("cuda"):
+        device = int(device[5:] or 0) if device != "cuda" else 0
+    if isinstance(device, str) and device.lstrip("-").isdigit():
+        device = int(device)
+    if isinstance(device, int) and not isinstance(device, bool):
+        from . import _cuda
+        us = _cuda.uuids()
+        if not 0 <= device < len(us):
+            raise InvalidArgument("create", "", "GPU ordinal %d: this process sees %d GPUs" % (device, len(us)))
+        return gpu_uuid_text(us[device])
+    if isinstance(device, str):
+        try:
+            return gpu_uuid_text(parse_gpu_uuid(device))
+        except ValueError:
+            pass
+    raise InvalidArgument("create", "", "device %r: want None or 'host', a GPU ordinal, 'cuda:N' or a GPU UUID" % (device,))
+
+
+def _desc(nbytes: int, dtype: Any, shape: Optional[Sequence[int]], strides: Optional[Sequence[int]], name: str) -> Optional[TensorDesc]:
+    if dtype is None:
+        if shape is not None or strides is not None:
+            raise InvalidArgument("create", name, "shape and strides need a dtype")
+        return None
+    try:
+        dn = _views.dtype_name(dtype)
+        lay = _views.resolve_layout(nbytes, None, dn, shape)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument("create", name, str(e)) from None
+    st = tuple(int(s) for s in strides) if strides is not None else None
+    if st is not None:
+        if len(st) != len(lay.shape) or any(s < 0 for s in st):
+            raise InvalidArgument("create", name, "strides %r: want one non-negative stride per dimension of %r" % (st, lay.shape))
+        lay = _views.Layout(dn, lay.shape, st)
+        if lay.extent() > nbytes:
+            raise InvalidArgument("create", name, "shape %r with strides %r of %s needs %d bytes; the object has %d" % (lay.shape, st, dn, lay.extent(), nbytes))
+    return TensorDesc(dn, lay.shape, st)
+
+
+class _Source:
+    """What put copies from: host bytes (an address) or device memory (a pointer)."""
+
+    def __init__(self, nbytes: int, dtype: Optional[str], shape: Optional[Tuple[int, ...]],
+                 addr: int, ordinal: Optional[int], keep: Any, stream: int = 0):
+        self.nbytes, self.dtype, self.shape = nbytes, dtype, shape
+        self.addr, self.ordinal, self.keep, self.stream = addr, ordinal, keep, stream
+
+    @classmethod
+    def of(cls, data: Any) -> "_Source":
+        mod = type(data).__module__
+        if mod.startswith("torch"):
+            t = data.contiguous()
+            dn = str(t.dtype).replace("torch.", "")
+            if t.is_cuda:
+                import torch
+                s = torch.cuda.current_stream(t.device).cuda_stream
+                return cls(t.numel() * t.element_size(), dn, tuple(t.shape), t.data_ptr(), t.device.index, t, s)
+            return cls(t.numel() * t.element_size(), dn, tuple(t.shape), t.data_ptr(), None, t)
+        if mod.startswith("cupy"):
+            import cupy
+            a = cupy.ascontiguousarray(data)
+            return cls(a.nbytes, a.dtype.name, tuple(a.shape), a.data.ptr, a.device.id, a,
+                       cupy.cuda.get_current_stream().ptr)
+        if mod.startswith("numpy"):
+            import numpy as np
+            a = np.ascontiguousarray(data)
+            return cls(a.nbytes, _views.dtype_name(a.dtype) if a.dtype.name in _views.DTYPES else None,
+                       tuple(a.shape) if a.dtype.name in _views.DTYPES else None, a.ctypes.data, None, a)
+        mv = memoryview(data).cast("B")
+        if not mv.contiguous:
+            raise InvalidArgument("put", "", "the buffer is not contiguous")
+        buf = (ctypes.c_char * mv.nbytes).from_buffer_copy(mv) if mv.readonly else (ctypes.c_char * mv.nbytes).from_buffer(mv)
+        return cls(mv.nbytes, None, None, ctypes.addressof(buf), None, (mv, buf))
+
+    def copy_to(self, m: _Memory) -> None:
+        if self.nbytes == 0:
+            return
+        if not m.is_gpu and self.ordinal is None:
+            ctypes.memmove(m.addr, self.addr, self.nbytes)
+            return
+        from . import _cuda
+        cu = _cuda.driver()
+        if m.is_gpu and self.ordinal is not None:
+            _cuda.make_current(self.ordinal)
+            _cuda.memcpy_dtod(m.addr, self.addr, self.nbytes, cu.CUstream(self.stream))
+        elif m.is_gpu:
+            _cuda.make_current(m.ordinal)  # type: ignore[arg-type]
+            _cuda.memcpy_htod(m.addr, self.addr, self.nbytes)
+        else:
+            _cuda.make_current(self.ordinal)  # type: ignore[arg-type]
+            _cuda.check("cuStreamSynchronize", cu.cuStreamSynchronize(cu.CUstream(self.stream)))
+            _cuda.memcpy_dtoh(m.addr, self.addr, self.nbytes)
+
+
+_ = (Closed, CudaError, StoreError, Union)
