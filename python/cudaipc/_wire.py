@@ -127,7 +127,7 @@ class Conn:
         """Send req and wait for its reply; raise the StoreError of a failed response."""
         with self._cv:
             if self.dead is not None:
-                raise type(self.dead)(op, name, self.dead.message)
+                raise type(self.dead)(op, name, self.dead.message, code=self.dead.code)
         rid = self.send(req)
         with self._cv:
             self._waiting.add(rid)
@@ -334,8 +334,7 @@ class Conn:
             if self.closed:
                 return
             self.closed = True
-            if self.dead is None:
-                self.dead = Closed("call")
+            self.dead = Closed("call")
             self._cv.notify_all()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)

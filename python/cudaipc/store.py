@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import re
 import datetime
 import os
 import sys
@@ -649,8 +650,8 @@ def _resolve_device(device: Any) -> str:
         if device.type == "cpu":
             return ""
         device = device.index if device.index is not None else 0
-    if isinstance(device, str) and device.startswith("cuda"):
-        device = int(device[5:] or 0) if device != "cuda" else 0
+    if isinstance(device, str) and re.fullmatch(r"cuda(:\d+)?", device):
+        device = int(device[5:] or 0)
     if isinstance(device, str) and device.lstrip("-").isdigit():
         device = int(device)
     if isinstance(device, int) and not isinstance(device, bool):

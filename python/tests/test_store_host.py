@@ -1,0 +1,368 @@
+"""The store client against a real daemon, host memory (runs on any machine)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import cudaipc
+from conftest import PYROOT, Daemon, need_module
+
+np = pytest.importorskip("numpy", reason="NumPy is needed for the array tests (python3-numpy)")
+
+
+def rand_bytes(n: int) -> bytes:
+    return os.urandom(n)
+
+
+def wait_leases(store: cudaipc.Store, name: str, want: int, timeout: float = 5.0) -> int:
+    """Leases the daemon reports for name, polled until want (releases are pipelined)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        n = store.stat(name).leases
+        if n == want or time.monotonic() > deadline:
+            return n
+        time.sleep(0.01)
+
+
+def test_connect_reports_server(store):
+    assert store.server.version == 1
+    assert store.server.backend == "host"
+    assert store.server.pid > 0
+
+
+def test_default_socket_path(monkeypatch):
+    monkeypatch.setenv("CUDAIPC_SOCKET", "/x/y.sock")
+    assert cudaipc.default_socket_path() == "/x/y.sock"
+    monkeypatch.delenv("CUDAIPC_SOCKET")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/5")
+    assert cudaipc.default_socket_path() == "/run/user/5/cudaipc/store.sock"
+
+
+def test_connect_uses_env(daemon, monkeypatch):
+    monkeypatch.setenv("CUDAIPC_SOCKET", daemon.socket)
+    with cudaipc.connect() as s:
+        assert s.socket == daemon.socket
+
+
+@pytest.mark.parametrize("size", [1, 4095, 4096, 1 << 20, (8 << 20) + 3])
+def test_put_get_bytes(store, size):
+    data = rand_bytes(size)
+    info = store.put("b%d" % size, data)
+    assert info.size == size and info.sealed and info.device == "host" and info.tensor is None
+    with store.get("b%d" % size, timeout=1) as lease:
+        mv = lease.memoryview()
+        assert mv.readonly and mv.nbytes == size
+        assert bytes(mv) == data
+        assert lease.read() == data
+        del mv
+
+
+def test_numpy_roundtrip_zero_copy(store):
+    a = np.random.default_rng().standard_normal((64, 33)).astype(np.float32)
+    store.put("a", a)
+    lease = store.get("a")
+    assert lease.tensor_desc == cudaipc.TensorDesc("float32", (64, 33))
+    x = lease.numpy()
+    assert x.dtype == np.float32 and x.shape == (64, 33)
+    assert np.array_equal(x, a)
+    assert not x.flags.writeable
+    # Zero copy: the array is the lease's memory, not a copy of it.
+    assert x.__array_interface__["data"][0] == lease.data_ptr
+    y = lease.numpy()
+    assert y.__array_interface__["data"][0] == x.__array_interface__["data"][0]
+    # Reinterpreting: another dtype and shape of the same bytes.
+    raw = lease.numpy("uint8")
+    assert raw.nbytes == a.nbytes and raw.tobytes() == a.tobytes()
+    v = lease.numpy(np.float32, (-1,))
+    assert v.shape == (64 * 33,)
+
+
+def test_torch_cpu_roundtrip_zero_copy(store):
+    need_module("torch")
+    import torch
+    t = torch.randn(17, 5, dtype=torch.float64)
+    store.put("t", t)
+    lease = store.get("t")
+    u = lease.tensor()
+    assert u.device.type == "cpu" and u.dtype == torch.float64 and tuple(u.shape) == (17, 5)
+    assert torch.equal(u, t)
+    assert u.data_ptr() == lease.data_ptr
+    b = torch.randn(4, 8).to(torch.bfloat16)
+    store.put("bf", b)
+    with store.get("bf") as l2:
+        got = l2.tensor()
+        assert got.dtype == torch.bfloat16 and torch.equal(got, b)
+        with pytest.raises(TypeError):
+            l2.numpy()  # NumPy has no bfloat16
+        assert l2.numpy("uint16").tobytes() == b.view(torch.int16).numpy().tobytes()
+
+
+def test_views_hold_the_lease_after_release(store, daemon):
+    """A view stays valid after release() and after the with block; the daemon sees the
+    lease end only when the last view is collected."""
+    a = np.frombuffer(rand_bytes(1 << 16), dtype=np.uint8).copy()
+    store.put("held", a)
+    other = cudaipc.connect(daemon.socket)
+    with store.get("held") as lease:
+        x = lease.numpy()
+        mv = lease.memoryview()
+    assert lease.released
+    with pytest.raises(cudaipc.InvalidArgument):
+        lease.numpy()
+    assert other.stat("held").leases == 1
+    other.rm("held")  # deleted: the memory stays while leased
+    with pytest.raises(cudaipc.NotFound):
+        other.stat("held")
+    # Put enough to reuse freed memory if the lease had ended.
+    for i in range(4):
+        other.put("filler%d" % i, rand_bytes(1 << 16))
+    assert np.array_equal(x, a) and bytes(mv) == a.tobytes()
+    del x
+    gc.collect()
+    assert bytes(mv[:16]) == a[:16].tobytes()
+    other.close()
+
+
+def test_lease_ends_when_last_view_collected(store, daemon):
+    store.put("v", rand_bytes(1000))
+    watcher = cudaipc.connect(daemon.socket)
+    lease = store.get("v")
+    views = [lease.numpy(), lease.memoryview()]
+    try:
+        import torch  # noqa: F401
+        views.append(lease.tensor())
+    except ImportError:
+        pass
+    lease.release()
+    del lease
+    gc.collect()
+    assert watcher.stat("v").leases == 1
+    while views:
+        views.pop()
+        gc.collect()
+        assert wait_leases(watcher, "v", 1 if views else 0) == (1 if views else 0)
+    watcher.close()
+
+
+def test_create_fill_in_place_and_seal(store, daemon):
+    o = store.create("c", 4 * 100, dtype="int32", shape=(10, 10))
+    want = np.random.default_rng().integers(-2**31, 2**31 - 1, size=(10, 10), dtype=np.int32)
+    w = o.numpy()
+    assert w.flags.writeable and w.shape == (10, 10)
+    w[:] = want
+    del w
+    o.seal()
+    with pytest.raises(cudaipc.InvalidArgument):
+        o.numpy()
+    with cudaipc.connect(daemon.socket) as r:
+        with r.get("c") as lease:
+            assert np.array_equal(lease.numpy(), want)
+
+
+def test_object_write_and_abort(store):
+    o = store.create("w", 10)
+    o.write(b"abc", 7)
+    with pytest.raises(cudaipc.InvalidArgument):
+        o.write(b"abcd", 7)
+    o.abort()
+    with pytest.raises(cudaipc.NotFound):
+        store.stat("w")
+    with store.create("w2", 4) as o2:
+        o2.write(b"wxyz")
+    assert store.get("w2").read() == b"wxyz"
+
+
+def test_unsealed_object_collected_is_aborted(store):
+    events = store.subscribe(timeout=5)
+    o = store.create("gone", 100)
+    del o
+    gc.collect()
+    assert next(events) == cudaipc.Event("aborted", "gone")
+
+
+def test_ls_stat_rm_subscribe(store, daemon):
+    events = store.subscribe(timeout=5)
+    names = ["m/layer.%d" % i for i in range(5)]
+    with cudaipc.connect(daemon.socket) as w:
+        for n in names:
+            w.put(n, rand_bytes(100))
+        got = [next(events) for _ in names]
+        assert got == [cudaipc.Event("sealed", n) for n in names]
+        assert [o.name for o in store.ls()] == sorted(names)
+        st = store.stat(names[0])
+        assert st.size == 100 and st.sealed and st.owner_uid == os.getuid() and st.region is None
+        w.rm(names[0])
+        assert next(events) == cudaipc.Event("deleted", names[0])
+    assert list(store.subscribe(timeout=0.05)) == []
+
+
+def test_get_waits_while_other_calls_proceed(store, daemon):
+    out = {}
+
+    def waiter():
+        try:
+            with store.get("later", timeout=10) as l:
+                out["data"] = l.read()
+        except Exception as e:  # noqa: BLE001
+            out["err"] = e
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    time.sleep(0.1)
+    store.put("meanwhile", b"1")          # the same connection is not blocked
+    assert store.stat("meanwhile").size == 1
+    data = rand_bytes(777)
+    with cudaipc.connect(daemon.socket) as w:
+        w.put("later", data)
+    th.join(10)
+    assert out.get("data") == data, out
+
+
+def test_bad_input(store):
+    with pytest.raises(cudaipc.NotFound):
+        store.stat("no-such-object")
+    with pytest.raises(cudaipc.NotFound):
+        store.rm("no-such-object")
+    with pytest.raises(cudaipc.Timeout) as e:
+        store.get("no-such-object", timeout=0.05)
+    assert isinstance(e.value, TimeoutError)
+    with pytest.raises(cudaipc.InvalidArgument):
+        store.get("bad\x00name", timeout=0)
+    with pytest.raises(cudaipc.InvalidArgument):
+        store.create("", 10)
+    with pytest.raises(cudaipc.InvalidArgument):
+        store.create("zero", 0)
+    with pytest.raises(cudaipc.InvalidArgument):
+        store.create("typed", 10, dtype="float32", shape=(3,))      # 12 bytes in 10
+    with pytest.raises(cudaipc.InvalidArgument):
+        store.create("typed", 10, dtype="float33")
+    with pytest.raises(cudaipc.InvalidArgument):
+        store.create("typed", 10, device="cuda-ish")
+    store.put("x", b"12345678")
+    with pytest.raises(cudaipc.Exists):
+        store.put("x", b"1")
+    with store.get("x") as l:
+        with pytest.raises(ValueError):
+            l.numpy("float64", (2,))        # 16 bytes from an 8-byte object
+        with pytest.raises(ValueError):
+            l.numpy("float32", (3, -1))     # does not divide
+        with pytest.raises(TypeError):
+            l.numpy("float128")
+        with pytest.raises(TypeError):
+            l.cupy()                        # a host object
+
+
+def test_daemon_rejects_bad_descriptor_itself(store):
+    """The daemon checks descriptors too (a client that skips the checks)."""
+    from cudaipc import _store_pb2 as pb
+    req = pb.Request(create=pb.CreateRequest(name="raw", size=8, tensor=pb.TensorDesc(dtype="float64", shape=[2])))
+    with pytest.raises(cudaipc.InvalidArgument) as e:
+        store._conn.call(req, "create", "raw")
+    assert "spans more than" in str(e.value)
+
+
+def test_dead_daemon(cudaipc_bin, tmp_path):
+    with pytest.raises(cudaipc.StoreGone) as e:
+        cudaipc.connect(str(tmp_path / "none.sock"))
+    assert "cudaipc serve" in str(e.value) and isinstance(e.value, ConnectionError)
+    d = Daemon(cudaipc_bin, ["--backend", "host"])
+    s = cudaipc.connect(d.socket)
+    s.put("x", b"abc")
+    lease = s.get("x")
+    view = lease.memoryview()
+    d.proc.kill()
+    d.proc.wait()
+    with pytest.raises(cudaipc.StoreGone):
+        s.stat("x")
+    with pytest.raises(cudaipc.StoreGone):
+        s.put("y", b"1")
+    assert bytes(view) == b"abc"  # the mapping outlives the daemon
+    del view
+    lease.release()
+    s.close()
+    with pytest.raises(cudaipc.Closed):
+        s.stat("x")
+    d.stop()
+
+
+HOLDER = r"""
+import sys, time
+sys.path.insert(0, sys.argv[2])
+import cudaipc
+s = cudaipc.connect(sys.argv[1])
+lease = s.get("victim", timeout=5)
+views = [lease.memoryview()]
+lease.release()
+print("holding", flush=True)
+time.sleep(60)
+"""
+
+
+def test_kill_9_of_a_lease_holder(store, daemon):
+    store.put("victim", rand_bytes(4096))
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, daemon.socket, PYROOT], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == b"holding"
+        assert store.stat("victim").leases == 1
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        assert wait_leases(store, "victim", 0) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_python_producer_go_consumer(store, daemon, tmp_path):
+    data = rand_bytes(3 << 20)
+    store.put("py2go", data)
+    out = tmp_path / "out.bin"
+    daemon.cli("get", "py2go", "-o", str(out))
+    assert out.read_bytes() == data
+    a = np.random.default_rng().standard_normal((8, 16)).astype(np.float16)
+    store.put("typed", a)
+    js = daemon.cli("stat", "typed", "--json").stdout
+    import json
+    t = json.loads(js)["tensor"]
+    assert t == {"dtype": "float16", "shape": [8, 16]}
+
+
+def test_go_producer_python_consumer(store, daemon, tmp_path):
+    data = rand_bytes(12 * 1024)
+    f = tmp_path / "in.bin"
+    f.write_bytes(data)
+    daemon.cli("put", str(f), "--name", "go2py", "--dtype", "float32", "--shape", "3,1024")
+    with store.get("go2py", timeout=5) as lease:
+        assert lease.tensor_desc == cudaipc.TensorDesc("float32", (3, 1024))
+        x = lease.numpy()
+        assert x.shape == (3, 1024) and x.tobytes() == data
+    daemon.cli("put", str(f), "--name", "go2py-strided", "--dtype", "uint8", "--shape", "2,3",
+               "--strides", "100,7")
+    with store.get("go2py-strided") as lease:
+        x = lease.numpy()
+        assert x.strides == (100, 7)
+        assert x[1, 2] == data[114]
+    r = daemon.cli("put", str(f), "--name", "bad", "--dtype", "float64", "--shape", "2000", check=False)
+    assert r.returncode != 0 and b"spans more than" in r.stderr
+
+
+def test_many_leases_and_arena_growth(store, daemon):
+    """Objects in several arenas and an arena that grows; each lease reads its own bytes."""
+    blobs = {("g%d" % i): rand_bytes(1 << (10 + i % 12)) for i in range(40)}
+    with cudaipc.connect(daemon.socket) as w:
+        for n, b in blobs.items():
+            w.put(n, b)
+    leases = {n: store.get(n) for n in blobs}
+    for n, l in leases.items():
+        assert l.read() == blobs[n], n
+    for l in leases.values():
+        l.release()
+    assert all(wait_leases(store, n, 0) == 0 for n in list(blobs)[:3])
