@@ -27,7 +27,7 @@ __all__ = ["Region", "KIND_CUDA_IPC", "KIND_VMM_FD", "KIND_HOST", "BINARY_SIZE",
 KIND_CUDA_IPC = 1
 """Memory from cuMemAlloc/cudaMalloc exported with cuIpcGetMemHandle ("cuda-ipc")."""
 KIND_VMM_FD = 2
-"""Reserved: VMM allocations passed as POSIX file descriptors ("vmm-fd")."""
+"""A VMM allocation (cuMemCreate) whose POSIX file descriptor travels beside the region ("vmm-fd")."""
 KIND_HOST = 3
 """Reserved: shared host memory ("host")."""
 
@@ -35,7 +35,7 @@ _KIND_NAMES = {KIND_CUDA_IPC: "cuda-ipc", KIND_VMM_FD: "vmm-fd", KIND_HOST: "hos
 VERSION = 1
 BINARY_SIZE = 164
 _MAGIC = b"CIPR"
-_FIELDS = ("version", "kind", "handle", "offset", "size", "alloc_size", "device",
+_FIELDS = ("version", "kind", "handle", "allocation_id", "offset", "size", "alloc_size", "device",
            "exporter_pid", "pid_namespace", "boot_id", "buffer_id", "exporter_base")
 _U63 = 1 << 63
 
@@ -79,7 +79,7 @@ class Region:
     another process with :func:`cudaipc.import_region`.
     """
 
-    handle: bytes          # 64 bytes: cuIpcGetMemHandle of the allocation's base
+    handle: bytes          # cuda-ipc: 64 bytes of cuIpcGetMemHandle of the allocation's base; vmm-fd: 64 zero bytes
     offset: int            # first byte of the region inside the allocation
     size: int              # length in bytes, > 0
     alloc_size: int        # size of the whole allocation
@@ -87,10 +87,11 @@ class Region:
     exporter_pid: int
     pid_namespace: int     # inode of the exporter's /proc/self/ns/pid
     boot_id: bytes         # 16 bytes of /proc/sys/kernel/random/boot_id
-    buffer_id: int         # CU_POINTER_ATTRIBUTE_BUFFER_ID of the allocation
+    buffer_id: int         # cuda-ipc: CU_POINTER_ATTRIBUTE_BUFFER_ID of the allocation; vmm-fd: 0
     exporter_base: int     # the allocation's base address in the exporter
     kind: int = KIND_CUDA_IPC
     version: int = VERSION
+    allocation_id: bytes = bytes(16)  # vmm-fd: 16 bytes naming the allocation; cuda-ipc: zero
 
     # -- validation ---------------------------------------------------------
     def validate(self) -> None:
@@ -98,16 +99,25 @@ class Region:
         bad = InvalidRegion
         if self.version != VERSION:
             raise bad("version", "%d: this package reads version %d" % (self.version, VERSION))
-        if self.kind in (KIND_VMM_FD, KIND_HOST):
+        if self.kind == KIND_HOST:
             raise bad("kind", "%s (%d) is reserved and not implemented by this version" % (_KIND_NAMES[self.kind], self.kind))
         if self.kind == 0:
             raise bad("kind", "missing")
-        if self.kind != KIND_CUDA_IPC:
+        if self.kind not in (KIND_CUDA_IPC, KIND_VMM_FD):
             raise bad("kind", "unknown kind %d" % self.kind)
         if len(self.handle) != 64:
             raise bad("handle", "%d bytes, want 64" % len(self.handle))
-        if self.handle == bytes(64):
+        if len(self.allocation_id) != 16:
+            raise bad("allocation_id", "%d bytes, want 16" % len(self.allocation_id))
+        ipc = self.kind == KIND_CUDA_IPC
+        if ipc and self.handle == bytes(64):
             raise bad("handle", "all zero bytes: not an exported handle")
+        if ipc and self.allocation_id != bytes(16):
+            raise bad("allocation_id", "set in a cuda-ipc region: only vmm-fd regions have one")
+        if not ipc and self.allocation_id == bytes(16):
+            raise bad("allocation_id", "zero: a vmm-fd region names its allocation by a non-zero id")
+        if not ipc and self.handle != bytes(64):
+            raise bad("handle", "set in a vmm-fd region: its descriptor travels beside the region, not in it")
         if not 0 < self.size < _U63:
             raise bad("size", "%d: must be positive" % self.size)
         if not 0 <= self.offset < _U63:
@@ -125,8 +135,10 @@ class Region:
             raise bad("pid_namespace", "zero: want the inode of the exporter's /proc/self/ns/pid")
         if len(self.boot_id) != 16 or self.boot_id == bytes(16):
             raise bad("boot_id", "zero: want the exporter's /proc/sys/kernel/random/boot_id")
-        if self.buffer_id == 0:
+        if ipc and self.buffer_id == 0:
             raise bad("buffer_id", "zero: want CU_POINTER_ATTRIBUTE_BUFFER_ID of the allocation")
+        if not ipc and self.buffer_id != 0:
+            raise bad("buffer_id", "%d in a vmm-fd region: must be zero (the allocation id names the allocation)" % self.buffer_id)
         if self.exporter_base == 0:
             raise bad("exporter_base", "zero: want the allocation's base address in the exporter")
         if self.exporter_base + self.alloc_size >= 1 << 64:
@@ -145,6 +157,9 @@ class Region:
         return dataclasses.replace(self, offset=self.offset + off, size=size)
 
     def __repr__(self) -> str:  # never the handle's bytes: it is a capability
+        if self.kind == KIND_VMM_FD:
+            return "Region(vmm-fd %d bytes at +%d of %d, %s, pid %d, allocation %s)" % (
+                self.size, self.offset, self.alloc_size, self.device_uuid, self.exporter_pid, self.allocation_id.hex())
         return "Region(%s %d bytes at +%d of %d, %s, pid %d, buffer %d)" % (
             _KIND_NAMES.get(self.kind, self.kind), self.size, self.offset, self.alloc_size,
             self.device_uuid, self.exporter_pid, self.buffer_id)
@@ -155,7 +170,8 @@ class Region:
     def to_bytes(self) -> bytes:
         """The 164-byte binary encoding (docs/region.md)."""
         self.validate()
-        b = _MAGIC + struct.pack("<HH", self.version, self.kind) + self.handle
+        key = self.allocation_id + bytes(48) if self.kind == KIND_VMM_FD else self.handle
+        b = _MAGIC + struct.pack("<HH", self.version, self.kind) + key
         b += struct.pack("<QQQ", self.offset, self.size, self.alloc_size) + self.device
         b += struct.pack("<IIQ", self.exporter_pid, 0, self.pid_namespace) + self.boot_id
         b += struct.pack("<QQ", self.buffer_id, self.exporter_base)
@@ -186,9 +202,14 @@ class Region:
         (pid,) = struct.unpack_from("<I", b, 112)
         (ns,) = struct.unpack_from("<Q", b, 120)
         bid, base = struct.unpack_from("<QQ", b, 144)
-        r = cls(handle=b[8:72], offset=off, size=size, alloc_size=alloc, device=b[96:112],
+        handle, aid = b[8:72], bytes(16)
+        if kind == KIND_VMM_FD:
+            if any(b[24:72]):
+                raise InvalidRegion("handle", "bytes 24-71 of a vmm-fd region are reserved and must be zero")
+            handle, aid = bytes(64), b[8:24]
+        r = cls(handle=handle, offset=off, size=size, alloc_size=alloc, device=b[96:112],
                 exporter_pid=pid, pid_namespace=ns, boot_id=b[128:144], buffer_id=bid,
-                exporter_base=base, kind=kind, version=version)
+                exporter_base=base, kind=kind, version=version, allocation_id=aid)
         r.validate()
         return r
 
@@ -196,14 +217,20 @@ class Region:
     def to_dict(self) -> Dict[str, Any]:
         """The JSON encoding as a dict, fields in the order Go writes them."""
         self.validate()
-        return {
-            "version": self.version, "kind": _KIND_NAMES[self.kind],
-            "handle": base64.b64encode(self.handle).decode(),
+        d: Dict[str, Any] = {"version": self.version, "kind": _KIND_NAMES[self.kind]}
+        if self.kind == KIND_VMM_FD:
+            d["allocation_id"] = self.allocation_id.hex()
+        else:
+            d["handle"] = base64.b64encode(self.handle).decode()
+        d.update({
             "offset": self.offset, "size": self.size, "alloc_size": self.alloc_size,
             "device": self.device_uuid, "exporter_pid": self.exporter_pid,
             "pid_namespace": self.pid_namespace, "boot_id": _uuid_text(self.boot_id),
-            "buffer_id": self.buffer_id, "exporter_base": "0x%x" % self.exporter_base,
-        }
+        })
+        if self.kind != KIND_VMM_FD:
+            d["buffer_id"] = self.buffer_id
+        d["exporter_base"] = "0x%x" % self.exporter_base
+        return d
 
     def to_json(self) -> str:
         """The JSON encoding, byte for byte what Go's json.Marshal writes."""
@@ -239,6 +266,18 @@ class Region:
             if d["kind"] not in names:
                 raise InvalidRegion("kind", "unknown kind %r" % d["kind"])
             kind = names[d["kind"]]
+        if kind == KIND_VMM_FD and "handle" in d:
+            raise InvalidRegion("handle", "not a field of a vmm-fd region: its descriptor travels beside the region")
+        if kind == KIND_VMM_FD and "buffer_id" in d:
+            raise InvalidRegion("buffer_id", "not a field of a vmm-fd region")
+        if kind == KIND_CUDA_IPC and "allocation_id" in d:
+            raise InvalidRegion("allocation_id", "not a field of a cuda-ipc region")
+        aid = bytes(16)
+        if d.get("allocation_id") is not None:
+            v = d["allocation_id"]
+            if not isinstance(v, str) or not re.fullmatch(r"[0-9a-fA-F]{32}", v):
+                raise InvalidRegion("json", "allocation_id: %r: want 32 hex digits" % (v,))
+            aid = bytes.fromhex(v)
         handle = bytes(64)
         if d.get("handle"):
             try:
@@ -271,7 +310,7 @@ class Region:
         r = cls(handle=handle, offset=num("offset"), size=num("size"), alloc_size=num("alloc_size"),
                 device=device, exporter_pid=num("exporter_pid"), pid_namespace=num("pid_namespace"),
                 boot_id=boot, buffer_id=num("buffer_id"), exporter_base=base, kind=kind,
-                version=num("version"))
+                version=num("version"), allocation_id=aid)
         r.validate()
         return r
 
