@@ -96,6 +96,25 @@ func (c *Client) unref(m *mapping) {
 	}
 }
 
+// dropHostArenaLocked unmaps a host arena the daemon freed, unless an
+// Object or Lease still uses its mapping (then unref unmaps it later), and
+// closes its fd.
+func (c *Client) dropHostArenaLocked(k arenaKey) {
+	a := c.arenas[k]
+	if a == nil {
+		return
+	}
+	delete(c.arenas, k)
+	a.file.Close()
+	if m := a.cur; m != nil {
+		if m.refs == 0 {
+			_ = unix.Munmap(m.data)
+			m.data = nil
+		}
+		a.cur = nil // unref unmaps a mapping that is not current
+	}
+}
+
 // releaseArenasLocked unmaps every mapping nobody uses and closes the fds;
 // called by Close once the reader has stopped.
 func (c *Client) releaseArenasLocked() {

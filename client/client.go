@@ -43,6 +43,7 @@ type Client struct {
 	err       error                // why the connection ended; nil while it lives
 	closed    bool                 // Close was called
 
+	parked      parking       // idle GPU arenas kept mapped (park.go)
 	callTimeout time.Duration // bounds the calls that take no context
 	readerDone  chan struct{}
 }
@@ -69,6 +70,12 @@ type Options struct {
 	// most this long for the daemon to end the connection. 0 means
 	// DefaultCallTimeout. Calls that take a context are bounded by it.
 	CallTimeout time.Duration
+	// MaxIdleArenas bounds the GPU arenas this client keeps mapped after
+	// their last Object or Lease ended, so that the next Get in one costs
+	// no driver open (least recently used go first). Each is one driver
+	// mapping of a daemon arena (its memory is the daemon's, already
+	// allocated). 0 means DefaultMaxIdleArenas; negative keeps none.
+	MaxIdleArenas int
 }
 
 // reply is what the reader hands to a waiting call. The placement in a
@@ -114,7 +121,11 @@ func DialOptions(ctx context.Context, socket string, opts Options) (*Client, err
 	if err != nil {
 		return nil, dialError(socket, err)
 	}
+	if opts.MaxIdleArenas == 0 {
+		opts.MaxIdleArenas = DefaultMaxIdleArenas
+	}
 	c := &Client{
+		parked:      parking{max: opts.MaxIdleArenas, byID: make(map[uint64]*parkedArena)},
 		callTimeout: opts.CallTimeout,
 		conn:        conn,
 		socket:      socket,
@@ -221,6 +232,7 @@ func (c *Client) Close() error {
 	for _, u := range users {
 		u.closeGPU()
 	}
+	c.unparkAll()
 	// Half-close and wait for the daemon to hang up: it cleans up the
 	// session (aborts, releases) before it closes its end, so once the
 	// reader sees the end of the stream other connections see the cleanup.
@@ -259,6 +271,10 @@ func (c *Client) read() {
 			closeFiles(files)
 			if ev := resp.GetEvent(); ev != nil {
 				c.dispatch(ev)
+			}
+			if af := resp.GetArenasFreed(); af != nil {
+				// Unmapping can take a driver call: not on the reader.
+				go c.arenasFreed(af.GetArenaIds())
 			}
 			continue
 		}

@@ -23,11 +23,15 @@
 //   - GPU objects (CreateOptions.Device a GPU ordinal or UUID, on a daemon
 //     with the cuda backend) are mapped with cudaipc.Import through its
 //     process-wide cache: one driver open per daemon arena per process.
+//     An arena stays mapped after its last Object or Lease ends (up to
+//     Options.MaxIdleArenas idle arenas, least recently used dropped
+//     first), until the daemon says it freed the arena or the client
+//     closes: getting and releasing one object at a time costs one open.
 //     Use ReadAt/WriteAt, or Ptr and Mapping on the device; Bytes is nil.
 //     From a daemon started with --gpu-share fd, a GPU object comes as the
 //     file descriptor of its arena instead (GPUShare "fd"): the client
 //     imports each arena once (cudaipc.Device.ImportFD) and keeps it while
-//     an Object or Lease of this client uses it; Mapping is nil then, and
+//     an Object or Lease of this client uses it, or idle as above; Mapping is nil then, and
 //     Ptr and CUDADevice serve device code. This path works from another
 //     PID namespace (a container), which legacy IPC does not.
 //     The mapping is closed before Seal, Abort or Release reaches the

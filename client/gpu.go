@@ -223,6 +223,7 @@ func (c *Client) placeGPU(op, name string, p *storev1.Placement, f *os.File, v *
 			return err
 		}
 		v.fd = fdView{a: a, off: int64(p.GetOffset())}
+		c.parkFD(a)
 		return nil
 	}
 	if f != nil {
@@ -233,6 +234,7 @@ func (c *Client) placeGPU(op, name string, p *storev1.Placement, f *os.File, v *
 		return err
 	}
 	v.gpu = m
+	c.parkRegion(p)
 	return nil
 }
 

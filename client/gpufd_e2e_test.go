@@ -27,13 +27,13 @@ func startFDDaemon(t *testing.T) (*daemon, *cudaipc.Device) {
 // byte compared, by two others: a reader child and the test.
 func TestGPUFDObjectBetweenProcesses(t *testing.T) {
 	d, dev := startFDDaemon(t)
-	c := dial(t, d.socket)
+	c := dialNoIdle(t, d.socket) // every Release unmaps: counted below
 	const seed = 23
 	for _, size := range []int64{1, 4097, 1 << 20, 80<<20 + 3} { // the last one needs a second, larger arena
 		name := fmt.Sprintf("fd-%d", size)
 		env := append(gpuEnvs(d.socket, seed, name, 1, size), fdShare)
 		spawn(t, "gpu-producer", nil, env...).expect("sealed 1")
-		if got := spawn(t, "gpu-fd-reader", nil, env...).expect("ok"); got != "share=fd fdmaps=1 after=0" {
+		if got := spawn(t, "gpu-fd-reader", nil, env...).expect("ok"); got != "share=fd fdmaps=1 after=1" {
 			t.Errorf("%s: reader %s", name, got)
 		}
 		before := cudaipc.LiveObjects().FDMappings
@@ -75,17 +75,18 @@ func TestGPUFDObjectBetweenProcesses(t *testing.T) {
 }
 
 // Many objects in one arena cost a reader one ImportFD: while it holds 200
-// leases it has one FDMapping, and none after releasing them.
+// leases it has one FDMapping, and keeps it (idle) after releasing them.
 func TestGPUFDOneImportPerArena(t *testing.T) {
 	d, _ := startFDDaemon(t)
 	env := append(gpuEnvs(d.socket, 29, "many", 200, 64<<10), fdShare) // 12.5 MiB: one 64 MiB arena
 	spawn(t, "gpu-producer", nil, env...).expect("sealed 200")
-	if got, want := spawn(t, "gpu-fd-reader", nil, env...).expect("ok"), "share=fd fdmaps=1 after=0"; got != want {
+	if got, want := spawn(t, "gpu-fd-reader", nil, env...).expect("ok"), "share=fd fdmaps=1 after=1"; got != want {
 		t.Fatalf("reader: %s, want %s", got, want)
 	}
 	// The same in this process, with a writer's Object and readers' Leases
-	// of one arena: one import between them.
-	c := dial(t, d.socket)
+	// of one arena: one import between them, gone with the last of them
+	// when the client keeps no idle arenas.
+	c := dialNoIdle(t, d.socket)
 	ctx := context.Background()
 	before := cudaipc.LiveObjects().FDMappings
 	o, err := c.Create(ctx, "mixed-w", 64<<10, client.CreateOptions{Device: "0"})
@@ -132,7 +133,7 @@ func TestGPUFDNewPIDNamespace(t *testing.T) {
 		return spawnAttr(t, os.Args[0], "gpu-fd-reader", attr, append(env, nsEnv)...).line()
 	}
 	t.Run("fd", func(t *testing.T) {
-		if got := run(t, "fd"); got != "ok share=fd fdmaps=1 after=0" {
+		if got := run(t, "fd"); got != "ok share=fd fdmaps=1 after=1" {
 			t.Fatalf("reader in a new PID namespace: %s", got)
 		}
 	})

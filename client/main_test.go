@@ -313,6 +313,18 @@ func dial(t *testing.T, sock string) *client.Client {
 	return c
 }
 
+// dialNoIdle dials a client that keeps no idle GPU arenas mapped: every
+// mapping goes with its last Object or Lease.
+func dialNoIdle(t *testing.T, sock string) *client.Client {
+	t.Helper()
+	c, err := client.DialOptions(context.Background(), sock, client.Options{MaxIdleArenas: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
 // put creates, fills with random bytes and seals an object, returning
 // its contents.
 func put(t *testing.T, c *client.Client, name string, size int64) []byte {

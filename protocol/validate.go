@@ -143,6 +143,8 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 		return ValidateName(b.Stat.GetName())
 	case *storev1.Request_Subscribe:
 		return nil
+	case *storev1.Request_ForgetArenas:
+		return validateArenaIDs("forget_arenas", b.ForgetArenas.GetArenaIds())
 	case nil:
 		return Errorf(storev1.Error_INVALID, "request %d has no known operation", r.GetId())
 	default:
@@ -184,6 +186,8 @@ func RequestKind(r *storev1.Request) string {
 		return "stat"
 	case *storev1.Request_Subscribe:
 		return "subscribe"
+	case *storev1.Request_ForgetArenas:
+		return "forget_arenas"
 	default:
 		return "unknown"
 	}
@@ -227,9 +231,13 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		}
 		return nil
 	}
-	_, isEvent := r.GetBody().(*storev1.Response_Event)
+	var isEvent bool
+	switch r.GetBody().(type) {
+	case *storev1.Response_Event, *storev1.Response_ArenasFreed:
+		isEvent = true
+	}
 	if (r.GetId() == 0) != isEvent {
-		return invalid("id 0 is for events and events only")
+		return invalid("id 0 is for events (and arenas_freed) only")
 	}
 	placementFiles := 0
 	switch b := r.GetBody().(type) {
@@ -284,8 +292,12 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		if err := ValidateName(b.Event.GetName()); err != nil {
 			return invalid("event: " + err.Error())
 		}
+	case *storev1.Response_ArenasFreed:
+		if err := validateArenaIDs("arenas_freed", b.ArenasFreed.GetArenaIds()); err != nil {
+			return invalid(err.Error())
+		}
 	case *storev1.Response_Seal, *storev1.Response_Abort, *storev1.Response_Release,
-		*storev1.Response_Delete, *storev1.Response_Subscribe:
+		*storev1.Response_Delete, *storev1.Response_Subscribe, *storev1.Response_ForgetArenas:
 	case nil:
 		return invalid("success response without a known body")
 	default:
@@ -325,6 +337,22 @@ func validateInfo(o *storev1.ObjectInfo) error {
 	}
 	if ValidateDevice(o.GetDevice()) != nil {
 		return invalid("object info: bad device")
+	}
+	return nil
+}
+
+// MaxArenaIDs bounds the arena ids of one ForgetArenasRequest or
+// ArenasFreed.
+const MaxArenaIDs = 1024
+
+func validateArenaIDs(what string, ids []uint64) error {
+	if len(ids) == 0 || len(ids) > MaxArenaIDs {
+		return Errorf(storev1.Error_INVALID, "%s: %d arena ids, want 1 to %d", what, len(ids), MaxArenaIDs)
+	}
+	for _, id := range ids {
+		if id == 0 {
+			return Errorf(storev1.Error_INVALID, "%s: arena id 0", what)
+		}
 	}
 	return nil
 }

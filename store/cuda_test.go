@@ -163,12 +163,15 @@ func TestCUDABackendDevices(t *testing.T) {
 	}
 }
 
-// An arena is freed only when no object, sealed, unsealed or deleted but
-// leased, is left in it: clients may map it until then.
+// An arena is given back only when no object, sealed, unsealed or deleted
+// but leased, is left in it; its memory is freed once every connection it
+// was sent has forgotten it (ForgetArenas) or closed, since clients keep
+// idle arenas mapped.
 func TestCUDAArenaFreedWhenEmpty(t *testing.T) {
 	s, g := newFakeCUDAStore(t, Config{})
 	w := connect(t, s, 1000)
 	r := connect(t, s, 1000)
+	other := connect(t, s, 1000) // never sent the arena
 	for _, name := range []string{"a", "b"} {
 		if _, err := w.ss.create(name, 1<<20, fakeGPU, false); err != nil {
 			t.Fatal(err)
@@ -193,8 +196,31 @@ func TestCUDAArenaFreedWhenEmpty(t *testing.T) {
 	if err := r.ss.release(lp.leaseID); err != nil {
 		t.Fatal(err)
 	}
-	if g.liveCount() != 0 {
-		t.Fatal("arena kept after its last object went")
+	if g.liveCount() != 1 {
+		t.Fatal("arena freed while clients may still map it")
+	}
+	s.mu.Lock()
+	wf, rf, of := w.ss.takeFreedLocked(), r.ss.takeFreedLocked(), other.ss.takeFreedLocked()
+	s.mu.Unlock()
+	if len(wf) != 1 || wf[0] != lp.arenaID || len(rf) != 1 || rf[0] != lp.arenaID || len(of) != 0 {
+		t.Fatalf("told of freed arenas: writer %v, reader %v, other %v; want [%d] [%d] []", wf, rf, of, lp.arenaID, lp.arenaID)
+	}
+	// The capacity is back at once: a new arena fits.
+	if _, err := other.ss.create("c", 1<<20, fakeGPU, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := other.ss.forget([]uint64{lp.arenaID, 12345}); err != nil { // not held: ignored
+		t.Fatal(err)
+	}
+	if err := w.ss.forget([]uint64{lp.arenaID}); err != nil {
+		t.Fatal(err)
+	}
+	if g.liveCount() != 2 {
+		t.Fatal("arena freed while a client still maps it")
+	}
+	r.ss.close(errSessionClosed) // closing forgets too
+	if g.liveCount() != 1 {
+		t.Fatal("arena kept after every client forgot it")
 	}
 }
 

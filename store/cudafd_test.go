@@ -136,8 +136,17 @@ func TestCUDAFDPlacements(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	if g.liveCount() != 1 {
+		t.Fatal("arena freed while the client may still map it")
+	}
+	s.mu.Lock()
+	freed := c.ss.takeFreedLocked()
+	s.mu.Unlock()
+	if err := c.ss.forget(freed); err != nil {
+		t.Fatal(err)
+	}
 	if g.liveCount() != 0 {
-		t.Fatal("arena kept after its last object went")
+		t.Fatal("arena kept after its last object went and the client forgot it")
 	}
 	// Host objects still live in memfds sent once per connection.
 	if hp := c.put("host-obj", 100, false); len(hp) != 100 {

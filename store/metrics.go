@@ -25,6 +25,7 @@ type metrics struct {
 	rejected  *prometheus.CounterVec
 
 	eventsDropped prometheus.Counter
+	heldAfterFree prometheus.Gauge
 }
 
 const metricPrefix = "cudaipc_store_"
@@ -64,11 +65,15 @@ func newMetrics(s *Store) *metrics {
 			Name: metricPrefix + "events_dropped_total",
 			Help: "Events not delivered because a subscriber's queue was full.",
 		}),
+		heldAfterFree: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: metricPrefix + "arenas_held_after_free",
+			Help: "Empty GPU arenas given back to the allocator whose memory stays allocated until every client that mapped them unmaps them.",
+		}),
 	}
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	return errors.Join(reg.Register(m), reg.Register(m.evictions), reg.Register(m.requests), reg.Register(m.rejected), reg.Register(m.eventsDropped))
+	return errors.Join(reg.Register(m), reg.Register(m.evictions), reg.Register(m.requests), reg.Register(m.rejected), reg.Register(m.eventsDropped), reg.Register(m.heldAfterFree))
 }
 
 // Describe implements prometheus.Collector.

@@ -139,6 +139,7 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 	}}}); err != nil {
 		return
 	}
+	cn.wg.Go(cn.tellFreed)
 	log.Debug("client connected", "client", hello.GetHello().GetClientName())
 	s.metrics.requests.WithLabelValues("hello", "ok").Inc()
 
@@ -393,8 +394,37 @@ func (cn *conn) handle(req *storev1.Request) {
 			cn.pumping = true
 			cn.wg.Go(func() { cn.pump(events) })
 		}
+	case *storev1.Request_ForgetArenas:
+		if err := ss.forget(b.ForgetArenas.GetArenaIds()); err != nil {
+			fail(err)
+			return
+		}
+		ok(&storev1.Response{Body: &storev1.Response_ForgetArenas{ForgetArenas: &storev1.ForgetArenasResponse{}}})
 	default:
 		fail(protocol.Errorf(storev1.Error_INVALID, "unsupported operation %s", op))
+	}
+}
+
+// tellFreed sends the client the arenas given back that it maps
+// (ArenasFreed, id 0), until the session ends.
+func (cn *conn) tellFreed() {
+	s, ss := cn.s, cn.ss
+	for {
+		select {
+		case <-ss.notify:
+		case <-ss.ctx.Done():
+			return
+		}
+		s.mu.Lock()
+		ids := ss.takeFreedLocked()
+		s.mu.Unlock()
+		for len(ids) > 0 {
+			n := min(len(ids), protocol.MaxArenaIDs)
+			if cn.send(&storev1.Response{Body: &storev1.Response_ArenasFreed{ArenasFreed: &storev1.ArenasFreed{ArenaIds: ids[:n]}}}) != nil {
+				return
+			}
+			ids = ids[n:]
+		}
 	}
 }
 

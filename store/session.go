@@ -34,9 +34,12 @@ type session struct {
 	closed  bool
 	created map[*object]struct{} // live objects it created, sealed or not
 	leases  map[uint64]*lease
-	waiting int              // gets waiting for an object
-	sent    map[sentKey]bool // arenas (and modes) already sent
-	events  chan event       // nil until subscribed
+	waiting int                 // gets waiting for an object
+	sent    map[sentKey]bool    // arenas (and modes) already sent
+	holds   map[uint64]struct{} // arenas this connection maps (hold.go)
+	freed   []uint64            // arenas given back that it has not been told of
+	notify  chan struct{}       // signalled when freed grows
+	events  chan event          // nil until subscribed
 	// dropping is set while events are dropped for want of queue space,
 	// so that an episode is logged once.
 	dropping bool
@@ -127,6 +130,8 @@ func (s *Store) newSession(ctx context.Context, p peer) (*session, error) {
 		created: make(map[*object]struct{}),
 		leases:  make(map[uint64]*lease),
 		sent:    make(map[sentKey]bool),
+		holds:   make(map[uint64]struct{}),
+		notify:  make(chan struct{}, 1),
 	}
 	s.sessions[ss] = struct{}{}
 	return ss, nil
@@ -209,6 +214,7 @@ func (ss *session) placeLocked(o *object, writable bool) (placement, error) {
 		writable:  writable,
 	}
 	a := o.dev.arenas[ar.ID]
+	ss.holdLocked(o.dev, ar.ID)
 	if a.sharePerPlacement() {
 		// A GPU arena: its region or descriptor travels in every
 		// placement, so that clients need no per-connection state for it.
@@ -629,6 +635,9 @@ func (ss *session) close(cause error) {
 	clear(ss.created)
 	for _, l := range ss.leases {
 		ss.releaseLocked(l)
+	}
+	for id := range ss.holds {
+		ss.forgetLocked(id)
 	}
 	if aborted > 0 || released > 0 {
 		s.log.Info("connection closed: cleaned up", "session", ss.id, "pid", ss.peer.pid, "uid", ss.peer.uid,

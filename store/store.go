@@ -100,6 +100,7 @@ type Store struct {
 	series      map[string]*series // versioned names
 	published   chan struct{}      // closed and replaced when a version is published
 	leases      int
+	holds       map[uint64]*arenaHold // by arena id: connections that map the arena
 	nextArena   uint64
 	nextLease   uint64
 	nextSession uint64
@@ -196,6 +197,7 @@ func New(cfg Config) (*Store, error) {
 		subscribers: make(map[*session]struct{}),
 		series:      make(map[string]*series),
 		published:   make(chan struct{}),
+		holds:       make(map[uint64]*arenaHold),
 	}
 	reg := cfg.Registerer
 	if reg == nil {
@@ -250,16 +252,13 @@ func (s *Store) deviceLocked(name string) (*device, error) {
 			s.log.Debug("arena created", "device", name, "arena", id, "size", size)
 			return id, nil
 		},
-		// An arena is freed when no object is left in it: not sealed, not
-		// unsealed, not deleted but still leased. Clients unmap an arena
-		// when their last object or lease in it goes, before telling the
-		// daemon, so no client maps a GPU arena that is freed.
+		// An arena is given back when no object is left in it: not
+		// sealed, not unsealed, not deleted but still leased. Its memory
+		// is freed once no connection maps it (hold.go).
 		FreeArena: func(id uint64) {
-			if err := d.arenas[id].close(); err != nil {
-				s.log.Warn("closing arena", "device", name, "arena", id, "err", err)
-			}
+			ar := d.arenas[id]
 			delete(d.arenas, id)
-			s.log.Debug("arena released", "device", name, "arena", id)
+			s.arenaFreedLocked(d, id, ar)
 		},
 		Evict: func(b *alloc.Block[pool, *object]) { s.evictLocked(b.Value) },
 	})
@@ -356,6 +355,12 @@ func (s *Store) Close() error {
 				}
 			}
 		}
+	}
+	for id, h := range s.holds { // none once every session closed; defensive
+		if h.freed != nil {
+			errs = append(errs, h.freed.close())
+		}
+		delete(s.holds, id)
 	}
 	clear(s.objects)
 	clear(s.series)

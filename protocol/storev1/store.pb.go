@@ -119,7 +119,7 @@ func (x Error_Code) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Error_Code.Descriptor instead.
 func (Error_Code) EnumDescriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{13, 0}
+	return file_store_proto_rawDescGZIP(), []int{14, 0}
 }
 
 type Event_Kind int32
@@ -178,7 +178,7 @@ func (x Event_Kind) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Event_Kind.Descriptor instead.
 func (Event_Kind) EnumDescriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{26, 0}
+	return file_store_proto_rawDescGZIP(), []int{29, 0}
 }
 
 // Request is the only message a client sends.
@@ -201,6 +201,7 @@ type Request struct {
 	//	*Request_List
 	//	*Request_Stat
 	//	*Request_Subscribe
+	//	*Request_ForgetArenas
 	Body          isRequest_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -340,6 +341,15 @@ func (x *Request) GetSubscribe() *SubscribeRequest {
 	return nil
 }
 
+func (x *Request) GetForgetArenas() *ForgetArenasRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_ForgetArenas); ok {
+			return x.ForgetArenas
+		}
+	}
+	return nil
+}
+
 type isRequest_Body interface {
 	isRequest_Body()
 }
@@ -384,6 +394,10 @@ type Request_Subscribe struct {
 	Subscribe *SubscribeRequest `protobuf:"bytes,19,opt,name=subscribe,proto3,oneof"`
 }
 
+type Request_ForgetArenas struct {
+	ForgetArenas *ForgetArenasRequest `protobuf:"bytes,30,opt,name=forget_arenas,json=forgetArenas,proto3,oneof"`
+}
+
 func (*Request_Hello) isRequest_Body() {}
 
 func (*Request_Create) isRequest_Body() {}
@@ -403,6 +417,8 @@ func (*Request_List) isRequest_Body() {}
 func (*Request_Stat) isRequest_Body() {}
 
 func (*Request_Subscribe) isRequest_Body() {}
+
+func (*Request_ForgetArenas) isRequest_Body() {}
 
 // HelloRequest must be the first request on a connection.
 type HelloRequest struct {
@@ -1106,6 +1122,55 @@ func (*SubscribeRequest) Descriptor() ([]byte, []int) {
 	return file_store_proto_rawDescGZIP(), []int{11}
 }
 
+// ForgetArenasRequest tells the server that this connection no longer maps
+// these GPU arenas (it unmapped them after ArenasFreed, or dropped them
+// from its cache of idle mappings). The server frees a GPU arena's memory
+// only once it is empty and every connection it was sent has forgotten it
+// or closed. Unknown ids are ignored. At most 1024 ids.
+type ForgetArenasRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	ArenaIds      []uint64               `protobuf:"varint,1,rep,packed,name=arena_ids,json=arenaIds,proto3" json:"arena_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ForgetArenasRequest) Reset() {
+	*x = ForgetArenasRequest{}
+	mi := &file_store_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ForgetArenasRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ForgetArenasRequest) ProtoMessage() {}
+
+func (x *ForgetArenasRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ForgetArenasRequest.ProtoReflect.Descriptor instead.
+func (*ForgetArenasRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *ForgetArenasRequest) GetArenaIds() []uint64 {
+	if x != nil {
+		return x.ArenaIds
+	}
+	return nil
+}
+
 // Response is the only message a server sends.
 type Response struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1128,6 +1193,8 @@ type Response struct {
 	//	*Response_Stat
 	//	*Response_Subscribe
 	//	*Response_Event
+	//	*Response_ForgetArenas
+	//	*Response_ArenasFreed
 	Body          isResponse_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1135,7 +1202,7 @@ type Response struct {
 
 func (x *Response) Reset() {
 	*x = Response{}
-	mi := &file_store_proto_msgTypes[12]
+	mi := &file_store_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1147,7 +1214,7 @@ func (x *Response) String() string {
 func (*Response) ProtoMessage() {}
 
 func (x *Response) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[12]
+	mi := &file_store_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1160,7 +1227,7 @@ func (x *Response) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Response.ProtoReflect.Descriptor instead.
 func (*Response) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{12}
+	return file_store_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Response) GetId() uint64 {
@@ -1283,6 +1350,24 @@ func (x *Response) GetEvent() *Event {
 	return nil
 }
 
+func (x *Response) GetForgetArenas() *ForgetArenasResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_ForgetArenas); ok {
+			return x.ForgetArenas
+		}
+	}
+	return nil
+}
+
+func (x *Response) GetArenasFreed() *ArenasFreed {
+	if x != nil {
+		if x, ok := x.Body.(*Response_ArenasFreed); ok {
+			return x.ArenasFreed
+		}
+	}
+	return nil
+}
+
 type isResponse_Body interface {
 	isResponse_Body()
 }
@@ -1331,6 +1416,16 @@ type Response_Event struct {
 	Event *Event `protobuf:"bytes,20,opt,name=event,proto3,oneof"`
 }
 
+type Response_ForgetArenas struct {
+	ForgetArenas *ForgetArenasResponse `protobuf:"bytes,30,opt,name=forget_arenas,json=forgetArenas,proto3,oneof"`
+}
+
+type Response_ArenasFreed struct {
+	// Sent with id 0, unasked: these arenas hold no object any more; unmap
+	// them and answer with ForgetArenasRequest.
+	ArenasFreed *ArenasFreed `protobuf:"bytes,31,opt,name=arenas_freed,json=arenasFreed,proto3,oneof"`
+}
+
 func (*Response_Hello) isResponse_Body() {}
 
 func (*Response_Create) isResponse_Body() {}
@@ -1353,6 +1448,10 @@ func (*Response_Subscribe) isResponse_Body() {}
 
 func (*Response_Event) isResponse_Body() {}
 
+func (*Response_ForgetArenas) isResponse_Body() {}
+
+func (*Response_ArenasFreed) isResponse_Body() {}
+
 // Error describes why a request failed.
 type Error struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1365,7 +1464,7 @@ type Error struct {
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_store_proto_msgTypes[13]
+	mi := &file_store_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1377,7 +1476,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[13]
+	mi := &file_store_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1390,7 +1489,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{13}
+	return file_store_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Error) GetCode() Error_Code {
@@ -1425,7 +1524,7 @@ type HelloResponse struct {
 
 func (x *HelloResponse) Reset() {
 	*x = HelloResponse{}
-	mi := &file_store_proto_msgTypes[14]
+	mi := &file_store_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1437,7 +1536,7 @@ func (x *HelloResponse) String() string {
 func (*HelloResponse) ProtoMessage() {}
 
 func (x *HelloResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[14]
+	mi := &file_store_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1450,7 +1549,7 @@ func (x *HelloResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HelloResponse.ProtoReflect.Descriptor instead.
 func (*HelloResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{14}
+	return file_store_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *HelloResponse) GetVersion() uint32 {
@@ -1509,7 +1608,7 @@ type Placement struct {
 
 func (x *Placement) Reset() {
 	*x = Placement{}
-	mi := &file_store_proto_msgTypes[15]
+	mi := &file_store_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1521,7 +1620,7 @@ func (x *Placement) String() string {
 func (*Placement) ProtoMessage() {}
 
 func (x *Placement) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[15]
+	mi := &file_store_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1534,7 +1633,7 @@ func (x *Placement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Placement.ProtoReflect.Descriptor instead.
 func (*Placement) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{15}
+	return file_store_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Placement) GetArenaId() uint64 {
@@ -1626,7 +1725,7 @@ type ObjectInfo struct {
 
 func (x *ObjectInfo) Reset() {
 	*x = ObjectInfo{}
-	mi := &file_store_proto_msgTypes[16]
+	mi := &file_store_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1638,7 +1737,7 @@ func (x *ObjectInfo) String() string {
 func (*ObjectInfo) ProtoMessage() {}
 
 func (x *ObjectInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[16]
+	mi := &file_store_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1651,7 +1750,7 @@ func (x *ObjectInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectInfo.ProtoReflect.Descriptor instead.
 func (*ObjectInfo) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{16}
+	return file_store_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ObjectInfo) GetName() string {
@@ -1773,7 +1872,7 @@ type CreateResponse struct {
 
 func (x *CreateResponse) Reset() {
 	*x = CreateResponse{}
-	mi := &file_store_proto_msgTypes[17]
+	mi := &file_store_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1785,7 +1884,7 @@ func (x *CreateResponse) String() string {
 func (*CreateResponse) ProtoMessage() {}
 
 func (x *CreateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[17]
+	mi := &file_store_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1798,7 +1897,7 @@ func (x *CreateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateResponse.ProtoReflect.Descriptor instead.
 func (*CreateResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{17}
+	return file_store_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *CreateResponse) GetPlacement() *Placement {
@@ -1831,7 +1930,7 @@ type SealResponse struct {
 
 func (x *SealResponse) Reset() {
 	*x = SealResponse{}
-	mi := &file_store_proto_msgTypes[18]
+	mi := &file_store_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1843,7 +1942,7 @@ func (x *SealResponse) String() string {
 func (*SealResponse) ProtoMessage() {}
 
 func (x *SealResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[18]
+	mi := &file_store_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1856,7 +1955,7 @@ func (x *SealResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SealResponse.ProtoReflect.Descriptor instead.
 func (*SealResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{18}
+	return file_store_proto_rawDescGZIP(), []int{19}
 }
 
 // AbortResponse acknowledges an abort.
@@ -1868,7 +1967,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_store_proto_msgTypes[19]
+	mi := &file_store_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1880,7 +1979,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[19]
+	mi := &file_store_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1893,7 +1992,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{19}
+	return file_store_proto_rawDescGZIP(), []int{20}
 }
 
 // GetResponse grants a read-only lease.
@@ -1912,7 +2011,7 @@ type GetResponse struct {
 
 func (x *GetResponse) Reset() {
 	*x = GetResponse{}
-	mi := &file_store_proto_msgTypes[20]
+	mi := &file_store_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1924,7 +2023,7 @@ func (x *GetResponse) String() string {
 func (*GetResponse) ProtoMessage() {}
 
 func (x *GetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[20]
+	mi := &file_store_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1937,7 +2036,7 @@ func (x *GetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetResponse.ProtoReflect.Descriptor instead.
 func (*GetResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{20}
+	return file_store_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *GetResponse) GetLeaseId() uint64 {
@@ -1977,7 +2076,7 @@ type ReleaseResponse struct {
 
 func (x *ReleaseResponse) Reset() {
 	*x = ReleaseResponse{}
-	mi := &file_store_proto_msgTypes[21]
+	mi := &file_store_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1989,7 +2088,7 @@ func (x *ReleaseResponse) String() string {
 func (*ReleaseResponse) ProtoMessage() {}
 
 func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[21]
+	mi := &file_store_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2002,7 +2101,7 @@ func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{21}
+	return file_store_proto_rawDescGZIP(), []int{22}
 }
 
 // DeleteResponse acknowledges a delete.
@@ -2014,7 +2113,7 @@ type DeleteResponse struct {
 
 func (x *DeleteResponse) Reset() {
 	*x = DeleteResponse{}
-	mi := &file_store_proto_msgTypes[22]
+	mi := &file_store_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2026,7 +2125,7 @@ func (x *DeleteResponse) String() string {
 func (*DeleteResponse) ProtoMessage() {}
 
 func (x *DeleteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[22]
+	mi := &file_store_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2039,7 +2138,7 @@ func (x *DeleteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteResponse.ProtoReflect.Descriptor instead.
 func (*DeleteResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{22}
+	return file_store_proto_rawDescGZIP(), []int{23}
 }
 
 // ListResponse is one page of objects, sorted by name.
@@ -2055,7 +2154,7 @@ type ListResponse struct {
 
 func (x *ListResponse) Reset() {
 	*x = ListResponse{}
-	mi := &file_store_proto_msgTypes[23]
+	mi := &file_store_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2067,7 +2166,7 @@ func (x *ListResponse) String() string {
 func (*ListResponse) ProtoMessage() {}
 
 func (x *ListResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[23]
+	mi := &file_store_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2080,7 +2179,7 @@ func (x *ListResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListResponse.ProtoReflect.Descriptor instead.
 func (*ListResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{23}
+	return file_store_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ListResponse) GetObjects() []*ObjectInfo {
@@ -2107,7 +2206,7 @@ type StatResponse struct {
 
 func (x *StatResponse) Reset() {
 	*x = StatResponse{}
-	mi := &file_store_proto_msgTypes[24]
+	mi := &file_store_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2119,7 +2218,7 @@ func (x *StatResponse) String() string {
 func (*StatResponse) ProtoMessage() {}
 
 func (x *StatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[24]
+	mi := &file_store_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2132,7 +2231,7 @@ func (x *StatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatResponse.ProtoReflect.Descriptor instead.
 func (*StatResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{24}
+	return file_store_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *StatResponse) GetInfo() *ObjectInfo {
@@ -2151,7 +2250,7 @@ type SubscribeResponse struct {
 
 func (x *SubscribeResponse) Reset() {
 	*x = SubscribeResponse{}
-	mi := &file_store_proto_msgTypes[25]
+	mi := &file_store_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2163,7 +2262,7 @@ func (x *SubscribeResponse) String() string {
 func (*SubscribeResponse) ProtoMessage() {}
 
 func (x *SubscribeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[25]
+	mi := &file_store_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2176,7 +2275,90 @@ func (x *SubscribeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeResponse.ProtoReflect.Descriptor instead.
 func (*SubscribeResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{25}
+	return file_store_proto_rawDescGZIP(), []int{26}
+}
+
+type ForgetArenasResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ForgetArenasResponse) Reset() {
+	*x = ForgetArenasResponse{}
+	mi := &file_store_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ForgetArenasResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ForgetArenasResponse) ProtoMessage() {}
+
+func (x *ForgetArenasResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ForgetArenasResponse.ProtoReflect.Descriptor instead.
+func (*ForgetArenasResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{27}
+}
+
+// ArenasFreed lists arenas (of any device) that became empty and that this
+// connection was sent. A GPU arena's memory stays allocated until the
+// connection forgets it (ForgetArenasRequest) or closes.
+type ArenasFreed struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	ArenaIds      []uint64               `protobuf:"varint,1,rep,packed,name=arena_ids,json=arenaIds,proto3" json:"arena_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ArenasFreed) Reset() {
+	*x = ArenasFreed{}
+	mi := &file_store_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ArenasFreed) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ArenasFreed) ProtoMessage() {}
+
+func (x *ArenasFreed) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ArenasFreed.ProtoReflect.Descriptor instead.
+func (*ArenasFreed) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{28}
+}
+
+func (x *ArenasFreed) GetArenaIds() []uint64 {
+	if x != nil {
+		return x.ArenaIds
+	}
+	return nil
 }
 
 // Event is a notification sent, with Response.id 0, to subscribed
@@ -2193,7 +2375,7 @@ type Event struct {
 
 func (x *Event) Reset() {
 	*x = Event{}
-	mi := &file_store_proto_msgTypes[26]
+	mi := &file_store_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2205,7 +2387,7 @@ func (x *Event) String() string {
 func (*Event) ProtoMessage() {}
 
 func (x *Event) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[26]
+	mi := &file_store_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2218,7 +2400,7 @@ func (x *Event) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Event.ProtoReflect.Descriptor instead.
 func (*Event) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{26}
+	return file_store_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *Event) GetKind() Event_Kind {
@@ -2246,7 +2428,7 @@ var File_store_proto protoreflect.FileDescriptor
 
 const file_store_proto_rawDesc = "" +
 	"\n" +
-	"\vstore.proto\x12\x10cudaipc.store.v1\"\xda\x04\n" +
+	"\vstore.proto\x12\x10cudaipc.store.v1\"\xa8\x05\n" +
 	"\aRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x126\n" +
 	"\x05hello\x18\n" +
@@ -2259,7 +2441,8 @@ const file_store_proto_rawDesc = "" +
 	"\x06delete\x18\x10 \x01(\v2\x1f.cudaipc.store.v1.DeleteRequestH\x00R\x06delete\x123\n" +
 	"\x04list\x18\x11 \x01(\v2\x1d.cudaipc.store.v1.ListRequestH\x00R\x04list\x123\n" +
 	"\x04stat\x18\x12 \x01(\v2\x1d.cudaipc.store.v1.StatRequestH\x00R\x04stat\x12B\n" +
-	"\tsubscribe\x18\x13 \x01(\v2\".cudaipc.store.v1.SubscribeRequestH\x00R\tsubscribeB\x06\n" +
+	"\tsubscribe\x18\x13 \x01(\v2\".cudaipc.store.v1.SubscribeRequestH\x00R\tsubscribe\x12L\n" +
+	"\rforget_arenas\x18\x1e \x01(\v2%.cudaipc.store.v1.ForgetArenasRequestH\x00R\fforgetArenasB\x06\n" +
 	"\x04body\"I\n" +
 	"\fHelloRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1f\n" +
@@ -2308,7 +2491,9 @@ const file_store_proto_rawDesc = "" +
 	"startAfter\"!\n" +
 	"\vStatRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\"\x12\n" +
-	"\x10SubscribeRequest\"\xc5\x05\n" +
+	"\x10SubscribeRequest\"2\n" +
+	"\x13ForgetArenasRequest\x12\x1b\n" +
+	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\xd8\x06\n" +
 	"\bResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12-\n" +
 	"\x05error\x18\x02 \x01(\v2\x17.cudaipc.store.v1.ErrorR\x05error\x127\n" +
@@ -2323,7 +2508,9 @@ const file_store_proto_rawDesc = "" +
 	"\x04list\x18\x11 \x01(\v2\x1e.cudaipc.store.v1.ListResponseH\x00R\x04list\x124\n" +
 	"\x04stat\x18\x12 \x01(\v2\x1e.cudaipc.store.v1.StatResponseH\x00R\x04stat\x12C\n" +
 	"\tsubscribe\x18\x13 \x01(\v2#.cudaipc.store.v1.SubscribeResponseH\x00R\tsubscribe\x12/\n" +
-	"\x05event\x18\x14 \x01(\v2\x17.cudaipc.store.v1.EventH\x00R\x05eventB\x06\n" +
+	"\x05event\x18\x14 \x01(\v2\x17.cudaipc.store.v1.EventH\x00R\x05event\x12M\n" +
+	"\rforget_arenas\x18\x1e \x01(\v2&.cudaipc.store.v1.ForgetArenasResponseH\x00R\fforgetArenas\x12B\n" +
+	"\farenas_freed\x18\x1f \x01(\v2\x1d.cudaipc.store.v1.ArenasFreedH\x00R\varenasFreedB\x06\n" +
 	"\x04body\"\xfb\x01\n" +
 	"\x05Error\x120\n" +
 	"\x04code\x18\x01 \x01(\x0e2\x1c.cudaipc.store.v1.Error.CodeR\x04code\x12\x18\n" +
@@ -2398,7 +2585,10 @@ const file_store_proto_rawDesc = "" +
 	"\x04more\x18\x02 \x01(\bR\x04more\"@\n" +
 	"\fStatResponse\x120\n" +
 	"\x04info\x18\x01 \x01(\v2\x1c.cudaipc.store.v1.ObjectInfoR\x04info\"\x13\n" +
-	"\x11SubscribeResponse\"\xb8\x01\n" +
+	"\x11SubscribeResponse\"\x16\n" +
+	"\x14ForgetArenasResponse\"*\n" +
+	"\vArenasFreed\x12\x1b\n" +
+	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\xb8\x01\n" +
 	"\x05Event\x120\n" +
 	"\x04kind\x18\x01 \x01(\x0e2\x1c.cudaipc.store.v1.Event.KindR\x04kind\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x18\n" +
@@ -2424,37 +2614,40 @@ func file_store_proto_rawDescGZIP() []byte {
 }
 
 var file_store_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
+var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
 var file_store_proto_goTypes = []any{
-	(Error_Code)(0),           // 0: cudaipc.store.v1.Error.Code
-	(Event_Kind)(0),           // 1: cudaipc.store.v1.Event.Kind
-	(*Request)(nil),           // 2: cudaipc.store.v1.Request
-	(*HelloRequest)(nil),      // 3: cudaipc.store.v1.HelloRequest
-	(*CreateRequest)(nil),     // 4: cudaipc.store.v1.CreateRequest
-	(*TensorDesc)(nil),        // 5: cudaipc.store.v1.TensorDesc
-	(*SealRequest)(nil),       // 6: cudaipc.store.v1.SealRequest
-	(*AbortRequest)(nil),      // 7: cudaipc.store.v1.AbortRequest
-	(*GetRequest)(nil),        // 8: cudaipc.store.v1.GetRequest
-	(*ReleaseRequest)(nil),    // 9: cudaipc.store.v1.ReleaseRequest
-	(*DeleteRequest)(nil),     // 10: cudaipc.store.v1.DeleteRequest
-	(*ListRequest)(nil),       // 11: cudaipc.store.v1.ListRequest
-	(*StatRequest)(nil),       // 12: cudaipc.store.v1.StatRequest
-	(*SubscribeRequest)(nil),  // 13: cudaipc.store.v1.SubscribeRequest
-	(*Response)(nil),          // 14: cudaipc.store.v1.Response
-	(*Error)(nil),             // 15: cudaipc.store.v1.Error
-	(*HelloResponse)(nil),     // 16: cudaipc.store.v1.HelloResponse
-	(*Placement)(nil),         // 17: cudaipc.store.v1.Placement
-	(*ObjectInfo)(nil),        // 18: cudaipc.store.v1.ObjectInfo
-	(*CreateResponse)(nil),    // 19: cudaipc.store.v1.CreateResponse
-	(*SealResponse)(nil),      // 20: cudaipc.store.v1.SealResponse
-	(*AbortResponse)(nil),     // 21: cudaipc.store.v1.AbortResponse
-	(*GetResponse)(nil),       // 22: cudaipc.store.v1.GetResponse
-	(*ReleaseResponse)(nil),   // 23: cudaipc.store.v1.ReleaseResponse
-	(*DeleteResponse)(nil),    // 24: cudaipc.store.v1.DeleteResponse
-	(*ListResponse)(nil),      // 25: cudaipc.store.v1.ListResponse
-	(*StatResponse)(nil),      // 26: cudaipc.store.v1.StatResponse
-	(*SubscribeResponse)(nil), // 27: cudaipc.store.v1.SubscribeResponse
-	(*Event)(nil),             // 28: cudaipc.store.v1.Event
+	(Error_Code)(0),              // 0: cudaipc.store.v1.Error.Code
+	(Event_Kind)(0),              // 1: cudaipc.store.v1.Event.Kind
+	(*Request)(nil),              // 2: cudaipc.store.v1.Request
+	(*HelloRequest)(nil),         // 3: cudaipc.store.v1.HelloRequest
+	(*CreateRequest)(nil),        // 4: cudaipc.store.v1.CreateRequest
+	(*TensorDesc)(nil),           // 5: cudaipc.store.v1.TensorDesc
+	(*SealRequest)(nil),          // 6: cudaipc.store.v1.SealRequest
+	(*AbortRequest)(nil),         // 7: cudaipc.store.v1.AbortRequest
+	(*GetRequest)(nil),           // 8: cudaipc.store.v1.GetRequest
+	(*ReleaseRequest)(nil),       // 9: cudaipc.store.v1.ReleaseRequest
+	(*DeleteRequest)(nil),        // 10: cudaipc.store.v1.DeleteRequest
+	(*ListRequest)(nil),          // 11: cudaipc.store.v1.ListRequest
+	(*StatRequest)(nil),          // 12: cudaipc.store.v1.StatRequest
+	(*SubscribeRequest)(nil),     // 13: cudaipc.store.v1.SubscribeRequest
+	(*ForgetArenasRequest)(nil),  // 14: cudaipc.store.v1.ForgetArenasRequest
+	(*Response)(nil),             // 15: cudaipc.store.v1.Response
+	(*Error)(nil),                // 16: cudaipc.store.v1.Error
+	(*HelloResponse)(nil),        // 17: cudaipc.store.v1.HelloResponse
+	(*Placement)(nil),            // 18: cudaipc.store.v1.Placement
+	(*ObjectInfo)(nil),           // 19: cudaipc.store.v1.ObjectInfo
+	(*CreateResponse)(nil),       // 20: cudaipc.store.v1.CreateResponse
+	(*SealResponse)(nil),         // 21: cudaipc.store.v1.SealResponse
+	(*AbortResponse)(nil),        // 22: cudaipc.store.v1.AbortResponse
+	(*GetResponse)(nil),          // 23: cudaipc.store.v1.GetResponse
+	(*ReleaseResponse)(nil),      // 24: cudaipc.store.v1.ReleaseResponse
+	(*DeleteResponse)(nil),       // 25: cudaipc.store.v1.DeleteResponse
+	(*ListResponse)(nil),         // 26: cudaipc.store.v1.ListResponse
+	(*StatResponse)(nil),         // 27: cudaipc.store.v1.StatResponse
+	(*SubscribeResponse)(nil),    // 28: cudaipc.store.v1.SubscribeResponse
+	(*ForgetArenasResponse)(nil), // 29: cudaipc.store.v1.ForgetArenasResponse
+	(*ArenasFreed)(nil),          // 30: cudaipc.store.v1.ArenasFreed
+	(*Event)(nil),                // 31: cudaipc.store.v1.Event
 }
 var file_store_proto_depIdxs = []int32{
 	3,  // 0: cudaipc.store.v1.Request.hello:type_name -> cudaipc.store.v1.HelloRequest
@@ -2467,32 +2660,35 @@ var file_store_proto_depIdxs = []int32{
 	11, // 7: cudaipc.store.v1.Request.list:type_name -> cudaipc.store.v1.ListRequest
 	12, // 8: cudaipc.store.v1.Request.stat:type_name -> cudaipc.store.v1.StatRequest
 	13, // 9: cudaipc.store.v1.Request.subscribe:type_name -> cudaipc.store.v1.SubscribeRequest
-	5,  // 10: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	15, // 11: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
-	16, // 12: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
-	19, // 13: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
-	20, // 14: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
-	21, // 15: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
-	22, // 16: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
-	23, // 17: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
-	24, // 18: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
-	25, // 19: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
-	26, // 20: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
-	27, // 21: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
-	28, // 22: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
-	0,  // 23: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
-	5,  // 24: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	17, // 25: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
-	17, // 26: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
-	18, // 27: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	18, // 28: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
-	18, // 29: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	1,  // 30: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
-	31, // [31:31] is the sub-list for method output_type
-	31, // [31:31] is the sub-list for method input_type
-	31, // [31:31] is the sub-list for extension type_name
-	31, // [31:31] is the sub-list for extension extendee
-	0,  // [0:31] is the sub-list for field type_name
+	14, // 10: cudaipc.store.v1.Request.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasRequest
+	5,  // 11: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	16, // 12: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
+	17, // 13: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
+	20, // 14: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
+	21, // 15: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
+	22, // 16: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
+	23, // 17: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
+	24, // 18: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
+	25, // 19: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
+	26, // 20: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
+	27, // 21: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
+	28, // 22: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
+	31, // 23: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
+	29, // 24: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
+	30, // 25: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
+	0,  // 26: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
+	5,  // 27: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	18, // 28: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
+	18, // 29: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
+	19, // 30: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	19, // 31: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
+	19, // 32: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	1,  // 33: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
+	34, // [34:34] is the sub-list for method output_type
+	34, // [34:34] is the sub-list for method input_type
+	34, // [34:34] is the sub-list for extension type_name
+	34, // [34:34] is the sub-list for extension extendee
+	0,  // [0:34] is the sub-list for field type_name
 }
 
 func init() { file_store_proto_init() }
@@ -2511,8 +2707,9 @@ func file_store_proto_init() {
 		(*Request_List)(nil),
 		(*Request_Stat)(nil),
 		(*Request_Subscribe)(nil),
+		(*Request_ForgetArenas)(nil),
 	}
-	file_store_proto_msgTypes[12].OneofWrappers = []any{
+	file_store_proto_msgTypes[13].OneofWrappers = []any{
 		(*Response_Hello)(nil),
 		(*Response_Create)(nil),
 		(*Response_Seal)(nil),
@@ -2524,6 +2721,8 @@ func file_store_proto_init() {
 		(*Response_Stat)(nil),
 		(*Response_Subscribe)(nil),
 		(*Response_Event)(nil),
+		(*Response_ForgetArenas)(nil),
+		(*Response_ArenasFreed)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -2531,7 +2730,7 @@ func file_store_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_store_proto_rawDesc), len(file_store_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   27,
+			NumMessages:   30,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

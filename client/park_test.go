@@ -1,0 +1,98 @@
+package client_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/client"
+)
+
+// TestGPUOneOpenForManyCycles: a client that gets, reads and releases one
+// GPU object at a time keeps its arena mapped between the cycles: 10,000
+// get/release cycles cost one driver open (docs/architecture.md, "Arena
+// lifetime"). Deleting the object then frees the arena: the daemon tells
+// the client, which unmaps it.
+func TestGPUOneOpenForManyCycles(t *testing.T) {
+	d, _ := startGPUDaemon(t)
+	const size = 4096
+	env := gpuEnvs(d.socket, 31, "cyc", 1, size)
+	spawn(t, "gpu-producer", nil, env...).expect("sealed 1")
+	want := stream(31, "cyc-0", size)
+	c := dial(t, d.socket)
+	ctx := context.Background()
+	before := cudaipc.ImportCacheStats()
+	got := make([]byte, size)
+	const cycles = 10000
+	for i := range cycles {
+		l, err := c.Get(ctx, "cyc-0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i%1000 == 0 {
+			if _, err := l.ReadAt(got, 0); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, want) {
+				t.Fatalf("cycle %d: wrong bytes", i)
+			}
+		}
+		if err := l.Release(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	after := cudaipc.ImportCacheStats()
+	opens, closes := after.Opens-before.Opens, after.Closes-before.Closes
+	t.Logf("%d get/release cycles: %d driver opens, %d closes, %d cache hits", cycles, opens, closes, after.Hits-before.Hits)
+	if opens != 1 || closes != 0 {
+		t.Fatalf("%d get/release cycles: %d driver opens and %d closes, want 1 and 0", cycles, opens, closes)
+	}
+	// The object's deletion empties the arena: the client unmaps it.
+	if err := c.Delete(ctx, "cyc-0"); err != nil {
+		t.Fatal(err)
+	}
+	for cudaipc.ImportCacheStats().Closes == after.Closes {
+		waitRoundTrip(t, c)
+	}
+}
+
+// TestFreedHostArenaUnmapped: when the daemon frees an arena (its last
+// object deleted), it tells the clients that mapped it, which unmap it.
+func TestFreedHostArenaUnmapped(t *testing.T) {
+	d := startDaemon(t, socketPath(t))
+	w, r := dial(t, d.socket), dial(t, d.socket)
+	ctx := context.Background()
+	base := arenaMappings(t)
+	want := put(t, w, "x", 10000)
+	l, err := r.Get(ctx, "x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(l.Bytes(), want) {
+		t.Fatal("wrong bytes")
+	}
+	if err := l.Release(); err != nil {
+		t.Fatal(err)
+	}
+	if n := arenaMappings(t) - base; n != 2 { // the writer's and the reader's
+		t.Fatalf("%d arena mappings, want 2", n)
+	}
+	if err := w.Delete(ctx, "x"); err != nil {
+		t.Fatal(err)
+	}
+	for arenaMappings(t) != base {
+		waitRoundTrip(t, r)
+	}
+}
+
+// waitRoundTrip makes one call on c: the daemon's notices sent before its
+// reply have been read by then (they are handled asynchronously, so
+// callers loop).
+func waitRoundTrip(t *testing.T, c *client.Client) {
+	t.Helper()
+	if _, err := c.List(context.Background()); err != nil {
+		t.Fatal(fmt.Errorf("list: %w", err))
+	}
+}
