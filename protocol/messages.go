@@ -2,7 +2,9 @@ package protocol
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"syscall"
 	"time"
 
 	"github.com/cudaipc/cudaipc/protocol/storev1"
@@ -73,12 +75,20 @@ func ClientHello(ctx context.Context, c *Conn, clientName string) (*storev1.Hell
 	}()
 	req := &storev1.Request{Id: 1, Body: &storev1.Request_Hello{Hello: &storev1.HelloRequest{
 		Version: Version, ClientName: clientName}}}
-	if err := c.Send(req); err != nil {
-		return nil, ctxOr(ctx, err)
-	}
+	sendErr := c.Send(req)
 	var resp storev1.Response
 	files, err := c.Recv(&resp)
+	if errors.Is(err, syscall.ECONNRESET) {
+		// A daemon that refuses a peer at once (not admitted, over a
+		// limit) sends its reason and closes, perhaps before reading the
+		// hello; Linux then reports the reset first, and the reason,
+		// still queued, on the next read.
+		files, err = c.Recv(&resp)
+	}
 	if err != nil {
+		if sendErr != nil {
+			err = sendErr
+		}
 		return nil, ctxOr(ctx, err)
 	}
 	if err := ValidateResponse(&resp, len(files)); err != nil {

@@ -25,6 +25,8 @@ func TestMain(m *testing.M) {
 		os.Exit(reopenHelper())
 	case "dial":
 		os.Exit(dialHelper())
+	case "flood":
+		os.Exit(floodHelper())
 	default:
 		fmt.Fprintf(os.Stderr, "unknown helper role %q\n", os.Getenv(helperEnv))
 		os.Exit(2)

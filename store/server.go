@@ -105,11 +105,24 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 	defer stopEarly()
 	cred, err := c.PeerCred()
 	if err != nil {
-		s.log.Warn("rejecting connection: no peer credentials", "err", err)
-		s.metrics.rejected.WithLabelValues("peercred").Inc()
+		s.refuse(uc, c, peer{}, "peercred", nil, "no peer credentials", "err", err)
 		return
 	}
 	p := peer{pid: cred.Pid, uid: cred.Uid, gid: cred.Gid}
+	// Outsiders are closed at once, before they can hold anything: they
+	// never count against the connection limits.
+	if !s.authorized(p) {
+		s.refuse(uc, c, p, "permission", protocol.Errorf(storev1.Error_PERMISSION,
+			"uid %d may not use this store; the daemon admits uid %d, root and those given with --allow-uid/--allow-gid", p.uid, s.uid),
+			"not admitted")
+		return
+	}
+	done, reason, lerr := s.admitConn(p.uid)
+	if lerr != nil {
+		s.refuse(uc, c, p, reason, lerr, "connection limit")
+		return
+	}
+	defer done()
 	log := s.log.With("pid", p.pid, "uid", p.uid)
 
 	hello, ok := s.handshake(uc, c, p, log)
@@ -176,14 +189,18 @@ func (s *Store) handshake(uc *net.UnixConn, c *protocol.Conn, p peer, log *slog.
 	var req storev1.Request
 	files, err := c.Recv(&req)
 	if err != nil {
-		log.Warn("closing connection: no hello", "err", err)
 		s.metrics.rejected.WithLabelValues("handshake").Inc()
+		if ok, suppressed := s.refusals.allow(); ok {
+			log.Warn("closing connection: no hello", "err", err, "suppressed", suppressed)
+		}
 		return nil, false
 	}
 	uc.SetReadDeadline(time.Time{})
 	protocol.CloseFiles(files)
 	reject := func(reason string, err error) (*storev1.Request, bool) {
-		log.Warn("rejecting connection", "reason", reason, "err", err)
+		if ok, suppressed := s.refusals.allow(); ok {
+			log.Warn("rejecting connection", "reason", reason, "err", err, "suppressed", suppressed)
+		}
 		s.metrics.rejected.WithLabelValues(reason).Inc()
 		c.Send(protocol.ErrorResponse(req.GetId(), err))
 		return nil, false
@@ -197,11 +214,53 @@ func (s *Store) handshake(uc *net.UnixConn, c *protocol.Conn, p peer, log *slog.
 	if err := protocol.CheckVersion(req.GetHello().GetVersion()); err != nil {
 		return reject("version", err)
 	}
-	if !s.authorized(p) {
-		return reject("permission", protocol.Errorf(storev1.Error_PERMISSION,
-			"uid %d may not use this store; the daemon admits uid %d, root and those given with --allow-uid/--allow-gid", p.uid, s.uid))
-	}
 	return &req, true
+}
+
+// refuse counts and closes a connection the store will not serve, first
+// telling the peer why (a connection-level error, id 0) when err is set.
+// Log lines are rate-limited: a flood of refused connections must not
+// become a flood of logs.
+func (s *Store) refuse(uc *net.UnixConn, c *protocol.Conn, p peer, reason string, err error, msg string, args ...any) {
+	s.metrics.rejected.WithLabelValues(reason).Inc()
+	if ok, suppressed := s.refusals.allow(); ok {
+		args = append(args, "pid", p.pid, "uid", p.uid, "reason", reason, "suppressed", suppressed)
+		if err != nil {
+			args = append(args, "err", err)
+		}
+		s.log.Warn("refusing connection: "+msg, args...)
+	}
+	if err != nil {
+		// A new socket's send buffer is empty: this does not block, and
+		// the deadline makes sure of it.
+		uc.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+		c.Send(protocol.ErrorResponse(0, err))
+	}
+}
+
+// admitConn counts a connection of uid against the limits, or says which
+// limit it would break. done uncounts it.
+func (s *Store) admitConn(uid uint32) (done func(), reason string, err error) {
+	s.connMu.Lock()
+	defer s.connMu.Unlock()
+	if s.conns >= s.cfg.MaxConns {
+		return nil, "limit_total", protocol.Errorf(storev1.Error_LIMIT,
+			"the store serves %d connections, its limit (serve --max-conns); try again later", s.conns)
+	}
+	if n := s.connsByUID[uid]; n >= s.cfg.MaxConnsPerUID {
+		return nil, "limit_uid", protocol.Errorf(storev1.Error_LIMIT,
+			"uid %d already has %d connections, the limit per uid (serve --max-conns-per-uid); close some", uid, n)
+	}
+	s.conns++
+	s.connsByUID[uid]++
+	return func() {
+		s.connMu.Lock()
+		defer s.connMu.Unlock()
+		s.conns--
+		if s.connsByUID[uid]--; s.connsByUID[uid] == 0 {
+			delete(s.connsByUID, uid)
+		}
+	}, "", nil
 }
 
 // authorized reports whether a peer may use the store: root, the daemon's

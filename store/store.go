@@ -29,6 +29,12 @@ const (
 	// DefaultMaxLeasesPerClient bounds the leases (and waiting gets) of one
 	// connection.
 	DefaultMaxLeasesPerClient = 65536
+	// DefaultMaxConns bounds the connections the daemon serves at once (it
+	// is lowered to fit the process's descriptor limit).
+	DefaultMaxConns = 4096
+	// DefaultMaxConnsPerUID bounds the connections of one uid, so that one
+	// user cannot take them all.
+	DefaultMaxConnsPerUID = 1024
 )
 
 // How the cuda backend shares GPU arenas (Config.GPUShare).
@@ -72,6 +78,12 @@ type Config struct {
 	// versions are kept without leases (a name may set its own); 0 means
 	// DefaultKeepVersions.
 	KeepVersions int
+	// MaxConns bounds the connections served at once, and MaxConnsPerUID
+	// those of one uid (root's included); 0 means DefaultMaxConns (or less,
+	// to fit RLIMIT_NOFILE) and DefaultMaxConnsPerUID. A connection beyond
+	// either is answered with a LIMIT error and closed. Peers the store
+	// does not admit never count: they are closed as soon as they connect.
+	MaxConns, MaxConnsPerUID int
 	// Logger receives the store's logs; nil discards them.
 	Logger *slog.Logger
 	// Registerer receives the store's metrics; nil means a private
@@ -89,6 +101,13 @@ type Store struct {
 	gatherer prometheus.Gatherer
 	metrics  *metrics
 	uid      uint32 // the daemon's effective uid, always admitted
+
+	// conns counts the connections being served, in all and by uid.
+	connMu     sync.Mutex
+	conns      int
+	connsByUID map[uint32]int
+	// refusals bounds the rate of log lines about refused connections.
+	refusals logLimiter
 
 	mu          sync.Mutex
 	closed      bool
@@ -171,6 +190,15 @@ func New(cfg Config) (*Store, error) {
 	if cfg.KeepVersions == 0 {
 		cfg.KeepVersions = DefaultKeepVersions
 	}
+	if cfg.MaxConns < 0 || cfg.MaxConnsPerUID < 0 {
+		return nil, invalidf("connection limits must not be negative")
+	}
+	if cfg.MaxConns == 0 {
+		cfg.MaxConns = defaultMaxConns()
+	}
+	if cfg.MaxConnsPerUID == 0 {
+		cfg.MaxConnsPerUID = min(DefaultMaxConnsPerUID, cfg.MaxConns)
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
@@ -190,6 +218,8 @@ func New(cfg Config) (*Store, error) {
 		log:         cfg.Logger,
 		backend:     b,
 		uid:         uint32(os.Geteuid()),
+		connsByUID:  make(map[uint32]int),
+		refusals:    logLimiter{burst: 10, every: time.Second},
 		devices:     make(map[string]*device),
 		objects:     make(map[string]*object),
 		waiters:     make(map[string]*waiter),

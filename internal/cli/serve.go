@@ -24,6 +24,8 @@ type serveCmd struct {
 	KeepVersions int           `name:"keep-versions" default:"1" help:"Keep this many newest versions of each versioned name without leases (a name may set its own)."`
 	MaxObjects   int           `name:"max-objects" default:"0" help:"Most unsealed+sealed objects one client may create (0: default 4096)." placeholder:"N"`
 	MaxLeases    int           `name:"max-leases" default:"0" help:"Most leases one client may hold at once (0: default 65536)." placeholder:"N"`
+	MaxConns     int           `name:"max-conns" default:"0" help:"Most connections served at once; more get a LIMIT error (0: default 4096, or half the descriptor limit if lower)." placeholder:"N"`
+	MaxConnsUID  int           `name:"max-conns-per-uid" default:"0" help:"Most connections of one uid, root's included (0: default 1024). Uids the daemon does not admit are closed at once and never count." placeholder:"N"`
 }
 
 func (c *serveCmd) Help() string {
@@ -36,8 +38,8 @@ Objects are private to their creator's uid unless created shared ('cudaipc put -
 }
 
 func (c *serveCmd) Run(g *Globals) error {
-	if c.Capacity < 0 || c.MaxObjects < 0 || c.MaxLeases < 0 {
-		return errors.New("--capacity, --max-objects and --max-leases must not be negative")
+	if c.Capacity < 0 || c.MaxObjects < 0 || c.MaxLeases < 0 || c.MaxConns < 0 || c.MaxConnsUID < 0 {
+		return errors.New("--capacity, --max-objects, --max-leases, --max-conns and --max-conns-per-uid must not be negative")
 	}
 	st, err := store.New(store.Config{
 		Backend:             c.Backend,
@@ -49,6 +51,8 @@ func (c *serveCmd) Run(g *Globals) error {
 		AllowGIDs:           c.AllowGID,
 		MaxObjectsPerClient: c.MaxObjects,
 		MaxLeasesPerClient:  c.MaxLeases,
+		MaxConns:            c.MaxConns,
+		MaxConnsPerUID:      c.MaxConnsUID,
 		Logger:              g.log,
 	})
 	if err != nil {
