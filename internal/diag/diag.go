@@ -95,6 +95,7 @@ var helpers = map[string]func(env *Env, config []byte) error{
 	"doctor-exporter": doctorExporter,
 	"bench-exporter":  benchExporter,
 	"demo-worker":     demoWorker,
+	"bench-pingpong":  benchPingPong,
 }
 
 // RunHelper runs the helper process role with its configuration (JSON),
