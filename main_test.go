@@ -23,6 +23,9 @@ var roles = testutil.Roles{
 	"fdexporter": roleFDExporter,
 
 	"fdRegionImporter": roleFDRegionImporter,
+
+	"timelineProducer": roleTimelineProducer,
+	"piecesExporter":   rolePiecesExporter,
 }
 
 func TestMain(m *testing.M) {

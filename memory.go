@@ -27,11 +27,13 @@ type Live struct {
 	// ShareableBuffers and FDMappings count VMM allocations and imports of
 	// their file descriptors.
 	ShareableBuffers, FDMappings int64
+	// PieceMappings counts ImportPieces mappings not yet closed.
+	PieceMappings int64
 }
 
 var live struct {
 	buffers, hostBuffers, streams, events, mappings, memOpens atomic.Int64
-	shareableBuffers, fdMappings                              atomic.Int64
+	shareableBuffers, fdMappings, pieceMappings               atomic.Int64
 }
 
 // LiveObjects returns how many objects are open now.
@@ -41,6 +43,7 @@ func LiveObjects() Live {
 		Streams: live.streams.Load(), Events: live.events.Load(), Mappings: live.mappings.Load(),
 		MemHandleOpens:   live.memOpens.Load(),
 		ShareableBuffers: live.shareableBuffers.Load(), FDMappings: live.fdMappings.Load(),
+		PieceMappings: live.pieceMappings.Load(),
 	}
 }
 

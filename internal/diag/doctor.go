@@ -71,6 +71,10 @@ func (c *DoctorCmd) Run(e *Env) error {
 		add("CUDA_VISIBLE_DEVICES", "ok", fmt.Sprintf("%q: ordinals differ between processes; regions name GPUs by UUID", v))
 	}
 
+	if derr == nil {
+		containerChecks(devs, add)
+	}
+
 	if ns, err := os.Readlink("/proc/self/ns/pid"); err == nil {
 		// As measured (docs/fd-sharing.md): legacy IPC handles open in this
 		// namespace and in namespaces nested in it, not in sibling ones.

@@ -112,9 +112,13 @@ func mountOwnProc() error {
 }
 
 // MountProcIfAsked mounts a /proc of the process's own PID namespace when
-// EnvMountProc asks for it (a helper started with NewNamespaces). RunRole
+// EnvMountProc asks for it (a helper started with NewNamespaces), and
+// enters the sibling container EnvContainer describes (SpawnIn). RunRole
 // calls it; a TestMain that dispatches roles itself calls it first.
 func MountProcIfAsked() error {
+	if err := EnterContainerIfAsked(); err != nil {
+		return fmt.Errorf("entering the container: %w", err)
+	}
 	if os.Getenv(EnvMountProc) != "1" {
 		return nil
 	}
