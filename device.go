@@ -67,7 +67,7 @@ type Device struct {
 	mem     uint64
 	ccMajor int
 	ccMinor int
-	attrs   map[int32]int
+	attrs   map[cu.DeviceAttribute]int
 
 	ctxOnce sync.Once
 	ctx     cu.Context
@@ -104,7 +104,7 @@ func newDevice(ordinal int) (*Device, error) {
 	if err != nil {
 		return nil, err
 	}
-	d := &Device{ordinal: ordinal, dev: h, attrs: map[int32]int{}}
+	d := &Device{ordinal: ordinal, dev: h, attrs: map[cu.DeviceAttribute]int{}}
 	if d.name, err = cu.DeviceGetName(h); err != nil {
 		return nil, err
 	}
@@ -119,7 +119,7 @@ func newDevice(ordinal int) (*Device, error) {
 	if d.mem, err = cu.DeviceTotalMem(h); err != nil {
 		return nil, err
 	}
-	for _, a := range []int32{cu.AttrComputeCapabilityMajor, cu.AttrComputeCapabilityMinor,
+	for _, a := range []cu.DeviceAttribute{cu.AttrComputeCapabilityMajor, cu.AttrComputeCapabilityMinor,
 		cu.AttrUnifiedAddressing, cu.AttrIntegrated, cu.AttrVirtualMemoryManagement,
 		cu.AttrHandleTypePosixFDSupported, cu.AttrIPCEventSupported, cu.AttrMultiprocessorCount} {
 		v, err := cu.DeviceGetAttribute(a, h)

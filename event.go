@@ -14,10 +14,10 @@ type EventFlags uint32
 
 // Event flags (CU_EVENT_*).
 const (
-	EventDefault       EventFlags = cu.EventDefault
-	EventBlockingSync  EventFlags = cu.EventBlockingSync  // Synchronize blocks instead of spinning
-	EventDisableTiming EventFlags = cu.EventDisableTiming // no timestamps: cheaper, required for IPC
-	EventInterprocess  EventFlags = cu.EventInterprocess  // can be exported; needs EventDisableTiming
+	EventDefault       EventFlags = EventFlags(cu.EventDefault)
+	EventBlockingSync  EventFlags = EventFlags(cu.EventBlockingSync)  // Synchronize blocks instead of spinning
+	EventDisableTiming EventFlags = EventFlags(cu.EventDisableTiming) // no timestamps: cheaper, required for IPC
+	EventInterprocess  EventFlags = EventFlags(cu.EventInterprocess)  // can be exported; needs EventDisableTiming
 )
 
 // Event marks a point in a stream. An interprocess event, exported with
@@ -45,7 +45,7 @@ func (d *Device) NewEvent(flags EventFlags) (*Event, error) {
 	var e cu.Event
 	err := d.do(func() error {
 		var err error
-		e, err = cu.EventCreate(uint32(flags))
+		e, err = cu.EventCreate(cu.EventFlags(flags))
 		return err
 	})
 	if err != nil {

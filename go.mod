@@ -4,6 +4,7 @@ go 1.26.0
 
 require (
 	github.com/alecthomas/kong v1.17.0
+	github.com/bufbuild/protocompile v0.14.1
 	github.com/ebitengine/purego v0.11.3
 	github.com/prometheus/client_golang v1.25.0
 	github.com/prometheus/client_model v0.6.3
@@ -20,5 +21,11 @@ require (
 	github.com/prometheus/common v0.72.0 // indirect
 	github.com/prometheus/procfs v0.22.0 // indirect
 	github.com/rivo/uniseg v0.4.7 // indirect
+	golang.org/x/sync v0.22.0 // indirect
 	golang.org/x/term v0.44.0 // indirect
+)
+
+tool (
+	github.com/cudaipc/cudaipc/internal/protocgen
+	google.golang.org/protobuf/cmd/protoc-gen-go
 )

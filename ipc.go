@@ -12,7 +12,7 @@ type IPCFlags uint32
 // LazyEnablePeerAccess (CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) lets the driver
 // enable peer access when the handle belongs to another GPU. The driver
 // requires it: OpenMemHandle rejects flags without it.
-const LazyEnablePeerAccess IPCFlags = cu.IpcMemLazyEnablePeerAccess
+const LazyEnablePeerAccess IPCFlags = IPCFlags(cu.IpcMemLazyEnablePeerAccess)
 
 // GetMemHandle exports the allocation that contains p (cuIpcGetMemHandle).
 // An interior pointer yields the same handle as the allocation's base: the
@@ -64,7 +64,7 @@ func (d *Device) OpenMemHandle(h MemHandle, flagList ...IPCFlags) (DevicePtr, er
 	var p cu.DevicePtr
 	err := d.do(func() error {
 		var e error
-		p, e = cu.IpcOpenMemHandle(cu.IpcMemHandle{Reserved: h}, uint32(flags))
+		p, e = cu.IpcOpenMemHandle(cu.IpcMemHandle{Reserved: h}, cu.IpcMemFlags(flags))
 		return e
 	})
 	if err != nil {

@@ -14,7 +14,7 @@ func TestVMMArgumentsRejectedBeforeTheDriver(t *testing.T) {
 	// Both devices were never initialized: a driver call through them would
 	// fail with a load or context error, so these prove the checks ran first.
 	none := &Device{}
-	fd := &Device{attrs: map[int32]int{cu.AttrVirtualMemoryManagement: 1, cu.AttrHandleTypePosixFDSupported: 1}}
+	fd := &Device{attrs: map[cu.DeviceAttribute]int{cu.AttrVirtualMemoryManagement: 1, cu.AttrHandleTypePosixFDSupported: 1}}
 	if none.VMMFDSupported() || !fd.VMMFDSupported() {
 		t.Fatal("VMMFDSupported does not follow the attributes")
 	}

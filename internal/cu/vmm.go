@@ -4,22 +4,50 @@ package cu
 // allocation path whose memory can be exported as a POSIX file descriptor
 // and imported by a process in another PID namespace.
 
-// Enumerations of cuda.h used by the VMM calls.
+// MemAllocationType is a CUmemAllocationType.
+type MemAllocationType int32
+
+// MemAllocationTypePinned is CU_MEM_ALLOCATION_TYPE_PINNED.
+const MemAllocationTypePinned MemAllocationType = 1
+
+// MemHandleType is a CUmemAllocationHandleType: the kinds of OS handle an
+// allocation can be exported as (a bit set).
+type MemHandleType int32
+
+// Handle types.
 const (
-	MemAllocationTypePinned      = 1 // CU_MEM_ALLOCATION_TYPE_PINNED
-	MemHandleTypeNone            = 0 // CU_MEM_HANDLE_TYPE_NONE
-	MemHandleTypePosixFD         = 1 // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-	MemLocationTypeDevice        = 1 // CU_MEM_LOCATION_TYPE_DEVICE
-	MemAccessFlagsProtNone       = 0 // CU_MEM_ACCESS_FLAGS_PROT_NONE
-	MemAccessFlagsProtRead       = 1 // CU_MEM_ACCESS_FLAGS_PROT_READ
-	MemAccessFlagsProtReadWrite  = 3 // CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-	MemAllocGranularityMinimum   = 0 // CU_MEM_ALLOC_GRANULARITY_MINIMUM
-	MemAllocGranularityRecommend = 1 // CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+	MemHandleTypeNone    MemHandleType = 0 // CU_MEM_HANDLE_TYPE_NONE
+	MemHandleTypePosixFD MemHandleType = 1 // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+)
+
+// MemLocationType is a CUmemLocationType.
+type MemLocationType int32
+
+// MemLocationTypeDevice is CU_MEM_LOCATION_TYPE_DEVICE.
+const MemLocationTypeDevice MemLocationType = 1
+
+// MemAccessFlags is a CUmemAccess_flags.
+type MemAccessFlags int32
+
+// Access flags.
+const (
+	MemAccessFlagsProtNone      MemAccessFlags = 0 // CU_MEM_ACCESS_FLAGS_PROT_NONE
+	MemAccessFlagsProtRead      MemAccessFlags = 1 // CU_MEM_ACCESS_FLAGS_PROT_READ
+	MemAccessFlagsProtReadWrite MemAccessFlags = 3 // CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+)
+
+// MemAllocGranularityFlags is a CUmemAllocationGranularity_flags.
+type MemAllocGranularityFlags int32
+
+// Granularity options.
+const (
+	MemAllocGranularityMinimum   MemAllocGranularityFlags = 0 // CU_MEM_ALLOC_GRANULARITY_MINIMUM
+	MemAllocGranularityRecommend MemAllocGranularityFlags = 1 // CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
 )
 
 // MemLocation is CUmemLocation: {CUmemLocationType type; int id;}, 8 bytes.
 type MemLocation struct {
-	Type int32 // MemLocationType*
+	Type MemLocationType
 	ID   int32 // the device ordinal (CUdevice) for MemLocationTypeDevice
 }
 
@@ -41,8 +69,8 @@ type MemAllocFlags struct {
 //	offset 16: void *win32HandleMetaData (must be NULL on Linux)
 //	offset 24: allocFlags
 type MemAllocationProp struct {
-	Type                 int32
-	RequestedHandleTypes int32
+	Type                 MemAllocationType
+	RequestedHandleTypes MemHandleType
 	Location             MemLocation
 	Win32HandleMetaData  uintptr
 	AllocFlags           MemAllocFlags
@@ -52,12 +80,12 @@ type MemAllocationProp struct {
 // CUmemAccess_flags flags;}, 12 bytes.
 type MemAccessDesc struct {
 	Location MemLocation
-	Flags    int32
+	Flags    MemAccessFlags
 }
 
 // DevicePinnedProp returns the properties of pinned device memory on d
 // that can be exported with the given handle types.
-func DevicePinnedProp(d Device, handleTypes int32) MemAllocationProp {
+func DevicePinnedProp(d Device, handleTypes MemHandleType) MemAllocationProp {
 	return MemAllocationProp{
 		Type:                 MemAllocationTypePinned,
 		RequestedHandleTypes: handleTypes,
@@ -66,46 +94,31 @@ func DevicePinnedProp(d Device, handleTypes int32) MemAllocationProp {
 }
 
 // MemGetAllocationGranularity returns the size and alignment unit of
-// allocations with prop (option is MemAllocGranularityMinimum or
-// MemAllocGranularityRecommend).
-func MemGetAllocationGranularity(prop MemAllocationProp, option int32) (uint64, error) {
-	if err := loaded("cuMemGetAllocationGranularity"); err != nil {
-		return 0, err
-	}
+// allocations with prop.
+func MemGetAllocationGranularity(prop MemAllocationProp, option MemAllocGranularityFlags) (uint64, error) {
 	var g uint64
-	err := check("cuMemGetAllocationGranularity", cuMemGetAllocationGranularity(&g, &prop, option))
+	err := callMemGetAllocationGranularity(&g, &prop, option)
 	return g, err
 }
 
 // MemCreate allocates size bytes of physical memory with prop; size must
 // be a multiple of the granularity.
 func MemCreate(size uint64, prop MemAllocationProp) (MemGenericAllocationHandle, error) {
-	if err := loaded("cuMemCreate"); err != nil {
-		return 0, err
-	}
 	var h MemGenericAllocationHandle
-	err := check("cuMemCreate", cuMemCreate(&h, size, &prop, 0))
+	err := callMemCreate(&h, size, &prop, 0)
 	return h, err
 }
 
 // MemRelease drops this handle's reference to the physical memory; the
 // memory is freed when no handle, mapping or exported file refers to it.
-func MemRelease(h MemGenericAllocationHandle) error {
-	if err := loaded("cuMemRelease"); err != nil {
-		return err
-	}
-	return check("cuMemRelease", cuMemRelease(h))
-}
+func MemRelease(h MemGenericAllocationHandle) error { return callMemRelease(h) }
 
 // MemExportToShareableHandleFD exports h as a new POSIX file descriptor
 // (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR): the driver writes an int
 // through the void* argument. The caller owns the returned descriptor.
 func MemExportToShareableHandleFD(h MemGenericAllocationHandle) (int, error) {
-	if err := loaded("cuMemExportToShareableHandle"); err != nil {
-		return -1, err
-	}
 	fd := int32(-1)
-	if err := check("cuMemExportToShareableHandle", cuMemExportToShareableHandle(&fd, h, MemHandleTypePosixFD, 0)); err != nil {
+	if err := callMemExportToShareableHandle(&fd, h, MemHandleTypePosixFD, 0); err != nil {
 		return -1, err
 	}
 	return int(fd), nil
@@ -116,66 +129,77 @@ func MemExportToShareableHandleFD(h MemGenericAllocationHandle) (int, error) {
 // itself in the void* argument, (void *)(uintptr_t)fd, not a pointer to
 // it. The descriptor is not consumed: the caller still closes it.
 func MemImportFromShareableHandleFD(fd int) (MemGenericAllocationHandle, error) {
-	if err := loaded("cuMemImportFromShareableHandle"); err != nil {
-		return 0, err
-	}
 	var h MemGenericAllocationHandle
-	err := check("cuMemImportFromShareableHandle", cuMemImportFromShareableHandle(&h, uintptr(fd), MemHandleTypePosixFD))
+	err := callMemImportFromShareableHandle(&h, uintptr(fd), MemHandleTypePosixFD)
 	return h, err
 }
 
 // MemGetAllocationPropertiesFromHandle returns the properties the
-// allocation behind h was created with.
+// allocation behind h was created with (optional entry point).
 func MemGetAllocationPropertiesFromHandle(h MemGenericAllocationHandle) (MemAllocationProp, error) {
 	var prop MemAllocationProp
-	if err := loaded("cuMemGetAllocationPropertiesFromHandle"); err != nil {
-		return prop, err
-	}
-	err := check("cuMemGetAllocationPropertiesFromHandle", cuMemGetAllocationPropertiesFromHandle(&prop, h))
+	err := callMemGetAllocationPropertiesFromHandle(&prop, h)
 	return prop, err
+}
+
+// MemRetainAllocationHandle returns a new handle to the VMM allocation
+// mapped at p, e.g. memory another library (PyTorch's expandable segments)
+// made with cuMemCreate; release it with MemRelease. Optional entry point;
+// memory not made with cuMemCreate fails with ErrorInvalidValue.
+func MemRetainAllocationHandle(p DevicePtr) (MemGenericAllocationHandle, error) {
+	var h MemGenericAllocationHandle
+	err := callMemRetainAllocationHandle(&h, p)
+	return h, err
 }
 
 // MemAddressReserve reserves size bytes of virtual address space aligned
 // to alignment (0: the granularity), anywhere.
 func MemAddressReserve(size, alignment uint64) (DevicePtr, error) {
-	if err := loaded("cuMemAddressReserve"); err != nil {
-		return 0, err
-	}
 	var p DevicePtr
-	err := check("cuMemAddressReserve", cuMemAddressReserve(&p, size, alignment, 0, 0))
+	err := callMemAddressReserve(&p, size, alignment, 0, 0)
 	return p, err
 }
 
 // MemAddressFree returns a reservation made by MemAddressReserve.
-func MemAddressFree(p DevicePtr, size uint64) error {
-	if err := loaded("cuMemAddressFree"); err != nil {
-		return err
-	}
-	return check("cuMemAddressFree", cuMemAddressFree(p, size))
-}
+func MemAddressFree(p DevicePtr, size uint64) error { return callMemAddressFree(p, size) }
 
 // MemMap maps the first size bytes of the allocation h at p (the driver
 // requires offset 0).
 func MemMap(p DevicePtr, size uint64, h MemGenericAllocationHandle) error {
-	if err := loaded("cuMemMap"); err != nil {
-		return err
-	}
-	return check("cuMemMap", cuMemMap(p, size, 0, h, 0))
+	return callMemMap(p, size, 0, h, 0)
 }
 
 // MemUnmap unmaps [p, p+size).
-func MemUnmap(p DevicePtr, size uint64) error {
-	if err := loaded("cuMemUnmap"); err != nil {
-		return err
-	}
-	return check("cuMemUnmap", cuMemUnmap(p, size))
-}
+func MemUnmap(p DevicePtr, size uint64) error { return callMemUnmap(p, size) }
 
 // MemSetAccess grants device d the access flags on [p, p+size).
-func MemSetAccess(p DevicePtr, size uint64, d Device, flags int32) error {
-	if err := loaded("cuMemSetAccess"); err != nil {
-		return err
-	}
+func MemSetAccess(p DevicePtr, size uint64, d Device, flags MemAccessFlags) error {
 	desc := MemAccessDesc{Location: MemLocation{Type: MemLocationTypeDevice, ID: int32(d)}, Flags: flags}
-	return check("cuMemSetAccess", cuMemSetAccess(p, size, &desc, 1))
+	return callMemSetAccess(p, size, &desc, 1)
+}
+
+// StreamValueFlags are the flags of cuStreamWriteValue64 and
+// cuStreamWaitValue64 (CUstreamWriteValue_flags, CUstreamWaitValue_flags).
+type StreamValueFlags uint32
+
+// Wait conditions of StreamWaitValue64.
+const (
+	StreamWaitValueGEQ   StreamValueFlags = 0x0 // CU_STREAM_WAIT_VALUE_GEQ: until *addr >= value (cyclic)
+	StreamWaitValueEQ    StreamValueFlags = 0x1 // CU_STREAM_WAIT_VALUE_EQ
+	StreamWaitValueAND   StreamValueFlags = 0x2 // CU_STREAM_WAIT_VALUE_AND: until (*addr & value) != 0
+	StreamWaitValueNOR   StreamValueFlags = 0x3 // CU_STREAM_WAIT_VALUE_NOR
+	StreamWaitValueFlush StreamValueFlags = 1 << 30
+)
+
+// StreamWriteValue64 queues a write of value to the device-visible address
+// addr on s (optional entry point; needs
+// CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS).
+func StreamWriteValue64(s Stream, addr DevicePtr, value uint64, flags StreamValueFlags) error {
+	return callStreamWriteValue64(s, addr, value, uint32(flags))
+}
+
+// StreamWaitValue64 makes later work on s wait until the 64-bit value at
+// addr meets the condition in flags (optional entry point).
+func StreamWaitValue64(s Stream, addr DevicePtr, value uint64, flags StreamValueFlags) error {
+	return callStreamWaitValue64(s, addr, value, uint32(flags))
 }

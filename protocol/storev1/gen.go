@@ -2,13 +2,18 @@
 // store.proto (protobuf package cudaipc.store.v1).
 //
 // The generated files are committed (store.pb.go here, and the Python
-// client's python/cudaipc/_store_pb2.py, which a test keeps in sync) so that building needs no protoc. After
-// editing store.proto, regenerate with protoc 3.21 or later and
-// protoc-gen-go v1.36.12 on $PATH:
+// client's python/cudaipc/_store_pb2.py, which a test keeps in sync) so
+// that building needs no generator. After editing store.proto, regenerate
+// with
 //
-//	go install google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
 //	go generate ./protocol/storev1
+//
+// which needs nothing but Go: it runs the module tool protocgen
+// (internal/protocgen: github.com/bufbuild/protocompile in place of protoc,
+// and protoc-gen-go's generator at the version go.mod pins), so the file's
+// header says "protoc (unknown)". CI checks that the committed files are
+// what go generate writes; do not regenerate with protoc.
 package storev1
 
-//go:generate protoc --go_out=. --go_opt=paths=source_relative store.proto
+//go:generate go tool protocgen store.proto
 //go:generate go test -run ^TestPythonModuleInSync$ . -args -update-python
