@@ -18,7 +18,7 @@ type Expandable struct {
 // NewExpandableForTest maps n allocations of one granule each (handle
 // types handleTypes: 1 = POSIX fd, 0 = none) into one reserved range.
 func NewExpandableForTest(d *Device, n int, posixFD bool) (*Expandable, error) {
-	ht := int32(cu.MemHandleTypeNone)
+	ht := cu.MemHandleTypeNone
 	if posixFD {
 		ht = cu.MemHandleTypePosixFD
 	}

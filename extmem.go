@@ -165,7 +165,7 @@ func ExportPointer(dev *Device, ptr DevicePtr, size int64) (*PointerExport, erro
 	}); err != nil {
 		return nil, &NotExportableError{Ptr: ptr, Allocator: "not memory the CUDA driver knows", Fix: FixHost, Err: err}
 	}
-	if mtype == cu.MemoryTypeHost {
+	if cu.MemoryType(mtype) == cu.MemoryTypeHost {
 		return nil, &NotExportableError{Ptr: ptr, Allocator: "host memory", Fix: FixHost}
 	}
 	files, layout, err := exportVMM(dev, ptr, size)
@@ -286,7 +286,7 @@ const (
 	ReadWrite
 )
 
-func (a Access) flags() int32 {
+func (a Access) flags() cu.MemAccessFlags {
 	if a == ReadWrite {
 		return cu.MemAccessFlagsProtReadWrite
 	}

@@ -25,10 +25,22 @@ type PointerAttribute int32
 
 // Pointer attributes used by this module.
 const (
+	PointerAttrMemoryType    PointerAttribute = 2
 	PointerAttrBufferID      PointerAttribute = 7
 	PointerAttrIsManaged     PointerAttribute = 8
 	PointerAttrDeviceOrdinal PointerAttribute = 9
 	PointerAttrLegacyIPC     PointerAttribute = 10
+)
+
+// MemoryType is a CUmemorytype, the value of PointerAttrMemoryType.
+type MemoryType int32
+
+// Memory types.
+const (
+	MemoryTypeHost    MemoryType = 1
+	MemoryTypeDevice  MemoryType = 2
+	MemoryTypeArray   MemoryType = 3
+	MemoryTypeUnified MemoryType = 4
 )
 
 // IpcMemFlags are the flags of cuIpcOpenMemHandle (CUipcMem_flags).

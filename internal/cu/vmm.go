@@ -142,16 +142,6 @@ func MemGetAllocationPropertiesFromHandle(h MemGenericAllocationHandle) (MemAllo
 	return prop, err
 }
 
-// MemRetainAllocationHandle returns a new handle to the VMM allocation
-// mapped at p, e.g. memory another library (PyTorch's expandable segments)
-// made with cuMemCreate; release it with MemRelease. Optional entry point;
-// memory not made with cuMemCreate fails with ErrorInvalidValue.
-func MemRetainAllocationHandle(p DevicePtr) (MemGenericAllocationHandle, error) {
-	var h MemGenericAllocationHandle
-	err := callMemRetainAllocationHandle(&h, p)
-	return h, err
-}
-
 // MemAddressReserve reserves size bytes of virtual address space aligned
 // to alignment (0: the granularity), anywhere.
 func MemAddressReserve(size, alignment uint64) (DevicePtr, error) {
@@ -176,30 +166,4 @@ func MemUnmap(p DevicePtr, size uint64) error { return callMemUnmap(p, size) }
 func MemSetAccess(p DevicePtr, size uint64, d Device, flags MemAccessFlags) error {
 	desc := MemAccessDesc{Location: MemLocation{Type: MemLocationTypeDevice, ID: int32(d)}, Flags: flags}
 	return callMemSetAccess(p, size, &desc, 1)
-}
-
-// StreamValueFlags are the flags of cuStreamWriteValue64 and
-// cuStreamWaitValue64 (CUstreamWriteValue_flags, CUstreamWaitValue_flags).
-type StreamValueFlags uint32
-
-// Wait conditions of StreamWaitValue64.
-const (
-	StreamWaitValueGEQ   StreamValueFlags = 0x0 // CU_STREAM_WAIT_VALUE_GEQ: until *addr >= value (cyclic)
-	StreamWaitValueEQ    StreamValueFlags = 0x1 // CU_STREAM_WAIT_VALUE_EQ
-	StreamWaitValueAND   StreamValueFlags = 0x2 // CU_STREAM_WAIT_VALUE_AND: until (*addr & value) != 0
-	StreamWaitValueNOR   StreamValueFlags = 0x3 // CU_STREAM_WAIT_VALUE_NOR
-	StreamWaitValueFlush StreamValueFlags = 1 << 30
-)
-
-// StreamWriteValue64 queues a write of value to the device-visible address
-// addr on s (optional entry point; needs
-// CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS).
-func StreamWriteValue64(s Stream, addr DevicePtr, value uint64, flags StreamValueFlags) error {
-	return callStreamWriteValue64(s, addr, value, uint32(flags))
-}
-
-// StreamWaitValue64 makes later work on s wait until the 64-bit value at
-// addr meets the condition in flags (optional entry point).
-func StreamWaitValue64(s Stream, addr DevicePtr, value uint64, flags StreamValueFlags) error {
-	return callStreamWaitValue64(s, addr, value, uint32(flags))
 }
