@@ -104,8 +104,8 @@ def ordinal_of(uuid: bytes) -> Optional[int]:
         return None
 
 
-def make_current(ordinal: int) -> None:
-    """Make the GPU's primary context current on this thread (as PyTorch and CuPy use it)."""
+def primary_context(ordinal: int) -> Any:
+    """The GPU's primary context (the one PyTorch and CuPy use), retained once."""
     cu = driver()
     ctx = _ctx.get(ordinal)
     if ctx is None:
@@ -115,7 +115,28 @@ def make_current(ordinal: int) -> None:
                 dev = check("cuDeviceGet", cu.cuDeviceGet(ordinal))
                 ctx = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(dev))
                 _ctx[ordinal] = ctx
-    check("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
+    return ctx
+
+
+class on:
+    """``with on(ordinal):`` runs driver calls in the GPU's primary context and then
+    restores the thread's current context (so that PyTorch's current device does
+    not change behind its back)."""
+
+    def __init__(self, ordinal: int):
+        self.ctx = primary_context(ordinal)
+
+    def __enter__(self) -> "on":
+        check("cuCtxPushCurrent", driver().cuCtxPushCurrent(self.ctx))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        check("cuCtxPopCurrent", driver().cuCtxPopCurrent())
+
+
+def make_current(ordinal: int) -> None:
+    """Make the GPU's primary context current on this thread for good."""
+    check("cuCtxSetCurrent", driver().cuCtxSetCurrent(primary_context(ordinal)))
 
 
 def pick_ordinal(uuid: bytes) -> int:
@@ -143,11 +164,11 @@ def ipc_open(handle: bytes, buffer_id: int, ordinal: int) -> int:
         if e is not None:
             e[1] += 1
             return int(e[0])
-        make_current(ordinal)
         h = cu.CUipcMemHandle()
         h.reserved = handle
         flag = cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-        base = check("cuIpcOpenMemHandle", cu.cuIpcOpenMemHandle(h, flag))
+        with on(ordinal):
+            base = check("cuIpcOpenMemHandle", cu.cuIpcOpenMemHandle(h, flag))
         _ipc[key] = [base, 1]
         return int(base)
 
@@ -164,8 +185,8 @@ def ipc_close(handle: bytes, buffer_id: int, ordinal: int) -> None:
         if e[1] > 0:
             return
         del _ipc[key]
-        make_current(ordinal)
-        check("cuIpcCloseMemHandle", cu.cuIpcCloseMemHandle(e[0]))
+        with on(ordinal):
+            check("cuIpcCloseMemHandle", cu.cuIpcCloseMemHandle(e[0]))
 
 
 def ipc_open_count() -> int:
@@ -180,10 +201,13 @@ class FDArena:
     """A GPU arena imported from a POSIX file descriptor and mapped once."""
 
     def __init__(self, fd: int, size: int, ordinal: int):
-        cu = driver()
         self.size = size
         self.ordinal = ordinal
-        make_current(ordinal)
+        with on(ordinal):
+            self._map(fd, size, ordinal)
+
+    def _map(self, fd: int, size: int, ordinal: int) -> None:
+        cu = driver()
         handle = check("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(
             fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
         ptr = None
@@ -214,9 +238,9 @@ class FDArena:
         if self._dptr is None:
             return
         cu = driver()
-        make_current(self.ordinal)
-        check("cuMemUnmap", cu.cuMemUnmap(self._dptr, self.size))
-        check("cuMemAddressFree", cu.cuMemAddressFree(self._dptr, self.size))
+        with on(self.ordinal):
+            check("cuMemUnmap", cu.cuMemUnmap(self._dptr, self.size))
+            check("cuMemAddressFree", cu.cuMemAddressFree(self._dptr, self.size))
         self._dptr = None
         self.ptr = 0
 
@@ -245,27 +269,34 @@ def memcpy_dtoh(dst_addr: int, src: int, n: int) -> None:
 
 def synchronize(ordinal: int) -> None:
     """Wait for all work on the GPU's primary context."""
-    make_current(ordinal)
-    check("cuCtxSynchronize", driver().cuCtxSynchronize())
+    with on(ordinal):
+        check("cuCtxSynchronize", driver().cuCtxSynchronize())
 
 
 def pointer_ordinal(ptr: int) -> int:
     """The ordinal of the GPU that holds device address ptr."""
     cu = driver()
-    v = check("cuPointerGetAttribute", cu.cuPointerGetAttribute(
-        cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr))
-    return int(v)
+    attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    try:
+        return int(check("cuPointerGetAttribute", cu.cuPointerGetAttribute(attr, ptr)))
+    except CudaError:
+        with on(0):  # no context current on this thread
+            return int(check("cuPointerGetAttribute", cu.cuPointerGetAttribute(attr, ptr)))
 
 
 def export_region(ptr: int, nbytes: int) -> Any:
     """The Region of nbytes at ptr: the allocation's base (cuMemGetAddressRange), its
     legacy IPC handle, buffer id and GPU."""
-    from .region import Region, local_identity
     cu = driver()
     if nbytes <= 0:
         raise ValueError("export_region: size %d must be positive" % nbytes)
     ordinal = pointer_ordinal(ptr)
-    make_current(ordinal)
+    with on(ordinal):
+        return _export_region(cu, ptr, nbytes, ordinal)
+
+
+def _export_region(cu: Any, ptr: int, nbytes: int, ordinal: int) -> Any:
+    from .region import Region, local_identity
     base, alloc = check("cuMemGetAddressRange", cu.cuMemGetAddressRange(ptr))
     base, alloc = int(base), int(alloc)
     if ptr + nbytes > base + alloc:

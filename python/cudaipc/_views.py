@@ -151,14 +151,16 @@ def numpy_view(owner: Any, addr: int, lay: Layout, readonly: bool) -> Any:
     return np.asarray(HostArray(owner, addr, lay, readonly))
 
 
+# A read-only lease: PyTorch has no read-only tensors and warns on every view of
+# one (writing faults). The filter names only that message.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
+
 def torch_host_view(owner: Any, addr: int, lay: Layout, readonly: bool) -> Any:
     import numpy as np
     import torch
     arr = np.asarray(HostArray(owner, addr, lay, readonly, carrier=DTYPES[lay.dtype][1] is None))
-    with warnings.catch_warnings():
-        # A read-only lease: PyTorch has no read-only tensors and warns; writing faults.
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.from_numpy(arr)
+    t = torch.from_numpy(arr)
     if DTYPES[lay.dtype][1] is None:
         t = t.view(getattr(torch, lay.dtype))
     return t
@@ -166,7 +168,8 @@ def torch_host_view(owner: Any, addr: int, lay: Layout, readonly: bool) -> Any:
 
 def torch_cuda_view(owner: Any, ptr: int, lay: Layout, ordinal: int, readonly: bool) -> Any:
     import torch
-    t = torch.as_tensor(CudaArray(owner, ptr, lay, readonly), device="cuda:%d" % ordinal)
+    # The device comes from the pointer (the GPU that holds the memory); no copy.
+    t = torch.as_tensor(CudaArray(owner, ptr, lay, readonly))
     if DTYPES[lay.dtype][1] is None:
         t = t.view(getattr(torch, lay.dtype))
     return t

@@ -37,6 +37,16 @@ def _unmap(addr: int, size: int, fd: int) -> None:
         pass
 
 
+def _id_field(rid: int) -> bytes:
+    """Request.id (field 1, varint), encoded by hand."""
+    out = bytearray(b"\x08")
+    while rid >= 0x80:
+        out.append((rid & 0x7F) | 0x80)
+        rid >>= 7
+    out.append(rid)
+    return bytes(out)
+
+
 class HostArena:
     """One mmap of a memfd arena, unmapped (and its descriptor closed) when the
     connection and every lease or object using it have let go of it."""
@@ -107,30 +117,52 @@ class Conn:
                 raise self.dead  # type: ignore[misc]
         return rid
 
+    def send_raw(self, body: bytes) -> int:
+        """Send a request given as its encoded body (everything but the id)."""
+        rid = next(self._ids)
+        data = _id_field(rid) + body
+        with self._send_lock:
+            if self.dead is not None:
+                raise self.dead
+            try:
+                self.sock.send(data)
+            except OSError as e:
+                self._fail(StoreGone("send", message="%s: %s" % (self.path, e)))
+                raise self.dead  # type: ignore[misc]
+        return rid
+
     def send_detached(self, req: Any) -> None:
-        """Send a request whose reply is dropped unread (a pipelined release)."""
-        with self._cv:
-            if self.dead is not None or self.closed:
-                return
+        """Send a request (a message, or an object with an encoded ``body``) whose
+        reply is dropped unread: a pipelined release."""
+        if self.dead is not None or self.closed:
+            return
         try:
             rid = next(self._ids)
-            req.id = rid
-            with self._cv:
-                self._detached.add(rid)
+            if hasattr(req, "body") and isinstance(req.body, bytes):
+                data = _id_field(rid) + req.body
+            else:
+                req.id = rid
+                data = req.SerializeToString()
+            self._detached.add(rid)  # set.add is atomic under the GIL
             with self._send_lock:
-                self.sock.send(req.SerializeToString())
+                self.sock.send(data)
         except (OSError, StoreError):
             pass
 
     # -- receiving -------------------------------------------------------------
     def call(self, req: Any, op: str, name: str = "") -> Reply:
         """Send req and wait for its reply; raise the StoreError of a failed response."""
-        with self._cv:
-            if self.dead is not None:
-                raise type(self.dead)(op, name, self.dead.message, code=self.dead.code)
-        rid = self.send(req)
-        with self._cv:
-            self._waiting.add(rid)
+        return self._call(req, None, op, name)
+
+    def call_raw(self, body: bytes, op: str, name: str = "") -> Reply:
+        """call with the request's encoded body (see send_raw)."""
+        return self._call(None, body, op, name)
+
+    def _call(self, req: Any, body: Optional[bytes], op: str, name: str) -> Reply:
+        dead = self.dead
+        if dead is not None:
+            raise type(dead)(op, name, dead.message, code=dead.code)
+        rid = self.send(req) if body is None else self.send_raw(body)
         try:
             r = self.wait(rid)
         except BaseException:
@@ -253,6 +285,11 @@ class Conn:
             elif resp.HasField("error"):
                 self._fail(from_code(resp.error.code, "connection", "", resp.error.message)
                            if resp.error.code not in (0,) else StoreGone("connection"))
+            return
+        if resp.id in self._detached:  # a pipelined release's reply: nobody reads it
+            self._detached.discard(resp.id)
+            for fd in fds:
+                os.close(fd)
             return
         reply = self._place(resp, fds)
         with self._cv:

@@ -71,8 +71,8 @@ class Mapping:
         from . import _cuda
         m = self._live()
         buf = ctypes.create_string_buffer(m.nbytes)
-        _cuda.make_current(m.ordinal)
-        _cuda.memcpy_dtoh(ctypes.addressof(buf), m.addr, m.nbytes)
+        with _cuda.on(m.ordinal):
+            _cuda.memcpy_dtoh(ctypes.addressof(buf), m.addr, m.nbytes)
         return buf.raw
 
     def close(self) -> None:
@@ -102,10 +102,10 @@ def import_region(region: Union[Region, bytes, str]) -> Mapping:
     ordinal = _cuda.pick_ordinal(r.device)
     if r.exporter_pid == os.getpid():
         # The driver refuses to open a handle in its exporter: the memory is here.
-        _cuda.make_current(ordinal)
         cu = _cuda.driver()
-        bid = int(_cuda.check("cuPointerGetAttribute", cu.cuPointerGetAttribute(
-            cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID, r.exporter_base)))
+        with _cuda.on(ordinal):
+            bid = int(_cuda.check("cuPointerGetAttribute", cu.cuPointerGetAttribute(
+                cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID, r.exporter_base)))
         if bid != r.buffer_id:
             raise CudaError("import_region", "stale region", "the allocation at %#x was freed" % r.exporter_base)
         return Mapping(_Mapped(r, r.exporter_base + r.offset, ordinal, None))

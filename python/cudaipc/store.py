@@ -9,7 +9,6 @@ import datetime
 import os
 import sys
 import threading
-import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import _store_pb2 as pb
@@ -150,7 +149,28 @@ class _Memory:
         self.tensor = tensor
         self.share = share        # "" (host), "ipc" or "fd"
         self.end_request = end_request
-        self.finalizer = weakref.finalize(self, _end, conn, end_request, gpu_close)
+        self.conn = conn
+        self.alive = True
+
+    def end(self) -> None:
+        """End now: unmap GPU memory, then tell the daemon (once)."""
+        if self.alive:
+            self.alive = False
+            _end(self.conn, self.end_request, self.gpu_close)
+
+    def detach(self) -> None:
+        """Forget the end request (the object was sealed or aborted explicitly)."""
+        self.alive = False
+
+    def __del__(self) -> None:
+        # CPython runs this as soon as the last view or lease lets go: the lease
+        # ends then, deterministically (cheaper than weakref.finalize on the hot path).
+        if self.alive:
+            self.alive = False
+            try:
+                _end(self.conn, self.end_request, self.gpu_close)
+            except Exception:  # noqa: BLE001 - interpreter shutdown, closed connection
+                pass
 
     @property
     def is_gpu(self) -> bool:
@@ -192,21 +212,31 @@ class Lease:
     be written; host views are read-only (writing through a PyTorch CPU tensor faults).
     """
 
-    def __init__(self, mem: _Memory, lease_id: int, info: ObjectInfo):
+    def __init__(self, mem: _Memory, lease_id: int, name: str, info_pb: Any):
         self._mem: Optional[_Memory] = mem
         self._lease_id = lease_id
-        self._info = info
+        self._name = name
+        self._info_pb = info_pb
+        self._info: Optional[ObjectInfo] = None
         self._nbytes = mem.nbytes
         self._device = mem.device
+        self._tensor = mem.tensor
 
     @property
     def info(self) -> ObjectInfo:
         """The object, as the daemon described it when granting the lease."""
+        if self._info is None:
+            p = self._info_pb
+            if p is not None and p.name:
+                self._info = ObjectInfo._from_pb(p)
+            else:
+                self._info = ObjectInfo(self._name, self._nbytes, self._device, True, 1, False, 0,
+                                        datetime.datetime.now(datetime.timezone.utc), None, self._tensor)
         return self._info
 
     @property
     def name(self) -> str:
-        return self._info.name
+        return self._name
 
     @property
     def size(self) -> int:
@@ -225,7 +255,7 @@ class Lease:
     @property
     def tensor_desc(self) -> Optional[TensorDesc]:
         """The producer's dtype/shape/strides, if it recorded them."""
-        return self._info.tensor
+        return self._tensor
 
     @property
     def gpu_share(self) -> str:
@@ -245,7 +275,7 @@ class Lease:
     def _live(self) -> _Memory:
         m = self._mem
         if m is None:
-            raise InvalidArgument("use", self._info.name, "the lease was released; views made before stay valid")
+            raise InvalidArgument("use", self._name, "the lease was released; views made before stay valid")
         return m
 
     def tensor(self, dtype: Any = None, shape: Optional[Sequence[int]] = None) -> Any:
@@ -291,7 +321,7 @@ class Lease:
         self.release()
 
     def __repr__(self) -> str:
-        return "<cudaipc.Lease %r %d bytes on %s%s>" % (self._info.name, self._nbytes, self._device,
+        return "<cudaipc.Lease %r %d bytes on %s%s>" % (self._name, self._nbytes, self._device,
                                                          " released" if self._mem is None else "")
 
 
@@ -300,8 +330,8 @@ def _read(m: _Memory) -> bytes:
         return ctypes.string_at(m.addr, m.nbytes)
     from . import _cuda
     buf = ctypes.create_string_buffer(m.nbytes)
-    _cuda.make_current(m.ordinal)  # type: ignore[arg-type]
-    _cuda.memcpy_dtoh(ctypes.addressof(buf), m.addr, m.nbytes)
+    with _cuda.on(m.ordinal):  # type: ignore[arg-type]
+        _cuda.memcpy_dtoh(ctypes.addressof(buf), m.addr, m.nbytes)
     return buf.raw
 
 
@@ -319,6 +349,7 @@ class Object:
         self._nbytes = mem.nbytes
         self._device = mem.device
         self._state = "open"
+        self._desc: Optional[TensorDesc] = None
 
     @property
     def name(self) -> str:
@@ -378,8 +409,8 @@ class Object:
             return
         from . import _cuda
         tmp = (ctypes.c_char * n).from_buffer_copy(src)
-        _cuda.make_current(m.ordinal)  # type: ignore[arg-type]
-        _cuda.memcpy_htod(m.addr + offset, ctypes.addressof(tmp), n)
+        with _cuda.on(m.ordinal):  # type: ignore[arg-type]
+            _cuda.memcpy_htod(m.addr + offset, ctypes.addressof(tmp), n)
 
     def seal(self) -> None:
         """Publish the object: readers may get it from now on. Device work writing it
@@ -395,7 +426,7 @@ class Object:
         if m is None:
             raise InvalidArgument(op, self._name, "object already %s" % self._state)
         # The GPU mapping goes before the daemon hears: it may free the arena at once.
-        m.finalizer.detach()
+        m.detach()
         if m.gpu_close is not None:
             m.gpu_close()
         self._mem = None
@@ -485,10 +516,13 @@ class Store:
         except BaseException:
             self._conn._cleanup(r, "create", name)
             raise
-        return Object(self, name, mem)
+        o = Object(self, name, mem)
+        o._desc = desc
+        return o
 
     def put(self, name: str, data: Any, device: Any = None, *, shared: bool = False) -> ObjectInfo:
-        """Copy ``data`` into a new sealed object and return its info. ``data`` is a
+        """Copy ``data`` into a new sealed object and return its info (as created: no
+        extra round trip; ``stat`` for the daemon's view). ``data`` is a
         torch.Tensor (CPU or CUDA), a CuPy or NumPy array, or any bytes-like object.
         ``device`` defaults to where the data is; GPU->GPU copies run on the data's
         current stream and finish before the seal. dtype and shape are recorded."""
@@ -503,7 +537,8 @@ class Store:
             obj.abort()
             raise
         obj.seal()
-        return self.stat(name)
+        return ObjectInfo(name, src.nbytes, obj.device, True, 0, shared, os.getuid(),
+                          datetime.datetime.now(datetime.timezone.utc), None, obj._desc)
 
     # -- get ---------------------------------------------------------------------------
     def get(self, name: str, timeout: Optional[float] = None) -> Lease:
@@ -514,20 +549,20 @@ class Store:
             ms = -1
         else:
             ms = max(int(timeout * 1000), 0)
-        r = self._conn.call(pb.Request(get=pb.GetRequest(name=name, timeout_ms=ms)), "get", name)
+        r = self._conn.call_raw(_encode_get(name, ms), "get", name)
         g = r.resp.get
         p = g.placement
         if p.writable:
             self._conn._cleanup(r, "get", name)
             raise InternalError("get", name, "daemon sent a writable placement for a get")
-        info = ObjectInfo._from_pb(g.info) if g.HasField("info") and g.info.name else ObjectInfo(
-            name, p.size, p.device, True, 1, False, 0, datetime.datetime.now(datetime.timezone.utc), None, None)
+        info = g.info if g.HasField("info") else None
+        desc = TensorDesc._from_pb(info.tensor) if info is not None and info.HasField("tensor") else None
         try:
-            mem = self._memory(r, p, info.tensor, pb.Request(release=pb.ReleaseRequest(lease_id=g.lease_id)), "get", name)
+            mem = self._memory(r, p, desc, _Release(g.lease_id), "get", name)
         except BaseException:
             self._conn._cleanup(r, "get", name)
             raise
-        return Lease(mem, g.lease_id, info)
+        return Lease(mem, g.lease_id, name, info)
 
     def _memory(self, r: Reply, p: Any, desc: Optional[TensorDesc], end: Any, op: str, name: str) -> _Memory:
         if p.device in ("", "host"):
@@ -642,6 +677,36 @@ def connect(socket: Optional[str] = None, client_name: Optional[str] = None) -> 
 
 # -- helpers ---------------------------------------------------------------------------------
 
+def _varint(v: int) -> bytes:
+    v &= (1 << 64) - 1
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def _encode_get(name: str, timeout_ms: int) -> bytes:
+    """Request.get{name, timeout_ms} without the id: built by hand, as it is the hot
+    path (a protobuf message costs several times more to build); the schema tests
+    check it against the protobuf encoding."""
+    nb = name.encode("utf-8")
+    body = b"\x0a" + _varint(len(nb)) + nb
+    if timeout_ms:
+        body += b"\x10" + _varint(timeout_ms)
+    return b"\x72" + _varint(len(body)) + body   # field 14, length-delimited
+
+
+class _Release:
+    """Request.release{lease_id}, encoded by hand (see _encode_get)."""
+
+    __slots__ = ("body",)
+
+    def __init__(self, lease_id: int):
+        inner = b"\x08" + _varint(lease_id)
+        self.body = b"\x7a" + _varint(len(inner)) + inner   # field 15
+
 def _resolve_device(device: Any) -> str:
     """The protocol's device string: "" for host, a GPU UUID for a GPU."""
     if device is None or device == "host" or device == "":
@@ -732,15 +797,15 @@ class _Source:
         from . import _cuda
         cu = _cuda.driver()
         if m.is_gpu and self.ordinal is not None:
-            _cuda.make_current(self.ordinal)
-            _cuda.memcpy_dtod(m.addr, self.addr, self.nbytes, cu.CUstream(self.stream))
+            with _cuda.on(self.ordinal):
+                _cuda.memcpy_dtod(m.addr, self.addr, self.nbytes, cu.CUstream(self.stream))
         elif m.is_gpu:
-            _cuda.make_current(m.ordinal)  # type: ignore[arg-type]
-            _cuda.memcpy_htod(m.addr, self.addr, self.nbytes)
+            with _cuda.on(m.ordinal):  # type: ignore[arg-type]
+                _cuda.memcpy_htod(m.addr, self.addr, self.nbytes)
         else:
-            _cuda.make_current(self.ordinal)  # type: ignore[arg-type]
-            _cuda.check("cuStreamSynchronize", cu.cuStreamSynchronize(cu.CUstream(self.stream)))
-            _cuda.memcpy_dtoh(m.addr, self.addr, self.nbytes)
+            with _cuda.on(self.ordinal):  # type: ignore[arg-type]
+                _cuda.check("cuStreamSynchronize", cu.cuStreamSynchronize(cu.CUstream(self.stream)))
+                _cuda.memcpy_dtoh(m.addr, self.addr, self.nbytes)
 
 
 _ = (Closed, CudaError, StoreError, Union)

@@ -1,0 +1,273 @@
+"""GPU objects and regions (skip without a GPU; CUDAIPC_REQUIRE_GPU=N fails instead).
+
+Runs against daemons sharing GPU arenas both ways: legacy CUDA IPC ("ipc") and VMM
+memory passed as file descriptors ("fd")."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import cudaipc
+from conftest import HERE, Daemon, need_gpus, need_module
+
+HELPER = os.path.join(HERE, "helper.py")
+
+
+@pytest.fixture(params=["ipc", "fd"])
+def gpu_daemon(request, cudaipc_bin):
+    need_gpus(1)
+    d = Daemon(cudaipc_bin, ["--backend", "cuda", "--gpu-share", request.param, "--capacity", "4GiB"])
+    d.share = request.param
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def gstore(gpu_daemon):
+    s = cudaipc.connect(gpu_daemon.socket)
+    yield s
+    s.close()
+
+
+def torch_cuda():
+    need_module("torch")
+    import torch
+    if not torch.cuda.is_available():
+        need_gpus(10**6)  # fails under CUDAIPC_REQUIRE_GPU, skips otherwise
+    return torch
+
+
+def sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def helper(*args: str, env=None) -> str:
+    r = subprocess.run([sys.executable, HELPER] + list(args), capture_output=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    return r.stdout.decode().strip()
+
+
+def wait_leases(store, name, want, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        n = store.stat(name).leases
+        if n == want or time.monotonic() > deadline:
+            return n
+        time.sleep(0.02)
+
+
+def test_torch_put_get_zero_copy(gstore, gpu_daemon):
+    torch = torch_cuda()
+    src = torch.randn(256, 1024, device="cuda:0")
+    info = gstore.put("w", src)
+    assert info.device.startswith("GPU-") and info.tensor == cudaipc.TensorDesc("float32", (256, 1024))
+    lease = gstore.get("w", timeout=5)
+    assert lease.gpu_share == gpu_daemon.share
+    t = lease.tensor()
+    assert t.is_cuda and t.device.index == 0 and t.dtype == torch.float32 and tuple(t.shape) == (256, 1024)
+    assert torch.equal(t, src)
+    # Zero bytes copied: the tensor is the lease's mapping of the daemon's memory.
+    assert t.data_ptr() == lease.data_ptr
+    if gpu_daemon.share == "ipc":
+        st = gstore.stat("w")
+        with cudaipc.import_region(st.region) as m:
+            assert m.data_ptr == t.data_ptr()
+    # Another process reads the same bytes.
+    assert helper("consume", gpu_daemon.socket, "w") == sha(src.cpu().numpy().tobytes())
+    # bfloat16, reinterpreted views
+    b = torch.randn(64, 64, device="cuda:0").to(torch.bfloat16)
+    gstore.put("bf", b)
+    with gstore.get("bf") as l2:
+        assert torch.equal(l2.tensor(), b)
+        assert torch.equal(l2.tensor(torch.int16, (64, 64)), b.view(torch.int16))
+
+
+def test_tensor_outlives_release_until_collected(gstore, gpu_daemon):
+    torch = torch_cuda()
+    src = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda:0")
+    gstore.put("life", src)
+    with gstore.get("life") as lease:
+        t = lease.tensor()
+    assert lease.released
+    assert gstore.stat("life").leases == 1
+    for i in range(3):  # other objects come and go meanwhile
+        gstore.put("churn%d" % i, torch.randn(1 << 18, device="cuda:0"))
+        gstore.rm("churn%d" % i)
+    assert torch.equal(t, src)
+    t2 = t[10:20]
+    del t
+    gc.collect()
+    assert gstore.stat("life").leases == 1
+    assert torch.equal(t2, src[10:20])
+    del t2
+    gc.collect()
+    assert wait_leases(gstore, "life", 0) == 0
+
+
+def test_create_in_place_with_cupy(gstore, gpu_daemon):
+    need_module("cupy")
+    import cupy
+    o = gstore.create("c", 4 * 1000 * 33, device=0, dtype="float32", shape=(1000, 33))
+    w = o.cupy()
+    assert w.shape == (1000, 33) and w.dtype == cupy.float32
+    want = cupy.random.standard_normal((1000, 33), dtype=cupy.float32)
+    w[...] = want
+    cupy.cuda.get_current_stream().synchronize()
+    del w
+    o.seal()
+    with gstore.get("c") as lease:
+        got = lease.cupy()
+        assert got.data.ptr == lease.data_ptr
+        assert bool((got == want).all())
+        del got
+    with pytest.raises(TypeError):
+        gstore.get("c").numpy()  # a GPU object
+
+
+def test_create_in_place_with_torch_and_abort(gstore):
+    torch = torch_cuda()
+    o = gstore.create("t", 1 << 20, device="cuda:0", dtype=torch.float16, shape=(512, 1024))
+    o.tensor().copy_(torch.ones(512, 1024, dtype=torch.float16, device="cuda:0"))
+    torch.cuda.synchronize()
+    o.abort()
+    with pytest.raises(cudaipc.NotFound):
+        gstore.stat("t")
+
+
+def test_kill_9_of_a_gpu_lease_holder(gstore, gpu_daemon):
+    torch = torch_cuda()
+    gstore.put("victim", torch.randn(4096, device="cuda:0"))
+    p = subprocess.Popen([sys.executable, HELPER, "hold", gpu_daemon.socket, "victim"], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == b"holding"
+        assert gstore.stat("victim").leases == 1
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        assert wait_leases(gstore, "victim", 0) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_go_and_python_exchange_gpu_objects(gstore, gpu_daemon, tmp_path):
+    torch = torch_cuda()
+    data = os.urandom(3 << 20)
+    f = tmp_path / "in.bin"
+    f.write_bytes(data)
+    gpu_daemon.cli("put", str(f), "--name", "from-go", "--device", "0", "--dtype", "uint8")
+    with gstore.get("from-go") as lease:
+        t = lease.tensor()
+        assert t.is_cuda and bytes(t.cpu().numpy().tobytes()) == data
+        del t
+    src = torch.randint(0, 255, (5 << 20,), dtype=torch.uint8, device="cuda:0")
+    gstore.put("from-py", src)
+    out = tmp_path / "out.bin"
+    gpu_daemon.cli("get", "from-py", "-o", str(out))
+    assert out.read_bytes() == src.cpu().numpy().tobytes()
+
+
+def test_across_gpus(gstore, gpu_daemon):
+    need_gpus(2)
+    torch = torch_cuda()
+    src = torch.randn(1 << 20, device="cuda:1")
+    info = gstore.put("g1", src)
+    assert info.device == gstore.put("g1b", src.cpu(), device=1).device
+    with gstore.get("g1") as lease:
+        t = lease.tensor()
+        assert t.device.index == 1 and torch.equal(t, src)
+        assert torch.equal(t.to("cuda:0"), src.to("cuda:0"))
+        del t
+    # A GPU 0 tensor put into GPU 1's memory (peer copy), read on GPU 1.
+    s0 = torch.randn(4096, device="cuda:0")
+    gstore.put("x01", s0, device=1)
+    with gstore.get("x01") as lease:
+        assert lease.tensor().device.index == 1 and torch.equal(lease.tensor().cpu(), s0.cpu())
+
+
+def test_host_object_on_a_cuda_daemon(gstore):
+    np = pytest.importorskip("numpy")
+    a = np.random.default_rng().integers(0, 255, 10000, dtype=np.uint8)
+    gstore.put("h", a)
+    with gstore.get("h") as lease:
+        assert lease.device == "host" and np.array_equal(lease.numpy(), a)
+
+
+def test_region_from_torch_through_go_dump(cudaipc_bin, tmp_path):
+    """A PyTorch tensor's region (an offset inside the caching allocator's segment)
+    read by Go's 'cudaipc dump', and by another Python process."""
+    need_gpus(1)
+    torch = torch_cuda()
+    keep = torch.empty(3, 1000, device="cuda:0")  # so the tensor below is not at offset 0
+    t = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda:0")
+    r = cudaipc.Region.from_torch(t)
+    assert r.size == 1 << 20 and r.exporter_base + r.offset == t.data_ptr()
+    js = tmp_path / "r.json"
+    js.write_text(r.to_json())
+    out = tmp_path / "out.bin"
+    subprocess.run([cudaipc_bin, "dump", "--region", "@%s" % js, "-o", str(out)], check=True, timeout=60)
+    assert out.read_bytes() == t.cpu().numpy().tobytes()
+    binf = tmp_path / "r.bin"
+    binf.write_bytes(r.to_bytes())
+    out.unlink()
+    subprocess.run([cudaipc_bin, "dump", "--region", "@%s" % binf, "-o", str(out)], check=True, timeout=60)
+    assert out.read_bytes() == t.cpu().numpy().tobytes()
+    assert helper("import-region", r.to_json()) == sha(t.cpu().numpy().tobytes())
+    # In the exporting process itself the memory is mapped without the driver.
+    with cudaipc.import_region(r) as m:
+        assert m.data_ptr == t.data_ptr()
+        assert torch.equal(m.tensor(), t)
+    del keep
+
+
+def test_region_from_go_imported_in_python(cudaipc_bin, tmp_path):
+    """The region Go prints for a GPU object (stat --json of a legacy-IPC daemon)
+    maps in Python, zero-copy."""
+    need_gpus(1)
+    torch = torch_cuda()
+    d = Daemon(cudaipc_bin, ["--backend", "cuda", "--gpu-share", "ipc"])
+    try:
+        data = os.urandom(1 << 20)
+        f = tmp_path / "in.bin"
+        f.write_bytes(data)
+        d.cli("put", str(f), "--name", "r", "--device", "0")
+        with cudaipc.connect(d.socket) as s, s.get("r") as lease:  # keeps it alive
+            js = json.loads(d.cli("stat", "r", "--json").stdout)["region"]
+            r = cudaipc.Region.from_json(js)
+            assert r == s.stat("r").region
+            m = cudaipc.import_region(json.dumps(js))
+            assert m.read() == data
+            t = m.tensor()
+            assert t.data_ptr() == lease.data_ptr and bytes(t.cpu().numpy().tobytes()) == data
+            del t
+            m.close()
+    finally:
+        d.stop()
+
+
+def test_region_from_cupy(tmp_path, cudaipc_bin):
+    need_gpus(1)
+    need_module("cupy")
+    import cupy
+    a = cupy.random.randint(0, 255, 100000, dtype=cupy.uint8)
+    r = cudaipc.Region.from_cupy(a)
+    assert r.exporter_base + r.offset == a.data.ptr
+    assert helper("import-region", r.to_json()) == sha(a.get().tobytes())
+
+
+def test_region_errors():
+    need_gpus(1)
+    torch = torch_cuda()
+    with pytest.raises(ValueError):
+        cudaipc.Region.from_torch(torch.zeros(4))  # CPU
+    with pytest.raises(ValueError):
+        cudaipc.Region.from_torch(torch.zeros(4, 4, device="cuda:0").t())  # not contiguous
