@@ -135,10 +135,13 @@ class HostArray:
 
 class CudaArray:
     """What PyTorch (or any ``__cuda_array_interface__`` consumer) builds a device
-    array from; ``owner`` stays alive as long as any array made from it."""
+    array from; ``owner`` stays alive as long as any array made from it. The data is
+    never flagged read-only: PyTorch refuses the flag, and CUDA maps device memory
+    read-write anyway (a leased GPU object must still not be written)."""
 
-    def __init__(self, owner: Any, ptr: int, lay: Layout, readonly: bool):
+    def __init__(self, owner: Any, ptr: int, lay: Layout, readonly: bool = False):
         self.owner = owner
+        readonly = False
         self.__cuda_array_interface__ = {
             "version": 3, "shape": lay.shape, "typestr": DTYPES[lay.dtype][2] if DTYPES[lay.dtype][1] is None else DTYPES[lay.dtype][1],
             "data": (ptr, readonly), "strides": lay.byte_strides() if lay.strides is not None else None,
