@@ -197,6 +197,23 @@ def ipc_open_count() -> int:
 
 # -- VMM arenas shared by descriptor ------------------------------------------------
 
+def _peers_of(ordinal: int) -> List[int]:
+    """ordinal, then every other visible GPU that can access its memory."""
+    cu = driver()
+    out = [ordinal]
+    dev = check("cuDeviceGet", cu.cuDeviceGet(ordinal))
+    for d in range(device_count()):
+        if d == ordinal:
+            continue
+        other = check("cuDeviceGet", cu.cuDeviceGet(d))
+        try:
+            if check("cuDeviceCanAccessPeer", cu.cuDeviceCanAccessPeer(other, dev)):
+                out.append(d)
+        except CudaError:
+            pass
+    return out
+
+
 class FDArena:
     """A GPU arena imported from a POSIX file descriptor and mapped once."""
 
@@ -216,11 +233,16 @@ class FDArena:
             ptr = check("cuMemAddressReserve", cu.cuMemAddressReserve(size, 0, 0, 0))
             check("cuMemMap", cu.cuMemMap(ptr, size, 0, handle, 0))
             mapped = True
-            acc = cu.CUmemAccessDesc()
-            acc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            acc.location.id = ordinal
-            acc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            check("cuMemSetAccess", cu.cuMemSetAccess(ptr, size, [acc], 1))
+            # Every GPU that can reach this one gets access, as legacy IPC's lazy
+            # peer access gives it (copies from another GPU's stream need it).
+            descs = []
+            for d in _peers_of(ordinal):
+                acc = cu.CUmemAccessDesc()
+                acc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                acc.location.id = d
+                acc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                descs.append(acc)
+            check("cuMemSetAccess", cu.cuMemSetAccess(ptr, size, descs, len(descs)))
         except BaseException:
             if mapped:
                 cu.cuMemUnmap(ptr, size)

@@ -99,6 +99,7 @@ class Conn:
         self._arenas: Dict[Tuple[int, bool], HostArena] = {}
         self.events: Deque[Any] = collections.deque()
         self.subscribed = False
+        self.on_arenas_freed: Any = None   # called with arena ids the daemon emptied
         self.dead: Optional[StoreError] = None
         self.closed = False
 
@@ -279,9 +280,13 @@ class Conn:
         if resp.id == 0:
             for fd in fds:
                 os.close(fd)
-            if resp.WhichOneof("body") == "event":
+            body = resp.WhichOneof("body")
+            if body == "event":
                 with self._cv:
                     self.events.append(resp.event)
+            elif body == "arenas_freed":
+                if self.on_arenas_freed is not None:
+                    self.on_arenas_freed(list(resp.arenas_freed.arena_ids))
             elif resp.HasField("error"):
                 self._fail(from_code(resp.error.code, "connection", "", resp.error.message)
                            if resp.error.code not in (0,) else StoreGone("connection"))
@@ -349,6 +354,12 @@ class Conn:
             a = HostArena(os.dup(a.fd), p.arena_size, p.writable)
             self._arenas[key] = a
         return Reply(resp, arena=a)
+
+    def drop_host_arenas(self, ids: Any) -> None:
+        """Forget host arenas the daemon emptied (mappings go when unused)."""
+        for i in ids:
+            self._arenas.pop((i, True), None)
+            self._arenas.pop((i, False), None)
 
     def _cleanup(self, r: Reply, op: str, name: str) -> None:
         """Undo the reply of a call whose caller gave up."""

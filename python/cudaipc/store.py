@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import re
@@ -197,6 +198,23 @@ def _view(mem: _Memory, owner: Any, kind: str, dtype: Any, shape: Any) -> Any:
             raise TypeError("cupy() needs a GPU object; this one is in host memory: use numpy()")
         return _views.cupy_view(owner, mem.addr, mem.nbytes, lay, mem.ordinal)  # type: ignore[arg-type]
     raise AssertionError(kind)
+
+
+MAX_IDLE_ARENAS = 16
+"""GPU arenas a Store keeps mapped while no lease or object uses them (LRU)."""
+
+
+class _GPUArena:
+    """One GPU arena mapped by this connection: legacy IPC or an imported descriptor."""
+
+    def __init__(self, arena_id: int, share: str, key: bytes, ptr: int, size: int, ordinal: int, close: Any):
+        self.arena_id, self.share, self.key = arena_id, share, key
+        self.ptr, self.size, self.ordinal = ptr, size, ordinal
+        self.close = close
+        self.users = 0          # leases and objects using it
+        self.cached = True      # in Store._gpu_arenas
+        self.freed = False      # the daemon said it is empty
+        self.unmapped = False
 
 
 class Lease:
@@ -462,8 +480,10 @@ class Store:
             raise PermissionDenied("dial", message="%s: %s" % (path, e.strerror)) from None
         except OSError as e:
             raise StoreGone("dial", message="%s: %s" % (path, e)) from None
-        self._fd_lock = threading.Lock()
-        self._fd_arenas: Dict[int, List[Any]] = {}   # arena id -> [FDArena, refs]
+        self._arena_lock = threading.RLock()
+        self._gpu_arenas: Dict[int, _GPUArena] = {}   # arena id -> its mapping, used or idle
+        self._idle: "collections.OrderedDict[int, _GPUArena]" = collections.OrderedDict()
+        self._conn.on_arenas_freed = self._arenas_freed
         name = client_name or "%s[%d]" % (os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python"), os.getpid())
         try:
             r = self._conn.call(pb.Request(hello=pb.HelloRequest(version=1, client_name=name[-255:])), "dial")
@@ -483,8 +503,15 @@ class Store:
     def close(self) -> None:
         """Close the connection: the daemon aborts unsealed objects and releases leases.
         Host memory of views still alive stays mapped until they are collected (it may
-        be reused by the daemon: do not read it any more). Idempotent."""
+        be reused by the daemon: do not read it any more). Idle GPU arenas are unmapped.
+        Idempotent."""
         self._conn.close()
+        with self._arena_lock:
+            arenas = list(self._gpu_arenas.values())
+            for a in arenas:
+                a.cached = False
+        for a in arenas:
+            self._maybe_unmap(a, forget=False)
 
     def __enter__(self) -> "Store":
         return self
@@ -578,16 +605,21 @@ class Store:
         raise InternalError(op, name, "GPU placement with neither a region nor a descriptor")
 
     def _ipc_memory(self, p: Any, desc: Optional[TensorDesc], end: Any, op: str, name: str) -> _Memory:
+        a = self._gpu_arenas.get(p.arena_id)
+        if a is None or a.key != p.region:
+            a = self._map_ipc_arena(p, op, name)
+        if p.offset + p.size > a.size:
+            raise InternalError(op, name, "placement [%d, %d) lies outside the arena's %d-byte region" % (p.offset, p.offset + p.size, a.size))
+        return self._arena_memory(a, p, desc, end)
+
+    def _map_ipc_arena(self, p: Any, op: str, name: str) -> "_GPUArena":
         from . import _cuda
         try:
-            arena = Region.from_bytes(p.region)
+            r = Region.from_bytes(p.region)
         except Exception as e:  # noqa: BLE001
             raise InternalError(op, name, "daemon sent an invalid region: %s" % e) from None
-        if p.offset + p.size > arena.size:
-            raise InternalError(op, name, "placement [%d, %d) lies outside the arena's %d-byte region" % (p.offset, p.offset + p.size, arena.size))
-        if arena.device_uuid != p.device:
-            raise InternalError(op, name, "placement on %s comes with a region of %s" % (p.device, arena.device_uuid))
-        r = arena.sub(p.offset, p.size)
+        if r.device_uuid != p.device:
+            raise InternalError(op, name, "placement on %s comes with a region of %s" % (p.device, r.device_uuid))
         from .region import local_identity
         ns, boot = local_identity()
         if r.boot_id != boot or r.pid_namespace != ns:
@@ -595,36 +627,94 @@ class Store:
                                 "(start the daemon with 'cudaipc serve --gpu-share fd', or share its PID namespace)")
         ordinal = _cuda.pick_ordinal(r.device)
         base = _cuda.ipc_open(r.handle, r.buffer_id, ordinal)
-        close = _GPUClose(_cuda.ipc_close, r.handle, r.buffer_id, ordinal)
-        return _Memory(self._conn, p.size, p.device, base + r.offset, ordinal, p.writable, None,
-                       close, end, desc, "ipc")
+        a = _GPUArena(p.arena_id, "ipc", bytes(p.region), base + r.offset, r.size, ordinal,
+                      _GPUClose(_cuda.ipc_close, r.handle, r.buffer_id, ordinal))
+        self._hold(a)
+        return a
 
     def _fd_memory(self, fd: int, p: Any, desc: Optional[TensorDesc], end: Any, op: str, name: str) -> _Memory:
         from . import _cuda
         try:
-            with self._fd_lock:
-                e = self._fd_arenas.get(p.arena_id)
-                if e is None:
+            with self._arena_lock:
+                a = self._gpu_arenas.get(p.arena_id)
+                if a is None or a.share != "fd" or a.size < p.arena_size:
                     ordinal = _cuda.pick_ordinal(parse_gpu_uuid(p.device))
-                    e = [_cuda.FDArena(fd, p.arena_size, ordinal), 0]
-                    self._fd_arenas[p.arena_id] = e
-                if p.offset + p.size > e[0].size:
-                    raise InternalError(op, name, "placement [%d, %d) lies outside arena %d's %d-byte mapping" % (p.offset, p.offset + p.size, p.arena_id, e[0].size))
-                e[1] += 1
+                    m = _cuda.FDArena(fd, p.arena_size, ordinal)
+                    a = _GPUArena(p.arena_id, "fd", b"", m.ptr, m.size, ordinal, _GPUClose(m.close))
+                    self._hold(a)
         finally:
             os.close(fd)
-        close = _GPUClose(self._fd_unref, p.arena_id, e)
-        return _Memory(self._conn, p.size, p.device, e[0].ptr + p.offset, e[0].ordinal, p.writable, None,
-                       close, end, desc, "fd")
+        if p.offset + p.size > a.size:
+            raise InternalError(op, name, "placement [%d, %d) lies outside arena %d's %d-byte mapping" % (p.offset, p.offset + p.size, p.arena_id, a.size))
+        return self._arena_memory(a, p, desc, end)
 
-    def _fd_unref(self, arena_id: int, e: List[Any]) -> None:
-        with self._fd_lock:
-            e[1] -= 1
-            if e[1] > 0:
+    def _hold(self, a: "_GPUArena") -> None:
+        """Cache a newly mapped GPU arena (replacing, and letting go of, an older
+        mapping of the same id)."""
+        with self._arena_lock:
+            old = self._gpu_arenas.get(a.arena_id)
+            self._gpu_arenas[a.arena_id] = a
+        if old is not None:
+            old.cached = False
+            self._maybe_unmap(old, forget=False)
+
+    def _arena_memory(self, a: "_GPUArena", p: Any, desc: Optional[TensorDesc], end: Any) -> _Memory:
+        with self._arena_lock:
+            a.users += 1
+            self._idle.pop(a.arena_id, None)
+        return _Memory(self._conn, p.size, p.device, a.ptr + p.offset, a.ordinal, p.writable, None,
+                       _GPUClose(self._arena_unref, a), end, desc, a.share)
+
+    def _arena_unref(self, a: "_GPUArena") -> None:
+        """A lease or object in the arena ended. The mapping stays (the next get there
+        costs no driver call) until the daemon says the arena is empty, or the idle
+        ones exceed MAX_IDLE_ARENAS."""
+        evict: List[_GPUArena] = []
+        with self._arena_lock:
+            a.users -= 1
+            if a.users == 0 and a.cached and not a.freed:
+                self._idle[a.arena_id] = a
+                while len(self._idle) > MAX_IDLE_ARENAS:
+                    _, old = self._idle.popitem(last=False)
+                    old.cached = False
+                    if self._gpu_arenas.get(old.arena_id) is old:
+                        del self._gpu_arenas[old.arena_id]
+                    evict.append(old)
+        self._maybe_unmap(a, forget=True)
+        for old in evict:
+            self._maybe_unmap(old, forget=True)
+
+    def _maybe_unmap(self, a: "_GPUArena", forget: bool) -> None:
+        with self._arena_lock:
+            if a.users > 0 or (a.cached and not a.freed) or a.unmapped:
                 return
-            if self._fd_arenas.get(arena_id) is e:
-                del self._fd_arenas[arena_id]
-        e[0].close()
+            a.unmapped = True
+            if self._gpu_arenas.get(a.arena_id) is a:
+                del self._gpu_arenas[a.arena_id]
+            self._idle.pop(a.arena_id, None)
+        try:
+            a.close()
+        finally:
+            if forget:
+                self._conn.send_detached(pb.Request(forget_arenas=pb.ForgetArenasRequest(arena_ids=[a.arena_id])))
+
+    def _arenas_freed(self, ids: Sequence[int]) -> None:
+        """The daemon says these arenas hold no object any more: unmap them (GPU ones
+        as soon as no view uses them) and tell it (forget_arenas)."""
+        self._conn.drop_host_arenas(ids)
+        host = []
+        for i in ids:
+            with self._arena_lock:
+                a = self._gpu_arenas.get(i)
+                if a is not None:
+                    a.freed = True
+                    a.cached = False
+            if a is None:
+                host.append(i)
+            else:
+                self._maybe_unmap(a, forget=True)
+        if host:
+            self._conn.send_detached(pb.Request(forget_arenas=pb.ForgetArenasRequest(arena_ids=host[:1024])))
 
     # -- the rest --------------------------------------------------------------------------
     def stat(self, name: str) -> ObjectInfo:

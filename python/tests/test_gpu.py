@@ -81,6 +81,13 @@ def test_torch_put_get_zero_copy(gstore, gpu_daemon):
         st = gstore.stat("w")
         with cudaipc.import_region(st.region) as m:
             assert m.data_ptr == t.data_ptr()
+    # Later gets of the arena cost no driver open: the connection keeps it mapped.
+    from cudaipc import _cuda
+    opened = _cuda.ipc_open_count()
+    for _ in range(50):
+        with gstore.get("w") as l:
+            assert l.data_ptr == t.data_ptr()
+    assert _cuda.ipc_open_count() == opened
     # Another process reads the same bytes.
     assert helper("consume", gpu_daemon.socket, "w") == sha(src.cpu().numpy().tobytes())
     # bfloat16, reinterpreted views
