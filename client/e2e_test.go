@@ -253,7 +253,7 @@ func TestUIDNotAllowed(t *testing.T) {
 	// The admitted uid's object is private to it: root sees it, the
 	// admitted uid made it.
 	c := dial(t, d.socket)
-	info, err := c.Stat(context.Background(), "from-nobody")
+	info, err := c.Stat(context.Background(), "65534:from-nobody")
 	if err != nil {
 		t.Fatal(err)
 	}

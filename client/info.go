@@ -117,7 +117,8 @@ type CreateOptions struct {
 	Tensor *TensorDesc
 }
 
-// GetOptions select a version of a versioned name for GetWith.
+// GetOptions select, for GetWith, a version of a versioned name and the
+// owner the object must have.
 type GetOptions struct {
 	// Version is the version to get; 0 means the latest visible one.
 	Version uint64
@@ -125,6 +126,14 @@ type GetOptions struct {
 	Shard int
 	// NewerThan waits for a version above it (WaitNewer).
 	NewerThan uint64
+	// RequireOwner makes the get succeed only with an object of uid Owner.
+	// Each uid has its own namespace (docs/protocol.md, section 6): with a
+	// bare name the get then addresses uid Owner's object of that name,
+	// and a qualified name ("UID:NAME") of another uid is ErrInvalid. Set
+	// it to read a given user's bytes whatever names others choose.
+	RequireOwner bool
+	// Owner is the uid RequireOwner requires.
+	Owner uint32
 }
 
 func (t *TensorDesc) proto() *storev1.TensorDesc {

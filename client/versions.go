@@ -27,7 +27,21 @@ func (c *Client) GetWith(ctx context.Context, name string, opts GetOptions) (*Le
 	if opts.Shard < 0 {
 		return nil, &Error{Op: "get", Name: name, Err: ErrInvalid, Message: fmt.Sprintf("shard %d is negative", opts.Shard)}
 	}
-	return c.get(ctx, name, &storev1.GetRequest{Name: name, Version: opts.Version, Shard: uint32(opts.Shard), NewerThan: opts.NewerThan})
+	gr := &storev1.GetRequest{Name: name, Version: opts.Version, Shard: uint32(opts.Shard), NewerThan: opts.NewerThan}
+	if opts.RequireOwner {
+		gr.OwnerUid = &opts.Owner
+	}
+	l, err := c.get(ctx, name, gr)
+	if err != nil {
+		return nil, err
+	}
+	if opts.RequireOwner && l.info.OwnerUID != opts.Owner {
+		// A daemon older than GetRequest.owner_uid ignores it.
+		l.Release()
+		return nil, &Error{Op: "get", Name: name, Err: ErrPermission,
+			Message: fmt.Sprintf("the object belongs to uid %d, not to uid %d as required", l.info.OwnerUID, opts.Owner)}
+	}
+	return l, nil
 }
 
 // WaitNewer waits until a version of name above than is visible, then

@@ -182,7 +182,11 @@ func FuzzValidateName(f *testing.F) {
 			}
 			return
 		}
-		if len(name) == 0 || len(name) > MaxNameLen || !utf8.ValidString(name) || strings.ContainsAny(name, "\x00\n\r\t\x7f") {
+		limit := MaxNameLen
+		if _, _, ok := SplitOwner(name); ok {
+			limit = MaxQualifiedNameLen
+		}
+		if len(name) == 0 || len(name) > limit || !utf8.ValidString(name) || strings.ContainsAny(name, "\x00\n\r\t\x7f") {
 			t.Fatalf("ValidateName accepted %q", name)
 		}
 		for i := 0; i < len(name); i++ {

@@ -1,6 +1,8 @@
 package protocol
 
 import (
+	"strconv"
+	"strings"
 	"unicode"
 	"unicode/utf8"
 
@@ -11,6 +13,9 @@ import (
 const (
 	// MaxNameLen is the longest object name, in bytes.
 	MaxNameLen = 255
+	// MaxQualifiedNameLen is the longest name that addresses an object of
+	// a given owner, "UID:NAME" (a uint32 has at most 10 digits).
+	MaxQualifiedNameLen = MaxNameLen + 11
 	// MaxObjectSize is the largest object, in bytes (1 TiB).
 	MaxObjectSize = 1 << 40
 	// MaxDeviceLen is the longest device string, in bytes.
@@ -24,11 +29,16 @@ const (
 // marks, numbers, punctuation, symbols and the ASCII space). '/' is allowed,
 // so that names can be hierarchical ("model/layer.0"); names are keys, never
 // file paths. The error is a *CodeError with code INVALID.
+//
+// A qualified name, "UID:NAME" (see SplitOwner), may be up to
+// MaxQualifiedNameLen bytes, its NAME part up to MaxNameLen.
 func ValidateName(name string) error {
 	if name == "" {
 		return Errorf(storev1.Error_INVALID, "empty object name")
 	}
-	if len(name) > MaxNameLen {
+	if _, rest, ok := SplitOwner(name); ok && len(rest) <= MaxNameLen {
+		// The prefix is ASCII digits and ':': only the rest needs checks.
+	} else if len(name) > MaxNameLen {
 		return Errorf(storev1.Error_INVALID, "object name is %d bytes, at most %d", len(name), MaxNameLen)
 	}
 	if !utf8.ValidString(name) {
@@ -355,4 +365,35 @@ func validateArenaIDs(what string, ids []uint64) error {
 		}
 	}
 	return nil
+}
+
+// SplitOwner splits a qualified name, "UID:NAME", into the owner's uid and
+// the name in that owner's namespace. UID is a uint32 in decimal without
+// leading zeros and NAME is not empty; anything else (including "007:x" and
+// "model:v1") is not qualified, and ok is false.
+//
+// Each uid has its own namespace: a bare name addresses the caller's own
+// object, and "UID:NAME" the object NAME of uid UID (docs/protocol.md,
+// section 6).
+func SplitOwner(name string) (uid uint32, rest string, ok bool) {
+	i := strings.IndexByte(name, ':')
+	if i <= 0 || i > 10 || i == len(name)-1 || (name[0] == '0' && i > 1) {
+		return 0, name, false
+	}
+	for j := range i {
+		if name[j] < '0' || name[j] > '9' {
+			return 0, name, false
+		}
+	}
+	n, err := strconv.ParseUint(name[:i], 10, 32)
+	if err != nil {
+		return 0, name, false
+	}
+	return uint32(n), name[i+1:], true
+}
+
+// QualifiedName returns "UID:NAME", the name of an object of uid in any
+// namespace.
+func QualifiedName(uid uint32, name string) string {
+	return strconv.FormatUint(uint64(uid), 10) + ":" + name
 }

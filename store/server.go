@@ -322,6 +322,7 @@ func (cn *conn) send(resp *storev1.Response, files ...*os.File) error {
 }
 
 func (cn *conn) sendLocked(resp *storev1.Response, files ...*os.File) error {
+	cn.localNames(resp)
 	err := cn.c.Send(resp, files...)
 	if err != nil {
 		if !errors.Is(err, io.EOF) && cn.ss.ctx.Err() == nil {
@@ -371,6 +372,10 @@ func (cn *conn) handle(req *storev1.Request) {
 		cn.reply(op, body, nil)
 	}
 	ss := cn.ss
+	if err := cn.qualifyNames(req); err != nil {
+		fail(err)
+		return
+	}
 	switch b := req.GetBody().(type) {
 	case *storev1.Request_Hello:
 		fail(protocol.Errorf(storev1.Error_INVALID, "hello is only valid as the first request"))
@@ -599,5 +604,98 @@ func (in *info) proto() *storev1.ObjectInfo {
 		ManifestSize:    uint64(in.ManifestSize),
 		Tensors:         uint32(in.Tensors),
 		Tensor:          in.Tensor,
+	}
+}
+
+// Each uid has a namespace of its own: the store keeps every object under
+// its qualified name, "UID:NAME" (protocol.SplitOwner), and a client names
+// its own objects bare and other users' qualified. So a user's object can
+// neither take nor shadow another user's name, and a reader that names
+// "1000:model" gets uid 1000's object or none.
+
+// qualifyNames rewrites the names of a request into the store's qualified
+// form, or says why a name is not acceptable.
+func (cn *conn) qualifyNames(req *storev1.Request) error {
+	var err error
+	switch b := req.GetBody().(type) {
+	case *storev1.Request_Create:
+		b.Create.Name, err = cn.qualify(b.Create.Name, true)
+	case *storev1.Request_Seal:
+		b.Seal.Name, err = cn.qualify(b.Seal.Name, false)
+	case *storev1.Request_Abort:
+		b.Abort.Name, err = cn.qualify(b.Abort.Name, false)
+	case *storev1.Request_Get:
+		r := b.Get
+		if r.OwnerUid != nil {
+			uid, _, ok := protocol.SplitOwner(r.Name)
+			if ok && uid != *r.OwnerUid {
+				return protocol.Errorf(storev1.Error_INVALID, "%q names an object of uid %d, but owner uid %d is required", r.Name, uid, *r.OwnerUid)
+			}
+			if !ok {
+				r.Name = protocol.QualifiedName(*r.OwnerUid, r.Name)
+			}
+		}
+		r.Name, err = cn.qualify(r.Name, false)
+	case *storev1.Request_Delete:
+		b.Delete.Name, err = cn.qualify(b.Delete.Name, false)
+	case *storev1.Request_Stat:
+		b.Stat.Name, err = cn.qualify(b.Stat.Name, false)
+	case *storev1.Request_List:
+		if b.List.StartAfter != "" {
+			b.List.StartAfter, err = cn.qualify(b.List.StartAfter, false)
+		}
+	}
+	return err
+}
+
+// qualify returns the qualified form of a name the client sent: a bare name
+// is in the caller's namespace. Objects are only created in one's own.
+func (cn *conn) qualify(name string, create bool) (string, error) {
+	uid, rest, ok := protocol.SplitOwner(name)
+	if !ok {
+		uid, rest = cn.ss.peer.uid, name
+	}
+	if create {
+		if uid != cn.ss.peer.uid {
+			return "", protocol.Errorf(storev1.Error_PERMISSION, "%q names uid %d's namespace: objects are created in their creator's own (uid %d), under a bare name", name, uid, cn.ss.peer.uid)
+		}
+		if _, _, nested := protocol.SplitOwner(rest); nested {
+			return "", protocol.Errorf(storev1.Error_INVALID, "object name %q: a name of the form UID:NAME addresses another uid's objects; choose one that does not start with digits and ':'", rest)
+		}
+	}
+	if len(rest) > protocol.MaxNameLen {
+		return "", protocol.Errorf(storev1.Error_INVALID, "object name is %d bytes, at most %d", len(rest), protocol.MaxNameLen)
+	}
+	return protocol.QualifiedName(uid, rest), nil
+}
+
+// localNames rewrites the names in a response as the peer addresses them:
+// its own objects bare, other users' qualified.
+func (cn *conn) localNames(resp *storev1.Response) {
+	uid := cn.ss.peer.uid
+	local := func(name string) string {
+		if owner, rest, ok := protocol.SplitOwner(name); ok && owner == uid {
+			return rest
+		}
+		return name
+	}
+	fix := func(in *storev1.ObjectInfo) {
+		if in != nil {
+			in.Name = local(in.Name)
+		}
+	}
+	switch b := resp.GetBody().(type) {
+	case *storev1.Response_Get:
+		fix(b.Get.GetInfo())
+	case *storev1.Response_List:
+		for _, o := range b.List.GetObjects() {
+			fix(o)
+		}
+	case *storev1.Response_Stat:
+		fix(b.Stat.GetInfo())
+	case *storev1.Response_Event:
+		if b.Event != nil {
+			b.Event.Name = local(b.Event.Name)
+		}
 	}
 }

@@ -467,7 +467,7 @@ func TestServerShutdown(t *testing.T) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if len(s.sessions) != 0 || s.objects["half"] != nil || s.objects["x"] == nil {
+	if len(s.sessions) != 0 || s.objects[protocol.QualifiedName(uint32(os.Geteuid()), "half")] != nil || s.objects[protocol.QualifiedName(uint32(os.Geteuid()), "x")] == nil {
 		t.Fatalf("after shutdown: %d sessions, objects %v", len(s.sessions), s.objects)
 	}
 }

@@ -6,14 +6,17 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/user"
 	"path/filepath"
+	"strconv"
 	"time"
 
 	"github.com/cudaipc/cudaipc/client"
 )
 
 type getCmd struct {
-	Name    string        `arg:"" help:"Object to read." placeholder:"NAME"`
+	Name    string        `arg:"" help:"Object to read: NAME for your own, UID:NAME for another user's (shared) object." placeholder:"NAME"`
+	Owner   string        `help:"Read only an object of this user (a uid or a user name): a bare NAME then means that user's NAME, and an object of anyone else is refused." placeholder:"USER"`
 	Output  string        `short:"o" default:"-" help:"Write the object to FILE instead of standard output." placeholder:"FILE|-"`
 	Timeout time.Duration `default:"0s" help:"Bound on the whole command: connecting, waiting for NAME to be sealed and writing it; 0 waits until NAME is sealed (or Ctrl-C)." placeholder:"D"`
 }
@@ -48,7 +51,15 @@ func (c *getCmd) Run(g *Globals) error {
 		})
 		defer note.Stop()
 	}
-	lease, err := cl.Get(ctx, c.Name)
+	var opts client.GetOptions
+	if c.Owner != "" {
+		uid, err := lookupUID(c.Owner)
+		if err != nil {
+			return &ExitError{Code: 2, Err: err}
+		}
+		opts.RequireOwner, opts.Owner = true, uid
+	}
+	lease, err := cl.GetWith(ctx, c.Name, opts)
 	if errors.Is(err, client.ErrTimeout) {
 		return reword(err, "get %q: not sealed within %s: check the name with 'cudaipc ls', or wait longer with --timeout", c.Name, c.Timeout)
 	}
@@ -79,7 +90,28 @@ func (c *getCmd) Run(g *Globals) error {
 	if err := os.Chmod(tmp.Name(), 0o644); err != nil {
 		return err
 	}
-	return os.Rename(tmp.Name(), c.Output)
+	if err := os.Rename(tmp.Name(), c.Output); err != nil {
+		return err
+	}
+	in := lease.Info()
+	fmt.Fprintf(g.stdout, "wrote %s: %q, %d bytes, owner uid %d\n", c.Output, in.Name, lease.Size(), in.OwnerUID)
+	return nil
+}
+
+// lookupUID reads --owner: a uid, or a user name of this machine.
+func lookupUID(s string) (uint32, error) {
+	if n, err := strconv.ParseUint(s, 10, 32); err == nil {
+		return uint32(n), nil
+	}
+	u, err := user.Lookup(s)
+	if err != nil {
+		return 0, fmt.Errorf("--owner %q: not a uid, and no such user: %w", s, err)
+	}
+	n, err := strconv.ParseUint(u.Uid, 10, 32)
+	if err != nil {
+		return 0, fmt.Errorf("--owner %q: uid %q is not a number", s, u.Uid)
+	}
+	return uint32(n), nil
 }
 
 // writeLease writes a leased object's bytes to w: a host object straight

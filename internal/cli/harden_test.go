@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,6 +14,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -205,5 +207,141 @@ func TestPutEndlessPipe(t *testing.T) {
 	// A pipe shorter than --size fails and stores nothing.
 	if errOut, code, _ := putFromPipe(t, 1<<20, "--name", "d", "--size", "2MiB", "--socket", sock); code != 1 || !strings.Contains(errOut, "ended after 1048576 of 2097152 bytes") {
 		t.Errorf("short pipe: exit %d: %s", code, errOut)
+	}
+}
+
+// asUser runs the CLI as another uid, in a process of its own: exe is a
+// copy of this test binary that uid may execute.
+func asUser(t *testing.T, exe string, uid uint32, stdin []byte, args ...string) (string, error) {
+	t.Helper()
+	cmd := exec.Command(exe, args...)
+	cmd.Env = append(os.Environ(), mainEnv+"=1", "HOME=/")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: uid}}
+	cmd.Stdin = bytes.NewReader(stdin)
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	if err := cmd.Run(); err != nil {
+		return out.String(), fmt.Errorf("%v: %s", err, errb.String())
+	}
+	return out.String(), nil
+}
+
+// twoUserStore starts a daemon that admits uid 65534 in a directory that
+// uid can reach, and a copy of this test binary it can run.
+func twoUserStore(t *testing.T, args ...string) (sock, exe string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to run the CLI as another uid")
+	}
+	dir, err := os.MkdirTemp("", "cudaipc-users-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	if err := os.Chmod(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	exe = filepath.Join(dir, "cli.test")
+	bin, err := os.ReadFile(os.Args[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(exe, bin, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	sock = filepath.Join(dir, "store.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	var errOut bytes.Buffer
+	go func() {
+		done <- Run(ctx, append([]string{"serve", "--socket", sock, "--log-level", "warn", "--backend", "host", "--allow-uid", "65534"}, args...), &bytes.Buffer{}, &errOut)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v\n%s", err, errOut.String())
+		}
+	})
+	for {
+		if _, _, err := storeCLI(t, "ls", "--socket", sock); err == nil {
+			return sock, exe
+		}
+		time.Sleep(5 * time.Millisecond) // poll interval, not a deadline
+	}
+}
+
+// TestOwnersCannotBeImpersonated: uid 65534 and root each have their own
+// namespace; neither can take, shadow or stand in for the other's object,
+// and --owner pins whose bytes a get returns. Both directions.
+func TestOwnersCannotBeImpersonated(t *testing.T) {
+	sock, exe := twoUserStore(t)
+	nobodyData, rootData := make([]byte, 7000), make([]byte, 9000)
+	rand.Read(nobodyData)
+	rand.Read(rootData)
+	dir := t.TempDir()
+	rootFile := filepath.Join(dir, "root.bin")
+	if err := os.WriteFile(rootFile, rootData, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	// The attacker moves first, with the name root will use.
+	if out, err := asUser(t, exe, 65534, nobodyData, "put", "-", "--name", "model/weights", "--shared", "--socket", sock); err != nil {
+		t.Fatalf("put as 65534: %v %s", err, out)
+	}
+	// Root does not see it under the bare name, and can take the name.
+	if _, _, err := storeCLI(t, "stat", "model/weights", "--socket", sock); !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("root's stat of the attacker's name: %v, want not found", err)
+	}
+	mustRun(t, "put", rootFile, "--name", "model/weights", "--shared", "--socket", sock)
+	get := func(args ...string) ([]byte, string, error) {
+		out := filepath.Join(t.TempDir(), "out.bin")
+		stdout, _, err := storeCLI(t, append([]string{"get", "-o", out, "--socket", sock}, args...)...)
+		if err != nil {
+			return nil, "", err
+		}
+		b, err := os.ReadFile(out)
+		return b, stdout, err
+	}
+	if b, said, err := get("model/weights"); err != nil || !bytes.Equal(b, rootData) || !strings.Contains(said, "owner uid 0") {
+		t.Fatalf("root's get of its own name: %v, %q, root's bytes %v", err, said, bytes.Equal(b, rootData))
+	}
+	if b, said, err := get("65534:model/weights"); err != nil || !bytes.Equal(b, nobodyData) || !strings.Contains(said, "owner uid 65534") {
+		t.Fatalf("root's get of 65534's object: %v %q", err, said)
+	}
+	if b, _, err := get("model/weights", "--owner", "65534"); err != nil || !bytes.Equal(b, nobodyData) {
+		t.Fatalf("get --owner 65534: %v", err)
+	}
+	if _, _, err := get("65534:model/weights", "--owner", "0"); !errors.Is(err, client.ErrInvalid) {
+		t.Fatalf("a name of uid 65534 with --owner 0: %v, want invalid", err)
+	}
+	// ls shows both, each with its owner; root's own bare.
+	var objs []client.ObjectInfo
+	if err := json.Unmarshal([]byte(mustRun(t, "ls", "--json", "--socket", sock)), &objs); err != nil {
+		t.Fatal(err)
+	}
+	owners := map[string]uint32{}
+	for _, o := range objs {
+		owners[o.Name] = o.OwnerUID
+	}
+	if len(owners) != 2 || owners["model/weights"] != 0 || owners["65534:model/weights"] != 65534 {
+		t.Fatalf("root's ls: %v", owners)
+	}
+
+	// The other direction: 65534 reads its own by the bare name, root's by
+	// root's qualified name, and cannot create in root's namespace.
+	out, err := asUser(t, exe, 65534, nil, "get", "model/weights", "--socket", sock)
+	if err != nil || out != string(nobodyData) {
+		t.Fatalf("65534's get of its own name: %v (its own bytes: %v)", err, out == string(nobodyData))
+	}
+	if out, err = asUser(t, exe, 65534, nil, "get", "0:model/weights", "--owner", "root", "--socket", sock); err != nil || out != string(rootData) {
+		t.Fatalf("65534's get of root's object: %v", err)
+	}
+	if _, err = asUser(t, exe, 65534, nobodyData, "put", "-", "--name", "0:model/weights2", "--socket", sock); err == nil || !strings.Contains(err.Error(), "namespace") {
+		t.Fatalf("65534 creating in root's namespace: %v", err)
+	}
+	if _, err = asUser(t, exe, 65534, nil, "rm", "0:model/weights", "--socket", sock); err == nil {
+		t.Fatal("65534 removed root's object")
+	}
+	if out, err = asUser(t, exe, 65534, nil, "stat", "0:model/weights", "--json", "--socket", sock); err != nil || !strings.Contains(out, `"owner_uid": 0`) || !strings.Contains(out, `"name": "0:model/weights"`) {
+		t.Fatalf("65534's stat of root's object: %v\n%s", err, out)
 	}
 }

@@ -828,9 +828,14 @@ type GetRequest struct {
 	TimeoutMs int64 `protobuf:"varint,2,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
 	// For a versioned name: the version to get (0 = the latest visible
 	// one), the shard, and newer_than: wait for a version above it.
-	Version       uint64 `protobuf:"varint,35,opt,name=version,proto3" json:"version,omitempty"`
-	Shard         uint32 `protobuf:"varint,36,opt,name=shard,proto3" json:"shard,omitempty"`
-	NewerThan     uint64 `protobuf:"varint,37,opt,name=newer_than,json=newerThan,proto3" json:"newer_than,omitempty"`
+	Version   uint64 `protobuf:"varint,35,opt,name=version,proto3" json:"version,omitempty"`
+	Shard     uint32 `protobuf:"varint,36,opt,name=shard,proto3" json:"shard,omitempty"`
+	NewerThan uint64 `protobuf:"varint,37,opt,name=newer_than,json=newerThan,proto3" json:"newer_than,omitempty"`
+	// When set, the object must belong to this uid: with a bare name the get
+	// addresses that uid's namespace ("UID:NAME"), and a qualified name of
+	// another uid is INVALID. A reader that needs the bytes of a given user
+	// sets it, so that no other user's object can stand in for it.
+	OwnerUid      *uint32 `protobuf:"varint,25,opt,name=owner_uid,json=ownerUid,proto3,oneof" json:"owner_uid,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -896,6 +901,13 @@ func (x *GetRequest) GetShard() uint32 {
 func (x *GetRequest) GetNewerThan() uint64 {
 	if x != nil {
 		return x.NewerThan
+	}
+	return 0
+}
+
+func (x *GetRequest) GetOwnerUid() uint32 {
+	if x != nil && x.OwnerUid != nil {
+		return *x.OwnerUid
 	}
 	return 0
 }
@@ -2472,7 +2484,7 @@ const file_store_proto_rawDesc = "" +
 	"\fAbortRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
 	"\aversion\x18# \x01(\x04R\aversion\x12\x14\n" +
-	"\x05shard\x18$ \x01(\rR\x05shard\"\x8e\x01\n" +
+	"\x05shard\x18$ \x01(\rR\x05shard\"\xbe\x01\n" +
 	"\n" +
 	"GetRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1d\n" +
@@ -2481,7 +2493,10 @@ const file_store_proto_rawDesc = "" +
 	"\aversion\x18# \x01(\x04R\aversion\x12\x14\n" +
 	"\x05shard\x18$ \x01(\rR\x05shard\x12\x1d\n" +
 	"\n" +
-	"newer_than\x18% \x01(\x04R\tnewerThan\"+\n" +
+	"newer_than\x18% \x01(\x04R\tnewerThan\x12 \n" +
+	"\towner_uid\x18\x19 \x01(\rH\x00R\bownerUid\x88\x01\x01B\f\n" +
+	"\n" +
+	"_owner_uid\"+\n" +
 	"\x0eReleaseRequest\x12\x19\n" +
 	"\blease_id\x18\x01 \x01(\x04R\aleaseId\"#\n" +
 	"\rDeleteRequest\x12\x12\n" +
@@ -2709,6 +2724,7 @@ func file_store_proto_init() {
 		(*Request_Subscribe)(nil),
 		(*Request_ForgetArenas)(nil),
 	}
+	file_store_proto_msgTypes[6].OneofWrappers = []any{}
 	file_store_proto_msgTypes[13].OneofWrappers = []any{
 		(*Response_Hello)(nil),
 		(*Response_Create)(nil),
