@@ -145,7 +145,10 @@ func TestContainersIsolation(t *testing.T) {
 
 	env := []string{"CUDAIPC_SOCKET=" + sock, "NAME=iso", "SIZE=65537"}
 	want := spawnIn(t, testutil.Container{Share: share, UID: exporterUID, GID: exporterUID}, "shared-producer", env...).expect("sealed ")
-	r := spawnIn(t, testutil.Container{Share: share, UID: readerUID, GID: readerUID}, "holder", env...)
+	// Each uid has its own namespace: the reader names the exporter's
+	// object by its owner.
+	r := spawnIn(t, testutil.Container{Share: share, UID: readerUID, GID: readerUID}, "holder",
+		"CUDAIPC_SOCKET="+sock, fmt.Sprintf("NAME=%d:iso", exporterUID), "SIZE=65537")
 	if got := r.expect("leased "); got != want {
 		t.Fatalf("reader container read %s, producer wrote %s", got, want)
 	}

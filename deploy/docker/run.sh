@@ -25,4 +25,4 @@ client() {
 }
 client 1000 cudaipc doctor
 client 1000 sh -c 'head -c 64M /dev/urandom | tee /tmp/r | cudaipc put --name demo/random --shared --device 0 - && sha256sum </tmp/r'
-client 1001 sh -c 'cudaipc get demo/random | sha256sum'
+client 1001 sh -c 'cudaipc get 1000:demo/random | sha256sum'   # another user's object: UID:NAME
