@@ -18,11 +18,13 @@ type getCmd struct {
 	Name    string        `arg:"" help:"Object to read: NAME for your own, UID:NAME for another user's (shared) object." placeholder:"NAME"`
 	Owner   string        `help:"Read only an object of this user (a uid or a user name): a bare NAME then means that user's NAME, and an object of anyone else is refused." placeholder:"USER"`
 	Output  string        `short:"o" default:"-" help:"Write the object to FILE instead of standard output." placeholder:"FILE|-"`
+	Raw     bool          `help:"Write a bundle's bytes as they are, not as a safetensors file."`
 	Timeout time.Duration `default:"0s" help:"Bound on the whole command: connecting, waiting for NAME to be sealed and writing it; 0 waits until NAME is sealed (or Ctrl-C)." placeholder:"D"`
 }
 
 func (c *getCmd) Help() string {
-	return "Waits until NAME is sealed, then writes its bytes. The lease is held while writing, so the object's memory cannot be reused underneath."
+	return "Waits until NAME is sealed, then writes its bytes. The lease is held while writing, so the object's memory cannot be reused underneath. " +
+		"A bundle (put from safetensors) is written as a safetensors file: byte for byte the file it was put from when that file's tensors were 256-byte aligned, else the same tensors densely packed (--raw writes the bundle's bytes as they are)."
 }
 
 func (c *getCmd) Run(g *Globals) error {
@@ -68,8 +70,12 @@ func (c *getCmd) Run(g *Globals) error {
 	}
 	defer lease.Release()
 
+	write := writeLease
+	if lease.Info().ManifestSize > 0 && !c.Raw {
+		write = writeBundle
+	}
 	if c.Output == "-" {
-		return writeLease(ctx, g.stdout, lease, nil)
+		return write(ctx, g.stdout, lease, nil)
 	}
 	// Write next to the target and rename, so that FILE is never left half
 	// written.
@@ -79,7 +85,7 @@ func (c *getCmd) Run(g *Globals) error {
 	}
 	defer os.Remove(tmp.Name())
 	bar := newProgress(g.stderr, lease.Size(), "get "+c.Name)
-	err = writeLease(ctx, tmp, lease, func(n int) { progressAdd(bar, n) })
+	err = write(ctx, tmp, lease, func(n int) { progressAdd(bar, n) })
 	progressDone(bar)
 	if cerr := tmp.Close(); err == nil {
 		err = cerr

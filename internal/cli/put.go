@@ -26,15 +26,22 @@ type putCmd struct {
 	DType   string        `name:"dtype" help:"Record what the bytes are as a typed array: the element type (float32, bfloat16, uint8, ...); readers such as the Python client view the object with it." placeholder:"DTYPE"`
 	Shape   []int64       `help:"With --dtype: the array's shape, comma-separated (default: one dimension covering the input)." placeholder:"N,M,..."`
 	Strides []int64       `help:"With --dtype: strides in elements, comma-separated (default: C order)." placeholder:"S,T,..."`
+	Publish bool          `help:"Store it as the next version of the versioned name NAME (readers get the latest; older versions go when no longer leased)."`
+	Raw     bool          `help:"Store a .safetensors file as plain bytes, not as a bundle of tensors."`
 }
 
 func (c *putCmd) Help() string {
 	return "Copies FILE into a new object NAME and seals it, so that readers can 'cudaipc get' it. " +
 		"Files and sized input stream into the object without being held in memory; a pipe of unknown length is read first, up to 64 MiB (give --size for more). " +
-		"A progress bar shows on a terminal."
+		"A progress bar shows on a terminal. " +
+		"A .safetensors file, or a directory of them (with its model.safetensors.index.json), is loaded as a bundle: " +
+		"one object holding every tensor at a 256-byte-aligned offset, with its safetensors header as the manifest (--raw stores the bytes as they are)."
 }
 
 func (c *putCmd) Run(g *Globals) error {
+	if !c.Raw && c.File != "-" && isSafetensors(c.File) {
+		return c.putSafetensors(g)
+	}
 	want := int64(-1) // not given
 	if c.Size > 0 {
 		want = int64(c.Size)
@@ -52,7 +59,7 @@ func (c *putCmd) Run(g *Globals) error {
 	defer cl.Close()
 
 	ctx := g.Context()
-	opts := client.CreateOptions{Device: c.Device, Shared: c.Shared}
+	opts := client.CreateOptions{Device: c.Device, Shared: c.Shared, Versioned: c.Publish}
 	if c.DType != "" {
 		shape := c.Shape
 		if shape == nil {
