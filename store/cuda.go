@@ -82,13 +82,31 @@ func newCUDABackend(devs []*cudaipc.Device, share string) (*cudaBackend, error) 
 		byUUID[u] = d
 		b.uuids = append(b.uuids, u)
 	}
+	// Every new arena is zeroed: CUDA hands out memory the daemon freed
+	// before, and what another uid's objects (or drafts) left there must
+	// not show in an arena that this arena's readers map whole.
 	if share == GPUShareFD {
 		b.allocFD = func(uuid string, size int64) (gpuFDMemory, error) {
-			return byUUID[uuid].AllocShareable(size)
+			d := byUUID[uuid]
+			m, err := d.AllocShareable(size)
+			if err != nil {
+				return nil, err
+			}
+			if err := d.Memset(m.Ptr(), 0, m.Size()); err != nil {
+				return nil, errors.Join(fmt.Errorf("zeroing a new arena: %w", err), m.Free())
+			}
+			return m, nil
 		}
 	} else {
 		b.alloc = func(uuid string, size int64) (gpuMemory, error) {
-			return byUUID[uuid].Alloc(size)
+			m, err := byUUID[uuid].Alloc(size)
+			if err != nil {
+				return nil, err
+			}
+			if err := m.Memset(0); err != nil {
+				return nil, errors.Join(fmt.Errorf("zeroing a new arena: %w", err), m.Free())
+			}
+			return m, nil
 		}
 	}
 	return b, nil

@@ -27,6 +27,8 @@ func TestMain(m *testing.M) {
 		os.Exit(dialHelper())
 	case "flood":
 		os.Exit(floodHelper())
+	case "arena-reader":
+		os.Exit(arenaReaderHelper())
 	default:
 		fmt.Fprintf(os.Stderr, "unknown helper role %q\n", os.Getenv(helperEnv))
 		os.Exit(2)

@@ -9,7 +9,6 @@ import (
 
 	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
-	"github.com/cudaipc/cudaipc/store/internal/alloc"
 )
 
 // peer identifies the process at the other end of a connection, as the
@@ -182,10 +181,7 @@ func (ss *session) createTyped(name string, size int64, dev string, shared bool,
 		creator: ss,
 		tensor:  tensor,
 	}
-	b, err := d.alloc.Alloc(pool{owner: o.owner, shared: shared}, size, o)
-	if errors.Is(err, alloc.ErrFull) {
-		return placement{}, fmt.Errorf("%w: device %s: %v", ErrStoreFull, devName, err)
-	}
+	b, err := s.allocLocked(d, o)
 	if err != nil {
 		return placement{}, fmt.Errorf("object %q: %w", name, err)
 	}

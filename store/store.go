@@ -78,6 +78,15 @@ type Config struct {
 	// versions are kept without leases (a name may set its own); 0 means
 	// DefaultKeepVersions.
 	KeepVersions int
+	// Quota bounds the bytes of each uid's arenas on each device (host, and
+	// every GPU), so that one user's objects cannot evict another's: a
+	// create only evicts objects of its own uid, and fails with
+	// ErrStoreFull, naming the uid, when that uid's quota is full. 0 means
+	// a fair share: Capacity divided by the number of uids named
+	// (the daemon's own and AllowUIDs, plus one for AllowGIDs), which is
+	// all of it when the daemon admits no one else. Root's objects count
+	// against root's quota like any uid's.
+	Quota int64
 	// MaxConns bounds the connections served at once, and MaxConnsPerUID
 	// those of one uid (root's included); 0 means DefaultMaxConns (or less,
 	// to fit RLIMIT_NOFILE) and DefaultMaxConnsPerUID. A connection beyond
@@ -121,6 +130,7 @@ type Store struct {
 	leases      int
 	holds       map[uint64]*arenaHold // by arena id: connections that map the arena
 	nextArena   uint64
+	nextSolo    uint64
 	nextLease   uint64
 	nextSession uint64
 }
@@ -134,11 +144,18 @@ type device struct {
 }
 
 // pool says which objects may share an arena: those of one owner with the
-// same sharing, so that whoever may map an arena may read all of it.
+// same sharing, so that whoever may map an arena may read all of it. A
+// shared object has an arena of its own (solo, unique): another uid that
+// maps it for one object reaches no other object, nor any draft (unsealed
+// object) of the owner, nor what freed objects left behind.
 type pool struct {
 	owner  uint32
 	shared bool
+	solo   uint64
 }
+
+// Exclusive reports whether the pool holds one object at most.
+func (p pool) Exclusive() bool { return p.solo != 0 }
 
 // object is a named range of an arena.
 type object struct {
@@ -189,6 +206,9 @@ func New(cfg Config) (*Store, error) {
 	}
 	if cfg.KeepVersions == 0 {
 		cfg.KeepVersions = DefaultKeepVersions
+	}
+	if cfg.Quota < 0 {
+		return nil, invalidf("quota %d is negative", cfg.Quota)
 	}
 	if cfg.MaxConns < 0 || cfg.MaxConnsPerUID < 0 {
 		return nil, invalidf("connection limits must not be negative")
@@ -271,6 +291,8 @@ func (s *Store) deviceLocked(name string) (*device, error) {
 		MinArenaSize: first,
 		ArenaSize:    most,
 		NoEvict:      s.cfg.NoEvict,
+		Owner:        func(p pool) uint32 { return p.owner },
+		Quota:        s.quota(),
 		NewArena: func(_ pool, size int64) (uint64, error) {
 			s.nextArena++
 			id := s.nextArena
@@ -301,6 +323,47 @@ func (s *Store) deviceLocked(name string) (*device, error) {
 }
 
 // evictLocked forgets an object the allocator is about to free.
+// quota returns each uid's quota on a device: Config.Quota, or a fair
+// share of Capacity among the uids named; 0 when that is all of it.
+func (s *Store) quota() int64 {
+	if s.cfg.Quota > 0 {
+		return min(s.cfg.Quota, s.cfg.Capacity)
+	}
+	uids := map[uint32]bool{s.uid: true}
+	for _, u := range s.cfg.AllowUIDs {
+		uids[u] = true
+	}
+	n := len(uids)
+	if len(s.cfg.AllowGIDs) > 0 {
+		n++
+	}
+	if n <= 1 {
+		return 0
+	}
+	return s.cfg.Capacity / int64(n)
+}
+
+// allocLocked places a new object's block on its device: in an arena of
+// its owner's pool, a shared object in one of its own. Room is made by
+// evicting only the owner's objects; a full quota or device is
+// ErrStoreFull, saying which.
+func (s *Store) allocLocked(d *device, o *object) (*alloc.Block[pool, *object], error) {
+	p := pool{owner: o.owner, shared: o.shared}
+	if o.shared {
+		s.nextSolo++
+		p.solo = s.nextSolo
+	}
+	b, err := d.alloc.Alloc(p, o.size, o)
+	if !errors.Is(err, alloc.ErrFull) {
+		return b, err
+	}
+	if q := s.quota(); q > 0 && d.alloc.QuotaBound(p) {
+		return nil, fmt.Errorf("%w: uid %d's quota on device %s is full: its arenas take %d of its %d bytes and evicting its unleased objects would not make room for %d more (delete or release some; the daemon's --quota sets it)",
+			ErrStoreFull, o.owner, d.name, d.alloc.Owned(o.owner), q, o.size)
+	}
+	return nil, fmt.Errorf("%w: device %s: %v", ErrStoreFull, d.name, err)
+}
+
 func (s *Store) evictLocked(o *object) {
 	delete(s.objects, o.name)
 	o.deleted = true

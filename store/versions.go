@@ -14,7 +14,6 @@ import (
 	"github.com/cudaipc/cudaipc/bundle"
 	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
-	"github.com/cudaipc/cudaipc/store/internal/alloc"
 )
 
 // DefaultKeepVersions is how many of a versioned name's latest visible
@@ -204,10 +203,7 @@ func (ss *session) createExt(name string, size int64, dev string, shared bool, o
 		return fail(err)
 	}
 	o := &object{name: name, size: size, shared: shared, owner: ss.peer.uid, created: time.Now(), dev: d, creator: ss, manifest: man}
-	b, err := d.alloc.Alloc(pool{owner: o.owner, shared: shared}, size, o)
-	if errors.Is(err, alloc.ErrFull) {
-		err = fmt.Errorf("%w: device %s: %v", ErrStoreFull, devName, err)
-	}
+	b, err := s.allocLocked(d, o)
 	if err != nil {
 		ss.dropEmptyVersionLocked(v)
 		return fail(err)

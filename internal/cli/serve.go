@@ -25,6 +25,7 @@ type serveCmd struct {
 	MaxObjects   int           `name:"max-objects" default:"0" help:"Most unsealed+sealed objects one client may create (0: default 4096)." placeholder:"N"`
 	MaxLeases    int           `name:"max-leases" default:"0" help:"Most leases one client may hold at once (0: default 65536)." placeholder:"N"`
 	MaxConns     int           `name:"max-conns" default:"0" help:"Most connections served at once; more get a LIMIT error (0: default 4096, or half the descriptor limit if lower)." placeholder:"N"`
+	Quota        bytesize.Size `default:"0" help:"Bytes each uid's objects may take on each device (host, and each GPU); a user's creates evict only that user's objects (0: a fair share, the capacity divided by the uids admitted: all of it when only the daemon's uid uses it)." placeholder:"BYTES"`
 	MaxConnsUID  int           `name:"max-conns-per-uid" default:"0" help:"Most connections of one uid, root's included (0: default 1024). Uids the daemon does not admit are closed at once and never count." placeholder:"N"`
 }
 
@@ -38,7 +39,7 @@ Objects are private to their creator's uid unless created shared ('cudaipc put -
 }
 
 func (c *serveCmd) Run(g *Globals) error {
-	if c.Capacity < 0 || c.MaxObjects < 0 || c.MaxLeases < 0 || c.MaxConns < 0 || c.MaxConnsUID < 0 {
+	if c.Capacity < 0 || c.Quota < 0 || c.MaxObjects < 0 || c.MaxLeases < 0 || c.MaxConns < 0 || c.MaxConnsUID < 0 {
 		return errors.New("--capacity, --max-objects, --max-leases, --max-conns and --max-conns-per-uid must not be negative")
 	}
 	st, err := store.New(store.Config{
@@ -52,6 +53,7 @@ func (c *serveCmd) Run(g *Globals) error {
 		MaxObjectsPerClient: c.MaxObjects,
 		MaxLeasesPerClient:  c.MaxLeases,
 		MaxConns:            c.MaxConns,
+		Quota:               int64(c.Quota),
 		MaxConnsPerUID:      c.MaxConnsUID,
 		Logger:              g.log,
 	})

@@ -66,6 +66,19 @@ type Config[P comparable, V any] struct {
 	// Evict is called for each block evicted to make room, before the
 	// block is freed. It must not call back into the Allocator.
 	Evict func(b *Block[P, V])
+	// Owner, when set, says whose a pool's arenas are. Blocks are then only
+	// evicted to make room for blocks of the same owner, and Quota bounds
+	// the sum of the sizes of each owner's arenas.
+	Owner func(pool P) uint32
+	// Quota bounds each owner's arenas (with Owner set); 0 means no bound
+	// but Capacity.
+	Quota int64
+}
+
+// Exclusive is implemented by pool keys whose pools hold one block at
+// most: their arenas are sized to the block, not by MinArenaSize.
+type Exclusive interface {
+	Exclusive() bool
 }
 
 // Allocator places blocks in arenas. See the package documentation.
@@ -73,6 +86,7 @@ type Allocator[P comparable, V any] struct {
 	cfg      Config[P, V]
 	pools    map[P][]*Arena[P, V] // arenas of each pool, by ascending id
 	reserved int64                // sum of arena sizes
+	owned    map[uint32]int64     // sum of arena sizes by owner (Config.Owner)
 	used     int64                // sum of block sizes
 	blocks   int
 	lru      list.List // of *Block, evictable blocks, least recently used first
@@ -138,7 +152,10 @@ func New[P comparable, V any](cfg Config[P, V]) (*Allocator[P, V], error) {
 	if cfg.NewArena == nil || cfg.FreeArena == nil {
 		return nil, errors.New("alloc: NewArena and FreeArena must be set")
 	}
-	return &Allocator[P, V]{cfg: cfg, pools: make(map[P][]*Arena[P, V])}, nil
+	if cfg.Quota < 0 {
+		return nil, fmt.Errorf("alloc: quota %d is negative", cfg.Quota)
+	}
+	return &Allocator[P, V]{cfg: cfg, pools: make(map[P][]*Arena[P, V]), owned: make(map[uint32]int64)}, nil
 }
 
 // Alloc places a block of size bytes in an arena of pool. It tries, in
@@ -224,7 +241,7 @@ func (a *Allocator[P, V]) fit(pool P, span int64) *candidate[P, V] {
 // span bytes, and returns where the block goes; nil when capacity is short.
 func (a *Allocator[P, V]) grow(pool P, span int64) (*candidate[P, V], error) {
 	need := roundUp(span, a.cfg.Granularity)
-	left := a.cfg.Capacity - a.reserved
+	left := a.left(pool)
 	if need > left {
 		return nil, nil
 	}
@@ -232,6 +249,9 @@ func (a *Allocator[P, V]) grow(pool P, span int64) (*candidate[P, V], error) {
 	want := a.cfg.ArenaSize
 	if n := len(arenas); n < 63 && a.cfg.MinArenaSize<<n < want {
 		want = a.cfg.MinArenaSize << n
+	}
+	if x, ok := any(pool).(Exclusive); ok && x.Exclusive() {
+		want = need
 	}
 	size := min(max(want, need), left/a.cfg.Granularity*a.cfg.Granularity)
 	id, err := a.cfg.NewArena(pool, size)
@@ -250,6 +270,9 @@ func (a *Allocator[P, V]) grow(pool P, span int64) (*candidate[P, V], error) {
 	})
 	a.pools[pool] = slices.Insert(arenas, i, ar)
 	a.reserved += size
+	if a.cfg.Owner != nil {
+		a.owned[a.cfg.Owner(pool)] += size
+	}
 	return &candidate[P, V]{ar, 0}, nil
 }
 
@@ -277,8 +300,12 @@ func (a *Allocator[P, V]) place(c *candidate[P, V], size int64, value V) *Block[
 func (a *Allocator[P, V]) plan(pool P, span int64) (map[*Arena[P, V]]bool, bool) {
 	helpful := make(map[*Arena[P, V]]bool)
 	ok := false
-	freeable := a.cfg.Capacity - a.reserved
+	freeable := a.left(pool)
 	for p, arenas := range a.pools {
+		if a.cfg.Owner != nil && a.cfg.Owner(p) != a.cfg.Owner(pool) {
+			// Another owner's blocks are never evicted for this one.
+			continue
+		}
 		for _, ar := range arenas {
 			pinned := ar.pinned()
 			if len(pinned) == 0 {
@@ -381,8 +408,33 @@ func (a *Allocator[P, V]) dropArena(ar *Arena[P, V]) {
 		a.pools[ar.Pool] = arenas
 	}
 	a.reserved -= ar.Size
+	if a.cfg.Owner != nil {
+		o := a.cfg.Owner(ar.Pool)
+		if a.owned[o] -= ar.Size; a.owned[o] == 0 {
+			delete(a.owned, o)
+		}
+	}
 	ar.free = nil
 	a.cfg.FreeArena(ar.ID)
+}
+
+// left returns how many bytes of new arenas pool may still get: what is
+// left of the capacity and, with a quota, of its owner's quota.
+func (a *Allocator[P, V]) left(pool P) int64 {
+	left := a.cfg.Capacity - a.reserved
+	if a.cfg.Owner != nil && a.cfg.Quota > 0 {
+		left = min(left, a.cfg.Quota-a.owned[a.cfg.Owner(pool)])
+	}
+	return max(left, 0)
+}
+
+// Owned returns the sum of the sizes of owner's arenas (with Config.Owner).
+func (a *Allocator[P, V]) Owned(owner uint32) int64 { return a.owned[owner] }
+
+// QuotaBound reports whether pool's owner's quota, rather than the
+// capacity, is what limits new arenas of pool.
+func (a *Allocator[P, V]) QuotaBound(pool P) bool {
+	return a.cfg.Owner != nil && a.cfg.Quota > 0 && a.cfg.Quota-a.owned[a.cfg.Owner(pool)] < a.cfg.Capacity-a.reserved
 }
 
 // SetEvictable marks a block as a candidate for eviction (on) or not. A
