@@ -249,15 +249,10 @@ func (c *importCache) acquireMem(key memKey, bufferID uint64, dev *Device, open 
 		if e == nil {
 			break
 		}
-		select {
-		case <-e.ready:
-		default:
-			c.mu.Unlock()
-			<-e.ready
-			if e.err != nil {
-				return nil, e.err
+		if waited, err := c.waitOpen(e.ready, &e.err); waited {
+			if err != nil {
+				return nil, err
 			}
-			c.mu.Lock()
 			continue
 		}
 		if e.bufferID != bufferID {
@@ -323,16 +318,32 @@ func (c *importCache) closeDriver(e *memEntry) error {
 	return c.drv.closeIPC(e.dev, e.base)
 }
 
+// waitOpen, called with c.mu held, returns waited == false at once if the
+// open that closes ready has finished. Otherwise it waits for that open
+// with c.mu released and returns waited == true and the open's error
+// (*errp, written before ready closed); c.mu is held again unless that
+// error is non-nil.
+func (c *importCache) waitOpen(ready chan struct{}, errp *error) (waited bool, err error) {
+	select {
+	case <-ready:
+		return false, nil
+	default:
+	}
+	c.mu.Unlock()
+	<-ready
+	if *errp != nil {
+		return true, *errp
+	}
+	c.mu.Lock()
+	return true, nil
+}
+
 // releaseMem drops one reference; the last one closes the driver mapping.
 func (c *importCache) releaseMem(e *memEntry) error {
 	c.mu.Lock()
-	e.refs--
-	if e.refs > 0 {
+	if !unref(c.mem, e.key, e, &e.refs) {
 		c.mu.Unlock()
 		return nil
-	}
-	if c.mem[e.key] == e {
-		delete(c.mem, e.key)
 	}
 	c.orphans[e.key] = remove(c.orphans[e.key], e)
 	if len(c.orphans[e.key]) == 0 {
@@ -354,6 +365,19 @@ func (c *importCache) releaseMem(e *memEntry) error {
 	return err
 }
 
+// unref drops one of *refs, with c.mu held. It reports whether that was
+// the last reference, and then forgets e as m's entry for k if it still is.
+func unref[K comparable, E any](m map[K]*E, k K, e *E, refs *int) bool {
+	*refs--
+	if *refs > 0 {
+		return false
+	}
+	if m[k] == e {
+		delete(m, k)
+	}
+	return true
+}
+
 func remove[T comparable](l []T, v T) []T {
 	for i, x := range l {
 		if x == v {
@@ -372,15 +396,10 @@ func (c *importCache) acquireEvent(key eventKey, dev *Device) (*eventEntry, erro
 		if e == nil {
 			break
 		}
-		select {
-		case <-e.ready:
-		default:
-			c.mu.Unlock()
-			<-e.ready
-			if e.err != nil {
-				return nil, e.err
+		if waited, err := c.waitOpen(e.ready, &e.err); waited {
+			if err != nil {
+				return nil, err
 			}
-			c.mu.Lock()
 			continue
 		}
 		e.refs++
@@ -411,13 +430,9 @@ func (c *importCache) acquireEvent(key eventKey, dev *Device) (*eventEntry, erro
 
 func (c *importCache) releaseEvent(e *eventEntry) error {
 	c.mu.Lock()
-	e.refs--
-	if e.refs > 0 {
+	if !unref(c.events, e.key, e, &e.refs) {
 		c.mu.Unlock()
 		return nil
-	}
-	if c.events[e.key] == e {
-		delete(c.events, e.key)
 	}
 	c.mu.Unlock()
 	c.evCloses.Add(1)

@@ -547,7 +547,7 @@ func TestCacheSameProcess(t *testing.T) {
 	c := newTestCache(f)
 	dev := f.devs[0]
 	// A Buffer of this package, as Alloc and Export leave it.
-	b := &Buffer{dev: dev, ptr: 0x5000_0000_0000, size: 1 << 20, bufferID: 42, allocSize: 1 << 20}
+	b := &Buffer{deviceRange: deviceRange{what: "Buffer", dev: dev, ptr: 0x5000_0000_0000, size: 1 << 20}, bufferID: 42, allocSize: 1 << 20}
 	registerBuffer(b)
 	defer unregisterBuffer(b.ptr, b)
 	r := remoteRegion(dev.uuid, 10, 42)
@@ -842,7 +842,7 @@ func TestCacheAllocSizeLargerThanAllocation(t *testing.T) {
 	if _, err := c.importMem(r); !errors.As(err, &re) || re.Field != "alloc_size" {
 		t.Fatalf("local region larger than its allocation: %v", err)
 	}
-	b := &Buffer{dev: f.devs[0], ptr: 0x5000_0000_0000, size: 1 << 20, bufferID: 42, allocSize: 1 << 20}
+	b := &Buffer{deviceRange: deviceRange{what: "Buffer", dev: f.devs[0], ptr: 0x5000_0000_0000, size: 1 << 20}, bufferID: 42, allocSize: 1 << 20}
 	registerBuffer(b)
 	defer unregisterBuffer(b.ptr, b)
 	r.ExporterBase, r.BufferID = b.ptr, 42

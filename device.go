@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 
@@ -174,6 +175,57 @@ func DeviceByUUID(u UUID) (*Device, error) {
 		}
 	}
 	return nil, fmt.Errorf("%w: %s", ErrDeviceNotVisible, u)
+}
+
+// DeviceSelector is a GPU as a person or a flag names it: an ordinal of
+// this process ("0", "1", …), which CUDA_VISIBLE_DEVICES renumbers, or a
+// UUID ("GPU-5f1c2a3b-…", the prefix optional), which names the same GPU in
+// every process. It is the one parser of such names for the module's
+// packages and commands.
+type DeviceSelector struct {
+	IsUUID  bool
+	Ordinal int  // when !IsUUID
+	UUID    UUID // when IsUUID
+}
+
+// ParseDeviceSelector parses an ordinal or a UUID. Anything else is an
+// *ArgError naming both forms.
+func ParseDeviceSelector(s string) (DeviceSelector, error) {
+	if n, err := strconv.Atoi(s); err == nil && n >= 0 {
+		return DeviceSelector{Ordinal: n}, nil
+	}
+	u, err := ParseUUID(s)
+	if err != nil || strings.HasPrefix(s, "-") {
+		return DeviceSelector{}, &ArgError{Op: "ParseDeviceSelector", Arg: "device", Reason: fmt.Sprintf("%q: want a GPU ordinal of this process (0, 1, …) or a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, as nvidia-smi -L prints it)", s)}
+	}
+	return DeviceSelector{IsUUID: true, UUID: u}, nil
+}
+
+// String returns the ordinal or the UUID, as ParseDeviceSelector reads it.
+func (s DeviceSelector) String() string {
+	if s.IsUUID {
+		return s.UUID.String()
+	}
+	return strconv.Itoa(s.Ordinal)
+}
+
+// Device returns the GPU of this process that s names: DeviceByOrdinal or
+// DeviceByUUID.
+func (s DeviceSelector) Device() (*Device, error) {
+	if s.IsUUID {
+		return DeviceByUUID(s.UUID)
+	}
+	return DeviceByOrdinal(s.Ordinal)
+}
+
+// LookupDevice parses an ordinal or a UUID and returns that GPU of this
+// process.
+func LookupDevice(s string) (*Device, error) {
+	sel, err := ParseDeviceSelector(s)
+	if err != nil {
+		return nil, err
+	}
+	return sel.Device()
 }
 
 // Ordinal returns the device's ordinal in this process.

@@ -26,6 +26,14 @@
 // programs in other languages; Export accepts memory allocated by PyTorch,
 // CuPy or C in this process as well as a Buffer.
 //
+// Legacy IPC handles work only within one PID namespace. Across containers,
+// allocate with Device.AllocShareable (VMM memory) and export a KindVMMFD
+// region with ShareableBuffer.Export: it names the allocation by a random
+// AllocationID, and its POSIX file descriptor (ShareableBuffer.ExportFD)
+// travels beside it over a Unix socket. The importer calls
+// Import(r, WithFile(f)) and gets the same *Mapping, through the same
+// cache. Device.ImportFD and FDMapping are the low-level call under it.
+//
 // # Lifetimes
 //
 // The exporter must not free the memory before every importer has closed
@@ -45,8 +53,10 @@
 //
 // # The import cache
 //
-// Opening a handle costs 40 µs to 13 ms. Import goes through a process-wide
-// cache keyed by the handle's bytes and the device mapped through: the
+// Opening a handle costs 40 µs to 13 ms, importing a descriptor
+// milliseconds. Import goes through one process-wide cache for both kinds,
+// keyed by the handle's bytes and the exporter's PID namespace (KindCUDAIPC)
+// or the allocation id (KindVMMFD), and the device mapped through: the
 // first import of an allocation opens it, later imports of the same
 // allocation at any offset share that mapping and count references, and the
 // last Close unmaps it. Concurrent first imports open once; a failed open is
@@ -59,6 +69,11 @@
 // driver hands back the old mapping for the new allocation (it counts opens
 // by handle), Import returns ErrStaleMapping instead of the old memory.
 // Close the old Mappings and import again.
+//
+// Import also asks the driver for the size of what it mapped
+// (cuMemGetAddressRange) and refuses a region whose AllocSize is larger
+// with a *RegionError naming alloc_size, before any copy could read past
+// the allocation.
 //
 // # Devices
 //

@@ -81,6 +81,23 @@ var (
 	ErrStaleMapping = errors.New("cudaipc: stale mapping")
 )
 
+// closedError is a method called on an object already closed or freed.
+// It matches ErrClosed and reads in the order a person looks for: which
+// call, then why.
+type closedError struct {
+	object string // the type, e.g. "Buffer"
+	op     string // the method, e.g. "ReadAt"
+}
+
+func (e *closedError) Error() string {
+	return "cudaipc: " + e.object + "." + e.op + ": the " + e.object + " is closed"
+}
+
+// Is reports whether target is ErrClosed.
+func (e *closedError) Is(target error) bool { return target == ErrClosed }
+
+func closedErr(object, op string) error { return &closedError{object: object, op: op} }
+
 // ArgError reports an argument rejected before any driver call, with the
 // reason. It matches ErrInvalidValue, like the driver's own rejection would.
 type ArgError struct {

@@ -3,6 +3,8 @@ package cudaipc
 import (
 	"errors"
 	"fmt"
+	"log/slog"
+	"runtime"
 	"sync"
 	"time"
 
@@ -32,6 +34,20 @@ type Event struct {
 	imported bool
 	closed   bool
 	exported *EventHandle // set by Export, for same-process ImportEvent
+	cleanup  runtime.Cleanup
+}
+
+type eventLeak struct {
+	dev *Device
+	e   cu.Event
+}
+
+func destroyLeakedEvent(l eventLeak) {
+	slog.Warn("cudaipc: Event garbage-collected without Close; destroying it", "device", l.dev.ordinal)
+	if err := l.dev.do(func() error { return cu.EventDestroy(l.e) }); err != nil {
+		slog.Warn("cudaipc: destroying leaked Event failed", "err", err)
+	}
+	live.events.Add(-1)
 }
 
 // NewEvent creates an event with the given flags.
@@ -78,10 +94,13 @@ func (d *Device) OpenEventHandle(h EventHandle) (*Event, error) {
 	return newEvent(d, e, EventInterprocess|EventDisableTiming, true), nil
 }
 
-// newEvent wraps an event the driver made or opened.
+// newEvent wraps an event the driver made or opened, with the cleanup
+// backstop that destroys it should it be dropped without Close.
 func newEvent(d *Device, e cu.Event, flags EventFlags, imported bool) *Event {
 	live.events.Add(1)
-	return &Event{dev: d, e: e, flags: flags, imported: imported}
+	ev := &Event{dev: d, e: e, flags: flags, imported: imported}
+	ev.cleanup = runtime.AddCleanup(ev, destroyLeakedEvent, eventLeak{d, e})
+	return ev
 }
 
 func (e *Event) handle(op string) (cu.Event, error) {
@@ -91,7 +110,7 @@ func (e *Event) handle(op string) (cu.Event, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
-		return 0, fmt.Errorf("%s: %w", op, ErrClosed)
+		return 0, closedErr("Event", op)
 	}
 	return e.e, nil
 }
@@ -203,6 +222,7 @@ func (e *Event) Close() error {
 	}
 	e.unregisterExported()
 	e.closed = true
+	e.cleanup.Stop()
 	live.events.Add(-1)
 	return nil
 }

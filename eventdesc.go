@@ -255,7 +255,7 @@ func (r *RemoteEvent) event(op string) (*Event, error) {
 	r.ref.mu.Lock()
 	defer r.ref.mu.Unlock()
 	if r.ref.closed {
-		return nil, fmt.Errorf("%s: %w", op, ErrClosed)
+		return nil, closedErr("RemoteEvent", op)
 	}
 	return r.ev, nil
 }

@@ -461,14 +461,14 @@ func (m *PieceMapping) check(op string) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
-		return fmt.Errorf("%s: %w", op, ErrClosed)
+		return closedErr("PieceMapping", op)
 	}
 	return nil
 }
 
 // ReadAt copies len(p) bytes at offset off of the range into p.
 func (m *PieceMapping) ReadAt(p []byte, off int64) (int, error) {
-	if err := m.check("PieceMapping.ReadAt"); err != nil {
+	if err := m.check("ReadAt"); err != nil {
 		return 0, err
 	}
 	return readAt(m.dev, m.Ptr(), m.layout.Size, p, off)
@@ -477,7 +477,7 @@ func (m *PieceMapping) ReadAt(p []byte, off int64) (int, error) {
 // WriteAt copies p into the range at offset off; on a read-only mapping
 // the driver refuses it.
 func (m *PieceMapping) WriteAt(p []byte, off int64) (int, error) {
-	if err := m.check("PieceMapping.WriteAt"); err != nil {
+	if err := m.check("WriteAt"); err != nil {
 		return 0, err
 	}
 	return writeAt(m.dev, m.Ptr(), m.layout.Size, p, off)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/rand"
 	"encoding/json"
+	"errors"
 	"strings"
 	"testing"
 )
@@ -108,6 +109,33 @@ func TestUUIDText(t *testing.T) {
 	for _, in := range []string{"", "GPU-", "GPU-deadbeef", s + "00", "GPU-zzadbeef-0102-0304-0506-0708090a0b0c"} {
 		if _, err := ParseUUID(in); err == nil {
 			t.Errorf("ParseUUID(%q) accepted", in)
+		}
+	}
+}
+
+func TestParseDeviceSelector(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want DeviceSelector
+	}{
+		{"0", DeviceSelector{Ordinal: 0}},
+		{"3", DeviceSelector{Ordinal: 3}},
+		{"GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8", DeviceSelector{IsUUID: true, UUID: UUID{0x5f, 0x1c, 0x2a, 0x3b, 0x4d, 0x5e, 0x6f, 0x70, 0x81, 0x92, 0xa3, 0xb4, 0xc5, 0xd6, 0xe7, 0xf8}}},
+		{"5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8", DeviceSelector{IsUUID: true, UUID: UUID{0x5f, 0x1c, 0x2a, 0x3b, 0x4d, 0x5e, 0x6f, 0x70, 0x81, 0x92, 0xa3, 0xb4, 0xc5, 0xd6, 0xe7, 0xf8}}},
+	} {
+		got, err := ParseDeviceSelector(tc.in)
+		if err != nil || got != tc.want {
+			t.Errorf("%q: %+v %v", tc.in, got, err)
+		}
+		if back, err := ParseDeviceSelector(got.String()); err != nil || back != got {
+			t.Errorf("%q: String %q does not parse back", tc.in, got.String())
+		}
+	}
+	for _, bad := range []string{"", "-1", "gpu0", "GPU-zz", "host", "1.5"} {
+		_, err := ParseDeviceSelector(bad)
+		var ae *ArgError
+		if !errors.As(err, &ae) || !strings.Contains(err.Error(), "ordinal") || !strings.Contains(err.Error(), "UUID") {
+			t.Errorf("%q: %v", bad, err)
 		}
 	}
 }

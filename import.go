@@ -382,7 +382,7 @@ func (m *Mapping) Local() bool { return m.ref.entry == nil }
 // ReadAt copies len(p) bytes at offset off of the region into p.
 func (m *Mapping) ReadAt(p []byte, off int64) (int, error) {
 	if m.ref.isClosed() {
-		return 0, fmt.Errorf("ReadAt: %w", ErrClosed)
+		return 0, closedErr("Mapping", "ReadAt")
 	}
 	return readAt(m.ref.dev, m.ref.ptr, m.ref.region.Size, p, off)
 }
@@ -390,7 +390,7 @@ func (m *Mapping) ReadAt(p []byte, off int64) (int, error) {
 // WriteAt copies p into the region at offset off.
 func (m *Mapping) WriteAt(p []byte, off int64) (int, error) {
 	if m.ref.isClosed() {
-		return 0, fmt.Errorf("WriteAt: %w", ErrClosed)
+		return 0, closedErr("Mapping", "WriteAt")
 	}
 	return writeAt(m.ref.dev, m.ref.ptr, m.ref.region.Size, p, off)
 }

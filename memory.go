@@ -56,12 +56,8 @@ func LiveObjects() Live {
 // A Buffer that becomes unreachable without Free is freed by a cleanup and
 // the leak is logged.
 type Buffer struct {
-	dev  *Device
-	ptr  DevicePtr
-	size int64
+	deviceRange
 
-	mu        sync.Mutex
-	closed    bool
 	localRefs int    // mappings of this buffer opened through Import in this process
 	bufferID  uint64 // CU_POINTER_ATTRIBUTE_BUFFER_ID, learnt on first Export; 0 until then
 	allocSize int64  // cuMemGetAddressRange's size, learnt with bufferID
@@ -135,45 +131,76 @@ func (d *Device) Alloc(size int64) (*Buffer, error) {
 	if err != nil {
 		return nil, err
 	}
-	b := &Buffer{dev: d, ptr: DevicePtr(p), size: size}
+	b := &Buffer{deviceRange: deviceRange{what: "Buffer", dev: d, ptr: DevicePtr(p), size: size}}
 	live.buffers.Add(1)
 	b.cleanup = runtime.AddCleanup(b, freeLeakedBuffer, bufferLeak{d, b.ptr, size})
 	registerBuffer(b)
 	return b, nil
 }
 
-// Device returns the device that holds the buffer.
-func (b *Buffer) Device() *Device { return b.dev }
+// deviceRange is device memory of this process that stays usable until
+// it is closed: what Buffer, ShareableBuffer and FDMapping share, with
+// their Device, Ptr, Size, ReadAt and WriteAt.
+type deviceRange struct {
+	what string // the owning type, for errors
+	dev  *Device
+	ptr  DevicePtr
+	size int64
 
-// Ptr returns the buffer's device address.
-func (b *Buffer) Ptr() DevicePtr { return b.ptr }
+	mu     sync.Mutex
+	closed bool
+}
 
-// Size returns the buffer's size in bytes.
-func (b *Buffer) Size() int64 { return b.size }
+// Device returns the device that holds the memory (or maps it).
+func (r *deviceRange) Device() *Device { return r.dev }
 
-func (b *Buffer) check(op string) error {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.closed {
-		return fmt.Errorf("%s: %w", op, ErrClosed)
+// Ptr returns the memory's device address in this process.
+func (r *deviceRange) Ptr() DevicePtr { return r.ptr }
+
+// Size returns the size in bytes.
+func (r *deviceRange) Size() int64 { return r.size }
+
+func (r *deviceRange) check(op string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return closedErr(r.what, op)
 	}
 	return nil
 }
 
-// ReadAt copies len(p) bytes at offset off of the buffer into p.
-func (b *Buffer) ReadAt(p []byte, off int64) (int, error) {
-	if err := b.check("ReadAt"); err != nil {
-		return 0, err
+// closeOnce marks r closed and, the first time only, stops the leak
+// backstop, drops the live count and runs release in the device's
+// context. A failing release still leaves r closed, since retrying its
+// other steps could free what another object now owns.
+func (r *deviceRange) closeOnce(cleanup *runtime.Cleanup, count *atomic.Int64, release func() error) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil
 	}
-	return readAt(b.dev, b.ptr, b.size, p, off)
+	r.closed = true
+	cleanup.Stop()
+	count.Add(-1)
+	return r.dev.do(release)
 }
 
-// WriteAt copies p into the buffer at offset off.
-func (b *Buffer) WriteAt(p []byte, off int64) (int, error) {
-	if err := b.check("WriteAt"); err != nil {
+// ReadAt copies len(p) bytes at offset off into p, synchronously
+// (io.ReaderAt).
+func (r *deviceRange) ReadAt(p []byte, off int64) (int, error) {
+	if err := r.check("ReadAt"); err != nil {
 		return 0, err
 	}
-	return writeAt(b.dev, b.ptr, b.size, p, off)
+	return readAt(r.dev, r.ptr, r.size, p, off)
+}
+
+// WriteAt copies p to offset off and returns once the bytes are in device
+// memory (io.WriterAt).
+func (r *deviceRange) WriteAt(p []byte, off int64) (int, error) {
+	if err := r.check("WriteAt"); err != nil {
+		return 0, err
+	}
+	return writeAt(r.dev, r.ptr, r.size, p, off)
 }
 
 // Memset sets every byte of the buffer to v.
@@ -227,7 +254,7 @@ func (b *Buffer) addLocalRef(id uint64, allocSize int64, describe func() (allocI
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
-		return ErrClosed
+		return closedErr("Buffer", "Import")
 	}
 	if b.bufferID == 0 {
 		a, err := describe()

@@ -1,7 +1,8 @@
 package cudaipc
 
 import (
-	"fmt"
+	"log/slog"
+	"runtime"
 	"sync"
 
 	"github.com/cudaipc/cudaipc/internal/cu"
@@ -9,11 +10,27 @@ import (
 
 // Stream is a CUDA stream: work queued on it runs in order, asynchronously
 // to the host. A nil *Stream means the device's legacy default stream.
+// A Stream that becomes unreachable without Close is destroyed by a
+// cleanup and the leak is logged.
 type Stream struct {
-	dev    *Device
-	mu     sync.Mutex
-	s      cu.Stream
-	closed bool
+	dev     *Device
+	mu      sync.Mutex
+	s       cu.Stream
+	closed  bool
+	cleanup runtime.Cleanup
+}
+
+type streamLeak struct {
+	dev *Device
+	s   cu.Stream
+}
+
+func destroyLeakedStream(l streamLeak) {
+	slog.Warn("cudaipc: Stream garbage-collected without Close; destroying it", "device", l.dev.ordinal)
+	if err := l.dev.do(func() error { return cu.StreamDestroy(l.s) }); err != nil {
+		slog.Warn("cudaipc: destroying leaked Stream failed", "err", err)
+	}
+	live.streams.Add(-1)
 }
 
 // NewStream creates a stream that does not synchronize with the legacy
@@ -29,7 +46,9 @@ func (d *Device) NewStream() (*Stream, error) {
 		return nil, err
 	}
 	live.streams.Add(1)
-	return &Stream{dev: d, s: s}, nil
+	st := &Stream{dev: d, s: s}
+	st.cleanup = runtime.AddCleanup(st, destroyLeakedStream, streamLeak{d, s})
+	return st, nil
 }
 
 func (s *Stream) handle(op string) (cu.Stream, error) {
@@ -39,7 +58,7 @@ func (s *Stream) handle(op string) (cu.Stream, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return 0, fmt.Errorf("%s: %w", op, ErrClosed)
+		return 0, closedErr("Stream", op)
 	}
 	return s.s, nil
 }
@@ -59,6 +78,7 @@ func (s *Stream) Close() error {
 		return err
 	}
 	s.closed = true
+	s.cleanup.Stop()
 	live.streams.Add(-1)
 	return nil
 }

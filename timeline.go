@@ -97,7 +97,7 @@ func (t *Timeline) Ptr() DevicePtr { return t.ptr }
 // ExportFD exports the timeline as a new close-on-exec descriptor for
 // ImportTimeline; only its creator can.
 func (t *Timeline) ExportFD() (*os.File, error) {
-	if err := t.check("Timeline.ExportFD"); err != nil {
+	if err := t.check("ExportFD"); err != nil {
 		return nil, err
 	}
 	if t.owner == nil {
@@ -110,7 +110,7 @@ func (t *Timeline) check(op string) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {
-		return fmt.Errorf("%s: %w", op, ErrClosed)
+		return closedErr("Timeline", op)
 	}
 	return nil
 }
@@ -150,7 +150,7 @@ func (t *Timeline) Wait(s *Stream, v uint64) error {
 // Value reads the counter now (a synchronous copy on the legacy default
 // stream, which is why it is for tests and diagnostics, not for waiting).
 func (t *Timeline) Value() (uint64, error) {
-	if err := t.check("Timeline.Value"); err != nil {
+	if err := t.check("Value"); err != nil {
 		return 0, err
 	}
 	var b [8]byte

@@ -7,7 +7,6 @@ import (
 	"math"
 	"os"
 	"runtime"
-	"sync"
 	"sync/atomic"
 	"syscall"
 
@@ -106,15 +105,11 @@ func freeLeakedVMM(l vmmLeak) {
 // descriptor still refers to it. A ShareableBuffer that becomes
 // unreachable without Free is released by a cleanup and the leak is logged.
 type ShareableBuffer struct {
-	dev    *Device
+	deviceRange
 	handle cu.MemGenericAllocationHandle
-	ptr    DevicePtr
-	size   int64
 	gran   int64
 	id     AllocationID // drawn at allocation; names it in every Region
 
-	mu      sync.Mutex
-	closed  bool
 	cleanup runtime.Cleanup
 }
 
@@ -154,21 +149,11 @@ func (d *Device) AllocShareable(size int64) (*ShareableBuffer, error) {
 	if err != nil {
 		return nil, err
 	}
-	b := &ShareableBuffer{dev: d, handle: h, ptr: DevicePtr(p), size: rounded, gran: gran, id: NewAllocationID()}
+	b := &ShareableBuffer{deviceRange: deviceRange{what: "ShareableBuffer", dev: d, ptr: DevicePtr(p), size: rounded}, handle: h, gran: gran, id: NewAllocationID()}
 	live.shareableBuffers.Add(1)
 	b.cleanup = runtime.AddCleanup(b, freeLeakedVMM, vmmLeak{"ShareableBuffer", d, h, p, rounded, &live.shareableBuffers})
 	return b, nil
 }
-
-// Device returns the device that holds the memory.
-func (b *ShareableBuffer) Device() *Device { return b.dev }
-
-// Ptr returns the memory's device address in this process.
-func (b *ShareableBuffer) Ptr() DevicePtr { return b.ptr }
-
-// Size returns the size in bytes: the requested size rounded up to
-// Granularity. An importer maps at most this many bytes.
-func (b *ShareableBuffer) Size() int64 { return b.size }
 
 // Granularity returns the unit Size was rounded up to.
 func (b *ShareableBuffer) Granularity() int64 { return b.gran }
@@ -202,31 +187,6 @@ func (b *ShareableBuffer) Export(off, size int64) (Region, error) {
 	return r, r.Validate()
 }
 
-func (b *ShareableBuffer) check(op string) error {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.closed {
-		return fmt.Errorf("%s: %w", op, ErrClosed)
-	}
-	return nil
-}
-
-// ReadAt copies len(p) bytes at offset off of the buffer into p.
-func (b *ShareableBuffer) ReadAt(p []byte, off int64) (int, error) {
-	if err := b.check("ReadAt"); err != nil {
-		return 0, err
-	}
-	return readAt(b.dev, b.ptr, b.size, p, off)
-}
-
-// WriteAt copies p into the buffer at offset off.
-func (b *ShareableBuffer) WriteAt(p []byte, off int64) (int, error) {
-	if err := b.check("WriteAt"); err != nil {
-		return 0, err
-	}
-	return writeAt(b.dev, b.ptr, b.size, p, off)
-}
-
 // ExportFD exports the memory as a new POSIX file descriptor
 // (cuMemExportToShareableHandle), close-on-exec, on every call. Send it to
 // the importing process over a Unix socket with SCM_RIGHTS, then close
@@ -238,7 +198,7 @@ func (b *ShareableBuffer) ExportFD() (*os.File, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
-		return nil, fmt.Errorf("ExportFD: %w", ErrClosed)
+		return nil, closedErr("ShareableBuffer", "ExportFD")
 	}
 	fd := -1
 	err := b.dev.do(func() error {
@@ -269,15 +229,7 @@ func (b *ShareableBuffer) ExportFD() (*os.File, error) {
 // driver step fails the buffer is still marked freed, since retrying the
 // other steps could free what another object now owns.
 func (b *ShareableBuffer) Free() error {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.closed {
-		return nil
-	}
-	b.closed = true
-	b.cleanup.Stop()
-	live.shareableBuffers.Add(-1)
-	return b.dev.do(func() error { return unmapRelease(cu.DevicePtr(b.ptr), b.size, b.handle) })
+	return b.closeOnce(&b.cleanup, &live.shareableBuffers, func() error { return unmapRelease(cu.DevicePtr(b.ptr), b.size, b.handle) })
 }
 
 // Close is Free, for io.Closer.
@@ -289,13 +241,9 @@ func (b *ShareableBuffer) Close() error { return b.Free() }
 // copies. Close unmaps it; a mapping that becomes unreachable without Close
 // is closed by a cleanup and the leak is logged.
 type FDMapping struct {
-	dev    *Device
+	deviceRange
 	handle cu.MemGenericAllocationHandle
-	ptr    DevicePtr
-	size   int64
 
-	mu      sync.Mutex
-	closed  bool
 	cleanup runtime.Cleanup
 }
 
@@ -321,7 +269,7 @@ func (d *Device) ImportFD(f *os.File, size int64) (*FDMapping, error) {
 		return nil, err
 	}
 	h, p, rounded := vm.handle, cu.DevicePtr(vm.ptr), vm.size
-	m := &FDMapping{dev: d, handle: h, ptr: DevicePtr(p), size: rounded}
+	m := &FDMapping{deviceRange: deviceRange{what: "FDMapping", dev: d, ptr: DevicePtr(p), size: rounded}, handle: h}
 	live.fdMappings.Add(1)
 	m.cleanup = runtime.AddCleanup(m, freeLeakedVMM, vmmLeak{"FDMapping", d, h, p, rounded, &live.fdMappings})
 	return m, nil
@@ -417,52 +365,9 @@ func tooLarge(err error) bool {
 	return errors.As(err, &m)
 }
 
-// Device returns the device the memory is mapped for.
-func (m *FDMapping) Device() *Device { return m.dev }
-
-// Ptr returns the mapping's device address in this process.
-func (m *FDMapping) Ptr() DevicePtr { return m.ptr }
-
-// Size returns the mapped size: ImportFD's size rounded up to the
-// allocation's granularity.
-func (m *FDMapping) Size() int64 { return m.size }
-
-func (m *FDMapping) check(op string) error {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.closed {
-		return fmt.Errorf("%s: %w", op, ErrClosed)
-	}
-	return nil
-}
-
-// ReadAt copies len(p) bytes at offset off of the mapping into p.
-func (m *FDMapping) ReadAt(p []byte, off int64) (int, error) {
-	if err := m.check("ReadAt"); err != nil {
-		return 0, err
-	}
-	return readAt(m.dev, m.ptr, m.size, p, off)
-}
-
-// WriteAt copies p into the mapping at offset off.
-func (m *FDMapping) WriteAt(p []byte, off int64) (int, error) {
-	if err := m.check("WriteAt"); err != nil {
-		return 0, err
-	}
-	return writeAt(m.dev, m.ptr, m.size, p, off)
-}
-
 // Close unmaps the memory, frees the address range and releases the
 // imported handle (cuMemUnmap, cuMemAddressFree, cuMemRelease). Closing
 // twice is not an error; as with Free, a failed step still marks it closed.
 func (m *FDMapping) Close() error {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.closed {
-		return nil
-	}
-	m.closed = true
-	m.cleanup.Stop()
-	live.fdMappings.Add(-1)
-	return m.dev.do(func() error { return unmapRelease(cu.DevicePtr(m.ptr), m.size, m.handle) })
+	return m.closeOnce(&m.cleanup, &live.fdMappings, func() error { return unmapRelease(cu.DevicePtr(m.ptr), m.size, m.handle) })
 }

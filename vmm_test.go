@@ -90,8 +90,8 @@ func TestRoundUp(t *testing.T) {
 
 func TestVMMClosedObjects(t *testing.T) {
 	d := &Device{}
-	b := &ShareableBuffer{dev: d, size: 4096, closed: true}
-	m := &FDMapping{dev: d, size: 4096, closed: true}
+	b := &ShareableBuffer{deviceRange: deviceRange{what: "ShareableBuffer", dev: d, size: 4096, closed: true}}
+	m := &FDMapping{deviceRange: deviceRange{what: "FDMapping", dev: d, size: 4096, closed: true}}
 	if err := b.Free(); err != nil {
 		t.Errorf("Free of a freed buffer: %v", err)
 	}
@@ -114,5 +114,10 @@ func TestVMMClosedObjects(t *testing.T) {
 		if !errors.Is(err, ErrClosed) {
 			t.Errorf("%s: %v, want ErrClosed", name, err)
 		}
+	}
+	// One line that names the call first, without a doubled prefix.
+	_, err := b.ReadAt(buf, 0)
+	if got, want := err.Error(), "cudaipc: ShareableBuffer.ReadAt: the ShareableBuffer is closed"; got != want {
+		t.Errorf("closed error text %q, want %q", got, want)
 	}
 }
