@@ -89,7 +89,10 @@ type reply struct {
 	// manifest is a bundle's manifest memfd (the packet's last
 	// descriptor); the caller closes it.
 	manifest *os.File
-	err      error // mapping failed, or the connection ended
+	// pieces are the descriptors of registered memory (external.go); the
+	// caller closes them.
+	pieces []*os.File
+	err    error // mapping failed, or the connection ended
 }
 
 // Dial connects to the daemon at socket ("" means DefaultSocketPath) and
@@ -290,6 +293,8 @@ func (c *Client) read() {
 		switch {
 		case p == nil || responseError("", "", resp) != nil:
 			closeFiles(files)
+		case p.GetExternal():
+			r.pieces = files
 		case gpuShareOf(p) == gpuShareHost:
 			r.m, r.err = c.place(p, files)
 		case gpuShareOf(p) == gpuShareFD && len(files) == 1:
@@ -345,6 +350,7 @@ func (c *Client) cleanup(r reply, name string) {
 	if r.manifest != nil {
 		r.manifest.Close()
 	}
+	closeFiles(r.pieces)
 	resp := r.resp
 	if resp == nil || responseError("", "", resp) != nil {
 		return
@@ -385,6 +391,12 @@ func (c *Client) sendDetached(req *storev1.Request) error {
 // likes) is bounded by the call timeout when ctx has no deadline, so a
 // daemon that stopped answering cannot hang it.
 func (c *Client) roundTrip(ctx context.Context, op, name string, req *storev1.Request) (reply, error) {
+	return c.roundTripFiles(ctx, op, name, req, nil)
+}
+
+// roundTripFiles is roundTrip with descriptors attached to the request
+// (register); the caller keeps and closes its copies.
+func (c *Client) roundTripFiles(ctx context.Context, op, name string, req *storev1.Request, files []*os.File) (reply, error) {
 	if _, ok := ctx.Deadline(); !ok && op != "get" {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, c.callTimeout)
@@ -407,7 +419,7 @@ func (c *Client) roundTrip(ctx context.Context, op, name string, req *storev1.Re
 	c.mu.Unlock()
 
 	c.sendMu.Lock()
-	err := c.conn.Send(req)
+	err := c.conn.Send(req, files...)
 	c.sendMu.Unlock()
 	if err != nil {
 		c.mu.Lock()
@@ -432,6 +444,7 @@ func (c *Client) roundTrip(ctx context.Context, op, name string, req *storev1.Re
 			if r.manifest != nil {
 				r.manifest.Close()
 			}
+			closeFiles(r.pieces)
 			return reply{}, &Error{Op: op, Name: name, Err: r.err}
 		}
 		if err := responseError(op, name, r.resp); err != nil {

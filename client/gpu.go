@@ -110,9 +110,10 @@ type view struct {
 	device string
 	share  string // gpuShareHost, gpuShareIPC or gpuShareFD
 	size   int64
-	data   []byte           // host objects
-	gpu    *cudaipc.Mapping // GPU objects shared by legacy IPC
-	fd     fdView           // GPU objects shared by descriptor (fd.a != nil)
+	data   []byte                // host objects
+	gpu    *cudaipc.Mapping      // GPU objects shared by legacy IPC
+	fd     fdView                // GPU objects shared by descriptor (fd.a != nil)
+	ext    *cudaipc.PieceMapping // registered VMM memory, mapped read-only
 	open   bool
 }
 
@@ -122,6 +123,9 @@ func (v *view) readAt(op, name string, p []byte, off int64) (int, error) {
 	}
 	if v.gpu != nil {
 		return v.gpu.ReadAt(p, off)
+	}
+	if v.ext != nil {
+		return v.ext.ReadAt(p, off)
 	}
 	if v.fd.a != nil {
 		n, err := v.fd.readAt(v.size, p, off)
@@ -156,6 +160,9 @@ func (v *view) writeAt(op, name string, p []byte, off int64) (int, error) {
 	if v.gpu != nil {
 		return v.gpu.WriteAt(p, off)
 	}
+	if v.ext != nil {
+		return v.ext.WriteAt(p, off)
+	}
 	if v.fd.a != nil {
 		return v.fd.a.m.WriteAt(p, v.fd.off+off)
 	}
@@ -168,6 +175,8 @@ func (v *view) ptr() cudaipc.DevicePtr {
 		return 0
 	case v.gpu != nil:
 		return v.gpu.Ptr()
+	case v.ext != nil:
+		return v.ext.Ptr()
 	case v.fd.a != nil:
 		return v.fd.a.m.Ptr() + cudaipc.DevicePtr(v.fd.off)
 	}
@@ -181,6 +190,8 @@ func (v *view) cudaDevice() *cudaipc.Device {
 		return nil
 	case v.gpu != nil:
 		return v.gpu.Device()
+	case v.ext != nil:
+		return v.ext.Device()
 	case v.fd.a != nil:
 		return v.fd.a.m.Device()
 	}
@@ -205,6 +216,10 @@ func (v *view) close() error {
 	v.data = nil
 	if v.gpu != nil {
 		return v.gpu.Close()
+	}
+	if m := v.ext; m != nil {
+		v.ext = nil
+		return m.Close()
 	}
 	if a := v.fd.a; a != nil {
 		v.fd.a = nil
@@ -242,6 +257,9 @@ func (c *Client) placeGPU(op, name string, p *storev1.Placement, f *os.File, v *
 // needs: the host arena's mapping, nothing more for a region, or the
 // arena's descriptor.
 func (r reply) holds(p *storev1.Placement) bool {
+	if p.GetExternal() {
+		return r.m == nil && r.file == nil && len(r.pieces) == len(p.GetPieces())
+	}
 	switch gpuShareOf(p) {
 	case gpuShareHost:
 		return r.m != nil && r.file == nil

@@ -39,6 +39,15 @@ type ObjectInfo struct {
 	// Tensor is the typed-array descriptor the creator gave
 	// (CreateOptions.Tensor), or nil (JSON null) for an untyped object.
 	Tensor *TensorDesc `json:"tensor"`
+
+	// External is memory a client registered (Client.Register) rather
+	// than an object in the store's arenas; Orphaned says its registering
+	// connection is gone (readers' mappings stay valid; the daemon drops
+	// it when the last lease ends); ExporterBound says it is a legacy
+	// region, removed when its exporter disconnects.
+	External      bool `json:"external,omitempty"`
+	Orphaned      bool `json:"orphaned,omitempty"`
+	ExporterBound bool `json:"exporter_bound,omitempty"`
 }
 
 // TensorDesc says what an object's bytes are as a typed array, so that

@@ -76,7 +76,12 @@ func (c *Client) get(ctx context.Context, name string, gr *storev1.GetRequest) (
 		l.v.data = r.m.slice(p)
 		return l, nil
 	}
-	if err = c.placeGPU("get", name, p, r.file, &l.v); err != nil {
+	if p.GetExternal() {
+		err = c.placeExternal("get", name, p, r.pieces, &l.v)
+	} else {
+		err = c.placeGPU("get", name, p, r.file, &l.v)
+	}
+	if err != nil {
 		c.cleanup(reply{resp: r.resp, manifest: r.manifest}, name) // releases the lease
 		return nil, err
 	}
@@ -215,6 +220,10 @@ func infoFromProto(p *storev1.ObjectInfo) ObjectInfo {
 		ManifestSize: int64(p.GetManifestSize()),
 		Tensors:      int(p.GetTensors()),
 		Tensor:       tensorFromProto(p.GetTensor()),
+
+		External:      p.GetExternal(),
+		Orphaned:      p.GetOrphaned(),
+		ExporterBound: p.GetExporterBound(),
 	}
 }
 

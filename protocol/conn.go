@@ -19,8 +19,13 @@ const (
 	Version = 1
 	// MaxMessageSize is the largest packet, in bytes, either side may send.
 	MaxMessageSize = 64 << 10
-	// MaxFiles is the most file descriptors one packet may carry.
-	MaxFiles = 4
+	// MaxFiles is the most file descriptors one packet may carry: a
+	// register request or its get carries one per piece of the memory
+	// (MaxPieces).
+	MaxFiles = 60
+	// MaxPieces is the most pieces (physical allocations) one registered
+	// object may span; cudaipc.MaxPieces is the same.
+	MaxPieces = MaxFiles
 )
 
 // oobSize leaves room for more descriptors than MaxFiles so that a peer

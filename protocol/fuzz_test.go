@@ -35,6 +35,9 @@ func seedResponses() []*storev1.Response {
 		{Id: 5, Body: &storev1.Response_Get{Get: &storev1.GetResponse{LeaseId: 3, Placement: placement(false, false), Info: info("x")}}},
 		ListPage(8, []*storev1.ObjectInfo{info("a"), info("b")}),
 		{Id: 9, Body: &storev1.Response_Stat{Stat: &storev1.StatResponse{Info: info("x")}}},
+		{Id: 11, Body: &storev1.Response_Get{Get: &storev1.GetResponse{LeaseId: 4,
+			Placement: &storev1.Placement{Device: "GPU-0", Offset: 1 << 20, Size: 3 << 20, ArenaSize: 4 << 20, External: true, Pieces: []uint64{2 << 20, 2 << 20}},
+			Info:      &storev1.ObjectInfo{Name: "ext", Size: 3 << 20, Device: "GPU-0", Sealed: true, External: true}}}},
 		{Id: 3, Body: &storev1.Response_Seal{Seal: &storev1.SealResponse{}}},
 		NewEvent(storev1.Event_EVICTED, "x"),
 		ErrorResponse(4, Errorf(storev1.Error_STORE_FULL, "need %d bytes", 1<<30)),
@@ -91,6 +94,15 @@ func FuzzDecodeRequest(f *testing.F) {
 		f.Add(mustMarshal(f, r), uint8(i%2))
 	}
 	f.Add([]byte{0x08, 0x01, 0x5a, 0x04, 0x0a, 0x02, 0xff, 0xfe}, uint8(0))
+	// Registrations: VMM pieces with one descriptor each, and a legacy one.
+	reg := &storev1.Request{Id: 9, Body: &storev1.Request_Register{Register: &storev1.RegisterRequest{
+		Name: "torch/w0", Size: 3 << 20, Device: "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8",
+		Offset: 1 << 20, Pieces: []uint64{2 << 20, 2 << 20}}}}
+	f.Add(mustMarshal(f, reg), uint8(2))
+	f.Add(mustMarshal(f, reg), uint8(3))
+	legacy := &storev1.Request{Id: 10, Body: &storev1.Request_Register{Register: &storev1.RegisterRequest{
+		Name: "cupy/a", Size: 4096, Device: "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8", LegacyRegion: make([]byte, 164)}}}
+	f.Add(mustMarshal(f, legacy), uint8(0))
 	raw, sock := socketpair(f)
 	c := newConn(f, sock)
 	f.Fuzz(func(t *testing.T, data []byte, nfiles uint8) {
@@ -108,6 +120,12 @@ func FuzzDecodeRequest(f *testing.F) {
 				t.Fatalf("error response: %d bytes, %v", len(b), err)
 			}
 			return
+		}
+		if reg := req.GetRegister(); reg != nil {
+			if files != len(reg.GetPieces()) || files > MaxPieces {
+				t.Fatalf("ValidateRequest accepted a register of %d pieces with %d files", len(reg.GetPieces()), files)
+			}
+			files = 0
 		}
 		if files != 0 || req.GetId() == 0 || RequestKind(&req) == "unknown" {
 			t.Fatalf("ValidateRequest accepted %v with %d files", &req, files)

@@ -1,6 +1,7 @@
 package protocol
 
 import (
+	"fmt"
 	"strconv"
 	"strings"
 	"unicode"
@@ -110,10 +111,12 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 	if r.GetId() == 0 {
 		return Errorf(storev1.Error_INVALID, "request id 0 is reserved for events")
 	}
-	if nfiles != 0 {
+	if _, ok := r.GetBody().(*storev1.Request_Register); !ok && nfiles != 0 {
 		return Errorf(storev1.Error_INVALID, "requests carry no file descriptors, got %d", nfiles)
 	}
 	switch b := r.GetBody().(type) {
+	case *storev1.Request_Register:
+		return ValidateRegister(b.Register, nfiles)
 	case *storev1.Request_Hello:
 		if b.Hello.GetVersion() == 0 {
 			return Errorf(storev1.Error_INVALID, "hello: version 0")
@@ -198,6 +201,8 @@ func RequestKind(r *storev1.Request) string {
 		return "subscribe"
 	case *storev1.Request_ForgetArenas:
 		return "forget_arenas"
+	case *storev1.Request_Register:
+		return "register"
 	default:
 		return "unknown"
 	}
@@ -276,6 +281,12 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		if g.GetPlacement().GetFdAttached() {
 			placementFiles = 1
 		}
+		if g.GetPlacement().GetExternal() {
+			if err := validateExternal(g.GetPlacement(), g.GetInfo()); err != nil {
+				return err
+			}
+			placementFiles = len(g.GetPlacement().GetPieces())
+		}
 		if g.GetManifestAttached() {
 			if g.GetInfo().GetManifestSize() == 0 {
 				return invalid("get: a manifest attached without its size")
@@ -305,6 +316,10 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 	case *storev1.Response_ArenasFreed:
 		if err := validateArenaIDs("arenas_freed", b.ArenasFreed.GetArenaIds()); err != nil {
 			return invalid(err.Error())
+		}
+	case *storev1.Response_Register:
+		if err := validateInfo(b.Register.GetInfo()); err != nil {
+			return err
 		}
 	case *storev1.Response_Seal, *storev1.Response_Abort, *storev1.Response_Release,
 		*storev1.Response_Delete, *storev1.Response_Subscribe, *storev1.Response_ForgetArenas:
@@ -396,4 +411,83 @@ func SplitOwner(name string) (uid uint32, rest string, ok bool) {
 // namespace.
 func QualifiedName(uid uint32, name string) string {
 	return strconv.FormatUint(uint64(uid), 10) + ":" + name
+}
+
+// ValidateRegister checks a register request carrying nfiles descriptors:
+// a valid name, size, device and tensor, and either VMM pieces (1 to
+// MaxPieces, each positive, one descriptor each, the object within them)
+// or a legacy region (no pieces, no descriptors), not both.
+func ValidateRegister(r *storev1.RegisterRequest, nfiles int) error {
+	if err := ValidateName(r.GetName()); err != nil {
+		return err
+	}
+	if err := ValidateSize(r.GetSize()); err != nil {
+		return err
+	}
+	if err := ValidateTensor(r.GetTensor(), r.GetSize()); err != nil {
+		return err
+	}
+	if err := ValidateDevice(r.GetDevice()); err != nil {
+		return err
+	}
+	pieces := r.GetPieces()
+	switch {
+	case len(r.GetLegacyRegion()) > 0:
+		if len(pieces) > 0 || nfiles != 0 || r.GetOffset() != 0 {
+			return Errorf(storev1.Error_INVALID, "register: a legacy region comes without pieces, offset or descriptors")
+		}
+		return nil
+	case len(pieces) == 0:
+		return Errorf(storev1.Error_INVALID, "register: neither pieces nor a legacy region")
+	case len(pieces) > MaxPieces:
+		return Errorf(storev1.Error_INVALID, "register: %d pieces, at most %d", len(pieces), MaxPieces)
+	case nfiles != len(pieces):
+		return Errorf(storev1.Error_INVALID, "register: %d descriptors for %d pieces", nfiles, len(pieces))
+	}
+	if err := checkPieces(pieces, r.GetOffset(), r.GetSize()); err != nil {
+		return Errorf(storev1.Error_INVALID, "register: %v", err)
+	}
+	return nil
+}
+
+// checkPieces checks that [offset, offset+size) lies in the pieces and
+// starts in the first; sizes are bounded so that sums cannot overflow.
+func checkPieces(pieces []uint64, offset, size uint64) error {
+	var total uint64
+	for i, p := range pieces {
+		if p == 0 || p > MaxObjectSize {
+			return fmt.Errorf("piece %d has size %d (1..%d)", i, p, uint64(MaxObjectSize))
+		}
+		total += p
+	}
+	switch {
+	case offset >= pieces[0]:
+		return fmt.Errorf("offset %d is not in the first piece (%d bytes)", offset, pieces[0])
+	case size > total-offset:
+		return fmt.Errorf("%d bytes from offset %d run past the pieces' %d", size, offset, total)
+	}
+	return nil
+}
+
+// validateExternal checks the placement of a registered object.
+func validateExternal(p *storev1.Placement, in *storev1.ObjectInfo) error {
+	if !in.GetExternal() {
+		return invalid("get: an external placement for an object that is not external")
+	}
+	if p.GetArenaId() != 0 {
+		return invalid("get: an external placement with an arena id")
+	}
+	if len(p.GetPieces()) == 0 {
+		if len(p.GetRegion()) == 0 {
+			return invalid("get: an external placement without pieces or region")
+		}
+		return nil
+	}
+	if len(p.GetPieces()) > MaxPieces || p.GetFdAttached() {
+		return invalid("get: bad external pieces")
+	}
+	if err := checkPieces(p.GetPieces(), p.GetOffset(), p.GetSize()); err != nil {
+		return invalid("get: " + err.Error())
+	}
+	return nil
 }

@@ -167,7 +167,7 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 			protocol.CloseFiles(files)
 			op := protocol.RequestKind(&req)
 			cn.reply(op, protocol.ErrorResponse(req.GetId(), err), nil)
-			if len(files) > 0 || req.GetId() == 0 {
+			if len(files) > 0 && req.GetRegister() == nil || req.GetId() == 0 {
 				// Not a bad argument but a client that does not follow the
 				// framing rules (docs/protocol.md, section 2); an error
 				// with id 0 means the connection closes. Unknown
@@ -175,6 +175,10 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 				log.Warn("closing connection: protocol violation", "op", op, "err", err)
 				return
 			}
+			continue
+		}
+		if r := req.GetRegister(); r != nil {
+			cn.registerReply(req.GetId(), r, files)
 			continue
 		}
 		cn.handle(&req)
@@ -355,6 +359,9 @@ func (cn *conn) replyLocked(op string, resp *storev1.Response, p *placement) {
 	}
 	if p != nil && p.manifest != nil {
 		files = append(files, p.manifest)
+	}
+	if p != nil {
+		files = append(files, p.pieceFiles...)
 	}
 	if p != nil {
 		defer p.closeShare()
@@ -584,6 +591,12 @@ func (p *placement) proto() *storev1.Placement {
 		pp.FdAttached = p.share.file != nil
 	}
 	pp.Region = p.region
+	if p.external {
+		pp.External = true
+		for _, n := range p.pieces {
+			pp.Pieces = append(pp.Pieces, uint64(n))
+		}
+	}
 	return pp
 }
 
@@ -604,6 +617,9 @@ func (in *info) proto() *storev1.ObjectInfo {
 		ManifestSize:    uint64(in.ManifestSize),
 		Tensors:         uint32(in.Tensors),
 		Tensor:          in.Tensor,
+		External:        in.External,
+		Orphaned:        in.Orphaned,
+		ExporterBound:   in.ExporterBound,
 	}
 }
 

@@ -30,15 +30,17 @@ type session struct {
 	ctx    context.Context // ends when the session closes
 	cancel context.CancelCauseFunc
 
-	closed  bool
-	created map[*object]struct{} // live objects it created, sealed or not
-	leases  map[uint64]*lease
-	waiting int                 // gets waiting for an object
-	sent    map[sentKey]bool    // arenas (and modes) already sent
-	holds   map[uint64]struct{} // arenas this connection maps (hold.go)
-	freed   []uint64            // arenas given back that it has not been told of
-	notify  chan struct{}       // signalled when freed grows
-	events  chan event          // nil until subscribed
+	closed     bool
+	created    map[*object]struct{}   // live objects it created, sealed or not
+	registered map[*external]struct{} // external memory it registered (external.go)
+	extLeases  map[uint64]*external   // its leases on external memory
+	leases     map[uint64]*lease
+	waiting    int                 // gets waiting for an object
+	sent       map[sentKey]bool    // arenas (and modes) already sent
+	holds      map[uint64]struct{} // arenas this connection maps (hold.go)
+	freed      []uint64            // arenas given back that it has not been told of
+	notify     chan struct{}       // signalled when freed grows
+	events     chan event          // nil until subscribed
 	// dropping is set while events are dropped for want of queue space,
 	// so that an episode is logged once.
 	dropping bool
@@ -97,17 +99,20 @@ const eventQueue = 4096
 // placement of a descriptor-shared GPU arena; the caller must close
 // share.file.
 type placement struct {
-	arenaID   uint64
-	device    string
-	offset    int64
-	size      int64
-	arenaSize int64
-	writable  bool
-	region    []byte // GPU arenas shared by legacy IPC: the whole arena's region, in every placement
-	leaseID   uint64 // gets only
-	share     *arenaShare
-	manifest  *os.File // a bundle's manifest, sent after the arena's file; the caller closes it
-	info      info     // gets only
+	arenaID    uint64
+	device     string
+	offset     int64
+	size       int64
+	arenaSize  int64
+	writable   bool
+	region     []byte     // GPU arenas shared by legacy IPC: the whole arena's region, in every placement; a legacy registration's region
+	external   bool       // registered memory (external.go): no arena
+	pieces     []int64    // its VMM pieces
+	pieceFiles []*os.File // duplicates of their descriptors, sent with the placement; the caller closes them
+	leaseID    uint64     // gets only
+	share      *arenaShare
+	manifest   *os.File // a bundle's manifest, sent after the arena's file; the caller closes it
+	info       info     // gets only
 }
 
 // newSession starts a session for a peer. ctx bounds its life.
@@ -121,16 +126,18 @@ func (s *Store) newSession(ctx context.Context, p peer) (*session, error) {
 	}
 	s.nextSession++
 	ss := &session{
-		s:       s,
-		id:      s.nextSession,
-		peer:    p,
-		ctx:     ctx,
-		cancel:  cancel,
-		created: make(map[*object]struct{}),
-		leases:  make(map[uint64]*lease),
-		sent:    make(map[sentKey]bool),
-		holds:   make(map[uint64]struct{}),
-		notify:  make(chan struct{}, 1),
+		s:          s,
+		id:         s.nextSession,
+		peer:       p,
+		ctx:        ctx,
+		cancel:     cancel,
+		created:    make(map[*object]struct{}),
+		registered: make(map[*external]struct{}),
+		extLeases:  make(map[uint64]*external),
+		leases:     make(map[uint64]*lease),
+		sent:       make(map[sentKey]bool),
+		holds:      make(map[uint64]struct{}),
+		notify:     make(chan struct{}, 1),
 	}
 	s.sessions[ss] = struct{}{}
 	return ss, nil
@@ -161,7 +168,7 @@ func (ss *session) createTyped(name string, size int64, dev string, shared bool,
 	if ss.closed {
 		return placement{}, errSessionClosed
 	}
-	if _, ok := s.objects[name]; ok || s.series[name] != nil {
+	if _, ok := s.objects[name]; ok || s.series[name] != nil || s.externals[name] != nil {
 		return placement{}, fmt.Errorf("object %q: %w", name, ErrExists)
 	}
 	if len(ss.created) >= s.cfg.MaxObjectsPerClient {
@@ -337,6 +344,12 @@ func (ss *session) tryGet(name string) (placement, error) {
 	if ss.closed {
 		return placement{}, errSessionClosed
 	}
+	if e := s.externals[name]; e != nil && e.readableBy(ss.peer.uid) {
+		if len(ss.leases)+len(ss.extLeases)+ss.waiting >= s.cfg.MaxLeasesPerClient {
+			return placement{}, fmt.Errorf("%w: this connection already holds %d leases and %d waiting gets", ErrLimit, len(ss.leases)+len(ss.extLeases), ss.waiting)
+		}
+		return ss.leaseExternalLocked(e)
+	}
 	o := s.objects[name]
 	if o == nil {
 		// A versioned name: its latest version's first shard.
@@ -369,6 +382,9 @@ func (ss *session) waitSealed(ctx context.Context, name string) error {
 		return errSessionClosed
 	}
 	if o := s.objects[name]; o != nil && o.sealed && o.readableBy(ss.peer.uid) {
+		return nil
+	}
+	if e := s.externals[name]; e != nil && e.readableBy(ss.peer.uid) {
 		return nil
 	}
 	if sr := s.series[name]; sr != nil && sr.latest != 0 {
@@ -441,6 +457,10 @@ func (ss *session) release(id uint64) error {
 	if ss.closed {
 		return errSessionClosed
 	}
+	if e := ss.extLeases[id]; e != nil {
+		ss.releaseExternalLocked(id, e)
+		return nil
+	}
 	l := ss.leases[id]
 	if l == nil {
 		return fmt.Errorf("lease %d: %w", id, ErrNotFound)
@@ -485,6 +505,9 @@ func (ss *session) delete(name string) error {
 	defer s.mu.Unlock()
 	if ss.closed {
 		return errSessionClosed
+	}
+	if e := s.externals[name]; e != nil && e.readableBy(ss.peer.uid) {
+		return ss.deleteExternalLocked(e)
 	}
 	o := s.objects[name]
 	if sr := s.series[name]; o == nil && sr != nil {
@@ -535,6 +558,11 @@ func (ss *session) list(startAfter string) []info {
 			infos = append(infos, o.info())
 		}
 	}
+	for name, e := range s.externals {
+		if name > startAfter && e.readableBy(ss.peer.uid) {
+			infos = append(infos, e.info())
+		}
+	}
 	for name, sr := range s.series {
 		if name > startAfter {
 			if in, ok := ss.seriesInfoLocked(sr); ok {
@@ -555,6 +583,9 @@ func (ss *session) stat(name string) (info, error) {
 	s := ss.s
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if e := s.externals[name]; e != nil && e.readableBy(ss.peer.uid) {
+		return e.info(), nil
+	}
 	o := s.objects[name]
 	if sr := s.series[name]; o == nil && sr != nil {
 		if in, ok := ss.seriesInfoLocked(sr); ok {
@@ -632,6 +663,14 @@ func (ss *session) close(cause error) {
 	for _, l := range ss.leases {
 		ss.releaseLocked(l)
 	}
+	released += len(ss.extLeases)
+	for id, e := range ss.extLeases {
+		ss.releaseExternalLocked(id, e)
+	}
+	for e := range ss.registered {
+		ss.unregisterLocked(e)
+	}
+	clear(ss.registered)
 	for id := range ss.holds {
 		ss.forgetLocked(id)
 	}
@@ -651,5 +690,8 @@ func (p *placement) closeShare() {
 	}
 	if p.manifest != nil {
 		p.manifest.Close()
+	}
+	for _, f := range p.pieceFiles {
+		f.Close()
 	}
 }

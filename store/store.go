@@ -121,8 +121,9 @@ type Store struct {
 	mu          sync.Mutex
 	closed      bool
 	devices     map[string]*device
-	objects     map[string]*object // by name; sealed or not, never deleted ones
-	waiters     map[string]*waiter // gets waiting for a name to be sealed
+	objects     map[string]*object   // by name; sealed or not, never deleted ones
+	externals   map[string]*external // registered memory, by name (external.go)
+	waiters     map[string]*waiter   // gets waiting for a name to be sealed
 	sessions    map[*session]struct{}
 	subscribers map[*session]struct{}
 	series      map[string]*series // versioned names
@@ -242,6 +243,7 @@ func New(cfg Config) (*Store, error) {
 		refusals:    logLimiter{burst: 10, every: time.Second},
 		devices:     make(map[string]*device),
 		objects:     make(map[string]*object),
+		externals:   make(map[string]*external),
 		waiters:     make(map[string]*waiter),
 		sessions:    make(map[*session]struct{}),
 		subscribers: make(map[*session]struct{}),
@@ -455,6 +457,10 @@ func (s *Store) Close() error {
 		}
 		delete(s.holds, id)
 	}
+	for _, e := range s.externals {
+		e.leases = 0
+		s.dropExternalLocked(e, eventDeleted)
+	}
 	clear(s.objects)
 	clear(s.series)
 	return errors.Join(errs...)
@@ -481,6 +487,8 @@ type info struct {
 	ManifestSize int64
 	Tensors      int
 	Tensor       *storev1.TensorDesc // shared with the object: read only
+	// External, Orphaned and ExporterBound describe registered memory.
+	External, Orphaned, ExporterBound bool
 }
 
 func (o *object) info() info {

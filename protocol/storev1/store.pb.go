@@ -202,6 +202,7 @@ type Request struct {
 	//	*Request_Stat
 	//	*Request_Subscribe
 	//	*Request_ForgetArenas
+	//	*Request_Register
 	Body          isRequest_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -350,6 +351,15 @@ func (x *Request) GetForgetArenas() *ForgetArenasRequest {
 	return nil
 }
 
+func (x *Request) GetRegister() *RegisterRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_Register); ok {
+			return x.Register
+		}
+	}
+	return nil
+}
+
 type isRequest_Body interface {
 	isRequest_Body()
 }
@@ -398,6 +408,10 @@ type Request_ForgetArenas struct {
 	ForgetArenas *ForgetArenasRequest `protobuf:"bytes,30,opt,name=forget_arenas,json=forgetArenas,proto3,oneof"`
 }
 
+type Request_Register struct {
+	Register *RegisterRequest `protobuf:"bytes,45,opt,name=register,proto3,oneof"`
+}
+
 func (*Request_Hello) isRequest_Body() {}
 
 func (*Request_Create) isRequest_Body() {}
@@ -419,6 +433,8 @@ func (*Request_Stat) isRequest_Body() {}
 func (*Request_Subscribe) isRequest_Body() {}
 
 func (*Request_ForgetArenas) isRequest_Body() {}
+
+func (*Request_Register) isRequest_Body() {}
 
 // HelloRequest must be the first request on a connection.
 type HelloRequest struct {
@@ -1207,6 +1223,7 @@ type Response struct {
 	//	*Response_Event
 	//	*Response_ForgetArenas
 	//	*Response_ArenasFreed
+	//	*Response_Register
 	Body          isResponse_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1380,6 +1397,15 @@ func (x *Response) GetArenasFreed() *ArenasFreed {
 	return nil
 }
 
+func (x *Response) GetRegister() *RegisterResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_Register); ok {
+			return x.Register
+		}
+	}
+	return nil
+}
+
 type isResponse_Body interface {
 	isResponse_Body()
 }
@@ -1438,6 +1464,10 @@ type Response_ArenasFreed struct {
 	ArenasFreed *ArenasFreed `protobuf:"bytes,31,opt,name=arenas_freed,json=arenasFreed,proto3,oneof"`
 }
 
+type Response_Register struct {
+	Register *RegisterResponse `protobuf:"bytes,45,opt,name=register,proto3,oneof"`
+}
+
 func (*Response_Hello) isResponse_Body() {}
 
 func (*Response_Create) isResponse_Body() {}
@@ -1463,6 +1493,8 @@ func (*Response_Event) isResponse_Body() {}
 func (*Response_ForgetArenas) isResponse_Body() {}
 
 func (*Response_ArenasFreed) isResponse_Body() {}
+
+func (*Response_Register) isResponse_Body() {}
 
 // Error describes why a request failed.
 type Error struct {
@@ -1613,7 +1645,16 @@ type Placement struct {
 	FdAttached bool `protobuf:"varint,7,opt,name=fd_attached,json=fdAttached,proto3" json:"fd_attached,omitempty"`
 	// GPU arenas shared by legacy IPC: the binary region (docs/region.md) of
 	// the whole arena; empty for host memory and descriptor-shared arenas.
-	Region        []byte `protobuf:"bytes,8,opt,name=region,proto3" json:"region,omitempty"`
+	Region []byte `protobuf:"bytes,8,opt,name=region,proto3" json:"region,omitempty"`
+	// External memory (register): the object's bytes lie in memory a client
+	// registered, not in an arena of the store; arena_id is 0, offset is
+	// piece_offset, arena_size the pieces' total.
+	External bool `protobuf:"varint,45,opt,name=external,proto3" json:"external,omitempty"`
+	// VMM memory: the size of each physical allocation (piece), in address
+	// order; one descriptor per piece is attached, in the same order, and
+	// the object starts offset bytes into the first piece. Empty for a
+	// legacy registration, whose region (a KindCUDAIPC Region) is in region.
+	Pieces        []uint64 `protobuf:"varint,46,rep,packed,name=pieces,proto3" json:"pieces,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1704,6 +1745,20 @@ func (x *Placement) GetRegion() []byte {
 	return nil
 }
 
+func (x *Placement) GetExternal() bool {
+	if x != nil {
+		return x.External
+	}
+	return false
+}
+
+func (x *Placement) GetPieces() []uint64 {
+	if x != nil {
+		return x.Pieces
+	}
+	return nil
+}
+
 // ObjectInfo describes one object.
 type ObjectInfo struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
@@ -1730,7 +1785,16 @@ type ObjectInfo struct {
 	ManifestSize uint64 `protobuf:"varint,38,opt,name=manifest_size,json=manifestSize,proto3" json:"manifest_size,omitempty"`
 	Tensors      uint32 `protobuf:"varint,39,opt,name=tensors,proto3" json:"tensors,omitempty"`
 	// The typed-array descriptor given at create, if any.
-	Tensor        *TensorDesc `protobuf:"bytes,20,opt,name=tensor,proto3" json:"tensor,omitempty"`
+	Tensor *TensorDesc `protobuf:"bytes,20,opt,name=tensor,proto3" json:"tensor,omitempty"`
+	// External memory registered by a client (register).
+	External bool `protobuf:"varint,45,opt,name=external,proto3" json:"external,omitempty"`
+	// The registering connection is gone: readers' mappings stay valid (VMM
+	// memory lives while any descriptor or mapping does); the daemon drops
+	// its descriptors when the last lease ends.
+	Orphaned bool `protobuf:"varint,46,opt,name=orphaned,proto3" json:"orphaned,omitempty"`
+	// A legacy (non-VMM) registration: the exporter must outlive its
+	// readers, and the daemon removes it when the exporter disconnects.
+	ExporterBound bool `protobuf:"varint,47,opt,name=exporter_bound,json=exporterBound,proto3" json:"exporter_bound,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1868,6 +1932,27 @@ func (x *ObjectInfo) GetTensor() *TensorDesc {
 		return x.Tensor
 	}
 	return nil
+}
+
+func (x *ObjectInfo) GetExternal() bool {
+	if x != nil {
+		return x.External
+	}
+	return false
+}
+
+func (x *ObjectInfo) GetOrphaned() bool {
+	if x != nil {
+		return x.Orphaned
+	}
+	return false
+}
+
+func (x *ObjectInfo) GetExporterBound() bool {
+	if x != nil {
+		return x.ExporterBound
+	}
+	return false
 }
 
 // CreateResponse gives the writable placement of a new object.
@@ -2436,11 +2521,171 @@ func (x *Event) GetVersion() uint64 {
 	return 0
 }
 
+// RegisterRequest asks the daemon to hand out memory the client owns (not
+// allocated by the store) under a name: the client sends one descriptor
+// per piece of VMM memory (cudaipc.ExportPointer), which the daemon keeps
+// and passes to admitted getters; it never maps the memory. The object is
+// sealed at once. docs/containers.md.
+type RegisterRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Object name, as for create.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Size of the object in bytes: 1..2^40.
+	Size uint64 `protobuf:"varint,2,opt,name=size,proto3" json:"size,omitempty"`
+	// UUID of the GPU that holds the memory ("GPU-…").
+	Device string `protobuf:"bytes,3,opt,name=device,proto3" json:"device,omitempty"`
+	// Readable by every admitted uid, not only the registering one.
+	Shared bool `protobuf:"varint,4,opt,name=shared,proto3" json:"shared,omitempty"`
+	// VMM memory: where the object starts in the first piece, and each
+	// piece's size; the request carries len(pieces) descriptors.
+	Offset uint64   `protobuf:"varint,5,opt,name=offset,proto3" json:"offset,omitempty"`
+	Pieces []uint64 `protobuf:"varint,6,rep,packed,name=pieces,proto3" json:"pieces,omitempty"`
+	// Legacy memory (cuMemAlloc): the binary KindCUDAIPC Region of the
+	// object, and no descriptors. Readers must share the exporter's PID
+	// namespace, and the exporter must outlive them.
+	LegacyRegion []byte `protobuf:"bytes,7,opt,name=legacy_region,json=legacyRegion,proto3" json:"legacy_region,omitempty"`
+	// Optional typed-array descriptor, as for create.
+	Tensor        *TensorDesc `protobuf:"bytes,8,opt,name=tensor,proto3" json:"tensor,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RegisterRequest) Reset() {
+	*x = RegisterRequest{}
+	mi := &file_store_proto_msgTypes[30]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RegisterRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RegisterRequest) ProtoMessage() {}
+
+func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[30]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
+func (*RegisterRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{30}
+}
+
+func (x *RegisterRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *RegisterRequest) GetSize() uint64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *RegisterRequest) GetDevice() string {
+	if x != nil {
+		return x.Device
+	}
+	return ""
+}
+
+func (x *RegisterRequest) GetShared() bool {
+	if x != nil {
+		return x.Shared
+	}
+	return false
+}
+
+func (x *RegisterRequest) GetOffset() uint64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *RegisterRequest) GetPieces() []uint64 {
+	if x != nil {
+		return x.Pieces
+	}
+	return nil
+}
+
+func (x *RegisterRequest) GetLegacyRegion() []byte {
+	if x != nil {
+		return x.LegacyRegion
+	}
+	return nil
+}
+
+func (x *RegisterRequest) GetTensor() *TensorDesc {
+	if x != nil {
+		return x.Tensor
+	}
+	return nil
+}
+
+// RegisterResponse acknowledges a registration.
+type RegisterResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Info          *ObjectInfo            `protobuf:"bytes,1,opt,name=info,proto3" json:"info,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RegisterResponse) Reset() {
+	*x = RegisterResponse{}
+	mi := &file_store_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RegisterResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RegisterResponse) ProtoMessage() {}
+
+func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
+func (*RegisterResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *RegisterResponse) GetInfo() *ObjectInfo {
+	if x != nil {
+		return x.Info
+	}
+	return nil
+}
+
 var File_store_proto protoreflect.FileDescriptor
 
 const file_store_proto_rawDesc = "" +
 	"\n" +
-	"\vstore.proto\x12\x10cudaipc.store.v1\"\xa8\x05\n" +
+	"\vstore.proto\x12\x10cudaipc.store.v1\"\xe9\x05\n" +
 	"\aRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x126\n" +
 	"\x05hello\x18\n" +
@@ -2454,7 +2699,8 @@ const file_store_proto_rawDesc = "" +
 	"\x04list\x18\x11 \x01(\v2\x1d.cudaipc.store.v1.ListRequestH\x00R\x04list\x123\n" +
 	"\x04stat\x18\x12 \x01(\v2\x1d.cudaipc.store.v1.StatRequestH\x00R\x04stat\x12B\n" +
 	"\tsubscribe\x18\x13 \x01(\v2\".cudaipc.store.v1.SubscribeRequestH\x00R\tsubscribe\x12L\n" +
-	"\rforget_arenas\x18\x1e \x01(\v2%.cudaipc.store.v1.ForgetArenasRequestH\x00R\fforgetArenasB\x06\n" +
+	"\rforget_arenas\x18\x1e \x01(\v2%.cudaipc.store.v1.ForgetArenasRequestH\x00R\fforgetArenas\x12?\n" +
+	"\bregister\x18- \x01(\v2!.cudaipc.store.v1.RegisterRequestH\x00R\bregisterB\x06\n" +
 	"\x04body\"I\n" +
 	"\fHelloRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1f\n" +
@@ -2508,7 +2754,7 @@ const file_store_proto_rawDesc = "" +
 	"\x04name\x18\x01 \x01(\tR\x04name\"\x12\n" +
 	"\x10SubscribeRequest\"2\n" +
 	"\x13ForgetArenasRequest\x12\x1b\n" +
-	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\xd8\x06\n" +
+	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\x9a\a\n" +
 	"\bResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12-\n" +
 	"\x05error\x18\x02 \x01(\v2\x17.cudaipc.store.v1.ErrorR\x05error\x127\n" +
@@ -2525,7 +2771,8 @@ const file_store_proto_rawDesc = "" +
 	"\tsubscribe\x18\x13 \x01(\v2#.cudaipc.store.v1.SubscribeResponseH\x00R\tsubscribe\x12/\n" +
 	"\x05event\x18\x14 \x01(\v2\x17.cudaipc.store.v1.EventH\x00R\x05event\x12M\n" +
 	"\rforget_arenas\x18\x1e \x01(\v2&.cudaipc.store.v1.ForgetArenasResponseH\x00R\fforgetArenas\x12B\n" +
-	"\farenas_freed\x18\x1f \x01(\v2\x1d.cudaipc.store.v1.ArenasFreedH\x00R\varenasFreedB\x06\n" +
+	"\farenas_freed\x18\x1f \x01(\v2\x1d.cudaipc.store.v1.ArenasFreedH\x00R\varenasFreed\x12@\n" +
+	"\bregister\x18- \x01(\v2\".cudaipc.store.v1.RegisterResponseH\x00R\bregisterB\x06\n" +
 	"\x04body\"\xfb\x01\n" +
 	"\x05Error\x120\n" +
 	"\x04code\x18\x01 \x01(\x0e2\x1c.cudaipc.store.v1.Error.CodeR\x04code\x12\x18\n" +
@@ -2553,7 +2800,7 @@ const file_store_proto_rawDesc = "" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12%\n" +
 	"\x0eserver_version\x18\x02 \x01(\tR\rserverVersion\x12\x10\n" +
 	"\x03pid\x18\x03 \x01(\rR\x03pid\x12\x18\n" +
-	"\abackend\x18\x04 \x01(\tR\abackend\"\xde\x01\n" +
+	"\abackend\x18\x04 \x01(\tR\abackend\"\x92\x02\n" +
 	"\tPlacement\x12\x19\n" +
 	"\barena_id\x18\x01 \x01(\x04R\aarenaId\x12\x16\n" +
 	"\x06device\x18\x02 \x01(\tR\x06device\x12\x16\n" +
@@ -2564,7 +2811,9 @@ const file_store_proto_rawDesc = "" +
 	"\bwritable\x18\x06 \x01(\bR\bwritable\x12\x1f\n" +
 	"\vfd_attached\x18\a \x01(\bR\n" +
 	"fdAttached\x12\x16\n" +
-	"\x06region\x18\b \x01(\fR\x06region\"\xb2\x03\n" +
+	"\x06region\x18\b \x01(\fR\x06region\x12\x1a\n" +
+	"\bexternal\x18- \x01(\bR\bexternal\x12\x16\n" +
+	"\x06pieces\x18. \x03(\x04R\x06pieces\"\x91\x04\n" +
 	"\n" +
 	"ObjectInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
@@ -2581,7 +2830,10 @@ const file_store_proto_rawDesc = "" +
 	"\x05shard\x18% \x01(\rR\x05shard\x12#\n" +
 	"\rmanifest_size\x18& \x01(\x04R\fmanifestSize\x12\x18\n" +
 	"\atensors\x18' \x01(\rR\atensors\x124\n" +
-	"\x06tensor\x18\x14 \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\"\x92\x01\n" +
+	"\x06tensor\x18\x14 \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\x12\x1a\n" +
+	"\bexternal\x18- \x01(\bR\bexternal\x12\x1a\n" +
+	"\borphaned\x18. \x01(\bR\borphaned\x12%\n" +
+	"\x0eexporter_bound\x18/ \x01(\bR\rexporterBound\"\x92\x01\n" +
 	"\x0eCreateResponse\x129\n" +
 	"\tplacement\x18\x01 \x01(\v2\x1b.cudaipc.store.v1.PlacementR\tplacement\x12\x18\n" +
 	"\aversion\x18# \x01(\x04R\aversion\x12+\n" +
@@ -2614,7 +2866,18 @@ const file_store_proto_rawDesc = "" +
 	"\x06SEALED\x10\x01\x12\v\n" +
 	"\aDELETED\x10\x02\x12\v\n" +
 	"\aEVICTED\x10\x03\x12\v\n" +
-	"\aABORTED\x10\x04B-Z+github.com/cudaipc/cudaipc/protocol/storev1b\x06proto3"
+	"\aABORTED\x10\x04\"\xf4\x01\n" +
+	"\x0fRegisterRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
+	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x16\n" +
+	"\x06device\x18\x03 \x01(\tR\x06device\x12\x16\n" +
+	"\x06shared\x18\x04 \x01(\bR\x06shared\x12\x16\n" +
+	"\x06offset\x18\x05 \x01(\x04R\x06offset\x12\x16\n" +
+	"\x06pieces\x18\x06 \x03(\x04R\x06pieces\x12#\n" +
+	"\rlegacy_region\x18\a \x01(\fR\flegacyRegion\x124\n" +
+	"\x06tensor\x18\b \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\"D\n" +
+	"\x10RegisterResponse\x120\n" +
+	"\x04info\x18\x01 \x01(\v2\x1c.cudaipc.store.v1.ObjectInfoR\x04infoB-Z+github.com/cudaipc/cudaipc/protocol/storev1b\x06proto3"
 
 var (
 	file_store_proto_rawDescOnce sync.Once
@@ -2629,7 +2892,7 @@ func file_store_proto_rawDescGZIP() []byte {
 }
 
 var file_store_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
 var file_store_proto_goTypes = []any{
 	(Error_Code)(0),              // 0: cudaipc.store.v1.Error.Code
 	(Event_Kind)(0),              // 1: cudaipc.store.v1.Event.Kind
@@ -2663,6 +2926,8 @@ var file_store_proto_goTypes = []any{
 	(*ForgetArenasResponse)(nil), // 29: cudaipc.store.v1.ForgetArenasResponse
 	(*ArenasFreed)(nil),          // 30: cudaipc.store.v1.ArenasFreed
 	(*Event)(nil),                // 31: cudaipc.store.v1.Event
+	(*RegisterRequest)(nil),      // 32: cudaipc.store.v1.RegisterRequest
+	(*RegisterResponse)(nil),     // 33: cudaipc.store.v1.RegisterResponse
 }
 var file_store_proto_depIdxs = []int32{
 	3,  // 0: cudaipc.store.v1.Request.hello:type_name -> cudaipc.store.v1.HelloRequest
@@ -2676,34 +2941,38 @@ var file_store_proto_depIdxs = []int32{
 	12, // 8: cudaipc.store.v1.Request.stat:type_name -> cudaipc.store.v1.StatRequest
 	13, // 9: cudaipc.store.v1.Request.subscribe:type_name -> cudaipc.store.v1.SubscribeRequest
 	14, // 10: cudaipc.store.v1.Request.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasRequest
-	5,  // 11: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	16, // 12: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
-	17, // 13: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
-	20, // 14: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
-	21, // 15: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
-	22, // 16: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
-	23, // 17: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
-	24, // 18: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
-	25, // 19: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
-	26, // 20: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
-	27, // 21: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
-	28, // 22: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
-	31, // 23: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
-	29, // 24: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
-	30, // 25: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
-	0,  // 26: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
-	5,  // 27: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	18, // 28: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
-	18, // 29: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
-	19, // 30: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	19, // 31: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
-	19, // 32: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	1,  // 33: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
-	34, // [34:34] is the sub-list for method output_type
-	34, // [34:34] is the sub-list for method input_type
-	34, // [34:34] is the sub-list for extension type_name
-	34, // [34:34] is the sub-list for extension extendee
-	0,  // [0:34] is the sub-list for field type_name
+	32, // 11: cudaipc.store.v1.Request.register:type_name -> cudaipc.store.v1.RegisterRequest
+	5,  // 12: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	16, // 13: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
+	17, // 14: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
+	20, // 15: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
+	21, // 16: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
+	22, // 17: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
+	23, // 18: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
+	24, // 19: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
+	25, // 20: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
+	26, // 21: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
+	27, // 22: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
+	28, // 23: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
+	31, // 24: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
+	29, // 25: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
+	30, // 26: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
+	33, // 27: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
+	0,  // 28: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
+	5,  // 29: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	18, // 30: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
+	18, // 31: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
+	19, // 32: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	19, // 33: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
+	19, // 34: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	1,  // 35: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
+	5,  // 36: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	19, // 37: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	38, // [38:38] is the sub-list for method output_type
+	38, // [38:38] is the sub-list for method input_type
+	38, // [38:38] is the sub-list for extension type_name
+	38, // [38:38] is the sub-list for extension extendee
+	0,  // [0:38] is the sub-list for field type_name
 }
 
 func init() { file_store_proto_init() }
@@ -2723,6 +2992,7 @@ func file_store_proto_init() {
 		(*Request_Stat)(nil),
 		(*Request_Subscribe)(nil),
 		(*Request_ForgetArenas)(nil),
+		(*Request_Register)(nil),
 	}
 	file_store_proto_msgTypes[6].OneofWrappers = []any{}
 	file_store_proto_msgTypes[13].OneofWrappers = []any{
@@ -2739,6 +3009,7 @@ func file_store_proto_init() {
 		(*Response_Event)(nil),
 		(*Response_ForgetArenas)(nil),
 		(*Response_ArenasFreed)(nil),
+		(*Response_Register)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -2746,7 +3017,7 @@ func file_store_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_store_proto_rawDesc), len(file_store_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   30,
+			NumMessages:   32,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -1,0 +1,236 @@
+package store
+
+import (
+	"fmt"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/protocol"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
+)
+
+// External memory: a client registers memory it owns (PyTorch, CuPy, its
+// own allocator) under a name. The daemon keeps the descriptors of VMM
+// memory, never the memory: it does not map it and counts none of it
+// against capacity. Readers get duplicates of the descriptors with their
+// lease and map the memory themselves. docs/containers.md.
+//
+// Lifetimes. A VMM descriptor keeps its physical memory alive, so a
+// reader's mapping outlives the registering process: when that connection
+// ends the object is marked orphaned and stays readable while it is leased;
+// the daemon closes its descriptors when the last lease ends (or at once if
+// there is none). A legacy registration (a cuMemAlloc region) is only valid
+// while its exporter lives: it is removed when the registering connection
+// ends, whatever its leases.
+
+// external is one registered object. Guarded by Store.mu.
+type external struct {
+	name    string
+	size    int64
+	device  string
+	shared  bool
+	owner   uint32
+	created time.Time
+	tensor  *storev1.TensorDesc
+
+	offset int64
+	pieces []int64
+	files  []*os.File // VMM: one per piece; nil once dropped
+	legacy []byte     // legacy: the binary KindCUDAIPC region
+
+	registrar *session // the registering connection, while it lives
+	orphaned  bool
+	deleted   bool // no longer in Store.externals
+	leases    int
+}
+
+func (e *external) readableBy(uid uint32) bool { return e.shared || e.owner == uid || uid == 0 }
+
+func (e *external) info() info {
+	var total int64
+	for _, p := range e.pieces {
+		total += p
+	}
+	return info{
+		Name: e.name, Size: e.size, Device: e.device, Sealed: true, Leases: e.leases,
+		Shared: e.shared, OwnerUID: e.owner, Created: e.created, Region: e.legacy, Tensor: e.tensor,
+		External: true, Orphaned: e.orphaned, ExporterBound: e.legacy != nil,
+	}
+}
+
+// dropLocked forgets e's name and closes its descriptors.
+func (s *Store) dropExternalLocked(e *external, kind eventKind) {
+	if !e.deleted {
+		e.deleted = true
+		delete(s.externals, e.name)
+		s.emitExternalLocked(kind, e)
+	}
+	if e.leases == 0 {
+		for _, f := range e.files {
+			f.Close()
+		}
+		e.files = nil
+	}
+}
+
+func (s *Store) emitExternalLocked(kind eventKind, e *external) {
+	for ss := range s.subscribers {
+		if !e.readableBy(ss.peer.uid) {
+			continue
+		}
+		select {
+		case ss.events <- event{kind: kind, name: e.name}:
+			ss.dropping = false
+		default:
+			s.metrics.eventsDropped.Inc()
+		}
+	}
+}
+
+// register makes files (which it takes, on success and failure alike) or
+// r's legacy region readable under r's name.
+func (ss *session) register(r *storev1.RegisterRequest, files []*os.File) (info, error) {
+	s := ss.s
+	ok := false
+	defer func() {
+		if !ok {
+			protocol.CloseFiles(files)
+		}
+	}()
+	if err := protocol.ValidateRegister(r, len(files)); err != nil {
+		return info{}, err
+	}
+	u, err := cudaipc.ParseUUID(r.GetDevice())
+	if err != nil {
+		return info{}, invalidf("register: device %q: memory is named by its GPU's UUID (GPU-…): %v", r.GetDevice(), err)
+	}
+	e := &external{
+		name: r.GetName(), size: int64(r.GetSize()), device: u.String(), shared: r.GetShared(),
+		owner: ss.peer.uid, created: time.Now(), tensor: r.GetTensor(), offset: int64(r.GetOffset()),
+		files: files, registrar: ss,
+	}
+	if lr := r.GetLegacyRegion(); len(lr) > 0 {
+		reg, err := cudaipc.DecodeRegion(lr)
+		if err != nil {
+			return info{}, invalidf("register: legacy_region: %v", err)
+		}
+		if reg.Kind != cudaipc.KindCUDAIPC || reg.Size != e.size || reg.Device != u {
+			return info{}, invalidf("register: legacy_region is a %s region of %d bytes on %s, the request says %d bytes on %s", reg.Kind, reg.Size, reg.Device, e.size, u)
+		}
+		e.legacy = lr
+	}
+	for _, p := range r.GetPieces() {
+		e.pieces = append(e.pieces, int64(p))
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return info{}, errSessionClosed
+	}
+	if _, dup := s.objects[e.name]; dup || s.series[e.name] != nil || s.externals[e.name] != nil {
+		return info{}, fmt.Errorf("object %q: %w", e.name, ErrExists)
+	}
+	if len(ss.created)+len(ss.registered) >= s.cfg.MaxObjectsPerClient {
+		return info{}, fmt.Errorf("%w: this connection already has %d objects", ErrLimit, len(ss.created)+len(ss.registered))
+	}
+	ok = true
+	s.externals[e.name] = e
+	ss.registered[e] = struct{}{}
+	if w := s.waiters[e.name]; w != nil {
+		close(w.ch)
+		delete(s.waiters, e.name)
+	}
+	s.emitExternalLocked(eventSealed, e)
+	s.log.Info("external memory registered", "session", ss.id, "name", e.name, "size", e.size, "device", e.device,
+		"pieces", len(e.pieces), "legacy", e.legacy != nil, "shared", e.shared)
+	return e.info(), nil
+}
+
+// leaseExternalLocked grants a read lease on e: duplicates of its
+// descriptors travel with the placement.
+func (ss *session) leaseExternalLocked(e *external) (placement, error) {
+	s := ss.s
+	p := placement{device: e.device, offset: e.offset, size: e.size, external: true, pieces: e.pieces, region: e.legacy}
+	p.arenaSize = e.size
+	if len(e.pieces) > 0 {
+		p.arenaSize = 0
+		for _, n := range e.pieces {
+			p.arenaSize += n
+		}
+	}
+	for _, f := range e.files {
+		d, err := dupFile(f)
+		if err != nil {
+			p.closeShare()
+			return placement{}, fmt.Errorf("duplicating a descriptor of %q: %w", e.name, err)
+		}
+		p.pieceFiles = append(p.pieceFiles, d)
+	}
+	s.nextLease++
+	ss.extLeases[s.nextLease] = e
+	e.leases++
+	s.leases++
+	p.leaseID = s.nextLease
+	p.info = e.info()
+	return p, nil
+}
+
+func (ss *session) releaseExternalLocked(id uint64, e *external) {
+	s := ss.s
+	delete(ss.extLeases, id)
+	s.leases--
+	e.leases--
+	if e.leases == 0 && (e.deleted || e.orphaned) {
+		s.dropExternalLocked(e, eventDeleted)
+	}
+}
+
+// unregisterLocked handles the registering connection's end.
+func (ss *session) unregisterLocked(e *external) {
+	s := ss.s
+	e.registrar = nil
+	if e.deleted {
+		return
+	}
+	if e.legacy != nil {
+		s.log.Info("external memory removed: its exporter disconnected (a legacy region is valid only while the exporter lives)", "name", e.name, "leases", e.leases)
+		s.dropExternalLocked(e, eventDeleted)
+		return
+	}
+	e.orphaned = true
+	s.log.Info("external memory orphaned: its exporter disconnected; readers keep their mappings", "name", e.name, "leases", e.leases)
+	if e.leases == 0 {
+		s.dropExternalLocked(e, eventDeleted)
+	}
+}
+
+// deleteExternalLocked removes e's name for its owner (or root).
+func (ss *session) deleteExternalLocked(e *external) error {
+	if e.owner != ss.peer.uid && ss.peer.uid != 0 {
+		return fmt.Errorf("object %q belongs to uid %d: %w", e.name, e.owner, ErrPermission)
+	}
+	ss.s.dropExternalLocked(e, eventDeleted)
+	return nil
+}
+
+// dupFile duplicates f, close-on-exec.
+func dupFile(f *os.File) (*os.File, error) {
+	fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), f.Name()), nil
+}
+
+// registerReply answers a register request. cn.order must not be held.
+func (cn *conn) registerReply(id uint64, r *storev1.RegisterRequest, files []*os.File) {
+	in, err := cn.ss.register(r, files)
+	if err != nil {
+		cn.reply("register", protocol.ErrorResponse(id, err), nil)
+		return
+	}
+	cn.reply("register", &storev1.Response{Id: id, Body: &storev1.Response_Register{Register: &storev1.RegisterResponse{Info: in.proto()}}}, nil)
+}
