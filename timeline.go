@@ -87,6 +87,21 @@ func (d *Device) ImportTimeline(f *os.File) (*Timeline, error) {
 	return &Timeline{dev: d, ptr: m.Ptr(), mapping: m}, nil
 }
 
+// TimelineAt returns a Timeline over the 8 bytes at p, memory this process
+// already maps and keeps mapped longer than the Timeline: for instance the
+// lease of a timeline its creator registered with the store
+// (ExportPointer of Timeline.Ptr), mapped read-only, which Wait needs no
+// more than. Close on it unmaps nothing; ExportFD fails.
+func (d *Device) TimelineAt(p DevicePtr) (*Timeline, error) {
+	if p == 0 || p%8 != 0 {
+		return nil, &ArgError{Op: "TimelineAt", Arg: "pointer", Reason: fmt.Sprintf("%#x: want a non-nil, 8-byte aligned address", uint64(p))}
+	}
+	if err := timelineSupport("TimelineAt", d); err != nil {
+		return nil, err
+	}
+	return &Timeline{dev: d, ptr: p}, nil
+}
+
 // Device returns the device that holds the counter.
 func (t *Timeline) Device() *Device { return t.dev }
 
@@ -101,7 +116,7 @@ func (t *Timeline) ExportFD() (*os.File, error) {
 		return nil, err
 	}
 	if t.owner == nil {
-		return nil, &ArgError{Op: "Timeline.ExportFD", Arg: "timeline", Reason: "an imported timeline; export the creator's"}
+		return nil, &ArgError{Op: "Timeline.ExportFD", Arg: "timeline", Reason: "not the creator's timeline (imported, or TimelineAt); export the creator's"}
 	}
 	return t.owner.ExportFD()
 }
@@ -171,8 +186,11 @@ func (t *Timeline) Close() error {
 		return nil
 	}
 	t.closed = true
-	if t.owner != nil {
+	switch {
+	case t.owner != nil:
 		return t.owner.Free()
+	case t.mapping != nil:
+		return t.mapping.Close()
 	}
-	return t.mapping.Close()
+	return nil
 }

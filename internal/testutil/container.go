@@ -15,7 +15,8 @@ import (
 
 // A sibling "container" for a helper process, as a container runtime would
 // make one without hostPID, hostIPC or privileges: its own PID, mount and
-// IPC namespaces, its own /proc, a private tmpfs on /dev/shm and on /tmp, a
+// IPC namespaces, its own /proc, a private tmpfs on /dev/shm and on /tmp
+// (unless the test runs from under /tmp), a
 // non-root uid with no capabilities (so no ptrace and no pidfd_getfd on
 // anyone), and one directory shared with the outside by bind mount: the
 // store's socket directory, seen inside at ContainerShareDir. The GPU's
@@ -23,8 +24,11 @@ import (
 // them. Making one needs root; ContainersPossible says whether this test
 // can.
 
-// ContainerShareDir is where a container sees its shared directory.
-const ContainerShareDir = "/tmp/cudaipc"
+// ContainerShareDir is where a container sees its shared directory: on a
+// private tmpfs over /mnt, so that it does not depend on /tmp, which the
+// container makes private unless the test runs from under /tmp (where the
+// GPU machine's checkout may lie, and the helper must still see it).
+const ContainerShareDir = "/mnt/cudaipc"
 
 // EnvContainer carries a Container's JSON to the helper, which enters it
 // before its role runs (RunRole, or EnterContainerIfAsked).
@@ -117,15 +121,23 @@ func enterContainer(c Container) error {
 	if err := unix.Mount("shm", "/dev/shm", "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=1777,size=64m"); err != nil {
 		return fmt.Errorf("mount a private /dev/shm: %w", err)
 	}
-	// Hold the share open: the tmpfs on /tmp hides its path if it lies
-	// under /tmp (t.TempDir does).
+	// Hold the share open: a tmpfs mounted below may hide its path (a
+	// t.TempDir under /tmp).
 	share, err := unix.Open(c.Share, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return fmt.Errorf("open share %s: %w", c.Share, err)
 	}
 	defer unix.Close(share)
-	if err := unix.Mount("tmp", "/tmp", "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=1777,size=64m"); err != nil {
-		return fmt.Errorf("mount a private /tmp: %w", err)
+	if wd, _ := os.Getwd(); !strings.HasPrefix(wd+"/", "/tmp/") {
+		if err := unix.Mount("tmp", "/tmp", "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=1777,size=64m"); err != nil {
+			return fmt.Errorf("mount a private /tmp: %w", err)
+		}
+	}
+	if err := os.MkdirAll("/mnt", 0o755); err != nil {
+		return err
+	}
+	if err := unix.Mount("mnt", "/mnt", "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=0755,size=1m"); err != nil {
+		return fmt.Errorf("mount a tmpfs on /mnt: %w", err)
 	}
 	if err := os.Mkdir(ContainerShareDir, 0o755); err != nil {
 		return err

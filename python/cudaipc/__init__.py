@@ -23,6 +23,7 @@ touched; host objects need only protobuf (NumPy for numpy() and tensor()).
 from .errors import (Closed, CudaError, CudaipcError, Exists, InternalError, InvalidArgument,
                      InvalidRegion, LimitReached, NotFound, NotSealed, PermissionDenied, Sealed,
                      StoreError, StoreFull, StoreGone, Timeout, VersionMismatch)
+from .extmem import NotExportable, export_pointer, share
 from .mapping import Mapping, import_region
 from .region import Region, decode_region
 from .store import (Event, Lease, Object, ObjectInfo, ServerInfo, Store, TensorDesc, connect,
@@ -36,4 +37,5 @@ __all__ = [
     "CudaipcError", "StoreError", "InvalidArgument", "NotFound", "Exists", "Timeout", "StoreFull",
     "PermissionDenied", "LimitReached", "NotSealed", "Sealed", "VersionMismatch", "InternalError",
     "StoreGone", "Closed", "InvalidRegion", "CudaError",
+    "share", "export_pointer", "NotExportable",
 ]

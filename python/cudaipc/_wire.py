@@ -12,13 +12,13 @@ import os
 import socket
 import threading
 import weakref
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import _store_pb2 as pb
 from .errors import Closed, InternalError, StoreGone, StoreError, from_code
 
 MAX_MESSAGE = 65536
-MAX_FILES = 4
+MAX_FILES = 60  # protocol.MaxFiles: a register request or its get carries one per piece
 _ANC = socket.CMSG_SPACE(16 * 4)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -104,7 +104,7 @@ class Conn:
         self.closed = False
 
     # -- sending ---------------------------------------------------------------
-    def send(self, req: Any) -> int:
+    def send(self, req: Any, fds: Sequence[int] = ()) -> int:
         rid = next(self._ids)
         req.id = rid
         data = req.SerializeToString()
@@ -112,7 +112,10 @@ class Conn:
             if self.dead is not None:
                 raise self.dead
             try:
-                self.sock.send(data)
+                if fds:
+                    self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+                else:
+                    self.sock.send(data)
             except OSError as e:
                 self._fail(StoreGone("send", message="%s: %s" % (self.path, e)))
                 raise self.dead  # type: ignore[misc]
@@ -151,19 +154,20 @@ class Conn:
             pass
 
     # -- receiving -------------------------------------------------------------
-    def call(self, req: Any, op: str, name: str = "") -> Reply:
-        """Send req and wait for its reply; raise the StoreError of a failed response."""
-        return self._call(req, None, op, name)
+    def call(self, req: Any, op: str, name: str = "", fds: Sequence[int] = ()) -> Reply:
+        """Send req (with descriptors fds, which the caller keeps) and wait for its reply;
+        raise the StoreError of a failed response."""
+        return self._call(req, None, op, name, fds)
 
     def call_raw(self, body: bytes, op: str, name: str = "") -> Reply:
         """call with the request's encoded body (see send_raw)."""
         return self._call(None, body, op, name)
 
-    def _call(self, req: Any, body: Optional[bytes], op: str, name: str) -> Reply:
+    def _call(self, req: Any, body: Optional[bytes], op: str, name: str, fds: Sequence[int] = ()) -> Reply:
         dead = self.dead
         if dead is not None:
             raise type(dead)(op, name, dead.message, code=dead.code)
-        rid = self.send(req) if body is None else self.send_raw(body)
+        rid = self.send(req, fds) if body is None else self.send_raw(body)
         try:
             r = self.wait(rid)
         except BaseException:

@@ -519,6 +519,17 @@ class Store:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    # -- register (memory this process owns) -------------------------------------------
+    def register(self, name: str, obj: Any, nbytes: Optional[int] = None, *, shared: bool = False) -> "ObjectInfo":
+        """Make a CUDA tensor/array this process allocated readable under ``name``
+        without copying it (cudaipc.extmem): VMM memory (PyTorch with
+        expandable_segments:True) as descriptors that readers in other containers map
+        read-only and that outlive this process; cudaMalloc memory as a legacy region,
+        removed when this connection closes. Raises extmem.NotExportable naming the fix
+        for memory that cannot be shared."""
+        from .extmem import register
+        return register(self, name, obj, nbytes, shared=shared)
+
     # -- create / put ----------------------------------------------------------------
     def create(self, name: str, nbytes: int, device: Any = None, *, shared: bool = False,
                dtype: Any = None, shape: Optional[Sequence[int]] = None,

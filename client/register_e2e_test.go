@@ -1,0 +1,417 @@
+package client_test
+
+// Registered memory across sibling containers (docs/containers.md): an
+// exporter registers VMM memory it allocated, and a Timeline, in one
+// container; a reader in another maps them read-only through the daemon
+// in a third, waits on the Timeline for a late write, and keeps reading
+// after the exporter exits.
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/internal/testutil"
+)
+
+func init() {
+	ownDialRoles["ext-exporter"] = roleExtExporter
+	ownDialRoles["ext-reader"] = roleExtReader
+	ownDialRoles["ext-legacy-exporter"] = roleExtLegacyExporter
+}
+
+const (
+	extSize = 4<<20 + 7 // the registered range, from 1 MiB into a 6 MiB allocation
+	extOff  = 1 << 20
+)
+
+func stdinLines() *bufio.Scanner { return bufio.NewScanner(os.Stdin) }
+
+// roleExtExporter registers NAME (VMM memory holding random bytes from
+// SEED) and NAME/timeline; on "write" it queues a write of bytes from
+// SEED+1 behind tens of GiB of copies, then Signal(1), and says "queued";
+// on "exit" it exits without freeing anything.
+func roleExtExporter(ctx context.Context, sock string, say func(string, ...any)) error {
+	seed, _ := strconv.ParseUint(os.Getenv("SEED"), 10, 64)
+	name := os.Getenv("NAME")
+	dev, err := cudaipc.DeviceByOrdinal(0)
+	if err != nil {
+		return err
+	}
+	c, err := client.Dial(ctx, sock)
+	if err != nil {
+		return err
+	}
+	data, err := dev.AllocShareable(6 << 20)
+	if err != nil {
+		return err
+	}
+	if _, err := data.WriteAt(testutil.RandomBytes(seed, int(data.Size())), 0); err != nil {
+		return err
+	}
+	tl, err := dev.NewTimeline()
+	if err != nil {
+		return err
+	}
+	for _, r := range []struct {
+		name string
+		ptr  cudaipc.DevicePtr
+		size int64
+	}{{name, data.Ptr() + extOff, extSize}, {name + "/timeline", tl.Ptr(), 8}} {
+		x, err := cudaipc.ExportPointer(dev, r.ptr, r.size)
+		if err != nil {
+			return err
+		}
+		if !x.VMM() {
+			return fmt.Errorf("%s exported as a legacy region", r.name)
+		}
+		_, err = c.Register(ctx, r.name, x, client.RegisterOptions{Shared: true})
+		x.Close()
+		if err != nil {
+			return err
+		}
+	}
+	say("registered")
+	in := stdinLines()
+	for in.Scan() {
+		switch in.Text() {
+		case "write":
+			s, err := dev.NewStream()
+			if err != nil {
+				return err
+			}
+			a, err := dev.Alloc(512 << 20)
+			if err != nil {
+				return err
+			}
+			b, err := dev.Alloc(512 << 20)
+			if err != nil {
+				return err
+			}
+			host, err := dev.AllocHost(extSize)
+			if err != nil {
+				return err
+			}
+			copy(host.Bytes(), testutil.RandomBytes(seed+1, extSize))
+			for i := 0; i < 60; i++ {
+				if err := s.CopyAsync(b.Ptr(), a.Ptr(), a.Size()); err != nil {
+					return err
+				}
+			}
+			if err := s.CopyToDeviceAsync(data.Ptr()+extOff, host.Bytes()); err != nil {
+				return err
+			}
+			if err := tl.Signal(s, 1); err != nil {
+				return err
+			}
+			say("queued")
+			if err := s.Synchronize(); err != nil {
+				return err
+			}
+		case "exit":
+			os.Exit(0) // no Free, no Close: as a crash would
+		}
+	}
+	return nil
+}
+
+// roleExtReader leases NAME and NAME/timeline, reports the bytes' hash and
+// what a memset through the read-only mapping did; on "read" it waits on
+// the timeline for 1 on a stream, copies the range on that stream and
+// reports the hash; on "again" it reads and reports once more; on
+// "release" it releases both leases.
+func roleExtReader(ctx context.Context, sock string, say func(string, ...any)) error {
+	name := os.Getenv("NAME")
+	c, err := client.Dial(ctx, sock)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	l, err := c.Get(ctx, name)
+	if err != nil {
+		return err
+	}
+	lt, err := c.Get(ctx, name+"/timeline")
+	if err != nil {
+		return err
+	}
+	dev := l.CUDADevice()
+	read := func() string {
+		b := make([]byte, l.Size())
+		if _, err := l.ReadAt(b, 0); err != nil {
+			return "err " + err.Error()
+		}
+		return testutil.Sum(b)
+	}
+	merr := dev.Memset(l.Ptr(), 0, l.Size())
+	say("leased %s memset-err=%t ptr-nonzero=%t info-external=%t", read(), merr != nil, l.Ptr() != 0, l.Info().External)
+	tl, err := dev.TimelineAt(lt.Ptr())
+	if err != nil {
+		return err
+	}
+	in := stdinLines()
+	for in.Scan() {
+		switch in.Text() {
+		case "read":
+			s, err := dev.NewStream()
+			if err != nil {
+				return err
+			}
+			dst, err := dev.Alloc(l.Size())
+			if err != nil {
+				return err
+			}
+			if err := tl.Wait(s, 1); err != nil {
+				return err
+			}
+			if err := s.CopyAsync(dst.Ptr(), l.Ptr(), l.Size()); err != nil {
+				return err
+			}
+			if err := s.Synchronize(); err != nil {
+				return err
+			}
+			b := make([]byte, l.Size())
+			if _, err := dst.ReadAt(b, 0); err != nil {
+				return err
+			}
+			say("read %s", testutil.Sum(b))
+		case "again":
+			say("again %s", read())
+		case "release":
+			if err := errors.Join(lt.Release(), l.Release()); err != nil {
+				return err
+			}
+			say("released")
+		}
+	}
+	return nil
+}
+
+// roleExtLegacyExporter registers NAME, cudaMalloc memory (a legacy
+// region), and holds it until stdin closes.
+func roleExtLegacyExporter(ctx context.Context, sock string, say func(string, ...any)) error {
+	dev, err := cudaipc.DeviceByOrdinal(0)
+	if err != nil {
+		return err
+	}
+	c, err := client.Dial(ctx, sock)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	b, err := dev.Alloc(1 << 20)
+	if err != nil {
+		return err
+	}
+	x, err := cudaipc.ExportPointer(dev, b.Ptr(), 1<<20)
+	if err != nil {
+		return err
+	}
+	if x.VMM() {
+		return errors.New("cudaMalloc memory exported as VMM")
+	}
+	if _, err := c.Register(ctx, os.Getenv("NAME"), x, client.RegisterOptions{Shared: true}); err != nil {
+		return err
+	}
+	say("registered")
+	in := stdinLines()
+	for in.Scan() {
+	}
+	return nil
+}
+
+// roleGetter reports how a get of NAME went, in one line.
+func init() {
+	ownDialRoles["getter"] = func(ctx context.Context, sock string, say func(string, ...any)) error {
+		c, err := client.Dial(ctx, sock)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		l, err := c.Get(ctx, os.Getenv("NAME"))
+		if err != nil {
+			say("err %s", strconv.Quote(err.Error()))
+			return nil
+		}
+		say("ok")
+		return l.Release()
+	}
+}
+
+// VMM memory registered in one sibling container is read zero-copy and
+// read-only in another through a daemon in a third; a Timeline, registered
+// the same way, orders the reader after the exporter's late write; the
+// reader's mapping survives the exporter's exit, the object shows orphaned
+// meanwhile, and the daemon drops it after the last release.
+func TestRegisterAcrossContainers(t *testing.T) {
+	testutil.RequireGPU(t)
+	share, sock := containerDaemon(t, "BACKEND=host")
+	seed := uint64(os.Getpid())<<20 + 11
+	env := []string{"CUDAIPC_SOCKET=" + sock, "NAME=ext/weights", "SEED=" + strconv.FormatUint(seed, 10)}
+	exp := spawnIn(t, testutil.Container{Share: share, UID: exporterUID, GID: exporterUID}, "ext-exporter", env...)
+	exp.expect("registered")
+	rd := spawnIn(t, testutil.Container{Share: share, UID: readerUID, GID: readerUID}, "ext-reader", env...)
+	old := testutil.RandomBytes(seed, 6<<20)[extOff : extOff+extSize]
+	got := rd.expect("leased ")
+	if want := testutil.Sum(old) + " memset-err=true ptr-nonzero=true info-external=true"; got != want {
+		t.Fatalf("reader: %s\nwant %s", got, want)
+	}
+
+	fmt.Fprintln(exp.in, "write")
+	exp.expect("queued")
+	fmt.Fprintln(rd.in, "read")
+	newer := testutil.Sum(testutil.RandomBytes(seed+1, extSize))
+	if got := rd.expect("read "); got != newer {
+		t.Fatalf("the reader's stream read before the exporter's write landed (old bytes: %t)", got == testutil.Sum(old))
+	}
+
+	host := dial(t, share+"/store.sock")
+	fmt.Fprintln(exp.in, "exit")
+	<-exp.waited
+	for {
+		info, err := host.Stat(context.Background(), "ext/weights")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.Orphaned {
+			if !info.External || info.Leases != 1 {
+				t.Fatalf("orphan %+v", info)
+			}
+			break
+		}
+		waitALittle()
+	}
+	fmt.Fprintln(rd.in, "again")
+	if got := rd.expect("again "); got != newer {
+		t.Fatal("the reader's mapping changed after the exporter exited")
+	}
+	fmt.Fprintln(rd.in, "release")
+	rd.expect("released")
+	for {
+		_, err := host.Stat(context.Background(), "ext/weights")
+		if errors.Is(err, client.ErrNotFound) {
+			break
+		}
+		waitALittle()
+	}
+}
+
+// A legacy (cudaMalloc) registration cannot be opened from a sibling
+// container: the reader gets one line that names the fix.
+func TestRegisterLegacyFailsAcrossContainers(t *testing.T) {
+	testutil.RequireGPU(t)
+	share, sock := containerDaemon(t, "BACKEND=host")
+	env := []string{"CUDAIPC_SOCKET=" + sock, "NAME=ext/legacy"}
+	exp := spawnIn(t, testutil.Container{Share: share, UID: exporterUID, GID: exporterUID}, "ext-legacy-exporter", env...)
+	exp.expect("registered")
+	got := spawnIn(t, testutil.Container{Share: share, UID: readerUID, GID: readerUID}, "getter", env...).line()
+	msg, err := strconv.Unquote(strings.TrimPrefix(got, "err "))
+	if !strings.HasPrefix(got, "err ") || err != nil || strings.Contains(msg, "\n") || !strings.Contains(msg, "expandable_segments:True") {
+		t.Fatalf("legacy registration read from a sibling container: %s", got)
+	}
+	t.Logf("the reader's error: %s", msg)
+}
+
+// waitALittle is the poll interval of loops that wait for the daemon to
+// notice something asynchronously (no event tells it).
+func waitALittle() { time.Sleep(2 * time.Millisecond) }
+
+func init() {
+	// Enters its container (TestMain did) and becomes python3 running
+	// PY_SCRIPT, with PYTHONPATH at the repository's python/.
+	ownDialRoles["exec-python"] = func(ctx context.Context, sock string, say func(string, ...any)) error {
+		py, err := exec.LookPath("python3")
+		if err != nil {
+			return err
+		}
+		return syscall.Exec(py, []string{py, "-u", os.Getenv("PY_SCRIPT")}, os.Environ())
+	}
+}
+
+// pythonWith reports why python3 with cudaipc's requirements and mods
+// cannot run here, or "".
+func pythonWith(mods ...string) string {
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		return "no python3"
+	}
+	args := []string{"-c", "import cuda.bindings.driver, google.protobuf\nimport " + strings.Join(mods, ", ")}
+	if out, err := exec.Command(py, args...).CombinedOutput(); err != nil {
+		return fmt.Sprintf("python3 cannot import %v: %s", mods, strings.TrimSpace(string(out)))
+	}
+	return ""
+}
+
+// A PyTorch tensor from the expandable-segments allocator, and a CuPy array
+// on a VMM allocator, registered by Python in one sibling container, are
+// read zero-copy (read-only) by a Go reader in another, ordered after the
+// exporter's late write by a Timeline the exporter signals from its
+// stream; the reader's mapping survives the exporter's exit.
+func TestRegisterTorchCuPyAcrossContainers(t *testing.T) {
+	testutil.RequireGPU(t)
+	for _, kind := range []string{"torch", "cupy"} {
+		t.Run(kind, func(t *testing.T) {
+			if why := pythonWith(kind); why != "" {
+				if testutil.GPURequired() {
+					t.Fatal(why)
+				}
+				t.Skip(why)
+			}
+			share, sock := containerDaemon(t, "BACKEND=host")
+			pydir, _ := filepath.Abs("../python")
+			script, _ := filepath.Abs("../scripts/containers/torch_export.py")
+			name := "ext/" + kind
+			env := []string{"CUDAIPC_SOCKET=" + sock, "NAME=" + name, "KIND=" + kind, "SEED=5",
+				"PY_SCRIPT=" + script, "PYTHONPATH=" + pydir, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"}
+			exp := spawnIn(t, testutil.Container{Share: share, UID: exporterUID, GID: exporterUID}, "exec-python", env...)
+			reg := strings.Fields(exp.expect("registered "))
+			t.Logf("%s exporter: %v", kind, reg)
+			if kind == "torch" && reg[1] == "pieces=1" {
+				t.Logf("the torch tensor lies in one physical chunk this time")
+			}
+			if reg[1] == "pieces=0" {
+				t.Fatalf("%s memory was registered as a legacy region", kind)
+			}
+			rd := spawnIn(t, testutil.Container{Share: share, UID: readerUID, GID: readerUID}, "ext-reader", env...)
+			if got := rd.expect("leased "); got != reg[0]+" memset-err=true ptr-nonzero=true info-external=true" {
+				t.Fatalf("reader: %s, want the exporter's %s", got, reg[0])
+			}
+			fmt.Fprintln(exp.in, "write")
+			newer := exp.expect("queued ")
+			fmt.Fprintln(rd.in, "read")
+			if got := rd.expect("read "); got != newer {
+				t.Fatalf("the reader read before the exporter's write landed (old bytes: %t)", got == reg[0])
+			}
+			fmt.Fprintln(exp.in, "exit")
+			<-exp.waited
+			host := dial(t, share+"/store.sock")
+			for {
+				info, err := host.Stat(context.Background(), name)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if info.Orphaned {
+					break
+				}
+				waitALittle()
+			}
+			fmt.Fprintln(rd.in, "again")
+			if got := rd.expect("again "); got != newer {
+				t.Fatal("the reader's mapping changed after the exporter exited")
+			}
+			fmt.Fprintln(rd.in, "release")
+			rd.expect("released")
+		})
+	}
+}
