@@ -261,7 +261,9 @@ func TestRegisterAcrossContainers(t *testing.T) {
 	env := []string{"CUDAIPC_SOCKET=" + sock, "NAME=ext/weights", "SEED=" + strconv.FormatUint(seed, 10)}
 	exp := spawnIn(t, testutil.Container{Share: share, UID: exporterUID, GID: exporterUID}, "ext-exporter", env...)
 	exp.expect("registered")
-	rd := spawnIn(t, testutil.Container{Share: share, UID: readerUID, GID: readerUID}, "ext-reader", env...)
+	// Another uid names the exporter's object UID:NAME.
+	qualified := fmt.Sprintf("%d:ext/weights", exporterUID)
+	rd := spawnIn(t, testutil.Container{Share: share, UID: readerUID, GID: readerUID}, "ext-reader", append(env, "NAME="+qualified)...)
 	old := testutil.RandomBytes(seed, 6<<20)[extOff : extOff+extSize]
 	got := rd.expect("leased ")
 	if want := testutil.Sum(old) + " memset-err=true ptr-nonzero=true info-external=true"; got != want {
@@ -280,7 +282,7 @@ func TestRegisterAcrossContainers(t *testing.T) {
 	fmt.Fprintln(exp.in, "exit")
 	<-exp.waited
 	for {
-		info, err := host.Stat(context.Background(), "ext/weights")
+		info, err := host.Stat(context.Background(), qualified)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -299,7 +301,7 @@ func TestRegisterAcrossContainers(t *testing.T) {
 	fmt.Fprintln(rd.in, "release")
 	rd.expect("released")
 	for {
-		_, err := host.Stat(context.Background(), "ext/weights")
+		_, err := host.Stat(context.Background(), qualified)
 		if errors.Is(err, client.ErrNotFound) {
 			break
 		}
@@ -315,7 +317,7 @@ func TestRegisterLegacyFailsAcrossContainers(t *testing.T) {
 	env := []string{"CUDAIPC_SOCKET=" + sock, "NAME=ext/legacy"}
 	exp := spawnIn(t, testutil.Container{Share: share, UID: exporterUID, GID: exporterUID}, "ext-legacy-exporter", env...)
 	exp.expect("registered")
-	got := spawnIn(t, testutil.Container{Share: share, UID: readerUID, GID: readerUID}, "getter", env...).line()
+	got := spawnIn(t, testutil.Container{Share: share, UID: readerUID, GID: readerUID}, "getter", append(env, fmt.Sprintf("NAME=%d:ext/legacy", exporterUID))...).line()
 	msg, err := strconv.Unquote(strings.TrimPrefix(got, "err "))
 	if !strings.HasPrefix(got, "err ") || err != nil || strings.Contains(msg, "\n") || !strings.Contains(msg, "expandable_segments:True") {
 		t.Fatalf("legacy registration read from a sibling container: %s", got)
@@ -383,7 +385,8 @@ func TestRegisterTorchCuPyAcrossContainers(t *testing.T) {
 			if reg[1] == "pieces=0" {
 				t.Fatalf("%s memory was registered as a legacy region", kind)
 			}
-			rd := spawnIn(t, testutil.Container{Share: share, UID: readerUID, GID: readerUID}, "ext-reader", env...)
+			qualified := fmt.Sprintf("%d:%s", exporterUID, name)
+			rd := spawnIn(t, testutil.Container{Share: share, UID: readerUID, GID: readerUID}, "ext-reader", append(env, "NAME="+qualified)...)
 			if got := rd.expect("leased "); got != reg[0]+" memset-err=true ptr-nonzero=true info-external=true" {
 				t.Fatalf("reader: %s, want the exporter's %s", got, reg[0])
 			}
@@ -397,7 +400,7 @@ func TestRegisterTorchCuPyAcrossContainers(t *testing.T) {
 			<-exp.waited
 			host := dial(t, share+"/store.sock")
 			for {
-				info, err := host.Stat(context.Background(), name)
+				info, err := host.Stat(context.Background(), qualified)
 				if err != nil {
 					t.Fatal(err)
 				}

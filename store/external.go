@@ -227,6 +227,12 @@ func dupFile(f *os.File) (*os.File, error) {
 
 // registerReply answers a register request. cn.order must not be held.
 func (cn *conn) registerReply(id uint64, r *storev1.RegisterRequest, files []*os.File) {
+	var err error
+	if r.Name, err = cn.qualify(r.Name, true); err != nil {
+		protocol.CloseFiles(files)
+		cn.reply("register", protocol.ErrorResponse(id, err), nil)
+		return
+	}
 	in, err := cn.ss.register(r, files)
 	if err != nil {
 		cn.reply("register", protocol.ErrorResponse(id, err), nil)

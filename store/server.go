@@ -709,6 +709,8 @@ func (cn *conn) localNames(resp *storev1.Response) {
 		}
 	case *storev1.Response_Stat:
 		fix(b.Stat.GetInfo())
+	case *storev1.Response_Register:
+		fix(b.Register.GetInfo())
 	case *storev1.Response_Event:
 		if b.Event != nil {
 			b.Event.Name = local(b.Event.Name)
