@@ -13,9 +13,11 @@ const (
 	PointerAttrMappingBaseAddr    PointerAttribute = 19 // CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR
 )
 
-// AttrCanUse64BitStreamMemOps is CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS:
-// cuStreamWriteValue64 and cuStreamWaitValue64 work on the device.
-const AttrCanUse64BitStreamMemOps DeviceAttribute = 93
+// AttrCanUse64BitStreamMemOps is CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+// (122 since CUDA 12.0; 93 is the deprecated _V1 attribute, which reads 0
+// on the H200s with driver 580): cuStreamWriteValue64 and
+// cuStreamWaitValue64 work on the device.
+const AttrCanUse64BitStreamMemOps DeviceAttribute = 122
 
 // StreamValueFlags are the flags of cuStreamWriteValue64 and
 // cuStreamWaitValue64 (CUstreamWriteValue_flags, CUstreamWaitValue_flags).
