@@ -9,6 +9,7 @@ import (
 	"os"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
@@ -62,9 +63,25 @@ func NewConn(c *net.UnixConn) *Conn {
 
 // Dial connects to the store socket at path. It does not perform the
 // handshake; see ClientHello.
+//
+// A full listen backlog (a flood of connections the daemon is still
+// refusing) makes a non-blocking connect fail with EAGAIN where a blocking
+// one would wait: Dial waits too, retrying until ctx ends.
 func Dial(ctx context.Context, path string) (*Conn, error) {
 	var d net.Dialer
-	c, err := d.DialContext(ctx, "unixpacket", path)
+	var c net.Conn
+	var err error
+	for wait := 100 * time.Microsecond; ; wait = min(2*wait, 20*time.Millisecond) {
+		c, err = d.DialContext(ctx, "unixpacket", path)
+		if !errors.Is(err, syscall.EAGAIN) {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return nil, err
+		case <-time.After(wait):
+		}
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -33,6 +33,23 @@ func floodHelper() int {
 		return 2
 	}
 	path := os.Getenv("CUDAIPC_STORE_TEST_SOCKET")
+	if os.Getenv("FLOOD_RAW") != "" {
+		// Connect only, as fast as possible, and hold the sockets: the
+		// listen backlog fills faster than the daemon can refuse.
+		var held []*net.UnixConn
+		failed := 0
+		for range n {
+			uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+			if err != nil {
+				failed++
+				continue
+			}
+			held = append(held, uc)
+		}
+		fmt.Printf("connected=%d failed=%d\n", len(held), failed)
+		io.Copy(io.Discard, os.Stdin)
+		return 0
+	}
 	var ok, permission, limit, closed, other int
 	var held []*protocol.Conn
 	for range n {
@@ -88,11 +105,12 @@ type flood struct {
 	lines chan string
 }
 
-func startFlood(t *testing.T, path string, uid uint32, n int) *flood {
+func startFlood(t *testing.T, path string, uid uint32, n int, env ...string) *flood {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), helperEnv+"=flood", "CUDAIPC_STORE_TEST_SOCKET="+path,
 		"FLOOD_UID="+strconv.Itoa(int(uid)), "FLOOD_N="+strconv.Itoa(n))
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stderr = os.Stderr
 	in, err := cmd.StdinPipe()
 	if err != nil {
@@ -140,6 +158,9 @@ func TestConnectionFlood(t *testing.T) {
 	worker := dialRaw(t, path) // root, connected before the flood
 	started := time.Now()
 	outsider := startFlood(t, path, 65533, outsiders)
+	// Another outsider only connects, faster than the daemon refuses: the
+	// listen backlog fills, and new admitted connections must still get in.
+	raw := startFlood(t, path, 65532, 12000, "FLOOD_RAW=1")
 	insider := startFlood(t, path, 65534, perUID+16)
 
 	// The admitted client works throughout; generous bound, not a timing.
@@ -166,6 +187,16 @@ func TestConnectionFlood(t *testing.T) {
 			t.Fatalf("a flood helper failed: %v", counts)
 		}
 		t0 := time.Now()
+		ctx, cancel := context.WithTimeout(context.Background(), bound)
+		fresh, err := protocol.Dial(ctx, path)
+		if err == nil {
+			_, err = protocol.ClientHello(ctx, fresh, "fresh")
+			fresh.Close()
+		}
+		cancel()
+		if err != nil {
+			t.Fatalf("a new connection of the admitted client during the flood: %v (after %v)", err, time.Since(t0))
+		}
 		name := "w" + strconv.Itoa(i)
 		data := worker.put(name, 4096, false)
 		resp, files := worker.do(req(&storev1.GetRequest{Name: name}))
@@ -182,6 +213,10 @@ func TestConnectionFlood(t *testing.T) {
 			t.Fatalf("a put+get+release+delete of the admitted client took %v during the flood", d)
 		}
 	}
+	rawLine := <-raw.lines
+	t.Logf("raw outsider: %s", rawLine)
+	var rawConnected, rawFailed int
+	fmt.Sscanf(rawLine, "connected=%d failed=%d", &rawConnected, &rawFailed)
 	t.Logf("flood over in %v; slowest cycle of the admitted client %v; %s", time.Since(started), slowest, counts)
 	if want := fmt.Sprintf("ok=%d permission=0 limit=16 closed=0 other=0", perUID); counts["insider"] != want {
 		t.Errorf("admitted uid: %s, want %s", counts["insider"], want)
@@ -223,7 +258,7 @@ func TestConnectionFlood(t *testing.T) {
 		}
 		return int(m.GetCounter().GetValue())
 	}
-	if rejected("permission") != permission || rejected("limit_uid") != 16 || rejected("limit_total") != limited {
+	if rejected("permission") != permission+rawConnected || rejected("limit_uid") != 16 || rejected("limit_total") != limited {
 		t.Errorf("rejections counted: permission %d limit_uid %d limit_total %d", rejected("permission"), rejected("limit_uid"), rejected("limit_total"))
 	}
 	lines := strings.Count(logs.String(), "refusing connection")
