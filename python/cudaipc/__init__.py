@@ -28,6 +28,8 @@ from .mapping import Mapping, import_region
 from .region import Region, decode_region
 from .store import (Event, Lease, Object, ObjectInfo, ServerInfo, Store, TensorDesc, connect,
                     default_socket_path)
+from . import bundle
+from .bundle import Bundle, LoadMismatch, LoadReport, load_into
 
 __version__ = "0.1.0"
 
@@ -38,4 +40,5 @@ __all__ = [
     "PermissionDenied", "LimitReached", "NotSealed", "Sealed", "VersionMismatch", "InternalError",
     "StoreGone", "Closed", "InvalidRegion", "CudaError",
     "share", "export_pointer", "NotExportable",
+    "bundle", "Bundle", "LoadMismatch", "LoadReport", "load_into",
 ]

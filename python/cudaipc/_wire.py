@@ -66,12 +66,13 @@ class HostArena:
 class Reply:
     """A response, with what the reader did with its placement."""
 
-    __slots__ = ("resp", "arena", "fd")
+    __slots__ = ("resp", "arena", "fd", "manifest_fd")
 
     def __init__(self, resp: Any, arena: Optional[HostArena] = None, fd: int = -1):
         self.resp = resp
         self.arena = arena
         self.fd = fd  # a GPU arena's descriptor, for the caller to import and close
+        self.manifest_fd = -1  # a bundle's manifest memfd (docs/protocol.md 6.3), for the caller to close
 
 
 class Conn:
@@ -300,7 +301,17 @@ class Conn:
             for fd in fds:
                 os.close(fd)
             return
-        reply = self._place(resp, fds)
+        mfd = -1
+        if fds and ((resp.WhichOneof("body") == "create" and resp.create.manifest_attached)
+                    or (resp.WhichOneof("body") == "get" and resp.get.manifest_attached)):
+            mfd = fds.pop()   # the manifest travels last
+        try:
+            reply = self._place(resp, fds)
+        except BaseException:
+            if mfd >= 0:
+                os.close(mfd)
+            raise
+        reply.manifest_fd = mfd
         with self._cv:
             if resp.id in self._detached:
                 self._detached.discard(resp.id)
@@ -315,6 +326,8 @@ class Conn:
         if drop:
             if reply.fd >= 0:
                 os.close(reply.fd)
+            if reply.manifest_fd >= 0:
+                os.close(reply.manifest_fd)
             return
         self._cleanup(reply, *cleanup)
 
@@ -369,11 +382,14 @@ class Conn:
         """Undo the reply of a call whose caller gave up."""
         if r.fd >= 0:
             os.close(r.fd)
+        if r.manifest_fd >= 0:
+            os.close(r.manifest_fd)
+            r.manifest_fd = -1
         body = r.resp.WhichOneof("body")
         if body == "get":
             self.send_detached(pb.Request(release=pb.ReleaseRequest(lease_id=r.resp.get.lease_id)))
         elif body == "create":
-            self.send_detached(pb.Request(abort=pb.AbortRequest(name=name)))
+            self.send_detached(pb.Request(abort=pb.AbortRequest(name=name, version=r.resp.create.version)))
 
     def _fail(self, err: StoreError) -> None:
         with self._cv:
@@ -398,5 +414,7 @@ class Conn:
         for r in self._replies.values():
             if r.fd >= 0:
                 os.close(r.fd)
+            if r.manifest_fd >= 0:
+                os.close(r.manifest_fd)
         self._replies.clear()
 

@@ -70,6 +70,11 @@ class ObjectInfo:
     created: datetime.datetime
     region: Optional[Region]        # GPU objects with a region; None otherwise
     tensor: Optional[TensorDesc]    # the producer's typed-array descriptor, if any
+    version: int = 0                # a versioned name's version (0: a plain object)
+    shards: int = 0                 # shards of that version
+    shard: int = 0                  # this shard's index
+    manifest_size: int = 0          # a bundle's manifest bytes (0: not a bundle)
+    tensors: int = 0                # a bundle's tensor count
 
     @classmethod
     def _from_pb(cls, o: Any) -> "ObjectInfo":
@@ -82,7 +87,8 @@ class ObjectInfo:
                 region = None
         return cls(o.name, o.size, o.device, o.sealed, o.leases, o.shared, o.owner_uid,
                    datetime.datetime.fromtimestamp(o.created_unix_nano / 1e9, datetime.timezone.utc),
-                   region, TensorDesc._from_pb(o.tensor) if o.HasField("tensor") else None)
+                   region, TensorDesc._from_pb(o.tensor) if o.HasField("tensor") else None,
+                   o.version, o.shards, o.shard, o.manifest_size, o.tensors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +96,7 @@ class Event:
     """A change in the store: kind is "sealed", "deleted", "evicted" or "aborted"."""
     kind: str
     name: str
+    version: int = 0   # for a versioned name: the version (for "sealed": just published)
 
 
 _EVENT_KINDS = {1: "sealed", 2: "deleted", 3: "evicted", 4: "aborted"}
@@ -239,6 +246,35 @@ class Lease:
         self._nbytes = mem.nbytes
         self._device = mem.device
         self._tensor = mem.tensor
+        self._manifest: Any = None   # a bundle's manifest: its memfd (int), then its bytes
+
+    @property
+    def version(self) -> int:
+        """The version of a versioned name this lease holds (0 for a plain object)."""
+        p = self._info_pb
+        return p.version if p is not None else 0
+
+    def manifest_bytes(self) -> bytes:
+        """A bundle's manifest, as its creator wrote it: a safetensors header (JSON).
+        Read from the memfd the daemon sent beside the lease, never from the object."""
+        m = self._manifest
+        if m is None:
+            raise InvalidArgument("get", self._name, "the object is not a bundle (it has no manifest)")
+        if isinstance(m, int):
+            size = self._info_pb.manifest_size if self._info_pb is not None else 0
+            try:
+                data = os.pread(m, size, 0)
+            finally:
+                os.close(m)
+            self._manifest = m = data
+        return m
+
+    def __del__(self) -> None:
+        if isinstance(self._manifest, int):
+            try:
+                os.close(self._manifest)
+            except OSError:
+                pass
 
     @property
     def info(self) -> ObjectInfo:
@@ -368,6 +404,8 @@ class Object:
         self._device = mem.device
         self._state = "open"
         self._desc: Optional[TensorDesc] = None
+        self.version = 0   # for a shard of a version: its version
+        self.shard = 0
 
     @property
     def name(self) -> str:
@@ -433,11 +471,11 @@ class Object:
     def seal(self) -> None:
         """Publish the object: readers may get it from now on. Device work writing it
         must be complete (synchronize your stream first)."""
-        self._finish("seal", pb.Request(seal=pb.SealRequest(name=self._name)))
+        self._finish("seal", pb.Request(seal=pb.SealRequest(name=self._name, version=self.version, shard=self.shard)))
 
     def abort(self) -> None:
         """Discard the object."""
-        self._finish("abort", pb.Request(abort=pb.AbortRequest(name=self._name)))
+        self._finish("abort", pb.Request(abort=pb.AbortRequest(name=self._name, version=self.version, shard=self.shard)))
 
     def _finish(self, op: str, req: Any) -> None:
         m = self._mem
@@ -533,30 +571,74 @@ class Store:
     # -- create / put ----------------------------------------------------------------
     def create(self, name: str, nbytes: int, device: Any = None, *, shared: bool = False,
                dtype: Any = None, shape: Optional[Sequence[int]] = None,
-               strides: Optional[Sequence[int]] = None) -> Object:
+               strides: Optional[Sequence[int]] = None, versioned: bool = False, version: int = 0,
+               shards: int = 0, shard: int = 0, keep_last: int = 0,
+               manifest: Optional[bytes] = None) -> Object:
         """Allocate a writable object of ``nbytes`` on ``device`` ("host" or None, a GPU
         ordinal, "cuda:N", a torch.device, or a GPU UUID). Give ``dtype`` (and ``shape``,
-        ``strides`` in elements) to record what the bytes are for readers."""
+        ``strides`` in elements) to record what the bytes are for readers.
+
+        ``versioned`` (see :meth:`publish`) makes shard ``shard`` of ``shards`` of a
+        version of ``name``; ``manifest`` (a safetensors header) makes a bundle (see
+        :meth:`put_bundle`)."""
         dev = _resolve_device(device)
         if not isinstance(nbytes, int) or not 0 < nbytes <= MAX_OBJECT_SIZE:
             raise InvalidArgument("create", name, "size %r is outside 1..%d" % (nbytes, MAX_OBJECT_SIZE))
         desc = _desc(nbytes, dtype, shape, strides, name)
-        req = pb.Request(create=pb.CreateRequest(name=name, size=nbytes, device=dev, shared=shared))
+        req = pb.Request(create=pb.CreateRequest(name=name, size=nbytes, device=dev, shared=shared,
+                                                 versioned=versioned, version=version, shards=shards,
+                                                 shard=shard, keep_last=keep_last,
+                                                 manifest_size=len(manifest or b"")))
         if desc is not None:
             req.create.tensor.CopyFrom(desc._to_pb())
         r = self._conn.call(req, "create", name)
         p = r.resp.create.placement
-        if not p.writable or p.size != nbytes:
+        if not p.writable or p.size != nbytes or (r.manifest_fd >= 0) != bool(manifest):
             self._conn._cleanup(r, "create", name)
             raise InternalError("create", name, "daemon sent no writable placement of the requested size")
+        if r.manifest_fd >= 0:
+            try:
+                os.pwrite(r.manifest_fd, manifest, 0)   # type: ignore[arg-type]
+            except OSError as e:
+                self._conn._cleanup(r, "create", name)
+                raise InternalError("create", name, "writing the manifest: %s" % e) from None
+            os.close(r.manifest_fd)
+            r.manifest_fd = -1
         try:
-            mem = self._memory(r, p, desc, pb.Request(abort=pb.AbortRequest(name=name)), "create", name)
+            mem = self._memory(r, p, desc, pb.Request(abort=pb.AbortRequest(
+                name=name, version=r.resp.create.version, shard=shard)), "create", name)
         except BaseException:
             self._conn._cleanup(r, "create", name)
             raise
         o = Object(self, name, mem)
         o._desc = desc
+        o.version, o.shard = r.resp.create.version, shard
         return o
+
+    def publish(self, name: str, nbytes: int, device: Any = None, *, shards: int = 0, shard: int = 0,
+                keep_last: int = 0, **kw: Any) -> Object:
+        """Create the next version of the versioned ``name`` (or shard ``shard`` of
+        ``shards`` of it: N ranks asking for the next version meet in one); ``seal()``
+        publishes it. Readers see a version only when all its shards are sealed; a
+        creator that dies before sealing aborts the whole version. The newest
+        ``keep_last`` versions are kept without leases (0: the daemon's default)."""
+        return self.create(name, nbytes, device, versioned=True, shards=shards, shard=shard,
+                           keep_last=keep_last, **kw)
+
+    def wait_newer(self, name: str, than: int, timeout: Optional[float] = None, shard: int = 0) -> Lease:
+        """Wait until a version of ``name`` above ``than`` is published, then lease
+        (shard ``shard`` of) the latest one; ``lease.version`` says which."""
+        return self.get(name, timeout, newer_than=than, shard=shard)
+
+    def put_bundle(self, name: str, state_dict: Any, device: Any = None, **kw: Any) -> Any:
+        """Store a dict of tensors as one bundle object; see :func:`cudaipc.bundle.put_bundle`."""
+        from . import bundle
+        return bundle.put_bundle(self, name, state_dict, device, **kw)
+
+    def get_bundle(self, name: str, timeout: Optional[float] = None, **kw: Any) -> Any:
+        """Zero-copy tensors of a bundle, by name; see :func:`cudaipc.bundle.get_bundle`."""
+        from . import bundle
+        return bundle.get_bundle(self, name, timeout, **kw)
 
     def put(self, name: str, data: Any, device: Any = None, *, shared: bool = False) -> ObjectInfo:
         """Copy ``data`` into a new sealed object and return its info (as created: no
@@ -579,15 +661,24 @@ class Store:
                           datetime.datetime.now(datetime.timezone.utc), None, obj._desc)
 
     # -- get ---------------------------------------------------------------------------
-    def get(self, name: str, timeout: Optional[float] = None) -> Lease:
+    def get(self, name: str, timeout: Optional[float] = None, *, version: int = 0, shard: int = 0,
+            newer_than: int = 0) -> Lease:
         """Wait until ``name`` exists and is sealed (at most ``timeout`` seconds; None:
         without limit; 0: not at all), then lease it. Raises Timeout when it is not
-        sealed in time."""
+        sealed in time.
+
+        For a versioned name: ``version`` (0: the latest), ``shard``, and ``newer_than``
+        (wait for a version above it). A lease on any shard keeps the whole version, so
+        ``get(name, version=lease.version, shard=k)`` finds every other shard of it."""
         if timeout is None:
             ms = -1
         else:
             ms = max(int(timeout * 1000), 0)
-        r = self._conn.call_raw(_encode_get(name, ms), "get", name)
+        if version or shard or newer_than:
+            r = self._conn.call(pb.Request(get=pb.GetRequest(name=name, timeout_ms=ms, version=version,
+                                                             shard=shard, newer_than=newer_than)), "get", name)
+        else:
+            r = self._conn.call_raw(_encode_get(name, ms), "get", name)
         g = r.resp.get
         p = g.placement
         if p.writable:
@@ -600,7 +691,10 @@ class Store:
         except BaseException:
             self._conn._cleanup(r, "get", name)
             raise
-        return Lease(mem, g.lease_id, name, info)
+        lease = Lease(mem, g.lease_id, name, info)
+        if r.manifest_fd >= 0:
+            lease._manifest, r.manifest_fd = r.manifest_fd, -1
+        return lease
 
     def _memory(self, r: Reply, p: Any, desc: Optional[TensorDesc], end: Any, op: str, name: str) -> _Memory:
         if p.device in ("", "host"):
@@ -764,7 +858,7 @@ class Store:
                 return
             kind = _EVENT_KINDS.get(ev.kind)
             if kind is not None:
-                yield Event(kind, ev.name)
+                yield Event(kind, ev.name, ev.version)
 
     def __repr__(self) -> str:
         return "<cudaipc.Store %s backend=%s>" % (self.socket, getattr(self, "server", None) and self.server.backend)

@@ -3,6 +3,7 @@
 Roles:
   consume SOCKET NAME       get NAME, print the SHA-256 of its bytes
   hold SOCKET NAME          get NAME, keep a tensor view after release(), print "holding", sleep
+  bundle-digests SOCKET NAME  get_bundle NAME, print "tensor sha256" per tensor
   import-region JSON        map the region, print the SHA-256 of its bytes
 """
 
@@ -30,6 +31,12 @@ def main() -> None:
         print("holding", flush=True)
         time.sleep(120)
         print(view is not None)
+    elif role == "bundle-digests":
+        import torch
+        with cudaipc.connect(sys.argv[2]) as s:
+            with s.get_bundle(sys.argv[3], timeout=30) as b:
+                for k, v in b.items():
+                    print(k, hashlib.sha256(v.reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest(), flush=True)
     elif role == "import-region":
         m = cudaipc.import_region(sys.argv[2])
         print(hashlib.sha256(m.read()).hexdigest(), flush=True)

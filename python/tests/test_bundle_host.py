@@ -1,0 +1,158 @@
+"""Bundles and versions against a real daemon, host memory (runs on any machine)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import cudaipc
+from cudaipc import bundle as B
+from conftest import HERE
+
+torch = pytest.importorskip("torch", reason="the bundle API works on torch tensors (python3-torch)")
+
+
+def random_state_dict(n: int = 0, seed: int = 0) -> dict:
+    """Random tensors of every dtype this torch has, odd shapes."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for i, name in enumerate(sorted(B.TO_SAFETENSORS)):
+        dt = getattr(torch, name, None)
+        if dt is None:
+            continue
+        shape = (1 + i % 3, 7)
+        raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * torch.empty((), dtype=dt).element_size(),),
+                            dtype=torch.uint8, generator=g)
+        sd["layer.%d.%s" % (i, name)] = raw.view(dt).view(shape).clone()
+    for i in range(n):
+        sd["moe.expert.%d.w" % i] = torch.randn(3, 5, generator=g).to(torch.bfloat16)
+    return sd
+
+
+def digest(t) -> str:
+    return hashlib.sha256(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def test_put_get_bundle_every_dtype(store, daemon):
+    sd = random_state_dict()
+    sd["scalar"] = torch.tensor(3.5, dtype=torch.float64)
+    sd["empty"] = torch.empty(0, 4, dtype=torch.float16)
+    sd["strided"] = torch.randn(8, 6)[:, ::2]   # not contiguous: copied as values
+    info = store.put_bundle("b", sd, metadata={"format": "pt"})
+    assert info.tensors == len(sd)
+    st = store.stat("b")
+    assert st.tensors == len(sd) and st.manifest_size > 0
+    with store.get_bundle("b") as b:
+        assert set(b) == set(sd)
+        assert b.metadata == {"format": "pt"}
+        for e in b.entries:
+            assert e.begin % B.ALIGNMENT == 0
+        for k, v in sd.items():
+            assert b[k].dtype == v.dtype and tuple(b[k].shape) == tuple(v.shape), k
+            assert torch.equal(b[k].view(torch.uint8) if v.dtype == torch.bool else b[k], v) or digest(b[k]) == digest(v), k
+    # Another process reads the same bundle: the manifest travels beside the lease.
+    out = subprocess.run([sys.executable, os.path.join(HERE, "helper.py"), "bundle-digests", daemon.socket, "b"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    got = dict(line.split() for line in out.splitlines())
+    assert got == {k: digest(v) for k, v in sd.items()}
+
+
+def test_manifest_matches_go_layout(store):
+    # A bundle written by Python is a safetensors header Go parses: check its shape here.
+    entries, size = B.layout([("a", "BF16", (3, 5)), ("b", "U8", (1,)), ("c", "F4", (2,))])
+    assert [e.begin for e in entries] == [0, 256, 512] and size == 513
+    raw = B.encode_manifest(entries, {"k": "v"})
+    assert len(raw) % 8 == 0
+    assert B.parse_manifest(raw) == (entries, {"k": "v"})
+    with pytest.raises(ValueError):
+        B.layout([("x", "F4", (3,))])
+
+
+def test_many_tensors(store):
+    n = 100_000
+    sd = {"t%d" % i: torch.full((2,), i, dtype=torch.int32) for i in range(n)}
+    store.put_bundle("many", sd)
+    with store.get_bundle("many") as b:
+        assert len(b) == n
+        assert b["t99999"].tolist() == [99999, 99999] and b["t0"].tolist() == [0, 0]
+
+
+def test_not_a_bundle(store):
+    store.put("plain", b"abc")
+    with pytest.raises(cudaipc.InvalidArgument, match="not a bundle"):
+        store.get_bundle("plain", timeout=1)
+
+
+def test_versions_and_wait_newer(store):
+    seen = []
+
+    def reader():
+        v = 0
+        for _ in range(3):
+            with store.get_bundle("w", timeout=30, newer_than=v) as b:
+                v = b.version
+                seen.append((v, float(b["x"][0])))
+
+    # The reader uses its own connection: a get that waits holds up nothing else.
+    t = threading.Thread(target=reader)
+    t.start()
+    for v in (1, 2, 3):
+        info = store.put_bundle("w", {"x": torch.full((4,), float(v))}, publish=True)
+        assert info.version == v
+        # Wait until the reader took it, so that it sees every version.
+        while len(seen) < v and t.is_alive():
+            t.join(0.01)
+    t.join(30)
+    assert seen == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert store.get("w", timeout=0).version == 3
+    with store.get_bundle("w", version=3) as b:
+        assert float(b["x"][0]) == 3.0
+    with pytest.raises(cudaipc.NotFound):
+        store.get("w", timeout=0, version=1)   # superseded, unleased: reclaimed
+    evs = []
+    it = store.subscribe(timeout=5)
+    store.put_bundle("w", {"x": torch.ones(4)}, publish=True)
+    for ev in it:
+        evs.append(ev)
+        break
+    assert evs[0].kind == "sealed" and evs[0].version == 4
+
+
+def test_sharded_version_visible_when_all_sealed(store, daemon):
+    o0 = store.publish("tp", 16, shards=2, shard=0)
+    o1 = store.publish("tp", 16, shards=2, shard=1)
+    assert o0.version == o1.version == 1
+    o0.write(b"0" * 16)
+    o1.write(b"1" * 16)
+    o0.seal()
+    with pytest.raises(cudaipc.Timeout):
+        store.get("tp", timeout=0.05, version=1)
+    o1.seal()
+    l0 = store.get("tp", timeout=1)
+    l1 = store.get("tp", version=l0.version, shard=1)
+    assert (l0.read(), l1.read()) == (b"0" * 16, b"1" * 16)
+    assert l0.info.shards == 2 and l1.info.shard == 1
+
+
+def test_load_into(store):
+    sd = {"a": torch.randn(4, 4), "b": torch.randn(3).to(torch.bfloat16), "c": torch.arange(5)}
+    store.put_bundle("m", sd)
+    with store.get_bundle("m") as b:
+        params = {"a": torch.zeros(4, 4), "b": torch.zeros(3, dtype=torch.bfloat16), "c": torch.zeros(5, dtype=torch.int64)}
+        rep = cudaipc.load_into(b, params)
+        assert rep.tensors == 3 and rep.nbytes == 64 + 6 + 40 and rep.seconds >= 0
+        for k in sd:
+            assert torch.equal(params[k], sd[k])
+        # Every problem at once, and nothing copied.
+        bad = {"a": torch.zeros(4, 5), "b": torch.zeros(3), "nope": torch.zeros(1), "c": torch.zeros(5, dtype=torch.int64)}
+        with pytest.raises(cudaipc.LoadMismatch) as e:
+            cudaipc.load_into(b, bad)
+        assert len(e.value.problems) == 3
+        msg = str(e.value)
+        assert "nope: missing" in msg and "a: shape" in msg and "b: dtype" in msg
+        assert not bad["c"].any()
