@@ -39,7 +39,6 @@ type Client struct {
 	subs      map[*subscription]struct{}
 	arenas    map[arenaKey]*arena
 	gpu       map[gpuUser]struct{} // Objects and Leases with an open GPU mapping
-	fd        fdArenas             // GPU arenas imported from descriptors
 	err       error                // why the connection ended; nil while it lives
 	closed    bool                 // Close was called
 
@@ -138,7 +137,6 @@ func DialOptions(ctx context.Context, socket string, opts Options) (*Client, err
 		subs:        make(map[*subscription]struct{}),
 		arenas:      make(map[arenaKey]*arena),
 		gpu:         make(map[gpuUser]struct{}),
-		fd:          fdArenas{arenas: make(map[uint64]*fdArena)},
 		readerDone:  make(chan struct{}),
 	}
 	if err := c.handshake(ctx); err != nil {
@@ -252,7 +250,6 @@ func (c *Client) Close() error {
 	c.mu.Lock()
 	c.releaseArenasLocked()
 	c.mu.Unlock()
-	c.fd.closeAll()
 	return err
 }
 
@@ -286,18 +283,18 @@ func (c *Client) read() {
 			r.manifest, files = files[len(files)-1], files[:len(files)-1]
 		}
 		// Host placements are mapped here, so that the arena cache follows
-		// what the daemon sent; GPU placements (a region, or a descriptor
-		// in every placement) need no per-connection state and are
-		// imported by the caller.
+		// what the daemon sent; GPU placements (a region, and a descriptor
+		// beside a vmm-fd one, in every placement) need no per-connection
+		// state and are imported by the caller.
 		p := placementOf(resp)
 		switch {
 		case p == nil || responseError("", "", resp) != nil:
 			closeFiles(files)
 		case p.GetExternal():
 			r.pieces = files
-		case gpuShareOf(p) == gpuShareHost:
+		case p.GetKind() == storev1.Placement_HOST:
 			r.m, r.err = c.place(p, files)
-		case gpuShareOf(p) == gpuShareFD && len(files) == 1:
+		case p.GetKind() == storev1.Placement_VMM_FD && len(files) == 1:
 			r.file = files[0]
 		default:
 			closeFiles(files)

@@ -28,12 +28,13 @@
 //     first), until the daemon says it freed the arena or the client
 //     closes: getting and releasing one object at a time costs one open.
 //     Use ReadAt/WriteAt, or Ptr and Mapping on the device; Bytes is nil.
-//     From a daemon started with --gpu-share fd, a GPU object comes as the
-//     file descriptor of its arena instead (GPUShare "fd"): the client
-//     imports each arena once (cudaipc.Device.ImportFD) and keeps it while
-//     an Object or Lease of this client uses it, or idle as above; Mapping is nil then, and
-//     Ptr and CUDADevice serve device code. This path works from another
-//     PID namespace (a container), which legacy IPC does not.
+//     Every GPU placement carries a region and says its kind: a cuda-ipc
+//     region (legacy IPC), or, from a daemon started with --gpu-share fd,
+//     a vmm-fd region with its arena's descriptor beside it, which the
+//     client imports with cudaipc.Import(r, cudaipc.WithFile(f)) through
+//     the same cache and closes at once. Mapping().Region().Kind says
+//     which. The vmm-fd path works from another PID namespace (a
+//     container), which legacy IPC does not.
 //     The mapping is closed before Seal, Abort or Release reaches the
 //     daemon, which may then free the memory: finish device work first.
 //     Client.Close closes the GPU mappings of the Objects and Leases still

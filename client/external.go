@@ -69,16 +69,14 @@ func (c *Client) Register(ctx context.Context, name string, x *cudaipc.PointerEx
 func (c *Client) placeExternal(op, name string, p *storev1.Placement, files []*os.File, v *view) error {
 	defer closeFiles(files)
 	if len(p.GetPieces()) == 0 {
-		v.share = gpuShareIPC
-		m, err := importPlacement(op, name, p)
+		m, err := importPlacement(op, name, p, nil)
 		if err != nil {
 			return fmt.Errorf("%w; the exporter registered legacy (cudaMalloc) memory, which opens only in its PID namespace: have it allocate VMM memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or cuMemCreate with POSIX fd handles) so that it registers descriptors", err)
 		}
 		v.gpu = m
 		return nil
 	}
-	v.share = gpuShareFD
-	dev, err := fdDevice(p.GetDevice())
+	dev, err := pieceDevice(p.GetDevice())
 	if err != nil {
 		return &Error{Op: op, Name: name, Err: ErrInternal, Message: fmt.Sprintf("mapping the registered memory: %v", err)}
 	}
@@ -92,4 +90,20 @@ func (c *Client) placeExternal(op, name string, p *storev1.Placement, files []*o
 	}
 	v.ext = m
 	return nil
+}
+
+// pieceDevice picks the GPU to map registered memory of device uuid for:
+// that GPU when this process sees it, else its first GPU (peer access).
+func pieceDevice(uuid string) (*cudaipc.Device, error) {
+	if d, err := cudaipc.LookupDevice(uuid); err == nil {
+		return d, nil
+	}
+	devs, err := cudaipc.Devices()
+	if err != nil {
+		return nil, err
+	}
+	if len(devs) == 0 {
+		return nil, fmt.Errorf("no GPU visible in this process for %s", uuid)
+	}
+	return devs[0], nil
 }

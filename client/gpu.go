@@ -4,27 +4,40 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"strconv"
 
 	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
 // GPU objects: the daemon describes each GPU arena by the region
-// (docs/region.md) of the whole device allocation, in every placement; the
-// client imports the object's part of it through cudaipc's process-wide
-// cache, so the first object of an arena costs one cuIpcOpenMemHandle and
-// later ones cost none, and the driver mapping goes when the last Object
-// or Lease of that arena in this process closes its Mapping.
+// (docs/region.md) of the whole device allocation, in every placement, and
+// says its kind: CUDA_IPC (a cuda-ipc region) or VMM_FD (a vmm-fd region,
+// with the arena's descriptor beside it in every placement). The client
+// imports the object's part of the region through cudaipc's process-wide
+// cache, so the first object of an arena costs one driver open (or one
+// descriptor import) and later ones none, and the driver mapping goes when
+// the last Object or Lease of that arena in this process closes its
+// Mapping. A descriptor is closed at once: kept, it would keep the arena's
+// device memory allocated after the daemon frees it.
 
-// importPlacement maps the GPU object a placement with a region describes.
-func importPlacement(op, name string, p *storev1.Placement) (*cudaipc.Mapping, error) {
+// regionKinds are the region kinds of the GPU placement kinds.
+var regionKinds = map[storev1.Placement_Kind]cudaipc.Kind{
+	storev1.Placement_CUDA_IPC: cudaipc.KindCUDAIPC,
+	storev1.Placement_VMM_FD:   cudaipc.KindVMMFD,
+}
+
+// importPlacement maps the GPU object of placement p: its region, with f,
+// the arena's descriptor, for a VMM_FD placement.
+func importPlacement(op, name string, p *storev1.Placement, f *os.File) (*cudaipc.Mapping, error) {
 	bad := func(format string, args ...any) error {
 		return &Error{Op: op, Name: name, Err: ErrInternal, Message: fmt.Sprintf(format, args...)}
 	}
 	arena, err := cudaipc.DecodeRegion(p.GetRegion())
 	if err != nil {
 		return nil, bad("daemon sent an invalid region: %v", err)
+	}
+	if want, ok := regionKinds[p.GetKind()]; !ok || arena.Kind != want {
+		return nil, bad("a placement of kind %s comes with a region of kind %s", p.GetKind(), arena.Kind)
 	}
 	off, size := p.GetOffset(), p.GetSize()
 	if off+size < off || off+size > uint64(arena.Size) {
@@ -37,7 +50,10 @@ func importPlacement(op, name string, p *storev1.Placement) (*cudaipc.Mapping, e
 	if err != nil {
 		return nil, bad("%v", err)
 	}
-	m, err := cudaipc.Import(r)
+	if r.Kind == cudaipc.KindVMMFD && f == nil {
+		return nil, bad("a vmm-fd placement without its descriptor")
+	}
+	m, err := importRegion(r, f)
 	if err != nil {
 		// Not ErrInternal: the daemon did its part; this process cannot
 		// map the memory (another PID namespace, no such GPU, ...), and
@@ -45,6 +61,14 @@ func importPlacement(op, name string, p *storev1.Placement) (*cudaipc.Mapping, e
 		return nil, &Error{Op: op, Name: name, Err: fmt.Errorf("mapping the GPU object: %w", err)}
 	}
 	return m, nil
+}
+
+// importRegion imports r, with f for a vmm-fd region.
+func importRegion(r cudaipc.Region, f *os.File) (*cudaipc.Mapping, error) {
+	if r.Kind == cudaipc.KindVMMFD {
+		return cudaipc.Import(r, cudaipc.WithFile(f))
+	}
+	return cudaipc.Import(r)
 }
 
 // gpuUser is an Object or Lease with a GPU mapping, which Client.Close
@@ -89,30 +113,28 @@ func resolveDevice(dev string) (string, error) {
 	if dev == "" || dev == "host" {
 		return dev, nil
 	}
-	if n, err := strconv.Atoi(dev); err == nil {
-		d, err := cudaipc.DeviceByOrdinal(n)
-		if err != nil {
-			return "", fmt.Errorf("GPU ordinal %d: %v", n, err)
-		}
-		return d.UUID().String(), nil
-	}
-	u, err := cudaipc.ParseUUID(dev)
+	sel, err := cudaipc.ParseDeviceSelector(dev)
 	if err != nil {
 		return "", fmt.Errorf("device %q: want host, a GPU ordinal or a GPU UUID", dev)
 	}
-	return u.String(), nil
+	if sel.IsUUID {
+		return sel.UUID.String(), nil // a GPU this process need not see
+	}
+	d, err := sel.Device()
+	if err != nil {
+		return "", fmt.Errorf("GPU ordinal %d: %v", sel.Ordinal, err)
+	}
+	return d.UUID().String(), nil
 }
 
 // view is where an Object's or Lease's bytes are: a slice of a mapped host
-// arena, a Mapping of a GPU object shared by legacy IPC, or a part of an
-// imported GPU arena shared by descriptor. Its zero value has no memory.
+// arena, the Mapping of a GPU object (either region kind), or registered
+// VMM memory (external.go). Its zero value has no memory.
 type view struct {
 	device string
-	share  string // gpuShareHost, gpuShareIPC or gpuShareFD
 	size   int64
 	data   []byte                // host objects
-	gpu    *cudaipc.Mapping      // GPU objects shared by legacy IPC
-	fd     fdView                // GPU objects shared by descriptor (fd.a != nil)
+	gpu    *cudaipc.Mapping      // GPU objects
 	ext    *cudaipc.PieceMapping // registered VMM memory, mapped read-only
 	open   bool
 }
@@ -126,13 +148,6 @@ func (v *view) readAt(op, name string, p []byte, off int64) (int, error) {
 	}
 	if v.ext != nil {
 		return v.ext.ReadAt(p, off)
-	}
-	if v.fd.a != nil {
-		n, err := v.fd.readAt(v.size, p, off)
-		if err != nil && err != io.EOF {
-			return n, &Error{Op: op, Name: name, Err: ErrInvalid, Message: err.Error(), cause: err}
-		}
-		return n, err
 	}
 	if off < 0 {
 		return 0, &Error{Op: op, Name: name, Err: ErrInvalid, Message: fmt.Sprintf("negative offset %d", off)}
@@ -163,37 +178,26 @@ func (v *view) writeAt(op, name string, p []byte, off int64) (int, error) {
 	if v.ext != nil {
 		return v.ext.WriteAt(p, off)
 	}
-	if v.fd.a != nil {
-		return v.fd.a.m.WriteAt(p, v.fd.off+off)
-	}
 	return copy(v.data[off:], p), nil
 }
 
 func (v *view) ptr() cudaipc.DevicePtr {
-	switch {
-	case !v.open:
-		return 0
-	case v.gpu != nil:
-		return v.gpu.Ptr()
-	case v.ext != nil:
+	if m := v.mapping(); m != nil {
+		return m.Ptr()
+	}
+	if v.open && v.ext != nil {
 		return v.ext.Ptr()
-	case v.fd.a != nil:
-		return v.fd.a.m.Ptr() + cudaipc.DevicePtr(v.fd.off)
 	}
 	return 0
 }
 
 // cudaDevice is the GPU the object is mapped for in this process.
 func (v *view) cudaDevice() *cudaipc.Device {
-	switch {
-	case !v.open:
-		return nil
-	case v.gpu != nil:
-		return v.gpu.Device()
-	case v.ext != nil:
+	if m := v.mapping(); m != nil {
+		return m.Device()
+	}
+	if v.open && v.ext != nil {
 		return v.ext.Device()
-	case v.fd.a != nil:
-		return v.fd.a.m.Device()
 	}
 	return nil
 }
@@ -206,8 +210,7 @@ func (v *view) mapping() *cudaipc.Mapping {
 }
 
 // close ends access; a GPU Mapping is closed (the last one of an arena in
-// this process unmaps it), a reference to an imported arena dropped (the
-// client's last one unmaps it). It is idempotent.
+// this process unmaps it). It is idempotent.
 func (v *view) close() error {
 	if !v.open {
 		return nil
@@ -221,50 +224,38 @@ func (v *view) close() error {
 		v.ext = nil
 		return m.Close()
 	}
-	if a := v.fd.a; a != nil {
-		v.fd.a = nil
-		return a.unref()
-	}
 	return nil
 }
 
-// placeGPU maps the GPU object of placement p into v: importing its region,
-// or the arena's descriptor f (which it closes).
+// placeGPU maps the GPU object of placement p into v and parks its arena;
+// f is the arena's descriptor of a VMM_FD placement, which it closes.
 func (c *Client) placeGPU(op, name string, p *storev1.Placement, f *os.File, v *view) error {
-	v.share = gpuShareOf(p)
-	if v.share == gpuShareFD {
-		a, err := c.importFD(op, name, p, f)
-		if err != nil {
-			return err
-		}
-		v.fd = fdView{a: a, off: int64(p.GetOffset())}
-		c.parkFD(a)
-		return nil
-	}
 	if f != nil {
-		f.Close()
+		defer f.Close()
 	}
-	m, err := importPlacement(op, name, p)
+	m, err := importPlacement(op, name, p, f)
 	if err != nil {
 		return err
 	}
 	v.gpu = m
-	c.parkRegion(p)
+	c.parkRegion(p, f)
 	return nil
 }
 
 // holds reports whether a create or get reply carries what its placement
-// needs: the host arena's mapping, nothing more for a region, or the
-// arena's descriptor.
+// needs: the host arena's mapping, nothing more for a cuda-ipc region, or
+// the arena's descriptor for a vmm-fd one.
 func (r reply) holds(p *storev1.Placement) bool {
 	if p.GetExternal() {
 		return r.m == nil && r.file == nil && len(r.pieces) == len(p.GetPieces())
 	}
-	switch gpuShareOf(p) {
-	case gpuShareHost:
+	switch p.GetKind() {
+	case storev1.Placement_HOST:
 		return r.m != nil && r.file == nil
-	case gpuShareIPC:
+	case storev1.Placement_CUDA_IPC:
 		return r.m == nil && r.file == nil
+	case storev1.Placement_VMM_FD:
+		return r.m == nil && r.file != nil
 	}
-	return r.m == nil && r.file != nil
+	return false
 }

@@ -6,7 +6,6 @@ package client_test
 
 import (
 	"bytes"
-	"cmp"
 	"context"
 	"fmt"
 	"os"
@@ -31,12 +30,15 @@ var gpuRoles = map[string]func(ctx context.Context, c *client.Client, say func(s
 			if err != nil {
 				return err
 			}
-			// Shared by legacy IPC, an object has a Mapping; by descriptor
-			// (GPU_SHARE=fd), none.
-			share := cmp.Or(os.Getenv("GPU_SHARE"), "ipc")
-			if o.Bytes() != nil || o.Ptr() == 0 || o.CUDADevice() == nil || o.GPUShare() != share ||
-				(o.Mapping() != nil) != (share == "ipc") || !strings.HasPrefix(o.Device(), "GPU-") {
-				return fmt.Errorf("GPU object %s: bytes %v, ptr %#x, device %q, share %q, mapping %v", name, o.Bytes() != nil, o.Ptr(), o.Device(), o.GPUShare(), o.Mapping() != nil)
+			// Shared by legacy IPC, an object's Mapping has a cuda-ipc
+			// region; by descriptor (GPU_SHARE=fd), a vmm-fd one.
+			kind := cudaipc.KindCUDAIPC
+			if os.Getenv("GPU_SHARE") == "fd" {
+				kind = cudaipc.KindVMMFD
+			}
+			if o.Bytes() != nil || o.Ptr() == 0 || o.CUDADevice() == nil || o.Mapping() == nil ||
+				o.Mapping().Region().Kind != kind || !strings.HasPrefix(o.Device(), "GPU-") {
+				return fmt.Errorf("GPU object %s: bytes %v, ptr %#x, device %q, mapping %v, want kind %s", name, o.Bytes() != nil, o.Ptr(), o.Device(), o.Mapping() != nil, kind)
 			}
 			if _, err := o.WriteAt(stream(seed, name, int(size)), 0); err != nil {
 				return err
@@ -80,14 +82,14 @@ var gpuRoles = map[string]func(ctx context.Context, c *client.Client, say func(s
 	},
 	// Leases every object and compares every byte read at the lease's
 	// offset in the imported arena, holding all the leases; reports the
-	// FDMappings this process holds meanwhile and after releasing them, and
-	// how the leases were shared. A failing Get is reported, not returned,
-	// so that a test can expect it.
+	// allocations this process maps meanwhile and after releasing them, and
+	// the kind of the leases' regions. A failing Get is reported, not
+	// returned, so that a test can expect it.
 	"gpu-fd-reader": func(ctx context.Context, c *client.Client, say func(string, ...any)) error {
 		seed, names, size := gpuEnv()
-		before := cudaipc.LiveObjects().FDMappings
+		before := cudaipc.ImportCacheStats().Mapped
 		var leases []*client.Lease
-		share := ""
+		var kind cudaipc.Kind
 		for _, name := range names {
 			l, err := c.Get(ctx, name)
 			if err != nil {
@@ -95,7 +97,7 @@ var gpuRoles = map[string]func(ctx context.Context, c *client.Client, say func(s
 				return nil
 			}
 			leases = append(leases, l)
-			share = l.GPUShare()
+			kind = l.Mapping().Region().Kind
 			got := make([]byte, size)
 			if _, err := l.ReadAt(got, 0); err != nil {
 				return err
@@ -104,17 +106,17 @@ var gpuRoles = map[string]func(ctx context.Context, c *client.Client, say func(s
 				say("mismatch %s at %d", name, i)
 				return nil
 			}
-			if l.Mapping() != nil || l.Info().Region != nil || l.Ptr() == 0 || l.CUDADevice() == nil {
-				return fmt.Errorf("%s: mapping %v, region %s, ptr %#x", name, l.Mapping() != nil, l.Info().Region, l.Ptr())
+			if r := l.Info().Region; r == nil || r.Kind != kind || r.Size != size || l.Ptr() == 0 || l.CUDADevice() == nil {
+				return fmt.Errorf("%s: region %v, ptr %#x", name, r, l.Ptr())
 			}
 		}
-		held := cudaipc.LiveObjects().FDMappings - before
+		held := cudaipc.ImportCacheStats().Mapped - before
 		for _, l := range leases {
 			if err := l.Release(); err != nil {
 				return err
 			}
 		}
-		say("ok share=%s fdmaps=%d after=%d", share, held, cudaipc.LiveObjects().FDMappings-before)
+		say("ok kind=%s mapped=%d after=%d", kind, held, cudaipc.ImportCacheStats().Mapped-before)
 		return nil
 	},
 	// Leases NAME-0, reports its hash, and holds it until killed.
@@ -178,12 +180,11 @@ func TestGPUObjectBetweenProcesses(t *testing.T) {
 			t.Fatal(err)
 		}
 		info := l.Info()
-		if l.Device() != dev.UUID().String() || info.Device != l.Device() || l.Bytes() != nil || l.Ptr() == 0 || len(info.Region) == 0 {
+		if l.Device() != dev.UUID().String() || info.Device != l.Device() || l.Bytes() != nil || l.Ptr() == 0 || info.Region == nil {
 			t.Fatalf("lease: device %q, info %+v, ptr %#x", l.Device(), info, l.Ptr())
 		}
-		r, err := cudaipc.DecodeRegion(info.Region)
-		if err != nil || r.Size != size || r.Device != dev.UUID() {
-			t.Fatalf("info region %v, %v", r, err)
+		if r := *info.Region; r.Kind != cudaipc.KindCUDAIPC || r.Size != size || r.Device != dev.UUID() {
+			t.Fatalf("info region %v", r)
 		}
 		got := make([]byte, size)
 		if _, err := l.ReadAt(got, 0); err != nil {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"os"
+	"strings"
 	"testing"
 
 	"github.com/cudaipc/cudaipc"
@@ -31,7 +32,7 @@ func TestResolveDevice(t *testing.T) {
 	}
 }
 
-func TestRegionJSON(t *testing.T) {
+func TestDecodeRegion(t *testing.T) {
 	u, _ := cudaipc.ParseUUID("GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8")
 	r := cudaipc.Region{
 		Version: cudaipc.RegionVersion, Kind: cudaipc.KindCUDAIPC, Handle: cudaipc.MemHandle{1},
@@ -43,17 +44,21 @@ func TestRegionJSON(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	j := regionJSON(bin)
-	var obj map[string]any
-	if err := json.Unmarshal(j, &obj); err != nil || obj["kind"] != "cuda-ipc" {
-		t.Fatalf("regionJSON = %s (%v)", j, err)
+	got := decodeRegion(bin)
+	if got == nil || *got != r {
+		t.Fatalf("decodeRegion = %v, want %v", got, r)
 	}
-	back, err := cudaipc.DecodeRegion(j)
-	if err != nil || back != r {
-		t.Fatalf("round trip: %v, %v", back, err)
+	// ObjectInfo prints it in the JSON encoding of docs/region.md.
+	j, err := json.Marshal(ObjectInfo{Region: got})
+	var obj struct{ Region map[string]any }
+	if err != nil || json.Unmarshal(j, &obj) != nil || obj.Region["kind"] != "cuda-ipc" {
+		t.Fatalf("ObjectInfo JSON = %s (%v)", j, err)
 	}
-	if regionJSON(nil) != nil {
-		t.Fatal("empty region is not null")
+	if decodeRegion(nil) != nil || decodeRegion([]byte("junk")) != nil {
+		t.Fatal("no region, or junk, decoded")
+	}
+	if j, _ := json.Marshal(ObjectInfo{}); !strings.Contains(string(j), `"region":null`) {
+		t.Fatalf("host object's JSON: %s", j)
 	}
 }
 
@@ -83,35 +88,28 @@ func TestHostView(t *testing.T) {
 	}
 }
 
-// A placement says how it is shared: host memory, a region, or (neither
-// host nor region) the descriptor of a GPU arena, which the reply must
-// carry.
-func TestGPUShareOf(t *testing.T) {
-	const gpu = "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8"
+// A reply carries what its placement's kind needs: the host arena's
+// mapping, nothing for a cuda-ipc region, the descriptor of a vmm-fd one.
+func TestReplyHolds(t *testing.T) {
 	f, err := os.Open(os.DevNull)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer f.Close()
 	for _, tc := range []struct {
-		p     *storev1.Placement
-		share string
-		holds []reply // replies that carry what p needs; the others do not
+		kind storev1.Placement_Kind
+		hold reply // the reply that carries what the kind needs; the others do not
 	}{
-		{&storev1.Placement{Device: "host"}, gpuShareHost, []reply{{m: &mapping{}}}},
-		{&storev1.Placement{Device: gpu, Region: []byte{1}}, gpuShareIPC, []reply{{}}},
-		{&storev1.Placement{Device: gpu, FdAttached: true}, gpuShareFD, []reply{{file: f}}},
+		{storev1.Placement_HOST, reply{m: &mapping{}}},
+		{storev1.Placement_CUDA_IPC, reply{}},
+		{storev1.Placement_VMM_FD, reply{file: f}},
+		{storev1.Placement_KIND_UNSPECIFIED, reply{m: &mapping{}, file: f}}, // none holds it
 	} {
-		if got := gpuShareOf(tc.p); got != tc.share {
-			t.Errorf("gpuShareOf(%v) = %q, want %q", tc.p, got, tc.share)
-		}
+		p := &storev1.Placement{Kind: tc.kind}
 		for _, r := range []reply{{}, {m: &mapping{}}, {file: f}} {
-			want := false
-			for _, h := range tc.holds {
-				want = want || (h.m != nil) == (r.m != nil) && (h.file != nil) == (r.file != nil)
-			}
-			if got := r.holds(tc.p); got != want {
-				t.Errorf("share %q: reply (mapping %v, file %v) holds = %v", tc.share, r.m != nil, r.file != nil, got)
+			want := (tc.hold.m != nil) == (r.m != nil) && (tc.hold.file != nil) == (r.file != nil)
+			if got := r.holds(p); got != want {
+				t.Errorf("kind %s: reply (mapping %v, file %v) holds = %v", tc.kind, r.m != nil, r.file != nil, got)
 			}
 		}
 	}

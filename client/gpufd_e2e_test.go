@@ -33,21 +33,21 @@ func TestGPUFDObjectBetweenProcesses(t *testing.T) {
 		name := fmt.Sprintf("fd-%d", size)
 		env := append(gpuEnvs(d.socket, seed, name, 1, size), fdShare)
 		spawn(t, "gpu-producer", nil, env...).expect("sealed 1")
-		if got := spawn(t, "gpu-fd-reader", nil, env...).expect("ok"); got != "share=fd fdmaps=1 after=1" {
+		if got := spawn(t, "gpu-fd-reader", nil, env...).expect("ok"); got != "kind=vmm-fd mapped=1 after=1" {
 			t.Errorf("%s: reader %s", name, got)
 		}
-		before := cudaipc.LiveObjects().FDMappings
+		before := cudaipc.ImportCacheStats().Mapped
 		l, err := c.Get(context.Background(), name+"-0")
 		if err != nil {
 			t.Fatal(err)
 		}
 		info := l.Info()
-		if l.GPUShare() != "fd" || l.Mapping() != nil || info.Region != nil || l.Device() != dev.UUID().String() ||
-			l.CUDADevice() == nil || l.Ptr() == 0 || l.Bytes() != nil {
-			t.Fatalf("lease: share %q, mapping %v, info %+v, ptr %#x", l.GPUShare(), l.Mapping() != nil, info, l.Ptr())
+		if l.Mapping() == nil || l.Mapping().Region().Kind != cudaipc.KindVMMFD || info.Region == nil || *info.Region != l.Mapping().Region() ||
+			l.Device() != dev.UUID().String() || l.CUDADevice() == nil || l.Ptr() == 0 || l.Bytes() != nil {
+			t.Fatalf("lease: mapping %v, info %+v, ptr %#x", l.Mapping() != nil, info, l.Ptr())
 		}
-		if n := cudaipc.LiveObjects().FDMappings - before; n != 1 {
-			t.Fatalf("%d FDMappings for one lease", n)
+		if n := cudaipc.ImportCacheStats().Mapped - before; n != 1 {
+			t.Fatalf("%d allocations mapped for one lease", n)
 		}
 		got := make([]byte, size)
 		if _, err := l.ReadAt(got, 0); err != nil {
@@ -68,19 +68,20 @@ func TestGPUFDObjectBetweenProcesses(t *testing.T) {
 		if err := l.Release(); err != nil {
 			t.Fatal(err)
 		}
-		if l.Ptr() != 0 || l.CUDADevice() != nil || cudaipc.LiveObjects().FDMappings != before {
-			t.Fatalf("after Release: ptr %#x, %d FDMappings (was %d)", l.Ptr(), cudaipc.LiveObjects().FDMappings, before)
+		if l.Ptr() != 0 || l.CUDADevice() != nil || cudaipc.ImportCacheStats().Mapped != before {
+			t.Fatalf("after Release: ptr %#x, %d allocations mapped (was %d)", l.Ptr(), cudaipc.ImportCacheStats().Mapped, before)
 		}
 	}
 }
 
-// Many objects in one arena cost a reader one ImportFD: while it holds 200
-// leases it has one FDMapping, and keeps it (idle) after releasing them.
+// Many objects in one arena cost a reader one descriptor import: while it
+// holds 200 leases it maps one allocation, and keeps it (idle) after
+// releasing them.
 func TestGPUFDOneImportPerArena(t *testing.T) {
 	d, _ := startFDDaemon(t)
 	env := append(gpuEnvs(d.socket, 29, "many", 200, 64<<10), fdShare) // 12.5 MiB: one 64 MiB arena
 	spawn(t, "gpu-producer", nil, env...).expect("sealed 200")
-	if got, want := spawn(t, "gpu-fd-reader", nil, env...).expect("ok"), "share=fd fdmaps=1 after=1"; got != want {
+	if got, want := spawn(t, "gpu-fd-reader", nil, env...).expect("ok"), "kind=vmm-fd mapped=1 after=1"; got != want {
 		t.Fatalf("reader: %s, want %s", got, want)
 	}
 	// The same in this process, with a writer's Object and readers' Leases
@@ -88,7 +89,7 @@ func TestGPUFDOneImportPerArena(t *testing.T) {
 	// when the client keeps no idle arenas.
 	c := dialNoIdle(t, d.socket)
 	ctx := context.Background()
-	before := cudaipc.LiveObjects().FDMappings
+	before := cudaipc.ImportCacheStats().Mapped
 	o, err := c.Create(ctx, "mixed-w", 64<<10, client.CreateOptions{Device: "0"})
 	if err != nil {
 		t.Fatal(err)
@@ -101,8 +102,8 @@ func TestGPUFDOneImportPerArena(t *testing.T) {
 		}
 		leases = append(leases, l)
 	}
-	if n := cudaipc.LiveObjects().FDMappings - before; n != 1 {
-		t.Fatalf("%d FDMappings for an Object and 3 Leases of one arena", n)
+	if n := cudaipc.ImportCacheStats().Mapped - before; n != 1 {
+		t.Fatalf("%d allocations mapped for an Object and 3 Leases of one arena", n)
 	}
 	if err := o.Abort(ctx); err != nil {
 		t.Fatal(err)
@@ -112,8 +113,8 @@ func TestGPUFDOneImportPerArena(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if n := cudaipc.LiveObjects().FDMappings - before; n != 0 {
-		t.Fatalf("%d FDMappings left", n)
+	if n := cudaipc.ImportCacheStats().Mapped - before; n != 0 {
+		t.Fatalf("%d allocations still mapped", n)
 	}
 }
 
@@ -133,7 +134,7 @@ func TestGPUFDNewPIDNamespace(t *testing.T) {
 		return spawnAttr(t, os.Args[0], "gpu-fd-reader", attr, append(env, nsEnv)...).line()
 	}
 	t.Run("fd", func(t *testing.T) {
-		if got := run(t, "fd"); got != "ok share=fd fdmaps=1 after=1" {
+		if got := run(t, "fd"); got != "ok kind=vmm-fd mapped=1 after=1" {
 			t.Fatalf("reader in a new PID namespace: %s", got)
 		}
 	})
@@ -161,7 +162,7 @@ func TestGPUFDKilledLeaseHolderReleases(t *testing.T) {
 	h.kill9()
 	waitLeases(t, c, "held-0", 0)
 
-	before := cudaipc.LiveObjects().FDMappings
+	before := cudaipc.ImportCacheStats().Mapped
 	c2, err := client.Dial(context.Background(), d.socket)
 	if err != nil {
 		t.Fatal(err)
@@ -176,8 +177,8 @@ func TestGPUFDKilledLeaseHolderReleases(t *testing.T) {
 	if _, err := l.ReadAt(make([]byte, 1), 0); err == nil || l.Ptr() != 0 || l.CUDADevice() != nil {
 		t.Fatalf("lease of a closed client: ReadAt %v, ptr %#x", err, l.Ptr())
 	}
-	if n := cudaipc.LiveObjects().FDMappings - before; n != 0 {
-		t.Fatalf("%d FDMappings left after Close", n)
+	if n := cudaipc.ImportCacheStats().Mapped - before; n != 0 {
+		t.Fatalf("%d allocations still mapped after Close", n)
 	}
 	if err := l.Release(); err != nil {
 		t.Fatal(err)

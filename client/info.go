@@ -1,9 +1,9 @@
 package client
 
 import (
-	"encoding/json"
 	"time"
 
+	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
@@ -18,14 +18,14 @@ type ObjectInfo struct {
 	Shared   bool      `json:"shared"` // readable by every uid the daemon admits
 	OwnerUID uint32    `json:"owner_uid"`
 	Created  time.Time `json:"created"`
-	// Region is the region (docs/region.md, JSON encoding) of exactly the
-	// object's GPU memory, which 'cudaipc dump --region' and CuPy or
-	// PyTorch can map; empty (JSON null) for host memory and for GPU
-	// objects of a daemon sharing by descriptor (--gpu-share fd), which
-	// have no region another process could open. Always present in
-	// JSON so that scripts can test it. Like any region it is a bearer
-	// capability for the object's memory.
-	Region json.RawMessage `json:"region"`
+	// Region is the region (docs/region.md) of exactly the object's GPU
+	// memory: cuda-ipc, which 'cudaipc dump --region' and CuPy or PyTorch
+	// can map, or vmm-fd (a daemon started with --gpu-share fd), which
+	// 'cudaipc dump' maps with the descriptor the daemon hands it; nil
+	// (JSON null) for host memory. Always present in JSON (the encoding
+	// of docs/region.md) so that scripts can test it. Like any region it
+	// is a bearer capability for the object's memory.
+	Region *cudaipc.Region `json:"region"`
 
 	// Version, Shards and Shard place a shard of a version of a versioned
 	// name (omitted for a plain object).

@@ -2,7 +2,6 @@ package client
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"sync"
 	"time"
@@ -115,21 +114,15 @@ func (l *Lease) Ptr() cudaipc.DevicePtr {
 	return l.v.ptr()
 }
 
-// Mapping returns the legacy IPC mapping of a GPU object (until Release),
-// or nil for a host object and for a GPU object shared by descriptor
-// (GPUShare "fd"), which has no Mapping of its own: use Ptr and
-// CUDADevice. It belongs to the Lease: do not close it.
+// Mapping returns the Mapping of a GPU object (until Release), or nil for
+// a host object. Its Region says how the object was shared: a cuda-ipc
+// region (legacy IPC) or a vmm-fd one (a daemon started with --gpu-share
+// fd). It belongs to the Lease: do not close it.
 func (l *Lease) Mapping() *cudaipc.Mapping {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
 	return l.v.mapping()
 }
-
-// GPUShare says how a GPU object reached this process: "ipc" (a legacy
-// CUDA IPC region; Mapping is set) or "fd" (the descriptor of its arena,
-// imported once per client and arena: a daemon started with --gpu-share
-// fd); "" for a host object.
-func (l *Lease) GPUShare() string { return l.v.share }
 
 // CUDADevice returns the GPU a GPU object is mapped for in this process,
 // for device work at Ptr (until Release), or nil for a host object.
@@ -212,7 +205,7 @@ func infoFromProto(p *storev1.ObjectInfo) ObjectInfo {
 		Shared:   p.GetShared(),
 		OwnerUID: p.GetOwnerUid(),
 		Created:  time.Unix(0, p.GetCreatedUnixNano()),
-		Region:   regionJSON(p.GetRegion()),
+		Region:   decodeRegion(p.GetRegion()),
 
 		Version:      p.GetVersion(),
 		Shards:       int(p.GetShards()),
@@ -227,22 +220,16 @@ func infoFromProto(p *storev1.ObjectInfo) ObjectInfo {
 	}
 }
 
-// regionJSON makes the wire's region bytes printable as JSON: a region
-// (binary or JSON) in its JSON encoding (docs/region.md), which 'cudaipc
-// dump --region' and Python read; anything else as it is when it is JSON,
-// else as a base64 string.
-func regionJSON(b []byte) json.RawMessage {
+// decodeRegion decodes the wire's region bytes: nil for none, and for bytes
+// that are no region (ValidateResponse does not decode regions; mapping the
+// object reports them).
+func decodeRegion(b []byte) *cudaipc.Region {
 	if len(b) == 0 {
 		return nil
 	}
-	if r, err := cudaipc.DecodeRegion(b); err == nil {
-		if j, err := r.MarshalJSON(); err == nil {
-			return j
-		}
+	r, err := cudaipc.DecodeRegion(b)
+	if err != nil {
+		return nil
 	}
-	if json.Valid(b) {
-		return json.RawMessage(b)
-	}
-	s, _ := json.Marshal(b)
-	return s
+	return &r
 }

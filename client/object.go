@@ -125,21 +125,15 @@ func (o *Object) Ptr() cudaipc.DevicePtr {
 	return o.v.ptr()
 }
 
-// Mapping returns the legacy IPC mapping of a GPU object (until Seal or
-// Abort), or nil for a host object and for a GPU object shared by
-// descriptor (GPUShare "fd"), which has no Mapping of its own: use Ptr and
-// CUDADevice. It belongs to the Object: do not close it.
+// Mapping returns the Mapping of a GPU object (until Seal or Abort), or
+// nil for a host object. Its Region says how the object was shared: a
+// cuda-ipc region (legacy IPC) or a vmm-fd one (a daemon started with
+// --gpu-share fd). It belongs to the Object: do not close it.
 func (o *Object) Mapping() *cudaipc.Mapping {
 	o.mu.RLock()
 	defer o.mu.RUnlock()
 	return o.v.mapping()
 }
-
-// GPUShare says how a GPU object reached this process: "ipc" (a legacy
-// CUDA IPC region; Mapping is set) or "fd" (the descriptor of its arena,
-// imported once per client and arena: a daemon started with --gpu-share
-// fd); "" for a host object.
-func (o *Object) GPUShare() string { return o.v.share }
 
 // CUDADevice returns the GPU a GPU object is mapped for in this process,
 // for device work at Ptr (until Seal or Abort), or nil for a host object.

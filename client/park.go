@@ -2,6 +2,7 @@ package client
 
 import (
 	"container/list"
+	"os"
 	"sync"
 
 	"github.com/cudaipc/cudaipc"
@@ -134,29 +135,20 @@ func (c *Client) forgetArenas(ids []uint64) {
 	}
 }
 
-// parkRegion parks the legacy IPC arena a placement's region describes: a
-// Mapping of the whole arena, through the import cache (a cache hit: the
-// object's own import opened it).
-func (c *Client) parkRegion(p *storev1.Placement) {
+// parkRegion parks the GPU arena a placement's region describes: a Mapping
+// of the whole arena, through the import cache (a cache hit: the object's
+// own import opened it; f, the descriptor of a vmm-fd arena, is not used
+// then, but Import wants it).
+func (c *Client) parkRegion(p *storev1.Placement, f *os.File) {
 	c.park(p.GetArenaId(), func() (func() error, error) {
 		r, err := cudaipc.DecodeRegion(p.GetRegion())
 		if err != nil {
 			return nil, err
 		}
-		m, err := cudaipc.Import(r)
+		m, err := importRegion(r, f)
 		if err != nil {
 			return nil, err
 		}
 		return m.Close, nil
-	})
-}
-
-// parkFD parks an arena imported from its descriptor: one more reference.
-func (c *Client) parkFD(a *fdArena) {
-	c.park(a.id, func() (func() error, error) {
-		c.fd.mu.Lock()
-		defer c.fd.mu.Unlock()
-		a.refs++
-		return a.unref, nil
 	})
 }

@@ -16,8 +16,10 @@ import (
 )
 
 const (
-	// Version is the protocol version this package speaks.
-	Version = 1
+	// Version is the protocol version this package speaks. Version 2
+	// states each placement's kind and gives every GPU placement a region;
+	// a version 1 client would take a vmm-fd placement for a legacy one.
+	Version = 2
 	// MaxMessageSize is the largest packet, in bytes, either side may send.
 	MaxMessageSize = 64 << 10
 	// MaxFiles is the most file descriptors one packet may carry: a

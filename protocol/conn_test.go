@@ -190,7 +190,7 @@ func TestFilesCrossTheSocket(t *testing.T) {
 	defer pw.Close()
 
 	resp := &storev1.Response{Id: 3, Body: &storev1.Response_Create{Create: &storev1.CreateResponse{
-		Placement: &storev1.Placement{ArenaId: 1, Device: "host", Offset: 0, Size: uint64(len(memData)),
+		Placement: &storev1.Placement{Kind: storev1.Placement_HOST, ArenaId: 1, Device: "host", Offset: 0, Size: uint64(len(memData)),
 			ArenaSize: uint64(len(memData)), Writable: true, FdAttached: true}}}}
 	if err := server.Send(resp, mem, pr); err != nil {
 		t.Fatal(err)
@@ -333,7 +333,7 @@ func helperCopyMemfd() error {
 		return err
 	}
 	resp := &storev1.Response{Id: req.GetId(), Body: &storev1.Response_Create{Create: &storev1.CreateResponse{
-		Placement: &storev1.Placement{ArenaId: 9, Device: "host", Offset: offset, Size: size,
+		Placement: &storev1.Placement{Kind: storev1.Placement_HOST, ArenaId: 9, Device: "host", Offset: offset, Size: size,
 			ArenaSize: offset + size, Writable: true, FdAttached: true}}}}
 	if err := c.Send(resp, out); err != nil {
 		return err
@@ -580,7 +580,7 @@ func TestConcurrent(t *testing.T) {
 			size := req.GetCreate().GetSize()
 			attach := req.GetId()%10 == 0
 			resp := &storev1.Response{Id: req.GetId(), Body: &storev1.Response_Create{Create: &storev1.CreateResponse{
-				Placement: &storev1.Placement{ArenaId: 1, Device: "host", Size: size, ArenaSize: size,
+				Placement: &storev1.Placement{Kind: storev1.Placement_HOST, ArenaId: 1, Device: "host", Size: size, ArenaSize: size,
 					Writable: true, FdAttached: attach}}}}
 			var err2 error
 			if attach {

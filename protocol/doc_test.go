@@ -115,7 +115,7 @@ func serveDocClient(c *Conn, arena *os.File, offset, arenaSize uint64, objSize *
 		case *storev1.Request_Create:
 			*objSize = b.Create.GetSize()
 			resp.Body = &storev1.Response_Create{Create: &storev1.CreateResponse{Placement: &storev1.Placement{
-				ArenaId: 1, Device: "host", Offset: offset, Size: *objSize, ArenaSize: arenaSize, Writable: true, FdAttached: true}}}
+				Kind: storev1.Placement_HOST, ArenaId: 1, Device: "host", Offset: offset, Size: *objSize, ArenaSize: arenaSize, Writable: true, FdAttached: true}}}
 			attach = []*os.File{arena}
 		case *storev1.Request_Seal:
 			resp.Body = &storev1.Response_Seal{Seal: &storev1.SealResponse{}}
@@ -124,7 +124,7 @@ func serveDocClient(c *Conn, arena *os.File, offset, arenaSize uint64, objSize *
 				return fmt.Errorf("get timeout_ms = %d", b.Get.GetTimeoutMs())
 			}
 			resp.Body = &storev1.Response_Get{Get: &storev1.GetResponse{LeaseId: 7,
-				Placement: &storev1.Placement{ArenaId: 1, Device: "host", Offset: offset, Size: *objSize, ArenaSize: arenaSize, FdAttached: true},
+				Placement: &storev1.Placement{Kind: storev1.Placement_HOST, ArenaId: 1, Device: "host", Offset: offset, Size: *objSize, ArenaSize: arenaSize, FdAttached: true},
 				Info:      &storev1.ObjectInfo{Name: b.Get.GetName(), Size: *objSize, Device: "host", Sealed: true, Leases: 1, OwnerUid: uint32(os.Getuid())}}}
 			attach = []*os.File{ro}
 		case *storev1.Request_Release:

@@ -44,7 +44,7 @@ func ExampleConn() {
 	arena.Truncate(1 << 20)
 	arena.WriteAt([]byte("written by the server"), 256)
 	resp := &storev1.Response{Id: 2, Body: &storev1.Response_Create{Create: &storev1.CreateResponse{
-		Placement: &storev1.Placement{ArenaId: 1, Device: "host", Offset: 256, Size: 21,
+		Placement: &storev1.Placement{Kind: storev1.Placement_HOST, ArenaId: 1, Device: "host", Offset: 256, Size: 21,
 			ArenaSize: 1 << 20, Writable: true, FdAttached: true}}}}
 	if err := server.Send(resp, arena); err != nil {
 		fmt.Println(err)

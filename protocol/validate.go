@@ -347,6 +347,31 @@ func validatePlacement(p *storev1.Placement, writable bool) error {
 	case ValidateDevice(p.GetDevice()) != nil:
 		return invalid("placement: bad device")
 	}
+	host := p.GetDevice() == "host"
+	if p.GetExternal() {
+		// Registered memory (validateExternal checks the rest): VMM pieces,
+		// their descriptors beside the placement, or a cuda-ipc region.
+		if k := p.GetKind(); host || k != storev1.Placement_VMM_FD && k != storev1.Placement_CUDA_IPC ||
+			(k == storev1.Placement_VMM_FD) != (len(p.GetPieces()) > 0) {
+			return invalid("placement: an external placement is VMM_FD with pieces or CUDA_IPC with a region")
+		}
+		return nil
+	}
+	switch p.GetKind() {
+	case storev1.Placement_HOST:
+		if !host || len(p.GetRegion()) != 0 {
+			return invalid("placement: a host placement is on device host and has no region")
+		}
+	case storev1.Placement_CUDA_IPC, storev1.Placement_VMM_FD:
+		if host || len(p.GetRegion()) == 0 {
+			return invalid("placement: a GPU placement is on a GPU and has a region")
+		}
+		if p.GetFdAttached() != (p.GetKind() == storev1.Placement_VMM_FD) {
+			return invalid("placement: a vmm-fd placement, and only one, carries its arena's descriptor")
+		}
+	default:
+		return invalid("placement: unknown kind")
+	}
 	return nil
 }
 

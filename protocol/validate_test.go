@@ -152,7 +152,7 @@ func TestCheckVersion(t *testing.T) {
 }
 
 func placement(writable, attached bool) *storev1.Placement {
-	return &storev1.Placement{ArenaId: 1, Device: "host", Offset: 256, Size: 100, ArenaSize: 1 << 20,
+	return &storev1.Placement{Kind: storev1.Placement_HOST, ArenaId: 1, Device: "host", Offset: 256, Size: 100, ArenaSize: 1 << 20,
 		Writable: writable, FdAttached: attached}
 }
 
@@ -171,8 +171,21 @@ func TestValidateResponse(t *testing.T) {
 	create := func(p *storev1.Placement) *storev1.Response {
 		return &storev1.Response{Id: 5, Body: &storev1.Response_Create{Create: &storev1.CreateResponse{Placement: p}}}
 	}
+	gpu := func(kind storev1.Placement_Kind, attached bool, region []byte) *storev1.Placement {
+		p := placement(false, attached)
+		p.Kind, p.Device, p.Region = kind, "GPU-12345678-1234-1234-1234-123456789abc", region
+		return p
+	}
+	gpuInfo := info("x")
+	gpuInfo.Device = "GPU-12345678-1234-1234-1234-123456789abc"
+	noKind := placement(false, false)
+	noKind.Kind = storev1.Placement_KIND_UNSPECIFIED
+	hostRegion := placement(false, false)
+	hostRegion.Region = []byte{1}
 	good := []tc{
 		{&storev1.Response{Id: 1, Body: &storev1.Response_Hello{Hello: &storev1.HelloResponse{Version: 1}}}, 0},
+		{get(gpu(storev1.Placement_CUDA_IPC, false, []byte{1}), gpuInfo), 0},
+		{get(gpu(storev1.Placement_VMM_FD, true, []byte{1}), gpuInfo), 1},
 		{create(placement(true, true)), 1},
 		{create(placement(true, false)), 0},
 		{get(placement(false, true), info("x")), 1},
@@ -221,6 +234,13 @@ func TestValidateResponse(t *testing.T) {
 		"event bad name":    {NewEvent(storev1.Event_DELETED, ""), 0},
 		"ok with a file":    {&storev1.Response{Id: 2, Body: &storev1.Response_Seal{Seal: &storev1.SealResponse{}}}, 1},
 		"too many files":    {create(placement(true, true)), MaxFiles + 1},
+		"no kind":           {get(noKind, info("x")), 0},
+		"unknown kind":      {get(gpu(7, false, []byte{1}), gpuInfo), 0},
+		"host with region":  {get(hostRegion, info("x")), 0},
+		"host kind on GPU":  {get(gpu(storev1.Placement_HOST, false, nil), gpuInfo), 0},
+		"GPU no region":     {get(gpu(storev1.Placement_CUDA_IPC, false, nil), gpuInfo), 0},
+		"ipc with fd":       {get(gpu(storev1.Placement_CUDA_IPC, true, []byte{1}), gpuInfo), 1},
+		"vmm-fd without fd": {get(gpu(storev1.Placement_VMM_FD, false, []byte{1}), gpuInfo), 0},
 	}
 	for name, c := range bad {
 		err := ValidateResponse(c.r, c.nfiles)

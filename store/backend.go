@@ -7,6 +7,7 @@ import (
 	"os"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
 // backend is the seam between the store and the memory it hands out: the
@@ -43,15 +44,15 @@ type arena interface {
 	// (GPU arenas cannot honour that: CUDA maps device memory read-write
 	// only.)
 	share(writable bool) (arenaShare, error)
-	// sharePerPlacement reports whether the share travels with every
-	// placement rather than once per connection and mode: GPU arenas,
-	// whose clients keep nothing of an arena they no longer map (a kept
-	// descriptor of a VMM arena would keep its device memory allocated
-	// after the store frees it).
-	sharePerPlacement() bool
+	// placementKind says how clients map the arena. The share of a GPU
+	// arena (CUDA_IPC, VMM_FD) travels with every placement rather than
+	// once per connection and mode: clients keep nothing of an arena they
+	// no longer map (a kept descriptor of a VMM arena would keep its
+	// device memory allocated after the store frees it).
+	placementKind() storev1.Placement_Kind
 	// objectRegion describes [off, off+n) of the arena for ObjectInfo:
-	// the binary encoding of a cudaipc.Region for GPU arenas shared by
-	// legacy IPC, nil for host and descriptor-shared ones.
+	// the binary encoding of a cudaipc.Region for GPU arenas, nil for host
+	// ones.
 	objectRegion(off, n int64) []byte
 	// discard tells the backend that [off, off+n) holds no object any more,
 	// so it may give the memory back to the system. It is only a hint.
@@ -64,10 +65,9 @@ type arena interface {
 }
 
 // arenaShare is what a client needs to map an arena. Host arenas travel as
-// a file, once per connection and mode; GPU arenas shared by legacy IPC as
-// a region blob (docs/region.md, binary) of the whole arena, in every
-// placement and without a file; GPU arenas shared by descriptor as a
-// file, in every placement, the same for readers and writers.
+// a file, once per connection and mode; GPU arenas as a region blob
+// (docs/region.md, binary) of the whole arena in every placement, with a
+// file beside it for vmm-fd regions, the same for readers and writers.
 type arenaShare struct {
 	file   *os.File
 	region []byte

@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
 	"golang.org/x/sys/unix"
 )
 
@@ -24,37 +25,35 @@ const (
 
 // gpuMemory is one device allocation as the CUDA backend uses it: the seam
 // in front of the driver, so that the backend's logic runs in CPU tests
-// with a fake. *cudaipc.Buffer implements it.
+// with a fake. *cudaipc.Buffer (legacy IPC) and *cudaipc.ShareableBuffer
+// (VMM, shared by descriptor) implement it; the latter also implements
+// fdExporter.
 type gpuMemory interface {
 	// Export describes [off, off+size) of the allocation for another
-	// process.
+	// process: a cuda-ipc or vmm-fd region.
 	Export(off, size int64) (cudaipc.Region, error)
-	// Free gives the allocation back to the driver.
+	// Free drops the daemon's reference to the allocation. Importers'
+	// mappings (vmm-fd: and descriptors in flight) keep VMM memory alive.
 	Free() error
 }
 
-// gpuFDMemory is one shareable (VMM) device allocation, the seam of the
-// descriptor path as gpuMemory is of the legacy one.
-// *cudaipc.ShareableBuffer implements it.
-type gpuFDMemory interface {
+// fdExporter is a gpuMemory whose regions (vmm-fd) need a descriptor beside
+// them.
+type fdExporter interface {
 	// ExportFD returns a new descriptor of the allocation.
 	ExportFD() (*os.File, error)
-	// Free drops the daemon's reference; descriptors and importers' mappings
-	// keep the memory alive.
-	Free() error
 }
 
 // cudaBackend keeps objects of GPU devices in device allocations (one per
 // arena, made by the daemon) and objects of the "host" device in memfd
 // arenas, like hostBackend. GPUs are named by UUID ("GPU-…"), which,
-// unlike ordinals, mean the same in every process. Exactly one of alloc
-// (GPUShareIPC: cuMemAlloc, shared as legacy IPC regions) and allocFD
-// (GPUShareFD: cuMemCreate, shared as descriptors) is set.
+// unlike ordinals, mean the same in every process. alloc makes a GPU
+// arena's allocation: cuMemAlloc (GPUShareIPC, cuda-ipc regions) or
+// cuMemCreate (GPUShareFD, vmm-fd regions and a descriptor).
 type cudaBackend struct {
-	host    hostBackend
-	uuids   []string // canonical UUIDs of the GPUs, in the daemon's ordinal order
-	alloc   func(uuid string, size int64) (gpuMemory, error)
-	allocFD func(uuid string, size int64) (gpuFDMemory, error)
+	host  hostBackend
+	uuids []string // canonical UUIDs of the GPUs, in the daemon's ordinal order
+	alloc func(uuid string, size int64) (gpuMemory, error)
 }
 
 func newCUDABackend(devs []*cudaipc.Device, share string) (*cudaBackend, error) {
@@ -85,9 +84,9 @@ func newCUDABackend(devs []*cudaipc.Device, share string) (*cudaBackend, error) 
 	// Every new arena is zeroed: CUDA hands out memory the daemon freed
 	// before, and what another uid's objects (or drafts) left there must
 	// not show in an arena that this arena's readers map whole.
-	if share == GPUShareFD {
-		b.allocFD = func(uuid string, size int64) (gpuFDMemory, error) {
-			d := byUUID[uuid]
+	b.alloc = func(uuid string, size int64) (gpuMemory, error) {
+		d := byUUID[uuid]
+		if share == GPUShareFD {
 			m, err := d.AllocShareable(size)
 			if err != nil {
 				return nil, err
@@ -97,17 +96,14 @@ func newCUDABackend(devs []*cudaipc.Device, share string) (*cudaBackend, error) 
 			}
 			return m, nil
 		}
-	} else {
-		b.alloc = func(uuid string, size int64) (gpuMemory, error) {
-			m, err := byUUID[uuid].Alloc(size)
-			if err != nil {
-				return nil, err
-			}
-			if err := m.Memset(0); err != nil {
-				return nil, errors.Join(fmt.Errorf("zeroing a new arena: %w", err), m.Free())
-			}
-			return m, nil
+		m, err := d.Alloc(size)
+		if err != nil {
+			return nil, err
 		}
+		if err := m.Memset(0); err != nil {
+			return nil, errors.Join(fmt.Errorf("zeroing a new arena: %w", err), m.Free())
+		}
+		return m, nil
 	}
 	return b, nil
 }
@@ -154,56 +150,79 @@ func (b *cudaBackend) newArena(device string, id uint64, size int64) (arena, err
 	if !b.isGPU(device) {
 		return b.host.newArena(device, id, size)
 	}
-	if b.allocFD != nil {
-		return b.newFDArena(device, id, size)
-	}
 	mem, err := b.alloc(device, size)
 	if err != nil {
-		return nil, allocError(device, id, size, err)
-	}
-	r, err := mem.Export(0, size)
-	if err == nil {
-		var blob []byte
-		if blob, err = r.MarshalBinary(); err == nil {
-			return &cudaArena{mem: mem, region: r, blob: blob}, nil
+		if errors.Is(err, cudaipc.ErrOutOfMemory) {
+			return nil, fmt.Errorf("%w: %s: allocating a %d-byte arena: %v", ErrStoreFull, device, size, err)
 		}
+		return nil, fmt.Errorf("arena %d on %s: %w", id, device, err)
 	}
-	return nil, errors.Join(fmt.Errorf("arena %d on %s: exporting: %w", id, device, err), mem.Free())
-}
-
-func allocError(device string, id uint64, size int64, err error) error {
-	if errors.Is(err, cudaipc.ErrOutOfMemory) {
-		return fmt.Errorf("%w: %s: allocating a %d-byte arena: %v", ErrStoreFull, device, size, err)
-	}
-	return fmt.Errorf("arena %d on %s: %w", id, device, err)
-}
-
-func (b *cudaBackend) newFDArena(device string, id uint64, size int64) (arena, error) {
-	mem, err := b.allocFD(device, size)
-	if err != nil {
-		return nil, allocError(device, id, size, err)
-	}
-	f, err := mem.ExportFD()
+	a, err := exportArena(mem, size)
 	if err != nil {
 		return nil, errors.Join(fmt.Errorf("arena %d on %s: exporting: %w", id, device, err), mem.Free())
 	}
-	return &cudaFDArena{mem: mem, file: f}, nil
+	return a, nil
 }
 
-// cudaArena is one device allocation, exported once.
-type cudaArena struct {
+// exportArena exports a new GPU arena once: its region, and for a vmm-fd
+// region the descriptor that travels beside it.
+func exportArena(mem gpuMemory, size int64) (*gpuArena, error) {
+	r, err := mem.Export(0, size)
+	if err != nil {
+		return nil, err
+	}
+	a := &gpuArena{mem: mem, region: r}
+	if a.blob, err = r.MarshalBinary(); err != nil {
+		return nil, err
+	}
+	switch r.Kind {
+	case cudaipc.KindCUDAIPC:
+		a.kind = storev1.Placement_CUDA_IPC
+	case cudaipc.KindVMMFD:
+		a.kind = storev1.Placement_VMM_FD
+		fe, ok := mem.(fdExporter)
+		if !ok {
+			return nil, fmt.Errorf("a %s region without a descriptor to send beside it", r.Kind)
+		}
+		if a.file, err = fe.ExportFD(); err != nil {
+			return nil, err
+		}
+	default:
+		return nil, fmt.Errorf("a region of kind %s", r.Kind)
+	}
+	return a, nil
+}
+
+// gpuArena is one device allocation, exported once: its region in every
+// placement, and for a vmm-fd region a duplicate of its descriptor too.
+type gpuArena struct {
 	mem    gpuMemory
-	region cudaipc.Region // of the whole allocation
-	blob   []byte         // region's binary encoding
+	kind   storev1.Placement_Kind // CUDA_IPC or VMM_FD
+	region cudaipc.Region         // of the whole allocation
+	blob   []byte                 // region's binary encoding
+	file   *os.File               // VMM_FD: the allocation's descriptor
 }
 
-// share returns the whole arena's region. It cannot be made read-only:
-// CUDA IPC maps device memory read-write, so readers are trusted not to
-// write (arenas per owner and sharing keep other users' objects out of
-// their reach).
-func (a *cudaArena) share(bool) (arenaShare, error) { return arenaShare{region: a.blob}, nil }
+func (a *gpuArena) placementKind() storev1.Placement_Kind { return a.kind }
 
-func (a *cudaArena) objectRegion(off, n int64) []byte {
+// share returns the whole arena's region and, for VMM_FD, a duplicate of
+// its descriptor, for readers and writers alike: CUDA maps device memory
+// read-write only, by legacy IPC or by descriptor, so readers are trusted
+// not to write (arenas per owner and sharing keep other users' objects out
+// of their reach).
+func (a *gpuArena) share(bool) (arenaShare, error) {
+	sh := arenaShare{region: a.blob}
+	if a.file != nil {
+		fd, err := unix.FcntlInt(a.file.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+		if err != nil {
+			return arenaShare{}, fmt.Errorf("dup arena fd: %w", err)
+		}
+		sh.file = os.NewFile(uintptr(fd), a.file.Name())
+	}
+	return sh, nil
+}
+
+func (a *gpuArena) objectRegion(off, n int64) []byte {
 	r, err := a.region.Sub(off, n)
 	if err != nil {
 		return nil
@@ -217,38 +236,14 @@ func (a *cudaArena) objectRegion(off, n int64) []byte {
 
 // discard does nothing: device memory cannot be partly given back, and the
 // arena is freed as a whole once empty.
-func (*cudaArena) discard(_, _ int64) {}
+func (*gpuArena) discard(_, _ int64) {}
 
-func (a *cudaArena) close() error { return a.mem.Free() }
-
-func (*cudaArena) sharePerPlacement() bool { return true }
-
-// cudaFDArena is one shareable device allocation, exported once as a
-// descriptor that every share duplicates.
-type cudaFDArena struct {
-	mem  gpuFDMemory
-	file *os.File
-}
-
-// share returns a duplicate of the arena's descriptor, for readers and
-// writers alike: a descriptor of device memory maps read-write whoever
-// holds it, so read-only is advisory, as with legacy IPC.
-func (a *cudaFDArena) share(bool) (arenaShare, error) {
-	fd, err := unix.FcntlInt(a.file.Fd(), unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
-		return arenaShare{}, fmt.Errorf("dup arena fd: %w", err)
+// close drops the daemon's references. For VMM memory, clients' mappings
+// and descriptors in flight keep it until they go.
+func (a *gpuArena) close() error {
+	var err error
+	if a.file != nil {
+		err = a.file.Close()
 	}
-	return arenaShare{file: os.NewFile(uintptr(fd), a.file.Name())}, nil
+	return errors.Join(err, a.mem.Free())
 }
-
-func (*cudaFDArena) sharePerPlacement() bool { return true }
-
-// objectRegion is nil: a descriptor-shared object has no region a process
-// outside the store could open.
-func (*cudaFDArena) objectRegion(_, _ int64) []byte { return nil }
-
-func (*cudaFDArena) discard(_, _ int64) {}
-
-// close drops the daemon's references. Clients' mappings and descriptors in
-// flight keep the memory until they go.
-func (a *cudaFDArena) close() error { return errors.Join(a.file.Close(), a.mem.Free()) }

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
 const fakeGPU = "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8"
@@ -98,8 +99,8 @@ func TestCUDABackendPlacements(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if p.share != nil || p.device != fakeGPU {
-			t.Fatalf("placement %+v: want no fd and device %s", p, fakeGPU)
+		if p.share != nil || p.device != fakeGPU || p.proto().GetKind() != storev1.Placement_CUDA_IPC {
+			t.Fatalf("placement %+v: want no fd, device %s and kind CUDA_IPC", p, fakeGPU)
 		}
 		r := decodeRegion(t, p.region)
 		if i == 0 {

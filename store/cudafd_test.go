@@ -1,6 +1,7 @@
 package store
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"os"
@@ -8,6 +9,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
 	"golang.org/x/sys/unix"
 )
 
@@ -22,7 +25,23 @@ type fakeFDGPUs struct {
 type fakeFDMem struct {
 	g     *fakeFDGPUs
 	f     *os.File
+	id    cudaipc.AllocationID
+	size  int64
 	freed bool
+}
+
+func (m *fakeFDMem) Export(off, size int64) (cudaipc.Region, error) {
+	u, err := cudaipc.ParseUUID(fakeGPU)
+	if err != nil {
+		return cudaipc.Region{}, err
+	}
+	r := cudaipc.Region{
+		Version: cudaipc.RegionVersion, Kind: cudaipc.KindVMMFD, AllocationID: m.id,
+		Offset: off, Size: size, AllocSize: m.size, Device: u,
+		ExporterPID: 4242, PIDNamespace: 4026531836, BootID: cudaipc.BootID{1},
+		ExporterBase: 1 << 40,
+	}
+	return r, r.Validate()
 }
 
 func (m *fakeFDMem) ExportFD() (*os.File, error) {
@@ -56,7 +75,7 @@ func newFakeFDStore(t *testing.T) (*Store, *fakeFDGPUs) {
 	t.Helper()
 	s := newTestStore(t, Config{Capacity: 4 << 30, GPUShare: GPUShareFD})
 	g := &fakeFDGPUs{}
-	s.backend = &cudaBackend{uuids: []string{fakeGPU}, allocFD: func(uuid string, size int64) (gpuFDMemory, error) {
+	s.backend = &cudaBackend{uuids: []string{fakeGPU}, alloc: func(uuid string, size int64) (gpuMemory, error) {
 		if uuid != fakeGPU {
 			t.Errorf("alloc on %q", uuid)
 		}
@@ -68,7 +87,7 @@ func newFakeFDStore(t *testing.T) (*Store, *fakeFDGPUs) {
 		defer g.mu.Unlock()
 		g.live++
 		g.allocs = append(g.allocs, size)
-		return &fakeFDMem{g: g, f: os.NewFile(uintptr(fd), "fake-vmm")}, nil
+		return &fakeFDMem{g: g, f: os.NewFile(uintptr(fd), "fake-vmm"), id: cudaipc.NewAllocationID(), size: size}, nil
 	}}
 	return s, g
 }
@@ -84,8 +103,8 @@ func inode(t *testing.T, f *os.File) uint64 {
 }
 
 // Every placement of a descriptor-shared GPU arena, writable or not,
-// carries the same arena's descriptor and no region; ObjectInfo has no
-// region either.
+// carries the same arena's descriptor and its vmm-fd region; ObjectInfo has
+// the object's region.
 func TestCUDAFDPlacements(t *testing.T) {
 	s, g := newFakeFDStore(t)
 	c := connect(t, s, 1000)
@@ -96,8 +115,11 @@ func TestCUDAFDPlacements(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if p.share == nil || p.share.file == nil || p.region != nil || p.device != fakeGPU || !p.proto().GetFdAttached() {
-			t.Fatalf("create placement %+v: want a descriptor and no region", p)
+		if p.share == nil || p.share.file == nil || p.device != fakeGPU || !p.proto().GetFdAttached() || p.proto().GetKind() != storev1.Placement_VMM_FD {
+			t.Fatalf("create placement %+v: want a descriptor and kind VMM_FD", p)
+		}
+		if r := decodeRegion(t, p.region); r.Kind != cudaipc.KindVMMFD || r.Offset != 0 || r.Size != gpuFirstArena || r.AllocSize != gpuFirstArena {
+			t.Fatalf("create placement's region %+v: want the whole arena's, of kind vmm-fd", r)
 		}
 		ino := inode(t, p.share.file)
 		if i == 0 {
@@ -110,8 +132,12 @@ func TestCUDAFDPlacements(t *testing.T) {
 		if err := c.ss.seal(name); err != nil {
 			t.Fatal(err)
 		}
-		if in, err := c.ss.stat(name); err != nil || in.Region != nil || in.Device != fakeGPU {
-			t.Fatalf("stat %+v, %v: want no region", in, err)
+		in, err := c.ss.stat(name)
+		if err != nil || in.Device != fakeGPU {
+			t.Fatalf("stat %+v, %v", in, err)
+		}
+		if r := decodeRegion(t, in.Region); r.Kind != cudaipc.KindVMMFD || r.Offset != int64(p.offset) || r.Size != size {
+			t.Fatalf("stat's region %+v: want exactly the object's", r)
 		}
 		// A read-only lease on the same connection: the same descriptor
 		// again, read-only being advisory for GPU memory.
@@ -119,7 +145,7 @@ func TestCUDAFDPlacements(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if lp.share == nil || lp.share.file == nil || inode(t, lp.share.file) != arenaIno || lp.region != nil || lp.writable || lp.info.Region != nil {
+		if lp.share == nil || lp.share.file == nil || inode(t, lp.share.file) != arenaIno || !bytes.Equal(lp.region, p.region) || lp.writable || len(lp.info.Region) == 0 {
 			t.Fatalf("get placement %+v", lp)
 		}
 		lp.closeShare()

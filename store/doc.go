@@ -28,8 +28,11 @@
 // mode is 0). The CUDA backend keeps GPU objects in device allocations of
 // the daemon (named by GPU UUID), one per arena, and describes each to
 // clients by the cudaipc.Region of the whole allocation, sent in every
-// placement; ObjectInfo carries the region of exactly the object. CUDA IPC
-// cannot map read-only, so GPU readers are trusted not to write. A GPU
+// placement with its kind: a cuda-ipc region (cuMemAlloc, legacy IPC), or
+// with Config.GPUShare "fd" a vmm-fd region (cuMemCreate) with the
+// allocation's descriptor beside it. ObjectInfo carries the region of
+// exactly the object. CUDA cannot map device memory read-only, so GPU
+// readers are trusted not to write. A GPU
 // arena is freed only when no object (sealed, unsealed, or deleted but
 // leased) is left in it; clients close their mapping before sealing,
 // aborting or releasing, so none maps freed memory.

@@ -78,7 +78,7 @@ func TestGPUSharedDraftsUnreachable(t *testing.T) {
 	write := func(p placement, data []byte) {
 		t.Helper()
 		s.mu.Lock()
-		ar := s.devices[gpu].arenas[p.arenaID].(*cudaArena)
+		ar := s.devices[gpu].arenas[p.arenaID].(*gpuArena)
 		s.mu.Unlock()
 		if _, err := ar.mem.(*cudaipc.Buffer).WriteAt(data, p.offset); err != nil {
 			t.Fatal(err)

@@ -153,7 +153,10 @@ func (ss *session) register(r *storev1.RegisterRequest, files []*os.File) (info,
 // descriptors travel with the placement.
 func (ss *session) leaseExternalLocked(e *external) (placement, error) {
 	s := ss.s
-	p := placement{device: e.device, offset: e.offset, size: e.size, external: true, pieces: e.pieces, region: e.legacy}
+	p := placement{device: e.device, offset: e.offset, size: e.size, external: true, pieces: e.pieces, region: e.legacy, kind: storev1.Placement_VMM_FD}
+	if e.legacy != nil {
+		p.kind = storev1.Placement_CUDA_IPC
+	}
 	p.arenaSize = e.size
 	if len(e.pieces) > 0 {
 		p.arenaSize = 0

@@ -1,5 +1,7 @@
 package store
 
+import "github.com/cudaipc/cudaipc/protocol/storev1"
+
 // Arena holds: which connections map which arenas, so that a client may
 // keep an arena mapped after its last object or lease in it ends (its next
 // get then costs no driver open) while the daemon still frees and reuses
@@ -92,7 +94,7 @@ func (s *Store) arenaFreedLocked(d *device, id uint64, ar arena) {
 		default:
 		}
 	}
-	if !ar.sharePerPlacement() {
+	if ar.placementKind() == storev1.Placement_HOST {
 		// A host arena: clients' mappings of the memfd stay valid.
 		for ss := range h.sessions {
 			delete(ss.holds, id)

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 
+	"github.com/cudaipc/cudaipc/protocol/storev1"
 	"golang.org/x/sys/unix"
 )
 
@@ -80,7 +81,7 @@ func (a *hostArena) share(writable bool) (arenaShare, error) {
 	return arenaShare{file: os.NewFile(uintptr(fd), f.Name())}, nil
 }
 
-func (*hostArena) sharePerPlacement() bool { return false }
+func (*hostArena) placementKind() storev1.Placement_Kind { return storev1.Placement_HOST }
 
 func (a *hostArena) discard(off, n int64) {
 	// Only whole pages can go back to the kernel.

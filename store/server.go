@@ -580,6 +580,7 @@ func (k eventKind) proto() storev1.Event_Kind {
 
 func (p *placement) proto() *storev1.Placement {
 	pp := &storev1.Placement{
+		Kind:      p.kind,
 		ArenaId:   p.arenaID,
 		Device:    p.device,
 		Offset:    uint64(p.offset),

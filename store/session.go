@@ -105,7 +105,8 @@ type placement struct {
 	size       int64
 	arenaSize  int64
 	writable   bool
-	region     []byte     // GPU arenas shared by legacy IPC: the whole arena's region, in every placement; a legacy registration's region
+	kind       storev1.Placement_Kind
+	region     []byte     // GPU arenas: the whole arena's region, in every placement; a legacy registration's region
 	external   bool       // registered memory (external.go): no arena
 	pieces     []int64    // its VMM pieces
 	pieceFiles []*os.File // duplicates of their descriptors, sent with the placement; the caller closes them
@@ -218,8 +219,9 @@ func (ss *session) placeLocked(o *object, writable bool) (placement, error) {
 	}
 	a := o.dev.arenas[ar.ID]
 	ss.holdLocked(o.dev, ar.ID)
-	if a.sharePerPlacement() {
-		// A GPU arena: its region or descriptor travels in every
+	p.kind = a.placementKind()
+	if p.kind != storev1.Placement_HOST {
+		// A GPU arena: its region (and descriptor) travels in every
 		// placement, so that clients need no per-connection state for it.
 		sh, err := a.share(writable)
 		if err != nil {

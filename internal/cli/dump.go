@@ -10,18 +10,22 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"time"
 
 	"github.com/schollz/progressbar/v3"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/client"
 )
 
 // DumpCmd writes the bytes of a region, exported by any program, to a file.
+// A vmm-fd region (an object of a daemon started with --gpu-share fd) is
+// useless without its allocation's descriptor: dump asks the store daemon
+// (--socket) for a lease on the object that holds it, which brings the
+// descriptor, as for any admitted client.
 type DumpCmd struct {
-	Region string `required:"" help:"The region as JSON (docs/region.md), or @FILE to read it (JSON or binary) from FILE." placeholder:"JSON|@FILE"`
+	Region string `required:"" help:"The region as JSON (docs/region.md), or @FILE to read it (JSON or binary) from FILE. A vmm-fd region (cudaipc stat --json of a daemon with --gpu-share fd) is read through that daemon (--socket)." placeholder:"JSON|@FILE"`
 	Output string `short:"o" default:"-" help:"File to write; - writes to stdout (not to a terminal)." placeholder:"FILE"`
 	Device string `help:"GPU to map through when the region's GPU is not visible here (CUDA_VISIBLE_DEVICES): UUID or ordinal. Default: GPU 0." placeholder:"GPU"`
 	SHA256 bool   `name:"sha256" help:"Print the SHA-256 of the bytes written to stderr."`
@@ -58,21 +62,63 @@ func (c *DumpCmd) options() ([]cudaipc.ImportOption, error) {
 	if c.Device == "" {
 		return nil, nil
 	}
-	var d *cudaipc.Device
-	var err error
-	if n, perr := strconv.Atoi(c.Device); perr == nil {
-		d, err = cudaipc.DeviceByOrdinal(n)
-	} else {
-		u, uerr := cudaipc.ParseUUID(c.Device)
-		if uerr != nil {
-			return nil, fmt.Errorf("--device: %w", uerr)
-		}
-		d, err = cudaipc.DeviceByUUID(u)
-	}
+	d, err := cudaipc.LookupDevice(c.Device)
 	if err != nil {
 		return nil, fmt.Errorf("--device: %w", err)
 	}
 	return []cudaipc.ImportOption{cudaipc.WithFallbackDevice(d)}, nil
+}
+
+// open maps region r: with Import for a cuda-ipc region, and for a vmm-fd
+// one through the store daemon, leasing the object that holds r. It returns
+// the mapping, r's offset in it, and what ends the access.
+func (c *DumpCmd) open(g *Globals, r cudaipc.Region, opts []cudaipc.ImportOption) (*cudaipc.Mapping, int64, func() error, error) {
+	if r.Kind != cudaipc.KindVMMFD {
+		m, err := cudaipc.Import(r, opts...)
+		if err != nil {
+			return nil, 0, nil, importHint(err)
+		}
+		return m, 0, m.Close, nil
+	}
+	cl, err := g.dial()
+	if err != nil {
+		return nil, 0, nil, fmt.Errorf("a vmm-fd region is read through the store daemon that holds it: %w", err)
+	}
+	l, err := leaseRegion(g, cl, r)
+	if err != nil {
+		cl.Close()
+		return nil, 0, nil, err
+	}
+	m := l.Mapping()
+	return m, r.Offset - m.Region().Offset, func() error { return errors.Join(l.Release(), cl.Close()) }, nil
+}
+
+// leaseRegion leases the object of the daemon that holds vmm-fd region r.
+func leaseRegion(g *Globals, cl *client.Client, r cudaipc.Region) (*client.Lease, error) {
+	holds := func(o *cudaipc.Region) bool {
+		return o != nil && o.Kind == cudaipc.KindVMMFD && o.AllocationID == r.AllocationID &&
+			o.Offset <= r.Offset && r.Offset+r.Size <= o.Offset+o.Size
+	}
+	objs, err := cl.List(g.Context())
+	if err != nil {
+		return nil, explain(err, g.socketPath())
+	}
+	for _, o := range objs {
+		if !holds(o.Region) {
+			continue
+		}
+		l, err := cl.Get(g.Context(), o.Name)
+		if err != nil {
+			return nil, explain(err, g.socketPath())
+		}
+		if m := l.Mapping(); m != nil {
+			if mr := m.Region(); holds(&mr) {
+				return l, nil
+			}
+		}
+		_ = l.Release() // the name holds another object now
+	}
+	return nil, fmt.Errorf("dump: no object you may read in the store daemon at %s holds this vmm-fd region: point --socket at the daemon that exported it, and check that the object still exists with 'cudaipc ls'", g.socketPath())
 }
 
 // importHint tells the user, on the same line, what an Import error means
@@ -122,14 +168,14 @@ func (c *DumpCmd) Run(g *Globals) error {
 		w = file
 	}
 
-	m, err := cudaipc.Import(r, opts...)
+	m, mOff, done, err := c.open(g, r, opts)
 	if err != nil {
-		return importHint(err)
+		return err
 	}
-	defer m.Close()
+	defer done()
 	g.log.Debug("imported", "region", r.String(), "device", m.Device().String(), "local", m.Local())
 
-	chunk := min(c.Chunk, m.Size())
+	chunk := min(c.Chunk, r.Size)
 	host, err := m.Device().AllocHost(chunk)
 	if err != nil {
 		return fmt.Errorf("allocating %d bytes of pinned host memory: %w", chunk, err)
@@ -143,18 +189,18 @@ func (c *DumpCmd) Run(g *Globals) error {
 	}
 	var bar *progressbar.ProgressBar
 	if isTerminal(g.stderr) {
-		bar = progressbar.NewOptions64(m.Size(),
+		bar = progressbar.NewOptions64(r.Size,
 			progressbar.OptionSetWriter(g.stderr), progressbar.OptionSetDescription("dump"),
 			progressbar.OptionShowBytes(true), progressbar.OptionThrottle(100*time.Millisecond),
 			progressbar.OptionClearOnFinish())
 	}
 	buf := host.Bytes()
-	for off := int64(0); off < m.Size(); {
+	for off := int64(0); off < r.Size; {
 		if err := g.Context().Err(); err != nil {
 			return err
 		}
-		n := min(chunk, m.Size()-off)
-		if _, err := m.ReadAt(buf[:n], off); err != nil {
+		n := min(chunk, r.Size-off)
+		if _, err := m.ReadAt(buf[:n], mOff+off); err != nil {
 			return fmt.Errorf("reading the region at offset %d: %w", off, err)
 		}
 		if _, err := w.Write(buf[:n]); err != nil {
@@ -178,7 +224,7 @@ func (c *DumpCmd) Run(g *Globals) error {
 		file = nil
 	}
 	if sum != nil {
-		fmt.Fprintf(g.stderr, "sha256 %s  %d bytes\n", hex.EncodeToString(sum.Sum(nil)), m.Size())
+		fmt.Fprintf(g.stderr, "sha256 %s  %d bytes\n", hex.EncodeToString(sum.Sum(nil)), r.Size)
 	}
 	return nil
 }

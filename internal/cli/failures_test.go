@@ -27,6 +27,13 @@ func TestFailuresAreOneLine(t *testing.T) {
 	mustRun(t, "put", file, "--name", "taken", "--socket", sock)
 	none := filepath.Join(dir, "none.sock")
 	noDriver := cudaipc.Init() != nil
+	u, _ := cudaipc.ParseUUID("GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8")
+	vmm := cudaipc.Region{Version: cudaipc.RegionVersion, Kind: cudaipc.KindVMMFD, AllocationID: cudaipc.NewAllocationID(),
+		Size: 4096, AllocSize: 2 << 20, Device: u, ExporterPID: 1, PIDNamespace: 2, BootID: cudaipc.BootID{3}, ExporterBase: 1 << 40}
+	vmmJSON, err := vmm.MarshalJSON()
+	if err != nil {
+		t.Fatal(err)
+	}
 
 	cases := []struct {
 		args []string
@@ -51,6 +58,8 @@ func TestFailuresAreOneLine(t *testing.T) {
 		{args: []string{"dump", "--region", `{"version":1,"device":"bad"}`}, code: 2, want: "GPU UUID"},
 		{args: []string{"dump", "--region", "@" + filepath.Join(dir, "absent")}, code: 2, want: "--region"},
 		{args: []string{"dump", "--region", "{}", "--chunk", "0"}, code: 2, want: "--chunk"},
+		{args: []string{"dump", "--region", string(vmmJSON), "-o", filepath.Join(dir, "out"), "--socket", none}, code: 1, want: "read through the store daemon"},
+		{args: []string{"dump", "--region", string(vmmJSON), "-o", filepath.Join(dir, "out"), "--socket", sock}, code: 1, want: "no object you may read"},
 		{args: []string{"bench", "ipc", "--size", "5"}, code: 2, want: "--size"},
 		{args: []string{"bench", "store", "--clients", "0"}, code: 2, want: "--clients"},
 		{args: []string{"demo", "--sizes", "0"}, code: 2, want: "--sizes"},

@@ -10,7 +10,7 @@ import (
 
 type statCmd struct {
 	Name string `arg:"" help:"Object to describe." placeholder:"NAME"`
-	JSON bool   `name:"json" help:"Print one JSON object: name, size, device, sealed, leases, shared, owner_uid, created, region (GPU objects shared by legacy IPC only; null otherwise), tensor (dtype, shape, strides; null when untyped)."`
+	JSON bool   `name:"json" help:"Print one JSON object: name, size, device, sealed, leases, shared, owner_uid, created, region (GPU objects: cuda-ipc or vmm-fd; null for host objects), tensor (dtype, shape, strides; null when untyped)."`
 }
 
 func (c *statCmd) Run(g *Globals) error {
@@ -42,7 +42,7 @@ func (c *statCmd) Run(g *Globals) error {
 		}
 		fmt.Fprintln(tw)
 	}
-	if len(o.Region) > 0 {
+	if o.Region != nil {
 		fmt.Fprintf(tw, "region:\t%s\n", o.Region)
 	}
 	return tw.Flush()

@@ -62,10 +62,17 @@ func serveProcess(t *testing.T, args ...string) string {
 }
 
 // put --device, get, ls, stat --json and dump --region of the stat's
-// region, against a daemon process with the cuda backend.
+// region, against a daemon process with the cuda backend, sharing by legacy
+// IPC and by descriptor.
 func TestGPUStoreCommands(t *testing.T) {
+	for _, share := range []string{"ipc", "fd"} {
+		t.Run(share, func(t *testing.T) { testGPUStoreCommands(t, share) })
+	}
+}
+
+func testGPUStoreCommands(t *testing.T, share string) {
 	dev := testutil.RequireGPU(t)
-	sock := serveProcess(t, "--backend", "cuda")
+	sock := serveProcess(t, "--backend", "cuda", "--gpu-share", share)
 	dir := t.TempDir()
 	data := testutil.RandomBytes(42, 9<<20+13) // more than two put/get chunks
 	in := filepath.Join(dir, "in.bin")
@@ -103,14 +110,26 @@ func TestGPUStoreCommands(t *testing.T) {
 	if err := json.Unmarshal([]byte(mustRun(t, "stat", "g1", "--json", "--socket", sock)), &info); err != nil {
 		t.Fatal(err)
 	}
+	wantKind := map[string]cudaipc.Kind{"ipc": cudaipc.KindCUDAIPC, "fd": cudaipc.KindVMMFD}[share]
 	r, err := cudaipc.DecodeRegion(info.Region)
-	if err != nil || info.Device != uuid || r.Size != int64(len(data)) || r.Device != dev.UUID() {
-		t.Fatalf("stat --json: device %q, region %s (%v)", info.Device, info.Region, err)
+	if err != nil || info.Device != uuid || r.Size != int64(len(data)) || r.Device != dev.UUID() || r.Kind != wantKind {
+		t.Fatalf("stat --json: device %q, region %s (%v), want kind %s", info.Device, info.Region, err, wantKind)
 	}
+	// dump maps a cuda-ipc region itself, and reads a vmm-fd one through
+	// the daemon (--socket), which hands it the descriptor.
 	dumped := filepath.Join(dir, "dump.bin")
-	mustRun(t, "dump", "--region", string(info.Region), "-o", dumped)
+	mustRun(t, "dump", "--region", string(info.Region), "-o", dumped, "--socket", sock)
 	if got, err := os.ReadFile(dumped); err != nil || !bytes.Equal(got, data) {
 		t.Fatalf("dump of the stat region: %d bytes, %v", len(got), err)
+	}
+	// A part of it, at an odd offset.
+	sub, err := r.Sub(4097, 1<<20+3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	subJSON, _ := sub.MarshalJSON()
+	if got := mustRun(t, "dump", "--region", string(subJSON), "--socket", sock); got != string(data[4097:4097+1<<20+3]) {
+		t.Fatalf("dump of a sub-region: %d bytes", len(got))
 	}
 	mustRun(t, "rm", "g0", "g1", "--socket", sock)
 }

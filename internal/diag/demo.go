@@ -22,6 +22,7 @@ import (
 	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/internal/bytesize"
 	"github.com/cudaipc/cudaipc/internal/seeddata"
+	"github.com/cudaipc/cudaipc/store"
 )
 
 // DemoCmd shares objects between two processes through an embedded store
@@ -214,23 +215,11 @@ func (c *DemoCmd) device(backend string) (string, error) {
 	if want == "" {
 		want = "0"
 	}
-	dev, err := resolveGPU(want)
+	dev, err := cudaipc.LookupDevice(want)
 	if err != nil {
 		return "", usagef("--device: %w", err)
 	}
 	return dev.UUID().String(), nil
-}
-
-// resolveGPU finds a GPU of this process by ordinal or UUID.
-func resolveGPU(s string) (*cudaipc.Device, error) {
-	if n, err := strconv.Atoi(s); err == nil {
-		return cudaipc.DeviceByOrdinal(n)
-	}
-	u, err := cudaipc.ParseUUID(s)
-	if err != nil {
-		return nil, err
-	}
-	return cudaipc.DeviceByUUID(u)
 }
 
 func printDemo(w io.Writer, rep DemoReport) {
@@ -240,8 +229,8 @@ func printDemo(w io.Writer, rep DemoReport) {
 		fmt.Fprintf(w, "producer (pid %d) created each object, copied random bytes into it (WriteAt) and sealed it;\n", rep.ProducerPID)
 		fmt.Fprintf(w, "consumer (pid %d) waited for it, leased it, read every byte through its mapping and\n", rep.ConsumerPID)
 		fmt.Fprintf(w, "compared them, and copied the object on the GPU from its mapping into a buffer of its own.\n")
-		if rep.GPUShare == "fd" {
-			fmt.Fprintf(w, "GPU sharing: fd. Only names, offsets and arena descriptors crossed the socket; each process imported each arena once (VMM, ImportFD).\n\n")
+		if rep.GPUShare == store.GPUShareFD {
+			fmt.Fprintf(w, "GPU sharing: fd. Only names, offsets, regions and arena descriptors crossed the socket; each process imported each arena once (VMM, cuMemImportFromShareableHandle).\n\n")
 		} else {
 			fmt.Fprintf(w, "GPU sharing: ipc. Only names, offsets and regions crossed the socket; each process opened each arena once (cuIpcOpenMemHandle).\n\n")
 		}
@@ -349,8 +338,8 @@ type consumerLine struct {
 	SHA256         string `json:"sha256"`
 	Match          bool   `json:"match"`
 	MismatchAt     int64  `json:"mismatch_at"`
-	CopyNS         int64  `json:"copy_ns,omitempty"` // device-to-device copy from the mapping (GPU objects)
-	GPUShare       string `json:"gpu_share,omitempty"`
+	CopyNS         int64  `json:"copy_ns,omitempty"`   // device-to-device copy from the mapping (GPU objects)
+	GPUShare       string `json:"gpu_share,omitempty"` // how the lease's memory was shared, as --gpu-share names it
 }
 
 // demoWorker is the helper process of a demo producer or consumer.
@@ -367,7 +356,7 @@ func demoWorker(env *Env, config []byte) error {
 	if c.Device != "host" {
 		// Create the GPU's context now (~0.1-0.2 s on an H200), so that the
 		// first object's seal→lease time measures sharing, not CUDA start-up.
-		dev, err := resolveGPU(c.Device)
+		dev, err := cudaipc.LookupDevice(c.Device)
 		if err != nil {
 			return err
 		}
@@ -401,6 +390,9 @@ func demoWorker(env *Env, config []byte) error {
 	}
 	return nil
 }
+
+// gpuShareOf names a region kind as the store's --gpu-share does.
+var gpuShareOf = map[cudaipc.Kind]string{cudaipc.KindCUDAIPC: store.GPUShareIPC, cudaipc.KindVMMFD: store.GPUShareFD}
 
 // demoData is the object's content: random bytes that both sides derive
 // from the seed and the name, so the consumer can check every byte.
@@ -451,7 +443,7 @@ func (c *demoWorkerConfig) consume(ctx context.Context, cl *client.Client, name 
 	line.Match = bytes.Equal(b, want) // reads every byte of the shared mapping
 	line.VerifyNS = time.Since(t).Nanoseconds()
 	if dev := lease.CUDADevice(); dev != nil {
-		line.GPUShare = lease.GPUShare()
+		line.GPUShare = gpuShareOf[lease.Mapping().Region().Kind]
 		if line.CopyNS, err = copyFromMapping(dev, lease.Ptr(), lease.Size()); err != nil {
 			return consumerLine{}, err
 		}

@@ -122,6 +122,66 @@ func (Error_Code) EnumDescriptor() ([]byte, []int) {
 	return file_store_proto_rawDescGZIP(), []int{14, 0}
 }
 
+// How the client maps the arena: stated in every placement (protocol
+// version 2), so that no client guesses it from other fields.
+type Placement_Kind int32
+
+const (
+	Placement_KIND_UNSPECIFIED Placement_Kind = 0 // invalid
+	// A host arena: a memfd, attached (fd_attached) the first time this
+	// connection is given the arena in this mode; no region.
+	Placement_HOST Placement_Kind = 1
+	// A GPU arena shared by legacy CUDA IPC: region is a cuda-ipc region;
+	// no descriptor.
+	Placement_CUDA_IPC Placement_Kind = 2
+	// A GPU arena shared by descriptor (VMM): region is a vmm-fd region and
+	// the arena's descriptor is attached (fd_attached) in every placement.
+	Placement_VMM_FD Placement_Kind = 3
+)
+
+// Enum value maps for Placement_Kind.
+var (
+	Placement_Kind_name = map[int32]string{
+		0: "KIND_UNSPECIFIED",
+		1: "HOST",
+		2: "CUDA_IPC",
+		3: "VMM_FD",
+	}
+	Placement_Kind_value = map[string]int32{
+		"KIND_UNSPECIFIED": 0,
+		"HOST":             1,
+		"CUDA_IPC":         2,
+		"VMM_FD":           3,
+	}
+)
+
+func (x Placement_Kind) Enum() *Placement_Kind {
+	p := new(Placement_Kind)
+	*p = x
+	return p
+}
+
+func (x Placement_Kind) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (Placement_Kind) Descriptor() protoreflect.EnumDescriptor {
+	return file_store_proto_enumTypes[1].Descriptor()
+}
+
+func (Placement_Kind) Type() protoreflect.EnumType {
+	return &file_store_proto_enumTypes[1]
+}
+
+func (x Placement_Kind) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use Placement_Kind.Descriptor instead.
+func (Placement_Kind) EnumDescriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{16, 0}
+}
+
 type Event_Kind int32
 
 const (
@@ -165,11 +225,11 @@ func (x Event_Kind) String() string {
 }
 
 func (Event_Kind) Descriptor() protoreflect.EnumDescriptor {
-	return file_store_proto_enumTypes[1].Descriptor()
+	return file_store_proto_enumTypes[2].Descriptor()
 }
 
 func (Event_Kind) Type() protoreflect.EnumType {
-	return &file_store_proto_enumTypes[1]
+	return &file_store_proto_enumTypes[2]
 }
 
 func (x Event_Kind) Number() protoreflect.EnumNumber {
@@ -1640,11 +1700,10 @@ type Placement struct {
 	// True for a read-write mapping (create), false for read-only (get).
 	Writable bool `protobuf:"varint,6,opt,name=writable,proto3" json:"writable,omitempty"`
 	// True when this packet carries the arena's file descriptor (SCM_RIGHTS):
-	// for host arenas the first time this connection is given the arena in
-	// this mode; for GPU arenas shared by descriptor in every placement.
+	// see kind.
 	FdAttached bool `protobuf:"varint,7,opt,name=fd_attached,json=fdAttached,proto3" json:"fd_attached,omitempty"`
-	// GPU arenas shared by legacy IPC: the binary region (docs/region.md) of
-	// the whole arena; empty for host memory and descriptor-shared arenas.
+	// GPU arenas (kind CUDA_IPC and VMM_FD): the binary region
+	// (docs/region.md) of the whole arena; empty for host memory.
 	Region []byte `protobuf:"bytes,8,opt,name=region,proto3" json:"region,omitempty"`
 	// External memory (register): the object's bytes lie in memory a client
 	// registered, not in an arena of the store; arena_id is 0, offset is
@@ -1654,7 +1713,10 @@ type Placement struct {
 	// order; one descriptor per piece is attached, in the same order, and
 	// the object starts offset bytes into the first piece. Empty for a
 	// legacy registration, whose region (a KindCUDAIPC Region) is in region.
-	Pieces        []uint64 `protobuf:"varint,46,rep,packed,name=pieces,proto3" json:"pieces,omitempty"`
+	Pieces []uint64 `protobuf:"varint,46,rep,packed,name=pieces,proto3" json:"pieces,omitempty"`
+	// How to map it; external placements are VMM_FD (pieces) or CUDA_IPC
+	// (a legacy registration's region).
+	Kind          Placement_Kind `protobuf:"varint,16,opt,name=kind,proto3,enum=cudaipc.store.v1.Placement_Kind" json:"kind,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1759,6 +1821,13 @@ func (x *Placement) GetPieces() []uint64 {
 	return nil
 }
 
+func (x *Placement) GetKind() Placement_Kind {
+	if x != nil {
+		return x.Kind
+	}
+	return Placement_KIND_UNSPECIFIED
+}
+
 // ObjectInfo describes one object.
 type ObjectInfo struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
@@ -1773,7 +1842,9 @@ type ObjectInfo struct {
 	OwnerUid uint32 `protobuf:"varint,7,opt,name=owner_uid,json=ownerUid,proto3" json:"owner_uid,omitempty"`
 	// Creation time, nanoseconds since the Unix epoch.
 	CreatedUnixNano int64 `protobuf:"varint,8,opt,name=created_unix_nano,json=createdUnixNano,proto3" json:"created_unix_nano,omitempty"`
-	// Backend-specific memory description; empty for host memory.
+	// GPU objects: the binary region (docs/region.md) of exactly the
+	// object's memory, of the kind its placements have; empty for host
+	// memory.
 	Region []byte `protobuf:"bytes,9,opt,name=region,proto3" json:"region,omitempty"`
 	// For a shard of a version: its version, the version's shard count
 	// and its index (version 0: not versioned).
@@ -2800,7 +2871,7 @@ const file_store_proto_rawDesc = "" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12%\n" +
 	"\x0eserver_version\x18\x02 \x01(\tR\rserverVersion\x12\x10\n" +
 	"\x03pid\x18\x03 \x01(\rR\x03pid\x12\x18\n" +
-	"\abackend\x18\x04 \x01(\tR\abackend\"\x92\x02\n" +
+	"\abackend\x18\x04 \x01(\tR\abackend\"\x8a\x03\n" +
 	"\tPlacement\x12\x19\n" +
 	"\barena_id\x18\x01 \x01(\x04R\aarenaId\x12\x16\n" +
 	"\x06device\x18\x02 \x01(\tR\x06device\x12\x16\n" +
@@ -2813,7 +2884,14 @@ const file_store_proto_rawDesc = "" +
 	"fdAttached\x12\x16\n" +
 	"\x06region\x18\b \x01(\fR\x06region\x12\x1a\n" +
 	"\bexternal\x18- \x01(\bR\bexternal\x12\x16\n" +
-	"\x06pieces\x18. \x03(\x04R\x06pieces\"\x91\x04\n" +
+	"\x06pieces\x18. \x03(\x04R\x06pieces\x124\n" +
+	"\x04kind\x18\x10 \x01(\x0e2 .cudaipc.store.v1.Placement.KindR\x04kind\"@\n" +
+	"\x04Kind\x12\x14\n" +
+	"\x10KIND_UNSPECIFIED\x10\x00\x12\b\n" +
+	"\x04HOST\x10\x01\x12\f\n" +
+	"\bCUDA_IPC\x10\x02\x12\n" +
+	"\n" +
+	"\x06VMM_FD\x10\x03\"\x91\x04\n" +
 	"\n" +
 	"ObjectInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
@@ -2891,88 +2969,90 @@ func file_store_proto_rawDescGZIP() []byte {
 	return file_store_proto_rawDescData
 }
 
-var file_store_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
+var file_store_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
 var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
 var file_store_proto_goTypes = []any{
 	(Error_Code)(0),              // 0: cudaipc.store.v1.Error.Code
-	(Event_Kind)(0),              // 1: cudaipc.store.v1.Event.Kind
-	(*Request)(nil),              // 2: cudaipc.store.v1.Request
-	(*HelloRequest)(nil),         // 3: cudaipc.store.v1.HelloRequest
-	(*CreateRequest)(nil),        // 4: cudaipc.store.v1.CreateRequest
-	(*TensorDesc)(nil),           // 5: cudaipc.store.v1.TensorDesc
-	(*SealRequest)(nil),          // 6: cudaipc.store.v1.SealRequest
-	(*AbortRequest)(nil),         // 7: cudaipc.store.v1.AbortRequest
-	(*GetRequest)(nil),           // 8: cudaipc.store.v1.GetRequest
-	(*ReleaseRequest)(nil),       // 9: cudaipc.store.v1.ReleaseRequest
-	(*DeleteRequest)(nil),        // 10: cudaipc.store.v1.DeleteRequest
-	(*ListRequest)(nil),          // 11: cudaipc.store.v1.ListRequest
-	(*StatRequest)(nil),          // 12: cudaipc.store.v1.StatRequest
-	(*SubscribeRequest)(nil),     // 13: cudaipc.store.v1.SubscribeRequest
-	(*ForgetArenasRequest)(nil),  // 14: cudaipc.store.v1.ForgetArenasRequest
-	(*Response)(nil),             // 15: cudaipc.store.v1.Response
-	(*Error)(nil),                // 16: cudaipc.store.v1.Error
-	(*HelloResponse)(nil),        // 17: cudaipc.store.v1.HelloResponse
-	(*Placement)(nil),            // 18: cudaipc.store.v1.Placement
-	(*ObjectInfo)(nil),           // 19: cudaipc.store.v1.ObjectInfo
-	(*CreateResponse)(nil),       // 20: cudaipc.store.v1.CreateResponse
-	(*SealResponse)(nil),         // 21: cudaipc.store.v1.SealResponse
-	(*AbortResponse)(nil),        // 22: cudaipc.store.v1.AbortResponse
-	(*GetResponse)(nil),          // 23: cudaipc.store.v1.GetResponse
-	(*ReleaseResponse)(nil),      // 24: cudaipc.store.v1.ReleaseResponse
-	(*DeleteResponse)(nil),       // 25: cudaipc.store.v1.DeleteResponse
-	(*ListResponse)(nil),         // 26: cudaipc.store.v1.ListResponse
-	(*StatResponse)(nil),         // 27: cudaipc.store.v1.StatResponse
-	(*SubscribeResponse)(nil),    // 28: cudaipc.store.v1.SubscribeResponse
-	(*ForgetArenasResponse)(nil), // 29: cudaipc.store.v1.ForgetArenasResponse
-	(*ArenasFreed)(nil),          // 30: cudaipc.store.v1.ArenasFreed
-	(*Event)(nil),                // 31: cudaipc.store.v1.Event
-	(*RegisterRequest)(nil),      // 32: cudaipc.store.v1.RegisterRequest
-	(*RegisterResponse)(nil),     // 33: cudaipc.store.v1.RegisterResponse
+	(Placement_Kind)(0),          // 1: cudaipc.store.v1.Placement.Kind
+	(Event_Kind)(0),              // 2: cudaipc.store.v1.Event.Kind
+	(*Request)(nil),              // 3: cudaipc.store.v1.Request
+	(*HelloRequest)(nil),         // 4: cudaipc.store.v1.HelloRequest
+	(*CreateRequest)(nil),        // 5: cudaipc.store.v1.CreateRequest
+	(*TensorDesc)(nil),           // 6: cudaipc.store.v1.TensorDesc
+	(*SealRequest)(nil),          // 7: cudaipc.store.v1.SealRequest
+	(*AbortRequest)(nil),         // 8: cudaipc.store.v1.AbortRequest
+	(*GetRequest)(nil),           // 9: cudaipc.store.v1.GetRequest
+	(*ReleaseRequest)(nil),       // 10: cudaipc.store.v1.ReleaseRequest
+	(*DeleteRequest)(nil),        // 11: cudaipc.store.v1.DeleteRequest
+	(*ListRequest)(nil),          // 12: cudaipc.store.v1.ListRequest
+	(*StatRequest)(nil),          // 13: cudaipc.store.v1.StatRequest
+	(*SubscribeRequest)(nil),     // 14: cudaipc.store.v1.SubscribeRequest
+	(*ForgetArenasRequest)(nil),  // 15: cudaipc.store.v1.ForgetArenasRequest
+	(*Response)(nil),             // 16: cudaipc.store.v1.Response
+	(*Error)(nil),                // 17: cudaipc.store.v1.Error
+	(*HelloResponse)(nil),        // 18: cudaipc.store.v1.HelloResponse
+	(*Placement)(nil),            // 19: cudaipc.store.v1.Placement
+	(*ObjectInfo)(nil),           // 20: cudaipc.store.v1.ObjectInfo
+	(*CreateResponse)(nil),       // 21: cudaipc.store.v1.CreateResponse
+	(*SealResponse)(nil),         // 22: cudaipc.store.v1.SealResponse
+	(*AbortResponse)(nil),        // 23: cudaipc.store.v1.AbortResponse
+	(*GetResponse)(nil),          // 24: cudaipc.store.v1.GetResponse
+	(*ReleaseResponse)(nil),      // 25: cudaipc.store.v1.ReleaseResponse
+	(*DeleteResponse)(nil),       // 26: cudaipc.store.v1.DeleteResponse
+	(*ListResponse)(nil),         // 27: cudaipc.store.v1.ListResponse
+	(*StatResponse)(nil),         // 28: cudaipc.store.v1.StatResponse
+	(*SubscribeResponse)(nil),    // 29: cudaipc.store.v1.SubscribeResponse
+	(*ForgetArenasResponse)(nil), // 30: cudaipc.store.v1.ForgetArenasResponse
+	(*ArenasFreed)(nil),          // 31: cudaipc.store.v1.ArenasFreed
+	(*Event)(nil),                // 32: cudaipc.store.v1.Event
+	(*RegisterRequest)(nil),      // 33: cudaipc.store.v1.RegisterRequest
+	(*RegisterResponse)(nil),     // 34: cudaipc.store.v1.RegisterResponse
 }
 var file_store_proto_depIdxs = []int32{
-	3,  // 0: cudaipc.store.v1.Request.hello:type_name -> cudaipc.store.v1.HelloRequest
-	4,  // 1: cudaipc.store.v1.Request.create:type_name -> cudaipc.store.v1.CreateRequest
-	6,  // 2: cudaipc.store.v1.Request.seal:type_name -> cudaipc.store.v1.SealRequest
-	7,  // 3: cudaipc.store.v1.Request.abort:type_name -> cudaipc.store.v1.AbortRequest
-	8,  // 4: cudaipc.store.v1.Request.get:type_name -> cudaipc.store.v1.GetRequest
-	9,  // 5: cudaipc.store.v1.Request.release:type_name -> cudaipc.store.v1.ReleaseRequest
-	10, // 6: cudaipc.store.v1.Request.delete:type_name -> cudaipc.store.v1.DeleteRequest
-	11, // 7: cudaipc.store.v1.Request.list:type_name -> cudaipc.store.v1.ListRequest
-	12, // 8: cudaipc.store.v1.Request.stat:type_name -> cudaipc.store.v1.StatRequest
-	13, // 9: cudaipc.store.v1.Request.subscribe:type_name -> cudaipc.store.v1.SubscribeRequest
-	14, // 10: cudaipc.store.v1.Request.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasRequest
-	32, // 11: cudaipc.store.v1.Request.register:type_name -> cudaipc.store.v1.RegisterRequest
-	5,  // 12: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	16, // 13: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
-	17, // 14: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
-	20, // 15: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
-	21, // 16: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
-	22, // 17: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
-	23, // 18: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
-	24, // 19: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
-	25, // 20: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
-	26, // 21: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
-	27, // 22: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
-	28, // 23: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
-	31, // 24: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
-	29, // 25: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
-	30, // 26: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
-	33, // 27: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
+	4,  // 0: cudaipc.store.v1.Request.hello:type_name -> cudaipc.store.v1.HelloRequest
+	5,  // 1: cudaipc.store.v1.Request.create:type_name -> cudaipc.store.v1.CreateRequest
+	7,  // 2: cudaipc.store.v1.Request.seal:type_name -> cudaipc.store.v1.SealRequest
+	8,  // 3: cudaipc.store.v1.Request.abort:type_name -> cudaipc.store.v1.AbortRequest
+	9,  // 4: cudaipc.store.v1.Request.get:type_name -> cudaipc.store.v1.GetRequest
+	10, // 5: cudaipc.store.v1.Request.release:type_name -> cudaipc.store.v1.ReleaseRequest
+	11, // 6: cudaipc.store.v1.Request.delete:type_name -> cudaipc.store.v1.DeleteRequest
+	12, // 7: cudaipc.store.v1.Request.list:type_name -> cudaipc.store.v1.ListRequest
+	13, // 8: cudaipc.store.v1.Request.stat:type_name -> cudaipc.store.v1.StatRequest
+	14, // 9: cudaipc.store.v1.Request.subscribe:type_name -> cudaipc.store.v1.SubscribeRequest
+	15, // 10: cudaipc.store.v1.Request.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasRequest
+	33, // 11: cudaipc.store.v1.Request.register:type_name -> cudaipc.store.v1.RegisterRequest
+	6,  // 12: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	17, // 13: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
+	18, // 14: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
+	21, // 15: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
+	22, // 16: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
+	23, // 17: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
+	24, // 18: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
+	25, // 19: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
+	26, // 20: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
+	27, // 21: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
+	28, // 22: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
+	29, // 23: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
+	32, // 24: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
+	30, // 25: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
+	31, // 26: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
+	34, // 27: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
 	0,  // 28: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
-	5,  // 29: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	18, // 30: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
-	18, // 31: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
-	19, // 32: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	19, // 33: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
-	19, // 34: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	1,  // 35: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
-	5,  // 36: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	19, // 37: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	38, // [38:38] is the sub-list for method output_type
-	38, // [38:38] is the sub-list for method input_type
-	38, // [38:38] is the sub-list for extension type_name
-	38, // [38:38] is the sub-list for extension extendee
-	0,  // [0:38] is the sub-list for field type_name
+	1,  // 29: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
+	6,  // 30: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	19, // 31: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
+	19, // 32: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
+	20, // 33: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	20, // 34: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
+	20, // 35: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	2,  // 36: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
+	6,  // 37: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	20, // 38: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	39, // [39:39] is the sub-list for method output_type
+	39, // [39:39] is the sub-list for method input_type
+	39, // [39:39] is the sub-list for extension type_name
+	39, // [39:39] is the sub-list for extension extendee
+	0,  // [0:39] is the sub-list for field type_name
 }
 
 func init() { file_store_proto_init() }
@@ -3016,7 +3096,7 @@ func file_store_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_store_proto_rawDesc), len(file_store_proto_rawDesc)),
-			NumEnums:      2,
+			NumEnums:      3,
 			NumMessages:   32,
 			NumExtensions: 0,
 			NumServices:   0,

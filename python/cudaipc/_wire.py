@@ -344,7 +344,7 @@ class Conn:
             for fd in fds:
                 os.close(fd)
             return Reply(resp)
-        host = p.device in ("", "host")
+        host = p.kind == pb.Placement.HOST
         if not host:
             if p.fd_attached and len(fds) == 1:
                 return Reply(resp, fd=fds[0])

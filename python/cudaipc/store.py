@@ -23,6 +23,7 @@ __all__ = ["connect", "default_socket_path", "Store", "Lease", "Object", "Object
            "TensorDesc", "Event", "ServerInfo"]
 
 MAX_OBJECT_SIZE = 1 << 40
+PROTOCOL_VERSION = 2  # docs/protocol.md section 4
 
 
 def default_socket_path() -> str:
@@ -524,7 +525,7 @@ class Store:
         self._conn.on_arenas_freed = self._arenas_freed
         name = client_name or "%s[%d]" % (os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python"), os.getpid())
         try:
-            r = self._conn.call(pb.Request(hello=pb.HelloRequest(version=1, client_name=name[-255:])), "dial")
+            r = self._conn.call(pb.Request(hello=pb.HelloRequest(version=PROTOCOL_VERSION, client_name=name[-255:])), "dial")
         except StoreGone:
             self._conn.close()
             raise StoreGone("dial", message="the daemon at %s closed the connection during the handshake (is this uid admitted? see 'cudaipc serve --allow-uid')" % path) from None
@@ -532,9 +533,9 @@ class Store:
             self._conn.close()
             raise
         h = r.resp.hello
-        if h.version != 1:
+        if h.version != PROTOCOL_VERSION:
             self._conn.close()
-            raise InternalError("dial", message="daemon answered version %d to version 1" % h.version)
+            raise InternalError("dial", message="daemon answered version %d to version %d" % (h.version, PROTOCOL_VERSION))
         self.server = ServerInfo(h.version, h.server_version, h.pid, h.backend)
 
     # -- lifecycle -----------------------------------------------------------------
@@ -697,17 +698,18 @@ class Store:
         return lease
 
     def _memory(self, r: Reply, p: Any, desc: Optional[TensorDesc], end: Any, op: str, name: str) -> _Memory:
-        if p.device in ("", "host"):
+        # The placement states its kind (protocol version 2).
+        if p.kind == pb.Placement.HOST:
             if r.arena is None:
                 raise InternalError(op, name, "host placement without a mapped arena")
             return _Memory(self._conn, p.size, "host", r.arena.addr + p.offset, None, p.writable,
                            r.arena, None, end, desc, "")
-        if p.region:
+        if p.kind == pb.Placement.CUDA_IPC:
             return self._ipc_memory(p, desc, end, op, name)
-        if r.fd >= 0:
+        if p.kind == pb.Placement.VMM_FD and r.fd >= 0:
             fd, r.fd = r.fd, -1
             return self._fd_memory(fd, p, desc, end, op, name)
-        raise InternalError(op, name, "GPU placement with neither a region nor a descriptor")
+        raise InternalError(op, name, "placement of kind %d without what it needs" % p.kind)
 
     def _ipc_memory(self, p: Any, desc: Optional[TensorDesc], end: Any, op: str, name: str) -> _Memory:
         a = self._gpu_arenas.get(p.arena_id)

@@ -33,7 +33,7 @@ def wait_leases(store: cudaipc.Store, name: str, want: int, timeout: float = 5.0
 
 
 def test_connect_reports_server(store):
-    assert store.server.version == 1
+    assert store.server.version == 2
     assert store.server.backend == "host"
     assert store.server.pid > 0
 
