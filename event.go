@@ -3,7 +3,6 @@ package cudaipc
 import (
 	"errors"
 	"fmt"
-	"log/slog"
 	"runtime"
 	"sync"
 	"time"
@@ -43,11 +42,7 @@ type eventLeak struct {
 }
 
 func destroyLeakedEvent(l eventLeak) {
-	slog.Warn("cudaipc: Event garbage-collected without Close; destroying it", "device", l.dev.ordinal)
-	if err := l.dev.do(func() error { return cu.EventDestroy(l.e) }); err != nil {
-		slog.Warn("cudaipc: destroying leaked Event failed", "err", err)
-	}
-	live.events.Add(-1)
+	releaseLeaked("Event", l.dev, 0, &live.events, func() error { return cu.EventDestroy(l.e) })
 }
 
 // NewEvent creates an event with the given flags.

@@ -107,12 +107,20 @@ type bufferLeak struct {
 }
 
 func freeLeakedBuffer(l bufferLeak) {
-	slog.Warn("cudaipc: Buffer garbage-collected without Free; freeing it", "device", l.dev.ordinal, "size", l.size)
 	unregisterBuffer(l.ptr, nil)
-	if err := l.dev.do(func() error { return cu.MemFree(cu.DevicePtr(l.ptr)) }); err != nil {
-		slog.Warn("cudaipc: freeing leaked Buffer failed", "err", err)
+	releaseLeaked("Buffer", l.dev, l.size, &live.buffers, func() error { return cu.MemFree(cu.DevicePtr(l.ptr)) })
+}
+
+// releaseLeaked is the end of every leak backstop: it logs that an object
+// of type what was garbage-collected without being closed, releases it in
+// its device's context (logging a failure: a cleanup has no caller to tell)
+// and drops its live count.
+func releaseLeaked(what string, dev *Device, size int64, count *atomic.Int64, release func() error) {
+	slog.Warn("cudaipc: "+what+" garbage-collected without being closed; releasing it", "device", dev.ordinal, "size", size)
+	if err := dev.do(release); err != nil {
+		slog.Warn("cudaipc: releasing leaked "+what+" failed", "err", err)
 	}
-	live.buffers.Add(-1)
+	count.Add(-1)
 }
 
 // Alloc allocates size bytes of device memory (cuMemAlloc). The memory is
@@ -436,9 +444,7 @@ type hostLeak struct {
 }
 
 func freeLeakedHost(l hostLeak) {
-	slog.Warn("cudaipc: HostBuffer garbage-collected without Free; freeing it", "size", len(l.b))
-	_ = l.dev.do(func() error { return cu.MemFreeHost(l.b) })
-	live.hostBuffers.Add(-1)
+	releaseLeaked("HostBuffer", l.dev, int64(len(l.b)), &live.hostBuffers, func() error { return cu.MemFreeHost(l.b) })
 }
 
 // AllocHost allocates size bytes of pinned host memory.

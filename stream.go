@@ -1,7 +1,6 @@
 package cudaipc
 
 import (
-	"log/slog"
 	"runtime"
 	"sync"
 
@@ -26,11 +25,7 @@ type streamLeak struct {
 }
 
 func destroyLeakedStream(l streamLeak) {
-	slog.Warn("cudaipc: Stream garbage-collected without Close; destroying it", "device", l.dev.ordinal)
-	if err := l.dev.do(func() error { return cu.StreamDestroy(l.s) }); err != nil {
-		slog.Warn("cudaipc: destroying leaked Stream failed", "err", err)
-	}
-	live.streams.Add(-1)
+	releaseLeaked("Stream", l.dev, 0, &live.streams, func() error { return cu.StreamDestroy(l.s) })
 }
 
 // NewStream creates a stream that does not synchronize with the legacy

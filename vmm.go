@@ -3,7 +3,6 @@ package cudaipc
 import (
 	"errors"
 	"fmt"
-	"log/slog"
 	"math"
 	"os"
 	"runtime"
@@ -87,11 +86,7 @@ type vmmLeak struct {
 }
 
 func freeLeakedVMM(l vmmLeak) {
-	slog.Warn("cudaipc: "+l.what+" garbage-collected without being closed; releasing it", "device", l.dev.ordinal, "size", l.size)
-	if err := l.dev.do(func() error { return unmapRelease(l.ptr, l.size, l.handle) }); err != nil {
-		slog.Warn("cudaipc: releasing leaked "+l.what+" failed", "err", err)
-	}
-	l.counter.Add(-1)
+	releaseLeaked(l.what, l.dev, l.size, l.counter, func() error { return unmapRelease(l.ptr, l.size, l.handle) })
 }
 
 // ShareableBuffer is device memory allocated with the VMM API (cuMemCreate)
