@@ -356,6 +356,11 @@ func (s *Store) allocLocked(d *device, o *object) (*alloc.Block[pool, *object], 
 		p.solo = s.nextSolo
 	}
 	b, err := d.alloc.Alloc(p, o.size, o)
+	if errors.Is(err, alloc.ErrFull) && s.freeSparesLocked(d) {
+		// The memory versioned names keep for their next version goes
+		// before anything fails for want of room.
+		b, err = d.alloc.Alloc(p, o.size, o)
+	}
 	if !errors.Is(err, alloc.ErrFull) {
 		return b, err
 	}

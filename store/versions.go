@@ -41,6 +41,12 @@ type series struct {
 	versions map[uint64]*version
 	latest   uint64 // latest visible version; 0 when none yet
 	last     uint64 // highest version number ever opened
+	// spare holds, per shard index, the memory of a reclaimed version,
+	// kept for the next version's shard of the same size: double
+	// buffering. Readers that cached the arena's mapping then map
+	// nothing new (a new GPU allocation costs every reader an import,
+	// milliseconds across GPUs).
+	spare map[int]*object
 }
 
 // version is one version of a series.
@@ -203,12 +209,17 @@ func (ss *session) createExt(name string, size int64, dev string, shared bool, o
 		return fail(err)
 	}
 	o := &object{name: name, size: size, shared: shared, owner: ss.peer.uid, created: time.Now(), dev: d, creator: ss, manifest: man}
-	b, err := s.allocLocked(d, o)
-	if err != nil {
-		ss.dropEmptyVersionLocked(v)
-		return fail(err)
+	if sp := s.takeSpareLocked(v, int(opt.shard), o); sp != nil {
+		o.block = sp.block
+		o.block.Value = o
+	} else {
+		b, err := s.allocLocked(d, o)
+		if err != nil {
+			ss.dropEmptyVersionLocked(v)
+			return fail(err)
+		}
+		o.block = b
 	}
-	o.block = b
 	p, err := ss.placeLocked(o, true)
 	if err == nil && man != nil {
 		p.manifest, err = man.dup()
@@ -422,13 +433,24 @@ func (s *Store) retireVersionLocked(v *version) {
 
 // freeVersionLocked frees every shard of a version and forgets it.
 func (s *Store) freeVersionLocked(v *version) {
+	sr := v.s
 	for i, o := range v.shards {
 		if o == nil {
 			continue
 		}
 		o.deleted = true
 		s.forgetCreatorLocked(o)
-		s.freeLocked(o)
+		if v.visible && s.series[sr.name] == sr && sr.spare[i] == nil {
+			// Keep the memory for the next version's shard i.
+			o.manifest.close()
+			o.manifest = nil
+			if sr.spare == nil {
+				sr.spare = make(map[int]*object)
+			}
+			sr.spare[i] = o
+		} else {
+			s.freeLocked(o)
+		}
 		v.shards[i] = nil
 	}
 	delete(v.s.versions, v.n)
@@ -585,6 +607,10 @@ func (ss *session) deleteSeriesLocked(sr *series) error {
 		return fmt.Errorf("versioned object %q belongs to uid %d: %w", sr.name, sr.owner, ErrPermission)
 	}
 	delete(s.series, sr.name)
+	for i, o := range sr.spare {
+		s.freeLocked(o)
+		delete(sr.spare, i)
+	}
 	var latest *object
 	if v := sr.versions[sr.latest]; v != nil {
 		latest = v.shards[0]
@@ -661,4 +687,34 @@ func (cn *conn) waitAndGrantVersion(id uint64, name string, sel versionSel, time
 			return
 		}
 	}
+}
+
+// takeSpareLocked returns the spare memory of shard of v's series when it
+// fits o (same size, device and pool), removing it from the series.
+func (s *Store) takeSpareLocked(v *version, shard int, o *object) *object {
+	if v == nil {
+		return nil
+	}
+	sp := v.s.spare[shard]
+	if sp == nil || sp.size != o.size || sp.dev != o.dev || sp.owner != o.owner || sp.shared != o.shared {
+		return nil
+	}
+	delete(v.s.spare, shard)
+	return sp
+}
+
+// freeSparesLocked frees every series' spare memory on device d, to make
+// room; it reports whether it freed any.
+func (s *Store) freeSparesLocked(d *device) bool {
+	freed := false
+	for _, sr := range s.series {
+		for i, o := range sr.spare {
+			if o.dev == d {
+				s.freeLocked(o)
+				delete(sr.spare, i)
+				freed = true
+			}
+		}
+	}
+	return freed
 }
