@@ -44,9 +44,10 @@ probe() { # prints ls ms, put+get ms
 }
 read -r base_ls base_rt < <(probe 0)
 
-# The attacker: N connections, held until stdin closes.
-ulimit -Hn $((N + 1000)) 2>/dev/null || true
-ulimit -n $((N + 1000)) 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+# The attacker: N connections, held until stdin closes, split over
+# processes of at most 9,000 each (a process's descriptors are limited).
+ulimit -n "$(ulimit -Hn)"
+PROCS=$(((N + 8999) / 9000))
 mkfifo "$dir/hold"
 cat >"$dir/attacker.py" <<'PY'
 import socket, sys, time
@@ -54,7 +55,11 @@ path, n = sys.argv[1], int(sys.argv[2])
 held, ok, failed = [], 0, {}
 t0 = time.time()
 for i in range(n):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except OSError as e:
+        failed["socket: " + e.strerror] = n - i
+        break
     try:
         s.connect(path)
         ok += 1
@@ -74,9 +79,14 @@ print("connected=%d failed=%s seconds=%.2f first_reply=%r" % (ok, failed, time.t
 sys.stdin.read()  # hold every connection until the script lets go
 PY
 chmod 644 "$dir/attacker.py"
-setpriv --reuid "$ATTACKER" --regid "$ATTACKER" --clear-groups /usr/bin/python3 "$dir/attacker.py" "$CUDAIPC_SOCKET" "$N" <"$dir/hold" >"$dir/attacker.out" 2>&1 &
-attacker=$!
-exec 9>"$dir/hold" # keeps the attacker's stdin open
+attackers=()
+for p in $(seq "$PROCS"); do
+	n=$((N / PROCS + (p <= N % PROCS ? 1 : 0)))
+	setpriv --reuid "$ATTACKER" --regid "$ATTACKER" --clear-groups /usr/bin/python3 "$dir/attacker.py" "$CUDAIPC_SOCKET" "$n" <"$dir/hold" >"$dir/attacker.$p.out" 2>&1 &
+	attackers+=($!)
+done
+exec 9>"$dir/hold" # keeps the attackers' stdin open
+done_attacking() { (($(cat "$dir"/attacker.*.out 2>/dev/null | grep -c connected=) == PROCS)); }
 # Probe while the attacker connects, then at its peak.
 lat=()
 peak_fds=0
@@ -85,18 +95,19 @@ for i in $(seq 1 20); do
 	lat+=("$l/$r")
 	fds=$(ls /proc/$daemon/fd | wc -l)
 	((fds > peak_fds)) && peak_fds=$fds
-	grep -q connected= "$dir/attacker.out" 2>/dev/null && break
+	done_attacking && break
 done
-for _ in $(seq 600); do grep -q connected= "$dir/attacker.out" && break; sleep 0.1; done
+for _ in $(seq 600); do done_attacking && break; sleep 0.1; done
 read -r peak_ls peak_rt < <(probe 99)
 fds=$(ls /proc/$daemon/fd | wc -l)
 ((fds > peak_fds)) && peak_fds=$fds
 exec 9>&-
-wait "$attacker" || true
+wait "${attackers[@]}" || true
 
 metrics=$(curl -s "$murl" 2>/dev/null || true)
 rejected=$(echo "$metrics" | grep '^cudaipc_store_connections_rejected_total{reason="permission"}' | awk '{print $2}')
 loglines=$(grep -c 'refusing connection' "$dir/daemon.log" || true)
-echo "attacker uid $ATTACKER, $N connects: $(cat "$dir/attacker.out")"
+echo "attacker uid $ATTACKER, $N connects in $PROCS processes:"
+cat "$dir"/attacker.*.out
 echo "daemon: peak open fds=$peak_fds, rejected{permission}=${rejected:-?}, refusal log lines=$loglines, alive=$(kill -0 $daemon 2>/dev/null && echo yes || echo no)"
 echo "admitted root client (ms, ls / put+get+rm 1 MiB): before=$base_ls/$base_rt during=${lat[*]} at_peak=$peak_ls/$peak_rt"
