@@ -50,7 +50,7 @@ const (
 	FixPool    = "allocate from a pool created with the POSIX file-descriptor handle type (cudaMemPoolCreate with handleTypes = cudaMemHandleTypePosixFileDescriptor), or in PyTorch set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True instead of backend:cudaMallocAsync"
 	FixVMMNoFD = "create it with cuMemCreate and requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (PyTorch: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True does)"
 	FixManaged = "allocate it with cudaMalloc/cuMemAlloc (same PID namespace only) or with cuMemCreate and the POSIX file-descriptor handle type (any container); managed memory cannot be shared between processes"
-	FixHost    = "it is not device memory; put host data in the store as a host object"
+	FixHost    = "put host data in the store as a host object (Client.Create on \"host\", cudaipc put)"
 )
 
 // PieceLayout says how an exported byte range lies in the physical

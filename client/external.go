@@ -71,7 +71,7 @@ func (c *Client) placeExternal(op, name string, p *storev1.Placement, files []*o
 	if len(p.GetPieces()) == 0 {
 		m, err := importPlacement(op, name, p, nil)
 		if err != nil {
-			return fmt.Errorf("%w; the exporter registered legacy (cudaMalloc) memory, which opens only in its PID namespace: have it allocate VMM memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or cuMemCreate with POSIX fd handles) so that it registers descriptors", err)
+			return &Error{Op: op, Name: name, Err: ErrInvalid, cause: err, Message: "the exporter registered legacy (cudaMalloc) memory, which opens only in its own PID namespace and while it lives: have it allocate VMM memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or cuMemCreate with POSIX fd handles) so that it registers descriptors (" + err.Error() + ")"}
 		}
 		v.gpu = m
 		return nil

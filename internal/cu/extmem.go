@@ -14,9 +14,9 @@ const (
 )
 
 // AttrCanUse64BitStreamMemOps is CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
-// (122 since CUDA 12.0; 93 is the deprecated _V1 attribute, which reads 0
-// on the H200s with driver 580): cuStreamWriteValue64 and
-// cuStreamWaitValue64 work on the device.
+// (122, CUDA 12+): cuStreamWriteValue64_v2 and cuStreamWaitValue64_v2 work
+// on the device. 93 is the deprecated _V1 attribute of the v1 API, which
+// reads 0 on the H200 with driver 580.
 const AttrCanUse64BitStreamMemOps DeviceAttribute = 122
 
 // StreamValueFlags are the flags of cuStreamWriteValue64 and
