@@ -335,9 +335,9 @@ func (c *Client) fail(cause error) {
 	}
 }
 
-// cleanup undoes the effect of a reply nobody waits for any more: a lease
-// is released, a created object aborted.
-func (c *Client) cleanup(r reply, name string) {
+// drop gives back what a reply holds: its reference to a host arena's
+// mapping and the descriptors that came with it.
+func (c *Client) drop(r reply) {
 	if r.m != nil {
 		c.unref(r.m)
 	}
@@ -348,6 +348,12 @@ func (c *Client) cleanup(r reply, name string) {
 		r.manifest.Close()
 	}
 	closeFiles(r.pieces)
+}
+
+// cleanup undoes the effect of a reply nobody waits for any more: a lease
+// is released, a created object aborted.
+func (c *Client) cleanup(r reply, name string) {
+	c.drop(r)
 	resp := r.resp
 	if resp == nil || responseError("", "", resp) != nil {
 		return
@@ -432,16 +438,7 @@ func (c *Client) roundTripFiles(ctx context.Context, op, name string, req *store
 	select {
 	case r := <-ch:
 		if r.err != nil {
-			if r.m != nil {
-				c.unref(r.m)
-			}
-			if r.file != nil {
-				r.file.Close()
-			}
-			if r.manifest != nil {
-				r.manifest.Close()
-			}
-			closeFiles(r.pieces)
+			c.drop(r)
 			return reply{}, &Error{Op: op, Name: name, Err: r.err}
 		}
 		if err := responseError(op, name, r.resp); err != nil {

@@ -4,6 +4,7 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
@@ -77,10 +78,10 @@ type Event struct {
 
 // Event kinds.
 const (
-	EventSealed  = "sealed"
-	EventDeleted = "deleted"
-	EventEvicted = "evicted"
-	EventAborted = "aborted"
+	EventSealed  = protocol.EventSealed
+	EventDeleted = protocol.EventDeleted
+	EventEvicted = protocol.EventEvicted
+	EventAborted = protocol.EventAborted
 )
 
 // ServerInfo is what the daemon said about itself in the handshake.

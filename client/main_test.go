@@ -15,7 +15,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	mrand "math/rand/v2"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -28,6 +27,7 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/internal/seeddata"
 	"github.com/cudaipc/cudaipc/internal/testutil"
 	"github.com/cudaipc/cudaipc/store"
 )
@@ -348,12 +348,7 @@ func put(t *testing.T, c *client.Client, name string, size int64) []byte {
 // stream is deterministic random content: every client can check an
 // object written by any other.
 func stream(seed uint64, name string, size int) []byte {
-	var key [32]byte
-	h := sha256.Sum256([]byte(strconv.FormatUint(seed, 10) + name))
-	copy(key[:], h[:])
-	b := make([]byte, size)
-	mrand.NewChaCha8(key).Read(b)
-	return b
+	return seeddata.Bytes(seeddata.Named(seed, name), size)
 }
 
 // waitLeases polls Stat until name has n leases (the daemon notices a

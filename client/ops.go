@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync"
 
+	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
@@ -139,17 +140,8 @@ func (s *subscription) deliver(ctx context.Context, c *Client) {
 
 // dispatch hands an event to every subscription; called by the reader.
 func (c *Client) dispatch(ev *storev1.Event) {
-	e := Event{Name: ev.GetName(), Version: ev.GetVersion()}
-	switch ev.GetKind() {
-	case storev1.Event_SEALED:
-		e.Kind = EventSealed
-	case storev1.Event_DELETED:
-		e.Kind = EventDeleted
-	case storev1.Event_EVICTED:
-		e.Kind = EventEvicted
-	case storev1.Event_ABORTED:
-		e.Kind = EventAborted
-	default:
+	e := Event{Kind: protocol.EventName(ev.GetKind()), Name: ev.GetName(), Version: ev.GetVersion()}
+	if e.Kind == "" {
 		return // a kind from a newer daemon
 	}
 	c.mu.Lock()

@@ -12,6 +12,25 @@ import (
 	"google.golang.org/protobuf/proto"
 )
 
+// Names of the event kinds, as clients and people say them.
+const (
+	EventSealed  = "sealed"
+	EventDeleted = "deleted"
+	EventEvicted = "evicted"
+	EventAborted = "aborted"
+)
+
+var eventNames = map[storev1.Event_Kind]string{
+	storev1.Event_SEALED:  EventSealed,
+	storev1.Event_DELETED: EventDeleted,
+	storev1.Event_EVICTED: EventEvicted,
+	storev1.Event_ABORTED: EventAborted,
+}
+
+// EventName returns the name of an event kind, or "" for a kind this
+// version does not know (one from a newer server).
+func EventName(k storev1.Event_Kind) string { return eventNames[k] }
+
 // NewEvent returns the event packet (a Response with id 0) that tells
 // subscribers that kind happened to the object name.
 func NewEvent(kind storev1.Event_Kind, name string) *storev1.Response {

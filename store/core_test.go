@@ -4,14 +4,16 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"math/rand/v2"
 	"os"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/cudaipc/cudaipc/internal/seeddata"
+	"github.com/cudaipc/cudaipc/protocol"
 	"golang.org/x/sys/unix"
 )
 
@@ -104,16 +106,10 @@ func (c *testClient) get(name string) (placement, []byte) {
 	return p, c.mapping(p)
 }
 
-var seed = rand.NewChaCha8([32]byte{1, 2, 3})
-var seedMu sync.Mutex
+var seed atomic.Uint64
 
-func randomBytes(n int64) []byte {
-	b := make([]byte, n)
-	seedMu.Lock()
-	seed.Read(b)
-	seedMu.Unlock()
-	return b
-}
+// randomBytes returns n bytes of a new seed's stream.
+func randomBytes(n int64) []byte { return seeddata.Bytes(seed.Add(1), int(n)) }
 
 func wantErr(t *testing.T, err, want error) {
 	t.Helper()
@@ -512,7 +508,7 @@ func TestEvents(t *testing.T) {
 		var out []string
 		for len(ch) > 0 {
 			e := <-ch
-			out = append(out, e.kind.String()+":"+e.name)
+			out = append(out, protocol.EventName(e.kind)+":"+e.name)
 		}
 		return out
 	}

@@ -553,7 +553,7 @@ func (cn *conn) pump(events <-chan event) {
 	for {
 		select {
 		case e := <-events:
-			ev := protocol.NewEvent(e.kind.proto(), e.name)
+			ev := protocol.NewEvent(e.kind, e.name)
 			ev.GetEvent().Version = e.version
 			if cn.send(ev) != nil {
 				return
@@ -562,20 +562,6 @@ func (cn *conn) pump(events <-chan event) {
 			return
 		}
 	}
-}
-
-func (k eventKind) proto() storev1.Event_Kind {
-	switch k {
-	case eventSealed:
-		return storev1.Event_SEALED
-	case eventDeleted:
-		return storev1.Event_DELETED
-	case eventEvicted:
-		return storev1.Event_EVICTED
-	case eventAborted:
-		return storev1.Event_ABORTED
-	}
-	return storev1.Event_KIND_UNSPECIFIED
 }
 
 func (p *placement) proto() *storev1.Placement {

@@ -57,29 +57,16 @@ type sentKey struct {
 	writable bool
 }
 
-// eventKind is what happened to an object, for subscribers.
-type eventKind int
+// eventKind is what happened to an object, for subscribers: the protocol's
+// kinds, one definition.
+type eventKind = storev1.Event_Kind
 
 const (
-	eventSealed eventKind = iota + 1
-	eventDeleted
-	eventEvicted
-	eventAborted
+	eventSealed  = storev1.Event_SEALED
+	eventDeleted = storev1.Event_DELETED
+	eventEvicted = storev1.Event_EVICTED
+	eventAborted = storev1.Event_ABORTED
 )
-
-func (k eventKind) String() string {
-	switch k {
-	case eventSealed:
-		return "sealed"
-	case eventDeleted:
-		return "deleted"
-	case eventEvicted:
-		return "evicted"
-	case eventAborted:
-		return "aborted"
-	}
-	return fmt.Sprintf("event(%d)", int(k))
-}
 
 // event is a notification for subscribers.
 type event struct {
