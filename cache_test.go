@@ -481,7 +481,7 @@ func TestCacheOtherHostAndPIDNamespace(t *testing.T) {
 	r = remoteRegion(f.devs[0].uuid, 7, 7)
 	r.PIDNamespace = 1234
 	_, err = c.importMem(r)
-	if !errors.Is(err, ErrOtherPIDNamespace) || !strings.Contains(err.Error(), "VMM POSIX-fd") || !strings.Contains(err.Error(), "store daemon") {
+	if !errors.Is(err, ErrOtherPIDNamespace) || !strings.Contains(err.Error(), "serve --gpu-share fd") || strings.Contains(err.Error(), "WithAnyPIDNamespace") || strings.Count(err.Error(), "cudaipc:") != 1 {
 		t.Fatalf("other PID namespace: %v", err)
 	}
 	// Opting in tries the driver (nested namespaces work); a pid equal to

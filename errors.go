@@ -85,18 +85,19 @@ var (
 // It matches ErrClosed and reads in the order a person looks for: which
 // call, then why.
 type closedError struct {
-	object string // the type, e.g. "Buffer"
-	op     string // the method, e.g. "ReadAt"
+	call   string // e.g. "Buffer.ReadAt"
+	object string // what is closed, e.g. "Buffer"
 }
 
 func (e *closedError) Error() string {
-	return "cudaipc: " + e.object + "." + e.op + ": the " + e.object + " is closed"
+	return "cudaipc: " + e.call + ": the " + e.object + " is closed"
 }
 
 // Is reports whether target is ErrClosed.
 func (e *closedError) Is(target error) bool { return target == ErrClosed }
 
-func closedErr(object, op string) error { return &closedError{object: object, op: op} }
+// closedErr is the error of method op of a closed object of type object.
+func closedErr(object, op string) error { return &closedError{call: object + "." + op, object: object} }
 
 // ArgError reports an argument rejected before any driver call, with the
 // reason. It matches ErrInvalidValue, like the driver's own rejection would.

@@ -243,7 +243,7 @@ func (c *importCache) importLocal(r Region) (*Mapping, error) {
 		}
 	}
 	if dev == nil {
-		return nil, fmt.Errorf("cudaipc: region exported by this process names %s, which it does not see: %w", r.Device, ErrDeviceNotVisible)
+		return nil, fmt.Errorf("%w: this process exported the region on %s and does not see that GPU now", ErrDeviceNotVisible, r.Device)
 	}
 	describe := func() (allocInfo, error) {
 		_, size, id, err := c.drv.allocation(dev, r.ExporterBase)
@@ -252,7 +252,7 @@ func (c *importCache) importLocal(r Region) (*Mapping, error) {
 	ref := &mappingRef{cache: c}
 	if b := lookupBuffer(r.ExporterBase); b != nil {
 		if err := b.addLocalRef(r.BufferID, r.AllocSize, describe); err != nil {
-			return nil, fmt.Errorf("cudaipc: Import of a region of this process: %w", err)
+			return nil, err
 		}
 		ref.local = b
 	} else {
@@ -307,7 +307,7 @@ func (c *importCache) importEvent(d EventDescriptor, opts ...ImportOption) (*Rem
 		ev = exportedEvents.m[d.Handle]
 		exportedEvents.mu.Unlock()
 		if ev == nil {
-			return nil, fmt.Errorf("cudaipc: ImportEvent: the event was exported by this process and is closed: %w", ErrClosed)
+			return nil, &closedError{call: "ImportEvent", object: "event this process exported"}
 		}
 	} else {
 		dev, err := c.target(d.Device, cfg)
@@ -356,7 +356,7 @@ func checkReach(what string, boot BootID, pidns uint64, self Identity, anyPIDNam
 			ErrOtherHost, what, boot, self.BootID)
 	}
 	if pidns != self.PIDNamespace && !anyPIDNamespace {
-		return fmt.Errorf("%w: the %s was exported in PID namespace %d, this process is in %d; legacy CUDA IPC cannot cross PID namespaces (containers): use the VMM POSIX-fd path through the store daemon (cudaipc serve --gpu-share fd), or run both processes in one PID namespace (e.g. docker --pid=host); WithAnyPIDNamespace tries anyway (nested namespaces work)",
+		return fmt.Errorf("%w: the %s was exported in PID namespace %d, this process is in %d: legacy CUDA IPC reaches the exporter's namespace and those nested in it, not a sibling container's; share through VMM descriptors instead (the store daemon: cudaipc serve --gpu-share fd; a vmm-fd Region) or run both processes in one PID namespace (docker --pid=host)",
 			ErrOtherPIDNamespace, what, pidns, self.PIDNamespace)
 	}
 	return nil

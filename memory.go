@@ -262,17 +262,17 @@ func (b *Buffer) addLocalRef(id uint64, allocSize int64, describe func() (allocI
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
-		return closedErr("Buffer", "Import")
+		return &closedError{call: "Import", object: "Buffer that this process exported the region from"}
 	}
 	if b.bufferID == 0 {
 		a, err := describe()
 		if err != nil {
-			return err
+			return fmt.Errorf("cudaipc: Import of a region of this process: %w", err)
 		}
 		b.bufferID, b.allocSize = a.id, a.size
 	}
 	if b.bufferID != id {
-		return fmt.Errorf("%w: buffer id %d, the allocation now at that address is %d", ErrStaleMapping, id, b.bufferID)
+		return fmt.Errorf("%w: the region names buffer id %d at %#x in this process; the allocation there now is buffer %d", ErrStaleMapping, id, uint64(b.ptr), b.bufferID)
 	}
 	if allocSize > b.allocSize {
 		return regionErr("alloc_size", "%d bytes, but the allocation at %#x is %d bytes (cuMemGetAddressRange)", allocSize, uint64(b.ptr), b.allocSize)
