@@ -366,3 +366,25 @@ def test_many_leases_and_arena_growth(store, daemon):
     for l in leases.values():
         l.release()
     assert all(wait_leases(store, n, 0) == 0 for n in list(blobs)[:3])
+
+
+def test_emptied_arena_is_dropped_and_forgotten(store):
+    """protocol 6.4: the daemon says an arena is empty (arenas_freed); the client
+    drops its mapping, tells the daemon (forget_arenas) and later objects still work."""
+    data = rand_bytes(5000)
+    store.put("only", data)
+    with store.get("only") as l:
+        assert l.read() == data
+    held = {k[0] for k in store._conn._arenas}
+    assert held
+    store.rm("only")
+    store.ls()  # reads the unasked arenas_freed packet
+    deadline = time.monotonic() + 5
+    while {k[0] for k in store._conn._arenas} & held and time.monotonic() < deadline:
+        store.ls()
+        time.sleep(0.01)
+    assert not ({k[0] for k in store._conn._arenas} & held)
+    data2 = rand_bytes(7000)
+    store.put("next", data2)
+    with store.get("next") as l:
+        assert l.read() == data2
