@@ -19,7 +19,7 @@ from .errors import Closed, InternalError, StoreGone, StoreError, from_code
 
 MAX_MESSAGE = 65536
 MAX_FILES = 60  # protocol.MaxFiles: a register request or its get carries one per piece
-_ANC = socket.CMSG_SPACE(16 * 4)
+_ANC = socket.CMSG_SPACE(4 * (MAX_FILES + 4))  # room for more than MAX_FILES, so extras are seen and closed
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p

@@ -85,7 +85,7 @@ class FakeDaemon:
     def run(self):
         c, _ = self.srv.accept()
         req = pb.Request.FromString(c.recv(65536))
-        c.send(pb.Response(id=req.id, hello=pb.HelloResponse(version=1, backend="host")).SerializeToString())
+        c.send(pb.Response(id=req.id, hello=pb.HelloResponse(version=req.hello.version, backend="host")).SerializeToString())
         req = pb.Request.FromString(c.recv(65536))
         for i, p in enumerate(self.packets):
             data = p(req.id) if callable(p) else p
@@ -106,9 +106,9 @@ def open_fds():
     ("garbage", [b"\xff\xff\xff\xff"], {}, cudaipc.InternalError),
     ("oversized", [b"\x08\x01" + b"\x00" * 70000], {}, cudaipc.InternalError),
     ("hang-up", [], {}, cudaipc.StoreGone),
-    ("too many fds", [lambda rid: pb.Response(id=rid, stat=pb.StatResponse()).SerializeToString()], {0: 6}, cudaipc.InternalError),
+    ("too many fds", [lambda rid: pb.Response(id=rid, stat=pb.StatResponse()).SerializeToString()], {0: 64}, cudaipc.InternalError),
     ("placement without descriptor", [lambda rid: pb.Response(id=rid, get=pb.GetResponse(lease_id=1, placement=pb.Placement(
-        arena_id=9, device="host", size=10, arena_size=4096))).SerializeToString()], {}, cudaipc.InternalError),
+        arena_id=9, device="host", size=10, arena_size=4096, kind=pb.Placement.HOST))).SerializeToString()], {}, cudaipc.InternalError),
 ])
 def test_bad_daemon(name, packets, fds, exc):
     before = open_fds()
