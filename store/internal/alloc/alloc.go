@@ -431,10 +431,10 @@ func (a *Allocator[P, V]) left(pool P) int64 {
 // Owned returns the sum of the sizes of owner's arenas (with Config.Owner).
 func (a *Allocator[P, V]) Owned(owner uint32) int64 { return a.owned[owner] }
 
-// QuotaBound reports whether pool's owner's quota, rather than the
-// capacity, is what limits new arenas of pool.
+// QuotaBound reports whether pool's owner's quota limits new arenas of
+// pool at least as much as the capacity does.
 func (a *Allocator[P, V]) QuotaBound(pool P) bool {
-	return a.cfg.Owner != nil && a.cfg.Quota > 0 && a.cfg.Quota-a.owned[a.cfg.Owner(pool)] < a.cfg.Capacity-a.reserved
+	return a.cfg.Owner != nil && a.cfg.Quota > 0 && a.cfg.Quota-a.owned[a.cfg.Owner(pool)] <= a.cfg.Capacity-a.reserved
 }
 
 // SetEvictable marks a block as a candidate for eviction (on) or not. A
