@@ -29,7 +29,7 @@ type driver interface {
 	closeIPC(d *Device, base DevicePtr) error
 	// importFD imports the VMM allocation behind f and maps its first size
 	// bytes (rounded up to the granularity) for d.
-	importFD(d *Device, f *os.File, size int64) (vmmMapping, error)
+	importFD(d *Device, f *os.File, size int64, a Access) (vmmMapping, error)
 	unmapFD(d *Device, m vmmMapping) error
 	// allocation describes the allocation of this process that holds p.
 	allocation(d *Device, p DevicePtr) (base DevicePtr, size int64, bufferID uint64, err error)
@@ -78,8 +78,8 @@ func (cudaDriver) closeIPC(d *Device, base DevicePtr) error {
 	return err
 }
 
-func (cudaDriver) importFD(d *Device, f *os.File, size int64) (vmmMapping, error) {
-	m, err := importFDMapping("Import", d, f, size)
+func (cudaDriver) importFD(d *Device, f *os.File, size int64, a Access) (vmmMapping, error) {
+	m, err := importFDMapping("Import", d, f, size, a)
 	if err == nil {
 		live.fdMappings.Add(1)
 	}
@@ -130,12 +130,14 @@ type memKey struct {
 	id    [64]byte // the IPC handle, or the allocation id in the first 16 bytes
 	pidns uint64   // KindCUDAIPC: the exporter's PID namespace
 	dev   UUID     // the device of this process it is mapped through
+	ro    bool     // KindVMMFD: mapped read-only (WithAccess(ReadOnly)), a mapping of its own
 }
 
-func keyOf(r Region, dev *Device) memKey {
+func keyOf(r Region, dev *Device, a Access) memKey {
 	k := memKey{kind: r.Kind, dev: dev.uuid}
 	if r.Kind == KindVMMFD {
 		copy(k.id[:], r.AllocationID[:])
+		k.ro = a == ReadOnly
 	} else {
 		k.id, k.pidns = r.Handle, r.PIDNamespace
 	}

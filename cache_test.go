@@ -17,8 +17,9 @@ import (
 type fakeDriver struct {
 	mu          sync.Mutex
 	devs        []*Device
-	opens       int // successful openMem calls
-	attempts    int // all openMem calls
+	opens       int      // successful openMem calls
+	attempts    int      // all openMem calls
+	accesses    []Access // the access of each importFD call
 	closes      int
 	refs        map[fakeMapKey]int
 	ptrs        map[fakeMapKey]DevicePtr
@@ -126,9 +127,10 @@ func (f *fakeDriver) allocation(d *Device, p DevicePtr) (DevicePtr, int64, uint6
 
 // importFD maps size bytes of the allocation f stands for, 2 MiB granular;
 // more than fdSizes says it holds fails as the H200 driver fails.
-func (f *fakeDriver) importFD(d *Device, file *os.File, size int64) (vmmMapping, error) {
+func (f *fakeDriver) importFD(d *Device, file *os.File, size int64, a Access) (vmmMapping, error) {
 	f.mu.Lock()
 	f.attempts++
+	f.accesses = append(f.accesses, a)
 	delay, fail := f.delay, f.failOpen
 	f.mu.Unlock()
 	time.Sleep(delay)
@@ -766,6 +768,34 @@ func TestCacheVMMFD(t *testing.T) {
 		t.Fatalf("re-import: %v, %d imports", err, f.fdImports)
 	}
 	closeAll(t, []*Mapping{m3})
+}
+
+// Read-only and read-write imports of one allocation are two driver
+// mappings, each shared by the imports of its kind.
+func TestCacheVMMFDAccess(t *testing.T) {
+	f := newFakeDriver(1)
+	c := newTestCache(f)
+	r := vmmRegion(f.devs[0].uuid, 1, 4<<20)
+	fd := fakeFD(t, f, 4<<20)
+	ro1, err := c.importMem(r, WithFile(fd), WithAccess(ReadOnly))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ro2, err := c.importMem(r, WithFile(fd), WithAccess(ReadOnly))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rw, err := c.importMem(r, WithFile(fd))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ro1.Ptr() != ro2.Ptr() || rw.Ptr() == ro1.Ptr() || f.fdImports != 2 {
+		t.Fatalf("ro %#x %#x, rw %#x, %d imports: want one read-only and one read-write mapping", ro1.Ptr(), ro2.Ptr(), rw.Ptr(), f.fdImports)
+	}
+	if len(f.accesses) != 2 || f.accesses[0] != ReadOnly || f.accesses[1] != ReadWrite {
+		t.Fatalf("driver asked for %v", f.accesses)
+	}
+	closeAll(t, []*Mapping{ro1, ro2, rw})
 }
 
 func TestCacheVMMFDRefusals(t *testing.T) {

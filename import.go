@@ -21,6 +21,17 @@ type importConfig struct {
 	fallback        *Device
 	anyPIDNamespace bool
 	file            *os.File
+	readOnly        bool
+}
+
+// WithAccess says how a KindVMMFD region is mapped: ReadWrite (the
+// default) or ReadOnly (CU_MEM_ACCESS_FLAGS_PROT_READ: a write through the
+// mapping fails and changes nothing; docs/containers.md). Read-only and
+// read-write imports of one allocation are separate driver mappings, each
+// shared by the imports of its kind. Legacy (KindCUDAIPC) mappings are
+// always read-write: the driver has no read-only open of an IPC handle.
+func WithAccess(a Access) ImportOption {
+	return func(c *importConfig) { c.readOnly = a == ReadOnly }
 }
 
 // WithAnyPIDNamespace lets Import try a region or event exported in another
@@ -50,6 +61,13 @@ func WithFallbackDevice(d *Device) ImportOption {
 // already mapped in this process, f is not used at all.
 func WithFile(f *os.File) ImportOption {
 	return func(c *importConfig) { c.file = f }
+}
+
+func (c importConfig) access() Access {
+	if c.readOnly {
+		return ReadOnly
+	}
+	return ReadWrite
 }
 
 func configure(opts []ImportOption) importConfig {
@@ -190,7 +208,7 @@ func (c *importCache) importMem(r Region, opts ...ImportOption) (*Mapping, error
 	var open opener
 	if r.Kind == KindVMMFD {
 		open = func(e *memEntry) error {
-			m, err := c.drv.importFD(dev, cfg.file, r.AllocSize)
+			m, err := c.drv.importFD(dev, cfg.file, r.AllocSize, cfg.access())
 			if err != nil {
 				if tooLarge(err) {
 					return regionErr("alloc_size", "%d bytes: the driver refuses to map that much of the allocation behind the descriptor (%v): the allocation is smaller, or the descriptor is another allocation's", r.AllocSize, err)
@@ -207,7 +225,7 @@ func (c *importCache) importMem(r Region, opts ...ImportOption) (*Mapping, error
 			return err
 		}
 	}
-	e, err := c.acquireMem(keyOf(r, dev), r.BufferID, dev, open)
+	e, err := c.acquireMem(keyOf(r, dev, cfg.access()), r.BufferID, dev, open)
 	if err != nil {
 		return nil, err
 	}

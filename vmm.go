@@ -55,6 +55,11 @@ func roundUp(op string, size, gran int64) (int64, error) {
 // dev read-write access, undoing what it did if a step fails. It runs in
 // Device.do.
 func mapHandle(dev cu.Device, h cu.MemGenericAllocationHandle, size, align int64) (cu.DevicePtr, error) {
+	return mapHandleAccess(dev, h, size, align, ReadWrite)
+}
+
+// mapHandleAccess is mapHandle granting access a instead of read-write.
+func mapHandleAccess(dev cu.Device, h cu.MemGenericAllocationHandle, size, align int64, a Access) (cu.DevicePtr, error) {
 	p, err := cu.MemAddressReserve(uint64(size), uint64(align))
 	if err != nil {
 		return 0, err
@@ -62,7 +67,7 @@ func mapHandle(dev cu.Device, h cu.MemGenericAllocationHandle, size, align int64
 	if err := cu.MemMap(p, uint64(size), h); err != nil {
 		return 0, errors.Join(err, cu.MemAddressFree(p, uint64(size)))
 	}
-	if err := cu.MemSetAccess(p, uint64(size), dev, cu.MemAccessFlagsProtReadWrite); err != nil {
+	if err := cu.MemSetAccess(p, uint64(size), dev, a.flags()); err != nil {
 		return 0, errors.Join(err, cu.MemUnmap(p, uint64(size)), cu.MemAddressFree(p, uint64(size)))
 	}
 	return p, nil
@@ -259,7 +264,7 @@ type FDMapping struct {
 // A nil or closed f, or size <= 0, is an *ArgError; a descriptor that is not
 // a CUDA memory export fails in the driver with an *Error.
 func (d *Device) ImportFD(f *os.File, size int64) (*FDMapping, error) {
-	vm, err := importFDMapping("ImportFD", d, f, size)
+	vm, err := importFDMapping("ImportFD", d, f, size, ReadWrite)
 	if err != nil {
 		return nil, err
 	}
@@ -271,10 +276,10 @@ func (d *Device) ImportFD(f *os.File, size int64) (*FDMapping, error) {
 }
 
 // importFDMapping imports the allocation behind f and maps its first size
-// bytes, rounded up to the allocation's granularity, read-write for d:
+// bytes, rounded up to the allocation's granularity, with access a for d:
 // the work of ImportFD, and of Import's cache for KindVMMFD regions. A map
 // larger than the allocation fails with a *mapSizeError.
-func importFDMapping(op string, d *Device, f *os.File, size int64) (vmmMapping, error) {
+func importFDMapping(op string, d *Device, f *os.File, size int64, a Access) (vmmMapping, error) {
 	if size <= 0 {
 		return vmmMapping{}, &ArgError{Op: op, Arg: "size", Reason: fmt.Sprintf("%d: must be positive", size)}
 	}
@@ -326,7 +331,7 @@ func importFDMapping(op string, d *Device, f *os.File, size int64) (vmmMapping, 
 		if rounded, e = roundUp(op, size, int64(g)); e != nil {
 			return errors.Join(e, cu.MemRelease(h))
 		}
-		if p, e = mapHandle(d.dev, h, rounded, int64(g)); e != nil {
+		if p, e = mapHandleAccess(d.dev, h, rounded, int64(g), a); e != nil {
 			// The H200 driver answers a map larger than the allocation
 			// with CUDA_ERROR_NOT_SUPPORTED, other drivers with INVALID_VALUE.
 			if errors.Is(e, ErrInvalidValue) || errors.Is(e, ErrNotSupported) {

@@ -53,7 +53,7 @@ func importPlacement(op, name string, p *storev1.Placement, f *os.File) (*cudaip
 	if r.Kind == cudaipc.KindVMMFD && f == nil {
 		return nil, bad("a vmm-fd placement without its descriptor")
 	}
-	m, err := importRegion(r, f)
+	m, err := importRegion(r, f, p.GetWritable())
 	if err != nil {
 		// Not ErrInternal: the daemon did its part; this process cannot
 		// map the memory (another PID namespace, no such GPU, ...), and
@@ -63,10 +63,16 @@ func importPlacement(op, name string, p *storev1.Placement, f *os.File) (*cudaip
 	return m, nil
 }
 
-// importRegion imports r, with f for a vmm-fd region.
-func importRegion(r cudaipc.Region, f *os.File) (*cudaipc.Mapping, error) {
+// importRegion imports r, with f for a vmm-fd region, which it maps
+// read-only unless writable (a lease's placement is not): a reader's
+// write through it fails instead of changing what others read.
+func importRegion(r cudaipc.Region, f *os.File, writable bool) (*cudaipc.Mapping, error) {
 	if r.Kind == cudaipc.KindVMMFD {
-		return cudaipc.Import(r, cudaipc.WithFile(f))
+		a := cudaipc.ReadOnly
+		if writable {
+			a = cudaipc.ReadWrite
+		}
+		return cudaipc.Import(r, cudaipc.WithFile(f), cudaipc.WithAccess(a))
 	}
 	return cudaipc.Import(r)
 }

@@ -15,10 +15,12 @@ import (
 //
 // Host objects are read through Bytes (or ReadAt); GPU objects through
 // ReadAt, or on the device at Ptr (kernels, device-to-device copies: the
-// zero-copy path), and Bytes is nil for them. CUDA cannot map device
-// memory read-only, by legacy IPC or by descriptor: a GPU lease's memory
-// is writable on the device, and writing it is a bug that other readers
-// would see.
+// zero-copy path), and Bytes is nil for them. A GPU object shared by
+// descriptor (--gpu-share fd, and registered VMM memory) is mapped
+// read-only (CU_MEM_ACCESS_FLAGS_PROT_READ): a memset or copy into it
+// fails, a kernel's store faults, and the bytes stay unchanged. Legacy IPC
+// has no read-only open: such a lease's memory is writable on the device,
+// and writing it is a bug that other readers would see.
 type Lease struct {
 	c    *Client
 	id   uint64

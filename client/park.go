@@ -145,7 +145,7 @@ func (c *Client) parkRegion(p *storev1.Placement, f *os.File) {
 		if err != nil {
 			return nil, err
 		}
-		m, err := importRegion(r, f)
+		m, err := importRegion(r, f, p.GetWritable())
 		if err != nil {
 			return nil, err
 		}

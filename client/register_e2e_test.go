@@ -8,6 +8,7 @@ package client_test
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -416,5 +417,54 @@ func TestRegisterTorchCuPyAcrossContainers(t *testing.T) {
 			fmt.Fprintln(rd.in, "release")
 			rd.expect("released")
 		})
+	}
+}
+
+// A lease of a GPU object of a daemon sharing by descriptor maps it
+// read-only: a memset and a copy through the lease fail, and every reader
+// still reads what the creator wrote.
+func TestGPUFDLeaseIsReadOnly(t *testing.T) {
+	d, dev := startFDDaemon(t)
+	ctx := context.Background()
+	w := dial(t, d.socket)
+	const size = 3<<20 + 5
+	o, err := w.Create(ctx, "ro", size, client.CreateOptions{Device: dev.UUID().String()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := testutil.RandomBytes(uint64(os.Getpid()), size)
+	if _, err := o.WriteAt(data, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := o.Seal(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := dial(t, d.socket)
+	l, err := r.Get(ctx, "ro")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release()
+	merr := dev.Memset(l.Ptr(), 0, size)
+	cerr := dev.CopyToDevice(l.Ptr(), make([]byte, 4096))
+	t.Logf("through a lease: memset -> %v; copy -> %v", merr, cerr)
+	if merr == nil || cerr == nil {
+		t.Fatal("a write through a lease succeeded")
+	}
+	got := make([]byte, size)
+	if _, err := l.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
+	l2, err := dial(t, d.socket).Get(ctx, "ro")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l2.Release()
+	got2 := make([]byte, size)
+	if _, err := l2.ReadAt(got2, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, data) || !bytes.Equal(got2, data) {
+		t.Fatal("the object's bytes changed after a reader's failed writes")
 	}
 }
