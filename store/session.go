@@ -247,7 +247,11 @@ func (ss *session) unsealedLocked(name string) (*object, error) {
 }
 
 // seal makes an object this session created immutable and visible.
-func (ss *session) seal(name string) error {
+func (ss *session) seal(name string) error { return ss.onUnsealed(name, ss.sealLocked) }
+
+// onUnsealed runs f, under the store's lock, on the unsealed object name
+// this session created.
+func (ss *session) onUnsealed(name string, f func(*object)) error {
 	s := ss.s
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -258,7 +262,7 @@ func (ss *session) seal(name string) error {
 	if err != nil {
 		return err
 	}
-	ss.sealLocked(o)
+	f(o)
 	return nil
 }
 
@@ -277,20 +281,7 @@ func (ss *session) sealLocked(o *object) {
 }
 
 // abort discards an object this session created and has not sealed.
-func (ss *session) abort(name string) error {
-	s := ss.s
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if ss.closed {
-		return errSessionClosed
-	}
-	o, err := ss.unsealedLocked(name)
-	if err != nil {
-		return err
-	}
-	ss.abortLocked(o)
-	return nil
-}
+func (ss *session) abort(name string) error { return ss.onUnsealed(name, ss.abortLocked) }
 
 func (ss *session) abortLocked(o *object) {
 	s := ss.s
