@@ -40,11 +40,17 @@
 // # Security
 //
 // Peers are identified by SO_PEERCRED when they connect. Only the daemon's
-// uid, root and Config.AllowUIDs/AllowGIDs may talk to the store. Objects
-// are private to their owner's uid (and root) unless created shared; names
-// are node-global, so a create can learn that a name is taken, but nothing
-// else about a private object. Only the owner (or root) may delete a sealed
-// object. Logs carry names, sizes and ids, never descriptors' contents or
+// uid, root and Config.AllowUIDs/AllowGIDs may talk to the store; others
+// are refused as soon as they connect, and admitted connections are bounded
+// in all and per uid (Config.MaxConns, MaxConnsPerUID). Objects are private
+// to their owner's uid (and root) unless created shared. Each uid has its
+// own namespace: clients name their own objects bare and other users'
+// "UID:NAME", so no user can take or shadow another's name. Private objects
+// share arenas of their owner's only, and a shared object has an arena of
+// its own (GPU arenas are zeroed when allocated), so another uid's mapping
+// reaches no draft or private object. Each uid's arenas on a device are
+// bounded by Config.Quota, and a create evicts only its own uid's objects.
+// Only the owner (or root) may delete a sealed object. Logs carry names, sizes and ids, never descriptors' contents or
 // object bytes. Each connection is bounded in objects and leases (waiting
 // gets count as leases), and a subscriber that stops reading its events
 // misses them rather than making the daemon buffer them without bound.
