@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from .errors import InvalidArgument
 
-__all__ = ["ALIGNMENT", "Bundle", "LoadReport", "LoadMismatch", "TensorEntry", "layout",
+__all__ = ["ALIGNMENT", "Bundle", "BundleWriter", "create_bundle", "LoadReport", "LoadMismatch", "TensorEntry", "layout",
            "encode_manifest", "parse_manifest", "put_bundle", "get_bundle", "load_into"]
 
 ALIGNMENT = 256
@@ -46,7 +46,7 @@ BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5
         "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class TensorEntry:
     """One tensor of a manifest: its bytes are [begin, end) of the object."""
     name: str
@@ -111,10 +111,8 @@ def parse_manifest(raw: bytes) -> Tuple[List[TensorEntry], Dict[str, str]]:
     if not isinstance(doc, dict):
         raise ValueError("a safetensors header is a JSON object")
     meta = doc.pop("__metadata__", None) or {}
-    out = []
-    for name, e in doc.items():
-        b, en = e["data_offsets"]
-        out.append(TensorEntry(name, e["dtype"], tuple(e["shape"]), int(b), int(en)))
+    out = [TensorEntry(name, e["dtype"], tuple(e["shape"]), e["data_offsets"][0], e["data_offsets"][1])
+           for name, e in doc.items()]
     out.sort(key=lambda e: (e.begin, e.end))
     return out, meta
 
@@ -166,10 +164,11 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
                        shard=shard, keep_last=keep_last, manifest=encode_manifest(entries, metadata))
     try:
         base = obj.tensor()  # uint8, the whole object, on its device
+        views = _views_of(base, entries)
         dsts, srcs = [], []
         for e, (_, v) in zip(entries, items):
             if e.nbytes:
-                dsts.append(base[e.begin:e.end].view(v.dtype).view(v.shape))
+                dsts.append(views[e.name])
                 srcs.append(v)
         _copy(dsts, srcs, base.device, stream)
     except BaseException:
@@ -210,6 +209,80 @@ def _copy(dsts: List[Any], srcs: List[Any], device: Any, stream: Any) -> int:
     return calls
 
 
+class BundleWriter:
+    """A bundle being written in place (from :func:`create_bundle`): ``tensors`` are
+    writable zero-copy views of the new object, by name. Write them (a trainer's
+    gather or optimizer output can land there directly: no copy), synchronize, then
+    ``seal()``."""
+
+    def __init__(self, obj: Any, entries: List[TensorEntry], tensors: Dict[str, Any]):
+        self.obj = obj
+        self.entries = entries
+        self.tensors = tensors
+
+    @property
+    def version(self) -> int:
+        return self.obj.version
+
+    def seal(self) -> None:
+        """Publish: the views must not be used afterwards."""
+        self.tensors = {}
+        self.obj.seal()
+
+    def abort(self) -> None:
+        self.tensors = {}
+        self.obj.abort()
+
+
+def create_bundle(store: Any, name: str, specs: Mapping[str, Tuple[Any, Sequence[int]]], device: Any = None, *,
+                  publish: bool = False, shards: int = 0, shard: int = 0, keep_last: int = 0,
+                  shared: bool = False, metadata: Optional[Mapping[str, str]] = None) -> BundleWriter:
+    """Create a bundle of tensors given as {name: (torch dtype, shape)} and return
+    writable views of them in the new object, to be filled in place and sealed."""
+    items = [(k, _st_dtype_of(dt), tuple(int(d) for d in shape)) for k, (dt, shape) in specs.items()]
+    entries, size = layout(items)
+    obj = store.create(name, max(size, 1), device, shared=shared, versioned=publish, shards=shards,
+                       shard=shard, keep_last=keep_last, manifest=encode_manifest(entries, metadata))
+    try:
+        views = _views_of(obj.tensor(), entries)
+    except BaseException:
+        obj.abort()
+        raise
+    return BundleWriter(obj, entries, views)
+
+
+def _st_dtype_of(dt: Any) -> str:
+    name = str(dt).replace("torch.", "")
+    st = TO_SAFETENSORS.get(name)
+    if st is None:
+        raise InvalidArgument("create", "", "dtype %s has no safetensors name" % name)
+    return st
+
+
+def _views_of(base: Any, entries: List[TensorEntry]) -> Dict[str, Any]:
+    """Views of each entry in base (uint8, the whole object): one as_strided per
+    tensor over a view of base per dtype. Dtypes torch lacks come as uint8 bytes."""
+    import torch
+    by_dtype: Dict[Any, Any] = {}
+    out: Dict[str, Any] = {}
+    for e in entries:
+        dt = _torch_dtype(e.dtype)
+        if dt is None:
+            out[e.name] = base[e.begin:e.end]
+            continue
+        v = by_dtype.get(dt)
+        if v is None:
+            item = torch.empty((), dtype=dt).element_size()
+            v = by_dtype[dt] = (base[: base.numel() - base.numel() % item].view(dt), item)
+        view, item = v
+        strides, acc = [], 1
+        for d in reversed(e.shape):
+            strides.append(acc)
+            acc *= max(d, 1)
+        out[e.name] = torch.as_strided(view, e.shape, tuple(reversed(strides)), e.begin // item)
+    return out
+
+
 class Bundle(dict):
     """Zero-copy tensors of one bundle lease, by name (a dict of torch.Tensor). The
     lease lasts while the Bundle or any of its tensors is alive; ``release()`` gives up
@@ -246,27 +319,9 @@ def get_bundle(store: Any, name: str, timeout: Optional[float] = None, *, versio
     and return its tensors as zero-copy views of that one lease, on the object's
     device. The manifest comes from the memfd beside the lease, not from the object.
     Tensors of dtypes PyTorch lacks come as uint8 bytes."""
-    import torch
     lease = store.get(name, timeout, version=version, shard=shard, newer_than=newer_than)
     entries, meta = parse_manifest(lease.manifest_bytes())
-    base = lease.tensor()  # uint8, the whole object
-    by_dtype: Dict[Any, Any] = {}
-    out: Dict[str, Any] = {}
-    for e in entries:
-        dt = _torch_dtype(e.dtype)
-        if dt is None:
-            out[e.name] = base[e.begin:e.end]
-            continue
-        item = torch.empty((), dtype=dt).element_size()
-        v = by_dtype.get(dt)
-        if v is None:
-            v = by_dtype[dt] = base[: base.numel() - base.numel() % item].view(dt)
-        strides, acc = [], 1
-        for d in reversed(e.shape):
-            strides.append(acc)
-            acc *= max(d, 1)
-        out[e.name] = torch.as_strided(v, e.shape, tuple(reversed(strides)), e.begin // item)
-    return Bundle(lease, entries, meta, out)
+    return Bundle(lease, entries, meta, _views_of(lease.tensor(), entries))
 
 
 class LoadMismatch(InvalidArgument):
@@ -309,7 +364,7 @@ def load_into(bundle: Bundle, params: Mapping[str, Any], *, stream: Any = None) 
             continue
         if src.dtype != p.dtype:
             problems.append("%s: dtype %s in the bundle, %s in the parameter" % (name, src.dtype, p.dtype))
-        elif tuple(src.shape) != tuple(p.shape):
+        elif src.shape != p.shape:
             problems.append("%s: shape %s in the bundle, %s in the parameter" % (name, tuple(src.shape), tuple(p.shape)))
         else:
             pairs.append((p, src))

@@ -156,3 +156,15 @@ def test_load_into(store):
         msg = str(e.value)
         assert "nope: missing" in msg and "a: shape" in msg and "b: dtype" in msg
         assert not bad["c"].any()
+
+
+def test_create_bundle_in_place(store):
+    specs = {"w": (torch.float32, (3, 4)), "b": (torch.bfloat16, (5,))}
+    w = B.create_bundle(store, "inplace", specs, publish=True)
+    w.tensors["w"].copy_(torch.arange(12, dtype=torch.float32).view(3, 4))
+    w.tensors["b"].fill_(2.5)
+    assert w.version == 1
+    w.seal()
+    with store.get_bundle("inplace", timeout=1) as b:
+        assert b["w"].flatten().tolist() == list(range(12))
+        assert b["b"].float().tolist() == [2.5] * 5

@@ -1,0 +1,405 @@
+#!/usr/bin/env python3
+"""Weight-sync benchmark: trainer -> inference engine on one node (issue 10).
+
+A producer process holds a synthetic state dict with real model shapes and publishes
+version after version; a consumer process loads each version into its own parameters.
+Measured per version: publish -> loaded, from the moment the producer starts to
+publish (its new weights are in its memory) until the consumer's copies are complete
+(CLOCK_MONOTONIC, shared by both processes). Side by side, in the same run:
+
+  cudaipc        the producer writes the new version in place (create_bundle views),
+                 seals it; the consumer wait_newer's it and load_into's its params
+  cudaipc-put    the producer's weights are its own tensors: put_bundle copies them
+                 into the new version, seals; the consumer as above
+  per-tensor     PyTorch's per-tensor IPC (reduce_tensor / rebuild_cuda_tensor, as
+                 OpenRLHF and vLLM use it), one handle per tensor, then copy_
+  bucketed       verl-style: one 2 GB IPC buffer shared once; the producer packs
+                 tensors into it chunk by chunk, a socket handshake per chunk, the
+                 consumer copies each chunk out
+  floor          the same bytes copied device-to-device inside one process, tensor
+                 by tensor (_foreach_copy_ on one GPU; copy_ per tensor across GPUs,
+                 the peer-copy floor), and as one flat copy
+
+Data is random on every version and checked on the consumer: an int64 checksum of
+every tensor's bits against the producer's.
+
+    python3 scripts/bench/weight_sync.py --bin path/to/cudaipc --json out.json
+    python3 scripts/bench/weight_sync.py --bin ... --producer-gpu 1 --consumer-gpu 0 --models dense
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "python"))
+
+BUCKET = 2 << 30
+
+
+def dense_shapes() -> List[Tuple[str, Tuple[int, ...]]]:
+    """Llama-3-8B: 32 layers, hidden 4096, MLP 14336, 32 heads / 8 KV heads of 128,
+    vocabulary 128256: 291 tensors, 8.03 B parameters."""
+    h, mlp, kv, vocab = 4096, 14336, 1024, 128256
+    out = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(32):
+        p = "model.layers.%d." % i
+        out += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "mlp.gate_proj.weight", (mlp, h)), (p + "mlp.up_proj.weight", (mlp, h)),
+                (p + "mlp.down_proj.weight", (h, mlp)),
+                (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+    out += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    return out
+
+
+def moe_shapes() -> List[Tuple[str, Tuple[int, ...]]]:
+    """Qwen3-30B-A3B's layout (48 layers, 128 experts of 3 matrices each, q/k norms,
+    router; 18 867 tensors) with hidden 512 and expert MLP 192 instead of 2048 and
+    768, so that it fits beside everything else: about 1.9 B parameters."""
+    h, inter, experts, heads, kvh, hd, vocab = 512, 192, 128, 32, 4, 128, 151936 // 8
+    out = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(48):
+        p = "model.layers.%d." % i
+        out += [(p + "self_attn.q_proj.weight", (heads * hd // 4, h)), (p + "self_attn.k_proj.weight", (kvh * hd, h)),
+                (p + "self_attn.v_proj.weight", (kvh * hd, h)), (p + "self_attn.o_proj.weight", (h, heads * hd // 4)),
+                (p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,)),
+                (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate.weight", (experts, h))]
+        for e in range(experts):
+            q = p + "mlp.experts.%d." % e
+            out += [(q + "gate_proj.weight", (inter, h)), (q + "up_proj.weight", (inter, h)), (q + "down_proj.weight", (h, inter))]
+    out += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    return out
+
+
+def smoke_shapes() -> List[Tuple[str, Tuple[int, ...]]]:
+    """A few small tensors, for --smoke (host memory, any machine)."""
+    return [("a", (64, 32)), ("b", (7,)), ("c", (1000, 3))] + [("e.%d" % i, (5, 9)) for i in range(200)]
+
+
+MODELS = {"dense": dense_shapes, "moe": moe_shapes, "smoke": smoke_shapes}
+
+
+def device(i: int) -> Any:
+    import torch
+    return torch.device("cpu") if i < 0 else torch.device("cuda", i)
+
+
+def sync(dev: Any) -> None:
+    import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+# -- helpers used in the worker processes -------------------------------------------------
+
+def alloc(shapes, device) -> Dict[str, Any]:
+    import torch
+    return {n: torch.empty(s, dtype=torch.bfloat16, device=device) for n, s in shapes}
+
+
+def randomize(tensors: Dict[str, Any]) -> None:
+    import torch
+    for t in tensors.values():
+        t.view(torch.int16).random_(-32768, 32767)
+
+
+def checksums(tensors: Dict[str, Any]) -> List[int]:
+    """int64 sum of every tensor's bits (as int16), one list of ints per state dict."""
+    import torch
+    sums = [t.reshape(-1).view(torch.int16).sum() for t in tensors.values()]
+    return torch.stack(sums).cpu().tolist() if sums else []
+
+
+def nbytes(tensors: Dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def now() -> float:
+    return time.perf_counter()   # CLOCK_MONOTONIC: comparable across processes
+
+
+# -- producer ---------------------------------------------------------------------------
+
+def producer(conn, cfg) -> None:
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+    import cudaipc
+    from cudaipc import bundle as B
+    dev = device(cfg["producer_gpu"])
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    where = cfg["producer_gpu"] if dev.type == "cuda" else "host"
+    shapes = MODELS[cfg["model"]]()
+    store = cudaipc.connect(cfg["socket"])
+    params = None
+    for path, versions in cfg["paths"]:
+        name = "%s-%s" % (cfg["model"], path)
+        if path == "cudaipc":
+            params = None
+        elif params is None:
+            params = alloc(shapes, dev)
+        if path == "bucketed":
+            buf = torch.empty(BUCKET, dtype=torch.uint8, device=dev)
+            conn.send(("bucket", reduce_tensor(buf)))
+            conn.recv()
+        for v in range(1, versions + 1):
+            if path == "cudaipc":
+                w = B.create_bundle(store, name, {n: (torch.bfloat16, s) for n, s in shapes}, where,
+                                    publish=True, keep_last=1)
+                src = w.tensors
+            else:
+                src = params
+            randomize(src)
+            sync(dev)
+            sums = checksums(src)
+            assert conn.recv() == "ready"
+            t0 = now()
+            if path == "cudaipc":
+                w.seal()
+            elif path == "cudaipc-put":
+                B.put_bundle(store, name, params, where, publish=True, keep_last=1)
+            elif path == "per-tensor":
+                conn.send(("handles", [(n, reduce_tensor(t)) for n, t in params.items()]))
+            elif path == "bucketed":
+                meta, off = [], 0
+                items = list(params.items())
+                for i, (n, t) in enumerate(items):
+                    k = t.numel() * t.element_size()
+                    if off + k > BUCKET:
+                        sync(dev)
+                        conn.send(("chunk", meta, False))
+                        assert conn.recv() == "ack"
+                        meta, off = [], 0
+                    buf[off:off + k].view(t.dtype).view(t.shape).copy_(t)
+                    meta.append((n, off, k))
+                    off = (off + k + 255) // 256 * 256
+                sync(dev)
+                conn.send(("chunk", meta, True))
+            conn.send(("sums", t0, sums))
+            assert conn.recv() == "done"
+        if path in ("cudaipc", "cudaipc-put"):
+            store.rm(name)
+        if path == "bucketed":
+            del buf
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    conn.send("bye")
+
+
+# -- consumer ---------------------------------------------------------------------------
+
+def consumer(conn, cfg, results) -> None:
+    import torch
+    import cudaipc
+    from cudaipc import bundle as B
+    dev = device(cfg["consumer_gpu"])
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    shapes = MODELS[cfg["model"]]()
+    params = alloc(shapes, dev)
+    store = cudaipc.connect(cfg["socket"])
+    total = nbytes(params)
+    for path, versions in cfg["paths"]:
+        name = "%s-%s" % (cfg["model"], path)
+        times, bad = [], 0
+        bucket = None
+        if path == "bucketed":
+            tag, h = conn.recv()
+            fn, args = h
+            bucket = fn(*args)
+            conn.send("ok")
+        seen = 0
+        for v in range(1, versions + 1):
+            conn.send("ready")
+            if path in ("cudaipc", "cudaipc-put"):
+                b = B.get_bundle(store, name, timeout=120, newer_than=seen)
+                seen = b.version
+                B.load_into(b, params)
+                t1 = now()
+                b.release()
+                del b
+            elif path == "per-tensor":
+                tag, handles = conn.recv()
+                srcs = []
+                for n, (fn, args) in handles:
+                    t = fn(*args)
+                    params[n].copy_(t, non_blocking=True)
+                    srcs.append(t)
+                sync(dev)
+                t1 = now()
+                del srcs, handles
+            elif path == "bucketed":
+                while True:
+                    tag, meta, last = conn.recv()
+                    for n, off, k in meta:
+                        p = params[n]
+                        p.copy_(bucket[off:off + k].view(p.dtype).view(p.shape), non_blocking=True)
+                    sync(dev)
+                    if last:
+                        break
+                    conn.send("ack")
+                t1 = now()
+            tag, t0, sums = conn.recv()
+            if checksums(params) != sums:
+                bad += 1
+            times.append(t1 - t0)
+            conn.send("done")
+        del bucket
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        results.put({"model": cfg["model"], "path": path, "times": times, "bad_versions": bad,
+                     "versions": versions, "bytes": total, "tensors": len(params)})
+    assert conn.recv() == "bye"
+
+
+def floor(cfg, results) -> None:
+    """The same bytes copied device-to-device in one process: tensor by tensor, and as
+    one flat copy, producer GPU -> consumer GPU."""
+    import torch
+    pg, cg = device(cfg["producer_gpu"]), device(cfg["consumer_gpu"])
+    shapes = MODELS[cfg["model"]]()
+    src, dst = alloc(shapes, pg), alloc(shapes, cg)
+    randomize(src)
+    total = nbytes(src)
+    s, d = list(src.values()), list(dst.values())
+    if cg.type == "cuda":
+        torch.cuda.set_device(cg)
+    per, flat = [], []
+    for i in range(cfg["floor_reps"]):
+        sync(pg)
+        sync(cg)
+        t0 = now()
+        if pg == cg and hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(d, s)
+        else:
+            for x, y in zip(d, s):
+                x.copy_(y, non_blocking=True)
+        sync(cg)
+        per.append(now() - t0)
+    ok = checksums(src) == checksums(dst)
+    del dst
+    a = torch.empty(total, dtype=torch.uint8, device=pg)
+    b = torch.empty(total, dtype=torch.uint8, device=cg)
+    for i in range(cfg["floor_reps"]):
+        sync(pg)
+        sync(cg)
+        t0 = now()
+        b.copy_(a, non_blocking=True)
+        sync(cg)
+        flat.append(now() - t0)
+    results.put({"model": cfg["model"], "path": "floor", "times": per, "bad_versions": 0 if ok else 1,
+                 "versions": len(per), "bytes": total, "tensors": len(src)})
+    results.put({"model": cfg["model"], "path": "floor-flat", "times": flat, "bad_versions": 0,
+                 "versions": len(flat), "bytes": total, "tensors": 1})
+
+
+def run_model(cfg) -> List[dict]:
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    f = ctx.Process(target=floor, args=(cfg, results))
+    f.start()
+    f.join()
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=producer, args=(a, cfg))
+    c = ctx.Process(target=consumer, args=(b, cfg, results))
+    p.start()
+    c.start()
+    out = []
+    want = 2 + len(cfg["paths"])
+    deadline = time.monotonic() + cfg["timeout"]
+    while len(out) < want and time.monotonic() < deadline:
+        try:
+            out.append(results.get(timeout=1))
+            r = out[-1]
+            print("  %-11s %s" % (r["path"], summarize(r)), flush=True)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            if not (p.is_alive() or c.is_alive()) and results.empty():
+                break
+    for x in (p, c):
+        x.join(10)
+        if x.is_alive():
+            x.kill()
+    return out
+
+
+def summarize(r: dict) -> str:
+    t = r["times"][1:] if len(r["times"]) > 1 else r["times"]
+    med = statistics.median(t)
+    r["median_s"] = med
+    r["first_s"] = r["times"][0]
+    r["gbps"] = r["bytes"] / med / 1e9
+    return "median %8.2f ms (first %8.2f ms)  %7.1f GB/s  %d tensors  %.2f GB  checksum failures %d" % (
+        med * 1e3, r["times"][0] * 1e3, r["gbps"], r["tensors"], r["bytes"] / 1e9, r["bad_versions"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", default=shutil.which("cudaipc") or os.path.join(REPO, "cudaipc"), help="the cudaipc binary")
+    ap.add_argument("--models", default="dense,moe")
+    ap.add_argument("--paths", default="cudaipc,cudaipc-put,per-tensor,bucketed")
+    ap.add_argument("--versions", type=int, default=5, help="versions per path (the first is reported apart)")
+    ap.add_argument("--per-tensor-versions-moe", type=int, default=3)
+    ap.add_argument("--producer-gpu", type=int, default=0)
+    ap.add_argument("--consumer-gpu", type=int, default=0)
+    ap.add_argument("--capacity", default="80GiB")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per model")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model in host memory (any machine): checks the script")
+    args = ap.parse_args()
+    d = tempfile.mkdtemp(prefix="weight-sync-")
+    sock = os.path.join(d, "store.sock")
+    log = open(os.path.join(d, "daemon.log"), "w")
+    if args.smoke:
+        args.models, args.producer_gpu, args.consumer_gpu, args.capacity = "smoke", -1, -1, "256MiB"
+    daemon = subprocess.Popen([args.bin, "serve", "--socket", sock, "--backend", "host" if args.smoke else "cuda",
+                               "--capacity", args.capacity,
+                               "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while not os.path.exists(sock):
+            if daemon.poll() is not None:
+                sys.exit("cudaipc serve exited: see %s" % log.name)
+            time.sleep(0.05)
+        all_results = []
+        for m in args.models.split(","):
+            paths = []
+            for p in args.paths.split(","):
+                n = args.versions
+                if m == "moe" and p == "per-tensor":
+                    n = min(n, args.per_tensor_versions_moe)
+                paths.append((p, n))
+            cfg = {"model": m, "socket": sock, "paths": paths, "producer_gpu": args.producer_gpu,
+                   "consumer_gpu": args.consumer_gpu, "floor_reps": 5, "timeout": args.timeout}
+            print("model %s, producer GPU %d, consumer GPU %d" % (m, args.producer_gpu, args.consumer_gpu), flush=True)
+            rs = run_model(cfg)
+            fl = next((r for r in rs if r["path"] == "floor"), None)
+            for r in rs:
+                r["producer_gpu"], r["consumer_gpu"] = args.producer_gpu, args.consumer_gpu
+                if fl is not None and "median_s" in r and "median_s" in fl:
+                    r["x_floor"] = r["median_s"] / fl["median_s"]
+            for r in rs:
+                if "x_floor" in r:
+                    print("  %-11s %6.2fx floor" % (r["path"], r["x_floor"]), flush=True)
+            all_results += rs
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(all_results, f, indent=1)
+    finally:
+        daemon.terminate()
+        daemon.wait(10)
+
+
+if __name__ == "__main__":
+    main()
