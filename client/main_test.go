@@ -230,14 +230,20 @@ func spawnAttr(t *testing.T, exe, role string, attr *syscall.SysProcAttr, env ..
 	if p.in, err = cmd.StdinPipe(); err != nil {
 		t.Fatal(err)
 	}
-	out, err := cmd.StdoutPipe()
+	// Not StdoutPipe: Wait, which runs concurrently, would close its read
+	// end as soon as the child exits, losing the output of a quick child
+	// ("file already closed").
+	out, w, err := os.Pipe()
 	if err != nil {
 		t.Fatal(err)
 	}
+	cmd.Stdout = w
 	p.out = bufio.NewReader(out)
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	w.Close()
+	t.Cleanup(func() { out.Close() })
 	go func() { p.err = cmd.Wait(); close(p.waited) }()
 	t.Cleanup(func() {
 		p.cmd.Process.Kill()
