@@ -43,6 +43,7 @@ type Client struct {
 	closed    bool                 // Close was called
 
 	parked      parking       // idle GPU arenas kept mapped (park.go)
+	table       *leaseTable   // the lease fast path (fastpath.go); nil without one
 	callTimeout time.Duration // bounds the calls that take no context
 	readerDone  chan struct{}
 }
@@ -75,6 +76,9 @@ type Options struct {
 	// mapping of a daemon arena (its memory is the daemon's, already
 	// allocated). 0 means DefaultMaxIdleArenas; negative keeps none.
 	MaxIdleArenas int
+	// NoFastPath turns the lease fast path off: every Release and Get goes
+	// through the socket (for comparison; docs/architecture.md).
+	NoFastPath bool
 }
 
 // reply is what the reader hands to a waiting call. The placement in a
@@ -144,6 +148,9 @@ func DialOptions(ctx context.Context, socket string, opts Options) (*Client, err
 		return nil, err
 	}
 	go c.read()
+	if !opts.NoFastPath {
+		c.openLeaseTable(ctx)
+	}
 	return c, nil
 }
 
@@ -233,6 +240,7 @@ func (c *Client) Close() error {
 	for _, u := range users {
 		u.closeGPU()
 	}
+	c.dropIdleArenas(nil)
 	c.unparkAll()
 	// Half-close and wait for the daemon to hang up: it cleans up the
 	// session (aborts, releases) before it closes its end, so once the
@@ -247,6 +255,7 @@ func (c *Client) Close() error {
 	}
 	err := c.conn.Close()
 	<-c.readerDone
+	c.closeLeaseTable()
 	c.mu.Lock()
 	c.releaseArenasLocked()
 	c.mu.Unlock()
@@ -288,6 +297,8 @@ func (c *Client) read() {
 		// state and are imported by the caller.
 		p := placementOf(resp)
 		switch {
+		case resp.GetLeaseTable() != nil && len(files) == 1:
+			r.file = files[0]
 		case p == nil || responseError("", "", resp) != nil:
 			closeFiles(files)
 		case p.GetExternal():

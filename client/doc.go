@@ -16,6 +16,12 @@
 //     connection closes (including when the process is killed). When
 //     Release (or Close) returns, the daemon has ended the lease: every
 //     connection sees it gone and a deleted object's memory reusable.
+//   - The lease fast path: the client shares a lease table with the daemon
+//     (docs/protocol.md 6.7). A lease of a plain object is released by one
+//     compare-and-swap in it, with no system call, and a later Get of the
+//     same name takes the lease back the same way unless the daemon has
+//     reclaimed it (it needed the memory) or the object was deleted; then
+//     the Get goes through the socket. Options.NoFastPath turns it off.
 //   - Memory is mapped once per daemon arena and cached, so a Get costs one
 //     socket round trip. Mappings are unmapped when the client is closed and
 //     no Object or Lease uses them any more; Bytes of a released lease must

@@ -31,6 +31,11 @@ type Lease struct {
 	m        *mapping // host arena mapping; nil for GPU objects and after Release
 	released bool
 	bundle   leaseManifest
+	// The lease's slot in the lease table (1-based; 0: released through
+	// the socket), its generation, and the arena it lies in.
+	slot  int
+	gen   uint64
+	arena uint64
 }
 
 // Get waits until the object name exists and is sealed, then leases it.
@@ -38,6 +43,15 @@ type Lease struct {
 // the error wraps ErrTimeout (and context.DeadlineExceeded). Other calls
 // on the client proceed while Get waits.
 func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
+	if err := checkName("get", name); err != nil {
+		return nil, err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, ctxError("get", name, err)
+	}
+	if l := c.retake(name); l != nil {
+		return l, nil
+	}
 	return c.get(ctx, name, &storev1.GetRequest{Name: name})
 }
 
@@ -73,6 +87,9 @@ func (c *Client) get(ctx context.Context, name string, gr *storev1.GetRequest) (
 	}
 	l := &Lease{c: c, id: g.GetLeaseId(), info: info, m: r.m, v: view{device: p.GetDevice(), size: int64(p.GetSize()), open: true}}
 	l.bundle.file = r.manifest
+	if t := c.table; t != nil && g.GetLeaseSlot() != 0 && int(g.GetLeaseSlot()) <= t.words.Len() && r.manifest == nil && info.Version == 0 {
+		l.slot, l.gen, l.arena = int(g.GetLeaseSlot()), g.GetLeaseGen(), p.GetArenaId()
+	}
 	if r.m != nil {
 		l.v.data = r.m.slice(p)
 		return l, nil
@@ -153,10 +170,13 @@ func (l *Lease) ID() uint64 { return l.id }
 // daemon may free the arena once the lease ends). Bytes, Ptr and Mapping
 // must not be used afterwards.
 //
-// When Release returns nil the daemon has ended the lease: every
+// When Release returns nil the lease is over for the daemon: every
 // connection, this one and others, sees it gone (Stat's Leases, List) and
 // the memory it held reusable (a deleted object's space is free for the
-// next Create). Release waits for the daemon at most Options.CallTimeout;
+// next Create). A lease of a plain object is released through the lease
+// table when the connection has one (one compare-and-swap in shared
+// memory, which the daemon reads: no round trip); otherwise, or for a
+// deleted object, through the socket. Release waits for the daemon at most Options.CallTimeout;
 // past that it fails with ErrTimeout and the daemon ends the lease when it
 // reads the request (or when the connection closes). Release is
 // idempotent; when the connection is already gone the daemon has ended
@@ -168,6 +188,9 @@ func (l *Lease) Release() error {
 		return nil
 	}
 	l.released = true
+	if l.releaseFast() {
+		return nil
+	}
 	l.bundle.close()
 	verr := l.v.close()
 	l.c.untrackGPU(l)

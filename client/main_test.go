@@ -125,6 +125,9 @@ func runRole(role string) error {
 	if f := gpuRoles[role]; f != nil {
 		return f(ctx, c, say)
 	}
+	if f := fastRoles[role]; f != nil {
+		return f(ctx, c, say)
+	}
 	return fmt.Errorf("unknown role %q", role)
 }
 

@@ -113,6 +113,7 @@ func (c *Client) unparkAll() {
 // (GPU arenas parked here; host arenas no Object or Lease uses) and
 // forgotten, which lets the daemon free a GPU arena's memory.
 func (c *Client) arenasFreed(ids []uint64) {
+	c.dropIdleArenas(ids)
 	c.unpark(ids)
 	c.mu.Lock()
 	for _, id := range ids {

@@ -17,7 +17,9 @@ import (
 func TestStoppedDaemon(t *testing.T) {
 	d := startDaemon(t, socketPath(t))
 	ctx := context.Background()
-	opts := client.Options{DialTimeout: 200 * time.Millisecond, CallTimeout: 200 * time.Millisecond}
+	// Without the lease fast path, so that Release needs the daemon (with
+	// it, a Release is a store to shared memory and needs nobody).
+	opts := client.Options{DialTimeout: 200 * time.Millisecond, CallTimeout: 200 * time.Millisecond, NoFastPath: true}
 	c, err := client.DialOptions(ctx, d.socket, opts)
 	if err != nil {
 		t.Fatal(err)

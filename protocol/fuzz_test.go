@@ -261,3 +261,38 @@ func FuzzValidateCreate(f *testing.F) {
 		}
 	})
 }
+
+// FuzzLeaseSlot: whatever word a client (or a misbehaving one) leaves in a
+// lease slot, the daemon reclaims only the idle lease it granted, and a
+// client takes back or releases through memory only its own lease in the
+// exact state expected.
+func FuzzLeaseSlot(f *testing.F) {
+	f.Add(uint64(0), uint64(1))
+	f.Add(SlotWord(7, SlotIdle, false), uint64(7))
+	f.Add(SlotWord(7, SlotHeld, true), uint64(7))
+	f.Add(^uint64(0), uint64(MaxSlotGen))
+	f.Fuzz(func(t *testing.T, w, gen uint64) {
+		gen &= MaxSlotGen
+		g, st, doomed := DecodeSlot(w)
+		if SlotWord(g, st, doomed) != w {
+			t.Fatalf("word %#x does not round-trip", w)
+		}
+		if next, ok := SlotReclaim(w, gen); ok {
+			if g != gen || st != SlotIdle || next != SlotWord(gen, SlotFree, false) {
+				t.Fatalf("reclaimed %#x for gen %d", w, gen)
+			}
+		}
+		if next, ok := SlotRelease(w, gen); ok {
+			if w != SlotWord(gen, SlotHeld, false) || next != SlotWord(gen, SlotIdle, false) {
+				t.Fatalf("released %#x for gen %d", w, gen)
+			}
+		}
+		old, next := SlotRetake(gen)
+		if _, st, d := DecodeSlot(old); st != SlotIdle || d {
+			t.Fatal("retake expects a non-idle word")
+		}
+		if _, st, _ := DecodeSlot(next); st != SlotHeld {
+			t.Fatal("retake swaps in a non-held word")
+		}
+	})
+}

@@ -158,6 +158,8 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 		return nil
 	case *storev1.Request_ForgetArenas:
 		return validateArenaIDs("forget_arenas", b.ForgetArenas.GetArenaIds())
+	case *storev1.Request_LeaseTable:
+		return nil
 	case nil:
 		return Errorf(storev1.Error_INVALID, "request %d has no known operation", r.GetId())
 	default:
@@ -203,6 +205,8 @@ func RequestKind(r *storev1.Request) string {
 		return "forget_arenas"
 	case *storev1.Request_Register:
 		return "register"
+	case *storev1.Request_LeaseTable:
+		return "lease_table"
 	default:
 		return "unknown"
 	}
@@ -299,6 +303,9 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		if g.GetInfo().GetSize() != g.GetPlacement().GetSize() {
 			return invalid("get: info and placement sizes differ")
 		}
+		if g.GetLeaseSlot() > MaxLeaseSlots || (g.GetLeaseSlot() == 0) != (g.GetLeaseGen() == 0) || g.GetLeaseGen() > MaxSlotGen {
+			return invalid("get: bad lease slot")
+		}
 	case *storev1.Response_List:
 		for _, o := range b.List.GetObjects() {
 			if err := validateInfo(o); err != nil {
@@ -313,6 +320,11 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		if err := ValidateName(b.Event.GetName()); err != nil {
 			return invalid("event: " + err.Error())
 		}
+	case *storev1.Response_LeaseTable:
+		if n := b.LeaseTable.GetSlots(); n == 0 || n > MaxLeaseSlots {
+			return invalid("lease_table: bad slot count")
+		}
+		placementFiles = 1
 	case *storev1.Response_ArenasFreed:
 		if err := validateArenaIDs("arenas_freed", b.ArenasFreed.GetArenaIds()); err != nil {
 			return invalid(err.Error())

@@ -465,6 +465,17 @@ func (cn *conn) handle(req *storev1.Request) {
 			cn.pumping = true
 			cn.wg.Go(func() { cn.pump(events) })
 		}
+	case *storev1.Request_LeaseTable:
+		f, n, err := ss.leaseTable()
+		if err != nil {
+			fail(err)
+			return
+		}
+		defer f.Close()
+		cn.order.Lock()
+		defer cn.order.Unlock()
+		cn.s.metrics.requests.WithLabelValues(op, "ok").Inc()
+		cn.sendLocked(&storev1.Response{Id: id, Body: &storev1.Response_LeaseTable{LeaseTable: &storev1.LeaseTableResponse{Slots: uint32(n)}}}, f)
 	case *storev1.Request_ForgetArenas:
 		if err := ss.forget(b.ForgetArenas.GetArenaIds()); err != nil {
 			fail(err)
@@ -516,6 +527,8 @@ func (cn *conn) grant(id uint64, name string, retry bool) bool {
 		Placement:        p.proto(),
 		Info:             p.info.proto(),
 		ManifestAttached: p.manifest != nil,
+		LeaseSlot:        uint32(p.leaseSlot),
+		LeaseGen:         p.leaseGen,
 	}}}, &p)
 	return true
 }

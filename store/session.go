@@ -40,6 +40,7 @@ type session struct {
 	holds      map[uint64]struct{} // arenas this connection maps (hold.go)
 	freed      []uint64            // arenas given back that it has not been told of
 	notify     chan struct{}       // signalled when freed grows
+	table      *leaseTable         // nil until asked for (leasetable.go)
 	events     chan event          // nil until subscribed
 	// dropping is set while events are dropped for want of queue space,
 	// so that an episode is logged once.
@@ -50,6 +51,10 @@ type session struct {
 type lease struct {
 	id  uint64
 	obj *object
+	// slot is the lease's slot in the session's table (1-based; 0: none),
+	// gen the generation granted in it (leasetable.go).
+	slot int
+	gen  uint64
 }
 
 type sentKey struct {
@@ -98,6 +103,8 @@ type placement struct {
 	pieces     []int64    // its VMM pieces
 	pieceFiles []*os.File // duplicates of their descriptors, sent with the placement; the caller closes them
 	leaseID    uint64     // gets only
+	leaseSlot  int        // gets only: the lease's slot in the session's table, or 0
+	leaseGen   uint64
 	share      *arenaShare
 	manifest   *os.File // a bundle's manifest, sent after the arena's file; the caller closes it
 	info       info     // gets only
@@ -418,13 +425,14 @@ func (ss *session) leaseLocked(o *object) (placement, error) {
 		}
 	}
 	ss.leases[l.id] = l
+	ss.slotLocked(l)
 	o.leases++
 	if o.ver != nil {
 		o.ver.leases++
 	}
 	s.leases++
 	o.dev.alloc.SetEvictable(o.block, false)
-	p.leaseID = l.id
+	p.leaseID, p.leaseSlot, p.leaseGen = l.id, l.slot, l.gen
 	p.info = o.info()
 	return p, nil
 }
@@ -451,6 +459,7 @@ func (ss *session) release(id uint64) error {
 
 func (ss *session) releaseLocked(l *lease) {
 	s := ss.s
+	ss.unslotLocked(l)
 	delete(ss.leases, l.id)
 	s.leases--
 	o := l.obj
@@ -513,6 +522,7 @@ func (ss *session) delete(name string) error {
 		s.freeLocked(o)
 	} else {
 		o.dev.deleted++
+		s.doomLocked(o) // idle leases go now, held ones through the socket
 	}
 	s.log.Debug("object deleted", "session", ss.id, "name", name, "leases", o.leases)
 	return nil
@@ -651,6 +661,7 @@ func (ss *session) close(cause error) {
 		ss.unregisterLocked(e)
 	}
 	clear(ss.registered)
+	ss.closeTableLocked()
 	for id := range ss.holds {
 		ss.forgetLocked(id)
 	}

@@ -130,6 +130,7 @@ type Store struct {
 	published   chan struct{}      // closed and replaced when a version is published
 	leases      int
 	holds       map[uint64]*arenaHold // by arena id: connections that map the arena
+	tables      map[*session]struct{} // sessions with a lease table
 	nextArena   uint64
 	nextSolo    uint64
 	nextLease   uint64
@@ -172,6 +173,7 @@ type object struct {
 	deleted bool     // name removed; memory kept until the last lease ends
 	creator *session // the connection that created it, while it lives
 	leases  int
+	slotted map[*lease]*session // its leases that have a lease table slot, and their session
 
 	ver      *version            // the version it is a shard of; nil for a plain object
 	shard    int                 // its shard index in ver
@@ -250,6 +252,7 @@ func New(cfg Config) (*Store, error) {
 		series:      make(map[string]*series),
 		published:   make(chan struct{}),
 		holds:       make(map[uint64]*arenaHold),
+		tables:      make(map[*session]struct{}),
 	}
 	reg := cfg.Registerer
 	if reg == nil {
@@ -359,6 +362,10 @@ func (s *Store) allocLocked(d *device, o *object) (*alloc.Block[pool, *object], 
 	if errors.Is(err, alloc.ErrFull) && s.freeSparesLocked(d) {
 		// The memory versioned names keep for their next version goes
 		// before anything fails for want of room.
+		b, err = d.alloc.Alloc(p, o.size, o)
+	}
+	if errors.Is(err, alloc.ErrFull) && s.sweepLocked() {
+		// Leases released through lease tables held the room.
 		b, err = d.alloc.Alloc(p, o.size, o)
 	}
 	if !errors.Is(err, alloc.ErrFull) {
@@ -509,7 +516,7 @@ func (o *object) info() info {
 		Size:     o.size,
 		Device:   o.dev.name,
 		Sealed:   o.sealed,
-		Leases:   o.leases,
+		Leases:   o.leases - o.idleLeasesLocked(),
 		Shared:   o.shared,
 		OwnerUID: o.owner,
 		Created:  o.created,

@@ -30,9 +30,12 @@ func (c *BenchStoreCmd) Help() string {
   - the floor: a raw SOCK_SEQPACKET ping-pong (64 bytes) between this process
     and a helper process, one pair, blocking system calls;
   - get+release through the socket: one object, N clients leasing and
-    releasing it in a loop for D (each cycle: two round trips, since Release
-    waits for the daemon's acknowledgement);
-  - with a GPU --device, the same for a host object, as the reference.
+    releasing it in a loop for D, with the lease fast path off (each cycle:
+    two round trips, since Release waits for the daemon's acknowledgement);
+  - get+release through the lease fast path: the same clients with it on
+    (a release and the next get of the same object are compare-and-swaps in
+    shared memory, no system call);
+  - with a GPU --device, the socket path for a host object, as the reference.
 It reports rates, p50/p99 latencies and their ratios to the floor.
 With --socket (or CUDAIPC_SOCKET) it measures that running daemon; without, it
 runs an embedded store in this process.`
@@ -69,12 +72,16 @@ type benchStoreResult struct {
 
 	// Floor is the raw SEQPACKET ping-pong between two processes.
 	Floor benchPath `json:"floor"`
-	// Socket is get+release through the socket on Device (the figures
-	// above); HostRef the same for a host object, on a GPU run.
+	// Socket is get+release through the socket on Device; Fast the same
+	// through the lease fast path (the figures above); HostRef the socket
+	// path for a host object, on a GPU run.
 	Socket  benchPath  `json:"socket"`
+	Fast    benchPath  `json:"fast"`
 	HostRef *benchPath `json:"host_ref,omitempty"`
 	// GPUOverHost is Socket's p50 over HostRef's.
 	GPUOverHost float64 `json:"gpu_over_host_p50,omitempty"`
+	// SocketOverFast is Socket's p50 over Fast's.
+	SocketOverFast float64 `json:"socket_over_fast_p50,omitempty"`
 }
 
 // Run measures and prints the result.
@@ -109,8 +116,9 @@ func (c *BenchStoreCmd) Run(e *Env) error {
 	defer admin.Close()
 	res.Backend = admin.Server().Backend
 	gpu := c.Device != "" && c.Device != "host"
+	socketOnly := client.Options{NoFastPath: true}
 	if gpu {
-		lat, elapsed, err := c.measure(e, sock, admin, "host")
+		lat, elapsed, err := c.measure(e, sock, admin, "host", socketOnly)
 		if err != nil {
 			return err
 		}
@@ -118,7 +126,7 @@ func (c *BenchStoreCmd) Run(e *Env) error {
 		p.ratios(res.Floor)
 		res.HostRef = &p
 	}
-	lat, elapsed, err := c.measure(e, sock, admin, c.Device)
+	lat, elapsed, err := c.measure(e, sock, admin, c.Device, socketOnly)
 	if err != nil {
 		return err
 	}
@@ -127,9 +135,18 @@ func (c *BenchStoreCmd) Run(e *Env) error {
 	if res.HostRef != nil && res.HostRef.P50US > 0 {
 		res.GPUOverHost = res.Socket.P50US / res.HostRef.P50US
 	}
+	lat, elapsed, err = c.measure(e, sock, admin, c.Device, client.Options{})
+	if err != nil {
+		return err
+	}
+	res.Fast = pathOf(lat, c.Device, c.Clients, elapsed)
+	res.Fast.ratios(res.Floor)
+	if res.Fast.P50US > 0 {
+		res.SocketOverFast = res.Socket.P50US / res.Fast.P50US
+	}
 	res.DurationS = elapsed.Seconds()
-	res.Ops, res.OpsPerSec = res.Socket.Ops, res.Socket.OpsPerSec
-	res.P50US, res.P90US, res.P99US, res.MaxUS = res.Socket.P50US, res.Socket.P90US, res.Socket.P99US, res.Socket.MaxUS
+	res.Ops, res.OpsPerSec = res.Fast.Ops, res.Fast.OpsPerSec
+	res.P50US, res.P90US, res.P99US, res.MaxUS = res.Fast.P50US, res.Fast.P90US, res.Fast.P99US, res.Fast.MaxUS
 
 	if c.JSON {
 		return printJSON(e.Stdout, res)
@@ -147,8 +164,9 @@ func (c *BenchStoreCmd) Run(e *Env) error {
 	if res.HostRef != nil {
 		row("get+release, host object", *res.HostRef)
 	}
-	row(fmt.Sprintf("get+release, %s object", c.Device), res.Socket)
-	fmt.Fprintf(e.Stdout, "%d get+release cycles: %.0f per second; latency p50 %.1f µs, p90 %.1f µs, p99 %.1f µs, max %.1f µs\n",
+	row(fmt.Sprintf("get+release, %s object, socket", c.Device), res.Socket)
+	row(fmt.Sprintf("get+release, %s object, fast path", c.Device), res.Fast)
+	fmt.Fprintf(e.Stdout, "fast path: %d get+release cycles: %.0f per second; latency p50 %.1f µs, p90 %.1f µs, p99 %.1f µs, max %.1f µs\n",
 		res.Ops, res.OpsPerSec, res.P50US, res.P90US, res.P99US, res.MaxUS)
 	if res.GPUOverHost > 0 {
 		fmt.Fprintf(e.Stdout, "GPU object over host object, p50: %.2fx\n", res.GPUOverHost)
@@ -158,7 +176,7 @@ func (c *BenchStoreCmd) Run(e *Env) error {
 
 // measure creates one object on dev and has c.Clients clients lease and
 // release it for c.Duration; it returns every cycle's latency.
-func (c *BenchStoreCmd) measure(e *Env, sock string, admin *client.Client, dev string) ([]time.Duration, time.Duration, error) {
+func (c *BenchStoreCmd) measure(e *Env, sock string, admin *client.Client, dev string, opts client.Options) ([]time.Duration, time.Duration, error) {
 	ctx := e.Ctx
 	name := fmt.Sprintf("bench-%d-%d", os.Getpid(), time.Now().UnixNano())
 	obj, err := admin.Create(ctx, name, int64(c.Size), client.CreateOptions{Device: dev})
@@ -181,7 +199,7 @@ func (c *BenchStoreCmd) measure(e *Env, sock string, admin *client.Client, dev s
 
 	clients := make([]*client.Client, c.Clients)
 	for i := range clients {
-		if clients[i], err = e.dial(sock); err != nil {
+		if clients[i], err = e.dialOptions(sock, opts); err != nil {
 			return nil, 0, err
 		}
 		defer clients[i].Close()

@@ -71,7 +71,12 @@ func (e *Env) explain(err error, socket string) error {
 
 // dial connects to the daemon at socket.
 func (e *Env) dial(socket string) (*client.Client, error) {
-	c, err := client.Dial(e.Ctx, socket)
+	return e.dialOptions(socket, client.Options{})
+}
+
+// dialOptions is dial with client options.
+func (e *Env) dialOptions(socket string, opts client.Options) (*client.Client, error) {
+	c, err := client.DialOptions(e.Ctx, socket, opts)
 	return c, e.explain(err, socket)
 }
 

@@ -119,7 +119,7 @@ func (x Error_Code) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Error_Code.Descriptor instead.
 func (Error_Code) EnumDescriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{14, 0}
+	return file_store_proto_rawDescGZIP(), []int{15, 0}
 }
 
 // How the client maps the arena: stated in every placement (protocol
@@ -179,7 +179,7 @@ func (x Placement_Kind) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Placement_Kind.Descriptor instead.
 func (Placement_Kind) EnumDescriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{16, 0}
+	return file_store_proto_rawDescGZIP(), []int{17, 0}
 }
 
 type Event_Kind int32
@@ -238,7 +238,7 @@ func (x Event_Kind) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Event_Kind.Descriptor instead.
 func (Event_Kind) EnumDescriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{29, 0}
+	return file_store_proto_rawDescGZIP(), []int{31, 0}
 }
 
 // Request is the only message a client sends.
@@ -263,6 +263,7 @@ type Request struct {
 	//	*Request_Subscribe
 	//	*Request_ForgetArenas
 	//	*Request_Register
+	//	*Request_LeaseTable
 	Body          isRequest_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -420,6 +421,15 @@ func (x *Request) GetRegister() *RegisterRequest {
 	return nil
 }
 
+func (x *Request) GetLeaseTable() *LeaseTableRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_LeaseTable); ok {
+			return x.LeaseTable
+		}
+	}
+	return nil
+}
+
 type isRequest_Body interface {
 	isRequest_Body()
 }
@@ -472,6 +482,10 @@ type Request_Register struct {
 	Register *RegisterRequest `protobuf:"bytes,45,opt,name=register,proto3,oneof"`
 }
 
+type Request_LeaseTable struct {
+	LeaseTable *LeaseTableRequest `protobuf:"bytes,32,opt,name=lease_table,json=leaseTable,proto3,oneof"`
+}
+
 func (*Request_Hello) isRequest_Body() {}
 
 func (*Request_Create) isRequest_Body() {}
@@ -495,6 +509,8 @@ func (*Request_Subscribe) isRequest_Body() {}
 func (*Request_ForgetArenas) isRequest_Body() {}
 
 func (*Request_Register) isRequest_Body() {}
+
+func (*Request_LeaseTable) isRequest_Body() {}
 
 // HelloRequest must be the first request on a connection.
 type HelloRequest struct {
@@ -1215,6 +1231,46 @@ func (*SubscribeRequest) Descriptor() ([]byte, []int) {
 // from its cache of idle mappings). The server frees a GPU arena's memory
 // only once it is empty and every connection it was sent has forgotten it
 // or closed. Unknown ids are ignored. At most 1024 ids.
+// LeaseTableRequest asks for this connection's lease table: a shared
+// memory file of 64-bit words, one per lease slot, through which the client
+// releases leases and takes released ones back without a round trip
+// (docs/protocol.md 6.7).
+type LeaseTableRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LeaseTableRequest) Reset() {
+	*x = LeaseTableRequest{}
+	mi := &file_store_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LeaseTableRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LeaseTableRequest) ProtoMessage() {}
+
+func (x *LeaseTableRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LeaseTableRequest.ProtoReflect.Descriptor instead.
+func (*LeaseTableRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{12}
+}
+
 type ForgetArenasRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	ArenaIds      []uint64               `protobuf:"varint,1,rep,packed,name=arena_ids,json=arenaIds,proto3" json:"arena_ids,omitempty"`
@@ -1224,7 +1280,7 @@ type ForgetArenasRequest struct {
 
 func (x *ForgetArenasRequest) Reset() {
 	*x = ForgetArenasRequest{}
-	mi := &file_store_proto_msgTypes[12]
+	mi := &file_store_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1236,7 +1292,7 @@ func (x *ForgetArenasRequest) String() string {
 func (*ForgetArenasRequest) ProtoMessage() {}
 
 func (x *ForgetArenasRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[12]
+	mi := &file_store_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1249,7 +1305,7 @@ func (x *ForgetArenasRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForgetArenasRequest.ProtoReflect.Descriptor instead.
 func (*ForgetArenasRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{12}
+	return file_store_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ForgetArenasRequest) GetArenaIds() []uint64 {
@@ -1284,6 +1340,7 @@ type Response struct {
 	//	*Response_ForgetArenas
 	//	*Response_ArenasFreed
 	//	*Response_Register
+	//	*Response_LeaseTable
 	Body          isResponse_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1291,7 +1348,7 @@ type Response struct {
 
 func (x *Response) Reset() {
 	*x = Response{}
-	mi := &file_store_proto_msgTypes[13]
+	mi := &file_store_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1303,7 +1360,7 @@ func (x *Response) String() string {
 func (*Response) ProtoMessage() {}
 
 func (x *Response) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[13]
+	mi := &file_store_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1316,7 +1373,7 @@ func (x *Response) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Response.ProtoReflect.Descriptor instead.
 func (*Response) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{13}
+	return file_store_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Response) GetId() uint64 {
@@ -1466,6 +1523,15 @@ func (x *Response) GetRegister() *RegisterResponse {
 	return nil
 }
 
+func (x *Response) GetLeaseTable() *LeaseTableResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_LeaseTable); ok {
+			return x.LeaseTable
+		}
+	}
+	return nil
+}
+
 type isResponse_Body interface {
 	isResponse_Body()
 }
@@ -1528,6 +1594,11 @@ type Response_Register struct {
 	Register *RegisterResponse `protobuf:"bytes,45,opt,name=register,proto3,oneof"`
 }
 
+type Response_LeaseTable struct {
+	// The lease table's memfd is attached.
+	LeaseTable *LeaseTableResponse `protobuf:"bytes,32,opt,name=lease_table,json=leaseTable,proto3,oneof"`
+}
+
 func (*Response_Hello) isResponse_Body() {}
 
 func (*Response_Create) isResponse_Body() {}
@@ -1556,6 +1627,8 @@ func (*Response_ArenasFreed) isResponse_Body() {}
 
 func (*Response_Register) isResponse_Body() {}
 
+func (*Response_LeaseTable) isResponse_Body() {}
+
 // Error describes why a request failed.
 type Error struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1568,7 +1641,7 @@ type Error struct {
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_store_proto_msgTypes[14]
+	mi := &file_store_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1580,7 +1653,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[14]
+	mi := &file_store_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1593,7 +1666,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{14}
+	return file_store_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Error) GetCode() Error_Code {
@@ -1628,7 +1701,7 @@ type HelloResponse struct {
 
 func (x *HelloResponse) Reset() {
 	*x = HelloResponse{}
-	mi := &file_store_proto_msgTypes[15]
+	mi := &file_store_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1640,7 +1713,7 @@ func (x *HelloResponse) String() string {
 func (*HelloResponse) ProtoMessage() {}
 
 func (x *HelloResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[15]
+	mi := &file_store_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1653,7 +1726,7 @@ func (x *HelloResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HelloResponse.ProtoReflect.Descriptor instead.
 func (*HelloResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{15}
+	return file_store_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *HelloResponse) GetVersion() uint32 {
@@ -1723,7 +1796,7 @@ type Placement struct {
 
 func (x *Placement) Reset() {
 	*x = Placement{}
-	mi := &file_store_proto_msgTypes[16]
+	mi := &file_store_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1735,7 +1808,7 @@ func (x *Placement) String() string {
 func (*Placement) ProtoMessage() {}
 
 func (x *Placement) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[16]
+	mi := &file_store_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1748,7 +1821,7 @@ func (x *Placement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Placement.ProtoReflect.Descriptor instead.
 func (*Placement) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{16}
+	return file_store_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *Placement) GetArenaId() uint64 {
@@ -1872,7 +1945,7 @@ type ObjectInfo struct {
 
 func (x *ObjectInfo) Reset() {
 	*x = ObjectInfo{}
-	mi := &file_store_proto_msgTypes[17]
+	mi := &file_store_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1884,7 +1957,7 @@ func (x *ObjectInfo) String() string {
 func (*ObjectInfo) ProtoMessage() {}
 
 func (x *ObjectInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[17]
+	mi := &file_store_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1897,7 +1970,7 @@ func (x *ObjectInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ObjectInfo.ProtoReflect.Descriptor instead.
 func (*ObjectInfo) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{17}
+	return file_store_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ObjectInfo) GetName() string {
@@ -2040,7 +2113,7 @@ type CreateResponse struct {
 
 func (x *CreateResponse) Reset() {
 	*x = CreateResponse{}
-	mi := &file_store_proto_msgTypes[18]
+	mi := &file_store_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2052,7 +2125,7 @@ func (x *CreateResponse) String() string {
 func (*CreateResponse) ProtoMessage() {}
 
 func (x *CreateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[18]
+	mi := &file_store_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2065,7 +2138,7 @@ func (x *CreateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateResponse.ProtoReflect.Descriptor instead.
 func (*CreateResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{18}
+	return file_store_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *CreateResponse) GetPlacement() *Placement {
@@ -2098,7 +2171,7 @@ type SealResponse struct {
 
 func (x *SealResponse) Reset() {
 	*x = SealResponse{}
-	mi := &file_store_proto_msgTypes[19]
+	mi := &file_store_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2110,7 +2183,7 @@ func (x *SealResponse) String() string {
 func (*SealResponse) ProtoMessage() {}
 
 func (x *SealResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[19]
+	mi := &file_store_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2123,7 +2196,7 @@ func (x *SealResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SealResponse.ProtoReflect.Descriptor instead.
 func (*SealResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{19}
+	return file_store_proto_rawDescGZIP(), []int{20}
 }
 
 // AbortResponse acknowledges an abort.
@@ -2135,7 +2208,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_store_proto_msgTypes[20]
+	mi := &file_store_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2147,7 +2220,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[20]
+	mi := &file_store_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2160,7 +2233,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{20}
+	return file_store_proto_rawDescGZIP(), []int{21}
 }
 
 // GetResponse grants a read-only lease.
@@ -2173,13 +2246,17 @@ type GetResponse struct {
 	// The last descriptor of the packet is the manifest's sealed memfd
 	// (info.manifest_size bytes).
 	ManifestAttached bool `protobuf:"varint,35,opt,name=manifest_attached,json=manifestAttached,proto3" json:"manifest_attached,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// The lease's slot in this connection's lease table (1-based; 0: none),
+	// and the generation its word carries (docs/protocol.md 6.7).
+	LeaseSlot     uint32 `protobuf:"varint,30,opt,name=lease_slot,json=leaseSlot,proto3" json:"lease_slot,omitempty"`
+	LeaseGen      uint64 `protobuf:"varint,31,opt,name=lease_gen,json=leaseGen,proto3" json:"lease_gen,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GetResponse) Reset() {
 	*x = GetResponse{}
-	mi := &file_store_proto_msgTypes[21]
+	mi := &file_store_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2191,7 +2268,7 @@ func (x *GetResponse) String() string {
 func (*GetResponse) ProtoMessage() {}
 
 func (x *GetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[21]
+	mi := &file_store_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2204,7 +2281,7 @@ func (x *GetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetResponse.ProtoReflect.Descriptor instead.
 func (*GetResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{21}
+	return file_store_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *GetResponse) GetLeaseId() uint64 {
@@ -2235,6 +2312,20 @@ func (x *GetResponse) GetManifestAttached() bool {
 	return false
 }
 
+func (x *GetResponse) GetLeaseSlot() uint32 {
+	if x != nil {
+		return x.LeaseSlot
+	}
+	return 0
+}
+
+func (x *GetResponse) GetLeaseGen() uint64 {
+	if x != nil {
+		return x.LeaseGen
+	}
+	return 0
+}
+
 // ReleaseResponse acknowledges a release.
 type ReleaseResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -2244,7 +2335,7 @@ type ReleaseResponse struct {
 
 func (x *ReleaseResponse) Reset() {
 	*x = ReleaseResponse{}
-	mi := &file_store_proto_msgTypes[22]
+	mi := &file_store_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2256,7 +2347,7 @@ func (x *ReleaseResponse) String() string {
 func (*ReleaseResponse) ProtoMessage() {}
 
 func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[22]
+	mi := &file_store_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2269,7 +2360,7 @@ func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{22}
+	return file_store_proto_rawDescGZIP(), []int{23}
 }
 
 // DeleteResponse acknowledges a delete.
@@ -2281,7 +2372,7 @@ type DeleteResponse struct {
 
 func (x *DeleteResponse) Reset() {
 	*x = DeleteResponse{}
-	mi := &file_store_proto_msgTypes[23]
+	mi := &file_store_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2293,7 +2384,7 @@ func (x *DeleteResponse) String() string {
 func (*DeleteResponse) ProtoMessage() {}
 
 func (x *DeleteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[23]
+	mi := &file_store_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2306,7 +2397,7 @@ func (x *DeleteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteResponse.ProtoReflect.Descriptor instead.
 func (*DeleteResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{23}
+	return file_store_proto_rawDescGZIP(), []int{24}
 }
 
 // ListResponse is one page of objects, sorted by name.
@@ -2322,7 +2413,7 @@ type ListResponse struct {
 
 func (x *ListResponse) Reset() {
 	*x = ListResponse{}
-	mi := &file_store_proto_msgTypes[24]
+	mi := &file_store_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2334,7 +2425,7 @@ func (x *ListResponse) String() string {
 func (*ListResponse) ProtoMessage() {}
 
 func (x *ListResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[24]
+	mi := &file_store_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2347,7 +2438,7 @@ func (x *ListResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListResponse.ProtoReflect.Descriptor instead.
 func (*ListResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{24}
+	return file_store_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ListResponse) GetObjects() []*ObjectInfo {
@@ -2374,7 +2465,7 @@ type StatResponse struct {
 
 func (x *StatResponse) Reset() {
 	*x = StatResponse{}
-	mi := &file_store_proto_msgTypes[25]
+	mi := &file_store_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2386,7 +2477,7 @@ func (x *StatResponse) String() string {
 func (*StatResponse) ProtoMessage() {}
 
 func (x *StatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[25]
+	mi := &file_store_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2399,7 +2490,7 @@ func (x *StatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatResponse.ProtoReflect.Descriptor instead.
 func (*StatResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{25}
+	return file_store_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *StatResponse) GetInfo() *ObjectInfo {
@@ -2418,7 +2509,7 @@ type SubscribeResponse struct {
 
 func (x *SubscribeResponse) Reset() {
 	*x = SubscribeResponse{}
-	mi := &file_store_proto_msgTypes[26]
+	mi := &file_store_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2430,7 +2521,7 @@ func (x *SubscribeResponse) String() string {
 func (*SubscribeResponse) ProtoMessage() {}
 
 func (x *SubscribeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[26]
+	mi := &file_store_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2443,7 +2534,7 @@ func (x *SubscribeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SubscribeResponse.ProtoReflect.Descriptor instead.
 func (*SubscribeResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{26}
+	return file_store_proto_rawDescGZIP(), []int{27}
 }
 
 type ForgetArenasResponse struct {
@@ -2454,7 +2545,7 @@ type ForgetArenasResponse struct {
 
 func (x *ForgetArenasResponse) Reset() {
 	*x = ForgetArenasResponse{}
-	mi := &file_store_proto_msgTypes[27]
+	mi := &file_store_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2466,7 +2557,7 @@ func (x *ForgetArenasResponse) String() string {
 func (*ForgetArenasResponse) ProtoMessage() {}
 
 func (x *ForgetArenasResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[27]
+	mi := &file_store_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2479,7 +2570,52 @@ func (x *ForgetArenasResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForgetArenasResponse.ProtoReflect.Descriptor instead.
 func (*ForgetArenasResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{27}
+	return file_store_proto_rawDescGZIP(), []int{28}
+}
+
+type LeaseTableResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Words (slots) in the table; the file holds at least slots * 8 bytes.
+	Slots         uint32 `protobuf:"varint,1,opt,name=slots,proto3" json:"slots,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LeaseTableResponse) Reset() {
+	*x = LeaseTableResponse{}
+	mi := &file_store_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LeaseTableResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LeaseTableResponse) ProtoMessage() {}
+
+func (x *LeaseTableResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LeaseTableResponse.ProtoReflect.Descriptor instead.
+func (*LeaseTableResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{29}
+}
+
+func (x *LeaseTableResponse) GetSlots() uint32 {
+	if x != nil {
+		return x.Slots
+	}
+	return 0
 }
 
 // ArenasFreed lists arenas (of any device) that became empty and that this
@@ -2494,7 +2630,7 @@ type ArenasFreed struct {
 
 func (x *ArenasFreed) Reset() {
 	*x = ArenasFreed{}
-	mi := &file_store_proto_msgTypes[28]
+	mi := &file_store_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2506,7 +2642,7 @@ func (x *ArenasFreed) String() string {
 func (*ArenasFreed) ProtoMessage() {}
 
 func (x *ArenasFreed) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[28]
+	mi := &file_store_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2519,7 +2655,7 @@ func (x *ArenasFreed) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ArenasFreed.ProtoReflect.Descriptor instead.
 func (*ArenasFreed) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{28}
+	return file_store_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *ArenasFreed) GetArenaIds() []uint64 {
@@ -2543,7 +2679,7 @@ type Event struct {
 
 func (x *Event) Reset() {
 	*x = Event{}
-	mi := &file_store_proto_msgTypes[29]
+	mi := &file_store_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2555,7 +2691,7 @@ func (x *Event) String() string {
 func (*Event) ProtoMessage() {}
 
 func (x *Event) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[29]
+	mi := &file_store_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2568,7 +2704,7 @@ func (x *Event) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Event.ProtoReflect.Descriptor instead.
 func (*Event) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{29}
+	return file_store_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *Event) GetKind() Event_Kind {
@@ -2623,7 +2759,7 @@ type RegisterRequest struct {
 
 func (x *RegisterRequest) Reset() {
 	*x = RegisterRequest{}
-	mi := &file_store_proto_msgTypes[30]
+	mi := &file_store_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2635,7 +2771,7 @@ func (x *RegisterRequest) String() string {
 func (*RegisterRequest) ProtoMessage() {}
 
 func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[30]
+	mi := &file_store_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2648,7 +2784,7 @@ func (x *RegisterRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterRequest.ProtoReflect.Descriptor instead.
 func (*RegisterRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{30}
+	return file_store_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *RegisterRequest) GetName() string {
@@ -2717,7 +2853,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_store_proto_msgTypes[31]
+	mi := &file_store_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2729,7 +2865,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[31]
+	mi := &file_store_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2742,7 +2878,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{31}
+	return file_store_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *RegisterResponse) GetInfo() *ObjectInfo {
@@ -2756,7 +2892,7 @@ var File_store_proto protoreflect.FileDescriptor
 
 const file_store_proto_rawDesc = "" +
 	"\n" +
-	"\vstore.proto\x12\x10cudaipc.store.v1\"\xe9\x05\n" +
+	"\vstore.proto\x12\x10cudaipc.store.v1\"\xb1\x06\n" +
 	"\aRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x126\n" +
 	"\x05hello\x18\n" +
@@ -2771,7 +2907,9 @@ const file_store_proto_rawDesc = "" +
 	"\x04stat\x18\x12 \x01(\v2\x1d.cudaipc.store.v1.StatRequestH\x00R\x04stat\x12B\n" +
 	"\tsubscribe\x18\x13 \x01(\v2\".cudaipc.store.v1.SubscribeRequestH\x00R\tsubscribe\x12L\n" +
 	"\rforget_arenas\x18\x1e \x01(\v2%.cudaipc.store.v1.ForgetArenasRequestH\x00R\fforgetArenas\x12?\n" +
-	"\bregister\x18- \x01(\v2!.cudaipc.store.v1.RegisterRequestH\x00R\bregisterB\x06\n" +
+	"\bregister\x18- \x01(\v2!.cudaipc.store.v1.RegisterRequestH\x00R\bregister\x12F\n" +
+	"\vlease_table\x18  \x01(\v2#.cudaipc.store.v1.LeaseTableRequestH\x00R\n" +
+	"leaseTableB\x06\n" +
 	"\x04body\"I\n" +
 	"\fHelloRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1f\n" +
@@ -2823,9 +2961,10 @@ const file_store_proto_rawDesc = "" +
 	"startAfter\"!\n" +
 	"\vStatRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\"\x12\n" +
-	"\x10SubscribeRequest\"2\n" +
+	"\x10SubscribeRequest\"\x13\n" +
+	"\x11LeaseTableRequest\"2\n" +
 	"\x13ForgetArenasRequest\x12\x1b\n" +
-	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\x9a\a\n" +
+	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\xe3\a\n" +
 	"\bResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12-\n" +
 	"\x05error\x18\x02 \x01(\v2\x17.cudaipc.store.v1.ErrorR\x05error\x127\n" +
@@ -2843,7 +2982,9 @@ const file_store_proto_rawDesc = "" +
 	"\x05event\x18\x14 \x01(\v2\x17.cudaipc.store.v1.EventH\x00R\x05event\x12M\n" +
 	"\rforget_arenas\x18\x1e \x01(\v2&.cudaipc.store.v1.ForgetArenasResponseH\x00R\fforgetArenas\x12B\n" +
 	"\farenas_freed\x18\x1f \x01(\v2\x1d.cudaipc.store.v1.ArenasFreedH\x00R\varenasFreed\x12@\n" +
-	"\bregister\x18- \x01(\v2\".cudaipc.store.v1.RegisterResponseH\x00R\bregisterB\x06\n" +
+	"\bregister\x18- \x01(\v2\".cudaipc.store.v1.RegisterResponseH\x00R\bregister\x12G\n" +
+	"\vlease_table\x18  \x01(\v2$.cudaipc.store.v1.LeaseTableResponseH\x00R\n" +
+	"leaseTableB\x06\n" +
 	"\x04body\"\xfb\x01\n" +
 	"\x05Error\x120\n" +
 	"\x04code\x18\x01 \x01(\x0e2\x1c.cudaipc.store.v1.Error.CodeR\x04code\x12\x18\n" +
@@ -2917,12 +3058,15 @@ const file_store_proto_rawDesc = "" +
 	"\aversion\x18# \x01(\x04R\aversion\x12+\n" +
 	"\x11manifest_attached\x18$ \x01(\bR\x10manifestAttached\"\x0e\n" +
 	"\fSealResponse\"\x0f\n" +
-	"\rAbortResponse\"\xc2\x01\n" +
+	"\rAbortResponse\"\xfe\x01\n" +
 	"\vGetResponse\x12\x19\n" +
 	"\blease_id\x18\x01 \x01(\x04R\aleaseId\x129\n" +
 	"\tplacement\x18\x02 \x01(\v2\x1b.cudaipc.store.v1.PlacementR\tplacement\x120\n" +
 	"\x04info\x18\x03 \x01(\v2\x1c.cudaipc.store.v1.ObjectInfoR\x04info\x12+\n" +
-	"\x11manifest_attached\x18# \x01(\bR\x10manifestAttached\"\x11\n" +
+	"\x11manifest_attached\x18# \x01(\bR\x10manifestAttached\x12\x1d\n" +
+	"\n" +
+	"lease_slot\x18\x1e \x01(\rR\tleaseSlot\x12\x1b\n" +
+	"\tlease_gen\x18\x1f \x01(\x04R\bleaseGen\"\x11\n" +
 	"\x0fReleaseResponse\"\x10\n" +
 	"\x0eDeleteResponse\"Z\n" +
 	"\fListResponse\x126\n" +
@@ -2932,6 +3076,8 @@ const file_store_proto_rawDesc = "" +
 	"\x04info\x18\x01 \x01(\v2\x1c.cudaipc.store.v1.ObjectInfoR\x04info\"\x13\n" +
 	"\x11SubscribeResponse\"\x16\n" +
 	"\x14ForgetArenasResponse\"*\n" +
+	"\x12LeaseTableResponse\x12\x14\n" +
+	"\x05slots\x18\x01 \x01(\rR\x05slots\"*\n" +
 	"\vArenasFreed\x12\x1b\n" +
 	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\xb8\x01\n" +
 	"\x05Event\x120\n" +
@@ -2970,7 +3116,7 @@ func file_store_proto_rawDescGZIP() []byte {
 }
 
 var file_store_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
+var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 34)
 var file_store_proto_goTypes = []any{
 	(Error_Code)(0),              // 0: cudaipc.store.v1.Error.Code
 	(Placement_Kind)(0),          // 1: cudaipc.store.v1.Placement.Kind
@@ -2987,26 +3133,28 @@ var file_store_proto_goTypes = []any{
 	(*ListRequest)(nil),          // 12: cudaipc.store.v1.ListRequest
 	(*StatRequest)(nil),          // 13: cudaipc.store.v1.StatRequest
 	(*SubscribeRequest)(nil),     // 14: cudaipc.store.v1.SubscribeRequest
-	(*ForgetArenasRequest)(nil),  // 15: cudaipc.store.v1.ForgetArenasRequest
-	(*Response)(nil),             // 16: cudaipc.store.v1.Response
-	(*Error)(nil),                // 17: cudaipc.store.v1.Error
-	(*HelloResponse)(nil),        // 18: cudaipc.store.v1.HelloResponse
-	(*Placement)(nil),            // 19: cudaipc.store.v1.Placement
-	(*ObjectInfo)(nil),           // 20: cudaipc.store.v1.ObjectInfo
-	(*CreateResponse)(nil),       // 21: cudaipc.store.v1.CreateResponse
-	(*SealResponse)(nil),         // 22: cudaipc.store.v1.SealResponse
-	(*AbortResponse)(nil),        // 23: cudaipc.store.v1.AbortResponse
-	(*GetResponse)(nil),          // 24: cudaipc.store.v1.GetResponse
-	(*ReleaseResponse)(nil),      // 25: cudaipc.store.v1.ReleaseResponse
-	(*DeleteResponse)(nil),       // 26: cudaipc.store.v1.DeleteResponse
-	(*ListResponse)(nil),         // 27: cudaipc.store.v1.ListResponse
-	(*StatResponse)(nil),         // 28: cudaipc.store.v1.StatResponse
-	(*SubscribeResponse)(nil),    // 29: cudaipc.store.v1.SubscribeResponse
-	(*ForgetArenasResponse)(nil), // 30: cudaipc.store.v1.ForgetArenasResponse
-	(*ArenasFreed)(nil),          // 31: cudaipc.store.v1.ArenasFreed
-	(*Event)(nil),                // 32: cudaipc.store.v1.Event
-	(*RegisterRequest)(nil),      // 33: cudaipc.store.v1.RegisterRequest
-	(*RegisterResponse)(nil),     // 34: cudaipc.store.v1.RegisterResponse
+	(*LeaseTableRequest)(nil),    // 15: cudaipc.store.v1.LeaseTableRequest
+	(*ForgetArenasRequest)(nil),  // 16: cudaipc.store.v1.ForgetArenasRequest
+	(*Response)(nil),             // 17: cudaipc.store.v1.Response
+	(*Error)(nil),                // 18: cudaipc.store.v1.Error
+	(*HelloResponse)(nil),        // 19: cudaipc.store.v1.HelloResponse
+	(*Placement)(nil),            // 20: cudaipc.store.v1.Placement
+	(*ObjectInfo)(nil),           // 21: cudaipc.store.v1.ObjectInfo
+	(*CreateResponse)(nil),       // 22: cudaipc.store.v1.CreateResponse
+	(*SealResponse)(nil),         // 23: cudaipc.store.v1.SealResponse
+	(*AbortResponse)(nil),        // 24: cudaipc.store.v1.AbortResponse
+	(*GetResponse)(nil),          // 25: cudaipc.store.v1.GetResponse
+	(*ReleaseResponse)(nil),      // 26: cudaipc.store.v1.ReleaseResponse
+	(*DeleteResponse)(nil),       // 27: cudaipc.store.v1.DeleteResponse
+	(*ListResponse)(nil),         // 28: cudaipc.store.v1.ListResponse
+	(*StatResponse)(nil),         // 29: cudaipc.store.v1.StatResponse
+	(*SubscribeResponse)(nil),    // 30: cudaipc.store.v1.SubscribeResponse
+	(*ForgetArenasResponse)(nil), // 31: cudaipc.store.v1.ForgetArenasResponse
+	(*LeaseTableResponse)(nil),   // 32: cudaipc.store.v1.LeaseTableResponse
+	(*ArenasFreed)(nil),          // 33: cudaipc.store.v1.ArenasFreed
+	(*Event)(nil),                // 34: cudaipc.store.v1.Event
+	(*RegisterRequest)(nil),      // 35: cudaipc.store.v1.RegisterRequest
+	(*RegisterResponse)(nil),     // 36: cudaipc.store.v1.RegisterResponse
 }
 var file_store_proto_depIdxs = []int32{
 	4,  // 0: cudaipc.store.v1.Request.hello:type_name -> cudaipc.store.v1.HelloRequest
@@ -3019,40 +3167,42 @@ var file_store_proto_depIdxs = []int32{
 	12, // 7: cudaipc.store.v1.Request.list:type_name -> cudaipc.store.v1.ListRequest
 	13, // 8: cudaipc.store.v1.Request.stat:type_name -> cudaipc.store.v1.StatRequest
 	14, // 9: cudaipc.store.v1.Request.subscribe:type_name -> cudaipc.store.v1.SubscribeRequest
-	15, // 10: cudaipc.store.v1.Request.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasRequest
-	33, // 11: cudaipc.store.v1.Request.register:type_name -> cudaipc.store.v1.RegisterRequest
-	6,  // 12: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	17, // 13: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
-	18, // 14: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
-	21, // 15: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
-	22, // 16: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
-	23, // 17: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
-	24, // 18: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
-	25, // 19: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
-	26, // 20: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
-	27, // 21: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
-	28, // 22: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
-	29, // 23: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
-	32, // 24: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
-	30, // 25: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
-	31, // 26: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
-	34, // 27: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
-	0,  // 28: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
-	1,  // 29: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
-	6,  // 30: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	19, // 31: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
-	19, // 32: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
-	20, // 33: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	20, // 34: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
-	20, // 35: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	2,  // 36: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
-	6,  // 37: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	20, // 38: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	39, // [39:39] is the sub-list for method output_type
-	39, // [39:39] is the sub-list for method input_type
-	39, // [39:39] is the sub-list for extension type_name
-	39, // [39:39] is the sub-list for extension extendee
-	0,  // [0:39] is the sub-list for field type_name
+	16, // 10: cudaipc.store.v1.Request.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasRequest
+	35, // 11: cudaipc.store.v1.Request.register:type_name -> cudaipc.store.v1.RegisterRequest
+	15, // 12: cudaipc.store.v1.Request.lease_table:type_name -> cudaipc.store.v1.LeaseTableRequest
+	6,  // 13: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	18, // 14: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
+	19, // 15: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
+	22, // 16: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
+	23, // 17: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
+	24, // 18: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
+	25, // 19: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
+	26, // 20: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
+	27, // 21: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
+	28, // 22: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
+	29, // 23: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
+	30, // 24: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
+	34, // 25: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
+	31, // 26: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
+	33, // 27: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
+	36, // 28: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
+	32, // 29: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
+	0,  // 30: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
+	1,  // 31: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
+	6,  // 32: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	20, // 33: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
+	20, // 34: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
+	21, // 35: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	21, // 36: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
+	21, // 37: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	2,  // 38: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
+	6,  // 39: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	21, // 40: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	41, // [41:41] is the sub-list for method output_type
+	41, // [41:41] is the sub-list for method input_type
+	41, // [41:41] is the sub-list for extension type_name
+	41, // [41:41] is the sub-list for extension extendee
+	0,  // [0:41] is the sub-list for field type_name
 }
 
 func init() { file_store_proto_init() }
@@ -3073,9 +3223,10 @@ func file_store_proto_init() {
 		(*Request_Subscribe)(nil),
 		(*Request_ForgetArenas)(nil),
 		(*Request_Register)(nil),
+		(*Request_LeaseTable)(nil),
 	}
 	file_store_proto_msgTypes[6].OneofWrappers = []any{}
-	file_store_proto_msgTypes[13].OneofWrappers = []any{
+	file_store_proto_msgTypes[14].OneofWrappers = []any{
 		(*Response_Hello)(nil),
 		(*Response_Create)(nil),
 		(*Response_Seal)(nil),
@@ -3090,6 +3241,7 @@ func file_store_proto_init() {
 		(*Response_ForgetArenas)(nil),
 		(*Response_ArenasFreed)(nil),
 		(*Response_Register)(nil),
+		(*Response_LeaseTable)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -3097,7 +3249,7 @@ func file_store_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_store_proto_rawDesc), len(file_store_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   32,
+			NumMessages:   34,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
