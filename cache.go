@@ -227,15 +227,38 @@ func (c *importCache) stats() CacheStats {
 	}
 }
 
-// opener makes the driver mapping of a new entry: it sets e.base,
+// openReq is what the driver needs to map an allocation the cache does
+// not hold: the handle (KindCUDAIPC), or the descriptor and the bytes to
+// map (KindVMMFD). A value, not a closure, so that a cache hit allocates
+// nothing for it.
+type openReq struct {
+	handle    MemHandle
+	file      *os.File
+	allocSize int64
+	access    Access
+}
+
+// open makes the driver mapping of a new entry: it sets e.base,
 // e.allocSize and, for a descriptor, e.vmm.
-type opener func(e *memEntry) error
+func (c *importCache) open(e *memEntry, q openReq) error {
+	if e.key.kind == KindVMMFD {
+		m, err := c.drv.importFD(e.dev, q.file, q.allocSize, q.access)
+		if err != nil {
+			return err
+		}
+		e.base, e.allocSize, e.vmm = m.ptr, m.size, m
+		return nil
+	}
+	var err error
+	e.base, e.allocSize, err = c.drv.openIPC(e.dev, q.handle)
+	return err
+}
 
 // acquireMem returns the entry for key holding one more reference, opening
-// the allocation with open if no usable entry exists. Concurrent callers
+// the allocation as q says if no usable entry exists. Concurrent callers
 // for one key share one open; an open's failure is returned to those that
 // waited on it and is not remembered.
-func (c *importCache) acquireMem(key memKey, bufferID uint64, dev *Device, open opener) (*memEntry, error) {
+func (c *importCache) acquireMem(key memKey, bufferID uint64, dev *Device, q openReq) (*memEntry, error) {
 	c.mu.Lock()
 	for {
 		if cl := c.closing[key]; len(cl) > 0 {
@@ -274,7 +297,7 @@ func (c *importCache) acquireMem(key memKey, bufferID uint64, dev *Device, open 
 	c.mem[key] = e
 	c.mu.Unlock()
 
-	err := open(e)
+	err := c.open(e, q)
 	if err == nil {
 		c.memOpens.Add(1)
 	}

@@ -205,27 +205,10 @@ func (c *importCache) importMem(r Region, opts ...ImportOption) (*Mapping, error
 	if err != nil {
 		return nil, err
 	}
-	var open opener
-	if r.Kind == KindVMMFD {
-		open = func(e *memEntry) error {
-			m, err := c.drv.importFD(dev, cfg.file, r.AllocSize, cfg.access())
-			if err != nil {
-				if tooLarge(err) {
-					return regionErr("alloc_size", "%d bytes: the driver refuses to map that much of the allocation behind the descriptor (%v): the allocation is smaller, or the descriptor is another allocation's", r.AllocSize, err)
-				}
-				return err
-			}
-			e.base, e.allocSize, e.vmm = m.ptr, m.size, m
-			return nil
-		}
-	} else {
-		open = func(e *memEntry) error {
-			var err error
-			e.base, e.allocSize, err = c.drv.openIPC(dev, r.Handle)
-			return err
-		}
+	e, err := c.acquireMem(keyOf(r, dev, cfg.access()), r.BufferID, dev, openReq{handle: r.Handle, file: cfg.file, allocSize: r.AllocSize, access: cfg.access()})
+	if err != nil && tooLarge(err) {
+		return nil, regionErr("alloc_size", "%d bytes: the driver refuses to map that much of the allocation behind the descriptor (%v): the allocation is smaller, or the descriptor is another allocation's", r.AllocSize, err)
 	}
-	e, err := c.acquireMem(keyOf(r, dev, cfg.access()), r.BufferID, dev, open)
 	if err != nil {
 		return nil, err
 	}

@@ -21,11 +21,13 @@ type Live struct {
 	Buffers, HostBuffers, Streams, Events int64
 	// Mappings counts Mapping values returned by Import and not yet closed.
 	Mappings int64
-	// MemHandleOpens counts driver-level opens (Device.OpenMemHandle, which
-	// the Import cache also uses) not yet undone by CloseMemHandle.
+	// MemHandleOpens counts driver-level opens of legacy handles
+	// (Device.OpenMemHandle, and the import cache's opens of KindCUDAIPC
+	// regions) not yet closed.
 	MemHandleOpens int64
-	// ShareableBuffers and FDMappings count VMM allocations and imports of
-	// their file descriptors.
+	// ShareableBuffers counts VMM allocations; FDMappings counts imports of
+	// their descriptors (Device.ImportFD, and the import cache's imports of
+	// KindVMMFD regions) not yet closed.
 	ShareableBuffers, FDMappings int64
 	// PieceMappings counts ImportPieces mappings not yet closed.
 	PieceMappings int64
