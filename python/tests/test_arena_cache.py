@@ -1,0 +1,126 @@
+"""The GPU arena cache's rules, on a CPU: a fake daemon sends legacy-IPC placements
+and the driver calls are counted instead of made (the GPU tests run the real thing).
+
+One open per arena however many get/release cycles; the mapping outlives the lease
+while the arena holds objects; arenas_freed unmaps it (once no view uses it) and is
+answered with forget_arenas."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+
+import pytest
+
+import cudaipc
+from cudaipc import _cuda
+from cudaipc import _store_pb2 as pb
+from cudaipc.region import Region, local_identity
+
+
+def arena_region(size: int) -> bytes:
+    ns, boot = local_identity()
+    return Region(handle=bytes(range(64)), offset=0, size=size, alloc_size=size, device=bytes(range(1, 17)),
+                  exporter_pid=1, pid_namespace=ns, boot_id=boot, buffer_id=7, exporter_base=0x7F0000000000).to_bytes()
+
+
+class FakeGPUDaemon:
+    """hello; every get: a CUDA_IPC placement in arena 5; 'free' sends arenas_freed."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp()
+        self.path = os.path.join(self.dir, "s.sock")
+        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.srv.bind(self.path)
+        self.srv.listen(1)
+        self.requests = []
+        self.conn = None
+        self.ready = threading.Event()
+        self.th = threading.Thread(target=self.run, daemon=True)
+        self.th.start()
+
+    def run(self):
+        c, _ = self.srv.accept()
+        self.conn = c
+        self.ready.set()
+        region = arena_region(1 << 20)
+        lease = 0
+        while True:
+            try:
+                data = c.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            req = pb.Request.FromString(data)
+            kind = req.WhichOneof("body")
+            self.requests.append(kind)
+            if kind == "hello":
+                resp = pb.Response(id=req.id, hello=pb.HelloResponse(version=req.hello.version, backend="cuda"))
+            elif kind == "get":
+                lease += 1
+                resp = pb.Response(id=req.id, get=pb.GetResponse(lease_id=lease, placement=pb.Placement(
+                    arena_id=5, device="GPU-01020304-0506-0708-090a-0b0c0d0e0f10", offset=4096 * lease,
+                    size=4096, arena_size=1 << 20, kind=pb.Placement.CUDA_IPC, region=region)))
+            elif kind == "release":
+                resp = pb.Response(id=req.id, release=pb.ReleaseResponse())
+            elif kind == "forget_arenas":
+                self.forgotten = list(req.forget_arenas.arena_ids)
+                resp = pb.Response(id=req.id, forget_arenas=pb.ForgetArenasResponse())
+            else:
+                resp = pb.Response(id=req.id, stat=pb.StatResponse(info=pb.ObjectInfo(name="x", size=1, device="host")))
+            c.send(resp.SerializeToString())
+
+    def free(self):
+        self.conn.send(pb.Response(arenas_freed=pb.ArenasFreed(arena_ids=[5])).SerializeToString())
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    calls = {"open": 0, "close": 0}
+
+    def ipc_open(handle, bid, ordinal):
+        calls["open"] += 1
+        return 0x10000000
+
+    def ipc_close(handle, bid, ordinal):
+        calls["close"] += 1
+
+    monkeypatch.setattr(_cuda, "pick_ordinal", lambda uuid: 0)
+    monkeypatch.setattr(_cuda, "ipc_open", ipc_open)
+    monkeypatch.setattr(_cuda, "ipc_close", ipc_close)
+    return calls
+
+
+def test_one_open_for_many_cycles_and_forget_on_free(fake_driver):
+    d = FakeGPUDaemon()
+    s = cudaipc.connect(d.path)
+    for i in range(1, 101):
+        with s.get("x") as lease:
+            assert lease.data_ptr == 0x10000000 + 4096 * i
+            assert lease.gpu_share == "ipc"
+    assert fake_driver == {"open": 1, "close": 0}
+    held = s.get("x")
+    keep = held._mem      # what a view holds
+    held.release()
+    d.free()
+    s.stat("x")           # reads the unasked arenas_freed
+    assert fake_driver["close"] == 0, "unmapped while a view still uses the arena"
+    assert "forget_arenas" not in d.requests
+    del keep, held
+    s.stat("x")
+    assert fake_driver["close"] == 1
+    assert d.requests.count("forget_arenas") == 1 and d.forgotten == [5]
+    s.close()
+
+
+def test_idle_arenas_are_unmapped_on_close(fake_driver):
+    d = FakeGPUDaemon()
+    s = cudaipc.connect(d.path)
+    with s.get("x"):
+        pass
+    assert fake_driver == {"open": 1, "close": 0}
+    s.close()
+    assert fake_driver["close"] == 1
