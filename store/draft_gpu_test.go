@@ -32,7 +32,12 @@ func arenaReaderHelper() int {
 		fmt.Fprintln(os.Stderr, "region:", err)
 		return 2
 	}
-	m, err := cudaipc.Import(r)
+	var opts []cudaipc.ImportOption
+	if os.Getenv("ARENA_FD") != "" {
+		// A vmm-fd region: its descriptor came along, as fd 3.
+		opts = append(opts, cudaipc.WithFile(os.NewFile(3, "arena")))
+	}
+	m, err := cudaipc.Import(r, opts...)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "import:", err)
 		return 2
@@ -66,13 +71,24 @@ func arenaReaderHelper() int {
 }
 
 // TestGPUSharedDraftsUnreachable is TestSharedDraftsUnreachable on the
-// cuda backend (legacy IPC): another uid's reader imports the whole arena
-// of a shared GPU object, as the placement lets it, and must find the
-// object and zeros: no draft, aborted draft, private object or leftover of
-// a freed arena of the owner.
+// cuda backend, with GPU arenas shared by legacy IPC and by descriptor:
+// another uid's reader imports the whole arena of a shared GPU object, as
+// the placement lets it, and must find the object and zeros: no draft,
+// aborted draft, private object or leftover of a freed arena of the owner.
 func TestGPUSharedDraftsUnreachable(t *testing.T) {
 	dev := testutil.RequireGPU(t)
-	s := newTestStore(t, Config{Backend: "cuda"})
+	for _, share := range []string{GPUShareIPC, GPUShareFD} {
+		t.Run(share, func(t *testing.T) {
+			if share == GPUShareFD && !dev.VMMFDSupported() {
+				t.Skip("the GPU cannot export memory as file descriptors")
+			}
+			gpuDraftsUnreachable(t, dev, share)
+		})
+	}
+}
+
+func gpuDraftsUnreachable(t *testing.T, dev *cudaipc.Device, share string) {
+	s := newTestStore(t, Config{Backend: "cuda", GPUShare: share})
 	gpu := dev.UUID().String()
 	owner, reader := connect(t, s, 1000), connect(t, s, 65534)
 	write := func(p placement, data []byte) {
@@ -80,7 +96,9 @@ func TestGPUSharedDraftsUnreachable(t *testing.T) {
 		s.mu.Lock()
 		ar := s.devices[gpu].arenas[p.arenaID].(*gpuArena)
 		s.mu.Unlock()
-		if _, err := ar.mem.(*cudaipc.Buffer).WriteAt(data, p.offset); err != nil {
+		if _, err := ar.mem.(interface {
+			WriteAt([]byte, int64) (int, error)
+		}).WriteAt(data, p.offset); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -120,6 +138,7 @@ func TestGPUSharedDraftsUnreachable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer lp.closeShare()
 	if lp.arenaID != p.arenaID || len(lp.region) == 0 {
 		t.Fatalf("reader's placement: %+v", lp)
 	}
@@ -134,6 +153,12 @@ func TestGPUSharedDraftsUnreachable(t *testing.T) {
 	cmd.Env = append(os.Environ(), helperEnv+"=arena-reader",
 		"ARENA_REGION="+filepath.Join(dir, "region"), "ARENA_WANT="+filepath.Join(dir, "want"),
 		"ARENA_SECRETS="+filepath.Join(dir, "secrets"), fmt.Sprintf("ARENA_OFFSET=%d", lp.offset))
+	if lp.share != nil && lp.share.file != nil {
+		cmd.ExtraFiles = []*os.File{lp.share.file}
+		cmd.Env = append(cmd.Env, "ARENA_FD=3")
+	} else if share == GPUShareFD {
+		t.Fatal("a placement of a descriptor-shared arena without its descriptor")
+	}
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("reader of uid 65534's view of the arena: %v\n%s", err, out)
 	}
