@@ -85,8 +85,9 @@ func TestGPUFDOneImportPerArena(t *testing.T) {
 		t.Fatalf("reader: %s, want %s", got, want)
 	}
 	// The same in this process, with a writer's Object and readers' Leases
-	// of one arena: one import between them, gone with the last of them
-	// when the client keeps no idle arenas.
+	// of one arena: two mappings, the Object's read-write and one read-only
+	// shared by the three Leases (leases map read-only), gone with the last
+	// of them when the client keeps no idle arenas.
 	c := dialNoIdle(t, d.socket)
 	ctx := context.Background()
 	before := cudaipc.ImportCacheStats().Mapped
@@ -102,8 +103,8 @@ func TestGPUFDOneImportPerArena(t *testing.T) {
 		}
 		leases = append(leases, l)
 	}
-	if n := cudaipc.ImportCacheStats().Mapped - before; n != 1 {
-		t.Fatalf("%d allocations mapped for an Object and 3 Leases of one arena", n)
+	if n := cudaipc.ImportCacheStats().Mapped - before; n != 2 {
+		t.Fatalf("%d mappings for an Object and 3 Leases of one arena, want 2 (read-write, read-only)", n)
 	}
 	if err := o.Abort(ctx); err != nil {
 		t.Fatal(err)
