@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -310,13 +311,23 @@ def run_model(cfg) -> List[dict]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     f = ctx.Process(target=floor, args=(cfg, results))
-    f.start()
-    f.join()
     a, b = ctx.Pipe()
     p = ctx.Process(target=producer, args=(a, cfg))
     c = ctx.Process(target=consumer, args=(b, cfg, results))
-    p.start()
-    c.start()
+    try:
+        f.start()
+        f.join(cfg["timeout"])
+        p.start()
+        c.start()
+        return collect(cfg, results, p, c)
+    finally:
+        for x in (f, p, c):
+            if x.pid is not None and x.is_alive():
+                x.kill()
+                x.join(5)
+
+
+def collect(cfg, results, p, c) -> List[dict]:
     out = []
     want = 2 + len(cfg["paths"])
     deadline = time.monotonic() + cfg["timeout"]
@@ -346,6 +357,9 @@ def summarize(r: dict) -> str:
 
 
 def main() -> None:
+    # A timeout's SIGTERM unwinds through the finally blocks that stop the
+    # workers and the daemon, so that none is left holding GPU memory.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", default=shutil.which("cudaipc") or os.path.join(REPO, "cudaipc"), help="the cudaipc binary")
     ap.add_argument("--models", default="dense,moe")
@@ -398,7 +412,10 @@ def main() -> None:
                 json.dump(all_results, f, indent=1)
     finally:
         daemon.terminate()
-        daemon.wait(10)
+        try:
+            daemon.wait(10)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
 
 
 if __name__ == "__main__":
