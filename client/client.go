@@ -74,7 +74,9 @@ type Options struct {
 	// their last Object or Lease ended, so that the next Get in one costs
 	// no driver open (least recently used go first). Each is one driver
 	// mapping of a daemon arena (its memory is the daemon's, already
-	// allocated). 0 means DefaultMaxIdleArenas; negative keeps none.
+	// allocated). 0 means DefaultMaxIdleArenas; negative keeps none, and then
+	// releases GPU leases through the socket rather than keeping them idle
+	// for the lease fast path.
 	MaxIdleArenas int
 	// NoFastPath turns the lease fast path off: every Release and Get goes
 	// through the socket (for comparison; docs/architecture.md).

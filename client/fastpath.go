@@ -102,6 +102,11 @@ func (l *Lease) releaseFast() bool {
 	if t == nil || l.slot == 0 {
 		return false
 	}
+	if (l.v.gpu != nil || l.v.ext != nil) && l.c.parked.max < 0 {
+		// A client that keeps no idle GPU mappings keeps no idle GPU
+		// leases either: their views are mappings.
+		return false
+	}
 	t.mu.Lock()
 	if t.closed {
 		t.mu.Unlock()

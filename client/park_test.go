@@ -21,7 +21,13 @@ func TestGPUOneOpenForManyCycles(t *testing.T) {
 	env := gpuEnvs(d.socket, 31, "cyc", 1, size)
 	spawn(t, "gpu-producer", nil, env...).expect("sealed 1")
 	want := stream(31, "cyc-0", size)
-	c := dial(t, d.socket)
+	// Through the socket: with the lease fast path every cycle after the
+	// first would be a compare-and-swap that touches no mapping at all.
+	c, err := client.DialOptions(context.Background(), d.socket, client.Options{NoFastPath: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
 	ctx := context.Background()
 	before := cudaipc.ImportCacheStats()
 	got := make([]byte, size)
