@@ -178,8 +178,30 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
     return BundleInfo(name, obj.version, size, len(entries), obj.device)
 
 
+BIG = 1 << 20
+"""Tensors of at least this many bytes are copied one by one (copy_: a DMA-speed
+memcpy); smaller ones together (_foreach_copy_: few launches for many tensors)."""
+
+_INT_OF_SIZE: Dict[int, Any] = {}
+
+
+def _bits(t: Any) -> Any:
+    """t viewed as integers of its element size, so that a copy moves bits: a copy
+    of floats may canonicalize NaN payloads (PyTorch's _foreach_copy_ on bfloat16
+    does), and a weight copy must be exact."""
+    import torch
+    if not (t.is_floating_point() or t.is_complex()):
+        return t
+    if not _INT_OF_SIZE:
+        _INT_OF_SIZE.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
+    it = _INT_OF_SIZE.get(t.element_size())
+    if it is None or t.dim() == 0:
+        return t if it is None else t.reshape(1).view(it)
+    return t.view(it)
+
+
 def _copy(dsts: List[Any], srcs: List[Any], device: Any, stream: Any) -> int:
-    """Copy srcs into dsts on stream; returns the number of copy calls."""
+    """Copy srcs into dsts, bit for bit, on stream; returns the number of copy calls."""
     import torch
     if not dsts:
         return 0
@@ -193,14 +215,18 @@ def _copy(dsts: List[Any], srcs: List[Any], device: Any, stream: Any) -> int:
     if ctx is not None:
         ctx.__enter__()
     try:
-        same = all(x.device == dsts[0].device for x in srcs) and hasattr(torch, "_foreach_copy_")
-        if same:
-            torch._foreach_copy_(dsts, srcs)
-            calls = 1
-        else:
-            for d, x in zip(dsts, srcs):
+        small_d, small_s = [], []
+        foreach = hasattr(torch, "_foreach_copy_")
+        for d, x in zip(dsts, srcs):
+            if foreach and d.device == x.device and d.numel() * d.element_size() < BIG:
+                small_d.append(_bits(d))
+                small_s.append(_bits(x))
+            else:
                 d.copy_(x, non_blocking=True)
-            calls = len(dsts)
+                calls += 1
+        if small_d:
+            torch._foreach_copy_(small_d, small_s)
+            calls += 1
     finally:
         if ctx is not None:
             ctx.__exit__(None, None, None)
@@ -350,8 +376,8 @@ class LoadReport:
 
 def load_into(bundle: Bundle, params: Mapping[str, Any], *, stream: Any = None) -> LoadReport:
     """Copy every bundle tensor named in ``params`` into that (engine-owned) tensor,
-    in as few copy calls as possible (one ``_foreach_copy_`` per device pair where
-    PyTorch has it), on ``stream`` (default: the current stream of the parameters'
+    bit for bit, in few copy calls (one copy_ per tensor of 1 MiB or more, one
+    ``_foreach_copy_`` for the smaller ones of each device pair where PyTorch has it), on ``stream`` (default: the current stream of the parameters'
     device), and wait for it. The producer's writes are complete before its seal, so
     the copies are ordered after them. Every mismatch (a parameter the bundle lacks, a
     dtype or shape that differs) is reported at once, by LoadMismatch, before any copy."""

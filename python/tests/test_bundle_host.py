@@ -168,3 +168,15 @@ def test_create_bundle_in_place(store):
     with store.get_bundle("inplace", timeout=1) as b:
         assert b["w"].flatten().tolist() == list(range(12))
         assert b["b"].float().tolist() == [2.5] * 5
+
+
+def test_load_into_is_bit_exact(store):
+    # NaN payloads and negative zeros survive: weights are copied as bits.
+    raw = torch.tensor([0x7FC1, 0xFF81 - 0x10000, -0x8000, 0x7F80, 0x1234], dtype=torch.int16)
+    sd = {"nan": raw.view(torch.bfloat16).clone(), "s": torch.tensor(-0.0)}
+    store.put_bundle("nan", sd)
+    with store.get_bundle("nan") as b:
+        params = {"nan": torch.zeros(5, dtype=torch.bfloat16), "s": torch.tensor(1.0)}
+        cudaipc.load_into(b, params)
+    assert params["nan"].view(torch.int16).tolist() == raw.tolist()
+    assert params["s"].view(torch.int32).item() == torch.tensor(-0.0).view(torch.int32).item()

@@ -282,11 +282,17 @@ def floor(cfg, results) -> None:
         sync(pg)
         sync(cg)
         t0 = now()
-        if pg == cg and hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(d, s)
-        else:
-            for x, y in zip(d, s):
+        # The fastest in-process copy of these tensors: copy_ (memcpy) for the
+        # large ones, one _foreach_copy_ for the small ones on one GPU.
+        small_d, small_s = [], []
+        for x, y in zip(d, s):
+            if pg == cg and x.numel() * x.element_size() < (1 << 20) and hasattr(torch, "_foreach_copy_"):
+                small_d.append(x.view(torch.int16))
+                small_s.append(y.view(torch.int16))
+            else:
                 x.copy_(y, non_blocking=True)
+        if small_d:
+            torch._foreach_copy_(small_d, small_s)
         sync(cg)
         per.append(now() - t0)
     ok = checksums(src) == checksums(dst)
