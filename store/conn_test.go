@@ -265,7 +265,10 @@ func TestConnectionFlood(t *testing.T) {
 		}
 		return int(m.GetCounter().GetValue())
 	}
-	if rejected("permission") != permission+rawConnected || rejected("limit_uid") != 16 || rejected("limit_total") != limited {
+	// An outsider that saw its connection closed without the reason (the
+	// daemon's send was late, or its connect never got through) may or may
+	// not have been counted.
+	if p := rejected("permission"); p < permission+rawConnected || p > permission+closed+rawConnected || rejected("limit_uid") != 16 || rejected("limit_total") != limited {
 		t.Errorf("rejections counted: permission %d limit_uid %d limit_total %d", rejected("permission"), rejected("limit_uid"), rejected("limit_total"))
 	}
 	lines := strings.Count(logs.String(), "refusing connection")

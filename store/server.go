@@ -237,7 +237,7 @@ func (s *Store) refuse(uc *net.UnixConn, c *protocol.Conn, p peer, reason string
 	if err != nil {
 		// A new socket's send buffer is empty: this does not block, and
 		// the deadline makes sure of it.
-		uc.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+		uc.SetWriteDeadline(time.Now().Add(time.Second))
 		c.Send(protocol.ErrorResponse(0, err))
 	}
 }
