@@ -33,5 +33,16 @@ if [ -n "$bench" ]; then
     "$t" -test.run '^$' -test.bench "$bench" -test.benchtime=200x -test.count=1 2>&1 | grep -E '^(Benchmark|ok|FAIL|---)' | tee -a "$out/bench.txt"
   done
 fi
+# The Python client's tests, with the CLI just built (GPU tests fail instead of skipping).
+if [ -z "${SKIP_PYTHON:-}" ] && python3 -c 'import google.protobuf, pytest' 2>/dev/null; then
+  ( cd python && CUDAIPC_BIN="$OLDPWD/.gpu/bin/cudaipc" timeout "${PYTEST_TIMEOUT:-240}" python3 -m pytest -q -rfE -p no:cacheprovider tests ) >"$out/pytest.log" 2>&1
+  echo "pytest rc=$?: $(tail -1 "$out/pytest.log")" | tee -a "$out/summary.txt"
+fi
+# The weight-sync benchmark (issue 10), when asked for: WEIGHT_SYNC=1.
+if [ -n "${WEIGHT_SYNC:-}" ]; then
+  timeout 200 python3 scripts/bench/weight_sync.py --bin .gpu/bin/cudaipc --json "$out/weight-sync.json" >"$out/weight-sync.txt" 2>&1
+  echo "weight_sync rc=$?" | tee -a "$out/summary.txt"
+fi
 grep -h -B2 -A20 -- '--- FAIL' "$out"/*.log | head -150
+grep -h -E '^(FAILED|ERROR)' "$out/pytest.log" 2>/dev/null | head -30
 echo "logs in $out"
