@@ -181,7 +181,7 @@ func TestStoreCommands(t *testing.T) {
 	if got := mustRun(t, "ls", "--json", "--socket", sock); strings.TrimSpace(got) != "[]" {
 		t.Errorf("ls --json of an empty store: %q", got)
 	}
-	if _, _, err := storeCLI(t, "get", "blob", "--timeout", "20ms", "--socket", sock); err == nil || !strings.Contains(err.Error(), "not sealed within") {
+	if _, _, err := storeCLI(t, "get", "blob", "--timeout", "500ms", "--socket", sock); err == nil || !strings.Contains(err.Error(), "not sealed within") {
 		t.Errorf("get with timeout: %v", err)
 	}
 }
