@@ -192,3 +192,51 @@ def host_memoryview(owner: Any, addr: int, nbytes: int, readonly: bool) -> memor
     buf._cudaipc_owner = owner  # type: ignore[attr-defined]  # the chain: memoryview -> buf -> owner
     mv = memoryview(buf).cast("B")
     return mv.toreadonly() if readonly else mv
+
+
+class _CAI:
+    """A ``__cuda_array_interface__`` carrier for the cached path: the interface dict
+    is made once per placement and shared; ``owner`` is this view's own."""
+
+    __slots__ = ("owner", "__cuda_array_interface__")
+
+
+class _AI:
+    """The same for ``__array_interface__`` (host memory)."""
+
+    __slots__ = ("owner", "__array_interface__")
+
+
+def tensor_maker(addr: int, lay: Layout, ordinal: Optional[int], readonly: bool) -> Any:
+    """A function ``make(owner) -> torch.Tensor`` of the memory at ``addr`` with layout
+    ``lay`` (device memory of GPU ``ordinal``, or host memory when None), made once per
+    placement: a lease's ``tensor()`` then costs one small carrier object and PyTorch's
+    own construction. Each tensor keeps ``owner`` alive through its storage."""
+    import torch
+    carrier = DTYPES[lay.dtype][1] is None
+    post = getattr(torch, lay.dtype) if carrier else None
+    strides = lay.byte_strides() if lay.strides is not None else None
+    if ordinal is not None:
+        cai = {"version": 3, "shape": lay.shape, "typestr": DTYPES[lay.dtype][2] if carrier else DTYPES[lay.dtype][1],
+               "data": (addr, False), "strides": strides, "stream": None}
+        as_tensor = torch.as_tensor
+
+        def make_cuda(owner: Any) -> Any:
+            o = _CAI()
+            o.owner = owner
+            o.__cuda_array_interface__ = cai
+            t = as_tensor(o)
+            return t if post is None else t.view(post)
+        return make_cuda
+    import numpy as np
+    ai = {"version": 3, "shape": lay.shape, "typestr": DTYPES[lay.dtype][2 if carrier else 1],
+          "data": (addr, readonly), "strides": strides}
+    asarray, from_numpy = np.asarray, torch.from_numpy
+
+    def make_host(owner: Any) -> Any:
+        o = _AI()
+        o.owner = owner
+        o.__array_interface__ = ai
+        t = from_numpy(asarray(o))
+        return t if post is None else t.view(post)
+    return make_host

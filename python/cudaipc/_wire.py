@@ -336,6 +336,8 @@ class Conn:
         arena cache follows what this connection was given."""
         body = resp.WhichOneof("body")
         p = None
+        if body == "lease_table" and len(fds) == 1 and not (resp.HasField("error") and resp.error.code != 0):
+            return Reply(resp, fd=fds[0])   # the table's memfd, for the caller to map and close
         if body == "create":
             p = resp.create.placement
         elif body == "get":

@@ -7,13 +7,16 @@ import ctypes
 import dataclasses
 import re
 import datetime
+import logging
 import os
 import sys
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
+from . import _fastpath
 from . import _store_pb2 as pb
 from . import _views
+from ._fastpath import LeaseTable
 from ._wire import Conn, HostArena, Reply
 from .errors import (Closed, CudaError, InternalError, InvalidArgument, PermissionDenied,
                      StoreError, StoreGone)
@@ -21,6 +24,8 @@ from .region import Region, gpu_uuid_text, parse_gpu_uuid
 
 __all__ = ["connect", "default_socket_path", "Store", "Lease", "Object", "ObjectInfo",
            "TensorDesc", "Event", "ServerInfo"]
+
+_log = logging.getLogger("cudaipc")
 
 MAX_OBJECT_SIZE = 1 << 40
 PROTOCOL_VERSION = 2  # docs/protocol.md section 4
@@ -140,10 +145,29 @@ class _GPUClose:
         self.fn(*self.args)
 
 
+class _Grant:
+    """What a lease granted with a lease-table slot keeps while it is idle (released
+    through the table, not yet reclaimed): everything the next holder's _Memory needs,
+    the view construction data made so far, and its slot."""
+
+    __slots__ = ("conn", "nbytes", "device", "addr", "ordinal", "arena", "gpu_close", "tensor",
+                 "share", "end_request", "views", "table", "name", "slot", "gen", "arena_id",
+                 "lease_id", "info_pb")
+
+    def drop(self) -> None:
+        """The daemon ended the idle lease: let go of its GPU arena reference."""
+        if self.gpu_close is not None:
+            self.gpu_close()
+
+
 class _Memory:
     """The bytes of one lease or object: address, size, device. Views made from it
     keep it alive; when the last reference goes its finalizer ends the lease (or
-    aborts an object never sealed)."""
+    aborts an object never sealed). A lease with a lease-table slot (``grant``) ends
+    by one compare-and-swap when it can (docs/protocol.md 6.7), else through the socket."""
+
+    __slots__ = ("nbytes", "device", "addr", "ordinal", "writable", "arena", "gpu_close", "tensor",
+                 "share", "end_request", "conn", "alive", "grant", "views", "__weakref__")
 
     def __init__(self, conn: Conn, nbytes: int, device: str, addr: int, ordinal: Optional[int],
                  writable: bool, arena: Optional[HostArena], gpu_close: Optional[_GPUClose],
@@ -160,11 +184,42 @@ class _Memory:
         self.end_request = end_request
         self.conn = conn
         self.alive = True
+        self.grant: Optional[_Grant] = None   # set for a lease with a lease-table slot
+        self.views: Dict[str, Any] = {}       # default view construction data, by kind
+
+    @staticmethod
+    def of_grant(g: _Grant) -> "_Memory":
+        """The memory of a lease taken back through the lease table. Only what views
+        and the release need is set; the rest is read from the grant (__getattr__)."""
+        m = _Memory.__new__(_Memory)
+        m.alive, m.grant, m.views, m.addr, m.nbytes, m.ordinal, m.tensor, m.writable, m.device = \
+            True, g, g.views, g.addr, g.nbytes, g.ordinal, g.tensor, False, g.device
+        return m
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for attributes not set: those of_grant leaves to the grant.
+        if name != "grant":
+            g = self.grant
+            if g is not None:
+                return getattr(g, name)
+        raise AttributeError(name)
+
+    def make_grant(self, table: Any, name: str, slot: int, gen: int, arena_id: int, lease_id: int, info_pb: Any) -> None:
+        g = _Grant()
+        g.conn, g.nbytes, g.device, g.addr, g.ordinal = self.conn, self.nbytes, self.device, self.addr, self.ordinal
+        g.arena, g.gpu_close, g.tensor, g.share, g.end_request = self.arena, self.gpu_close, self.tensor, self.share, self.end_request
+        g.views, g.table, g.name, g.slot, g.gen = self.views, table, name, slot, gen
+        g.arena_id, g.lease_id, g.info_pb = arena_id, lease_id, info_pb
+        self.grant = g
 
     def end(self) -> None:
-        """End now: unmap GPU memory, then tell the daemon (once)."""
+        """End now: through the lease table when it can, else unmap GPU memory, then
+        tell the daemon (once)."""
         if self.alive:
             self.alive = False
+            g = self.grant
+            if g is not None and g.table.release(g):
+                return
             _end(self.conn, self.end_request, self.gpu_close)
 
     def detach(self) -> None:
@@ -177,6 +232,9 @@ class _Memory:
         if self.alive:
             self.alive = False
             try:
+                g = self.grant
+                if g is not None and g.table.release(g):
+                    return
                 _end(self.conn, self.end_request, self.gpu_close)
             except Exception:  # noqa: BLE001 - interpreter shutdown, closed connection
                 pass
@@ -238,6 +296,8 @@ class Lease:
     be written; host views are read-only (writing through a PyTorch CPU tensor faults).
     """
 
+    __slots__ = ("_mem", "_lease_id", "_name", "_info_pb", "_info", "_nbytes", "_device", "_tensor", "_manifest")
+
     def __init__(self, mem: _Memory, lease_id: int, name: str, info_pb: Any):
         self._mem: Optional[_Memory] = mem
         self._lease_id = lease_id
@@ -247,7 +307,7 @@ class Lease:
         self._nbytes = mem.nbytes
         self._device = mem.device
         self._tensor = mem.tensor
-        self._manifest: Any = None   # a bundle's manifest: its memfd (int), then its bytes
+        self._manifest: Any = None   # a bundle's manifest: its _ManifestFD, then its bytes
 
     @property
     def version(self) -> int:
@@ -261,21 +321,14 @@ class Lease:
         m = self._manifest
         if m is None:
             raise InvalidArgument("get", self._name, "the object is not a bundle (it has no manifest)")
-        if isinstance(m, int):
+        if isinstance(m, _ManifestFD):
             size = self._info_pb.manifest_size if self._info_pb is not None else 0
             try:
-                data = os.pread(m, size, 0)
+                data = os.pread(m.fd, size, 0)
             finally:
-                os.close(m)
+                m.close()
             self._manifest = m = data
         return m
-
-    def __del__(self) -> None:
-        if isinstance(self._manifest, int):
-            try:
-                os.close(self._manifest)
-            except OSError:
-                pass
 
     @property
     def info(self) -> ObjectInfo:
@@ -337,7 +390,17 @@ class Lease:
         """A zero-copy ``torch.Tensor`` of the object on its device (CUDA for GPU objects,
         CPU for host ones). dtype and shape default to what the producer recorded, else
         uint8 bytes; a shape may contain one -1."""
-        m = self._live()
+        m = self._mem
+        if m is None:
+            m = self._live()
+        if dtype is None and shape is None:
+            # The hot path: the construction data of the default view is made once per
+            # placement (and kept with an idle lease for the next get).
+            mk = m.views.get("tensor")
+            if mk is None:
+                mk = m.views["tensor"] = _views.tensor_maker(m.addr, _views.resolve_layout(m.nbytes, m.tensor),
+                                                            m.ordinal, not m.writable)
+            return mk(m)
         return _view(m, m, "tensor", dtype, shape)
 
     def cupy(self, dtype: Any = None, shape: Optional[Sequence[int]] = None) -> Any:
@@ -378,6 +441,26 @@ class Lease:
     def __repr__(self) -> str:
         return "<cudaipc.Lease %r %d bytes on %s%s>" % (self._name, self._nbytes, self._device,
                                                          " released" if self._mem is None else "")
+
+
+class _ManifestFD:
+    """A bundle's manifest memfd, closed once (when read, or when collected)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except OSError:
+            pass
 
 
 def _read(m: _Memory) -> bytes:
@@ -508,8 +591,10 @@ class Store:
     """A connection to the store daemon (:func:`connect`). Safe to use from several
     threads; a ``get`` that waits holds up no other call."""
 
-    def __init__(self, socket: Optional[str] = None, client_name: Optional[str] = None):
+    def __init__(self, socket: Optional[str] = None, client_name: Optional[str] = None,
+                 fast_path: bool = True):
         path = socket or default_socket_path()
+        self._table: Optional[LeaseTable] = None
         self.socket = path
         try:
             self._conn = Conn(path)
@@ -537,6 +622,40 @@ class Store:
             self._conn.close()
             raise InternalError("dial", message="daemon answered version %d to version %d" % (h.version, PROTOCOL_VERSION))
         self.server = ServerInfo(h.version, h.server_version, h.pid, h.backend)
+        if fast_path:
+            self._open_lease_table()
+
+    def _open_lease_table(self) -> None:
+        """Ask for this connection's lease table (docs/protocol.md 6.7). Without a
+        compare-and-swap (no libatomic), or from a daemon that has none, every lease
+        goes through the socket."""
+        at = _fastpath.atomics()
+        if at is None:
+            return
+        try:
+            r = self._conn.call(pb.Request(lease_table=pb.LeaseTableRequest()), "lease_table")
+        except (StoreGone, Closed):
+            raise
+        except StoreError as e:
+            _log.debug("cudaipc: the daemon has no lease table (%s); leases go through the socket", e)
+            return
+        if r.fd < 0 or r.resp.WhichOneof("body") != "lease_table":
+            if r.fd >= 0:
+                os.close(r.fd)
+            _log.debug("cudaipc: the daemon sent no lease table; leases go through the socket")
+            return
+        try:
+            self._table = LeaseTable(r.fd, r.resp.lease_table.slots, at.cas)
+        except (OSError, ValueError) as e:
+            _log.debug("cudaipc: lease table unusable (%s); leases go through the socket", e)
+        finally:
+            os.close(r.fd)
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether leases are released and taken back through the lease table (no
+        system call) rather than the socket."""
+        return self._table is not None
 
     # -- lifecycle -----------------------------------------------------------------
     def close(self) -> None:
@@ -545,6 +664,8 @@ class Store:
         be reused by the daemon: do not read it any more). Idle GPU arenas are unmapped.
         Idempotent."""
         self._conn.close()
+        if self._table is not None:
+            self._table.close()   # idle leases let go of their arenas
         with self._arena_lock:
             arenas = list(self._gpu_arenas.values())
             for a in arenas:
@@ -671,6 +792,11 @@ class Store:
         For a versioned name: ``version`` (0: the latest), ``shard``, and ``newer_than``
         (wait for a version above it). A lease on any shard keeps the whole version, so
         ``get(name, version=lease.version, shard=k)`` finds every other shard of it."""
+        t = self._table
+        if t is not None and not (version or shard or newer_than) and name in t.idle:
+            g = t.retake(name)
+            if g is not None:
+                return Lease(_Memory.of_grant(g), g.lease_id, name, g.info_pb)
         if timeout is None:
             ms = -1
         else:
@@ -694,7 +820,12 @@ class Store:
             raise
         lease = Lease(mem, g.lease_id, name, info)
         if r.manifest_fd >= 0:
-            lease._manifest, r.manifest_fd = r.manifest_fd, -1
+            lease._manifest, r.manifest_fd = _ManifestFD(r.manifest_fd), -1
+        elif g.lease_slot and t is not None:
+            # A slot in the lease table: this lease ends by a compare-and-swap, and a
+            # later get of the name takes it back the same way (docs/protocol.md 6.7).
+            t.granted(g.lease_slot)
+            mem.make_grant(t, name, g.lease_slot, g.lease_gen, p.arena_id, g.lease_id, info)
         return lease
 
     def _memory(self, r: Reply, p: Any, desc: Optional[TensorDesc], end: Any, op: str, name: str) -> _Memory:
@@ -808,6 +939,8 @@ class Store:
     def _arenas_freed(self, ids: Sequence[int]) -> None:
         """The daemon says these arenas hold no object any more: unmap them (GPU ones
         as soon as no view uses them) and tell it (forget_arenas)."""
+        if self._table is not None:
+            self._table.drop_arenas(ids)   # their idle leases were reclaimed
         self._conn.drop_host_arenas(ids)
         host = []
         for i in ids:
@@ -866,10 +999,15 @@ class Store:
         return "<cudaipc.Store %s backend=%s>" % (self.socket, getattr(self, "server", None) and self.server.backend)
 
 
-def connect(socket: Optional[str] = None, client_name: Optional[str] = None) -> Store:
+def connect(socket: Optional[str] = None, client_name: Optional[str] = None, *,
+            fast_path: bool = True) -> Store:
     """Connect to the store daemon at ``socket`` (default: :func:`default_socket_path`,
-    which honours $CUDAIPC_SOCKET). Raises StoreGone when there is no daemon."""
-    return Store(socket, client_name)
+    which honours $CUDAIPC_SOCKET). Raises StoreGone when there is no daemon.
+
+    ``fast_path`` (default on) releases leases and takes them back through the
+    connection's lease table, with no system call; off, every lease goes through the
+    socket (as the Go client's Options.NoFastPath)."""
+    return Store(socket, client_name, fast_path)
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -1,0 +1,265 @@
+"""The lease fast path (docs/protocol.md 6.7, docs/architecture.md "Lease fast path").
+
+At connect the client asks for its connection's lease table: a memfd of 64-bit words,
+one per lease slot, that the daemon and this client change only by atomic
+compare-and-swap. A lease of a plain object granted with a slot is released by one
+swap (held -> idle), with no system call; the client keeps the released lease's
+mapping, and a later ``get`` of the same name takes it back with one swap (idle ->
+held). A swap that fails (the daemon reclaimed the lease, or doomed it because the
+object was deleted) sends the operation through the socket instead.
+
+Python has no compare-and-swap of its own. It is called through ctypes in
+libatomic (GCC's runtime, ``__atomic_compare_exchange_8``: ``lock cmpxchg`` on
+x86-64), and only when libatomic says 8-byte atomics are lock-free (a lock-based
+libatomic would not be atomic against the daemon). Without it the client uses the
+socket for every lease (logged once at debug level); it never falls back to a plain
+read-modify-write of a shared word.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import threading
+from typing import Any, Dict, List, Optional
+
+_log = logging.getLogger("cudaipc")
+
+_SEQ_CST = 5            # __ATOMIC_SEQ_CST
+_HELD, _IDLE = 1, 2     # slot states (bits 1..0); bit 2: doomed; bits 63..3: generation
+_GEN_SHIFT = 3
+MAX_SLOTS = 1 << 16     # protocol.MaxLeaseSlots
+
+_NO_ATOMICS_ENV = "CUDAIPC_NO_ATOMICS"   # tests: behave as if libatomic were missing
+
+
+class _Atomics:
+    """``cas(addr, expected_addr, desired) -> bool``, bound once per process."""
+
+    def __init__(self, cas: Any):
+        self.cas = cas
+
+
+_atomics: Optional[_Atomics] = None
+_atomics_loaded = False
+_atomics_lock = threading.Lock()
+
+
+def atomics() -> Optional[_Atomics]:
+    """The process's compare-and-swap, or None when no lock-free one can be had."""
+    global _atomics, _atomics_loaded
+    if _atomics_loaded:
+        return _atomics
+    with _atomics_lock:
+        if not _atomics_loaded:
+            _atomics = _load()
+            _atomics_loaded = True
+    return _atomics
+
+
+def _reset_for_tests() -> None:
+    global _atomics, _atomics_loaded
+    with _atomics_lock:
+        _atomics, _atomics_loaded = None, False
+
+
+def _load() -> Optional[_Atomics]:
+    if os.environ.get(_NO_ATOMICS_ENV):
+        _log.debug("cudaipc: lease fast path off: %s is set; leases go through the socket", _NO_ATOMICS_ENV)
+        return None
+    names = ["libatomic.so.1"]
+    found = ctypes.util.find_library("atomic")
+    if found and found not in names:
+        names.append(found)
+    for name in names:
+        try:
+            # PyDLL: the call keeps the GIL (it takes nanoseconds; releasing and
+            # re-taking the GIL would cost more than the swap).
+            lib = ctypes.PyDLL(name)
+            cas = lib.__atomic_compare_exchange_8
+            lock_free = lib.__atomic_is_lock_free
+        except (OSError, AttributeError):
+            continue
+        cas.restype = ctypes.c_bool
+        cas.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
+        lock_free.restype = ctypes.c_bool
+        lock_free.argtypes = [ctypes.c_size_t, ctypes.c_void_p]
+        probe = ctypes.c_uint64(0)
+        if not lock_free(8, ctypes.addressof(probe)):
+            _log.debug("cudaipc: lease fast path off: %s's 8-byte atomics are not lock-free", name)
+            return None
+        # A self-check on private memory: a swap that must succeed and one that must fail.
+        exp = ctypes.c_uint64(0)
+        ok1 = cas(ctypes.addressof(probe), ctypes.addressof(exp), 42, _SEQ_CST, _SEQ_CST)
+        exp.value = 7
+        ok2 = cas(ctypes.addressof(probe), ctypes.addressof(exp), 9, _SEQ_CST, _SEQ_CST)
+        if not ok1 or ok2 or probe.value != 42 or exp.value != 42:
+            _log.debug("cudaipc: lease fast path off: %s's compare-and-swap misbehaved", name)
+            return None
+        return _Atomics(cas)
+    _log.debug("cudaipc: lease fast path off: no libatomic.so.1 (GCC's atomics runtime); leases go through the socket")
+    return None
+
+
+def held_word(gen: int) -> int:
+    return (gen << _GEN_SHIFT) | _HELD
+
+
+def idle_word(gen: int) -> int:
+    return (gen << _GEN_SHIFT) | _IDLE
+
+
+class LeaseTable:
+    """This client's mapping of its connection's lease table, and the leases it
+    released through it (by object name, newest last). An entry is the store's record
+    of the lease (its _Grant): it has ``name``, ``slot``, ``gen``, ``arena_id`` and
+    ``drop()`` (let go of what it keeps once the daemon ended the lease)."""
+
+    def __init__(self, fd: int, slots: int, cas: Any):
+        from ._wire import _libc, _MAP_FAILED, _MAP_SHARED, _PROT_READ, _PROT_WRITE
+        if not 0 < slots <= MAX_SLOTS:
+            raise ValueError("lease table of %d slots (want 1..%d)" % (slots, MAX_SLOTS))
+        size = slots * 8
+        st = os.fstat(fd)
+        if st.st_size < size:
+            raise ValueError("lease table memfd has %d bytes, %d slots need %d" % (st.st_size, slots, size))
+        addr = _libc.mmap(None, size, _PROT_READ | _PROT_WRITE, _MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            e = ctypes.get_errno()
+            raise OSError(e, "mmap of the lease table: %s" % os.strerror(e))
+        self.addr = int(addr)
+        self.size = size
+        self.slots = slots
+        self._cas = cas
+        self._exp = ctypes.c_uint64(0)          # the swap's expected word (used under lock)
+        self._exp_addr = ctypes.addressof(self._exp)
+        # Re-entrant: a lease collected while this thread holds the lock (a garbage
+        # collection inside the critical section) releases through it too.
+        self.lock = threading.RLock()
+        self.idle: Dict[str, List[Any]] = {}
+        self.by_slot: Dict[int, Any] = {}
+        self.closed = False
+
+    def word(self, slot: int) -> int:
+        """The slot's word as it is now (tests and diagnostics; aligned 8-byte read)."""
+        with self.lock:
+            if self.closed:
+                return 0
+            return ctypes.c_uint64.from_address(self.addr + (slot - 1) * 8).value
+
+    # The swaps run under self.lock: it keeps the table mapped and _exp private.
+    def release(self, e: Any) -> bool:
+        """Release lease e (slot, gen): (gen, held) -> (gen, idle), and keep it for a
+        later take-back. False: the swap failed (doomed, or the word is not this held
+        lease) or the table is gone; release through the socket."""
+        slot = e.slot
+        stale = None
+        with self.lock:
+            if self.closed:
+                return False
+            gen = e.gen << _GEN_SHIFT
+            self._exp.value = gen | _HELD
+            if not self._cas(self.addr + (slot - 1) * 8, self._exp_addr, gen | _IDLE, _SEQ_CST, _SEQ_CST):
+                return False
+            old = self.by_slot.get(slot)
+            if old is not None:   # cannot be: the daemon grants only free slots
+                stale = self._forget(old)
+            self.by_slot[slot] = e
+            lst = self.idle.get(e.name)
+            if lst is None:
+                self.idle[e.name] = [e]
+            else:
+                lst.append(e)
+        if stale is not None:
+            return_stale([stale])
+        return True
+
+    def retake(self, name: str) -> Any:
+        """Take back an idle lease of name the daemon has not reclaimed: its entry,
+        or None. Leases found reclaimed are forgotten (their ``drop`` runs)."""
+        stale: List[Any] = []
+        got = None
+        with self.lock:
+            if self.closed:
+                return None
+            lst = self.idle.get(name)
+            while lst:
+                e = lst.pop()
+                if self.by_slot.get(e.slot) is e:
+                    del self.by_slot[e.slot]
+                gen = e.gen << _GEN_SHIFT
+                self._exp.value = gen | _IDLE
+                if self._cas(self.addr + (e.slot - 1) * 8, self._exp_addr, gen | _HELD, _SEQ_CST, _SEQ_CST):
+                    got = e
+                    break
+                stale.append(e)   # reclaimed or doomed: the daemon ended it
+            if lst is not None and not lst and self.idle.get(name) is lst:
+                del self.idle[name]
+        if stale:
+            return_stale(stale)
+        return got
+
+    def granted(self, slot: int) -> None:
+        """The daemon granted a lease in slot: an idle lease still recorded there was
+        reclaimed (the daemon grants only free slots); forget it."""
+        if not self.by_slot:
+            return
+        with self.lock:
+            e = self.by_slot.get(slot)
+            if e is None:
+                return
+            self._forget(e)
+        return_stale([e])
+
+    def _forget(self, e: Any) -> Any:
+        """Remove e from the records (lock held)."""
+        if self.by_slot.get(e.slot) is e:
+            del self.by_slot[e.slot]
+        lst = self.idle.get(e.name)
+        if lst is not None:
+            try:
+                lst.remove(e)
+            except ValueError:
+                pass
+            if not lst:
+                del self.idle[e.name]
+        return e
+
+    def drop_arenas(self, ids: Any) -> None:
+        """Forget idle leases in arenas the daemon emptied (so reclaimed)."""
+        want = set(ids)
+        out: List[Any] = []
+        with self.lock:
+            for e in list(self.by_slot.values()):
+                if e.arena_id in want:
+                    out.append(self._forget(e))
+        return_stale(out)
+
+    def close(self) -> None:
+        """Unmap the table and forget every idle lease (the connection is closed: the
+        daemon ends them)."""
+        from ._wire import _libc
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            out = list(self.by_slot.values())
+            self.by_slot.clear()
+            self.idle.clear()
+            _libc.munmap(self.addr, self.size)
+        return_stale(out)
+
+    def idle_count(self) -> int:
+        with self.lock:
+            return len(self.by_slot)
+
+
+def return_stale(entries: List[Any]) -> None:
+    """Let go of what idle leases that ended kept (their GPU arena references)."""
+    for e in entries:
+        try:
+            e.drop()
+        except Exception:  # noqa: BLE001 - a closed connection, interpreter shutdown
+            pass
