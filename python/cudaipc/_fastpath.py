@@ -169,9 +169,12 @@ class LeaseTable:
             self.by_slot[slot] = e
             lst = self.idle.get(e.name)
             if lst is None:
+                if len(self.idle) >= 2 * self.slots:   # names emptied by take-backs: prune
+                    for k in [k for k, v in self.idle.items() if not v]:
+                        del self.idle[k]
                 self.idle[e.name] = [e]
             else:
-                lst.append(e)
+                lst.append(e)   # (an emptied list is kept: the next release of the name refills it)
         if stale is not None:
             return_stale([stale])
         return True
@@ -195,8 +198,6 @@ class LeaseTable:
                     got = e
                     break
                 stale.append(e)   # reclaimed or doomed: the daemon ended it
-            if lst is not None and not lst and self.idle.get(name) is lst:
-                del self.idle[name]
         if stale:
             return_stale(stale)
         return got

@@ -7,8 +7,11 @@ answered with forget_arenas."""
 
 from __future__ import annotations
 
+import array
+import mmap
 import os
 import socket
+import struct
 import tempfile
 import threading
 
@@ -29,7 +32,10 @@ def arena_region(size: int) -> bytes:
 class FakeGPUDaemon:
     """hello; every get: a CUDA_IPC placement in arena 5; 'free' sends arenas_freed."""
 
-    def __init__(self):
+    def __init__(self, table: bool = False):
+        self.table = table      # serve a lease table and grant slots (docs/protocol.md 6.7)
+        self.words = None
+        self.granted = []       # (slot, gen) of each get
         self.dir = tempfile.mkdtemp()
         self.path = os.path.join(self.dir, "s.sock")
         self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -59,11 +65,25 @@ class FakeGPUDaemon:
             self.requests.append(kind)
             if kind == "hello":
                 resp = pb.Response(id=req.id, hello=pb.HelloResponse(version=req.hello.version, backend="cuda"))
+            elif kind == "lease_table" and self.table:
+                fd = os.memfd_create("leases")
+                os.ftruncate(fd, 64 * 8)
+                self.words = mmap.mmap(fd, 64 * 8)
+                c.sendmsg([pb.Response(id=req.id, lease_table=pb.LeaseTableResponse(slots=64)).SerializeToString()],
+                          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+                os.close(fd)
+                continue
             elif kind == "get":
                 lease += 1
+                slot = gen = 0
+                if self.words is not None:
+                    slot, gen = lease % 64 + 1, lease
+                    struct.pack_into("<Q", self.words, (slot - 1) * 8, gen << 3 | 1)
+                    self.granted.append((slot, gen))
                 resp = pb.Response(id=req.id, get=pb.GetResponse(lease_id=lease, placement=pb.Placement(
                     arena_id=5, device="GPU-01020304-0506-0708-090a-0b0c0d0e0f10", offset=4096 * lease,
-                    size=4096, arena_size=1 << 20, kind=pb.Placement.CUDA_IPC, region=region)))
+                    size=4096, arena_size=1 << 20, kind=pb.Placement.CUDA_IPC, region=region),
+                    lease_slot=slot, lease_gen=gen))
             elif kind == "release":
                 resp = pb.Response(id=req.id, release=pb.ReleaseResponse())
             elif kind == "forget_arenas":
@@ -74,6 +94,10 @@ class FakeGPUDaemon:
             c.send(resp.SerializeToString())
 
     def free(self):
+        # The daemon reclaims idle leases before it finds the arena empty.
+        for slot, gen in self.granted:
+            if struct.unpack_from("<Q", self.words, (slot - 1) * 8)[0] == gen << 3 | 2:
+                struct.pack_into("<Q", self.words, (slot - 1) * 8, gen << 3)
         self.conn.send(pb.Response(arenas_freed=pb.ArenasFreed(arena_ids=[5])).SerializeToString())
 
 
@@ -124,3 +148,34 @@ def test_idle_arenas_are_unmapped_on_close(fake_driver):
     assert fake_driver == {"open": 1, "close": 0}
     s.close()
     assert fake_driver["close"] == 1
+
+
+def test_idle_fast_leases_keep_the_arena_until_freed(fake_driver):
+    """A lease released through the lease table keeps its arena mapped (the next get
+    takes it back with no request and no driver call); when the daemon reclaims it and
+    frees the arena, the idle lease is forgotten and the arena unmapped."""
+    from cudaipc import _fastpath
+    if _fastpath.atomics() is None:
+        pytest.skip("no libatomic: no lease table")
+    d = FakeGPUDaemon(table=True)
+    s = cudaipc.connect(d.path)
+    assert s.fast_path
+    first = s.get("x")
+    ptr = first.data_ptr
+    first.release()
+    del first
+    for _ in range(50):
+        with s.get("x") as lease:
+            assert lease.data_ptr == ptr and lease.gpu_share == "ipc"
+    assert d.requests.count("get") == 1, "a take-back asked the daemon"
+    assert fake_driver == {"open": 1, "close": 0}
+    assert s._table.idle_count() == 1
+    d.free()
+    s.stat("x")           # reads the unasked arenas_freed
+    assert s._table.idle_count() == 0
+    assert fake_driver["close"] == 1
+    assert d.requests.count("forget_arenas") == 1 and d.forgotten == [5]
+    with s.get("x") as lease:   # reclaimed: through the socket again
+        pass
+    assert d.requests.count("get") == 2 and fake_driver["open"] == 2
+    s.close()
