@@ -342,6 +342,10 @@ class TableDaemon:
 
     def run(self):
         c, _ = self.srv.accept()
+        with c:
+            self.serve(c)
+
+    def serve(self, c):
         while True:
             data = c.recv(65536)
             if not data:
@@ -382,6 +386,7 @@ def test_bad_lease_table_is_not_used(slots, nbytes, nfds):
     assert not s.fast_path
     assert s.stat("x").name == "x"
     s.close()
+    d.th.join(5)
     d.srv.close()
     assert open_fds() <= before, "descriptors leaked"
 
