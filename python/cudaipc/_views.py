@@ -207,12 +207,122 @@ class _AI:
     __slots__ = ("owner", "__array_interface__")
 
 
+# DLPack (dlpack.h, the unversioned DLManagedTensor every PyTorch since 1.10 takes):
+# a tensor built from one costs no dict parsing and no pointer query. Element types
+# and their (type code, bits); the others go through the array interfaces.
+_DL_TYPES = {"int8": (0, 8), "int16": (0, 16), "int32": (0, 32), "int64": (0, 64), "uint8": (1, 8),
+             "float16": (2, 16), "float32": (2, 32), "float64": (2, 64), "bfloat16": (4, 16),
+             "complex64": (5, 64), "complex128": (5, 128)}
+_KDL_CPU, _KDL_CUDA = 1, 2
+
+
+class _DLPack:
+    """ctypes declarations of DLPack, and the owners of tensors made through it: each
+    DLManagedTensor's address -> (the struct, its owner), until PyTorch calls the
+    deleter (when the tensor's storage is freed)."""
+
+    def __init__(self, from_dlpack: Any):
+        class DLDevice(ctypes.Structure):
+            _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+        class DLDataType(ctypes.Structure):
+            _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+        class DLTensor(ctypes.Structure):
+            _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                        ("dtype", DLDataType), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                        ("byte_offset", ctypes.c_uint64)]
+
+        deleter_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+        class DLManagedTensor(ctypes.Structure):
+            _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", deleter_t)]
+
+        live: Dict[int, Any] = {}
+        pop = live.pop
+
+        def deleter(p: int) -> None:
+            pop(p, None)
+
+        self.DLDevice, self.DLDataType, self.DLManagedTensor = DLDevice, DLDataType, DLManagedTensor
+        self.live = live
+        self.deleter = deleter_t(deleter)   # kept: PyTorch calls it
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype = ctypes.py_object
+        new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        self.capsule = new
+        self.from_dlpack = from_dlpack
+
+
+_dlpack: Optional[_DLPack] = None
+
+
+def _dlpack_maker(torch: Any, addr: int, lay: Layout, ordinal: Optional[int]) -> Any:
+    """make(owner) through DLPack, or None when this dtype or PyTorch cannot."""
+    global _dlpack
+    code = _DL_TYPES.get(lay.dtype)
+    fd = getattr(torch._C, "_from_dlpack", None)
+    if code is None or fd is None:
+        return None
+    if _dlpack is None:
+        _dlpack = _DLPack(fd)
+    dl = _dlpack
+    nd = len(lay.shape)
+    shape = (ctypes.c_int64 * max(nd, 1))(*lay.shape)
+    strides = (ctypes.c_int64 * max(nd, 1))(*lay.elem_strides())
+    m = dl.DLManagedTensor()
+    t = m.dl_tensor
+    t.data, t.ndim, t.byte_offset = addr, nd, 0
+    t.device = dl.DLDevice(_KDL_CUDA if ordinal is not None else _KDL_CPU, ordinal or 0)
+    t.dtype = dl.DLDataType(code[0], code[1], 1)
+    t.shape, t.strides = ctypes.addressof(shape), ctypes.addressof(strides)
+    m.deleter = dl.deleter
+    template = bytes(m)
+    from_buf, live, capsule, from_dlpack = dl.DLManagedTensor.from_buffer_copy, dl.live, dl.capsule, dl.from_dlpack
+    keep = (shape, strides)
+
+    def make_dl(owner: Any) -> Any:
+        m = from_buf(template)
+        a = ctypes.addressof(m)
+        live[a] = (m, owner, keep)
+        try:
+            return from_dlpack(capsule(a, b"dltensor", None))
+        except BaseException:
+            live.pop(a, None)   # not consumed: PyTorch will not call the deleter
+            raise
+    return make_dl
+
+
 def tensor_maker(addr: int, lay: Layout, ordinal: Optional[int], readonly: bool) -> Any:
     """A function ``make(owner) -> torch.Tensor`` of the memory at ``addr`` with layout
     ``lay`` (device memory of GPU ``ordinal``, or host memory when None), made once per
-    placement: a lease's ``tensor()`` then costs one small carrier object and PyTorch's
-    own construction. Each tensor keeps ``owner`` alive through its storage."""
+    placement: a lease's ``tensor()`` then costs one small carrier (a DLPack struct, or
+    an array-interface object) and PyTorch's own construction. Each tensor keeps
+    ``owner`` alive through its storage."""
     import torch
+    mk = None
+    try:
+        mk = _dlpack_maker(torch, addr, lay, ordinal)
+    except Exception:  # noqa: BLE001 - no ctypes.pythonapi, an odd build: the interfaces
+        mk = None
+    iface = _interface_maker(torch, addr, lay, ordinal, readonly)
+    if mk is not None:
+        # Checked once per placement against the interface path (with a stand-in
+        # owner): any difference, and this placement uses the interfaces.
+        try:
+            probe = object()
+            t, ref = mk(probe), iface(probe)
+            same = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) == \
+                (ref.data_ptr(), tuple(ref.shape), ref.stride(), ref.dtype, ref.device)
+            del t, ref
+        except Exception:  # noqa: BLE001
+            same = False
+        if same:
+            return mk
+    return iface
+
+
+def _interface_maker(torch: Any, addr: int, lay: Layout, ordinal: Optional[int], readonly: bool) -> Any:
     carrier = DTYPES[lay.dtype][1] is None
     post = getattr(torch, lay.dtype) if carrier else None
     strides = lay.byte_strides() if lay.strides is not None else None

@@ -396,3 +396,49 @@ def test_slot_words_match_go():
     assert _fastpath.held_word(5) == (5 << 3) | 1
     assert _fastpath.idle_word(5) == (5 << 3) | 2
     assert struct.calcsize("Q") == 8 and mmap.PAGESIZE % 8 == 0
+
+
+def test_default_tensor_of_every_dtype(store, daemon):
+    """lease.tensor() (the cached construction: DLPack where PyTorch takes the type)
+    equals the source for every dtype, is zero-copy, and lets the lease go when
+    collected."""
+    torch = pytest.importorskip("torch")
+    from cudaipc import _views
+    watcher = cudaipc.connect(daemon.socket, fast_path=False)
+    g = torch.Generator().manual_seed(7)
+    for name in _views.DTYPES:
+        dt = getattr(torch, name, None)
+        if dt is None:
+            continue
+        raw = torch.randint(0, 2 if name == "bool" else 256, (6 * 5 * 16,), dtype=torch.uint8, generator=g)
+        try:
+            src = raw.view(dt).reshape(6, 5, -1)   # random bytes; compared as bytes
+        except (RuntimeError, TypeError):
+            continue
+        key = "dt-" + name
+        try:
+            store.put(key, src)
+        except cudaipc.InvalidArgument:
+            continue
+        for _ in range(3):
+            lease = store.get(key)
+            x = lease.tensor()
+            assert x.dtype == dt and tuple(x.shape) == tuple(src.shape), name
+            assert x.data_ptr() == lease.data_ptr, name
+            assert x.view(torch.uint8).reshape(-1).tolist() == src.view(torch.uint8).reshape(-1).tolist(), name
+            lease.release()
+            assert watcher.stat(key).leases == 1
+            del x
+            assert watcher.stat(key).leases == 0, name
+    # A recorded strided layout (a transposed view) comes back with its strides.
+    base = torch.randn(4, 6)
+    obj = store.create("strided", base.numel() * 4, dtype="float32", shape=(6, 4), strides=(1, 6))
+    obj.write(base.numpy().tobytes())
+    obj.seal()
+    with store.get("strided") as lease:
+        x = lease.tensor()
+        assert x.stride() == (1, 6) and torch.equal(x, base.t())
+    del x
+    if _views._dlpack is not None:
+        assert not _views._dlpack.live, "DLPack owners kept after their tensors went"
+    watcher.close()

@@ -278,3 +278,47 @@ def test_region_errors():
         cudaipc.Region.from_torch(torch.zeros(4))  # CPU
     with pytest.raises(ValueError):
         cudaipc.Region.from_torch(torch.zeros(4, 4, device="cuda:0").t())  # not contiguous
+
+
+def test_fast_path_gpu_cycles(gstore, gpu_daemon):
+    """GPU leases through the lease table: taken back with the same mapping, tensors of
+    every dtype PyTorch has (built through DLPack where it takes the type) equal the
+    source, are zero-copy, and the daemon counts no lease once they are collected."""
+    torch = torch_cuda()
+    from cudaipc import _fastpath, _views
+    if _fastpath.atomics() is None:
+        pytest.fail("libatomic.so.1 is missing on this machine: the lease fast path is off")
+    assert gstore.fast_path
+    watcher = cudaipc.connect(gpu_daemon.socket, fast_path=False)
+    g = torch.Generator(device="cuda:0").manual_seed(11)
+    for name in ("float32", "bfloat16", "float16", "int64", "uint8", "bool", "float8_e4m3fn"):
+        dt = getattr(torch, name)
+        raw = torch.randint(0, 2 if name == "bool" else 256, (64 * 1024,), dtype=torch.uint8, device="cuda:0", generator=g)
+        src = raw.view(dt).reshape(32, -1)
+        gstore.put("fp-" + name, src)
+        first = None
+        for i in range(20):
+            lease = gstore.get("fp-" + name)
+            assert lease._mem.grant is not None, "no lease-table slot"
+            x = lease.tensor()
+            if first is None:
+                first = (lease.lease_id, lease.data_ptr)
+            assert (lease.lease_id, lease.data_ptr) == first, "not taken back"
+            assert x.is_cuda and x.dtype == dt and tuple(x.shape) == tuple(src.shape)
+            assert x.data_ptr() == lease.data_ptr
+            if i % 5 == 0:
+                assert torch.equal(x.view(torch.uint8), src.view(torch.uint8))
+            lease.release()
+            assert watcher.stat("fp-" + name).leases == 1
+            del x
+            assert watcher.stat("fp-" + name).leases == 0
+    torch.cuda.synchronize()
+    if _views._dlpack is not None:
+        assert not _views._dlpack.live
+    # The cached construction used DLPack for CUDA float32 on this PyTorch.
+    with gstore.get("fp-float32") as lease:
+        assert lease._mem.views["tensor"].__name__ == "make_dl"
+    watcher.rm("fp-float32")
+    with pytest.raises((cudaipc.NotFound, cudaipc.Timeout)):
+        gstore.get("fp-float32", timeout=0)
+    watcher.close()
