@@ -8,6 +8,7 @@ handles are opened once per (handle, buffer id, GPU) and reference-counted
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from typing import Any, Dict, List, Optional, Tuple
@@ -335,3 +336,133 @@ def _export_region(cu: Any, ptr: int, nbytes: int, ordinal: int) -> Any:
     return Region(handle=_bytes(h.reserved, 64), offset=ptr - base, size=nbytes, alloc_size=alloc,
                   device=uuids()[ordinal], exporter_pid=os.getpid(), pid_namespace=ns,
                   boot_id=boot, buffer_id=bid, exporter_base=base)
+
+
+# -- batched copies (bundle.load_into) ------------------------------------------------
+#
+# cuMemcpyBatchAsync (CUDA 12.8+) takes host arrays of destination and source
+# pointers and sizes and queues every copy with one driver call, in stream order.
+# cuda-bindings' own wrapper wants a Python object per pointer; for 18,000 copies
+# that costs more than the copies, so the entry point is called through ctypes with
+# the arrays' addresses (NumPy uint64 arrays in bundle.py), as vLLM's KV offload does.
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_uint), ("srcLocHint", _MemLocation),
+                ("dstLocHint", _MemLocation), ("flags", ctypes.c_uint)]
+
+
+_SRC_ACCESS_ORDER_STREAM = 1   # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: read the sources in stream order
+# The first signature (CUDA 12.8: a failIdx argument before the stream); a CUDA 13
+# driver still serves it when asked for version 12080, so one prototype fits both.
+_BATCH_VERSION = 12080
+_BATCH_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)
+_COPY_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
+_SYNC_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+_procs: Dict[str, Any] = {}
+_streams: Dict[int, Any] = {}   # ordinal -> a blocking stream of the primary context
+batch_unavailable = ""          # why cuMemcpyBatchAsync is not used ("" while it is)
+_attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
+_attrs_idx = ctypes.c_size_t(0)
+
+
+def _proc(symbol: str, version: int, proto: Any) -> Any:
+    """A driver entry point (cuGetProcAddress through cuda-bindings) as a ctypes
+    function, or None where this driver lacks it."""
+    key = "%s@%d" % (symbol, version)
+    if key in _procs:
+        return _procs[key]
+    cu = driver()
+    fn = None
+    try:
+        res = cu.cuGetProcAddress(symbol.encode(), version, 0)
+        if res[0] == cu.CUresult.CUDA_SUCCESS and int(res[1]):
+            fn = proto(int(res[1]))
+    except Exception:  # noqa: BLE001 - old bindings: treat as absent
+        fn = None
+    _procs[key] = fn
+    return fn
+
+
+def _err_name(err: int) -> str:
+    cu = driver()
+    try:
+        return _name(cu, cu.CUresult(err))
+    except Exception:  # noqa: BLE001
+        return "CUresult %d" % err
+
+
+def _blocking_stream(ordinal: int) -> int:
+    """A stream of the GPU's primary context created without CU_STREAM_NON_BLOCKING:
+    work on it is ordered after the legacy default stream's and before its later work,
+    which is what a caller on PyTorch's default stream expects. cuMemcpyBatchAsync
+    refuses the legacy stream itself."""
+    s = _streams.get(ordinal)
+    if s is None:
+        with _lock:
+            s = _streams.get(ordinal)
+            if s is None:
+                with on(ordinal):
+                    s = check("cuStreamCreate", driver().cuStreamCreate(0))
+                _streams[ordinal] = s
+    return int(s)
+
+
+def copy_batch(ordinal: int, stream: int, dsts: Any, srcs: Any, sizes: Any,
+               serial: Any = (), wait: bool = True) -> Tuple[int, str]:
+    """Copy sizes[i] bytes from srcs[i] to dsts[i] (device or UVA addresses, as
+    contiguous uint64 arrays with a ``ctypes.data`` address, e.g. NumPy's) on
+    ``stream`` of GPU ``ordinal`` (0: PyTorch's legacy default stream; a blocking
+    stream ordered with it is used) with one cuMemcpyBatchAsync, then ``serial``
+    (dst, src, n) copies one by one in order, after the batch; then wait for the
+    stream unless ``wait`` is false. The batch's copies must not overlap each other.
+    Where the driver lacks cuMemcpyBatchAsync, or it fails, the batch is issued as
+    one cuMemcpyAsync per copy (``batch_unavailable`` says why). Returns the driver
+    copy calls made and the method ("batch" or "memcpy")."""
+    global batch_unavailable
+    n = len(sizes)
+    calls = 0
+    method = "batch"
+    with on(ordinal):
+        s = stream or _blocking_stream(ordinal)
+        if n:
+            fn = None if batch_unavailable else _proc("cuMemcpyBatchAsync", _BATCH_VERSION, _BATCH_PROTO)
+            err = -1
+            if fn is not None:
+                fail = ctypes.c_size_t(0)
+                err = fn(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n, ctypes.addressof(_attrs),
+                         ctypes.addressof(_attrs_idx), 1, ctypes.addressof(fail), s)
+                calls += 1
+                if err != 0:
+                    batch_unavailable = "cuMemcpyBatchAsync: %s (copy %d of %d)" % (_err_name(err), fail.value, n)
+            elif not batch_unavailable:
+                batch_unavailable = "cuMemcpyBatchAsync: not in this driver (CUDA 12.8 or later has it)"
+            if err != 0:
+                method = "memcpy"
+                calls += _copy_each(zip(dsts.tolist(), srcs.tolist(), sizes.tolist()), s)
+        calls += _copy_each(serial, s)
+        if wait:
+            sync = _proc("cuStreamSynchronize", 2000, _SYNC_PROTO)
+            err = sync(s) if sync is not None else -1
+            if err != 0:
+                raise CudaError("cuStreamSynchronize", _err_name(err) if err > 0 else "not in this driver")
+    return calls, method
+
+
+def _copy_each(copies: Any, stream: int) -> int:
+    fn = _proc("cuMemcpyAsync", 4000, _COPY_PROTO)
+    if fn is None:
+        raise CudaError("cuGetProcAddress", "cuMemcpyAsync not found")
+    calls = 0
+    for d, src, n in copies:
+        err = fn(d, src, n, stream)
+        calls += 1
+        if err != 0:
+            raise CudaError("cuMemcpyAsync", _err_name(err), "%d bytes %#x -> %#x" % (n, src, d))
+    return calls
