@@ -135,6 +135,8 @@ type Store struct {
 	nextSolo    uint64
 	nextLease   uint64
 	nextSession uint64
+
+	manifests manifestCache // manifests checked lately (versions.go); its own lock
 }
 
 // device is the store's state for one device: its allocator and arenas.

@@ -180,3 +180,116 @@ def test_load_into_is_bit_exact(store):
         cudaipc.load_into(b, params)
     assert params["nan"].view(torch.int16).tolist() == raw.tolist()
     assert params["s"].view(torch.int32).item() == torch.tensor(-0.0).view(torch.int32).item()
+
+
+def random_bits(dt, shape, g):
+    """A tensor of dtype dt whose bits are random (NaN payloads included for floats)."""
+    item = torch.empty((), dtype=dt).element_size()
+    n = 1
+    for d in shape:
+        n *= d
+    raw = torch.randint(0, 256, (n * item,), dtype=torch.uint8, generator=g)
+    return raw.view(dt).view(shape).clone() if n else torch.empty(shape, dtype=dt)
+
+
+def bits(t):
+    return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+def test_load_into_many_tensors_bit_exact_and_plan_reuse(store):
+    # 3,000 tensors of random bits (bf16/fp16 NaN payloads, negative zeros...), odd
+    # shapes, empty and scalar ones: every bit lands, version after version, with
+    # one plan built for the layout and reused while the parameters stay put.
+    g = torch.Generator().manual_seed(11)
+    dts = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int64, torch.bool, torch.uint8]
+    shapes = [(3, 7), (5,), (), (0, 4), (2, 2, 3)]
+    spec = {"t%d" % i: (dts[i % len(dts)], shapes[i % len(shapes)]) for i in range(3000)}
+    params = {k: torch.zeros(s, dtype=dt) for k, (dt, s) in spec.items()}
+    built0 = B.plan_stats["built"]
+    reused0 = B.plan_stats["reused"]
+    seen = 0
+    for v in range(1, 4):
+        sd = {k: (random_bits(dt, s, g) if dt != torch.bool else torch.randint(0, 2, s, generator=g).bool())
+              for k, (dt, s) in spec.items()}
+        store.put_bundle("many-v", sd, publish=True)
+        with store.get_bundle("many-v", timeout=5, newer_than=seen) as b:
+            seen = b.version
+            rep = cudaipc.load_into(b, params)
+            assert dict.__len__(b) == 0, "load_into made views"
+        assert rep.tensors == len(spec) and rep.method == "host"
+        assert rep.nbytes == sum(t.numel() * t.element_size() for t in sd.values())
+        for k in spec:
+            assert torch.equal(bits(params[k]), bits(sd[k])), (v, k)
+    assert B.plan_stats["built"] == built0 + 1
+    assert B.plan_stats["reused"] == reused0 + 2
+    # A parameter that moved (new storage): a new plan, the new address gets the bytes.
+    params["t5"] = torch.zeros_like(params["t5"])
+    with store.get_bundle("many-v", timeout=5) as b:
+        cudaipc.load_into(b, params)
+    assert B.plan_stats["built"] == built0 + 2
+    assert torch.equal(bits(params["t5"]), bits(sd["t5"]))
+
+
+def test_load_into_reports_every_mismatch_with_a_cached_plan(store):
+    sd = {"a": torch.randn(4, 6), "b": torch.randn(10).to(torch.float16), "c": torch.arange(8)}
+    store.put_bundle("mm", sd, publish=True)
+    params = {k: torch.zeros_like(v) for k, v in sd.items()}
+    with store.get_bundle("mm", timeout=5) as b:
+        cudaipc.load_into(b, params)   # the plan is cached now
+        # Same address, other shape/dtype: the cached plan must not be used.
+        params["a"].data = params["a"].data.view(6, 4)
+        params["b"].data = params["b"].data.view(torch.int16)
+        params["extra"] = torch.zeros(3)
+        before = {k: v.clone() for k, v in params.items()}
+        with pytest.raises(cudaipc.LoadMismatch) as e:
+            cudaipc.load_into(b, params)
+    assert sorted(e.value.problems) == sorted([
+        "a: shape (4, 6) in the bundle, (6, 4) in the parameter",
+        "b: dtype torch.float16 in the bundle, torch.int16 in the parameter",
+        "extra: missing from the bundle"])
+    assert "3 parameter(s) do not match the bundle" in str(e.value)
+    for k in params:
+        assert torch.equal(params[k], before[k]), k   # nothing copied
+
+
+def test_load_into_merges_adjacent_copies_and_orders_overlaps(store):
+    # Parameters that are views of one flat buffer in the bundle's order: the plan
+    # merges them into few copies. Tied/overlapping destinations keep sequential
+    # semantics (the last parameter wins).
+    g = torch.Generator().manual_seed(3)
+    n = 64
+    sd = {"w%02d" % i: random_bits(torch.bfloat16, (8, 16), g) for i in range(n)}   # 256 bytes each: adjacent
+    sd["tied_a"] = random_bits(torch.float32, (64,), g)
+    sd["tied_b"] = random_bits(torch.float32, (64,), g)
+    sd["nc"] = random_bits(torch.int16, (6, 4), g)
+    store.put_bundle("flat", sd)
+    flat = torch.zeros(n * 128, dtype=torch.bfloat16)
+    params = {"w%02d" % i: flat[i * 128:(i + 1) * 128].view(8, 16) for i in range(n)}
+    tied = torch.zeros(64)
+    params["tied_a"] = tied
+    params["tied_b"] = tied                  # the same memory twice: tied_b must win
+    params["nc"] = torch.zeros(4, 6, dtype=torch.int16).t()   # not contiguous: a PyTorch copy
+    with store.get_bundle("flat") as b:
+        rep = cudaipc.load_into(b, params)
+    assert rep.method == "host+torch"
+    assert rep.copy_calls == 4, rep   # 64 views merged into one copy, 2 overlapping, 1 torch
+    for i in range(n):
+        assert torch.equal(bits(params["w%02d" % i]), bits(sd["w%02d" % i])), i
+    assert torch.equal(bits(tied), bits(sd["tied_b"]))
+    assert torch.equal(params["nc"], sd["nc"])
+
+
+def test_bundle_views_are_lazy(store):
+    sd = {"x": torch.arange(6, dtype=torch.int32).view(2, 3), "y": torch.ones(4, dtype=torch.float64)}
+    store.put_bundle("lazy", sd)
+    b = store.get_bundle("lazy")
+    assert dict.__len__(b) == 0 and len(b) == 2 and "x" in b and "z" not in b
+    assert list(b) == ["x", "y"] and set(b.keys()) == {"x", "y"}
+    assert b["x"].tolist() == [[0, 1, 2], [3, 4, 5]] and dict.__len__(b) == 1
+    assert b.get("z") is None and b.get("y").tolist() == [1.0] * 4
+    assert {k: v.tolist() for k, v in b.items()} == {"x": [[0, 1, 2], [3, 4, 5]], "y": [1.0] * 4}
+    assert dict(b).keys() == {"x", "y"}
+    b.release()
+    assert len(b) == 0 and "x" not in b
+    with pytest.raises(cudaipc.LoadMismatch, match="x: missing"):
+        cudaipc.load_into(b, {"x": torch.zeros(2, 3, dtype=torch.int32)})
