@@ -49,6 +49,7 @@ def test_gpu_bundle_versions_load_into(gstore, gpu_daemon):
             rep = cudaipc.load_into(b, params)
             seen = b.version
         assert rep.tensors == len(sd) and rep.nbytes == sum(t.numel() * t.element_size() for t in sd.values())
+        assert rep.method == "batch", (rep, _cuda_batch_unavailable())
         for k in sd:
             assert torch.equal(params[k], sd[k]), k
     # Another process reads the latest version: the manifest comes beside the lease.
@@ -78,3 +79,63 @@ def test_gpu_bundle_across_gpus(gstore):
     assert rep.tensors == len(sd)
     for k in sd:
         assert torch.equal(params[k].cpu(), sd[k].cpu()), k
+
+
+def _cuda_batch_unavailable() -> str:
+    from cudaipc import _cuda
+    return _cuda.batch_unavailable
+
+
+def random_bits(torch, dt, shape, g, dev):
+    n = 1
+    for d in shape:
+        n *= d
+    item = torch.empty((), dtype=dt).element_size()
+    raw = torch.randint(0, 256, (n * item,), dtype=torch.uint8, generator=g, device=dev)
+    return raw.view(dt).view(shape).clone()
+
+
+def test_gpu_load_into_many_tensors_bit_exact(gstore):
+    # 2,000 tensors of random bits (bf16/fp16 NaN payloads included), three versions:
+    # one plan, one cuMemcpyBatchAsync per version, every bit checked; on PyTorch's
+    # default stream and on a side stream.
+    torch = torch_cuda()
+    dev = "cuda:0"
+    g = torch.Generator(device=dev).manual_seed(5)
+    dts = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int64]
+    shapes = [(37, 129), (5,), (), (0, 4), (256, 512)]
+    spec = {"t%d" % i: (dts[i % len(dts)], shapes[i % len(shapes)]) for i in range(2000)}
+    params = {k: torch.empty(s, dtype=dt, device=dev) for k, (dt, s) in spec.items()}
+    built = B.plan_stats["built"]
+    side = torch.cuda.Stream(device=dev)
+    seen = 0
+    for v, stream in enumerate([None, None, side]):
+        sd = {k: random_bits(torch, dt, s, g, dev) for k, (dt, s) in spec.items()}
+        gstore.put_bundle("many", sd, publish=True)
+        with gstore.get_bundle("many", timeout=10, newer_than=seen) as b:
+            seen = b.version
+            rep = cudaipc.load_into(b, params, stream=stream)
+            assert dict.__len__(b) == 0   # no view was made
+        assert rep.method == "batch", (rep, _cuda_batch_unavailable())
+        assert rep.copy_calls == 1 and rep.tensors == len(spec)
+        for k in spec:
+            a, e = params[k].reshape(-1).view(torch.uint8), sd[k].reshape(-1).view(torch.uint8)
+            assert torch.equal(a, e), (v, k)
+    assert B.plan_stats["built"] == built + 1
+
+
+def test_gpu_load_into_mismatch_and_fallbacks(gstore):
+    torch = torch_cuda()
+    sd = {"w": torch.randn(64, 32, device="cuda:0"), "h": torch.arange(10, device="cuda:0")}
+    gstore.put_bundle("fb", sd)
+    with gstore.get_bundle("fb", timeout=10) as b:
+        bad = {"w": torch.zeros(32, 64, device="cuda:0"), "h": torch.zeros(10, dtype=torch.int32, device="cuda:0"),
+               "x": torch.zeros(1, device="cuda:0")}
+        with pytest.raises(cudaipc.LoadMismatch) as e:
+            cudaipc.load_into(b, bad)
+        assert len(e.value.problems) == 3 and not bad["w"].any() and not bad["h"].any()
+        # Not contiguous on the GPU, and host parameters: PyTorch copies them.
+        params = {"w": torch.zeros(32, 64, device="cuda:0").t(), "h": torch.zeros(10, dtype=torch.int64)}
+        rep = cudaipc.load_into(b, params)
+        assert rep.method == "torch" and rep.tensors == 2
+        assert torch.equal(params["w"], sd["w"]) and torch.equal(params["h"], sd["h"].cpu())

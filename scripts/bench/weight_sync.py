@@ -215,6 +215,8 @@ def consumer(conn, cfg, results) -> None:
     for path, versions in cfg["paths"]:
         name = "%s-%s" % (cfg["model"], path)
         times, bad = [], 0
+        stages: Dict[str, List[float]] = {"get": [], "load": [], "copy": []}
+        how = ""
         bucket = None
         if path == "bucketed":
             tag, h = conn.recv()
@@ -226,11 +228,16 @@ def consumer(conn, cfg, results) -> None:
             conn.send("ready")
             if path in ("cudaipc", "cudaipc-put"):
                 b = B.get_bundle(store, name, timeout=120, newer_than=seen)
+                tg = now()
                 seen = b.version
-                B.load_into(b, params)
+                rep = B.load_into(b, params)
                 t1 = now()
                 b.release()
                 del b
+                stages["get"].append(tg)
+                stages["load"].append(t1 - tg)
+                stages["copy"].append(rep.seconds)
+                how = "%s, %d copy calls for %d tensors" % (rep.method, rep.copy_calls, rep.tensors)
             elif path == "per-tensor":
                 tag, handles = conn.recv()
                 srcs = []
@@ -256,12 +263,18 @@ def consumer(conn, cfg, results) -> None:
             if checksums(params) != sums:
                 bad += 1
             times.append(t1 - t0)
+            if len(stages["get"]) == len(times):
+                stages["get"][-1] -= t0   # publish -> the consumer holds the lease and its manifest
             conn.send("done")
         del bucket
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        results.put({"model": cfg["model"], "path": path, "times": times, "bad_versions": bad,
-                     "versions": versions, "bytes": total, "tensors": len(params)})
+        r = {"model": cfg["model"], "path": path, "times": times, "bad_versions": bad,
+             "versions": versions, "bytes": total, "tensors": len(params)}
+        if stages["get"]:
+            r["stages"] = stages
+            r["how"] = how
+        results.put(r)
     assert conn.recv() == "bye"
 
 
@@ -296,6 +309,8 @@ def floor(cfg, results) -> None:
         sync(cg)
         per.append(now() - t0)
     ok = checksums(src) == checksums(dst)
+    batch, how = floor_batch(s, d, pg, cg, cfg["floor_reps"])
+    ok = ok and checksums(src) == checksums(dst)
     del dst
     a = torch.empty(total, dtype=torch.uint8, device=pg)
     b = torch.empty(total, dtype=torch.uint8, device=cg)
@@ -310,6 +325,32 @@ def floor(cfg, results) -> None:
                  "versions": len(per), "bytes": total, "tensors": len(src)})
     results.put({"model": cfg["model"], "path": "floor-flat", "times": flat, "bad_versions": 0,
                  "versions": len(flat), "bytes": total, "tensors": 1})
+    if batch:
+        results.put({"model": cfg["model"], "path": "floor-batch", "times": batch, "bad_versions": 0 if ok else 1,
+                     "versions": len(batch), "bytes": total, "tensors": len(src), "how": how})
+
+
+def floor_batch(s, d, pg, cg, reps) -> Tuple[List[float], str]:
+    """The same tensors copied in one process with one cuMemcpyBatchAsync (one copy per
+    tensor, nothing merged): what the driver's batch costs without any IPC."""
+    if cg.type != "cuda":
+        return [], ""
+    import numpy as np
+    import torch
+    from cudaipc import _cuda
+    for x, y in zip(d, s):
+        x.zero_()
+    dsts = np.array([x.data_ptr() for x in d], dtype=np.uint64)
+    srcs = np.array([y.data_ptr() for y in s], dtype=np.uint64)
+    sizes = np.array([y.numel() * y.element_size() for y in s], dtype=np.uint64)
+    out, method = [], ""
+    for i in range(reps):
+        sync(pg)
+        sync(cg)
+        t0 = now()
+        _, method = _cuda.copy_batch(cg.index, torch.cuda.current_stream(cg).cuda_stream, dsts, srcs, sizes)
+        out.append(now() - t0)
+    return out, "%s%s" % (method, (" (" + _cuda.batch_unavailable + ")") if _cuda.batch_unavailable else "")
 
 
 def run_model(cfg) -> List[dict]:
@@ -335,7 +376,7 @@ def run_model(cfg) -> List[dict]:
 
 def collect(cfg, results, p, c) -> List[dict]:
     out = []
-    want = 2 + len(cfg["paths"])
+    want = 3 + len(cfg["paths"]) if cfg["consumer_gpu"] >= 0 else 2 + len(cfg["paths"])
     deadline = time.monotonic() + cfg["timeout"]
     while len(out) < want and time.monotonic() < deadline:
         try:
@@ -358,8 +399,17 @@ def summarize(r: dict) -> str:
     r["median_s"] = med
     r["first_s"] = r["times"][0]
     r["gbps"] = r["bytes"] / med / 1e9
-    return "median %8.2f ms (first %8.2f ms)  %7.1f GB/s  %d tensors  %.2f GB  checksum failures %d" % (
+    out = "median %8.2f ms (first %8.2f ms)  %7.1f GB/s  %d tensors  %.2f GB  checksum failures %d" % (
         med * 1e3, r["times"][0] * 1e3, r["gbps"], r["tensors"], r["bytes"] / 1e9, r["bad_versions"])
+    st = r.get("stages")
+    if st:
+        r["stage_median_s"] = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in st.items()}
+        m = r["stage_median_s"]
+        out += "\n  %-11s   publish->lease+manifest %.2f ms, load_into %.2f ms (of which copies %.2f ms; first version %.2f ms)" % (
+            "", m["get"] * 1e3, m["load"] * 1e3, m["copy"] * 1e3, st["load"][0] * 1e3)
+    if r.get("how"):
+        out += "\n  %-11s   %s" % ("", r["how"])
+    return out
 
 
 def main() -> None:
