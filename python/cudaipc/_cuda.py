@@ -434,18 +434,25 @@ def copy_batch(ordinal: int, stream: int, dsts: Any, srcs: Any, sizes: Any,
         if n:
             fn = None if batch_unavailable else _proc("cuMemcpyBatchAsync", _BATCH_VERSION, _BATCH_PROTO)
             err = -1
+            why = "cuMemcpyBatchAsync: not in this driver (CUDA 12.8 or later has it)"
             if fn is not None:
                 fail = ctypes.c_size_t(0)
                 err = fn(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n, ctypes.addressof(_attrs),
                          ctypes.addressof(_attrs_idx), 1, ctypes.addressof(fail), s)
                 calls += 1
-                if err != 0:
-                    batch_unavailable = "cuMemcpyBatchAsync: %s (copy %d of %d)" % (_err_name(err), fail.value, n)
-            elif not batch_unavailable:
-                batch_unavailable = "cuMemcpyBatchAsync: not in this driver (CUDA 12.8 or later has it)"
+                why = "cuMemcpyBatchAsync: %s (copy %d of %d)" % (_err_name(err), fail.value, n)
             if err != 0:
+                # The copies one by one: a bad copy fails there with its own error;
+                # if they all work, the batch is what this driver cannot do.
                 method = "memcpy"
-                calls += _copy_each(zip(dsts.tolist(), srcs.tolist(), sizes.tolist()), s)
+                try:
+                    calls += _copy_each(zip(dsts.tolist(), srcs.tolist(), sizes.tolist()), s)
+                except CudaError as e:
+                    if fn is not None:
+                        raise CudaError(e.call, e.result, "%s; before that %s" % (e.detail, why)) from None
+                    raise
+                if not batch_unavailable:
+                    batch_unavailable = why
         calls += _copy_each(serial, s)
         if wait:
             sync = _proc("cuStreamSynchronize", 2000, _SYNC_PROTO)
@@ -466,3 +473,26 @@ def _copy_each(copies: Any, stream: int) -> int:
         if err != 0:
             raise CudaError("cuMemcpyAsync", _err_name(err), "%d bytes %#x -> %#x" % (n, src, d))
     return calls
+
+
+def allocation_bases(ordinal: int, addrs: List[int]) -> List[int]:
+    """The base of the allocation (cuMemGetAddressRange) each device address lies in;
+    addresses in a range already found cost no driver call."""
+    import bisect
+    cu = driver()
+    starts: List[int] = []
+    ends: List[int] = []
+    out = []
+    with on(ordinal):
+        for a in addrs:
+            j = bisect.bisect_right(starts, a) - 1
+            if j >= 0 and a < ends[j]:
+                out.append(starts[j])
+                continue
+            base, size = check("cuMemGetAddressRange", cu.cuMemGetAddressRange(a))
+            base, size = int(base), int(size)
+            k = bisect.bisect_right(starts, base)
+            starts.insert(k, base)
+            ends.insert(k, base + size)
+            out.append(base)
+    return out

@@ -596,7 +596,12 @@ class _Group:
         self.serial: List[Tuple[int, int, int]] = []
         self.merged_from = 0
 
-    def build(self, offs: List[int], dsts: List[int], sizes: List[int]) -> None:
+    def build(self, offs: List[int], dsts: List[int], sizes: List[int],
+              alloc_bases: Optional[Any] = None) -> None:
+        """``alloc_bases(addrs)`` gives the allocation each destination address lies
+        in: a copy must not span two allocations (CUDA refuses it even where they
+        are adjacent), so copies merge only within one. None: host memory, where
+        adjacent ranges of valid memory can be copied as one."""
         import numpy as np
         self.merged_from = len(sizes)
         off = np.array(offs, dtype=np.uint64)
@@ -623,6 +628,12 @@ class _Group:
             order = np.argsort(off, kind="stable")
             off, dst, size = off[order], dst[order], size[order]
             cont = (off[:-1] + size[:-1] == off[1:]) & (dst[:-1] + size[:-1] == dst[1:])
+            if alloc_bases is not None and cont.any():
+                pairs = np.nonzero(cont)[0]
+                both = np.unique(np.concatenate((pairs, pairs + 1)))
+                base = np.zeros(len(size), dtype=np.uint64)
+                base[both] = np.array(alloc_bases(dst[both].tolist()), dtype=np.uint64)
+                cont[pairs] = base[pairs] == base[pairs + 1]
             starts = np.nonzero(np.concatenate(([True], ~cont)))[0]
             if len(starts) < len(size):
                 size = np.add.reduceat(size, starts)
@@ -690,7 +701,7 @@ class _Plan:
         self.groups = []
         for ordinal, (offs, dsts, sizes) in groups.items():
             g = _Group(ordinal)
-            g.build(offs, dsts, sizes)
+            g.build(offs, dsts, sizes, _gpu_alloc_bases(ordinal) if ordinal is not None else None)
             self.groups.append(g)
         self._unused: Optional[Tuple[str, ...]] = None
         self._params: Any = None
@@ -738,6 +749,13 @@ class _Plan:
                 calls += _copy(dsts, srcs_t, dev, stream)
             methods.append("torch")
         return calls, "+".join(dict.fromkeys(methods))
+
+
+def _gpu_alloc_bases(ordinal: int) -> Any:
+    def bases(addrs: List[int]) -> List[int]:
+        from . import _cuda
+        return _cuda.allocation_bases(ordinal, addrs)
+    return bases
 
 
 def _stream_handle(stream: Any, ordinal: int) -> int:

@@ -147,6 +147,7 @@ class CudaError(CudaipcError, RuntimeError):
     def __init__(self, call: str, result: str, detail: str = ""):
         self.call = call
         self.result = result
+        self.detail = detail
         s = "%s: %s" % (call, result)
         if detail:
             s += " (" + detail + ")"

@@ -293,3 +293,22 @@ def test_bundle_views_are_lazy(store):
     assert len(b) == 0 and "x" not in b
     with pytest.raises(cudaipc.LoadMismatch, match="x: missing"):
         cudaipc.load_into(b, {"x": torch.zeros(2, 3, dtype=torch.int32)})
+
+
+def test_copy_plan_never_merges_across_allocations():
+    # GPU copies may not span two allocations even where they touch: the plan
+    # merges adjacent copies only within one (allocation bases from the driver on a
+    # GPU; here a stand-in that puts a boundary at 0x10000).
+    pytest.importorskip("numpy")
+    g = B._Group(0)
+    offs = [0, 256, 512, 768]
+    dsts = [0xFF00, 0x10000, 0x10100, 0x10200]       # adjacent, but the first ends an allocation
+    g.build(offs, dsts, [256] * 4, lambda addrs: [a & ~0xFFFF for a in addrs])
+    assert list(zip(g.off.tolist(), g.dst.tolist(), g.size.tolist())) == [(0, 0xFF00, 256), (256, 0x10000, 768)]
+    h = B._Group(None)   # host memory: one copy
+    h.build(offs, dsts, [256] * 4)
+    assert list(zip(h.off.tolist(), h.dst.tolist(), h.size.tolist())) == [(0, 0xFF00, 1024)]
+    # Overlapping destinations go one by one, in the parameters' order.
+    o = B._Group(None)
+    o.build([0, 256, 512], [0x1000, 0x1080, 0x5000], [256, 256, 256])
+    assert o.serial == [(0, 0x1000, 256), (256, 0x1080, 256)] and o.size.tolist() == [256]

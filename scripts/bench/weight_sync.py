@@ -384,8 +384,8 @@ def collect(cfg, results, p, c) -> List[dict]:
             r = out[-1]
             print("  %-11s %s" % (r["path"], summarize(r)), flush=True)
         except Exception:  # noqa: BLE001 - queue.Empty
-            if not (p.is_alive() or c.is_alive()) and results.empty():
-                break
+            if not c.is_alive() and results.empty():
+                break   # the consumer is gone (it reports every path): nothing more comes
     for x in (p, c):
         x.join(10)
         if x.is_alive():
