@@ -128,14 +128,6 @@ def _torch_dtype(st: str) -> Any:
     return getattr(torch, name, None) if name else None
 
 
-def _st_dtype(t: Any) -> str:
-    name = str(t.dtype).replace("torch.", "")
-    st = TO_SAFETENSORS.get(name)
-    if st is None:
-        raise InvalidArgument("put", "", "dtype %s has no safetensors name" % name)
-    return st
-
-
 @dataclasses.dataclass(frozen=True)
 class BundleInfo:
     """What put_bundle stored."""
@@ -152,35 +144,61 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
                stream: Any = None) -> BundleInfo:
     """Store the tensors of ``state_dict`` (torch tensors, CPU or CUDA) as one bundle.
 
-    ``device`` defaults to where the first tensor is. The copies run on ``stream``
+    ``device`` defaults to where the first CUDA tensor is (else host memory). The
+    copies go as :func:`load_into`'s do, the other way: for contiguous CUDA tensors
+    and a GPU object, one ``cuMemcpyBatchAsync`` per source GPU on ``stream``
     (default: the current stream of the tensors' device), after the work already
-    queued there, as one multi-tensor copy where PyTorch has it (``_foreach_copy_``),
-    else one copy per tensor; the stream is synchronized before the seal. With
-    ``publish`` the bundle is the next version of ``name`` (shard ``shard`` of
-    ``shards``: see Store.publish)."""
-    import torch
-    items = [(k, v.detach()) for k, v in state_dict.items()]
-    specs = [(k, _st_dtype(v), tuple(v.shape)) for k, v in items]
-    entries, size = layout(specs)
+    queued there; memmove between host memory; PyTorch copies otherwise. The stream
+    is synchronized before the seal. The manifest and the copy plan are kept: the
+    next put of tensors with the same names, dtypes and shapes (at the same
+    addresses) encodes nothing again. With ``publish`` the bundle is the next
+    version of ``name`` (shard ``shard`` of ``shards``: see Store.publish)."""
+    names = list(state_dict)
+    values = list(state_dict.values())
+    lay = _put_layout(names, values, metadata)
     if device is None:
-        cuda = next((v.device for _, v in items if v.is_cuda), None)
+        cuda = next((v.device for v in values if v.is_cuda), None)
         device = cuda.index if cuda is not None else "host"
-    obj = store.create(name, max(size, 1), device, shared=shared, versioned=publish, shards=shards,
-                       shard=shard, keep_last=keep_last, manifest=encode_manifest(entries, metadata))
+    obj = store.create(name, max(lay.size, 1), device, shared=shared, versioned=publish, shards=shards,
+                       shard=shard, keep_last=keep_last, manifest=lay.raw)
     try:
-        base = obj.tensor()  # uint8, the whole object, on its device
-        views = _views_of(base, entries)
-        dsts, srcs = [], []
-        for e, (_, v) in zip(entries, items):
-            if e.nbytes:
-                dsts.append(views[e.name])
-                srcs.append(v)
-        _copy(dsts, srcs, base.device, stream)
+        mem = obj._live()
+        plan = _plan_for(lay, names, values, mem.is_gpu)
+        views: Dict[str, Any] = {}
+
+        def view_of(n: str) -> Any:
+            if not views:
+                views.update(_views_of(obj.tensor(), lay.entries))
+            return views[n]
+
+        plan.run(mem.addr, view_of, state_dict, stream, load=False)
     except BaseException:
         obj.abort()
         raise
     obj.seal()
-    return BundleInfo(name, obj.version, size, len(entries), obj.device)
+    return BundleInfo(name, obj.version, lay.size, len(lay.entries), obj.device)
+
+
+_PUT_LAYOUTS: List[Tuple[List[str], List[Any], List[Any], Dict[str, str], "_Layout"]] = []
+
+
+def _put_layout(names: List[str], values: List[Any], metadata: Optional[Mapping[str, str]]) -> "_Layout":
+    """The layout of tensors with these names, dtypes and shapes: laid out and encoded
+    once, then found again by comparing the lists (a put of the next version)."""
+    dtypes = list(map(_dtype, values))
+    shapes = list(map(_shape, values))
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    with _layout_lock:
+        for c in reversed(_PUT_LAYOUTS):
+            if c[0] == names and c[1] == dtypes and c[2] == shapes and c[3] == meta:
+                return c[4]
+    entries, size = layout([(k, _st_dtype_of(dt), tuple(sh)) for k, dt, sh in zip(names, dtypes, shapes)])
+    lay = _layout_of(encode_manifest(entries, meta))
+    lay.size = size
+    with _layout_lock:
+        _PUT_LAYOUTS.append((names, dtypes, shapes, meta, lay))
+        del _PUT_LAYOUTS[:-4]
+    return lay
 
 
 BIG = 1 << 20
@@ -270,7 +288,7 @@ def create_bundle(store: Any, name: str, specs: Mapping[str, Tuple[Any, Sequence
                   shared: bool = False, metadata: Optional[Mapping[str, str]] = None) -> BundleWriter:
     """Create a bundle of tensors given as {name: (torch dtype, shape)} and return
     writable views of them in the new object, to be filled in place and sealed."""
-    items = [(k, _st_dtype_of(dt), tuple(int(d) for d in shape)) for k, (dt, shape) in specs.items()]
+    items = [(k, _st_dtype_of(dt, "create"), tuple(int(d) for d in shape)) for k, (dt, shape) in specs.items()]
     entries, size = layout(items)
     obj = store.create(name, max(size, 1), device, shared=shared, versioned=publish, shards=shards,
                        shard=shard, keep_last=keep_last, manifest=encode_manifest(entries, metadata))
@@ -282,11 +300,11 @@ def create_bundle(store: Any, name: str, specs: Mapping[str, Tuple[Any, Sequence
     return BundleWriter(obj, entries, views)
 
 
-def _st_dtype_of(dt: Any) -> str:
+def _st_dtype_of(dt: Any, op: str = "put") -> str:
     name = str(dt).replace("torch.", "")
     st = TO_SAFETENSORS.get(name)
     if st is None:
-        raise InvalidArgument("create", "", "dtype %s has no safetensors name" % name)
+        raise InvalidArgument(op, "", "dtype %s has no safetensors name" % name)
     return st
 
 
@@ -325,6 +343,7 @@ class _Layout:
         self.names = [e.name for e in self.entries]
         self.index = {n: i for i, n in enumerate(self.names)}
         self.nbytes = sum(e.end - e.begin for e in self.entries)
+        self.size = max((e.end for e in self.entries), default=0)
         self._views: Optional[List[Tuple[Any, Tuple[int, ...]]]] = None
 
     def view_types(self) -> List[Tuple[Any, Tuple[int, ...]]]:
@@ -582,25 +601,27 @@ class LoadReport:
 
 
 class _Group:
-    """The copies of a plan between the bundle and the parameters of one device:
-    ``off`` (byte offsets in the bundle), ``dst`` (the parameters' addresses) and
+    """The copies of a plan between the bundle and the tensors of one device:
+    ``off`` (byte offsets in the bundle), ``addr`` (the tensors' addresses) and
     ``size``, merged where both sides continue where the previous copy ended, none
-    overlapping another; ``serial`` holds the copies whose destinations overlap,
-    as (offset, address, size) in the parameters' order."""
+    overlapping another on the tensors' side; ``serial`` holds the copies whose
+    tensor ranges overlap (tied weights, views of one buffer), as (offset,
+    address, size) in the tensors' order: loaded one by one after the batch, the
+    last one wins, as with sequential copies."""
 
     def __init__(self, ordinal: Optional[int]):
         self.ordinal = ordinal   # None: host memory on both sides
         self.off: Any = None
-        self.dst: Any = None
+        self.addr: Any = None
         self.size: Any = None
         self.serial: List[Tuple[int, int, int]] = []
         self.merged_from = 0
 
     def build(self, offs: List[int], dsts: List[int], sizes: List[int],
               alloc_bases: Optional[Any] = None) -> None:
-        """``alloc_bases(addrs)`` gives the allocation each destination address lies
-        in: a copy must not span two allocations (CUDA refuses it even where they
-        are adjacent), so copies merge only within one. None: host memory, where
+        """``alloc_bases(addrs)`` gives the allocation each tensor address lies in: a
+        copy must not span two allocations (CUDA refuses it even where they are
+        adjacent), so copies merge only within one. None: host memory, where
         adjacent ranges of valid memory can be copied as one."""
         import numpy as np
         self.merged_from = len(sizes)
@@ -608,9 +629,7 @@ class _Group:
         dst = np.array(dsts, dtype=np.uint64)
         size = np.array(sizes, dtype=np.uint64)
         if len(size) > 1:
-            # Destinations that overlap (tied weights, views of one buffer) are
-            # copied one by one after the batch, in the parameters' order, so that
-            # the last one wins as with sequential copies; a batch has no order.
+            # A batch has no order: overlapping tensor ranges go to serial.
             order = np.argsort(dst, kind="stable")
             d, e = dst[order], (dst + size)[order]
             reach = np.maximum.accumulate(e)
@@ -639,7 +658,7 @@ class _Group:
                 size = np.add.reduceat(size, starts)
                 off, dst = off[starts], dst[starts]
         self.off = np.ascontiguousarray(off)
-        self.dst = np.ascontiguousarray(dst)
+        self.addr = np.ascontiguousarray(dst)
         self.size = np.ascontiguousarray(size)
 
 
@@ -717,36 +736,43 @@ class _Plan:
                 and list(map(_shape, values)) == self.shapes and list(map(_dtype, values)) == self.dtypes
                 and list(map(_is_contiguous, values)) == self.contig)
 
-    def run(self, bundle: Bundle, params: Mapping[str, Any], stream: Any) -> Tuple[int, str]:
+    def run(self, base: int, view_of: Any, tensors: Mapping[str, Any], stream: Any, load: bool) -> Tuple[int, str]:
+        """Copy between the bundle at address ``base`` and the tensors: into them
+        (``load``) or from them. ``view_of(name)`` gives a tensor view of a bundle
+        entry, for the copies PyTorch makes."""
         import numpy as np
-        mem = bundle.lease._live()
-        base = np.uint64(mem.addr)
+        b = np.uint64(base)
         calls = 0
         methods: List[str] = []
         for g in self.groups:
+            side = g.off + b
+            dsts, srcs = (g.addr, side) if load else (side, g.addr)
+            serial = [(a, base + o, n) if load else (base + o, a, n) for o, a, n in g.serial]
             if g.ordinal is None:
-                for d, s, n in zip(g.dst.tolist(), (g.off + base).tolist(), g.size.tolist()):
-                    ctypes.memmove(d, s, n)
-                for o, d, n in g.serial:
-                    ctypes.memmove(d, int(base) + o, n)
-                calls += len(g.size) + len(g.serial)
+                for d, s_, n in zip(dsts.tolist(), srcs.tolist(), g.size.tolist()):
+                    ctypes.memmove(d, s_, n)
+                for d, s_, n in serial:
+                    ctypes.memmove(d, s_, n)
+                calls += len(g.size) + len(serial)
                 methods.append("host")
                 continue
             from . import _cuda
-            srcs = g.off + base
-            serial = [(d, int(base) + o, n) for o, d, n in g.serial]
-            c, m = _cuda.copy_batch(g.ordinal, _stream_handle(stream, g.ordinal), g.dst, srcs, g.size, serial)
+            c, m = _cuda.copy_batch(g.ordinal, _stream_handle(stream, g.ordinal), dsts, srcs, g.size, serial)
             calls += c
             methods.append(m)
         if self.torch_names:
             groups: Dict[Tuple[Any, Any], Tuple[List[Any], List[Any]]] = {}
             for name in self.torch_names:
-                p, src = params[name], bundle[name]
-                d, s = groups.setdefault((p.device, src.device), ([], []))
-                d.append(p.data if hasattr(p, "data") else p)
-                s.append(src)
-            for (dev, _), (dsts, srcs_t) in groups.items():
-                calls += _copy(dsts, srcs_t, dev, stream)
+                t, v = tensors[name], view_of(name)
+                if load:
+                    d, s_ = t.data if hasattr(t, "data") else t, v
+                else:
+                    d, s_ = v, t.detach()
+                ds, ss = groups.setdefault((d.device, s_.device), ([], []))
+                ds.append(d)
+                ss.append(s_)
+            for (dev, _), (ds, ss) in groups.items():
+                calls += _copy(ds, ss, dev, stream)
             methods.append("torch")
         return calls, "+".join(dict.fromkeys(methods))
 
@@ -811,8 +837,8 @@ def load_into(bundle: Bundle, params: Mapping[str, Any], *, stream: Any = None) 
         if names:
             raise LoadMismatch(["%s: missing from the bundle" % n for n in names])
         return LoadReport(0, 0, 0.0, 0, (), "")
-    gpu = bundle.lease._live().is_gpu
-    plan = _plan_for(layout, names, values, gpu)
+    mem = bundle.lease._live()
+    plan = _plan_for(layout, names, values, mem.is_gpu)
     t0 = time.perf_counter()
-    calls, method = plan.run(bundle, params, stream)
+    calls, method = plan.run(mem.addr, bundle.__getitem__, params, stream, load=True)
     return LoadReport(plan.tensors, plan.nbytes, time.perf_counter() - t0, calls, plan.unused, method)

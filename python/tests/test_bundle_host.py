@@ -205,8 +205,7 @@ def test_load_into_many_tensors_bit_exact_and_plan_reuse(store):
     shapes = [(3, 7), (5,), (), (0, 4), (2, 2, 3)]
     spec = {"t%d" % i: (dts[i % len(dts)], shapes[i % len(shapes)]) for i in range(3000)}
     params = {k: torch.zeros(s, dtype=dt) for k, (dt, s) in spec.items()}
-    built0 = B.plan_stats["built"]
-    reused0 = B.plan_stats["reused"]
+    built, reused = 0, 0   # by load_into (put_bundle plans too)
     seen = 0
     for v in range(1, 4):
         sd = {k: (random_bits(dt, s, g) if dt != torch.bool else torch.randint(0, 2, s, generator=g).bool())
@@ -214,19 +213,22 @@ def test_load_into_many_tensors_bit_exact_and_plan_reuse(store):
         store.put_bundle("many-v", sd, publish=True)
         with store.get_bundle("many-v", timeout=5, newer_than=seen) as b:
             seen = b.version
+            b0, r0 = B.plan_stats["built"], B.plan_stats["reused"]
             rep = cudaipc.load_into(b, params)
+            built += B.plan_stats["built"] - b0
+            reused += B.plan_stats["reused"] - r0
             assert dict.__len__(b) == 0, "load_into made views"
         assert rep.tensors == len(spec) and rep.method == "host"
         assert rep.nbytes == sum(t.numel() * t.element_size() for t in sd.values())
         for k in spec:
             assert torch.equal(bits(params[k]), bits(sd[k])), (v, k)
-    assert B.plan_stats["built"] == built0 + 1
-    assert B.plan_stats["reused"] == reused0 + 2
+    assert (built, reused) == (1, 2)
     # A parameter that moved (new storage): a new plan, the new address gets the bytes.
     params["t5"] = torch.zeros_like(params["t5"])
     with store.get_bundle("many-v", timeout=5) as b:
+        b0 = B.plan_stats["built"]
         cudaipc.load_into(b, params)
-    assert B.plan_stats["built"] == built0 + 2
+        assert B.plan_stats["built"] == b0 + 1
     assert torch.equal(bits(params["t5"]), bits(sd["t5"]))
 
 
@@ -304,11 +306,34 @@ def test_copy_plan_never_merges_across_allocations():
     offs = [0, 256, 512, 768]
     dsts = [0xFF00, 0x10000, 0x10100, 0x10200]       # adjacent, but the first ends an allocation
     g.build(offs, dsts, [256] * 4, lambda addrs: [a & ~0xFFFF for a in addrs])
-    assert list(zip(g.off.tolist(), g.dst.tolist(), g.size.tolist())) == [(0, 0xFF00, 256), (256, 0x10000, 768)]
+    assert list(zip(g.off.tolist(), g.addr.tolist(), g.size.tolist())) == [(0, 0xFF00, 256), (256, 0x10000, 768)]
     h = B._Group(None)   # host memory: one copy
     h.build(offs, dsts, [256] * 4)
-    assert list(zip(h.off.tolist(), h.dst.tolist(), h.size.tolist())) == [(0, 0xFF00, 1024)]
+    assert list(zip(h.off.tolist(), h.addr.tolist(), h.size.tolist())) == [(0, 0xFF00, 1024)]
     # Overlapping destinations go one by one, in the parameters' order.
     o = B._Group(None)
     o.build([0, 256, 512], [0x1000, 0x1080, 0x5000], [256, 256, 256])
     assert o.serial == [(0, 0x1000, 256), (256, 0x1080, 256)] and o.size.tolist() == [256]
+
+
+def test_put_bundle_reuses_its_layout_and_plan(store):
+    # A trainer re-puts the same tensors, changed in place: the manifest is encoded
+    # once and the copy plan reused; every version holds that version's bits.
+    g = torch.Generator().manual_seed(9)
+    sd = {"w%d" % i: torch.empty(17, 3, dtype=torch.bfloat16) for i in range(500)}
+    sd["strided"] = torch.empty(6, 8, dtype=torch.float16)[:, ::2]   # a PyTorch copy
+    b0, r0 = B.plan_stats["built"], B.plan_stats["reused"]
+    for v in range(1, 4):
+        for k, t in sd.items():
+            t.copy_(random_bits(t.dtype, tuple(t.shape), g))
+        info = store.put_bundle("re", sd, publish=True, metadata={"step": "7"})
+        assert info.version == v and info.tensors == len(sd)
+        with store.get_bundle("re", timeout=5) as b:
+            assert b.metadata == {"step": "7"}
+            for k, t in sd.items():
+                assert torch.equal(bits(b[k]), bits(t)), (v, k)
+    assert B.plan_stats["built"] - b0 == 1 and B.plan_stats["reused"] - r0 == 2
+    # Other metadata: another manifest, the same bits.
+    store.put_bundle("re", sd, publish=True, metadata={"step": "8"})
+    with store.get_bundle("re", timeout=5) as b:
+        assert b.metadata == {"step": "8"} and torch.equal(bits(b["w3"]), bits(sd["w3"]))
