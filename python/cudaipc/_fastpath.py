@@ -82,8 +82,12 @@ def _load() -> Optional[_Atomics]:
             lock_free = lib.__atomic_is_lock_free
         except (OSError, AttributeError):
             continue
+        # No argtypes: every call passes ctypes objects made once per lease (the
+        # slot's address, the expected word's address, the desired word) and two
+        # small ints, which ctypes hands over without conversion (half the cost of
+        # converting Python ints through argtypes). The result is read as a C bool:
+        # the function sets only the low byte of its return register.
         cas.restype = ctypes.c_bool
-        cas.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
         lock_free.restype = ctypes.c_bool
         lock_free.argtypes = [ctypes.c_size_t, ctypes.c_void_p]
         probe = ctypes.c_uint64(0)
@@ -92,10 +96,12 @@ def _load() -> Optional[_Atomics]:
             return None
         # A self-check on private memory: a swap that must succeed and one that must fail.
         exp = ctypes.c_uint64(0)
-        ok1 = cas(ctypes.addressof(probe), ctypes.addressof(exp), 42, _SEQ_CST, _SEQ_CST)
+        pp, pe = ctypes.c_void_p(ctypes.addressof(probe)), ctypes.c_void_p(ctypes.addressof(exp))
+        big = (1 << 63) | (5 << 3) | 2   # all 64 bits travel
+        ok1 = cas(pp, pe, ctypes.c_uint64(big), _SEQ_CST, _SEQ_CST)
         exp.value = 7
-        ok2 = cas(ctypes.addressof(probe), ctypes.addressof(exp), 9, _SEQ_CST, _SEQ_CST)
-        if not ok1 or ok2 or probe.value != 42 or exp.value != 42:
+        ok2 = cas(pp, pe, ctypes.c_uint64(9), _SEQ_CST, _SEQ_CST)
+        if ok1 is not True or ok2 is not False or probe.value != big or exp.value != big:
             _log.debug("cudaipc: lease fast path off: %s's compare-and-swap misbehaved", name)
             return None
         return _Atomics(cas)
@@ -133,8 +139,6 @@ class LeaseTable:
         self.size = size
         self.slots = slots
         self._cas = cas
-        self._exp = ctypes.c_uint64(0)          # the swap's expected word (used under lock)
-        self._exp_addr = ctypes.addressof(self._exp)
         # Re-entrant: a lease collected while this thread holds the lock (a garbage
         # collection inside the critical section) releases through it too.
         self.lock = threading.RLock()
@@ -149,20 +153,32 @@ class LeaseTable:
                 return 0
             return ctypes.c_uint64.from_address(self.addr + (slot - 1) * 8).value
 
-    # The swaps run under self.lock: it keeps the table mapped and _exp private.
+    def prepare(self, e: Any, slot: int, gen: int) -> None:
+        """Give lease e (granted in slot with generation gen) what its swaps pass:
+        the slot's address, and its held and idle words, each a c_uint64 (the
+        expected word by address, the desired one by value)."""
+        if not 0 < slot <= self.slots:
+            raise ValueError("lease slot %d outside the table's 1..%d" % (slot, self.slots))
+        e.slot, e.gen = slot, gen
+        e.w_held, e.w_idle = ctypes.c_uint64((gen << _GEN_SHIFT) | _HELD), ctypes.c_uint64((gen << _GEN_SHIFT) | _IDLE)
+        e.p_slot = ctypes.c_void_p(self.addr + (slot - 1) * 8)
+        e.p_held, e.p_idle = ctypes.c_void_p(ctypes.addressof(e.w_held)), ctypes.c_void_p(ctypes.addressof(e.w_idle))
+
+    # The swaps run under self.lock: it keeps the table mapped, and an entry's words
+    # are used by one swap at a time. A failed swap writes the word it found into the
+    # expected word; it is put back (the entry is dropped anyway).
     def release(self, e: Any) -> bool:
-        """Release lease e (slot, gen): (gen, held) -> (gen, idle), and keep it for a
-        later take-back. False: the swap failed (doomed, or the word is not this held
+        """Release lease e: (gen, held) -> (gen, idle), and keep it for a later
+        take-back. False: the swap failed (doomed, or the word is not this held
         lease) or the table is gone; release through the socket."""
-        slot = e.slot
         stale = None
         with self.lock:
             if self.closed:
                 return False
-            gen = e.gen << _GEN_SHIFT
-            self._exp.value = gen | _HELD
-            if not self._cas(self.addr + (slot - 1) * 8, self._exp_addr, gen | _IDLE, _SEQ_CST, _SEQ_CST):
+            if not self._cas(e.p_slot, e.p_held, e.w_idle, _SEQ_CST, _SEQ_CST):
+                e.w_held.value = (e.gen << _GEN_SHIFT) | _HELD
                 return False
+            slot = e.slot
             old = self.by_slot.get(slot)
             if old is not None:   # cannot be: the daemon grants only free slots
                 stale = self._forget(old)
@@ -192,11 +208,10 @@ class LeaseTable:
                 e = lst.pop()
                 if self.by_slot.get(e.slot) is e:
                     del self.by_slot[e.slot]
-                gen = e.gen << _GEN_SHIFT
-                self._exp.value = gen | _IDLE
-                if self._cas(self.addr + (e.slot - 1) * 8, self._exp_addr, gen | _HELD, _SEQ_CST, _SEQ_CST):
+                if self._cas(e.p_slot, e.p_idle, e.w_held, _SEQ_CST, _SEQ_CST):
                     got = e
                     break
+                e.w_idle.value = (e.gen << _GEN_SHIFT) | _IDLE
                 stale.append(e)   # reclaimed or doomed: the daemon ended it
         if stale:
             return_stale(stale)

@@ -152,7 +152,7 @@ class _Grant:
 
     __slots__ = ("conn", "nbytes", "device", "addr", "ordinal", "arena", "gpu_close", "tensor",
                  "share", "end_request", "views", "table", "name", "slot", "gen", "arena_id",
-                 "lease_id", "info_pb")
+                 "lease_id", "info_pb", "w_held", "w_idle", "p_slot", "p_held", "p_idle")
 
     def drop(self) -> None:
         """The daemon ended the idle lease: let go of its GPU arena reference."""
@@ -208,8 +208,9 @@ class _Memory:
         g = _Grant()
         g.conn, g.nbytes, g.device, g.addr, g.ordinal = self.conn, self.nbytes, self.device, self.addr, self.ordinal
         g.arena, g.gpu_close, g.tensor, g.share, g.end_request = self.arena, self.gpu_close, self.tensor, self.share, self.end_request
-        g.views, g.table, g.name, g.slot, g.gen = self.views, table, name, slot, gen
+        g.views, g.table, g.name = self.views, table, name
         g.arena_id, g.lease_id, g.info_pb = arena_id, lease_id, info_pb
+        table.prepare(g, slot, gen)
         self.grant = g
 
     def end(self) -> None:
@@ -821,7 +822,7 @@ class Store:
         lease = Lease(mem, g.lease_id, name, info)
         if r.manifest_fd >= 0:
             lease._manifest, r.manifest_fd = _ManifestFD(r.manifest_fd), -1
-        elif g.lease_slot and t is not None:
+        elif g.lease_slot and t is not None and g.lease_slot <= t.slots:
             # A slot in the lease table: this lease ends by a compare-and-swap, and a
             # later get of the name takes it back the same way (docs/protocol.md 6.7).
             t.granted(g.lease_slot)
