@@ -33,6 +33,10 @@ type backend interface {
 	// on device. id is unique for the life of the store, for names in
 	// /proc and logs.
 	newArena(device string, id uint64, size int64) (arena, error)
+	// keepsArenas reports whether device's empty arenas may be kept for
+	// their pool's next objects (Config.KeepArenas): GPU arenas, whose
+	// allocation, zeroing and import by every client are expensive.
+	keepsArenas(device string) bool
 }
 
 // arena is one contiguous range of memory of a backend.

@@ -132,6 +132,8 @@ func (b *cudaBackend) device(requested string) (string, error) {
 	return "", invalidf("device %q: the daemon has no such GPU; its GPUs are %s", requested, strings.Join(b.uuids, ", "))
 }
 
+func (b *cudaBackend) keepsArenas(device string) bool { return b.isGPU(device) }
+
 func (b *cudaBackend) granularity(device string) int64 {
 	if b.isGPU(device) {
 		return gpuGranularity

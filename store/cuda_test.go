@@ -1,6 +1,7 @@
 package store
 
 import (
+	"bytes"
 	"errors"
 	"strings"
 	"sync"
@@ -164,12 +165,12 @@ func TestCUDABackendDevices(t *testing.T) {
 	}
 }
 
-// An arena is given back only when no object, sealed, unsealed or deleted
-// but leased, is left in it; its memory is freed once every connection it
+// With no arenas kept (KeepArenas < 0), an arena is given back only when
+// no object, sealed, unsealed or deleted but leased, is left in it; its memory is freed once every connection it
 // was sent has forgotten it (ForgetArenas) or closed, since clients keep
 // idle arenas mapped.
 func TestCUDAArenaFreedWhenEmpty(t *testing.T) {
-	s, g := newFakeCUDAStore(t, Config{})
+	s, g := newFakeCUDAStore(t, Config{KeepArenas: -1})
 	w := connect(t, s, 1000)
 	r := connect(t, s, 1000)
 	other := connect(t, s, 1000) // never sent the arena
@@ -240,5 +241,79 @@ func TestBackendCUDAWithoutGPU(t *testing.T) {
 	defer s.Close()
 	if s.backend.name() != "host" {
 		t.Fatalf("auto without a GPU picked %s", s.backend.name())
+	}
+}
+
+// TestCUDAKeptArenas: an emptied GPU arena is kept (no ArenasFreed, memory
+// still allocated) for its pool's next object of a fitting size, which
+// lands in it without a new allocation; another uid's objects and shared
+// objects never land in it; a create that needs its room gets it, and
+// its holders are then told it was freed.
+func TestCUDAKeptArenas(t *testing.T) {
+	s, g := newFakeCUDAStore(t, Config{Capacity: 512 << 20})
+	w, other := connect(t, s, 1000), connect(t, s, 2000)
+	const size = 200 << 20 // larger than a pool's first arena: one of its own size
+	p1, err := w.ss.create("w1", size, fakeGPU, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.ss.abort("w1"); err != nil {
+		t.Fatal(err)
+	}
+	s.mu.Lock()
+	told := w.ss.takeFreedLocked()
+	st := s.devices[fakeGPU].alloc.Stats()
+	s.mu.Unlock()
+	if len(told) != 0 || g.liveCount() != 1 || st.Kept != 1 || st.KeptBytes != size || st.Reserved != size {
+		t.Fatalf("after the last object went: told %v, %d live allocations, stats %+v; want the arena kept", told, g.liveCount(), st)
+	}
+	p2, err := w.ss.create("w2", size-12345, fakeGPU, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p2.arenaID != p1.arenaID || p2.offset != 0 || len(g.allocs) != 1 || !bytes.Equal(p2.region, p1.region) {
+		t.Fatalf("next object: arena %d at %d (want the kept %d at 0), %d allocations", p2.arenaID, p2.offset, p1.arenaID, len(g.allocs))
+	}
+	if err := w.ss.seal("w2"); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.ss.delete("w2"); err != nil {
+		t.Fatal(err)
+	}
+	// Another uid, and a shared object of the same uid: arenas of their own.
+	po, err := other.ss.create("o", 100<<20, fakeGPU, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ps, err := w.ss.create("s", 100<<20, fakeGPU, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if po.arenaID == p1.arenaID || ps.arenaID == p1.arenaID {
+		t.Fatalf("arenas %d (other uid) and %d (shared) for the kept arena %d", po.arenaID, ps.arenaID, p1.arenaID)
+	}
+	if err := w.ss.abort("s"); err != nil {
+		t.Fatal(err)
+	}
+	s.mu.Lock()
+	told = w.ss.takeFreedLocked()
+	s.mu.Unlock()
+	if len(told) != 1 || told[0] != ps.arenaID {
+		t.Fatalf("told of freed arenas %v, want the shared object's %d (never kept)", told, ps.arenaID)
+	}
+	if err := w.ss.forget(told); err != nil {
+		t.Fatal(err)
+	}
+	// 100 MiB (other) + 200 MiB (kept) of 512: another 300 MiB needs the
+	// kept arena's room.
+	if _, err := other.ss.create("o2", 300<<20, fakeGPU, false); err != nil {
+		t.Fatalf("create needing the kept arena's room: %v", err)
+	}
+	s.mu.Lock()
+	told = w.ss.takeFreedLocked()
+	st = s.devices[fakeGPU].alloc.Stats()
+	s.mu.Unlock()
+	if len(told) != 1 || told[0] != p1.arenaID || st.Kept != 0 {
+		t.Fatalf("told of freed arenas %v, stats %+v: want the kept arena %d given back", told, st, p1.arenaID)
 	}
 }

@@ -156,12 +156,19 @@ func TestCUDAFDPlacements(t *testing.T) {
 	if len(g.allocs) != 1 {
 		t.Fatalf("arenas allocated: %v, want one", g.allocs)
 	}
-	// The arena goes, descriptor and allocation, with its last object.
+	// Its last object gone, the arena is kept (Config.KeepArenas); given
+	// back, it goes, descriptor and allocation, once the client forgets it.
 	for i := range 3 {
 		if err := c.ss.delete(fmt.Sprintf("fd-%d", i)); err != nil {
 			t.Fatal(err)
 		}
 	}
+	s.mu.Lock()
+	if kept := c.ss.takeFreedLocked(); len(kept) != 0 {
+		t.Errorf("told of freed arenas %v while the arena is kept", kept)
+	}
+	s.devices[fakeGPU].alloc.ReleaseKept()
+	s.mu.Unlock()
 	if g.liveCount() != 1 {
 		t.Fatal("arena freed while the client may still map it")
 	}

@@ -28,6 +28,10 @@ func (hostBackend) device(requested string) (string, error) {
 
 func (hostBackend) granularity(string) int64 { return int64(os.Getpagesize()) }
 
+// keepsArenas is false: a host arena costs little to create and map, and
+// the memory of an empty one is better given back to the system.
+func (hostBackend) keepsArenas(string) bool { return false }
+
 func (hostBackend) newArena(_ string, id uint64, size int64) (arena, error) {
 	fd, err := unix.MemfdCreate(fmt.Sprintf("cudaipc-arena-%d", id), unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {

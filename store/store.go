@@ -87,6 +87,15 @@ type Config struct {
 	// all of it when the daemon admits no one else. Root's objects count
 	// against root's quota like any uid's.
 	Quota int64
+	// KeepArenas bounds the bytes of empty GPU arenas each GPU keeps
+	// allocated, exported and mapped by its clients, for the next objects
+	// of the same owner and sharing (the same pool: docs/architecture.md,
+	// "Kept arenas"), so that a put of a large object after the last one
+	// went costs no allocation, zeroing or import. Kept arenas count
+	// against Capacity and Quota and are given back as soon as a new arena
+	// needs their room. 0 means Capacity; negative keeps none. Host arenas
+	// are never kept.
+	KeepArenas int64
 	// MaxConns bounds the connections served at once, and MaxConnsPerUID
 	// those of one uid (root's included); 0 means DefaultMaxConns (or less,
 	// to fit RLIMIT_NOFILE) and DefaultMaxConnsPerUID. A connection beyond
@@ -300,6 +309,7 @@ func (s *Store) deviceLocked(name string) (*device, error) {
 		NoEvict:      s.cfg.NoEvict,
 		Owner:        func(p pool) uint32 { return p.owner },
 		Quota:        s.quota(),
+		KeepEmpty:    s.keepArenas(name),
 		NewArena: func(_ pool, size int64) (uint64, error) {
 			s.nextArena++
 			id := s.nextArena
@@ -329,7 +339,18 @@ func (s *Store) deviceLocked(name string) (*device, error) {
 	return d, nil
 }
 
-// evictLocked forgets an object the allocator is about to free.
+// keepArenas returns how many bytes of empty arenas device keeps
+// (Config.KeepArenas): none for host memory.
+func (s *Store) keepArenas(device string) int64 {
+	if !s.backend.keepsArenas(device) || s.cfg.KeepArenas < 0 {
+		return 0
+	}
+	if s.cfg.KeepArenas == 0 {
+		return s.cfg.Capacity
+	}
+	return min(s.cfg.KeepArenas, s.cfg.Capacity)
+}
+
 // quota returns each uid's quota on a device: Config.Quota, or a fair
 // share of Capacity among the uids named; 0 when that is all of it.
 func (s *Store) quota() int64 {
@@ -380,6 +401,7 @@ func (s *Store) allocLocked(d *device, o *object) (*alloc.Block[pool, *object], 
 	return nil, fmt.Errorf("%w: device %s: %v", ErrStoreFull, d.name, err)
 }
 
+// evictLocked forgets an object the allocator is about to free.
 func (s *Store) evictLocked(o *object) {
 	delete(s.objects, o.name)
 	o.deleted = true

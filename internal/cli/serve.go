@@ -26,6 +26,8 @@ type serveCmd struct {
 	MaxLeases    int           `name:"max-leases" default:"0" help:"Most leases one client may hold at once (0: default 65536)." placeholder:"N"`
 	MaxConns     int           `name:"max-conns" default:"0" help:"Most connections served at once; more get a LIMIT error (0: default 4096, or half the descriptor limit if lower)." placeholder:"N"`
 	Quota        bytesize.Size `default:"0" help:"Bytes each uid's objects may take on each device (host, and each GPU); a user's creates evict only that user's objects (0: a fair share, the capacity divided by the uids admitted: all of it when only the daemon's uid uses it)." placeholder:"BYTES"`
+	KeepArenas   bytesize.Size `name:"keep-arenas" default:"0" help:"Bytes of empty GPU arenas each GPU keeps for their owner's next objects, so that a put after the last object went costs no allocation or import (0: up to the capacity; they give their room back to any create that needs it)." placeholder:"BYTES"`
+	NoKeepArenas bool          `name:"no-keep-arenas" help:"Give empty GPU arenas back at once (see --keep-arenas)."`
 	MaxConnsUID  int           `name:"max-conns-per-uid" default:"0" help:"Most connections of one uid, root's included (0: default 1024). Uids the daemon does not admit are closed at once and never count." placeholder:"N"`
 }
 
@@ -39,8 +41,8 @@ Objects are private to their creator's uid unless created shared ('cudaipc put -
 }
 
 func (c *serveCmd) Run(g *Globals) error {
-	if c.Capacity < 0 || c.Quota < 0 || c.MaxObjects < 0 || c.MaxLeases < 0 || c.MaxConns < 0 || c.MaxConnsUID < 0 {
-		return errors.New("--capacity, --max-objects, --max-leases, --max-conns and --max-conns-per-uid must not be negative")
+	if c.Capacity < 0 || c.Quota < 0 || c.KeepArenas < 0 || c.MaxObjects < 0 || c.MaxLeases < 0 || c.MaxConns < 0 || c.MaxConnsUID < 0 {
+		return errors.New("--capacity, --quota, --keep-arenas, --max-objects, --max-leases, --max-conns and --max-conns-per-uid must not be negative")
 	}
 	st, err := store.New(store.Config{
 		Backend:             c.Backend,
@@ -54,6 +56,7 @@ func (c *serveCmd) Run(g *Globals) error {
 		MaxLeasesPerClient:  c.MaxLeases,
 		MaxConns:            c.MaxConns,
 		Quota:               int64(c.Quota),
+		KeepArenas:          keepArenas(int64(c.KeepArenas), c.NoKeepArenas),
 		MaxConnsPerUID:      c.MaxConnsUID,
 		Logger:              g.log,
 	})
@@ -115,4 +118,12 @@ func serveMetrics(ctx context.Context, g *Globals, addr string, h http.Handler) 
 		defer cancel()
 		_ = srv.Shutdown(sctx)
 	}, nil
+}
+
+// keepArenas is store.Config.KeepArenas for --keep-arenas and --no-keep-arenas.
+func keepArenas(n int64, off bool) int64 {
+	if off {
+		return -1
+	}
+	return n
 }

@@ -15,8 +15,10 @@ Prints one JSON object:
       python_no_view: the same cycle without the tensor (get + release only).
   zero_copy: the tensor's data pointer equals the lease's mapping (and, for legacy
       IPC, the mapping of the object's region imported separately): no bytes copied.
-  put_1gib (GPU): put of a 1 GiB CUDA tensor vs an in-process device-to-device copy of
-      the same tensor, in GB/s; ratio = put / copy.
+  put (GPU): put of a --put-gib CUDA tensor vs an in-process device-to-device copy of
+      the same tensor, in GB/s; ratio = put / copy (medians; the first put, which maps
+      the arena, is left out); the phases of put; and go_put, the Go client's put
+      ('cudaipc bench put') against the same daemon.
 """
 
 import argparse
@@ -169,12 +171,36 @@ def main():
                     with store.get("pybench-put-0") as l:
                         ok = bool(torch.equal(l.tensor(), src))
                 store.rm("pybench-put-%d" % i)
+            puts = puts[1:]  # the first maps the arena (once per process)
+            # The phases of put, done by hand as put does them.
+            from cudaipc.store import _Source
+            phases = {"source": [], "create": [], "copy_sync": [], "seal": []}
+            for i in range(6):
+                t0 = time.perf_counter()
+                srcd = _Source.of(src)
+                t1 = time.perf_counter()
+                obj = store.create("pybench-ph-%d" % i, srcd.nbytes, srcd.ordinal, dtype=srcd.dtype, shape=srcd.shape)
+                t2 = time.perf_counter()
+                srcd.copy_to(obj._live())
+                t3 = time.perf_counter()
+                obj.seal()
+                t4 = time.perf_counter()
+                store.rm("pybench-ph-%d" % i)
+                for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    phases[k].append(v)
             copy_gbs = n / statistics.median(copies) / 1e9
             put_gbs = n / statistics.median(puts) / 1e9
             out["put"] = {"bytes": n, "copy_median_ms": statistics.median(copies) * 1e3,
                           "put_median_ms": statistics.median(puts) * 1e3, "put_best_ms": min(puts) * 1e3,
                           "copy_GBps": copy_gbs, "put_GBps": put_gbs, "ratio_put_to_copy": put_gbs / copy_gbs,
-                          "put_best_GBps": n / min(puts) / 1e9, "bytes_equal": ok}
+                          "put_best_GBps": n / min(puts) / 1e9, "bytes_equal": ok,
+                          "phases_median_us": {k: statistics.median(v[1:]) * 1e6 for k, v in phases.items()}}
+            try:
+                r = subprocess.run([a.bin, "bench", "put", "--socket", sock, "--size", str(n), "--device", a.device,
+                                    "--json"], capture_output=True, check=True, timeout=120)
+                out["go_put"] = json.loads(r.stdout)
+            except (subprocess.CalledProcessError, ValueError) as e:
+                out["go_put"] = {"error": str(e), "stderr": getattr(e, "stderr", b"").decode(errors="replace")[-500:]}
         store.close()
     finally:
         if proc is not None:

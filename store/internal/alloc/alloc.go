@@ -3,6 +3,11 @@
 // arenas up to a capacity and, when space runs out, evicts the least recently
 // used evictable blocks.
 //
+// An arena that becomes empty is given back at once, unless Config.KeepEmpty
+// lets the allocator keep it, still reserved, for the next blocks of its
+// pool: a kept arena costs its pool's next block of that size no new
+// memory, and costs clients that mapped it no new import.
+//
 // The allocator only does bookkeeping. It never touches memory: it asks its
 // caller for arenas (Config.NewArena) and gives them back (Config.FreeArena).
 // Arenas belong to a pool (a comparable key chosen by the caller, for the
@@ -73,6 +78,14 @@ type Config[P comparable, V any] struct {
 	// Quota bounds each owner's arenas (with Owner set); 0 means no bound
 	// but Capacity.
 	Quota int64
+	// KeepEmpty bounds the bytes of empty arenas kept for later blocks of
+	// their own pool instead of being given back (FreeArena); 0 keeps
+	// none. A kept arena is only ever reused by its pool, still counts
+	// against Capacity and its owner's Quota, and is given back, least
+	// recently emptied first, beyond the bound, whenever a new arena would
+	// not fit otherwise, and when NewArena fails. Arenas of Exclusive pools
+	// are never kept.
+	KeepEmpty int64
 }
 
 // Exclusive is implemented by pool keys whose pools hold one block at
@@ -91,6 +104,9 @@ type Allocator[P comparable, V any] struct {
 	blocks   int
 	lru      list.List // of *Block, evictable blocks, least recently used first
 	evicted  uint64
+	kept     list.List // of *Arena, kept empty arenas, least recently emptied first
+	keptSize int64     // sum of the sizes of kept arenas
+	reused   uint64    // blocks placed in a kept arena
 }
 
 // Arena is a contiguous range of memory, split into blocks and free extents.
@@ -104,6 +120,7 @@ type Arena[P comparable, V any] struct {
 
 	free   []extent // sorted by offset, never adjacent (always coalesced)
 	blocks []*Block[P, V]
+	kept   *list.Element // in Allocator.kept while the arena is empty and kept
 }
 
 type extent struct{ off, size int64 }
@@ -154,6 +171,9 @@ func New[P comparable, V any](cfg Config[P, V]) (*Allocator[P, V], error) {
 	}
 	if cfg.Quota < 0 {
 		return nil, fmt.Errorf("alloc: quota %d is negative", cfg.Quota)
+	}
+	if cfg.KeepEmpty < 0 {
+		return nil, fmt.Errorf("alloc: KeepEmpty %d is negative", cfg.KeepEmpty)
 	}
 	return &Allocator[P, V]{cfg: cfg, pools: make(map[P][]*Arena[P, V]), owned: make(map[uint32]int64)}, nil
 }
@@ -241,6 +261,9 @@ func (a *Allocator[P, V]) fit(pool P, span int64) *candidate[P, V] {
 // span bytes, and returns where the block goes; nil when capacity is short.
 func (a *Allocator[P, V]) grow(pool P, span int64) (*candidate[P, V], error) {
 	need := roundUp(span, a.cfg.Granularity)
+	if need > a.left(pool) {
+		a.releaseKept(pool, need)
+	}
 	left := a.left(pool)
 	if need > left {
 		return nil, nil
@@ -255,6 +278,14 @@ func (a *Allocator[P, V]) grow(pool P, span int64) (*candidate[P, V], error) {
 	}
 	size := min(max(want, need), left/a.cfg.Granularity*a.cfg.Granularity)
 	id, err := a.cfg.NewArena(pool, size)
+	if err != nil && a.kept.Len() > 0 {
+		// The memory may have run short outside the allocator's
+		// accounting (other users of the device): kept arenas go first.
+		for a.kept.Len() > 0 {
+			a.dropArena(a.kept.Front().Value.(*Arena[P, V]))
+		}
+		id, err = a.cfg.NewArena(pool, size)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("alloc: new arena of %d bytes: %w", size, err)
 	}
@@ -279,6 +310,10 @@ func (a *Allocator[P, V]) grow(pool P, span int64) (*candidate[P, V], error) {
 // place carves a block from the front of the candidate extent.
 func (a *Allocator[P, V]) place(c *candidate[P, V], size int64, value V) *Block[P, V] {
 	ar := c.arena
+	if ar.kept != nil {
+		a.unkeep(ar)
+		a.reused++
+	}
 	span := roundUp(size, Alignment)
 	f := &ar.free[c.i]
 	b := &Block[P, V]{Offset: f.off, Size: size, Value: value, arena: ar, span: span, index: len(ar.blocks)}
@@ -369,7 +404,9 @@ func (a *Allocator[P, V]) Free(b *Block[P, V]) {
 	a.blocks--
 
 	if len(ar.blocks) == 0 {
-		a.dropArena(ar)
+		if !a.keep(ar) {
+			a.dropArena(ar)
+		}
 		return
 	}
 	i, _ := slices.BinarySearchFunc(ar.free, b.Offset, func(e extent, off int64) int {
@@ -398,7 +435,57 @@ func (a *Allocator[P, V]) Free(b *Block[P, V]) {
 	}
 }
 
+// keep keeps an arena that just became empty, if Config.KeepEmpty allows,
+// giving back the least recently emptied ones beyond the bound.
+func (a *Allocator[P, V]) keep(ar *Arena[P, V]) bool {
+	if ar.Size > a.cfg.KeepEmpty {
+		return false
+	}
+	if x, ok := any(ar.Pool).(Exclusive); ok && x.Exclusive() {
+		return false
+	}
+	ar.free = append(ar.free[:0], extent{0, ar.Size})
+	ar.kept = a.kept.PushBack(ar)
+	a.keptSize += ar.Size
+	for a.keptSize > a.cfg.KeepEmpty {
+		a.dropArena(a.kept.Front().Value.(*Arena[P, V]))
+	}
+	return true
+}
+
+func (a *Allocator[P, V]) unkeep(ar *Arena[P, V]) {
+	a.kept.Remove(ar.kept)
+	ar.kept = nil
+	a.keptSize -= ar.Size
+}
+
+// releaseKept gives back kept arenas, least recently emptied first, until a
+// new arena of need bytes fits pool or none is left that would help: any
+// while the capacity is short, else (the quota is) only the owner's.
+func (a *Allocator[P, V]) releaseKept(pool P, need int64) {
+	for e := a.kept.Front(); e != nil && need > a.left(pool); {
+		next := e.Next()
+		ar := e.Value.(*Arena[P, V])
+		if a.cfg.Capacity-a.reserved < need || (a.cfg.Owner != nil && a.cfg.Owner(ar.Pool) == a.cfg.Owner(pool)) {
+			a.dropArena(ar)
+		}
+		e = next
+	}
+}
+
+// ReleaseKept gives back every kept arena and returns their bytes.
+func (a *Allocator[P, V]) ReleaseKept() int64 {
+	n := a.keptSize
+	for a.kept.Len() > 0 {
+		a.dropArena(a.kept.Front().Value.(*Arena[P, V]))
+	}
+	return n
+}
+
 func (a *Allocator[P, V]) dropArena(ar *Arena[P, V]) {
+	if ar.kept != nil {
+		a.unkeep(ar)
+	}
 	arenas := a.pools[ar.Pool]
 	i := slices.Index(arenas, ar)
 	arenas = slices.Delete(arenas, i, i+1)
@@ -465,6 +552,9 @@ type Stats struct {
 	Blocks    int    // number of blocks
 	Evictable int    // number of evictable blocks
 	Evicted   uint64 // blocks evicted since New
+	Kept      int    // number of empty arenas kept (Config.KeepEmpty)
+	KeptBytes int64  // sum of their sizes (part of Reserved)
+	Reused    uint64 // blocks placed in a kept arena since New
 }
 
 // Stats returns the allocator's current use.
@@ -481,6 +571,9 @@ func (a *Allocator[P, V]) Stats() Stats {
 		Blocks:    a.blocks,
 		Evictable: a.lru.Len(),
 		Evicted:   a.evicted,
+		Kept:      a.kept.Len(),
+		KeptBytes: a.keptSize,
+		Reused:    a.reused,
 	}
 }
 
