@@ -141,6 +141,7 @@ func runDaemon(ctx context.Context, sock string) error {
 		cfg.Capacity, _ = strconv.ParseInt(v, 10, 64)
 	}
 	cfg.NoEvict = os.Getenv("NOEVICT") == "1"
+	cfg.KeepArenas, _ = strconv.ParseInt(os.Getenv("KEEP_ARENAS"), 10, 64)
 	cfg.KeepVersions, _ = strconv.Atoi(os.Getenv("KEEP_VERSIONS"))
 	for _, f := range strings.Fields(os.Getenv("ALLOW_UIDS")) {
 		u, _ := strconv.ParseUint(f, 10, 32)

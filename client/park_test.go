@@ -13,10 +13,11 @@ import (
 // TestGPUOneOpenForManyCycles: a client that gets, reads and releases one
 // GPU object at a time keeps its arena mapped between the cycles: 10,000
 // get/release cycles cost one driver open (docs/architecture.md, "Arena
-// lifetime"). Deleting the object then frees the arena: the daemon tells
-// the client, which unmaps it.
+// lifetime"). Deleting the object then frees the arena (the daemon keeps
+// no empty arena here: KEEP_ARENAS=-1): the daemon tells the client, which
+// unmaps it.
 func TestGPUOneOpenForManyCycles(t *testing.T) {
-	d, _ := startGPUDaemon(t)
+	d, _ := startGPUDaemon(t, "KEEP_ARENAS=-1")
 	const size = 4096
 	env := gpuEnvs(d.socket, 31, "cyc", 1, size)
 	spawn(t, "gpu-producer", nil, env...).expect("sealed 1")
@@ -100,5 +101,73 @@ func waitRoundTrip(t *testing.T, c *client.Client) {
 	t.Helper()
 	if _, err := c.List(context.Background()); err != nil {
 		t.Fatal(fmt.Errorf("list: %w", err))
+	}
+}
+
+// TestGPUPutReusesKeptArena: by legacy IPC and by descriptor, a producer
+// that puts a large object, deletes it and puts the next one lands in the
+// arena the daemon kept, which it still maps: no driver open or import
+// after the first, and each object holds its own random bytes.
+func TestGPUPutReusesKeptArena(t *testing.T) {
+	for _, share := range []string{"ipc", "fd"} {
+		t.Run(share, func(t *testing.T) {
+			d, dev := startGPUDaemon(t, "GPU_SHARE="+share)
+			if share == "fd" && !dev.VMMFDSupported() {
+				t.Skip("the GPU cannot export memory as file descriptors")
+			}
+			c, err := client.DialOptions(context.Background(), d.socket, client.Options{NoFastPath: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { c.Close() })
+			ctx := context.Background()
+			const size = 96<<20 + 4321 // an arena of its own
+			var opens int64
+			var arena string
+			for i := range 4 {
+				name := fmt.Sprintf("put-%d", i)
+				before := cudaipc.ImportCacheStats()
+				o, err := c.Create(ctx, name, size, client.CreateOptions{Device: dev.UUID().String()})
+				if err != nil {
+					t.Fatal(err)
+				}
+				want := stream(uint64(40+i), name, size)
+				if _, err := o.WriteAt(want, 0); err != nil {
+					t.Fatal(err)
+				}
+				if err := o.Seal(ctx); err != nil {
+					t.Fatal(err)
+				}
+				opens += cudaipc.ImportCacheStats().Opens - before.Opens
+				l, err := c.Get(ctx, name)
+				if err != nil {
+					t.Fatal(err)
+				}
+				got := make([]byte, size)
+				if _, err := l.ReadAt(got, 0); err != nil {
+					t.Fatal(err)
+				}
+				_ = l.Release()
+				if !bytes.Equal(got, want) {
+					t.Fatalf("put %d: the object does not hold its bytes", i)
+				}
+				in, err := c.Stat(ctx, name)
+				if err != nil {
+					t.Fatal(err)
+				}
+				alloc := fmt.Sprint(in.Region.BufferID, in.Region.AllocationID)
+				if i == 0 {
+					arena = alloc
+				} else if alloc != arena {
+					t.Fatalf("put %d: allocation %s, want the kept arena's %s", i, alloc, arena)
+				}
+				if err := c.Delete(ctx, name); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if opens != 1 {
+				t.Fatalf("4 puts through a kept arena cost %d driver opens, want 1", opens)
+			}
+		})
 	}
 }

@@ -322,3 +322,20 @@ def test_fast_path_gpu_cycles(gstore, gpu_daemon):
     with pytest.raises((cudaipc.NotFound, cudaipc.Timeout)):
         gstore.get("fp-float32", timeout=0)
     watcher.close()
+def test_put_lands_in_the_kept_arena(gstore, gpu_daemon):
+    """A put after the previous object went reuses the arena the daemon kept and this
+    connection still maps: no new mapping, and every object holds its own bytes."""
+    torch = torch_cuda()
+    n = (96 << 20) + 4096  # an arena of its own
+    ptrs, arenas = set(), set()
+    for i in range(4):
+        src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0")
+        gstore.put("k%d" % i, src)
+        with gstore.get("k%d" % i, timeout=5) as lease:
+            t = lease.tensor()
+            assert torch.equal(t, src), "put %d: the object does not hold its bytes" % i
+            ptrs.add(lease.data_ptr)
+            del t
+        arenas.update(gstore._gpu_arenas)
+        gstore.rm("k%d" % i)
+    assert len(ptrs) == 1 and len(arenas) == 1, (ptrs, arenas)
