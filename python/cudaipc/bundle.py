@@ -163,7 +163,6 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
                        shard=shard, keep_last=keep_last, manifest=lay.raw)
     try:
         mem = obj._live()
-        plan = _plan_for(lay, names, values, mem.is_gpu)
         views: Dict[str, Any] = {}
 
         def view_of(n: str) -> Any:
@@ -171,7 +170,7 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
                 views.update(_views_of(obj.tensor(), lay.entries))
             return views[n]
 
-        plan.run(mem.addr, view_of, state_dict, stream, load=False)
+        _run_plan(lay, names, values, mem.is_gpu, mem.addr, view_of, state_dict, stream, load=False)
     except BaseException:
         obj.abort()
         raise
@@ -798,9 +797,13 @@ plan_stats = {"built": 0, "reused": 0}
 """How often load_into built a copy plan and reused one (for tests and benchmarks)."""
 
 
-def _plan_for(layout: _Layout, names: List[str], values: List[Any], gpu: bool) -> _Plan:
+def _plan_for(layout: _Layout, names: List[str], values: List[Any], gpu: bool, fresh: bool = False) -> _Plan:
     with _plan_lock:
         cands = [p for k, p in _PLANS.items() if k[0] == id(layout) and k[1] == gpu and p.layout is layout]
+        if fresh:   # drop what matches: it failed
+            for k in [k for k, p in _PLANS.items() if p in cands and p.matches(names, values)]:
+                del _PLANS[k]
+            cands = []
     for p in reversed(cands):
         if p.matches(names, values):
             plan_stats["reused"] += 1
@@ -812,6 +815,26 @@ def _plan_for(layout: _Layout, names: List[str], values: List[Any], gpu: bool) -
         while len(_PLANS) > _MAX_PLANS:
             _PLANS.popitem(last=False)
     return p
+
+
+def _run_plan(layout: _Layout, names: List[str], values: List[Any], gpu: bool, base: int, view_of: Any,
+              tensors: Mapping[str, Any], stream: Any, load: bool) -> Tuple[_Plan, int, str, float]:
+    """Find or build the plan and run it. A cached plan whose copies the driver
+    refuses (its tensors were freed and others allocated at the same addresses in
+    other CUDA allocations, so a merged copy now spans two) is built afresh once."""
+    from .errors import CudaError
+    built = plan_stats["built"]
+    plan = _plan_for(layout, names, values, gpu)
+    t0 = time.perf_counter()
+    try:
+        calls, method = plan.run(base, view_of, tensors, stream, load)
+    except CudaError:
+        if plan_stats["built"] != built:
+            raise
+        plan = _plan_for(layout, names, values, gpu, fresh=True)
+        t0 = time.perf_counter()
+        calls, method = plan.run(base, view_of, tensors, stream, load)
+    return plan, calls, method, time.perf_counter() - t0
 
 
 def load_into(bundle: Bundle, params: Mapping[str, Any], *, stream: Any = None) -> LoadReport:
@@ -838,7 +861,6 @@ def load_into(bundle: Bundle, params: Mapping[str, Any], *, stream: Any = None) 
             raise LoadMismatch(["%s: missing from the bundle" % n for n in names])
         return LoadReport(0, 0, 0.0, 0, (), "")
     mem = bundle.lease._live()
-    plan = _plan_for(layout, names, values, mem.is_gpu)
-    t0 = time.perf_counter()
-    calls, method = plan.run(mem.addr, bundle.__getitem__, params, stream, load=True)
-    return LoadReport(plan.tensors, plan.nbytes, time.perf_counter() - t0, calls, plan.unused, method)
+    plan, calls, method, seconds = _run_plan(layout, names, values, mem.is_gpu, mem.addr, bundle.__getitem__,
+                                             params, stream, load=True)
+    return LoadReport(plan.tensors, plan.nbytes, seconds, calls, plan.unused, method)

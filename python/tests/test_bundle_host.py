@@ -337,3 +337,32 @@ def test_put_bundle_reuses_its_layout_and_plan(store):
     store.put_bundle("re", sd, publish=True, metadata={"step": "8"})
     with store.get_bundle("re", timeout=5) as b:
         assert b.metadata == {"step": "8"} and torch.equal(bits(b["w3"]), bits(sd["w3"]))
+
+
+def test_a_refused_cached_plan_is_built_again(store, monkeypatch):
+    # A cached plan whose copies the driver refuses (tensors freed and others
+    # allocated at the same addresses in other CUDA allocations) is rebuilt once;
+    # a fresh plan's failure is the caller's error.
+    sd = {"a": torch.arange(6, dtype=torch.int32), "b": torch.ones(3)}
+    store.put_bundle("retry", sd)
+    params = {k: torch.zeros_like(v) for k, v in sd.items()}
+    fails = []
+    real = B._Plan.run
+
+    def refusing(self, *a, **kw):
+        if len(fails) < 1:
+            fails.append(self)
+            raise cudaipc.CudaError("cuMemcpyBatchAsync", "CUDA_ERROR_INVALID_VALUE")
+        return real(self, *a, **kw)
+
+    with store.get_bundle("retry") as b:
+        cudaipc.load_into(b, params)   # builds and caches the plan
+        monkeypatch.setattr(B._Plan, "run", refusing)
+        built = B.plan_stats["built"]
+        rep = cudaipc.load_into(b, params)
+        assert B.plan_stats["built"] == built + 1 and rep.tensors == 2
+        assert torch.equal(params["a"], sd["a"]) and torch.equal(params["b"], sd["b"])
+        fails.clear()
+        other = {"a": torch.zeros(6, dtype=torch.int32)}   # no cached plan for these
+        with pytest.raises(cudaipc.CudaError, match="INVALID_VALUE"):
+            cudaipc.load_into(b, other)
