@@ -794,7 +794,7 @@ class Store:
         (wait for a version above it). A lease on any shard keeps the whole version, so
         ``get(name, version=lease.version, shard=k)`` finds every other shard of it."""
         t = self._table
-        if t is not None and t.idle.get(name) and not (version or shard or newer_than):
+        if t is not None and t.idle.get(name) and not (version or shard or newer_than) and self._conn.dead is None:
             g = t.retake(name)
             if g is not None:
                 return Lease(_Memory.of_grant(g), g.lease_id, name, g.info_pb)

@@ -442,3 +442,24 @@ def test_default_tensor_of_every_dtype(store, daemon):
     if _views._dlpack is not None:
         assert not _views._dlpack.live, "DLPack owners kept after their tensors went"
     watcher.close()
+
+
+def test_no_take_back_once_the_daemon_is_gone(cudaipc_bin):
+    """A connection known to be dead takes nothing back from its table."""
+    d = Daemon(cudaipc_bin, ["--backend", "host", "--capacity", "64MiB"])
+    try:
+        s = cudaipc.connect(d.socket)
+        need_fast(s)
+        s.put("gone", os.urandom(1000))
+        s.get("gone").release()
+        assert s._table.idle_count() == 1
+        d.proc.kill()
+        d.proc.wait(10)
+        with pytest.raises(cudaipc.StoreGone):
+            s.stat("gone")
+        with pytest.raises(cudaipc.StoreGone):
+            s.get("gone")
+        s.close()
+        assert s._table.closed and s._table.idle_count() == 0
+    finally:
+        d.stop()
