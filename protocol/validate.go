@@ -135,7 +135,18 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 		}
 		return ValidateDevice(c.GetDevice())
 	case *storev1.Request_Seal:
-		return ValidateName(b.Seal.GetName())
+		if err := ValidateName(b.Seal.GetName()); err != nil {
+			return err
+		}
+		if r := b.Seal.GetRename(); r != "" {
+			if err := ValidateName(r); err != nil {
+				return err
+			}
+		}
+		if (b.Seal.GetRename() != "" || b.Seal.Tensor != nil) && b.Seal.GetVersion() != 0 {
+			return Errorf(storev1.Error_INVALID, "seal: rename and tensor are for plain objects, not shards of a version")
+		}
+		return nil
 	case *storev1.Request_Abort:
 		return ValidateName(b.Abort.GetName())
 	case *storev1.Request_Get:

@@ -402,7 +402,17 @@ func (cn *conn) handle(req *storev1.Request) {
 		cn.replyLocked(op, &storev1.Response{Id: id, Body: &storev1.Response_Create{Create: &storev1.CreateResponse{
 			Placement: p.proto()}}}, &p)
 	case *storev1.Request_Seal:
-		if err := ss.sealExt(b.Seal.GetName(), b.Seal.GetVersion(), b.Seal.GetShard()); err != nil {
+		var err error
+		if r := b.Seal; r.GetRename() != "" || r.GetTensor() != nil {
+			to := r.GetRename()
+			if to == "" {
+				to = r.GetName()
+			}
+			err = ss.sealAs(r.GetName(), to, r.GetTensor())
+		} else {
+			err = ss.sealExt(r.GetName(), r.GetVersion(), r.GetShard())
+		}
+		if err != nil {
 			fail(err)
 			return
 		}
@@ -638,6 +648,9 @@ func (cn *conn) qualifyNames(req *storev1.Request) error {
 		b.Create.Name, err = cn.qualify(b.Create.Name, true)
 	case *storev1.Request_Seal:
 		b.Seal.Name, err = cn.qualify(b.Seal.Name, false)
+		if err == nil && b.Seal.Rename != "" {
+			b.Seal.Rename, err = cn.qualify(b.Seal.Rename, true)
+		}
 	case *storev1.Request_Abort:
 		b.Abort.Name, err = cn.qualify(b.Abort.Name, false)
 	case *storev1.Request_Get:

@@ -256,6 +256,46 @@ func (ss *session) unsealedLocked(name string) (*object, error) {
 // seal makes an object this session created immutable and visible.
 func (ss *session) seal(name string) error { return ss.onUnsealed(name, ss.sealLocked) }
 
+// sealAs seals the plain object name this session created under the
+// (qualified) name to, atomically, recording tensor in place of create's
+// descriptor when not nil. A taken name is ErrExists, and the object stays
+// unsealed under its own name. It is how a client puts in one round trip:
+// it creates an object ahead of time under a name of its own, writes it
+// when the data comes, and publishes it here.
+func (ss *session) sealAs(name, to string, tensor *storev1.TensorDesc) error {
+	s := ss.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return errSessionClosed
+	}
+	o, err := ss.unsealedLocked(name)
+	if err != nil {
+		return err
+	}
+	if o.manifest != nil {
+		return invalidf("object %q is a bundle: seal it under its own name", name)
+	}
+	if tensor != nil {
+		if err := protocol.ValidateTensor(tensor, uint64(o.size)); err != nil {
+			return err
+		}
+	}
+	if to != name {
+		if _, ok := s.objects[to]; ok || s.series[to] != nil || s.externals[to] != nil {
+			return fmt.Errorf("object %q: %w", to, ErrExists)
+		}
+		delete(s.objects, name)
+		o.name = to
+		s.objects[to] = o
+	}
+	if tensor != nil {
+		o.tensor = tensor
+	}
+	ss.sealLocked(o)
+	return nil
+}
+
 // onUnsealed runs f, under the store's lock, on the unsealed object name
 // this session created.
 func (ss *session) onUnsealed(name string, f func(*object)) error {

@@ -189,7 +189,7 @@ type object struct {
 	ver      *version            // the version it is a shard of; nil for a plain object
 	shard    int                 // its shard index in ver
 	manifest *manifest           // a bundle's manifest; nil for a plain object
-	tensor   *storev1.TensorDesc // typed-array descriptor from create; nil if none; never modified
+	tensor   *storev1.TensorDesc // typed-array descriptor from create (or seal); nil if none; never modified, only replaced
 }
 
 // waiter wakes the gets waiting for one name.

@@ -791,8 +791,18 @@ type SealRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// For a shard of a version: its version and shard index.
-	Version       uint64 `protobuf:"varint,35,opt,name=version,proto3" json:"version,omitempty"`
-	Shard         uint32 `protobuf:"varint,36,opt,name=shard,proto3" json:"shard,omitempty"`
+	Version uint64 `protobuf:"varint,35,opt,name=version,proto3" json:"version,omitempty"`
+	Shard   uint32 `protobuf:"varint,36,opt,name=shard,proto3" json:"shard,omitempty"`
+	// rename, when set, seals the plain object under this name instead of
+	// its own, atomically: a client creates an object ahead of time under a
+	// name of its own choosing and publishes it under the real one (put in
+	// one round trip). The new name follows create's rules (the caller's own
+	// namespace, not taken: EXISTS otherwise, the object staying unsealed
+	// under its old name). Not for versions or bundles.
+	Rename string `protobuf:"bytes,65,opt,name=rename,proto3" json:"rename,omitempty"`
+	// tensor, when set, replaces the descriptor given at create (validated
+	// against the object's size).
+	Tensor        *TensorDesc `protobuf:"bytes,66,opt,name=tensor,proto3" json:"tensor,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -846,6 +856,20 @@ func (x *SealRequest) GetShard() uint32 {
 		return x.Shard
 	}
 	return 0
+}
+
+func (x *SealRequest) GetRename() string {
+	if x != nil {
+		return x.Rename
+	}
+	return ""
+}
+
+func (x *SealRequest) GetTensor() *TensorDesc {
+	if x != nil {
+		return x.Tensor
+	}
+	return nil
 }
 
 // AbortRequest discards an object the caller created and has not sealed.
@@ -2931,11 +2955,13 @@ const file_store_proto_rawDesc = "" +
 	"TensorDesc\x12\x14\n" +
 	"\x05dtype\x18\x01 \x01(\tR\x05dtype\x12\x14\n" +
 	"\x05shape\x18\x02 \x03(\x03R\x05shape\x12\x18\n" +
-	"\astrides\x18\x03 \x03(\x03R\astrides\"Q\n" +
+	"\astrides\x18\x03 \x03(\x03R\astrides\"\x9f\x01\n" +
 	"\vSealRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
 	"\aversion\x18# \x01(\x04R\aversion\x12\x14\n" +
-	"\x05shard\x18$ \x01(\rR\x05shard\"R\n" +
+	"\x05shard\x18$ \x01(\rR\x05shard\x12\x16\n" +
+	"\x06rename\x18A \x01(\tR\x06rename\x124\n" +
+	"\x06tensor\x18B \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\"R\n" +
 	"\fAbortRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
 	"\aversion\x18# \x01(\x04R\aversion\x12\x14\n" +
@@ -3171,38 +3197,39 @@ var file_store_proto_depIdxs = []int32{
 	35, // 11: cudaipc.store.v1.Request.register:type_name -> cudaipc.store.v1.RegisterRequest
 	15, // 12: cudaipc.store.v1.Request.lease_table:type_name -> cudaipc.store.v1.LeaseTableRequest
 	6,  // 13: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	18, // 14: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
-	19, // 15: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
-	22, // 16: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
-	23, // 17: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
-	24, // 18: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
-	25, // 19: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
-	26, // 20: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
-	27, // 21: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
-	28, // 22: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
-	29, // 23: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
-	30, // 24: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
-	34, // 25: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
-	31, // 26: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
-	33, // 27: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
-	36, // 28: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
-	32, // 29: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
-	0,  // 30: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
-	1,  // 31: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
-	6,  // 32: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	20, // 33: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
-	20, // 34: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
-	21, // 35: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	21, // 36: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
-	21, // 37: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	2,  // 38: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
-	6,  // 39: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	21, // 40: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	41, // [41:41] is the sub-list for method output_type
-	41, // [41:41] is the sub-list for method input_type
-	41, // [41:41] is the sub-list for extension type_name
-	41, // [41:41] is the sub-list for extension extendee
-	0,  // [0:41] is the sub-list for field type_name
+	6,  // 14: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	18, // 15: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
+	19, // 16: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
+	22, // 17: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
+	23, // 18: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
+	24, // 19: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
+	25, // 20: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
+	26, // 21: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
+	27, // 22: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
+	28, // 23: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
+	29, // 24: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
+	30, // 25: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
+	34, // 26: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
+	31, // 27: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
+	33, // 28: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
+	36, // 29: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
+	32, // 30: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
+	0,  // 31: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
+	1,  // 32: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
+	6,  // 33: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	20, // 34: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
+	20, // 35: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
+	21, // 36: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	21, // 37: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
+	21, // 38: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	2,  // 39: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
+	6,  // 40: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	21, // 41: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	42, // [42:42] is the sub-list for method output_type
+	42, // [42:42] is the sub-list for method input_type
+	42, // [42:42] is the sub-list for extension type_name
+	42, // [42:42] is the sub-list for extension extendee
+	0,  // [0:42] is the sub-list for field type_name
 }
 
 func init() { file_store_proto_init() }
