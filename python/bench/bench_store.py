@@ -18,7 +18,8 @@ Prints one JSON object:
   put (GPU): put of a --put-gib CUDA tensor vs an in-process device-to-device copy of
       the same tensor, in GB/s; ratio = put / copy (medians; the first put, which maps
       the arena, is left out); the phases of put; and go_put, the Go client's put
-      ('cudaipc bench put') against the same daemon.
+      ('cudaipc bench put') against the same daemon; put_reserve_next: the same with
+      put(..., reserve_next=True) (one round trip a put).
 """
 
 import argparse
@@ -172,6 +173,18 @@ def main():
                         ok = bool(torch.equal(l.tensor(), src))
                 store.rm("pybench-put-%d" % i)
             puts = puts[1:]  # the first maps the arena (once per process)
+            # put(reserve_next=True): the next object is created ahead, the put is one
+            # round trip (the first two map their arenas: objects alternate between two).
+            ahead = []
+            for i in range(10):
+                t0 = time.perf_counter()
+                store.put("pybench-ahead-%d" % i, src, reserve_next=True)
+                ahead.append(time.perf_counter() - t0)
+                if i == 3:
+                    with store.get("pybench-ahead-3") as l:
+                        ok_ahead = bool(torch.equal(l.tensor(), src))
+                store.rm("pybench-ahead-%d" % i)
+            ahead = ahead[2:]
             # The phases of put, done by hand as put does them.
             from cudaipc.store import _Source
             phases = {"source": [], "create": [], "copy_sync": [], "seal": []}
@@ -194,6 +207,10 @@ def main():
                           "put_median_ms": statistics.median(puts) * 1e3, "put_best_ms": min(puts) * 1e3,
                           "copy_GBps": copy_gbs, "put_GBps": put_gbs, "ratio_put_to_copy": put_gbs / copy_gbs,
                           "put_best_GBps": n / min(puts) / 1e9, "bytes_equal": ok,
+                          "put_reserve_next_median_ms": statistics.median(ahead) * 1e3,
+                          "put_reserve_next_GBps": n / statistics.median(ahead) / 1e9,
+                          "ratio_put_reserve_next_to_copy": n / statistics.median(ahead) / 1e9 / copy_gbs,
+                          "bytes_equal_reserve_next": ok_ahead,
                           "phases_median_us": {k: statistics.median(v[1:]) * 1e6 for k, v in phases.items()}}
             try:
                 r = subprocess.run([a.bin, "bench", "put", "--socket", sock, "--size", str(n), "--device", a.device,

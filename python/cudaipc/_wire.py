@@ -380,6 +380,17 @@ class Conn:
             self._arenas.pop((i, True), None)
             self._arenas.pop((i, False), None)
 
+    def abandon(self, rid: int, op: str, name: str) -> None:
+        """Give up the reply of a request sent with send: it is cleaned up (a created
+        object aborted, a lease released, descriptors closed) now or when it comes."""
+        with self._cv:
+            r = self._replies.pop(rid, None)
+            if r is None:
+                if self.dead is None:
+                    self._abandoned[rid] = (op, name)
+                return
+        self._cleanup(r, op, name)
+
     def _cleanup(self, r: Reply, op: str, name: str) -> None:
         """Undo the reply of a call whose caller gave up."""
         if r.fd >= 0:

@@ -562,7 +562,7 @@ class Object:
         """Discard the object."""
         self._finish("abort", pb.Request(abort=pb.AbortRequest(name=self._name, version=self.version, shard=self.shard)))
 
-    def _finish(self, op: str, req: Any) -> None:
+    def _finish(self, op: str, req: Any, name: Optional[str] = None) -> None:
         m = self._mem
         if m is None:
             raise InvalidArgument(op, self._name, "object already %s" % self._state)
@@ -572,7 +572,22 @@ class Object:
             m.gpu_close()
         self._mem = None
         self._state = "sealed" if op == "seal" else "aborted"
-        self._store._conn.call(req, op, self._name)
+        self._store._conn.call(req, op, name or self._name)
+
+    def _seal_as(self, name: str, desc: Optional[TensorDesc]) -> None:
+        """Seal this object (created ahead under a name of its own) as ``name``, with
+        ``desc``; on failure it is aborted."""
+        hidden = self._name
+        req = pb.Request(seal=pb.SealRequest(name=hidden, rename=name))
+        if desc is not None:
+            req.seal.tensor.CopyFrom(desc._to_pb())
+        try:
+            self._finish("seal", req, name)
+        except BaseException:
+            self._state = "aborted"
+            self._store._conn.send_detached(pb.Request(abort=pb.AbortRequest(name=hidden)))
+            raise
+        self._name, self._desc = name, desc
 
     def __enter__(self) -> "Object":
         return self
@@ -608,6 +623,9 @@ class Store:
         self._arena_lock = threading.RLock()
         self._gpu_arenas: Dict[int, _GPUArena] = {}   # arena id -> its mapping, used or idle
         self._idle: "collections.OrderedDict[int, _GPUArena]" = collections.OrderedDict()
+        self._ahead_lock = threading.Lock()
+        self._ahead: Optional[Tuple[Tuple[str, int, bool], str, int]] = None  # (key, name, create request id)
+        self._ahead_seq = 0
         self._conn.on_arenas_freed = self._arenas_freed
         name = client_name or "%s[%d]" % (os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python"), os.getpid())
         try:
@@ -664,6 +682,8 @@ class Store:
         Host memory of views still alive stays mapped until they are collected (it may
         be reused by the daemon: do not read it any more). Idle GPU arenas are unmapped.
         Idempotent."""
+        with self._ahead_lock:
+            self._ahead = None   # the daemon aborts it with the connection
         self._conn.close()
         if self._table is not None:
             self._table.close()   # idle leases let go of their arenas
@@ -715,6 +735,11 @@ class Store:
         if desc is not None:
             req.create.tensor.CopyFrom(desc._to_pb())
         r = self._conn.call(req, "create", name)
+        return self._created(r, name, nbytes, desc, manifest, shard)
+
+    def _created(self, r: Reply, name: str, nbytes: int, desc: Optional[TensorDesc],
+                 manifest: Optional[bytes], shard: int) -> Object:
+        """The Object of a create's reply."""
         p = r.resp.create.placement
         if not p.writable or p.size != nbytes or (r.manifest_fd >= 0) != bool(manifest):
             self._conn._cleanup(r, "create", name)
@@ -763,25 +788,80 @@ class Store:
         from . import bundle
         return bundle.get_bundle(self, name, timeout, **kw)
 
-    def put(self, name: str, data: Any, device: Any = None, *, shared: bool = False) -> ObjectInfo:
+    def put(self, name: str, data: Any, device: Any = None, *, shared: bool = False,
+            reserve_next: bool = False) -> ObjectInfo:
         """Copy ``data`` into a new sealed object and return its info (as created: no
         extra round trip; ``stat`` for the daemon's view). ``data`` is a
         torch.Tensor (CPU or CUDA), a CuPy or NumPy array, or any bytes-like object.
         ``device`` defaults to where the data is; GPU->GPU copies run on the data's
-        current stream and finish before the seal. dtype and shape are recorded."""
+        current stream and finish before the seal. dtype and shape are recorded.
+
+        ``reserve_next`` creates the next object ahead, after this one is sealed
+        (pipelined: put does not wait for it): an unsealed object of the same size,
+        device and sharing under a name of this connection's own
+        (``.put-ahead.<pid>.<n>``). The next ``put`` of that size, device and sharing
+        copies straight into it and publishes it under its name with one round trip
+        (seal under another name) instead of two. It costs one object's memory until
+        then (counted against the daemon's capacity and your quota, never evicted); a
+        put that does not match, or :meth:`close`, gives it back."""
         src = _Source.of(data)
         if device is None:
             device = src.ordinal if src.ordinal is not None else "host"
-        obj = self.create(name, src.nbytes, device, shared=shared,
-                          dtype=src.dtype, shape=src.shape)
+        key = (_resolve_device(device), src.nbytes, shared)
+        obj = self._take_ahead(key)
+        if obj is None:
+            obj = self.create(name, src.nbytes, device, shared=shared,
+                              dtype=src.dtype, shape=src.shape)
         try:
             src.copy_to(obj._live())
         except BaseException:
             obj.abort()
             raise
-        obj.seal()
+        if obj._name != name:
+            obj._seal_as(name, _desc(src.nbytes, src.dtype, src.shape, None, name))
+        else:
+            obj.seal()
+        if reserve_next:
+            self._reserve(key)
         return ObjectInfo(name, src.nbytes, obj.device, True, 0, shared, os.getuid(),
                           datetime.datetime.now(datetime.timezone.utc), None, obj._desc)
+
+    def _reserve(self, key: Tuple[str, int, bool]) -> None:
+        """Send the create of the next put's object (put's reserve_next); its reply is
+        read by the put that uses it."""
+        with self._ahead_lock:
+            self._ahead_seq += 1
+            hidden = ".put-ahead.%d.%d" % (os.getpid(), self._ahead_seq)
+        dev, nbytes, shared = key
+        try:
+            rid = self._conn.send(pb.Request(create=pb.CreateRequest(name=hidden, size=nbytes, device=dev, shared=shared)))
+        except StoreError:
+            return
+        with self._ahead_lock:
+            old, self._ahead = self._ahead, (key, hidden, rid)
+        if old is not None:
+            self._conn.abandon(old[2], "create", old[1])
+
+    def _take_ahead(self, key: Tuple[str, int, bool]) -> Optional[Object]:
+        """The object created ahead for a put of key, or None (then a put that does not
+        match gives it back)."""
+        with self._ahead_lock:
+            a, self._ahead = self._ahead, None
+        if a is None:
+            return None
+        akey, hidden, rid = a
+        if akey != key:
+            self._conn.abandon(rid, "create", hidden)
+            return None
+        try:
+            r = self._conn.wait(rid)
+        except StoreError:
+            return None
+        if r.resp.HasField("error") and r.resp.error.code != 0:
+            if r.fd >= 0:
+                os.close(r.fd)
+            return None   # e.g. the store was full then: put creates as usual
+        return self._created(r, hidden, key[1], None, None, 0)
 
     # -- get ---------------------------------------------------------------------------
     def get(self, name: str, timeout: Optional[float] = None, *, version: int = 0, shard: int = 0,

@@ -388,3 +388,47 @@ def test_emptied_arena_is_dropped_and_forgotten(store):
     store.put("next", data2)
     with store.get("next") as l:
         assert l.read() == data2
+
+
+def test_put_reserve_next(store, daemon):
+    """put(reserve_next=True) creates the next object ahead; the next put of the same
+    size writes into it and seals it under its own name in one round trip; a put that
+    does not match, a taken name and close give it back."""
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(7)
+    datas = [rng.integers(0, 256, 10000, dtype=np.uint8) for _ in range(3)]
+    for i, d in enumerate(datas):
+        store.put("ra%d" % i, d.view(np.float32) if i == 2 else d, reserve_next=True)
+    drafts = [o for o in store.ls() if o.name.startswith(".put-ahead.")]
+    assert len(drafts) == 1 and not drafts[0].sealed and drafts[0].size == 10000, drafts
+    for i, d in enumerate(datas):
+        with store.get("ra%d" % i) as lease:
+            assert lease.read() == d.tobytes()
+            want = cudaipc.TensorDesc("float32", (2500,)) if i == 2 else cudaipc.TensorDesc("uint8", (10000,))
+            assert lease.tensor_desc == want, (i, lease.tensor_desc)
+    # A taken name: Exists, and the object made ahead goes back.
+    with pytest.raises(cudaipc.Exists):
+        store.put("ra0", datas[1])
+    assert not [o for o in store.ls() if o.name.startswith(".put-ahead.")]
+    with store.get("ra0") as lease:
+        assert lease.read() == datas[0].tobytes()
+    # A put of another size gives it back, and keeps none unless asked.
+    store.put("rb0", datas[0], reserve_next=True)
+    store.put("rb1", b"x" * 100)
+    store.put("rb2", b"y" * 100)
+    assert not [o for o in store.ls() if o.name.startswith(".put-ahead.")]
+    store.put("rb3", datas[0], reserve_next=True)
+    ahead = [o.name for o in store.ls() if o.name.startswith(".put-ahead.")]
+    assert len(ahead) == 1
+    store.close()   # the daemon aborts it: its name is free again
+    other = cudaipc.connect(daemon.socket)
+    try:
+        for _ in range(100):
+            try:
+                other.put(ahead[0], b"z")
+                break
+            except cudaipc.Exists:
+                time.sleep(0.01)
+        assert other.stat(ahead[0]).sealed
+    finally:
+        other.close()
