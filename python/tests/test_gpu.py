@@ -339,3 +339,20 @@ def test_put_lands_in_the_kept_arena(gstore, gpu_daemon):
         arenas.update(gstore._gpu_arenas)
         gstore.rm("k%d" % i)
     assert len(ptrs) == 1 and len(arenas) == 1, (ptrs, arenas)
+
+
+def test_put_reserve_next_gpu(gstore, gpu_daemon):
+    """put(reserve_next=True) of CUDA tensors: each object holds its own bytes and
+    dtype/shape, in at most two arenas this connection maps (the object made ahead
+    lives beside the last one)."""
+    torch = torch_cuda()
+    n = (80 << 20)
+    for i in range(5):
+        src = torch.randint(0, 255, (n // 4,), dtype=torch.int32, device="cuda:0")
+        gstore.put("ahead%d" % i, src, reserve_next=True)
+        with gstore.get("ahead%d" % i, timeout=5) as lease:
+            t = lease.tensor()
+            assert t.dtype == torch.int32 and torch.equal(t, src), i
+            del t
+        gstore.rm("ahead%d" % i)
+    assert len(gstore._gpu_arenas) <= 2, list(gstore._gpu_arenas)
