@@ -584,13 +584,15 @@ class LoadReport:
     the stream's completion, the copy calls it took, and how it copied (``method``:
     "batch" = one cuMemcpyBatchAsync per destination GPU, "memcpy" = one
     cuMemcpyAsync per copy where the driver lacks the batch, "host" = memmove between
-    host memory, "torch" = PyTorch copies, "+"-joined when several were used)."""
+    host memory, "torch" = PyTorch copies, "+"-joined when several were used), and the
+    copies the tensors came down to once adjacent ones were merged."""
     tensors: int
     nbytes: int
     seconds: float
     copy_calls: int
     unused: Tuple[str, ...]   # bundle tensors no parameter took
     method: str = ""
+    copies: int = 0           # copies after merging adjacent ones (what the driver was given)
 
     @property
     def gbps(self) -> float:
@@ -724,6 +726,7 @@ class _Plan:
             g = _Group(ordinal)
             g.build(offs, dsts, sizes, _gpu_alloc_bases(ordinal) if ordinal is not None else None)
             self.groups.append(g)
+        self.copies = sum(len(g.size) + len(g.serial) for g in self.groups) + len(self.torch_names)
         self._unused: Optional[Tuple[str, ...]] = None
         self._params: Any = None
 
@@ -867,4 +870,4 @@ def load_into(bundle: Bundle, params: Mapping[str, Any], *, stream: Any = None) 
     mem = bundle.lease._live()
     plan, calls, method, seconds = _run_plan(layout, names, values, mem.is_gpu, mem.addr, bundle.__getitem__,
                                              params, stream, load=True)
-    return LoadReport(plan.tensors, plan.nbytes, seconds, calls, plan.unused, method)
+    return LoadReport(plan.tensors, plan.nbytes, seconds, calls, plan.unused, method, plan.copies)

@@ -275,6 +275,7 @@ def test_load_into_merges_adjacent_copies_and_orders_overlaps(store):
         rep = cudaipc.load_into(b, params)
     assert rep.method == "host+torch"
     assert rep.copy_calls == 4, rep   # 64 views merged into one copy, 2 overlapping, 1 torch
+    assert rep.copies == 4, rep
     for i in range(n):
         assert torch.equal(bits(params["w%02d" % i]), bits(sd["w%02d" % i])), i
     assert torch.equal(bits(tied), bits(sd["tied_b"]))

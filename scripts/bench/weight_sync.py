@@ -237,7 +237,8 @@ def consumer(conn, cfg, results) -> None:
                 stages["get"].append(tg)
                 stages["load"].append(t1 - tg)
                 stages["copy"].append(rep.seconds)
-                how = "%s, %d copy calls for %d tensors" % (rep.method, rep.copy_calls, rep.tensors)
+                how = "%s, %d copy calls, %d copies (merged) for %d tensors" % (
+                    rep.method, rep.copy_calls, rep.copies, rep.tensors)
             elif path == "per-tensor":
                 tag, handles = conn.recv()
                 srcs = []
