@@ -143,6 +143,9 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 				return err
 			}
 		}
+		if n := len(b.Seal.GetWaitEvent()); n != 0 && n != eventDescriptorSize {
+			return Errorf(storev1.Error_INVALID, "wait_event: %d bytes, want an event descriptor's %d", n, eventDescriptorSize)
+		}
 		if (b.Seal.GetRename() != "" || b.Seal.Tensor != nil) && b.Seal.GetVersion() != 0 {
 			return Errorf(storev1.Error_INVALID, "seal: rename and tensor are for plain objects, not shards of a version")
 		}
@@ -539,3 +542,7 @@ func validateExternal(p *storev1.Placement, in *storev1.ObjectInfo) error {
 	}
 	return nil
 }
+
+// eventDescriptorSize is cudaipc.EventDescriptorBinarySize (a test checks
+// they agree; this package does not import the root one).
+const eventDescriptorSize = 124

@@ -4,8 +4,11 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/cudaipc/cudaipc"
 
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
@@ -71,5 +74,45 @@ func TestSealAs(t *testing.T) {
 	}
 	if err := w.ss.sealAs("final", "again", nil); !errors.Is(err, ErrSealed) {
 		t.Fatalf("renaming a sealed object: %v, want SEALED", err)
+	}
+}
+
+// TestServerSealRenameAndWaitEvent, through a socket: seal with rename
+// qualifies the new name in the caller's namespace (another uid's is
+// PERMISSION); a wait_event of the wrong size is INVALID, and one the
+// daemon cannot open (here: no GPU driver, or an event of no process) is
+// INVALID saying "wait_event", the object left unsealed for a plain seal.
+func TestServerSealRenameAndWaitEvent(t *testing.T) {
+	if cudaipc.EventDescriptorBinarySize != 124 {
+		t.Fatalf("protocol's event descriptor size is 124, cudaipc's %d", cudaipc.EventDescriptorBinarySize)
+	}
+	_, path, _ := serve(t, Config{})
+	c := dialRaw(t, path)
+	resp, files := c.do(req(&storev1.CreateRequest{Name: ".ahead", Size: 4096}))
+	wantCode(t, resp, storev1.Error_OK)
+	data := randomBytes(4096)
+	copy(c.mapping(resp.GetCreate().GetPlacement(), files), data)
+	resp, _ = c.do(req(&storev1.SealRequest{Name: ".ahead", Rename: "4242:theirs"}))
+	wantCode(t, resp, storev1.Error_PERMISSION)
+	resp, _ = c.do(req(&storev1.SealRequest{Name: ".ahead", Rename: "mine", WaitEvent: []byte("short")}))
+	wantCode(t, resp, storev1.Error_INVALID)
+	var ev cudaipc.EventDescriptor
+	ev.Version = cudaipc.RegionVersion
+	ev.Handle[0], ev.Device[0], ev.ExporterPID, ev.PIDNamespace, ev.BootID[0] = 1, 1, 1, 1, 1
+	blob, err := ev.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, _ = c.do(req(&storev1.SealRequest{Name: ".ahead", Rename: "mine", WaitEvent: blob}))
+	wantCode(t, resp, storev1.Error_INVALID)
+	if !strings.HasPrefix(resp.GetError().GetMessage(), "wait_event: ") {
+		t.Fatalf("message %q, want it to start with \"wait_event: \"", resp.GetError().GetMessage())
+	}
+	resp, _ = c.do(req(&storev1.SealRequest{Name: ".ahead", Rename: "mine"}))
+	wantCode(t, resp, storev1.Error_OK)
+	resp, files = c.do(req(&storev1.GetRequest{Name: "mine"}))
+	wantCode(t, resp, storev1.Error_OK)
+	if !bytes.Equal(c.mapping(resp.GetGet().GetPlacement(), files), data) {
+		t.Fatal("the object sealed under its new name does not hold its bytes")
 	}
 }

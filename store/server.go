@@ -95,6 +95,7 @@ type conn struct {
 	order   sync.Mutex
 	wg      sync.WaitGroup // waiting gets and the event pump
 	pumping bool           // the event pump runs; read and set by the receiving goroutine only
+	events  connEvents     // CUDA events seals wait on (sealwait.go)
 }
 
 func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
@@ -143,6 +144,9 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 		stop()
 		ss.close(errSessionClosed)
 		cn.wg.Wait()
+		if err := cn.events.close(); err != nil {
+			log.Warn("closing the connection's CUDA events", "err", err)
+		}
 	}()
 	if err := cn.send(&storev1.Response{Id: hello.GetId(), Body: &storev1.Response_Hello{Hello: &storev1.HelloResponse{
 		Version:       protocol.Version,
@@ -402,17 +406,11 @@ func (cn *conn) handle(req *storev1.Request) {
 		cn.replyLocked(op, &storev1.Response{Id: id, Body: &storev1.Response_Create{Create: &storev1.CreateResponse{
 			Placement: p.proto()}}}, &p)
 	case *storev1.Request_Seal:
-		var err error
-		if r := b.Seal; r.GetRename() != "" || r.GetTensor() != nil {
-			to := r.GetRename()
-			if to == "" {
-				to = r.GetName()
-			}
-			err = ss.sealAs(r.GetName(), to, r.GetTensor())
-		} else {
-			err = ss.sealExt(r.GetName(), r.GetVersion(), r.GetShard())
+		if len(b.Seal.GetWaitEvent()) > 0 {
+			cn.sealAfterEvent(id, b.Seal)
+			return
 		}
-		if err != nil {
+		if err := cn.seal(b.Seal); err != nil {
 			fail(err)
 			return
 		}

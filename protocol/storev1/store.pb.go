@@ -802,7 +802,14 @@ type SealRequest struct {
 	Rename string `protobuf:"bytes,65,opt,name=rename,proto3" json:"rename,omitempty"`
 	// tensor, when set, replaces the descriptor given at create (validated
 	// against the object's size).
-	Tensor        *TensorDesc `protobuf:"bytes,66,opt,name=tensor,proto3" json:"tensor,omitempty"`
+	Tensor *TensorDesc `protobuf:"bytes,66,opt,name=tensor,proto3" json:"tensor,omitempty"`
+	// wait_event, when set, is the binary EventDescriptor (docs/region.md,
+	// 124 bytes) of an interprocess CUDA event the client recorded after its
+	// writes to the object: the daemon seals once the event has completed, so
+	// the client sends the seal without waiting for its copy first. One such
+	// seal in flight per connection; a descriptor the daemon cannot use is
+	// INVALID with a message starting "wait_event", the object unsealed.
+	WaitEvent     []byte `protobuf:"bytes,67,opt,name=wait_event,json=waitEvent,proto3" json:"wait_event,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -868,6 +875,13 @@ func (x *SealRequest) GetRename() string {
 func (x *SealRequest) GetTensor() *TensorDesc {
 	if x != nil {
 		return x.Tensor
+	}
+	return nil
+}
+
+func (x *SealRequest) GetWaitEvent() []byte {
+	if x != nil {
+		return x.WaitEvent
 	}
 	return nil
 }
@@ -2955,13 +2969,15 @@ const file_store_proto_rawDesc = "" +
 	"TensorDesc\x12\x14\n" +
 	"\x05dtype\x18\x01 \x01(\tR\x05dtype\x12\x14\n" +
 	"\x05shape\x18\x02 \x03(\x03R\x05shape\x12\x18\n" +
-	"\astrides\x18\x03 \x03(\x03R\astrides\"\x9f\x01\n" +
+	"\astrides\x18\x03 \x03(\x03R\astrides\"\xbe\x01\n" +
 	"\vSealRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
 	"\aversion\x18# \x01(\x04R\aversion\x12\x14\n" +
 	"\x05shard\x18$ \x01(\rR\x05shard\x12\x16\n" +
 	"\x06rename\x18A \x01(\tR\x06rename\x124\n" +
-	"\x06tensor\x18B \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\"R\n" +
+	"\x06tensor\x18B \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\x12\x1d\n" +
+	"\n" +
+	"wait_event\x18C \x01(\fR\twaitEvent\"R\n" +
 	"\fAbortRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
 	"\aversion\x18# \x01(\x04R\aversion\x12\x14\n" +
