@@ -496,3 +496,49 @@ def allocation_bases(ordinal: int, addrs: List[int]) -> List[int]:
             ends.insert(k, base + size)
             out.append(base)
     return out
+
+
+# -- interprocess events (a seal that waits on the copy: docs/protocol.md, seal) --------
+
+class IPCEvent:
+    """An interprocess event of GPU ``ordinal`` (timing off) and its binary
+    EventDescriptor (docs/region.md), which the daemon opens to wait on it."""
+
+    def __init__(self, ordinal: int):
+        import os
+        from .region import local_identity
+        cu = driver()
+        self.ordinal = ordinal
+        flags = int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING) | int(cu.CUevent_flags.CU_EVENT_INTERPROCESS)
+        with on(ordinal):
+            self.event = check("cuEventCreate", cu.cuEventCreate(flags))
+            try:
+                h = check("cuIpcGetEventHandle", cu.cuIpcGetEventHandle(self.event))
+            except BaseException:
+                cu.cuEventDestroy(self.event)
+                raise
+        from .region import event_descriptor
+        ns, boot = local_identity()
+        self.descriptor = event_descriptor(_bytes(h.reserved, 64), uuids()[ordinal], os.getpid(), ns, boot)
+
+    def close(self) -> None:
+        """Destroy the event (the daemon's opened copy lives until it lets go)."""
+        ev, self.event = self.event, None
+        if ev is not None:
+            driver().cuEventDestroy(ev)
+
+
+def copy_and_record(dst: int, src: int, n: int, stream: int, ev: IPCEvent) -> None:
+    """Enqueue a device-to-device copy on ``stream`` and record ``ev`` after it, without
+    waiting: the daemon waits on the event before it seals."""
+    cu = driver()
+    with on(ev.ordinal):
+        check("cuMemcpyDtoDAsync", cu.cuMemcpyDtoDAsync(dst, src, n, stream))
+        check("cuEventRecord", cu.cuEventRecord(ev.event, cu.CUstream(stream)))
+
+
+def stream_synchronize(ordinal: int, stream: int) -> None:
+    """Wait for ``stream``'s work."""
+    cu = driver()
+    with on(ordinal):
+        check("cuStreamSynchronize", cu.cuStreamSynchronize(cu.CUstream(stream)))

@@ -355,6 +355,16 @@ def decode_region(b: Union[bytes, str]) -> Region:
     return Region.from_json(b)
 
 
+def event_descriptor(handle: bytes, device: bytes, pid: int, pid_namespace: int, boot_id: bytes) -> bytes:
+    """The binary EventDescriptor (docs/region.md, 124 bytes) of an interprocess event:
+    its 64-byte cuIpcGetEventHandle, GPU UUID, exporter pid, PID namespace and boot id."""
+    if len(handle) != 64 or len(device) != 16 or len(boot_id) != 16:
+        raise ValueError("event descriptor: handle, device and boot id must be 64, 16 and 16 bytes")
+    b = b"CIPE" + struct.pack("<HH", VERSION, 0) + handle + device
+    b += struct.pack("<IIQ", pid, 0, pid_namespace) + boot_id
+    return b + struct.pack("<I", zlib.crc32(b))
+
+
 def local_identity() -> "tuple[int, bytes]":
     """This process's PID namespace inode and boot id, as regions record them."""
     ns = os.stat("/proc/self/ns/pid").st_ino

@@ -626,6 +626,9 @@ class Store:
         self._ahead_lock = threading.Lock()
         self._ahead: Optional[Tuple[Tuple[str, int, bool], str, int]] = None  # (key, name, create request id)
         self._ahead_seq = 0
+        self._event_lock = threading.Lock()
+        self._put_events: Dict[int, Any] = {}   # GPU ordinal -> _cuda.IPCEvent for put's seals
+        self._events_ok = True
         self._conn.on_arenas_freed = self._arenas_freed
         name = client_name or "%s[%d]" % (os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python"), os.getpid())
         try:
@@ -685,6 +688,10 @@ class Store:
         with self._ahead_lock:
             self._ahead = None   # the daemon aborts it with the connection
         self._conn.close()
+        events, self._put_events = self._put_events, {}
+        if events:
+            for ev in events.values():
+                ev.close()
         if self._table is not None:
             self._table.close()   # idle leases let go of their arenas
         with self._arena_lock:
@@ -812,6 +819,17 @@ class Store:
         if obj is None:
             obj = self.create(name, src.nbytes, device, shared=shared,
                               dtype=src.dtype, shape=src.shape)
+        elif src.ordinal is not None and obj._live().is_gpu:
+            ev = self._take_event(src.ordinal)
+            if ev is not None:
+                try:
+                    self._seal_after_event(obj, src, ev, name)
+                finally:
+                    self._event_lock.release()
+                if reserve_next:
+                    self._reserve(key)
+                return ObjectInfo(name, src.nbytes, obj.device, True, 0, shared, os.getuid(),
+                                  datetime.datetime.now(datetime.timezone.utc), None, obj._desc)
         try:
             src.copy_to(obj._live())
         except BaseException:
@@ -825,6 +843,71 @@ class Store:
             self._reserve(key)
         return ObjectInfo(name, src.nbytes, obj.device, True, 0, shared, os.getuid(),
                           datetime.datetime.now(datetime.timezone.utc), None, obj._desc)
+
+    def _take_event(self, ordinal: int) -> Optional[Any]:
+        """This Store's interprocess event of GPU ``ordinal``, locked for one put; None
+        when another put uses it or events do not work here."""
+        if not self._events_ok or not self._event_lock.acquire(blocking=False):
+            return None
+        ev = self._put_events.get(ordinal)
+        if ev is None:
+            from . import _cuda
+            try:
+                ev = self._put_events[ordinal] = _cuda.IPCEvent(ordinal)
+            except Exception as e:  # noqa: BLE001 - no interprocess events here: seal after a sync
+                _log.debug("cudaipc: no interprocess event for put (%s); puts synchronize before sealing", e)
+                self._events_ok = False
+                self._event_lock.release()
+                return None
+        return ev
+
+    def _seal_after_event(self, obj: Object, src: "_Source", ev: Any, name: str) -> None:
+        """put's copy into an object created ahead, sealed under ``name`` by a seal the
+        daemon answers once ``ev``, recorded after the copy, has completed: the seal's
+        round trip overlaps the copy. A daemon that cannot use the event (another PID
+        namespace, say) gets a plain seal after a sync, and this Store stops trying."""
+        from . import _cuda
+        m = obj._live()
+        hidden = obj._name
+        desc = _desc(src.nbytes, src.dtype, src.shape, None, name)
+        req = pb.Request(seal=pb.SealRequest(name=hidden, rename=name, wait_event=ev.descriptor))
+        if desc is not None:
+            req.seal.tensor.CopyFrom(desc._to_pb())
+        sealed = False
+        try:
+            _cuda.copy_and_record(m.addr, src.addr, src.nbytes, src.stream, ev)
+            try:
+                self._conn.call(req, "seal", name)
+                sealed = True
+            except InvalidArgument as e:
+                if not (e.message or "").startswith("wait_event"):
+                    raise
+                _log.debug("cudaipc: the daemon cannot wait on this process's events (%s); puts synchronize before sealing", e.message)
+                self._events_ok = False
+                _cuda.stream_synchronize(src.ordinal, src.stream)
+                req.seal.ClearField("wait_event")
+                self._conn.call(req, "seal", name)
+                sealed = True
+        finally:
+            if not sealed:
+                # The copy may still write there: it ends before the memory goes.
+                try:
+                    _cuda.stream_synchronize(src.ordinal, src.stream)
+                finally:
+                    obj._state = "aborted"
+                    m.detach()
+                    if m.gpu_close is not None:
+                        m.gpu_close()
+                    obj._mem = None
+                    self._conn.send_detached(pb.Request(abort=pb.AbortRequest(name=hidden)))
+        # Sealed: the copy is complete (the daemon saw the event), and the object
+        # keeps its arena, so the mapping may go now.
+        m.detach()
+        if m.gpu_close is not None:
+            m.gpu_close()
+        obj._mem = None
+        obj._state = "sealed"
+        obj._name, obj._desc = name, desc
 
     def _reserve(self, key: Tuple[str, int, bool]) -> None:
         """Send the create of the next put's object (put's reserve_next); its reply is

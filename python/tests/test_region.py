@@ -68,3 +68,16 @@ def test_garbage_is_rejected_by_field():
         with pytest.raises(cudaipc.InvalidRegion) as e:
             cudaipc.decode_region(data)
         assert e.value.field == field
+
+
+def test_event_descriptor_matches_go():
+    """The binary EventDescriptor Python writes (for seals that wait on an event) is
+    byte for byte what Go's EventDescriptor.MarshalBinary writes."""
+    from cudaipc.region import event_descriptor
+    want = bytes.fromhex(
+        "434950450100000001080f161d242b323940474e555c636a71787f868d949ba2a9b0b7bec5ccd3dae1e8eff6fd04"
+        "0b121920272e353c434a51585f666d747b828990979ea5acb3baa0a1a2a3a4a5a6a7a8a9aaabacadaeaf92100000"
+        "00000000fcffffef00000000101112131415161718191a1b1c1d1e1f9e7c0956")
+    got = event_descriptor(bytes((i * 7 + 1) % 256 for i in range(64)), bytes(range(0xa0, 0xb0)),
+                           4242, 4026531836, bytes(range(0x10, 0x20)))
+    assert got == want and len(got) == 124
