@@ -18,6 +18,8 @@ func seedRequests() []*storev1.Request {
 		{Id: 1, Body: &storev1.Request_Hello{Hello: &storev1.HelloRequest{Version: 1, ClientName: "py-client"}}},
 		createRequest(2, "tensor-0", 1<<20),
 		{Id: 3, Body: &storev1.Request_Seal{Seal: &storev1.SealRequest{Name: "tensor-0"}}},
+		{Id: 3, Body: &storev1.Request_Seal{Seal: &storev1.SealRequest{Name: ".put-ahead.1.1", Rename: "tensor-0",
+			Tensor: &storev1.TensorDesc{Dtype: "uint8", Shape: []int64{1 << 20}}, WaitEvent: make([]byte, 124)}}},
 		{Id: 4, Body: &storev1.Request_Abort{Abort: &storev1.AbortRequest{Name: "tensor-0"}}},
 		{Id: 5, Body: &storev1.Request_Get{Get: &storev1.GetRequest{Name: "tensor-0", TimeoutMs: -1}}},
 		{Id: 6, Body: &storev1.Request_Release{Release: &storev1.ReleaseRequest{LeaseId: 17}}},
