@@ -22,9 +22,13 @@ var ErrClosed = errors.New("client closed")
 // Client is a connection to the store daemon. Its methods are safe for
 // concurrent use.
 //
-// One goroutine reads every packet the daemon sends and hands each reply to
-// the call that waits for it (by request id) and each event to the
-// subscribers, so a Get that waits for a seal holds up nothing else.
+// One goroutine at a time reads the packets the daemon sends (it holds the
+// read role: reader.go) and hands each reply to the call that waits for it
+// (by request id) and each event to the subscribers. A call that finds
+// nobody reading reads its own reply, with no hand-off between goroutines;
+// while no call is in flight a background goroutine reads, so events and
+// the end of the connection are seen. A Get that waits for a seal holds up
+// nothing else: whoever reads delivers every reply.
 type Client struct {
 	conn   *protocol.Conn
 	socket string
@@ -41,11 +45,14 @@ type Client struct {
 	gpu       map[gpuUser]struct{} // Objects and Leases with an open GPU mapping
 	err       error                // why the connection ended; nil while it lives
 	closed    bool                 // Close was called
+	role      readRole             // who reads the connection (reader.go)
 
 	parked      parking       // idle GPU arenas kept mapped (park.go)
 	table       *leaseTable   // the lease fast path (fastpath.go); nil without one
 	callTimeout time.Duration // bounds the calls that take no context
-	readerDone  chan struct{}
+	idleRead    *time.Timer   // starts the background reader (reader.go)
+	readerDone  chan struct{} // closed once the connection has ended
+	endOnce     sync.Once
 }
 
 // Defaults for the zero values of Options.
@@ -98,6 +105,9 @@ type reply struct {
 	// caller closes them.
 	pieces []*os.File
 	err    error // mapping failed, or the connection ended
+	// lead hands the read role to the waiting call instead of a reply
+	// (reader.go).
+	lead bool
 }
 
 // Dial connects to the daemon at socket ("" means DefaultSocketPath) and
@@ -149,7 +159,7 @@ func DialOptions(ctx context.Context, socket string, opts Options) (*Client, err
 		conn.Close()
 		return nil, err
 	}
-	go c.read()
+	c.idleRead = time.AfterFunc(idleReadDelay, c.readIdle)
 	if !opts.NoFastPath {
 		c.openLeaseTable(ctx)
 	}
@@ -248,6 +258,7 @@ func (c *Client) Close() error {
 	// session (aborts, releases) before it closes its end, so once the
 	// reader sees the end of the stream other connections see the cleanup.
 	if c.conn.CloseWrite() == nil {
+		c.idleRead.Reset(0) // someone must read up to the end
 		t := time.NewTimer(c.callTimeout)
 		select {
 		case <-c.readerDone:
@@ -256,7 +267,9 @@ func (c *Client) Close() error {
 		t.Stop()
 	}
 	err := c.conn.Close()
+	c.idleRead.Reset(0)
 	<-c.readerDone
+	c.idleRead.Stop()
 	c.closeLeaseTable()
 	c.mu.Lock()
 	c.releaseArenasLocked()
@@ -264,67 +277,77 @@ func (c *Client) Close() error {
 	return err
 }
 
-// read is the connection's only receiver.
-func (c *Client) read() {
-	defer close(c.readerDone)
-	for {
-		resp := new(storev1.Response)
-		files, err := c.conn.Recv(resp)
-		if err == nil {
-			err = protocol.ValidateResponse(resp, len(files))
-		}
-		if err != nil {
-			closeFiles(files)
-			c.fail(err)
-			return
-		}
-		if resp.GetId() == 0 {
-			closeFiles(files)
-			if ev := resp.GetEvent(); ev != nil {
-				c.dispatch(ev)
-			}
-			if af := resp.GetArenasFreed(); af != nil {
-				// Unmapping can take a driver call: not on the reader.
-				go c.arenasFreed(af.GetArenaIds())
-			}
-			continue
-		}
-		r := reply{resp: resp}
-		if manifestAttached(resp) && len(files) > 0 && responseError("", "", resp) == nil {
-			r.manifest, files = files[len(files)-1], files[:len(files)-1]
-		}
-		// Host placements are mapped here, so that the arena cache follows
-		// what the daemon sent; GPU placements (a region, and a descriptor
-		// beside a vmm-fd one, in every placement) need no per-connection
-		// state and are imported by the caller.
-		p := placementOf(resp)
-		switch {
-		case resp.GetLeaseTable() != nil && len(files) == 1:
-			r.file = files[0]
-		case p == nil || responseError("", "", resp) != nil:
-			closeFiles(files)
-		case p.GetExternal():
-			r.pieces = files
-		case p.GetKind() == storev1.Placement_HOST:
-			r.m, r.err = c.place(p, files)
-		case p.GetKind() == storev1.Placement_VMM_FD && len(files) == 1:
-			r.file = files[0]
-		default:
-			closeFiles(files)
-		}
-		c.mu.Lock()
-		ch, ok := c.pending[resp.GetId()]
-		delete(c.pending, resp.GetId())
-		name, gaveUp := c.abandoned[resp.GetId()]
-		delete(c.abandoned, resp.GetId())
-		c.mu.Unlock()
-		switch {
-		case ok:
-			ch <- r // buffered
-		case gaveUp:
-			c.cleanup(r, name)
-		}
+// readOne reads one packet and dispatches it: an event to the
+// subscribers, a reply to the call that waits for it (or, for an
+// abandoned call, to cleanup). A reply to self is returned instead, with
+// mine set. It is called by the holder of the read role only. An error
+// ends the connection (fail), except a read deadline that interrupted the
+// holder (reader.go), which is returned as is.
+func (c *Client) readOne(self uint64) (r reply, mine bool, err error) {
+	resp := new(storev1.Response)
+	files, err := c.conn.Recv(resp)
+	if err == nil {
+		err = protocol.ValidateResponse(resp, len(files))
 	}
+	if err != nil {
+		closeFiles(files)
+		if !errors.Is(err, os.ErrDeadlineExceeded) {
+			c.fail(err)
+		}
+		return reply{}, false, err
+	}
+	if resp.GetId() == 0 {
+		closeFiles(files)
+		if ev := resp.GetEvent(); ev != nil {
+			c.dispatch(ev)
+		}
+		if af := resp.GetArenasFreed(); af != nil {
+			// Unmapping can take a driver call: not on the reader.
+			go c.arenasFreed(af.GetArenaIds())
+		}
+		return reply{}, false, nil
+	}
+	r = reply{resp: resp}
+	if manifestAttached(resp) && len(files) > 0 && responseError("", "", resp) == nil {
+		r.manifest, files = files[len(files)-1], files[:len(files)-1]
+	}
+	// Host placements are mapped here, so that the arena cache follows
+	// what the daemon sent even when the caller has gone; GPU placements
+	// (a region, and a descriptor beside a vmm-fd one, in every placement)
+	// need no per-connection state and are imported by the caller.
+	p := placementOf(resp)
+	switch {
+	case resp.GetLeaseTable() != nil && len(files) == 1:
+		r.file = files[0]
+	case p == nil || responseError("", "", resp) != nil:
+		closeFiles(files)
+	case p.GetExternal():
+		r.pieces = files
+	case p.GetKind() == storev1.Placement_HOST:
+		r.m, r.err = c.place(p, files)
+	case p.GetKind() == storev1.Placement_VMM_FD && len(files) == 1:
+		r.file = files[0]
+	default:
+		closeFiles(files)
+	}
+	id := resp.GetId()
+	c.mu.Lock()
+	ch, ok := c.pending[id]
+	delete(c.pending, id)
+	name, gaveUp := c.abandoned[id]
+	delete(c.abandoned, id)
+	c.mu.Unlock()
+	switch {
+	case ok && id == self:
+		return r, true, nil
+	case ok:
+		ch <- r // buffered, and empty: only the reader fills it
+	case gaveUp:
+		c.cleanup(r, name)
+	default:
+		c.drop(r) // a reply to no request of ours
+	}
+	return reply{}, false, nil
 }
 
 // fail ends the connection: every waiting call and later call gets
@@ -332,6 +355,9 @@ func (c *Client) read() {
 func (c *Client) fail(cause error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if c.err != nil {
+		return
+	}
 	if c.closed {
 		c.err = ErrClosed
 	} else {
@@ -339,6 +365,9 @@ func (c *Client) fail(cause error) {
 		c.conn.Close()
 	}
 	for id, ch := range c.pending {
+		if c.role.reading && c.role.leader == id {
+			continue // it holds the read role: it sees the error itself
+		}
 		ch <- reply{err: c.err}
 		delete(c.pending, id)
 	}
@@ -346,6 +375,7 @@ func (c *Client) fail(cause error) {
 		s.end()
 		delete(c.subs, s)
 	}
+	c.endOnce.Do(func() { close(c.readerDone) })
 }
 
 // drop gives back what a reply holds: its reference to a host arena's
@@ -413,10 +443,12 @@ func (c *Client) roundTrip(ctx context.Context, op, name string, req *storev1.Re
 // roundTripFiles is roundTrip with descriptors attached to the request
 // (register); the caller keeps and closes its copies.
 func (c *Client) roundTripFiles(ctx context.Context, op, name string, req *storev1.Request, files []*os.File) (reply, error) {
-	if _, ok := ctx.Deadline(); !ok && op != "get" {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, c.callTimeout)
-		defer cancel()
+	// The call timeout is a deadline, not a derived context: the caller
+	// that reads its own reply makes it the socket's read deadline, which
+	// costs no allocation (reader.go).
+	deadline, ok := ctx.Deadline()
+	if !ok && op != "get" {
+		deadline = time.Now().Add(c.callTimeout)
 	}
 	if err := ctx.Err(); err != nil {
 		return reply{}, ctxError(op, name, err)
@@ -440,6 +472,10 @@ func (c *Client) roundTripFiles(ctx context.Context, op, name string, req *store
 	if err != nil {
 		c.mu.Lock()
 		delete(c.pending, id)
+		if c.role.reading && c.role.leader == id {
+			<-ch // the read role, handed over meanwhile: pass it on
+			c.handOffLocked()
+		}
 		gone := c.err
 		c.mu.Unlock()
 		if gone == nil {
@@ -447,31 +483,7 @@ func (c *Client) roundTripFiles(ctx context.Context, op, name string, req *store
 		}
 		return reply{}, &Error{Op: op, Name: name, Err: gone}
 	}
-
-	select {
-	case r := <-ch:
-		if r.err != nil {
-			c.drop(r)
-			return reply{}, &Error{Op: op, Name: name, Err: r.err}
-		}
-		if err := responseError(op, name, r.resp); err != nil {
-			return reply{}, err
-		}
-		return r, nil
-	case <-ctx.Done():
-		c.mu.Lock()
-		_, stillPending := c.pending[id]
-		if stillPending {
-			delete(c.pending, id)
-			c.abandoned[id] = name
-		}
-		c.mu.Unlock()
-		if !stillPending {
-			// The reply raced with ctx; it is in ch.
-			c.cleanup(<-ch, name)
-		}
-		return reply{}, ctxError(op, name, ctx.Err())
-	}
+	return c.await(call{ctx: ctx, deadline: deadline, op: op, name: name, id: id, ch: ch})
 }
 
 // ctxError is the error of a call whose context ended: a passed deadline

@@ -194,10 +194,9 @@ func (l *Lease) Release() error {
 	l.bundle.close()
 	verr := l.v.close()
 	l.c.untrackGPU(l)
-	ctx, cancel := context.WithTimeout(context.Background(), l.c.callTimeout)
-	defer cancel()
+	// Bounded by the call timeout (roundTrip).
 	req := &storev1.Request{Body: &storev1.Request_Release{Release: &storev1.ReleaseRequest{LeaseId: l.id}}}
-	_, err := l.c.roundTrip(ctx, "release", l.info.Name, req)
+	_, err := l.c.roundTrip(context.Background(), "release", l.info.Name, req)
 	if l.m != nil {
 		l.c.unref(l.m)
 		l.m = nil

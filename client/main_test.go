@@ -19,6 +19,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -54,6 +55,18 @@ func runRole(role string) error {
 	defer stop()
 	sock := os.Getenv("CUDAIPC_SOCKET")
 	if role == "daemon" {
+		if path := os.Getenv("CPUPROFILE"); path != "" {
+			// BenchmarkRoundTrip's -daemon-profile: stops at SIGTERM.
+			f, err := os.Create(path)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			if err := pprof.StartCPUProfile(f); err != nil {
+				return err
+			}
+			defer pprof.StopCPUProfile()
+		}
 		return runDaemon(ctx, sock)
 	}
 	out := bufio.NewWriter(os.Stdout)
@@ -178,7 +191,7 @@ func hash(b []byte) string {
 
 // proc is a child process of the test.
 type proc struct {
-	t      *testing.T
+	t      testing.TB
 	cmd    *exec.Cmd
 	in     io.WriteCloser
 	out    *bufio.Reader
@@ -205,14 +218,14 @@ func (s *syncBuffer) String() string {
 }
 
 // spawn starts this test binary in role, with env added ("K=V").
-func spawn(t *testing.T, role string, cred *syscall.Credential, env ...string) *proc {
+func spawn(t testing.TB, role string, cred *syscall.Credential, env ...string) *proc {
 	t.Helper()
 	return spawnExe(t, os.Args[0], role, cred, env...)
 }
 
 // spawnExe is spawn with another copy of this test binary, for a child of
 // another uid that may not reach the original.
-func spawnExe(t *testing.T, exe, role string, cred *syscall.Credential, env ...string) *proc {
+func spawnExe(t testing.TB, exe, role string, cred *syscall.Credential, env ...string) *proc {
 	t.Helper()
 	var attr *syscall.SysProcAttr
 	if cred != nil {
@@ -223,7 +236,7 @@ func spawnExe(t *testing.T, exe, role string, cred *syscall.Credential, env ...s
 
 // spawnAttr is spawnExe with the child's process attributes, e.g. new
 // namespaces (testutil.NewNamespaces).
-func spawnAttr(t *testing.T, exe, role string, attr *syscall.SysProcAttr, env ...string) *proc {
+func spawnAttr(t testing.TB, exe, role string, attr *syscall.SysProcAttr, env ...string) *proc {
 	t.Helper()
 	cmd := exec.Command(exe, "-test.run=^$")
 	cmd.Env = append(append(os.Environ(), roleEnv+"="+role), env...)
@@ -294,7 +307,7 @@ type daemon struct {
 }
 
 // startDaemon runs a daemon on sock and waits until it answers.
-func startDaemon(t *testing.T, sock string, env ...string) *daemon {
+func startDaemon(t testing.TB, sock string, env ...string) *daemon {
 	t.Helper()
 	d := &daemon{proc: spawn(t, "daemon", nil, append(env, "CUDAIPC_SOCKET="+sock)...), socket: sock}
 	for {

@@ -264,6 +264,11 @@ func (c *Conn) PeerCred() (*unix.Ucred, error) {
 	return cred, nil
 }
 
+// SetReadDeadline sets the time after which a Recv waiting for a packet
+// (now or later) fails with an error matching os.ErrDeadlineExceeded,
+// having consumed nothing; the zero time means no deadline.
+func (c *Conn) SetReadDeadline(t time.Time) error { return c.uc.SetReadDeadline(t) }
+
 // CloseWrite shuts down the sending side: the peer's Recv returns io.EOF
 // once it has read every packet sent before, while this side can still
 // receive.

@@ -25,7 +25,7 @@ type testClient struct {
 	maps map[sentKey][]byte
 }
 
-func newTestStore(t *testing.T, cfg Config) *Store {
+func newTestStore(t testing.TB, cfg Config) *Store {
 	t.Helper()
 	if cfg.Backend == "" {
 		// The same on every machine: auto would pick cuda on a GPU one.

@@ -427,13 +427,15 @@ func (cn *conn) handle(req *storev1.Request) {
 			cn.wg.Go(func() { cn.waitAndGrantVersion(id, r.GetName(), sel, r.GetTimeoutMs()) })
 			return
 		}
-		if r.GetTimeoutMs() == 0 {
-			cn.order.Lock()
-			defer cn.order.Unlock()
-			cn.grant(id, r.GetName(), false)
-			return
+		// Granted at once when the object is there (no goroutine on the
+		// hot path); a get that may wait for a seal waits in its own, so
+		// that it holds up nothing else on the connection.
+		cn.order.Lock()
+		done := cn.grant(id, r.GetName(), r.GetTimeoutMs() != 0)
+		cn.order.Unlock()
+		if !done {
+			cn.wg.Go(func() { cn.waitAndGrant(id, r.GetName(), r.GetTimeoutMs()) })
 		}
-		cn.wg.Go(func() { cn.waitAndGrant(id, r.GetName(), r.GetTimeoutMs()) })
 	case *storev1.Request_Release:
 		if err := ss.release(b.Release.GetLeaseId()); err != nil {
 			fail(err)

@@ -24,7 +24,7 @@ import (
 
 // shortTempDir returns a directory whose path leaves room for a socket
 // name within sun_path's 108 bytes (t.TempDir's may not).
-func shortTempDir(t *testing.T) string {
+func shortTempDir(t testing.TB) string {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "cis")
 	if err != nil {
@@ -35,7 +35,7 @@ func shortTempDir(t *testing.T) string {
 }
 
 // serve runs a store on a socket in a fresh directory until the test ends.
-func serve(t *testing.T, cfg Config) (s *Store, path string, stop func()) {
+func serve(t testing.TB, cfg Config) (s *Store, path string, stop func()) {
 	t.Helper()
 	s = newTestStore(t, cfg)
 	path = filepath.Join(shortTempDir(t), "store.sock")
@@ -65,7 +65,7 @@ func serve(t *testing.T, cfg Config) (s *Store, path string, stop func()) {
 
 // rawClient speaks the protocol directly, as a C or Python client would.
 type rawClient struct {
-	t      *testing.T
+	t      testing.TB
 	c      *protocol.Conn
 	uc     *net.UnixConn // the same socket, to send what Conn refuses to
 	id     uint64
@@ -73,7 +73,7 @@ type rawClient struct {
 	maps   map[sentKey][]byte
 }
 
-func dialRaw(t *testing.T, path string) *rawClient {
+func dialRaw(t testing.TB, path string) *rawClient {
 	t.Helper()
 	uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
 	if err != nil {
@@ -190,7 +190,7 @@ func req(body any) *storev1.Request {
 
 func code(resp *storev1.Response) storev1.Error_Code { return resp.GetError().GetCode() }
 
-func wantCode(t *testing.T, resp *storev1.Response, want storev1.Error_Code) {
+func wantCode(t testing.TB, resp *storev1.Response, want storev1.Error_Code) {
 	t.Helper()
 	if got := code(resp); got != want {
 		t.Fatalf("code %v (%s), want %v", got, resp.GetError().GetMessage(), want)
