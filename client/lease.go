@@ -55,10 +55,8 @@ func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
 	return c.get(ctx, name, &storev1.GetRequest{Name: name})
 }
 
+// get leases name through the socket; its callers have checked name.
 func (c *Client) get(ctx context.Context, name string, gr *storev1.GetRequest) (*Lease, error) {
-	if err := checkName("get", name); err != nil {
-		return nil, err
-	}
 	timeout := int64(-1) // without limit
 	if dl, ok := ctx.Deadline(); ok {
 		timeout = max(time.Until(dl).Milliseconds(), 0)

@@ -24,6 +24,9 @@ func (c *Client) Publish(ctx context.Context, name string, size int64, opts Crea
 // by number meanwhile. On a plain (unversioned) name with zero opts it is
 // Get.
 func (c *Client) GetWith(ctx context.Context, name string, opts GetOptions) (*Lease, error) {
+	if err := checkName("get", name); err != nil {
+		return nil, err
+	}
 	if opts.Shard < 0 {
 		return nil, &Error{Op: "get", Name: name, Err: ErrInvalid, Message: fmt.Sprintf("shard %d is negative", opts.Shard)}
 	}

@@ -2,6 +2,7 @@ package store
 
 import (
 	"errors"
+	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -23,6 +24,7 @@ type metrics struct {
 
 	evictions *prometheus.CounterVec
 	requests  *prometheus.CounterVec
+	okByOp    sync.Map // op -> the requests counter of (op, "ok"): no label hashing per request
 	rejected  *prometheus.CounterVec
 
 	eventsDropped prometheus.Counter
@@ -73,6 +75,20 @@ func newMetrics(s *Store) *metrics {
 			Help: "Empty GPU arenas given back to the allocator whose memory stays allocated until every client that mapped them unmaps them.",
 		}),
 	}
+}
+
+// request counts one request of op with result ("ok" or an error code in
+// lower case).
+func (m *metrics) request(op, result string) {
+	if result != "ok" {
+		m.requests.WithLabelValues(op, result).Inc()
+		return
+	}
+	c, ok := m.okByOp.Load(op)
+	if !ok {
+		c, _ = m.okByOp.LoadOrStore(op, m.requests.WithLabelValues(op, "ok"))
+	}
+	c.(prometheus.Counter).Inc()
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {

@@ -158,7 +158,7 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 	}
 	cn.wg.Go(cn.tellFreed)
 	log.Debug("client connected", "client", hello.GetHello().GetClientName())
-	s.metrics.requests.WithLabelValues("hello", "ok").Inc()
+	s.metrics.request("hello", "ok")
 
 	for {
 		var req storev1.Request
@@ -356,7 +356,7 @@ func (cn *conn) replyLocked(op string, resp *storev1.Response, p *placement) {
 		result = strings.ToLower(code.String())
 		cn.log.Debug("request failed", "op", op, "id", resp.GetId(), "code", code.String(), "err", resp.GetError().GetMessage())
 	}
-	cn.s.metrics.requests.WithLabelValues(op, result).Inc()
+	cn.s.metrics.request(op, result)
 	var files []*os.File
 	if p != nil && p.share != nil && p.share.file != nil {
 		files = append(files, p.share.file)
@@ -484,7 +484,7 @@ func (cn *conn) handle(req *storev1.Request) {
 		defer f.Close()
 		cn.order.Lock()
 		defer cn.order.Unlock()
-		cn.s.metrics.requests.WithLabelValues(op, "ok").Inc()
+		cn.s.metrics.request(op, "ok")
 		cn.sendLocked(&storev1.Response{Id: id, Body: &storev1.Response_LeaseTable{LeaseTable: &storev1.LeaseTableResponse{Slots: uint32(n)}}}, f)
 	case *storev1.Request_ForgetArenas:
 		if err := ss.forget(b.ForgetArenas.GetArenaIds()); err != nil {

@@ -363,9 +363,6 @@ func (ss *session) get(ctx context.Context, name string, wait bool) (placement, 
 // ErrTimeout at once when there is no such object this session may read.
 func (ss *session) tryGet(name string) (placement, error) {
 	s := ss.s
-	if err := checkName(name); err != nil {
-		return placement{}, err
-	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if ss.closed {
@@ -400,9 +397,6 @@ func (ss *session) tryGet(name string) (placement, error) {
 // ctx's deadline passed. A waiting get counts against the lease limit.
 func (ss *session) waitSealed(ctx context.Context, name string) error {
 	s := ss.s
-	if err := checkName(name); err != nil {
-		return err
-	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if ss.closed {
@@ -607,9 +601,6 @@ func (ss *session) list(startAfter string) []info {
 
 // stat describes one object this session sees.
 func (ss *session) stat(name string) (info, error) {
-	if err := checkName(name); err != nil {
-		return info{}, err
-	}
 	s := ss.s
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -711,7 +702,10 @@ func (ss *session) close(cause error) {
 	}
 }
 
-// checkName rejects names the protocol does not allow.
+// checkName rejects names the protocol does not allow. The server validates
+// every request once (protocol.ValidateRequest) before a session sees it:
+// the hot paths (get, its wait, stat) do not check again; operations that
+// make names (create) do.
 func checkName(name string) error { return protocol.ValidateName(name) }
 
 // closeShare closes the file of a placement that will not be sent.

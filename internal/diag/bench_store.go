@@ -29,12 +29,18 @@ func (c *BenchStoreCmd) Help() string {
 	return `Measures, in one run:
   - the floor: a raw SOCK_SEQPACKET ping-pong (64 bytes) between this process
     and a helper process, one pair, blocking system calls;
+  - one round trip through the socket: N clients each asking for the
+    object's description (stat) in a loop for D;
   - get+release through the socket: one object, N clients leasing and
     releasing it in a loop for D, with the lease fast path off (each cycle:
     two round trips, since Release waits for the daemon's acknowledgement);
-  - get+release through the lease fast path: the same clients with it on
-    (a release and the next get of the same object are compare-and-swaps in
-    shared memory, no system call);
+  - first get+release with the fast path on (the default client): each
+    cycle leases an object this client has not leased before, through the
+    socket, and releases it through the lease table (one round trip and a
+    compare-and-swap);
+  - get+release through the lease fast path: the same clients leasing one
+    object again and again (a release and the next get of the same object
+    are compare-and-swaps in shared memory, no system call);
   - with a GPU --device, the socket path for a host object, as the reference.
 It reports rates, p50/p99 latencies and their ratios to the floor.
 With --socket (or CUDAIPC_SOCKET) it measures that running daemon; without, it
@@ -54,6 +60,10 @@ type benchPath struct {
 	// Ratios of the latencies to the floor's.
 	P50Floor float64 `json:"p50_over_floor,omitempty"`
 	P99Floor float64 `json:"p99_over_floor,omitempty"`
+	// Trips is the number of socket round trips in one operation, and
+	// P50FloorTrip the p50 over the floor's per round trip.
+	Trips        int     `json:"round_trips,omitempty"`
+	P50FloorTrip float64 `json:"p50_over_floor_per_trip,omitempty"`
 }
 
 type benchStoreResult struct {
@@ -72,10 +82,15 @@ type benchStoreResult struct {
 
 	// Floor is the raw SEQPACKET ping-pong between two processes.
 	Floor benchPath `json:"floor"`
-	// Socket is get+release through the socket on Device; Fast the same
-	// through the lease fast path (the figures above); HostRef the socket
-	// path for a host object, on a GPU run.
+	// Trip is one round trip through the socket (a stat of the object).
+	Trip benchPath `json:"round_trip"`
+	// Socket is get+release through the socket on Device (two round
+	// trips); First a first get through the socket and its release
+	// through the lease table (the default client: one round trip); Fast
+	// get+release through the lease fast path (the figures above);
+	// HostRef the socket path for a host object, on a GPU run.
 	Socket  benchPath  `json:"socket"`
+	First   benchPath  `json:"first"`
 	Fast    benchPath  `json:"fast"`
 	HostRef *benchPath `json:"host_ref,omitempty"`
 	// GPUOverHost is Socket's p50 over HostRef's.
@@ -117,30 +132,38 @@ func (c *BenchStoreCmd) Run(e *Env) error {
 	res.Backend = admin.Server().Backend
 	gpu := c.Device != "" && c.Device != "host"
 	socketOnly := client.Options{NoFastPath: true}
+	run := func(dev string, opts client.Options, mode benchMode, trips int) (benchPath, time.Duration, error) {
+		lat, elapsed, err := c.measure(e, sock, admin, dev, opts, mode)
+		if err != nil {
+			return benchPath{}, 0, err
+		}
+		p := pathOf(lat, dev, c.Clients, elapsed)
+		p.ratios(res.Floor, trips)
+		return p, elapsed, nil
+	}
 	if gpu {
-		lat, elapsed, err := c.measure(e, sock, admin, "host", socketOnly)
+		p, _, err := run("host", socketOnly, cycleSame, 2)
 		if err != nil {
 			return err
 		}
-		p := pathOf(lat, "host", c.Clients, elapsed)
-		p.ratios(res.Floor)
 		res.HostRef = &p
 	}
-	lat, elapsed, err := c.measure(e, sock, admin, c.Device, socketOnly)
-	if err != nil {
+	if res.Trip, _, err = run(c.Device, socketOnly, statOnly, 1); err != nil {
 		return err
 	}
-	res.Socket = pathOf(lat, c.Device, c.Clients, elapsed)
-	res.Socket.ratios(res.Floor)
+	if res.Socket, _, err = run(c.Device, socketOnly, cycleSame, 2); err != nil {
+		return err
+	}
 	if res.HostRef != nil && res.HostRef.P50US > 0 {
 		res.GPUOverHost = res.Socket.P50US / res.HostRef.P50US
 	}
-	lat, elapsed, err = c.measure(e, sock, admin, c.Device, client.Options{})
-	if err != nil {
+	if res.First, _, err = run(c.Device, client.Options{}, cycleFirst, 1); err != nil {
 		return err
 	}
-	res.Fast = pathOf(lat, c.Device, c.Clients, elapsed)
-	res.Fast.ratios(res.Floor)
+	var elapsed time.Duration
+	if res.Fast, elapsed, err = run(c.Device, client.Options{}, cycleSame, 0); err != nil {
+		return err
+	}
 	if res.Fast.P50US > 0 {
 		res.SocketOverFast = res.Socket.P50US / res.Fast.P50US
 	}
@@ -156,15 +179,21 @@ func (c *BenchStoreCmd) Run(e *Env) error {
 	row := func(what string, p benchPath) {
 		fmt.Fprintf(e.Stdout, "  %-34s %10.0f/s  p50 %7.1f µs  p99 %7.1f µs", what, p.OpsPerSec, p.P50US, p.P99US)
 		if p.P50Floor > 0 {
-			fmt.Fprintf(e.Stdout, "  (%.2fx, %.2fx the floor)", p.P50Floor, p.P99Floor)
+			fmt.Fprintf(e.Stdout, "  (%.2fx, %.2fx the floor", p.P50Floor, p.P99Floor)
+			if p.Trips > 1 {
+				fmt.Fprintf(e.Stdout, "; p50 %.2fx a round trip", p.P50FloorTrip)
+			}
+			fmt.Fprint(e.Stdout, ")")
 		}
 		fmt.Fprintln(e.Stdout)
 	}
 	row("floor: SEQPACKET ping-pong", res.Floor)
+	row("one round trip (stat), socket", res.Trip)
 	if res.HostRef != nil {
 		row("get+release, host object", *res.HostRef)
 	}
 	row(fmt.Sprintf("get+release, %s object, socket", c.Device), res.Socket)
+	row(fmt.Sprintf("first get+release, %s, fast path", c.Device), res.First)
 	row(fmt.Sprintf("get+release, %s object, fast path", c.Device), res.Fast)
 	fmt.Fprintf(e.Stdout, "fast path: %d get+release cycles: %.0f per second; latency p50 %.1f µs, p90 %.1f µs, p99 %.1f µs, max %.1f µs\n",
 		res.Ops, res.OpsPerSec, res.P50US, res.P90US, res.P99US, res.MaxUS)
@@ -174,60 +203,129 @@ func (c *BenchStoreCmd) Run(e *Env) error {
 	return nil
 }
 
-// measure creates one object on dev and has c.Clients clients lease and
-// release it for c.Duration; it returns every cycle's latency.
-func (c *BenchStoreCmd) measure(e *Env, sock string, admin *client.Client, dev string, opts client.Options) ([]time.Duration, time.Duration, error) {
+// benchMode is what a measured cycle does.
+type benchMode int
+
+const (
+	cycleSame  benchMode = iota // get and release one object
+	cycleFirst                  // get and release an object this client has not leased before
+	statOnly                    // one stat of the object
+)
+
+// firstObjects is how many objects a first-get run cycles through (at most
+// 256 MiB of them); a client that has leased them all is replaced by a new
+// one, off the clock.
+const firstObjects = 256
+
+// measure creates one object on dev (firstObjects more for cycleFirst) and
+// has c.Clients clients run mode's cycle on it for c.Duration; it returns
+// every cycle's latency.
+func (c *BenchStoreCmd) measure(e *Env, sock string, admin *client.Client, dev string, opts client.Options, mode benchMode) ([]time.Duration, time.Duration, error) {
 	ctx := e.Ctx
-	name := fmt.Sprintf("bench-%d-%d", os.Getpid(), time.Now().UnixNano())
-	obj, err := admin.Create(ctx, name, int64(c.Size), client.CreateOptions{Device: dev})
-	if err != nil {
-		return nil, 0, e.explain(err, sock)
-	}
-	if b := obj.Bytes(); b != nil {
-		_, _ = rand.Read(b)
-	} else {
-		buf := make([]byte, c.Size)
-		_, _ = rand.Read(buf)
-		if _, err := obj.WriteAt(buf, 0); err != nil {
-			return nil, 0, err
+	prefix := fmt.Sprintf("bench-%d-%d", os.Getpid(), time.Now().UnixNano())
+	create := func(name string) error {
+		obj, err := admin.Create(ctx, name, int64(c.Size), client.CreateOptions{Device: dev})
+		if err != nil {
+			return e.explain(err, sock)
 		}
+		if b := obj.Bytes(); b != nil {
+			_, _ = rand.Read(b)
+		} else {
+			buf := make([]byte, c.Size)
+			_, _ = rand.Read(buf)
+			if _, err := obj.WriteAt(buf, 0); err != nil {
+				return err
+			}
+		}
+		if err := obj.Seal(ctx); err != nil {
+			return e.explain(err, sock)
+		}
+		return nil
 	}
-	if err := obj.Seal(ctx); err != nil {
-		return nil, 0, e.explain(err, sock)
+	name := prefix
+	if err := create(name); err != nil {
+		return nil, 0, err
 	}
 	defer admin.Delete(context.WithoutCancel(ctx), name)
-
-	clients := make([]*client.Client, c.Clients)
-	for i := range clients {
-		if clients[i], err = e.dialOptions(sock, opts); err != nil {
-			return nil, 0, err
+	var firsts []string
+	if mode == cycleFirst {
+		// Bounded in bytes too: large objects are fewer, and a client is
+		// replaced (off the clock) more often.
+		for i := range max(1, min(firstObjects, int((256<<20)/int64(c.Size)))) {
+			n := fmt.Sprintf("%s-%d", prefix, i)
+			if err := create(n); err != nil {
+				return nil, 0, err
+			}
+			defer admin.Delete(context.WithoutCancel(ctx), n)
+			firsts = append(firsts, n)
 		}
-		defer clients[i].Close()
-		// Warm up: map the arena once, as a long-lived client would have.
-		l, err := clients[i].Get(ctx, name)
+	}
+
+	// dial connects a client and maps the arena once, as a long-lived
+	// client would have.
+	dial := func() (*client.Client, error) {
+		cl, err := e.dialOptions(sock, opts)
 		if err != nil {
-			return nil, 0, e.explain(err, sock)
+			return nil, err
+		}
+		l, err := cl.Get(ctx, name)
+		if err != nil {
+			cl.Close()
+			return nil, e.explain(err, sock)
 		}
 		_ = l.Release()
+		return cl, nil
 	}
+	clients := make([]*client.Client, c.Clients)
+	for i := range clients {
+		cl, err := dial()
+		if err != nil {
+			return nil, 0, err
+		}
+		clients[i] = cl
+	}
+	defer func() {
+		for _, cl := range clients {
+			cl.Close()
+		}
+	}()
 
 	lat := make([][]time.Duration, c.Clients)
 	errs := make([]error, c.Clients)
 	var wg sync.WaitGroup
 	start := time.Now()
 	end := start.Add(c.Duration)
-	for i, cl := range clients {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+	for i := range clients {
+		wg.Go(func() {
+			next := 0 // the next of firsts to lease
 			for ctx.Err() == nil {
+				if mode == cycleFirst && next == len(firsts) {
+					clients[i].Close()
+					cl, err := dial()
+					if err != nil {
+						errs[i] = err
+						return
+					}
+					clients[i], next = cl, 0
+				}
 				t := time.Now()
 				if !t.Before(end) {
 					return
 				}
-				l, err := cl.Get(ctx, name)
-				if err == nil {
-					err = l.Release()
+				var err error
+				switch mode {
+				case statOnly:
+					_, err = clients[i].Stat(ctx, name)
+				default:
+					n := name
+					if mode == cycleFirst {
+						n = firsts[next]
+						next++
+					}
+					var l *client.Lease
+					if l, err = clients[i].Get(ctx, n); err == nil {
+						err = l.Release()
+					}
 				}
 				if err != nil {
 					if ctx.Err() == nil {
@@ -237,7 +335,7 @@ func (c *BenchStoreCmd) measure(e *Env, sock string, admin *client.Client, dev s
 				}
 				lat[i] = append(lat[i], time.Since(t))
 			}
-		}()
+		})
 	}
 	wg.Wait()
 	elapsed := time.Since(start)
@@ -260,8 +358,13 @@ func pathOf(lat []time.Duration, dev string, clients int, elapsed time.Duration)
 	}
 }
 
-func (p *benchPath) ratios(floor benchPath) {
+// ratios sets p's ratios to the floor; trips is the number of socket
+// round trips in one of p's operations (0: none).
+func (p *benchPath) ratios(floor benchPath, trips int) {
 	if floor.P50US > 0 && floor.P99US > 0 {
 		p.P50Floor, p.P99Floor = p.P50US/floor.P50US, p.P99US/floor.P99US
+		if trips > 0 {
+			p.Trips, p.P50FloorTrip = trips, p.P50Floor/float64(trips)
+		}
 	}
 }
