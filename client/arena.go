@@ -34,7 +34,8 @@ type mapping struct {
 }
 
 // place maps the placement p (with the fds of its packet) and returns the
-// mapping with one reference taken. It runs on the reader goroutine.
+// mapping with one reference taken. It runs on the holder of the read role
+// (reader.go).
 func (c *Client) place(p *storev1.Placement, files []*os.File) (*mapping, error) {
 	key := arenaKey{p.GetArenaId(), p.GetWritable()}
 	end := p.GetOffset() + p.GetSize()
