@@ -4,6 +4,7 @@
 # that would skip for lack of a GPU this machine has fails instead. Logs go to $OUT (or /tmp/gpu-out).
 #
 #   bash .gpu/gpu-run.sh [test-regexp] [bench-regexp]
+#   WEIGHT_SYNC=1 STORE_BENCH=1 bash .gpu/gpu-run.sh   # also the weight-sync and store benchmarks
 set -uo pipefail
 out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
 # Every GPU this machine has must be usable: tests needing up to this many
@@ -42,6 +43,19 @@ fi
 if [ -n "${WEIGHT_SYNC:-}" ]; then
   timeout 200 python3 scripts/bench/weight_sync.py --bin .gpu/bin/cudaipc --json "$out/weight-sync.json" >"$out/weight-sync.txt" 2>&1
   echo "weight_sync rc=$?" | tee -a "$out/summary.txt"
+fi
+# The store benchmarks (issues 8 and 9), when asked for: STORE_BENCH=1. The Go bench
+# starts its own daemon per row; the Python bench starts one per mode and runs the Go
+# bench against it in the same run.
+if [ -n "${STORE_BENCH:-}" ]; then
+  for dev in host 0; do for n in 1 8; do
+    timeout 60 .gpu/bin/cudaipc bench store --device "$dev" --clients "$n" --duration "${STORE_BENCH_DURATION:-2s}" --json >"$out/bench-store-$dev-$n.json" 2>"$out/bench-store-$dev-$n.err"
+    echo "bench store device=$dev clients=$n rc=$?" | tee -a "$out/summary.txt"
+  done; done
+  for mode in ipc fd; do
+    ( cd python && timeout 120 python3 bench/bench_store.py --bin "$OLDPWD/.gpu/bin/cudaipc" --device 0 --gpu-share "$mode" --duration 1 --put-gib 1 ) >"$out/py-bench-$mode.txt" 2>&1
+    echo "python bench_store $mode rc=$?" | tee -a "$out/summary.txt"
+  done
 fi
 grep -h -B2 -A20 -- '--- FAIL' "$out"/*.log | head -150
 grep -h -E '^(FAILED|ERROR)' "$out/pytest.log" 2>/dev/null | head -30
