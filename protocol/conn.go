@@ -13,6 +13,8 @@ import (
 
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/cudaipc/cudaipc/internal/rawsock"
 )
 
 const (
@@ -44,6 +46,7 @@ var oobSize = unix.CmsgSpace(4 * 4 * MaxFiles)
 // concurrent Sends (or Recvs) are serialized.
 type Conn struct {
 	uc *net.UnixConn
+	rc syscall.RawConn // uc's descriptor, for sendmsg and recvmsg (rawsock)
 
 	sendMu  sync.Mutex
 	sendBuf []byte
@@ -56,8 +59,10 @@ type Conn struct {
 // NewConn returns a Conn using c, which must be a connected Unix socket of
 // type SOCK_SEQPACKET ("unixpacket"). The Conn owns c from now on.
 func NewConn(c *net.UnixConn) *Conn {
+	rc, _ := c.SyscallConn() // fails only for a closed c: then so does every call
 	return &Conn{
 		uc:  c,
+		rc:  rc,
 		buf: make([]byte, MaxMessageSize+1),
 		oob: make([]byte, oobSize),
 	}
@@ -128,7 +133,7 @@ func (c *Conn) Send(m proto.Message, files ...*os.File) error {
 		if len(fds) > 0 {
 			oob = unix.UnixRights(fds...)
 		}
-		n, _, err := c.uc.WriteMsgUnix(b, oob, nil)
+		n, err := c.sendmsg(b, oob)
 		if err != nil {
 			return peerGone(err)
 		}
@@ -168,7 +173,7 @@ func withFds(files []*os.File, fds []int, fn func([]int) error) error {
 func (c *Conn) Recv(m proto.Message) ([]*os.File, error) {
 	c.recvMu.Lock()
 	defer c.recvMu.Unlock()
-	n, oobn, flags, _, rerr := c.uc.ReadMsgUnix(c.buf, c.oob)
+	n, oobn, flags, rerr := c.recvmsg()
 	var files []*os.File
 	var ferr error
 	if oobn > 0 {
@@ -196,6 +201,57 @@ func (c *Conn) Recv(m proto.Message) ([]*os.File, error) {
 		return fail(&MessageError{Op: "recv", Err: ErrMalformed, Cause: err})
 	}
 	return files, nil
+}
+
+// recvmsg reads one packet into c.buf and its control messages into c.oob,
+// waiting in the netpoller while there is none (and for the read deadline),
+// like net.UnixConn.ReadMsgUnix, whose errors it reproduces: an empty
+// packet is io.EOF; failures are *net.OpError. The receive itself is a
+// raw system call (package rawsock says why).
+func (c *Conn) recvmsg() (n, oobn, flags int, err error) {
+	if c.rc == nil {
+		n, oobn, flags, _, err = c.uc.ReadMsgUnix(c.buf, c.oob)
+		return
+	}
+	var serr error
+	err = c.rc.Read(func(fd uintptr) bool {
+		n, oobn, flags, serr = rawsock.Recvmsg(int(fd), c.buf, c.oob, unix.MSG_CMSG_CLOEXEC)
+		return serr != unix.EAGAIN
+	})
+	switch {
+	case err == nil && serr != nil:
+		err = os.NewSyscallError("recvmsg", serr)
+	case err == nil && n == 0:
+		return 0, oobn, flags, io.EOF
+	}
+	if err != nil {
+		return 0, 0, 0, &net.OpError{Op: "read", Net: "unixpacket", Source: c.uc.LocalAddr(), Addr: c.uc.RemoteAddr(), Err: err}
+	}
+	return n, oobn, flags, nil
+}
+
+// sendmsg sends b as one packet with the control messages oob, waiting in
+// the netpoller while the socket is full (and for the write deadline), like
+// net.UnixConn.WriteMsgUnix, whose errors it reproduces. A peer that has
+// gone is EPIPE, never SIGPIPE (MSG_NOSIGNAL).
+func (c *Conn) sendmsg(b, oob []byte) (int, error) {
+	if c.rc == nil {
+		n, _, err := c.uc.WriteMsgUnix(b, oob, nil)
+		return n, err
+	}
+	var n int
+	var serr error
+	err := c.rc.Write(func(fd uintptr) bool {
+		n, serr = rawsock.Sendmsg(int(fd), b, oob, unix.MSG_NOSIGNAL)
+		return serr != unix.EAGAIN
+	})
+	if err == nil && serr != nil {
+		err = os.NewSyscallError("sendmsg", serr)
+	}
+	if err != nil {
+		return 0, &net.OpError{Op: "write", Net: "unixpacket", Source: c.uc.LocalAddr(), Addr: c.uc.RemoteAddr(), Err: err}
+	}
+	return n, nil
 }
 
 // parseRights returns the descriptors in the SCM_RIGHTS messages of oob as
