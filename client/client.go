@@ -50,6 +50,7 @@ type Client struct {
 	parked      parking       // idle GPU arenas kept mapped (park.go)
 	table       *leaseTable   // the lease fast path (fastpath.go); nil without one
 	callTimeout time.Duration // bounds the calls that take no context
+	spin        time.Duration // a call reading its own reply polls this long first (0: never)
 	idleRead    *time.Timer   // starts the background reader (reader.go)
 	readerDone  chan struct{} // closed once the connection has ended
 	endOnce     sync.Once
@@ -63,6 +64,9 @@ const (
 	// DefaultCallTimeout bounds the calls that take no context:
 	// Lease.Release, and Close's wait for the daemon to end the connection.
 	DefaultCallTimeout = 30 * time.Second
+	// DefaultSpin is how long a call waiting for its own reply polls the
+	// socket before it sleeps (Options.Spin).
+	DefaultSpin = 50 * time.Microsecond
 )
 
 // Options configure a Client (DialOptions). The zero value is the default.
@@ -88,6 +92,14 @@ type Options struct {
 	// NoFastPath turns the lease fast path off: every Release and Get goes
 	// through the socket (for comparison; docs/architecture.md).
 	NoFastPath bool
+	// Spin is how long a call that reads its own reply (the read role:
+	// docs/architecture.md, "The round trip") keeps polling the socket
+	// before its goroutine sleeps in the netpoller, so that a reply that
+	// comes within it costs no wake-up: it spends up to this much CPU per
+	// call. 0 means DefaultSpin; negative turns polling off (the
+	// environment variable CUDAIPC_SPIN, a duration such as "50us" or "0",
+	// overrides both).
+	Spin time.Duration
 }
 
 // reply is what the reader hands to a waiting call. The placement in a
@@ -142,9 +154,15 @@ func DialOptions(ctx context.Context, socket string, opts Options) (*Client, err
 	if opts.MaxIdleArenas == 0 {
 		opts.MaxIdleArenas = DefaultMaxIdleArenas
 	}
+	spin, err := spinOption(opts.Spin)
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
 	c := &Client{
 		parked:      parking{max: opts.MaxIdleArenas, byID: make(map[uint64]*parkedArena)},
 		callTimeout: opts.CallTimeout,
+		spin:        spin,
 		conn:        conn,
 		socket:      socket,
 		nextID:      1,
@@ -164,6 +182,27 @@ func DialOptions(ctx context.Context, socket string, opts Options) (*Client, err
 		c.openLeaseTable(ctx)
 	}
 	return c, nil
+}
+
+// spinOption is the polling window of Options.Spin, CUDAIPC_SPIN.
+func spinOption(d time.Duration) (time.Duration, error) {
+	if v, ok := os.LookupEnv("CUDAIPC_SPIN"); ok && v != "" {
+		e, err := time.ParseDuration(v)
+		if err != nil {
+			return 0, &Error{Op: "dial", Message: fmt.Sprintf("CUDAIPC_SPIN=%q is not a duration (e.g. 50us, or 0 for none)", v), Err: ErrInvalid}
+		}
+		d = max(e, -1)
+		if d == 0 {
+			d = -1
+		}
+	}
+	switch {
+	case d == 0:
+		return DefaultSpin, nil
+	case d < 0:
+		return 0, nil
+	}
+	return d, nil
 }
 
 func dialError(socket string, err error) error {
@@ -283,9 +322,9 @@ func (c *Client) Close() error {
 // mine set. It is called by the holder of the read role only. An error
 // ends the connection (fail), except a read deadline that interrupted the
 // holder (reader.go), which is returned as is.
-func (c *Client) readOne(self uint64) (r reply, mine bool, err error) {
+func (c *Client) readOne(self uint64, spin time.Duration) (r reply, mine bool, err error) {
 	resp := new(storev1.Response)
-	files, err := c.conn.Recv(resp)
+	files, err := c.conn.RecvSpin(resp, spin)
 	if err == nil {
 		err = protocol.ValidateResponse(resp, len(files))
 	}

@@ -156,7 +156,7 @@ func (c *Client) lead(cl call) (reply, error) {
 		defer stop()
 	}
 	for {
-		r, mine, err := c.readOne(cl.id)
+		r, mine, err := c.readOne(cl.id, c.spin)
 		switch {
 		case mine:
 			c.mu.Lock()
@@ -218,7 +218,7 @@ func (c *Client) readIdle() {
 	c.role = readRole{reading: true}
 	c.mu.Unlock()
 	for {
-		_, _, err := c.readOne(0)
+		_, _, err := c.readOne(0, 0) // never polls: it waits for events
 		c.mu.Lock()
 		if err != nil && !errors.Is(err, os.ErrDeadlineExceeded) || c.role.interrupted {
 			c.handOffLocked()

@@ -7,7 +7,9 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -54,6 +56,10 @@ type Conn struct {
 	recvMu sync.Mutex
 	buf    []byte // MaxMessageSize+1: a packet that fills it is too large
 	oob    []byte
+
+	// rdeadline is the read deadline (Unix nanoseconds; 0: none), set by
+	// SetReadDeadline, so that a receive spinning (RecvSpin) stops at it.
+	rdeadline atomic.Int64
 }
 
 // NewConn returns a Conn using c, which must be a connected Unix socket of
@@ -171,9 +177,20 @@ func withFds(files []*os.File, fds []int, fn func([]int) error) error {
 // ErrMalformed, ErrTooManyFiles) for a packet that breaks the protocol,
 // after which the connection should be closed; or the system error.
 func (c *Conn) Recv(m proto.Message) ([]*os.File, error) {
+	return c.RecvSpin(m, 0)
+}
+
+// RecvSpin is Recv that, when no packet has arrived yet, keeps polling the
+// socket for up to spin before waiting in the netpoller: a reply that comes
+// within the window is read without the park and wake-up of the goroutine
+// (epoll and the scheduler), which is most of the cost of a round trip
+// between processes. The polling costs a CPU for at most spin per call, and
+// stops at once at a read deadline (SetReadDeadline; one in the past
+// interrupts it like a waiting Recv). spin <= 0 is Recv.
+func (c *Conn) RecvSpin(m proto.Message, spin time.Duration) ([]*os.File, error) {
 	c.recvMu.Lock()
 	defer c.recvMu.Unlock()
-	n, oobn, flags, rerr := c.recvmsg()
+	n, oobn, flags, rerr := c.recvmsg(spin)
 	var files []*os.File
 	var ferr error
 	if oobn > 0 {
@@ -208,7 +225,7 @@ func (c *Conn) Recv(m proto.Message) ([]*os.File, error) {
 // like net.UnixConn.ReadMsgUnix, whose errors it reproduces: an empty
 // packet is io.EOF; failures are *net.OpError. The receive itself is a
 // raw system call (package rawsock says why).
-func (c *Conn) recvmsg() (n, oobn, flags int, err error) {
+func (c *Conn) recvmsg(spin time.Duration) (n, oobn, flags int, err error) {
 	if c.rc == nil {
 		n, oobn, flags, _, err = c.uc.ReadMsgUnix(c.buf, c.oob)
 		return
@@ -216,7 +233,27 @@ func (c *Conn) recvmsg() (n, oobn, flags int, err error) {
 	var serr error
 	err = c.rc.Read(func(fd uintptr) bool {
 		n, oobn, flags, serr = rawsock.Recvmsg(int(fd), c.buf, c.oob, unix.MSG_CMSG_CLOEXEC)
-		return serr != unix.EAGAIN
+		if serr != unix.EAGAIN {
+			return true
+		}
+		if spin <= 0 {
+			return false
+		}
+		// Poll for at most spin, once per call: returning false parks in
+		// the netpoller, which also reports a deadline that has passed.
+		end := time.Now().Add(spin).UnixNano()
+		spin = 0
+		for {
+			now := time.Now().UnixNano()
+			if d := c.rdeadline.Load(); now >= end || d != 0 && now >= d {
+				return false
+			}
+			runtime.Gosched() // let this P's other goroutines run meanwhile
+			n, oobn, flags, serr = rawsock.Recvmsg(int(fd), c.buf, c.oob, unix.MSG_CMSG_CLOEXEC)
+			if serr != unix.EAGAIN {
+				return true
+			}
+		}
 	})
 	switch {
 	case err == nil && serr != nil:
@@ -323,7 +360,14 @@ func (c *Conn) PeerCred() (*unix.Ucred, error) {
 // SetReadDeadline sets the time after which a Recv waiting for a packet
 // (now or later) fails with an error matching os.ErrDeadlineExceeded,
 // having consumed nothing; the zero time means no deadline.
-func (c *Conn) SetReadDeadline(t time.Time) error { return c.uc.SetReadDeadline(t) }
+func (c *Conn) SetReadDeadline(t time.Time) error {
+	var d int64
+	if !t.IsZero() {
+		d = max(t.UnixNano(), 1)
+	}
+	c.rdeadline.Store(d)
+	return c.uc.SetReadDeadline(t)
+}
 
 // CloseWrite shuts down the sending side: the peer's Recv returns io.EOF
 // once it has read every packet sent before, while this side can still

@@ -162,7 +162,7 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 
 	for {
 		var req storev1.Request
-		files, err := c.Recv(&req)
+		files, err := c.RecvSpin(&req, max(s.cfg.Spin, 0))
 		if err != nil {
 			cn.logRecvError(err)
 			return

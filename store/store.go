@@ -23,6 +23,9 @@ import (
 const (
 	// DefaultCapacity is the capacity of each host device.
 	DefaultCapacity = 1 << 30
+	// DefaultSpin is how long a connection polls for its next request
+	// before sleeping (Config.Spin).
+	DefaultSpin = 50 * time.Microsecond
 	// DefaultMaxObjectsPerClient bounds the live objects one connection
 	// created.
 	DefaultMaxObjectsPerClient = 4096
@@ -102,6 +105,13 @@ type Config struct {
 	// either is answered with a LIMIT error and closed. Peers the store
 	// does not admit never count: they are closed as soon as they connect.
 	MaxConns, MaxConnsPerUID int
+	// Spin is how long a connection's receive keeps polling the socket for
+	// the next request before its goroutine sleeps in the netpoller, so
+	// that a client's back-to-back requests cost no wake-up of the daemon
+	// (docs/architecture.md, "The round trip"). It costs up to this much
+	// CPU per request received (one window per receive, per connection).
+	// 0 means DefaultSpin; negative turns polling off.
+	Spin time.Duration
 	// Logger receives the store's logs; nil discards them.
 	Logger *slog.Logger
 	// Registerer receives the store's metrics; nil means a private
@@ -232,6 +242,9 @@ func New(cfg Config) (*Store, error) {
 	}
 	if cfg.MaxConnsPerUID == 0 {
 		cfg.MaxConnsPerUID = min(DefaultMaxConnsPerUID, cfg.MaxConns)
+	}
+	if cfg.Spin == 0 {
+		cfg.Spin = DefaultSpin
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))

@@ -28,6 +28,7 @@ type serveCmd struct {
 	Quota        bytesize.Size `default:"0" help:"Bytes each uid's objects may take on each device (host, and each GPU); a user's creates evict only that user's objects (0: a fair share, the capacity divided by the uids admitted: all of it when only the daemon's uid uses it)." placeholder:"BYTES"`
 	KeepArenas   bytesize.Size `name:"keep-arenas" default:"0" help:"Bytes of empty GPU arenas each GPU keeps for their owner's next objects, so that a put after the last object went costs no allocation or import (0: up to the capacity; they give their room back to any create that needs it)." placeholder:"BYTES"`
 	NoKeepArenas bool          `name:"no-keep-arenas" help:"Give empty GPU arenas back at once (see --keep-arenas)."`
+	Spin         time.Duration `default:"50us" help:"How long each connection keeps polling for the client's next request before sleeping: a request that comes within it costs no wake-up, at the cost of up to this much CPU per request (0: never poll)." placeholder:"D"`
 	MaxConnsUID  int           `name:"max-conns-per-uid" default:"0" help:"Most connections of one uid, root's included (0: default 1024). Uids the daemon does not admit are closed at once and never count." placeholder:"N"`
 }
 
@@ -58,6 +59,7 @@ func (c *serveCmd) Run(g *Globals) error {
 		Quota:               int64(c.Quota),
 		KeepArenas:          keepArenas(int64(c.KeepArenas), c.NoKeepArenas),
 		MaxConnsPerUID:      c.MaxConnsUID,
+		Spin:                spinConfig(c.Spin),
 		Logger:              g.log,
 	})
 	if err != nil {
@@ -85,6 +87,15 @@ func (c *serveCmd) Run(g *Globals) error {
 	}
 	g.log.Info("store daemon stopped", "socket", sock)
 	return nil
+}
+
+// spinConfig maps --spin (0: never poll) to store.Config.Spin (0: the
+// default; negative: never).
+func spinConfig(d time.Duration) time.Duration {
+	if d <= 0 {
+		return -1
+	}
+	return d
 }
 
 // metricsAddr binds a bare port to loopback: metrics are for the node's
