@@ -154,6 +154,14 @@ func runDaemon(ctx context.Context, sock string) error {
 		cfg.Capacity, _ = strconv.ParseInt(v, 10, 64)
 	}
 	cfg.NoEvict = os.Getenv("NOEVICT") == "1"
+	if v := os.Getenv("DAEMON_SPIN"); v != "" { // BenchmarkRoundTrip: serve --spin
+		if d, err := time.ParseDuration(v); err == nil {
+			cfg.Spin = -1 // 0: never
+			if d > 0 {
+				cfg.Spin = d
+			}
+		}
+	}
 	cfg.KeepArenas, _ = strconv.ParseInt(os.Getenv("KEEP_ARENAS"), 10, 64)
 	cfg.KeepVersions, _ = strconv.Atoi(os.Getenv("KEEP_VERSIONS"))
 	for _, f := range strings.Fields(os.Getenv("ALLOW_UIDS")) {

@@ -7,6 +7,10 @@ package client_test
 //
 //	go test -run '^$' -bench RoundTrip -benchtime 2s ./client
 //
+// The environment variables CUDAIPC_SPIN (the client's Options.Spin) and
+// DAEMON_SPIN (the daemon's serve --spin; 0 turns polling off) compare
+// polling windows.
+//
 // Each sub-benchmark reports x-floor: its ns/op over the floor's ns/op,
 // in round trips (a get+release through the socket is two).
 
@@ -105,6 +109,9 @@ func BenchmarkRoundTrip(b *testing.B) {
 	var env []string
 	if *daemonProfile != "" {
 		env = append(env, "CPUPROFILE="+*daemonProfile)
+	}
+	if v := os.Getenv("DAEMON_SPIN"); v != "" {
+		env = append(env, "DAEMON_SPIN="+v)
 	}
 	d := startDaemon(b, sock, env...)
 	if *daemonProfile != "" {

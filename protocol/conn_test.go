@@ -14,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 	"golang.org/x/sys/unix"
@@ -748,5 +749,70 @@ func TestDialNoServer(t *testing.T) {
 	_, err := Dial(context.Background(), filepath.Join(t.TempDir(), "missing.sock"))
 	if !errors.Is(err, unix.ENOENT) {
 		t.Fatalf("Dial = %v, want ENOENT", err)
+	}
+}
+
+// TestRecvSpin: a receive that polls gets packets that come within its
+// window, and after it (from the netpoller), files included.
+func TestRecvSpin(t *testing.T) {
+	client, server := connPair(t)
+	data := randomBytes(t, 4096)
+	for _, wait := range []time.Duration{0, time.Millisecond, 30 * time.Millisecond} {
+		name := fmt.Sprintf("obj-%x", data[:8])
+		req := createRequest(uint64(wait)+1, name, 4096)
+		f := memfdWith(t, data)
+		go func() {
+			time.Sleep(wait)
+			client.Send(req, f)
+		}()
+		var got storev1.Request
+		files, err := server.RecvSpin(&got, 5*time.Millisecond)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !proto.Equal(&got, req) || len(files) != 1 {
+			t.Fatalf("after %v: got %v with %d files, want %v with 1", wait, &got, len(files), req)
+		}
+		back := make([]byte, len(data))
+		if _, err := files[0].ReadAt(back, 0); err != nil || !bytes.Equal(back, data) {
+			t.Fatalf("after %v: the file received holds other bytes (%v)", wait, err)
+		}
+		CloseFiles(files)
+		f.Close()
+		data = randomBytes(t, 4096)
+	}
+}
+
+// TestRecvSpinDeadline: a read deadline stops a receive that polls, within
+// a window far longer than the test: one set before, and one set in the
+// past while it polls (how the client interrupts a reader).
+func TestRecvSpinDeadline(t *testing.T) {
+	_, server := connPair(t)
+	recv := func() error {
+		done := make(chan error, 1)
+		go func() {
+			var got storev1.Request
+			_, err := server.RecvSpin(&got, time.Hour)
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			return err
+		case <-time.After(time.Minute): // a hang, not a measurement
+			t.Fatal("RecvSpin ignored the read deadline")
+			return nil
+		}
+	}
+	server.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
+	if err := recv(); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("deadline set before: got %v, want os.ErrDeadlineExceeded", err)
+	}
+	server.SetReadDeadline(time.Time{})
+	go func() {
+		time.Sleep(20 * time.Millisecond)
+		server.SetReadDeadline(time.Unix(1, 0))
+	}()
+	if err := recv(); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("deadline set in the past while polling: got %v, want os.ErrDeadlineExceeded", err)
 	}
 }
