@@ -22,6 +22,9 @@
 //     same name takes the lease back the same way unless the daemon has
 //     reclaimed it (it needed the memory) or the object was deleted; then
 //     the Get goes through the socket. Options.NoFastPath turns it off.
+//   - A call that reads its own reply polls the socket for up to
+//     Options.Spin (50 µs by default; CUDAIPC_SPIN) before it sleeps, so a
+//     reply that comes within it costs no wake-up; it spends that CPU.
 //   - Memory is mapped once per daemon arena and cached, so a Get costs one
 //     socket round trip. Mappings are unmapped when the client is closed and
 //     no Object or Lease uses them any more; Bytes of a released lease must
