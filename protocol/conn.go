@@ -35,6 +35,10 @@ const (
 	MaxPieces = MaxFiles
 )
 
+// maxSpinSkip bounds the receives that skip polling after windows that
+// found nothing (RecvSpin).
+const maxSpinSkip = 64
+
 // oobSize leaves room for more descriptors than MaxFiles so that a peer
 // sending too many is detected, and the excess closed, rather than having
 // the kernel drop them silently behind MSG_CTRUNC.
@@ -56,6 +60,9 @@ type Conn struct {
 	recvMu sync.Mutex
 	buf    []byte // MaxMessageSize+1: a packet that fills it is too large
 	oob    []byte
+	// spinSkip receives poll no more after a window that found nothing;
+	// spinBackoff is the next such count (RecvSpin).
+	spinSkip, spinBackoff int
 
 	// rdeadline is the read deadline (Unix nanoseconds; 0: none), set by
 	// SetReadDeadline, so that a receive spinning (RecvSpin) stops at it.
@@ -187,9 +194,19 @@ func (c *Conn) Recv(m proto.Message) ([]*os.File, error) {
 // between processes. The polling costs a CPU for at most spin per call, and
 // stops at once at a read deadline (SetReadDeadline; one in the past
 // interrupts it like a waiting Recv). spin <= 0 is Recv.
+//
+// A window that ends with nothing received makes the next receives skip
+// polling, 1, then 2, 4, … up to maxSpinSkip of them after each further
+// such window, until one finds a packet while polling: when the peer is
+// slow, or both processes share a busy core (polling then holds up the very
+// reply it waits for), polling costs little.
 func (c *Conn) RecvSpin(m proto.Message, spin time.Duration) ([]*os.File, error) {
 	c.recvMu.Lock()
 	defer c.recvMu.Unlock()
+	if spin > 0 && c.spinSkip > 0 {
+		c.spinSkip--
+		spin = 0
+	}
 	n, oobn, flags, rerr := c.recvmsg(spin)
 	var files []*os.File
 	var ferr error
@@ -246,11 +263,14 @@ func (c *Conn) recvmsg(spin time.Duration) (n, oobn, flags int, err error) {
 		for {
 			now := time.Now().UnixNano()
 			if d := c.rdeadline.Load(); now >= end || d != 0 && now >= d {
+				c.spinBackoff = min(max(2*c.spinBackoff, 1), maxSpinSkip)
+				c.spinSkip = c.spinBackoff
 				return false
 			}
 			runtime.Gosched() // let this P's other goroutines run meanwhile
 			n, oobn, flags, serr = rawsock.Recvmsg(int(fd), c.buf, c.oob, unix.MSG_CMSG_CLOEXEC)
 			if serr != unix.EAGAIN {
+				c.spinBackoff = 0
 				return true
 			}
 		}
