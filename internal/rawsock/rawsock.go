@@ -30,6 +30,22 @@ import (
 // (MSG_TRUNC, MSG_CTRUNC). A packet that would block is unix.EAGAIN. p must
 // not be empty.
 func Recvmsg(fd int, p, oob []byte, flags int) (n, oobn, recvflags int, err error) {
+	return msgcall(unix.SYS_RECVMSG, fd, p, oob, flags)
+}
+
+// Sendmsg sends p as one packet on the non-blocking socket fd, with the
+// control messages oob, as sendmsg(2) with flags, and returns the bytes
+// sent. A packet that would block is unix.EAGAIN. p must not be empty.
+func Sendmsg(fd int, p, oob []byte, flags int) (int, error) {
+	r, _, _, err := msgcall(unix.SYS_SENDMSG, fd, p, oob, flags)
+	return r, err
+}
+
+// msgcall makes the recvmsg or sendmsg system call trap over one buffer p and
+// the control buffer oob, retrying on EINTR, and returns its result and the
+// control length and flags the kernel left in the message header (the header
+// stays on the stack: no allocation per packet).
+func msgcall(trap uintptr, fd int, p, oob []byte, flags int) (n, oobn, msgflags int, err error) {
 	var iov unix.Iovec
 	iov.Base = &p[0]
 	iov.SetLen(len(p))
@@ -41,7 +57,7 @@ func Recvmsg(fd int, p, oob []byte, flags int) (n, oobn, recvflags int, err erro
 		msg.SetControllen(len(oob))
 	}
 	for {
-		r, _, e := syscall.RawSyscall(unix.SYS_RECVMSG, uintptr(fd), uintptr(unsafe.Pointer(&msg)), uintptr(flags))
+		r, _, e := syscall.RawSyscall(trap, uintptr(fd), uintptr(unsafe.Pointer(&msg)), uintptr(flags))
 		if e == unix.EINTR {
 			continue
 		}
@@ -49,31 +65,5 @@ func Recvmsg(fd int, p, oob []byte, flags int) (n, oobn, recvflags int, err erro
 			return 0, 0, 0, e
 		}
 		return int(r), int(msg.Controllen), int(msg.Flags), nil
-	}
-}
-
-// Sendmsg sends p as one packet on the non-blocking socket fd, with the
-// control messages oob, as sendmsg(2) with flags, and returns the bytes
-// sent. A packet that would block is unix.EAGAIN. p must not be empty.
-func Sendmsg(fd int, p, oob []byte, flags int) (int, error) {
-	var iov unix.Iovec
-	iov.Base = &p[0]
-	iov.SetLen(len(p))
-	var msg unix.Msghdr
-	msg.Iov = &iov
-	msg.Iovlen = 1
-	if len(oob) > 0 {
-		msg.Control = &oob[0]
-		msg.SetControllen(len(oob))
-	}
-	for {
-		r, _, e := syscall.RawSyscall(unix.SYS_SENDMSG, uintptr(fd), uintptr(unsafe.Pointer(&msg)), uintptr(flags))
-		if e == unix.EINTR {
-			continue
-		}
-		if e != 0 {
-			return 0, e
-		}
-		return int(r), nil
 	}
 }
