@@ -254,7 +254,9 @@ func (ss *session) unsealedLocked(name string) (*object, error) {
 }
 
 // seal makes an object this session created immutable and visible.
-func (ss *session) seal(name string) error { return ss.onUnsealed(name, ss.sealLocked) }
+func (ss *session) seal(name string) error {
+	return ss.onUnsealed(name, func(o *object) error { ss.sealLocked(o); return nil })
+}
 
 // sealAs seals the plain object name this session created under the
 // (qualified) name to, atomically, recording tensor in place of create's
@@ -264,41 +266,34 @@ func (ss *session) seal(name string) error { return ss.onUnsealed(name, ss.sealL
 // when the data comes, and publishes it here.
 func (ss *session) sealAs(name, to string, tensor *storev1.TensorDesc) error {
 	s := ss.s
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if ss.closed {
-		return errSessionClosed
-	}
-	o, err := ss.unsealedLocked(name)
-	if err != nil {
-		return err
-	}
-	if o.manifest != nil {
-		return invalidf("object %q is a bundle: seal it under its own name", name)
-	}
-	if tensor != nil {
-		if err := protocol.ValidateTensor(tensor, uint64(o.size)); err != nil {
-			return err
+	return ss.onUnsealed(name, func(o *object) error {
+		if o.manifest != nil {
+			return invalidf("object %q is a bundle: seal it under its own name", name)
 		}
-	}
-	if to != name {
-		if _, ok := s.objects[to]; ok || s.series[to] != nil || s.externals[to] != nil {
-			return fmt.Errorf("object %q: %w", to, ErrExists)
+		if tensor != nil {
+			if err := protocol.ValidateTensor(tensor, uint64(o.size)); err != nil {
+				return err
+			}
 		}
-		delete(s.objects, name)
-		o.name = to
-		s.objects[to] = o
-	}
-	if tensor != nil {
-		o.tensor = tensor
-	}
-	ss.sealLocked(o)
-	return nil
+		if to != name {
+			if _, ok := s.objects[to]; ok || s.series[to] != nil || s.externals[to] != nil {
+				return fmt.Errorf("object %q: %w", to, ErrExists)
+			}
+			delete(s.objects, name)
+			o.name = to
+			s.objects[to] = o
+		}
+		if tensor != nil {
+			o.tensor = tensor
+		}
+		ss.sealLocked(o)
+		return nil
+	})
 }
 
 // onUnsealed runs f, under the store's lock, on the unsealed object name
-// this session created.
-func (ss *session) onUnsealed(name string, f func(*object)) error {
+// this session created, and returns f's error.
+func (ss *session) onUnsealed(name string, f func(*object) error) error {
 	s := ss.s
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -309,8 +304,7 @@ func (ss *session) onUnsealed(name string, f func(*object)) error {
 	if err != nil {
 		return err
 	}
-	f(o)
-	return nil
+	return f(o)
 }
 
 // sealLocked seals a plain object.
@@ -328,7 +322,9 @@ func (ss *session) sealLocked(o *object) {
 }
 
 // abort discards an object this session created and has not sealed.
-func (ss *session) abort(name string) error { return ss.onUnsealed(name, ss.abortLocked) }
+func (ss *session) abort(name string) error {
+	return ss.onUnsealed(name, func(o *object) error { ss.abortLocked(o); return nil })
+}
 
 func (ss *session) abortLocked(o *object) {
 	s := ss.s
