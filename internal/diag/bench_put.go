@@ -65,17 +65,12 @@ func (c *BenchPutCmd) Run(e *Env) error {
 		return fmt.Errorf("bench put: %w", err)
 	}
 	res := benchPutResult{Store: "embedded", Device: dev.UUID().String(), Bytes: n, Count: c.Count}
-	sock := e.Socket
-	if sock == "" {
-		emb, err := startEmbedded(ctx, e, 4*n, "")
-		if err != nil {
-			return err
-		}
-		defer emb.Close()
-		sock = emb.socket
-	} else {
-		res.Store = sock
+	sock, label, stop, err := benchStore(ctx, e, 4*n)
+	if err != nil {
+		return err
 	}
+	defer stop()
+	res.Store = label
 	src, err := dev.Alloc(n)
 	if err != nil {
 		return fmt.Errorf("bench put: source buffer: %w", err)

@@ -108,17 +108,12 @@ func (c *BenchStoreCmd) Run(e *Env) error {
 	}
 	ctx := e.Ctx
 	res := benchStoreResult{Store: "embedded", Clients: c.Clients, Size: int64(c.Size), Device: c.Device}
-	sock := e.Socket
-	if sock == "" {
-		emb, err := startEmbedded(ctx, e, max(1<<30, 2*int64(c.Size)), "")
-		if err != nil {
-			return err
-		}
-		defer emb.Close()
-		sock = emb.socket
-	} else {
-		res.Store = sock
+	sock, label, stop, err := benchStore(ctx, e, max(1<<30, 2*int64(c.Size)))
+	if err != nil {
+		return err
 	}
+	defer stop()
+	res.Store = label
 
 	floor, err := pingPongFloor(ctx, c.Duration)
 	if err != nil {

@@ -62,3 +62,18 @@ func (e *embeddedStore) Close() error {
 	os.RemoveAll(e.dir)
 	return err
 }
+
+// benchStore is the store a benchmark talks to: the daemon at e.Socket, or,
+// when none is given, an embedded one of the given capacity. It returns the
+// socket, what the result's "store" field says ("embedded" or the socket)
+// and a function that stops an embedded store (nothing for a given one).
+func benchStore(ctx context.Context, e *Env, capacity int64) (sock, label string, stop func(), err error) {
+	if e.Socket != "" {
+		return e.Socket, e.Socket, func() {}, nil
+	}
+	emb, err := startEmbedded(ctx, e, capacity, "")
+	if err != nil {
+		return "", "", nil, err
+	}
+	return emb.socket, "embedded", func() { emb.Close() }, nil
+}
