@@ -55,6 +55,8 @@ if [ -n "${STORE_BENCH:-}" ]; then
   for mode in ipc fd; do
     ( cd python && timeout 120 python3 bench/bench_store.py --bin "$OLDPWD/.gpu/bin/cudaipc" --device 0 --gpu-share "$mode" --duration 1 --put-gib 1 ) >"$out/py-bench-$mode.txt" 2>&1
     echo "python bench_store $mode rc=$?" | tee -a "$out/summary.txt"
+    ( cd python && timeout 60 python3 bench/put_phases.py --bin "$OLDPWD/.gpu/bin/cudaipc" --device 0 --gpu-share "$mode" ) >"$out/py-put-phases-$mode.txt" 2>&1
+    echo "python put_phases $mode rc=$?" | tee -a "$out/summary.txt"
   done
 fi
 grep -h -B2 -A20 -- '--- FAIL' "$out"/*.log | head -150

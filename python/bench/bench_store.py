@@ -13,6 +13,8 @@ Prints one JSON object:
       against the same daemon (run before and after Python's; the lower is used).
       ratio_fast = python fast p50 / go fast p50; ratio_socket likewise.
       python_no_view: the same cycle without the tensor (get + release only).
+      python_socket_no_polling: the socket cycle with connect(spin=0) (no polling
+      before sleeping on the socket), for comparison.
   zero_copy: the tensor's data pointer equals the lease's mapping (and, for legacy
       IPC, the mapping of the object's region imported separately): no bytes copied.
   put (GPU): put of a --put-gib CUDA tensor vs an in-process device-to-device copy of
@@ -73,8 +75,9 @@ def py_paths(sock, name, duration, view):
     """Python's cycle through the fast path and through the socket, each on its own
     connection, warmed up (arena mapped, view construction data made)."""
     out = {}
-    for label, fast, v in (("fast", True, view), ("socket", False, view), ("fast_no_view", True, None)):
-        with cudaipc.connect(sock, fast_path=fast) as s:
+    for label, fast, v, spin in (("fast", True, view, None), ("socket", False, view, None),
+                                 ("socket_no_polling", False, view, 0), ("fast_no_view", True, None, None)):
+        with cudaipc.connect(sock, fast_path=fast, spin=spin) as s:
             if fast and not s.fast_path:
                 out[label] = None
                 continue
@@ -125,6 +128,7 @@ def main():
         go_fast = min(go1["fast"]["p50_us"], go2["fast"]["p50_us"])
         go_sock = min(go1["socket"]["p50_us"], go2["socket"]["p50_us"])
         gr = {"view": view, "python_fast": py["fast"], "python_socket": py["socket"],
+              "python_socket_no_polling": py["socket_no_polling"],
               "python_no_view": py["fast_no_view"],
               "go_fast_p50_us": [go1["fast"]["p50_us"], go2["fast"]["p50_us"]],
               "go_socket_p50_us": [go1["socket"]["p50_us"], go2["socket"]["p50_us"]],

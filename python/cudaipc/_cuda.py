@@ -537,6 +537,14 @@ def copy_and_record(dst: int, src: int, n: int, stream: int, ev: IPCEvent) -> No
         check("cuEventRecord", cu.cuEventRecord(ev.event, cu.CUstream(stream)))
 
 
+def event_synchronize(ev: IPCEvent) -> None:
+    """Wait until the work ``ev`` was last recorded after has completed (the driver's
+    wait: spinning where the context's scheduling policy says so)."""
+    cu = driver()
+    with on(ev.ordinal):
+        check("cuEventSynchronize", cu.cuEventSynchronize(ev.event))
+
+
 def stream_synchronize(ordinal: int, stream: int) -> None:
     """Wait for ``stream``'s work."""
     cu = driver()

@@ -9,8 +9,10 @@ import collections
 import ctypes
 import itertools
 import os
+import re
 import socket
 import threading
+import time
 import weakref
 from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -27,6 +29,44 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _PROT_READ, _PROT_WRITE, _MAP_SHARED = 1, 2, 1
 _MAP_FAILED = ctypes.c_void_p(-1).value
+
+DEFAULT_SPIN = 50e-6   # seconds; the Go client's DefaultSpin
+MAX_SPIN_SKIP = 64     # the most receives a fruitless polling window makes skip polling
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+_UNIT = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(v: str) -> float:
+    """Seconds of a Go duration string ("50us", "1.5ms", "0"); ValueError otherwise."""
+    v = v.strip()
+    if v in ("0", "+0", "-0"):
+        return 0.0
+    neg = v.startswith("-")
+    body = v.lstrip("+-")
+    total, pos = 0.0, 0
+    for m in _DURATION.finditer(body):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _UNIT[m.group(2)]
+        pos = m.end()
+    if not body or pos != len(body):
+        raise ValueError("not a duration: %r" % v)
+    return -total if neg else total
+
+
+def spin_option(spin: Optional[float]) -> float:
+    """The polling window in seconds: $CUDAIPC_SPIN (a Go duration such as "50us", or
+    "0" for none) overrides ``spin``; None means DEFAULT_SPIN; 0 or less, none."""
+    v = os.environ.get("CUDAIPC_SPIN", "")
+    if v:
+        try:
+            spin = parse_duration(v)
+        except ValueError:
+            from .errors import InvalidArgument
+            raise InvalidArgument("dial", message="CUDAIPC_SPIN=%r is not a duration (e.g. 50us, or 0 for none)" % v) from None
+    if spin is None:
+        return DEFAULT_SPIN
+    return max(float(spin), 0.0)
 
 
 def _unmap(addr: int, size: int, fd: int) -> None:
@@ -80,8 +120,15 @@ class Conn:
     waiter finds no reader reads the next packet and hands it out (no thread of its
     own, so nothing runs behind the user's back)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, spin: float = 0.0):
         self.path = path
+        # A call that reads its own reply polls the socket this long (seconds) before
+        # it sleeps in recvmsg, so that a reply within the window costs no wake-up
+        # (the Go client's Options.Spin; docs/architecture.md "The round trip"). A
+        # window that finds nothing makes the next 1, 2, 4 ... 64 receives skip it.
+        self.spin = spin
+        self._spin_skip = 0
+        self._spin_backoff = 0
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             s.connect(path)
@@ -169,6 +216,12 @@ class Conn:
         if dead is not None:
             raise type(dead)(op, name, dead.message, code=dead.code)
         rid = self.send(req, fds) if body is None else self.send_raw(body)
+        return self.result(rid, op, name)
+
+    def result(self, rid: int, op: str, name: str = "") -> Reply:
+        """Wait for the reply of request ``rid`` (sent with :meth:`send`); raise the
+        StoreError of a failed response. A caller interrupted here leaves the reply
+        to be cleaned up when it comes."""
         try:
             r = self.wait(rid)
         except BaseException:
@@ -203,15 +256,23 @@ class Conn:
                         break
                     self._cv.wait()
             try:
-                self._read_one()
+                self._read_one(self._spin_window())
             finally:
                 with self._cv:
                     self._reading = False
                     self._cv.notify_all()
 
+    def _spin_window(self) -> float:
+        """How long the next receive of a caller's own reply polls (reader role held)."""
+        if self.spin <= 0:
+            return 0.0
+        if self._spin_skip > 0:
+            self._spin_skip -= 1
+            return 0.0
+        return self.spin
+
     def wait_event(self, timeout: Optional[float]) -> Optional[Any]:
         """The next event (an Event message), or None when timeout seconds pass."""
-        import time
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._cv:
@@ -242,9 +303,33 @@ class Conn:
                     self._reading = False
                     self._cv.notify_all()
 
-    def _read_one(self) -> None:
+    def _poll(self, spin: float) -> Optional[Tuple[bytes, Any, int, Any]]:
+        """Retry a non-blocking receive for at most ``spin`` seconds: the packet, or
+        None when none came (then the next receives skip polling, backing off)."""
+        sock, flags = self.sock, socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT
         try:
-            data, anc, flags, _ = self.sock.recvmsg(MAX_MESSAGE + 1, _ANC, socket.MSG_CMSG_CLOEXEC)
+            return sock.recvmsg(MAX_MESSAGE + 1, _ANC, flags)
+        except (BlockingIOError, InterruptedError):
+            pass
+        end = time.perf_counter() + spin
+        while True:
+            try:
+                got = sock.recvmsg(MAX_MESSAGE + 1, _ANC, flags)
+            except (BlockingIOError, InterruptedError):
+                if time.perf_counter() < end:
+                    continue
+                self._spin_backoff = min(max(2 * self._spin_backoff, 1), MAX_SPIN_SKIP)
+                self._spin_skip = self._spin_backoff
+                return None
+            self._spin_backoff = 0
+            return got
+
+    def _read_one(self, spin: float = 0.0) -> None:
+        try:
+            got = self._poll(spin) if spin > 0 else None
+            if got is None:
+                got = self.sock.recvmsg(MAX_MESSAGE + 1, _ANC, socket.MSG_CMSG_CLOEXEC)
+            data, anc, flags, _ = got
         except socket.timeout:
             raise
         except OSError as e:

@@ -17,7 +17,7 @@ from . import _fastpath
 from . import _store_pb2 as pb
 from . import _views
 from ._fastpath import LeaseTable
-from ._wire import Conn, HostArena, Reply
+from ._wire import Conn, HostArena, Reply, spin_option
 from .errors import (Closed, CudaError, InternalError, InvalidArgument, PermissionDenied,
                      StoreError, StoreGone)
 from .region import Region, gpu_uuid_text, parse_gpu_uuid
@@ -608,12 +608,13 @@ class Store:
     threads; a ``get`` that waits holds up no other call."""
 
     def __init__(self, socket: Optional[str] = None, client_name: Optional[str] = None,
-                 fast_path: bool = True):
+                 fast_path: bool = True, spin: Optional[float] = None):
         path = socket or default_socket_path()
         self._table: Optional[LeaseTable] = None
         self.socket = path
+        window = spin_option(spin)
         try:
-            self._conn = Conn(path)
+            self._conn = Conn(path, window)
         except (FileNotFoundError, ConnectionRefusedError) as e:
             raise StoreGone("dial", message="%s: %s (is the daemon running? start it with 'cudaipc serve')" % (path, e.strerror)) from None
         except PermissionError as e:
@@ -819,7 +820,7 @@ class Store:
         if obj is None:
             obj = self.create(name, src.nbytes, device, shared=shared,
                               dtype=src.dtype, shape=src.shape)
-        elif src.ordinal is not None and obj._live().is_gpu:
+        if src.ordinal is not None and obj._live().is_gpu:
             ev = self._take_event(src.ordinal)
             if ev is not None:
                 try:
@@ -869,15 +870,27 @@ class Store:
         from . import _cuda
         m = obj._live()
         hidden = obj._name
-        desc = _desc(src.nbytes, src.dtype, src.shape, None, name)
-        req = pb.Request(seal=pb.SealRequest(name=hidden, rename=name, wait_event=ev.descriptor))
-        if desc is not None:
-            req.seal.tensor.CopyFrom(desc._to_pb())
+        if hidden != name:   # created ahead: published under name, with put's descriptor
+            desc = _desc(src.nbytes, src.dtype, src.shape, None, name)
+            req = pb.Request(seal=pb.SealRequest(name=hidden, rename=name, wait_event=ev.descriptor))
+            if desc is not None:
+                req.seal.tensor.CopyFrom(desc._to_pb())
+        else:                # created by this put, with its descriptor
+            desc = obj._desc
+            req = pb.Request(seal=pb.SealRequest(name=name, wait_event=ev.descriptor))
         sealed = False
         try:
             _cuda.copy_and_record(m.addr, src.addr, src.nbytes, src.stream, ev)
             try:
-                self._conn.call(req, "seal", name)
+                # The seal goes now, so the daemon is awake and waiting on the event
+                # when the copy ends; this thread waits for the copy in the driver (no
+                # sleep on the socket to wake from), then polls for the answer, which
+                # comes a few microseconds later.
+                rid = self._conn.send(req)
+                try:
+                    _cuda.event_synchronize(ev)
+                finally:
+                    self._conn.result(rid, "seal", name)
                 sealed = True
             except InvalidArgument as e:
                 if not (e.message or "").startswith("wait_event"):
@@ -1164,14 +1177,20 @@ class Store:
 
 
 def connect(socket: Optional[str] = None, client_name: Optional[str] = None, *,
-            fast_path: bool = True) -> Store:
+            fast_path: bool = True, spin: Optional[float] = None) -> Store:
     """Connect to the store daemon at ``socket`` (default: :func:`default_socket_path`,
     which honours $CUDAIPC_SOCKET). Raises StoreGone when there is no daemon.
 
     ``fast_path`` (default on) releases leases and takes them back through the
     connection's lease table, with no system call; off, every lease goes through the
-    socket (as the Go client's Options.NoFastPath)."""
-    return Store(socket, client_name, fast_path)
+    socket (as the Go client's Options.NoFastPath).
+
+    ``spin`` is how long (seconds) a call polls the socket for its own reply before
+    it sleeps, so that a quick reply costs no thread wake-up: None means 50 µs, 0
+    none; $CUDAIPC_SPIN (a Go duration such as "50us" or "0") overrides it, as for
+    the Go client. A window that finds nothing makes the next receives skip polling
+    (1, 2, 4 ... 64 of them), so a slow daemon costs little CPU."""
+    return Store(socket, client_name, fast_path, spin)
 
 
 # -- helpers ---------------------------------------------------------------------------------
