@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import warnings
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["DTYPES", "dtype_name", "Layout", "resolve_layout"]
 
@@ -218,8 +218,9 @@ _KDL_CPU, _KDL_CUDA = 1, 2
 
 class _DLPack:
     """ctypes declarations of DLPack, and the owners of tensors made through it: each
-    DLManagedTensor's address -> (the struct, its owner), until PyTorch calls the
-    deleter (when the tensor's storage is freed)."""
+    DLManagedTensor's address -> (its pool entry, its owner), until PyTorch calls the
+    deleter (when the tensor's storage is freed), which puts the struct back in its
+    placement's pool."""
 
     def __init__(self, from_dlpack: Any):
         class DLDevice(ctypes.Structure):
@@ -242,15 +243,26 @@ class _DLPack:
         pop = live.pop
 
         def deleter(p: int) -> None:
-            pop(p, None)
+            e = pop(p, None)
+            if e is not None:
+                ent = e[0]
+                ent[1].append(ent)   # the struct is free again (its owner goes with e)
 
         self.DLDevice, self.DLDataType, self.DLManagedTensor = DLDevice, DLDataType, DLManagedTensor
         self.live = live
         self.deleter = deleter_t(deleter)   # kept: PyTorch calls it
-        new = ctypes.pythonapi.PyCapsule_New
+        # PyCapsule_New(pointer, name, destructor) through a function object of our
+        # own (ctypes.pythonapi's is shared with other libraries), without argtypes:
+        # every call passes a c_void_p made once per struct, the name (a c_char_p
+        # kept here: the capsule keeps a pointer to it) and None, which ctypes hands
+        # over without conversion.
+        try:
+            new = ctypes.PyDLL(None).PyCapsule_New
+        except (OSError, AttributeError):
+            new = ctypes.pythonapi.PyCapsule_New
         new.restype = ctypes.py_object
-        new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
         self.capsule = new
+        self.name = ctypes.c_char_p(b"dltensor")
         self.from_dlpack = from_dlpack
 
 
@@ -278,17 +290,26 @@ def _dlpack_maker(torch: Any, addr: int, lay: Layout, ordinal: Optional[int]) ->
     t.shape, t.strides = ctypes.addressof(shape), ctypes.addressof(strides)
     m.deleter = dl.deleter
     template = bytes(m)
-    from_buf, live, capsule, from_dlpack = dl.DLManagedTensor.from_buffer_copy, dl.live, dl.capsule, dl.from_dlpack
-    keep = (shape, strides)
+    from_buf, live, capsule, name, from_dlpack = dl.DLManagedTensor.from_buffer_copy, dl.live, dl.capsule, dl.name, dl.from_dlpack
+    # The placement's pool of DLManagedTensors (all copies of the template: PyTorch
+    # only reads them): a tensor takes one, and the deleter gives it back once
+    # PyTorch is done with it. An entry: (address, the pool, c_void_p of the address,
+    # the struct, the shape and strides it points at); live entries keep the struct.
+    free: List[Any] = []
 
     def make_dl(owner: Any) -> Any:
-        m = from_buf(template)
-        a = ctypes.addressof(m)
-        live[a] = (m, owner, keep)
         try:
-            return from_dlpack(capsule(a, b"dltensor", None))
+            ent = free.pop()
+        except IndexError:
+            s = from_buf(template)
+            a = ctypes.addressof(s)
+            ent = (a, free, ctypes.c_void_p(a), s, shape, strides)
+        live[ent[0]] = (ent, owner)
+        try:
+            return from_dlpack(capsule(ent[2], name, None))
         except BaseException:
-            live.pop(a, None)   # not consumed: PyTorch will not call the deleter
+            live.pop(ent[0], None)   # not consumed: PyTorch will not call the deleter
+            free.append(ent)
             raise
     return make_dl
 

@@ -147,8 +147,9 @@ class _GPUClose:
 
 class _Grant:
     """What a lease granted with a lease-table slot keeps while it is idle (released
-    through the table, not yet reclaimed): everything the next holder's _Memory needs,
-    the view construction data made so far, and its slot."""
+    through the table, not yet reclaimed): everything the next holder needs, the view
+    construction data made so far, and its slot. Also the lease's description for its
+    Lease objects (the attributes _LeaseMeta has)."""
 
     __slots__ = ("conn", "nbytes", "device", "addr", "ordinal", "arena", "gpu_close", "tensor",
                  "share", "end_request", "views", "table", "name", "slot", "gen", "arena_id",
@@ -160,11 +161,54 @@ class _Grant:
             self.gpu_close()
 
 
+class _LeaseMeta:
+    """The description of a lease without a lease-table slot (what a Lease reports)."""
+
+    __slots__ = ("name", "nbytes", "device", "tensor", "lease_id", "info_pb")
+
+    def __init__(self, name: str, nbytes: int, device: str, tensor: Optional[TensorDesc], lease_id: int, info_pb: Any):
+        self.name, self.nbytes, self.device, self.tensor, self.lease_id, self.info_pb = \
+            name, nbytes, device, tensor, lease_id, info_pb
+
+
+class _Taken:
+    """The memory of a lease taken back through the lease table (docs/protocol.md
+    6.7): the owner its views keep alive, as a _Memory is. Made on every take-back, so
+    it holds only its grant (and the grant's view construction data); when the last
+    reference goes, __del__ releases the lease by one compare-and-swap, else through
+    the socket. Everything else is the grant's."""
+
+    __slots__ = ("grant", "views")
+    writable = False
+    alive = True
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for what the slots and class do not have: the grant's description.
+        return getattr(self.grant, name)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.grant.ordinal is not None
+
+    def __del__(self) -> None:
+        # Runs once (PEP 442), as soon as the last view or the Lease lets go.
+        try:
+            g = self.grant
+            if not g.table.release(g):
+                _end(g.conn, g.end_request, g.gpu_close)
+        except Exception:  # noqa: BLE001 - interpreter shutdown, closed connection
+            pass
+
+
+_new_taken = _Taken.__new__
+
+
 class _Memory:
     """The bytes of one lease or object: address, size, device. Views made from it
     keep it alive; when the last reference goes its finalizer ends the lease (or
     aborts an object never sealed). A lease with a lease-table slot (``grant``) ends
-    by one compare-and-swap when it can (docs/protocol.md 6.7), else through the socket."""
+    by one compare-and-swap when it can (docs/protocol.md 6.7), else through the
+    socket; its take-backs are _Taken."""
 
     __slots__ = ("nbytes", "device", "addr", "ordinal", "writable", "arena", "gpu_close", "tensor",
                  "share", "end_request", "conn", "alive", "grant", "views", "__weakref__")
@@ -187,23 +231,6 @@ class _Memory:
         self.grant: Optional[_Grant] = None   # set for a lease with a lease-table slot
         self.views: Dict[str, Any] = {}       # default view construction data, by kind
 
-    @staticmethod
-    def of_grant(g: _Grant) -> "_Memory":
-        """The memory of a lease taken back through the lease table. Only what views
-        and the release need is set; the rest is read from the grant (__getattr__)."""
-        m = _Memory.__new__(_Memory)
-        m.alive, m.grant, m.views, m.addr, m.nbytes, m.ordinal, m.tensor, m.writable, m.device = \
-            True, g, g.views, g.addr, g.nbytes, g.ordinal, g.tensor, False, g.device
-        return m
-
-    def __getattr__(self, name: str) -> Any:
-        # Only for attributes not set: those of_grant leaves to the grant.
-        if name != "grant":
-            g = self.grant
-            if g is not None:
-                return getattr(g, name)
-        raise AttributeError(name)
-
     def make_grant(self, table: Any, name: str, slot: int, gen: int, arena_id: int, lease_id: int, info_pb: Any) -> None:
         g = _Grant()
         g.conn, g.nbytes, g.device, g.addr, g.ordinal = self.conn, self.nbytes, self.device, self.addr, self.ordinal
@@ -212,16 +239,6 @@ class _Memory:
         g.arena_id, g.lease_id, g.info_pb = arena_id, lease_id, info_pb
         table.prepare(g, slot, gen)
         self.grant = g
-
-    def end(self) -> None:
-        """End now: through the lease table when it can, else unmap GPU memory, then
-        tell the daemon (once)."""
-        if self.alive:
-            self.alive = False
-            g = self.grant
-            if g is not None and g.table.release(g):
-                return
-            _end(self.conn, self.end_request, self.gpu_close)
 
     def detach(self) -> None:
         """Forget the end request (the object was sealed or aborted explicitly)."""
@@ -297,23 +314,18 @@ class Lease:
     be written; host views are read-only (writing through a PyTorch CPU tensor faults).
     """
 
-    __slots__ = ("_mem", "_lease_id", "_name", "_info_pb", "_info", "_nbytes", "_device", "_tensor", "_manifest")
+    __slots__ = ("_mem", "_meta", "_info", "_manifest")
 
-    def __init__(self, mem: _Memory, lease_id: int, name: str, info_pb: Any):
-        self._mem: Optional[_Memory] = mem
-        self._lease_id = lease_id
-        self._name = name
-        self._info_pb = info_pb
+    def __init__(self, mem: Any, meta: Any):
+        self._mem: Any = mem       # a _Memory, or a _Taken; None once released
+        self._meta = meta          # a _Grant or a _LeaseMeta: name, nbytes, device, tensor, lease_id, info_pb
         self._info: Optional[ObjectInfo] = None
-        self._nbytes = mem.nbytes
-        self._device = mem.device
-        self._tensor = mem.tensor
         self._manifest: Any = None   # a bundle's manifest: its _ManifestFD, then its bytes
 
     @property
     def version(self) -> int:
         """The version of a versioned name this lease holds (0 for a plain object)."""
-        p = self._info_pb
+        p = self._meta.info_pb
         return p.version if p is not None else 0
 
     def manifest_bytes(self) -> bytes:
@@ -321,9 +333,10 @@ class Lease:
         Read from the memfd the daemon sent beside the lease, never from the object."""
         m = self._manifest
         if m is None:
-            raise InvalidArgument("get", self._name, "the object is not a bundle (it has no manifest)")
+            raise InvalidArgument("get", self._meta.name, "the object is not a bundle (it has no manifest)")
         if isinstance(m, _ManifestFD):
-            size = self._info_pb.manifest_size if self._info_pb is not None else 0
+            p = self._meta.info_pb
+            size = p.manifest_size if p is not None else 0
             try:
                 data = os.pread(m.fd, size, 0)
             finally:
@@ -335,36 +348,37 @@ class Lease:
     def info(self) -> ObjectInfo:
         """The object, as the daemon described it when granting the lease."""
         if self._info is None:
-            p = self._info_pb
+            d = self._meta
+            p = d.info_pb
             if p is not None and p.name:
                 self._info = ObjectInfo._from_pb(p)
             else:
-                self._info = ObjectInfo(self._name, self._nbytes, self._device, True, 1, False, 0,
-                                        datetime.datetime.now(datetime.timezone.utc), None, self._tensor)
+                self._info = ObjectInfo(d.name, d.nbytes, d.device, True, 1, False, 0,
+                                        datetime.datetime.now(datetime.timezone.utc), None, d.tensor)
         return self._info
 
     @property
     def name(self) -> str:
-        return self._name
+        return self._meta.name
 
     @property
     def size(self) -> int:
         """The object's size in bytes."""
-        return self._nbytes
+        return self._meta.nbytes
 
     @property
     def device(self) -> str:
         """"host" or the GPU's UUID."""
-        return self._device
+        return self._meta.device
 
     @property
     def lease_id(self) -> int:
-        return self._lease_id
+        return self._meta.lease_id
 
     @property
     def tensor_desc(self) -> Optional[TensorDesc]:
         """The producer's dtype/shape/strides, if it recorded them."""
-        return self._tensor
+        return self._meta.tensor
 
     @property
     def gpu_share(self) -> str:
@@ -381,10 +395,10 @@ class Lease:
         """The GPU (this process's ordinal) a GPU object is mapped through; None for host."""
         return self._live().ordinal
 
-    def _live(self) -> _Memory:
+    def _live(self) -> Any:
         m = self._mem
         if m is None:
-            raise InvalidArgument("use", self._name, "the lease was released; views made before stay valid")
+            raise InvalidArgument("use", self._meta.name, "the lease was released; views made before stay valid")
         return m
 
     def tensor(self, dtype: Any = None, shape: Optional[Sequence[int]] = None) -> Any:
@@ -440,8 +454,12 @@ class Lease:
         self.release()
 
     def __repr__(self) -> str:
-        return "<cudaipc.Lease %r %d bytes on %s%s>" % (self._name, self._nbytes, self._device,
+        d = self._meta
+        return "<cudaipc.Lease %r %d bytes on %s%s>" % (d.name, d.nbytes, d.device,
                                                          " released" if self._mem is None else "")
+
+
+_new_lease = Lease.__new__
 
 
 class _ManifestFD:
@@ -973,7 +991,13 @@ class Store:
         if t is not None and t.idle.get(name) and not (version or shard or newer_than) and self._conn.dead is None:
             g = t.retake(name)
             if g is not None:
-                return Lease(_Memory.of_grant(g), g.lease_id, name, g.info_pb)
+                # The hot path (docs/python.md, "What a cycle costs"): objects made
+                # without __init__, only what the cycle needs set.
+                m = _new_taken(_Taken)
+                m.grant, m.views = g, g.views
+                lease = _new_lease(Lease)
+                lease._mem, lease._meta, lease._info, lease._manifest = m, g, None, None
+                return lease
         if timeout is None:
             ms = -1
         else:
@@ -995,14 +1019,17 @@ class Store:
         except BaseException:
             self._conn._cleanup(r, "get", name)
             raise
-        lease = Lease(mem, g.lease_id, name, info)
         if r.manifest_fd >= 0:
+            lease = Lease(mem, _LeaseMeta(name, mem.nbytes, mem.device, desc, g.lease_id, info))
             lease._manifest, r.manifest_fd = _ManifestFD(r.manifest_fd), -1
         elif g.lease_slot and t is not None and g.lease_slot <= t.slots:
             # A slot in the lease table: this lease ends by a compare-and-swap, and a
             # later get of the name takes it back the same way (docs/protocol.md 6.7).
             t.granted(g.lease_slot)
             mem.make_grant(t, name, g.lease_slot, g.lease_gen, p.arena_id, g.lease_id, info)
+            lease = Lease(mem, mem.grant)
+        else:
+            lease = Lease(mem, _LeaseMeta(name, mem.nbytes, mem.device, desc, g.lease_id, info))
         return lease
 
     def _memory(self, r: Reply, p: Any, desc: Optional[TensorDesc], end: Any, op: str, name: str) -> _Memory:
