@@ -15,6 +15,13 @@ Prints one JSON object:
       python_no_view: the same cycle without the tensor (get + release only).
       python_socket_no_polling: the socket cycle with connect(spin=0) (no polling
       before sleeping on the socket), for comparison.
+      python_floor: the cycle's irreducible pieces done bare (two compare-and-swaps
+      through the same ctypes function on a scratch word, one tensor of the same
+      placement from a prebuilt DLPack struct), timed the same way, alternating with
+      the other paths; python_fast_over_floor = python fast p50 / floor p50 (what the
+      client's bookkeeping adds), python_floor_over_go_fast = floor p50 / go fast p50
+      (how far even the floor is from Go). python_timer_p50_us: the same timing of
+      a call that does nothing (included in every Python figure).
   zero_copy: the tensor's data pointer equals the lease's mapping (and, for legacy
       IPC, the mapping of the object's region imported separately): no bytes copied.
   put (GPU): put of a --put-gib CUDA tensor vs an in-process device-to-device copy of
@@ -51,39 +58,113 @@ def go_bench(binary, sock, device, duration):
     return json.loads(r.stdout)
 
 
-def py_get_release(store, name, duration, view):
-    lat = []
+def _cycle(store, name, view):
+    """One get + view + release, the view dropped last (the lease ends then: a
+    compare-and-swap, or a pipelined release)."""
+    get = store.get
+
+    def tensor():
+        lease = get(name)
+        v = lease.tensor()
+        lease.release()
+        del v
+
+    def memview():
+        lease = get(name)
+        v = lease.memoryview()
+        lease.release()
+        del v
+
+    def bare():
+        get(name).release()
+    return {"tensor": tensor, "memoryview": memview, None: bare}[view]
+
+
+def _floor(store, name, view):
+    """The Python floor of the fast-path cycle: what no get + tensor + release can do
+    without, done bare with the client's own means. Two compare-and-swaps through the
+    same ctypes function (libatomic's __atomic_compare_exchange_8, same argument
+    objects) on a scratch word, and one tensor of the same placement from a prebuilt
+    DLPack struct (a capsule, torch's construction, the deleter callback when it is
+    dropped). No dict, lock, lease object or owner."""
+    import ctypes
+    from cudaipc import _fastpath, _views
+    at = _fastpath.atomics()
+    if at is None:
+        return None
+    cas = at.cas
+    word, held, idle = ctypes.c_uint64(9), ctypes.c_uint64(9), ctypes.c_uint64(10)
+    pw, ph, pi = (ctypes.c_void_p(ctypes.addressof(x)) for x in (word, held, idle))
+    make = None
+    if view == "tensor":
+        if not hasattr(_views, "dlpack_floor"):
+            return None   # (an older client, for comparisons)
+        with store.get(name) as lease:
+            lay = _views.resolve_layout(lease.size, lease.tensor_desc)
+            make = _views.dlpack_floor(lease.data_ptr, lay, lease.ordinal)
+        if make is None:
+            return None
+
+    def floor():
+        cas(pw, ph, idle, 5, 5)    # idle -> held: the take-back
+        if make is not None:
+            v = make()
+            del v
+        cas(pw, pi, held, 5, 5)    # held -> idle: the release
+    floor.keep = (word, held, idle, make)
+    return floor
+
+
+def _timed(fn, duration, lat):
     end = time.perf_counter() + duration
+    pc = time.perf_counter
     while True:
-        t0 = time.perf_counter()
+        t0 = pc()
         if t0 >= end:
             break
-        lease = store.get(name)
-        if view == "tensor":
-            v = lease.tensor()
-        elif view == "memoryview":
-            v = lease.memoryview()
-        else:
-            v = None
-        lease.release()
-        del v  # the lease ends here: a compare-and-swap, or a pipelined release
-        lat.append(time.perf_counter() - t0)
-    return {"ops": len(lat), "p50_us": pct(lat, 50) * 1e6, "p99_us": pct(lat, 99) * 1e6}
+        fn()
+        lat.append(pc() - t0)
 
 
-def py_paths(sock, name, duration, view):
-    """Python's cycle through the fast path and through the socket, each on its own
-    connection, warmed up (arena mapped, view construction data made)."""
-    out = {}
-    for label, fast, v, spin in (("fast", True, view, None), ("socket", False, view, None),
-                                 ("socket_no_polling", False, view, 0), ("fast_no_view", True, None, None)):
-        with cudaipc.connect(sock, fast_path=fast, spin=spin) as s:
-            if fast and not s.fast_path:
-                out[label] = None
-                continue
-            py_get_release(s, name, 0.2, v)
-            out[label] = py_get_release(s, name, duration, v)
-    return out
+def _summary(rounds):
+    lat = [x for r in rounds for x in r]
+    return {"ops": len(lat), "p50_us": pct(lat, 50) * 1e6, "p99_us": pct(lat, 99) * 1e6,
+            "p50_us_rounds": [round(pct(r, 50) * 1e6, 3) for r in rounds if r]}
+
+
+def py_paths(sock, name, duration, view, rounds=6):
+    """Python's cycle through the fast path, without the view, its floor (_floor),
+    and through the socket, each path on its own connection, warmed up (arena
+    mapped, view construction data made), measured in `rounds` alternations of
+    duration/rounds each (p50 over all of them, and each round's: on a shared
+    machine the lowest is the one least disturbed)."""
+    fast = cudaipc.connect(sock)
+    sockc = cudaipc.connect(sock, fast_path=False)
+    nopoll = cudaipc.connect(sock, fast_path=False, spin=0)
+    try:
+        fns = {"socket": _cycle(sockc, name, view), "socket_no_polling": _cycle(nopoll, name, view),
+               "timer": lambda: None}
+        if fast.fast_path:
+            fns["fast"] = _cycle(fast, name, view)
+            fns["fast_no_view"] = _cycle(fast, name, None)
+            fl = _floor(fast, name, view)
+            if fl is not None:
+                fns["floor"] = fl
+        lat = {k: [] for k in fns}
+        for k, fn in fns.items():
+            _timed(fn, 0.2, [])
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                lat[k].append([])
+                _timed(fn, duration / rounds, lat[k][-1])
+        out = {k: _summary(v) for k, v in lat.items()}
+        for k in ("fast", "fast_no_view", "floor"):
+            out.setdefault(k, None)
+        return out
+    finally:
+        fast.close()
+        sockc.close()
+        nopoll.close()
 
 
 def main():
@@ -129,7 +210,9 @@ def main():
         go_sock = min(go1["socket"]["p50_us"], go2["socket"]["p50_us"])
         gr = {"view": view, "python_fast": py["fast"], "python_socket": py["socket"],
               "python_socket_no_polling": py["socket_no_polling"],
-              "python_no_view": py["fast_no_view"],
+              "python_no_view": py["fast_no_view"], "python_floor": py["floor"],
+              "python_timer_p50_us": py["timer"]["p50_us"],
+              "go_fast_p50_us_min": go_fast,
               "go_fast_p50_us": [go1["fast"]["p50_us"], go2["fast"]["p50_us"]],
               "go_socket_p50_us": [go1["socket"]["p50_us"], go2["socket"]["p50_us"]],
               "floor_p50_us": min(go1["floor"]["p50_us"], go2["floor"]["p50_us"]),
@@ -137,6 +220,9 @@ def main():
         if py["fast"] is not None:
             gr["ratio_fast"] = py["fast"]["p50_us"] / go_fast
             gr["python_fast_over_socket"] = py["fast"]["p50_us"] / py["socket"]["p50_us"]
+        if py["fast"] is not None and py["floor"] is not None:
+            gr["python_fast_over_floor"] = py["fast"]["p50_us"] / py["floor"]["p50_us"]
+            gr["python_floor_over_go_fast"] = py["floor"]["p50_us"] / go_fast
         out["get_release"] = gr
         # Zero bytes copied on get.
         with store.get(name) as lease:

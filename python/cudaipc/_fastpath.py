@@ -182,10 +182,10 @@ class LeaseTable:
                 e.w_held.value = (e.gen << _GEN_SHIFT) | _HELD
                 return False
             by_slot = self.by_slot
-            old = by_slot.get(e.slot)
-            if old is not None:   # cannot be: the daemon grants only free slots
+            old = by_slot.setdefault(e.slot, e)
+            if old is not e:   # cannot be: the daemon grants only free slots
                 stale = self._forget(old)
-            by_slot[e.slot] = e
+                by_slot[e.slot] = e
             lst = self.idle.get(e.name)
             if lst is None:
                 if len(self.idle) >= 2 * self.slots:   # names emptied by take-backs: prune

@@ -311,7 +311,38 @@ def _dlpack_maker(torch: Any, addr: int, lay: Layout, ordinal: Optional[int]) ->
             live.pop(ent[0], None)   # not consumed: PyTorch will not call the deleter
             free.append(ent)
             raise
+    make_dl.free = free   # type: ignore[attr-defined]  # (tests: the pool)
     return make_dl
+
+
+def dlpack_floor(addr: int, lay: Layout, ordinal: Optional[int]) -> Any:
+    """For benchmarks (bench/bench_store.py, "python_floor"): ``make() -> torch.Tensor``
+    doing only what no tensor of a lease can do without: one capsule of a prebuilt
+    DLManagedTensor of this placement, PyTorch's construction from it, and (when the
+    tensor goes) the deleter callback. None when DLPack cannot build this layout."""
+    import torch
+    if _dlpack_maker(torch, addr, lay, ordinal) is None:
+        return None
+    dl = _dlpack
+    assert dl is not None
+    nd = len(lay.shape)
+    shape = (ctypes.c_int64 * max(nd, 1))(*lay.shape)
+    strides = (ctypes.c_int64 * max(nd, 1))(*lay.elem_strides())
+    m = dl.DLManagedTensor()
+    t = m.dl_tensor
+    code = _DL_TYPES[lay.dtype]
+    t.data, t.ndim, t.byte_offset = addr, nd, 0
+    t.device = dl.DLDevice(_KDL_CUDA if ordinal is not None else _KDL_CPU, ordinal or 0)
+    t.dtype = dl.DLDataType(code[0], code[1], 1)
+    t.shape, t.strides = ctypes.addressof(shape), ctypes.addressof(strides)
+    m.deleter = dl.deleter   # finds no owner for this struct: a bare callback
+    p = ctypes.c_void_p(ctypes.addressof(m))
+    capsule, name, from_dlpack = dl.capsule, dl.name, dl.from_dlpack
+
+    def make() -> Any:
+        return from_dlpack(capsule(p, name, None))
+    make.keep = (m, shape, strides)   # type: ignore[attr-defined]
+    return make
 
 
 def tensor_maker(addr: int, lay: Layout, ordinal: Optional[int], readonly: bool) -> Any:

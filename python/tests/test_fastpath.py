@@ -143,6 +143,49 @@ def test_torch_views_on_the_fast_path(store, daemon):
     watcher.close()
 
 
+def test_pooled_dlpack_structs_keep_every_tensor(store, daemon):
+    """Default tensors are built from DLPack structs pooled per placement: many
+    tensors of several leases of one object alive at once, collected in random
+    order, each keep their lease (the daemon counts it until that lease's last tensor
+    goes) and their bytes; later rounds reuse the same structs."""
+    torch = pytest.importorskip("torch")
+    import random
+    from cudaipc import _views
+    need_fast(store)
+    src = torch.randint(-2**31, 2**31 - 1, (64, 16), dtype=torch.int32)
+    store.put("pool", src)
+    watcher = cudaipc.connect(daemon.socket, fast_path=False)
+    rng = random.Random(11)
+    structs = None
+    for rnd in range(4):
+        leases = [store.get("pool") for _ in range(4)]   # concurrent: distinct leases
+        assert len({l.lease_id for l in leases}) == 4
+        makers, tensors = [], []
+        for l in leases:
+            for _ in range(3):
+                tensors.append((l.lease_id, l.tensor()))
+            makers.append(l._mem.views["tensor"])
+            l.release()
+        assert all(mk.__name__ == "make_dl" for mk in makers)
+        assert watcher.stat("pool").leases == 4
+        rng.shuffle(tensors)
+        while tensors:
+            lid, x = tensors.pop()
+            assert torch.equal(x, src)
+            del x
+            assert watcher.stat("pool").leases == len({i for i, _ in tensors})
+            assert all(torch.equal(y, src) for _, y in tensors[:2])
+        pooled = sorted(id(e[3]) for mk in makers for e in mk.free)
+        assert len(pooled) == 12   # every struct back in its pool
+        if structs is not None:
+            # The four leases are take-backs of the same grants as the round before:
+            # their tensors reused its structs.
+            assert pooled == structs
+        structs = pooled
+    assert not _views._dlpack.live
+    watcher.close()
+
+
 def test_deleted_object_releases_through_the_socket(store, daemon):
     """A held lease of a deleted object is doomed: its release swap fails and it goes
     through the socket; an idle one is reclaimed at once and never taken back."""
