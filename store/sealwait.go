@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"runtime"
 	"sync"
 	"time"
@@ -93,19 +94,20 @@ func (ce *connEvents) close() error {
 }
 
 // waitEvent polls ev until it has completed or ctx ends.
-func waitEvent(ctx context.Context, ev *cudaipc.RemoteEvent) error {
+// It returns how many times it queried the event.
+func waitEvent(ctx context.Context, ev *cudaipc.RemoteEvent) (int, error) {
 	start := time.Now()
 	pause := 10 * time.Microsecond
-	for {
+	for polls := 1; ; polls++ {
 		done, err := ev.Done()
 		if err != nil {
-			return waitEventErr("querying the event: %v", err)
+			return polls, waitEventErr("querying the event: %v", err)
 		}
 		if done {
-			return nil
+			return polls, nil
 		}
 		if err := ctx.Err(); err != nil {
-			return err
+			return polls, err
 		}
 		if time.Since(start) < sealSpin {
 			runtime.Gosched()
@@ -126,18 +128,25 @@ func (cn *conn) sealAfterEvent(id uint64, r *storev1.SealRequest) {
 	}
 	cn.wg.Go(func() {
 		defer cn.events.release()
-		err := waitEvent(cn.ss.ctx, ev)
+		t0 := time.Now()
+		polls, err := waitEvent(cn.ss.ctx, ev)
+		t1 := time.Now()
 		if err == nil {
 			err = cn.seal(r)
 		}
+		t2 := time.Now()
 		if cn.ss.ctx.Err() != nil {
 			return
 		}
 		if err != nil {
 			cn.reply("seal", protocol.ErrorResponse(id, err), nil)
-			return
+		} else {
+			cn.reply("seal", &storev1.Response{Id: id, Body: &storev1.Response_Seal{Seal: &storev1.SealResponse{}}}, nil)
 		}
-		cn.reply("seal", &storev1.Response{Id: id, Body: &storev1.Response_Seal{Seal: &storev1.SealResponse{}}}, nil)
+		if cn.log.Enabled(cn.ss.ctx, slog.LevelDebug) {
+			cn.log.Debug("seal waited on the client's event", "name", r.GetName(), "id", id, "wait", t1.Sub(t0), "polls", polls,
+				"seal", t2.Sub(t1), "err", err, "event_done_ns", t1.UnixNano(), "replied_ns", time.Now().UnixNano())
+		}
 	})
 }
 

@@ -167,6 +167,13 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 			cn.logRecvError(err)
 			return
 		}
+		// At debug level each request logs when it came and when its handler
+		// returned (Unix ns: comparable with a client's clock on this host).
+		var recvd time.Time
+		trace := log.Enabled(ss.ctx, slog.LevelDebug)
+		if trace {
+			recvd = time.Now()
+		}
 		if err := protocol.ValidateRequest(&req, len(files)); err != nil {
 			protocol.CloseFiles(files)
 			op := protocol.RequestKind(&req)
@@ -186,6 +193,10 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 			continue
 		}
 		cn.handle(&req)
+		if trace {
+			log.Debug("request handled", "op", protocol.RequestKind(&req), "id", req.GetId(),
+				"recv_ns", recvd.UnixNano(), "done_ns", time.Now().UnixNano())
+		}
 	}
 }
 

@@ -20,6 +20,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import re
 import tempfile
 import time
 
@@ -45,6 +46,39 @@ def timed(owner, attr, label):
     setattr(owner, attr, w)
 
 
+def per_call(f, n=2000):
+    """Median µs of f() over n calls, in batches of 20."""
+    ts = []
+    for _ in range(n // 20):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            f()
+        ts.append((time.perf_counter() - t0) / 20)
+    return statistics.median(ts) * 1e6
+
+
+def micro(src, dev):
+    """put's small steps, one by one, on small tensors (µs a call)."""
+    import torch
+    cu = _cuda.driver()
+    a = src[:4096]
+    b = torch.empty_like(a)
+    ev = _cuda.IPCEvent(dev.index)
+    s = torch.cuda.current_stream(dev).cuda_stream
+    r = {"current_stream": per_call(lambda: torch.cuda.current_stream(dev).cuda_stream),
+         "source_of": per_call(lambda: _store._Source.of(a)),
+         "contiguous": per_call(lambda: a.contiguous()),
+         "ctx_push_pop": per_call(lambda: _cuda.on(dev.index).__exit__(_cuda.on(dev.index).__enter__())),
+         "copy_and_record_4k": per_call(lambda: _cuda.copy_and_record(b.data_ptr(), a.data_ptr(), 4096, s, ev)),
+         "event_query": per_call(lambda: cu.cuEventQuery(ev.event)),
+         "seal_request_encode": per_call(lambda: _store.pb.Request(seal=_store.pb.SealRequest(
+             name="x" * 20, wait_event=ev.descriptor)).SerializeToString())}
+    torch.cuda.synchronize(dev)
+    r["event_synchronize_idle"] = per_call(lambda: _cuda.event_synchronize(ev))
+    ev.close()
+    return r
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default=os.environ.get("CUDAIPC_BIN", "cudaipc"))
@@ -53,14 +87,22 @@ def main():
     ap.add_argument("--gpu-share", default="ipc")
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--count", type=int, default=12)
+    ap.add_argument("--micro", action="store_true", help="also time put's small steps one by one (µs a call)")
+    ap.add_argument("--trace", action="store_true",
+                    help="run the daemon at debug level and set its timestamps beside this client's "
+                         "(timeline_median_us; the daemon's logging slows it down)")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="instead: cProfile 40 puts of each mode and print the top functions (no wrappers, no debug log)")
     a = ap.parse_args()
     import torch
     proc, tmp, sock = None, None, a.socket
     if sock is None:
         tmp = tempfile.mkdtemp()
         sock = os.path.join(tmp, "store.sock")
-        proc = subprocess.Popen([a.bin, "serve", "--socket", sock, "--capacity", "8GiB", "--gpu-share", a.gpu_share],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Debug logs: the daemon says how long each seal waited on the event.
+        dlog = open(os.path.join(tmp, "daemon.log"), "w+")
+        proc = subprocess.Popen([a.bin, "--log-level", "debug" if a.trace else "info", "serve", "--socket", sock, "--capacity", "8GiB",
+                                 "--gpu-share", a.gpu_share], stdout=dlog, stderr=dlog)
         while not os.path.exists(sock):
             time.sleep(0.02)
     out = {"gpu_share": a.gpu_share}
@@ -78,6 +120,29 @@ def main():
             copies.append(time.perf_counter() - t0)
         del dst
         out["copy_median_us"] = statistics.median(copies[1:]) * 1e6
+        if a.cprofile:
+            import cProfile
+            import io
+            import pstats
+            with cudaipc.connect(sock) as st:
+                for mode in ("plain", "reserve_next"):
+                    for i in range(3):
+                        st.put("warm-%s-%d" % (mode, i), src, reserve_next=(mode == "reserve_next"))
+                        st.rm("warm-%s-%d" % (mode, i))
+                    pr = cProfile.Profile()
+                    t0 = time.perf_counter()
+                    for i in range(40):
+                        pr.enable()
+                        st.put("prof-%s-%d" % (mode, i), src, reserve_next=(mode == "reserve_next"))
+                        pr.disable()
+                        st.rm("prof-%s-%d" % (mode, i))
+                    buf = io.StringIO()
+                    ps = pstats.Stats(pr, stream=buf)
+                    ps.sort_stats("tottime").print_stats(25)
+                    ps.sort_stats("cumtime").print_stats(30)
+                    print("==== %s (%.0f us a put+rm with the profiler)" % (mode, (time.perf_counter() - t0) / 40 * 1e6))
+                    print(buf.getvalue())
+            return
         timed(_store._Source, "of", "source")
         timed(_store.Store, "create", "create")
         timed(_store.Store, "_take_ahead", "take_ahead")
@@ -87,22 +152,35 @@ def main():
         after_event = []
         ev_sync = _cuda.event_synchronize
         result = _wire.Conn.result
+        send = _wire.Conn.send
+        # Unix-ns timestamps of this client, by request id, to set beside the daemon's
+        # (its debug log): when a request was sent, its answer got, the copy seen done.
+        sent, got, ev_done, kinds = {}, {}, {}, {}
+
+        def send_stamped(self, req, *a, **k):
+            rid = send(self, req, *a, **k)
+            sent[rid], kinds[rid] = time.time_ns(), req.WhichOneof("body")
+            return rid
 
         def ev_sync_marked(*a, **k):
             try:
                 return ev_sync(*a, **k)
             finally:
-                after_event.append(True)
+                after_event.append(time.time_ns())
 
-        def result_split(self, *a, **k):
+        def result_split(self, rid, *a, **k):
             t0 = time.perf_counter()
             try:
-                return result(self, *a, **k)
+                return result(self, rid, *a, **k)
             finally:
+                got[rid] = time.time_ns()
+                if after_event:
+                    ev_done[rid] = after_event[-1]
                 STEPS["seal_answer" if after_event else "other_answer"].append(time.perf_counter() - t0)
                 after_event.clear()
         _cuda.event_synchronize = ev_sync_marked
         _wire.Conn.result = result_split
+        _wire.Conn.send = send_stamped
         timed(_store.Store, "_reserve", "reserve")
         with cudaipc.connect(sock) as st:
             for mode in ("plain", "reserve_next"):
@@ -123,6 +201,34 @@ def main():
                 out[mode] = {"put_median_us": statistics.median(puts[skip:]) * 1e6,
                              "ratio_put_to_copy": out["copy_median_us"] / (statistics.median(puts[skip:]) * 1e6),
                              "steps_median_us": med}
+        if proc is not None:
+            dlog.flush()
+            dlog.seek(0)
+            lines = [(line, dict(kv.split("=", 1) for kv in re.findall(r'(\w+=\S+)', line))) for line in dlog]
+            waits = [kv for line, kv in lines if "seal waited" in line][2:]
+            handled = {int(kv["id"]): kv for line, kv in lines if "request handled" in line}
+            tl = collections.defaultdict(list)
+            for w in waits:
+                rid = int(w["id"])
+                if rid in ev_done and rid in got:
+                    tl["seal: client saw copy done -> daemon saw event done"].append(int(w["event_done_ns"]) - ev_done[rid])
+                    tl["seal: daemon event done -> answer sent"].append(int(w["replied_ns"]) - int(w["event_done_ns"]))
+                    tl["seal: answer sent -> client has it"].append(got[rid] - int(w["replied_ns"]))
+            for rid, kind in kinds.items():
+                h = handled.get(rid)
+                if kind in ("create", "delete") and h is not None and rid in got:
+                    tl[kind + ": sent -> daemon has it"].append(int(h["recv_ns"]) - sent[rid])
+                    tl[kind + ": daemon's handling"].append(int(h["done_ns"]) - int(h["recv_ns"]))
+                    tl[kind + ": answered -> client has it"].append(got[rid] - int(h["done_ns"]))
+            out["timeline_median_us"] = {k: statistics.median(v) / 1e3 for k, v in tl.items()}
+            if waits:
+                out["daemon_seal_wait"] = {
+                    "count": len(waits),
+                    "wait_median_us": statistics.median(_wire.parse_duration(w["wait"]) for w in waits) * 1e6,
+                    "polls_median": statistics.median(int(w["polls"]) for w in waits),
+                    "seal_median_us": statistics.median(_wire.parse_duration(w["seal"]) for w in waits) * 1e6}
+        if a.micro:
+            out["micro_us"] = micro(src, dev)
     finally:
         if proc is not None:
             proc.terminate()

@@ -643,7 +643,8 @@ class Store:
         self._gpu_arenas: Dict[int, _GPUArena] = {}   # arena id -> its mapping, used or idle
         self._idle: "collections.OrderedDict[int, _GPUArena]" = collections.OrderedDict()
         self._ahead_lock = threading.Lock()
-        self._ahead: Optional[Tuple[Tuple[str, int, bool], str, int]] = None  # (key, name, create request id)
+        # put's reserve_next: (key, name, create request id, the Object once its reply is read)
+        self._ahead: Optional[Tuple[Tuple[str, int, bool], str, int, Optional[Object]]] = None
         self._ahead_seq = 0
         self._event_lock = threading.Lock()
         self._put_events: Dict[int, Any] = {}   # GPU ordinal -> _cuda.IPCEvent for put's seals
@@ -842,11 +843,9 @@ class Store:
             ev = self._take_event(src.ordinal)
             if ev is not None:
                 try:
-                    self._seal_after_event(obj, src, ev, name)
+                    self._seal_after_event(obj, src, ev, name, key if reserve_next else None)
                 finally:
                     self._event_lock.release()
-                if reserve_next:
-                    self._reserve(key)
                 return ObjectInfo(name, src.nbytes, obj.device, True, 0, shared, os.getuid(),
                                   datetime.datetime.now(datetime.timezone.utc), None, obj._desc)
         try:
@@ -880,11 +879,14 @@ class Store:
                 return None
         return ev
 
-    def _seal_after_event(self, obj: Object, src: "_Source", ev: Any, name: str) -> None:
-        """put's copy into an object created ahead, sealed under ``name`` by a seal the
-        daemon answers once ``ev``, recorded after the copy, has completed: the seal's
-        round trip overlaps the copy. A daemon that cannot use the event (another PID
-        namespace, say) gets a plain seal after a sync, and this Store stops trying."""
+    def _seal_after_event(self, obj: Object, src: "_Source", ev: Any, name: str,
+                          reserve: Optional[Tuple[str, int, bool]] = None) -> None:
+        """put's copy into its object (or one created ahead, sealed under ``name``) by a
+        seal the daemon answers once ``ev``, recorded after the copy, has completed: the
+        seal's round trip overlaps the copy. With ``reserve`` (reserve_next), the next
+        put's object is created while the copy runs too. A daemon that cannot use the
+        event (another PID namespace, say) gets a plain seal after a sync, and this
+        Store stops trying."""
         from . import _cuda
         m = obj._live()
         hidden = obj._name
@@ -905,6 +907,12 @@ class Store:
                 # sleep on the socket to wake from), then polls for the answer, which
                 # comes a few microseconds later.
                 rid = self._conn.send(req)
+                if reserve is not None:
+                    self._reserve(reserve)
+                    if src.nbytes >= _PREPARE_AHEAD_BYTES:
+                        # A long copy: read the reply and map the object now, not
+                        # in the next put.
+                        self._prepare_ahead()
                 try:
                     _cuda.event_synchronize(ev)
                 finally:
@@ -952,9 +960,38 @@ class Store:
         except StoreError:
             return
         with self._ahead_lock:
-            old, self._ahead = self._ahead, (key, hidden, rid)
+            old, self._ahead = self._ahead, (key, hidden, rid, None)
         if old is not None:
-            self._conn.abandon(old[2], "create", old[1])
+            self._give_back(old)
+
+    def _give_back(self, a: Tuple[Tuple[str, int, bool], str, int, Optional[Object]]) -> None:
+        """Abort an object created ahead that no put will use."""
+        _, hidden, rid, obj = a
+        if obj is None:
+            self._conn.abandon(rid, "create", hidden)
+        else:
+            try:
+                obj.abort()
+            except StoreError:
+                pass
+
+    def _prepare_ahead(self) -> None:
+        """Read the reply of the create sent ahead and map its object now, so that the
+        next put finds it ready."""
+        with self._ahead_lock:
+            a = self._ahead
+            if a is None or a[3] is not None:
+                return
+            self._ahead = None
+        key, hidden, rid, _ = a
+        obj = self._ahead_object(key, hidden, rid)
+        if obj is None:
+            return
+        with self._ahead_lock:
+            if self._ahead is None:
+                self._ahead = (key, hidden, rid, obj)
+                return
+        self._give_back((key, hidden, rid, obj))   # another put reserved meanwhile
 
     def _take_ahead(self, key: Tuple[str, int, bool]) -> Optional[Object]:
         """The object created ahead for a put of key, or None (then a put that does not
@@ -963,10 +1000,15 @@ class Store:
             a, self._ahead = self._ahead, None
         if a is None:
             return None
-        akey, hidden, rid = a
-        if akey != key:
-            self._conn.abandon(rid, "create", hidden)
+        if a[0] != key:
+            self._give_back(a)
             return None
+        if a[3] is not None:
+            return a[3]
+        return self._ahead_object(key, a[1], a[2])
+
+    def _ahead_object(self, key: Tuple[str, int, bool], hidden: str, rid: int) -> Optional[Object]:
+        """The Object of the create sent ahead as request ``rid``, or None when it failed."""
         try:
             r = self._conn.wait(rid)
         except StoreError:
@@ -1298,6 +1340,26 @@ def _desc(nbytes: int, dtype: Any, shape: Optional[Sequence[int]], strides: Opti
     return TensorDesc(dn, lay.shape, st)
 
 
+_raw_stream: Any = None
+# put(reserve_next=True) of at least this many bytes reads the next object's create
+# reply while its own copy runs (a 256 MiB copy outlasts the round trip).
+_PREPARE_AHEAD_BYTES = 256 << 20
+
+
+def _torch_stream(idx: int) -> int:
+    """The raw handle of PyTorch's current stream on GPU ``idx``: through the accessor
+    PyTorch's own compiled code uses where it exists (a fraction of a microsecond),
+    else torch.cuda.current_stream (several)."""
+    global _raw_stream
+    if _raw_stream is None:
+        import torch
+        _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", False)
+    if _raw_stream:
+        return int(_raw_stream(idx))
+    import torch
+    return int(torch.cuda.current_stream(idx).cuda_stream)
+
+
 class _Source:
     """What put copies from: host bytes (an address) or device memory (a pointer)."""
 
@@ -1313,9 +1375,9 @@ class _Source:
             t = data.contiguous()
             dn = str(t.dtype).replace("torch.", "")
             if t.is_cuda:
-                import torch
-                s = torch.cuda.current_stream(t.device).cuda_stream
-                return cls(t.numel() * t.element_size(), dn, tuple(t.shape), t.data_ptr(), t.device.index, t, s)
+                idx = t.device.index
+                return cls(t.numel() * t.element_size(), dn, tuple(t.shape), t.data_ptr(), idx, t,
+                           _torch_stream(idx))
             return cls(t.numel() * t.element_size(), dn, tuple(t.shape), t.data_ptr(), None, t)
         if mod.startswith("cupy"):
             import cupy

@@ -341,6 +341,47 @@ def test_put_lands_in_the_kept_arena(gstore, gpu_daemon):
     assert len(ptrs) == 1 and len(arenas) == 1, (ptrs, arenas)
 
 
+def test_put_reserve_next_prepared_during_copy(gstore, gpu_daemon):
+    """A reserve_next put of at least 256 MiB creates and maps the next object while
+    its copy runs: after it the next object is ready (mapped, unsealed, hidden); the
+    next put of that size uses it, one of another size gives it back, and nothing
+    made ahead outlives the connection."""
+    torch = torch_cuda()
+    from cudaipc import store as store_mod
+    n = store_mod._PREPARE_AHEAD_BYTES + (32 << 20)
+    srcs = [torch.randint(-2**31, 2**31 - 1, (n // 4,), dtype=torch.int32, device="cuda:0") for _ in range(3)]
+    hidden = []
+    for i, src in enumerate(srcs):
+        gstore.put("big%d" % i, src, reserve_next=True)
+        ahead = gstore._ahead
+        assert ahead is not None and ahead[3] is not None, "the next object was not prepared"
+        hidden.append(ahead[1])
+        assert ahead[3]._state == "open" and ahead[3].size == n
+    for i, src in enumerate(srcs):
+        with gstore.get("big%d" % i, timeout=5) as lease:
+            t = lease.tensor()
+            assert t.dtype == torch.int32 and torch.equal(t, src), i
+            del t
+    with cudaipc.connect(gpu_daemon.socket) as other:
+        names = {o.name for o in other.ls()}
+        assert {"big0", "big1", "big2"} <= names
+    # Another size: the prepared object is given back (aborted), and none is made.
+    small = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda:0")
+    assert gstore.stat(hidden[-1]).size == n          # its creator sees it, unsealed
+    gstore.put("small", small)
+    assert gstore._ahead is None
+    with pytest.raises(cudaipc.NotFound):
+        gstore.stat(hidden[-1])
+    gstore.put("big3", srcs[0], reserve_next=True)
+    last = gstore._ahead[1]
+    gstore.close()
+    with cudaipc.connect(gpu_daemon.socket) as other:
+        names = {o.name for o in other.ls()}
+        assert last not in names and not any(n.startswith(".put-ahead") for n in names), names
+        with other.get("big3", timeout=5) as lease:
+            assert torch.equal(lease.tensor(), srcs[0])
+
+
 def test_put_reserve_next_gpu(gstore, gpu_daemon):
     """put(reserve_next=True) of CUDA tensors: each object holds its own bytes and
     dtype/shape, in at most two arenas this connection maps (the object made ahead
