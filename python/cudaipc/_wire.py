@@ -218,12 +218,13 @@ class Conn:
         rid = self.send(req, fds) if body is None else self.send_raw(body)
         return self.result(rid, op, name)
 
-    def result(self, rid: int, op: str, name: str = "") -> Reply:
+    def result(self, rid: int, op: str, name: str = "", spin: Optional[float] = None) -> Reply:
         """Wait for the reply of request ``rid`` (sent with :meth:`send`); raise the
-        StoreError of a failed response. A caller interrupted here leaves the reply
-        to be cleaned up when it comes."""
+        StoreError of a failed response. ``spin`` overrides the polling window for a
+        reply known to be due at once (it still counts for the back-off). A caller
+        interrupted here leaves the reply to be cleaned up when it comes."""
         try:
-            r = self.wait(rid)
+            r = self.wait(rid, spin)
         except BaseException:
             with self._cv:
                 self._waiting.discard(rid)
@@ -240,7 +241,7 @@ class Conn:
             raise from_code(err.code, op, name, err.message)
         return r
 
-    def wait(self, rid: int) -> Reply:
+    def wait(self, rid: int, spin: Optional[float] = None) -> Reply:
         while True:
             with self._cv:
                 while True:
@@ -256,7 +257,7 @@ class Conn:
                         break
                     self._cv.wait()
             try:
-                self._read_one(self._spin_window())
+                self._read_one(self._spin_window() if spin is None or self.spin <= 0 else spin)
             finally:
                 with self._cv:
                     self._reading = False

@@ -916,7 +916,9 @@ class Store:
                 try:
                     _cuda.event_synchronize(ev)
                 finally:
-                    self._conn.result(rid, "seal", name)
+                    # The copy is done: the daemon, polling the event, answers within
+                    # microseconds; poll longer than usual rather than sleep.
+                    self._conn.result(rid, "seal", name, spin=_SEAL_SPIN)
                 sealed = True
             except InvalidArgument as e:
                 if not (e.message or "").startswith("wait_event"):
@@ -1344,6 +1346,9 @@ _raw_stream: Any = None
 # put(reserve_next=True) of at least this many bytes reads the next object's create
 # reply while its own copy runs (a 256 MiB copy outlasts the round trip).
 _PREPARE_AHEAD_BYTES = 256 << 20
+# How long put polls for the answer to a seal once its copy is done (unless polling
+# is off: connect(spin=0) or CUDAIPC_SPIN=0).
+_SEAL_SPIN = 500e-6
 
 
 def _torch_stream(idx: int) -> int:
