@@ -57,13 +57,14 @@ def per_call(f, n=2000):
     return statistics.median(ts) * 1e6
 
 
-def micro(src, dev):
+def micro(src, dev, sock):
     """put's small steps, one by one, on small tensors (µs a call)."""
     import torch
     cu = _cuda.driver()
     a = src[:4096]
     b = torch.empty_like(a)
     ev = _cuda.IPCEvent(dev.index)
+    ev2 = _cuda.IPCEvent(dev.index)
     s = torch.cuda.current_stream(dev).cuda_stream
     r = {"current_stream": per_call(lambda: torch.cuda.current_stream(dev).cuda_stream),
          "source_of": per_call(lambda: _store._Source.of(a)),
@@ -75,6 +76,33 @@ def micro(src, dev):
              name="x" * 20, wait_event=ev.descriptor)).SerializeToString())}
     torch.cuda.synchronize(dev)
     r["event_synchronize_idle"] = per_call(lambda: _cuda.event_synchronize(ev))
+    # The whole copy three ways, interleaved: in-process (put's reference), into an
+    # object's mapping by PyTorch, and into it by the driver call put makes.
+    n = src.numel() * src.element_size()
+    dst = torch.empty_like(src)
+    with cudaipc.connect(sock) as st:
+        obj = st.create("micro-copy", n, dev.index)
+        view = obj.tensor(torch.uint8, (n,))
+        flat = src.view(torch.uint8).reshape(-1)
+        t = {"copy_inprocess": [], "copy_torch_into_object": [], "copy_raw_into_object": []}
+        for _ in range(8):
+            for k in t:
+                torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                if k == "copy_inprocess":
+                    dst.copy_(src)
+                    torch.cuda.synchronize(dev)
+                elif k == "copy_torch_into_object":
+                    view.copy_(flat)
+                    torch.cuda.synchronize(dev)
+                else:
+                    _cuda.copy_and_record(obj.data_ptr, src.data_ptr(), n, s, ev2)
+                    _cuda.event_synchronize(ev2)
+                t[k].append(time.perf_counter() - t0)
+        del view
+        obj.abort()
+    for k, v in t.items():
+        r[k] = statistics.median(v[1:]) * 1e6
     ev.close()
     return r
 
@@ -228,7 +256,7 @@ def main():
                     "polls_median": statistics.median(int(w["polls"]) for w in waits),
                     "seal_median_us": statistics.median(_wire.parse_duration(w["seal"]) for w in waits) * 1e6}
         if a.micro:
-            out["micro_us"] = micro(src, dev)
+            out["micro_us"] = micro(src, dev, sock)
     finally:
         if proc is not None:
             proc.terminate()

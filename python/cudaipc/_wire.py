@@ -202,21 +202,23 @@ class Conn:
             pass
 
     # -- receiving -------------------------------------------------------------
-    def call(self, req: Any, op: str, name: str = "", fds: Sequence[int] = ()) -> Reply:
-        """Send req (with descriptors fds, which the caller keeps) and wait for its reply;
-        raise the StoreError of a failed response."""
-        return self._call(req, None, op, name, fds)
+    def call(self, req: Any, op: str, name: str = "", fds: Sequence[int] = (),
+             spin: Optional[float] = None) -> Reply:
+        """Send req (with descriptors fds, which the caller keeps) and wait for its reply
+        (``spin``: see :meth:`result`); raise the StoreError of a failed response."""
+        return self._call(req, None, op, name, fds, spin)
 
     def call_raw(self, body: bytes, op: str, name: str = "") -> Reply:
         """call with the request's encoded body (see send_raw)."""
         return self._call(None, body, op, name)
 
-    def _call(self, req: Any, body: Optional[bytes], op: str, name: str, fds: Sequence[int] = ()) -> Reply:
+    def _call(self, req: Any, body: Optional[bytes], op: str, name: str, fds: Sequence[int] = (),
+              spin: Optional[float] = None) -> Reply:
         dead = self.dead
         if dead is not None:
             raise type(dead)(op, name, dead.message, code=dead.code)
         rid = self.send(req, fds) if body is None else self.send_raw(body)
-        return self.result(rid, op, name)
+        return self.result(rid, op, name, spin)
 
     def result(self, rid: int, op: str, name: str = "", spin: Optional[float] = None) -> Reply:
         """Wait for the reply of request ``rid`` (sent with :meth:`send`); raise the

@@ -743,7 +743,7 @@ class Store:
                dtype: Any = None, shape: Optional[Sequence[int]] = None,
                strides: Optional[Sequence[int]] = None, versioned: bool = False, version: int = 0,
                shards: int = 0, shard: int = 0, keep_last: int = 0,
-               manifest: Optional[bytes] = None) -> Object:
+               manifest: Optional[bytes] = None, _spin: Optional[float] = None) -> Object:
         """Allocate a writable object of ``nbytes`` on ``device`` ("host" or None, a GPU
         ordinal, "cuda:N", a torch.device, or a GPU UUID). Give ``dtype`` (and ``shape``,
         ``strides`` in elements) to record what the bytes are for readers.
@@ -761,7 +761,7 @@ class Store:
                                                  manifest_size=len(manifest or b"")))
         if desc is not None:
             req.create.tensor.CopyFrom(desc._to_pb())
-        r = self._conn.call(req, "create", name)
+        r = self._conn.call(req, "create", name, spin=_spin)
         return self._created(r, name, nbytes, desc, manifest, shard)
 
     def _created(self, r: Reply, name: str, nbytes: int, desc: Optional[TensorDesc],
@@ -837,8 +837,9 @@ class Store:
         key = (_resolve_device(device), src.nbytes, shared)
         obj = self._take_ahead(key)
         if obj is None:
-            obj = self.create(name, src.nbytes, device, shared=shared,
-                              dtype=src.dtype, shape=src.shape)
+            # A GPU put polls for the create's answer as for its seal's (below).
+            obj = self.create(name, src.nbytes, device, shared=shared, dtype=src.dtype, shape=src.shape,
+                              _spin=_SEAL_SPIN if src.ordinal is not None else None)
         if src.ordinal is not None and obj._live().is_gpu:
             ev = self._take_event(src.ordinal)
             if ev is not None:
