@@ -206,8 +206,26 @@ def main():
                     ev_done[rid] = after_event[-1]
                 STEPS["seal_answer" if after_event else "other_answer"].append(time.perf_counter() - t0)
                 after_event.clear()
+        poll = _wire.Conn._poll
+        polled = []   # (time_ns when a poll got a packet, attempts are not counted)
+
+        def poll_stamped(self, spin):
+            got = poll(self, spin)
+            if got is not None:
+                polled.append(time.time_ns())
+            return got
+
+        def result_split_polled(self, rid, *a, **k):
+            polled.clear()
+            try:
+                return result_split(self, rid, *a, **k)
+            finally:
+                if polled and rid in got:
+                    recvd[rid] = polled[0]
+        recvd = {}
         _cuda.event_synchronize = ev_sync_marked
-        _wire.Conn.result = result_split
+        _wire.Conn.result = result_split_polled
+        _wire.Conn._poll = poll_stamped
         _wire.Conn.send = send_stamped
         timed(_store.Store, "_reserve", "reserve")
         with cudaipc.connect(sock) as st:
@@ -242,6 +260,10 @@ def main():
                     tl["seal: client saw copy done -> daemon saw event done"].append(int(w["event_done_ns"]) - ev_done[rid])
                     tl["seal: daemon event done -> answer sent"].append(int(w["replied_ns"]) - int(w["event_done_ns"]))
                     tl["seal: answer sent -> client has it"].append(got[rid] - int(w["replied_ns"]))
+                    tl["seal: daemon's seal (with its debug log)"].append(_wire.parse_duration(w["seal"]) * 1e9)
+                    if rid in recvd:
+                        tl["seal: answer sent -> client's poll got it"].append(recvd[rid] - int(w["replied_ns"]))
+                        tl["seal: client's poll got it -> result returned"].append(got[rid] - recvd[rid])
             for rid, kind in kinds.items():
                 h = handled.get(rid)
                 if kind in ("create", "delete") and h is not None and rid in got:

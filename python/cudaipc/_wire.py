@@ -30,6 +30,13 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _PROT_READ, _PROT_WRITE, _MAP_SHARED = 1, 2, 1
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
+# The socket module's flags as plain ints: combining its IntFlag members costs
+# microseconds a receive (enum machinery).
+_RECV = int(socket.MSG_CMSG_CLOEXEC)
+_RECV_NOWAIT = int(socket.MSG_CMSG_CLOEXEC) | int(socket.MSG_DONTWAIT)
+_TRUNC = int(socket.MSG_TRUNC) | int(socket.MSG_CTRUNC)
+_SOL_SOCKET, _SCM_RIGHTS = int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS)
+_PLACED = frozenset(("create", "get", "lease_table"))   # answers that may carry a placement or descriptor
 DEFAULT_SPIN = 50e-6   # seconds; the Go client's DefaultSpin
 MAX_SPIN_SKIP = 64     # the most receives a fruitless polling window makes skip polling
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
@@ -309,7 +316,7 @@ class Conn:
     def _poll(self, spin: float) -> Optional[Tuple[bytes, Any, int, Any]]:
         """Retry a non-blocking receive for at most ``spin`` seconds: the packet, or
         None when none came (then the next receives skip polling, backing off)."""
-        sock, flags = self.sock, socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT
+        sock, flags = self.sock, _RECV_NOWAIT
         try:
             return sock.recvmsg(MAX_MESSAGE + 1, _ANC, flags)
         except (BlockingIOError, InterruptedError):
@@ -331,7 +338,7 @@ class Conn:
         try:
             got = self._poll(spin) if spin > 0 else None
             if got is None:
-                got = self.sock.recvmsg(MAX_MESSAGE + 1, _ANC, socket.MSG_CMSG_CLOEXEC)
+                got = self.sock.recvmsg(MAX_MESSAGE + 1, _ANC, _RECV)
             data, anc, flags, _ = got
         except socket.timeout:
             raise
@@ -340,7 +347,7 @@ class Conn:
             return
         fds: List[int] = []
         for level, typ, cdata in anc:
-            if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+            if level == _SOL_SOCKET and typ == _SCM_RIGHTS:
                 a = array.array("i")
                 a.frombytes(cdata[: len(cdata) - len(cdata) % a.itemsize])
                 fds.extend(a)
@@ -357,7 +364,7 @@ class Conn:
             for fd in fds:
                 os.close(fd)
             return
-        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > MAX_MESSAGE or len(fds) > MAX_FILES:
+        if flags & _TRUNC or len(data) > MAX_MESSAGE or len(fds) > MAX_FILES:
             for fd in fds:
                 os.close(fd)
             self._fail(InternalError("recv", message="oversized packet or too many descriptors from the daemon"))
@@ -370,10 +377,11 @@ class Conn:
                 os.close(fd)
             self._fail(InternalError("recv", message="undecodable packet from the daemon: %s" % e))
             return
-        if resp.id == 0:
+        rid = resp.id
+        body = resp.WhichOneof("body")
+        if rid == 0:
             for fd in fds:
                 os.close(fd)
-            body = resp.WhichOneof("body")
             if body == "event":
                 with self._cv:
                     self.events.append(resp.event)
@@ -384,32 +392,35 @@ class Conn:
                 self._fail(from_code(resp.error.code, "connection", "", resp.error.message)
                            if resp.error.code not in (0,) else StoreGone("connection"))
             return
-        if resp.id in self._detached:  # a pipelined release's reply: nobody reads it
-            self._detached.discard(resp.id)
+        if rid in self._detached:  # a pipelined release's reply: nobody reads it
+            self._detached.discard(rid)
             for fd in fds:
                 os.close(fd)
             return
-        mfd = -1
-        if fds and ((resp.WhichOneof("body") == "create" and resp.create.manifest_attached)
-                    or (resp.WhichOneof("body") == "get" and resp.get.manifest_attached)):
-            mfd = fds.pop()   # the manifest travels last
-        try:
-            reply = self._place(resp, fds)
-        except BaseException:
-            if mfd >= 0:
-                os.close(mfd)
-            raise
-        reply.manifest_fd = mfd
+        if body in _PLACED or fds:
+            mfd = -1
+            if fds and ((body == "create" and resp.create.manifest_attached)
+                        or (body == "get" and resp.get.manifest_attached)):
+                mfd = fds.pop()   # the manifest travels last
+            try:
+                reply = self._place(resp, body, fds)
+            except BaseException:
+                if mfd >= 0:
+                    os.close(mfd)
+                raise
+            reply.manifest_fd = mfd
+        else:
+            reply = Reply(resp)   # an answer without a placement: the common short path
         with self._cv:
-            if resp.id in self._detached:
-                self._detached.discard(resp.id)
+            if rid in self._detached:
+                self._detached.discard(rid)
                 drop = True
-            elif resp.id in self._abandoned:
-                op, name = self._abandoned.pop(resp.id)
+            elif rid in self._abandoned:
+                op, name = self._abandoned.pop(rid)
                 drop = False
                 cleanup = (op, name)
             else:
-                self._replies[resp.id] = reply
+                self._replies[rid] = reply
                 return
         if drop:
             if reply.fd >= 0:
@@ -419,10 +430,9 @@ class Conn:
             return
         self._cleanup(reply, *cleanup)
 
-    def _place(self, resp: Any, fds: List[int]) -> Reply:
+    def _place(self, resp: Any, body: Optional[str], fds: List[int]) -> Reply:
         """Map a host placement now, in the order the daemon sent them, so that the
         arena cache follows what this connection was given."""
-        body = resp.WhichOneof("body")
         p = None
         if body == "lease_table" and len(fds) == 1 and not (resp.HasField("error") and resp.error.code != 0):
             return Reply(resp, fd=fds[0])   # the table's memfd, for the caller to map and close
