@@ -322,6 +322,49 @@ def test_fast_path_gpu_cycles(gstore, gpu_daemon):
     with pytest.raises((cudaipc.NotFound, cudaipc.Timeout)):
         gstore.get("fp-float32", timeout=0)
     watcher.close()
+def test_put_orders_after_work_on_the_current_stream(gstore, gpu_daemon):
+    """put copies on the tensor's current stream and seals on an event after the copy:
+    bytes a kernel on a side stream writes just before put (no sync) are what readers
+    get, for a plain put and a reserve_next one."""
+    torch = torch_cuda()
+    n = 64 << 20
+    side = torch.cuda.Stream(device="cuda:0")
+    for i, ahead in enumerate((False, True, True)):
+        with torch.cuda.stream(side):
+            src = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+            src.random_(0, 256)           # queued on the side stream, not waited for
+            gstore.put("ord%d" % i, src, reserve_next=ahead)
+        side.synchronize()
+        with gstore.get("ord%d" % i, timeout=5) as lease:
+            t = lease.tensor()
+            assert torch.equal(t, src), "put %d (reserve_next=%s) sealed before its copy" % (i, ahead)
+            del t
+    assert gstore._events_ok
+
+
+def test_put_falls_back_when_the_daemon_cannot_use_the_event(gstore, gpu_daemon, monkeypatch):
+    """A daemon that refuses the event (here: a garbage descriptor) answers the seal with
+    INVALID wait_event: put synchronizes, seals plainly, and stops using events; the
+    bytes are right either way."""
+    torch = torch_cuda()
+    from cudaipc import _cuda
+    n = 8 << 20
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0")
+    orig = _cuda.IPCEvent.__init__
+
+    def garbage(self, ordinal):
+        orig(self, ordinal)
+        self.descriptor = os.urandom(len(self.descriptor))
+    monkeypatch.setattr(_cuda.IPCEvent, "__init__", garbage)
+    gstore.put("fb0", src)
+    assert gstore._events_ok is False
+    gstore.put("fb1", src, reserve_next=True)
+    gstore.put("fb2", src)
+    for name in ("fb0", "fb1", "fb2"):
+        with gstore.get(name, timeout=5) as lease:
+            assert torch.equal(lease.tensor(), src), name
+
+
 def test_put_lands_in_the_kept_arena(gstore, gpu_daemon):
     """A put after the previous object went reuses the arena the daemon kept and this
     connection still maps: no new mapping, and every object holds its own bytes."""
