@@ -101,6 +101,23 @@ def micro(src, dev, sock):
                 t[k].append(time.perf_counter() - t0)
         del view
         obj.abort()
+        # A create right after another answer (the daemon awake) beside a stat: what
+        # the create itself costs the client and the daemon, without wake-ups.
+        o = st.create("micro-stat", 4096, dev.index)
+        o.seal()
+        cr, sa = [], []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            o = st.create("micro-create", n, dev.index, _spin=_store._SEAL_SPIN)
+            t1 = time.perf_counter()
+            o.abort()
+            t2 = time.perf_counter()
+            st.stat("micro-stat")
+            t3 = time.perf_counter()
+            cr.append(t1 - t0)
+            sa.append(t3 - t2)
+        r["create_awake"] = statistics.median(cr[2:]) * 1e6
+        r["stat_awake"] = statistics.median(sa[2:]) * 1e6
     for k, v in t.items():
         r[k] = statistics.median(v[1:]) * 1e6
     ev.close()

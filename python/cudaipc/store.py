@@ -1297,10 +1297,15 @@ class _Release:
         inner = b"\x08" + _varint(lease_id)
         self.body = b"\x7a" + _varint(len(inner)) + inner   # field 15
 
+_ordinal_uuid: Dict[int, str] = {}   # GPU ordinal -> its UUID text (the ordinals of a process do not change)
+
+
 def _resolve_device(device: Any) -> str:
     """The protocol's device string: "" for host, a GPU UUID for a GPU."""
     if device is None or device == "host" or device == "":
         return ""
+    if type(device) is int and device in _ordinal_uuid:
+        return _ordinal_uuid[device]
     if type(device).__module__.startswith("torch") and hasattr(device, "type"):  # torch.device
         if device.type == "cpu":
             return ""
@@ -1310,11 +1315,15 @@ def _resolve_device(device: Any) -> str:
     if isinstance(device, str) and device.lstrip("-").isdigit():
         device = int(device)
     if isinstance(device, int) and not isinstance(device, bool):
+        text = _ordinal_uuid.get(device)
+        if text is not None:
+            return text
         from . import _cuda
         us = _cuda.uuids()
         if not 0 <= device < len(us):
             raise InvalidArgument("create", "", "GPU ordinal %d: this process sees %d GPUs" % (device, len(us)))
-        return gpu_uuid_text(us[device])
+        text = _ordinal_uuid[device] = gpu_uuid_text(us[device])
+        return text
     if isinstance(device, str):
         try:
             return gpu_uuid_text(parse_gpu_uuid(device))
