@@ -168,6 +168,62 @@ func (o *Object) Seal(ctx context.Context) error {
 	return o.finish(ctx, "seal", &storev1.Request{Body: &storev1.Request_Seal{Seal: &storev1.SealRequest{Name: o.name, Version: o.version, Shard: uint32(o.shard)}}})
 }
 
+// SealAfter seals the object once ev has completed. ev is an interprocess
+// event of this process (Device.NewIPCEvent), recorded with Signal after the
+// device work that writes the object (a copy into Ptr on a stream, say). The
+// seal is sent at once, so its round trip overlaps that work: the daemon
+// polls the event (it never waits in the driver) and seals the moment it
+// completes, and SealAfter returns then. Until it returns, the queued work
+// may keep writing through Ptr; afterwards Bytes, Ptr and Mapping must not
+// be used. One seal per connection may wait on an event at a time, and a
+// connection may have the daemon open at most 8 events: keep one per GPU.
+//
+// A daemon that cannot use the event (one in another PID namespace, say)
+// answers ErrInvalid with a message starting "wait_event": the object is
+// then still unsealed and writable; synchronize ev and Seal. If ctx ends
+// first, SealAfter waits for ev itself (the work may still write the
+// object), returns ctx's error, and the daemon seals when it sees the event.
+func (o *Object) SealAfter(ctx context.Context, ev *cudaipc.Event) error {
+	if ev == nil {
+		return &Error{Op: "seal", Name: o.name, Err: ErrInvalid, Message: "no event: use Seal"}
+	}
+	d, err := ev.Export()
+	var blob []byte
+	if err == nil {
+		blob, err = d.MarshalBinary()
+	}
+	if err != nil {
+		return &Error{Op: "seal", Name: o.name, Err: ErrInvalid, Message: "the event cannot be shared: " + err.Error() + " (create it with Device.NewIPCEvent)"}
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.done {
+		return &Error{Op: "seal", Name: o.name, Err: ErrInvalid, Message: "object already sealed or aborted"}
+	}
+	req := &storev1.Request{Body: &storev1.Request_Seal{Seal: &storev1.SealRequest{Name: o.name, Version: o.version,
+		Shard: uint32(o.shard), WaitEvent: blob}}}
+	_, err = o.c.roundTrip(ctx, "seal", o.name, req)
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		// The seal is still on its way; the work may still write the object.
+		if serr := ev.Synchronize(); serr != nil {
+			return errors.Join(err, serr)
+		}
+	} else if err != nil {
+		return err // the daemon refused the seal: the object is unsealed and still ours
+	}
+	o.done = true
+	verr := o.v.close()
+	o.c.untrackGPU(o)
+	if o.m != nil {
+		o.c.unref(o.m)
+		o.m = nil
+	}
+	if err == nil && verr != nil {
+		err = &Error{Op: "seal", Name: o.name, Err: ErrInternal, Message: "unmapping the GPU object: " + verr.Error()}
+	}
+	return err
+}
+
 // Abort discards the object. Bytes, Ptr and Mapping must not be used
 // afterwards.
 func (o *Object) Abort(ctx context.Context) error {

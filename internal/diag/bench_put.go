@@ -31,7 +31,10 @@ func (c *BenchPutCmd) Help() string {
   - put: Create on the GPU, the same copy into the object's mapping, Seal,
     --count times (each object is deleted before the next, untimed, so that
     the daemon may reuse its arena as a producer's next put would);
-  - the phases of put (create, copy, seal) separately.
+  - the phases of put (create, copy, seal) separately;
+  - the same put with the copy queued on a stream, an interprocess event
+    signalled after it and Object.SealAfter (the seal's round trip overlaps
+    the copy).
 It reports medians, GB/s and put/copy. With --socket (or CUDAIPC_SOCKET) it
 measures that running daemon; without, it runs an embedded store.`
 }
@@ -51,6 +54,11 @@ type benchPutResult struct {
 	PutGBps      float64 `json:"put_GBps"`
 	Ratio        float64 `json:"ratio_put_to_copy"`
 	BytesEqual   bool    `json:"bytes_equal"`
+	// The same put with the copy queued on a stream and Object.SealAfter
+	// (the seal's round trip overlaps the copy).
+	EventPutMedianMS float64 `json:"event_put_median_ms"`
+	EventRatio       float64 `json:"ratio_event_put_to_copy"`
+	EventBytesEqual  bool    `json:"event_bytes_equal"`
 }
 
 // Run measures and prints the result.
@@ -136,7 +144,12 @@ func (c *BenchPutCmd) Run(e *Env) error {
 			return e.explain(err, sock)
 		}
 	}
-	for _, s := range [][]time.Duration{copies, puts, creates, copiesIn, seals} {
+	evPuts, evEqual, err := eventPuts(ctx, e, cl, dev, src, n, c.Count, c.Device, sock)
+	if err != nil {
+		return err
+	}
+	res.EventBytesEqual = evEqual
+	for _, s := range [][]time.Duration{copies, puts, creates, copiesIn, seals, evPuts} {
 		slices.Sort(s)
 	}
 	ms := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e6 }
@@ -145,6 +158,8 @@ func (c *BenchPutCmd) Run(e *Env) error {
 	res.CopyGBps = float64(n) / percentile(copies, 50).Seconds() / 1e9
 	res.PutGBps = float64(n) / percentile(puts, 50).Seconds() / 1e9
 	res.Ratio = res.PutGBps / res.CopyGBps
+	res.EventPutMedianMS = ms(percentile(evPuts, 50))
+	res.EventRatio = percentile(copies, 50).Seconds() / percentile(evPuts, 50).Seconds()
 	if c.JSON {
 		return printJSON(e.Stdout, res)
 	}
@@ -152,7 +167,57 @@ func (c *BenchPutCmd) Run(e *Env) error {
 	fmt.Fprintf(e.Stdout, "  in-process copy  median %8.3f ms  %7.0f GB/s\n", res.CopyMedianMS, res.CopyGBps)
 	fmt.Fprintf(e.Stdout, "  put              median %8.3f ms  %7.0f GB/s  (%.2fx the copy)\n", res.PutMedianMS, res.PutGBps, res.Ratio)
 	fmt.Fprintf(e.Stdout, "  phases: create p50 %.1f µs, copy median %.3f ms, seal p50 %.1f µs; bytes equal: %v\n", res.CreateP50US, res.CopyInPutMS, res.SealP50US, res.BytesEqual)
+	fmt.Fprintf(e.Stdout, "  put, SealAfter  median %8.3f ms  (%.2fx the copy); bytes equal: %v\n", res.EventPutMedianMS, res.EventRatio, res.EventBytesEqual)
 	return nil
+}
+
+// eventPuts times count puts (after one untimed first) that queue the copy
+// on a stream, signal an interprocess event and seal with SealAfter; the
+// first object's bytes are compared with src.
+func eventPuts(ctx context.Context, e *Env, cl *client.Client, dev *cudaipc.Device, src *cudaipc.Buffer, n int64, count int, device, sock string) ([]time.Duration, bool, error) {
+	st, err := dev.NewStream()
+	if err != nil {
+		return nil, false, fmt.Errorf("bench put: stream: %w", err)
+	}
+	defer st.Close()
+	ev, err := dev.NewIPCEvent()
+	if err != nil {
+		return nil, false, fmt.Errorf("bench put: interprocess event: %w", err)
+	}
+	defer ev.Close()
+	var puts []time.Duration
+	equal := false
+	for i := range count + 1 {
+		name := fmt.Sprintf("bench-put-ev-%d-%d", os.Getpid(), i)
+		t0 := time.Now()
+		o, err := cl.Create(ctx, name, n, client.CreateOptions{Device: device})
+		if err != nil {
+			return nil, false, e.explain(err, sock)
+		}
+		if err := st.CopyAsync(o.Ptr(), src.Ptr(), n); err == nil {
+			err = ev.Signal(st)
+		}
+		if err != nil {
+			_ = st.Synchronize()
+			_ = o.Abort(ctx)
+			return nil, false, fmt.Errorf("bench put: copy into the object: %w", err)
+		}
+		if err := o.SealAfter(ctx, ev); err != nil {
+			return nil, false, e.explain(err, sock)
+		}
+		d := time.Since(t0)
+		if i == 0 {
+			if equal, err = sameBytes(ctx, cl, dev, name, src, n); err != nil {
+				return nil, false, err
+			}
+		} else {
+			puts = append(puts, d)
+		}
+		if err := cl.Delete(context.WithoutCancel(ctx), name); err != nil {
+			return nil, false, e.explain(err, sock)
+		}
+	}
+	return puts, equal, nil
 }
 
 // sameBytes leases name and compares it with src, 64 MiB at a time.
