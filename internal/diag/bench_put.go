@@ -194,7 +194,8 @@ func eventPuts(ctx context.Context, e *Env, cl *client.Client, dev *cudaipc.Devi
 		if err != nil {
 			return nil, false, e.explain(err, sock)
 		}
-		if err := st.CopyAsync(o.Ptr(), src.Ptr(), n); err == nil {
+		err = st.CopyAsync(o.Ptr(), src.Ptr(), n)
+		if err == nil {
 			err = ev.Signal(st)
 		}
 		if err != nil {
