@@ -20,7 +20,8 @@ Prints one JSON object:
       placement from a prebuilt DLPack struct), timed the same way, alternating with
       the other paths; python_fast_over_floor = python fast p50 / floor p50 (what the
       client's bookkeeping adds), python_floor_over_go_fast = floor p50 / go fast p50
-      (how far even the floor is from Go). python_timer_p50_us: the same timing of
+      (how far even the floor is from Go); python_floor_cas: the two swaps alone.
+      python_timer_p50_us: the same timing of
       a call that does nothing (included in every Python figure).
   zero_copy: the tensor's data pointer equals the lease's mapping (and, for legacy
       IPC, the mapping of the object's region imported separately): no bytes copied.
@@ -150,6 +151,9 @@ def py_paths(sock, name, duration, view, rounds=6):
             fl = _floor(fast, name, view)
             if fl is not None:
                 fns["floor"] = fl
+            fl = _floor(fast, name, None)
+            if fl is not None:
+                fns["floor_cas"] = fl
         lat = {k: [] for k in fns}
         for k, fn in fns.items():
             _timed(fn, 0.2, [])
@@ -158,7 +162,7 @@ def py_paths(sock, name, duration, view, rounds=6):
                 lat[k].append([])
                 _timed(fn, duration / rounds, lat[k][-1])
         out = {k: _summary(v) for k, v in lat.items()}
-        for k in ("fast", "fast_no_view", "floor"):
+        for k in ("fast", "fast_no_view", "floor", "floor_cas"):
             out.setdefault(k, None)
         return out
     finally:
@@ -211,6 +215,7 @@ def main():
         gr = {"view": view, "python_fast": py["fast"], "python_socket": py["socket"],
               "python_socket_no_polling": py["socket_no_polling"],
               "python_no_view": py["fast_no_view"], "python_floor": py["floor"],
+              "python_floor_cas": py["floor_cas"],
               "python_timer_p50_us": py["timer"]["p50_us"],
               "go_fast_p50_us_min": go_fast,
               "go_fast_p50_us": [go1["fast"]["p50_us"], go2["fast"]["p50_us"]],
