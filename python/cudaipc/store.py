@@ -184,6 +184,8 @@ class _Taken:
 
     def __getattr__(self, name: str) -> Any:
         # Only for what the slots and class do not have: the grant's description.
+        if name == "grant":
+            raise AttributeError(name)
         return getattr(self.grant, name)
 
     @property

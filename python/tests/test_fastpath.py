@@ -97,6 +97,38 @@ def test_take_back_sends_nothing(store, monkeypatch):
             assert len(lease.read()) == 100
 
 
+def test_taken_back_lease_answers_like_the_first(store, daemon):
+    """A lease taken back through the table (made without a round trip) reports and
+    views exactly what the lease granted through the socket did."""
+    np = pytest.importorskip("numpy")
+    need_fast(store)
+    data = os.urandom(4096)
+    obj = store.create("same", 4096, dtype="int32", shape=(32, 32))
+    obj.write(data)
+    obj.seal()
+
+    def describe(lease):
+        return (lease.name, lease.size, lease.device, lease.lease_id, lease.tensor_desc, lease.version,
+                lease.gpu_share, lease.data_ptr, lease.ordinal, lease.info.name, lease.info.size,
+                lease.info.tensor, lease.read(), bytes(lease.memoryview()), lease.numpy().tobytes(),
+                lease.numpy().shape, str(lease.numpy().dtype), lease.numpy("uint8").tobytes())
+
+    first = store.get("same")
+    want = describe(first)
+    assert want[-1] == data and want[13] == data and want[15] == (32, 32)
+    first.release()
+    again = store.get("same")
+    assert store._table.idle_count() == 0, "the second get was not a take-back"
+    assert describe(again) == want
+    with pytest.raises(cudaipc.InvalidArgument):
+        again.manifest_bytes()
+    assert "'same'" in repr(again)
+    again.release()
+    assert again.released and "released" in repr(again)
+    with pytest.raises(cudaipc.InvalidArgument):
+        again.numpy()
+
+
 def test_views_keep_a_fast_lease(store, daemon):
     """The lifetime rule holds on the fast path: release() leaves the lease held while
     a view lives; the swap runs when the last view is collected."""
