@@ -893,17 +893,18 @@ class Store:
         from . import _cuda
         m = obj._live()
         hidden = obj._name
-        if hidden != name:   # created ahead: published under name, with put's descriptor
-            desc = _desc(src.nbytes, src.dtype, src.shape, None, name)
-            req = pb.Request(seal=pb.SealRequest(name=hidden, rename=name, wait_event=ev.descriptor))
-            if desc is not None:
-                req.seal.tensor.CopyFrom(desc._to_pb())
-        else:                # created by this put, with its descriptor
-            desc = obj._desc
-            req = pb.Request(seal=pb.SealRequest(name=name, wait_event=ev.descriptor))
         sealed = False
         try:
+            # The copy first: what follows overlaps it.
             _cuda.copy_and_record(m.addr, src.addr, src.nbytes, src.stream, ev)
+            if hidden != name:   # created ahead: published under name, with put's descriptor
+                desc = _desc(src.nbytes, src.dtype, src.shape, None, name)
+                req = pb.Request(seal=pb.SealRequest(name=hidden, rename=name, wait_event=ev.descriptor))
+                if desc is not None:
+                    req.seal.tensor.CopyFrom(desc._to_pb())
+            else:                # created by this put, with its descriptor
+                desc = obj._desc
+                req = pb.Request(seal=pb.SealRequest(name=name, wait_event=ev.descriptor))
             try:
                 # The seal goes now, so the daemon is awake and waiting on the event
                 # when the copy ends; this thread waits for the copy in the driver (no
