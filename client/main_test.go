@@ -376,6 +376,22 @@ func put(t *testing.T, c *client.Client, name string, size int64) []byte {
 	return want
 }
 
+// getBytes leases name, reads its size bytes (host or GPU object) and
+// releases it.
+func getBytes(t *testing.T, c *client.Client, name string, size int64) []byte {
+	t.Helper()
+	l, err := c.Get(context.Background(), name)
+	if err != nil {
+		t.Fatalf("get %s: %v", name, err)
+	}
+	defer l.Release()
+	got := make([]byte, size)
+	if _, err := l.ReadAt(got, 0); err != nil {
+		t.Fatalf("read %s: %v", name, err)
+	}
+	return got
+}
+
 // stream is deterministic random content: every client can check an
 // object written by any other.
 func stream(seed uint64, name string, size int) []byte {

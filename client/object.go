@@ -211,17 +211,9 @@ func (o *Object) SealAfter(ctx context.Context, ev *cudaipc.Event) error {
 	} else if err != nil {
 		return err // the daemon refused the seal: the object is unsealed and still ours
 	}
-	o.done = true
 	verr := o.v.close()
 	o.c.untrackGPU(o)
-	if o.m != nil {
-		o.c.unref(o.m)
-		o.m = nil
-	}
-	if err == nil && verr != nil {
-		err = &Error{Op: "seal", Name: o.name, Err: ErrInternal, Message: "unmapping the GPU object: " + verr.Error()}
-	}
-	return err
+	return o.settle("seal", err, verr)
 }
 
 // Abort discards the object. Bytes, Ptr and Mapping must not be used
@@ -244,6 +236,14 @@ func (o *Object) finish(ctx context.Context, op string, req *storev1.Request) er
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return err // the object may still be ours: Seal or Abort again
 	}
+	return o.settle(op, err, verr)
+}
+
+// settle marks the object finished once its seal or abort has been
+// answered (err: the daemon's answer; verr: unmapping its GPU memory, which
+// the caller did), lets go of a host arena mapping, and returns err or,
+// when the daemon agreed, verr. o.mu is held.
+func (o *Object) settle(op string, err, verr error) error {
 	o.done = true
 	if o.m != nil {
 		o.c.unref(o.m)

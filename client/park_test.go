@@ -139,16 +139,7 @@ func TestGPUPutReusesKeptArena(t *testing.T) {
 					t.Fatal(err)
 				}
 				opens += cudaipc.ImportCacheStats().Opens - before.Opens
-				l, err := c.Get(ctx, name)
-				if err != nil {
-					t.Fatal(err)
-				}
-				got := make([]byte, size)
-				if _, err := l.ReadAt(got, 0); err != nil {
-					t.Fatal(err)
-				}
-				_ = l.Release()
-				if !bytes.Equal(got, want) {
+				if !bytes.Equal(getBytes(t, c, name, size), want) {
 					t.Fatalf("put %d: the object does not hold its bytes", i)
 				}
 				in, err := c.Stat(ctx, name)

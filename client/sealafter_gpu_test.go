@@ -61,18 +61,9 @@ func TestGPUSealAfterEvent(t *testing.T) {
 		if err := o.SealAfter(ctx, ev); !errors.Is(err, client.ErrInvalid) {
 			t.Fatalf("%s: second SealAfter: %v, want ErrInvalid", name, err)
 		}
-		l, err := c.Get(ctx, name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		got := make([]byte, size)
-		if _, err := l.ReadAt(got, 0); err != nil {
-			t.Fatal(err)
-		}
-		if !bytes.Equal(got, want) {
+		if !bytes.Equal(getBytes(t, c, name, size), want) {
 			t.Fatalf("%s: the sealed object does not hold the copied bytes", name)
 		}
-		l.Release()
 		src.Free()
 	}
 
@@ -100,13 +91,7 @@ func TestGPUSealAfterEvent(t *testing.T) {
 	if err := o.Seal(ctx); err != nil {
 		t.Fatal(err)
 	}
-	l, err := c.Get(ctx, "after-refused")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Release()
-	got := make([]byte, 4096)
-	if _, err := l.ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
-		t.Fatalf("after the refusals: %v, equal %v", err, bytes.Equal(got, want))
+	if !bytes.Equal(getBytes(t, c, "after-refused", 4096), want) {
+		t.Fatal("after the refusals: the object does not hold the bytes written")
 	}
 }
