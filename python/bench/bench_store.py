@@ -35,16 +35,15 @@ Prints one JSON object:
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cudaipc  # noqa: E402
+import _bench  # noqa: E402
 
 
 def pct(xs, p):
@@ -171,6 +170,125 @@ def py_paths(sock, name, duration, view, rounds=6):
         nopoll.close()
 
 
+def run(a, sock, out):
+    """Every measurement, against the daemon at sock, into out."""
+    store = cudaipc.connect(sock)
+    out["backend"] = store.server.backend
+    out["gpu_share"] = a.gpu_share if a.device != "host" else ""
+    try:
+        import torch
+        view = "tensor"
+    except ImportError:
+        view = "memoryview"
+    name = "pybench-%d" % os.getpid()
+    obj = store.create(name, 4096, a.device)
+    obj.write(os.urandom(4096))
+    obj.seal()
+    for _ in range(200):  # warm up
+        with store.get(name) as l:
+            v = l.tensor() if view == "tensor" else l.memoryview()
+            del v
+    go1 = go_bench(a.bin, sock, a.device, a.duration)
+    py = py_paths(sock, name, a.duration, view)
+    go2 = go_bench(a.bin, sock, a.device, a.duration)
+    go_fast = min(go1["fast"]["p50_us"], go2["fast"]["p50_us"])
+    go_sock = min(go1["socket"]["p50_us"], go2["socket"]["p50_us"])
+    gr = {"view": view, "python_fast": py["fast"], "python_socket": py["socket"],
+          "python_socket_no_polling": py["socket_no_polling"],
+          "python_no_view": py["fast_no_view"], "python_floor": py["floor"],
+          "python_floor_cas": py["floor_cas"],
+          "python_timer_p50_us": py["timer"]["p50_us"],
+          "go_fast_p50_us_min": go_fast,
+          "go_fast_p50_us": [go1["fast"]["p50_us"], go2["fast"]["p50_us"]],
+          "go_socket_p50_us": [go1["socket"]["p50_us"], go2["socket"]["p50_us"]],
+          "floor_p50_us": min(go1["floor"]["p50_us"], go2["floor"]["p50_us"]),
+          "ratio_socket": py["socket"]["p50_us"] / go_sock}
+    if py["fast"] is not None:
+        gr["ratio_fast"] = py["fast"]["p50_us"] / go_fast
+        gr["python_fast_over_socket"] = py["fast"]["p50_us"] / py["socket"]["p50_us"]
+    if py["fast"] is not None and py["floor"] is not None:
+        gr["python_fast_over_floor"] = py["fast"]["p50_us"] / py["floor"]["p50_us"]
+        gr["python_floor_over_go_fast"] = py["floor"]["p50_us"] / go_fast
+    out["get_release"] = gr
+    # Zero bytes copied on get.
+    with store.get(name) as lease:
+        t = lease.tensor() if view == "tensor" else None
+        zc = {"lease_ptr": lease.data_ptr}
+        if t is not None:
+            zc["tensor_ptr"] = t.data_ptr()
+        info = store.stat(name)
+        if info.region is not None and info.region.kind == 1:
+            with cudaipc.import_region(info.region) as m:
+                zc["region_ptr"] = m.data_ptr
+        zc["zero_copy"] = len(set(v for k, v in zc.items() if k.endswith("ptr"))) == 1
+        del t
+    out["zero_copy"] = zc
+    assert zc["zero_copy"], zc
+    store.rm(name)
+    if a.device != "host" and a.put_gib > 0:
+        import torch
+        dev = torch.device("cuda:%d" % int(a.device))
+        n = int(a.put_gib * (1 << 30))
+        src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
+        copies = _bench.copy_times(src, 10)
+        puts = []
+        for i in range(8):
+            t0 = time.perf_counter()
+            store.put("pybench-put-%d" % i, src)
+            puts.append(time.perf_counter() - t0)
+            if i == 0:
+                with store.get("pybench-put-0") as l:
+                    ok = bool(torch.equal(l.tensor(), src))
+            store.rm("pybench-put-%d" % i)
+        puts = puts[1:]  # the first maps the arena (once per process)
+        # put(reserve_next=True): the next object is created ahead, the put is one
+        # round trip (the first two map their arenas: objects alternate between two).
+        ahead = []
+        for i in range(10):
+            t0 = time.perf_counter()
+            store.put("pybench-ahead-%d" % i, src, reserve_next=True)
+            ahead.append(time.perf_counter() - t0)
+            if i == 3:
+                with store.get("pybench-ahead-3") as l:
+                    ok_ahead = bool(torch.equal(l.tensor(), src))
+            store.rm("pybench-ahead-%d" % i)
+        ahead = ahead[2:]
+        # The phases of put, done by hand as put does them.
+        from cudaipc.store import _Source
+        phases = {"source": [], "create": [], "copy_sync": [], "seal": []}
+        for i in range(6):
+            t0 = time.perf_counter()
+            srcd = _Source.of(src)
+            t1 = time.perf_counter()
+            obj = store.create("pybench-ph-%d" % i, srcd.nbytes, srcd.ordinal, dtype=srcd.dtype, shape=srcd.shape)
+            t2 = time.perf_counter()
+            srcd.copy_to(obj._live())
+            t3 = time.perf_counter()
+            obj.seal()
+            t4 = time.perf_counter()
+            store.rm("pybench-ph-%d" % i)
+            for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                phases[k].append(v)
+        copy_gbs = n / statistics.median(copies) / 1e9
+        put_gbs = n / statistics.median(puts) / 1e9
+        out["put"] = {"bytes": n, "copy_median_ms": statistics.median(copies) * 1e3,
+                      "put_median_ms": statistics.median(puts) * 1e3, "put_best_ms": min(puts) * 1e3,
+                      "copy_GBps": copy_gbs, "put_GBps": put_gbs, "ratio_put_to_copy": put_gbs / copy_gbs,
+                      "put_best_GBps": n / min(puts) / 1e9, "bytes_equal": ok,
+                      "put_reserve_next_median_ms": statistics.median(ahead) * 1e3,
+                      "put_reserve_next_GBps": n / statistics.median(ahead) / 1e9,
+                      "ratio_put_reserve_next_to_copy": n / statistics.median(ahead) / 1e9 / copy_gbs,
+                      "bytes_equal_reserve_next": ok_ahead,
+                      "phases_median_us": {k: statistics.median(v[1:]) * 1e6 for k, v in phases.items()}}
+        try:
+            r = subprocess.run([a.bin, "bench", "put", "--socket", sock, "--size", str(n), "--device", a.device,
+                                "--json"], capture_output=True, check=True, timeout=120)
+            out["go_put"] = json.loads(r.stdout)
+        except (subprocess.CalledProcessError, ValueError) as e:
+            out["go_put"] = {"error": str(e), "stderr": getattr(e, "stderr", b"").decode(errors="replace")[-500:]}
+    store.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default=os.environ.get("CUDAIPC_BIN", "cudaipc"))
@@ -181,144 +299,8 @@ def main():
     ap.add_argument("--put-gib", type=float, default=1.0, help="size of the put benchmark (GPU only; 0 skips)")
     a = ap.parse_args()
     out = {"device": a.device}
-    proc, tmp = None, None
-    sock = a.socket
-    if sock is None:
-        tmp = tempfile.mkdtemp()
-        sock = os.path.join(tmp, "store.sock")
-        proc = subprocess.Popen([a.bin, "serve", "--socket", sock, "--capacity", "8GiB", "--gpu-share", a.gpu_share],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        while not os.path.exists(sock):
-            time.sleep(0.02)
-    try:
-        store = cudaipc.connect(sock)
-        out["backend"] = store.server.backend
-        out["gpu_share"] = a.gpu_share if a.device != "host" else ""
-        try:
-            import torch
-            view = "tensor"
-        except ImportError:
-            view = "memoryview"
-        name = "pybench-%d" % os.getpid()
-        obj = store.create(name, 4096, a.device)
-        obj.write(os.urandom(4096))
-        obj.seal()
-        for _ in range(200):  # warm up
-            with store.get(name) as l:
-                v = l.tensor() if view == "tensor" else l.memoryview()
-                del v
-        go1 = go_bench(a.bin, sock, a.device, a.duration)
-        py = py_paths(sock, name, a.duration, view)
-        go2 = go_bench(a.bin, sock, a.device, a.duration)
-        go_fast = min(go1["fast"]["p50_us"], go2["fast"]["p50_us"])
-        go_sock = min(go1["socket"]["p50_us"], go2["socket"]["p50_us"])
-        gr = {"view": view, "python_fast": py["fast"], "python_socket": py["socket"],
-              "python_socket_no_polling": py["socket_no_polling"],
-              "python_no_view": py["fast_no_view"], "python_floor": py["floor"],
-              "python_floor_cas": py["floor_cas"],
-              "python_timer_p50_us": py["timer"]["p50_us"],
-              "go_fast_p50_us_min": go_fast,
-              "go_fast_p50_us": [go1["fast"]["p50_us"], go2["fast"]["p50_us"]],
-              "go_socket_p50_us": [go1["socket"]["p50_us"], go2["socket"]["p50_us"]],
-              "floor_p50_us": min(go1["floor"]["p50_us"], go2["floor"]["p50_us"]),
-              "ratio_socket": py["socket"]["p50_us"] / go_sock}
-        if py["fast"] is not None:
-            gr["ratio_fast"] = py["fast"]["p50_us"] / go_fast
-            gr["python_fast_over_socket"] = py["fast"]["p50_us"] / py["socket"]["p50_us"]
-        if py["fast"] is not None and py["floor"] is not None:
-            gr["python_fast_over_floor"] = py["fast"]["p50_us"] / py["floor"]["p50_us"]
-            gr["python_floor_over_go_fast"] = py["floor"]["p50_us"] / go_fast
-        out["get_release"] = gr
-        # Zero bytes copied on get.
-        with store.get(name) as lease:
-            t = lease.tensor() if view == "tensor" else None
-            zc = {"lease_ptr": lease.data_ptr}
-            if t is not None:
-                zc["tensor_ptr"] = t.data_ptr()
-            info = store.stat(name)
-            if info.region is not None and info.region.kind == 1:
-                with cudaipc.import_region(info.region) as m:
-                    zc["region_ptr"] = m.data_ptr
-            zc["zero_copy"] = len(set(v for k, v in zc.items() if k.endswith("ptr"))) == 1
-            del t
-        out["zero_copy"] = zc
-        assert zc["zero_copy"], zc
-        store.rm(name)
-        if a.device != "host" and a.put_gib > 0:
-            import torch
-            dev = torch.device("cuda:%d" % int(a.device))
-            n = int(a.put_gib * (1 << 30))
-            src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
-            dst = torch.empty_like(src)
-            torch.cuda.synchronize(dev)
-            copies = []
-            for _ in range(10):
-                t0 = time.perf_counter()
-                dst.copy_(src)
-                torch.cuda.synchronize(dev)
-                copies.append(time.perf_counter() - t0)
-            del dst
-            puts = []
-            for i in range(8):
-                t0 = time.perf_counter()
-                store.put("pybench-put-%d" % i, src)
-                puts.append(time.perf_counter() - t0)
-                if i == 0:
-                    with store.get("pybench-put-0") as l:
-                        ok = bool(torch.equal(l.tensor(), src))
-                store.rm("pybench-put-%d" % i)
-            puts = puts[1:]  # the first maps the arena (once per process)
-            # put(reserve_next=True): the next object is created ahead, the put is one
-            # round trip (the first two map their arenas: objects alternate between two).
-            ahead = []
-            for i in range(10):
-                t0 = time.perf_counter()
-                store.put("pybench-ahead-%d" % i, src, reserve_next=True)
-                ahead.append(time.perf_counter() - t0)
-                if i == 3:
-                    with store.get("pybench-ahead-3") as l:
-                        ok_ahead = bool(torch.equal(l.tensor(), src))
-                store.rm("pybench-ahead-%d" % i)
-            ahead = ahead[2:]
-            # The phases of put, done by hand as put does them.
-            from cudaipc.store import _Source
-            phases = {"source": [], "create": [], "copy_sync": [], "seal": []}
-            for i in range(6):
-                t0 = time.perf_counter()
-                srcd = _Source.of(src)
-                t1 = time.perf_counter()
-                obj = store.create("pybench-ph-%d" % i, srcd.nbytes, srcd.ordinal, dtype=srcd.dtype, shape=srcd.shape)
-                t2 = time.perf_counter()
-                srcd.copy_to(obj._live())
-                t3 = time.perf_counter()
-                obj.seal()
-                t4 = time.perf_counter()
-                store.rm("pybench-ph-%d" % i)
-                for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                    phases[k].append(v)
-            copy_gbs = n / statistics.median(copies) / 1e9
-            put_gbs = n / statistics.median(puts) / 1e9
-            out["put"] = {"bytes": n, "copy_median_ms": statistics.median(copies) * 1e3,
-                          "put_median_ms": statistics.median(puts) * 1e3, "put_best_ms": min(puts) * 1e3,
-                          "copy_GBps": copy_gbs, "put_GBps": put_gbs, "ratio_put_to_copy": put_gbs / copy_gbs,
-                          "put_best_GBps": n / min(puts) / 1e9, "bytes_equal": ok,
-                          "put_reserve_next_median_ms": statistics.median(ahead) * 1e3,
-                          "put_reserve_next_GBps": n / statistics.median(ahead) / 1e9,
-                          "ratio_put_reserve_next_to_copy": n / statistics.median(ahead) / 1e9 / copy_gbs,
-                          "bytes_equal_reserve_next": ok_ahead,
-                          "phases_median_us": {k: statistics.median(v[1:]) * 1e6 for k, v in phases.items()}}
-            try:
-                r = subprocess.run([a.bin, "bench", "put", "--socket", sock, "--size", str(n), "--device", a.device,
-                                    "--json"], capture_output=True, check=True, timeout=120)
-                out["go_put"] = json.loads(r.stdout)
-            except (subprocess.CalledProcessError, ValueError) as e:
-                out["go_put"] = {"error": str(e), "stderr": getattr(e, "stderr", b"").decode(errors="replace")[-500:]}
-        store.close()
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait()
-            shutil.rmtree(tmp, ignore_errors=True)
+    with _bench.daemon(a.bin, a.socket, ["--capacity", "8GiB", "--gpu-share", a.gpu_share]) as sock:
+        run(a, sock, out)
     print(json.dumps(out, indent=1))
 
 

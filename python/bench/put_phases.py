@@ -16,9 +16,7 @@ import collections
 import functools
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import re
 import tempfile
@@ -28,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cudaipc  # noqa: E402
 from cudaipc import _cuda, _wire, store as _store  # noqa: E402
+import _bench  # noqa: E402
 
 STEPS = collections.defaultdict(list)
 
@@ -124,6 +123,148 @@ def micro(src, dev, sock):
     return r
 
 
+def run(a, sock, out, dlog):
+    """Every measurement, against the daemon at sock (whose log is dlog, when this
+    script started it), into out."""
+    import torch
+    dev = torch.device("cuda:%d" % int(a.device))
+    n = int(a.gib * (1 << 30))
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
+    copies = _bench.copy_times(src, a.count)
+    out["copy_median_us"] = statistics.median(copies[1:]) * 1e6
+    if a.cprofile:
+        import cProfile
+        import io
+        import pstats
+        with cudaipc.connect(sock) as st:
+            for mode in ("plain", "reserve_next"):
+                for i in range(3):
+                    st.put("warm-%s-%d" % (mode, i), src, reserve_next=(mode == "reserve_next"))
+                    st.rm("warm-%s-%d" % (mode, i))
+                pr = cProfile.Profile()
+                t0 = time.perf_counter()
+                for i in range(40):
+                    pr.enable()
+                    st.put("prof-%s-%d" % (mode, i), src, reserve_next=(mode == "reserve_next"))
+                    pr.disable()
+                    st.rm("prof-%s-%d" % (mode, i))
+                buf = io.StringIO()
+                ps = pstats.Stats(pr, stream=buf)
+                ps.sort_stats("tottime").print_stats(25)
+                ps.sort_stats("cumtime").print_stats(30)
+                print("==== %s (%.0f us a put+rm with the profiler)" % (mode, (time.perf_counter() - t0) / 40 * 1e6))
+                print(buf.getvalue())
+        return
+    timed(_store._Source, "of", "source")
+    timed(_store.Store, "create", "create")
+    timed(_store.Store, "_take_ahead", "take_ahead")
+    timed(_cuda, "copy_and_record", "copy_enqueue")
+    timed(_wire.Conn, "send", "send")
+    timed(_cuda, "event_synchronize", "event_wait")
+    after_event = []
+    ev_sync = _cuda.event_synchronize
+    result = _wire.Conn.result
+    send = _wire.Conn.send
+    # Unix-ns timestamps of this client, by request id, to set beside the daemon's
+    # (its debug log): when a request was sent, its answer got, the copy seen done.
+    sent, got, ev_done, kinds = {}, {}, {}, {}
+
+    def send_stamped(self, req, *a, **k):
+        rid = send(self, req, *a, **k)
+        sent[rid], kinds[rid] = time.time_ns(), req.WhichOneof("body")
+        return rid
+
+    def ev_sync_marked(*a, **k):
+        try:
+            return ev_sync(*a, **k)
+        finally:
+            after_event.append(time.time_ns())
+
+    def result_split(self, rid, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return result(self, rid, *a, **k)
+        finally:
+            got[rid] = time.time_ns()
+            if after_event:
+                ev_done[rid] = after_event[-1]
+            STEPS["seal_answer" if after_event else "other_answer"].append(time.perf_counter() - t0)
+            after_event.clear()
+    poll = _wire.Conn._poll
+    polled = []   # (time_ns when a poll got a packet, attempts are not counted)
+
+    def poll_stamped(self, spin):
+        got = poll(self, spin)
+        if got is not None:
+            polled.append(time.time_ns())
+        return got
+
+    def result_split_polled(self, rid, *a, **k):
+        polled.clear()
+        try:
+            return result_split(self, rid, *a, **k)
+        finally:
+            if polled and rid in got:
+                recvd[rid] = polled[0]
+    recvd = {}
+    _cuda.event_synchronize = ev_sync_marked
+    _wire.Conn.result = result_split_polled
+    _wire.Conn._poll = poll_stamped
+    _wire.Conn.send = send_stamped
+    timed(_store.Store, "_reserve", "reserve")
+    with cudaipc.connect(sock) as st:
+        for mode in ("plain", "reserve_next"):
+            STEPS.clear()
+            puts = []
+            for i in range(a.count):
+                name = "phases-%s-%d" % (mode, i)
+                t0 = time.perf_counter()
+                st.put(name, src, reserve_next=(mode == "reserve_next"))
+                t1 = time.perf_counter()
+                puts.append(t1 - t0)
+                if i == 1:
+                    with st.get(name) as l:
+                        out.setdefault("bytes_equal", {})[mode] = bool(torch.equal(l.tensor(), src))
+                st.rm(name)
+            skip = 2  # the first puts map arenas
+            med = {k: statistics.median(v[skip:]) * 1e6 for k, v in STEPS.items() if len(v) > skip}
+            out[mode] = {"put_median_us": statistics.median(puts[skip:]) * 1e6,
+                         "ratio_put_to_copy": out["copy_median_us"] / (statistics.median(puts[skip:]) * 1e6),
+                         "steps_median_us": med}
+    if dlog is not None:
+        dlog.flush()
+        dlog.seek(0)
+        lines = [(line, dict(kv.split("=", 1) for kv in re.findall(r'(\w+=\S+)', line))) for line in dlog]
+        waits = [kv for line, kv in lines if "seal waited" in line][2:]
+        handled = {int(kv["id"]): kv for line, kv in lines if "request handled" in line}
+        tl = collections.defaultdict(list)
+        for w in waits:
+            rid = int(w["id"])
+            if rid in ev_done and rid in got:
+                tl["seal: client saw copy done -> daemon saw event done"].append(int(w["event_done_ns"]) - ev_done[rid])
+                tl["seal: daemon event done -> answer sent"].append(int(w["replied_ns"]) - int(w["event_done_ns"]))
+                tl["seal: answer sent -> client has it"].append(got[rid] - int(w["replied_ns"]))
+                tl["seal: daemon's seal (with its debug log)"].append(_wire.parse_duration(w["seal"]) * 1e9)
+                if rid in recvd:
+                    tl["seal: answer sent -> client's poll got it"].append(recvd[rid] - int(w["replied_ns"]))
+                    tl["seal: client's poll got it -> result returned"].append(got[rid] - recvd[rid])
+        for rid, kind in kinds.items():
+            h = handled.get(rid)
+            if kind in ("create", "delete") and h is not None and rid in got:
+                tl[kind + ": sent -> daemon has it"].append(int(h["recv_ns"]) - sent[rid])
+                tl[kind + ": daemon's handling"].append(int(h["done_ns"]) - int(h["recv_ns"]))
+                tl[kind + ": answered -> client has it"].append(got[rid] - int(h["done_ns"]))
+        out["timeline_median_us"] = {k: statistics.median(v) / 1e3 for k, v in tl.items()}
+        if waits:
+            out["daemon_seal_wait"] = {
+                "count": len(waits),
+                "wait_median_us": statistics.median(_wire.parse_duration(w["wait"]) for w in waits) * 1e6,
+                "polls_median": statistics.median(int(w["polls"]) for w in waits),
+                "seal_median_us": statistics.median(_wire.parse_duration(w["seal"]) for w in waits) * 1e6}
+    if a.micro:
+        out["micro_us"] = micro(src, dev, sock)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default=os.environ.get("CUDAIPC_BIN", "cudaipc"))
@@ -139,168 +280,12 @@ def main():
     ap.add_argument("--cprofile", action="store_true",
                     help="instead: cProfile 40 puts of each mode and print the top functions (no wrappers, no debug log)")
     a = ap.parse_args()
-    import torch
-    proc, tmp, sock = None, None, a.socket
-    if sock is None:
-        tmp = tempfile.mkdtemp()
-        sock = os.path.join(tmp, "store.sock")
-        # Debug logs: the daemon says how long each seal waited on the event.
-        dlog = open(os.path.join(tmp, "daemon.log"), "w+")
-        proc = subprocess.Popen([a.bin, "--log-level", "debug" if a.trace else "info", "serve", "--socket", sock, "--capacity", "8GiB",
-                                 "--gpu-share", a.gpu_share], stdout=dlog, stderr=dlog)
-        while not os.path.exists(sock):
-            time.sleep(0.02)
     out = {"gpu_share": a.gpu_share}
-    try:
-        dev = torch.device("cuda:%d" % int(a.device))
-        n = int(a.gib * (1 << 30))
-        src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        torch.cuda.synchronize(dev)
-        copies = []
-        for _ in range(a.count):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            torch.cuda.synchronize(dev)
-            copies.append(time.perf_counter() - t0)
-        del dst
-        out["copy_median_us"] = statistics.median(copies[1:]) * 1e6
-        if a.cprofile:
-            import cProfile
-            import io
-            import pstats
-            with cudaipc.connect(sock) as st:
-                for mode in ("plain", "reserve_next"):
-                    for i in range(3):
-                        st.put("warm-%s-%d" % (mode, i), src, reserve_next=(mode == "reserve_next"))
-                        st.rm("warm-%s-%d" % (mode, i))
-                    pr = cProfile.Profile()
-                    t0 = time.perf_counter()
-                    for i in range(40):
-                        pr.enable()
-                        st.put("prof-%s-%d" % (mode, i), src, reserve_next=(mode == "reserve_next"))
-                        pr.disable()
-                        st.rm("prof-%s-%d" % (mode, i))
-                    buf = io.StringIO()
-                    ps = pstats.Stats(pr, stream=buf)
-                    ps.sort_stats("tottime").print_stats(25)
-                    ps.sort_stats("cumtime").print_stats(30)
-                    print("==== %s (%.0f us a put+rm with the profiler)" % (mode, (time.perf_counter() - t0) / 40 * 1e6))
-                    print(buf.getvalue())
-            return
-        timed(_store._Source, "of", "source")
-        timed(_store.Store, "create", "create")
-        timed(_store.Store, "_take_ahead", "take_ahead")
-        timed(_cuda, "copy_and_record", "copy_enqueue")
-        timed(_wire.Conn, "send", "send")
-        timed(_cuda, "event_synchronize", "event_wait")
-        after_event = []
-        ev_sync = _cuda.event_synchronize
-        result = _wire.Conn.result
-        send = _wire.Conn.send
-        # Unix-ns timestamps of this client, by request id, to set beside the daemon's
-        # (its debug log): when a request was sent, its answer got, the copy seen done.
-        sent, got, ev_done, kinds = {}, {}, {}, {}
-
-        def send_stamped(self, req, *a, **k):
-            rid = send(self, req, *a, **k)
-            sent[rid], kinds[rid] = time.time_ns(), req.WhichOneof("body")
-            return rid
-
-        def ev_sync_marked(*a, **k):
-            try:
-                return ev_sync(*a, **k)
-            finally:
-                after_event.append(time.time_ns())
-
-        def result_split(self, rid, *a, **k):
-            t0 = time.perf_counter()
-            try:
-                return result(self, rid, *a, **k)
-            finally:
-                got[rid] = time.time_ns()
-                if after_event:
-                    ev_done[rid] = after_event[-1]
-                STEPS["seal_answer" if after_event else "other_answer"].append(time.perf_counter() - t0)
-                after_event.clear()
-        poll = _wire.Conn._poll
-        polled = []   # (time_ns when a poll got a packet, attempts are not counted)
-
-        def poll_stamped(self, spin):
-            got = poll(self, spin)
-            if got is not None:
-                polled.append(time.time_ns())
-            return got
-
-        def result_split_polled(self, rid, *a, **k):
-            polled.clear()
-            try:
-                return result_split(self, rid, *a, **k)
-            finally:
-                if polled and rid in got:
-                    recvd[rid] = polled[0]
-        recvd = {}
-        _cuda.event_synchronize = ev_sync_marked
-        _wire.Conn.result = result_split_polled
-        _wire.Conn._poll = poll_stamped
-        _wire.Conn.send = send_stamped
-        timed(_store.Store, "_reserve", "reserve")
-        with cudaipc.connect(sock) as st:
-            for mode in ("plain", "reserve_next"):
-                STEPS.clear()
-                puts = []
-                for i in range(a.count):
-                    name = "phases-%s-%d" % (mode, i)
-                    t0 = time.perf_counter()
-                    st.put(name, src, reserve_next=(mode == "reserve_next"))
-                    t1 = time.perf_counter()
-                    puts.append(t1 - t0)
-                    if i == 1:
-                        with st.get(name) as l:
-                            out.setdefault("bytes_equal", {})[mode] = bool(torch.equal(l.tensor(), src))
-                    st.rm(name)
-                skip = 2  # the first puts map arenas
-                med = {k: statistics.median(v[skip:]) * 1e6 for k, v in STEPS.items() if len(v) > skip}
-                out[mode] = {"put_median_us": statistics.median(puts[skip:]) * 1e6,
-                             "ratio_put_to_copy": out["copy_median_us"] / (statistics.median(puts[skip:]) * 1e6),
-                             "steps_median_us": med}
-        if proc is not None:
-            dlog.flush()
-            dlog.seek(0)
-            lines = [(line, dict(kv.split("=", 1) for kv in re.findall(r'(\w+=\S+)', line))) for line in dlog]
-            waits = [kv for line, kv in lines if "seal waited" in line][2:]
-            handled = {int(kv["id"]): kv for line, kv in lines if "request handled" in line}
-            tl = collections.defaultdict(list)
-            for w in waits:
-                rid = int(w["id"])
-                if rid in ev_done and rid in got:
-                    tl["seal: client saw copy done -> daemon saw event done"].append(int(w["event_done_ns"]) - ev_done[rid])
-                    tl["seal: daemon event done -> answer sent"].append(int(w["replied_ns"]) - int(w["event_done_ns"]))
-                    tl["seal: answer sent -> client has it"].append(got[rid] - int(w["replied_ns"]))
-                    tl["seal: daemon's seal (with its debug log)"].append(_wire.parse_duration(w["seal"]) * 1e9)
-                    if rid in recvd:
-                        tl["seal: answer sent -> client's poll got it"].append(recvd[rid] - int(w["replied_ns"]))
-                        tl["seal: client's poll got it -> result returned"].append(got[rid] - recvd[rid])
-            for rid, kind in kinds.items():
-                h = handled.get(rid)
-                if kind in ("create", "delete") and h is not None and rid in got:
-                    tl[kind + ": sent -> daemon has it"].append(int(h["recv_ns"]) - sent[rid])
-                    tl[kind + ": daemon's handling"].append(int(h["done_ns"]) - int(h["recv_ns"]))
-                    tl[kind + ": answered -> client has it"].append(got[rid] - int(h["done_ns"]))
-            out["timeline_median_us"] = {k: statistics.median(v) / 1e3 for k, v in tl.items()}
-            if waits:
-                out["daemon_seal_wait"] = {
-                    "count": len(waits),
-                    "wait_median_us": statistics.median(_wire.parse_duration(w["wait"]) for w in waits) * 1e6,
-                    "polls_median": statistics.median(int(w["polls"]) for w in waits),
-                    "seal_median_us": statistics.median(_wire.parse_duration(w["seal"]) for w in waits) * 1e6}
-        if a.micro:
-            out["micro_us"] = micro(src, dev, sock)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait()
-            shutil.rmtree(tmp, ignore_errors=True)
+    # Debug logs (--trace): the daemon says how long each seal waited on the event.
+    with tempfile.TemporaryFile("w+") as dlog, _bench.daemon(
+            a.bin, a.socket, ["--capacity", "8GiB", "--gpu-share", a.gpu_share],
+            pre=["--log-level", "debug" if a.trace else "info"], log=dlog) as sock:
+        run(a, sock, out, dlog if a.socket is None else None)
     print(json.dumps(out, indent=1))
 
 
