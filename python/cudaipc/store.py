@@ -990,7 +990,11 @@ class Store:
                 return
             self._ahead = None
         key, hidden, rid, _ = a
-        obj = self._ahead_object(key, hidden, rid)
+        try:
+            obj = self._ahead_object(key, hidden, rid)
+        except StoreError as e:   # a bad answer (cleaned up): the next put creates as usual
+            _log.debug("cudaipc: the object made ahead is unusable: %s", e)
+            return
         if obj is None:
             return
         with self._ahead_lock:
@@ -1318,9 +1322,6 @@ def _resolve_device(device: Any) -> str:
     if isinstance(device, str) and device.lstrip("-").isdigit():
         device = int(device)
     if isinstance(device, int) and not isinstance(device, bool):
-        text = _ordinal_uuid.get(device)
-        if text is not None:
-            return text
         from . import _cuda
         us = _cuda.uuids()
         if not 0 <= device < len(us):
