@@ -11,7 +11,7 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/cudaipc/cudaipc/internal/cli"
+	"github.com/cudaipc/cudaipc/cmd/cudaipc/internal/cli"
 )
 
 func main() {

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc"
-	"github.com/cudaipc/cudaipc/internal/diag"
+	"github.com/cudaipc/cudaipc/cmd/cudaipc/internal/diag"
 	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 

@@ -19,7 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cudaipc/cudaipc/client"
-	"github.com/cudaipc/cudaipc/internal/diag"
+	"github.com/cudaipc/cudaipc/cmd/cudaipc/internal/diag"
 )
 
 // Globals are the flags every command sees, plus the writers and context the

@@ -13,6 +13,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	testutil.RunRole(testutil.Roles{"dumpExporter": roleDumpExporter})
 	// The doctor's self-test, 'bench ipc' and 'demo' re-execute this binary
 	// (as 'cudaipc diag-helper'); so do tests that run 'cudaipc serve'.
 	if runAsCLIMain() {
