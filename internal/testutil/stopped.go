@@ -6,7 +6,6 @@ import (
 	"os"
 	"syscall"
 	"testing"
-	"time"
 )
 
 // Stop sends SIGSTOP to process pid and waits until every one of its
@@ -18,7 +17,7 @@ func Stop(t testing.TB, pid int) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { syscall.Kill(pid, syscall.SIGCONT) })
-	for {
+	Eventually(t, Wait, func() error {
 		tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
 		if err != nil {
 			t.Fatal(err)
@@ -34,9 +33,9 @@ func Stop(t testing.TB, pid int) {
 				stopped++
 			}
 		}
-		if stopped == len(tasks) {
-			return
+		if stopped != len(tasks) {
+			return fmt.Errorf("%d of the %d threads of process %d stopped", stopped, len(tasks), pid)
 		}
-		time.Sleep(time.Millisecond) // poll interval, not a deadline
-	}
+		return nil
+	})
 }

@@ -1,0 +1,34 @@
+package testutil
+
+import (
+	"testing"
+	"time"
+)
+
+// Eventually calls cond until it returns nil, and fails the test with
+// cond's last error when timeout passes first: a test that waits for
+// something asynchronous (the daemon noticing a closed connection, a
+// listener coming up) fails instead of hanging until go test's own
+// timeout. cond runs on the test's goroutine, so it may call t.Fatal.
+// The interval between calls grows from 1 ms to 20 ms; it orders nothing.
+func Eventually(t testing.TB, timeout time.Duration, cond func() error) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	pause := time.Millisecond
+	for {
+		err := cond()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("not within %v: %v", timeout, err)
+		}
+		time.Sleep(pause)
+		pause = min(2*pause, 20*time.Millisecond)
+	}
+}
+
+// Wait is the timeout tests give Eventually for what takes milliseconds on
+// an idle machine: long enough for a loaded 2-core machine under -race,
+// short enough that a failure ends the test well before go test's timeout.
+const Wait = 30 * time.Second
