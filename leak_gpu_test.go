@@ -1,9 +1,9 @@
 package cudaipc_test
 
 import (
+	"fmt"
 	"runtime"
 	"testing"
-	"time"
 
 	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/internal/testutil"
@@ -46,14 +46,13 @@ func TestDroppedObjectsAreReleased(t *testing.T) {
 		during.HostBuffers != before.HostBuffers+1 || during.ShareableBuffers != before.ShareableBuffers+1 {
 		t.Fatalf("live before %+v, with the objects %+v", before, during)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for cudaipc.LiveObjects() != before {
-		if time.Now().After(deadline) {
-			t.Fatalf("live before %+v, after dropping and collecting %+v", before, cudaipc.LiveObjects())
-		}
+	testutil.Eventually(t, testutil.Wait, func() error {
 		runtime.GC()
-		time.Sleep(time.Millisecond)
-	}
+		if now := cudaipc.LiveObjects(); now != before {
+			return fmt.Errorf("live before %+v, after dropping and collecting %+v", before, now)
+		}
+		return nil
+	})
 	// The device still works: nothing was destroyed twice.
 	if err := dev.Synchronize(); err != nil {
 		t.Fatal(err)

@@ -14,7 +14,6 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
-	"time"
 
 	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/internal/testutil"
@@ -89,19 +88,20 @@ func containerDaemon(t *testing.T, env ...string) (share, sock string) {
 	d := spawnIn(t, testutil.Container{Share: share}, "daemon",
 		append(env, "CUDAIPC_SOCKET="+sock, fmt.Sprintf("ALLOW_UIDS=%d %d", exporterUID, readerUID))...)
 	hostSock := filepath.Join(share, "store.sock")
-	for {
-		c, err := client.Dial(context.Background(), hostSock)
-		if err == nil {
-			c.Close()
-			return share, sock
-		}
+	testutil.Eventually(t, testutil.Wait, func() error {
 		select {
 		case <-d.waited:
 			t.Fatalf("daemon exited (%v):\n%s", d.err, d.stderr.String())
 		default:
 		}
-		time.Sleep(5 * time.Millisecond) // poll interval, not a deadline
-	}
+		c, err := client.Dial(context.Background(), hostSock)
+		if err != nil {
+			return err
+		}
+		c.Close()
+		return nil
+	})
+	return share, sock
 }
 
 // The harness makes what it promises: every container is PID 1 of its

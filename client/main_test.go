@@ -318,18 +318,20 @@ type daemon struct {
 func startDaemon(t testing.TB, sock string, env ...string) *daemon {
 	t.Helper()
 	d := &daemon{proc: spawn(t, "daemon", nil, append(env, "CUDAIPC_SOCKET="+sock)...), socket: sock}
-	for {
-		c, err := client.Dial(context.Background(), sock)
-		if err == nil {
-			c.Close()
-			return d
-		}
+	testutil.Eventually(t, testutil.Wait, func() error {
 		select {
 		case <-d.waited:
 			t.Fatalf("daemon exited (%v):\n%s", d.err, d.stderr.String())
-		case <-time.After(5 * time.Millisecond): // poll interval, not a deadline
+		default:
 		}
-	}
+		c, err := client.Dial(context.Background(), sock)
+		if err != nil {
+			return err
+		}
+		c.Close()
+		return nil
+	})
+	return d
 }
 
 // socketPath returns a socket path in a fresh directory.
@@ -402,14 +404,14 @@ func stream(seed uint64, name string, size int) []byte {
 // dead client asynchronously; there is no event for it).
 func waitLeases(t *testing.T, c *client.Client, name string, n int) {
 	t.Helper()
-	for {
+	testutil.Eventually(t, testutil.Wait, func() error {
 		info, err := c.Stat(context.Background(), name)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if info.Leases == n {
-			return
+		if info.Leases != n {
+			return fmt.Errorf("%s has %d leases, want %d", name, info.Leases, n)
 		}
-		time.Sleep(2 * time.Millisecond) // poll interval, not a deadline
-	}
+		return nil
+	})
 }

@@ -19,7 +19,6 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/client"
@@ -282,32 +281,31 @@ func TestRegisterAcrossContainers(t *testing.T) {
 	host := dial(t, share+"/store.sock")
 	fmt.Fprintln(exp.in, "exit")
 	<-exp.waited
-	for {
+	testutil.Eventually(t, testutil.Wait, func() error { // the daemon notices the exit asynchronously
 		info, err := host.Stat(context.Background(), qualified)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if info.Orphaned {
-			if !info.External || info.Leases != 1 {
-				t.Fatalf("orphan %+v", info)
-			}
-			break
+		if !info.Orphaned {
+			return fmt.Errorf("%s not orphaned after its exporter exited: %+v", qualified, info)
 		}
-		waitALittle()
-	}
+		if !info.External || info.Leases != 1 {
+			t.Fatalf("orphan %+v", info)
+		}
+		return nil
+	})
 	fmt.Fprintln(rd.in, "again")
 	if got := rd.expect("again "); got != newer {
 		t.Fatal("the reader's mapping changed after the exporter exited")
 	}
 	fmt.Fprintln(rd.in, "release")
 	rd.expect("released")
-	for {
-		_, err := host.Stat(context.Background(), qualified)
-		if errors.Is(err, client.ErrNotFound) {
-			break
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if _, err := host.Stat(context.Background(), qualified); !errors.Is(err, client.ErrNotFound) {
+			return fmt.Errorf("stat of %s after its last release: %v, want ErrNotFound", qualified, err)
 		}
-		waitALittle()
-	}
+		return nil
+	})
 }
 
 // A legacy (cudaMalloc) registration cannot be opened from a sibling
@@ -325,10 +323,6 @@ func TestRegisterLegacyFailsAcrossContainers(t *testing.T) {
 	}
 	t.Logf("the reader's error: %s", msg)
 }
-
-// waitALittle is the poll interval of loops that wait for the daemon to
-// notice something asynchronously (no event tells it).
-func waitALittle() { time.Sleep(2 * time.Millisecond) }
 
 func init() {
 	// Enters its container (TestMain did) and becomes python3 running
@@ -400,16 +394,16 @@ func TestRegisterTorchCuPyAcrossContainers(t *testing.T) {
 			fmt.Fprintln(exp.in, "exit")
 			<-exp.waited
 			host := dial(t, share+"/store.sock")
-			for {
+			testutil.Eventually(t, testutil.Wait, func() error {
 				info, err := host.Stat(context.Background(), qualified)
 				if err != nil {
 					t.Fatal(err)
 				}
-				if info.Orphaned {
-					break
+				if !info.Orphaned {
+					return fmt.Errorf("%s not orphaned after its exporter exited: %+v", qualified, info)
 				}
-				waitALittle()
-			}
+				return nil
+			})
 			fmt.Fprintln(rd.in, "again")
 			if got := rd.expect("again "); got != newer {
 				t.Fatal("the reader's mapping changed after the exporter exited")

@@ -13,6 +13,7 @@ import (
 
 	"github.com/cudaipc/cudaipc/bundle"
 	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
 // shardContent is what shard shard of version v of name holds: every
@@ -117,17 +118,17 @@ func getVersion(c *client.Client, name string, v uint64) (*client.Lease, error) 
 // leases end asynchronously; there is no event for that).
 func waitGone(t *testing.T, c *client.Client, name string, v uint64) {
 	t.Helper()
-	for {
+	testutil.Eventually(t, testutil.Wait, func() error {
 		l, err := getVersion(c, name, v)
 		if errors.Is(err, client.ErrNotFound) {
-			return
+			return nil
 		}
 		if err != nil {
 			t.Fatalf("get v%d: %v", v, err)
 		}
 		l.Release()
-		time.Sleep(2 * time.Millisecond) // poll interval, not a deadline
-	}
+		return fmt.Errorf("%s v%d not reclaimed yet", name, v)
+	})
 }
 
 func TestVersionReaderHoldsOldVersion(t *testing.T) {

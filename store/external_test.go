@@ -3,13 +3,14 @@ package store
 import (
 	"bytes"
 	"crypto/rand"
+	"fmt"
 	"os"
 	"testing"
-	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/internal/testutil"
 	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
@@ -98,19 +99,19 @@ func TestRegisterVMMOrphanedUntilLastRelease(t *testing.T) {
 	protocol.CloseFiles(got)
 
 	exp.c.Close()
-	for {
+	testutil.Eventually(t, testutil.Wait, func() error { // the daemon notices the close asynchronously
 		in, c := rd.stat("torch/w")
 		if c != storev1.Error_OK {
 			t.Fatalf("stat after the exporter left: %v", c)
 		}
-		if in.GetOrphaned() {
-			if in.GetLeases() != 1 {
-				t.Fatalf("orphaned with %d leases", in.GetLeases())
-			}
-			break
+		if !in.GetOrphaned() {
+			return fmt.Errorf("torch/w not orphaned after its exporter left: %v", in)
 		}
-		time.Sleep(2 * time.Millisecond) // the daemon notices the close asynchronously
-	}
+		if in.GetLeases() != 1 {
+			t.Fatalf("orphaned with %d leases", in.GetLeases())
+		}
+		return nil
+	})
 	rel, _ := rd.do(req(&storev1.ReleaseRequest{LeaseId: g.GetGet().GetLeaseId()}))
 	wantCode(t, rel, storev1.Error_OK)
 	if _, c := rd.stat("torch/w"); c != storev1.Error_NOT_FOUND {
@@ -145,12 +146,12 @@ func TestRegisterLegacyBoundToExporter(t *testing.T) {
 	}
 	exp.c.Close()
 	// Removed although leased: the memory dies with its exporter.
-	for {
-		if _, c := rd.stat("cupy/a"); c == storev1.Error_NOT_FOUND {
-			break
+	testutil.Eventually(t, testutil.Wait, func() error { // the daemon notices the close asynchronously
+		if _, c := rd.stat("cupy/a"); c != storev1.Error_NOT_FOUND {
+			return fmt.Errorf("stat of cupy/a after its exporter left: %v, want NOT_FOUND", c)
 		}
-		time.Sleep(2 * time.Millisecond) // the daemon notices the close asynchronously
-	}
+		return nil
+	})
 	rel, _ := rd.do(req(&storev1.ReleaseRequest{LeaseId: g.GetGet().GetLeaseId()}))
 	wantCode(t, rel, storev1.Error_OK)
 	bad := map[string]*storev1.RegisterRequest{

@@ -3,12 +3,14 @@ package store
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"log/slog"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
-	"time"
+
+	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
 // logBuffer collects a store's logs for a test.
@@ -42,9 +44,12 @@ func TestServeLogsRealPath(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- s.ListenAndServe(ctx, path) }()
-	for !strings.Contains(logs.String(), "msg=serving") {
-		time.Sleep(time.Millisecond) // poll interval, not a deadline
-	}
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if !strings.Contains(logs.String(), "msg=serving") {
+			return fmt.Errorf("no msg=serving in the log:\n%s", logs.String())
+		}
+		return nil
+	})
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)

@@ -4,20 +4,22 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"golang.org/x/sys/unix"
 
+	"github.com/cudaipc/cudaipc/internal/testutil"
 	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
@@ -110,11 +112,14 @@ func (rc *rawClient) do(req *storev1.Request) (*storev1.Response, []*os.File) {
 }
 
 // recv returns the response to request id; with id 0, the next event.
+// A daemon that does not answer within testutil.Wait fails the test.
 func (rc *rawClient) recv(id uint64) (*storev1.Response, []*os.File) {
 	rc.t.Helper()
 	for {
 		var resp storev1.Response
+		rc.c.SetReadDeadline(time.Now().Add(testutil.Wait))
 		files, err := rc.c.Recv(&resp)
+		rc.c.SetReadDeadline(time.Time{})
 		if err != nil {
 			rc.t.Fatal(err)
 		}
@@ -321,9 +326,13 @@ func TestServerDisconnectAbortsAndReleases(t *testing.T) {
 	w.c.Close() // the creator goes away mid-write
 	r.c.Close() // the reader goes away holding its lease
 	// The watcher learns of the abort from its events.
-	for !hasEvent(watcher.events, storev1.Event_ABORTED, "half") {
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if hasEvent(watcher.events, storev1.Event_ABORTED, "half") {
+			return nil
+		}
 		watcher.recv(0)
-	}
+		return fmt.Errorf("no ABORTED event for half in %v", watcher.events)
+	})
 	if !hasEvent(watcher.events, storev1.Event_SEALED, "kept") || !hasEvent(watcher.events, storev1.Event_DELETED, "kept") {
 		t.Fatalf("events %v", watcher.events)
 	}
@@ -331,15 +340,15 @@ func TestServerDisconnectAbortsAndReleases(t *testing.T) {
 	wantCode(t, resp, storev1.Error_NOT_FOUND)
 	// The lease goes when the reader's connection is cleaned up; a new
 	// object of the same size shows the memory free again.
-	for {
+	testutil.Eventually(t, testutil.Wait, func() error {
 		s.mu.Lock()
 		n := s.leases
 		s.mu.Unlock()
-		if n == 0 {
-			break
+		if n != 0 {
+			return fmt.Errorf("%d leases after the reader left", n)
 		}
-		watcher.do(req(&storev1.ListRequest{})) // a round trip, then look again
-	}
+		return nil
+	})
 }
 
 func hasEvent(events []*storev1.Event, kind storev1.Event_Kind, name string) bool {
@@ -502,18 +511,18 @@ func TestServerConcurrentClients(t *testing.T) {
 	wg.Wait()
 	// Every connection is gone or going; once all sessions are cleaned
 	// up, no memory is held.
-	for {
+	testutil.Eventually(t, testutil.Wait, func() error {
 		s.mu.Lock()
 		n, leases, used := len(s.sessions), s.leases, s.devices["host"].alloc.Stats().Used
 		s.mu.Unlock()
-		if n == 0 {
-			if leases != 0 || used != 0 {
-				t.Fatalf("after all clients left: %d leases, %d bytes used", leases, used)
-			}
-			break
+		if n != 0 {
+			return fmt.Errorf("%d sessions after all clients left", n)
 		}
-		runtime.Gosched()
-	}
+		if leases != 0 || used != 0 {
+			t.Fatalf("after all clients left: %d leases, %d bytes used", leases, used)
+		}
+		return nil
+	})
 }
 
 // TestServerSlowSubscriber checks that a subscriber that does not read

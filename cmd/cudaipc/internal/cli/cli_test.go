@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -82,13 +83,17 @@ func serve(t *testing.T, args ...string) string {
 			t.Errorf("serve: %v\n%s", serr, errOut.String())
 		}
 	})
-	// Wait until it answers.
-	for {
-		if _, _, err := storeCLI(t, "ls", "--socket", sock); err == nil {
-			return sock
-		}
-		time.Sleep(5 * time.Millisecond) // poll interval, not a deadline
-	}
+	waitServing(t, sock)
+	return sock
+}
+
+// waitServing waits until the daemon on sock answers ls.
+func waitServing(t *testing.T, sock string) {
+	t.Helper()
+	testutil.Eventually(t, testutil.Wait, func() error {
+		_, _, err := storeCLI(t, "ls", "--socket", sock)
+		return err
+	})
 }
 
 func TestMetricsAddr(t *testing.T) {
@@ -247,12 +252,7 @@ func TestServeStopsOnSIGTERM(t *testing.T) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	for {
-		if _, _, err := storeCLI(t, "ls", "--socket", sock); err == nil {
-			break
-		}
-		time.Sleep(5 * time.Millisecond) // poll interval, not a deadline
-	}
+	waitServing(t, sock)
 	mustRun(t, "put", os.Args[0], "--name", "self", "--socket", sock)
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
@@ -285,20 +285,21 @@ func TestServeMetrics(t *testing.T) {
 		t.Fatal(err)
 	}
 	var body []byte
-	for i := 0; ; i++ { // the listener starts beside the socket: poll until it answers
+	testutil.Eventually(t, testutil.Wait, func() error { // the listener starts beside the socket
 		resp, err := http.Get("http://127.0.0.1:" + port + "/metrics")
-		if err == nil {
-			body, err = io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if err == nil && resp.StatusCode == http.StatusOK {
-				break
-			}
+		if err != nil {
+			return fmt.Errorf("no metrics on port %s: %w", port, err)
 		}
-		if i == 500 {
-			t.Fatalf("no metrics on port %s: %v", port, err)
+		defer resp.Body.Close()
+		body, err = io.ReadAll(resp.Body)
+		if err != nil {
+			return fmt.Errorf("metrics on port %s: %w", port, err)
 		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("metrics on port %s: %s", port, resp.Status)
+		}
+		return nil
+	})
 	for _, want := range []string{
 		`cudaipc_store_objects{device="host",state="sealed"} 1`,
 		`cudaipc_store_requests_total{op="create",result="ok"} 1`,
@@ -336,12 +337,7 @@ func TestGetTimeoutStoppedDaemon(t *testing.T) {
 		cmd.Process.Signal(syscall.SIGTERM)
 		cmd.Wait()
 	}()
-	for {
-		if _, _, err := storeCLI(t, "ls", "--socket", sock); err == nil {
-			break
-		}
-		time.Sleep(5 * time.Millisecond) // poll interval, not a deadline
-	}
+	waitServing(t, sock)
 	mustRun(t, "put", os.Args[0], "--name", "self", "--socket", sock)
 	testutil.Stop(t, cmd.Process.Pid)
 	_, _, err := storeCLI(t, "get", "self", "--timeout", "300ms", "--socket", sock, "-o", filepath.Join(t.TempDir(), "out"))

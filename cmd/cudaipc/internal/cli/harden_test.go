@@ -14,7 +14,6 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -262,12 +261,8 @@ func twoUserStore(t *testing.T, args ...string) (sock, exe string) {
 			t.Errorf("serve: %v\n%s", err, errOut.String())
 		}
 	})
-	for {
-		if _, _, err := storeCLI(t, "ls", "--socket", sock); err == nil {
-			return sock, exe
-		}
-		time.Sleep(5 * time.Millisecond) // poll interval, not a deadline
-	}
+	waitServing(t, sock)
+	return sock, exe
 }
 
 // TestOwnersCannotBeImpersonated: uid 65534 and root each have their own

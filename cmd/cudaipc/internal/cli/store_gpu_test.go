@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/cmd/cudaipc/internal/diag"
@@ -49,16 +48,16 @@ func serveProcess(t *testing.T, args ...string) string {
 			t.Errorf("serve: %v\n%s", err, errOut.String())
 		}
 	})
-	for {
-		if _, _, err := storeCLI(t, "ls", "--socket", sock); err == nil {
-			return sock
-		}
+	testutil.Eventually(t, testutil.Wait, func() error {
 		select {
 		case err := <-done:
 			t.Fatalf("serve exited: %v\n%s", err, errOut.String())
-		case <-time.After(5 * time.Millisecond): // poll interval, not a deadline
+		default:
 		}
-	}
+		_, _, err := storeCLI(t, "ls", "--socket", sock)
+		return err
+	})
+	return sock
 }
 
 // put --device, get, ls, stat --json and dump --region of the stat's
