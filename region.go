@@ -52,11 +52,23 @@ func ParseKind(s string) (Kind, error) {
 	return 0, fmt.Errorf("unknown kind %q", s)
 }
 
-// RegionVersion is the format version this package writes and reads.
+// RegionVersion is the format version of a region of one allocation.
+// This package writes it for every such region and reads it.
 const RegionVersion = 1
 
+// RegionVersionPieces is the format version of a KindVMMFD region that
+// spans several allocations (MorePieces): a version 1 reader refuses it by
+// its version, never misreads it.
+const RegionVersionPieces = 2
+
 // RegionBinarySize is the length of a Region's binary encoding, version 1.
+// A version 2 region is RegionBinarySize + 4 + 24 bytes per further piece.
 const RegionBinarySize = 164
+
+// MaxRegionPieces bounds the allocations one region spans: 65,536 pieces
+// of PyTorch's 20 MiB expandable segments are 1.25 TiB, more than any GPU
+// holds. Transports bound it further (a store packet is 64 KiB).
+const MaxRegionPieces = 1 << 16
 
 // regionMagic opens every binary Region: "CIPR".
 var regionMagic = [4]byte{'C', 'I', 'P', 'R'}
@@ -84,6 +96,73 @@ type Region struct {
 	BootID       BootID       // the exporter's /proc/sys/kernel/random/boot_id
 	BufferID     uint64       // KindCUDAIPC: CU_POINTER_ATTRIBUTE_BUFFER_ID of the allocation in the exporter; KindVMMFD: zero
 	ExporterBase DevicePtr    // the allocation's base address in the exporter
+
+	// MorePieces (KindVMMFD, version 2 only) lists the allocations mapped
+	// right after the first one (AllocationID, AllocSize), back to back in
+	// address order, when one virtual range is backed by several physical
+	// allocations (PyTorch's expandable segments). Offset and Size then
+	// address the whole range, and one descriptor per piece, first piece
+	// first, travels beside the region. Empty for one allocation.
+	MorePieces []Piece
+}
+
+// Piece is one allocation of a KindVMMFD region after its first.
+type Piece struct {
+	AllocationID AllocationID // the exporter's id of the allocation, as Region.AllocationID
+	Size         int64        // the allocation's mapped size, > 0
+}
+
+// Pieces returns every allocation the region spans, first to last: one
+// for a version 1 region. The slice is new.
+func (r Region) Pieces() []Piece {
+	return append([]Piece{{r.AllocationID, r.AllocSize}}, r.MorePieces...)
+}
+
+// MappedSize returns the bytes the region's allocations span together:
+// AllocSize plus the sizes of MorePieces.
+func (r Region) MappedSize() int64 {
+	n := r.AllocSize
+	for _, p := range r.MorePieces {
+		n += p.Size
+	}
+	return n
+}
+
+// Equal reports whether r and o describe the same memory in the same
+// words (Region has a slice and is not comparable with ==).
+func (r Region) Equal(o Region) bool {
+	if len(r.MorePieces) != len(o.MorePieces) {
+		return false
+	}
+	for i := range r.MorePieces {
+		if r.MorePieces[i] != o.MorePieces[i] {
+			return false
+		}
+	}
+	r.MorePieces, o.MorePieces = nil, nil
+	return r.header() == o.header()
+}
+
+// regionHeader is a Region without its pieces: comparable.
+type regionHeader struct {
+	Version      uint16
+	Kind         Kind
+	Handle       MemHandle
+	AllocationID AllocationID
+	Offset       int64
+	Size         int64
+	AllocSize    int64
+	Device       UUID
+	ExporterPID  int
+	PIDNamespace uint64
+	BootID       BootID
+	BufferID     uint64
+	ExporterBase DevicePtr
+}
+
+func (r Region) header() regionHeader {
+	return regionHeader{r.Version, r.Kind, r.Handle, r.AllocationID, r.Offset, r.Size, r.AllocSize,
+		r.Device, r.ExporterPID, r.PIDNamespace, r.BootID, r.BufferID, r.ExporterBase}
 }
 
 // AllocationID names one VMM allocation for importers: the exporter draws
@@ -161,8 +240,16 @@ func regionErr(field, format string, args ...any) error {
 // bad one. Import, the encoders and the decoders call it.
 func (r Region) Validate() error {
 	switch {
-	case r.Version != RegionVersion:
-		return regionErr("version", "%d: this package reads version %d", r.Version, RegionVersion)
+	case r.Version != RegionVersion && r.Version != RegionVersionPieces:
+		return regionErr("version", "%d: this package reads versions %d and %d", r.Version, RegionVersion, RegionVersionPieces)
+	case r.Version == RegionVersionPieces && r.Kind != KindVMMFD:
+		return regionErr("version", "%d is the form of a vmm-fd region of several allocations; this region is %s", r.Version, r.Kind)
+	case r.Version == RegionVersionPieces && len(r.MorePieces) == 0:
+		return regionErr("pieces", "a version %d region spans at least two allocations; write one allocation as version %d", r.Version, RegionVersion)
+	case r.Version == RegionVersion && len(r.MorePieces) > 0:
+		return regionErr("version", "%d: a region of %d allocations is version %d", r.Version, 1+len(r.MorePieces), RegionVersionPieces)
+	case len(r.MorePieces) >= MaxRegionPieces:
+		return regionErr("pieces", "%d allocations: at most %d", 1+len(r.MorePieces), MaxRegionPieces)
 	case r.Kind == KindHost:
 		return regionErr("kind", "%s (%d) is reserved and not implemented by this version", r.Kind, uint16(r.Kind))
 	case r.Kind == 0:
@@ -183,7 +270,16 @@ func (r Region) Validate() error {
 		return regionErr("offset", "%d: must not be negative", r.Offset)
 	case r.AllocSize <= 0:
 		return regionErr("alloc_size", "%d: must be positive", r.AllocSize)
-	case r.Offset > r.AllocSize || r.Size > r.AllocSize-r.Offset:
+	}
+	mapped, err := r.checkPieces()
+	if err != nil {
+		return err
+	}
+	switch {
+	case r.Offset > mapped || r.Size > mapped-r.Offset:
+		if len(r.MorePieces) > 0 {
+			return regionErr("size", "[%d, %d+%d) runs past the end of the %d bytes the %d allocations span", r.Offset, r.Offset, r.Size, mapped, 1+len(r.MorePieces))
+		}
 		return regionErr("size", "[%d, %d+%d) runs past the end of the %d-byte allocation", r.Offset, r.Offset, r.Size, r.AllocSize)
 	case r.Device.IsZero():
 		return regionErr("device", "zero GPU UUID")
@@ -199,10 +295,38 @@ func (r Region) Validate() error {
 		return regionErr("buffer_id", "%d in a vmm-fd region: must be zero (the allocation id names the allocation)", r.BufferID)
 	case r.ExporterBase == 0:
 		return regionErr("exporter_base", "zero: want the allocation's base address in the exporter")
-	case uint64(r.ExporterBase)+uint64(r.AllocSize) < uint64(r.ExporterBase):
-		return regionErr("exporter_base", "%#x + %d bytes wraps around the address space", uint64(r.ExporterBase), r.AllocSize)
+	case uint64(r.ExporterBase)+uint64(mapped) < uint64(r.ExporterBase):
+		return regionErr("exporter_base", "%#x + %d bytes wraps around the address space", uint64(r.ExporterBase), mapped)
 	}
 	return nil
+}
+
+// checkPieces checks MorePieces (positive sizes, non-zero ids, no
+// allocation twice, a total below 2^62) and returns the bytes all pieces
+// span.
+func (r Region) checkPieces() (int64, error) {
+	total := r.AllocSize
+	if len(r.MorePieces) == 0 {
+		return total, nil
+	}
+	seen := make(map[AllocationID]struct{}, 1+len(r.MorePieces))
+	seen[r.AllocationID] = struct{}{}
+	for i, p := range r.MorePieces {
+		switch {
+		case p.AllocationID.IsZero():
+			return 0, regionErr("pieces", "piece %d: zero allocation id", i+1)
+		case p.Size <= 0:
+			return 0, regionErr("pieces", "piece %d: size %d: must be positive", i+1, p.Size)
+		case p.Size > math.MaxInt64/4-total:
+			return 0, regionErr("pieces", "piece %d: the pieces' sizes add up past 2^61", i+1)
+		}
+		if _, dup := seen[p.AllocationID]; dup {
+			return 0, regionErr("pieces", "piece %d: allocation %s appears twice", i+1, p.AllocationID)
+		}
+		seen[p.AllocationID] = struct{}{}
+		total += p.Size
+	}
+	return total, nil
 }
 
 // Sub returns the region of r that starts off bytes into r and is size
@@ -220,6 +344,10 @@ func (r Region) Sub(off, size int64) (Region, error) {
 
 // String describes r for logs without the handle's bytes.
 func (r Region) String() string {
+	if r.Kind == KindVMMFD && len(r.MorePieces) > 0 {
+		return fmt.Sprintf("Region(%s %d bytes at +%d of %d in %d allocations, %s, pid %d, first allocation %s)",
+			r.Kind, r.Size, r.Offset, r.MappedSize(), 1+len(r.MorePieces), r.Device, r.ExporterPID, r.AllocationID)
+	}
 	if r.Kind == KindVMMFD {
 		return fmt.Sprintf("Region(%s %d bytes at +%d of %d, %s, pid %d, allocation %s)",
 			r.Kind, r.Size, r.Offset, r.AllocSize, r.Device, r.ExporterPID, r.AllocationID)
@@ -227,6 +355,19 @@ func (r Region) String() string {
 	return fmt.Sprintf("Region(%s %d bytes at +%d of %d, %s, pid %d, buffer %d, %s)",
 		r.Kind, r.Size, r.Offset, r.AllocSize, r.Device, r.ExporterPID, r.BufferID, r.Handle)
 }
+
+// BinarySize returns the length of r's binary encoding: RegionBinarySize
+// for version 1, and 4 + 24 bytes more per further piece for version 2.
+func (r Region) BinarySize() int {
+	if len(r.MorePieces) == 0 {
+		return RegionBinarySize
+	}
+	return RegionBinarySize + 4 + pieceBinarySize*len(r.MorePieces)
+}
+
+// pieceBinarySize is the length of one further piece in a version 2
+// region: its allocation id and its size.
+const pieceBinarySize = 24
 
 // AppendBinary appends the binary encoding (docs/region.md) to b.
 func (r Region) AppendBinary(b []byte) ([]byte, error) {
@@ -254,17 +395,25 @@ func (r Region) AppendBinary(b []byte) ([]byte, error) {
 	b = append(b, r.BootID[:]...)
 	b = binary.LittleEndian.AppendUint64(b, r.BufferID)
 	b = binary.LittleEndian.AppendUint64(b, uint64(r.ExporterBase))
+	if len(r.MorePieces) > 0 {
+		b = binary.LittleEndian.AppendUint32(b, uint32(1+len(r.MorePieces)))
+		for _, p := range r.MorePieces {
+			b = append(b, p.AllocationID[:]...)
+			b = binary.LittleEndian.AppendUint64(b, uint64(p.Size))
+		}
+	}
 	b = binary.LittleEndian.AppendUint32(b, crc32.ChecksumIEEE(b[start:]))
 	return b, nil
 }
 
-// MarshalBinary returns the RegionBinarySize-byte encoding.
+// MarshalBinary returns the binary encoding, BinarySize bytes.
 func (r Region) MarshalBinary() ([]byte, error) {
-	return r.AppendBinary(make([]byte, 0, RegionBinarySize))
+	return r.AppendBinary(make([]byte, 0, r.BinarySize()))
 }
 
-// UnmarshalBinary decodes and validates the binary encoding. Any other
-// length, a bad magic, version, checksum or field is a *RegionError.
+// UnmarshalBinary decodes and validates the binary encoding of either
+// version. A length other than the version's, a bad magic, version,
+// checksum or field is a *RegionError.
 func (r *Region) UnmarshalBinary(b []byte) error {
 	if len(b) < 8 {
 		return regionErr("length", "%d bytes: too short for a binary region (%d)", len(b), RegionBinarySize)
@@ -273,21 +422,37 @@ func (r *Region) UnmarshalBinary(b []byte) error {
 		return regionErr("magic", "%q: want %q", b[0:4], regionMagic[:])
 	}
 	le := binary.LittleEndian
-	if v := le.Uint16(b[4:]); v != RegionVersion {
-		return regionErr("version", "%d: this package reads version %d", v, RegionVersion)
+	version, kind := le.Uint16(b[4:]), Kind(le.Uint16(b[6:]))
+	switch {
+	case version != RegionVersion && version != RegionVersionPieces:
+		return regionErr("version", "%d: this package reads versions %d and %d", version, RegionVersion, RegionVersionPieces)
+	case version == RegionVersionPieces && kind != KindVMMFD:
+		return regionErr("version", "%d is the form of a vmm-fd region of several allocations; this region is %s", version, kind)
 	}
-	if len(b) != RegionBinarySize {
-		return regionErr("length", "%d bytes: want %d", len(b), RegionBinarySize)
+	want := RegionBinarySize
+	var count int
+	if version == RegionVersionPieces {
+		if len(b) < RegionBinarySize+4 {
+			return regionErr("length", "%d bytes: a version 2 region has at least %d", len(b), RegionBinarySize+4+pieceBinarySize)
+		}
+		count = int(le.Uint32(b[160:]))
+		if count < 2 || count > MaxRegionPieces {
+			return regionErr("pieces", "piece count %d: want 2..%d", count, MaxRegionPieces)
+		}
+		want = RegionBinarySize + 4 + pieceBinarySize*(count-1)
 	}
-	if got, want := le.Uint32(b[160:]), crc32.ChecksumIEEE(b[:160]); got != want {
-		return regionErr("crc32", "%#08x: bytes 0-159 sum to %#08x", got, want)
+	if len(b) != want {
+		return regionErr("length", "%d bytes: want %d", len(b), want)
+	}
+	end := want - 4
+	if got, sum := le.Uint32(b[end:]), crc32.ChecksumIEEE(b[:end]); got != sum {
+		return regionErr("crc32", "%#08x: bytes 0-%d sum to %#08x", got, end-1, sum)
 	}
 	if f := le.Uint32(b[116:]); f != 0 {
 		return regionErr("flags", "%#x: no flags are defined; must be zero", f)
 	}
 	var v Region
-	v.Version = le.Uint16(b[4:])
-	v.Kind = Kind(le.Uint16(b[6:]))
+	v.Version, v.Kind = version, kind
 	if v.Kind == KindVMMFD {
 		copy(v.AllocationID[:], b[8:24])
 		if !allZero(b[24:72]) {
@@ -307,6 +472,18 @@ func (r *Region) UnmarshalBinary(b []byte) error {
 	copy(v.BootID[:], b[128:144])
 	v.BufferID = le.Uint64(b[144:])
 	v.ExporterBase = DevicePtr(le.Uint64(b[152:]))
+	if count > 0 {
+		v.MorePieces = make([]Piece, count-1)
+		for i := range v.MorePieces {
+			at := RegionBinarySize + pieceBinarySize*i
+			copy(v.MorePieces[i].AllocationID[:], b[at:at+16])
+			n := le.Uint64(b[at+16:])
+			if n > math.MaxInt64 {
+				return regionErr("pieces", "piece %d: size %d: must be below 2^63", i+1, n)
+			}
+			v.MorePieces[i].Size = int64(n)
+		}
+	}
 	if err := v.Validate(); err != nil {
 		return err
 	}
@@ -340,6 +517,12 @@ type regionJSON struct {
 	BootID       BootID        `json:"boot_id"`
 	BufferID     *uint64       `json:"buffer_id,omitempty"`
 	ExporterBase string        `json:"exporter_base"`
+	MorePieces   []pieceJSON   `json:"more_pieces,omitempty"`
+}
+
+type pieceJSON struct {
+	AllocationID *AllocationID `json:"allocation_id"`
+	Size         int64         `json:"alloc_size"`
 }
 
 // MarshalJSON encodes r as one JSON object, the handle in base64, the
@@ -359,6 +542,9 @@ func (r Region) MarshalJSON() ([]byte, error) {
 		j.AllocationID = &r.AllocationID
 	} else {
 		j.Handle, j.BufferID = &r.Handle, &r.BufferID
+	}
+	for i := range r.MorePieces {
+		j.MorePieces = append(j.MorePieces, pieceJSON{&r.MorePieces[i].AllocationID, r.MorePieces[i].Size})
 	}
 	return json.Marshal(j)
 }
@@ -409,6 +595,18 @@ func (r *Region) UnmarshalJSON(b []byte) error {
 	}
 	if j.BufferID != nil {
 		v.BufferID = *j.BufferID
+	}
+	if j.MorePieces != nil && len(j.MorePieces) == 0 {
+		return regionErr("pieces", "an empty more_pieces: leave the field out for one allocation")
+	}
+	if len(j.MorePieces) >= MaxRegionPieces {
+		return regionErr("pieces", "%d allocations: at most %d", 1+len(j.MorePieces), MaxRegionPieces)
+	}
+	for i, p := range j.MorePieces {
+		if p.AllocationID == nil {
+			return regionErr("pieces", "piece %d: no allocation_id", i+1)
+		}
+		v.MorePieces = append(v.MorePieces, Piece{*p.AllocationID, p.Size})
 	}
 	if err := v.Validate(); err != nil {
 		return err

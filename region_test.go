@@ -38,6 +38,20 @@ func exampleVMMRegion() Region {
 	return r
 }
 
+// examplePiecesRegion is the version 2 example of docs/region.md: 48 MiB
+// at offset 4 MiB of a range of three 20 MiB allocations (PyTorch's
+// expandable segments), the first one's id and base as in
+// exampleVMMRegion.
+func examplePiecesRegion() Region {
+	r := exampleVMMRegion()
+	r.Version = RegionVersionPieces
+	r.Offset, r.Size, r.AllocSize = 4<<20, 48<<20, 20<<20
+	id2, _ := ParseAllocationID("b1b2c3d4e5f60718293a4b5c6d7e8f91")
+	id3, _ := ParseAllocationID("c1b2c3d4e5f60718293a4b5c6d7e8f92")
+	r.MorePieces = []Piece{{id2, 20 << 20}, {id3, 20 << 20}}
+	return r
+}
+
 // exampleRegionHex is exampleRegion's binary encoding, as docs/region.md
 // shows it.
 const exampleRegionHex = "43495052010001000001020304050607" +
@@ -65,10 +79,10 @@ func TestRegionBinaryGolden(t *testing.T) {
 		t.Fatalf("encoding changed; docs/region.md shows the old one:\n got %s\nwant %s", got, exampleRegionHex)
 	}
 	var back Region
-	if err := back.UnmarshalBinary(b); err != nil || back != r {
+	if err := back.UnmarshalBinary(b); err != nil || !back.Equal(r) {
 		t.Fatalf("round trip: %v\n%+v", err, back)
 	}
-	if d, err := DecodeRegion(b); err != nil || d != r {
+	if d, err := DecodeRegion(b); err != nil || !d.Equal(r) {
 		t.Fatalf("DecodeRegion binary: %v", err)
 	}
 }
@@ -84,7 +98,7 @@ func TestRegionJSONGolden(t *testing.T) {
 		t.Fatalf("JSON changed; docs/region.md shows the old one:\n got %s\nwant %s", b, want)
 	}
 	var back Region
-	if err := json.Unmarshal(b, &back); err != nil || back != r {
+	if err := json.Unmarshal(b, &back); err != nil || !back.Equal(r) {
 		t.Fatalf("round trip: %v", err)
 	}
 	// Whitespace, field order, upper-case hex digits and a "GPU-"-less UUID
@@ -94,7 +108,7 @@ func TestRegionJSONGolden(t *testing.T) {
 	  "alloc_size": 8388608, "size": 4096, "offset": 1048576,
 	  "handle": "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8gISIjJCUmJygpKissLS4vMDEyMzQ1Njc4OTo7PD0+Pw==",
 	  "kind": "cuda-ipc", "version": 1 }`
-	if d, err := DecodeRegion([]byte(loose)); err != nil || d != r {
+	if d, err := DecodeRegion([]byte(loose)); err != nil || !d.Equal(r) {
 		t.Fatalf("loose JSON: %v", err)
 	}
 }
@@ -393,6 +407,9 @@ func TestBootIDAndNSLink(t *testing.T) {
 func FuzzRegionBinary(f *testing.F) {
 	good, _ := exampleRegion().MarshalBinary()
 	f.Add(good)
+	pieces, _ := examplePiecesRegion().MarshalBinary()
+	f.Add(pieces)
+	f.Add(pieces[:RegionBinarySize+4])
 	f.Add(good[:8])
 	f.Add([]byte("CIPR\x01\x00"))
 	f.Fuzz(func(t *testing.T, b []byte) {
@@ -416,6 +433,8 @@ func FuzzRegionBinary(f *testing.F) {
 func FuzzRegionJSON(f *testing.F) {
 	good, _ := json.Marshal(exampleRegion())
 	f.Add(good)
+	pieces, _ := json.Marshal(examplePiecesRegion())
+	f.Add(pieces)
 	f.Add([]byte(`{"version":1}`))
 	f.Add([]byte(`null`))
 	f.Fuzz(func(t *testing.T, b []byte) {
@@ -431,7 +450,7 @@ func FuzzRegionJSON(f *testing.F) {
 			t.Fatal(err)
 		}
 		var r2 Region
-		if err := json.Unmarshal(enc, &r2); err != nil || r2 != r {
+		if err := json.Unmarshal(enc, &r2); err != nil || !r2.Equal(r) {
 			t.Fatalf("re-decoding differs: %v", err)
 		}
 		if enc2, _ := json.Marshal(r2); !bytes.Equal(enc, enc2) {
@@ -499,11 +518,13 @@ func TestDocExamples(t *testing.T) {
 		j, tail, _ := strings.Cut(after, "```")
 		rest = tail
 		if r, err := DecodeRegion([]byte(j)); err == nil {
-			switch r {
-			case exampleRegion():
+			switch {
+			case r.Equal(exampleRegion()):
 				seen["cuda-ipc"] = true
-			case exampleVMMRegion():
+			case r.Equal(exampleVMMRegion()):
 				seen["vmm-fd"] = true
+			case r.Equal(examplePiecesRegion()):
+				seen["vmm-fd-pieces"] = true
 			default:
 				t.Errorf("a JSON example of the doc is no vector's region:\n%s", j)
 			}

@@ -45,7 +45,7 @@ func TestDecodeRegion(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := decodeRegion(bin)
-	if got == nil || *got != r {
+	if got == nil || !got.Equal(r) {
 		t.Fatalf("decodeRegion = %v, want %v", got, r)
 	}
 	// ObjectInfo prints it in the JSON encoding of docs/region.md.

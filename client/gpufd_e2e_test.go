@@ -42,7 +42,7 @@ func TestGPUFDObjectBetweenProcesses(t *testing.T) {
 			t.Fatal(err)
 		}
 		info := l.Info()
-		if l.Mapping() == nil || l.Mapping().Region().Kind != cudaipc.KindVMMFD || info.Region == nil || *info.Region != l.Mapping().Region() ||
+		if l.Mapping() == nil || l.Mapping().Region().Kind != cudaipc.KindVMMFD || info.Region == nil || !info.Region.Equal(l.Mapping().Region()) ||
 			l.Device() != dev.UUID().String() || l.CUDADevice() == nil || l.Ptr() == 0 || l.Bytes() != nil {
 			t.Fatalf("lease: mapping %v, info %+v, ptr %#x", l.Mapping() != nil, info, l.Ptr())
 		}

@@ -108,7 +108,7 @@ func TestCUDABackendPlacements(t *testing.T) {
 			arena = r
 		}
 		// The whole arena, in every placement; all in the first arena.
-		if r != arena || r.Offset != 0 || r.Size != p.arenaSize || r.AllocSize != p.arenaSize || p.offset+p.size > r.Size {
+		if !r.Equal(arena) || r.Offset != 0 || r.Size != p.arenaSize || r.AllocSize != p.arenaSize || p.offset+p.size > r.Size {
 			t.Fatalf("object %d: region %v for placement [%d,+%d) of a %d-byte arena", i, r, p.offset, p.size, p.arenaSize)
 		}
 		if err := c.ss.seal(name); err != nil {
@@ -119,14 +119,14 @@ func TestCUDABackendPlacements(t *testing.T) {
 			t.Fatal(err)
 		}
 		want, _ := arena.Sub(p.offset, size)
-		if got := decodeRegion(t, in.Region); got != want || in.Device != fakeGPU {
+		if got := decodeRegion(t, in.Region); !got.Equal(want) || in.Device != fakeGPU {
 			t.Fatalf("stat region %v, want %v (device %q)", got, want, in.Device)
 		}
 		lp, err := c.ss.get(t.Context(), name, false)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if decodeRegion(t, lp.region) != arena || decodeRegion(t, lp.info.Region) != want || lp.writable {
+		if !decodeRegion(t, lp.region).Equal(arena) || !decodeRegion(t, lp.info.Region).Equal(want) || lp.writable {
 			t.Fatalf("get placement %+v", lp)
 		}
 		if err := c.ss.release(lp.leaseID); err != nil {

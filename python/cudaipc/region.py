@@ -1,7 +1,8 @@
 """Regions (docs/region.md): what one process hands another so that it can map a
-byte range of GPU memory without copying it. The binary (164 bytes) and JSON
-encodings are byte-for-byte those of the Go package (region.go); the shared
-vectors in testdata/regions/ keep both honest.
+byte range of GPU memory without copying it. The binary (164 bytes for one
+allocation, version 1; 168 + 24 per further piece for a vmm-fd range over several,
+version 2) and JSON encodings are byte-for-byte those of the Go package
+(region.go); the shared vectors in testdata/region/ keep both honest.
 
 A region is a bearer capability: whoever holds one on the same machine (and,
 for legacy CUDA IPC, in the same PID namespace) can read and write the memory.
@@ -18,11 +19,11 @@ import os
 import re
 import struct
 import zlib
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 from .errors import InvalidRegion
 
-__all__ = ["Region", "KIND_CUDA_IPC", "KIND_VMM_FD", "KIND_HOST", "BINARY_SIZE", "decode_region"]
+__all__ = ["Region", "Piece", "KIND_CUDA_IPC", "KIND_VMM_FD", "KIND_HOST", "BINARY_SIZE", "decode_region"]
 
 KIND_CUDA_IPC = 1
 """Memory from cuMemAlloc/cudaMalloc exported with cuIpcGetMemHandle ("cuda-ipc")."""
@@ -33,11 +34,21 @@ KIND_HOST = 3
 
 _KIND_NAMES = {KIND_CUDA_IPC: "cuda-ipc", KIND_VMM_FD: "vmm-fd", KIND_HOST: "host"}
 VERSION = 1
+"""The format version of a region of one allocation."""
+VERSION_PIECES = 2
+"""The format version of a vmm-fd region over several allocations (``more_pieces``)."""
 BINARY_SIZE = 164
+"""The length of a version 1 binary region."""
+MAX_PIECES = 1 << 16
+"""The most allocations one region spans (region.go's MaxRegionPieces)."""
+_PIECE_SIZE = 24
 _MAGIC = b"CIPR"
 _FIELDS = ("version", "kind", "handle", "allocation_id", "offset", "size", "alloc_size", "device",
-           "exporter_pid", "pid_namespace", "boot_id", "buffer_id", "exporter_base")
+           "exporter_pid", "pid_namespace", "boot_id", "buffer_id", "exporter_base", "more_pieces")
 _U63 = 1 << 63
+
+Piece = Tuple[bytes, int]
+"""A further allocation of a version 2 region: its 16-byte allocation id and its size."""
 
 
 def _uuid_text(b: bytes) -> str:
@@ -92,13 +103,28 @@ class Region:
     kind: int = KIND_CUDA_IPC
     version: int = VERSION
     allocation_id: bytes = bytes(16)  # vmm-fd: 16 bytes naming the allocation; cuda-ipc: zero
+    # vmm-fd, version 2: the allocations mapped right after the first one, back to
+    # back in address order, as (allocation id, size); offset and size then address
+    # the whole range and one descriptor per piece, first piece first, travels beside.
+    more_pieces: Tuple[Piece, ...] = ()
 
     # -- validation ---------------------------------------------------------
     def validate(self) -> None:
         """Raise InvalidRegion naming the first bad field, in the order region.go checks them."""
         bad = InvalidRegion
-        if self.version != VERSION:
-            raise bad("version", "%d: this package reads version %d" % (self.version, VERSION))
+        if self.version not in (VERSION, VERSION_PIECES):
+            raise bad("version", "%d: this package reads versions %d and %d" % (self.version, VERSION, VERSION_PIECES))
+        if self.version == VERSION_PIECES and self.kind != KIND_VMM_FD:
+            raise bad("version", "%d is the form of a vmm-fd region of several allocations; this region is %s"
+                      % (self.version, _KIND_NAMES.get(self.kind, "kind(%d)" % self.kind)))
+        if self.version == VERSION_PIECES and not self.more_pieces:
+            raise bad("pieces", "a version %d region spans at least two allocations; write one allocation as version %d"
+                      % (self.version, VERSION))
+        if self.version == VERSION and self.more_pieces:
+            raise bad("version", "%d: a region of %d allocations is version %d"
+                      % (self.version, 1 + len(self.more_pieces), VERSION_PIECES))
+        if len(self.more_pieces) >= MAX_PIECES:
+            raise bad("pieces", "%d allocations: at most %d" % (1 + len(self.more_pieces), MAX_PIECES))
         if self.kind == KIND_HOST:
             raise bad("kind", "%s (%d) is reserved and not implemented by this version" % (_KIND_NAMES[self.kind], self.kind))
         if self.kind == 0:
@@ -124,7 +150,11 @@ class Region:
             raise bad("offset", "%d: must not be negative" % self.offset)
         if not 0 < self.alloc_size < _U63:
             raise bad("alloc_size", "%d: must be positive" % self.alloc_size)
-        if self.offset > self.alloc_size or self.size > self.alloc_size - self.offset:
+        mapped = self._check_pieces()
+        if self.offset > mapped or self.size > mapped - self.offset:
+            if self.more_pieces:
+                raise bad("size", "[%d, %d+%d) runs past the end of the %d bytes the %d allocations span"
+                          % (self.offset, self.offset, self.size, mapped, 1 + len(self.more_pieces)))
             raise bad("size", "[%d, %d+%d) runs past the end of the %d-byte allocation"
                       % (self.offset, self.offset, self.size, self.alloc_size))
         if len(self.device) != 16 or self.device == bytes(16):
@@ -141,8 +171,40 @@ class Region:
             raise bad("buffer_id", "%d in a vmm-fd region: must be zero (the allocation id names the allocation)" % self.buffer_id)
         if self.exporter_base == 0:
             raise bad("exporter_base", "zero: want the allocation's base address in the exporter")
-        if self.exporter_base + self.alloc_size >= 1 << 64:
-            raise bad("exporter_base", "%#x + %d bytes wraps around the address space" % (self.exporter_base, self.alloc_size))
+        if self.exporter_base + mapped >= 1 << 64:
+            raise bad("exporter_base", "%#x + %d bytes wraps around the address space" % (self.exporter_base, mapped))
+
+    def _check_pieces(self) -> int:
+        """Check more_pieces as region.go's checkPieces does; return the bytes all pieces span."""
+        total = self.alloc_size
+        if not self.more_pieces:
+            return total
+        seen = {self.allocation_id}
+        for i, p in enumerate(self.more_pieces, 1):
+            if not isinstance(p, tuple) or len(p) != 2 or not isinstance(p[0], bytes) or len(p[0]) != 16:
+                raise InvalidRegion("pieces", "piece %d: want (16-byte allocation id, size)" % i)
+            aid, n = p
+            if aid == bytes(16):
+                raise InvalidRegion("pieces", "piece %d: zero allocation id" % i)
+            if not isinstance(n, int) or n <= 0:
+                raise InvalidRegion("pieces", "piece %d: size %r: must be positive" % (i, n))
+            if n > (_U63 - 1) // 4 - total:
+                raise InvalidRegion("pieces", "piece %d: the pieces' sizes add up past 2^61" % i)
+            if aid in seen:
+                raise InvalidRegion("pieces", "piece %d: allocation %s appears twice" % (i, aid.hex()))
+            seen.add(aid)
+            total += n
+        return total
+
+    @property
+    def mapped_size(self) -> int:
+        """The bytes the region's allocations span together (alloc_size plus more_pieces)."""
+        return self.alloc_size + sum(n for _, n in self.more_pieces)
+
+    @property
+    def pieces(self) -> Tuple[Piece, ...]:
+        """Every allocation the region spans, first to last, as (allocation id, size)."""
+        return ((self.allocation_id, self.alloc_size),) + tuple(self.more_pieces)
 
     # -- derived values -------------------------------------------------------
     @property
@@ -157,6 +219,10 @@ class Region:
         return dataclasses.replace(self, offset=self.offset + off, size=size)
 
     def __repr__(self) -> str:  # never the handle's bytes: it is a capability
+        if self.kind == KIND_VMM_FD and self.more_pieces:
+            return "Region(vmm-fd %d bytes at +%d of %d in %d allocations, %s, pid %d, first allocation %s)" % (
+                self.size, self.offset, self.mapped_size, 1 + len(self.more_pieces), self.device_uuid,
+                self.exporter_pid, self.allocation_id.hex())
         if self.kind == KIND_VMM_FD:
             return "Region(vmm-fd %d bytes at +%d of %d, %s, pid %d, allocation %s)" % (
                 self.size, self.offset, self.alloc_size, self.device_uuid, self.exporter_pid, self.allocation_id.hex())
@@ -168,13 +234,16 @@ class Region:
 
     # -- binary ---------------------------------------------------------------
     def to_bytes(self) -> bytes:
-        """The 164-byte binary encoding (docs/region.md)."""
+        """The binary encoding (docs/region.md): 164 bytes, or 168 + 24 per further piece."""
         self.validate()
         key = self.allocation_id + bytes(48) if self.kind == KIND_VMM_FD else self.handle
         b = _MAGIC + struct.pack("<HH", self.version, self.kind) + key
         b += struct.pack("<QQQ", self.offset, self.size, self.alloc_size) + self.device
         b += struct.pack("<IIQ", self.exporter_pid, 0, self.pid_namespace) + self.boot_id
         b += struct.pack("<QQ", self.buffer_id, self.exporter_base)
+        if self.more_pieces:
+            b += struct.pack("<I", 1 + len(self.more_pieces))
+            b += b"".join(aid + struct.pack("<Q", n) for aid, n in self.more_pieces)
         return b + struct.pack("<I", zlib.crc32(b))
 
     @classmethod
@@ -186,13 +255,26 @@ class Region:
         if b[:4] != _MAGIC:
             raise InvalidRegion("magic", "%r: want %r" % (b[:4], _MAGIC))
         version, kind = struct.unpack_from("<HH", b, 4)
-        if version != VERSION:
-            raise InvalidRegion("version", "%d: this package reads version %d" % (version, VERSION))
-        if len(b) != BINARY_SIZE:
-            raise InvalidRegion("length", "%d bytes: want %d" % (len(b), BINARY_SIZE))
-        (crc,) = struct.unpack_from("<I", b, 160)
-        if crc != zlib.crc32(b[:160]):
-            raise InvalidRegion("crc32", "%#08x: bytes 0-159 sum to %#08x" % (crc, zlib.crc32(b[:160])))
+        if version not in (VERSION, VERSION_PIECES):
+            raise InvalidRegion("version", "%d: this package reads versions %d and %d" % (version, VERSION, VERSION_PIECES))
+        if version == VERSION_PIECES and kind != KIND_VMM_FD:
+            raise InvalidRegion("version", "%d is the form of a vmm-fd region of several allocations; this region is %s"
+                                % (version, _KIND_NAMES.get(kind, "kind(%d)" % kind)))
+        want, count = BINARY_SIZE, 0
+        if version == VERSION_PIECES:
+            if len(b) < BINARY_SIZE + 4:
+                raise InvalidRegion("length", "%d bytes: a version 2 region has at least %d"
+                                    % (len(b), BINARY_SIZE + 4 + _PIECE_SIZE))
+            (count,) = struct.unpack_from("<I", b, 160)
+            if not 2 <= count <= MAX_PIECES:
+                raise InvalidRegion("pieces", "piece count %d: want 2..%d" % (count, MAX_PIECES))
+            want = BINARY_SIZE + 4 + _PIECE_SIZE * (count - 1)
+        if len(b) != want:
+            raise InvalidRegion("length", "%d bytes: want %d" % (len(b), want))
+        end = want - 4
+        (crc,) = struct.unpack_from("<I", b, end)
+        if crc != zlib.crc32(b[:end]):
+            raise InvalidRegion("crc32", "%#08x: bytes 0-%d sum to %#08x" % (crc, end - 1, zlib.crc32(b[:end])))
         (flags,) = struct.unpack_from("<I", b, 116)
         if flags:
             raise InvalidRegion("flags", "%#x: no flags are defined; must be zero" % flags)
@@ -207,9 +289,16 @@ class Region:
             if any(b[24:72]):
                 raise InvalidRegion("handle", "bytes 24-71 of a vmm-fd region are reserved and must be zero")
             handle, aid = bytes(64), b[8:24]
+        more = []
+        for i in range(count - 1 if count else 0):
+            at = BINARY_SIZE + _PIECE_SIZE * i
+            (n,) = struct.unpack_from("<Q", b, at + 16)
+            if n >= _U63:
+                raise InvalidRegion("pieces", "piece %d: size %d: must be below 2^63" % (i + 1, n))
+            more.append((b[at:at + 16], n))
         r = cls(handle=handle, offset=off, size=size, alloc_size=alloc, device=b[96:112],
                 exporter_pid=pid, pid_namespace=ns, boot_id=b[128:144], buffer_id=bid,
-                exporter_base=base, kind=kind, version=version, allocation_id=aid)
+                exporter_base=base, kind=kind, version=version, allocation_id=aid, more_pieces=tuple(more))
         r.validate()
         return r
 
@@ -230,6 +319,8 @@ class Region:
         if self.kind != KIND_VMM_FD:
             d["buffer_id"] = self.buffer_id
         d["exporter_base"] = "0x%x" % self.exporter_base
+        if self.more_pieces:
+            d["more_pieces"] = [{"allocation_id": aid.hex(), "alloc_size": n} for aid, n in self.more_pieces]
         return d
 
     def to_json(self) -> str:
@@ -307,12 +398,43 @@ class Region:
         for f in ("offset", "size", "alloc_size"):
             if num(f) >= _U63 or num(f) < -_U63:
                 raise InvalidRegion("json", "field %s: out of range" % f)
+        more = cls._pieces_from_json(d)
         r = cls(handle=handle, offset=num("offset"), size=num("size"), alloc_size=num("alloc_size"),
                 device=device, exporter_pid=num("exporter_pid"), pid_namespace=num("pid_namespace"),
                 boot_id=boot, buffer_id=num("buffer_id"), exporter_base=base, kind=kind,
-                version=num("version"), allocation_id=aid)
+                version=num("version"), allocation_id=aid, more_pieces=more)
         r.validate()
         return r
+
+    @staticmethod
+    def _pieces_from_json(d: Dict[str, Any]) -> Tuple[Piece, ...]:
+        """The more_pieces of a JSON region, checked as Go's decoder checks them."""
+        if "more_pieces" not in d:
+            return ()
+        l = d["more_pieces"]
+        if not isinstance(l, list):
+            raise InvalidRegion("json", "more_pieces: want an array, got %r" % (l,))
+        if not l:
+            raise InvalidRegion("pieces", "an empty more_pieces: leave the field out for one allocation")
+        if len(l) >= MAX_PIECES:
+            raise InvalidRegion("pieces", "%d allocations: at most %d" % (1 + len(l), MAX_PIECES))
+        out = []
+        for i, p in enumerate(l, 1):
+            if not isinstance(p, dict):
+                raise InvalidRegion("json", "more_pieces: piece %d: want an object" % i)
+            unknown = sorted(set(p) - {"allocation_id", "alloc_size"})
+            if unknown:
+                raise InvalidRegion("json", "unknown field %r" % unknown[0])
+            aid = p.get("allocation_id")
+            if aid is None:
+                raise InvalidRegion("pieces", "piece %d: no allocation_id" % i)
+            if not isinstance(aid, str) or not re.fullmatch(r"[0-9a-fA-F]{32}", aid):
+                raise InvalidRegion("json", "allocation_id: %r: want 32 hex digits" % (aid,))
+            n = p.get("alloc_size", 0)
+            if not isinstance(n, int) or isinstance(n, bool) or not -_U63 <= n < _U63:
+                raise InvalidRegion("json", "more_pieces: piece %d: alloc_size %r: want an integer" % (i, n))
+            out.append((bytes.fromhex(aid), n))
+        return tuple(out)
 
     # -- producers --------------------------------------------------------------
     @classmethod

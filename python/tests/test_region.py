@@ -1,4 +1,4 @@
-"""Region encodings against the shared vectors (testdata/regions/vectors.json), which
+"""Region encodings against the shared vectors (testdata/region/), which
 region_vectors_test.go checks against the Go implementation."""
 
 import json
@@ -11,7 +11,7 @@ import cudaipc
 from cudaipc.region import Region
 
 DIR = os.path.join(REPO, "testdata", "region")
-VALID = ["cuda-ipc", "vmm-fd"]
+VALID = ["cuda-ipc", "vmm-fd", "vmm-fd-pieces"]
 INVALID = json.load(open(os.path.join(DIR, "invalid.json")))
 
 
@@ -81,3 +81,22 @@ def test_event_descriptor_matches_go():
     got = event_descriptor(bytes((i * 7 + 1) % 256 for i in range(64)), bytes(range(0xa0, 0xb0)),
                            4242, 4026531836, bytes(range(0x10, 0x20)))
     assert got == want and len(got) == 124
+
+
+def test_pieces_region_round_trips_and_says_what_it_spans():
+    b, _ = vector("vmm-fd-pieces")
+    r = Region.from_bytes(b)
+    assert r.version == 2 and len(r.pieces) == 3 and r.mapped_size == 60 << 20
+    assert r.pieces[0] == (r.allocation_id, r.alloc_size)
+    s = r.sub(30 << 20, 1 << 20)  # a part in the second piece keeps every piece
+    assert Region.from_bytes(s.to_bytes()) == s and s.pieces == r.pieces
+    assert "3 allocations" in repr(r)
+    # Every truncation and every single-bit flip is refused by field, never misread.
+    for n in range(len(b)):
+        with pytest.raises(cudaipc.InvalidRegion):
+            Region.from_bytes(b[:n])
+    for i in range(len(b) * 8):
+        c = bytearray(b)
+        c[i // 8] ^= 1 << (i % 8)
+        with pytest.raises(cudaipc.InvalidRegion):
+            Region.from_bytes(bytes(c))
