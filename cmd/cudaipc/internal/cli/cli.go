@@ -5,6 +5,7 @@ package cli
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -132,6 +133,13 @@ func runIO(ctx context.Context, args []string, stdin io.Reader, stdout, stderr i
 	if err != nil {
 		return err
 	}
+	// A bare "cudaipc" and "cudaipc help [COMMAND...]" print the usage, as
+	// --help does.
+	if len(args) == 0 {
+		args = []string{"--help"}
+	} else if args[0] == "help" {
+		args = append(slices.Clone(args[1:]), "--help")
+	}
 	// kong turns bytes that are not UTF-8 into U+FFFD; such arguments go
 	// through it masked and come back as given, so that a bad object name
 	// reaches the client and gets its error instead of becoming another
@@ -155,7 +163,12 @@ func runIO(ctx context.Context, args []string, stdin io.Reader, stdout, stderr i
 		return &ExitError{Code: exit, Err: errors.New("invalid arguments")}
 	}
 	if err != nil {
-		return &ExitError{Code: 2, Err: err}
+		help := "cudaipc help"
+		var pe *kong.ParseError
+		if errors.As(err, &pe) && pe.Context != nil && pe.Context.Selected() != nil {
+			help = "cudaipc help " + strings.TrimPrefix(pe.Context.Selected().FullPath(), "cudaipc ")
+		}
+		return &ExitError{Code: 2, Err: fmt.Errorf("%w (see '%s')", err, help)}
 	}
 	unmaskStrings(reflect.ValueOf(&root).Elem(), raw)
 	root.ctx = ctx

@@ -23,6 +23,7 @@ import (
 	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/cmd/cudaipc/internal/diag"
 	"github.com/cudaipc/cudaipc/internal/testutil"
+	"github.com/cudaipc/cudaipc/store"
 )
 
 // mainEnv makes this test binary act as the cudaipc command, for the
@@ -344,4 +345,61 @@ func TestGetTimeoutStoppedDaemon(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "did not answer within --timeout 300ms") {
 		t.Errorf("get --timeout against a stopped daemon: %v", err)
 	}
+}
+
+// A bare cudaipc, "cudaipc help" and "cudaipc help COMMAND" print the usage
+// (all of it, every command named) and succeed; every flag with a default
+// that its placeholder hides says it in its help.
+func TestHelp(t *testing.T) {
+	for _, args := range [][]string{nil, {"help"}, {"--help"}} {
+		out := mustRun(t, args...)
+		for _, cmd := range []string{"info", "doctor", "serve", "put", "get", "ls", "stat", "rm", "dump", "demo", "bench ipc", "bench store", "bench put"} {
+			if !strings.Contains(out, "\n  "+cmd+" ") {
+				t.Errorf("cudaipc %s: usage lacks %q:\n%s", strings.Join(args, " "), cmd, out)
+			}
+		}
+	}
+	out := mustRun(t, "help", "bench", "ipc")
+	for _, want := range []string{"Usage: cudaipc bench ipc", "(default 1073741824: 1 GiB)", "(default 200)", "(default 20)"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("cudaipc help bench ipc lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+// serve logs the capacity it serves with, once: the default resolved, not
+// the flag's 0.
+func TestServeLogsCapacity(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "store.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	var logs syncBuffer
+	done := make(chan error, 1)
+	go func() { done <- Run(ctx, []string{"serve", "--socket", sock, "--backend", "host"}, io.Discard, &logs) }()
+	waitServing(t, sock)
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(logs.String(), " capacity="); n != 1 || !strings.Contains(logs.String(), fmt.Sprintf(" capacity=%d ", store.DefaultCapacity)) {
+		t.Fatalf("want one capacity=%d in the log:\n%s", store.DefaultCapacity, logs.String())
+	}
+}
+
+// syncBuffer is a bytes.Buffer that a daemon's goroutines may log to while
+// the test reads it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

@@ -49,6 +49,8 @@ func TestFailuresAreOneLine(t *testing.T) {
 		{args: []string{"put", file, "--name", "taken", "--socket", sock}, code: 1, want: "'cudaipc rm'"},
 		{args: []string{"put", filepath.Join(dir, "absent"), "--name", "x", "--socket", sock}, code: 1, want: "no such file"},
 		{args: []string{"put", file, "--name", "bad\x01name", "--socket", sock}, code: 1, want: "names are"},
+		{args: []string{"put", file, "--name", "x", "--dtype", "float99", "--socket", sock}, code: 2, want: "not a dtype; one of bfloat16, bool, complex128"},
+		{args: []string{"bench"}, code: 2, want: `expected one of "ipc", "store", "put" (see 'cudaipc help bench')`},
 		{args: []string{"get", "never", "--timeout", "20ms", "--socket", sock}, code: 1, want: "--timeout"},
 		{args: []string{"get", "taken", "-o", filepath.Join(dir, "no", "such", "dir"), "--socket", sock}, code: 1, want: "-o"},
 		{args: []string{"serve", "--socket", sock, "--log-level", "warn"}, code: 1, want: "already running"},

@@ -85,7 +85,8 @@ func (c *getCmd) Run(g *Globals) error {
 	}
 	defer os.Remove(tmp.Name())
 	bar := newProgress(g.stderr, lease.Size(), "get "+c.Name)
-	err = write(ctx, tmp, lease, func(n int) { progressAdd(bar, n) })
+	out := &countingWriter{w: tmp} // a bundle's safetensors file is not the lease's size
+	err = write(ctx, out, lease, func(n int) { progressAdd(bar, n) })
 	progressDone(bar)
 	if cerr := tmp.Close(); err == nil {
 		err = cerr
@@ -100,7 +101,7 @@ func (c *getCmd) Run(g *Globals) error {
 		return err
 	}
 	in := lease.Info()
-	fmt.Fprintf(g.stdout, "wrote %s: %q, %d bytes, owner uid %d\n", c.Output, in.Name, lease.Size(), in.OwnerUID)
+	fmt.Fprintf(g.stdout, "wrote %s: %q, %d bytes, owner uid %d\n", c.Output, in.Name, out.n, in.OwnerUID)
 	return nil
 }
 
@@ -157,4 +158,16 @@ func writeAll(ctx context.Context, w io.Writer, b []byte, progress func(int)) er
 		off += n
 	}
 	return nil
+}
+
+// countingWriter counts the bytes written through it.
+type countingWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (c *countingWriter) Write(b []byte) (int, error) {
+	n, err := c.w.Write(b)
+	c.n += int64(n)
+	return n, err
 }

@@ -5,7 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
+	"slices"
+	"strings"
 
 	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/internal/bytesize"
@@ -42,6 +45,9 @@ func (c *putCmd) Run(g *Globals) error {
 	if !c.Raw && c.File != "-" && isSafetensors(c.File) {
 		return c.putSafetensors(g)
 	}
+	if _, ok := protocol.DTypeSizes[c.DType]; c.DType != "" && !ok {
+		return &ExitError{Code: 2, Err: fmt.Errorf("--dtype %q: not a dtype; one of %s", c.DType, strings.Join(slices.Sorted(maps.Keys(protocol.DTypeSizes)), ", "))}
+	}
 	want := int64(-1) // not given
 	if c.Size > 0 {
 		want = int64(c.Size)
@@ -64,7 +70,7 @@ func (c *putCmd) Run(g *Globals) error {
 		shape := c.Shape
 		if shape == nil {
 			item := protocol.DTypeSizes[c.DType]
-			if item == 0 || in.size%item != 0 {
+			if in.size%item != 0 {
 				return fmt.Errorf("--dtype %s: give --shape (the input's %d bytes are not a whole number of %s elements)", c.DType, in.size, c.DType)
 			}
 			shape = []int64{in.size / item}

@@ -117,11 +117,14 @@ func TestSafetensorsRoundTrip(t *testing.T) {
 		t.Errorf("put said %q", out)
 	}
 	got := filepath.Join(dir, "aligned.out.safetensors")
-	mustRun(t, "get", "aligned", "-o", got, "--socket", sock)
+	wrote := mustRun(t, "get", "aligned", "-o", got, "--socket", sock)
 	a, _ := os.ReadFile(in)
 	b, _ := os.ReadFile(got)
 	if !bytes.Equal(a, b) {
 		t.Fatalf("aligned file: got back %d bytes, not byte-identical to the %d put", len(b), len(a))
+	}
+	if !strings.Contains(wrote, fmt.Sprintf(", %d bytes,", len(b))) {
+		t.Errorf("get of a %d-byte file said %q", len(b), wrote)
 	}
 
 	// Every dtype, odd sizes: laid out anew, got back tensor for tensor.
@@ -134,8 +137,11 @@ func TestSafetensorsRoundTrip(t *testing.T) {
 	writeSafetensors(t, in, every, map[string]string{"k": "v"})
 	mustRun(t, "put", in, "--name", "every", "--socket", sock)
 	got = filepath.Join(dir, "every.out.safetensors")
-	mustRun(t, "get", "every", "-o", got, "--socket", sock)
+	wrote = mustRun(t, "get", "every", "-o", got, "--socket", sock)
 	tensors, meta := readSafetensors(t, got)
+	if fi, err := os.Stat(got); err != nil || !strings.Contains(wrote, fmt.Sprintf(", %d bytes,", fi.Size())) {
+		t.Errorf("get of a re-laid-out bundle said %q for a file of %v bytes (%v)", wrote, fi.Size(), err)
+	}
 	sameTensors(t, tensors, every)
 	if meta["k"] != "v" {
 		t.Errorf("metadata %v", meta)

@@ -77,7 +77,8 @@ func (c *serveCmd) Run(g *Globals) error {
 		defer stop()
 	}
 	sock := g.socketPath()
-	g.log.Info("store daemon starting", "socket", sock, "backend", c.Backend, "gpu_share", c.GPUShare, "capacity", int64(c.Capacity), "evict", !c.NoEvict)
+	// The store logs what it serves (backend, capacity) once it has
+	// resolved the defaults: no line here repeats the flags unresolved.
 	err = st.ListenAndServe(ctx, sock)
 	if errors.Is(err, store.ErrDaemonRunning) {
 		return reword(err, "serve: a store daemon is already running at %s: use it, stop it first, or pick another --socket", sock)

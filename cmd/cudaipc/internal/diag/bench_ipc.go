@@ -26,9 +26,9 @@ import (
 // next to the host-staged hand-over people use instead. It re-executes this
 // program as the exporting process: 'cudaipc bench ipc'.
 type BenchIPCCmd struct {
-	Size    int64 `help:"Bytes of the large allocation and of every bandwidth copy." default:"1073741824" placeholder:"BYTES"`
-	Iters   int   `help:"Repetitions of each latency." default:"200" placeholder:"N"`
-	BWIters int   `help:"Repetitions of each bandwidth copy." name:"bw-iters" default:"20" placeholder:"N"`
+	Size    int64 `help:"Bytes of the large allocation and of every bandwidth copy (default ${default}: 1 GiB)." default:"1073741824" placeholder:"BYTES"`
+	Iters   int   `help:"Repetitions of each latency (default ${default})." default:"200" placeholder:"N"`
+	BWIters int   `help:"Repetitions of each bandwidth copy (default ${default})." name:"bw-iters" default:"20" placeholder:"N"`
 	JSON    bool  `help:"Print the report as JSON (the shape scripts/bench/compare.py reads)."`
 }
 
