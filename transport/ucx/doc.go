@@ -1,0 +1,60 @@
+// Package ucx is the data plane between cudaipc nodes: one-sided reads of a
+// peer's registered memory over UCX UCP (libucp.so.0, loaded at run time by
+// internal/ucx; the module still builds with CGO_ENABLED=0 and a machine
+// without UCX gets errors matching ErrNotFound).
+//
+// # Objects and lifetimes
+//
+// A Context (ucp_context_h) holds Workers and MemRegions; a Worker holds
+// Endpoints; an Endpoint holds RemoteKeys. Every object has an idempotent
+// Close, and closing a parent closes what is still open under it
+// (Context.Close closes everything). After Close, methods return ErrClosed.
+//
+//   - The serving side registers each arena once (Context.Register: one
+//     ucp_mem_map and one packed rkey per arena, never per object), publishes
+//     its Worker.Address and the region's Key (both have binary encodings),
+//     and runs Worker.Serve in a goroutine: over tcp and shared memory UCX
+//     emulates GET with messages that the serving worker must progress.
+//   - The reading side decodes the peer's WorkerAddress and RegionKey,
+//     Connects an Endpoint, Unpacks the key on it and calls Get (or GetWith)
+//     with addresses inside the region.
+//
+// # Threads
+//
+// UCX workers are not thread-safe. Workers are created in
+// UCS_THREAD_MODE_SERIALIZED and each Worker serializes every UCX call on
+// itself, its endpoints, keys and requests with its own lock, so any
+// goroutine may call any method; calls on one worker do not run in
+// parallel (use several workers for parallel pulls). Serve locks its OS
+// thread, polls while requests arrive and sleeps on the worker's event
+// descriptor (UCP_FEATURE_WAKEUP, ucp_worker_arm) when idle. Get polls the
+// worker itself while its chunks are in flight.
+//
+// # What is checked before UCX sees peer bytes
+//
+// UCX parses worker addresses and packed rkeys without knowing their length
+// and trusts their contents; garbage can crash it. Before any call:
+// WorkerAddress and RegionKey decode from envelopes with a magic, a format
+// version, a length and a CRC-32C (truncation and corruption are
+// ErrMalformed); a worker address must be 2 bytes to 64 KiB with a known
+// UCX address version in its first byte; a packed rkey is walked as UCX
+// 1.13–1.16 lay it out (memory-domain map, memory type, one
+// length-prefixed key per domain, optional device distances) and must end
+// exactly; region bounds must not wrap; Get checks that the read lies
+// inside the region. What is not checked: the internals of UCX's address
+// format (devices, interfaces) and of each domain's key bytes — a peer that
+// crafts those deliberately can still make UCX misbehave, which is why
+// peers must be authenticated before their addresses are used. Copies
+// handed to UCX carry 4 KiB of zeroed slack so that a short payload is
+// read as zeros, not past its end. Over emulated transports (tcp, shared
+// memory) the serving UCX copies from whatever address a connected peer
+// asks for: registration does not confine a peer; authentication does.
+//
+// # Environment
+//
+// Transports and devices are UCX's settings (UCX_TLS, UCX_NET_DEVICES, ...),
+// read when a Context is made. internal/ucx sets UCX_ERROR_SIGNALS="" before
+// loading libucp unless it is set (UCX's handlers would replace the Go
+// runtime's). UCX logs to the process's stdout unless UCX_LOG_FILE says
+// otherwise.
+package ucx

@@ -1,0 +1,90 @@
+package ucx
+
+import (
+	"errors"
+	"sync"
+
+	raw "github.com/cudaipc/cudaipc/internal/ucx"
+)
+
+// MemRegion is memory registered with UCX once (ucp_mem_map of existing
+// memory) so that peers can read any part of it with one-sided GETs, with
+// its remote key packed once (ucp_rkey_pack). Register a whole arena, not
+// each object in it. The memory must stay mapped, and a Go slice must stay
+// referenced, until Close; MemRegion keeps the slice it was given.
+type MemRegion struct {
+	ctx *Context
+	mem []byte
+
+	mu     sync.Mutex
+	h      raw.Mem
+	closed bool
+	key    RegionKey
+}
+
+// Register registers mem (host memory: an mmap'd arena, or a Go slice) for
+// remote reads and local writes, and packs its key.
+func (c *Context) Register(mem []byte) (*MemRegion, error) {
+	if len(mem) == 0 {
+		return nil, errors.New("ucx: cannot register an empty region")
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil, ErrClosed
+	}
+	p := &raw.MemMapParams{
+		FieldMask:  raw.MemMapParamFieldAddress | raw.MemMapParamFieldLength | raw.MemMapParamFieldProt | raw.MemMapParamFieldMemoryType,
+		Address:    uintptr(raw.Addr(mem)),
+		Length:     uint64(len(mem)),
+		Prot:       raw.MemMapProtLocalRead | raw.MemMapProtLocalWrite | raw.MemMapProtRemoteRead,
+		MemoryType: raw.MemoryTypeHost,
+	}
+	h, err := raw.MemMap(c.h, p)
+	if err != nil {
+		return nil, err
+	}
+	rkey, err := raw.RkeyPack(c.h, h)
+	if err != nil {
+		_ = raw.MemUnmap(c.h, h)
+		return nil, err
+	}
+	major, minor, _, _ := raw.GetVersion()
+	r := &MemRegion{
+		ctx: c,
+		mem: mem,
+		h:   h,
+		key: RegionKey{Addr: raw.Addr(mem), Len: uint64(len(mem)), Rkey: rkey, ucxMajor: uint8(major), ucxMinor: uint8(minor)},
+	}
+	if err := checkKey(r.key.Addr, r.key.Len, r.key.Rkey); err != nil {
+		// This UCX packs keys in a layout the peer-side check rejects:
+		// refuse here rather than fail every reader.
+		_ = raw.MemUnmap(c.h, h)
+		return nil, err
+	}
+	c.regions[r] = struct{}{}
+	return r, nil
+}
+
+// Key returns what a peer needs to read the region: its address, length
+// and packed rkey.
+func (r *MemRegion) Key() RegionKey { return r.key }
+
+// Bytes returns the registered memory.
+func (r *MemRegion) Bytes() []byte { return r.mem }
+
+// Close deregisters the memory (ucp_mem_unmap). Peers' reads in flight
+// fail. It is idempotent.
+func (r *MemRegion) Close() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil
+	}
+	r.closed = true
+	err := raw.MemUnmap(r.ctx.h, r.h)
+	r.ctx.mu.Lock()
+	delete(r.ctx.regions, r)
+	r.ctx.mu.Unlock()
+	return err
+}

@@ -1,0 +1,489 @@
+package ucx_test
+
+import (
+	"context"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cudaipc/cudaipc/internal/testutil"
+	"github.com/cudaipc/cudaipc/transport/ucx"
+)
+
+// EnvRequireUCX turns the skips of tests that need libucp into failures
+// (set on CI machines, which install libucx0).
+const EnvRequireUCX = "CUDAIPC_REQUIRE_UCX"
+
+// testEnv keeps UCX traffic on loopback tcp and its log lines off stdout,
+// which carries the helper conversation.
+var testEnv = []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=lo", "UCX_LOG_FILE=/dev/stderr", "UCX_WARN_UNUSED_ENV_VARS=n"}
+
+func TestMain(m *testing.M) {
+	for _, kv := range testEnv {
+		k, v, _ := cutEnv(kv)
+		if _, set := os.LookupEnv(k); !set {
+			os.Setenv(k, v)
+		}
+	}
+	testutil.RunRole(testutil.Roles{"server": serveRole})
+	os.Exit(m.Run())
+}
+
+func cutEnv(kv string) (string, string, bool) {
+	for i := range kv {
+		if kv[i] == '=' {
+			return kv[:i], kv[i+1:], true
+		}
+	}
+	return kv, "", false
+}
+
+func requireUCX(t testing.TB) {
+	t.Helper()
+	if err := ucx.Available(); err != nil {
+		if os.Getenv(EnvRequireUCX) == "1" {
+			t.Fatalf("%v (and %s=1)", err, EnvRequireUCX)
+		}
+		t.Skipf("%v", err)
+	}
+}
+
+// serverInfo is what the server role tells the test: its worker address
+// and region key in their binary encodings, and its pid.
+type serverInfo struct {
+	Addr string `json:"addr"`
+	Key  string `json:"key"`
+	Pid  int    `json:"pid"`
+}
+
+// serveRole registers $SEED's random bytes ($SIZE of them) and serves them
+// until stdin closes.
+func serveRole(p *testutil.Peer) error {
+	seed, _ := strconv.ParseUint(os.Getenv("SEED"), 10, 64)
+	size, _ := strconv.Atoi(os.Getenv("SIZE"))
+	c, err := ucx.NewContext(ucx.ContextOptions{Name: "test-server"})
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	w, err := c.NewWorker(ucx.WorkerOptions{})
+	if err != nil {
+		return err
+	}
+	mem := testutil.RandomBytes(seed, size)
+	r, err := c.Register(mem)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	served := make(chan error, 1)
+	go func() { served <- w.Serve(ctx) }()
+	addr, err := w.Address().MarshalBinary()
+	if err != nil {
+		return err
+	}
+	key, err := r.Key().MarshalBinary()
+	if err != nil {
+		return err
+	}
+	if err := p.Send(serverInfo{Addr: base64.StdEncoding.EncodeToString(addr), Key: base64.StdEncoding.EncodeToString(key), Pid: os.Getpid()}); err != nil {
+		return err
+	}
+	var v any
+	for p.Recv(&v) == nil {
+	}
+	cancel()
+	if err := <-served; err != nil {
+		return fmt.Errorf("serve: %w", err)
+	}
+	return c.Close()
+}
+
+// peer is a connected reader of a server process's region.
+type peer struct {
+	child *testutil.Child
+	info  serverInfo
+	ctx   *ucx.Context
+	w     *ucx.Worker
+	ep    *ucx.Endpoint
+	key   *ucx.RemoteKey
+	data  []byte // what the server registered
+}
+
+func startServer(t *testing.T, seed uint64, size int) *peer {
+	t.Helper()
+	requireUCX(t)
+	child := testutil.Spawn(t, "server", "SEED="+strconv.FormatUint(seed, 10), "SIZE="+strconv.Itoa(size))
+	var info serverInfo
+	if err := child.Recv(&info); err != nil {
+		t.Fatalf("server: %v\n%s", err, child.Stderr())
+	}
+	c, err := ucx.NewContext(ucx.ContextOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := c.Close(); err != nil {
+			t.Errorf("closing the context: %v", err)
+		}
+	})
+	w, err := c.NewWorker(ucx.WorkerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var addr ucx.WorkerAddress
+	if err := addr.UnmarshalBinary(b64(t, info.Addr)); err != nil {
+		t.Fatal(err)
+	}
+	var rk ucx.RegionKey
+	if err := rk.UnmarshalBinary(b64(t, info.Key)); err != nil {
+		t.Fatal(err)
+	}
+	if rk.Len != uint64(size) {
+		t.Fatalf("region of %d bytes, want %d", rk.Len, size)
+	}
+	ep, err := w.Connect(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, err := ep.Unpack(rk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &peer{child: child, info: info, ctx: c, w: w, ep: ep, key: key, data: testutil.RandomBytes(seed, size)}
+}
+
+func b64(t testing.TB, s string) []byte {
+	t.Helper()
+	b, err := base64.StdEncoding.DecodeString(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func timeout(t testing.TB, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// TestGetWholeRegion reads a 64 MiB region of random bytes from another
+// process in pipelined chunks, then 2,000 4 KiB reads at random offsets.
+func TestGetWholeRegion(t *testing.T) {
+	const size = 64 << 20
+	p := startServer(t, 1801, size)
+	base := p.key.Key().Addr
+	dst := make([]byte, size)
+	if err := ucx.Get(timeout(t, time.Minute), p.ep, p.key, base, dst); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := testutil.Sum(dst), testutil.Sum(p.data); got != want {
+		t.Fatalf("sha256 of what was read %s, of what was registered %s", got, want)
+	}
+
+	rng := rand.New(rand.NewPCG(18, 1))
+	small := make([]byte, 4096)
+	for i := range 2000 {
+		off := rng.IntN(size - len(small) + 1)
+		clear(small)
+		if err := ucx.Get(timeout(t, 10*time.Second), p.ep, p.key, base+uint64(off), small); err != nil {
+			t.Fatalf("read %d at %d: %v", i, off, err)
+		}
+		if string(small) != string(p.data[off:off+len(small)]) {
+			t.Fatalf("read %d at %d: bytes differ", i, off)
+		}
+	}
+}
+
+// TestGetChunkings reads a region with odd chunk sizes and depths, so that
+// the last chunk is short and depth 1 serializes.
+func TestGetChunkings(t *testing.T) {
+	const size = 3<<20 + 12345
+	p := startServer(t, 1802, size)
+	base := p.key.Key().Addr
+	for _, o := range []ucx.GetOptions{{Chunk: 1}, {Chunk: 4097, Depth: 1}, {Chunk: 65536, Depth: 64}, {Chunk: size * 2}} {
+		n := size
+		if o.Chunk == 1 {
+			n = 3000 // one request per byte: keep it short
+		}
+		dst := make([]byte, n)
+		if err := ucx.GetWith(timeout(t, time.Minute), p.ep, p.key, base+uint64(size-n), dst, o); err != nil {
+			t.Fatalf("%+v: %v", o, err)
+		}
+		if testutil.Sum(dst) != testutil.Sum(p.data[size-n:]) {
+			t.Fatalf("%+v: bytes differ", o)
+		}
+	}
+}
+
+// TestGetOutOfBounds: reads that leave the region are refused before UCX
+// sees them.
+func TestGetOutOfBounds(t *testing.T) {
+	p := startServer(t, 1803, 1<<20)
+	k := p.key.Key()
+	for _, c := range []struct {
+		addr uint64
+		n    int
+	}{{k.Addr - 1, 1}, {k.Addr, 1<<20 + 1}, {k.Addr + 1<<20, 1}, {k.Addr + 1<<20 - 4, 8}, {^uint64(0) - 2, 8}} {
+		err := ucx.Get(timeout(t, 10*time.Second), p.ep, p.key, c.addr, make([]byte, c.n))
+		if !errors.Is(err, ucx.ErrOutOfBounds) {
+			t.Errorf("read of %d at %#x: %v, want ErrOutOfBounds", c.n, c.addr, err)
+		}
+	}
+	// The edges themselves are readable.
+	if err := ucx.Get(timeout(t, 10*time.Second), p.ep, p.key, k.Addr+1<<20-8, make([]byte, 8)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestGetCanceledStalledPeer: a peer that stops progressing (SIGSTOP) never
+// answers a tcp GET; a Get bounded by a context returns soon after it ends,
+// having closed the endpoint to end the reads in flight.
+func TestGetCanceledStalledPeer(t *testing.T) {
+	p := startServer(t, 1804, 8<<20)
+	base := p.key.Key().Addr
+	// Connect first, so that the stall hits reads, not the wireup.
+	if err := ucx.Get(timeout(t, 10*time.Second), p.ep, p.key, base, make([]byte, 8)); err != nil {
+		t.Fatal(err)
+	}
+	testutil.Stop(t, p.info.Pid)
+	dst := make([]byte, 8<<20)
+	start := time.Now()
+	err := ucx.Get(timeout(t, 300*time.Millisecond), p.ep, p.key, base, dst)
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Get from a stopped peer: %v, want context.DeadlineExceeded", err)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Fatalf("Get returned %v after its context ended", d)
+	}
+	if err := ucx.Get(timeout(t, time.Second), p.ep, p.key, base, dst[:8]); !errors.Is(err, ucx.ErrClosed) {
+		t.Fatalf("Get on the endpoint closed by the cancellation: %v, want ErrClosed", err)
+	}
+}
+
+// TestGetCanceledMidTransfer: canceling a large read from a live peer
+// returns the context's error, and the endpoint still works afterwards (or
+// says it was closed).
+func TestGetCanceledMidTransfer(t *testing.T) {
+	const size = 64 << 20
+	p := startServer(t, 1805, size)
+	base := p.key.Key().Addr
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { time.Sleep(5 * time.Millisecond); cancel() }()
+	dst := make([]byte, size)
+	err := ucx.GetWith(ctx, p.ep, p.key, base, dst, ucx.GetOptions{Chunk: 256 << 10})
+	if err == nil {
+		t.Skip("the whole read finished before the cancellation")
+	}
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("canceled Get: %v", err)
+	}
+	small := make([]byte, 4096)
+	switch err := ucx.Get(timeout(t, 10*time.Second), p.ep, p.key, base+4096, small); {
+	case errors.Is(err, ucx.ErrClosed):
+	case err != nil:
+		t.Fatal(err)
+	case string(small) != string(p.data[4096:8192]):
+		t.Fatal("bytes differ after a canceled read")
+	}
+}
+
+// TestPeerKilled: a holder killed with SIGKILL mid-transfer makes Get fail
+// in bounded time with an error IsPeerFailure recognizes.
+func TestPeerKilled(t *testing.T) {
+	const size = 64 << 20
+	p := startServer(t, 1806, size)
+	base := p.key.Key().Addr
+	if err := ucx.Get(timeout(t, 10*time.Second), p.ep, p.key, base, make([]byte, 8)); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		time.Sleep(2 * time.Millisecond)
+		syscall.Kill(p.info.Pid, syscall.SIGKILL)
+	}()
+	dst := make([]byte, size)
+	var err error
+	for i := 0; i < 20 && err == nil; i++ { // until the kill lands in a read
+		err = ucx.GetWith(timeout(t, 30*time.Second), p.ep, p.key, base, dst, ucx.GetOptions{Chunk: 256 << 10})
+	}
+	if err == nil {
+		t.Fatal("every read succeeded from a killed peer")
+	}
+	t.Logf("read from a killed peer: %v", err)
+	if !ucx.IsPeerFailure(err) {
+		t.Fatalf("read from a killed peer: %v, which IsPeerFailure does not recognize", err)
+	}
+	if err := p.ep.Close(); err != nil {
+		t.Logf("closing the endpoint to the dead peer: %v", err)
+	}
+}
+
+// TestMalformedPeerData: corrupt, truncated or nonsensical addresses and
+// keys are ErrMalformed before UCX sees them.
+func TestMalformedPeerData(t *testing.T) {
+	p := startServer(t, 1807, 1<<20)
+	good := b64(t, p.info.Addr)
+	for i := range good {
+		bad := append([]byte(nil), good...)
+		bad[i] ^= 0x40
+		var a ucx.WorkerAddress
+		if err := a.UnmarshalBinary(bad); !errors.Is(err, ucx.ErrMalformed) {
+			t.Fatalf("address with byte %d flipped: %v", i, err)
+		}
+	}
+	for n := 0; n < len(good); n++ {
+		var a ucx.WorkerAddress
+		if err := a.UnmarshalBinary(good[:n]); !errors.Is(err, ucx.ErrMalformed) {
+			t.Fatalf("address cut to %d bytes: %v", n, err)
+		}
+	}
+	if _, err := p.w.Connect(ucx.WorkerAddress{}); !errors.Is(err, ucx.ErrMalformed) {
+		t.Fatalf("Connect to an empty address: %v", err)
+	}
+	k := p.key.Key()
+	for _, c := range []struct {
+		name string
+		key  ucx.RegionKey
+	}{
+		{"no rkey", ucx.RegionKey{Addr: k.Addr, Len: k.Len}},
+		{"empty region", ucx.RegionKey{Addr: k.Addr, Rkey: k.Rkey}},
+		{"wrapping region", ucx.RegionKey{Addr: ^uint64(0) - 10, Len: 100, Rkey: k.Rkey}},
+		{"truncated rkey", ucx.RegionKey{Addr: k.Addr, Len: k.Len, Rkey: k.Rkey[:len(k.Rkey)-1]}},
+		{"rkey with a tail", ucx.RegionKey{Addr: k.Addr, Len: k.Len, Rkey: append(append([]byte(nil), k.Rkey...), 0xff)}},
+		{"zero domain map", ucx.RegionKey{Addr: k.Addr, Len: k.Len, Rkey: append(make([]byte, 8), k.Rkey[8:]...)}},
+	} {
+		if _, err := p.ep.Unpack(c.key); !errors.Is(err, ucx.ErrMalformed) {
+			t.Errorf("%s: Unpack: %v, want ErrMalformed", c.name, err)
+		}
+		if _, err := c.key.MarshalBinary(); !errors.Is(err, ucx.ErrMalformed) {
+			t.Errorf("%s: MarshalBinary: %v, want ErrMalformed", c.name, err)
+		}
+	}
+}
+
+// TestClose: every Close is idempotent, closing a parent closes its
+// children, and calls on closed objects return ErrClosed.
+func TestClose(t *testing.T) {
+	p := startServer(t, 1808, 1<<20)
+	r, err := p.ctx.Register(make([]byte, 1<<16))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.key.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.key.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := ucx.Get(timeout(t, time.Second), p.ep, p.key, p.key.Key().Addr, make([]byte, 8)); !errors.Is(err, ucx.ErrClosed) {
+		t.Fatalf("Get with a closed key: %v", err)
+	}
+	key, err := p.ep.Unpack(p.key.Key())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.w.Progress(); !errors.Is(err, ucx.ErrClosed) {
+		t.Fatalf("Progress on a closed worker: %v", err)
+	}
+	if err := ucx.Get(timeout(t, time.Second), p.ep, key, key.Key().Addr, make([]byte, 8)); !errors.Is(err, ucx.ErrClosed) {
+		t.Fatalf("Get on an endpoint of a closed worker: %v", err)
+	}
+	if err := p.w.Serve(context.Background()); !errors.Is(err, ucx.ErrClosed) {
+		t.Fatalf("Serve on a closed worker: %v", err)
+	}
+	if err := p.ctx.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.ctx.NewWorker(ucx.WorkerOptions{}); !errors.Is(err, ucx.ErrClosed) {
+		t.Fatalf("NewWorker on a closed context: %v", err)
+	}
+}
+
+// TestServeStops: Serve returns when its context ends and when its worker
+// is closed, and refuses a second concurrent Serve.
+func TestServeStops(t *testing.T) {
+	requireUCX(t)
+	c, err := ucx.NewContext(ucx.ContextOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if !c.Supports(ucx.MemoryHost) {
+		t.Fatalf("host memory not among %v", c.MemoryTypes())
+	}
+	w, err := c.NewWorker(ucx.WorkerOptions{Name: "serve-stops"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- w.Serve(ctx) }()
+	// With a Serve running, a second is refused; with none, one given an
+	// ended context returns nil at once.
+	ended, end := context.WithCancel(context.Background())
+	end()
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if w.Serve(ended) == nil {
+			return errors.New("the first Serve is not running yet")
+		}
+		return nil
+	})
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Serve did not return after its context ended")
+	}
+	go func() { done <- w.Serve(context.Background()) }()
+	time.Sleep(10 * time.Millisecond) // let it reach its sleep; Close must wake it either way
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil && !errors.Is(err, ucx.ErrClosed) {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Serve did not return after its worker closed")
+	}
+}
+
+// TestGoSignalHandlersKept: with libucp loaded, a nil dereference is still
+// a Go panic, not a UCX crash handler (UCX_ERROR_SIGNALS).
+func TestGoSignalHandlersKept(t *testing.T) {
+	requireUCX(t)
+	c, err := ucx.NewContext(ucx.ContextOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	recovered := func() (r any) {
+		defer func() { r = recover() }()
+		var p *int
+		return *p
+	}()
+	if recovered == nil {
+		t.Fatal("a nil dereference did not panic")
+	}
+}

@@ -1,0 +1,222 @@
+package ucx
+
+import (
+	"context"
+	"errors"
+	"runtime"
+	"sync"
+	"time"
+
+	raw "github.com/cudaipc/cudaipc/internal/ucx"
+	"golang.org/x/sys/unix"
+)
+
+// WorkerOptions are the settings of Context.NewWorker.
+type WorkerOptions struct {
+	// Name names the worker in UCX's logs; empty leaves UCX's default.
+	Name string
+}
+
+// Worker is a UCP worker (ucp_worker_h): the progress engine that
+// endpoints, transfers and the serving of this process's registered memory
+// run on. UCX workers are not thread-safe; this one is created in
+// UCS_THREAD_MODE_SERIALIZED and every call on it, its endpoints and its
+// keys takes the worker's lock, so all methods may be called from any
+// goroutine. A worker whose memory peers read over transports that emulate
+// GET with messages (tcp, shared memory) must be progressed: run Serve in a
+// goroutine, or keep calling Get on it.
+type Worker struct {
+	ctx *Context
+
+	mu        sync.Mutex // serializes every UCX call on h and its endpoints
+	h         raw.Worker
+	closed    bool
+	efd       int
+	addr      WorkerAddress
+	endpoints map[*Endpoint]struct{}
+	serving   bool
+	served    chan struct{} // closed when Serve returns; nil when not serving
+}
+
+// NewWorker creates a worker (ucp_worker_create) and fetches its address.
+func (c *Context) NewWorker(o WorkerOptions) (*Worker, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil, ErrClosed
+	}
+	p := &raw.WorkerParams{
+		FieldMask:  raw.WorkerParamFieldThreadMode | raw.WorkerParamFieldEvents,
+		ThreadMode: raw.ThreadModeSerialized,
+		Events:     raw.WakeupRMA | raw.WakeupRX | raw.WakeupTX,
+	}
+	if o.Name != "" {
+		p.FieldMask |= raw.WorkerParamFieldName
+		p.Name = cString(o.Name)
+	}
+	h, err := raw.WorkerCreate(c.h, p)
+	if err != nil {
+		return nil, err
+	}
+	a, n, err := raw.WorkerGetAddress(h)
+	if err != nil {
+		raw.WorkerDestroy(h)
+		return nil, err
+	}
+	b := raw.CopyAddress(a, n)
+	raw.WorkerReleaseAddress(h, a)
+	efd, err := raw.WorkerGetEfd(h)
+	if err != nil {
+		raw.WorkerDestroy(h)
+		return nil, err
+	}
+	major, minor, _, _ := raw.GetVersion()
+	w := &Worker{
+		ctx:       c,
+		h:         h,
+		efd:       efd,
+		addr:      WorkerAddress{ucxMajor: uint8(major), ucxMinor: uint8(minor), b: b},
+		endpoints: map[*Endpoint]struct{}{},
+	}
+	c.workers[w] = struct{}{}
+	return w, nil
+}
+
+// Address returns the worker's address, which a peer passes to
+// Worker.Connect to reach it.
+func (w *Worker) Address() WorkerAddress { return w.addr }
+
+// Progress runs ucp_worker_progress once and returns how many events it
+// handled.
+func (w *Worker) Progress() (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed {
+		return 0, ErrClosed
+	}
+	return int(raw.WorkerProgress(w.h)), nil
+}
+
+// serveSpin is how long Serve keeps polling after the last event before it
+// sleeps on the worker's event descriptor: a stream of requests (a
+// transfer in chunks, back-to-back small reads) is served at polling
+// latency, an idle worker costs no CPU.
+const serveSpin = 200 * time.Microsecond
+
+// serveSleep bounds one sleep of Serve, so that events of a transport that
+// cannot wake the descriptor are still handled.
+const serveSleep = 100 * time.Millisecond
+
+// Serve progresses the worker until ctx is done or the worker is closed,
+// and returns nil then. It runs on a locked OS thread, polls while there is
+// work and sleeps on the worker's event descriptor (ucp_worker_arm) when
+// idle. One Serve runs per worker at a time; a second returns an error.
+func (w *Worker) Serve(ctx context.Context) error {
+	w.mu.Lock()
+	switch {
+	case w.closed:
+		w.mu.Unlock()
+		return ErrClosed
+	case w.serving:
+		w.mu.Unlock()
+		return errors.New("ucx: the worker is already served")
+	}
+	w.serving = true
+	done := make(chan struct{})
+	w.served = done
+	w.mu.Unlock()
+	defer close(done)
+	defer func() {
+		w.mu.Lock()
+		w.serving = false
+		w.mu.Unlock()
+	}()
+
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	stop := context.AfterFunc(ctx, w.wake)
+	defer stop()
+
+	fds := []unix.PollFd{{Fd: int32(w.efd), Events: unix.POLLIN}}
+	last := time.Now()
+	for {
+		w.mu.Lock()
+		if w.closed || ctx.Err() != nil {
+			w.mu.Unlock()
+			return nil
+		}
+		n := raw.WorkerProgress(w.h)
+		w.mu.Unlock()
+		if n > 0 {
+			last = time.Now()
+			continue
+		}
+		if time.Since(last) < serveSpin {
+			continue
+		}
+		w.mu.Lock()
+		if w.closed {
+			w.mu.Unlock()
+			return nil
+		}
+		err := raw.WorkerArm(w.h)
+		w.mu.Unlock()
+		if errors.Is(err, raw.ErrBusy) {
+			last = time.Now()
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if _, err := unix.Poll(fds, int(serveSleep/time.Millisecond)); err != nil && !errors.Is(err, unix.EINTR) {
+			return err
+		}
+		last = time.Now()
+	}
+}
+
+// wake makes a sleeping Serve return to its loop (ucp_worker_signal).
+func (w *Worker) wake() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.closed {
+		_ = raw.WorkerSignal(w.h)
+	}
+}
+
+// Close stops Serve, closes the worker's endpoints (forcibly: requests in
+// flight fail with UCS_ERR_CANCELED) and destroys the worker. It is
+// idempotent.
+func (w *Worker) Close() error {
+	w.mu.Lock()
+	if w.closed {
+		w.mu.Unlock()
+		return nil
+	}
+	eps := make([]*Endpoint, 0, len(w.endpoints))
+	for e := range w.endpoints {
+		eps = append(eps, e)
+	}
+	w.mu.Unlock()
+	var errs []error
+	for _, e := range eps {
+		errs = append(errs, e.close(true))
+	}
+	w.mu.Lock()
+	w.closed = true
+	served := w.served
+	if w.serving {
+		_ = raw.WorkerSignal(w.h)
+	}
+	w.mu.Unlock()
+	if served != nil {
+		<-served
+	}
+	w.mu.Lock()
+	raw.WorkerDestroy(w.h)
+	w.mu.Unlock()
+	w.ctx.mu.Lock()
+	delete(w.ctx.workers, w)
+	w.ctx.mu.Unlock()
+	return errors.Join(errs...)
+}
