@@ -96,7 +96,7 @@ func TestCUDABackendPlacements(t *testing.T) {
 	var arena cudaipc.Region
 	for i, size := range []int64{1, 4096, 1 << 20, 3<<20 + 5} {
 		name := "gpu-" + strings.Repeat("x", i+1)
-		p, err := c.ss.create(name, size, strings.ToLower(strings.TrimPrefix(fakeGPU, "GPU-")), false)
+		p, err := c.ss.createObject(name, size, strings.ToLower(strings.TrimPrefix(fakeGPU, "GPU-")), false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -111,7 +111,7 @@ func TestCUDABackendPlacements(t *testing.T) {
 		if !r.Equal(arena) || r.Offset != 0 || r.Size != p.arenaSize || r.AllocSize != p.arenaSize || p.offset+p.size > r.Size {
 			t.Fatalf("object %d: region %v for placement [%d,+%d) of a %d-byte arena", i, r, p.offset, p.size, p.arenaSize)
 		}
-		if err := c.ss.seal(name); err != nil {
+		if err := c.ss.sealName(name); err != nil {
 			t.Fatal(err)
 		}
 		in, err := c.ss.stat(name)
@@ -122,7 +122,7 @@ func TestCUDABackendPlacements(t *testing.T) {
 		if got := decodeRegion(t, in.Region); !got.Equal(want) || in.Device != fakeGPU {
 			t.Fatalf("stat region %v, want %v (device %q)", got, want, in.Device)
 		}
-		lp, err := c.ss.get(t.Context(), name, false)
+		lp, err := c.ss.getName(t.Context(), name, false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -142,7 +142,7 @@ func TestCUDABackendPlacements(t *testing.T) {
 		t.Fatalf("host object: %+v", in)
 	}
 	// An object larger than the largest arena gets its own.
-	if _, err := c.ss.create("big", gpuMostArena+1, fakeGPU, false); err != nil {
+	if _, err := c.ss.createObject("big", gpuMostArena+1, fakeGPU, false); err != nil {
 		t.Fatal(err)
 	}
 	if n := len(g.allocs); n != 2 || g.allocs[1] != gpuMostArena+gpuGranularity {
@@ -158,7 +158,7 @@ func TestCUDABackendDevices(t *testing.T) {
 		{"GPU-00000000-0000-0000-0000-000000000001", "no such GPU"},
 		{"tpu", "want \"host\" or a GPU UUID"},
 	} {
-		_, err := c.ss.create("x", 10, tc.dev, false)
+		_, err := c.ss.createObject("x", 10, tc.dev, false)
 		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), fakeGPU) {
 			t.Errorf("device %q: %v, want INVALID saying %q and naming the GPUs", tc.dev, err, tc.want)
 		}
@@ -175,21 +175,21 @@ func TestCUDAArenaFreedWhenEmpty(t *testing.T) {
 	r := connect(t, s, 1000)
 	other := connect(t, s, 1000) // never sent the arena
 	for _, name := range []string{"a", "b"} {
-		if _, err := w.ss.create(name, 1<<20, fakeGPU, false); err != nil {
+		if _, err := w.ss.createObject(name, 1<<20, fakeGPU, false); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := w.ss.seal("a"); err != nil {
+	if err := w.ss.sealName("a"); err != nil {
 		t.Fatal(err)
 	}
-	lp, err := r.ss.get(t.Context(), "a", false)
+	lp, err := r.ss.getName(t.Context(), "a", false)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := w.ss.delete("a"); err != nil {
 		t.Fatal(err)
 	}
-	if err := w.ss.abort("b"); err != nil {
+	if err := w.ss.abortName("b"); err != nil {
 		t.Fatal(err)
 	}
 	if g.liveCount() != 1 {
@@ -208,7 +208,7 @@ func TestCUDAArenaFreedWhenEmpty(t *testing.T) {
 		t.Fatalf("told of freed arenas: writer %v, reader %v, other %v; want [%d] [%d] []", wf, rf, of, lp.arenaID, lp.arenaID)
 	}
 	// The capacity is back at once: a new arena fits.
-	if _, err := other.ss.create("c", 1<<20, fakeGPU, false); err != nil {
+	if _, err := other.ss.createObject("c", 1<<20, fakeGPU, false); err != nil {
 		t.Fatal(err)
 	}
 	if err := other.ss.forget([]uint64{lp.arenaID, 12345}); err != nil { // not held: ignored
@@ -253,11 +253,11 @@ func TestCUDAKeptArenas(t *testing.T) {
 	s, g := newFakeCUDAStore(t, Config{Capacity: 512 << 20})
 	w, other := connect(t, s, 1000), connect(t, s, 2000)
 	const size = 200 << 20 // larger than a pool's first arena: one of its own size
-	p1, err := w.ss.create("w1", size, fakeGPU, false)
+	p1, err := w.ss.createObject("w1", size, fakeGPU, false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := w.ss.abort("w1"); err != nil {
+	if err := w.ss.abortName("w1"); err != nil {
 		t.Fatal(err)
 	}
 	s.mu.Lock()
@@ -267,32 +267,32 @@ func TestCUDAKeptArenas(t *testing.T) {
 	if len(told) != 0 || g.liveCount() != 1 || st.Kept != 1 || st.KeptBytes != size || st.Reserved != size {
 		t.Fatalf("after the last object went: told %v, %d live allocations, stats %+v; want the arena kept", told, g.liveCount(), st)
 	}
-	p2, err := w.ss.create("w2", size-12345, fakeGPU, false)
+	p2, err := w.ss.createObject("w2", size-12345, fakeGPU, false)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if p2.arenaID != p1.arenaID || p2.offset != 0 || len(g.allocs) != 1 || !bytes.Equal(p2.region, p1.region) {
 		t.Fatalf("next object: arena %d at %d (want the kept %d at 0), %d allocations", p2.arenaID, p2.offset, p1.arenaID, len(g.allocs))
 	}
-	if err := w.ss.seal("w2"); err != nil {
+	if err := w.ss.sealName("w2"); err != nil {
 		t.Fatal(err)
 	}
 	if err := w.ss.delete("w2"); err != nil {
 		t.Fatal(err)
 	}
 	// Another uid, and a shared object of the same uid: arenas of their own.
-	po, err := other.ss.create("o", 100<<20, fakeGPU, false)
+	po, err := other.ss.createObject("o", 100<<20, fakeGPU, false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ps, err := w.ss.create("s", 100<<20, fakeGPU, true)
+	ps, err := w.ss.createObject("s", 100<<20, fakeGPU, true)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if po.arenaID == p1.arenaID || ps.arenaID == p1.arenaID {
 		t.Fatalf("arenas %d (other uid) and %d (shared) for the kept arena %d", po.arenaID, ps.arenaID, p1.arenaID)
 	}
-	if err := w.ss.abort("s"); err != nil {
+	if err := w.ss.abortName("s"); err != nil {
 		t.Fatal(err)
 	}
 	s.mu.Lock()
@@ -306,7 +306,7 @@ func TestCUDAKeptArenas(t *testing.T) {
 	}
 	// 100 MiB (other) + 200 MiB (kept) of 512: another 300 MiB needs the
 	// kept arena's room.
-	if _, err := other.ss.create("o2", 300<<20, fakeGPU, false); err != nil {
+	if _, err := other.ss.createObject("o2", 300<<20, fakeGPU, false); err != nil {
 		t.Fatalf("create needing the kept arena's room: %v", err)
 	}
 	s.mu.Lock()

@@ -111,7 +111,7 @@ func TestCUDAFDPlacements(t *testing.T) {
 	var arenaIno uint64
 	for i, size := range []int64{1, 4096, 3<<20 + 5} {
 		name := fmt.Sprintf("fd-%d", i)
-		p, err := c.ss.create(name, size, fakeGPU, false)
+		p, err := c.ss.createObject(name, size, fakeGPU, false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -129,7 +129,7 @@ func TestCUDAFDPlacements(t *testing.T) {
 			t.Fatalf("object %d: arena inode %d (want %d), arena size %d", i, ino, arenaIno, p.arenaSize)
 		}
 		p.closeShare()
-		if err := c.ss.seal(name); err != nil {
+		if err := c.ss.sealName(name); err != nil {
 			t.Fatal(err)
 		}
 		in, err := c.ss.stat(name)
@@ -141,7 +141,7 @@ func TestCUDAFDPlacements(t *testing.T) {
 		}
 		// A read-only lease on the same connection: the same descriptor
 		// again, read-only being advisory for GPU memory.
-		lp, err := c.ss.get(t.Context(), name, false)
+		lp, err := c.ss.getName(t.Context(), name, false)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -13,6 +13,24 @@
 // is freed when the last lease ends. A connection that goes away, however
 // it dies, has its unsealed objects aborted and its leases released.
 //
+// # Names and their lifecycle
+//
+// One name table (names.go) maps each qualified name to one entry, whose
+// kind is data: an object (a draft until sealed), a registration of
+// external memory, or a versioned name whose versions' shards are objects.
+// A name is taken only by claimLocked, so a create, register or
+// seal-rename of any kind over a name of any kind is EXISTS, and freed
+// only by the entry that holds it (delete, abort, eviction, a
+// registration's end). Every kind goes through the same path
+// (lifecycle.go): create makes a draft that only its connection sees;
+// seal makes it readable (for a shard, once the version's last shard is
+// sealed) and wakes the gets waiting on the name; abort, or the creator's
+// connection ending, discards it; get resolves the name to one object or
+// registration and leases it, or waits on the name; release and delete
+// end leases and names. Per-connection limits count every entry and every
+// lease the same way, whatever its kind. Subscribers are told only of
+// names their list would show them.
+//
 // # Memory
 //
 // Objects live in arenas, sub-allocated with 256-byte alignment by

@@ -105,7 +105,7 @@ func gpuDraftsUnreachable(t *testing.T, dev *cudaipc.Device, share string) {
 	var secrets []byte
 	create := func(name string, size int64, shared bool) (placement, []byte) {
 		t.Helper()
-		p, err := owner.ss.create(name, size, gpu, shared)
+		p, err := owner.ss.createObject(name, size, gpu, shared)
 		if err != nil {
 			t.Fatalf("create %s: %v", name, err)
 		}
@@ -117,24 +117,24 @@ func gpuDraftsUnreachable(t *testing.T, dev *cudaipc.Device, share string) {
 	// A private object that is deleted: its arena goes back to the
 	// driver, which may hand the memory out again.
 	create("old", 48<<20, false)
-	if err := owner.ss.abort("old"); err != nil {
+	if err := owner.ss.abortName("old"); err != nil {
 		t.Fatal(err)
 	}
 	create("draft", 3<<20, true)
 	create("aborted", 1<<20, true)
-	if err := owner.ss.abort("aborted"); err != nil {
+	if err := owner.ss.abortName("aborted"); err != nil {
 		t.Fatal(err)
 	}
 	create("private", 1<<20, false)
-	if err := owner.ss.seal("private"); err != nil {
+	if err := owner.ss.sealName("private"); err != nil {
 		t.Fatal(err)
 	}
 	p, pub := create("pub", 1<<20+4321, true)
 	secrets = secrets[:len(secrets)-64]
-	if err := owner.ss.seal("pub"); err != nil {
+	if err := owner.ss.sealName("pub"); err != nil {
 		t.Fatal(err)
 	}
-	lp, err := reader.ss.get(context.Background(), "pub", false)
+	lp, err := reader.ss.getName(context.Background(), "pub", false)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -47,6 +47,8 @@ type external struct {
 	leases    int
 }
 
+// readableBy reports whether a peer of uid may read e: its owner, root,
+// and anyone when e is shared.
 func (e *external) readableBy(uid uint32) bool { return e.shared || e.owner == uid || uid == 0 }
 
 func (e *external) info() info {
@@ -61,32 +63,19 @@ func (e *external) info() info {
 	}
 }
 
-// dropLocked forgets e's name and closes its descriptors.
+// dropExternalLocked forgets e's name, telling subscribers kind, and
+// closes its descriptors once no lease is left.
 func (s *Store) dropExternalLocked(e *external, kind eventKind) {
 	if !e.deleted {
 		e.deleted = true
-		delete(s.externals, e.name)
-		s.emitExternalLocked(kind, e)
+		s.unclaimLocked(e.name, e.entry())
+		s.emitLocked(event{kind: kind, name: e.name}, readers(e.owner, e.shared))
 	}
 	if e.leases == 0 {
 		for _, f := range e.files {
 			f.Close()
 		}
 		e.files = nil
-	}
-}
-
-func (s *Store) emitExternalLocked(kind eventKind, e *external) {
-	for ss := range s.subscribers {
-		if !e.readableBy(ss.peer.uid) {
-			continue
-		}
-		select {
-		case ss.events <- event{kind: kind, name: e.name}:
-			ss.dropping = false
-		default:
-			s.metrics.eventsDropped.Inc()
-		}
 	}
 }
 
@@ -130,20 +119,16 @@ func (ss *session) register(r *storev1.RegisterRequest, files []*os.File) (info,
 	if ss.closed {
 		return info{}, errSessionClosed
 	}
-	if _, dup := s.objects[e.name]; dup || s.series[e.name] != nil || s.externals[e.name] != nil {
-		return info{}, fmt.Errorf("object %q: %w", e.name, ErrExists)
+	if err := ss.objectRoomLocked(); err != nil {
+		return info{}, err
 	}
-	if len(ss.created)+len(ss.registered) >= s.cfg.MaxObjectsPerClient {
-		return info{}, fmt.Errorf("%w: this connection already has %d objects", ErrLimit, len(ss.created)+len(ss.registered))
+	if err := s.claimLocked(e.name, e.entry()); err != nil {
+		return info{}, err
 	}
 	ok = true
-	s.externals[e.name] = e
 	ss.registered[e] = struct{}{}
-	if w := s.waiters[e.name]; w != nil {
-		close(w.ch)
-		delete(s.waiters, e.name)
-	}
-	s.emitExternalLocked(eventSealed, e)
+	s.wakeLocked(e.name)
+	s.emitLocked(event{kind: eventSealed, name: e.name}, readers(e.owner, e.shared))
 	s.log.Info("external memory registered", "session", ss.id, "name", e.name, "size", e.size, "device", e.device,
 		"pieces", len(e.pieces), "legacy", e.legacy != nil, "shared", e.shared)
 	return e.info(), nil
@@ -152,7 +137,6 @@ func (ss *session) register(r *storev1.RegisterRequest, files []*os.File) (info,
 // leaseExternalLocked grants a read lease on e: duplicates of its
 // descriptors travel with the placement.
 func (ss *session) leaseExternalLocked(e *external) (placement, error) {
-	s := ss.s
 	p := placement{device: e.device, offset: e.offset, size: e.size, external: true, pieces: e.pieces, region: e.legacy, kind: storev1.Placement_VMM_FD}
 	if e.legacy != nil {
 		p.kind = storev1.Placement_CUDA_IPC
@@ -172,23 +156,11 @@ func (ss *session) leaseExternalLocked(e *external) (placement, error) {
 		}
 		p.pieceFiles = append(p.pieceFiles, d)
 	}
-	s.nextLease++
-	ss.extLeases[s.nextLease] = e
+	l := ss.addLeaseLocked(nil, e)
 	e.leases++
-	s.leases++
-	p.leaseID = s.nextLease
+	p.leaseID = l.id
 	p.info = e.info()
 	return p, nil
-}
-
-func (ss *session) releaseExternalLocked(id uint64, e *external) {
-	s := ss.s
-	delete(ss.extLeases, id)
-	s.leases--
-	e.leases--
-	if e.leases == 0 && (e.deleted || e.orphaned) {
-		s.dropExternalLocked(e, eventDeleted)
-	}
 }
 
 // unregisterLocked handles the registering connection's end.
@@ -208,15 +180,6 @@ func (ss *session) unregisterLocked(e *external) {
 	if e.leases == 0 {
 		s.dropExternalLocked(e, eventDeleted)
 	}
-}
-
-// deleteExternalLocked removes e's name for its owner (or root).
-func (ss *session) deleteExternalLocked(e *external) error {
-	if e.owner != ss.peer.uid && ss.peer.uid != 0 {
-		return fmt.Errorf("object %q belongs to uid %d: %w", e.name, e.owner, ErrPermission)
-	}
-	ss.s.dropExternalLocked(e, eventDeleted)
-	return nil
 }
 
 // dupFile duplicates f, close-on-exec.

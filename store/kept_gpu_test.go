@@ -72,19 +72,19 @@ func keptArenaReuse(t *testing.T, dev *cudaipc.Device, share string) {
 			t.Fatalf("%s: arena %d is not zero at byte %d", what, id, i)
 		}
 	}
-	p1, err := owner.ss.create("a", size, gpu, false)
+	p1, err := owner.ss.createObject("a", size, gpu, false)
 	if err != nil {
 		t.Fatal(err)
 	}
 	p1.closeShare()
 	fill(p1)
-	if err := owner.ss.seal("a"); err != nil {
+	if err := owner.ss.sealName("a"); err != nil {
 		t.Fatal(err)
 	}
 	if err := owner.ss.delete("a"); err != nil {
 		t.Fatal(err)
 	}
-	p2, err := owner.ss.create("b", size, gpu, false)
+	p2, err := owner.ss.createObject("b", size, gpu, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -93,11 +93,11 @@ func keptArenaReuse(t *testing.T, dev *cudaipc.Device, share string) {
 		t.Fatalf("the owner's next object is in arena %d, want the kept arena %d", p2.arenaID, p1.arenaID)
 	}
 	fill(p2)
-	if err := owner.ss.abort("b"); err != nil {
+	if err := owner.ss.abortName("b"); err != nil {
 		t.Fatal(err)
 	}
 	// Another uid's object: an arena of its own, zeroed.
-	po, err := other.ss.create("o", size, gpu, false)
+	po, err := other.ss.createObject("o", size, gpu, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -109,10 +109,10 @@ func keptArenaReuse(t *testing.T, dev *cudaipc.Device, share string) {
 	// The capacity left (256 - 96 kept - 96) needs the kept arena's room;
 	// the owner unmaps it (as its client does when told) so that its memory
 	// goes back to the driver, which hands it out to the next allocation.
-	if err := other.ss.abort("o"); err != nil {
+	if err := other.ss.abortName("o"); err != nil {
 		t.Fatal(err)
 	}
-	pb, err := other.ss.create("big", 160<<20, gpu, false)
+	pb, err := other.ss.createObject("big", 160<<20, gpu, false)
 	if err != nil {
 		t.Fatalf("a create needing the kept arenas' room: %v", err)
 	}
@@ -127,7 +127,7 @@ func keptArenaReuse(t *testing.T, dev *cudaipc.Device, share string) {
 	if err := owner.ss.forget(freed); err != nil {
 		t.Fatal(err)
 	}
-	if err := other.ss.abort("big"); err != nil {
+	if err := other.ss.abortName("big"); err != nil {
 		t.Fatal(err)
 	}
 	s.mu.Lock()
@@ -136,7 +136,7 @@ func keptArenaReuse(t *testing.T, dev *cudaipc.Device, share string) {
 		other.ss.forgetLocked(id)
 	}
 	s.mu.Unlock()
-	pn, err := other.ss.create("after", size, gpu, false)
+	pn, err := other.ss.createObject("after", size, gpu, false)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -111,8 +111,11 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 	for _, d := range s.devices {
 		byDev[d] = &counts{deleted: d.deleted}
 	}
-	for _, o := range s.objects {
-		if o.sealed {
+	for _, e := range s.names {
+		if !e.is(kindObject) {
+			continue
+		}
+		if o := e.obj; o.sealed {
 			byDev[o.dev].sealed++
 		} else {
 			byDev[o.dev].unsealed++

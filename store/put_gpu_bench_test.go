@@ -32,13 +32,13 @@ func BenchmarkGPUPutWork(b *testing.B) {
 			var create, seal, del time.Duration
 			step := func(name string) {
 				t0 := time.Now()
-				p, err := ss.create(name, size, gpu, false)
+				p, err := ss.createObject(name, size, gpu, false)
 				if err != nil {
 					b.Fatal(err)
 				}
 				p.closeShare()
 				t1 := time.Now()
-				if err := ss.seal(name); err != nil {
+				if err := ss.sealName(name); err != nil {
 					b.Fatal(err)
 				}
 				t2 := time.Now()

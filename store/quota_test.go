@@ -41,11 +41,11 @@ func TestQuotaKeepsUsersApart(t *testing.T) {
 	}
 	// Lease every object of 65534 still there: nothing left to evict.
 	for _, name := range names {
-		if _, err := other.ss.get(context.Background(), name, false); err != nil && !errors.Is(err, ErrTimeout) {
+		if _, err := other.ss.getName(context.Background(), name, false); err != nil && !errors.Is(err, ErrTimeout) {
 			t.Fatal(err)
 		}
 	}
-	_, err := other.ss.create("more", 1<<20, "", false)
+	_, err := other.ss.createObject("more", 1<<20, "", false)
 	if !errors.Is(err, ErrStoreFull) || !strings.Contains(err.Error(), "uid 65534's quota") {
 		t.Fatalf("create over a full quota: %v", err)
 	}
@@ -76,7 +76,7 @@ func TestSharedDraftsUnreachable(t *testing.T) {
 	owner, reader := connect(t, s, 1000), connect(t, s, 65534)
 	var secrets [][]byte
 	draft := func(name string, size int64) {
-		p, err := owner.ss.create(name, size, "", true)
+		p, err := owner.ss.createObject(name, size, "", true)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -86,7 +86,7 @@ func TestSharedDraftsUnreachable(t *testing.T) {
 	}
 	draft("draft", 100_000)
 	draft("aborted", 50_000)
-	if err := owner.ss.abort("aborted"); err != nil {
+	if err := owner.ss.abortName("aborted"); err != nil {
 		t.Fatal(err)
 	}
 	secrets = append(secrets, owner.put("private", 30_000, false)[:64])

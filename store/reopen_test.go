@@ -118,7 +118,7 @@ func TestReopenAsOtherUID(t *testing.T) {
 	s := newTestStore(t, Config{})
 	w, r := connect(t, s, 1000), connect(t, s, 65534)
 	w.put("x", 4096, true)
-	p, err := r.ss.get(context.Background(), "x", false)
+	p, err := r.ss.getName(context.Background(), "x", false)
 	if err != nil {
 		t.Fatal(err)
 	}

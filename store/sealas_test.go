@@ -20,7 +20,7 @@ import (
 func TestSealAs(t *testing.T) {
 	s := newTestStore(t, Config{})
 	w, r, q := connect(t, s, 1000), connect(t, s, 1000), connect(t, s, 1000)
-	p, err := w.ss.createTyped(".ahead-1", 5000, "", false, &storev1.TensorDesc{Dtype: "uint8", Shape: []int64{5000}})
+	p, err := w.ss.createTyped(".ahead-1", 5000, &storev1.TensorDesc{Dtype: "uint8", Shape: []int64{5000}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -30,7 +30,7 @@ func TestSealAs(t *testing.T) {
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		p, err := q.ss.get(ctx, "final", true)
+		p, err := q.ss.getName(ctx, "final", true)
 		p.closeShare()
 		woke <- err
 	}()
@@ -53,7 +53,7 @@ func TestSealAs(t *testing.T) {
 		t.Fatalf("the old name after the rename: %v, want NOT_FOUND", err)
 	}
 	// A taken name: EXISTS, and the object stays a draft under its name.
-	if _, err := w.ss.create(".ahead-2", 100, "", false); err != nil {
+	if _, err := w.ss.createObject(".ahead-2", 100, "", false); err != nil {
 		t.Fatal(err)
 	}
 	if err := w.ss.sealAs(".ahead-2", "final", nil); !errors.Is(err, ErrExists) {
@@ -62,11 +62,11 @@ func TestSealAs(t *testing.T) {
 	if err := w.ss.sealAs(".ahead-2", "final2", &storev1.TensorDesc{Dtype: "float32", Shape: []int64{1000}}); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("a descriptor larger than the object: %v, want INVALID", err)
 	}
-	if err := w.ss.abort(".ahead-2"); err != nil {
+	if err := w.ss.abortName(".ahead-2"); err != nil {
 		t.Fatalf("the draft after a refused rename: %v", err)
 	}
 	// Only the creator's drafts.
-	if _, err := w.ss.create(".ahead-3", 100, "", false); err != nil {
+	if _, err := w.ss.createObject(".ahead-3", 100, "", false); err != nil {
 		t.Fatal(err)
 	}
 	if err := r.ss.sealAs(".ahead-3", "stolen", nil); !errors.Is(err, ErrNotFound) {
@@ -115,4 +115,18 @@ func TestServerSealRenameAndWaitEvent(t *testing.T) {
 	if !bytes.Equal(c.mapping(resp.GetGet().GetPlacement(), files), data) {
 		t.Fatal("the object sealed under its new name does not hold its bytes")
 	}
+}
+
+func (ss *session) createTyped(name string, size int64, tensor *storev1.TensorDesc) (placement, error) {
+	p, _, err := ss.create(createReq{name: name, size: size, tensor: tensor})
+	return p, err
+}
+
+// sealAs seals the draft name under to, with tensor if not nil.
+func (ss *session) sealAs(name, to string, tensor *storev1.TensorDesc) error {
+	r := sealReq{name: name, rename: to, tensor: tensor}
+	if to == name {
+		r.rename = ""
+	}
+	return ss.seal(r)
 }

@@ -150,14 +150,7 @@ func (cn *conn) sealAfterEvent(id uint64, r *storev1.SealRequest) {
 	})
 }
 
-// seal seals as r says (rename and tensor, or a shard of a version).
+// seal seals as r says (a rename and tensor, or a shard of a version).
 func (cn *conn) seal(r *storev1.SealRequest) error {
-	if r.GetRename() != "" || r.GetTensor() != nil {
-		to := r.GetRename()
-		if to == "" {
-			to = r.GetName()
-		}
-		return cn.ss.sealAs(r.GetName(), to, r.GetTensor())
-	}
-	return cn.ss.sealExt(r.GetName(), r.GetVersion(), r.GetShard())
+	return cn.ss.seal(sealReqOf(r))
 }

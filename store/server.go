@@ -402,20 +402,15 @@ func (cn *conn) handle(req *storev1.Request) {
 	case *storev1.Request_Hello:
 		fail(protocol.Errorf(storev1.Error_INVALID, "hello is only valid as the first request"))
 	case *storev1.Request_Create:
-		r := b.Create
 		cn.order.Lock()
 		defer cn.order.Unlock()
-		if r.GetVersioned() || r.GetManifestSize() > 0 {
-			cn.createExt(id, r)
-			return
-		}
-		p, err := ss.createTyped(r.GetName(), int64(r.GetSize()), r.GetDevice(), r.GetShared(), r.GetTensor())
+		p, n, err := ss.create(createReqOf(b.Create))
 		if err != nil {
 			cn.replyLocked(op, protocol.ErrorResponse(id, err), nil)
 			return
 		}
 		cn.replyLocked(op, &storev1.Response{Id: id, Body: &storev1.Response_Create{Create: &storev1.CreateResponse{
-			Placement: p.proto()}}}, &p)
+			Placement: p.proto(), Version: n, ManifestAttached: p.manifest != nil}}}, &p)
 	case *storev1.Request_Seal:
 		if len(b.Seal.GetWaitEvent()) > 0 {
 			cn.sealAfterEvent(id, b.Seal)
@@ -427,25 +422,22 @@ func (cn *conn) handle(req *storev1.Request) {
 		}
 		ok(&storev1.Response{Body: &storev1.Response_Seal{Seal: &storev1.SealResponse{}}})
 	case *storev1.Request_Abort:
-		if err := ss.abortExt(b.Abort.GetName(), b.Abort.GetVersion(), b.Abort.GetShard()); err != nil {
+		if err := ss.abort(b.Abort.GetName(), b.Abort.GetVersion(), b.Abort.GetShard()); err != nil {
 			fail(err)
 			return
 		}
 		ok(&storev1.Response{Body: &storev1.Response_Abort{Abort: &storev1.AbortResponse{}}})
 	case *storev1.Request_Get:
 		r := b.Get
-		if sel := (versionSel{r.GetVersion(), r.GetShard(), r.GetNewerThan()}); sel != (versionSel{}) {
-			cn.wg.Go(func() { cn.waitAndGrantVersion(id, r.GetName(), sel, r.GetTimeoutMs()) })
-			return
-		}
+		sel := versionSel{r.GetVersion(), r.GetShard(), r.GetNewerThan()}
 		// Granted at once when the object is there (no goroutine on the
 		// hot path); a get that may wait for a seal waits in its own, so
 		// that it holds up nothing else on the connection.
 		cn.order.Lock()
-		done := cn.grant(id, r.GetName(), r.GetTimeoutMs() != 0)
+		done := cn.grant(id, r.GetName(), sel, r.GetTimeoutMs() != 0)
 		cn.order.Unlock()
 		if !done {
-			cn.wg.Go(func() { cn.waitAndGrant(id, r.GetName(), r.GetTimeoutMs()) })
+			cn.wg.Go(func() { cn.waitAndGrant(id, r.GetName(), sel, r.GetTimeoutMs()) })
 		}
 	case *storev1.Request_Release:
 		if err := ss.release(b.Release.GetLeaseId()); err != nil {
@@ -534,8 +526,8 @@ func (cn *conn) tellFreed() {
 // grant answers a get at once: a lease, or the reason there is none. With
 // retry, it reports false and sends nothing when the object is not ready.
 // cn.order must be held.
-func (cn *conn) grant(id uint64, name string, retry bool) bool {
-	p, err := cn.ss.tryGet(name)
+func (cn *conn) grant(id uint64, name string, sel versionSel, retry bool) bool {
+	p, err := cn.ss.tryGet(name, sel)
 	if retry && errors.Is(err, ErrTimeout) {
 		return false
 	}
@@ -556,7 +548,7 @@ func (cn *conn) grant(id uint64, name string, retry bool) bool {
 
 // waitAndGrant answers a get that may wait timeoutMs milliseconds (forever
 // when negative).
-func (cn *conn) waitAndGrant(id uint64, name string, timeoutMs int64) {
+func (cn *conn) waitAndGrant(id uint64, name string, sel versionSel, timeoutMs int64) {
 	ctx := cn.ss.ctx
 	// Beyond what a Duration holds (292 years) is as good as forever.
 	if timeoutMs > 0 && timeoutMs <= math.MaxInt64/int64(time.Millisecond) {
@@ -565,7 +557,7 @@ func (cn *conn) waitAndGrant(id uint64, name string, timeoutMs int64) {
 		defer cancel()
 	}
 	for {
-		if err := cn.ss.waitSealed(ctx, name); err != nil {
+		if err := cn.ss.waitReady(ctx, name, sel); err != nil {
 			if cn.ss.ctx.Err() == nil {
 				cn.reply("get", protocol.ErrorResponse(id, err), nil)
 			}
@@ -574,7 +566,7 @@ func (cn *conn) waitAndGrant(id uint64, name string, timeoutMs int64) {
 		cn.order.Lock()
 		// Not ready means deleted or evicted between the wake-up and now:
 		// wait on.
-		done := cn.grant(id, name, true)
+		done := cn.grant(id, name, sel, true)
 		cn.order.Unlock()
 		if done {
 			return

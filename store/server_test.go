@@ -476,8 +476,8 @@ func TestServerShutdown(t *testing.T) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if len(s.sessions) != 0 || s.objects[protocol.QualifiedName(uint32(os.Geteuid()), "half")] != nil || s.objects[protocol.QualifiedName(uint32(os.Geteuid()), "x")] == nil {
-		t.Fatalf("after shutdown: %d sessions, objects %v", len(s.sessions), s.objects)
+	if len(s.sessions) != 0 || s.names[protocol.QualifiedName(uint32(os.Geteuid()), "half")].exists() || !s.names[protocol.QualifiedName(uint32(os.Geteuid()), "x")].exists() {
+		t.Fatalf("after shutdown: %d sessions, names %v", len(s.sessions), s.names)
 	}
 }
 

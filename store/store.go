@@ -140,13 +140,10 @@ type Store struct {
 	mu          sync.Mutex
 	closed      bool
 	devices     map[string]*device
-	objects     map[string]*object   // by name; sealed or not, never deleted ones
-	externals   map[string]*external // registered memory, by name (external.go)
-	waiters     map[string]*waiter   // gets waiting for a name to be sealed
+	names       map[string]entry   // the name table (names.go): every name taken, whatever holds it
+	waiters     map[string]*waiter // gets waiting for a name to become readable
 	sessions    map[*session]struct{}
 	subscribers map[*session]struct{}
-	series      map[string]*series // versioned names
-	published   chan struct{}      // closed and replaced when a version is published
 	leases      int
 	holds       map[uint64]*arenaHold // by arena id: connections that map the arena
 	tables      map[*session]struct{} // sessions with a lease table
@@ -204,7 +201,7 @@ type object struct {
 
 // waiter wakes the gets waiting for one name.
 type waiter struct {
-	ch chan struct{} // closed when an object of that name is sealed
+	ch chan struct{} // closed when something under that name may have become readable
 	n  int           // gets waiting on ch
 }
 
@@ -268,13 +265,10 @@ func New(cfg Config) (*Store, error) {
 		connsByUID:  make(map[uint32]int),
 		refusals:    logLimiter{burst: 10, every: time.Second},
 		devices:     make(map[string]*device),
-		objects:     make(map[string]*object),
-		externals:   make(map[string]*external),
+		names:       make(map[string]entry),
 		waiters:     make(map[string]*waiter),
 		sessions:    make(map[*session]struct{}),
 		subscribers: make(map[*session]struct{}),
-		series:      make(map[string]*series),
-		published:   make(chan struct{}),
 		holds:       make(map[uint64]*arenaHold),
 		tables:      make(map[*session]struct{}),
 	}
@@ -416,12 +410,12 @@ func (s *Store) allocLocked(d *device, o *object) (*alloc.Block[pool, *object], 
 
 // evictLocked forgets an object the allocator is about to free.
 func (s *Store) evictLocked(o *object) {
-	delete(s.objects, o.name)
+	s.unclaimLocked(o.name, o.entry())
 	o.deleted = true
 	s.forgetCreatorLocked(o)
 	s.metrics.evictions.WithLabelValues(o.dev.name).Inc()
 	s.log.Info("object evicted", "name", o.name, "size", o.size, "device", o.dev.name)
-	s.emitLocked(eventEvicted, o)
+	s.emitObjectLocked(eventEvicted, o)
 	o.discardLocked()
 }
 
@@ -488,16 +482,21 @@ func (s *Store) Close() error {
 			delete(d.arenas, id)
 		}
 	}
-	for _, o := range s.objects {
-		o.manifest.close()
-	}
-	for _, sr := range s.series {
-		for _, v := range sr.versions {
-			for _, o := range v.shards {
-				if o != nil {
-					o.manifest.close()
+	var externals []*external
+	for _, e := range s.names {
+		switch e.kind {
+		case kindObject:
+			e.obj.manifest.close()
+		case kindSeries:
+			for _, v := range e.ser.versions {
+				for _, o := range v.shards {
+					if o != nil {
+						o.manifest.close()
+					}
 				}
 			}
+		case kindExternal:
+			externals = append(externals, e.ext)
 		}
 	}
 	for id, h := range s.holds { // none once every session closed; defensive
@@ -506,12 +505,11 @@ func (s *Store) Close() error {
 		}
 		delete(s.holds, id)
 	}
-	for _, e := range s.externals {
+	for _, e := range externals {
 		e.leases = 0
 		s.dropExternalLocked(e, eventDeleted)
 	}
-	clear(s.objects)
-	clear(s.series)
+	clear(s.names)
 	return errors.Join(errs...)
 }
 

@@ -16,11 +16,11 @@ func TestVersionMemoryReused(t *testing.T) {
 	c := connect(t, s, 1000)
 	publish := func() placement {
 		t.Helper()
-		p, n, err := c.ss.createExt("w", 3<<20, "", false, createOptions{versioned: true})
+		p, n, err := c.ss.create(createReq{name: "w", size: 3 << 20, versioned: true})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := c.ss.sealExt("w", n, 0); err != nil {
+		if err := c.ss.seal(sealReq{name: "w", version: n}); err != nil {
 			t.Fatal(err)
 		}
 		p.closeShare()
@@ -37,7 +37,7 @@ func TestVersionMemoryReused(t *testing.T) {
 	}
 	// 8 MiB: v3 and the spare (v2's) take 6; a plain 4 MiB object needs
 	// the spare's room.
-	p, err := c.ss.create("plain", 4<<20, "", false)
+	p, err := c.ss.createObject("plain", 4<<20, "", false)
 	if err != nil {
 		t.Fatalf("create with spare memory to give back: %v", err)
 	}
@@ -59,7 +59,7 @@ func TestManifestCheckedOncePerLayout(t *testing.T) {
 	other, _, _ := bundle.Layout(specs[:1], 0, nil)
 	publish := func(raw []byte, objSize int64) error {
 		t.Helper()
-		p, n, err := c.ss.createExt("m", objSize, "", false, createOptions{versioned: true, manifestSize: int64(len(raw))})
+		p, n, err := c.ss.create(createReq{name: "m", size: objSize, versioned: true, manifestSize: int64(len(raw))})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -67,7 +67,7 @@ func TestManifestCheckedOncePerLayout(t *testing.T) {
 		if _, err := p.manifest.WriteAt(raw, 0); err != nil {
 			t.Fatal(err)
 		}
-		return c.ss.sealExt("m", n, 0)
+		return c.ss.seal(sealReq{name: "m", version: n})
 	}
 	for v := 0; v < 3; v++ {
 		if err := publish(good, size); err != nil {

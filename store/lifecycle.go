@@ -1,0 +1,656 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/cudaipc/cudaipc/bundle"
+	"github.com/cudaipc/cudaipc/protocol"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
+)
+
+// The one lifecycle of every entry of the name table (names.go): create a
+// draft, seal or abort it, get (waiting if need be) and release leases,
+// delete. What differs between kinds is data inside these functions.
+
+// createReq is a create of any kind: a plain object, or one shard of a
+// version of a versioned name; either may carry a bundle's manifest.
+type createReq struct {
+	name   string // qualified
+	size   int64
+	device string
+	shared bool
+	// tensor is the object's typed-array descriptor, nil for none, already
+	// validated against size by protocol.ValidateRequest.
+	tensor *storev1.TensorDesc
+
+	versioned    bool
+	version      uint64 // 0: the oldest pending version lacking the shard, or the next
+	shards       uint32 // 0 means 1
+	shard        uint32
+	keep         uint32
+	manifestSize int64
+}
+
+func createReqOf(r *storev1.CreateRequest) createReq {
+	return createReq{
+		name: r.GetName(), size: int64(r.GetSize()), device: r.GetDevice(), shared: r.GetShared(), tensor: r.GetTensor(),
+		versioned: r.GetVersioned(), version: r.GetVersion(), shards: r.GetShards(), shard: r.GetShard(),
+		keep: r.GetKeepLast(), manifestSize: int64(r.GetManifestSize()),
+	}
+}
+
+// create makes a draft: a writable object that only this session sees until
+// it seals it, under a name of its own or as a shard of a version. It
+// returns the draft's placement and, for a shard, its version.
+func (ss *session) create(r createReq) (placement, uint64, error) {
+	s := ss.s
+	if err := checkName(r.name); err != nil {
+		return placement{}, 0, err
+	}
+	if r.size <= 0 {
+		return placement{}, 0, invalidf("object size %d is not positive", r.size)
+	}
+	if r.manifestSize < 0 || r.manifestSize > bundle.MaxHeaderSize {
+		return placement{}, 0, invalidf("manifest size %d is outside 0..%d", r.manifestSize, bundle.MaxHeaderSize)
+	}
+	shards := max(r.shards, 1)
+	if !r.versioned && (r.version != 0 || r.shards > 1 || r.shard != 0 || r.keep != 0) {
+		return placement{}, 0, invalidf("version, shards, shard and keep_last need versioned")
+	}
+	if shards > MaxShards || r.shard >= shards {
+		return placement{}, 0, invalidf("shard %d of %d: want shard < shards <= %d", r.shard, shards, MaxShards)
+	}
+	devName, err := s.backend.device(r.device)
+	if err != nil {
+		return placement{}, 0, err
+	}
+	var man *manifest
+	if r.manifestSize > 0 {
+		if man, err = newManifest(r.manifestSize); err != nil {
+			return placement{}, 0, err
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	fail := func(err error) (placement, uint64, error) {
+		man.close()
+		return placement{}, 0, err
+	}
+	if ss.closed {
+		return fail(errSessionClosed)
+	}
+	if err := ss.objectRoomLocked(); err != nil {
+		return fail(err)
+	}
+	d, err := s.deviceLocked(devName)
+	if err != nil {
+		return fail(err)
+	}
+	o := &object{name: r.name, size: r.size, shared: r.shared, owner: ss.peer.uid, created: time.Now(),
+		dev: d, creator: ss, manifest: man, tensor: r.tensor}
+	var v *version
+	newSeries := false
+	if r.versioned {
+		v, newSeries, err = ss.versionForCreateLocked(r, shards)
+	} else {
+		err = s.claimLocked(r.name, o.entry())
+	}
+	if err != nil {
+		return fail(err)
+	}
+	undo := func() {
+		if v != nil {
+			s.dropEmptyVersionLocked(v, newSeries)
+		} else {
+			s.unclaimLocked(r.name, o.entry())
+		}
+	}
+	if sp := s.takeSpareLocked(v, int(r.shard), o); sp != nil {
+		o.block = sp.block
+		o.block.Value = o
+	} else {
+		b, err := s.allocLocked(d, o)
+		if err != nil {
+			undo()
+			return fail(fmt.Errorf("object %q: %w", r.name, err))
+		}
+		o.block = b
+	}
+	p, err := ss.placeLocked(o, true)
+	if err == nil && man != nil {
+		p.manifest, err = man.dup()
+	}
+	if err != nil {
+		p.closeShare()
+		o.manifest = nil // fail closes it
+		s.freeLocked(o)
+		undo()
+		return fail(err)
+	}
+	var n uint64
+	if v != nil {
+		o.ver, o.shard = v, int(r.shard)
+		v.shards[r.shard] = o
+		n = v.n
+	}
+	ss.created[o] = struct{}{}
+	s.log.Debug("object created", "session", ss.id, "name", r.name, "size", r.size, "device", devName, "shared", r.shared,
+		"version", n, "shard", r.shard, "shards", shards, "manifest", r.manifestSize)
+	return p, n, nil
+}
+
+// objectRoomLocked fails with ErrLimit when this connection may hold no
+// more objects: drafts, sealed objects it created and registrations count
+// alike.
+func (ss *session) objectRoomLocked() error {
+	if n := len(ss.created) + len(ss.registered); n >= ss.s.cfg.MaxObjectsPerClient {
+		return fmt.Errorf("%w: this connection already has %d objects (drafts, objects it created and registrations; the daemon's per-connection limit)", ErrLimit, n)
+	}
+	return nil
+}
+
+// leaseRoomLocked fails with ErrLimit when this connection may hold no
+// more leases: leases of every kind and waiting gets count alike.
+func (ss *session) leaseRoomLocked() error {
+	if len(ss.leases)+ss.waiting >= ss.s.cfg.MaxLeasesPerClient {
+		return fmt.Errorf("%w: this connection already holds %d leases and %d waiting gets (the daemon's per-connection limit): release some", ErrLimit, len(ss.leases), ss.waiting)
+	}
+	return nil
+}
+
+// draftLocked returns the draft this session created that a seal or abort
+// names: a plain object (ver 0) or shard of version ver of a versioned name.
+func (ss *session) draftLocked(name string, ver uint64, shard uint32) (*object, error) {
+	if ss.closed {
+		return nil, errSessionClosed
+	}
+	e := ss.s.lookupLocked(name)
+	var o *object
+	switch {
+	case ver == 0 && e.is(kindObject):
+		o = e.obj
+	case ver != 0 && e.is(kindSeries):
+		if v := e.ser.versions[ver]; v != nil && int(shard) < len(v.shards) {
+			o = v.shards[shard]
+		}
+	}
+	switch {
+	case o == nil:
+	case !o.sealed && o.creator == ss:
+		return o, nil
+	case o.sealed && o.readableBy(ss.peer.uid):
+		return nil, draftErr(name, ver, shard, ErrSealed)
+	}
+	return nil, draftErr(name, ver, shard, ErrNotFound)
+}
+
+func draftErr(name string, ver uint64, shard uint32, err error) error {
+	if ver == 0 {
+		return fmt.Errorf("object %q: %w", name, err)
+	}
+	return fmt.Errorf("shard %d of version %d of %q: %w", shard, ver, name, err)
+}
+
+// sealReq is a seal of any draft: a plain object, optionally renamed and
+// given a tensor descriptor, or a shard of a version.
+type sealReq struct {
+	name    string // qualified
+	version uint64
+	shard   uint32
+	rename  string              // qualified; "" keeps the name
+	tensor  *storev1.TensorDesc // replaces create's descriptor when not nil
+}
+
+func sealReqOf(r *storev1.SealRequest) sealReq {
+	sr := sealReq{name: r.GetName(), version: r.GetVersion(), shard: r.GetShard(), rename: r.GetRename(), tensor: r.GetTensor()}
+	if sr.rename == sr.name {
+		sr.rename = ""
+	}
+	return sr
+}
+
+// seal makes a draft this session created immutable and visible: a plain
+// object under its name (or, atomically, under r.rename: a taken name is
+// ErrExists and the draft stays as it was), a shard as part of its version,
+// which is published when its last shard is sealed. A bundle's manifest is
+// sealed and checked first.
+func (ss *session) seal(r sealReq) error {
+	s := ss.s
+	s.mu.Lock()
+	o, err := ss.draftLocked(r.name, r.version, r.shard)
+	if err == nil {
+		err = checkSeal(o, r)
+	}
+	if err == nil && o.manifest != nil && !o.manifest.sealed {
+		s.mu.Unlock()
+		// Parsing a large manifest takes a while: not under the lock. Only
+		// this session may seal o, and its requests are handled in order.
+		err = o.manifest.finish(o.size, &s.manifests)
+		s.mu.Lock()
+		if err == nil {
+			o, err = ss.draftLocked(r.name, r.version, r.shard)
+		}
+	}
+	defer s.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	if r.rename != "" {
+		if err := s.claimLocked(r.rename, o.entry()); err != nil {
+			return err
+		}
+		s.unclaimLocked(o.name, o.entry())
+		o.name = r.rename
+	}
+	if r.tensor != nil {
+		o.tensor = r.tensor
+	}
+	ss.sealLocked(o)
+	return nil
+}
+
+// checkSeal checks what a seal asks of draft o beyond sealing it.
+func checkSeal(o *object, r sealReq) error {
+	if r.rename == "" && r.tensor == nil {
+		return nil
+	}
+	if o.ver != nil {
+		return invalidf("%q is versioned: rename and tensor at seal are for plain objects", r.name)
+	}
+	if o.manifest != nil {
+		return invalidf("object %q is a bundle: seal it under its own name, without a tensor", r.name)
+	}
+	if r.tensor != nil {
+		return protocol.ValidateTensor(r.tensor, uint64(o.size))
+	}
+	return nil
+}
+
+// sealLocked seals a draft.
+func (ss *session) sealLocked(o *object) {
+	s := ss.s
+	o.sealed = true
+	if v := o.ver; v != nil {
+		v.sealed++
+		s.log.Debug("shard sealed", "session", ss.id, "name", v.s.name, "version", v.n, "shard", o.shard, "sealed", v.sealed, "shards", len(v.shards))
+		if v.sealed == len(v.shards) {
+			s.publishLocked(v)
+		}
+		return
+	}
+	o.dev.alloc.SetEvictable(o.block, true)
+	s.wakeLocked(o.name)
+	s.emitObjectLocked(eventSealed, o)
+	s.log.Debug("object sealed", "session", ss.id, "name", o.name)
+}
+
+// abort discards a draft this session created; for a shard, its whole
+// version.
+func (ss *session) abort(name string, ver uint64, shard uint32) error {
+	s := ss.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	o, err := ss.draftLocked(name, ver, shard)
+	if errors.Is(err, ErrNotFound) && ver != 0 {
+		// Aborting any shard aborts the version: a client that lost track
+		// of its shard index (an abandoned create) may name another.
+		if e := s.lookupLocked(name); e.is(kindSeries) && e.ser.versions[ver] != nil {
+			for _, x := range e.ser.versions[ver].shards {
+				if x != nil && x.creator == ss && !x.sealed {
+					o, err = x, nil
+				}
+			}
+		}
+	}
+	if err != nil {
+		return err
+	}
+	ss.abortLocked(o)
+	return nil
+}
+
+func (ss *session) abortLocked(o *object) {
+	s := ss.s
+	if o.ver != nil {
+		s.abortVersionLocked(o.ver)
+		return
+	}
+	s.unclaimLocked(o.name, o.entry())
+	o.deleted = true
+	s.forgetCreatorLocked(o)
+	s.emitObjectLocked(eventAborted, o)
+	s.freeLocked(o)
+	s.log.Debug("object aborted", "session", ss.id, "name", o.name)
+}
+
+// wakeLocked wakes the gets waiting for name: something under it may have
+// become readable.
+func (s *Store) wakeLocked(name string) {
+	if w := s.waiters[name]; w != nil {
+		close(w.ch)
+		delete(s.waiters, name)
+	}
+}
+
+// emitObjectLocked tells subscribers that kind happened to o, a plain
+// object or a shard of a version, if list would show them its name.
+func (s *Store) emitObjectLocked(kind eventKind, o *object) {
+	to := readers(o.owner, o.shared)
+	switch {
+	case o.ver != nil:
+		if sr := o.ver.s; kind == eventAborted && sr.latest == 0 {
+			// A series without a visible version is in no one's list.
+			to = audience{owner: sr.owner}
+		}
+	case !o.sealed && kind == eventAborted:
+		to = audience{owner: o.owner}
+	case !o.sealed:
+		return
+	}
+	s.emitLocked(o.event(kind), to)
+}
+
+// versionSel says which version and shard a get wants; the zero value is a
+// plain get (a versioned name's latest version, shard 0).
+type versionSel struct {
+	version   uint64 // 0: the latest
+	shard     uint32
+	newerThan uint64
+}
+
+// resolveLocked finds what a get of name with sel leases: an object (plain,
+// or a shard) or a registration. ErrTimeout means nothing readable is
+// there yet (the get may wait); other errors are final.
+func (ss *session) resolveLocked(name string, sel versionSel) (*object, *external, error) {
+	uid := ss.peer.uid
+	e := ss.s.lookupLocked(name)
+	if sel != (versionSel{}) {
+		switch e.kind {
+		case kindSeries:
+			o, err := ss.versionShardLocked(e.ser, sel)
+			return o, nil, err
+		case kindObject:
+			if e.obj.readableBy(uid) {
+				return nil, nil, invalidf("object %q is not versioned", name)
+			}
+		case kindExternal:
+			if e.ext.readableBy(uid) {
+				return nil, nil, invalidf("registered object %q is not versioned", name)
+			}
+		}
+		return nil, nil, fmt.Errorf("no version of %q yet: %w", name, ErrTimeout)
+	}
+	switch e.kind {
+	case kindExternal:
+		if e.ext.readableBy(uid) {
+			return nil, e.ext, nil
+		}
+	case kindObject:
+		if o := e.obj; o.sealed && o.readableBy(uid) {
+			return o, nil, nil
+		}
+	case kindSeries:
+		if sr := e.ser; sr.readableBy(uid) && sr.latest != 0 {
+			if v := sr.versions[sr.latest]; v != nil {
+				return v.shards[0], nil, nil
+			}
+		}
+	}
+	return nil, nil, fmt.Errorf("object %q is not sealed: %w", name, ErrTimeout)
+}
+
+// get returns a read-only lease on what name holds, as sel says. With wait,
+// it waits until it is readable, or ctx ends (ErrTimeout when its deadline
+// passed); without, it fails at once with ErrTimeout.
+func (ss *session) get(ctx context.Context, name string, sel versionSel, wait bool) (placement, error) {
+	for {
+		p, err := ss.tryGet(name, sel)
+		if !wait || !errors.Is(err, ErrTimeout) {
+			return p, err
+		}
+		if err := ss.waitReady(ctx, name, sel); err != nil {
+			return placement{}, err
+		}
+	}
+}
+
+// tryGet returns a read-only lease on what name holds, or ErrTimeout at
+// once when nothing this session may read is there.
+func (ss *session) tryGet(name string, sel versionSel) (placement, error) {
+	s := ss.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return placement{}, errSessionClosed
+	}
+	o, x, err := ss.resolveLocked(name, sel)
+	if err == nil {
+		err = ss.leaseRoomLocked()
+	}
+	if err != nil {
+		return placement{}, err
+	}
+	if x != nil {
+		return ss.leaseExternalLocked(x)
+	}
+	return ss.leaseLocked(o)
+}
+
+// waitReady returns once a get of name with sel could be answered (a lease
+// or a final error), possibly at once, or fails when ctx or the session
+// ends: ErrTimeout when ctx's deadline passed. A waiting get counts against
+// the lease limit.
+func (ss *session) waitReady(ctx context.Context, name string, sel versionSel) error {
+	s := ss.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return errSessionClosed
+	}
+	if _, _, err := ss.resolveLocked(name, sel); !errors.Is(err, ErrTimeout) {
+		return nil
+	}
+	if err := ss.leaseRoomLocked(); err != nil {
+		return err
+	}
+	w := s.waiters[name]
+	if w == nil {
+		w = &waiter{ch: make(chan struct{})}
+		s.waiters[name] = w
+	}
+	w.n++
+	ss.waiting++
+	s.mu.Unlock()
+	select {
+	case <-w.ch:
+	case <-ctx.Done():
+	case <-ss.ctx.Done():
+	}
+	s.mu.Lock()
+	ss.waiting--
+	if w.n--; w.n == 0 && s.waiters[name] == w {
+		delete(s.waiters, name)
+	}
+	if err := ctx.Err(); err != nil {
+		if !errors.Is(err, context.DeadlineExceeded) {
+			return err
+		}
+		if sel == (versionSel{}) {
+			return fmt.Errorf("object %q was not sealed in time: %w", name, ErrTimeout)
+		}
+		return fmt.Errorf("no version of %q above %d was published in time: %w", name, max(sel.newerThan, sel.version), ErrTimeout)
+	}
+	if ss.ctx.Err() != nil {
+		return errSessionClosed
+	}
+	return nil
+}
+
+// leaseLocked grants a read lease on the sealed object o.
+func (ss *session) leaseLocked(o *object) (placement, error) {
+	p, err := ss.placeLocked(o, false)
+	if err != nil {
+		return placement{}, err
+	}
+	if o.manifest != nil {
+		if p.manifest, err = o.manifest.dup(); err != nil {
+			p.closeShare()
+			return placement{}, err
+		}
+	}
+	l := ss.addLeaseLocked(o, nil)
+	ss.slotLocked(l)
+	o.leases++
+	if o.ver != nil {
+		o.ver.leases++
+	}
+	o.dev.alloc.SetEvictable(o.block, false)
+	p.leaseID, p.leaseSlot, p.leaseGen = l.id, l.slot, l.gen
+	p.info = o.info()
+	return p, nil
+}
+
+// addLeaseLocked records a new lease of this session on o or e.
+func (ss *session) addLeaseLocked(o *object, e *external) *lease {
+	s := ss.s
+	s.nextLease++
+	l := &lease{id: s.nextLease, obj: o, ext: e}
+	ss.leases[l.id] = l
+	s.leases++
+	return l
+}
+
+// release ends a lease of this session.
+func (ss *session) release(id uint64) error {
+	s := ss.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return errSessionClosed
+	}
+	l := ss.leases[id]
+	if l == nil {
+		return fmt.Errorf("lease %d: %w", id, ErrNotFound)
+	}
+	ss.releaseLocked(l)
+	return nil
+}
+
+func (ss *session) releaseLocked(l *lease) {
+	s := ss.s
+	ss.unslotLocked(l)
+	delete(ss.leases, l.id)
+	s.leases--
+	if e := l.ext; e != nil {
+		if e.leases--; e.leases == 0 && (e.deleted || e.orphaned) {
+			s.dropExternalLocked(e, eventDeleted)
+		}
+		return
+	}
+	o := l.obj
+	o.leases--
+	if v := o.ver; v != nil {
+		// A version lives as long as any of its shards is leased.
+		if v.leases--; v.leases == 0 && v.retired {
+			s.freeVersionLocked(v)
+		}
+		return
+	}
+	if o.leases > 0 {
+		return
+	}
+	if o.deleted {
+		o.dev.deleted--
+		s.freeLocked(o)
+		return
+	}
+	// The most recently used object is the last to be evicted.
+	o.dev.alloc.SetEvictable(o.block, true)
+}
+
+// delete removes a name at once; the memory behind it is freed when its
+// last lease ends. Deleting a draft of this session aborts it. Only the
+// owner (or root) may delete what others may read.
+func (ss *session) delete(name string) error {
+	s := ss.s
+	if err := checkName(name); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ss.closed {
+		return errSessionClosed
+	}
+	e := s.lookupLocked(name)
+	if _, sees := ss.infoLocked(e); !sees && !(e.is(kindSeries) && e.ser.owner == ss.peer.uid) {
+		return fmt.Errorf("object %q: %w", name, ErrNotFound)
+	}
+	if e.is(kindObject) && !e.obj.sealed {
+		ss.abortLocked(e.obj)
+		return nil
+	}
+	if owner := e.owner(); owner != ss.peer.uid && ss.peer.uid != 0 {
+		return fmt.Errorf("%s %q belongs to uid %d: %w", e.kind.noun(), name, owner, ErrPermission)
+	}
+	switch e.kind {
+	case kindExternal:
+		s.dropExternalLocked(e.ext, eventDeleted)
+	case kindSeries:
+		ss.deleteSeriesLocked(e.ser)
+	case kindObject:
+		o := e.obj
+		s.unclaimLocked(name, e)
+		o.deleted = true
+		s.forgetCreatorLocked(o)
+		s.emitObjectLocked(eventDeleted, o)
+		if o.leases == 0 {
+			s.freeLocked(o)
+		} else {
+			o.dev.deleted++
+			s.doomLocked(o) // idle leases go now, held ones through the socket
+		}
+		s.log.Debug("object deleted", "session", ss.id, "name", name, "leases", o.leases)
+	}
+	return nil
+}
+
+// seesLocked reports whether o shows in this session's list and stat:
+// sealed objects it may read, and the drafts it created.
+func (ss *session) seesLocked(o *object) bool {
+	if !o.sealed {
+		return o.creator == ss
+	}
+	return o.readableBy(ss.peer.uid)
+}
+
+// list returns what this session sees under names that sort after
+// startAfter, sorted by name.
+func (ss *session) list(startAfter string) []info {
+	s := ss.s
+	s.mu.Lock()
+	var infos []info
+	for name, e := range s.names {
+		if name > startAfter {
+			if in, ok := ss.infoLocked(e); ok {
+				infos = append(infos, in)
+			}
+		}
+	}
+	s.mu.Unlock()
+	sortInfos(infos)
+	return infos
+}
+
+// stat describes what name holds, if this session sees it.
+func (ss *session) stat(name string) (info, error) {
+	s := ss.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if in, ok := ss.infoLocked(s.lookupLocked(name)); ok {
+		return in, nil
+	}
+	return info{}, fmt.Errorf("object %q: %w", name, ErrNotFound)
+}
