@@ -1,0 +1,936 @@
+// Package etcddir is the cluster directory on etcd v3: node records on
+// each node's lease, object records with their chunk checksums, holders,
+// versioned names' latest versions committed in one transaction, watches
+// for newer versions, and pins on the reader's lease. Every value is a
+// cluster record sealed with the cluster secret (cluster.Seal); a value
+// that does not verify is reported and ignored, never trusted.
+//
+// The key layout is in keys.go and docs/cluster.md.
+//
+// # Failures
+//
+// Every call is bounded by Config.CallTimeout. When etcd cannot be reached,
+// calls fail with an error wrapping cluster.ErrUnavailable, and for a short
+// while after such a failure they fail at once rather than each waiting out
+// its timeout. The node's lease is renewed in the background; when it is
+// lost (etcd away for longer than the TTL), a new one is granted as soon
+// as etcd answers again and every record this node keeps on its lease (its
+// node record, holders, pins) is written again.
+package etcddir
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/client/pkg/v3/transport"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/cudaipc/cudaipc/cluster"
+)
+
+// Defaults for the zero values of Config.
+const (
+	DefaultPrefix      = "/cudaipc/v1/"
+	DefaultTTL         = 10 * time.Second
+	DefaultCallTimeout = 2 * time.Second
+	// fastFail is how long calls fail at once after one found etcd away.
+	fastFail = time.Second
+)
+
+// Config configures a Directory.
+type Config struct {
+	// Endpoints are etcd's client URLs or host:port pairs (ParseURL makes
+	// them from --cluster).
+	Endpoints []string
+	// Prefix is the key prefix of the cluster, ending in '/'; "" means
+	// DefaultPrefix. Clusters sharing one etcd use different prefixes.
+	Prefix string
+	// Node is this node's name (cluster.ValidateNodeName).
+	Node string
+	// Secret seals and opens every record.
+	Secret cluster.Secret
+	// TTL is the node lease's time to live; 0 means DefaultTTL. A dead
+	// node's records vanish within it.
+	TTL time.Duration
+	// CallTimeout bounds every call to etcd; 0 means DefaultCallTimeout.
+	CallTimeout time.Duration
+	// CAFile, CertFile and KeyFile turn on TLS to etcd: the CA that signed
+	// etcd's certificate, and this node's client certificate and key
+	// (both or neither).
+	CAFile, CertFile, KeyFile string
+	// TLS, if set, is used as is instead of the files.
+	TLS *tls.Config
+	// Logger receives the directory's logs; nil discards them.
+	Logger *slog.Logger
+}
+
+// ParseURL parses the --cluster value: "etcd://host:port[,host:port...]"
+// or "etcds://..." (TLS). It returns the endpoints and whether TLS was
+// asked for.
+func ParseURL(s string) (endpoints []string, useTLS bool, err error) {
+	var rest string
+	switch {
+	case strings.HasPrefix(s, "etcd://"):
+		rest = strings.TrimPrefix(s, "etcd://")
+	case strings.HasPrefix(s, "etcds://"):
+		rest, useTLS = strings.TrimPrefix(s, "etcds://"), true
+	default:
+		return nil, false, fmt.Errorf("cluster URL %q: want etcd://host:port[,host:port...] (or etcds:// for TLS)", s)
+	}
+	for _, hp := range strings.Split(strings.TrimSuffix(rest, "/"), ",") {
+		if err := cluster.ValidateControlAddr(hp); err != nil {
+			return nil, false, fmt.Errorf("cluster URL %q: endpoint %q: want host:port", s, hp)
+		}
+		scheme := "http://"
+		if useTLS {
+			scheme = "https://"
+		}
+		endpoints = append(endpoints, scheme+hp)
+	}
+	return endpoints, useTLS, nil
+}
+
+// Directory is one node's view of the cluster directory. Its methods are
+// safe for concurrent use.
+type Directory struct {
+	cfg  Config
+	k    keys
+	cli  *clientv3.Client
+	log  *slog.Logger
+	name string // endpoints, for errors
+
+	downUntil atomic.Int64 // unix nanos: fail fast until then
+
+	mu    sync.Mutex
+	lease clientv3.LeaseID // 0 while none is held
+	owned map[string][]byte
+	// leaseUp is closed while a lease is held, replaced when it is lost.
+	leaseUp chan struct{}
+
+	stop context.CancelFunc
+	done chan struct{}
+}
+
+// Open connects to etcd, grants this node's lease and keeps it alive until
+// Close. It fails, wrapping cluster.ErrUnavailable, when etcd does not
+// answer within CallTimeout.
+func Open(ctx context.Context, cfg Config) (*Directory, error) {
+	if err := cluster.ValidateNodeName(cfg.Node); err != nil {
+		return nil, err
+	}
+	if !cfg.Secret.Valid() {
+		return nil, fmt.Errorf("%w: the directory needs the cluster secret", cluster.ErrSecret)
+	}
+	if len(cfg.Endpoints) == 0 {
+		return nil, errors.New("etcd directory: no endpoints")
+	}
+	if cfg.Prefix == "" {
+		cfg.Prefix = DefaultPrefix
+	}
+	if !strings.HasSuffix(cfg.Prefix, "/") {
+		cfg.Prefix += "/"
+	}
+	if cfg.TTL <= 0 {
+		cfg.TTL = DefaultTTL
+	}
+	if cfg.TTL < 2*time.Second {
+		return nil, fmt.Errorf("etcd directory: lease TTL %v is below etcd's minimum of 2s", cfg.TTL)
+	}
+	if cfg.CallTimeout <= 0 {
+		cfg.CallTimeout = DefaultCallTimeout
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	tlsCfg := cfg.TLS
+	if tlsCfg == nil && (cfg.CAFile != "" || cfg.CertFile != "" || cfg.KeyFile != "") {
+		if (cfg.CertFile == "") != (cfg.KeyFile == "") {
+			return nil, errors.New("etcd TLS: give both the client certificate and its key, or neither")
+		}
+		info := transport.TLSInfo{CertFile: cfg.CertFile, KeyFile: cfg.KeyFile, TrustedCAFile: cfg.CAFile}
+		c, err := info.ClientConfig()
+		if err != nil {
+			return nil, fmt.Errorf("etcd TLS: %w", err)
+		}
+		tlsCfg = c
+	}
+	cli, err := clientv3.New(clientv3.Config{
+		Endpoints:            cfg.Endpoints,
+		DialTimeout:          cfg.CallTimeout,
+		DialKeepAliveTime:    cfg.TTL / 2,
+		DialKeepAliveTimeout: cfg.CallTimeout,
+		TLS:                  tlsCfg,
+		Logger:               zap.NewNop(),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("etcd at %s: %w", strings.Join(cfg.Endpoints, ","), err)
+	}
+	d := &Directory{
+		cfg: cfg, k: keys{cfg.Prefix}, cli: cli, log: log.With("etcd", strings.Join(cfg.Endpoints, ",")),
+		name: strings.Join(cfg.Endpoints, ","), owned: map[string][]byte{}, leaseUp: make(chan struct{}),
+		done: make(chan struct{}),
+	}
+	if err := d.grant(ctx); err != nil {
+		cli.Close()
+		return nil, err
+	}
+	kctx, cancel := context.WithCancel(context.Background())
+	d.stop = cancel
+	go d.keep(kctx)
+	return d, nil
+}
+
+// Close stops renewing the lease and revokes it, so that this node's
+// records vanish at once, and closes the connection.
+func (d *Directory) Close() error {
+	d.stop()
+	<-d.done
+	d.mu.Lock()
+	lease := d.lease
+	d.lease = 0
+	d.mu.Unlock()
+	if lease != 0 {
+		ctx, cancel := context.WithTimeout(context.Background(), d.cfg.CallTimeout)
+		_, _ = d.cli.Revoke(ctx, lease)
+		cancel()
+	}
+	return d.cli.Close()
+}
+
+// NodeName returns this node's name.
+func (d *Directory) NodeName() string { return d.cfg.Node }
+
+// Secret returns the cluster secret the directory seals records with.
+func (d *Directory) Secret() cluster.Secret { return d.cfg.Secret }
+
+// grant takes a new lease and writes every owned key on it.
+func (d *Directory) grant(ctx context.Context) error {
+	ctx, cancel := context.WithTimeoutCause(ctx, d.cfg.CallTimeout, errCallTimeout)
+	defer cancel()
+	g, err := d.cli.Grant(ctx, int64((d.cfg.TTL+time.Second-1)/time.Second))
+	if err != nil {
+		return d.fail(ctx, "grant a lease", err)
+	}
+	d.mu.Lock()
+	owned := maps.Clone(d.owned)
+	d.mu.Unlock()
+	var ops []clientv3.Op
+	for k, v := range owned {
+		ops = append(ops, clientv3.OpPut(k, string(v), clientv3.WithLease(g.ID)))
+	}
+	for len(ops) > 0 {
+		n := min(len(ops), 100) // etcd's default --max-txn-ops is 128
+		if _, err := d.cli.Txn(ctx).Then(ops[:n]...).Commit(); err != nil {
+			_, _ = d.cli.Revoke(context.WithoutCancel(ctx), g.ID)
+			return d.fail(ctx, "rewrite this node's records", err)
+		}
+		ops = ops[n:]
+	}
+	d.mu.Lock()
+	d.lease = g.ID
+	close(d.leaseUp)
+	d.mu.Unlock()
+	d.downUntil.Store(0)
+	if len(owned) > 0 {
+		d.log.Info("cluster lease granted; records restored", "records", len(owned))
+	}
+	return nil
+}
+
+// keep renews the lease until ctx is done, and grants a new one whenever it
+// is lost.
+func (d *Directory) keep(ctx context.Context) {
+	defer close(d.done)
+	for ctx.Err() == nil {
+		d.mu.Lock()
+		lease := d.lease
+		d.mu.Unlock()
+		if lease != 0 {
+			ch, err := d.cli.KeepAlive(ctx, lease)
+			if err == nil {
+				for range ch {
+				}
+			}
+			if ctx.Err() != nil {
+				return
+			}
+			d.mu.Lock()
+			d.lease = 0
+			d.leaseUp = make(chan struct{})
+			d.mu.Unlock()
+			d.downUntil.Store(time.Now().Add(fastFail).UnixNano())
+			d.log.Warn("cluster lease lost: this node's records are gone until etcd answers again")
+		}
+		if err := d.grant(ctx); err != nil {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(fastFail / 2):
+			}
+		}
+	}
+}
+
+// fail wraps an etcd error: unreachable etcd (or a timeout) wraps
+// cluster.ErrUnavailable and makes calls fail fast for a while.
+func (d *Directory) fail(ctx context.Context, what string, err error) error {
+	if ctx.Err() != nil && context.Cause(ctx) != errCallTimeout {
+		return fmt.Errorf("%s: %w", what, ctx.Err()) // the caller's deadline or cancel, not etcd's fault
+	}
+	c := status.Code(err)
+	if errors.Is(err, context.DeadlineExceeded) || c == codes.Unavailable || c == codes.DeadlineExceeded {
+		d.downUntil.Store(time.Now().Add(fastFail).UnixNano())
+		return fmt.Errorf("%w: etcd at %s did not answer (%s): %v", cluster.ErrUnavailable, d.name, what, err)
+	}
+	return fmt.Errorf("etcd at %s: %s: %w", d.name, what, err)
+}
+
+// call bounds ctx by CallTimeout, or fails at once while etcd is known to
+// be away.
+func (d *Directory) call(ctx context.Context, what string) (context.Context, context.CancelFunc, error) {
+	if until := d.downUntil.Load(); until != 0 && time.Now().UnixNano() < until {
+		return nil, nil, fmt.Errorf("%w: etcd at %s is not answering (%s)", cluster.ErrUnavailable, d.name, what)
+	}
+	ctx, cancel := context.WithTimeoutCause(ctx, d.cfg.CallTimeout, errCallTimeout)
+	return ctx, cancel, nil
+}
+
+// leased returns the current lease, or fails when none is held.
+func (d *Directory) leased(what string) (clientv3.LeaseID, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.lease == 0 {
+		return 0, fmt.Errorf("%w: %s: this node's etcd lease is lost until etcd at %s answers", cluster.ErrUnavailable, what, d.name)
+	}
+	return d.lease, nil
+}
+
+// putOwned writes key on the lease and remembers it, so that it is written
+// again on a new lease. cmps, if any, guard the write: when they fail, it
+// returns errGuard and keeps nothing.
+func (d *Directory) putOwned(ctx context.Context, what, key string, val []byte, cmps ...clientv3.Cmp) error {
+	lease, err := d.leased(what)
+	if err != nil {
+		return err
+	}
+	ctx, cancel, err := d.call(ctx, what)
+	if err != nil {
+		return err
+	}
+	defer cancel()
+	d.mu.Lock()
+	d.owned[key] = val
+	d.mu.Unlock()
+	r, err := d.cli.Txn(ctx).If(cmps...).Then(clientv3.OpPut(key, string(val), clientv3.WithLease(lease))).Commit()
+	if err != nil || !r.Succeeded {
+		d.mu.Lock()
+		delete(d.owned, key)
+		d.mu.Unlock()
+	}
+	if err != nil {
+		return d.fail(ctx, what, err)
+	}
+	if !r.Succeeded {
+		return errGuard
+	}
+	return nil
+}
+
+var errGuard = errors.New("guard failed")
+
+// errCallTimeout is the cause of a call's context when CallTimeout ran out.
+var errCallTimeout = errors.New("etcd call timeout")
+
+// deleteOwned forgets key and deletes it.
+func (d *Directory) deleteOwned(ctx context.Context, what, key string) error {
+	d.mu.Lock()
+	delete(d.owned, key)
+	d.mu.Unlock()
+	ctx, cancel, err := d.call(ctx, what)
+	if err != nil {
+		return err
+	}
+	defer cancel()
+	if _, err := d.cli.Delete(ctx, key); err != nil {
+		return d.fail(ctx, what, err)
+	}
+	return nil
+}
+
+// Join writes this node's record on its lease. It fails with
+// cluster.ErrExists while another live node has the same name (a node that
+// died frees its name within the TTL).
+func (d *Directory) Join(ctx context.Context, n cluster.Node) error {
+	if n.Name != d.cfg.Node {
+		return fmt.Errorf("join: record of node %q on the directory of node %q", n.Name, d.cfg.Node)
+	}
+	if n.Started.IsZero() {
+		n.Started = time.Now().UTC()
+	}
+	key := d.k.node(n.Name)
+	val, err := cluster.Seal(d.cfg.Secret, key, &n)
+	if err != nil {
+		return err
+	}
+	lease, err := d.leased("join")
+	if err != nil {
+		return err
+	}
+	err = d.putOwned(ctx, "join", key, val, clientv3.Compare(clientv3.LeaseValue(key), "=", lease))
+	if errors.Is(err, errGuard) {
+		err = d.putOwned(ctx, "join", key, val, clientv3.Compare(clientv3.CreateRevision(key), "=", 0))
+	}
+	if errors.Is(err, errGuard) {
+		return fmt.Errorf("join: %w: node %q is live in the cluster (if it died, its record expires within %v)", cluster.ErrExists, n.Name, d.cfg.TTL)
+	}
+	return err
+}
+
+// Nodes returns the records of the live nodes. Records that do not verify
+// are logged and left out.
+func (d *Directory) Nodes(ctx context.Context) ([]cluster.Node, error) {
+	ctx, cancel, err := d.call(ctx, "list nodes")
+	if err != nil {
+		return nil, err
+	}
+	defer cancel()
+	r, err := d.cli.Get(ctx, d.k.nodes(), clientv3.WithPrefix())
+	if err != nil {
+		return nil, d.fail(ctx, "list nodes", err)
+	}
+	var out []cluster.Node
+	for _, kv := range r.Kvs {
+		var n cluster.Node
+		if err := cluster.Open(d.cfg.Secret, string(kv.Key), kv.Value, &n); err != nil {
+			d.log.Warn("ignoring a node record", "err", err)
+			continue
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
+// Node returns the record of a live node, or an error wrapping
+// cluster.ErrNotFound (a dead node's record has expired) or
+// cluster.ErrBadRecord.
+func (d *Directory) Node(ctx context.Context, name string) (cluster.Node, error) {
+	var n cluster.Node
+	if err := cluster.ValidateNodeName(name); err != nil {
+		return n, err
+	}
+	ctx, cancel, err := d.call(ctx, "look up node "+name)
+	if err != nil {
+		return n, err
+	}
+	defer cancel()
+	key := d.k.node(name)
+	r, err := d.cli.Get(ctx, key)
+	if err != nil {
+		return n, d.fail(ctx, "look up node "+name, err)
+	}
+	if len(r.Kvs) == 0 {
+		return n, fmt.Errorf("node %s: %w (not live)", name, cluster.ErrNotFound)
+	}
+	return n, cluster.Open(d.cfg.Secret, key, r.Kvs[0].Value, &n)
+}
+
+// Entry is an object's record with its live holders.
+type Entry struct {
+	cluster.Object
+	// Holders are the nodes that hold a replica of this incarnation, in
+	// key order.
+	Holders []string
+	// Revision is the record's create revision: a later Publish of the
+	// same name after a delete has another.
+	Revision int64
+}
+
+// Publish records a newly sealed object with this node as its holder. It
+// fails with cluster.ErrExists when the name (that version's shard) is
+// recorded already and some node still holds it; a record no live node
+// holds is replaced. For a shard of a version, latest is committed once
+// every shard of the version is recorded: committed reports whether this
+// call did it.
+func (d *Directory) Publish(ctx context.Context, o cluster.Object) (committed bool, err error) {
+	if o.Origin == "" {
+		o.Origin = d.cfg.Node
+	}
+	if o.Sealed.IsZero() {
+		o.Sealed = time.Now().UTC()
+	}
+	ref := o.Ref()
+	key := d.k.obj(ref)
+	val, err := cluster.Seal(d.cfg.Secret, key, &o)
+	if err != nil {
+		return false, err
+	}
+	hkey := d.k.hold(ref, d.cfg.Node)
+	hval, err := cluster.Seal(d.cfg.Secret, hkey, &cluster.Holder{Node: d.cfg.Node, ID: o.ID})
+	if err != nil {
+		return false, err
+	}
+	for range 3 {
+		lease, err := d.leased("publish " + ref.String())
+		if err != nil {
+			return false, err
+		}
+		cctx, cancel, err := d.call(ctx, "publish "+ref.String())
+		if err != nil {
+			return false, err
+		}
+		d.mu.Lock()
+		d.owned[hkey] = hval
+		d.mu.Unlock()
+		r, err := d.cli.Txn(cctx).
+			If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
+			Then(clientv3.OpPut(key, string(val)), clientv3.OpPut(hkey, string(hval), clientv3.WithLease(lease))).
+			Else(clientv3.OpGet(key), clientv3.OpGet(d.k.holdRef(ref), clientv3.WithPrefix(), clientv3.WithCountOnly())).
+			Commit()
+		if err == nil && !r.Succeeded {
+			// Recorded already: replace it only if nobody holds it.
+			if r.Responses[1].GetResponseRange().Count > 0 {
+				cancel()
+				d.mu.Lock()
+				delete(d.owned, hkey)
+				d.mu.Unlock()
+				return false, fmt.Errorf("publish %s: %w", ref, cluster.ErrExists)
+			}
+			rev := r.Responses[0].GetResponseRange().Kvs[0].ModRevision
+			r, err = d.cli.Txn(cctx).
+				If(clientv3.Compare(clientv3.ModRevision(key), "=", rev)).
+				Then(clientv3.OpPut(key, string(val)), clientv3.OpPut(hkey, string(hval), clientv3.WithLease(lease))).
+				Commit()
+		}
+		cancel()
+		if err != nil || !r.Succeeded {
+			d.mu.Lock()
+			delete(d.owned, hkey)
+			d.mu.Unlock()
+		}
+		if err != nil {
+			return false, d.fail(cctx, "publish "+ref.String(), err)
+		}
+		if r.Succeeded {
+			if o.Version == 0 {
+				return false, nil
+			}
+			return d.commit(ctx, o)
+		}
+	}
+	return false, fmt.Errorf("publish %s: the record kept changing under this node", ref)
+}
+
+// commit makes o's version the name's latest if all of its shards are
+// recorded and no newer version is latest.
+func (d *Directory) commit(ctx context.Context, o cluster.Object) (bool, error) {
+	what := fmt.Sprintf("commit %s version %d", o.Name, o.Version)
+	lkey := d.k.latest(o.Owner, o.Name)
+	lval, err := cluster.Seal(d.cfg.Secret, lkey, &cluster.Latest{Name: o.Name, Owner: o.Owner, Version: o.Version, Shards: o.Shards})
+	if err != nil {
+		return false, err
+	}
+	for range 8 {
+		cctx, cancel, err := d.call(ctx, what)
+		if err != nil {
+			return false, err
+		}
+		r, err := d.cli.Txn(cctx).Then(
+			clientv3.OpGet(d.k.objVersion(o.Owner, o.Name, o.Version), clientv3.WithPrefix(), clientv3.WithCountOnly()),
+			clientv3.OpGet(lkey)).Commit()
+		if err != nil {
+			cancel()
+			return false, d.fail(cctx, what, err)
+		}
+		if r.Responses[0].GetResponseRange().Count < int64(o.Shards) {
+			cancel()
+			return false, nil // the last shard's publisher commits
+		}
+		cmp := clientv3.Compare(clientv3.CreateRevision(lkey), "=", 0)
+		if kvs := r.Responses[1].GetResponseRange().Kvs; len(kvs) > 0 {
+			var l cluster.Latest
+			if err := cluster.Open(d.cfg.Secret, lkey, kvs[0].Value, &l); err == nil && l.Version >= o.Version {
+				cancel()
+				return false, nil
+			}
+			cmp = clientv3.Compare(clientv3.ModRevision(lkey), "=", kvs[0].ModRevision)
+		}
+		t, err := d.cli.Txn(cctx).If(cmp).Then(clientv3.OpPut(lkey, string(lval))).Commit()
+		cancel()
+		if err != nil {
+			return false, d.fail(cctx, what, err)
+		}
+		if t.Succeeded {
+			return true, nil
+		}
+	}
+	return false, fmt.Errorf("%s: latest kept changing under this node", what)
+}
+
+// Lookup returns an object's record and its live holders, read in one
+// transaction. It fails with cluster.ErrNotFound when the name is not
+// recorded; an entry with no holders is returned with its record.
+func (d *Directory) Lookup(ctx context.Context, ref cluster.Ref) (Entry, error) {
+	var e Entry
+	what := "look up " + ref.String()
+	ctx, cancel, err := d.call(ctx, what)
+	if err != nil {
+		return e, err
+	}
+	defer cancel()
+	key := d.k.obj(ref)
+	r, err := d.cli.Txn(ctx).Then(clientv3.OpGet(key), clientv3.OpGet(d.k.holdRef(ref), clientv3.WithPrefix())).Commit()
+	if err != nil {
+		return e, d.fail(ctx, what, err)
+	}
+	kvs := r.Responses[0].GetResponseRange().Kvs
+	if len(kvs) == 0 {
+		return e, fmt.Errorf("%s: %w", ref, cluster.ErrNotFound)
+	}
+	if err := cluster.Open(d.cfg.Secret, key, kvs[0].Value, &e.Object); err != nil {
+		return e, err
+	}
+	if e.Ref() != ref {
+		return e, fmt.Errorf("%w: %s holds the record of %s", cluster.ErrBadRecord, key, e.Ref())
+	}
+	e.Revision = kvs[0].CreateRevision
+	for _, kv := range r.Responses[1].GetResponseRange().Kvs {
+		var h cluster.Holder
+		if err := cluster.Open(d.cfg.Secret, string(kv.Key), kv.Value, &h); err != nil {
+			d.log.Warn("ignoring a holder record", "err", err)
+			continue
+		}
+		if h.ID == e.ID && strings.HasSuffix(string(kv.Key), "/"+h.Node) {
+			e.Holders = append(e.Holders, h.Node)
+		}
+	}
+	return e, nil
+}
+
+// AddHolder records this node as a holder of the incarnation e (a replica
+// pulled and sealed here). It fails with cluster.ErrNotFound when the name
+// was deleted or replaced meanwhile: the replica must then be dropped.
+func (d *Directory) AddHolder(ctx context.Context, e Entry) error {
+	ref := e.Ref()
+	hkey := d.k.hold(ref, d.cfg.Node)
+	hval, err := cluster.Seal(d.cfg.Secret, hkey, &cluster.Holder{Node: d.cfg.Node, ID: e.ID})
+	if err != nil {
+		return err
+	}
+	err = d.putOwned(ctx, "advertise "+ref.String(), hkey, hval,
+		clientv3.Compare(clientv3.CreateRevision(d.k.obj(ref)), "=", e.Revision))
+	if errors.Is(err, errGuard) {
+		return fmt.Errorf("advertise %s: %w (deleted or replaced during the pull)", ref, cluster.ErrNotFound)
+	}
+	return err
+}
+
+// RemoveHolder withdraws this node as a holder of ref (its replica is
+// going).
+func (d *Directory) RemoveHolder(ctx context.Context, ref cluster.Ref) error {
+	return d.deleteOwned(ctx, "withdraw "+ref.String(), d.k.hold(ref, d.cfg.Node))
+}
+
+// Delete removes a name from the cluster: every version's records, their
+// holders and the latest pointer, in one transaction. Holders drop their
+// replicas when they see the records go (WatchDeletes). It fails with
+// cluster.ErrNotFound when nothing was recorded.
+func (d *Directory) Delete(ctx context.Context, owner uint32, name string) error {
+	what := fmt.Sprintf("delete %d:%s", owner, name)
+	ctx, cancel, err := d.call(ctx, what)
+	if err != nil {
+		return err
+	}
+	defer cancel()
+	r, err := d.cli.Txn(ctx).Then(
+		clientv3.OpDelete(d.k.objName(owner, name), clientv3.WithPrefix()),
+		clientv3.OpDelete(d.k.holdName(owner, name), clientv3.WithPrefix()),
+		clientv3.OpDelete(d.k.latest(owner, name)),
+	).Commit()
+	if err != nil {
+		return d.fail(ctx, what, err)
+	}
+	if r.Responses[0].GetResponseDeleteRange().Deleted == 0 {
+		return fmt.Errorf("%s: %w", what, cluster.ErrNotFound)
+	}
+	return nil
+}
+
+// Latest returns a versioned name's latest committed version, or an error
+// wrapping cluster.ErrNotFound when none is committed.
+func (d *Directory) Latest(ctx context.Context, owner uint32, name string) (cluster.Latest, error) {
+	l, _, err := d.latest(ctx, owner, name)
+	return l, err
+}
+
+func (d *Directory) latest(ctx context.Context, owner uint32, name string) (cluster.Latest, int64, error) {
+	var l cluster.Latest
+	what := fmt.Sprintf("latest of %d:%s", owner, name)
+	ctx, cancel, err := d.call(ctx, what)
+	if err != nil {
+		return l, 0, err
+	}
+	defer cancel()
+	key := d.k.latest(owner, name)
+	r, err := d.cli.Get(ctx, key)
+	if err != nil {
+		return l, 0, d.fail(ctx, what, err)
+	}
+	if len(r.Kvs) == 0 {
+		return l, r.Header.Revision, fmt.Errorf("%s: %w", what, cluster.ErrNotFound)
+	}
+	if err := cluster.Open(d.cfg.Secret, key, r.Kvs[0].Value, &l); err != nil {
+		return l, 0, err
+	}
+	return l, r.Header.Revision, nil
+}
+
+// WaitNewer returns the latest version of a versioned name once it is
+// newer than after, waiting on an etcd watch until ctx is done. A record
+// that does not verify, or that goes back in version, is ignored.
+func (d *Directory) WaitNewer(ctx context.Context, owner uint32, name string, after uint64) (cluster.Latest, error) {
+	l, rev, err := d.latest(ctx, owner, name)
+	if err == nil && l.Version > after {
+		return l, nil
+	}
+	if err != nil && !errors.Is(err, cluster.ErrNotFound) {
+		return l, err
+	}
+	key := d.k.latest(owner, name)
+	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+	defer cancel()
+	for wr := range d.cli.Watch(wctx, key, clientv3.WithRev(rev+1)) {
+		if err := wr.Err(); err != nil {
+			return l, d.fail(ctx, "watch "+key, err)
+		}
+		for _, ev := range wr.Events {
+			if ev.Type != mvccpb.PUT {
+				continue
+			}
+			var n cluster.Latest
+			if err := cluster.Open(d.cfg.Secret, key, ev.Kv.Value, &n); err != nil {
+				d.log.Warn("ignoring a latest record", "err", err)
+				continue
+			}
+			if n.Version > after {
+				return n, nil
+			}
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return l, fmt.Errorf("waiting for a version of %d:%s newer than %d: %w", owner, name, after, err)
+	}
+	return l, fmt.Errorf("%w: the watch on %s ended (etcd at %s lost)", cluster.ErrUnavailable, key, d.name)
+}
+
+// Pin records that this node is pulling ref's incarnation id from holder,
+// on this node's lease: the holder keeps its replica while the pin exists.
+// unpin removes it; a reader that dies loses its pins with its lease.
+func (d *Directory) Pin(ctx context.Context, holder string, ref cluster.Ref, id string) (unpin func(), err error) {
+	pid := cluster.NewID()
+	key := d.k.pin(holder, ref, d.cfg.Node, pid)
+	val, err := cluster.Seal(d.cfg.Secret, key, &cluster.Pin{Reader: d.cfg.Node, Holder: holder, ID: id, Since: time.Now().UTC()})
+	if err != nil {
+		return nil, err
+	}
+	if err := d.putOwned(ctx, "pin "+ref.String()+" on "+holder, key, val); err != nil {
+		return nil, err
+	}
+	return func() {
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), d.cfg.CallTimeout)
+		defer cancel()
+		_ = d.deleteOwned(ctx, "unpin", key)
+	}, nil
+}
+
+// Pinned reports how many readers pin this node's replica of ref.
+func (d *Directory) Pinned(ctx context.Context, ref cluster.Ref) (int, error) {
+	what := "pins of " + ref.String()
+	ctx, cancel, err := d.call(ctx, what)
+	if err != nil {
+		return 0, err
+	}
+	defer cancel()
+	r, err := d.cli.Get(ctx, d.k.pinsRef(d.cfg.Node, ref), clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil {
+		return 0, d.fail(ctx, what, err)
+	}
+	return int(r.Count), nil
+}
+
+// Event is a change the directory reports to a node's watch.
+type Event struct {
+	// Ref is the object concerned.
+	Ref cluster.Ref
+	// Deleted: its record was deleted (the name removed from the cluster);
+	// every node drops its replica.
+	Deleted bool
+	// Pinned and Unpinned: a reader pinned or unpinned this node's
+	// replica; Reader names it.
+	Pinned, Unpinned bool
+	Reader           string
+	// Key is the etcd key, for Unpinned events to match their Pinned.
+	Key string
+}
+
+// Watch reports deletions of object records and pins of this node's
+// replicas until ctx is done, on a channel it closes then. It resumes after
+// etcd comes back; events missed while etcd was away are not replayed,
+// so a holder also checks Pinned before dropping a replica.
+func (d *Directory) Watch(ctx context.Context) <-chan Event {
+	out := make(chan Event, 64)
+	go func() {
+		defer close(out)
+		send := func(ev Event) bool {
+			select {
+			case out <- ev:
+				return true
+			case <-ctx.Done():
+				return false
+			}
+		}
+		pins := d.k.pinsOf(d.cfg.Node)
+		for ctx.Err() == nil {
+			wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+			wo := d.cli.Watch(wctx, d.k.objects(), clientv3.WithPrefix(), clientv3.WithFilterPut())
+			wp := d.cli.Watch(wctx, pins, clientv3.WithPrefix(), clientv3.WithPrevKV())
+			for wo != nil || wp != nil {
+				var wr clientv3.WatchResponse
+				var ok bool
+				select {
+				case wr, ok = <-wo:
+					if !ok {
+						wo = nil
+						continue
+					}
+				case wr, ok = <-wp:
+					if !ok {
+						wp = nil
+						continue
+					}
+				}
+				if wr.Err() != nil {
+					break
+				}
+				for _, ev := range wr.Events {
+					key := string(ev.Kv.Key)
+					var e Event
+					e.Key = key
+					switch {
+					case strings.HasPrefix(key, d.k.objects()):
+						r, _, err := parseRef(strings.TrimPrefix(key, d.k.objects()))
+						if err != nil {
+							continue
+						}
+						e.Ref, e.Deleted = r, true
+					case strings.HasPrefix(key, pins):
+						r, rest, err := parseRef(strings.TrimPrefix(key, pins))
+						if err != nil {
+							continue
+						}
+						reader, _, _ := strings.Cut(rest, "/")
+						e.Ref, e.Reader = r, reader
+						if ev.Type == mvccpb.DELETE {
+							e.Unpinned = true
+						} else {
+							var p cluster.Pin
+							if err := cluster.Open(d.cfg.Secret, key, ev.Kv.Value, &p); err != nil {
+								d.log.Warn("ignoring a pin", "err", err)
+								continue
+							}
+							e.Pinned = true
+						}
+					}
+					if !send(e) {
+						cancel()
+						return
+					}
+				}
+			}
+			cancel()
+			select {
+			case <-ctx.Done():
+			case <-time.After(fastFail / 2):
+			}
+		}
+	}()
+	return out
+}
+
+// Listing is one name of ls --cluster.
+type Listing struct {
+	Entry
+	// Latest is the name's latest committed version (0 for plain
+	// objects).
+	Latest uint64
+}
+
+// List returns every object record under the directory with its holders,
+// in key order (owner, name, version, shard). Records that do not verify
+// are logged and left out.
+func (d *Directory) List(ctx context.Context) ([]Listing, error) {
+	ctx, cancel, err := d.call(ctx, "list")
+	if err != nil {
+		return nil, err
+	}
+	defer cancel()
+	r, err := d.cli.Txn(ctx).Then(
+		clientv3.OpGet(d.k.objects(), clientv3.WithPrefix()),
+		clientv3.OpGet(d.k.holders(), clientv3.WithPrefix()),
+		clientv3.OpGet(d.k.latests(), clientv3.WithPrefix()),
+	).Commit()
+	if err != nil {
+		return nil, d.fail(ctx, "list", err)
+	}
+	holders := map[cluster.Ref][]cluster.Holder{}
+	for _, kv := range r.Responses[1].GetResponseRange().Kvs {
+		var h cluster.Holder
+		ref, _, err := parseRef(strings.TrimPrefix(string(kv.Key), d.k.holders()))
+		if err == nil {
+			err = cluster.Open(d.cfg.Secret, string(kv.Key), kv.Value, &h)
+		}
+		if err != nil {
+			d.log.Warn("ignoring a holder record", "err", err)
+			continue
+		}
+		holders[ref] = append(holders[ref], h)
+	}
+	latest := map[string]uint64{}
+	for _, kv := range r.Responses[2].GetResponseRange().Kvs {
+		var l cluster.Latest
+		if err := cluster.Open(d.cfg.Secret, string(kv.Key), kv.Value, &l); err != nil {
+			d.log.Warn("ignoring a latest record", "err", err)
+			continue
+		}
+		latest[d.k.latest(l.Owner, l.Name)] = l.Version
+	}
+	var out []Listing
+	for _, kv := range r.Responses[0].GetResponseRange().Kvs {
+		var l Listing
+		if err := cluster.Open(d.cfg.Secret, string(kv.Key), kv.Value, &l.Object); err != nil {
+			d.log.Warn("ignoring an object record", "err", err)
+			continue
+		}
+		l.Revision = kv.CreateRevision
+		for _, h := range holders[l.Ref()] {
+			if h.ID == l.ID {
+				l.Holders = append(l.Holders, h.Node)
+			}
+		}
+		l.Latest = latest[d.k.latest(l.Owner, l.Name)]
+		out = append(out, l)
+	}
+	return out, nil
+}

@@ -1,0 +1,434 @@
+package etcddir
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
+)
+
+// testCallTimeout is long: the test machine may be loaded.
+const testCallTimeout = 5 * time.Second
+
+var testSecret = mustSecret("0123456789abcdef-test-secret")
+
+func mustSecret(s string) cluster.Secret {
+	sec, err := cluster.NewSecret([]byte(s))
+	if err != nil {
+		panic(err)
+	}
+	return sec
+}
+
+func open(t *testing.T, srv *etcdtest.Server, node string, mod ...func(*Config)) *Directory {
+	t.Helper()
+	cfg := Config{Endpoints: []string{srv.Endpoint()}, Node: node, Secret: testSecret, TTL: 2 * time.Second, CallTimeout: testCallTimeout, Prefix: "/t/" + t.Name() + "/"}
+	for _, m := range mod {
+		m(&cfg)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	d, err := Open(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	return d
+}
+
+// eventually polls cond every 50 ms until it holds, failing the test after
+// timeout.
+func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not within %v: %s", timeout, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func node(name string) cluster.Node {
+	return cluster.Node{Name: name, Worker: []byte("worker-" + name), Control: "10.0.0.1:7000"}
+}
+
+func object(name string, size int64) (cluster.Object, []byte) {
+	b := make([]byte, size)
+	rand.NewChaCha8([32]byte{byte(size), byte(size >> 8), byte(size >> 16)}).Read(b)
+	chunk := cluster.ChunkSizeFor(size)
+	return cluster.Object{Name: name, Owner: 1000, Size: size, ChunkSize: chunk, Sums: cluster.Checksums(b, chunk), ID: cluster.NewID()}, b
+}
+
+func TestParseURL(t *testing.T) {
+	eps, tls, err := ParseURL("etcd://a:2379,10.0.0.2:2379")
+	if err != nil || tls || !slices.Equal(eps, []string{"http://a:2379", "http://10.0.0.2:2379"}) {
+		t.Fatalf("got %v %v %v", eps, tls, err)
+	}
+	eps, tls, err = ParseURL("etcds://[::1]:2379")
+	if err != nil || !tls || !slices.Equal(eps, []string{"https://[::1]:2379"}) {
+		t.Fatalf("got %v %v %v", eps, tls, err)
+	}
+	for _, bad := range []string{"", "http://a:1", "etcd://", "etcd://a", "etcd://a:0", "etcd://a:x", "etcd://a:1,,b:2"} {
+		if _, _, err := ParseURL(bad); err == nil {
+			t.Errorf("ParseURL(%q) accepted", bad)
+		}
+	}
+}
+
+func TestNodesJoinAndVanish(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b := open(t, srv, "a"), open(t, srv, "b")
+	ctx := ctxT(t)
+	if err := a.Join(ctx, node("a")); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Join(ctx, node("b")); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Join(ctx, node("a")); err != nil {
+		t.Fatalf("rejoin on the same lease: %v", err)
+	}
+	a2 := open(t, srv, "a")
+	if err := a2.Join(ctx, node("a")); !errors.Is(err, cluster.ErrExists) {
+		t.Fatalf("a second live node named a: %v, want ErrExists", err)
+	}
+	ns, err := b.Nodes(ctx)
+	if err != nil || len(ns) != 2 || ns[0].Name != "a" || string(ns[1].Worker) != "worker-b" {
+		t.Fatalf("nodes: %+v %v", ns, err)
+	}
+	// A node that dies (stops renewing) vanishes within its TTL.
+	a.abandon()
+	start := time.Now()
+	eventually(t, 8*time.Second, "a's record expires", func() bool {
+		_, err := b.Node(ctx, "a")
+		return errors.Is(err, cluster.ErrNotFound)
+	})
+	t.Logf("a dead node's record went after %v (TTL 2s)", time.Since(start).Round(100*time.Millisecond))
+	// Its name is free again.
+	if err := a2.Join(ctx, node("a")); err != nil {
+		t.Fatal(err)
+	}
+	// A node that closes leaves at once.
+	b.Close()
+	if _, err := a2.Node(ctx, "b"); !errors.Is(err, cluster.ErrNotFound) {
+		t.Fatalf("b after Close: %v", err)
+	}
+}
+
+func TestPublishLookupHoldersDelete(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b, c := open(t, srv, "a"), open(t, srv, "b"), open(t, srv, "c")
+	ctx := ctxT(t)
+	events := c.Watch(ctx)
+	o, _ := object("model/w 1", 5<<20+17)
+	ref := o.Ref()
+	if _, err := b.Lookup(ctx, ref); !errors.Is(err, cluster.ErrNotFound) {
+		t.Fatalf("lookup before publish: %v", err)
+	}
+	if _, err := a.Publish(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	e, err := b.Lookup(ctx, ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e.ID != o.ID || e.Size != o.Size || !slices.Equal(e.Sums, o.Sums) || e.Origin != "a" || !slices.Equal(e.Holders, []string{"a"}) {
+		t.Fatalf("entry %+v", e)
+	}
+	o2 := o
+	o2.ID = cluster.NewID()
+	if _, err := b.Publish(ctx, o2); !errors.Is(err, cluster.ErrExists) {
+		t.Fatalf("publish over a held name: %v", err)
+	}
+	if err := b.AddHolder(ctx, e); err != nil {
+		t.Fatal(err)
+	}
+	if e, _ = c.Lookup(ctx, ref); !slices.Equal(e.Holders, []string{"a", "b"}) {
+		t.Fatalf("holders %v", e.Holders)
+	}
+	// Another owner's name of the same spelling is another object.
+	other := o
+	other.Owner, other.ID = 1001, cluster.NewID()
+	if _, err := c.Publish(ctx, other); err != nil {
+		t.Fatal(err)
+	}
+	ls, err := c.List(ctx)
+	if err != nil || len(ls) != 2 || ls[0].Owner != 1000 || len(ls[0].Holders) != 2 || ls[1].Owner != 1001 {
+		t.Fatalf("list %+v %v", ls, err)
+	}
+	if err := b.RemoveHolder(ctx, ref); err != nil {
+		t.Fatal(err)
+	}
+	// Holders leave, then a new incarnation may replace the record.
+	if err := a.RemoveHolder(ctx, ref); err != nil {
+		t.Fatal(err)
+	}
+	if e, _ = c.Lookup(ctx, ref); len(e.Holders) != 0 {
+		t.Fatalf("holders %v", e.Holders)
+	}
+	if _, err := b.Publish(ctx, o2); err != nil {
+		t.Fatalf("publish over an unheld name: %v", err)
+	}
+	// Advertising a replica of the old incarnation fails.
+	if err := a.AddHolder(ctx, e); err != nil {
+		// e.Revision is the old record's create revision, which the
+		// replacement kept: only the ID tells them apart, and Lookup
+		// filters holders by ID.
+		t.Logf("advertise old incarnation: %v", err)
+	}
+	if e, _ = c.Lookup(ctx, ref); e.ID != o2.ID || !slices.Equal(e.Holders, []string{"b"}) {
+		t.Fatalf("after replacement: %+v", e)
+	}
+	if err := a.Delete(ctx, 1000, o.Name); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Lookup(ctx, ref); !errors.Is(err, cluster.ErrNotFound) {
+		t.Fatalf("lookup after delete: %v", err)
+	}
+	if err := a.Delete(ctx, 1000, o.Name); !errors.Is(err, cluster.ErrNotFound) {
+		t.Fatalf("second delete: %v", err)
+	}
+	if err := b.AddHolder(ctx, e); !errors.Is(err, cluster.ErrNotFound) {
+		t.Fatalf("advertise a deleted name: %v", err)
+	}
+	select {
+	case ev := <-events:
+		if !ev.Deleted || ev.Ref != ref {
+			t.Fatalf("event %+v", ev)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("no delete event within 5s")
+	}
+}
+
+func TestForgedRecordsRejected(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a := open(t, srv, "a")
+	evil := open(t, srv, "evil", func(c *Config) { c.Secret = mustSecret("another-secret-of-16+bytes") })
+	ctx := ctxT(t)
+	o, _ := object("x", 1000)
+	if _, err := evil.Publish(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Lookup(ctx, o.Ref()); !errors.Is(err, cluster.ErrBadRecord) {
+		t.Fatalf("record written with another secret: %v, want ErrBadRecord", err)
+	}
+	if err := evil.Join(ctx, node("evil")); err != nil {
+		t.Fatal(err)
+	}
+	if ns, err := a.Nodes(ctx); err != nil || len(ns) != 0 {
+		t.Fatalf("nodes with a forged one: %+v %v", ns, err)
+	}
+	// A genuine record moved to another key does not verify either.
+	y, _ := object("y", 1000)
+	if _, err := a.Publish(ctx, y); err != nil {
+		t.Fatal(err)
+	}
+	r, err := a.cli.Get(ctx, a.k.obj(y.Ref()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	z := cluster.Ref{Owner: 1000, Name: "z"}
+	for _, v := range []string{string(r.Kvs[0].Value), "", "garbage", "cr1" + string(make([]byte, 40))} {
+		if _, err := a.cli.Put(ctx, a.k.obj(z), v); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := a.Lookup(ctx, z); !errors.Is(err, cluster.ErrBadRecord) {
+			t.Fatalf("value %.20q under another key: %v, want ErrBadRecord", v, err)
+		}
+	}
+	ls, err := a.List(ctx)
+	if err != nil || len(ls) != 1 || ls[0].Name != "y" {
+		t.Fatalf("list keeps only the genuine record: %+v %v", ls, err)
+	}
+}
+
+func TestVersionsAcrossNodes(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b, c := open(t, srv, "a"), open(t, srv, "b"), open(t, srv, "c")
+	ctx := ctxT(t)
+	if _, err := c.Latest(ctx, 1000, "w"); !errors.Is(err, cluster.ErrNotFound) {
+		t.Fatalf("latest before any: %v", err)
+	}
+	got := make(chan cluster.Latest, 1)
+	errc := make(chan error, 1)
+	go func() {
+		l, err := c.WaitNewer(ctx, 1000, "w", 0)
+		got <- l
+		errc <- err
+	}()
+	for v := uint64(1); v <= 3; v++ {
+		for shard, d := range []*Directory{a, b} {
+			o, _ := object("w", 70000)
+			o.Version, o.Shard, o.Shards = v, uint32(shard), 2
+			committed, err := d.Publish(ctx, o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if committed != (shard == 1) {
+				t.Fatalf("v%d shard %d: committed=%v", v, shard, committed)
+			}
+			if shard == 0 {
+				if l, err := c.Latest(ctx, 1000, "w"); v > 1 && (err != nil || l.Version != v-1) || v == 1 && !errors.Is(err, cluster.ErrNotFound) {
+					t.Fatalf("v%d half published: latest %+v %v", v, l, err)
+				}
+			}
+		}
+		if v == 1 {
+			if err := <-errc; err != nil {
+				t.Fatal(err)
+			}
+			if l := <-got; l.Version != 1 || l.Shards != 2 {
+				t.Fatalf("waited for v1: %+v", l)
+			}
+		}
+	}
+	l, err := c.WaitNewer(ctx, 1000, "w", 2)
+	if err != nil || l.Version != 3 {
+		t.Fatalf("newer than 2: %+v %v", l, err)
+	}
+	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	if _, err := c.WaitNewer(short, 1000, "w", 3); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("newer than the latest: %v, want the deadline", err)
+	}
+	// An older version published late does not move latest back.
+	o, _ := object("w", 100)
+	o.Version, o.Shards = 2, 1
+	o.Name = "w"
+	if _, err := a.Publish(ctx, o); !errors.Is(err, cluster.ErrExists) {
+		t.Fatalf("republish v2 shard 0: %v", err)
+	}
+	ls, err := c.List(ctx)
+	if err != nil || len(ls) != 6 || ls[5].Latest != 3 {
+		t.Fatalf("list: %d entries, %v", len(ls), err)
+	}
+	if err := b.Delete(ctx, 1000, "w"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Latest(ctx, 1000, "w"); !errors.Is(err, cluster.ErrNotFound) {
+		t.Fatalf("latest after delete: %v", err)
+	}
+}
+
+func TestPins(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b := open(t, srv, "a"), open(t, srv, "b")
+	ctx := ctxT(t)
+	events := a.Watch(ctx)
+	o, _ := object("p", 1<<20)
+	if _, err := a.Publish(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	unpin, err := b.Pin(ctx, "a", o.Ref(), o.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	next := func() Event {
+		select {
+		case ev := <-events:
+			return ev
+		case <-time.After(5 * time.Second):
+			t.Fatal("no event within 5s")
+		}
+		return Event{}
+	}
+	if ev := next(); !ev.Pinned || ev.Reader != "b" || ev.Ref != o.Ref() {
+		t.Fatalf("event %+v", ev)
+	}
+	if n, err := a.Pinned(ctx, o.Ref()); n != 1 || err != nil {
+		t.Fatalf("pinned %d %v", n, err)
+	}
+	unpin()
+	if ev := next(); !ev.Unpinned || ev.Reader != "b" {
+		t.Fatalf("event %+v", ev)
+	}
+	// A reader that dies loses its pins with its lease.
+	if _, err := b.Pin(ctx, "a", o.Ref(), o.ID); err != nil {
+		t.Fatal(err)
+	}
+	if ev := next(); !ev.Pinned {
+		t.Fatalf("event %+v", ev)
+	}
+	b.abandon()
+	if ev := next(); !ev.Unpinned {
+		t.Fatalf("event %+v", ev)
+	}
+	if n, err := a.Pinned(ctx, o.Ref()); n != 0 || err != nil {
+		t.Fatalf("pinned %d %v", n, err)
+	}
+}
+
+func TestEtcdStoppedAndBack(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b := open(t, srv, "a"), open(t, srv, "b")
+	ctx := ctxT(t)
+	if err := a.Join(ctx, node("a")); err != nil {
+		t.Fatal(err)
+	}
+	o, _ := object("survivor", 4096)
+	if _, err := a.Publish(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	srv.Kill()
+	// The first call waits out its timeout; later ones fail at once.
+	for i := range 3 {
+		start := time.Now()
+		_, err := b.Lookup(ctx, o.Ref())
+		took := time.Since(start)
+		if !errors.Is(err, cluster.ErrUnavailable) {
+			t.Fatalf("lookup %d with etcd down: %v, want ErrUnavailable", i, err)
+		}
+		if took > testCallTimeout+time.Second {
+			t.Fatalf("lookup %d took %v with etcd down", i, took)
+		}
+		t.Logf("lookup %d with etcd down: %v after %v", i, err, took.Round(time.Millisecond))
+	}
+	// Down longer than the TTL: a's lease is lost on its side.
+	time.Sleep(3 * time.Second)
+	srv.Restart()
+	eventually(t, 20*time.Second, "a's records are back", func() bool {
+		n, err1 := b.Node(ctx, "a")
+		e, err2 := b.Lookup(ctx, o.Ref())
+		return err1 == nil && n.Name == "a" && err2 == nil && slices.Equal(e.Holders, []string{"a"})
+	})
+	// And they live on a lease that is renewed: still there after 2 TTLs.
+	time.Sleep(4 * time.Second)
+	if e, err := b.Lookup(ctx, o.Ref()); err != nil || !slices.Equal(e.Holders, []string{"a"}) {
+		t.Fatalf("after recovery: %+v %v", e, err)
+	}
+}
+
+func TestManyObjects(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a := open(t, srv, "a")
+	ctx := ctxT(t)
+	for i := range 50 {
+		o, _ := object(fmt.Sprintf("ns/obj-%02d", i), int64(1+rand.IntN(10<<20)))
+		if _, err := a.Publish(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ls, err := a.List(ctx)
+	if err != nil || len(ls) != 50 {
+		t.Fatalf("list: %d %v", len(ls), err)
+	}
+	for i, l := range ls {
+		if l.Name != fmt.Sprintf("ns/obj-%02d", i) || len(l.Holders) != 1 {
+			t.Fatalf("entry %d: %+v", i, l)
+		}
+	}
+}
