@@ -254,7 +254,7 @@ def run(a, sock, out):
             store.rm("pybench-ahead-%d" % i)
         ahead = ahead[2:]
         # The phases of put, done by hand as put does them.
-        from cudaipc.store import _Source
+        from cudaipc._put import Source as _Source
         phases = {"source": [], "create": [], "copy_sync": [], "seal": []}
         for i in range(6):
             t0 = time.perf_counter()
@@ -262,7 +262,7 @@ def run(a, sock, out):
             t1 = time.perf_counter()
             obj = store.create("pybench-ph-%d" % i, srcd.nbytes, srcd.ordinal, dtype=srcd.dtype, shape=srcd.shape)
             t2 = time.perf_counter()
-            srcd.copy_to(obj._live())
+            srcd.copy_to(obj.data_ptr, obj.ordinal)
             t3 = time.perf_counter()
             obj.seal()
             t4 = time.perf_counter()

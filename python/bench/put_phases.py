@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cudaipc  # noqa: E402
-from cudaipc import _cuda, _wire, store as _store  # noqa: E402
+from cudaipc import _cuda, _cuda_ctypes, _put, _wire, store as _store  # noqa: E402
 import _bench  # noqa: E402
 
 STEPS = collections.defaultdict(list)
@@ -62,19 +62,19 @@ def micro(src, dev, sock):
     cu = _cuda.driver()
     a = src[:4096]
     b = torch.empty_like(a)
-    ev = _cuda.IPCEvent(dev.index)
-    ev2 = _cuda.IPCEvent(dev.index)
+    ev = _put.seal_event(dev.index)
+    ev2 = _put.seal_event(dev.index)
     s = torch.cuda.current_stream(dev).cuda_stream
     r = {"current_stream": per_call(lambda: torch.cuda.current_stream(dev).cuda_stream),
-         "source_of": per_call(lambda: _store._Source.of(a)),
+         "source_of": per_call(lambda: _put.Source.of(a)),
          "contiguous": per_call(lambda: a.contiguous()),
          "ctx_push_pop": per_call(lambda: _cuda.on(dev.index).__exit__(_cuda.on(dev.index).__enter__())),
-         "copy_and_record_4k": per_call(lambda: _cuda.copy_and_record(b.data_ptr(), a.data_ptr(), 4096, s, ev)),
+         "copy_and_record_4k": per_call(lambda: _cuda_ctypes.copy_and_record(b.data_ptr(), a.data_ptr(), 4096, s, ev)),
          "event_query": per_call(lambda: cu.cuEventQuery(ev.event)),
          "seal_request_encode": per_call(lambda: _store.pb.Request(seal=_store.pb.SealRequest(
              name="x" * 20, wait_event=ev.descriptor)).SerializeToString())}
     torch.cuda.synchronize(dev)
-    r["event_synchronize_idle"] = per_call(lambda: _cuda.event_synchronize(ev))
+    r["event_synchronize_idle"] = per_call(lambda: _cuda_ctypes.event_synchronize(ev))
     # The whole copy three ways, interleaved: in-process (put's reference), into an
     # object's mapping by PyTorch, and into it by the driver call put makes.
     n = src.numel() * src.element_size()
@@ -95,8 +95,8 @@ def micro(src, dev, sock):
                     view.copy_(flat)
                     torch.cuda.synchronize(dev)
                 else:
-                    _cuda.copy_and_record(obj.data_ptr, src.data_ptr(), n, s, ev2)
-                    _cuda.event_synchronize(ev2)
+                    _cuda_ctypes.copy_and_record(obj.data_ptr, src.data_ptr(), n, s, ev2)
+                    _cuda_ctypes.event_synchronize(ev2)
                 t[k].append(time.perf_counter() - t0)
         del view
         obj.abort()
@@ -107,7 +107,7 @@ def micro(src, dev, sock):
         cr, sa = [], []
         for _ in range(30):
             t0 = time.perf_counter()
-            o = st.create("micro-create", n, dev.index, _spin=_store._SEAL_SPIN)
+            o = st.create("micro-create", n, dev.index, _spin=_put.SEAL_SPIN)
             t1 = time.perf_counter()
             o.abort()
             t2 = time.perf_counter()
@@ -155,14 +155,14 @@ def run(a, sock, out, dlog):
                 print("==== %s (%.0f us a put+rm with the profiler)" % (mode, (time.perf_counter() - t0) / 40 * 1e6))
                 print(buf.getvalue())
         return
-    timed(_store._Source, "of", "source")
+    timed(_put.Source, "of", "source")
     timed(_store.Store, "create", "create")
-    timed(_store.Store, "_take_ahead", "take_ahead")
-    timed(_cuda, "copy_and_record", "copy_enqueue")
+    timed(_put.Putter, "take_ahead", "take_ahead")
+    timed(_cuda_ctypes, "copy_and_record", "copy_enqueue")
     timed(_wire.Conn, "send", "send")
-    timed(_cuda, "event_synchronize", "event_wait")
+    timed(_cuda_ctypes, "event_synchronize", "event_wait")
     after_event = []
-    ev_sync = _cuda.event_synchronize
+    ev_sync = _cuda_ctypes.event_synchronize
     result = _wire.Conn.result
     send = _wire.Conn.send
     # Unix-ns timestamps of this client, by request id, to set beside the daemon's
@@ -207,11 +207,11 @@ def run(a, sock, out, dlog):
             if polled and rid in got:
                 recvd[rid] = polled[0]
     recvd = {}
-    _cuda.event_synchronize = ev_sync_marked
+    _cuda_ctypes.event_synchronize = ev_sync_marked
     _wire.Conn.result = result_split_polled
     _wire.Conn._poll = poll_stamped
     _wire.Conn.send = send_stamped
-    timed(_store.Store, "_reserve", "reserve")
+    timed(_put.Putter, "reserve", "reserve")
     with cudaipc.connect(sock) as st:
         for mode in ("plain", "reserve_next"):
             STEPS.clear()

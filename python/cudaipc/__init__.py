@@ -23,11 +23,13 @@ touched; host objects need only protobuf (NumPy for numpy() and tensor()).
 from .errors import (Closed, CudaError, CudaipcError, Exists, InternalError, InvalidArgument,
                      InvalidRegion, LimitReached, NotFound, NotSealed, PermissionDenied, Sealed,
                      StoreError, StoreFull, StoreGone, Timeout, VersionMismatch)
-from .extmem import NotExportable, export_pointer, share
+from .extmem import NotExportable, export_pointer
+from .info import (SHARE_CUDA_IPC, SHARE_HOST, SHARE_VMM_FD, Event, ObjectInfo, ServerInfo,
+                   TensorDesc)
+from .lease import Lease, Object
 from .mapping import Mapping, import_region
 from .region import Region, decode_region
-from .store import (Event, Lease, Object, ObjectInfo, ServerInfo, Store, TensorDesc, connect,
-                    default_socket_path)
+from .store import Store, connect, default_socket_path, share
 from . import bundle
 from .bundle import Bundle, LoadMismatch, LoadReport, load_into
 
@@ -39,6 +41,6 @@ __all__ = [
     "CudaipcError", "StoreError", "InvalidArgument", "NotFound", "Exists", "Timeout", "StoreFull",
     "PermissionDenied", "LimitReached", "NotSealed", "Sealed", "VersionMismatch", "InternalError",
     "StoreGone", "Closed", "InvalidRegion", "CudaError",
-    "share", "export_pointer", "NotExportable",
+    "share", "export_pointer", "NotExportable", "SHARE_HOST", "SHARE_CUDA_IPC", "SHARE_VMM_FD",
     "bundle", "Bundle", "LoadMismatch", "LoadReport", "load_into",
 ]

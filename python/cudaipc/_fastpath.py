@@ -25,6 +25,8 @@ import os
 import threading
 from typing import Any, Dict, List, Optional
 
+from ._wire import _MAP_FAILED, _MAP_SHARED, _PROT_READ, _PROT_WRITE, _libc
+
 _log = logging.getLogger("cudaipc")
 
 _SEQ_CST = 5            # __ATOMIC_SEQ_CST
@@ -124,7 +126,6 @@ class LeaseTable:
     ``drop()`` (let go of what it keeps once the daemon ended the lease)."""
 
     def __init__(self, fd: int, slots: int, cas: Any):
-        from ._wire import _libc, _MAP_FAILED, _MAP_SHARED, _PROT_READ, _PROT_WRITE
         if not 0 < slots <= MAX_SLOTS:
             raise ValueError("lease table of %d slots (want 1..%d)" % (slots, MAX_SLOTS))
         size = slots * 8
@@ -263,7 +264,6 @@ class LeaseTable:
     def close(self) -> None:
         """Unmap the table and forget every idle lease (the connection is closed: the
         daemon ends them)."""
-        from ._wire import _libc
         with self.lock:
             if self.closed:
                 return

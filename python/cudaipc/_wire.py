@@ -18,7 +18,8 @@ import weakref
 from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import _store_pb2 as pb
-from .errors import Closed, InternalError, StoreGone, StoreError, from_code
+from ._encode import id_field
+from .errors import Closed, InternalError, InvalidArgument, StoreGone, StoreError, from_code
 
 MAX_MESSAGE = 65536
 MAX_FILES = 60  # protocol.MaxFiles: a register request or its get carries one per piece
@@ -70,7 +71,6 @@ def spin_option(spin: Optional[float]) -> float:
         try:
             spin = parse_duration(v)
         except ValueError:
-            from .errors import InvalidArgument
             raise InvalidArgument("dial", message="CUDAIPC_SPIN=%r is not a duration (e.g. 50us, or 0 for none)" % v) from None
     if spin is None:
         return DEFAULT_SPIN
@@ -85,14 +85,15 @@ def _unmap(addr: int, size: int, fd: int) -> None:
         pass
 
 
-def _id_field(rid: int) -> bytes:
-    """Request.id (field 1, varint), encoded by hand."""
-    out = bytearray(b"\x08")
-    while rid >= 0x80:
-        out.append((rid & 0x7F) | 0x80)
-        rid >>= 7
-    out.append(rid)
-    return bytes(out)
+def _fds_of(anc: Any) -> List[int]:
+    """The descriptors of a received packet's SCM_RIGHTS messages."""
+    fds: List[int] = []
+    for level, typ, cdata in anc:
+        if level == _SOL_SOCKET and typ == _SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(cdata[: len(cdata) - len(cdata) % a.itemsize])
+            fds.extend(a)
+    return fds
 
 
 class HostArena:
@@ -182,7 +183,7 @@ class Conn:
     def send_raw(self, body: bytes) -> int:
         """Send a request given as its encoded body (everything but the id)."""
         rid = next(self._ids)
-        data = _id_field(rid) + body
+        data = id_field(rid) + body
         with self._send_lock:
             if self.dead is not None:
                 raise self.dead
@@ -201,7 +202,7 @@ class Conn:
         try:
             rid = next(self._ids)
             if hasattr(req, "body") and isinstance(req.body, bytes):
-                data = _id_field(rid) + req.body
+                data = id_field(rid) + req.body
             else:
                 req.id = rid
                 data = req.SerializeToString()
@@ -354,12 +355,7 @@ class Conn:
         except OSError as e:
             self._fail(StoreGone("recv", message="%s: %s" % (self.path, e)))
             return
-        fds: List[int] = []
-        for level, typ, cdata in anc:
-            if level == _SOL_SOCKET and typ == _SCM_RIGHTS:
-                a = array.array("i")
-                a.frombytes(cdata[: len(cdata) - len(cdata) % a.itemsize])
-                fds.extend(a)
+        fds = _fds_of(anc)
         try:
             self._handle(data, flags, fds)
         except BaseException:
@@ -511,6 +507,32 @@ class Conn:
         elif body == "create":
             self.send_detached(pb.Request(abort=pb.AbortRequest(name=name, version=r.resp.create.version)))
 
+    def refusal(self) -> Optional[StoreError]:
+        """Why the daemon refused this connection, if it said so: the error (id 0) it
+        sends before it closes a connection it will not serve (a connection limit, a
+        uid it does not admit), read from what is left on the socket. None when it
+        said nothing."""
+        d = self.dead
+        if d is not None and not isinstance(d, StoreGone):
+            return d
+        for _ in range(4):
+            try:
+                data, anc, _, _ = self.sock.recvmsg(MAX_MESSAGE + 1, _ANC, _RECV_NOWAIT)
+            except OSError:
+                return None
+            for fd in _fds_of(anc):
+                os.close(fd)
+            if not data:
+                return None
+            resp = pb.Response()
+            try:
+                resp.ParseFromString(data)
+            except Exception:  # noqa: BLE001 - protobuf's DecodeError differs between versions
+                return None
+            if resp.id == 0 and resp.HasField("error") and resp.error.code != 0:
+                return from_code(resp.error.code, "connect", "", resp.error.message)
+        return None
+
     def _fail(self, err: StoreError) -> None:
         with self._cv:
             if self.dead is None:
@@ -537,4 +559,3 @@ class Conn:
             if r.manifest_fd >= 0:
                 os.close(r.manifest_fd)
         self._replies.clear()
-

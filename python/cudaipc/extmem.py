@@ -22,6 +22,7 @@ from typing import Any, List, Optional, Tuple
 from . import _cuda
 from ._store_pb2 import RegisterRequest, Request  # type: ignore[attr-defined]
 from .errors import CudaError, CudaipcError
+from .region import Region
 
 MAX_PIECES = 60  # protocol.MaxPieces: one descriptor per piece in one packet
 
@@ -66,7 +67,9 @@ class Export:
         self.close()
 
 
-def _ptr_size(obj: Any, nbytes: Optional[int]) -> Tuple[int, int]:
+def pointer_and_size(obj: Any, nbytes: Optional[int]) -> Tuple[int, int]:
+    """The device address and size of a CUDA tensor/array, VMMBuffer, Timeline, or raw
+    pointer (with ``nbytes``)."""
     if isinstance(obj, (Timeline, VMMBuffer)):
         return obj.ptr, nbytes or (obj.nbytes if isinstance(obj, Timeline) else obj.size)
     if isinstance(obj, int):
@@ -88,7 +91,7 @@ def _ptr_size(obj: Any, nbytes: Optional[int]) -> Tuple[int, int]:
 def export_pointer(obj: Any, nbytes: Optional[int] = None) -> Export:
     """Export a CUDA tensor/array (or ``nbytes`` at an int device pointer), asking the
     driver what the memory is; see the module's documentation."""
-    ptr, size = _ptr_size(obj, nbytes)
+    ptr, size = pointer_and_size(obj, nbytes)
     if size <= 0:
         raise ValueError("export_pointer: size %d must be positive" % size)
     cu = _cuda.driver()
@@ -145,40 +148,24 @@ def export_pointer(obj: Any, nbytes: Optional[int] = None) -> Export:
         what = ("memory of a stream-ordered pool (cudaMallocAsync) without an IPC handle type" if pool
                 else "memory that is neither VMM nor legacy-IPC capable")
         raise NotExportable(ptr, what, FIX_POOL)
-    return Export(device, size, legacy=_cuda.export_region(ptr, size))
+    return Export(device, size, legacy=Region.from_pointer(ptr, size))
 
 
-def register(store: Any, name: str, obj: Any, nbytes: Optional[int] = None, *, shared: bool = False) -> Any:
-    """Register a CUDA tensor/array this process owns under ``name`` (see the module's
-    documentation); returns the object's ObjectInfo. Keep the memory alive: VMM memory
-    stays readable by those who mapped it, a legacy region only while this process and
-    its connection live."""
-    from .store import ObjectInfo
-    with export_pointer(obj, nbytes) as x:
-        r = RegisterRequest(name=name, size=x.size, device="GPU-" + _uuid_text(x.device), shared=shared)
-        if x.vmm:
-            r.offset = x.offset
-            r.pieces.extend(x.pieces)
-        else:
-            r.legacy_region = x.legacy.to_bytes()
-        rep = store._conn.call(Request(register=r), "register", name, fds=x.fds)
-    return ObjectInfo._from_pb(rep.resp.register.info)
+def register_request(name: str, x: Export, shared: bool) -> Any:
+    """The register request (docs/protocol.md) of an export; its descriptors
+    (``x.fds``) travel with it."""
+    r = RegisterRequest(name=name, size=x.size, device="GPU-" + _uuid_text(x.device), shared=shared)
+    if x.vmm:
+        r.offset = x.offset
+        r.pieces.extend(x.pieces)
+    else:
+        r.legacy_region = x.legacy.to_bytes()
+    return Request(register=r)
 
 
 def _uuid_text(u: bytes) -> str:
     h = u.hex()
     return "%s-%s-%s-%s-%s" % (h[:8], h[8:12], h[12:16], h[16:20], h[20:])
-
-
-def share(obj: Any, name: Optional[str] = None, store: Any = None, *, shared: bool = True) -> Any:
-    """Register ``obj`` with ``store`` (default: a new connection, which must then stay
-    open while the registration should last) under ``name`` (default: a name made from
-    this process's id and the address). Returns (store, ObjectInfo)."""
-    from .store import connect
-    st = store or connect()
-    ptr, _ = _ptr_size(obj, None) if not isinstance(obj, int) else (obj, 0)
-    info = register(st, name or "shared/%d/%x" % (os.getpid(), ptr), obj, shared=shared)
-    return st, info
 
 
 class VMMBuffer:

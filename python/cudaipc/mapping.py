@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import weakref
 from typing import Any, Optional, Sequence, Union
 
+from . import _cuda
 from . import _views
 from .errors import CudaError
 from .region import Region, decode_region, local_identity
@@ -25,7 +27,6 @@ class _Mapped:
 
 
 def _close_ipc(handle: bytes, bid: int, ordinal: int) -> None:
-    from . import _cuda
     _cuda.ipc_close(handle, bid, ordinal)
 
 
@@ -67,8 +68,6 @@ class Mapping:
 
     def read(self) -> bytes:
         """A copy of the region's bytes."""
-        import ctypes
-        from . import _cuda
         m = self._live()
         buf = ctypes.create_string_buffer(m.nbytes)
         with _cuda.on(m.ordinal):
@@ -90,7 +89,6 @@ def import_region(region: Union[Region, bytes, str]) -> Mapping:
     """Map a region (a Region, or its binary or JSON encoding) exported by another
     process, through the GPU with the region's UUID (or the first visible GPU, over
     peer access). Handles are opened once per process and reference-counted."""
-    from . import _cuda
     r = region if isinstance(region, Region) else decode_region(region)
     r.validate()
     ns, boot = local_identity()

@@ -21,6 +21,7 @@ import struct
 import zlib
 from typing import Any, Dict, Optional, Tuple, Union
 
+from . import _cuda
 from .errors import InvalidRegion
 
 __all__ = ["Region", "Piece", "KIND_CUDA_IPC", "KIND_VMM_FD", "KIND_HOST", "BINARY_SIZE", "decode_region"]
@@ -443,8 +444,11 @@ class Region:
         offset inside the allocation: PyTorch's caching allocator and CuPy's pool
         carve tensors out of larger segments). The pointer's context must be
         current or be a primary context (as PyTorch and CuPy leave it)."""
-        from . import _cuda
-        return _cuda.export_region(ptr, nbytes)
+        x = _cuda.export_legacy(ptr, nbytes)
+        ns, boot = local_identity()
+        return cls(handle=x.handle, offset=ptr - x.base, size=nbytes, alloc_size=x.alloc_size,
+                   device=x.device, exporter_pid=os.getpid(), pid_namespace=ns, boot_id=boot,
+                   buffer_id=x.buffer_id, exporter_base=x.base)
 
     @classmethod
     def from_torch(cls, tensor: Any) -> "Region":

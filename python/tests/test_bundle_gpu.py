@@ -82,8 +82,8 @@ def test_gpu_bundle_across_gpus(gstore):
 
 
 def _cuda_batch_unavailable() -> str:
-    from cudaipc import _cuda
-    return _cuda.batch_unavailable
+    from cudaipc import _cuda_ctypes
+    return _cuda_ctypes.batch_unavailable
 
 
 def random_bits(torch, dt, shape, g, dev):

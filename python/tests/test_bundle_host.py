@@ -12,6 +12,7 @@ import pytest
 
 import cudaipc
 from cudaipc import bundle as B
+from cudaipc import _plan as P
 from conftest import HERE
 
 torch = pytest.importorskip("torch", reason="the bundle API works on torch tensors (python3-torch)")
@@ -303,16 +304,16 @@ def test_copy_plan_never_merges_across_allocations():
     # merges adjacent copies only within one (allocation bases from the driver on a
     # GPU; here a stand-in that puts a boundary at 0x10000).
     pytest.importorskip("numpy")
-    g = B._Group(0)
+    g = P.Group(0)
     offs = [0, 256, 512, 768]
     dsts = [0xFF00, 0x10000, 0x10100, 0x10200]       # adjacent, but the first ends an allocation
     g.build(offs, dsts, [256] * 4, lambda addrs: [a & ~0xFFFF for a in addrs])
     assert list(zip(g.off.tolist(), g.addr.tolist(), g.size.tolist())) == [(0, 0xFF00, 256), (256, 0x10000, 768)]
-    h = B._Group(None)   # host memory: one copy
+    h = P.Group(None)   # host memory: one copy
     h.build(offs, dsts, [256] * 4)
     assert list(zip(h.off.tolist(), h.addr.tolist(), h.size.tolist())) == [(0, 0xFF00, 1024)]
     # Overlapping destinations go one by one, in the parameters' order.
-    o = B._Group(None)
+    o = P.Group(None)
     o.build([0, 256, 512], [0x1000, 0x1080, 0x5000], [256, 256, 256])
     assert o.serial == [(0, 0x1000, 256), (256, 0x1080, 256)] and o.size.tolist() == [256]
 
@@ -348,7 +349,7 @@ def test_a_refused_cached_plan_is_built_again(store, monkeypatch):
     store.put_bundle("retry", sd)
     params = {k: torch.zeros_like(v) for k, v in sd.items()}
     fails = []
-    real = B._Plan.run
+    real = P.Plan.run
 
     def refusing(self, *a, **kw):
         if len(fails) < 1:
@@ -358,7 +359,7 @@ def test_a_refused_cached_plan_is_built_again(store, monkeypatch):
 
     with store.get_bundle("retry") as b:
         cudaipc.load_into(b, params)   # builds and caches the plan
-        monkeypatch.setattr(B._Plan, "run", refusing)
+        monkeypatch.setattr(P.Plan, "run", refusing)
         built = B.plan_stats["built"]
         rep = cudaipc.load_into(b, params)
         assert B.plan_stats["built"] == built + 1 and rep.tensors == 2

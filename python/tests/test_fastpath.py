@@ -46,7 +46,7 @@ def need_fast(store: cudaipc.Store) -> None:
 
 
 def slot_of(lease: cudaipc.Lease) -> int:
-    g = lease._mem.grant
+    g = lease._rec
     assert g is not None, "the lease has no lease-table slot"
     return g.slot
 
@@ -234,7 +234,7 @@ def test_deleted_object_releases_through_the_socket(store, daemon):
     orig = store._conn.send_detached
     store._conn.send_detached = lambda req: (sent.append(req), orig(req))[1]
     held.release()
-    assert len(sent) == 1 and type(sent[0]).__name__ == "_Release", "the doomed lease was not released through the socket"
+    assert len(sent) == 1 and type(sent[0]).__name__ == "Release", "the doomed lease was not released through the socket"
     assert store._table.idle_count() == 0
     deadline = time.monotonic() + 5
     while state(store._table.word(slot)) != 0 and time.monotonic() < deadline:
@@ -382,7 +382,7 @@ def test_no_atomics_falls_back_to_the_socket(daemon, monkeypatch, caplog):
         for _ in range(20):
             with s.get("nf") as lease:
                 assert lease.read() == data
-                assert lease._mem.grant is None
+                assert lease._rec.table is None
         deadline = time.monotonic() + 5
         while s2.stat("nf").leases and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -399,7 +399,7 @@ def test_fast_path_off(daemon):
         assert not s.fast_path
         s.put("off", b"x" * 10)
         with s.get("off") as lease:
-            assert lease.read() == b"x" * 10 and lease._mem.grant is None
+            assert lease.read() == b"x" * 10 and lease._rec.table is None
 
 
 class TableDaemon:

@@ -299,7 +299,7 @@ def test_fast_path_gpu_cycles(gstore, gpu_daemon):
         first = None
         for i in range(20):
             lease = gstore.get("fp-" + name)
-            assert lease._mem.grant is not None, "no lease-table slot"
+            assert lease._rec.table is not None, "no lease-table slot"
             x = lease.tensor()
             if first is None:
                 first = (lease.lease_id, lease.data_ptr)
@@ -339,7 +339,7 @@ def test_put_orders_after_work_on_the_current_stream(gstore, gpu_daemon):
             t = lease.tensor()
             assert torch.equal(t, src), "put %d (reserve_next=%s) sealed before its copy" % (i, ahead)
             del t
-    assert gstore._events_ok
+    assert gstore._put.events_ok
 
 
 def test_put_falls_back_when_the_daemon_cannot_use_the_event(gstore, gpu_daemon, monkeypatch):
@@ -347,17 +347,18 @@ def test_put_falls_back_when_the_daemon_cannot_use_the_event(gstore, gpu_daemon,
     INVALID wait_event: put synchronizes, seals plainly, and stops using events; the
     bytes are right either way."""
     torch = torch_cuda()
-    from cudaipc import _cuda
+    from cudaipc import _put
     n = 8 << 20
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0")
-    orig = _cuda.IPCEvent.__init__
+    orig = _put.seal_event
 
-    def garbage(self, ordinal):
-        orig(self, ordinal)
-        self.descriptor = os.urandom(len(self.descriptor))
-    monkeypatch.setattr(_cuda.IPCEvent, "__init__", garbage)
+    def garbage(ordinal):
+        ev = orig(ordinal)
+        ev.descriptor = os.urandom(len(ev.descriptor))
+        return ev
+    monkeypatch.setattr(_put, "seal_event", garbage)
     gstore.put("fb0", src)
-    assert gstore._events_ok is False
+    assert gstore._put.events_ok is False
     gstore.put("fb1", src, reserve_next=True)
     gstore.put("fb2", src)
     for name in ("fb0", "fb1", "fb2"):
@@ -379,7 +380,7 @@ def test_put_lands_in_the_kept_arena(gstore, gpu_daemon):
             assert torch.equal(t, src), "put %d: the object does not hold its bytes" % i
             ptrs.add(lease.data_ptr)
             del t
-        arenas.update(gstore._gpu_arenas)
+        arenas.update(gstore._arenas.arenas)
         gstore.rm("k%d" % i)
     assert len(ptrs) == 1 and len(arenas) == 1, (ptrs, arenas)
 
@@ -390,16 +391,16 @@ def test_put_reserve_next_prepared_during_copy(gstore, gpu_daemon):
     next put of that size uses it, one of another size gives it back, and nothing
     made ahead outlives the connection."""
     torch = torch_cuda()
-    from cudaipc import store as store_mod
-    n = store_mod._PREPARE_AHEAD_BYTES + (32 << 20)
+    from cudaipc import _put
+    n = _put.PREPARE_AHEAD_BYTES + (32 << 20)
     srcs = [torch.randint(-2**31, 2**31 - 1, (n // 4,), dtype=torch.int32, device="cuda:0") for _ in range(3)]
     hidden = []
     for i, src in enumerate(srcs):
         gstore.put("big%d" % i, src, reserve_next=True)
-        ahead = gstore._ahead
-        assert ahead is not None and ahead[3] is not None, "the next object was not prepared"
-        hidden.append(ahead[1])
-        assert ahead[3]._state == "open" and ahead[3].size == n
+        ahead = gstore._put.ahead
+        assert ahead is not None and ahead.obj is not None, "the next object was not prepared"
+        hidden.append(ahead.hidden)
+        assert ahead.obj.state == "open" and ahead.obj.size == n
     for i, src in enumerate(srcs):
         with gstore.get("big%d" % i, timeout=5) as lease:
             t = lease.tensor()
@@ -412,11 +413,11 @@ def test_put_reserve_next_prepared_during_copy(gstore, gpu_daemon):
     small = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda:0")
     assert gstore.stat(hidden[-1]).size == n          # its creator sees it, unsealed
     gstore.put("small", small)
-    assert gstore._ahead is None
+    assert gstore._put.ahead is None
     with pytest.raises(cudaipc.NotFound):
         gstore.stat(hidden[-1])
     gstore.put("big3", srcs[0], reserve_next=True)
-    last = gstore._ahead[1]
+    last = gstore._put.ahead.hidden
     gstore.close()
     with cudaipc.connect(gpu_daemon.socket) as other:
         names = {o.name for o in other.ls()}
@@ -439,4 +440,4 @@ def test_put_reserve_next_gpu(gstore, gpu_daemon):
             assert t.dtype == torch.int32 and torch.equal(t, src), i
             del t
         gstore.rm("ahead%d" % i)
-    assert len(gstore._gpu_arenas) <= 2, list(gstore._gpu_arenas)
+    assert len(gstore._arenas.arenas) <= 2, list(gstore._arenas.arenas)

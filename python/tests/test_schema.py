@@ -63,11 +63,11 @@ def test_protobuf_version_reported():
 
 def test_hand_encoded_requests_match_protobuf():
     """get and release, the hot path, are encoded by hand: the bytes must be protobuf's."""
-    from cudaipc.store import _Release, _encode_get
-    from cudaipc._wire import _id_field
+    from cudaipc._encode import Release, encode_get
+    from cudaipc._encode import id_field as _id_field
     for name, ms in [("x", -1), ("model/layer.0", 0), ("é" * 100, 5000), ("n" * 255, 1 << 40)]:
         want = pb.Request(id=300, get=pb.GetRequest(name=name, timeout_ms=ms)).SerializeToString()
-        assert _id_field(300) + _encode_get(name, ms) == want
+        assert _id_field(300) + encode_get(name, ms) == want
     for lid in [1, 127, 128, 1 << 63]:
         want = pb.Request(id=1, release=pb.ReleaseRequest(lease_id=lid)).SerializeToString()
-        assert _id_field(1) + _Release(lid).body == want
+        assert _id_field(1) + Release(lid).body == want

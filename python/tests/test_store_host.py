@@ -432,3 +432,66 @@ def test_put_reserve_next(store, daemon):
         assert other.stat(ahead[0]).sealed
     finally:
         other.close()
+
+
+def test_list_delete_and_share_kind(store):
+    """list/delete are the Go client's names (ls/rm the command line's); a host
+    lease's share kind is the protocol's "host"."""
+    store.put("ld/a", b"a")
+    store.put("ld/b", b"b")
+    assert [o.name for o in store.list()] == ["ld/a", "ld/b"] == [o.name for o in store.ls()]
+    with store.get("ld/a") as lease:
+        assert lease.share == cudaipc.SHARE_HOST == "host" and lease.gpu_share == ""
+    store.delete("ld/a")
+    store.rm("ld/b")
+    assert store.list() == []
+
+
+def test_put_refuses_object_arrays(store):
+    """An object-dtype array holds pointers to Python objects: refused in one line,
+    nothing stored."""
+    for a in (np.array([{"k": 1}, None, "s"], dtype=object),
+              np.zeros(3, dtype=[("x", "i4"), ("o", "O")])):
+        with pytest.raises(cudaipc.InvalidArgument) as e:
+            store.put("objs", a)
+        assert "objs" in str(e.value) and "object" in str(e.value) and "\n" not in str(e.value)
+    assert store.list() == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "uint8", "bool"])
+def test_zero_d_array_keeps_its_shape(store, dtype):
+    rng = np.random.default_rng()
+    a = np.asarray(rng.integers(0, 100), dtype=dtype).reshape(())
+    store.put("scalar-" + dtype, a)
+    with store.get("scalar-" + dtype) as lease:
+        assert lease.tensor_desc == cudaipc.TensorDesc(dtype, ())
+        x = lease.numpy()
+        assert x.shape == () and x.dtype == a.dtype and x == a
+    assert store.stat("scalar-" + dtype).tensor.shape == ()
+
+
+def test_zero_d_tensor_keeps_its_shape(store):
+    need_module("torch")
+    import torch
+    t = torch.tensor(3.25, dtype=torch.float64)
+    store.put("scalar-t", t)
+    with store.get("scalar-t") as lease:
+        u = lease.tensor()
+        assert tuple(u.shape) == () and u.item() == 3.25
+
+
+def test_connection_limit_is_named(cudaipc_bin):
+    """A connection beyond the daemon's limit per uid is told so (LIMIT, naming the
+    limit), not taken for a uid the daemon does not admit."""
+    d = Daemon(cudaipc_bin, ["--backend", "host", "--max-conns-per-uid", "2"])
+    try:
+        held = [cudaipc.connect(d.socket) for _ in range(2)]
+        for _ in range(5):   # however the refusal races the handshake
+            with pytest.raises(cudaipc.LimitReached) as e:
+                cudaipc.connect(d.socket)
+            msg = str(e.value)
+            assert "limit per uid" in msg and "max-conns-per-uid" in msg and "admitted" not in msg, msg
+        for s in held:
+            s.close()
+    finally:
+        d.stop()

@@ -338,7 +338,7 @@ def floor_batch(s, d, pg, cg, reps) -> Tuple[List[float], str]:
         return [], ""
     import numpy as np
     import torch
-    from cudaipc import _cuda
+    from cudaipc import _cuda_ctypes
     for x, y in zip(d, s):
         x.zero_()
     dsts = np.array([x.data_ptr() for x in d], dtype=np.uint64)
@@ -349,9 +349,9 @@ def floor_batch(s, d, pg, cg, reps) -> Tuple[List[float], str]:
         sync(pg)
         sync(cg)
         t0 = now()
-        _, method = _cuda.copy_batch(cg.index, torch.cuda.current_stream(cg).cuda_stream, dsts, srcs, sizes)
+        _, method = _cuda_ctypes.copy_batch(cg.index, torch.cuda.current_stream(cg).cuda_stream, dsts, srcs, sizes)
         out.append(now() - t0)
-    return out, "%s%s" % (method, (" (" + _cuda.batch_unavailable + ")") if _cuda.batch_unavailable else "")
+    return out, "%s%s" % (method, (" (" + _cuda_ctypes.batch_unavailable + ")") if _cuda_ctypes.batch_unavailable else "")
 
 
 def run_model(cfg) -> List[dict]:

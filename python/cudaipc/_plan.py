@@ -1,0 +1,347 @@
+"""Bundle copy plans (load_into, put_bundle): which bytes of a bundle go to which
+tensor, as arrays of offsets, addresses and sizes per device, merged where both
+sides are adjacent, checked once and reused for every version of the same layout
+with the same tensors."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import operator
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from . import _cuda
+from . import _cuda_ctypes
+from ._manifest import Layout
+from .errors import CudaError, InvalidArgument
+
+BIG = 1 << 20
+"""Tensors of at least this many bytes are copied one by one (copy_: a DMA-speed
+memcpy); smaller ones together (_foreach_copy_: few launches for many tensors)."""
+
+_INT_OF_SIZE: Dict[int, Any] = {}
+
+
+def _bits(t: Any) -> Any:
+    """t viewed as integers of its element size, so that a copy moves bits: a copy
+    of floats may canonicalize NaN payloads (PyTorch's _foreach_copy_ on bfloat16
+    does), and a weight copy must be exact."""
+    import torch
+    if not (t.is_floating_point() or t.is_complex()):
+        return t
+    if not _INT_OF_SIZE:
+        _INT_OF_SIZE.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
+    it = _INT_OF_SIZE.get(t.element_size())
+    if it is None or t.dim() == 0:
+        return t if it is None else t.reshape(1).view(it)
+    return t.view(it)
+
+
+def torch_copy(dsts: List[Any], srcs: List[Any], device: Any, stream: Any) -> int:
+    """Copy srcs into dsts, bit for bit, on stream; returns the number of copy calls."""
+    import torch
+    if not dsts:
+        return 0
+    ctx: Any = None
+    if device.type == "cuda":
+        s = stream if stream is not None else torch.cuda.current_stream(device)
+        ctx = torch.cuda.stream(s)
+    else:
+        s = None
+    calls = 0
+    if ctx is not None:
+        ctx.__enter__()
+    try:
+        small_d, small_s = [], []
+        foreach = hasattr(torch, "_foreach_copy_")
+        for d, x in zip(dsts, srcs):
+            if foreach and d.device == x.device and d.numel() * d.element_size() < BIG:
+                small_d.append(_bits(d))
+                small_s.append(_bits(x))
+            else:
+                d.copy_(x, non_blocking=True)
+                calls += 1
+        if small_d:
+            torch._foreach_copy_(small_d, small_s)
+            calls += 1
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    if s is not None:
+        s.synchronize()
+    return calls
+
+
+class LoadMismatch(InvalidArgument):
+    """load_into found parameters that the bundle lacks or that differ in dtype or
+    shape; ``problems`` lists them all. Nothing was copied."""
+
+    def __init__(self, problems: List[str]):
+        self.problems = problems
+        super().__init__("load", "", "%d parameter(s) do not match the bundle: %s" % (len(problems), "; ".join(problems)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """What load_into copied: tensors, bytes, the wall time from the first copy to
+    the stream's completion, the copy calls it took, and how it copied (``method``:
+    "batch" = one cuMemcpyBatchAsync per destination GPU, "memcpy" = one
+    cuMemcpyAsync per copy where the driver lacks the batch, "host" = memmove between
+    host memory, "torch" = PyTorch copies, "+"-joined when several were used), and the
+    copies the tensors came down to once adjacent ones were merged."""
+    tensors: int
+    nbytes: int
+    seconds: float
+    copy_calls: int
+    unused: Tuple[str, ...]   # bundle tensors no parameter took
+    method: str = ""
+    copies: int = 0           # copies after merging adjacent ones (what the driver was given)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class Group:
+    """The copies of a plan between the bundle and the tensors of one device:
+    ``off`` (byte offsets in the bundle), ``addr`` (the tensors' addresses) and
+    ``size``, merged where both sides continue where the previous copy ended, none
+    overlapping another on the tensors' side; ``serial`` holds the copies whose
+    tensor ranges overlap (tied weights, views of one buffer), as (offset,
+    address, size) in the tensors' order: loaded one by one after the batch, the
+    last one wins, as with sequential copies."""
+
+    def __init__(self, ordinal: Optional[int]):
+        self.ordinal = ordinal   # None: host memory on both sides
+        self.off: Any = None
+        self.addr: Any = None
+        self.size: Any = None
+        self.serial: List[Tuple[int, int, int]] = []
+        self.merged_from = 0
+
+    def build(self, offs: List[int], dsts: List[int], sizes: List[int],
+              alloc_bases: Optional[Any] = None) -> None:
+        """``alloc_bases(addrs)`` gives the allocation each tensor address lies in: a
+        copy must not span two allocations (CUDA refuses it even where they are
+        adjacent), so copies merge only within one. None: host memory, where
+        adjacent ranges of valid memory can be copied as one."""
+        import numpy as np
+        self.merged_from = len(sizes)
+        off = np.array(offs, dtype=np.uint64)
+        dst = np.array(dsts, dtype=np.uint64)
+        size = np.array(sizes, dtype=np.uint64)
+        if len(size) > 1:
+            # A batch has no order: overlapping tensor ranges go to serial.
+            order = np.argsort(dst, kind="stable")
+            d, e = dst[order], (dst + size)[order]
+            reach = np.maximum.accumulate(e)
+            fresh = np.concatenate(([True], d[1:] >= reach[:-1]))
+            cluster = np.cumsum(fresh) - 1
+            shared = np.bincount(cluster)[cluster] > 1
+            if shared.any():
+                lone = np.zeros(len(size), dtype=bool)
+                lone[order[~shared]] = True
+                pos = np.nonzero(~lone)[0]
+                self.serial = list(zip(off[pos].tolist(), dst[pos].tolist(), size[pos].tolist()))
+                off, dst, size = off[lone], dst[lone], size[lone]
+        if len(size) > 1:
+            # Merge runs that are adjacent on both sides (bundle order).
+            order = np.argsort(off, kind="stable")
+            off, dst, size = off[order], dst[order], size[order]
+            cont = (off[:-1] + size[:-1] == off[1:]) & (dst[:-1] + size[:-1] == dst[1:])
+            if alloc_bases is not None and cont.any():
+                pairs = np.nonzero(cont)[0]
+                both = np.unique(np.concatenate((pairs, pairs + 1)))
+                base = np.zeros(len(size), dtype=np.uint64)
+                base[both] = np.array(alloc_bases(dst[both].tolist()), dtype=np.uint64)
+                cont[pairs] = base[pairs] == base[pairs + 1]
+            starts = np.nonzero(np.concatenate(([True], ~cont)))[0]
+            if len(starts) < len(size):
+                size = np.add.reduceat(size, starts)
+                off, dst = off[starts], dst[starts]
+        self.off = np.ascontiguousarray(off)
+        self.addr = np.ascontiguousarray(dst)
+        self.size = np.ascontiguousarray(size)
+
+
+_shape_dtype = operator.attrgetter("shape", "dtype")
+
+
+def signature(values: List[Any]) -> Tuple[List[int], List[Tuple[Any, Any]], List[bool]]:
+    """Each tensor's address, (shape, dtype) and contiguity: what a cached plan
+    depends on. Unbound torch.Tensor methods in map() are the cheapest way to read
+    them (about 0.3 µs a read on the H200's host); this runs on every load."""
+    import torch
+    return (list(map(torch.Tensor.data_ptr, values)), list(map(_shape_dtype, values)),
+            list(map(torch.Tensor.is_contiguous, values)))
+
+
+class Plan:
+    """How one set of parameters loads from one layout: checked once, then reused
+    for every version with that layout as long as each parameter keeps its address,
+    shape, dtype and contiguity (checked on every call: four attribute reads per
+    parameter, no view, no per-tensor copy call)."""
+
+    def __init__(self, layout: Layout, names: List[str], values: List[Any], gpu: bool,
+                 sig: Optional[Tuple[List[int], List[Tuple[Any, Any]], List[bool]]] = None):
+        self.layout = layout
+        self.names = names
+        self.gpu = gpu
+        self.ptrs, self.meta, self.contig = sig if sig is not None else signature(values)
+        problems: List[str] = []
+        index = layout.index
+        types = layout.view_types()
+        entries = layout.entries
+        groups: Dict[Optional[int], Tuple[List[int], List[int], List[int]]] = {}
+        self.torch_names: List[str] = []
+        self.tensors = 0
+        self.nbytes = 0
+        for k, (name, p) in enumerate(zip(names, values)):
+            i = index.get(name)
+            if i is None:
+                problems.append("%s: missing from the bundle" % name)
+                continue
+            dt, shape = types[i]
+            pshape, pdt = self.meta[k]
+            if dt != pdt:
+                problems.append("%s: dtype %s in the bundle, %s in the parameter" % (name, dt, pdt))
+                continue
+            if tuple(pshape) != shape:
+                problems.append("%s: shape %s in the bundle, %s in the parameter" % (name, shape, tuple(pshape)))
+                continue
+            e = entries[i]
+            n = e.end - e.begin
+            self.tensors += 1
+            self.nbytes += n
+            dev = p.device
+            direct = self.contig[k] and ((gpu and dev.type == "cuda") or (not gpu and dev.type == "cpu"))
+            if not direct:
+                self.torch_names.append(name)
+            elif n:
+                g = groups.setdefault(dev.index if gpu else None, ([], [], []))
+                g[0].append(e.begin)
+                g[1].append(self.ptrs[k])
+                g[2].append(n)
+        if problems:
+            raise LoadMismatch(problems)
+        self.groups = []
+        for ordinal, (offs, dsts, sizes) in groups.items():
+            g = Group(ordinal)
+            g.build(offs, dsts, sizes, _gpu_alloc_bases(ordinal) if ordinal is not None else None)
+            self.groups.append(g)
+        self.copies = sum(len(g.size) + len(g.serial) for g in self.groups) + len(self.torch_names)
+        self._unused: Optional[Tuple[str, ...]] = None
+        self._params: Any = None
+
+    @property
+    def unused(self) -> Tuple[str, ...]:
+        if self._unused is None:
+            self._unused = tuple(sorted(set(self.layout.names) - set(self.names)))
+        return self._unused
+
+    def matches(self, names: List[str], sig: Tuple[List[int], List[Tuple[Any, Any]], List[bool]]) -> bool:
+        return names == self.names and sig[0] == self.ptrs and sig[1] == self.meta and sig[2] == self.contig
+
+    def run(self, base: int, view_of: Any, tensors: Mapping[str, Any], stream: Any, load: bool) -> Tuple[int, str]:
+        """Copy between the bundle at address ``base`` and the tensors: into them
+        (``load``) or from them. ``view_of(name)`` gives a tensor view of a bundle
+        entry, for the copies PyTorch makes."""
+        import numpy as np
+        b = np.uint64(base)
+        calls = 0
+        methods: List[str] = []
+        for g in self.groups:
+            side = g.off + b
+            dsts, srcs = (g.addr, side) if load else (side, g.addr)
+            serial = [(a, base + o, n) if load else (base + o, a, n) for o, a, n in g.serial]
+            if g.ordinal is None:
+                for d, s_, n in zip(dsts.tolist(), srcs.tolist(), g.size.tolist()):
+                    ctypes.memmove(d, s_, n)
+                for d, s_, n in serial:
+                    ctypes.memmove(d, s_, n)
+                calls += len(g.size) + len(serial)
+                methods.append("host")
+                continue
+            c, m = _cuda_ctypes.copy_batch(g.ordinal, _stream_handle(stream, g.ordinal), dsts, srcs, g.size, serial)
+            calls += c
+            methods.append(m)
+        if self.torch_names:
+            groups: Dict[Tuple[Any, Any], Tuple[List[Any], List[Any]]] = {}
+            for name in self.torch_names:
+                t, v = tensors[name], view_of(name)
+                if load:
+                    d, s_ = t.data if hasattr(t, "data") else t, v
+                else:
+                    d, s_ = v, t.detach()
+                ds, ss = groups.setdefault((d.device, s_.device), ([], []))
+                ds.append(d)
+                ss.append(s_)
+            for (dev, _), (ds, ss) in groups.items():
+                calls += torch_copy(ds, ss, dev, stream)
+            methods.append("torch")
+        return calls, "+".join(dict.fromkeys(methods))
+
+
+def _gpu_alloc_bases(ordinal: int) -> Any:
+    def bases(addrs: List[int]) -> List[int]:
+        return _cuda.allocation_bases(ordinal, addrs)
+    return bases
+
+
+def _stream_handle(stream: Any, ordinal: int) -> int:
+    if stream is None:
+        import torch
+        return int(torch.cuda.current_stream(ordinal).cuda_stream)
+    return int(getattr(stream, "cuda_stream", stream))
+
+
+_PLANS: "OrderedDict[Tuple[int, bool, int], Plan]" = OrderedDict()   # (id(layout), gpu, id(plan))
+_MAX_PLANS = 8
+_plan_lock = threading.Lock()
+plan_stats = {"built": 0, "reused": 0}
+"""How often load_into built a copy plan and reused one (for tests and benchmarks)."""
+
+
+def plan_for(layout: Layout, names: List[str], values: List[Any], gpu: bool, fresh: bool = False,
+              sig: Any = None) -> Plan:
+    if sig is None:
+        sig = signature(values)
+    with _plan_lock:
+        cands = [p for k, p in _PLANS.items() if k[0] == id(layout) and k[1] == gpu and p.layout is layout]
+        if fresh:   # drop what matches: it failed
+            for k in [k for k, p in _PLANS.items() if p in cands and p.matches(names, sig)]:
+                del _PLANS[k]
+            cands = []
+    for p in reversed(cands):
+        if p.matches(names, sig):
+            plan_stats["reused"] += 1
+            return p
+    p = Plan(layout, names, values, gpu, sig)
+    plan_stats["built"] += 1
+    with _plan_lock:
+        _PLANS[(id(layout), gpu, id(p))] = p
+        while len(_PLANS) > _MAX_PLANS:
+            _PLANS.popitem(last=False)
+    return p
+
+
+def run_plan(layout: Layout, names: List[str], values: List[Any], gpu: bool, base: int, view_of: Any,
+              tensors: Mapping[str, Any], stream: Any, load: bool, sig: Any = None) -> Tuple[Plan, int, str, float]:
+    """Find or build the plan and run it. A cached plan whose copies the driver
+    refuses (its tensors were freed and others allocated at the same addresses in
+    other CUDA allocations, so a merged copy now spans two) is built afresh once."""
+    built = plan_stats["built"]
+    plan = plan_for(layout, names, values, gpu, sig=sig)
+    t0 = time.perf_counter()
+    try:
+        calls, method = plan.run(base, view_of, tensors, stream, load)
+    except CudaError:
+        if plan_stats["built"] != built:
+            raise
+        plan = plan_for(layout, names, values, gpu, fresh=True)
+        t0 = time.perf_counter()
+        calls, method = plan.run(base, view_of, tensors, stream, load)
+    return plan, calls, method, time.perf_counter() - t0
