@@ -118,6 +118,7 @@ const (
 const (
 	EpParamFieldRemoteAddress   uint64 = 1 << 0
 	EpParamFieldErrHandlingMode uint64 = 1 << 1
+	EpParamFieldErrHandler      uint64 = 1 << 2
 	EpParamFieldName            uint64 = 1 << 7
 )
 
@@ -547,4 +548,15 @@ func Addr(b []byte) uint64 {
 		return 0
 	}
 	return uint64(uintptr(unsafe.Pointer(&b[0])))
+}
+
+// NewErrHandler makes a C function pointer for ucp_ep_params_t's
+// err_handler.cb (ucp_err_handler_cb_t: void (void *arg, ucp_ep_h ep,
+// ucs_status_t status)) that calls fn. UCX calls it from
+// ucp_worker_progress on the thread that progresses the worker. purego
+// allows a bounded number of callbacks per process: make one and share it.
+func NewErrHandler(fn func(arg uintptr, ep Ep, s Status)) uintptr {
+	return purego.NewCallback(func(arg, ep uintptr, s uintptr) {
+		fn(arg, Ep(ep), Status(int8(s)))
+	})
 }

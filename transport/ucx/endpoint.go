@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	raw "github.com/cudaipc/cudaipc/internal/ucx"
@@ -21,9 +23,41 @@ const overreadSlack = 4096
 type Endpoint struct {
 	w      *Worker
 	h      raw.Ep
-	closed bool // guarded by w.mu
-	broken error
+	id     uintptr      // the err_handler arg that finds this endpoint
+	failed atomic.Int32 // the ucs_status_t UCX's error handler reported, 0 if none
+	closed bool         // guarded by w.mu
+	broken error        // guarded by w.mu
 	keys   map[*RemoteKey]struct{}
+}
+
+// The endpoints' error handler: one C callback for the process (purego has
+// a fixed number), which finds the endpoint by the id UCX hands back.
+var (
+	errHandlerOnce sync.Once
+	errHandler     uintptr
+	endpointIDs    atomic.Uintptr
+	endpointsByID  sync.Map // uintptr -> *Endpoint
+)
+
+func endpointErrHandler() uintptr {
+	errHandlerOnce.Do(func() {
+		errHandler = raw.NewErrHandler(func(arg uintptr, _ raw.Ep, s raw.Status) {
+			if v, ok := endpointsByID.Load(arg); ok {
+				v.(*Endpoint).failed.CompareAndSwap(0, int32(s))
+			}
+		})
+	})
+	return errHandler
+}
+
+// Err returns the failure UCX reported for the endpoint (the peer died,
+// the link broke; IsPeerFailure matches it), or nil. The worker must be
+// progressed (Serve, Get) for UCX to notice.
+func (e *Endpoint) Err() error {
+	if s := raw.Status(e.failed.Load()); s != raw.OK {
+		return &raw.Error{Func: "ucp_ep (error handler)", Status: s}
+	}
+	return nil
 }
 
 // Connect creates an endpoint to the worker at addr. UCX connects lazily:
@@ -39,17 +73,22 @@ func (w *Worker) Connect(addr WorkerAddress) (*Endpoint, error) {
 	if w.closed {
 		return nil, ErrClosed
 	}
+	e := &Endpoint{w: w, id: endpointIDs.Add(1), keys: map[*RemoteKey]struct{}{}}
 	p := &raw.EpParams{
-		FieldMask: raw.EpParamFieldRemoteAddress | raw.EpParamFieldErrHandlingMode,
-		Address:   &buf[0],
-		ErrMode:   raw.ErrHandlingPeer,
+		FieldMask:     raw.EpParamFieldRemoteAddress | raw.EpParamFieldErrHandlingMode | raw.EpParamFieldErrHandler,
+		Address:       &buf[0],
+		ErrMode:       raw.ErrHandlingPeer,
+		ErrHandlerCb:  endpointErrHandler(),
+		ErrHandlerArg: e.id,
 	}
+	endpointsByID.Store(e.id, e)
 	h, err := raw.EpCreate(w.h, p)
 	runtime.KeepAlive(buf)
 	if err != nil {
+		endpointsByID.Delete(e.id)
 		return nil, err
 	}
-	e := &Endpoint{w: w, h: h, keys: map[*RemoteKey]struct{}{}}
+	e.h = h
 	w.endpoints[e] = struct{}{}
 	return e, nil
 }
@@ -75,9 +114,10 @@ func (e *Endpoint) close(force bool) error {
 		k.closed = true
 	}
 	e.keys = nil
-	err := e.closeLocked(force || e.broken != nil)
+	err := e.closeLocked(force || e.broken != nil || e.failed.Load() != 0)
 	e.closed = true
 	delete(w.endpoints, e)
+	endpointsByID.Delete(e.id)
 	return err
 }
 
@@ -181,6 +221,11 @@ type GetOptions struct {
 	// flight to finish before it closes the endpoint forcibly to end them;
 	// 0 means DefaultCancelWait.
 	CancelWait time.Duration
+	// Local, when set, is a region of this endpoint's Context that holds
+	// dst: its registration is passed with each read (UCP_OP_ATTR_FIELD_MEMH)
+	// so that zero-copy transports (RDMA) need not register dst again. It
+	// must stay open until GetWith returns.
+	Local *MemRegion
 }
 
 // Defaults of GetOptions.
@@ -231,13 +276,29 @@ func GetWith(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint6
 	if cancelWait <= 0 {
 		cancelWait = DefaultCancelWait
 	}
+	var param raw.RequestParam
+	if l := o.Local; l != nil {
+		if l.ctx != ep.w.ctx {
+			return errors.New("ucx: GetOptions.Local belongs to another Context than the endpoint")
+		}
+		if !(RegionKey{Addr: l.key.Addr, Len: l.key.Len}).Contains(raw.Addr(dst), uint64(len(dst))) {
+			return errors.New("ucx: dst does not lie inside GetOptions.Local")
+		}
+		l.mu.Lock()
+		closed := l.closed
+		l.mu.Unlock()
+		if closed {
+			return ErrClosed
+		}
+		param.OpAttrMask |= raw.OpAttrFieldMemh
+		param.Memh = l.h
+	}
 	var pin runtime.Pinner
 	pin.Pin(&dst[0])
 	defer pin.Unpin()
 
 	w := ep.w
 	var (
-		param    raw.RequestParam
 		inflight = make([]raw.Request, 0, depth)
 		next     int
 		firstErr error
@@ -257,6 +318,9 @@ func GetWith(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint6
 				return canceled
 			}
 			return ErrClosed
+		}
+		if firstErr == nil && ep.failed.Load() != 0 {
+			firstErr = ep.Err()
 		}
 		for firstErr == nil && canceled == nil && next < len(dst) && len(inflight) < depth {
 			end := min(next+chunk, len(dst))
@@ -304,6 +368,7 @@ func GetWith(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint6
 			_ = ep.closeLocked(true)
 			ep.closed = true
 			delete(w.endpoints, ep)
+			endpointsByID.Delete(ep.id)
 			for _, r := range inflight {
 				raw.RequestFree(r)
 			}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/cudaipc/cudaipc/internal/testutil"
 	"github.com/cudaipc/cudaipc/transport/ucx"
+	"golang.org/x/sys/unix"
 )
 
 // EnvRequireUCX turns the skips of tests that need libucp into failures
@@ -321,6 +322,9 @@ func TestPeerKilled(t *testing.T) {
 	if !ucx.IsPeerFailure(err) {
 		t.Fatalf("read from a killed peer: %v, which IsPeerFailure does not recognize", err)
 	}
+	if err := p.ep.Err(); !ucx.IsPeerFailure(err) {
+		t.Errorf("Endpoint.Err after the peer died: %v", err)
+	}
 	if err := p.ep.Close(); err != nil {
 		t.Logf("closing the endpoint to the dead peer: %v", err)
 	}
@@ -485,5 +489,41 @@ func TestGoSignalHandlersKept(t *testing.T) {
 	}()
 	if recovered == nil {
 		t.Fatal("a nil dereference did not panic")
+	}
+}
+
+// TestGetIntoRegisteredMemory reads into a registered memfd mapping (as a
+// daemon pulls into its own arena) with its registration passed along.
+func TestGetIntoRegisteredMemory(t *testing.T) {
+	const size = 8 << 20
+	p := startServer(t, 1809, size)
+	fd, err := unix.MemfdCreate("ucx-test-arena", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Ftruncate(fd, size+4096); err != nil {
+		t.Fatal(err)
+	}
+	arena, err := unix.Mmap(fd, 0, size+4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(arena)
+	local, err := p.ctx.Register(arena)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer local.Close()
+	dst := arena[4096:]
+	o := ucx.GetOptions{Local: local, Chunk: 1 << 20}
+	if err := ucx.GetWith(timeout(t, time.Minute), p.ep, p.key, p.key.Key().Addr, dst, o); err != nil {
+		t.Fatal(err)
+	}
+	if testutil.Sum(dst) != testutil.Sum(p.data) {
+		t.Fatal("bytes read into the registered arena differ")
+	}
+	if err := ucx.GetWith(timeout(t, time.Minute), p.ep, p.key, p.key.Key().Addr, make([]byte, 8), o); err == nil {
+		t.Fatal("GetWith accepted a dst outside GetOptions.Local")
 	}
 }
