@@ -30,3 +30,9 @@ fi
 "$py" -c 'import google.protobuf, sys; print("python", sys.version.split()[0], "protobuf", google.protobuf.__version__)'
 # The fixture builds the daemon with go build unless CUDAIPC_BIN names one.
 (cd python && "$py" -m pytest -q -rs -p no:cacheprovider tests)
+echo "== python type check (mypy; configuration in python/pyproject.toml)"
+if ! "$py" -c 'import mypy' 2>/dev/null; then
+  echo "FAIL: $py cannot import mypy (Debian: apt-get install python3-mypy; pip: mypy)"
+  exit 1
+fi
+(cd python && "$py" -m mypy)

@@ -27,9 +27,10 @@ BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5
         "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass
 class TensorEntry:
     """One tensor of a manifest: its bytes are [begin, end) of the object."""
+    __slots__ = ("name", "dtype", "shape", "begin", "end")   # (dataclass(slots=True) needs Python 3.10)
     name: str
     dtype: str              # safetensors name: "BF16", ...
     shape: Tuple[int, ...]

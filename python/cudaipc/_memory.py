@@ -145,6 +145,8 @@ class Taken:
     through the socket."""
 
     __slots__ = ("rec", "views")
+    rec: Record
+    views: Dict[str, Any]
 
     def __del__(self) -> None:
         # Runs once (PEP 442), as soon as the last view or the Lease lets go.

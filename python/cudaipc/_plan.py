@@ -227,12 +227,12 @@ class Plan:
                 g[2].append(n)
         if problems:
             raise LoadMismatch(problems)
-        self.groups = []
+        self.groups: List[Group] = []
         for ordinal, (offs, dsts, sizes) in groups.items():
-            g = Group(ordinal)
-            g.build(offs, dsts, sizes, _gpu_alloc_bases(ordinal) if ordinal is not None else None)
-            self.groups.append(g)
-        self.copies = sum(len(g.size) + len(g.serial) for g in self.groups) + len(self.torch_names)
+            grp = Group(ordinal)
+            grp.build(offs, dsts, sizes, _gpu_alloc_bases(ordinal) if ordinal is not None else None)
+            self.groups.append(grp)
+        self.copies = sum(len(grp.size) + len(grp.serial) for grp in self.groups) + len(self.torch_names)
         self._unused: Optional[Tuple[str, ...]] = None
         self._params: Any = None
 

@@ -199,12 +199,16 @@ class _CAI:
     is made once per placement and shared; ``owner`` is this view's own."""
 
     __slots__ = ("owner", "__cuda_array_interface__")
+    owner: Any
+    __cuda_array_interface__: Dict[str, Any]
 
 
 class _AI:
     """The same for ``__array_interface__`` (host memory)."""
 
     __slots__ = ("owner", "__array_interface__")
+    owner: Any
+    __array_interface__: Dict[str, Any]
 
 
 # DLPack (dlpack.h, the unversioned DLManagedTensor every PyTorch since 1.10 takes):

@@ -95,7 +95,7 @@ class BundleWriter:
 
     @property
     def version(self) -> int:
-        return self.obj.version
+        return int(self.obj.version)
 
     def seal(self) -> None:
         """Publish: the views must not be used afterwards."""
@@ -170,7 +170,7 @@ class Bundle(dict):
 
     @property
     def version(self) -> int:
-        return self.lease.version
+        return int(self.lease.version)
 
     @property
     def entries(self) -> List[TensorEntry]:

@@ -132,7 +132,7 @@ class Lease(MemoryViews):
     def version(self) -> int:
         """The version of a versioned name this lease holds (0 for a plain object)."""
         p = self._rec.info_pb
-        return p.version if p is not None else 0
+        return int(p.version) if p is not None else 0
 
     @property
     def lease_id(self) -> int:
