@@ -268,6 +268,69 @@ func TestGetCanceledStalledPeer(t *testing.T) {
 	if err := ucx.Get(timeout(t, time.Second), p.ep, p.key, base, dst[:8]); !errors.Is(err, ucx.ErrClosed) {
 		t.Fatalf("Get on the endpoint closed by the cancellation: %v, want ErrClosed", err)
 	}
+	// Nothing writes into dst once Get has returned, even when the peer
+	// wakes up and answers the abandoned reads.
+	for i := range dst {
+		dst[i] = 0xa5
+	}
+	if err := syscall.Kill(p.info.Pid, syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(300 * time.Millisecond)
+	for time.Now().Before(deadline) {
+		if _, err := p.w.Progress(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, c := range dst {
+		if c != 0xa5 {
+			t.Fatalf("byte %d of dst changed to %#x after Get returned", i, c)
+		}
+	}
+}
+
+// TestConcurrentGets: goroutines read disjoint parts of one region at once,
+// on one endpoint and on endpoints of two workers.
+func TestConcurrentGets(t *testing.T) {
+	const size = 16 << 20
+	p := startServer(t, 1810, size)
+	w2, err := p.ctx.NewWorker(ucx.WorkerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var addr ucx.WorkerAddress
+	if err := addr.UnmarshalBinary(b64(t, p.info.Addr)); err != nil {
+		t.Fatal(err)
+	}
+	ep2, err := w2.Connect(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key2, err := ep2.Unpack(p.key.Key())
+	if err != nil {
+		t.Fatal(err)
+	}
+	const parts = 8
+	dst := make([]byte, size)
+	errs := make(chan error, parts)
+	for i := range parts {
+		ep, key := p.ep, p.key
+		if i%2 == 1 {
+			ep, key = ep2, key2
+		}
+		go func() {
+			part := dst[i*size/parts : (i+1)*size/parts]
+			errs <- ucx.GetWith(timeout(t, time.Minute), ep, key, key.Key().Addr+uint64(i*size/parts), part, ucx.GetOptions{Chunk: 64 << 10, Depth: 4})
+		}()
+	}
+	for range parts {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if testutil.Sum(dst) != testutil.Sum(p.data) {
+		t.Fatal("bytes read concurrently differ")
+	}
 }
 
 // TestGetCanceledMidTransfer: canceling a large read from a live peer
