@@ -27,7 +27,7 @@ var ErrClosed = errors.New("client closed")
 // (by request id) and each event to the subscribers. A call that finds
 // nobody reading reads its own reply, with no hand-off between goroutines;
 // while no call is in flight a background goroutine reads, so events and
-// the end of the connection are seen. A Get that waits for a seal holds up
+// the end of the connection are seen. A get that waits for a seal holds up
 // nothing else: whoever reads delivers every reply.
 type Client struct {
 	conn   *protocol.Conn
@@ -472,8 +472,8 @@ func (c *Client) sendDetached(req *storev1.Request) error {
 
 // roundTrip sends req and waits for its reply. When ctx ends first the
 // call is abandoned: its reply, when it comes, is cleaned up by the reader.
-// Every call but a get (which may wait for a seal as long as its caller
-// likes) is bounded by the call timeout when ctx has no deadline, so a
+// Every call but a waiting get (GetOptions.Wait: it may wait for a seal as
+// long as its caller likes) is bounded by the call timeout when ctx has no deadline, so a
 // daemon that stopped answering cannot hang it.
 func (c *Client) roundTrip(ctx context.Context, op, name string, req *storev1.Request) (reply, error) {
 	return c.roundTripFiles(ctx, op, name, req, nil)
@@ -486,7 +486,7 @@ func (c *Client) roundTripFiles(ctx context.Context, op, name string, req *store
 	// that reads its own reply makes it the socket's read deadline, which
 	// costs no allocation (reader.go).
 	deadline, ok := ctx.Deadline()
-	if !ok && op != "get" {
+	if !ok && (op != "get" || req.GetGet().GetTimeoutMs() == 0) {
 		deadline = time.Now().Add(c.callTimeout)
 	}
 	if err := ctx.Err(); err != nil {

@@ -1,8 +1,8 @@
 // Package client talks to the cudaipc object store daemon (cudaipc serve).
 //
 // A Client holds one connection to the daemon. Calls on it are safe for
-// concurrent use: a Get that waits for an object to be sealed does not hold
-// up other calls, and subscription events arrive while calls are in flight.
+// concurrent use: a get that waits for an object to be sealed
+// (GetOptions.Wait) does not hold up other calls, and subscription events arrive while calls are in flight.
 //
 // Lifetimes:
 //
@@ -51,8 +51,8 @@
 //
 // Timeouts: no call hangs on a daemon that stopped answering. Dial is
 // bounded by Options.DialTimeout (10 s by default) or its context's
-// deadline; Get waits as long as its context allows (it may wait for a
-// seal); every other call is bounded by its context's deadline or, without
+// deadline; a get with GetOptions.Wait waits as long as its context allows
+// (it may wait for a seal); every other call is bounded by its context's deadline or, without
 // one, by Options.CallTimeout (30 s by default), as are Release and Close.
 // A call that runs out of time fails with ErrTimeout.
 //

@@ -57,7 +57,7 @@ func TestGetWaitsForSealWhileOtherCallsProceed(t *testing.T) {
 	}
 	got := make(chan []byte, 1)
 	go func() {
-		l, err := c.Get(ctx, "later")
+		l, err := c.GetWith(ctx, "later", client.GetOptions{Wait: true})
 		if err != nil {
 			t.Error(err)
 			got <- nil
@@ -96,16 +96,21 @@ func TestGetDeadlineAndCancel(t *testing.T) {
 	c := dial(t, d.socket)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
 	defer cancel()
-	_, err := c.Get(ctx, "never")
+	_, err := c.GetWith(ctx, "never", client.GetOptions{Wait: true})
 	if !errors.Is(err, client.ErrTimeout) || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("Get past deadline: %v; want ErrTimeout and DeadlineExceeded", err)
+	}
+	// Without Wait, a name nobody sealed fails at once, whatever the
+	// context allows.
+	if _, err := c.Get(context.Background(), "never"); !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("Get of a name nobody sealed: %v; want ErrNotFound", err)
 	}
 
 	// A Get abandoned by its caller while it waits must not leave a lease
 	// behind once the object is sealed.
 	cctx, ccancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { _, err := c.Get(cctx, "abandoned"); done <- err }()
+	go func() { _, err := c.GetWith(cctx, "abandoned", client.GetOptions{Wait: true}); done <- err }()
 	other := dial(t, d.socket)
 	o, err := other.Create(context.Background(), "abandoned", 100, client.CreateOptions{})
 	if err != nil {
@@ -186,10 +191,13 @@ func TestKillCreatorMidWrite(t *testing.T) {
 	cr.expect("writing")
 	// Unsealed: invisible to others, and Get does not return it.
 	short, cancel := context.WithTimeout(ctx, 10*time.Millisecond)
-	_, err = c.Get(short, "half")
+	_, err = c.GetWith(short, "half", client.GetOptions{Wait: true})
 	cancel()
 	if !errors.Is(err, client.ErrTimeout) {
 		t.Fatalf("Get of an unsealed object: %v, want ErrTimeout", err)
+	}
+	if _, err := c.Get(ctx, "half"); !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("Get without Wait of an unsealed object: %v, want ErrNotFound", err)
 	}
 	cr.kill9()
 	for ev := range events {
@@ -297,7 +305,7 @@ func TestManyConcurrentClients(t *testing.T) {
 				rg.Add(1)
 				go func() {
 					defer rg.Done()
-					l, err := c.Get(ctx, name(j))
+					l, err := c.GetWith(ctx, name(j), client.GetOptions{Wait: true})
 					if err != nil {
 						t.Error(err)
 						return

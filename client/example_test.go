@@ -37,8 +37,10 @@ func Example() {
 	fmt.Printf("%s\n", lease.Bytes()[:7])
 }
 
-// Get waits until the object is sealed; a context deadline bounds the wait.
-func ExampleClient_Get() {
+// Get takes an object already sealed (ErrNotFound otherwise); with
+// GetOptions.Wait it waits until the object is sealed, and a context
+// deadline bounds the wait.
+func ExampleClient_GetWith() {
 	c, err := client.Dial(context.Background(), "")
 	if err != nil {
 		log.Fatal(err)
@@ -47,7 +49,7 @@ func ExampleClient_Get() {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	lease, err := c.Get(ctx, "frame-0042")
+	lease, err := c.GetWith(ctx, "frame-0042", client.GetOptions{Wait: true})
 	switch {
 	case errors.Is(err, client.ErrTimeout):
 		log.Fatal("frame-0042 was not produced within 5s")

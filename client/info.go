@@ -134,8 +134,15 @@ type GetOptions struct {
 	Version uint64
 	// Shard is the shard of the version to get.
 	Shard int
-	// NewerThan waits for a version above it (WaitNewer).
+	// NewerThan waits for a version above it (WaitNewer), as Wait does.
 	NewerThan uint64
+	// Wait makes the get wait, as long as ctx allows, until an object of
+	// that name is sealed; when ctx's deadline passes first the error
+	// wraps ErrTimeout and context.DeadlineExceeded. Without it a get
+	// takes only an object already sealed, and fails at once with
+	// ErrNotFound otherwise (objects being written are invisible to
+	// readers until sealed, docs/protocol.md).
+	Wait bool
 	// RequireOwner makes the get succeed only with an object of uid Owner.
 	// Each uid has its own namespace (docs/protocol.md, section 6): with a
 	// bare name the get then addresses uid Owner's object of that name,

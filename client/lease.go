@@ -38,10 +38,11 @@ type Lease struct {
 	arena uint64
 }
 
-// Get waits until the object name exists and is sealed, then leases it.
-// It waits as long as ctx allows: when ctx has a deadline and it passes,
-// the error wraps ErrTimeout (and context.DeadlineExceeded). Other calls
-// on the client proceed while Get waits.
+// Get leases the sealed object name. It does not wait: when no sealed
+// object of that name is visible (none, or one still being written) it
+// fails at once with ErrNotFound. GetWith with GetOptions.Wait waits for
+// it to be sealed, as long as ctx allows; other calls on the client
+// proceed meanwhile.
 func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
 	if err := checkName("get", name); err != nil {
 		return nil, err
@@ -52,22 +53,32 @@ func (c *Client) Get(ctx context.Context, name string) (*Lease, error) {
 	if l := c.retake(name); l != nil {
 		return l, nil
 	}
-	return c.get(ctx, name, &storev1.GetRequest{Name: name})
+	return c.get(ctx, name, &storev1.GetRequest{Name: name}, false)
 }
 
 // get leases name through the socket; its callers have checked name.
-func (c *Client) get(ctx context.Context, name string, gr *storev1.GetRequest) (*Lease, error) {
-	timeout := int64(-1) // without limit
-	if dl, ok := ctx.Deadline(); ok {
-		timeout = max(time.Until(dl).Milliseconds(), 0)
+// Unless wait, it asks the daemon not to wait, and a name with no sealed
+// object is ErrNotFound.
+func (c *Client) get(ctx context.Context, name string, gr *storev1.GetRequest, wait bool) (*Lease, error) {
+	timeout := int64(0) // the daemon answers TIMEOUT at once: not sealed
+	if wait {
+		timeout = -1 // without limit
+		if dl, ok := ctx.Deadline(); ok {
+			timeout = max(time.Until(dl).Milliseconds(), 0)
+		}
 	}
 	gr.TimeoutMs = timeout
 	req := &storev1.Request{Body: &storev1.Request_Get{Get: gr}}
 	r, err := c.roundTrip(ctx, "get", name, req)
 	if err != nil {
+		var e *Error
+		if !wait && errors.As(err, &e) && e.Err == ErrTimeout && e.cause == nil {
+			// Unsealed objects are invisible to readers: nothing tells a
+			// name being written from one nobody uses.
+			return nil, &Error{Op: "get", Name: name, Err: ErrNotFound, Message: "no sealed object of that name is visible to you (GetOptions.Wait waits for one)"}
+		}
 		// Whether the daemon's timeout (derived from the deadline) or the
 		// context fired first, the error matches both.
-		var e *Error
 		if errors.As(err, &e) && e.Err == ErrTimeout && timeout >= 0 {
 			e.cause = context.DeadlineExceeded
 		}

@@ -61,7 +61,7 @@ func TestReadRoleConcurrentCalls(t *testing.T) {
 		later := fmt.Sprintf("rr-later-%v", opts.NoFastPath)
 		waited := make(chan error, 1)
 		go func() {
-			l, err := c.Get(ctx, later) // waits for the seal below
+			l, err := c.GetWith(ctx, later, client.GetOptions{Wait: true}) // waits for the seal below
 			if err == nil {
 				if len(l.Bytes()) != 333 {
 					err = fmt.Errorf("waiting get: %d bytes", len(l.Bytes()))
@@ -80,7 +80,7 @@ func TestReadRoleConcurrentCalls(t *testing.T) {
 						// Gives up on an object that never comes: at once,
 						// or after a while as the reader.
 						cctx, cancel := context.WithTimeout(ctx, time.Duration(i%3)*time.Millisecond)
-						_, err := c.Get(cctx, "rr-never")
+						_, err := c.GetWith(cctx, "rr-never", client.GetOptions{Wait: true})
 						cancel()
 						if !errors.Is(err, client.ErrTimeout) {
 							errs <- fmt.Errorf("get of a missing object: %v", err)

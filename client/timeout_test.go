@@ -56,6 +56,8 @@ func TestStoppedDaemon(t *testing.T) {
 	_, err = c.Get(gctx, "x")
 	cancel()
 	isTimeout("Get with a deadline", err)
+	_, err = c.Get(ctx, "x") // does not wait: the call timeout applies
+	isTimeout("Get without a deadline", err)
 	isTimeout("Release", l.Release())
 	_, err = c.Create(ctx, "y", 10, client.CreateOptions{})
 	isTimeout("Create", err)

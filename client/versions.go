@@ -34,7 +34,7 @@ func (c *Client) GetWith(ctx context.Context, name string, opts GetOptions) (*Le
 	if opts.RequireOwner {
 		gr.OwnerUid = &opts.Owner
 	}
-	l, err := c.get(ctx, name, gr)
+	l, err := c.get(ctx, name, gr, opts.Wait || opts.NewerThan != 0)
 	if err != nil {
 		return nil, err
 	}
@@ -51,7 +51,7 @@ func (c *Client) GetWith(ctx context.Context, name string, opts GetOptions) (*Le
 // leases (shard 0 of) the latest one. Subscribers see the same moment as
 // an EventSealed carrying the version.
 func (c *Client) WaitNewer(ctx context.Context, name string, than uint64) (*Lease, error) {
-	return c.GetWith(ctx, name, GetOptions{NewerThan: than})
+	return c.GetWith(ctx, name, GetOptions{NewerThan: than, Wait: true})
 }
 
 // Version returns the version a versioned Object is a shard of (0 for a

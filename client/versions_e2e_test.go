@@ -111,7 +111,7 @@ func getVersion(c *client.Client, name string, v uint64) (*client.Lease, error) 
 	// Long enough for the daemon to answer "not yet" (TIMEOUT) itself.
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
-	return c.GetWith(ctx, name, client.GetOptions{Version: v})
+	return c.GetWith(ctx, name, client.GetOptions{Version: v, Wait: true})
 }
 
 // waitGone polls until version v of name is reclaimed (a dead reader's

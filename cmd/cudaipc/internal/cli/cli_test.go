@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -21,6 +22,7 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/cmd/cudaipc/internal/diag"
 	"github.com/cudaipc/cudaipc/internal/testutil"
 	"github.com/cudaipc/cudaipc/store"
@@ -402,4 +404,41 @@ func (s *syncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
+}
+
+// get of a name with no sealed object fails at once unless asked to wait;
+// with --wait it says on stderr what it waits for (stderr is no terminal
+// here) and writes the object once it is put.
+func TestGetWait(t *testing.T) {
+	sock := serve(t)
+	dir := t.TempDir()
+	out := filepath.Join(dir, "out")
+	start := time.Now()
+	if _, _, err := storeCLI(t, "get", "later", "-o", out, "--socket", sock); err == nil || !strings.Contains(err.Error(), "no such object") || !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("get of a name nobody put: %v, want ErrNotFound at once", err)
+	}
+	t.Logf("failed after %v", time.Since(start))
+	data := testutil.RandomBytes(uint64(time.Now().UnixNano()), 5000)
+	in := filepath.Join(dir, "in")
+	if err := os.WriteFile(in, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var stderr syncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- runIO(context.Background(), []string{"get", "later", "--wait", "-o", out, "--socket", sock}, strings.NewReader(""), io.Discard, &stderr)
+	}()
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if !strings.Contains(stderr.String(), `waiting for "later" to be sealed, until Ctrl-C`) {
+			return fmt.Errorf("get --wait said %q on stderr", stderr.String())
+		}
+		return nil
+	})
+	mustRun(t, "put", in, "--name", "later", "--socket", sock)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if got, err := os.ReadFile(out); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("get --wait wrote %d bytes (%v), not the %d put", len(got), err, len(data))
+	}
 }

@@ -52,6 +52,7 @@ func TestFailuresAreOneLine(t *testing.T) {
 		{args: []string{"put", file, "--name", "x", "--dtype", "float99", "--socket", sock}, code: 2, want: "not a dtype; one of bfloat16, bool, complex128"},
 		{args: []string{"bench"}, code: 2, want: `expected one of "ipc", "store", "put" (see 'cudaipc help bench')`},
 		{args: []string{"get", "never", "--timeout", "20ms", "--socket", sock}, code: 1, want: "--timeout"},
+		{args: []string{"get", "never", "--socket", sock}, code: 1, want: `get "never": no such object: 'cudaipc ls' lists the objects you can read; --wait waits for it to be put`},
 		{args: []string{"get", "taken", "-o", filepath.Join(dir, "no", "such", "dir"), "--socket", sock}, code: 1, want: "-o"},
 		{args: []string{"serve", "--socket", sock, "--log-level", "warn"}, code: 1, want: "already running"},
 		{args: []string{"serve", "--gpu-share", "bogus", "--socket", none}, code: 2, want: "--gpu-share"},
@@ -87,6 +88,9 @@ func TestFailuresAreOneLine(t *testing.T) {
 			code = ee.ExitCode()
 		}
 		line := strings.TrimSuffix(stderr.String(), "\n")
+		if w, rest, ok := strings.Cut(line, "\n"); ok && strings.HasPrefix(w, "cudaipc: waiting for ") {
+			line = rest // get --timeout says first what it waits for
+		}
 		name := strings.Join(c.args, " ")
 		switch {
 		case code != c.code:

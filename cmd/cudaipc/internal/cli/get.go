@@ -19,11 +19,13 @@ type getCmd struct {
 	Owner   string        `help:"Read only an object of this user (a uid or a user name): a bare NAME then means that user's NAME, and an object of anyone else is refused." placeholder:"USER"`
 	Output  string        `short:"o" default:"-" help:"Write the object to FILE instead of standard output." placeholder:"FILE|-"`
 	Raw     bool          `help:"Write a bundle's bytes as they are, not as a safetensors file."`
-	Timeout time.Duration `default:"0s" help:"Bound on the whole command: connecting, waiting for NAME to be sealed and writing it; 0 waits until NAME is sealed (or Ctrl-C)." placeholder:"D"`
+	Wait    bool          `help:"When no sealed object NAME exists yet, wait until one is put (and say so on stderr), instead of failing at once; --timeout bounds the wait."`
+	Timeout time.Duration `default:"0s" help:"Bound on the whole command: connecting, waiting for NAME to be sealed and writing it; a timeout above 0 waits as --wait does (default 0: no bound)." placeholder:"D"`
 }
 
 func (c *getCmd) Help() string {
-	return "Waits until NAME is sealed, then writes its bytes. The lease is held while writing, so the object's memory cannot be reused underneath. " +
+	return "Writes the bytes of the sealed object NAME. Without --wait or --timeout, a NAME with no sealed object (none, or one still being written) fails at once with 'no such object' (exit 1). " +
+		"The lease is held while writing, so the object's memory cannot be reused underneath. " +
 		"A bundle (put from safetensors) is written as a safetensors file: byte for byte the file it was put from when that file's tensors were 256-byte aligned, else the same tensors densely packed (--raw writes the bundle's bytes as they are)."
 }
 
@@ -46,13 +48,6 @@ func (c *getCmd) Run(g *Globals) error {
 	}
 	defer cl.Close()
 
-	if isTerminal(g.stderr) {
-		// A name nobody seals (a typo) would otherwise look like a hang.
-		note := time.AfterFunc(time.Second, func() {
-			fmt.Fprintf(g.stderr, "waiting for %q to be sealed (Ctrl-C to stop; 'cudaipc ls' lists what exists)...\n", c.Name)
-		})
-		defer note.Stop()
-	}
 	var opts client.GetOptions
 	if c.Owner != "" {
 		uid, err := lookupUID(c.Owner)
@@ -62,6 +57,20 @@ func (c *getCmd) Run(g *Globals) error {
 		opts.RequireOwner, opts.Owner = true, uid
 	}
 	lease, err := cl.GetWith(ctx, c.Name, opts)
+	if errors.Is(err, client.ErrNotFound) && (c.Wait || c.Timeout > 0) {
+		// Said at once and whether or not stderr is a terminal, so that a
+		// name nobody puts (a typo) does not look like a hang.
+		until := "until Ctrl-C"
+		if c.Timeout > 0 {
+			until = "at most --timeout " + c.Timeout.String()
+		}
+		fmt.Fprintf(g.stderr, "cudaipc: waiting for %q to be sealed, %s ('cudaipc ls' lists what exists)\n", c.Name, until)
+		opts.Wait = true
+		lease, err = cl.GetWith(ctx, c.Name, opts)
+	}
+	if errors.Is(err, client.ErrNotFound) && !opts.Wait {
+		return reword(err, "get %q: no such object: 'cudaipc ls' lists the objects you can read; --wait waits for it to be put", c.Name)
+	}
 	if errors.Is(err, client.ErrTimeout) {
 		return reword(err, "get %q: not sealed within %s: check the name with 'cudaipc ls', or wait longer with --timeout", c.Name, c.Timeout)
 	}

@@ -423,7 +423,7 @@ func (c *demoWorkerConfig) produce(ctx context.Context, cl *client.Client, name 
 }
 
 func (c *demoWorkerConfig) consume(ctx context.Context, cl *client.Client, name string) (consumerLine, error) {
-	lease, err := cl.Get(ctx, name)
+	lease, err := cl.GetWith(ctx, name, client.GetOptions{Wait: true}) // until the producer seals it
 	if err != nil {
 		return consumerLine{}, err
 	}
