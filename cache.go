@@ -1,6 +1,8 @@
 package cudaipc
 
 import (
+	"crypto/sha256"
+	"encoding/binary"
 	"fmt"
 	"os"
 	"sync"
@@ -27,22 +29,24 @@ type driver interface {
 	// it (cuMemGetAddressRange of the base).
 	openIPC(d *Device, h MemHandle) (base DevicePtr, size int64, err error)
 	closeIPC(d *Device, base DevicePtr) error
-	// importFD imports the VMM allocation behind f and maps its first size
-	// bytes (rounded up to the granularity) for d.
-	importFD(d *Device, f *os.File, size int64, a Access) (vmmMapping, error)
-	unmapFD(d *Device, m vmmMapping) error
+	// importPieces imports the VMM allocation behind each of files and maps
+	// them back to back for d, piece i sizes[i] bytes (one piece is rounded
+	// up to its granularity).
+	importPieces(d *Device, files []*os.File, sizes []int64, a Access) (vmmMapping, error)
+	unmapPieces(d *Device, m vmmMapping) error
 	// allocation describes the allocation of this process that holds p.
 	allocation(d *Device, p DevicePtr) (base DevicePtr, size int64, bufferID uint64, err error)
 	openEvent(d *Device, h EventHandle) (*Event, error)
 	closeEvent(e *Event) error
 }
 
-// vmmMapping is one import of a VMM allocation: the process-local handle,
-// and the address range it is mapped at.
+// vmmMapping is one import of VMM allocations mapped back to back: the
+// process-local handle and mapped size of each, and the range they fill.
 type vmmMapping struct {
-	handle cu.MemGenericAllocationHandle
-	ptr    DevicePtr
-	size   int64
+	handles []cu.MemGenericAllocationHandle
+	sizes   []int64
+	ptr     DevicePtr
+	size    int64
 }
 
 type cudaDriver struct{}
@@ -78,17 +82,17 @@ func (cudaDriver) closeIPC(d *Device, base DevicePtr) error {
 	return err
 }
 
-func (cudaDriver) importFD(d *Device, f *os.File, size int64, a Access) (vmmMapping, error) {
-	m, err := importFDMapping("Import", d, f, size, a)
+func (cudaDriver) importPieces(d *Device, files []*os.File, sizes []int64, a Access) (vmmMapping, error) {
+	m, err := importPieces("Import", d, files, sizes, a)
 	if err == nil {
 		live.fdMappings.Add(1)
 	}
 	return m, err
 }
 
-func (cudaDriver) unmapFD(d *Device, m vmmMapping) error {
+func (cudaDriver) unmapPieces(d *Device, m vmmMapping) error {
 	live.fdMappings.Add(-1)
-	return d.do(func() error { return unmapRelease(cu.DevicePtr(m.ptr), m.size, m.handle) })
+	return d.do(func() error { return unmapPieces(cu.DevicePtr(m.ptr), m.sizes, m.handles) })
 }
 
 func (cudaDriver) allocation(d *Device, p DevicePtr) (DevicePtr, int64, uint64, error) {
@@ -124,19 +128,32 @@ func (cudaDriver) closeEvent(e *Event) error { return e.Close() }
 // once: for KindCUDAIPC the handle bytes (which hold the exporter's pid and
 // address) and the exporter's PID namespace, with the buffer id checked on
 // every hit (a freed and re-made allocation can get the same handle bytes);
-// for KindVMMFD the allocation id, which its exporter never reuses.
+// for KindVMMFD the allocation id, which its exporter never reuses, or for
+// a range over several allocations the SHA-256 of their ids and sizes in
+// order (the same pieces in the same order are the same mapping).
 type memKey struct {
-	kind  Kind
-	id    [64]byte // the IPC handle, or the allocation id in the first 16 bytes
-	pidns uint64   // KindCUDAIPC: the exporter's PID namespace
-	dev   UUID     // the device of this process it is mapped through
-	ro    bool     // KindVMMFD: mapped read-only (WithAccess(ReadOnly)), a mapping of its own
+	kind   Kind
+	id     [64]byte // the IPC handle, the allocation id in the first 16 bytes, or the pieces' digest in the first 32
+	pieces int      // KindVMMFD: the allocations mapped
+	pidns  uint64   // KindCUDAIPC: the exporter's PID namespace
+	dev    UUID     // the device of this process it is mapped through
+	ro     bool     // KindVMMFD: mapped read-only (WithAccess(ReadOnly)), a mapping of its own
 }
 
 func keyOf(r Region, dev *Device, a Access) memKey {
 	k := memKey{kind: r.Kind, dev: dev.uuid}
 	if r.Kind == KindVMMFD {
-		copy(k.id[:], r.AllocationID[:])
+		k.pieces = 1 + len(r.MorePieces)
+		if len(r.MorePieces) == 0 {
+			copy(k.id[:], r.AllocationID[:])
+		} else {
+			h := sha256.New()
+			for _, p := range r.Pieces() {
+				h.Write(p.AllocationID[:])
+				h.Write(binary.LittleEndian.AppendUint64(nil, uint64(p.Size)))
+			}
+			h.Sum(k.id[:0])
+		}
 		k.ro = a == ReadOnly
 	} else {
 		k.id, k.pidns = r.Handle, r.PIDNamespace
@@ -151,8 +168,8 @@ type memEntry struct {
 	bufferID  uint64 // KindCUDAIPC: the buffer id the entry was opened for
 	dev       *Device
 	base      DevicePtr
-	allocSize int64      // what the driver mapped: the allocation's size
-	vmm       vmmMapping // KindVMMFD: what unmapFD undoes
+	allocSize int64      // what the driver mapped: the allocation's size (KindVMMFD: all pieces')
+	vmm       vmmMapping // KindVMMFD: what unmapPieces undoes
 	refs      int
 	ready     chan struct{} // closed once the open finished
 	err       error         // the open's error, for those that waited on it
@@ -228,21 +245,25 @@ func (c *importCache) stats() CacheStats {
 }
 
 // openReq is what the driver needs to map an allocation the cache does
-// not hold: the handle (KindCUDAIPC), or the descriptor and the bytes to
-// map (KindVMMFD). A value, not a closure, so that a cache hit allocates
-// nothing for it.
+// not hold: the handle (KindCUDAIPC), or the descriptors and the bytes to
+// map of each (KindVMMFD). A value, not a closure, so that a cache hit
+// allocates nothing for it.
 type openReq struct {
-	handle    MemHandle
-	file      *os.File
-	allocSize int64
-	access    Access
+	handle MemHandle
+	files  []*os.File
+	region *Region // KindVMMFD: the sizes of its pieces are mapped
+	access Access
 }
 
 // open makes the driver mapping of a new entry: it sets e.base,
-// e.allocSize and, for a descriptor, e.vmm.
+// e.allocSize and, for descriptors, e.vmm.
 func (c *importCache) open(e *memEntry, q openReq) error {
 	if e.key.kind == KindVMMFD {
-		m, err := c.drv.importFD(e.dev, q.file, q.allocSize, q.access)
+		sizes := make([]int64, 0, 1+len(q.region.MorePieces))
+		for _, p := range q.region.Pieces() {
+			sizes = append(sizes, p.Size)
+		}
+		m, err := c.drv.importPieces(e.dev, q.files, sizes, q.access)
 		if err != nil {
 			return err
 		}
@@ -338,7 +359,7 @@ func (c *importCache) acquireMem(key memKey, bufferID uint64, dev *Device, q ope
 
 func (c *importCache) closeDriver(e *memEntry) error {
 	if e.key.kind == KindVMMFD {
-		return c.drv.unmapFD(e.dev, e.vmm)
+		return c.drv.unmapPieces(e.dev, e.vmm)
 	}
 	return c.drv.closeIPC(e.dev, e.base)
 }

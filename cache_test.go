@@ -125,9 +125,10 @@ func (f *fakeDriver) allocation(d *Device, p DevicePtr) (DevicePtr, int64, uint6
 	return p, f.allocSize, id, nil
 }
 
-// importFD maps size bytes of the allocation f stands for, 2 MiB granular;
-// more than fdSizes says it holds fails as the H200 driver fails.
-func (f *fakeDriver) importFD(d *Device, file *os.File, size int64, a Access) (vmmMapping, error) {
+// importPieces maps the allocations files stand for back to back, 2 MiB
+// granular (one piece rounded up); more than fdSizes says one holds fails
+// as the H200 driver fails.
+func (f *fakeDriver) importPieces(d *Device, files []*os.File, sizes []int64, a Access) (vmmMapping, error) {
 	f.mu.Lock()
 	f.attempts++
 	f.accesses = append(f.accesses, a)
@@ -139,20 +140,32 @@ func (f *fakeDriver) importFD(d *Device, file *os.File, size int64, a Access) (v
 	if fail != nil {
 		return vmmMapping{}, fail
 	}
-	have, ok := f.fdSizes[file.Name()]
-	if !ok {
-		return vmmMapping{}, ErrInvalidValue
-	}
-	rounded := (size + 2<<20 - 1) / (2 << 20) * (2 << 20)
-	if rounded > have {
-		return vmmMapping{}, &mapSizeError{size: size, rounded: rounded, err: ErrNotSupported}
+	var m vmmMapping
+	for i, file := range files {
+		have, ok := f.fdSizes[file.Name()]
+		if !ok {
+			return vmmMapping{}, ErrInvalidValue
+		}
+		size, rounded := sizes[i], sizes[i]
+		if len(files) == 1 {
+			rounded = (size + 2<<20 - 1) / (2 << 20) * (2 << 20)
+		} else if size%(2<<20) != 0 {
+			return vmmMapping{}, &ArgError{Op: "Import", Arg: "size", Reason: "not a multiple of the granularity"}
+		}
+		if rounded > have {
+			return vmmMapping{}, &mapSizeError{piece: i, pieces: len(files), size: size, rounded: rounded, err: ErrNotSupported}
+		}
+		m.handles = append(m.handles, 1)
+		m.sizes = append(m.sizes, rounded)
+		m.size += rounded
 	}
 	f.fdImports++
-	f.next += 1 << 30
-	return vmmMapping{handle: 1, ptr: f.next, size: rounded}, nil
+	f.next += 1 << 40
+	m.ptr = f.next
+	return m, nil
 }
 
-func (f *fakeDriver) unmapFD(d *Device, m vmmMapping) error {
+func (f *fakeDriver) unmapPieces(d *Device, m vmmMapping) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.fdUnmaps++
@@ -878,5 +891,96 @@ func TestCacheAllocSizeLargerThanAllocation(t *testing.T) {
 	r.ExporterBase, r.BufferID = b.ptr, 42
 	if _, err := c.importMem(r); !errors.As(err, &re) || re.Field != "alloc_size" || b.localRefs != 0 {
 		t.Fatalf("local Buffer region larger than the Buffer: %v", err)
+	}
+}
+
+// piecesRegion is a version 2 region over n allocations of piece bytes
+// each, ids {first+i, 0xbb}, covering all of them.
+func piecesRegion(dev UUID, first byte, n int, piece int64) Region {
+	r := vmmRegion(dev, first, piece)
+	r.AllocationID = AllocationID{first, 0xbb}
+	r.Version = RegionVersionPieces
+	for i := 1; i < n; i++ {
+		r.MorePieces = append(r.MorePieces, Piece{AllocationID{first + byte(i), 0xbb}, piece})
+	}
+	r.Size = int64(n) * piece
+	return r
+}
+
+// A region over several allocations is one driver mapping of all of them,
+// shared by every import of those pieces in that order (at any offset, in
+// any piece); other pieces, or the same in another order, are another.
+func TestCacheVMMFDPieces(t *testing.T) {
+	f := newFakeDriver(1)
+	c := newTestCache(f)
+	const g = 2 << 20
+	dev := f.devs[0].uuid
+	r := piecesRegion(dev, 1, 3, g)
+	files := []*os.File{fakeFD(t, f, g), fakeFD(t, f, g), fakeFD(t, f, g)}
+	whole, err := c.importMem(r, WithFiles(files...), WithAccess(ReadOnly))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ms []*Mapping
+	for _, off := range []int64{0, g - 1, g, 2*g + 5} {
+		sub, _ := r.Sub(off, 1)
+		m, err := c.importMem(sub, WithFiles(files...), WithAccess(ReadOnly))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.Ptr() != whole.Ptr()+DevicePtr(off) || m.Size() != 1 {
+			t.Fatalf("part at %d: %#x, want %#x", off, m.Ptr(), whole.Ptr()+DevicePtr(off))
+		}
+		ms = append(ms, m)
+	}
+	if f.fdImports != 1 || c.stats().Hits != 4 {
+		t.Fatalf("%d imports, %+v: want one mapping of the three pieces", f.fdImports, c.stats())
+	}
+	// The same allocations in another order lie elsewhere: another mapping.
+	swapped := r
+	swapped.MorePieces = []Piece{r.MorePieces[1], r.MorePieces[0]}
+	m2, err := c.importMem(swapped, WithFiles(files[0], files[2], files[1]), WithAccess(ReadOnly))
+	if err != nil || f.fdImports != 2 || m2.Ptr() == whole.Ptr() {
+		t.Fatalf("pieces in another order: %v, %d imports", err, f.fdImports)
+	}
+	// The first piece alone (a version 1 region) is its own mapping too.
+	one := vmmRegion(dev, 1, g)
+	one.AllocationID = r.AllocationID
+	m3, err := c.importMem(one, WithFile(files[0]), WithAccess(ReadOnly))
+	if err != nil || f.fdImports != 3 {
+		t.Fatalf("first piece alone: %v, %d imports", err, f.fdImports)
+	}
+	closeAll(t, append(ms, whole, m2, m3))
+	if f.fdUnmaps != 3 || c.stats().Mapped != 0 {
+		t.Fatalf("%d unmaps, %+v", f.fdUnmaps, c.stats())
+	}
+}
+
+func TestCacheVMMFDPiecesRefusals(t *testing.T) {
+	f := newFakeDriver(1)
+	c := newTestCache(f)
+	const g = 2 << 20
+	r := piecesRegion(f.devs[0].uuid, 1, 3, g)
+	a, b := fakeFD(t, f, g), fakeFD(t, f, g)
+	var ae *ArgError
+	for name, files := range map[string][]*os.File{"two for three": {a, b}, "four for three": {a, b, a, b}, "a nil one": {a, nil, b}} {
+		if _, err := c.importMem(r, WithFiles(files...)); !errors.As(err, &ae) || ae.Arg != "file" {
+			t.Fatalf("%s: %v", name, err)
+		}
+	}
+	// A piece larger than its descriptor's allocation is refused by name.
+	small := fakeFD(t, f, g/2)
+	_, err := c.importMem(r, WithFiles(a, small, b))
+	var re *RegionError
+	if !errors.As(err, &re) || re.Field != "alloc_size" {
+		t.Fatalf("a piece past its allocation: %v", err)
+	}
+	// Pieces must lie on the granularity: they are mapped back to back.
+	odd := piecesRegion(f.devs[0].uuid, 10, 2, g+4096)
+	if _, err := c.importMem(odd, WithFiles(fakeFD(t, f, 2*g), fakeFD(t, f, 2*g))); !errors.As(err, &ae) || ae.Arg != "size" {
+		t.Fatalf("pieces off the granularity: %v", err)
+	}
+	if f.fdImports != 0 || c.stats().Mapped != 0 {
+		t.Fatalf("%d imports, %+v after refusals", f.fdImports, c.stats())
 	}
 }

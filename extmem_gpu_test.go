@@ -15,8 +15,8 @@ import (
 
 // piecesMsg is what the pieces exporter tells the test.
 type piecesMsg struct {
-	Layout cudaipc.PieceLayout
-	Sum    string // of the exported range, now
+	Region *cudaipc.Region `json:",omitempty"`
+	Sum    string          // of the exported range, now
 	Err    string
 }
 
@@ -24,7 +24,7 @@ type piecesMsg struct {
 // PIECES granules backed by one allocation each (as PyTorch's expandable
 // segments do), fills it with random bytes from SEED, exports
 // [granule/2, granule/2 + SIZE) with ExportPointer, sends the descriptors
-// on descriptor 3 and the layout on stdout. Then, on "sum", it reports the
+// on descriptor 3 and the region on stdout. Then, on "sum", it reports the
 // range's hash; on "exit" it exits without freeing anything.
 func rolePiecesExporter(p *testutil.Peer) error {
 	sock := os.NewFile(3, "sock")
@@ -43,19 +43,19 @@ func rolePiecesExporter(p *testutil.Peer) error {
 		return err
 	}
 	start := e.Ptr() + cudaipc.DevicePtr(e.Piece()/2)
-	x, err := cudaipc.ExportPointer(dev, start, size)
+	r, files, err := cudaipc.ExportPointer(dev, start, size)
 	if err != nil {
 		return p.Send(piecesMsg{Err: err.Error()})
 	}
-	if !x.VMM() {
+	if r.Kind != cudaipc.KindVMMFD {
 		return p.Send(piecesMsg{Err: "exported as a legacy region"})
 	}
-	for _, f := range x.Files {
+	for _, f := range files {
 		if err := sendFD(sock, f); err != nil {
 			return err
 		}
+		f.Close()
 	}
-	x.Close()
 	sum := func() string {
 		b := make([]byte, size)
 		if err := dev.CopyFromDevice(b, start); err != nil {
@@ -63,7 +63,7 @@ func rolePiecesExporter(p *testutil.Peer) error {
 		}
 		return testutil.Sum(b)
 	}
-	if err := p.Send(piecesMsg{Layout: x.Layout, Sum: sum()}); err != nil {
+	if err := p.Send(piecesMsg{Region: &r, Sum: sum()}); err != nil {
 		return err
 	}
 	for {
@@ -81,10 +81,12 @@ func rolePiecesExporter(p *testutil.Peer) error {
 }
 
 // An expandable-segment-like range (three allocations back to back) is
-// exported with ExportPointer in a sibling container and mapped here
-// read-only: the bytes match; a memset and a copy through the read-only
-// mapping fail and the exporter's bytes stay unchanged; after the exporter
-// exits without freeing, the mapping still reads the same bytes.
+// exported with ExportPointer in a sibling container as a version 2 region
+// and imported here read-only through the cache: the bytes match; a second
+// import of the region and one of a part of it share the driver mapping; a
+// memset and a copy through the read-only mapping fail and the exporter's
+// bytes stay unchanged; after the exporter exits without freeing, the
+// mapping still reads the same bytes.
 func TestExportPointerPiecesAcrossContainers(t *testing.T) {
 	dev := testutil.RequireGPU(t)
 	testutil.RequireContainers(t)
@@ -111,29 +113,49 @@ func TestExportPointerPiecesAcrossContainers(t *testing.T) {
 	if m.Sum != testutil.Sum(want) {
 		t.Fatal("the exporter's range does not hold the bytes it wrote")
 	}
-	if got := m.Layout; got.Offset != g/2 || got.Size != size || len(got.Pieces) != 3 || got.Pieces[0] != g || got.Pieces[2] != g {
-		t.Fatalf("layout %+v, want offset %d, size %d, 3 pieces of %d", got, g/2, size, g)
+	r := m.Region
+	if r == nil || r.Version != cudaipc.RegionVersionPieces || r.Offset != g/2 || r.Size != size || len(r.Pieces()) != 3 || r.AllocSize != g || r.MappedSize() != 3*g {
+		t.Fatalf("region %v, want offset %d, size %d, 3 pieces of %d", r, g/2, size, g)
 	}
 	var files []*os.File
-	for range m.Layout.Pieces {
+	for range r.Pieces() {
 		f, err := recvFD(mine)
 		if err != nil {
 			t.Fatal(err)
 		}
 		files = append(files, f)
 	}
-	before := cudaipc.LiveObjects().PieceMappings
-	pm, err := dev.ImportPieces(files, m.Layout, cudaipc.ReadOnly)
-	for _, f := range files {
-		f.Close()
-	}
+	before, stats := cudaipc.LiveObjects().FDMappings, cudaipc.ImportCacheStats()
+	pm, err := cudaipc.Import(*r, cudaipc.WithFiles(files...), cudaipc.WithAccess(cudaipc.ReadOnly))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer pm.Close()
-	if n := cudaipc.LiveObjects().PieceMappings - before; n != 1 {
-		t.Fatalf("%d live PieceMappings", n)
+	// The same pieces again, and a part of them: the cache's mapping.
+	again, err := cudaipc.Import(*r, cudaipc.WithFiles(files...), cudaipc.WithAccess(cudaipc.ReadOnly))
+	if err != nil {
+		t.Fatal(err)
 	}
+	part, _ := r.Sub(g, 4096)
+	pp, err := cudaipc.Import(part, cudaipc.WithFiles(files...), cudaipc.WithAccess(cudaipc.ReadOnly))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range files {
+		f.Close()
+	}
+	if n := cudaipc.LiveObjects().FDMappings - before; n != 1 {
+		t.Fatalf("%d live driver mappings for three imports of one range", n)
+	}
+	if s := cudaipc.ImportCacheStats(); s.Opens-stats.Opens != 1 || s.Hits-stats.Hits != 2 || pp.Ptr() != pm.Ptr()+cudaipc.DevicePtr(g) {
+		t.Fatalf("cache: %d opens, %d hits, part at %#x of %#x", s.Opens-stats.Opens, s.Hits-stats.Hits, pp.Ptr(), pm.Ptr())
+	}
+	pb := make([]byte, 4096)
+	if _, err := pp.ReadAt(pb, 0); err != nil || !bytes.Equal(pb, want[g:g+4096]) {
+		t.Fatalf("the part reads other bytes (%v)", err)
+	}
+	again.Close()
+	pp.Close()
 	read := func() []byte {
 		b := make([]byte, size)
 		if _, err := pm.ReadAt(b, 0); err != nil {
@@ -196,12 +218,12 @@ func TestExportPointerKinds(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Free()
-	x, err := cudaipc.ExportPointer(dev, b.Ptr()+(1<<20), 4096)
+	lr, none, err := cudaipc.ExportPointer(dev, b.Ptr()+(1<<20), 4096)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if x.VMM() || x.Legacy.Kind != cudaipc.KindCUDAIPC || x.Legacy.Offset != 1<<20 || x.Legacy.Size != 4096 {
-		t.Fatalf("cuMemAlloc memory: %+v", x)
+	if len(none) != 0 || lr.Kind != cudaipc.KindCUDAIPC || lr.Offset != 1<<20 || lr.Size != 4096 {
+		t.Fatalf("cuMemAlloc memory: %v, %d files", lr, len(none))
 	}
 
 	nofd, err := cudaipc.NewExpandableForTest(dev, 1, false)
@@ -209,7 +231,7 @@ func TestExportPointerKinds(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer nofd.Free()
-	_, err = cudaipc.ExportPointer(dev, nofd.Ptr(), 4096)
+	_, _, err = cudaipc.ExportPointer(dev, nofd.Ptr(), 4096)
 	var ne *cudaipc.NotExportableError
 	if !errors.As(err, &ne) || !errors.Is(err, cudaipc.ErrNotExportable) || ne.Fix != cudaipc.FixVMMNoFD {
 		t.Fatalf("VMM memory without POSIX fd handles: %v", err)
@@ -221,7 +243,7 @@ func TestExportPointerKinds(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer h.Free()
-	_, err = cudaipc.ExportPointer(dev, cudaipc.DevicePtr(reflect.ValueOf(&h.Bytes()[0]).Pointer()), 4096)
+	_, _, err = cudaipc.ExportPointer(dev, cudaipc.DevicePtr(reflect.ValueOf(&h.Bytes()[0]).Pointer()), 4096)
 	if !errors.Is(err, cudaipc.ErrNotExportable) {
 		t.Fatalf("pinned host memory: %v", err)
 	}
@@ -232,15 +254,20 @@ func TestExportPointerKinds(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer e.Free()
-	if _, err := cudaipc.ExportPointer(dev, e.Ptr(), e.Size()+1); err == nil {
+	if _, _, err := cudaipc.ExportPointer(dev, e.Ptr(), e.Size()+1); err == nil {
 		t.Fatal("export past the end of the mapped range succeeded")
 	}
-	x, err = cudaipc.ExportPointer(dev, e.Ptr(), e.Size())
+	vr, files, err := cudaipc.ExportPointer(dev, e.Ptr(), e.Size())
 	if err != nil {
 		t.Fatal(err)
 	}
-	rw, err := dev.ImportPieces(x.Files, x.Layout, cudaipc.ReadWrite)
-	x.Close()
+	if vr.Kind != cudaipc.KindVMMFD || len(files) != 2 || len(vr.Pieces()) != 2 || vr.Size != e.Size() {
+		t.Fatalf("VMM memory of two allocations: %v, %d files", vr, len(files))
+	}
+	rw, err := cudaipc.Import(vr, cudaipc.WithFiles(files...))
+	for _, f := range files {
+		f.Close()
+	}
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -20,7 +20,7 @@ type ImportOption func(*importConfig)
 type importConfig struct {
 	fallback        *Device
 	anyPIDNamespace bool
-	file            *os.File
+	files           []*os.File
 	readOnly        bool
 }
 
@@ -60,7 +60,13 @@ func WithFallbackDevice(d *Device) ImportOption {
 // mapping holds its own reference to the memory). When the allocation is
 // already mapped in this process, f is not used at all.
 func WithFile(f *os.File) ImportOption {
-	return func(c *importConfig) { c.file = f }
+	return WithFiles(f)
+}
+
+// WithFiles is WithFile for a KindVMMFD region over several allocations
+// (version 2): one descriptor per piece, in the order of Region.Pieces.
+func WithFiles(files ...*os.File) ImportOption {
+	return func(c *importConfig) { c.files = files }
 }
 
 func (c importConfig) access() Access {
@@ -154,8 +160,11 @@ func newMapping(r Region, dev *Device, ptr DevicePtr, ref *mappingRef) *Mapping 
 // A KindVMMFD region needs its allocation's descriptor, given with
 // WithFile; the first import of the allocation imports the descriptor and
 // maps AllocSize bytes (cuMemImportFromShareableHandle, cuMemMap,
-// cuMemSetAccess: milliseconds). It works in any PID namespace, and in the
-// exporting process too.
+// cuMemSetAccess: milliseconds). A region over several allocations
+// (version 2, ExportPointer of PyTorch's expandable segments) needs one
+// descriptor per piece (WithFiles) and maps them back to back in one
+// range, shared by every import of the same pieces in the same order. It
+// works in any PID namespace, and in the exporting process too.
 //
 // The device is the visible one with r.Device's UUID, else the one
 // WithFallbackDevice names, else the first visible device.
@@ -178,10 +187,17 @@ func (c *importCache) importMem(r Region, opts ...ImportOption) (*Mapping, error
 	}
 	cfg := configure(opts)
 	switch {
-	case r.Kind == KindVMMFD && cfg.file == nil:
-		return nil, &ArgError{Op: "Import", Arg: "file", Reason: "a vmm-fd region needs its allocation's descriptor: pass WithFile(f) with the descriptor received beside the region"}
-	case r.Kind != KindVMMFD && cfg.file != nil:
+	case r.Kind == KindVMMFD && len(cfg.files) == 0:
+		return nil, &ArgError{Op: "Import", Arg: "file", Reason: "a vmm-fd region needs its allocation's descriptor: pass WithFile(f) with the descriptor received beside the region (WithFiles for a region of several allocations)"}
+	case r.Kind == KindVMMFD && len(cfg.files) != 1+len(r.MorePieces):
+		return nil, &ArgError{Op: "Import", Arg: "file", Reason: fmt.Sprintf("%d descriptors for a region of %d allocations: pass one per piece, first piece first", len(cfg.files), 1+len(r.MorePieces))}
+	case r.Kind != KindVMMFD && len(cfg.files) != 0:
 		return nil, &ArgError{Op: "Import", Arg: "file", Reason: fmt.Sprintf("WithFile is for vmm-fd regions; this one is %s", r.Kind)}
+	}
+	for i, f := range cfg.files {
+		if f == nil {
+			return nil, &ArgError{Op: "Import", Arg: "file", Reason: fmt.Sprintf("descriptor %d is nil", i)}
+		}
 	}
 	self, err := c.self()
 	if err != nil {
@@ -205,18 +221,18 @@ func (c *importCache) importMem(r Region, opts ...ImportOption) (*Mapping, error
 	if err != nil {
 		return nil, err
 	}
-	e, err := c.acquireMem(keyOf(r, dev, cfg.access()), r.BufferID, dev, openReq{handle: r.Handle, file: cfg.file, allocSize: r.AllocSize, access: cfg.access()})
+	e, err := c.acquireMem(keyOf(r, dev, cfg.access()), r.BufferID, dev, openReq{handle: r.Handle, files: cfg.files, region: &r, access: cfg.access()})
 	if err != nil && tooLarge(err) {
 		return nil, regionErr("alloc_size", "%d bytes: the driver refuses to map that much of the allocation behind the descriptor (%v): the allocation is smaller, or the descriptor is another allocation's", r.AllocSize, err)
 	}
 	if err != nil {
 		return nil, err
 	}
-	if r.AllocSize > e.allocSize {
+	if r.MappedSize() > e.allocSize {
 		// Refuse before any copy: reading past the real allocation fails in
 		// the driver with a bare CUDA_ERROR_INVALID_VALUE, or worse, reads
 		// a neighbour's memory.
-		err := regionErr("alloc_size", "%d bytes, but the allocation mapped for this region is %d bytes (cuMemGetAddressRange): the region was made for another allocation, or is corrupt", r.AllocSize, e.allocSize)
+		err := regionErr("alloc_size", "%d bytes, but the allocation mapped for this region is %d bytes (cuMemGetAddressRange): the region was made for another allocation, or is corrupt", r.MappedSize(), e.allocSize)
 		return nil, joinRelease(err, c.releaseMem(e))
 	}
 	return newMapping(r, dev, e.base+DevicePtr(r.Offset), &mappingRef{cache: c, entry: e}), nil
@@ -295,7 +311,7 @@ func (c *importCache) importEvent(d EventDescriptor, opts ...ImportOption) (*Rem
 		return nil, err
 	}
 	cfg := configure(opts)
-	if cfg.file != nil {
+	if len(cfg.files) != 0 {
 		return nil, &ArgError{Op: "ImportEvent", Arg: "file", Reason: "WithFile is for vmm-fd regions, not events"}
 	}
 	if err := checkReach("event", d.BootID, d.PIDNamespace, self, cfg.anyPIDNamespace); err != nil {

@@ -26,16 +26,14 @@ type Live struct {
 	// regions) not yet closed.
 	MemHandleOpens int64
 	// ShareableBuffers counts VMM allocations; FDMappings counts imports of
-	// their descriptors (Device.ImportFD, and the import cache's imports of
-	// KindVMMFD regions) not yet closed.
+	// their descriptors (Device.ImportFD, and the import cache's mappings
+	// of KindVMMFD regions, one for all pieces of a region) not yet closed.
 	ShareableBuffers, FDMappings int64
-	// PieceMappings counts ImportPieces mappings not yet closed.
-	PieceMappings int64
 }
 
 var live struct {
 	buffers, hostBuffers, streams, events, mappings, memOpens atomic.Int64
-	shareableBuffers, fdMappings, pieceMappings               atomic.Int64
+	shareableBuffers, fdMappings                              atomic.Int64
 }
 
 // LiveObjects returns how many objects are open now.
@@ -45,7 +43,6 @@ func LiveObjects() Live {
 		Streams: live.streams.Load(), Events: live.events.Load(), Mappings: live.mappings.Load(),
 		MemHandleOpens:   live.memOpens.Load(),
 		ShareableBuffers: live.shareableBuffers.Load(), FDMappings: live.fdMappings.Load(),
-		PieceMappings: live.pieceMappings.Load(),
 	}
 }
 

@@ -264,97 +264,179 @@ type FDMapping struct {
 // A nil or closed f, or size <= 0, is an *ArgError; a descriptor that is not
 // a CUDA memory export fails in the driver with an *Error.
 func (d *Device) ImportFD(f *os.File, size int64) (*FDMapping, error) {
-	vm, err := importFDMapping("ImportFD", d, f, size, ReadWrite)
+	vm, err := importPieces("ImportFD", d, []*os.File{f}, []int64{size}, ReadWrite)
 	if err != nil {
 		return nil, err
 	}
-	h, p, rounded := vm.handle, cu.DevicePtr(vm.ptr), vm.size
+	h, p, rounded := vm.handles[0], cu.DevicePtr(vm.ptr), vm.size
 	m := &FDMapping{deviceRange: deviceRange{what: "FDMapping", dev: d, ptr: DevicePtr(p), size: rounded}, handle: h}
 	live.fdMappings.Add(1)
 	m.cleanup = runtime.AddCleanup(m, freeLeakedVMM, vmmLeak{"FDMapping", d, h, p, rounded, &live.fdMappings})
 	return m, nil
 }
 
-// importFDMapping imports the allocation behind f and maps its first size
-// bytes, rounded up to the allocation's granularity, with access a for d:
-// the work of ImportFD, and of Import's cache for KindVMMFD regions. A map
-// larger than the allocation fails with a *mapSizeError.
-func importFDMapping(op string, d *Device, f *os.File, size int64, a Access) (vmmMapping, error) {
-	if size <= 0 {
-		return vmmMapping{}, &ArgError{Op: op, Arg: "size", Reason: fmt.Sprintf("%d: must be positive", size)}
+// importPieces imports the allocation behind each of files and maps them
+// back to back in one reserved range, piece i sizes[i] bytes, with access
+// a for d: the work of ImportFD, and of Import's cache for KindVMMFD
+// regions. A single piece is rounded up to its allocation's granularity;
+// several must each be a multiple of theirs, since they lie back to back as
+// the exporter mapped them. A map larger than an allocation fails with a
+// *mapSizeError. It does not take the files.
+func importPieces(op string, d *Device, files []*os.File, sizes []int64, a Access) (vmmMapping, error) {
+	if len(files) == 0 || len(files) != len(sizes) {
+		return vmmMapping{}, &ArgError{Op: op, Arg: "files", Reason: fmt.Sprintf("%d descriptors for %d pieces", len(files), len(sizes))}
 	}
-	if f == nil {
-		return vmmMapping{}, &ArgError{Op: op, Arg: "file", Reason: "nil *os.File"}
+	var total int64
+	for i, n := range sizes {
+		if n <= 0 || n > math.MaxInt64/4-total {
+			return vmmMapping{}, &ArgError{Op: op, Arg: "size", Reason: fmt.Sprintf("%d: must be positive (piece %d)", n, i)}
+		}
+		total += n
 	}
-	rc, err := f.SyscallConn()
-	if err != nil {
-		return vmmMapping{}, &ArgError{Op: op, Arg: "file", Reason: err.Error()}
-	}
-	// Control keeps f open (and its descriptor number valid) for the call.
-	var open bool
-	if err := rc.Control(func(fd uintptr) {
-		var st syscall.Stat_t
-		open = syscall.Fstat(int(fd), &st) == nil
-	}); err != nil {
-		return vmmMapping{}, &ArgError{Op: op, Arg: "file", Reason: f.Name() + " is closed"}
-	}
-	if !open {
-		return vmmMapping{}, &ArgError{Op: op, Arg: "file", Reason: f.Name() + " is not an open descriptor (EBADF)"}
+	rcs := make([]syscall.RawConn, len(files))
+	for i, f := range files {
+		if f == nil {
+			return vmmMapping{}, &ArgError{Op: op, Arg: "file", Reason: fmt.Sprintf("nil *os.File (piece %d)", i)}
+		}
+		rc, err := f.SyscallConn()
+		if err != nil {
+			return vmmMapping{}, &ArgError{Op: op, Arg: "file", Reason: err.Error()}
+		}
+		// Control keeps f open (and its descriptor number valid) for the call.
+		var open bool
+		if err := rc.Control(func(fd uintptr) {
+			var st syscall.Stat_t
+			open = syscall.Fstat(int(fd), &st) == nil
+		}); err != nil {
+			return vmmMapping{}, &ArgError{Op: op, Arg: "file", Reason: f.Name() + " is closed"}
+		}
+		if !open {
+			return vmmMapping{}, &ArgError{Op: op, Arg: "file", Reason: f.Name() + " is not an open descriptor (EBADF)"}
+		}
+		rcs[i] = rc
 	}
 	if !d.VMMFDSupported() {
 		return vmmMapping{}, notSupported(op, d)
 	}
-	var (
-		h       cu.MemGenericAllocationHandle
-		p       cu.DevicePtr
-		rounded int64
-	)
-	err = d.do(func() error {
-		var e error
-		if cerr := rc.Control(func(fd uintptr) { h, e = cu.MemImportFromShareableHandleFD(int(fd)) }); cerr != nil {
-			return &ArgError{Op: op, Arg: "file", Reason: f.Name() + " was closed during the call"}
+	m := vmmMapping{sizes: make([]int64, len(sizes))}
+	err := d.do(func() error {
+		var gran int64
+		for i, f := range files {
+			var h cu.MemGenericAllocationHandle
+			var e error
+			if cerr := rcs[i].Control(func(fd uintptr) { h, e = cu.MemImportFromShareableHandleFD(int(fd)) }); cerr != nil {
+				return &ArgError{Op: op, Arg: "file", Reason: f.Name() + " was closed during the call"}
+			}
+			if e != nil {
+				if len(files) > 1 {
+					e = fmt.Errorf("piece %d: %w", i, e)
+				}
+				return e
+			}
+			m.handles = append(m.handles, h)
+			// The allocation's own properties give its granularity; should
+			// the driver not report them for an imported handle, this
+			// device's granularity for the same kind of memory serves.
+			prop, e := cu.MemGetAllocationPropertiesFromHandle(h)
+			if e != nil {
+				prop = cu.DevicePinnedProp(d.dev, cu.MemHandleTypePosixFD)
+			}
+			g, e := cu.MemGetAllocationGranularity(prop, cu.MemAllocGranularityMinimum)
+			if e != nil {
+				return e
+			}
+			n := sizes[i]
+			switch {
+			case len(files) == 1:
+				if n, e = roundUp(op, n, int64(g)); e != nil {
+					return e
+				}
+			case g == 0 || n%int64(g) != 0:
+				return &ArgError{Op: op, Arg: "size", Reason: fmt.Sprintf("piece %d: %d bytes is not a multiple of its allocation's %d-byte granularity", i, n, g)}
+			}
+			m.sizes[i], m.size = n, m.size+n
+			gran = max(gran, int64(g))
 		}
+		p, e := cu.MemAddressReserve(uint64(m.size), uint64(gran))
 		if e != nil {
 			return e
 		}
-		// The allocation's own properties give its granularity; should the
-		// driver not report them for an imported handle, this device's
-		// granularity for the same kind of memory serves.
-		prop, e := cu.MemGetAllocationPropertiesFromHandle(h)
-		if e != nil {
-			prop = cu.DevicePinnedProp(d.dev, cu.MemHandleTypePosixFD)
-		}
-		g, e := cu.MemGetAllocationGranularity(prop, cu.MemAllocGranularityMinimum)
-		if e != nil {
-			return errors.Join(e, cu.MemRelease(h))
-		}
-		if rounded, e = roundUp(op, size, int64(g)); e != nil {
-			return errors.Join(e, cu.MemRelease(h))
-		}
-		if p, e = mapHandleAccess(d.dev, h, rounded, int64(g), a); e != nil {
-			// The H200 driver answers a map larger than the allocation
-			// with CUDA_ERROR_NOT_SUPPORTED, other drivers with INVALID_VALUE.
-			if errors.Is(e, ErrInvalidValue) || errors.Is(e, ErrNotSupported) {
-				e = &mapSizeError{size: size, rounded: rounded, err: e}
+		// undo unmaps the first mapped pieces and frees the whole range.
+		undo := func(mapped int) error {
+			var errs []error
+			at := p
+			for _, n := range m.sizes[:mapped] {
+				errs = append(errs, cu.MemUnmap(at, uint64(n)))
+				at += cu.DevicePtr(n)
 			}
-			return errors.Join(e, cu.MemRelease(h))
+			return errors.Join(append(errs, cu.MemAddressFree(p, uint64(m.size)))...)
 		}
+		at := p
+		for i, h := range m.handles {
+			if e := cu.MemMap(at, uint64(m.sizes[i]), h); e != nil {
+				// The H200 driver answers a map larger than the allocation
+				// with CUDA_ERROR_NOT_SUPPORTED, other drivers with INVALID_VALUE.
+				if errors.Is(e, ErrInvalidValue) || errors.Is(e, ErrNotSupported) {
+					e = &mapSizeError{piece: i, pieces: len(files), size: sizes[i], rounded: m.sizes[i], err: e}
+				}
+				return errors.Join(e, undo(i))
+			}
+			at += cu.DevicePtr(m.sizes[i])
+		}
+		// Access per mapping: a range over several mappings is not
+		// documented to work in one call.
+		at = p
+		for _, n := range m.sizes {
+			if e := cu.MemSetAccess(at, uint64(n), d.dev, a.flags()); e != nil {
+				return errors.Join(e, undo(len(m.sizes)))
+			}
+			at += cu.DevicePtr(n)
+		}
+		m.ptr = DevicePtr(p)
 		return nil
 	})
 	if err != nil {
+		if len(m.handles) > 0 {
+			d.do(func() error { return unmapPieces(0, nil, m.handles) })
+		}
 		return vmmMapping{}, err
 	}
-	return vmmMapping{handle: h, ptr: DevicePtr(p), size: rounded}, nil
+	return m, nil
+}
+
+// unmapPieces unmaps each piece mapped back to back at base (cuMemUnmap
+// takes whole mappings), frees the reservation and drops the handles; it
+// tries every step even if one fails. base 0 means nothing is mapped. It
+// runs in Device.do.
+func unmapPieces(base cu.DevicePtr, sizes []int64, handles []cu.MemGenericAllocationHandle) error {
+	var errs []error
+	if base != 0 {
+		at, total := base, uint64(0)
+		for _, n := range sizes {
+			errs = append(errs, cu.MemUnmap(at, uint64(n)))
+			at += cu.DevicePtr(n)
+			total += uint64(n)
+		}
+		errs = append(errs, cu.MemAddressFree(base, total))
+	}
+	for _, h := range handles {
+		errs = append(errs, cu.MemRelease(h))
+	}
+	return errors.Join(errs...)
 }
 
 // mapSizeError is a map the driver refused as it refuses one larger than
 // the allocation.
 type mapSizeError struct {
+	piece, pieces int // which piece of how many
 	size, rounded int64
 	err           error
 }
 
 func (e *mapSizeError) Error() string {
+	if e.pieces > 1 {
+		return fmt.Sprintf("%v (is piece %d, %d bytes, larger than its allocation?)", e.err, e.piece, e.size)
+	}
 	return fmt.Sprintf("%v (is size %d, rounded to %d, larger than the exported allocation?)", e.err, e.size, e.rounded)
 }
 

@@ -109,14 +109,14 @@ type Options struct {
 type reply struct {
 	resp *storev1.Response
 	m    *mapping // mapping holding the placement, with a reference for the caller
-	file *os.File // the descriptor of a GPU arena shared by descriptor; the caller closes it
+	// files are the descriptors of a GPU placement's region (a vmm-fd
+	// arena's one, or registered memory's, one per piece) or the lease
+	// table's; the caller closes them.
+	files []*os.File
 	// manifest is a bundle's manifest memfd (the packet's last
 	// descriptor); the caller closes it.
 	manifest *os.File
-	// pieces are the descriptors of registered memory (external.go); the
-	// caller closes them.
-	pieces []*os.File
-	err    error // mapping failed, or the connection ended
+	err      error // mapping failed, or the connection ended
 	// lead hands the read role to the waiting call instead of a reply
 	// (reader.go).
 	lead bool
@@ -357,15 +357,13 @@ func (c *Client) readOne(self uint64, spin time.Duration) (r reply, mine bool, e
 	p := placementOf(resp)
 	switch {
 	case resp.GetLeaseTable() != nil && len(files) == 1:
-		r.file = files[0]
+		r.files = files
 	case p == nil || responseError("", "", resp) != nil:
 		closeFiles(files)
-	case p.GetExternal():
-		r.pieces = files
-	case p.GetKind() == storev1.Placement_HOST:
+	case p.GetKind() == storev1.Placement_HOST && !p.GetExternal():
 		r.m, r.err = c.place(p, files)
-	case p.GetKind() == storev1.Placement_VMM_FD && len(files) == 1:
-		r.file = files[0]
+	case p.GetKind() == storev1.Placement_VMM_FD:
+		r.files = files // holds checks their number
 	default:
 		closeFiles(files)
 	}
@@ -423,13 +421,10 @@ func (c *Client) drop(r reply) {
 	if r.m != nil {
 		c.unref(r.m)
 	}
-	if r.file != nil {
-		r.file.Close()
-	}
+	closeFiles(r.files)
 	if r.manifest != nil {
 		r.manifest.Close()
 	}
-	closeFiles(r.pieces)
 }
 
 // cleanup undoes the effect of a reply nobody waits for any more: a lease

@@ -48,12 +48,13 @@ func (c *Client) openLeaseTable(ctx context.Context) {
 	if err != nil {
 		return
 	}
-	if r.file == nil {
+	if len(r.files) != 1 {
+		closeFiles(r.files)
 		return
 	}
-	defer r.file.Close()
+	defer r.files[0].Close()
 	n := int(r.resp.GetLeaseTable().GetSlots())
-	w, err := shm.Map(r.file, n)
+	w, err := shm.Map(r.files[0], n)
 	if err != nil {
 		return
 	}
@@ -84,7 +85,7 @@ func (c *Client) retake(name string) *Lease {
 		old, next := protocol.SlotRetake(e.gen)
 		if t.words.CompareAndSwap(e.slot-1, old, next) {
 			l := &Lease{c: c, id: e.id, info: e.info, v: e.v, m: e.m, slot: e.slot, gen: e.gen, arena: e.arena}
-			if (l.v.gpu != nil || l.v.ext != nil) && !c.trackGPU(l) {
+			if l.v.gpu != nil && !c.trackGPU(l) {
 				stale = append(stale, e)
 				return nil
 			}
@@ -102,7 +103,7 @@ func (l *Lease) releaseFast() bool {
 	if t == nil || l.slot == 0 {
 		return false
 	}
-	if (l.v.gpu != nil || l.v.ext != nil) && l.c.parked.max < 0 {
+	if l.v.gpu != nil && l.c.parked.max < 0 {
 		// A client that keeps no idle GPU mappings keeps no idle GPU
 		// leases either: their views are mappings.
 		return false

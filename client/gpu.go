@@ -26,53 +26,59 @@ var regionKinds = map[storev1.Placement_Kind]cudaipc.Kind{
 	storev1.Placement_VMM_FD:   cudaipc.KindVMMFD,
 }
 
-// importPlacement maps the GPU object of placement p: its region, with f,
-// the arena's descriptor, for a VMM_FD placement.
-func importPlacement(op, name string, p *storev1.Placement, f *os.File) (*cudaipc.Mapping, error) {
-	bad := func(format string, args ...any) error {
-		return &Error{Op: op, Name: name, Err: ErrInternal, Message: fmt.Sprintf(format, args...)}
+// importPlacement maps the GPU object of placement p: the object's part
+// of the placement's region, decoded once here, with files, the
+// descriptors of a vmm-fd region (an arena's one, or registered memory's,
+// one per piece). It returns the mapping and the placement's whole region.
+func importPlacement(op, name string, p *storev1.Placement, files []*os.File) (*cudaipc.Mapping, cudaipc.Region, error) {
+	bad := func(format string, args ...any) (*cudaipc.Mapping, cudaipc.Region, error) {
+		return nil, cudaipc.Region{}, &Error{Op: op, Name: name, Err: ErrInternal, Message: fmt.Sprintf(format, args...)}
 	}
-	arena, err := cudaipc.DecodeRegion(p.GetRegion())
+	whole, err := cudaipc.DecodeRegion(p.GetRegion())
 	if err != nil {
-		return nil, bad("daemon sent an invalid region: %v", err)
+		return bad("daemon sent an invalid region: %v", err)
 	}
-	if want, ok := regionKinds[p.GetKind()]; !ok || arena.Kind != want {
-		return nil, bad("a placement of kind %s comes with a region of kind %s", p.GetKind(), arena.Kind)
+	if want, ok := regionKinds[p.GetKind()]; !ok || whole.Kind != want {
+		return bad("a placement of kind %s comes with a region of kind %s", p.GetKind(), whole.Kind)
 	}
 	off, size := p.GetOffset(), p.GetSize()
-	if off+size < off || off+size > uint64(arena.Size) {
-		return nil, bad("placement [%d, %d) lies outside the arena's %d-byte region", off, off+size, arena.Size)
+	if off+size < off || off+size > uint64(whole.Size) {
+		return bad("placement [%d, %d) lies outside the %d-byte region", off, off+size, whole.Size)
 	}
-	if dev := arena.Device.String(); dev != p.GetDevice() {
-		return nil, bad("placement on %s comes with a region of %s", p.GetDevice(), dev)
+	if dev := whole.Device.String(); dev != p.GetDevice() {
+		return bad("placement on %s comes with a region of %s", p.GetDevice(), dev)
 	}
-	r, err := arena.Sub(int64(off), int64(size))
+	r, err := whole.Sub(int64(off), int64(size))
 	if err != nil {
-		return nil, bad("%v", err)
+		return bad("%v", err)
 	}
-	if r.Kind == cudaipc.KindVMMFD && f == nil {
-		return nil, bad("a vmm-fd placement without its descriptor")
+	if n := len(r.Pieces()); r.Kind == cudaipc.KindVMMFD && len(files) != n {
+		return bad("a vmm-fd placement of %d allocations with %d descriptors", n, len(files))
 	}
-	m, err := importRegion(r, f, p.GetWritable())
+	m, err := importRegion(r, files, p.GetWritable())
 	if err != nil {
 		// Not ErrInternal: the daemon did its part; this process cannot
 		// map the memory (another PID namespace, no such GPU, ...), and
 		// the cudaipc error says why.
-		return nil, &Error{Op: op, Name: name, Err: fmt.Errorf("mapping the GPU object: %w", err)}
+		e := &Error{Op: op, Name: name, Err: fmt.Errorf("mapping the GPU object: %w", err)}
+		if p.GetExternal() && r.Kind == cudaipc.KindCUDAIPC {
+			e.Message = "the exporter registered legacy (cudaMalloc) memory, which opens only in its own PID namespace and while it lives: have it allocate VMM memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or cuMemCreate with POSIX fd handles) so that it registers descriptors (" + err.Error() + ")"
+		}
+		return nil, cudaipc.Region{}, e
 	}
-	return m, nil
+	return m, whole, nil
 }
 
-// importRegion imports r, with f for a vmm-fd region, which it maps
+// importRegion imports r, with files for a vmm-fd region, which it maps
 // read-only unless writable (a lease's placement is not): a reader's
 // write through it fails instead of changing what others read.
-func importRegion(r cudaipc.Region, f *os.File, writable bool) (*cudaipc.Mapping, error) {
+func importRegion(r cudaipc.Region, files []*os.File, writable bool) (*cudaipc.Mapping, error) {
 	if r.Kind == cudaipc.KindVMMFD {
 		a := cudaipc.ReadOnly
 		if writable {
 			a = cudaipc.ReadWrite
 		}
-		return cudaipc.Import(r, cudaipc.WithFile(f), cudaipc.WithAccess(a))
+		return cudaipc.Import(r, cudaipc.WithFiles(files...), cudaipc.WithAccess(a))
 	}
 	return cudaipc.Import(r)
 }
@@ -134,14 +140,13 @@ func resolveDevice(dev string) (string, error) {
 }
 
 // view is where an Object's or Lease's bytes are: a slice of a mapped host
-// arena, the Mapping of a GPU object (either region kind), or registered
-// VMM memory (external.go). Its zero value has no memory.
+// arena, or the Mapping of GPU memory (an arena's object of either region
+// kind, or registered memory). Its zero value has no memory.
 type view struct {
 	device string
 	size   int64
-	data   []byte                // host objects
-	gpu    *cudaipc.Mapping      // GPU objects
-	ext    *cudaipc.PieceMapping // registered VMM memory, mapped read-only
+	data   []byte           // host objects
+	gpu    *cudaipc.Mapping // GPU objects
 	open   bool
 }
 
@@ -151,9 +156,6 @@ func (v *view) readAt(op, name string, p []byte, off int64) (int, error) {
 	}
 	if v.gpu != nil {
 		return v.gpu.ReadAt(p, off)
-	}
-	if v.ext != nil {
-		return v.ext.ReadAt(p, off)
 	}
 	if off < 0 {
 		return 0, &Error{Op: op, Name: name, Err: ErrInvalid, Message: fmt.Sprintf("negative offset %d", off)}
@@ -181,18 +183,12 @@ func (v *view) writeAt(op, name string, p []byte, off int64) (int, error) {
 	if v.gpu != nil {
 		return v.gpu.WriteAt(p, off)
 	}
-	if v.ext != nil {
-		return v.ext.WriteAt(p, off)
-	}
 	return copy(v.data[off:], p), nil
 }
 
 func (v *view) ptr() cudaipc.DevicePtr {
 	if m := v.mapping(); m != nil {
 		return m.Ptr()
-	}
-	if v.open && v.ext != nil {
-		return v.ext.Ptr()
 	}
 	return 0
 }
@@ -201,9 +197,6 @@ func (v *view) ptr() cudaipc.DevicePtr {
 func (v *view) cudaDevice() *cudaipc.Device {
 	if m := v.mapping(); m != nil {
 		return m.Device()
-	}
-	if v.open && v.ext != nil {
-		return v.ext.Device()
 	}
 	return nil
 }
@@ -226,42 +219,40 @@ func (v *view) close() error {
 	if v.gpu != nil {
 		return v.gpu.Close()
 	}
-	if m := v.ext; m != nil {
-		v.ext = nil
-		return m.Close()
-	}
 	return nil
 }
 
-// placeGPU maps the GPU object of placement p into v and parks its arena;
-// f is the arena's descriptor of a VMM_FD placement, which it closes.
-func (c *Client) placeGPU(op, name string, p *storev1.Placement, f *os.File, v *view) error {
-	if f != nil {
-		defer f.Close()
-	}
-	m, err := importPlacement(op, name, p, f)
+// placeGPU maps the GPU object of placement p into v and parks its arena
+// (registered memory has none); files are the descriptors of a vmm-fd
+// region, which it closes.
+func (c *Client) placeGPU(op, name string, p *storev1.Placement, files []*os.File, v *view) error {
+	defer closeFiles(files)
+	m, arena, err := importPlacement(op, name, p, files)
 	if err != nil {
 		return err
 	}
 	v.gpu = m
-	c.parkRegion(p, f)
+	if !p.GetExternal() {
+		c.parkRegion(p.GetArenaId(), arena, files, p.GetWritable())
+	}
 	return nil
 }
 
 // holds reports whether a create or get reply carries what its placement
 // needs: the host arena's mapping, nothing more for a cuda-ipc region, or
-// the arena's descriptor for a vmm-fd one.
+// the descriptors of a vmm-fd one (an arena's one, or registered memory's
+// as many as the placement says).
 func (r reply) holds(p *storev1.Placement) bool {
 	if p.GetExternal() {
-		return r.m == nil && r.file == nil && len(r.pieces) == len(p.GetPieces())
+		return r.m == nil && len(r.files) == int(p.GetFiles())
 	}
 	switch p.GetKind() {
 	case storev1.Placement_HOST:
-		return r.m != nil && r.file == nil
+		return r.m != nil && len(r.files) == 0
 	case storev1.Placement_CUDA_IPC:
-		return r.m == nil && r.file == nil
+		return r.m == nil && len(r.files) == 0
 	case storev1.Placement_VMM_FD:
-		return r.m == nil && r.file != nil
+		return r.m == nil && len(r.files) == 1
 	}
 	return false
 }

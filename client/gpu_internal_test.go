@@ -89,27 +89,30 @@ func TestHostView(t *testing.T) {
 }
 
 // A reply carries what its placement's kind needs: the host arena's
-// mapping, nothing for a cuda-ipc region, the descriptor of a vmm-fd one.
+// mapping, nothing for a cuda-ipc region, the descriptor of a vmm-fd one,
+// and for registered memory as many descriptors as the placement says.
 func TestReplyHolds(t *testing.T) {
 	f, err := os.Open(os.DevNull)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer f.Close()
+	one, three := []*os.File{f}, []*os.File{f, f, f}
 	for _, tc := range []struct {
-		kind storev1.Placement_Kind
-		hold reply // the reply that carries what the kind needs; the others do not
+		p    *storev1.Placement
+		hold reply // the reply that carries what the placement needs; the others do not
 	}{
-		{storev1.Placement_HOST, reply{m: &mapping{}}},
-		{storev1.Placement_CUDA_IPC, reply{}},
-		{storev1.Placement_VMM_FD, reply{file: f}},
-		{storev1.Placement_KIND_UNSPECIFIED, reply{m: &mapping{}, file: f}}, // none holds it
+		{&storev1.Placement{Kind: storev1.Placement_HOST}, reply{m: &mapping{}}},
+		{&storev1.Placement{Kind: storev1.Placement_CUDA_IPC}, reply{}},
+		{&storev1.Placement{Kind: storev1.Placement_VMM_FD}, reply{files: one}},
+		{&storev1.Placement{Kind: storev1.Placement_VMM_FD, External: true, Files: 3}, reply{files: three}},
+		{&storev1.Placement{Kind: storev1.Placement_CUDA_IPC, External: true}, reply{}},
+		{&storev1.Placement{Kind: storev1.Placement_KIND_UNSPECIFIED}, reply{m: &mapping{}, files: one}}, // none holds it
 	} {
-		p := &storev1.Placement{Kind: tc.kind}
-		for _, r := range []reply{{}, {m: &mapping{}}, {file: f}} {
-			want := (tc.hold.m != nil) == (r.m != nil) && (tc.hold.file != nil) == (r.file != nil)
-			if got := r.holds(p); got != want {
-				t.Errorf("kind %s: reply (mapping %v, file %v) holds = %v", tc.kind, r.m != nil, r.file != nil, got)
+		for _, r := range []reply{{}, {m: &mapping{}}, {files: one}, {files: three}} {
+			want := (tc.hold.m != nil) == (r.m != nil) && len(tc.hold.files) == len(r.files)
+			if got := r.holds(tc.p); got != want {
+				t.Errorf("placement %v: reply (mapping %v, %d files) holds = %v", tc.p, r.m != nil, len(r.files), got)
 			}
 		}
 	}

@@ -90,7 +90,9 @@ func (c *Client) get(ctx context.Context, name string, gr *storev1.GetRequest, w
 		c.cleanup(r, name)
 		return nil, &Error{Op: "get", Name: name, Err: ErrInternal, Message: "daemon sent no read-only placement"}
 	}
-	info := infoFromProto(g.GetInfo())
+	// The object's region is the mapping's (placeGPU), not decoded again
+	// from the info.
+	info := infoBody(g.GetInfo())
 	if info.Name == "" {
 		info = ObjectInfo{Name: name, Size: int64(p.GetSize()), Device: p.GetDevice(), Sealed: true}
 	}
@@ -103,15 +105,12 @@ func (c *Client) get(ctx context.Context, name string, gr *storev1.GetRequest, w
 		l.v.data = r.m.slice(p)
 		return l, nil
 	}
-	if p.GetExternal() {
-		err = c.placeExternal("get", name, p, r.pieces, &l.v)
-	} else {
-		err = c.placeGPU("get", name, p, r.file, &l.v)
-	}
-	if err != nil {
+	if err := c.placeGPU("get", name, p, r.files, &l.v); err != nil {
 		c.cleanup(reply{resp: r.resp, manifest: r.manifest}, name) // releases the lease
 		return nil, err
 	}
+	reg := l.v.gpu.Region()
+	l.info.Region = &reg
 	if !c.trackGPU(l) {
 		l.v.close()
 		return nil, &Error{Op: "get", Name: name, Err: ErrClosed}
@@ -225,7 +224,16 @@ func (l *Lease) Release() error {
 
 func isGone(err error) bool { return errors.Is(err, ErrStoreGone) || errors.Is(err, ErrClosed) }
 
+// infoFromProto converts p, its region included.
 func infoFromProto(p *storev1.ObjectInfo) ObjectInfo {
+	in := infoBody(p)
+	in.Region = decodeRegion(p.GetRegion())
+	return in
+}
+
+// infoBody converts p but for its region, which a get takes from the
+// object's mapping instead.
+func infoBody(p *storev1.ObjectInfo) ObjectInfo {
 	if p == nil {
 		return ObjectInfo{}
 	}
@@ -238,7 +246,6 @@ func infoFromProto(p *storev1.ObjectInfo) ObjectInfo {
 		Shared:   p.GetShared(),
 		OwnerUID: p.GetOwnerUid(),
 		Created:  time.Unix(0, p.GetCreatedUnixNano()),
-		Region:   decodeRegion(p.GetRegion()),
 
 		Version:      p.GetVersion(),
 		Shards:       int(p.GetShards()),

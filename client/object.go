@@ -88,7 +88,7 @@ func (c *Client) Create(ctx context.Context, name string, size int64, opts Creat
 		o.v.data = r.m.slice(p)
 		return o, nil
 	}
-	if err = c.placeGPU("create", name, p, r.file, &o.v); err != nil {
+	if err = c.placeGPU("create", name, p, r.files, &o.v); err != nil {
 		c.cleanup(reply{resp: r.resp}, name) // aborts the object
 		return nil, err
 	}

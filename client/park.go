@@ -136,17 +136,13 @@ func (c *Client) forgetArenas(ids []uint64) {
 	}
 }
 
-// parkRegion parks the GPU arena a placement's region describes: a Mapping
-// of the whole arena, through the import cache (a cache hit: the object's
-// own import opened it; f, the descriptor of a vmm-fd arena, is not used
-// then, but Import wants it).
-func (c *Client) parkRegion(p *storev1.Placement, f *os.File) {
-	c.park(p.GetArenaId(), func() (func() error, error) {
-		r, err := cudaipc.DecodeRegion(p.GetRegion())
-		if err != nil {
-			return nil, err
-		}
-		m, err := importRegion(r, f, p.GetWritable())
+// parkRegion parks GPU arena id, whose whole region is arena: a Mapping of
+// it, through the import cache (a cache hit: the object's own import opened
+// it; files, the descriptor of a vmm-fd arena, are not used then, but
+// Import wants them).
+func (c *Client) parkRegion(id uint64, arena cudaipc.Region, files []*os.File, writable bool) {
+	c.park(id, func() (func() error, error) {
+		m, err := importRegion(arena, files, writable)
 		if err != nil {
 			return nil, err
 		}

@@ -69,15 +69,17 @@ func roleExtExporter(ctx context.Context, sock string, say func(string, ...any))
 		ptr  cudaipc.DevicePtr
 		size int64
 	}{{name, data.Ptr() + extOff, extSize}, {name + "/timeline", tl.Ptr(), 8}} {
-		x, err := cudaipc.ExportPointer(dev, r.ptr, r.size)
+		reg, files, err := cudaipc.ExportPointer(dev, r.ptr, r.size)
 		if err != nil {
 			return err
 		}
-		if !x.VMM() {
+		if reg.Kind != cudaipc.KindVMMFD {
 			return fmt.Errorf("%s exported as a legacy region", r.name)
 		}
-		_, err = c.Register(ctx, r.name, x, client.RegisterOptions{Shared: true})
-		x.Close()
+		_, err = c.Register(ctx, r.name, reg, files, client.RegisterOptions{Shared: true})
+		for _, f := range files {
+			f.Close()
+		}
 		if err != nil {
 			return err
 		}
@@ -214,14 +216,14 @@ func roleExtLegacyExporter(ctx context.Context, sock string, say func(string, ..
 	if err != nil {
 		return err
 	}
-	x, err := cudaipc.ExportPointer(dev, b.Ptr(), 1<<20)
+	reg, files, err := cudaipc.ExportPointer(dev, b.Ptr(), 1<<20)
 	if err != nil {
 		return err
 	}
-	if x.VMM() {
+	if reg.Kind != cudaipc.KindCUDAIPC || len(files) != 0 {
 		return errors.New("cudaMalloc memory exported as VMM")
 	}
-	if _, err := c.Register(ctx, os.Getenv("NAME"), x, client.RegisterOptions{Shared: true}); err != nil {
+	if _, err := c.Register(ctx, os.Getenv("NAME"), reg, nil, client.RegisterOptions{Shared: true}); err != nil {
 		return err
 	}
 	say("registered")

@@ -31,7 +31,7 @@ const (
 	// (MaxPieces).
 	MaxFiles = 60
 	// MaxPieces is the most pieces (physical allocations) one registered
-	// object may span; cudaipc.MaxPieces is the same.
+	// object may span: its descriptors travel in one packet.
 	MaxPieces = MaxFiles
 )
 

@@ -38,7 +38,7 @@ func seedResponses() []*storev1.Response {
 		ListPage(8, []*storev1.ObjectInfo{info("a"), info("b")}),
 		{Id: 9, Body: &storev1.Response_Stat{Stat: &storev1.StatResponse{Info: info("x")}}},
 		{Id: 11, Body: &storev1.Response_Get{Get: &storev1.GetResponse{LeaseId: 4,
-			Placement: &storev1.Placement{Device: "GPU-0", Offset: 1 << 20, Size: 3 << 20, ArenaSize: 4 << 20, External: true, Pieces: []uint64{2 << 20, 2 << 20}},
+			Placement: &storev1.Placement{Device: "GPU-0", Size: 3 << 20, ArenaSize: 3 << 20, External: true, Files: 2, Region: make([]byte, 212), Kind: storev1.Placement_VMM_FD},
 			Info:      &storev1.ObjectInfo{Name: "ext", Size: 3 << 20, Device: "GPU-0", Sealed: true, External: true}}}},
 		{Id: 3, Body: &storev1.Response_Seal{Seal: &storev1.SealResponse{}}},
 		NewEvent(storev1.Event_EVICTED, "x"),
@@ -99,11 +99,11 @@ func FuzzDecodeRequest(f *testing.F) {
 	// Registrations: VMM pieces with one descriptor each, and a legacy one.
 	reg := &storev1.Request{Id: 9, Body: &storev1.Request_Register{Register: &storev1.RegisterRequest{
 		Name: "torch/w0", Size: 3 << 20, Device: "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8",
-		Offset: 1 << 20, Pieces: []uint64{2 << 20, 2 << 20}}}}
+		Region: make([]byte, 188), Files: 2}}}
 	f.Add(mustMarshal(f, reg), uint8(2))
 	f.Add(mustMarshal(f, reg), uint8(3))
 	legacy := &storev1.Request{Id: 10, Body: &storev1.Request_Register{Register: &storev1.RegisterRequest{
-		Name: "cupy/a", Size: 4096, Device: "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8", LegacyRegion: make([]byte, 164)}}}
+		Name: "cupy/a", Size: 4096, Device: "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8", Region: make([]byte, 164)}}}
 	f.Add(mustMarshal(f, legacy), uint8(0))
 	raw, sock := socketpair(f)
 	c := newConn(f, sock)
@@ -124,8 +124,8 @@ func FuzzDecodeRequest(f *testing.F) {
 			return
 		}
 		if reg := req.GetRegister(); reg != nil {
-			if files != len(reg.GetPieces()) || files > MaxPieces {
-				t.Fatalf("ValidateRequest accepted a register of %d pieces with %d files", len(reg.GetPieces()), files)
+			if files != int(reg.GetFiles()) || files > MaxPieces || len(reg.GetRegion()) == 0 {
+				t.Fatalf("ValidateRequest accepted a register of %d descriptors with %d files", reg.GetFiles(), files)
 			}
 			files = 0
 		}

@@ -1,7 +1,6 @@
 package protocol
 
 import (
-	"fmt"
 	"strconv"
 	"strings"
 	"unicode"
@@ -303,7 +302,7 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 			if err := validateExternal(g.GetPlacement(), g.GetInfo()); err != nil {
 				return err
 			}
-			placementFiles = len(g.GetPlacement().GetPieces())
+			placementFiles = int(g.GetPlacement().GetFiles())
 		}
 		if g.GetManifestAttached() {
 			if g.GetInfo().GetManifestSize() == 0 {
@@ -375,13 +374,17 @@ func validatePlacement(p *storev1.Placement, writable bool) error {
 	}
 	host := p.GetDevice() == "host"
 	if p.GetExternal() {
-		// Registered memory (validateExternal checks the rest): VMM pieces,
-		// their descriptors beside the placement, or a cuda-ipc region.
+		// Registered memory (validateExternal checks the rest): a vmm-fd
+		// region with its descriptors beside the placement, or a cuda-ipc
+		// region.
 		if k := p.GetKind(); host || k != storev1.Placement_VMM_FD && k != storev1.Placement_CUDA_IPC ||
-			(k == storev1.Placement_VMM_FD) != (len(p.GetPieces()) > 0) {
-			return invalid("placement: an external placement is VMM_FD with pieces or CUDA_IPC with a region")
+			(k == storev1.Placement_VMM_FD) != (p.GetFiles() > 0) {
+			return invalid("placement: an external placement is VMM_FD with descriptors or CUDA_IPC without")
 		}
 		return nil
+	}
+	if p.GetFiles() != 0 {
+		return invalid("placement: descriptors of external memory in an arena's placement")
 	}
 	switch p.GetKind() {
 	case storev1.Placement_HOST:
@@ -465,9 +468,10 @@ func QualifiedName(uid uint32, name string) string {
 }
 
 // ValidateRegister checks a register request carrying nfiles descriptors:
-// a valid name, size, device and tensor, and either VMM pieces (1 to
-// MaxPieces, each positive, one descriptor each, the object within them)
-// or a legacy region (no pieces, no descriptors), not both.
+// a valid name, size, device and tensor, a region (which the store decodes:
+// this package does not read regions), and as many descriptors as the
+// request says (1 to MaxPieces for a vmm-fd region, none for a cuda-ipc
+// one).
 func ValidateRegister(r *storev1.RegisterRequest, nfiles int) error {
 	if err := ValidateName(r.GetName()); err != nil {
 		return err
@@ -481,64 +485,30 @@ func ValidateRegister(r *storev1.RegisterRequest, nfiles int) error {
 	if err := ValidateDevice(r.GetDevice()); err != nil {
 		return err
 	}
-	pieces := r.GetPieces()
-	switch {
-	case len(r.GetLegacyRegion()) > 0:
-		if len(pieces) > 0 || nfiles != 0 || r.GetOffset() != 0 {
-			return Errorf(storev1.Error_INVALID, "register: a legacy region comes without pieces, offset or descriptors")
-		}
-		return nil
-	case len(pieces) == 0:
-		return Errorf(storev1.Error_INVALID, "register: neither pieces nor a legacy region")
-	case len(pieces) > MaxPieces:
-		return Errorf(storev1.Error_INVALID, "register: %d pieces, at most %d", len(pieces), MaxPieces)
-	case nfiles != len(pieces):
-		return Errorf(storev1.Error_INVALID, "register: %d descriptors for %d pieces", nfiles, len(pieces))
-	}
-	if err := checkPieces(pieces, r.GetOffset(), r.GetSize()); err != nil {
-		return Errorf(storev1.Error_INVALID, "register: %v", err)
-	}
-	return nil
-}
-
-// checkPieces checks that [offset, offset+size) lies in the pieces and
-// starts in the first; sizes are bounded so that sums cannot overflow.
-func checkPieces(pieces []uint64, offset, size uint64) error {
-	var total uint64
-	for i, p := range pieces {
-		if p == 0 || p > MaxObjectSize {
-			return fmt.Errorf("piece %d has size %d (1..%d)", i, p, uint64(MaxObjectSize))
-		}
-		total += p
-	}
-	switch {
-	case offset >= pieces[0]:
-		return fmt.Errorf("offset %d is not in the first piece (%d bytes)", offset, pieces[0])
-	case size > total-offset:
-		return fmt.Errorf("%d bytes from offset %d run past the pieces' %d", size, offset, total)
+	switch n := r.GetFiles(); {
+	case len(r.GetRegion()) == 0:
+		return Errorf(storev1.Error_INVALID, "register: no region: send the memory's binary region (docs/region.md)")
+	case n > MaxPieces:
+		return Errorf(storev1.Error_INVALID, "register: %d descriptors, at most %d", n, MaxPieces)
+	case int(n) != nfiles:
+		return Errorf(storev1.Error_INVALID, "register: the request says %d descriptors and carries %d", n, nfiles)
 	}
 	return nil
 }
 
 // validateExternal checks the placement of a registered object.
 func validateExternal(p *storev1.Placement, in *storev1.ObjectInfo) error {
-	if !in.GetExternal() {
+	switch {
+	case !in.GetExternal():
 		return invalid("get: an external placement for an object that is not external")
-	}
-	if p.GetArenaId() != 0 {
+	case p.GetArenaId() != 0:
 		return invalid("get: an external placement with an arena id")
-	}
-	if len(p.GetPieces()) == 0 {
-		if len(p.GetRegion()) == 0 {
-			return invalid("get: an external placement without pieces or region")
-		}
-		return nil
-	}
-	if len(p.GetPieces()) > MaxPieces || p.GetFdAttached() {
-		return invalid("get: bad external pieces")
-	}
-	if err := checkPieces(p.GetPieces(), p.GetOffset(), p.GetSize()); err != nil {
-		return invalid("get: " + err.Error())
+	case len(p.GetRegion()) == 0:
+		return invalid("get: an external placement without its region")
+	case p.GetFiles() > MaxPieces || p.GetFdAttached():
+		return invalid("get: bad external descriptors")
+	case p.GetOffset() != 0 || p.GetArenaSize() != p.GetSize():
+		return invalid("get: an external placement is its whole region")
 	}
 	return nil
 }

@@ -36,10 +36,9 @@ type external struct {
 	created time.Time
 	tensor  *storev1.TensorDesc
 
-	offset int64
-	pieces []int64
-	files  []*os.File // VMM: one per piece; nil once dropped
-	legacy []byte     // legacy: the binary KindCUDAIPC region
+	region []byte     // the registered binary region (docs/region.md), either kind
+	files  []*os.File // vmm-fd: one per piece of region; nil once dropped
+	legacy []byte     // cuda-ipc: region again (the exporter must outlive its readers); nil for vmm-fd
 
 	registrar *session // the registering connection, while it lives
 	orphaned  bool
@@ -52,13 +51,9 @@ type external struct {
 func (e *external) readableBy(uid uint32) bool { return e.shared || e.owner == uid || uid == 0 }
 
 func (e *external) info() info {
-	var total int64
-	for _, p := range e.pieces {
-		total += p
-	}
 	return info{
 		Name: e.name, Size: e.size, Device: e.device, Sealed: true, Leases: e.leases,
-		Shared: e.shared, OwnerUID: e.owner, Created: e.created, Region: e.legacy, Tensor: e.tensor,
+		Shared: e.shared, OwnerUID: e.owner, Created: e.created, Region: e.region, Tensor: e.tensor,
 		External: true, Orphaned: e.orphaned, ExporterBound: e.legacy != nil,
 	}
 }
@@ -98,21 +93,22 @@ func (ss *session) register(r *storev1.RegisterRequest, files []*os.File) (info,
 	}
 	e := &external{
 		name: r.GetName(), size: int64(r.GetSize()), device: u.String(), shared: r.GetShared(),
-		owner: ss.peer.uid, created: time.Now(), tensor: r.GetTensor(), offset: int64(r.GetOffset()),
+		owner: ss.peer.uid, created: time.Now(), tensor: r.GetTensor(), region: r.GetRegion(),
 		files: files, registrar: ss,
 	}
-	if lr := r.GetLegacyRegion(); len(lr) > 0 {
-		reg, err := cudaipc.DecodeRegion(lr)
-		if err != nil {
-			return info{}, invalidf("register: legacy_region: %v", err)
-		}
-		if reg.Kind != cudaipc.KindCUDAIPC || reg.Size != e.size || reg.Device != u {
-			return info{}, invalidf("register: legacy_region is a %s region of %d bytes on %s, the request says %d bytes on %s", reg.Kind, reg.Size, reg.Device, e.size, u)
-		}
-		e.legacy = lr
+	reg, err := cudaipc.DecodeRegion(e.region)
+	switch {
+	case err != nil:
+		return info{}, invalidf("register: region: %v", err)
+	case reg.Size != e.size || reg.Device != u:
+		return info{}, invalidf("register: the region is %d bytes on %s, the request says %d bytes on %s", reg.Size, reg.Device, e.size, u)
+	case reg.Kind == cudaipc.KindCUDAIPC && len(files) != 0:
+		return info{}, invalidf("register: a cuda-ipc region comes without descriptors, not %d", len(files))
+	case reg.Kind == cudaipc.KindVMMFD && len(files) != len(reg.Pieces()):
+		return info{}, invalidf("register: %d descriptors for a vmm-fd region of %d allocations: send one per piece, first piece first", len(files), len(reg.Pieces()))
 	}
-	for _, p := range r.GetPieces() {
-		e.pieces = append(e.pieces, int64(p))
+	if reg.Kind == cudaipc.KindCUDAIPC {
+		e.legacy = e.region
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -130,23 +126,16 @@ func (ss *session) register(r *storev1.RegisterRequest, files []*os.File) (info,
 	s.wakeLocked(e.name)
 	s.emitLocked(event{kind: eventSealed, name: e.name}, readers(e.owner, e.shared))
 	s.log.Info("external memory registered", "session", ss.id, "name", e.name, "size", e.size, "device", e.device,
-		"pieces", len(e.pieces), "legacy", e.legacy != nil, "shared", e.shared)
+		"pieces", len(e.files), "legacy", e.legacy != nil, "shared", e.shared)
 	return e.info(), nil
 }
 
 // leaseExternalLocked grants a read lease on e: duplicates of its
 // descriptors travel with the placement.
 func (ss *session) leaseExternalLocked(e *external) (placement, error) {
-	p := placement{device: e.device, offset: e.offset, size: e.size, external: true, pieces: e.pieces, region: e.legacy, kind: storev1.Placement_VMM_FD}
+	p := placement{device: e.device, size: e.size, arenaSize: e.size, external: true, region: e.region, kind: storev1.Placement_VMM_FD}
 	if e.legacy != nil {
 		p.kind = storev1.Placement_CUDA_IPC
-	}
-	p.arenaSize = e.size
-	if len(e.pieces) > 0 {
-		p.arenaSize = 0
-		for _, n := range e.pieces {
-			p.arenaSize += n
-		}
 	}
 	for _, f := range e.files {
 		d, err := dupFile(f)

@@ -54,6 +54,25 @@ func (rc *rawClient) register(r *storev1.RegisterRequest, files ...*os.File) *st
 	return resp
 }
 
+// vmmRegion is the binary vmm-fd region of size bytes at offset off of a
+// range of the given allocations' sizes (version 2 for more than one).
+func vmmRegion(t *testing.T, off, size int64, pieces ...int64) []byte {
+	t.Helper()
+	u, _ := cudaipc.ParseUUID(testGPU)
+	r := cudaipc.Region{Version: cudaipc.RegionVersion, Kind: cudaipc.KindVMMFD, AllocationID: cudaipc.NewAllocationID(),
+		Offset: off, Size: size, AllocSize: pieces[0], Device: u, ExporterPID: 42, PIDNamespace: 4026531836,
+		BootID: cudaipc.BootID{1}, ExporterBase: 0x7f0000000000}
+	for _, n := range pieces[1:] {
+		r.Version = cudaipc.RegionVersionPieces
+		r.MorePieces = append(r.MorePieces, cudaipc.Piece{AllocationID: cudaipc.NewAllocationID(), Size: n})
+	}
+	b, err := r.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
 func (rc *rawClient) stat(name string) (*storev1.ObjectInfo, storev1.Error_Code) {
 	rc.t.Helper()
 	resp, _ := rc.do(req(&storev1.StatRequest{Name: name}))
@@ -74,7 +93,8 @@ func TestRegisterVMMOrphanedUntilLastRelease(t *testing.T) {
 		defer f.Close()
 		files = append(files, f)
 	}
-	r := &storev1.RegisterRequest{Name: "torch/w", Size: 3 << 20, Device: testGPU, Shared: true, Offset: 1 << 20, Pieces: []uint64{2 << 20, 2 << 20}}
+	region := vmmRegion(t, 1<<20, 3<<20, 2<<20, 2<<20)
+	r := &storev1.RegisterRequest{Name: "torch/w", Size: 3 << 20, Device: testGPU, Shared: true, Region: region, Files: 2}
 	resp := exp.register(r, files...)
 	wantCode(t, resp, storev1.Error_OK)
 	if in := resp.GetRegister().GetInfo(); !in.GetExternal() || in.GetOrphaned() || in.GetExporterBound() || !in.GetSealed() {
@@ -88,7 +108,7 @@ func TestRegisterVMMOrphanedUntilLastRelease(t *testing.T) {
 	g, got := rd.do(req(&storev1.GetRequest{Name: "torch/w"}))
 	wantCode(t, g, storev1.Error_OK)
 	p := g.GetGet().GetPlacement()
-	if !p.GetExternal() || p.GetOffset() != 1<<20 || p.GetSize() != 3<<20 || len(p.GetPieces()) != 2 || len(got) != 2 {
+	if !p.GetExternal() || p.GetOffset() != 0 || p.GetSize() != 3<<20 || !bytes.Equal(p.GetRegion(), region) || p.GetFiles() != 2 || len(got) != 2 {
 		t.Fatalf("placement %v with %d files", p, len(got))
 	}
 	for i, f := range got {
@@ -133,7 +153,7 @@ func TestRegisterLegacyBoundToExporter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	wantCode(t, exp.register(&storev1.RegisterRequest{Name: "cupy/a", Size: 8192, Device: testGPU, LegacyRegion: b}), storev1.Error_OK)
+	wantCode(t, exp.register(&storev1.RegisterRequest{Name: "cupy/a", Size: 8192, Device: testGPU, Region: b}), storev1.Error_OK)
 	in, _ := exp.stat("cupy/a")
 	if !in.GetExternal() || !in.GetExporterBound() || !bytes.Equal(in.GetRegion(), b) {
 		t.Fatalf("stat %v", in)
@@ -141,7 +161,7 @@ func TestRegisterLegacyBoundToExporter(t *testing.T) {
 	rd := dialRaw(t, path)
 	g, got := rd.do(req(&storev1.GetRequest{Name: "cupy/a"}))
 	wantCode(t, g, storev1.Error_OK)
-	if p := g.GetGet().GetPlacement(); len(got) != 0 || !p.GetExternal() || !bytes.Equal(p.GetRegion(), b) || len(p.GetPieces()) != 0 {
+	if p := g.GetGet().GetPlacement(); len(got) != 0 || !p.GetExternal() || !bytes.Equal(p.GetRegion(), b) || p.GetFiles() != 0 {
 		t.Fatalf("legacy placement %v with %d files", p, len(got))
 	}
 	exp.c.Close()
@@ -155,13 +175,25 @@ func TestRegisterLegacyBoundToExporter(t *testing.T) {
 	rel, _ := rd.do(req(&storev1.ReleaseRequest{LeaseId: g.GetGet().GetLeaseId()}))
 	wantCode(t, rel, storev1.Error_OK)
 	bad := map[string]*storev1.RegisterRequest{
-		"size mismatch":  {Name: "x", Size: 4096, Device: testGPU, LegacyRegion: b},
-		"garbage region": {Name: "x", Size: 8192, Device: testGPU, LegacyRegion: []byte("nope")},
-		"not a uuid":     {Name: "x", Size: 8192, Device: "0", LegacyRegion: b},
+		"size mismatch":  {Name: "x", Size: 4096, Device: testGPU, Region: b},
+		"garbage region": {Name: "x", Size: 8192, Device: testGPU, Region: []byte("nope")},
+		"not a uuid":     {Name: "x", Size: 8192, Device: "0", Region: b},
 		"nothing":        {Name: "x", Size: 8192, Device: testGPU},
 	}
 	for name, r := range bad {
 		if resp := rd.register(r); code(resp) != storev1.Error_INVALID {
+			t.Errorf("%s: %v (%s), want INVALID", name, code(resp), resp.GetError().GetMessage())
+		}
+	}
+	// A vmm-fd region with as many descriptors as the request says, but
+	// not as many as the region has pieces; a cuda-ipc one with some.
+	f := memfdPiece(t, []byte("x"))
+	defer f.Close()
+	for name, r := range map[string]*storev1.RegisterRequest{
+		"one file for two pieces": {Name: "x", Size: 3 << 20, Device: testGPU, Region: vmmRegion(t, 0, 3<<20, 2<<20, 2<<20), Files: 1},
+		"cuda-ipc with a file":    {Name: "x", Size: 8192, Device: testGPU, Region: b, Files: 1},
+	} {
+		if resp := rd.register(r, f); code(resp) != storev1.Error_INVALID {
 			t.Errorf("%s: %v (%s), want INVALID", name, code(resp), resp.GetError().GetMessage())
 		}
 	}

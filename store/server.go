@@ -605,10 +605,7 @@ func (p *placement) proto() *storev1.Placement {
 	}
 	pp.Region = p.region
 	if p.external {
-		pp.External = true
-		for _, n := range p.pieces {
-			pp.Pieces = append(pp.Pieces, uint64(n))
-		}
+		pp.External, pp.Files = true, uint32(len(p.pieceFiles))
 	}
 	return pp
 }

@@ -97,10 +97,9 @@ type placement struct {
 	arenaSize  int64
 	writable   bool
 	kind       storev1.Placement_Kind
-	region     []byte     // GPU arenas: the whole arena's region, in every placement; a legacy registration's region
+	region     []byte     // GPU arenas: the whole arena's region, in every placement; registered memory: its region
 	external   bool       // registered memory (external.go): no arena
-	pieces     []int64    // its VMM pieces
-	pieceFiles []*os.File // duplicates of their descriptors, sent with the placement; the caller closes them
+	pieceFiles []*os.File // registered VMM memory: duplicates of its descriptors, sent with the placement; the caller closes them
 	leaseID    uint64     // gets only
 	leaseSlot  int        // gets only: the lease's slot in the session's table, or 0
 	leaseGen   uint64

@@ -1817,16 +1817,17 @@ type Placement struct {
 	// (docs/region.md) of the whole arena; empty for host memory.
 	Region []byte `protobuf:"bytes,8,opt,name=region,proto3" json:"region,omitempty"`
 	// External memory (register): the object's bytes lie in memory a client
-	// registered, not in an arena of the store; arena_id is 0, offset is
-	// piece_offset, arena_size the pieces' total.
+	// registered, not in an arena of the store; arena_id is 0, offset 0,
+	// arena_size the object's size, and region the registered region itself
+	// (docs/region.md): a cuda-ipc region, or a vmm-fd one (version 2 for
+	// memory over several allocations).
 	External bool `protobuf:"varint,45,opt,name=external,proto3" json:"external,omitempty"`
-	// VMM memory: the size of each physical allocation (piece), in address
-	// order; one descriptor per piece is attached, in the same order, and
-	// the object starts offset bytes into the first piece. Empty for a
-	// legacy registration, whose region (a KindCUDAIPC Region) is in region.
-	Pieces []uint64 `protobuf:"varint,46,rep,packed,name=pieces,proto3" json:"pieces,omitempty"`
-	// How to map it; external placements are VMM_FD (pieces) or CUDA_IPC
-	// (a legacy registration's region).
+	// External vmm-fd memory: how many descriptors the region's allocations
+	// have, one per piece, first piece first; all are attached to this packet
+	// (at most 60, protocol.MaxFiles). 0 for a cuda-ipc region.
+	Files uint32 `protobuf:"varint,47,opt,name=files,proto3" json:"files,omitempty"`
+	// How to map it; external placements are VMM_FD (a vmm-fd region and its
+	// descriptors) or CUDA_IPC (a legacy registration's region).
 	Kind          Placement_Kind `protobuf:"varint,16,opt,name=kind,proto3,enum=cudaipc.store.v1.Placement_Kind" json:"kind,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1925,11 +1926,11 @@ func (x *Placement) GetExternal() bool {
 	return false
 }
 
-func (x *Placement) GetPieces() []uint64 {
+func (x *Placement) GetFiles() uint32 {
 	if x != nil {
-		return x.Pieces
+		return x.Files
 	}
-	return nil
+	return 0
 }
 
 func (x *Placement) GetKind() Placement_Kind {
@@ -2781,14 +2782,16 @@ type RegisterRequest struct {
 	Device string `protobuf:"bytes,3,opt,name=device,proto3" json:"device,omitempty"`
 	// Readable by every admitted uid, not only the registering one.
 	Shared bool `protobuf:"varint,4,opt,name=shared,proto3" json:"shared,omitempty"`
-	// VMM memory: where the object starts in the first piece, and each
-	// piece's size; the request carries len(pieces) descriptors.
-	Offset uint64   `protobuf:"varint,5,opt,name=offset,proto3" json:"offset,omitempty"`
-	Pieces []uint64 `protobuf:"varint,6,rep,packed,name=pieces,proto3" json:"pieces,omitempty"`
-	// Legacy memory (cuMemAlloc): the binary KindCUDAIPC Region of the
-	// object, and no descriptors. Readers must share the exporter's PID
-	// namespace, and the exporter must outlive them.
-	LegacyRegion []byte `protobuf:"bytes,7,opt,name=legacy_region,json=legacyRegion,proto3" json:"legacy_region,omitempty"`
+	// The memory's binary region (docs/region.md), of size bytes on device:
+	// a cuda-ipc region (memory from cuMemAlloc: readers must share the
+	// exporter's PID namespace, and the exporter must outlive them), or a
+	// vmm-fd region, version 2 when the memory spans several allocations
+	// (PyTorch's expandable segments), whose descriptors come with the
+	// request, one per piece, first piece first.
+	Region []byte `protobuf:"bytes,9,opt,name=region,proto3" json:"region,omitempty"`
+	// How many descriptors come with the request: 0 for a cuda-ipc region,
+	// the region's piece count for a vmm-fd one.
+	Files uint32 `protobuf:"varint,10,opt,name=files,proto3" json:"files,omitempty"`
 	// Optional typed-array descriptor, as for create.
 	Tensor        *TensorDesc `protobuf:"bytes,8,opt,name=tensor,proto3" json:"tensor,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -2853,25 +2856,18 @@ func (x *RegisterRequest) GetShared() bool {
 	return false
 }
 
-func (x *RegisterRequest) GetOffset() uint64 {
+func (x *RegisterRequest) GetRegion() []byte {
 	if x != nil {
-		return x.Offset
+		return x.Region
+	}
+	return nil
+}
+
+func (x *RegisterRequest) GetFiles() uint32 {
+	if x != nil {
+		return x.Files
 	}
 	return 0
-}
-
-func (x *RegisterRequest) GetPieces() []uint64 {
-	if x != nil {
-		return x.Pieces
-	}
-	return nil
-}
-
-func (x *RegisterRequest) GetLegacyRegion() []byte {
-	if x != nil {
-		return x.LegacyRegion
-	}
-	return nil
 }
 
 func (x *RegisterRequest) GetTensor() *TensorDesc {
@@ -3054,7 +3050,7 @@ const file_store_proto_rawDesc = "" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12%\n" +
 	"\x0eserver_version\x18\x02 \x01(\tR\rserverVersion\x12\x10\n" +
 	"\x03pid\x18\x03 \x01(\rR\x03pid\x12\x18\n" +
-	"\abackend\x18\x04 \x01(\tR\abackend\"\x8a\x03\n" +
+	"\abackend\x18\x04 \x01(\tR\abackend\"\x8e\x03\n" +
 	"\tPlacement\x12\x19\n" +
 	"\barena_id\x18\x01 \x01(\x04R\aarenaId\x12\x16\n" +
 	"\x06device\x18\x02 \x01(\tR\x06device\x12\x16\n" +
@@ -3066,15 +3062,15 @@ const file_store_proto_rawDesc = "" +
 	"\vfd_attached\x18\a \x01(\bR\n" +
 	"fdAttached\x12\x16\n" +
 	"\x06region\x18\b \x01(\fR\x06region\x12\x1a\n" +
-	"\bexternal\x18- \x01(\bR\bexternal\x12\x16\n" +
-	"\x06pieces\x18. \x03(\x04R\x06pieces\x124\n" +
+	"\bexternal\x18- \x01(\bR\bexternal\x12\x14\n" +
+	"\x05files\x18/ \x01(\rR\x05files\x124\n" +
 	"\x04kind\x18\x10 \x01(\x0e2 .cudaipc.store.v1.Placement.KindR\x04kind\"@\n" +
 	"\x04Kind\x12\x14\n" +
 	"\x10KIND_UNSPECIFIED\x10\x00\x12\b\n" +
 	"\x04HOST\x10\x01\x12\f\n" +
 	"\bCUDA_IPC\x10\x02\x12\n" +
 	"\n" +
-	"\x06VMM_FD\x10\x03\"\x91\x04\n" +
+	"\x06VMM_FD\x10\x03J\x04\b.\x10/\"\x91\x04\n" +
 	"\n" +
 	"ObjectInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
@@ -3132,16 +3128,16 @@ const file_store_proto_rawDesc = "" +
 	"\x06SEALED\x10\x01\x12\v\n" +
 	"\aDELETED\x10\x02\x12\v\n" +
 	"\aEVICTED\x10\x03\x12\v\n" +
-	"\aABORTED\x10\x04\"\xf4\x01\n" +
+	"\aABORTED\x10\x04\"\xdf\x01\n" +
 	"\x0fRegisterRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x16\n" +
 	"\x06device\x18\x03 \x01(\tR\x06device\x12\x16\n" +
 	"\x06shared\x18\x04 \x01(\bR\x06shared\x12\x16\n" +
-	"\x06offset\x18\x05 \x01(\x04R\x06offset\x12\x16\n" +
-	"\x06pieces\x18\x06 \x03(\x04R\x06pieces\x12#\n" +
-	"\rlegacy_region\x18\a \x01(\fR\flegacyRegion\x124\n" +
-	"\x06tensor\x18\b \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\"D\n" +
+	"\x06region\x18\t \x01(\fR\x06region\x12\x14\n" +
+	"\x05files\x18\n" +
+	" \x01(\rR\x05files\x124\n" +
+	"\x06tensor\x18\b \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensorJ\x04\b\x05\x10\x06J\x04\b\x06\x10\aJ\x04\b\a\x10\b\"D\n" +
 	"\x10RegisterResponse\x120\n" +
 	"\x04info\x18\x01 \x01(\v2\x1c.cudaipc.store.v1.ObjectInfoR\x04infoB-Z+github.com/cudaipc/cudaipc/protocol/storev1b\x06proto3"
 

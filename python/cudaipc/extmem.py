@@ -22,7 +22,7 @@ from typing import Any, List, Optional, Tuple
 from . import _cuda
 from ._store_pb2 import RegisterRequest, Request  # type: ignore[attr-defined]
 from .errors import CudaError, CudaipcError
-from .region import Region
+from .region import KIND_VMM_FD, VERSION, VERSION_PIECES, Region, local_identity
 
 MAX_PIECES = 60  # protocol.MaxPieces: one descriptor per piece in one packet
 
@@ -43,17 +43,35 @@ class NotExportable(CudaipcError):
 
 
 class Export:
-    """What :func:`export_pointer` made: VMM pieces with their descriptors, or a legacy
-    region. ``close()`` closes the descriptors (send them first)."""
+    """What :func:`export_pointer` made: the memory's region (docs/region.md) and, for
+    VMM memory (a vmm-fd region), one descriptor per piece, first piece first.
+    ``close()`` closes the descriptors (send them first)."""
 
-    def __init__(self, device: bytes, size: int, offset: int = 0, pieces: Optional[List[int]] = None,
-                 fds: Optional[List[int]] = None, legacy: Any = None):
-        self.device, self.size, self.offset = device, size, offset
-        self.pieces, self.fds, self.legacy = pieces or [], fds or [], legacy
+    def __init__(self, region: Region, fds: Optional[List[int]] = None):
+        self.region, self.fds = region, fds or []
 
     @property
     def vmm(self) -> bool:
-        return self.legacy is None
+        """True for VMM memory (descriptors), False for a legacy cuda-ipc region."""
+        return self.region.kind == KIND_VMM_FD
+
+    @property
+    def size(self) -> int:
+        return self.region.size
+
+    @property
+    def device(self) -> bytes:
+        return self.region.device
+
+    @property
+    def offset(self) -> int:
+        """Where the memory starts in its first allocation."""
+        return self.region.offset
+
+    @property
+    def pieces(self) -> List[int]:
+        """The size of each allocation under the memory (VMM), in address order."""
+        return [n for _, n in self.region.pieces] if self.vmm else []
 
     def close(self) -> None:
         fds, self.fds = self.fds, []
@@ -101,7 +119,7 @@ def export_pointer(obj: Any, nbytes: Optional[int] = None) -> Export:
     posix_fd = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     pieces: List[int] = []
     fds: List[int] = []
-    offset = 0
+    offset = base0 = 0
     nxt, end = ptr, ptr + size
     try:
         while nxt < end:
@@ -122,7 +140,7 @@ def export_pointer(obj: Any, nbytes: Optional[int] = None) -> Export:
             os.set_inheritable(fd, False)
             fds.append(fd)
             if not pieces:
-                offset = ptr - base
+                offset, base0 = ptr - base, base
             elif base != nxt:
                 raise CudaipcError("cudaipc: export_pointer: the mapping at %#x starts at %#x" % (nxt, base))
             pieces.append(msize)
@@ -134,7 +152,15 @@ def export_pointer(obj: Any, nbytes: Optional[int] = None) -> Export:
             os.close(fd)
         raise
     if pieces:
-        return Export(device, size, offset, pieces, fds)
+        ns, boot = local_identity()
+        ids = [os.urandom(16) for _ in pieces]  # fresh per export, as Go's ExportPointer
+        region = Region(handle=bytes(64), offset=offset, size=size, alloc_size=pieces[0], device=device,
+                        exporter_pid=os.getpid(), pid_namespace=ns, boot_id=boot, buffer_id=0,
+                        exporter_base=base0, kind=KIND_VMM_FD,
+                        version=VERSION_PIECES if len(pieces) > 1 else VERSION, allocation_id=ids[0],
+                        more_pieces=tuple(zip(ids[1:], pieces[1:])))
+        region.validate()
+        return Export(region, fds)
     # Not VMM: cudaMalloc memory is a legacy region; pools without IPC are not exportable.
     ipc = _cuda.check("cuPointerGetAttribute", cu.cuPointerGetAttribute(
         cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr))
@@ -148,18 +174,14 @@ def export_pointer(obj: Any, nbytes: Optional[int] = None) -> Export:
         what = ("memory of a stream-ordered pool (cudaMallocAsync) without an IPC handle type" if pool
                 else "memory that is neither VMM nor legacy-IPC capable")
         raise NotExportable(ptr, what, FIX_POOL)
-    return Export(device, size, legacy=Region.from_pointer(ptr, size))
+    return Export(Region.from_pointer(ptr, size))
 
 
 def register_request(name: str, x: Export, shared: bool) -> Any:
     """The register request (docs/protocol.md) of an export; its descriptors
     (``x.fds``) travel with it."""
-    r = RegisterRequest(name=name, size=x.size, device="GPU-" + _uuid_text(x.device), shared=shared)
-    if x.vmm:
-        r.offset = x.offset
-        r.pieces.extend(x.pieces)
-    else:
-        r.legacy_region = x.legacy.to_bytes()
+    r = RegisterRequest(name=name, size=x.size, device="GPU-" + _uuid_text(x.device), shared=shared,
+                        region=x.region.to_bytes(), files=len(x.fds))
     return Request(register=r)
 
 
