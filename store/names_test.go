@@ -20,7 +20,7 @@ func TestNameTakenByAnyKindIsExists(t *testing.T) {
 	register := func(name string) *storev1.Response {
 		f := memfdPiece(t, content)
 		defer f.Close()
-		return c.register(&storev1.RegisterRequest{Name: name, Size: 1 << 20, Device: testGPU, Shared: true, Pieces: []uint64{2 << 20}}, f)
+		return c.register(&storev1.RegisterRequest{Name: name, Size: 1 << 20, Device: testGPU, Shared: true, Region: vmmRegion(t, 0, 1<<20, 2<<20), Files: 1}, f)
 	}
 	create := func(r *storev1.CreateRequest) *storev1.Response {
 		resp, files := c.do(req(r))
@@ -94,7 +94,7 @@ func TestLeaseLimitCountsEveryKind(t *testing.T) {
 	c := dialRaw(t, path)
 	f := memfdPiece(t, make([]byte, 32))
 	defer f.Close()
-	wantCode(t, c.register(&storev1.RegisterRequest{Name: "ext", Size: 1 << 20, Device: testGPU, Pieces: []uint64{2 << 20}}, f), storev1.Error_OK)
+	wantCode(t, c.register(&storev1.RegisterRequest{Name: "ext", Size: 1 << 20, Device: testGPU, Region: vmmRegion(t, 0, 1<<20, 2<<20), Files: 1}, f), storev1.Error_OK)
 	c.put("obj", 4096, false)
 	get := func(name string) *storev1.Response {
 		resp, files := c.do(req(&storev1.GetRequest{Name: name}))
