@@ -123,6 +123,19 @@ type Object struct {
 	Sealed time.Time `json:"sealed"`
 }
 
+// Entry is an object's record with its live holders, as the directory
+// returns it.
+type Entry struct {
+	Object
+	// Holders are the nodes that hold a replica of this incarnation, in
+	// key order.
+	Holders []string
+	// Revision is the record's revision in the directory: records are
+	// written once, so a record replaced (after the name was deleted, or
+	// when no node held it) has another.
+	Revision int64
+}
+
 // Latest is a versioned name's latest visible version.
 type Latest struct {
 	Name    string `json:"name"`

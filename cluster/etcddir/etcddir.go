@@ -448,15 +448,7 @@ func (d *Directory) Node(ctx context.Context, name string) (cluster.Node, error)
 }
 
 // Entry is an object's record with its live holders.
-type Entry struct {
-	cluster.Object
-	// Holders are the nodes that hold a replica of this incarnation, in
-	// key order.
-	Holders []string
-	// Revision is the record's create revision: a later Publish of the
-	// same name after a delete has another.
-	Revision int64
-}
+type Entry = cluster.Entry
 
 // Publish records a newly sealed object with this node as its holder. It
 // fails with cluster.ErrExists when the name (that version's shard) is
@@ -605,7 +597,7 @@ func (d *Directory) Lookup(ctx context.Context, ref cluster.Ref) (Entry, error) 
 	if e.Ref() != ref {
 		return e, fmt.Errorf("%w: %s holds the record of %s", cluster.ErrBadRecord, key, e.Ref())
 	}
-	e.Revision = kvs[0].CreateRevision
+	e.Revision = kvs[0].ModRevision
 	for _, kv := range r.Responses[1].GetResponseRange().Kvs {
 		var h cluster.Holder
 		if err := cluster.Open(d.cfg.Secret, string(kv.Key), kv.Value, &h); err != nil {
@@ -630,7 +622,7 @@ func (d *Directory) AddHolder(ctx context.Context, e Entry) error {
 		return err
 	}
 	err = d.putOwned(ctx, "advertise "+ref.String(), hkey, hval,
-		clientv3.Compare(clientv3.CreateRevision(d.k.obj(ref)), "=", e.Revision))
+		clientv3.Compare(clientv3.ModRevision(d.k.obj(ref)), "=", e.Revision))
 	if errors.Is(err, errGuard) {
 		return fmt.Errorf("advertise %s: %w (deleted or replaced during the pull)", ref, cluster.ErrNotFound)
 	}
@@ -923,7 +915,7 @@ func (d *Directory) List(ctx context.Context) ([]Listing, error) {
 			d.log.Warn("ignoring an object record", "err", err)
 			continue
 		}
-		l.Revision = kv.CreateRevision
+		l.Revision = kv.ModRevision
 		for _, h := range holders[l.Ref()] {
 			if h.ID == l.ID {
 				l.Holders = append(l.Holders, h.Node)

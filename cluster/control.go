@@ -1,0 +1,509 @@
+package cluster
+
+import (
+	"bytes"
+	"context"
+	"crypto/aes"
+	"crypto/cipher"
+	"crypto/hmac"
+	"crypto/rand"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+)
+
+// The control channel: a TCP connection between two daemons over which they
+// authenticate each other with the cluster secret and then exchange what
+// lets the reader GET an object's memory (the holder's UCX worker address,
+// the rkey, the address). Nothing about memory crosses before both sides
+// have proved the secret, and everything after the handshake is sealed with
+// AES-256-GCM under keys derived from the secret and both nonces.
+//
+// Handshake (frames are a 4-byte big-endian length, then the payload):
+//
+//	C → S  hello  {proto, node C, nonce C}
+//	S → C  hello  {proto, node S, nonce S, MAC_S = H(k, "server" ‖ T)}
+//	C → S  proof  {MAC_C = H(k, "client" ‖ T)}
+//
+// where T = nonce C ‖ nonce S ‖ node C ‖ 0 ‖ node S and H is HMAC-SHA256
+// under a key derived from the secret for this purpose. Either side that
+// finds a MAC wrong sends a refusal and closes. A relay between two genuine
+// daemons learns nothing: it cannot decrypt what follows.
+
+const (
+	controlProto = "cudaipc-control/1"
+	// MaxControlFrame bounds a control frame.
+	MaxControlFrame = 1 << 20
+	// HandshakeTimeout bounds the handshake.
+	HandshakeTimeout = 5 * time.Second
+	// MaxExposures bounds the objects one control connection holds
+	// exposed at once.
+	MaxExposures = 1024
+	nonceLen     = 32
+)
+
+type ctlHello struct {
+	Proto string `json:"proto"`
+	Node  string `json:"node"`
+	Nonce []byte `json:"nonce"`
+	MAC   []byte `json:"mac,omitempty"`
+	// Refused is set instead when the sender refuses the peer.
+	Refused string `json:"refused,omitempty"`
+}
+
+type ctlProof struct {
+	MAC     []byte `json:"mac,omitempty"`
+	Refused string `json:"refused,omitempty"`
+}
+
+// ctlRequest is a request after the handshake.
+type ctlRequest struct {
+	// Op is "open" (expose Ref's replica of incarnation ID) or "close"
+	// (release Handle).
+	Op     string `json:"op"`
+	Ref    Ref    `json:"ref"`
+	ID     string `json:"id,omitempty"`
+	Handle uint64 `json:"handle,omitempty"`
+}
+
+// ctlResponse answers a ctlRequest.
+type ctlResponse struct {
+	Err string `json:"err,omitempty"`
+	// NotHeld: the node does not hold that incarnation (any more).
+	NotHeld bool `json:"not_held,omitempty"`
+	Handle  uint64
+	Exposure
+}
+
+// Exposure says where a peer reads an exposed replica: the holder's UCX
+// worker address, the rkey of the registered memory, and the object's
+// remote address in it.
+type Exposure struct {
+	Worker []byte `json:"worker"`
+	RKey   []byte `json:"rkey"`
+	Addr   uint64 `json:"addr"`
+	Size   int64  `json:"size"`
+}
+
+func (e *Exposure) validate() error {
+	if len(e.Worker) == 0 || len(e.Worker) > MaxWorkerAddrLen {
+		return fmt.Errorf("%w: worker address of %d bytes", ErrBadRecord, len(e.Worker))
+	}
+	if len(e.RKey) == 0 || len(e.RKey) > MaxWorkerAddrLen {
+		return fmt.Errorf("%w: rkey of %d bytes", ErrBadRecord, len(e.RKey))
+	}
+	if e.Size <= 0 || e.Addr+uint64(e.Size) < e.Addr {
+		return fmt.Errorf("%w: exposure of %d bytes at %#x", ErrBadRecord, e.Size, e.Addr)
+	}
+	return nil
+}
+
+func writeFrame(w io.Writer, b []byte) error {
+	if len(b) > MaxControlFrame {
+		return fmt.Errorf("control frame of %d bytes, at most %d", len(b), MaxControlFrame)
+	}
+	buf := make([]byte, 4+len(b))
+	binary.BigEndian.PutUint32(buf, uint32(len(b)))
+	copy(buf[4:], b)
+	_, err := w.Write(buf)
+	return err
+}
+
+func readFrame(r io.Reader) ([]byte, error) {
+	var h [4]byte
+	if _, err := io.ReadFull(r, h[:]); err != nil {
+		return nil, err
+	}
+	n := binary.BigEndian.Uint32(h[:])
+	if n > MaxControlFrame {
+		return nil, fmt.Errorf("%w: control frame of %d bytes, at most %d", ErrBadRecord, n, MaxControlFrame)
+	}
+	b := make([]byte, n)
+	if _, err := io.ReadFull(r, b); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+func decodeStrict(b []byte, v any) error {
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.DisallowUnknownFields()
+	if err := d.Decode(v); err != nil {
+		return fmt.Errorf("%w: control message: %v", ErrBadRecord, err)
+	}
+	if d.More() {
+		return fmt.Errorf("%w: control message: trailing data", ErrBadRecord)
+	}
+	return nil
+}
+
+// decodeHello parses and checks a peer's hello.
+func decodeHello(b []byte) (ctlHello, error) {
+	var h ctlHello
+	if err := decodeStrict(b, &h); err != nil {
+		return h, err
+	}
+	if h.Refused != "" {
+		return h, nil
+	}
+	if h.Proto != controlProto {
+		return h, fmt.Errorf("%w: control protocol %q, want %q", ErrBadRecord, h.Proto, controlProto)
+	}
+	if err := ValidateNodeName(h.Node); err != nil {
+		return h, fmt.Errorf("%w: %v", ErrBadRecord, err)
+	}
+	if len(h.Nonce) != nonceLen {
+		return h, fmt.Errorf("%w: nonce of %d bytes", ErrBadRecord, len(h.Nonce))
+	}
+	if h.MAC != nil && len(h.MAC) != macLen {
+		return h, fmt.Errorf("%w: MAC of %d bytes", ErrBadRecord, len(h.MAC))
+	}
+	return h, nil
+}
+
+func transcript(nc, ns []byte, nodeC, nodeS string) []byte {
+	t := append(append([]byte(nil), nc...), ns...)
+	t = append(t, nodeC...)
+	t = append(t, 0)
+	return append(t, nodeS...)
+}
+
+func (s Secret) handshakeMAC(role string, t []byte) []byte {
+	m := s.mac("control " + role)
+	m.Write(t)
+	return m.Sum(nil)
+}
+
+// channel is an authenticated, sealed control connection.
+type channel struct {
+	c          net.Conn
+	peer       string
+	send, recv cipher.AEAD
+	sseq, rseq uint64
+}
+
+func (s Secret) aead(purpose string, t []byte) cipher.AEAD {
+	k := s.handshakeMAC(purpose, t) // 32 bytes: AES-256
+	b, err := aes.NewCipher(k)
+	if err != nil {
+		panic(err) // a 32-byte key is always valid
+	}
+	g, err := cipher.NewGCM(b)
+	if err != nil {
+		panic(err)
+	}
+	return g
+}
+
+func (ch *channel) write(v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	var nonce [12]byte
+	binary.BigEndian.PutUint64(nonce[4:], ch.sseq)
+	ch.sseq++
+	return writeFrame(ch.c, ch.send.Seal(nil, nonce[:], b, nil))
+}
+
+func (ch *channel) read(v any) error {
+	b, err := readFrame(ch.c)
+	if err != nil {
+		return err
+	}
+	var nonce [12]byte
+	binary.BigEndian.PutUint64(nonce[4:], ch.rseq)
+	ch.rseq++
+	p, err := ch.recv.Open(nil, nonce[:], b, nil)
+	if err != nil {
+		return fmt.Errorf("%w: control frame from %s does not authenticate", ErrBadRecord, ch.peer)
+	}
+	return decodeStrict(p, v)
+}
+
+func newNonce() []byte {
+	b := make([]byte, nonceLen)
+	rand.Read(b) // never fails: crypto/rand crashes the program instead
+	return b
+}
+
+// clientHandshake authenticates conn's peer, which must be node want.
+func clientHandshake(conn net.Conn, s Secret, self, want string) (*channel, error) {
+	nc := newNonce()
+	b, _ := json.Marshal(ctlHello{Proto: controlProto, Node: self, Nonce: nc})
+	if err := writeFrame(conn, b); err != nil {
+		return nil, err
+	}
+	b, err := readFrame(conn)
+	if err != nil {
+		return nil, fmt.Errorf("%w: node %s closed the handshake: %v", ErrAuth, want, err)
+	}
+	h, err := decodeHello(b)
+	if err != nil {
+		return nil, err
+	}
+	if h.Refused != "" {
+		return nil, fmt.Errorf("%w: refused by node %s: %s", ErrAuth, want, h.Refused)
+	}
+	if h.Node != want {
+		return nil, fmt.Errorf("%w: dialled node %s but %s answered", ErrAuth, want, h.Node)
+	}
+	t := transcript(nc, h.Nonce, self, h.Node)
+	if !hmac.Equal(h.MAC, s.handshakeMAC("server", t)) {
+		b, _ := json.Marshal(ctlProof{Refused: "your proof of the cluster secret is wrong"})
+		_ = writeFrame(conn, b)
+		return nil, fmt.Errorf("%w: node %s does not hold this cluster's secret", ErrAuth, want)
+	}
+	b, _ = json.Marshal(ctlProof{MAC: s.handshakeMAC("client", t)})
+	if err := writeFrame(conn, b); err != nil {
+		return nil, err
+	}
+	return &channel{c: conn, peer: want, send: s.aead("c2s", t), recv: s.aead("s2c", t)}, nil
+}
+
+// serverHandshake authenticates a connecting peer.
+func serverHandshake(conn net.Conn, s Secret, self string) (*channel, error) {
+	b, err := readFrame(conn)
+	if err != nil {
+		return nil, err
+	}
+	h, err := decodeHello(b)
+	if err != nil {
+		return nil, err
+	}
+	if h.Refused != "" || h.MAC != nil {
+		return nil, fmt.Errorf("%w: not a client hello", ErrBadRecord)
+	}
+	ns := newNonce()
+	t := transcript(h.Nonce, ns, h.Node, self)
+	b, _ = json.Marshal(ctlHello{Proto: controlProto, Node: self, Nonce: ns, MAC: s.handshakeMAC("server", t)})
+	if err := writeFrame(conn, b); err != nil {
+		return nil, err
+	}
+	b, err = readFrame(conn)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s closed the handshake: %v", ErrAuth, h.Node, err)
+	}
+	var p ctlProof
+	if err := decodeStrict(b, &p); err != nil {
+		return nil, err
+	}
+	if p.Refused != "" {
+		return nil, fmt.Errorf("%w: %s refused this node: %s", ErrAuth, h.Node, p.Refused)
+	}
+	if !hmac.Equal(p.MAC, s.handshakeMAC("client", t)) {
+		b, _ := json.Marshal(ctlProof{Refused: "wrong cluster secret"})
+		_ = writeFrame(conn, b)
+		return nil, fmt.Errorf("%w: peer calling itself %s does not hold this cluster's secret", ErrAuth, h.Node)
+	}
+	return &channel{c: conn, peer: h.Node, send: s.aead("s2c", t), recv: s.aead("c2s", t)}, nil
+}
+
+// Source is the local store as the control service sees it.
+type Source interface {
+	// Expose keeps the local replica of ref, incarnation id, from being
+	// evicted or reused until release is called, and says where a peer
+	// reads it. It fails with an error wrapping ErrNotFound when this node
+	// holds no such replica.
+	Expose(ref Ref, id string) (e Exposure, release func(), err error)
+}
+
+// ControlServer serves the control channel: it authenticates peers and
+// exposes replicas to them.
+type ControlServer struct {
+	// Node is this node's name; Secret the cluster secret.
+	Node   string
+	Secret Secret
+	// Source exposes local replicas.
+	Source Source
+	// Logger receives refusals and errors; nil discards them.
+	Logger *slog.Logger
+
+	mu    sync.Mutex
+	conns map[net.Conn]struct{}
+	wg    sync.WaitGroup
+}
+
+// Serve accepts connections on ln until it is closed, then closes every
+// connection and returns once their exposures are released.
+func (s *ControlServer) Serve(ln net.Listener) error {
+	log := s.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	defer func() {
+		s.mu.Lock()
+		for c := range s.conns {
+			c.Close()
+		}
+		s.mu.Unlock()
+		s.wg.Wait()
+	}()
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return nil
+			}
+			return err
+		}
+		s.mu.Lock()
+		if s.conns == nil {
+			s.conns = map[net.Conn]struct{}{}
+		}
+		s.conns[c] = struct{}{}
+		s.mu.Unlock()
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.serveConn(c, log)
+			s.mu.Lock()
+			delete(s.conns, c)
+			s.mu.Unlock()
+			c.Close()
+		}()
+	}
+}
+
+func (s *ControlServer) serveConn(c net.Conn, log *slog.Logger) {
+	_ = c.SetDeadline(time.Now().Add(HandshakeTimeout))
+	ch, err := serverHandshake(c, s.Secret, s.Node)
+	if err != nil {
+		log.Warn("control: refused a peer", "remote", c.RemoteAddr().String(), "err", err)
+		return
+	}
+	_ = c.SetDeadline(time.Time{})
+	log = log.With("peer", ch.peer)
+	held := map[uint64]func(){}
+	defer func() {
+		for _, rel := range held {
+			rel()
+		}
+	}()
+	var next uint64
+	for {
+		var req ctlRequest
+		if err := ch.read(&req); err != nil {
+			if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
+				log.Warn("control: dropping the connection", "err", err)
+			}
+			return
+		}
+		var resp ctlResponse
+		switch req.Op {
+		case "open":
+			if len(held) >= MaxExposures {
+				resp.Err = fmt.Sprintf("more than %d objects exposed on one connection", MaxExposures)
+				break
+			}
+			e, rel, err := s.Source.Expose(req.Ref, req.ID)
+			if err != nil {
+				resp.Err, resp.NotHeld = err.Error(), errors.Is(err, ErrNotFound)
+				break
+			}
+			next++
+			held[next] = rel
+			resp.Handle, resp.Exposure = next, e
+			log.Debug("control: exposed", "object", req.Ref.String(), "size", e.Size)
+		case "close":
+			if rel, ok := held[req.Handle]; ok {
+				rel()
+				delete(held, req.Handle)
+			}
+		default:
+			resp.Err = fmt.Sprintf("unknown control op %q", req.Op)
+		}
+		if err := ch.write(&resp); err != nil {
+			return
+		}
+	}
+}
+
+// ControlClient is an authenticated control connection to one node. Its
+// methods are safe for concurrent use (one request at a time).
+type ControlClient struct {
+	mu sync.Mutex
+	ch *channel
+}
+
+// DialControl connects to node's control address and authenticates both
+// ways, bounded by ctx and HandshakeTimeout. An error wraps ErrAuth when
+// either side does not hold the secret.
+func DialControl(ctx context.Context, s Secret, self, node, addr string) (*ControlClient, error) {
+	if !s.Valid() {
+		return nil, fmt.Errorf("%w: no secret", ErrSecret)
+	}
+	var d net.Dialer
+	ctx, cancel := context.WithTimeout(ctx, HandshakeTimeout)
+	defer cancel()
+	c, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("control channel to node %s at %s: %w", node, addr, err)
+	}
+	dl, _ := ctx.Deadline()
+	_ = c.SetDeadline(dl)
+	ch, err := clientHandshake(c, s, self, node)
+	if err != nil {
+		c.Close()
+		return nil, fmt.Errorf("control channel to node %s at %s: %w", node, addr, err)
+	}
+	_ = c.SetDeadline(time.Time{})
+	return &ControlClient{ch: ch}, nil
+}
+
+// Open asks the node to expose its replica of ref, incarnation id, and
+// returns where to read it and a handle for Release. The node keeps the
+// replica until Release or until this connection closes.
+func (cc *ControlClient) Open(ctx context.Context, ref Ref, id string) (Exposure, uint64, error) {
+	resp, err := cc.roundTrip(ctx, ctlRequest{Op: "open", Ref: ref, ID: id})
+	if err != nil {
+		return Exposure{}, 0, err
+	}
+	if resp.Err != "" {
+		if resp.NotHeld {
+			return Exposure{}, 0, fmt.Errorf("node %s: %w: %s", cc.ch.peer, ErrNotFound, resp.Err)
+		}
+		return Exposure{}, 0, fmt.Errorf("node %s: %s", cc.ch.peer, resp.Err)
+	}
+	if err := resp.Exposure.validate(); err != nil {
+		return Exposure{}, 0, fmt.Errorf("node %s: %w", cc.ch.peer, err)
+	}
+	return resp.Exposure, resp.Handle, nil
+}
+
+// Release lets the node drop an exposure.
+func (cc *ControlClient) Release(ctx context.Context, handle uint64) error {
+	_, err := cc.roundTrip(ctx, ctlRequest{Op: "close", Handle: handle})
+	return err
+}
+
+func (cc *ControlClient) roundTrip(ctx context.Context, req ctlRequest) (ctlResponse, error) {
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	var resp ctlResponse
+	dl, ok := ctx.Deadline()
+	if !ok {
+		dl = time.Now().Add(30 * time.Second)
+	}
+	_ = cc.ch.c.SetDeadline(dl)
+	defer cc.ch.c.SetDeadline(time.Time{})
+	if err := cc.ch.write(&req); err != nil {
+		return resp, fmt.Errorf("control channel to node %s: %w", cc.ch.peer, err)
+	}
+	if err := cc.ch.read(&resp); err != nil {
+		return resp, fmt.Errorf("control channel to node %s: %w", cc.ch.peer, err)
+	}
+	return resp, nil
+}
+
+// Peer is the authenticated name of the node at the other end.
+func (cc *ControlClient) Peer() string { return cc.ch.peer }
+
+// Close closes the connection; the node releases every exposure of it.
+func (cc *ControlClient) Close() error { return cc.ch.c.Close() }

@@ -1,0 +1,456 @@
+package cluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Directory is what the puller needs of the cluster directory
+// (cluster/etcddir.Directory implements it).
+type Directory interface {
+	// NodeName is this node's name.
+	NodeName() string
+	// Node returns a live node's record.
+	Node(ctx context.Context, name string) (Node, error)
+	// Lookup returns an object's record and live holders.
+	Lookup(ctx context.Context, ref Ref) (Entry, error)
+	// AddHolder advertises this node's replica of e; it fails with
+	// ErrNotFound when the name was deleted or replaced meanwhile.
+	AddHolder(ctx context.Context, e Entry) error
+	// Pin pins holder's replica of ref for the length of a pull.
+	Pin(ctx context.Context, holder string, ref Ref, id string) (unpin func(), err error)
+}
+
+// Sink makes local replicas: the local store as the puller sees it.
+type Sink interface {
+	// Create makes an unsealed local object for a replica of o, with its
+	// name, owner, sharing, size, version and shard, invisible to readers
+	// until sealed.
+	Create(ctx context.Context, o Object) (Replica, error)
+}
+
+// Replica is a local object being filled by a pull.
+type Replica interface {
+	// Bytes is the object's memory, written by the pull.
+	Bytes() []byte
+	// Seal makes it visible, as an ordinary sealed local object.
+	Seal() error
+	// Abort removes it, sealed or not.
+	Abort()
+}
+
+// Defaults for the zero values of Puller's fields.
+const (
+	DefaultChunkTimeout     = 30 * time.Second
+	DefaultStreamsPerHolder = 2
+	// maxRounds bounds how often a pull looks for new holders after all
+	// of its sources failed.
+	maxRounds = 2
+	// maxBadChunk is how many checksum failures of one chunk, from any
+	// sources, fail the pull.
+	maxBadChunk = 3
+)
+
+// PullStats are a Puller's counters.
+type PullStats struct {
+	// Pulls and Failed count finished pulls.
+	Pulls, Failed uint64
+	// InFlight counts pulls under way.
+	InFlight int64
+	// Bytes counts bytes pulled (and checked).
+	Bytes uint64
+	// Failovers counts holders dropped mid-pull whose remaining chunks
+	// went to other holders.
+	Failovers uint64
+}
+
+// Puller makes local replicas of objects other nodes hold: it finds the
+// holders in the directory, pins them, authenticates to each over the
+// control channel, reads chunks from all of them at once (striped), checks
+// every chunk's checksum, seals the replica and advertises it. Its methods
+// are safe for concurrent use; concurrent pulls of one object share one
+// transfer.
+type Puller struct {
+	Dir       Directory
+	Transport Transport
+	Secret    Secret
+	Sink      Sink
+	// ChunkTimeout bounds the GET of one chunk: a holder that does not
+	// deliver a chunk within it is dropped. 0 means DefaultChunkTimeout.
+	ChunkTimeout time.Duration
+	// StreamsPerHolder is how many chunks are read from one holder at
+	// once; 0 means DefaultStreamsPerHolder.
+	StreamsPerHolder int
+	// Logger receives failovers and failures; nil discards them.
+	Logger *slog.Logger
+
+	mu       sync.Mutex
+	inflight map[Ref]*pullCall
+
+	pulls, failed, bytes, failovers atomic.Uint64
+	inFlight                        atomic.Int64
+}
+
+type pullCall struct {
+	done chan struct{}
+	e    Entry
+	err  error
+}
+
+// Stats returns the puller's counters.
+func (p *Puller) Stats() PullStats {
+	return PullStats{Pulls: p.pulls.Load(), Failed: p.failed.Load(), InFlight: p.inFlight.Load(),
+		Bytes: p.bytes.Load(), Failovers: p.failovers.Load()}
+}
+
+func (p *Puller) log() *slog.Logger {
+	if p.Logger == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return p.Logger
+}
+
+// Pull makes a sealed local replica of ref and advertises it, returning
+// the object's entry. It fails with one line naming the holders that
+// failed, wrapping ErrNoHolder when no live node holds the object,
+// ErrNotFound when it is not recorded (or went during the pull),
+// ErrChecksum when chunks kept arriving corrupt, ErrAuth when holders
+// refused this node, ErrUnavailable when the directory is away.
+func (p *Puller) Pull(ctx context.Context, ref Ref) (Entry, error) {
+	p.mu.Lock()
+	if c, ok := p.inflight[ref]; ok {
+		p.mu.Unlock()
+		select {
+		case <-c.done:
+			return c.e, c.err
+		case <-ctx.Done():
+			return Entry{}, ctx.Err()
+		}
+	}
+	c := &pullCall{done: make(chan struct{})}
+	if p.inflight == nil {
+		p.inflight = map[Ref]*pullCall{}
+	}
+	p.inflight[ref] = c
+	p.mu.Unlock()
+
+	p.inFlight.Add(1)
+	c.e, c.err = p.pull(ctx, ref)
+	p.inFlight.Add(-1)
+	if c.err != nil {
+		p.failed.Add(1)
+		p.log().Warn("cluster pull failed", "object", ref.String(), "err", c.err)
+	} else {
+		p.pulls.Add(1)
+	}
+	p.mu.Lock()
+	delete(p.inflight, ref)
+	p.mu.Unlock()
+	close(c.done)
+	return c.e, c.err
+}
+
+// source is one holder a pull reads from.
+type source struct {
+	node   string
+	cc     *ControlClient
+	ep     Endpoint
+	exp    Exposure
+	handle uint64
+	unpin  func()
+}
+
+func (s *source) close() {
+	if s.ep != nil {
+		s.ep.Close()
+	}
+	if s.cc != nil {
+		s.cc.Close() // releases the exposure
+	}
+	if s.unpin != nil {
+		s.unpin()
+	}
+}
+
+// open pins holder's replica, authenticates to it and connects to its
+// worker.
+func (p *Puller) open(ctx context.Context, e Entry, holder string) (*source, error) {
+	ref := e.Ref()
+	s := &source{node: holder}
+	n, err := p.Dir.Node(ctx, holder)
+	if err != nil {
+		return nil, err
+	}
+	if s.unpin, err = p.Dir.Pin(ctx, holder, ref, e.ID); err != nil {
+		return nil, err
+	}
+	if s.cc, err = DialControl(ctx, p.Secret, p.Dir.NodeName(), holder, n.Control); err != nil {
+		s.close()
+		return nil, err
+	}
+	if s.exp, s.handle, err = s.cc.Open(ctx, ref, e.ID); err != nil {
+		s.close()
+		return nil, err
+	}
+	if s.exp.Size != e.Size {
+		s.close()
+		return nil, fmt.Errorf("node %s exposes %d bytes of %s, the record says %d", holder, s.exp.Size, ref, e.Size)
+	}
+	if s.ep, err = p.Transport.Connect(ctx, s.exp.Worker); err != nil {
+		s.close()
+		return nil, fmt.Errorf("node %s: connect to its worker: %w", holder, err)
+	}
+	return s, nil
+}
+
+// transfer is the shared state of one pull's chunks.
+type transfer struct {
+	e       Entry
+	dst     []byte
+	mu      sync.Mutex
+	cond    *sync.Cond
+	pending []int
+	done    int
+	live    int
+	bad     map[int]int
+	fatal   error
+	failed  map[string]string // node → why, for the final error
+	start   time.Time
+}
+
+func (p *Puller) pull(ctx context.Context, ref Ref) (Entry, error) {
+	self := p.Dir.NodeName()
+	e, err := p.Dir.Lookup(ctx, ref)
+	if err != nil {
+		return e, fmt.Errorf("pull %s: %w", ref, err)
+	}
+	rep, err := p.Sink.Create(ctx, e.Object)
+	if err != nil {
+		return e, fmt.Errorf("pull %s: make the local replica: %w", ref, err)
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			rep.Abort()
+		}
+	}()
+	dst := rep.Bytes()
+	if int64(len(dst)) != e.Size {
+		return e, fmt.Errorf("pull %s: local replica of %d bytes for %d", ref, len(dst), e.Size)
+	}
+	n := int((e.Size + e.ChunkSize - 1) / e.ChunkSize)
+	t := &transfer{e: e, dst: dst, bad: map[int]int{}, failed: map[string]string{}, start: time.Now()}
+	t.cond = sync.NewCond(&t.mu)
+	for i := range n {
+		t.pending = append(t.pending, i)
+	}
+	tried := map[string]bool{self: true}
+	var sources []*source
+	defer func() {
+		for _, s := range sources {
+			s.close()
+		}
+	}()
+	for round := 0; ; round++ {
+		if round > 0 {
+			// Every source failed: look for holders not tried yet (a
+			// replica made meanwhile), once or twice.
+			if e2, err := p.Dir.Lookup(ctx, ref); err == nil && e2.ID == e.ID {
+				e.Holders = e2.Holders
+			}
+		}
+		var fresh []*source
+		for _, h := range e.Holders {
+			if tried[h] {
+				continue
+			}
+			tried[h] = true
+			s, err := p.open(ctx, e, h)
+			if err != nil {
+				t.failed[h] = oneLine(err)
+				if errors.Is(err, ErrUnavailable) {
+					return e, fmt.Errorf("pull %s: %w", ref, err)
+				}
+				continue
+			}
+			fresh = append(fresh, s)
+		}
+		sources = append(sources, fresh...)
+		if len(fresh) == 0 {
+			if round == 0 && len(t.failed) == 0 {
+				return e, fmt.Errorf("pull %s: %w (holders in the directory: %s)", ref, ErrNoHolder, holderList(e.Holders))
+			}
+			return e, t.failure(ref, ErrNoHolder)
+		}
+		if round > 0 {
+			p.log().Info("cluster pull: moving to other holders", "object", ref.String(), "holders", len(fresh))
+		}
+		p.run(ctx, t, fresh)
+		if t.done == n {
+			break
+		}
+		if t.fatal != nil {
+			return e, t.fatal
+		}
+		if ctx.Err() != nil {
+			return e, fmt.Errorf("pull %s: %w after %d of %d chunks (%s)", ref, ctx.Err(), t.done, n, t.why())
+		}
+		if round+1 >= maxRounds {
+			return e, t.failure(ref, nil)
+		}
+	}
+	if err := rep.Seal(); err != nil {
+		return e, fmt.Errorf("pull %s: seal the local replica: %w", ref, err)
+	}
+	if err := p.Dir.AddHolder(ctx, e); err != nil {
+		return e, fmt.Errorf("pull %s: %w", ref, err)
+	}
+	ok = true
+	p.bytes.Add(uint64(e.Size))
+	p.log().Debug("cluster pull done", "object", ref.String(), "bytes", e.Size, "sources", len(sources), "took", time.Since(t.start))
+	return e, nil
+}
+
+// run reads chunks from sources until all are done, the pull fails, or
+// every source failed.
+func (p *Puller) run(ctx context.Context, t *transfer, sources []*source) {
+	streams := p.StreamsPerHolder
+	if streams <= 0 {
+		streams = DefaultStreamsPerHolder
+	}
+	t.mu.Lock()
+	t.live = len(sources)
+	t.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, s := range sources {
+		var dead atomic.Bool
+		var active atomic.Int32
+		active.Store(int32(streams))
+		for range streams {
+			wg.Go(func() {
+				p.stream(ctx, t, s, &dead)
+				if active.Add(-1) == 0 {
+					t.mu.Lock()
+					t.live--
+					t.cond.Broadcast()
+					t.mu.Unlock()
+				}
+			})
+		}
+	}
+	// Wake waiters when ctx ends.
+	stop := context.AfterFunc(ctx, func() {
+		t.mu.Lock()
+		t.cond.Broadcast()
+		t.mu.Unlock()
+	})
+	wg.Wait()
+	stop()
+}
+
+// stream reads chunks from one source, one at a time, until there is
+// nothing left or the source fails.
+func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomic.Bool) {
+	timeout := p.ChunkTimeout
+	if timeout <= 0 {
+		timeout = DefaultChunkTimeout
+	}
+	n := len(t.e.Sums)
+	for {
+		t.mu.Lock()
+		for len(t.pending) == 0 && t.done < n && t.fatal == nil && !dead.Load() && ctx.Err() == nil {
+			t.cond.Wait()
+		}
+		if len(t.pending) == 0 || t.fatal != nil || dead.Load() || ctx.Err() != nil {
+			t.mu.Unlock()
+			return
+		}
+		i := t.pending[0]
+		t.pending = t.pending[1:]
+		t.mu.Unlock()
+
+		off := int64(i) * t.e.ChunkSize
+		chunk := t.dst[off:min(off+t.e.ChunkSize, t.e.Size)]
+		cctx, cancel := context.WithTimeout(ctx, timeout)
+		err := s.ep.Get(cctx, s.exp.RKey, s.exp.Addr+uint64(off), chunk)
+		if err == nil && cctx.Err() != nil {
+			err = cctx.Err()
+		}
+		timedOut := errors.Is(cctx.Err(), context.DeadlineExceeded) && ctx.Err() == nil
+		cancel()
+		if err == nil && Checksum(chunk) != t.e.Sums[i] {
+			err = fmt.Errorf("%w: chunk %d", ErrChecksum, i)
+		}
+
+		t.mu.Lock()
+		switch {
+		case err == nil:
+			t.done++
+		case errors.Is(err, ErrChecksum):
+			t.bad[i]++
+			t.pending = append(t.pending, i)
+			if t.bad[i] >= maxBadChunk {
+				t.fatal = fmt.Errorf("pull %s: %w: chunk %d (bytes %d-%d) failed its check %d times (last from node %s)",
+					t.e.Ref(), ErrChecksum, i, off, off+int64(len(chunk)), t.bad[i], s.node)
+			}
+			p.log().Warn("cluster pull: chunk failed its checksum", "object", t.e.Ref().String(), "node", s.node, "chunk", i)
+		default:
+			t.pending = append(t.pending, i)
+			if ctx.Err() == nil && !dead.Swap(true) {
+				why := oneLine(err)
+				if timedOut {
+					why = fmt.Sprintf("no chunk within %v", timeout)
+				}
+				t.failed[s.node] = why
+				p.failovers.Add(1)
+				p.log().Warn("cluster pull: dropping a holder", "object", t.e.Ref().String(), "node", s.node, "err", why,
+					"chunks_done", t.done, "chunks", n)
+			}
+		}
+		t.cond.Broadcast()
+		t.mu.Unlock()
+		if err != nil && !errors.Is(err, ErrChecksum) {
+			return
+		}
+	}
+}
+
+func (t *transfer) why() string {
+	var parts []string
+	for _, node := range slices.Sorted(maps.Keys(t.failed)) {
+		parts = append(parts, fmt.Sprintf("node %s: %s", node, t.failed[node]))
+	}
+	if len(parts) == 0 {
+		return "no holder failed"
+	}
+	return strings.Join(parts, "; ")
+}
+
+func (t *transfer) failure(ref Ref, sentinel error) error {
+	n := len(t.e.Sums)
+	if sentinel != nil {
+		return fmt.Errorf("pull %s: %w: every holder failed after %d of %d chunks (%s)", ref, sentinel, t.done, n, t.why())
+	}
+	return fmt.Errorf("pull %s: every holder failed after %d of %d chunks in %v (%s)", ref, t.done, n, time.Since(t.start).Round(time.Millisecond), t.why())
+}
+
+func holderList(h []string) string {
+	if len(h) == 0 {
+		return "none"
+	}
+	return strings.Join(h, ", ")
+}
+
+// oneLine keeps an error to its first line.
+func oneLine(err error) string {
+	s, _, _ := strings.Cut(err.Error(), "\n")
+	return s
+}
