@@ -11,11 +11,10 @@ import (
 	"github.com/cudaipc/cudaipc"
 )
 
-// containerChecks reports what decides how GPU memory can cross container
-// boundaries here (docs/containers.md): per GPU, VMM descriptors and
-// stream memory operations; for the process, its PID and IPC namespaces,
-// its capabilities and its /dev/shm.
-func containerChecks(devs []*cudaipc.Device, add func(name, status, detail string)) {
+// gpuContainerChecks reports, per GPU, what decides how its memory can
+// cross container boundaries (docs/containers.md): VMM descriptors, stream
+// memory operations and read-only mappings.
+func gpuContainerChecks(devs []*cudaipc.Device, add func(name, status, detail string)) {
 	for _, d := range devs {
 		var have, lack []string
 		sort := func(ok bool, what string) {
@@ -47,7 +46,11 @@ func containerChecks(devs []*cudaipc.Device, add func(name, status, detail strin
 		}
 		add(fmt.Sprintf("GPU %d containers", d.Ordinal()), st, detail)
 	}
+}
 
+// processChecks reports what needs no driver: the process's IPC namespace,
+// its capabilities and its /dev/shm.
+func processChecks(add func(name, status, detail string)) {
 	ipc, _ := os.Readlink("/proc/self/ns/ipc")
 	initIPC, ierr := os.Readlink("/proc/1/ns/ipc")
 	detail := ipc
