@@ -49,19 +49,16 @@ func (n *Network) Worker() *Worker {
 func (w *Worker) WorkerAddress() []byte { return []byte(w.addr) }
 
 // Register exposes b under a new rkey; its remote address is 0x1000.
-func (w *Worker) Register(b []byte) (rkey []byte, addr uint64) {
+func (w *Worker) Register(b []byte) (rkey []byte, addr uint64, release func(), err error) {
 	k := rand.Text()
 	w.mu.Lock()
 	w.regions[k] = b
 	w.mu.Unlock()
-	return []byte(k), 0x1000
-}
-
-// Unregister withdraws an rkey.
-func (w *Worker) Unregister(rkey []byte) {
-	w.mu.Lock()
-	delete(w.regions, string(rkey))
-	w.mu.Unlock()
+	return []byte(k), 0x1000, func() {
+		w.mu.Lock()
+		delete(w.regions, k)
+		w.mu.Unlock()
+	}, nil
 }
 
 // SetDelay makes each Get served by this worker wait d first (so that

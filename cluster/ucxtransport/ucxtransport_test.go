@@ -1,0 +1,126 @@
+package ucxtransport_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/internal/clustertest"
+	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
+	"github.com/cudaipc/cudaipc/cluster/ucxtransport"
+	"github.com/cudaipc/cudaipc/transport/ucx"
+)
+
+func TestMain(m *testing.M) {
+	// UCX on loopback tcp only, its logs on stderr.
+	for k, v := range map[string]string{"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_LOG_FILE": "/dev/stderr", "UCX_WARN_UNUSED_ENV_VARS": "n"} {
+		if _, set := os.LookupEnv(k); !set {
+			os.Setenv(k, v)
+		}
+	}
+	os.Exit(m.Run())
+}
+
+func requireUCX(t *testing.T) {
+	t.Helper()
+	if err := ucx.Available(); err != nil {
+		if os.Getenv("CUDAIPC_REQUIRE_UCX") == "1" || os.Getenv(etcdtest.EnvRequire) == "1" {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+}
+
+// node is a clustertest.Transport on UCX: objects are registered one by
+// one here; the daemon registers whole arenas.
+type node struct{ *ucxtransport.Transport }
+
+func (n node) Register(b []byte) ([]byte, uint64, func(), error) {
+	r, err := n.Transport.Register(b)
+	if err != nil {
+		return nil, 0, nil, err
+	}
+	return r.Key(), r.Addr(0), func() { r.Close() }, nil
+}
+
+func newNode(t *testing.T, name string) node {
+	t.Helper()
+	tr, err := ucxtransport.New(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tr.Close() })
+	return node{tr}
+}
+
+var secret, _ = cluster.NewSecret([]byte("ucx-transport-test-secret"))
+
+func TestPullOverUCX(t *testing.T) {
+	requireUCX(t)
+	srv := etcdtest.Start(t)
+	a := clustertest.StartNode(t, srv, newNode(t, "a"), "a", secret)
+	b := clustertest.StartNode(t, srv, newNode(t, "b"), "b", secret)
+	c := clustertest.StartNode(t, srv, newNode(t, "c"), "c", secret)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	o, want := a.Put(t, "ns/ucx", 9<<20+4321, 1<<20)
+	if _, err := b.P.Pull(ctx, o.Ref()); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(b.Store.Get(o.Ref()), want) {
+		t.Fatal("B's replica differs")
+	}
+	if _, err := c.P.Pull(ctx, o.Ref()); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(c.Store.Get(o.Ref()), want) {
+		t.Fatal("C's replica differs")
+	}
+	if a.Store.Exposed()+b.Store.Exposed() != 0 {
+		t.Fatal("exposures left after the pulls")
+	}
+}
+
+func TestMalformedPeerData(t *testing.T) {
+	requireUCX(t)
+	a, b := newNode(t, "a"), newNode(t, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for _, addr := range [][]byte{nil, []byte("x"), bytes.Repeat([]byte{0xff}, 100), a.WorkerAddress()[:len(a.WorkerAddress())/2]} {
+		if _, err := b.Connect(ctx, addr); !errors.Is(err, ucx.ErrMalformed) {
+			t.Errorf("connect to %d bytes of garbage: %v, want ErrMalformed", len(addr), err)
+		}
+	}
+	buf := make([]byte, 1<<20)
+	r, err := a.Transport.Register(buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	ep, err := b.Connect(ctx, a.WorkerAddress())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ep.Close()
+	key := r.Key()
+	flipped := append([]byte(nil), key...)
+	flipped[len(flipped)/2] ^= 1
+	dst := make([]byte, 4096)
+	for _, k := range [][]byte{nil, []byte("junk"), flipped, key[:len(key)-3]} {
+		if err := ep.Get(ctx, k, r.Addr(0), dst); !errors.Is(err, ucx.ErrMalformed) {
+			t.Errorf("get with a bad rkey of %d bytes: %v, want ErrMalformed", len(k), err)
+		}
+	}
+	if err := ep.Get(ctx, key, r.Addr(1<<20-100), dst); !errors.Is(err, ucx.ErrOutOfBounds) {
+		t.Errorf("get past the region: %v", err)
+	}
+	copy(buf[8192:], "through the registered arena")
+	if err := ep.Get(ctx, key, r.Addr(8192), dst[:28]); err != nil || !strings.HasPrefix(string(dst), "through the registered arena") {
+		t.Fatalf("get: %v %q", err, dst[:28])
+	}
+}
