@@ -76,8 +76,8 @@ func TestDoctor(t *testing.T) {
 		t.Errorf("store socket check: %+v", status["store socket"])
 	}
 	if cudaipc.Init() != nil {
-		if err == nil || status["driver"].Status != "fail" {
-			t.Fatalf("doctor without a driver passed: %+v", checks)
+		if err != nil || status["driver"].Status != "warn" {
+			t.Fatalf("doctor without a driver: %v, want a pass with the driver a warning: %+v", err, checks)
 		}
 		return
 	}
