@@ -63,6 +63,9 @@ def trainer(sock, device, steps, q, acks):
                 acks.get(timeout=60)                               # the engine holds step-1's leases:
                 for name in LAYERS:                                # delete it; the engine's views keep
                     store.rm("step%d/%s" % (step - 1, name))       # its memory until dropped
+        acks.get(timeout=60)                                       # the last step too: nothing stays
+        for name in LAYERS:                                        # behind in a daemon that outlives us
+            store.rm("step%d/%s" % (steps - 1, name))
 
 
 def engine(sock, steps, q, acks):
