@@ -58,7 +58,7 @@ func benchExporter(b *testing.B, size int64) (*cudaipc.Device, exportMsg) {
 }
 
 // BenchmarkOpenCloseCold opens and closes a 1 MiB allocation: every open
-// maps it anew (FACTS.md: open p50 41 µs, close p50 30 µs).
+// maps it anew (docs/driver-facts.md, earlier: open p50 41 µs, close p50 30 µs).
 func BenchmarkOpenCloseCold(b *testing.B) {
 	dev, m := benchExporter(b, 1<<20)
 	var open, cl timer
@@ -81,7 +81,7 @@ func BenchmarkOpenCloseCold(b *testing.B) {
 }
 
 // BenchmarkOpenAlreadyOpen opens a handle that is already open in this
-// process (FACTS.md: 2.6 µs open, 18 µs for the close that only decrements).
+// process (docs/driver-facts.md, earlier: 2.6 µs open, 18 µs for the close that only decrements).
 func BenchmarkOpenAlreadyOpen(b *testing.B) {
 	dev, m := benchExporter(b, 1<<20)
 	keep, err := dev.OpenMemHandle(m.Handle, cudaipc.LazyEnablePeerAccess)
@@ -108,7 +108,7 @@ func BenchmarkOpenAlreadyOpen(b *testing.B) {
 }
 
 // BenchmarkOpenEventHandle opens and closes an exported IPC event
-// (FACTS.md: 455 µs). The first open in a process is reported on its own
+// (docs/driver-facts.md, earlier: 455 µs). The first open in a process is reported on its own
 // (first-open-µs): later opens of the same handle are far cheaper.
 func BenchmarkOpenEventHandle(b *testing.B) {
 	dev, m := benchExporter(b, 4096)

@@ -12,7 +12,7 @@ import (
 // Idle GPU arenas stay mapped. When an Object or Lease ends, its arena's
 // driver mapping would go with the last user, and the next Get in that
 // arena would pay cuIpcOpenMemHandle + cuIpcCloseMemHandle again (tens of
-// µs, FACTS.md). So the client parks a reference to every GPU arena it
+// µs, docs/driver-facts.md). So the client parks a reference to every GPU arena it
 // maps, in an LRU bounded by Options.MaxIdleArenas, and drops it when
 //   - the daemon says the arena was freed (ArenasFreed, after its last
 //     object went): the client unmaps it and answers ForgetArenas, upon

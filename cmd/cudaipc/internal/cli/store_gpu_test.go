@@ -208,7 +208,7 @@ func TestBenchIPC(t *testing.T) {
 		}
 	}
 	if m := r.Metrics["ipc_read"]; m.Ratio < 0.5 {
-		t.Errorf("ipc_read at %.2fx the in-process copy (FACTS: no loss)", m.Ratio)
+		t.Errorf("ipc_read at %.2fx the in-process copy (docs/driver-facts.md: no loss)", m.Ratio)
 	}
 	if r.Metrics["host_staged"].P50 >= r.Metrics["ipc_read"].P50 {
 		t.Errorf("host staging faster than IPC: %+v", r.Metrics)

@@ -36,7 +36,7 @@ const (
 	ipcSmall  = 1 << 20 // the "1 MiB" allocation of the latency rows
 	ipcWarmup = 5       // untimed repetitions before each latency loop
 	bwWarmup  = 3       // untimed copies before each bandwidth loop
-	peerIters = 20      // cap for peer opens: each maps over NVLink (FACTS: 10-13 ms the first time)
+	peerIters = 20      // cap for peer opens: each maps over NVLink (docs/driver-facts.md: 9-13 ms the first time)
 
 	// stagingFD is the exporter's file descriptor of the shared memfd
 	// (the first of exec.Cmd.ExtraFiles).
