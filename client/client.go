@@ -35,6 +35,9 @@ type Client struct {
 	server ServerInfo
 
 	sendMu sync.Mutex // one sender at a time on conn
+	// registerMu keeps a registration's staged descriptors and its
+	// register together (external.go).
+	registerMu sync.Mutex
 
 	mu        sync.Mutex
 	nextID    uint64
@@ -356,7 +359,7 @@ func (c *Client) readOne(self uint64, spin time.Duration) (r reply, mine bool, e
 	// need no per-connection state and are imported by the caller.
 	p := placementOf(resp)
 	switch {
-	case resp.GetLeaseTable() != nil && len(files) == 1:
+	case resp.GetLeaseTable() != nil && len(files) == 1, resp.GetFiles() != nil:
 		r.files = files
 	case p == nil || responseError("", "", resp) != nil:
 		closeFiles(files)

@@ -6,6 +6,7 @@ import (
 	"os"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
@@ -53,9 +54,42 @@ func (c *Client) Register(ctx context.Context, name string, r cudaipc.Region, fi
 	}
 	req := &storev1.RegisterRequest{Name: name, Size: uint64(r.Size), Device: r.Device.String(), Shared: opts.Shared,
 		Tensor: opts.Tensor.proto(), Region: b, Files: uint32(len(files))}
+	// Descriptors beyond one packet's are staged first; the register takes
+	// them (a failed stage leaves the rest for the register to refuse and
+	// drop, so a retry starts clean).
+	c.registerMu.Lock()
+	defer c.registerMu.Unlock()
+	for len(files) > protocol.MaxFiles {
+		stage := &storev1.Request{Body: &storev1.Request_StageFiles{StageFiles: &storev1.StageFilesRequest{}}}
+		if _, err := c.roundTripFiles(ctx, "register", name, stage, files[:protocol.MaxFiles]); err != nil {
+			return ObjectInfo{}, err
+		}
+		files = files[protocol.MaxFiles:]
+	}
 	rep, err := c.roundTripFiles(ctx, "register", name, &storev1.Request{Body: &storev1.Request_Register{Register: req}}, files)
 	if err != nil {
 		return ObjectInfo{}, err
 	}
 	return infoFromProto(rep.resp.GetRegister().GetInfo()), nil
+}
+
+// moreFiles completes the descriptors of a lease of registered memory
+// whose get carried the first len(have) of n: files requests bring the
+// rest. It closes every descriptor on failure.
+func (c *Client) moreFiles(ctx context.Context, name string, lease uint64, have []*os.File, n int) ([]*os.File, error) {
+	files := have
+	for len(files) < n {
+		req := &storev1.Request{Body: &storev1.Request_Files{Files: &storev1.FilesRequest{LeaseId: lease, From: uint32(len(files))}}}
+		rep, err := c.roundTripFiles(ctx, "get", name, req, nil)
+		if err == nil && (rep.resp.GetFiles().GetFrom() != uint32(len(files)) || len(rep.files) == 0 || len(files)+len(rep.files) > n) {
+			closeFiles(rep.files)
+			err = &Error{Op: "get", Name: name, Err: ErrInternal, Message: fmt.Sprintf("daemon answered descriptors from %d with %d from %d", len(files), len(rep.files), rep.resp.GetFiles().GetFrom())}
+		}
+		if err != nil {
+			closeFiles(files)
+			return nil, err
+		}
+		files = append(files, rep.files...)
+	}
+	return files, nil
 }

@@ -6,6 +6,7 @@ import (
 	"os"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
@@ -244,7 +245,7 @@ func (c *Client) placeGPU(op, name string, p *storev1.Placement, files []*os.Fil
 // as many as the placement says).
 func (r reply) holds(p *storev1.Placement) bool {
 	if p.GetExternal() {
-		return r.m == nil && len(r.files) == int(p.GetFiles())
+		return r.m == nil && len(r.files) == min(int(p.GetFiles()), protocol.MaxFiles)
 	}
 	switch p.GetKind() {
 	case storev1.Placement_HOST:

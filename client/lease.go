@@ -105,7 +105,14 @@ func (c *Client) get(ctx context.Context, name string, gr *storev1.GetRequest, w
 		l.v.data = r.m.slice(p)
 		return l, nil
 	}
-	if err := c.placeGPU("get", name, p, r.files, &l.v); err != nil {
+	files := r.files
+	if n := int(p.GetFiles()); p.GetExternal() && n > len(files) {
+		if files, err = c.moreFiles(ctx, name, l.id, files, n); err != nil {
+			c.cleanup(reply{resp: r.resp, manifest: r.manifest}, name) // releases the lease
+			return nil, err
+		}
+	}
+	if err := c.placeGPU("get", name, p, files, &l.v); err != nil {
 		c.cleanup(reply{resp: r.resp, manifest: r.manifest}, name) // releases the lease
 		return nil, err
 	}

@@ -26,13 +26,17 @@ const (
 	Version = 2
 	// MaxMessageSize is the largest packet, in bytes, either side may send.
 	MaxMessageSize = 64 << 10
-	// MaxFiles is the most file descriptors one packet may carry: a
-	// register request or its get carries one per piece of the memory
-	// (MaxPieces).
+	// MaxFiles is the most file descriptors one packet may carry
+	// (SCM_RIGHTS allows 253): a register request, a stage_files request,
+	// a get of registered memory and a files answer carry up to this many
+	// of a registration's descriptors.
 	MaxFiles = 60
-	// MaxPieces is the most pieces (physical allocations) one registered
-	// object may span: its descriptors travel in one packet.
-	MaxPieces = MaxFiles
+	// MaxPieces is the most pieces (physical allocations, one descriptor
+	// each) one registered object may span: cudaipc.MaxRegionPieces. The
+	// descriptors beyond a packet's MaxFiles travel in stage_files requests
+	// and files answers; the daemon's descriptor limits per uid and in all
+	// bound what one user may have it keep.
+	MaxPieces = 1 << 16
 )
 
 // maxSpinSkip bounds the receives that skip polling after windows that

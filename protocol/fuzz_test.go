@@ -40,6 +40,8 @@ func seedResponses() []*storev1.Response {
 		{Id: 11, Body: &storev1.Response_Get{Get: &storev1.GetResponse{LeaseId: 4,
 			Placement: &storev1.Placement{Device: "GPU-0", Size: 3 << 20, ArenaSize: 3 << 20, External: true, Files: 2, Region: make([]byte, 212), Kind: storev1.Placement_VMM_FD},
 			Info:      &storev1.ObjectInfo{Name: "ext", Size: 3 << 20, Device: "GPU-0", Sealed: true, External: true}}}},
+		{Id: 12, Body: &storev1.Response_StageFiles{StageFiles: &storev1.StageFilesResponse{Staged: 120}}},
+		{Id: 13, Body: &storev1.Response_Files{Files: &storev1.FilesResponse{From: 60, Count: 2}}},
 		{Id: 3, Body: &storev1.Response_Seal{Seal: &storev1.SealResponse{}}},
 		NewEvent(storev1.Event_EVICTED, "x"),
 		ErrorResponse(4, Errorf(storev1.Error_STORE_FULL, "need %d bytes", 1<<30)),
@@ -105,6 +107,14 @@ func FuzzDecodeRequest(f *testing.F) {
 	legacy := &storev1.Request{Id: 10, Body: &storev1.Request_Register{Register: &storev1.RegisterRequest{
 		Name: "cupy/a", Size: 4096, Device: "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8", Region: make([]byte, 164)}}}
 	f.Add(mustMarshal(f, legacy), uint8(0))
+	// More descriptors than a packet carries: staged, then the register.
+	stage := &storev1.Request{Id: 11, Body: &storev1.Request_StageFiles{StageFiles: &storev1.StageFilesRequest{}}}
+	f.Add(mustMarshal(f, stage), uint8(3))
+	big := &storev1.Request{Id: 12, Body: &storev1.Request_Register{Register: &storev1.RegisterRequest{
+		Name: "torch/big", Size: 3 << 20, Device: "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8", Region: make([]byte, 188), Files: 205}}}
+	f.Add(mustMarshal(f, big), uint8(1))
+	files := &storev1.Request{Id: 13, Body: &storev1.Request_Files{Files: &storev1.FilesRequest{LeaseId: 4, From: 60}}}
+	f.Add(mustMarshal(f, files), uint8(0))
 	raw, sock := socketpair(f)
 	c := newConn(f, sock)
 	f.Fuzz(func(t *testing.T, data []byte, nfiles uint8) {
@@ -124,8 +134,14 @@ func FuzzDecodeRequest(f *testing.F) {
 			return
 		}
 		if reg := req.GetRegister(); reg != nil {
-			if files != int(reg.GetFiles()) || files > MaxPieces || len(reg.GetRegion()) == 0 {
+			if files > int(reg.GetFiles()) || files > MaxFiles || reg.GetFiles() > MaxPieces || len(reg.GetRegion()) == 0 {
 				t.Fatalf("ValidateRequest accepted a register of %d descriptors with %d files", reg.GetFiles(), files)
+			}
+			files = 0
+		}
+		if req.GetStageFiles() != nil {
+			if files < 1 || files > MaxFiles {
+				t.Fatalf("ValidateRequest accepted a stage_files with %d files", files)
 			}
 			files = 0
 		}
@@ -180,9 +196,18 @@ func FuzzDecodeResponse(f *testing.F) {
 			if end < p.GetOffset() || end > p.GetArenaSize() || p.GetSize() == 0 {
 				t.Fatalf("accepted placement %v", p)
 			}
+			if p.GetExternal() {
+				if files-manifests != min(int(p.GetFiles()), MaxFiles) || p.GetFdAttached() {
+					t.Fatalf("accepted an external placement of %d descriptors with %d files", p.GetFiles(), files)
+				}
+				continue
+			}
 			if p.GetFdAttached() != (files-manifests == 1) {
 				t.Fatalf("accepted fd_attached=%v with %d files", p.GetFdAttached(), files)
 			}
+		}
+		if fr := resp.GetFiles(); fr != nil && (files != int(fr.GetCount()) || files == 0 || files > MaxFiles) {
+			t.Fatalf("accepted files %v with %d files", fr, files)
 		}
 		if (resp.GetId() == 0) != (resp.GetEvent() != nil) {
 			t.Fatalf("accepted id %d with body %T", resp.GetId(), resp.GetBody())

@@ -110,12 +110,29 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 	if r.GetId() == 0 {
 		return Errorf(storev1.Error_INVALID, "request id 0 is reserved for events")
 	}
-	if _, ok := r.GetBody().(*storev1.Request_Register); !ok && nfiles != 0 {
-		return Errorf(storev1.Error_INVALID, "requests carry no file descriptors, got %d", nfiles)
+	switch r.GetBody().(type) {
+	case *storev1.Request_Register, *storev1.Request_StageFiles:
+	default:
+		if nfiles != 0 {
+			return Errorf(storev1.Error_INVALID, "requests carry no file descriptors, got %d", nfiles)
+		}
 	}
 	switch b := r.GetBody().(type) {
 	case *storev1.Request_Register:
 		return ValidateRegister(b.Register, nfiles)
+	case *storev1.Request_StageFiles:
+		if nfiles < 1 || nfiles > MaxFiles {
+			return Errorf(storev1.Error_INVALID, "stage_files: %d descriptors, want 1 to %d", nfiles, MaxFiles)
+		}
+		return nil
+	case *storev1.Request_Files:
+		if b.Files.GetLeaseId() == 0 {
+			return Errorf(storev1.Error_INVALID, "files: lease id 0")
+		}
+		if b.Files.GetFrom() >= MaxPieces {
+			return Errorf(storev1.Error_INVALID, "files: from %d: a registration has at most %d", b.Files.GetFrom(), MaxPieces)
+		}
+		return nil
 	case *storev1.Request_Hello:
 		if b.Hello.GetVersion() == 0 {
 			return Errorf(storev1.Error_INVALID, "hello: version 0")
@@ -220,6 +237,10 @@ func RequestKind(r *storev1.Request) string {
 		return "register"
 	case *storev1.Request_LeaseTable:
 		return "lease_table"
+	case *storev1.Request_StageFiles:
+		return "stage_files"
+	case *storev1.Request_Files:
+		return "files"
 	default:
 		return "unknown"
 	}
@@ -302,7 +323,7 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 			if err := validateExternal(g.GetPlacement(), g.GetInfo()); err != nil {
 				return err
 			}
-			placementFiles = int(g.GetPlacement().GetFiles())
+			placementFiles = min(int(g.GetPlacement().GetFiles()), MaxFiles)
 		}
 		if g.GetManifestAttached() {
 			if g.GetInfo().GetManifestSize() == 0 {
@@ -346,6 +367,16 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		if err := validateInfo(b.Register.GetInfo()); err != nil {
 			return err
 		}
+	case *storev1.Response_StageFiles:
+		if s := b.StageFiles.GetStaged(); s == 0 || s > MaxPieces {
+			return invalid("stage_files: bad count")
+		}
+	case *storev1.Response_Files:
+		n := b.Files.GetCount()
+		if n == 0 || n > MaxFiles || b.Files.GetFrom() >= MaxPieces {
+			return invalid("files: bad range")
+		}
+		placementFiles = int(n)
 	case *storev1.Response_Seal, *storev1.Response_Abort, *storev1.Response_Release,
 		*storev1.Response_Delete, *storev1.Response_Subscribe, *storev1.Response_ForgetArenas:
 	case nil:
@@ -469,9 +500,9 @@ func QualifiedName(uid uint32, name string) string {
 
 // ValidateRegister checks a register request carrying nfiles descriptors:
 // a valid name, size, device and tensor, a region (which the store decodes:
-// this package does not read regions), and as many descriptors as the
-// request says (1 to MaxPieces for a vmm-fd region, none for a cuda-ipc
-// one).
+// this package does not read regions), at most MaxPieces descriptors in
+// all and no more on the packet than the request says (the rest are staged
+// on the connection: the store checks the total).
 func ValidateRegister(r *storev1.RegisterRequest, nfiles int) error {
 	if err := ValidateName(r.GetName()); err != nil {
 		return err
@@ -490,7 +521,7 @@ func ValidateRegister(r *storev1.RegisterRequest, nfiles int) error {
 		return Errorf(storev1.Error_INVALID, "register: no region: send the memory's binary region (docs/region.md)")
 	case n > MaxPieces:
 		return Errorf(storev1.Error_INVALID, "register: %d descriptors, at most %d", n, MaxPieces)
-	case int(n) != nfiles:
+	case nfiles > int(n) || nfiles > MaxFiles:
 		return Errorf(storev1.Error_INVALID, "register: the request says %d descriptors and carries %d", n, nfiles)
 	}
 	return nil

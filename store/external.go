@@ -84,8 +84,15 @@ func (ss *session) register(r *storev1.RegisterRequest, files []*os.File) (info,
 			protocol.CloseFiles(files)
 		}
 	}()
-	if err := protocol.ValidateRegister(r, len(files)); err != nil {
+	// The descriptors staged on this connection come first; the register
+	// takes them whatever its outcome.
+	attached := len(files)
+	files = append(ss.takeStaged(), files...)
+	if err := protocol.ValidateRegister(r, attached); err != nil {
 		return info{}, err
+	}
+	if len(files) != int(r.GetFiles()) {
+		return info{}, invalidf("register: the request says %d descriptors; %d were staged and attached", r.GetFiles(), len(files))
 	}
 	u, err := cudaipc.ParseUUID(r.GetDevice())
 	if err != nil {
@@ -137,7 +144,8 @@ func (ss *session) leaseExternalLocked(e *external) (placement, error) {
 	if e.legacy != nil {
 		p.kind = storev1.Placement_CUDA_IPC
 	}
-	for _, f := range e.files {
+	p.files = len(e.files)
+	for _, f := range e.files[:min(len(e.files), protocol.MaxFiles)] {
 		d, err := dupFile(f)
 		if err != nil {
 			p.closeShare()

@@ -178,7 +178,7 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 			protocol.CloseFiles(files)
 			op := protocol.RequestKind(&req)
 			cn.reply(op, protocol.ErrorResponse(req.GetId(), err), nil)
-			if len(files) > 0 && req.GetRegister() == nil || req.GetId() == 0 {
+			if len(files) > 0 && req.GetRegister() == nil && req.GetStageFiles() == nil || req.GetId() == 0 {
 				// Not a bad argument but a client that does not follow the
 				// framing rules (docs/protocol.md, section 2); an error
 				// with id 0 means the connection closes. Unknown
@@ -190,6 +190,10 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 		}
 		if r := req.GetRegister(); r != nil {
 			cn.registerReply(req.GetId(), r, files)
+			continue
+		}
+		if req.GetStageFiles() != nil {
+			cn.stageReply(req.GetId(), files)
 			continue
 		}
 		cn.handle(&req)
@@ -495,6 +499,8 @@ func (cn *conn) handle(req *storev1.Request) {
 			return
 		}
 		ok(&storev1.Response{Body: &storev1.Response_ForgetArenas{ForgetArenas: &storev1.ForgetArenasResponse{}}})
+	case *storev1.Request_Files:
+		cn.filesReply(id, b.Files)
 	default:
 		fail(protocol.Errorf(storev1.Error_INVALID, "unsupported operation %s", op))
 	}
@@ -605,7 +611,7 @@ func (p *placement) proto() *storev1.Placement {
 	}
 	pp.Region = p.region
 	if p.external {
-		pp.External, pp.Files = true, uint32(len(p.pieceFiles))
+		pp.External, pp.Files = true, uint32(p.files)
 	}
 	return pp
 }

@@ -31,6 +31,7 @@ type session struct {
 	closed     bool
 	created    map[*object]struct{}   // live objects it created, sealed or not
 	registered map[*external]struct{} // external memory it registered (external.go)
+	staged     []*os.File             // descriptors for its next register (stage.go)
 	leases     map[uint64]*lease
 	waiting    int                 // gets waiting for an object
 	sent       map[sentKey]bool    // arenas (and modes) already sent
@@ -99,7 +100,8 @@ type placement struct {
 	kind       storev1.Placement_Kind
 	region     []byte     // GPU arenas: the whole arena's region, in every placement; registered memory: its region
 	external   bool       // registered memory (external.go): no arena
-	pieceFiles []*os.File // registered VMM memory: duplicates of its descriptors, sent with the placement; the caller closes them
+	pieceFiles []*os.File // registered VMM memory: duplicates of its first descriptors (at most protocol.MaxFiles), sent with the placement; the caller closes them
+	files      int        // registered VMM memory: all its descriptors (stage.go sends the rest)
 	leaseID    uint64     // gets only
 	leaseSlot  int        // gets only: the lease's slot in the session's table, or 0
 	leaseGen   uint64
@@ -225,6 +227,7 @@ func (ss *session) close(cause error) {
 		ss.unregisterLocked(e)
 	}
 	clear(ss.registered)
+	ss.unstageLocked()
 	ss.closeTableLocked()
 	for id := range ss.holds {
 		ss.forgetLocked(id)

@@ -264,6 +264,8 @@ type Request struct {
 	//	*Request_ForgetArenas
 	//	*Request_Register
 	//	*Request_LeaseTable
+	//	*Request_StageFiles
+	//	*Request_Files
 	Body          isRequest_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -430,6 +432,24 @@ func (x *Request) GetLeaseTable() *LeaseTableRequest {
 	return nil
 }
 
+func (x *Request) GetStageFiles() *StageFilesRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_StageFiles); ok {
+			return x.StageFiles
+		}
+	}
+	return nil
+}
+
+func (x *Request) GetFiles() *FilesRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_Files); ok {
+			return x.Files
+		}
+	}
+	return nil
+}
+
 type isRequest_Body interface {
 	isRequest_Body()
 }
@@ -486,6 +506,14 @@ type Request_LeaseTable struct {
 	LeaseTable *LeaseTableRequest `protobuf:"bytes,32,opt,name=lease_table,json=leaseTable,proto3,oneof"`
 }
 
+type Request_StageFiles struct {
+	StageFiles *StageFilesRequest `protobuf:"bytes,46,opt,name=stage_files,json=stageFiles,proto3,oneof"`
+}
+
+type Request_Files struct {
+	Files *FilesRequest `protobuf:"bytes,47,opt,name=files,proto3,oneof"`
+}
+
 func (*Request_Hello) isRequest_Body() {}
 
 func (*Request_Create) isRequest_Body() {}
@@ -511,6 +539,10 @@ func (*Request_ForgetArenas) isRequest_Body() {}
 func (*Request_Register) isRequest_Body() {}
 
 func (*Request_LeaseTable) isRequest_Body() {}
+
+func (*Request_StageFiles) isRequest_Body() {}
+
+func (*Request_Files) isRequest_Body() {}
 
 // HelloRequest must be the first request on a connection.
 type HelloRequest struct {
@@ -1378,6 +1410,8 @@ type Response struct {
 	//	*Response_ForgetArenas
 	//	*Response_ArenasFreed
 	//	*Response_Register
+	//	*Response_StageFiles
+	//	*Response_Files
 	//	*Response_LeaseTable
 	Body          isResponse_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
@@ -1561,6 +1595,24 @@ func (x *Response) GetRegister() *RegisterResponse {
 	return nil
 }
 
+func (x *Response) GetStageFiles() *StageFilesResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_StageFiles); ok {
+			return x.StageFiles
+		}
+	}
+	return nil
+}
+
+func (x *Response) GetFiles() *FilesResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_Files); ok {
+			return x.Files
+		}
+	}
+	return nil
+}
+
 func (x *Response) GetLeaseTable() *LeaseTableResponse {
 	if x != nil {
 		if x, ok := x.Body.(*Response_LeaseTable); ok {
@@ -1632,6 +1684,14 @@ type Response_Register struct {
 	Register *RegisterResponse `protobuf:"bytes,45,opt,name=register,proto3,oneof"`
 }
 
+type Response_StageFiles struct {
+	StageFiles *StageFilesResponse `protobuf:"bytes,46,opt,name=stage_files,json=stageFiles,proto3,oneof"`
+}
+
+type Response_Files struct {
+	Files *FilesResponse `protobuf:"bytes,47,opt,name=files,proto3,oneof"`
+}
+
 type Response_LeaseTable struct {
 	// The lease table's memfd is attached.
 	LeaseTable *LeaseTableResponse `protobuf:"bytes,32,opt,name=lease_table,json=leaseTable,proto3,oneof"`
@@ -1664,6 +1724,10 @@ func (*Response_ForgetArenas) isResponse_Body() {}
 func (*Response_ArenasFreed) isResponse_Body() {}
 
 func (*Response_Register) isResponse_Body() {}
+
+func (*Response_StageFiles) isResponse_Body() {}
+
+func (*Response_Files) isResponse_Body() {}
 
 func (*Response_LeaseTable) isResponse_Body() {}
 
@@ -1823,8 +1887,9 @@ type Placement struct {
 	// memory over several allocations).
 	External bool `protobuf:"varint,45,opt,name=external,proto3" json:"external,omitempty"`
 	// External vmm-fd memory: how many descriptors the region's allocations
-	// have, one per piece, first piece first; all are attached to this packet
-	// (at most 60, protocol.MaxFiles). 0 for a cuda-ipc region.
+	// have, one per piece, first piece first. The first min(files, 60)
+	// (protocol.MaxFiles) are attached to this packet; a client asks for the
+	// rest with files requests. 0 for a cuda-ipc region.
 	Files uint32 `protobuf:"varint,47,opt,name=files,proto3" json:"files,omitempty"`
 	// How to map it; external placements are VMM_FD (a vmm-fd region and its
 	// descriptors) or CUDA_IPC (a legacy registration's region).
@@ -2789,8 +2854,10 @@ type RegisterRequest struct {
 	// (PyTorch's expandable segments), whose descriptors come with the
 	// request, one per piece, first piece first.
 	Region []byte `protobuf:"bytes,9,opt,name=region,proto3" json:"region,omitempty"`
-	// How many descriptors come with the request: 0 for a cuda-ipc region,
-	// the region's piece count for a vmm-fd one.
+	// How many descriptors the registration has: 0 for a cuda-ipc region,
+	// the region's piece count for a vmm-fd one. Those staged on this
+	// connection (stage_files) come first, then those attached to the request
+	// (at most 60, protocol.MaxFiles), together exactly this many.
 	Files uint32 `protobuf:"varint,10,opt,name=files,proto3" json:"files,omitempty"`
 	// Optional typed-array descriptor, as for create.
 	Tensor        *TensorDesc `protobuf:"bytes,8,opt,name=tensor,proto3" json:"tensor,omitempty"`
@@ -2877,6 +2944,202 @@ func (x *RegisterRequest) GetTensor() *TensorDesc {
 	return nil
 }
 
+// StageFilesRequest hands the daemon 1 to 60 descriptors (attached) for
+// the connection's next register, so that a registration may have more
+// descriptors than one packet carries. The next register takes every
+// staged descriptor, whether it succeeds or fails; the connection's end
+// closes them. Staged descriptors count against the uid's descriptor
+// limit.
+type StageFilesRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StageFilesRequest) Reset() {
+	*x = StageFilesRequest{}
+	mi := &file_store_proto_msgTypes[33]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StageFilesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StageFilesRequest) ProtoMessage() {}
+
+func (x *StageFilesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[33]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StageFilesRequest.ProtoReflect.Descriptor instead.
+func (*StageFilesRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{33}
+}
+
+// StageFilesResponse says how many descriptors the connection has staged.
+type StageFilesResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Staged        uint32                 `protobuf:"varint,1,opt,name=staged,proto3" json:"staged,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StageFilesResponse) Reset() {
+	*x = StageFilesResponse{}
+	mi := &file_store_proto_msgTypes[34]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StageFilesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StageFilesResponse) ProtoMessage() {}
+
+func (x *StageFilesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[34]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StageFilesResponse.ProtoReflect.Descriptor instead.
+func (*StageFilesResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{34}
+}
+
+func (x *StageFilesResponse) GetStaged() uint32 {
+	if x != nil {
+		return x.Staged
+	}
+	return 0
+}
+
+// FilesRequest asks for descriptors of a leased registration beyond those
+// its get carried: up to 60 (protocol.MaxFiles) from index from (the
+// placement's files, first piece first).
+type FilesRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	LeaseId       uint64                 `protobuf:"varint,1,opt,name=lease_id,json=leaseId,proto3" json:"lease_id,omitempty"`
+	From          uint32                 `protobuf:"varint,2,opt,name=from,proto3" json:"from,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FilesRequest) Reset() {
+	*x = FilesRequest{}
+	mi := &file_store_proto_msgTypes[35]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FilesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FilesRequest) ProtoMessage() {}
+
+func (x *FilesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[35]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FilesRequest.ProtoReflect.Descriptor instead.
+func (*FilesRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{35}
+}
+
+func (x *FilesRequest) GetLeaseId() uint64 {
+	if x != nil {
+		return x.LeaseId
+	}
+	return 0
+}
+
+func (x *FilesRequest) GetFrom() uint32 {
+	if x != nil {
+		return x.From
+	}
+	return 0
+}
+
+// FilesResponse carries descriptors from..from+count-1 of the lease's
+// registration, attached in order.
+type FilesResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	From          uint32                 `protobuf:"varint,1,opt,name=from,proto3" json:"from,omitempty"`
+	Count         uint32                 `protobuf:"varint,2,opt,name=count,proto3" json:"count,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FilesResponse) Reset() {
+	*x = FilesResponse{}
+	mi := &file_store_proto_msgTypes[36]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FilesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FilesResponse) ProtoMessage() {}
+
+func (x *FilesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[36]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FilesResponse.ProtoReflect.Descriptor instead.
+func (*FilesResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{36}
+}
+
+func (x *FilesResponse) GetFrom() uint32 {
+	if x != nil {
+		return x.From
+	}
+	return 0
+}
+
+func (x *FilesResponse) GetCount() uint32 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
 // RegisterResponse acknowledges a registration.
 type RegisterResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -2887,7 +3150,7 @@ type RegisterResponse struct {
 
 func (x *RegisterResponse) Reset() {
 	*x = RegisterResponse{}
-	mi := &file_store_proto_msgTypes[33]
+	mi := &file_store_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2899,7 +3162,7 @@ func (x *RegisterResponse) String() string {
 func (*RegisterResponse) ProtoMessage() {}
 
 func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[33]
+	mi := &file_store_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2912,7 +3175,7 @@ func (x *RegisterResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegisterResponse.ProtoReflect.Descriptor instead.
 func (*RegisterResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{33}
+	return file_store_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *RegisterResponse) GetInfo() *ObjectInfo {
@@ -2926,7 +3189,7 @@ var File_store_proto protoreflect.FileDescriptor
 
 const file_store_proto_rawDesc = "" +
 	"\n" +
-	"\vstore.proto\x12\x10cudaipc.store.v1\"\xb1\x06\n" +
+	"\vstore.proto\x12\x10cudaipc.store.v1\"\xb1\a\n" +
 	"\aRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x126\n" +
 	"\x05hello\x18\n" +
@@ -2943,7 +3206,10 @@ const file_store_proto_rawDesc = "" +
 	"\rforget_arenas\x18\x1e \x01(\v2%.cudaipc.store.v1.ForgetArenasRequestH\x00R\fforgetArenas\x12?\n" +
 	"\bregister\x18- \x01(\v2!.cudaipc.store.v1.RegisterRequestH\x00R\bregister\x12F\n" +
 	"\vlease_table\x18  \x01(\v2#.cudaipc.store.v1.LeaseTableRequestH\x00R\n" +
-	"leaseTableB\x06\n" +
+	"leaseTable\x12F\n" +
+	"\vstage_files\x18. \x01(\v2#.cudaipc.store.v1.StageFilesRequestH\x00R\n" +
+	"stageFiles\x126\n" +
+	"\x05files\x18/ \x01(\v2\x1e.cudaipc.store.v1.FilesRequestH\x00R\x05filesB\x06\n" +
 	"\x04body\"I\n" +
 	"\fHelloRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1f\n" +
@@ -3002,7 +3268,7 @@ const file_store_proto_rawDesc = "" +
 	"\x10SubscribeRequest\"\x13\n" +
 	"\x11LeaseTableRequest\"2\n" +
 	"\x13ForgetArenasRequest\x12\x1b\n" +
-	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\xe3\a\n" +
+	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\xe5\b\n" +
 	"\bResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12-\n" +
 	"\x05error\x18\x02 \x01(\v2\x17.cudaipc.store.v1.ErrorR\x05error\x127\n" +
@@ -3021,6 +3287,9 @@ const file_store_proto_rawDesc = "" +
 	"\rforget_arenas\x18\x1e \x01(\v2&.cudaipc.store.v1.ForgetArenasResponseH\x00R\fforgetArenas\x12B\n" +
 	"\farenas_freed\x18\x1f \x01(\v2\x1d.cudaipc.store.v1.ArenasFreedH\x00R\varenasFreed\x12@\n" +
 	"\bregister\x18- \x01(\v2\".cudaipc.store.v1.RegisterResponseH\x00R\bregister\x12G\n" +
+	"\vstage_files\x18. \x01(\v2$.cudaipc.store.v1.StageFilesResponseH\x00R\n" +
+	"stageFiles\x127\n" +
+	"\x05files\x18/ \x01(\v2\x1f.cudaipc.store.v1.FilesResponseH\x00R\x05files\x12G\n" +
 	"\vlease_table\x18  \x01(\v2$.cudaipc.store.v1.LeaseTableResponseH\x00R\n" +
 	"leaseTableB\x06\n" +
 	"\x04body\"\xfb\x01\n" +
@@ -3137,7 +3406,16 @@ const file_store_proto_rawDesc = "" +
 	"\x06region\x18\t \x01(\fR\x06region\x12\x14\n" +
 	"\x05files\x18\n" +
 	" \x01(\rR\x05files\x124\n" +
-	"\x06tensor\x18\b \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensorJ\x04\b\x05\x10\x06J\x04\b\x06\x10\aJ\x04\b\a\x10\b\"D\n" +
+	"\x06tensor\x18\b \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensorJ\x04\b\x05\x10\x06J\x04\b\x06\x10\aJ\x04\b\a\x10\b\"\x13\n" +
+	"\x11StageFilesRequest\",\n" +
+	"\x12StageFilesResponse\x12\x16\n" +
+	"\x06staged\x18\x01 \x01(\rR\x06staged\"=\n" +
+	"\fFilesRequest\x12\x19\n" +
+	"\blease_id\x18\x01 \x01(\x04R\aleaseId\x12\x12\n" +
+	"\x04from\x18\x02 \x01(\rR\x04from\"9\n" +
+	"\rFilesResponse\x12\x12\n" +
+	"\x04from\x18\x01 \x01(\rR\x04from\x12\x14\n" +
+	"\x05count\x18\x02 \x01(\rR\x05count\"D\n" +
 	"\x10RegisterResponse\x120\n" +
 	"\x04info\x18\x01 \x01(\v2\x1c.cudaipc.store.v1.ObjectInfoR\x04infoB-Z+github.com/cudaipc/cudaipc/protocol/storev1b\x06proto3"
 
@@ -3154,7 +3432,7 @@ func file_store_proto_rawDescGZIP() []byte {
 }
 
 var file_store_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 34)
+var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 38)
 var file_store_proto_goTypes = []any{
 	(Error_Code)(0),              // 0: cudaipc.store.v1.Error.Code
 	(Placement_Kind)(0),          // 1: cudaipc.store.v1.Placement.Kind
@@ -3192,7 +3470,11 @@ var file_store_proto_goTypes = []any{
 	(*ArenasFreed)(nil),          // 33: cudaipc.store.v1.ArenasFreed
 	(*Event)(nil),                // 34: cudaipc.store.v1.Event
 	(*RegisterRequest)(nil),      // 35: cudaipc.store.v1.RegisterRequest
-	(*RegisterResponse)(nil),     // 36: cudaipc.store.v1.RegisterResponse
+	(*StageFilesRequest)(nil),    // 36: cudaipc.store.v1.StageFilesRequest
+	(*StageFilesResponse)(nil),   // 37: cudaipc.store.v1.StageFilesResponse
+	(*FilesRequest)(nil),         // 38: cudaipc.store.v1.FilesRequest
+	(*FilesResponse)(nil),        // 39: cudaipc.store.v1.FilesResponse
+	(*RegisterResponse)(nil),     // 40: cudaipc.store.v1.RegisterResponse
 }
 var file_store_proto_depIdxs = []int32{
 	4,  // 0: cudaipc.store.v1.Request.hello:type_name -> cudaipc.store.v1.HelloRequest
@@ -3208,40 +3490,44 @@ var file_store_proto_depIdxs = []int32{
 	16, // 10: cudaipc.store.v1.Request.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasRequest
 	35, // 11: cudaipc.store.v1.Request.register:type_name -> cudaipc.store.v1.RegisterRequest
 	15, // 12: cudaipc.store.v1.Request.lease_table:type_name -> cudaipc.store.v1.LeaseTableRequest
-	6,  // 13: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	6,  // 14: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	18, // 15: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
-	19, // 16: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
-	22, // 17: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
-	23, // 18: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
-	24, // 19: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
-	25, // 20: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
-	26, // 21: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
-	27, // 22: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
-	28, // 23: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
-	29, // 24: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
-	30, // 25: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
-	34, // 26: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
-	31, // 27: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
-	33, // 28: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
-	36, // 29: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
-	32, // 30: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
-	0,  // 31: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
-	1,  // 32: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
-	6,  // 33: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	20, // 34: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
-	20, // 35: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
-	21, // 36: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	21, // 37: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
-	21, // 38: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	2,  // 39: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
-	6,  // 40: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	21, // 41: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	42, // [42:42] is the sub-list for method output_type
-	42, // [42:42] is the sub-list for method input_type
-	42, // [42:42] is the sub-list for extension type_name
-	42, // [42:42] is the sub-list for extension extendee
-	0,  // [0:42] is the sub-list for field type_name
+	36, // 13: cudaipc.store.v1.Request.stage_files:type_name -> cudaipc.store.v1.StageFilesRequest
+	38, // 14: cudaipc.store.v1.Request.files:type_name -> cudaipc.store.v1.FilesRequest
+	6,  // 15: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	6,  // 16: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	18, // 17: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
+	19, // 18: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
+	22, // 19: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
+	23, // 20: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
+	24, // 21: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
+	25, // 22: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
+	26, // 23: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
+	27, // 24: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
+	28, // 25: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
+	29, // 26: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
+	30, // 27: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
+	34, // 28: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
+	31, // 29: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
+	33, // 30: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
+	40, // 31: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
+	37, // 32: cudaipc.store.v1.Response.stage_files:type_name -> cudaipc.store.v1.StageFilesResponse
+	39, // 33: cudaipc.store.v1.Response.files:type_name -> cudaipc.store.v1.FilesResponse
+	32, // 34: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
+	0,  // 35: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
+	1,  // 36: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
+	6,  // 37: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	20, // 38: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
+	20, // 39: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
+	21, // 40: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	21, // 41: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
+	21, // 42: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	2,  // 43: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
+	6,  // 44: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	21, // 45: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	46, // [46:46] is the sub-list for method output_type
+	46, // [46:46] is the sub-list for method input_type
+	46, // [46:46] is the sub-list for extension type_name
+	46, // [46:46] is the sub-list for extension extendee
+	0,  // [0:46] is the sub-list for field type_name
 }
 
 func init() { file_store_proto_init() }
@@ -3263,6 +3549,8 @@ func file_store_proto_init() {
 		(*Request_ForgetArenas)(nil),
 		(*Request_Register)(nil),
 		(*Request_LeaseTable)(nil),
+		(*Request_StageFiles)(nil),
+		(*Request_Files)(nil),
 	}
 	file_store_proto_msgTypes[6].OneofWrappers = []any{}
 	file_store_proto_msgTypes[14].OneofWrappers = []any{
@@ -3280,6 +3568,8 @@ func file_store_proto_init() {
 		(*Response_ForgetArenas)(nil),
 		(*Response_ArenasFreed)(nil),
 		(*Response_Register)(nil),
+		(*Response_StageFiles)(nil),
+		(*Response_Files)(nil),
 		(*Response_LeaseTable)(nil),
 	}
 	type x struct{}
@@ -3288,7 +3578,7 @@ func file_store_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_store_proto_rawDesc), len(file_store_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   34,
+			NumMessages:   38,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -17,14 +17,14 @@ while this process lives. Anything else raises :class:`NotExportable` naming the
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, List, Optional, Tuple
 
 from . import _cuda
-from ._store_pb2 import RegisterRequest, Request  # type: ignore[attr-defined]
+from ._store_pb2 import RegisterRequest, Request, StageFilesRequest  # type: ignore[attr-defined]
+from ._wire import MAX_FILES
 from .errors import CudaError, CudaipcError
-from .region import KIND_VMM_FD, VERSION, VERSION_PIECES, Region, local_identity
-
-MAX_PIECES = 60  # protocol.MaxPieces: one descriptor per piece in one packet
+from .region import KIND_VMM_FD, MAX_PIECES, VERSION, VERSION_PIECES, Region, local_identity
 
 FIX_POOL = ("allocate from a pool created with the POSIX file-descriptor handle type "
             "(cudaMemPoolCreate with handleTypes = cudaMemHandleTypePosixFileDescriptor), or in "
@@ -183,6 +183,33 @@ def register_request(name: str, x: Export, shared: bool) -> Any:
     r = RegisterRequest(name=name, size=x.size, device="GPU-" + _uuid_text(x.device), shared=shared,
                         region=x.region.to_bytes(), files=len(x.fds))
     return Request(register=r)
+
+
+_locks_guard = threading.Lock()
+
+
+def _register_lock(conn: Any) -> Any:
+    """The connection's lock that keeps a registration's staged descriptors and its
+    register together."""
+    with _locks_guard:
+        lock = getattr(conn, "_cudaipc_register_lock", None)
+        if lock is None:
+            lock = threading.Lock()
+            setattr(conn, "_cudaipc_register_lock", lock)
+        return lock
+
+
+def send_register(conn: Any, name: str, x: Export, shared: bool) -> Any:
+    """Register export ``x`` under ``name`` on connection ``conn`` and return the reply.
+    Descriptors beyond one packet's (MAX_FILES) are staged first (stage_files), as
+    memory of PyTorch's expandable segments has one per 20 MiB piece; the register
+    takes them all (docs/protocol.md, section 6.5)."""
+    fds = list(x.fds)
+    with _register_lock(conn):
+        while len(fds) > MAX_FILES:
+            conn.call(Request(stage_files=StageFilesRequest()), "register", name, fds=fds[:MAX_FILES])
+            fds = fds[MAX_FILES:]
+        return conn.call(register_request(name, x, shared), "register", name, fds=fds)
 
 
 def _uuid_text(u: bytes) -> str:

@@ -156,7 +156,7 @@ class Store:
         removed when this connection closes. Keep the memory alive meanwhile. Raises
         extmem.NotExportable naming the fix for memory that cannot be shared."""
         with _extmem.export_pointer(obj, nbytes) as x:
-            rep = self._conn.call(_extmem.register_request(name, x, shared), "register", name, fds=x.fds)
+            rep = _extmem.send_register(self._conn, name, x, shared)
         return ObjectInfo._from_pb(rep.resp.register.info)
 
     # -- create / put ----------------------------------------------------------------

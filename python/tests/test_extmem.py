@@ -27,3 +27,30 @@ def test_unknown_object():
 def test_not_exportable_message_names_the_fix():
     e = extmem.NotExportable(0x1000, "memory of a stream-ordered pool (cudaMallocAsync) without an IPC handle type", extmem.FIX_POOL)
     assert "expandable_segments:True" in str(e) and str(e).startswith("cudaipc: cannot export 0x1000")
+
+
+def test_register_stages_descriptors_beyond_one_packet(store):
+    """A registration of more pieces than one packet carries descriptors: the ones
+    beyond MAX_FILES are staged first and the daemon holds all of them. Memfds stand in
+    for VMM descriptors: the daemon never maps what it is given."""
+    import os
+    from cudaipc import extmem
+    from cudaipc._wire import MAX_FILES
+    from cudaipc.region import KIND_VMM_FD, VERSION_PIECES, Region, local_identity, parse_gpu_uuid
+    n, piece = 2 * MAX_FILES + 5, 2 << 20
+    ns, boot = local_identity()
+    ids = [os.urandom(16) for _ in range(n)]
+    region = Region(handle=bytes(64), offset=4096, size=n * piece - 8192, alloc_size=piece,
+                    device=parse_gpu_uuid("GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8"),
+                    exporter_pid=os.getpid(), pid_namespace=ns, boot_id=boot, buffer_id=0,
+                    exporter_base=0x7f0000000000, kind=KIND_VMM_FD, version=VERSION_PIECES,
+                    allocation_id=ids[0], more_pieces=tuple((i, piece) for i in ids[1:]))
+    fds = [os.memfd_create("piece") for _ in range(n)]
+    try:
+        rep = extmem.send_register(store._conn, "torch/big", extmem.Export(region, fds), True)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    info = rep.resp.register.info
+    assert info.external and info.size == region.size
+    assert store.stat("torch/big").size == region.size
