@@ -85,9 +85,57 @@ func GetBandwidth(ctx context.Context, ep *ucx.Endpoint, key *ucx.RemoteKey, dst
 	return best, all, nil
 }
 
-// PerftestOptions describe one ucx_perftest ucp_get run between a server
-// and a client process on 127.0.0.1.
+// Rates summarizes repeated bandwidth measurements, in bytes per second.
+type Rates struct {
+	Best, Median float64
+	All          []float64
+}
+
+func rates(all []float64) Rates {
+	if len(all) == 0 {
+		return Rates{}
+	}
+	s := slices.Clone(all)
+	slices.Sort(s)
+	return Rates{Best: s[len(s)-1], Median: s[len(s)/2], All: all}
+}
+
+// Comparison is our GET bandwidth next to ucx_perftest's on the same link,
+// measured in alternation so that both see the same load.
+type Comparison struct {
+	Ours, Floor Rates
+}
+
+// Ratio is our best rate over the floor's best.
+func (c Comparison) Ratio() float64 { return c.Ours.Best / c.Floor.Best }
+
+// CompareBandwidth alternates rounds of reading len(dst) bytes from the
+// start of key's region (GetWith with o) with rounds of ucx_perftest run
+// with p, rounds times each. On a shared machine, best-of and alternation
+// keep the two comparable; the medians show the spread.
+func CompareBandwidth(ctx context.Context, ep *ucx.Endpoint, key *ucx.RemoteKey, dst []byte, o ucx.GetOptions, p PerftestOptions, rounds int) (Comparison, error) {
+	var ours, floor []float64
+	for range rounds {
+		_, r, err := GetBandwidth(ctx, ep, key, dst, o, 1)
+		if err != nil {
+			return Comparison{}, err
+		}
+		ours = append(ours, r...)
+		f, err := Perftest(ctx, p)
+		if err != nil {
+			return Comparison{}, err
+		}
+		floor = append(floor, f.BytesPerSec)
+	}
+	return Comparison{Ours: rates(ours), Floor: rates(floor)}, nil
+}
+
+// PerftestOptions describe one ucx_perftest run between a server and a
+// client process on 127.0.0.1.
 type PerftestOptions struct {
+	// Test is the -t test; empty means "ucp_get". "ucp_am_lat" is UCX's own
+	// message round trip, with both sides polling.
+	Test string
 	// Size is the bytes of one get (-s).
 	Size int
 	// Iters and Warmup are -n and -w.
@@ -103,9 +151,17 @@ type PerftestOptions struct {
 }
 
 // PerftestResult is what ucx_perftest reported for the whole run.
+//
+// Mind what its ucp_get measures over transports that emulate GET with
+// messages (tcp, shared memory): its responder progresses its worker only
+// between 1 ms polls of its control socket (perftest.c sock_io), so each
+// get waits up to a millisecond for the responder: about 1 ms per get
+// whatever the link. Over RDMA (rc, dc) the responder is not involved.
+// ucp_am_lat has both sides polling; its latency is one way, half a round
+// trip.
 type PerftestResult struct {
 	Iters       int
-	P50         time.Duration // the median latency of one get
+	P50         time.Duration // the median latency ucx_perftest prints
 	Avg         time.Duration
 	BytesPerSec float64 // overall bandwidth
 }
@@ -114,8 +170,8 @@ type PerftestResult struct {
 // ucx-utils).
 var ErrNoPerftest = errors.New("ucxperf: ucx_perftest not found: install ucx-utils (Debian/Ubuntu)")
 
-// Perftest runs ucx_perftest -t ucp_get as a server and a client on
-// 127.0.0.1 and parses the client's final line. Both processes end with
+// Perftest runs ucx_perftest (by default -t ucp_get) as a server and a
+// client on 127.0.0.1 and parses the client's final line. Both processes end with
 // ctx.
 func Perftest(ctx context.Context, o PerftestOptions) (PerftestResult, error) {
 	bin := o.Binary
@@ -141,7 +197,11 @@ func Perftest(ctx context.Context, o PerftestOptions) (PerftestResult, error) {
 		return PerftestResult{}, err
 	}
 	defer func() { cancel(); _ = srv.Wait() }()
-	args := []string{"127.0.0.1", "-p", strconv.Itoa(port), "-t", "ucp_get", "-s", strconv.Itoa(o.Size),
+	test := o.Test
+	if test == "" {
+		test = "ucp_get"
+	}
+	args := []string{"127.0.0.1", "-p", strconv.Itoa(port), "-t", test, "-s", strconv.Itoa(o.Size),
 		"-n", strconv.Itoa(o.Iters), "-w", strconv.Itoa(o.Warmup), "-f", "-v"}
 	if o.Outstanding > 0 {
 		args = append(args, "-O", strconv.Itoa(o.Outstanding))
