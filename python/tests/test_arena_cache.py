@@ -48,16 +48,24 @@ class FakeGPUDaemon:
         self.th.start()
 
     def run(self):
-        c, _ = self.srv.accept()
+        try:
+            c, _ = self.srv.accept()
+        except OSError:
+            return
         self.conn = c
         self.ready.set()
+        try:
+            self.serve(c)
+        except OSError:
+            pass   # the client went (a pipelined request's answer finds no reader): the end
+        finally:
+            c.close()
+
+    def serve(self, c):
         region = arena_region(1 << 20)
         lease = 0
         while True:
-            try:
-                data = c.recv(65536)
-            except OSError:
-                return
+            data = c.recv(65536)
             if not data:
                 return
             req = pb.Request.FromString(data)
@@ -93,12 +101,37 @@ class FakeGPUDaemon:
                 resp = pb.Response(id=req.id, stat=pb.StatResponse(info=pb.ObjectInfo(name="x", size=1, device="host")))
             c.send(resp.SerializeToString())
 
+    def stop(self):
+        """Close the listener and the connection and wait for the thread."""
+        self.srv.close()
+        if self.conn is not None:
+            try:
+                self.conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.th.join(10)
+        assert not self.th.is_alive(), "the fake daemon did not stop"
+        os.unlink(self.path)
+        os.rmdir(self.dir)
+
     def free(self):
         # The daemon reclaims idle leases before it finds the arena empty.
         for slot, gen in self.granted:
             if struct.unpack_from("<Q", self.words, (slot - 1) * 8)[0] == gen << 3 | 2:
                 struct.pack_into("<Q", self.words, (slot - 1) * 8, gen << 3)
         self.conn.send(pb.Response(arenas_freed=pb.ArenasFreed(arena_ids=[5])).SerializeToString())
+
+
+@pytest.fixture
+def fake_daemon():
+    made = []
+
+    def make(**kw):
+        made.append(FakeGPUDaemon(**kw))
+        return made[-1]
+    yield make
+    for d in made:
+        d.stop()
 
 
 @pytest.fixture
@@ -118,8 +151,8 @@ def fake_driver(monkeypatch):
     return calls
 
 
-def test_one_open_for_many_cycles_and_forget_on_free(fake_driver):
-    d = FakeGPUDaemon()
+def test_one_open_for_many_cycles_and_forget_on_free(fake_driver, fake_daemon):
+    d = fake_daemon()
     s = cudaipc.connect(d.path)
     for i in range(1, 101):
         with s.get("x") as lease:
@@ -140,8 +173,8 @@ def test_one_open_for_many_cycles_and_forget_on_free(fake_driver):
     s.close()
 
 
-def test_idle_arenas_are_unmapped_on_close(fake_driver):
-    d = FakeGPUDaemon()
+def test_idle_arenas_are_unmapped_on_close(fake_driver, fake_daemon):
+    d = fake_daemon()
     s = cudaipc.connect(d.path)
     with s.get("x"):
         pass
@@ -150,14 +183,14 @@ def test_idle_arenas_are_unmapped_on_close(fake_driver):
     assert fake_driver["close"] == 1
 
 
-def test_idle_fast_leases_keep_the_arena_until_freed(fake_driver):
+def test_idle_fast_leases_keep_the_arena_until_freed(fake_driver, fake_daemon):
     """A lease released through the lease table keeps its arena mapped (the next get
     takes it back with no request and no driver call); when the daemon reclaims it and
     frees the arena, the idle lease is forgotten and the arena unmapped."""
     from cudaipc import _fastpath
     if _fastpath.atomics() is None:
         pytest.skip("no libatomic: no lease table")
-    d = FakeGPUDaemon(table=True)
+    d = fake_daemon(table=True)
     s = cudaipc.connect(d.path)
     assert s.fast_path
     first = s.get("x")
