@@ -42,7 +42,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import cudaipc  # noqa: E402
+try:
+    import cudaipc  # noqa: E402
+except ImportError as e:   # a missing package: say which, in one line
+    sys.exit(str(e))
 import _bench  # noqa: E402
 
 
@@ -305,4 +308,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ImportError as e:   # a missing package: say which, in one line
+        sys.exit(str(e))

@@ -24,8 +24,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import cudaipc  # noqa: E402
-from cudaipc import _cuda, _cuda_ctypes, _put, _wire, store as _store  # noqa: E402
+try:
+    import cudaipc  # noqa: E402
+    from cudaipc import _cuda, _cuda_ctypes, _put, _wire, store as _store  # noqa: E402
+except ImportError as e:   # a missing package: say which, in one line
+    sys.exit(str(e))
 import _bench  # noqa: E402
 
 STEPS = collections.defaultdict(list)
@@ -266,6 +269,7 @@ def run(a, sock, out, dlog):
 
 
 def main():
+    cudaipc._deps.require("torch", "put_phases.py")
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default=os.environ.get("CUDAIPC_BIN", "cudaipc"))
     ap.add_argument("--socket")
@@ -290,4 +294,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ImportError as e:   # a missing package: say which, in one line
+        sys.exit(str(e))

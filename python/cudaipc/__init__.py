@@ -20,6 +20,10 @@ GPU work goes through NVIDIA's cuda-bindings, imported only when a GPU object is
 touched; host objects need only protobuf (NumPy for numpy() and tensor()).
 """
 
+from ._deps import require as _require
+
+_require("google.protobuf", "import cudaipc")   # the wire format: say what to install, not "No module named 'google'"
+
 from .errors import (Closed, CudaError, CudaipcError, Exists, InternalError, InvalidArgument,
                      InvalidRegion, LimitReached, NotFound, NotSealed, PermissionDenied, Sealed,
                      StoreError, StoreFull, StoreGone, Timeout, VersionMismatch)
@@ -30,6 +34,7 @@ from .lease import Lease, Object
 from .mapping import Mapping, import_region
 from .region import Region, decode_region
 from .store import Store, connect, default_socket_path, share
+from ._deps import MissingDependency
 from . import bundle
 from .bundle import Bundle, LoadMismatch, LoadReport, load_into
 
@@ -40,7 +45,7 @@ __all__ = [
     "Event", "ServerInfo", "Region", "decode_region", "import_region", "Mapping",
     "CudaipcError", "StoreError", "InvalidArgument", "NotFound", "Exists", "Timeout", "StoreFull",
     "PermissionDenied", "LimitReached", "NotSealed", "Sealed", "VersionMismatch", "InternalError",
-    "StoreGone", "Closed", "InvalidRegion", "CudaError",
+    "StoreGone", "Closed", "InvalidRegion", "CudaError", "MissingDependency",
     "share", "export_pointer", "NotExportable", "SHARE_HOST", "SHARE_CUDA_IPC", "SHARE_VMM_FD",
     "bundle", "Bundle", "LoadMismatch", "LoadReport", "load_into",
 ]

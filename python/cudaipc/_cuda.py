@@ -14,6 +14,7 @@ import dataclasses
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
+from ._deps import install_hint
 from .errors import CudaError
 
 _lock = threading.RLock()
@@ -36,7 +37,7 @@ def driver() -> Any:
                     from cuda import cuda as cu  # type: ignore  # older cuda-python
                 except ImportError:
                     raise CudaError("import cuda.bindings.driver", "not installed",
-                                    "GPU objects need NVIDIA's cuda-bindings: pip install cuda-bindings") from None
+                                    "GPU objects need NVIDIA's cuda-bindings: " + install_hint("cuda.bindings")) from None
             err = cu.cuInit(0)[0]
             if err != cu.CUresult.CUDA_SUCCESS:
                 raise CudaError("cuInit", _name(cu, err), "no usable CUDA driver or GPU")

@@ -9,6 +9,7 @@ import json
 import threading
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from ._deps import require
 from .errors import InvalidArgument
 
 ALIGNMENT = 256
@@ -99,12 +100,6 @@ def parse_manifest(raw: bytes) -> Tuple[List[TensorEntry], Dict[str, str]]:
     return out, meta
 
 
-def torch_dtype(st: str) -> Any:
-    import torch
-    name = FROM_SAFETENSORS.get(st)
-    return getattr(torch, name, None) if name else None
-
-
 class Layout:
     """A parsed manifest, shared by every lease whose manifest has the same bytes
     (the versions of one model): parsing 18,000 entries takes longer than loading
@@ -117,21 +112,19 @@ class Layout:
         self.index = {n: i for i, n in enumerate(self.names)}
         self.nbytes = sum(e.end - e.begin for e in self.entries)
         self.size = max((e.end for e in self.entries), default=0)
-        self._views: Optional[List[Tuple[Any, Tuple[int, ...]]]] = None
+        self._views: Dict[str, List[Tuple[Any, Tuple[int, ...]]]] = {}
 
-    def view_types(self) -> List[Tuple[Any, Tuple[int, ...]]]:
-        """(torch dtype, shape) of each entry's view: uint8 bytes for dtypes PyTorch lacks."""
-        v = self._views
+    def view_types(self, lib: Any) -> List[Tuple[Any, Tuple[int, ...]]]:
+        """(dtype, shape) of each entry's view in array library ``lib`` (_arrays):
+        uint8 bytes for dtypes the library lacks."""
+        v = self._views.get(lib.name)
         if v is None:
-            import torch
-            dts: Dict[str, Any] = {}
+            u8 = lib.uint8()
             v = []
             for e in self.entries:
-                dt = dts.get(e.dtype, False)
-                if dt is False:
-                    dt = dts[e.dtype] = torch_dtype(e.dtype)
-                v.append((dt, e.shape) if dt is not None else (torch.uint8, (e.end - e.begin,)))
-            self._views = v
+                dt = lib.dtype(e.dtype)
+                v.append((dt, e.shape) if dt is not None else (u8, (e.end - e.begin,)))
+            self._views[lib.name] = v
         return v
 
 
@@ -175,7 +168,12 @@ def put_layout(names: List[str], shape_dtypes: List[Tuple[Any, Any]], metadata: 
 
 
 def st_dtype_of(dt: Any, op: str = "put") -> str:
-    name = str(dt).replace("torch.", "")
+    """The safetensors name of a dtype: a torch.dtype, a NumPy dtype or type, or a
+    name ("float32", "bfloat16")."""
+    if isinstance(dt, str) or type(dt).__module__.startswith("torch"):
+        name = str(dt).replace("torch.", "")
+    else:
+        name = require("numpy", "NumPy dtypes").dtype(dt).name
     st = TO_SAFETENSORS.get(name)
     if st is None:
         raise InvalidArgument(op, "", "dtype %s has no safetensors name" % name)

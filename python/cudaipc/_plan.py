@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import operator
 import threading
 import time
 from collections import OrderedDict
@@ -15,65 +14,10 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from . import _cuda
 from . import _cuda_ctypes
+from ._arrays import ArrayLib, Signature
+from ._deps import require
 from ._manifest import Layout
 from .errors import CudaError, InvalidArgument
-
-BIG = 1 << 20
-"""Tensors of at least this many bytes are copied one by one (copy_: a DMA-speed
-memcpy); smaller ones together (_foreach_copy_: few launches for many tensors)."""
-
-_INT_OF_SIZE: Dict[int, Any] = {}
-
-
-def _bits(t: Any) -> Any:
-    """t viewed as integers of its element size, so that a copy moves bits: a copy
-    of floats may canonicalize NaN payloads (PyTorch's _foreach_copy_ on bfloat16
-    does), and a weight copy must be exact."""
-    import torch
-    if not (t.is_floating_point() or t.is_complex()):
-        return t
-    if not _INT_OF_SIZE:
-        _INT_OF_SIZE.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
-    it = _INT_OF_SIZE.get(t.element_size())
-    if it is None or t.dim() == 0:
-        return t if it is None else t.reshape(1).view(it)
-    return t.view(it)
-
-
-def torch_copy(dsts: List[Any], srcs: List[Any], device: Any, stream: Any) -> int:
-    """Copy srcs into dsts, bit for bit, on stream; returns the number of copy calls."""
-    import torch
-    if not dsts:
-        return 0
-    ctx: Any = None
-    if device.type == "cuda":
-        s = stream if stream is not None else torch.cuda.current_stream(device)
-        ctx = torch.cuda.stream(s)
-    else:
-        s = None
-    calls = 0
-    if ctx is not None:
-        ctx.__enter__()
-    try:
-        small_d, small_s = [], []
-        foreach = hasattr(torch, "_foreach_copy_")
-        for d, x in zip(dsts, srcs):
-            if foreach and d.device == x.device and d.numel() * d.element_size() < BIG:
-                small_d.append(_bits(d))
-                small_s.append(_bits(x))
-            else:
-                d.copy_(x, non_blocking=True)
-                calls += 1
-        if small_d:
-            torch._foreach_copy_(small_d, small_s)
-            calls += 1
-    finally:
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-    if s is not None:
-        s.synchronize()
-    return calls
-
 
 class LoadMismatch(InvalidArgument):
     """load_into found parameters that the bundle lacks or that differ in dtype or
@@ -90,7 +34,8 @@ class LoadReport:
     the stream's completion, the copy calls it took, and how it copied (``method``:
     "batch" = one cuMemcpyBatchAsync per destination GPU, "memcpy" = one
     cuMemcpyAsync per copy where the driver lacks the batch, "host" = memmove between
-    host memory, "torch" = PyTorch copies, "+"-joined when several were used), and the
+    host memory, "torch" = PyTorch copies, "numpy" = NumPy/CuPy copies (parameters
+    not contiguous, or across host and GPU), "+"-joined when several were used), and the
     copies the tensors came down to once adjacent ones were merged."""
     tensors: int
     nbytes: int
@@ -128,7 +73,7 @@ class Group:
         copy must not span two allocations (CUDA refuses it even where they are
         adjacent), so copies merge only within one. None: host memory, where
         adjacent ranges of valid memory can be copied as one."""
-        import numpy as np
+        np = require("numpy", "bundle copies")
         self.merged_from = len(sizes)
         off = np.array(offs, dtype=np.uint64)
         dst = np.array(dsts, dtype=np.uint64)
@@ -167,18 +112,6 @@ class Group:
         self.size = np.ascontiguousarray(size)
 
 
-_shape_dtype = operator.attrgetter("shape", "dtype")
-
-
-def signature(values: List[Any]) -> Tuple[List[int], List[Tuple[Any, Any]], List[bool]]:
-    """Each tensor's address, (shape, dtype) and contiguity: what a cached plan
-    depends on. Unbound torch.Tensor methods in map() are the cheapest way to read
-    them (about 0.3 µs a read on the H200's host); this runs on every load."""
-    import torch
-    return (list(map(torch.Tensor.data_ptr, values)), list(map(_shape_dtype, values)),
-            list(map(torch.Tensor.is_contiguous, values)))
-
-
 class Plan:
     """How one set of parameters loads from one layout: checked once, then reused
     for every version with that layout as long as each parameter keeps its address,
@@ -186,17 +119,18 @@ class Plan:
     parameter, no view, no per-tensor copy call)."""
 
     def __init__(self, layout: Layout, names: List[str], values: List[Any], gpu: bool,
-                 sig: Optional[Tuple[List[int], List[Tuple[Any, Any]], List[bool]]] = None):
+                 lib: ArrayLib, sig: Optional[Signature] = None):
         self.layout = layout
         self.names = names
         self.gpu = gpu
-        self.ptrs, self.meta, self.contig = sig if sig is not None else signature(values)
+        self.lib = lib   # the parameters' array library
+        self.ptrs, self.meta, self.contig = sig if sig is not None else lib.signature(values)
         problems: List[str] = []
         index = layout.index
-        types = layout.view_types()
+        types = layout.view_types(lib)
         entries = layout.entries
         groups: Dict[Optional[int], Tuple[List[int], List[int], List[int]]] = {}
-        self.torch_names: List[str] = []
+        self.lib_names: List[str] = []   # copied by the library (not contiguous, or across host and GPU)
         self.tensors = 0
         self.nbytes = 0
         for k, (name, p) in enumerate(zip(names, values)):
@@ -216,12 +150,12 @@ class Plan:
             n = e.end - e.begin
             self.tensors += 1
             self.nbytes += n
-            dev = p.device
-            direct = self.contig[k] and ((gpu and dev.type == "cuda") or (not gpu and dev.type == "cpu"))
+            kind, ordinal = lib.where(p)
+            direct = self.contig[k] and ((gpu and kind == "cuda") or (not gpu and kind == "cpu"))
             if not direct:
-                self.torch_names.append(name)
+                self.lib_names.append(name)
             elif n:
-                g = groups.setdefault(dev.index if gpu else None, ([], [], []))
+                g = groups.setdefault(ordinal if gpu else None, ([], [], []))
                 g[0].append(e.begin)
                 g[1].append(self.ptrs[k])
                 g[2].append(n)
@@ -232,7 +166,7 @@ class Plan:
             grp = Group(ordinal)
             grp.build(offs, dsts, sizes, _gpu_alloc_bases(ordinal) if ordinal is not None else None)
             self.groups.append(grp)
-        self.copies = sum(len(grp.size) + len(grp.serial) for grp in self.groups) + len(self.torch_names)
+        self.copies = sum(len(grp.size) + len(grp.serial) for grp in self.groups) + len(self.lib_names)
         self._unused: Optional[Tuple[str, ...]] = None
         self._params: Any = None
 
@@ -242,14 +176,14 @@ class Plan:
             self._unused = tuple(sorted(set(self.layout.names) - set(self.names)))
         return self._unused
 
-    def matches(self, names: List[str], sig: Tuple[List[int], List[Tuple[Any, Any]], List[bool]]) -> bool:
-        return names == self.names and sig[0] == self.ptrs and sig[1] == self.meta and sig[2] == self.contig
+    def matches(self, names: List[str], sig: Signature, lib: ArrayLib) -> bool:
+        return lib is self.lib and names == self.names and sig[0] == self.ptrs and sig[1] == self.meta and sig[2] == self.contig
 
     def run(self, base: int, view_of: Any, tensors: Mapping[str, Any], stream: Any, load: bool) -> Tuple[int, str]:
         """Copy between the bundle at address ``base`` and the tensors: into them
-        (``load``) or from them. ``view_of(name)`` gives a tensor view of a bundle
-        entry, for the copies PyTorch makes."""
-        import numpy as np
+        (``load``) or from them. ``view_of(name)`` gives a view of a bundle entry in the
+        parameters' library, for the copies it makes."""
+        np = require("numpy", "bundle copies")
         b = np.uint64(base)
         calls = 0
         methods: List[str] = []
@@ -265,23 +199,18 @@ class Plan:
                 calls += len(g.size) + len(serial)
                 methods.append("host")
                 continue
-            c, m = _cuda_ctypes.copy_batch(g.ordinal, _stream_handle(stream, g.ordinal), dsts, srcs, g.size, serial)
+            c, m = _cuda_ctypes.copy_batch(g.ordinal, self.lib.stream_handle(stream, g.ordinal), dsts, srcs, g.size, serial)
             calls += c
             methods.append(m)
-        if self.torch_names:
-            groups: Dict[Tuple[Any, Any], Tuple[List[Any], List[Any]]] = {}
-            for name in self.torch_names:
+        if self.lib_names:
+            ds, ss = [], []
+            for name in self.lib_names:
                 t, v = tensors[name], view_of(name)
-                if load:
-                    d, s_ = t.data if hasattr(t, "data") else t, v
-                else:
-                    d, s_ = v, t.detach()
-                ds, ss = groups.setdefault((d.device, s_.device), ([], []))
+                d, s_ = (self.lib.dest(t), v) if load else (v, t)
                 ds.append(d)
                 ss.append(s_)
-            for (dev, _), (ds, ss) in groups.items():
-                calls += torch_copy(ds, ss, dev, stream)
-            methods.append("torch")
+            calls += self.lib.copy(ds, ss, stream)
+            methods.append(self.lib.name)
         return calls, "+".join(dict.fromkeys(methods))
 
 
@@ -291,13 +220,6 @@ def _gpu_alloc_bases(ordinal: int) -> Any:
     return bases
 
 
-def _stream_handle(stream: Any, ordinal: int) -> int:
-    if stream is None:
-        import torch
-        return int(torch.cuda.current_stream(ordinal).cuda_stream)
-    return int(getattr(stream, "cuda_stream", stream))
-
-
 _PLANS: "OrderedDict[Tuple[int, bool, int], Plan]" = OrderedDict()   # (id(layout), gpu, id(plan))
 _MAX_PLANS = 8
 _plan_lock = threading.Lock()
@@ -305,21 +227,21 @@ plan_stats = {"built": 0, "reused": 0}
 """How often load_into built a copy plan and reused one (for tests and benchmarks)."""
 
 
-def plan_for(layout: Layout, names: List[str], values: List[Any], gpu: bool, fresh: bool = False,
-              sig: Any = None) -> Plan:
+def plan_for(layout: Layout, names: List[str], values: List[Any], gpu: bool, lib: ArrayLib,
+             fresh: bool = False, sig: Optional[Signature] = None) -> Plan:
     if sig is None:
-        sig = signature(values)
+        sig = lib.signature(values)
     with _plan_lock:
         cands = [p for k, p in _PLANS.items() if k[0] == id(layout) and k[1] == gpu and p.layout is layout]
         if fresh:   # drop what matches: it failed
-            for k in [k for k, p in _PLANS.items() if p in cands and p.matches(names, sig)]:
+            for k in [k for k, p in _PLANS.items() if p in cands and p.matches(names, sig, lib)]:
                 del _PLANS[k]
             cands = []
     for p in reversed(cands):
-        if p.matches(names, sig):
+        if p.matches(names, sig, lib):
             plan_stats["reused"] += 1
             return p
-    p = Plan(layout, names, values, gpu, sig)
+    p = Plan(layout, names, values, gpu, lib, sig)
     plan_stats["built"] += 1
     with _plan_lock:
         _PLANS[(id(layout), gpu, id(p))] = p
@@ -329,19 +251,20 @@ def plan_for(layout: Layout, names: List[str], values: List[Any], gpu: bool, fre
 
 
 def run_plan(layout: Layout, names: List[str], values: List[Any], gpu: bool, base: int, view_of: Any,
-              tensors: Mapping[str, Any], stream: Any, load: bool, sig: Any = None) -> Tuple[Plan, int, str, float]:
+             tensors: Mapping[str, Any], stream: Any, load: bool, lib: ArrayLib,
+             sig: Optional[Signature] = None) -> Tuple[Plan, int, str, float]:
     """Find or build the plan and run it. A cached plan whose copies the driver
     refuses (its tensors were freed and others allocated at the same addresses in
     other CUDA allocations, so a merged copy now spans two) is built afresh once."""
     built = plan_stats["built"]
-    plan = plan_for(layout, names, values, gpu, sig=sig)
+    plan = plan_for(layout, names, values, gpu, lib, sig=sig)
     t0 = time.perf_counter()
     try:
         calls, method = plan.run(base, view_of, tensors, stream, load)
     except CudaError:
         if plan_stats["built"] != built:
             raise
-        plan = plan_for(layout, names, values, gpu, fresh=True)
+        plan = plan_for(layout, names, values, gpu, lib, fresh=True)
         t0 = time.perf_counter()
         calls, method = plan.run(base, view_of, tensors, stream, load)
     return plan, calls, method, time.perf_counter() - t0

@@ -13,6 +13,8 @@ import ctypes
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ._deps import require
+
 __all__ = ["DTYPES", "dtype_name", "Layout", "resolve_layout"]
 
 # name -> (itemsize, NumPy typestr or None when NumPy has no such type, typestr of
@@ -150,7 +152,7 @@ class CudaArray:
 
 
 def numpy_view(owner: Any, addr: int, lay: Layout, readonly: bool) -> Any:
-    import numpy as np
+    np = require("numpy", "numpy()")
     return np.asarray(HostArray(owner, addr, lay, readonly))
 
 
@@ -160,8 +162,8 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 
 
 def torch_host_view(owner: Any, addr: int, lay: Layout, readonly: bool) -> Any:
-    import numpy as np
-    import torch
+    torch = require("torch", "tensor()")
+    np = require("numpy", "tensor() of host memory")
     arr = np.asarray(HostArray(owner, addr, lay, readonly, carrier=DTYPES[lay.dtype][1] is None))
     t = torch.from_numpy(arr)
     if DTYPES[lay.dtype][1] is None:
@@ -170,7 +172,7 @@ def torch_host_view(owner: Any, addr: int, lay: Layout, readonly: bool) -> Any:
 
 
 def torch_cuda_view(owner: Any, ptr: int, lay: Layout, ordinal: int, readonly: bool) -> Any:
-    import torch
+    torch = require("torch", "tensor()")
     # The device comes from the pointer (the GPU that holds the memory); no copy.
     t = torch.as_tensor(CudaArray(owner, ptr, lay, readonly))
     if DTYPES[lay.dtype][1] is None:
@@ -179,7 +181,7 @@ def torch_cuda_view(owner: Any, ptr: int, lay: Layout, ordinal: int, readonly: b
 
 
 def cupy_view(owner: Any, ptr: int, nbytes: int, lay: Layout, ordinal: int) -> Any:
-    import cupy
+    cupy = require("cupy", "cupy()")
     if DTYPES[lay.dtype][1] is None:
         raise TypeError("CuPy has no %s: use .tensor(), or cupy(dtype=...) with an integer type of the same size" % lay.dtype)
     mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id=ordinal)
@@ -355,7 +357,9 @@ def tensor_maker(addr: int, lay: Layout, ordinal: Optional[int], readonly: bool)
     placement: a lease's ``tensor()`` then costs one small carrier (a DLPack struct, or
     an array-interface object) and PyTorch's own construction. Each tensor keeps
     ``owner`` alive through its storage."""
-    import torch
+    torch = require("torch", "tensor()")
+    if ordinal is None:
+        require("numpy", "tensor() of host memory")
     mk = None
     try:
         mk = _dlpack_maker(torch, addr, lay, ordinal)

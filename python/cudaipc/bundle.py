@@ -16,6 +16,11 @@ never touches GPU memory. The weight sync of an RL trainer to its inference engi
 Versions (``publish=True``) make each put the next version of the name, visible
 atomically once sealed; the store reclaims a version once it is superseded and no
 longer leased.
+
+Without PyTorch, or with ``views="numpy"``, the same works on NumPy arrays (host
+bundles) and CuPy arrays (GPU bundles): put_bundle and load_into take them, and
+get_bundle and create_bundle hand them out. Tensors of a dtype the array library
+lacks (NumPy has no bfloat16 or float8) come as uint8 bytes.
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ import dataclasses
 from collections.abc import KeysView
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+from ._arrays import ARRAYS, TORCH, ArrayLib, of_values, pick
 from ._manifest import (ALIGNMENT, BITS, FROM_SAFETENSORS, TO_SAFETENSORS, Layout, TensorEntry,
-                        encode_manifest, layout, layout_of, parse_manifest, put_layout, st_dtype_of,
-                        torch_dtype)
-from ._plan import LoadMismatch, LoadReport, plan_stats, run_plan, signature
+                        encode_manifest, layout, layout_of, parse_manifest, put_layout, st_dtype_of)
+from ._plan import LoadMismatch, LoadReport, plan_stats, run_plan
 
 __all__ = ["ALIGNMENT", "Bundle", "BundleWriter", "create_bundle", "LoadReport", "LoadMismatch", "TensorEntry", "layout",
            "encode_manifest", "parse_manifest", "put_bundle", "get_bundle", "load_into"]
@@ -46,24 +51,27 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
                publish: bool = False, shards: int = 0, shard: int = 0, keep_last: int = 0,
                shared: bool = False, metadata: Optional[Mapping[str, str]] = None,
                stream: Any = None) -> BundleInfo:
-    """Store the tensors of ``state_dict`` (torch tensors, CPU or CUDA) as one bundle.
+    """Store the tensors of ``state_dict`` (torch tensors, CPU or CUDA; or NumPy and
+    CuPy arrays) as one bundle.
 
     ``device`` defaults to where the first CUDA tensor is (else host memory). The
     copies go as :func:`load_into`'s do, the other way: for contiguous CUDA tensors
     and a GPU object, one ``cuMemcpyBatchAsync`` per source GPU on ``stream``
     (default: the current stream of the tensors' device), after the work already
-    queued there; memmove between host memory; PyTorch copies otherwise. The stream
+    queued there; memmove between host memory; PyTorch (or NumPy/CuPy) copies
+    otherwise. The stream
     is synchronized before the seal. The manifest and the copy plan are kept: the
     next put of tensors with the same names, dtypes and shapes (at the same
     addresses) encodes nothing again. With ``publish`` the bundle is the next
     version of ``name`` (shard ``shard`` of ``shards``: see Store.publish)."""
     names = list(state_dict)
     values = list(state_dict.values())
-    sig = signature(values)
+    lib = of_values(values, TORCH)
+    sig = lib.signature(values)
     lay = put_layout(names, sig[1], metadata)
     if device is None:
-        cuda = next((v.device for v in values if v.is_cuda), None)
-        device = cuda.index if cuda is not None else "host"
+        cuda = next((w[1] for w in map(lib.where, values) if w[0] == "cuda"), None)
+        device = cuda if cuda is not None else "host"
     obj = store.create(name, max(lay.size, 1), device, shared=shared, versioned=publish, shards=shards,
                        shard=shard, keep_last=keep_last, manifest=lay.raw)
     try:
@@ -71,10 +79,11 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
 
         def view_of(n: str) -> Any:
             if not views:
-                views.update(_views_of(obj.tensor(), lay.entries))
+                views.update(lib.views(lib.whole(obj), lay.entries))
             return views[n]
 
-        run_plan(lay, names, values, obj.ordinal is not None, obj.data_ptr, view_of, state_dict, stream, load=False, sig=sig)
+        run_plan(lay, names, values, obj.ordinal is not None, obj.data_ptr, view_of, state_dict, stream,
+                 load=False, lib=lib, sig=sig)
     except BaseException:
         obj.abort()
         raise
@@ -109,68 +118,54 @@ class BundleWriter:
 
 def create_bundle(store: Any, name: str, specs: Mapping[str, Tuple[Any, Sequence[int]]], device: Any = None, *,
                   publish: bool = False, shards: int = 0, shard: int = 0, keep_last: int = 0,
-                  shared: bool = False, metadata: Optional[Mapping[str, str]] = None) -> BundleWriter:
-    """Create a bundle of tensors given as {name: (torch dtype, shape)} and return
-    writable views of them in the new object, to be filled in place and sealed."""
+                  shared: bool = False, metadata: Optional[Mapping[str, str]] = None,
+                  views: str = "auto") -> BundleWriter:
+    """Create a bundle of tensors given as {name: (dtype, shape)} (a torch dtype, a
+    NumPy dtype or a name such as "bfloat16") and return writable views of them in
+    the new object, to be filled in place and sealed: torch tensors, or with
+    ``views="numpy"`` (the default without PyTorch) NumPy arrays of a host bundle and
+    CuPy arrays of a GPU one."""
+    lib = pick(views)
     items = [(k, st_dtype_of(dt, "create"), tuple(int(d) for d in shape)) for k, (dt, shape) in specs.items()]
     entries, size = layout(items)
     obj = store.create(name, max(size, 1), device, shared=shared, versioned=publish, shards=shards,
                        shard=shard, keep_last=keep_last, manifest=encode_manifest(entries, metadata))
     try:
-        views = _views_of(obj.tensor(), entries)
+        made = lib.views(lib.whole(obj), entries)
     except BaseException:
         obj.abort()
         raise
-    return BundleWriter(obj, entries, views)
-
-
-def _views_of(base: Any, entries: List[TensorEntry]) -> Dict[str, Any]:
-    """Views of each entry in base (uint8, the whole object): one as_strided per
-    tensor over a view of base per dtype. Dtypes torch lacks come as uint8 bytes."""
-    import torch
-    by_dtype: Dict[Any, Any] = {}
-    out: Dict[str, Any] = {}
-    for e in entries:
-        dt = torch_dtype(e.dtype)
-        if dt is None:
-            out[e.name] = base[e.begin:e.end]
-            continue
-        v = by_dtype.get(dt)
-        if v is None:
-            item = torch.empty((), dtype=dt).element_size()
-            v = by_dtype[dt] = (base[: base.numel() - base.numel() % item].view(dt), item)
-        view, item = v
-        strides, acc = [], 1
-        for d in reversed(e.shape):
-            strides.append(acc)
-            acc *= max(d, 1)
-        out[e.name] = torch.as_strided(view, e.shape, tuple(reversed(strides)), e.begin // item)
-    return out
-
-
+    return BundleWriter(obj, entries, made)
 
 
 class Bundle(dict):
-    """Zero-copy tensors of one bundle lease, by name (a dict of torch.Tensor). The
-    lease lasts while the Bundle or any of its tensors is alive; ``release()`` gives up
-    the Bundle's own hold.
+    """Zero-copy tensors of one bundle lease, by name (a dict of torch.Tensor, or of
+    NumPy/CuPy arrays: ``views``). The lease lasts while the Bundle or any of its
+    tensors is alive; ``release()`` gives up the Bundle's own hold.
 
     The views are made when first looked up (all of them by ``values()``, ``items()``
     and the like): a consumer that only passes the Bundle to :func:`load_into` never
     pays for one view per tensor."""
 
-    def __init__(self, lease: Any, layout: Layout):
+    def __init__(self, lease: Any, layout: Layout, lib: ArrayLib = TORCH):
         super().__init__()
         self.lease = lease
+        self._lib = lib
         self.metadata: Dict[str, str] = dict(layout.metadata)
         self._layout: Optional[Layout] = layout
         self._full = False                     # every view made: the dict itself is the truth
         self._base: Any = None                 # uint8 view of the whole object
-        self._by_dtype: Dict[Any, Tuple[Any, int]] = {}
+        self._by_dtype: Dict[Any, Any] = {}
 
     @property
     def version(self) -> int:
         return int(self.lease.version)
+
+    @property
+    def views(self) -> str:
+        """What the tensors are: "torch", or "numpy" (NumPy arrays of a host bundle,
+        CuPy arrays of a GPU one)."""
+        return self._lib.name
 
     @property
     def entries(self) -> List[TensorEntry]:
@@ -182,26 +177,28 @@ class Bundle(dict):
         return self._layout.nbytes if self._layout is not None else 0
 
     def _view(self, i: int) -> Any:
-        import torch
         lay = self._layout
         assert lay is not None
-        e = lay.entries[i]
         if self._base is None:
-            self._base = self.lease.tensor()
-        base = self._base
-        dt = torch_dtype(e.dtype)
-        if dt is None:
-            return base[e.begin:e.end]
-        v = self._by_dtype.get(dt)
-        if v is None:
-            item = torch.empty((), dtype=dt).element_size()
-            v = self._by_dtype[dt] = (base[: base.numel() - base.numel() % item].view(dt), item)
-        view, item = v
-        strides, acc = [], 1
-        for d in reversed(e.shape):
-            strides.append(acc)
-            acc *= max(d, 1)
-        return torch.as_strided(view, e.shape, tuple(reversed(strides)), e.begin // item)
+            self._base = self._lib.whole(self.lease)
+        return self._lib.entry_view(self._base, self._by_dtype, lay.entries[i])
+
+    def _view_in(self, lib: ArrayLib) -> Any:
+        """``view_of(name)`` in array library ``lib`` (load_into's copies by the
+        parameters' library): this Bundle's own views where it is the same."""
+        if lib is self._lib:
+            return self.__getitem__
+        lay = self._layout
+        assert lay is not None
+        entries, index = lay.entries, lay.index
+        base: List[Any] = []
+        by_dtype: Dict[Any, Any] = {}
+
+        def view_of(name: str) -> Any:
+            if not base:
+                base.append(lib.whole(self.lease))
+            return lib.entry_view(base[0], by_dtype, entries[index[name]])
+        return view_of
 
     def _materialize(self) -> None:
         if not self._full:
@@ -330,19 +327,26 @@ class Bundle(dict):
 
 
 def get_bundle(store: Any, name: str, timeout: Optional[float] = None, *, version: int = 0,
-               shard: int = 0, newer_than: int = 0) -> Bundle:
-    """Lease a bundle (``version``, or the latest above ``newer_than``, or the latest)
+               shard: int = 0, newer_than: int = 0, wait: bool = False, views: str = "auto") -> Bundle:
+    """Lease a bundle (``version``, or the latest above ``newer_than``, or the latest;
+    waiting as :meth:`Store.get` does: with ``timeout``, ``wait`` or ``newer_than``)
     and return its tensors as zero-copy views of that one lease, on the object's
     device, made when first looked up. The manifest comes from the memfd beside the
     lease, not from the object, and is parsed once per distinct manifest (the versions
-    of one model share it). Tensors of dtypes PyTorch lacks come as uint8 bytes."""
-    lease = store.get(name, timeout, version=version, shard=shard, newer_than=newer_than)
-    return Bundle(lease, layout_of(lease.manifest_bytes()))
+    of one model share it). Tensors of dtypes PyTorch lacks come as uint8 bytes.
+
+    ``views``: "torch", "numpy" (NumPy arrays of a host bundle, CuPy arrays of a GPU
+    one; dtypes NumPy lacks, bfloat16 and float8, as uint8 bytes), or "auto"
+    (PyTorch where it can be imported, else "numpy")."""
+    lib = pick(views)
+    lease = store.get(name, timeout, version=version, shard=shard, newer_than=newer_than, wait=wait)
+    return Bundle(lease, layout_of(lease.manifest_bytes()), lib)
 
 
 def load_into(bundle: Bundle, params: Mapping[str, Any], *, stream: Any = None) -> LoadReport:
     """Copy every bundle tensor named in ``params`` into that (engine-owned) tensor,
-    bit for bit, and wait for the copies.
+    bit for bit, and wait for the copies. ``params`` holds torch tensors, or NumPy
+    and CuPy arrays (a CuPy ``stream`` then, or CuPy's current one).
 
     Every mismatch (a parameter the bundle lacks, a dtype or shape that differs) is
     reported at once, by LoadMismatch, before any copy. The copies come from the
@@ -352,7 +356,7 @@ def load_into(bundle: Bundle, params: Mapping[str, Any], *, stream: Any = None) 
     current stream of the parameters' device), where the driver lacks it one
     ``cuMemcpyAsync`` per copy; for a host bundle and contiguous CPU parameters, a
     memmove per copy; otherwise (non-contiguous parameters, host <-> GPU) PyTorch
-    copies. The producer's writes are complete before its seal, so the copies are
+    (or NumPy/CuPy) copies. The producer's writes are complete before its seal, so the copies are
     ordered after them. The plan (arrays of offsets, addresses and sizes) is kept:
     the next version with the same manifest and the same parameters (same addresses,
     shapes, dtypes) costs a check of the parameters, one add and one driver call."""
@@ -364,6 +368,7 @@ def load_into(bundle: Bundle, params: Mapping[str, Any], *, stream: Any = None) 
             raise LoadMismatch(["%s: missing from the bundle" % n for n in names])
         return LoadReport(0, 0, 0.0, 0, (), "")
     lease = bundle.lease
-    plan, calls, method, seconds = run_plan(layout, names, values, lease.ordinal is not None, lease.data_ptr, bundle.__getitem__,
-                                             params, stream, load=True)
+    lib = of_values(values, bundle._lib)
+    plan, calls, method, seconds = run_plan(layout, names, values, lease.ordinal is not None, lease.data_ptr,
+                                            bundle._view_in(lib), params, stream, load=True, lib=lib)
     return LoadReport(plan.tensors, plan.nbytes, seconds, calls, plan.unused, method, plan.copies)

@@ -21,7 +21,8 @@ from ._memory import Hold, ManifestFD, Record, Taken
 from ._put import Putter
 from ._encode import Release, encode_get
 from ._wire import Conn, Reply, spin_option
-from .errors import Closed, InternalError, InvalidArgument, PermissionDenied, StoreError, StoreGone
+from .errors import (Closed, InternalError, InvalidArgument, NotFound, PermissionDenied, StoreError,
+                     StoreGone, Timeout)
 from .info import EVENT_KINDS, SHARE_HOST, Event, ObjectInfo, ServerInfo, TensorDesc
 from .lease import Lease, Object
 
@@ -252,14 +253,17 @@ class Store:
 
     # -- get ---------------------------------------------------------------------------
     def get(self, name: str, timeout: Optional[float] = None, *, version: int = 0, shard: int = 0,
-            newer_than: int = 0) -> Lease:
-        """Wait until ``name`` exists and is sealed (at most ``timeout`` seconds; None:
-        without limit; 0: not at all), then lease it. Raises Timeout when it is not
-        sealed in time.
+            newer_than: int = 0, wait: bool = False) -> Lease:
+        """Lease the sealed object ``name``. Without ``timeout`` or ``wait`` it does not
+        wait: NotFound when no sealed object of that name is visible (none, or one
+        still being written: unsealed objects are invisible to readers). With
+        ``timeout`` it waits at most that many seconds for it to be sealed (Timeout
+        after); with ``wait=True``, without limit (docs/protocol.md, get).
 
         For a versioned name: ``version`` (0: the latest), ``shard``, and ``newer_than``
-        (wait for a version above it). A lease on any shard keeps the whole version, so
-        ``get(name, version=lease.version, shard=k)`` finds every other shard of it."""
+        (wait for a version above it; it waits as ``wait`` does). A lease on any shard
+        keeps the whole version, so ``get(name, version=lease.version, shard=k)`` finds
+        every other shard of it."""
         t = self._table
         if t is not None and t.idle.get(name) and not (version or shard or newer_than) and self._conn.dead is None:
             g = t.retake(name)
@@ -271,15 +275,21 @@ class Store:
                 lease = _new_lease(Lease)
                 lease._mem, lease._rec, lease._info, lease._manifest = m, g, None, None
                 return lease
-        if timeout is None:
-            ms = -1
-        else:
+        if timeout is not None:
             ms = max(int(timeout * 1000), 0)
-        if version or shard or newer_than:
-            r = self._conn.call(pb.Request(get=pb.GetRequest(name=name, timeout_ms=ms, version=version,
-                                                             shard=shard, newer_than=newer_than)), "get", name)
         else:
-            r = self._conn.call_raw(encode_get(name, ms), "get", name)
+            ms = -1 if wait or newer_than else 0
+        try:
+            if version or shard or newer_than:
+                r = self._conn.call(pb.Request(get=pb.GetRequest(name=name, timeout_ms=ms, version=version,
+                                                                 shard=shard, newer_than=newer_than)), "get", name)
+            else:
+                r = self._conn.call_raw(encode_get(name, ms), "get", name)
+        except Timeout:
+            if timeout is not None or ms != 0:
+                raise
+            raise NotFound("get", name, "no sealed object of that name is visible to you "
+                           "(get(name, wait=True) or a timeout waits for one)") from None
         g = r.resp.get
         p = g.placement
         if p.writable:

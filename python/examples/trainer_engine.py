@@ -9,7 +9,10 @@ open). Runs on CPU (host memory, NumPy or PyTorch CPU) and on GPU (--device 0).
     python3 python/examples/trainer_engine.py --device 0      # GPU 0 (torch + cuda-bindings)
 
 It uses the daemon at --socket / $CUDAIPC_SOCKET if one runs there, else starts
-'cudaipc serve' ($CUDAIPC_BIN, or cudaipc on $PATH) on a temporary socket.
+'cudaipc serve' ($CUDAIPC_BIN, or cudaipc on $PATH) on a temporary socket. Its
+objects are named example-<pid>/step<N>/<tensor>, and none is left behind.
+
+Needs protobuf, and NumPy or PyTorch (Debian: python3-protobuf python3-numpy).
 """
 
 import argparse
@@ -24,7 +27,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import cudaipc  # noqa: E402
+try:
+    import cudaipc  # noqa: E402
+    from cudaipc._deps import require  # noqa: E402
+    require("numpy", "this example")
+except ImportError as e:   # a missing package: say which, in one line
+    sys.exit(str(e))
 
 LAYERS = {"embed": (512, 64), "layer.0": (64, 64), "head": (64, 10)}
 
@@ -50,30 +58,27 @@ def digest(x):
     return hashlib.sha256(x.tobytes()).hexdigest()[:16]
 
 
-def trainer(sock, device, steps, q, acks):
+def trainer(sock, run, device, steps, q, acks):
     with cudaipc.connect(sock) as store:
         for step in range(steps):
             sums = {}
             for i, (name, shape) in enumerate(LAYERS.items()):
                 w = make(shape, device, seed=step * 100 + i)      # "training"
-                store.put("step%d/%s" % (step, name), w)           # copy once into the store
+                store.put("%s/step%d/%s" % (run, step, name), w)   # copy once into the store
                 sums[name] = digest(w)
             q.put(sums)
-            if step > 0:
-                acks.get(timeout=60)                               # the engine holds step-1's leases:
-                for name in LAYERS:                                # delete it; the engine's views keep
-                    store.rm("step%d/%s" % (step - 1, name))       # its memory until dropped
-        acks.get(timeout=60)                                       # the last step too: nothing stays
-        for name in LAYERS:                                        # behind in a daemon that outlives us
-            store.rm("step%d/%s" % (steps - 1, name))
+            acks.get(timeout=60)                                   # the engine holds this step's leases:
+            for name in LAYERS:                                    # delete it; the engine's views keep
+                store.delete("%s/step%d/%s" % (run, step, name))   # its memory until dropped
 
 
-def engine(sock, steps, q, acks):
+def engine(sock, run, steps, q, acks):
     with cudaipc.connect(sock) as store:
         for step in range(steps):
-            leases = [store.get("step%d/%s" % (step, n), timeout=30) for n in LAYERS]
+            # Wait for the trainer's put (a get without a timeout would fail at once).
+            leases = [store.get("%s/step%d/%s" % (run, step, n), timeout=30) for n in LAYERS]
             acks.put(step)
-            views = {l.name.split("/")[1]: (l.tensor() if _has_torch() else l.numpy()) for l in leases}
+            views = {l.name.rsplit("/", 1)[1]: (l.tensor() if _has_torch() else l.numpy()) for l in leases}
             for l in leases:
                 l.release()          # the views keep the memory leased until they are dropped
             got = {n: digest(v) for n, v in views.items()}
@@ -99,6 +104,11 @@ def main():
     ap.add_argument("--device", default="host")
     ap.add_argument("--steps", type=int, default=3)
     a = ap.parse_args()
+    if a.device != "host":
+        try:
+            require("torch", "--device (GPU tensors)")
+        except ImportError as e:
+            sys.exit(str(e))
     sock, daemon, tmp = a.socket or cudaipc.default_socket_path(), None, None
     try:
         cudaipc.connect(sock).close()
@@ -114,8 +124,9 @@ def main():
     try:
         ctx = mp.get_context("spawn")
         q, acks = ctx.Queue(), ctx.Queue()
-        t = ctx.Process(target=trainer, args=(sock, a.device, a.steps, q, acks))
-        e = ctx.Process(target=engine, args=(sock, a.steps, q, acks))
+        run = "example-%d" % os.getpid()
+        t = ctx.Process(target=trainer, args=(sock, run, a.device, a.steps, q, acks))
+        e = ctx.Process(target=engine, args=(sock, run, a.steps, q, acks))
         e.start()
         t.start()
         t.join(120)

@@ -495,3 +495,31 @@ def test_connection_limit_is_named(cudaipc_bin):
             s.close()
     finally:
         d.stop()
+
+
+def test_get_of_a_name_not_sealed(store, daemon):
+    """docs/protocol.md: get does not wait unless asked (timeout= or wait=True); an
+    unsealed object is as invisible as none."""
+    t0 = time.monotonic()
+    with pytest.raises(cudaipc.NotFound, match="wait=True"):
+        store.get("nobody")
+    assert time.monotonic() - t0 < 5
+    o = store.create("being-written", 8)
+    with cudaipc.connect(daemon.socket) as other:
+        with pytest.raises(cudaipc.NotFound):
+            other.get("being-written")
+        with pytest.raises(cudaipc.Timeout):
+            other.get("being-written", timeout=0.05)
+        out = {}
+
+        def waiter():
+            with other.get("being-written", wait=True) as lease:
+                out["data"] = lease.read()
+        th = threading.Thread(target=waiter)
+        th.start()
+        th.join(0.2)
+        assert th.is_alive() and not out, "get(wait=True) did not wait for the seal"
+        o.write(b"87654321")
+        o.seal()
+        th.join(10)
+        assert out.get("data") == b"87654321"

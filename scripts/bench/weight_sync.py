@@ -417,6 +417,8 @@ def main() -> None:
     # A timeout's SIGTERM unwinds through the finally blocks that stop the
     # workers and the daemon, so that none is left holding GPU memory.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))
+    from cudaipc._deps import require
+    require("torch", "weight_sync.py")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", default=shutil.which("cudaipc") or os.path.join(REPO, "cudaipc"), help="the cudaipc binary")
     ap.add_argument("--models", default="dense,moe")
@@ -476,4 +478,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ImportError as e:   # a missing package: say which, in one line
+        sys.exit(str(e))
