@@ -12,7 +12,7 @@ import pytest
 
 import cudaipc
 from cudaipc import bundle as B
-from conftest import HERE, need_gpus
+from conftest import HERE, need_gpus, need_module
 from test_gpu import gpu_daemon, gstore, torch_cuda  # noqa: F401 - fixtures
 
 HELPER = os.path.join(HERE, "helper.py")
@@ -141,3 +141,35 @@ def test_gpu_load_into_mismatch_and_fallbacks(gstore):
         rep = cudaipc.load_into(b, params)
         assert rep.method == "torch" and rep.tensors == 2
         assert torch.equal(params["w"], sd["w"]) and torch.equal(params["h"], sd["h"].cpu())
+
+
+def test_gpu_bundle_of_cupy_arrays(gstore, gpu_daemon):
+    """A GPU bundle without PyTorch's types: put_bundle of CuPy arrays, get_bundle
+    (views="numpy") handing out CuPy arrays, load_into CuPy destinations (contiguous
+    ones by the driver's batch, a strided one by a CuPy copy), bytes equal."""
+    need_module("cupy")
+    import cupy
+    import numpy as np
+    rng = np.random.default_rng()
+    host = {"a": rng.standard_normal((64, 33)).astype(np.float32),
+            "b": rng.integers(-100, 100, (1000,), dtype=np.int64),
+            "h": rng.integers(0, 2**16, (5, 7), dtype=np.uint16),
+            "s": np.array(1.5, dtype=np.float16)}
+    with cupy.cuda.Device(0):
+        sd = {k: cupy.asarray(v) for k, v in host.items()}
+        cupy.cuda.Device(0).synchronize()
+    info = gstore.put_bundle("cp", sd, publish=True)
+    assert info.device.startswith("GPU-") and info.tensors == len(host)
+    with gstore.get_bundle("cp", timeout=10, views="numpy") as b:
+        assert b.views == "numpy"
+        for k, v in host.items():
+            got = b[k]
+            assert isinstance(got, cupy.ndarray) and got.dtype == v.dtype and got.shape == v.shape, k
+            assert cupy.asnumpy(got).tobytes() == v.tobytes(), k
+        with cupy.cuda.Device(0):
+            params = {k: cupy.zeros_like(v) for k, v in sd.items()}
+            params["b"] = cupy.zeros((2000,), dtype=np.int64)[::2]   # not contiguous
+        rep = cudaipc.load_into(b, params)
+        assert rep.tensors == len(host) and rep.method.split("+")[-1] == "numpy", rep
+        for k, v in host.items():
+            assert cupy.asnumpy(params[k]).tobytes() == v.tobytes(), k
