@@ -21,7 +21,7 @@ from .errors import CudaError
 # pointers and sizes and queues every copy with one driver call, in stream order.
 # cuda-bindings' own wrapper wants a Python object per pointer; for 18,000 copies
 # that costs more than the copies, so the entry point is called through ctypes with
-# the arrays' addresses (NumPy uint64 arrays in bundle.py), as vLLM's KV offload does.
+# the arrays' addresses (NumPy uint64 arrays in _plan.py), as vLLM's KV offload does.
 
 
 class _MemLocation(ctypes.Structure):

@@ -122,7 +122,7 @@ def idle_word(gen: int) -> int:
 class LeaseTable:
     """This client's mapping of its connection's lease table, and the leases it
     released through it (by object name, newest last). An entry is the store's record
-    of the lease (its _Grant): it has ``name``, ``slot``, ``gen``, ``arena_id`` and
+    of the lease (its _memory.Record): it has ``name``, ``slot``, ``gen``, ``arena_id`` and
     ``drop()`` (let go of what it keeps once the daemon ended the lease)."""
 
     def __init__(self, fd: int, slots: int, cas: Any):
