@@ -111,7 +111,7 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 		return Errorf(storev1.Error_INVALID, "request id 0 is reserved for events")
 	}
 	switch r.GetBody().(type) {
-	case *storev1.Request_Register, *storev1.Request_StageFiles:
+	case *storev1.Request_Register, *storev1.Request_StageFiles, *storev1.Request_Create:
 	default:
 		if nfiles != 0 {
 			return Errorf(storev1.Error_INVALID, "requests carry no file descriptors, got %d", nfiles)
@@ -147,6 +147,9 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 			return err
 		}
 		if err := ValidateTensor(c.GetTensor(), c.GetSize()); err != nil {
+			return err
+		}
+		if err := validateSources(c, nfiles); err != nil {
 			return err
 		}
 		return ValidateDevice(c.GetDevice())
@@ -190,6 +193,8 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 		return validateArenaIDs("forget_arenas", b.ForgetArenas.GetArenaIds())
 	case *storev1.Request_LeaseTable:
 		return nil
+	case *storev1.Request_Withdraw:
+		return ValidateName(b.Withdraw.GetName())
 	case nil:
 		return Errorf(storev1.Error_INVALID, "request %d has no known operation", r.GetId())
 	default:
@@ -241,6 +246,8 @@ func RequestKind(r *storev1.Request) string {
 		return "stage_files"
 	case *storev1.Request_Files:
 		return "files"
+	case *storev1.Request_Withdraw:
+		return "withdraw"
 	default:
 		return "unknown"
 	}
@@ -325,6 +332,9 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 			}
 			placementFiles = min(int(g.GetPlacement().GetFiles()), MaxFiles)
 		}
+		if g.GetInfo().GetSourcesSize() != 0 && !g.GetManifestAttached() {
+			return invalid("get: a no-copy version without its manifest and sources table")
+		}
 		if g.GetManifestAttached() {
 			if g.GetInfo().GetManifestSize() == 0 {
 				return invalid("get: a manifest attached without its size")
@@ -378,7 +388,7 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		}
 		placementFiles = int(n)
 	case *storev1.Response_Seal, *storev1.Response_Abort, *storev1.Response_Release,
-		*storev1.Response_Delete, *storev1.Response_Subscribe, *storev1.Response_ForgetArenas:
+		*storev1.Response_Delete, *storev1.Response_Subscribe, *storev1.Response_ForgetArenas, *storev1.Response_Withdraw:
 	case nil:
 		return invalid("success response without a known body")
 	default:
@@ -408,8 +418,9 @@ func validatePlacement(p *storev1.Placement, writable bool) error {
 		// Registered memory (validateExternal checks the rest): a vmm-fd
 		// region with its descriptors beside the placement, or a cuda-ipc
 		// region.
+		// A no-copy version's create has nothing to map: no descriptors.
 		if k := p.GetKind(); host || k != storev1.Placement_VMM_FD && k != storev1.Placement_CUDA_IPC ||
-			(k == storev1.Placement_VMM_FD) != (p.GetFiles() > 0) {
+			(k == storev1.Placement_VMM_FD) != (p.GetFiles() > 0) && !(writable && p.GetFiles() == 0 && len(p.GetRegion()) == 0) {
 			return invalid("placement: an external placement is VMM_FD with descriptors or CUDA_IPC without")
 		}
 		return nil
@@ -534,8 +545,8 @@ func validateExternal(p *storev1.Placement, in *storev1.ObjectInfo) error {
 		return invalid("get: an external placement for an object that is not external")
 	case p.GetArenaId() != 0:
 		return invalid("get: an external placement with an arena id")
-	case len(p.GetRegion()) == 0:
-		return invalid("get: an external placement without its region")
+	case (len(p.GetRegion()) == 0) == (in.GetSourcesSize() == 0):
+		return invalid("get: an external placement has its region or, for a no-copy version, a sources table")
 	case p.GetFiles() > MaxPieces || p.GetFdAttached():
 		return invalid("get: bad external descriptors")
 	case p.GetOffset() != 0 || p.GetArenaSize() != p.GetSize():
@@ -547,3 +558,30 @@ func validateExternal(p *storev1.Placement, in *storev1.ObjectInfo) error {
 // eventDescriptorSize is cudaipc.EventDescriptorBinarySize (a test checks
 // they agree; this package does not import the root one).
 const eventDescriptorSize = 124
+
+// MaxSourcesSize bounds a no-copy version's sources table: 65,536 regions
+// of the largest binary encoding (version 2 over MaxPieces pieces) fit.
+const MaxSourcesSize = 64 << 20
+
+// validateSources checks the no-copy fields of a create carrying nfiles
+// descriptors (docs/protocol.md section 6.8).
+func validateSources(c *storev1.CreateRequest, nfiles int) error {
+	n := c.GetSourcesSize()
+	switch {
+	case n == 0 && (c.GetFiles() != 0 || nfiles != 0):
+		return Errorf(storev1.Error_INVALID, "create: descriptors come only with a sources table (sources_size)")
+	case n == 0:
+		return nil
+	case !c.GetVersioned() || c.GetManifestSize() == 0:
+		return Errorf(storev1.Error_INVALID, "create: a sources table is for a version of a bundle: set versioned and manifest_size")
+	case n > MaxSourcesSize:
+		return Errorf(storev1.Error_INVALID, "create: sources table of %d bytes, at most %d", n, MaxSourcesSize)
+	case c.GetFiles() > MaxPieces || nfiles > int(c.GetFiles()):
+		return Errorf(storev1.Error_INVALID, "create: the request says %d descriptors (at most %d) and carries %d", c.GetFiles(), MaxPieces, nfiles)
+	case c.GetDevice() == "" || c.GetDevice() == "host":
+		return Errorf(storev1.Error_INVALID, "create: a sources table describes GPU memory: name its GPU's UUID")
+	case c.GetTensor() != nil:
+		return Errorf(storev1.Error_INVALID, "create: a no-copy version is a bundle: its manifest describes the tensors, not a tensor descriptor")
+	}
+	return nil
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"time"
 
 	"github.com/cudaipc/cudaipc/bundle"
@@ -32,13 +33,18 @@ type createReq struct {
 	shard        uint32
 	keep         uint32
 	manifestSize int64
+	// sourcesSize and files make a no-copy version (sources.go): files
+	// belong to create from the moment it is called.
+	sourcesSize int64
+	nfiles      uint32
+	files       []*os.File
 }
 
 func createReqOf(r *storev1.CreateRequest) createReq {
 	return createReq{
 		name: r.GetName(), size: int64(r.GetSize()), device: r.GetDevice(), shared: r.GetShared(), tensor: r.GetTensor(),
 		versioned: r.GetVersioned(), version: r.GetVersion(), shards: r.GetShards(), shard: r.GetShard(),
-		keep: r.GetKeepLast(), manifestSize: int64(r.GetManifestSize()),
+		keep: r.GetKeepLast(), manifestSize: int64(r.GetManifestSize()), sourcesSize: int64(r.GetSourcesSize()), nfiles: r.GetFiles(),
 	}
 }
 
@@ -46,6 +52,21 @@ func createReqOf(r *storev1.CreateRequest) createReq {
 // it seals it, under a name of its own or as a shard of a version. It
 // returns the draft's placement and, for a shard, its version.
 func (ss *session) create(r createReq) (placement, uint64, error) {
+	var src *sources
+	if r.sourcesSize > 0 || len(r.files) > 0 {
+		var err error
+		if src, err = newSources(r); err != nil {
+			return placement{}, 0, err
+		}
+	}
+	p, n, err := ss.createIn(r, src)
+	if err != nil {
+		src.close()
+	}
+	return p, n, err
+}
+
+func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error) {
 	s := ss.s
 	if err := checkName(r.name); err != nil {
 		return placement{}, 0, err
@@ -63,13 +84,18 @@ func (ss *session) create(r createReq) (placement, uint64, error) {
 	if shards > MaxShards || r.shard >= shards {
 		return placement{}, 0, invalidf("shard %d of %d: want shard < shards <= %d", r.shard, shards, MaxShards)
 	}
-	devName, err := s.backend.device(r.device)
-	if err != nil {
-		return placement{}, 0, err
+	devName := ""
+	var err error
+	if src == nil {
+		if devName, err = s.backend.device(r.device); err != nil {
+			return placement{}, 0, err
+		}
+	} else if r.sourcesSize > protocol.MaxSourcesSize {
+		return placement{}, 0, invalidf("sources table of %d bytes, at most %d", r.sourcesSize, protocol.MaxSourcesSize)
 	}
 	var man *manifest
 	if r.manifestSize > 0 {
-		if man, err = newManifest(r.manifestSize); err != nil {
+		if man, err = newManifest(r.manifestSize, r.sourcesSize); err != nil {
 			return placement{}, 0, err
 		}
 	}
@@ -85,12 +111,14 @@ func (ss *session) create(r createReq) (placement, uint64, error) {
 	if err := ss.objectRoomLocked(); err != nil {
 		return fail(err)
 	}
-	d, err := s.deviceLocked(devName)
-	if err != nil {
-		return fail(err)
+	var d *device
+	if src == nil {
+		if d, err = s.deviceLocked(devName); err != nil {
+			return fail(err)
+		}
 	}
 	o := &object{name: r.name, size: r.size, shared: r.shared, owner: ss.peer.uid, created: time.Now(),
-		dev: d, creator: ss, manifest: man, tensor: r.tensor}
+		dev: d, creator: ss, manifest: man, tensor: r.tensor, src: src}
 	var v *version
 	newSeries := false
 	if r.versioned {
@@ -108,7 +136,9 @@ func (ss *session) create(r createReq) (placement, uint64, error) {
 			s.unclaimLocked(r.name, o.entry())
 		}
 	}
-	if sp := s.takeSpareLocked(v, int(r.shard), o); sp != nil {
+	if src != nil {
+		// No memory of the store's: the publisher's own (sources.go).
+	} else if sp := s.takeSpareLocked(v, int(r.shard), o); sp != nil {
 		o.block = sp.block
 		o.block.Value = o
 	} else {
@@ -125,8 +155,10 @@ func (ss *session) create(r createReq) (placement, uint64, error) {
 	}
 	if err != nil {
 		p.closeShare()
-		o.manifest = nil // fail closes it
-		s.freeLocked(o)
+		o.manifest, o.src = nil, nil // fail and create close them
+		if src == nil {
+			s.freeLocked(o)
+		}
 		undo()
 		return fail(err)
 	}
@@ -229,6 +261,10 @@ func (ss *session) seal(r sealReq) error {
 		// Parsing a large manifest takes a while: not under the lock. Only
 		// this session may seal o, and its requests are handled in order.
 		err = o.manifest.finish(o.size, &s.manifests)
+		if err == nil && o.src != nil {
+			err = o.src.check(o.manifest.table, o.size)
+			o.manifest.table = nil
+		}
 		s.mu.Lock()
 		if err == nil {
 			o, err = ss.draftLocked(r.name, r.version, r.shard)
@@ -394,7 +430,7 @@ func (ss *session) resolveLocked(name string, sel versionSel) (*object, *externa
 		}
 	case kindSeries:
 		if sr := e.ser; sr.readableBy(uid) && sr.latest != 0 {
-			if v := sr.versions[sr.latest]; v != nil {
+			if v := sr.versions[sr.latest]; v != nil && !v.withdrawn {
 				return v.shards[0], nil, nil
 			}
 		}
@@ -507,7 +543,9 @@ func (ss *session) leaseLocked(o *object) (placement, error) {
 	if o.ver != nil {
 		o.ver.leases++
 	}
-	o.dev.alloc.SetEvictable(o.block, false)
+	if o.src == nil {
+		o.dev.alloc.SetEvictable(o.block, false)
+	}
 	p.leaseID, p.leaseSlot, p.leaseGen = l.id, l.slot, l.gen
 	p.info = o.info()
 	return p, nil
@@ -554,8 +592,18 @@ func (ss *session) releaseLocked(l *lease) {
 	o.leases--
 	if v := o.ver; v != nil {
 		// A version lives as long as any of its shards is leased.
-		if v.leases--; v.leases == 0 && v.retired {
+		if v.leases--; v.leases > 0 {
+			return
+		}
+		if v.released != nil {
+			close(v.released)
+			v.released = nil
+		}
+		switch {
+		case v.retired:
 			s.freeVersionLocked(v)
+		case o.src != nil && o.src.orphaned:
+			s.withdrawVersionLocked(v)
 		}
 		return
 	}

@@ -17,7 +17,9 @@ import (
 // readers get a descriptor of it with every lease.
 type manifest struct {
 	f       *os.File
-	size    int64
+	size    int64 // the header's bytes
+	sources int64 // a no-copy version's sources table, after the header (sources.go)
+	table   []byte
 	tensors int
 	sealed  bool
 }
@@ -29,13 +31,13 @@ func (m *manifest) close() {
 	}
 }
 
-func newManifest(size int64) (*manifest, error) {
+func newManifest(size, sources int64) (*manifest, error) {
 	fd, err := unix.MemfdCreate("cudaipc-manifest", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return nil, fmt.Errorf("memfd_create: %w", err)
 	}
 	f := os.NewFile(uintptr(fd), "memfd:cudaipc-manifest")
-	if err := unix.Ftruncate(fd, size); err != nil {
+	if err := unix.Ftruncate(fd, size+sources); err != nil {
 		f.Close()
 		return nil, fmt.Errorf("manifest: ftruncate: %w", err)
 	}
@@ -43,7 +45,7 @@ func newManifest(size int64) (*manifest, error) {
 		f.Close()
 		return nil, fmt.Errorf("manifest: seal size: %w", err)
 	}
-	return &manifest{f: f, size: size}, nil
+	return &manifest{f: f, size: size, sources: sources}, nil
 }
 
 // dup returns a new descriptor of the manifest, for a reply.
@@ -65,10 +67,12 @@ func (m *manifest) finish(size int64, checked *manifestCache) error {
 		}
 		return fmt.Errorf("manifest: seal: %w", err)
 	}
-	buf := make([]byte, m.size)
-	if _, err := m.f.ReadAt(buf, 0); err != nil {
+	all := make([]byte, m.size+m.sources)
+	if _, err := m.f.ReadAt(all, 0); err != nil {
 		return fmt.Errorf("manifest: read: %w", err)
 	}
+	buf := all[:m.size:m.size]
+	m.table = all[m.size:]
 	if n, ok := checked.lookup(buf, size); ok {
 		m.tensors = n
 		m.sealed = true

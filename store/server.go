@@ -196,6 +196,10 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 			cn.stageReply(req.GetId(), files)
 			continue
 		}
+		if len(files) > 0 {
+			cn.createWithFiles(&req, files)
+			continue
+		}
 		cn.handle(&req)
 		if trace {
 			log.Debug("request handled", "op", protocol.RequestKind(&req), "id", req.GetId(),
@@ -376,11 +380,11 @@ func (cn *conn) replyLocked(op string, resp *storev1.Response, p *placement) {
 	if p != nil && p.share != nil && p.share.file != nil {
 		files = append(files, p.share.file)
 	}
-	if p != nil && p.manifest != nil {
-		files = append(files, p.manifest)
-	}
 	if p != nil {
 		files = append(files, p.pieceFiles...)
+	}
+	if p != nil && p.manifest != nil {
+		files = append(files, p.manifest) // the manifest travels last
 	}
 	if p != nil {
 		defer p.closeShare()
@@ -406,15 +410,7 @@ func (cn *conn) handle(req *storev1.Request) {
 	case *storev1.Request_Hello:
 		fail(protocol.Errorf(storev1.Error_INVALID, "hello is only valid as the first request"))
 	case *storev1.Request_Create:
-		cn.order.Lock()
-		defer cn.order.Unlock()
-		p, n, err := ss.create(createReqOf(b.Create))
-		if err != nil {
-			cn.replyLocked(op, protocol.ErrorResponse(id, err), nil)
-			return
-		}
-		cn.replyLocked(op, &storev1.Response{Id: id, Body: &storev1.Response_Create{Create: &storev1.CreateResponse{
-			Placement: p.proto(), Version: n, ManifestAttached: p.manifest != nil}}}, &p)
+		cn.createReply(id, b.Create, nil)
 	case *storev1.Request_Seal:
 		if len(b.Seal.GetWaitEvent()) > 0 {
 			cn.sealAfterEvent(id, b.Seal)
@@ -493,6 +489,9 @@ func (cn *conn) handle(req *storev1.Request) {
 		defer cn.order.Unlock()
 		cn.s.metrics.request(op, "ok")
 		cn.sendLocked(&storev1.Response{Id: id, Body: &storev1.Response_LeaseTable{LeaseTable: &storev1.LeaseTableResponse{Slots: uint32(n)}}}, f)
+	case *storev1.Request_Withdraw:
+		r := b.Withdraw
+		cn.wg.Go(func() { cn.withdrawReply(id, r.GetName(), r.GetTimeoutMs()) })
 	case *storev1.Request_ForgetArenas:
 		if err := ss.forget(b.ForgetArenas.GetArenaIds()); err != nil {
 			fail(err)
@@ -504,6 +503,42 @@ func (cn *conn) handle(req *storev1.Request) {
 	default:
 		fail(protocol.Errorf(storev1.Error_INVALID, "unsupported operation %s", op))
 	}
+}
+
+// createReply answers a create, which carries files (a no-copy
+// version's descriptors: createReply takes them) or none.
+func (cn *conn) createReply(id uint64, c *storev1.CreateRequest, files []*os.File) {
+	cn.order.Lock()
+	defer cn.order.Unlock()
+	r := createReqOf(c)
+	if r.sourcesSize > 0 {
+		// The staged descriptors come first (stage.go).
+		files = append(cn.ss.takeStaged(), files...)
+	}
+	r.files = files
+	p, n, err := cn.ss.create(r)
+	if err != nil {
+		cn.replyLocked("create", protocol.ErrorResponse(id, err), nil)
+		return
+	}
+	cn.replyLocked("create", &storev1.Response{Id: id, Body: &storev1.Response_Create{Create: &storev1.CreateResponse{
+		Placement: p.proto(), Version: n, ManifestAttached: p.manifest != nil}}}, &p)
+}
+
+// createWithFiles serves a request that carries descriptors and is not a
+// register: a no-copy create (protocol.ValidateRequest let nothing else
+// through). It takes files.
+func (cn *conn) createWithFiles(req *storev1.Request, files []*os.File) {
+	c := req.GetCreate()
+	if err := cn.qualifyNames(req); err != nil || c == nil {
+		protocol.CloseFiles(files)
+		if err == nil {
+			err = protocol.Errorf(storev1.Error_INVALID, "only create and register carry descriptors")
+		}
+		cn.reply(protocol.RequestKind(req), protocol.ErrorResponse(req.GetId(), err), nil)
+		return
+	}
+	cn.createReply(req.GetId(), c, files)
 }
 
 // tellFreed sends the client the arenas given back that it maps
@@ -636,6 +671,7 @@ func (in *info) proto() *storev1.ObjectInfo {
 		External:        in.External,
 		Orphaned:        in.Orphaned,
 		ExporterBound:   in.ExporterBound,
+		SourcesSize:     uint64(in.SourcesSize),
 	}
 }
 
@@ -673,6 +709,8 @@ func (cn *conn) qualifyNames(req *storev1.Request) error {
 		r.Name, err = cn.qualify(r.Name, false)
 	case *storev1.Request_Delete:
 		b.Delete.Name, err = cn.qualify(b.Delete.Name, false)
+	case *storev1.Request_Withdraw:
+		b.Withdraw.Name, err = cn.qualify(b.Withdraw.Name, true)
 	case *storev1.Request_Stat:
 		b.Stat.Name, err = cn.qualify(b.Stat.Name, false)
 	case *storev1.Request_List:

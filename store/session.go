@@ -140,6 +140,9 @@ func (s *Store) newSession(ctx context.Context, p peer) (*session, error) {
 // placeLocked describes where o lives, with the arena's share attached the
 // first time this session is sent that arena in that mode.
 func (ss *session) placeLocked(o *object, writable bool) (placement, error) {
+	if o.src != nil {
+		return ss.placeSourcesLocked(o, writable)
+	}
 	ar := o.block.Arena()
 	p := placement{
 		arenaID:   ar.ID,
@@ -217,6 +220,9 @@ func (ss *session) close(cause error) {
 			aborted++
 		} else {
 			o.creator = nil
+			if o.src != nil {
+				s.publisherGoneLocked(o)
+			}
 		}
 	}
 	clear(ss.created)

@@ -67,21 +67,30 @@ func (ss *session) leaseFiles(id uint64, from int) ([]*os.File, error) {
 		return nil, errSessionClosed
 	}
 	l := ss.leases[id]
+	var files []*os.File
+	name := ""
+	switch {
+	case l == nil:
+	case l.ext != nil:
+		files, name = l.ext.files, l.ext.name
+	case l.obj.src != nil:
+		files, name = l.obj.src.files, l.obj.name
+	}
 	switch {
 	case l == nil:
 		return nil, fmt.Errorf("files: lease %d: %w", id, ErrNotFound)
-	case l.ext == nil || len(l.ext.files) == 0:
+	case len(files) == 0:
 		return nil, invalidf("files: lease %d is not of registered VMM memory", id)
-	case from >= len(l.ext.files):
-		return nil, invalidf("files: from %d: the registration has %d descriptors", from, len(l.ext.files))
+	case from >= len(files):
+		return nil, invalidf("files: from %d: the registration has %d descriptors", from, len(files))
 	}
-	src := l.ext.files[from:min(len(l.ext.files), from+protocol.MaxFiles)]
+	src := files[from:min(len(files), from+protocol.MaxFiles)]
 	out := make([]*os.File, 0, len(src))
 	for _, f := range src {
 		d, err := dupFile(f)
 		if err != nil {
 			protocol.CloseFiles(out)
-			return nil, fmt.Errorf("duplicating a descriptor of %q: %w", l.ext.name, err)
+			return nil, fmt.Errorf("duplicating a descriptor of %q: %w", name, err)
 		}
 		out = append(out, d)
 	}

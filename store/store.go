@@ -196,6 +196,7 @@ type object struct {
 	ver      *version            // the version it is a shard of; nil for a plain object
 	shard    int                 // its shard index in ver
 	manifest *manifest           // a bundle's manifest; nil for a plain object
+	src      *sources            // a no-copy version's bytes (sources.go), with dev and block nil; nil for memory of the store
 	tensor   *storev1.TensorDesc // typed-array descriptor from create (or seal); nil if none; never modified, only replaced
 }
 
@@ -422,6 +423,10 @@ func (s *Store) evictLocked(o *object) {
 // freeLocked gives an object's memory back to its device.
 func (s *Store) freeLocked(o *object) {
 	o.manifest.close()
+	if o.src != nil {
+		o.src.close()
+		return
+	}
 	o.discardLocked()
 	o.dev.alloc.Free(o.block)
 	o.block = nil
@@ -492,6 +497,7 @@ func (s *Store) Close() error {
 				for _, o := range v.shards {
 					if o != nil {
 						o.manifest.close()
+						o.src.close()
 					}
 				}
 			}
@@ -534,8 +540,10 @@ type info struct {
 	ManifestSize int64
 	Tensors      int
 	Tensor       *storev1.TensorDesc // shared with the object: read only
-	// External, Orphaned and ExporterBound describe registered memory.
+	// External, Orphaned and ExporterBound describe registered memory and
+	// no-copy versions; SourcesSize is a no-copy version's sources table.
 	External, Orphaned, ExporterBound bool
+	SourcesSize                       int64
 }
 
 func (o *object) info() info {
@@ -549,13 +557,20 @@ func (o *object) info() info {
 		Region:   region,
 		Name:     o.name,
 		Size:     o.size,
-		Device:   o.dev.name,
 		Sealed:   o.sealed,
 		Leases:   o.leases - o.idleLeasesLocked(),
 		Shared:   o.shared,
 		OwnerUID: o.owner,
 		Created:  o.created,
 		Tensor:   o.tensor,
+	}
+	if o.src != nil {
+		in.Device, in.External, in.Orphaned, in.ExporterBound = o.src.device, true, o.src.orphaned, o.src.legacy
+		if o.manifest != nil {
+			in.SourcesSize = o.manifest.sources
+		}
+	} else {
+		in.Device = o.dev.name
 	}
 	if o.ver != nil {
 		in.Version, in.Shards, in.Shard = o.ver.n, len(o.ver.shards), o.shard

@@ -47,6 +47,10 @@ type version struct {
 	visible bool
 	retired bool
 	leases  int // over all shards
+	// withdrawn: a no-copy version (sources.go) no lease may be granted on
+	// any more; it is retired too.
+	withdrawn bool
+	released  chan struct{} // closed when leases drop to 0; made by a withdraw that waits
 }
 
 // keepLocked is how many visible versions of sr are kept without leases.
@@ -202,7 +206,7 @@ func (s *Store) freeVersionLocked(v *version) {
 		}
 		o.deleted = true
 		s.forgetCreatorLocked(o)
-		if v.visible && s.lookupLocked(sr.name) == sr.entry() && sr.spare[i] == nil {
+		if o.src == nil && v.visible && s.lookupLocked(sr.name) == sr.entry() && sr.spare[i] == nil {
 			// Keep the memory for the next version's shard i.
 			o.manifest.close()
 			o.manifest = nil
@@ -244,6 +248,9 @@ func (ss *session) versionShardLocked(sr *series, sel versionSel) (*object, erro
 	switch {
 	case sel.version != 0:
 		v = sr.versions[sel.version]
+		if v != nil && v.withdrawn {
+			return nil, fmt.Errorf("version %d of %q was withdrawn by its publisher (latest is %d): %w", sel.version, name, sr.latest, ErrNotFound)
+		}
 		if v == nil || !v.visible {
 			// Gone for good: opened (or superseded) and no longer here.
 			if v == nil && sel.version <= max(sr.latest, sr.last) {
@@ -251,8 +258,10 @@ func (ss *session) versionShardLocked(sr *series, sel versionSel) (*object, erro
 			}
 			return nil, fmt.Errorf("version %d of %q is not published yet: %w", sel.version, name, ErrTimeout)
 		}
-	case sr.latest > sel.newerThan:
+	case sr.latest > sel.newerThan && sr.versions[sr.latest] != nil && !sr.versions[sr.latest].withdrawn:
 		v = sr.versions[sr.latest]
+	case sr.latest > sel.newerThan:
+		return nil, fmt.Errorf("version %d of %q was withdrawn by its publisher; none newer yet: %w", sr.latest, name, ErrTimeout)
 	default:
 		return nil, fmt.Errorf("no version of %q above %d yet: %w", name, sel.newerThan, ErrTimeout)
 	}
@@ -272,7 +281,7 @@ func (ss *session) seriesInfoLocked(sr *series) (info, bool) {
 		return info{}, false
 	}
 	v := sr.versions[sr.latest]
-	if v == nil || v.shards[0] == nil {
+	if v == nil || v.withdrawn || v.shards[0] == nil {
 		return info{}, false
 	}
 	return v.shards[0].info(), true

@@ -266,6 +266,7 @@ type Request struct {
 	//	*Request_LeaseTable
 	//	*Request_StageFiles
 	//	*Request_Files
+	//	*Request_Withdraw
 	Body          isRequest_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -450,6 +451,15 @@ func (x *Request) GetFiles() *FilesRequest {
 	return nil
 }
 
+func (x *Request) GetWithdraw() *WithdrawRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_Withdraw); ok {
+			return x.Withdraw
+		}
+	}
+	return nil
+}
+
 type isRequest_Body interface {
 	isRequest_Body()
 }
@@ -514,6 +524,10 @@ type Request_Files struct {
 	Files *FilesRequest `protobuf:"bytes,47,opt,name=files,proto3,oneof"`
 }
 
+type Request_Withdraw struct {
+	Withdraw *WithdrawRequest `protobuf:"bytes,48,opt,name=withdraw,proto3,oneof"`
+}
+
 func (*Request_Hello) isRequest_Body() {}
 
 func (*Request_Create) isRequest_Body() {}
@@ -543,6 +557,8 @@ func (*Request_LeaseTable) isRequest_Body() {}
 func (*Request_StageFiles) isRequest_Body() {}
 
 func (*Request_Files) isRequest_Body() {}
+
+func (*Request_Withdraw) isRequest_Body() {}
 
 // HelloRequest must be the first request on a connection.
 type HelloRequest struct {
@@ -634,6 +650,19 @@ type CreateRequest struct {
 	// header), for which the daemon makes a memfd sent with the reply;
 	// 0 for none. docs/protocol.md section 6.3.
 	ManifestSize uint64 `protobuf:"varint,40,opt,name=manifest_size,json=manifestSize,proto3" json:"manifest_size,omitempty"`
+	// No-copy versions (fields 41-42, docs/protocol.md section 6.8): the
+	// object's bytes are memory its creator holds (a trainer's own tensors),
+	// not an arena of the store. Its sources table, this many bytes, follows
+	// the manifest in the manifest's memfd: one binary region (docs/region.md)
+	// per CUDA allocation, each preceded by its length (u32, little-endian).
+	// Needs versioned and manifest_size; size is the span of the table's
+	// regions laid end to end as section 6.8 says.
+	SourcesSize uint64 `protobuf:"varint,41,opt,name=sources_size,json=sourcesSize,proto3" json:"sources_size,omitempty"`
+	// How many descriptors the version has: one per piece of the table's
+	// vmm-fd regions, in table order; 0 when all are cuda-ipc regions. Those
+	// staged on this connection (stage_files) come first, then those
+	// attached to the request, together exactly this many.
+	Files uint32 `protobuf:"varint,42,opt,name=files,proto3" json:"files,omitempty"`
 	// Optional: what the bytes are as a typed array (dtype, shape, strides).
 	// The daemon checks it against size, stores it and returns it in
 	// ObjectInfo.tensor; it never interprets the bytes.
@@ -738,6 +767,20 @@ func (x *CreateRequest) GetKeepLast() uint32 {
 func (x *CreateRequest) GetManifestSize() uint64 {
 	if x != nil {
 		return x.ManifestSize
+	}
+	return 0
+}
+
+func (x *CreateRequest) GetSourcesSize() uint64 {
+	if x != nil {
+		return x.SourcesSize
+	}
+	return 0
+}
+
+func (x *CreateRequest) GetFiles() uint32 {
+	if x != nil {
+		return x.Files
 	}
 	return 0
 }
@@ -1412,6 +1455,7 @@ type Response struct {
 	//	*Response_Register
 	//	*Response_StageFiles
 	//	*Response_Files
+	//	*Response_Withdraw
 	//	*Response_LeaseTable
 	Body          isResponse_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
@@ -1613,6 +1657,15 @@ func (x *Response) GetFiles() *FilesResponse {
 	return nil
 }
 
+func (x *Response) GetWithdraw() *WithdrawResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_Withdraw); ok {
+			return x.Withdraw
+		}
+	}
+	return nil
+}
+
 func (x *Response) GetLeaseTable() *LeaseTableResponse {
 	if x != nil {
 		if x, ok := x.Body.(*Response_LeaseTable); ok {
@@ -1692,6 +1745,10 @@ type Response_Files struct {
 	Files *FilesResponse `protobuf:"bytes,47,opt,name=files,proto3,oneof"`
 }
 
+type Response_Withdraw struct {
+	Withdraw *WithdrawResponse `protobuf:"bytes,48,opt,name=withdraw,proto3,oneof"`
+}
+
 type Response_LeaseTable struct {
 	// The lease table's memfd is attached.
 	LeaseTable *LeaseTableResponse `protobuf:"bytes,32,opt,name=lease_table,json=leaseTable,proto3,oneof"`
@@ -1728,6 +1785,8 @@ func (*Response_Register) isResponse_Body() {}
 func (*Response_StageFiles) isResponse_Body() {}
 
 func (*Response_Files) isResponse_Body() {}
+
+func (*Response_Withdraw) isResponse_Body() {}
 
 func (*Response_LeaseTable) isResponse_Body() {}
 
@@ -1884,7 +1943,11 @@ type Placement struct {
 	// registered, not in an arena of the store; arena_id is 0, offset 0,
 	// arena_size the object's size, and region the registered region itself
 	// (docs/region.md): a cuda-ipc region, or a vmm-fd one (version 2 for
-	// memory over several allocations).
+	// memory over several allocations). A no-copy version (sources_size in
+	// its ObjectInfo; docs/protocol.md section 6.8) is external with no
+	// region: its sources table says where its bytes are, and a get attaches
+	// the descriptors of the table's vmm-fd regions (files); its create's
+	// placement has nothing to map.
 	External bool `protobuf:"varint,45,opt,name=external,proto3" json:"external,omitempty"`
 	// External vmm-fd memory: how many descriptors the region's allocations
 	// have, one per piece, first piece first. The first min(files, 60)
@@ -2043,6 +2106,9 @@ type ObjectInfo struct {
 	// A legacy (non-VMM) registration: the exporter must outlive its
 	// readers, and the daemon removes it when the exporter disconnects.
 	ExporterBound bool `protobuf:"varint,47,opt,name=exporter_bound,json=exporterBound,proto3" json:"exporter_bound,omitempty"`
+	// A no-copy version (CreateRequest.sources_size): the size of its
+	// sources table, which follows the manifest in the manifest's memfd.
+	SourcesSize   uint64 `protobuf:"varint,48,opt,name=sources_size,json=sourcesSize,proto3" json:"sources_size,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2201,6 +2267,13 @@ func (x *ObjectInfo) GetExporterBound() bool {
 		return x.ExporterBound
 	}
 	return false
+}
+
+func (x *ObjectInfo) GetSourcesSize() uint64 {
+	if x != nil {
+		return x.SourcesSize
+	}
+	return 0
 }
 
 // CreateResponse gives the writable placement of a new object.
@@ -3185,11 +3258,116 @@ func (x *RegisterResponse) GetInfo() *ObjectInfo {
 	return nil
 }
 
+// WithdrawRequest ends the readable life of the no-copy versions of a
+// versioned name that this connection published (docs/protocol.md section
+// 6.8): no new lease is granted on them, and the answer comes once none is
+// leased any more, so that the publisher may change its memory. It fails
+// with TIMEOUT, naming the leases and readers left, when timeout_ms passes
+// first (the versions stay withdrawn; ask again to wait more).
+type WithdrawRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Milliseconds to wait for the last lease to end; negative: without
+	// limit; 0: do not wait.
+	TimeoutMs     int64 `protobuf:"varint,2,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WithdrawRequest) Reset() {
+	*x = WithdrawRequest{}
+	mi := &file_store_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WithdrawRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WithdrawRequest) ProtoMessage() {}
+
+func (x *WithdrawRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WithdrawRequest.ProtoReflect.Descriptor instead.
+func (*WithdrawRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *WithdrawRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *WithdrawRequest) GetTimeoutMs() int64 {
+	if x != nil {
+		return x.TimeoutMs
+	}
+	return 0
+}
+
+// WithdrawResponse says how many versions were withdrawn and released.
+type WithdrawResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Versions      uint32                 `protobuf:"varint,1,opt,name=versions,proto3" json:"versions,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WithdrawResponse) Reset() {
+	*x = WithdrawResponse{}
+	mi := &file_store_proto_msgTypes[39]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WithdrawResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WithdrawResponse) ProtoMessage() {}
+
+func (x *WithdrawResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[39]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WithdrawResponse.ProtoReflect.Descriptor instead.
+func (*WithdrawResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{39}
+}
+
+func (x *WithdrawResponse) GetVersions() uint32 {
+	if x != nil {
+		return x.Versions
+	}
+	return 0
+}
+
 var File_store_proto protoreflect.FileDescriptor
 
 const file_store_proto_rawDesc = "" +
 	"\n" +
-	"\vstore.proto\x12\x10cudaipc.store.v1\"\xb1\a\n" +
+	"\vstore.proto\x12\x10cudaipc.store.v1\"\xf2\a\n" +
 	"\aRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x126\n" +
 	"\x05hello\x18\n" +
@@ -3209,12 +3387,13 @@ const file_store_proto_rawDesc = "" +
 	"leaseTable\x12F\n" +
 	"\vstage_files\x18. \x01(\v2#.cudaipc.store.v1.StageFilesRequestH\x00R\n" +
 	"stageFiles\x126\n" +
-	"\x05files\x18/ \x01(\v2\x1e.cudaipc.store.v1.FilesRequestH\x00R\x05filesB\x06\n" +
+	"\x05files\x18/ \x01(\v2\x1e.cudaipc.store.v1.FilesRequestH\x00R\x05files\x12?\n" +
+	"\bwithdraw\x180 \x01(\v2!.cudaipc.store.v1.WithdrawRequestH\x00R\bwithdrawB\x06\n" +
 	"\x04body\"I\n" +
 	"\fHelloRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1f\n" +
 	"\vclient_name\x18\x02 \x01(\tR\n" +
-	"clientName\"\xc5\x02\n" +
+	"clientName\"\xfe\x02\n" +
 	"\rCreateRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x16\n" +
@@ -3225,7 +3404,9 @@ const file_store_proto_rawDesc = "" +
 	"\x06shards\x18% \x01(\rR\x06shards\x12\x14\n" +
 	"\x05shard\x18& \x01(\rR\x05shard\x12\x1b\n" +
 	"\tkeep_last\x18' \x01(\rR\bkeepLast\x12#\n" +
-	"\rmanifest_size\x18( \x01(\x04R\fmanifestSize\x124\n" +
+	"\rmanifest_size\x18( \x01(\x04R\fmanifestSize\x12!\n" +
+	"\fsources_size\x18) \x01(\x04R\vsourcesSize\x12\x14\n" +
+	"\x05files\x18* \x01(\rR\x05files\x124\n" +
 	"\x06tensor\x18\x14 \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\"R\n" +
 	"\n" +
 	"TensorDesc\x12\x14\n" +
@@ -3268,7 +3449,7 @@ const file_store_proto_rawDesc = "" +
 	"\x10SubscribeRequest\"\x13\n" +
 	"\x11LeaseTableRequest\"2\n" +
 	"\x13ForgetArenasRequest\x12\x1b\n" +
-	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\xe5\b\n" +
+	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\xa7\t\n" +
 	"\bResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12-\n" +
 	"\x05error\x18\x02 \x01(\v2\x17.cudaipc.store.v1.ErrorR\x05error\x127\n" +
@@ -3289,7 +3470,8 @@ const file_store_proto_rawDesc = "" +
 	"\bregister\x18- \x01(\v2\".cudaipc.store.v1.RegisterResponseH\x00R\bregister\x12G\n" +
 	"\vstage_files\x18. \x01(\v2$.cudaipc.store.v1.StageFilesResponseH\x00R\n" +
 	"stageFiles\x127\n" +
-	"\x05files\x18/ \x01(\v2\x1f.cudaipc.store.v1.FilesResponseH\x00R\x05files\x12G\n" +
+	"\x05files\x18/ \x01(\v2\x1f.cudaipc.store.v1.FilesResponseH\x00R\x05files\x12@\n" +
+	"\bwithdraw\x180 \x01(\v2\".cudaipc.store.v1.WithdrawResponseH\x00R\bwithdraw\x12G\n" +
 	"\vlease_table\x18  \x01(\v2$.cudaipc.store.v1.LeaseTableResponseH\x00R\n" +
 	"leaseTableB\x06\n" +
 	"\x04body\"\xfb\x01\n" +
@@ -3339,7 +3521,7 @@ const file_store_proto_rawDesc = "" +
 	"\x04HOST\x10\x01\x12\f\n" +
 	"\bCUDA_IPC\x10\x02\x12\n" +
 	"\n" +
-	"\x06VMM_FD\x10\x03J\x04\b.\x10/\"\x91\x04\n" +
+	"\x06VMM_FD\x10\x03J\x04\b.\x10/\"\xb4\x04\n" +
 	"\n" +
 	"ObjectInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
@@ -3359,7 +3541,8 @@ const file_store_proto_rawDesc = "" +
 	"\x06tensor\x18\x14 \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\x12\x1a\n" +
 	"\bexternal\x18- \x01(\bR\bexternal\x12\x1a\n" +
 	"\borphaned\x18. \x01(\bR\borphaned\x12%\n" +
-	"\x0eexporter_bound\x18/ \x01(\bR\rexporterBound\"\x92\x01\n" +
+	"\x0eexporter_bound\x18/ \x01(\bR\rexporterBound\x12!\n" +
+	"\fsources_size\x180 \x01(\x04R\vsourcesSize\"\x92\x01\n" +
 	"\x0eCreateResponse\x129\n" +
 	"\tplacement\x18\x01 \x01(\v2\x1b.cudaipc.store.v1.PlacementR\tplacement\x12\x18\n" +
 	"\aversion\x18# \x01(\x04R\aversion\x12+\n" +
@@ -3417,7 +3600,13 @@ const file_store_proto_rawDesc = "" +
 	"\x04from\x18\x01 \x01(\rR\x04from\x12\x14\n" +
 	"\x05count\x18\x02 \x01(\rR\x05count\"D\n" +
 	"\x10RegisterResponse\x120\n" +
-	"\x04info\x18\x01 \x01(\v2\x1c.cudaipc.store.v1.ObjectInfoR\x04infoB-Z+github.com/cudaipc/cudaipc/protocol/storev1b\x06proto3"
+	"\x04info\x18\x01 \x01(\v2\x1c.cudaipc.store.v1.ObjectInfoR\x04info\"D\n" +
+	"\x0fWithdrawRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1d\n" +
+	"\n" +
+	"timeout_ms\x18\x02 \x01(\x03R\ttimeoutMs\".\n" +
+	"\x10WithdrawResponse\x12\x1a\n" +
+	"\bversions\x18\x01 \x01(\rR\bversionsB-Z+github.com/cudaipc/cudaipc/protocol/storev1b\x06proto3"
 
 var (
 	file_store_proto_rawDescOnce sync.Once
@@ -3432,7 +3621,7 @@ func file_store_proto_rawDescGZIP() []byte {
 }
 
 var file_store_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 38)
+var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
 var file_store_proto_goTypes = []any{
 	(Error_Code)(0),              // 0: cudaipc.store.v1.Error.Code
 	(Placement_Kind)(0),          // 1: cudaipc.store.v1.Placement.Kind
@@ -3475,6 +3664,8 @@ var file_store_proto_goTypes = []any{
 	(*FilesRequest)(nil),         // 38: cudaipc.store.v1.FilesRequest
 	(*FilesResponse)(nil),        // 39: cudaipc.store.v1.FilesResponse
 	(*RegisterResponse)(nil),     // 40: cudaipc.store.v1.RegisterResponse
+	(*WithdrawRequest)(nil),      // 41: cudaipc.store.v1.WithdrawRequest
+	(*WithdrawResponse)(nil),     // 42: cudaipc.store.v1.WithdrawResponse
 }
 var file_store_proto_depIdxs = []int32{
 	4,  // 0: cudaipc.store.v1.Request.hello:type_name -> cudaipc.store.v1.HelloRequest
@@ -3492,42 +3683,44 @@ var file_store_proto_depIdxs = []int32{
 	15, // 12: cudaipc.store.v1.Request.lease_table:type_name -> cudaipc.store.v1.LeaseTableRequest
 	36, // 13: cudaipc.store.v1.Request.stage_files:type_name -> cudaipc.store.v1.StageFilesRequest
 	38, // 14: cudaipc.store.v1.Request.files:type_name -> cudaipc.store.v1.FilesRequest
-	6,  // 15: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	6,  // 16: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	18, // 17: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
-	19, // 18: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
-	22, // 19: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
-	23, // 20: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
-	24, // 21: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
-	25, // 22: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
-	26, // 23: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
-	27, // 24: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
-	28, // 25: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
-	29, // 26: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
-	30, // 27: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
-	34, // 28: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
-	31, // 29: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
-	33, // 30: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
-	40, // 31: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
-	37, // 32: cudaipc.store.v1.Response.stage_files:type_name -> cudaipc.store.v1.StageFilesResponse
-	39, // 33: cudaipc.store.v1.Response.files:type_name -> cudaipc.store.v1.FilesResponse
-	32, // 34: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
-	0,  // 35: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
-	1,  // 36: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
-	6,  // 37: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	20, // 38: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
-	20, // 39: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
-	21, // 40: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	21, // 41: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
-	21, // 42: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	2,  // 43: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
-	6,  // 44: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	21, // 45: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	46, // [46:46] is the sub-list for method output_type
-	46, // [46:46] is the sub-list for method input_type
-	46, // [46:46] is the sub-list for extension type_name
-	46, // [46:46] is the sub-list for extension extendee
-	0,  // [0:46] is the sub-list for field type_name
+	41, // 15: cudaipc.store.v1.Request.withdraw:type_name -> cudaipc.store.v1.WithdrawRequest
+	6,  // 16: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	6,  // 17: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	18, // 18: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
+	19, // 19: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
+	22, // 20: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
+	23, // 21: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
+	24, // 22: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
+	25, // 23: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
+	26, // 24: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
+	27, // 25: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
+	28, // 26: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
+	29, // 27: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
+	30, // 28: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
+	34, // 29: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
+	31, // 30: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
+	33, // 31: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
+	40, // 32: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
+	37, // 33: cudaipc.store.v1.Response.stage_files:type_name -> cudaipc.store.v1.StageFilesResponse
+	39, // 34: cudaipc.store.v1.Response.files:type_name -> cudaipc.store.v1.FilesResponse
+	42, // 35: cudaipc.store.v1.Response.withdraw:type_name -> cudaipc.store.v1.WithdrawResponse
+	32, // 36: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
+	0,  // 37: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
+	1,  // 38: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
+	6,  // 39: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	20, // 40: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
+	20, // 41: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
+	21, // 42: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	21, // 43: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
+	21, // 44: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	2,  // 45: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
+	6,  // 46: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	21, // 47: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	48, // [48:48] is the sub-list for method output_type
+	48, // [48:48] is the sub-list for method input_type
+	48, // [48:48] is the sub-list for extension type_name
+	48, // [48:48] is the sub-list for extension extendee
+	0,  // [0:48] is the sub-list for field type_name
 }
 
 func init() { file_store_proto_init() }
@@ -3551,6 +3744,7 @@ func file_store_proto_init() {
 		(*Request_LeaseTable)(nil),
 		(*Request_StageFiles)(nil),
 		(*Request_Files)(nil),
+		(*Request_Withdraw)(nil),
 	}
 	file_store_proto_msgTypes[6].OneofWrappers = []any{}
 	file_store_proto_msgTypes[14].OneofWrappers = []any{
@@ -3570,6 +3764,7 @@ func file_store_proto_init() {
 		(*Response_Register)(nil),
 		(*Response_StageFiles)(nil),
 		(*Response_Files)(nil),
+		(*Response_Withdraw)(nil),
 		(*Response_LeaseTable)(nil),
 	}
 	type x struct{}
@@ -3578,7 +3773,7 @@ func file_store_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_store_proto_rawDesc), len(file_store_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   38,
+			NumMessages:   40,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

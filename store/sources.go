@@ -1,0 +1,259 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/bundle"
+	"github.com/cudaipc/cudaipc/protocol"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
+)
+
+// No-copy versions (docs/protocol.md section 6.8): a version of a bundle
+// whose bytes are memory its publisher holds (a trainer's own tensors),
+// one registered region per CUDA allocation, rather than an arena of the
+// store. It is an object like any other shard of a version (one
+// lifecycle: create, seal, lease, release, retire); what differs is data:
+// its bytes are a sources table and its descriptors, kept as register
+// keeps them. The daemon never maps that memory and counts none of it
+// against capacity.
+//
+// Lifetimes. While readers copy, the publisher must not change its
+// tensors: withdraw (the next no-copy publish, or the publisher's
+// wait_released) stops new leases of its no-copy versions and answers once
+// the last one ended. A publisher that disconnects withdraws the versions
+// with a cuda-ipc region at once (legacy IPC is valid only while its
+// exporter lives; readers' open mappings stay valid); versions of VMM
+// memory alone are orphaned: readable while leased, since a descriptor
+// keeps its memory alive, and freed with their last lease.
+
+// sources is the bytes of a no-copy version. Guarded by Store.mu once the
+// object is sealed.
+type sources struct {
+	device   string     // the GPU's UUID, as cudaipc.UUID.String prints it
+	files    []*os.File // one per piece of the table's vmm-fd regions, in order; nil once closed
+	legacy   bool       // some region is cuda-ipc: valid only while the publisher lives
+	regions  int
+	orphaned bool // its publisher disconnected
+}
+
+// creatorOf reports whether ss created o and is still connected.
+func (o *object) creatorOf(ss *session) bool { return o.creator == ss }
+
+func (src *sources) close() {
+	if src == nil {
+		return
+	}
+	for _, f := range src.files {
+		f.Close()
+	}
+	src.files = nil
+}
+
+// check decodes a sealed sources table and checks it against the object
+// it describes: every region valid and on the object's GPU, one
+// descriptor per vmm-fd piece, and the regions laid end to end spanning
+// exactly size bytes.
+func (src *sources) check(table []byte, size int64) error {
+	entries, err := bundle.DecodeSources(table)
+	if err != nil {
+		return invalidf("%v", err)
+	}
+	sizes := make([]int64, len(entries))
+	pieces := 0
+	legacy := false
+	for i, b := range entries {
+		r, err := cudaipc.DecodeRegion(b)
+		if err != nil {
+			return invalidf("sources table: region %d: %v", i, err)
+		}
+		if r.Device.String() != src.device {
+			return invalidf("sources table: region %d is on %s, the version on %s", i, r.Device, src.device)
+		}
+		switch r.Kind {
+		case cudaipc.KindCUDAIPC:
+			legacy = true
+		case cudaipc.KindVMMFD:
+			pieces += len(r.Pieces())
+		default:
+			return invalidf("sources table: region %d is of kind %s: want cuda-ipc or vmm-fd", i, r.Kind)
+		}
+		sizes[i] = r.Size
+	}
+	if pieces != len(src.files) {
+		return invalidf("sources table: its vmm-fd regions have %d pieces, the create carried %d descriptors: send one per piece, in table order", pieces, len(src.files))
+	}
+	_, span, err := bundle.SourceStarts(sizes)
+	if err != nil {
+		return invalidf("%v", err)
+	}
+	if span != size {
+		return invalidf("sources table: its %d regions span %d bytes, the version is %d", len(entries), span, size)
+	}
+	src.legacy, src.regions = legacy, len(entries)
+	return nil
+}
+
+// newSources starts the bytes of a no-copy create; it takes files.
+func newSources(r createReq) (*sources, error) {
+	if !r.versioned || r.manifestSize == 0 {
+		protocol.CloseFiles(r.files)
+		return nil, invalidf("a sources table is for a version of a bundle: set versioned and manifest_size")
+	}
+	if len(r.files) != int(r.nfiles) {
+		protocol.CloseFiles(r.files)
+		return nil, invalidf("create: the request says %d descriptors; %d were staged and attached", r.nfiles, len(r.files))
+	}
+	u, err := cudaipc.ParseUUID(r.device)
+	if err != nil {
+		protocol.CloseFiles(r.files)
+		return nil, invalidf("no-copy version: device %q: its memory is named by its GPU's UUID (GPU-…): %v", r.device, err)
+	}
+	return &sources{device: u.String(), files: r.files}, nil
+}
+
+// placeSourcesLocked describes where a no-copy version's bytes are: its
+// sources table travels in the manifest's memfd; a get carries duplicates
+// of its descriptors.
+func (ss *session) placeSourcesLocked(o *object, writable bool) (placement, error) {
+	src := o.src
+	p := placement{device: src.device, size: o.size, arenaSize: o.size, writable: writable, external: true, kind: storev1.Placement_CUDA_IPC}
+	if len(src.files) > 0 {
+		p.kind = storev1.Placement_VMM_FD
+	}
+	if writable {
+		return p, nil
+	}
+	p.files = len(src.files)
+	for _, f := range src.files[:min(len(src.files), protocol.MaxFiles)] {
+		d, err := dupFile(f)
+		if err != nil {
+			p.closeShare()
+			return placement{}, fmt.Errorf("duplicating a descriptor of %q: %w", o.name, err)
+		}
+		p.pieceFiles = append(p.pieceFiles, d)
+	}
+	return p, nil
+}
+
+// publisherGoneLocked handles the end of the connection that published
+// the no-copy version o (sealed): see the lifetimes above.
+func (s *Store) publisherGoneLocked(o *object) {
+	v := o.ver
+	if v == nil || v.withdrawn {
+		return
+	}
+	if o.src.legacy {
+		s.log.Info("no-copy version withdrawn: its publisher disconnected (legacy IPC is valid only while it lives)", "name", v.s.name, "version", v.n, "leases", v.leases)
+		s.withdrawVersionLocked(v)
+		return
+	}
+	o.src.orphaned = true
+	s.log.Info("no-copy version orphaned: its publisher disconnected; readable while leased", "name", v.s.name, "version", v.n, "leases", v.leases)
+	if v.leases == 0 {
+		s.withdrawVersionLocked(v)
+	}
+}
+
+// withdrawVersionLocked grants no new lease of v; its memory goes now or
+// with its last lease.
+func (s *Store) withdrawVersionLocked(v *version) {
+	v.withdrawn = true
+	s.emitObjectLocked(eventDeleted, v.shards[0])
+	s.retireVersionLocked(v)
+}
+
+// withdraw withdraws the visible no-copy versions of name this session
+// published and waits, until ctx ends, for their last lease to end. It
+// returns how many it withdrew; ErrTimeout names the leases and readers
+// left.
+func (ss *session) withdraw(ctx context.Context, name string) (int, error) {
+	s := ss.s
+	s.mu.Lock()
+	if ss.closed {
+		s.mu.Unlock()
+		return 0, errSessionClosed
+	}
+	e := s.lookupLocked(name)
+	if !e.is(kindSeries) {
+		in, sees := ss.infoLocked(e)
+		s.mu.Unlock()
+		if sees && !in.External {
+			return 0, invalidf("%q is not versioned: only versions are published without a copy", name)
+		}
+		return 0, nil // nothing published under it, or nothing left
+	}
+	sr := e.ser
+	var mine []*version
+	for _, v := range sr.versions {
+		if o := v.shards[0]; v.visible && o != nil && o.src != nil && o.creatorOf(ss) {
+			mine = append(mine, v)
+		}
+	}
+	for _, v := range mine {
+		if !v.withdrawn {
+			s.withdrawVersionLocked(v)
+		}
+	}
+	s.mu.Unlock()
+	for {
+		s.mu.Lock()
+		leases, readers := 0, map[*session]bool{}
+		var wait chan struct{}
+		for _, v := range mine {
+			if v.leases > 0 {
+				leases += v.leases
+				for r := range s.sessions {
+					for _, l := range r.leases {
+						if l.obj != nil && l.obj.ver == v {
+							readers[r] = true
+						}
+					}
+				}
+				if v.released == nil {
+					v.released = make(chan struct{})
+				}
+				wait = v.released
+				break
+			}
+		}
+		s.mu.Unlock()
+		if wait == nil {
+			return len(mine), nil
+		}
+		select {
+		case <-wait:
+		case <-ss.ctx.Done():
+			return 0, errSessionClosed
+		case <-ctx.Done():
+			if !errors.Is(ctx.Err(), context.DeadlineExceeded) {
+				return 0, ctx.Err()
+			}
+			return 0, fmt.Errorf("%w: the no-copy versions of %q are withdrawn, but %d readers still hold %d leases of them: the publisher must not change its tensors until they release (ask again to wait longer)",
+				ErrTimeout, name, len(readers), leases)
+		}
+	}
+}
+
+// withdrawReply answers a withdraw, waiting in its own goroutine.
+func (cn *conn) withdrawReply(id uint64, name string, timeoutMs int64) {
+	ctx := cn.ss.ctx
+	if timeoutMs >= 0 && timeoutMs <= int64(24*time.Hour/time.Millisecond)*365 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), time.Duration(timeoutMs)*time.Millisecond)
+		defer cancel()
+	}
+	n, err := cn.ss.withdraw(ctx, name)
+	if cn.ss.ctx.Err() != nil {
+		return
+	}
+	if err != nil {
+		cn.reply("withdraw", protocol.ErrorResponse(id, err), nil)
+		return
+	}
+	cn.reply("withdraw", &storev1.Response{Id: id, Body: &storev1.Response_Withdraw{Withdraw: &storev1.WithdrawResponse{Versions: uint32(n)}}}, nil)
+}
