@@ -28,6 +28,7 @@ type fakeDriver struct {
 	delay       time.Duration // in openMem
 	closeDelay  time.Duration // in closeMem
 	closing     map[fakeMapKey]bool
+	closeBegun  chan struct{} // if set, told when a close is in flight
 	violations  []string
 	newPointers bool // every open maps anew (a driver that does not refcount by handle)
 	ids         map[DevicePtr]uint64
@@ -105,6 +106,12 @@ func (f *fakeDriver) closeIPC(d *Device, base DevicePtr) error {
 	}
 	f.closing[key] = true
 	delay := f.closeDelay
+	if f.closeBegun != nil {
+		select {
+		case f.closeBegun <- struct{}{}:
+		default:
+		}
+	}
 	f.mu.Unlock()
 	time.Sleep(delay)
 	f.mu.Lock()
@@ -457,6 +464,7 @@ func TestCacheStaleBufferID(t *testing.T) {
 func TestCacheWaitsForInFlightClose(t *testing.T) {
 	f := newFakeDriver(1)
 	f.closeDelay = 30 * time.Millisecond
+	f.closeBegun = make(chan struct{}, 1)
 	c := newTestCache(f)
 	r := remoteRegion(f.devs[0].uuid, 6, 7)
 	m, err := c.importMem(r)
@@ -465,7 +473,11 @@ func TestCacheWaitsForInFlightClose(t *testing.T) {
 	}
 	done := make(chan error)
 	go func() { done <- m.Close() }()
-	time.Sleep(5 * time.Millisecond)
+	select { // the import below comes while the close is in the driver
+	case <-f.closeBegun:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the close never reached the driver")
+	}
 	r2 := r
 	r2.BufferID = 9 // even for another allocation: it must not get the dying mapping
 	m2, err := c.importMem(r2)
