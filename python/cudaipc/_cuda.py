@@ -270,6 +270,80 @@ class FDArena:
         self.ptr = 0
 
 
+class VMMRange:
+    """VMM allocations imported from POSIX file descriptors (one per piece) and mapped
+    back to back in one reserved range, read-only (CU_MEM_ACCESS_FLAGS_PROT_READ) unless
+    ``writable``: a vmm-fd region of one or several allocations (docs/region.md). The
+    descriptors are not taken; the mapping keeps the memory alive until close."""
+
+    def __init__(self, fds: List[int], sizes: List[int], ordinal: int, writable: bool = False):
+        if not fds or len(fds) != len(sizes):
+            raise ValueError("VMMRange: %d descriptors for %d pieces" % (len(fds), len(sizes)))
+        self.sizes, self.size, self.ordinal = list(sizes), sum(sizes), ordinal
+        self.ptr = 0
+        self._dptr: Any = None
+        with on(ordinal):
+            self._map(fds, writable)
+
+    def _map(self, fds: List[int], writable: bool) -> None:
+        cu = driver()
+        flags = (cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE if writable
+                 else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ)
+        handles: List[Any] = []
+        ptr, mapped = None, 0
+        try:
+            for fd in fds:
+                handles.append(check("cuMemImportFromShareableHandle", cu.cuMemImportFromShareableHandle(
+                    fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)))
+            ptr = check("cuMemAddressReserve", cu.cuMemAddressReserve(self.size, 0, 0, 0))
+            at = int(ptr)
+            for h, n in zip(handles, self.sizes):
+                check("cuMemMap", cu.cuMemMap(cu.CUdeviceptr(at), n, 0, h, 0))
+                mapped += 1
+                at += n
+            # Access per mapping (a range over several is not documented to work in
+            # one call), for every GPU that can reach this one.
+            at = int(ptr)
+            for n in self.sizes:
+                descs = []
+                for d in _peers_of(self.ordinal):
+                    acc = cu.CUmemAccessDesc()
+                    acc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                    acc.location.id = d
+                    acc.flags = flags
+                    descs.append(acc)
+                check("cuMemSetAccess", cu.cuMemSetAccess(cu.CUdeviceptr(at), n, descs, len(descs)))
+                at += n
+        except BaseException:
+            at = int(ptr) if ptr is not None else 0
+            for n in self.sizes[:mapped]:
+                cu.cuMemUnmap(cu.CUdeviceptr(at), n)
+                at += n
+            if ptr is not None:
+                cu.cuMemAddressFree(ptr, self.size)
+            for h in handles:
+                cu.cuMemRelease(h)
+            raise
+        # The mappings keep the memory alive; the handles are not needed any more.
+        for h in handles:
+            check("cuMemRelease", cu.cuMemRelease(h))
+        self.ptr, self._dptr = int(ptr), ptr
+
+    def close(self) -> None:
+        """Unmap the range (the memory stays valid elsewhere). Idempotent."""
+        if self._dptr is None:
+            return
+        cu = driver()
+        with on(self.ordinal):
+            at = self.ptr
+            for n in self.sizes:
+                check("cuMemUnmap", cu.cuMemUnmap(cu.CUdeviceptr(at), n))
+                at += n
+            check("cuMemAddressFree", cu.cuMemAddressFree(self._dptr, self.size))
+        self._dptr = None
+        self.ptr = 0
+
+
 # -- copies and regions -------------------------------------------------------------
 
 def memcpy_dtod(dst: int, src: int, n: int, stream: int = 0) -> None:

@@ -170,7 +170,11 @@ def view(rec: Record, owner: Any, kind: str, dtype: Any, shape: Any) -> Any:
         return _views.host_memoryview(owner, rec.addr, rec.nbytes, ro)
     if kind == "numpy":
         if gpu is not None:
-            raise TypeError("numpy() needs a host object; this one is on %s: use tensor() or cupy()" % rec.device)
+            # Host code cannot read device memory in place: a read-only copy.
+            buf = ctypes.create_string_buffer(rec.nbytes)
+            with _cuda.on(gpu):
+                _cuda.memcpy_dtoh(ctypes.addressof(buf), rec.addr, rec.nbytes)
+            return _views.numpy_view(buf, ctypes.addressof(buf), lay, True)
         return _views.numpy_view(owner, rec.addr, lay, ro)
     if kind == "tensor":
         if gpu is not None:

@@ -38,7 +38,7 @@ _RECV = int(socket.MSG_CMSG_CLOEXEC)
 _RECV_NOWAIT = int(socket.MSG_CMSG_CLOEXEC) | int(socket.MSG_DONTWAIT)
 _TRUNC = int(socket.MSG_TRUNC) | int(socket.MSG_CTRUNC)
 _SOL_SOCKET, _SCM_RIGHTS = int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS)
-_PLACED = frozenset(("create", "get", "lease_table"))   # answers that may carry a placement or descriptor
+_PLACED = frozenset(("create", "get", "lease_table", "files"))   # answers that may carry a placement or descriptor
 DEFAULT_SPIN = 50e-6   # seconds; the Go client's DefaultSpin
 MAX_SPIN_SKIP = 64     # the most receives a fruitless polling window makes skip polling
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
@@ -115,13 +115,28 @@ class HostArena:
 class Reply:
     """A response, with what the reader did with its placement."""
 
-    __slots__ = ("resp", "arena", "fd", "manifest_fd")
+    __slots__ = ("resp", "arena", "fd", "manifest_fd", "fds")
 
-    def __init__(self, resp: Any, arena: Optional[HostArena] = None, fd: int = -1):
+    def __init__(self, resp: Any, arena: Optional[HostArena] = None, fd: int = -1, fds: Sequence[int] = ()):
         self.resp = resp
         self.arena = arena
         self.fd = fd  # a GPU arena's descriptor, for the caller to import and close
         self.manifest_fd = -1  # a bundle's manifest memfd (docs/protocol.md 6.3), for the caller to close
+        # Registered memory's descriptors (an external get's first ones, or a files
+        # answer's), for the caller to import and close.
+        self.fds: Sequence[int] = fds
+
+    def close_fds(self) -> None:
+        """Close the descriptors the reply still holds."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.manifest_fd >= 0:
+            os.close(self.manifest_fd)
+            self.manifest_fd = -1
+        fds, self.fds = self.fds, ()
+        for fd in fds:
+            os.close(fd)
 
 
 class Conn:
@@ -428,10 +443,7 @@ class Conn:
                 self._replies[rid] = reply
                 return
         if drop:
-            if reply.fd >= 0:
-                os.close(reply.fd)
-            if reply.manifest_fd >= 0:
-                os.close(reply.manifest_fd)
+            reply.close_fds()
             return
         self._cleanup(reply, *cleanup)
 
@@ -439,8 +451,11 @@ class Conn:
         """Map a host placement now, in the order the daemon sent them, so that the
         arena cache follows what this connection was given."""
         p = None
-        if body == "lease_table" and len(fds) == 1 and not (resp.HasField("error") and resp.error.code != 0):
+        failed = resp.HasField("error") and resp.error.code != 0
+        if body == "lease_table" and len(fds) == 1 and not failed:
             return Reply(resp, fd=fds[0])   # the table's memfd, for the caller to map and close
+        if body == "files" and not failed and 0 < len(fds) == resp.files.count:
+            return Reply(resp, fds=fds)     # more descriptors of registered memory
         if body == "create":
             p = resp.create.placement
         elif body == "get":
@@ -450,6 +465,13 @@ class Conn:
                 os.close(fd)
             return Reply(resp)
         host = p.kind == pb.Placement.HOST
+        if p.external:
+            if len(fds) != min(p.files, MAX_FILES) or host:
+                for fd in fds:
+                    os.close(fd)
+                self._fail(InternalError("recv", message="registered memory of %d descriptors came with %d" % (p.files, len(fds))))
+                return Reply(resp)
+            return Reply(resp, fds=fds)
         if not host:
             if p.fd_attached and len(fds) == 1:
                 return Reply(resp, fd=fds[0])
@@ -496,11 +518,7 @@ class Conn:
 
     def _cleanup(self, r: Reply, op: str, name: str) -> None:
         """Undo the reply of a call whose caller gave up."""
-        if r.fd >= 0:
-            os.close(r.fd)
-        if r.manifest_fd >= 0:
-            os.close(r.manifest_fd)
-            r.manifest_fd = -1
+        r.close_fds()
         body = r.resp.WhichOneof("body")
         if body == "get":
             self.send_detached(pb.Request(release=pb.ReleaseRequest(lease_id=r.resp.get.lease_id)))
@@ -554,8 +572,5 @@ class Conn:
         # Arenas still used by live leases stay mapped until those end.
         self._arenas.clear()
         for r in self._replies.values():
-            if r.fd >= 0:
-                os.close(r.fd)
-            if r.manifest_fd >= 0:
-                os.close(r.manifest_fd)
+            r.close_fds()
         self._replies.clear()

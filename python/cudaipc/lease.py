@@ -89,7 +89,8 @@ class MemoryViews:
         return _memory.view(m.rec, m, "cupy", dtype, shape)
 
     def numpy(self, dtype: Any = None, shape: Optional[Sequence[int]] = None) -> Any:
-        """A zero-copy ``numpy.ndarray`` of a host object (read-only for a Lease)."""
+        """A zero-copy ``numpy.ndarray`` of a host object (read-only for a Lease); of a GPU
+        object, a read-only copy of its bytes."""
         m = self._live()
         return _memory.view(m.rec, m, "numpy", dtype, shape)
 

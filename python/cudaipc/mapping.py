@@ -1,18 +1,58 @@
-"""Importing a region without the store: ``import_region(region) -> Mapping``."""
+"""Importing a region: ``import_region(region[, fds]) -> Mapping``, with or without the
+store. Legacy (cuda-ipc) handles are opened once per process and GPU and counted
+(_cuda.ipc_open); vmm-fd regions, of one allocation or several (docs/region.md,
+version 2), are mapped once per process, GPU and access for the same pieces in the
+same order, and counted here: the second import of a registered tensor costs no
+driver call."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import weakref
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _cuda
 from . import _views
 from .errors import CudaError
-from .region import Region, decode_region, local_identity
+from .region import KIND_VMM_FD, Region, decode_region, local_identity
 
-__all__ = ["Mapping", "import_region"]
+__all__ = ["Mapping", "import_region", "map_region"]
+
+_vmm_lock = threading.Lock()
+_VMMKey = Tuple[Tuple[Tuple[bytes, int], ...], int, bool]
+_vmm: Dict[_VMMKey, List[Any]] = {}   # (pieces, ordinal, writable) -> [VMMRange, refs]
+
+
+def _vmm_open(r: Region, fds: Sequence[int], ordinal: int, writable: bool) -> Tuple[int, Callable[[], None]]:
+    """The base of the mapping of r's pieces (imported from ``fds`` if new) and the
+    close that drops this reference."""
+    key: _VMMKey = (r.pieces, ordinal, writable)
+    with _vmm_lock:
+        found = _vmm.get(key)
+        if found is None:
+            found = [_cuda.VMMRange(list(fds), [n for _, n in r.pieces], ordinal, writable), 0]
+            _vmm[key] = found
+        e: List[Any] = found
+        e[1] += 1
+        base = int(e[0].ptr)
+
+    def close() -> None:
+        with _vmm_lock:
+            e[1] -= 1
+            if e[1] > 0:
+                return
+            if _vmm.get(key) is e:
+                del _vmm[key]
+        e[0].close()
+    return base, close
+
+
+def vmm_mapped_count() -> int:
+    """How many vmm-fd ranges this process maps through import_region (for tests)."""
+    with _vmm_lock:
+        return len(_vmm)
 
 
 class _Mapped:
@@ -85,13 +125,22 @@ class Mapping:
         self.close()
 
 
-def import_region(region: Union[Region, bytes, str]) -> Mapping:
-    """Map a region (a Region, or its binary or JSON encoding) exported by another
-    process, through the GPU with the region's UUID (or the first visible GPU, over
-    peer access). Handles are opened once per process and reference-counted."""
-    r = region if isinstance(region, Region) else decode_region(region)
-    r.validate()
+def map_region(r: Region, fds: Sequence[int] = (), writable: bool = False) -> Tuple[int, int, Optional[Callable[[], None]]]:
+    """Map ``r`` (validated) as :func:`import_region` does; return the address of its
+    first byte, the GPU ordinal it is mapped through, and the close that drops this
+    reference (None when nothing was mapped: the exporter's own memory)."""
     ns, boot = local_identity()
+    if r.kind == KIND_VMM_FD:
+        if r.boot_id != boot:
+            raise CudaError("import_region", "other machine", "the region comes from another machine or boot")
+        if len(fds) != len(r.pieces):
+            raise ValueError("import_region: a vmm-fd region of %d allocations needs %d descriptors, got %d"
+                             % (len(r.pieces), len(r.pieces), len(fds)))
+        ordinal = _cuda.pick_ordinal(r.device)
+        base, close = _vmm_open(r, fds, ordinal, writable)
+        return base + r.offset, ordinal, close
+    if fds:
+        raise ValueError("import_region: descriptors are for vmm-fd regions; this one is cuda-ipc")
     if r.boot_id != boot:
         raise CudaError("import_region", "other machine", "the region comes from another machine or boot")
     if r.pid_namespace != ns:
@@ -106,6 +155,19 @@ def import_region(region: Union[Region, bytes, str]) -> Mapping:
                 cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID, r.exporter_base)))
         if bid != r.buffer_id:
             raise CudaError("import_region", "stale region", "the allocation at %#x was freed" % r.exporter_base)
-        return Mapping(_Mapped(r, r.exporter_base + r.offset, ordinal, None))
+        return r.exporter_base + r.offset, ordinal, None
     base = _cuda.ipc_open(r.handle, r.buffer_id, ordinal)
-    return Mapping(_Mapped(r, base + r.offset, ordinal, lambda: _close_ipc(r.handle, r.buffer_id, ordinal)))
+    return base + r.offset, ordinal, lambda: _close_ipc(r.handle, r.buffer_id, ordinal)
+
+
+def import_region(region: Union[Region, bytes, str], fds: Sequence[int] = (), writable: bool = False) -> Mapping:
+    """Map a region (a Region, or its binary or JSON encoding) exported by another
+    process, through the GPU with the region's UUID (or the first visible GPU, over
+    peer access). A vmm-fd region needs its descriptors (``fds``, one per piece, first
+    piece first; not taken: close them after the call) and is mapped read-only unless
+    ``writable`` (a write through it fails or faults, and changes nothing); it works
+    across PID namespaces. Mappings are shared within the process and counted."""
+    r = region if isinstance(region, Region) else decode_region(region)
+    r.validate()
+    addr, ordinal, close = map_region(r, fds, writable)
+    return Mapping(_Mapped(r, addr, ordinal, close))

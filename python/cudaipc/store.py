@@ -15,6 +15,7 @@ from . import _store_pb2 as pb
 from . import bundle as _bundle
 from . import extmem as _extmem
 from ._arenas import MAX_IDLE_ARENAS, ArenaCache
+from ._external import external_record
 from ._device import resolve_device
 from ._fastpath import LeaseTable
 from ._memory import Hold, ManifestFD, Record, Taken
@@ -298,7 +299,10 @@ class Store:
         info = g.info if g.HasField("info") else None
         desc = TensorDesc._from_pb(info.tensor) if info is not None and info.HasField("tensor") else None
         try:
-            rec = self._record(r, p, name, desc, Release(g.lease_id), "get")
+            if p.external:
+                rec = external_record(self._conn, r, p, name, desc, Release(g.lease_id), g.lease_id)
+            else:
+                rec = self._record(r, p, name, desc, Release(g.lease_id), "get")
         except BaseException:
             self._conn._cleanup(r, "get", name)
             raise
