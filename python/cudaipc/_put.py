@@ -99,7 +99,12 @@ class Source:
             known = a.dtype.name in _views.DTYPES
             return cls(a.nbytes, _views.dtype_name(a.dtype) if known else None,
                        tuple(np.shape(data)) if known else None, a.ctypes.data, None, a)
-        mv = memoryview(data).cast("B")
+        mv = memoryview(data)
+        if "O" in mv.format:
+            raise InvalidArgument("put", name, "the buffer holds Python object references (format %r), not data" % mv.format)
+        if not mv.contiguous:
+            raise InvalidArgument("put", name, "the buffer is not contiguous")
+        mv = mv.cast("B")
         if not mv.contiguous:
             raise InvalidArgument("put", name, "the buffer is not contiguous")
         buf = (ctypes.c_char * mv.nbytes).from_buffer_copy(mv) if mv.readonly else (ctypes.c_char * mv.nbytes).from_buffer(mv)

@@ -451,7 +451,8 @@ def test_put_refuses_object_arrays(store):
     """An object-dtype array holds pointers to Python objects: refused in one line,
     nothing stored."""
     for a in (np.array([{"k": 1}, None, "s"], dtype=object),
-              np.zeros(3, dtype=[("x", "i4"), ("o", "O")])):
+              np.zeros(3, dtype=[("x", "i4"), ("o", "O")]),
+              memoryview(np.array([1, "x"], dtype=object))):
         with pytest.raises(cudaipc.InvalidArgument) as e:
             store.put("objs", a)
         assert "objs" in str(e.value) and "object" in str(e.value) and "\n" not in str(e.value)
