@@ -230,8 +230,8 @@ class _Arrays(ArrayLib):
         nd = require("numpy", "bundle arrays").ndarray
         for v in values:
             if not (isinstance(v, nd) or _is_cupy(v)):
-                raise TypeError("a bundle takes NumPy or CuPy arrays (or torch tensors), not %s: "
-                                "a scalar goes as a 0-d array (numpy.asarray)" % type(v).__name__)
+                raise TypeError("a bundle's values are all NumPy/CuPy arrays or all torch tensors, not %s "
+                                "(a scalar goes as a 0-d array: numpy.asarray)" % type(v).__name__)
         ptrs = [v.data.ptr if _is_cupy(v) else v.__array_interface__["data"][0] for v in values]
         return ptrs, [(tuple(v.shape), v.dtype) for v in values], [bool(v.flags.c_contiguous) for v in values]
 
