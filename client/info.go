@@ -11,12 +11,15 @@ import (
 // ObjectInfo describes an object in the store. Its JSON form is what
 // 'cudaipc stat --json' prints.
 type ObjectInfo struct {
-	Name     string    `json:"name"`
-	Size     int64     `json:"size"`
-	Device   string    `json:"device"` // "host", or a GPU UUID ("GPU-…")
-	Sealed   bool      `json:"sealed"`
-	Leases   int       `json:"leases"` // live leases on the object
-	Shared   bool      `json:"shared"` // readable by every uid the daemon admits
+	Name   string `json:"name"`
+	Size   int64  `json:"size"`
+	Device string `json:"device"` // "host", or a GPU UUID ("GPU-…")
+	Sealed bool   `json:"sealed"`
+	Leases int    `json:"leases"` // live leases on the object
+	Shared bool   `json:"shared"` // readable by every uid the daemon admits
+	// Cluster: published in the cluster directory (created with
+	// CreateOptions.Cluster, or a replica pulled from another node).
+	Cluster  bool      `json:"cluster,omitempty"`
 	OwnerUID uint32    `json:"owner_uid"`
 	Created  time.Time `json:"created"`
 	// Region is the region (docs/region.md) of exactly the object's GPU
@@ -102,6 +105,11 @@ type CreateOptions struct {
 	// Shared makes the sealed object readable by every uid the daemon
 	// admits, not only by its creator's uid.
 	Shared bool
+	// Cluster makes the sealed object cluster-visible: a daemon that is
+	// part of a cluster publishes it, and other nodes' daemons pull
+	// replicas of it when asked for its name (docs/cluster.md). A daemon
+	// without a cluster refuses it.
+	Cluster bool
 
 	// Versioned creates a shard of a version of a versioned name rather
 	// than a plain object (Publish sets it); Version, Shards, Shard and

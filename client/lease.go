@@ -251,6 +251,7 @@ func infoBody(p *storev1.ObjectInfo) ObjectInfo {
 		Sealed:   p.GetSealed(),
 		Leases:   int(p.GetLeases()),
 		Shared:   p.GetShared(),
+		Cluster:  p.GetCluster(),
 		OwnerUID: p.GetOwnerUid(),
 		Created:  time.Unix(0, p.GetCreatedUnixNano()),
 

@@ -38,6 +38,8 @@ type createReq struct {
 	sourcesSize int64
 	nfiles      uint32
 	files       []*os.File
+	// cluster makes the object cluster-visible (store/cluster.go).
+	cluster bool
 }
 
 func createReqOf(r *storev1.CreateRequest) createReq {
@@ -45,6 +47,7 @@ func createReqOf(r *storev1.CreateRequest) createReq {
 		name: r.GetName(), size: int64(r.GetSize()), device: r.GetDevice(), shared: r.GetShared(), tensor: r.GetTensor(),
 		versioned: r.GetVersioned(), version: r.GetVersion(), shards: r.GetShards(), shard: r.GetShard(),
 		keep: r.GetKeepLast(), manifestSize: int64(r.GetManifestSize()), sourcesSize: int64(r.GetSourcesSize()), nfiles: r.GetFiles(),
+		cluster: r.GetCluster(),
 	}
 }
 
@@ -93,6 +96,11 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 	} else if r.sourcesSize > protocol.MaxSourcesSize {
 		return placement{}, 0, invalidf("sources table of %d bytes, at most %d", r.sourcesSize, protocol.MaxSourcesSize)
 	}
+	if r.cluster {
+		if err := s.clusterCreateOK(r, devName); err != nil {
+			return placement{}, 0, err
+		}
+	}
 	var man *manifest
 	if r.manifestSize > 0 {
 		if man, err = newManifest(r.manifestSize, r.sourcesSize); err != nil {
@@ -118,7 +126,7 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 		}
 	}
 	o := &object{name: r.name, size: r.size, shared: r.shared, owner: ss.peer.uid, created: time.Now(),
-		dev: d, creator: ss, manifest: man, tensor: r.tensor, src: src}
+		dev: d, creator: ss, manifest: man, tensor: r.tensor, src: src, cluster: r.cluster}
 	var v *version
 	newSeries := false
 	if r.versioned {
@@ -650,6 +658,7 @@ func (ss *session) delete(name string) error {
 		ss.deleteSeriesLocked(e.ser)
 	case kindObject:
 		o := e.obj
+		s.clusterGoneLocked(o, true)
 		s.unclaimLocked(name, e)
 		o.deleted = true
 		s.forgetCreatorLocked(o)

@@ -152,5 +152,12 @@ func (cn *conn) sealAfterEvent(id uint64, r *storev1.SealRequest) {
 
 // seal seals as r says (a rename and tensor, or a shard of a version).
 func (cn *conn) seal(r *storev1.SealRequest) error {
-	return cn.ss.seal(sealReqOf(r))
+	sr := sealReqOf(r)
+	if err := cn.ss.seal(sr); err != nil {
+		return err
+	}
+	if sr.rename != "" {
+		sr.name = sr.rename
+	}
+	return cn.ss.clusterSealed(cn.ss.ctx, sr.name)
 }

@@ -117,6 +117,10 @@ type Config struct {
 	// Registerer receives the store's metrics; nil means a private
 	// registry, served by MetricsHandler.
 	Registerer prometheus.Registerer
+	// Cluster, if set, joins the store to a cluster of daemons: objects
+	// created cluster-visible are published, and a get of a name this node
+	// lacks may pull a replica (store/cluster.go). nil runs it alone.
+	Cluster ClusterHook
 }
 
 // Store is the object store daemon: it owns the memory of every object and
@@ -188,10 +192,14 @@ type object struct {
 	block   *alloc.Block[pool, *object]
 
 	sealed  bool
-	deleted bool     // name removed; memory kept until the last lease ends
-	creator *session // the connection that created it, while it lives
-	leases  int
-	slotted map[*lease]*session // its leases that have a lease table slot, and their session
+	deleted bool // name removed; memory kept until the last lease ends
+	// cluster: published in the cluster directory (created cluster-visible,
+	// or a replica); clusterID is its incarnation there once published.
+	cluster   bool
+	clusterID string
+	creator   *session // the connection that created it, while it lives
+	leases    int
+	slotted   map[*lease]*session // its leases that have a lease table slot, and their session
 
 	ver      *version            // the version it is a shard of; nil for a plain object
 	shard    int                 // its shard index in ver
@@ -411,6 +419,7 @@ func (s *Store) allocLocked(d *device, o *object) (*alloc.Block[pool, *object], 
 
 // evictLocked forgets an object the allocator is about to free.
 func (s *Store) evictLocked(o *object) {
+	s.clusterGoneLocked(o, false)
 	s.unclaimLocked(o.name, o.entry())
 	o.deleted = true
 	s.forgetCreatorLocked(o)
@@ -544,6 +553,8 @@ type info struct {
 	// no-copy versions; SourcesSize is a no-copy version's sources table.
 	External, Orphaned, ExporterBound bool
 	SourcesSize                       int64
+	// Cluster: cluster-visible.
+	Cluster bool
 }
 
 func (o *object) info() info {
@@ -563,6 +574,7 @@ func (o *object) info() info {
 		OwnerUID: o.owner,
 		Created:  o.created,
 		Tensor:   o.tensor,
+		Cluster:  o.cluster,
 	}
 	if o.src != nil {
 		in.Device, in.External, in.Orphaned, in.ExporterBound = o.src.device, true, o.src.orphaned, o.src.legacy

@@ -666,7 +666,12 @@ type CreateRequest struct {
 	// Optional: what the bytes are as a typed array (dtype, shape, strides).
 	// The daemon checks it against size, stores it and returns it in
 	// ObjectInfo.tensor; it never interprets the bytes.
-	Tensor        *TensorDesc `protobuf:"bytes,20,opt,name=tensor,proto3" json:"tensor,omitempty"`
+	Tensor *TensorDesc `protobuf:"bytes,20,opt,name=tensor,proto3" json:"tensor,omitempty"`
+	// Cluster (field 43): make the object cluster-visible once sealed: a
+	// daemon that is part of a cluster publishes it in the cluster directory,
+	// and other nodes' daemons may pull replicas of it (docs/cluster.md). A
+	// daemon without a cluster refuses it (INVALID).
+	Cluster       bool `protobuf:"varint,43,opt,name=cluster,proto3" json:"cluster,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -790,6 +795,13 @@ func (x *CreateRequest) GetTensor() *TensorDesc {
 		return x.Tensor
 	}
 	return nil
+}
+
+func (x *CreateRequest) GetCluster() bool {
+	if x != nil {
+		return x.Cluster
+	}
+	return false
 }
 
 // TensorDesc describes an object's bytes as a typed, strided array, the way
@@ -2108,7 +2120,10 @@ type ObjectInfo struct {
 	ExporterBound bool `protobuf:"varint,47,opt,name=exporter_bound,json=exporterBound,proto3" json:"exporter_bound,omitempty"`
 	// A no-copy version (CreateRequest.sources_size): the size of its
 	// sources table, which follows the manifest in the manifest's memfd.
-	SourcesSize   uint64 `protobuf:"varint,48,opt,name=sources_size,json=sourcesSize,proto3" json:"sources_size,omitempty"`
+	SourcesSize uint64 `protobuf:"varint,48,opt,name=sources_size,json=sourcesSize,proto3" json:"sources_size,omitempty"`
+	// Cluster-visible: created with CreateRequest.cluster, or a replica
+	// pulled from another node.
+	Cluster       bool `protobuf:"varint,49,opt,name=cluster,proto3" json:"cluster,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2274,6 +2289,13 @@ func (x *ObjectInfo) GetSourcesSize() uint64 {
 		return x.SourcesSize
 	}
 	return 0
+}
+
+func (x *ObjectInfo) GetCluster() bool {
+	if x != nil {
+		return x.Cluster
+	}
+	return false
 }
 
 // CreateResponse gives the writable placement of a new object.
@@ -3393,7 +3415,7 @@ const file_store_proto_rawDesc = "" +
 	"\fHelloRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1f\n" +
 	"\vclient_name\x18\x02 \x01(\tR\n" +
-	"clientName\"\xfe\x02\n" +
+	"clientName\"\x98\x03\n" +
 	"\rCreateRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x16\n" +
@@ -3407,7 +3429,8 @@ const file_store_proto_rawDesc = "" +
 	"\rmanifest_size\x18( \x01(\x04R\fmanifestSize\x12!\n" +
 	"\fsources_size\x18) \x01(\x04R\vsourcesSize\x12\x14\n" +
 	"\x05files\x18* \x01(\rR\x05files\x124\n" +
-	"\x06tensor\x18\x14 \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\"R\n" +
+	"\x06tensor\x18\x14 \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\x12\x18\n" +
+	"\acluster\x18+ \x01(\bR\acluster\"R\n" +
 	"\n" +
 	"TensorDesc\x12\x14\n" +
 	"\x05dtype\x18\x01 \x01(\tR\x05dtype\x12\x14\n" +
@@ -3521,7 +3544,7 @@ const file_store_proto_rawDesc = "" +
 	"\x04HOST\x10\x01\x12\f\n" +
 	"\bCUDA_IPC\x10\x02\x12\n" +
 	"\n" +
-	"\x06VMM_FD\x10\x03J\x04\b.\x10/\"\xb4\x04\n" +
+	"\x06VMM_FD\x10\x03J\x04\b.\x10/\"\xce\x04\n" +
 	"\n" +
 	"ObjectInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
@@ -3542,7 +3565,8 @@ const file_store_proto_rawDesc = "" +
 	"\bexternal\x18- \x01(\bR\bexternal\x12\x1a\n" +
 	"\borphaned\x18. \x01(\bR\borphaned\x12%\n" +
 	"\x0eexporter_bound\x18/ \x01(\bR\rexporterBound\x12!\n" +
-	"\fsources_size\x180 \x01(\x04R\vsourcesSize\"\x92\x01\n" +
+	"\fsources_size\x180 \x01(\x04R\vsourcesSize\x12\x18\n" +
+	"\acluster\x181 \x01(\bR\acluster\"\x92\x01\n" +
 	"\x0eCreateResponse\x129\n" +
 	"\tplacement\x18\x01 \x01(\v2\x1b.cudaipc.store.v1.PlacementR\tplacement\x12\x18\n" +
 	"\aversion\x18# \x01(\x04R\aversion\x12+\n" +

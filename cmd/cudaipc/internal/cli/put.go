@@ -31,6 +31,7 @@ type putCmd struct {
 	Strides []int64       `help:"With --dtype: strides in elements, comma-separated (default: C order)." placeholder:"S,T,..."`
 	Publish bool          `help:"Store it as the next version of the versioned name NAME (readers get the latest; older versions go when no longer leased)."`
 	Raw     bool          `help:"Store a .safetensors file as plain bytes, not as a bundle of tensors."`
+	Cluster bool          `help:"Make the object cluster-visible: other daemons of the cluster ('serve --cluster') can read it (a plain host object)."`
 }
 
 func (c *putCmd) Help() string {
@@ -65,7 +66,7 @@ func (c *putCmd) Run(g *Globals) error {
 	defer cl.Close()
 
 	ctx := g.Context()
-	opts := client.CreateOptions{Device: c.Device, Shared: c.Shared, Versioned: c.Publish}
+	opts := client.CreateOptions{Device: c.Device, Shared: c.Shared, Versioned: c.Publish, Cluster: c.Cluster}
 	if c.DType != "" {
 		shape := c.Shape
 		if shape == nil {

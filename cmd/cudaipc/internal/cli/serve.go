@@ -30,6 +30,8 @@ type serveCmd struct {
 	NoKeepArenas bool          `name:"no-keep-arenas" help:"Give empty GPU arenas back at once (see --keep-arenas)."`
 	Spin         time.Duration `default:"50us" help:"How long each connection keeps polling for the client's next request before sleeping: a request that comes within it costs no wake-up, at the cost of up to this much CPU per request (0: never poll)." placeholder:"D"`
 	MaxConnsUID  int           `name:"max-conns-per-uid" default:"0" help:"Most connections of one uid, root's included (0: default 1024). Uids the daemon does not admit are closed at once and never count." placeholder:"N"`
+
+	clusterFlags `embed:""` // serve_cluster.go
 }
 
 func (c *serveCmd) Help() string {
@@ -44,6 +46,13 @@ Objects are private to their creator's uid unless created shared ('cudaipc put -
 func (c *serveCmd) Run(g *Globals) error {
 	if c.Capacity < 0 || c.Quota < 0 || c.KeepArenas < 0 || c.MaxObjects < 0 || c.MaxLeases < 0 || c.MaxConns < 0 || c.MaxConnsUID < 0 {
 		return errors.New("--capacity, --quota, --keep-arenas, --max-objects, --max-leases, --max-conns and --max-conns-per-uid must not be negative")
+	}
+	cn, err := c.startCluster(g.Context(), g)
+	if err != nil {
+		return err
+	}
+	if cn != nil {
+		defer cn.Close()
 	}
 	st, err := store.New(store.Config{
 		Backend:             c.Backend,
@@ -61,11 +70,17 @@ func (c *serveCmd) Run(g *Globals) error {
 		MaxConnsPerUID:      c.MaxConnsUID,
 		Spin:                spinConfig(c.Spin),
 		Logger:              g.log,
+		Cluster:             clusterHook(cn),
 	})
 	if err != nil {
 		return err
 	}
 	defer st.Close()
+	if cn != nil {
+		if err := cn.Attach(g.Context(), st); err != nil {
+			return fmt.Errorf("serve --cluster: %w", err)
+		}
+	}
 
 	ctx, cancel := context.WithCancel(g.Context())
 	defer cancel()

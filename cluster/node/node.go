@@ -1,0 +1,405 @@
+// Package node is the cluster side of a cudaipc daemon: it joins the
+// directory (cluster/etcddir), serves the control channel and the UCX data
+// plane (cluster/ucxtransport), pulls replicas (cluster.Puller) into the
+// store, and implements store.ClusterHook, so that the store calls it
+// where its own name table ends.
+//
+// A daemon started without --cluster has no Node: nothing here runs and
+// nothing needs etcd or UCX.
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/url"
+	"os"
+	"strconv"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/etcddir"
+	"github.com/cudaipc/cudaipc/cluster/ucxtransport"
+	"github.com/cudaipc/cudaipc/store"
+)
+
+// DefaultControlPort is the control channel's port unless configured.
+const DefaultControlPort = 7946
+
+// Config configures a Node.
+type Config struct {
+	// Directory configures the etcd directory (endpoints, node name,
+	// secret, TLS).
+	Directory etcddir.Config
+	// Listen is the control channel's listen address; "" means
+	// ":DefaultControlPort".
+	Listen string
+	// Advertise is the host:port other daemons reach the control channel
+	// at; "" means the address this host uses to reach etcd, with the
+	// listening port.
+	Advertise string
+	// Logger receives the node's logs; nil discards them.
+	Logger *slog.Logger
+}
+
+// Node is a daemon's membership of a cluster.
+type Node struct {
+	cfg  Config
+	log  *slog.Logger
+	dir  *etcddir.Directory
+	tr   *ucxtransport.Transport
+	ln   net.Listener
+	cs   *cluster.ControlServer
+	p    *cluster.Puller
+	st   *store.Store
+	stop context.CancelFunc
+	wg   sync.WaitGroup
+
+	mu     sync.Mutex
+	arenas map[uint64]*arenaReg          // registered arenas, by store arena id
+	pins   map[string]*store.ClusterFile // holds for pins, by pin key
+}
+
+// arenaReg is an arena mapped into the daemon and registered with UCX,
+// while exposures use it.
+type arenaReg struct {
+	mem  []byte
+	reg  *ucxtransport.Region
+	refs int
+}
+
+// Start joins the cluster's data plane and directory: it initializes UCX,
+// listens for control connections and opens the directory. Attach then
+// binds it to the store and announces the node.
+func Start(ctx context.Context, cfg Config) (*Node, error) {
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	cfg.Directory.Logger = log
+	if err := cluster.ValidateNodeName(cfg.Directory.Node); err != nil {
+		return nil, fmt.Errorf("--node: %w", err)
+	}
+	tr, err := ucxtransport.New("cudaipc-" + cfg.Directory.Node)
+	if err != nil {
+		return nil, fmt.Errorf("cluster data plane: %w", err)
+	}
+	listen := cfg.Listen
+	if listen == "" {
+		listen = ":" + strconv.Itoa(DefaultControlPort)
+	}
+	ln, err := net.Listen("tcp", listen)
+	if err != nil {
+		tr.Close()
+		return nil, fmt.Errorf("cluster control channel: listen on %s: %w", listen, err)
+	}
+	adv := cfg.Advertise
+	if adv == "" {
+		adv, err = advertise(cfg.Directory.Endpoints, ln.Addr().(*net.TCPAddr).Port)
+		if err != nil {
+			ln.Close()
+			tr.Close()
+			return nil, err
+		}
+	}
+	if err := cluster.ValidateControlAddr(adv); err != nil {
+		ln.Close()
+		tr.Close()
+		return nil, fmt.Errorf("cluster control channel: advertised %w", err)
+	}
+	cfg.Advertise = adv
+	dir, err := etcddir.Open(ctx, cfg.Directory)
+	if err != nil {
+		ln.Close()
+		tr.Close()
+		return nil, err
+	}
+	n := &Node{cfg: cfg, log: log, dir: dir, tr: tr, ln: ln, arenas: map[uint64]*arenaReg{}, pins: map[string]*store.ClusterFile{}}
+	n.p = &cluster.Puller{Dir: dir, Transport: tr, Secret: cfg.Directory.Secret, Sink: sink{n}, Logger: log}
+	n.cs = &cluster.ControlServer{Node: cfg.Directory.Node, Secret: cfg.Directory.Secret, Source: source{n}, Logger: log}
+	return n, nil
+}
+
+// advertise finds the address this host reaches etcd from: the control
+// channel's host as other nodes see it.
+func advertise(endpoints []string, port int) (string, error) {
+	for _, ep := range endpoints {
+		u, err := url.Parse(ep)
+		if err != nil || u.Host == "" {
+			continue
+		}
+		c, err := net.Dial("udp", u.Host)
+		if err != nil {
+			continue
+		}
+		ip := c.LocalAddr().(*net.UDPAddr).IP
+		c.Close()
+		return net.JoinHostPort(ip.String(), strconv.Itoa(port)), nil
+	}
+	return "", errors.New("cluster control channel: cannot tell which address other nodes reach this one at: give it (--cluster-advertise HOST:PORT)")
+}
+
+// Attach binds the node to the store, announces it in the directory and
+// starts serving peers. The store must have been made with this node as
+// its Config.Cluster.
+func (n *Node) Attach(ctx context.Context, st *store.Store) error {
+	n.st = st
+	if err := n.dir.Join(ctx, cluster.Node{Name: n.cfg.Directory.Node, Worker: n.tr.WorkerAddress(), Control: n.cfg.Advertise}); err != nil {
+		return err
+	}
+	wctx, cancel := context.WithCancel(context.Background())
+	n.stop = cancel
+	n.wg.Go(func() { _ = n.cs.Serve(n.ln) })
+	n.wg.Go(func() { n.watch(wctx) })
+	n.log.Info("joined the cluster", "node", n.cfg.Directory.Node, "control", n.cfg.Advertise, "etcd", n.cfg.Directory.Endpoints)
+	return nil
+}
+
+// Close leaves the cluster: this node's records go at once, exposures and
+// pins end, UCX is released.
+func (n *Node) Close() error {
+	if n.stop != nil {
+		n.stop()
+	}
+	n.ln.Close()
+	n.wg.Wait()
+	n.mu.Lock()
+	for k, f := range n.pins {
+		f.Release()
+		delete(n.pins, k)
+	}
+	n.mu.Unlock()
+	err := n.dir.Close()
+	n.tr.Close()
+	return err
+}
+
+// Directory is the node's directory, for listings.
+func (n *Node) Directory() *etcddir.Directory { return n.dir }
+
+// Stats are the puller's counters.
+func (n *Node) Stats() cluster.PullStats { return n.p.Stats() }
+
+// watch drops replicas of names the cluster deleted and holds replicas
+// while readers pin them.
+func (n *Node) watch(ctx context.Context) {
+	for ev := range n.dir.Watch(ctx) {
+		if ev.Ref.Version != 0 {
+			continue
+		}
+		switch {
+		case ev.Deleted:
+			if n.st.DropCluster(ev.Ref.Owner, ev.Ref.Name, "") {
+				n.log.Info("cluster deleted a name: local replica dropped", "object", ev.Ref.String())
+			}
+		case ev.Pinned:
+			f, err := n.st.LeaseCluster(ev.Ref.Owner, ev.Ref.Name, "")
+			if err != nil {
+				continue // not here (any more): the reader moves on
+			}
+			n.mu.Lock()
+			if old := n.pins[ev.Key]; old != nil {
+				old.Release()
+			}
+			n.pins[ev.Key] = f
+			n.mu.Unlock()
+			f.File.Close()
+		case ev.Unpinned:
+			n.mu.Lock()
+			if f := n.pins[ev.Key]; f != nil {
+				f.Release()
+				delete(n.pins, ev.Key)
+			}
+			n.mu.Unlock()
+		}
+	}
+}
+
+// Fetch implements store.ClusterHook: it pulls owner's name when the
+// cluster has it and the reader may read it.
+func (n *Node) Fetch(ctx context.Context, reader, owner uint32, name string) error {
+	ref := cluster.Ref{Owner: owner, Name: name}
+	e, err := n.dir.Lookup(ctx, ref)
+	if errors.Is(err, cluster.ErrNotFound) {
+		return fmt.Errorf("%s: %w", ref, store.ErrNotFound)
+	}
+	if err != nil {
+		return err
+	}
+	if !e.Shared && reader != owner && reader != 0 {
+		return fmt.Errorf("%s: %w", ref, store.ErrNotFound) // not the reader's to pull
+	}
+	_, err = n.p.Pull(ctx, ref)
+	if errors.Is(err, cluster.ErrNotFound) {
+		return fmt.Errorf("%w: %v", store.ErrNotFound, err)
+	}
+	return err
+}
+
+// Sealed implements store.ClusterHook: it records the object with the
+// checksums of its chunks, this node as its holder.
+func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, error) {
+	f, err := n.st.LeaseCluster(co.Owner, co.Name, "")
+	if err != nil {
+		return "", err
+	}
+	defer f.Release()
+	mem, base, err := mapRange(f.File, f.Offset, f.Size, unix.PROT_READ)
+	f.File.Close()
+	if err != nil {
+		return "", err
+	}
+	defer unix.Munmap(base)
+	chunk := cluster.ChunkSizeFor(co.Size)
+	o := cluster.Object{Name: co.Name, Owner: co.Owner, Shared: co.Shared, Size: co.Size, ChunkSize: chunk,
+		Sums: cluster.Checksums(mem, chunk), ID: cluster.NewID()}
+	if _, err := n.dir.Publish(ctx, o); err != nil {
+		return "", err
+	}
+	return o.ID, nil
+}
+
+// Deleted implements store.ClusterHook: the name goes from the cluster, and
+// every holder drops its replica.
+func (n *Node) Deleted(co store.ClusterObject) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := n.dir.Delete(ctx, co.Owner, co.Name); err != nil && !errors.Is(err, cluster.ErrNotFound) {
+		n.log.Warn("cluster delete failed: other nodes keep their replicas until it is deleted again", "object", co.Name, "owner", co.Owner, "err", err)
+	}
+}
+
+// Dropped implements store.ClusterHook: this node no longer holds the
+// object.
+func (n *Node) Dropped(co store.ClusterObject) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := n.dir.RemoveHolder(ctx, cluster.Ref{Owner: co.Owner, Name: co.Name}); err != nil {
+		n.log.Warn("withdrawing as a holder failed (the record goes with this node's lease)", "object", co.Name, "err", err)
+	}
+}
+
+// mapRange maps [off, off+size) of f (page-aligned below), returning the
+// range and the whole mapping (for Munmap).
+func mapRange(f *os.File, off, size int64, prot int) (mem, whole []byte, err error) {
+	page := int64(os.Getpagesize())
+	start := off &^ (page - 1)
+	whole, err = unix.Mmap(int(f.Fd()), start, int(off-start+size), prot, unix.MAP_SHARED)
+	if err != nil {
+		return nil, nil, fmt.Errorf("map the object: %w", err)
+	}
+	return whole[off-start : off-start+size], whole, nil
+}
+
+// sink makes replicas in the store (cluster.Sink).
+type sink struct{ n *Node }
+
+func (s sink) Create(ctx context.Context, o cluster.Object) (cluster.Replica, error) {
+	f, err := s.n.st.CreateReplica(o.Owner, o.Name, o.Size, o.Shared, o.ID)
+	if err != nil {
+		return nil, err
+	}
+	mem, whole, err := mapRange(f.File, f.Offset, f.Size, unix.PROT_READ|unix.PROT_WRITE)
+	f.File.Close()
+	if err != nil {
+		f.Release()
+		return nil, err
+	}
+	return &replica{n: s.n, f: f, o: o, mem: mem, whole: whole}, nil
+}
+
+type replica struct {
+	n      *Node
+	f      *store.ClusterFile
+	o      cluster.Object
+	mem    []byte
+	whole  []byte
+	sealed bool
+}
+
+func (r *replica) Bytes() []byte { return r.mem }
+
+func (r *replica) Seal() error {
+	r.unmap()
+	err := r.f.Seal()
+	r.f.Release()
+	r.sealed = err == nil
+	return err
+}
+
+func (r *replica) Abort() {
+	r.unmap()
+	r.f.Release()
+	if r.sealed {
+		r.n.st.DropCluster(r.o.Owner, r.o.Name, r.o.ID)
+	}
+}
+
+func (r *replica) unmap() {
+	if r.whole != nil {
+		unix.Munmap(r.whole)
+		r.whole, r.mem = nil, nil
+	}
+}
+
+// source exposes local replicas to authenticated peers (cluster.Source):
+// each arena is mapped and registered with UCX once while any of its
+// objects is exposed.
+type source struct{ n *Node }
+
+func (s source) Expose(ref cluster.Ref, id string) (cluster.Exposure, func(), error) {
+	n := s.n
+	if ref.Version != 0 {
+		return cluster.Exposure{}, nil, fmt.Errorf("%s: %w (versions do not cross nodes yet)", ref, cluster.ErrNotFound)
+	}
+	f, err := n.st.LeaseCluster(ref.Owner, ref.Name, id)
+	if err != nil {
+		if errors.Is(err, store.ErrNotFound) {
+			err = fmt.Errorf("%w: %v", cluster.ErrNotFound, err)
+		}
+		return cluster.Exposure{}, nil, err
+	}
+	n.mu.Lock()
+	a := n.arenas[f.ArenaID]
+	if a == nil {
+		mem, err := unix.Mmap(int(f.File.Fd()), 0, int(f.ArenaSize), unix.PROT_READ, unix.MAP_SHARED)
+		if err != nil {
+			n.mu.Unlock()
+			f.File.Close()
+			f.Release()
+			return cluster.Exposure{}, nil, fmt.Errorf("map arena %d: %w", f.ArenaID, err)
+		}
+		reg, err := n.tr.Register(mem)
+		if err != nil {
+			unix.Munmap(mem)
+			n.mu.Unlock()
+			f.File.Close()
+			f.Release()
+			return cluster.Exposure{}, nil, fmt.Errorf("register arena %d with UCX: %w", f.ArenaID, err)
+		}
+		a = &arenaReg{mem: mem, reg: reg}
+		n.arenas[f.ArenaID] = a
+	}
+	a.refs++
+	n.mu.Unlock()
+	f.File.Close()
+	e := cluster.Exposure{Worker: n.tr.WorkerAddress(), RKey: a.reg.Key(), Addr: a.reg.Addr(f.Offset), Size: f.Size}
+	var once sync.Once
+	return e, func() {
+		once.Do(func() {
+			n.mu.Lock()
+			if a.refs--; a.refs == 0 {
+				a.reg.Close()
+				unix.Munmap(a.mem)
+				delete(n.arenas, f.ArenaID)
+			}
+			n.mu.Unlock()
+			f.Release()
+		})
+	}, nil
+}

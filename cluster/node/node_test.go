@@ -1,0 +1,224 @@
+package node_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/etcddir"
+	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
+	"github.com/cudaipc/cudaipc/cluster/node"
+	"github.com/cudaipc/cudaipc/store"
+	"github.com/cudaipc/cudaipc/transport/ucx"
+)
+
+func TestMain(m *testing.M) {
+	for k, v := range map[string]string{"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_LOG_FILE": "/dev/stderr", "UCX_WARN_UNUSED_ENV_VARS": "n"} {
+		if _, set := os.LookupEnv(k); !set {
+			os.Setenv(k, v)
+		}
+	}
+	os.Exit(m.Run())
+}
+
+var secret, _ = cluster.NewSecret([]byte("node-test-cluster-secret"))
+
+type daemon struct {
+	name string
+	node *node.Node
+	st   *store.Store
+	sock string
+	c    *client.Client
+}
+
+// startDaemon runs a store daemon in this process, joined to the cluster
+// on srv, and a client of it.
+func startDaemon(t *testing.T, srv *etcdtest.Server, name string) *daemon {
+	t.Helper()
+	if err := ucx.Available(); err != nil {
+		if os.Getenv("CUDAIPC_REQUIRE_UCX") == "1" || os.Getenv(etcdtest.EnvRequire) == "1" {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	log := slog.New(slog.NewTextHandler(testWriter{t, name}, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	n, err := node.Start(ctx, node.Config{
+		Directory: etcddir.Config{Endpoints: []string{srv.Endpoint()}, Node: name, Secret: secret, TTL: 2 * time.Second,
+			CallTimeout: 5 * time.Second, Prefix: "/t/" + t.Name() + "/"},
+		Listen: "127.0.0.1:0", Logger: log,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := store.New(store.Config{Backend: "host", Capacity: 256 << 20, Cluster: n, Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.Attach(ctx, st); err != nil {
+		t.Fatal(err)
+	}
+	d := &daemon{name: name, node: n, st: st, sock: filepath.Join(t.TempDir(), "s.sock")}
+	sctx, stop := context.WithCancel(context.Background())
+	served := make(chan struct{})
+	go func() { st.ListenAndServe(sctx, d.sock); close(served) }()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if d.c, err = client.Dial(ctx, d.sock); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Cleanup(func() {
+		d.c.Close()
+		stop()
+		<-served
+		st.Close()
+		n.Close()
+	})
+	return d
+}
+
+type testWriter struct {
+	t    *testing.T
+	name string
+}
+
+func (w testWriter) Write(b []byte) (int, error) {
+	w.t.Logf("%s: %s", w.name, strings.TrimSpace(string(b)))
+	return len(b), nil
+}
+
+func (d *daemon) put(t *testing.T, name string, size int, opts client.CreateOptions) []byte {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	b := make([]byte, size)
+	rand.NewChaCha8([32]byte{byte(size), byte(len(name))}).Read(b)
+	o, err := d.c.Create(ctx, name, int64(size), opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(o.Bytes(), b)
+	if err := o.Seal(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func (d *daemon) get(ctx context.Context, name string) ([]byte, error) {
+	l, err := d.c.Get(ctx, name)
+	if err != nil {
+		return nil, err
+	}
+	defer l.Release()
+	return bytes.Clone(l.Bytes()), nil
+}
+
+// eventually polls cond until it holds, failing after timeout.
+func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not within %v: %s", timeout, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func TestDaemonsShareObjects(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b, c := startDaemon(t, srv, "a"), startDaemon(t, srv, "b"), startDaemon(t, srv, "c")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+
+	want := a.put(t, "weights", 6<<20+77, client.CreateOptions{Cluster: true})
+	local := a.put(t, "local-only", 4096, client.CreateOptions{})
+	_ = local
+	// Put on A, get on B and C: an ordinary local lease.
+	for _, d := range []*daemon{b, c} {
+		got, err := d.get(ctx, "weights")
+		if err != nil {
+			t.Fatalf("get on %s: %v", d.name, err)
+		}
+		if !bytes.Equal(got, want) {
+			t.Fatalf("get on %s: bytes differ", d.name)
+		}
+		info, err := d.c.Stat(ctx, "weights")
+		if err != nil || !info.Cluster || !info.Sealed || info.Size != int64(len(want)) {
+			t.Fatalf("stat on %s: %+v %v", d.name, info, err)
+		}
+	}
+	ls, err := c.node.Directory().List(ctx)
+	if err != nil || len(ls) != 1 || strings.Join(ls[0].Holders, ",") != "a,b,c" {
+		t.Fatalf("directory: %+v %v", ls, err)
+	}
+	// Node-local objects do not cross.
+	if _, err := b.get(ctx, "local-only"); !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("get of A's local object on B: %v", err)
+	}
+	// A daemon without a cluster refuses cluster-visible objects, and a
+	// cluster daemon refuses GPU or versioned ones for now.
+	if _, err := a.c.Create(ctx, "v", 10, client.CreateOptions{Cluster: true, Versioned: true}); !errors.Is(err, client.ErrInvalid) {
+		t.Fatalf("versioned cluster object: %v", err)
+	}
+	// Deleting on C removes every replica.
+	if err := c.c.Delete(ctx, "weights"); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []*daemon{a, b} {
+		eventually(t, 10*time.Second, "replica on "+d.name+" dropped", func() bool {
+			_, err := d.c.Stat(ctx, "weights")
+			return errors.Is(err, client.ErrNotFound)
+		})
+	}
+	if _, err := b.get(ctx, "weights"); !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("get after the cluster delete: %v", err)
+	}
+	// The name can be put again, anywhere.
+	want2 := b.put(t, "weights", 100000, client.CreateOptions{Cluster: true})
+	if got, err := a.get(ctx, "weights"); err != nil || !bytes.Equal(got, want2) {
+		t.Fatalf("get of the new incarnation on A: %v", err)
+	}
+}
+
+func TestDaemonWithoutCluster(t *testing.T) {
+	st, err := store.New(store.Config{Backend: "host", Capacity: 16 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	sctx, stop := context.WithCancel(ctx)
+	served := make(chan struct{})
+	go func() { st.ListenAndServe(sctx, sock); close(served) }()
+	defer func() { stop(); <-served }()
+	var c *client.Client
+	eventually(t, 10*time.Second, "daemon up", func() bool {
+		c, err = client.Dial(ctx, sock)
+		return err == nil
+	})
+	defer c.Close()
+	if _, err := c.Create(ctx, "x", 10, client.CreateOptions{Cluster: true}); !errors.Is(err, client.ErrInvalid) || !strings.Contains(err.Error(), "not part of a cluster") {
+		t.Fatalf("cluster object on a lone daemon: %v", err)
+	}
+	if _, err := c.Get(ctx, "x"); !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("get on a lone daemon: %v", err)
+	}
+}

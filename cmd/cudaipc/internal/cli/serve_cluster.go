@@ -1,0 +1,87 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/etcddir"
+	"github.com/cudaipc/cudaipc/cluster/node"
+	"github.com/cudaipc/cudaipc/store"
+)
+
+// clusterFlags are what 'serve' needs to join a cluster of daemons
+// (docs/cluster.md); without --cluster the daemon runs alone and none of
+// this runs.
+type clusterFlags struct {
+	Cluster       string `help:"Join a cluster of daemons whose directory is this etcd: etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS). Needs --cluster-secret." placeholder:"URL" env:"CUDAIPC_CLUSTER"`
+	Node          string `help:"This daemon's name in the cluster (default: the host name)." placeholder:"NAME"`
+	ClusterSecret string `name:"cluster-secret" help:"File holding the cluster's shared secret (at least 16 bytes, mode 0600): daemons without it are refused." placeholder:"FILE" env:"CUDAIPC_CLUSTER_SECRET"`
+	ClusterListen string `name:"cluster-listen" default:":7946" help:"Address the cluster control channel listens on." placeholder:"ADDR"`
+	ClusterAdv    string `name:"cluster-advertise" help:"HOST:PORT other daemons reach the control channel at (default: this host's address towards etcd)." placeholder:"HOST:PORT"`
+	ClusterPrefix string `name:"cluster-prefix" default:"/cudaipc/v1/" help:"etcd key prefix of the cluster (clusters sharing an etcd use different ones)." placeholder:"PREFIX"`
+	EtcdCA        string `name:"etcd-ca" help:"CA certificate that signed etcd's (turns on TLS)." placeholder:"FILE"`
+	EtcdCert      string `name:"etcd-cert" help:"Client certificate for etcd (with --etcd-key)." placeholder:"FILE"`
+	EtcdKey       string `name:"etcd-key" help:"Client key for etcd." placeholder:"FILE"`
+}
+
+// directoryConfig is the etcd directory configuration the flags give.
+func (f *clusterFlags) directoryConfig() (etcddir.Config, error) {
+	var cfg etcddir.Config
+	eps, useTLS, err := etcddir.ParseURL(f.Cluster)
+	if err != nil {
+		return cfg, fmt.Errorf("--cluster: %w", err)
+	}
+	if f.ClusterSecret == "" {
+		return cfg, errors.New("--cluster needs --cluster-secret FILE: daemons of a cluster authenticate each other with it (make one: head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE)")
+	}
+	sec, err := cluster.LoadSecret(f.ClusterSecret)
+	if err != nil {
+		return cfg, fmt.Errorf("--cluster-secret: %w", err)
+	}
+	name := f.Node
+	if name == "" {
+		if name, err = os.Hostname(); err != nil {
+			return cfg, fmt.Errorf("--node: %w", err)
+		}
+	}
+	if err := cluster.ValidateNodeName(name); err != nil {
+		return cfg, fmt.Errorf("--node: %w", err)
+	}
+	if useTLS && f.EtcdCA == "" && f.EtcdCert == "" {
+		return cfg, errors.New("etcds:// needs --etcd-ca (and --etcd-cert/--etcd-key for client certificates)")
+	}
+	return etcddir.Config{Endpoints: eps, Prefix: f.ClusterPrefix, Node: name, Secret: sec,
+		CAFile: f.EtcdCA, CertFile: f.EtcdCert, KeyFile: f.EtcdKey}, nil
+}
+
+// startCluster starts the daemon's cluster node, or returns nil without
+// --cluster.
+func (f *clusterFlags) startCluster(ctx context.Context, g *Globals) (*node.Node, error) {
+	if f.Cluster == "" {
+		if f.ClusterSecret != "" || f.Node != "" {
+			return nil, errors.New("--node and --cluster-secret are for --cluster")
+		}
+		return nil, nil
+	}
+	dc, err := f.directoryConfig()
+	if err != nil {
+		return nil, err
+	}
+	n, err := node.Start(ctx, node.Config{Directory: dc, Listen: f.ClusterListen, Advertise: f.ClusterAdv, Logger: g.log})
+	if err != nil {
+		return nil, fmt.Errorf("serve --cluster: %w", err)
+	}
+	return n, nil
+}
+
+// clusterHook is the store's hook for n: nil (no interface holding a nil
+// pointer) when the daemon runs alone.
+func clusterHook(n *node.Node) store.ClusterHook {
+	if n == nil {
+		return nil
+	}
+	return n
+}
