@@ -70,6 +70,9 @@ type ctlRequest struct {
 	Ref    Ref    `json:"ref"`
 	ID     string `json:"id,omitempty"`
 	Handle uint64 `json:"handle,omitempty"`
+	// Known is, for "have" (fanout.go), how many chunks the reader knows
+	// the feeder has.
+	Known int `json:"known,omitempty"`
 }
 
 // ctlResponse answers a ctlRequest.
@@ -79,6 +82,12 @@ type ctlResponse struct {
 	NotHeld bool `json:"not_held,omitempty"`
 	Handle  uint64
 	Exposure
+	// Have, Chunks and Complete answer "feed" and "have" (fanout.go):
+	// which chunks a feeder has (a bit per chunk), how many, or that it
+	// has them all.
+	Have     []byte `json:"have,omitempty"`
+	Chunks   int    `json:"chunks,omitempty"`
+	Complete bool   `json:"complete,omitempty"`
 }
 
 // Exposure says where a peer reads an exposed replica: the holder's UCX
@@ -322,6 +331,9 @@ type ControlServer struct {
 	Secret Secret
 	// Source exposes local replicas.
 	Source Source
+	// Feeding, if set, is this node's replicas being pulled, which peers
+	// may read from as their chunks come in (fan-out, fanout.go).
+	Feeding *Feeding
 	// Logger receives refusals and errors; nil discards them.
 	Logger *slog.Logger
 
@@ -411,6 +423,10 @@ func (s *ControlServer) serveConn(c net.Conn, log *slog.Logger) {
 			held[next] = rel
 			resp.Handle, resp.Exposure = next, e
 			log.Debug("control: exposed", "object", req.Ref.String(), "size", e.Size)
+		case "feed":
+			resp = s.serveFeed(req, held, &next)
+		case "have":
+			resp = s.serveHave(req)
 		case "close":
 			if rel, ok := held[req.Handle]; ok {
 				rel()

@@ -70,6 +70,9 @@ type PullStats struct {
 	// Failovers counts holders dropped mid-pull whose remaining chunks
 	// went to other holders.
 	Failovers uint64
+	// FedBytes counts the bytes of Bytes read from feeders (other nodes
+	// still pulling the object) rather than from holders.
+	FedBytes uint64
 }
 
 // Puller makes local replicas of objects other nodes hold: it finds the
@@ -91,12 +94,18 @@ type Puller struct {
 	StreamsPerHolder int
 	// Logger receives failovers and failures; nil discards them.
 	Logger *slog.Logger
+	// Feeds and Feeding, when both are set, make pulls fan out
+	// (fanout.go): a pull serves the chunks it has to other pulling nodes
+	// and reads from the one that started before it. Feeding is shared
+	// with this node's ControlServer.
+	Feeds   Feeds
+	Feeding *Feeding
 
 	mu       sync.Mutex
 	inflight map[Ref]*pullCall
 
-	pulls, failed, bytes, failovers atomic.Uint64
-	inFlight                        atomic.Int64
+	pulls, failed, bytes, failovers, fed atomic.Uint64
+	inFlight                             atomic.Int64
 }
 
 type pullCall struct {
@@ -108,7 +117,7 @@ type pullCall struct {
 // Stats returns the puller's counters.
 func (p *Puller) Stats() PullStats {
 	return PullStats{Pulls: p.pulls.Load(), Failed: p.failed.Load(), InFlight: p.inFlight.Load(),
-		Bytes: p.bytes.Load(), Failovers: p.failovers.Load()}
+		Bytes: p.bytes.Load(), Failovers: p.failovers.Load(), FedBytes: p.fed.Load()}
 }
 
 func (p *Puller) log() *slog.Logger {
@@ -166,6 +175,13 @@ type source struct {
 	exp    Exposure
 	handle uint64
 	unpin  func()
+	// feeder: the node is still pulling the object itself; have is which
+	// chunks it has (under transfer.mu; nil once it has them all), kept
+	// current by a watchFeed goroutine counted in watch.
+	feeder bool
+	have   chunkMap
+	watch  sync.WaitGroup
+	fed    int64
 }
 
 func (s *source) close() {
@@ -173,30 +189,45 @@ func (s *source) close() {
 		s.ep.Close()
 	}
 	if s.cc != nil {
-		s.cc.Close() // releases the exposure
+		s.cc.Close() // releases the exposure, ends a watchFeed's request
 	}
+	s.watch.Wait()
 	if s.unpin != nil {
 		s.unpin()
 	}
 }
 
 // open pins holder's replica, authenticates to it and connects to its
-// worker.
-func (p *Puller) open(ctx context.Context, e Entry, holder string) (*source, error) {
+// worker. A feeder (a node still pulling the object) is not pinned: its
+// exposure keeps the memory.
+func (p *Puller) open(ctx context.Context, e Entry, holder string, feeder bool) (*source, error) {
 	ref := e.Ref()
 	s := &source{node: holder}
 	n, err := p.Dir.Node(ctx, holder)
 	if err != nil {
 		return nil, err
 	}
-	if s.unpin, err = p.Dir.Pin(ctx, holder, ref, e.ID); err != nil {
-		return nil, err
+	if !feeder {
+		if s.unpin, err = p.Dir.Pin(ctx, holder, ref, e.ID); err != nil {
+			return nil, err
+		}
 	}
 	if s.cc, err = DialControl(ctx, p.Secret, p.Dir.NodeName(), holder, n.Control); err != nil {
 		s.close()
 		return nil, err
 	}
-	if s.exp, s.handle, err = s.cc.Open(ctx, ref, e.ID); err != nil {
+	if feeder {
+		var have []byte
+		var complete bool
+		s.exp, s.handle, have, complete, err = s.cc.Feed(ctx, ref, e.ID)
+		if err == nil && !complete {
+			s.feeder, s.have = true, make(chunkMap, (len(e.Sums)+7)/8)
+			copy(s.have, have)
+		}
+	} else {
+		s.exp, s.handle, err = s.cc.Open(ctx, ref, e.ID)
+	}
+	if err != nil {
 		s.close()
 		return nil, err
 	}
@@ -224,6 +255,7 @@ type transfer struct {
 	fatal   error
 	failed  map[string]string // node → why, for the final error
 	start   time.Time
+	feed    *feed // this node's feed of the replica, nil without fan-out
 }
 
 func (p *Puller) pull(ctx context.Context, ref Ref) (Entry, error) {
@@ -252,6 +284,10 @@ func (p *Puller) pull(ctx context.Context, ref Ref) (Entry, error) {
 	for i := range n {
 		t.pending = append(t.pending, i)
 	}
+	var upstream string
+	var stopFeed func()
+	t.feed, upstream, stopFeed = p.fanout(ctx, e, rep, n)
+	defer stopFeed() // before the Abort above, so that peers stop reading first
 	tried := map[string]bool{self: true}
 	var sources []*source
 	defer func() {
@@ -267,15 +303,23 @@ func (p *Puller) pull(ctx context.Context, ref Ref) (Entry, error) {
 				e.Holders = e2.Holders
 			}
 		}
+		cands := p.candidates(ctx, e, round, upstream)
 		var fresh []*source
-		for _, h := range e.Holders {
-			if tried[h] {
+		for ci := 0; ci < len(cands); ci++ {
+			h := cands[ci]
+			if tried[h.node] {
 				continue
 			}
-			tried[h] = true
-			s, err := p.open(ctx, e, h)
+			tried[h.node] = true
+			s, err := p.open(ctx, e, h.node, h.feeder)
+			if err != nil && round == 0 && h.node == upstream {
+				// The feeder before this one is gone already: the holders.
+				for _, hh := range e.Holders {
+					cands = append(cands, candidate{node: hh})
+				}
+			}
 			if err != nil {
-				t.failed[h] = oneLine(err)
+				t.failed[h.node] = oneLine(err)
 				if errors.Is(err, ErrUnavailable) {
 					return e, fmt.Errorf("pull %s: %w", ref, err)
 				}
@@ -315,6 +359,9 @@ func (p *Puller) pull(ctx context.Context, ref Ref) (Entry, error) {
 	}
 	ok = true
 	p.bytes.Add(uint64(e.Size))
+	for _, s := range sources {
+		p.fed.Add(uint64(s.fed))
+	}
 	p.log().Debug("cluster pull done", "object", ref.String(), "bytes", e.Size, "sources", len(sources), "took", time.Since(t.start))
 	return e, nil
 }
@@ -329,11 +376,27 @@ func (p *Puller) run(ctx context.Context, t *transfer, sources []*source) {
 	t.mu.Lock()
 	t.live = len(sources)
 	t.mu.Unlock()
+	rctx, cancel := context.WithCancel(ctx)
+	defer cancel() // ends watchFeed goroutines at their next answer
 	var wg sync.WaitGroup
 	for _, s := range sources {
 		var dead atomic.Bool
 		var active atomic.Int32
 		active.Store(int32(streams))
+		if s.feeder {
+			timeout := p.ChunkTimeout
+			if timeout <= 0 {
+				timeout = DefaultChunkTimeout
+			}
+			s.watch.Go(func() {
+				p.watchFeed(rctx, t, s, func(why string) {
+					t.mu.Lock()
+					p.drop(t, s, &dead, why)
+					t.cond.Broadcast()
+					t.mu.Unlock()
+				}, timeout)
+			})
+		}
 		for range streams {
 			wg.Go(func() {
 				p.stream(ctx, t, s, &dead)
@@ -366,15 +429,19 @@ func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomi
 	n := len(t.e.Sums)
 	for {
 		t.mu.Lock()
-		for len(t.pending) == 0 && t.done < n && t.fatal == nil && !dead.Load() && ctx.Err() == nil {
-			t.cond.Wait()
+		k := -1
+		for t.fatal == nil && !dead.Load() && ctx.Err() == nil {
+			if k = t.pick(s); k >= 0 || (len(t.pending) == 0 && t.done >= n) {
+				break
+			}
+			t.cond.Wait() // for a chunk given back, or one the feeder s gets
 		}
-		if len(t.pending) == 0 || t.fatal != nil || dead.Load() || ctx.Err() != nil {
+		if k < 0 || t.fatal != nil || dead.Load() || ctx.Err() != nil {
 			t.mu.Unlock()
 			return
 		}
-		i := t.pending[0]
-		t.pending = t.pending[1:]
+		i := t.pending[k]
+		t.pending = slices.Delete(t.pending, k, k+1)
 		t.mu.Unlock()
 
 		off := int64(i) * t.e.ChunkSize
@@ -394,6 +461,10 @@ func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomi
 		switch {
 		case err == nil:
 			t.done++
+			t.feed.mark(i)
+			if s.feeder {
+				s.fed += int64(len(chunk))
+			}
 		case errors.Is(err, ErrChecksum):
 			t.bad[i]++
 			t.pending = append(t.pending, i)
@@ -404,15 +475,12 @@ func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomi
 			p.log().Warn("cluster pull: chunk failed its checksum", "object", t.e.Ref().String(), "node", s.node, "chunk", i)
 		default:
 			t.pending = append(t.pending, i)
-			if ctx.Err() == nil && !dead.Swap(true) {
+			if ctx.Err() == nil {
 				why := oneLine(err)
 				if timedOut {
 					why = fmt.Sprintf("no chunk within %v", timeout)
 				}
-				t.failed[s.node] = why
-				p.failovers.Add(1)
-				p.log().Warn("cluster pull: dropping a holder", "object", t.e.Ref().String(), "node", s.node, "err", why,
-					"chunks_done", t.done, "chunks", n)
+				p.drop(t, s, dead, why)
 			}
 		}
 		t.cond.Broadcast()
@@ -421,6 +489,28 @@ func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomi
 			return
 		}
 	}
+}
+
+// pick returns the index in t.pending of the first chunk s has, or -1.
+// Called with t.mu held.
+func (t *transfer) pick(s *source) int {
+	for k, i := range t.pending {
+		if s.have.has(i) {
+			return k
+		}
+	}
+	return -1
+}
+
+// drop gives up on source s (once) and records why. Called with t.mu held.
+func (p *Puller) drop(t *transfer, s *source, dead *atomic.Bool, why string) {
+	if dead.Swap(true) {
+		return
+	}
+	t.failed[s.node] = why
+	p.failovers.Add(1)
+	p.log().Warn("cluster pull: dropping a holder", "object", t.e.Ref().String(), "node", s.node, "err", why,
+		"chunks_done", t.done, "chunks", len(t.e.Sums))
 }
 
 func (t *transfer) why() string {

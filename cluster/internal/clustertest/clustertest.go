@@ -124,6 +124,9 @@ type Node struct {
 	Dir   *etcddir.Directory
 	Store *Store
 	P     *cluster.Puller
+	// Feeding is served by the node's control server; EnableFanout lets
+	// the puller use it.
+	Feeding *cluster.Feeding
 }
 
 // StartNode starts a node named name on etcd srv with transport tr.
@@ -141,13 +144,14 @@ func StartNode(t *testing.T, srv *etcdtest.Server, tr Transport, name string, se
 	if err != nil {
 		t.Fatal(err)
 	}
-	cs := &cluster.ControlServer{Node: name, Secret: sec, Source: st}
+	feeding := &cluster.Feeding{}
+	cs := &cluster.ControlServer{Node: name, Secret: sec, Source: st, Feeding: feeding}
 	served := make(chan struct{})
 	go func() { cs.Serve(ln); close(served) }()
 	if err := dir.Join(ctx, cluster.Node{Name: name, Worker: tr.WorkerAddress(), Control: ln.Addr().String()}); err != nil {
 		t.Fatal(err)
 	}
-	n := &Node{Name: name, Dir: dir, Store: st,
+	n := &Node{Name: name, Dir: dir, Store: st, Feeding: feeding,
 		P: &cluster.Puller{Dir: dir, Transport: tr, Secret: sec, Sink: st, ChunkTimeout: 3 * time.Second}}
 	t.Cleanup(func() {
 		ln.Close()
