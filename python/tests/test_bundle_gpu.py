@@ -173,3 +173,34 @@ def test_gpu_bundle_of_cupy_arrays(gstore, gpu_daemon):
         assert rep.tensors == len(host) and rep.method.split("+")[-1] == "numpy", rep
         for k, v in host.items():
             assert cupy.asnumpy(params[k]).tobytes() == v.tobytes(), k
+
+
+def test_gpu_bundle_without_torch(gpu_daemon):
+    """A process where torch cannot be imported: a GPU bundle of CuPy arrays
+    round-trips, get_bundle hands out CuPy arrays by default, load_into fills CuPy
+    arrays."""
+    need_gpus(1)
+    need_module("cupy")
+    script = """
+import sys
+sys.modules["torch"] = None
+import numpy as np, cupy, cudaipc
+rng = np.random.default_rng()
+host = {"w": rng.standard_normal((129, 31)).astype(np.float32), "i": rng.integers(-5, 5, (77,), dtype=np.int32)}
+sd = {k: cupy.asarray(v) for k, v in host.items()}
+cupy.cuda.Device(0).synchronize()
+with cudaipc.connect(sys.argv[1]) as store:
+    store.put_bundle("nt-gpu", sd, 0, publish=True)
+    with store.get_bundle("nt-gpu", timeout=10) as b:
+        assert b.views == "numpy"
+        for k, v in host.items():
+            assert isinstance(b[k], cupy.ndarray) and cupy.asnumpy(b[k]).tobytes() == v.tobytes(), k
+        out = {k: cupy.zeros_like(v) for k, v in sd.items()}
+        rep = cudaipc.load_into(b, out)
+        assert rep.tensors == 2 and all(cupy.asnumpy(out[k]).tobytes() == v.tobytes() for k, v in host.items()), rep
+print("OK")
+"""
+    from conftest import PYROOT
+    p = subprocess.run([sys.executable, "-c", script, gpu_daemon.socket], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=PYROOT), timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
