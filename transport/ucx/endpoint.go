@@ -246,13 +246,16 @@ func Get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64, d
 }
 
 // GetWith is Get with options. The read must lie inside the key's region
-// (ErrOutOfBounds). When ctx ends, no further chunk is issued and GetWith
-// waits up to o.CancelWait for those in flight; if they have not completed
-// by then it closes the endpoint forcibly, which ends them. Either way,
-// when GetWith returns UCX no longer writes into dst; the error then wraps
-// ctx.Err(), and a forcibly closed endpoint returns ErrClosed afterwards.
-// dst may be any memory, preferably registered (a MemRegion's) for
-// zero-copy transports.
+// (ErrOutOfBounds). When ctx ends (or the endpoint or key is closed), no
+// further chunk is issued and GetWith waits up to o.CancelWait for those in
+// flight. UCX cannot cancel a GET: if they have not completed by then,
+// GetWith closes the endpoint forcibly, which makes UCX complete them as
+// canceled, and waits for that too. So when GetWith returns, UCX no longer
+// writes into dst, and the error wraps ctx.Err() (or ErrClosed); a forcibly
+// closed endpoint returns ErrClosed afterwards. Only if UCX failed to
+// complete the requests within 5 s of the forced close does the error say
+// that dst may still be written. dst may be any memory; with
+// GetOptions.Local its registration is reused.
 func GetWith(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64, dst []byte, o GetOptions) error {
 	if key.e != ep {
 		return errors.New("ucx: the remote key was unpacked on another endpoint")
@@ -301,28 +304,27 @@ func GetWith(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint6
 	var (
 		inflight = make([]raw.Request, 0, depth)
 		next     int
-		firstErr error
-		canceled error
-		giveUp   time.Time
+		firstErr error     // the first failed chunk
+		stopped  error     // ctx's error, or ErrClosed when ep or key was closed
+		giveUp   time.Time // when a stopped Get stops waiting for the peer
+		forced   time.Time // when the forced close began
 	)
 	for {
 		w.mu.Lock()
-		if ep.closed || key.closed || w.closed {
-			// Only a forced close (which ended every request) gets here
-			// with requests in flight.
-			for _, r := range inflight {
-				raw.RequestFree(r)
-			}
+		if w.closed {
+			// The worker is destroyed, and with it every request: nothing
+			// can write into dst any more, and the requests must not be
+			// touched.
 			w.mu.Unlock()
-			if canceled != nil {
-				return canceled
-			}
-			return ErrClosed
+			return stoppedErr(stopped, ErrClosed)
+		}
+		if stopped == nil && (ep.closed || key.closed) {
+			stopped, giveUp = ErrClosed, time.Now().Add(cancelWait)
 		}
 		if firstErr == nil && ep.failed.Load() != 0 {
 			firstErr = ep.Err()
 		}
-		for firstErr == nil && canceled == nil && next < len(dst) && len(inflight) < depth {
+		for firstErr == nil && stopped == nil && next < len(dst) && len(inflight) < depth {
 			end := min(next+chunk, len(dst))
 			req, err := raw.GetNbx(ep.h, dst[next:end], remoteAddr+uint64(next), key.h, &param)
 			if err != nil {
@@ -345,47 +347,77 @@ func GetWith(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint6
 				continue
 			}
 			raw.RequestFree(r)
-			if s != raw.OK && firstErr == nil {
+			if s != raw.OK && firstErr == nil && forced.IsZero() {
 				firstErr = &raw.Error{Func: "ucp_get_nbx", Status: s}
 			}
 		}
 		inflight = kept
-		if len(inflight) == 0 && (firstErr != nil || canceled != nil || next == len(dst)) {
+		if len(inflight) == 0 && (firstErr != nil || stopped != nil || next == len(dst)) {
 			if firstErr != nil && IsPeerFailure(firstErr) {
 				ep.broken = firstErr
 			}
 			w.mu.Unlock()
 			break
 		}
-		if canceled != nil && time.Now().After(giveUp) {
-			// The peer does not complete the chunks in flight: end them by
-			// closing the endpoint; UCX completes them with UCS_ERR_CANCELED.
-			for k := range ep.keys {
-				raw.RkeyDestroy(k.h)
-				k.closed = true
+		switch {
+		case stopped != nil && forced.IsZero() && time.Now().After(giveUp):
+			// The peer does not complete the reads in flight. UCX cannot
+			// cancel a GET, but a forced close of the endpoint completes its
+			// requests as canceled once its lanes are discarded (on the next
+			// progress calls); until they complete they may still write.
+			forced = time.Now()
+			if !ep.closed {
+				ep.shutLocked()
 			}
-			ep.keys = nil
-			_ = ep.closeLocked(true)
-			ep.closed = true
-			delete(w.endpoints, ep)
-			endpointsByID.Delete(ep.id)
+		case !forced.IsZero() && time.Since(forced) > purgeWait:
+			// UCX did not end the requests: give them back to it (each is
+			// released when it completes) and say that dst is not safe.
+			n := len(inflight)
 			for _, r := range inflight {
 				raw.RequestFree(r)
 			}
 			w.mu.Unlock()
-			return fmt.Errorf("%w (the endpoint was closed to end the reads in flight)", canceled)
+			return fmt.Errorf("%w; %d reads were still in flight %v after the endpoint was closed and may still write into dst", stopped, n, purgeWait)
 		}
 		w.mu.Unlock()
-		if canceled == nil {
+		if stopped == nil {
 			if err := ctx.Err(); err != nil {
-				canceled = err
-				giveUp = time.Now().Add(cancelWait)
+				stopped, giveUp = err, time.Now().Add(cancelWait)
 			}
 		}
 	}
 	runtime.KeepAlive(dst)
-	if canceled != nil {
-		return canceled
+	if stopped != nil {
+		if !forced.IsZero() && !errors.Is(stopped, ErrClosed) {
+			return fmt.Errorf("%w (the endpoint was closed to end the reads in flight)", stopped)
+		}
+		return stopped
 	}
 	return firstErr
+}
+
+// purgeWait bounds how long a stopped Get waits, after closing its endpoint
+// forcibly, for UCX to complete the requests in flight (it takes one
+// progress call on tcp).
+const purgeWait = 5 * time.Second
+
+func stoppedErr(stopped, otherwise error) error {
+	if stopped != nil {
+		return stopped
+	}
+	return otherwise
+}
+
+// shutLocked closes the endpoint forcibly and destroys its keys; w.mu is
+// held. Requests in flight on it complete as canceled on later progress.
+func (e *Endpoint) shutLocked() {
+	for k := range e.keys {
+		raw.RkeyDestroy(k.h)
+		k.closed = true
+	}
+	e.keys = nil
+	_ = e.closeLocked(true)
+	e.closed = true
+	delete(e.w.endpoints, e)
+	endpointsByID.Delete(e.id)
 }

@@ -502,16 +502,20 @@ func TestServeStops(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- w.Serve(ctx) }()
-	// With a Serve running, a second is refused; with none, one given an
-	// ended context returns nil at once.
-	ended, end := context.WithCancel(context.Background())
-	end()
 	testutil.Eventually(t, testutil.Wait, func() error {
-		if w.Serve(ended) == nil {
+		select {
+		case err := <-done:
+			t.Fatalf("Serve returned early: %v", err)
+		default:
+		}
+		if !w.Serving() {
 			return errors.New("the first Serve is not running yet")
 		}
 		return nil
 	})
+	if err := w.Serve(context.Background()); err == nil {
+		t.Fatal("a second concurrent Serve was accepted")
+	}
 	cancel()
 	select {
 	case err := <-done:

@@ -175,6 +175,13 @@ func (w *Worker) Serve(ctx context.Context) error {
 	}
 }
 
+// Serving reports whether a Serve is running on the worker.
+func (w *Worker) Serving() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.serving
+}
+
 // wake makes a sleeping Serve return to its loop (ucp_worker_signal).
 func (w *Worker) wake() {
 	w.mu.Lock()
