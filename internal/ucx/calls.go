@@ -1,7 +1,9 @@
 package ucx
 
 import (
+	"errors"
 	"strconv"
+	"sync"
 	"unsafe"
 
 	"github.com/ebitengine/purego"
@@ -559,4 +561,58 @@ func NewErrHandler(fn func(arg uintptr, ep Ep, s Status)) uintptr {
 	return purego.NewCallback(func(arg, ep uintptr, s uintptr) {
 		fn(arg, Ep(ep), Status(int8(s)))
 	})
+}
+
+// libc is the C library, for the FILE* that ucp_context_print_info writes
+// to (open_memstream).
+var libc struct {
+	once                        sync.Once
+	err                         error
+	openMemstream, fclose, free uintptr
+}
+
+func loadLibc() error {
+	libc.once.Do(func() {
+		h, err := purego.Dlopen("libc.so.6", purego.RTLD_NOW|purego.RTLD_GLOBAL)
+		if err != nil {
+			libc.err = errors.New("ucx: cannot load libc.so.6: " + err.Error())
+			return
+		}
+		for _, s := range []struct {
+			name string
+			addr *uintptr
+		}{{"open_memstream", &libc.openMemstream}, {"fclose", &libc.fclose}, {"free", &libc.free}} {
+			if *s.addr, err = purego.Dlsym(h, s.name); err != nil {
+				libc.err = errors.New("ucx: libc.so.6 lacks " + s.name)
+				return
+			}
+		}
+	})
+	return libc.err
+}
+
+// ContextPrintInfo calls ucp_context_print_info into a memory stream and
+// returns the text: the context's components, memory domains and transport
+// resources ("resource N : md M dev D flags -- tcp/lo").
+func ContextPrintInfo(c Context) (string, error) {
+	if err := loaded("ucp_context_print_info"); err != nil {
+		return "", err
+	}
+	if procs.contextPrintInfo == 0 {
+		return "", &Error{Func: "ucp_context_print_info", Err: errors.New("not in this libucp")}
+	}
+	if err := loadLibc(); err != nil {
+		return "", err
+	}
+	var buf uintptr
+	var size uint64
+	f, _, _ := purego.SyscallN(libc.openMemstream, uintptr(unsafe.Pointer(&buf)), uintptr(unsafe.Pointer(&size)))
+	if f == 0 {
+		return "", errors.New("ucx: open_memstream failed")
+	}
+	purego.SyscallN(procs.contextPrintInfo, uintptr(c), f)
+	purego.SyscallN(libc.fclose, f) // sets buf and size
+	out := string(copyC(buf, size))
+	purego.SyscallN(libc.free, buf)
+	return out, nil
 }

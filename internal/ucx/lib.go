@@ -103,6 +103,7 @@ var procs struct {
 	memMap, memUnmap, rkeyPack, rkeyBufferRelease                   uintptr
 	epCreate, epCloseNbx, epRkeyUnpack, rkeyDestroy                 uintptr
 	getNbx, requestCheckStatus, requestFree, requestCancel, epFlush uintptr
+	contextPrintInfo                                                uintptr // optional
 }
 
 // minMajor and minMinor are the oldest UCX whose ucp_get_nbx,
@@ -163,6 +164,9 @@ func load(path string) error {
 			return &LoadError{Path: path, Reason: "it lacks " + s.name + ": not UCX's libucp, or a UCX older than 1.10"}
 		}
 		*s.addr = p
+	}
+	if p, err := purego.Dlsym(h, "ucp_context_print_info"); err == nil {
+		procs.contextPrintInfo = p
 	}
 	major, minor, _ := getVersion()
 	if major != minMajor || minor < minMinor {

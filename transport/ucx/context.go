@@ -3,6 +3,7 @@ package ucx
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 
 	raw "github.com/cudaipc/cudaipc/internal/ucx"
@@ -184,4 +185,52 @@ func cString(s string) *byte {
 	b := make([]byte, len(s)+1)
 	copy(b, s)
 	return &b[0]
+}
+
+// Resource is a transport on a device that the context can use, as UCX
+// names them: Transport "tcp", Device "lo"; Transport "rc_mlx5", Device
+// "mlx5_0:1"; Transport "cuda_copy", Device "cuda".
+type Resource struct {
+	Transport, Device string
+}
+
+func (r Resource) String() string { return r.Transport + "/" + r.Device }
+
+// Info returns UCX's description of the context (ucp_context_print_info):
+// its components, memory domains and transport resources.
+func (c *Context) Info() (string, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return "", ErrClosed
+	}
+	return raw.ContextPrintInfo(c.h)
+}
+
+// Resources returns the transports and devices the context found (after
+// UCX_TLS and UCX_NET_DEVICES), read from Info.
+func (c *Context) Resources() ([]Resource, error) {
+	info, err := c.Info()
+	if err != nil {
+		return nil, err
+	}
+	return parseResources(info), nil
+}
+
+// parseResources reads the "resource N : md M dev D flags XX tl/dev" lines
+// of ucp_context_print_info (UCX 1.13 to 1.16).
+func parseResources(info string) []Resource {
+	var out []Resource
+	for _, line := range strings.Split(info, "\n") {
+		f := strings.Fields(strings.TrimPrefix(strings.TrimSpace(line), "#"))
+		if len(f) < 2 || f[0] != "resource" {
+			continue
+		}
+		tl, dev, ok := strings.Cut(f[len(f)-1], "/")
+		if !ok {
+			continue
+		}
+		out = append(out, Resource{Transport: tl, Device: dev})
+	}
+	return out
 }

@@ -2,6 +2,7 @@ package ucx
 
 import (
 	"errors"
+	"fmt"
 	"sync"
 
 	raw "github.com/cudaipc/cudaipc/internal/ucx"
@@ -28,6 +29,32 @@ func (c *Context) Register(mem []byte) (*MemRegion, error) {
 	if len(mem) == 0 {
 		return nil, errors.New("ucx: cannot register an empty region")
 	}
+	r, err := c.register(raw.Addr(mem), uint64(len(mem)), MemoryHost)
+	if err != nil {
+		return nil, err
+	}
+	r.mem = mem
+	return r, nil
+}
+
+// RegisterMemory registers length bytes at addr of memory type t (e.g. a
+// GPU arena's device address with MemoryCUDA) that the caller keeps mapped
+// until the region is closed. A type the context does not support (see
+// Supports) is refused before UCX is asked. Bytes returns nil for such a
+// region.
+func (c *Context) RegisterMemory(addr, length uint64, t MemoryType) (*MemRegion, error) {
+	switch {
+	case length == 0:
+		return nil, errors.New("ucx: cannot register an empty region")
+	case addr+length < addr:
+		return nil, fmt.Errorf("ucx: region [%#x, +%d) wraps around the address space", addr, length)
+	case !c.Supports(t):
+		return nil, fmt.Errorf("ucx: this UCX cannot register %v memory (it supports %v)", t, c.MemoryTypes())
+	}
+	return c.register(addr, length, t)
+}
+
+func (c *Context) register(addr, length uint64, t MemoryType) (*MemRegion, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.closed {
@@ -35,10 +62,10 @@ func (c *Context) Register(mem []byte) (*MemRegion, error) {
 	}
 	p := &raw.MemMapParams{
 		FieldMask:  raw.MemMapParamFieldAddress | raw.MemMapParamFieldLength | raw.MemMapParamFieldProt | raw.MemMapParamFieldMemoryType,
-		Address:    uintptr(raw.Addr(mem)),
-		Length:     uint64(len(mem)),
+		Address:    uintptr(addr),
+		Length:     length,
 		Prot:       raw.MemMapProtLocalRead | raw.MemMapProtLocalWrite | raw.MemMapProtRemoteRead,
-		MemoryType: raw.MemoryTypeHost,
+		MemoryType: t,
 	}
 	h, err := raw.MemMap(c.h, p)
 	if err != nil {
@@ -52,9 +79,8 @@ func (c *Context) Register(mem []byte) (*MemRegion, error) {
 	major, minor, _, _ := raw.GetVersion()
 	r := &MemRegion{
 		ctx: c,
-		mem: mem,
 		h:   h,
-		key: RegionKey{Addr: raw.Addr(mem), Len: uint64(len(mem)), Rkey: rkey, ucxMajor: uint8(major), ucxMinor: uint8(minor)},
+		key: RegionKey{Addr: addr, Len: length, Rkey: rkey, ucxMajor: uint8(major), ucxMinor: uint8(minor)},
 	}
 	if err := checkKey(r.key.Addr, r.key.Len, r.key.Rkey); err != nil {
 		// This UCX packs keys in a layout the peer-side check rejects:
@@ -70,7 +96,8 @@ func (c *Context) Register(mem []byte) (*MemRegion, error) {
 // and packed rkey.
 func (r *MemRegion) Key() RegionKey { return r.key }
 
-// Bytes returns the registered memory.
+// Bytes returns the registered memory, or nil for a region made by
+// RegisterMemory.
 func (r *MemRegion) Bytes() []byte { return r.mem }
 
 // Close deregisters the memory (ucp_mem_unmap). Peers' reads in flight

@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -592,5 +594,78 @@ func TestGetIntoRegisteredMemory(t *testing.T) {
 	}
 	if err := ucx.GetWith(timeout(t, time.Minute), p.ep, p.key, p.key.Key().Addr, make([]byte, 8), o); err == nil {
 		t.Fatal("GetWith accepted a dst outside GetOptions.Local")
+	}
+}
+
+// TestResourcesAndMemoryTypes: the context lists what UCX_TLS and
+// UCX_NET_DEVICES leave (tcp on lo here) and refuses memory types it does
+// not support before asking UCX.
+func TestResourcesAndMemoryTypes(t *testing.T) {
+	requireUCX(t)
+	c, err := ucx.NewContext(ucx.ContextOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	rs, err := c.Resources()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(rs, ucx.Resource{Transport: "tcp", Device: "lo"}) {
+		info, _ := c.Info()
+		t.Fatalf("tcp/lo not among %v with UCX_TLS=%s UCX_NET_DEVICES=%s:\n%s", rs, os.Getenv("UCX_TLS"), os.Getenv("UCX_NET_DEVICES"), info)
+	}
+	if !c.Supports(ucx.MemoryHost) {
+		t.Fatalf("host memory not among %v", c.MemoryTypes())
+	}
+	if !c.Supports(ucx.MemoryCUDA) {
+		if _, err := c.RegisterMemory(1<<32, 4096, ucx.MemoryCUDA); err == nil || !strings.Contains(err.Error(), "cannot register cuda memory") {
+			t.Fatalf("RegisterMemory of cuda memory without CUDA support: %v", err)
+		}
+	}
+	for _, bad := range []struct{ addr, n uint64 }{{4096, 0}, {^uint64(0) - 10, 4096}} {
+		if _, err := c.RegisterMemory(bad.addr, bad.n, ucx.MemoryHost); err == nil {
+			t.Fatalf("RegisterMemory(%#x, %d) succeeded", bad.addr, bad.n)
+		}
+	}
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Resources(); !errors.Is(err, ucx.ErrClosed) {
+		t.Fatalf("Resources on a closed context: %v", err)
+	}
+}
+
+// TestRegisterMemoryByAddress registers an arena by address (as a GPU arena
+// would be) and reads into it with its registration passed along.
+func TestRegisterMemoryByAddress(t *testing.T) {
+	const size = 4 << 20
+	p := startServer(t, 1811, size)
+	arena, err := unix.Mmap(-1, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(arena)
+	whole, err := p.ctx.Register(arena) // to learn the arena's address
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := whole.Key().Addr
+	if err := whole.Close(); err != nil {
+		t.Fatal(err)
+	}
+	local, err := p.ctx.RegisterMemory(addr, size, ucx.MemoryHost)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer local.Close()
+	if local.Bytes() != nil || local.Key().Addr != addr || local.Key().Len != size {
+		t.Fatalf("region by address: key %+v", local.Key())
+	}
+	if err := ucx.GetWith(timeout(t, time.Minute), p.ep, p.key, p.key.Key().Addr, arena, ucx.GetOptions{Local: local}); err != nil {
+		t.Fatal(err)
+	}
+	if testutil.Sum(arena) != testutil.Sum(p.data) {
+		t.Fatal("bytes read into the arena registered by address differ")
 	}
 }
