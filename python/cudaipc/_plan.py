@@ -179,18 +179,30 @@ class Plan:
     def matches(self, names: List[str], sig: Signature, lib: ArrayLib) -> bool:
         return lib is self.lib and names == self.names and sig[0] == self.ptrs and sig[1] == self.meta and sig[2] == self.contig
 
-    def run(self, base: int, view_of: Any, tensors: Mapping[str, Any], stream: Any, load: bool) -> Tuple[int, str]:
+    def run(self, base: Any, view_of: Any, tensors: Mapping[str, Any], stream: Any, load: bool) -> Tuple[int, str]:
         """Copy between the bundle at address ``base`` and the tensors: into them
-        (``load``) or from them. ``view_of(name)`` gives a view of a bundle entry in the
-        parameters' library, for the copies it makes."""
+        (``load``) or from them. ``base`` is the bundle's address, or for a version
+        published without a copy its regions (``base.addresses(off, size)``).
+        ``view_of(name)`` gives a view of a bundle entry in the parameters' library,
+        for the copies it makes."""
         np = require("numpy", "bundle copies")
-        b = np.uint64(base)
+        if isinstance(base, int):
+            b = np.uint64(base)
+
+            def at(off: Any, size: Any) -> Any:
+                return off + b
+        else:
+            at = base.addresses
         calls = 0
         methods: List[str] = []
         for g in self.groups:
-            side = g.off + b
+            side = at(g.off, g.size)
             dsts, srcs = (g.addr, side) if load else (side, g.addr)
-            serial = [(a, base + o, n) if load else (base + o, a, n) for o, a, n in g.serial]
+            serial = g.serial
+            if serial:
+                so = at(np.array([o for o, _, _ in serial], dtype=np.uint64),
+                        np.array([n for _, _, n in serial], dtype=np.uint64)).tolist()
+                serial = [(a, s_, n) if load else (s_, a, n) for (_, a, n), s_ in zip(g.serial, so)]
             if g.ordinal is None:
                 for d, s_, n in zip(dsts.tolist(), srcs.tolist(), g.size.tolist()):
                     ctypes.memmove(d, s_, n)
@@ -250,7 +262,7 @@ def plan_for(layout: Layout, names: List[str], values: List[Any], gpu: bool, lib
     return p
 
 
-def run_plan(layout: Layout, names: List[str], values: List[Any], gpu: bool, base: int, view_of: Any,
+def run_plan(layout: Layout, names: List[str], values: List[Any], gpu: bool, base: Any, view_of: Any,
              tensors: Mapping[str, Any], stream: Any, load: bool, lib: ArrayLib,
              sig: Optional[Signature] = None) -> Tuple[Plan, int, str, float]:
     """Find or build the plan and run it. A cached plan whose copies the driver

@@ -33,6 +33,7 @@ from ._arrays import ARRAYS, TORCH, ArrayLib, of_values, pick
 from ._manifest import (ALIGNMENT, BITS, FROM_SAFETENSORS, TO_SAFETENSORS, Layout, TensorEntry,
                         encode_manifest, layout, layout_of, parse_manifest, put_layout, st_dtype_of)
 from ._plan import LoadMismatch, LoadReport, plan_stats, run_plan
+from .errors import InvalidArgument
 
 __all__ = ["ALIGNMENT", "Bundle", "BundleWriter", "create_bundle", "LoadReport", "LoadMismatch", "TensorEntry", "layout",
            "encode_manifest", "parse_manifest", "put_bundle", "get_bundle", "load_into"]
@@ -50,9 +51,19 @@ class BundleInfo:
 def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any = None, *,
                publish: bool = False, shards: int = 0, shard: int = 0, keep_last: int = 0,
                shared: bool = False, metadata: Optional[Mapping[str, str]] = None,
-               stream: Any = None) -> BundleInfo:
+               stream: Any = None, copy: bool = True, release_timeout: Optional[float] = 60.0) -> BundleInfo:
     """Store the tensors of ``state_dict`` (torch tensors, CPU or CUDA; or NumPy and
     CuPy arrays) as one bundle.
+
+    ``copy=False`` (with ``publish``) copies nothing: the version points into the
+    tensors themselves, one region per CUDA allocation they lie in (legacy IPC for
+    PyTorch's default allocator: readers in this PID namespace, valid while this
+    process lives; VMM descriptors for ``expandable_segments:True``, across
+    containers). The tensors must not change while readers copy: call
+    ``store.wait_released(name)`` before changing them (the next ``copy=False``
+    publish does it first, waiting at most ``release_timeout`` seconds and raising
+    Timeout naming the readers' count). The tensors' stream is synchronized before
+    the seal. They must be contiguous CUDA tensors of one GPU that do not overlap.
 
     ``device`` defaults to where the first CUDA tensor is (else host memory). The
     copies go as :func:`load_into`'s do, the other way: for contiguous CUDA tensors
@@ -64,6 +75,14 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
     next put of tensors with the same names, dtypes and shapes (at the same
     addresses) encodes nothing again. With ``publish`` the bundle is the next
     version of ``name`` (shard ``shard`` of ``shards``: see Store.publish)."""
+    if not copy:
+        if not publish or shards > 1:
+            raise InvalidArgument("put_bundle", name, "copy=False publishes a version: set publish=True (one shard)")
+        from . import _nocopy
+        v, span, n, dev = _nocopy.publish(store, name, state_dict, keep_last=keep_last, shared=shared,
+                                          metadata=dict(metadata) if metadata else None, stream=stream,
+                                          release_timeout=release_timeout)
+        return BundleInfo(name, v, span, n, dev)
     names = list(state_dict)
     values = list(state_dict.values())
     lib = of_values(values, TORCH)
@@ -179,6 +198,10 @@ class Bundle(dict):
     def _view(self, i: int) -> Any:
         lay = self._layout
         assert lay is not None
+        src = getattr(self.lease, "sources", None)
+        if src is not None:   # a version without a copy: a view in the region the entry lies in
+            region, e = src.view(self.lease._mem, lay.entries[i])
+            return self._lib.entry_view(self._lib.whole(region), {}, e)
         if self._base is None:
             self._base = self._lib.whole(self.lease)
         return self._lib.entry_view(self._base, self._by_dtype, lay.entries[i])
@@ -186,7 +209,7 @@ class Bundle(dict):
     def _view_in(self, lib: ArrayLib) -> Any:
         """``view_of(name)`` in array library ``lib`` (load_into's copies by the
         parameters' library): this Bundle's own views where it is the same."""
-        if lib is self._lib:
+        if lib is self._lib or getattr(self.lease, "sources", None) is not None:
             return self.__getitem__
         lay = self._layout
         assert lay is not None
@@ -369,6 +392,8 @@ def load_into(bundle: Bundle, params: Mapping[str, Any], *, stream: Any = None) 
         return LoadReport(0, 0, 0.0, 0, (), "")
     lease = bundle.lease
     lib = of_values(values, bundle._lib)
-    plan, calls, method, seconds = run_plan(layout, names, values, lease.ordinal is not None, lease.data_ptr,
+    src = getattr(lease, "sources", None)   # a version without a copy: its regions' addresses
+    plan, calls, method, seconds = run_plan(layout, names, values, lease.ordinal is not None,
+                                            src if src is not None else lease.data_ptr,
                                             bundle._view_in(lib), params, stream, load=True, lib=lib)
     return LoadReport(plan.tensors, plan.nbytes, seconds, calls, plan.unused, method, plan.copies)

@@ -18,13 +18,14 @@ from ._arenas import MAX_IDLE_ARENAS, ArenaCache
 from ._external import external_record
 from ._device import resolve_device
 from ._fastpath import LeaseTable
-from ._memory import Hold, ManifestFD, Record, Taken
+from . import _nocopy
+from ._memory import GPUClose, Hold, ManifestFD, Record, Taken
 from ._put import Putter
 from ._encode import Release, encode_get
 from ._wire import Conn, Reply, spin_option
 from .errors import (Closed, InternalError, InvalidArgument, NotFound, PermissionDenied, StoreError,
                      StoreGone, Timeout)
-from .info import EVENT_KINDS, SHARE_HOST, Event, ObjectInfo, ServerInfo, TensorDesc
+from .info import EVENT_KINDS, SHARE_CUDA_IPC, SHARE_HOST, SHARE_VMM_FD, Event, ObjectInfo, ServerInfo, TensorDesc
 from .lease import Lease, Object
 
 __all__ = ["connect", "default_socket_path", "share", "Store", "Lease", "Object", "ObjectInfo",
@@ -138,6 +139,7 @@ class Store:
         Idempotent."""
         self._put.forget_ahead()   # the daemon aborts it with the connection
         self._conn.close()
+        _nocopy.forget(self)   # the exports of this connection's no-copy publishes
         self._put.close_events()
         if self._table is not None:
             self._table.close()   # idle leases let go of their arenas
@@ -298,6 +300,8 @@ class Store:
             raise InternalError("get", name, "daemon sent a writable placement for a get")
         info = g.info if g.HasField("info") else None
         desc = TensorDesc._from_pb(info.tensor) if info is not None and info.HasField("tensor") else None
+        if info is not None and info.sources_size:
+            return self._sources_lease(r, p, info, name, desc)
         try:
             if p.external:
                 rec = external_record(self._conn, r, p, name, desc, Release(g.lease_id), g.lease_id)
@@ -319,6 +323,31 @@ class Store:
             t.prepare(rec, g.lease_slot, g.lease_gen)
             rec.table = t
         return Lease(hold, rec)
+
+    def _sources_lease(self, r: Reply, p: Any, info: Any, name: str, desc: Optional[TensorDesc]) -> Lease:
+        """The lease of a version published without a copy (docs/protocol.md 6.8): its
+        regions mapped (cudaipc._nocopy), read with get_bundle and load_into."""
+        g = r.resp.get
+        try:
+            maps, manifest = _nocopy.lease_sources(self, r, p, info, name)
+        except BaseException:
+            self._conn._cleanup(r, "get", name)
+            raise
+        share = SHARE_VMM_FD if p.kind == pb.Placement.VMM_FD else SHARE_CUDA_IPC
+        rec = Record(self._conn, name, p.size, p.device, 0, maps.ordinal, False, share, None,
+                     GPUClose(maps.close), desc, Release(g.lease_id))
+        rec.lease_id, rec.info_pb = g.lease_id, info
+        return _nocopy.SourcesLease(Hold(rec), rec, manifest, maps)
+
+    def wait_released(self, name: str, timeout: Optional[float] = 60.0) -> int:
+        """Withdraw the versions of ``name`` this connection published without a copy
+        (``put_bundle(..., copy=False)``) and wait until no reader holds a lease of
+        them: from then on the tensors they point into may change. No new lease of
+        them is granted meanwhile (readers of the latest wait for the next version).
+        Raises Timeout, naming how many readers still hold leases, when ``timeout``
+        seconds pass first (None: no limit); the versions stay withdrawn. Returns how
+        many versions were withdrawn. The next no-copy put_bundle does this first."""
+        return _nocopy.withdraw(self._conn, name, timeout)
 
     def _record(self, r: Reply, p: Any, name: str, desc: Optional[TensorDesc], end: Any, op: str) -> Record:
         """The Record of a placement (the placement states its kind: protocol version 2)."""

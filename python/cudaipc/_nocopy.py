@@ -1,0 +1,530 @@
+"""Versions published without a copy (docs/protocol.md, section 6.8): the version's
+bytes are the publisher's own CUDA tensors, one region per CUDA allocation they lie
+in, listed in a *sources table* that follows the manifest in its memfd.
+
+Publisher side (:func:`publish`): the tensors are grouped by allocation (legacy IPC
+regions of ``cudaMalloc`` memory, base + offset; VMM regions with descriptors for
+PyTorch's expandable segments, ranges of adjacent chunks), laid end to end as the
+protocol says, and the manifest's offsets point into that span. The allocation
+lookups, exports and the encoded manifest are kept for the next version of the same
+tensors at the same addresses (buffer ids are checked on every publish, so a
+freed and reallocated segment is exported afresh).
+
+Reader side (:class:`SourceMaps`): each region is mapped read-only through the
+process-wide mapping cache, and one reference per region of the latest version read
+under a name is kept between leases, so that later versions over the same
+allocations open nothing (``driver_opens()`` counts what was mapped anew). The
+publisher exports VMM memory afresh for every version (nothing tells it that a
+chunk of an expandable segment was not replaced), so VMM regions map per version.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import struct
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import _cuda
+from . import _store_pb2 as pb
+from ._manifest import TensorEntry, encode_manifest, st_dtype_of
+from .errors import CudaError, InternalError, InvalidArgument
+from ._external import _more_fds
+from .lease import Lease
+from .region import KIND_CUDA_IPC, KIND_VMM_FD, Region, local_identity
+
+__all__ = ["SOURCE_ALIGN", "source_starts", "encode_sources", "decode_sources", "publish", "SourceMaps",
+           "driver_opens", "MAX_FILES"]
+
+SOURCE_ALIGN = 256
+MAX_FILES = 60          # protocol.MaxFiles: descriptors one packet carries
+_MAX_ENTRY = 1 << 16    # bundle.maxSourceLen
+
+
+def source_starts(sizes: Sequence[int]) -> Tuple[List[int], int]:
+    """Where regions of these sizes start when laid end to end (region 0 at 0, each
+    next one at the first multiple of 256 past the previous end, plus 256: never
+    adjacent, so no copy merged by offset spans two allocations), and the span."""
+    starts: List[int] = []
+    span = 0
+    for i, n in enumerate(sizes):
+        if n <= 0:
+            raise ValueError("sources: region %d has %d bytes" % (i, n))
+        at = 0 if i == 0 else (span + SOURCE_ALIGN - 1) // SOURCE_ALIGN * SOURCE_ALIGN + SOURCE_ALIGN
+        starts.append(at)
+        span = at + n
+    return starts, span
+
+
+def encode_sources(regions: Sequence[bytes]) -> bytes:
+    """The sources table: each region's binary encoding after its length (u32 LE)."""
+    return b"".join(struct.pack("<I", len(r)) + r for r in regions)
+
+
+def decode_sources(b: bytes) -> List[bytes]:
+    """Split a sources table into its regions' encodings (InternalError when malformed:
+    the table comes from the daemon, which checked it)."""
+    out: List[bytes] = []
+    i = 0
+    while i < len(b):
+        if len(b) - i < 4:
+            raise InternalError("get", "", "sources table: %d stray bytes at its end" % (len(b) - i))
+        (n,) = struct.unpack_from("<I", b, i)
+        i += 4
+        if n == 0 or n > _MAX_ENTRY or i + n > len(b):
+            raise InternalError("get", "", "sources table: entry %d of %d bytes is malformed" % (len(out), n))
+        out.append(bytes(b[i:i + n]))
+        i += n
+    if not out:
+        raise InternalError("get", "", "sources table: no region")
+    return out
+
+
+# -- publisher ---------------------------------------------------------------------
+
+class _Source:
+    """One region of the publisher's memory: [base, base + size) of one allocation
+    (legacy) or of adjacent VMM chunks; its encoded region, and for VMM memory its
+    descriptors (kept: dup'd into every create)."""
+
+    def __init__(self, base: int, size: int, region: bytes, buffer_id: int, fds: List[int]):
+        self.base, self.size, self.region, self.buffer_id, self.fds = base, size, region, buffer_id, fds
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+class _Published:
+    """What one publish of a set of tensors computed, kept for the next one."""
+
+    def __init__(self, key: Any, ordinal: int, device: bytes, sources: List[_Source], raw: bytes, table: bytes,
+                 span: int):
+        self.key, self.ordinal, self.device, self.sources = key, ordinal, device, sources
+        self.raw, self.table, self.span = raw, table, span
+
+    def close(self) -> None:
+        for s in self.sources:
+            s.close()
+
+
+_pub_lock = threading.Lock()
+_published: Dict[Tuple[int, str], _Published] = {}   # (id(store), name) -> the last publish
+
+
+def _attr(cu: Any, attr: Any, ptr: int) -> int:
+    return int(_cuda.check("cuPointerGetAttribute", cu.cuPointerGetAttribute(attr, ptr)))
+
+
+def _find_sources(ptrs: List[int], sizes: List[int], ordinal: int) -> List[_Source]:
+    """The regions the tensors at ptrs lie in, in address order."""
+    from .extmem import export_pointer, NotExportable, FIX_POOL
+    cu = _cuda.driver()
+    A = cu.CUpointer_attribute
+    legacy: Dict[int, Tuple[int, int]] = {}     # base -> (size, buffer id)
+    chunks: Dict[int, int] = {}                 # VMM chunk base -> size
+    starts: List[int] = []
+    ends: List[int] = []
+    with _cuda.on(ordinal):
+        for p, n in zip(ptrs, sizes):
+            if n == 0:
+                continue
+            end = p + n
+            q = p
+            while q < end:
+                j = bisect.bisect_right(starts, q) - 1
+                if j >= 0 and q < ends[j]:
+                    q = ends[j]
+                    continue
+                base, size = _cuda.check("cuMemGetAddressRange", cu.cuMemGetAddressRange(q))
+                base, size = int(base), int(size)
+                if _attr(cu, A.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, q):
+                    legacy[base] = (size, _attr(cu, A.CU_POINTER_ATTRIBUTE_BUFFER_ID, q))
+                else:
+                    err, h = cu.cuMemRetainAllocationHandle(q)
+                    if err != cu.CUresult.CUDA_SUCCESS:
+                        raise NotExportable(q, "memory that is neither VMM nor legacy-IPC capable "
+                                               "(a cudaMallocAsync pool without an IPC handle type?)", FIX_POOL)
+                    cu.cuMemRelease(h)
+                    chunks[base] = size
+                k = bisect.bisect_right(starts, base)
+                starts.insert(k, base)
+                ends.insert(k, base + size)
+                q = base + size
+    out: List[_Source] = []
+    for base, (size, bid) in legacy.items():
+        r = Region.from_pointer(base, size)
+        out.append(_Source(base, size, r.to_bytes(), bid, []))
+    # Adjacent VMM chunks (one expandable segment) make one region over several pieces.
+    run: List[Tuple[int, int]] = []
+    for base in sorted(chunks) + [None]:  # type: ignore[list-item]
+        if base is not None and run and run[-1][0] + run[-1][1] == base:
+            run.append((base, chunks[base]))
+            continue
+        if run:
+            lo, hi = run[0][0], run[-1][0] + run[-1][1]
+            x = export_pointer(lo, hi - lo)
+            out.append(_Source(lo, hi - lo, x.region.to_bytes(), 0, list(x.fds)))
+            x.fds = []
+        run = [(base, chunks[base])] if base is not None else []
+    out.sort(key=lambda s: s.base)
+    return out
+
+
+def _still_valid(p: _Published) -> bool:
+    """Whether the legacy allocations of an earlier publish are the same ones (a
+    freed and reallocated segment has a new buffer id)."""
+    cu = _cuda.driver()
+    A = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID
+    if any(s.fds for s in p.sources):
+        return False   # VMM memory: nothing tells that a chunk was not replaced, export afresh
+    with _cuda.on(p.ordinal):
+        for s in p.sources:
+            if s.buffer_id:
+                err, bid = cu.cuPointerGetAttribute(A, s.base)
+                if err != cu.CUresult.CUDA_SUCCESS or int(bid) != s.buffer_id:
+                    return False
+    return True
+
+
+def _prepare(store: Any, name: str, names: List[str], values: List[Any],
+             metadata: Optional[Dict[str, str]]) -> _Published:
+    """The sources, manifest and table of a no-copy publish of these tensors."""
+    import torch
+    for n, v in zip(names, values):
+        if not isinstance(v, torch.Tensor) or not v.is_cuda:
+            raise InvalidArgument("put_bundle", name, "copy=False publishes CUDA tensors in place; %r is %s: "
+                                  "publish it with copy=True" % (n, getattr(v, "device", type(v).__name__)))
+        if not v.is_contiguous():
+            raise InvalidArgument("put_bundle", name, "copy=False needs contiguous tensors; %r is not "
+                                  "(pass .contiguous(), or copy=True)" % n)
+    ordinals = {v.device.index for v in values}
+    if len(ordinals) != 1:
+        raise InvalidArgument("put_bundle", name, "copy=False publishes tensors of one GPU, these are on %s"
+                              % sorted(ordinals))
+    ordinal = ordinals.pop()
+    ptrs = list(map(torch.Tensor.data_ptr, values))
+    metas = [(tuple(v.shape), v.dtype) for v in values]
+    key = (names, ptrs, metas, sorted((metadata or {}).items()))
+    k = (id(store), name)
+    with _pub_lock:
+        old = _published.get(k)
+    if old is not None and old.key == key and _still_valid(old):
+        return old
+    sizes = [v.numel() * v.element_size() for v in values]
+    sources = _find_sources(ptrs, sizes, ordinal)
+    try:
+        starts, span = source_starts([s.size for s in sources])
+        bases = [s.base for s in sources]
+        entries: List[TensorEntry] = []
+        for n, p, nb, (shape, dt) in zip(names, ptrs, sizes, metas):
+            st = st_dtype_of(dt)
+            if nb == 0:
+                entries.append(TensorEntry(n, st, shape, span, span))
+                continue
+            j = bisect.bisect_right(bases, p) - 1
+            off = starts[j] + p - bases[j]
+            entries.append(TensorEntry(n, st, shape, off, off + nb))
+        entries.sort(key=lambda e: (e.begin, e.end))
+        for a, b in zip(entries, entries[1:]):
+            if b.begin < a.end:
+                raise InvalidArgument("put_bundle", name, "tensors %r and %r share memory (tied weights?): a bundle's "
+                                      "tensors may not overlap; publish one of them, or copy=True" % (a.name, b.name))
+        raw = encode_manifest(entries, metadata)
+        table = encode_sources([s.region for s in sources])
+    except BaseException:
+        for s in sources:
+            s.close()
+        raise
+    pub = _Published(key, ordinal, _cuda.uuids()[ordinal], sources, raw, table, span)
+    with _pub_lock:
+        old = _published.get(k)
+        _published[k] = pub
+    if old is not None:
+        old.close()
+    return pub
+
+
+def _uuid_text(u: bytes) -> str:
+    h = u.hex()
+    return "GPU-%s-%s-%s-%s-%s" % (h[:8], h[8:12], h[12:16], h[16:20], h[20:])
+
+
+def withdraw(conn: Any, name: str, timeout: Optional[float]) -> int:
+    """Store.wait_released's request: see there."""
+    ms = -1 if timeout is None else max(int(timeout * 1000), 0)
+    r = conn.call(pb.Request(withdraw=pb.WithdrawRequest(name=name, timeout_ms=ms)), "wait_released", name)
+    return int(r.resp.withdraw.versions)
+
+
+def publish(store: Any, name: str, state_dict: Any, *, keep_last: int = 0, shared: bool = False,
+            metadata: Optional[Dict[str, str]] = None, stream: Any = None,
+            release_timeout: Optional[float] = 60.0) -> Tuple[int, int, int, str]:
+    """put_bundle(copy=False): see there. Returns (version, span, tensors, device)."""
+    import torch
+    names = list(state_dict)
+    values = list(state_dict.values())
+    if not values:
+        raise InvalidArgument("put_bundle", name, "copy=False needs at least one CUDA tensor")
+    conn = store._conn
+    pub = _prepare(store, name, names, values, metadata)
+    # The previous no-copy versions alias these tensors: none may be read from now on.
+    withdraw(conn, name, release_timeout)
+    # The tensors' writes are done before readers may copy.
+    s = stream if stream is not None else torch.cuda.current_stream(pub.ordinal)
+    s.synchronize()
+    fds = [d for src in pub.sources for d in src.fds]
+    version = send_version(conn, name, pub.raw, pub.table, fds, pub.span, _uuid_text(pub.device),
+                           keep_last=keep_last, shared=shared)
+    return version, pub.span, len(names), _uuid_text(pub.device)
+
+
+def send_version(conn: Any, name: str, raw: bytes, table: bytes, fds: List[int], span: int, device: str, *,
+                 keep_last: int = 0, shared: bool = False) -> int:
+    """Create, write and seal a no-copy version of ``name``: manifest ``raw``, sources
+    ``table`` (whose vmm-fd pieces' descriptors are ``fds``, in order; they stay the
+    caller's), ``span`` bytes on GPU ``device`` (its UUID text). Returns the version."""
+    from .extmem import _register_lock
+    req = pb.Request(create=pb.CreateRequest(name=name, size=span, device=device, shared=shared,
+                                             versioned=True, keep_last=keep_last, manifest_size=len(raw),
+                                             sources_size=len(table), files=len(fds)))
+    with _register_lock(conn):
+        rest = fds
+        while len(rest) > MAX_FILES:
+            conn.call(pb.Request(stage_files=pb.StageFilesRequest()), "put_bundle", name, fds=rest[:MAX_FILES])
+            rest = rest[MAX_FILES:]
+        r = conn.call(req, "put_bundle", name, fds=rest)
+    version = int(r.resp.create.version)
+    abort = pb.Request(abort=pb.AbortRequest(name=name, version=version))
+    p = r.resp.create.placement
+    mfd, r.manifest_fd = r.manifest_fd, -1
+    try:
+        if mfd < 0 or not p.external or p.size != span:
+            raise InternalError("put_bundle", name, "the daemon answered a no-copy create without its manifest memfd")
+        os.pwrite(mfd, raw + table, 0)
+    except BaseException:
+        conn.send_detached(abort)
+        raise
+    finally:
+        if mfd >= 0:
+            os.close(mfd)
+    conn.call(pb.Request(seal=pb.SealRequest(name=name, version=version)), "put_bundle", name)
+    return version
+
+
+def forget(store: Any) -> None:
+    """Close the exports kept for a store's publishes (the store closes)."""
+    with _pub_lock:
+        gone = [k for k in _published if k[0] == id(store)]
+        pubs = [_published.pop(k) for k in gone]
+    for p in pubs:
+        p.close()
+
+
+# -- reader ------------------------------------------------------------------------
+
+_opens = [0]
+_cache_lock = threading.Lock()
+# name -> {region bytes: close} of the latest version read under that name: one
+# reference per region kept between leases, so that the next version over the same
+# allocations maps nothing new. The older version's references go when a newer one
+# is read (its leases keep their own).
+_kept: Dict[str, Dict[bytes, Any]] = {}
+
+
+def driver_opens() -> int:
+    """How many regions readers of no-copy versions in this process have mapped anew
+    (a legacy handle opened, VMM pieces imported): 0 for a version over the same
+    allocations as the one read before it."""
+    return _opens[0]
+
+
+class RegionView:
+    """One mapped region as the array libraries view a lease (``tensor()``,
+    ``cupy()``, ``ordinal``, ``size``): what Bundle views of a no-copy version are
+    made from."""
+
+    def __init__(self, owner: Any, ptr: int, size: int, ordinal: int):
+        self.owner, self.ptr, self.size, self.ordinal = owner, ptr, size, ordinal
+
+    def tensor(self, dtype: Any = None, shape: Any = None) -> Any:
+        from . import _views
+        lay = _views.resolve_layout(self.size, None, dtype, shape)
+        return _views.torch_cuda_view(self.owner, self.ptr, lay, self.ordinal, True)
+
+    def cupy(self, dtype: Any = None, shape: Any = None) -> Any:
+        from . import _views
+        lay = _views.resolve_layout(self.size, None, dtype, shape)
+        return _views.cupy_view(self.owner, self.ptr, self.size, lay, self.ordinal)
+
+
+class SourceMaps:
+    """The regions of one no-copy version, mapped (read-only, through the process-wide
+    mapping cache of mapping.map_region): ``addresses(off, size)`` turns offsets of
+    the version (arrays) into device addresses, checking that each range lies inside
+    one region. ``close()`` drops this lease's references."""
+
+    def __init__(self, name: str, table: bytes, fds: List[int], ordinal: int):
+        import numpy as np
+        from .mapping import map_region
+        self.name, self.ordinal = name, ordinal
+        encoded = decode_sources(table)
+        regions = [Region.from_bytes(b) for b in encoded]
+        starts, self.span = source_starts([r.size for r in regions])
+        self.starts = np.array(starts, dtype=np.uint64)
+        self.sizes = np.array([r.size for r in regions], dtype=np.uint64)
+        self._closes: List[Any] = []
+        with _cache_lock:
+            old = _kept.get(name, {})
+        fresh: Dict[bytes, Any] = {}   # references to keep for regions not kept yet
+        mapped: List[bytes] = []
+        ptrs: List[int] = []
+        fi = 0
+        me = os.getpid()
+        try:
+            for b, r in zip(encoded, regions):
+                if r.kind == KIND_VMM_FD:
+                    n = len(r.pieces)
+                    if fi + n > len(fds):
+                        raise InternalError("get", name, "the version's vmm-fd regions have more pieces than descriptors came")
+                    mine = fds[fi:fi + n]
+                    fi += n
+                elif r.kind == KIND_CUDA_IPC:
+                    mine = []
+                else:
+                    raise InternalError("get", name, "sources table: a region of kind %d" % r.kind)
+                try:
+                    addr, _, close = map_region(r, mine, writable=False)
+                except CudaError as e:
+                    raise CudaError(e.call, e.result, "%s (a version published without a copy: legacy regions open only "
+                                    "in the publisher's PID namespace and while it lives)" % e.detail) from None
+                if close is not None:
+                    self._closes.append(close)
+                    mapped.append(b)
+                    if b not in old and b not in fresh:
+                        if r.exporter_pid != me or r.kind == KIND_VMM_FD:
+                            _opens[0] += 1
+                        fresh[b] = map_region(r, mine, writable=False)[2]
+                ptrs.append(addr)
+        except BaseException:
+            self.close()
+            for c in fresh.values():
+                c()
+            raise
+        with _cache_lock:
+            prev = _kept.get(name, {})
+            kept = {b: prev[b] if b in prev else fresh[b] for b in mapped if b in prev or b in fresh}
+            drop = [c for b, c in prev.items() if b not in kept]
+            drop += [c for b, c in fresh.items() if kept.get(b) is not c]
+            _kept[name] = kept
+        for c in drop:
+            c()
+        self.bases = np.array(ptrs, dtype=np.uint64)
+        self.delta = self.bases - self.starts   # modulo 2^64: added back in addresses()
+
+    def region_of(self, off: int) -> int:
+        import numpy as np
+        return max(int(np.searchsorted(self.starts, np.uint64(off), side="right")) - 1, 0)
+
+    def addresses(self, off: Any, size: Any) -> Any:
+        """Device addresses of the version's byte ranges [off, off + size)."""
+        import numpy as np
+        j = np.searchsorted(self.starts, off, side="right").astype(np.int64) - 1
+        jj = np.maximum(j, 0)
+        bad = (j < 0) | (off + size > self.starts[jj] + self.sizes[jj])
+        if bad.any():
+            k = int(np.nonzero(bad)[0][0])
+            raise InternalError("load", self.name, "the manifest's range [%d, %d) lies outside the version's regions"
+                                % (int(off[k]), int(off[k] + size[k])))
+        return off + self.delta[jj]
+
+    def view(self, owner: Any, e: TensorEntry) -> Tuple["RegionView", TensorEntry]:
+        """The region entry e lies in, and e relative to it."""
+        j = self.region_of(e.begin)
+        start, size = int(self.starts[j]), int(self.sizes[j])
+        if e.end - e.begin and not (start <= e.begin and e.end <= start + size):
+            raise InternalError("get", self.name, "tensor %r lies outside the version's regions" % e.name)
+        return (RegionView(owner, int(self.bases[j]), size, self.ordinal),
+                TensorEntry(e.name, e.dtype, e.shape, e.begin - start, e.end - start))
+
+    def close(self) -> None:
+        """Drop this lease's references (kept mappings stay for the next version)."""
+        closes, self._closes = self._closes, []
+        for c in closes:
+            try:
+                c()
+            except CudaError:
+                pass
+
+
+def forget_kept() -> None:
+    """Drop every kept mapping (each closes once no lease uses it either)."""
+    with _cache_lock:
+        kept = list(_kept.values())
+        _kept.clear()
+    for k in kept:
+        for c in k.values():
+            c()
+
+
+def lease_sources(store: Any, r: Any, p: Any, info: Any, name: str) -> Tuple[SourceMaps, bytes]:
+    """A no-copy version's get: read its manifest and sources table from the memfd,
+    fetch the descriptors beyond the attached ones, map the regions. Returns the maps
+    and the manifest bytes; closes every descriptor."""
+    fds, r.fds = list(r.fds), ()
+    mfd, r.manifest_fd = r.manifest_fd, -1
+    try:
+        if mfd < 0:
+            raise InternalError("get", name, "a no-copy version without its manifest memfd")
+        raw = os.pread(mfd, int(info.manifest_size) + int(info.sources_size), 0)
+        if len(raw) != int(info.manifest_size) + int(info.sources_size):
+            raise InternalError("get", name, "the manifest memfd is shorter than its manifest and sources table")
+        _more_fds(store._conn, name, r.resp.get.lease_id, fds, p.files)
+        ordinal = _cuda.pick_ordinal(bytes.fromhex(p.device[4:].replace("-", "")))
+        maps = SourceMaps(name, raw[int(info.manifest_size):], fds, ordinal)
+        return maps, raw[:int(info.manifest_size)]
+    finally:
+        if mfd >= 0:
+            os.close(mfd)
+        for fd in fds:
+            os.close(fd)
+
+
+
+class SourcesLease(Lease):
+    """A lease on a no-copy version: its bytes are several regions of the
+    publisher's memory, not one range, so it has no single address or whole-object
+    view; read it with :func:`cudaipc.bundle.get_bundle` (views per tensor) and
+    :func:`cudaipc.bundle.load_into` (batched copies straight from the regions)."""
+
+    __slots__ = ("sources",)
+
+    def __init__(self, mem: Any, rec: Any, manifest: bytes, sources: SourceMaps):
+        super().__init__(mem, rec, None)
+        self._manifest = manifest
+        self.sources = sources
+
+    def _whole(self) -> Exception:
+        return InvalidArgument("get", self._rec.name, "a version published without a copy lies in several regions "
+                               "of its publisher's memory: read it with get_bundle and load_into")
+
+    @property
+    def data_ptr(self) -> int:
+        raise self._whole()
+
+    def tensor(self, dtype: Any = None, shape: Any = None) -> Any:
+        raise self._whole()
+
+    def cupy(self, dtype: Any = None, shape: Any = None) -> Any:
+        raise self._whole()
+
+    def numpy(self, dtype: Any = None, shape: Any = None) -> Any:
+        raise self._whole()
+
+    def memoryview(self) -> memoryview:
+        raise self._whole()
+
+    def read(self) -> bytes:
+        raise self._whole()

@@ -1,0 +1,190 @@
+"""Versions published without a copy (put_bundle(copy=False), docs/protocol.md 6.8):
+what runs without a GPU. The daemon never opens a no-copy version's regions, so a
+made-up legacy region stands in for a trainer's cudaMalloc segment; readers hold
+leases at the protocol level. Real processes, real kill -9."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import List
+
+import pytest
+
+import cudaipc
+from cudaipc import _nocopy
+from cudaipc import _store_pb2 as pb
+from cudaipc._manifest import TensorEntry, encode_manifest
+from cudaipc.region import Region, local_identity
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GPU = bytes.fromhex("5f1c2a3b4d5e6f708192a3b4c5d6e7f8")
+GPU_TEXT = "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8"
+
+
+def fake_region(size: int) -> bytes:
+    ns, boot = local_identity()
+    return Region(handle=os.urandom(64), offset=0, size=size, alloc_size=size, device=GPU, exporter_pid=os.getpid(),
+                  pid_namespace=ns, boot_id=boot, buffer_id=7, exporter_base=0x7F0000000000).to_bytes()
+
+
+def publish_fake(store: cudaipc.Store, name: str, sizes: List[int] = [1 << 20, 3 << 20]) -> int:
+    """A no-copy version over made-up legacy regions of these sizes, one tensor in each."""
+    starts, span = _nocopy.source_starts(sizes)
+    entries = [TensorEntry("t%d" % i, "U8", (n // 2,), at, at + n // 2) for i, (at, n) in enumerate(zip(starts, sizes))]
+    table = _nocopy.encode_sources([fake_region(n) for n in sizes])
+    return _nocopy.send_version(store._conn, name, encode_manifest(entries), table, [], span, GPU_TEXT, keep_last=1)
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "helper.py")] + list(args),
+                            stdout=subprocess.PIPE, text=True, cwd=HERE)
+
+
+def first_line(p: subprocess.Popen) -> str:
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert line, "the helper process ended early (rc %s)" % p.poll()
+    return line.strip()
+
+
+def kill(p: subprocess.Popen) -> None:
+    p.kill()
+    p.wait(10)
+
+
+def test_sources_table_layout() -> None:
+    starts, span = _nocopy.source_starts([1000, 1, 4096])
+    assert starts == [0, 1280, 1792] and span == 1792 + 4096
+    regions = [os.urandom(n) for n in (164, 7, 300)]
+    assert _nocopy.decode_sources(_nocopy.encode_sources(regions)) == regions
+    for bad in (b"", b"\x01\x00\x00", b"\x05\x00\x00\x00ab"):
+        with pytest.raises(cudaipc.InternalError):
+            _nocopy.decode_sources(bad)
+
+
+def test_copy_false_refuses_what_it_cannot_share(store: cudaipc.Store) -> None:
+    torch = pytest.importorskip("torch")
+    sd = {"w": torch.arange(10, dtype=torch.float32)}
+    with pytest.raises(cudaipc.InvalidArgument, match="CUDA tensors"):
+        store.put_bundle("m", sd, publish=True, copy=False)
+    with pytest.raises(cudaipc.InvalidArgument, match="publish=True"):
+        store.put_bundle("m", sd, copy=False)
+
+
+def test_wait_released_names_the_readers(daemon, store: cudaipc.Store) -> None:
+    v = publish_fake(store, "policy")
+    readers = [spawn("hold-version", daemon.socket, "policy") for _ in range(2)]
+    try:
+        for r in readers:
+            assert first_line(r) == "holding %d" % v
+        with pytest.raises(cudaipc.Timeout, match="2 readers still hold 2 leases"):
+            store.wait_released("policy", 0.2)
+        # Withdrawn: a new reader finds no version, by number or as the latest.
+        with cudaipc.connect(daemon.socket) as late:
+            with pytest.raises(cudaipc.NotFound):
+                late._conn.call(pb.Request(get=pb.GetRequest(name="policy", version=v)), "get", "policy")
+            with pytest.raises(cudaipc.Timeout):
+                late._conn.call(pb.Request(get=pb.GetRequest(name="policy", timeout_ms=0, newer_than=0)), "get", "policy")
+        kill(readers[0])   # the daemon ends its lease
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                store.wait_released("policy", 0.1)
+                raise AssertionError("released while a reader still holds a lease")
+            except cudaipc.Timeout as e:
+                if "1 readers still hold 1 leases" in str(e):
+                    break
+                assert time.monotonic() < deadline, str(e)
+        kill(readers[1])
+        store.wait_released("policy", 10)   # answers once the last lease ended (no Timeout)
+        # The next version is the latest.
+        v2 = publish_fake(store, "policy")
+        assert v2 > v and store.stat("policy").version == v2
+    finally:
+        for r in readers:
+            if r.poll() is None:
+                kill(r)
+
+
+def test_publisher_killed_withdraws_its_legacy_version(daemon, store: cudaipc.Store) -> None:
+    pub = spawn("publish-fake", daemon.socket, "weights")
+    try:
+        v = int(first_line(pub))
+        r = store._conn.call(pb.Request(get=pb.GetRequest(name="weights", version=v)), "get", "weights")
+        for fd in (r.fds or []) + [r.manifest_fd]:
+            os.close(fd)
+        info = r.resp.get.info
+        assert info.external and info.exporter_bound and info.sources_size > 0
+        kill(pub)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                store._conn.call(pb.Request(get=pb.GetRequest(name="weights", timeout_ms=0, newer_than=0)), "get", "weights")
+                store._conn.send_detached(pb.Request(release=pb.ReleaseRequest(lease_id=r.resp.get.lease_id)))
+            except cudaipc.Timeout:
+                break
+            assert time.monotonic() < deadline, "the dead publisher's legacy version is still readable"
+            time.sleep(0.02)
+        with pytest.raises(cudaipc.NotFound, match="withdrawn"):
+            store._conn.call(pb.Request(get=pb.GetRequest(name="weights", version=v)), "get", "weights")
+        # The lease taken before stays the reader's to release.
+        store._conn.call(pb.Request(release=pb.ReleaseRequest(lease_id=r.resp.get.lease_id)), "release", "weights")
+    finally:
+        if pub.poll() is None:
+            kill(pub)
+
+
+@pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"])
+def test_gpu_nocopy_versions_load_from_the_publishers_tensors(cudaipc_bin: str, alloc_conf: str) -> None:
+    """A publisher in another process (PyTorch's default allocator: legacy regions;
+    expandable segments: VMM descriptors) publishes versions of its own tensors; the
+    reader loads each, bytes equal, opening the publisher's allocations once."""
+    import hashlib
+    import json
+    from conftest import Daemon, need_gpus, need_module
+    need_gpus(1)
+    need_module("torch")
+    import torch
+    d = Daemon(cudaipc_bin, ["--backend", "cuda", "--capacity", "1GiB"])
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=alloc_conf)
+    pub = subprocess.Popen([sys.executable, os.path.join(HERE, "helper.py"), "nocopy-publisher", d.socket, "policy", "3"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=HERE, env=env)
+    try:
+        assert pub.stdin is not None and pub.stdout is not None
+        torch.cuda.set_device(0)
+        with cudaipc.connect(d.socket) as s:
+            params = None
+            seen = 0
+            opens = []
+            for i in range(3):
+                msg = json.loads(pub.stdout.readline())
+                before = _nocopy.driver_opens()
+                with s.get_bundle("policy", timeout=30, newer_than=seen) as b:
+                    assert b.version == msg["version"]
+                    if params is None:
+                        params = {k: torch.empty_like(b[k]) for k in b}
+                    rep = cudaipc.bundle.load_into(b, params)
+                    assert rep.tensors == len(params)
+                    got = {k: hashlib.sha256(t.view(torch.uint8).cpu().numpy().tobytes()).hexdigest() for k, t in params.items()}
+                    assert got == msg["digests"], "version %d: bytes differ" % b.version
+                    # A view of one tensor reads the same bytes.
+                    assert torch.equal(b["w0"].view(torch.int16), params["w0"].view(torch.int16))
+                    with pytest.raises(cudaipc.InvalidArgument, match="get_bundle and load_into"):
+                        b.lease.tensor()
+                    seen = b.version
+                opens.append(_nocopy.driver_opens() - before)
+                pub.stdin.write("next\n")
+                pub.stdin.flush()
+            if not alloc_conf:
+                assert opens[0] >= 1 and opens[1:] == [0, 0], "driver opens per version: %s" % opens
+            else:
+                assert all(n >= 1 for n in opens), opens   # VMM regions map per version
+        pub.wait(30)
+        assert pub.returncode == 0
+    finally:
+        if pub.poll() is None:
+            kill(pub)
+        d.stop()
