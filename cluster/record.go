@@ -84,8 +84,12 @@ func Checksums(b []byte, chunk int64) []uint32 {
 type Node struct {
 	// Name is the node's name (--node), unique in the cluster.
 	Name string `json:"name"`
-	// Worker is the node's UCX worker address (binary, opaque).
-	Worker []byte `json:"worker"`
+	// Worker is the node's UCX worker address (binary, opaque), for
+	// diagnostics only; daemons leave it out. Over UCX's tcp and shared
+	// memory transports a worker address lets whoever can reach the worker
+	// read any of its process's memory, so readers get it from the holder
+	// over the authenticated control channel, never from the directory.
+	Worker []byte `json:"worker,omitempty"`
 	// Control is the host:port of the node's control service, where
 	// daemons authenticate each other and exchange rkeys.
 	Control string `json:"control"`
@@ -314,8 +318,8 @@ func (n *Node) validate() error {
 	if err := validNode(n.Name); err != nil {
 		return err
 	}
-	if len(n.Worker) == 0 || len(n.Worker) > MaxWorkerAddrLen {
-		return bad("node %s: UCX worker address of %d bytes (1 to %d)", n.Name, len(n.Worker), MaxWorkerAddrLen)
+	if len(n.Worker) > MaxWorkerAddrLen {
+		return bad("node %s: UCX worker address of %d bytes (at most %d)", n.Name, len(n.Worker), MaxWorkerAddrLen)
 	}
 	if err := ValidateControlAddr(n.Control); err != nil {
 		return bad("node %s: %v", n.Name, err)

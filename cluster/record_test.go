@@ -121,7 +121,6 @@ func TestValidation(t *testing.T) {
 		}
 	}
 	for _, n := range []Node{
-		{Name: "a", Control: "h:1"},
 		{Name: "a", Worker: make([]byte, MaxWorkerAddrLen+1), Control: "h:1"},
 		{Name: "a", Worker: []byte{1}, Control: "h"},
 		{Name: "a", Worker: []byte{1}, Control: "h:99999"},
@@ -216,7 +215,7 @@ func FuzzOpenNode(f *testing.F) {
 			}
 			return
 		}
-		if len(got.Worker) == 0 || ValidateControlAddr(got.Control) != nil {
+		if len(got.Worker) > MaxWorkerAddrLen || ValidateControlAddr(got.Control) != nil {
 			t.Fatalf("accepted %+v", got)
 		}
 	})

@@ -149,7 +149,9 @@ func advertise(endpoints []string, port int) (string, error) {
 // its Config.Cluster.
 func (n *Node) Attach(ctx context.Context, st *store.Store) error {
 	n.st = st
-	if err := n.dir.Join(ctx, cluster.Node{Name: n.cfg.Directory.Node, Worker: n.tr.WorkerAddress(), Control: n.cfg.Advertise}); err != nil {
+	// The worker address stays out of the directory: it is a capability
+	// (docs/cluster.md, "What UCX does not confine").
+	if err := n.dir.Join(ctx, cluster.Node{Name: n.cfg.Directory.Node, Control: n.cfg.Advertise}); err != nil {
 		return err
 	}
 	wctx, cancel := context.WithCancel(context.Background())

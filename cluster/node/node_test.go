@@ -147,8 +147,7 @@ func TestDaemonsShareObjects(t *testing.T) {
 	defer cancel()
 
 	want := a.put(t, "weights", 6<<20+77, client.CreateOptions{Cluster: true})
-	local := a.put(t, "local-only", 4096, client.CreateOptions{})
-	_ = local
+	a.put(t, "local-only", 4096, client.CreateOptions{})
 	// Put on A, get on B and C: an ordinary local lease.
 	for _, d := range []*daemon{b, c} {
 		got, err := d.get(ctx, "weights")
