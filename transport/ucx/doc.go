@@ -43,8 +43,9 @@
 // exactly; region bounds must not wrap; Get checks that the read lies
 // inside the region. What is not checked: the internals of UCX's address
 // format (devices, interfaces) and of each domain's key bytes — a peer that
-// crafts those deliberately can still make UCX misbehave, which is why
-// peers must be authenticated before their addresses are used. Copies
+// crafts those can crash the process (random domain keys fault inside
+// ucp_ep_rkey_unpack when shared-memory transports are enabled), which is
+// why these bytes must come only from authenticated peers. Copies
 // handed to UCX carry 4 KiB of zeroed slack so that a short payload is
 // read as zeros, not past its end. Over emulated transports (tcp, shared
 // memory) the serving UCX copies from whatever address a connected peer
