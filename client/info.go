@@ -52,6 +52,14 @@ type ObjectInfo struct {
 	External      bool `json:"external,omitempty"`
 	Orphaned      bool `json:"orphaned,omitempty"`
 	ExporterBound bool `json:"exporter_bound,omitempty"`
+
+	// CreatorCanWrite says that the bytes of this sealed object may still
+	// change through its creator's writable mapping: GPU memory, private
+	// host objects, registered memory, and a shared host object until its
+	// creator unmapped it. False means the daemon sealed the memory
+	// against writes: immutable for everyone (docs/hardening.md, "Sealed
+	// objects").
+	CreatorCanWrite bool `json:"creator_can_write"`
 }
 
 // TensorDesc says what an object's bytes are as a typed array, so that

@@ -265,6 +265,8 @@ func infoBody(p *storev1.ObjectInfo) ObjectInfo {
 		External:      p.GetExternal(),
 		Orphaned:      p.GetOrphaned(),
 		ExporterBound: p.GetExporterBound(),
+
+		CreatorCanWrite: p.GetCreatorCanWrite(),
 	}
 }
 

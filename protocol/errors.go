@@ -100,11 +100,28 @@ func Sentinel(code storev1.Error_Code) error {
 type CodeError struct {
 	Code    storev1.Error_Code
 	Message string // detail for humans; may be empty
+	// Limit says which limit a LIMIT error hit; LIMIT_UNSPECIFIED for
+	// other codes and from servers that do not say.
+	Limit storev1.Error_Limit
 }
 
 // Errorf returns a *CodeError with the given code and a formatted message.
 func Errorf(code storev1.Error_Code, format string, args ...any) *CodeError {
 	return &CodeError{Code: code, Message: fmt.Sprintf(format, args...)}
+}
+
+// LimitErrorf returns a LIMIT *CodeError saying which limit was hit, with a
+// formatted message that should say what to do about it.
+func LimitErrorf(limit storev1.Error_Limit, format string, args ...any) *CodeError {
+	return &CodeError{Code: storev1.Error_LIMIT, Message: fmt.Sprintf(format, args...), Limit: limit}
+}
+
+// LimitOf returns which limit err (a LIMIT error) hit, or LIMIT_UNSPECIFIED.
+func LimitOf(err error) storev1.Error_Limit {
+	if ce, ok := errors.AsType[*CodeError](err); ok {
+		return ce.Limit
+	}
+	return storev1.Error_LIMIT_UNSPECIFIED
 }
 
 func (e *CodeError) Error() string {
@@ -162,7 +179,11 @@ func ErrorResponse(id uint64, err error) *storev1.Response {
 	if code == storev1.Error_OK {
 		code = storev1.Error_INTERNAL
 	}
-	return &storev1.Response{Id: id, Error: &storev1.Error{Code: code, Message: errorMessage(err)}}
+	e := &storev1.Error{Code: code, Message: errorMessage(err)}
+	if code == storev1.Error_LIMIT {
+		e.Limit = LimitOf(err)
+	}
+	return &storev1.Response{Id: id, Error: e}
 }
 
 // errorMessage is err's text without the name of its code, which the
@@ -194,5 +215,5 @@ func ResponseError(r *storev1.Response) error {
 	if e.GetCode() == storev1.Error_OK {
 		return nil
 	}
-	return &CodeError{Code: e.GetCode(), Message: e.GetMessage()}
+	return &CodeError{Code: e.GetCode(), Message: e.GetMessage(), Limit: e.GetLimit()}
 }

@@ -66,6 +66,15 @@ type arena interface {
 	// more, which the store guarantees by closing an arena only once no
 	// object (sealed, unsealed, or deleted but leased) remains in it.
 	close() error
+	// descriptors is how many file descriptors the arena keeps open in
+	// the daemon (charged to its owner: budget.go).
+	descriptors() int
+	// sealWrites makes the arena's memory immutable for everyone where the
+	// kernel allows it, and reports whether it is: only once no writable
+	// mapping of it is left (a creator that has not unmapped its draft
+	// keeps writing through its mapping). Only for arenas of one sealed
+	// object. GPU memory cannot be sealed: false.
+	sealWrites() bool
 }
 
 // arenaShare is what a client needs to map an arena. Host arenas travel as

@@ -240,6 +240,17 @@ func (a *gpuArena) objectRegion(off, n int64) []byte {
 // arena is freed as a whole once empty.
 func (*gpuArena) discard(_, _ int64) {}
 
+// sealWrites is false: CUDA maps device memory read-write only.
+func (*gpuArena) sealWrites() bool { return false }
+
+// descriptors: a vmm-fd arena keeps its allocation's descriptor.
+func (a *gpuArena) descriptors() int {
+	if a.file != nil {
+		return 1
+	}
+	return 0
+}
+
 // close drops the daemon's references. For VMM memory, clients' mappings
 // and descriptors in flight keep it until they go.
 func (a *gpuArena) close() error {

@@ -62,12 +62,19 @@ func (g *fakeGPUs) liveCount() int {
 func newFakeCUDAStore(t *testing.T, cfg Config) (*Store, *fakeGPUs) {
 	t.Helper()
 	s := newTestStore(t, cfg)
+	var g *fakeGPUs
+	s.backend, g = fakeCUDABackend(t)
+	return s, g
+}
+
+// fakeCUDABackend is the cuda backend over one fake GPU, fakeGPU.
+func fakeCUDABackend(t testing.TB) (*cudaBackend, *fakeGPUs) {
 	g := &fakeGPUs{live: map[uint64]int64{}}
 	u, err := cudaipc.ParseUUID(fakeGPU)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.backend = &cudaBackend{uuids: []string{fakeGPU}, alloc: func(uuid string, size int64) (gpuMemory, error) {
+	return &cudaBackend{uuids: []string{fakeGPU}, alloc: func(uuid string, size int64) (gpuMemory, error) {
 		if uuid != fakeGPU {
 			t.Errorf("alloc on %q", uuid)
 		}
@@ -77,8 +84,7 @@ func newFakeCUDAStore(t *testing.T, cfg Config) (*Store, *fakeGPUs) {
 		g.live[g.next] = size
 		g.allocs = append(g.allocs, size)
 		return &fakeMem{g: g, id: g.next, size: size, dev: u}, nil
-	}}
-	return s, g
+	}}, g
 }
 
 func decodeRegion(t *testing.T, b []byte) cudaipc.Region {

@@ -55,6 +55,7 @@ func (e *external) info() info {
 		Name: e.name, Size: e.size, Device: e.device, Sealed: true, Leases: e.leases,
 		Shared: e.shared, OwnerUID: e.owner, Created: e.created, Region: e.region, Tensor: e.tensor,
 		External: true, Orphaned: e.orphaned, ExporterBound: e.legacy != nil,
+		CreatorCanWrite: true, // the memory is the registering process's
 	}
 }
 
@@ -66,10 +67,11 @@ func (s *Store) dropExternalLocked(e *external, kind eventKind) {
 		s.unclaimLocked(e.name, e.entry())
 		s.emitLocked(event{kind: kind, name: e.name}, readers(e.owner, e.shared))
 	}
-	if e.leases == 0 {
+	if e.leases == 0 && e.files != nil {
 		for _, f := range e.files {
 			f.Close()
 		}
+		s.giveFDsLocked(e.owner, len(e.files))
 		e.files = nil
 	}
 }
@@ -97,6 +99,11 @@ func (ss *session) register(r *storev1.RegisterRequest, files []*os.File) (info,
 	u, err := cudaipc.ParseUUID(r.GetDevice())
 	if err != nil {
 		return info{}, invalidf("register: device %q: memory is named by its GPU's UUID (GPU-…): %v", r.GetDevice(), err)
+	}
+	// Only memory of a GPU the daemon has: another's descriptors would be
+	// kept for readers that can do nothing with them.
+	if _, err := s.backend.device(u.String()); err != nil {
+		return info{}, fmt.Errorf("register: %w", err)
 	}
 	e := &external{
 		name: r.GetName(), size: int64(r.GetSize()), device: u.String(), shared: r.GetShared(),
@@ -128,11 +135,15 @@ func (ss *session) register(r *storev1.RegisterRequest, files []*os.File) (info,
 	if err := s.claimLocked(e.name, e.entry()); err != nil {
 		return info{}, err
 	}
+	if err := s.takeFDsLocked(e.owner, len(files)); err != nil {
+		s.unclaimLocked(e.name, e.entry())
+		return info{}, err
+	}
 	ok = true
 	ss.registered[e] = struct{}{}
 	s.wakeLocked(e.name)
 	s.emitLocked(event{kind: eventSealed, name: e.name}, readers(e.owner, e.shared))
-	s.log.Info("external memory registered", "session", ss.id, "name", e.name, "size", e.size, "device", e.device,
+	ss.log.Info("external memory registered", "session", ss.id, "name", e.name, "size", e.size, "device", e.device,
 		"pieces", len(e.files), "legacy", e.legacy != nil, "shared", e.shared)
 	return e.info(), nil
 }
@@ -168,12 +179,12 @@ func (ss *session) unregisterLocked(e *external) {
 		return
 	}
 	if e.legacy != nil {
-		s.log.Info("external memory removed: its exporter disconnected (a legacy region is valid only while the exporter lives)", "name", e.name, "leases", e.leases)
+		s.logFor(e.owner).Info("external memory removed: its exporter disconnected (a legacy region is valid only while the exporter lives)", "name", e.name, "leases", e.leases)
 		s.dropExternalLocked(e, eventDeleted)
 		return
 	}
 	e.orphaned = true
-	s.log.Info("external memory orphaned: its exporter disconnected; readers keep their mappings", "name", e.name, "leases", e.leases)
+	s.logFor(e.owner).Info("external memory orphaned: its exporter disconnected; readers keep their mappings", "name", e.name, "leases", e.leases)
 	if e.leases == 0 {
 		s.dropExternalLocked(e, eventDeleted)
 	}

@@ -83,7 +83,7 @@ func (rc *rawClient) stat(name string) (*storev1.ObjectInfo, storev1.Error_Code)
 // exporter disconnects, the object is orphaned while leased and dropped
 // (descriptors closed) when the last lease ends.
 func TestRegisterVMMOrphanedUntilLastRelease(t *testing.T) {
-	_, path, _ := serve(t, Config{})
+	_, path, _ := serveGPU(t, Config{})
 	exp := dialRaw(t, path)
 	contents := [][]byte{make([]byte, 32), make([]byte, 32)}
 	var files []*os.File
@@ -142,7 +142,7 @@ func TestRegisterVMMOrphanedUntilLastRelease(t *testing.T) {
 // A legacy registration is removed when its exporter disconnects, leases
 // or not; bad registrations are refused with INVALID.
 func TestRegisterLegacyBoundToExporter(t *testing.T) {
-	_, path, _ := serve(t, Config{})
+	_, path, _ := serveGPU(t, Config{})
 	exp := dialRaw(t, path)
 	u, _ := cudaipc.ParseUUID(testGPU)
 	var h cudaipc.MemHandle

@@ -109,6 +109,10 @@ func (s *Store) arenaFreedLocked(d *device, id uint64, ar arena) {
 }
 
 func (s *Store) closeArenaLocked(device string, id uint64, ar arena) {
+	if c, ok := s.arenaFDs[id]; ok {
+		delete(s.arenaFDs, id)
+		s.giveFDsLocked(c.uid, c.n)
+	}
 	if err := ar.close(); err != nil {
 		s.log.Warn("closing arena", "device", device, "arena", id, "err", err)
 	}

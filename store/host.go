@@ -46,8 +46,12 @@ func (hostBackend) newArena(_ string, id uint64, size int64) (arena, error) {
 		return fail("ftruncate", err)
 	}
 	// A writer could otherwise shrink the file under every reader's
-	// mapping and make their next access fault (SIGBUS).
-	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
+	// mapping and make their next access fault (SIGBUS). F_SEAL_SEAL is
+	// left off so that the arena of a sealed shared object can be sealed
+	// against writes (sealWrites); only the owner's connections hold a
+	// writable descriptor, so only they could add a seal, and a write seal
+	// harms nobody else (readers' mappings are read-only).
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW); err != nil {
 		return fail("seal size", err)
 	}
 	rofd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", fd), unix.O_RDONLY|unix.O_CLOEXEC, 0)
@@ -69,6 +73,28 @@ func (hostBackend) newArena(_ string, id uint64, size int64) (arena, error) {
 type hostArena struct {
 	rw, ro *os.File
 	size   int64
+	// writeSealed is set once F_SEAL_WRITE is on: no one, root included,
+	// can change the memory through any mapping or descriptor.
+	writeSealed bool
+}
+
+// sealWrites adds F_SEAL_WRITE, which the kernel grants only once no
+// writable shared mapping of the memfd exists (EBUSY before). Until then
+// F_SEAL_FUTURE_WRITE stops new writable mappings and writes through a
+// descriptor, but a mapping made before the seal stays writable: nothing
+// the daemon can do revokes it. It is tried again each time it is asked,
+// so that it holds from the first time after the creator unmaps.
+func (a *hostArena) sealWrites() bool {
+	if a.writeSealed {
+		return true
+	}
+	fd := a.rw.Fd()
+	if _, err := unix.FcntlInt(fd, unix.F_ADD_SEALS, unix.F_SEAL_WRITE|unix.F_SEAL_FUTURE_WRITE); err == nil {
+		a.writeSealed = true
+		return true
+	}
+	_, _ = unix.FcntlInt(fd, unix.F_ADD_SEALS, unix.F_SEAL_FUTURE_WRITE) // best effort: Linux >= 5.1
+	return false
 }
 
 func (a *hostArena) share(writable bool) (arenaShare, error) {
@@ -97,6 +123,9 @@ func (a *hostArena) discard(off, n int64) {
 		_ = unix.Fallocate(int(a.rw.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, start, end-start)
 	}
 }
+
+// descriptors: the read-write and the read-only descriptor.
+func (*hostArena) descriptors() int { return 2 }
 
 func (a *hostArena) close() error {
 	return errors.Join(a.rw.Close(), a.ro.Close())

@@ -119,6 +119,15 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 	if err := ss.objectRoomLocked(); err != nil {
 		return fail(err)
 	}
+	if err := s.objectRoomForLocked(ss.peer.uid); err != nil {
+		return fail(err)
+	}
+	if man != nil {
+		if err := s.takeFDsLocked(ss.peer.uid, 1); err != nil {
+			return fail(err)
+		}
+		man.charged, man.owner = s, ss.peer.uid
+	}
 	var d *device
 	if src == nil {
 		if d, err = s.deviceLocked(devName); err != nil {
@@ -156,10 +165,17 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 			return fail(fmt.Errorf("object %q: %w", r.name, err))
 		}
 		o.block = b
+		s.objectMadeLocked(o)
 	}
 	p, err := ss.placeLocked(o, true)
 	if err == nil && man != nil {
 		p.manifest, err = man.dup()
+	}
+	if err == nil && src != nil {
+		// The publisher's descriptors are kept like a registration's.
+		if err = s.takeFDsLocked(ss.peer.uid, len(src.files)); err == nil {
+			src.charged, src.owner = s, ss.peer.uid
+		}
 	}
 	if err != nil {
 		p.closeShare()
@@ -187,7 +203,8 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 // alike.
 func (ss *session) objectRoomLocked() error {
 	if n := len(ss.created) + len(ss.registered); n >= ss.s.cfg.MaxObjectsPerClient {
-		return fmt.Errorf("%w: this connection already has %d objects (drafts, objects it created and registrations; the daemon's per-connection limit)", ErrLimit, n)
+		return protocol.LimitErrorf(storev1.Error_OBJECTS_PER_CONNECTION,
+			"this connection already has %d objects (drafts, objects it created and registrations), the daemon's limit per connection (serve --max-objects): delete or abort some, or use another connection", n)
 	}
 	return nil
 }
@@ -196,7 +213,8 @@ func (ss *session) objectRoomLocked() error {
 // more leases: leases of every kind and waiting gets count alike.
 func (ss *session) leaseRoomLocked() error {
 	if len(ss.leases)+ss.waiting >= ss.s.cfg.MaxLeasesPerClient {
-		return fmt.Errorf("%w: this connection already holds %d leases and %d waiting gets (the daemon's per-connection limit): release some", ErrLimit, len(ss.leases), ss.waiting)
+		return protocol.LimitErrorf(storev1.Error_LEASES_PER_CONNECTION,
+			"this connection already holds %d leases and %d waiting gets, the daemon's limit per connection (serve --max-leases): release some", len(ss.leases), ss.waiting)
 	}
 	return nil
 }
@@ -317,6 +335,11 @@ func checkSeal(o *object, r sealReq) error {
 func (ss *session) sealLocked(o *object) {
 	s := ss.s
 	o.sealed = true
+	if ar := o.arenaLocked(); o.shared && ar != nil {
+		// Its arena is its own: sealed against writes where the kernel
+		// lets it (docs/hardening.md, "Sealed objects").
+		ar.sealWrites()
+	}
 	if v := o.ver; v != nil {
 		v.sealed++
 		s.log.Debug("shard sealed", "session", ss.id, "name", v.s.name, "version", v.n, "shard", o.shard, "sealed", v.sealed, "shards", len(v.shards))

@@ -22,12 +22,22 @@ type manifest struct {
 	table   []byte
 	tensors int
 	sealed  bool
+	// charged is the store its descriptor is charged to (budget.go), owner
+	// the uid; nil until charged.
+	charged *Store
+	owner   uint32
 }
 
+// close closes the manifest's descriptor, and gives its charge back. The
+// store's lock must be held once it is charged.
 func (m *manifest) close() {
 	if m != nil && m.f != nil {
 		m.f.Close()
 		m.f = nil
+		if m.charged != nil {
+			m.charged.giveFDsLocked(m.owner, 1)
+			m.charged = nil
+		}
 	}
 }
 

@@ -136,7 +136,7 @@ func (s *Store) emitLocked(ev event, to audience) {
 		default:
 			if !ss.dropping {
 				ss.dropping = true
-				s.log.Warn("dropping events for a subscriber that does not read them", "session", ss.id, "pid", ss.peer.pid, "queued", eventQueue)
+				ss.log.Warn("dropping events for a subscriber that does not read them", "session", ss.id, "pid", ss.peer.pid, "queued", eventQueue)
 			}
 			s.metrics.eventsDropped.Inc()
 		}

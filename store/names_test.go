@@ -13,7 +13,7 @@ import (
 // registration, a versioned name) is EXISTS for a create, register or
 // seal-rename of every kind, and free again once deleted.
 func TestNameTakenByAnyKindIsExists(t *testing.T) {
-	_, path, _ := serve(t, Config{})
+	_, path, _ := serveGPU(t, Config{})
 	c := dialRaw(t, path)
 	content := make([]byte, 32)
 	rand.Read(content)
@@ -90,7 +90,7 @@ func TestNameTakenByAnyKindIsExists(t *testing.T) {
 
 // The lease limit counts every kind of lease and the waiting gets alike.
 func TestLeaseLimitCountsEveryKind(t *testing.T) {
-	_, path, _ := serve(t, Config{MaxLeasesPerClient: 2})
+	_, path, _ := serveGPU(t, Config{MaxLeasesPerClient: 2})
 	c := dialRaw(t, path)
 	f := memfdPiece(t, make([]byte, 32))
 	defer f.Close()

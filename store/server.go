@@ -124,7 +124,7 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 		return
 	}
 	defer done()
-	log := s.log.With("pid", p.pid, "uid", p.uid)
+	log := s.logFor(p.uid).With("pid", p.pid, "uid", p.uid)
 
 	hello, ok := s.handshake(uc, c, p, log)
 	if !ok {
@@ -271,12 +271,12 @@ func (s *Store) admitConn(uid uint32) (done func(), reason string, err error) {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
 	if s.conns >= s.cfg.MaxConns {
-		return nil, "limit_total", protocol.Errorf(storev1.Error_LIMIT,
-			"the store serves %d connections, its limit (serve --max-conns); try again later", s.conns)
+		return nil, "limit_total", protocol.LimitErrorf(storev1.Error_CONNECTIONS,
+			"connection limit: the store serves %d connections, its limit (serve --max-conns); try again later", s.conns)
 	}
 	if n := s.connsByUID[uid]; n >= s.cfg.MaxConnsPerUID {
-		return nil, "limit_uid", protocol.Errorf(storev1.Error_LIMIT,
-			"uid %d already has %d connections, the limit per uid (serve --max-conns-per-uid); close some", uid, n)
+		return nil, "limit_uid", protocol.LimitErrorf(storev1.Error_CONNECTIONS_PER_UID,
+			"connection limit: uid %d already has %d connections, the limit per uid (serve --max-conns-per-uid); close some", uid, n)
 	}
 	s.conns++
 	s.connsByUID[uid]++
@@ -676,6 +676,7 @@ func (in *info) proto() *storev1.ObjectInfo {
 		ExporterBound:   in.ExporterBound,
 		SourcesSize:     uint64(in.SourcesSize),
 		Cluster:         in.Cluster,
+		CreatorCanWrite: in.CreatorCanWrite,
 	}
 }
 

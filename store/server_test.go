@@ -39,7 +39,21 @@ func shortTempDir(t testing.TB) string {
 // serve runs a store on a socket in a fresh directory until the test ends.
 func serve(t testing.TB, cfg Config) (s *Store, path string, stop func()) {
 	t.Helper()
+	return serveStore(t, newTestStore(t, cfg))
+}
+
+// serveGPU is serve with the cuda backend over the fake GPU testGPU
+// (cuda_test.go): registrations of its memory are accepted.
+func serveGPU(t testing.TB, cfg Config) (s *Store, path string, stop func()) {
+	t.Helper()
 	s = newTestStore(t, cfg)
+	s.backend, _ = fakeCUDABackend(t)
+	return serveStore(t, s)
+}
+
+// serveStore serves s on a socket in a fresh directory until the test ends.
+func serveStore(t testing.TB, s *Store) (_ *Store, path string, stop func()) {
+	t.Helper()
 	path = filepath.Join(shortTempDir(t), "store.sock")
 	l, cleanup, err := s.listen(path)
 	if err != nil {
@@ -86,7 +100,7 @@ func dialRaw(t testing.TB, path string) *rawClient {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if h.GetBackend() != "host" || h.GetPid() != uint32(os.Getpid()) || h.GetVersion() != protocol.Version {
+	if (h.GetBackend() != "host" && h.GetBackend() != "cuda") || h.GetPid() != uint32(os.Getpid()) || h.GetVersion() != protocol.Version {
 		t.Fatalf("hello %v", h)
 	}
 	rc := &rawClient{t: t, c: c, uc: uc, id: 1, maps: make(map[sentKey][]byte)}

@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"os"
 
 	"github.com/cudaipc/cudaipc/protocol"
@@ -24,6 +25,7 @@ type session struct {
 	s    *Store
 	id   uint64
 	peer peer
+	log  *slog.Logger // lines this client causes, rate-limited per uid (Store.logFor)
 
 	ctx    context.Context // ends when the session closes
 	cancel context.CancelCauseFunc
@@ -124,6 +126,7 @@ func (s *Store) newSession(ctx context.Context, p peer) (*session, error) {
 		s:          s,
 		id:         s.nextSession,
 		peer:       p,
+		log:        s.logFor(p.uid),
 		ctx:        ctx,
 		cancel:     cancel,
 		created:    make(map[*object]struct{}),
@@ -239,7 +242,7 @@ func (ss *session) close(cause error) {
 		ss.forgetLocked(id)
 	}
 	if aborted > 0 || released > 0 {
-		s.log.Info("connection closed: cleaned up", "session", ss.id, "pid", ss.peer.pid, "uid", ss.peer.uid,
+		ss.log.Info("connection closed: cleaned up", "session", ss.id, "pid", ss.peer.pid, "uid", ss.peer.uid,
 			"aborted", aborted, "released", released)
 	}
 }

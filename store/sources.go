@@ -39,6 +39,11 @@ type sources struct {
 	legacy   bool       // some region is cuda-ipc: valid only while the publisher lives
 	regions  int
 	orphaned bool // its publisher disconnected
+	// charged is the store its descriptors are charged to (budget.go),
+	// owner the uid; nil until charged, which happens under Store.mu once
+	// the create succeeds: close must then run under it too.
+	charged *Store
+	owner   uint32
 }
 
 // creatorOf reports whether ss created o and is still connected.
@@ -50,6 +55,10 @@ func (src *sources) close() {
 	}
 	for _, f := range src.files {
 		f.Close()
+	}
+	if src.charged != nil {
+		src.charged.giveFDsLocked(src.owner, len(src.files))
+		src.charged = nil
 	}
 	src.files = nil
 }

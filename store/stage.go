@@ -37,6 +37,13 @@ func (ss *session) stage(files []*os.File) (int, error) {
 		ss.unstageLocked()
 		return 0, protocol.Errorf(storev1.Error_LIMIT, "stage_files: %d descriptors staged and %d more would pass the %d one connection may stage; the staged ones are dropped", n, len(files), maxStagedPerConn)
 	}
+	// Staged descriptors are kept by the daemon like registered ones, and
+	// charged to the uid the same way (budget.go).
+	if err := s.takeFDsLocked(ss.peer.uid, len(files)); err != nil {
+		protocol.CloseFiles(files)
+		ss.unstageLocked()
+		return 0, fmt.Errorf("stage_files: %w; the staged ones are dropped", err)
+	}
 	ss.staged = append(ss.staged, files...)
 	return len(ss.staged), nil
 }
@@ -48,12 +55,14 @@ func (ss *session) takeStaged() []*os.File {
 	defer s.mu.Unlock()
 	f := ss.staged
 	ss.staged = nil
+	s.giveFDsLocked(ss.peer.uid, len(f)) // register charges what it keeps
 	return f
 }
 
 // unstageLocked closes the staged descriptors (the connection's end).
 func (ss *session) unstageLocked() {
 	protocol.CloseFiles(ss.staged)
+	ss.s.giveFDsLocked(ss.peer.uid, len(ss.staged))
 	ss.staged = nil
 }
 

@@ -47,7 +47,7 @@ func openFDs(t *testing.T) int {
 // the rest by files requests, each the very file the exporter sent.
 func TestRegisterMorePiecesThanAPacket(t *testing.T) {
 	const n = 2*protocol.MaxFiles + 13 // three packets each way
-	_, path, _ := serve(t, Config{})
+	_, path, _ := serveGPU(t, Config{})
 	exp := dialRaw(t, path)
 	contents := make([][]byte, n)
 	files := make([]*os.File, n)
@@ -115,7 +115,7 @@ func TestRegisterMorePiecesThanAPacket(t *testing.T) {
 // descriptors staged leaves none open in the daemon; and one connection
 // may not stage without bound.
 func TestStagedDescriptorsNeverLeak(t *testing.T) {
-	_, path, _ := serve(t, Config{})
+	_, path, _ := serveGPU(t, Config{})
 	f := memfdPiece(t, []byte("piece"))
 	defer f.Close()
 	some := func(k int) []*os.File {

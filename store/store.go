@@ -38,6 +38,10 @@ const (
 	// DefaultMaxConnsPerUID bounds the connections of one uid, so that one
 	// user cannot take them all.
 	DefaultMaxConnsPerUID = 1024
+	// DefaultMaxObjectsPerUID bounds the objects of one uid (drafts,
+	// sealed, deleted but leased), over all its connections: each costs
+	// the daemon about a kilobyte of bookkeeping whatever its size.
+	DefaultMaxObjectsPerUID = 65536
 )
 
 // How the cuda backend shares GPU arenas (Config.GPUShare).
@@ -105,6 +109,16 @@ type Config struct {
 	// either is answered with a LIMIT error and closed. Peers the store
 	// does not admit never count: they are closed as soon as they connect.
 	MaxConns, MaxConnsPerUID int
+	// MaxObjectsPerUID bounds the objects of one uid over all its
+	// connections (drafts, sealed objects, deleted ones still leased,
+	// shards); 0 means DefaultMaxObjectsPerUID.
+	MaxObjectsPerUID int
+	// MaxFDs bounds the descriptors the daemon keeps for objects (host
+	// arenas keep two each, VMM GPU arenas and manifests one, a
+	// registration one per piece), and MaxFDsPerUID those of one uid. 0
+	// means half of what RLIMIT_NOFILE leaves beside MaxConns, and a fair
+	// share of that per uid (divided as Quota's default is).
+	MaxFDs, MaxFDsPerUID int
 	// Spin is how long a connection's receive keeps polling the socket for
 	// the next request before its goroutine sleeps in the netpoller, so
 	// that a client's back-to-back requests cost no wake-up of the daemon
@@ -140,12 +154,18 @@ type Store struct {
 	connsByUID map[uint32]int
 	// refusals bounds the rate of log lines about refused connections.
 	refusals logLimiter
+	// clientLogs are the per-uid rate-limited loggers (logFor).
+	logsMu     sync.Mutex
+	clientLogs map[uint32]*slog.Logger
 
 	mu          sync.Mutex
 	closed      bool
 	devices     map[string]*device
-	names       map[string]entry   // the name table (names.go): every name taken, whatever holds it
-	waiters     map[string]*waiter // gets waiting for a name to become readable
+	names       map[string]entry    // the name table (names.go): every name taken, whatever holds it
+	usage       map[uint32]*usage   // what each uid makes the daemon keep (budget.go)
+	fds         int                 // descriptors kept for objects, all uids
+	arenaFDs    map[uint64]fdCharge // by arena id: its descriptors' charge, until closed
+	waiters     map[string]*waiter  // gets waiting for a name to become readable
 	sessions    map[*session]struct{}
 	subscribers map[*session]struct{}
 	leases      int
@@ -249,6 +269,12 @@ func New(cfg Config) (*Store, error) {
 	if cfg.MaxConnsPerUID == 0 {
 		cfg.MaxConnsPerUID = min(DefaultMaxConnsPerUID, cfg.MaxConns)
 	}
+	if cfg.MaxObjectsPerUID < 0 || cfg.MaxFDs < 0 || cfg.MaxFDsPerUID < 0 {
+		return nil, invalidf("per-uid limits must not be negative")
+	}
+	if cfg.MaxObjectsPerUID == 0 {
+		cfg.MaxObjectsPerUID = DefaultMaxObjectsPerUID
+	}
 	if cfg.Spin == 0 {
 		cfg.Spin = DefaultSpin
 	}
@@ -272,14 +298,24 @@ func New(cfg Config) (*Store, error) {
 		backend:     b,
 		uid:         uint32(os.Geteuid()),
 		connsByUID:  make(map[uint32]int),
+		clientLogs:  make(map[uint32]*slog.Logger),
 		refusals:    logLimiter{burst: 10, every: time.Second},
 		devices:     make(map[string]*device),
 		names:       make(map[string]entry),
+		usage:       make(map[uint32]*usage),
+		arenaFDs:    make(map[uint64]fdCharge),
 		waiters:     make(map[string]*waiter),
 		sessions:    make(map[*session]struct{}),
 		subscribers: make(map[*session]struct{}),
 		holds:       make(map[uint64]*arenaHold),
 		tables:      make(map[*session]struct{}),
+	}
+	total, perUID := fdBudget(rlimitNoFile(), s.cfg.MaxConns, s.uidsNamed())
+	if s.cfg.MaxFDs == 0 {
+		s.cfg.MaxFDs = total
+	}
+	if s.cfg.MaxFDsPerUID == 0 {
+		s.cfg.MaxFDsPerUID = min(perUID, s.cfg.MaxFDs)
 	}
 	reg := cfg.Registerer
 	if reg == nil {
@@ -326,13 +362,17 @@ func (s *Store) deviceLocked(name string) (*device, error) {
 		Owner:        func(p pool) uint32 { return p.owner },
 		Quota:        s.quota(),
 		KeepEmpty:    s.keepArenas(name),
-		NewArena: func(_ pool, size int64) (uint64, error) {
+		NewArena: func(p pool, size int64) (uint64, error) {
 			s.nextArena++
 			id := s.nextArena
 			ar, err := s.backend.newArena(name, id, size)
 			if err != nil {
 				return 0, err
 			}
+			if err := s.takeFDsLocked(p.owner, ar.descriptors()); err != nil {
+				return 0, errors.Join(err, ar.close())
+			}
+			s.arenaFDs[id] = fdCharge{p.owner, ar.descriptors()}
 			d.arenas[id] = ar
 			s.log.Debug("arena created", "device", name, "arena", id, "size", size)
 			return id, nil
@@ -373,14 +413,7 @@ func (s *Store) quota() int64 {
 	if s.cfg.Quota > 0 {
 		return min(s.cfg.Quota, s.cfg.Capacity)
 	}
-	uids := map[uint32]bool{s.uid: true}
-	for _, u := range s.cfg.AllowUIDs {
-		uids[u] = true
-	}
-	n := len(uids)
-	if len(s.cfg.AllowGIDs) > 0 {
-		n++
-	}
+	n := s.uidsNamed()
 	if n <= 1 {
 		return 0
 	}
@@ -423,8 +456,9 @@ func (s *Store) evictLocked(o *object) {
 	s.unclaimLocked(o.name, o.entry())
 	o.deleted = true
 	s.forgetCreatorLocked(o)
+	s.objectGoneLocked(o)
 	s.metrics.evictions.WithLabelValues(o.dev.name).Inc()
-	s.log.Info("object evicted", "name", o.name, "size", o.size, "device", o.dev.name)
+	s.logFor(o.owner).Info("object evicted", "name", o.name, "size", o.size, "device", o.dev.name)
 	s.emitObjectLocked(eventEvicted, o)
 	o.discardLocked()
 }
@@ -439,6 +473,7 @@ func (s *Store) freeLocked(o *object) {
 	o.discardLocked()
 	o.dev.alloc.Free(o.block)
 	o.block = nil
+	s.objectGoneLocked(o)
 }
 
 // discardLocked tells the backend the object's bytes are no longer needed.
@@ -555,15 +590,31 @@ type info struct {
 	SourcesSize                       int64
 	// Cluster: cluster-visible.
 	Cluster bool
+	// CreatorCanWrite: the bytes may still change through the creator's
+	// writable mapping (docs/hardening.md, "Sealed objects").
+	CreatorCanWrite bool
+}
+
+// arenaLocked returns the arena o's memory is in; nil when o has none.
+func (o *object) arenaLocked() arena {
+	if o.block == nil {
+		return nil
+	}
+	if ar := o.dev.arenas[o.block.Arena().ID]; ar != nil {
+		return ar
+	}
+	return nil
 }
 
 func (o *object) info() info {
 	var region []byte
-	if o.block != nil {
-		if ar := o.dev.arenas[o.block.Arena().ID]; ar != nil {
-			region = ar.objectRegion(o.block.Offset, o.size)
-		}
+	ar := o.arenaLocked()
+	if ar != nil {
+		region = ar.objectRegion(o.block.Offset, o.size)
 	}
+	// Only a shared object's arena, its alone, can be sealed against
+	// writes; a private arena holds its owner's drafts too.
+	canWrite := !o.sealed || !o.shared || ar == nil || !ar.sealWrites()
 	in := info{
 		Region:   region,
 		Name:     o.name,
@@ -575,6 +626,8 @@ func (o *object) info() info {
 		Created:  o.created,
 		Tensor:   o.tensor,
 		Cluster:  o.cluster,
+
+		CreatorCanWrite: canWrite,
 	}
 	if o.src != nil {
 		in.Device, in.External, in.Orphaned, in.ExporterBound = o.src.device, true, o.src.orphaned, o.src.legacy

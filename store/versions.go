@@ -234,7 +234,7 @@ func (s *Store) abortVersionLocked(v *version) {
 		}
 	}
 	s.freeVersionLocked(v)
-	s.log.Info("version aborted", "name", v.s.name, "version", v.n)
+	s.logFor(v.s.owner).Info("version aborted", "name", v.s.name, "version", v.n)
 }
 
 // versionShardLocked finds the shard of the version sel names of sr for a

@@ -122,6 +122,81 @@ func (Error_Code) EnumDescriptor() ([]byte, []int) {
 	return file_store_proto_rawDescGZIP(), []int{15, 0}
 }
 
+// Limit says which limit a LIMIT error hit, so that a client can say
+// what to do about it; LIMIT_UNSPECIFIED from servers that predate it.
+type Error_Limit int32
+
+const (
+	Error_LIMIT_UNSPECIFIED Error_Limit = 0
+	// The connections the daemon serves at once (serve --max-conns).
+	Error_CONNECTIONS Error_Limit = 1
+	// The connections of one uid (serve --max-conns-per-uid).
+	Error_CONNECTIONS_PER_UID Error_Limit = 2
+	// The objects (drafts, sealed objects and registrations) one
+	// connection created.
+	Error_OBJECTS_PER_CONNECTION Error_Limit = 3
+	// The leases and waiting gets of one connection.
+	Error_LEASES_PER_CONNECTION Error_Limit = 4
+	// The objects (drafts, sealed, deleted but leased) of one uid.
+	Error_OBJECTS_PER_UID Error_Limit = 5
+	// The descriptors the daemon keeps for one uid's arenas, manifests
+	// and registrations.
+	Error_DESCRIPTORS_PER_UID Error_Limit = 6
+	// The descriptors the daemon keeps for all uids.
+	Error_DESCRIPTORS Error_Limit = 7
+)
+
+// Enum value maps for Error_Limit.
+var (
+	Error_Limit_name = map[int32]string{
+		0: "LIMIT_UNSPECIFIED",
+		1: "CONNECTIONS",
+		2: "CONNECTIONS_PER_UID",
+		3: "OBJECTS_PER_CONNECTION",
+		4: "LEASES_PER_CONNECTION",
+		5: "OBJECTS_PER_UID",
+		6: "DESCRIPTORS_PER_UID",
+		7: "DESCRIPTORS",
+	}
+	Error_Limit_value = map[string]int32{
+		"LIMIT_UNSPECIFIED":      0,
+		"CONNECTIONS":            1,
+		"CONNECTIONS_PER_UID":    2,
+		"OBJECTS_PER_CONNECTION": 3,
+		"LEASES_PER_CONNECTION":  4,
+		"OBJECTS_PER_UID":        5,
+		"DESCRIPTORS_PER_UID":    6,
+		"DESCRIPTORS":            7,
+	}
+)
+
+func (x Error_Limit) Enum() *Error_Limit {
+	p := new(Error_Limit)
+	*p = x
+	return p
+}
+
+func (x Error_Limit) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (Error_Limit) Descriptor() protoreflect.EnumDescriptor {
+	return file_store_proto_enumTypes[1].Descriptor()
+}
+
+func (Error_Limit) Type() protoreflect.EnumType {
+	return &file_store_proto_enumTypes[1]
+}
+
+func (x Error_Limit) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use Error_Limit.Descriptor instead.
+func (Error_Limit) EnumDescriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{15, 1}
+}
+
 // How the client maps the arena: stated in every placement (protocol
 // version 2), so that no client guesses it from other fields.
 type Placement_Kind int32
@@ -166,11 +241,11 @@ func (x Placement_Kind) String() string {
 }
 
 func (Placement_Kind) Descriptor() protoreflect.EnumDescriptor {
-	return file_store_proto_enumTypes[1].Descriptor()
+	return file_store_proto_enumTypes[2].Descriptor()
 }
 
 func (Placement_Kind) Type() protoreflect.EnumType {
-	return &file_store_proto_enumTypes[1]
+	return &file_store_proto_enumTypes[2]
 }
 
 func (x Placement_Kind) Number() protoreflect.EnumNumber {
@@ -225,11 +300,11 @@ func (x Event_Kind) String() string {
 }
 
 func (Event_Kind) Descriptor() protoreflect.EnumDescriptor {
-	return file_store_proto_enumTypes[2].Descriptor()
+	return file_store_proto_enumTypes[3].Descriptor()
 }
 
 func (Event_Kind) Type() protoreflect.EnumType {
-	return &file_store_proto_enumTypes[2]
+	return &file_store_proto_enumTypes[3]
 }
 
 func (x Event_Kind) Number() protoreflect.EnumNumber {
@@ -1807,7 +1882,8 @@ type Error struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Code  Error_Code             `protobuf:"varint,1,opt,name=code,proto3,enum=cudaipc.store.v1.Error_Code" json:"code,omitempty"`
 	// Human-readable detail, for logs and users only.
-	Message       string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	Message       string      `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	Limit         Error_Limit `protobuf:"varint,3,opt,name=limit,proto3,enum=cudaipc.store.v1.Error_Limit" json:"limit,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1854,6 +1930,13 @@ func (x *Error) GetMessage() string {
 		return x.Message
 	}
 	return ""
+}
+
+func (x *Error) GetLimit() Error_Limit {
+	if x != nil {
+		return x.Limit
+	}
+	return Error_LIMIT_UNSPECIFIED
 }
 
 // HelloResponse accepts the client's protocol version.
@@ -2123,9 +2206,16 @@ type ObjectInfo struct {
 	SourcesSize uint64 `protobuf:"varint,48,opt,name=sources_size,json=sourcesSize,proto3" json:"sources_size,omitempty"`
 	// Cluster-visible: created with CreateRequest.cluster, or a replica
 	// pulled from another node.
-	Cluster       bool `protobuf:"varint,49,opt,name=cluster,proto3" json:"cluster,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Cluster bool `protobuf:"varint,49,opt,name=cluster,proto3" json:"cluster,omitempty"`
+	// A sealed object whose bytes its creator can still change: the
+	// creator's writable mapping of the memory outlives the seal (GPU
+	// memory, private host arenas, a shared host object whose creator had
+	// not unmapped it when it was sealed, registered memory). False means
+	// the daemon sealed the memory against writes (F_SEAL_WRITE):
+	// immutable for everyone. docs/hardening.md, "Sealed objects".
+	CreatorCanWrite bool `protobuf:"varint,55,opt,name=creator_can_write,json=creatorCanWrite,proto3" json:"creator_can_write,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *ObjectInfo) Reset() {
@@ -2294,6 +2384,13 @@ func (x *ObjectInfo) GetSourcesSize() uint64 {
 func (x *ObjectInfo) GetCluster() bool {
 	if x != nil {
 		return x.Cluster
+	}
+	return false
+}
+
+func (x *ObjectInfo) GetCreatorCanWrite() bool {
+	if x != nil {
+		return x.CreatorCanWrite
 	}
 	return false
 }
@@ -3497,10 +3594,11 @@ const file_store_proto_rawDesc = "" +
 	"\bwithdraw\x180 \x01(\v2\".cudaipc.store.v1.WithdrawResponseH\x00R\bwithdraw\x12G\n" +
 	"\vlease_table\x18  \x01(\v2$.cudaipc.store.v1.LeaseTableResponseH\x00R\n" +
 	"leaseTableB\x06\n" +
-	"\x04body\"\xfb\x01\n" +
+	"\x04body\"\xf1\x03\n" +
 	"\x05Error\x120\n" +
 	"\x04code\x18\x01 \x01(\x0e2\x1c.cudaipc.store.v1.Error.CodeR\x04code\x12\x18\n" +
-	"\amessage\x18\x02 \x01(\tR\amessage\"\xa5\x01\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\x123\n" +
+	"\x05limit\x18\x03 \x01(\x0e2\x1d.cudaipc.store.v1.Error.LimitR\x05limit\"\xa5\x01\n" +
 	"\x04Code\x12\x06\n" +
 	"\x02OK\x10\x00\x12\v\n" +
 	"\aINVALID\x10\x01\x12\r\n" +
@@ -3519,7 +3617,16 @@ const file_store_proto_rawDesc = "" +
 	"\x06SEALED\x10\t\x12\v\n" +
 	"\aVERSION\x10\n" +
 	"\x12\f\n" +
-	"\bINTERNAL\x10\v\"|\n" +
+	"\bINTERNAL\x10\v\"\xbe\x01\n" +
+	"\x05Limit\x12\x15\n" +
+	"\x11LIMIT_UNSPECIFIED\x10\x00\x12\x0f\n" +
+	"\vCONNECTIONS\x10\x01\x12\x17\n" +
+	"\x13CONNECTIONS_PER_UID\x10\x02\x12\x1a\n" +
+	"\x16OBJECTS_PER_CONNECTION\x10\x03\x12\x19\n" +
+	"\x15LEASES_PER_CONNECTION\x10\x04\x12\x13\n" +
+	"\x0fOBJECTS_PER_UID\x10\x05\x12\x17\n" +
+	"\x13DESCRIPTORS_PER_UID\x10\x06\x12\x0f\n" +
+	"\vDESCRIPTORS\x10\a\"|\n" +
 	"\rHelloResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12%\n" +
 	"\x0eserver_version\x18\x02 \x01(\tR\rserverVersion\x12\x10\n" +
@@ -3544,7 +3651,7 @@ const file_store_proto_rawDesc = "" +
 	"\x04HOST\x10\x01\x12\f\n" +
 	"\bCUDA_IPC\x10\x02\x12\n" +
 	"\n" +
-	"\x06VMM_FD\x10\x03J\x04\b.\x10/\"\xce\x04\n" +
+	"\x06VMM_FD\x10\x03J\x04\b.\x10/\"\xfa\x04\n" +
 	"\n" +
 	"ObjectInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
@@ -3566,7 +3673,8 @@ const file_store_proto_rawDesc = "" +
 	"\borphaned\x18. \x01(\bR\borphaned\x12%\n" +
 	"\x0eexporter_bound\x18/ \x01(\bR\rexporterBound\x12!\n" +
 	"\fsources_size\x180 \x01(\x04R\vsourcesSize\x12\x18\n" +
-	"\acluster\x181 \x01(\bR\acluster\"\x92\x01\n" +
+	"\acluster\x181 \x01(\bR\acluster\x12*\n" +
+	"\x11creator_can_write\x187 \x01(\bR\x0fcreatorCanWrite\"\x92\x01\n" +
 	"\x0eCreateResponse\x129\n" +
 	"\tplacement\x18\x01 \x01(\v2\x1b.cudaipc.store.v1.PlacementR\tplacement\x12\x18\n" +
 	"\aversion\x18# \x01(\x04R\aversion\x12+\n" +
@@ -3644,107 +3752,109 @@ func file_store_proto_rawDescGZIP() []byte {
 	return file_store_proto_rawDescData
 }
 
-var file_store_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_store_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
 var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
 var file_store_proto_goTypes = []any{
 	(Error_Code)(0),              // 0: cudaipc.store.v1.Error.Code
-	(Placement_Kind)(0),          // 1: cudaipc.store.v1.Placement.Kind
-	(Event_Kind)(0),              // 2: cudaipc.store.v1.Event.Kind
-	(*Request)(nil),              // 3: cudaipc.store.v1.Request
-	(*HelloRequest)(nil),         // 4: cudaipc.store.v1.HelloRequest
-	(*CreateRequest)(nil),        // 5: cudaipc.store.v1.CreateRequest
-	(*TensorDesc)(nil),           // 6: cudaipc.store.v1.TensorDesc
-	(*SealRequest)(nil),          // 7: cudaipc.store.v1.SealRequest
-	(*AbortRequest)(nil),         // 8: cudaipc.store.v1.AbortRequest
-	(*GetRequest)(nil),           // 9: cudaipc.store.v1.GetRequest
-	(*ReleaseRequest)(nil),       // 10: cudaipc.store.v1.ReleaseRequest
-	(*DeleteRequest)(nil),        // 11: cudaipc.store.v1.DeleteRequest
-	(*ListRequest)(nil),          // 12: cudaipc.store.v1.ListRequest
-	(*StatRequest)(nil),          // 13: cudaipc.store.v1.StatRequest
-	(*SubscribeRequest)(nil),     // 14: cudaipc.store.v1.SubscribeRequest
-	(*LeaseTableRequest)(nil),    // 15: cudaipc.store.v1.LeaseTableRequest
-	(*ForgetArenasRequest)(nil),  // 16: cudaipc.store.v1.ForgetArenasRequest
-	(*Response)(nil),             // 17: cudaipc.store.v1.Response
-	(*Error)(nil),                // 18: cudaipc.store.v1.Error
-	(*HelloResponse)(nil),        // 19: cudaipc.store.v1.HelloResponse
-	(*Placement)(nil),            // 20: cudaipc.store.v1.Placement
-	(*ObjectInfo)(nil),           // 21: cudaipc.store.v1.ObjectInfo
-	(*CreateResponse)(nil),       // 22: cudaipc.store.v1.CreateResponse
-	(*SealResponse)(nil),         // 23: cudaipc.store.v1.SealResponse
-	(*AbortResponse)(nil),        // 24: cudaipc.store.v1.AbortResponse
-	(*GetResponse)(nil),          // 25: cudaipc.store.v1.GetResponse
-	(*ReleaseResponse)(nil),      // 26: cudaipc.store.v1.ReleaseResponse
-	(*DeleteResponse)(nil),       // 27: cudaipc.store.v1.DeleteResponse
-	(*ListResponse)(nil),         // 28: cudaipc.store.v1.ListResponse
-	(*StatResponse)(nil),         // 29: cudaipc.store.v1.StatResponse
-	(*SubscribeResponse)(nil),    // 30: cudaipc.store.v1.SubscribeResponse
-	(*ForgetArenasResponse)(nil), // 31: cudaipc.store.v1.ForgetArenasResponse
-	(*LeaseTableResponse)(nil),   // 32: cudaipc.store.v1.LeaseTableResponse
-	(*ArenasFreed)(nil),          // 33: cudaipc.store.v1.ArenasFreed
-	(*Event)(nil),                // 34: cudaipc.store.v1.Event
-	(*RegisterRequest)(nil),      // 35: cudaipc.store.v1.RegisterRequest
-	(*StageFilesRequest)(nil),    // 36: cudaipc.store.v1.StageFilesRequest
-	(*StageFilesResponse)(nil),   // 37: cudaipc.store.v1.StageFilesResponse
-	(*FilesRequest)(nil),         // 38: cudaipc.store.v1.FilesRequest
-	(*FilesResponse)(nil),        // 39: cudaipc.store.v1.FilesResponse
-	(*RegisterResponse)(nil),     // 40: cudaipc.store.v1.RegisterResponse
-	(*WithdrawRequest)(nil),      // 41: cudaipc.store.v1.WithdrawRequest
-	(*WithdrawResponse)(nil),     // 42: cudaipc.store.v1.WithdrawResponse
+	(Error_Limit)(0),             // 1: cudaipc.store.v1.Error.Limit
+	(Placement_Kind)(0),          // 2: cudaipc.store.v1.Placement.Kind
+	(Event_Kind)(0),              // 3: cudaipc.store.v1.Event.Kind
+	(*Request)(nil),              // 4: cudaipc.store.v1.Request
+	(*HelloRequest)(nil),         // 5: cudaipc.store.v1.HelloRequest
+	(*CreateRequest)(nil),        // 6: cudaipc.store.v1.CreateRequest
+	(*TensorDesc)(nil),           // 7: cudaipc.store.v1.TensorDesc
+	(*SealRequest)(nil),          // 8: cudaipc.store.v1.SealRequest
+	(*AbortRequest)(nil),         // 9: cudaipc.store.v1.AbortRequest
+	(*GetRequest)(nil),           // 10: cudaipc.store.v1.GetRequest
+	(*ReleaseRequest)(nil),       // 11: cudaipc.store.v1.ReleaseRequest
+	(*DeleteRequest)(nil),        // 12: cudaipc.store.v1.DeleteRequest
+	(*ListRequest)(nil),          // 13: cudaipc.store.v1.ListRequest
+	(*StatRequest)(nil),          // 14: cudaipc.store.v1.StatRequest
+	(*SubscribeRequest)(nil),     // 15: cudaipc.store.v1.SubscribeRequest
+	(*LeaseTableRequest)(nil),    // 16: cudaipc.store.v1.LeaseTableRequest
+	(*ForgetArenasRequest)(nil),  // 17: cudaipc.store.v1.ForgetArenasRequest
+	(*Response)(nil),             // 18: cudaipc.store.v1.Response
+	(*Error)(nil),                // 19: cudaipc.store.v1.Error
+	(*HelloResponse)(nil),        // 20: cudaipc.store.v1.HelloResponse
+	(*Placement)(nil),            // 21: cudaipc.store.v1.Placement
+	(*ObjectInfo)(nil),           // 22: cudaipc.store.v1.ObjectInfo
+	(*CreateResponse)(nil),       // 23: cudaipc.store.v1.CreateResponse
+	(*SealResponse)(nil),         // 24: cudaipc.store.v1.SealResponse
+	(*AbortResponse)(nil),        // 25: cudaipc.store.v1.AbortResponse
+	(*GetResponse)(nil),          // 26: cudaipc.store.v1.GetResponse
+	(*ReleaseResponse)(nil),      // 27: cudaipc.store.v1.ReleaseResponse
+	(*DeleteResponse)(nil),       // 28: cudaipc.store.v1.DeleteResponse
+	(*ListResponse)(nil),         // 29: cudaipc.store.v1.ListResponse
+	(*StatResponse)(nil),         // 30: cudaipc.store.v1.StatResponse
+	(*SubscribeResponse)(nil),    // 31: cudaipc.store.v1.SubscribeResponse
+	(*ForgetArenasResponse)(nil), // 32: cudaipc.store.v1.ForgetArenasResponse
+	(*LeaseTableResponse)(nil),   // 33: cudaipc.store.v1.LeaseTableResponse
+	(*ArenasFreed)(nil),          // 34: cudaipc.store.v1.ArenasFreed
+	(*Event)(nil),                // 35: cudaipc.store.v1.Event
+	(*RegisterRequest)(nil),      // 36: cudaipc.store.v1.RegisterRequest
+	(*StageFilesRequest)(nil),    // 37: cudaipc.store.v1.StageFilesRequest
+	(*StageFilesResponse)(nil),   // 38: cudaipc.store.v1.StageFilesResponse
+	(*FilesRequest)(nil),         // 39: cudaipc.store.v1.FilesRequest
+	(*FilesResponse)(nil),        // 40: cudaipc.store.v1.FilesResponse
+	(*RegisterResponse)(nil),     // 41: cudaipc.store.v1.RegisterResponse
+	(*WithdrawRequest)(nil),      // 42: cudaipc.store.v1.WithdrawRequest
+	(*WithdrawResponse)(nil),     // 43: cudaipc.store.v1.WithdrawResponse
 }
 var file_store_proto_depIdxs = []int32{
-	4,  // 0: cudaipc.store.v1.Request.hello:type_name -> cudaipc.store.v1.HelloRequest
-	5,  // 1: cudaipc.store.v1.Request.create:type_name -> cudaipc.store.v1.CreateRequest
-	7,  // 2: cudaipc.store.v1.Request.seal:type_name -> cudaipc.store.v1.SealRequest
-	8,  // 3: cudaipc.store.v1.Request.abort:type_name -> cudaipc.store.v1.AbortRequest
-	9,  // 4: cudaipc.store.v1.Request.get:type_name -> cudaipc.store.v1.GetRequest
-	10, // 5: cudaipc.store.v1.Request.release:type_name -> cudaipc.store.v1.ReleaseRequest
-	11, // 6: cudaipc.store.v1.Request.delete:type_name -> cudaipc.store.v1.DeleteRequest
-	12, // 7: cudaipc.store.v1.Request.list:type_name -> cudaipc.store.v1.ListRequest
-	13, // 8: cudaipc.store.v1.Request.stat:type_name -> cudaipc.store.v1.StatRequest
-	14, // 9: cudaipc.store.v1.Request.subscribe:type_name -> cudaipc.store.v1.SubscribeRequest
-	16, // 10: cudaipc.store.v1.Request.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasRequest
-	35, // 11: cudaipc.store.v1.Request.register:type_name -> cudaipc.store.v1.RegisterRequest
-	15, // 12: cudaipc.store.v1.Request.lease_table:type_name -> cudaipc.store.v1.LeaseTableRequest
-	36, // 13: cudaipc.store.v1.Request.stage_files:type_name -> cudaipc.store.v1.StageFilesRequest
-	38, // 14: cudaipc.store.v1.Request.files:type_name -> cudaipc.store.v1.FilesRequest
-	41, // 15: cudaipc.store.v1.Request.withdraw:type_name -> cudaipc.store.v1.WithdrawRequest
-	6,  // 16: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	6,  // 17: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	18, // 18: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
-	19, // 19: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
-	22, // 20: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
-	23, // 21: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
-	24, // 22: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
-	25, // 23: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
-	26, // 24: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
-	27, // 25: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
-	28, // 26: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
-	29, // 27: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
-	30, // 28: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
-	34, // 29: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
-	31, // 30: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
-	33, // 31: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
-	40, // 32: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
-	37, // 33: cudaipc.store.v1.Response.stage_files:type_name -> cudaipc.store.v1.StageFilesResponse
-	39, // 34: cudaipc.store.v1.Response.files:type_name -> cudaipc.store.v1.FilesResponse
-	42, // 35: cudaipc.store.v1.Response.withdraw:type_name -> cudaipc.store.v1.WithdrawResponse
-	32, // 36: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
+	5,  // 0: cudaipc.store.v1.Request.hello:type_name -> cudaipc.store.v1.HelloRequest
+	6,  // 1: cudaipc.store.v1.Request.create:type_name -> cudaipc.store.v1.CreateRequest
+	8,  // 2: cudaipc.store.v1.Request.seal:type_name -> cudaipc.store.v1.SealRequest
+	9,  // 3: cudaipc.store.v1.Request.abort:type_name -> cudaipc.store.v1.AbortRequest
+	10, // 4: cudaipc.store.v1.Request.get:type_name -> cudaipc.store.v1.GetRequest
+	11, // 5: cudaipc.store.v1.Request.release:type_name -> cudaipc.store.v1.ReleaseRequest
+	12, // 6: cudaipc.store.v1.Request.delete:type_name -> cudaipc.store.v1.DeleteRequest
+	13, // 7: cudaipc.store.v1.Request.list:type_name -> cudaipc.store.v1.ListRequest
+	14, // 8: cudaipc.store.v1.Request.stat:type_name -> cudaipc.store.v1.StatRequest
+	15, // 9: cudaipc.store.v1.Request.subscribe:type_name -> cudaipc.store.v1.SubscribeRequest
+	17, // 10: cudaipc.store.v1.Request.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasRequest
+	36, // 11: cudaipc.store.v1.Request.register:type_name -> cudaipc.store.v1.RegisterRequest
+	16, // 12: cudaipc.store.v1.Request.lease_table:type_name -> cudaipc.store.v1.LeaseTableRequest
+	37, // 13: cudaipc.store.v1.Request.stage_files:type_name -> cudaipc.store.v1.StageFilesRequest
+	39, // 14: cudaipc.store.v1.Request.files:type_name -> cudaipc.store.v1.FilesRequest
+	42, // 15: cudaipc.store.v1.Request.withdraw:type_name -> cudaipc.store.v1.WithdrawRequest
+	7,  // 16: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	7,  // 17: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	19, // 18: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
+	20, // 19: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
+	23, // 20: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
+	24, // 21: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
+	25, // 22: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
+	26, // 23: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
+	27, // 24: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
+	28, // 25: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
+	29, // 26: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
+	30, // 27: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
+	31, // 28: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
+	35, // 29: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
+	32, // 30: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
+	34, // 31: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
+	41, // 32: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
+	38, // 33: cudaipc.store.v1.Response.stage_files:type_name -> cudaipc.store.v1.StageFilesResponse
+	40, // 34: cudaipc.store.v1.Response.files:type_name -> cudaipc.store.v1.FilesResponse
+	43, // 35: cudaipc.store.v1.Response.withdraw:type_name -> cudaipc.store.v1.WithdrawResponse
+	33, // 36: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
 	0,  // 37: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
-	1,  // 38: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
-	6,  // 39: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	20, // 40: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
-	20, // 41: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
-	21, // 42: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	21, // 43: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
-	21, // 44: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	2,  // 45: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
-	6,  // 46: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	21, // 47: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	48, // [48:48] is the sub-list for method output_type
-	48, // [48:48] is the sub-list for method input_type
-	48, // [48:48] is the sub-list for extension type_name
-	48, // [48:48] is the sub-list for extension extendee
-	0,  // [0:48] is the sub-list for field type_name
+	1,  // 38: cudaipc.store.v1.Error.limit:type_name -> cudaipc.store.v1.Error.Limit
+	2,  // 39: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
+	7,  // 40: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	21, // 41: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
+	21, // 42: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
+	22, // 43: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	22, // 44: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
+	22, // 45: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	3,  // 46: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
+	7,  // 47: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	22, // 48: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	49, // [49:49] is the sub-list for method output_type
+	49, // [49:49] is the sub-list for method input_type
+	49, // [49:49] is the sub-list for extension type_name
+	49, // [49:49] is the sub-list for extension extendee
+	0,  // [0:49] is the sub-list for field type_name
 }
 
 func init() { file_store_proto_init() }
@@ -3796,7 +3906,7 @@ func file_store_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_store_proto_rawDesc), len(file_store_proto_rawDesc)),
-			NumEnums:      3,
+			NumEnums:      4,
 			NumMessages:   40,
 			NumExtensions: 0,
 			NumServices:   0,

@@ -1,0 +1,149 @@
+package store
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/cudaipc/cudaipc/internal/testutil"
+	"github.com/cudaipc/cudaipc/protocol"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
+)
+
+// wantLimit checks that resp is a LIMIT error of the given kind whose
+// message names the serve flag that sets it.
+func wantLimit(t *testing.T, resp *storev1.Response, limit storev1.Error_Limit, flag string) {
+	t.Helper()
+	e := resp.GetError()
+	if e.GetCode() != storev1.Error_LIMIT || e.GetLimit() != limit || !strings.Contains(e.GetMessage(), flag) {
+		t.Fatalf("got %v %v (%s), want LIMIT %v naming %s", e.GetCode(), e.GetLimit(), e.GetMessage(), limit, flag)
+	}
+}
+
+// Registrations are accepted only for GPUs the daemon has: a host-only
+// daemon refuses every GPU registration, a cuda one a GPU it lacks.
+func TestRegisterOnlyOnDevicesTheDaemonHas(t *testing.T) {
+	f := memfdPiece(t, make([]byte, 32))
+	defer f.Close()
+	r := &storev1.RegisterRequest{Name: "w", Size: 1 << 20, Device: testGPU, Region: vmmRegion(t, 0, 1<<20, 2<<20), Files: 1}
+	_, hostPath, _ := serve(t, Config{})
+	if resp := dialRaw(t, hostPath).register(r, f); code(resp) != storev1.Error_INVALID || !strings.Contains(resp.GetError().GetMessage(), "host backend") {
+		t.Errorf("register on a host-only daemon: %v (%s), want INVALID", code(resp), resp.GetError().GetMessage())
+	}
+	_, gpuPath, _ := serveGPU(t, Config{})
+	other := &storev1.RegisterRequest{Name: "w", Size: 1 << 20, Device: "GPU-00000000-1111-2222-3333-444444444444", Region: vmmRegion(t, 0, 1<<20, 2<<20), Files: 1}
+	c := dialRaw(t, gpuPath)
+	if resp := c.register(other, f); code(resp) != storev1.Error_INVALID || !strings.Contains(resp.GetError().GetMessage(), "no such GPU") {
+		t.Errorf("register on a GPU the daemon lacks: %v (%s), want INVALID", code(resp), resp.GetError().GetMessage())
+	}
+	wantCode(t, c.register(r, f), storev1.Error_OK)
+}
+
+// The descriptors the daemon keeps for a uid (registrations' pieces, host
+// arenas, manifests) are bounded, and given back when what holds them goes.
+func TestDescriptorsBoundedPerUID(t *testing.T) {
+	s, path, _ := serveGPU(t, Config{MaxFDsPerUID: 6, MaxFDs: 100})
+	c := dialRaw(t, path)
+	pieces := func(n int) []*os.File {
+		var fs []*os.File
+		for range n {
+			f := memfdPiece(t, []byte("x"))
+			t.Cleanup(func() { f.Close() })
+			fs = append(fs, f)
+		}
+		return fs
+	}
+	reg := func(name string, n int) *storev1.Response {
+		sizes := make([]int64, n)
+		for i := range sizes {
+			sizes[i] = 2 << 20
+		}
+		return c.register(&storev1.RegisterRequest{Name: name, Size: 1 << 20, Device: testGPU, Region: vmmRegion(t, 0, 1<<20, sizes...), Files: uint32(n)}, pieces(n)...)
+	}
+	wantCode(t, reg("a", 4), storev1.Error_OK)
+	wantLimit(t, reg("b", 3), storev1.Error_DESCRIPTORS_PER_UID, "--max-fds-per-uid")
+	if _, c := c.stat("b"); c != storev1.Error_NOT_FOUND {
+		t.Fatalf("a refused registration left its name: %v", c)
+	}
+	// A private host arena takes two: 4 + 2 = 6.
+	c.put("obj", 4096, false)
+	// A manifest takes one more: over.
+	resp, files := c.do(req(&storev1.CreateRequest{Name: "bundle", Size: 4096, ManifestSize: 64}))
+	protocol.CloseFiles(files)
+	wantLimit(t, resp, storev1.Error_DESCRIPTORS_PER_UID, "--max-fds-per-uid")
+	resp, _ = c.do(req(&storev1.DeleteRequest{Name: "a"}))
+	wantCode(t, resp, storev1.Error_OK)
+	wantCode(t, reg("b", 3), storev1.Error_OK)
+	s.mu.Lock()
+	fds := s.fds
+	s.mu.Unlock()
+	if fds != 5 {
+		t.Errorf("the daemon counts %d descriptors kept, want 5 (3 pieces, one arena)", fds)
+	}
+	// Staged descriptors count too, and a refused stage drops the staged.
+	resp, _ = c.sendFiles(stageReq(), pieces(1)...)
+	wantCode(t, resp, storev1.Error_OK)
+	resp, _ = c.sendFiles(stageReq(), pieces(1)...)
+	wantLimit(t, resp, storev1.Error_DESCRIPTORS_PER_UID, "--max-fds-per-uid")
+	s.mu.Lock()
+	fds = s.fds
+	s.mu.Unlock()
+	if fds != 5 {
+		t.Errorf("after a refused stage the daemon counts %d descriptors kept, want 5", fds)
+	}
+}
+
+// A uid's objects are bounded over all its connections, drafts included;
+// deleting makes room again.
+func TestObjectsBoundedPerUID(t *testing.T) {
+	s := newTestStore(t, Config{MaxObjectsPerUID: 3})
+	a, b := connect(t, s, 1000), connect(t, s, 1000)
+	other := connect(t, s, 1001)
+	a.put("one", 10, false)
+	if _, err := a.ss.createObject("draft", 10, "", false); err != nil {
+		t.Fatal(err)
+	}
+	b.put("two", 10, true)
+	_, err := b.ss.createObject("three", 10, "", false)
+	if protocol.CodeOf(err) != storev1.Error_LIMIT || protocol.LimitOf(err) != storev1.Error_OBJECTS_PER_UID || !strings.Contains(err.Error(), "--max-objects-per-uid") {
+		t.Fatalf("a fourth object of uid 1000: %v", err)
+	}
+	other.put("theirs", 10, false) // another uid is not held up
+	if err := a.ss.abortName("draft"); err != nil {
+		t.Fatal(err)
+	}
+	b.put("three", 10, false)
+}
+
+// An admitted client that sends bad packets on connection after
+// connection costs the log a burst of lines, then lines at a bounded rate
+// with the count held back; another uid's lines are not held back by it.
+func TestClientLogLinesRateLimitedPerUID(t *testing.T) {
+	var logs logBuffer
+	s, path, _ := serve(t, Config{Logger: logs.logger()})
+	const floods = 200
+	for range floods {
+		c := dialRaw(t, path)
+		// A packet that does not decode closes the connection with a WARN.
+		if _, err := c.uc.Write([]byte{0xff, 0xff, 0xff}); err != nil {
+			t.Fatal(err)
+		}
+		var b [64]byte
+		c.uc.Read(b[:]) // the close
+		c.c.Close()
+	}
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if n := strings.Count(logs.String(), "closing connection: bad packet"); n < clientLogBurst {
+			return fmt.Errorf("%d bad-packet lines logged, want the burst of %d first", n, clientLogBurst)
+		}
+		return nil
+	})
+	if n := strings.Count(logs.String(), "closing connection: bad packet"); n > clientLogBurst+5 {
+		t.Errorf("%d bad-packet lines for %d bad packets within seconds, want at most about the burst, %d", n, floods, clientLogBurst)
+	}
+	s.logFor(4242).Warn("another uid's line")
+	if !strings.Contains(logs.String(), "another uid's line") {
+		t.Error("another uid's line was held back")
+	}
+}
