@@ -30,6 +30,9 @@ type serveCmd struct {
 	NoKeepArenas bool          `name:"no-keep-arenas" help:"Give empty GPU arenas back at once (see --keep-arenas)."`
 	Spin         time.Duration `default:"50us" help:"How long each connection keeps polling for the client's next request before sleeping: a request that comes within it costs no wake-up, at the cost of up to this much CPU per request (0: never poll)." placeholder:"D"`
 	MaxConnsUID  int           `name:"max-conns-per-uid" default:"0" help:"Most connections of one uid, root's included (0: default 1024). Uids the daemon does not admit are closed at once and never count." placeholder:"N"`
+	MaxObjUID    int           `name:"max-objects-per-uid" default:"0" help:"Most objects of one uid over all its connections: drafts, sealed, and deleted ones still leased (0: default 65536)." placeholder:"N"`
+	MaxFDs       int           `name:"max-fds" default:"0" help:"Most descriptors the daemon keeps for objects: two per host arena, one per VMM GPU arena, manifest and registered piece (0: half of what the descriptor limit leaves beside --max-conns)." placeholder:"N"`
+	MaxFDsUID    int           `name:"max-fds-per-uid" default:"0" help:"Most descriptors the daemon keeps for one uid's objects (0: a fair share of --max-fds among the uids admitted)." placeholder:"N"`
 
 	clusterFlags `embed:""` // serve_cluster.go
 }
@@ -44,8 +47,9 @@ Objects are private to their creator's uid unless created shared ('cudaipc put -
 }
 
 func (c *serveCmd) Run(g *Globals) error {
-	if c.Capacity < 0 || c.Quota < 0 || c.KeepArenas < 0 || c.MaxObjects < 0 || c.MaxLeases < 0 || c.MaxConns < 0 || c.MaxConnsUID < 0 {
-		return errors.New("--capacity, --quota, --keep-arenas, --max-objects, --max-leases, --max-conns and --max-conns-per-uid must not be negative")
+	if c.Capacity < 0 || c.Quota < 0 || c.KeepArenas < 0 || c.MaxObjects < 0 || c.MaxLeases < 0 || c.MaxConns < 0 || c.MaxConnsUID < 0 ||
+		c.MaxObjUID < 0 || c.MaxFDs < 0 || c.MaxFDsUID < 0 {
+		return errors.New("--capacity, --quota, --keep-arenas, --max-objects, --max-leases, --max-conns, --max-conns-per-uid, --max-objects-per-uid, --max-fds and --max-fds-per-uid must not be negative")
 	}
 	cn, err := c.startCluster(g.Context(), g)
 	if err != nil {
@@ -68,6 +72,9 @@ func (c *serveCmd) Run(g *Globals) error {
 		Quota:               int64(c.Quota),
 		KeepArenas:          keepArenas(int64(c.KeepArenas), c.NoKeepArenas),
 		MaxConnsPerUID:      c.MaxConnsUID,
+		MaxObjectsPerUID:    c.MaxObjUID,
+		MaxFDs:              c.MaxFDs,
+		MaxFDsPerUID:        c.MaxFDsUID,
 		Spin:                spinConfig(c.Spin),
 		Logger:              g.log,
 		Cluster:             clusterHook(cn),

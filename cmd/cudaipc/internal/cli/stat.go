@@ -33,6 +33,9 @@ func (c *statCmd) Run(g *Globals) error {
 	fmt.Fprintf(tw, "sealed:\t%t\n", o.Sealed)
 	fmt.Fprintf(tw, "leases:\t%d\n", o.Leases)
 	fmt.Fprintf(tw, "shared:\t%t\n", o.Shared)
+	if o.Sealed {
+		fmt.Fprintf(tw, "creator can write:\t%t\n", o.CreatorCanWrite)
+	}
 	fmt.Fprintf(tw, "owner uid:\t%d\n", o.OwnerUID)
 	fmt.Fprintf(tw, "created:\t%s\n", o.Created.Local().Format(time.RFC3339Nano))
 	if t := o.Tensor; t != nil {

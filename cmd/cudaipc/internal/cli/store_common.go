@@ -75,7 +75,12 @@ func explain(err error, socket string) error {
 	case errors.Is(err, client.ErrStoreFull):
 		return reword(err, "%s: %s: free space with 'cudaipc rm', or restart 'cudaipc serve' with a larger --capacity", what, why("the store is full"))
 	case errors.Is(err, client.ErrLimit):
-		return reword(err, "%s: %s: release leases or remove objects this client holds", what, why("per-client limit reached"))
+		// The daemon says which limit was hit (connections, objects,
+		// leases, descriptors) and what to do about it.
+		if d := detail(ce); d != "" {
+			return reword(err, "%s: limit reached: %s", what, d)
+		}
+		return reword(err, "%s: a limit of the store daemon was reached", what)
 	case errors.Is(err, cudaipc.ErrOtherPIDNamespace):
 		return reword(err, "%s: the store daemon shares GPU memory by legacy CUDA IPC, which cannot reach this process's PID namespace: restart the daemon with 'cudaipc serve --gpu-share fd', or run this command in the daemon's PID namespace", what)
 	}
