@@ -19,7 +19,10 @@ const overreadSlack = 4096
 
 // Endpoint is a connection from a Worker to a peer's worker
 // (ucp_ep_create), in UCP_ERR_HANDLING_MODE_PEER: when the peer dies, its
-// requests fail (IsPeerFailure) instead of hanging.
+// requests fail (IsPeerFailure) instead of hanging, and a canceled Get can
+// close it forcibly. UCX uses only transports that detect peer failure for
+// such endpoints: tcp, rc, dc, not shared memory (UCX_TLS=sm alone makes
+// Connect fail with UCS_ERR_UNREACHABLE in 1.13).
 type Endpoint struct {
 	w      *Worker
 	h      raw.Ep
@@ -86,6 +89,9 @@ func (w *Worker) Connect(addr WorkerAddress) (*Endpoint, error) {
 	runtime.KeepAlive(buf)
 	if err != nil {
 		endpointsByID.Delete(e.id)
+		if errors.Is(err, raw.ErrUnreachable) {
+			return nil, fmt.Errorf("%w; endpoints detect peer failure (UCP_ERR_HANDLING_MODE_PEER), which UCX's shared-memory transports do not support: tcp, rc or dc must be among UCX_TLS on both sides", err)
+		}
 		return nil, err
 	}
 	e.h = h
