@@ -3,8 +3,11 @@ package ucx
 import (
 	"errors"
 	"fmt"
+	"log/slog"
+	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	raw "github.com/cudaipc/cudaipc/internal/ucx"
 )
@@ -103,6 +106,58 @@ type Context struct {
 	memTypes uint64
 	workers  map[*Worker]struct{}
 	regions  map[*MemRegion]struct{}
+	handles  *handles // what a cleanup releases if the Context is dropped unclosed
+}
+
+// handles are the raw UCX objects of a Context, kept apart from it (and
+// from everything that points back at it) so that a runtime cleanup can
+// release them when the Context and all its objects have become
+// unreachable without Close: the backstop against a leaked Context.
+type handles struct {
+	mu      sync.Mutex
+	h       raw.Context
+	closed  bool
+	workers map[raw.Worker]struct{}
+	mems    map[raw.Mem]struct{}
+}
+
+func (hs *handles) add(w raw.Worker, m raw.Mem) {
+	hs.mu.Lock()
+	defer hs.mu.Unlock()
+	if w != 0 {
+		hs.workers[w] = struct{}{}
+	}
+	if m != 0 {
+		hs.mems[m] = struct{}{}
+	}
+}
+
+func (hs *handles) remove(w raw.Worker, m raw.Mem) {
+	hs.mu.Lock()
+	defer hs.mu.Unlock()
+	delete(hs.workers, w)
+	delete(hs.mems, m)
+}
+
+// leakedContexts counts Contexts released by the cleanup, for tests.
+var leakedContexts atomic.Int64
+
+func releaseLeaked(hs *handles) {
+	hs.mu.Lock()
+	defer hs.mu.Unlock()
+	if hs.closed {
+		return
+	}
+	hs.closed = true
+	slog.Warn("ucx: a Context became unreachable without Close; releasing its UCX resources", "workers", len(hs.workers), "regions", len(hs.mems))
+	for w := range hs.workers {
+		raw.WorkerDestroy(w)
+	}
+	for m := range hs.mems {
+		_ = raw.MemUnmap(hs.h, m)
+	}
+	raw.Cleanup(hs.h)
+	leakedContexts.Add(1)
 }
 
 // NewContext initializes UCX (ucp_init_version). Without libucp it returns
@@ -126,12 +181,15 @@ func NewContext(o ContextOptions) (*Context, error) {
 		raw.Cleanup(h)
 		return nil, err
 	}
-	return &Context{
+	c := &Context{
 		h:        h,
 		memTypes: attr.MemoryTypes,
 		workers:  map[*Worker]struct{}{},
 		regions:  map[*MemRegion]struct{}{},
-	}, nil
+		handles:  &handles{h: h, workers: map[raw.Worker]struct{}{}, mems: map[raw.Mem]struct{}{}},
+	}
+	runtime.AddCleanup(c, releaseLeaked, c.handles)
+	return c, nil
 }
 
 // MemoryTypes returns the kinds of memory this UCX can register, as
@@ -177,6 +235,9 @@ func (c *Context) Close() error {
 	for _, r := range regions {
 		errs = append(errs, r.Close())
 	}
+	c.handles.mu.Lock()
+	c.handles.closed = true
+	c.handles.mu.Unlock()
 	raw.Cleanup(c.h)
 	return errors.Join(errs...)
 }

@@ -89,6 +89,7 @@ func (c *Context) register(addr, length uint64, t MemoryType) (*MemRegion, error
 		return nil, err
 	}
 	c.regions[r] = struct{}{}
+	c.handles.add(0, h)
 	return r, nil
 }
 
@@ -109,6 +110,7 @@ func (r *MemRegion) Close() error {
 		return nil
 	}
 	r.closed = true
+	r.ctx.handles.remove(0, r.h)
 	err := raw.MemUnmap(r.ctx.h, r.h)
 	r.ctx.mu.Lock()
 	delete(r.ctx.regions, r)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -668,4 +669,38 @@ func TestRegisterMemoryByAddress(t *testing.T) {
 	if testutil.Sum(arena) != testutil.Sum(p.data) {
 		t.Fatal("bytes read into the arena registered by address differ")
 	}
+}
+
+// TestLeakedContextReleased: a Context dropped without Close, with a worker
+// and a region on it, is released by its cleanup once unreachable; a closed
+// one is not released twice.
+func TestLeakedContextReleased(t *testing.T) {
+	requireUCX(t)
+	before := ucx.LeakedContexts()
+	func() {
+		c, err := ucx.NewContext(ucx.ContextOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.NewWorker(ucx.WorkerOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Register(make([]byte, 1<<16)); err != nil {
+			t.Fatal(err)
+		}
+		closed, err := ucx.NewContext(ucx.ContextOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := closed.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}()
+	testutil.Eventually(t, testutil.Wait, func() error {
+		runtime.GC()
+		if n := ucx.LeakedContexts() - before; n != 1 {
+			return fmt.Errorf("%d contexts released by the cleanup, want 1", n)
+		}
+		return nil
+	})
 }

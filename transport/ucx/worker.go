@@ -79,6 +79,7 @@ func (c *Context) NewWorker(o WorkerOptions) (*Worker, error) {
 		endpoints: map[*Endpoint]struct{}{},
 	}
 	c.workers[w] = struct{}{}
+	c.handles.add(h, 0)
 	return w, nil
 }
 
@@ -220,6 +221,7 @@ func (w *Worker) Close() error {
 		<-served
 	}
 	w.mu.Lock()
+	w.ctx.handles.remove(w.h, 0)
 	raw.WorkerDestroy(w.h)
 	w.mu.Unlock()
 	w.ctx.mu.Lock()
