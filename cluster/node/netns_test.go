@@ -413,4 +413,11 @@ func TestClusterInNetworkNamespaces(t *testing.T) {
 	if _, err := b.c.Stat(ctx, "ns/only"); !errors.Is(err, client.ErrNotFound) {
 		t.Fatalf("stat of the failed pull on B: %v (a half replica?)", err)
 	}
+
+	// A killed node restarts under its name once its old record expired,
+	// holding nothing: it pulls what it lost from B.
+	a2 := startNsDaemon(t, ns, 0, 7946, "a", secretFile, dir)
+	if got, err := a2.get(ctx, "ns/x"); err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("get ns/x on the restarted A: %v", err)
+	}
 }

@@ -151,7 +151,27 @@ func (n *Node) Attach(ctx context.Context, st *store.Store) error {
 	n.st = st
 	// The worker address stays out of the directory: it is a capability
 	// (docs/cluster.md, "What UCX does not confine").
-	if err := n.dir.Join(ctx, cluster.Node{Name: n.cfg.Directory.Node, Control: n.cfg.Advertise}); err != nil {
+	rec := cluster.Node{Name: n.cfg.Directory.Node, Control: n.cfg.Advertise}
+	err := n.dir.Join(ctx, rec)
+	if errors.Is(err, cluster.ErrExists) {
+		// A node restarted after a crash finds its previous record alive
+		// until that lease's TTL runs out: wait that long, no more.
+		ttl := n.cfg.Directory.TTL
+		if ttl <= 0 {
+			ttl = etcddir.DefaultTTL
+		}
+		n.log.Info("waiting for this node's previous record to expire", "node", rec.Name, "ttl", ttl)
+		deadline := time.Now().Add(ttl + 2*time.Second)
+		for errors.Is(err, cluster.ErrExists) && time.Now().Before(deadline) {
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(500 * time.Millisecond):
+			}
+			err = n.dir.Join(ctx, rec)
+		}
+	}
+	if err != nil {
 		return err
 	}
 	wctx, cancel := context.WithCancel(context.Background())

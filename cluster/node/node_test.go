@@ -221,3 +221,35 @@ func TestDaemonWithoutCluster(t *testing.T) {
 		t.Fatalf("get on a lone daemon: %v", err)
 	}
 }
+
+func TestRestartedNodeRejoins(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a := startDaemon(t, srv, "a")
+	b := startDaemon(t, srv, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	want := a.put(t, "kept", 300000, client.CreateOptions{Cluster: true})
+	if got, err := b.get(ctx, "kept"); err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("get on B: %v", err)
+	}
+	// A second live node named b is refused (after waiting out the TTL).
+	start := time.Now()
+	n, err := node.Start(ctx, node.Config{
+		Directory: etcddir.Config{Endpoints: []string{srv.Endpoint()}, Node: "b", Secret: secret, TTL: 2 * time.Second,
+			CallTimeout: 5 * time.Second, Prefix: "/t/" + t.Name() + "/"},
+		Listen: "127.0.0.1:0",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := store.New(store.Config{Backend: "host", Capacity: 16 << 20, Cluster: n})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = n.Attach(ctx, st)
+	st.Close()
+	n.Close()
+	if !errors.Is(err, cluster.ErrExists) || time.Since(start) > 10*time.Second {
+		t.Fatalf("a second node b: %v after %v, want ErrExists within the TTL", err, time.Since(start))
+	}
+}

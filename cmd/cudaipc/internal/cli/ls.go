@@ -14,6 +14,8 @@ import (
 
 type lsCmd struct {
 	JSON bool `name:"json" help:"Print a JSON array of objects (the fields of 'cudaipc stat --json')."`
+
+	lsClusterFlags `embed:""` // ls_cluster.go
 }
 
 func (c *lsCmd) Help() string {
@@ -21,6 +23,9 @@ func (c *lsCmd) Help() string {
 }
 
 func (c *lsCmd) Run(g *Globals) error {
+	if c.Cluster {
+		return c.lsClusterFlags.list(g, c.JSON)
+	}
 	cl, err := g.dial()
 	if err != nil {
 		return err
