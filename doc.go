@@ -32,7 +32,8 @@
 // AllocationID, and its POSIX file descriptor (ShareableBuffer.ExportFD)
 // travels beside it over a Unix socket. The importer calls
 // Import(r, WithFile(f)) and gets the same *Mapping, through the same
-// cache. Device.ImportFD and FDMapping are the low-level call under it.
+// cache. Device.ImportFD maps a bare descriptor into a Mapping of its
+// own, outside the cache.
 //
 // # Lifetimes
 //

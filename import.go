@@ -6,6 +6,8 @@ import (
 	"os"
 	"runtime"
 	"sync"
+
+	"github.com/cudaipc/cudaipc/internal/cu"
 )
 
 // This file is the import policy: which regions and events this process
@@ -101,11 +103,13 @@ type Mapping struct {
 type mappingRef struct {
 	dev    *Device
 	ptr    DevicePtr // the region's first byte
+	size   int64
 	mu     sync.Mutex
 	closed bool
 	cache  *importCache
-	entry  *memEntry // nil for a same-process import
-	local  *Buffer   // the Buffer of a same-process import, if this package allocated it
+	entry  *memEntry   // nil for a same-process import and for ImportFD
+	local  *Buffer     // the Buffer of a same-process import, if this package allocated it
+	own    *vmmMapping // ImportFD: the bare descriptor's mapping, this Mapping's alone
 	region Region
 }
 
@@ -123,6 +127,10 @@ func (r *mappingRef) release() error {
 	if r.entry != nil {
 		return r.cache.releaseMem(r.entry)
 	}
+	if m := r.own; m != nil {
+		live.fdMappings.Add(-1)
+		return r.dev.do(func() error { return unmapPieces(cu.DevicePtr(m.ptr), m.sizes, m.handles) })
+	}
 	return nil
 }
 
@@ -133,7 +141,11 @@ func (r *mappingRef) isClosed() bool {
 }
 
 func releaseLeakedMapping(r *mappingRef) {
-	slog.Warn("cudaipc: Mapping garbage-collected without Close; closing it", "region", r.region.String())
+	what := r.region.String()
+	if r.own != nil {
+		what = fmt.Sprintf("a %d-byte descriptor import (ImportFD)", r.size)
+	}
+	slog.Warn("cudaipc: Mapping garbage-collected without Close; closing it", "region", what)
 	if err := r.release(); err != nil {
 		slog.Warn("cudaipc: closing leaked Mapping failed", "err", err)
 	}
@@ -141,6 +153,9 @@ func releaseLeakedMapping(r *mappingRef) {
 
 func newMapping(r Region, dev *Device, ptr DevicePtr, ref *mappingRef) *Mapping {
 	ref.region, ref.dev, ref.ptr = r, dev, ptr
+	if ref.own == nil {
+		ref.size = r.Size
+	}
 	m := &Mapping{ref: ref}
 	live.mappings.Add(1)
 	m.cleanup = runtime.AddCleanup(m, releaseLeakedMapping, ref)
@@ -383,25 +398,27 @@ func checkReach(what string, boot BootID, pidns uint64, self Identity, anyPIDNam
 // Device's context and, with peer access, in other devices' contexts.
 func (m *Mapping) Ptr() DevicePtr { return m.ref.ptr }
 
-// Size returns the region's size in bytes.
-func (m *Mapping) Size() int64 { return m.ref.region.Size }
+// Size returns the region's size in bytes (for ImportFD: the bytes mapped,
+// the size asked for rounded up to the granularity).
+func (m *Mapping) Size() int64 { return m.ref.size }
 
 // Device returns the device the memory is mapped through.
 func (m *Mapping) Device() *Device { return m.ref.dev }
 
-// Region returns the region the mapping was imported from.
+// Region returns the region the mapping was imported from: the zero
+// Region for Device.ImportFD, which imports a bare descriptor.
 func (m *Mapping) Region() Region { return m.ref.region }
 
 // Local reports whether the mapping is the exporting process's own memory
 // (no driver mapping).
-func (m *Mapping) Local() bool { return m.ref.entry == nil }
+func (m *Mapping) Local() bool { return m.ref.entry == nil && m.ref.own == nil }
 
 // ReadAt copies len(p) bytes at offset off of the region into p.
 func (m *Mapping) ReadAt(p []byte, off int64) (int, error) {
 	if m.ref.isClosed() {
 		return 0, closedErr("Mapping", "ReadAt")
 	}
-	return readAt(m.ref.dev, m.ref.ptr, m.ref.region.Size, p, off)
+	return readAt(m.ref.dev, m.ref.ptr, m.ref.size, p, off)
 }
 
 // WriteAt copies p into the region at offset off.
@@ -409,7 +426,7 @@ func (m *Mapping) WriteAt(p []byte, off int64) (int, error) {
 	if m.ref.isClosed() {
 		return 0, closedErr("Mapping", "WriteAt")
 	}
-	return writeAt(m.ref.dev, m.ref.ptr, m.ref.region.Size, p, off)
+	return writeAt(m.ref.dev, m.ref.ptr, m.ref.size, p, off)
 }
 
 // Close releases the mapping; the last Close of an allocation's mappings

@@ -19,7 +19,8 @@ type DevicePtr uint64
 // a test that ends with a non-zero count leaked.
 type Live struct {
 	Buffers, HostBuffers, Streams, Events int64
-	// Mappings counts Mapping values returned by Import and not yet closed.
+	// Mappings counts Mapping values returned by Import and ImportFD and not
+	// yet closed.
 	Mappings int64
 	// MemHandleOpens counts driver-level opens of legacy handles
 	// (Device.OpenMemHandle, and the import cache's opens of KindCUDAIPC
@@ -146,7 +147,7 @@ func (d *Device) Alloc(size int64) (*Buffer, error) {
 }
 
 // deviceRange is device memory of this process that stays usable until
-// it is closed: what Buffer, ShareableBuffer and FDMapping share, with
+// it is closed: what Buffer and ShareableBuffer share, with
 // their Device, Ptr, Size, ReadAt and WriteAt.
 type deviceRange struct {
 	what string // the owning type, for errors

@@ -28,7 +28,7 @@ type Timeline struct {
 	dev     *Device
 	ptr     DevicePtr
 	owner   *ShareableBuffer // the creator's allocation, or nil
-	mapping *FDMapping       // an importer's mapping, or nil
+	mapping *Mapping         // an importer's mapping (ImportFD), or nil
 
 	mu     sync.Mutex
 	closed bool

@@ -235,21 +235,12 @@ func (b *ShareableBuffer) Free() error {
 // Close is Free, for io.Closer.
 func (b *ShareableBuffer) Close() error { return b.Free() }
 
-// FDMapping is device memory of another process (or of this one), imported
-// from a POSIX file descriptor with ImportFD and mapped read-write for one
-// device. It implements io.ReaderAt and io.WriterAt with synchronous
-// copies. Close unmaps it; a mapping that becomes unreachable without Close
-// is closed by a cleanup and the leak is logged.
-type FDMapping struct {
-	deviceRange
-	handle cu.MemGenericAllocationHandle
-
-	cleanup runtime.Cleanup
-}
-
 // ImportFD maps memory exported with ShareableBuffer.ExportFD (in any
 // process, in any PID namespace, that shares the GPU) into this device's
-// address space, read-write, and returns the mapping. It calls
+// address space, read-write, and returns the mapping: a Mapping of its
+// own, outside the import cache (a bare descriptor names no allocation the
+// cache could share; Import of a vmm-fd Region with WithFile does), whose
+// Region is the zero Region. It calls
 // cuMemImportFromShareableHandle, cuMemAddressReserve, cuMemMap and
 // cuMemSetAccess. Importing costs milliseconds on large allocations: keep
 // mappings open and reuse them.
@@ -263,16 +254,13 @@ type FDMapping struct {
 //
 // A nil or closed f, or size <= 0, is an *ArgError; a descriptor that is not
 // a CUDA memory export fails in the driver with an *Error.
-func (d *Device) ImportFD(f *os.File, size int64) (*FDMapping, error) {
+func (d *Device) ImportFD(f *os.File, size int64) (*Mapping, error) {
 	vm, err := importPieces("ImportFD", d, []*os.File{f}, []int64{size}, ReadWrite)
 	if err != nil {
 		return nil, err
 	}
-	h, p, rounded := vm.handles[0], cu.DevicePtr(vm.ptr), vm.size
-	m := &FDMapping{deviceRange: deviceRange{what: "FDMapping", dev: d, ptr: DevicePtr(p), size: rounded}, handle: h}
 	live.fdMappings.Add(1)
-	m.cleanup = runtime.AddCleanup(m, freeLeakedVMM, vmmLeak{"FDMapping", d, h, p, rounded, &live.fdMappings})
-	return m, nil
+	return newMapping(Region{}, d, vm.ptr, &mappingRef{own: &vm, size: vm.size}), nil
 }
 
 // importPieces imports the allocation behind each of files and maps them
@@ -445,11 +433,4 @@ func (e *mapSizeError) Unwrap() error { return e.err }
 func tooLarge(err error) bool {
 	var m *mapSizeError
 	return errors.As(err, &m)
-}
-
-// Close unmaps the memory, frees the address range and releases the
-// imported handle (cuMemUnmap, cuMemAddressFree, cuMemRelease). Closing
-// twice is not an error; as with Free, a failed step still marks it closed.
-func (m *FDMapping) Close() error {
-	return m.closeOnce(&m.cleanup, &live.fdMappings, func() error { return unmapRelease(cu.DevicePtr(m.ptr), m.size, m.handle) })
 }

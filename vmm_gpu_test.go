@@ -87,7 +87,7 @@ func roleFDImporter(p *testutil.Peer) error {
 	if err != nil {
 		return p.Send(fdReply{Err: err.Error()})
 	}
-	var m *cudaipc.FDMapping
+	var m *cudaipc.Mapping
 	read := func() fdReply {
 		b := make([]byte, m.Size())
 		if _, err := m.ReadAt(b, 0); err != nil {
@@ -426,7 +426,7 @@ func TestFDImportInExportingProcess(t *testing.T) {
 	if l := cudaipc.LiveObjects(); l.FDMappings != before.FDMappings+2 {
 		t.Fatalf("live fd mappings %d, want %d", l.FDMappings, before.FDMappings+2)
 	}
-	for _, m := range []*cudaipc.FDMapping{m1, m2} {
+	for _, m := range []*cudaipc.Mapping{m1, m2} {
 		if err := m.Close(); err != nil {
 			t.Fatal(err)
 		}
@@ -618,7 +618,7 @@ func BenchmarkFDImportMap(b *testing.B) {
 			defer f.Close()
 			var imp, cls timer
 			for b.Loop() {
-				var m *cudaipc.FDMapping
+				var m *cudaipc.Mapping
 				imp.time(func() {
 					if m, err = dev.ImportFD(f, r.Size); err != nil {
 						b.Fatal(err)

@@ -91,7 +91,7 @@ func TestRoundUp(t *testing.T) {
 func TestVMMClosedObjects(t *testing.T) {
 	d := &Device{}
 	b := &ShareableBuffer{deviceRange: deviceRange{what: "ShareableBuffer", dev: d, size: 4096, closed: true}}
-	m := &FDMapping{deviceRange: deviceRange{what: "FDMapping", dev: d, size: 4096, closed: true}}
+	m := &Mapping{ref: &mappingRef{dev: d, size: 4096, own: &vmmMapping{}, closed: true}}
 	if err := b.Free(); err != nil {
 		t.Errorf("Free of a freed buffer: %v", err)
 	}
