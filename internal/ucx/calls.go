@@ -524,6 +524,17 @@ func GetNbx(e Ep, dst []byte, remoteAddr uint64, k Rkey, param *RequestParam) (R
 	return statusPtr("ucp_get_nbx", r)
 }
 
+// GetNbxAt is GetNbx into n bytes at the address dst of memory that is not
+// Go's (an mmap'd or device arena, registered with MemMap), which the
+// caller keeps mapped until the request completes.
+func GetNbxAt(e Ep, dst uint64, n uint64, remoteAddr uint64, k Rkey, param *RequestParam) (Request, error) {
+	if n == 0 {
+		return 0, nil
+	}
+	r, _, _ := purego.SyscallN(procs.getNbx, uintptr(e), uintptr(dst), uintptr(n), uintptr(remoteAddr), uintptr(k), uintptr(unsafe.Pointer(param)))
+	return statusPtr("ucp_get_nbx", r)
+}
+
 // RequestCheckStatus calls ucp_request_check_status: InProgress, OK or the
 // error the request completed with.
 func RequestCheckStatus(req Request) Status {

@@ -263,20 +263,57 @@ func Get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64, d
 // that dst may still be written. dst may be any memory; with
 // GetOptions.Local its registration is reused.
 func GetWith(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64, dst []byte, o GetOptions) error {
+	if len(dst) > 0 && o.Local != nil && !(RegionKey{Addr: o.Local.key.Addr, Len: o.Local.key.Len}).Contains(raw.Addr(dst), uint64(len(dst))) {
+		return errors.New("ucx: dst does not lie inside GetOptions.Local")
+	}
+	var pin runtime.Pinner
+	if len(dst) > 0 {
+		pin.Pin(&dst[0])
+		defer pin.Unpin()
+	}
+	err := get(ctx, ep, key, remoteAddr, uint64(len(dst)), o, func(off, end uint64, k raw.Rkey, p *raw.RequestParam) (raw.Request, error) {
+		return raw.GetNbx(ep.h, dst[off:end], remoteAddr+off, k, p)
+	})
+	runtime.KeepAlive(dst)
+	return err
+}
+
+// GetInto reads n bytes at remoteAddr of the peer's region behind key into
+// the local region at offset off, like GetWith (o.Local is local). local
+// may be any registered region, device memory included (RegisterMemory
+// with MemoryCUDA), which a []byte cannot stand for; it must stay open
+// until GetInto returns.
+func GetInto(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64, local *MemRegion, off, n uint64, o GetOptions) error {
+	if off > local.key.Len || n > local.key.Len-off {
+		return fmt.Errorf("ucx: [%d, +%d) is not inside the local region of %d bytes", off, n, local.key.Len)
+	}
+	o.Local = local
+	base := local.key.Addr + off
+	return get(ctx, ep, key, remoteAddr, n, o, func(from, end uint64, k raw.Rkey, p *raw.RequestParam) (raw.Request, error) {
+		return raw.GetNbxAt(ep.h, base+from, end-from, remoteAddr+from, k, p)
+	})
+}
+
+// issueFunc issues the read of bytes [from, end) of a Get; w.mu is held.
+type issueFunc func(from, end uint64, k raw.Rkey, p *raw.RequestParam) (raw.Request, error)
+
+// get is the loop of GetWith and GetInto: n bytes in chunks issued by
+// issue, progressed until done, bounded by ctx as GetWith describes.
+func get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64, o GetOptions, issue issueFunc) error {
 	if key.e != ep {
 		return errors.New("ucx: the remote key was unpacked on another endpoint")
 	}
-	if !key.key.Contains(remoteAddr, uint64(len(dst))) {
-		return fmt.Errorf("%w: [%#x, +%d) is not inside [%#x, +%d)", ErrOutOfBounds, remoteAddr, len(dst), key.key.Addr, key.key.Len)
+	if !key.key.Contains(remoteAddr, n) {
+		return fmt.Errorf("%w: [%#x, +%d) is not inside [%#x, +%d)", ErrOutOfBounds, remoteAddr, n, key.key.Addr, key.key.Len)
 	}
-	if len(dst) == 0 {
+	if n == 0 {
 		return nil
 	}
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	chunk, depth, cancelWait := o.Chunk, o.Depth, o.CancelWait
-	if chunk <= 0 {
+	chunk, depth, cancelWait := uint64(o.Chunk), o.Depth, o.CancelWait
+	if o.Chunk <= 0 {
 		chunk = DefaultChunk
 	}
 	if depth <= 0 {
@@ -290,26 +327,21 @@ func GetWith(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint6
 		if l.ctx != ep.w.ctx {
 			return errors.New("ucx: GetOptions.Local belongs to another Context than the endpoint")
 		}
-		if !(RegionKey{Addr: l.key.Addr, Len: l.key.Len}).Contains(raw.Addr(dst), uint64(len(dst))) {
-			return errors.New("ucx: dst does not lie inside GetOptions.Local")
-		}
 		l.mu.Lock()
 		closed := l.closed
 		l.mu.Unlock()
 		if closed {
 			return ErrClosed
 		}
-		param.OpAttrMask |= raw.OpAttrFieldMemh
+		param.OpAttrMask |= raw.OpAttrFieldMemh | raw.OpAttrFieldMemoryType
 		param.Memh = l.h
+		param.MemoryType = l.memType
 	}
-	var pin runtime.Pinner
-	pin.Pin(&dst[0])
-	defer pin.Unpin()
 
 	w := ep.w
 	var (
 		inflight = make([]raw.Request, 0, depth)
-		next     int
+		next     uint64
 		firstErr error     // the first failed chunk
 		stopped  error     // ctx's error, or ErrClosed when ep or key was closed
 		giveUp   time.Time // when a stopped Get stops waiting for the peer
@@ -330,9 +362,9 @@ func GetWith(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint6
 		if firstErr == nil && ep.failed.Load() != 0 {
 			firstErr = ep.Err()
 		}
-		for firstErr == nil && stopped == nil && next < len(dst) && len(inflight) < depth {
-			end := min(next+chunk, len(dst))
-			req, err := raw.GetNbx(ep.h, dst[next:end], remoteAddr+uint64(next), key.h, &param)
+		for firstErr == nil && stopped == nil && next < n && len(inflight) < depth {
+			end := min(next+chunk, n)
+			req, err := issue(next, end, key.h, &param)
 			if err != nil {
 				firstErr = err
 				break
@@ -358,7 +390,7 @@ func GetWith(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint6
 			}
 		}
 		inflight = kept
-		if len(inflight) == 0 && (firstErr != nil || stopped != nil || next == len(dst)) {
+		if len(inflight) == 0 && (firstErr != nil || stopped != nil || next == n) {
 			if firstErr != nil && IsPeerFailure(firstErr) {
 				ep.broken = firstErr
 			}
@@ -392,7 +424,6 @@ func GetWith(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint6
 			}
 		}
 	}
-	runtime.KeepAlive(dst)
 	if stopped != nil {
 		if !forced.IsZero() && !errors.Is(stopped, ErrClosed) {
 			return fmt.Errorf("%w (the endpoint was closed to end the reads in flight)", stopped)

@@ -17,10 +17,11 @@ type MemRegion struct {
 	ctx *Context
 	mem []byte
 
-	mu     sync.Mutex
-	h      raw.Mem
-	closed bool
-	key    RegionKey
+	mu      sync.Mutex
+	h       raw.Mem
+	memType MemoryType
+	closed  bool
+	key     RegionKey
 }
 
 // Register registers mem (host memory: an mmap'd arena, or a Go slice) for
@@ -78,9 +79,10 @@ func (c *Context) register(addr, length uint64, t MemoryType) (*MemRegion, error
 	}
 	major, minor, _, _ := raw.GetVersion()
 	r := &MemRegion{
-		ctx: c,
-		h:   h,
-		key: RegionKey{Addr: addr, Len: length, Rkey: rkey, ucxMajor: uint8(major), ucxMinor: uint8(minor)},
+		ctx:     c,
+		h:       h,
+		memType: t,
+		key:     RegionKey{Addr: addr, Len: length, Rkey: rkey, ucxMajor: uint8(major), ucxMinor: uint8(minor)},
 	}
 	if err := checkKey(r.key.Addr, r.key.Len, r.key.Rkey); err != nil {
 		// This UCX packs keys in a layout the peer-side check rejects:

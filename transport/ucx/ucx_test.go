@@ -669,6 +669,26 @@ func TestRegisterMemoryByAddress(t *testing.T) {
 	if testutil.Sum(arena) != testutil.Sum(p.data) {
 		t.Fatal("bytes read into the arena registered by address differ")
 	}
+
+	// GetInto reads by offset into the region, with no []byte for it.
+	clear(arena)
+	const off, n = 4096, size - 3*4096
+	if err := ucx.GetInto(timeout(t, time.Minute), p.ep, p.key, p.key.Key().Addr+8192, local, off, n, ucx.GetOptions{Chunk: 256 << 10}); err != nil {
+		t.Fatal(err)
+	}
+	if testutil.Sum(arena[off:off+n]) != testutil.Sum(p.data[8192:8192+n]) {
+		t.Fatal("bytes read with GetInto differ")
+	}
+	for _, c := range [][]byte{arena[:off], arena[off+n:]} {
+		if slices.ContainsFunc(c, func(b byte) bool { return b != 0 }) {
+			t.Fatal("GetInto wrote outside its range")
+		}
+	}
+	for _, bad := range []struct{ off, n uint64 }{{size - 10, 11}, {size + 1, 0}, {1, ^uint64(0)}} {
+		if err := ucx.GetInto(timeout(t, time.Minute), p.ep, p.key, p.key.Key().Addr, local, bad.off, bad.n, ucx.GetOptions{}); err == nil {
+			t.Fatalf("GetInto(off %d, n %d) into a %d-byte region succeeded", bad.off, bad.n, size)
+		}
+	}
 }
 
 // TestLeakedContextReleased: a Context dropped without Close, with a worker
