@@ -14,6 +14,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"reflect"
 	"strconv"
 	"strings"
 	"sync"
@@ -441,4 +442,30 @@ func TestGetWait(t *testing.T) {
 	if got, err := os.ReadFile(out); err != nil || !bytes.Equal(got, data) {
 		t.Fatalf("get --wait wrote %d bytes (%v), not the %d put", len(got), err, len(data))
 	}
+}
+
+// Every flag whose placeholder hides its default (kong shows a default
+// only in place of a placeholder) says the default in its help: "(default
+// ${default})", or what 0 means for a flag whose default is 0.
+func TestFlagsShowDefaults(t *testing.T) {
+	var walk func(typ reflect.Type, path string)
+	walk = func(typ reflect.Type, path string) {
+		for i := range typ.NumField() {
+			f := typ.Field(i)
+			_, isCmd := f.Tag.Lookup("cmd")
+			if f.Type.Kind() == reflect.Struct && (isCmd || f.Anonymous) {
+				walk(f.Type, path+" "+strings.ToLower(f.Name))
+				continue
+			}
+			def, hasDef := f.Tag.Lookup("default")
+			if !hasDef || f.Tag.Get("placeholder") == "" || def == "" {
+				continue
+			}
+			help := f.Tag.Get("help")
+			if !strings.Contains(help, "default") && !strings.Contains(help, "(0:") {
+				t.Errorf("cudaipc%s --%s (default %q): the help does not say the default: %q", path, f.Name, def, help)
+			}
+		}
+	}
+	walk(reflect.TypeOf(cliRoot{}), "")
 }

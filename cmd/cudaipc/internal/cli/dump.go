@@ -26,10 +26,10 @@ import (
 // descriptor, as for any admitted client.
 type DumpCmd struct {
 	Region string `required:"" help:"The region as JSON (docs/region.md), or @FILE to read it (JSON or binary) from FILE. A vmm-fd region (cudaipc stat --json of a daemon with --gpu-share fd) is read through that daemon (--socket)." placeholder:"JSON|@FILE"`
-	Output string `short:"o" default:"-" help:"File to write; - writes to stdout (not to a terminal)." placeholder:"FILE"`
+	Output string `short:"o" default:"-" help:"File to write; - (the default) writes to stdout (not to a terminal)." placeholder:"FILE"`
 	Device string `help:"GPU to map through when the region's GPU is not visible here (CUDA_VISIBLE_DEVICES): UUID or ordinal. Default: GPU 0." placeholder:"GPU"`
 	SHA256 bool   `name:"sha256" help:"Print the SHA-256 of the bytes written to stderr."`
-	Chunk  int64  `default:"67108864" help:"Bytes copied through pinned host memory at a time." placeholder:"BYTES"`
+	Chunk  int64  `default:"67108864" help:"Bytes copied through pinned host memory at a time (default ${default}: 64 MiB)." placeholder:"BYTES"`
 }
 
 // regionFileLimit bounds what --region @FILE reads: a region is 164 bytes

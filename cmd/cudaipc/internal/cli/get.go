@@ -17,7 +17,7 @@ import (
 type getCmd struct {
 	Name    string        `arg:"" help:"Object to read: NAME for your own, UID:NAME for another user's (shared) object." placeholder:"NAME"`
 	Owner   string        `help:"Read only an object of this user (a uid or a user name): a bare NAME then means that user's NAME, and an object of anyone else is refused." placeholder:"USER"`
-	Output  string        `short:"o" default:"-" help:"Write the object to FILE instead of standard output." placeholder:"FILE|-"`
+	Output  string        `short:"o" default:"-" help:"Write the object to FILE; - (the default) writes to standard output." placeholder:"FILE|-"`
 	Raw     bool          `help:"Write a bundle's bytes as they are, not as a safetensors file."`
 	Wait    bool          `help:"When no sealed object NAME exists yet, wait until one is put (and say so on stderr), instead of failing at once; --timeout bounds the wait."`
 	Timeout time.Duration `default:"0s" help:"Bound on the whole command: connecting, waiting for NAME to be sealed and writing it; a timeout above 0 waits as --wait does (default 0: no bound)." placeholder:"D"`

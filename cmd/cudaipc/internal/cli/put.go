@@ -24,7 +24,7 @@ type putCmd struct {
 	File    string        `arg:"" help:"File to store, or - for standard input." placeholder:"FILE|-"`
 	Name    string        `required:"" help:"Name of the new object." placeholder:"NAME"`
 	Size    bytesize.Size `help:"Size of the object in bytes (4096, 16MiB, 1G). Needed to stream a pipe longer than 64 MiB; from a device such as /dev/urandom put stores the first SIZE bytes. A regular file must have exactly SIZE bytes." placeholder:"SIZE"`
-	Device  string        `default:"host" help:"Where the object's memory lives: host, a GPU ordinal (of this process, resolved to its UUID) or a GPU UUID; GPUs need a daemon with the cuda backend." placeholder:"host|ORDINAL|UUID"`
+	Device  string        `default:"host" help:"Where the object's memory lives: host, a GPU ordinal (of this process, resolved to its UUID) or a GPU UUID; GPUs need a daemon with the cuda backend (default ${default})." placeholder:"host|ORDINAL|UUID"`
 	Shared  bool          `help:"Let every user the daemon admits read the object (default: only your uid)."`
 	DType   string        `name:"dtype" help:"Record what the bytes are as a typed array: the element type (float32, bfloat16, uint8, ...); readers such as the Python client view the object with it." placeholder:"DTYPE"`
 	Shape   []int64       `help:"With --dtype: the array's shape, comma-separated (default: one dimension covering the input)." placeholder:"N,M,..."`
