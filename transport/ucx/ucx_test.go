@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"runtime"
 	"slices"
 	"strconv"
@@ -723,4 +724,31 @@ func TestLeakedContextReleased(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestProbe: on a machine with UCX, Probe names the version, the tcp/lo
+// resource and host memory; with a library that does not exist (in a child
+// process: the library loads once per process) it says UCX is not found.
+func TestProbe(t *testing.T) {
+	if os.Getenv("UCX_PROBE_CHILD") == "1" {
+		r := ucx.Probe()
+		if !errors.Is(r.Err, ucx.ErrNotFound) || r.Library != "/nonexistent/libucp.so.0" || r.Version != "" {
+			t.Fatalf("Probe without UCX: %+v", r)
+		}
+		return
+	}
+	requireUCX(t)
+	r := ucx.Probe()
+	if r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	if r.Version == "" || !slices.Contains(r.Resources, ucx.Resource{Transport: "tcp", Device: "lo"}) || !slices.Contains(r.MemoryTypes, ucx.MemoryHost) {
+		t.Fatalf("Probe: %+v", r)
+	}
+	t.Logf("UCX %s from %s: %v, memory %v, CUDA registration %v", r.Version, r.Library, r.Resources, r.MemoryTypes, r.CanRegisterCUDA())
+	cmd := exec.Command(os.Args[0], "-test.run=^TestProbe$", "-test.v")
+	cmd.Env = append(os.Environ(), "UCX_PROBE_CHILD=1", "CUDAIPC_LIBUCP=/nonexistent/libucp.so.0")
+	if out, err := cmd.CombinedOutput(); err != nil || !strings.Contains(string(out), "--- PASS: TestProbe") {
+		t.Fatalf("child without UCX: %v\n%s", err, out)
+	}
 }
