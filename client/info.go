@@ -118,6 +118,11 @@ type CreateOptions struct {
 	// replicas of it when asked for its name (docs/cluster.md). A daemon
 	// without a cluster refuses it.
 	Cluster bool
+	// NoEvict makes the create fail with ErrStoreFull rather than evict
+	// other objects to make room. Create with it while the input may still
+	// be rejected (a stream that may turn out longer than size), so that
+	// nothing is evicted for bytes that are then not stored.
+	NoEvict bool
 
 	// Versioned creates a shard of a version of a versioned name rather
 	// than a plain object (Publish sets it); Version, Shards, Shard and

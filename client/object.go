@@ -59,7 +59,7 @@ func (c *Client) Create(ctx context.Context, name string, size int64, opts Creat
 	if err := protocol.ValidateTensor(tensor, uint64(size)); err != nil {
 		return nil, &Error{Op: "create", Name: name, Err: ErrInvalid, Message: err.(*protocol.CodeError).Message}
 	}
-	cr := &storev1.CreateRequest{Name: name, Size: uint64(size), Device: dev, Shared: opts.Shared, Tensor: tensor, Cluster: opts.Cluster}
+	cr := &storev1.CreateRequest{Name: name, Size: uint64(size), Device: dev, Shared: opts.Shared, Tensor: tensor, Cluster: opts.Cluster, NoEvict: opts.NoEvict}
 	if err := opts.extend(cr); err != nil {
 		return nil, &Error{Op: "create", Name: name, Err: ErrInvalid, Message: err.Error()}
 	}

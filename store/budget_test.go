@@ -1,6 +1,7 @@
 package store
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"strings"
@@ -145,5 +146,26 @@ func TestClientLogLinesRateLimitedPerUID(t *testing.T) {
 	s.logFor(4242).Warn("another uid's line")
 	if !strings.Contains(logs.String(), "another uid's line") {
 		t.Error("another uid's line was held back")
+	}
+}
+
+// A create with no_evict fails with STORE_FULL rather than evict; the
+// same create without it evicts.
+func TestCreateNoEvict(t *testing.T) {
+	s := newTestStore(t, Config{Capacity: 64 << 10})
+	c := connect(t, s, 1000)
+	c.put("old", 48<<10, false)
+	_, _, err := c.ss.create(createReq{name: "new", size: 32 << 10, noEvict: true})
+	if !errors.Is(err, ErrStoreFull) || !strings.Contains(err.Error(), "no_evict") {
+		t.Fatalf("a no_evict create that needs room: %v", err)
+	}
+	if _, err := c.ss.stat("old"); err != nil {
+		t.Fatalf("a no_evict create evicted: %v", err)
+	}
+	if _, _, err := c.ss.create(createReq{name: "new", size: 32 << 10}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.ss.stat("old"); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("a plain create that needs room did not evict: %v", err)
 	}
 }

@@ -33,6 +33,7 @@ type createReq struct {
 	shard        uint32
 	keep         uint32
 	manifestSize int64
+	noEvict      bool // evict nothing to make room (CreateRequest.no_evict)
 	// sourcesSize and files make a no-copy version (sources.go): files
 	// belong to create from the moment it is called.
 	sourcesSize int64
@@ -46,7 +47,7 @@ func createReqOf(r *storev1.CreateRequest) createReq {
 	return createReq{
 		name: r.GetName(), size: int64(r.GetSize()), device: r.GetDevice(), shared: r.GetShared(), tensor: r.GetTensor(),
 		versioned: r.GetVersioned(), version: r.GetVersion(), shards: r.GetShards(), shard: r.GetShard(),
-		keep: r.GetKeepLast(), manifestSize: int64(r.GetManifestSize()), sourcesSize: int64(r.GetSourcesSize()), nfiles: r.GetFiles(),
+		keep: r.GetKeepLast(), manifestSize: int64(r.GetManifestSize()), noEvict: r.GetNoEvict(), sourcesSize: int64(r.GetSourcesSize()), nfiles: r.GetFiles(),
 		cluster: r.GetCluster(),
 	}
 }
@@ -159,7 +160,7 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 		o.block = sp.block
 		o.block.Value = o
 	} else {
-		b, err := s.allocLocked(d, o)
+		b, err := s.allocLocked(d, o, r.noEvict)
 		if err != nil {
 			undo()
 			return fail(fmt.Errorf("object %q: %w", r.name, err))

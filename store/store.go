@@ -424,24 +424,34 @@ func (s *Store) quota() int64 {
 // its owner's pool, a shared object in one of its own. Room is made by
 // evicting only the owner's objects; a full quota or device is
 // ErrStoreFull, saying which.
-func (s *Store) allocLocked(d *device, o *object) (*alloc.Block[pool, *object], error) {
+//
+// With noEvict nothing is evicted: a create whose input may still be
+// rejected asks for it (CreateRequest.no_evict).
+func (s *Store) allocLocked(d *device, o *object, noEvict bool) (*alloc.Block[pool, *object], error) {
 	p := pool{owner: o.owner, shared: o.shared}
 	if o.shared {
 		s.nextSolo++
 		p.solo = s.nextSolo
 	}
-	b, err := d.alloc.Alloc(p, o.size, o)
+	allocate := d.alloc.Alloc
+	if noEvict {
+		allocate = d.alloc.AllocNoEvict
+	}
+	b, err := allocate(p, o.size, o)
 	if errors.Is(err, alloc.ErrFull) && s.freeSparesLocked(d) {
 		// The memory versioned names keep for their next version goes
 		// before anything fails for want of room.
-		b, err = d.alloc.Alloc(p, o.size, o)
+		b, err = allocate(p, o.size, o)
 	}
 	if errors.Is(err, alloc.ErrFull) && s.sweepLocked() {
 		// Leases released through lease tables held the room.
-		b, err = d.alloc.Alloc(p, o.size, o)
+		b, err = allocate(p, o.size, o)
 	}
 	if !errors.Is(err, alloc.ErrFull) {
 		return b, err
+	}
+	if noEvict && !s.cfg.NoEvict {
+		return nil, fmt.Errorf("%w: device %s has no room for %d bytes without evicting, and the create asked not to evict (no_evict): %v", ErrStoreFull, d.name, o.size, err)
 	}
 	if q := s.quota(); q > 0 && d.alloc.QuotaBound(p) {
 		return nil, fmt.Errorf("%w: uid %d's quota on device %s is full: its arenas take %d of its %d bytes and evicting its unleased objects would not make room for %d more (delete or release some; the daemon's --quota sets it)",

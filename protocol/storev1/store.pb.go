@@ -746,7 +746,12 @@ type CreateRequest struct {
 	// daemon that is part of a cluster publishes it in the cluster directory,
 	// and other nodes' daemons may pull replicas of it (docs/cluster.md). A
 	// daemon without a cluster refuses it (INVALID).
-	Cluster       bool `protobuf:"varint,43,opt,name=cluster,proto3" json:"cluster,omitempty"`
+	Cluster bool `protobuf:"varint,43,opt,name=cluster,proto3" json:"cluster,omitempty"`
+	// no_evict: the create must not evict anything to make room; it fails
+	// with STORE_FULL instead. A client whose input may still turn out to be
+	// unacceptable (a pipe longer than the size it declared) creates with it
+	// first, so that nothing is evicted for bytes it then rejects.
+	NoEvict       bool `protobuf:"varint,56,opt,name=no_evict,json=noEvict,proto3" json:"no_evict,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -875,6 +880,13 @@ func (x *CreateRequest) GetTensor() *TensorDesc {
 func (x *CreateRequest) GetCluster() bool {
 	if x != nil {
 		return x.Cluster
+	}
+	return false
+}
+
+func (x *CreateRequest) GetNoEvict() bool {
+	if x != nil {
+		return x.NoEvict
 	}
 	return false
 }
@@ -3512,7 +3524,7 @@ const file_store_proto_rawDesc = "" +
 	"\fHelloRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1f\n" +
 	"\vclient_name\x18\x02 \x01(\tR\n" +
-	"clientName\"\x98\x03\n" +
+	"clientName\"\xb3\x03\n" +
 	"\rCreateRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x16\n" +
@@ -3527,7 +3539,8 @@ const file_store_proto_rawDesc = "" +
 	"\fsources_size\x18) \x01(\x04R\vsourcesSize\x12\x14\n" +
 	"\x05files\x18* \x01(\rR\x05files\x124\n" +
 	"\x06tensor\x18\x14 \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\x12\x18\n" +
-	"\acluster\x18+ \x01(\bR\acluster\"R\n" +
+	"\acluster\x18+ \x01(\bR\acluster\x12\x19\n" +
+	"\bno_evict\x188 \x01(\bR\anoEvict\"R\n" +
 	"\n" +
 	"TensorDesc\x12\x14\n" +
 	"\x05dtype\x18\x01 \x01(\tR\x05dtype\x12\x14\n" +

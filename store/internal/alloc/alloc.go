@@ -184,6 +184,16 @@ func New[P comparable, V any](cfg Config[P, V]) (*Allocator[P, V], error) {
 // evictable blocks whose eviction can make room. It fails with ErrFull, and
 // evicts nothing, when even evicting all of them would not make room.
 func (a *Allocator[P, V]) Alloc(pool P, size int64, value V) (*Block[P, V], error) {
+	return a.alloc(pool, size, value, !a.cfg.NoEvict)
+}
+
+// AllocNoEvict is Alloc without eviction: it fails with ErrFull when the
+// block fits neither a free extent nor a new arena.
+func (a *Allocator[P, V]) AllocNoEvict(pool P, size int64, value V) (*Block[P, V], error) {
+	return a.alloc(pool, size, value, false)
+}
+
+func (a *Allocator[P, V]) alloc(pool P, size int64, value V, evict bool) (*Block[P, V], error) {
 	if size <= 0 {
 		return nil, fmt.Errorf("alloc: size %d is not positive", size)
 	}
@@ -201,7 +211,7 @@ func (a *Allocator[P, V]) Alloc(pool P, size int64, value V) (*Block[P, V], erro
 	if b != nil {
 		return a.place(b, size, value), nil
 	}
-	if a.cfg.NoEvict {
+	if !evict {
 		return nil, fmt.Errorf("%w: %d bytes requested, %d of %d reserved and eviction is off", ErrFull, size, a.reserved, a.cfg.Capacity)
 	}
 	helpful, ok := a.plan(pool, span)
