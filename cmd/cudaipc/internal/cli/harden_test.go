@@ -340,3 +340,30 @@ func TestOwnersCannotBeImpersonated(t *testing.T) {
 		t.Fatalf("65534's stat of root's object: %v\n%s", err, out)
 	}
 }
+
+// TestPutNeverEvictsForRejectedInput: a put from a pipe longer than its
+// --size, into a store that must evict to make room, fails without
+// evicting anything; a pipe of exactly --size evicts as a put must.
+func TestPutNeverEvictsForRejectedInput(t *testing.T) {
+	sock := serve(t, "--capacity", "8MiB")
+	victim := filepath.Join(t.TempDir(), "victim")
+	data := make([]byte, 5<<20)
+	rand.Read(data)
+	if err := os.WriteFile(victim, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	mustRun(t, "put", victim, "--name", "victim", "--socket", sock)
+	errOut, code, _ := putFromPipe(t, 6<<20, "--name", "long", "--size", "4MiB", "--socket", sock)
+	if code != 1 || !strings.Contains(errOut, "longer than --size") || !strings.Contains(errOut, "nothing was stored or evicted") {
+		t.Fatalf("a pipe longer than --size: exit %d, stderr %q", code, errOut)
+	}
+	if out := mustRun(t, "stat", "victim", "--socket", sock, "--json"); !strings.Contains(out, `"size": 5242880`) {
+		t.Fatalf("the unrelated object is gone after a rejected put: %s", out)
+	}
+	if errOut, code, _ := putFromPipe(t, 4<<20, "--name", "fits", "--size", "4MiB", "--socket", sock); code != 0 {
+		t.Fatalf("a pipe of exactly --size that needs room: exit %d: %s", code, errOut)
+	}
+	if out := mustRun(t, "ls", "--socket", sock, "--json"); strings.Contains(out, `"victim"`) || !strings.Contains(out, `"fits"`) {
+		t.Errorf("after a put that needed room: %s", out)
+	}
+}

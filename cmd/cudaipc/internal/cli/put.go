@@ -80,7 +80,18 @@ func (c *putCmd) Run(g *Globals) error {
 	} else if c.Shape != nil || c.Strides != nil {
 		return fmt.Errorf("--shape and --strides need --dtype")
 	}
+	// A stream given --size may still turn out longer: nothing may be
+	// evicted for it before it is known to fit. Create without eviction;
+	// if that needs room, read the stream to a temporary file first.
+	opts.NoEvict = in.exact
 	obj, err := cl.Create(ctx, c.Name, in.size, opts)
+	if in.exact && errors.Is(err, client.ErrStoreFull) {
+		if err := in.spool(); err != nil {
+			return fmt.Errorf("reading %s: %w (nothing was stored or evicted)", c.File, err)
+		}
+		opts.NoEvict = false
+		obj, err = cl.Create(ctx, c.Name, in.size, opts)
+	}
 	if err != nil {
 		return explain(err, g.socketPath())
 	}
@@ -192,6 +203,42 @@ func openInput(name string, want int64, g *Globals) (*input, error) {
 		return nil, fmt.Errorf("%s is empty: objects have at least 1 byte", what)
 	}
 	return &input{r: io.MultiReader(chunks...), size: n}, nil
+}
+
+// spool reads a stream that must hold exactly in.size bytes into an
+// unlinked temporary file and reads from that instead: the length is then
+// known before anything is created for it.
+func (in *input) spool() error {
+	f, err := os.CreateTemp("", "cudaipc-put-*")
+	if err != nil {
+		return err
+	}
+	os.Remove(f.Name())
+	n, err := io.Copy(f, io.LimitReader(in.r, in.size+1))
+	switch {
+	case err != nil:
+	case n > in.size:
+		err = fmt.Errorf("input is longer than --size %d", in.size)
+	case n < in.size:
+		err = fmt.Errorf("input ended after %d bytes, short of --size %d", n, in.size)
+	}
+	if err == nil {
+		_, err = f.Seek(0, io.SeekStart)
+	}
+	if err != nil {
+		f.Close()
+		return err
+	}
+	prev := in.close
+	in.r, in.exact = f, false
+	in.close = func() error {
+		err := f.Close()
+		if prev != nil {
+			err = errors.Join(err, prev())
+		}
+		return err
+	}
+	return nil
 }
 
 // checkEnded makes sure r has nothing after the size bytes already read.
