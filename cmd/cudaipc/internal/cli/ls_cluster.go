@@ -19,7 +19,7 @@ type lsClusterFlags struct {
 	Cluster       bool   `help:"List the cluster's names (every node's cluster-visible objects, their versions and holders) from etcd instead of the local store. Needs --etcd and --cluster-secret."`
 	Etcd          string `help:"With --cluster: the cluster's etcd, etcd://HOST:PORT[,...] (as given to 'serve --cluster')." placeholder:"URL" env:"CUDAIPC_CLUSTER"`
 	ClusterSecret string `name:"cluster-secret" help:"With --cluster: the cluster secret file, to verify the records." placeholder:"FILE" env:"CUDAIPC_CLUSTER_SECRET"`
-	ClusterPrefix string `name:"cluster-prefix" default:"/cudaipc/v1/" help:"With --cluster: etcd key prefix of the cluster." placeholder:"PREFIX"`
+	ClusterPrefix string `name:"cluster-prefix" default:"/cudaipc/v1/" help:"With --cluster: etcd key prefix of the cluster (default ${default})." placeholder:"PREFIX"`
 	EtcdCA        string `name:"etcd-ca" help:"With --cluster: CA certificate that signed etcd's." placeholder:"FILE"`
 	EtcdCert      string `name:"etcd-cert" help:"With --cluster: client certificate for etcd." placeholder:"FILE"`
 	EtcdKey       string `name:"etcd-key" help:"With --cluster: client key for etcd." placeholder:"FILE"`
