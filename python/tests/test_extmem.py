@@ -31,9 +31,12 @@ def test_not_exportable_message_names_the_fix():
 
 def test_register_stages_descriptors_beyond_one_packet(store):
     """A registration of more pieces than one packet carries descriptors: the ones
-    beyond MAX_FILES are staged first and the daemon holds all of them. Memfds stand in
-    for VMM descriptors: the daemon never maps what it is given."""
+    beyond MAX_FILES are staged first and the register finds all of them. Memfds stand
+    in for VMM descriptors; this host-only daemon then refuses the GPU memory by its
+    device, which it checks after the descriptor count (a short count would be refused
+    as such), and the register took the staged ones with it."""
     import os
+    from cudaipc import _store_pb2 as pb
     from cudaipc import extmem
     from cudaipc._wire import MAX_FILES
     from cudaipc.region import KIND_VMM_FD, VERSION_PIECES, Region, local_identity, parse_gpu_uuid
@@ -47,10 +50,18 @@ def test_register_stages_descriptors_beyond_one_packet(store):
                     allocation_id=ids[0], more_pieces=tuple((i, piece) for i in ids[1:]))
     fds = [os.memfd_create("piece") for _ in range(n)]
     try:
-        rep = extmem.send_register(store._conn, "torch/big", extmem.Export(region, fds), True)
+        with pytest.raises(cudaipc.InvalidArgument) as e:
+            extmem.send_register(store._conn, "torch/big", extmem.Export(region, fds), True)
+        assert "host backend" in str(e.value), str(e.value)
+        # A count that does not add up is refused as such.
+        store._conn.call(pb.Request(stage_files=pb.StageFilesRequest()), "register", "x", fds=fds[:5])
+        req = extmem.register_request("torch/big", extmem.Export(region, fds), True)
+        with pytest.raises(cudaipc.InvalidArgument) as e:
+            store._conn.call(req, "register", "torch/big", fds=fds[:1])
+        assert "6 were staged and attached" in str(e.value), str(e.value)
+        # Nothing is left staged: the next stage starts from zero.
+        rep = store._conn.call(pb.Request(stage_files=pb.StageFilesRequest()), "register", "x", fds=fds[:1])
+        assert rep.resp.stage_files.staged == 1
     finally:
         for fd in fds:
             os.close(fd)
-    info = rep.resp.register.info
-    assert info.external and info.size == region.size
-    assert store.stat("torch/big").size == region.size
