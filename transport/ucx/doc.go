@@ -9,15 +9,24 @@
 // Endpoints; an Endpoint holds RemoteKeys. Every object has an idempotent
 // Close, and closing a parent closes what is still open under it
 // (Context.Close closes everything). After Close, methods return ErrClosed.
+// A Context that becomes unreachable without Close, with everything made
+// on it, is released by a runtime cleanup that logs a warning: a backstop,
+// not a way to close.
 //
 //   - The serving side registers each arena once (Context.Register: one
 //     ucp_mem_map and one packed rkey per arena, never per object), publishes
 //     its Worker.Address and the region's Key (both have binary encodings),
-//     and runs Worker.Serve in a goroutine: over tcp and shared memory UCX
-//     emulates GET with messages that the serving worker must progress.
+//     and runs Worker.Serve in a goroutine: over tcp UCX emulates GET with
+//     messages that the serving worker must progress.
 //   - The reading side decodes the peer's WorkerAddress and RegionKey,
-//     Connects an Endpoint, Unpacks the key on it and calls Get (or GetWith)
-//     with addresses inside the region.
+//     Connects an Endpoint, Unpacks the key on it and calls Get (GetWith
+//     with options, GetInto for a registered destination such as a device
+//     arena) with addresses inside the region.
+//
+// Endpoints detect peer failure (UCP_ERR_HANDLING_MODE_PEER): a dead peer
+// fails reads (IsPeerFailure) instead of hanging them, and a canceled read
+// can always be ended. UCX offers only tcp, rc and dc to such endpoints,
+// not shared memory.
 //
 // # Threads
 //
@@ -47,9 +56,12 @@
 // ucp_ep_rkey_unpack when shared-memory transports are enabled), which is
 // why these bytes must come only from authenticated peers. Copies
 // handed to UCX carry 4 KiB of zeroed slack so that a short payload is
-// read as zeros, not past its end. Over emulated transports (tcp, shared
-// memory) the serving UCX copies from whatever address a connected peer
-// asks for: registration does not confine a peer; authentication does.
+// read as zeros, not past its end. Over tcp the serving UCX answers a GET
+// by copying from whatever address the request names, registered or not:
+// a peer that can reach a worker and knows its address can read the whole
+// serving process. Registration confines peers only on RDMA, where the NIC
+// checks the rkey; elsewhere a closed network and authentication before
+// addresses are exchanged are what confine them.
 //
 // # Environment
 //
