@@ -289,7 +289,7 @@ func (ss *session) seal(r sealReq) error {
 		// this session may seal o, and its requests are handled in order.
 		err = o.manifest.finish(o.size, &s.manifests)
 		if err == nil && o.src != nil {
-			err = o.src.check(o.manifest.table, o.size)
+			err = o.src.check(o.manifest.table, o.size, &s.sourcesChecked)
 			o.manifest.table = nil
 		}
 		s.mu.Lock()

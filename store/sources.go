@@ -1,10 +1,12 @@
 package store
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"os"
+	"sync"
 	"time"
 
 	"github.com/cudaipc/cudaipc"
@@ -67,7 +69,11 @@ func (src *sources) close() {
 // it describes: every region valid and on the object's GPU, one
 // descriptor per vmm-fd piece, and the regions laid end to end spanning
 // exactly size bytes.
-func (src *sources) check(table []byte, size int64) error {
+func (src *sources) check(table []byte, size int64, checked *sourcesCache) error {
+	if legacy, n, ok := checked.lookup(table, size, src.device, len(src.files)); ok {
+		src.legacy, src.regions = legacy, n
+		return nil
+	}
 	entries, err := bundle.DecodeSources(table)
 	if err != nil {
 		return invalidf("%v", err)
@@ -104,7 +110,50 @@ func (src *sources) check(table []byte, size int64) error {
 		return invalidf("sources table: its %d regions span %d bytes, the version is %d", len(entries), span, size)
 	}
 	src.legacy, src.regions = legacy, len(entries)
+	checked.add(table, size, src.device, len(src.files), legacy, len(entries))
 	return nil
+}
+
+// sourcesCache remembers the last sources tables that passed the check, as
+// manifestCache does manifests: a publisher's next version over the same
+// allocations sends the same table, and decoding thousands of regions lies
+// between its publish and its readers. The same bytes checked against the
+// same size, device and descriptor count give the same verdict.
+type sourcesCache struct {
+	mu      sync.Mutex
+	entries []checkedSources // newest last
+}
+
+type checkedSources struct {
+	table          []byte
+	size           int64
+	device         string
+	files, regions int
+	legacy         bool
+}
+
+const sourcesCacheEntries = 4
+
+func (c *sourcesCache) lookup(table []byte, size int64, device string, files int) (legacy bool, regions int, ok bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for i := len(c.entries) - 1; i >= 0; i-- {
+		e := c.entries[i]
+		if e.size == size && e.device == device && e.files == files && bytes.Equal(e.table, table) {
+			return e.legacy, e.regions, true
+		}
+	}
+	return false, 0, false
+}
+
+func (c *sourcesCache) add(table []byte, size int64, device string, files int, legacy bool, regions int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.entries = append(c.entries, checkedSources{table: table, size: size, device: device, files: files, regions: regions, legacy: legacy})
+	if len(c.entries) > sourcesCacheEntries {
+		c.entries[0] = checkedSources{}
+		c.entries = c.entries[1:]
+	}
 }
 
 // newSources starts the bytes of a no-copy create; it takes files.

@@ -176,7 +176,8 @@ type Store struct {
 	nextLease   uint64
 	nextSession uint64
 
-	manifests manifestCache // manifests checked lately (versions.go); its own lock
+	manifests      manifestCache // manifests checked lately (versions.go); its own lock
+	sourcesChecked sourcesCache  // no-copy sources tables checked lately (sources.go); its own lock
 }
 
 // device is the store's state for one device: its allocator and arenas.
