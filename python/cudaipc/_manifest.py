@@ -105,9 +105,11 @@ class Layout:
     (the versions of one model): parsing 18,000 entries takes longer than loading
     them, so it happens once per layout, not once per version."""
 
-    def __init__(self, raw: bytes):
+    def __init__(self, raw: bytes, parsed: Optional[Tuple[List[TensorEntry], Dict[str, str]]] = None):
+        """``parsed``: the entries (sorted by offset) and metadata ``raw`` encodes, when
+        the caller just encoded them (parsing them back would only cost time)."""
         self.raw = raw
-        self.entries, self.metadata = parse_manifest(raw)
+        self.entries, self.metadata = parsed if parsed is not None else parse_manifest(raw)
         self.names = [e.name for e in self.entries]
         self.index = {n: i for i, n in enumerate(self.names)}
         self.nbytes = sum(e.end - e.begin for e in self.entries)
@@ -160,8 +162,11 @@ def put_layout(names: List[str], shape_dtypes: List[Tuple[Any, Any]], metadata: 
             if c[0] == names and c[1] == shape_dtypes and c[2] == meta:
                 return c[3]
     entries, size = layout([(k, st_dtype_of(dt), tuple(sh)) for k, (sh, dt) in zip(names, shape_dtypes)])
-    lay = layout_of(encode_manifest(entries, meta))
+    entries = sorted(entries, key=lambda e: (e.begin, e.end, e.name))   # as encode_manifest writes them
+    lay = Layout(encode_manifest(entries, meta), (entries, meta))
     with _layout_lock:
+        _LAYOUTS.append(lay)
+        del _LAYOUTS[:-_MAX_LAYOUTS]
         _PUT_LAYOUTS.append((names, shape_dtypes, meta, lay))
         del _PUT_LAYOUTS[:-4]
     return lay

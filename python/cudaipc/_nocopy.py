@@ -24,7 +24,7 @@ import bisect
 import os
 import struct
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import _cuda
 from . import _store_pb2 as pb
@@ -191,13 +191,27 @@ def _still_valid(p: _Published) -> bool:
 
 def _prepare(store: Any, name: str, names: List[str], values: List[Any],
              metadata: Optional[Dict[str, str]]) -> _Published:
-    """The sources, manifest and table of a no-copy publish of these tensors."""
+    """The sources, manifest and table of a no-copy publish of these tensors: those of
+    the last publish when the tensors are the same (names, addresses, shapes, dtypes:
+    the cheapest reads, as load_into's plan check) over the same allocations."""
     import torch
-    for n, v in zip(names, values):
-        if not isinstance(v, torch.Tensor) or not v.is_cuda:
-            raise InvalidArgument("put_bundle", name, "copy=False publishes CUDA tensors in place; %r is %s: "
-                                  "publish it with copy=True" % (n, getattr(v, "device", type(v).__name__)))
-        if not v.is_contiguous():
+    from ._arrays import TORCH
+    for v in values:
+        if not isinstance(v, torch.Tensor):
+            raise InvalidArgument("put_bundle", name, "copy=False publishes torch CUDA tensors in place, not %s: "
+                                  "publish with copy=True" % type(v).__name__)
+    ptrs, metas, contig = TORCH.signature(values)
+    key = (names, ptrs, metas, sorted((metadata or {}).items()))
+    k = (id(store), name)
+    with _pub_lock:
+        old = _published.get(k)
+    if old is not None and old.key == key and all(contig) and _still_valid(old):
+        return old
+    for n, v, c in zip(names, values, contig):
+        if not v.is_cuda:
+            raise InvalidArgument("put_bundle", name, "copy=False publishes CUDA tensors in place; %r is on %s: "
+                                  "publish it with copy=True" % (n, v.device))
+        if not c:
             raise InvalidArgument("put_bundle", name, "copy=False needs contiguous tensors; %r is not "
                                   "(pass .contiguous(), or copy=True)" % n)
     ordinals = {v.device.index for v in values}
@@ -205,14 +219,6 @@ def _prepare(store: Any, name: str, names: List[str], values: List[Any],
         raise InvalidArgument("put_bundle", name, "copy=False publishes tensors of one GPU, these are on %s"
                               % sorted(ordinals))
     ordinal = ordinals.pop()
-    ptrs = list(map(torch.Tensor.data_ptr, values))
-    metas = [(tuple(v.shape), v.dtype) for v in values]
-    key = (names, ptrs, metas, sorted((metadata or {}).items()))
-    k = (id(store), name)
-    with _pub_lock:
-        old = _published.get(k)
-    if old is not None and old.key == key and _still_valid(old):
-        return old
     sizes = [v.numel() * v.element_size() for v in values]
     sources = _find_sources(ptrs, sizes, ordinal)
     try:
@@ -222,11 +228,11 @@ def _prepare(store: Any, name: str, names: List[str], values: List[Any],
         for n, p, nb, (shape, dt) in zip(names, ptrs, sizes, metas):
             st = st_dtype_of(dt)
             if nb == 0:
-                entries.append(TensorEntry(n, st, shape, span, span))
+                entries.append(TensorEntry(n, st, tuple(shape), span, span))
                 continue
             j = bisect.bisect_right(bases, p) - 1
             off = starts[j] + p - bases[j]
-            entries.append(TensorEntry(n, st, shape, off, off + nb))
+            entries.append(TensorEntry(n, st, tuple(shape), off, off + nb))
         entries.sort(key=lambda e: (e.begin, e.end))
         for a, b in zip(entries, entries[1:]):
             if b.begin < a.end:
@@ -327,11 +333,12 @@ def forget(store: Any) -> None:
 
 _opens = [0]
 _cache_lock = threading.Lock()
-# name -> {region bytes: close} of the latest version read under that name: one
-# reference per region kept between leases, so that the next version over the same
-# allocations maps nothing new. The older version's references go when a newer one
-# is read (its leases keep their own).
-_kept: Dict[str, Dict[bytes, Any]] = {}
+# name -> the regions of the latest version read under that name, mapped. A lease of
+# a later version with the same sources table shares them (no driver call, no
+# parse); one with another table maps anew, taking its references before the older
+# set lets go, so that regions both have stay mapped. A set is unmapped once it is
+# no longer the latest and no lease uses it.
+_latest: Dict[str, "SourceMaps"] = {}
 
 
 def driver_opens() -> int:
@@ -361,25 +368,25 @@ class RegionView:
 
 
 class SourceMaps:
-    """The regions of one no-copy version, mapped (read-only, through the process-wide
-    mapping cache of mapping.map_region): ``addresses(off, size)`` turns offsets of
-    the version (arrays) into device addresses, checking that each range lies inside
-    one region. ``close()`` drops this lease's references."""
+    """The regions of a no-copy version, mapped (read-only, through the process-wide
+    mapping cache of mapping.map_region), shared by the leases of the versions with
+    the same sources table (see ``acquire``): ``addresses(off, size)`` turns offsets
+    of the version (arrays) into device addresses, checking that each range lies
+    inside one region."""
 
-    def __init__(self, name: str, table: bytes, fds: List[int], ordinal: int):
+    def __init__(self, name: str, table: bytes, fds: List[int], ordinal: int, before: Optional["SourceMaps"]):
         import numpy as np
         from .mapping import map_region
-        self.name, self.ordinal = name, ordinal
+        self.name, self.table, self.ordinal = name, table, ordinal
+        self.users = 0
         encoded = decode_sources(table)
         regions = [Region.from_bytes(b) for b in encoded]
         starts, self.span = source_starts([r.size for r in regions])
         self.starts = np.array(starts, dtype=np.uint64)
         self.sizes = np.array([r.size for r in regions], dtype=np.uint64)
         self._closes: List[Any] = []
-        with _cache_lock:
-            old = _kept.get(name, {})
-        fresh: Dict[bytes, Any] = {}   # references to keep for regions not kept yet
-        mapped: List[bytes] = []
+        self.keys: Set[bytes] = set()
+        had = before.keys if before is not None else set()
         ptrs: List[int] = []
         fi = 0
         me = os.getpid()
@@ -402,27 +409,43 @@ class SourceMaps:
                                     "in the publisher's PID namespace and while it lives)" % e.detail) from None
                 if close is not None:
                     self._closes.append(close)
-                    mapped.append(b)
-                    if b not in old and b not in fresh:
-                        if r.exporter_pid != me or r.kind == KIND_VMM_FD:
-                            _opens[0] += 1
-                        fresh[b] = map_region(r, mine, writable=False)[2]
+                    if b not in had and b not in self.keys and (r.exporter_pid != me or r.kind == KIND_VMM_FD):
+                        _opens[0] += 1
+                    self.keys.add(b)
                 ptrs.append(addr)
         except BaseException:
             self.close()
-            for c in fresh.values():
-                c()
             raise
-        with _cache_lock:
-            prev = _kept.get(name, {})
-            kept = {b: prev[b] if b in prev else fresh[b] for b in mapped if b in prev or b in fresh}
-            drop = [c for b, c in prev.items() if b not in kept]
-            drop += [c for b, c in fresh.items() if kept.get(b) is not c]
-            _kept[name] = kept
-        for c in drop:
-            c()
         self.bases = np.array(ptrs, dtype=np.uint64)
         self.delta = self.bases - self.starts   # modulo 2^64: added back in addresses()
+
+    @classmethod
+    def acquire(cls, name: str, table: bytes, fds: List[int], ordinal: int) -> "SourceMaps":
+        """The mapped regions of a version of ``name`` with this sources table, for one
+        more lease (``release`` when it ends)."""
+        with _cache_lock:
+            cur = _latest.get(name)
+            if cur is not None and cur.table == table and cur.ordinal == ordinal:
+                cur.users += 1
+                return cur
+        new = cls(name, table, fds, ordinal, cur)
+        with _cache_lock:
+            new.users += 1
+            prev = _latest.get(name)
+            _latest[name] = new
+            gone = prev is not None and prev.users == 0
+        if gone:
+            assert prev is not None
+            prev.close()
+        return new
+
+    def release(self) -> None:
+        """One lease of these regions ended."""
+        with _cache_lock:
+            self.users -= 1
+            gone = self.users == 0 and _latest.get(self.name) is not self
+        if gone:
+            self.close()
 
     def region_of(self, off: int) -> int:
         import numpy as np
@@ -450,7 +473,7 @@ class SourceMaps:
                 TensorEntry(e.name, e.dtype, e.shape, e.begin - start, e.end - start))
 
     def close(self) -> None:
-        """Drop this lease's references (kept mappings stay for the next version)."""
+        """Drop the references to the regions (each is unmapped with its last one)."""
         closes, self._closes = self._closes, []
         for c in closes:
             try:
@@ -460,13 +483,13 @@ class SourceMaps:
 
 
 def forget_kept() -> None:
-    """Drop every kept mapping (each closes once no lease uses it either)."""
+    """Let go of the regions of the latest versions read (each set is unmapped once no
+    lease uses it)."""
     with _cache_lock:
-        kept = list(_kept.values())
-        _kept.clear()
-    for k in kept:
-        for c in k.values():
-            c()
+        sets = [m for m in _latest.values() if m.users == 0]
+        _latest.clear()
+    for m in sets:
+        m.close()
 
 
 def lease_sources(store: Any, r: Any, p: Any, info: Any, name: str) -> Tuple[SourceMaps, bytes]:
@@ -483,7 +506,7 @@ def lease_sources(store: Any, r: Any, p: Any, info: Any, name: str) -> Tuple[Sou
             raise InternalError("get", name, "the manifest memfd is shorter than its manifest and sources table")
         _more_fds(store._conn, name, r.resp.get.lease_id, fds, p.files)
         ordinal = _cuda.pick_ordinal(bytes.fromhex(p.device[4:].replace("-", "")))
-        maps = SourceMaps(name, raw[int(info.manifest_size):], fds, ordinal)
+        maps = SourceMaps.acquire(name, raw[int(info.manifest_size):], fds, ordinal)
         return maps, raw[:int(info.manifest_size)]
     finally:
         if mfd >= 0:

@@ -98,6 +98,8 @@ class Store:
         self.server = ServerInfo(h.version, h.server_version, h.pid, h.backend)
         if fast_path:
             self._open_lease_table()
+        if h.backend == "cuda":
+            _warm_gpu()
 
     def _open_lease_table(self) -> None:
         """Ask for this connection's lease table (docs/protocol.md 6.7). Without a
@@ -335,7 +337,7 @@ class Store:
             raise
         share = SHARE_VMM_FD if p.kind == pb.Placement.VMM_FD else SHARE_CUDA_IPC
         rec = Record(self._conn, name, p.size, p.device, 0, maps.ordinal, False, share, None,
-                     GPUClose(maps.close), desc, Release(g.lease_id))
+                     GPUClose(maps.release), desc, Release(g.lease_id))
         rec.lease_id, rec.info_pb = g.lease_id, info
         return _nocopy.SourcesLease(Hold(rec), rec, manifest, maps)
 
@@ -423,6 +425,31 @@ class Store:
 
     def __repr__(self) -> str:
         return "<cudaipc.Store %s backend=%s>" % (self.socket, getattr(self, "server", None) and self.server.backend)
+
+
+_warmed = False
+
+
+def _warm_gpu() -> None:
+    """The one-time set-up of this process that a GPU bundle's first version would
+    otherwise pay inside its publish -> loaded time (tens of milliseconds): importing
+    NumPy (copy plans), loading the driver bindings, resolving the batched copy. Done
+    when the first connection to a GPU daemon is made; what is missing is left to
+    fail where it is needed, with its own message."""
+    global _warmed
+    if _warmed:
+        return
+    _warmed = True
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        pass
+    try:
+        from . import _cuda, _cuda_ctypes
+        _cuda.driver()
+        _cuda_ctypes._proc("cuMemcpyBatchAsync", _cuda_ctypes._BATCH_VERSION, _cuda_ctypes._BATCH_PROTO)
+    except Exception:  # noqa: BLE001 - no driver or bindings here: GPU calls say so when made
+        pass
 
 
 def connect(socket: Optional[str] = None, client_name: Optional[str] = None, *,
