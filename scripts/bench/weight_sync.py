@@ -11,6 +11,13 @@ publish (its new weights are in its memory) until the consumer's copies are comp
                  seals it; the consumer wait_newer's it and load_into's its params
   cudaipc-put    the producer's weights are its own tensors: put_bundle copies them
                  into the new version, seals; the consumer as above
+  cudaipc-nocopy the producer's own tensors without a copy: put_bundle(copy=False)
+                 publishes a version that points into them (one region per CUDA
+                 allocation); before changing them the producer waits until the
+                 consumer released the last version (wait_released); the consumer
+                 as above, copying straight from the producer's memory. Reported
+                 beside: the reader's driver opens per version (expected: the
+                 producer's allocations on the first version, 0 afterwards)
   per-tensor     PyTorch's per-tensor IPC (reduce_tensor / rebuild_cuda_tensor, as
                  OpenRLHF and vLLM use it), one handle per tensor, then copy_
   bucketed       verl-style: one 2 GB IPC buffer shared once; the producer packs
@@ -22,6 +29,13 @@ publish (its new weights are in its memory) until the consumer's copies are comp
 
 Data is random on every version and checked on the consumer: an int64 checksum of
 every tensor's bits against the producer's.
+
+The first version is reported apart, broken down (consumer: publish -> lease, of
+which opening arenas or regions with the driver; manifest parse; plan build;
+copies; producer: create, of which the daemon's allocation and zeroing of a new
+arena, and its mapping), beside the driver's own cost of allocating that memory,
+measured alone in the floor process (cuMemAlloc of the same bytes, and the
+cuMemsetD8 the daemon zeroes a new arena with).
 
     python3 scripts/bench/weight_sync.py --bin path/to/cudaipc --json out.json
     python3 scripts/bench/weight_sync.py --bin ... --producer-gpu 1 --consumer-gpu 0 --models dense
@@ -131,6 +145,45 @@ def now() -> float:
     return time.perf_counter()   # CLOCK_MONOTONIC: comparable across processes
 
 
+class Probe:
+    """Time spent in some of cudaipc's functions (wrapped in place), per version:
+    where a first version's time goes."""
+
+    def __init__(self) -> None:
+        self.t: Dict[str, float] = {}
+        self.n: Dict[str, int] = {}
+
+    def wrap(self, obj: Any, attr: str, key: str) -> None:
+        f = getattr(obj, attr)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = now()
+            try:
+                return f(*a, **k)
+            finally:
+                self.t[key] = self.t.get(key, 0.0) + now() - t0
+                self.n[key] = self.n.get(key, 0) + 1
+        setattr(obj, attr, timed)
+
+    def take(self) -> Dict[str, float]:
+        out = dict(self.t)
+        out.update({"n_" + k: float(v) for k, v in self.n.items()})
+        self.t, self.n = {}, {}
+        return out
+
+
+def probe_cudaipc(store: Any) -> Probe:
+    import cudaipc
+    from cudaipc import _cuda, _plan, bundle, mapping
+    p = Probe()
+    p.wrap(_cuda, "ipc_open", "open")        # arenas (and legacy regions): cuIpcOpenMemHandle when new
+    p.wrap(mapping, "map_region", "map")     # no-copy regions (legacy or VMM)
+    p.wrap(bundle, "layout_of", "parse")     # the manifest, parsed once per distinct manifest
+    p.wrap(_plan, "plan_for", "plan")        # the copy plan, built once per layout and tensors
+    p.wrap(store, "create", "create")        # a put's create: the daemon allocates (and zeroes) a new arena
+    return p
+
+
 # -- producer ---------------------------------------------------------------------------
 
 def producer(conn, cfg) -> None:
@@ -144,6 +197,7 @@ def producer(conn, cfg) -> None:
     where = cfg["producer_gpu"] if dev.type == "cuda" else "host"
     shapes = MODELS[cfg["model"]]()
     store = cudaipc.connect(cfg["socket"])
+    probe = probe_cudaipc(store)
     params = None
     for path, versions in cfg["paths"]:
         name = "%s-%s" % (cfg["model"], path)
@@ -156,6 +210,10 @@ def producer(conn, cfg) -> None:
             conn.send(("bucket", reduce_tensor(buf)))
             conn.recv()
         for v in range(1, versions + 1):
+            if path == "cudaipc-nocopy":
+                # Readers copy straight from params: none may hold the last version
+                # when they change.
+                store.wait_released(name, 120)
             if path == "cudaipc":
                 w = B.create_bundle(store, name, {n: (torch.bfloat16, s) for n, s in shapes}, where,
                                     publish=True, keep_last=1)
@@ -166,11 +224,14 @@ def producer(conn, cfg) -> None:
             sync(dev)
             sums = checksums(src)
             assert conn.recv() == "ready"
+            probe.take()
             t0 = now()
             if path == "cudaipc":
                 w.seal()
             elif path == "cudaipc-put":
                 B.put_bundle(store, name, params, where, publish=True, keep_last=1)
+            elif path == "cudaipc-nocopy":
+                B.put_bundle(store, name, params, where, publish=True, keep_last=1, copy=False)
             elif path == "per-tensor":
                 conn.send(("handles", [(n, reduce_tensor(t)) for n, t in params.items()]))
             elif path == "bucketed":
@@ -188,9 +249,18 @@ def producer(conn, cfg) -> None:
                     off = (off + k + 255) // 256 * 256
                 sync(dev)
                 conn.send(("chunk", meta, True))
-            conn.send(("sums", t0, sums))
+            t_pub = now() - t0
+            extra = probe.take()
+            extra["publish"] = t_pub
+            if path == "cudaipc-nocopy":
+                from cudaipc import _nocopy
+                pub = _nocopy._published.get((id(store), name))
+                extra["allocations"] = float(len(pub.sources)) if pub is not None else -1.0
+            conn.send(("sums", t0, sums, extra))
             assert conn.recv() == "done"
-        if path in ("cudaipc", "cudaipc-put"):
+        if path in ("cudaipc", "cudaipc-put", "cudaipc-nocopy"):
+            if path == "cudaipc-nocopy":
+                store.wait_released(name, 120)
             store.rm(name)
         if path == "bucketed":
             del buf
@@ -211,10 +281,15 @@ def consumer(conn, cfg, results) -> None:
     shapes = MODELS[cfg["model"]]()
     params = alloc(shapes, dev)
     store = cudaipc.connect(cfg["socket"])
+    probe = probe_cudaipc(store)
+    from cudaipc import _nocopy
     total = nbytes(params)
     for path, versions in cfg["paths"]:
         name = "%s-%s" % (cfg["model"], path)
         times, bad = [], 0
+        firsts: Dict[str, Any] = {}
+        opens: List[int] = []
+        allocs = 0
         stages: Dict[str, List[float]] = {"get": [], "load": [], "copy": []}
         how = ""
         bucket = None
@@ -226,7 +301,9 @@ def consumer(conn, cfg, results) -> None:
         seen = 0
         for v in range(1, versions + 1):
             conn.send("ready")
-            if path in ("cudaipc", "cudaipc-put"):
+            probe.take()
+            o0 = _nocopy.driver_opens()
+            if path in ("cudaipc", "cudaipc-put", "cudaipc-nocopy"):
                 b = B.get_bundle(store, name, timeout=120, newer_than=seen)
                 tg = now()
                 seen = b.version
@@ -260,7 +337,13 @@ def consumer(conn, cfg, results) -> None:
                         break
                     conn.send("ack")
                 t1 = now()
-            tag, t0, sums = conn.recv()
+            tag, t0, sums, extra = conn.recv()
+            got = probe.take()
+            if path == "cudaipc-nocopy":
+                opens.append(_nocopy.driver_opens() - o0)
+                allocs = int(extra.get("allocations", -1))
+            if v == 1:
+                firsts = {"consumer": got, "producer": extra}
             if checksums(params) != sums:
                 bad += 1
             times.append(t1 - t0)
@@ -271,7 +354,10 @@ def consumer(conn, cfg, results) -> None:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         r = {"model": cfg["model"], "path": path, "times": times, "bad_versions": bad,
-             "versions": versions, "bytes": total, "tensors": len(params)}
+             "versions": versions, "bytes": total, "tensors": len(params), "first": firsts}
+        if opens:
+            r["driver_opens"] = opens
+            r["producer_allocations"] = allocs
         if stages["get"]:
             r["stages"] = stages
             r["how"] = how
@@ -324,11 +410,39 @@ def floor(cfg, results) -> None:
         flat.append(now() - t0)
     results.put({"model": cfg["model"], "path": "floor", "times": per, "bad_versions": 0 if ok else 1,
                  "versions": len(per), "bytes": total, "tensors": len(src)})
+    if pg.type == "cuda":
+        del a, b
+        torch.cuda.empty_cache()
+        al, ze = alloc_floor(total, pg.index, cfg["floor_reps"])
+        results.put({"model": cfg["model"], "path": "floor-alloc", "times": al, "bad_versions": 0,
+                     "versions": len(al), "bytes": total, "tensors": 1,
+                     "how": "cuMemAlloc of the same bytes, alone (first %.2f ms); cuMemsetD8 zeroing them: median %.2f ms"
+                            % (al[0] * 1e3, statistics.median(ze) * 1e3), "zero_times": ze})
     results.put({"model": cfg["model"], "path": "floor-flat", "times": flat, "bad_versions": 0,
                  "versions": len(flat), "bytes": total, "tensors": 1})
     if batch:
         results.put({"model": cfg["model"], "path": "floor-batch", "times": batch, "bad_versions": 0 if ok else 1,
                      "versions": len(batch), "bytes": total, "tensors": len(src), "how": how})
+
+
+def alloc_floor(total: int, ordinal: int, reps: int) -> Tuple[List[float], List[float]]:
+    """What the driver itself needs to allocate ``total`` bytes (cuMemAlloc, as the
+    daemon allocates an arena), and to zero them (cuMemsetD8, as the daemon zeroes a
+    new arena), each timed alone, in a process whose context is up."""
+    from cudaipc import _cuda
+    cu = _cuda.driver()
+    al, ze = [], []
+    with _cuda.on(ordinal):
+        for _ in range(reps):
+            t0 = now()
+            ptr = _cuda.check("cuMemAlloc", cu.cuMemAlloc(total))
+            al.append(now() - t0)
+            t0 = now()
+            _cuda.check("cuMemsetD8", cu.cuMemsetD8(ptr, 0, total))
+            _cuda.check("cuCtxSynchronize", cu.cuCtxSynchronize())
+            ze.append(now() - t0)
+            _cuda.check("cuMemFree", cu.cuMemFree(ptr))
+    return al, ze
 
 
 def floor_batch(s, d, pg, cg, reps) -> Tuple[List[float], str]:
@@ -377,7 +491,7 @@ def run_model(cfg) -> List[dict]:
 
 def collect(cfg, results, p, c) -> List[dict]:
     out = []
-    want = 3 + len(cfg["paths"]) if cfg["consumer_gpu"] >= 0 else 2 + len(cfg["paths"])
+    want = 4 + len(cfg["paths"]) if cfg["consumer_gpu"] >= 0 else 2 + len(cfg["paths"])
     deadline = time.monotonic() + cfg["timeout"]
     while len(out) < want and time.monotonic() < deadline:
         try:
@@ -410,6 +524,17 @@ def summarize(r: dict) -> str:
             "", m["get"] * 1e3, m["load"] * 1e3, m["copy"] * 1e3, st["load"][0] * 1e3)
     if r.get("how"):
         out += "\n  %-11s   %s" % ("", r["how"])
+    if r.get("driver_opens"):
+        out += "\n  %-11s   reader driver opens per version %s (the producer's allocations: %d)" % (
+            "", r["driver_opens"], r.get("producer_allocations", -1))
+    f = r.get("first")
+    if f and r["path"].startswith("cudaipc"):
+        c, p = f.get("consumer", {}), f.get("producer", {})
+        ms = lambda d, k: d.get(k, 0.0) * 1e3  # noqa: E731
+        out += ("\n  %-11s   first version: consumer opens %.2f ms (%d), region maps %.2f ms (%d), manifest parse %.2f ms, "
+                "plan %.2f ms; producer publish %.2f ms, of which create %.2f ms, opens %.2f ms, plan %.2f ms" % (
+                    "", ms(c, "open"), c.get("n_open", 0), ms(c, "map"), c.get("n_map", 0), ms(c, "parse"), ms(c, "plan"),
+                    ms(p, "publish"), ms(p, "create"), ms(p, "open"), ms(p, "plan")))
     return out
 
 
@@ -422,7 +547,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", default=shutil.which("cudaipc") or os.path.join(REPO, "cudaipc"), help="the cudaipc binary")
     ap.add_argument("--models", default="dense,moe")
-    ap.add_argument("--paths", default="cudaipc,cudaipc-put,per-tensor,bucketed")
+    ap.add_argument("--paths", default="cudaipc,cudaipc-put,cudaipc-nocopy,per-tensor,bucketed")
     ap.add_argument("--versions", type=int, default=5, help="versions per path (the first is reported apart)")
     ap.add_argument("--per-tensor-versions-moe", type=int, default=3)
     ap.add_argument("--producer-gpu", type=int, default=0)
@@ -437,6 +562,8 @@ def main() -> None:
     log = open(os.path.join(d, "daemon.log"), "w")
     if args.smoke:
         args.models, args.producer_gpu, args.consumer_gpu, args.capacity = "smoke", -1, -1, "256MiB"
+        # Publishing without a copy shares CUDA memory: not in host memory.
+        args.paths = ",".join(p for p in args.paths.split(",") if p != "cudaipc-nocopy")
     daemon = subprocess.Popen([args.bin, "serve", "--socket", sock, "--backend", "host" if args.smoke else "cuda",
                                "--capacity", args.capacity,
                                "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
@@ -465,6 +592,16 @@ def main() -> None:
             for r in rs:
                 if "x_floor" in r:
                     print("  %-11s %6.2fx floor" % (r["path"], r["x_floor"]), flush=True)
+            fa = next((r for r in rs if r["path"] == "floor-alloc" and "median_s" in r), None)
+            for r in rs:
+                if fa is not None and r["path"].startswith("cudaipc") and "median_s" in r:
+                    # The first version's target: twice the steady state plus what the
+                    # driver needs to allocate the bytes (its first cuMemAlloc, alone).
+                    bound = 2 * r["median_s"] + fa["first_s"]
+                    r["first_bound_s"] = bound
+                    print("  %-11s first version %.2f ms; 2x steady %.2f ms + allocation floor %.2f ms = %.2f ms: %.2fx that" % (
+                        r["path"], r["first_s"] * 1e3, 2 * r["median_s"] * 1e3, fa["first_s"] * 1e3, bound * 1e3,
+                        r["first_s"] / bound), flush=True)
             all_results += rs
         if args.json:
             with open(args.json, "w") as f:
