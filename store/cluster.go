@@ -14,36 +14,51 @@ import (
 
 // ClusterHook connects the store to a cluster of daemons (package
 // cluster/node implements it). The store calls it where its own name
-// table ends: a get that finds nothing (Fetch), a cluster-visible object
-// sealed (Sealed), deleted by its owner (Deleted) or gone otherwise
-// (Dropped). Its methods are called without the store's lock held.
+// table ends: a get that finds nothing (Fetch), a cluster-visible object or
+// shard sealed (Sealed), a cluster-visible name deleted by its owner
+// (Deleted) or an object gone otherwise (Dropped). Its methods are called
+// without the store's lock held.
 type ClusterHook interface {
 	// Fetch is called when a get of owner's name by uid reader finds
-	// nothing the reader may read here. It returns nil once a sealed local
-	// replica is there (the get then leases it), an error wrapping
-	// ErrNotFound when the cluster has nothing under that name either (the
-	// get goes on as without a cluster), or another error, which the get
-	// returns. ctx bounds it.
-	Fetch(ctx context.Context, reader, owner uint32, name string) error
-	// Sealed is called when the cluster-visible object obj was sealed on
-	// this node, before the seal is answered: it publishes the object and
+	// nothing the reader may read here, as sel says (the zero ClusterGet:
+	// a plain get, of an object or a versioned name's latest version). It
+	// returns nil once a sealed local replica is there, or nothing more can
+	// come before ctx ends (the get then goes on: leased, or waiting, or
+	// timed out), an error wrapping ErrNotFound when the cluster has
+	// nothing under that name either (the get goes on as without a
+	// cluster), or another error, which the get returns.
+	Fetch(ctx context.Context, reader, owner uint32, name string, sel ClusterGet) error
+	// Sealed is called when the cluster-visible object or shard obj was
+	// sealed on this node, before the seal is answered: it publishes it and
 	// returns its cluster incarnation id, or why it could not.
 	Sealed(ctx context.Context, obj ClusterObject) (id string, err error)
-	// Deleted is called after the owner deleted a cluster-visible object on
-	// this node: the name goes from the cluster.
+	// Deleted is called after the owner deleted a cluster-visible name on
+	// this node (a plain object, or a versioned name with all its
+	// versions): the name goes from the cluster.
 	Deleted(obj ClusterObject)
-	// Dropped is called after a cluster-visible object left this node
-	// otherwise (evicted, or removed because the cluster deleted it): the
-	// node no longer holds it.
+	// Dropped is called after a cluster-visible object or shard left this
+	// node otherwise (evicted, a version retired, or removed because the
+	// cluster deleted it): the node no longer holds it.
 	Dropped(obj ClusterObject)
 }
 
-// ClusterObject names a cluster-visible object of this node.
+// ClusterGet is what a get asks for: the zero value is a plain get.
+type ClusterGet struct {
+	Version   uint64
+	Shard     uint32
+	NewerThan uint64
+}
+
+// ClusterObject names a cluster-visible object of this node: a plain
+// object (Version 0) or one shard of a version of a versioned name.
 type ClusterObject struct {
 	Owner  uint32
 	Name   string // in the owner's namespace, without "UID:"
 	Size   int64
 	Shared bool
+	// Version, Shard and Shards place a shard in its version.
+	Version       uint64
+	Shard, Shards uint32
 	// ID is its cluster incarnation id ("" until published).
 	ID string
 }
@@ -54,40 +69,80 @@ const DefaultClusterFetchTimeout = 2 * time.Minute
 
 func (o *object) clusterObject() ClusterObject {
 	uid, name, _ := protocol.SplitOwner(o.name)
-	return ClusterObject{Owner: uid, Name: name, Size: o.size, Shared: o.shared, ID: o.clusterID}
+	co := ClusterObject{Owner: uid, Name: name, Size: o.size, Shared: o.shared, ID: o.clusterID}
+	if v := o.ver; v != nil {
+		co.Version, co.Shard, co.Shards = v.n, uint32(o.shard), uint32(len(v.shards))
+	}
+	return co
 }
 
-// clusterGoneLocked tells the hook that the cluster-visible object o left
-// this node: deleted by its owner (the cluster name goes) or not.
+// clusterGoneLocked tells the hook that the cluster-visible object or
+// shard o left this node: deleted by its owner (a plain object's name goes
+// from the cluster) or not.
 func (s *Store) clusterGoneLocked(o *object, deleted bool) {
 	h := s.cfg.Cluster
-	if h == nil || !o.cluster || !o.sealed || o.clusterID == "" || o.ver != nil {
+	if h == nil || !o.cluster || !o.sealed || o.clusterID == "" {
 		return
 	}
 	co := o.clusterObject()
 	o.clusterID = "" // told once
-	if deleted {
+	if deleted && o.ver == nil {
 		go h.Deleted(co)
 	} else {
 		go h.Dropped(co)
 	}
 }
 
-// clusterSealed publishes the cluster-visible object just sealed under
-// name (qualified), if it is one.
-func (ss *session) clusterSealed(ctx context.Context, name string) error {
+// clusterSeriesDeletedLocked tells the hook that the owner deleted the
+// versioned name sr, if any of its shards is cluster-visible.
+func (s *Store) clusterSeriesDeletedLocked(sr *series) {
+	h := s.cfg.Cluster
+	if h == nil {
+		return
+	}
+	published := false
+	for _, v := range sr.versions {
+		for _, o := range v.shards {
+			if o != nil && o.cluster && o.clusterID != "" {
+				published = true
+				o.clusterID = "" // the whole name goes: no Dropped per shard
+			}
+		}
+	}
+	if published {
+		uid, name, _ := protocol.SplitOwner(sr.name)
+		go h.Deleted(ClusterObject{Owner: uid, Name: name})
+	}
+}
+
+// clusterObjectLocked finds the object or shard a cluster call names.
+func (s *Store) clusterObjectLocked(qname string, version uint64, shard uint32) *object {
+	e := s.lookupLocked(qname)
+	switch {
+	case version == 0 && e.is(kindObject):
+		return e.obj
+	case version != 0 && e.is(kindSeries):
+		if v := e.ser.versions[version]; v != nil && int(shard) < len(v.shards) {
+			return v.shards[shard]
+		}
+	}
+	return nil
+}
+
+// clusterSealed publishes the cluster-visible object or shard just sealed,
+// if it is one.
+func (ss *session) clusterSealed(ctx context.Context, name string, version uint64, shard uint32) error {
 	s := ss.s
 	h := s.cfg.Cluster
 	if h == nil {
 		return nil
 	}
 	s.mu.Lock()
-	e := s.lookupLocked(name)
-	if !e.is(kindObject) || !e.obj.cluster || !e.obj.sealed || e.obj.clusterID != "" {
+	o := s.clusterObjectLocked(name, version, shard)
+	if o == nil || !o.cluster || !o.sealed || o.clusterID != "" {
 		s.mu.Unlock()
 		return nil
 	}
-	o := e.obj
 	co := o.clusterObject()
 	s.mu.Unlock()
 	id, err := h.Sealed(ctx, co)
@@ -130,7 +185,8 @@ func (f *ClusterFile) Release() {
 }
 
 // Seal seals a replica made by CreateReplica: it becomes an ordinary sealed
-// local object, cluster-visible, of incarnation id. Release it afterwards.
+// local object (or shard: its version is published here once all its
+// shards are), cluster-visible, of incarnation id. Release it afterwards.
 func (f *ClusterFile) Seal() error {
 	if f.commit == nil || f.ss == nil {
 		return errors.New("store: seal of a cluster read or of a released replica")
@@ -140,25 +196,36 @@ func (f *ClusterFile) Seal() error {
 	return err
 }
 
-// LeaseCluster takes a daemon-side lease on owner's sealed cluster-visible
-// object name of incarnation id ("" for any), which keeps it from being
-// evicted or its memory reused until Release, and returns its arena's
-// read-only memfd. It fails with ErrNotFound when there is no such object.
-func (s *Store) LeaseCluster(owner uint32, name, id string) (*ClusterFile, error) {
+// LeaseCluster gives the cluster side of the daemon read access to owner's
+// sealed cluster-visible object name (version 0) or shard of a version, of
+// incarnation id ("" for any), and returns its arena's read-only memfd. A
+// plain object or a shard of a published version is leased by the daemon
+// itself until Release, so it is neither evicted nor its memory reused;
+// a shard of a version not yet published (its other shards are being
+// written) cannot be evicted either. It fails with ErrNotFound when there
+// is no such object.
+func (s *Store) LeaseCluster(owner uint32, name string, version uint64, shard uint32, id string) (*ClusterFile, error) {
 	qname := protocol.QualifiedName(owner, name)
 	ss, err := s.newSession(context.Background(), peer{uid: owner})
 	if err != nil {
 		return nil, err
 	}
 	s.mu.Lock()
-	e := s.lookupLocked(qname)
-	if !e.is(kindObject) || !e.obj.cluster || !e.obj.sealed || (id != "" && e.obj.clusterID != id) {
+	o := s.clusterObjectLocked(qname, version, shard)
+	if o == nil || !o.cluster || !o.sealed || (id != "" && o.clusterID != id) {
 		s.mu.Unlock()
 		ss.close(errors.New("cluster read refused"))
-		return nil, fmt.Errorf("cluster object %q (incarnation %s): %w", qname, id, ErrNotFound)
+		return nil, fmt.Errorf("cluster object %q version %d shard %d (incarnation %s): %w", qname, version, shard, id, ErrNotFound)
+	}
+	var p placement
+	leased := o.ver == nil || o.ver.visible
+	if !leased {
+		p, err = ss.placeLocked(o, false)
 	}
 	s.mu.Unlock()
-	p, err := ss.tryGet(qname, versionSel{})
+	if leased {
+		p, err = ss.tryGet(qname, versionSel{version: version, shard: shard})
+	}
 	if err == nil && p.kind != storev1.Placement_HOST {
 		p.closeShare()
 		err = invalidf("cluster object %q is not in host memory", qname)
@@ -171,23 +238,29 @@ func (s *Store) LeaseCluster(owner uint32, name, id string) (*ClusterFile, error
 		return nil, err
 	}
 	f := &ClusterFile{File: p.share.file, ArenaID: p.arenaID, ArenaSize: p.arenaSize, Offset: p.offset, Size: p.size, ss: ss}
-	lease := p.leaseID
-	f.release = func() error { return ss.release(lease) }
+	if leased {
+		lease := p.leaseID
+		f.release = func() error { return ss.release(lease) }
+	}
 	return f, nil
 }
 
-// CreateReplica makes an unsealed host object for a replica of owner's
-// cluster object name pulled from another node, and returns its arena's
-// read-write memfd for the pull to write through. Seal makes it an
-// ordinary sealed local object, cluster-visible; Release before Seal
-// removes it.
-func (s *Store) CreateReplica(owner uint32, name string, size int64, shared bool, id string) (*ClusterFile, error) {
-	qname := protocol.QualifiedName(owner, name)
-	ss, err := s.newSession(context.Background(), peer{uid: owner})
+// CreateReplica makes an unsealed host object for a replica of obj (a
+// plain object, or a shard of a version) pulled from another node, and
+// returns its arena's read-write memfd for the pull to write through.
+// Seal makes it an ordinary sealed local object, cluster-visible; Release
+// before Seal removes it.
+func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
+	qname := protocol.QualifiedName(obj.Owner, obj.Name)
+	ss, err := s.newSession(context.Background(), peer{uid: obj.Owner})
 	if err != nil {
 		return nil, err
 	}
-	p, _, err := ss.create(createReq{name: qname, size: size, shared: shared, cluster: true})
+	r := createReq{name: qname, size: obj.Size, shared: obj.Shared, cluster: true}
+	if obj.Version != 0 {
+		r.versioned, r.version, r.shard, r.shards = true, obj.Version, obj.Shard, obj.Shards
+	}
+	p, _, err := ss.create(r)
 	if err == nil && (p.share == nil || p.share.file == nil) {
 		err = fmt.Errorf("%w: no arena descriptor for replica %q", protocol.ErrInternal, qname)
 	}
@@ -198,21 +271,22 @@ func (s *Store) CreateReplica(owner uint32, name string, size int64, shared bool
 	f := &ClusterFile{File: p.share.file, ArenaID: p.arenaID, ArenaSize: p.arenaSize, Offset: p.offset, Size: p.size, ss: ss}
 	f.commit = func() error {
 		s.mu.Lock()
-		o, err := ss.draftLocked(qname, 0, 0)
+		defer s.mu.Unlock()
+		o, err := ss.draftLocked(qname, obj.Version, obj.Shard)
 		if err == nil {
-			o.clusterID = id
+			o.clusterID = obj.ID
 			ss.sealLocked(o)
 		}
-		s.mu.Unlock()
 		return err
 	}
 	return f, nil
 }
 
-// DropCluster removes owner's cluster-visible object name of incarnation id
-// ("" for any) from this node (the cluster deleted it), as its owner's delete would,
-// without telling the cluster again. Leases held keep its memory until they
-// end. It reports whether there was such an object.
+// DropCluster removes owner's cluster-visible name from this node (the
+// cluster deleted it): a plain object of incarnation id ("" for any), or a
+// versioned name with all its versions, as its owner's delete would,
+// without telling the cluster again. Leases held keep the memory until they
+// end. It reports whether there was such a name.
 func (s *Store) DropCluster(owner uint32, name, id string) bool {
 	qname := protocol.QualifiedName(owner, name)
 	ss, err := s.newSession(context.Background(), peer{uid: owner})
@@ -222,9 +296,22 @@ func (s *Store) DropCluster(owner uint32, name, id string) bool {
 	defer ss.close(errors.New("cluster drop done"))
 	s.mu.Lock()
 	e := s.lookupLocked(qname)
-	ok := e.is(kindObject) && e.obj.cluster && e.obj.sealed && (id == "" || e.obj.clusterID == id)
-	if ok {
-		e.obj.clusterID = "" // the cluster knows
+	ok := false
+	switch {
+	case e.is(kindObject):
+		ok = e.obj.cluster && e.obj.sealed && (id == "" || e.obj.clusterID == id)
+		if ok {
+			e.obj.clusterID = "" // the cluster knows
+		}
+	case e.is(kindSeries):
+		for _, v := range e.ser.versions {
+			for _, o := range v.shards {
+				if o != nil && o.cluster {
+					ok = true
+					o.clusterID = ""
+				}
+			}
+		}
 	}
 	s.mu.Unlock()
 	if !ok {
@@ -234,34 +321,41 @@ func (s *Store) DropCluster(owner uint32, name, id string) bool {
 }
 
 // clusterCreateOK says whether a create may be cluster-visible: the daemon
-// must be part of a cluster, and for now such objects are plain host
-// objects (UCX reads host memory; GPU objects, versions and bundles do not
+// must be part of a cluster, and for now such objects are host objects
+// without manifests (UCX reads host memory; GPU objects and bundles do not
 // cross nodes yet).
 func (s *Store) clusterCreateOK(r createReq, device string) error {
 	switch {
 	case s.cfg.Cluster == nil:
 		return invalidf("object %q: cluster-visible, but this daemon is not part of a cluster (serve --cluster)", r.name)
-	case r.versioned || r.manifestSize > 0:
-		return invalidf("object %q: versioned names and bundles are not cluster-visible yet: make a plain object", r.name)
+	case r.manifestSize > 0 || r.sourcesSize > 0:
+		return invalidf("object %q: bundles and no-copy versions are not cluster-visible yet", r.name)
 	case device != hostDevice:
 		return invalidf("object %q: cluster-visible objects live in host memory (device %q)", r.name, device)
 	}
 	return nil
 }
 
-// fetchAndGrant answers a get of a name this node lacks on a daemon in a
-// cluster: the hook may pull a replica; then the get goes on as it would
-// have (granted, failed at once, or waiting up to timeoutMs).
-func (cn *conn) fetchAndGrant(id uint64, name string, timeoutMs int64) {
+// fetchAndGrant answers a get of something this node lacks on a daemon in
+// a cluster: the hook may pull a replica; then the get goes on as it would
+// have (granted, failed at once, or waiting for what is left of
+// timeoutMs).
+func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs int64) {
 	ctx := cn.ss.ctx
 	var cancel context.CancelFunc
-	if timeoutMs > 0 && timeoutMs <= math.MaxInt64/int64(time.Millisecond) {
-		ctx, cancel = context.WithTimeout(ctx, time.Duration(timeoutMs)*time.Millisecond)
-	} else {
+	forever := timeoutMs < 0 || timeoutMs > math.MaxInt64/int64(time.Millisecond)
+	var deadline time.Time
+	switch {
+	case forever:
+		ctx, cancel = context.WithCancel(ctx)
+	case timeoutMs > 0:
+		deadline = time.Now().Add(time.Duration(timeoutMs) * time.Millisecond)
+		ctx, cancel = context.WithDeadline(ctx, deadline)
+	default:
 		ctx, cancel = context.WithTimeout(ctx, DefaultClusterFetchTimeout)
 	}
 	owner, bare, _ := protocol.SplitOwner(name)
-	err := cn.s.cfg.Cluster.Fetch(ctx, cn.ss.peer.uid, owner, bare)
+	err := cn.s.cfg.Cluster.Fetch(ctx, cn.ss.peer.uid, owner, bare, ClusterGet{Version: sel.version, Shard: sel.shard, NewerThan: sel.newerThan})
 	cancel()
 	if cn.ss.ctx.Err() != nil {
 		return
@@ -271,11 +365,24 @@ func (cn *conn) fetchAndGrant(id uint64, name string, timeoutMs int64) {
 		cn.reply("get", protocol.ErrorResponse(id, fmt.Errorf("%w: %v", protocol.ErrInternal, err)), nil)
 		return
 	}
-	if timeoutMs != 0 {
-		cn.waitAndGrant(id, name, versionSel{}, timeoutMs)
-		return
+	switch {
+	case timeoutMs == 0:
+		cn.order.Lock()
+		cn.grant(id, name, sel, false)
+		cn.order.Unlock()
+	case forever:
+		cn.waitAndGrant(id, name, sel, timeoutMs)
+	default:
+		left := time.Until(deadline).Milliseconds()
+		if left <= 0 {
+			// Out of time: answer as a get that waited would, at once.
+			cn.order.Lock()
+			if !cn.grant(id, name, sel, true) {
+				cn.replyLocked("get", protocol.ErrorResponse(id, fmt.Errorf("%q was not readable in time: %w", name, ErrTimeout)), nil)
+			}
+			cn.order.Unlock()
+			return
+		}
+		cn.waitAndGrant(id, name, sel, left)
 	}
-	cn.order.Lock()
-	cn.grant(id, name, versionSel{}, false)
-	cn.order.Unlock()
 }

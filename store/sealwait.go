@@ -159,5 +159,5 @@ func (cn *conn) seal(r *storev1.SealRequest) error {
 	if sr.rename != "" {
 		sr.name = sr.rename
 	}
-	return cn.ss.clusterSealed(cn.ss.ctx, sr.name)
+	return cn.ss.clusterSealed(cn.ss.ctx, sr.name, sr.version, sr.shard)
 }

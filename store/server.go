@@ -433,12 +433,12 @@ func (cn *conn) handle(req *storev1.Request) {
 		// Granted at once when the object is there (no goroutine on the
 		// hot path); a get that may wait for a seal waits in its own, so
 		// that it holds up nothing else on the connection.
-		fetch := cn.s.cfg.Cluster != nil && sel == (versionSel{})
+		fetch := cn.s.cfg.Cluster != nil
 		cn.order.Lock()
 		done := cn.grant(id, r.GetName(), sel, r.GetTimeoutMs() != 0 || fetch)
 		cn.order.Unlock()
 		if !done && fetch {
-			cn.wg.Go(func() { cn.fetchAndGrant(id, r.GetName(), r.GetTimeoutMs()) })
+			cn.wg.Go(func() { cn.fetchAndGrant(id, r.GetName(), sel, r.GetTimeoutMs()) })
 		} else if !done {
 			cn.wg.Go(func() { cn.waitAndGrant(id, r.GetName(), sel, r.GetTimeoutMs()) })
 		}

@@ -204,6 +204,7 @@ func (s *Store) freeVersionLocked(v *version) {
 		if o == nil {
 			continue
 		}
+		s.clusterGoneLocked(o, false)
 		o.deleted = true
 		s.forgetCreatorLocked(o)
 		if o.src == nil && v.visible && s.lookupLocked(sr.name) == sr.entry() && sr.spare[i] == nil {
@@ -291,6 +292,7 @@ func (ss *session) seriesInfoLocked(sr *series) (info, bool) {
 // aborted, visible ones freed now or with their last lease.
 func (ss *session) deleteSeriesLocked(sr *series) {
 	s := ss.s
+	s.clusterSeriesDeletedLocked(sr)
 	s.unclaimLocked(sr.name, sr.entry())
 	for i, o := range sr.spare {
 		s.freeLocked(o)

@@ -318,6 +318,32 @@ func TestClusterInNetworkNamespaces(t *testing.T) {
 		}
 	}
 
+	// Versions and newer_than across nodes: A publishes two-shard
+	// versions, B reads the latest, C waits for a newer one.
+	v1, s1 := publishOn(t, a.c, a.name, "ns/policy", 2, 1<<20)
+	if ver, got, err := getVersionOn(ctx, b.c, "ns/policy", client.GetOptions{Version: v1, Shard: 1}); err != nil || ver != v1 || !bytes.Equal(got, s1[1]) {
+		t.Fatalf("policy v%d shard 1 on B: v%d %v", v1, ver, err)
+	}
+	type vres struct {
+		ver uint64
+		b   []byte
+		err error
+	}
+	newer := make(chan vres, 1)
+	go func() {
+		ver, got, err := getVersionOn(ctx, c.c, "ns/policy", client.GetOptions{NewerThan: v1, Wait: true})
+		newer <- vres{ver, got, err}
+	}()
+	v2, s2 := publishOn(t, a.c, a.name, "ns/policy", 2, 1<<20)
+	select {
+	case r := <-newer:
+		if r.err != nil || r.ver != v2 || !bytes.Equal(r.b, s2[0]) {
+			t.Fatalf("newer than v%d on C: v%d %v (want v%d)", v1, r.ver, r.err, v2)
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("C's get newer_than did not return within 60s")
+	}
+
 	// A node without the secret is refused: it can verify no record, and
 	// the holders would refuse its control channel.
 	evilSecret := filepath.Join(dir, "evil-secret")
@@ -420,4 +446,36 @@ func TestClusterInNetworkNamespaces(t *testing.T) {
 	if got, err := a2.get(ctx, "ns/x"); err != nil || !bytes.Equal(got, want) {
 		t.Fatalf("get ns/x on the restarted A: %v", err)
 	}
+}
+
+func publishOn(t *testing.T, c *client.Client, node, name string, shards, size int) (uint64, [][]byte) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var ver uint64
+	var all [][]byte
+	for i := range shards {
+		o, err := c.Publish(ctx, name, int64(size), client.CreateOptions{Cluster: true, Shards: shards, Shard: i, Version: ver})
+		if err != nil {
+			t.Fatalf("publish %s shard %d on %s: %v", name, i, node, err)
+		}
+		ver = o.Version()
+		b := make([]byte, size)
+		rand.NewChaCha8([32]byte{byte(ver), byte(i), 5}).Read(b)
+		copy(o.Bytes(), b)
+		if err := o.Seal(ctx); err != nil {
+			t.Fatalf("seal %s v%d shard %d on %s: %v", name, ver, i, node, err)
+		}
+		all = append(all, b)
+	}
+	return ver, all
+}
+
+func getVersionOn(ctx context.Context, c *client.Client, name string, opts client.GetOptions) (uint64, []byte, error) {
+	l, err := c.GetWith(ctx, name, opts)
+	if err != nil {
+		return 0, nil, err
+	}
+	defer l.Release()
+	return l.Info().Version, bytes.Clone(l.Bytes()), nil
 }

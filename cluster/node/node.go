@@ -211,16 +211,13 @@ func (n *Node) Stats() cluster.PullStats { return n.p.Stats() }
 // while readers pin them.
 func (n *Node) watch(ctx context.Context) {
 	for ev := range n.dir.Watch(ctx) {
-		if ev.Ref.Version != 0 {
-			continue
-		}
 		switch {
 		case ev.Deleted:
 			if n.st.DropCluster(ev.Ref.Owner, ev.Ref.Name, "") {
 				n.log.Info("cluster deleted a name: local replica dropped", "object", ev.Ref.String())
 			}
 		case ev.Pinned:
-			f, err := n.st.LeaseCluster(ev.Ref.Owner, ev.Ref.Name, "")
+			f, err := n.st.LeaseCluster(ev.Ref.Owner, ev.Ref.Name, ev.Ref.Version, ev.Ref.Shard, "")
 			if err != nil {
 				continue // not here (any more): the reader moves on
 			}
@@ -242,31 +239,91 @@ func (n *Node) watch(ctx context.Context) {
 	}
 }
 
-// Fetch implements store.ClusterHook: it pulls owner's name when the
-// cluster has it and the reader may read it.
-func (n *Node) Fetch(ctx context.Context, reader, owner uint32, name string) error {
+// Fetch implements store.ClusterHook: it pulls owner's name, or the
+// version a get asks for, when the cluster has it and the reader may read
+// it. A get of a version newer than some waits on the directory's watch of
+// the name's latest version, as long as ctx allows.
+func (n *Node) Fetch(ctx context.Context, reader, owner uint32, name string, sel store.ClusterGet) error {
+	notFound := func(err error) error {
+		if errors.Is(err, cluster.ErrNotFound) {
+			return fmt.Errorf("%w: %v", store.ErrNotFound, err)
+		}
+		return err
+	}
+	switch {
+	case sel.Version != 0:
+		e, err := n.dir.Lookup(ctx, cluster.Ref{Owner: owner, Name: name, Version: sel.Version})
+		if err != nil {
+			return notFound(err)
+		}
+		return n.pullVersion(ctx, reader, e)
+	case sel.NewerThan != 0:
+		if _, err := n.dir.Latest(ctx, owner, name); err != nil {
+			return notFound(err) // not a cluster name: the get waits locally
+		}
+		l, err := n.dir.WaitNewer(ctx, owner, name, sel.NewerThan)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil // the get times out as it would have
+			}
+			return err
+		}
+		e, err := n.dir.Lookup(ctx, cluster.Ref{Owner: owner, Name: name, Version: l.Version})
+		if err != nil {
+			return notFound(err)
+		}
+		return n.pullVersion(ctx, reader, e)
+	}
 	ref := cluster.Ref{Owner: owner, Name: name}
 	e, err := n.dir.Lookup(ctx, ref)
 	if errors.Is(err, cluster.ErrNotFound) {
-		return fmt.Errorf("%s: %w", ref, store.ErrNotFound)
+		l, lerr := n.dir.Latest(ctx, owner, name)
+		if lerr != nil {
+			return notFound(lerr)
+		}
+		e, err = n.dir.Lookup(ctx, cluster.Ref{Owner: owner, Name: name, Version: l.Version})
+		if err != nil {
+			return notFound(err)
+		}
+		return n.pullVersion(ctx, reader, e)
 	}
 	if err != nil {
 		return err
 	}
-	if !e.Shared && reader != owner && reader != 0 {
+	if !readable(e, reader) {
 		return fmt.Errorf("%s: %w", ref, store.ErrNotFound) // not the reader's to pull
 	}
 	_, err = n.p.Pull(ctx, ref)
-	if errors.Is(err, cluster.ErrNotFound) {
-		return fmt.Errorf("%w: %v", store.ErrNotFound, err)
-	}
-	return err
+	return notFound(err)
 }
 
-// Sealed implements store.ClusterHook: it records the object with the
-// checksums of its chunks, this node as its holder.
+func readable(e cluster.Entry, reader uint32) bool {
+	return e.Shared || reader == e.Owner || reader == 0
+}
+
+// pullVersion pulls every shard of the version whose shard 0 is e: the
+// version is published here when the last is sealed.
+func (n *Node) pullVersion(ctx context.Context, reader uint32, e cluster.Entry) error {
+	if !readable(e, reader) {
+		return fmt.Errorf("%s: %w", e.Ref(), store.ErrNotFound)
+	}
+	for shard := range e.Shards {
+		ref := cluster.Ref{Owner: e.Owner, Name: e.Name, Version: e.Version, Shard: shard}
+		if _, err := n.p.Pull(ctx, ref); err != nil {
+			if errors.Is(err, cluster.ErrNotFound) {
+				return fmt.Errorf("%w: %v", store.ErrNotFound, err)
+			}
+			return err
+		}
+	}
+	return nil
+}
+
+// Sealed implements store.ClusterHook: it records the object (or shard)
+// with the checksums of its chunks, this node as its holder; the last shard
+// of a version recorded commits the version as the name's latest.
 func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, error) {
-	f, err := n.st.LeaseCluster(co.Owner, co.Name, "")
+	f, err := n.st.LeaseCluster(co.Owner, co.Name, co.Version, co.Shard, "")
 	if err != nil {
 		return "", err
 	}
@@ -279,6 +336,7 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 	defer unix.Munmap(base)
 	chunk := cluster.ChunkSizeFor(co.Size)
 	o := cluster.Object{Name: co.Name, Owner: co.Owner, Shared: co.Shared, Size: co.Size, ChunkSize: chunk,
+		Version: co.Version, Shard: co.Shard, Shards: co.Shards,
 		Sums: cluster.Checksums(mem, chunk), ID: cluster.NewID()}
 	if _, err := n.dir.Publish(ctx, o); err != nil {
 		return "", err
@@ -301,7 +359,7 @@ func (n *Node) Deleted(co store.ClusterObject) {
 func (n *Node) Dropped(co store.ClusterObject) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := n.dir.RemoveHolder(ctx, cluster.Ref{Owner: co.Owner, Name: co.Name}); err != nil {
+	if err := n.dir.RemoveHolder(ctx, cluster.Ref{Owner: co.Owner, Name: co.Name, Version: co.Version, Shard: co.Shard}); err != nil {
 		n.log.Warn("withdrawing as a holder failed (the record goes with this node's lease)", "object", co.Name, "err", err)
 	}
 }
@@ -322,7 +380,8 @@ func mapRange(f *os.File, off, size int64, prot int) (mem, whole []byte, err err
 type sink struct{ n *Node }
 
 func (s sink) Create(ctx context.Context, o cluster.Object) (cluster.Replica, error) {
-	f, err := s.n.st.CreateReplica(o.Owner, o.Name, o.Size, o.Shared, o.ID)
+	f, err := s.n.st.CreateReplica(store.ClusterObject{Owner: o.Owner, Name: o.Name, Size: o.Size, Shared: o.Shared,
+		Version: o.Version, Shard: o.Shard, Shards: o.Shards, ID: o.ID})
 	if err != nil {
 		return nil, err
 	}
@@ -376,10 +435,7 @@ type source struct{ n *Node }
 
 func (s source) Expose(ref cluster.Ref, id string) (cluster.Exposure, func(), error) {
 	n := s.n
-	if ref.Version != 0 {
-		return cluster.Exposure{}, nil, fmt.Errorf("%s: %w (versions do not cross nodes yet)", ref, cluster.ErrNotFound)
-	}
-	f, err := n.st.LeaseCluster(ref.Owner, ref.Name, id)
+	f, err := n.st.LeaseCluster(ref.Owner, ref.Name, ref.Version, ref.Shard, id)
 	if err != nil {
 		if errors.Is(err, store.ErrNotFound) {
 			err = fmt.Errorf("%w: %v", cluster.ErrNotFound, err)

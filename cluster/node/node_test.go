@@ -170,11 +170,6 @@ func TestDaemonsShareObjects(t *testing.T) {
 	if _, err := b.get(ctx, "local-only"); !errors.Is(err, client.ErrNotFound) {
 		t.Fatalf("get of A's local object on B: %v", err)
 	}
-	// A daemon without a cluster refuses cluster-visible objects, and a
-	// cluster daemon refuses GPU or versioned ones for now.
-	if _, err := a.c.Create(ctx, "v", 10, client.CreateOptions{Cluster: true, Versioned: true}); !errors.Is(err, client.ErrInvalid) {
-		t.Fatalf("versioned cluster object: %v", err)
-	}
 	// Deleting on C removes every replica.
 	if err := c.c.Delete(ctx, "weights"); err != nil {
 		t.Fatal(err)
@@ -251,5 +246,93 @@ func TestRestartedNodeRejoins(t *testing.T) {
 	n.Close()
 	if !errors.Is(err, cluster.ErrExists) || time.Since(start) > 10*time.Second {
 		t.Fatalf("a second node b: %v after %v, want ErrExists within the TTL", err, time.Since(start))
+	}
+}
+
+// publish writes a version of name on d: shards shards of size bytes each,
+// in one version; it returns the version and the shards' bytes.
+func (d *daemon) publish(t *testing.T, name string, shards, size int) (uint64, [][]byte) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var ver uint64
+	var all [][]byte
+	for i := range shards {
+		o, err := d.c.Publish(ctx, name, int64(size), client.CreateOptions{Cluster: true, Shards: shards, Shard: i, Version: ver})
+		if err != nil {
+			t.Fatalf("publish %s shard %d on %s: %v", name, i, d.name, err)
+		}
+		ver = o.Version()
+		b := make([]byte, size)
+		rand.NewChaCha8([32]byte{byte(ver), byte(i), 3}).Read(b)
+		copy(o.Bytes(), b)
+		if err := o.Seal(ctx); err != nil {
+			t.Fatalf("seal %s v%d shard %d on %s: %v", name, ver, i, d.name, err)
+		}
+		all = append(all, b)
+	}
+	return ver, all
+}
+
+func (d *daemon) getVersion(ctx context.Context, name string, opts client.GetOptions) (uint64, []byte, error) {
+	l, err := d.c.GetWith(ctx, name, opts)
+	if err != nil {
+		return 0, nil, err
+	}
+	defer l.Release()
+	return l.Info().Version, bytes.Clone(l.Bytes()), nil
+}
+
+func TestVersionsAcrossDaemons(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b, c := startDaemon(t, srv, "a"), startDaemon(t, srv, "b"), startDaemon(t, srv, "c")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	v1, s1 := a.publish(t, "policy", 2, 200000)
+	// B reads the latest version, both shards, as ordinary leases.
+	ver, got, err := b.getVersion(ctx, "policy", client.GetOptions{})
+	if err != nil || ver != v1 || !bytes.Equal(got, s1[0]) {
+		t.Fatalf("latest on B: v%d %v (want v%d)", ver, err, v1)
+	}
+	if ver, got, err = b.getVersion(ctx, "policy", client.GetOptions{Version: v1, Shard: 1}); err != nil || ver != v1 || !bytes.Equal(got, s1[1]) {
+		t.Fatalf("shard 1 on B: v%d %v", ver, err)
+	}
+	// C waits for a version newer than v1; A publishes v2.
+	type result struct {
+		ver uint64
+		b   []byte
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		ver, got, err := c.getVersion(wctx, "policy", client.GetOptions{NewerThan: v1, Wait: true})
+		res <- result{ver, got, err}
+	}()
+	v2, s2 := a.publish(t, "policy", 2, 200000)
+	select {
+	case r := <-res:
+		if r.err != nil || r.ver != v2 || !bytes.Equal(r.b, s2[0]) {
+			t.Fatalf("newer than v%d on C: v%d %v (want v%d)", v1, r.ver, r.err, v2)
+		}
+	case <-time.After(40 * time.Second):
+		t.Fatal("C's get newer_than did not return")
+	}
+	// A get newer than the latest times out as a local one would.
+	short, cancel2 := context.WithTimeout(ctx, 500*time.Millisecond)
+	defer cancel2()
+	if _, _, err := b.getVersion(short, "policy", client.GetOptions{NewerThan: v2, Wait: true}); !errors.Is(err, client.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("newer than the latest: %v", err)
+	}
+	// Deleting the name on C removes it everywhere.
+	if err := c.c.Delete(ctx, "policy"); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []*daemon{a, b} {
+		eventually(t, 10*time.Second, "policy gone from "+d.name, func() bool {
+			_, err := d.c.Stat(ctx, "policy")
+			return errors.Is(err, client.ErrNotFound)
+		})
 	}
 }
