@@ -258,7 +258,7 @@ func init() {
 // meanwhile, and the daemon drops it after the last release.
 func TestRegisterAcrossContainers(t *testing.T) {
 	testutil.RequireGPU(t)
-	share, sock := containerDaemon(t, "BACKEND=host")
+	share, sock := containerDaemon(t, "BACKEND=cuda")
 	seed := uint64(os.Getpid())<<20 + 11
 	env := []string{"CUDAIPC_SOCKET=" + sock, "NAME=ext/weights", "SEED=" + strconv.FormatUint(seed, 10)}
 	exp := spawnIn(t, testutil.Container{Share: share, UID: exporterUID, GID: exporterUID}, "ext-exporter", env...)
@@ -314,7 +314,7 @@ func TestRegisterAcrossContainers(t *testing.T) {
 // container: the reader gets one line that names the fix.
 func TestRegisterLegacyFailsAcrossContainers(t *testing.T) {
 	testutil.RequireGPU(t)
-	share, sock := containerDaemon(t, "BACKEND=host")
+	share, sock := containerDaemon(t, "BACKEND=cuda")
 	env := []string{"CUDAIPC_SOCKET=" + sock, "NAME=ext/legacy"}
 	exp := spawnIn(t, testutil.Container{Share: share, UID: exporterUID, GID: exporterUID}, "ext-legacy-exporter", env...)
 	exp.expect("registered")
@@ -367,7 +367,7 @@ func TestRegisterTorchCuPyAcrossContainers(t *testing.T) {
 				}
 				t.Skip(why)
 			}
-			share, sock := containerDaemon(t, "BACKEND=host")
+			share, sock := containerDaemon(t, "BACKEND=cuda")
 			pydir, _ := filepath.Abs("../python")
 			script, _ := filepath.Abs("../scripts/containers/torch_export.py")
 			name := "ext/" + kind
