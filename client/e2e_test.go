@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
 func TestShareBetweenProcesses(t *testing.T) {
@@ -71,11 +72,7 @@ func TestGetWaitsForSealWhileOtherCallsProceed(t *testing.T) {
 	if _, err := c.Stat(ctx, "other"); err != nil {
 		t.Fatal(err)
 	}
-	for ev := range events {
-		if ev.Kind == client.EventSealed && ev.Name == "other" {
-			break
-		}
-	}
+	testutil.WaitFor(t, events, testutil.Wait, func(ev client.Event) bool { return ev.Kind == client.EventSealed && ev.Name == "other" })
 	w2 := dial(t, d.socket)
 	want2 := put(t, w2, "later", 777)
 	if b := <-got; !bytes.Equal(b, want2) {
@@ -200,13 +197,8 @@ func TestKillCreatorMidWrite(t *testing.T) {
 		t.Fatalf("Get without Wait of an unsealed object: %v, want ErrNotFound", err)
 	}
 	cr.kill9()
-	for ev := range events {
-		if ev.Name == "half" {
-			if ev.Kind != client.EventAborted {
-				t.Fatalf("event %+v, want aborted", ev)
-			}
-			break
-		}
+	if ev := testutil.WaitFor(t, events, testutil.Wait, func(ev client.Event) bool { return ev.Name == "half" }); ev.Kind != client.EventAborted {
+		t.Fatalf("event %+v, want aborted", ev)
 	}
 	if _, err := c.Stat(ctx, "half"); !errors.Is(err, client.ErrNotFound) {
 		t.Errorf("Stat after the creator died: %v", err)
@@ -404,13 +396,8 @@ func TestEvictionUnderPressure(t *testing.T) {
 		t.Errorf("newest object missing: %v", err)
 	}
 	// The oldest went first.
-	for ev := range events {
-		if ev.Kind == client.EventEvicted {
-			if ev.Name != "e0" {
-				t.Errorf("first eviction %q, want e0", ev.Name)
-			}
-			break
-		}
+	if ev := testutil.WaitFor(t, events, testutil.Wait, func(ev client.Event) bool { return ev.Kind == client.EventEvicted }); ev.Name != "e0" {
+		t.Errorf("first eviction %q, want e0", ev.Name)
 	}
 	// When everything is leased, nothing can be evicted: ErrStoreFull.
 	objs, err := c.List(ctx)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
 // The read role (reader.go) passes between calls, the background reader
@@ -31,11 +32,7 @@ func TestEventsWhileIdle(t *testing.T) {
 		time.Sleep(time.Duration(i) * time.Millisecond)
 		name := fmt.Sprintf("idle-%d", i)
 		put(t, w, name, 4096)
-		for ev := range events {
-			if ev.Kind == client.EventSealed && ev.Name == name {
-				break
-			}
-		}
+		testutil.WaitFor(t, events, testutil.Wait, func(ev client.Event) bool { return ev.Kind == client.EventSealed && ev.Name == name })
 	}
 }
 

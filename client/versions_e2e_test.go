@@ -185,7 +185,7 @@ func TestVersionReaderHoldsOldVersion(t *testing.T) {
 	waitGone(t, c, "w", 3)
 	// Subscribers heard of every version, in order.
 	for want := uint64(1); want <= 5; want++ {
-		ev := <-events
+		ev := testutil.Next(t, events, testutil.Wait)
 		if ev.Kind != client.EventSealed || ev.Name != "w" || ev.Version != want {
 			t.Fatalf("event %+v, want sealed w v%d", ev, want)
 		}
@@ -280,7 +280,7 @@ func TestShardedVersionCreatorKilled(t *testing.T) {
 		t.Fatalf("get of a half-sealed version: %v, want ErrTimeout", err)
 	}
 	s1.kill9()
-	ev := <-events
+	ev := testutil.Next(t, events, testutil.Wait)
 	if ev.Kind != client.EventAborted || ev.Version != 1 {
 		t.Fatalf("event %+v, want aborted v1", ev)
 	}
@@ -302,7 +302,7 @@ func TestShardedVersionCreatorKilled(t *testing.T) {
 	if err := <-got; err != nil {
 		t.Fatal(err)
 	}
-	ev = <-events
+	ev = testutil.Next(t, events, testutil.Wait)
 	if ev.Kind != client.EventSealed || ev.Version != 2 {
 		t.Fatalf("event %+v, want sealed v2", ev)
 	}

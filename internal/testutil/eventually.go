@@ -32,3 +32,44 @@ func Eventually(t testing.TB, timeout time.Duration, cond func() error) {
 // an idle machine: long enough for a loaded 2-core machine under -race,
 // short enough that a failure ends the test well before go test's timeout.
 const Wait = 30 * time.Second
+
+// Next returns the next value from ch, and fails the test when none comes
+// within timeout or ch is closed.
+func Next[T any](t testing.TB, ch <-chan T, timeout time.Duration) T {
+	t.Helper()
+	select {
+	case v, ok := <-ch:
+		if !ok {
+			t.Fatalf("the channel closed while the test waited for a %T", v)
+		}
+		return v
+	case <-time.After(timeout):
+		var zero T
+		t.Fatalf("no %T within %v", zero, timeout)
+		return zero
+	}
+}
+
+// WaitFor receives from ch until a value matches, and returns it; it fails
+// the test when none matches within timeout or ch closes first.
+func WaitFor[T any](t testing.TB, ch <-chan T, timeout time.Duration, match func(T) bool) T {
+	t.Helper()
+	deadline := time.After(timeout)
+	var seen []T
+	for {
+		select {
+		case v, ok := <-ch:
+			if !ok {
+				t.Fatalf("the channel closed before a match; received %v", seen)
+			}
+			if match(v) {
+				return v
+			}
+			if len(seen) < 20 {
+				seen = append(seen, v)
+			}
+		case <-deadline:
+			t.Fatalf("no match within %v; received %v", timeout, seen)
+		}
+	}
+}

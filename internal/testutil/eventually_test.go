@@ -61,3 +61,32 @@ func TestEventuallyFailsWithTheLastError(t *testing.T) {
 		t.Fatalf("gave up after %v, before its timeout", elapsed)
 	}
 }
+
+func TestNextAndWaitFor(t *testing.T) {
+	ch := make(chan int, 4)
+	ch <- 1
+	ch <- 2
+	ch <- 3
+	if v := Next(t, ch, Wait); v != 1 {
+		t.Fatalf("Next = %d, want 1", v)
+	}
+	if v := WaitFor(t, ch, Wait, func(v int) bool { return v == 3 }); v != 3 {
+		t.Fatalf("WaitFor = %d, want 3", v)
+	}
+	f := &fatalRecorder{}
+	done := make(chan struct{})
+	go func() { defer close(done); Next(f, ch, 20*time.Millisecond) }()
+	<-done
+	if !strings.HasPrefix(f.msg, "no int within 20ms") {
+		t.Fatalf("Next on an empty channel: %q", f.msg)
+	}
+	ch <- 4
+	close(ch)
+	f = &fatalRecorder{}
+	done = make(chan struct{})
+	go func() { defer close(done); WaitFor(f, ch, Wait, func(v int) bool { return v == 5 }) }()
+	<-done
+	if !strings.Contains(f.msg, "closed before a match; received [4]") {
+		t.Fatalf("WaitFor on a closed channel: %q", f.msg)
+	}
+}
