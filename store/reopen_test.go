@@ -29,6 +29,10 @@ func TestMain(m *testing.M) {
 		os.Exit(floodHelper())
 	case "arena-reader":
 		os.Exit(arenaReaderHelper())
+	case "hostile-daemon":
+		os.Exit(hostileDaemonHelper())
+	case "hostile":
+		os.Exit(hostileHelper())
 	default:
 		fmt.Fprintf(os.Stderr, "unknown helper role %q\n", os.Getenv(helperEnv))
 		os.Exit(2)

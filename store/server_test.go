@@ -91,6 +91,13 @@ type rawClient struct {
 
 func dialRaw(t testing.TB, path string) *rawClient {
 	t.Helper()
+	return dialRawTo(t, path, true)
+}
+
+// dialRawTo is dialRaw; inProcess says the daemon runs in this process
+// (the hello must name its pid).
+func dialRawTo(t testing.TB, path string, inProcess bool) *rawClient {
+	t.Helper()
 	uc, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
 	if err != nil {
 		t.Fatal(err)
@@ -100,7 +107,7 @@ func dialRaw(t testing.TB, path string) *rawClient {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if (h.GetBackend() != "host" && h.GetBackend() != "cuda") || h.GetPid() != uint32(os.Getpid()) || h.GetVersion() != protocol.Version {
+	if (h.GetBackend() != "host" && h.GetBackend() != "cuda") || (inProcess && h.GetPid() != uint32(os.Getpid())) || h.GetVersion() != protocol.Version {
 		t.Fatalf("hello %v", h)
 	}
 	rc := &rawClient{t: t, c: c, uc: uc, id: 1, maps: make(map[sentKey][]byte)}
