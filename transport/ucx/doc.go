@@ -53,8 +53,10 @@
 // inside the region. What is not checked: the internals of UCX's address
 // format (devices, interfaces) and of each domain's key bytes — a peer that
 // crafts those can crash the process (random domain keys fault inside
-// ucp_ep_rkey_unpack when shared-memory transports are enabled), which is
-// why these bytes must come only from authenticated peers. Copies
+// ucp_ep_rkey_unpack when shared-memory transports are enabled; a worker
+// address with random bytes changed can abort ucp_ep_create on an
+// assertion), which is why these bytes must come only from authenticated
+// peers. Copies
 // handed to UCX carry 4 KiB of zeroed slack so that a short payload is
 // read as zeros, not past its end. Over tcp the serving UCX answers a GET
 // by copying from whatever address the request names, registered or not:
