@@ -386,3 +386,14 @@ func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs 
 		cn.waitAndGrant(id, name, sel, left)
 	}
 }
+
+// HasCluster reports whether this node holds a sealed copy of owner's
+// cluster-visible object name (version 0) or shard of a version, published
+// or not: a shard this node published of a version whose other shards come
+// from other nodes is one.
+func (s *Store) HasCluster(owner uint32, name string, version uint64, shard uint32) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	o := s.clusterObjectLocked(protocol.QualifiedName(owner, name), version, shard)
+	return o != nil && o.cluster && o.sealed
+}

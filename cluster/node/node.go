@@ -301,13 +301,16 @@ func readable(e cluster.Entry, reader uint32) bool {
 	return e.Shared || reader == e.Owner || reader == 0
 }
 
-// pullVersion pulls every shard of the version whose shard 0 is e: the
-// version is published here when the last is sealed.
+// pullVersion pulls every shard of the version whose shard 0 is e that
+// this node lacks: the version is published here when the last is sealed.
 func (n *Node) pullVersion(ctx context.Context, reader uint32, e cluster.Entry) error {
 	if !readable(e, reader) {
 		return fmt.Errorf("%s: %w", e.Ref(), store.ErrNotFound)
 	}
 	for shard := range e.Shards {
+		if n.st.HasCluster(e.Owner, e.Name, e.Version, shard) {
+			continue // published here: the version's other shards came from other nodes
+		}
 		ref := cluster.Ref{Owner: e.Owner, Name: e.Name, Version: e.Version, Shard: shard}
 		if _, err := n.p.Pull(ctx, ref); err != nil {
 			if errors.Is(err, cluster.ErrNotFound) {

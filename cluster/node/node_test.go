@@ -319,6 +319,34 @@ func TestVersionsAcrossDaemons(t *testing.T) {
 	case <-time.After(40 * time.Second):
 		t.Fatal("C's get newer_than did not return")
 	}
+	// Shards published on different nodes form one version: shard 0 of
+	// version 10 on A, shard 1 on B; C reads both, and A, which holds only
+	// its own shard, completes the version from B.
+	s10 := make([][]byte, 2)
+	for i, d := range []*daemon{a, b} {
+		o, err := d.c.Publish(ctx, "joint", 150000, client.CreateOptions{Cluster: true, Version: 10, Shards: 2, Shard: i})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s10[i] = make([]byte, 150000)
+		rand.NewChaCha8([32]byte{10, byte(i)}).Read(s10[i])
+		copy(o.Bytes(), s10[i])
+		if err := o.Seal(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, d := range []*daemon{c, a, b} {
+		for shard := range 2 {
+			ver, got, err := d.getVersion(ctx, "joint", client.GetOptions{Version: 10, Shard: shard})
+			if err != nil || ver != 10 || !bytes.Equal(got, s10[shard]) {
+				t.Fatalf("joint v10 shard %d on %s: v%d %v", shard, d.name, ver, err)
+			}
+		}
+		if ver, _, err := d.getVersion(ctx, "joint", client.GetOptions{}); err != nil || ver != 10 {
+			t.Fatalf("joint latest on %s: v%d %v", d.name, ver, err)
+		}
+	}
+
 	// A get newer than the latest times out as a local one would.
 	short, cancel2 := context.WithTimeout(ctx, 500*time.Millisecond)
 	defer cancel2()
