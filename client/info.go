@@ -52,6 +52,9 @@ type ObjectInfo struct {
 	External      bool `json:"external,omitempty"`
 	Orphaned      bool `json:"orphaned,omitempty"`
 	ExporterBound bool `json:"exporter_bound,omitempty"`
+	// SourcesSize is the sources table of a version published without a
+	// copy (PublishNoCopy; Lease.Sources maps it); 0 otherwise.
+	SourcesSize int64 `json:"sources_size,omitempty"`
 
 	// CreatorCanWrite says that the bytes of this sealed object may still
 	// change through its creator's writable mapping: GPU memory, private

@@ -31,6 +31,7 @@ type Lease struct {
 	m        *mapping // host arena mapping; nil for GPU objects and after Release
 	released bool
 	bundle   leaseManifest
+	src      *leaseSources // a version published without a copy (nocopy.go); nil otherwise
 	// The lease's slot in the lease table (1-based; 0: released through
 	// the socket), its generation, and the arena it lies in.
 	slot  int
@@ -104,6 +105,9 @@ func (c *Client) get(ctx context.Context, name string, gr *storev1.GetRequest, w
 	if r.m != nil {
 		l.v.data = r.m.slice(p)
 		return l, nil
+	}
+	if info.SourcesSize > 0 {
+		return c.sourcesLease(ctx, l, r, p)
 	}
 	files := r.files
 	if n := int(p.GetFiles()); p.GetExternal() && n > len(files) {
@@ -208,6 +212,11 @@ func (l *Lease) Release() error {
 	}
 	l.bundle.close()
 	verr := l.v.close()
+	if l.src != nil {
+		if err := l.src.close(); verr == nil {
+			verr = err
+		}
+	}
 	l.c.untrackGPU(l)
 	// Bounded by the call timeout (roundTrip).
 	req := &storev1.Request{Body: &storev1.Request_Release{Release: &storev1.ReleaseRequest{LeaseId: l.id}}}
@@ -265,6 +274,7 @@ func infoBody(p *storev1.ObjectInfo) ObjectInfo {
 		External:      p.GetExternal(),
 		Orphaned:      p.GetOrphaned(),
 		ExporterBound: p.GetExporterBound(),
+		SourcesSize:   int64(p.GetSourcesSize()),
 
 		CreatorCanWrite: p.GetCreatorCanWrite(),
 	}
