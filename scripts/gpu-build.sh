@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds everything the GPU machine runs into .gpu/ (ignored by git): one
-# test binary per package that has tests, the CLI, and gpu-run.sh. The GPU
+# test binary per package whose tests use a GPU or UCX, the CLI, and gpu-run.sh. The GPU
 # machine has no Go toolchain; these are static CGO_ENABLED=0 binaries.
 #
 #   scripts/gpu-build.sh            # then run .gpu/gpu-run.sh on the GPU machine,
@@ -12,7 +12,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .gpu && mkdir -p .gpu/bin
 export CGO_ENABLED=0 GOOS=linux GOARCH=amd64
-for pkg in $(go list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.ImportPath}}{{end}}' ./...); do
+# Only packages whose tests use the GPU (testutil.RequireGPU...) or UCX (Ubuntu's 1.16
+# there, Debian's 1.13 in CI) travel: the device tool carries at most 64 MiB, and the
+# etcd-bearing cluster test binaries are ~6 MiB each. GPU_PKGS='./a ./b' overrides.
+pkgs=${GPU_PKGS:-$(go list -f '{{if or .TestGoFiles .XTestGoFiles}}{{.Dir}} {{.ImportPath}}{{end}}' ./... |
+  while read -r dir pkg; do
+    if grep -lqE 'RequireGPU|GPURequired|RequireUCX|ucx\.' "$dir"/*_test.go 2>/dev/null; then echo "$pkg"; fi
+  done)}
+for pkg in $pkgs; do
   name=$(echo "${pkg#github.com/cudaipc/cudaipc}" | tr / _)
   name=${name:-_root}; name=${name#_}; name=${name:-root}
   go test -c -trimpath -ldflags="-s -w" -o ".gpu/bin/$name.test" "$pkg"
