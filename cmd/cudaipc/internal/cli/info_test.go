@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"net"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -94,5 +96,38 @@ func TestVersionFlag(t *testing.T) {
 	out, _, err := run(t, "--version")
 	if err != nil || !strings.HasPrefix(out, "cudaipc ") || !strings.Contains(out, "go1.") {
 		t.Fatalf("--version: %q, %v", out, err)
+	}
+}
+
+// doctor's store check asks the daemon: ok when one answers, a warning for
+// a socket file nobody serves (a daemon that died).
+func TestDoctorStoreCheck(t *testing.T) {
+	storeStatus := func(sock string) (string, string) {
+		out, _, _ := run(t, "doctor", "--json", "--socket", sock)
+		var checks []struct{ Name, Status, Detail string }
+		if err := json.Unmarshal([]byte(out), &checks); err != nil {
+			t.Fatalf("%v\n%s", err, out)
+		}
+		for _, c := range checks {
+			if c.Name == "store socket" {
+				return c.Status, c.Detail
+			}
+		}
+		t.Fatalf("no store socket check in %s", out)
+		return "", ""
+	}
+	sock := serve(t)
+	if st, detail := storeStatus(sock); st != "ok" || !strings.Contains(detail, "a daemon answers") || !strings.Contains(detail, "backend host") {
+		t.Errorf("live daemon: %s %s", st, detail)
+	}
+	dead := filepath.Join(t.TempDir(), "dead.sock")
+	l, err := net.Listen("unixpacket", dead)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.(*net.UnixListener).SetUnlinkOnClose(false)
+	l.Close() // the socket file stays, nobody listens
+	if st, detail := storeStatus(dead); st != "warn" || !strings.Contains(detail, "no daemon answers") {
+		t.Errorf("socket file without a daemon: %s %s", st, detail)
 	}
 }

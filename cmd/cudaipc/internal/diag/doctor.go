@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/internal/seeddata"
 )
 
@@ -109,12 +110,7 @@ func (c *DoctorCmd) Run(e *Env) error {
 		add("ipc round trip", "skip", "no GPU")
 	}
 
-	sock := e.socket()
-	if st, err := os.Stat(sock); err == nil && st.Mode()&os.ModeSocket != 0 {
-		add("store socket", "ok", sock+" exists")
-	} else {
-		add("store socket", "warn", "no store daemon at "+sock+": start one with 'cudaipc serve'")
-	}
+	add(storeCheck(e))
 
 	failed := 0
 	for _, ch := range checks {
@@ -135,6 +131,23 @@ func (c *DoctorCmd) Run(e *Env) error {
 		return fmt.Errorf("doctor: %d check(s) failed: fix what the lines marked fail say", failed)
 	}
 	return nil
+}
+
+// storeCheck says whether a store daemon answers at the socket: a socket
+// file alone may be left by a daemon that died.
+func storeCheck(e *Env) (string, string, string) {
+	const name = "store socket"
+	sock := e.socket()
+	if st, err := os.Stat(sock); err != nil || st.Mode()&os.ModeSocket == 0 {
+		return name, "warn", "no store daemon at " + sock + ": start one with 'cudaipc serve'"
+	}
+	c, err := client.DialOptions(e.Ctx, sock, client.Options{DialTimeout: 5 * time.Second})
+	if err != nil {
+		return name, "warn", sock + " exists but no daemon answers (" + err.Error() + "): start one with 'cudaipc serve'"
+	}
+	defer c.Close()
+	si := c.Server()
+	return name, "ok", fmt.Sprintf("a daemon answers at %s: pid %d, backend %s, protocol %d, %s", sock, si.PID, si.Backend, si.Version, si.ServerVersion)
 }
 
 func formatLimit(v uint64) string {
