@@ -136,8 +136,11 @@ def test_create_in_place_with_cupy(gstore, gpu_daemon):
         assert got.data.ptr == lease.data_ptr
         assert bool((got == want).all())
         del got
-    with pytest.raises(TypeError):
-        gstore.get("c").numpy()  # a GPU object
+    # numpy() of a GPU object is a read-only copy of its bytes.
+    with gstore.get("c") as lease:
+        n = lease.numpy()
+        assert n.shape == (1000, 33) and n.dtype.name == "float32" and not n.flags.writeable
+        assert (n == cupy.asnumpy(want)).all()
 
 
 def test_create_in_place_with_torch_and_abort(gstore):
