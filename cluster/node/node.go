@@ -18,6 +18,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -59,6 +60,8 @@ type Node struct {
 	st   *store.Store
 	stop context.CancelFunc
 	wg   sync.WaitGroup
+
+	exposures, exposedBytes atomic.Uint64
 
 	mu     sync.Mutex
 	arenas map[uint64]*arenaReg          // registered arenas, by store arena id
@@ -470,6 +473,8 @@ func (s source) Expose(ref cluster.Ref, id string) (cluster.Exposure, func(), er
 	n.mu.Unlock()
 	f.File.Close()
 	e := cluster.Exposure{Worker: n.tr.WorkerAddress(), RKey: a.reg.Key(), Addr: a.reg.Addr(f.Offset), Size: f.Size}
+	n.exposures.Add(1)
+	n.exposedBytes.Add(uint64(f.Size))
 	var once sync.Once
 	return e, func() {
 		once.Do(func() {

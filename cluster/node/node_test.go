@@ -4,13 +4,17 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/cluster"
@@ -61,7 +65,9 @@ func startDaemon(t *testing.T, srv *etcdtest.Server, name string) *daemon {
 	if err != nil {
 		t.Fatal(err)
 	}
-	st, err := store.New(store.Config{Backend: "host", Capacity: 256 << 20, Cluster: n, Logger: log})
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(n.Collectors()...)
+	st, err := store.New(store.Config{Backend: "host", Capacity: 256 << 20, Cluster: n, Logger: log, Registerer: reg})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -161,6 +167,12 @@ func TestDaemonsShareObjects(t *testing.T) {
 		if err != nil || !info.Cluster || !info.Sealed || info.Size != int64(len(want)) {
 			t.Fatalf("stat on %s: %+v %v", d.name, info, err)
 		}
+	}
+	if m := metric(t, b.st, "cudaipc_cluster_pulled_bytes_total"); m != fmt.Sprintf("%g", float64(len(want))) {
+		t.Errorf("B's pulled bytes metric: %s, want %d", m, len(want))
+	}
+	if m := metric(t, a.st, "cudaipc_cluster_exposures_total"); m == "0" || m == "" {
+		t.Errorf("A's exposures metric: %q", m)
 	}
 	ls, err := c.node.Directory().List(ctx)
 	if err != nil || len(ls) != 1 || strings.Join(ls[0].Holders, ",") != "a,b,c" {
@@ -363,4 +375,17 @@ func TestVersionsAcrossDaemons(t *testing.T) {
 			return errors.Is(err, client.ErrNotFound)
 		})
 	}
+}
+
+// metric returns the value of an unlabelled metric of st's /metrics.
+func metric(t *testing.T, st *store.Store, name string) string {
+	t.Helper()
+	rec := httptest.NewRecorder()
+	st.MetricsHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	for line := range strings.SplitSeq(rec.Body.String(), "\n") {
+		if v, ok := strings.CutPrefix(line, name+" "); ok {
+			return v
+		}
+	}
+	return ""
 }

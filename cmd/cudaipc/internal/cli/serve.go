@@ -78,6 +78,7 @@ func (c *serveCmd) Run(g *Globals) error {
 		Spin:                spinConfig(c.Spin),
 		Logger:              g.log,
 		Cluster:             clusterHook(cn),
+		Registerer:          clusterRegistry(cn),
 	})
 	if err != nil {
 		return err

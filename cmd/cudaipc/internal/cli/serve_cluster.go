@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/cluster/etcddir"
 	"github.com/cudaipc/cudaipc/cluster/node"
@@ -75,6 +77,17 @@ func (f *clusterFlags) startCluster(ctx context.Context, g *Globals) (*node.Node
 		return nil, fmt.Errorf("serve --cluster: %w", err)
 	}
 	return n, nil
+}
+
+// clusterRegistry is the store's metrics registry with the node's metrics
+// in it; nil (the store's own) when the daemon runs alone.
+func clusterRegistry(n *node.Node) prometheus.Registerer {
+	if n == nil {
+		return nil
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(n.Collectors()...)
+	return reg
 }
 
 // clusterHook is the store's hook for n: nil (no interface holding a nil
