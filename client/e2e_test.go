@@ -454,14 +454,13 @@ func TestDaemonRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	waiting := make(chan error, 1)
-	go func() { _, err := c.Get(ctx, "never-sealed"); waiting <- err }()
+	go func() { _, err := c.GetWith(ctx, "never-sealed", client.GetOptions{Wait: true}); waiting <- err }()
 
 	d.kill9() // leaves a stale socket behind
 	if err := <-waiting; !errors.Is(err, client.ErrStoreGone) {
 		t.Errorf("waiting Get when the daemon died: %v, want ErrStoreGone", err)
 	}
-	for range events { // closed when the connection is lost
-	}
+	testutil.Drain(t, events, testutil.Wait) // closed when the connection is lost
 	if _, err := c.Stat(ctx, "before"); !errors.Is(err, client.ErrStoreGone) {
 		t.Errorf("Stat after the daemon died: %v, want ErrStoreGone", err)
 	}

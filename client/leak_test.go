@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
 // openFDs counts this process's open file descriptors.
@@ -59,8 +60,7 @@ func TestCloseLeavesNothingBehind(t *testing.T) {
 		t.Fatal("no arena mapped while a lease is held")
 	}
 	cancel()
-	for range events { // the subscription ends with its context
-	}
+	testutil.Drain(t, events, testutil.Wait) // the subscription ends with its context
 	c.Close()
 	if arenaMappings(t) == maps {
 		t.Fatal("Close unmapped memory a live lease still uses")

@@ -73,3 +73,20 @@ func WaitFor[T any](t testing.TB, ch <-chan T, timeout time.Duration, match func
 		}
 	}
 }
+
+// Drain receives from ch until it is closed, and fails the test when it is
+// still open after timeout.
+func Drain[T any](t testing.TB, ch <-chan T, timeout time.Duration) {
+	t.Helper()
+	deadline := time.After(timeout)
+	for {
+		select {
+		case _, ok := <-ch:
+			if !ok {
+				return
+			}
+		case <-deadline:
+			t.Fatalf("the channel is still open after %v", timeout)
+		}
+	}
+}

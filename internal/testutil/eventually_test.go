@@ -80,6 +80,15 @@ func TestNextAndWaitFor(t *testing.T) {
 	if !strings.HasPrefix(f.msg, "no int within 20ms") {
 		t.Fatalf("Next on an empty channel: %q", f.msg)
 	}
+	open := make(chan int, 1)
+	open <- 1
+	f = &fatalRecorder{}
+	done = make(chan struct{})
+	go func() { defer close(done); Drain(f, open, 20*time.Millisecond) }()
+	<-done
+	if !strings.HasPrefix(f.msg, "the channel is still open after 20ms") {
+		t.Fatalf("Drain of an open channel: %q", f.msg)
+	}
 	ch <- 4
 	close(ch)
 	f = &fatalRecorder{}
