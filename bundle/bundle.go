@@ -171,6 +171,22 @@ func Parse(header []byte) (*Manifest, error) {
 	if len(header) == 0 || header[0] != '{' {
 		return nil, fmt.Errorf("%w: header is not a JSON object", ErrInvalid)
 	}
+	m, ok, err := parseCompact(header)
+	if !ok {
+		m, err = parseJSON(header)
+	}
+	if err != nil {
+		return nil, err
+	}
+	m.sort()
+	if err := m.checkOverlap(); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// parseJSON decodes any JSON form of a header with encoding/json.
+func parseJSON(header []byte) (*Manifest, error) {
 	var raw map[string]json.RawMessage
 	dec := json.NewDecoder(bytes.NewReader(header))
 	dec.UseNumber()
@@ -202,10 +218,6 @@ func Parse(header []byte) (*Manifest, error) {
 			return nil, err
 		}
 		m.Tensors = append(m.Tensors, t)
-	}
-	m.sort()
-	if err := m.checkOverlap(); err != nil {
-		return nil, err
 	}
 	return m, nil
 }

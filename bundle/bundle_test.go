@@ -129,7 +129,24 @@ func FuzzParse(f *testing.F) {
 	f.Add(m.Marshal())
 	f.Add([]byte(`{"a":{"dtype":"F4","shape":[2],"data_offsets":[0,1]}}`))
 	f.Add([]byte(`{"__metadata__":{},"b":{"dtype":"BOOL","shape":[],"data_offsets":[0,1]}}   `))
+	f.Add([]byte(`{"__metadata__":{"a":"}\"{"},"x":{"dtype":"U8","shape":[3,0],"data_offsets":[0,0]},"y":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}`))
+	f.Add([]byte(`{"x":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"x":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}`))
 	f.Fuzz(func(t *testing.T, h []byte) {
+		// The compact fast path decodes what it accepts as encoding/json does.
+		if fast, ok, ferr := parseCompact(bytes.TrimRight(h, " ")); ok {
+			slow, serr := parseJSON(bytes.TrimRight(h, " "))
+			if (ferr == nil) != (serr == nil) {
+				t.Fatalf("compact: %v, encoding/json: %v", ferr, serr)
+			}
+			if ferr == nil {
+				fast.sort()
+				slow.sort()
+				if len(fast.Tensors)+len(slow.Tensors) > 0 && !reflect.DeepEqual(fast.Tensors, slow.Tensors) || len(fast.Metadata) != len(slow.Metadata) ||
+					(len(fast.Metadata) > 0 && !reflect.DeepEqual(fast.Metadata, slow.Metadata)) {
+					t.Fatalf("compact %+v, encoding/json %+v", fast, slow)
+				}
+			}
+		}
 		m, err := Parse(h)
 		if err != nil {
 			if !errors.Is(err, ErrInvalid) {
