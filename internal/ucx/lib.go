@@ -20,7 +20,9 @@ package ucx
 
 import (
 	"errors"
+	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 
@@ -119,6 +121,9 @@ func load(path string) error {
 			return &LoadError{Path: path, Reason: "cannot set " + EnvErrorSignals + ": " + err.Error()}
 		}
 	}
+	if err := loadSiblings(path); err != nil {
+		return &LoadError{Path: path, Reason: err.Error()}
+	}
 	h, err := purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_GLOBAL)
 	if err != nil {
 		reason := strings.TrimSpace(err.Error())
@@ -171,6 +176,34 @@ func load(path string) error {
 	major, minor, _ := getVersion()
 	if major != minMajor || minor < minMinor {
 		return &LoadError{Path: path, Reason: "it is UCX " + versionString(major, minor) + "; this needs UCX 1.x, x >= 10"}
+	}
+	return nil
+}
+
+// siblings are the libraries libucp needs, in the order they need each
+// other.
+var siblings = []string{"libucm.so.0", "libucs.so.0", "libuct.so.0"}
+
+// loadSiblings loads the UCX libraries that lie next to a libucp given by
+// path before libucp itself. The dynamic loader satisfies libucp's needs by
+// soname from what is already loaded, so a UCX outside the library path
+// (another build, a wheel) runs with its own libucs and libuct, and with
+// the transport modules beside them, rather than with the system's.
+func loadSiblings(path string) error {
+	dir := filepath.Dir(path)
+	if !strings.Contains(path, "/") {
+		return nil // a bare soname: the loader's search finds a consistent set
+	}
+	for _, name := range siblings {
+		p := filepath.Join(dir, name)
+		if _, err := os.Stat(p); err != nil {
+			continue
+		}
+		// Lazily: libucm and libucs call each other, so the first one
+		// loaded has symbols only the next one defines.
+		if _, err := purego.Dlopen(p, purego.RTLD_LAZY|purego.RTLD_GLOBAL); err != nil {
+			return fmt.Errorf("cannot load %s beside it: %v", p, err)
+		}
 	}
 	return nil
 }
