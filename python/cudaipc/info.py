@@ -84,6 +84,9 @@ class ObjectInfo:
     shard: int = 0                  # this shard's index
     manifest_size: int = 0          # a bundle's manifest bytes (0: not a bundle)
     tensors: int = 0                # a bundle's tensor count
+    external: bool = False          # memory a client registered (store.register), not the store's
+    orphaned: bool = False          # registered VMM memory whose exporter is gone: readable while leased
+    exporter_bound: bool = False    # a legacy registration: removed when its exporter disconnects
 
     @classmethod
     def _from_pb(cls, o: Any) -> "ObjectInfo":
@@ -96,7 +99,8 @@ class ObjectInfo:
         return cls(o.name, o.size, o.device, o.sealed, o.leases, o.shared, o.owner_uid,
                    datetime.datetime.fromtimestamp(o.created_unix_nano / 1e9, datetime.timezone.utc),
                    region, TensorDesc._from_pb(o.tensor) if o.HasField("tensor") else None,
-                   o.version, o.shards, o.shard, o.manifest_size, o.tensors)
+                   o.version, o.shards, o.shard, o.manifest_size, o.tensors,
+                   o.external, o.orphaned, o.exporter_bound)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -59,7 +60,7 @@ def test_get_of_registered_expandable_segments_is_read_only(cuda_daemon):
         assert n == size
         with cudaipc.connect(cuda_daemon.socket) as s:
             lease = s.get("torch/emb", timeout=10)
-            assert lease.share == "vmm-fd" and lease.size == size
+            assert lease.share == "vmm-fd" and lease.size == size and lease.info.external
             assert sha(lease.read()) == want
             assert sha(lease.numpy().tobytes()) == want               # a copy
             t = lease.tensor()
@@ -83,6 +84,10 @@ def test_get_of_registered_expandable_segments_is_read_only(cuda_daemon):
             exp.kill()
             exp.wait(30)
             assert sha(t.cpu().numpy().tobytes()) == want
+            deadline = time.monotonic() + 10   # the daemon notices the exit asynchronously
+            while not s.stat("torch/emb").orphaned:
+                assert time.monotonic() < deadline, "not orphaned 10 s after its exporter was killed"
+                time.sleep(0.02)
             need_module("cupy")
             import cupy
             c = lease.cupy()
