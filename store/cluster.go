@@ -42,11 +42,15 @@ type ClusterHook interface {
 	Dropped(obj ClusterObject)
 }
 
-// ClusterGet is what a get asks for: the zero value is a plain get.
+// ClusterGet is what a get asks for: the zero value is a plain get that
+// does not wait.
 type ClusterGet struct {
 	Version   uint64
 	Shard     uint32
 	NewerThan uint64
+	// Wait: the get waits for the name if it is not readable yet (it may
+	// still be sealed here).
+	Wait bool
 }
 
 // ClusterObject names a cluster-visible object of this node: a plain
@@ -355,7 +359,7 @@ func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs 
 		ctx, cancel = context.WithTimeout(ctx, DefaultClusterFetchTimeout)
 	}
 	owner, bare, _ := protocol.SplitOwner(name)
-	err := cn.s.cfg.Cluster.Fetch(ctx, cn.ss.peer.uid, owner, bare, ClusterGet{Version: sel.version, Shard: sel.shard, NewerThan: sel.newerThan})
+	err := cn.s.cfg.Cluster.Fetch(ctx, cn.ss.peer.uid, owner, bare, ClusterGet{Version: sel.version, Shard: sel.shard, NewerThan: sel.newerThan, Wait: timeoutMs != 0})
 	cancel()
 	if cn.ss.ctx.Err() != nil {
 		return

@@ -247,6 +247,17 @@ func (n *Node) watch(ctx context.Context) {
 // it. A get of a version newer than some waits on the directory's watch of
 // the name's latest version, as long as ctx allows.
 func (n *Node) Fetch(ctx context.Context, reader, owner uint32, name string, sel store.ClusterGet) error {
+	err := n.fetch(ctx, reader, owner, name, sel)
+	if sel.Wait && errors.Is(err, cluster.ErrUnavailable) {
+		// Local work goes on without etcd: a get that waits may still be
+		// answered by a local seal.
+		n.log.Warn("cluster unavailable: the get waits for a local object only", "name", name, "owner", owner, "err", err)
+		return fmt.Errorf("%w: %v", store.ErrNotFound, err)
+	}
+	return err
+}
+
+func (n *Node) fetch(ctx context.Context, reader, owner uint32, name string, sel store.ClusterGet) error {
 	notFound := func(err error) error {
 		if errors.Is(err, cluster.ErrNotFound) {
 			return fmt.Errorf("%w: %v", store.ErrNotFound, err)

@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -37,11 +38,13 @@ func TestMain(m *testing.M) {
 var secret, _ = cluster.NewSecret([]byte("node-test-cluster-secret"))
 
 type daemon struct {
-	name string
-	node *node.Node
-	st   *store.Store
-	sock string
-	c    *client.Client
+	logMu  sync.Mutex
+	logBuf bytes.Buffer
+	name   string
+	node   *node.Node
+	st     *store.Store
+	sock   string
+	c      *client.Client
 }
 
 // startDaemon runs a store daemon in this process, joined to the cluster
@@ -56,7 +59,8 @@ func startDaemon(t *testing.T, srv *etcdtest.Server, name string) *daemon {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
-	log := slog.New(slog.NewTextHandler(testWriter{t, name}, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	d := &daemon{name: name}
+	log := slog.New(slog.NewTextHandler(testWriter{t, name, &d.logMu, &d.logBuf}, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	n, err := node.Start(ctx, node.Config{
 		Directory: etcddir.Config{Endpoints: []string{srv.Endpoint()}, Node: name, Secret: secret, TTL: 2 * time.Second,
 			CallTimeout: 5 * time.Second, Prefix: "/t/" + t.Name() + "/"},
@@ -74,7 +78,7 @@ func startDaemon(t *testing.T, srv *etcdtest.Server, name string) *daemon {
 	if err := n.Attach(ctx, st); err != nil {
 		t.Fatal(err)
 	}
-	d := &daemon{name: name, node: n, st: st, sock: filepath.Join(t.TempDir(), "s.sock")}
+	d.node, d.st, d.sock = n, st, filepath.Join(t.TempDir(), "s.sock")
 	sctx, stop := context.WithCancel(context.Background())
 	served := make(chan struct{})
 	go func() { st.ListenAndServe(sctx, d.sock); close(served) }()
@@ -101,11 +105,23 @@ func startDaemon(t *testing.T, srv *etcdtest.Server, name string) *daemon {
 type testWriter struct {
 	t    *testing.T
 	name string
+	mu   *sync.Mutex
+	buf  *bytes.Buffer
 }
 
 func (w testWriter) Write(b []byte) (int, error) {
 	w.t.Logf("%s: %s", w.name, strings.TrimSpace(string(b)))
+	w.mu.Lock()
+	w.buf.Write(b)
+	w.mu.Unlock()
 	return len(b), nil
+}
+
+// logged reports whether d's log has s.
+func (d *daemon) logged(s string) bool {
+	d.logMu.Lock()
+	defer d.logMu.Unlock()
+	return strings.Contains(d.logBuf.String(), s)
 }
 
 func (d *daemon) put(t *testing.T, name string, size int, opts client.CreateOptions) []byte {
@@ -388,4 +404,48 @@ func metric(t *testing.T, st *store.Store, name string) string {
 		}
 	}
 	return ""
+}
+
+func TestLocalWorkWithoutEtcd(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a := startDaemon(t, srv, "a")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	kept := a.put(t, "kept", 5000, client.CreateOptions{})
+	srv.Kill()
+	// Local objects are read and written as before.
+	if got, err := a.get(ctx, "kept"); err != nil || !bytes.Equal(got, kept) {
+		t.Fatalf("local get with etcd down: %v", err)
+	}
+	// A get that waits is answered by a local seal.
+	done := make(chan error, 1)
+	go func() {
+		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		l, err := a.c.GetWith(wctx, "later", client.GetOptions{Wait: true})
+		if err == nil {
+			l.Release()
+		}
+		done <- err
+	}()
+	eventually(t, 20*time.Second, "the waiting get fell back to a local wait", func() bool {
+		return a.logged("the get waits for a local object only")
+	})
+	a.put(t, "later", 100, client.CreateOptions{})
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("waiting get with etcd down: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("waiting get not answered by the local seal")
+	}
+	// A cluster-visible put is sealed here but says it is not published.
+	o, err := a.c.Create(ctx, "pub", 100, client.CreateOptions{Cluster: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := o.Seal(ctx); err == nil || !strings.Contains(err.Error(), "not published to the cluster") || !strings.Contains(err.Error(), "unavailable") {
+		t.Fatalf("cluster seal with etcd down: %v", err)
+	}
 }
