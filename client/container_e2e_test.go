@@ -23,6 +23,7 @@ import (
 const (
 	exporterUID = 10001
 	readerUID   = 10002
+	nobodyUID   = 65534 // the hostile-uid suites' second user
 )
 
 // ownDialRoles are roles that dial the daemon themselves (or not at all).
@@ -86,7 +87,7 @@ func containerDaemon(t *testing.T, env ...string) (share, sock string) {
 	share = t.TempDir()
 	sock = filepath.Join(testutil.ContainerShareDir, "store.sock")
 	d := spawnIn(t, testutil.Container{Share: share}, "daemon",
-		append(env, "CUDAIPC_SOCKET="+sock, fmt.Sprintf("ALLOW_UIDS=%d %d", exporterUID, readerUID))...)
+		append(env, "CUDAIPC_SOCKET="+sock, fmt.Sprintf("ALLOW_UIDS=%d %d %d", exporterUID, readerUID, nobodyUID))...)
 	hostSock := filepath.Join(share, "store.sock")
 	testutil.Eventually(t, testutil.Wait, func() error {
 		select {

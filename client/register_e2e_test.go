@@ -23,6 +23,7 @@ import (
 	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/internal/testutil"
+	"github.com/cudaipc/cudaipc/protocol"
 )
 
 func init() {
@@ -463,4 +464,50 @@ func TestGPUFDLeaseIsReadOnly(t *testing.T) {
 	if !bytes.Equal(got, data) || !bytes.Equal(got2, data) {
 		t.Fatal("the object's bytes changed after a reader's failed writes")
 	}
+}
+
+// Issue 20's registered read from Python: a 4 GiB PyTorch tensor of
+// expandable segments (~205 descriptors: staged on register, fetched by the
+// reader beyond the first 60) registered in one container is leased by a
+// Python reader in a sibling container (own PID, IPC and mount namespaces,
+// uid 65534), read() and the zero-copy tensor both give the exporter's
+// bytes, and after the exporter is killed (kill -9) they still do.
+func TestRegisterTorchReadFromPythonAcrossContainers(t *testing.T) {
+	testutil.RequireGPU(t)
+	if why := pythonWith("torch"); why != "" {
+		if testutil.GPURequired() {
+			t.Fatal(why)
+		}
+		t.Skip(why)
+	}
+	share, sock := containerDaemon(t, "BACKEND=cuda")
+	pydir, _ := filepath.Abs("../python")
+	script, _ := filepath.Abs("../scripts/containers/torch_export.py")
+	reader, _ := filepath.Abs("../scripts/containers/py_reader.py")
+	const size = 4 << 30
+	env := []string{"CUDAIPC_SOCKET=" + sock, "NAME=ext/big", "KIND=torch", "SEED=9", "SIZE=" + strconv.Itoa(size),
+		"PY_SCRIPT=" + script, "PYTHONPATH=" + pydir, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"}
+	exp := spawnIn(t, testutil.Container{Share: share, UID: exporterUID, GID: exporterUID}, "exec-python", env...)
+	reg := strings.Fields(exp.expect("registered "))
+	t.Logf("exporter: %v", reg)
+	if len(reg) < 3 || reg[2] != "size="+strconv.Itoa(size) {
+		t.Fatalf("exporter registered %v, want %d bytes", reg, size)
+	}
+	if n, _ := strconv.Atoi(strings.TrimPrefix(reg[1], "pieces=")); n <= protocol.MaxFiles {
+		t.Fatalf("a %d-byte tensor registered as %s: want more pieces than one packet carries", size, reg[1])
+	}
+	renv := []string{"CUDAIPC_SOCKET=" + sock, fmt.Sprintf("NAME=%d:ext/big", exporterUID), "PY_SCRIPT=" + reader, "PYTHONPATH=" + pydir}
+	rd := spawnIn(t, testutil.Container{Share: share, UID: nobodyUID, GID: nobodyUID}, "exec-python", renv...)
+	want := reg[0] + " " + reg[0]
+	if got := rd.expect("leased "); got != want+" share=vmm-fd external=True" {
+		t.Fatalf("python reader: %s, want %s", got, want)
+	}
+	exp.kill9()
+	<-exp.waited
+	fmt.Fprintln(rd.in, "again")
+	if got := rd.expect("again "); got != want {
+		t.Fatalf("after the exporter was killed the reader reads %s, want %s", got, want)
+	}
+	fmt.Fprintln(rd.in, "release")
+	rd.expect("released")
 }

@@ -1,7 +1,7 @@
 """The exporter of the torch/CuPy container test (client TestRegisterTorchAcrossContainers),
 run by the Go test inside a sibling container: it speaks lines on stdin/stdout.
 
-KIND=torch: a 64 MiB uint8 tensor from PyTorch's expandable-segments allocator
+KIND=torch: a uint8 tensor of SIZE bytes (default 64 MiB) from PyTorch's expandable-segments allocator
 (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set by the test).
 KIND=cupy: a CuPy array on memory from a VMM allocator (cuMemCreate, POSIX fd),
 installed with cupy.cuda.set_allocator.
@@ -19,7 +19,7 @@ from cudaipc import extmem
 
 KIND = os.environ.get("KIND", "torch")
 NAME = os.environ["NAME"]
-N = 64 << 20
+N = int(os.environ.get("SIZE", 64 << 20))
 
 
 def say(s):
