@@ -61,4 +61,7 @@ if [ -n "${STORE_BENCH:-}" ]; then
 fi
 grep -h -B2 -A20 -- '--- FAIL' "$out"/*.log | head -150
 grep -h -E '^(FAILED|ERROR)' "$out/pytest.log" 2>/dev/null | head -30
-echo "logs in $out"
+# The device tool brings back at most 8 files: everything in one archive, the
+# summary beside it.
+( cd "$out" && tar czf /tmp/gpu-logs.tgz --exclude=logs.tgz . && find . -maxdepth 1 -type f ! -name summary.txt -delete && mv /tmp/gpu-logs.tgz logs.tgz )
+echo "logs in $out/logs.tgz (summary in $out/summary.txt)"
