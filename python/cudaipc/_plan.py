@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import operator
 import threading
 import time
 from collections import OrderedDict
@@ -18,6 +19,8 @@ from ._arrays import ArrayLib, Signature
 from ._deps import require
 from ._manifest import Layout
 from .errors import CudaError, InvalidArgument
+
+_device_of = operator.attrgetter("device")
 
 class LoadMismatch(InvalidArgument):
     """load_into found parameters that the bundle lacks or that differ in dtype or
@@ -133,6 +136,16 @@ class Plan:
         self.lib_names: List[str] = []   # copied by the library (not contiguous, or across host and GPU)
         self.tensors = 0
         self.nbytes = 0
+        uniform, key = self._uniform(layout, names, values, gpu, lib, types)
+        if uniform:
+            # Every parameter matches its entry in the layout's own order, contiguous,
+            # on one device: the per-parameter checks below, made on whole lists.
+            sizes = [e.end - e.begin for e in entries]
+            self.tensors, self.nbytes = len(entries), sum(sizes)
+            keep = [k for k, n in enumerate(sizes) if n]
+            if keep:
+                groups[key] = ([entries[k].begin for k in keep], [self.ptrs[k] for k in keep], [sizes[k] for k in keep])
+            names = []
         for k, (name, p) in enumerate(zip(names, values)):
             i = index.get(name)
             if i is None:
@@ -169,6 +182,24 @@ class Plan:
         self.copies = sum(len(grp.size) + len(grp.serial) for grp in self.groups) + len(self.lib_names)
         self._unused: Optional[Tuple[str, ...]] = None
         self._params: Any = None
+
+    def _uniform(self, layout: Layout, names: List[str], values: List[Any], gpu: bool, lib: ArrayLib,
+                 types: List[Tuple[Any, Tuple[int, ...]]]) -> Tuple[bool, Optional[int]]:
+        """(True, the group's key: the GPU ordinal, None for host memory) when the
+        parameters are the layout's tensors in its order, each of its dtype and shape,
+        contiguous and all on one device of the bundle's kind (PyTorch tensors);
+        (False, None) otherwise."""
+        if lib.name != "torch" or names != layout.names or not all(self.contig):
+            return False, None
+        if self.meta != [(shape, dt) for dt, shape in types]:
+            return False, None
+        devices = set(map(_device_of, values))
+        if len(devices) != 1:
+            return False, None
+        d = devices.pop()
+        if gpu and d.type == "cuda":
+            return True, d.index
+        return (not gpu and d.type == "cpu"), None
 
     @property
     def unused(self) -> Tuple[str, ...]:
