@@ -169,3 +169,30 @@ func TestCreateNoEvict(t *testing.T) {
 		t.Fatalf("a plain create that needs room did not evict: %v", err)
 	}
 }
+
+// A no-copy version counts against its publisher's objects and keeps its
+// descriptors charged until it goes.
+func TestNoCopyVersionsCounted(t *testing.T) {
+	s, path, _ := serve(t, Config{MaxObjectsPerUID: 1})
+	pub := dialRaw(t, path)
+	piece := memfdPiece(t, make([]byte, 32))
+	defer piece.Close()
+	nc := newNoCopy(t, vmmRegion(t, 0, 2<<20, 2<<20))
+	pub.publishNoCopy("policy", nc, 1, piece)
+	s.mu.Lock()
+	objects, fds := s.usage[uint32(os.Geteuid())].objects, s.fds
+	s.mu.Unlock()
+	if objects != 1 || fds != 2 {
+		t.Fatalf("a no-copy version counts %d objects and %d descriptors, want 1 and 2 (its manifest, its piece)", objects, fds)
+	}
+	r := pub.createNoCopy("policy", nc, 1, piece)
+	wantLimit(t, r.resp, storev1.Error_OBJECTS_PER_UID, "--max-objects-per-uid")
+	resp, _ := pub.do(req(&storev1.DeleteRequest{Name: "policy"}))
+	wantCode(t, resp, storev1.Error_OK)
+	s.mu.Lock()
+	u, fds := s.usage[uint32(os.Geteuid())], s.fds
+	s.mu.Unlock()
+	if u != nil || fds != 0 {
+		t.Fatalf("after the delete: usage %+v, %d descriptors", u, fds)
+	}
+}

@@ -187,6 +187,11 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 		undo()
 		return fail(err)
 	}
+	if src != nil {
+		// Its bookkeeping counts against the uid like any object's.
+		s.objectMadeLocked(o)
+		src.counted = true
+	}
 	var n uint64
 	if v != nil {
 		o.ver, o.shard = v, int(r.shard)

@@ -46,6 +46,7 @@ type sources struct {
 	// the create succeeds: close must then run under it too.
 	charged *Store
 	owner   uint32
+	counted bool // counted against the owner's objects (budget.go) until freed
 }
 
 // creatorOf reports whether ss created o and is still connected.

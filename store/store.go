@@ -479,6 +479,10 @@ func (s *Store) freeLocked(o *object) {
 	o.manifest.close()
 	if o.src != nil {
 		o.src.close()
+		if o.src.counted {
+			o.src.counted = false
+			s.objectGoneLocked(o)
+		}
 		return
 	}
 	o.discardLocked()
