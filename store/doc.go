@@ -68,8 +68,16 @@
 // its own (GPU arenas are zeroed when allocated), so another uid's mapping
 // reaches no draft or private object. Each uid's arenas on a device are
 // bounded by Config.Quota, and a create evicts only its own uid's objects.
-// Only the owner (or root) may delete a sealed object. Logs carry names, sizes and ids, never descriptors' contents or
-// object bytes. Each connection is bounded in objects and leases (waiting
-// gets count as leases), and a subscriber that stops reading its events
-// misses them rather than making the daemon buffer them without bound.
+// Only the owner (or root) may delete a sealed object. Logs carry names,
+// sizes and ids, never descriptors' contents or object bytes, and the
+// lines a client can cause are rate-limited per uid. Each connection is
+// bounded in objects and leases (waiting gets count as leases), each uid
+// in objects (Config.MaxObjectsPerUID) and in the descriptors the daemon
+// keeps for it (Config.MaxFDsPerUID, and MaxFDs for all), and a
+// subscriber that stops reading its events misses them rather than making
+// the daemon buffer them without bound. A sealed shared host object is
+// sealed against writes (F_SEAL_WRITE) once its creator holds no writable
+// mapping; until then, and for private host and GPU objects always, the
+// creator can still write it, which ObjectInfo's CreatorCanWrite says
+// (docs/hardening.md, "Sealed objects").
 package store
