@@ -80,3 +80,30 @@ func TestSealedPrivateHostObjectCreatorCanWrite(t *testing.T) {
 		t.Fatal("a private object's stat says immutable")
 	}
 }
+
+// A shared host version's arena is sealed against writes with it, so its
+// memory is never kept for the next version (double buffering): every
+// version's creator can map its draft writable.
+func TestSharedVersionsWritableAfterWriteSeal(t *testing.T) {
+	s := newTestStore(t, Config{})
+	for i := range 3 {
+		c := connect(t, s, 1000) // a new connection is sent the arena's descriptor
+		p, n, err := c.ss.create(createReq{name: "w", size: 1 << 20, shared: true, versioned: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.share == nil || p.share.file == nil {
+			t.Fatalf("version %d: no descriptor with the placement", i+1)
+		}
+		m, err := unix.Mmap(int(p.share.file.Fd()), 0, int(p.arenaSize), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+		p.closeShare()
+		if err != nil {
+			t.Fatalf("version %d: mapping its draft writable: %v", i+1, err)
+		}
+		copy(m[p.offset:], randomBytes(1<<20))
+		unix.Munmap(m)
+		if err := c.ss.seal(sealReq{name: "w", version: n}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

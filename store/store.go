@@ -610,6 +610,14 @@ type info struct {
 	CreatorCanWrite bool
 }
 
+// writeSealedLocked reports whether o's arena was sealed against writes
+// at o's seal (a shared host object's: sealWrites), so that it can never
+// be written again and must not be reused for a new object.
+func (o *object) writeSealedLocked() bool {
+	ar := o.arenaLocked()
+	return o.sealed && o.shared && ar != nil && ar.placementKind() == storev1.Placement_HOST
+}
+
 // arenaLocked returns the arena o's memory is in; nil when o has none.
 func (o *object) arenaLocked() arena {
 	if o.block == nil {

@@ -207,7 +207,7 @@ func (s *Store) freeVersionLocked(v *version) {
 		s.clusterGoneLocked(o, false)
 		o.deleted = true
 		s.forgetCreatorLocked(o)
-		if o.src == nil && v.visible && s.lookupLocked(sr.name) == sr.entry() && sr.spare[i] == nil {
+		if o.src == nil && v.visible && s.lookupLocked(sr.name) == sr.entry() && sr.spare[i] == nil && !o.writeSealedLocked() {
 			// Keep the memory for the next version's shard i.
 			o.manifest.close()
 			o.manifest = nil
