@@ -43,6 +43,7 @@ func runAsCLIMain() bool {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	err := Run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	writePeakRSS()
 	if err != nil {
 		os.Stderr.WriteString(Message(err) + "\n")
 		os.Exit(ExitCode(err))

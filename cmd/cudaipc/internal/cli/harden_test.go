@@ -122,17 +122,50 @@ func TestInvalidUTF8Name(t *testing.T) {
 	}
 }
 
+// peakRSSEnv names the file a CLI child (runAsCLIMain) writes its peak
+// resident set to, in bytes, before it exits. The child's rusage cannot
+// tell it: os/exec starts children with vfork (CLONE_VM), and at exec the
+// kernel folds the high-water mark of the address space the child leaves,
+// the test process's, into the child's ru_maxrss, so a test process that
+// holds a CUDA context (~480 MiB resident on an H200) shows as every
+// child's peak. VmHWM is the child's own address space's.
+const peakRSSEnv = "CUDAIPC_CLI_TEST_PEAK_RSS"
+
+// writePeakRSS writes this process's VmHWM, in bytes, to the file named by
+// peakRSSEnv, if set.
+func writePeakRSS() {
+	path := os.Getenv(peakRSSEnv)
+	if path == "" {
+		return
+	}
+	status, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return
+	}
+	for line := range strings.Lines(string(status)) {
+		if kb, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			n, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(kb), "kB")), 10, 64)
+			if err == nil {
+				_ = os.WriteFile(path, []byte(strconv.FormatInt(n<<10, 10)), 0o600)
+			}
+			return
+		}
+	}
+}
+
 // putFromPipe runs 'cudaipc put - ARGS' as a process whose standard input
 // is a pipe fed with random bytes, up to limit bytes or until the reader
-// stops, and returns its error output, its exit code and its peak RSS.
+// stops, and returns its error output, its exit code and its own peak RSS
+// (VmHWM: see peakRSSEnv).
 func putFromPipe(t *testing.T, limit int64, args ...string) (stderr string, code int, maxRSS int64) {
 	t.Helper()
 	r, w, err := os.Pipe()
 	if err != nil {
 		t.Fatal(err)
 	}
+	peakFile := filepath.Join(t.TempDir(), "peak-rss")
 	cmd := exec.Command(os.Args[0], append([]string{"put", "-"}, args...)...)
-	cmd.Env = append(os.Environ(), mainEnv+"=1")
+	cmd.Env = append(os.Environ(), mainEnv+"=1", peakRSSEnv+"="+peakFile)
 	cmd.Stdin = r
 	var errb bytes.Buffer
 	cmd.Stderr = &errb
@@ -159,8 +192,15 @@ func putFromPipe(t *testing.T, limit int64, args ...string) (stderr string, code
 	if err != nil && !errors.As(err, &ee) {
 		t.Fatal(err)
 	}
-	ru := cmd.ProcessState.SysUsage().(*syscall.Rusage)
-	return errb.String(), cmd.ProcessState.ExitCode(), ru.Maxrss << 10
+	peak, err := os.ReadFile(peakFile)
+	if err != nil {
+		t.Fatalf("put %v (exit %d) reported no peak RSS: %v; stderr: %s", args, cmd.ProcessState.ExitCode(), err, errb.String())
+	}
+	maxRSS, err = strconv.ParseInt(string(peak), 10, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return errb.String(), cmd.ProcessState.ExitCode(), maxRSS
 }
 
 // TestPutEndlessPipe: put from a pipe that does not end fails cleanly,
@@ -196,9 +236,15 @@ func TestPutEndlessPipe(t *testing.T) {
 	if out := mustRun(t, "ls", "--socket", sock, "--json"); strings.Contains(out, `"name"`) {
 		t.Errorf("a failed put left an object: %s", out)
 	}
-	// A pipe of exactly --size bytes streams into the object.
-	if errOut, code, _ := putFromPipe(t, 96<<20, "--name", "c", "--size", "96MiB", "--socket", sock); code != 0 {
+	// A pipe of exactly --size bytes streams into the object. The host
+	// object is filled in place, through the child's mapping of the arena,
+	// so its peak RSS holds the object: the measure sees the child's memory.
+	errOut, code, rss := putFromPipe(t, 96<<20, "--name", "c", "--size", "96MiB", "--socket", sock)
+	if code != 0 {
 		t.Fatalf("sized pipe: exit %d: %s", code, errOut)
+	}
+	if rss < 96<<20 {
+		t.Errorf("a put that wrote 96 MiB through its mapping: peak RSS %d MiB, want at least 96 MiB", rss>>20)
 	}
 	if out := mustRun(t, "stat", "c", "--socket", sock, "--json"); !strings.Contains(out, `"size": 100663296`) {
 		t.Errorf("stat of the streamed object: %s", out)
