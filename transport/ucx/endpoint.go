@@ -346,6 +346,7 @@ func get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64
 		stopped  error     // ctx's error, or ErrClosed when ep or key was closed
 		giveUp   time.Time // when a stopped Get stops waiting for the peer
 		forced   time.Time // when the forced close began
+		idle     idleWait
 	)
 	for {
 		w.mu.Lock()
@@ -374,8 +375,9 @@ func get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64
 			}
 			next = end
 		}
+		var progressed uint32
 		if len(inflight) > 0 {
-			raw.WorkerProgress(w.h)
+			progressed = raw.WorkerProgress(w.h)
 		}
 		kept := inflight[:0]
 		for _, r := range inflight {
@@ -423,6 +425,7 @@ func get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64
 				stopped, giveUp = err, time.Now().Add(cancelWait)
 			}
 		}
+		idle.after(progressed > 0 || len(kept) < len(inflight))
 	}
 	if stopped != nil {
 		if !forced.IsZero() && !errors.Is(stopped, ErrClosed) {
@@ -457,4 +460,32 @@ func (e *Endpoint) shutLocked() {
 	e.closed = true
 	delete(e.w.endpoints, e)
 	endpointsByID.Delete(e.id)
+}
+
+// idleWait paces a loop that polls UCX: it spins while there is progress
+// and for getSpin after the last, so that short reads complete at UCX's
+// own latency, then sleeps between polls (from 10 µs, doubling to
+// getMaxSleep), so that a read waiting on a slow link or a slow peer does
+// not keep a CPU busy. Over tcp the kernel buffers what arrives meanwhile.
+type idleWait struct {
+	last  time.Time
+	sleep time.Duration
+}
+
+const (
+	getSpin     = 50 * time.Microsecond
+	getMaxSleep = time.Millisecond
+)
+
+func (i *idleWait) after(progress bool) {
+	now := time.Now()
+	if progress || i.last.IsZero() {
+		i.last, i.sleep = now, 0
+		return
+	}
+	if now.Sub(i.last) < getSpin {
+		return
+	}
+	i.sleep = min(max(2*i.sleep, 10*time.Microsecond), getMaxSleep)
+	time.Sleep(i.sleep)
 }
