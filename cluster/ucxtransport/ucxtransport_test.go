@@ -13,10 +13,12 @@ import (
 	"github.com/cudaipc/cudaipc/cluster/internal/clustertest"
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 	"github.com/cudaipc/cudaipc/cluster/ucxtransport"
+	"github.com/cudaipc/cudaipc/internal/testutil"
 	"github.com/cudaipc/cudaipc/transport/ucx"
 )
 
 func TestMain(m *testing.M) {
+	testutil.RunRole(roles)
 	// UCX on loopback tcp only, its logs on stderr.
 	for k, v := range map[string]string{"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_LOG_FILE": "/dev/stderr", "UCX_WARN_UNUSED_ENV_VARS": "n"} {
 		if _, set := os.LookupEnv(k); !set {

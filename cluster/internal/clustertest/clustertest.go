@@ -134,36 +134,72 @@ func StartNode(t *testing.T, srv *etcdtest.Server, tr Transport, name string, se
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	dir, err := etcddir.Open(ctx, etcddir.Config{Endpoints: []string{srv.Endpoint()}, Node: name, Secret: sec,
-		TTL: 2 * time.Second, CallTimeout: 5 * time.Second, Prefix: "/t/" + t.Name() + "/"})
+	n, closeNode, err := OpenNode(ctx, NodeOptions{Endpoints: []string{srv.Endpoint()}, Prefix: "/t/" + t.Name() + "/",
+		Listen: "127.0.0.1:0", Name: name, Secret: sec, T: tr})
 	if err != nil {
 		t.Fatal(err)
 	}
-	st := &Store{T: tr, objects: map[cluster.Ref]*obj{}}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	t.Cleanup(closeNode)
+	return n
+}
+
+// NodeOptions say where a node of OpenNode runs.
+type NodeOptions struct {
+	// Endpoints and Prefix locate the directory in etcd.
+	Endpoints []string
+	Prefix    string
+	// Listen is the control channel's address (host:port; port 0 for any),
+	// which the node advertises as it is bound.
+	Listen string
+	Name   string
+	Secret cluster.Secret
+	T      Transport
+}
+
+// OpenNode starts a node, as StartNode does, outside a test (in a helper
+// process): closeNode stops it.
+func OpenNode(ctx context.Context, o NodeOptions) (n *Node, closeNode func(), err error) {
+	dir, err := etcddir.Open(ctx, etcddir.Config{Endpoints: o.Endpoints, Node: o.Name, Secret: o.Secret,
+		TTL: 2 * time.Second, CallTimeout: 5 * time.Second, Prefix: o.Prefix})
 	if err != nil {
-		t.Fatal(err)
+		return nil, nil, err
+	}
+	st := &Store{T: o.T, objects: map[cluster.Ref]*obj{}}
+	ln, err := net.Listen("tcp", o.Listen)
+	if err != nil {
+		dir.Close()
+		return nil, nil, err
 	}
 	feeding := &cluster.Feeding{}
-	cs := &cluster.ControlServer{Node: name, Secret: sec, Source: st, Feeding: feeding}
+	cs := &cluster.ControlServer{Node: o.Name, Secret: o.Secret, Source: st, Feeding: feeding}
 	served := make(chan struct{})
 	go func() { cs.Serve(ln); close(served) }()
-	if err := dir.Join(ctx, cluster.Node{Name: name, Worker: tr.WorkerAddress(), Control: ln.Addr().String()}); err != nil {
-		t.Fatal(err)
-	}
-	n := &Node{Name: name, Dir: dir, Store: st, Feeding: feeding,
-		P: &cluster.Puller{Dir: dir, Transport: tr, Secret: sec, Sink: st, ChunkTimeout: 3 * time.Second}}
-	t.Cleanup(func() {
+	closeNode = func() {
 		ln.Close()
 		<-served
 		dir.Close()
-	})
-	return n
+	}
+	if err := dir.Join(ctx, cluster.Node{Name: o.Name, Worker: o.T.WorkerAddress(), Control: ln.Addr().String()}); err != nil {
+		closeNode()
+		return nil, nil, err
+	}
+	n = &Node{Name: o.Name, Dir: dir, Store: st, Feeding: feeding,
+		P: &cluster.Puller{Dir: dir, Transport: o.T, Secret: o.Secret, Sink: st, ChunkTimeout: 3 * time.Second}}
+	return n, closeNode, nil
 }
 
 // Put makes a sealed local object of random bytes on n and publishes it.
 func (n *Node) Put(t *testing.T, name string, size int64, chunk int64) (cluster.Object, []byte) {
 	t.Helper()
+	o, b, err := n.Publish(context.Background(), name, size, chunk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return o, b
+}
+
+// Publish is Put outside a test.
+func (n *Node) Publish(ctx context.Context, name string, size int64, chunk int64) (cluster.Object, []byte, error) {
 	b := make([]byte, size)
 	rand.NewChaCha8([32]byte{byte(size), byte(len(name)), byte(size >> 16)}).Read(b)
 	if chunk == 0 {
@@ -173,8 +209,8 @@ func (n *Node) Put(t *testing.T, name string, size int64, chunk int64) (cluster.
 	n.Store.mu.Lock()
 	n.Store.objects[o.Ref()] = &obj{id: o.ID, b: b, sealed: true}
 	n.Store.mu.Unlock()
-	if _, err := n.Dir.Publish(context.Background(), o); err != nil {
-		t.Fatal(err)
+	if _, err := n.Dir.Publish(ctx, o); err != nil {
+		return o, nil, err
 	}
-	return o, b
+	return o, b, nil
 }

@@ -1,0 +1,171 @@
+package clustertest
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
+)
+
+// Net is a test network of its own: a switch (a bridge in a network
+// namespace made for the test, which also runs etcd) and a veth link from
+// it to each node, each node a process in a network namespace of its own
+// (started with CLONE_NEWNET), each link limited by tc where asked. No
+// traffic leaves these namespaces; everything goes when the test ends
+// (a node's namespace with its process, the switch's by name).
+type Net struct {
+	t     testing.TB
+	sw    string // the switch namespace's name
+	links int
+}
+
+// netPrefix is the switch's subnet, inside the test's namespaces only.
+const netPrefix = "10.199.0."
+
+// EtcdPort is etcd's client port on the switch.
+const EtcdPort = 2379
+
+// RequireNet skips the test, or fails it under etcdtest.EnvRequire=1,
+// where network namespaces cannot be made (not root, or no ip/tc).
+func RequireNet(t testing.TB) {
+	t.Helper()
+	why := ""
+	if os.Geteuid() != 0 {
+		why = "network namespaces need root"
+	} else if _, err := exec.LookPath("ip"); err != nil {
+		why = "no ip command (apt-get install iproute2)"
+	} else if _, err := exec.LookPath("tc"); err != nil {
+		why = "no tc command (apt-get install iproute2)"
+	}
+	if why == "" {
+		return
+	}
+	if os.Getenv(etcdtest.EnvRequire) == "1" {
+		t.Fatal(why)
+	}
+	t.Skip(why)
+}
+
+// NewNet makes the switch namespace with its bridge at 10.199.0.1.
+func NewNet(t testing.TB) *Net {
+	t.Helper()
+	RequireNet(t)
+	sweepNetns()
+	n := &Net{t: t, sw: fmt.Sprintf("cxt-%d-%d-sw", os.Getpid(), time.Now().UnixNano()%1e6)}
+	n.run("ip", "netns", "add", n.sw)
+	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", n.sw).Run() })
+	n.run("ip", "-n", n.sw, "link", "set", "lo", "up")
+	n.run("ip", "-n", n.sw, "link", "add", "br0", "type", "bridge")
+	n.run("ip", "-n", n.sw, "addr", "add", netPrefix+"1/24", "dev", "br0")
+	n.run("ip", "-n", n.sw, "link", "set", "br0", "up")
+	return n
+}
+
+// sweepNetns deletes switch namespaces that earlier test processes left
+// (killed before their cleanup): those whose process is gone.
+func sweepNetns() {
+	ents, _ := os.ReadDir("/run/netns")
+	for _, e := range ents {
+		parts := strings.Split(e.Name(), "-")
+		if len(parts) != 4 || parts[0] != "cxt" || parts[3] != "sw" {
+			continue
+		}
+		if pid, err := strconv.Atoi(parts[1]); err == nil {
+			if _, err := os.Stat("/proc/" + strconv.Itoa(pid)); os.IsNotExist(err) {
+				_ = exec.Command("ip", "netns", "del", e.Name()).Run()
+			}
+		}
+	}
+}
+
+func (n *Net) run(args ...string) {
+	n.t.Helper()
+	if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+		n.t.Fatalf("%s: %v: %s", strings.Join(args, " "), err, out)
+	}
+}
+
+// NewNetnsAttr returns the SysProcAttr of a node process in a network
+// namespace of its own (killed with its parent).
+func NewNetnsAttr() *syscall.SysProcAttr {
+	return &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET, Pdeathsig: syscall.SIGKILL}
+}
+
+// Link joins the network namespace of process pid to the switch: eth0
+// there, with the returned address, and its end on the bridge. rate, if
+// not "", limits the link both ways with a token bucket (tc tbf, e.g.
+// "200mbit"): the node's sending at eth0, its receiving at the switch's
+// end.
+func (n *Net) Link(pid int, rate string) (ip string) {
+	n.t.Helper()
+	n.links++
+	i := n.links
+	ip = netPrefix + strconv.Itoa(10+i)
+	port := "p" + strconv.Itoa(i)
+	ns := "/proc/" + strconv.Itoa(pid) + "/ns/net"
+	n.run("ip", "-n", n.sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", strconv.Itoa(pid))
+	n.run("ip", "-n", n.sw, "link", "set", port, "master", "br0", "up")
+	in := func(args ...string) { n.run(append([]string{"nsenter", "--net=" + ns}, args...)...) }
+	in("ip", "link", "set", "lo", "up")
+	in("ip", "addr", "add", ip+"/24", "dev", "eth0")
+	in("ip", "link", "set", "eth0", "up")
+	if rate != "" {
+		// A token bucket with a short queue (20 ms of data): with a long
+		// one, every request waits behind the bulk data queued before it.
+		tbf := []string{"root", "tbf", "rate", rate, "burst", "64kb", "latency", "20ms"}
+		in(append([]string{"tc", "qdisc", "add", "dev", "eth0"}, tbf...)...)
+		n.run(append([]string{"tc", "-n", n.sw, "qdisc", "add", "dev", port}, tbf...)...)
+	}
+	return ip
+}
+
+// StartEtcd runs etcd on the switch, at 10.199.0.1:EtcdPort, until the
+// test ends, and returns its endpoint. Nodes wait for it themselves (it
+// is not reachable from the test's own namespace).
+func (n *Net) StartEtcd() string {
+	n.t.Helper()
+	bin := etcdtest.Require(n.t)
+	dir, err := os.MkdirTemp("/dev/shm", "cudaipc-etcd-")
+	if err != nil {
+		dir = n.t.TempDir()
+	}
+	ep := fmt.Sprintf("http://%s1:%d", netPrefix, EtcdPort)
+	peer := "http://127.0.0.1:2380"
+	log, err := os.Create(filepath.Join(dir, "etcd.log"))
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	cmd := exec.Command("ip", "netns", "exec", n.sw, bin, "--name", "t", "--data-dir", filepath.Join(dir, "data"),
+		"--listen-client-urls", ep, "--advertise-client-urls", ep,
+		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", "t="+peer,
+		"--log-level", "warn")
+	cmd.Stdout, cmd.Stderr = log, log
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		n.t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	n.t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		select {
+		case <-exited:
+		case <-time.After(10 * time.Second):
+			n.t.Errorf("etcd pid %d did not exit within 10s of SIGKILL", cmd.Process.Pid)
+		}
+		log.Close()
+		if n.t.Failed() {
+			b, _ := os.ReadFile(log.Name())
+			n.t.Logf("etcd's log:\n%s", b)
+		}
+		os.RemoveAll(dir)
+	})
+	return ep
+}
