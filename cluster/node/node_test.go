@@ -49,7 +49,13 @@ type daemon struct {
 
 // startDaemon runs a store daemon in this process, joined to the cluster
 // on srv, and a client of it.
-func startDaemon(t *testing.T, srv *etcdtest.Server, name string) *daemon {
+func startDaemon(t testing.TB, srv *etcdtest.Server, name string) *daemon {
+	t.Helper()
+	return startDaemonCap(t, srv, name, 256<<20)
+}
+
+// startDaemonCap is startDaemon with a capacity.
+func startDaemonCap(t testing.TB, srv *etcdtest.Server, name string, capacity int64) *daemon {
 	t.Helper()
 	if err := ucx.Available(); err != nil {
 		if os.Getenv("CUDAIPC_REQUIRE_UCX") == "1" || os.Getenv(etcdtest.EnvRequire) == "1" {
@@ -71,7 +77,7 @@ func startDaemon(t *testing.T, srv *etcdtest.Server, name string) *daemon {
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(n.Collectors()...)
-	st, err := store.New(store.Config{Backend: "host", Capacity: 256 << 20, Cluster: n, Logger: log, Registerer: reg})
+	st, err := store.New(store.Config{Backend: "host", Capacity: capacity, Cluster: n, Logger: log, Registerer: reg})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -103,7 +109,7 @@ func startDaemon(t *testing.T, srv *etcdtest.Server, name string) *daemon {
 }
 
 type testWriter struct {
-	t    *testing.T
+	t    testing.TB
 	name string
 	mu   *sync.Mutex
 	buf  *bytes.Buffer
@@ -151,7 +157,7 @@ func (d *daemon) get(ctx context.Context, name string) ([]byte, error) {
 }
 
 // eventually polls cond until it holds, failing after timeout.
-func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+func eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	for !cond() {
