@@ -579,10 +579,16 @@ func (cn *conn) grant(id uint64, name string, sel versionSel, retry bool) bool {
 		cn.replyLocked("get", protocol.ErrorResponse(id, err), nil)
 		return true
 	}
+	in := p.info.proto()
+	if len(p.region) > 0 {
+		// Once per reply: the object's region is the placement's (the
+		// arena's, or registered memory's) at the placement's offset.
+		in.Region = nil
+	}
 	cn.replyLocked("get", &storev1.Response{Id: id, Body: &storev1.Response_Get{Get: &storev1.GetResponse{
 		LeaseId:          p.leaseID,
 		Placement:        p.proto(),
-		Info:             p.info.proto(),
+		Info:             in,
 		ManifestAttached: p.manifest != nil,
 		LeaseSlot:        uint32(p.leaseSlot),
 		LeaseGen:         p.leaseGen,

@@ -2191,7 +2191,8 @@ type ObjectInfo struct {
 	CreatedUnixNano int64 `protobuf:"varint,8,opt,name=created_unix_nano,json=createdUnixNano,proto3" json:"created_unix_nano,omitempty"`
 	// GPU objects: the binary region (docs/region.md) of exactly the
 	// object's memory, of the kind its placements have; empty for host
-	// memory.
+	// memory, and in a get's info, whose placement carries the region once
+	// (the object's is the placement's region narrowed to the placement).
 	Region []byte `protobuf:"bytes,9,opt,name=region,proto3" json:"region,omitempty"`
 	// For a shard of a version: its version, the version's shard count
 	// and its index (version 0: not versioned).

@@ -59,7 +59,7 @@ class Record:
     words (set by LeaseTable.prepare)."""
 
     __slots__ = ("conn", "name", "nbytes", "device", "addr", "ordinal", "writable", "share", "arena",
-                 "gpu_close", "tensor", "end_request", "views", "lease_id", "info_pb",
+                 "gpu_close", "tensor", "end_request", "views", "lease_id", "info_pb", "placement",
                  "table", "slot", "gen", "arena_id", "w_held", "w_idle", "p_slot", "p_held", "p_idle")
 
     def __init__(self, conn: Conn, name: str, nbytes: int, device: str, addr: int, ordinal: Optional[int],
@@ -80,6 +80,7 @@ class Record:
         self.views: Dict[str, Any] = {}
         self.lease_id = 0
         self.info_pb: Any = None
+        self.placement: Any = None  # a lease's placement, whose region the info leaves out
         self.table: Any = None     # the LeaseTable of a lease granted with a slot
         self.arena_id = 0
 

@@ -4,6 +4,7 @@ memory Record (_memory.py) and share their views through ``MemoryViews``."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from typing import Any, Optional, Sequence
@@ -15,6 +16,7 @@ from ._memory import Hold, ManifestFD, Record
 from ._wire import Conn
 from .errors import InvalidArgument
 from .info import LEGACY_GPU_SHARE, ObjectInfo, TensorDesc
+from .region import Region
 
 __all__ = ["Lease", "Object", "MemoryViews"]
 
@@ -167,7 +169,16 @@ class Lease(MemoryViews):
             d = self._rec
             p = d.info_pb
             if p is not None and p.name:
-                self._info = ObjectInfo._from_pb(p)
+                info = ObjectInfo._from_pb(p)
+                pl = d.placement
+                if info.region is None and pl is not None and pl.region:
+                    # A get's info leaves the region out: it is the placement's, at
+                    # the placement's offset (decoded here, when asked for).
+                    try:
+                        info = dataclasses.replace(info, region=Region.from_bytes(pl.region).sub(pl.offset, pl.size))
+                    except Exception:  # noqa: BLE001 - a newer daemon's region kind: leave it out
+                        pass
+                self._info = info
             else:
                 self._info = ObjectInfo(d.name, d.nbytes, d.device, True, 1, False, 0,
                                         datetime.datetime.now(datetime.timezone.utc), None, d.tensor)

@@ -312,7 +312,7 @@ class Store:
         except BaseException:
             self._conn._cleanup(r, "get", name)
             raise
-        rec.lease_id, rec.info_pb = g.lease_id, info
+        rec.lease_id, rec.info_pb, rec.placement = g.lease_id, info, p
         hold = Hold(rec)   # from here on, the lease ends when this goes
         if r.manifest_fd >= 0:
             manifest, r.manifest_fd = ManifestFD(r.manifest_fd), -1

@@ -61,6 +61,8 @@ def test_get_of_registered_expandable_segments_is_read_only(cuda_daemon):
         with cudaipc.connect(cuda_daemon.socket) as s:
             lease = s.get("torch/emb", timeout=10)
             assert lease.share == "vmm-fd" and lease.size == size and lease.info.external
+            r = lease.info.region   # the placement's: a version 2 region over every piece
+            assert r is not None and r.size == size and r.version == 2 and len(r.pieces) > MAX_FILES
             assert sha(lease.read()) == want
             assert sha(lease.numpy().tobytes()) == want               # a copy
             t = lease.tensor()

@@ -100,3 +100,21 @@ def test_pieces_region_round_trips_and_says_what_it_spans():
         c[i // 8] ^= 1 << (i % 8)
         with pytest.raises(cudaipc.InvalidRegion):
             Region.from_bytes(bytes(c))
+
+
+def test_a_get_info_takes_its_region_from_the_placement():
+    """A get's info leaves the region out (the placement carries it once); the lease's
+    info is the placement's region narrowed to the placement, decoded when asked for."""
+    from cudaipc import _store_pb2 as pb
+    from cudaipc._memory import Record
+    from cudaipc.lease import Lease
+    for name in VALID:
+        b, _ = vector(name)
+        whole = Region.from_bytes(b)
+        p = pb.Placement(kind=pb.Placement.VMM_FD if whole.kind == 2 else pb.Placement.CUDA_IPC,
+                         device=whole.device_uuid, offset=100, size=200, arena_size=whole.size, region=b)
+        rec = Record(None, "w", 200, p.device, 0, 0, False, "vmm-fd", None, None, None, None)
+        rec.info_pb = pb.ObjectInfo(name="w", size=200, device=p.device, sealed=True)
+        rec.placement = p
+        info = Lease(None, rec).info
+        assert info.region == whole.sub(100, 200) and info.size == 200
