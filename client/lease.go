@@ -175,6 +175,9 @@ func (l *Lease) CUDADevice() *cudaipc.Device {
 func (l *Lease) ReadAt(p []byte, off int64) (int, error) {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
+	if l.src != nil && !l.released {
+		return 0, &Error{Op: "read", Name: l.info.Name, Err: ErrInvalid, Message: "a version published without a copy lies in several regions of its publisher's memory: read it through Sources"}
+	}
 	return l.v.readAt("read", l.info.Name, p, off)
 }
 

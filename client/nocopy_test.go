@@ -85,6 +85,9 @@ func TestNoCopyWaitReleased(t *testing.T) {
 	if _, err := l.Sources(); err == nil {
 		t.Fatal("made-up legacy regions mapped")
 	}
+	if _, err := l.ReadAt(make([]byte, 8), 0); !errors.Is(err, client.ErrInvalid) || !strings.Contains(err.Error(), "Sources") {
+		t.Fatalf("ReadAt of a no-copy version: %v, want ErrInvalid naming Sources", err)
+	}
 	l.Release()
 
 	holders := []*proc{}
