@@ -45,6 +45,9 @@ const (
 	DefaultPrefix      = "/cudaipc/v1/"
 	DefaultTTL         = 10 * time.Second
 	DefaultCallTimeout = 2 * time.Second
+	// DefaultKeepRecords is how many versions of a versioned name keep
+	// their records behind (and including) the latest.
+	DefaultKeepRecords = 8
 	// fastFail is how long calls fail at once after one found etcd away.
 	fastFail = time.Second
 )
@@ -66,6 +69,13 @@ type Config struct {
 	TTL time.Duration
 	// CallTimeout bounds every call to etcd; 0 means DefaultCallTimeout.
 	CallTimeout time.Duration
+	// KeepRecords is how many versions of a versioned name, the latest
+	// included, keep their records: committing version V deletes the
+	// records (and holders) of versions up to V-KeepRecords, so that a
+	// name published every training step does not grow etcd without
+	// bound. Nodes keep their own replicas by their own keep_last. 0 means
+	// DefaultKeepRecords.
+	KeepRecords int
 	// CAFile, CertFile and KeyFile turn on TLS to etcd: the CA that signed
 	// etcd's certificate, and this node's client certificate and key
 	// (both or neither).
@@ -150,6 +160,9 @@ func Open(ctx context.Context, cfg Config) (*Directory, error) {
 	}
 	if cfg.CallTimeout <= 0 {
 		cfg.CallTimeout = DefaultCallTimeout
+	}
+	if cfg.KeepRecords <= 0 {
+		cfg.KeepRecords = DefaultKeepRecords
 	}
 	log := cfg.Logger
 	if log == nil {
@@ -559,7 +572,16 @@ func (d *Directory) commit(ctx context.Context, o cluster.Object) (bool, error) 
 			}
 			cmp = clientv3.Compare(clientv3.ModRevision(lkey), "=", kvs[0].ModRevision)
 		}
-		t, err := d.cli.Txn(cctx).If(cmp).Then(clientv3.OpPut(lkey, string(lval))).Commit()
+		ops := []clientv3.Op{clientv3.OpPut(lkey, string(lval))}
+		if keep := uint64(d.cfg.KeepRecords); o.Version > keep {
+			// Versions up to o.Version-keep lose their records: the keys
+			// sort by version (20 digits), so one range each.
+			upTo := fmt.Sprintf("%020d/", o.Version-keep+1)
+			ops = append(ops,
+				clientv3.OpDelete(d.k.objName(o.Owner, o.Name), clientv3.WithRange(d.k.objName(o.Owner, o.Name)+upTo)),
+				clientv3.OpDelete(d.k.holdName(o.Owner, o.Name), clientv3.WithRange(d.k.holdName(o.Owner, o.Name)+upTo)))
+		}
+		t, err := d.cli.Txn(cctx).If(cmp).Then(ops...).Commit()
 		cancel()
 		if err != nil {
 			return false, d.fail(cctx, what, err)

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 )
@@ -427,5 +429,29 @@ func TestManyObjects(t *testing.T) {
 		if l.Name != fmt.Sprintf("ns/obj-%02d", i) || len(l.Holders) != 1 {
 			t.Fatalf("entry %d: %+v", i, l)
 		}
+	}
+}
+
+func TestOldVersionRecordsPruned(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a := open(t, srv, "a", func(c *Config) { c.KeepRecords = 3 })
+	ctx := ctxT(t)
+	for v := uint64(1); v <= 12; v++ {
+		o, _ := object("steps", 70000)
+		o.Version, o.Shards = v, 1
+		if committed, err := a.Publish(ctx, o); err != nil || !committed {
+			t.Fatalf("v%d: %v %v", v, committed, err)
+		}
+	}
+	ls, err := a.List(ctx)
+	if err != nil || len(ls) != 3 || ls[0].Version != 10 || ls[2].Version != 12 || ls[2].Latest != 12 {
+		t.Fatalf("after 12 versions with KeepRecords 3: %d records, first %+v, %v", len(ls), ls, err)
+	}
+	if _, err := a.Lookup(ctx, cluster.Ref{Owner: 1000, Name: "steps", Version: 9}); !errors.Is(err, cluster.ErrNotFound) {
+		t.Fatalf("v9: %v", err)
+	}
+	r, err := a.cli.Get(ctx, a.k.holdName(1000, "steps"), clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil || r.Count != 3 {
+		t.Fatalf("holder keys left: %d %v", r.Count, err)
 	}
 }

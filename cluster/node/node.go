@@ -216,6 +216,9 @@ func (n *Node) watch(ctx context.Context) {
 	for ev := range n.dir.Watch(ctx) {
 		switch {
 		case ev.Deleted:
+			if ev.Ref.Version != 0 && !n.nameGone(ctx, ev.Ref) {
+				continue // an old version's records pruned: replicas stay, by this node's keep_last
+			}
 			if n.st.DropCluster(ev.Ref.Owner, ev.Ref.Name, "") {
 				n.log.Info("cluster deleted a name: local replica dropped", "object", ev.Ref.String())
 			}
@@ -240,6 +243,16 @@ func (n *Node) watch(ctx context.Context) {
 			n.mu.Unlock()
 		}
 	}
+}
+
+// nameGone reports whether a versioned name was deleted from the cluster
+// (its latest record is gone), as opposed to old versions' records
+// pruned. When etcd cannot say, the name is kept.
+func (n *Node) nameGone(ctx context.Context, ref cluster.Ref) bool {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	_, err := n.dir.Latest(ctx, ref.Owner, ref.Name)
+	return errors.Is(err, cluster.ErrNotFound)
 }
 
 // Fetch implements store.ClusterHook: it pulls owner's name, or the

@@ -69,7 +69,7 @@ func startDaemonCap(t testing.TB, srv *etcdtest.Server, name string, capacity in
 	log := slog.New(slog.NewTextHandler(testWriter{t, name, &d.logMu, &d.logBuf}, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	n, err := node.Start(ctx, node.Config{
 		Directory: etcddir.Config{Endpoints: []string{srv.Endpoint()}, Node: name, Secret: secret, TTL: 2 * time.Second,
-			CallTimeout: 5 * time.Second, Prefix: "/t/" + t.Name() + "/"},
+			CallTimeout: 5 * time.Second, Prefix: "/t/" + t.Name() + "/", KeepRecords: 2},
 		Listen: "127.0.0.1:0", Logger: log,
 	})
 	if err != nil {
@@ -353,6 +353,20 @@ func TestVersionsAcrossDaemons(t *testing.T) {
 	case <-time.After(40 * time.Second):
 		t.Fatal("C's get newer_than did not return")
 	}
+	// v3 prunes v1's records (KeepRecords 2): B keeps its replica of v1
+	// (no name was deleted) and reads v3 when asked for the latest.
+	v3, s3 := a.publish(t, "policy", 2, 200000)
+	eventually(t, 10*time.Second, "v1's records pruned", func() bool {
+		_, err := b.node.Directory().Lookup(ctx, cluster.Ref{Owner: 0, Name: "policy", Version: v1})
+		return errors.Is(err, cluster.ErrNotFound)
+	})
+	if ver, got, err := b.getVersion(ctx, "policy", client.GetOptions{Version: v1}); err != nil || ver != v1 || !bytes.Equal(got, s1[0]) {
+		t.Fatalf("B's own v%d after its records were pruned: v%d %v", v1, ver, err)
+	}
+	if ver, got, err := b.getVersion(ctx, "policy", client.GetOptions{NewerThan: v2, Wait: true}); err != nil || ver != v3 || !bytes.Equal(got, s3[0]) {
+		t.Fatalf("newer than v%d on B: v%d %v", v2, ver, err)
+	}
+
 	// Shards published on different nodes form one version: shard 0 of
 	// version 10 on A, shard 1 on B; C reads both, and A, which holds only
 	// its own shard, completes the version from B.
@@ -384,7 +398,7 @@ func TestVersionsAcrossDaemons(t *testing.T) {
 	// A get newer than the latest times out as a local one would.
 	short, cancel2 := context.WithTimeout(ctx, 500*time.Millisecond)
 	defer cancel2()
-	if _, _, err := b.getVersion(short, "policy", client.GetOptions{NewerThan: v2, Wait: true}); !errors.Is(err, client.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) {
+	if _, _, err := b.getVersion(short, "policy", client.GetOptions{NewerThan: v3, Wait: true}); !errors.Is(err, client.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("newer than the latest: %v", err)
 	}
 	// Deleting the name on C removes it everywhere.
