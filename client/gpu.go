@@ -61,11 +61,10 @@ func importPlacement(op, name string, p *storev1.Placement, files []*os.File) (*
 		// Not ErrInternal: the daemon did its part; this process cannot
 		// map the memory (another PID namespace, no such GPU, ...), and
 		// the cudaipc error says why.
-		e := &Error{Op: op, Name: name, Err: fmt.Errorf("mapping the GPU object: %w", err)}
 		if p.GetExternal() && r.Kind == cudaipc.KindCUDAIPC {
-			e.Message = "the exporter registered legacy (cudaMalloc) memory, which opens only in its own PID namespace and while it lives: have it allocate VMM memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or cuMemCreate with POSIX fd handles) so that it registers descriptors (" + err.Error() + ")"
+			return nil, cudaipc.Region{}, &Error{Op: op, Name: name, Err: ErrInvalid, cause: err, Message: "the exporter registered legacy (cudaMalloc) memory, which opens only in its own PID namespace and while it lives: have it allocate VMM memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or cuMemCreate with POSIX fd handles) so that it registers descriptors (" + err.Error() + ")"}
 		}
-		return nil, cudaipc.Region{}, e
+		return nil, cudaipc.Region{}, &Error{Op: op, Name: name, Err: fmt.Errorf("mapping the GPU object: %w", err)}
 	}
 	return m, whole, nil
 }
