@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ._deps import available, require
 from ._manifest import FROM_SAFETENSORS, TensorEntry
+from ._views import numpy_dtype
 
 __all__ = ["ArrayLib", "TORCH", "ARRAYS", "pick", "of_values", "Signature"]
 
@@ -198,7 +199,8 @@ def _is_cupy(v: Any) -> bool:
 
 
 class _Arrays(ArrayLib):
-    """NumPy arrays for host memory, CuPy arrays for GPU memory (dtypes are NumPy's)."""
+    """NumPy arrays for host memory, CuPy arrays for GPU memory (dtypes are NumPy's,
+    with bfloat16 and float8 from ml_dtypes where it is installed: see numpy_dtype)."""
     name = "numpy"
 
     def __init__(self) -> None:
@@ -207,13 +209,9 @@ class _Arrays(ArrayLib):
     def dtype(self, st: str) -> Any:
         dt = self._dtypes.get(st, False)
         if dt is False:
-            np = require("numpy", "bundle arrays")
+            require("numpy", "bundle arrays")
             name = FROM_SAFETENSORS.get(st)
-            try:
-                dt = np.dtype(name) if name else None   # (no bfloat16 or float8 in NumPy)
-            except TypeError:
-                dt = None
-            self._dtypes[st] = dt
+            dt = self._dtypes[st] = numpy_dtype(name) if name else None
         return dt
 
     def uint8(self) -> Any:
@@ -277,9 +275,10 @@ class _Arrays(ArrayLib):
 
 
 def _array_bits(a: Any) -> Any:
-    """a viewed as unsigned integers of its item size where it is a float (a copy of
-    floats must move bits, NaN payloads included)."""
-    if a.dtype.kind in "fc" and a.dtype.itemsize in (1, 2, 4, 8):
+    """a viewed as unsigned integers of its item size where it is a float, ml_dtypes'
+    bfloat16 and float8 (kind "V") included (a copy of floats must move bits, NaN
+    payloads included)."""
+    if a.dtype.kind in "fcV" and a.dtype.itemsize in (1, 2, 4, 8):
         return a.view("u%d" % a.dtype.itemsize)
     return a
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._deps import require
 
-__all__ = ["DTYPES", "dtype_name", "Layout", "resolve_layout"]
+__all__ = ["DTYPES", "ML_DTYPES", "dtype_name", "numpy_dtype", "Layout", "resolve_layout"]
 
 # name -> (itemsize, NumPy typestr or None when NumPy has no such type, typestr of
 # an integer type of the same size to carry it)
@@ -27,6 +27,27 @@ DTYPES: Dict[str, Tuple[int, Optional[str], str]] = {
     "float64": (8, "<f8", "<i8"), "complex64": (8, "<c8", "<i8"), "complex128": (16, "<c16", "<c16"),
     "float8_e4m3fn": (1, None, "|u1"), "float8_e5m2": (1, None, "|u1"),
 }
+
+
+# Dtypes NumPy itself lacks and the ml_dtypes package (which JAX, among others,
+# installs) adds under these names.
+ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")
+
+
+def numpy_dtype(name: str) -> Any:
+    """NumPy's dtype for the protocol dtype ``name``, or None where NumPy has none:
+    NumPy's own types, and bfloat16 and float8 as ml_dtypes' types when ml_dtypes can
+    be imported (it is, then). It depends on whether ml_dtypes is installed, never on
+    whether something else imported it first, as ``numpy.dtype("bfloat16")`` would."""
+    np = require("numpy", "NumPy dtypes")
+    if name in ML_DTYPES:
+        try:
+            import ml_dtypes
+        except ImportError:
+            return None
+        t = getattr(ml_dtypes, name, None)
+        return None if t is None else np.dtype(t)
+    return np.dtype(name)
 
 
 def dtype_name(dtype: Any) -> str:

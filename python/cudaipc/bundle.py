@@ -19,8 +19,9 @@ longer leased.
 
 Without PyTorch, or with ``views="numpy"``, the same works on NumPy arrays (host
 bundles) and CuPy arrays (GPU bundles): put_bundle and load_into take them, and
-get_bundle and create_bundle hand them out. Tensors of a dtype the array library
-lacks (NumPy has no bfloat16 or float8) come as uint8 bytes.
+get_bundle and create_bundle hand them out. bfloat16 and float8 tensors, which NumPy
+lacks, come as ml_dtypes' types where ml_dtypes is installed, else as uint8 bytes;
+tensors of any other dtype the array library lacks come as uint8 bytes.
 """
 
 from __future__ import annotations
@@ -359,7 +360,8 @@ def get_bundle(store: Any, name: str, timeout: Optional[float] = None, *, versio
     of one model share it). Tensors of dtypes PyTorch lacks come as uint8 bytes.
 
     ``views``: "torch", "numpy" (NumPy arrays of a host bundle, CuPy arrays of a GPU
-    one; dtypes NumPy lacks, bfloat16 and float8, as uint8 bytes), or "auto"
+    one; bfloat16 and float8 as ml_dtypes' types where it is installed, else as uint8
+    bytes), or "auto"
     (PyTorch where it can be imported, else "numpy")."""
     lib = pick(views)
     lease = store.get(name, timeout, version=version, shard=shard, newer_than=newer_than, wait=wait)

@@ -4,6 +4,7 @@ where torch cannot be imported at all."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -72,16 +73,71 @@ def test_numpy_bundle_round_trip(store):
 
 
 def test_create_bundle_of_numpy_arrays(store):
+    """create_bundle's NumPy views: NumPy's dtypes, and bfloat16 as ml_dtypes' type
+    where ml_dtypes is installed (the GPU machines have it, from JAX), else as uint8
+    bytes (both branches run deterministically in test_bfloat16_views_follow_ml_dtypes)."""
     rng = np.random.default_rng()
     w = cudaipc.bundle.create_bundle(store, "made", {"a": ("float32", (4, 5)), "b": (np.int64, (3,)),
                                                      "h": ("bfloat16", (2, 2))}, views="numpy")
     a, b = random_array(rng, "float32", (4, 5)), random_array(rng, "int64", (3,))
     w.tensors["a"][...] = a
     w.tensors["b"][...] = b
-    assert w.tensors["h"].dtype == np.uint8 and w.tensors["h"].shape == (8,)   # no bfloat16 in NumPy
+    h = w.tensors["h"]
+    if importlib.util.find_spec("ml_dtypes") is not None:
+        import ml_dtypes
+        assert h.dtype == np.dtype(ml_dtypes.bfloat16) and h.shape == (2, 2), (h.dtype, h.shape)
+    else:
+        assert h.dtype == np.uint8 and h.shape == (8,), (h.dtype, h.shape)
+    bits = rng.integers(0, 256, size=8, dtype=np.uint8)
+    h.reshape(-1).view(np.uint8)[...] = bits
     w.seal()
     with store.get_bundle("made", views="numpy") as got:
-        assert same_bits(got["a"], a) and same_bits(got["b"], b) and got["h"].nbytes == 8
+        assert same_bits(got["a"], a) and same_bits(got["b"], b)
+        assert got["h"].dtype == h.dtype and got["h"].shape == h.shape and got["h"].tobytes() == bits.tobytes()
+
+
+@pytest.mark.parametrize("ml_dtypes", ["absent", "present"])
+def test_bfloat16_views_follow_ml_dtypes(daemon, ml_dtypes):
+    """bfloat16 and float8 entries of a bundle's NumPy views: uint8 bytes in a process
+    where ml_dtypes cannot be imported, ml_dtypes' types where it can (a stand-in module
+    here: the CPU machines lack the package), whatever was imported before; the bits
+    round-trip through create_bundle, get_bundle and load_into either way."""
+    script = textwrap.dedent("""
+        import sys, types
+        import numpy as np
+        if sys.argv[2] == "absent":
+            sys.modules["ml_dtypes"] = None            # import ml_dtypes raises ImportError
+            want = {"h": (np.dtype(np.uint8), (8,)), "f": (np.dtype(np.uint8), (3,))}
+        else:
+            fake = types.ModuleType("ml_dtypes")      # 2- and 1-byte types NumPy itself lacks
+            fake.bfloat16 = np.dtype([("bf16", "<u2")])
+            fake.float8_e4m3fn = np.dtype([("f8", "u1")])
+            sys.modules["ml_dtypes"] = fake
+            want = {"h": (fake.bfloat16, (2, 2)), "f": (fake.float8_e4m3fn, (3,))}
+        import cudaipc
+        rng = np.random.default_rng()
+        bits = {"h": rng.integers(0, 256, size=8, dtype=np.uint8), "f": rng.integers(0, 256, size=3, dtype=np.uint8)}
+        with cudaipc.connect(sys.argv[1]) as store:
+            w = cudaipc.bundle.create_bundle(store, "bf", {"h": ("bfloat16", (2, 2)), "f": ("float8_e4m3fn", (3,))},
+                                             views="numpy")
+            for k, (dt, shape) in want.items():
+                v = w.tensors[k]
+                assert v.dtype == dt and v.shape == shape, (k, v.dtype, v.shape)
+                v.reshape(-1).view(np.uint8)[...] = bits[k]
+            w.seal()
+            with store.get_bundle("bf", timeout=5, views="numpy") as b:
+                out = {}
+                for k, (dt, shape) in want.items():
+                    assert b[k].dtype == dt and b[k].shape == shape and b[k].tobytes() == bits[k].tobytes(), k
+                    out[k] = np.zeros(shape, dtype=dt)
+                cudaipc.load_into(b, out)
+                assert all(out[k].tobytes() == bits[k].tobytes() for k in want), out
+        print("OK")
+    """)
+    env = dict(os.environ, PYTHONPATH=PYROOT)
+    p = subprocess.run([sys.executable, "-c", script, daemon.socket, ml_dtypes], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout + p.stderr
 
 
 def test_bundles_without_torch(daemon):
