@@ -123,8 +123,11 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	n := &Node{cfg: cfg, log: log, dir: dir, tr: tr, ln: ln, arenas: map[uint64]*arenaReg{}, pins: map[string]*store.ClusterFile{}}
-	n.p = &cluster.Puller{Dir: dir, Transport: tr, Secret: cfg.Directory.Secret, Sink: sink{n}, Logger: log}
-	n.cs = &cluster.ControlServer{Node: cfg.Directory.Node, Secret: cfg.Directory.Secret, Source: source{n}, Logger: log}
+	feeding := &cluster.Feeding{} // fan-out: replicas being pulled feed other readers (fanout.go)
+	n.p = &cluster.Puller{Dir: dir, Transport: tr, Secret: cfg.Directory.Secret, Sink: sink{n}, Logger: log,
+		Feeds: dir, Feeding: feeding}
+	n.cs = &cluster.ControlServer{Node: cfg.Directory.Node, Secret: cfg.Directory.Secret, Source: source{n}, Logger: log,
+		Feeding: feeding}
 	return n, nil
 }
 
@@ -416,8 +419,8 @@ func (s sink) Create(ctx context.Context, o cluster.Object) (cluster.Replica, er
 		return nil, err
 	}
 	mem, whole, err := mapRange(f.File, f.Offset, f.Size, unix.PROT_READ|unix.PROT_WRITE)
-	f.File.Close()
 	if err != nil {
+		f.File.Close()
 		f.Release()
 		return nil, err
 	}
@@ -426,11 +429,12 @@ func (s sink) Create(ctx context.Context, o cluster.Object) (cluster.Replica, er
 
 type replica struct {
 	n      *Node
-	f      *store.ClusterFile
+	f      *store.ClusterFile // f.File stays open for Expose until the end
 	o      cluster.Object
 	mem    []byte
 	whole  []byte
 	sealed bool
+	feeds  feedRefs // exposures to peers while it is pulled (fanout.go)
 }
 
 func (r *replica) Bytes() []byte { return r.mem }
@@ -438,14 +442,14 @@ func (r *replica) Bytes() []byte { return r.mem }
 func (r *replica) Seal() error {
 	r.unmap()
 	err := r.f.Seal()
-	r.f.Release()
+	r.end()
 	r.sealed = err == nil
 	return err
 }
 
 func (r *replica) Abort() {
 	r.unmap()
-	r.f.Release()
+	r.end()
 	if r.sealed {
 		r.n.st.DropCluster(r.o.Owner, r.o.Name, r.o.ID)
 	}
@@ -472,22 +476,37 @@ func (s source) Expose(ref cluster.Ref, id string) (cluster.Exposure, func(), er
 		}
 		return cluster.Exposure{}, nil, err
 	}
+	e, rel, err := n.exposeArena(f)
+	f.File.Close()
+	if err != nil {
+		f.Release()
+		return e, nil, err
+	}
+	var once sync.Once
+	return e, func() {
+		once.Do(func() {
+			rel()
+			f.Release()
+		})
+	}, nil
+}
+
+// exposeArena registers f's arena with UCX (mapped and registered once
+// while any of its objects is exposed) and says where peers read f's
+// object; release ends the exposure. f itself is left to the caller.
+func (n *Node) exposeArena(f *store.ClusterFile) (cluster.Exposure, func(), error) {
 	n.mu.Lock()
 	a := n.arenas[f.ArenaID]
 	if a == nil {
 		mem, err := unix.Mmap(int(f.File.Fd()), 0, int(f.ArenaSize), unix.PROT_READ, unix.MAP_SHARED)
 		if err != nil {
 			n.mu.Unlock()
-			f.File.Close()
-			f.Release()
 			return cluster.Exposure{}, nil, fmt.Errorf("map arena %d: %w", f.ArenaID, err)
 		}
 		reg, err := n.tr.Register(mem)
 		if err != nil {
 			unix.Munmap(mem)
 			n.mu.Unlock()
-			f.File.Close()
-			f.Release()
 			return cluster.Exposure{}, nil, fmt.Errorf("register arena %d with UCX: %w", f.ArenaID, err)
 		}
 		a = &arenaReg{mem: mem, reg: reg}
@@ -495,21 +514,16 @@ func (s source) Expose(ref cluster.Ref, id string) (cluster.Exposure, func(), er
 	}
 	a.refs++
 	n.mu.Unlock()
-	f.File.Close()
 	e := cluster.Exposure{Worker: n.tr.WorkerAddress(), RKey: a.reg.Key(), Addr: a.reg.Addr(f.Offset), Size: f.Size}
 	n.exposures.Add(1)
 	n.exposedBytes.Add(uint64(f.Size))
-	var once sync.Once
 	return e, func() {
-		once.Do(func() {
-			n.mu.Lock()
-			if a.refs--; a.refs == 0 {
-				a.reg.Close()
-				unix.Munmap(a.mem)
-				delete(n.arenas, f.ArenaID)
-			}
-			n.mu.Unlock()
-			f.Release()
-		})
+		n.mu.Lock()
+		if a.refs--; a.refs == 0 {
+			a.reg.Close()
+			unix.Munmap(a.mem)
+			delete(n.arenas, f.ArenaID)
+		}
+		n.mu.Unlock()
 	}, nil
 }
