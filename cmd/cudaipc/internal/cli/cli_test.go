@@ -364,7 +364,7 @@ func TestHelp(t *testing.T) {
 		}
 	}
 	out := mustRun(t, "help", "bench", "ipc")
-	for _, want := range []string{"Usage: cudaipc bench ipc", "(default 1073741824: 1 GiB)", "(default 200)", "(default 20)"} {
+	for _, want := range []string{"Usage: cudaipc bench ipc", "(default 1GiB)", "(default 200)", "(default 20)"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("cudaipc help bench ipc lacks %q:\n%s", want, out)
 		}

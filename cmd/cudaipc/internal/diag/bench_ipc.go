@@ -26,10 +26,10 @@ import (
 // next to the host-staged hand-over people use instead. It re-executes this
 // program as the exporting process: 'cudaipc bench ipc'.
 type BenchIPCCmd struct {
-	Size    int64 `help:"Bytes of the large allocation and of every bandwidth copy (default ${default}: 1 GiB)." default:"1073741824" placeholder:"BYTES"`
-	Iters   int   `help:"Repetitions of each latency (default ${default})." default:"200" placeholder:"N"`
-	BWIters int   `help:"Repetitions of each bandwidth copy (default ${default})." name:"bw-iters" default:"20" placeholder:"N"`
-	JSON    bool  `help:"Print the report as JSON (the shape scripts/bench/compare.py reads)."`
+	Size    bytesize.Size `help:"Bytes of the large allocation and of every bandwidth copy (default ${default})." default:"1GiB" placeholder:"BYTES"`
+	Iters   int           `help:"Repetitions of each latency (default ${default})." default:"200" placeholder:"N"`
+	BWIters int           `help:"Repetitions of each bandwidth copy (default ${default})." name:"bw-iters" default:"20" placeholder:"N"`
+	JSON    bool          `help:"Print the report as JSON (the shape scripts/bench/compare.py reads)."`
 }
 
 const (
@@ -48,7 +48,7 @@ const (
 func (c *BenchIPCCmd) validate() error {
 	switch {
 	case c.Size < ipcSmall:
-		return usagef("--size %d: must be at least 1 MiB (%d)", c.Size, ipcSmall)
+		return usagef("--size %s: must be at least 1 MiB", c.Size)
 	case c.Iters < 1:
 		return usagef("--iters %d: must be at least 1", c.Iters)
 	case c.BWIters < 1:
@@ -108,7 +108,7 @@ func (b *ipcBench) step(format string, args ...any) {
 func (b *ipcBench) lat(key string, d []time.Duration) { b.r.Metrics[key] = latencyStat(d) }
 
 func (b *ipcBench) bw(key, ref string, d []time.Duration) {
-	s := bandwidthStat(b.c.Size, d)
+	s := bandwidthStat(int64(b.c.Size), d)
 	s.Ref = ref
 	b.r.Metrics[key] = s
 }
@@ -117,7 +117,7 @@ func (c *BenchIPCCmd) bench(ctx context.Context, devs []*cudaipc.Device, progres
 	b := &ipcBench{c: c, dev: devs[0], progress: progress}
 	defer b.close()
 	b.r = &ipcBenchReport{
-		Tool: "cudaipc-go", Device: b.dev.Name(), GPUs: len(devs), Size: c.Size,
+		Tool: "cudaipc-go", Device: b.dev.Name(), GPUs: len(devs), Size: int64(c.Size),
 		Iters: c.Iters, BWIters: c.BWIters, Metrics: map[string]ipcStat{},
 	}
 	if len(devs) > 1 {
@@ -130,7 +130,7 @@ func (c *BenchIPCCmd) bench(ctx context.Context, devs []*cudaipc.Device, progres
 	// This process holds a source and a destination of Size bytes; the
 	// exporter one more on GPU 0 (and one on GPU 1).
 	if free, _, err := b.dev.MemInfo(); err == nil && uint64(3*c.Size+8*ipcSmall) > free {
-		return nil, usagef("--size %s needs 3x that free on GPU 0, which has %s free: pass a smaller --size", bytesize.Format(c.Size), bytesize.Format(int64(free)))
+		return nil, usagef("--size %s needs 3x that free on GPU 0, which has %s free: pass a smaller --size", bytesize.Format(int64(c.Size)), bytesize.Format(int64(free)))
 	}
 	if err := b.export(); err != nil {
 		return nil, err
@@ -234,18 +234,18 @@ func (e *exporterConn) stage(poison bool) (benchExportReply, error) {
 }
 
 func (b *ipcBench) startExporter(ctx context.Context, devs []*cudaipc.Device) (*exporterConn, error) {
-	cfg := benchExportConfig{Size: b.c.Size, Devices: []cudaipc.UUID{b.dev.UUID()}, Seed: rand.Uint64(), Threads: copyThreads()}
+	cfg := benchExportConfig{Size: int64(b.c.Size), Devices: []cudaipc.UUID{b.dev.UUID()}, Seed: rand.Uint64(), Threads: copyThreads()}
 	if b.peer != nil {
 		cfg.Devices = append(cfg.Devices, devs[1].UUID())
 	}
-	b.step("starting the exporter process (%s of random data on %d GPU(s))", bytesize.Format(b.c.Size), len(cfg.Devices))
+	b.step("starting the exporter process (%s of random data on %d GPU(s))", bytesize.Format(int64(b.c.Size)), len(cfg.Devices))
 	fd, err := unix.MemfdCreate("cudaipc-bench-staging", unix.MFD_CLOEXEC)
 	if err != nil {
 		return nil, fmt.Errorf("memfd_create: %w", err)
 	}
 	memfd := os.NewFile(uintptr(fd), "cudaipc-bench-staging")
 	b.onClose(func() { memfd.Close() })
-	if err := memfd.Truncate(b.c.Size); err != nil {
+	if err := memfd.Truncate(int64(b.c.Size)); err != nil {
 		return nil, fmt.Errorf("memfd: %w", err)
 	}
 	staging, err := unix.Mmap(fd, 0, int(b.c.Size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
@@ -312,7 +312,7 @@ func (b *ipcBench) latencies(ex *exporterConn) error {
 		b.lat("close_"+key, cl)
 		return nil
 	}
-	b.step("open/close latency, 1 MiB and %s, %d times each", bytesize.Format(b.c.Size), n)
+	b.step("open/close latency, 1 MiB and %s, %d times each", bytesize.Format(int64(b.c.Size)), n)
 	if err := openClose("1mib", h.Small, n); err != nil {
 		return err
 	}
@@ -434,7 +434,7 @@ func (t *copyTimer) time(dst, src cudaipc.DevicePtr, n int64, reps int) ([]time.
 }
 
 func (b *ipcBench) alloc(d *cudaipc.Device) (*cudaipc.Buffer, error) {
-	x, err := d.Alloc(b.c.Size)
+	x, err := d.Alloc(int64(b.c.Size))
 	if err != nil {
 		return nil, err
 	}
@@ -456,7 +456,7 @@ func (b *ipcBench) checkDevice(what string, p cudaipc.DevicePtr, host []byte, wa
 }
 
 func (b *ipcBench) bandwidths(ex *exporterConn) error {
-	n, reps := b.c.Size, b.c.BWIters
+	n, reps := int64(b.c.Size), b.c.BWIters
 	host, err := b.dev.AllocHost(n)
 	if err != nil {
 		return err
