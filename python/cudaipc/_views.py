@@ -149,7 +149,8 @@ class HostArray:
         self.owner = owner
         typestr = DTYPES[lay.dtype][2 if carrier else 1]
         if typestr is None:
-            raise TypeError("NumPy has no %s: use .tensor(), or numpy(dtype=...) with an integer type of the same size" % lay.dtype)
+            raise TypeError("NumPy has no %s: use .tensor(), numpy(dtype=...) with an integer type of the same size, "
+                            "or install ml_dtypes (pip install ml-dtypes)" % lay.dtype)
         self.__array_interface__ = {
             "version": 3, "shape": lay.shape, "typestr": typestr,
             "data": (addr, readonly), "strides": lay.byte_strides() if lay.strides is not None else None,
@@ -173,7 +174,13 @@ class CudaArray:
 
 
 def numpy_view(owner: Any, addr: int, lay: Layout, readonly: bool) -> Any:
+    """A NumPy array over host memory; of a dtype NumPy lacks (bfloat16, float8), in
+    ml_dtypes' type where it is installed (numpy_dtype), else a TypeError."""
     np = require("numpy", "numpy()")
+    if DTYPES[lay.dtype][1] is None:
+        dt = numpy_dtype(lay.dtype)
+        if dt is not None:
+            return np.asarray(HostArray(owner, addr, lay, readonly, carrier=True)).view(dt)
     return np.asarray(HostArray(owner, addr, lay, readonly))
 
 

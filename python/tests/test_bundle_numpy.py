@@ -101,7 +101,8 @@ def test_bfloat16_views_follow_ml_dtypes(daemon, ml_dtypes):
     """bfloat16 and float8 entries of a bundle's NumPy views: uint8 bytes in a process
     where ml_dtypes cannot be imported, ml_dtypes' types where it can (a stand-in module
     here: the CPU machines lack the package), whatever was imported before; the bits
-    round-trip through create_bundle, get_bundle and load_into either way."""
+    round-trip through create_bundle, get_bundle and load_into either way. A lease's
+    numpy("bfloat16") agrees: ml_dtypes' type, or a TypeError that names ml_dtypes."""
     script = textwrap.dedent("""
         import sys, types
         import numpy as np
@@ -132,6 +133,15 @@ def test_bfloat16_views_follow_ml_dtypes(daemon, ml_dtypes):
                     out[k] = np.zeros(shape, dtype=dt)
                 cudaipc.load_into(b, out)
                 assert all(out[k].tobytes() == bits[k].tobytes() for k in want), out
+            store.put("raw", bits["h"].tobytes())
+            with store.get("raw") as lease:                 # a lease's numpy() agrees
+                try:
+                    v = lease.numpy("bfloat16", (2, 2))
+                except TypeError as e:
+                    assert sys.argv[2] == "absent" and "ml_dtypes" in str(e), e
+                else:
+                    assert v.dtype == want["h"][0] and v.shape == (2, 2) and not v.flags.writeable, v
+                    assert v.tobytes() == bits["h"].tobytes()
         print("OK")
     """)
     env = dict(os.environ, PYTHONPATH=PYROOT)

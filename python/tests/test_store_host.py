@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import signal
 import subprocess
@@ -100,8 +101,14 @@ def test_torch_cpu_roundtrip_zero_copy(store):
     with store.get("bf") as l2:
         got = l2.tensor()
         assert got.dtype == torch.bfloat16 and torch.equal(got, b)
-        with pytest.raises(TypeError):
-            l2.numpy()  # NumPy has no bfloat16
+        if importlib.util.find_spec("ml_dtypes") is None:
+            with pytest.raises(TypeError, match="ml_dtypes"):
+                l2.numpy()  # NumPy has no bfloat16
+        else:
+            import ml_dtypes
+            v = l2.numpy()
+            assert v.dtype == np.dtype(ml_dtypes.bfloat16) and v.shape == (4, 8) and not v.flags.writeable
+            assert v.tobytes() == b.view(torch.int16).numpy().tobytes()
         assert l2.numpy("uint16").tobytes() == b.view(torch.int16).numpy().tobytes()
 
 
