@@ -73,6 +73,9 @@ type PullStats struct {
 	// FedBytes counts the bytes of Bytes read from feeders (other nodes
 	// still pulling the object) rather than from holders.
 	FedBytes uint64
+	// PartialBytes counts the bytes partial reads (PullRanges) read:
+	// the chunks their ranges touch.
+	PartialBytes uint64
 }
 
 // Puller makes local replicas of objects other nodes hold: it finds the
@@ -104,8 +107,8 @@ type Puller struct {
 	mu       sync.Mutex
 	inflight map[Ref]*pullCall
 
-	pulls, failed, bytes, failovers, fed atomic.Uint64
-	inFlight                             atomic.Int64
+	pulls, failed, bytes, failovers, fed, partial atomic.Uint64
+	inFlight                                      atomic.Int64
 }
 
 type pullCall struct {
@@ -117,7 +120,7 @@ type pullCall struct {
 // Stats returns the puller's counters.
 func (p *Puller) Stats() PullStats {
 	return PullStats{Pulls: p.pulls.Load(), Failed: p.failed.Load(), InFlight: p.inFlight.Load(),
-		Bytes: p.bytes.Load(), Failovers: p.failovers.Load(), FedBytes: p.fed.Load()}
+		Bytes: p.bytes.Load(), Failovers: p.failovers.Load(), FedBytes: p.fed.Load(), PartialBytes: p.partial.Load()}
 }
 
 func (p *Puller) log() *slog.Logger {
@@ -244,8 +247,12 @@ func (p *Puller) open(ctx context.Context, e Entry, holder string, feeder bool) 
 
 // transfer is the shared state of one pull's chunks.
 type transfer struct {
-	e       Entry
-	dst     []byte
+	e   Entry
+	dst []byte
+	// slots, when set, hold the chunks of a partial pull (PullRanges)
+	// instead of dst; want is how many chunks the pull reads.
+	slots   map[int][]byte
+	want    int
 	mu      sync.Mutex
 	cond    *sync.Cond
 	pending []int
@@ -279,7 +286,7 @@ func (p *Puller) pull(ctx context.Context, ref Ref) (Entry, error) {
 		return e, fmt.Errorf("pull %s: local replica of %d bytes for %d", ref, len(dst), e.Size)
 	}
 	n := int((e.Size + e.ChunkSize - 1) / e.ChunkSize)
-	t := &transfer{e: e, dst: dst, bad: map[int]int{}, failed: map[string]string{}, start: time.Now()}
+	t := &transfer{e: e, dst: dst, want: n, bad: map[int]int{}, failed: map[string]string{}, start: time.Now()}
 	t.cond = sync.NewCond(&t.mu)
 	for i := range n {
 		t.pending = append(t.pending, i)
@@ -426,7 +433,7 @@ func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomi
 	if timeout <= 0 {
 		timeout = DefaultChunkTimeout
 	}
-	n := len(t.e.Sums)
+	n := t.want
 	for {
 		t.mu.Lock()
 		k := -1
@@ -445,7 +452,7 @@ func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomi
 		t.mu.Unlock()
 
 		off := int64(i) * t.e.ChunkSize
-		chunk := t.dst[off:min(off+t.e.ChunkSize, t.e.Size)]
+		chunk := t.chunk(i)
 		cctx, cancel := context.WithTimeout(ctx, timeout)
 		err := s.ep.Get(cctx, s.exp.RKey, s.exp.Addr+uint64(off), chunk)
 		if err == nil && cctx.Err() != nil {
@@ -510,7 +517,7 @@ func (p *Puller) drop(t *transfer, s *source, dead *atomic.Bool, why string) {
 	t.failed[s.node] = why
 	p.failovers.Add(1)
 	p.log().Warn("cluster pull: dropping a holder", "object", t.e.Ref().String(), "node", s.node, "err", why,
-		"chunks_done", t.done, "chunks", len(t.e.Sums))
+		"chunks_done", t.done, "chunks", t.want)
 }
 
 func (t *transfer) why() string {
@@ -525,7 +532,7 @@ func (t *transfer) why() string {
 }
 
 func (t *transfer) failure(ref Ref, sentinel error) error {
-	n := len(t.e.Sums)
+	n := t.want
 	if sentinel != nil {
 		return fmt.Errorf("pull %s: %w: every holder failed after %d of %d chunks (%s)", ref, sentinel, t.done, n, t.why())
 	}

@@ -1,0 +1,105 @@
+package cluster_test
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
+	"github.com/cudaipc/cudaipc/cluster/internal/memtransport"
+	"github.com/cudaipc/cudaipc/internal/testutil"
+)
+
+// A partial read reads only the chunks its ranges touch, and nothing of
+// it stays on the reader.
+func TestPullRanges(t *testing.T) {
+	srv := etcdtest.Start(t)
+	nw := memtransport.NewNetwork()
+	a, b := startNode(t, srv, nw, "a", secret), startNode(t, srv, nw, "b", secret)
+	ctx := bounded(t, 30*time.Second)
+	const chunk = 1 << 20
+	o, want := a.Put(t, "ns/bundle", 10*chunk+4321, chunk)
+	ranges := []cluster.Range{
+		{Off: 3*chunk + chunk/2, Len: 100}, // inside chunk 3
+		{Off: 7*chunk - 10, Len: 20},       // across chunks 6 and 7
+		{Off: 0, Len: 0},                   // empty: reads nothing
+		{Off: o.Size - 5, Len: 5},          // the short last chunk, 10
+		{Off: 3*chunk + 7, Len: 9},         // chunk 3 again
+	}
+	var exp []byte
+	for _, r := range ranges {
+		exp = append(exp, want[r.Off:r.Off+r.Len]...)
+	}
+	dst := make([]byte, len(exp))
+	_, read, err := b.P.PullRanges(ctx, o.Ref(), ranges, dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst, exp) {
+		t.Fatal("the ranges read differ from the object's")
+	}
+	if wantRead := int64(3*chunk + 4321); read != wantRead || worker(a).Gets() != 4 {
+		t.Fatalf("read %d bytes in %d GETs, want %d in 4 (chunks 3, 6, 7, 10)", read, worker(a).Gets(), wantRead)
+	}
+	if st := b.P.Stats(); st.PartialBytes != uint64(read) || st.Pulls != 0 {
+		t.Errorf("stats %+v", st)
+	}
+	if b.Store.Len() != 0 {
+		t.Fatal("a partial read left a local object")
+	}
+	if e, _ := b.Dir.Lookup(ctx, o.Ref()); strings.Join(e.Holders, ",") != "a" {
+		t.Fatalf("holders after a partial read: %v", e.Holders)
+	}
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if k, err := a.Dir.Pinned(ctx, o.Ref()); k != 0 || err != nil || a.Store.Exposed() != 0 {
+			return fmt.Errorf("A pinned by %d (%v), %d exposures", k, err, a.Store.Exposed())
+		}
+		return nil
+	})
+
+	// Bad ranges are refused before anything is read.
+	for _, bad := range [][]cluster.Range{{{Off: o.Size - 1, Len: 2}}, {{Off: -1, Len: 1}}, {{Off: 0, Len: -1}}} {
+		if _, _, err := b.P.PullRanges(ctx, o.Ref(), bad, make([]byte, 2)); !errors.Is(err, cluster.ErrBadRecord) {
+			t.Errorf("range %+v: %v", bad, err)
+		}
+	}
+	if _, _, err := b.P.PullRanges(ctx, o.Ref(), ranges[:1], make([]byte, 99)); err == nil {
+		t.Error("a destination of the wrong size was accepted")
+	}
+
+	// A corrupt chunk fails the read, naming it; one outside the ranges
+	// does not matter.
+	want[5*chunk] ^= 1
+	if _, _, err := b.P.PullRanges(ctx, o.Ref(), []cluster.Range{{Off: 4 * chunk, Len: 10}}, make([]byte, 10)); err != nil {
+		t.Fatalf("a range beside a corrupt chunk: %v", err)
+	}
+	_, _, err = b.P.PullRanges(ctx, o.Ref(), []cluster.Range{{Off: 5*chunk + 1, Len: 10}}, make([]byte, 10))
+	if !errors.Is(err, cluster.ErrChecksum) || !strings.Contains(err.Error(), "chunk 5") {
+		t.Fatalf("a range in a corrupt chunk: %v", err)
+	}
+}
+
+// A partial read fails over to another holder when one dies.
+func TestPullRangesFailover(t *testing.T) {
+	srv := etcdtest.Start(t)
+	nw := memtransport.NewNetwork()
+	a, b, c := startNode(t, srv, nw, "a", secret), startNode(t, srv, nw, "b", secret), startNode(t, srv, nw, "c", secret)
+	ctx := bounded(t, 30*time.Second)
+	o, want := a.Put(t, "ns/tp", 8<<20, 256<<10)
+	if _, err := b.P.Pull(ctx, o.Ref()); err != nil {
+		t.Fatal(err)
+	}
+	worker(a).Kill()
+	r := cluster.Range{Off: 1<<20 + 3, Len: 5 << 20}
+	dst := make([]byte, r.Len)
+	if _, _, err := c.P.PullRanges(ctx, o.Ref(), []cluster.Range{r}, dst); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst, want[r.Off:r.Off+r.Len]) {
+		t.Fatal("the range read differs")
+	}
+}
