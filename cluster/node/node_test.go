@@ -469,3 +469,34 @@ func TestLocalWorkWithoutEtcd(t *testing.T) {
 		t.Fatalf("cluster seal with etcd down: %v", err)
 	}
 }
+
+func TestPinHoldsReplica(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	a.put(t, "pinned", 100000, client.CreateOptions{Cluster: true})
+	e, err := b.node.Directory().Lookup(ctx, cluster.Ref{Owner: 0, Name: "pinned"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	leases := func() int {
+		info, err := a.c.Stat(ctx, "pinned")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return info.Leases
+	}
+	if n := leases(); n != 0 {
+		t.Fatalf("leases before the pin: %d", n)
+	}
+	// B's pin makes A hold its replica (a lease of A's own: no eviction,
+	// no reuse) until B unpins.
+	unpin, err := b.node.Directory().Pin(ctx, "a", e.Ref(), e.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "A holds its pinned replica", func() bool { return leases() == 1 })
+	unpin()
+	eventually(t, 10*time.Second, "A lets go after the unpin", func() bool { return leases() == 0 })
+}
