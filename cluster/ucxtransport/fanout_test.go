@@ -27,8 +27,9 @@ var roles = testutil.Roles{"fanout-node": fanoutNode}
 
 // nodeCmd is what the test tells a fanout-node helper.
 type nodeCmd struct {
-	// Op is "start" (Node, IP, Etcd), "put" (Name, Size, Chunk) or
-	// "pull" (Name, Fanout).
+	// Op is "start" (Node, IP, Etcd), "put" (Name, Size, Chunk),
+	// "pull" (Name, Fanout) or "state" (Name: its pins, exposures and
+	// holders as this node sees them).
 	Op, Node, IP, Etcd, Name string
 	Size, Chunk              int64
 	Fanout                   bool
@@ -43,6 +44,9 @@ type nodeReply struct {
 	Sum     string
 	Seconds float64
 	Fed     uint64
+	// Pinned, Exposed and Holders answer "state".
+	Pinned, Exposed int
+	Holders         []string
 }
 
 const fanoutPrefix = "/t/fanout/"
@@ -117,6 +121,18 @@ func fanoutNode(p *testutil.Peer) error {
 			r.Fed = pl.Stats().FedBytes - fed
 			s := sha256.Sum256(n.Store.Get(ref))
 			r.Sum = hex.EncodeToString(s[:])
+		case "state":
+			ref := cluster.Ref{Owner: 1000, Name: c.Name}
+			var err error
+			if r.Pinned, err = n.Dir.Pinned(ctx, ref); err == nil {
+				var e cluster.Entry
+				e, err = n.Dir.Lookup(ctx, ref)
+				r.Holders = e.Holders
+			}
+			if err != nil {
+				r.Err = err.Error()
+			}
+			r.Exposed = n.Store.Exposed()
 		default:
 			r.Err = "unknown op " + c.Op
 		}
