@@ -25,6 +25,11 @@ import (
 // (set on CI machines, which install libucx0).
 const EnvRequireUCX = "CUDAIPC_REQUIRE_UCX"
 
+// EnvPeerLibrary, when set, is the libucp the serving helper processes
+// load, so that a reader of one UCX version is tested against a holder of
+// another (CUDAIPC_LIBUCP sets the reader's).
+const EnvPeerLibrary = "CUDAIPC_TEST_PEER_LIBUCP"
+
 // testEnv keeps UCX traffic on loopback tcp and its log lines off stdout,
 // which carries the helper conversation.
 var testEnv = []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=lo", "UCX_LOG_FILE=/dev/stderr", "UCX_WARN_UNUSED_ENV_VARS=n"}
@@ -125,7 +130,11 @@ type peer struct {
 func startServer(t *testing.T, seed uint64, size int) *peer {
 	t.Helper()
 	requireUCX(t)
-	child := testutil.Spawn(t, "server", "SEED="+strconv.FormatUint(seed, 10), "SIZE="+strconv.Itoa(size))
+	env := []string{"SEED=" + strconv.FormatUint(seed, 10), "SIZE=" + strconv.Itoa(size)}
+	if lib := os.Getenv(EnvPeerLibrary); lib != "" {
+		env = append(env, "CUDAIPC_LIBUCP="+lib)
+	}
+	child := testutil.Spawn(t, "server", env...)
 	var info serverInfo
 	if err := child.Recv(&info); err != nil {
 		t.Fatalf("server: %v\n%s", err, child.Stderr())
