@@ -134,7 +134,10 @@ func (s *Store) clusterObjectLocked(qname string, version uint64, shard uint32) 
 }
 
 // clusterSealed publishes the cluster-visible object or shard just sealed,
-// if it is one.
+// if it is one. When that fails (etcd away, say), the put fails as a whole:
+// a plain object is removed, a shard's pending version aborted, so that
+// the client can simply put it again, and no node holds a cluster-visible
+// object the cluster does not know.
 func (ss *session) clusterSealed(ctx context.Context, name string, version uint64, shard uint32) error {
 	s := ss.s
 	h := s.cfg.Cluster
@@ -151,6 +154,23 @@ func (ss *session) clusterSealed(ctx context.Context, name string, version uint6
 	s.mu.Unlock()
 	id, err := h.Sealed(ctx, co)
 	if err != nil {
+		s.mu.Lock()
+		undone, plain := false, false
+		switch {
+		case o.deleted || o.clusterID != "":
+		case o.ver == nil:
+			plain = true
+		case !o.ver.visible:
+			s.abortVersionLocked(o.ver)
+			undone = true
+		}
+		s.mu.Unlock()
+		if plain {
+			undone = ss.delete(name) == nil
+		}
+		if undone {
+			return fmt.Errorf("object %q was not published to the cluster, so it was not kept: put it again: %w", name, err)
+		}
 		return fmt.Errorf("object %q is sealed on this node but not published to the cluster: %w", name, err)
 	}
 	s.mu.Lock()

@@ -468,6 +468,22 @@ func TestLocalWorkWithoutEtcd(t *testing.T) {
 	if err := o.Seal(ctx); err == nil || !strings.Contains(err.Error(), "not published to the cluster") || !strings.Contains(err.Error(), "unavailable") {
 		t.Fatalf("cluster seal with etcd down: %v", err)
 	}
+	// The failed put left nothing behind: once etcd is back it is simply
+	// put again, and published.
+	if _, err := a.c.Stat(ctx, "pub"); !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("stat of the unpublished object: %v", err)
+	}
+	srv.Restart()
+	eventually(t, 30*time.Second, "a cluster put works again", func() bool {
+		o, err := a.c.Create(ctx, "pub", 100, client.CreateOptions{Cluster: true})
+		if err != nil {
+			return false
+		}
+		return o.Seal(ctx) == nil
+	})
+	if _, err := a.node.Directory().Lookup(ctx, cluster.Ref{Owner: 0, Name: "pub"}); err != nil {
+		t.Fatalf("the put after etcd came back is not in the directory: %v", err)
+	}
 }
 
 func TestPinHoldsReplica(t *testing.T) {
