@@ -54,6 +54,13 @@ func IsPeerFailure(err error) bool {
 	return s.IsLinkFailure() || s.IsEndpointFailure()
 }
 
+// DefaultLibrary is the libucp loaded unless EnvLibrary or SetLibrary
+// names another; EnvLibrary is the environment variable that does.
+const (
+	DefaultLibrary = raw.DefaultLibrary
+	EnvLibrary     = raw.EnvLibrary
+)
+
 // SetLibrary sets the path of libucp to load instead of libucp.so.0 (or
 // $CUDAIPC_LIBUCP). It must be called before the first use of UCX.
 func SetLibrary(path string) error { return raw.SetLibrary(path) }

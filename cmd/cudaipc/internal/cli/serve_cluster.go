@@ -12,6 +12,7 @@ import (
 	"github.com/cudaipc/cudaipc/cluster/etcddir"
 	"github.com/cudaipc/cudaipc/cluster/node"
 	"github.com/cudaipc/cudaipc/store"
+	"github.com/cudaipc/cudaipc/transport/ucx"
 )
 
 // clusterFlags are what 'serve' needs to join a cluster of daemons
@@ -27,6 +28,7 @@ type clusterFlags struct {
 	EtcdCA        string `name:"etcd-ca" help:"CA certificate that signed etcd's (turns on TLS)." placeholder:"FILE"`
 	EtcdCert      string `name:"etcd-cert" help:"Client certificate for etcd (with --etcd-key)." placeholder:"FILE"`
 	EtcdKey       string `name:"etcd-key" help:"Client key for etcd." placeholder:"FILE"`
+	UCXLib        string `name:"ucx-lib" help:"Use this libucp.so.0 (and the libucs, libuct, libucm beside it) instead of the system's, e.g. a UCX built with CUDA (HPC-X) to register GPU arenas directly; 'cudaipc doctor --ucx-lib PATH' checks it." placeholder:"PATH"`
 }
 
 // directoryConfig is the etcd directory configuration the flags give.
@@ -71,6 +73,11 @@ func (f *clusterFlags) startCluster(ctx context.Context, g *Globals) (*node.Node
 	dc, err := f.directoryConfig()
 	if err != nil {
 		return nil, err
+	}
+	if f.UCXLib != "" {
+		if err := ucx.SetLibrary(f.UCXLib); err != nil {
+			return nil, fmt.Errorf("--ucx-lib: %w", err)
+		}
 	}
 	n, err := node.Start(ctx, node.Config{Directory: dc, Listen: f.ClusterListen, Advertise: f.ClusterAdv, Logger: g.log})
 	if err != nil {

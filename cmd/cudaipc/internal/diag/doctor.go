@@ -22,7 +22,8 @@ import (
 // DoctorCmd checks that this machine can share GPU memory between processes
 // and says what to fix when it cannot: 'cudaipc doctor'.
 type DoctorCmd struct {
-	JSON bool `help:"Print the checks as a JSON array."`
+	JSON   bool   `help:"Print the checks as a JSON array."`
+	UCXLib string `name:"ucx-lib" help:"Check this libucp.so.0 instead of the system's (as serve --ucx-lib uses it)." placeholder:"PATH"`
 }
 
 type check struct {
@@ -110,6 +111,7 @@ func (c *DoctorCmd) Run(e *Env) error {
 		add("ipc round trip", "skip", "no GPU")
 	}
 
+	add(ucxCheck(c.UCXLib)) // doctor_ucx.go
 	add(storeCheck(e))
 
 	failed := 0
