@@ -21,11 +21,12 @@ command -v go >/dev/null || { echo "FAIL: no go on PATH: install Go 1.26 or late
 #   python3 python3-protobuf python3-numpy python3-pytest python3-torch
 #                   the Python client's tests (torch: the bundle and tensor tests)
 #   python3-mypy    the Python type check
+#   protobuf-compiler  protoc, which checks the generated Python module against the .proto
 #   util-linux      setpriv (tests that run a client as another uid)
 #   libucx0 ucx-utils  the UCX data plane (libucp.so.0; ucx_perftest)
 #   etcd-server     the cluster directory's tests (a real etcd on loopback)
 #   iproute2        ip, for tests in network namespaces
-packages="gcc python3 python3-protobuf python3-numpy python3-pytest python3-torch python3-mypy util-linux libucx0 ucx-utils etcd-server iproute2"
+packages="gcc python3 python3-protobuf python3-numpy python3-pytest python3-torch python3-mypy protobuf-compiler util-linux libucx0 ucx-utils etcd-server iproute2"
 if command -v dpkg-query >/dev/null; then
   missing=""
   for p in $packages; do
