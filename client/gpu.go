@@ -244,7 +244,7 @@ func (c *Client) placeGPU(op, name string, p *storev1.Placement, files []*os.Fil
 // as many as the placement says).
 func (r reply) holds(p *storev1.Placement) bool {
 	if p.GetExternal() {
-		return r.m == nil && len(r.files) == min(int(p.GetFiles()), protocol.MaxFiles)
+		return r.m == nil && len(r.files) == min(int(p.GetFiles()), protocol.AttachedFiles(r.manifest != nil))
 	}
 	switch p.GetKind() {
 	case storev1.Placement_HOST:

@@ -330,7 +330,7 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 			if err := validateExternal(g.GetPlacement(), g.GetInfo()); err != nil {
 				return err
 			}
-			placementFiles = min(int(g.GetPlacement().GetFiles()), MaxFiles)
+			placementFiles = min(int(g.GetPlacement().GetFiles()), AttachedFiles(g.GetManifestAttached()))
 		}
 		if g.GetInfo().GetSourcesSize() != 0 && !g.GetManifestAttached() {
 			return invalid("get: a no-copy version without its manifest and sources table")
@@ -584,4 +584,14 @@ func validateSources(c *storev1.CreateRequest, nfiles int) error {
 		return Errorf(storev1.Error_INVALID, "create: a no-copy version is a bundle: its manifest describes the tensors, not a tensor descriptor")
 	}
 	return nil
+}
+
+// AttachedFiles is how many of an external placement's descriptors its get
+// carries, the rest coming by files requests: a packet's MaxFiles, less
+// one when the manifest's memfd travels with them (a no-copy version).
+func AttachedFiles(manifest bool) int {
+	if manifest {
+		return MaxFiles - 1
+	}
+	return MaxFiles
 }

@@ -188,7 +188,7 @@ func (ss *session) placeSourcesLocked(o *object, writable bool) (placement, erro
 		return p, nil
 	}
 	p.files = len(src.files)
-	for _, f := range src.files[:min(len(src.files), protocol.MaxFiles)] {
+	for _, f := range src.files[:min(len(src.files), protocol.AttachedFiles(true))] {
 		d, err := dupFile(f)
 		if err != nil {
 			p.closeShare()

@@ -291,3 +291,67 @@ func TestNoCopyRefused(t *testing.T) {
 	wantCode(t, s, storev1.Error_OK)
 	wantCode(t, pub.withdraw("plain", time.Second), storev1.Error_INVALID)
 }
+
+// A no-copy version of VMM memory over more pieces than one packet carries:
+// the publisher stages the descriptors beyond 60, the create takes them all,
+// a reader gets the first 60 with its lease and the rest by files requests,
+// each the very file the publisher sent, in table order.
+func TestNoCopyManyPieces(t *testing.T) {
+	_, path, _ := serve(t, Config{})
+	pub := dialRaw(t, path)
+	const pieces = 2*protocol.MaxFiles + 7
+	sizes := make([]int64, pieces)
+	var files []*os.File
+	var contents [][]byte
+	for i := range sizes {
+		sizes[i] = 2 << 20
+		c := make([]byte, 16)
+		rand.Read(c)
+		f := memfdPiece(t, c)
+		defer f.Close()
+		files, contents = append(files, f), append(contents, c)
+	}
+	// Two regions: 100 pieces, then the rest.
+	nc := newNoCopy(t, vmmRegion(t, 0, 100*(2<<20), sizes[:100]...), vmmRegion(t, 0, int64(pieces-100)*(2<<20), sizes[100:]...))
+	rest := files
+	for len(rest) > protocol.MaxFiles {
+		resp, _ := pub.sendFiles(stageReq(), rest[:protocol.MaxFiles]...)
+		wantCode(t, resp, storev1.Error_OK)
+		rest = rest[protocol.MaxFiles:]
+	}
+	create := &storev1.CreateRequest{Name: "big", Size: uint64(nc.size), Device: testGPU, Shared: true, Versioned: true,
+		ManifestSize: uint64(len(nc.header)), SourcesSize: uint64(len(nc.table)), Files: pieces}
+	resp, got := pub.sendFiles(&storev1.Request{Body: &storev1.Request_Create{Create: create}}, rest...)
+	wantCode(t, resp, storev1.Error_OK)
+	if len(got) != 1 {
+		t.Fatalf("create answered with %d descriptors, want the manifest's", len(got))
+	}
+	if _, err := got[0].WriteAt(append(append([]byte{}, nc.header...), nc.table...), 0); err != nil {
+		t.Fatal(err)
+	}
+	protocol.CloseFiles(got)
+	s, _ := pub.do(req(&storev1.SealRequest{Name: "big", Version: resp.GetCreate().GetVersion()}))
+	wantCode(t, s, storev1.Error_OK)
+
+	rd := dialRaw(t, path)
+	g, first := rd.do(req(&storev1.GetRequest{Name: "big"}))
+	wantCode(t, g, storev1.Error_OK)
+	p := g.GetGet().GetPlacement()
+	// 59 pieces and the manifest's memfd: one packet's 60.
+	if p.GetFiles() != pieces || len(first) != protocol.MaxFiles {
+		t.Fatalf("get: files %d with %d descriptors (the manifest's last)", p.GetFiles(), len(first))
+	}
+	all := first[:protocol.MaxFiles-1]
+	protocol.CloseFiles(first[protocol.MaxFiles-1:])
+	for len(all) < pieces {
+		fr, more := rd.sendFiles(filesReq(g.GetGet().GetLeaseId(), uint32(len(all))))
+		wantCode(t, fr, storev1.Error_OK)
+		all = append(all, more...)
+	}
+	for i, f := range all {
+		if !bytes.Equal(readAll(t, f), contents[i]) {
+			t.Fatalf("descriptor %d is not the publisher's piece %d", i, i)
+		}
+	}
+	protocol.CloseFiles(all)
+}

@@ -466,7 +466,9 @@ class Conn:
             return Reply(resp)
         host = p.kind == pb.Placement.HOST
         if p.external:
-            if len(fds) != min(p.files, MAX_FILES) or host:
+            # A no-copy version's memfd travels with them (docs/protocol.md 6.8).
+            attached = MAX_FILES - 1 if body == "get" and resp.get.manifest_attached else MAX_FILES
+            if len(fds) != min(p.files, attached) or host:
                 for fd in fds:
                     os.close(fd)
                 self._fail(InternalError("recv", message="registered memory of %d descriptors came with %d" % (p.files, len(fds))))
