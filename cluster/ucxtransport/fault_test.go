@@ -3,10 +3,12 @@ package ucxtransport_test
 import (
 	"fmt"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/cluster/internal/clustertest"
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 	"github.com/cudaipc/cudaipc/internal/testutil"
@@ -47,9 +49,17 @@ func TestReaderKilledMidPull(t *testing.T) {
 	if err := reader.Send(nodeCmd{Op: "pull", Name: name}); err != nil {
 		t.Fatal(err)
 	}
+	// Kill it once data flows (1 MiB sent by the publisher), not while its
+	// UCX endpoint is being wired up: a reader dying then crashes the
+	// holder in UCX 1.13.1 (an assertion in ucp_request_send_state_ff on a
+	// pending wireup REP; docs/cluster.md, "Failure behaviour").
+	base := nw.Sent(pub.Pid())
 	testutil.Eventually(t, testutil.Wait, func() error {
 		if s := state(); s.Pinned != 1 || s.Exposed != 1 {
 			return fmt.Errorf("publisher: %d pins, %d exposures; want the reader's", s.Pinned, s.Exposed)
+		}
+		if sent := nw.Sent(pub.Pid()) - base; sent < 1<<20 {
+			return fmt.Errorf("publisher sent %d bytes", sent)
 		}
 		return nil
 	})
@@ -68,5 +78,60 @@ func TestReaderKilledMidPull(t *testing.T) {
 	pub.CloseStdin()
 	if err := pub.Wait(30 * time.Second); err != nil {
 		t.Errorf("publisher: %v\n%s", err, pub.Stderr())
+	}
+}
+
+// A publisher killed after the first of a version's two shards leaves no
+// version: latest never moves, and the shard it recorded has no live
+// holder once its lease expires, so a reader gets "no live node holds the
+// object" rather than a half version (issue 19 item 5).
+func TestPublisherKilledMidVersion(t *testing.T) {
+	requireUCX(t)
+	clustertest.RequireNet(t)
+	etcdtest.Require(t)
+	nw := clustertest.NewNet(t)
+	etcd := nw.StartEtcd()
+	var nodes []*testutil.Child
+	for _, name := range []string{"pub", "reader"} {
+		c := testutil.SpawnWith(t, "fanout-node", testutil.SpawnOptions{SysProcAttr: clustertest.NewNetnsAttr(),
+			Env: []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0", "UCX_WARN_UNUSED_ENV_VARS=n", "UCX_LOG_FILE=/dev/stderr"}})
+		if err := c.Send(nodeCmd{Op: "start", Node: name, IP: nw.Link(c.Pid(), ""), Etcd: etcd}); err != nil {
+			t.Fatal(err)
+		}
+		recv(t, c, time.Minute)
+		nodes = append(nodes, c)
+	}
+	pub, reader := nodes[0], nodes[1]
+	const name = "ns/step"
+	ask := func(c *testutil.Child, cmd nodeCmd) nodeReply {
+		t.Helper()
+		if err := c.Send(cmd); err != nil {
+			t.Fatal(err)
+		}
+		return recvAny(t, c, time.Minute)
+	}
+	if r := ask(pub, nodeCmd{Op: "put", Name: name, Size: 1 << 20, Chunk: 256 << 10, Version: 1, Shard: 0, Shards: 2}); r.Err != "" {
+		t.Fatal(r.Err)
+	}
+	if r := ask(reader, nodeCmd{Op: "state", Name: name, Version: 1, Shard: 0}); r.Err != "" || r.Latest != 0 || !slices.Equal(r.Holders, []string{"pub"}) {
+		t.Fatalf("after shard 0 of 2: %+v, want no latest and pub holding the shard", r)
+	}
+	if err := syscall.Kill(pub.Pid(), syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	// Its holder key goes with its lease (TTL 2 s).
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if r := ask(reader, nodeCmd{Op: "state", Name: name, Version: 1, Shard: 0}); r.Err != "" || r.Latest != 0 || len(r.Holders) != 0 {
+			return fmt.Errorf("after the publisher's death: %+v, want no latest and no holder", r)
+		}
+		return nil
+	})
+	r := ask(reader, nodeCmd{Op: "pull", Name: name, Version: 1, Shard: 0})
+	if !strings.Contains(r.Err, cluster.ErrNoHolder.Error()) || !strings.Contains(r.Err, "holders in the directory: none") {
+		t.Fatalf("pull of the dead publisher's shard: %q, want %q with no holders", r.Err, cluster.ErrNoHolder)
+	}
+	reader.CloseStdin()
+	if err := reader.Wait(30 * time.Second); err != nil {
+		t.Errorf("reader: %v\n%s", err, reader.Stderr())
 	}
 }

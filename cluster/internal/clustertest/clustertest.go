@@ -206,6 +206,22 @@ func (n *Node) Publish(ctx context.Context, name string, size int64, chunk int64
 		chunk = cluster.ChunkSizeFor(size)
 	}
 	o := cluster.Object{Name: name, Owner: 1000, Size: size, ChunkSize: chunk, Sums: cluster.Checksums(b, chunk), ID: cluster.NewID()}
+	return n.PublishAs(ctx, o, b)
+}
+
+// PublishAs makes b a sealed local object of record o (whose checksums and
+// id it fills in when missing) and publishes it: for versions, shards.
+func (n *Node) PublishAs(ctx context.Context, o cluster.Object, b []byte) (cluster.Object, []byte, error) {
+	if o.ChunkSize == 0 {
+		o.ChunkSize = cluster.ChunkSizeFor(int64(len(b)))
+	}
+	if o.Sums == nil {
+		o.Sums = cluster.Checksums(b, o.ChunkSize)
+	}
+	if o.ID == "" {
+		o.ID = cluster.NewID()
+	}
+	o.Size = int64(len(b))
 	n.Store.mu.Lock()
 	n.Store.objects[o.Ref()] = &obj{id: o.ID, b: b, sealed: true}
 	n.Store.mu.Unlock()

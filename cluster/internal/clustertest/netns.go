@@ -116,6 +116,7 @@ func (n *Net) Link(pid int, rate string) (ip string) {
 	in("ip", "link", "set", "lo", "up")
 	in("ip", "addr", "add", ip+"/24", "dev", "eth0")
 	in("ip", "link", "set", "eth0", "up")
+	defer n.waitUp(ns)
 	if rate != "" {
 		// A token bucket with a short queue (20 ms of data): with a long
 		// one, every request waits behind the bulk data queued before it.
@@ -124,6 +125,42 @@ func (n *Net) Link(pid int, rate string) (ip string) {
 		n.run(append([]string{"tc", "-n", n.sw, "qdisc", "add", "dev", port}, tbf...)...)
 	}
 	return ip
+}
+
+// waitUp waits, bounded, until eth0 in the namespace at ns is up with its
+// carrier (UCX refuses a device that is not running yet).
+func (n *Net) waitUp(ns string) {
+	n.t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		out, err := exec.Command("nsenter", "--net="+ns, "ip", "-o", "link", "show", "dev", "eth0").CombinedOutput()
+		if err == nil && strings.Contains(string(out), "LOWER_UP") && strings.Contains(string(out), "state UP") {
+			return
+		}
+		if time.Now().After(deadline) {
+			n.t.Fatalf("eth0 in %s not up within 10s: %s %v", ns, out, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Sent returns the bytes process pid's namespace has sent on its eth0 (tc's
+// count): how a test sees data flowing.
+func (n *Net) Sent(pid int) int64 {
+	n.t.Helper()
+	out, err := exec.Command("nsenter", "--net=/proc/"+strconv.Itoa(pid)+"/ns/net", "tc", "-s", "qdisc", "show", "dev", "eth0").CombinedOutput()
+	if err != nil {
+		n.t.Fatalf("tc -s qdisc show in %d: %v: %s", pid, err, out)
+	}
+	_, rest, ok := strings.Cut(string(out), "Sent ")
+	if !ok {
+		n.t.Fatalf("tc -s qdisc show: no Sent count in %q", out)
+	}
+	v, err := strconv.ParseInt(strings.Fields(rest)[0], 10, 64)
+	if err != nil {
+		n.t.Fatalf("tc -s qdisc show: %q: %v", out, err)
+	}
+	return v
 }
 
 // StartEtcd runs etcd on the switch, at 10.199.0.1:EtcdPort, until the
