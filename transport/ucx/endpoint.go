@@ -339,6 +339,14 @@ func get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64
 	}
 
 	w := ep.w
+	w.mu.Lock()
+	w.gets++
+	w.mu.Unlock()
+	defer func() {
+		w.mu.Lock()
+		w.gets--
+		w.mu.Unlock()
+	}()
 	var (
 		inflight = make([]raw.Request, 0, depth)
 		next     uint64

@@ -761,3 +761,60 @@ func TestProbe(t *testing.T) {
 		t.Fatalf("child without UCX: %v\n%s", err, out)
 	}
 }
+
+// TestCloseUnderGet: closing the endpoint, then the worker, while a Get
+// runs on another goroutine ends that Get with ErrClosed (or success, had it
+// finished), and nothing writes into its dst afterwards.
+func TestCloseUnderGet(t *testing.T) {
+	const size = 16 << 20
+	for _, which := range []string{"endpoint", "worker"} {
+		t.Run(which, func(t *testing.T) {
+			p := startServer(t, 1812, size)
+			dst := make([]byte, size)
+			done := make(chan error, 1)
+			go func() {
+				done <- ucx.GetWith(timeout(t, time.Minute), p.ep, p.key, p.key.Key().Addr, dst, ucx.GetOptions{Chunk: 64 << 10, Depth: 4})
+			}()
+			time.Sleep(2 * time.Millisecond) // somewhere in the transfer; either outcome is checked
+			var err error
+			closeStart := time.Now()
+			if which == "endpoint" {
+				err = p.ep.Close()
+			} else {
+				err = p.w.Close()
+			}
+			t.Logf("closing the %s took %v", which, time.Since(closeStart))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var getErr error
+			select {
+			case getErr = <-done:
+			case <-time.After(testutil.Wait):
+				t.Fatal("Get did not return after its " + which + " was closed")
+			}
+			t.Logf("the Get returned %v", getErr)
+			if getErr != nil && !errors.Is(getErr, ucx.ErrClosed) {
+				t.Fatalf("Get under a closing %s: %v", which, getErr)
+			}
+			if getErr == nil && testutil.Sum(dst) != testutil.Sum(p.data) {
+				t.Fatal("a Get that succeeded read wrong bytes")
+			}
+			for i := range dst {
+				dst[i] = 0x5a
+			}
+			if which == "endpoint" {
+				for deadline := time.Now().Add(200 * time.Millisecond); time.Now().Before(deadline); {
+					if _, err := p.w.Progress(); err != nil {
+						t.Fatal(err)
+					}
+				}
+			} else {
+				time.Sleep(200 * time.Millisecond)
+			}
+			if i := slices.IndexFunc(dst, func(b byte) bool { return b != 0x5a }); i >= 0 {
+				t.Fatalf("byte %d of dst changed after Get returned", i)
+			}
+		})
+	}
+}

@@ -36,6 +36,7 @@ type Worker struct {
 	endpoints map[*Endpoint]struct{}
 	serving   bool
 	served    chan struct{} // closed when Serve returns; nil when not serving
+	gets      int           // Gets running on the worker's endpoints
 }
 
 // NewWorker creates a worker (ucp_worker_create) and fetches its address.
@@ -209,6 +210,17 @@ func (w *Worker) Close() error {
 	var errs []error
 	for _, e := range eps {
 		errs = append(errs, e.close(true))
+	}
+	// Gets on the closed endpoints end once UCX has completed their
+	// requests (they progress the worker for it); destroying the worker
+	// before would leave those requests unreleased.
+	for deadline := time.Now().Add(purgeWait + time.Second); ; time.Sleep(time.Millisecond) {
+		w.mu.Lock()
+		n := w.gets
+		w.mu.Unlock()
+		if n == 0 || time.Now().After(deadline) {
+			break
+		}
 	}
 	w.mu.Lock()
 	w.closed = true
