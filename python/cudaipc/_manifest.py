@@ -9,6 +9,7 @@ import json
 import threading
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from . import _gcpause
 from ._deps import require
 from .errors import InvalidArgument
 
@@ -109,9 +110,10 @@ class Layout:
         """``parsed``: the entries (sorted by offset) and metadata ``raw`` encodes, when
         the caller just encoded them (parsing them back would only cost time)."""
         self.raw = raw
-        self.entries, self.metadata = parsed if parsed is not None else parse_manifest(raw)
-        self.names = [e.name for e in self.entries]
-        self.index = {n: i for i, n in enumerate(self.names)}
+        with _gcpause.paused():
+            self.entries, self.metadata = parsed if parsed is not None else parse_manifest(raw)
+            self.names = [e.name for e in self.entries]
+            self.index = {n: i for i, n in enumerate(self.names)}
         self.nbytes = sum(e.end - e.begin for e in self.entries)
         self.size = max((e.end for e in self.entries), default=0)
         self._views: Dict[str, List[Tuple[Any, Tuple[int, ...]]]] = {}
@@ -123,9 +125,10 @@ class Layout:
         if v is None:
             u8 = lib.uint8()
             v = []
-            for e in self.entries:
-                dt = lib.dtype(e.dtype)
-                v.append((dt, e.shape) if dt is not None else (u8, (e.end - e.begin,)))
+            with _gcpause.paused():
+                for e in self.entries:
+                    dt = lib.dtype(e.dtype)
+                    v.append((dt, e.shape) if dt is not None else (u8, (e.end - e.begin,)))
             self._views[lib.name] = v
         return v
 
@@ -161,9 +164,10 @@ def put_layout(names: List[str], shape_dtypes: List[Tuple[Any, Any]], metadata: 
         for c in reversed(_PUT_LAYOUTS):
             if c[0] == names and c[1] == shape_dtypes and c[2] == meta:
                 return c[3]
-    entries, size = layout([(k, st_dtype_of(dt), tuple(sh)) for k, (sh, dt) in zip(names, shape_dtypes)])
-    entries = sorted(entries, key=lambda e: (e.begin, e.end, e.name))   # as encode_manifest writes them
-    lay = Layout(encode_manifest(entries, meta), (entries, meta))
+    with _gcpause.paused():
+        entries, size = layout([(k, st_dtype_of(dt), tuple(sh)) for k, (sh, dt) in zip(names, shape_dtypes)])
+        entries = sorted(entries, key=lambda e: (e.begin, e.end, e.name))   # as encode_manifest writes them
+        lay = Layout(encode_manifest(entries, meta), (entries, meta))
     with _layout_lock:
         _LAYOUTS.append(lay)
         del _LAYOUTS[:-_MAX_LAYOUTS]

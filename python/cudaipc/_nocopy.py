@@ -27,6 +27,7 @@ import threading
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import _cuda
+from . import _gcpause
 from . import _store_pb2 as pb
 from ._manifest import TensorEntry, encode_manifest, st_dtype_of
 from .errors import CudaError, InternalError, InvalidArgument
@@ -225,20 +226,21 @@ def _prepare(store: Any, name: str, names: List[str], values: List[Any],
         starts, span = source_starts([s.size for s in sources])
         bases = [s.base for s in sources]
         entries: List[TensorEntry] = []
-        for n, p, nb, (shape, dt) in zip(names, ptrs, sizes, metas):
-            st = st_dtype_of(dt)
-            if nb == 0:
-                entries.append(TensorEntry(n, st, tuple(shape), span, span))
-                continue
-            j = bisect.bisect_right(bases, p) - 1
-            off = starts[j] + p - bases[j]
-            entries.append(TensorEntry(n, st, tuple(shape), off, off + nb))
-        entries.sort(key=lambda e: (e.begin, e.end))
+        with _gcpause.paused():
+            for n, p, nb, (shape, dt) in zip(names, ptrs, sizes, metas):
+                st = st_dtype_of(dt)
+                if nb == 0:
+                    entries.append(TensorEntry(n, st, tuple(shape), span, span))
+                    continue
+                j = bisect.bisect_right(bases, p) - 1
+                off = starts[j] + p - bases[j]
+                entries.append(TensorEntry(n, st, tuple(shape), off, off + nb))
+            entries.sort(key=lambda e: (e.begin, e.end))
+            raw = encode_manifest(entries, metadata)
         for a, b in zip(entries, entries[1:]):
             if b.begin < a.end:
                 raise InvalidArgument("put_bundle", name, "tensors %r and %r share memory (tied weights?): a bundle's "
                                       "tensors may not overlap; publish one of them, or copy=True" % (a.name, b.name))
-        raw = encode_manifest(entries, metadata)
         table = encode_sources([s.region for s in sources])
     except BaseException:
         for s in sources:

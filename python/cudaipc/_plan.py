@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from . import _cuda
 from . import _cuda_ctypes
+from . import _gcpause
 from ._arrays import ArrayLib, Signature
 from ._deps import require
 from ._manifest import Layout
@@ -284,7 +285,8 @@ def plan_for(layout: Layout, names: List[str], values: List[Any], gpu: bool, lib
         if p.matches(names, sig, lib):
             plan_stats["reused"] += 1
             return p
-    p = Plan(layout, names, values, gpu, lib, sig)
+    with _gcpause.paused():
+        p = Plan(layout, names, values, gpu, lib, sig)
     plan_stats["built"] += 1
     with _plan_lock:
         _PLANS[(id(layout), gpu, id(p))] = p

@@ -368,3 +368,30 @@ def test_a_refused_cached_plan_is_built_again(store, monkeypatch):
         other = {"a": torch.zeros(6, dtype=torch.int32)}   # no cached plan for these
         with pytest.raises(cudaipc.CudaError, match="INVALID_VALUE"):
             cudaipc.load_into(b, other)
+
+
+def test_gc_pause_restores_the_collector_exactly() -> None:
+    """paused() turns the collector off for its block (nested blocks too) and leaves
+    it as it found it: on if it was on, off if the program had turned it off, also
+    when the block raises."""
+    import gc
+    from cudaipc import _gcpause
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with _gcpause.paused():
+            assert not gc.isenabled()
+            with _gcpause.paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        with pytest.raises(RuntimeError):
+            with _gcpause.paused():
+                raise RuntimeError("boom")
+        assert gc.isenabled()
+        gc.disable()
+        with _gcpause.paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
