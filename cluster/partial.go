@@ -7,6 +7,8 @@ import (
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/cudaipc/cudaipc/bundle"
 )
 
 // Partial reads: a reader that needs only some of an object (the tensors
@@ -26,6 +28,32 @@ type Range struct {
 
 // MaxRanges bounds the ranges of one partial read.
 const MaxRanges = 1 << 16
+
+// TensorRanges returns the byte ranges of the named tensors of a bundle
+// with manifest m, in the order named, for PullRanges (and the layout of
+// its destination). A name the manifest lacks, or one named twice, is an
+// error naming it.
+func TensorRanges(m *bundle.Manifest, names []string) ([]Range, error) {
+	idx := make(map[string]int, len(m.Tensors))
+	for i, t := range m.Tensors {
+		idx[t.Name] = i
+	}
+	seen := make(map[string]bool, len(names))
+	out := make([]Range, 0, len(names))
+	for _, name := range names {
+		i, ok := idx[name]
+		switch {
+		case !ok:
+			return nil, fmt.Errorf("tensor %q is not in the bundle (%d tensors)", name, len(m.Tensors))
+		case seen[name]:
+			return nil, fmt.Errorf("tensor %q named twice", name)
+		}
+		seen[name] = true
+		t := m.Tensors[i]
+		out = append(out, Range{Off: t.Begin, Len: t.Size()})
+	}
+	return out, nil
+}
 
 // chunk returns the memory of chunk i of t: in dst, or its slot.
 func (t *transfer) chunk(i int) []byte {

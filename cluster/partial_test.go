@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cudaipc/cudaipc/bundle"
 	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 	"github.com/cudaipc/cudaipc/cluster/internal/memtransport"
@@ -101,5 +102,52 @@ func TestPullRangesFailover(t *testing.T) {
 	}
 	if !bytes.Equal(dst, want[r.Off:r.Off+r.Len]) {
 		t.Fatal("the range read differs")
+	}
+}
+
+// A tensor-parallel reader's slice of a bundle: the named tensors' ranges
+// from its manifest, read and compared with the publisher's bytes.
+func TestPullTensors(t *testing.T) {
+	srv := etcdtest.Start(t)
+	nw := memtransport.NewNetwork()
+	a, b := startNode(t, srv, nw, "a", secret), startNode(t, srv, nw, "b", secret)
+	ctx := bounded(t, 30*time.Second)
+	var specs []bundle.Spec
+	for i := range 8 {
+		specs = append(specs, bundle.Spec{Name: fmt.Sprintf("layer.%d.weight", i), DType: "BF16", Shape: []int64{512, 384 + int64(i)}})
+	}
+	m, size, err := bundle.Layout(specs, bundle.Alignment, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o, want := a.Put(t, "ns/model", size, 256<<10)
+	names := []string{"layer.5.weight", "layer.2.weight"}
+	ranges, err := cluster.TensorRanges(m, names)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n int64
+	for _, r := range ranges {
+		n += r.Len
+	}
+	dst := make([]byte, n)
+	if _, read, err := b.P.PullRanges(ctx, o.Ref(), ranges, dst); err != nil || read >= size {
+		t.Fatalf("read %d of %d bytes: %v", read, size, err)
+	}
+	at := int64(0)
+	for i, name := range names {
+		tn := m.Tensors[m.Index(name)]
+		if !bytes.Equal(dst[at:at+tn.Size()], want[tn.Begin:tn.End]) {
+			t.Fatalf("tensor %s differs", name)
+		}
+		if ranges[i] != (cluster.Range{Off: tn.Begin, Len: tn.Size()}) {
+			t.Fatalf("range of %s: %+v", name, ranges[i])
+		}
+		at += tn.Size()
+	}
+	for _, bad := range [][]string{{"nope"}, {"layer.1.weight", "layer.1.weight"}} {
+		if _, err := cluster.TensorRanges(m, bad); err == nil || !strings.Contains(err.Error(), bad[0]) {
+			t.Errorf("tensors %v: %v", bad, err)
+		}
 	}
 }
