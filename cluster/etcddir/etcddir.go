@@ -800,11 +800,28 @@ type Event struct {
 }
 
 // Watch reports deletions of object records and pins of this node's
-// replicas until ctx is done, on a channel it closes then. It resumes after
-// etcd comes back; events missed while etcd was away are not replayed,
-// so a holder also checks Pinned before dropping a replica.
+// replicas until ctx is done, on a channel it closes then. It reports
+// every such change made after Watch returns (it reads the directory's
+// revision first, when etcd answers), and after etcd was away it resumes
+// from the revision after the last event it reported, so changes made
+// meanwhile are replayed too (unless etcd compacted them away: then it
+// resumes from the present).
 func (d *Directory) Watch(ctx context.Context) <-chan Event {
 	out := make(chan Event, 64)
+	var nextO, nextP int64 // revisions each watch resumes from; 0: the present
+	if cctx, cancel, err := d.call(ctx, "watch"); err == nil {
+		if r, err := d.cli.Get(cctx, d.k.nodes(), clientv3.WithCountOnly()); err == nil {
+			nextO, nextP = r.Header.Revision+1, r.Header.Revision+1
+		}
+		cancel()
+	}
+	from := func(rev int64, opts ...clientv3.OpOption) []clientv3.OpOption {
+		opts = append(opts, clientv3.WithPrefix())
+		if rev > 0 {
+			opts = append(opts, clientv3.WithRev(rev))
+		}
+		return opts
+	}
 	go func() {
 		defer close(out)
 		send := func(ev Event) bool {
@@ -818,11 +835,12 @@ func (d *Directory) Watch(ctx context.Context) <-chan Event {
 		pins := d.k.pinsOf(d.cfg.Node)
 		for ctx.Err() == nil {
 			wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-			wo := d.cli.Watch(wctx, d.k.objects(), clientv3.WithPrefix(), clientv3.WithFilterPut())
-			wp := d.cli.Watch(wctx, pins, clientv3.WithPrefix(), clientv3.WithPrevKV())
+			wo := d.cli.Watch(wctx, d.k.objects(), from(nextO, clientv3.WithFilterPut())...)
+			wp := d.cli.Watch(wctx, pins, from(nextP, clientv3.WithPrevKV())...)
 			for wo != nil || wp != nil {
 				var wr clientv3.WatchResponse
 				var ok bool
+				next := &nextO
 				select {
 				case wr, ok = <-wo:
 					if !ok {
@@ -834,11 +852,18 @@ func (d *Directory) Watch(ctx context.Context) <-chan Event {
 						wp = nil
 						continue
 					}
+					next = &nextP
+				}
+				if wr.CompactRevision != 0 {
+					d.log.Warn("the directory's watch lost history to compaction: resuming from the present", "revision", wr.CompactRevision)
+					nextO, nextP = 0, 0
+					break
 				}
 				if wr.Err() != nil {
 					break
 				}
 				for _, ev := range wr.Events {
+					*next = ev.Kv.ModRevision + 1
 					key := string(ev.Kv.Key)
 					var e Event
 					e.Key = key
