@@ -9,8 +9,6 @@ small host tensors, each figure beside its reference in the same run.
   costs on the CPU), with Python's collector running as usual vs paused around the
   bulk builds (cudaipc._gcpause), in a process with torch imported.
 - steady: the per-version parameter check (signature + plan match).
-- buffer ids: the allocation-identity check per allocation through cuda-bindings vs
-  ctypes (needs a GPU; skipped here without one).
 Prints one JSON object of medians in ms and their ratios.
 """
 

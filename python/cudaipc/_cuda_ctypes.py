@@ -10,7 +10,7 @@ else goes through cuda-bindings (_cuda).
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._cuda import _bytes, _lock, _name, check, driver, on, primary_context
 from .errors import CudaError
@@ -150,6 +150,39 @@ def _copy_each(copies: Any, stream: int) -> int:
         if err != 0:
             raise CudaError("cuMemcpyAsync", _err_name(err), "%d bytes %#x -> %#x" % (n, src, d))
     return calls
+
+
+# -- allocation identity (no-copy publish) ------------------------------------------
+#
+# A publish of the same tensors at the same addresses checks that each allocation
+# they lie in is still the one exported (a freed and reallocated segment has a new
+# buffer id): one driver call per allocation, 1,921 for the MoE shapes.
+
+_ATTR_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64)
+_BUFFER_ID = 7   # CU_POINTER_ATTRIBUTE_BUFFER_ID (cuda.h)
+
+
+def buffer_ids(ordinal: int, ptrs: Sequence[int]) -> List[int]:
+    """The buffer id (CU_POINTER_ATTRIBUTE_BUFFER_ID: never reused within a process)
+    of the allocation each device address of GPU ``ordinal`` lies in; 0 for an
+    address the driver does not know."""
+    fn = _proc("cuPointerGetAttribute", 4000, _ATTR_PROTO)
+    out: List[int] = []
+    if fn is None:
+        cu = driver()
+        a = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID
+        with on(ordinal):
+            for p in ptrs:
+                err, bid = cu.cuPointerGetAttribute(a, p)
+                out.append(int(bid) if err == cu.CUresult.CUDA_SUCCESS else 0)
+        return out
+    val = ctypes.c_uint64(0)
+    at = ctypes.addressof(val)
+    with on(ordinal):
+        for p in ptrs:
+            val.value = 0
+            out.append(val.value if fn(at, _BUFFER_ID, p) == 0 else 0)
+    return out
 
 
 # -- interprocess events (a seal that waits on the copy: docs/protocol.md, seal) --------

@@ -27,6 +27,7 @@ import threading
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import _cuda
+from . import _cuda_ctypes
 from . import _gcpause
 from . import _store_pb2 as pb
 from ._manifest import TensorEntry, encode_manifest, st_dtype_of
@@ -176,18 +177,14 @@ def _find_sources(ptrs: List[int], sizes: List[int], ordinal: int) -> List[_Sour
 
 def _still_valid(p: _Published) -> bool:
     """Whether the legacy allocations of an earlier publish are the same ones (a
-    freed and reallocated segment has a new buffer id)."""
-    cu = _cuda.driver()
-    A = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID
+    freed and reallocated segment has a new buffer id): one driver call per
+    allocation, through ctypes."""
     if any(s.fds for s in p.sources):
         return False   # VMM memory: nothing tells that a chunk was not replaced, export afresh
-    with _cuda.on(p.ordinal):
-        for s in p.sources:
-            if s.buffer_id:
-                err, bid = cu.cuPointerGetAttribute(A, s.base)
-                if err != cu.CUresult.CUDA_SUCCESS or int(bid) != s.buffer_id:
-                    return False
-    return True
+    checked = [s for s in p.sources if s.buffer_id]
+    if not checked:
+        return True
+    return _cuda_ctypes.buffer_ids(p.ordinal, [s.base for s in checked]) == [s.buffer_id for s in checked]
 
 
 def _prepare(store: Any, name: str, names: List[str], values: List[Any],

@@ -65,6 +65,77 @@ def test_sources_table_layout() -> None:
             _nocopy.decode_sources(bad)
 
 
+class _NoContext:
+    def __init__(self, ordinal: int) -> None:
+        pass
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_buffer_ids_read_each_allocation_through_the_driver_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    """buffer_ids asks cuPointerGetAttribute (a stand-in C callback here) for
+    CU_POINTER_ATTRIBUTE_BUFFER_ID of each address, in order, and gives 0 where the
+    driver answers an error."""
+    import ctypes
+    import random
+    from cudaipc import _cuda_ctypes
+    rng = random.Random(20)
+    ids = {rng.randrange(1 << 40, 1 << 47) & ~0xFF: rng.randrange(1, 1 << 62) for _ in range(200)}
+    unknown = max(ids) + (1 << 20)
+    asked = []
+
+    def get_attribute(data: int, attr: int, ptr: int) -> int:
+        asked.append((attr, ptr))
+        if ptr not in ids:
+            return 1   # CUDA_ERROR_INVALID_VALUE
+        ctypes.c_uint64.from_address(data).value = ids[ptr]
+        return 0
+    fn = _cuda_ctypes._ATTR_PROTO(get_attribute)
+    monkeypatch.setitem(_cuda_ctypes._procs, "cuPointerGetAttribute@4000", fn)
+    monkeypatch.setattr(_cuda_ctypes, "on", _NoContext)
+    ptrs = list(ids) + [unknown]
+    rng.shuffle(ptrs)
+    got = _cuda_ctypes.buffer_ids(0, ptrs)
+    assert got == [ids.get(p, 0) for p in ptrs]
+    assert asked == [(7, p) for p in ptrs]
+
+
+def test_publish_reuses_its_exports_only_while_every_allocation_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publish over the same tensors at the same addresses reuses the last one's
+    exports only when every legacy allocation still has its buffer id: one freed
+    and reallocated at the same address (a new id), or one the driver no longer
+    knows (0), is exported afresh, and VMM exports always are."""
+    import random
+    from cudaipc import _cuda_ctypes
+    rng = random.Random(7)
+    sources = [_nocopy._Source(0x7F0000000000 + (i << 24), 1 << 20, b"r", rng.randrange(1, 1 << 60), [])
+               for i in range(1921)]
+    pub = _nocopy._Published(None, 0, GPU, sources, b"", b"", 0)
+    live = {s.base: s.buffer_id for s in sources}
+    calls = []
+
+    def buffer_ids(ordinal: int, ptrs: List[int]) -> List[int]:
+        calls.append(len(ptrs))
+        return [live.get(p, 0) for p in ptrs]
+    monkeypatch.setattr(_cuda_ctypes, "buffer_ids", buffer_ids)
+    assert _nocopy._still_valid(pub)
+    assert calls == [1921]   # one read per allocation, in one call
+    moved = rng.choice(sources).base
+    live[moved] += 1            # freed and reallocated at the same address
+    assert not _nocopy._still_valid(pub)
+    live[moved] -= 1
+    assert _nocopy._still_valid(pub)
+    del live[moved]             # freed
+    assert not _nocopy._still_valid(pub)
+    vmm = _nocopy._Published(None, 0, GPU, sources + [_nocopy._Source(1 << 46, 1 << 21, b"v", 0, [99])], b"", b"", 0)
+    live = {s.base: s.buffer_id for s in sources}
+    assert not _nocopy._still_valid(vmm)
+
+
 def test_copy_false_refuses_what_it_cannot_share(store: cudaipc.Store) -> None:
     torch = pytest.importorskip("torch")
     sd = {"w": torch.arange(10, dtype=torch.float32)}
