@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import _gcpause
 from ._deps import available, require
 from ._manifest import FROM_SAFETENSORS, TensorEntry
 from ._views import numpy_dtype
@@ -146,9 +147,13 @@ class _Torch(ArrayLib):
     def signature(self, values: List[Any]) -> Signature:
         # Unbound torch.Tensor methods in map() are the cheapest way to read them
         # (about 0.3 µs a read on the H200's host); this runs on every load.
+        # The (shape, dtype) pairs are two tracked objects per value: tens of thousands
+        # of them start collections, full ones too once they outnumber a quarter of
+        # the heap, so the collector waits until they are made.
         torch = require("torch", "bundle tensors")
-        return (list(map(torch.Tensor.data_ptr, values)), list(map(_shape_dtype, values)),
-                list(map(torch.Tensor.is_contiguous, values)))
+        with _gcpause.paused():
+            return (list(map(torch.Tensor.data_ptr, values)), list(map(_shape_dtype, values)),
+                    list(map(torch.Tensor.is_contiguous, values)))
 
     def where(self, v: Any) -> Tuple[str, Optional[int]]:
         d = v.device
@@ -230,8 +235,9 @@ class _Arrays(ArrayLib):
             if not (isinstance(v, nd) or _is_cupy(v)):
                 raise TypeError("a bundle's values are all NumPy/CuPy arrays or all torch tensors, not %s "
                                 "(a scalar goes as a 0-d array: numpy.asarray)" % type(v).__name__)
-        ptrs = [v.data.ptr if _is_cupy(v) else v.__array_interface__["data"][0] for v in values]
-        return ptrs, [(tuple(v.shape), v.dtype) for v in values], [bool(v.flags.c_contiguous) for v in values]
+        with _gcpause.paused():
+            ptrs = [v.data.ptr if _is_cupy(v) else v.__array_interface__["data"][0] for v in values]
+            return ptrs, [(tuple(v.shape), v.dtype) for v in values], [bool(v.flags.c_contiguous) for v in values]
 
     def where(self, v: Any) -> Tuple[str, Optional[int]]:
         if _is_cupy(v):
