@@ -207,12 +207,12 @@ func (s *Store) publisherGoneLocked(o *object) {
 		return
 	}
 	if o.src.legacy {
-		s.log.Info("no-copy version withdrawn: its publisher disconnected (legacy IPC is valid only while it lives)", "name", v.s.name, "version", v.n, "leases", v.leases)
+		s.logFor(v.s.owner).Info("no-copy version withdrawn: its publisher disconnected (legacy IPC is valid only while it lives)", "name", v.s.name, "version", v.n, "leases", v.leases)
 		s.withdrawVersionLocked(v)
 		return
 	}
 	o.src.orphaned = true
-	s.log.Info("no-copy version orphaned: its publisher disconnected; readable while leased", "name", v.s.name, "version", v.n, "leases", v.leases)
+	s.logFor(v.s.owner).Info("no-copy version orphaned: its publisher disconnected; readable while leased", "name", v.s.name, "version", v.n, "leases", v.leases)
 	if v.leases == 0 {
 		s.withdrawVersionLocked(v)
 	}
