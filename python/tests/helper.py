@@ -9,10 +9,12 @@ Roles:
                             region (the daemon never opens it), print its version, sleep
   hold-version SOCKET NAME  lease NAME's latest version at the protocol level (no
                             mapping), print "holding", sleep
-  nocopy-publisher SOCKET NAME VERSIONS
+  nocopy-publisher SOCKET NAME VERSIONS [realloc]
                             (GPU) publish VERSIONS versions of a state dict of random
                             tensors without a copy; after each, print a JSON line
-                            {version, digests} and wait for a line on stdin
+                            {version, digests} and wait for a line on stdin; with
+                            realloc, free and allocate every tensor anew before each
+                            version after the first
 """
 
 import hashlib
@@ -60,8 +62,16 @@ def main() -> None:
         shapes = {"embed": (1000, 64), "norm": (64,), "w0": (256, 64), "w1": (64, 256), "tiny": (3,), "empty": (0, 4)}
         sd = {k: torch.empty(v, dtype=torch.bfloat16, device="cuda") for k, v in shapes.items()}
         s = cudaipc.connect(sys.argv[2])
-        for _ in range(int(sys.argv[4])):
+        realloc = sys.argv[5:] == ["realloc"]
+        for i in range(int(sys.argv[4])):
             s.wait_released(sys.argv[3], 30)
+            if realloc and i:
+                # Free every tensor and its segment, then allocate them again: the
+                # driver tends to give the same addresses to the new allocations.
+                sd.clear()
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                sd = {k: torch.empty(v, dtype=torch.bfloat16, device="cuda") for k, v in shapes.items()}
             for t in sd.values():
                 t.view(torch.int16).random_(-32768, 32767)
             info = s.put_bundle(sys.argv[3], sd, publish=True, copy=False, keep_last=1)

@@ -259,3 +259,47 @@ def test_gpu_nocopy_versions_load_from_the_publishers_tensors(cudaipc_bin: str, 
         if pub.poll() is None:
             kill(pub)
         d.stop()
+
+
+def test_gpu_nocopy_publisher_that_reallocates_its_tensors_is_read_from_the_new_ones(cudaipc_bin: str) -> None:
+    """A publisher that frees its tensors and their segments and allocates them again
+    between versions (often at the same addresses, in new allocations) publishes
+    the new allocations, not what it exported before: each version's bytes are
+    equal and each is opened anew."""
+    import hashlib
+    import json
+    from conftest import Daemon, need_gpus, need_module
+    need_gpus(1)
+    need_module("torch")
+    import torch
+    d = Daemon(cudaipc_bin, ["--backend", "cuda", "--capacity", "1GiB"])
+    pub = subprocess.Popen([sys.executable, os.path.join(HERE, "helper.py"), "nocopy-publisher", d.socket, "policy", "3",
+                            "realloc"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=HERE,
+                           env=dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=""))
+    try:
+        assert pub.stdin is not None and pub.stdout is not None
+        torch.cuda.set_device(0)
+        with cudaipc.connect(d.socket) as s:
+            params = None
+            seen = 0
+            opens = []
+            for _ in range(3):
+                msg = json.loads(pub.stdout.readline())
+                before = _nocopy.driver_opens()
+                with s.get_bundle("policy", timeout=30, newer_than=seen) as b:
+                    if params is None:
+                        params = {k: torch.empty_like(b[k]) for k in b}
+                    cudaipc.bundle.load_into(b, params)
+                    got = {k: hashlib.sha256(t.view(torch.uint8).cpu().numpy().tobytes()).hexdigest() for k, t in params.items()}
+                    assert got == msg["digests"], "version %d: bytes differ" % b.version
+                    seen = b.version
+                opens.append(_nocopy.driver_opens() - before)
+                pub.stdin.write("next\n")
+                pub.stdin.flush()
+            assert all(n >= 1 for n in opens), "driver opens per version: %s" % opens
+        pub.wait(30)
+        assert pub.returncode == 0
+    finally:
+        if pub.poll() is None:
+            kill(pub)
+        d.stop()
