@@ -387,6 +387,7 @@ func get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64
 		if len(inflight) > 0 {
 			progressed = raw.WorkerProgress(w.h)
 		}
+		before := len(inflight)
 		kept := inflight[:0]
 		for _, r := range inflight {
 			s := raw.RequestCheckStatus(r)
@@ -433,7 +434,7 @@ func get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64
 				stopped, giveUp = err, time.Now().Add(cancelWait)
 			}
 		}
-		idle.after(progressed > 0 || len(kept) < len(inflight))
+		idle.after(progressed > 0 || len(inflight) < before)
 	}
 	if stopped != nil {
 		if !forced.IsZero() && !errors.Is(stopped, ErrClosed) {
