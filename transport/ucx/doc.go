@@ -37,7 +37,8 @@
 // parallel (use several workers for parallel pulls). Serve locks its OS
 // thread, polls while requests arrive and sleeps on the worker's event
 // descriptor (UCP_FEATURE_WAKEUP, ucp_worker_arm) when idle. Get polls the
-// worker itself while its chunks are in flight.
+// worker itself while its chunks are in flight: spinning while UCX makes
+// progress, sleeping briefly between polls when it waits on a slow link.
 //
 // # What is checked before UCX sees peer bytes
 //
