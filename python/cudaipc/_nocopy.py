@@ -194,11 +194,14 @@ def _prepare(store: Any, name: str, names: List[str], values: List[Any],
     the cheapest reads, as load_into's plan check) over the same allocations."""
     import torch
     from ._arrays import TORCH
-    for v in values:
-        if not isinstance(v, torch.Tensor):
-            raise InvalidArgument("put_bundle", name, "copy=False publishes torch CUDA tensors in place, not %s: "
-                                  "publish with copy=True" % type(v).__name__)
-    ptrs, metas, contig = TORCH.signature(values)
+    try:
+        ptrs, metas, contig = TORCH.signature(values)   # (a TypeError for a value that is no tensor)
+    except TypeError:
+        for v in values:
+            if not isinstance(v, torch.Tensor):
+                raise InvalidArgument("put_bundle", name, "copy=False publishes torch CUDA tensors in place, not %s: "
+                                      "publish with copy=True" % type(v).__name__) from None
+        raise
     key = (names, ptrs, metas, sorted((metadata or {}).items()))
     k = (id(store), name)
     with _pub_lock:
@@ -308,7 +311,10 @@ def send_version(conn: Any, name: str, raw: bytes, table: bytes, fds: List[int],
     try:
         if mfd < 0 or not p.external or p.size != span:
             raise InternalError("put_bundle", name, "the daemon answered a no-copy create without its manifest memfd")
-        os.pwrite(mfd, raw + table, 0)
+        n = os.pwritev(mfd, [raw, table], 0)
+        if n != len(raw) + len(table):
+            raise InternalError("put_bundle", name, "wrote %d of the manifest's and sources table's %d bytes"
+                                % (n, len(raw) + len(table)))
     except BaseException:
         conn.send_detached(abort)
         raise
@@ -500,13 +506,15 @@ def lease_sources(store: Any, r: Any, p: Any, info: Any, name: str) -> Tuple[Sou
     try:
         if mfd < 0:
             raise InternalError("get", name, "a no-copy version without its manifest memfd")
-        raw = os.pread(mfd, int(info.manifest_size) + int(info.sources_size), 0)
-        if len(raw) != int(info.manifest_size) + int(info.sources_size):
+        msize, ssize = int(info.manifest_size), int(info.sources_size)
+        manifest = os.pread(mfd, msize, 0)
+        table = os.pread(mfd, ssize, msize)
+        if len(manifest) != msize or len(table) != ssize:
             raise InternalError("get", name, "the manifest memfd is shorter than its manifest and sources table")
         _more_fds(store._conn, name, r.resp.get.lease_id, fds, p.files)
         ordinal = _cuda.pick_ordinal(bytes.fromhex(p.device[4:].replace("-", "")))
-        maps = SourceMaps.acquire(name, raw[int(info.manifest_size):], fds, ordinal)
-        return maps, raw[:int(info.manifest_size)]
+        maps = SourceMaps.acquire(name, table, fds, ordinal)
+        return maps, manifest
     finally:
         if mfd >= 0:
             os.close(mfd)

@@ -143,6 +143,10 @@ def test_copy_false_refuses_what_it_cannot_share(store: cudaipc.Store) -> None:
         store.put_bundle("m", sd, publish=True, copy=False)
     with pytest.raises(cudaipc.InvalidArgument, match="publish=True"):
         store.put_bundle("m", sd, copy=False)
+    import numpy as np
+    for other in (np.zeros(4, dtype=np.float32), b"bytes", 3):
+        with pytest.raises(cudaipc.InvalidArgument, match="not %s: publish with copy=True" % type(other).__name__):
+            store.put_bundle("m", {"w": sd["w"], "x": other}, publish=True, copy=False)
 
 
 def test_wait_released_names_the_readers(daemon, store: cudaipc.Store) -> None:
