@@ -499,6 +499,10 @@ func (cc *ControlClient) Release(ctx context.Context, handle uint64) error {
 	return err
 }
 
+// errChannel marks a request that got no answer: the channel is broken
+// (the peer died, restarted or dropped it).
+var errChannel = errors.New("no answer")
+
 func (cc *ControlClient) roundTrip(ctx context.Context, req ctlRequest) (ctlResponse, error) {
 	cc.mu.Lock()
 	defer cc.mu.Unlock()
@@ -510,10 +514,10 @@ func (cc *ControlClient) roundTrip(ctx context.Context, req ctlRequest) (ctlResp
 	_ = cc.ch.c.SetDeadline(dl)
 	defer cc.ch.c.SetDeadline(time.Time{})
 	if err := cc.ch.write(&req); err != nil {
-		return resp, fmt.Errorf("control channel to node %s: %w", cc.ch.peer, err)
+		return resp, fmt.Errorf("control channel to node %s: %w: %w", cc.ch.peer, errChannel, err)
 	}
 	if err := cc.ch.read(&resp); err != nil {
-		return resp, fmt.Errorf("control channel to node %s: %w", cc.ch.peer, err)
+		return resp, fmt.Errorf("control channel to node %s: %w: %w", cc.ch.peer, errChannel, err)
 	}
 	return resp, nil
 }

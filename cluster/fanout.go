@@ -273,7 +273,7 @@ func (m chunkMap) has(i int) bool { return m == nil || (i/8 < len(m) && m[i/8]&(
 // the holders alone.
 func (p *Puller) fanout(ctx context.Context, e Entry, rep Replica, n int) (f *feed, upstream string, stop func()) {
 	xr, ok := rep.(ExposableReplica)
-	if p.Feeds == nil || p.Feeding == nil || !ok {
+	if p.Feeds == nil || p.Feeding == nil || !ok || n <= 1 {
 		return nil, "", func() {}
 	}
 	ref := e.Ref()

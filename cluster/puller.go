@@ -103,7 +103,13 @@ type Puller struct {
 	// with this node's ControlServer.
 	Feeds   Feeds
 	Feeding *Feeding
+	// MaxPeers bounds the holder nodes whose connections (control
+	// channel, UCX endpoint) are kept between pulls; 0 means
+	// DefaultMaxPeers. Close closes them.
+	MaxPeers int
 
+	peers    peers
+	bg       sync.WaitGroup // releases and unpins after pulls, closes of peers
 	mu       sync.Mutex
 	inflight map[Ref]*pullCall
 
@@ -137,6 +143,18 @@ func (p *Puller) log() *slog.Logger {
 // ErrChecksum when chunks kept arriving corrupt, ErrAuth when holders
 // refused this node, ErrUnavailable when the directory is away.
 func (p *Puller) Pull(ctx context.Context, ref Ref) (Entry, error) {
+	return p.pullOnce(ctx, ref, nil)
+}
+
+// PullEntry is Pull of e's object with e as the directory's answer, just
+// read by the caller (Directory.Lookup), so the pull does not read it
+// again. A holder list gone stale is handled as in Pull: the pull looks
+// the object up again when every holder failed.
+func (p *Puller) PullEntry(ctx context.Context, e Entry) (Entry, error) {
+	return p.pullOnce(ctx, e.Ref(), &e)
+}
+
+func (p *Puller) pullOnce(ctx context.Context, ref Ref, known *Entry) (Entry, error) {
 	p.mu.Lock()
 	if c, ok := p.inflight[ref]; ok {
 		p.mu.Unlock()
@@ -155,7 +173,7 @@ func (p *Puller) Pull(ctx context.Context, ref Ref) (Entry, error) {
 	p.mu.Unlock()
 
 	p.inFlight.Add(1)
-	c.e, c.err = p.pull(ctx, ref)
+	c.e, c.err = p.pull(ctx, ref, known)
 	p.inFlight.Add(-1)
 	if c.err != nil {
 		p.failed.Add(1)
@@ -178,6 +196,13 @@ type source struct {
 	exp    Exposure
 	handle uint64
 	unpin  func()
+	// pe, when set, is the pooled connection cc and ep belong to (a
+	// holder); p is the puller that pooled it. A feeder's connection is
+	// its own.
+	pe *peer
+	p  *Puller
+	// bad: a GET from it failed; its pooled connection is not reused.
+	bad atomic.Bool
 	// feeder: the node is still pulling the object itself; have is which
 	// chunks it has (under transfer.mu; nil once it has them all), kept
 	// current by a watchFeed goroutine counted in watch.
@@ -187,7 +212,27 @@ type source struct {
 	fed    int64
 }
 
+// close ends the source. A pooled connection's exposure is released and
+// the pin removed after close returns (off the get's path): the holder
+// keeps the replica a little longer, never shorter.
 func (s *source) close() {
+	if s.pe != nil {
+		pe, p, h, bad, unpin := s.pe, s.p, s.handle, s.bad.Load(), s.unpin
+		p.bg.Go(func() {
+			if h != 0 {
+				ctx, cancel := context.WithTimeout(context.Background(), HandshakeTimeout)
+				if err := pe.cc.Release(ctx, h); err != nil {
+					bad = true
+				}
+				cancel()
+			}
+			p.release(pe, bad)
+			if unpin != nil {
+				unpin()
+			}
+		})
+		return
+	}
 	if s.ep != nil {
 		s.ep.Close()
 	}
@@ -201,34 +246,33 @@ func (s *source) close() {
 }
 
 // open pins holder's replica, authenticates to it and connects to its
-// worker. A feeder (a node still pulling the object) is not pinned: its
-// exposure keeps the memory.
+// worker. A holder is reached over the puller's pooled connection to it
+// and pinned in parallel with opening the exposure; open returns only
+// once the pin is recorded, so the pin is held before any byte is read.
+// (The exposure itself also keeps the replica from the moment the holder
+// answers Open.) A feeder (a node still pulling the object) is not
+// pinned: its exposure keeps the memory; it gets a connection of its own,
+// which its watchFeed request ends by closing.
 func (p *Puller) open(ctx context.Context, e Entry, holder string, feeder bool) (*source, error) {
+	if !feeder {
+		return p.openHolder(ctx, e, holder)
+	}
 	ref := e.Ref()
 	s := &source{node: holder}
 	n, err := p.Dir.Node(ctx, holder)
 	if err != nil {
 		return nil, err
 	}
-	if !feeder {
-		if s.unpin, err = p.Dir.Pin(ctx, holder, ref, e.ID); err != nil {
-			return nil, err
-		}
-	}
 	if s.cc, err = DialControl(ctx, p.Secret, p.Dir.NodeName(), holder, n.Control); err != nil {
 		s.close()
 		return nil, err
 	}
-	if feeder {
-		var have []byte
-		var complete bool
-		s.exp, s.handle, have, complete, err = s.cc.Feed(ctx, ref, e.ID)
-		if err == nil && !complete {
-			s.feeder, s.have = true, make(chunkMap, (len(e.Sums)+7)/8)
-			copy(s.have, have)
-		}
-	} else {
-		s.exp, s.handle, err = s.cc.Open(ctx, ref, e.ID)
+	var have []byte
+	var complete bool
+	s.exp, s.handle, have, complete, err = s.cc.Feed(ctx, ref, e.ID)
+	if err == nil && !complete {
+		s.feeder, s.have = true, make(chunkMap, (len(e.Sums)+7)/8)
+		copy(s.have, have)
 	}
 	if err != nil {
 		s.close()
@@ -241,6 +285,48 @@ func (p *Puller) open(ctx context.Context, e Entry, holder string, feeder bool) 
 	if s.ep, err = p.Transport.Connect(ctx, s.exp.Worker); err != nil {
 		s.close()
 		return nil, fmt.Errorf("node %s: connect to its worker: %w", holder, err)
+	}
+	return s, nil
+}
+
+func (p *Puller) openHolder(ctx context.Context, e Entry, holder string) (*source, error) {
+	ref := e.Ref()
+	type pinned struct {
+		unpin func()
+		err   error
+	}
+	pc := make(chan pinned, 1)
+	go func() {
+		u, err := p.Dir.Pin(ctx, holder, ref, e.ID)
+		pc <- pinned{u, err}
+	}()
+	s := &source{node: holder, p: p}
+	pe, exp, handle, err := p.openPooled(ctx, e, holder)
+	pin := <-pc
+	s.unpin = pin.unpin
+	if err == nil {
+		s.pe, s.cc, s.exp, s.handle = pe, pe.cc, exp, handle
+	}
+	fail := func(err error) (*source, error) {
+		if s.pe != nil {
+			s.close()
+		} else if s.unpin != nil {
+			p.bg.Go(s.unpin)
+		}
+		return nil, err
+	}
+	if pin.err != nil {
+		return fail(pin.err)
+	}
+	if err != nil {
+		return fail(err)
+	}
+	if s.exp.Size != e.Size {
+		return fail(fmt.Errorf("node %s exposes %d bytes of %s, the record says %d", holder, s.exp.Size, ref, e.Size))
+	}
+	if s.ep, err = pe.endpoint(ctx, p.Transport, s.exp.Worker); err != nil {
+		s.bad.Store(true)
+		return fail(fmt.Errorf("node %s: connect to its worker: %w", holder, err))
 	}
 	return s, nil
 }
@@ -265,10 +351,13 @@ type transfer struct {
 	feed    *feed // this node's feed of the replica, nil without fan-out
 }
 
-func (p *Puller) pull(ctx context.Context, ref Ref) (Entry, error) {
+func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error) {
 	self := p.Dir.NodeName()
-	e, err := p.Dir.Lookup(ctx, ref)
-	if err != nil {
+	var e Entry
+	var err error
+	if known != nil {
+		e = *known
+	} else if e, err = p.Dir.Lookup(ctx, ref); err != nil {
 		return e, fmt.Errorf("pull %s: %w", ref, err)
 	}
 	rep, err := p.Sink.Create(ctx, e.Object)
@@ -514,6 +603,7 @@ func (p *Puller) drop(t *transfer, s *source, dead *atomic.Bool, why string) {
 	if dead.Swap(true) {
 		return
 	}
+	s.bad.Store(true)
 	t.failed[s.node] = why
 	p.failovers.Add(1)
 	p.log().Warn("cluster pull: dropping a holder", "object", t.e.Ref().String(), "node", s.node, "err", why,

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +13,7 @@ import (
 	"github.com/cudaipc/cudaipc/cluster/internal/clustertest"
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 	"github.com/cudaipc/cudaipc/cluster/internal/memtransport"
+	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
 var secret = mustSecret("the-cluster-secret-for-tests")
@@ -69,14 +71,18 @@ func TestPullAcrossNodes(t *testing.T) {
 	if da+db != 11 || da == 0 || db == 0 {
 		t.Fatalf("C's chunks: %d from A, %d from B; want both, 11 in all", da, db)
 	}
-	// Exposures end with the pulls; pins too.
+	// Exposures end with the pulls; pins too (released just after the
+	// pull returns).
 	for _, n := range []*testNode{a, b} {
-		if ex := n.Store.Exposed(); ex != 0 {
-			t.Errorf("node %s still exposes %d objects", n.Name, ex)
-		}
-		if k, err := n.Dir.Pinned(ctx, o.Ref()); k != 0 || err != nil {
-			t.Errorf("node %s pinned by %d (%v)", n.Name, k, err)
-		}
+		testutil.Eventually(t, testutil.Wait, func() error {
+			if ex := n.Store.Exposed(); ex != 0 {
+				return fmt.Errorf("node %s still exposes %d objects", n.Name, ex)
+			}
+			if k, err := n.Dir.Pinned(ctx, o.Ref()); k != 0 || err != nil {
+				return fmt.Errorf("node %s pinned by %d (%v)", n.Name, k, err)
+			}
+			return nil
+		})
 	}
 	if st := c.P.Stats(); st.Pulls != 1 || st.Bytes != uint64(o.Size) || st.InFlight != 0 {
 		t.Errorf("stats %+v", st)

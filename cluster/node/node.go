@@ -202,6 +202,7 @@ func (n *Node) Close() error {
 		delete(n.pins, k)
 	}
 	n.mu.Unlock()
+	n.p.Close()
 	err := n.dir.Close()
 	n.tr.Close()
 	return err
@@ -323,7 +324,7 @@ func (n *Node) fetch(ctx context.Context, reader, owner uint32, name string, sel
 	if !readable(e, reader) {
 		return fmt.Errorf("%s: %w", ref, store.ErrNotFound) // not the reader's to pull
 	}
-	_, err = n.p.Pull(ctx, ref)
+	_, err = n.p.PullEntry(ctx, e)
 	return notFound(err)
 }
 
@@ -342,7 +343,11 @@ func (n *Node) pullVersion(ctx context.Context, reader uint32, e cluster.Entry) 
 			continue // published here: the version's other shards came from other nodes
 		}
 		ref := cluster.Ref{Owner: e.Owner, Name: e.Name, Version: e.Version, Shard: shard}
-		if _, err := n.p.Pull(ctx, ref); err != nil {
+		pull := func() (cluster.Entry, error) { return n.p.Pull(ctx, ref) }
+		if shard == e.Shard {
+			pull = func() (cluster.Entry, error) { return n.p.PullEntry(ctx, e) }
+		}
+		if _, err := pull(); err != nil {
 			if errors.Is(err, cluster.ErrNotFound) {
 				return fmt.Errorf("%w: %v", store.ErrNotFound, err)
 			}

@@ -175,6 +175,9 @@ func OpenNode(ctx context.Context, o NodeOptions) (n *Node, closeNode func(), er
 	served := make(chan struct{})
 	go func() { cs.Serve(ln); close(served) }()
 	closeNode = func() {
+		if n != nil {
+			n.P.Close()
+		}
 		ln.Close()
 		<-served
 		dir.Close()
