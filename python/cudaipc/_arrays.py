@@ -39,6 +39,11 @@ class ArrayLib:
     def signature(self, values: List[Any]) -> Signature:
         raise NotImplementedError
 
+    def same(self, values: List[Any], sig: Signature) -> bool:
+        """Whether ``values`` have signature ``sig`` (what signature(values) == sig says)."""
+        s = self.signature(values)
+        return s[0] == sig[0] and s[1] == sig[1] and s[2] == sig[2]
+
     def where(self, v: Any) -> Tuple[str, Optional[int]]:
         """("cuda", ordinal), ("cpu", None), or ("other", None) for a value neither."""
         raise NotImplementedError
@@ -154,6 +159,17 @@ class _Torch(ArrayLib):
         with _gcpause.paused():
             return (list(map(torch.Tensor.data_ptr, values)), list(map(_shape_dtype, values)),
                     list(map(torch.Tensor.is_contiguous, values)))
+
+    def same(self, values: List[Any], sig: Signature) -> bool:
+        # The check of every later version: each (shape, dtype) pair is compared and
+        # freed at once, so that no tracked object outlives its comparison (nothing
+        # for the collector to scan), and the addresses and contiguity are lists of
+        # untracked ints and bools.
+        T = require("torch", "bundle tensors").Tensor
+        ptrs, meta, contig = sig
+        return (len(values) == len(ptrs) and list(map(T.data_ptr, values)) == ptrs
+                and all(map(operator.eq, map(_shape_dtype, values), meta))
+                and list(map(T.is_contiguous, values)) == contig)
 
     def where(self, v: Any) -> Tuple[str, Optional[int]]:
         d = v.device

@@ -106,6 +106,7 @@ class _Published:
                  span: int):
         self.key, self.ordinal, self.device, self.sources = key, ordinal, device, sources
         self.raw, self.table, self.span = raw, table, span
+        self.sig: Any = None   # the tensors' signature (_arrays.Signature), all contiguous
 
     def close(self) -> None:
         for s in self.sources:
@@ -187,27 +188,33 @@ def _still_valid(p: _Published) -> bool:
     return _cuda_ctypes.buffer_ids(p.ordinal, [s.base for s in checked]) == [s.buffer_id for s in checked]
 
 
+def _refuse_non_tensors(name: str, values: List[Any]) -> None:
+    import torch
+    for v in values:
+        if not isinstance(v, torch.Tensor):
+            raise InvalidArgument("put_bundle", name, "copy=False publishes torch CUDA tensors in place, not %s: "
+                                  "publish with copy=True" % type(v).__name__) from None
+
+
 def _prepare(store: Any, name: str, names: List[str], values: List[Any],
              metadata: Optional[Dict[str, str]]) -> _Published:
     """The sources, manifest and table of a no-copy publish of these tensors: those of
     the last publish when the tensors are the same (names, addresses, shapes, dtypes:
     the cheapest reads, as load_into's plan check) over the same allocations."""
-    import torch
     from ._arrays import TORCH
-    try:
-        ptrs, metas, contig = TORCH.signature(values)   # (a TypeError for a value that is no tensor)
-    except TypeError:
-        for v in values:
-            if not isinstance(v, torch.Tensor):
-                raise InvalidArgument("put_bundle", name, "copy=False publishes torch CUDA tensors in place, not %s: "
-                                      "publish with copy=True" % type(v).__name__) from None
-        raise
-    key = (names, ptrs, metas, sorted((metadata or {}).items()))
+    meta_items = sorted((metadata or {}).items())
     k = (id(store), name)
     with _pub_lock:
         old = _published.get(k)
-    if old is not None and old.key == key and all(contig) and _still_valid(old):
-        return old
+    try:   # (a TypeError for a value that is no tensor)
+        same = old is not None and old.key[0] == names and old.key[3] == meta_items and TORCH.same(values, old.sig)
+        if same and old is not None and _still_valid(old):
+            return old
+        ptrs, metas, contig = TORCH.signature(values)
+    except TypeError:
+        _refuse_non_tensors(name, values)
+        raise
+    key = (names, ptrs, metas, meta_items)
     for n, v, c in zip(names, values, contig):
         if not v.is_cuda:
             raise InvalidArgument("put_bundle", name, "copy=False publishes CUDA tensors in place; %r is on %s: "
@@ -247,6 +254,7 @@ def _prepare(store: Any, name: str, names: List[str], values: List[Any],
             s.close()
         raise
     pub = _Published(key, ordinal, _cuda.uuids()[ordinal], sources, raw, table, span)
+    pub.sig = (ptrs, metas, contig)
     with _pub_lock:
         old = _published.get(k)
         _published[k] = pub

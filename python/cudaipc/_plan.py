@@ -211,6 +211,10 @@ class Plan:
     def matches(self, names: List[str], sig: Signature, lib: ArrayLib) -> bool:
         return lib is self.lib and names == self.names and sig[0] == self.ptrs and sig[1] == self.meta and sig[2] == self.contig
 
+    def fits(self, names: List[str], values: List[Any], lib: ArrayLib) -> bool:
+        """matches(names, lib.signature(values), lib), without making the signature."""
+        return lib is self.lib and names == self.names and lib.same(values, (self.ptrs, self.meta, self.contig))
+
     def run(self, base: Any, view_of: Any, tensors: Mapping[str, Any], stream: Any, load: bool) -> Tuple[int, str]:
         """Copy between the bundle at address ``base`` and the tensors: into them
         (``load``) or from them. ``base`` is the bundle's address, or for a version
@@ -273,18 +277,21 @@ plan_stats = {"built": 0, "reused": 0}
 
 def plan_for(layout: Layout, names: List[str], values: List[Any], gpu: bool, lib: ArrayLib,
              fresh: bool = False, sig: Optional[Signature] = None) -> Plan:
-    if sig is None:
+    if sig is None and fresh:
         sig = lib.signature(values)
     with _plan_lock:
         cands = [p for k, p in _PLANS.items() if k[0] == id(layout) and k[1] == gpu and p.layout is layout]
         if fresh:   # drop what matches: it failed
+            assert sig is not None
             for k in [k for k, p in _PLANS.items() if p in cands and p.matches(names, sig, lib)]:
                 del _PLANS[k]
             cands = []
     for p in reversed(cands):
-        if p.matches(names, sig, lib):
+        if p.matches(names, sig, lib) if sig is not None else p.fits(names, values, lib):
             plan_stats["reused"] += 1
             return p
+    if sig is None:
+        sig = lib.signature(values)
     with _gcpause.paused():
         p = Plan(layout, names, values, gpu, lib, sig)
     plan_stats["built"] += 1

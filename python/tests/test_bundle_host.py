@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -395,3 +396,54 @@ def test_gc_pause_restores_the_collector_exactly() -> None:
         assert not gc.isenabled()
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_same_agrees_with_comparing_signatures_after_random_changes():
+    """TORCH.same (the per-version check that makes no signature) answers what
+    comparing a fresh signature with the kept one answers, for each kind of change
+    a parameter can go through at any position: a new storage, a view of another
+    shape or dtype at the same address, a transpose (same address and shape, not
+    contiguous), one parameter more or fewer."""
+    from cudaipc._arrays import TORCH
+    rng = random.Random(20)
+    for trial in range(200):
+        n = rng.randint(1, 40)
+        vals = [torch.zeros((4, 4) if rng.random() < 0.5 else (rng.randint(1, 5), 8), dtype=torch.float32) for _ in range(n)]
+        sig = TORCH.signature(vals)
+        assert TORCH.same(vals, sig)
+        i = rng.randrange(n)
+        kind = rng.choice(["storage", "shape", "dtype", "transpose", "more", "fewer", "none"])
+        new = list(vals)
+        if kind == "storage":
+            new[i] = torch.zeros_like(vals[i])
+        elif kind == "shape":
+            new[i] = vals[i].view(-1)
+        elif kind == "dtype":
+            new[i] = vals[i].view(torch.int32)
+        elif kind == "transpose":
+            new[i] = vals[i].t()
+        elif kind == "more":
+            new.append(torch.zeros(3))
+        elif kind == "fewer":
+            del new[i]
+        want = TORCH.signature(new) == sig
+        assert TORCH.same(new, sig) == want, (trial, kind, i)
+        assert want == (kind == "none"), (trial, kind)
+
+
+def test_load_into_with_a_cached_plan_refuses_a_parameter_made_non_contiguous_in_place(store):
+    """A parameter that keeps its address, shape and dtype but no longer is
+    contiguous (a square matrix transposed into .data) gets the bundle's bytes in
+    its own element order: the cached plan (a flat copy) is not used."""
+    sd = {"a": torch.randn(6, 6), "b": torch.randn(5)}
+    store.put_bundle("nc", sd, publish=True)
+    params = {k: torch.zeros_like(v) for k, v in sd.items()}
+    with store.get_bundle("nc", timeout=5) as b:
+        cudaipc.load_into(b, params)
+        assert torch.equal(params["a"], sd["a"])
+        params["a"].data = params["a"].data.t()
+        assert params["a"].data_ptr() == params["a"].data.t().data_ptr() and not params["a"].is_contiguous()
+        b0 = B.plan_stats["built"]
+        cudaipc.load_into(b, params)
+        assert B.plan_stats["built"] == b0 + 1
+    assert torch.equal(params["a"], sd["a"])   # element for element, though laid out transposed
