@@ -248,7 +248,7 @@ func (c *Client) handshakeError(ctx context.Context, err error) error {
 	}
 	var ce *protocol.CodeError
 	if errors.As(err, &ce) {
-		return &Error{Op: "dial", Err: protocol.Sentinel(ce.Code), Message: ce.Message}
+		return &Error{Op: "dial", Err: protocol.Sentinel(ce.Code), Message: ce.Message, Limit: limitName(ce.Limit)}
 	}
 	if errors.Is(err, protocol.ErrVersion) {
 		return &Error{Op: "dial", Err: ErrVersion, Message: err.Error()}
@@ -538,7 +538,15 @@ func responseError(op, name string, resp *storev1.Response) error {
 	if e.GetCode() == storev1.Error_OK {
 		return nil
 	}
-	return &Error{Op: op, Name: name, Message: e.GetMessage(), Err: protocol.Sentinel(e.GetCode())}
+	return &Error{Op: op, Name: name, Message: e.GetMessage(), Err: protocol.Sentinel(e.GetCode()), Limit: limitName(e.GetLimit())}
+}
+
+// limitName is Error.Limit's text: "" for an unspecified limit.
+func limitName(l storev1.Error_Limit) string {
+	if l == storev1.Error_LIMIT_UNSPECIFIED {
+		return ""
+	}
+	return l.String()
 }
 
 func placementOf(resp *storev1.Response) *storev1.Placement {

@@ -43,6 +43,11 @@ type Error struct {
 	Name    string // object name, if any
 	Message string // the daemon's message, if any
 	Err     error  // a sentinel, e.g. ErrNotFound, or a cudaipc error of mapping
+	// Limit says, for ErrLimit, which limit the daemon says was hit: the
+	// name of a protocol Error.Limit ("CONNECTIONS_PER_UID",
+	// "OBJECTS_PER_UID", "DESCRIPTORS_PER_UID", ...); "" when it does not
+	// say. Message says what to do about it.
+	Limit string
 
 	cause error // a second error matched by errors.Is, e.g. context.DeadlineExceeded
 }

@@ -164,6 +164,8 @@ func runDaemon(ctx context.Context, sock string) error {
 	}
 	cfg.KeepArenas, _ = strconv.ParseInt(os.Getenv("KEEP_ARENAS"), 10, 64)
 	cfg.KeepVersions, _ = strconv.Atoi(os.Getenv("KEEP_VERSIONS"))
+	cfg.MaxConnsPerUID, _ = strconv.Atoi(os.Getenv("MAX_CONNS_PER_UID"))
+	cfg.MaxLeasesPerClient, _ = strconv.Atoi(os.Getenv("MAX_LEASES"))
 	for _, f := range strings.Fields(os.Getenv("ALLOW_UIDS")) {
 		u, _ := strconv.ParseUint(f, 10, 32)
 		cfg.AllowUIDs = append(cfg.AllowUIDs, uint32(u))
