@@ -207,7 +207,8 @@ def _prepare(store: Any, name: str, names: List[str], values: List[Any],
     with _pub_lock:
         old = _published.get(k)
     try:   # (a TypeError for a value that is no tensor)
-        same = old is not None and old.key[0] == names and old.key[3] == meta_items and TORCH.same(values, old.sig)
+        same = (old is not None and old.sig is not None and old.key[0] == names and old.key[3] == meta_items
+                and TORCH.same(values, old.sig))
         if same and old is not None and _still_valid(old):
             return old
         ptrs, metas, contig = TORCH.signature(values)

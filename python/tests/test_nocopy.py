@@ -307,3 +307,42 @@ def test_gpu_nocopy_publisher_that_reallocates_its_tensors_is_read_from_the_new_
         if pub.poll() is None:
             kill(pub)
         d.stop()
+
+
+def test_publish_reuses_the_last_exports_only_for_the_same_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_prepare's cache, exercised with host tensors standing in for CUDA ones (only
+    a rebuild looks at the device, and refuses them: that is how a rebuild shows
+    here): the same tensors, metadata and allocations reuse the last publish; a
+    tensor with a new storage, a reshaped or retyped view at the same address,
+    another name order, other metadata or a reallocated allocation do not."""
+    torch = pytest.importorskip("torch")
+    from cudaipc import _arrays, _cuda_ctypes
+    names = ["a", "b", "c"]
+    sd = {"a": torch.zeros(4, 4), "b": torch.zeros(8, dtype=torch.bfloat16), "c": torch.zeros(2, 3)}
+    ids = {"buf": 41}
+    src = _nocopy._Source(sd["a"].data_ptr(), 1 << 20, b"r", 41, [])
+    ptrs, metas, contig = _arrays.TORCH.signature(list(sd.values()))
+    pub = _nocopy._Published((names, ptrs, metas, [("k", "v")]), 0, GPU, [src], b"", b"", 0)
+    pub.sig = (ptrs, metas, contig)
+    monkeypatch.setattr(_cuda_ctypes, "buffer_ids", lambda ordinal, ptrs: [ids["buf"]] * len(ptrs))
+    store = object()
+    monkeypatch.setitem(_nocopy._published, (id(store), "m"), pub)
+
+    def prepare(d: dict, meta: dict = {"k": "v"}) -> _nocopy._Published:
+        return _nocopy._prepare(store, "m", list(d), list(d.values()), meta)
+    assert prepare(sd) is pub
+    changed = [dict(sd, b=torch.zeros(8, dtype=torch.bfloat16)),      # new storage
+               dict(sd, a=sd["a"].view(2, 8)),                          # same address, other shape
+               dict(sd, c=sd["c"].view(torch.int32)),                   # same address, other dtype
+               dict(sd, a=sd["a"].t()),                                 # same address and shape, transposed
+               {"b": sd["b"], "a": sd["a"], "c": sd["c"]}]              # another order
+    for d in changed:
+        with pytest.raises(cudaipc.InvalidArgument, match="CUDA tensors in place|contiguous"):
+            prepare(d)
+    with pytest.raises(cudaipc.InvalidArgument, match="CUDA tensors in place"):
+        prepare(sd, {"k": "w"})
+    ids["buf"] = 42   # the allocation was freed and another made at the same address
+    with pytest.raises(cudaipc.InvalidArgument, match="CUDA tensors in place"):
+        prepare(sd)
+    ids["buf"] = 41
+    assert prepare(sd) is pub
