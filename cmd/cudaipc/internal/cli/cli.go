@@ -59,16 +59,17 @@ type cliRoot struct {
 	Rm    rmCmd    `cmd:"" help:"Remove objects from the store."`
 
 	Demo  diag.DemoCmd `cmd:"" help:"Share objects between two processes through an embedded store, check every byte, and report how fast."`
-	Bench benchCmd     `cmd:"" help:"Measure (bench ipc: GPU sharing; bench store: the object store; bench put: a large GPU put)."`
+	Bench benchCmd     `cmd:"" help:"Measure (bench ipc: GPU sharing; bench store: the object store; bench put: a large GPU put; bench cluster: remote gets)."`
 
 	DiagHelper diagHelperCmd `cmd:"" name:"diag-helper" hidden:"" help:"A helper process of doctor, demo or bench (see package diag)."`
 }
 
 // benchCmd groups the measurements.
 type benchCmd struct {
-	IPC   diag.BenchIPCCmd   `cmd:"" name:"ipc" help:"Measure GPU sharing between processes against C, the hardware and host staging."`
-	Store diag.BenchStoreCmd `cmd:"" help:"Measure get+release round trips against the object store."`
-	Put   diag.BenchPutCmd   `cmd:"" help:"Measure a put of a large GPU object against an in-process device-to-device copy."`
+	IPC     diag.BenchIPCCmd     `cmd:"" name:"ipc" help:"Measure GPU sharing between processes against C, the hardware and host staging."`
+	Store   diag.BenchStoreCmd   `cmd:"" help:"Measure get+release round trips against the object store."`
+	Put     diag.BenchPutCmd     `cmd:"" help:"Measure a put of a large GPU object against an in-process device-to-device copy."`
+	Cluster diag.BenchClusterCmd `cmd:"" help:"Measure gets of objects another daemon holds against ucx_perftest on the same link."`
 }
 
 // diagHelperCmd is the one way the diagnostics re-execute this program.

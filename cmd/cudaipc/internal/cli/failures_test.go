@@ -51,7 +51,7 @@ func TestFailuresAreOneLine(t *testing.T) {
 		{args: []string{"put", filepath.Join(dir, "absent"), "--name", "x", "--socket", sock}, code: 1, want: "no such file"},
 		{args: []string{"put", file, "--name", "bad\x01name", "--socket", sock}, code: 1, want: "names are"},
 		{args: []string{"put", file, "--name", "x", "--dtype", "float99", "--socket", sock}, code: 2, want: "not a dtype; one of bfloat16, bool, complex128"},
-		{args: []string{"bench"}, code: 2, want: `expected one of "ipc", "store", "put" (see 'cudaipc help bench')`},
+		{args: []string{"bench"}, code: 2, want: `expected one of "ipc", "store", "put", "cluster" (see 'cudaipc help bench')`},
 		{args: []string{"get", "never", "--timeout", "20ms", "--socket", sock}, code: 1, want: "--timeout"},
 		{args: []string{"get", "never", "--socket", sock}, code: 1, want: `get "never": no such object: 'cudaipc ls' lists the objects you can read; --wait waits for it to be put`},
 		{args: []string{"get", "taken", "-o", filepath.Join(dir, "no", "such", "dir"), "--socket", sock}, code: 1, want: "-o"},

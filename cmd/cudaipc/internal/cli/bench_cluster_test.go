@@ -1,0 +1,35 @@
+package cli
+
+import (
+	"encoding/json"
+	"os/exec"
+	"testing"
+
+	"github.com/cudaipc/cudaipc/transport/ucx"
+)
+
+// bench cluster runs two daemons and a private etcd, pulls every object
+// with its bytes intact, and reports the figures it promises.
+func TestBenchCluster(t *testing.T) {
+	if _, err := exec.LookPath("etcd"); err != nil {
+		t.Skip("no etcd binary (apt-get install etcd-server)")
+	}
+	if err := ucx.Available(); err != nil {
+		t.Skip(err)
+	}
+	out := mustRun(t, "bench", "cluster", "--size", "8MiB", "--count", "20", "--json")
+	var r struct {
+		LargeGBps  float64 `json:"large_GBps"`
+		LargeEqual bool    `json:"large_bytes_equal"`
+		SmallEqual bool    `json:"small_bytes_equal"`
+		SmallCount int     `json:"small_count"`
+		SmallP50   float64 `json:"small_p50_us"`
+		SmallP99   float64 `json:"small_p99_us"`
+	}
+	if err := json.Unmarshal([]byte(out), &r); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	if !r.LargeEqual || !r.SmallEqual || r.SmallCount != 20 || r.LargeGBps <= 0 || r.SmallP50 <= 0 || r.SmallP99 < r.SmallP50 {
+		t.Fatalf("bench cluster: %s", out)
+	}
+}

@@ -1,0 +1,365 @@
+package diag
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/etcddir"
+	"github.com/cudaipc/cudaipc/cluster/node"
+	"github.com/cudaipc/cudaipc/internal/bytesize"
+	"github.com/cudaipc/cudaipc/store"
+	"github.com/cudaipc/cudaipc/transport/ucx"
+	"github.com/cudaipc/cudaipc/transport/ucx/ucxperf"
+)
+
+// BenchClusterCmd measures gets of objects another daemon holds against
+// ucx_perftest on the same link in the same run: 'cudaipc bench cluster'.
+type BenchClusterCmd struct {
+	Size  bytesize.Size `default:"1GiB" help:"Size of the large host object (default ${default})." placeholder:"BYTES"`
+	Small bytesize.Size `default:"4KiB" help:"Size of each small object (default ${default})." placeholder:"BYTES"`
+	Count int           `default:"1000" help:"Small objects pulled (default ${default})." placeholder:"N"`
+	JSON  bool          `name:"json" help:"Print one JSON object: GB/s, p50/p99, ucx_perftest's figures and the ratios."`
+}
+
+// Help is the command's long description.
+func (c *BenchClusterCmd) Help() string {
+	return `Starts, on this machine, a private etcd (the etcd binary on PATH or at
+$CUDAIPC_ETCD) and two daemons joined as a cluster over one link
+(UCX_TLS=tcp and UCX_NET_DEVICES=lo unless set), puts on the first a
+--size host object and --count objects of --small bytes, and gets each on
+the second (each get pulls the object: directory lookup, pin, control
+channel, UCX GETs, checksums, seal, advertise). It then runs ucx_perftest
+on the same link as the floor: ucp_get (1 MiB gets, 8 in flight) for the
+bandwidth and ucp_am_lat of --small bytes for UCX's own round trip, and
+reports pull/perftest ratios. Figures of one run compare; runs on a loaded
+machine differ.`
+}
+
+type benchClusterResult struct {
+	UCXTLS        string  `json:"ucx_tls"`
+	UCXDevices    string  `json:"ucx_net_devices"`
+	LargeBytes    int64   `json:"large_bytes"`
+	LargeSeconds  float64 `json:"large_seconds"`
+	LargeGBps     float64 `json:"large_GBps"`
+	LargeEqual    bool    `json:"large_bytes_equal"`
+	SmallBytes    int64   `json:"small_bytes"`
+	SmallCount    int     `json:"small_count"`
+	SmallP50US    float64 `json:"small_p50_us"`
+	SmallP99US    float64 `json:"small_p99_us"`
+	SmallEqual    bool    `json:"small_bytes_equal"`
+	PerftestGBps  float64 `json:"perftest_ucp_get_GBps"`
+	PerftestRTTUS float64 `json:"perftest_am_round_trip_us"`
+	RatioLarge    float64 `json:"ratio_large_to_perftest"`
+	RatioSmall    float64 `json:"ratio_small_p50_to_round_trip"`
+	PerftestError string  `json:"perftest_error,omitempty"`
+}
+
+// Run measures and prints the result.
+func (c *BenchClusterCmd) Run(e *Env) error {
+	if c.Size <= 0 || c.Small <= 0 || c.Count < 1 {
+		return usagef("--size, --small and --count must be positive")
+	}
+	if err := ucx.Available(); err != nil {
+		return fmt.Errorf("bench cluster: UCX: %w (Debian/Ubuntu: apt-get install libucx0)", err)
+	}
+	for k, v := range map[string]string{"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"} {
+		if os.Getenv(k) == "" {
+			_ = os.Setenv(k, v)
+		}
+	}
+	res := benchClusterResult{UCXTLS: os.Getenv("UCX_TLS"), UCXDevices: os.Getenv("UCX_NET_DEVICES"),
+		LargeBytes: int64(c.Size), SmallBytes: int64(c.Small), SmallCount: c.Count}
+	progress := func(format string, args ...any) {
+		if isTTY(e.Stderr) {
+			fmt.Fprintf(e.Stderr, "bench cluster: "+format+"\n", args...)
+		}
+	}
+	ctx, cancel := context.WithTimeout(e.Ctx, 30*time.Minute)
+	defer cancel()
+	tmp, err := os.MkdirTemp("", "cudaipc-bench-cluster-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(tmp)
+
+	progress("starting etcd")
+	etcd, err := startEtcd(ctx, tmp)
+	if err != nil {
+		return fmt.Errorf("bench cluster: %w", err)
+	}
+	defer etcd.stop()
+	key := make([]byte, 32)
+	_, _ = rand.Read(key)
+	sec, err := cluster.NewSecret(key)
+	if err != nil {
+		return err
+	}
+	capacity := 2*int64(c.Size) + 2*int64(c.Count)*max(int64(c.Small), 64<<10) + 256<<20
+	progress("starting two daemons")
+	a, err := startBenchDaemon(ctx, e, tmp, "a", etcd.endpoint, sec, capacity)
+	if err != nil {
+		return err
+	}
+	defer a.stop()
+	b, err := startBenchDaemon(ctx, e, tmp, "b", etcd.endpoint, sec, capacity)
+	if err != nil {
+		return err
+	}
+	defer b.stop()
+
+	// The objects, on A.
+	progress("putting %s and %d objects of %s on node a", c.Size, c.Count, c.Small)
+	large, err := benchPutHost(ctx, a.c, "bench/large", int64(c.Size))
+	if err != nil {
+		return err
+	}
+	smalls := make([][]byte, c.Count)
+	for i := range smalls {
+		if smalls[i], err = benchPutHost(ctx, a.c, fmt.Sprintf("bench/small/%d", i), int64(c.Small)); err != nil {
+			return err
+		}
+	}
+
+	progress("getting the %s object on node b", c.Size)
+	t0 := time.Now()
+	l, err := b.c.Get(ctx, "bench/large")
+	if err != nil {
+		return fmt.Errorf("bench cluster: get of the large object on node b: %w", err)
+	}
+	res.LargeSeconds = time.Since(t0).Seconds()
+	res.LargeGBps = float64(c.Size) / res.LargeSeconds / 1e9
+	res.LargeEqual = bytes.Equal(l.Bytes(), large)
+	l.Release()
+
+	progress("getting %d objects of %s on node b", c.Count, c.Small)
+	lat := make([]time.Duration, 0, c.Count)
+	res.SmallEqual = true
+	for i := range smalls {
+		t := time.Now()
+		l, err := b.c.Get(ctx, fmt.Sprintf("bench/small/%d", i))
+		if err != nil {
+			return fmt.Errorf("bench cluster: get of a small object on node b: %w", err)
+		}
+		lat = append(lat, time.Since(t))
+		res.SmallEqual = res.SmallEqual && bytes.Equal(l.Bytes(), smalls[i])
+		l.Release()
+	}
+	slices.Sort(lat)
+	res.SmallP50US = float64(lat[len(lat)/2].Nanoseconds()) / 1e3
+	res.SmallP99US = float64(lat[len(lat)*99/100].Nanoseconds()) / 1e3
+	a.stop()
+	b.stop()
+
+	progress("running ucx_perftest on the same link")
+	env := []string{"UCX_TLS=" + res.UCXTLS, "UCX_NET_DEVICES=" + res.UCXDevices}
+	pt, err := ucxperf.Perftest(ctx, ucxperf.PerftestOptions{Test: "ucp_get", Size: 1 << 20, Iters: 2048, Warmup: 64, Outstanding: 8, Env: env})
+	if err == nil {
+		res.PerftestGBps = pt.BytesPerSec / 1e9
+		res.RatioLarge = res.LargeGBps / res.PerftestGBps
+		pt, err = ucxperf.Perftest(ctx, ucxperf.PerftestOptions{Test: "ucp_am_lat", Size: int(c.Small), Iters: 2000, Warmup: 100, Env: env})
+	}
+	if err == nil {
+		// ucx_perftest's latency is half a round trip.
+		res.PerftestRTTUS = 2 * float64(pt.P50.Nanoseconds()) / 1e3
+		res.RatioSmall = res.SmallP50US / res.PerftestRTTUS
+	}
+	if err != nil {
+		res.PerftestError = err.Error()
+	}
+	if c.JSON {
+		return printJSON(e.Stdout, res)
+	}
+	w := e.Stdout
+	fmt.Fprintf(w, "link: UCX_TLS=%s UCX_NET_DEVICES=%s (two daemons on this machine)\n", res.UCXTLS, res.UCXDevices)
+	fmt.Fprintf(w, "%-34s %10.2f GB/s  (%.3f s, bytes equal: %v)\n", "get of a "+c.Size.String()+" object", res.LargeGBps, res.LargeSeconds, res.LargeEqual)
+	fmt.Fprintf(w, "%-34s p50 %8.1f µs  p99 %8.1f µs  (bytes equal: %v)\n", fmt.Sprintf("gets of %d objects of %s", c.Count, c.Small), res.SmallP50US, res.SmallP99US, res.SmallEqual)
+	if res.PerftestError != "" {
+		fmt.Fprintf(w, "ucx_perftest: %s\n", res.PerftestError)
+		return nil
+	}
+	fmt.Fprintf(w, "%-34s %10.2f GB/s  -> pull/perftest %.2fx\n", "ucx_perftest ucp_get 1 MiB x8", res.PerftestGBps, res.RatioLarge)
+	fmt.Fprintf(w, "%-34s %10.1f µs    -> p50/round trip %.2fx\n", "ucx_perftest ucp_am_lat round trip", res.PerftestRTTUS, res.RatioSmall)
+	return nil
+}
+
+func isTTY(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	_, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS)
+	return err == nil
+}
+
+// benchPutHost puts a cluster-visible host object of random bytes and
+// returns its bytes.
+func benchPutHost(ctx context.Context, c *client.Client, name string, size int64) ([]byte, error) {
+	o, err := c.Create(ctx, name, size, client.CreateOptions{Cluster: true})
+	if err != nil {
+		return nil, fmt.Errorf("bench cluster: create %s on node a: %w", name, err)
+	}
+	_, _ = rand.Read(o.Bytes())
+	want := bytes.Clone(o.Bytes())
+	if err := o.Seal(ctx); err != nil {
+		return nil, fmt.Errorf("bench cluster: seal %s on node a: %w", name, err)
+	}
+	return want, nil
+}
+
+type benchDaemon struct {
+	n     *node.Node
+	st    *store.Store
+	c     *client.Client
+	done  chan struct{}
+	close func()
+}
+
+func (d *benchDaemon) stop() {
+	if d.close != nil {
+		d.close()
+		d.close = nil
+	}
+}
+
+func startBenchDaemon(ctx context.Context, e *Env, dir, name, endpoint string, sec cluster.Secret, capacity int64) (*benchDaemon, error) {
+	// The daemons' warnings and errors only: their info lines would bury
+	// the progress.
+	log := slog.New(slog.NewTextHandler(e.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).With("node", name)
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	n, err := node.Start(sctx, node.Config{
+		Directory: etcddir.Config{Endpoints: []string{endpoint}, Node: name, Secret: sec, Prefix: "/cudaipc-bench/"},
+		Listen:    "127.0.0.1:0", Logger: log,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("bench cluster: start node %s: %w", name, err)
+	}
+	st, err := store.New(store.Config{Backend: "host", Capacity: capacity, Cluster: n, Logger: log})
+	if err != nil {
+		n.Close()
+		return nil, fmt.Errorf("bench cluster: store of node %s: %w", name, err)
+	}
+	if err := n.Attach(sctx, st); err != nil {
+		st.Close()
+		n.Close()
+		return nil, fmt.Errorf("bench cluster: node %s: %w", name, err)
+	}
+	sock := filepath.Join(dir, name+".sock")
+	lctx, stopServe := context.WithCancel(context.Background())
+	d := &benchDaemon{n: n, st: st, done: make(chan struct{})}
+	go func() { _ = st.ListenAndServe(lctx, sock); close(d.done) }()
+	d.close = func() {
+		if d.c != nil {
+			d.c.Close()
+		}
+		stopServe()
+		<-d.done
+		st.Close()
+		n.Close()
+	}
+	for {
+		if d.c, err = client.Dial(sctx, sock); err == nil {
+			return d, nil
+		}
+		if sctx.Err() != nil {
+			d.stop()
+			return nil, fmt.Errorf("bench cluster: node %s's socket: %w", name, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// benchEtcd is a private etcd member on loopback.
+type benchEtcd struct {
+	endpoint string
+	cmd      *exec.Cmd
+	exited   chan struct{}
+}
+
+func (s *benchEtcd) stop() {
+	_ = s.cmd.Process.Kill()
+	<-s.exited
+}
+
+// startEtcd runs the etcd binary ($CUDAIPC_ETCD, or etcd on PATH) on free
+// loopback ports with its data under dir.
+func startEtcd(ctx context.Context, dir string) (*benchEtcd, error) {
+	bin := os.Getenv("CUDAIPC_ETCD")
+	if bin == "" {
+		p, err := exec.LookPath("etcd")
+		if err != nil {
+			return nil, errors.New("no etcd binary to run a private etcd: install etcd-server (Debian/Ubuntu) or set CUDAIPC_ETCD to an etcd binary")
+		}
+		bin = p
+	}
+	ports := make([]int, 2)
+	for i := range ports {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		ports[i] = ln.Addr().(*net.TCPAddr).Port
+		ln.Close()
+	}
+	client := fmt.Sprintf("http://127.0.0.1:%d", ports[0])
+	peer := fmt.Sprintf("http://127.0.0.1:%d", ports[1])
+	logf, err := os.Create(filepath.Join(dir, "etcd.log"))
+	if err != nil {
+		return nil, err
+	}
+	defer logf.Close()
+	cmd := exec.Command(bin, "--name", "bench", "--data-dir", filepath.Join(dir, "etcd"),
+		"--listen-client-urls", client, "--advertise-client-urls", client,
+		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+		"--initial-cluster", "bench="+peer, "--log-level", "warn")
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start etcd (%s): %w", bin, err)
+	}
+	s := &benchEtcd{endpoint: client, cmd: cmd, exited: make(chan struct{})}
+	go func() { _ = cmd.Wait(); close(s.exited) }()
+	hc := http.Client{Timeout: time.Second}
+	deadline := time.Now().Add(20 * time.Second)
+	for time.Now().Before(deadline) && ctx.Err() == nil {
+		select {
+		case <-s.exited:
+			b, _ := os.ReadFile(filepath.Join(dir, "etcd.log"))
+			return nil, fmt.Errorf("etcd (%s) exited at start: %s", bin, strings.TrimSpace(lastLines(string(b), 3)))
+		default:
+		}
+		if r, err := hc.Get(client + "/health"); err == nil {
+			body, _ := io.ReadAll(r.Body)
+			r.Body.Close()
+			if r.StatusCode == 200 && strings.Contains(string(body), "true") {
+				return s, nil
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	s.stop()
+	return nil, fmt.Errorf("etcd (%s) not healthy within 20s", bin)
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
