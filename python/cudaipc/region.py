@@ -491,12 +491,31 @@ def event_descriptor(handle: bytes, device: bytes, pid: int, pid_namespace: int,
     return b + struct.pack("<I", zlib.crc32(b))
 
 
+_identity: "Optional[tuple[int, bytes]]" = None
+
+
 def local_identity() -> "tuple[int, bytes]":
-    """This process's PID namespace inode and boot id, as regions record them."""
-    ns = os.stat("/proc/self/ns/pid").st_ino
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        boot = _parse_boot_id(f.read().strip())
-    return ns, boot
+    """This process's PID namespace inode and boot id, as regions record them: read
+    once (a stat and a file read, about 20 µs, that a publish of 1,921 allocations
+    would pay per allocation); neither changes during a process's life, and a forked
+    child reads them afresh (a parent that unshared its PID namespace forks into the
+    new one)."""
+    global _identity
+    ident = _identity
+    if ident is None:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = _parse_boot_id(f.read().strip())
+        ident = _identity = (ns, boot)
+    return ident
+
+
+def _forget_identity() -> None:
+    global _identity
+    _identity = None
+
+
+os.register_at_fork(after_in_child=_forget_identity)
 
 
 _ = Optional  # typing re-export for older Pythons

@@ -118,3 +118,20 @@ def test_a_get_info_takes_its_region_from_the_placement():
         rec.placement = p
         info = Lease(None, rec).info
         assert info.region == whole.sub(100, 200) and info.size == 200
+
+
+def test_local_identity_is_read_once_and_afresh_in_a_forked_child() -> None:
+    """local_identity answers what /proc says, from its first read on; a forked child
+    starts without the parent's answer."""
+    import os
+    from cudaipc import region
+    ns, boot = region.local_identity()
+    assert ns == os.stat("/proc/self/ns/pid").st_ino
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert boot == bytes.fromhex(f.read().strip().replace("-", ""))
+    assert region.local_identity() is region.local_identity()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if region._identity is None and region.local_identity() == (ns, boot) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
