@@ -157,9 +157,18 @@ def _find_sources(ptrs: List[int], sizes: List[int], ordinal: int) -> List[_Sour
                 ends.insert(k, base + size)
                 q = base + size
     out: List[_Source] = []
-    for base, (size, bid) in legacy.items():
-        r = Region.from_pointer(base, size)
-        out.append(_Source(base, size, r.to_bytes(), bid, []))
+    if legacy:
+        # What Region.from_pointer(base, size) records, from what the lookup above
+        # already asked the driver: one driver call per allocation, not six.
+        ns, boot = local_identity()
+        uuid = _cuda.uuids()[ordinal]
+        me = os.getpid()
+        with _cuda.on(ordinal):
+            for base, (size, bid) in legacy.items():
+                h = _cuda.check("cuIpcGetMemHandle", cu.cuIpcGetMemHandle(base))
+                r = Region(handle=_cuda._bytes(h.reserved, 64), offset=0, size=size, alloc_size=size, device=uuid,
+                           exporter_pid=me, pid_namespace=ns, boot_id=boot, buffer_id=bid, exporter_base=base)
+                out.append(_Source(base, size, r.to_bytes(), bid, []))
     # Adjacent VMM chunks (one expandable segment) make one region over several pieces.
     run: List[Tuple[int, int]] = []
     for base in sorted(chunks) + [None]:  # type: ignore[list-item]

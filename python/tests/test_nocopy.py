@@ -346,3 +346,85 @@ def test_publish_reuses_the_last_exports_only_for_the_same_tensors(monkeypatch: 
         prepare(sd)
     ids["buf"] = 41
     assert prepare(sd) is pub
+
+
+class _FakeDriver:
+    """A stand-in for cuda-bindings over made-up cudaMalloc allocations (base, size,
+    buffer id): what a no-copy publish asks the driver to find and export them."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    class CUpointer_attribute:
+        CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = "legacy"
+        CU_POINTER_ATTRIBUTE_BUFFER_ID = "buffer id"
+        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = "ordinal"
+
+    class _Handle:
+        def __init__(self, b: bytes) -> None:
+            self.reserved = b
+
+    def __init__(self, allocs: List[tuple]) -> None:
+        self.allocs = allocs
+        self.calls = 0
+
+    def _find(self, p: int) -> tuple:
+        for a in self.allocs:
+            if a[0] <= p < a[0] + a[1]:
+                return a
+        raise AssertionError("address %#x in no allocation" % p)
+
+    def cuMemGetAddressRange(self, p: int) -> tuple:
+        self.calls += 1
+        base, size, _ = self._find(p)
+        return 0, base, size
+
+    def cuPointerGetAttribute(self, attr: str, p: int) -> tuple:
+        self.calls += 1
+        a = self._find(p)
+        return 0, {"legacy": 1, "buffer id": a[2], "ordinal": 0}[attr]
+
+    def cuIpcGetMemHandle(self, base: int) -> tuple:
+        self.calls += 1
+        a = self._find(base)
+        assert a[0] == base, "a legacy handle is of an allocation's base"
+        return 0, self._Handle((b"%x:%d:" % (base, a[2])).ljust(64, b"\0"))
+
+    def cuGetErrorName(self, err: int) -> tuple:
+        return 0, b"CUDA_ERROR_%d" % err
+
+
+def test_publish_exports_each_allocation_as_region_from_pointer_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_find_sources (with a stand-in driver) gives one source per cudaMalloc
+    allocation the tensors lie in, in address order, each region byte for byte
+    what Region.from_pointer of the allocation records, with a single driver call
+    per allocation beyond the lookup."""
+    import random
+    from cudaipc import _cuda
+    rng = random.Random(5)
+    allocs, at = [], 0x7F0000000000
+    for i in range(60):
+        size = rng.choice([2, 20, 64]) << 20
+        allocs.append((at, size, 1000 + i))
+        at += size + rng.choice([0, 2 << 20])   # adjacent or not: separate allocations either way
+    fake = _FakeDriver(allocs)
+    monkeypatch.setattr(_cuda, "_cu", fake)
+    monkeypatch.setattr(_cuda, "_uuids", [GPU])
+    monkeypatch.setattr(_cuda, "on", _NoContext)
+    ptrs, sizes = [], []
+    used = sorted(rng.sample(allocs, 40))
+    for base, size, _ in used:
+        for _ in range(rng.randint(1, 3)):
+            off = rng.randrange(0, size // 2, 512)
+            n = rng.randrange(1, size - off)
+            ptrs.append(base + off)
+            sizes.append(n)
+    order = list(range(len(ptrs)))
+    rng.shuffle(order)
+    fake.calls = 0
+    got = _nocopy._find_sources([ptrs[i] for i in order], [sizes[i] for i in order], 0)
+    calls = fake.calls
+    assert [(s.base, s.size, s.buffer_id) for s in got] == used
+    assert calls == 4 * len(used)   # range, legacy?, buffer id, handle
+    for s in got:
+        assert s.region == Region.from_pointer(s.base, s.size).to_bytes()
