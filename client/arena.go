@@ -97,6 +97,23 @@ func (c *Client) unref(m *mapping) {
 	}
 }
 
+// unrefSealed lets go of the writable mapping of a sealed shared host
+// object. Its arena is the object's alone and is never written again, so
+// it is dropped at once: once no writable mapping is left, the daemon
+// seals the memory against writes for every reader (docs/hardening.md,
+// "Sealed objects").
+func (c *Client) unrefSealed(m *mapping) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	m.refs--
+	if k := m.a.key; m.a.cur == m && c.arenas[k] == m.a {
+		c.dropHostArenaLocked(k)
+	} else if m.refs == 0 && m.data != nil {
+		_ = unix.Munmap(m.data)
+		m.data = nil
+	}
+}
+
 // dropHostArenaLocked unmaps a host arena the daemon freed, unless an
 // Object or Lease still uses its mapping (then unref unmaps it later), and
 // closes its fd.

@@ -2,7 +2,9 @@ package client_test
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -40,5 +42,34 @@ func TestLimitErrorsSayWhichLimit(t *testing.T) {
 	if !errors.As(err, &ce) || !errors.Is(err, client.ErrLimit) || ce.Limit != "CONNECTIONS_PER_UID" ||
 		!strings.Contains(ce.Message, "--max-conns-per-uid") || strings.Contains(err.Error(), "admitted") {
 		t.Fatalf("a third connection over --max-conns-per-uid 2: %v", err)
+	}
+}
+
+// A shared host object put by this client is immutable once sealed: the
+// client unmaps its draft after the seal, and the daemon's next stat
+// seals the memory against writes. A private one stays writable by its
+// creator, and stat says so.
+func TestSealedSharedObjectImmutable(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "store.sock")
+	startDaemon(t, sock)
+	ctx := context.Background()
+	c := dial(t, sock)
+	for _, shared := range []bool{true, false} {
+		name := fmt.Sprintf("obj-%t", shared)
+		o, err := c.Create(ctx, name, 4096, client.CreateOptions{Shared: shared})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rand.Read(o.Bytes())
+		if err := o.Seal(ctx); err != nil {
+			t.Fatal(err)
+		}
+		in, err := c.Stat(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if in.CreatorCanWrite == shared {
+			t.Errorf("shared %t: stat says the creator can write: %t", shared, in.CreatorCanWrite)
+		}
 	}
 }

@@ -36,6 +36,7 @@ type Object struct {
 
 	version uint64 // for a shard of a version
 	shard   int
+	shared  bool // a shared object: its host arena is its own
 }
 
 // Create allocates a writable object of size bytes named name. Only this
@@ -83,7 +84,7 @@ func (c *Client) Create(ctx context.Context, name string, size int64, opts Creat
 		}
 	}
 	o := &Object{c: c, name: name, p: p, m: r.m, v: view{device: p.GetDevice(), size: size, open: true},
-		version: r.resp.GetCreate().GetVersion(), shard: opts.Shard}
+		version: r.resp.GetCreate().GetVersion(), shard: opts.Shard, shared: opts.Shared}
 	if r.m != nil {
 		o.v.data = r.m.slice(p)
 		return o, nil
@@ -246,7 +247,11 @@ func (o *Object) finish(ctx context.Context, op string, req *storev1.Request) er
 func (o *Object) settle(op string, err, verr error) error {
 	o.done = true
 	if o.m != nil {
-		o.c.unref(o.m)
+		if op == "seal" && err == nil && o.shared {
+			o.c.unrefSealed(o.m)
+		} else {
+			o.c.unref(o.m)
+		}
 		o.m = nil
 	}
 	if err == nil && verr != nil {
