@@ -408,6 +408,7 @@ class SourceMaps:
         self.starts = np.array(starts, dtype=np.uint64)
         self.sizes = np.array([r.size for r in regions], dtype=np.uint64)
         self._closes: List[Any] = []
+        self._memo: List[Tuple[Any, Any, Any]] = []   # addresses(): (off, size, answer), newest last
         self.keys: Set[bytes] = set()
         had = before.keys if before is not None else set()
         ptrs: List[int] = []
@@ -475,7 +476,21 @@ class SourceMaps:
         return max(int(np.searchsorted(self.starts, np.uint64(off), side="right")) - 1, 0)
 
     def addresses(self, off: Any, size: Any) -> Any:
-        """Device addresses of the version's byte ranges [off, off + size)."""
+        """Device addresses of the version's byte ranges [off, off + size), read-only.
+        The answers for the last few (off, size) array objects are kept, by identity
+        (a copy plan's arrays, which never change): a cached plan asks the same of
+        every version over these regions."""
+        memo = self._memo
+        for m in memo:
+            if m[0] is off and m[1] is size:
+                return m[2]
+        out = self._addresses(off, size)
+        out.flags.writeable = False
+        memo.append((off, size, out))   # (the arrays are held, so their identity stays theirs)
+        del memo[:-4]
+        return out
+
+    def _addresses(self, off: Any, size: Any) -> Any:
         import numpy as np
         j = np.searchsorted(self.starts, off, side="right").astype(np.int64) - 1
         jj = np.maximum(j, 0)

@@ -428,3 +428,37 @@ def test_publish_exports_each_allocation_as_region_from_pointer_would(monkeypatc
     assert calls == 4 * len(used)   # range, legacy?, buffer id, handle
     for s in got:
         assert s.region == Region.from_pointer(s.base, s.size).to_bytes()
+
+
+def test_source_addresses_are_kept_per_plan_array_and_still_checked() -> None:
+    """SourceMaps.addresses answers a plan's (off, size) arrays from what it kept
+    (the same read-only answer, equal to a fresh computation); other arrays, even
+    of equal contents, are computed and checked, and a range outside the regions
+    is refused every time."""
+    import numpy as np
+    rng = np.random.default_rng(3)
+    m = _nocopy.SourceMaps.__new__(_nocopy.SourceMaps)
+    m.name = "x"
+    m._memo = []
+    starts, _ = _nocopy.source_starts([2 << 20] * 50)
+    m.starts = np.array(starts, dtype=np.uint64)
+    m.sizes = np.full(50, 2 << 20, dtype=np.uint64)
+    m.delta = rng.integers(1 << 40, 1 << 41, 50, dtype=np.uint64)
+    j = rng.integers(0, 50, 500)
+    off = m.starts[j] + rng.integers(0, 1 << 20, 500, dtype=np.uint64)
+    size = rng.integers(1, 1 << 20, 500, dtype=np.uint64)
+    want = off + m.delta[j]
+    a = m.addresses(off, size)
+    assert np.array_equal(a, want) and not a.flags.writeable
+    assert m.addresses(off, size) is a
+    b = m.addresses(off.copy(), size.copy())
+    assert b is not a and np.array_equal(b, want)
+    bad = size.copy()
+    bad[7] = (2 << 20) + 1   # runs past its region
+    for _ in range(2):
+        with pytest.raises(cudaipc.InternalError, match="outside the version's regions"):
+            m.addresses(off, bad)
+    for _ in range(5):   # a few other arrays push the first answer out: computed afresh, equal
+        m.addresses(off.copy(), size)
+    c = m.addresses(off, size)
+    assert c is not a and np.array_equal(c, want)
