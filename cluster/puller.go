@@ -246,11 +246,12 @@ func (s *source) close() {
 }
 
 // open pins holder's replica, authenticates to it and connects to its
-// worker. A holder is reached over the puller's pooled connection to it
-// and pinned in parallel with opening the exposure; open returns only
-// once the pin is recorded, so the pin is held before any byte is read.
-// (The exposure itself also keeps the replica from the moment the holder
-// answers Open.) A feeder (a node still pulling the object) is not
+// worker. A holder is reached over the puller's pooled connection to it.
+// Its replica is held before any byte is read by the exposure: the holder
+// leases the replica (store.LeaseCluster) before it answers Open and
+// keeps it until Release or the channel's end. The pin record in etcd
+// (which the holder's watch turns into a second lease) is written
+// alongside, off the get's path, and removed after the pull. A feeder (a node still pulling the object) is not
 // pinned: its exposure keeps the memory; it gets a connection of its own,
 // which its watchFeed request ends by closing.
 func (p *Puller) open(ctx context.Context, e Entry, holder string, feeder bool) (*source, error) {
@@ -291,32 +292,35 @@ func (p *Puller) open(ctx context.Context, e Entry, holder string, feeder bool) 
 
 func (p *Puller) openHolder(ctx context.Context, e Entry, holder string) (*source, error) {
 	ref := e.Ref()
-	type pinned struct {
-		unpin func()
-		err   error
-	}
-	pc := make(chan pinned, 1)
-	go func() {
-		u, err := p.Dir.Pin(ctx, holder, ref, e.ID)
-		pc <- pinned{u, err}
-	}()
-	s := &source{node: holder, p: p}
+	// The pin is recorded in the background: the holder answers Open only
+	// once its exposure holds the replica, which is what keeps it until the
+	// pull ends. The pin record lets the holder keep it too (its watch) and
+	// is removed after the pin is written, in close.
+	pc := make(chan func(), 1)
+	pctx := context.WithoutCancel(ctx)
+	p.bg.Go(func() {
+		u, err := p.Dir.Pin(pctx, holder, ref, e.ID)
+		if err != nil {
+			p.log().Debug("cluster pull: pin not recorded (the exposure holds the replica)", "object", ref.String(), "node", holder, "err", err)
+		}
+		pc <- u
+	})
+	s := &source{node: holder, p: p, unpin: func() {
+		if u := <-pc; u != nil {
+			u()
+		}
+	}}
 	pe, exp, handle, err := p.openPooled(ctx, e, holder)
-	pin := <-pc
-	s.unpin = pin.unpin
 	if err == nil {
 		s.pe, s.cc, s.exp, s.handle = pe, pe.cc, exp, handle
 	}
 	fail := func(err error) (*source, error) {
 		if s.pe != nil {
 			s.close()
-		} else if s.unpin != nil {
+		} else {
 			p.bg.Go(s.unpin)
 		}
 		return nil, err
-	}
-	if pin.err != nil {
-		return fail(pin.err)
 	}
 	if err != nil {
 		return fail(err)

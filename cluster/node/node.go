@@ -66,6 +66,8 @@ type Node struct {
 	mu     sync.Mutex
 	arenas map[uint64]*arenaReg          // registered arenas, by store arena id
 	pins   map[string]*store.ClusterFile // holds for pins, by pin key
+
+	lookups lookups
 }
 
 // arenaReg is an arena mapped into the daemon and registered with UCX,
@@ -220,6 +222,7 @@ func (n *Node) watch(ctx context.Context) {
 	for ev := range n.dir.Watch(ctx) {
 		switch {
 		case ev.Deleted:
+			n.lookups.forgetName(ev.Ref.Owner, ev.Ref.Name)
 			if ev.Ref.Version != 0 && !n.nameGone(ctx, ev.Ref) {
 				continue // an old version's records pruned: replicas stay, by this node's keep_last
 			}
@@ -283,11 +286,9 @@ func (n *Node) fetch(ctx context.Context, reader, owner uint32, name string, sel
 	}
 	switch {
 	case sel.Version != 0:
-		e, err := n.dir.Lookup(ctx, cluster.Ref{Owner: owner, Name: name, Version: sel.Version})
-		if err != nil {
-			return notFound(err)
-		}
-		return n.pullVersion(ctx, reader, e)
+		return notFound(n.withLookup(ctx, cluster.Ref{Owner: owner, Name: name, Version: sel.Version}, func(e cluster.Entry) error {
+			return n.pullVersion(ctx, reader, e)
+		}))
 	case sel.NewerThan != 0:
 		if _, err := n.dir.Latest(ctx, owner, name); err != nil {
 			return notFound(err) // not a cluster name: the get waits locally
@@ -306,7 +307,7 @@ func (n *Node) fetch(ctx context.Context, reader, owner uint32, name string, sel
 		return n.pullVersion(ctx, reader, e)
 	}
 	ref := cluster.Ref{Owner: owner, Name: name}
-	e, err := n.dir.Lookup(ctx, ref)
+	e, cached, err := n.lookup(ctx, ref)
 	if errors.Is(err, cluster.ErrNotFound) {
 		l, lerr := n.dir.Latest(ctx, owner, name)
 		if lerr != nil {
@@ -321,11 +322,17 @@ func (n *Node) fetch(ctx context.Context, reader, owner uint32, name string, sel
 	if err != nil {
 		return err
 	}
-	if !readable(e, reader) {
-		return fmt.Errorf("%s: %w", ref, store.ErrNotFound) // not the reader's to pull
+	pull := func(e cluster.Entry) error {
+		if !readable(e, reader) {
+			return fmt.Errorf("%s: %w", ref, store.ErrNotFound) // not the reader's to pull
+		}
+		_, err := n.p.PullEntry(ctx, e)
+		return err
 	}
-	_, err = n.p.PullEntry(ctx, e)
-	return notFound(err)
+	if cached {
+		return notFound(n.withLookup(ctx, ref, pull))
+	}
+	return notFound(pull(e))
 }
 
 func readable(e cluster.Entry, reader uint32) bool {

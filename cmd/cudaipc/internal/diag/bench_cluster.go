@@ -37,6 +37,8 @@ type BenchClusterCmd struct {
 	Small bytesize.Size `default:"4KiB" help:"Size of each small object (default ${default})." placeholder:"BYTES"`
 	Count int           `default:"1000" help:"Small objects pulled (default ${default})." placeholder:"N"`
 	JSON  bool          `name:"json" help:"Print one JSON object: GB/s, p50/p99, ucx_perftest's figures and the ratios."`
+	// EtcdDir is where the private etcd keeps its data.
+	EtcdDir string `name:"etcd-dir" help:"Directory for the private etcd's data; default: a new one under /dev/shm when there is one (memory: etcd's fsyncs cost nothing, as in the tests), else under the system's temporary directory." placeholder:"DIR"`
 }
 
 // Help is the command's long description.
@@ -49,13 +51,16 @@ the second (each get pulls the object: directory lookup, pin, control
 channel, UCX GETs, checksums, seal, advertise). It then runs ucx_perftest
 on the same link as the floor: ucp_get (1 MiB gets, 8 in flight) for the
 bandwidth and ucp_am_lat of --small bytes for UCX's own round trip, and
-reports pull/perftest ratios. Figures of one run compare; runs on a loaded
+reports pull/perftest ratios. The private etcd keeps its data in memory
+(/dev/shm) unless --etcd-dir says otherwise: with a disk, etcd's fsyncs
+add to every first get (the directory writes of a pull). Figures of one run compare; runs on a loaded
 machine differ.`
 }
 
 type benchClusterResult struct {
 	UCXTLS        string  `json:"ucx_tls"`
 	UCXDevices    string  `json:"ucx_net_devices"`
+	EtcdDir       string  `json:"etcd_dir"`
 	LargeBytes    int64   `json:"large_bytes"`
 	LargeSeconds  float64 `json:"large_seconds"`
 	LargeGBps     float64 `json:"large_GBps"`
@@ -100,8 +105,20 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 	}
 	defer os.RemoveAll(tmp)
 
-	progress("starting etcd")
-	etcd, err := startEtcd(ctx, tmp)
+	etcdDir := c.EtcdDir
+	if etcdDir == "" {
+		base := ""
+		if fi, err := os.Stat("/dev/shm"); err == nil && fi.IsDir() {
+			base = "/dev/shm"
+		}
+		if etcdDir, err = os.MkdirTemp(base, "cudaipc-bench-etcd-"); err != nil {
+			return err
+		}
+		defer os.RemoveAll(etcdDir)
+	}
+	res.EtcdDir = etcdDir
+	progress("starting etcd (data in %s)", etcdDir)
+	etcd, err := startEtcd(ctx, etcdDir)
 	if err != nil {
 		return fmt.Errorf("bench cluster: %w", err)
 	}
@@ -188,7 +205,7 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 		return printJSON(e.Stdout, res)
 	}
 	w := e.Stdout
-	fmt.Fprintf(w, "link: UCX_TLS=%s UCX_NET_DEVICES=%s (two daemons on this machine)\n", res.UCXTLS, res.UCXDevices)
+	fmt.Fprintf(w, "link: UCX_TLS=%s UCX_NET_DEVICES=%s (two daemons on this machine), etcd data in %s\n", res.UCXTLS, res.UCXDevices, res.EtcdDir)
 	fmt.Fprintf(w, "%-34s %10.2f GB/s  (%.3f s, bytes equal: %v)\n", "get of a "+c.Size.String()+" object", res.LargeGBps, res.LargeSeconds, res.LargeEqual)
 	fmt.Fprintf(w, "%-34s p50 %8.1f µs  p99 %8.1f µs  (bytes equal: %v)\n", fmt.Sprintf("gets of %d objects of %s", c.Count, c.Small), res.SmallP50US, res.SmallP99US, res.SmallEqual)
 	if res.PerftestError != "" {
