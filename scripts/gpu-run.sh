@@ -5,6 +5,8 @@
 #
 #   bash .gpu/gpu-run.sh [test-regexp] [bench-regexp]
 #   WEIGHT_SYNC=1 STORE_BENCH=1 bash .gpu/gpu-run.sh   # also the weight-sync and store benchmarks
+#   BASE_BIN=.gpu-base/cudaipc-base bash .gpu/gpu-run.sh  # the store round trip against an older build, same run
+#   STAGING_BENCH=1 ...                                   # the cluster staging pipeline's chunk-size sweep
 set -uo pipefail
 out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
 # Every GPU this machine has must be usable: tests needing up to this many
@@ -58,6 +60,18 @@ if [ -n "${STORE_BENCH:-}" ]; then
     ( cd python && timeout 60 python3 bench/put_phases.py --bin "$OLDPWD/.gpu/bin/cudaipc" --device 0 --gpu-share "$mode" ) >"$out/py-put-phases-$mode.txt" 2>&1
     echo "python put_phases $mode rc=$?" | tee -a "$out/summary.txt"
   done
+fi
+# The store round trip of this build against an older one, alternated in the same run
+# (issue 17: not slower): BASE_BIN=path/to/old/cudaipc.
+if [ -n "${BASE_BIN:-}" ]; then
+  [ -e "$BASE_BIN.gz" ] && gunzip -f "$BASE_BIN.gz"
+  OUT=$out timeout 180 bash .gpu/bench/store-roundtrip.sh -r "${BASE_ROUNDS:-2}" "$BASE_BIN" .gpu/bin/cudaipc >"$out/store-before-after.txt" 2>&1
+  echo "store before/after rc=$?" | tee -a "$out/summary.txt"; cat "$out/store-before-after.txt"
+fi
+# The GPU staging pipeline's chunk-size sweep (issue 19): STAGING_BENCH=1.
+if [ -n "${STAGING_BENCH:-}" ] && [ -x .gpu/bin/cluster_staging.test ]; then
+  ( cd cluster/staging && CUDAIPC_STAGING_BENCH=1 timeout "${STAGING_TIMEOUT:-90}" "$OLDPWD/.gpu/bin/cluster_staging.test" -test.run '^$' -test.bench StagedCopy -test.benchtime 3x ) >"$out/staging-bench.txt" 2>&1
+  echo "staging bench rc=$?" | tee -a "$out/summary.txt"
 fi
 grep -h -B2 -A20 -- '--- FAIL' "$out"/*.log | head -150
 grep -h -E '^(FAILED|ERROR)' "$out/pytest.log" 2>/dev/null | head -30
