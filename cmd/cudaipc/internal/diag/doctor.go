@@ -24,6 +24,12 @@ import (
 type DoctorCmd struct {
 	JSON   bool   `help:"Print the checks as a JSON array."`
 	UCXLib string `name:"ucx-lib" help:"Check this libucp.so.0 instead of the system's (as serve --ucx-lib uses it)." placeholder:"PATH"`
+	// The cluster directory to check, as serve's flags name it.
+	Cluster       string `help:"Check that this cluster directory answers: etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS), as serve --cluster takes it." placeholder:"URL" env:"CUDAIPC_CLUSTER"`
+	ClusterPrefix string `name:"cluster-prefix" default:"/cudaipc/v1/" help:"etcd key prefix of the cluster, as serve's (default ${default})." placeholder:"PREFIX"`
+	EtcdCA        string `name:"etcd-ca" help:"CA certificate that signed etcd's (turns on TLS)." placeholder:"FILE"`
+	EtcdCert      string `name:"etcd-cert" help:"Client certificate for etcd (with --etcd-key)." placeholder:"FILE"`
+	EtcdKey       string `name:"etcd-key" help:"Client key for etcd." placeholder:"FILE"`
 }
 
 type check struct {
@@ -111,7 +117,8 @@ func (c *DoctorCmd) Run(e *Env) error {
 		add("ipc round trip", "skip", "no GPU")
 	}
 
-	add(ucxCheck(c.UCXLib)) // doctor_ucx.go
+	add(ucxCheck(c.UCXLib))  // doctor_ucx.go
+	add(etcdCheck(e.Ctx, c)) // doctor_etcd.go
 	add(storeCheck(e))
 
 	failed := 0
