@@ -41,6 +41,10 @@ const (
 	// DefaultChunkSize is the chunk of objects small enough to need no
 	// larger one.
 	DefaultChunkSize = 4 << 20
+	// MaxManifestLen bounds a bundle's manifest carried in its record:
+	// with MaxChunks checksums (at most 11 bytes each in JSON) and the
+	// manifest in base64, a record stays under MaxRecordLen.
+	MaxManifestLen = 192 << 10
 )
 
 // recordMagic starts every encoded record, before its MAC.
@@ -118,6 +122,11 @@ type Object struct {
 	ChunkSize int64 `json:"chunk"`
 	// Sums are the CRC-32C checksums of its chunks, in order.
 	Sums []uint32 `json:"sums"`
+	// Manifest is a bundle's manifest (its safetensors header, the bytes
+	// the store validated at seal), empty for a plain object: a reader
+	// makes its replica a bundle with it, and finds tensors' byte ranges
+	// in it (TensorRanges) without reading the object.
+	Manifest []byte `json:"manifest,omitempty"`
 	// ID names this incarnation of the name (random), so that a replica
 	// of a deleted and re-put name is never taken for the new one.
 	ID string `json:"id"`
@@ -339,6 +348,9 @@ func (o *Object) validate() error {
 	}
 	if n := (o.Size + o.ChunkSize - 1) / o.ChunkSize; n != int64(len(o.Sums)) {
 		return bad("object %s: %d checksums for %d chunks", o.Name, len(o.Sums), n)
+	}
+	if len(o.Manifest) > MaxManifestLen {
+		return bad("object %s: manifest of %d bytes (at most %d)", o.Name, len(o.Manifest), MaxManifestLen)
 	}
 	if err := validVersion(o.Name, o.Version, o.Shard, o.Shards); err != nil {
 		return err

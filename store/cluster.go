@@ -65,7 +65,15 @@ type ClusterObject struct {
 	Shard, Shards uint32
 	// ID is its cluster incarnation id ("" until published).
 	ID string
+	// Manifest is a bundle's manifest (its header bytes), nil for an
+	// object without one: Sealed gets the sealed manifest, CreateReplica
+	// makes the replica a bundle with it (validated at its seal).
+	Manifest []byte
 }
+
+// MaxClusterManifest bounds the manifest of a cluster-visible bundle: it
+// travels in the bundle's directory record (cluster.MaxManifestLen).
+const MaxClusterManifest = 192 << 10
 
 // DefaultClusterFetchTimeout bounds a get's cluster fetch when the get
 // itself does not wait.
@@ -151,8 +159,19 @@ func (ss *session) clusterSealed(ctx context.Context, name string, version uint6
 		return nil
 	}
 	co := o.clusterObject()
+	var merr error
+	if m := o.manifest; m != nil && m.f != nil {
+		// Sealed (immutable) and at most MaxClusterManifest bytes.
+		co.Manifest = make([]byte, m.size)
+		if _, merr = m.f.ReadAt(co.Manifest, 0); merr != nil {
+			merr = fmt.Errorf("manifest of %q: read: %w", name, merr)
+		}
+	}
 	s.mu.Unlock()
-	id, err := h.Sealed(ctx, co)
+	id, err := "", merr
+	if err == nil {
+		id, err = h.Sealed(ctx, co)
+	}
 	if err != nil {
 		s.mu.Lock()
 		undone, plain := false, false
@@ -280,13 +299,24 @@ func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := createReq{name: qname, size: obj.Size, shared: obj.Shared, cluster: true}
+	r := createReq{name: qname, size: obj.Size, shared: obj.Shared, cluster: true, manifestSize: int64(len(obj.Manifest))}
 	if obj.Version != 0 {
 		r.versioned, r.version, r.shard, r.shards = true, obj.Version, obj.Shard, obj.Shards
 	}
 	p, _, err := ss.create(r)
 	if err == nil && (p.share == nil || p.share.file == nil) {
 		err = fmt.Errorf("%w: no arena descriptor for replica %q", protocol.ErrInternal, qname)
+	}
+	if err == nil && len(obj.Manifest) > 0 {
+		if p.manifest == nil {
+			err = fmt.Errorf("%w: no manifest descriptor for replica %q", protocol.ErrInternal, qname)
+		} else if _, err = p.manifest.WriteAt(obj.Manifest, 0); err != nil {
+			err = fmt.Errorf("replica %q: write its manifest: %w", qname, err)
+		}
+	}
+	if p.manifest != nil {
+		p.manifest.Close()
+		p.manifest = nil
 	}
 	if err != nil {
 		ss.close(errors.New("replica not made"))
@@ -295,8 +325,18 @@ func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 	f := &ClusterFile{File: p.share.file, ArenaID: p.arenaID, ArenaSize: p.arenaSize, Offset: p.offset, Size: p.size, ss: ss}
 	f.commit = func() error {
 		s.mu.Lock()
-		defer s.mu.Unlock()
 		o, err := ss.draftLocked(qname, obj.Version, obj.Shard)
+		if err == nil && o.manifest != nil && !o.manifest.sealed {
+			// As seal does: the manifest is sealed and checked against the
+			// object, outside the lock (only this session seals o).
+			s.mu.Unlock()
+			err = o.manifest.finish(o.size, &s.manifests)
+			s.mu.Lock()
+			if err == nil {
+				o, err = ss.draftLocked(qname, obj.Version, obj.Shard)
+			}
+		}
+		defer s.mu.Unlock()
 		if err == nil {
 			o.clusterID = obj.ID
 			ss.sealLocked(o)
@@ -345,15 +385,18 @@ func (s *Store) DropCluster(owner uint32, name, id string) bool {
 }
 
 // clusterCreateOK says whether a create may be cluster-visible: the daemon
-// must be part of a cluster, and for now such objects are host objects
-// without manifests (UCX reads host memory; GPU objects and bundles do not
-// cross nodes yet).
+// must be part of a cluster, and for now such objects are host objects (UCX
+// reads host memory; GPU objects do not cross nodes yet), bundles among
+// them with a manifest of at most MaxClusterManifest bytes (it travels in
+// the directory record); no-copy versions stay local.
 func (s *Store) clusterCreateOK(r createReq, device string) error {
 	switch {
 	case s.cfg.Cluster == nil:
 		return invalidf("object %q: cluster-visible, but this daemon is not part of a cluster (serve --cluster)", r.name)
-	case r.manifestSize > 0 || r.sourcesSize > 0:
-		return invalidf("object %q: bundles and no-copy versions are not cluster-visible yet", r.name)
+	case r.sourcesSize > 0:
+		return invalidf("object %q: no-copy versions are not cluster-visible yet", r.name)
+	case r.manifestSize > MaxClusterManifest:
+		return invalidf("object %q: a cluster-visible bundle's manifest is at most %d bytes (this one %d): split the bundle", r.name, MaxClusterManifest, r.manifestSize)
 	case device != hostDevice:
 		return invalidf("object %q: cluster-visible objects live in host memory (device %q)", r.name, device)
 	}

@@ -382,7 +382,7 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 	chunk := cluster.ChunkSizeFor(co.Size)
 	o := cluster.Object{Name: co.Name, Owner: co.Owner, Shared: co.Shared, Size: co.Size, ChunkSize: chunk,
 		Version: co.Version, Shard: co.Shard, Shards: co.Shards,
-		Sums: cluster.Checksums(mem, chunk), ID: cluster.NewID()}
+		Sums: cluster.Checksums(mem, chunk), Manifest: co.Manifest, ID: cluster.NewID()}
 	if _, err := n.dir.Publish(ctx, o); err != nil {
 		return "", err
 	}
@@ -426,7 +426,7 @@ type sink struct{ n *Node }
 
 func (s sink) Create(ctx context.Context, o cluster.Object) (cluster.Replica, error) {
 	f, err := s.n.st.CreateReplica(store.ClusterObject{Owner: o.Owner, Name: o.Name, Size: o.Size, Shared: o.Shared,
-		Version: o.Version, Shard: o.Shard, Shards: o.Shards, ID: o.ID})
+		Version: o.Version, Shard: o.Shard, Shards: o.Shards, ID: o.ID, Manifest: o.Manifest})
 	if err != nil {
 		return nil, err
 	}

@@ -1,0 +1,92 @@
+package node_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cudaipc/cudaipc/bundle"
+	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
+)
+
+// A cluster-visible host bundle put on A is a bundle on B: the replica
+// carries the manifest from A's record, and every tensor's bytes are A's.
+func TestBundleAcrossDaemons(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+
+	rng := rand.NewChaCha8([32]byte{7})
+	tensors := []client.TensorData{
+		{Spec: bundle.Spec{Name: "embed", DType: bundle.F32, Shape: []int64{1000, 700}}},
+		{Spec: bundle.Spec{Name: "layer.0.w", DType: bundle.BF16, Shape: []int64{3, 5, 7}}},
+		{Spec: bundle.Spec{Name: "head", DType: bundle.U8, Shape: []int64{5 << 20}}},
+	}
+	for i := range tensors {
+		n, err := bundle.ByteSize(tensors[i].DType, tensors[i].Shape)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tensors[i].Data = make([]byte, n)
+		rng.Read(tensors[i].Data)
+	}
+	if _, err := a.c.PutBundle(ctx, "model", tensors, map[string]string{"format": "pt"}, client.CreateOptions{Cluster: true}); err != nil {
+		t.Fatal(err)
+	}
+	e, err := b.node.Directory().Lookup(ctx, cluster.Ref{Owner: 0, Name: "model"})
+	if err != nil || len(e.Manifest) == 0 {
+		t.Fatalf("record of the bundle: manifest of %d bytes, %v", len(e.Manifest), err)
+	}
+	l, m, err := b.c.GetBundle(ctx, "model", client.GetOptions{})
+	if err != nil {
+		t.Fatalf("bundle get on B: %v", err)
+	}
+	defer l.Release()
+	if len(m.Tensors) != len(tensors) || m.Metadata["format"] != "pt" {
+		t.Fatalf("B's manifest: %+v", m)
+	}
+	for _, td := range tensors {
+		i := m.Index(td.Name)
+		if i < 0 {
+			t.Fatalf("tensor %q missing on B", td.Name)
+		}
+		tn := m.Tensors[i]
+		if !bytes.Equal(l.Bytes()[tn.Begin:tn.End], td.Data) {
+			t.Fatalf("tensor %q: bytes differ on B", td.Name)
+		}
+	}
+	// The ranges a reader computes from the record are the tensors'.
+	rm, err := bundle.Parse(e.Manifest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rs, err := cluster.TensorRanges(rm, []string{"layer.0.w"})
+	if err != nil || len(rs) == 0 {
+		t.Fatalf("ranges: %v %v", rs, err)
+	}
+}
+
+// A bundle whose manifest would not fit in its record is refused at
+// create, with the limit in the error.
+func TestClusterBundleManifestLimit(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a := startDaemon(t, srv, "a")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	specs := make([]bundle.Spec, 4000)
+	for i := range specs {
+		specs[i] = bundle.Spec{Name: strings.Repeat("x", 40) + string(rune('a'+i%26)) + strings.Repeat("y", i%7) + "." + strconv.Itoa(i), DType: bundle.U8, Shape: []int64{1}}
+	}
+	_, _, err := a.c.CreateBundle(ctx, "big", specs, nil, client.CreateOptions{Cluster: true})
+	if !errors.Is(err, client.ErrInvalid) || !strings.Contains(err.Error(), "manifest is at most") {
+		t.Fatalf("cluster bundle with a large manifest: %v", err)
+	}
+}
