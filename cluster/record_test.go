@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"bytes"
 	"errors"
 	"math/rand/v2"
 	"os"
@@ -111,6 +112,7 @@ func TestValidation(t *testing.T) {
 		"shard no version": func(o *Object) { o.Version = 0 },
 		"bad id":           func(o *Object) { o.ID = "xyz" },
 		"bad origin":       func(o *Object) { o.Origin = "a/b" },
+		"manifest too big": func(o *Object) { o.Manifest = make([]byte, MaxManifestLen+1) },
 	}
 	for name, f := range bad {
 		o := good
@@ -131,6 +133,31 @@ func TestValidation(t *testing.T) {
 		if _, err := Seal(testSecret, "/k", &n); !errors.Is(err, ErrBadRecord) {
 			t.Errorf("node %+v: %v, want ErrBadRecord", n, err)
 		}
+	}
+}
+
+// The largest object record (MaxChunks checksums of the most digits, a
+// manifest of MaxManifestLen bytes, the longest name) fits in MaxRecordLen.
+func TestLargestObjectRecordFits(t *testing.T) {
+	o := sampleObject()
+	o.Name = strings.Repeat("n", 255)
+	o.ChunkSize = MinChunkSize
+	o.Size = MaxChunks * MinChunkSize
+	o.Sums = make([]uint32, MaxChunks)
+	for i := range o.Sums {
+		o.Sums[i] = 4_000_000_000 + uint32(i)
+	}
+	o.Manifest = bytes.Repeat([]byte{0xff}, MaxManifestLen)
+	b, err := Seal(testSecret, "/k", &o)
+	if err != nil {
+		t.Fatalf("largest record: %v", err)
+	}
+	if len(b) > MaxRecordLen {
+		t.Fatalf("largest record is %d bytes, over %d", len(b), MaxRecordLen)
+	}
+	var back Object
+	if err := Open(testSecret, "/k", b, &back); err != nil || !bytes.Equal(back.Manifest, o.Manifest) {
+		t.Fatalf("round trip: %v", err)
 	}
 }
 
