@@ -429,7 +429,12 @@ func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs 
 	}
 	if err != nil && !errors.Is(err, ErrNotFound) {
 		cn.log.Info("cluster fetch failed", "name", name, "err", err)
-		cn.reply("get", protocol.ErrorResponse(id, fmt.Errorf("%w: %v", protocol.ErrInternal, err)), nil)
+		if !errors.Is(err, ErrStoreFull) && !errors.Is(err, protocol.ErrLimit) {
+			// A replica that did not fit here keeps its code (the reader
+			// may free room); every other cluster failure is INTERNAL.
+			err = fmt.Errorf("%w: %v", protocol.ErrInternal, err)
+		}
+		cn.reply("get", protocol.ErrorResponse(id, err), nil)
 		return
 	}
 	switch {

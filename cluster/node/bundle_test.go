@@ -90,3 +90,20 @@ func TestClusterBundleManifestLimit(t *testing.T) {
 		t.Fatalf("cluster bundle with a large manifest: %v", err)
 	}
 }
+
+// A get whose replica does not fit on the reader fails STORE_FULL naming
+// the reader's node and device, and leaves nothing behind there.
+func TestRemoteGetStoreFullNamesNode(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b := startDaemon(t, srv, "a"), startDaemonCap(t, srv, "small", 4<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	a.put(t, "big", 8<<20, client.CreateOptions{Cluster: true})
+	_, err := b.get(ctx, "big")
+	if !errors.Is(err, client.ErrStoreFull) || !strings.Contains(err.Error(), "node small") || !strings.Contains(err.Error(), "device host") {
+		t.Fatalf("get of an object too big for B: %v", err)
+	}
+	if _, err := b.c.Stat(ctx, "big"); !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("stat on B after the failed pull: %v", err)
+	}
+}

@@ -428,7 +428,10 @@ func (s sink) Create(ctx context.Context, o cluster.Object) (cluster.Replica, er
 	f, err := s.n.st.CreateReplica(store.ClusterObject{Owner: o.Owner, Name: o.Name, Size: o.Size, Shared: o.Shared,
 		Version: o.Version, Shard: o.Shard, Shards: o.Shards, ID: o.ID, Manifest: o.Manifest})
 	if err != nil {
-		return nil, err
+		// The reader's error says where the replica did not fit (the
+		// store's own message names the device): this node, not the
+		// holder the bytes come from.
+		return nil, fmt.Errorf("node %s: replica of %s: %w", s.n.cfg.Directory.Node, o.Ref(), err)
 	}
 	mem, whole, err := mapRange(f.File, f.Offset, f.Size, unix.PROT_READ|unix.PROT_WRITE)
 	if err != nil {
