@@ -87,11 +87,42 @@ func (c *Client) GetBundle(ctx context.Context, name string, opts GetOptions) (*
 		return nil, nil, err
 	}
 	m, err := l.Manifest()
+	if err == nil && len(opts.Tensors) > 0 {
+		m, err = subset(m, opts.Tensors)
+		if err != nil {
+			err = &Error{Op: "get", Name: name, Err: ErrInvalid, Message: err.Error()}
+		}
+	}
 	if err != nil {
 		l.Release()
 		return nil, nil, err
 	}
 	return l, m, nil
+}
+
+// subset returns a manifest of m's tensors named in names (in m's order),
+// with m's metadata; an unknown or repeated name is an error naming it.
+func subset(m *bundle.Manifest, names []string) (*bundle.Manifest, error) {
+	want := make(map[string]bool, len(names))
+	for _, n := range names {
+		if want[n] {
+			return nil, fmt.Errorf("tensor %q is named twice", n)
+		}
+		want[n] = true
+	}
+	out := &bundle.Manifest{Tensors: make([]bundle.Tensor, 0, len(names)), Metadata: m.Metadata}
+	for _, t := range m.Tensors {
+		if want[t.Name] {
+			out.Tensors = append(out.Tensors, t)
+			delete(want, t.Name)
+		}
+	}
+	for _, n := range names {
+		if want[n] {
+			return nil, fmt.Errorf("the bundle has no tensor %q", n)
+		}
+	}
+	return out, nil
 }
 
 // ErrNotBundle is returned by Lease.Manifest for an object without one.

@@ -175,6 +175,14 @@ type GetOptions struct {
 	RequireOwner bool
 	// Owner is the uid RequireOwner requires.
 	Owner uint32
+	// Tensors, for GetBundle, names the tensors wanted: the manifest
+	// returned holds only those (sorted by offset, as every manifest), and
+	// a name the bundle lacks, or given twice, is ErrInvalid naming it.
+	// The lease is the whole bundle's (its bytes and its ManifestBytes are
+	// unchanged); a get that pulls the bundle from another node pulls all
+	// of it for now (docs/cluster.md, "Partial reads"). Other gets ignore
+	// it.
+	Tensors []string
 }
 
 func (t *TensorDesc) proto() *storev1.TensorDesc {

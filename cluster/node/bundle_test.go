@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"strconv"
 	"strings"
@@ -61,6 +62,28 @@ func TestBundleAcrossDaemons(t *testing.T) {
 		tn := m.Tensors[i]
 		if !bytes.Equal(l.Bytes()[tn.Begin:tn.End], td.Data) {
 			t.Fatalf("tensor %q: bytes differ on B", td.Name)
+		}
+	}
+	// A subset get, local on A and on B (which holds a replica now):
+	// the manifest names just those tensors, their bytes are A's.
+	for _, d := range []*daemon{a, b} {
+		sl, sm, err := d.c.GetBundle(ctx, "model", client.GetOptions{Tensors: []string{"head", "embed"}})
+		if err != nil {
+			t.Fatalf("subset get on %s: %v", d.name, err)
+		}
+		if len(sm.Tensors) != 2 || sm.Tensors[0].Name != "embed" || sm.Tensors[1].Name != "head" {
+			t.Fatalf("subset manifest on %s: %+v", d.name, sm.Tensors)
+		}
+		for _, tn := range sm.Tensors {
+			if !bytes.Equal(sl.Bytes()[tn.Begin:tn.End], tensors[map[string]int{"embed": 0, "head": 2}[tn.Name]].Data) {
+				t.Fatalf("subset tensor %q on %s: bytes differ", tn.Name, d.name)
+			}
+		}
+		sl.Release()
+	}
+	for _, names := range [][]string{{"embed", "nope"}, {"head", "head"}} {
+		if _, _, err := b.c.GetBundle(ctx, "model", client.GetOptions{Tensors: names}); !errors.Is(err, client.ErrInvalid) || !strings.Contains(err.Error(), fmt.Sprintf("%q", names[1])) {
+			t.Fatalf("subset get of %q: %v", names, err)
 		}
 	}
 	// The ranges a reader computes from the record are the tensors'.
