@@ -351,7 +351,8 @@ class Bundle(dict):
 
 
 def get_bundle(store: Any, name: str, timeout: Optional[float] = None, *, version: int = 0,
-               shard: int = 0, newer_than: int = 0, wait: bool = False, views: str = "auto") -> Bundle:
+               shard: int = 0, newer_than: int = 0, wait: bool = False, views: str = "auto",
+               tensors: Optional[Sequence[str]] = None) -> Bundle:
     """Lease a bundle (``version``, or the latest above ``newer_than``, or the latest;
     waiting as :meth:`Store.get` does: with ``timeout``, ``wait`` or ``newer_than``)
     and return its tensors as zero-copy views of that one lease, on the object's
@@ -362,10 +363,40 @@ def get_bundle(store: Any, name: str, timeout: Optional[float] = None, *, versio
     ``views``: "torch", "numpy" (NumPy arrays of a host bundle, CuPy arrays of a GPU
     one; bfloat16 and float8 as ml_dtypes' types where it is installed, else as uint8
     bytes), or "auto"
-    (PyTorch where it can be imported, else "numpy")."""
+    (PyTorch where it can be imported, else "numpy").
+
+    ``tensors``: the names of the tensors wanted; the bundle then holds only those
+    (iteration, ``load_into``, ``nbytes``), over the whole bundle's lease. A name the
+    bundle lacks, or given twice, raises InvalidArgument naming it (the lease is
+    released). A get that pulls the bundle from another node pulls all of it for now
+    (docs/cluster.md, "Partial reads")."""
     lib = pick(views)
+    if isinstance(tensors, str):
+        raise TypeError("tensors is a list of tensor names, not one name: tensors=[%r]" % tensors)
     lease = store.get(name, timeout, version=version, shard=shard, newer_than=newer_than, wait=wait)
-    return Bundle(lease, layout_of(lease.manifest_bytes()), lib)
+    try:
+        lay = layout_of(lease.manifest_bytes())
+        if tensors is not None:
+            lay = _subset(lay, name, list(tensors))
+    except BaseException:
+        lease.release()
+        raise
+    return Bundle(lease, lay, lib)
+
+
+def _subset(lay: Layout, name: str, names: List[str]) -> Layout:
+    """A layout of ``lay``'s entries named in ``names`` (in ``lay``'s order, by
+    offset), with its metadata; an unknown or repeated name is InvalidArgument."""
+    want = set()
+    for n in names:
+        if n in want:
+            raise InvalidArgument("get", name, "tensor %r is named twice" % n)
+        if n not in lay.index:
+            raise InvalidArgument("get", name, "the bundle has no tensor %r" % n)
+        want.add(n)
+    entries = [e for e in lay.entries if e.name in want]
+    # Not cached by raw bytes (layout_of's cache): raw is the whole bundle's.
+    return Layout(lay.raw, (entries, dict(lay.metadata)))
 
 
 def load_into(bundle: Bundle, params: Mapping[str, Any], *, stream: Any = None) -> LoadReport:

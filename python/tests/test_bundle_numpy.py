@@ -72,6 +72,33 @@ def test_numpy_bundle_round_trip(store):
         store.put_bundle("np-scalar", {"x": np.float32(1)})
 
 
+def test_subset_get_bundle(store):
+    """get_bundle(tensors=[...]): only those tensors, bytes equal; bad names are
+    InvalidArgument naming them, and leave no lease behind."""
+    rng = np.random.default_rng()
+    sd = state_dict(rng)
+    store.put_bundle("sub", sd, metadata={"k": "v"})
+    want = ["scalar", "t1.uint8", "empty"]
+    with store.get_bundle("sub", views="numpy", tensors=want) as b:
+        assert set(b) == set(want) and len(b) == 3 and b.metadata == {"k": "v"}
+        assert "t0.bool" not in b
+        with pytest.raises(KeyError):
+            b["t0.bool"]
+        for k in want:
+            assert same_bits(b[k], sd[k]), k
+        assert b.nbytes == sum(np.ascontiguousarray(sd[k]).nbytes for k in want)
+        params = {k: np.zeros_like(sd[k]) for k in want}
+        cudaipc.load_into(b, params)
+        for k in want:
+            assert same_bits(params[k], sd[k]), k
+    for bad, named in ((["scalar", "nope"], "'nope'"), (["empty", "empty"], "'empty'")):
+        with pytest.raises(cudaipc.InvalidArgument, match=named):
+            store.get_bundle("sub", views="numpy", tensors=bad)
+    with pytest.raises(TypeError, match="list of tensor names"):
+        store.get_bundle("sub", views="numpy", tensors="scalar")
+    assert store.stat("sub").leases == 0
+
+
 def test_create_bundle_of_numpy_arrays(store):
     """create_bundle's NumPy views: NumPy's dtypes, and bfloat16 as ml_dtypes' type
     where ml_dtypes is installed (the GPU machines have it, from JAX), else as uint8
