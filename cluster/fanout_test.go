@@ -99,21 +99,40 @@ func TestFanoutChain(t *testing.T) {
 	n := len(o.Sums)
 	wait := pullAll(ctx, rs, o.Ref())
 	order := feedersAre(t, pub, o, 4)
+	byName := map[string]int{}
+	for i, r := range rs {
+		byName[r.Name] = i
+	}
+	// Every link of the chain is open before a byte moves: the publisher
+	// exposes the object to the first reader, each reader but the last its
+	// replica being pulled to the next. A reader that asked its upstream
+	// only after the upstream had finished would read a sealed replica
+	// from a holder (no fed bytes), which is right but not this test.
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if ex := pub.Store.Exposed(); ex != 1 {
+			return fmt.Errorf("the publisher exposes %d objects, want 1", ex)
+		}
+		for _, name := range order[:len(order)-1] {
+			if ex := rs[byName[name]].Store.Exposed(); ex != 1 {
+				return fmt.Errorf("feeder %s exposes %d replicas, want 1", name, ex)
+			}
+		}
+		return nil
+	})
 	open()
 	for i, err := range wait() {
 		if err != nil {
 			t.Fatalf("reader r%d: %v", i, err)
 		}
 	}
-	// The publisher served every chunk once; each feeder served every
-	// chunk once to the next in the chain, the last none.
+	// The publisher served every chunk once (N readers cost it one
+	// transfer); each feeder served every chunk once to the next in the
+	// chain, the last none.
 	pw := pub.Store.T.(*memtransport.Worker)
 	if g := pw.Gets(); g != n {
 		t.Errorf("the publisher served %d GETs for %d chunks", g, n)
 	}
-	byName := map[string]int{}
-	for i, r := range rs {
-		byName[r.Name] = i
+	for _, r := range rs {
 		if !bytes.Equal(r.Store.Get(o.Ref()), want) {
 			t.Errorf("reader %s's replica differs", r.Name)
 		}
