@@ -167,11 +167,13 @@ func TestFanoutChain(t *testing.T) {
 			return nil
 		})
 	}
-	// The holders are all five.
-	e, err := pub.Dir.Lookup(ctx, o.Ref())
-	if err != nil || len(e.Holders) != 5 {
-		t.Fatalf("holders %v (%v)", e.Holders, err)
-	}
+	// The holders are all five, once each has advertised its replica.
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if e, err := pub.Dir.Lookup(ctx, o.Ref()); err != nil || len(e.Holders) != 5 {
+			return fmt.Errorf("holders %v (%v)", e.Holders, err)
+		}
+		return nil
+	})
 }
 
 // A feeder that dies mid-pull: the readers behind it move to the holders

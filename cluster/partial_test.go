@@ -94,6 +94,7 @@ func TestPullRangesFailover(t *testing.T) {
 	if _, err := b.P.Pull(ctx, o.Ref()); err != nil {
 		t.Fatal(err)
 	}
+	waitHolders(t, ctx, c, o.Ref(), "a,b")
 	worker(a).Kill()
 	r := cluster.Range{Off: 1<<20 + 3, Len: 5 << 20}
 	dst := make([]byte, r.Len)

@@ -136,7 +136,9 @@ func (p *Puller) log() *slog.Logger {
 	return p.Logger
 }
 
-// Pull makes a sealed local replica of ref and advertises it, returning
+// Pull makes a sealed local replica of ref and advertises it (a pull
+// without fan-out after it returns, in the background: see advertise),
+// returning
 // the object's entry. It fails with one line naming the holders that
 // failed, wrapping ErrNoHolder when no live node holds the object,
 // ErrNotFound when it is not recorded (or went during the pull),
@@ -454,16 +456,48 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 	if err := rep.Seal(); err != nil {
 		return e, fmt.Errorf("pull %s: seal the local replica: %w", ref, err)
 	}
-	if err := p.Dir.AddHolder(ctx, e); err != nil {
-		return e, fmt.Errorf("pull %s: %w", ref, err)
-	}
 	ok = true
+	if t.feed != nil {
+		// Fanned out: readers behind this node move from its feed to its
+		// replica, so it is a holder before the feed ends.
+		if err := p.Dir.AddHolder(ctx, e); err != nil {
+			ok = false
+			return e, fmt.Errorf("pull %s: %w", ref, err)
+		}
+	} else {
+		p.advertise(ctx, e, rep)
+	}
 	p.bytes.Add(uint64(e.Size))
 	for _, s := range sources {
 		p.fed.Add(uint64(s.fed))
 	}
 	p.log().Debug("cluster pull done", "object", ref.String(), "bytes", e.Size, "sources", len(sources), "took", time.Since(t.start))
 	return e, nil
+}
+
+// AdvertiseTimeout bounds the directory write that advertises a new
+// replica.
+const AdvertiseTimeout = 10 * time.Second
+
+// advertise records this node as a holder of e's sealed replica rep, after
+// the get has its answer (off its path), within AdvertiseTimeout. A name
+// deleted or replaced meanwhile (ErrNotFound) drops the replica; other
+// failures are logged and leave the replica local and unadvertised (other
+// nodes read from the holders they know). Close waits for it.
+func (p *Puller) advertise(ctx context.Context, e Entry, rep Replica) {
+	actx := context.WithoutCancel(ctx)
+	p.bg.Go(func() {
+		ctx, cancel := context.WithTimeout(actx, AdvertiseTimeout)
+		defer cancel()
+		err := p.Dir.AddHolder(ctx, e)
+		switch {
+		case errors.Is(err, ErrNotFound):
+			p.log().Info("cluster pull: the name went during the pull; its replica is dropped", "object", e.Ref().String())
+			rep.Abort()
+		case err != nil:
+			p.log().Warn("cluster pull: replica not advertised", "object", e.Ref().String(), "err", err)
+		}
+	})
 }
 
 // run reads chunks from sources until all are done, the pull fails, or

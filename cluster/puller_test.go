@@ -35,6 +35,18 @@ func startNode(t *testing.T, srv *etcdtest.Server, nw *memtransport.Network, nam
 
 func worker(n *testNode) *memtransport.Worker { return n.Store.T.(*memtransport.Worker) }
 
+// waitHolders waits until the directory lists holders of ref, in order
+// (pulls advertise their replicas after they return).
+func waitHolders(t *testing.T, ctx context.Context, n *testNode, ref cluster.Ref, holders string) {
+	t.Helper()
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if e, err := n.Dir.Lookup(ctx, ref); err != nil || strings.Join(e.Holders, ",") != holders {
+			return fmt.Errorf("holders of %s: %v (%v), want %s", ref, e.Holders, err, holders)
+		}
+		return nil
+	})
+}
+
 func bounded(t *testing.T, d time.Duration) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	t.Cleanup(cancel)
@@ -55,9 +67,7 @@ func TestPullAcrossNodes(t *testing.T) {
 	if got := b.Store.Get(o.Ref()); !bytes.Equal(got, want) || e.ID != o.ID {
 		t.Fatal("B's replica differs from A's object")
 	}
-	if e, _ := c.Dir.Lookup(ctx, o.Ref()); strings.Join(e.Holders, ",") != "a,b" {
-		t.Fatalf("holders after B's pull: %v", e.Holders)
-	}
+	waitHolders(t, ctx, c, o.Ref(), "a,b")
 	// Get on C: striped over A and B.
 	ga, gb := worker(a).Gets(), worker(b).Gets()
 	if _, err := c.P.Pull(ctx, o.Ref()); err != nil {
@@ -102,6 +112,7 @@ func TestPullFailover(t *testing.T) {
 	if _, err := b.P.Pull(ctx, o.Ref()); err != nil {
 		t.Fatal(err)
 	}
+	waitHolders(t, ctx, c, o.Ref(), "a,b")
 	// A is slow and dies mid-pull: C finishes from B.
 	worker(a).SetDelay(20 * time.Millisecond)
 	go func() {

@@ -22,6 +22,7 @@ import (
 	"github.com/cudaipc/cudaipc/cluster/etcddir"
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 	"github.com/cudaipc/cudaipc/cluster/node"
+	"github.com/cudaipc/cudaipc/internal/testutil"
 	"github.com/cudaipc/cudaipc/store"
 	"github.com/cudaipc/cudaipc/transport/ucx"
 )
@@ -196,10 +197,14 @@ func TestDaemonsShareObjects(t *testing.T) {
 	if m := metric(t, a.st, "cudaipc_cluster_exposures_total"); m == "0" || m == "" {
 		t.Errorf("A's exposures metric: %q", m)
 	}
-	ls, err := c.node.Directory().List(ctx)
-	if err != nil || len(ls) != 1 || strings.Join(ls[0].Holders, ",") != "a,b,c" {
-		t.Fatalf("directory: %+v %v", ls, err)
-	}
+	// B and C advertise their replicas after answering the gets.
+	testutil.Eventually(t, testutil.Wait, func() error {
+		ls, err := c.node.Directory().List(ctx)
+		if err != nil || len(ls) != 1 || strings.Join(ls[0].Holders, ",") != "a,b,c" {
+			return fmt.Errorf("directory: %+v %v", ls, err)
+		}
+		return nil
+	})
 	// Node-local objects do not cross.
 	if _, err := b.get(ctx, "local-only"); !errors.Is(err, client.ErrNotFound) {
 		t.Fatalf("get of A's local object on B: %v", err)
