@@ -39,12 +39,19 @@ func TestReaderKilledMidPull(t *testing.T) {
 		t.Fatal(err)
 	}
 	recv(t, pub, time.Minute)
-	state := func() nodeReply {
+	// state asks the publisher what it pins, exposes and sees as holders. Its
+	// holder list is an etcd read, which can miss its 2 s call timeout while
+	// the tc-limited link is full: the waits below retry such an answer.
+	state := func() (nodeReply, error) {
 		t.Helper()
 		if err := pub.Send(nodeCmd{Op: "state", Name: name}); err != nil {
 			t.Fatal(err)
 		}
-		return recv(t, pub, time.Minute)
+		r := recvAny(t, pub, time.Minute)
+		if r.Err != "" {
+			return r, fmt.Errorf("publisher's state: %s", r.Err)
+		}
+		return r, nil
 	}
 	if err := reader.Send(nodeCmd{Op: "pull", Name: name}); err != nil {
 		t.Fatal(err)
@@ -55,7 +62,11 @@ func TestReaderKilledMidPull(t *testing.T) {
 	// pending wireup REP; docs/cluster.md, "Failure behaviour").
 	base := nw.Sent(pub.Pid())
 	testutil.Eventually(t, testutil.Wait, func() error {
-		if s := state(); s.Pinned != 1 || s.Exposed != 1 {
+		s, err := state()
+		if err != nil {
+			return err
+		}
+		if s.Pinned != 1 || s.Exposed != 1 {
 			return fmt.Errorf("publisher: %d pins, %d exposures; want the reader's", s.Pinned, s.Exposed)
 		}
 		if sent := nw.Sent(pub.Pid()) - base; sent < 1<<20 {
@@ -69,7 +80,11 @@ func TestReaderKilledMidPull(t *testing.T) {
 	killed := time.Now()
 	// The reader's lease has a 2 s TTL (clustertest.OpenNode).
 	testutil.Eventually(t, testutil.Wait, func() error {
-		if s := state(); s.Pinned != 0 || s.Exposed != 0 || !slices.Equal(s.Holders, []string{"pub"}) {
+		s, err := state()
+		if err != nil {
+			return err
+		}
+		if s.Pinned != 0 || s.Exposed != 0 || !slices.Equal(s.Holders, []string{"pub"}) {
 			return fmt.Errorf("publisher after the reader's death: %d pins, %d exposures, holders %v", s.Pinned, s.Exposed, s.Holders)
 		}
 		return nil
