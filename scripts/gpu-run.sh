@@ -7,6 +7,9 @@
 #   WEIGHT_SYNC=1 STORE_BENCH=1 bash .gpu/gpu-run.sh   # also the weight-sync and store benchmarks
 #   BASE_BIN=.gpu-base/cudaipc-base bash .gpu/gpu-run.sh  # the store round trip against an older build, same run
 #   STAGING_BENCH=1 ...                                   # the cluster staging pipeline's chunk-size sweep
+#   CLUSTER_BENCH=1 ...                                   # 'cudaipc bench cluster' (gpu-cluster-bench.sh)
+# Unpacks .gpu/tools.tar.xz into .gpu/tools/ first: etcd at .gpu/tools/bin/etcd,
+# ucx_perftest and Debian's UCX 1.13 (see scripts/gpu-build.sh).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
 # Every GPU this machine has must be usable: tests needing up to this many
@@ -16,6 +19,7 @@ export CUDAIPC_REQUIRE_GPU=${CUDAIPC_REQUIRE_GPU:-$(nvidia-smi -L | grep -c '^GP
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 run=${1:-.}; bench=${2:-}
 for f in .gpu/bin/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
+if [ -e .gpu/tools.tar.xz ] && [ ! -d .gpu/tools ]; then mkdir -p .gpu/tools && tar -C .gpu/tools -xJf .gpu/tools.tar.xz; fi
 nvidia-smi --query-gpu=index,name,uuid,driver_version --format=csv,noheader | tee "$out/nvidia-smi.txt"
 .gpu/bin/cudaipc info | tee "$out/info.txt"
 total_pass=0; total_fail=0; total_skip=0; failed=""
@@ -73,9 +77,14 @@ if [ -n "${STAGING_BENCH:-}" ] && [ -x .gpu/bin/cluster_staging.test ]; then
   ( cd cluster/staging && CUDAIPC_STAGING_BENCH=1 timeout "${STAGING_TIMEOUT:-90}" "$OLDPWD/.gpu/bin/cluster_staging.test" -test.run '^$' -test.bench StagedCopy -test.benchtime 3x ) >"$out/staging-bench.txt" 2>&1
   echo "staging bench rc=$?" | tee -a "$out/summary.txt"
 fi
+# The cluster benchmark (issue 18): CLUSTER_BENCH=1.
+if [ -n "${CLUSTER_BENCH:-}" ]; then
+  OUT=$out bash .gpu/gpu-cluster-bench.sh
+  echo "cluster bench rc=$?" | tee -a "$out/summary.txt"
+fi
 grep -h -B2 -A20 -- '--- FAIL' "$out"/*.log | head -150
 grep -h -E '^(FAILED|ERROR)' "$out/pytest.log" 2>/dev/null | head -30
 # The device tool brings back at most 8 files: everything in one archive, the
 # summary beside it.
-( cd "$out" && tar czf /tmp/gpu-logs.tgz --exclude=logs.tgz . && find . -maxdepth 1 -type f ! -name summary.txt -delete && mv /tmp/gpu-logs.tgz logs.tgz )
+( cd "$out" && tar czf /tmp/gpu-logs.tgz --exclude=logs.tgz . && find . -maxdepth 1 -type f ! -name summary.txt ! -name bench-cluster.jsonl -delete && mv /tmp/gpu-logs.tgz logs.tgz )
 echo "logs in $out/logs.tgz (summary in $out/summary.txt)"

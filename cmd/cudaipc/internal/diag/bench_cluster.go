@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"syscall"
@@ -37,6 +38,8 @@ type BenchClusterCmd struct {
 	Small bytesize.Size `default:"4KiB" help:"Size of each small object (default ${default})." placeholder:"BYTES"`
 	Count int           `default:"1000" help:"Small objects pulled (default ${default})." placeholder:"N"`
 	JSON  bool          `name:"json" help:"Print one JSON object: GB/s, p50/p99, ucx_perftest's figures and the ratios."`
+	// CPUProfile, when set, is where the large get's CPU profile goes.
+	CPUProfile string `name:"cpu-profile" help:"Write a CPU profile of the large get (both daemons run in this process) to FILE, for 'go tool pprof'." placeholder:"FILE" type:"path"`
 	// EtcdDir is where the private etcd keeps its data.
 	EtcdDir string `name:"etcd-dir" help:"Directory for the private etcd's data; default: a new one under /dev/shm when there is one (memory: etcd's fsyncs cost nothing, as in the tests), else under the system's temporary directory." placeholder:"DIR"`
 }
@@ -58,6 +61,8 @@ machine differ.`
 }
 
 type benchClusterResult struct {
+	UCXLibrary    string  `json:"ucx_library"`
+	UCXVersion    string  `json:"ucx_version"`
 	UCXTLS        string  `json:"ucx_tls"`
 	UCXDevices    string  `json:"ucx_net_devices"`
 	EtcdDir       string  `json:"etcd_dir"`
@@ -91,7 +96,8 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 		}
 	}
 	res := benchClusterResult{UCXTLS: os.Getenv("UCX_TLS"), UCXDevices: os.Getenv("UCX_NET_DEVICES"),
-		LargeBytes: int64(c.Size), SmallBytes: int64(c.Small), SmallCount: c.Count}
+		LargeBytes: int64(c.Size), SmallBytes: int64(c.Small), SmallCount: c.Count, UCXLibrary: ucx.Library()}
+	res.UCXVersion, _ = ucx.Version()
 	progress := func(format string, args ...any) {
 		if isTTY(e.Stderr) {
 			fmt.Fprintf(e.Stderr, "bench cluster: "+format+"\n", args...)
@@ -156,8 +162,21 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 	}
 
 	progress("getting the %s object on node b", c.Size)
+	if c.CPUProfile != "" {
+		f, err := os.Create(c.CPUProfile)
+		if err != nil {
+			return fmt.Errorf("bench cluster: --cpu-profile: %w", err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return fmt.Errorf("bench cluster: --cpu-profile: %w", err)
+		}
+	}
 	t0 := time.Now()
 	l, err := b.c.Get(ctx, "bench/large")
+	if c.CPUProfile != "" {
+		pprof.StopCPUProfile()
+	}
 	if err != nil {
 		return fmt.Errorf("bench cluster: get of the large object on node b: %w", err)
 	}
@@ -205,7 +224,7 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 		return printJSON(e.Stdout, res)
 	}
 	w := e.Stdout
-	fmt.Fprintf(w, "link: UCX_TLS=%s UCX_NET_DEVICES=%s (two daemons on this machine), etcd data in %s\n", res.UCXTLS, res.UCXDevices, res.EtcdDir)
+	fmt.Fprintf(w, "link: UCX_TLS=%s UCX_NET_DEVICES=%s (two daemons on this machine, UCX %s from %s), etcd data in %s\n", res.UCXTLS, res.UCXDevices, res.UCXVersion, res.UCXLibrary, res.EtcdDir)
 	fmt.Fprintf(w, "%-34s %10.2f GB/s  (%.3f s, bytes equal: %v)\n", "get of a "+c.Size.String()+" object", res.LargeGBps, res.LargeSeconds, res.LargeEqual)
 	fmt.Fprintf(w, "%-34s p50 %8.1f µs  p99 %8.1f µs  (bytes equal: %v)\n", fmt.Sprintf("gets of %d objects of %s", c.Count, c.Small), res.SmallP50US, res.SmallP99US, res.SmallEqual)
 	if res.PerftestError != "" {
