@@ -4,97 +4,38 @@ import (
 	"context"
 	"errors"
 	"slices"
-	"sync"
-	"time"
 
 	"github.com/cudaipc/cudaipc/cluster"
 )
 
-// Bounds of the node's cache of directory lookups.
-const (
-	// lookupTTL bounds how long a cached record is used without the
-	// watch having said anything: a backstop, since the watch drops the
-	// records of deleted names at once.
-	lookupTTL = 30 * time.Second
-	// maxLookups bounds the cached records; past it the cache starts
-	// over.
-	maxLookups = 4096
-)
-
-// lookups caches the directory's answers (an object's record and its
-// holders) for gets of objects this node does not hold, so that a get
-// reads etcd only the first time. The watch forgets a name's records
-// when the cluster deletes it; a get whose pull fails on a cached answer
-// looks the object up again and retries once when the answer changed
-// (a replaced incarnation, new holders). Safe for concurrent use.
-type lookups struct {
-	mu sync.Mutex
-	m  map[cluster.Ref]cachedLookup
-}
-
-type cachedLookup struct {
-	e  cluster.Entry
-	at time.Time
-}
-
-func (l *lookups) get(ref cluster.Ref) (cluster.Entry, bool) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	c, ok := l.m[ref]
-	if !ok || time.Since(c.at) > lookupTTL {
-		return cluster.Entry{}, false
-	}
-	return c.e, true
-}
-
-func (l *lookups) put(ref cluster.Ref, e cluster.Entry) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.m == nil || len(l.m) >= maxLookups {
-		l.m = map[cluster.Ref]cachedLookup{}
-	}
-	l.m[ref] = cachedLookup{e: e, at: time.Now()}
-}
-
-// forgetName drops every cached record of owner's name.
-func (l *lookups) forgetName(owner uint32, name string) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for ref := range l.m {
-		if ref.Owner == owner && ref.Name == name {
-			delete(l.m, ref)
-		}
-	}
-}
-
-// lookup is Directory.Lookup through the cache; cached says the answer
-// came from it.
-func (n *Node) lookup(ctx context.Context, ref cluster.Ref) (e cluster.Entry, cached bool, err error) {
-	if e, ok := n.lookups.get(ref); ok {
+// lookup is Directory.Lookup answered from the node's mirror of the
+// directory (etcddir.Mirror) when it has a record of ref with a live
+// holder, from etcd otherwise; mirrored says the answer came from the
+// mirror.
+func (n *Node) lookup(ctx context.Context, ref cluster.Ref) (e cluster.Entry, mirrored bool, err error) {
+	if e, ok := n.mirror.Lookup(ref); ok {
 		return e, true, nil
 	}
 	e, err = n.dir.Lookup(ctx, ref)
-	if err == nil {
-		n.lookups.put(ref, e)
-	}
 	return e, false, err
 }
 
-// withLookup runs do with ref's record, from the cache when it has it.
-// When do fails on a cached record, the record is read again and, if it
-// changed (another incarnation, other holders), do runs once more with
-// it.
+// withLookup runs do with ref's record, from the mirror when it has it.
+// When do fails on a mirrored record, the record is read from etcd and,
+// if it differs (another incarnation, other holders), do runs once more
+// with it: a mirror that lags behind etcd costs a retry, never a wrong
+// object (a holder exposes only the incarnation asked for, and every
+// chunk is checked against the record's checksums).
 func (n *Node) withLookup(ctx context.Context, ref cluster.Ref, do func(cluster.Entry) error) error {
-	e, cached, err := n.lookup(ctx, ref)
+	e, mirrored, err := n.lookup(ctx, ref)
 	if err != nil {
 		return err
 	}
 	err = do(e)
-	if err == nil || !cached || ctx.Err() != nil {
+	if err == nil || !mirrored || ctx.Err() != nil {
 		return err
 	}
-	n.lookups.forgetName(ref.Owner, ref.Name)
-	fresh, _, lerr := n.lookup(ctx, ref)
+	fresh, lerr := n.dir.Lookup(ctx, ref)
 	if lerr != nil {
 		if errors.Is(lerr, cluster.ErrNotFound) {
 			return lerr

@@ -9,14 +9,14 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
-// A node caches the directory's record of a name it pulled; when the
-// name is deleted and published again (another incarnation, other
-// bytes), the next get on that node reads the new object, never the
-// cached record's. Each round waits until every node dropped its replica
+// A node answers lookups from its mirror of the directory; when a name
+// is deleted and published again (another incarnation, other bytes), the
+// next get on any node reads the new object, never the old record's. Each round waits until every node dropped its replica
 // of the deleted name: a node whose watch sees a delete only after the
 // name was created again there drops the new object too (Node.watch drops
 // every incarnation of a plain name), which is not what this test is
@@ -53,9 +53,19 @@ func TestCachedLookupFollowsRepublish(t *testing.T) {
 	}
 	for round, p := range []*daemon{a, c, c, a} {
 		want := put(p, int64(4096+1000*round))
-		get(b, want) // the first time reads etcd; B caches the record
+		testutil.Eventually(t, testutil.Wait, func() error {
+			if _, ok := b.node.Mirror().Lookup(cluster.Ref{Name: "ns/obj"}); !ok {
+				return fmt.Errorf("node b's mirror lacks round %d's object", round)
+			}
+			return nil
+		})
+		hits, _ := b.node.Mirror().Stats()
+		get(b, want)
 		b.st.DropCluster(0, "ns/obj", "")
-		get(b, want) // the cached record
+		get(b, want)
+		if h, _ := b.node.Mirror().Stats(); h == hits {
+			t.Fatalf("round %d: B's gets never found the record in its mirror", round)
+		}
 		for _, r := range all {
 			if r != p && r != b {
 				get(r, want)

@@ -67,7 +67,8 @@ type Node struct {
 	arenas map[uint64]*arenaReg          // registered arenas, by store arena id
 	pins   map[string]*store.ClusterFile // holds for pins, by pin key
 
-	lookups lookups
+	// mirror answers lookups without etcd while it is in sync.
+	mirror *etcddir.Mirror
 }
 
 // arenaReg is an arena mapped into the daemon and registered with UCX,
@@ -124,7 +125,8 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		tr.Close()
 		return nil, err
 	}
-	n := &Node{cfg: cfg, log: log, dir: dir, tr: tr, ln: ln, arenas: map[uint64]*arenaReg{}, pins: map[string]*store.ClusterFile{}}
+	n := &Node{cfg: cfg, log: log, dir: dir, tr: tr, ln: ln, arenas: map[uint64]*arenaReg{}, pins: map[string]*store.ClusterFile{},
+		mirror: dir.Mirror(context.Background())}
 	feeding := &cluster.Feeding{} // fan-out: replicas being pulled feed other readers (fanout.go)
 	n.p = &cluster.Puller{Dir: dir, Transport: tr, Secret: cfg.Directory.Secret, Sink: sink{n}, Logger: log,
 		Feeds: dir, Feeding: feeding}
@@ -198,6 +200,7 @@ func (n *Node) Close() error {
 	}
 	n.ln.Close()
 	n.wg.Wait()
+	n.mirror.Close()
 	n.mu.Lock()
 	for k, f := range n.pins {
 		f.Release()
@@ -213,6 +216,10 @@ func (n *Node) Close() error {
 // Directory is the node's directory, for listings.
 func (n *Node) Directory() *etcddir.Directory { return n.dir }
 
+// Mirror is the node's mirror of the directory, for diagnostics and
+// tests.
+func (n *Node) Mirror() *etcddir.Mirror { return n.mirror }
+
 // Stats are the puller's counters.
 func (n *Node) Stats() cluster.PullStats { return n.p.Stats() }
 
@@ -222,7 +229,6 @@ func (n *Node) watch(ctx context.Context) {
 	for ev := range n.dir.Watch(ctx) {
 		switch {
 		case ev.Deleted:
-			n.lookups.forgetName(ev.Ref.Owner, ev.Ref.Name)
 			if ev.Ref.Version != 0 && !n.nameGone(ctx, ev.Ref) {
 				continue // an old version's records pruned: replicas stay, by this node's keep_last
 			}
@@ -307,6 +313,12 @@ func (n *Node) fetch(ctx context.Context, reader, owner uint32, name string, sel
 		return n.pullVersion(ctx, reader, e)
 	}
 	ref := cluster.Ref{Owner: owner, Name: name}
+	if l, ok := n.mirror.Latest(owner, name); ok {
+		// A versioned name: its latest version, from the mirror.
+		return notFound(n.withLookup(ctx, cluster.Ref{Owner: owner, Name: name, Version: l.Version}, func(e cluster.Entry) error {
+			return n.pullVersion(ctx, reader, e)
+		}))
+	}
 	e, cached, err := n.lookup(ctx, ref)
 	if errors.Is(err, cluster.ErrNotFound) {
 		l, lerr := n.dir.Latest(ctx, owner, name)
@@ -350,11 +362,13 @@ func (n *Node) pullVersion(ctx context.Context, reader uint32, e cluster.Entry) 
 			continue // published here: the version's other shards came from other nodes
 		}
 		ref := cluster.Ref{Owner: e.Owner, Name: e.Name, Version: e.Version, Shard: shard}
-		pull := func() (cluster.Entry, error) { return n.p.Pull(ctx, ref) }
-		if shard == e.Shard {
-			pull = func() (cluster.Entry, error) { return n.p.PullEntry(ctx, e) }
+		pull := func() error {
+			return n.withLookup(ctx, ref, func(e cluster.Entry) error { _, err := n.p.PullEntry(ctx, e); return err })
 		}
-		if _, err := pull(); err != nil {
+		if shard == e.Shard {
+			pull = func() error { _, err := n.p.PullEntry(ctx, e); return err }
+		}
+		if err := pull(); err != nil {
 			if errors.Is(err, cluster.ErrNotFound) {
 				return fmt.Errorf("%w: %v", store.ErrNotFound, err)
 			}

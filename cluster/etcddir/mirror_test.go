@@ -1,0 +1,269 @@
+package etcddir
+
+import (
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
+)
+
+// sameEntry reports whether the mirror's answer is the directory's.
+func sameEntry(a, b Entry) bool {
+	return a.ID == b.ID && a.Revision == b.Revision && a.Size == b.Size && slices.Equal(a.Sums, b.Sums) &&
+		slices.Equal(a.Holders, b.Holders) && a.Owner == b.Owner && a.Shared == b.Shared
+}
+
+// watchIDs polls m's answer for ref in the background and records every
+// incarnation id it served, in order, until stop.
+func watchIDs(m *Mirror, ref cluster.Ref) (stop func() []string) {
+	var mu sync.Mutex
+	var ids []string
+	var done atomic.Bool
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for !done.Load() {
+			if e, ok := m.Lookup(ref); ok {
+				mu.Lock()
+				if len(ids) == 0 || ids[len(ids)-1] != e.ID {
+					ids = append(ids, e.ID)
+				}
+				mu.Unlock()
+			}
+			time.Sleep(200 * time.Microsecond)
+		}
+	})
+	return func() []string {
+		done.Store(true)
+		wg.Wait()
+		return ids
+	}
+}
+
+func TestMirrorFollowsCreateReplaceDelete(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b, c := open(t, srv, "a"), open(t, srv, "b"), open(t, srv, "c")
+	ctx := ctxT(t)
+	// A record made before the mirror starts comes with its load.
+	before, _ := object("before", 4096)
+	if _, err := a.Publish(ctx, before); err != nil {
+		t.Fatal(err)
+	}
+	m := c.Mirror(ctx)
+	defer m.Close()
+	eventually(t, 10*time.Second, "the mirror loads", m.Synced)
+	if e, ok := m.Lookup(before.Ref()); !ok || e.ID != before.ID || !slices.Equal(e.Holders, []string{"a"}) {
+		t.Fatalf("record made before the mirror: %+v %v", e, ok)
+	}
+
+	o, _ := object("model/w 1", 64<<10+3)
+	ref := o.Ref()
+	if _, ok := m.Lookup(ref); ok {
+		t.Fatal("the mirror answers for a name not recorded")
+	}
+	ids := watchIDs(m, ref)
+	if _, err := a.Publish(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	var e Entry
+	eventually(t, 10*time.Second, "the mirror has the new record", func() bool {
+		var ok bool
+		e, ok = m.Lookup(ref)
+		return ok
+	})
+	want, err := c.Lookup(ctx, ref)
+	if err != nil || !sameEntry(e, want) || e.Origin != "a" {
+		t.Fatalf("mirror %+v, directory %+v %v", e, want, err)
+	}
+	// A second holder.
+	if err := b.AddHolder(ctx, e); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the mirror has both holders", func() bool {
+		e, _ := m.Lookup(ref)
+		return slices.Equal(e.Holders, []string{"a", "b"})
+	})
+	// Holders leave: no live holder, no answer (the caller asks etcd).
+	if err := a.RemoveHolder(ctx, ref); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.RemoveHolder(ctx, ref); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the mirror drops a record nobody holds", func() bool {
+		_, ok := m.Lookup(ref)
+		return !ok
+	})
+	// Replaced by a new incarnation.
+	o2 := o
+	o2.ID = cluster.NewID()
+	if _, err := b.Publish(ctx, o2); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the mirror has the new incarnation", func() bool {
+		e, ok := m.Lookup(ref)
+		return ok && e.ID == o2.ID && slices.Equal(e.Holders, []string{"b"})
+	})
+	// Deleted, then created again by another node: once the mirror shows
+	// the third incarnation it never shows an older one.
+	if err := a.Delete(ctx, o.Owner, o.Name); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the mirror drops the deleted name", func() bool {
+		_, ok := m.Lookup(ref)
+		return !ok
+	})
+	o3 := o
+	o3.ID = cluster.NewID()
+	if _, err := a.Publish(ctx, o3); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the mirror has the re-created name", func() bool {
+		e, ok := m.Lookup(ref)
+		return ok && e.ID == o3.ID
+	})
+	time.Sleep(50 * time.Millisecond)
+	got := ids()
+	if !slices.Equal(got, []string{o.ID, o2.ID, o3.ID}) {
+		t.Fatalf("incarnations the mirror served, in order: %v, want %v", got, []string{o.ID, o2.ID, o3.ID})
+	}
+
+	// Versions: the latest record is mirrored, and each shard's record.
+	v := o
+	v.Name, v.Version, v.Shards, v.ID = "versioned", 3, 1, cluster.NewID()
+	if _, err := a.Publish(ctx, v); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the mirror has the version", func() bool {
+		l, ok := m.Latest(v.Owner, v.Name)
+		e, ok2 := m.Lookup(v.Ref())
+		return ok && l.Version == 3 && ok2 && e.ID == v.ID
+	})
+	if err := a.Delete(ctx, v.Owner, v.Name); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the mirror drops the deleted version", func() bool {
+		_, ok := m.Latest(v.Owner, v.Name)
+		_, ok2 := m.Lookup(v.Ref())
+		return !ok && !ok2
+	})
+	if hits, misses := m.Stats(); hits == 0 || misses == 0 {
+		t.Fatalf("stats: %d hits, %d misses", hits, misses)
+	}
+}
+
+// A forged record under a mirrored key is never served.
+func TestMirrorIgnoresForgedRecords(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, c := open(t, srv, "a"), open(t, srv, "c")
+	ctx := ctxT(t)
+	m := c.Mirror(ctx)
+	defer m.Close()
+	eventually(t, 10*time.Second, "the mirror loads", m.Synced)
+	o, _ := object("forged", 4096)
+	if _, err := a.Publish(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the mirror has the record", func() bool { _, ok := m.Lookup(o.Ref()); return ok })
+	// Someone with etcd access but not the secret replaces the record.
+	evil := o
+	evil.Size, evil.ID = 1<<20, cluster.NewID()
+	val, _ := cluster.Seal(mustSecret("another-secret-entirely!"), a.k.obj(o.Ref()), &evil)
+	if _, err := a.cli.Put(ctx, a.k.obj(o.Ref()), string(val)); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the mirror refuses the forged record", func() bool {
+		_, ok := m.Lookup(o.Ref())
+		return !ok
+	})
+}
+
+// A mirror cut off from etcd answers nothing; when it comes back it loads
+// the records again, so changes made meanwhile (even compacted away) are
+// never missed.
+func TestMirrorResyncsAfterBreak(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, c := open(t, srv, "a"), open(t, srv, "c")
+	ctx := ctxT(t)
+	m := c.Mirror(ctx)
+	defer m.Close()
+	eventually(t, 10*time.Second, "the mirror loads", m.Synced)
+	x, _ := object("x", 4096)
+	if _, err := a.Publish(ctx, x); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the mirror has x", func() bool { _, ok := m.Lookup(x.Ref()); return ok })
+	loads := m.Loads()
+
+	resume := m.hold()
+	if _, ok := m.Lookup(x.Ref()); ok {
+		t.Fatal("a mirror cut off from etcd still answers")
+	}
+	if err := a.Delete(ctx, x.Owner, x.Name); err != nil {
+		t.Fatal(err)
+	}
+	x2 := x
+	x2.ID = cluster.NewID()
+	if _, err := a.Publish(ctx, x2); err != nil {
+		t.Fatal(err)
+	}
+	y, _ := object("y", 8192)
+	if _, err := a.Publish(ctx, y); err != nil {
+		t.Fatal(err)
+	}
+	r, err := a.cli.Get(ctx, "compact")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.cli.Compact(ctx, r.Header.Revision); err != nil {
+		t.Fatal(err)
+	}
+	resume()
+	eventually(t, 10*time.Second, "the mirror is back with the new records", func() bool {
+		e, ok := m.Lookup(x.Ref())
+		_, oky := m.Lookup(y.Ref())
+		return ok && e.ID == x2.ID && oky
+	})
+	if m.Loads() <= loads {
+		t.Fatalf("the mirror came back without loading the records again (%d loads)", m.Loads())
+	}
+}
+
+// etcd killed: the mirror stops answering (the node's gets fail fast, as
+// without it); restarted: it loads again and follows new changes.
+func TestMirrorEtcdRestart(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, c := open(t, srv, "a"), open(t, srv, "c")
+	ctx := ctxT(t)
+	m := c.Mirror(ctx)
+	defer m.Close()
+	x, _ := object("x", 4096)
+	if _, err := a.Publish(ctx, x); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the mirror has x", func() bool { _, ok := m.Lookup(x.Ref()); return ok })
+	loads := m.Loads()
+	srv.Kill()
+	eventually(t, 10*time.Second, "the mirror stops answering with etcd down", func() bool {
+		_, ok := m.Lookup(x.Ref())
+		return !ok
+	})
+	srv.Restart()
+	eventually(t, 30*time.Second, "the mirror answers again", func() bool {
+		e, ok := m.Lookup(x.Ref())
+		return ok && e.ID == x.ID
+	})
+	if m.Loads() <= loads {
+		t.Fatalf("the mirror came back without loading the records again (%d loads)", m.Loads())
+	}
+	if err := a.Delete(ctx, x.Owner, x.Name); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the mirror follows a delete after the restart", func() bool {
+		_, ok := m.Lookup(x.Ref())
+		return !ok
+	})
+}
