@@ -47,6 +47,16 @@ type Replica interface {
 	Abort()
 }
 
+// LandingReplica is a Replica whose Bytes are a landing area (pinned host
+// memory in front of GPU memory): the puller calls Landed with each chunk
+// once it is in Bytes and checked, from the pull's goroutines (different
+// chunks at once), and Landed moves it on (host→device). An error fails
+// the pull.
+type LandingReplica interface {
+	Replica
+	Landed(off int64, b []byte) error
+}
+
 // Defaults for the zero values of Puller's fields.
 const (
 	DefaultChunkTimeout     = 30 * time.Second
@@ -355,6 +365,8 @@ type transfer struct {
 	failed  map[string]string // node → why, for the final error
 	start   time.Time
 	feed    *feed // this node's feed of the replica, nil without fan-out
+	// land, when set, takes each checked chunk onwards (LandingReplica).
+	land LandingReplica
 }
 
 func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error) {
@@ -383,6 +395,7 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 	n := int((e.Size + e.ChunkSize - 1) / e.ChunkSize)
 	t := &transfer{e: e, dst: dst, want: n, bad: map[int]int{}, failed: map[string]string{}, start: time.Now()}
 	t.cond = sync.NewCond(&t.mu)
+	t.land, _ = rep.(LandingReplica)
 	for i := range n {
 		t.pending = append(t.pending, i)
 	}
@@ -590,9 +603,17 @@ func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomi
 		if err == nil && Checksum(chunk) != t.e.Sums[i] {
 			err = fmt.Errorf("%w: chunk %d", ErrChecksum, i)
 		}
+		var landErr error
+		if err == nil && t.land != nil {
+			landErr = t.land.Landed(off, chunk)
+		}
 
 		t.mu.Lock()
 		switch {
+		case landErr != nil:
+			if t.fatal == nil {
+				t.fatal = fmt.Errorf("pull %s: %w", t.e.Ref(), landErr)
+			}
 		case err == nil:
 			t.done++
 			t.feed.mark(i)

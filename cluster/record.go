@@ -127,6 +127,10 @@ type Object struct {
 	// makes its replica a bundle with it, and finds tensors' byte ranges
 	// in it (TensorRanges) without reading the object.
 	Manifest []byte `json:"manifest,omitempty"`
+	// GPU says the object lives in GPU memory on its origin: a reader
+	// with a GPU makes its replica there (the bytes cross through pinned
+	// host memory where UCX cannot read GPU memory: cluster/staging).
+	GPU bool `json:"gpu,omitempty"`
 	// ID names this incarnation of the name (random), so that a replica
 	// of a deleted and re-put name is never taken for the new one.
 	ID string `json:"id"`

@@ -8,6 +8,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
@@ -69,6 +70,10 @@ type ClusterObject struct {
 	// object without one: Sealed gets the sealed manifest, CreateReplica
 	// makes the replica a bundle with it (validated at its seal).
 	Manifest []byte
+	// GPU: the object is in GPU memory (Sealed); CreateReplica makes the
+	// replica on this daemon's first GPU, or in host memory where it has
+	// none.
+	GPU bool
 }
 
 // MaxClusterManifest bounds the manifest of a cluster-visible bundle: it
@@ -81,7 +86,8 @@ const DefaultClusterFetchTimeout = 2 * time.Minute
 
 func (o *object) clusterObject() ClusterObject {
 	uid, name, _ := protocol.SplitOwner(o.name)
-	co := ClusterObject{Owner: uid, Name: name, Size: o.size, Shared: o.shared, ID: o.clusterID}
+	co := ClusterObject{Owner: uid, Name: name, Size: o.size, Shared: o.shared, ID: o.clusterID,
+		GPU: o.dev != nil && o.dev.name != hostDevice}
 	if v := o.ver; v != nil {
 		co.Version, co.Shard, co.Shards = v.n, uint32(o.shard), uint32(len(v.shards))
 	}
@@ -202,9 +208,11 @@ func (ss *session) clusterSealed(ctx context.Context, name string, version uint6
 
 // ClusterFile is a cluster-visible object's memory as the cluster side of
 // the daemon reads or writes it: its host arena's memfd (File: the caller
-// closes it) and where the object lies in it.
+// closes it) and where the object lies in it; or, for an object in GPU
+// memory, GPU (File is nil), which the daemon copies to and from.
 type ClusterFile struct {
 	File *os.File
+	GPU  *ClusterGPU
 	// ArenaID names the arena for the life of the store; ArenaSize is its
 	// size, Offset and Size the object's range in it.
 	ArenaID         uint64
@@ -212,6 +220,33 @@ type ClusterFile struct {
 	Offset, Size    int64
 	release, commit func() error
 	ss              *session
+}
+
+// ClusterGPU is where a cluster-visible object lies in GPU memory that the
+// daemon allocated: valid until the ClusterFile is released.
+type ClusterGPU struct {
+	Device *cudaipc.Device
+	Ptr    cudaipc.DevicePtr
+}
+
+// gpuMemoryOf returns where o lies in GPU memory, or nil for host memory
+// (or a GPU seam without device pointers: the CPU tests' fakes).
+func gpuMemoryOf(o *object) *ClusterGPU {
+	if o.dev == nil || o.block == nil || o.dev.name == hostDevice {
+		return nil
+	}
+	a, ok := o.dev.arenas[o.block.Arena().ID].(*gpuArena)
+	if !ok {
+		return nil
+	}
+	m, ok := a.mem.(interface {
+		Device() *cudaipc.Device
+		Ptr() cudaipc.DevicePtr
+	})
+	if !ok {
+		return nil
+	}
+	return &ClusterGPU{Device: m.Device(), Ptr: m.Ptr() + cudaipc.DevicePtr(o.block.Offset)}
 }
 
 // Release ends a read (LeaseCluster) or aborts an unsealed replica
@@ -245,8 +280,9 @@ func (f *ClusterFile) Seal() error {
 // plain object or a shard of a published version is leased by the daemon
 // itself until Release, so it is neither evicted nor its memory reused;
 // a shard of a version not yet published (its other shards are being
-// written) cannot be evicted either. It fails with ErrNotFound when there
-// is no such object.
+// written) cannot be evicted either. An object in GPU memory comes as
+// ClusterFile.GPU. It fails with ErrNotFound when there is no such
+// object.
 func (s *Store) LeaseCluster(owner uint32, name string, version uint64, shard uint32, id string) (*ClusterFile, error) {
 	qname := protocol.QualifiedName(owner, name)
 	ss, err := s.newSession(context.Background(), peer{uid: owner})
@@ -265,22 +301,33 @@ func (s *Store) LeaseCluster(owner uint32, name string, version uint64, shard ui
 	if !leased {
 		p, err = ss.placeLocked(o, false)
 	}
+	gpu := gpuMemoryOf(o)
 	s.mu.Unlock()
 	if leased {
 		p, err = ss.tryGet(qname, versionSel{version: version, shard: shard})
 	}
 	if err == nil && p.kind != storev1.Placement_HOST {
+		// The session holds the arena (placeLocked), so gpu stays valid
+		// until Release.
 		p.closeShare()
-		err = invalidf("cluster object %q is not in host memory", qname)
+		if gpu == nil {
+			err = invalidf("cluster object %q is in GPU memory this daemon cannot copy from", qname)
+		}
+		p.share = nil
+	} else {
+		gpu = nil
 	}
-	if err == nil && (p.share == nil || p.share.file == nil) {
+	if err == nil && gpu == nil && (p.share == nil || p.share.file == nil) {
 		err = fmt.Errorf("%w: no arena descriptor for %q", protocol.ErrInternal, qname)
 	}
 	if err != nil {
 		ss.close(errors.New("cluster read failed"))
 		return nil, err
 	}
-	f := &ClusterFile{File: p.share.file, ArenaID: p.arenaID, ArenaSize: p.arenaSize, Offset: p.offset, Size: p.size, ss: ss}
+	f := &ClusterFile{GPU: gpu, ArenaID: p.arenaID, ArenaSize: p.arenaSize, Offset: p.offset, Size: p.size, ss: ss}
+	if gpu == nil {
+		f.File = p.share.file
+	}
 	if leased {
 		lease := p.leaseID
 		f.release = func() error { return ss.release(lease) }
@@ -288,9 +335,11 @@ func (s *Store) LeaseCluster(owner uint32, name string, version uint64, shard ui
 	return f, nil
 }
 
-// CreateReplica makes an unsealed host object for a replica of obj (a
-// plain object, or a shard of a version) pulled from another node, and
-// returns its arena's read-write memfd for the pull to write through.
+// CreateReplica makes an unsealed object for a replica of obj (a plain
+// object, or a shard of a version) pulled from another node, and returns
+// its arena's read-write memfd for the pull to write through; a replica of
+// a GPU object goes on this daemon's first GPU where it has one, returned
+// as ClusterFile.GPU.
 // Seal makes it an ordinary sealed local object, cluster-visible; Release
 // before Seal removes it.
 func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
@@ -300,11 +349,27 @@ func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 		return nil, err
 	}
 	r := createReq{name: qname, size: obj.Size, shared: obj.Shared, cluster: true, manifestSize: int64(len(obj.Manifest))}
+	if b, ok := s.backend.(*cudaBackend); ok && obj.GPU && len(b.uuids) > 0 {
+		r.device = b.uuids[0]
+	}
 	if obj.Version != 0 {
 		r.versioned, r.version, r.shard, r.shards = true, obj.Version, obj.Shard, obj.Shards
 	}
 	p, _, err := ss.create(r)
-	if err == nil && (p.share == nil || p.share.file == nil) {
+	var gpu *ClusterGPU
+	if err == nil && p.kind != storev1.Placement_HOST {
+		p.closeShare()
+		p.share = nil
+		s.mu.Lock()
+		if o, derr := ss.draftLocked(qname, obj.Version, obj.Shard); derr == nil {
+			gpu = gpuMemoryOf(o)
+		}
+		s.mu.Unlock()
+		if gpu == nil {
+			err = fmt.Errorf("%w: replica %q is in GPU memory this daemon cannot copy to", protocol.ErrInternal, qname)
+		}
+	}
+	if err == nil && gpu == nil && (p.share == nil || p.share.file == nil) {
 		err = fmt.Errorf("%w: no arena descriptor for replica %q", protocol.ErrInternal, qname)
 	}
 	if err == nil && len(obj.Manifest) > 0 {
@@ -322,7 +387,10 @@ func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 		ss.close(errors.New("replica not made"))
 		return nil, err
 	}
-	f := &ClusterFile{File: p.share.file, ArenaID: p.arenaID, ArenaSize: p.arenaSize, Offset: p.offset, Size: p.size, ss: ss}
+	f := &ClusterFile{GPU: gpu, ArenaID: p.arenaID, ArenaSize: p.arenaSize, Offset: p.offset, Size: p.size, ss: ss}
+	if gpu == nil {
+		f.File = p.share.file
+	}
 	f.commit = func() error {
 		s.mu.Lock()
 		o, err := ss.draftLocked(qname, obj.Version, obj.Shard)
@@ -385,11 +453,10 @@ func (s *Store) DropCluster(owner uint32, name, id string) bool {
 }
 
 // clusterCreateOK says whether a create may be cluster-visible: the daemon
-// must be part of a cluster, and for now such objects are host objects (UCX
-// reads host memory; GPU objects do not cross nodes yet), bundles among
+// must be part of a cluster; objects in host or GPU memory, bundles among
 // them with a manifest of at most MaxClusterManifest bytes (it travels in
 // the directory record); no-copy versions stay local.
-func (s *Store) clusterCreateOK(r createReq, device string) error {
+func (s *Store) clusterCreateOK(r createReq, _ string) error {
 	switch {
 	case s.cfg.Cluster == nil:
 		return invalidf("object %q: cluster-visible, but this daemon is not part of a cluster (serve --cluster)", r.name)
@@ -397,8 +464,6 @@ func (s *Store) clusterCreateOK(r createReq, device string) error {
 		return invalidf("object %q: no-copy versions are not cluster-visible yet", r.name)
 	case r.manifestSize > MaxClusterManifest:
 		return invalidf("object %q: a cluster-visible bundle's manifest is at most %d bytes (this one %d): split the bundle", r.name, MaxClusterManifest, r.manifestSize)
-	case device != hostDevice:
-		return invalidf("object %q: cluster-visible objects live in host memory (device %q)", r.name, device)
 	}
 	return nil
 }

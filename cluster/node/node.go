@@ -62,6 +62,10 @@ type Node struct {
 	wg   sync.WaitGroup
 
 	exposures, exposedBytes atomic.Uint64
+	// stagedBytes counts bytes of GPU objects copied through pinned host
+	// memory (gpu.go): exposed, or landed in a replica.
+	stagedBytes atomic.Uint64
+	pinned      pinnedPool
 
 	mu     sync.Mutex
 	arenas map[uint64]*arenaReg          // registered arenas, by store arena id
@@ -127,6 +131,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	n := &Node{cfg: cfg, log: log, dir: dir, tr: tr, ln: ln, arenas: map[uint64]*arenaReg{}, pins: map[string]*store.ClusterFile{},
 		mirror: dir.Mirror(context.Background())}
+	n.pinned.max = DefaultPinnedIdle
 	feeding := &cluster.Feeding{} // fan-out: replicas being pulled feed other readers (fanout.go)
 	n.p = &cluster.Puller{Dir: dir, Transport: tr, Secret: cfg.Directory.Secret, Sink: sink{n}, Logger: log,
 		Feeds: dir, Feeding: feeding}
@@ -208,6 +213,7 @@ func (n *Node) Close() error {
 	}
 	n.mu.Unlock()
 	n.p.Close()
+	n.pinned.close()
 	err := n.dir.Close()
 	n.tr.Close()
 	return err
@@ -387,16 +393,24 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 		return "", err
 	}
 	defer f.Release()
-	mem, base, err := mapRange(f.File, f.Offset, f.Size, unix.PROT_READ)
-	f.File.Close()
-	if err != nil {
-		return "", err
-	}
-	defer unix.Munmap(base)
 	chunk := cluster.ChunkSizeFor(co.Size)
+	var sums []uint32
+	if f.GPU != nil {
+		if sums, err = n.gpuChecksums(f, chunk); err != nil {
+			return "", err
+		}
+	} else {
+		mem, base, err := mapRange(f.File, f.Offset, f.Size, unix.PROT_READ)
+		f.File.Close()
+		if err != nil {
+			return "", err
+		}
+		sums = cluster.Checksums(mem, chunk)
+		unix.Munmap(base)
+	}
 	o := cluster.Object{Name: co.Name, Owner: co.Owner, Shared: co.Shared, Size: co.Size, ChunkSize: chunk,
 		Version: co.Version, Shard: co.Shard, Shards: co.Shards,
-		Sums: cluster.Checksums(mem, chunk), Manifest: co.Manifest, ID: cluster.NewID()}
+		Sums: sums, Manifest: co.Manifest, GPU: f.GPU != nil, ID: cluster.NewID()}
 	if _, err := n.dir.Publish(ctx, o); err != nil {
 		return "", err
 	}
@@ -440,12 +454,15 @@ type sink struct{ n *Node }
 
 func (s sink) Create(ctx context.Context, o cluster.Object) (cluster.Replica, error) {
 	f, err := s.n.st.CreateReplica(store.ClusterObject{Owner: o.Owner, Name: o.Name, Size: o.Size, Shared: o.Shared,
-		Version: o.Version, Shard: o.Shard, Shards: o.Shards, ID: o.ID, Manifest: o.Manifest})
+		Version: o.Version, Shard: o.Shard, Shards: o.Shards, ID: o.ID, Manifest: o.Manifest, GPU: o.GPU})
 	if err != nil {
 		// The reader's error says where the replica did not fit (the
 		// store's own message names the device): this node, not the
 		// holder the bytes come from.
 		return nil, fmt.Errorf("node %s: replica of %s: %w", s.n.cfg.Directory.Node, o.Ref(), err)
+	}
+	if f.GPU != nil {
+		return s.createGPU(f, o)
 	}
 	mem, whole, err := mapRange(f.File, f.Offset, f.Size, unix.PROT_READ|unix.PROT_WRITE)
 	if err != nil {
@@ -505,8 +522,14 @@ func (s source) Expose(ref cluster.Ref, id string) (cluster.Exposure, func(), er
 		}
 		return cluster.Exposure{}, nil, err
 	}
-	e, rel, err := n.exposeArena(f)
-	f.File.Close()
+	var e cluster.Exposure
+	var rel func()
+	if f.GPU != nil {
+		e, rel, err = n.exposeGPU(f)
+	} else {
+		e, rel, err = n.exposeArena(f)
+		f.File.Close()
+	}
 	if err != nil {
 		f.Release()
 		return e, nil, err

@@ -58,6 +58,12 @@ func startDaemon(t testing.TB, srv *etcdtest.Server, name string) *daemon {
 // startDaemonCap is startDaemon with a capacity.
 func startDaemonCap(t testing.TB, srv *etcdtest.Server, name string, capacity int64) *daemon {
 	t.Helper()
+	return startDaemonOn(t, srv, name, capacity, "host")
+}
+
+// startDaemonOn is startDaemonCap with a store backend ("host", "cuda").
+func startDaemonOn(t testing.TB, srv *etcdtest.Server, name string, capacity int64, backend string) *daemon {
+	t.Helper()
 	if err := ucx.Available(); err != nil {
 		if os.Getenv("CUDAIPC_REQUIRE_UCX") == "1" || os.Getenv(etcdtest.EnvRequire) == "1" {
 			t.Fatal(err)
@@ -78,7 +84,7 @@ func startDaemonCap(t testing.TB, srv *etcdtest.Server, name string, capacity in
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(n.Collectors()...)
-	st, err := store.New(store.Config{Backend: "host", Capacity: capacity, Cluster: n, Logger: log, Registerer: reg})
+	st, err := store.New(store.Config{Backend: backend, Capacity: capacity, Cluster: n, Logger: log, Registerer: reg})
 	if err != nil {
 		t.Fatal(err)
 	}

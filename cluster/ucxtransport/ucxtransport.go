@@ -95,6 +95,27 @@ func (t *Transport) Register(mem []byte) (*Region, error) {
 	return &Region{r: r, key: k}, nil
 }
 
+// CanRegisterCUDA reports whether this UCX registers GPU memory directly
+// (ucp_context_query lists CUDA among its memory types); without it GPU
+// objects cross through pinned host memory.
+func (t *Transport) CanRegisterCUDA() bool { return t.c.Supports(ucx.MemoryCUDA) }
+
+// RegisterDevice registers length bytes of GPU memory at device address
+// addr (a whole GPU arena, allocated for as long as the region is open)
+// for peers' reads. It fails unless CanRegisterCUDA.
+func (t *Transport) RegisterDevice(addr, length uint64) (*Region, error) {
+	r, err := t.c.RegisterMemory(addr, length, ucx.MemoryCUDA)
+	if err != nil {
+		return nil, err
+	}
+	k, err := r.Key().MarshalBinary()
+	if err != nil {
+		r.Close()
+		return nil, err
+	}
+	return &Region{r: r, key: k}, nil
+}
+
 // Key is the region's packed key in its envelope: Exposure.RKey.
 func (r *Region) Key() []byte { return r.key }
 

@@ -139,17 +139,18 @@ class BundleWriter:
 def create_bundle(store: Any, name: str, specs: Mapping[str, Tuple[Any, Sequence[int]]], device: Any = None, *,
                   publish: bool = False, shards: int = 0, shard: int = 0, keep_last: int = 0,
                   shared: bool = False, metadata: Optional[Mapping[str, str]] = None,
-                  views: str = "auto") -> BundleWriter:
+                  views: str = "auto", cluster: bool = False) -> BundleWriter:
     """Create a bundle of tensors given as {name: (dtype, shape)} (a torch dtype, a
     NumPy dtype or a name such as "bfloat16") and return writable views of them in
     the new object, to be filled in place and sealed: torch tensors, or with
     ``views="numpy"`` (the default without PyTorch) NumPy arrays of a host bundle and
-    CuPy arrays of a GPU one."""
+    CuPy arrays of a GPU one. ``cluster`` makes it cluster-visible (``Store.create``)."""
     lib = pick(views)
     items = [(k, st_dtype_of(dt, "create"), tuple(int(d) for d in shape)) for k, (dt, shape) in specs.items()]
     entries, size = layout(items)
     obj = store.create(name, max(size, 1), device, shared=shared, versioned=publish, shards=shards,
-                       shard=shard, keep_last=keep_last, manifest=encode_manifest(entries, metadata))
+                       shard=shard, keep_last=keep_last, manifest=encode_manifest(entries, metadata),
+                       cluster=cluster)
     try:
         made = lib.views(lib.whole(obj), entries)
     except BaseException:

@@ -170,10 +170,14 @@ class Store:
                dtype: Any = None, shape: Optional[Sequence[int]] = None,
                strides: Optional[Sequence[int]] = None, versioned: bool = False, version: int = 0,
                shards: int = 0, shard: int = 0, keep_last: int = 0,
-               manifest: Optional[bytes] = None, _spin: Optional[float] = None) -> Object:
+               manifest: Optional[bytes] = None, cluster: bool = False,
+               _spin: Optional[float] = None) -> Object:
         """Allocate a writable object of ``nbytes`` on ``device`` ("host" or None, a GPU
         ordinal, "cuda:N", a torch.device, or a GPU UUID). Give ``dtype`` (and ``shape``,
         ``strides`` in elements) to record what the bytes are for readers.
+
+        ``cluster`` makes it cluster-visible once sealed, on a daemon that is part of a
+        cluster (docs/cluster.md): other nodes' daemons pull it for their readers.
 
         ``versioned`` (see :meth:`publish`) makes shard ``shard`` of ``shards`` of a
         version of ``name``; ``manifest`` (a safetensors header) makes a bundle (see
@@ -185,7 +189,7 @@ class Store:
         req = pb.Request(create=pb.CreateRequest(name=name, size=nbytes, device=dev, shared=shared,
                                                  versioned=versioned, version=version, shards=shards,
                                                  shard=shard, keep_last=keep_last,
-                                                 manifest_size=len(manifest or b"")))
+                                                 manifest_size=len(manifest or b""), cluster=cluster))
         if desc is not None:
             req.create.tensor.CopyFrom(desc._to_pb())
         r = self._conn.call(req, "create", name, spin=_spin)

@@ -39,6 +39,9 @@ cuMemsetD8 the daemon zeroes a new arena with).
 
     python3 scripts/bench/weight_sync.py --bin path/to/cudaipc --json out.json
     python3 scripts/bench/weight_sync.py --bin ... --producer-gpu 1 --consumer-gpu 0 --models dense
+
+--cross-node runs the cross-node mode instead (trainer and engine on two daemons joined
+as a cluster, against the link's floors and torch.distributed): weight_sync_cluster.py.
 """
 
 from __future__ import annotations
@@ -539,6 +542,13 @@ def summarize(r: dict) -> str:
 
 
 def main() -> None:
+    if "--cross-node" in sys.argv[1:]:
+        # Trainer and engine on two daemons joined as a cluster (issue 19):
+        # weight_sync_cluster.py, with its own flags.
+        sys.path.insert(0, HERE)
+        import weight_sync_cluster
+        weight_sync_cluster.main([a for a in sys.argv[1:] if a != "--cross-node"])
+        return
     # A timeout's SIGTERM unwinds through the finally blocks that stop the
     # workers and the daemon, so that none is left holding GPU memory.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))

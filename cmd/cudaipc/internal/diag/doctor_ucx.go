@@ -37,9 +37,9 @@ func ucxCheck(lib string) (name, status, detail string) {
 	for _, x := range r.Resources {
 		res = append(res, x.String())
 	}
-	gpu := "GPU objects staged through pinned host memory (this UCX registers host memory only; a UCX built with CUDA, given with --ucx-lib, registers GPU arenas directly)"
+	gpu := "GPU objects: the staging path (holders copy device→host into pinned buffers registered with UCX; readers land chunks in pinned memory, check them, copy host→device), since this UCX registers host memory only; a UCX built with CUDA, given with --ucx-lib, registers GPU arenas directly"
 	if r.CanRegisterCUDA() {
-		gpu = "GPU arenas registered directly (UCX reports CUDA memory; GPUDirect RDMA where UCX_TLS and the NIC allow)"
+		gpu = "GPU objects: holders register GPU arenas with UCX directly (UCX reports CUDA memory; GPUDirect RDMA where UCX_TLS and the NIC allow); readers land chunks in pinned memory, check them, copy host→device"
 	}
 	return name, "ok", fmt.Sprintf("UCX %s from %s (chosen by %s); transports %s; %s", r.Version, r.Library, why, strings.Join(res, " "), gpu)
 }

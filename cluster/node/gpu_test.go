@@ -1,0 +1,255 @@
+package node_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cudaipc/cudaipc/bundle"
+	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
+	"github.com/cudaipc/cudaipc/cluster/node"
+	"github.com/cudaipc/cudaipc/internal/testutil"
+)
+
+// GPU objects across daemons: on the GPU machine both daemons use its one
+// GPU and UCX tcp on loopback, so every byte goes device → pinned host →
+// UCX → pinned host → device (cluster/node/gpu.go).
+
+func randomBytes(n int, seed byte) []byte {
+	b := make([]byte, n)
+	rand.NewChaCha8([32]byte{seed, byte(n), byte(n >> 8), byte(n >> 16)}).Read(b)
+	return b
+}
+
+// putGPU creates a cluster-visible object of data on d's GPU gpu.
+func putGPU(t *testing.T, ctx context.Context, d *daemon, name, gpu string, data []byte, opts client.CreateOptions) {
+	t.Helper()
+	opts.Device, opts.Cluster = gpu, true
+	var o *client.Object
+	var err error
+	if opts.Versioned {
+		o, err = d.c.Publish(ctx, name, int64(len(data)), opts)
+	} else {
+		o, err = d.c.Create(ctx, name, int64(len(data)), opts)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := o.WriteAt(data, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := o.Seal(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// readGPU reads a lease's bytes and checks that it is GPU memory.
+func readGPU(t *testing.T, l *client.Lease) []byte {
+	t.Helper()
+	if l.Device() == "" || l.Device() == "host" {
+		t.Fatalf("lease of %s is in %q memory, want the GPU", l.Info().Name, l.Device())
+	}
+	b := make([]byte, l.Size())
+	if _, err := l.ReadAt(b, 0); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func TestGPUObjectsAcrossDaemons(t *testing.T) {
+	dev := testutil.RequireGPU(t)
+	gpu := dev.UUID().String()
+	srv := etcdtest.Start(t)
+	a, b := startDaemonOn(t, srv, "a", 1<<30, "cuda"), startDaemonOn(t, srv, "b", 1<<30, "cuda")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+
+	// Plain objects, random bytes: many chunks with a short last one, and
+	// one shorter than a chunk.
+	for i, size := range []int{96<<20 + 4097, 1000} {
+		name := "w" + string(rune('0'+i))
+		want := randomBytes(size, byte(i))
+		putGPU(t, ctx, a, name, gpu, want, client.CreateOptions{})
+		e, err := b.node.Directory().Lookup(ctx, cluster.Ref{Name: name})
+		if err != nil || !e.GPU {
+			t.Fatalf("record of %s: gpu %v, %v", name, e.GPU, err)
+		}
+		staged := node.StagedBytes(b.node)
+		l, err := b.c.Get(ctx, name)
+		if err != nil {
+			t.Fatalf("get %s on B: %v", name, err)
+		}
+		got := readGPU(t, l)
+		l.Release()
+		if !bytes.Equal(got, want) {
+			t.Fatalf("%s on B differs from A's (%d bytes)", name, size)
+		}
+		if d := node.StagedBytes(b.node) - staged; d != uint64(size) {
+			t.Fatalf("B staged %d bytes host→device for %d", d, size)
+		}
+	}
+
+	// A bundle of several tensors on the GPU.
+	tensors := []client.TensorData{
+		{Spec: bundle.Spec{Name: "embed", DType: bundle.F32, Shape: []int64{1000, 700}}},
+		{Spec: bundle.Spec{Name: "layer.0.w", DType: bundle.BF16, Shape: []int64{3, 5, 7}}},
+		{Spec: bundle.Spec{Name: "head", DType: bundle.U8, Shape: []int64{9 << 20}}},
+	}
+	for i := range tensors {
+		n, err := bundle.ByteSize(tensors[i].DType, tensors[i].Shape)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tensors[i].Data = randomBytes(int(n), byte(10+i))
+	}
+	if _, err := a.c.PutBundle(ctx, "model", tensors, map[string]string{"format": "pt"}, client.CreateOptions{Cluster: true, Device: gpu}); err != nil {
+		t.Fatal(err)
+	}
+	l, m, err := b.c.GetBundle(ctx, "model", client.GetOptions{})
+	if err != nil {
+		t.Fatalf("bundle get on B: %v", err)
+	}
+	whole := readGPU(t, l)
+	l.Release()
+	if len(m.Tensors) != len(tensors) || m.Metadata["format"] != "pt" {
+		t.Fatalf("B's manifest: %+v", m)
+	}
+	for _, td := range tensors {
+		i := m.Index(td.Name)
+		if i < 0 {
+			t.Fatalf("tensor %q missing on B", td.Name)
+		}
+		tm := m.Tensors[i]
+		if !bytes.Equal(whole[tm.Begin:tm.End], td.Data) {
+			t.Fatalf("tensor %q on B differs from A's", td.Name)
+		}
+	}
+
+	// Versions: B waits for a version newer than the one it has, A
+	// publishes it.
+	v1 := randomBytes(8<<20+3, 20)
+	putGPU(t, ctx, a, "policy", gpu, v1, client.CreateOptions{Versioned: true, KeepLast: 2})
+	l, err = b.c.GetWith(ctx, "policy", client.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ver1 := l.Info().Version
+	if got := readGPU(t, l); !bytes.Equal(got, v1) {
+		t.Fatal("policy v1 on B differs from A's")
+	}
+	l.Release()
+	type result struct {
+		l   *client.Lease
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		l, err := b.c.GetWith(ctx, "policy", client.GetOptions{NewerThan: ver1, Wait: true})
+		res <- result{l, err}
+	}()
+	v2 := randomBytes(8<<20+5, 21)
+	putGPU(t, ctx, a, "policy", gpu, v2, client.CreateOptions{Versioned: true, KeepLast: 2})
+	select {
+	case r := <-res:
+		if r.err != nil {
+			t.Fatalf("newer than v%d on B: %v", ver1, r.err)
+		}
+		if r.l.Info().Version <= ver1 {
+			t.Fatalf("newer than v%d on B: v%d", ver1, r.l.Info().Version)
+		}
+		got := readGPU(t, r.l)
+		r.l.Release()
+		if !bytes.Equal(got, v2) {
+			t.Fatal("policy v2 on B differs from A's")
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("B's get newer_than did not return")
+	}
+	// B's replica of v2 is a holder like A's original.
+	testutil.Eventually(t, testutil.Wait, func() error {
+		e, err := a.node.Directory().Lookup(ctx, cluster.Ref{Name: "policy", Version: ver1 + 1})
+		if err != nil {
+			return err
+		}
+		if len(e.Holders) != 2 {
+			return errors.New("B is not a holder of policy v2 yet: " + strings.Join(e.Holders, ","))
+		}
+		return nil
+	})
+}
+
+// A reader whose GPU is full gets STORE_FULL naming its node and device.
+func TestGPUReplicaStoreFull(t *testing.T) {
+	dev := testutil.RequireGPU(t)
+	gpu := dev.UUID().String()
+	srv := etcdtest.Start(t)
+	a, small := startDaemonOn(t, srv, "a", 1<<30, "cuda"), startDaemonOn(t, srv, "small", 32<<20, "cuda")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	putGPU(t, ctx, a, "big", gpu, randomBytes(48<<20, 3), client.CreateOptions{})
+	_, err := small.c.Get(ctx, "big")
+	if !errors.Is(err, client.ErrStoreFull) {
+		t.Fatalf("get of a 48 MiB GPU object on a 32 MiB daemon: %v, want STORE_FULL", err)
+	}
+	if msg := err.Error(); !strings.Contains(msg, "node small") || !strings.Contains(msg, gpu) {
+		t.Fatalf("STORE_FULL does not name the reader's node and GPU: %v", err)
+	}
+}
+
+// A reader that goes mid-pull (its client's connection closed, which ends
+// the get's pull) leaves no pin on the holder, no exposure held, and no
+// replica.
+func TestGPUReaderGoneMidPull(t *testing.T) {
+	dev := testutil.RequireGPU(t)
+	gpu := dev.UUID().String()
+	srv := etcdtest.Start(t)
+	a, b := startDaemonOn(t, srv, "a", 4<<30, "cuda"), startDaemonOn(t, srv, "b", 4<<30, "cuda")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const size = 2 << 30 // ~2 s over UCX tcp on loopback
+	putGPU(t, ctx, a, "victim", gpu, randomBytes(size, 9), client.CreateOptions{})
+	rc, err := client.Dial(ctx, b.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		l, err := rc.Get(ctx, "victim")
+		if err == nil {
+			l.Release()
+		}
+		done <- err
+	}()
+	// Once bytes flow (A staged the object and B read some), the reader
+	// goes.
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if node.StagedBytes(a.node) < size || b.node.Stats().InFlight != 1 || node.StagedBytes(b.node) == 0 {
+			return errors.New("the pull has not started moving bytes")
+		}
+		return nil
+	})
+	rc.Close()
+	<-done
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if st := b.node.Stats(); st.InFlight != 0 || st.Failed != 1 {
+			return errors.New("B's pull still running or not failed")
+		}
+		n, err := a.node.Directory().Pinned(ctx, cluster.Ref{Name: "victim"})
+		if err != nil {
+			return err
+		}
+		if n != 0 || node.PinsHeld(a.node) != 0 {
+			return errors.New("A still pinned for B")
+		}
+		return nil
+	})
+	if _, err := b.c.Stat(ctx, "victim"); !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("B kept something of the abandoned pull: %v", err)
+	}
+}

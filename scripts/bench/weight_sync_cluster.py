@@ -1,0 +1,448 @@
+#!/usr/bin/env python3
+"""Cross-node weight sync (issue 19 item 4): weight_sync.py --cross-node.
+
+The trainer is attached to one daemon ("node A"), the engine to another ("node B"),
+the two daemons joined as a cluster (a private etcd, UCX over tcp on loopback: on a
+machine without a second node they share its loopback; on one GPU both use GPU 0).
+Each version: the trainer fills a new version of a cluster-visible GPU bundle in
+place (create_bundle(..., cluster=True)) and seals it; node A checks it (CRC-32C of
+every 4 MiB chunk, in pinned host memory) and publishes it; the engine's
+get_bundle(newer_than=...) on node B makes B pull it (A stages it device->host into
+pinned memory registered with UCX, B GETs the chunks into pinned memory, checks each,
+copies it host->device into its replica) and load_into's its own parameters.
+Timed from the trainer's seal to the engine's copies done (CLOCK_MONOTONIC, shared by
+both processes); checksums of every tensor on every version.
+
+In the same run:
+  floors          raw UCX GETs between two processes on the same link
+                  (transport/ucx/ucxperf's BenchmarkGetChunks, --ucxperf-test), the
+                  cluster's own pull of a 1 GiB host object (cudaipc bench cluster),
+                  and pinned device->host and host->device copies (1 GiB, torch)
+  gloo            torch.distributed broadcast of the same tensors between two
+                  processes (gloo over tcp on loopback, on host copies: the trainer
+                  packs 1 GiB buckets into pinned memory, broadcasts, the engine
+                  copies them to its GPU parameters)
+
+    python3 scripts/bench/weight_sync.py --cross-node --bin .gpu/bin/cudaipc \\
+        --etcd .gpu/bin/etcd --ucxperf-test .gpu/bin/transport_ucx_ucxperf.test \\
+        --models dense,moe --versions 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any, Dict, List, Optional, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "python"))
+sys.path.insert(0, HERE)
+
+import weight_sync as ws  # noqa: E402  the shapes and the checksum helpers
+
+BUCKET = 1 << 30
+LINK_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+
+
+def shapes_of(model: str, max_gib: float) -> List[Tuple[str, Tuple[int, ...]]]:
+    """The model's tensors, the first ones up to max_gib GiB of bf16 when given."""
+    out = ws.MODELS[model]()
+    if max_gib <= 0:
+        return out
+    cut, total = [], 0
+    for n, s in out:
+        k = 2
+        for d in s:
+            k *= d
+        if cut and total + k > max_gib * (1 << 30):
+            break
+        cut.append((n, s))
+        total += k
+    return cut
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- the cluster: etcd and two daemons --------------------------------------------------
+
+class Cluster:
+    """A private etcd and two daemons joined over UCX tcp on loopback."""
+
+    def __init__(self, args: argparse.Namespace, tmp: str) -> None:
+        self.procs: List[subprocess.Popen] = []
+        self.tmp = tmp
+        cp, pp = free_port(), free_port()
+        self.etcd = "http://127.0.0.1:%d" % cp
+        peer = "http://127.0.0.1:%d" % pp
+        data = tempfile.mkdtemp(prefix="ws-etcd-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.etcd_dir = data
+        log = open(os.path.join(tmp, "etcd.log"), "w")
+        self.procs.append(subprocess.Popen([args.etcd, "--name", "ws", "--data-dir", data,
+                                            "--listen-client-urls", self.etcd, "--advertise-client-urls", self.etcd,
+                                            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                                            "--initial-cluster", "ws=" + peer, "--log-level", "warn"],
+                                           stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(self.etcd + "/health", timeout=1) as r:
+                    if b"true" in r.read():
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or self.procs[0].poll() is not None:
+                raise RuntimeError("etcd did not start: see %s" % log.name)
+            time.sleep(0.1)
+        self.secret = os.path.join(tmp, "secret")
+        with open(self.secret, "w") as f:
+            f.write(base64.b64encode(os.urandom(32)).decode())
+        os.chmod(self.secret, 0o600)
+        env = dict(os.environ, **LINK_ENV)
+        self.sockets: Dict[str, str] = {}
+        for node in ("A", "B"):
+            sock = os.path.join(tmp, node + ".sock")
+            dlog = open(os.path.join(tmp, "daemon-%s.log" % node), "w")
+            self.procs.append(subprocess.Popen(
+                [args.bin, "serve", "--socket", sock, "--backend", args.backend, "--capacity", args.capacity,
+                 "--log-level", "warn", "--cluster", "etcd://127.0.0.1:%d" % cp, "--node", node,
+                 "--cluster-secret", self.secret, "--cluster-listen", "127.0.0.1:0"],
+                stdout=dlog, stderr=subprocess.STDOUT, env=env))
+            self.sockets[node] = sock
+        deadline = time.monotonic() + 60
+        for node, sock in self.sockets.items():
+            while not os.path.exists(sock):
+                if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                    raise RuntimeError("daemon %s did not start: see %s" % (node, os.path.join(tmp, "daemon-%s.log" % node)))
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in reversed(self.procs):
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        shutil.rmtree(self.etcd_dir, ignore_errors=True)
+
+
+# -- trainer and engine -----------------------------------------------------------------
+
+def trainer(conn: Any, cfg: Dict[str, Any]) -> None:
+    """Node A's side: a new version of a cluster-visible GPU bundle, filled in place."""
+    import torch
+    import cudaipc
+    from cudaipc import bundle as B
+    dev = torch.device("cuda", cfg["gpu"])
+    torch.cuda.set_device(dev)
+    shapes = shapes_of(cfg["model"], cfg["max_gib"])
+    store = cudaipc.connect(cfg["socket"])
+    name = "xnode-%s" % cfg["model"]
+    for _ in range(cfg["versions"]):
+        w = B.create_bundle(store, name, {n: (torch.bfloat16, s) for n, s in shapes}, cfg["gpu"],
+                            publish=True, keep_last=1, cluster=True)
+        ws.randomize(w.tensors)
+        ws.sync(dev)
+        sums = ws.checksums(w.tensors)
+        assert conn.recv() == "ready"
+        t0 = ws.now()
+        w.seal()
+        t_seal = ws.now() - t0
+        conn.send((t0, sums, t_seal))
+        assert conn.recv() == "done"
+    conn.send("bye")
+
+
+def engine(conn: Any, cfg: Dict[str, Any], results: Any) -> None:
+    """Node B's side: wait for each newer version and load it into the engine's own
+    parameters."""
+    import torch
+    import cudaipc
+    from cudaipc import bundle as B
+    dev = torch.device("cuda", cfg["gpu"])
+    torch.cuda.set_device(dev)
+    shapes = shapes_of(cfg["model"], cfg["max_gib"])
+    params = ws.alloc(shapes, dev)
+    store = cudaipc.connect(cfg["socket"])
+    name = "xnode-%s" % cfg["model"]
+    times, seals, gets, bad, seen = [], [], [], 0, 0
+    for _ in range(cfg["versions"]):
+        conn.send("ready")
+        b = B.get_bundle(store, name, timeout=cfg["timeout"], newer_than=seen)
+        tg = ws.now()
+        seen = b.version
+        B.load_into(b, params)
+        ws.sync(dev)
+        t1 = ws.now()
+        b.release()
+        del b
+        t0, sums, t_seal = conn.recv()
+        if ws.checksums(params) != sums:
+            bad += 1
+        times.append(t1 - t0)
+        seals.append(t_seal)
+        gets.append(tg - t0)
+        conn.send("done")
+    assert conn.recv() == "bye"
+    results.put({"model": cfg["model"], "path": "cudaipc-cluster", "times": times, "seal": seals,
+                 "lease": gets, "bad_versions": bad, "versions": cfg["versions"],
+                 "bytes": ws.nbytes(params), "tensors": len(params)})
+
+
+def gloo_rank(rank: int, conn: Any, cfg: Dict[str, Any], results: Any) -> None:
+    """torch.distributed broadcast over gloo (tcp on loopback) of host copies: rank 0
+    packs its GPU tensors into 1 GiB pinned buckets and broadcasts each, rank 1
+    copies each bucket into its GPU parameters."""
+    import torch
+    import torch.distributed as dist
+    dev = torch.device("cuda", cfg["gpu"])
+    torch.cuda.set_device(dev)
+    os.environ.update(GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % cfg["port"], rank=rank, world_size=2)
+    shapes = shapes_of(cfg["model"], cfg["max_gib"])
+    params = ws.alloc(shapes, dev)
+    flat = [(n, t.reshape(-1).view(torch.uint8)) for n, t in params.items()]
+    buckets: List[List[Tuple[str, Any]]] = [[]]
+    used = 0
+    for n, t in flat:
+        if buckets[-1] and used + t.numel() > BUCKET:
+            buckets.append([])
+            used = 0
+        buckets[-1].append((n, t))
+        used += t.numel()
+    host = torch.empty(max(sum(t.numel() for _, t in b) for b in buckets), dtype=torch.uint8, pin_memory=True)
+    times, bad = [], 0
+    for _ in range(cfg["versions"]):
+        if rank == 0:
+            ws.randomize(params)
+            ws.sync(dev)
+            sums = ws.checksums(params)
+        dist.barrier()
+        t0 = ws.now()
+        for b in buckets:
+            k = sum(t.numel() for _, t in b)
+            if rank == 0:
+                off = 0
+                for _, t in b:
+                    host[off:off + t.numel()].copy_(t, non_blocking=True)
+                    off += t.numel()
+                ws.sync(dev)
+            dist.broadcast(host[:k], src=0)
+            if rank == 1:
+                off = 0
+                for _, t in b:
+                    t.copy_(host[off:off + t.numel()], non_blocking=True)
+                    off += t.numel()
+                ws.sync(dev)
+        if rank == 0:
+            conn.send((t0, sums))
+        else:
+            t1 = ws.now()
+            t0r, sums = conn.recv()
+            if ws.checksums(params) != sums:
+                bad += 1
+            times.append(t1 - t0r)
+        dist.barrier()
+    if rank == 1:
+        results.put({"model": cfg["model"], "path": "torch-gloo", "times": times, "bad_versions": bad,
+                     "versions": cfg["versions"], "bytes": ws.nbytes(params), "tensors": len(params)})
+    dist.destroy_process_group()
+
+
+def copy_floor(cfg: Dict[str, Any], results: Any) -> None:
+    """Pinned device->host and host->device copies of 1 GiB: the staging floor."""
+    import torch
+    dev = torch.device("cuda", cfg["gpu"])
+    torch.cuda.set_device(dev)
+    n = 1 << 30
+    g = torch.empty(n, dtype=torch.uint8, device=dev)
+    h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    out: Dict[str, float] = {}
+    for what, dst, src in (("d2h", h, g), ("h2d", g, h)):
+        best = 0.0
+        for _ in range(4):
+            ws.sync(dev)
+            t0 = ws.now()
+            dst.copy_(src, non_blocking=True)
+            ws.sync(dev)
+            best = max(best, n / (ws.now() - t0) / 1e9)
+        out[what + "_GBps"] = best
+    results.put({"path": "floor-copies", **out})
+
+
+def run_procs(targets: List[Tuple[Any, tuple]], results: Any, want: int, timeout: float) -> List[dict]:
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=f, args=a) for f, a in targets]
+    out: List[dict] = []
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while len(out) < want and time.monotonic() < deadline:
+            try:
+                out.append(results.get(timeout=1))
+            except Exception:  # noqa: BLE001 - queue.Empty
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+                p.join(5)
+    return out
+
+
+# -- floors of the link -----------------------------------------------------------------
+
+def ucx_floor(test_bin: Optional[str]) -> Dict[str, Any]:
+    """Raw UCX GETs between two processes on the same link: the best of
+    BenchmarkGetChunks's chunk sizes and depths (256 MiB a round)."""
+    if not test_bin:
+        return {"error": "no --ucxperf-test"}
+    env = dict(os.environ, **LINK_ENV)
+    try:
+        r = subprocess.run([test_bin, "-test.run", "^$", "-test.bench", "GetChunks", "-test.benchtime", "4x"],
+                           capture_output=True, text=True, timeout=240, env=env, cwd=tempfile.gettempdir())
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": str(e)}
+    rows = {}
+    for line in r.stdout.splitlines():
+        m = re.match(r"BenchmarkGetChunks/(\S+?)(-\d+)?\s+\d+\s+\d+ ns/op\s+([\d.]+) MB/s", line)
+        if m:
+            rows[m.group(1)] = float(m.group(3)) / 1e3
+    if not rows:
+        return {"error": (r.stdout + r.stderr)[-400:]}
+    best = max(rows, key=lambda k: rows[k])
+    return {"rows_GBps": rows, "best": best, "GBps": rows[best]}
+
+
+def cluster_floor(bin_: str, etcd: str) -> Dict[str, Any]:
+    """The cluster's own pull of a 1 GiB host object between two daemons on the same
+    link (cudaipc bench cluster)."""
+    env = dict(os.environ, CUDAIPC_ETCD=etcd, **LINK_ENV)
+    try:
+        r = subprocess.run([bin_, "bench", "cluster", "--size", "1GiB", "--count", "20", "--json"],
+                           capture_output=True, text=True, timeout=240, env=env)
+        return dict(json.loads(r.stdout))
+    except (OSError, subprocess.TimeoutExpired, ValueError) as e:
+        return {"error": str(e)}
+
+
+def summarize(r: dict) -> str:
+    t = r["times"][1:] if len(r["times"]) > 1 else r["times"]
+    med = statistics.median(t)
+    r["median_s"], r["first_s"], r["gbps"] = med, r["times"][0], r["bytes"] / med / 1e9
+    out = "median %8.1f ms (first %8.1f ms)  %6.2f GB/s  %d tensors  %.2f GB  checksum failures %d of %d" % (
+        med * 1e3, r["times"][0] * 1e3, r["gbps"], r["tensors"], r["bytes"] / 1e9, r["bad_versions"], r["versions"])
+    if "seal" in r:
+        s = r["seal"][1:] if len(r["seal"]) > 1 else r["seal"]
+        g = r["lease"][1:] if len(r["lease"]) > 1 else r["lease"]
+        out += "\n  %-16s seal (A checks and publishes) %.1f ms, seal -> lease on B (the pull) %.1f ms" % (
+            "", statistics.median(s) * 1e3, statistics.median(g) * 1e3)
+    return out
+
+
+def main(argv: List[str]) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))
+    ap = argparse.ArgumentParser(prog="weight_sync.py --cross-node", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", default=shutil.which("cudaipc") or os.path.join(REPO, "cudaipc"), help="the cudaipc binary")
+    ap.add_argument("--etcd", default=os.environ.get("CUDAIPC_ETCD") or shutil.which("etcd") or "etcd", help="the etcd binary")
+    ap.add_argument("--ucxperf-test", help="transport/ucx/ucxperf's test binary, for the raw UCX floor")
+    ap.add_argument("--models", default="dense,moe")
+    ap.add_argument("--paths", default="cudaipc-cluster,torch-gloo")
+    ap.add_argument("--versions", type=int, default=3, help="versions per path (the first is reported apart)")
+    ap.add_argument("--max-gib", type=float, default=0, help="only the first tensors of each model, up to this many GiB")
+    ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--capacity", default="48GiB", help="each daemon's capacity per device")
+    ap.add_argument("--backend", default="cuda", help=argparse.SUPPRESS)  # host: checks the cluster's start on a CPU
+    ap.add_argument("--timeout", type=float, default=400, help="seconds per model and path")
+    ap.add_argument("--no-floors", action="store_true")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    import torch.multiprocessing as mp
+    tmp = tempfile.mkdtemp(prefix="weight-sync-xnode-")
+    out: Dict[str, Any] = {"link": LINK_ENV, "results": []}
+    if not args.no_floors:
+        out["floor_ucx"] = ucx_floor(args.ucxperf_test)
+        print("floor: raw UCX GET %s" % (("%.2f GB/s (%s)" % (out["floor_ucx"]["GBps"], out["floor_ucx"]["best"]))
+                                         if "GBps" in out["floor_ucx"] else out["floor_ucx"]["error"]), flush=True)
+        out["floor_cluster_host"] = cluster_floor(args.bin, args.etcd)
+        fc = out["floor_cluster_host"]
+        print("floor: cluster pull of a 1 GiB host object %s" % (
+            "%.2f GB/s" % fc["large_GBps"] if "large_GBps" in fc else fc.get("error")), flush=True)
+        q = mp.get_context("spawn").Queue()
+        fl = run_procs([(copy_floor, ({"gpu": args.gpu}, q))], q, 1, 120)
+        if fl:
+            out["floor_copies"] = fl[0]
+            print("floor: pinned copies d2h %.1f GB/s, h2d %.1f GB/s" % (fl[0]["d2h_GBps"], fl[0]["h2d_GBps"]), flush=True)
+    cl = Cluster(args, tmp)
+    try:
+        for m in args.models.split(","):
+            print("model %s%s, GPU %d, %d versions" % (m, " (first %.1f GiB)" % args.max_gib if args.max_gib > 0 else "",
+                                                       args.gpu, args.versions), flush=True)
+            for path in args.paths.split(","):
+                cfg = {"model": m, "gpu": args.gpu, "versions": args.versions, "max_gib": args.max_gib,
+                       "timeout": args.timeout}
+                ctx = mp.get_context("spawn")
+                q = ctx.Queue()
+                a, b = ctx.Pipe()
+                if path == "cudaipc-cluster":
+                    rs = run_procs([(trainer, (a, dict(cfg, socket=cl.sockets["A"]))),
+                                    (engine, (b, dict(cfg, socket=cl.sockets["B"]), q))], q, 1, args.timeout)
+                elif path == "torch-gloo":
+                    cfg["port"] = free_port()
+                    rs = run_procs([(gloo_rank, (0, a, cfg, q)), (gloo_rank, (1, b, cfg, q))], q, 1, args.timeout)
+                else:
+                    sys.exit("unknown path %r (cudaipc-cluster, torch-gloo)" % path)
+                if not rs:
+                    print("  %-16s no result (see %s)" % (path, tmp), flush=True)
+                for r in rs:
+                    print("  %-16s %s" % (r["path"], summarize(r)), flush=True)
+                    out["results"].append(r)
+            mine = [r for r in out["results"] if r["model"] == m]
+            c = next((r for r in mine if r["path"] == "cudaipc-cluster"), None)
+            g = next((r for r in mine if r["path"] == "torch-gloo"), None)
+            link = out.get("floor_ucx", {}).get("GBps")
+            cop = out.get("floor_copies")
+            if c is not None:
+                if g is not None:
+                    c["x_gloo"] = g["median_s"] / c["median_s"]
+                    print("  cudaipc-cluster is %.2fx torch-gloo's speed" % c["x_gloo"], flush=True)
+                if link and cop:
+                    floor = min(link, cop["d2h_GBps"], cop["h2d_GBps"])
+                    c["x_floor"] = c["gbps"] / floor
+                    print("  cudaipc-cluster %.2f GB/s is %.2fx min(link %.2f, staging %.1f) GB/s" % (
+                        c["gbps"], c["x_floor"], link, min(cop["d2h_GBps"], cop["h2d_GBps"])), flush=True)
+    finally:
+        cl.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    print("logs in %s" % tmp)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
