@@ -200,6 +200,9 @@ func TestGPUReplicaStoreFull(t *testing.T) {
 	if msg := err.Error(); !strings.Contains(msg, "node small") || !strings.Contains(msg, gpu) {
 		t.Fatalf("STORE_FULL does not name the reader's node and GPU: %v", err)
 	}
+	if _, err := small.c.Stat(ctx, "big"); !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("stat on the small daemon after the failed pull: %v", err)
+	}
 }
 
 // A reader that goes mid-pull (its client's connection closed, which ends
@@ -212,7 +215,7 @@ func TestGPUReaderGoneMidPull(t *testing.T) {
 	a, b := startDaemonOn(t, srv, "a", 4<<30, "cuda"), startDaemonOn(t, srv, "b", 4<<30, "cuda")
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	const size = 2 << 30 // ~2 s over UCX tcp on loopback
+	const size = 3 << 30 // ~3 s over UCX tcp on loopback
 	putGPU(t, ctx, a, "victim", gpu, randomBytes(size, 9), client.CreateOptions{})
 	rc, err := client.Dial(ctx, b.sock)
 	if err != nil {
@@ -229,6 +232,9 @@ func TestGPUReaderGoneMidPull(t *testing.T) {
 	// Once bytes flow (A staged the object and B read some), the reader
 	// goes.
 	testutil.Eventually(t, testutil.Wait, func() error {
+		if b.node.Stats().Pulls > 0 {
+			t.Fatal("the pull ended before the reader went: the object is too small for this link")
+		}
 		if node.StagedBytes(a.node) < size || b.node.Stats().InFlight != 1 || node.StagedBytes(b.node) == 0 {
 			return errors.New("the pull has not started moving bytes")
 		}

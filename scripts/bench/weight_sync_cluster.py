@@ -54,6 +54,10 @@ sys.path.insert(0, HERE)
 import weight_sync as ws  # noqa: E402  the shapes and the checksum helpers
 
 BUCKET = 1 << 30
+# A cluster-visible bundle's manifest travels in its directory record (at most
+# 192 KiB, ~110 bytes a tensor): a model with more tensors is published as the
+# shards of one version, this many tensors each.
+SHARD_TENSORS = 1000
 LINK_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 
@@ -72,6 +76,12 @@ def shapes_of(model: str, max_gib: float) -> List[Tuple[str, Tuple[int, ...]]]:
         cut.append((n, s))
         total += k
     return cut
+
+
+def shards_of(shapes: List[Tuple[str, Tuple[int, ...]]], per: int = 0) -> List[List[Tuple[str, Tuple[int, ...]]]]:
+    """The tensors in shards of at most per (SHARD_TENSORS) tensors, in order."""
+    per = per or SHARD_TENSORS
+    return [shapes[i:i + per] for i in range(0, len(shapes), per)]
 
 
 def free_port() -> int:
@@ -152,24 +162,31 @@ def trainer(conn: Any, cfg: Dict[str, Any]) -> None:
     import torch
     import cudaipc
     from cudaipc import bundle as B
-    dev = torch.device("cuda", cfg["gpu"])
-    torch.cuda.set_device(dev)
-    shapes = shapes_of(cfg["model"], cfg["max_gib"])
+    dev = ws.device(cfg["gpu"])   # -1: host memory (a check of the script on any machine)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    shards = shards_of(shapes_of(cfg["model"], cfg["max_gib"]), cfg["shard_tensors"])
     store = cudaipc.connect(cfg["socket"])
     name = "xnode-%s" % cfg["model"]
     for _ in range(cfg["versions"]):
-        w = B.create_bundle(store, name, {n: (torch.bfloat16, s) for n, s in shapes}, cfg["gpu"],
-                            publish=True, keep_last=1, cluster=True)
-        ws.randomize(w.tensors)
-        ws.sync(dev)
-        sums = ws.checksums(w.tensors)
+        ws_ = [B.create_bundle(store, name, {n: (torch.bfloat16, s) for n, s in sh}, cfg["gpu"] if cfg["gpu"] >= 0 else "host", publish=True,
+                               shards=len(shards), shard=i, keep_last=1, cluster=True) for i, sh in enumerate(shards)]
+        sums: List[int] = []
+        for w in ws_:
+            ws.randomize(w.tensors)
+            ws.sync(dev)
+            sums += ws.checksums(w.tensors)
         assert conn.recv() == "ready"
         t0 = ws.now()
-        w.seal()
+        for w in ws_:
+            w.seal()
         t_seal = ws.now() - t0
         conn.send((t0, sums, t_seal))
         assert conn.recv() == "done"
     conn.send("bye")
+    assert conn.recv() == "removed?"
+    store.rm(name)
+    conn.send("removed")
 
 
 def engine(conn: Any, cfg: Dict[str, Any], results: Any) -> None:
@@ -178,24 +195,37 @@ def engine(conn: Any, cfg: Dict[str, Any], results: Any) -> None:
     import torch
     import cudaipc
     from cudaipc import bundle as B
-    dev = torch.device("cuda", cfg["gpu"])
-    torch.cuda.set_device(dev)
+    dev = ws.device(cfg["gpu"])   # -1: host memory (a check of the script on any machine)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     shapes = shapes_of(cfg["model"], cfg["max_gib"])
     params = ws.alloc(shapes, dev)
+    shards = [{n: params[n] for n, _ in sh} for sh in shards_of(shapes, cfg["shard_tensors"])]
     store = cudaipc.connect(cfg["socket"])
     name = "xnode-%s" % cfg["model"]
     times, seals, gets, bad, seen = [], [], [], 0, 0
-    for _ in range(cfg["versions"]):
+    for v in range(cfg["versions"]):
         conn.send("ready")
+        msg = None
+        if v == 0:
+            # The name is not in the cluster before the first seal: a get would
+            # wait for a local one. Later versions wait on the directory's watch.
+            msg = conn.recv()
+        # Shard 0's get pulls the version's every shard onto this node.
         b = B.get_bundle(store, name, timeout=cfg["timeout"], newer_than=seen)
         tg = ws.now()
         seen = b.version
-        B.load_into(b, params)
-        ws.sync(dev)
-        t1 = ws.now()
+        B.load_into(b, shards[0])
         b.release()
         del b
-        t0, sums, t_seal = conn.recv()
+        for i in range(1, len(shards)):
+            b = B.get_bundle(store, name, timeout=cfg["timeout"], version=seen, shard=i)
+            B.load_into(b, shards[i])
+            b.release()
+            del b
+        ws.sync(dev)
+        t1 = ws.now()
+        t0, sums, t_seal = msg if msg is not None else conn.recv()
         if ws.checksums(params) != sums:
             bad += 1
         times.append(t1 - t0)
@@ -203,6 +233,8 @@ def engine(conn: Any, cfg: Dict[str, Any], results: Any) -> None:
         gets.append(tg - t0)
         conn.send("done")
     assert conn.recv() == "bye"
+    conn.send("removed?")
+    assert conn.recv() == "removed"
     results.put({"model": cfg["model"], "path": "cudaipc-cluster", "times": times, "seal": seals,
                  "lease": gets, "bad_versions": bad, "versions": cfg["versions"],
                  "bytes": ws.nbytes(params), "tensors": len(params)})
@@ -214,8 +246,9 @@ def gloo_rank(rank: int, conn: Any, cfg: Dict[str, Any], results: Any) -> None:
     copies each bucket into its GPU parameters."""
     import torch
     import torch.distributed as dist
-    dev = torch.device("cuda", cfg["gpu"])
-    torch.cuda.set_device(dev)
+    dev = ws.device(cfg["gpu"])   # -1: host memory (a check of the script on any machine)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     os.environ.update(GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % cfg["port"], rank=rank, world_size=2)
     shapes = shapes_of(cfg["model"], cfg["max_gib"])
@@ -229,7 +262,8 @@ def gloo_rank(rank: int, conn: Any, cfg: Dict[str, Any], results: Any) -> None:
             used = 0
         buckets[-1].append((n, t))
         used += t.numel()
-    host = torch.empty(max(sum(t.numel() for _, t in b) for b in buckets), dtype=torch.uint8, pin_memory=True)
+    host = torch.empty(max(sum(t.numel() for _, t in b) for b in buckets), dtype=torch.uint8,
+                       pin_memory=dev.type == "cuda")
     times, bad = [], 0
     for _ in range(cfg["versions"]):
         if rank == 0:
@@ -271,8 +305,9 @@ def gloo_rank(rank: int, conn: Any, cfg: Dict[str, Any], results: Any) -> None:
 def copy_floor(cfg: Dict[str, Any], results: Any) -> None:
     """Pinned device->host and host->device copies of 1 GiB: the staging floor."""
     import torch
-    dev = torch.device("cuda", cfg["gpu"])
-    torch.cuda.set_device(dev)
+    dev = ws.device(cfg["gpu"])   # -1: host memory (a check of the script on any machine)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     n = 1 << 30
     g = torch.empty(n, dtype=torch.uint8, device=dev)
     h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
@@ -372,16 +407,21 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--etcd", default=os.environ.get("CUDAIPC_ETCD") or shutil.which("etcd") or "etcd", help="the etcd binary")
     ap.add_argument("--ucxperf-test", help="transport/ucx/ucxperf's test binary, for the raw UCX floor")
     ap.add_argument("--models", default="dense,moe")
-    ap.add_argument("--paths", default="cudaipc-cluster,torch-gloo")
+    ap.add_argument("--paths", default="torch-gloo,cudaipc-cluster",
+                    help="in this order (torch-gloo first: the daemons keep GPU memory of the last versions)")
     ap.add_argument("--versions", type=int, default=3, help="versions per path (the first is reported apart)")
     ap.add_argument("--max-gib", type=float, default=0, help="only the first tensors of each model, up to this many GiB")
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--capacity", default="48GiB", help="each daemon's capacity per device")
-    ap.add_argument("--backend", default="cuda", help=argparse.SUPPRESS)  # host: checks the cluster's start on a CPU
+    ap.add_argument("--shard-tensors", type=int, default=SHARD_TENSORS, help="tensors per shard of a version")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model in host memory (any machine): checks the script")
     ap.add_argument("--timeout", type=float, default=400, help="seconds per model and path")
     ap.add_argument("--no-floors", action="store_true")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    args.backend = "cuda"
+    if args.smoke:
+        args.models, args.gpu, args.capacity, args.backend, args.no_floors = "smoke", -1, "256MiB", "host", True
     import torch.multiprocessing as mp
     tmp = tempfile.mkdtemp(prefix="weight-sync-xnode-")
     out: Dict[str, Any] = {"link": LINK_ENV, "results": []}
@@ -405,7 +445,7 @@ def main(argv: List[str]) -> None:
                                                        args.gpu, args.versions), flush=True)
             for path in args.paths.split(","):
                 cfg = {"model": m, "gpu": args.gpu, "versions": args.versions, "max_gib": args.max_gib,
-                       "timeout": args.timeout}
+                       "timeout": args.timeout, "shard_tensors": args.shard_tensors}
                 ctx = mp.get_context("spawn")
                 q = ctx.Queue()
                 a, b = ctx.Pipe()
@@ -422,6 +462,9 @@ def main(argv: List[str]) -> None:
                 for r in rs:
                     print("  %-16s %s" % (r["path"], summarize(r)), flush=True)
                     out["results"].append(r)
+                if args.json:   # after every path: a run stopped at its limit keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump(out, f, indent=1)
             mine = [r for r in out["results"] if r["model"] == m]
             c = next((r for r in mine if r["path"] == "cudaipc-cluster"), None)
             g = next((r for r in mine if r["path"] == "torch-gloo"), None)
