@@ -64,8 +64,8 @@ type ctlProof struct {
 
 // ctlRequest is a request after the handshake.
 type ctlRequest struct {
-	// Op is "open" (expose Ref's replica of incarnation ID) or "close"
-	// (release Handle).
+	// Op is "open" (expose Ref's replica of incarnation ID), "read"
+	// (send a small one's bytes: inline.go) or "close" (release Handle).
 	Op     string `json:"op"`
 	Ref    Ref    `json:"ref"`
 	ID     string `json:"id,omitempty"`
@@ -88,6 +88,9 @@ type ctlResponse struct {
 	Have     []byte `json:"have,omitempty"`
 	Chunks   int    `json:"chunks,omitempty"`
 	Complete bool   `json:"complete,omitempty"`
+	// Inline answers "read": the replica's bytes, this many, follow in
+	// the next frame.
+	Inline int64 `json:"inline,omitempty"`
 }
 
 // Exposure says where a peer reads an exposed replica: the holder's UCX
@@ -215,6 +218,11 @@ func (ch *channel) write(v any) error {
 	if err != nil {
 		return err
 	}
+	return ch.writeRaw(b)
+}
+
+// writeRaw seals b as the next frame.
+func (ch *channel) writeRaw(b []byte) error {
 	var nonce [12]byte
 	binary.BigEndian.PutUint64(nonce[4:], ch.sseq)
 	ch.sseq++
@@ -222,18 +230,27 @@ func (ch *channel) write(v any) error {
 }
 
 func (ch *channel) read(v any) error {
-	b, err := readFrame(ch.c)
+	p, err := ch.readRaw()
 	if err != nil {
 		return err
+	}
+	return decodeStrict(p, v)
+}
+
+// readRaw reads and opens the next frame.
+func (ch *channel) readRaw() ([]byte, error) {
+	b, err := readFrame(ch.c)
+	if err != nil {
+		return nil, err
 	}
 	var nonce [12]byte
 	binary.BigEndian.PutUint64(nonce[4:], ch.rseq)
 	ch.rseq++
-	p, err := ch.recv.Open(nil, nonce[:], b, nil)
+	p, err := ch.recv.Open(b[:0], nonce[:], b, nil)
 	if err != nil {
-		return fmt.Errorf("%w: control frame from %s does not authenticate", ErrBadRecord, ch.peer)
+		return nil, fmt.Errorf("%w: control frame from %s does not authenticate", ErrBadRecord, ch.peer)
 	}
-	return decodeStrict(p, v)
+	return p, nil
 }
 
 func newNonce() []byte {
@@ -408,7 +425,10 @@ func (s *ControlServer) serveConn(c net.Conn, log *slog.Logger) {
 			return
 		}
 		var resp ctlResponse
+		var raw []byte
 		switch req.Op {
+		case "read":
+			resp, raw = s.serveRead(req)
 		case "open":
 			if len(held) >= MaxExposures {
 				resp.Err = fmt.Sprintf("more than %d objects exposed on one connection", MaxExposures)
@@ -437,6 +457,11 @@ func (s *ControlServer) serveConn(c net.Conn, log *slog.Logger) {
 		}
 		if err := ch.write(&resp); err != nil {
 			return
+		}
+		if raw != nil {
+			if err := ch.writeRaw(raw); err != nil {
+				return
+			}
 		}
 	}
 }
@@ -504,6 +529,13 @@ func (cc *ControlClient) Release(ctx context.Context, handle uint64) error {
 var errChannel = errors.New("no answer")
 
 func (cc *ControlClient) roundTrip(ctx context.Context, req ctlRequest) (ctlResponse, error) {
+	return cc.exchange(ctx, req, nil)
+}
+
+// exchange sends req and reads its answer and, when the answer says
+// bytes follow (Inline), their frame into *raw; with raw nil, such an
+// answer breaks the channel.
+func (cc *ControlClient) exchange(ctx context.Context, req ctlRequest, raw *[]byte) (ctlResponse, error) {
 	cc.mu.Lock()
 	defer cc.mu.Unlock()
 	var resp ctlResponse
@@ -518,6 +550,17 @@ func (cc *ControlClient) roundTrip(ctx context.Context, req ctlRequest) (ctlResp
 	}
 	if err := cc.ch.read(&resp); err != nil {
 		return resp, fmt.Errorf("control channel to node %s: %w: %w", cc.ch.peer, errChannel, err)
+	}
+	if resp.Inline != 0 {
+		if raw == nil || resp.Inline < 0 || resp.Inline > MaxInline {
+			cc.ch.c.Close() // out of step with the peer: never reused
+			return resp, fmt.Errorf("control channel to node %s: %w: %w: %d inline bytes unasked", cc.ch.peer, errChannel, ErrBadRecord, resp.Inline)
+		}
+		b, err := cc.ch.readRaw()
+		if err != nil {
+			return resp, fmt.Errorf("control channel to node %s: %w: %w", cc.ch.peer, errChannel, err)
+		}
+		*raw = b
 	}
 	return resp, nil
 }

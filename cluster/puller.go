@@ -86,6 +86,9 @@ type PullStats struct {
 	// PartialBytes counts the bytes partial reads (PullRanges) read:
 	// the chunks their ranges touch.
 	PartialBytes uint64
+	// Inline counts the pulls whose object came whole in a holder's
+	// answer on the control channel (MaxInline).
+	Inline uint64
 }
 
 // Puller makes local replicas of objects other nodes hold: it finds the
@@ -123,8 +126,8 @@ type Puller struct {
 	mu       sync.Mutex
 	inflight map[Ref]*pullCall
 
-	pulls, failed, bytes, failovers, fed, partial atomic.Uint64
-	inFlight                                      atomic.Int64
+	pulls, failed, bytes, failovers, fed, partial, inline atomic.Uint64
+	inFlight                                              atomic.Int64
 }
 
 type pullCall struct {
@@ -136,7 +139,8 @@ type pullCall struct {
 // Stats returns the puller's counters.
 func (p *Puller) Stats() PullStats {
 	return PullStats{Pulls: p.pulls.Load(), Failed: p.failed.Load(), InFlight: p.inFlight.Load(),
-		Bytes: p.bytes.Load(), Failovers: p.failovers.Load(), FedBytes: p.fed.Load(), PartialBytes: p.partial.Load()}
+		Bytes: p.bytes.Load(), Failovers: p.failovers.Load(), FedBytes: p.fed.Load(), PartialBytes: p.partial.Load(),
+		Inline: p.inline.Load()}
 }
 
 func (p *Puller) log() *slog.Logger {
@@ -410,7 +414,14 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 			s.close()
 		}
 	}()
-	for round := 0; ; round++ {
+	// A small object comes whole in the holder's answer (inline.go).
+	var inlined bool
+	if inline(e) && t.feed == nil && upstream == "" {
+		if inlined, err = p.readInline(ctx, t, tried); err != nil {
+			return e, err
+		}
+	}
+	for round := 0; !inlined; round++ {
 		if round > 0 {
 			// Every source failed: look for holders not tried yet (a
 			// replica made meanwhile), once or twice.

@@ -543,6 +543,31 @@ func (s source) Expose(ref cluster.Ref, id string) (cluster.Exposure, func(), er
 	}, nil
 }
 
+// ReadReplica implements cluster.ReplicaReader: it copies a small replica
+// out of its arena while the store's lease holds it.
+func (s source) ReadReplica(ref cluster.Ref, id string, max int64) ([]byte, error) {
+	n := s.n
+	f, err := n.st.LeaseCluster(ref.Owner, ref.Name, ref.Version, ref.Shard, id)
+	if err != nil {
+		if errors.Is(err, store.ErrNotFound) {
+			err = fmt.Errorf("%w: %v", cluster.ErrNotFound, err)
+		}
+		return nil, err
+	}
+	defer f.Release()
+	defer f.File.Close()
+	if f.Size > max {
+		return nil, fmt.Errorf("replica of %s is %d bytes, more than %d to read inline", ref, f.Size, max)
+	}
+	b := make([]byte, f.Size)
+	if _, err := f.File.ReadAt(b, f.Offset); err != nil {
+		return nil, fmt.Errorf("read the replica of %s: %w", ref, err)
+	}
+	n.exposures.Add(1)
+	n.exposedBytes.Add(uint64(f.Size))
+	return b, nil
+}
+
 // exposeArena registers f's arena with UCX (mapped and registered once
 // while any of its objects is exposed) and says where peers read f's
 // object; release ends the exposure. f itself is left to the caller.
