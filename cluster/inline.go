@@ -79,8 +79,10 @@ func (cc *ControlClient) Read(ctx context.Context, ref Ref, id string, size int6
 	return data, nil
 }
 
-// inline reports whether a pull reads e through the control channel.
-func inline(e Entry) bool { return e.Size > 0 && e.Size <= MaxInline }
+// inline reports whether a pull reads e through the control channel: a
+// small host object (a GPU object's bytes are staged by its holder and
+// read with UCX).
+func inline(e Entry) bool { return !e.GPU && e.Size > 0 && e.Size <= MaxInline }
 
 // readInline reads t's object whole from the first holder that serves it
 // (each holder tried is marked in tried, why it failed in t.failed),

@@ -416,7 +416,7 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 	}()
 	// A small object comes whole in the holder's answer (inline.go).
 	var inlined bool
-	if inline(e) && t.feed == nil && upstream == "" {
+	if inline(e) && t.feed == nil && t.land == nil && upstream == "" {
 		if inlined, err = p.readInline(ctx, t, tried); err != nil {
 			return e, err
 		}

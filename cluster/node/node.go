@@ -555,6 +555,9 @@ func (s source) ReadReplica(ref cluster.Ref, id string, max int64) ([]byte, erro
 		return nil, err
 	}
 	defer f.Release()
+	if f.GPU != nil {
+		return nil, fmt.Errorf("replica of %s is in GPU memory: open it", ref)
+	}
 	defer f.File.Close()
 	if f.Size > max {
 		return nil, fmt.Errorf("replica of %s is %d bytes, more than %d to read inline", ref, f.Size, max)
