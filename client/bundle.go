@@ -80,9 +80,14 @@ func (c *Client) PutBundle(ctx context.Context, name string, tensors []TensorDat
 }
 
 // GetBundle leases a bundle (a version of it, with opts) and returns its
-// manifest, read without touching the object's memory.
+// manifest, read without touching the object's memory. With
+// opts.Tensors, the manifest holds just those tensors: over the whole
+// bundle's lease where the daemon holds it, else over a lease of a partial
+// replica that holds only them (Lease.Info().Partial; docs/cluster.md,
+// "Partial reads"). Either way each tensor's bytes are at its manifest's
+// Begin in the lease.
 func (c *Client) GetBundle(ctx context.Context, name string, opts GetOptions) (*Lease, *bundle.Manifest, error) {
-	l, err := c.GetWith(ctx, name, opts)
+	l, err := c.getWith(ctx, name, opts, len(opts.Tensors) > 0)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -63,6 +63,11 @@ type ObjectInfo struct {
 	// against writes: immutable for everyone (docs/hardening.md, "Sealed
 	// objects").
 	CreatorCanWrite bool `json:"creator_can_write"`
+	// Partial says the lease is of a partial replica: only the tensors a
+	// GetBundle named (GetOptions.Tensors), read from another node into
+	// an object of their own. Name, Version, Shards and Shard are the
+	// bundle's; Size, ManifestSize and Tensors the slice's.
+	Partial bool `json:"partial,omitempty"`
 }
 
 // TensorDesc says what an object's bytes are as a typed array, so that
@@ -178,10 +183,12 @@ type GetOptions struct {
 	// Tensors, for GetBundle, names the tensors wanted: the manifest
 	// returned holds only those (sorted by offset, as every manifest), and
 	// a name the bundle lacks, or given twice, is ErrInvalid naming it.
-	// The lease is the whole bundle's (its bytes and its ManifestBytes are
-	// unchanged); a get that pulls the bundle from another node pulls all
-	// of it for now (docs/cluster.md, "Partial reads"). Other gets ignore
-	// it.
+	// Where the daemon holds the whole bundle the lease is the whole's;
+	// a daemon of a cluster that does not reads only those tensors from
+	// another node into a partial replica and leases that
+	// (ObjectInfo.Partial: its bytes and ManifestBytes are the slice's;
+	// docs/cluster.md, "Partial reads"). GetWith and Get ignore it: their
+	// lease is always of the whole object.
 	Tensors []string
 }
 

@@ -280,6 +280,7 @@ func infoBody(p *storev1.ObjectInfo) ObjectInfo {
 		SourcesSize:   int64(p.GetSourcesSize()),
 
 		CreatorCanWrite: p.GetCreatorCanWrite(),
+		Partial:         p.GetPartial(),
 	}
 }
 

@@ -2,8 +2,11 @@ package client
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 
+	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
@@ -24,6 +27,13 @@ func (c *Client) Publish(ctx context.Context, name string, size int64, opts Crea
 // by number meanwhile. On a plain (unversioned) name with zero opts it is
 // Get.
 func (c *Client) GetWith(ctx context.Context, name string, opts GetOptions) (*Lease, error) {
+	return c.getWith(ctx, name, opts, false)
+}
+
+// getWith is GetWith; with tensors it sends opts.Tensors (GetBundle), so
+// that a daemon that does not hold the bundle may answer with a partial
+// replica of just those.
+func (c *Client) getWith(ctx context.Context, name string, opts GetOptions, tensors bool) (*Lease, error) {
 	if err := checkName("get", name); err != nil {
 		return nil, err
 	}
@@ -33,6 +43,17 @@ func (c *Client) GetWith(ctx context.Context, name string, opts GetOptions) (*Le
 	gr := &storev1.GetRequest{Name: name, Version: opts.Version, Shard: uint32(opts.Shard), NewerThan: opts.NewerThan}
 	if opts.RequireOwner {
 		gr.OwnerUid = &opts.Owner
+	}
+	if tensors {
+		if err := protocol.ValidateTensorNames(opts.Tensors); err != nil {
+			var ce *protocol.CodeError
+			msg := err.Error()
+			if errors.As(err, &ce) {
+				msg = strings.TrimPrefix(ce.Message, "get: ")
+			}
+			return nil, &Error{Op: "get", Name: name, Err: ErrInvalid, Message: msg}
+		}
+		gr.Tensors = opts.Tensors
 	}
 	l, err := c.get(ctx, name, gr, opts.Wait || opts.NewerThan != 0)
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -32,8 +33,9 @@ func TestPullRanges(t *testing.T) {
 		{Off: 3*chunk + 7, Len: 9},         // chunk 3 again
 	}
 	var exp []byte
-	for _, r := range ranges {
-		exp = append(exp, want[r.Off:r.Off+r.Len]...)
+	for i := range ranges {
+		ranges[i].At = int64(len(exp)) // end to end
+		exp = append(exp, want[ranges[i].Off:ranges[i].Off+ranges[i].Len]...)
 	}
 	dst := make([]byte, len(exp))
 	_, read, err := b.P.PullRanges(ctx, o.Ref(), ranges, dst)
@@ -69,7 +71,7 @@ func TestPullRanges(t *testing.T) {
 		}
 	}
 	if _, _, err := b.P.PullRanges(ctx, o.Ref(), ranges[:1], make([]byte, 99)); err == nil {
-		t.Error("a destination of the wrong size was accepted")
+		t.Error("a range beyond its destination was accepted")
 	}
 
 	// A corrupt chunk fails the read, naming it; one outside the ranges
@@ -123,31 +125,28 @@ func TestPullTensors(t *testing.T) {
 	}
 	o, want := a.Put(t, "ns/model", size, 256<<10)
 	names := []string{"layer.5.weight", "layer.2.weight"}
-	ranges, err := cluster.TensorRanges(m, names)
+	sm, n, ranges, err := cluster.TensorSlice(m, names)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var n int64
-	for _, r := range ranges {
-		n += r.Len
+	if len(sm.Tensors) != 2 || sm.Tensors[0].Name != "layer.2.weight" || sm.Tensors[1].Begin%bundle.Alignment != 0 || n != sm.Tensors[1].End {
+		t.Fatalf("slice layout %+v, %d bytes", sm.Tensors, n)
 	}
 	dst := make([]byte, n)
 	if _, read, err := b.P.PullRanges(ctx, o.Ref(), ranges, dst); err != nil || read >= size {
 		t.Fatalf("read %d of %d bytes: %v", read, size, err)
 	}
-	at := int64(0)
-	for i, name := range names {
-		tn := m.Tensors[m.Index(name)]
-		if !bytes.Equal(dst[at:at+tn.Size()], want[tn.Begin:tn.End]) {
-			t.Fatalf("tensor %s differs", name)
+	for i, st := range sm.Tensors {
+		tn := m.Tensors[m.Index(st.Name)]
+		if !bytes.Equal(dst[st.Begin:st.End], want[tn.Begin:tn.End]) {
+			t.Fatalf("tensor %s differs", st.Name)
 		}
-		if ranges[i] != (cluster.Range{Off: tn.Begin, Len: tn.Size()}) {
-			t.Fatalf("range of %s: %+v", name, ranges[i])
+		if ranges[i] != (cluster.Range{Off: tn.Begin, Len: tn.Size(), At: st.Begin}) || st.DType != tn.DType || !slices.Equal(st.Shape, tn.Shape) {
+			t.Fatalf("range of %s: %+v", st.Name, ranges[i])
 		}
-		at += tn.Size()
 	}
 	for _, bad := range [][]string{{"nope"}, {"layer.1.weight", "layer.1.weight"}} {
-		if _, err := cluster.TensorRanges(m, bad); err == nil || !strings.Contains(err.Error(), bad[0]) {
+		if _, _, _, err := cluster.TensorSlice(m, bad); !errors.Is(err, cluster.ErrNoTensor) || !strings.Contains(err.Error(), bad[0]) {
 			t.Errorf("tensors %v: %v", bad, err)
 		}
 	}

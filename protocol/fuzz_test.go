@@ -22,6 +22,8 @@ func seedRequests() []*storev1.Request {
 			Tensor: &storev1.TensorDesc{Dtype: "uint8", Shape: []int64{1 << 20}}, WaitEvent: make([]byte, 124)}}},
 		{Id: 4, Body: &storev1.Request_Abort{Abort: &storev1.AbortRequest{Name: "tensor-0"}}},
 		{Id: 5, Body: &storev1.Request_Get{Get: &storev1.GetRequest{Name: "tensor-0", TimeoutMs: -1}}},
+		{Id: 5, Body: &storev1.Request_Get{Get: &storev1.GetRequest{Name: "model", Tensors: []string{"layer.3.w", "layer.1.w"}}}},
+		{Id: 5, Body: &storev1.Request_Get{Get: &storev1.GetRequest{Name: "model", Tensors: []string{"a", "a"}}}},
 		{Id: 6, Body: &storev1.Request_Release{Release: &storev1.ReleaseRequest{LeaseId: 17}}},
 		{Id: 7, Body: &storev1.Request_Delete{Delete: &storev1.DeleteRequest{Name: "tensor-0"}}},
 		{Id: 8, Body: &storev1.Request_List{List: &storev1.ListRequest{StartAfter: "t"}}},
@@ -150,6 +152,15 @@ func FuzzDecodeRequest(f *testing.F) {
 		}
 		if c := req.GetCreate(); c != nil && (c.GetSize() == 0 || c.GetSize() > MaxObjectSize) {
 			t.Fatalf("accepted size %d", c.GetSize())
+		}
+		if g := req.GetGet(); g != nil {
+			seen := map[string]bool{}
+			for _, n := range g.GetTensors() {
+				if n == "" || seen[n] {
+					t.Fatalf("accepted tensors %q", g.GetTensors())
+				}
+				seen[n] = true
+			}
 		}
 	})
 }

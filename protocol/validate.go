@@ -172,7 +172,10 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 	case *storev1.Request_Abort:
 		return ValidateName(b.Abort.GetName())
 	case *storev1.Request_Get:
-		return ValidateName(b.Get.GetName())
+		if err := ValidateName(b.Get.GetName()); err != nil {
+			return err
+		}
+		return ValidateTensorNames(b.Get.GetTensors())
 	case *storev1.Request_Release:
 		if b.Release.GetLeaseId() == 0 {
 			return Errorf(storev1.Error_INVALID, "release: lease id 0")
@@ -200,6 +203,30 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 	default:
 		return Errorf(storev1.Error_INVALID, "request %d: unsupported operation %T", r.GetId(), b)
 	}
+}
+
+// ValidateTensorNames checks the tensor names of a get (GetRequest.tensors):
+// each non-empty and valid UTF-8, none given twice. Whether the bundle has
+// them is for the server to say. The error is a *CodeError with code
+// INVALID naming the tensor.
+func ValidateTensorNames(names []string) error {
+	if len(names) == 0 {
+		return nil
+	}
+	seen := make(map[string]struct{}, len(names))
+	for i, n := range names {
+		switch {
+		case n == "":
+			return Errorf(storev1.Error_INVALID, "get: tensor name %d of %d is empty", i+1, len(names))
+		case !utf8.ValidString(n):
+			return Errorf(storev1.Error_INVALID, "get: tensor name %q is not valid UTF-8", n)
+		}
+		if _, dup := seen[n]; dup {
+			return Errorf(storev1.Error_INVALID, "get: tensor %q is named twice", n)
+		}
+		seen[n] = struct{}{}
+	}
+	return nil
 }
 
 // CheckVersion returns nil when the server speaks the client's protocol

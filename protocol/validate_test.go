@@ -87,6 +87,7 @@ func TestValidateRequest(t *testing.T) {
 		req(3, &storev1.SealRequest{Name: ".ahead", Rename: "x", Tensor: &storev1.TensorDesc{Dtype: "uint8", Shape: []int64{1}}}),
 		req(4, &storev1.AbortRequest{Name: "x"}),
 		req(5, &storev1.GetRequest{Name: "x", TimeoutMs: -1}),
+		req(5, &storev1.GetRequest{Name: "x", Tensors: []string{"b", "a", "layer 0/w\u00e9"}}),
 		req(6, &storev1.ReleaseRequest{LeaseId: 1}),
 		req(7, &storev1.DeleteRequest{Name: "x"}),
 		req(8, &storev1.ListRequest{}),
@@ -103,28 +104,33 @@ func TestValidateRequest(t *testing.T) {
 		}
 	}
 	bad := map[string]*storev1.Request{
-		"id 0":          req(0, &storev1.SealRequest{Name: "x"}),
-		"no body":       {Id: 1},
-		"hello v0":      req(1, &storev1.HelloRequest{}),
-		"hello ctl":     req(1, &storev1.HelloRequest{Version: 1, ClientName: "a\nb"}),
-		"create size 0": req(1, &storev1.CreateRequest{Name: "x"}),
-		"create huge":   req(1, &storev1.CreateRequest{Name: "x", Size: MaxObjectSize + 1}),
-		"create noname": req(1, &storev1.CreateRequest{Size: 1}),
-		"create device": req(1, &storev1.CreateRequest{Name: "x", Size: 1, Device: "a b"}),
-		"seal tab":      req(1, &storev1.SealRequest{Name: "a\tb"}),
-		"seal rename":   req(1, &storev1.SealRequest{Name: "a", Rename: "b\nc"}),
-		"seal rename v": req(1, &storev1.SealRequest{Name: "a", Rename: "b", Version: 2}),
-		"abort empty":   req(1, &storev1.AbortRequest{}),
-		"get empty":     req(1, &storev1.GetRequest{}),
-		"release 0":     req(1, &storev1.ReleaseRequest{}),
-		"delete ctl":    req(1, &storev1.DeleteRequest{Name: "\x01"}),
-		"list bad":      req(1, &storev1.ListRequest{StartAfter: "a\nb"}),
-		"stat empty":    req(1, &storev1.StatRequest{}),
+		"id 0":            req(0, &storev1.SealRequest{Name: "x"}),
+		"no body":         {Id: 1},
+		"hello v0":        req(1, &storev1.HelloRequest{}),
+		"hello ctl":       req(1, &storev1.HelloRequest{Version: 1, ClientName: "a\nb"}),
+		"create size 0":   req(1, &storev1.CreateRequest{Name: "x"}),
+		"create huge":     req(1, &storev1.CreateRequest{Name: "x", Size: MaxObjectSize + 1}),
+		"create noname":   req(1, &storev1.CreateRequest{Size: 1}),
+		"create device":   req(1, &storev1.CreateRequest{Name: "x", Size: 1, Device: "a b"}),
+		"seal tab":        req(1, &storev1.SealRequest{Name: "a\tb"}),
+		"seal rename":     req(1, &storev1.SealRequest{Name: "a", Rename: "b\nc"}),
+		"seal rename v":   req(1, &storev1.SealRequest{Name: "a", Rename: "b", Version: 2}),
+		"abort empty":     req(1, &storev1.AbortRequest{}),
+		"get empty":       req(1, &storev1.GetRequest{}),
+		"get tensor \"\"": req(1, &storev1.GetRequest{Name: "x", Tensors: []string{"a", ""}}),
+		"get tensor 2x":   req(1, &storev1.GetRequest{Name: "x", Tensors: []string{"a", "b", "a"}}),
+		"release 0":       req(1, &storev1.ReleaseRequest{}),
+		"delete ctl":      req(1, &storev1.DeleteRequest{Name: "\x01"}),
+		"list bad":        req(1, &storev1.ListRequest{StartAfter: "a\nb"}),
+		"stat empty":      req(1, &storev1.StatRequest{}),
 	}
 	for name, r := range bad {
 		if err := ValidateRequest(r, 0); !errors.Is(err, ErrInvalid) {
 			t.Errorf("%s: ValidateRequest = %v, want ErrInvalid", name, err)
 		}
+	}
+	if err := ValidateRequest(bad["get tensor 2x"], 0); err == nil || !strings.Contains(err.Error(), `tensor "a" is named twice`) {
+		t.Errorf("a tensor named twice: %v", err)
 	}
 	if err := ValidateRequest(good[2], 1); !errors.Is(err, ErrInvalid) {
 		t.Errorf("request with a file: %v, want ErrInvalid", err)

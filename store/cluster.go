@@ -29,6 +29,13 @@ type ClusterHook interface {
 	// nothing under that name either (the get goes on as without a
 	// cluster), or another error, which the get returns.
 	Fetch(ctx context.Context, reader, owner uint32, name string, sel ClusterGet) error
+	// FetchTensors is Fetch for a get that names some tensors of a bundle
+	// (GetRequest.tensors; sel.Tensors). It may answer as Fetch does
+	// (slice ""), or with the name of a sealed partial replica holding just
+	// those tensors (CreateSlice), which the get leases instead. A tensor
+	// the bundle lacks, or an object that is no bundle, is an error
+	// wrapping ErrInvalid.
+	FetchTensors(ctx context.Context, reader, owner uint32, name string, sel ClusterGet) (slice string, err error)
 	// Sealed is called when the cluster-visible object or shard obj was
 	// sealed on this node, before the seal is answered: it publishes it and
 	// returns its cluster incarnation id, or why it could not.
@@ -52,6 +59,8 @@ type ClusterGet struct {
 	// Wait: the get waits for the name if it is not readable yet (it may
 	// still be sealed here).
 	Wait bool
+	// Tensors names the tensors of a bundle the get wants (FetchTensors).
+	Tensors []string
 }
 
 // ClusterObject names a cluster-visible object of this node: a plain
@@ -408,6 +417,11 @@ func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 		if err == nil {
 			o.clusterID = obj.ID
 			ss.sealLocked(o)
+			// Slices of older versions, and of this shard, are of no use
+			// any more.
+			s.dropSlicesLocked(qname, func(sl *sliceOf) bool {
+				return sl.version < obj.Version || sl.version == obj.Version && sl.shard == obj.Shard
+			})
 		}
 		return err
 	}
@@ -418,7 +432,8 @@ func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 // cluster deleted it): a plain object of incarnation id ("" for any), or a
 // versioned name with all its versions, as its owner's delete would,
 // without telling the cluster again. Leases held keep the memory until they
-// end. It reports whether there was such a name.
+// end; its partial replicas (slice.go) go too. It reports whether there
+// was such a name or slice.
 func (s *Store) DropCluster(owner uint32, name, id string) bool {
 	qname := protocol.QualifiedName(owner, name)
 	ss, err := s.newSession(context.Background(), peer{uid: owner})
@@ -427,29 +442,31 @@ func (s *Store) DropCluster(owner uint32, name, id string) bool {
 	}
 	defer ss.close(errors.New("cluster drop done"))
 	s.mu.Lock()
+	// Its partial replicas go with it (of incarnation id, or all).
+	ok := s.dropSlicesLocked(qname, func(sl *sliceOf) bool { return id == "" || sl.id == id }) > 0
 	e := s.lookupLocked(qname)
-	ok := false
+	whole := false
 	switch {
 	case e.is(kindObject):
-		ok = e.obj.cluster && e.obj.sealed && (id == "" || e.obj.clusterID == id)
-		if ok {
+		whole = e.obj.cluster && e.obj.sealed && (id == "" || e.obj.clusterID == id)
+		if whole {
 			e.obj.clusterID = "" // the cluster knows
 		}
 	case e.is(kindSeries):
 		for _, v := range e.ser.versions {
 			for _, o := range v.shards {
 				if o != nil && o.cluster {
-					ok = true
+					whole = true
 					o.clusterID = ""
 				}
 			}
 		}
 	}
 	s.mu.Unlock()
-	if !ok {
-		return false
+	if !whole {
+		return ok
 	}
-	return ss.delete(qname) == nil
+	return ss.delete(qname) == nil || ok
 }
 
 // clusterCreateOK says whether a create may be cluster-visible: the daemon
@@ -471,8 +488,9 @@ func (s *Store) clusterCreateOK(r createReq, _ string) error {
 // fetchAndGrant answers a get of something this node lacks on a daemon in
 // a cluster: the hook may pull a replica; then the get goes on as it would
 // have (granted, failed at once, or waiting for what is left of
-// timeoutMs).
-func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs int64) {
+// timeoutMs). A get that names tensors of a bundle may instead be granted
+// a partial replica of just those (FetchTensors).
+func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs int64, tensors []string) {
 	ctx := cn.ss.ctx
 	var cancel context.CancelFunc
 	forever := timeoutMs < 0 || timeoutMs > math.MaxInt64/int64(time.Millisecond)
@@ -487,16 +505,42 @@ func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs 
 		ctx, cancel = context.WithTimeout(ctx, DefaultClusterFetchTimeout)
 	}
 	owner, bare, _ := protocol.SplitOwner(name)
-	err := cn.s.cfg.Cluster.Fetch(ctx, cn.ss.peer.uid, owner, bare, ClusterGet{Version: sel.version, Shard: sel.shard, NewerThan: sel.newerThan, Wait: timeoutMs != 0})
+	cg := ClusterGet{Version: sel.version, Shard: sel.shard, NewerThan: sel.newerThan, Wait: timeoutMs != 0, Tensors: tensors}
+	var err error
+	for try := 0; ; try++ {
+		slice := ""
+		if len(tensors) == 0 {
+			err = cn.s.cfg.Cluster.Fetch(ctx, cn.ss.peer.uid, owner, bare, cg)
+		} else {
+			slice, err = cn.s.cfg.Cluster.FetchTensors(ctx, cn.ss.peer.uid, owner, bare, cg)
+		}
+		if err != nil || slice == "" || cn.ss.ctx.Err() != nil {
+			break
+		}
+		cn.order.Lock()
+		done := cn.grant(id, slice, versionSel{}, true)
+		cn.order.Unlock()
+		if done {
+			cancel()
+			return
+		}
+		// Evicted or dropped between its seal and this lease: pull it
+		// again, once.
+		if try == 1 {
+			err = fmt.Errorf("the partial replica of %q was evicted twice before it could be leased: free memory on this node", name)
+			break
+		}
+	}
 	cancel()
 	if cn.ss.ctx.Err() != nil {
 		return
 	}
 	if err != nil && !errors.Is(err, ErrNotFound) {
 		cn.log.Info("cluster fetch failed", "name", name, "err", err)
-		if !errors.Is(err, ErrStoreFull) && !errors.Is(err, protocol.ErrLimit) {
+		if !errors.Is(err, ErrStoreFull) && !errors.Is(err, protocol.ErrLimit) && !errors.Is(err, ErrInvalid) {
 			// A replica that did not fit here keeps its code (the reader
-			// may free room); every other cluster failure is INTERNAL.
+			// may free room), and a tensor the bundle lacks is INVALID;
+			// every other cluster failure is INTERNAL.
 			err = fmt.Errorf("%w: %v", protocol.ErrInternal, err)
 		}
 		cn.reply("get", protocol.ErrorResponse(id, err), nil)

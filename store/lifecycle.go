@@ -41,6 +41,9 @@ type createReq struct {
 	files       []*os.File
 	// cluster makes the object cluster-visible (store/cluster.go).
 	cluster bool
+	// slice makes the object a partial replica (slice.go), its name the
+	// store's own.
+	slice *sliceOf
 }
 
 func createReqOf(r *storev1.CreateRequest) createReq {
@@ -72,8 +75,10 @@ func (ss *session) create(r createReq) (placement, uint64, error) {
 
 func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error) {
 	s := ss.s
-	if err := checkName(r.name); err != nil {
-		return placement{}, 0, err
+	if r.slice == nil {
+		if err := checkName(r.name); err != nil {
+			return placement{}, 0, err
+		}
 	}
 	if r.size <= 0 {
 		return placement{}, 0, invalidf("object size %d is not positive", r.size)
@@ -136,7 +141,7 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 		}
 	}
 	o := &object{name: r.name, size: r.size, shared: r.shared, owner: ss.peer.uid, created: time.Now(),
-		dev: d, creator: ss, manifest: man, tensor: r.tensor, src: src, cluster: r.cluster}
+		dev: d, creator: ss, manifest: man, tensor: r.tensor, src: src, cluster: r.cluster, slice: r.slice}
 	var v *version
 	newSeries := false
 	if r.versioned {
@@ -411,6 +416,9 @@ func (s *Store) wakeLocked(name string) {
 // emitObjectLocked tells subscribers that kind happened to o, a plain
 // object or a shard of a version, if list would show them its name.
 func (s *Store) emitObjectLocked(kind eventKind, o *object) {
+	if o.slice != nil {
+		return // its name is the store's own
+	}
 	to := readers(o.owner, o.shared)
 	switch {
 	case o.ver != nil:

@@ -91,7 +91,7 @@ func (s *Store) unclaimLocked(name string, e entry) {
 func (ss *session) infoLocked(e entry) (info, bool) {
 	switch e.kind {
 	case kindObject:
-		if ss.seesLocked(e.obj) {
+		if ss.seesLocked(e.obj) && e.obj.slice == nil {
 			return e.obj.info(), true
 		}
 	case kindExternal:

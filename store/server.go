@@ -438,7 +438,7 @@ func (cn *conn) handle(req *storev1.Request) {
 		done := cn.grant(id, r.GetName(), sel, r.GetTimeoutMs() != 0 || fetch)
 		cn.order.Unlock()
 		if !done && fetch {
-			cn.wg.Go(func() { cn.fetchAndGrant(id, r.GetName(), sel, r.GetTimeoutMs()) })
+			cn.wg.Go(func() { cn.fetchAndGrant(id, r.GetName(), sel, r.GetTimeoutMs(), r.GetTensors()) })
 		} else if !done {
 			cn.wg.Go(func() { cn.waitAndGrant(id, r.GetName(), sel, r.GetTimeoutMs()) })
 		}
@@ -683,6 +683,7 @@ func (in *info) proto() *storev1.ObjectInfo {
 		SourcesSize:     uint64(in.SourcesSize),
 		Cluster:         in.Cluster,
 		CreatorCanWrite: in.CreatorCanWrite,
+		Partial:         in.Partial,
 	}
 }
 

@@ -166,6 +166,7 @@ type Store struct {
 	fds         int                 // descriptors kept for objects, all uids
 	arenaFDs    map[uint64]fdCharge // by arena id: its descriptors' charge, until closed
 	waiters     map[string]*waiter  // gets waiting for a name to become readable
+	slices      map[string][]string // partial replicas' names, by their bundle's qualified name (slice.go)
 	sessions    map[*session]struct{}
 	subscribers map[*session]struct{}
 	leases      int
@@ -227,6 +228,7 @@ type object struct {
 	manifest *manifest           // a bundle's manifest; nil for a plain object
 	src      *sources            // a no-copy version's bytes (sources.go), with dev and block nil; nil for memory of the store
 	tensor   *storev1.TensorDesc // typed-array descriptor from create (or seal); nil if none; never modified, only replaced
+	slice    *sliceOf            // what a partial replica is a slice of (slice.go); nil for every other object
 }
 
 // waiter wakes the gets waiting for one name.
@@ -306,6 +308,7 @@ func New(cfg Config) (*Store, error) {
 		usage:       make(map[uint32]*usage),
 		arenaFDs:    make(map[uint64]fdCharge),
 		waiters:     make(map[string]*waiter),
+		slices:      make(map[string][]string),
 		sessions:    make(map[*session]struct{}),
 		subscribers: make(map[*session]struct{}),
 		holds:       make(map[uint64]*arenaHold),
@@ -608,6 +611,9 @@ type info struct {
 	// CreatorCanWrite: the bytes may still change through the creator's
 	// writable mapping (docs/hardening.md, "Sealed objects").
 	CreatorCanWrite bool
+	// Partial: a partial replica (slice.go); Name, Version, Shards and
+	// Shard are its bundle's.
+	Partial bool
 }
 
 // writeSealedLocked reports whether o's arena was sealed against writes
@@ -665,6 +671,10 @@ func (o *object) info() info {
 	}
 	if o.manifest != nil {
 		in.ManifestSize, in.Tensors = o.manifest.size, o.manifest.tensors
+	}
+	if sl := o.slice; sl != nil {
+		in.Name, in.Partial = sl.bundle, true
+		in.Version, in.Shards, in.Shard = sl.version, int(sl.shards), int(sl.shard)
 	}
 	return in
 }

@@ -91,7 +91,7 @@ func TestBundleAcrossDaemons(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rs, err := cluster.TensorRanges(rm, []string{"layer.0.w"})
+	_, _, rs, err := cluster.TensorSlice(rm, []string{"layer.0.w"})
 	if err != nil || len(rs) == 0 {
 		t.Fatalf("ranges: %v %v", rs, err)
 	}

@@ -4,14 +4,17 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// Collectors returns the node's metrics: bytes pulled and exposed, pulls
-// (by result) and in flight, failovers. The daemon registers them beside
-// the store's.
+// Collectors returns the node's metrics: bytes pulled (whole replicas
+// and partial ones) and exposed, pulls (by result) and in flight,
+// failovers. The daemon registers them beside the store's.
 func (n *Node) Collectors() []prometheus.Collector {
 	return []prometheus.Collector{
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_pulled_bytes_total",
 			Help: "Bytes of replicas pulled from other nodes and checked."},
 			func() float64 { return float64(n.p.Stats().Bytes) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_partial_bytes_total",
+			Help: "Bytes partial replicas read from other nodes (the chunks the tensors of a get's subset touch)."},
+			func() float64 { return float64(n.p.Stats().PartialBytes) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_pulls_total",
 			Help: "Pulls finished, successful or not.", ConstLabels: prometheus.Labels{"result": "ok"}},
 			func() float64 { return float64(n.p.Stats().Pulls) }),

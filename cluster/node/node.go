@@ -72,7 +72,8 @@ type Node struct {
 	pins   map[string]*store.ClusterFile // holds for pins, by pin key
 
 	// mirror answers lookups without etcd while it is in sync.
-	mirror *etcddir.Mirror
+	mirror  *etcddir.Mirror
+	slicing slicePulls // partial replicas being read (partial.go)
 }
 
 // arenaReg is an arena mapped into the daemon and registered with UCX,

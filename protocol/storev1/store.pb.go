@@ -1139,7 +1139,16 @@ type GetRequest struct {
 	// addresses that uid's namespace ("UID:NAME"), and a qualified name of
 	// another uid is INVALID. A reader that needs the bytes of a given user
 	// sets it, so that no other user's object can stand in for it.
-	OwnerUid      *uint32 `protobuf:"varint,25,opt,name=owner_uid,json=ownerUid,proto3,oneof" json:"owner_uid,omitempty"`
+	OwnerUid *uint32 `protobuf:"varint,25,opt,name=owner_uid,json=ownerUid,proto3,oneof" json:"owner_uid,omitempty"`
+	// For a bundle: the names of the tensors the reader wants (at most
+	// 65,536, each non-empty and at most 65,535 bytes, none twice; else
+	// INVALID). A daemon that holds the whole bundle ignores it: the lease is
+	// the whole bundle's and the client narrows its view. A daemon of a
+	// cluster that does not hold it reads only those tensors' bytes from a
+	// holder into a partial replica, whose lease has info.partial set and a
+	// manifest of just those tensors (at offsets of its own); a name the
+	// bundle lacks is INVALID naming it (docs/protocol.md 6.3).
+	Tensors       []string `protobuf:"bytes,38,rep,name=tensors,proto3" json:"tensors,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1214,6 +1223,13 @@ func (x *GetRequest) GetOwnerUid() uint32 {
 		return *x.OwnerUid
 	}
 	return 0
+}
+
+func (x *GetRequest) GetTensors() []string {
+	if x != nil {
+		return x.Tensors
+	}
+	return nil
 }
 
 // ReleaseRequest ends a lease granted by a GetResponse.
@@ -2227,8 +2243,13 @@ type ObjectInfo struct {
 	// the daemon sealed the memory against writes (F_SEAL_WRITE):
 	// immutable for everyone. docs/hardening.md, "Sealed objects".
 	CreatorCanWrite bool `protobuf:"varint,55,opt,name=creator_can_write,json=creatorCanWrite,proto3" json:"creator_can_write,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// A partial replica (GetRequest.tensors): only some tensors of the
+	// bundle `name` (of this version and shard), pulled from another node,
+	// in an object of their own; its manifest lists just those. Never the
+	// whole bundle, never a holder of it for other nodes.
+	Partial       bool `protobuf:"varint,56,opt,name=partial,proto3" json:"partial,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ObjectInfo) Reset() {
@@ -2404,6 +2425,13 @@ func (x *ObjectInfo) GetCluster() bool {
 func (x *ObjectInfo) GetCreatorCanWrite() bool {
 	if x != nil {
 		return x.CreatorCanWrite
+	}
+	return false
+}
+
+func (x *ObjectInfo) GetPartial() bool {
+	if x != nil {
+		return x.Partial
 	}
 	return false
 }
@@ -3558,7 +3586,7 @@ const file_store_proto_rawDesc = "" +
 	"\fAbortRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
 	"\aversion\x18# \x01(\x04R\aversion\x12\x14\n" +
-	"\x05shard\x18$ \x01(\rR\x05shard\"\xbe\x01\n" +
+	"\x05shard\x18$ \x01(\rR\x05shard\"\xd8\x01\n" +
 	"\n" +
 	"GetRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1d\n" +
@@ -3568,7 +3596,8 @@ const file_store_proto_rawDesc = "" +
 	"\x05shard\x18$ \x01(\rR\x05shard\x12\x1d\n" +
 	"\n" +
 	"newer_than\x18% \x01(\x04R\tnewerThan\x12 \n" +
-	"\towner_uid\x18\x19 \x01(\rH\x00R\bownerUid\x88\x01\x01B\f\n" +
+	"\towner_uid\x18\x19 \x01(\rH\x00R\bownerUid\x88\x01\x01\x12\x18\n" +
+	"\atensors\x18& \x03(\tR\atensorsB\f\n" +
 	"\n" +
 	"_owner_uid\"+\n" +
 	"\x0eReleaseRequest\x12\x19\n" +
@@ -3665,7 +3694,7 @@ const file_store_proto_rawDesc = "" +
 	"\x04HOST\x10\x01\x12\f\n" +
 	"\bCUDA_IPC\x10\x02\x12\n" +
 	"\n" +
-	"\x06VMM_FD\x10\x03J\x04\b.\x10/\"\xfa\x04\n" +
+	"\x06VMM_FD\x10\x03J\x04\b.\x10/\"\x94\x05\n" +
 	"\n" +
 	"ObjectInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
@@ -3688,7 +3717,8 @@ const file_store_proto_rawDesc = "" +
 	"\x0eexporter_bound\x18/ \x01(\bR\rexporterBound\x12!\n" +
 	"\fsources_size\x180 \x01(\x04R\vsourcesSize\x12\x18\n" +
 	"\acluster\x181 \x01(\bR\acluster\x12*\n" +
-	"\x11creator_can_write\x187 \x01(\bR\x0fcreatorCanWrite\"\x92\x01\n" +
+	"\x11creator_can_write\x187 \x01(\bR\x0fcreatorCanWrite\x12\x18\n" +
+	"\apartial\x188 \x01(\bR\apartial\"\x92\x01\n" +
 	"\x0eCreateResponse\x129\n" +
 	"\tplacement\x18\x01 \x01(\v2\x1b.cudaipc.store.v1.PlacementR\tplacement\x12\x18\n" +
 	"\aversion\x18# \x01(\x04R\aversion\x12+\n" +

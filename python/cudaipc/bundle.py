@@ -367,14 +367,27 @@ def get_bundle(store: Any, name: str, timeout: Optional[float] = None, *, versio
     (PyTorch where it can be imported, else "numpy").
 
     ``tensors``: the names of the tensors wanted; the bundle then holds only those
-    (iteration, ``load_into``, ``nbytes``), over the whole bundle's lease. A name the
-    bundle lacks, or given twice, raises InvalidArgument naming it (the lease is
-    released). A get that pulls the bundle from another node pulls all of it for now
-    (docs/cluster.md, "Partial reads")."""
+    (iteration, ``load_into``, ``nbytes``). Where the daemon holds the whole bundle
+    they are views of its lease; a daemon of a cluster that does not reads only those
+    tensors from another node into a partial replica of its own and leases that
+    (``bundle.lease.info.partial``; docs/cluster.md, "Partial reads"): the same
+    tensors, bytes and views either way. A name the bundle lacks, or given twice,
+    raises InvalidArgument naming it (no lease is kept)."""
     lib = pick(views)
     if isinstance(tensors, str):
         raise TypeError("tensors is a list of tensor names, not one name: tensors=[%r]" % tensors)
-    lease = store.get(name, timeout, version=version, shard=shard, newer_than=newer_than, wait=wait)
+    if tensors is None:
+        lease = store.get(name, timeout, version=version, shard=shard, newer_than=newer_than, wait=wait)
+    else:
+        names = [str(n) for n in tensors]
+        seen = set()
+        for n in names:
+            if not n:
+                raise InvalidArgument("get", name, "an empty tensor name")
+            if n in seen:
+                raise InvalidArgument("get", name, "tensor %r is named twice" % n)
+            seen.add(n)
+        lease = store._get(name, timeout, version, shard, newer_than, wait, names)
     try:
         lay = layout_of(lease.manifest_bytes())
         if tensors is not None:

@@ -87,6 +87,7 @@ class ObjectInfo:
     external: bool = False          # memory a client registered (store.register), not the store's
     orphaned: bool = False          # registered VMM memory whose exporter is gone: readable while leased
     exporter_bound: bool = False    # a legacy registration: removed when its exporter disconnects
+    partial: bool = False           # a partial replica: only the tensors a get_bundle named (docs/cluster.md)
 
     @classmethod
     def _from_pb(cls, o: Any) -> "ObjectInfo":
@@ -100,7 +101,7 @@ class ObjectInfo:
                    datetime.datetime.fromtimestamp(o.created_unix_nano / 1e9, datetime.timezone.utc),
                    region, TensorDesc._from_pb(o.tensor) if o.HasField("tensor") else None,
                    o.version, o.shards, o.shard, o.manifest_size, o.tensors,
-                   o.external, o.orphaned, o.exporter_bound)
+                   o.external, o.orphaned, o.exporter_bound, o.partial)
 
 
 @dataclasses.dataclass(frozen=True)

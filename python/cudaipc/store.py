@@ -284,14 +284,24 @@ class Store:
                 lease = _new_lease(Lease)
                 lease._mem, lease._rec, lease._info, lease._manifest = m, g, None, None
                 return lease
+        return self._get(name, timeout, version, shard, newer_than, wait, None)
+
+    def _get(self, name: str, timeout: Optional[float], version: int, shard: int, newer_than: int,
+             wait: bool, tensors: Optional[List[str]]) -> Lease:
+        """:meth:`get` through the socket. ``tensors`` (from get_bundle) names the
+        tensors of a bundle wanted: a daemon of a cluster that does not hold the bundle
+        may then lease a partial replica of just those (``info.partial``; its manifest
+        lists only them), one that holds it leases the whole."""
+        t = self._table
         if timeout is not None:
             ms = max(int(timeout * 1000), 0)
         else:
             ms = -1 if wait or newer_than else 0
         try:
-            if version or shard or newer_than:
+            if version or shard or newer_than or tensors:
                 r = self._conn.call(pb.Request(get=pb.GetRequest(name=name, timeout_ms=ms, version=version,
-                                                                 shard=shard, newer_than=newer_than)), "get", name)
+                                                                 shard=shard, newer_than=newer_than,
+                                                                 tensors=tensors or [])), "get", name)
             else:
                 r = self._conn.call_raw(encode_get(name, ms), "get", name)
         except Timeout:

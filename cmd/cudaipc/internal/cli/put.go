@@ -31,7 +31,7 @@ type putCmd struct {
 	Strides []int64       `help:"With --dtype: strides in elements, comma-separated (default: C order)." placeholder:"S,T,..."`
 	Publish bool          `help:"Store it as the next version of the versioned name NAME (readers get the latest; older versions go when no longer leased)."`
 	Raw     bool          `help:"Store a .safetensors file as plain bytes, not as a bundle of tensors."`
-	Cluster bool          `help:"Make the object cluster-visible: other daemons of the cluster ('serve --cluster') can read it (a plain host object)."`
+	Cluster bool          `help:"Make the object cluster-visible: other daemons of the cluster ('serve --cluster') can read it (a host object, or a host bundle from a .safetensors file)."`
 }
 
 func (c *putCmd) Help() string {

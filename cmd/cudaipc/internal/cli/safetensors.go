@@ -147,7 +147,7 @@ func (c *putCmd) putSafetensors(g *Globals) error {
 	}
 	defer cl.Close()
 	ctx := g.Context()
-	opts := client.CreateOptions{Device: c.Device, Shared: c.Shared, Versioned: c.Publish}
+	opts := client.CreateOptions{Device: c.Device, Shared: c.Shared, Versioned: c.Publish, Cluster: c.Cluster}
 
 	type copyOp struct {
 		f        *stFile

@@ -1,0 +1,191 @@
+package node
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"sync"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cudaipc/cudaipc/bundle"
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/store"
+)
+
+// Partial replicas: a get that names some tensors of a bundle this node
+// does not hold reads only those tensors' byte ranges from the holders
+// (cluster.Puller.PullRangesEntry) into a slice of the store
+// (store.CreateSlice): an object of its own, laid out by
+// cluster.TensorSlice, with a manifest of just those tensors. A slice is
+// this node's alone: it is never advertised as a holder of the bundle, and
+// no peer reads from it. A repeat get of the same tensors (of the same
+// incarnation and version) leases it again without reading anything; a get
+// of the whole bundle pulls the whole, which drops the slices it makes
+// redundant; a slice of a newer version drops the older versions' slices;
+// the cluster deleting the name drops them all (store.DropCluster).
+
+// slicePulls makes concurrent gets of one slice share one read.
+type slicePulls struct {
+	mu sync.Mutex
+	m  map[string]*sliceCall
+}
+
+type sliceCall struct {
+	done chan struct{}
+	name string
+	err  error
+}
+
+// FetchTensors implements store.ClusterHook: it answers a get of some
+// tensors (sel.Tensors) of owner's bundle name, as Fetch would answer a
+// get of the whole, with a slice holding just those tensors.
+func (n *Node) FetchTensors(ctx context.Context, reader, owner uint32, name string, sel store.ClusterGet) (string, error) {
+	slice, err := n.fetchTensors(ctx, reader, owner, name, sel)
+	if sel.Wait && errors.Is(err, cluster.ErrUnavailable) {
+		n.log.Warn("cluster unavailable: the get waits for a local object only", "name", name, "owner", owner, "err", err)
+		return "", fmt.Errorf("%w: %v", store.ErrNotFound, err)
+	}
+	if errors.Is(err, cluster.ErrNotFound) {
+		return "", fmt.Errorf("%w: %v", store.ErrNotFound, err)
+	}
+	return slice, err
+}
+
+func (n *Node) fetchTensors(ctx context.Context, reader, owner uint32, name string, sel store.ClusterGet) (string, error) {
+	var ref cluster.Ref
+	switch {
+	case sel.Version != 0:
+		ref = cluster.Ref{Owner: owner, Name: name, Version: sel.Version, Shard: sel.Shard}
+	case sel.NewerThan != 0:
+		if _, err := n.dir.Latest(ctx, owner, name); err != nil {
+			return "", err // not a cluster name: the get waits locally
+		}
+		l, err := n.dir.WaitNewer(ctx, owner, name, sel.NewerThan)
+		if err != nil {
+			if ctx.Err() != nil {
+				return "", nil // the get times out as it would have
+			}
+			return "", err
+		}
+		ref = cluster.Ref{Owner: owner, Name: name, Version: l.Version, Shard: sel.Shard}
+	default:
+		ref = cluster.Ref{Owner: owner, Name: name}
+		if _, _, err := n.lookup(ctx, ref); errors.Is(err, cluster.ErrNotFound) {
+			l, lerr := n.dir.Latest(ctx, owner, name)
+			if lerr != nil {
+				return "", lerr
+			}
+			ref = cluster.Ref{Owner: owner, Name: name, Version: l.Version, Shard: sel.Shard}
+		} else if err != nil {
+			return "", err
+		}
+	}
+	var slice string
+	err := n.withLookup(ctx, ref, func(e cluster.Entry) error {
+		var err error
+		slice, err = n.slice(ctx, reader, e, sel.Tensors)
+		return err
+	})
+	return slice, err
+}
+
+// slice returns the name of the sealed slice of tensors of e's bundle,
+// reading it first when this node lacks it.
+func (n *Node) slice(ctx context.Context, reader uint32, e cluster.Entry, tensors []string) (string, error) {
+	ref := e.Ref()
+	if !readable(e, reader) {
+		return "", fmt.Errorf("%s: %w", ref, store.ErrNotFound) // not the reader's to read
+	}
+	if len(e.Manifest) == 0 {
+		return "", fmt.Errorf("%w: %s is not a bundle: it has no tensors to pick (get it without tensors)", store.ErrInvalid, ref)
+	}
+	m, err := bundle.Parse(e.Manifest)
+	if err != nil {
+		return "", fmt.Errorf("%w: %s: manifest: %v", cluster.ErrBadRecord, ref, err)
+	}
+	sm, size, ranges, err := cluster.TensorSlice(m, tensors)
+	if err != nil {
+		if errors.Is(err, cluster.ErrNoTensor) {
+			err = fmt.Errorf("%w: %s: %v", store.ErrInvalid, ref, err)
+		}
+		return "", err
+	}
+	sl := store.ClusterSlice{
+		Of: store.ClusterObject{Owner: e.Owner, Name: e.Name, Size: e.Size, Shared: e.Shared,
+			Version: e.Version, Shard: e.Shard, Shards: e.Shards, ID: e.ID},
+		Key: sliceKey(tensors), Size: max(size, 1), Manifest: sm.Marshal(),
+	}
+	key := ref.String() + "/" + e.ID + "/" + sl.Key
+	n.slicing.mu.Lock()
+	if c := n.slicing.m[key]; c != nil {
+		n.slicing.mu.Unlock()
+		select {
+		case <-c.done:
+			return c.name, c.err
+		case <-ctx.Done():
+			return "", ctx.Err()
+		}
+	}
+	c := &sliceCall{done: make(chan struct{})}
+	if n.slicing.m == nil {
+		n.slicing.m = map[string]*sliceCall{}
+	}
+	n.slicing.m[key] = c
+	n.slicing.mu.Unlock()
+	c.name, c.err = n.makeSlice(ctx, e, sl, ranges, size)
+	n.slicing.mu.Lock()
+	delete(n.slicing.m, key)
+	n.slicing.mu.Unlock()
+	close(c.done)
+	return c.name, c.err
+}
+
+// makeSlice returns the slice sl of e's bundle, reading ranges (size
+// bytes) into it when the store lacks it.
+func (n *Node) makeSlice(ctx context.Context, e cluster.Entry, sl store.ClusterSlice, ranges []cluster.Range, size int64) (string, error) {
+	name, f, err := n.st.CreateSlice(sl)
+	if err != nil {
+		return "", fmt.Errorf("node %s: slice of %s: %w", n.cfg.Directory.Node, e.Ref(), err)
+	}
+	if f == nil {
+		return name, nil // read before
+	}
+	defer f.Release() // removes it unless sealed
+	mem, whole, err := mapRange(f.File, f.Offset, f.Size, unix.PROT_READ|unix.PROT_WRITE)
+	f.File.Close()
+	if err != nil {
+		return "", err
+	}
+	read, err := n.p.PullRangesEntry(ctx, e, ranges, mem[:size])
+	unix.Munmap(whole)
+	if err != nil {
+		return "", err
+	}
+	if err := f.Seal(); err != nil {
+		return "", err
+	}
+	n.log.Debug("partial replica read", "object", e.Ref().String(), "tensors", len(ranges), "size", size, "read", read, "of", e.Size)
+	if e.Version != 0 {
+		n.st.DropSlices(e.Owner, e.Name, e.Version)
+	}
+	return name, nil
+}
+
+// sliceKey names a set of tensors: the same names in any order give the
+// same key.
+func sliceKey(tensors []string) string {
+	s := slices.Clone(tensors)
+	slices.Sort(s)
+	h := sha256.New()
+	for _, t := range s {
+		h.Write([]byte(strconv.Itoa(len(t))))
+		h.Write([]byte{':'})
+		h.Write([]byte(t))
+	}
+	return hex.EncodeToString(h.Sum(nil)[:16])
+}
