@@ -7,6 +7,7 @@ import (
 	"strconv"
 
 	"github.com/cudaipc/cudaipc/protocol"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
 // Partial replicas. A get that names some tensors of a cluster bundle this
@@ -56,9 +57,11 @@ func sliceName(sl ClusterSlice) string {
 }
 
 // CreateSlice returns the name of the sealed partial replica sl if this
-// node has it (f nil), or makes it: an unsealed host object of sl.Size
-// with sl.Manifest, owned and shared as the bundle, whose arena's
-// read-write memfd f the caller fills; f.Seal makes it leasable under name
+// node has it (f nil), or makes it: an unsealed object of sl.Size with
+// sl.Manifest, owned and shared as the bundle, in host memory, whose
+// arena's read-write memfd f the caller fills, or, for a slice of a GPU
+// bundle, on this daemon's first GPU where it has one (f.GPU, as
+// CreateReplica); f.Seal makes it leasable under name
 // (ClusterHook.FetchTensors returns it), f.Release before Seal removes it.
 // While one is being filled, another CreateSlice of it fails with
 // ErrExists.
@@ -80,8 +83,24 @@ func (s *Store) CreateSlice(sl ClusterSlice) (name string, f *ClusterFile, err e
 	}
 	r := createReq{name: name, size: sl.Size, shared: sl.Of.Shared, manifestSize: int64(len(sl.Manifest)),
 		slice: &sliceOf{bundle: bundleName, id: sl.Of.ID, version: sl.Of.Version, shard: sl.Of.Shard, shards: sl.Of.Shards}}
+	if b, ok := s.backend.(*cudaBackend); ok && sl.Of.GPU && len(b.uuids) > 0 {
+		r.device = b.uuids[0] // where CreateReplica puts a replica of the whole
+	}
 	p, _, err := ss.create(r)
-	if err == nil && (p.share == nil || p.share.file == nil) {
+	var gpu *ClusterGPU
+	if err == nil && p.kind != storev1.Placement_HOST {
+		p.closeShare()
+		p.share = nil
+		s.mu.Lock()
+		if o, derr := ss.draftLocked(name, 0, 0); derr == nil {
+			gpu = gpuMemoryOf(o)
+		}
+		s.mu.Unlock()
+		if gpu == nil {
+			err = fmt.Errorf("%w: a slice of %q is in GPU memory this daemon cannot copy to", protocol.ErrInternal, bundleName)
+		}
+	}
+	if err == nil && gpu == nil && (p.share == nil || p.share.file == nil) {
 		err = fmt.Errorf("%w: no arena descriptor for a slice of %q", protocol.ErrInternal, bundleName)
 	}
 	if err == nil && len(sl.Manifest) > 0 {
@@ -104,7 +123,10 @@ func (s *Store) CreateSlice(sl ClusterSlice) (name string, f *ClusterFile, err e
 	s.dropSlicesLocked(bundleName, func(*sliceOf) bool { return false }) // forgets evicted ones
 	s.slices[bundleName] = append(s.slices[bundleName], name)
 	s.mu.Unlock()
-	f = &ClusterFile{File: p.share.file, ArenaID: p.arenaID, ArenaSize: p.arenaSize, Offset: p.offset, Size: p.size, ss: ss}
+	f = &ClusterFile{GPU: gpu, ArenaID: p.arenaID, ArenaSize: p.arenaSize, Offset: p.offset, Size: p.size, ss: ss}
+	if gpu == nil {
+		f.File = p.share.file
+	}
 	f.commit = func() error {
 		s.mu.Lock()
 		o, err := ss.draftLocked(name, 0, 0)

@@ -28,6 +28,12 @@ import (
 // of the whole bundle pulls the whole, which drops the slices it makes
 // redundant; a slice of a newer version drops the older versions' slices;
 // the cluster deleting the name drops them all (store.DropCluster).
+//
+// A slice of a GPU bundle goes on this daemon's first GPU, as a replica of
+// the whole would: the holder exposes the bundle as it does for any pull
+// (staged device→host whole, or its GPU arena where UCX registers CUDA
+// memory), the reader's ranges land in a pinned host buffer and go
+// host→device in one copy.
 
 // slicePulls makes concurrent gets of one slice share one read.
 type slicePulls struct {
@@ -117,7 +123,7 @@ func (n *Node) slice(ctx context.Context, reader uint32, e cluster.Entry, tensor
 	}
 	sl := store.ClusterSlice{
 		Of: store.ClusterObject{Owner: e.Owner, Name: e.Name, Size: e.Size, Shared: e.Shared,
-			Version: e.Version, Shard: e.Shard, Shards: e.Shards, ID: e.ID},
+			Version: e.Version, Shard: e.Shard, Shards: e.Shards, ID: e.ID, GPU: e.GPU},
 		Key: sliceKey(tensors), Size: max(size, 1), Manifest: sm.Marshal(),
 	}
 	key := ref.String() + "/" + e.ID + "/" + sl.Key
@@ -156,15 +162,39 @@ func (n *Node) makeSlice(ctx context.Context, e cluster.Entry, sl store.ClusterS
 		return name, nil // read before
 	}
 	defer f.Release() // removes it unless sealed
-	mem, whole, err := mapRange(f.File, f.Offset, f.Size, unix.PROT_READ|unix.PROT_WRITE)
-	f.File.Close()
-	if err != nil {
-		return "", err
-	}
-	read, err := n.p.PullRangesEntry(ctx, e, ranges, mem[:size])
-	unix.Munmap(whole)
-	if err != nil {
-		return "", err
+	var read int64
+	switch {
+	case size == 0:
+		// Tensors of no bytes: nothing to read.
+		if f.File != nil {
+			f.File.Close()
+		}
+	case f.GPU != nil:
+		// A slice on a GPU: the ranges land in pinned host memory, then
+		// go host→device at once.
+		b, err := n.pinned.get(f.GPU.Device, size)
+		if err != nil {
+			return "", fmt.Errorf("node %s: slice of %s: %w", n.cfg.Directory.Node, e.Ref(), err)
+		}
+		defer n.pinned.put(b)
+		if read, err = n.p.PullRangesEntry(ctx, e, ranges, b.hb.Bytes()[:size]); err != nil {
+			return "", err
+		}
+		if err := f.GPU.Device.CopyToDevice(f.GPU.Ptr, b.hb.Bytes()[:size]); err != nil {
+			return "", fmt.Errorf("node %s: copy a slice of %s host→device: %w", n.cfg.Directory.Node, e.Ref(), err)
+		}
+		n.stagedBytes.Add(uint64(size))
+	default:
+		mem, whole, err := mapRange(f.File, f.Offset, f.Size, unix.PROT_READ|unix.PROT_WRITE)
+		f.File.Close()
+		if err != nil {
+			return "", err
+		}
+		read, err = n.p.PullRangesEntry(ctx, e, ranges, mem[:size])
+		unix.Munmap(whole)
+		if err != nil {
+			return "", err
+		}
 	}
 	if err := f.Seal(); err != nil {
 		return "", err

@@ -14,6 +14,7 @@ import (
 	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
+	"github.com/cudaipc/cudaipc/cluster/node"
 	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
@@ -268,4 +269,46 @@ func TestPartialReadVersions(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// A partial read of a bundle in GPU memory: the slice is on the reader's
+// GPU, its bytes the publisher's, and only the slice crossed host→device.
+func TestPartialReadGPU(t *testing.T) {
+	dev := testutil.RequireGPU(t)
+	gpu := dev.UUID().String()
+	srv := etcdtest.Start(t)
+	a, b := startDaemonOn(t, srv, "a", 1<<30, "cuda"), startDaemonOn(t, srv, "b", 1<<30, "cuda")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	tensors := randomTensors(t, 9, 6)
+	m, err := a.c.PutBundle(ctx, "gmodel", tensors, nil, client.CreateOptions{Cluster: true, Device: gpu})
+	if err != nil {
+		t.Fatal(err)
+	}
+	whole := m.Tensors[len(m.Tensors)-1].End
+	staged := node.StagedBytes(b.node)
+	names := []string{"layer.3.w", "layer.0.w"}
+	l, sm, err := b.c.GetBundle(ctx, "gmodel", client.GetOptions{Tensors: names})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release()
+	got := readGPU(t, l)
+	if !l.Info().Partial || int64(len(got)) >= whole {
+		t.Fatalf("slice of a GPU bundle: %+v", l.Info())
+	}
+	for _, name := range names {
+		tn := sm.Tensors[sm.Index(name)]
+		for _, td := range tensors {
+			if td.Name == name && !bytes.Equal(got[tn.Begin:tn.End], td.Data) {
+				t.Fatalf("tensor %s differs on B's GPU", name)
+			}
+		}
+	}
+	if st := b.node.Stats(); st.PartialBytes == 0 || st.PartialBytes >= uint64(whole) || st.Bytes != 0 {
+		t.Fatalf("B read %d bytes partially, %d whole, of a %d-byte bundle", st.PartialBytes, st.Bytes, whole)
+	}
+	if d := node.StagedBytes(b.node) - staged; d != uint64(sm.Tensors[len(sm.Tensors)-1].End) {
+		t.Fatalf("B copied %d bytes host→device for a slice of %d", d, sm.Tensors[len(sm.Tensors)-1].End)
+	}
 }

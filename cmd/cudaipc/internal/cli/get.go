@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/cudaipc/cudaipc/bundle"
 	"github.com/cudaipc/cudaipc/client"
 )
 
@@ -19,6 +20,7 @@ type getCmd struct {
 	Owner   string        `help:"Read only an object of this user (a uid or a user name): a bare NAME then means that user's NAME, and an object of anyone else is refused." placeholder:"USER"`
 	Output  string        `short:"o" default:"-" help:"Write the object to FILE; - (the default) writes to standard output." placeholder:"FILE|-"`
 	Raw     bool          `help:"Write a bundle's bytes as they are, not as a safetensors file."`
+	Tensors []string      `help:"Write only these tensors of a bundle (comma-separated names), as a safetensors file: a daemon of a cluster that does not hold the bundle reads only them from another node." placeholder:"NAME,..."`
 	Wait    bool          `help:"When no sealed object NAME exists yet, wait until one is put (and say so on stderr), instead of failing at once; --timeout bounds the wait."`
 	Timeout time.Duration `default:"0s" help:"Bound on the whole command: connecting, waiting for NAME to be sealed and writing it; a timeout above 0 waits as --wait does (default 0: no bound)." placeholder:"D"`
 }
@@ -26,12 +28,15 @@ type getCmd struct {
 func (c *getCmd) Help() string {
 	return "Writes the bytes of the sealed object NAME. Without --wait or --timeout, a NAME with no sealed object (none, or one still being written) fails at once with 'no such object' (exit 1). " +
 		"The lease is held while writing, so the object's memory cannot be reused underneath. " +
-		"A bundle (put from safetensors) is written as a safetensors file: byte for byte the file it was put from when that file's tensors were 256-byte aligned, else the same tensors densely packed (--raw writes the bundle's bytes as they are)."
+		"A bundle (put from safetensors) is written as a safetensors file: byte for byte the file it was put from when that file's tensors were 256-byte aligned, else the same tensors densely packed (--raw writes the bundle's bytes as they are; --tensors only the tensors named)."
 }
 
 func (c *getCmd) Run(g *Globals) error {
 	if c.Output == "-" && isTerminal(g.stdout) {
 		return &ExitError{Code: 2, Err: errors.New("refusing to write binary data to a terminal: use -o FILE or redirect stdout")}
+	}
+	if c.Raw && len(c.Tensors) > 0 {
+		return &ExitError{Code: 2, Err: errors.New("--raw writes a bundle's bytes as they are, --tensors a safetensors file of some tensors: give one of them")}
 	}
 	ctx := g.Context()
 	if c.Timeout > 0 {
@@ -56,7 +61,16 @@ func (c *getCmd) Run(g *Globals) error {
 		}
 		opts.RequireOwner, opts.Owner = true, uid
 	}
-	lease, err := cl.GetWith(ctx, c.Name, opts)
+	var subset *bundle.Manifest // the tensors asked for (--tensors)
+	get := func() (*client.Lease, error) { return cl.GetWith(ctx, c.Name, opts) }
+	if len(c.Tensors) > 0 {
+		opts.Tensors = c.Tensors
+		get = func() (l *client.Lease, err error) {
+			l, subset, err = cl.GetBundle(ctx, c.Name, opts)
+			return l, err
+		}
+	}
+	lease, err := get()
 	if errors.Is(err, client.ErrNotFound) && (c.Wait || c.Timeout > 0) {
 		// Said at once and whether or not stderr is a terminal, so that a
 		// name nobody puts (a typo) does not look like a hang.
@@ -66,7 +80,7 @@ func (c *getCmd) Run(g *Globals) error {
 		}
 		fmt.Fprintf(g.stderr, "cudaipc: waiting for %q to be sealed, %s ('cudaipc ls' lists what exists)\n", c.Name, until)
 		opts.Wait = true
-		lease, err = cl.GetWith(ctx, c.Name, opts)
+		lease, err = get()
 	}
 	if errors.Is(err, client.ErrNotFound) && !opts.Wait {
 		return reword(err, "get %q: no such object: 'cudaipc ls' lists the objects you can read; --wait waits for it to be put", c.Name)
@@ -80,7 +94,12 @@ func (c *getCmd) Run(g *Globals) error {
 	defer lease.Release()
 
 	write := writeLease
-	if lease.Info().ManifestSize > 0 && !c.Raw {
+	switch {
+	case subset != nil:
+		write = func(ctx context.Context, w io.Writer, l *client.Lease, progress func(int)) error {
+			return writeTensors(ctx, w, l, subset, progress)
+		}
+	case lease.Info().ManifestSize > 0 && !c.Raw:
 		write = writeBundle
 	}
 	if c.Output == "-" {

@@ -274,15 +274,23 @@ func stagingBuffer(obj *client.Object, n int64) ([]byte, func(), error) {
 // (byte-identical to the file it was put from); one with padding between
 // tensors gets a dense header and its tensors one after the other.
 func writeBundle(ctx context.Context, w io.Writer, l *client.Lease, progress func(int)) error {
+	return writeTensors(ctx, w, l, nil, progress)
+}
+
+// writeTensors is writeBundle of the tensors of m (a subset of the lease's
+// manifest, from GetBundle), or of all of them (m nil).
+func writeTensors(ctx context.Context, w io.Writer, l *client.Lease, m *bundle.Manifest, progress func(int)) error {
 	raw, err := l.ManifestBytes()
 	if err != nil {
 		return err
 	}
-	m, err := l.Manifest()
-	if err != nil {
-		return err
+	whole := m == nil
+	if whole {
+		if m, err = l.Manifest(); err != nil {
+			return err
+		}
 	}
-	if m.Dense() && m.DataSize() == l.Size() {
+	if whole && m.Dense() && m.DataSize() == l.Size() {
 		if err := bundle.WriteHeader(w, raw); err != nil {
 			return err
 		}

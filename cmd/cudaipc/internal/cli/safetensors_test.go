@@ -192,3 +192,31 @@ func TestSafetensorsRoundTrip(t *testing.T) {
 		t.Errorf("put of a bad file: %v", err)
 	}
 }
+
+// get --tensors writes a safetensors file of just the named tensors, with
+// the bundle's metadata; an unknown name fails naming it.
+func TestGetTensors(t *testing.T) {
+	sock := serve(t)
+	dir := t.TempDir()
+	tensors := []stTensor{
+		randomTensor("a", bundle.BF16, 64, 129),
+		randomTensor("b", bundle.F32, 7),
+		randomTensor("c", bundle.U8, 1000),
+	}
+	in := filepath.Join(dir, "m.safetensors")
+	writeSafetensors(t, in, tensors, map[string]string{"format": "pt"})
+	mustRun(t, "put", in, "--name", "m", "--socket", sock)
+	got := filepath.Join(dir, "sub.safetensors")
+	mustRun(t, "get", "m", "--tensors", "c,a", "-o", got, "--socket", sock)
+	sub, meta := readSafetensors(t, got)
+	sameTensors(t, sub, []stTensor{tensors[0], tensors[2]})
+	if meta["format"] != "pt" {
+		t.Errorf("metadata %v", meta)
+	}
+	if _, _, err := storeCLI(t, "get", "m", "--tensors", "a,nope", "-o", got, "--socket", sock); err == nil || !strings.Contains(err.Error(), `"nope"`) {
+		t.Errorf("an unknown tensor: %v", err)
+	}
+	if _, _, err := storeCLI(t, "get", "m", "--tensors", "a", "--raw", "-o", got, "--socket", sock); err == nil || !strings.Contains(err.Error(), "--raw") {
+		t.Errorf("--raw with --tensors: %v", err)
+	}
+}
