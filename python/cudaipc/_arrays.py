@@ -14,7 +14,7 @@ from ._deps import available, require
 from ._manifest import FROM_SAFETENSORS, TensorEntry
 from ._views import numpy_dtype
 
-__all__ = ["ArrayLib", "TORCH", "ARRAYS", "pick", "of_values", "Signature"]
+__all__ = ["ArrayLib", "TORCH", "ARRAYS", "pick", "of_values", "Signature", "Check", "FAST_CHECKS"]
 
 Signature = Tuple[List[int], List[Tuple[Any, Any]], List[bool]]
 """Each value's address, (shape, dtype) and C contiguity."""
@@ -44,6 +44,12 @@ class ArrayLib:
         s = self.signature(values)
         return s[0] == sig[0] and s[1] == sig[1] and s[2] == sig[2]
 
+    def check(self, values: List[Any], sig: Signature) -> "Check":
+        """What tells, version after version, whether a list of values still has
+        signature ``sig``, which ``values`` have now (the values the signature was
+        made of, just made)."""
+        return Check(self, sig)
+
     def where(self, v: Any) -> Tuple[str, Optional[int]]:
         """("cuda", ordinal), ("cpu", None), or ("other", None) for a value neither."""
         raise NotImplementedError
@@ -70,6 +76,74 @@ class ArrayLib:
         """entry_view of every entry, by name."""
         by_dtype: Dict[Any, Any] = {}
         return {e.name: self.entry_view(base, by_dtype, e) for e in entries}
+
+
+class Check:
+    """Whether a list of values still has a signature: ``fits(values)`` says what
+    ``lib.same(values, sig)`` says. The check of every later version of a bundle (a
+    cached copy plan's parameters, a no-copy publisher's tensors), so kept per
+    signature: a library may hold something made once that answers faster."""
+
+    def __init__(self, lib: "ArrayLib", sig: Signature):
+        self.lib, self.sig = lib, sig
+
+    def fits(self, values: List[Any]) -> bool:
+        return self.lib.same(values, self.sig)
+
+
+FAST_CHECKS = True
+"""Whether PyTorch's own C++ checks answer Check.fits where this PyTorch has them
+(tests and benchmarks turn it off to compare with the reads one by one)."""
+
+
+class _TorchCheck(Check):
+    """Check of torch tensors through two of PyTorch's C++ loops, with no Python
+    object made per tensor: Dynamo's TensorGuards (type, dtype, device index,
+    dispatch keys, requires_grad, sizes and strides equal to those recorded, every
+    tensor a distinct object) and CUDA graphs' data-pointer check. Equal sizes and
+    strides give equal contiguity, so a pass means what ``same`` means. A fail, or
+    an error, asks ``same`` (reads one by one), which decides; where ``same`` then
+    holds, the guards are made again from the values (a thread-local dispatch state
+    that differs from the one they were made under, say)."""
+
+    def __init__(self, lib: "ArrayLib", sig: Signature, values: List[Any], guards: Any, ptrs_equal: Any):
+        super().__init__(lib, sig)
+        self._make, self._ptrs_equal = guards, ptrs_equal
+        self._ptrs = list(sig[0])
+        self._idx = list(range(len(self._ptrs)))
+        self._guards = guards(*values, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+
+    def quick(self, values: List[Any]) -> bool:
+        """The C++ loops' answer alone (True: the signature holds; False: unknown)."""
+        if len(values) != len(self._idx):
+            return False
+        try:
+            return bool(self._guards.check(*values)) and bool(self._ptrs_equal(values, self._ptrs, self._idx))
+        except Exception:  # noqa: BLE001 - any refusal (a value that is no tensor, ...): ask same()
+            return False
+
+    def fits(self, values: List[Any]) -> bool:
+        if self.quick(values):
+            return True
+        if not self.lib.same(values, self.sig):
+            return False
+        try:
+            self._guards = self._make(*values, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        except Exception:  # noqa: BLE001 - keep the old guards: same() decides every time
+            pass
+        return True
+
+
+def _torch_fast_check() -> Tuple[Any, Any]:
+    """(TensorGuards, _tensors_data_ptrs_at_indices_equal) of this PyTorch, or (None,
+    None) where it lacks either (before 2.x, or built without CUDA)."""
+    try:
+        import torch
+        guards = torch._C._dynamo.guards.TensorGuards
+        ptrs_equal = torch._C._tensors_data_ptrs_at_indices_equal
+    except (ImportError, AttributeError):
+        return None, None
+    return guards, ptrs_equal
 
 
 _shape_dtype = operator.attrgetter("shape", "dtype")
@@ -170,6 +244,19 @@ class _Torch(ArrayLib):
         return (len(values) == len(ptrs) and list(map(T.data_ptr, values)) == ptrs
                 and all(map(operator.eq, map(_shape_dtype, values), meta))
                 and list(map(T.is_contiguous, values)) == contig)
+
+    def check(self, values: List[Any], sig: Signature) -> Check:
+        # The C++ checks want tensors of one kind of list, each a distinct object,
+        # all of them held by pointers that fit an int64.
+        guards, ptrs_equal = _torch_fast_check() if FAST_CHECKS else (None, None)
+        if guards is None or not values or len(set(map(id, values))) != len(values) or max(sig[0]) >= 1 << 63:
+            return Check(self, sig)
+        try:
+            with _gcpause.paused():
+                c = _TorchCheck(self, sig, values, guards, ptrs_equal)
+        except Exception:  # noqa: BLE001 - a PyTorch whose guards refuse these values
+            return Check(self, sig)
+        return c if c.quick(values) else Check(self, sig)
 
     def where(self, v: Any) -> Tuple[str, Optional[int]]:
         d = v.device

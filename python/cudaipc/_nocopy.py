@@ -106,7 +106,8 @@ class _Published:
                  span: int):
         self.key, self.ordinal, self.device, self.sources = key, ordinal, device, sources
         self.raw, self.table, self.span = raw, table, span
-        self.sig: Any = None   # the tensors' signature (_arrays.Signature), all contiguous
+        self.sig: Any = None     # the tensors' signature (_arrays.Signature), all contiguous
+        self.check: Any = None   # its _arrays.Check
 
     def close(self) -> None:
         for s in self.sources:
@@ -216,8 +217,8 @@ def _prepare(store: Any, name: str, names: List[str], values: List[Any],
     with _pub_lock:
         old = _published.get(k)
     try:   # (a TypeError for a value that is no tensor)
-        same = (old is not None and old.sig is not None and old.key[0] == names and old.key[3] == meta_items
-                and TORCH.same(values, old.sig))
+        same = (old is not None and old.check is not None and old.key[0] == names and old.key[3] == meta_items
+                and old.check.fits(values))
         if same and old is not None and _still_valid(old):
             return old
         ptrs, metas, contig = TORCH.signature(values)
@@ -265,6 +266,7 @@ def _prepare(store: Any, name: str, names: List[str], values: List[Any],
         raise
     pub = _Published(key, ordinal, _cuda.uuids()[ordinal], sources, raw, table, span)
     pub.sig = (ptrs, metas, contig)
+    pub.check = TORCH.check(values, pub.sig)
     with _pub_lock:
         old = _published.get(k)
         _published[k] = pub
@@ -278,11 +280,30 @@ def _uuid_text(u: bytes) -> str:
     return "GPU-%s-%s-%s-%s-%s" % (h[:8], h[8:12], h[12:16], h[16:20], h[20:])
 
 
+# id(conn) -> the names whose no-copy versions published through that connection
+# are all withdrawn and unleased: a withdraw answered since its last no-copy create.
+# A no-copy publish of such a name has nothing to wait for and skips the request.
+_released: Dict[int, Set[str]] = {}
+
+
 def withdraw(conn: Any, name: str, timeout: Optional[float]) -> int:
     """Store.wait_released's request: see there."""
     ms = -1 if timeout is None else max(int(timeout * 1000), 0)
     r = conn.call(pb.Request(withdraw=pb.WithdrawRequest(name=name, timeout_ms=ms)), "wait_released", name)
+    with _pub_lock:
+        _released.setdefault(id(conn), set()).add(name)
     return int(r.resp.withdraw.versions)
+
+
+def _unreleased(conn: Any, name: str) -> bool:
+    """Mark ``name`` as about to have a no-copy version through ``conn``; say whether
+    one may still be live or leased (no withdraw answered since the last create)."""
+    with _pub_lock:
+        names = _released.get(id(conn))
+        if names is None or name not in names:
+            return True
+        names.discard(name)
+        return False
 
 
 def publish(store: Any, name: str, state_dict: Any, *, keep_last: int = 0, shared: bool = False,
@@ -296,8 +317,11 @@ def publish(store: Any, name: str, state_dict: Any, *, keep_last: int = 0, share
         raise InvalidArgument("put_bundle", name, "copy=False needs at least one CUDA tensor")
     conn = store._conn
     pub = _prepare(store, name, names, values, metadata)
-    # The previous no-copy versions alias these tensors: none may be read from now on.
-    withdraw(conn, name, release_timeout)
+    # The previous no-copy versions alias these tensors: none may be read from now on
+    # (nothing to wait for when a wait_released answered since the last publish).
+    if _unreleased(conn, name):
+        withdraw(conn, name, release_timeout)
+        _unreleased(conn, name)
     # The tensors' writes are done before readers may copy.
     s = stream if stream is not None else torch.cuda.current_stream(pub.ordinal)
     s.synchronize()
@@ -348,6 +372,7 @@ def forget(store: Any) -> None:
     with _pub_lock:
         gone = [k for k in _published if k[0] == id(store)]
         pubs = [_published.pop(k) for k in gone]
+        _released.pop(id(store._conn), None)
     for p in pubs:
         p.close()
 

@@ -119,8 +119,9 @@ class Group:
 class Plan:
     """How one set of parameters loads from one layout: checked once, then reused
     for every version with that layout as long as each parameter keeps its address,
-    shape, dtype and contiguity (checked on every call: four attribute reads per
-    parameter, no view, no per-tensor copy call)."""
+    shape, dtype and contiguity (checked on every call by the library's Check: for
+    PyTorch two C++ loops where it has them, else four attribute reads per
+    parameter; no view, no per-tensor copy call)."""
 
     def __init__(self, layout: Layout, names: List[str], values: List[Any], gpu: bool,
                  lib: ArrayLib, sig: Optional[Signature] = None):
@@ -183,6 +184,7 @@ class Plan:
         self.copies = sum(len(grp.size) + len(grp.serial) for grp in self.groups) + len(self.lib_names)
         self._unused: Optional[Tuple[str, ...]] = None
         self._params: Any = None
+        self._check = lib.check(values, (self.ptrs, self.meta, self.contig))
 
     def _uniform(self, layout: Layout, names: List[str], values: List[Any], gpu: bool, lib: ArrayLib,
                  types: List[Tuple[Any, Tuple[int, ...]]]) -> Tuple[bool, Optional[int]]:
@@ -213,7 +215,7 @@ class Plan:
 
     def fits(self, names: List[str], values: List[Any], lib: ArrayLib) -> bool:
         """matches(names, lib.signature(values), lib), without making the signature."""
-        return lib is self.lib and names == self.names and lib.same(values, (self.ptrs, self.meta, self.contig))
+        return lib is self.lib and names == self.names and self._check.fits(values)
 
     def run(self, base: Any, view_of: Any, tensors: Mapping[str, Any], stream: Any, load: bool) -> Tuple[int, str]:
         """Copy between the bundle at address ``base`` and the tensors: into them

@@ -431,6 +431,68 @@ def test_same_agrees_with_comparing_signatures_after_random_changes():
         assert want == (kind == "none"), (trial, kind)
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_check_agrees_with_same_after_random_changes(fast, monkeypatch):
+    """A Check (what a cached plan and a no-copy publisher ask every version) answers
+    what TORCH.same answers, for each kind of change at any position: a new storage,
+    a view of another shape or dtype at the same address, a transpose, a storage
+    offset moved, requires_grad turned on, a tensor given twice, one more or fewer,
+    a non-tensor. fast: through PyTorch's C++ loops, where this PyTorch has them
+    (2.x built with CUDA; required under CUDAIPC_REQUIRE_GPU); else the reads one by
+    one."""
+    from cudaipc import _arrays
+    from cudaipc._arrays import TORCH
+    monkeypatch.setattr(_arrays, "FAST_CHECKS", fast)
+    if fast and _arrays._torch_fast_check()[0] is None:
+        if os.environ.get("CUDAIPC_REQUIRE_GPU"):
+            pytest.fail("CUDAIPC_REQUIRE_GPU is set but this PyTorch lacks TensorGuards or the data-pointer check")
+        pytest.skip("this PyTorch (%s) lacks TensorGuards or _tensors_data_ptrs_at_indices_equal" % torch.__version__)
+    rng = random.Random(21)
+    kinds = ["storage", "shape", "dtype", "transpose", "offset", "grad", "twice", "more", "fewer", "other", "none"]
+    for trial in range(300):
+        n = rng.randint(2, 40)
+        buf = torch.zeros(64 * n + 64)
+        vals = [buf[64 * k:64 * k + 16].view(4, 4) if rng.random() < 0.5 else buf[64 * k:64 * k + 8 * (k % 5 + 1)].view(-1, 8)
+                for k in range(n)]
+        sig = TORCH.signature(vals)
+        chk = TORCH.check(vals, sig)
+        assert isinstance(chk, _arrays._TorchCheck) == fast
+        assert chk.fits(list(vals))
+        i = rng.randrange(n)
+        kind = kinds[trial % len(kinds)]
+        new = list(vals)
+        v = vals[i]
+        if kind == "storage":
+            new[i] = torch.zeros_like(v)
+        elif kind == "shape":
+            new[i] = v.view(-1)
+        elif kind == "dtype":
+            new[i] = v.view(torch.int32)
+        elif kind == "transpose":
+            new[i] = v.t()
+        elif kind == "offset":
+            new[i] = buf.as_strided(v.shape, v.stride(), v.storage_offset() + 1)
+        elif kind == "grad":
+            new[i] = v.detach().requires_grad_(True)
+        elif kind == "twice":
+            new[i] = new[(i + 1) % n]
+        elif kind == "more":
+            new.append(torch.zeros(3))
+        elif kind == "fewer":
+            del new[i]
+        elif kind == "other":
+            new[i] = vals[i].numpy()
+        try:
+            want = TORCH.same(new, sig)
+        except (TypeError, AttributeError):
+            with pytest.raises((TypeError, AttributeError)):
+                chk.fits(new)
+            continue
+        assert chk.fits(new) == want, (trial, kind, i)
+        assert want == (kind in ("none", "grad")), (trial, kind)
+        assert chk.fits(list(vals)), (trial, kind)   # the original values still pass after any answer
+
+
 def test_load_into_with_a_cached_plan_refuses_a_parameter_made_non_contiguous_in_place(store):
     """A parameter that keeps its address, shape and dtype but no longer is
     contiguous (a square matrix transposed into .data) gets the bundle's bytes in

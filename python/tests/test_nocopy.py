@@ -309,7 +309,8 @@ def test_gpu_nocopy_publisher_that_reallocates_its_tensors_is_read_from_the_new_
         d.stop()
 
 
-def test_publish_reuses_the_last_exports_only_for_the_same_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fast", [True, False])
+def test_publish_reuses_the_last_exports_only_for_the_same_tensors(monkeypatch: pytest.MonkeyPatch, fast: bool) -> None:
     """_prepare's cache, exercised with host tensors standing in for CUDA ones (only
     a rebuild looks at the device, and refuses them: that is how a rebuild shows
     here): the same tensors, metadata and allocations reuse the last publish; a
@@ -324,6 +325,8 @@ def test_publish_reuses_the_last_exports_only_for_the_same_tensors(monkeypatch: 
     ptrs, metas, contig = _arrays.TORCH.signature(list(sd.values()))
     pub = _nocopy._Published((names, ptrs, metas, [("k", "v")]), 0, GPU, [src], b"", b"", 0)
     pub.sig = (ptrs, metas, contig)
+    monkeypatch.setattr(_arrays, "FAST_CHECKS", fast)
+    pub.check = _arrays.TORCH.check(list(sd.values()), pub.sig)
     monkeypatch.setattr(_cuda_ctypes, "buffer_ids", lambda ordinal, ptrs: [ids["buf"]] * len(ptrs))
     store = object()
     monkeypatch.setitem(_nocopy._published, (id(store), "m"), pub)
