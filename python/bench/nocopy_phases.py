@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Where a steady no-copy version's time goes, in one process on one GPU: the
 publish (put_bundle(copy=False)) of the model's unchanged tensors, then get_bundle
-and load_into of it into a second set of tensors, each step timed from inside,
-with the per-version checks of the tensors made by PyTorch's C++ loops (fast) and by
-reads one by one (reads), alternated; then the checks' primitives alone, and a
-cProfile of one steady version. The shapes are scripts/bench/weight_sync.py's.
+and load_into of it into a second set of tensors, each step timed from inside, in
+three modes alternated: the per-version checks of the tensors by PyTorch's C++
+loops (fast) or by reads one by one (reads), the copies by the gather kernel where
+under its size limit (kernel) or all by cuMemcpyBatchAsync (batch); then the checks'
+primitives alone, and a cProfile of one steady version. A fourth mode has the
+kernel copy every size (fast+kernel-all-sizes). The shapes are scripts/bench/weight_sync.py's.
 
   python3 bench/nocopy_phases.py --bin path/to/cudaipc [--models moe,dense] [--versions 8]
 
@@ -86,7 +88,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
     import cudaipc
-    from cudaipc import _arrays, _nocopy, _plan, _wire, bundle as B
+    from cudaipc import _arrays, _gather, _nocopy, _plan, bundle as B
     import weight_sync
     torch.cuda.set_device(0)
     timed(_nocopy, "_prepare", "prepare")
@@ -96,7 +98,8 @@ def main() -> None:
     timed(B, "layout_of", "layout_of")
     timed(_plan, "plan_for", "plan_for")
     timed(_plan.Plan, "run", "plan_run")
-    out = {"torch": torch.__version__, "fast_check_available": _arrays._torch_fast_check()[0] is not None}
+    out = {"torch": torch.__version__, "fast_check_available": _arrays._torch_fast_check()[0] is not None,
+           "kernel_unavailable": _gather.unavailable}
     with _bench.daemon(a.bin, a.socket) as sock:
         store = cudaipc.connect(sock)
         timed(store._conn, "call", "conn_call")
@@ -106,10 +109,15 @@ def main() -> None:
             dst = weight_sync.alloc(shapes, torch.device("cuda", 0))
             name = "phases-" + model
             res = {}
-            rows = {"fast": [], "reads": []}
+            limit = _gather.MAX_BYTES
+            modes = {"fast+kernel": (True, True, limit), "reads+kernel": (False, True, limit),
+                     "fast+batch": (True, False, limit), "fast+kernel-all-sizes": (True, True, 1 << 62)}
+            rows: dict = {m: [] for m in modes}
             for v in range(a.versions):
-                for mode in ("fast", "reads"):
-                    _arrays.FAST_CHECKS = mode == "fast"
+                for mode, (fast, kernel, most) in modes.items():
+                    _arrays.FAST_CHECKS = fast
+                    _gather.ENABLED = kernel
+                    _gather.MAX_BYTES = most
                     # A fresh check per mode: each mode's own kind of Check.
                     _nocopy.forget(store)
                     _plan._PLANS.clear()
@@ -147,8 +155,10 @@ def main() -> None:
                 prim["allocations"] = len(pub.sources)
                 prim["buffer_ids"] = per_call(lambda: _nocopy._still_valid(pub))
             res["primitives"] = prim
-            # One steady version under cProfile (fast checks).
+            # One steady version under cProfile (fast checks, the kernel).
             _arrays.FAST_CHECKS = True
+            _gather.ENABLED = True
+            _gather.MAX_BYTES = limit
             _nocopy.forget(store)
             _plan._PLANS.clear()
             one_version(store, name, src, dst)

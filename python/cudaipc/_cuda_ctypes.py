@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._cuda import _bytes, _lock, _name, check, driver, on, primary_context
 from .errors import CudaError
+from . import _gather
 
 # -- batched copies (bundle.load_into) ------------------------------------------------
 #
@@ -92,22 +93,40 @@ def _blocking_stream(ordinal: int) -> int:
 
 
 def copy_batch(ordinal: int, stream: int, dsts: Any, srcs: Any, sizes: Any,
-               serial: Any = (), wait: bool = True) -> Tuple[int, str]:
+               serial: Any = (), wait: bool = True, kernel: bool = False) -> Tuple[int, str]:
     """Copy sizes[i] bytes from srcs[i] to dsts[i] (device or UVA addresses, as
     contiguous uint64 arrays with a ``ctypes.data`` address, e.g. NumPy's) on
     ``stream`` of GPU ``ordinal`` (0: PyTorch's legacy default stream; a blocking
     stream ordered with it is used) with one cuMemcpyBatchAsync, then ``serial``
     (dst, src, n) copies one by one in order, after the batch; then wait for the
     stream unless ``wait`` is false. The batch's copies must not overlap each other.
-    Where the driver lacks cuMemcpyBatchAsync, or it fails, the batch is issued as
-    one cuMemcpyAsync per copy (``batch_unavailable`` says why). Returns the driver
-    copy calls made and the method ("batch" or "memcpy")."""
+    With ``kernel`` (every address is one this GPU's context maps: its own memory,
+    or another GPU's opened through it), copies under _gather.MAX_BYTES go to one
+    launch of the gather kernel instead, where it works on this GPU
+    (cudaipc._gather: no cost per copy), the others to the batch. Where the driver lacks cuMemcpyBatchAsync, or it fails, the batch is
+    issued as one cuMemcpyAsync per copy (``batch_unavailable`` says why). Returns
+    the driver calls made and the method ("batch", "memcpy", "kernel", or
+    "kernel+" one of the first two)."""
     global batch_unavailable
     n = len(sizes)
     calls = 0
     method = "batch"
+    prefix = ""
     with on(ordinal):
         s = stream or _blocking_stream(ordinal)
+        fn_k = _gather.ready(ordinal) if kernel and n > 1 else None
+        if fn_k is not None:
+            small = sizes < _gather.MAX_BYTES
+            if int(small.sum()) > 1:
+                _gather.launch(ordinal, fn_k, dsts[small], srcs[small], sizes[small], s)
+                calls += 1
+                prefix = "kernel"
+                if small.all():
+                    n = 0
+                else:
+                    big = ~small
+                    dsts, srcs, sizes = dsts[big], srcs[big], sizes[big]
+                    n = len(sizes)
         if n:
             fn = None if batch_unavailable else _proc("cuMemcpyBatchAsync", _BATCH_VERSION, _BATCH_PROTO)
             err = -1
@@ -136,6 +155,8 @@ def copy_batch(ordinal: int, stream: int, dsts: Any, srcs: Any, sizes: Any,
             err = sync(s) if sync is not None else -1
             if err != 0:
                 raise CudaError("cuStreamSynchronize", _err_name(err) if err > 0 else "not in this driver")
+    if prefix:
+        method = prefix if not n else prefix + "+" + method
     return calls, method
 
 

@@ -217,10 +217,14 @@ class Plan:
         """matches(names, lib.signature(values), lib), without making the signature."""
         return lib is self.lib and names == self.names and self._check.fits(values)
 
-    def run(self, base: Any, view_of: Any, tensors: Mapping[str, Any], stream: Any, load: bool) -> Tuple[int, str]:
+    def run(self, base: Any, view_of: Any, tensors: Mapping[str, Any], stream: Any, load: bool,
+            base_ordinal: Optional[int] = None) -> Tuple[int, str]:
         """Copy between the bundle at address ``base`` and the tensors: into them
         (``load``) or from them. ``base`` is the bundle's address, or for a version
-        published without a copy its regions (``base.addresses(off, size)``).
+        published without a copy its regions (``base.addresses(off, size)``);
+        ``base_ordinal`` the GPU whose context maps it (None: unknown). A group of
+        tensors on that same GPU may be copied by the gather kernel (its loads and
+        stores reach memory that context maps; another GPU's it may not).
         ``view_of(name)`` gives a view of a bundle entry in the parameters' library,
         for the copies it makes."""
         np = require("numpy", "bundle copies")
@@ -249,7 +253,8 @@ class Plan:
                 calls += len(g.size) + len(serial)
                 methods.append("host")
                 continue
-            c, m = _cuda_ctypes.copy_batch(g.ordinal, self.lib.stream_handle(stream, g.ordinal), dsts, srcs, g.size, serial)
+            c, m = _cuda_ctypes.copy_batch(g.ordinal, self.lib.stream_handle(stream, g.ordinal), dsts, srcs, g.size, serial,
+                                           kernel=base_ordinal is not None and base_ordinal == g.ordinal)
             calls += c
             methods.append(m)
         if self.lib_names:
@@ -306,19 +311,20 @@ def plan_for(layout: Layout, names: List[str], values: List[Any], gpu: bool, lib
 
 def run_plan(layout: Layout, names: List[str], values: List[Any], gpu: bool, base: Any, view_of: Any,
              tensors: Mapping[str, Any], stream: Any, load: bool, lib: ArrayLib,
-             sig: Optional[Signature] = None) -> Tuple[Plan, int, str, float]:
-    """Find or build the plan and run it. A cached plan whose copies the driver
+             sig: Optional[Signature] = None, base_ordinal: Optional[int] = None) -> Tuple[Plan, int, str, float]:
+    """Find or build the plan and run it (Plan.run says what ``base`` and
+    ``base_ordinal`` are). A cached plan whose copies the driver
     refuses (its tensors were freed and others allocated at the same addresses in
     other CUDA allocations, so a merged copy now spans two) is built afresh once."""
     built = plan_stats["built"]
     plan = plan_for(layout, names, values, gpu, lib, sig=sig)
     t0 = time.perf_counter()
     try:
-        calls, method = plan.run(base, view_of, tensors, stream, load)
+        calls, method = plan.run(base, view_of, tensors, stream, load, base_ordinal)
     except CudaError:
         if plan_stats["built"] != built:
             raise
         plan = plan_for(layout, names, values, gpu, lib, fresh=True)
         t0 = time.perf_counter()
-        calls, method = plan.run(base, view_of, tensors, stream, load)
+        calls, method = plan.run(base, view_of, tensors, stream, load, base_ordinal)
     return plan, calls, method, time.perf_counter() - t0

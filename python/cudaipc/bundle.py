@@ -103,7 +103,7 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
             return views[n]
 
         run_plan(lay, names, values, obj.ordinal is not None, obj.data_ptr, view_of, state_dict, stream,
-                 load=False, lib=lib, sig=sig)
+                 load=False, lib=lib, sig=sig, base_ordinal=obj.ordinal)
     except BaseException:
         obj.abort()
         raise
@@ -442,5 +442,6 @@ def load_into(bundle: Bundle, params: Mapping[str, Any], *, stream: Any = None) 
     src = getattr(lease, "sources", None)   # a version without a copy: its regions' addresses
     plan, calls, method, seconds = run_plan(layout, names, values, lease.ordinal is not None,
                                             src if src is not None else lease.data_ptr,
-                                            bundle._view_in(lib), params, stream, load=True, lib=lib)
+                                            bundle._view_in(lib), params, stream, load=True, lib=lib,
+                                            base_ordinal=lease.ordinal)
     return LoadReport(plan.tensors, plan.nbytes, seconds, calls, plan.unused, method, plan.copies)

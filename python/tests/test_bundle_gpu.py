@@ -49,7 +49,7 @@ def test_gpu_bundle_versions_load_into(gstore, gpu_daemon):
             rep = cudaipc.load_into(b, params)
             seen = b.version
         assert rep.tensors == len(sd) and rep.nbytes == sum(t.numel() * t.element_size() for t in sd.values())
-        assert rep.method == "batch", (rep, _cuda_batch_unavailable())
+        assert rep.method == "kernel", (rep, _cuda_batch_unavailable())
         for k in sd:
             assert torch.equal(params[k], sd[k]), k
     # Another process reads the latest version: the manifest comes beside the lease.
@@ -82,8 +82,8 @@ def test_gpu_bundle_across_gpus(gstore):
 
 
 def _cuda_batch_unavailable() -> str:
-    from cudaipc import _cuda_ctypes
-    return _cuda_ctypes.batch_unavailable
+    from cudaipc import _cuda_ctypes, _gather
+    return "batch: %r, kernel: %r" % (_cuda_ctypes.batch_unavailable, _gather.unavailable)
 
 
 def random_bits(torch, dt, shape, g, dev):
@@ -95,10 +95,13 @@ def random_bits(torch, dt, shape, g, dev):
     return raw.view(dt).view(shape).clone()
 
 
-def test_gpu_load_into_many_tensors_bit_exact(gstore):
+@pytest.mark.parametrize("kernel", [True, False])
+def test_gpu_load_into_many_tensors_bit_exact(gstore, kernel, monkeypatch):
     # 2,000 tensors of random bits (bf16/fp16 NaN payloads included), three versions:
-    # one plan, one cuMemcpyBatchAsync per version, every bit checked; on PyTorch's
-    # default stream and on a side stream.
+    # one plan, one launch of the gather kernel (or one cuMemcpyBatchAsync) per
+    # version, every bit checked; on PyTorch's default stream and on a side stream.
+    from cudaipc import _gather
+    monkeypatch.setattr(_gather, "ENABLED", kernel)
     torch = torch_cuda()
     dev = "cuda:0"
     g = torch.Generator(device=dev).manual_seed(5)
@@ -118,12 +121,49 @@ def test_gpu_load_into_many_tensors_bit_exact(gstore):
             rep = cudaipc.load_into(b, params, stream=stream)
             built += B.plan_stats["built"] - b0
             assert dict.__len__(b) == 0   # no view was made
-        assert rep.method == "batch", (rep, _cuda_batch_unavailable())
+        assert rep.method == ("kernel" if kernel else "batch"), (rep, _cuda_batch_unavailable())
         assert rep.copy_calls == 1 and rep.tensors == len(spec)
         for k in spec:
             a, e = params[k].reshape(-1).view(torch.uint8), sd[k].reshape(-1).view(torch.uint8)
             assert torch.equal(a, e), (v, k)
     assert built == 1
+
+
+def test_gpu_gather_kernel_copies_random_ranges_exactly(gstore):
+    """copy_batch with the gather kernel (cudaipc._gather) on random ranges of random
+    bytes: any alignment on either side, 1 byte to several chunks, a few beyond
+    MAX_BYTES (the batch's): the destination equals what the copies give, byte for
+    byte, bytes between the ranges untouched; the kernel was used, not refused."""
+    import random
+    import numpy as np
+    from cudaipc import _cuda_ctypes, _gather
+    torch = torch_cuda()
+    rng = random.Random(23)
+    big = _gather.MAX_BYTES + 4097
+    src = torch.randint(0, 256, (big + (4 << 20),), dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros(big + (16 << 20), dtype=torch.uint8, device="cuda:0")
+    dsts, srcs, sizes, at = [], [], [], 0
+    for k in range(300):
+        n = big if k % 150 == 7 else rng.choice([1, 15, 16, 17, 4096, _gather.CHUNK, 3 * _gather.CHUNK + 5,
+                                                 rng.randint(1, 200000)])
+        at += rng.randint(0, 33)
+        if at + n > dst.numel():
+            break
+        s_ = rng.randrange(0, src.numel() - n + 1)
+        dsts.append(dst.data_ptr() + at)
+        srcs.append(src.data_ptr() + s_)
+        sizes.append(n)
+        at += n
+    u = np.uint64
+    calls, method = _cuda_ctypes.copy_batch(0, 0, np.array(dsts, dtype=u), np.array(srcs, dtype=u),
+                                            np.array(sizes, dtype=u), kernel=True)
+    assert method == "kernel+batch", (method, _gather.unavailable)
+    want = np.zeros(dst.numel(), dtype=np.uint8)
+    host = src.cpu().numpy()
+    for d, s_, n in zip(dsts, srcs, sizes):
+        a, b = d - dst.data_ptr(), s_ - src.data_ptr()
+        want[a:a + n] = host[b:b + n]
+    assert np.array_equal(dst.cpu().numpy(), want)
 
 
 def test_gpu_load_into_mismatch_and_fallbacks(gstore):

@@ -493,6 +493,45 @@ def test_check_agrees_with_same_after_random_changes(fast, monkeypatch):
         assert chk.fits(list(vals)), (trial, kind)   # the original values still pass after any answer
 
 
+def test_gather_chunk_table_tiles_every_copy_in_order():
+    """The gather kernel's table (cudaipc._gather.chunk_table): each copy cut into
+    rows of at most CHUNK bytes that tile it exactly, in order; applying the rows to
+    a buffer one by one gives what the copies give (random copies, odd sizes and
+    offsets, sizes of 1 byte and of exact chunk multiples)."""
+    import numpy as np
+    from cudaipc import _gather
+    rng = random.Random(22)
+    for trial in range(50):
+        chunk = rng.choice([16, 64, 4096])
+        n = rng.randint(1, 30)
+        sizes = [rng.choice([1, chunk, 3 * chunk, rng.randint(1, 5 * chunk)]) for _ in range(n)]
+        srcs, dsts, at = [], [], 0
+        for k in sizes:   # sources anywhere in one buffer, destinations disjoint in another
+            srcs.append(rng.randrange(0, 6 * chunk))
+            at += rng.randint(0, 40)
+            dsts.append(at)
+            at += k
+        src = np.frombuffer(os.urandom(12 * chunk), dtype=np.uint8)
+        want = np.zeros(at + 1, dtype=np.uint8)
+        for d, s_, k in zip(dsts, srcs, sizes):
+            want[d:d + k] = src[s_:s_ + k]
+        tab = _gather.chunk_table(np.array(dsts, dtype=np.uint64), np.array(srcs, dtype=np.uint64),
+                                  np.array(sizes, dtype=np.uint64), chunk)
+        assert tab.dtype == np.uint64 and tab.shape == (sum(-(-k // chunk) for k in sizes), 3)
+        assert (tab[:, 2] >= 1).all() and (tab[:, 2] <= chunk).all()
+        got = np.zeros(at + 1, dtype=np.uint8)
+        for d, s_, k in tab.tolist():
+            got[d:d + k] = src[s_:s_ + k]
+        assert np.array_equal(got, want), trial
+        i = 0
+        for d, s_, k in zip(dsts, srcs, sizes):   # each copy's rows: consecutive, in order
+            off = 0
+            while off < k:
+                assert tab[i].tolist() == [d + off, s_ + off, min(chunk, k - off)], (trial, i)
+                off += chunk
+                i += 1
+
+
 def test_load_into_with_a_cached_plan_refuses_a_parameter_made_non_contiguous_in_place(store):
     """A parameter that keeps its address, shape and dtype but no longer is
     contiguous (a square matrix transposed into .data) gets the bundle's bytes in

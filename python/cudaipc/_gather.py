@@ -1,0 +1,285 @@
+"""Many small device-to-device copies as one kernel launch (load_into, put_bundle).
+
+cuMemcpyBatchAsync runs its copies one after another, each with a start and a
+drain of its own: about 4 µs a copy on the H200, so that 2,000 copies of 200 KB
+(the MoE shapes' experts) take 10 ms where their 3.8 GB need 2. A kernel that
+copies every range at once has no such cost per copy. The kernel is PTX text
+(below), compiled by the driver's JIT when first used on a GPU, so the package
+stays pure Python; its launch goes through ctypes (the cuLaunchKernel entry point).
+
+The copies are cut into chunks of at most CHUNK bytes, one thread block each,
+listed in a table of (destination, source, bytes) in device memory, made once per
+set of copies and kept (a cached plan gives the same arrays every version). Each
+block copies 16 bytes a thread at a time where both addresses are 16-byte
+aligned, and its tail (or a misaligned chunk) a byte at a time.
+
+The kernel proves itself on each GPU before it is used: a copy of random bytes over
+aligned, misaligned, one-byte and several-chunk ranges, compared with what a copy
+must give. Where it fails, or the driver refuses the PTX, the batch does the copies
+and ``unavailable`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+from ._cuda import check, driver, on
+from .errors import CudaError
+
+__all__ = ["CHUNK", "MAX_BYTES", "ENABLED", "unavailable", "launch", "ready"]
+
+CHUNK = 128 << 10
+"""Bytes one thread block copies at most."""
+
+MAX_BYTES = 16 << 20
+"""Copies of at least this many bytes are left to the driver's batch (DMA-speed
+memcpy; their per-copy cost is small beside them); smaller ones go to the kernel."""
+
+ENABLED = True
+"""Whether copy_batch uses the kernel (benchmarks turn it off to compare)."""
+
+unavailable: Dict[int, str] = {}
+"""Per GPU ordinal, why the kernel is not used there (absent: not tried yet, or used)."""
+
+_NAME = b"cudaipc_gather"
+_THREADS = 256
+_PTX = r"""
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry cudaipc_gather(
+	.param .u64 tab,
+	.param .u64 nchunks
+)
+{
+	.reg .pred %p<4>;
+	.reg .b32 %r<8>;
+	.reg .b64 %rd<24>;
+
+	ld.param.u64 %rd1, [tab];
+	ld.param.u64 %rd2, [nchunks];
+	mov.u32 %r1, %ctaid.x;
+	cvt.u64.u32 %rd3, %r1;
+	setp.ge.u64 %p1, %rd3, %rd2;
+	@%p1 bra DONE;
+	mul.lo.u64 %rd4, %rd3, 24;
+	add.u64 %rd5, %rd1, %rd4;
+	cvta.to.global.u64 %rd5, %rd5;
+	ld.global.u64 %rd6, [%rd5];
+	ld.global.u64 %rd7, [%rd5+8];
+	ld.global.u64 %rd8, [%rd5+16];
+	cvta.to.global.u64 %rd6, %rd6;
+	cvta.to.global.u64 %rd7, %rd7;
+	mov.u32 %r2, %tid.x;
+	cvt.u64.u32 %rd9, %r2;
+	mov.u32 %r3, %ntid.x;
+	cvt.u64.u32 %rd10, %r3;
+	or.b64 %rd11, %rd6, %rd7;
+	and.b64 %rd11, %rd11, 15;
+	setp.ne.u64 %p2, %rd11, 0;
+	mov.u64 %rd12, 0;
+	@%p2 bra TAIL;
+	and.b64 %rd12, %rd8, -16;
+	shl.b64 %rd13, %rd9, 4;
+	shl.b64 %rd14, %rd10, 4;
+VEC:
+	setp.ge.u64 %p3, %rd13, %rd12;
+	@%p3 bra TAIL;
+	add.u64 %rd15, %rd7, %rd13;
+	add.u64 %rd16, %rd6, %rd13;
+	ld.global.v4.u32 {%r4, %r5, %r6, %r7}, [%rd15];
+	st.global.v4.u32 [%rd16], {%r4, %r5, %r6, %r7};
+	add.u64 %rd13, %rd13, %rd14;
+	bra VEC;
+TAIL:
+	add.u64 %rd17, %rd12, %rd9;
+BYTE:
+	setp.ge.u64 %p3, %rd17, %rd8;
+	@%p3 bra DONE;
+	add.u64 %rd18, %rd7, %rd17;
+	add.u64 %rd19, %rd6, %rd17;
+	ld.global.u8 %r4, [%rd18];
+	st.global.u8 [%rd19], %r4;
+	add.u64 %rd17, %rd17, %rd10;
+	bra BYTE;
+DONE:
+	ret;
+}
+"""
+
+_LAUNCH_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                                 ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p)
+_HTOD_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t)
+_DTOH_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t)
+
+_lock = threading.Lock()
+_funcs: Dict[int, int] = {}                                   # ordinal -> CUfunction
+_modules: Dict[int, Any] = {}                                 # ordinal -> CUmodule (kept loaded)
+_tables: Dict[int, "OrderedDict[bytes, Tuple[int, int]]"] = {}  # ordinal -> key -> (device table, chunks)
+_MAX_TABLES = 8
+
+
+def _proc(symbol: str, version: int, proto: Any) -> Any:
+    from ._cuda_ctypes import _proc as p
+    return p(symbol, version, proto)
+
+
+def _err(err: int) -> str:
+    from ._cuda_ctypes import _err_name
+    return _err_name(err)
+
+
+def chunk_table(dsts: Any, srcs: Any, sizes: Any, chunk: int = CHUNK) -> Any:
+    """The (destination, source, bytes) rows the kernel copies, as a (chunks, 3)
+    uint64 array: each copy cut into pieces of at most ``chunk`` bytes, in order."""
+    import numpy as np
+    sizes = np.asarray(sizes, dtype=np.uint64)
+    counts = (sizes + np.uint64(chunk - 1)) // np.uint64(chunk)
+    total = int(counts.sum())
+    idx = np.repeat(np.arange(len(sizes)), counts.astype(np.int64))
+    first = np.cumsum(counts) - counts
+    off = (np.arange(total, dtype=np.uint64) - np.repeat(first, counts.astype(np.int64))) * np.uint64(chunk)
+    tab = np.empty((total, 3), dtype=np.uint64)
+    tab[:, 0] = np.asarray(dsts, dtype=np.uint64)[idx] + off
+    tab[:, 1] = np.asarray(srcs, dtype=np.uint64)[idx] + off
+    tab[:, 2] = np.minimum(sizes[idx] - off, np.uint64(chunk))
+    return tab
+
+
+def _upload(tab: Any) -> int:
+    """A device copy of the table (cuMemAlloc; the caller frees it)."""
+    cu = driver()
+    n = max(tab.nbytes, 1)
+    dev = int(check("cuMemAlloc", cu.cuMemAlloc(n)))
+    htod = _proc("cuMemcpyHtoD", 3020, _HTOD_PROTO)
+    err = htod(dev, tab.ctypes.data, tab.nbytes) if htod is not None else -1
+    if err != 0:
+        cu.cuMemFree(dev)
+        raise CudaError("cuMemcpyHtoD", _err(err) if err > 0 else "not in this driver", "the copy table")
+    return dev
+
+
+def _run(ordinal: int, fn: int, dev_tab: int, chunks: int, stream: int) -> None:
+    launch_fn = _proc("cuLaunchKernel", 4000, _LAUNCH_PROTO)
+    if launch_fn is None:
+        raise CudaError("cuGetProcAddress", "cuLaunchKernel not found")
+    a, b = ctypes.c_uint64(dev_tab), ctypes.c_uint64(chunks)
+    params = (ctypes.c_void_p * 2)(ctypes.addressof(a), ctypes.addressof(b))
+    done = 0
+    while done < chunks:   # (a grid's x dimension stops at 2^31 - 1 blocks)
+        n = min(chunks - done, (1 << 31) - 1)
+        a.value = dev_tab + 24 * done
+        b.value = n
+        err = launch_fn(fn, n, 1, 1, _THREADS, 1, 1, 0, stream, ctypes.addressof(params), None)
+        if err != 0:
+            raise CudaError("cuLaunchKernel", _err(err), "%d copy chunks" % n)
+        done += n
+
+
+def _self_test(ordinal: int, fn: int) -> Optional[str]:
+    """Copy random bytes over ranges of every kind the kernel meets and compare with
+    what a copy gives; the reason it failed, or None."""
+    import numpy as np
+    cu = driver()
+    size = 3 * CHUNK + 4096
+    data = np.frombuffer(os.urandom(size), dtype=np.uint8).copy()
+    src = int(check("cuMemAlloc", cu.cuMemAlloc(size)))
+    dst = int(check("cuMemAlloc", cu.cuMemAlloc(size)))
+    dev_tab = 0
+    try:
+        htod = _proc("cuMemcpyHtoD", 3020, _HTOD_PROTO)
+        dtoh = _proc("cuMemcpyDtoH", 3020, _DTOH_PROTO)
+        if htod is None or dtoh is None:
+            return "cuMemcpyHtoD/DtoH not in this driver"
+        zero = np.zeros(size, dtype=np.uint8)
+        for d, h in ((src, data), (dst, zero)):
+            err = htod(d, h.ctypes.data, size)
+            if err != 0:
+                return "cuMemcpyHtoD: %s" % _err(err)
+        # (dst offset, src offset, bytes): aligned over several chunks, misaligned on
+        # either side, a lone byte, a tail of 15, a 16-byte multiple.
+        ranges = [(0, 0, 2 * CHUNK + 4007), (2 * CHUNK + 4096, 7, 1000), (2 * CHUNK + 5125, 4096, 999),
+                  (2 * CHUNK + 6200, 11, 1), (2 * CHUNK + 6400, 64, 15), (2 * CHUNK + 6656, 4160, 4096),
+                  (2 * CHUNK + 12288, 3 * CHUNK, 4096)]
+        tab = chunk_table([dst + d for d, _, _ in ranges], [src + s for _, s, _ in ranges], [n for _, _, n in ranges])
+        dev_tab = _upload(tab)
+        _run(ordinal, fn, dev_tab, len(tab), 0)
+        got = np.empty(size, dtype=np.uint8)
+        err = dtoh(got.ctypes.data, dst, size)   # (synchronous: after the kernel on the legacy stream)
+        if err != 0:
+            return "the kernel's test copy: %s" % _err(err)
+        want = zero.copy()
+        for d, s, n in ranges:
+            want[d:d + n] = data[s:s + n]
+        if not np.array_equal(got, want):
+            bad = int(np.nonzero(got != want)[0][0])
+            return "the kernel's test copy differs at byte %d" % bad
+        return None
+    finally:
+        if dev_tab:
+            cu.cuMemFree(dev_tab)
+        cu.cuMemFree(src)
+        cu.cuMemFree(dst)
+
+
+def ready(ordinal: int) -> Optional[int]:
+    """The kernel of GPU ``ordinal`` (a CUfunction), loaded and tested once; None
+    where it is off or cannot be used there (``unavailable`` says why)."""
+    if not ENABLED or ordinal in unavailable:
+        return None
+    fn = _funcs.get(ordinal)
+    if fn is not None:
+        return fn
+    with _lock:
+        if ordinal in unavailable:
+            return None
+        fn = _funcs.get(ordinal)
+        if fn is not None:
+            return fn
+        try:
+            cu = driver()
+            with on(ordinal):
+                image = ctypes.create_string_buffer(_PTX.encode())   # (NUL-terminated)
+                mod = check("cuModuleLoadData", cu.cuModuleLoadData(ctypes.addressof(image)))
+                f = int(check("cuModuleGetFunction", cu.cuModuleGetFunction(mod, _NAME)))
+                why = _self_test(ordinal, f)
+        except Exception as e:  # noqa: BLE001 - any failure: the batch copies instead
+            why = "%s: %s" % (type(e).__name__, e)
+        if why is not None:
+            unavailable[ordinal] = why
+            return None
+        _modules[ordinal] = mod
+        _funcs[ordinal] = f
+        return f
+
+
+def launch(ordinal: int, fn: int, dsts: Any, srcs: Any, sizes: Any, stream: int) -> None:
+    """Queue the copies (uint64 arrays, none overlapping another's destination) on
+    ``stream`` as one kernel launch (a few where the chunks exceed one grid). The
+    caller holds GPU ``ordinal``'s context. The table of a set of copies is made on
+    its first launch and kept."""
+    key = dsts.tobytes() + srcs.tobytes() + sizes.tobytes()
+    tables = _tables.setdefault(ordinal, OrderedDict())
+    hit = tables.get(key)
+    if hit is None:
+        tab = chunk_table(dsts, srcs, sizes)
+        hit = (_upload(tab), len(tab))
+        with _lock:
+            tables[key] = hit
+            old: List[int] = []
+            while len(tables) > _MAX_TABLES:
+                old.append(tables.popitem(last=False)[1][0])
+        if old:
+            cu = driver()
+            cu.cuCtxSynchronize()   # (no launch may still read a table freed here)
+            for d in old:
+                cu.cuMemFree(d)
+    else:
+        tables.move_to_end(key)
+    _run(ordinal, fn, hit[0], hit[1], stream)
