@@ -100,9 +100,10 @@ def test_gpu_load_into_many_tensors_bit_exact(gstore, kernel, monkeypatch):
     # 2,000 tensors of random bits (bf16/fp16 NaN payloads included), three versions:
     # one plan, one launch of the gather kernel (or one cuMemcpyBatchAsync) per
     # version, every bit checked; on PyTorch's default stream and on a side stream.
-    from cudaipc import _gather
+    from cudaipc import _gather, _plan
     monkeypatch.setattr(_gather, "ENABLED", kernel)
     torch = torch_cuda()
+    _plan._PLANS.clear()   # (an earlier run's plan fits parameters the allocator put at the same addresses)
     dev = "cuda:0"
     g = torch.Generator(device=dev).manual_seed(5)
     dts = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int64]
