@@ -125,7 +125,7 @@ type Object struct {
 	// Manifest is a bundle's manifest (its safetensors header, the bytes
 	// the store validated at seal), empty for a plain object: a reader
 	// makes its replica a bundle with it, and finds tensors' byte ranges
-	// in it (TensorRanges) without reading the object.
+	// in it (TensorSlice) without reading the object.
 	Manifest []byte `json:"manifest,omitempty"`
 	// GPU says the object lives in GPU memory on its origin: a reader
 	// with a GPU makes its replica there (the bytes cross through pinned

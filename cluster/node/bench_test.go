@@ -3,10 +3,12 @@ package node_test
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"slices"
 	"testing"
 	"time"
 
+	"github.com/cudaipc/cudaipc/bundle"
 	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 	"github.com/cudaipc/cudaipc/transport/ucx/ucxperf"
@@ -82,4 +84,65 @@ func benchPull(b *testing.B, size, objects int) {
 		return
 	}
 	b.ReportMetric(float64(2*pt.P50.Microseconds()), "perftest_am_round_trip_µs")
+}
+
+// BenchmarkPartialRead measures, alternating in one run, a get of a whole
+// 256 MiB host bundle another daemon holds and a get of 1/8 of its
+// tensors (every eighth of 32, as a tensor-parallel rank's slice of a
+// pre-sharded bundle), each from nothing held locally:
+//
+//	go test -run '^$' -bench PartialRead -benchtime 5x ./cluster/node/
+func BenchmarkPartialRead(b *testing.B) {
+	srv := etcdtest.Start(b)
+	a := startDaemonCap(b, srv, "a", 600<<20)
+	r := startDaemonCap(b, srv, "b", 600<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	var tensors []client.TensorData
+	var names []string
+	for i := range 32 {
+		td := client.TensorData{Spec: bundle.Spec{Name: fmt.Sprintf("layer.%d.w", i), DType: bundle.F32, Shape: []int64{2048, 1024 + int64(i)}}}
+		n, _ := bundle.ByteSize(td.DType, td.Shape)
+		td.Data = make([]byte, n)
+		rand.NewChaCha8([32]byte{byte(i)}).Read(td.Data)
+		tensors = append(tensors, td)
+		if i%8 == 3 {
+			names = append(names, td.Name)
+		}
+	}
+	m, err := a.c.PutBundle(ctx, "model", tensors, nil, client.CreateOptions{Cluster: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	get := func(opts client.GetOptions) (time.Duration, uint64) {
+		st := r.node.Stats()
+		t0 := time.Now()
+		l, _, err := r.c.GetBundle(ctx, "model", opts)
+		if err != nil {
+			b.Fatal(err)
+		}
+		d := time.Since(t0)
+		l.Release()
+		r.st.DropCluster(0, "model", "")
+		st2 := r.node.Stats()
+		return d, st2.Bytes - st.Bytes + st2.PartialBytes - st.PartialBytes
+	}
+	var whole, part []time.Duration
+	var wholeRead, partRead uint64
+	b.ResetTimer()
+	for range b.N {
+		d, n := get(client.GetOptions{})
+		whole, wholeRead = append(whole, d), n
+		d, n = get(client.GetOptions{Tensors: names})
+		part, partRead = append(part, d), n
+	}
+	b.StopTimer()
+	slices.Sort(whole)
+	slices.Sort(part)
+	b.ReportMetric(float64(m.Tensors[len(m.Tensors)-1].End)/(1<<20), "bundle_MiB")
+	b.ReportMetric(float64(wholeRead)/(1<<20), "whole_read_MiB")
+	b.ReportMetric(float64(partRead)/(1<<20), "partial_read_MiB")
+	b.ReportMetric(float64(whole[len(whole)/2].Microseconds())/1e3, "whole_p50_ms")
+	b.ReportMetric(float64(part[len(part)/2].Microseconds())/1e3, "partial_p50_ms")
+	b.ReportMetric(float64(part[len(part)/2])/float64(whole[len(whole)/2]), "partial/whole")
 }
