@@ -396,6 +396,10 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 	if int64(len(dst)) != e.Size {
 		return e, fmt.Errorf("pull %s: local replica of %d bytes for %d", ref, len(dst), e.Size)
 	}
+	// Stopped before the replica is sealed or aborted (both unmap dst):
+	// this defer runs before the Abort above.
+	stopFault := prefault(dst)
+	defer stopFault()
 	n := int((e.Size + e.ChunkSize - 1) / e.ChunkSize)
 	t := &transfer{e: e, dst: dst, want: n, bad: map[int]int{}, failed: map[string]string{}, start: time.Now()}
 	t.cond = sync.NewCond(&t.mu)
@@ -477,6 +481,7 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 			return e, t.failure(ref, nil)
 		}
 	}
+	stopFault()
 	if err := rep.Seal(); err != nil {
 		return e, fmt.Errorf("pull %s: seal the local replica: %w", ref, err)
 	}

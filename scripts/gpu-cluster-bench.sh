@@ -11,9 +11,17 @@
 #   bash .gpu/gpu-cluster-bench.sh                  # 2 repetitions, defaults (1 GiB, 1,000 x 4 KiB)
 #   CLUSTER_BENCH_REPS=3 CLUSTER_BENCH_ARGS='--size 256MiB' bash .gpu/gpu-cluster-bench.sh
 #   CLUSTER_BENCH=1 bash .gpu/gpu-run.sh '^$'       # the same after the (here: no) tests
+#   CLUSTER_BENCH_BASE=.gpu/bin/cudaipc-base ...    # also an older build (e.g. built here with
+#       git worktree add /tmp/b REV && (cd /tmp/b && CGO_ENABLED=0 go build -trimpath
+#       -ldflags='-s -w' -o \$OLDPWD/.gpu/bin/cudaipc-base ./cmd/cudaipc) && gzip -9 .gpu/bin/cudaipc-base),
+#       alternated with this one in every repetition on UCX 1.13, its lines marked "build":"base"
+#   CLUSTER_BENCH_TRANSPORT=1 ...                   # first the transport alone against ucx_perftest
+#       (BenchmarkGet1GiB of transport/ucx/ucxperf, UCX 1.13), when its test binary is in .gpu/bin
 set -uo pipefail
 out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
-[ -e .gpu/bin/cudaipc.gz ] && gunzip -f .gpu/bin/cudaipc.gz
+for f in .gpu/bin/cudaipc.gz .gpu/bin/transport_ucx_ucxperf.test.gz ${CLUSTER_BENCH_BASE:+$CLUSTER_BENCH_BASE.gz}; do
+  [ -e "$f" ] && gunzip -f "$f"
+done
 if [ ! -d .gpu/tools ]; then
   [ -e .gpu/tools.tar.xz ] || { echo "no .gpu/tools.tar.xz: build with scripts/gpu-build.sh (without NO_TOOLS)"; exit 1; }
   mkdir -p .gpu/tools && tar -C .gpu/tools -xJf .gpu/tools.tar.xz
@@ -23,18 +31,29 @@ export PATH=$T/bin:$PATH CUDAIPC_ETCD=$T/bin/etcd UCX_TLS=${UCX_TLS:-tcp} UCX_NE
 reps=${CLUSTER_BENCH_REPS:-2}
 vers=${CLUSTER_BENCH_UCX:-113 system}
 rc_all=0
+T113=(env CUDAIPC_LIBUCP="$T/ucx113/lib/libucp.so.0" UCX_MODULE_DIR="$T/ucx113/lib/ucx")
+if [ -n "${CLUSTER_BENCH_TRANSPORT:-}" ] && [ -x .gpu/bin/transport_ucx_ucxperf.test ]; then
+  ( cd transport/ucx/ucxperf && "${T113[@]}" timeout 150 "$OLDPWD/.gpu/bin/transport_ucx_ucxperf.test" -test.run '^$' \
+      -test.bench Get1GiB -test.benchtime 2x -test.v ) >"$out/transport-get1gib.txt" 2>&1
+  echo "transport alone rc=$?: $(grep -a -E '^BenchmarkGet1GiB|ours ' "$out/transport-get1gib.txt" | tr -s ' \t' ' ')" | tee -a "$out/bench-cluster.txt"
+fi
+one() { # build-name binary ucx-name
+  local name=$1 bin=$2 v=$3 lib=(env) line rc
+  [ "$v" = 113 ] && lib=("${T113[@]}")
+  # shellcheck disable=SC2086 # CLUSTER_BENCH_ARGS is a list of flags
+  line=$("${lib[@]}" timeout "${CLUSTER_BENCH_TIMEOUT:-150}" "$bin" bench cluster --json ${CLUSTER_BENCH_ARGS:-} 2>"$out/bench-cluster-$name-$v-$i.err" | tr -d '\n')
+  rc=$?; [ $rc -ne 0 ] && rc_all=$rc
+  echo "{\"rep\":$i,\"build\":\"$name\",\"daemon_ucx\":\"$v\",\"rc\":$rc,\"result\":${line:-null}}" | tee -a "$out/bench-cluster.jsonl"
+  [ $rc -ne 0 ] && tail -5 "$out/bench-cluster-$name-$v-$i.err"
+}
 for i in $(seq 1 "$reps"); do
-  for v in $vers; do
-    if [ "$v" = 113 ]; then
-      lib=(env CUDAIPC_LIBUCP="$T/ucx113/lib/libucp.so.0" UCX_MODULE_DIR="$T/ucx113/lib/ucx")
-    else
-      lib=(env)
-    fi
-    # shellcheck disable=SC2086 # CLUSTER_BENCH_ARGS is a list of flags
-    line=$("${lib[@]}" timeout "${CLUSTER_BENCH_TIMEOUT:-150}" .gpu/bin/cudaipc bench cluster --json ${CLUSTER_BENCH_ARGS:-} 2>"$out/bench-cluster-$v-$i.err" | tr -d '\n ')
-    rc=$?; [ $rc -ne 0 ] && rc_all=$rc
-    echo "{\"rep\":$i,\"daemon_ucx\":\"$v\",\"rc\":$rc,\"result\":${line:-null}}" | tee -a "$out/bench-cluster.jsonl"
-    [ $rc -ne 0 ] && tail -5 "$out/bench-cluster-$v-$i.err"
-  done
+  if [ -n "${CLUSTER_BENCH_BASE:-}" ]; then
+    # Alternated: the base first in odd repetitions, second in even ones.
+    if [ $((i % 2)) = 1 ]; then one base "$CLUSTER_BENCH_BASE" 113; one this .gpu/bin/cudaipc 113
+    else one this .gpu/bin/cudaipc 113; one base "$CLUSTER_BENCH_BASE" 113; fi
+    for v in $vers; do [ "$v" != 113 ] && one this .gpu/bin/cudaipc "$v"; done
+  else
+    for v in $vers; do one this .gpu/bin/cudaipc "$v"; done
+  fi
 done
 exit $rc_all
