@@ -26,11 +26,13 @@ func TestPullRanges(t *testing.T) {
 	const chunk = 1 << 20
 	o, want := a.Put(t, "ns/bundle", 10*chunk+4321, chunk)
 	ranges := []cluster.Range{
-		{Off: 3*chunk + chunk/2, Len: 100}, // inside chunk 3
-		{Off: 7*chunk - 10, Len: 20},       // across chunks 6 and 7
-		{Off: 0, Len: 0},                   // empty: reads nothing
-		{Off: o.Size - 5, Len: 5},          // the short last chunk, 10
-		{Off: 3*chunk + 7, Len: 9},         // chunk 3 again
+		{Off: 3*chunk + chunk/2, Len: 100},  // inside chunk 3
+		{Off: 7*chunk - 10, Len: 20},        // across chunks 6 and 7
+		{Off: 0, Len: 0},                    // empty: reads nothing
+		{Off: o.Size - 5, Len: 5},           // the short last chunk, 10
+		{Off: 3*chunk + 7, Len: 9},          // chunk 3 again
+		{Off: 8*chunk - 5, Len: chunk + 10}, // all of chunk 8 (read in place), ends of 7 and 9
+		{Off: 8*chunk + 100, Len: 50},       // inside chunk 8: copied from where it was read
 	}
 	var exp []byte
 	for i := range ranges {
@@ -45,8 +47,8 @@ func TestPullRanges(t *testing.T) {
 	if !bytes.Equal(dst, exp) {
 		t.Fatal("the ranges read differ from the object's")
 	}
-	if wantRead := int64(3*chunk + 4321); read != wantRead || worker(a).Gets() != 4 {
-		t.Fatalf("read %d bytes in %d GETs, want %d in 4 (chunks 3, 6, 7, 10)", read, worker(a).Gets(), wantRead)
+	if wantRead := int64(5*chunk + 4321); read != wantRead || worker(a).Gets() != 6 {
+		t.Fatalf("read %d bytes in %d GETs, want %d in 6 (chunks 3, 6-10)", read, worker(a).Gets(), wantRead)
 	}
 	if st := b.P.Stats(); st.PartialBytes != uint64(read) || st.Pulls != 0 {
 		t.Errorf("stats %+v", st)

@@ -184,6 +184,42 @@ func TestPartialRead(t *testing.T) {
 	l3.Release()
 }
 
+// A partial replica is memory like any object's: it counts against the
+// reader's capacity, an unleased one is evicted to make room, and the next
+// get of those tensors reads them again.
+func TestPartialReadEvicted(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b := startDaemon(t, srv, "a"), startDaemonCap(t, srv, "b", 24<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	tensors := randomTensors(t, 4, 8) // ~36 MiB: more than B's capacity
+	if _, err := a.c.PutBundle(ctx, "model", tensors, nil, client.CreateOptions{Cluster: true}); err != nil {
+		t.Fatal(err)
+	}
+	names := []string{"layer.2.w", "layer.5.w"}
+	l, sm, err := b.c.GetBundle(ctx, "model", client.GetOptions{Tensors: names})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkSlice(t, "B's slice", l, sm, tensors, names...)
+	l.Release()
+	read := b.node.Stats().PartialBytes
+	// B's own object takes the room the slice held.
+	b.put(t, "local", 16<<20, client.CreateOptions{})
+	if n := b.st.Slices(); n != 0 {
+		t.Fatalf("%d slices kept after B's memory was needed", n)
+	}
+	l, sm, err = b.c.GetBundle(ctx, "model", client.GetOptions{Tensors: names})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release()
+	checkSlice(t, "B's slice read again", l, sm, tensors, names...)
+	if again := b.node.Stats().PartialBytes - read; again != read {
+		t.Fatalf("read %d bytes again after the eviction, %d the first time", again, read)
+	}
+}
+
 // Partial reads of a versioned bundle: each version's slice has that
 // version's bytes, a newer version's slice drops the older one (whose
 // lease keeps its bytes), a get newer_than waits for the next version,
