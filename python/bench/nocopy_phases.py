@@ -5,8 +5,8 @@ and load_into of it into a second set of tensors, each step timed from inside, i
 three modes alternated: the per-version checks of the tensors by PyTorch's C++
 loops (fast) or by reads one by one (reads), the copies by the gather kernel where
 under its size limit (kernel) or all by cuMemcpyBatchAsync (batch); then the checks'
-primitives alone, and a cProfile of one steady version. A fourth mode has the
-kernel copy every size (fast+kernel-all-sizes). The shapes are scripts/bench/weight_sync.py's.
+primitives alone, and a cProfile of one steady version. A fourth mode leaves
+copies of 16 MiB or more to the batch (fast+kernel-under-16MiB). The shapes are scripts/bench/weight_sync.py's.
 
   python3 bench/nocopy_phases.py --bin path/to/cudaipc [--models moe,dense] [--versions 8]
 
@@ -91,6 +91,7 @@ def main() -> None:
     from cudaipc import _arrays, _gather, _nocopy, _plan, bundle as B
     import weight_sync
     torch.cuda.set_device(0)
+    _gather.wait_ready(0)
     timed(_nocopy, "_prepare", "prepare")
     timed(_nocopy, "withdraw", "withdraw")
     timed(_nocopy, "send_version", "send_version")
@@ -111,7 +112,7 @@ def main() -> None:
             res = {}
             limit = _gather.MAX_BYTES
             modes = {"fast+kernel": (True, True, limit), "reads+kernel": (False, True, limit),
-                     "fast+batch": (True, False, limit), "fast+kernel-all-sizes": (True, True, 1 << 62)}
+                     "fast+batch": (True, False, limit), "fast+kernel-under-16MiB": (True, True, 16 << 20)}
             rows: dict = {m: [] for m in modes}
             for v in range(a.versions):
                 for mode, (fast, kernel, most) in modes.items():

@@ -13,10 +13,11 @@ set of copies and kept (a cached plan gives the same arrays every version). Each
 block copies 16 bytes a thread at a time where both addresses are 16-byte
 aligned, and its tail (or a misaligned chunk) a byte at a time.
 
-The kernel proves itself on each GPU before it is used: a copy of random bytes over
-aligned, misaligned, one-byte and several-chunk ranges, compared with what a copy
-must give. Where it fails, or the driver refuses the PTX, the batch does the copies
-and ``unavailable`` says why.
+The kernel is loaded in the background on a GPU's first copies (the batch copies
+until it is there) and proves itself before it is used: a copy of random bytes
+over aligned, misaligned, one-byte and several-chunk ranges, compared with what a
+copy must give. Where it fails, or the driver refuses the PTX, the batch does the
+copies and ``unavailable`` says why.
 """
 
 from __future__ import annotations
@@ -30,14 +31,16 @@ from typing import Any, Dict, List, Optional, Tuple
 from ._cuda import check, driver, on
 from .errors import CudaError
 
-__all__ = ["CHUNK", "MAX_BYTES", "ENABLED", "unavailable", "launch", "ready"]
+__all__ = ["CHUNK", "MAX_BYTES", "ENABLED", "unavailable", "launch", "ready", "wait_ready"]
 
 CHUNK = 128 << 10
 """Bytes one thread block copies at most."""
 
-MAX_BYTES = 16 << 20
-"""Copies of at least this many bytes are left to the driver's batch (DMA-speed
-memcpy; their per-copy cost is small beside them); smaller ones go to the kernel."""
+MAX_BYTES = 1 << 62
+"""Copies of at least this many bytes are left to the driver's batch; by default
+none: on the H200 the kernel copied the 8B shapes' 16 GB (219 copies) in 8.13 ms
+where the batch took 8.35 (python/bench/nocopy_phases.py), and the MoE shapes'
+2,064 copies in 2.3 ms where the batch took 11.7."""
 
 ENABLED = True
 """Whether copy_batch uses the kernel (benchmarks turn it off to compare)."""
@@ -119,9 +122,11 @@ _HTOD_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, c
 _DTOH_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t)
 
 _lock = threading.Lock()
+_loads: Dict[int, threading.Event] = {}                       # ordinal -> set once its load ended
 _funcs: Dict[int, int] = {}                                   # ordinal -> CUfunction
 _modules: Dict[int, Any] = {}                                 # ordinal -> CUmodule (kept loaded)
 _tables: Dict[int, "OrderedDict[bytes, Tuple[int, int]]"] = {}  # ordinal -> key -> (device table, chunks)
+_tables_lock = threading.Lock()
 _MAX_TABLES = 8
 
 
@@ -229,34 +234,63 @@ def _self_test(ordinal: int, fn: int) -> Optional[str]:
 
 
 def ready(ordinal: int) -> Optional[int]:
-    """The kernel of GPU ``ordinal`` (a CUfunction), loaded and tested once; None
-    where it is off or cannot be used there (``unavailable`` says why)."""
+    """The kernel of GPU ``ordinal`` (a CUfunction) once it is loaded and passed its
+    test there; until then None, and its load starts in the background (once per
+    GPU): no copy waits for the driver's JIT compilation (tens of milliseconds, most
+    of it loading the compiler), the batch copies meanwhile. None for good where it
+    is off or failed (``unavailable`` says why)."""
     if not ENABLED or ordinal in unavailable:
         return None
     fn = _funcs.get(ordinal)
-    if fn is not None:
-        return fn
+    if fn is None:
+        _start(ordinal)
+    return fn
+
+
+def wait_ready(ordinal: int, timeout: float = 60.0) -> Optional[int]:
+    """ready(ordinal) after waiting up to ``timeout`` seconds for the load to end
+    (tests and benchmarks that want the kernel from the first copy)."""
+    if not ENABLED:
+        return None
+    _start(ordinal).wait(timeout)
+    return _funcs.get(ordinal)
+
+
+def _start(ordinal: int) -> threading.Event:
+    """The event set when GPU ``ordinal``'s load ends, either way; the load starts
+    on the first call."""
     with _lock:
-        if ordinal in unavailable:
-            return None
-        fn = _funcs.get(ordinal)
-        if fn is not None:
-            return fn
+        ev = _loads.get(ordinal)
+        if ev is None:
+            ev = _loads[ordinal] = threading.Event()
+            threading.Thread(target=_load, args=(ordinal, ev), name="cudaipc-gather-load", daemon=True).start()
+    return ev
+
+
+def _compile(ordinal: int) -> Tuple[Any, int]:
+    """Load the PTX on GPU ``ordinal`` (the caller holds its context): the module and
+    the kernel."""
+    cu = driver()
+    image = ctypes.create_string_buffer(_PTX.encode())   # (NUL-terminated)
+    mod = check("cuModuleLoadData", cu.cuModuleLoadData(ctypes.addressof(image)))
+    return mod, int(check("cuModuleGetFunction", cu.cuModuleGetFunction(mod, _NAME)))
+
+
+def _load(ordinal: int, done: threading.Event) -> None:
+    try:
         try:
-            cu = driver()
             with on(ordinal):
-                image = ctypes.create_string_buffer(_PTX.encode())   # (NUL-terminated)
-                mod = check("cuModuleLoadData", cu.cuModuleLoadData(ctypes.addressof(image)))
-                f = int(check("cuModuleGetFunction", cu.cuModuleGetFunction(mod, _NAME)))
+                mod, f = _compile(ordinal)
                 why = _self_test(ordinal, f)
         except Exception as e:  # noqa: BLE001 - any failure: the batch copies instead
             why = "%s: %s" % (type(e).__name__, e)
-        if why is not None:
+        if why is None:
+            _modules[ordinal] = mod
+            _funcs[ordinal] = f
+        else:
             unavailable[ordinal] = why
-            return None
-        _modules[ordinal] = mod
-        _funcs[ordinal] = f
-        return f
+    finally:
+        done.set()
 
 
 def launch(ordinal: int, fn: int, dsts: Any, srcs: Any, sizes: Any, stream: int) -> None:
@@ -270,7 +304,7 @@ def launch(ordinal: int, fn: int, dsts: Any, srcs: Any, sizes: Any, stream: int)
     if hit is None:
         tab = chunk_table(dsts, srcs, sizes)
         hit = (_upload(tab), len(tab))
-        with _lock:
+        with _tables_lock:
             tables[key] = hit
             old: List[int] = []
             while len(tables) > _MAX_TABLES:

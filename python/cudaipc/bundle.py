@@ -34,6 +34,7 @@ from ._arrays import ARRAYS, TORCH, ArrayLib, of_values, pick
 from ._manifest import (ALIGNMENT, BITS, FROM_SAFETENSORS, TO_SAFETENSORS, Layout, TensorEntry,
                         encode_manifest, layout, layout_of, parse_manifest, put_layout, st_dtype_of)
 from ._plan import LoadMismatch, LoadReport, plan_stats, run_plan
+from . import _gather
 from .errors import InvalidArgument
 
 __all__ = ["ALIGNMENT", "Bundle", "BundleWriter", "create_bundle", "LoadReport", "LoadMismatch", "TensorEntry", "layout",
@@ -94,6 +95,8 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
         device = cuda if cuda is not None else "host"
     obj = store.create(name, max(lay.size, 1), device, shared=shared, versioned=publish, shards=shards,
                        shard=shard, keep_last=keep_last, manifest=lay.raw)
+    if obj.ordinal is not None:
+        _gather.ready(obj.ordinal)   # (its load starts now, beside the plan)
     try:
         views: Dict[str, Any] = {}
 
@@ -388,6 +391,8 @@ def get_bundle(store: Any, name: str, timeout: Optional[float] = None, *, versio
                 raise InvalidArgument("get", name, "tensor %r is named twice" % n)
             seen.add(n)
         lease = store._get(name, timeout, version, shard, newer_than, wait, names)
+    if lease.ordinal is not None:
+        _gather.ready(lease.ordinal)   # (its load starts now, beside the parse and the plan)
     try:
         lay = layout_of(lease.manifest_bytes())
         if tensors is not None:

@@ -34,7 +34,9 @@ def state_dict(torch, dev, n=40):
 
 
 def test_gpu_bundle_versions_load_into(gstore, gpu_daemon):
+    from cudaipc import _gather
     torch = torch_cuda()
+    assert _gather.wait_ready(0) is not None, _gather.unavailable
     sd = state_dict(torch, "cuda:0")
     params = {k: torch.zeros_like(v) for k, v in sd.items()}
     seen = 0
@@ -104,6 +106,8 @@ def test_gpu_load_into_many_tensors_bit_exact(gstore, kernel, monkeypatch):
     monkeypatch.setattr(_gather, "ENABLED", kernel)
     torch = torch_cuda()
     _plan._PLANS.clear()   # (an earlier run's plan fits parameters the allocator put at the same addresses)
+    if kernel:
+        assert _gather.wait_ready(0) is not None, _gather.unavailable
     dev = "cuda:0"
     g = torch.Generator(device=dev).manual_seed(5)
     dts = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int64]
@@ -130,7 +134,7 @@ def test_gpu_load_into_many_tensors_bit_exact(gstore, kernel, monkeypatch):
     assert built == 1
 
 
-def test_gpu_gather_kernel_copies_random_ranges_exactly(gstore):
+def test_gpu_gather_kernel_copies_random_ranges_exactly(gstore, monkeypatch):
     """copy_batch with the gather kernel (cudaipc._gather) on random ranges of random
     bytes: any alignment on either side, 1 byte to several chunks, a few beyond
     MAX_BYTES (the batch's): the destination equals what the copies give, byte for
@@ -139,6 +143,8 @@ def test_gpu_gather_kernel_copies_random_ranges_exactly(gstore):
     import numpy as np
     from cudaipc import _cuda_ctypes, _gather
     torch = torch_cuda()
+    monkeypatch.setattr(_gather, "MAX_BYTES", 16 << 20)
+    assert _gather.wait_ready(0) is not None, _gather.unavailable
     rng = random.Random(23)
     big = _gather.MAX_BYTES + 4097
     src = torch.randint(0, 256, (big + (4 << 20),), dtype=torch.uint8, device="cuda:0")

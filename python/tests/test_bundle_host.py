@@ -532,6 +532,43 @@ def test_gather_chunk_table_tiles_every_copy_in_order():
                 i += 1
 
 
+def test_gather_kernel_loads_in_the_background_once(monkeypatch):
+    """ready() never waits for the kernel's load: it starts it in the background (once
+    per GPU) and answers None until the kernel is loaded and passed its test, then
+    the kernel; a load that fails leaves the GPU to the batch for good, saying why;
+    ENABLED off starts nothing. (A stand-in for the driver's compile and test.)"""
+    import contextlib
+    import threading
+    import time
+    from cudaipc import _gather
+    go = threading.Event()
+    compiled = []
+
+    def compile_(ordinal):
+        compiled.append(ordinal)
+        assert go.wait(10)
+        if ordinal == 8:
+            raise RuntimeError("the driver refused the PTX")
+        return "module", 1000 + ordinal
+    monkeypatch.setattr(_gather, "_compile", compile_)
+    monkeypatch.setattr(_gather, "_self_test", lambda ordinal, f: None if ordinal != 9 else "differs at byte 3")
+    monkeypatch.setattr(_gather, "on", lambda ordinal: contextlib.nullcontext())
+    for k in ("_loads", "_funcs", "_modules", "unavailable"):
+        monkeypatch.setattr(_gather, k, {})
+    t0 = time.monotonic()
+    assert _gather.ready(7) is None and _gather.ready(7) is None and _gather.ready(8) is None
+    assert _gather.ready(9) is None
+    assert time.monotonic() - t0 < 1   # (the loads wait on go: nothing here waited for them)
+    go.set()
+    assert _gather.wait_ready(7) == 1007 and _gather.ready(7) == 1007
+    assert _gather.wait_ready(8) is None and "refused the PTX" in _gather.unavailable[8]
+    assert _gather.wait_ready(9) is None and _gather.unavailable[9] == "differs at byte 3"
+    assert _gather.ready(8) is None and _gather.ready(9) is None
+    assert sorted(compiled) == [7, 8, 9]   # one load per GPU
+    monkeypatch.setattr(_gather, "ENABLED", False)
+    assert _gather.ready(10) is None and _gather.wait_ready(10) is None and 10 not in _gather._loads
+
+
 def test_load_into_with_a_cached_plan_refuses_a_parameter_made_non_contiguous_in_place(store):
     """A parameter that keeps its address, shape and dtype but no longer is
     contiguous (a square matrix transposed into .data) gets the bundle's bytes in
