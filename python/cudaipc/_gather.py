@@ -22,6 +22,7 @@ copies and ``unavailable`` says why.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import threading
@@ -265,6 +266,26 @@ def _start(ordinal: int) -> threading.Event:
             ev = _loads[ordinal] = threading.Event()
             threading.Thread(target=_load, args=(ordinal, ev), name="cudaipc-gather-load", daemon=True).start()
     return ev
+
+
+def _drain(timeout: float = 10.0) -> None:
+    """Wait (up to ``timeout`` seconds each) for loads under way: run at exit, so
+    that no load is still inside the driver while the process tears it down."""
+    for ev in list(_loads.values()):
+        ev.wait(timeout)
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's CUDA state, nor its load threads."""
+    _loads.clear()
+    _funcs.clear()
+    _modules.clear()
+    _tables.clear()
+
+
+atexit.register(_drain)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _compile(ordinal: int) -> Tuple[Any, int]:

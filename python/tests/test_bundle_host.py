@@ -567,6 +567,14 @@ def test_gather_kernel_loads_in_the_background_once(monkeypatch):
     assert sorted(compiled) == [7, 8, 9]   # one load per GPU
     monkeypatch.setattr(_gather, "ENABLED", False)
     assert _gather.ready(10) is None and _gather.wait_ready(10) is None and 10 not in _gather._loads
+    # At exit, a load under way is waited for (bounded), not left inside the driver.
+    monkeypatch.setattr(_gather, "ENABLED", True)
+    go.clear()
+    assert _gather.ready(11) is None
+    threading.Timer(0.2, go.set).start()
+    t0 = time.monotonic()
+    _gather._drain(5)
+    assert _gather._loads[11].is_set() and _gather.ready(11) == 1011 and 0.1 < time.monotonic() - t0 < 5
 
 
 def test_load_into_with_a_cached_plan_refuses_a_parameter_made_non_contiguous_in_place(store):
