@@ -46,6 +46,10 @@ type Config struct {
 	Advertise string
 	// Logger receives the node's logs; nil discards them.
 	Logger *slog.Logger
+	// StreamsPerHolder is how many chunks a pull reads from one holder at
+	// once (cluster.Puller.StreamsPerHolder); 0 means
+	// cluster.DefaultStreamsPerHolder.
+	StreamsPerHolder int
 }
 
 // Node is a daemon's membership of a cluster.
@@ -135,7 +139,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	n.pinned.max = DefaultPinnedIdle
 	feeding := &cluster.Feeding{} // fan-out: replicas being pulled feed other readers (fanout.go)
 	n.p = &cluster.Puller{Dir: dir, Transport: tr, Secret: cfg.Directory.Secret, Sink: sink{n}, Logger: log,
-		Feeds: dir, Feeding: feeding}
+		Feeds: dir, Feeding: feeding, StreamsPerHolder: cfg.StreamsPerHolder}
 	n.cs = &cluster.ControlServer{Node: cfg.Directory.Node, Secret: cfg.Directory.Secret, Source: source{n}, Logger: log,
 		Feeding: feeding}
 	return n, nil

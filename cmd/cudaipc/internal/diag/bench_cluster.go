@@ -37,7 +37,9 @@ type BenchClusterCmd struct {
 	Size  bytesize.Size `default:"1GiB" help:"Size of the large host object (default ${default})." placeholder:"BYTES"`
 	Small bytesize.Size `default:"4KiB" help:"Size of each small object (default ${default})." placeholder:"BYTES"`
 	Count int           `default:"1000" help:"Small objects pulled (default ${default})." placeholder:"N"`
-	JSON  bool          `name:"json" help:"Print one JSON object: GB/s, p50/p99, ucx_perftest's figures and the ratios."`
+	// Streams is the daemons' chunks in flight per holder.
+	Streams int  `default:"0" help:"Chunks a pull reads from one holder at once; 0: the daemon's default." placeholder:"N"`
+	JSON    bool `name:"json" help:"Print one JSON object: GB/s, p50/p99, ucx_perftest's figures and the ratios."`
 	// CPUProfile, when set, is where the large get's CPU profile goes.
 	CPUProfile string `name:"cpu-profile" help:"Write a CPU profile of the large get (both daemons run in this process) to FILE, for 'go tool pprof'." placeholder:"FILE" type:"path"`
 	// EtcdDir is where the private etcd keeps its data.
@@ -74,6 +76,7 @@ type benchClusterResult struct {
 	// daemons, took during the large get: on a loaded machine a steadier
 	// figure than the bandwidth.
 	LargeCPU      float64 `json:"large_cpu_seconds"`
+	Streams       int     `json:"streams_per_holder,omitempty"`
 	SmallBytes    int64   `json:"small_bytes"`
 	SmallCount    int     `json:"small_count"`
 	SmallP50US    float64 `json:"small_p50_us"`
@@ -88,8 +91,8 @@ type benchClusterResult struct {
 
 // Run measures and prints the result.
 func (c *BenchClusterCmd) Run(e *Env) error {
-	if c.Size <= 0 || c.Small <= 0 || c.Count < 1 {
-		return usagef("--size, --small and --count must be positive")
+	if c.Size <= 0 || c.Small <= 0 || c.Count < 1 || c.Streams < 0 {
+		return usagef("--size, --small and --count must be positive, --streams not negative")
 	}
 	if err := ucx.Available(); err != nil {
 		return fmt.Errorf("bench cluster: UCX: %w (Debian/Ubuntu: apt-get install libucx0)", err)
@@ -100,7 +103,7 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 		}
 	}
 	res := benchClusterResult{UCXTLS: os.Getenv("UCX_TLS"), UCXDevices: os.Getenv("UCX_NET_DEVICES"),
-		LargeBytes: int64(c.Size), SmallBytes: int64(c.Small), SmallCount: c.Count, UCXLibrary: ucx.Library()}
+		Streams: c.Streams, LargeBytes: int64(c.Size), SmallBytes: int64(c.Small), SmallCount: c.Count, UCXLibrary: ucx.Library()}
 	res.UCXVersion, _ = ucx.Version()
 	progress := func(format string, args ...any) {
 		if isTTY(e.Stderr) {
@@ -141,12 +144,12 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 	}
 	capacity := 2*int64(c.Size) + 2*int64(c.Count)*max(int64(c.Small), 64<<10) + 256<<20
 	progress("starting two daemons")
-	a, err := startBenchDaemon(ctx, e, tmp, "a", etcd.endpoint, sec, capacity)
+	a, err := startBenchDaemon(ctx, e, tmp, "a", etcd.endpoint, sec, capacity, c.Streams)
 	if err != nil {
 		return err
 	}
 	defer a.stop()
-	b, err := startBenchDaemon(ctx, e, tmp, "b", etcd.endpoint, sec, capacity)
+	b, err := startBenchDaemon(ctx, e, tmp, "b", etcd.endpoint, sec, capacity, c.Streams)
 	if err != nil {
 		return err
 	}
@@ -289,7 +292,7 @@ func (d *benchDaemon) stop() {
 	}
 }
 
-func startBenchDaemon(ctx context.Context, e *Env, dir, name, endpoint string, sec cluster.Secret, capacity int64) (*benchDaemon, error) {
+func startBenchDaemon(ctx context.Context, e *Env, dir, name, endpoint string, sec cluster.Secret, capacity int64, streams int) (*benchDaemon, error) {
 	// The daemons' warnings and errors only: their info lines would bury
 	// the progress.
 	log := slog.New(slog.NewTextHandler(e.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).With("node", name)
@@ -297,7 +300,7 @@ func startBenchDaemon(ctx context.Context, e *Env, dir, name, endpoint string, s
 	defer cancel()
 	n, err := node.Start(sctx, node.Config{
 		Directory: etcddir.Config{Endpoints: []string{endpoint}, Node: name, Secret: sec, Prefix: "/cudaipc-bench/"},
-		Listen:    "127.0.0.1:0", Logger: log,
+		Listen:    "127.0.0.1:0", Logger: log, StreamsPerHolder: streams,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("bench cluster: start node %s: %w", name, err)
