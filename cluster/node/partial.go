@@ -63,10 +63,23 @@ func (n *Node) FetchTensors(ctx context.Context, reader, owner uint32, name stri
 }
 
 func (n *Node) fetchTensors(ctx context.Context, reader, owner uint32, name string, sel store.ClusterGet) (string, error) {
-	var ref cluster.Ref
+	var slice string
+	looked := false
+	sliceOf := func(ref cluster.Ref) error {
+		return n.withLookup(ctx, ref, func(e cluster.Entry) error {
+			looked = true
+			var err error
+			slice, err = n.slice(ctx, reader, e, sel.Tensors)
+			return err
+		})
+	}
+	latest := func(version uint64) (string, error) {
+		err := sliceOf(cluster.Ref{Owner: owner, Name: name, Version: version, Shard: sel.Shard})
+		return slice, err
+	}
 	switch {
 	case sel.Version != 0:
-		ref = cluster.Ref{Owner: owner, Name: name, Version: sel.Version, Shard: sel.Shard}
+		return latest(sel.Version)
 	case sel.NewerThan != 0:
 		if _, err := n.dir.Latest(ctx, owner, name); err != nil {
 			return "", err // not a cluster name: the get waits locally
@@ -78,26 +91,21 @@ func (n *Node) fetchTensors(ctx context.Context, reader, owner uint32, name stri
 			}
 			return "", err
 		}
-		ref = cluster.Ref{Owner: owner, Name: name, Version: l.Version, Shard: sel.Shard}
-	default:
-		ref = cluster.Ref{Owner: owner, Name: name}
-		if _, _, err := n.lookup(ctx, ref); errors.Is(err, cluster.ErrNotFound) {
-			l, lerr := n.dir.Latest(ctx, owner, name)
-			if lerr != nil {
-				return "", lerr
-			}
-			ref = cluster.Ref{Owner: owner, Name: name, Version: l.Version, Shard: sel.Shard}
-		} else if err != nil {
-			return "", err
-		}
+		return latest(l.Version)
 	}
-	var slice string
-	err := n.withLookup(ctx, ref, func(e cluster.Entry) error {
-		var err error
-		slice, err = n.slice(ctx, reader, e, sel.Tensors)
-		return err
-	})
-	return slice, err
+	if l, ok := n.mirror.Latest(owner, name); ok {
+		// A versioned name: its latest version, from the mirror.
+		return latest(l.Version)
+	}
+	if err := sliceOf(cluster.Ref{Owner: owner, Name: name}); looked || !errors.Is(err, cluster.ErrNotFound) {
+		return slice, err
+	}
+	// No plain object of that name: a versioned name's latest version.
+	l, err := n.dir.Latest(ctx, owner, name)
+	if err != nil {
+		return "", err
+	}
+	return latest(l.Version)
 }
 
 // slice returns the name of the sealed slice of tensors of e's bundle,
