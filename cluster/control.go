@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"crypto/aes"
@@ -46,6 +47,9 @@ const (
 	// exposed at once.
 	MaxExposures = 1024
 	nonceLen     = 32
+	// channelBuffer is a channel's read buffer: an inline read's answer
+	// and bytes fit.
+	channelBuffer = MaxInline + 4<<10
 )
 
 type ctlHello struct {
@@ -194,7 +198,10 @@ func (s Secret) handshakeMAC(role string, t []byte) []byte {
 
 // channel is an authenticated, sealed control connection.
 type channel struct {
-	c          net.Conn
+	c net.Conn
+	// r buffers reads of c after the handshake (nil: read c directly),
+	// so that a frame and the one after it come in one read.
+	r          *bufio.Reader
 	peer       string
 	send, recv cipher.AEAD
 	sseq, rseq uint64
@@ -213,20 +220,37 @@ func (s Secret) aead(purpose string, t []byte) cipher.AEAD {
 	return g
 }
 
-func (ch *channel) write(v any) error {
+func (ch *channel) write(v any) error { return ch.writeWith(v, nil) }
+
+// writeWith seals v and, when raw is not nil, raw as the frame after it,
+// and sends both in one write, so that the peer reads them at once.
+func (ch *channel) writeWith(v any, raw []byte) error {
 	b, err := json.Marshal(v)
 	if err != nil {
 		return err
 	}
-	return ch.writeRaw(b)
+	buf, err := ch.seal(make([]byte, 0, 2*(4+ch.send.Overhead())+len(b)+len(raw)), b)
+	if err == nil && raw != nil {
+		buf, err = ch.seal(buf, raw)
+	}
+	if err != nil {
+		return err
+	}
+	_, err = ch.c.Write(buf)
+	return err
 }
 
-// writeRaw seals b as the next frame.
-func (ch *channel) writeRaw(b []byte) error {
+// seal appends b to dst as the next frame.
+func (ch *channel) seal(dst, b []byte) ([]byte, error) {
+	n := len(b) + ch.send.Overhead()
+	if n > MaxControlFrame {
+		return dst, fmt.Errorf("control frame of %d bytes, at most %d", n, MaxControlFrame)
+	}
 	var nonce [12]byte
 	binary.BigEndian.PutUint64(nonce[4:], ch.sseq)
 	ch.sseq++
-	return writeFrame(ch.c, ch.send.Seal(nil, nonce[:], b, nil))
+	dst = binary.BigEndian.AppendUint32(dst, uint32(n))
+	return ch.send.Seal(dst, nonce[:], b, nil), nil
 }
 
 func (ch *channel) read(v any) error {
@@ -239,7 +263,11 @@ func (ch *channel) read(v any) error {
 
 // readRaw reads and opens the next frame.
 func (ch *channel) readRaw() ([]byte, error) {
-	b, err := readFrame(ch.c)
+	var r io.Reader = ch.c
+	if ch.r != nil {
+		r = ch.r
+	}
+	b, err := readFrame(r)
 	if err != nil {
 		return nil, err
 	}
@@ -290,7 +318,7 @@ func clientHandshake(conn net.Conn, s Secret, self, want string) (*channel, erro
 	if err := writeFrame(conn, b); err != nil {
 		return nil, err
 	}
-	return &channel{c: conn, peer: want, send: s.aead("c2s", t), recv: s.aead("s2c", t)}, nil
+	return &channel{c: conn, r: bufio.NewReaderSize(conn, channelBuffer), peer: want, send: s.aead("c2s", t), recv: s.aead("s2c", t)}, nil
 }
 
 // serverHandshake authenticates a connecting peer.
@@ -328,7 +356,7 @@ func serverHandshake(conn net.Conn, s Secret, self string) (*channel, error) {
 		_ = writeFrame(conn, b)
 		return nil, fmt.Errorf("%w: peer calling itself %s does not hold this cluster's secret", ErrAuth, h.Node)
 	}
-	return &channel{c: conn, peer: h.Node, send: s.aead("s2c", t), recv: s.aead("c2s", t)}, nil
+	return &channel{c: conn, r: bufio.NewReaderSize(conn, channelBuffer), peer: h.Node, send: s.aead("s2c", t), recv: s.aead("c2s", t)}, nil
 }
 
 // Source is the local store as the control service sees it.
@@ -455,13 +483,8 @@ func (s *ControlServer) serveConn(c net.Conn, log *slog.Logger) {
 		default:
 			resp.Err = fmt.Sprintf("unknown control op %q", req.Op)
 		}
-		if err := ch.write(&resp); err != nil {
+		if err := ch.writeWith(&resp, raw); err != nil {
 			return
-		}
-		if raw != nil {
-			if err := ch.writeRaw(raw); err != nil {
-				return
-			}
 		}
 	}
 }

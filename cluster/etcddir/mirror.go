@@ -54,14 +54,11 @@ type ownerName struct {
 	name  string
 }
 
-// mirrorObj is one object record as read from etcd, opened (its MAC
-// verified, decoded) the first time a lookup needs it.
+// mirrorObj is one object record, verified and decoded as it arrives
+// (off the path of the gets that use it).
 type mirrorObj struct {
-	raw  []byte
-	rev  int64
-	obj  *cluster.Object
-	bad  bool
-	once sync.Once
+	obj cluster.Object
+	rev int64
 }
 
 // Mirror starts mirroring the directory's records until ctx is done or
@@ -212,9 +209,9 @@ func (m *Mirror) watch(ctx context.Context, rev int64) {
 	}
 }
 
-// apply records one put or delete of a mirrored key. Holder and latest
-// records are verified now (they are small); a holder or latest record
-// that does not verify is logged and left out, as Lookup does.
+// apply records one put or delete of a mirrored key, verifying and
+// decoding a record now; a record that does not verify is logged and
+// left out, as Lookup does.
 func (m *Mirror) apply(objs map[cluster.Ref]*mirrorObj, holds map[cluster.Ref]map[string]string, latest map[ownerName]cluster.Latest, typ mvccpb.Event_EventType, kv *mvccpb.KeyValue) {
 	key := string(kv.Key)
 	k := m.d.k
@@ -228,7 +225,13 @@ func (m *Mirror) apply(objs map[cluster.Ref]*mirrorObj, holds map[cluster.Ref]ma
 			delete(objs, ref)
 			return
 		}
-		objs[ref] = &mirrorObj{raw: kv.Value, rev: kv.ModRevision}
+		mo := &mirrorObj{rev: kv.ModRevision}
+		if err := cluster.Open(m.d.cfg.Secret, key, kv.Value, &mo.obj); err != nil || mo.obj.Ref() != ref {
+			m.d.log.Warn("mirror: ignoring an object record", "key", key, "err", err)
+			delete(objs, ref)
+			return
+		}
+		objs[ref] = mo
 	case strings.HasPrefix(key, k.holders()):
 		ref, node, err := parseRef(strings.TrimPrefix(key, k.holders()))
 		if err != nil || node == "" || strings.Contains(node, "/") {
@@ -305,21 +308,7 @@ func (m *Mirror) Lookup(ref cluster.Ref) (e Entry, ok bool) {
 		m.misses.Add(1)
 		return e, false
 	}
-	mo.once.Do(func() {
-		var o cluster.Object
-		key := m.d.k.obj(ref)
-		if err := cluster.Open(m.d.cfg.Secret, key, mo.raw, &o); err != nil || o.Ref() != ref {
-			m.d.log.Warn("mirror: ignoring an object record", "key", key, "err", err)
-			mo.bad = true
-			return
-		}
-		mo.obj = &o
-	})
-	if mo.bad {
-		m.misses.Add(1)
-		return e, false
-	}
-	e.Object, e.Revision = *mo.obj, mo.rev
+	e.Object, e.Revision = mo.obj, mo.rev
 	for node, id := range hs {
 		if id == e.ID {
 			e.Holders = append(e.Holders, node)
