@@ -8,6 +8,7 @@
 #   BASE_BIN=.gpu-base/cudaipc-base bash .gpu/gpu-run.sh  # the store round trip against an older build, same run
 #   STAGING_BENCH=1 ...                                   # the cluster staging pipeline's chunk-size sweep
 #   CLUSTER_BENCH=1 ...                                   # 'cudaipc bench cluster' (gpu-cluster-bench.sh)
+#   XNODE_SYNC=1 ...                                      # the cross-node weight sync (weight_sync.py --cross-node)
 # Unpacks .gpu/tools.tar.xz into .gpu/tools/ first: etcd at .gpu/tools/bin/etcd,
 # ucx_perftest and Debian's UCX 1.13 (see scripts/gpu-build.sh).
 set -uo pipefail
@@ -71,6 +72,16 @@ if [ -n "${BASE_BIN:-}" ]; then
   [ -e "$BASE_BIN.gz" ] && gunzip -f "$BASE_BIN.gz"
   OUT=$out timeout 180 bash .gpu/bench/store-roundtrip.sh -r "${BASE_ROUNDS:-2}" "$BASE_BIN" .gpu/bin/cudaipc >"$out/store-before-after.txt" 2>&1
   echo "store before/after rc=$?" | tee -a "$out/summary.txt"; cat "$out/store-before-after.txt"
+fi
+# The cross-node weight sync (issue 19): XNODE_SYNC=1 (two daemons on this machine's
+# loopback, its floors and torch.distributed beside it; XNODE_ARGS adds flags, e.g.
+# '--models dense --versions 2').
+if [ -n "${XNODE_SYNC:-}" ]; then
+  # shellcheck disable=SC2086 # XNODE_ARGS is a list of flags
+  PYTHONUNBUFFERED=1 timeout "${XNODE_TIMEOUT:-330}" python3 scripts/bench/weight_sync.py --cross-node --bin .gpu/bin/cudaipc \
+    --etcd "$PWD/.gpu/tools/bin/etcd" --ucxperf-test "$PWD/.gpu/bin/transport_ucx_ucxperf.test" \
+    --json "$out/xnode.json" ${XNODE_ARGS:-} >"$out/xnode.txt" 2>&1
+  echo "cross-node weight sync rc=$?" | tee -a "$out/summary.txt"; grep -v -i warn "$out/xnode.txt" | head -40
 fi
 # The GPU staging pipeline's chunk-size sweep (issue 19): STAGING_BENCH=1.
 if [ -n "${STAGING_BENCH:-}" ] && [ -x .gpu/bin/cluster_staging.test ]; then

@@ -367,7 +367,11 @@ func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 	p, _, err := ss.create(r)
 	var gpu *ClusterGPU
 	if err == nil && p.kind != storev1.Placement_HOST {
-		p.closeShare()
+		// The arena's descriptor (vmm-fd) is not needed: the daemon copies
+		// into the GPU memory itself. The manifest's is, below.
+		if p.share != nil && p.share.file != nil {
+			p.share.file.Close()
+		}
 		p.share = nil
 		s.mu.Lock()
 		if o, derr := ss.draftLocked(qname, obj.Version, obj.Shard); derr == nil {

@@ -41,6 +41,11 @@ func (m *fakeMem) Export(off, size int64) (cudaipc.Region, error) {
 	return r, r.Validate()
 }
 
+// Device and Ptr are what the cluster side copies with: no device, an
+// address in a range of the buffer's own.
+func (m *fakeMem) Device() *cudaipc.Device { return nil }
+func (m *fakeMem) Ptr() cudaipc.DevicePtr  { return cudaipc.DevicePtr(m.id << 32) }
+
 func (m *fakeMem) Free() error {
 	m.g.mu.Lock()
 	defer m.g.mu.Unlock()

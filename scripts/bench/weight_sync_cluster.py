@@ -344,6 +344,8 @@ def run_procs(targets: List[Tuple[Any, tuple]], results: Any, want: int, timeout
             except Exception:  # noqa: BLE001 - queue.Empty
                 if all(not p.is_alive() for p in procs) and results.empty():
                     break
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break   # one side failed: the other would wait for it until the deadline
         for p in procs:
             p.join(30)
     finally:
