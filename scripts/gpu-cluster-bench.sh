@@ -22,21 +22,23 @@
 #       (BenchmarkGet1GiB of transport/ucx/ucxperf, UCX 1.13), when its test binary is in .gpu/bin
 set -uo pipefail
 out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
-for f in .gpu/bin/cudaipc.gz .gpu/bin/transport_ucx_ucxperf.test.gz ${CLUSTER_BENCH_BASE:+$CLUSTER_BENCH_BASE.gz}; do
+# The folder this script lies in (.gpu, or a copy carried under another name).
+G=$(cd "$(dirname "$0")" && pwd)
+for f in "$G/bin/cudaipc.gz" "$G/bin/transport_ucx_ucxperf.test.gz" ${CLUSTER_BENCH_BASE:+$CLUSTER_BENCH_BASE.gz}; do
   [ -e "$f" ] && gunzip -f "$f"
 done
-if [ ! -d .gpu/tools ]; then
-  [ -e .gpu/tools.tar.xz ] || { echo "no .gpu/tools.tar.xz: build with scripts/gpu-build.sh (without NO_TOOLS)"; exit 1; }
-  mkdir -p .gpu/tools && tar -C .gpu/tools -xJf .gpu/tools.tar.xz
+if [ ! -d "$G/tools" ]; then
+  [ -e "$G/tools.tar.xz" ] || { echo "no $G/tools.tar.xz: build with scripts/gpu-build.sh (without NO_TOOLS)"; exit 1; }
+  mkdir -p "$G/tools" && tar -C "$G/tools" -xJf "$G/tools.tar.xz"
 fi
-T=$PWD/.gpu/tools
+T=$G/tools
 export PATH=$T/bin:$PATH CUDAIPC_ETCD=$T/bin/etcd UCX_TLS=${UCX_TLS:-tcp} UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 reps=${CLUSTER_BENCH_REPS:-2}
 vers=${CLUSTER_BENCH_UCX:-113 system}
 rc_all=0
 T113=(env CUDAIPC_LIBUCP="$T/ucx113/lib/libucp.so.0" UCX_MODULE_DIR="$T/ucx113/lib/ucx")
-if [ -n "${CLUSTER_BENCH_TRANSPORT:-}" ] && [ -x .gpu/bin/transport_ucx_ucxperf.test ]; then
-  ( cd transport/ucx/ucxperf && "${T113[@]}" timeout 150 "$OLDPWD/.gpu/bin/transport_ucx_ucxperf.test" -test.run '^$' \
+if [ -n "${CLUSTER_BENCH_TRANSPORT:-}" ] && [ -x "$G/bin/transport_ucx_ucxperf.test" ]; then
+  ( cd transport/ucx/ucxperf && "${T113[@]}" timeout 150 "$G/bin/transport_ucx_ucxperf.test" -test.run '^$' \
       -test.bench Get1GiB -test.benchtime 2x -test.v ) >"$out/transport-get1gib.txt" 2>&1
   echo "transport alone rc=$?: $(grep -a -E '^BenchmarkGet1GiB|ours ' "$out/transport-get1gib.txt" | tr -s ' \t' ' ')" | tee -a "$out/bench-cluster.txt"
 fi
@@ -53,14 +55,14 @@ one() { # build-name binary ucx-name [flags...]
 for i in $(seq 1 "$reps"); do
   if [ -n "${CLUSTER_BENCH_BASE:-}" ]; then
     # Alternated: the base first in odd repetitions, second in even ones.
-    if [ $((i % 2)) = 1 ]; then one base "$CLUSTER_BENCH_BASE" 113; one this .gpu/bin/cudaipc 113
-    else one this .gpu/bin/cudaipc 113; one base "$CLUSTER_BENCH_BASE" 113; fi
-    for v in $vers; do [ "$v" != 113 ] && one this .gpu/bin/cudaipc "$v"; done
+    if [ $((i % 2)) = 1 ]; then one base "$CLUSTER_BENCH_BASE" 113; one this "$G/bin/cudaipc" 113
+    else one this "$G/bin/cudaipc" 113; one base "$CLUSTER_BENCH_BASE" 113; fi
+    for v in $vers; do [ "$v" != 113 ] && one this "$G/bin/cudaipc" "$v"; done
   else
-    for v in $vers; do one this .gpu/bin/cudaipc "$v"; done
+    for v in $vers; do one this "$G/bin/cudaipc" "$v"; done
   fi
   # shellcheck disable=SC2086 # a list of flags
-  [ -n "${CLUSTER_BENCH_EXTRA:-}" ] && one this-extra .gpu/bin/cudaipc 113 $CLUSTER_BENCH_EXTRA
+  [ -n "${CLUSTER_BENCH_EXTRA:-}" ] && one this-extra "$G/bin/cudaipc" 113 $CLUSTER_BENCH_EXTRA
 done
 # The device tool brings back at most 8 files: the daemons' stderr in one archive.
 ( cd "$out" && ls bench-cluster-*.err >/dev/null 2>&1 && tar czf bench-cluster-err.tgz bench-cluster-*.err && rm -f bench-cluster-*.err )
