@@ -595,6 +595,8 @@ const MaxSourcesSize = 64 << 20
 func validateSources(c *storev1.CreateRequest, nfiles int) error {
 	n := c.GetSourcesSize()
 	switch {
+	case n == 0 && c.GetLikeVersion() != 0:
+		return Errorf(storev1.Error_INVALID, "create: like_version is for a no-copy version: set sources_size")
 	case n == 0 && (c.GetFiles() != 0 || nfiles != 0):
 		return Errorf(storev1.Error_INVALID, "create: descriptors come only with a sources table (sources_size)")
 	case n == 0:
@@ -609,6 +611,8 @@ func validateSources(c *storev1.CreateRequest, nfiles int) error {
 		return Errorf(storev1.Error_INVALID, "create: a sources table describes GPU memory: name its GPU's UUID")
 	case c.GetTensor() != nil:
 		return Errorf(storev1.Error_INVALID, "create: a no-copy version is a bundle: its manifest describes the tensors, not a tensor descriptor")
+	case c.GetLikeVersion() != 0 && (c.GetFiles() != 0 || nfiles != 0 || c.GetShards() > 1):
+		return Errorf(storev1.Error_INVALID, "create: like_version republishes a version of cuda-ipc regions: no descriptors, one shard")
 	}
 	return nil
 }

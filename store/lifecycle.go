@@ -39,6 +39,8 @@ type createReq struct {
 	sourcesSize int64
 	nfiles      uint32
 	files       []*os.File
+	// like republishes version like of the name (sources.go, likeLocked).
+	like uint64
 	// cluster makes the object cluster-visible (store/cluster.go).
 	cluster bool
 	// slice makes the object a partial replica (slice.go), its name the
@@ -51,7 +53,7 @@ func createReqOf(r *storev1.CreateRequest) createReq {
 		name: r.GetName(), size: int64(r.GetSize()), device: r.GetDevice(), shared: r.GetShared(), tensor: r.GetTensor(),
 		versioned: r.GetVersioned(), version: r.GetVersion(), shards: r.GetShards(), shard: r.GetShard(),
 		keep: r.GetKeepLast(), manifestSize: int64(r.GetManifestSize()), noEvict: r.GetNoEvict(), sourcesSize: int64(r.GetSourcesSize()), nfiles: r.GetFiles(),
-		cluster: r.GetCluster(),
+		cluster: r.GetCluster(), like: r.GetLikeVersion(),
 	}
 }
 
@@ -108,7 +110,7 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 		}
 	}
 	var man *manifest
-	if r.manifestSize > 0 {
+	if r.manifestSize > 0 && r.like == 0 {
 		if man, err = newManifest(r.manifestSize, r.sourcesSize); err != nil {
 			return placement{}, 0, err
 		}
@@ -127,6 +129,14 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 	}
 	if err := s.objectRoomForLocked(ss.peer.uid); err != nil {
 		return fail(err)
+	}
+	if r.like != 0 {
+		if src == nil {
+			return fail(invalidf("like_version is for a no-copy version: set sources_size"))
+		}
+		if man, err = ss.likeLocked(r, src); err != nil {
+			return fail(err)
+		}
 	}
 	if man != nil {
 		if err := s.takeFDsLocked(ss.peer.uid, 1); err != nil {
@@ -174,7 +184,7 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 		s.objectMadeLocked(o)
 	}
 	p, err := ss.placeLocked(o, true)
-	if err == nil && man != nil {
+	if err == nil && man != nil && r.like == 0 {
 		p.manifest, err = man.dup()
 	}
 	if err == nil && src != nil {
@@ -204,6 +214,11 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 		n = v.n
 	}
 	ss.created[o] = struct{}{}
+	if r.like != 0 {
+		// Its manifest and sources are sealed and checked already.
+		ss.sealLocked(o)
+		ss.rememberLocked(o)
+	}
 	s.log.Debug("object created", "session", ss.id, "name", r.name, "size", r.size, "device", devName, "shared", r.shared,
 		"version", n, "shard", r.shard, "shards", shards, "manifest", r.manifestSize)
 	return p, n, nil
@@ -322,6 +337,7 @@ func (ss *session) seal(r sealReq) error {
 		o.tensor = r.tensor
 	}
 	ss.sealLocked(o)
+	ss.rememberLocked(o)
 	return nil
 }
 

@@ -42,6 +42,9 @@ type session struct {
 	notify     chan struct{}       // signalled when freed grows
 	table      *leaseTable         // nil until asked for (leasetable.go)
 	events     chan event          // nil until subscribed
+	// republish holds, per name, the last no-copy version it sealed, for a
+	// republish (sources.go).
+	republish map[string]*republishable
 	// dropping is set while events are dropped for want of queue space,
 	// so that an episode is logged once.
 	dropping bool
@@ -237,6 +240,9 @@ func (ss *session) close(cause error) {
 	}
 	clear(ss.registered)
 	ss.unstageLocked()
+	for name := range ss.republish {
+		ss.forgetRepublishLocked(name)
+	}
 	ss.closeTableLocked()
 	for id := range ss.holds {
 		ss.forgetLocked(id)

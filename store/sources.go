@@ -175,6 +175,78 @@ func newSources(r createReq) (*sources, error) {
 	return &sources{device: u.String(), files: r.files}, nil
 }
 
+// republishable is what a republish (CreateRequest.like_version) of a
+// session's last sealed no-copy version of a name shares, kept by the
+// session (session.republish) beyond that version's own life, which a
+// withdraw ends: the version's number, its sealed manifest (a descriptor
+// of its own, charged to the uid) and what the version's check found.
+type republishable struct {
+	version uint64
+	man     *manifest
+	device  string
+	size    int64
+	legacy  bool
+	regions int
+}
+
+// rememberLocked keeps sealed no-copy version o of this session for a
+// republish, in place of the one before; only versions of cuda-ipc
+// regions alone (no descriptors) are kept. One that the uid's descriptor
+// budget has no room for is not kept (its republish is refused: the
+// client sends the version afresh).
+func (ss *session) rememberLocked(o *object) {
+	s := ss.s
+	if o.src == nil || o.ver == nil || o.manifest == nil || !o.manifest.sealed || len(o.src.files) != 0 {
+		return
+	}
+	ss.forgetRepublishLocked(o.name)
+	if s.takeFDsLocked(ss.peer.uid, 1) != nil {
+		return
+	}
+	f, err := o.manifest.dup()
+	if err != nil {
+		s.giveFDsLocked(ss.peer.uid, 1)
+		return
+	}
+	man := &manifest{f: f, size: o.manifest.size, sources: o.manifest.sources, tensors: o.manifest.tensors, sealed: true,
+		charged: s, owner: ss.peer.uid}
+	if ss.republish == nil {
+		ss.republish = make(map[string]*republishable)
+	}
+	ss.republish[o.name] = &republishable{version: o.ver.n, man: man, device: o.src.device, size: o.size,
+		legacy: o.src.legacy, regions: o.src.regions}
+}
+
+// forgetRepublishLocked lets go of what rememberLocked kept for name.
+func (ss *session) forgetRepublishLocked(name string) {
+	if rp := ss.republish[name]; rp != nil {
+		rp.man.close()
+		delete(ss.republish, name)
+	}
+}
+
+// likeLocked is a republish's manifest (CreateRequest.like_version): a
+// share of the sealed memfd of version r.like of r.name, which must be the
+// last no-copy version of cuda-ipc regions this session sealed under the
+// name, of the create's device, size and manifest and table sizes. src
+// takes what that version's check found. Those bytes were checked and can
+// no longer change (F_SEAL_WRITE), so the new version is checked by this.
+func (ss *session) likeLocked(r createReq, src *sources) (*manifest, error) {
+	rp := ss.republish[r.name]
+	switch {
+	case rp == nil || rp.version != r.like:
+		return nil, fmt.Errorf("like_version %d of %q: not the last no-copy version of cuda-ipc regions this connection sealed under the name: %w", r.like, r.name, ErrNotFound)
+	case rp.device != src.device || rp.size != r.size || rp.man.size != r.manifestSize || rp.man.sources != r.sourcesSize:
+		return nil, invalidf("like_version %d of %q: its device, size or manifest size differ from this create's", r.like, r.name)
+	}
+	f, err := rp.man.dup()
+	if err != nil {
+		return nil, err
+	}
+	src.legacy, src.regions = rp.legacy, rp.regions
+	return &manifest{f: f, size: rp.man.size, sources: rp.man.sources, tensors: rp.man.tensors, sealed: true}, nil
+}
+
 // placeSourcesLocked describes where a no-copy version's bytes are: its
 // sources table travels in the manifest's memfd; a get carries duplicates
 // of its descriptors.

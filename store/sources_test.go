@@ -355,3 +355,102 @@ func TestNoCopyManyPieces(t *testing.T) {
 	}
 	protocol.CloseFiles(all)
 }
+
+// likeCreate sends a republish of version like of name (no write, no seal).
+func (rc *rawClient) likeCreate(name string, nc noCopy, like uint64, mutate func(*storev1.CreateRequest)) (*storev1.Response, []*os.File) {
+	rc.t.Helper()
+	r := &storev1.CreateRequest{Name: name, Size: uint64(nc.size), Device: testGPU, Shared: true, Versioned: true, KeepLast: 1,
+		ManifestSize: uint64(len(nc.header)), SourcesSize: uint64(len(nc.table)), LikeVersion: like}
+	if mutate != nil {
+		mutate(r)
+	}
+	return rc.do(req(r))
+}
+
+// A republish (like_version) of a no-copy version over the same cuda-ipc
+// regions is sealed by its create alone: readers waiting for a newer
+// version get it, with the very manifest and table of the version it is
+// like (the same sealed memfd), and it is withdrawn and leased like any
+// version. A republish of what is not this connection's sealed no-copy
+// version of cuda-ipc regions of the same sizes is refused, and nothing is
+// left behind: the next version number is the next one.
+func TestNoCopyRepublish(t *testing.T) {
+	_, path, _ := serve(t, Config{})
+	pub := dialRaw(t, path)
+	nc := newNoCopy(t, ipcRegion(t, 1<<20, testGPU), ipcRegion(t, 3<<20, testGPU))
+	v1 := pub.publishNoCopy("policy", nc, 1)
+	wantCode(t, pub.withdraw("policy", time.Second), storev1.Error_OK)
+
+	rd := dialRaw(t, path)
+	rd.id++
+	wait := rd.id
+	if err := rd.c.Send(&storev1.Request{Id: wait, Body: &storev1.Request_Get{Get: &storev1.GetRequest{Name: "policy", NewerThan: v1, TimeoutMs: 10000}}}); err != nil {
+		t.Fatal(err)
+	}
+	resp, got := pub.likeCreate("policy", nc, v1, nil)
+	wantCode(t, resp, storev1.Error_OK)
+	if len(got) != 0 || resp.GetCreate().GetManifestAttached() {
+		t.Fatalf("a republish's reply carries %d descriptors (manifest attached %v): want none", len(got), resp.GetCreate().GetManifestAttached())
+	}
+	v2 := resp.GetCreate().GetVersion()
+	if v2 != v1+1 {
+		t.Fatalf("republished as version %d, want %d", v2, v1+1)
+	}
+	g, files := rd.recv(wait)
+	wantCode(t, g, storev1.Error_OK)
+	if g.GetGet().GetInfo().GetVersion() != v2 || len(files) != 1 || !g.GetGet().GetManifestAttached() {
+		t.Fatalf("the waiting reader got version %d with %d descriptors, want %d and the manifest", g.GetGet().GetInfo().GetVersion(), len(files), v2)
+	}
+	all := make([]byte, len(nc.header)+len(nc.table))
+	if _, err := files[0].ReadAt(all, 0); err != nil || !bytes.Equal(all, append(append([]byte{}, nc.header...), nc.table...)) {
+		t.Fatalf("the republished version's memfd does not hold the first version's manifest and table (%v)", err)
+	}
+	protocol.CloseFiles(files)
+	// Withdrawn like any version: the withdraw waits for the reader.
+	w := pub.withdraw("policy", 30*time.Millisecond)
+	wantCode(t, w, storev1.Error_TIMEOUT)
+	rel, _ := rd.do(req(&storev1.ReleaseRequest{LeaseId: g.GetGet().GetLeaseId()}))
+	wantCode(t, rel, storev1.Error_OK)
+	wantCode(t, pub.withdraw("policy", time.Second), storev1.Error_OK)
+	// Republished again, from the republished one.
+	resp, _ = pub.likeCreate("policy", nc, v2, nil)
+	wantCode(t, resp, storev1.Error_OK)
+	v3 := resp.GetCreate().GetVersion()
+
+	other := dialRaw(t, path)
+	vmmPiece := memfdPiece(t, []byte("y"))
+	defer vmmPiece.Close()
+	vmm := newNoCopy(t, vmmRegion(t, 0, 2<<20, 2<<20))
+	wantCode(t, pub.withdraw("vmm", time.Second), storev1.Error_OK)
+	vv := pub.publishNoCopy("vmm", vmm, 1, vmmPiece)
+	cases := []struct {
+		name string
+		rc   *rawClient
+		on   string
+		nc   noCopy
+		like uint64
+		mut  func(*storev1.CreateRequest)
+		code storev1.Error_Code
+	}{
+		{"no such version", pub, "policy", nc, v3 + 5, nil, storev1.Error_NOT_FOUND},
+		{"an older version", pub, "policy", nc, v2, nil, storev1.Error_NOT_FOUND},
+		{"another connection's", other, "policy", nc, v3, nil, storev1.Error_NOT_FOUND},
+		{"another size", pub, "policy", nc, v3, func(r *storev1.CreateRequest) { r.Size += 256 }, storev1.Error_INVALID},
+		{"another manifest size", pub, "policy", nc, v3, func(r *storev1.CreateRequest) { r.ManifestSize++ }, storev1.Error_INVALID},
+		{"another device", pub, "policy", nc, v3, func(r *storev1.CreateRequest) { r.Device = "GPU-00000000-1111-2222-3333-444444444444" }, storev1.Error_INVALID},
+		{"vmm regions", pub, "vmm", vmm, vv, nil, storev1.Error_NOT_FOUND},
+		{"no sources", pub, "policy", nc, v3, func(r *storev1.CreateRequest) { r.SourcesSize = 0 }, storev1.Error_INVALID},
+	}
+	for _, c := range cases {
+		resp, got := c.rc.likeCreate(c.on, c.nc, c.like, c.mut)
+		protocol.CloseFiles(got)
+		if code(resp) != c.code {
+			t.Errorf("%s: %v, want %v", c.name, resp.GetError(), c.code)
+		}
+	}
+	// Nothing was left by the refusals: the next version is v3 + 1.
+	wantCode(t, pub.withdraw("policy", time.Second), storev1.Error_OK)
+	if v := pub.publishNoCopy("policy", nc, 1); v != v3+1 {
+		t.Fatalf("next version %d, want %d", v, v3+1)
+	}
+}

@@ -738,6 +738,15 @@ type CreateRequest struct {
 	// staged on this connection (stage_files) come first, then those
 	// attached to the request, together exactly this many.
 	Files uint32 `protobuf:"varint,42,opt,name=files,proto3" json:"files,omitempty"`
+	// Republish (field 44, docs/protocol.md section 6.8): this no-copy
+	// version's manifest and sources table are those of version like_version
+	// of the name, byte for byte, a version this connection created over
+	// cuda-ipc regions alone (the publisher's tensors are the same, at the
+	// same addresses, in the same allocations). The daemon shares that
+	// version's sealed memfd, sends none with the reply, and seals the new
+	// version at once: no write and no seal request follow. size, device,
+	// manifest_size and sources_size must be that version's; files 0.
+	LikeVersion uint64 `protobuf:"varint,44,opt,name=like_version,json=likeVersion,proto3" json:"like_version,omitempty"`
 	// Optional: what the bytes are as a typed array (dtype, shape, strides).
 	// The daemon checks it against size, stores it and returns it in
 	// ObjectInfo.tensor; it never interprets the bytes.
@@ -866,6 +875,13 @@ func (x *CreateRequest) GetSourcesSize() uint64 {
 func (x *CreateRequest) GetFiles() uint32 {
 	if x != nil {
 		return x.Files
+	}
+	return 0
+}
+
+func (x *CreateRequest) GetLikeVersion() uint64 {
+	if x != nil {
+		return x.LikeVersion
 	}
 	return 0
 }
@@ -3553,7 +3569,7 @@ const file_store_proto_rawDesc = "" +
 	"\fHelloRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1f\n" +
 	"\vclient_name\x18\x02 \x01(\tR\n" +
-	"clientName\"\xb3\x03\n" +
+	"clientName\"\xd6\x03\n" +
 	"\rCreateRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x16\n" +
@@ -3566,7 +3582,8 @@ const file_store_proto_rawDesc = "" +
 	"\tkeep_last\x18' \x01(\rR\bkeepLast\x12#\n" +
 	"\rmanifest_size\x18( \x01(\x04R\fmanifestSize\x12!\n" +
 	"\fsources_size\x18) \x01(\x04R\vsourcesSize\x12\x14\n" +
-	"\x05files\x18* \x01(\rR\x05files\x124\n" +
+	"\x05files\x18* \x01(\rR\x05files\x12!\n" +
+	"\flike_version\x18, \x01(\x04R\vlikeVersion\x124\n" +
 	"\x06tensor\x18\x14 \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\x12\x18\n" +
 	"\acluster\x18+ \x01(\bR\acluster\x12\x19\n" +
 	"\bno_evict\x188 \x01(\bR\anoEvict\"R\n" +

@@ -31,7 +31,7 @@ from . import _cuda_ctypes
 from . import _gcpause
 from . import _store_pb2 as pb
 from ._manifest import TensorEntry, encode_manifest, st_dtype_of
-from .errors import CudaError, InternalError, InvalidArgument
+from .errors import CudaError, InternalError, InvalidArgument, NotFound
 from ._external import _more_fds
 from .lease import Lease
 from .region import KIND_CUDA_IPC, KIND_VMM_FD, Region, local_identity
@@ -108,6 +108,7 @@ class _Published:
         self.raw, self.table, self.span = raw, table, span
         self.sig: Any = None     # the tensors' signature (_arrays.Signature), all contiguous
         self.check: Any = None   # its _arrays.Check
+        self.sent = 0            # the last version published from this, through its store
 
     def close(self) -> None:
         for s in self.sources:
@@ -327,26 +328,44 @@ def publish(store: Any, name: str, state_dict: Any, *, keep_last: int = 0, share
     s.synchronize()
     fds = [d for src in pub.sources for d in src.fds]
     version = send_version(conn, name, pub.raw, pub.table, fds, pub.span, _uuid_text(pub.device),
-                           keep_last=keep_last, shared=shared)
+                           keep_last=keep_last, shared=shared, like=pub.sent)
+    pub.sent = version
     return version, pub.span, len(names), _uuid_text(pub.device)
 
 
 def send_version(conn: Any, name: str, raw: bytes, table: bytes, fds: List[int], span: int, device: str, *,
-                 keep_last: int = 0, shared: bool = False) -> int:
+                 keep_last: int = 0, shared: bool = False, like: int = 0) -> int:
     """Create, write and seal a no-copy version of ``name``: manifest ``raw``, sources
     ``table`` (whose vmm-fd pieces' descriptors are ``fds``, in order; they stay the
-    caller's), ``span`` bytes on GPU ``device`` (its UUID text). Returns the version."""
+    caller's), ``span`` bytes on GPU ``device`` (its UUID text). Returns the version.
+
+    ``like``: the version this connection last published from the same tensors over
+    the same allocations (0: none). Where there are no descriptors, the create asks
+    the daemon to republish it (docs/protocol.md 6.8, like_version): one request,
+    nothing written. A daemon that refuses (that version is not the last it kept for
+    this connection) gets the version afresh; one that does not know the field
+    answers as to any create, and the bytes are written and sealed as always."""
     from .extmem import _register_lock
+    like = like if not fds else 0
     req = pb.Request(create=pb.CreateRequest(name=name, size=span, device=device, shared=shared,
                                              versioned=True, keep_last=keep_last, manifest_size=len(raw),
-                                             sources_size=len(table), files=len(fds)))
+                                             sources_size=len(table), files=len(fds), like_version=like))
     with _register_lock(conn):
         rest = fds
         while len(rest) > MAX_FILES:
             conn.call(pb.Request(stage_files=pb.StageFilesRequest()), "put_bundle", name, fds=rest[:MAX_FILES])
             rest = rest[MAX_FILES:]
-        r = conn.call(req, "put_bundle", name, fds=rest)
+        try:
+            r = conn.call(req, "put_bundle", name, fds=rest)
+        except (NotFound, InvalidArgument):
+            if not like:
+                raise
+            r = None
+    if r is None:
+        return send_version(conn, name, raw, table, fds, span, device, keep_last=keep_last, shared=shared)
     version = int(r.resp.create.version)
+    if like and not r.resp.create.manifest_attached and r.manifest_fd < 0:
+        return version   # republished: sealed by the daemon
     abort = pb.Request(abort=pb.AbortRequest(name=name, version=version))
     p = r.resp.create.placement
     mfd, r.manifest_fd = r.manifest_fd, -1
@@ -551,8 +570,50 @@ def forget_kept() -> None:
     with _cache_lock:
         sets = [m for m in _latest.values() if m.users == 0]
         _latest.clear()
+        kept = [e[0] for e in _memfds.values()]
+        _memfds.clear()
     for m in sets:
         m.close()
+    for fd in kept:
+        os.close(fd)
+
+
+# name -> the manifest memfd of the latest no-copy version read under it (kept open:
+# its inode can be no other file's while it is), its (st_dev, st_ino), and the
+# manifest and sources table read from it.
+_memfds: Dict[str, Tuple[int, Tuple[int, int], bytes, bytes]] = {}
+
+
+def _read_memfd(name: str, mfd: int, msize: int, ssize: int) -> Optional[Tuple[bytes, bytes]]:
+    """The manifest and sources table in memfd ``mfd`` (taken: kept or closed); None
+    when it is shorter. A republished version (like_version) comes with the very
+    memfd of the version before it: sealed against writes, so the bytes read from it
+    then are its bytes now, the same objects (which the parse's and the mapped
+    regions' caches then recognize by identity)."""
+    import fcntl
+    st = os.fstat(mfd)
+    key = (st.st_dev, st.st_ino)
+    with _cache_lock:
+        old = _memfds.get(name)
+    if (old is not None and old[1] == key and len(old[2]) == msize and len(old[3]) == ssize
+            and fcntl.fcntl(mfd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE):
+        os.close(mfd)
+        return old[2], old[3]
+    try:
+        manifest = os.pread(mfd, msize, 0)
+        table = os.pread(mfd, ssize, msize)
+    except BaseException:
+        os.close(mfd)
+        raise
+    if len(manifest) != msize or len(table) != ssize:
+        os.close(mfd)
+        return None
+    with _cache_lock:
+        old = _memfds.get(name)
+        _memfds[name] = (mfd, key, manifest, table)
+    if old is not None:
+        os.close(old[0])
+    return manifest, table
 
 
 def lease_sources(store: Any, r: Any, p: Any, info: Any, name: str) -> Tuple[SourceMaps, bytes]:
@@ -565,10 +626,11 @@ def lease_sources(store: Any, r: Any, p: Any, info: Any, name: str) -> Tuple[Sou
         if mfd < 0:
             raise InternalError("get", name, "a no-copy version without its manifest memfd")
         msize, ssize = int(info.manifest_size), int(info.sources_size)
-        manifest = os.pread(mfd, msize, 0)
-        table = os.pread(mfd, ssize, msize)
-        if len(manifest) != msize or len(table) != ssize:
+        got = _read_memfd(name, mfd, msize, ssize)
+        if got is None:
             raise InternalError("get", name, "the manifest memfd is shorter than its manifest and sources table")
+        manifest, table = got
+        mfd = -1   # (kept by _read_memfd)
         _more_fds(store._conn, name, r.resp.get.lease_id, fds, p.files)
         ordinal = _cuda.pick_ordinal(bytes.fromhex(p.device[4:].replace("-", "")))
         maps = SourceMaps.acquire(name, table, fds, ordinal)

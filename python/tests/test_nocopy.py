@@ -465,3 +465,47 @@ def test_source_addresses_are_kept_per_plan_array_and_still_checked() -> None:
         m.addresses(off.copy(), size)
     c = m.addresses(off, size)
     assert c is not a and np.array_equal(c, want)
+
+
+def test_republish_sends_nothing_and_readers_reuse_its_bytes(store: cudaipc.Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A no-copy version over the same allocations as the connection's last one
+    (send_version(like=)) is one create, which the daemon seals: a reader gets the
+    very memfd of the version before, and lease_sources takes the manifest and table
+    it read from it then (the same objects); a like of a version the daemon did not
+    keep for this connection is published afresh, written and sealed. (Regions are
+    made up: mapping them is stood in for.)"""
+    from cudaipc import _cuda, mapping
+    monkeypatch.setattr(mapping, "map_region", lambda r, fds, writable=False: (0x7F0000000000, 0, None))
+    monkeypatch.setattr(_cuda, "pick_ordinal", lambda u: 0)
+    sizes = [1 << 20, 3 << 20]
+    starts, span = _nocopy.source_starts(sizes)
+    entries = [TensorEntry("t%d" % i, "U8", (n // 2,), at, at + n // 2) for i, (at, n) in enumerate(zip(starts, sizes))]
+    raw, table = encode_manifest(entries), _nocopy.encode_sources([fake_region(n) for n in sizes])
+    calls: List[str] = []
+    call = store._conn.call
+
+    def counted(req: pb.Request, *a: object, **k: object) -> object:
+        calls.append(str(req.WhichOneof("body")))
+        return call(req, *a, **k)
+    monkeypatch.setattr(store._conn, "call", counted)
+
+    def read(newer_than: int) -> tuple:
+        lease = store.get("rp", 5, newer_than=newer_than)
+        try:
+            return lease.version, lease._manifest, lease.sources.table
+        finally:
+            lease.release()
+    v1 = _nocopy.send_version(store._conn, "rp", raw, table, [], span, GPU_TEXT, keep_last=1)
+    assert calls == ["create", "seal"]
+    got1 = read(0)
+    assert got1[0] == v1 and got1[1] == raw and got1[2] == table
+    del calls[:]
+    v2 = _nocopy.send_version(store._conn, "rp", raw, table, [], span, GPU_TEXT, keep_last=1, like=v1)
+    assert v2 == v1 + 1 and calls == ["create"]
+    got2 = read(v1)
+    assert got2[0] == v2 and got2[1] is got1[1] and got2[2] is got1[2]
+    del calls[:]
+    v3 = _nocopy.send_version(store._conn, "rp", raw, table, [], span, GPU_TEXT, keep_last=1, like=v1)   # not the last
+    assert v3 == v2 + 1 and calls == ["create", "create", "seal"]
+    got3 = read(v2)
+    assert got3[0] == v3 and got3[1] == raw and got3[1] is not got1[1] and got3[2] == table
