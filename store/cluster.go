@@ -238,13 +238,17 @@ type ClusterGPU struct {
 	Ptr    cudaipc.DevicePtr
 }
 
-// gpuMemoryOf returns where o lies in GPU memory, or nil for host memory
-// (or a GPU seam without device pointers: the CPU tests' fakes).
-func gpuMemoryOf(o *object) *ClusterGPU {
-	if o.dev == nil || o.block == nil || o.dev.name == hostDevice {
+// gpuMemoryAt returns where placement p lies in GPU memory, or nil for
+// host memory (or a GPU seam without device pointers). The placement's
+// session holds the arena, so the address stays valid while it lives.
+func (s *Store) gpuMemoryAt(p placement) *ClusterGPU {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	d := s.devices[p.device]
+	if d == nil || p.device == hostDevice {
 		return nil
 	}
-	a, ok := o.dev.arenas[o.block.Arena().ID].(*gpuArena)
+	a, ok := d.arenas[p.arenaID].(*gpuArena)
 	if !ok {
 		return nil
 	}
@@ -255,7 +259,7 @@ func gpuMemoryOf(o *object) *ClusterGPU {
 	if !ok {
 		return nil
 	}
-	return &ClusterGPU{Device: m.Device(), Ptr: m.Ptr() + cudaipc.DevicePtr(o.block.Offset)}
+	return &ClusterGPU{Device: m.Device(), Ptr: m.Ptr() + cudaipc.DevicePtr(p.offset)}
 }
 
 // Release ends a read (LeaseCluster) or aborts an unsealed replica
@@ -310,21 +314,19 @@ func (s *Store) LeaseCluster(owner uint32, name string, version uint64, shard ui
 	if !leased {
 		p, err = ss.placeLocked(o, false)
 	}
-	gpu := gpuMemoryOf(o)
 	s.mu.Unlock()
 	if leased {
 		p, err = ss.tryGet(qname, versionSel{version: version, shard: shard})
 	}
+	var gpu *ClusterGPU
 	if err == nil && p.kind != storev1.Placement_HOST {
 		// The session holds the arena (placeLocked), so gpu stays valid
 		// until Release.
 		p.closeShare()
-		if gpu == nil {
+		if gpu = s.gpuMemoryAt(p); gpu == nil {
 			err = invalidf("cluster object %q is in GPU memory this daemon cannot copy from", qname)
 		}
 		p.share = nil
-	} else {
-		gpu = nil
 	}
 	if err == nil && gpu == nil && (p.share == nil || p.share.file == nil) {
 		err = fmt.Errorf("%w: no arena descriptor for %q", protocol.ErrInternal, qname)
@@ -373,12 +375,7 @@ func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 			p.share.file.Close()
 		}
 		p.share = nil
-		s.mu.Lock()
-		if o, derr := ss.draftLocked(qname, obj.Version, obj.Shard); derr == nil {
-			gpu = gpuMemoryOf(o)
-		}
-		s.mu.Unlock()
-		if gpu == nil {
+		if gpu = s.gpuMemoryAt(p); gpu == nil {
 			err = fmt.Errorf("%w: replica %q is in GPU memory this daemon cannot copy to", protocol.ErrInternal, qname)
 		}
 	}

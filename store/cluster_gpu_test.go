@@ -58,6 +58,24 @@ func TestClusterReplicaOfGPUBundle(t *testing.T) {
 	if l.GPU == nil || l.GPU.Ptr != at || l.File != nil {
 		t.Fatalf("cluster read of the replica: %+v, want GPU memory at %#x", l.GPU, uint64(at))
 	}
+	// A partial replica (slice) of the GPU bundle lands on the GPU too,
+	// with its manifest.
+	sman, ssize, err := bundle.Layout(specs[:1], 0, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name, sf, err := s.CreateSlice(ClusterSlice{Of: ClusterObject{Owner: 1000, Name: "model", GPU: true, ID: "id-r", Version: 4, Shards: 1},
+		Key: "a", Size: ssize, Manifest: sman.Marshal()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sf.GPU == nil || sf.File != nil {
+		t.Fatalf("slice of a GPU bundle: GPU %+v, file %v; want GPU memory", sf.GPU, sf.File)
+	}
+	if err := sf.Seal(); err != nil {
+		t.Fatalf("seal of the slice %q: %v", name, err)
+	}
+	sf.Release()
 	// A host replica still comes as a file.
 	h, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "plain", Size: 4096, ID: "id-h"})
 	if err != nil {

@@ -89,14 +89,12 @@ func (s *Store) CreateSlice(sl ClusterSlice) (name string, f *ClusterFile, err e
 	p, _, err := ss.create(r)
 	var gpu *ClusterGPU
 	if err == nil && p.kind != storev1.Placement_HOST {
-		p.closeShare()
-		p.share = nil
-		s.mu.Lock()
-		if o, derr := ss.draftLocked(name, 0, 0); derr == nil {
-			gpu = gpuMemoryOf(o)
+		// Only the arena's descriptor goes: the manifest's is written below.
+		if p.share != nil && p.share.file != nil {
+			p.share.file.Close()
 		}
-		s.mu.Unlock()
-		if gpu == nil {
+		p.share = nil
+		if gpu = s.gpuMemoryAt(p); gpu == nil {
 			err = fmt.Errorf("%w: a slice of %q is in GPU memory this daemon cannot copy to", protocol.ErrInternal, bundleName)
 		}
 	}
