@@ -31,7 +31,12 @@ func (n *Node) withLookup(ctx context.Context, ref cluster.Ref, do func(cluster.
 	if err != nil {
 		return err
 	}
-	err = do(e)
+	return n.withEntry(ctx, ref, e, mirrored, do)
+}
+
+// withEntry is withLookup with ref's record e looked up already.
+func (n *Node) withEntry(ctx context.Context, ref cluster.Ref, e cluster.Entry, mirrored bool, do func(cluster.Entry) error) error {
+	err := do(e)
 	if err == nil || !mirrored || ctx.Err() != nil {
 		return err
 	}

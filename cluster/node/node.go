@@ -352,10 +352,7 @@ func (n *Node) fetch(ctx context.Context, reader, owner uint32, name string, sel
 		_, err := n.p.PullEntry(ctx, e)
 		return err
 	}
-	if cached {
-		return notFound(n.withLookup(ctx, ref, pull))
-	}
-	return notFound(pull(e))
+	return notFound(n.withEntry(ctx, ref, e, cached, pull))
 }
 
 func readable(e cluster.Entry, reader uint32) bool {

@@ -25,11 +25,14 @@ func TestBenchCluster(t *testing.T) {
 		SmallCount int     `json:"small_count"`
 		SmallP50   float64 `json:"small_p50_us"`
 		SmallP99   float64 `json:"small_p99_us"`
+		Inline     int     `json:"small_inline"`
+		LocalP50   float64 `json:"local_p50_us"`
 	}
 	if err := json.Unmarshal([]byte(out), &r); err != nil {
 		t.Fatalf("%v: %s", err, out)
 	}
-	if !r.LargeEqual || !r.SmallEqual || r.SmallCount != 20 || r.LargeGBps <= 0 || r.SmallP50 <= 0 || r.SmallP99 < r.SmallP50 {
+	if !r.LargeEqual || !r.SmallEqual || r.SmallCount != 20 || r.LargeGBps <= 0 || r.SmallP50 <= 0 || r.SmallP99 < r.SmallP50 ||
+		r.Inline != 20 || r.LocalP50 <= 0 {
 		t.Fatalf("bench cluster: %s", out)
 	}
 }

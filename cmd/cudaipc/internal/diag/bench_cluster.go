@@ -75,13 +75,21 @@ type benchClusterResult struct {
 	// LargeCPU is the CPU time (user and system) this process, both
 	// daemons, took during the large get: on a loaded machine a steadier
 	// figure than the bandwidth.
-	LargeCPU      float64 `json:"large_cpu_seconds"`
-	Streams       int     `json:"streams_per_holder,omitempty"`
-	SmallBytes    int64   `json:"small_bytes"`
-	SmallCount    int     `json:"small_count"`
-	SmallP50US    float64 `json:"small_p50_us"`
-	SmallP99US    float64 `json:"small_p99_us"`
-	SmallEqual    bool    `json:"small_bytes_equal"`
+	LargeCPU   float64 `json:"large_cpu_seconds"`
+	Streams    int     `json:"streams_per_holder,omitempty"`
+	SmallBytes int64   `json:"small_bytes"`
+	SmallCount int     `json:"small_count"`
+	SmallP50US float64 `json:"small_p50_us"`
+	SmallP99US float64 `json:"small_p99_us"`
+	SmallEqual bool    `json:"small_bytes_equal"`
+	// SmallInline and SmallMirrored count the small gets whose object
+	// came in the holder's answer (cluster.MaxInline) and whose lookup the
+	// node's directory mirror answered (no etcd read).
+	SmallInline   uint64 `json:"small_inline"`
+	SmallMirrored uint64 `json:"small_mirrored"`
+	// LocalP50US is the p50 of a get of the same small objects on the node
+	// that holds them: the store's own get, the floor under a remote one.
+	LocalP50US    float64 `json:"local_p50_us"`
 	PerftestGBps  float64 `json:"perftest_ucp_get_GBps"`
 	PerftestRTTUS float64 `json:"perftest_am_round_trip_us"`
 	RatioLarge    float64 `json:"ratio_large_to_perftest"`
@@ -196,6 +204,8 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 	progress("getting %d objects of %s on node b", c.Count, c.Small)
 	lat := make([]time.Duration, 0, c.Count)
 	res.SmallEqual = true
+	st0 := b.n.Stats()
+	hits0, _ := b.n.Mirror().Stats()
 	for i := range smalls {
 		t := time.Now()
 		l, err := b.c.Get(ctx, fmt.Sprintf("bench/small/%d", i))
@@ -209,6 +219,21 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 	slices.Sort(lat)
 	res.SmallP50US = float64(lat[len(lat)/2].Nanoseconds()) / 1e3
 	res.SmallP99US = float64(lat[len(lat)*99/100].Nanoseconds()) / 1e3
+	res.SmallInline = b.n.Stats().Inline - st0.Inline
+	hits1, _ := b.n.Mirror().Stats()
+	res.SmallMirrored = hits1 - hits0
+	lat = lat[:0]
+	for i := range smalls {
+		t := time.Now()
+		l, err := a.c.Get(ctx, fmt.Sprintf("bench/small/%d", i))
+		if err != nil {
+			return fmt.Errorf("bench cluster: get of a small object on node a: %w", err)
+		}
+		lat = append(lat, time.Since(t))
+		l.Release()
+	}
+	slices.Sort(lat)
+	res.LocalP50US = float64(lat[len(lat)/2].Nanoseconds()) / 1e3
 	a.stop()
 	b.stop()
 
@@ -235,6 +260,8 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 	fmt.Fprintf(w, "link: UCX_TLS=%s UCX_NET_DEVICES=%s (two daemons on this machine, UCX %s from %s), etcd data in %s\n", res.UCXTLS, res.UCXDevices, res.UCXVersion, res.UCXLibrary, res.EtcdDir)
 	fmt.Fprintf(w, "%-34s %10.2f GB/s  (%.3f s, %.3f s of CPU, bytes equal: %v)\n", "get of a "+c.Size.String()+" object", res.LargeGBps, res.LargeSeconds, res.LargeCPU, res.LargeEqual)
 	fmt.Fprintf(w, "%-34s p50 %8.1f µs  p99 %8.1f µs  (bytes equal: %v)\n", fmt.Sprintf("gets of %d objects of %s", c.Count, c.Small), res.SmallP50US, res.SmallP99US, res.SmallEqual)
+	fmt.Fprintf(w, "%-34s %d read inline, %d looked up in the mirror (no etcd read)\n", "  of which", res.SmallInline, res.SmallMirrored)
+	fmt.Fprintf(w, "%-34s p50 %8.1f µs  (the floor under a remote get)\n", "  the same gets on the holder", res.LocalP50US)
 	if res.PerftestError != "" {
 		fmt.Fprintf(w, "ucx_perftest: %s\n", res.PerftestError)
 		return nil
