@@ -53,7 +53,8 @@ class BundleInfo:
 def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any = None, *,
                publish: bool = False, shards: int = 0, shard: int = 0, keep_last: int = 0,
                shared: bool = False, metadata: Optional[Mapping[str, str]] = None,
-               stream: Any = None, copy: bool = True, release_timeout: Optional[float] = 60.0) -> BundleInfo:
+               stream: Any = None, copy: bool = True, release_timeout: Optional[float] = 60.0,
+               cluster: bool = False) -> BundleInfo:
     """Store the tensors of ``state_dict`` (torch tensors, CPU or CUDA; or NumPy and
     CuPy arrays) as one bundle.
 
@@ -76,8 +77,11 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
     is synchronized before the seal. The manifest and the copy plan are kept: the
     next put of tensors with the same names, dtypes and shapes (at the same
     addresses) encodes nothing again. With ``publish`` the bundle is the next
-    version of ``name`` (shard ``shard`` of ``shards``: see Store.publish)."""
+    version of ``name`` (shard ``shard`` of ``shards``: see Store.publish).
+    ``cluster`` makes it cluster-visible (``Store.create``; not with ``copy=False``)."""
     if not copy:
+        if cluster:
+            raise InvalidArgument("put_bundle", name, "copy=False versions stay on this node: put with copy=True for cluster=True")
         if not publish or shards > 1:
             raise InvalidArgument("put_bundle", name, "copy=False publishes a version: set publish=True (one shard)")
         from . import _nocopy
@@ -94,7 +98,7 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
         cuda = next((w[1] for w in map(lib.where, values) if w[0] == "cuda"), None)
         device = cuda if cuda is not None else "host"
     obj = store.create(name, max(lay.size, 1), device, shared=shared, versioned=publish, shards=shards,
-                       shard=shard, keep_last=keep_last, manifest=lay.raw)
+                       shard=shard, keep_last=keep_last, manifest=lay.raw, cluster=cluster)
     if obj.ordinal is not None:
         _gather.ready(obj.ordinal)   # (its load starts now, beside the plan)
     try:

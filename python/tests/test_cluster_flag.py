@@ -15,5 +15,10 @@ def test_cluster_create_needs_a_cluster_daemon(store: cudaipc.Store) -> None:
         store.create("c", 100, cluster=True)
     with pytest.raises(cudaipc.InvalidArgument, match="not part of a cluster"):
         B.create_bundle(store, "cb", {"w": ("uint8", (10,))}, cluster=True, views="numpy")
+    np = pytest.importorskip("numpy")
+    with pytest.raises(cudaipc.InvalidArgument, match="not part of a cluster"):
+        B.put_bundle(store, "pb", {"w": np.arange(10, dtype=np.uint8)}, cluster=True)
+    with pytest.raises(cudaipc.InvalidArgument, match="copy=False"):
+        B.put_bundle(store, "pb", {"w": np.arange(10, dtype=np.uint8)}, publish=True, copy=False, cluster=True)
     o = store.create("c", 100)   # the name is free, and a plain create works
     o.abort()
