@@ -49,6 +49,10 @@ type Client struct {
 	err       error                // why the connection ended; nil while it lives
 	closed    bool                 // Close was called
 	role      readRole             // who reads the connection (reader.go)
+	// noCopy is, per name, the last no-copy version published without
+	// descriptors (nocopy.go), republished counts republishes (for tests).
+	noCopy      map[string]noCopySent
+	republished int
 
 	parked      parking       // idle GPU arenas kept mapped (park.go)
 	table       *leaseTable   // the lease fast path (fastpath.go); nil without one

@@ -1,12 +1,16 @@
 package client
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"slices"
 	"sort"
 	"time"
+
+	"google.golang.org/protobuf/proto"
 
 	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/bundle"
@@ -69,7 +73,10 @@ func (c *Client) WaitReleased(ctx context.Context, name string) (int, error) {
 // WaitReleased, until no reader holds this client's earlier no-copy
 // versions of name. The tensors' writes must be complete (synchronize
 // their stream) before the call, and they must not change until the next
-// WaitReleased returns. Tensors may not overlap. opts.Shared and
+// WaitReleased returns. Tensors may not overlap. A version whose manifest
+// and regions are byte for byte the client's last one under name (the same
+// tensors in the same allocations) is a republish: one request, nothing
+// written (docs/protocol.md 6.8). opts.Shared and
 // opts.KeepLast apply; it returns the version.
 func (c *Client) PublishNoCopy(ctx context.Context, name string, dev *cudaipc.Device, tensors []NoCopyTensor, metadata map[string]string, opts CreateOptions) (uint64, error) {
 	invalid := func(msg string) (uint64, error) {
@@ -187,6 +194,9 @@ func exportAllocations(dev *cudaipc.Device, tensors []NoCopyTensor) (regions []c
 func (c *Client) publishSources(ctx context.Context, name string, header, table []byte, files []*os.File, span int64, device string, opts CreateOptions) (uint64, error) {
 	req := &storev1.CreateRequest{Name: name, Size: uint64(span), Device: device, Shared: opts.Shared, Versioned: true,
 		KeepLast: uint32(max(opts.KeepLast, 0)), ManifestSize: uint64(len(header)), SourcesSize: uint64(len(table)), Files: uint32(len(files))}
+	if v, ok, err := c.republish(ctx, name, req, header, table, len(files)); ok || err != nil {
+		return v, err
+	}
 	c.registerMu.Lock()
 	for len(files) > protocol.MaxFiles {
 		stage := &storev1.Request{Body: &storev1.Request_StageFiles{StageFiles: &storev1.StageFilesRequest{}}}
@@ -222,7 +232,79 @@ func (c *Client) publishSources(ctx context.Context, name string, header, table 
 	if _, err := c.roundTrip(ctx, "publish", name, seal); err != nil {
 		return 0, err
 	}
+	c.sentNoCopy(name, v, header, table, len(files))
 	return v, nil
+}
+
+// noCopySent is the last no-copy version a client published under a name
+// without descriptors, and its bytes: a next version of the very same
+// bytes (the same tensors over the same allocations) is a republish.
+type noCopySent struct {
+	version       uint64
+	header, table []byte
+}
+
+// sentNoCopy records version v of name as the one a republish may name.
+func (c *Client) sentNoCopy(name string, v uint64, header, table []byte, files int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if files != 0 {
+		delete(c.noCopy, name)
+		return
+	}
+	if c.noCopy == nil {
+		c.noCopy = make(map[string]noCopySent)
+	}
+	c.noCopy[name] = noCopySent{version: v, header: header, table: table}
+}
+
+// republish publishes a no-copy version whose header and table are those
+// of the last one this client published under name, byte for byte, as one
+// create that names it (CreateRequest.like_version, docs/protocol.md 6.8):
+// the daemon shares that version's sealed memfd and seals at once. ok is
+// false where it does not apply, or the daemon refused it (that version is
+// not the last it kept for this connection): the caller publishes afresh.
+func (c *Client) republish(ctx context.Context, name string, req *storev1.CreateRequest, header, table []byte, files int) (uint64, bool, error) {
+	c.mu.Lock()
+	last, ok := c.noCopy[name]
+	c.mu.Unlock()
+	if !ok || files != 0 || !bytes.Equal(last.header, header) || !bytes.Equal(last.table, table) {
+		return 0, false, nil
+	}
+	like := proto.Clone(req).(*storev1.CreateRequest)
+	like.LikeVersion = last.version
+	rep, err := c.roundTrip(ctx, "publish", name, &storev1.Request{Body: &storev1.Request_Create{Create: like}})
+	if errors.Is(err, ErrNotFound) || errors.Is(err, ErrInvalid) {
+		return 0, false, nil
+	}
+	if err != nil {
+		return 0, false, err
+	}
+	v := rep.resp.GetCreate().GetVersion()
+	if rep.manifest != nil || rep.resp.GetCreate().GetManifestAttached() {
+		// A daemon that does not know like_version: a plain create, which
+		// the bytes complete.
+		mf := rep.manifest
+		if mf == nil {
+			c.cleanup(reply{resp: rep.resp}, name)
+			return 0, false, &Error{Op: "publish", Name: name, Err: ErrInternal, Message: "the daemon answered a no-copy create without its manifest memfd"}
+		}
+		_, err = mf.WriteAt(append(append(make([]byte, 0, len(header)+len(table)), header...), table...), 0)
+		mf.Close()
+		if err != nil {
+			c.cleanup(reply{resp: rep.resp}, name)
+			return 0, false, &Error{Op: "publish", Name: name, Err: ErrInternal, Message: "writing the manifest: " + err.Error()}
+		}
+		seal := &storev1.Request{Body: &storev1.Request_Seal{Seal: &storev1.SealRequest{Name: name, Version: v}}}
+		if _, err := c.roundTrip(ctx, "publish", name, seal); err != nil {
+			return 0, false, err
+		}
+	}
+	c.sentNoCopy(name, v, header, table, 0)
+	c.mu.Lock()
+	c.republished++
+	c.mu.Unlock()
+	return v, true, nil
 }
 
 // sourcesLease completes the get of a version published without a copy:

@@ -1,6 +1,7 @@
 package client_test
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"errors"
@@ -132,4 +133,78 @@ func errString(err error) string {
 		return "<nil>"
 	}
 	return err.Error()
+}
+
+// A no-copy version whose header and table are byte for byte those of the
+// client's last one under the name is a republish (one create, sealed by
+// the daemon); readers get it with the same manifest and table. Other
+// bytes, or another connection, publish afresh.
+func TestNoCopyRepublish(t *testing.T) {
+	sock := socketPath(t)
+	startDaemon(t, sock)
+	pub := dial(t, sock)
+	u, _ := cudaipc.ParseUUID(fakeGPU)
+	sizes := []int64{1 << 20, 3 << 20}
+	starts, span, err := bundle.SourceStarts(sizes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	version := func(seed byte) ([]byte, []byte) {
+		m := &bundle.Manifest{}
+		var enc [][]byte
+		for i, n := range sizes {
+			r := cudaipc.Region{Version: cudaipc.RegionVersion, Kind: cudaipc.KindCUDAIPC, Size: n, AllocSize: n, Device: u,
+				ExporterPID: os.Getpid(), PIDNamespace: 4026531836, BootID: cudaipc.BootID{1}, BufferID: 7, ExporterBase: 0x7f0000000000}
+			r.Handle[0], r.Handle[1] = seed, byte(i)
+			b, err := r.MarshalBinary()
+			if err != nil {
+				t.Fatal(err)
+			}
+			enc = append(enc, b)
+			m.Tensors = append(m.Tensors, bundle.Tensor{Name: string(rune('a' + i)), DType: bundle.U8, Shape: []int64{n}, Begin: starts[i], End: starts[i] + n})
+		}
+		return m.Marshal(), bundle.EncodeSources(enc)
+	}
+	send := func(c *client.Client, h, tb []byte) uint64 {
+		t.Helper()
+		v, err := client.PublishSources(c, context.Background(), "policy", h, tb, nil, span, fakeGPU, client.CreateOptions{KeepLast: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	rd := dial(t, sock)
+	read := func(v uint64) []byte {
+		t.Helper()
+		l, err := rd.GetWith(context.Background(), "policy", client.GetOptions{Version: v})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Release()
+		m, err := l.Manifest()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m.Marshal()
+	}
+	h1, t1 := version(1)
+	h2, t2 := version(2)
+	v1 := send(pub, h1, t1)
+	v2 := send(pub, h1, t1)
+	if n := client.Republished(pub); n != 1 || v2 != v1+1 {
+		t.Fatalf("republished %d times, version %d after %d: want once, the next", n, v2, v1)
+	}
+	if got := read(v2); !bytes.Equal(got, h1) {
+		t.Fatal("the republished version's manifest is not the first one's")
+	}
+	v3 := send(pub, h2, t2) // other regions: afresh
+	v4 := send(pub, h2, t2)
+	if got := read(v4); !bytes.Equal(got, h2) {
+		t.Fatal("the second republished version's manifest is not its model's")
+	}
+	other := dial(t, sock)
+	v5 := send(other, h2, t2) // another connection: afresh
+	if n, m := client.Republished(pub), client.Republished(other); n != 2 || m != 0 || v4 != v3+1 || v5 != v4+1 {
+		t.Fatalf("republished %d and %d times, versions %d %d %d: want 2 and 0, consecutive", n, m, v3, v4, v5)
+	}
 }
