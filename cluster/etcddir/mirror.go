@@ -49,6 +49,13 @@ type Mirror struct {
 	misses atomic.Uint64
 }
 
+// MirrorMaxRecord bounds the object records a Mirror keeps: a larger one
+// (a bundle with a large manifest, an object of very many chunks) is
+// looked up in etcd, whose read costs little beside its pull, so that a
+// node's memory for the mirror stays a small multiple of the number of
+// names rather than of etcd's size.
+const MirrorMaxRecord = 16 << 10
+
 type ownerName struct {
 	owner uint32
 	name  string
@@ -223,6 +230,10 @@ func (m *Mirror) apply(objs map[cluster.Ref]*mirrorObj, holds map[cluster.Ref]ma
 		}
 		if typ == mvccpb.DELETE {
 			delete(objs, ref)
+			return
+		}
+		if len(kv.Value) > MirrorMaxRecord {
+			delete(objs, ref) // a large bundle's record: looked up in etcd
 			return
 		}
 		mo := &mirrorObj{rev: kv.ModRevision}

@@ -267,3 +267,37 @@ func TestMirrorEtcdRestart(t *testing.T) {
 		return !ok
 	})
 }
+
+// A record over MirrorMaxRecord is left to etcd: the mirror does not
+// answer for it, and drops an older small incarnation it replaced.
+func TestMirrorLeavesLargeRecordsToEtcd(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, c := open(t, srv, "a"), open(t, srv, "c")
+	ctx := ctxT(t)
+	m := c.Mirror(ctx)
+	defer m.Close()
+	o, _ := object("big-manifest", 4096)
+	if _, err := a.Publish(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the mirror has the small record", func() bool { _, ok := m.Lookup(o.Ref()); return ok })
+	if err := a.Delete(ctx, o.Owner, o.Name); err != nil {
+		t.Fatal(err)
+	}
+	big := o
+	big.ID, big.Manifest = cluster.NewID(), make([]byte, MirrorMaxRecord)
+	if _, err := a.Publish(ctx, big); err != nil {
+		t.Fatal(err)
+	}
+	other, _ := object("after", 4096)
+	if _, err := a.Publish(ctx, other); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the mirror saw the later record", func() bool { _, ok := m.Lookup(other.Ref()); return ok })
+	if e, ok := m.Lookup(o.Ref()); ok {
+		t.Fatalf("the mirror answers for a large record (incarnation %s)", e.ID)
+	}
+	if e, err := c.Lookup(ctx, o.Ref()); err != nil || e.ID != big.ID {
+		t.Fatalf("etcd's answer: %+v %v", e.ID, err)
+	}
+}
