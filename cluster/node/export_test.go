@@ -7,6 +7,7 @@ func PinsHeld(n *Node) int {
 	return len(n.pins)
 }
 
-// StagedBytes is how many bytes of GPU objects went through pinned host
-// memory on the node.
+// StagedBytes is how many bytes of GPU objects the node copied through
+// pinned host memory: device→host (at seals and exposures that found no
+// copy staged before) and host→device (chunks landed by pulls).
 func StagedBytes(n *Node) uint64 { return n.stagedBytes.Load() }

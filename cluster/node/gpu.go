@@ -17,9 +17,12 @@ import (
 // the bytes are in host memory anyway.
 //
 //   - seal: the object is copied device→host into a pinned buffer and its
-//     chunks' checksums are computed there;
-//   - expose: the object is copied device→host into a pinned buffer
-//     registered with UCX once (kept with the buffer), which peers GET from;
+//     chunks' checksums are computed there; the buffer goes back to the pool
+//     tagged with the object's incarnation;
+//   - expose: peers GET from a pinned buffer holding the object, registered
+//     with UCX once (kept with the buffer): the one tagged with its
+//     incarnation if the pool still has it (staged at the seal, by an
+//     earlier exposure, or landed by this node's pull), else a new copy;
 //   - pull: chunks land in a pinned buffer of the reader, are checked, and
 //     each is copied host→device into the replica as soon as it is checked
 //     (cluster.LandingReplica), overlapping the wire.
@@ -39,18 +42,25 @@ const pinnedUnit = 64 << 20
 // pinned is one pinned host buffer of the pool, registered with UCX the
 // first time it is exposed.
 type pinned struct {
-	hb  *cudaipc.HostBuffer
-	dev *cudaipc.Device
-	reg *ucxtransport.Region
+	mem     []byte
+	release func() error // frees mem
+	dev     *cudaipc.Device
+	reg     *ucxtransport.Region
+	// tag is the cluster incarnation whose bytes the buffer holds ("" for
+	// none): a GPU object's bytes never change after its seal, so a buffer
+	// staged once (at the seal, or by an exposure, or the landing of a
+	// pull) serves every later exposure of that incarnation without
+	// copying it out again.
+	tag string
 }
 
-func (b *pinned) size() int64 { return int64(len(b.hb.Bytes())) }
+func (b *pinned) size() int64 { return int64(len(b.mem)) }
 
 func (b *pinned) free() {
 	if b.reg != nil {
 		b.reg.Close()
 	}
-	b.hb.Free()
+	_ = b.release()
 }
 
 // pinnedPool keeps idle pinned buffers, the most recently returned last.
@@ -60,38 +70,83 @@ type pinnedPool struct {
 	idleBytes int64
 	max       int64
 	closed    bool
+	// alloc allocates n bytes of pinned memory of dev's context; nil means
+	// dev.AllocHost.
+	alloc func(dev *cudaipc.Device, n int64) (mem []byte, release func() error, err error)
 }
 
-// get returns a pinned buffer of at least size bytes of dev's context: the
-// smallest idle one that fits, or a new one.
+func allocHost(dev *cudaipc.Device, n int64) ([]byte, func() error, error) {
+	hb, err := dev.AllocHost(n)
+	if err != nil {
+		return nil, nil, err
+	}
+	return hb.Bytes(), hb.Free, nil
+}
+
+// take returns an idle buffer of dev holding incarnation tag's size bytes,
+// or nil.
+func (pp *pinnedPool) take(tag string, dev *cudaipc.Device, size int64) *pinned {
+	if tag == "" {
+		return nil
+	}
+	pp.mu.Lock()
+	defer pp.mu.Unlock()
+	for i := len(pp.idle) - 1; i >= 0; i-- {
+		if b := pp.idle[i]; b.tag == tag && b.dev == dev && b.size() >= size {
+			pp.removeLocked(i)
+			return b
+		}
+	}
+	return nil
+}
+
+func (pp *pinnedPool) removeLocked(i int) {
+	pp.idleBytes -= pp.idle[i].size()
+	pp.idle = append(pp.idle[:i], pp.idle[i+1:]...)
+}
+
+// get returns a pinned buffer of at least size bytes of dev's context,
+// untagged: the smallest idle one that fits, an untagged one before one
+// holding some incarnation's bytes, or a new one.
 func (pp *pinnedPool) get(dev *cudaipc.Device, size int64) (*pinned, error) {
 	pp.mu.Lock()
 	best := -1
+	better := func(b, than *pinned) bool {
+		if (b.tag == "") != (than.tag == "") {
+			return b.tag == ""
+		}
+		return b.size() < than.size()
+	}
 	for i, b := range pp.idle {
-		if b.dev == dev && b.size() >= size && (best < 0 || b.size() < pp.idle[best].size()) {
+		if b.dev == dev && b.size() >= size && (best < 0 || better(b, pp.idle[best])) {
 			best = i
 		}
 	}
 	if best >= 0 {
 		b := pp.idle[best]
-		pp.idle = append(pp.idle[:best], pp.idle[best+1:]...)
-		pp.idleBytes -= b.size()
+		pp.removeLocked(best)
 		pp.mu.Unlock()
+		b.tag = ""
 		return b, nil
 	}
 	pp.mu.Unlock()
+	alloc := pp.alloc
+	if alloc == nil {
+		alloc = allocHost
+	}
 	n := (size + pinnedUnit - 1) / pinnedUnit * pinnedUnit
-	hb, err := dev.AllocHost(n)
+	mem, release, err := alloc(dev, n)
 	if err != nil && n > size {
-		hb, err = dev.AllocHost(size)
+		mem, release, err = alloc(dev, size)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("pinned host memory for staging %d bytes: %w", size, err)
 	}
-	return &pinned{hb: hb, dev: dev}, nil
+	return &pinned{mem: mem, release: release, dev: dev}, nil
 }
 
-// put returns b to the pool, freeing the oldest idle buffers beyond max.
+// put returns b to the pool, with its tag, freeing the oldest idle buffers
+// beyond max.
 func (pp *pinnedPool) put(b *pinned) {
 	pp.mu.Lock()
 	if pp.closed {
@@ -104,8 +159,7 @@ func (pp *pinnedPool) put(b *pinned) {
 	var drop []*pinned
 	for pp.idleBytes > pp.max && len(pp.idle) > 0 {
 		drop = append(drop, pp.idle[0])
-		pp.idleBytes -= pp.idle[0].size()
-		pp.idle = pp.idle[1:]
+		pp.removeLocked(0)
 	}
 	pp.mu.Unlock()
 	for _, d := range drop {
@@ -124,28 +178,34 @@ func (pp *pinnedPool) close() {
 	}
 }
 
-// stageOut copies the GPU object of f into a pinned buffer of the pool.
-func (n *Node) stageOut(f *store.ClusterFile) (*pinned, error) {
+// stageOut returns a pinned buffer holding the GPU object of f, of
+// incarnation id: one staged before, or the object copied device→host
+// into a buffer of the pool now.
+func (n *Node) stageOut(f *store.ClusterFile, id string) (*pinned, error) {
+	if b := n.pinned.take(id, f.GPU.Device, f.Size); b != nil {
+		return b, nil
+	}
 	b, err := n.pinned.get(f.GPU.Device, f.Size)
 	if err != nil {
 		return nil, err
 	}
-	if err := f.GPU.Device.CopyFromDevice(b.hb.Bytes()[:f.Size], f.GPU.Ptr); err != nil {
+	if err := f.GPU.Device.CopyFromDevice(b.mem[:f.Size], f.GPU.Ptr); err != nil {
 		n.pinned.put(b)
 		return nil, fmt.Errorf("stage a GPU object device→host: %w", err)
 	}
+	n.stagedBytes.Add(uint64(f.Size))
 	return b, nil
 }
 
 // gpuChecksums computes the chunk checksums of the GPU object of f in host
-// memory, on every CPU at once.
-func (n *Node) gpuChecksums(f *store.ClusterFile, chunk int64) ([]uint32, error) {
-	b, err := n.stageOut(f)
+// memory, on every CPU at once, and returns the pinned buffer holding it,
+// for the caller to tag (once published) and give back.
+func (n *Node) gpuChecksums(f *store.ClusterFile, chunk int64) ([]uint32, *pinned, error) {
+	b, err := n.stageOut(f, "")
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	defer n.pinned.put(b)
-	return parallelChecksums(b.hb.Bytes()[:f.Size], chunk), nil
+	return parallelChecksums(b.mem[:f.Size], chunk), b, nil
 }
 
 // parallelChecksums is cluster.Checksums spread over the CPUs.
@@ -173,21 +233,22 @@ func parallelChecksums(mem []byte, chunk int64) []uint32 {
 	return sums
 }
 
-// exposeGPU says where peers read the GPU object of f: where UCX
-// registers GPU memory, in its arena, registered once while any of its
-// objects is exposed; elsewhere in a pinned buffer registered with UCX,
-// which it stages the object into. release ends the exposure (and gives
-// the buffer back). f itself is left to the caller.
-func (n *Node) exposeGPU(f *store.ClusterFile) (cluster.Exposure, func(), error) {
+// exposeGPU says where peers read the GPU object of f, of incarnation
+// id: where UCX registers GPU memory, in its arena, registered once while
+// any of its objects is exposed; elsewhere in a pinned buffer registered
+// with UCX holding the object (staged before, or now). release ends the
+// exposure (and gives the buffer back, still holding the object). f itself
+// is left to the caller.
+func (n *Node) exposeGPU(f *store.ClusterFile, id string) (cluster.Exposure, func(), error) {
 	if n.tr.CanRegisterCUDA() {
 		return n.exposeDeviceArena(f)
 	}
-	b, err := n.stageOut(f)
+	b, err := n.stageOut(f, id)
 	if err != nil {
 		return cluster.Exposure{}, nil, err
 	}
 	if b.reg == nil {
-		if b.reg, err = n.tr.Register(b.hb.Bytes()); err != nil {
+		if b.reg, err = n.tr.Register(b.mem); err != nil {
 			n.pinned.put(b)
 			return cluster.Exposure{}, nil, fmt.Errorf("register a pinned staging buffer with UCX: %w", err)
 		}
@@ -195,8 +256,10 @@ func (n *Node) exposeGPU(f *store.ClusterFile) (cluster.Exposure, func(), error)
 	e := cluster.Exposure{Worker: n.tr.WorkerAddress(), RKey: b.reg.Key(), Addr: b.reg.Addr(0), Size: f.Size}
 	n.exposures.Add(1)
 	n.exposedBytes.Add(uint64(f.Size))
-	n.stagedBytes.Add(uint64(f.Size))
-	return e, func() { n.pinned.put(b) }, nil
+	return e, func() {
+		b.tag = id
+		n.pinned.put(b)
+	}, nil
 }
 
 // exposeDeviceArena registers f's GPU arena with UCX directly (once while
@@ -250,7 +313,7 @@ func (s sink) createGPU(f *store.ClusterFile, o cluster.Object) (cluster.Replica
 	return &gpuReplica{n: s.n, f: f, o: o, b: b}, nil
 }
 
-func (r *gpuReplica) Bytes() []byte { return r.b.hb.Bytes()[:r.o.Size] }
+func (r *gpuReplica) Bytes() []byte { return r.b.mem[:r.o.Size] }
 
 // Landed implements cluster.LandingReplica: the checked chunk at off goes
 // to the replica's GPU memory.
@@ -266,6 +329,9 @@ func (r *gpuReplica) Seal() error {
 	err := r.f.Seal()
 	r.mu.Lock()
 	r.sealed = err == nil
+	if r.sealed {
+		r.b.tag = r.o.ID // every chunk landed checked: the buffer holds the replica
+	}
 	r.mu.Unlock()
 	r.end()
 	return err

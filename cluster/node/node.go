@@ -397,10 +397,12 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 	defer f.Release()
 	chunk := cluster.ChunkSizeFor(co.Size)
 	var sums []uint32
+	var staged *pinned // a GPU object's bytes in pinned memory, for its first exposures
 	if f.GPU != nil {
-		if sums, err = n.gpuChecksums(f, chunk); err != nil {
+		if sums, staged, err = n.gpuChecksums(f, chunk); err != nil {
 			return "", err
 		}
+		defer func() { n.pinned.put(staged) }()
 	} else {
 		mem, base, err := mapRange(f.File, f.Offset, f.Size, unix.PROT_READ)
 		f.File.Close()
@@ -415,6 +417,9 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 		Sums: sums, Manifest: co.Manifest, GPU: f.GPU != nil, ID: cluster.NewID()}
 	if _, err := n.dir.Publish(ctx, o); err != nil {
 		return "", err
+	}
+	if staged != nil {
+		staged.tag = o.ID
 	}
 	return o.ID, nil
 }
@@ -536,7 +541,7 @@ func (s source) Expose(ref cluster.Ref, id string) (cluster.Exposure, func(), er
 	var e cluster.Exposure
 	var rel func()
 	if f.GPU != nil {
-		e, rel, err = n.exposeGPU(f)
+		e, rel, err = n.exposeGPU(f, id)
 	} else {
 		e, rel, err = n.exposeArena(f)
 		f.File.Close()

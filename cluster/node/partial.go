@@ -185,10 +185,10 @@ func (n *Node) makeSlice(ctx context.Context, e cluster.Entry, sl store.ClusterS
 			return "", fmt.Errorf("node %s: slice of %s: %w", n.cfg.Directory.Node, e.Ref(), err)
 		}
 		defer n.pinned.put(b)
-		if read, err = n.p.PullRangesEntry(ctx, e, ranges, b.hb.Bytes()[:size]); err != nil {
+		if read, err = n.p.PullRangesEntry(ctx, e, ranges, b.mem[:size]); err != nil {
 			return "", err
 		}
-		if err := f.GPU.Device.CopyToDevice(f.GPU.Ptr, b.hb.Bytes()[:size]); err != nil {
+		if err := f.GPU.Device.CopyToDevice(f.GPU.Ptr, b.mem[:size]); err != nil {
 			return "", fmt.Errorf("node %s: copy a slice of %s host→device: %w", n.cfg.Directory.Node, e.Ref(), err)
 		}
 		n.stagedBytes.Add(uint64(size))
