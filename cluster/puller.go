@@ -60,7 +60,7 @@ type LandingReplica interface {
 // Defaults for the zero values of Puller's fields.
 const (
 	DefaultChunkTimeout     = 30 * time.Second
-	DefaultStreamsPerHolder = 2
+	DefaultStreamsPerHolder = 4
 	// maxRounds bounds how often a pull looks for new holders after all
 	// of its sources failed.
 	maxRounds = 2
