@@ -126,9 +126,19 @@ func TestMirrorFollowsCreateReplaceDelete(t *testing.T) {
 		return ok && e.ID == o3.ID
 	})
 	time.Sleep(50 * time.Millisecond)
-	got := ids()
-	if !slices.Equal(got, []string{o.ID, o2.ID, o3.ID}) {
-		t.Fatalf("incarnations the mirror served, in order: %v, want %v", got, []string{o.ID, o2.ID, o3.ID})
+	// The poller may miss a short-lived incarnation, never see one out
+	// of order.
+	got, order := ids(), []string{o.ID, o2.ID, o3.ID}
+	last := -1
+	for _, id := range got {
+		i := slices.Index(order, id)
+		if i <= last {
+			t.Fatalf("incarnations the mirror served, in order: %v; created: %v", got, order)
+		}
+		last = i
+	}
+	if last != 2 {
+		t.Fatalf("the mirror's last answer was not the newest incarnation: %v", got)
 	}
 
 	// Versions: the latest record is mirrored, and each shard's record.
