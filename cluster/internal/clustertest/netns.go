@@ -29,6 +29,18 @@ type Net struct {
 // netPrefix is the switch's subnet, inside the test's namespaces only.
 const netPrefix = "10.199.0."
 
+// bridgeMAC is the switch's own link-layer address, set so that it never
+// changes (NewNet), and the ports' addresses, which link i makes
+// portMAC(i): each new port's lower than every earlier one's and than
+// bridgeMAC, so that a bridge that did follow its lowest port (as one
+// without an address of its own does) would change its address whenever
+// the node linked last goes.
+const bridgeMAC = "02:00:0a:c7:00:01"
+
+func portMAC(i int) string {
+	return fmt.Sprintf("02:00:00:00:%02x:%02x", (0xffff-i)>>8, (0xffff-i)&0xff)
+}
+
 // EtcdPort is etcd's client port on the switch.
 const EtcdPort = 2379
 
@@ -62,7 +74,14 @@ func NewNet(t testing.TB) *Net {
 	n.run("ip", "netns", "add", n.sw)
 	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", n.sw).Run() })
 	n.run("ip", "-n", n.sw, "link", "set", "lo", "up")
-	n.run("ip", "-n", n.sw, "link", "add", "br0", "type", "bridge")
+	// The bridge gets an address of its own. Without one, Linux gives a
+	// bridge the lowest address among its ports and changes it when that
+	// port leaves: a node killed with its namespace takes its port, and
+	// with it possibly the address every other node has cached for
+	// 10.199.0.1 (etcd). Nothing tells them (no gratuitous ARP), so their
+	// etcd traffic went to a MAC no one has until the neighbour entry
+	// expired or etcd happened to send to them first: 30 s and more.
+	n.run("ip", "-n", n.sw, "link", "add", "br0", "address", bridgeMAC, "type", "bridge")
 	n.run("ip", "-n", n.sw, "addr", "add", netPrefix+"1/24", "dev", "br0")
 	n.run("ip", "-n", n.sw, "link", "set", "br0", "up")
 	return n
@@ -110,7 +129,7 @@ func (n *Net) Link(pid int, rate string) (ip string) {
 	ip = netPrefix + strconv.Itoa(10+i)
 	port := "p" + strconv.Itoa(i)
 	ns := "/proc/" + strconv.Itoa(pid) + "/ns/net"
-	n.run("ip", "-n", n.sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", strconv.Itoa(pid))
+	n.run("ip", "-n", n.sw, "link", "add", port, "address", portMAC(i), "type", "veth", "peer", "name", "eth0", "netns", strconv.Itoa(pid))
 	n.run("ip", "-n", n.sw, "link", "set", port, "master", "br0", "up")
 	in := func(args ...string) { n.run(append([]string{"nsenter", "--net=" + ns}, args...)...) }
 	in("ip", "link", "set", "lo", "up")
