@@ -431,8 +431,10 @@ func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 
 // DropCluster removes owner's cluster-visible name from this node (the
 // cluster deleted it): a plain object of incarnation id ("" for any), or a
-// versioned name with all its versions, as its owner's delete would,
-// without telling the cluster again. Leases held keep the memory until they
+// versioned name with all its versions when one of its shards is of
+// incarnation id (or id is ""), as its owner's delete would, without
+// telling the cluster again: a name created again here since the cluster
+// deleted it stays. Leases held keep the memory until they
 // end; its partial replicas (slice.go) go too. It reports whether there
 // was such a name or slice.
 func (s *Store) DropCluster(owner uint32, name, id string) bool {
@@ -456,8 +458,14 @@ func (s *Store) DropCluster(owner uint32, name, id string) bool {
 	case e.is(kindSeries):
 		for _, v := range e.ser.versions {
 			for _, o := range v.shards {
-				if o != nil && o.cluster {
+				if o != nil && o.cluster && (id == "" || o.clusterID == id) {
 					whole = true
+				}
+			}
+		}
+		for _, v := range e.ser.versions {
+			for _, o := range v.shards {
+				if whole && o != nil && o.cluster {
 					o.clusterID = ""
 				}
 			}

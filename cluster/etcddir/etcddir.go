@@ -789,8 +789,13 @@ type Event struct {
 	// Ref is the object concerned.
 	Ref cluster.Ref
 	// Deleted: its record was deleted (the name removed from the cluster);
-	// every node drops its replica.
+	// every node drops its replica of that incarnation.
 	Deleted bool
+	// ID is the deleted record's incarnation id, so that a node drops only
+	// a replica of the object that went, never one of the name created
+	// again since; "" when etcd did not return the old value (compacted)
+	// or it did not verify, which concerns every incarnation.
+	ID string
 	// Pinned and Unpinned: a reader pinned or unpinned this node's
 	// replica; Reader names it.
 	Pinned, Unpinned bool
@@ -835,7 +840,7 @@ func (d *Directory) Watch(ctx context.Context) <-chan Event {
 		pins := d.k.pinsOf(d.cfg.Node)
 		for ctx.Err() == nil {
 			wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-			wo := d.cli.Watch(wctx, d.k.objects(), from(nextO, clientv3.WithFilterPut())...)
+			wo := d.cli.Watch(wctx, d.k.objects(), from(nextO, clientv3.WithFilterPut(), clientv3.WithPrevKV())...)
 			wp := d.cli.Watch(wctx, pins, from(nextP, clientv3.WithPrevKV())...)
 			for wo != nil || wp != nil {
 				var wr clientv3.WatchResponse
@@ -874,6 +879,14 @@ func (d *Directory) Watch(ctx context.Context) <-chan Event {
 							continue
 						}
 						e.Ref, e.Deleted = r, true
+						if ev.PrevKv != nil {
+							var o cluster.Object
+							if err := cluster.Open(d.cfg.Secret, key, ev.PrevKv.Value, &o); err != nil {
+								d.log.Warn("a deleted record does not verify: treating the deletion as of every incarnation", "object", r.String(), "err", err)
+							} else {
+								e.ID = o.ID
+							}
+						}
 					case strings.HasPrefix(key, pins):
 						r, rest, err := parseRef(strings.TrimPrefix(key, pins))
 						if err != nil {

@@ -205,8 +205,8 @@ func TestPublishLookupHoldersDelete(t *testing.T) {
 	}
 	select {
 	case ev := <-events:
-		if !ev.Deleted || ev.Ref != ref {
-			t.Fatalf("event %+v", ev)
+		if !ev.Deleted || ev.Ref != ref || ev.ID != o2.ID {
+			t.Fatalf("event %+v, want the deletion of %s incarnation %s", ev, ref, o2.ID)
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("no delete event within 5s")

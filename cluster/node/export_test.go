@@ -11,3 +11,13 @@ func PinsHeld(n *Node) int {
 // pinned host memory: device→host (at seals and exposures that found no
 // copy staged before) and host→device (chunks landed by pulls).
 func StagedBytes(n *Node) uint64 { return n.stagedBytes.Load() }
+
+// PauseWatch holds the node's watch before it handles its next event,
+// until resume is called.
+func PauseWatch(n *Node) (resume func()) {
+	n.watchMu.Lock()
+	return n.watchMu.Unlock
+}
+
+// WatchHandled counts the events the node's watch has handled.
+func WatchHandled(n *Node) uint64 { return n.watched.Load() }

@@ -17,10 +17,9 @@ import (
 // A node answers lookups from its mirror of the directory; when a name
 // is deleted and published again (another incarnation, other bytes), the
 // next get on any node reads the new object, never the old record's. Each round waits until every node dropped its replica
-// of the deleted name: a node whose watch sees a delete only after the
-// name was created again there drops the new object too (Node.watch drops
-// every incarnation of a plain name), which is not what this test is
-// about.
+// of the deleted name: until its watch sees the delete, a node still
+// serves its replica of the old incarnation locally, which is not what
+// this test is about (TestRecreatedBeforeWatchSeesDelete is).
 func TestCachedLookupFollowsRepublish(t *testing.T) {
 	srv := etcdtest.Start(t)
 	a, b, c := startDaemon(t, srv, "a"), startDaemon(t, srv, "b"), startDaemon(t, srv, "c")

@@ -62,7 +62,10 @@ func newNetns(t *testing.T, n int) *netns {
 	ipRun(t, "netns", "add", ns.hub)
 	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", ns.hub).Run() })
 	ipRun(t, "-n", ns.hub, "link", "set", "lo", "up")
-	ipRun(t, "-n", ns.hub, "link", "add", "br0", "type", "bridge")
+	// An address of its own: a bridge without one follows its lowest port
+	// and changes address when that port goes, leaving every node's cached
+	// MAC of .1 (etcd) stale for tens of seconds (clustertest.NewNet).
+	ipRun(t, "-n", ns.hub, "link", "add", "br0", "address", "02:00:0a:d5:4d:01", "type", "bridge")
 	ipRun(t, "-n", ns.hub, "addr", "add", netPrefix+"1/24", "dev", "br0")
 	ipRun(t, "-n", ns.hub, "link", "set", "br0", "up")
 	for i := range n {

@@ -66,6 +66,11 @@ type Node struct {
 	wg   sync.WaitGroup
 
 	exposures, exposedBytes atomic.Uint64
+
+	// watchMu is held while the watch handles an event, and watched
+	// counts the events handled: tests hold the watch back with them.
+	watchMu sync.Mutex
+	watched atomic.Uint64
 	// stagedBytes counts bytes of GPU objects copied through pinned host
 	// memory (gpu.go): exposed, or landed in a replica.
 	stagedBytes atomic.Uint64
@@ -238,34 +243,44 @@ func (n *Node) Stats() cluster.PullStats { return n.p.Stats() }
 // while readers pin them.
 func (n *Node) watch(ctx context.Context) {
 	for ev := range n.dir.Watch(ctx) {
-		switch {
-		case ev.Deleted:
-			if ev.Ref.Version != 0 && !n.nameGone(ctx, ev.Ref) {
-				continue // an old version's records pruned: replicas stay, by this node's keep_last
-			}
-			if n.st.DropCluster(ev.Ref.Owner, ev.Ref.Name, "") {
-				n.log.Info("cluster deleted a name: local replica dropped", "object", ev.Ref.String())
-			}
-		case ev.Pinned:
-			f, err := n.st.LeaseCluster(ev.Ref.Owner, ev.Ref.Name, ev.Ref.Version, ev.Ref.Shard, "")
-			if err != nil {
-				continue // not here (any more): the reader moves on
-			}
-			n.mu.Lock()
-			if old := n.pins[ev.Key]; old != nil {
-				old.Release()
-			}
-			n.pins[ev.Key] = f
-			n.mu.Unlock()
-			f.File.Close()
-		case ev.Unpinned:
-			n.mu.Lock()
-			if f := n.pins[ev.Key]; f != nil {
-				f.Release()
-				delete(n.pins, ev.Key)
-			}
-			n.mu.Unlock()
+		n.watchMu.Lock()
+		n.handle(ctx, ev)
+		n.watchMu.Unlock()
+		n.watched.Add(1)
+	}
+}
+
+// handle acts on one event of the directory's watch.
+func (n *Node) handle(ctx context.Context, ev etcddir.Event) {
+	switch {
+	case ev.Deleted:
+		if ev.Ref.Version != 0 && !n.nameGone(ctx, ev.Ref) {
+			return // an old version's records pruned: replicas stay, by this node's keep_last
 		}
+		// Only the incarnation deleted: this node may have created the
+		// name again before its watch saw the delete.
+		if n.st.DropCluster(ev.Ref.Owner, ev.Ref.Name, ev.ID) {
+			n.log.Info("cluster deleted a name: local replica dropped", "object", ev.Ref.String())
+		}
+	case ev.Pinned:
+		f, err := n.st.LeaseCluster(ev.Ref.Owner, ev.Ref.Name, ev.Ref.Version, ev.Ref.Shard, "")
+		if err != nil {
+			return // not here (any more): the reader moves on
+		}
+		n.mu.Lock()
+		if old := n.pins[ev.Key]; old != nil {
+			old.Release()
+		}
+		n.pins[ev.Key] = f
+		n.mu.Unlock()
+		f.File.Close()
+	case ev.Unpinned:
+		n.mu.Lock()
+		if f := n.pins[ev.Key]; f != nil {
+			f.Release()
+			delete(n.pins, ev.Key)
+		}
+		n.mu.Unlock()
 	}
 }
 
