@@ -377,6 +377,7 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 	self := p.Dir.NodeName()
 	var e Entry
 	var err error
+	begin := time.Now()
 	if known != nil {
 		e = *known
 	} else if e, err = p.Dir.Lookup(ctx, ref); err != nil {
@@ -412,6 +413,7 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 	t.feed, upstream, stopFeed = p.fanout(ctx, e, rep, n)
 	defer stopFeed() // before the Abort above, so that peers stop reading first
 	tried := map[string]bool{self: true}
+	var transfer time.Duration // in p.run
 	var sources []*source
 	defer func() {
 		for _, s := range sources {
@@ -467,7 +469,9 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 		if round > 0 {
 			p.log().Info("cluster pull: moving to other holders", "object", ref.String(), "holders", len(fresh))
 		}
+		r0 := time.Now()
 		p.run(ctx, t, fresh)
+		transfer += time.Since(r0)
 		if t.done == n {
 			break
 		}
@@ -482,9 +486,11 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 		}
 	}
 	stopFault()
+	s0 := time.Now()
 	if err := rep.Seal(); err != nil {
 		return e, fmt.Errorf("pull %s: seal the local replica: %w", ref, err)
 	}
+	seal := time.Since(s0)
 	ok = true
 	if t.feed != nil {
 		// Fanned out: readers behind this node move from its feed to its
@@ -500,7 +506,10 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 	for _, s := range sources {
 		p.fed.Add(uint64(s.fed))
 	}
-	p.log().Debug("cluster pull done", "object", ref.String(), "bytes", e.Size, "sources", len(sources), "took", time.Since(t.start))
+	// The phases, for profiling a pull: the lookup and the replica's
+	// creation, the reads (opening the sources is the rest), the seal.
+	p.log().Debug("cluster pull done", "object", ref.String(), "bytes", e.Size, "sources", len(sources), "took", time.Since(begin),
+		"setup", t.start.Sub(begin), "transfer", transfer, "seal", seal)
 	return e, nil
 }
 
