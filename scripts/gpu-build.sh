@@ -14,7 +14,7 @@
 # The GPU machine has no etcd and no ucx_perftest, and its UCX is Ubuntu's 1.16.
 # .gpu/tools.tar.xz carries, from this Debian machine, what the cluster
 # benchmark needs; gpu-run.sh unpacks it into .gpu/tools/:
-#   .gpu/tools/bin/etcd           Debian's etcd-server (3.4), a static Go binary: other
+#   .gpu/tools/bin/etcd           Debian's etcd-server (3.4.23; needs only libc): other
 #                                 GPU-machine work (e.g. a cross-node weight sync) may use it
 #   .gpu/tools/bin/ucx_perftest   a wrapper running Debian's ucx_perftest (UCX 1.13) with
 #                                 the libraries below
