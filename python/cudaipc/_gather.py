@@ -320,21 +320,22 @@ def launch(ordinal: int, fn: int, dsts: Any, srcs: Any, sizes: Any, stream: int)
     caller holds GPU ``ordinal``'s context. The table of a set of copies is made on
     its first launch and kept."""
     key = dsts.tobytes() + srcs.tobytes() + sizes.tobytes()
-    tables = _tables.setdefault(ordinal, OrderedDict())
-    hit = tables.get(key)
-    if hit is None:
-        tab = chunk_table(dsts, srcs, sizes)
-        hit = (_upload(tab), len(tab))
-        with _tables_lock:
-            tables[key] = hit
+    # One lock over the lookup and the launch: a table is freed (after the
+    # context's work is done) only once no launch can still be about to use it.
+    with _tables_lock:
+        tables = _tables.setdefault(ordinal, OrderedDict())
+        hit = tables.get(key)
+        if hit is None:
+            tab = chunk_table(dsts, srcs, sizes)
+            hit = tables[key] = (_upload(tab), len(tab))
             old: List[int] = []
             while len(tables) > _MAX_TABLES:
                 old.append(tables.popitem(last=False)[1][0])
-        if old:
-            cu = driver()
-            cu.cuCtxSynchronize()   # (no launch may still read a table freed here)
-            for d in old:
-                cu.cuMemFree(d)
-    else:
-        tables.move_to_end(key)
-    _run(ordinal, fn, hit[0], hit[1], stream)
+            if old:
+                cu = driver()
+                cu.cuCtxSynchronize()   # (no launch may still read a table freed here)
+                for d in old:
+                    cu.cuMemFree(d)
+        else:
+            tables.move_to_end(key)
+        _run(ordinal, fn, hit[0], hit[1], stream)
