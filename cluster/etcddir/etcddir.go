@@ -539,7 +539,13 @@ func (d *Directory) Publish(ctx context.Context, o cluster.Object) (committed bo
 }
 
 // commit makes o's version the name's latest if all of its shards are
-// recorded and no newer version is latest.
+// recorded, each has a live holder, and no newer version is latest. A
+// shard whose publisher died before the version was complete has its
+// record but no holder (holders go with their node's lease): the version
+// waits until a live node publishes that shard again (Publish replaces an
+// unheld record), whose commit then completes it. The holders are read
+// with the records; one dying between that read and the commit is as one
+// dying just after it.
 func (d *Directory) commit(ctx context.Context, o cluster.Object) (bool, error) {
 	what := fmt.Sprintf("commit %s version %d", o.Name, o.Version)
 	lkey := d.k.latest(o.Owner, o.Name)
@@ -554,7 +560,8 @@ func (d *Directory) commit(ctx context.Context, o cluster.Object) (bool, error) 
 		}
 		r, err := d.cli.Txn(cctx).Then(
 			clientv3.OpGet(d.k.objVersion(o.Owner, o.Name, o.Version), clientv3.WithPrefix(), clientv3.WithCountOnly()),
-			clientv3.OpGet(lkey)).Commit()
+			clientv3.OpGet(lkey),
+			clientv3.OpGet(d.k.holdVersion(o.Owner, o.Name, o.Version), clientv3.WithPrefix(), clientv3.WithKeysOnly())).Commit()
 		if err != nil {
 			cancel()
 			return false, d.fail(cctx, what, err)
@@ -562,6 +569,24 @@ func (d *Directory) commit(ctx context.Context, o cluster.Object) (bool, error) 
 		if r.Responses[0].GetResponseRange().Count < int64(o.Shards) {
 			cancel()
 			return false, nil // the last shard's publisher commits
+		}
+		held := map[uint32]bool{}
+		for _, kv := range r.Responses[2].GetResponseRange().Kvs {
+			if ref, _, err := parseRef(strings.TrimPrefix(string(kv.Key), d.k.holders())); err == nil && ref.Shard < o.Shards {
+				held[ref.Shard] = true
+			}
+		}
+		if len(held) < int(o.Shards) {
+			cancel()
+			var missing []uint32
+			for shard := range o.Shards {
+				if !held[shard] {
+					missing = append(missing, shard)
+				}
+			}
+			d.log.Warn("version not committed: shards recorded by nodes gone, without a live holder; publish them again",
+				"name", o.Name, "owner", o.Owner, "version", o.Version, "shards", missing)
+			return false, nil
 		}
 		cmp := clientv3.Compare(clientv3.CreateRevision(lkey), "=", 0)
 		if kvs := r.Responses[1].GetResponseRange().Kvs; len(kvs) > 0 {

@@ -323,6 +323,40 @@ func TestVersionsAcrossNodes(t *testing.T) {
 	}
 }
 
+// A version is committed only with a live holder for each shard: a
+// publisher that goes after shard 0 of 2 (its lease with it) leaves a
+// record no one holds, and the publisher of shard 1 does not commit the
+// version; a live node publishing shard 0 again (replacing the unheld
+// record) does.
+func TestVersionNeedsLiveShards(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b, c := open(t, srv, "a"), open(t, srv, "b"), open(t, srv, "c")
+	ctx := ctxT(t)
+	shard := func(d *Directory, i uint32) (bool, error) {
+		o, _ := object("w", 5000+int64(i))
+		o.Version, o.Shard, o.Shards = 4, i, 2
+		return d.Publish(ctx, o)
+	}
+	if committed, err := shard(a, 0); err != nil || committed {
+		t.Fatalf("shard 0 on a: committed=%v %v", committed, err)
+	}
+	if err := a.Close(); err != nil { // revokes a's lease: its holder key goes at once
+		t.Fatal(err)
+	}
+	if committed, err := shard(b, 1); err != nil || committed {
+		t.Fatalf("shard 1 on b with shard 0's publisher gone: committed=%v %v, want not committed", committed, err)
+	}
+	if l, err := c.Latest(ctx, 1000, "w"); !errors.Is(err, cluster.ErrNotFound) {
+		t.Fatalf("latest with shard 0 unheld: %+v %v", l, err)
+	}
+	if committed, err := shard(c, 0); err != nil || !committed {
+		t.Fatalf("shard 0 again on c: committed=%v %v, want committed", committed, err)
+	}
+	if l, err := b.Latest(ctx, 1000, "w"); err != nil || l.Version != 4 || l.Shards != 2 {
+		t.Fatalf("latest: %+v %v, want version 4 of 2 shards", l, err)
+	}
+}
+
 func TestPins(t *testing.T) {
 	srv := etcdtest.Start(t)
 	a, b := open(t, srv, "a"), open(t, srv, "b")

@@ -47,6 +47,9 @@ func (k keys) holdRef(r cluster.Ref) string {
 	return k.holdName(r.Owner, r.Name) + verPath(r.Version, r.Shard) + "/"
 }
 func (k keys) hold(r cluster.Ref, node string) string { return k.holdRef(r) + node }
+func (k keys) holdVersion(uid uint32, name string, v uint64) string {
+	return k.holdName(uid, name) + fmt.Sprintf("%020d/", v)
+}
 
 func (k keys) latest(uid uint32, name string) string {
 	return k.p + "latest/" + strings.TrimSuffix(refPath(uid, name), "/")

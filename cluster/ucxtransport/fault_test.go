@@ -99,7 +99,9 @@ func TestReaderKilledMidPull(t *testing.T) {
 // A publisher killed after the first of a version's two shards leaves no
 // version: latest never moves, and the shard it recorded has no live
 // holder once its lease expires, so a reader gets "no live node holds the
-// object" rather than a half version (issue 19 item 5).
+// object" rather than a half version (issue 19 item 5). Another node
+// publishing the second shard does not commit the version either; a live
+// node publishing the first again does.
 func TestPublisherKilledMidVersion(t *testing.T) {
 	requireUCX(t)
 	clustertest.RequireNet(t)
@@ -145,8 +147,35 @@ func TestPublisherKilledMidVersion(t *testing.T) {
 	if !strings.Contains(r.Err, cluster.ErrNoHolder.Error()) || !strings.Contains(r.Err, "holders in the directory: none") {
 		t.Fatalf("pull of the dead publisher's shard: %q, want %q with no holders", r.Err, cluster.ErrNoHolder)
 	}
-	reader.CloseStdin()
-	if err := reader.Wait(30 * time.Second); err != nil {
-		t.Errorf("reader: %v\n%s", err, reader.Stderr())
+	// The remaining shard, published by a live node, does not commit the
+	// version: shard 0 is recorded but nobody can read it.
+	if r := ask(reader, nodeCmd{Op: "put", Name: name, Size: 1 << 20, Chunk: 256 << 10, Version: 1, Shard: 1, Shards: 2}); r.Err != "" {
+		t.Fatal(r.Err)
+	}
+	if r := ask(reader, nodeCmd{Op: "state", Name: name, Version: 1, Shard: 1}); r.Err != "" || r.Latest != 0 || !slices.Equal(r.Holders, []string{"reader"}) {
+		t.Fatalf("after shard 1 of 2 with shard 0's publisher dead: %+v, want no latest and reader holding shard 1", r)
+	}
+	// A live node publishing shard 0 again completes the version.
+	pub2 := testutil.SpawnWith(t, "fanout-node", testutil.SpawnOptions{SysProcAttr: clustertest.NewNetnsAttr(),
+		Env: []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0", "UCX_WARN_UNUSED_ENV_VARS=n", "UCX_LOG_FILE=/dev/stderr"}})
+	if err := pub2.Send(nodeCmd{Op: "start", Node: "pub2", IP: nw.Link(pub2.Pid(), ""), Etcd: etcd}); err != nil {
+		t.Fatal(err)
+	}
+	recv(t, pub2, time.Minute)
+	put := ask(pub2, nodeCmd{Op: "put", Name: name, Size: 1 << 20, Chunk: 256 << 10, Version: 1, Shard: 0, Shards: 2})
+	if put.Err != "" {
+		t.Fatal(put.Err)
+	}
+	if r := ask(reader, nodeCmd{Op: "state", Name: name, Version: 1, Shard: 0}); r.Err != "" || r.Latest != 1 || !slices.Equal(r.Holders, []string{"pub2"}) {
+		t.Fatalf("after shard 0 again on pub2: %+v, want latest 1 and pub2 holding shard 0", r)
+	}
+	if r := ask(reader, nodeCmd{Op: "pull", Name: name, Version: 1, Shard: 0}); r.Err != "" || r.Sum != put.Sum {
+		t.Fatalf("pull of shard 0 from pub2: sha256 %s %q, want %s", r.Sum, r.Err, put.Sum)
+	}
+	for _, c := range []*testutil.Child{reader, pub2} {
+		c.CloseStdin()
+		if err := c.Wait(30 * time.Second); err != nil {
+			t.Errorf("helper %d: %v\n%s", c.Pid(), err, c.Stderr())
+		}
 	}
 }
