@@ -17,6 +17,7 @@ import (
 	"net/url"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -27,6 +28,7 @@ import (
 	"github.com/cudaipc/cudaipc/cluster/etcddir"
 	"github.com/cudaipc/cudaipc/cluster/ucxtransport"
 	"github.com/cudaipc/cudaipc/store"
+	"github.com/cudaipc/cudaipc/transport/ucx"
 )
 
 // DefaultControlPort is the control channel's port unless configured.
@@ -108,6 +110,13 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	tr, err := ucxtransport.New("cudaipc-" + cfg.Directory.Node)
 	if err != nil {
 		return nil, fmt.Errorf("cluster data plane: %w", err)
+	}
+	if v, err := ucx.Version(); err == nil && (strings.HasPrefix(v, "1.12.") || strings.HasPrefix(v, "1.13.")) {
+		// Built with assertions (as Debian's is), UCX 1.12 and 1.13 abort
+		// when a peer dies while their endpoint is being wired up
+		// (docs/cluster.md, "Failure behaviour").
+		log.Warn("this UCX aborts the daemon if a peer dies while its endpoint is being wired up (an assertion UCX 1.14 removed): give --ucx-lib a UCX of 1.14 or later, or a build configured with --disable-assertions",
+			"ucx", v, "lib", ucx.Library())
 	}
 	listen := cfg.Listen
 	if listen == "" {
