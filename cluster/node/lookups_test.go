@@ -83,3 +83,38 @@ func TestCachedLookupFollowsRepublish(t *testing.T) {
 		}
 	}
 }
+
+// A get of a versioned name's latest, or of a version newer than one the
+// mirror already shows committed, finds the version and its shards in
+// the node's mirror.
+func TestVersionsFromTheMirror(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	v1, _ := a.publish(t, "mirrored", 2, 5000)
+	v2, s2 := a.publish(t, "mirrored", 2, 5000)
+	testutil.Eventually(t, testutil.Wait, func() error {
+		l, ok := b.node.Mirror().Latest(0, "mirrored")
+		if !ok || l.Version != v2 {
+			return fmt.Errorf("node b's mirror shows latest %+v %v, want v%d", l, ok, v2)
+		}
+		for shard := range 2 {
+			if _, ok := b.node.Mirror().Lookup(cluster.Ref{Name: "mirrored", Version: v2, Shard: uint32(shard)}); !ok {
+				return fmt.Errorf("node b's mirror lacks shard %d", shard)
+			}
+		}
+		return nil
+	})
+	hits, _ := b.node.Mirror().Stats()
+	ver, got, err := b.getVersion(ctx, "mirrored", client.GetOptions{NewerThan: v1, Wait: true})
+	if err != nil || ver != v2 || !bytes.Equal(got, s2[0]) {
+		t.Fatalf("newer than v%d on b: v%d %v (want v%d)", v1, ver, err, v2)
+	}
+	if ver, got, err = b.getVersion(ctx, "mirrored", client.GetOptions{Version: v2, Shard: 1}); err != nil || ver != v2 || !bytes.Equal(got, s2[1]) {
+		t.Fatalf("shard 1 of v%d on b: v%d %v", v2, ver, err)
+	}
+	if h, _ := b.node.Mirror().Stats(); h < hits+2 {
+		t.Fatalf("node b's mirror answered %d of the version's lookups, want both shards", h-hits)
+	}
+}

@@ -331,21 +331,25 @@ func (n *Node) fetch(ctx context.Context, reader, owner uint32, name string, sel
 			return n.pullVersion(ctx, reader, e)
 		}))
 	case sel.NewerThan != 0:
-		if _, err := n.dir.Latest(ctx, owner, name); err != nil {
-			return notFound(err) // not a cluster name: the get waits locally
-		}
-		l, err := n.dir.WaitNewer(ctx, owner, name, sel.NewerThan)
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil // the get times out as it would have
+		l, ok := n.mirror.Latest(owner, name)
+		if !ok || l.Version <= sel.NewerThan {
+			// Not committed yet as far as the mirror knows: wait on etcd.
+			if !ok {
+				if _, err := n.dir.Latest(ctx, owner, name); err != nil {
+					return notFound(err) // not a cluster name: the get waits locally
+				}
 			}
-			return err
+			var err error
+			if l, err = n.dir.WaitNewer(ctx, owner, name, sel.NewerThan); err != nil {
+				if ctx.Err() != nil {
+					return nil // the get times out as it would have
+				}
+				return err
+			}
 		}
-		e, err := n.dir.Lookup(ctx, cluster.Ref{Owner: owner, Name: name, Version: l.Version})
-		if err != nil {
-			return notFound(err)
-		}
-		return n.pullVersion(ctx, reader, e)
+		return notFound(n.withLookup(ctx, cluster.Ref{Owner: owner, Name: name, Version: l.Version}, func(e cluster.Entry) error {
+			return n.pullVersion(ctx, reader, e)
+		}))
 	}
 	ref := cluster.Ref{Owner: owner, Name: name}
 	if l, ok := n.mirror.Latest(owner, name); ok {
