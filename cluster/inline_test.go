@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"net"
 	"testing"
 	"time"
 )
@@ -76,5 +77,30 @@ func TestControlReadUnsupported(t *testing.T) {
 	}
 	if _, _, err := cc.Open(ctx, ref, id); err != nil {
 		t.Fatalf("open after an unsupported read: %v", err)
+	}
+}
+
+// A peer that sends inline bytes nobody asked for (a bug, or a peer out
+// of step) breaks the channel: the request fails and the connection is
+// closed, never read on from the middle of a frame.
+func TestControlUnaskedInline(t *testing.T) {
+	tr := transcript(make([]byte, 32), make([]byte, 32), "cli", "srv")
+	c1, c2 := net.Pipe()
+	defer c1.Close()
+	srv := &channel{c: c1, peer: "cli", send: testSecret.aead("s2c", tr), recv: testSecret.aead("c2s", tr)}
+	cc := &ControlClient{ch: &channel{c: c2, peer: "srv", send: testSecret.aead("c2s", tr), recv: testSecret.aead("s2c", tr)}}
+	go func() {
+		var req ctlRequest
+		if srv.read(&req) == nil {
+			_ = srv.writeWith(&ctlResponse{Handle: 1, Inline: 3, Exposure: Exposure{Worker: []byte("w"), RKey: []byte("k"), Addr: 1, Size: 3}}, []byte("abc"))
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, _, err := cc.Open(ctx, Ref{Owner: 1, Name: "x"}, NewID()); !errors.Is(err, ErrBadRecord) || !errors.Is(err, errChannel) {
+		t.Fatalf("open answered with unasked inline bytes: %v", err)
+	}
+	if _, err := c2.Write([]byte{0}); err == nil {
+		t.Fatal("the channel stayed open after an unasked inline answer")
 	}
 }

@@ -5,7 +5,9 @@
 // cluster record sealed with the cluster secret (cluster.Seal); a value
 // that does not verify is reported and ignored, never trusted.
 //
-// The key layout is in keys.go and docs/cluster.md.
+// The key layout is in keys.go and docs/cluster.md. A node keeps a Mirror
+// of the object, holder and latest records (mirror.go), so that its gets
+// of names with a live holder read no etcd.
 //
 // # Failures
 //
