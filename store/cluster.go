@@ -156,6 +156,10 @@ func (s *Store) clusterObjectLocked(qname string, version uint64, shard uint32) 
 	return nil
 }
 
+// publishWait bounds how long LeaseCluster waits for a publish in progress
+// of the object asked for; a directory call is bounded by 2 s by default.
+const publishWait = 10 * time.Second
+
 // clusterSealed publishes the cluster-visible object or shard just sealed,
 // if it is one. When that fails (etcd away, say), the put fails as a whole:
 // a plain object is removed, a shard's pending version aborted, so that
@@ -174,6 +178,14 @@ func (ss *session) clusterSealed(ctx context.Context, name string, version uint6
 		return nil
 	}
 	co := o.clusterObject()
+	published := make(chan struct{})
+	o.publishing = published
+	defer func() {
+		s.mu.Lock()
+		o.publishing = nil
+		s.mu.Unlock()
+		close(published)
+	}()
 	var merr error
 	if m := o.manifest; m != nil && m.f != nil {
 		// Sealed (immutable) and at most MaxClusterManifest bytes.
@@ -304,6 +316,19 @@ func (s *Store) LeaseCluster(owner uint32, name string, version uint64, shard ui
 	}
 	s.mu.Lock()
 	o := s.clusterObjectLocked(qname, version, shard)
+	// The directory shows an incarnation as soon as its publish wrote it, a
+	// moment before clusterSealed sets clusterID: a reader woken by that
+	// write waits for the publish to end (bounded), not a refusal.
+	if o != nil && id != "" && o.clusterID == "" && o.publishing != nil {
+		published := o.publishing
+		s.mu.Unlock()
+		select {
+		case <-published:
+		case <-time.After(publishWait):
+		}
+		s.mu.Lock()
+		o = s.clusterObjectLocked(qname, version, shard)
+	}
 	if o == nil || !o.cluster || !o.sealed || (id != "" && o.clusterID != id) {
 		s.mu.Unlock()
 		ss.close(errors.New("cluster read refused"))

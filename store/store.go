@@ -219,9 +219,13 @@ type object struct {
 	// or a replica); clusterID is its incarnation there once published.
 	cluster   bool
 	clusterID string
-	creator   *session // the connection that created it, while it lives
-	leases    int
-	slotted   map[*lease]*session // its leases that have a lease table slot, and their session
+	// publishing is closed when the publish of this object (clusterSealed)
+	// ends, set while it runs: the directory may show the incarnation
+	// before clusterID is set, and a holder's LeaseCluster waits for it.
+	publishing chan struct{}
+	creator    *session // the connection that created it, while it lives
+	leases     int
+	slotted    map[*lease]*session // its leases that have a lease table slot, and their session
 
 	ver      *version            // the version it is a shard of; nil for a plain object
 	shard    int                 // its shard index in ver

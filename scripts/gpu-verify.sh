@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One device call that checks a stop's GPU work when device time is short:
+# the benchmark that needs a quiet GPU first, then every GPU test (Go and
+# Python) while the cross-node benchmark runs beside them. Every step has its
+# own time limit and writes its results as it ends, so a call cut short still
+# brings back what finished. Run after scripts/gpu-build.sh, with carry [".gpu"]:
+#
+#   bash scripts/gpu-verify.sh
+#
+# Environment: WS_ARGS (weight_sync.py flags; default both models, in place
+# and no-copy, 5 versions), WS_TIMEOUT (170), XNODE_ARGS (default the 8B
+# shapes, 3 versions), XNODE_TIMEOUT (300), TEST_TIMEOUT (300, Go and Python
+# each), TEST_RUN (Go -test.run regexp, default all).
+# At most 8 files come back from $OUT: summary.txt, ws.{txt,json},
+# xnode.{txt,json}, gotests.log, pytest.log.
+set -uo pipefail
+out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"; sum=$out/summary.txt
+export CUDAIPC_REQUIRE_GPU=${CUDAIPC_REQUIRE_GPU:-$(nvidia-smi -L | grep -c '^GPU')}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+for f in .gpu/bin/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
+if [ -e .gpu/tools.tar.xz ] && [ ! -d .gpu/tools ]; then mkdir -p .gpu/tools && tar -C .gpu/tools -xJf .gpu/tools.tar.xz; fi
+[ -x .gpu/tools/bin/etcd ] && export CUDAIPC_ETCD=${CUDAIPC_ETCD:-$PWD/.gpu/tools/bin/etcd}
+stamp() { echo "[$(date +%T)] $*" | tee -a "$sum"; }
+stamp "start: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
+
+# 1. Same-GPU weight sync (issue 20), alone on the GPU.
+# shellcheck disable=SC2086 # WS_ARGS is a list of flags
+timeout "${WS_TIMEOUT:-170}" python3 scripts/bench/weight_sync.py --bin .gpu/bin/cudaipc \
+  ${WS_ARGS:---models dense,moe --paths cudaipc,cudaipc-nocopy --versions 5} \
+  --json "$out/ws.json" >"$out/ws.txt" 2>&1
+stamp "weight_sync rc=$?"
+
+# 2. The cross-node weight sync (issue 19) beside every GPU test.
+(
+  # shellcheck disable=SC2086 # XNODE_ARGS is a list of flags
+  PYTHONUNBUFFERED=1 timeout "${XNODE_TIMEOUT:-300}" python3 scripts/bench/weight_sync.py --cross-node \
+    --bin .gpu/bin/cudaipc --etcd "$PWD/.gpu/tools/bin/etcd" \
+    --ucxperf-test "$PWD/.gpu/bin/transport_ucx_ucxperf.test" \
+    ${XNODE_ARGS:---models dense --versions 3} --json "$out/xnode.json" >"$out/xnode.txt" 2>&1
+  stamp "cross-node weight sync rc=$?"
+) &
+(
+  for t in .gpu/bin/*.test; do
+    name=$(basename "$t" .test); dir=$(echo "$name" | tr _ /); [ "$name" = root ] && dir=.
+    echo "=== $name" >>"$out/gotests.log"
+    ( cd "$dir" 2>/dev/null || cd .; timeout "${TEST_TIMEOUT:-300}" "$OLDPWD/$t" -test.v -test.count=1 \
+        -test.timeout=5m -test.run "${TEST_RUN:-.}" ) >"/tmp/go-$name.log" 2>&1
+    rc=$?
+    p=$(grep -c -- '^\s*--- PASS' "/tmp/go-$name.log"); f=$(grep -c -- '^\s*--- FAIL' "/tmp/go-$name.log")
+    s=$(grep -c -- '^\s*--- SKIP' "/tmp/go-$name.log")
+    # All of a failing package's log; of a passing one, its skips and verdict.
+    if [ "$f" -gt 0 ] || [ $rc -ne 0 ]; then cat "/tmp/go-$name.log"; else grep -E -A1 -- '--- SKIP|^(ok|PASS|FAIL)' "/tmp/go-$name.log"; fi >>"$out/gotests.log"
+    stamp "$(printf 'go %-22s pass %3d fail %3d skip %3d rc %d' "$name" "$p" "$f" "$s" "$rc")"
+  done
+) &
+(
+  cd python && CUDAIPC_BIN="$OLDPWD/.gpu/bin/cudaipc" timeout "${TEST_TIMEOUT:-300}" \
+    python3 -m pytest -q -rfEs -p no:cacheprovider tests >"$out/pytest.log" 2>&1
+  echo "[$(date +%T)] pytest rc=$?: $(tail -1 "$out/pytest.log")" >>"$sum"
+) &
+wait
+stamp "done"
