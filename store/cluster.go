@@ -360,10 +360,7 @@ func (s *Store) LeaseCluster(owner uint32, name string, version uint64, shard ui
 		ss.close(errors.New("cluster read failed"))
 		return nil, err
 	}
-	f := &ClusterFile{GPU: gpu, ArenaID: p.arenaID, ArenaSize: p.arenaSize, Offset: p.offset, Size: p.size, ss: ss}
-	if gpu == nil {
-		f.File = p.share.file
-	}
+	f := clusterFile(ss, p, gpu)
 	if leased {
 		lease := p.leaseID
 		f.release = func() error { return ss.release(lease) }
@@ -380,19 +377,40 @@ func (s *Store) LeaseCluster(owner uint32, name string, version uint64, shard ui
 // before Seal removes it.
 func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 	qname := protocol.QualifiedName(obj.Owner, obj.Name)
-	ss, err := s.newSession(context.Background(), peer{uid: obj.Owner})
-	if err != nil {
-		return nil, err
-	}
-	r := createReq{name: qname, size: obj.Size, shared: obj.Shared, cluster: true, manifestSize: int64(len(obj.Manifest))}
-	if b, ok := s.backend.(*cudaBackend); ok && obj.GPU && len(b.uuids) > 0 {
-		r.device = b.uuids[0]
-	}
+	r := createReq{name: qname, size: obj.Size, shared: obj.Shared, cluster: true}
 	if obj.Version != 0 {
 		r.versioned, r.version, r.shard, r.shards = true, obj.Version, obj.Shard, obj.Shards
 	}
+	return s.createClusterDraft(obj.Owner, r, obj.GPU, obj.Manifest, fmt.Sprintf("replica %q", qname), func(ss *session, o *object) {
+		o.clusterID = obj.ID
+		ss.sealLocked(o)
+		// Slices of older versions, and of this shard, are of no use
+		// any more.
+		s.dropSlicesLocked(qname, func(sl *sliceOf) bool {
+			return sl.version < obj.Version || sl.version == obj.Version && sl.shard == obj.Shard
+		})
+	})
+}
+
+// createClusterDraft makes the unsealed object r, in a session of owner,
+// that the cluster side fills (a replica, a slice): in host memory it
+// returns its arena's read-write memfd, in GPU memory (on this daemon's
+// first GPU, where gpu asks and it has one) the address the daemon copies
+// to. manifest, where there is one, is written into the object's manifest
+// descriptor; what names the object in errors. The ClusterFile's Seal
+// finishes the manifest and calls seal, under the store's lock, with the
+// draft to seal.
+func (s *Store) createClusterDraft(owner uint32, r createReq, gpu bool, manifest []byte, what string, seal func(*session, *object)) (*ClusterFile, error) {
+	ss, err := s.newSession(context.Background(), peer{uid: owner})
+	if err != nil {
+		return nil, err
+	}
+	r.manifestSize = int64(len(manifest))
+	if b, ok := s.backend.(*cudaBackend); ok && gpu && len(b.uuids) > 0 {
+		r.device = b.uuids[0]
+	}
 	p, _, err := ss.create(r)
-	var gpu *ClusterGPU
+	var mem *ClusterGPU
 	if err == nil && p.kind != storev1.Placement_HOST {
 		// The arena's descriptor (vmm-fd) is not needed: the daemon copies
 		// into the GPU memory itself. The manifest's is, below.
@@ -400,18 +418,18 @@ func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 			p.share.file.Close()
 		}
 		p.share = nil
-		if gpu = s.gpuMemoryAt(p); gpu == nil {
-			err = fmt.Errorf("%w: replica %q is in GPU memory this daemon cannot copy to", protocol.ErrInternal, qname)
+		if mem = s.gpuMemoryAt(p); mem == nil {
+			err = fmt.Errorf("%w: %s is in GPU memory this daemon cannot copy to", protocol.ErrInternal, what)
 		}
 	}
-	if err == nil && gpu == nil && (p.share == nil || p.share.file == nil) {
-		err = fmt.Errorf("%w: no arena descriptor for replica %q", protocol.ErrInternal, qname)
+	if err == nil && mem == nil && (p.share == nil || p.share.file == nil) {
+		err = fmt.Errorf("%w: no arena descriptor for %s", protocol.ErrInternal, what)
 	}
-	if err == nil && len(obj.Manifest) > 0 {
+	if err == nil && len(manifest) > 0 {
 		if p.manifest == nil {
-			err = fmt.Errorf("%w: no manifest descriptor for replica %q", protocol.ErrInternal, qname)
-		} else if _, err = p.manifest.WriteAt(obj.Manifest, 0); err != nil {
-			err = fmt.Errorf("replica %q: write its manifest: %w", qname, err)
+			err = fmt.Errorf("%w: no manifest descriptor for %s", protocol.ErrInternal, what)
+		} else if _, err = p.manifest.WriteAt(manifest, 0); err != nil {
+			err = fmt.Errorf("%s: write its manifest: %w", what, err)
 		}
 	}
 	if p.manifest != nil {
@@ -419,16 +437,14 @@ func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 		p.manifest = nil
 	}
 	if err != nil {
-		ss.close(errors.New("replica not made"))
+		p.closeShare()
+		ss.close(fmt.Errorf("%s not made", what))
 		return nil, err
 	}
-	f := &ClusterFile{GPU: gpu, ArenaID: p.arenaID, ArenaSize: p.arenaSize, Offset: p.offset, Size: p.size, ss: ss}
-	if gpu == nil {
-		f.File = p.share.file
-	}
+	f := clusterFile(ss, p, mem)
 	f.commit = func() error {
 		s.mu.Lock()
-		o, err := ss.draftLocked(qname, obj.Version, obj.Shard)
+		o, err := ss.draftLocked(r.name, r.version, r.shard)
 		if err == nil && o.manifest != nil && !o.manifest.sealed {
 			// As seal does: the manifest is sealed and checked against the
 			// object, outside the lock (only this session seals o).
@@ -436,22 +452,26 @@ func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 			err = o.manifest.finish(o.size, &s.manifests)
 			s.mu.Lock()
 			if err == nil {
-				o, err = ss.draftLocked(qname, obj.Version, obj.Shard)
+				o, err = ss.draftLocked(r.name, r.version, r.shard)
 			}
 		}
 		defer s.mu.Unlock()
 		if err == nil {
-			o.clusterID = obj.ID
-			ss.sealLocked(o)
-			// Slices of older versions, and of this shard, are of no use
-			// any more.
-			s.dropSlicesLocked(qname, func(sl *sliceOf) bool {
-				return sl.version < obj.Version || sl.version == obj.Version && sl.shard == obj.Shard
-			})
+			seal(ss, o)
 		}
 		return err
 	}
 	return f, nil
+}
+
+// clusterFile is the ClusterFile of placement p in session ss: gpu where
+// it lies in GPU memory, else its arena's descriptor.
+func clusterFile(ss *session, p placement, gpu *ClusterGPU) *ClusterFile {
+	f := &ClusterFile{GPU: gpu, ArenaID: p.arenaID, ArenaSize: p.arenaSize, Offset: p.offset, Size: p.size, ss: ss}
+	if gpu == nil {
+		f.File = p.share.file
+	}
+	return f
 }
 
 // DropCluster removes owner's cluster-visible name from this node (the

@@ -1,13 +1,10 @@
 package store
 
 import (
-	"context"
-	"errors"
 	"fmt"
 	"strconv"
 
 	"github.com/cudaipc/cudaipc/protocol"
-	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
 // Partial replicas. A get that names some tensors of a cluster bundle this
@@ -77,71 +74,20 @@ func (s *Store) CreateSlice(sl ClusterSlice) (name string, f *ClusterFile, err e
 		return name, nil, nil
 	}
 	s.mu.Unlock()
-	ss, err := s.newSession(context.Background(), peer{uid: sl.Of.Owner})
-	if err != nil {
-		return "", nil, err
-	}
-	r := createReq{name: name, size: sl.Size, shared: sl.Of.Shared, manifestSize: int64(len(sl.Manifest)),
+	r := createReq{name: name, size: sl.Size, shared: sl.Of.Shared,
 		slice: &sliceOf{bundle: bundleName, id: sl.Of.ID, version: sl.Of.Version, shard: sl.Of.Shard, shards: sl.Of.Shards}}
-	if b, ok := s.backend.(*cudaBackend); ok && sl.Of.GPU && len(b.uuids) > 0 {
-		r.device = b.uuids[0] // where CreateReplica puts a replica of the whole
-	}
-	p, _, err := ss.create(r)
-	var gpu *ClusterGPU
-	if err == nil && p.kind != storev1.Placement_HOST {
-		// Only the arena's descriptor goes: the manifest's is written below.
-		if p.share != nil && p.share.file != nil {
-			p.share.file.Close()
-		}
-		p.share = nil
-		if gpu = s.gpuMemoryAt(p); gpu == nil {
-			err = fmt.Errorf("%w: a slice of %q is in GPU memory this daemon cannot copy to", protocol.ErrInternal, bundleName)
-		}
-	}
-	if err == nil && gpu == nil && (p.share == nil || p.share.file == nil) {
-		err = fmt.Errorf("%w: no arena descriptor for a slice of %q", protocol.ErrInternal, bundleName)
-	}
-	if err == nil && len(sl.Manifest) > 0 {
-		if p.manifest == nil {
-			err = fmt.Errorf("%w: no manifest descriptor for a slice of %q", protocol.ErrInternal, bundleName)
-		} else if _, err = p.manifest.WriteAt(sl.Manifest, 0); err != nil {
-			err = fmt.Errorf("slice of %q: write its manifest: %w", bundleName, err)
-		}
-	}
-	if p.manifest != nil {
-		p.manifest.Close()
-		p.manifest = nil
-	}
+	// A slice of a GPU bundle goes where CreateReplica puts a replica of
+	// the whole.
+	f, err = s.createClusterDraft(sl.Of.Owner, r, sl.Of.GPU, sl.Manifest, fmt.Sprintf("a slice of %q", bundleName), func(ss *session, o *object) {
+		ss.sealLocked(o)
+	})
 	if err != nil {
-		p.closeShare()
-		ss.close(errors.New("slice not made"))
 		return "", nil, err
 	}
 	s.mu.Lock()
 	s.dropSlicesLocked(bundleName, func(*sliceOf) bool { return false }) // forgets evicted ones
 	s.slices[bundleName] = append(s.slices[bundleName], name)
 	s.mu.Unlock()
-	f = &ClusterFile{GPU: gpu, ArenaID: p.arenaID, ArenaSize: p.arenaSize, Offset: p.offset, Size: p.size, ss: ss}
-	if gpu == nil {
-		f.File = p.share.file
-	}
-	f.commit = func() error {
-		s.mu.Lock()
-		o, err := ss.draftLocked(name, 0, 0)
-		if err == nil && o.manifest != nil && !o.manifest.sealed {
-			s.mu.Unlock()
-			err = o.manifest.finish(o.size, &s.manifests)
-			s.mu.Lock()
-			if err == nil {
-				o, err = ss.draftLocked(name, 0, 0)
-			}
-		}
-		defer s.mu.Unlock()
-		if err == nil {
-			ss.sealLocked(o)
-		}
-		return err
-	}
 	return name, f, nil
 }
 
