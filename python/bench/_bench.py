@@ -1,13 +1,14 @@
-"""What the benchmarks here share: a daemon on a temporary socket, and the in-process
-copy that put is measured against."""
+"""What the benchmarks here share: a daemon on a temporary socket, the in-process
+copy that put is measured against, and timing wrappers around the client's steps."""
 
 import contextlib
+import functools
 import os
 import shutil
 import subprocess
 import tempfile
 import time
-from typing import IO, Iterator, List, Optional, Sequence
+from typing import IO, Any, Dict, Iterator, List, Optional, Sequence
 
 
 @contextlib.contextmanager
@@ -48,3 +49,18 @@ def copy_times(src, count: int) -> List[float]:
         torch.cuda.synchronize(src.device)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def timed(steps: Dict[str, List[float]], owner: Any, attr: str, label: str) -> None:
+    """Wrap ``owner.attr`` (for this process only) so that each call's duration in
+    seconds lands in ``steps[label]``."""
+    f = getattr(owner, attr)
+
+    @functools.wraps(f)
+    def w(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            steps[label].append(time.perf_counter() - t0)
+    setattr(owner, attr, w)
