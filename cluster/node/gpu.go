@@ -265,31 +265,14 @@ func (n *Node) exposeGPU(f *store.ClusterFile, id string) (cluster.Exposure, fun
 // exposeDeviceArena registers f's GPU arena with UCX directly (once while
 // any of its objects is exposed), as exposeArena does a host arena.
 func (n *Node) exposeDeviceArena(f *store.ClusterFile) (cluster.Exposure, func(), error) {
-	n.mu.Lock()
-	a := n.arenas[f.ArenaID]
-	if a == nil {
+	return n.exposeRegistered(f, func() (*arenaReg, error) {
 		base := uint64(f.GPU.Ptr) - uint64(f.Offset)
 		reg, err := n.tr.RegisterDevice(base, uint64(f.ArenaSize))
 		if err != nil {
-			n.mu.Unlock()
-			return cluster.Exposure{}, nil, fmt.Errorf("register GPU arena %d with UCX: %w", f.ArenaID, err)
+			return nil, fmt.Errorf("register GPU arena %d with UCX: %w", f.ArenaID, err)
 		}
-		a = &arenaReg{reg: reg}
-		n.arenas[f.ArenaID] = a
-	}
-	a.refs++
-	n.mu.Unlock()
-	e := cluster.Exposure{Worker: n.tr.WorkerAddress(), RKey: a.reg.Key(), Addr: a.reg.Addr(f.Offset), Size: f.Size}
-	n.exposures.Add(1)
-	n.exposedBytes.Add(uint64(f.Size))
-	return e, func() {
-		n.mu.Lock()
-		if a.refs--; a.refs == 0 {
-			a.reg.Close()
-			delete(n.arenas, f.ArenaID)
-		}
-		n.mu.Unlock()
-	}, nil
+		return &arenaReg{reg: reg}, nil
+	})
 }
 
 // gpuReplica is a replica in GPU memory being pulled: chunks land in a

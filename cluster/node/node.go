@@ -87,8 +87,8 @@ type Node struct {
 	slicing slicePulls // partial replicas being read (partial.go)
 }
 
-// arenaReg is an arena mapped into the daemon and registered with UCX,
-// while exposures use it.
+// arenaReg is an arena registered with UCX while exposures use it: a host
+// arena mapped into the daemon (mem), or a GPU arena (mem nil).
 type arenaReg struct {
 	mem  []byte
 	reg  *ucxtransport.Region
@@ -619,21 +619,33 @@ func (s source) ReadReplica(ref cluster.Ref, id string, max int64) ([]byte, erro
 // while any of its objects is exposed) and says where peers read f's
 // object; release ends the exposure. f itself is left to the caller.
 func (n *Node) exposeArena(f *store.ClusterFile) (cluster.Exposure, func(), error) {
-	n.mu.Lock()
-	a := n.arenas[f.ArenaID]
-	if a == nil {
+	return n.exposeRegistered(f, func() (*arenaReg, error) {
 		mem, err := unix.Mmap(int(f.File.Fd()), 0, int(f.ArenaSize), unix.PROT_READ, unix.MAP_SHARED)
 		if err != nil {
-			n.mu.Unlock()
-			return cluster.Exposure{}, nil, fmt.Errorf("map arena %d: %w", f.ArenaID, err)
+			return nil, fmt.Errorf("map arena %d: %w", f.ArenaID, err)
 		}
 		reg, err := n.tr.Register(mem)
 		if err != nil {
 			unix.Munmap(mem)
-			n.mu.Unlock()
-			return cluster.Exposure{}, nil, fmt.Errorf("register arena %d with UCX: %w", f.ArenaID, err)
+			return nil, fmt.Errorf("register arena %d with UCX: %w", f.ArenaID, err)
 		}
-		a = &arenaReg{mem: mem, reg: reg}
+		return &arenaReg{mem: mem, reg: reg}, nil
+	})
+}
+
+// exposeRegistered says where peers read f's object through its arena's
+// UCX registration, which register makes (under n.mu) where none is held;
+// release ends the exposure, and the last one of the arena closes the
+// registration and unmaps its memory.
+func (n *Node) exposeRegistered(f *store.ClusterFile, register func() (*arenaReg, error)) (cluster.Exposure, func(), error) {
+	n.mu.Lock()
+	a := n.arenas[f.ArenaID]
+	if a == nil {
+		var err error
+		if a, err = register(); err != nil {
+			n.mu.Unlock()
+			return cluster.Exposure{}, nil, err
+		}
 		n.arenas[f.ArenaID] = a
 	}
 	a.refs++
@@ -645,7 +657,9 @@ func (n *Node) exposeArena(f *store.ClusterFile) (cluster.Exposure, func(), erro
 		n.mu.Lock()
 		if a.refs--; a.refs == 0 {
 			a.reg.Close()
-			unix.Munmap(a.mem)
+			if a.mem != nil {
+				unix.Munmap(a.mem)
+			}
 			delete(n.arenas, f.ArenaID)
 		}
 		n.mu.Unlock()
