@@ -8,12 +8,9 @@
 package cu
 
 import (
-	"errors"
-	"os"
-	"strings"
-	"sync"
-
 	"github.com/ebitengine/purego"
+
+	"github.com/cudaipc/cudaipc/internal/dl"
 )
 
 // DefaultLibrary is the versioned soname of the driver library. The
@@ -50,58 +47,18 @@ type (
 	MemGenericAllocationHandle uint64
 )
 
-var (
-	loadOnce   sync.Once
-	loadErr    error
-	libMu      sync.Mutex
-	libPath    string
-	loadedPath string
-)
+var lib = dl.Library{Pkg: "cu", Name: "the driver library", Default: DefaultLibrary, Env: EnvLibrary}
 
 // SetLibrary sets the path of the driver library to load. It must be called
 // before the first driver call; afterwards it returns an error.
-func SetLibrary(path string) error {
-	libMu.Lock()
-	defer libMu.Unlock()
-	if loadedPath != "" {
-		return errors.New("cu: the driver library is already loaded from " + loadedPath)
-	}
-	libPath = path
-	return nil
-}
+func SetLibrary(path string) error { return lib.Set(path) }
 
 // Library returns the path that is (or will be) loaded.
-func Library() string {
-	libMu.Lock()
-	defer libMu.Unlock()
-	if loadedPath != "" {
-		return loadedPath
-	}
-	return chosenPath()
-}
-
-func chosenPath() string {
-	if libPath != "" {
-		return libPath
-	}
-	if p := os.Getenv(EnvLibrary); p != "" {
-		return p
-	}
-	return DefaultLibrary
-}
+func Library() string { return lib.Path() }
 
 // Load loads the driver library, resolves every entry point and calls
 // cuInit(0). It runs once; later calls return the first result.
-func Load() error {
-	loadOnce.Do(func() {
-		libMu.Lock()
-		path := chosenPath()
-		loadedPath = path
-		libMu.Unlock()
-		loadErr = load(path)
-	})
-	return loadErr
-}
+func Load() error { return lib.Load(load) }
 
 //go:generate go run ./gen -in entrypoints.txt -out zentrypoints.go
 
@@ -128,11 +85,7 @@ type entry struct {
 func load(path string) error {
 	h, err := purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_GLOBAL)
 	if err != nil {
-		reason := strings.TrimSpace(err.Error())
-		if reason == "" { // purego over cgo's dlopen can lose dlerror's text
-			reason = "the dynamic loader cannot open it (not installed, or not on the library path)"
-		}
-		return &LoadError{Path: path, Reason: reason}
+		return &LoadError{Path: path, Reason: dl.OpenReason(err)}
 	}
 	var getProc func(symbol string, pfn *uintptr, version int32, flags uint64, status *int32) Result
 	if p, err := purego.Dlsym(h, "cuGetProcAddress_v2"); err == nil {

@@ -19,14 +19,14 @@
 package ucx
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 
 	"github.com/ebitengine/purego"
+
+	"github.com/cudaipc/cudaipc/internal/dl"
 )
 
 // DefaultLibrary is the versioned soname of UCP. The unversioned libucp.so
@@ -43,58 +43,18 @@ const EnvLibrary = "CUDAIPC_LIBUCP"
 // to "" before opening the library unless the user has set it.
 const EnvErrorSignals = "UCX_ERROR_SIGNALS"
 
-var (
-	loadOnce   sync.Once
-	loadErr    error
-	libMu      sync.Mutex
-	libPath    string
-	loadedPath string
-)
+var lib = dl.Library{Pkg: "ucx", Name: "libucp", Default: DefaultLibrary, Env: EnvLibrary}
 
 // SetLibrary sets the path of libucp to load. It must be called before the
 // first UCX call; afterwards it returns an error.
-func SetLibrary(path string) error {
-	libMu.Lock()
-	defer libMu.Unlock()
-	if loadedPath != "" {
-		return errors.New("ucx: libucp is already loaded from " + loadedPath)
-	}
-	libPath = path
-	return nil
-}
+func SetLibrary(path string) error { return lib.Set(path) }
 
 // Library returns the path that is (or will be) loaded.
-func Library() string {
-	libMu.Lock()
-	defer libMu.Unlock()
-	if loadedPath != "" {
-		return loadedPath
-	}
-	return chosenPath()
-}
-
-func chosenPath() string {
-	if libPath != "" {
-		return libPath
-	}
-	if p := os.Getenv(EnvLibrary); p != "" {
-		return p
-	}
-	return DefaultLibrary
-}
+func Library() string { return lib.Path() }
 
 // Load loads libucp and resolves its entry points. It runs once; later
 // calls return the first result. Every function of this package calls it.
-func Load() error {
-	loadOnce.Do(func() {
-		libMu.Lock()
-		path := chosenPath()
-		loadedPath = path
-		libMu.Unlock()
-		loadErr = load(path)
-	})
-	return loadErr
-}
+func Load() error { return lib.Load(load) }
 
 // procs holds the addresses of the entry points, called with SyscallN.
 var procs struct {
@@ -126,11 +86,7 @@ func load(path string) error {
 	}
 	h, err := purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_GLOBAL)
 	if err != nil {
-		reason := strings.TrimSpace(err.Error())
-		if reason == "" {
-			reason = "the dynamic loader cannot open it (not installed, or not on the library path)"
-		}
-		return &LoadError{Path: path, Reason: reason}
+		return &LoadError{Path: path, Reason: dl.OpenReason(err)}
 	}
 	syms := []struct {
 		name string
