@@ -99,11 +99,7 @@ func (m *Mirror) follow(ctx context.Context) {
 	for ctx.Err() == nil {
 		select {
 		case p := <-m.pause: // tests: a node cut off from etcd
-			m.unsync()
-			close(p.held)
-			select {
-			case <-p.resume:
-			case <-ctx.Done():
+			if !m.paused(ctx, p) {
 				return
 			}
 		default:
@@ -189,12 +185,7 @@ func (m *Mirror) watch(ctx context.Context, rev int64) {
 		case <-m.breaks:
 			return
 		case p := <-m.pause:
-			m.unsync()
-			close(p.held)
-			select {
-			case <-p.resume:
-			case <-ctx.Done():
-			}
+			m.paused(ctx, p)
 			return
 		case wr, ok := <-wc:
 			if !ok || wr.Canceled || wr.Err() != nil || wr.CompactRevision != 0 {
@@ -360,6 +351,19 @@ func (m *Mirror) hold() (resume func()) {
 }
 
 type pauseReq struct{ held, resume chan struct{} }
+
+// paused keeps the mirror out of sync (cut off from etcd) from when p is
+// held until it is resumed (hold); it is false when ctx ended first.
+func (m *Mirror) paused(ctx context.Context, p pauseReq) bool {
+	m.unsync()
+	close(p.held)
+	select {
+	case <-p.resume:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
 
 // reachable reports whether etcd answered the last call and the client's
 // connection to it is up.
