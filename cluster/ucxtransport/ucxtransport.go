@@ -83,7 +83,12 @@ type Region struct {
 // Register registers mem (a whole arena, mapped for as long as the region
 // is open) for peers' reads and packs its key once.
 func (t *Transport) Register(mem []byte) (*Region, error) {
-	r, err := t.c.Register(mem)
+	return packRegion(t.c.Register(mem))
+}
+
+// packRegion is the Region of r, registered unless err, with its key
+// packed; a key that cannot be packed deregisters r.
+func packRegion(r *ucx.MemRegion, err error) (*Region, error) {
 	if err != nil {
 		return nil, err
 	}
@@ -104,16 +109,7 @@ func (t *Transport) CanRegisterCUDA() bool { return t.c.Supports(ucx.MemoryCUDA)
 // addr (a whole GPU arena, allocated for as long as the region is open)
 // for peers' reads. It fails unless CanRegisterCUDA.
 func (t *Transport) RegisterDevice(addr, length uint64) (*Region, error) {
-	r, err := t.c.RegisterMemory(addr, length, ucx.MemoryCUDA)
-	if err != nil {
-		return nil, err
-	}
-	k, err := r.Key().MarshalBinary()
-	if err != nil {
-		r.Close()
-		return nil, err
-	}
-	return &Region{r: r, key: k}, nil
+	return packRegion(t.c.RegisterMemory(addr, length, ucx.MemoryCUDA))
 }
 
 // Key is the region's packed key in its envelope: Exposure.RKey.
