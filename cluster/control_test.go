@@ -43,17 +43,25 @@ func serveControl(t *testing.T, s Secret, src Source) string {
 	return ln.Addr().String()
 }
 
-func TestControlOpen(t *testing.T) {
-	ref := Ref{Owner: 1, Name: "x"}
-	id := NewID()
-	addr := serveControl(t, testSecret, oneObject{ref, id})
+// dialServed serves src on a control channel and dials it: the client and
+// a context of 10 s for its calls, both ended when the test ends.
+func dialServed(t *testing.T, src Source) (context.Context, *ControlClient) {
+	t.Helper()
+	addr := serveControl(t, testSecret, src)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
+	t.Cleanup(cancel)
 	cc, err := DialControl(ctx, testSecret, "cli", "srv", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer cc.Close()
+	t.Cleanup(func() { cc.Close() })
+	return ctx, cc
+}
+
+func TestControlOpen(t *testing.T) {
+	ref := Ref{Owner: 1, Name: "x"}
+	id := NewID()
+	ctx, cc := dialServed(t, oneObject{ref, id})
 	e, h, err := cc.Open(ctx, ref, id)
 	if err != nil || e.Size != 10 || h == 0 || cc.Peer() != "srv" {
 		t.Fatalf("open: %+v %d %v", e, h, err)

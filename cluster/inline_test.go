@@ -31,14 +31,7 @@ func TestControlRead(t *testing.T) {
 	id := NewID()
 	want := make([]byte, MaxInline)
 	rand.NewChaCha8([32]byte{7}).Read(want)
-	addr := serveControl(t, testSecret, smallObject{oneObject{ref, id}, want})
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	cc, err := DialControl(ctx, testSecret, "cli", "srv", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cc.Close()
+	ctx, cc := dialServed(t, smallObject{oneObject{ref, id}, want})
 	for range 3 { // the channel stays in step after each
 		got, err := cc.Read(ctx, ref, id, int64(len(want)))
 		if err != nil || !bytes.Equal(got, want) {
@@ -64,14 +57,7 @@ func TestControlRead(t *testing.T) {
 func TestControlReadUnsupported(t *testing.T) {
 	ref := Ref{Owner: 1, Name: "x"}
 	id := NewID()
-	addr := serveControl(t, testSecret, oneObject{ref, id})
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	cc, err := DialControl(ctx, testSecret, "cli", "srv", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cc.Close()
+	ctx, cc := dialServed(t, oneObject{ref, id})
 	if _, err := cc.Read(ctx, ref, id, 10); !errors.Is(err, errNoInline) {
 		t.Fatalf("read from a node without inline reads: %v", err)
 	}
