@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"strconv"
 	"strings"
 	"testing"
@@ -25,20 +24,10 @@ func TestBundleAcrossDaemons(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 
-	rng := rand.NewChaCha8([32]byte{7})
-	tensors := []client.TensorData{
-		{Spec: bundle.Spec{Name: "embed", DType: bundle.F32, Shape: []int64{1000, 700}}},
-		{Spec: bundle.Spec{Name: "layer.0.w", DType: bundle.BF16, Shape: []int64{3, 5, 7}}},
-		{Spec: bundle.Spec{Name: "head", DType: bundle.U8, Shape: []int64{5 << 20}}},
-	}
-	for i := range tensors {
-		n, err := bundle.ByteSize(tensors[i].DType, tensors[i].Shape)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tensors[i].Data = make([]byte, n)
-		rng.Read(tensors[i].Data)
-	}
+	tensors := tensorsOf(t, 7,
+		bundle.Spec{Name: "embed", DType: bundle.F32, Shape: []int64{1000, 700}},
+		bundle.Spec{Name: "layer.0.w", DType: bundle.BF16, Shape: []int64{3, 5, 7}},
+		bundle.Spec{Name: "head", DType: bundle.U8, Shape: []int64{5 << 20}})
 	if _, err := a.c.PutBundle(ctx, "model", tensors, map[string]string{"format": "pt"}, client.CreateOptions{Cluster: true}); err != nil {
 		t.Fatal(err)
 	}

@@ -96,18 +96,10 @@ func TestGPUObjectsAcrossDaemons(t *testing.T) {
 	}
 
 	// A bundle of several tensors on the GPU.
-	tensors := []client.TensorData{
-		{Spec: bundle.Spec{Name: "embed", DType: bundle.F32, Shape: []int64{1000, 700}}},
-		{Spec: bundle.Spec{Name: "layer.0.w", DType: bundle.BF16, Shape: []int64{3, 5, 7}}},
-		{Spec: bundle.Spec{Name: "head", DType: bundle.U8, Shape: []int64{9 << 20}}},
-	}
-	for i := range tensors {
-		n, err := bundle.ByteSize(tensors[i].DType, tensors[i].Shape)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tensors[i].Data = randomBytes(int(n), byte(10+i))
-	}
+	tensors := tensorsOf(t, 10,
+		bundle.Spec{Name: "embed", DType: bundle.F32, Shape: []int64{1000, 700}},
+		bundle.Spec{Name: "layer.0.w", DType: bundle.BF16, Shape: []int64{3, 5, 7}},
+		bundle.Spec{Name: "head", DType: bundle.U8, Shape: []int64{9 << 20}})
 	if _, err := a.c.PutBundle(ctx, "model", tensors, map[string]string{"format": "pt"}, client.CreateOptions{Cluster: true, Device: gpu}); err != nil {
 		t.Fatal(err)
 	}

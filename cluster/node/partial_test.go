@@ -23,16 +23,25 @@ import (
 // up), named "layer.I.w".
 func randomTensors(t *testing.T, seed byte, n int) []client.TensorData {
 	t.Helper()
+	specs := make([]bundle.Spec, n)
+	for i := range specs {
+		specs[i] = bundle.Spec{Name: fmt.Sprintf("layer.%d.w", i), DType: bundle.F32, Shape: []int64{1000, 800 + 97*int64(i)}}
+	}
+	return tensorsOf(t, seed, specs...)
+}
+
+// tensorsOf makes tensors of specs, each holding its size of random bytes
+// drawn from seed.
+func tensorsOf(t *testing.T, seed byte, specs ...bundle.Spec) []client.TensorData {
+	t.Helper()
 	rng := rand.NewChaCha8([32]byte{seed})
-	out := make([]client.TensorData, n)
-	for i := range out {
-		shape := []int64{1000, 800 + 97*int64(i)}
-		out[i] = client.TensorData{Spec: bundle.Spec{Name: fmt.Sprintf("layer.%d.w", i), DType: bundle.F32, Shape: shape}}
-		sz, err := bundle.ByteSize(bundle.F32, shape)
+	out := make([]client.TensorData, len(specs))
+	for i, spec := range specs {
+		n, err := bundle.ByteSize(spec.DType, spec.Shape)
 		if err != nil {
 			t.Fatal(err)
 		}
-		out[i].Data = make([]byte, sz)
+		out[i] = client.TensorData{Spec: spec, Data: make([]byte, n)}
 		rng.Read(out[i].Data)
 	}
 	return out
