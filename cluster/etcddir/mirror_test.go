@@ -43,6 +43,13 @@ func watchIDs(m *Mirror, ref cluster.Ref) (stop func() []string) {
 	}
 }
 
+// waitMirror waits (10 s at most) until whether m answers for ref is
+// answers.
+func waitMirror(t *testing.T, m *Mirror, ref cluster.Ref, answers bool, what string) {
+	t.Helper()
+	eventually(t, 10*time.Second, what, func() bool { _, ok := m.Lookup(ref); return ok == answers })
+}
+
 func TestMirrorFollowsCreateReplaceDelete(t *testing.T) {
 	srv := etcdtest.Start(t)
 	a, b, c := open(t, srv, "a"), open(t, srv, "b"), open(t, srv, "c")
@@ -93,10 +100,7 @@ func TestMirrorFollowsCreateReplaceDelete(t *testing.T) {
 	if err := b.RemoveHolder(ctx, ref); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, "the mirror drops a record nobody holds", func() bool {
-		_, ok := m.Lookup(ref)
-		return !ok
-	})
+	waitMirror(t, m, ref, false, "the mirror drops a record nobody holds")
 	// Replaced by a new incarnation.
 	o2 := o
 	o2.ID = cluster.NewID()
@@ -112,10 +116,7 @@ func TestMirrorFollowsCreateReplaceDelete(t *testing.T) {
 	if err := a.Delete(ctx, o.Owner, o.Name); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, "the mirror drops the deleted name", func() bool {
-		_, ok := m.Lookup(ref)
-		return !ok
-	})
+	waitMirror(t, m, ref, false, "the mirror drops the deleted name")
 	o3 := o
 	o3.ID = cluster.NewID()
 	if _, err := a.Publish(ctx, o3); err != nil {
@@ -177,7 +178,7 @@ func TestMirrorIgnoresForgedRecords(t *testing.T) {
 	if _, err := a.Publish(ctx, o); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, "the mirror has the record", func() bool { _, ok := m.Lookup(o.Ref()); return ok })
+	waitMirror(t, m, o.Ref(), true, "the mirror has the record")
 	// Someone with etcd access but not the secret replaces the record.
 	evil := o
 	evil.Size, evil.ID = 1<<20, cluster.NewID()
@@ -185,10 +186,7 @@ func TestMirrorIgnoresForgedRecords(t *testing.T) {
 	if _, err := a.cli.Put(ctx, a.k.obj(o.Ref()), string(val)); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, "the mirror refuses the forged record", func() bool {
-		_, ok := m.Lookup(o.Ref())
-		return !ok
-	})
+	waitMirror(t, m, o.Ref(), false, "the mirror refuses the forged record")
 }
 
 // A mirror cut off from etcd answers nothing; when it comes back it loads
@@ -205,7 +203,7 @@ func TestMirrorResyncsAfterBreak(t *testing.T) {
 	if _, err := a.Publish(ctx, x); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, "the mirror has x", func() bool { _, ok := m.Lookup(x.Ref()); return ok })
+	waitMirror(t, m, x.Ref(), true, "the mirror has x")
 	loads := m.Loads()
 
 	resume := m.hold()
@@ -254,13 +252,10 @@ func TestMirrorEtcdRestart(t *testing.T) {
 	if _, err := a.Publish(ctx, x); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, "the mirror has x", func() bool { _, ok := m.Lookup(x.Ref()); return ok })
+	waitMirror(t, m, x.Ref(), true, "the mirror has x")
 	loads := m.Loads()
 	srv.Kill()
-	eventually(t, 10*time.Second, "the mirror stops answering with etcd down", func() bool {
-		_, ok := m.Lookup(x.Ref())
-		return !ok
-	})
+	waitMirror(t, m, x.Ref(), false, "the mirror stops answering with etcd down")
 	srv.Restart()
 	eventually(t, 30*time.Second, "the mirror answers again", func() bool {
 		e, ok := m.Lookup(x.Ref())
@@ -272,10 +267,7 @@ func TestMirrorEtcdRestart(t *testing.T) {
 	if err := a.Delete(ctx, x.Owner, x.Name); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, "the mirror follows a delete after the restart", func() bool {
-		_, ok := m.Lookup(x.Ref())
-		return !ok
-	})
+	waitMirror(t, m, x.Ref(), false, "the mirror follows a delete after the restart")
 }
 
 // A record over MirrorMaxRecord is left to etcd: the mirror does not
@@ -290,7 +282,7 @@ func TestMirrorLeavesLargeRecordsToEtcd(t *testing.T) {
 	if _, err := a.Publish(ctx, o); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, "the mirror has the small record", func() bool { _, ok := m.Lookup(o.Ref()); return ok })
+	waitMirror(t, m, o.Ref(), true, "the mirror has the small record")
 	if err := a.Delete(ctx, o.Owner, o.Name); err != nil {
 		t.Fatal(err)
 	}
@@ -303,7 +295,7 @@ func TestMirrorLeavesLargeRecordsToEtcd(t *testing.T) {
 	if _, err := a.Publish(ctx, other); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 10*time.Second, "the mirror saw the later record", func() bool { _, ok := m.Lookup(other.Ref()); return ok })
+	waitMirror(t, m, other.Ref(), true, "the mirror saw the later record")
 	if e, ok := m.Lookup(o.Ref()); ok {
 		t.Fatalf("the mirror answers for a large record (incarnation %s)", e.ID)
 	}
