@@ -96,38 +96,96 @@ def test_window_that_finds_nothing_backs_off(daemon, monkeypatch):
         assert c._spin_skip == 0
 
 
+class _Clock:
+    """A stand-in for _wire's clock that stands still until the test moves it:
+    a polling window then ends when the test says, never because the machine
+    was slow. ``polling`` is set when a window starts (its first reading, after
+    the receive that found nothing waiting)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.polling = threading.Event()
+
+    def perf_counter(self) -> float:
+        now = self.now  # read first: a window's end is always reckoned from 0
+        self.polling.set()
+        return now
+
+
+class _Time:
+    """The time module with the clock above as its perf_counter."""
+
+    def __init__(self, clock: _Clock) -> None:
+        self.perf_counter = clock.perf_counter
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
 def test_polling_reads_what_a_fake_daemon_sends_late(tmp_path, monkeypatch):
-    """Against a fake daemon that answers after a pause, polling and then sleeping
-    both deliver the reply, and a reply inside the window resets the back-off."""
+    """Against a fake daemon that answers at moments the test picks (on a clock
+    that moves only when told): a reply within the window is found polling, a
+    window that ends with nothing makes the call sleep for its reply and skip the
+    next window, and a reply found while polling resets the back-off."""
     monkeypatch.delenv("CUDAIPC_SPIN", raising=False)
     from cudaipc import _store_pb2 as pb
+    clock = _Clock()
+    monkeypatch.setattr(_wire, "time", _Time(clock))
     path = str(tmp_path / "fake.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     srv.bind(path)
     srv.listen(1)
-    delays = [0.0, 0.6, 0.0, 0.05, 0.0]
+    parked = threading.Event()    # a window ended with nothing: the call sleeps
+    # How the fake daemon answers each request: at once; after the window ended
+    # with nothing ("late"); or once the window is open ("polled": found while
+    # polling, not by the receive before it).
+    when = ["now", "late", "now", "polled", "now"]
+    errs = []
 
     def serve():
         c, _ = srv.accept()
-        for d in delays:
-            req = pb.Request()
-            req.ParseFromString(c.recv(65536))
-            time.sleep(d)
-            c.send(pb.Response(id=req.id, stat=pb.StatResponse(info=pb.ObjectInfo(name=req.stat.name, size=d and 7 or 3))).SerializeToString())
-        c.close()
+        try:
+            for w in when:
+                req = pb.Request()
+                req.ParseFromString(c.recv(65536))
+                if w in ("late", "polled") and not clock.polling.wait(10):
+                    raise AssertionError("%s: the call did not poll within 10 s" % req.stat.name)
+                if w == "late":
+                    clock.now = 1e9                # the window ends
+                    if not parked.wait(10):
+                        raise AssertionError("%s: the window did not end within 10 s" % req.stat.name)
+                    clock.now = 0.0
+                size = 7 if w != "now" else 3
+                c.send(pb.Response(id=req.id, stat=pb.StatResponse(info=pb.ObjectInfo(name=req.stat.name, size=size))).SerializeToString())
+        except BaseException as e:  # noqa: BLE001 - reported by the test; closing ends the call
+            errs.append(e)
+        finally:
+            c.close()
     th = threading.Thread(target=serve)
     th.start()
     try:
         conn = _wire.Conn(path, 0.3)
+        poll = conn._poll
+
+        def watched_poll(spin):
+            got = poll(spin)
+            if got is None:
+                parked.set()
+            return got
+        monkeypatch.setattr(conn, "_poll", watched_poll)
         got = []
-        for i in range(len(delays)):
+        for i in range(len(when)):
+            clock.polling.clear()
+            parked.clear()
             r = conn.call(pb.Request(stat=pb.StatRequest(name="n%d" % i)), "stat")
-            got.append((r.resp.stat.info.name, r.resp.stat.info.size, conn._spin_skip, conn._spin_backoff))
-        assert got == [("n0", 3, 0, 0),        # within the window
-                       ("n1", 7, 1, 1),        # 0.6 s: the 0.3 s window found nothing
-                       ("n2", 3, 0, 1),        # skipped polling, slept
-                       ("n3", 7, 0, 0),        # found while polling: the back-off ends
-                       ("n4", 3, 0, 0)]
+            got.append((r.resp.stat.info.name, r.resp.stat.info.size, conn._spin_skip, conn._spin_backoff,
+                        clock.polling.is_set(), parked.is_set()))
+        assert not errs
+        assert got == [("n0", 3, 0, 0, got[0][4], False),   # within the window (found before or while polling)
+                       ("n1", 7, 1, 1, True, True),          # the window found nothing: slept
+                       ("n2", 3, 0, 1, False, False),        # skipped polling, slept
+                       ("n3", 7, 0, 0, True, False),         # found while polling: the back-off ends
+                       ("n4", 3, 0, 0, got[4][4], False)]
         conn.close()
     finally:
         th.join()
