@@ -275,6 +275,15 @@ func TestPartialReadVersions(t *testing.T) {
 	checkSlice(t, "v1", l1, m1, v1, names...)
 
 	v2 := publish(2)
+	// B answers a get of the latest version from its mirror of the
+	// directory, which learns of v2 from etcd's watch a moment after A's
+	// publish returns.
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if l, ok := b.node.Mirror().Latest(0, "w"); !ok || l.Version != 2 {
+			return fmt.Errorf("node b's mirror shows latest %+v %v, want v2", l, ok)
+		}
+		return nil
+	})
 	l2, m2, err := b.c.GetBundle(ctx, "w", client.GetOptions{Tensors: names})
 	if err != nil {
 		t.Fatal(err)
