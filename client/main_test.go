@@ -22,7 +22,6 @@ import (
 	"runtime/pprof"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -205,26 +204,9 @@ type proc struct {
 	cmd    *exec.Cmd
 	in     io.WriteCloser
 	out    *bufio.Reader
-	stderr *syncBuffer
+	stderr *testutil.SyncBuffer
 	waited chan struct{}
 	err    error
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // spawn starts this test binary in role, with env added ("K=V").
@@ -251,7 +233,7 @@ func spawnAttr(t testing.TB, exe, role string, attr *syscall.SysProcAttr, env ..
 	cmd := exec.Command(exe, "-test.run=^$")
 	cmd.Env = append(append(os.Environ(), roleEnv+"="+role), env...)
 	cmd.SysProcAttr = attr
-	p := &proc{t: t, cmd: cmd, stderr: &syncBuffer{}, waited: make(chan struct{})}
+	p := &proc{t: t, cmd: cmd, stderr: &testutil.SyncBuffer{}, waited: make(chan struct{})}
 	cmd.Stderr = p.stderr
 	var err error
 	if p.in, err = cmd.StdinPipe(); err != nil {

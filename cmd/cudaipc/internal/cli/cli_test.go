@@ -376,7 +376,7 @@ func TestHelp(t *testing.T) {
 func TestServeLogsCapacity(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "store.sock")
 	ctx, cancel := context.WithCancel(context.Background())
-	var logs syncBuffer
+	var logs testutil.SyncBuffer
 	done := make(chan error, 1)
 	go func() { done <- Run(ctx, []string{"serve", "--socket", sock, "--backend", "host"}, io.Discard, &logs) }()
 	waitServing(t, sock)
@@ -387,25 +387,6 @@ func TestServeLogsCapacity(t *testing.T) {
 	if n := strings.Count(logs.String(), " capacity="); n != 1 || !strings.Contains(logs.String(), fmt.Sprintf(" capacity=%d ", store.DefaultCapacity)) {
 		t.Fatalf("want one capacity=%d in the log:\n%s", store.DefaultCapacity, logs.String())
 	}
-}
-
-// syncBuffer is a bytes.Buffer that a daemon's goroutines may log to while
-// the test reads it.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // get of a name with no sealed object fails at once unless asked to wait;
@@ -425,7 +406,7 @@ func TestGetWait(t *testing.T) {
 	if err := os.WriteFile(in, data, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	var stderr syncBuffer
+	var stderr testutil.SyncBuffer
 	done := make(chan error, 1)
 	go func() {
 		done <- runIO(context.Background(), []string{"get", "later", "--wait", "-o", out, "--socket", sock}, strings.NewReader(""), io.Discard, &stderr)
