@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"strings"
 	"testing"
 	"time"
@@ -30,66 +29,11 @@ func randomTensors(t *testing.T, seed byte, n int) []client.TensorData {
 	return tensorsOf(t, seed, specs...)
 }
 
-// tensorNames returns the names of tensors, in order.
-func tensorNames(tensors []client.TensorData) []string {
-	names := make([]string, len(tensors))
-	for i, td := range tensors {
-		names[i] = td.Name
-	}
-	return names
-}
-
-// tensorsOf makes tensors of specs, each holding its size of random bytes
-// drawn from seed.
-func tensorsOf(t *testing.T, seed byte, specs ...bundle.Spec) []client.TensorData {
-	t.Helper()
-	rng := rand.NewChaCha8([32]byte{seed})
-	out := make([]client.TensorData, len(specs))
-	for i, spec := range specs {
-		n, err := bundle.ByteSize(spec.DType, spec.Shape)
-		if err != nil {
-			t.Fatal(err)
-		}
-		out[i] = client.TensorData{Spec: spec, Data: make([]byte, n)}
-		rng.Read(out[i].Data)
-	}
-	return out
-}
-
 // checkSlice checks that the lease and manifest of a subset get hold
 // exactly the named tensors of want, byte for byte.
 func checkSlice(t *testing.T, where string, l *client.Lease, m *bundle.Manifest, want []client.TensorData, names ...string) {
 	t.Helper()
 	checkTensors(t, where, l.Bytes(), m, want, names...)
-}
-
-// checkTensors checks that manifest m names exactly the named tensors of
-// want, of their types and shapes, and that data (the object m describes)
-// holds their bytes.
-func checkTensors(t *testing.T, where string, data []byte, m *bundle.Manifest, want []client.TensorData, names ...string) {
-	t.Helper()
-	if len(m.Tensors) != len(names) {
-		t.Fatalf("%s: manifest of %d tensors, want %v", where, len(m.Tensors), names)
-	}
-	for _, name := range names {
-		i := m.Index(name)
-		if i < 0 {
-			t.Fatalf("%s: tensor %q missing", where, name)
-		}
-		tn := m.Tensors[i]
-		var td *client.TensorData
-		for k := range want {
-			if want[k].Name == name {
-				td = &want[k]
-			}
-		}
-		if tn.DType != td.DType || fmt.Sprint(tn.Shape) != fmt.Sprint(td.Shape) {
-			t.Fatalf("%s: tensor %q is %s %v, want %s %v", where, name, tn.DType, tn.Shape, td.DType, td.Shape)
-		}
-		if !bytes.Equal(data[tn.Begin:tn.End], td.Data) {
-			t.Fatalf("%s: tensor %q: bytes differ", where, name)
-		}
-	}
 }
 
 // A get of some tensors of a bundle on a node that does not hold it reads
