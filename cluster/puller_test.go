@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -68,9 +69,31 @@ func TestPullAcrossNodes(t *testing.T) {
 		t.Fatal("B's replica differs from A's object")
 	}
 	waitHolders(t, ctx, c, o.Ref(), "a,b")
-	// Get on C: striped over A and B.
+	// Get on C: striped over A and B. Streams take chunks as they come, so
+	// on a loaded machine one holder's streams could take all eleven before
+	// the other's start: the holders serve C only once C has asked each of
+	// them for a chunk.
 	ga, gb := worker(a).Gets(), worker(b).Gets()
-	if _, err := c.P.Pull(ctx, o.Ref()); err != nil {
+	release := make(chan struct{})
+	free := sync.OnceFunc(func() { close(release) })
+	t.Cleanup(free)
+	worker(a).Hold(release)
+	worker(b).Hold(release)
+	pulled := make(chan error, 1)
+	go func() {
+		_, err := c.P.Pull(ctx, o.Ref())
+		pulled <- err
+	}()
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if wa, wb := worker(a).Waiting(), worker(b).Waiting(); wa == 0 || wb == 0 {
+			return fmt.Errorf("C asks A for %d chunks and B for %d; want both asked", wa, wb)
+		}
+		return nil
+	})
+	worker(a).Hold(nil)
+	worker(b).Hold(nil)
+	free()
+	if err := <-pulled; err != nil {
 		t.Fatal(err)
 	}
 	if got := c.Store.Get(o.Ref()); !bytes.Equal(got, want) {

@@ -31,6 +31,8 @@ type Worker struct {
 
 	mu      sync.Mutex
 	delay   time.Duration
+	hold    <-chan struct{}
+	waiting int
 	dead    bool
 	regions map[string][]byte
 	gets    int
@@ -67,6 +69,23 @@ func (w *Worker) SetDelay(d time.Duration) {
 	w.mu.Lock()
 	w.delay = d
 	w.mu.Unlock()
+}
+
+// Hold makes each Get served by this worker wait, after any delay, until
+// release is closed or the Get's context ends (so that a test can see the
+// Gets a pull has asked of each holder before any is served); nil stops
+// holding later Gets.
+func (w *Worker) Hold(release <-chan struct{}) {
+	w.mu.Lock()
+	w.hold = release
+	w.mu.Unlock()
+}
+
+// Waiting counts the Gets waiting on Hold's release now.
+func (w *Worker) Waiting() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.waiting
 }
 
 // Kill makes every later Get from this worker fail.
@@ -111,6 +130,22 @@ func (e *endpoint) Get(ctx context.Context, rkey []byte, addr uint64, dst []byte
 		}
 	}
 	e.peer.mu.Lock()
+	if hold := e.peer.hold; hold != nil {
+		e.peer.waiting++
+		e.peer.mu.Unlock()
+		var err error
+		select {
+		case <-hold:
+		case <-ctx.Done():
+			err = ctx.Err()
+		}
+		e.peer.mu.Lock()
+		e.peer.waiting--
+		if err != nil {
+			e.peer.mu.Unlock()
+			return err
+		}
+	}
 	defer e.peer.mu.Unlock()
 	if e.peer.dead {
 		return ErrDead
