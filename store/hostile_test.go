@@ -24,7 +24,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -390,21 +389,12 @@ type hostileDaemon struct {
 	cmd   *exec.Cmd
 	stdin io.WriteCloser
 	path  string
-	mu    sync.Mutex
-	log   bytes.Buffer
+	log   testutil.SyncBuffer
 }
 
-func (d *hostileDaemon) Write(p []byte) (int, error) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.log.Write(p)
-}
+func (d *hostileDaemon) Write(p []byte) (int, error) { return d.log.Write(p) }
 
-func (d *hostileDaemon) logs() string {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.log.String()
-}
+func (d *hostileDaemon) logs() string { return d.log.String() }
 
 // fds and rssKiB read the daemon's descriptor count and resident set.
 func (d *hostileDaemon) fds(t *testing.T) int {
