@@ -118,3 +118,36 @@ func TestVersionsFromTheMirror(t *testing.T) {
 		t.Fatalf("node b's mirror answered %d of the version's lookups, want both shards", h-hits)
 	}
 }
+
+// A get waiting for a newer version wakes on the directory's watch the
+// moment the version is committed, which can be before the publishing
+// node's store has recorded the incarnation it just published: the
+// holder waits for its own seal instead of answering that it does not
+// hold the object. Every such get succeeds.
+func TestNewerThanRacesThePublishersSeal(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	v, _ := a.publish(t, "race", 1, 4096)
+	for range 40 {
+		type result struct {
+			ver uint64
+			got []byte
+			err error
+		}
+		next := make(chan result, 1)
+		after := v
+		go func() {
+			ver, got, err := b.getVersion(ctx, "race", client.GetOptions{NewerThan: after, Wait: true})
+			next <- result{ver, got, err}
+		}()
+		time.Sleep(2 * time.Millisecond) // the get is waiting on the watch
+		var want [][]byte
+		v, want = a.publish(t, "race", 1, 4096)
+		r := <-next
+		if r.err != nil || r.ver != v || !bytes.Equal(r.got, want[0]) {
+			t.Fatalf("get newer than v%d on b: v%d %v (want v%d)", v-1, r.ver, r.err, v)
+		}
+	}
+}

@@ -93,8 +93,14 @@ func (n *Node) fetchTensors(ctx context.Context, reader, owner uint32, name stri
 		}
 		return latest(l.Version)
 	}
-	if l, ok := n.mirror.Latest(owner, name); ok {
-		// A versioned name: its latest version, from the mirror.
+	if _, ok := n.mirror.Latest(owner, name); ok {
+		// A versioned name: its latest version from etcd (the mirror may
+		// lag behind a publish that returned elsewhere), its records
+		// from the mirror.
+		l, err := n.dir.Latest(ctx, owner, name)
+		if err != nil {
+			return "", err
+		}
 		return latest(l.Version)
 	}
 	if err := sliceOf(cluster.Ref{Owner: owner, Name: name}); looked || !errors.Is(err, cluster.ErrNotFound) {
