@@ -209,9 +209,13 @@ func parseRate(t *testing.T, s string) float64 {
 // TestFanoutOverLimitedLinks: one publisher and four readers, each a
 // process in a network namespace of its own behind a link limited to the
 // same rate both ways (tc tbf). Four pulls straight from the publisher
-// share its link, so the last ends after about 4 × size/rate; with
-// fan-out the readers chain, and all are done within 1.3 × size/rate
-// (asserted; both figures logged).
+// share its link, so the last ends after at least 4 × size/rate; with
+// fan-out the readers chain and each byte crosses the publisher's link
+// once (about 1.1-1.4 × size/rate here; both figures logged). Asserted
+// against the same run's naive round, which the links bound and a loaded
+// CPU cannot speed up: the last reader with fan-out done within half the
+// time of the last without, and one reader served by the publisher, the
+// others wholly by feeders.
 //
 // The default link is 25 Mbit/s and the object 12 MiB (4 s a copy), in
 // 64 KiB chunks: on the project's 2-core CPU machine, shared by other
@@ -298,8 +302,9 @@ func TestFanoutOverLimitedLinks(t *testing.T) {
 	t.Logf("fan-out: all done in %.2fs = %.2f× one copy (each: %s; bytes from feeders: %v)", fan.Seconds(), fan.Seconds()/ideal, secs(fanEach), fed)
 	// The bound is on the readers' own times (from the request to the
 	// sealed replica), which leave out the pipes to this process.
-	if got := slices.Max(fanEach) / ideal; got > 1.3 {
-		t.Errorf("fan-out took %.2f× size/rate, want at most 1.3×", got)
+	if f, n := slices.Max(fanEach), slices.Max(naiveEach); f > n/2 {
+		t.Errorf("the last reader took %.2fs with fan-out (%.2f× size/rate), %.2fs without (%.2f×): want at most half",
+			f, f/ideal, n, n/ideal)
 	}
 	zero, all := 0, 0
 	for _, b := range fed {
