@@ -16,6 +16,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -73,6 +74,11 @@ type Node struct {
 	// counts the events handled: tests hold the watch back with them.
 	watchMu sync.Mutex
 	watched atomic.Uint64
+	// withdrawWaits counts publishes that waited for this node's stale
+	// claim on their name to go (awaitOwnWithdrawal); tests hold Deleted
+	// back with beforeDelete.
+	withdrawWaits atomic.Uint64
+	beforeDelete  atomic.Pointer[func()]
 	// stagedBytes counts bytes of GPU objects copied through pinned host
 	// memory (gpu.go): exposed, or landed in a replica.
 	stagedBytes atomic.Uint64
@@ -457,8 +463,14 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 	n.sealing[o.ID] = true
 	n.mu.Unlock()
 	if _, err := n.dir.Publish(ctx, o); err != nil {
-		n.unseal(o.ID)
-		return "", err
+		if !errors.Is(err, cluster.ErrExists) || !n.awaitOwnWithdrawal(ctx, o) {
+			n.unseal(o.ID)
+			return "", err
+		}
+		if _, err := n.dir.Publish(ctx, o); err != nil {
+			n.unseal(o.ID)
+			return "", err
+		}
 	}
 	if staged != nil {
 		staged.tag = o.ID
@@ -505,9 +517,54 @@ func (n *Node) leaseReplica(ref cluster.Ref, id string) (*store.ClusterFile, err
 	}
 }
 
+// withdrawWait bounds how long a publish waits for this node's stale claim
+// on the name to leave the directory (awaitOwnWithdrawal).
+const withdrawWait = 5 * time.Second
+
+// awaitOwnWithdrawal is for a publish of o that found o's name recorded
+// with live holders. The store tells the cluster of a delete (or an
+// eviction) after answering it, so a put right after a delete of the same
+// name finds the deleted incarnation still recorded, with this node among
+// its holders. This node cannot hold that incarnation any more (the name
+// is o's here now), so its claim is on its way out: wait for it to go,
+// bounded, and report whether it went (the publish is then worth trying
+// again; it still fails if other nodes hold the old incarnation).
+func (n *Node) awaitOwnWithdrawal(ctx context.Context, o cluster.Object) bool {
+	self := n.cfg.Directory.Node
+	stale := func() (bool, error) {
+		e, err := n.dir.Lookup(ctx, o.Ref())
+		if errors.Is(err, cluster.ErrNotFound) {
+			return false, nil
+		}
+		if err != nil {
+			return false, err
+		}
+		return e.ID != o.ID && slices.Contains(e.Holders, self), nil
+	}
+	if ok, err := stale(); err != nil || !ok {
+		return false
+	}
+	n.withdrawWaits.Add(1)
+	deadline := time.Now().Add(withdrawWait)
+	for wait := time.Millisecond; time.Now().Before(deadline); wait = min(2*wait, 50*time.Millisecond) {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(wait):
+		}
+		if ok, err := stale(); err == nil && !ok {
+			return true
+		}
+	}
+	return false
+}
+
 // Deleted implements store.ClusterHook: the name goes from the cluster, and
 // every holder drops its replica.
 func (n *Node) Deleted(co store.ClusterObject) {
+	if f := n.beforeDelete.Load(); f != nil {
+		(*f)()
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := n.dir.Delete(ctx, co.Owner, co.Name); err != nil && !errors.Is(err, cluster.ErrNotFound) {

@@ -153,3 +153,62 @@ func TestRecreatedVersionBeforeWatchSeesDelete(t *testing.T) {
 		})
 	}
 }
+
+// A put right after a delete of the same name: the store tells the
+// cluster of the delete after answering it, so the put can find the old
+// incarnation still recorded with its own node as a holder. The put waits
+// for that claim to go (held back here until the put is waiting), then
+// publishes; other nodes then read the new object.
+func TestPutRightAfterDelete(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	old := a.put(t, "ns/again", 5000, client.CreateOptions{Cluster: true})
+	if got, err := b.get(ctx, "ns/again"); err != nil || !bytes.Equal(got, old) {
+		t.Fatalf("B's first get: %v", err)
+	}
+	release := node.HoldDeleted(t, a.node)
+	waits := node.WithdrawWaits(a.node)
+	if err := a.c.Delete(ctx, "ns/again"); err != nil {
+		t.Fatal(err)
+	}
+	want := make([]byte, 7000)
+	for i := range want {
+		want[i] = byte(i * 13)
+	}
+	put := make(chan error, 1)
+	go func() {
+		o, err := a.c.Create(ctx, "ns/again", int64(len(want)), client.CreateOptions{Cluster: true})
+		if err == nil {
+			copy(o.Bytes(), want)
+			err = o.Seal(ctx)
+		}
+		put <- err
+	}()
+	testutil.Eventually(t, testutil.Wait, func() error {
+		select {
+		case err := <-put:
+			t.Fatalf("the put answered while the delete was held back: %v", err)
+		default:
+		}
+		if node.WithdrawWaits(a.node) == waits {
+			return fmt.Errorf("A's publish is not waiting for its old claim")
+		}
+		return nil
+	})
+	release()
+	if err := <-put; err != nil {
+		t.Fatalf("put right after the delete: %v", err)
+	}
+	testutil.Eventually(t, testutil.Wait, func() error {
+		got, err := b.get(ctx, "ns/again")
+		if err != nil {
+			return err
+		}
+		if !bytes.Equal(got, want) {
+			return fmt.Errorf("B read %d bytes, not the new object's %d", len(got), len(want))
+		}
+		return nil
+	})
+}
