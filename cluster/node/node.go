@@ -88,10 +88,6 @@ type Node struct {
 	arenas map[uint64]*arenaReg          // registered arenas, by store arena id
 	pins   map[string]*store.ClusterFile // holds for pins, by pin key
 
-	// sealing holds the incarnations this node is publishing (Sealed),
-	// which readers may ask for before the store has recorded them.
-	sealing map[string]bool
-
 	// mirror answers lookups without etcd while it is in sync.
 	mirror  *etcddir.Mirror
 	slicing slicePulls // partial replicas being read (partial.go)
@@ -159,7 +155,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	n := &Node{cfg: cfg, log: log, dir: dir, tr: tr, ln: ln, arenas: map[uint64]*arenaReg{}, pins: map[string]*store.ClusterFile{},
-		mirror: dir.Mirror(context.Background()), sealing: map[string]bool{}}
+		mirror: dir.Mirror(context.Background())}
 	n.pinned.max = DefaultPinnedIdle
 	feeding := &cluster.Feeding{} // fan-out: replicas being pulled feed other readers (fanout.go)
 	n.p = &cluster.Puller{Dir: dir, Transport: tr, Secret: cfg.Directory.Secret, Sink: sink{n}, Logger: log,
@@ -459,62 +455,18 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 	o := cluster.Object{Name: co.Name, Owner: co.Owner, Shared: co.Shared, Size: co.Size, ChunkSize: chunk,
 		Version: co.Version, Shard: co.Shard, Shards: co.Shards,
 		Sums: sums, Manifest: co.Manifest, GPU: f.GPU != nil, ID: cluster.NewID()}
-	n.mu.Lock()
-	n.sealing[o.ID] = true
-	n.mu.Unlock()
 	if _, err := n.dir.Publish(ctx, o); err != nil {
 		if !errors.Is(err, cluster.ErrExists) || !n.awaitOwnWithdrawal(ctx, o) {
-			n.unseal(o.ID)
 			return "", err
 		}
 		if _, err := n.dir.Publish(ctx, o); err != nil {
-			n.unseal(o.ID)
 			return "", err
 		}
 	}
 	if staged != nil {
 		staged.tag = o.ID
 	}
-	// The store records the incarnation as this returns; readers woken by
-	// the directory meanwhile wait for it (leaseReplica).
-	time.AfterFunc(sealGrace, func() { n.unseal(o.ID) })
 	return o.ID, nil
-}
-
-// A holder asked for an incarnation it is publishing waits for its store
-// to record it: while the publish runs (at most sealWait) and for
-// sealGrace after it, the moment the store takes to record the id.
-const (
-	sealWait  = 2 * time.Second
-	sealGrace = 100 * time.Millisecond
-)
-
-func (n *Node) unseal(id string) {
-	n.mu.Lock()
-	delete(n.sealing, id)
-	n.mu.Unlock()
-}
-
-// leaseReplica leases the local replica of ref, incarnation id, for a
-// peer. An incarnation this node has just published is in the directory
-// before the store records it (Sealed returns its id to the store): a
-// reader woken by the directory then waits for it, within sealWait,
-// rather than being told this node does not hold it.
-func (n *Node) leaseReplica(ref cluster.Ref, id string) (*store.ClusterFile, error) {
-	deadline := time.Now().Add(sealWait)
-	for {
-		f, err := n.st.LeaseCluster(ref.Owner, ref.Name, ref.Version, ref.Shard, id)
-		if err == nil || !errors.Is(err, store.ErrNotFound) || time.Now().After(deadline) {
-			return f, err
-		}
-		n.mu.Lock()
-		sealing := n.sealing[id]
-		n.mu.Unlock()
-		if !sealing || !n.st.HasCluster(ref.Owner, ref.Name, ref.Version, ref.Shard) {
-			return f, err // not being published here, or deleted meanwhile
-		}
-		time.Sleep(100 * time.Microsecond)
-	}
 }
 
 // withdrawWait bounds how long a publish waits for this node's stale claim
@@ -669,7 +621,7 @@ type source struct{ n *Node }
 
 func (s source) Expose(ref cluster.Ref, id string) (cluster.Exposure, func(), error) {
 	n := s.n
-	f, err := n.leaseReplica(ref, id)
+	f, err := n.st.LeaseCluster(ref.Owner, ref.Name, ref.Version, ref.Shard, id)
 	if err != nil {
 		if errors.Is(err, store.ErrNotFound) {
 			err = fmt.Errorf("%w: %v", cluster.ErrNotFound, err)
@@ -701,7 +653,7 @@ func (s source) Expose(ref cluster.Ref, id string) (cluster.Exposure, func(), er
 // out of its arena while the store's lease holds it.
 func (s source) ReadReplica(ref cluster.Ref, id string, max int64) ([]byte, error) {
 	n := s.n
-	f, err := n.leaseReplica(ref, id)
+	f, err := n.st.LeaseCluster(ref.Owner, ref.Name, ref.Version, ref.Shard, id)
 	if err != nil {
 		if errors.Is(err, store.ErrNotFound) {
 			err = fmt.Errorf("%w: %v", cluster.ErrNotFound, err)
