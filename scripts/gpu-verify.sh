@@ -46,10 +46,10 @@ stamp "weight_sync rc=$?"
     ( cd "$dir" 2>/dev/null || cd .; timeout "${TEST_TIMEOUT:-300}" "$OLDPWD/$t" -test.v -test.count=1 \
         -test.timeout=5m -test.run "${TEST_RUN:-.}" ) >"/tmp/go-$name.log" 2>&1
     rc=$?
-    p=$(grep -c -- '^\s*--- PASS' "/tmp/go-$name.log"); f=$(grep -c -- '^\s*--- FAIL' "/tmp/go-$name.log")
-    s=$(grep -c -- '^\s*--- SKIP' "/tmp/go-$name.log")
+    p=$(grep -a -c -- '^\s*--- PASS' "/tmp/go-$name.log"); f=$(grep -a -c -- '^\s*--- FAIL' "/tmp/go-$name.log")
+    s=$(grep -a -c -- '^\s*--- SKIP' "/tmp/go-$name.log")
     # All of a failing package's log; of a passing one, its skips and verdict.
-    if [ "$f" -gt 0 ] || [ $rc -ne 0 ]; then cat "/tmp/go-$name.log"; else grep -E -A1 -- '--- SKIP|^(ok|PASS|FAIL)' "/tmp/go-$name.log"; fi >>"$out/gotests.log"
+    if [ "$f" -gt 0 ] || [ $rc -ne 0 ]; then cat "/tmp/go-$name.log"; else grep -a -E -A1 -- '--- SKIP|^(ok|PASS|FAIL)' "/tmp/go-$name.log"; fi >>"$out/gotests.log"
     stamp "$(printf 'go %-22s pass %3d fail %3d skip %3d rc %d' "$name" "$p" "$f" "$s" "$rc")"
   done
 ) &

@@ -137,7 +137,8 @@ class Cluster:
             self.procs.append(subprocess.Popen(
                 [args.bin, "serve", "--socket", sock, "--backend", args.backend, "--capacity", args.capacity,
                  "--log-level", "warn", "--cluster", "etcd://127.0.0.1:%d" % cp, "--node", node,
-                 "--cluster-secret", self.secret, "--cluster-listen", "127.0.0.1:0"],
+                 "--cluster-secret", self.secret, "--cluster-listen", "127.0.0.1:0"]
+                + (["--cluster-streams", str(args.streams)] if args.streams else []),
                 stdout=dlog, stderr=subprocess.STDOUT, env=env))
             self.sockets[node] = sock
         deadline = time.monotonic() + 60
@@ -421,6 +422,7 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--max-gib", type=float, default=0, help="only the first tensors of each model, up to this many GiB")
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--capacity", default="48GiB", help="each daemon's capacity per device")
+    ap.add_argument("--streams", type=int, default=0, help="chunks a pull reads from one holder at once (serve --cluster-streams; 0: the daemon's default)")
     ap.add_argument("--shard-tensors", type=int, default=SHARD_TENSORS, help="tensors per shard of a version")
     ap.add_argument("--smoke", action="store_true", help="a tiny model in host memory (any machine): checks the script")
     ap.add_argument("--timeout", type=float, default=400, help="seconds per model and path")

@@ -28,6 +28,7 @@ type clusterFlags struct {
 	EtcdCA        string `name:"etcd-ca" help:"CA certificate that signed etcd's (turns on TLS)." placeholder:"FILE"`
 	EtcdCert      string `name:"etcd-cert" help:"Client certificate for etcd (with --etcd-key)." placeholder:"FILE"`
 	EtcdKey       string `name:"etcd-key" help:"Client key for etcd." placeholder:"FILE"`
+	Streams       int    `name:"cluster-streams" default:"0" help:"Chunks a pull reads from one holder at once (0: the default, 4); more can fill a fast link whose round trip is long." placeholder:"N"`
 	UCXLib        string `name:"ucx-lib" help:"Use this libucp.so.0 (and the libucs, libuct, libucm beside it) instead of the system's, e.g. a UCX built with CUDA (HPC-X) to register GPU arenas directly; 'cudaipc doctor --ucx-lib PATH' checks it." placeholder:"PATH"`
 }
 
@@ -70,6 +71,9 @@ func (f *clusterFlags) startCluster(ctx context.Context, g *Globals) (*node.Node
 		}
 		return nil, nil
 	}
+	if f.Streams < 0 || f.Streams > 64 {
+		return nil, fmt.Errorf("--cluster-streams %d: want 0 (the default) to 64", f.Streams)
+	}
 	dc, err := f.directoryConfig()
 	if err != nil {
 		return nil, err
@@ -79,7 +83,8 @@ func (f *clusterFlags) startCluster(ctx context.Context, g *Globals) (*node.Node
 			return nil, fmt.Errorf("--ucx-lib: %w", err)
 		}
 	}
-	n, err := node.Start(ctx, node.Config{Directory: dc, Listen: f.ClusterListen, Advertise: f.ClusterAdv, Logger: g.log})
+	n, err := node.Start(ctx, node.Config{Directory: dc, Listen: f.ClusterListen, Advertise: f.ClusterAdv, Logger: g.log,
+		StreamsPerHolder: f.Streams})
 	if err != nil {
 		return nil, fmt.Errorf("serve --cluster: %w", err)
 	}
