@@ -44,8 +44,8 @@ def _free_port() -> int:
 
 @pytest.fixture
 def etcd() -> Iterator[str]:
-    binary = shutil.which("etcd")
-    _need("etcd", binary is not None)
+    binary = os.environ.get("CUDAIPC_ETCD") or shutil.which("etcd")
+    _need("etcd (on PATH or at $CUDAIPC_ETCD)", binary is not None)
     _need("libucp.so.0", any(os.path.exists(os.path.join(d, "libucp.so.0"))
                              for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib")))
     d = tempfile.mkdtemp(prefix="cudaipc-etcd-")
