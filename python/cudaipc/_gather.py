@@ -37,14 +37,31 @@ __all__ = ["CHUNK", "MAX_BYTES", "ENABLED", "unavailable", "launch", "ready", "w
 CHUNK = 128 << 10
 """Bytes one thread block copies at most."""
 
-MAX_BYTES = 1 << 62
+
+def _env_bytes(name: str, default: int) -> int:
+    """An environment variable's byte count (a non-negative integer), or default."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text, 0)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError("%s=%r: want a byte count (e.g. 16777216), or leave it unset" % (name, text))
+    return value
+
+
+MAX_BYTES = _env_bytes("CUDAIPC_GATHER_MAX_BYTES", 1 << 62)
 """Copies of at least this many bytes are left to the driver's batch; by default
 none: on the H200 the kernel copied the 8B shapes' 16 GB (219 copies) in 8.13 ms
 where the batch took 8.35 (python/bench/nocopy_phases.py), and the MoE shapes'
-2,064 copies in 2.3 ms where the batch took 11.7."""
+2,064 copies in 2.3 ms where the batch took 11.7. ``CUDAIPC_GATHER_MAX_BYTES``
+sets it for a process."""
 
-ENABLED = True
-"""Whether copy_batch uses the kernel (benchmarks turn it off to compare)."""
+ENABLED = os.environ.get("CUDAIPC_GATHER", "1").strip() != "0"
+"""Whether copy_batch uses the kernel (benchmarks turn it off to compare;
+``CUDAIPC_GATHER=0`` turns it off for a process)."""
 
 unavailable: Dict[int, str] = {}
 """Per GPU ordinal, why the kernel is not used there (absent: not tried yet, or used)."""
