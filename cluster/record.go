@@ -10,7 +10,9 @@ import (
 	"hash/crc32"
 	"math/bits"
 	"net"
+	"runtime"
 	"strconv"
+	"sync"
 	"time"
 	"unicode"
 	"unicode/utf8"
@@ -79,6 +81,32 @@ func Checksums(b []byte, chunk int64) []uint32 {
 	for off := int64(0); off < int64(len(b)); off += chunk {
 		sums = append(sums, Checksum(b[off:min(off+chunk, int64(len(b)))]))
 	}
+	return sums
+}
+
+// ChecksumsParallel is Checksums spread over the CPUs (GOMAXPROCS), for a
+// whole object at its seal: the same sums, in less time than one core takes.
+func ChecksumsParallel(b []byte, chunk int64) []uint32 {
+	chunks := int((int64(len(b)) + chunk - 1) / chunk)
+	workers := min(runtime.GOMAXPROCS(0), chunks)
+	if workers <= 1 {
+		return Checksums(b, chunk)
+	}
+	sums := make([]uint32, chunks)
+	per := (chunks + workers - 1) / workers
+	var wg sync.WaitGroup
+	for w := range workers {
+		lo, hi := w*per, min((w+1)*per, chunks)
+		if lo >= hi {
+			break
+		}
+		wg.Go(func() {
+			start := int64(lo) * chunk
+			end := min(int64(hi)*chunk, int64(len(b)))
+			copy(sums[lo:hi], Checksums(b[start:end], chunk))
+		})
+	}
+	wg.Wait()
 	return sums
 }
 

@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -246,4 +247,18 @@ func FuzzOpenNode(f *testing.F) {
 			t.Fatalf("accepted %+v", got)
 		}
 	})
+}
+
+// ChecksumsParallel gives Checksums' sums for every split of an object into
+// chunks: empty, under one chunk, exact multiples and a short last chunk.
+func TestChecksumsParallel(t *testing.T) {
+	const chunk = 4 << 10
+	b := randBytes(37*chunk+123, 77)
+	for _, n := range []int{0, 1, chunk - 1, chunk, chunk + 1, 2 * chunk, 8*chunk + 5, 37 * chunk, len(b)} {
+		want := Checksums(b[:n], chunk)
+		got := ChecksumsParallel(b[:n], chunk)
+		if !slices.Equal(got, want) {
+			t.Fatalf("%d bytes: parallel sums %v, want %v", n, got, want)
+		}
+	}
 }

@@ -2,7 +2,6 @@ package node
 
 import (
 	"fmt"
-	"runtime"
 	"sync"
 
 	"github.com/cudaipc/cudaipc"
@@ -205,32 +204,7 @@ func (n *Node) gpuChecksums(f *store.ClusterFile, chunk int64) ([]uint32, *pinne
 	if err != nil {
 		return nil, nil, err
 	}
-	return parallelChecksums(b.mem[:f.Size], chunk), b, nil
-}
-
-// parallelChecksums is cluster.Checksums spread over the CPUs.
-func parallelChecksums(mem []byte, chunk int64) []uint32 {
-	chunks := int((int64(len(mem)) + chunk - 1) / chunk)
-	sums := make([]uint32, chunks)
-	workers := min(runtime.GOMAXPROCS(0), chunks)
-	if workers <= 1 {
-		return cluster.Checksums(mem, chunk)
-	}
-	per := (chunks + workers - 1) / workers
-	var wg sync.WaitGroup
-	for w := range workers {
-		lo, hi := w*per, min((w+1)*per, chunks)
-		if lo >= hi {
-			break
-		}
-		wg.Go(func() {
-			start := int64(lo) * chunk
-			end := min(int64(hi)*chunk, int64(len(mem)))
-			copy(sums[lo:hi], cluster.Checksums(mem[start:end], chunk))
-		})
-	}
-	wg.Wait()
-	return sums
+	return cluster.ChecksumsParallel(b.mem[:f.Size], chunk), b, nil
 }
 
 // exposeGPU says where peers read the GPU object of f, of incarnation

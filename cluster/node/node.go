@@ -449,7 +449,7 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 		if err != nil {
 			return "", err
 		}
-		sums = cluster.Checksums(mem, chunk)
+		sums = cluster.ChecksumsParallel(mem, chunk)
 		unix.Munmap(base)
 	}
 	o := cluster.Object{Name: co.Name, Owner: co.Owner, Shared: co.Shared, Size: co.Size, ChunkSize: chunk,
