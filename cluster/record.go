@@ -144,6 +144,11 @@ type Object struct {
 	Version uint64 `json:"version,omitempty"`
 	Shard   uint32 `json:"shard,omitempty"`
 	Shards  uint32 `json:"shards,omitempty"`
+	// Keep is the keep_last its publisher created a versioned name with:
+	// every node keeps only the name's newest Keep committed versions
+	// (docs/cluster.md, "Retention"). 0 (and records written before the
+	// field) leaves retention to each node.
+	Keep uint32 `json:"keep,omitempty"`
 	// Size is its length in bytes.
 	Size int64 `json:"size"`
 	// ChunkSize is the unit of pulls and checksums.
@@ -187,6 +192,10 @@ type Latest struct {
 	Owner   uint32 `json:"owner"`
 	Version uint64 `json:"version"`
 	Shards  uint32 `json:"shards"`
+	// Keep is the committing shard's Object.Keep: a node drops its
+	// replicas of versions Version-Keep and older when it sees this
+	// record; 0 leaves retention to each node.
+	Keep uint32 `json:"keep,omitempty"`
 }
 
 // Ref names one object of the cluster: a plain object (Version 0) or one

@@ -73,6 +73,11 @@ type ClusterObject struct {
 	// Version, Shard and Shards place a shard in its version.
 	Version       uint64
 	Shard, Shards uint32
+	// Keep is the keep_last the versioned name was created with here (0
+	// when none was given): Sealed records it, so that every node keeps
+	// only the name's newest Keep versions; CreateReplica keeps that many
+	// of the replica's versions here.
+	Keep uint32
 	// ID is its cluster incarnation id ("" until published).
 	ID string
 	// Manifest is a bundle's manifest (its header bytes), nil for an
@@ -98,7 +103,7 @@ func (o *object) clusterObject() ClusterObject {
 	co := ClusterObject{Owner: uid, Name: name, Size: o.size, Shared: o.shared, ID: o.clusterID,
 		GPU: o.dev != nil && o.dev.name != hostDevice}
 	if v := o.ver; v != nil {
-		co.Version, co.Shard, co.Shards = v.n, uint32(o.shard), uint32(len(v.shards))
+		co.Version, co.Shard, co.Shards, co.Keep = v.n, uint32(o.shard), uint32(len(v.shards)), uint32(v.s.keep)
 	}
 	return co
 }
@@ -379,7 +384,7 @@ func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 	qname := protocol.QualifiedName(obj.Owner, obj.Name)
 	r := createReq{name: qname, size: obj.Size, shared: obj.Shared, cluster: true}
 	if obj.Version != 0 {
-		r.versioned, r.version, r.shard, r.shards = true, obj.Version, obj.Shard, obj.Shards
+		r.versioned, r.version, r.shard, r.shards, r.keep = true, obj.Version, obj.Shard, obj.Shards, obj.Keep
 	}
 	return s.createClusterDraft(obj.Owner, r, obj.GPU, obj.Manifest, fmt.Sprintf("replica %q", qname), func(ss *session, o *object) {
 		o.clusterID = obj.ID
@@ -521,6 +526,49 @@ func (s *Store) DropCluster(owner uint32, name, id string) bool {
 		return ok
 	}
 	return ss.delete(qname) == nil || ok
+}
+
+// RetireCluster retires this node's versions up to and including below
+// of owner's cluster-visible versioned name (the cluster committed a
+// version whose keep_last leaves them out), as local retention retires
+// versions beyond keep_last: a version no lease holds goes now, a leased
+// one stays readable by its leases until the last ends; either way this
+// node withdraws as its holder at once. A version of the name sealed here
+// later at or below below is retired as soon as it is published. It
+// reports how many versions it retired.
+func (s *Store) RetireCluster(owner uint32, name string, below uint64) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.lookupLocked(protocol.QualifiedName(owner, name))
+	if !e.is(kindSeries) || !e.ser.clusterLocked() {
+		return 0
+	}
+	sr := e.ser
+	sr.floor = max(sr.floor, below)
+	n := 0
+	for _, v := range sr.versions {
+		if v.visible && !v.retired && v.n <= sr.floor {
+			s.retireVersionLocked(v)
+			n++
+		}
+	}
+	if n > 0 {
+		s.log.Debug("versions retired by the cluster's keep_last", "name", sr.name, "up to", sr.floor, "versions", n)
+	}
+	return n
+}
+
+// clusterLocked reports whether sr is cluster-visible: any of its shards
+// here is.
+func (sr *series) clusterLocked() bool {
+	for _, v := range sr.versions {
+		for _, o := range v.shards {
+			if o != nil && o.cluster {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // clusterCreateOK says whether a create may be cluster-visible: the daemon

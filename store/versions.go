@@ -30,6 +30,9 @@ type series struct {
 	versions map[uint64]*version
 	latest   uint64 // latest visible version; 0 when none yet
 	last     uint64 // highest version number ever opened
+	// floor: versions up to it are out of the cluster's keep_last window
+	// (RetireCluster), retired as soon as they are published.
+	floor uint64
 	// spare holds, per shard index, the memory of a reclaimed version,
 	// kept for the next version's shard of the same size: double
 	// buffering. Readers that cached the arena's mapping then map
@@ -157,6 +160,9 @@ func (s *Store) publishLocked(v *version) {
 		sr.latest = v.n
 	}
 	s.retireLocked(sr)
+	if v.n <= sr.floor && !v.retired {
+		s.retireVersionLocked(v)
+	}
 	s.wakeLocked(sr.name)
 	if !v.retired {
 		s.emitObjectLocked(eventSealed, v.shards[0])
@@ -189,9 +195,15 @@ func (s *Store) retireLocked(sr *series) {
 }
 
 // retireVersionLocked ends a version's life as a readable version; its
-// memory goes now or with its last lease.
+// memory goes now or with its last lease. The cluster is told at once that
+// this node no longer holds its shards.
 func (s *Store) retireVersionLocked(v *version) {
 	v.retired = true
+	for _, o := range v.shards {
+		if o != nil {
+			s.clusterGoneLocked(o, false)
+		}
+	}
 	if v.leases == 0 {
 		s.freeVersionLocked(v)
 	}

@@ -551,7 +551,7 @@ func (d *Directory) Publish(ctx context.Context, o cluster.Object) (committed bo
 func (d *Directory) commit(ctx context.Context, o cluster.Object) (bool, error) {
 	what := fmt.Sprintf("commit %s version %d", o.Name, o.Version)
 	lkey := d.k.latest(o.Owner, o.Name)
-	lval, err := cluster.Seal(d.cfg.Secret, lkey, &cluster.Latest{Name: o.Name, Owner: o.Owner, Version: o.Version, Shards: o.Shards})
+	lval, err := cluster.Seal(d.cfg.Secret, lkey, &cluster.Latest{Name: o.Name, Owner: o.Owner, Version: o.Version, Shards: o.Shards, Keep: o.Keep})
 	if err != nil {
 		return false, err
 	}
@@ -829,10 +829,16 @@ type Event struct {
 	Reader           string
 	// Key is the etcd key, for Unpinned events to match their Pinned.
 	Key string
+	// Committed: Ref.Version became the latest version of the versioned
+	// name Ref names; Keep is its Latest.Keep (0: retention is each
+	// node's own).
+	Committed bool
+	Keep      uint32
 }
 
-// Watch reports deletions of object records and pins of this node's
-// replicas until ctx is done, on a channel it closes then. It reports
+// Watch reports deletions of object records, commits of versions (the
+// latest records written) and pins of this node's replicas until ctx is
+// done, on a channel it closes then. It reports
 // every such change made after Watch returns (it reads the directory's
 // revision first, when etcd answers), and after etcd was away it resumes
 // from the revision after the last event it reported, so changes made
@@ -840,10 +846,10 @@ type Event struct {
 // resumes from the present).
 func (d *Directory) Watch(ctx context.Context) <-chan Event {
 	out := make(chan Event, 64)
-	var nextO, nextP int64 // revisions each watch resumes from; 0: the present
+	var nextO, nextP, nextL int64 // revisions each watch resumes from; 0: the present
 	if cctx, cancel, err := d.call(ctx, "watch"); err == nil {
 		if r, err := d.cli.Get(cctx, d.k.nodes(), clientv3.WithCountOnly()); err == nil {
-			nextO, nextP = r.Header.Revision+1, r.Header.Revision+1
+			nextO, nextP, nextL = r.Header.Revision+1, r.Header.Revision+1, r.Header.Revision+1
 		}
 		cancel()
 	}
@@ -869,7 +875,8 @@ func (d *Directory) Watch(ctx context.Context) <-chan Event {
 			wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 			wo := d.cli.Watch(wctx, d.k.objects(), from(nextO, clientv3.WithFilterPut(), clientv3.WithPrevKV())...)
 			wp := d.cli.Watch(wctx, pins, from(nextP, clientv3.WithPrevKV())...)
-			for wo != nil || wp != nil {
+			wl := d.cli.Watch(wctx, d.k.latests(), from(nextL, clientv3.WithFilterDelete())...)
+			for wo != nil || wp != nil || wl != nil {
 				var wr clientv3.WatchResponse
 				var ok bool
 				next := &nextO
@@ -885,10 +892,16 @@ func (d *Directory) Watch(ctx context.Context) <-chan Event {
 						continue
 					}
 					next = &nextP
+				case wr, ok = <-wl:
+					if !ok {
+						wl = nil
+						continue
+					}
+					next = &nextL
 				}
 				if wr.CompactRevision != 0 {
 					d.log.Warn("the directory's watch lost history to compaction: resuming from the present", "revision", wr.CompactRevision)
-					nextO, nextP = 0, 0
+					nextO, nextP, nextL = 0, 0, 0
 					break
 				}
 				if wr.Err() != nil {
@@ -914,6 +927,14 @@ func (d *Directory) Watch(ctx context.Context) <-chan Event {
 								e.ID = o.ID
 							}
 						}
+					case strings.HasPrefix(key, d.k.latests()):
+						var l cluster.Latest
+						if err := cluster.Open(d.cfg.Secret, key, ev.Kv.Value, &l); err != nil || d.k.latest(l.Owner, l.Name) != key {
+							d.log.Warn("ignoring a latest record", "key", key, "err", err)
+							continue
+						}
+						e.Ref = cluster.Ref{Owner: l.Owner, Name: l.Name, Version: l.Version}
+						e.Committed, e.Keep = true, l.Keep
 					case strings.HasPrefix(key, pins):
 						r, rest, err := parseRef(strings.TrimPrefix(key, pins))
 						if err != nil {

@@ -489,3 +489,45 @@ func TestOldVersionRecordsPruned(t *testing.T) {
 		t.Fatalf("holder keys left: %d %v", r.Count, err)
 	}
 }
+
+// Watch reports each commit of a version with the keep_last its publisher
+// recorded (Keep), and 0 for a record without one.
+func TestWatchCommits(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, c := open(t, srv, "a"), open(t, srv, "c")
+	ctx := ctxT(t)
+	events := c.Watch(ctx)
+	for v := uint64(1); v <= 3; v++ {
+		for _, name := range []string{"kept", "plain"} {
+			o, _ := object(name, 70000)
+			o.Version, o.Shards = v, 1
+			if name == "kept" {
+				o.Keep = 2
+			}
+			if committed, err := a.Publish(ctx, o); err != nil || !committed {
+				t.Fatalf("%s v%d: committed=%v %v", name, v, committed, err)
+			}
+		}
+	}
+	// Older records pruned show as deletions; the commits come in order.
+	want := []Event{}
+	for v := uint64(1); v <= 3; v++ {
+		want = append(want, Event{Committed: true, Keep: 2, Ref: cluster.Ref{Owner: 1000, Name: "kept", Version: v}},
+			Event{Committed: true, Ref: cluster.Ref{Owner: 1000, Name: "plain", Version: v}})
+	}
+	for len(want) > 0 {
+		select {
+		case ev := <-events:
+			if !ev.Committed {
+				continue
+			}
+			ev.Key = ""
+			if ev != want[0] {
+				t.Fatalf("event %+v, want %+v", ev, want[0])
+			}
+			want = want[1:]
+		case <-time.After(5 * time.Second):
+			t.Fatalf("no commit event within 5s; want %+v", want[0])
+		}
+	}
+}

@@ -254,7 +254,8 @@ func (n *Node) Mirror() *etcddir.Mirror { return n.mirror }
 // Stats are the puller's counters.
 func (n *Node) Stats() cluster.PullStats { return n.p.Stats() }
 
-// watch drops replicas of names the cluster deleted and holds replicas
+// watch drops replicas of names the cluster deleted, retires replicas of
+// versions a commit leaves out of the name's keep_last, and holds replicas
 // while readers pin them.
 func (n *Node) watch(ctx context.Context) {
 	for ev := range n.dir.Watch(ctx) {
@@ -270,12 +271,21 @@ func (n *Node) handle(ctx context.Context, ev etcddir.Event) {
 	switch {
 	case ev.Deleted:
 		if ev.Ref.Version != 0 && !n.nameGone(ctx, ev.Ref) {
-			return // an old version's records pruned: replicas stay, by this node's keep_last
+			return // an old version's records pruned: replicas go by keep_last (Committed)
 		}
 		// Only the incarnation deleted: this node may have created the
 		// name again before its watch saw the delete.
 		if n.st.DropCluster(ev.Ref.Owner, ev.Ref.Name, ev.ID) {
 			n.log.Info("cluster deleted a name: local replica dropped", "object", ev.Ref.String())
+		}
+	case ev.Committed:
+		// Retention is cluster-wide where the publisher gave keep_last
+		// (Keep); a record without it leaves it to each node.
+		if ev.Keep == 0 || ev.Ref.Version <= uint64(ev.Keep) {
+			return
+		}
+		if k := n.st.RetireCluster(ev.Ref.Owner, ev.Ref.Name, ev.Ref.Version-uint64(ev.Keep)); k > 0 {
+			n.log.Debug("versions out of the cluster's keep_last retired", "object", ev.Ref.String(), "keep", ev.Keep, "versions", k)
 		}
 	case ev.Pinned:
 		f, err := n.st.LeaseCluster(ev.Ref.Owner, ev.Ref.Name, ev.Ref.Version, ev.Ref.Shard, "")
@@ -453,7 +463,7 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 		unix.Munmap(base)
 	}
 	o := cluster.Object{Name: co.Name, Owner: co.Owner, Shared: co.Shared, Size: co.Size, ChunkSize: chunk,
-		Version: co.Version, Shard: co.Shard, Shards: co.Shards,
+		Version: co.Version, Shard: co.Shard, Shards: co.Shards, Keep: co.Keep,
 		Sums: sums, Manifest: co.Manifest, GPU: f.GPU != nil, ID: cluster.NewID()}
 	if _, err := n.dir.Publish(ctx, o); err != nil {
 		if !errors.Is(err, cluster.ErrExists) || !n.awaitOwnWithdrawal(ctx, o) {
@@ -551,7 +561,7 @@ type sink struct{ n *Node }
 
 func (s sink) Create(ctx context.Context, o cluster.Object) (cluster.Replica, error) {
 	f, err := s.n.st.CreateReplica(store.ClusterObject{Owner: o.Owner, Name: o.Name, Size: o.Size, Shared: o.Shared,
-		Version: o.Version, Shard: o.Shard, Shards: o.Shards, ID: o.ID, Manifest: o.Manifest, GPU: o.GPU})
+		Version: o.Version, Shard: o.Shard, Shards: o.Shards, Keep: o.Keep, ID: o.ID, Manifest: o.Manifest, GPU: o.GPU})
 	if err != nil {
 		// The reader's error says where the replica did not fit (the
 		// store's own message names the device): this node, not the

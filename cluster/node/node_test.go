@@ -64,6 +64,12 @@ func startDaemonCap(t testing.TB, srv *etcdtest.Server, name string, capacity in
 // startDaemonOn is startDaemonCap with a store backend ("host", "cuda").
 func startDaemonOn(t testing.TB, srv *etcdtest.Server, name string, capacity int64, backend string) *daemon {
 	t.Helper()
+	return startDaemonKeep(t, srv, name, capacity, backend, 2)
+}
+
+// startDaemonKeep is startDaemonOn with the directory's KeepRecords.
+func startDaemonKeep(t testing.TB, srv *etcdtest.Server, name string, capacity int64, backend string, keepRecords int) *daemon {
+	t.Helper()
 	if err := ucx.Available(); err != nil {
 		if os.Getenv("CUDAIPC_REQUIRE_UCX") == "1" || os.Getenv(etcdtest.EnvRequire) == "1" {
 			t.Fatal(err)
@@ -76,7 +82,7 @@ func startDaemonOn(t testing.TB, srv *etcdtest.Server, name string, capacity int
 	log := slog.New(slog.NewTextHandler(testWriter{t, name, &d.logMu, &d.logBuf}, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	n, err := node.Start(ctx, node.Config{
 		Directory: etcddir.Config{Endpoints: []string{srv.Endpoint()}, Node: name, Secret: secret, TTL: 2 * time.Second,
-			CallTimeout: 5 * time.Second, Prefix: "/t/" + t.Name() + "/", KeepRecords: 2},
+			CallTimeout: 5 * time.Second, Prefix: "/t/" + t.Name() + "/", KeepRecords: keepRecords},
 		Listen: "127.0.0.1:0", Logger: log,
 	})
 	if err != nil {
