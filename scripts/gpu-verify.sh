@@ -10,7 +10,8 @@
 # Environment: WS_ARGS (weight_sync.py flags; default both models, in place
 # and no-copy, 5 versions), WS_TIMEOUT (170), XNODE_ARGS (default the 8B
 # shapes, 3 versions), XNODE_TIMEOUT (300), TEST_TIMEOUT (300, Go and Python
-# each), TEST_RUN (Go -test.run regexp, default all).
+# each), TEST_RUN (Go -test.run regexp, default all), GATHER_COMPARE=1 (the in-place
+# path's copies with and without the gather kernel, step 1b).
 # At most 8 files come back from $OUT: summary.txt, ws.{txt,json},
 # xnode.{txt,json}, gotests.log, pytest.log.
 set -uo pipefail
@@ -29,6 +30,16 @@ timeout "${WS_TIMEOUT:-170}" python3 scripts/bench/weight_sync.py --bin .gpu/bin
   ${WS_ARGS:---models dense,moe --paths cudaipc,cudaipc-nocopy --versions 5} \
   --json "$out/ws.json" >"$out/ws.txt" 2>&1
 stamp "weight_sync rc=$?"
+# 1b. With GATHER_COMPARE=1: the in-place 8B path with the gather kernel off, on and
+# limited to copies under 16 MiB (CUDAIPC_GATHER, CUDAIPC_GATHER_MAX_BYTES), appended to ws.txt.
+if [ -n "${GATHER_COMPARE:-}" ]; then
+  for v in CUDAIPC_GATHER=0 CUDAIPC_GATHER=1 CUDAIPC_GATHER_MAX_BYTES=16777216; do
+    echo "== $v" >>"$out/ws.txt"
+    env "$v" timeout 60 python3 scripts/bench/weight_sync.py --bin .gpu/bin/cudaipc --models dense \
+      --paths cudaipc --versions 5 >>"$out/ws.txt" 2>&1
+    stamp "weight_sync $v rc=$?"
+  done
+fi
 
 # 2. The cross-node weight sync (issue 19) beside every GPU test.
 (
