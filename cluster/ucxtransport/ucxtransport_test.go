@@ -20,11 +20,7 @@ import (
 func TestMain(m *testing.M) {
 	testutil.RunRole(roles)
 	// UCX on loopback tcp only, its logs on stderr.
-	for k, v := range map[string]string{"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_LOG_FILE": "/dev/stderr", "UCX_WARN_UNUSED_ENV_VARS": "n"} {
-		if _, set := os.LookupEnv(k); !set {
-			os.Setenv(k, v)
-		}
-	}
+	testutil.SetUCXLoopbackEnv()
 	os.Exit(m.Run())
 }
 

@@ -30,28 +30,10 @@ const EnvRequireUCX = "CUDAIPC_REQUIRE_UCX"
 // another (CUDAIPC_LIBUCP sets the reader's).
 const EnvPeerLibrary = "CUDAIPC_TEST_PEER_LIBUCP"
 
-// testEnv keeps UCX traffic on loopback tcp and its log lines off stdout,
-// which carries the helper conversation.
-var testEnv = []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=lo", "UCX_LOG_FILE=/dev/stderr", "UCX_WARN_UNUSED_ENV_VARS=n"}
-
 func TestMain(m *testing.M) {
-	for _, kv := range testEnv {
-		k, v, _ := cutEnv(kv)
-		if _, set := os.LookupEnv(k); !set {
-			os.Setenv(k, v)
-		}
-	}
+	testutil.SetUCXLoopbackEnv()
 	testutil.RunRole(testutil.Roles{"server": serveRole})
 	os.Exit(m.Run())
-}
-
-func cutEnv(kv string) (string, string, bool) {
-	for i := range kv {
-		if kv[i] == '=' {
-			return kv[:i], kv[i+1:], true
-		}
-	}
-	return kv, "", false
 }
 
 func requireUCX(t testing.TB) {

@@ -18,19 +18,10 @@ import (
 
 // linkEnv is the link every figure here is measured on: UCX tcp over
 // loopback, for both our processes and ucx_perftest's.
-var linkEnv = []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=lo", "UCX_LOG_FILE=/dev/stderr", "UCX_WARN_UNUSED_ENV_VARS=n"}
+var linkEnv = testutil.UCXLoopbackEnv
 
 func TestMain(m *testing.M) {
-	for _, kv := range linkEnv {
-		for i := range kv {
-			if kv[i] == '=' {
-				if _, set := os.LookupEnv(kv[:i]); !set {
-					os.Setenv(kv[:i], kv[i+1:])
-				}
-				break
-			}
-		}
-	}
+	testutil.SetUCXLoopbackEnv()
 	testutil.RunRole(testutil.Roles{"arena": arenaRole})
 	os.Exit(m.Run())
 }
