@@ -30,10 +30,11 @@ timeout "${WS_TIMEOUT:-170}" python3 scripts/bench/weight_sync.py --bin .gpu/bin
   ${WS_ARGS:---models dense,moe --paths cudaipc,cudaipc-nocopy --versions 5} \
   --json "$out/ws.json" >"$out/ws.txt" 2>&1
 stamp "weight_sync rc=$?"
-# 1b. With GATHER_COMPARE=1: the in-place 8B path with the gather kernel off, on and
-# limited to copies under 16 MiB (CUDAIPC_GATHER, CUDAIPC_GATHER_MAX_BYTES), appended to ws.txt.
+# 1b. With GATHER_COMPARE=1: the in-place 8B path with the gather kernel off, copying every
+# size both ways, and limited to copies under 16 MiB both ways (CUDAIPC_GATHER,
+# CUDAIPC_GATHER_MAX_BYTES), beside step 1's defaults, appended to ws.txt.
 if [ -n "${GATHER_COMPARE:-}" ]; then
-  for v in CUDAIPC_GATHER=0 CUDAIPC_GATHER=1 CUDAIPC_GATHER_MAX_BYTES=16777216; do
+  for v in CUDAIPC_GATHER=0 CUDAIPC_GATHER_MAX_BYTES=$((1 << 62)) CUDAIPC_GATHER_MAX_BYTES=16777216; do
     echo "== $v" >>"$out/ws.txt"
     env "$v" timeout 60 python3 scripts/bench/weight_sync.py --bin .gpu/bin/cudaipc --models dense \
       --paths cudaipc --versions 5 >>"$out/ws.txt" 2>&1

@@ -1,4 +1,5 @@
-"""The gather kernel's process switches: CUDAIPC_GATHER and CUDAIPC_GATHER_MAX_BYTES."""
+"""The gather kernel's process switches: CUDAIPC_GATHER and CUDAIPC_GATHER_MAX_BYTES
+(which sets the limit of loads and of stores into a bundle alike)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ PKG = os.path.dirname(HERE)
 
 
 def _import_gather(env: dict) -> subprocess.CompletedProcess:
-    code = "import cudaipc._gather as g; print(g.MAX_BYTES, g.ENABLED)"
+    code = "import cudaipc._gather as g; print(g.MAX_BYTES, g.STORE_MAX_BYTES, g.ENABLED)"
     return subprocess.run([sys.executable, "-c", code], cwd=PKG, capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=PKG, **env))
 
@@ -19,10 +20,11 @@ def _import_gather(env: dict) -> subprocess.CompletedProcess:
 def test_switches_set_the_limit_and_turn_the_kernel_off() -> None:
     out = _import_gather({"CUDAIPC_GATHER_MAX_BYTES": "16777216", "CUDAIPC_GATHER": "0"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["16777216", "False"]
+    assert out.stdout.split() == ["16777216", "16777216", "False"]
     out = _import_gather({"CUDAIPC_GATHER_MAX_BYTES": "", "CUDAIPC_GATHER": ""})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(1 << 62), "True"]
+    # Unset: loads all go to the kernel, stores into a bundle from 16 MiB on to the batch.
+    assert out.stdout.split() == [str(1 << 62), str(16 << 20), "True"]
 
 
 def test_a_bad_limit_is_one_clear_line() -> None:
