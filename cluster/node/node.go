@@ -23,6 +23,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sync/errgroup"
 	"golang.org/x/sys/unix"
 
 	"github.com/cudaipc/cudaipc/cluster"
@@ -409,31 +410,41 @@ func readable(e cluster.Entry, reader uint32) bool {
 	return e.Shared || reader == e.Owner || reader == 0
 }
 
+// shardPulls bounds the shards of one version pulled at once. A bundle's
+// shards are pulled side by side (each with its own chunks in flight), so
+// that the many shards of a large manifest (the MoE shapes: 19 of at most
+// 1,000 tensors) do not each wait for the previous one's lookup, exposure
+// and last chunk.
+const shardPulls = 4
+
 // pullVersion pulls every shard of the version whose shard 0 is e that
-// this node lacks: the version is published here when the last is sealed.
+// this node lacks, up to shardPulls at once: the version is published here
+// when the last is sealed. The first failure stops the others.
 func (n *Node) pullVersion(ctx context.Context, reader uint32, e cluster.Entry) error {
 	if !readable(e, reader) {
 		return fmt.Errorf("%s: %w", e.Ref(), store.ErrNotFound)
 	}
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(shardPulls)
 	for shard := range e.Shards {
 		if n.st.HasCluster(e.Owner, e.Name, e.Version, shard) {
 			continue // published here: the version's other shards came from other nodes
 		}
 		ref := cluster.Ref{Owner: e.Owner, Name: e.Name, Version: e.Version, Shard: shard}
-		pull := func() error {
-			return n.withLookup(ctx, ref, func(e cluster.Entry) error { _, err := n.p.PullEntry(ctx, e); return err })
-		}
-		if shard == e.Shard {
-			pull = func() error { _, err := n.p.PullEntry(ctx, e); return err }
-		}
-		if err := pull(); err != nil {
+		g.Go(func() error {
+			var err error
+			if shard == e.Shard {
+				_, err = n.p.PullEntry(gctx, e)
+			} else {
+				err = n.withLookup(gctx, ref, func(e cluster.Entry) error { _, err := n.p.PullEntry(gctx, e); return err })
+			}
 			if errors.Is(err, cluster.ErrNotFound) {
 				return fmt.Errorf("%w: %v", store.ErrNotFound, err)
 			}
 			return err
-		}
+		})
 	}
-	return nil
+	return g.Wait()
 }
 
 // Sealed implements store.ClusterHook: it records the object (or shard)

@@ -529,3 +529,29 @@ func TestPinHoldsReplica(t *testing.T) {
 	unpin()
 	eventually(t, 10*time.Second, "A lets go after the unpin", func() bool { return leases() == 0 })
 }
+
+// A version of more shards than a node pulls at once (shardPulls): one get
+// on B brings every shard, each with A's bytes.
+func TestManyShardsAcrossDaemons(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	const shards = 9
+	v, want := a.publish(t, "many", shards, 300001)
+	if ver, got, err := b.getVersion(ctx, "many", client.GetOptions{}); err != nil || ver != v || !bytes.Equal(got, want[0]) {
+		t.Fatalf("latest on B: v%d %v (want v%d, shard 0's bytes)", ver, err, v)
+	}
+	if p := b.node.Stats().Pulls; p != shards {
+		t.Fatalf("B made %d pulls for a version of %d shards", p, shards)
+	}
+	for i := range shards {
+		ver, got, err := b.getVersion(ctx, "many", client.GetOptions{Version: v, Shard: i})
+		if err != nil || ver != v || !bytes.Equal(got, want[i]) {
+			t.Fatalf("shard %d on B: v%d %v", i, ver, err)
+		}
+	}
+	if p := b.node.Stats().Pulls; p != shards {
+		t.Fatalf("B pulled %d more objects for shards the version's first get brought", p-shards)
+	}
+}
