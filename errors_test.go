@@ -101,6 +101,7 @@ func TestArgumentsRejectedBeforeTheDriver(t *testing.T) {
 		{"alloc 0", func() error { _, err := d.Alloc(0); return err }(), "positive"},
 		{"alloc -1", func() error { _, err := d.Alloc(-1); return err }(), "positive"},
 		{"host alloc 0", func() error { _, err := d.AllocHost(0); return err }(), "positive"},
+		{"register nothing", func() error { _, err := d.RegisterHost(nil); return err }(), "empty"},
 		{"nil export", func() error { _, err := d.GetMemHandle(0); return err }(), "nil"},
 		{"nil close", d.CloseMemHandle(0), "nil"},
 		{"copy -1", d.Copy(1, 2, -1), "negative"},

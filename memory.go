@@ -19,6 +19,9 @@ type DevicePtr uint64
 // a test that ends with a non-zero count leaked.
 type Live struct {
 	Buffers, HostBuffers, Streams, Events int64
+	// HostRegistrations counts host memory registered by RegisterHost and
+	// not yet unregistered.
+	HostRegistrations int64
 	// Mappings counts Mapping values returned by Import and ImportFD and not
 	// yet closed.
 	Mappings int64
@@ -34,7 +37,7 @@ type Live struct {
 
 var live struct {
 	buffers, hostBuffers, streams, events, mappings, memOpens atomic.Int64
-	shareableBuffers, fdMappings                              atomic.Int64
+	shareableBuffers, fdMappings, hostRegs                    atomic.Int64
 }
 
 // LiveObjects returns how many objects are open now.
@@ -44,6 +47,7 @@ func LiveObjects() Live {
 		Streams: live.streams.Load(), Events: live.events.Load(), Mappings: live.mappings.Load(),
 		MemHandleOpens:   live.memOpens.Load(),
 		ShareableBuffers: live.shareableBuffers.Load(), FDMappings: live.fdMappings.Load(),
+		HostRegistrations: live.hostRegs.Load(),
 	}
 }
 
@@ -487,5 +491,69 @@ func (h *HostBuffer) Free() error {
 	h.b = nil
 	h.cleanup.Stop()
 	live.hostBuffers.Add(-1)
+	return nil
+}
+
+// HostRegistration is host memory the caller allocated (an anonymous
+// mapping, say) page-locked and registered with the driver by
+// RegisterHost: copies to and from it run as from a HostBuffer's. The
+// caller may fill the memory first (in parallel, so that its pages are
+// faulted in by many threads) and register it afterwards, where AllocHost
+// faults every page in from one thread. A HostRegistration that becomes
+// unreachable without Unregister is unregistered by a cleanup and the
+// leak is logged; the memory itself stays the caller's.
+type HostRegistration struct {
+	dev     *Device
+	mu      sync.Mutex
+	b       []byte
+	cleanup runtime.Cleanup
+}
+
+type hostRegLeak struct {
+	dev *Device
+	b   []byte
+}
+
+func unregisterLeakedHost(l hostRegLeak) {
+	releaseLeaked("HostRegistration", l.dev, int64(len(l.b)), &live.hostRegs, func() error { return cu.MemHostUnregister(l.b) })
+}
+
+// RegisterHost page-locks b and registers it with the driver for every
+// context (CU_MEMHOSTREGISTER_PORTABLE). b must stay allocated, and must
+// not be registered again, until Unregister.
+func (d *Device) RegisterHost(b []byte) (*HostRegistration, error) {
+	if len(b) == 0 {
+		return nil, &ArgError{Op: "RegisterHost", Arg: "b", Reason: "empty"}
+	}
+	if err := d.do(func() error { return cu.MemHostRegister(b, cu.MemHostRegisterPortable) }); err != nil {
+		return nil, err
+	}
+	h := &HostRegistration{dev: d, b: b}
+	live.hostRegs.Add(1)
+	h.cleanup = runtime.AddCleanup(h, unregisterLeakedHost, hostRegLeak{d, b})
+	return h, nil
+}
+
+// Bytes returns the registered memory.
+func (h *HostRegistration) Bytes() []byte {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.b
+}
+
+// Unregister unpins the memory, which stays the caller's to free;
+// unregistering twice is not an error.
+func (h *HostRegistration) Unregister() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.b == nil {
+		return nil
+	}
+	if err := h.dev.do(func() error { return cu.MemHostUnregister(h.b) }); err != nil {
+		return err
+	}
+	h.b = nil
+	h.cleanup.Stop()
+	live.hostRegs.Add(-1)
 	return nil
 }

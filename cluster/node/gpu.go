@@ -1,11 +1,15 @@
 package node
 
 import (
+	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/staging"
 	"github.com/cudaipc/cudaipc/cluster/ucxtransport"
 	"github.com/cudaipc/cudaipc/store"
 )
@@ -15,9 +19,10 @@ import (
 // cannot read GPU memory, and the CRC-32C of every chunk is computed where
 // the bytes are in host memory anyway.
 //
-//   - seal: the object is copied device→host into a pinned buffer and its
-//     chunks' checksums are computed there; the buffer goes back to the pool
-//     tagged with the object's incarnation;
+//   - seal: the object is copied device→host into a pinned buffer, a slice
+//     at a time, and the checksums of each slice's chunks are computed
+//     while the next slice copies (staging.CopyOut); the buffer goes back
+//     to the pool tagged with the object's incarnation;
 //   - expose: peers GET from a pinned buffer holding the object, registered
 //     with UCX once (kept with the buffer): the one tagged with its
 //     incarnation if the pool still has it (staged at the seal, by an
@@ -70,16 +75,11 @@ type pinnedPool struct {
 	max       int64
 	closed    bool
 	// alloc allocates n bytes of pinned memory of dev's context; nil means
-	// dev.AllocHost.
+	// staging.AllocPinned.
 	alloc func(dev *cudaipc.Device, n int64) (mem []byte, release func() error, err error)
-}
-
-func allocHost(dev *cudaipc.Device, n int64) ([]byte, func() error, error) {
-	hb, err := dev.AllocHost(n)
-	if err != nil {
-		return nil, nil, err
-	}
-	return hb.Bytes(), hb.Free, nil
+	// allocs and allocNanos count the buffers allocated and the time
+	// their allocation took.
+	allocs, allocNanos atomic.Int64
 }
 
 // take returns an idle buffer of dev holding incarnation tag's size bytes,
@@ -131,8 +131,9 @@ func (pp *pinnedPool) get(dev *cudaipc.Device, size int64) (*pinned, error) {
 	pp.mu.Unlock()
 	alloc := pp.alloc
 	if alloc == nil {
-		alloc = allocHost
+		alloc = staging.AllocPinned
 	}
+	start := time.Now()
 	n := (size + pinnedUnit - 1) / pinnedUnit * pinnedUnit
 	mem, release, err := alloc(dev, n)
 	if err != nil && n > size {
@@ -141,6 +142,8 @@ func (pp *pinnedPool) get(dev *cudaipc.Device, size int64) (*pinned, error) {
 	if err != nil {
 		return nil, fmt.Errorf("pinned host memory for staging %d bytes: %w", size, err)
 	}
+	pp.allocs.Add(1)
+	pp.allocNanos.Add(int64(time.Since(start)))
 	return &pinned{mem: mem, release: release, dev: dev}, nil
 }
 
@@ -196,15 +199,41 @@ func (n *Node) stageOut(f *store.ClusterFile, id string) (*pinned, error) {
 	return b, nil
 }
 
-// gpuChecksums computes the chunk checksums of the GPU object of f in host
-// memory, on every CPU at once, and returns the pinned buffer holding it,
-// for the caller to tag (once published) and give back.
-func (n *Node) gpuChecksums(f *store.ClusterFile, chunk int64) ([]uint32, *pinned, error) {
-	b, err := n.stageOut(f, "")
+// gpuSealTimes is where a GPU object's seal spent its time: staging it
+// (the device→host copy and the checksums, a pinned buffer's allocation
+// among them, alloc) and publishing its record.
+type gpuSealTimes struct{ stage, alloc, publish time.Duration }
+
+// gpuChecksums copies the GPU object of f device→host into a pinned
+// buffer and computes its chunk checksums there, the checksums of each
+// slice while the next one copies, and returns the buffer holding the
+// object, for the caller to tag (once published) and give back.
+func (n *Node) gpuChecksums(ctx context.Context, f *store.ClusterFile, chunk int64) ([]uint32, *pinned, error) {
+	dev, src := f.GPU.Device, f.GPU.Ptr
+	sums, b, err := stageSums(ctx, &n.pinned, dev, f.Size, chunk, func(off int64, p []byte) error {
+		return dev.CopyFromDevice(p, src+cudaipc.DevicePtr(off))
+	})
 	if err != nil {
 		return nil, nil, err
 	}
-	return cluster.ChecksumsParallel(b.mem[:f.Size], chunk), b, nil
+	n.stagedBytes.Add(uint64(f.Size))
+	return sums, b, nil
+}
+
+// stageSums fills a pinned buffer of pp with size bytes through copyOut
+// (staging.CopyOut) and returns their chunk checksums and the buffer; on
+// an error the buffer goes back to pp.
+func stageSums(ctx context.Context, pp *pinnedPool, dev *cudaipc.Device, size, chunk int64, copyOut func(off int64, p []byte) error) ([]uint32, *pinned, error) {
+	b, err := pp.get(dev, size)
+	if err != nil {
+		return nil, nil, err
+	}
+	sums, err := staging.CopyOut(ctx, b.mem[:size], chunk, staging.DefaultSealSlice, 0, copyOut)
+	if err != nil {
+		pp.put(b)
+		return nil, nil, fmt.Errorf("stage a GPU object device→host: %w", err)
+	}
+	return sums, b, nil
 }
 
 // exposeGPU says where peers read the GPU object of f, of incarnation
@@ -222,10 +251,12 @@ func (n *Node) exposeGPU(f *store.ClusterFile, id string) (cluster.Exposure, fun
 		return cluster.Exposure{}, nil, err
 	}
 	if b.reg == nil {
+		start := time.Now()
 		if b.reg, err = n.tr.Register(b.mem); err != nil {
 			n.pinned.put(b)
 			return cluster.Exposure{}, nil, fmt.Errorf("register a pinned staging buffer with UCX: %w", err)
 		}
+		n.registerNanos.Add(int64(time.Since(start)))
 	}
 	e := cluster.Exposure{Worker: n.tr.WorkerAddress(), RKey: b.reg.Key(), Addr: b.reg.Addr(0), Size: f.Size}
 	n.exposures.Add(1)

@@ -84,6 +84,14 @@ type Node struct {
 	// memory (gpu.go): exposed, or landed in a replica.
 	stagedBytes atomic.Uint64
 	pinned      pinnedPool
+	// lastGPUSeal is where the time of the last GPU object's seal went;
+	// registerNanos counts the time pinned buffers took to register with
+	// UCX (the first exposure of each).
+	lastGPUSeal   atomic.Pointer[gpuSealTimes]
+	registerNanos atomic.Int64
+	// replicaNanos counts the time the store took to make GPU replicas
+	// (their device memory).
+	replicaNanos atomic.Int64
 
 	mu     sync.Mutex
 	arenas map[uint64]*arenaReg          // registered arenas, by store arena id
@@ -459,11 +467,14 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 	chunk := cluster.ChunkSizeFor(co.Size)
 	var sums []uint32
 	var staged *pinned // a GPU object's bytes in pinned memory, for its first exposures
+	var times *gpuSealTimes
 	if f.GPU != nil {
-		if sums, staged, err = n.gpuChecksums(f, chunk); err != nil {
+		start, allocs := time.Now(), n.pinned.allocNanos.Load()
+		if sums, staged, err = n.gpuChecksums(ctx, f, chunk); err != nil {
 			return "", err
 		}
 		defer func() { n.pinned.put(staged) }()
+		times = &gpuSealTimes{stage: time.Since(start), alloc: time.Duration(n.pinned.allocNanos.Load() - allocs)}
 	} else {
 		mem, base, err := mapRange(f.File, f.Offset, f.Size, unix.PROT_READ)
 		f.File.Close()
@@ -476,6 +487,7 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 	o := cluster.Object{Name: co.Name, Owner: co.Owner, Shared: co.Shared, Size: co.Size, ChunkSize: chunk,
 		Version: co.Version, Shard: co.Shard, Shards: co.Shards, Keep: co.Keep,
 		Sums: sums, Manifest: co.Manifest, GPU: f.GPU != nil, ID: cluster.NewID()}
+	published := time.Now()
 	if _, err := n.dir.Publish(ctx, o); err != nil {
 		if !errors.Is(err, cluster.ErrExists) || !n.awaitOwnWithdrawal(ctx, o) {
 			return "", err
@@ -486,6 +498,12 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 	}
 	if staged != nil {
 		staged.tag = o.ID
+	}
+	if times != nil {
+		times.publish = time.Since(published)
+		n.lastGPUSeal.Store(times)
+		n.log.Debug("GPU object sealed", "object", o.Ref().String(), "size", o.Size,
+			"stage", times.stage, "pinned_alloc", times.alloc, "publish", times.publish)
 	}
 	return o.ID, nil
 }
@@ -571,6 +589,7 @@ func mapRange(f *os.File, off, size int64, prot int) (mem, whole []byte, err err
 type sink struct{ n *Node }
 
 func (s sink) Create(ctx context.Context, o cluster.Object) (cluster.Replica, error) {
+	start := time.Now()
 	f, err := s.n.st.CreateReplica(store.ClusterObject{Owner: o.Owner, Name: o.Name, Size: o.Size, Shared: o.Shared,
 		Version: o.Version, Shard: o.Shard, Shards: o.Shards, Keep: o.Keep, ID: o.ID, Manifest: o.Manifest, GPU: o.GPU})
 	if err != nil {
@@ -580,6 +599,7 @@ func (s sink) Create(ctx context.Context, o cluster.Object) (cluster.Replica, er
 		return nil, fmt.Errorf("node %s: replica of %s: %w", s.n.cfg.Directory.Node, o.Ref(), err)
 	}
 	if f.GPU != nil {
+		s.n.replicaNanos.Add(int64(time.Since(start)))
 		return s.createGPU(f, o)
 	}
 	mem, whole, err := mapRange(f.File, f.Offset, f.Size, unix.PROT_READ|unix.PROT_WRITE)

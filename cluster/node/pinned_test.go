@@ -1,9 +1,17 @@
 package node
 
 import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/staging"
 )
 
 // fakePinned counts the pool's allocations and frees of Go memory.
@@ -79,5 +87,46 @@ func TestPinnedPoolReuseAndTags(t *testing.T) {
 	pp.put(c)
 	if f.frees != 2 {
 		t.Fatalf("%d frees after close and a put, want 2", f.frees)
+	}
+}
+
+// stageSums returns the checksums cluster.Checksums gives for the bytes
+// copied out, and the buffer holding them; a copy failing mid-way returns
+// the buffer to the pool, and the next seal gets it back.
+func TestStageSumsCopyFails(t *testing.T) {
+	f := &fakePinned{}
+	pp := &pinnedPool{max: 4 * pinnedUnit, alloc: f.alloc}
+	const chunk = 1 << 20
+	size := int64(staging.DefaultSealSlice*2 + 3*chunk + 5) // slices and chunks: neither divides it
+	src := make([]byte, size)
+	rand.NewChaCha8([32]byte{4}).Read(src)
+	memcpy := func(off int64, p []byte) error { copy(p, src[off:]); return nil }
+	errDMA := errors.New("DMA failed")
+	_, b, err := stageSums(context.Background(), pp, nil, size, chunk, func(off int64, p []byte) error {
+		if off > 0 {
+			return errDMA
+		}
+		return memcpy(off, p)
+	})
+	if !errors.Is(err, errDMA) || b != nil || !strings.Contains(err.Error(), "stage a GPU object device→host") {
+		t.Fatalf("stageSums with a failing copy: %v, buffer %v", err, b)
+	}
+	if len(pp.idle) != 1 || f.allocs != 1 || f.frees != 0 {
+		t.Fatalf("after a failed stage: %d idle, %d allocated, %d freed; want the one buffer back in the pool", len(pp.idle), f.allocs, f.frees)
+	}
+	sums, b, err := stageSums(context.Background(), pp, nil, size, chunk, memcpy)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f.allocs != 1 || len(pp.idle) != 0 {
+		t.Fatalf("the seal after a failed one allocated again (%d allocations, %d idle)", f.allocs, len(pp.idle))
+	}
+	if !bytes.Equal(b.mem[:size], src) || !slices.Equal(sums, cluster.Checksums(src, chunk)) {
+		t.Fatal("the staged bytes or their sums differ from the source's")
+	}
+	pp.put(b)
+	pp.close()
+	if f.frees != 1 {
+		t.Fatalf("%d frees after close, want 1", f.frees)
 	}
 }

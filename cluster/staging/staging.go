@@ -7,6 +7,11 @@
 // Run is the pipeline; Copy puts one together from a source, a wire and
 // a sink. The chunk size and the depth are parameters to be measured on
 // the machine (BenchmarkStagedCopy sweeps them), not guessed.
+//
+// CopyOut is the holder's seal of a GPU object: the device→host copy into
+// a pinned buffer, slice by slice, with the checksums of each slice's
+// chunks computed while the next slice copies. AllocPinned makes the
+// pinned buffers, faster than cuMemAllocHost for gigabytes.
 package staging
 
 import (

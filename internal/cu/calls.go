@@ -173,6 +173,29 @@ func MemAllocHost(size uint64) ([]byte, error) {
 // MemFreeHost frees memory returned by MemAllocHost.
 func MemFreeHost(b []byte) error { return callMemFreeHost(unsafe.Pointer(unsafe.SliceData(b))) }
 
+// MemHostRegisterPortable is cuMemHostRegister's CU_MEMHOSTREGISTER_PORTABLE:
+// the memory is page-locked for every context, not only the current one.
+const MemHostRegisterPortable = 1
+
+// MemHostRegister page-locks b, memory the caller allocated (an anonymous
+// mapping, say), and registers it with the driver, so that copies to and
+// from it run as from MemAllocHost's memory. b must stay allocated until
+// MemHostUnregister.
+func MemHostRegister(b []byte, flags uint32) error {
+	if len(b) == 0 {
+		return loaded("cuMemHostRegister")
+	}
+	return callMemHostRegister(unsafe.Pointer(unsafe.SliceData(b)), uint64(len(b)), flags)
+}
+
+// MemHostUnregister undoes MemHostRegister of b (the same start address).
+func MemHostUnregister(b []byte) error {
+	if len(b) == 0 {
+		return loaded("cuMemHostUnregister")
+	}
+	return callMemHostUnregister(unsafe.Pointer(unsafe.SliceData(b)))
+}
+
 // MemGetInfo returns free and total memory of the current context's device.
 func MemGetInfo() (free, total uint64, err error) {
 	err = callMemGetInfo(&free, &total)

@@ -29,6 +29,8 @@ var procs struct {
 	cuMemFree                              uintptr
 	cuMemAllocHost                         uintptr
 	cuMemFreeHost                          uintptr
+	cuMemHostRegister                      uintptr
+	cuMemHostUnregister                    uintptr
 	cuMemGetInfo                           uintptr
 	cuMemGetAddressRange                   uintptr
 	cuPointerGetAttribute                  uintptr
@@ -99,6 +101,8 @@ var entries = []entry{
 	{"cuMemFree", "cuMemFree_v2", true, nil, &procs.cuMemFree},
 	{"cuMemAllocHost", "cuMemAllocHost_v2", true, nil, &procs.cuMemAllocHost},
 	{"cuMemFreeHost", "cuMemFreeHost", true, nil, &procs.cuMemFreeHost},
+	{"cuMemHostRegister", "cuMemHostRegister_v2", false, nil, &procs.cuMemHostRegister},
+	{"cuMemHostUnregister", "cuMemHostUnregister", false, nil, &procs.cuMemHostUnregister},
 	{"cuMemGetInfo", "cuMemGetInfo_v2", true, nil, &procs.cuMemGetInfo},
 	{"cuMemGetAddressRange", "cuMemGetAddressRange_v2", false, nil, &procs.cuMemGetAddressRange},
 	{"cuPointerGetAttribute", "cuPointerGetAttribute", false, nil, &procs.cuPointerGetAttribute},
@@ -393,6 +397,40 @@ func callMemFreeHost(p unsafe.Pointer) error {
 		return err
 	}
 	return check("cuMemFreeHost", cuMemFreeHost(p))
+}
+
+// cuMemHostRegister is the trampoline of CUresult cuMemHostRegister(void *p, size_t bytesize, unsigned int Flags).
+func cuMemHostRegister(p unsafe.Pointer, bytesize uint64, Flags uint32) Result {
+	r, _, _ := purego.SyscallN(procs.cuMemHostRegister, uintptr(p), uintptr(bytesize), uintptr(Flags))
+	return Result(int32(r))
+}
+
+// callMemHostRegister calls cuMemHostRegister (optional, symbol cuMemHostRegister_v2).
+func callMemHostRegister(p unsafe.Pointer, bytesize uint64, Flags uint32) error {
+	if err := loaded("cuMemHostRegister"); err != nil {
+		return err
+	}
+	if procs.cuMemHostRegister == 0 {
+		return missing("cuMemHostRegister", "cuMemHostRegister_v2")
+	}
+	return check("cuMemHostRegister", cuMemHostRegister(p, bytesize, Flags))
+}
+
+// cuMemHostUnregister is the trampoline of CUresult cuMemHostUnregister(void *p).
+func cuMemHostUnregister(p unsafe.Pointer) Result {
+	r, _, _ := purego.SyscallN(procs.cuMemHostUnregister, uintptr(p))
+	return Result(int32(r))
+}
+
+// callMemHostUnregister calls cuMemHostUnregister (optional, symbol cuMemHostUnregister).
+func callMemHostUnregister(p unsafe.Pointer) error {
+	if err := loaded("cuMemHostUnregister"); err != nil {
+		return err
+	}
+	if procs.cuMemHostUnregister == 0 {
+		return missing("cuMemHostUnregister", "cuMemHostUnregister")
+	}
+	return check("cuMemHostUnregister", cuMemHostUnregister(p))
 }
 
 // cuMemGetInfo is the trampoline of CUresult cuMemGetInfo(size_t *free, size_t *total).

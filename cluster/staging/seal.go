@@ -1,0 +1,83 @@
+package staging
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"sync"
+
+	"github.com/cudaipc/cudaipc/cluster"
+)
+
+// DefaultSealSlice is the bytes CopyOut copies at a time. The pipeline's
+// fill and drain cost about one slice's copy and one slice's checksums
+// (~1 ms each for 64 MiB at the H200's ~55 GB/s device→host), and the
+// copy calls' fixed cost (tens of µs) stays under 2% of a slice's copy;
+// larger slices gain nothing on either count, smaller ones add calls.
+const DefaultSealSlice = 64 << 20
+
+// CopyOut fills dst with copyOut, slice bytes at a time, and returns the
+// CRC-32C of dst's chunks: cluster.Checksums(dst, chunk). Workers compute
+// the checksums of the chunks of each slice copied while the next slices
+// copy, so the seal of a GPU object (a device→host copy and the checksums
+// of every chunk) costs about the longer of the two, not their sum.
+//
+// copyOut(off, b) must fill b with the object's bytes [off, off+len(b));
+// it is called from the calling goroutine, in order of off, one slice at a
+// time. slice is rounded up to a multiple of chunk (slice <= 0 means
+// DefaultSealSlice); workers <= 0 means GOMAXPROCS.
+//
+// The first error of copyOut, or ctx's, stops the copy and is returned
+// naming the slice's offset; the workers are done with dst when CopyOut
+// returns, whatever it returns, so the caller may reuse or free it.
+func CopyOut(ctx context.Context, dst []byte, chunk, slice int64, workers int, copyOut func(off int64, b []byte) error) ([]uint32, error) {
+	if chunk <= 0 {
+		return nil, fmt.Errorf("staging: chunk size %d", chunk)
+	}
+	if slice <= 0 {
+		slice = DefaultSealSlice
+	}
+	slice = (slice + chunk - 1) / chunk * chunk
+	if workers <= 0 {
+		workers = runtime.GOMAXPROCS(0)
+	}
+	size := int64(len(dst))
+	chunks := int((size + chunk - 1) / chunk)
+	sums := make([]uint32, chunks)
+	workers = min(workers, chunks)
+	// ready carries the numbers of the chunks copied so far; it holds
+	// every chunk, so the copy never waits for the workers.
+	ready := make(chan int, chunks)
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for i := range ready {
+				off := int64(i) * chunk
+				sums[i] = cluster.Checksum(dst[off:min(off+chunk, size)])
+			}
+		})
+	}
+	var err error
+	for off := int64(0); off < size; off += slice {
+		if err = ctx.Err(); err != nil {
+			err = fmt.Errorf("staging: copy out at %d of %d bytes: %w", off, size, err)
+			break
+		}
+		end := min(off+slice, size)
+		if err = copyOut(off, dst[off:end]); err != nil {
+			err = fmt.Errorf("staging: copy out [%d, %d) of %d bytes: %w", off, end, size, err)
+			break
+		}
+		for i := off / chunk; i < (end+chunk-1)/chunk; i++ {
+			ready <- int(i)
+		}
+	}
+	// On an error the workers finish the chunks queued (they keep pace
+	// with the copy, so little is left) before dst goes back.
+	close(ready)
+	wg.Wait()
+	if err != nil {
+		return nil, err
+	}
+	return sums, nil
+}
