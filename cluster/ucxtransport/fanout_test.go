@@ -58,6 +58,10 @@ type nodeReply struct {
 
 const fanoutPrefix = "/t/fanout/"
 
+// maxFanout is issue 19's bound: with fan-out, all readers done within
+// this many times size / link rate.
+const maxFanout = 1.3
+
 // fanoutNode is one cluster node in a network namespace of its own: UCX
 // over tcp on its eth0 (UCX_NET_DEVICES, set by the test), the control
 // channel on its address, and a puller with and one without fan-out.
@@ -206,24 +210,36 @@ func parseRate(t *testing.T, s string) float64 {
 	return 0
 }
 
-// TestFanoutOverLimitedLinks: one publisher and four readers, each a
-// process in a network namespace of its own behind a link limited to the
-// same rate both ways (tc tbf). Four pulls straight from the publisher
-// share its link, so the last ends after at least 4 × size/rate; with
-// fan-out the readers chain and each byte crosses the publisher's link
-// once (about 1.1-1.4 × size/rate here; both figures logged). Asserted
-// against the same run's naive round, which the links bound and a loaded
-// CPU cannot speed up: the last reader with fan-out done within half the
-// time of the last without, and one reader served by the publisher, the
-// others wholly by feeders.
+// TestFanoutOverLimitedLinks is issue 19's fan-out test: one publisher
+// and four readers, each a process in a network namespace of its own
+// behind a link limited to the same rate both ways (clustertest.Net.Link:
+// HTB, jumbo frames). Four pulls straight from the publisher share its
+// link, so the last ends after at least 4 × size/rate (logged, and the
+// same run's reference); with fan-out the readers chain, each byte crosses
+// every link once, and the last reader must be done within 1.3 × size/rate
+// (the issue's bound) and within half the time of the last naive pull;
+// one reader is served by the publisher, the others wholly by feeders.
 //
-// The default link is 25 Mbit/s and the object 12 MiB (4 s a copy), in
-// 64 KiB chunks: on the project's 2-core CPU machine, shared by other
-// work, four links at 100-200 Mbit/s at once are bound by the CPU rather
-// than the links, and the ratio then measures the machine (docs/cluster.md
-// has the figures at 25-200 Mbit/s). CUDAIPC_FANOUT_RATE (e.g. 200mbit),
-// CUDAIPC_FANOUT_MIB, CUDAIPC_FANOUT_CHUNK_KIB and CUDAIPC_FANOUT_STREAMS
-// (reads in flight per source, default 8) change them.
+// A timed assertion, which the project otherwise avoids: the issue asks
+// for this bound in CI. It holds with margin because the links, not the
+// CPUs, set the pace: at the default 25 Mbit/s the five processes move
+// about 12 MB/s in all, a tenth of what the project's 2-core machine moves
+// between them, and one copy takes 4 s, so the bound leaves 1.2 s for what
+// the chain adds. What it adds, measured (docs/cluster.md): the frames'
+// headers (0.7% at MTU 9000), the setup before the first read (10-50 ms:
+// directory records, control channel, UCX connect), one chunk's time on the
+// link per hop (64 KiB: 21 ms; chunks are whole when forwarded) and
+// scheduling stalls of a loaded machine (up to ~0.1 s seen): 1.03-1.09×
+// in 30 runs, quiet, with -race and beside CPU hogs. A reader's
+// time is its own, from its request to its sealed replica, which leaves out
+// the pipes to this process.
+//
+// CUDAIPC_FANOUT_RATE (e.g. 100mbit), CUDAIPC_FANOUT_MIB,
+// CUDAIPC_FANOUT_CHUNK_KIB (a power of two, at least 64) and
+// CUDAIPC_FANOUT_STREAMS (reads in flight per source, default 8) change
+// the defaults (25mbit, 12 MiB, 64 KiB); at higher rates the CPUs of a
+// small machine may set the pace instead, and the bound then measures the
+// machine.
 func TestFanoutOverLimitedLinks(t *testing.T) {
 	requireUCX(t)
 	clustertest.RequireNet(t)
@@ -300,11 +316,14 @@ func TestFanoutOverLimitedLinks(t *testing.T) {
 	t.Logf("%d MiB to %d readers over %s links (one copy: %.2fs)", mib, readers, rate, ideal)
 	t.Logf("naive:   all done in %.2fs = %.2f× one copy (each: %s)", naive.Seconds(), naive.Seconds()/ideal, secs(naiveEach))
 	t.Logf("fan-out: all done in %.2fs = %.2f× one copy (each: %s; bytes from feeders: %v)", fan.Seconds(), fan.Seconds()/ideal, secs(fanEach), fed)
-	// The bound is on the readers' own times (from the request to the
-	// sealed replica), which leave out the pipes to this process.
-	if f, n := slices.Max(fanEach), slices.Max(naiveEach); f > n/2 {
+	f, nv := slices.Max(fanEach), slices.Max(naiveEach)
+	if f > maxFanout*ideal {
+		t.Errorf("the last reader took %.2fs with fan-out = %.2f× size/rate (naive: %.2f×): want at most %.1f×",
+			f, f/ideal, nv/ideal, maxFanout)
+	}
+	if f > nv/2 {
 		t.Errorf("the last reader took %.2fs with fan-out (%.2f× size/rate), %.2fs without (%.2f×): want at most half",
-			f, f/ideal, n, n/ideal)
+			f, f/ideal, nv, nv/ideal)
 	}
 	zero, all := 0, 0
 	for _, b := range fed {
