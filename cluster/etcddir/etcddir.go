@@ -15,9 +15,15 @@
 // calls fail with an error wrapping cluster.ErrUnavailable, and for a short
 // while after such a failure they fail at once rather than each waiting out
 // its timeout. The node's lease is renewed in the background; when it is
-// lost (etcd away for longer than the TTL), a new one is granted as soon
-// as etcd answers again and every record this node keeps on its lease (its
-// node record, holders, pins) is written again.
+// lost (etcd away for longer than the TTL, or renewals late on a loaded
+// machine), a new one is granted as soon as etcd answers again and every
+// record this node keeps on its lease (its node record, holders, pins) is
+// written again on it. The client reconnects within about a second of etcd
+// answering (reconnectBackoff). etcd keeps leases across its own restart
+// and renews them all when it comes back, so the records on the lost lease
+// reappear with etcd for about a TTL; the rewrite, that prompt, normally
+// moves them onto the new lease before the lost one runs out, without a
+// gap.
 package etcddir
 
 import (
@@ -36,6 +42,8 @@ import (
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -53,6 +61,13 @@ const (
 	// fastFail is how long calls fail at once after one found etcd away.
 	fastFail = time.Second
 )
+
+// reconnectBackoff bounds the gRPC connection's reconnect backoff: with
+// gRPC's default (1 s growing to 120 s) a node whose etcd was away for a
+// minute might wait another minute before it notices etcd is back, its
+// records missing all that while. Capped at fastFail, a node is back
+// within about a second of etcd.
+var reconnectBackoff = backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: fastFail}
 
 // Config configures a Directory.
 type Config struct {
@@ -189,6 +204,9 @@ func Open(ctx context.Context, cfg Config) (*Directory, error) {
 		DialKeepAliveTimeout: cfg.CallTimeout,
 		TLS:                  tlsCfg,
 		Logger:               zap.NewNop(),
+		DialOptions: []grpc.DialOption{grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff: reconnectBackoff, MinConnectTimeout: cfg.CallTimeout,
+		})},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("etcd at %s: %w", strings.Join(cfg.Endpoints, ","), err)
@@ -282,12 +300,14 @@ func (d *Directory) keep(ctx context.Context) {
 			if ctx.Err() != nil {
 				return
 			}
+			// Calls that need no lease go on: the lease may have lapsed
+			// with etcd answering (renewals late under load); a call that
+			// finds etcd away makes the others fail fast (fail).
 			d.mu.Lock()
 			d.lease = 0
 			d.leaseUp = make(chan struct{})
 			d.mu.Unlock()
-			d.downUntil.Store(time.Now().Add(fastFail).UnixNano())
-			d.log.Warn("cluster lease lost: this node's records are gone until etcd answers again")
+			d.log.Warn("cluster lease lost: this node's records are gone until etcd answers again", "lease", int64(lease))
 		}
 		if err := d.grant(ctx); err != nil {
 			select {
