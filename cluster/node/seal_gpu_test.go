@@ -3,6 +3,7 @@ package node_test
 import (
 	"bytes"
 	"context"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"strconv"
@@ -16,17 +17,19 @@ import (
 	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
-// TestGPUVersionTimes publishes three versions of a GPU object on daemon
+// TestGPUVersionTimes publishes two versions of a GPU object on daemon
 // A and gets each on daemon B right after its seal, and logs where the
 // time went: A's seal (staging: the device→host copy and the checksums,
 // of which a pinned buffer's allocation; the record's publish), B's get
 // (the pull, of which B's pinned allocation and its store's making of the
 // replica's GPU memory), A's UCX registration of the
 // buffer it exposes. The first version allocates every pinned buffer;
-// the later ones reuse them. It runs with the pool's pinned buffers from
+// the second reuses them. It runs with the pool's pinned buffers from
 // staging.AllocPinned and from cuMemAllocHost, and checks the bytes B
 // gets (the first, a middle and the last 64 MiB; the pull checked every
-// chunk's CRC). CUDAIPC_SEAL_GIB sets the size (1 GiB by default):
+// chunk's CRC); staging.AllocPinned's debug lines (populate and register
+// times) go to stderr. CUDAIPC_SEAL_GIB sets the size (1 GiB by default),
+// CUDAIPC_SEAL_ALLOC=AllocPinned or cuMemAllocHost runs only that one:
 //
 //	CUDAIPC_SEAL_GIB=8 ./cluster_node.test -test.run GPUVersionTimes -test.v
 func TestGPUVersionTimes(t *testing.T) {
@@ -39,7 +42,13 @@ func TestGPUVersionTimes(t *testing.T) {
 		}
 	}
 	size := gib<<30 + 4097
+	// staging.AllocPinned's populate and register times, at debug level.
+	defer slog.SetDefault(slog.Default())
+	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug})))
 	for _, alloc := range []string{"AllocPinned", "cuMemAllocHost"} {
+		if only := os.Getenv("CUDAIPC_SEAL_ALLOC"); only != "" && only != alloc {
+			continue
+		}
 		t.Run(alloc, func(t *testing.T) {
 			srv := etcdtest.Start(t)
 			capacity := 3*size + 64<<20
@@ -50,7 +59,7 @@ func TestGPUVersionTimes(t *testing.T) {
 			}
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 			defer cancel()
-			for v := range 3 {
+			for v := range 2 {
 				o, err := a.c.Publish(ctx, "w", size, client.CreateOptions{Cluster: true, Device: dev.UUID().String(), Versioned: true, KeepLast: 1})
 				if err != nil {
 					t.Fatal(err)

@@ -3,9 +3,11 @@ package staging
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"runtime"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -29,11 +31,11 @@ func AllocPinned(dev *cudaipc.Device, n int64) ([]byte, func() error, error) {
 
 // pinnedHugePages says whether AllocPinned asks for transparent huge
 // pages (MADV_HUGEPAGE) before faulting its mapping in: 512 times fewer
-// faults, and pages the driver pins and maps 2 MiB at a time. On the H200
-// machine a 16 GiB buffer took 0.92 s so, 2.0 s with 4 KiB pages and 6.6
-// s from cuMemAllocHost (docs/cluster.md, "GPU objects"). Where THP is
-// off the advice does nothing; where the kernel finds no huge page it
-// falls back to 4 KiB pages.
+// faults, and pages the driver pins 2 MiB at a time. On the H200 machine
+// a 16 GiB buffer took 0.86-0.92 s so, 1.9-2.0 s with 4 KiB pages and
+// 6.6-9.0 s from cuMemAllocHost (docs/cluster.md, "GPU objects"). Where
+// THP is off the advice does nothing; where the kernel finds no huge page
+// it falls back to 4 KiB pages.
 const pinnedHugePages = true
 
 func allocPinned(dev *cudaipc.Device, n int64, huge bool) ([]byte, func() error, error) {
@@ -50,7 +52,9 @@ func allocPinned(dev *cudaipc.Device, n int64, huge bool) ([]byte, func() error,
 	// A child forked (not vforked, as os/exec does) would otherwise get a
 	// copy of every pinned page: the kernel copies pinned pages at fork.
 	_ = unix.Madvise(mem, unix.MADV_DONTFORK)
+	start := time.Now()
 	Populate(mem, 0)
+	populated := time.Now()
 	reg, err := dev.RegisterHost(mem)
 	if err != nil {
 		unix.Munmap(mem)
@@ -63,6 +67,8 @@ func allocPinned(dev *cudaipc.Device, n int64, huge bool) ([]byte, func() error,
 		}
 		return hb.Bytes(), hb.Free, nil
 	}
+	slog.Debug("staging: pinned buffer allocated", "size", n, "huge_pages", huge,
+		"populate", populated.Sub(start), "register", time.Since(populated))
 	return mem, sync.OnceValue(func() error {
 		if err := reg.Unregister(); err != nil {
 			return err

@@ -12,8 +12,9 @@ import (
 // DefaultSealSlice is the bytes CopyOut copies at a time. The pipeline's
 // fill and drain cost about one slice's copy and one slice's checksums
 // (~1 ms each for 64 MiB at the H200's ~55 GB/s device→host), and the
-// copy calls' fixed cost (tens of µs) stays under 2% of a slice's copy;
-// larger slices gain nothing on either count, smaller ones add calls.
+// copy calls' fixed cost (tens of µs) stays under 2% of a slice's copy.
+// On the H200 16, 64 and 256 MiB slices sealed 16 GiB alike (0.34-0.40 s,
+// within the runs' noise).
 const DefaultSealSlice = 64 << 20
 
 // CopyOut fills dst with copyOut, slice bytes at a time, and returns the
