@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -60,7 +61,7 @@ type LandingReplica interface {
 // Defaults for the zero values of Puller's fields.
 const (
 	DefaultChunkTimeout     = 30 * time.Second
-	DefaultStreamsPerHolder = 4
+	DefaultStreamsPerHolder = 8
 	// maxRounds bounds how often a pull looks for new holders after all
 	// of its sources failed.
 	maxRounds = 2
@@ -105,9 +106,13 @@ type Puller struct {
 	// ChunkTimeout bounds the GET of one chunk: a holder that does not
 	// deliver a chunk within it is dropped. 0 means DefaultChunkTimeout.
 	ChunkTimeout time.Duration
-	// StreamsPerHolder is how many chunks are read from one holder at
+	// StreamsPerHolder is how many reads from one holder are in flight at
 	// once; 0 means DefaultStreamsPerHolder.
 	StreamsPerHolder int
+	// ReadBytes bounds one read of a whole object: consecutive chunks a
+	// holder has are read together, up to ReadBytes, and each is checked
+	// on its own. 0 (or less than two chunks) reads one chunk at a time.
+	ReadBytes int64
 	// Logger receives failovers and failures; nil discards them.
 	Logger *slog.Logger
 	// Feeds and Feeding, when both are set, make pulls fan out
@@ -363,7 +368,6 @@ type transfer struct {
 	cond    *sync.Cond
 	pending []int
 	done    int
-	live    int
 	bad     map[int]int
 	fatal   error
 	failed  map[string]string // node → why, for the final error
@@ -539,27 +543,37 @@ func (p *Puller) advertise(ctx context.Context, e Entry, rep Replica) {
 }
 
 // run reads chunks from sources until all are done, the pull fails, or
-// every source failed.
+// every source failed. Each source is read by one stream of reads
+// (getStream) that keeps StreamsPerHolder chunks in flight; a chunk read
+// goes to the checkers, which check it against its checksum and land it,
+// so that a source's reads never wait for a check.
 func (p *Puller) run(ctx context.Context, t *transfer, sources []*source) {
-	streams := p.StreamsPerHolder
-	if streams <= 0 {
-		streams = DefaultStreamsPerHolder
+	depth := p.StreamsPerHolder
+	if depth <= 0 {
+		depth = DefaultStreamsPerHolder
 	}
-	t.mu.Lock()
-	t.live = len(sources)
-	t.mu.Unlock()
+	timeout := p.ChunkTimeout
+	if timeout <= 0 {
+		timeout = DefaultChunkTimeout
+	}
 	rctx, cancel := context.WithCancel(ctx)
 	defer cancel() // ends watchFeed goroutines at their next answer
+	check := make(chan readChunk, depth*len(sources))
+	var checkers sync.WaitGroup
+	// Checkers enough that a holder's reads rarely wait for one: a check
+	// (CRC-32C, and a host→device copy for a GPU replica) takes a few
+	// tenths of the time a chunk takes on the wire.
+	for range min(runtime.GOMAXPROCS(0), max(2, depth/2)*len(sources)) {
+		checkers.Go(func() {
+			for c := range check {
+				p.check(t, c)
+			}
+		})
+	}
 	var wg sync.WaitGroup
 	for _, s := range sources {
 		var dead atomic.Bool
-		var active atomic.Int32
-		active.Store(int32(streams))
 		if s.feeder {
-			timeout := p.ChunkTimeout
-			if timeout <= 0 {
-				timeout = DefaultChunkTimeout
-			}
 			s.watch.Go(func() {
 				p.watchFeed(rctx, t, s, func(why string) {
 					t.mu.Lock()
@@ -569,17 +583,7 @@ func (p *Puller) run(ctx context.Context, t *transfer, sources []*source) {
 				}, timeout)
 			})
 		}
-		for range streams {
-			wg.Go(func() {
-				p.stream(ctx, t, s, &dead)
-				if active.Add(-1) == 0 {
-					t.mu.Lock()
-					t.live--
-					t.cond.Broadcast()
-					t.mu.Unlock()
-				}
-			})
-		}
+		wg.Go(func() { p.stream(ctx, t, s, &dead, StreamOptions{Depth: depth, Timeout: timeout}, check) })
 	}
 	// Wake waiters when ctx ends.
 	stop := context.AfterFunc(ctx, func() {
@@ -588,86 +592,116 @@ func (p *Puller) run(ctx context.Context, t *transfer, sources []*source) {
 		t.mu.Unlock()
 	})
 	wg.Wait()
+	close(check)
+	checkers.Wait()
 	stop()
 }
 
-// stream reads chunks from one source, one at a time, until there is
-// nothing left or the source fails.
-func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomic.Bool) {
-	timeout := p.ChunkTimeout
-	if timeout <= 0 {
-		timeout = DefaultChunkTimeout
-	}
-	n := t.want
-	for {
+// readChunk is a chunk read from a source, to be checked.
+type readChunk struct {
+	s *source
+	i int
+}
+
+// stream reads chunks from one source, o.Depth at a time, handing each
+// read to check, until there is nothing left or the source fails: a
+// failed read gives its chunk back and drops the source.
+func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomic.Bool, o StreamOptions, check chan<- readChunk) {
+	readBytes := p.ReadBytes
+	next := func(wait bool) (Read, bool) {
 		t.mu.Lock()
-		k := -1
+		defer t.mu.Unlock()
 		for t.fatal == nil && !dead.Load() && ctx.Err() == nil {
-			if k = t.pick(s); k >= 0 || (len(t.pending) == 0 && t.done >= n) {
+			if k := t.pick(s); k >= 0 {
+				i, m := t.pending[k], 1
+				// Whole objects: the chunks after it too, while they
+				// are pending, s has them and the read stays in bounds.
+				for t.slots == nil && k+m < len(t.pending) && t.pending[k+m] == i+m && s.have.has(i+m) &&
+					int64(m+1)*t.e.ChunkSize <= readBytes {
+					m++
+				}
+				t.pending = slices.Delete(t.pending, k, k+m)
+				off := int64(i) * t.e.ChunkSize
+				dst := t.chunk(i)
+				if m > 1 {
+					dst = t.dst[off:min(off+int64(m)*t.e.ChunkSize, t.e.Size)]
+				}
+				return Read{Addr: s.exp.Addr + uint64(off), Dst: dst, Tag: i}, true
+			}
+			if !wait || (len(t.pending) == 0 && t.done >= t.want) {
 				break
 			}
 			t.cond.Wait() // for a chunk given back, or one the feeder s gets
 		}
-		if k < 0 || t.fatal != nil || dead.Load() || ctx.Err() != nil {
-			t.mu.Unlock()
-			return
-		}
-		i := t.pending[k]
-		t.pending = slices.Delete(t.pending, k, k+1)
-		t.mu.Unlock()
-
-		off := int64(i) * t.e.ChunkSize
-		chunk := t.chunk(i)
-		cctx, cancel := context.WithTimeout(ctx, timeout)
-		err := s.ep.Get(cctx, s.exp.RKey, s.exp.Addr+uint64(off), chunk)
-		if err == nil && cctx.Err() != nil {
-			err = cctx.Err()
-		}
-		timedOut := errors.Is(cctx.Err(), context.DeadlineExceeded) && ctx.Err() == nil
-		cancel()
-		if err == nil && Checksum(chunk) != t.e.Sums[i] {
-			err = fmt.Errorf("%w: chunk %d", ErrChecksum, i)
-		}
-		var landErr error
-		if err == nil && t.land != nil {
-			landErr = t.land.Landed(off, chunk)
-		}
-
-		t.mu.Lock()
-		switch {
-		case landErr != nil:
-			if t.fatal == nil {
-				t.fatal = fmt.Errorf("pull %s: %w", t.e.Ref(), landErr)
+		return Read{}, false
+	}
+	// chunks are the chunks of read r.
+	chunks := func(r Read) int { return int((int64(len(r.Dst)) + t.e.ChunkSize - 1) / t.e.ChunkSize) }
+	done := func(r Read, err error) {
+		n := max(chunks(r), 1)
+		if err != nil {
+			t.mu.Lock()
+			for i := range n {
+				t.pending = append(t.pending, r.Tag+i)
 			}
-		case err == nil:
-			t.done++
-			t.feed.mark(i)
-			if s.feeder {
-				s.fed += int64(len(chunk))
-			}
-		case errors.Is(err, ErrChecksum):
-			t.bad[i]++
-			t.pending = append(t.pending, i)
-			if t.bad[i] >= maxBadChunk {
-				t.fatal = fmt.Errorf("pull %s: %w: chunk %d (bytes %d-%d) failed its check %d times (last from node %s)",
-					t.e.Ref(), ErrChecksum, i, off, off+int64(len(chunk)), t.bad[i], s.node)
-			}
-			p.log().Warn("cluster pull: chunk failed its checksum", "object", t.e.Ref().String(), "node", s.node, "chunk", i)
-		default:
-			t.pending = append(t.pending, i)
 			if ctx.Err() == nil {
 				why := oneLine(err)
-				if timedOut {
-					why = fmt.Sprintf("no chunk within %v", timeout)
+				if errors.Is(err, context.DeadlineExceeded) {
+					why = fmt.Sprintf("no chunk within %v", o.Timeout)
 				}
 				p.drop(t, s, dead, why)
 			}
-		}
-		t.cond.Broadcast()
-		t.mu.Unlock()
-		if err != nil && !errors.Is(err, ErrChecksum) {
+			t.cond.Broadcast()
+			t.mu.Unlock()
 			return
 		}
+		for i := range n {
+			check <- readChunk{s: s, i: r.Tag + i}
+		}
+	}
+	if err := getStream(ctx, s.ep, s.exp.RKey, o, next, done); err != nil && ctx.Err() == nil {
+		t.mu.Lock()
+		p.drop(t, s, dead, oneLine(err))
+		t.cond.Broadcast()
+		t.mu.Unlock()
+	}
+}
+
+// check checks chunk c.i, just read, against its checksum and lands it:
+// it is done, or given back (a bad checksum, maxBadChunk times fatal), or
+// the pull fails (a landing that failed).
+func (p *Puller) check(t *transfer, c readChunk) {
+	i := c.i
+	chunk := t.chunk(i)
+	off := int64(i) * t.e.ChunkSize
+	var err, landErr error
+	if Checksum(chunk) != t.e.Sums[i] {
+		err = fmt.Errorf("%w: chunk %d", ErrChecksum, i)
+	} else if t.land != nil {
+		landErr = t.land.Landed(off, chunk)
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	defer t.cond.Broadcast()
+	switch {
+	case landErr != nil:
+		if t.fatal == nil {
+			t.fatal = fmt.Errorf("pull %s: %w", t.e.Ref(), landErr)
+		}
+	case err == nil:
+		t.done++
+		t.feed.mark(i)
+		if c.s.feeder {
+			c.s.fed += int64(len(chunk))
+		}
+	default:
+		t.bad[i]++
+		t.pending = append(t.pending, i)
+		if t.bad[i] >= maxBadChunk && t.fatal == nil {
+			t.fatal = fmt.Errorf("pull %s: %w: chunk %d (bytes %d-%d) failed its check %d times (last from node %s)",
+				t.e.Ref(), ErrChecksum, i, off, off+int64(len(chunk)), t.bad[i], c.s.node)
+		}
+		p.log().Warn("cluster pull: chunk failed its checksum", "object", t.e.Ref().String(), "node", c.s.node, "chunk", i)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"testing"
@@ -136,15 +137,23 @@ func TestPullFailover(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitHolders(t, ctx, c, o.Ref(), "a,b")
-	// A is slow and dies mid-pull: C finishes from B.
-	worker(a).SetDelay(20 * time.Millisecond)
-	go func() {
-		for worker(a).Gets() < 2 {
-			time.Sleep(time.Millisecond)
+	// A dies with reads in flight (both holders' reads are held until
+	// each has some and A is dead): C finishes from B, A's chunks
+	// included.
+	release := make(chan struct{})
+	worker(a).Hold(release)
+	worker(b).Hold(release)
+	pulled := make(chan error, 1)
+	go func() { _, err := c.P.Pull(ctx, o.Ref()); pulled <- err }()
+	testutil.Eventually(t, 10*time.Second, func() error {
+		if worker(a).Waiting() == 0 || worker(b).Waiting() == 0 {
+			return fmt.Errorf("reads waiting: %d from A, %d from B", worker(a).Waiting(), worker(b).Waiting())
 		}
-		worker(a).Kill()
-	}()
-	if _, err := c.P.Pull(ctx, o.Ref()); err != nil {
+		return nil
+	})
+	worker(a).Kill()
+	close(release)
+	if err := <-pulled; err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(c.Store.Get(o.Ref()), want) {
@@ -161,12 +170,15 @@ func TestPullOnlyHolderDies(t *testing.T) {
 	a, b := startNode(t, srv, nw, "a", secret), startNode(t, srv, nw, "b", secret)
 	ctx := bounded(t, 30*time.Second)
 	o, _ := a.Put(t, "lonely", 8<<20, 1<<20)
-	worker(a).SetDelay(20 * time.Millisecond)
+	// A dies with reads in flight (held until it is dead).
+	release := make(chan struct{})
+	worker(a).Hold(release)
 	go func() {
-		for worker(a).Gets() < 2 {
+		for worker(a).Waiting() == 0 {
 			time.Sleep(time.Millisecond)
 		}
 		worker(a).Kill()
+		close(release)
 	}()
 	start := time.Now()
 	_, err := b.P.Pull(ctx, o.Ref())
@@ -243,5 +255,80 @@ func TestPullRefusedWithoutSecret(t *testing.T) {
 	cc.Close()
 	if _, err := cluster.DialControl(ctx, secret, "b", "z", an.Control); !errors.Is(err, cluster.ErrAuth) {
 		t.Fatalf("dialled z, a answered: %v", err)
+	}
+}
+
+// repairOnBadChunk is a log handler that calls repair at the first
+// "chunk failed its checksum" record, which the puller logs before the
+// chunk can be read again.
+type repairOnBadChunk struct {
+	mu     sync.Mutex
+	bad    []string
+	repair func()
+}
+
+func (h *repairOnBadChunk) Enabled(context.Context, slog.Level) bool { return true }
+func (h *repairOnBadChunk) WithAttrs([]slog.Attr) slog.Handler       { return h }
+func (h *repairOnBadChunk) WithGroup(string) slog.Handler            { return h }
+func (h *repairOnBadChunk) Handle(_ context.Context, r slog.Record) error {
+	if !strings.Contains(r.Message, "failed its checksum") {
+		return nil
+	}
+	var chunk string
+	r.Attrs(func(a slog.Attr) bool {
+		if a.Key == "chunk" {
+			chunk = a.Value.String()
+		}
+		return true
+	})
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.bad = append(h.bad, chunk)
+	if h.repair != nil {
+		h.repair()
+		h.repair = nil
+	}
+	return nil
+}
+
+// TestPullRetriesBadChunk: a chunk that arrives corrupt (the holder's
+// bytes changed after the seal, and back once the reader saw it) is not
+// counted, and is read again: the replica is right. With reads of
+// several chunks each (ReadBytes), the bad chunk's neighbours in the same
+// read count, and it alone is read again.
+func TestPullRetriesBadChunk(t *testing.T) {
+	srv := etcdtest.Start(t)
+	nw := memtransport.NewNetwork()
+	a := startNode(t, srv, nw, "a", secret)
+	ctx := bounded(t, 60*time.Second)
+	for _, readBytes := range []int64{0, 4 << 20} {
+		r := startNode(t, srv, nw, fmt.Sprintf("r%d", readBytes), secret) // the directory's prefix is the test's
+		t.Run(fmt.Sprintf("read=%d", readBytes), func(t *testing.T) {
+			o, data := a.Put(t, fmt.Sprintf("bad-chunk-%d", readBytes), 13<<20+99, 1<<20)
+			want := bytes.Clone(data)
+			data[5<<20+12345] ^= 0x01 // chunk 5
+			h := &repairOnBadChunk{repair: func() { data[5<<20+12345] ^= 0x01 }}
+			r.P.Logger = slog.New(h)
+			r.P.ReadBytes = readBytes
+			ga := worker(a).Gets()
+			if _, err := r.P.Pull(ctx, o.Ref()); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(r.Store.Get(o.Ref()), want) {
+				t.Fatal("the replica differs")
+			}
+			h.mu.Lock()
+			defer h.mu.Unlock()
+			if len(h.bad) != 1 || h.bad[0] != "5" {
+				t.Fatalf("chunks that failed their check: %v, want [5]", h.bad)
+			}
+			// 14 chunks: one read each, or reads of up to 4 (at least 4
+			// reads, as the stream takes them), and chunk 5 again.
+			reads := worker(a).Gets() - ga
+			if readBytes == 0 && reads != 15 || readBytes > 0 && (reads < 5 || reads > 14) {
+				t.Fatalf("%d reads from the holder", reads)
+			}
+			t.Logf("%d reads from the holder", reads)
+		})
 	}
 }

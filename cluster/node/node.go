@@ -50,10 +50,13 @@ type Config struct {
 	Advertise string
 	// Logger receives the node's logs; nil discards them.
 	Logger *slog.Logger
-	// StreamsPerHolder is how many chunks a pull reads from one holder at
-	// once (cluster.Puller.StreamsPerHolder); 0 means
+	// StreamsPerHolder is how many reads a pull keeps in flight from one
+	// holder (cluster.Puller.StreamsPerHolder); 0 means
 	// cluster.DefaultStreamsPerHolder.
 	StreamsPerHolder int
+	// ReadBytes bounds one read of a pull (cluster.Puller.ReadBytes); 0
+	// reads one chunk at a time.
+	ReadBytes int64
 }
 
 // Node is a daemon's membership of a cluster.
@@ -168,7 +171,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	n.pinned.max = DefaultPinnedIdle
 	feeding := &cluster.Feeding{} // fan-out: replicas being pulled feed other readers (fanout.go)
 	n.p = &cluster.Puller{Dir: dir, Transport: tr, Secret: cfg.Directory.Secret, Sink: sink{n}, Logger: log,
-		Feeds: dir, Feeding: feeding, StreamsPerHolder: cfg.StreamsPerHolder}
+		Feeds: dir, Feeding: feeding, StreamsPerHolder: cfg.StreamsPerHolder, ReadBytes: cfg.ReadBytes}
 	n.cs = &cluster.ControlServer{Node: cfg.Directory.Node, Secret: cfg.Directory.Secret, Source: source{n}, Logger: log,
 		Feeding: feeding}
 	return n, nil

@@ -140,25 +140,54 @@ type endpoint struct {
 	keys map[string]*ucx.RemoteKey
 }
 
-// Get implements cluster.Endpoint. rkey is a RegionKey envelope; each is
-// unpacked once per endpoint.
-func (e *endpoint) Get(ctx context.Context, rkey []byte, addr uint64, dst []byte) error {
+// key returns rkey (a RegionKey envelope) unpacked on e, once per
+// endpoint.
+func (e *endpoint) key(rkey []byte) (*ucx.RemoteKey, error) {
 	e.mu.Lock()
-	k, ok := e.keys[string(rkey)]
-	if !ok {
-		var rk ucx.RegionKey
-		err := rk.UnmarshalBinary(rkey)
-		if err == nil {
-			k, err = e.ep.Unpack(rk)
-		}
-		if err != nil {
-			e.mu.Unlock()
-			return err
-		}
-		e.keys[string(rkey)] = k
+	defer e.mu.Unlock()
+	if k, ok := e.keys[string(rkey)]; ok {
+		return k, nil
 	}
-	e.mu.Unlock()
-	err := ucx.Get(ctx, e.ep, k, addr, dst)
+	var rk ucx.RegionKey
+	err := rk.UnmarshalBinary(rkey)
+	if err != nil {
+		return nil, err
+	}
+	k, err := e.ep.Unpack(rk)
+	if err != nil {
+		return nil, err
+	}
+	e.keys[string(rkey)] = k
+	return k, nil
+}
+
+// Get implements cluster.Endpoint. rkey is a RegionKey envelope.
+func (e *endpoint) Get(ctx context.Context, rkey []byte, addr uint64, dst []byte) error {
+	k, err := e.key(rkey)
+	if err != nil {
+		return err
+	}
+	return peerGone(ucx.Get(ctx, e.ep, k, addr, dst))
+}
+
+// GetStream implements cluster.StreamEndpoint with ucx.GetStream: one
+// loop keeps o.Depth GETs in flight on the endpoint.
+func (e *endpoint) GetStream(ctx context.Context, rkey []byte, o cluster.StreamOptions, next func(wait bool) (cluster.Read, bool), done func(cluster.Read, error)) error {
+	k, err := e.key(rkey)
+	if err != nil {
+		return err
+	}
+	err = ucx.GetStream(ctx, e.ep, k, ucx.StreamOptions{Depth: o.Depth, Timeout: o.Timeout},
+		func(wait bool) (ucx.Read, bool) {
+			r, ok := next(wait)
+			return ucx.Read(r), ok
+		},
+		func(r ucx.Read, err error) { done(cluster.Read(r), peerGone(err)) })
+	return peerGone(err)
+}
+
+// peerGone says so in an error of a peer that failed.
+func peerGone(err error) error {
 	if err != nil && ucx.IsPeerFailure(err) {
 		return fmt.Errorf("%w (the holder or the link to it is gone)", err)
 	}

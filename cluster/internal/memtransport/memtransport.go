@@ -163,3 +163,54 @@ func (e *endpoint) Get(ctx context.Context, rkey []byte, addr uint64, dst []byte
 }
 
 func (e *endpoint) Close() error { return nil }
+
+// GetStream implements cluster.StreamEndpoint as UCX's does: the calling
+// goroutine asks next for reads while fewer than o.Depth are in flight,
+// and hands each to done as it completes (each read is a Get on a
+// goroutine of its own, bounded by o.Timeout); the first failure stops
+// the asking, and the reads in flight are let finish.
+func (e *endpoint) GetStream(ctx context.Context, rkey []byte, o cluster.StreamOptions, next func(wait bool) (cluster.Read, bool), done func(cluster.Read, error)) error {
+	type result struct {
+		r   cluster.Read
+		err error
+	}
+	depth := max(o.Depth, 1)
+	results := make(chan result, depth)
+	inflight := 0
+	var first error
+	for ended := false; ; {
+		for first == nil && !ended && inflight < depth && ctx.Err() == nil {
+			r, ok := next(inflight == 0)
+			if !ok {
+				ended = inflight == 0
+				break
+			}
+			inflight++
+			go func() {
+				rctx, cancel := ctx, context.CancelFunc(func() {})
+				if o.Timeout > 0 {
+					rctx, cancel = context.WithTimeout(ctx, o.Timeout)
+				}
+				defer cancel()
+				err := e.Get(rctx, rkey, r.Addr, r.Dst)
+				if err == nil {
+					err = rctx.Err()
+				}
+				results <- result{r, err}
+			}()
+		}
+		if inflight == 0 {
+			break
+		}
+		res := <-results
+		inflight--
+		if res.err != nil && first == nil {
+			first = res.err
+		}
+		done(res.r, res.err)
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	return first
+}

@@ -28,7 +28,7 @@ type clusterFlags struct {
 	EtcdCA        string `name:"etcd-ca" help:"CA certificate that signed etcd's (turns on TLS)." placeholder:"FILE"`
 	EtcdCert      string `name:"etcd-cert" help:"Client certificate for etcd (with --etcd-key)." placeholder:"FILE"`
 	EtcdKey       string `name:"etcd-key" help:"Client key for etcd." placeholder:"FILE"`
-	Streams       int    `name:"cluster-streams" default:"0" help:"Chunks a pull reads from one holder at once (0: the default, 4); more can fill a fast link whose round trip is long." placeholder:"N"`
+	Streams       int    `name:"cluster-streams" default:"0" help:"Reads a pull keeps in flight from one holder (0: the default, 8); more can fill a fast link whose round trip is long." placeholder:"N"`
 	UCXLib        string `name:"ucx-lib" help:"Use this libucp.so.0 (and the libucs, libuct, libucm beside it) instead of the system's, e.g. a UCX built with CUDA (HPC-X) to register GPU arenas directly; 'cudaipc doctor --ucx-lib PATH' checks it." placeholder:"PATH"`
 }
 
