@@ -3,6 +3,7 @@ package cluster
 import (
 	"os"
 	"reflect"
+	"runtime"
 	"sync"
 	"sync/atomic"
 
@@ -17,40 +18,59 @@ const prefaultStep = 4 << 20
 // own page faults cost less.
 const prefaultMin = 16 << 20
 
+// prefaultWorkers is how many goroutines map a replica in: one zeroes and
+// maps about 2 GB/s of shared memory (the H200 host's 16 cores: a single
+// one, busy for the whole pull, paced the GETs of a host object at
+// 1.9–2.0 GB/s, half the link), so a quarter of the CPUs, up to 4, keeps
+// ahead of a fast link and leaves a small machine one.
+func prefaultWorkers() int { return min(max(runtime.GOMAXPROCS(0)/4, 1), 4) }
+
 // prefault maps in the pages of dst, the fresh mapping of a local replica,
-// in order and ahead of the GETs that fill it, on a goroutine of its own
-// (madvise MADV_POPULATE_WRITE, Linux 5.14+; elsewhere it does nothing).
+// in order and ahead of the GETs that fill it, on goroutines of its own
+// (prefaultWorkers of them, each taking the next prefaultStep in turn;
+// madvise MADV_POPULATE_WRITE, Linux 5.14+; elsewhere it does nothing).
 // Without it every page of a new replica is allocated, zeroed and mapped
 // by a page fault taken inside UCX's copy into dst, one 4 KiB page at a
 // time on the pull's critical path; with it the zeroing runs beside the
 // transfer. It never changes dst's contents: a page already written stays
 // as it is. stop ends it and waits, so that dst may be unmapped afterwards;
 // it is idempotent.
-func prefault(dst []byte) (stop func()) {
+func prefault(dst []byte) (stop func()) { return prefaultWith(dst, prefaultWorkers()) }
+
+func prefaultWith(dst []byte, workers int) (stop func()) {
 	if len(dst) < prefaultMin {
 		return func() {}
 	}
-	var stopped atomic.Bool
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		page := os.Getpagesize()
-		for off := 0; off < len(dst) && !stopped.Load(); off += prefaultStep {
-			b := dst[off:min(off+prefaultStep, len(dst))]
-			// madvise takes a page-aligned start: skip to the first page
-			// boundary inside b (the pages before it fault as usual).
-			if skip := (page - int(reflect.ValueOf(b).Pointer()%uintptr(page))) % page; skip < len(b) {
-				b = b[skip:]
-			} else {
-				continue
+	var (
+		stopped atomic.Bool
+		next    atomic.Int64 // the next step's offset
+		wg      sync.WaitGroup
+	)
+	page := os.Getpagesize()
+	for range max(workers, 1) {
+		wg.Go(func() {
+			for !stopped.Load() {
+				off := int(next.Add(prefaultStep) - prefaultStep)
+				if off >= len(dst) {
+					return
+				}
+				b := dst[off:min(off+prefaultStep, len(dst))]
+				// madvise takes a page-aligned start: skip to the first
+				// page boundary inside b (the pages before it fault as
+				// usual).
+				skip := (page - int(reflect.ValueOf(b).Pointer()%uintptr(page))) % page
+				if skip >= len(b) {
+					continue
+				}
+				if err := unix.Madvise(b[skip:], unix.MADV_POPULATE_WRITE); err != nil {
+					stopped.Store(true) // EINVAL before Linux 5.14: the GETs fault the pages in
+					return
+				}
 			}
-			if err := unix.Madvise(b, unix.MADV_POPULATE_WRITE); err != nil {
-				return // EINVAL before Linux 5.14: the GETs fault the pages in
-			}
-		}
-	}()
+		})
+	}
 	return sync.OnceFunc(func() {
 		stopped.Store(true)
-		<-done
+		wg.Wait()
 	})
 }

@@ -20,6 +20,12 @@ import (
 // mapped in by prefault, from an unaligned start as objects lie in arenas,
 // without changing bytes already written into it.
 func TestPrefaultMapsInWithoutChangingBytes(t *testing.T) {
+	for _, workers := range []int{1, 3} {
+		t.Run(fmt.Sprintf("workers=%d", workers), func(t *testing.T) { testPrefault(t, workers) })
+	}
+}
+
+func testPrefault(t *testing.T, workers int) {
 	const size = 40 << 20
 	fd, err := unix.MemfdCreate("prefault-test", 0)
 	if err != nil {
@@ -46,7 +52,7 @@ func TestPrefaultMapsInWithoutChangingBytes(t *testing.T) {
 		_, _ = rand.Read(want[off : off+4096])
 		copy(dst[off:off+4096], want[off:off+4096])
 	}
-	stop := prefault(dst)
+	stop := prefaultWith(dst, workers)
 	defer stop()
 	_, _ = rand.Read(want[30<<20 : 30<<20+8192])
 	copy(dst[30<<20:30<<20+8192], want[30<<20:30<<20+8192])
