@@ -23,7 +23,7 @@ const populateStep = 64 << 20
 // once, then page-locks and registers it with the driver
 // (cuMemHostRegister). cuMemAllocHost does the same work from one thread
 // in 4 KiB pages, which for the gigabytes a GPU object's staging takes
-// costs seconds. Where the driver cannot register host memory, it falls
+// costs seconds. Where the driver does not register the memory, it falls
 // back to cuMemAllocHost.
 func AllocPinned(dev *cudaipc.Device, n int64) ([]byte, func() error, error) {
 	return allocPinned(dev, n, pinnedHugePages)
@@ -59,13 +59,14 @@ func allocPinned(dev *cudaipc.Device, n int64, huge bool) ([]byte, func() error,
 	populated := time.Now()
 	reg, err := dev.RegisterHost(mem)
 	if err != nil {
+		// A driver without cuMemHostRegister, or one refusing it (a
+		// locked-memory limit, say), may still allocate pinned memory
+		// itself.
 		unix.Munmap(mem)
-		if !errors.Is(err, cudaipc.ErrNotSupported) {
-			return nil, nil, err
-		}
-		hb, err := dev.AllocHost(n)
-		if err != nil {
-			return nil, nil, err
+		slog.Debug("staging: registering a pinned buffer failed; allocating it with cuMemAllocHost", "size", n, "err", err)
+		hb, aerr := dev.AllocHost(n)
+		if aerr != nil {
+			return nil, nil, errors.Join(aerr, fmt.Errorf("cuMemHostRegister before it: %w", err))
 		}
 		return hb.Bytes(), hb.Free, nil
 	}
