@@ -30,6 +30,8 @@ func TestEntryPointTable(t *testing.T) {
 		"cuMemGetAllocationPropertiesFromHandle": "cuMemGetAllocationPropertiesFromHandle",
 		"cuStreamWriteValue64":                   "cuStreamWriteValue64_v2",
 		"cuStreamWaitValue64":                    "cuStreamWaitValue64_v2",
+		"cuMemHostRegister":                      "cuMemHostRegister_v2",
+		"cuMemHostUnregister":                    "cuMemHostUnregister",
 	} {
 		e, ok := byName[name]
 		if !ok || e.required || e.symbol != symbol {
