@@ -1,11 +1,15 @@
 package node
 
 import (
+	"context"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/staging"
 )
 
 // PinsHeld is how many readers' pins the node holds replicas for.
@@ -79,4 +83,65 @@ func UseAllocHost(n *Node) {
 		}
 		return hb.Bytes(), hb.Free, nil
 	}
+}
+
+// HoldPinnedAllocs makes n's allocations of pinned buffers of at least
+// min bytes block for good (the process is to be killed), closing the
+// returned channel when the first one starts: a GPU seal that needs a new
+// staging buffer stops there, in the middle of its staging, before any
+// record is written. Call it before the seal.
+func HoldPinnedAllocs(n *Node, min int64) <-chan struct{} {
+	reached := make(chan struct{})
+	var once sync.Once
+	n.pinned.mu.Lock()
+	defer n.pinned.mu.Unlock()
+	n.pinned.alloc = func(dev *cudaipc.Device, size int64) ([]byte, func() error, error) {
+		if size >= min {
+			once.Do(func() { close(reached) })
+			select {}
+		}
+		return staging.AllocPinned(dev, size)
+	}
+	return reached
+}
+
+// SlowPulls delays every chunk n's pulls read by delay, so that a test can
+// act in the middle of a pull, and returns the count of bytes those reads
+// have delivered. Call it before n pulls anything.
+func SlowPulls(n *Node, delay time.Duration) *atomic.Uint64 {
+	var got atomic.Uint64
+	n.p.Transport = slowTransport{n.p.Transport, delay, &got}
+	return &got
+}
+
+type slowTransport struct {
+	cluster.Transport
+	delay time.Duration
+	got   *atomic.Uint64
+}
+
+func (t slowTransport) Connect(ctx context.Context, addr []byte) (cluster.Endpoint, error) {
+	ep, err := t.Transport.Connect(ctx, addr)
+	if err != nil {
+		return nil, err
+	}
+	return slowEndpoint{ep, t}, nil
+}
+
+type slowEndpoint struct {
+	cluster.Endpoint
+	t slowTransport
+}
+
+func (e slowEndpoint) Get(ctx context.Context, rkey []byte, addr uint64, dst []byte) error {
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(e.t.delay):
+	}
+	if err := e.Endpoint.Get(ctx, rkey, addr, dst); err != nil {
+		return err
+	}
+	e.t.got.Add(uint64(len(dst)))
+	return nil
 }

@@ -29,6 +29,7 @@ import (
 
 func TestMain(m *testing.M) {
 	testutil.SetUCXLoopbackEnv()
+	testutil.RunRole(roles)
 	os.Exit(m.Run())
 }
 
