@@ -59,9 +59,10 @@ type StreamEndpoint interface {
 	// returning false then ends the stream, and otherwise means "none
 	// now", asked again after the next completion). done is called once
 	// for every read next returned, with nil when its bytes are in Dst or
-	// its error, after which nothing writes into Dst. next and done are
-	// called from one goroutine at a time and must not wait for the
-	// stream's own reads. The first failed read stops the issuing of new
+	// its error, after which nothing writes into Dst. next and done may
+	// be called from several goroutines at once (an endpoint of several
+	// connections runs a loop on each) and must not wait for the stream's
+	// own reads. The first failed read stops the issuing of new
 	// ones; GetStream returns when every read is done, with the first
 	// error (ctx's when it ended).
 	GetStream(ctx context.Context, rkey []byte, o StreamOptions, next func(wait bool) (Read, bool), done func(Read, error)) error

@@ -57,6 +57,9 @@ type Config struct {
 	// ReadBytes bounds one read of a pull (cluster.Puller.ReadBytes); 0
 	// reads one chunk at a time.
 	ReadBytes int64
+	// Lanes is how many UCX workers serve and pull
+	// (ucxtransport.Options.Lanes); 0 means one.
+	Lanes int
 }
 
 // Node is a daemon's membership of a cluster.
@@ -125,7 +128,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	if err := cluster.ValidateNodeName(cfg.Directory.Node); err != nil {
 		return nil, fmt.Errorf("--node: %w", err)
 	}
-	tr, err := ucxtransport.New("cudaipc-" + cfg.Directory.Node)
+	tr, err := ucxtransport.NewWith("cudaipc-"+cfg.Directory.Node, ucxtransport.Options{Lanes: cfg.Lanes})
 	if err != nil {
 		return nil, fmt.Errorf("cluster data plane: %w", err)
 	}

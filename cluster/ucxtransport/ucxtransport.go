@@ -2,7 +2,8 @@
 // cluster.Transport with transport/ucx, one worker serving this node's
 // registered memory (progressed by its own goroutine, as GETs over tcp and
 // shared memory are emulated with messages the serving side must handle)
-// and one worker for this node's reads.
+// and one worker for this node's reads; with Options.Lanes, several of
+// each (lanes.go).
 //
 // Worker addresses and rkeys cross nodes in transport/ucx's checked
 // envelopes (WorkerAddress and RegionKey binary encodings): what a peer sends
@@ -23,28 +24,60 @@ import (
 // Transport is a node's UCX data plane.
 type Transport struct {
 	c         *ucx.Context
-	serve     *ucx.Worker
-	pull      *ucx.Worker
+	serve     []*ucx.Worker
+	pull      []*ucx.Worker
 	addr      []byte
 	stop      context.CancelFunc
-	served    chan struct{}
+	served    sync.WaitGroup
 	closeOnce sync.Once
 }
 
+// Options are New's settings.
+type Options struct {
+	// Lanes is how many serving workers (each progressed by its own
+	// goroutine) and pulling workers the transport has, at most MaxLanes;
+	// 0 means 1. A pull from a node of several lanes reads over as many
+	// endpoints (over tcp: connections), each read by its own loop, so
+	// that one progress thread a side does not bound the pull. A node of
+	// one lane publishes a plain worker address; one of several, the
+	// lanes' addresses (lanes.go), which only nodes of this version read.
+	Lanes int
+}
+
 // New initializes UCX (transports and devices from UCX_TLS,
-// UCX_NET_DEVICES, ...) and starts serving. Without libucp it fails with
-// an error matching ucx.ErrNotFound that says what to install.
-func New(name string) (*Transport, error) {
+// UCX_NET_DEVICES, ...) and starts serving, with one lane. Without libucp
+// it fails with an error matching ucx.ErrNotFound that says what to
+// install.
+func New(name string) (*Transport, error) { return NewWith(name, Options{}) }
+
+// NewWith is New with options.
+func NewWith(name string, o Options) (*Transport, error) {
+	lanes := max(o.Lanes, 1)
+	if lanes > MaxLanes {
+		return nil, fmt.Errorf("ucx: %d lanes, at most %d", lanes, MaxLanes)
+	}
 	c, err := ucx.NewContext(ucx.ContextOptions{Name: name})
 	if err != nil {
 		return nil, err
 	}
-	t := &Transport{c: c, served: make(chan struct{})}
-	if t.serve, err = c.NewWorker(ucx.WorkerOptions{Name: name + "-serve"}); err == nil {
-		t.pull, err = c.NewWorker(ucx.WorkerOptions{Name: name + "-pull"})
+	t := &Transport{c: c}
+	addrs := make([]ucx.WorkerAddress, 0, lanes)
+	for i := 0; i < lanes && err == nil; i++ {
+		suffix := ""
+		if lanes > 1 {
+			suffix = fmt.Sprintf("-%d", i)
+		}
+		var sw, pw *ucx.Worker
+		if sw, err = c.NewWorker(ucx.WorkerOptions{Name: name + "-serve" + suffix}); err == nil {
+			pw, err = c.NewWorker(ucx.WorkerOptions{Name: name + "-pull" + suffix})
+		}
+		if err == nil {
+			t.serve, t.pull = append(t.serve, sw), append(t.pull, pw)
+			addrs = append(addrs, sw.Address())
+		}
 	}
 	if err == nil {
-		t.addr, err = t.serve.Address().MarshalBinary()
+		t.addr, err = marshalLanes(addrs)
 	}
 	if err != nil {
 		c.Close()
@@ -52,10 +85,9 @@ func New(name string) (*Transport, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	t.stop = cancel
-	go func() {
-		defer close(t.served)
-		_ = t.serve.Serve(ctx)
-	}()
+	for _, w := range t.serve {
+		t.served.Go(func() { _ = w.Serve(ctx) })
+	}
 	return t, nil
 }
 
@@ -64,7 +96,7 @@ func New(name string) (*Transport, error) {
 func (t *Transport) Close() error {
 	t.closeOnce.Do(func() {
 		t.stop()
-		<-t.served
+		t.served.Wait()
 		t.c.Close()
 	})
 	return nil
@@ -121,69 +153,99 @@ func (r *Region) Addr(off int64) uint64 { return r.r.Key().Addr + uint64(off) }
 // Close deregisters the region; peers' reads in flight fail.
 func (r *Region) Close() error { return r.r.Close() }
 
-// Connect implements cluster.Transport.
+// Connect implements cluster.Transport: an endpoint to each of the peer's
+// lanes (as many as both sides have), on this node's pulling workers.
 func (t *Transport) Connect(ctx context.Context, addr []byte) (cluster.Endpoint, error) {
-	var a ucx.WorkerAddress
-	if err := a.UnmarshalBinary(addr); err != nil {
-		return nil, err
-	}
-	ep, err := t.pull.Connect(a)
+	addrs, err := unmarshalLanes(addr)
 	if err != nil {
 		return nil, err
 	}
-	return &endpoint{ep: ep, keys: map[string]*ucx.RemoteKey{}}, nil
+	e := &endpoint{keys: map[string][]*ucx.RemoteKey{}}
+	for i, a := range addrs[:min(len(addrs), len(t.pull))] {
+		ep, err := t.pull[i].Connect(a)
+		if err != nil {
+			e.Close()
+			return nil, err
+		}
+		e.lanes = append(e.lanes, ep)
+	}
+	return e, nil
 }
 
+// endpoint reads from one peer over its lanes.
 type endpoint struct {
-	ep   *ucx.Endpoint
-	mu   sync.Mutex
-	keys map[string]*ucx.RemoteKey
+	lanes []*ucx.Endpoint
+	mu    sync.Mutex
+	keys  map[string][]*ucx.RemoteKey // by envelope: one per lane
 }
 
-// key returns rkey (a RegionKey envelope) unpacked on e, once per
+// key returns rkey (a RegionKey envelope) unpacked on each lane, once per
 // endpoint.
-func (e *endpoint) key(rkey []byte) (*ucx.RemoteKey, error) {
+func (e *endpoint) key(rkey []byte) ([]*ucx.RemoteKey, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if k, ok := e.keys[string(rkey)]; ok {
 		return k, nil
 	}
 	var rk ucx.RegionKey
-	err := rk.UnmarshalBinary(rkey)
-	if err != nil {
+	if err := rk.UnmarshalBinary(rkey); err != nil {
 		return nil, err
 	}
-	k, err := e.ep.Unpack(rk)
-	if err != nil {
-		return nil, err
+	ks := make([]*ucx.RemoteKey, len(e.lanes))
+	for i, ep := range e.lanes {
+		k, err := ep.Unpack(rk)
+		if err != nil {
+			return nil, err
+		}
+		ks[i] = k
 	}
-	e.keys[string(rkey)] = k
-	return k, nil
+	e.keys[string(rkey)] = ks
+	return ks, nil
 }
 
-// Get implements cluster.Endpoint. rkey is a RegionKey envelope.
+// Get implements cluster.Endpoint, on the first lane. rkey is a
+// RegionKey envelope.
 func (e *endpoint) Get(ctx context.Context, rkey []byte, addr uint64, dst []byte) error {
 	k, err := e.key(rkey)
 	if err != nil {
 		return err
 	}
-	return peerGone(ucx.Get(ctx, e.ep, k, addr, dst))
+	return peerGone(ucx.Get(ctx, e.lanes[0], k[0], addr, dst))
 }
 
-// GetStream implements cluster.StreamEndpoint with ucx.GetStream: one
-// loop keeps o.Depth GETs in flight on the endpoint.
+// GetStream implements cluster.StreamEndpoint with a ucx.GetStream on each
+// lane, o.Depth reads in flight in all (at least one a lane), next and
+// done shared: a lane asks for a read when it has room. It returns when
+// every lane's stream has, with the first error.
 func (e *endpoint) GetStream(ctx context.Context, rkey []byte, o cluster.StreamOptions, next func(wait bool) (cluster.Read, bool), done func(cluster.Read, error)) error {
 	k, err := e.key(rkey)
 	if err != nil {
 		return err
 	}
-	err = ucx.GetStream(ctx, e.ep, k, ucx.StreamOptions{Depth: o.Depth, Timeout: o.Timeout},
-		func(wait bool) (ucx.Read, bool) {
-			r, ok := next(wait)
-			return ucx.Read(r), ok
-		},
-		func(r ucx.Read, err error) { done(cluster.Read(r), peerGone(err)) })
-	return peerGone(err)
+	depth := (max(o.Depth, 1) + len(e.lanes) - 1) / len(e.lanes)
+	lane := func(i int) error {
+		return ucx.GetStream(ctx, e.lanes[i], k[i], ucx.StreamOptions{Depth: depth, Timeout: o.Timeout},
+			func(wait bool) (ucx.Read, bool) {
+				r, ok := next(wait)
+				return ucx.Read(r), ok
+			},
+			func(r ucx.Read, err error) { done(cluster.Read(r), peerGone(err)) })
+	}
+	if len(e.lanes) == 1 {
+		return peerGone(lane(0))
+	}
+	errs := make([]error, len(e.lanes))
+	var wg sync.WaitGroup
+	for i := range e.lanes {
+		wg.Go(func() { errs[i] = lane(i) })
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			return peerGone(err)
+		}
+	}
+	return nil
 }
 
 // peerGone says so in an error of a peer that failed.
@@ -194,10 +256,13 @@ func peerGone(err error) error {
 	return err
 }
 
+// Close closes every lane's endpoint.
 func (e *endpoint) Close() error {
-	err := e.ep.Close()
-	if errors.Is(err, ucx.ErrClosed) {
-		return nil
+	var errs []error
+	for _, ep := range e.lanes {
+		if err := ep.Close(); err != nil && !errors.Is(err, ucx.ErrClosed) {
+			errs = append(errs, err)
+		}
 	}
-	return err
+	return errors.Join(errs...)
 }

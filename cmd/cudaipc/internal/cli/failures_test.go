@@ -58,6 +58,7 @@ func TestFailuresAreOneLine(t *testing.T) {
 		{args: []string{"serve", "--socket", sock, "--log-level", "warn"}, code: 1, want: "already running"},
 		{args: []string{"serve", "--gpu-share", "bogus", "--socket", none}, code: 2, want: "--gpu-share"},
 		{args: []string{"serve", "--cluster", "etcd://127.0.0.1:9", "--cluster-secret", filepath.Join(dir, "absent"), "--cluster-streams", "65", "--socket", none}, code: 1, want: "--cluster-streams 65: want 0 (the default) to 64"},
+		{args: []string{"serve", "--cluster", "etcd://127.0.0.1:9", "--cluster-secret", filepath.Join(dir, "absent"), "--cluster-lanes", "17", "--socket", none}, code: 1, want: "--cluster-lanes 17: want 0 (one) to 16"},
 		{args: []string{"dump", "--region", "xyz"}, code: 2, want: "docs/region.md"},
 		{args: []string{"dump", "--region", `{"version":"x"}`}, code: 2, want: "docs/region.md"},
 		{args: []string{"dump", "--region", `{"version":1,"device":"bad"}`}, code: 2, want: "GPU UUID"},

@@ -11,6 +11,7 @@ import (
 	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/cluster/etcddir"
 	"github.com/cudaipc/cudaipc/cluster/node"
+	"github.com/cudaipc/cudaipc/cluster/ucxtransport"
 	"github.com/cudaipc/cudaipc/store"
 	"github.com/cudaipc/cudaipc/transport/ucx"
 )
@@ -29,6 +30,7 @@ type clusterFlags struct {
 	EtcdCert      string `name:"etcd-cert" help:"Client certificate for etcd (with --etcd-key)." placeholder:"FILE"`
 	EtcdKey       string `name:"etcd-key" help:"Client key for etcd." placeholder:"FILE"`
 	Streams       int    `name:"cluster-streams" default:"0" help:"Reads a pull keeps in flight from one holder (0: the default, 8); more can fill a fast link whose round trip is long." placeholder:"N"`
+	Lanes         int    `name:"cluster-lanes" default:"0" env:"CUDAIPC_CLUSTER_LANES" help:"UCX workers serving and pulling, each with its own progress thread and, between two daemons of several, its own connection (0: one; at most 16). Daemons of one lane cannot read from daemons of several." placeholder:"N"`
 	UCXLib        string `name:"ucx-lib" help:"Use this libucp.so.0 (and the libucs, libuct, libucm beside it) instead of the system's, e.g. a UCX built with CUDA (HPC-X) to register GPU arenas directly; 'cudaipc doctor --ucx-lib PATH' checks it." placeholder:"PATH"`
 }
 
@@ -74,6 +76,9 @@ func (f *clusterFlags) startCluster(ctx context.Context, g *Globals) (*node.Node
 	if f.Streams < 0 || f.Streams > 64 {
 		return nil, fmt.Errorf("--cluster-streams %d: want 0 (the default) to 64", f.Streams)
 	}
+	if f.Lanes < 0 || f.Lanes > ucxtransport.MaxLanes {
+		return nil, fmt.Errorf("--cluster-lanes %d: want 0 (one) to %d", f.Lanes, ucxtransport.MaxLanes)
+	}
 	dc, err := f.directoryConfig()
 	if err != nil {
 		return nil, err
@@ -84,7 +89,7 @@ func (f *clusterFlags) startCluster(ctx context.Context, g *Globals) (*node.Node
 		}
 	}
 	n, err := node.Start(ctx, node.Config{Directory: dc, Listen: f.ClusterListen, Advertise: f.ClusterAdv, Logger: g.log,
-		StreamsPerHolder: f.Streams})
+		StreamsPerHolder: f.Streams, Lanes: f.Lanes})
 	if err != nil {
 		return nil, fmt.Errorf("serve --cluster: %w", err)
 	}

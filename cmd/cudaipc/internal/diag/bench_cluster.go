@@ -41,7 +41,9 @@ type BenchClusterCmd struct {
 	Streams int `default:"0" help:"Reads a pull keeps in flight from one holder; 0: the daemon's default." placeholder:"N"`
 	// ReadSize bounds one read of a pull (node.Config.ReadBytes).
 	ReadSize bytesize.Size `name:"read-size" default:"0" help:"Most bytes one read of a pull covers (consecutive chunks read together); 0: the daemon's default." placeholder:"BYTES"`
-	JSON     bool          `name:"json" help:"Print one JSON object: GB/s, p50/p99, ucx_perftest's figures and the ratios."`
+	// Lanes is the daemons' UCX lanes (node.Config.Lanes).
+	Lanes int  `default:"0" help:"UCX workers each daemon serves and pulls with (0: one)." placeholder:"N"`
+	JSON  bool `name:"json" help:"Print one JSON object: GB/s, p50/p99, ucx_perftest's figures and the ratios."`
 	// CPUProfile, when set, is where the large get's CPU profile goes.
 	CPUProfile string `name:"cpu-profile" help:"Write a CPU profile of the large get (both daemons run in this process) to FILE, for 'go tool pprof'." placeholder:"FILE" type:"path"`
 	// EtcdDir is where the private etcd keeps its data.
@@ -80,6 +82,7 @@ type benchClusterResult struct {
 	LargeCPU   float64 `json:"large_cpu_seconds"`
 	Streams    int     `json:"streams_per_holder,omitempty"`
 	ReadBytes  int64   `json:"read_bytes,omitempty"`
+	Lanes      int     `json:"lanes,omitempty"`
 	SmallBytes int64   `json:"small_bytes"`
 	SmallCount int     `json:"small_count"`
 	SmallP50US float64 `json:"small_p50_us"`
@@ -102,8 +105,8 @@ type benchClusterResult struct {
 
 // Run measures and prints the result.
 func (c *BenchClusterCmd) Run(e *Env) error {
-	if c.Size <= 0 || c.Small <= 0 || c.Count < 1 || c.Streams < 0 || c.ReadSize < 0 {
-		return usagef("--size, --small and --count must be positive, --streams and --read-size not negative")
+	if c.Size <= 0 || c.Small <= 0 || c.Count < 1 || c.Streams < 0 || c.ReadSize < 0 || c.Lanes < 0 {
+		return usagef("--size, --small and --count must be positive, --streams, --read-size and --lanes not negative")
 	}
 	if err := ucx.Available(); err != nil {
 		return fmt.Errorf("bench cluster: UCX: %w (Debian/Ubuntu: apt-get install libucx0)", err)
@@ -114,7 +117,7 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 		}
 	}
 	res := benchClusterResult{UCXTLS: os.Getenv("UCX_TLS"), UCXDevices: os.Getenv("UCX_NET_DEVICES"),
-		Streams: c.Streams, ReadBytes: int64(c.ReadSize), LargeBytes: int64(c.Size), SmallBytes: int64(c.Small), SmallCount: c.Count, UCXLibrary: ucx.Library()}
+		Streams: c.Streams, ReadBytes: int64(c.ReadSize), Lanes: c.Lanes, LargeBytes: int64(c.Size), SmallBytes: int64(c.Small), SmallCount: c.Count, UCXLibrary: ucx.Library()}
 	res.UCXVersion, _ = ucx.Version()
 	progress := func(format string, args ...any) {
 		if isTTY(e.Stderr) {
@@ -155,12 +158,12 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 	}
 	capacity := 2*int64(c.Size) + 2*int64(c.Count)*max(int64(c.Small), 64<<10) + 256<<20
 	progress("starting two daemons")
-	a, err := startBenchDaemon(ctx, e, tmp, "a", etcd.endpoint, sec, capacity, c.Streams, int64(c.ReadSize))
+	a, err := startBenchDaemon(ctx, e, tmp, "a", etcd.endpoint, sec, capacity, c.Streams, int64(c.ReadSize), c.Lanes)
 	if err != nil {
 		return err
 	}
 	defer a.stop()
-	b, err := startBenchDaemon(ctx, e, tmp, "b", etcd.endpoint, sec, capacity, c.Streams, int64(c.ReadSize))
+	b, err := startBenchDaemon(ctx, e, tmp, "b", etcd.endpoint, sec, capacity, c.Streams, int64(c.ReadSize), c.Lanes)
 	if err != nil {
 		return err
 	}
@@ -322,7 +325,7 @@ func (d *benchDaemon) stop() {
 	}
 }
 
-func startBenchDaemon(ctx context.Context, e *Env, dir, name, endpoint string, sec cluster.Secret, capacity int64, streams int, readBytes int64) (*benchDaemon, error) {
+func startBenchDaemon(ctx context.Context, e *Env, dir, name, endpoint string, sec cluster.Secret, capacity int64, streams int, readBytes int64, lanes int) (*benchDaemon, error) {
 	// The daemons' warnings and errors only: their info lines would bury
 	// the progress.
 	log := slog.New(slog.NewTextHandler(e.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).With("node", name)
@@ -330,7 +333,7 @@ func startBenchDaemon(ctx context.Context, e *Env, dir, name, endpoint string, s
 	defer cancel()
 	n, err := node.Start(sctx, node.Config{
 		Directory: etcddir.Config{Endpoints: []string{endpoint}, Node: name, Secret: sec, Prefix: "/cudaipc-bench/"},
-		Listen:    "127.0.0.1:0", Logger: log, StreamsPerHolder: streams, ReadBytes: readBytes,
+		Listen:    "127.0.0.1:0", Logger: log, StreamsPerHolder: streams, ReadBytes: readBytes, Lanes: lanes,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("bench cluster: start node %s: %w", name, err)
