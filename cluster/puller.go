@@ -49,10 +49,11 @@ type Replica interface {
 }
 
 // LandingReplica is a Replica whose Bytes are a landing area (pinned host
-// memory in front of GPU memory): the puller calls Landed with each chunk
-// once it is in Bytes and checked, from the pull's goroutines (different
-// chunks at once), and Landed moves it on (host→device). An error fails
-// the pull.
+// memory in front of GPU memory, its pages present: the puller does not
+// map them in beforehand as it does a fresh replica's): the puller calls
+// Landed with each chunk once it is in Bytes and checked, from the pull's
+// goroutines (different chunks at once), and Landed moves it on
+// (host→device). An error fails the pull.
 type LandingReplica interface {
 	Replica
 	Landed(off int64, b []byte) error
@@ -103,8 +104,9 @@ type Puller struct {
 	Transport Transport
 	Secret    Secret
 	Sink      Sink
-	// ChunkTimeout bounds the GET of one chunk: a holder that does not
-	// deliver a chunk within it is dropped. 0 means DefaultChunkTimeout.
+	// ChunkTimeout bounds each read from its issue (behind the others in
+	// flight from the same holder): a holder that does not deliver a read
+	// within it is dropped. 0 means DefaultChunkTimeout.
 	ChunkTimeout time.Duration
 	// StreamsPerHolder is how many reads from one holder are in flight at
 	// once; 0 means DefaultStreamsPerHolder.
@@ -402,8 +404,12 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 		return e, fmt.Errorf("pull %s: local replica of %d bytes for %d", ref, len(dst), e.Size)
 	}
 	// Stopped before the replica is sealed or aborted (both unmap dst):
-	// this defer runs before the Abort above.
-	stopFault := prefault(dst)
+	// this defer runs before the Abort above. A landing area (pinned
+	// memory, kept between pulls) is mapped in already.
+	stopFault := func() {}
+	if _, landing := rep.(LandingReplica); !landing {
+		stopFault = prefault(dst)
+	}
 	defer stopFault()
 	n := int((e.Size + e.ChunkSize - 1) / e.ChunkSize)
 	t := &transfer{e: e, dst: dst, want: n, bad: map[int]int{}, failed: map[string]string{}, start: time.Now()}

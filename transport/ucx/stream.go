@@ -102,7 +102,7 @@ func GetStream(ctx context.Context, ep *Endpoint, key *RemoteKey, o StreamOption
 		inflight []*streamRead
 		queued   []Read // from next, to be issued under the lock
 		finished []*streamRead
-		failed   []Read  // reads that failed before they were issued
+		failed   []Read  // reads that failed, to be done
 		failures []error // their errors
 		firstErr error
 		stopped  error
