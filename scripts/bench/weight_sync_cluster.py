@@ -138,7 +138,8 @@ class Cluster:
                 [args.bin, "serve", "--socket", sock, "--backend", args.backend, "--capacity", args.capacity,
                  "--log-level", "warn", "--cluster", "etcd://127.0.0.1:%d" % cp, "--node", node,
                  "--cluster-secret", self.secret, "--cluster-listen", "127.0.0.1:0"]
-                + (["--cluster-streams", str(args.streams)] if args.streams else []),
+                + (["--cluster-streams", str(args.streams)] if args.streams else [])
+                + (["--cluster-lanes", str(args.lanes)] if args.lanes else []),
                 stdout=dlog, stderr=subprocess.STDOUT, env=env))
             self.sockets[node] = sock
         deadline = time.monotonic() + 60
@@ -423,6 +424,7 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--capacity", default="48GiB", help="each daemon's capacity per device")
     ap.add_argument("--streams", type=int, default=0, help="chunks a pull reads from one holder at once (serve --cluster-streams; 0: the daemon's default)")
+    ap.add_argument("--lanes", type=int, default=0, help="UCX worker pairs of each daemon (serve --cluster-lanes; 0: the daemon's default)")
     ap.add_argument("--shard-tensors", type=int, default=SHARD_TENSORS, help="tensors per shard of a version")
     ap.add_argument("--smoke", action="store_true", help="a tiny model in host memory (any machine): checks the script")
     ap.add_argument("--timeout", type=float, default=400, help="seconds per model and path")
@@ -434,7 +436,7 @@ def main(argv: List[str]) -> None:
         args.models, args.gpu, args.capacity, args.backend, args.no_floors = "smoke", -1, "256MiB", "host", True
     import torch.multiprocessing as mp
     tmp = tempfile.mkdtemp(prefix="weight-sync-xnode-")
-    out: Dict[str, Any] = {"link": LINK_ENV, "results": []}
+    out: Dict[str, Any] = {"link": LINK_ENV, "streams": args.streams, "lanes": args.lanes, "results": []}
     if not args.no_floors:
         for key, extra in (("floor_ucx", None), ("floor_ucx_default_segments", UCX_DEFAULT_SEGS)):
             out[key] = ucx_floor(args.ucxperf_test, extra)
