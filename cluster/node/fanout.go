@@ -3,6 +3,7 @@ package node
 import (
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/cudaipc/cudaipc/cluster"
 )
@@ -64,3 +65,46 @@ func (r *replica) release() {
 	r.f.File.Close()
 	r.f.Release()
 }
+
+// Expose implements cluster.ExposableReplica for a GPU replica being
+// pulled: peers read its pinned landing buffer, whatever chunks it holds
+// yet (the puller tells them which are in and checked), never its GPU
+// memory. The buffer is registered with UCX once and keeps the
+// registration in the pool, as exposeGPU's buffers do, and goes back to
+// the pool (to be reused) only once the pull is over and every exposure
+// released; the replica's store session ends with the pull, as without
+// fan-out.
+func (r *gpuReplica) Expose() (cluster.Exposure, func(), error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.done {
+		return cluster.Exposure{}, nil, fmt.Errorf("%s: %w (its pull is over)", r.o.Ref(), cluster.ErrNotFound)
+	}
+	if r.b.reg == nil {
+		start := time.Now()
+		reg, err := r.n.tr.Register(r.b.mem)
+		if err != nil {
+			return cluster.Exposure{}, nil, fmt.Errorf("register a pinned landing buffer with UCX: %w", err)
+		}
+		r.b.reg = reg
+		r.n.registerNanos.Add(int64(time.Since(start)))
+	}
+	r.exposed++
+	e := cluster.Exposure{Worker: r.n.tr.WorkerAddress(), RKey: r.b.reg.Key(), Addr: r.b.reg.Addr(0), Size: r.o.Size}
+	r.n.exposures.Add(1)
+	r.n.exposedBytes.Add(uint64(r.o.Size))
+	var once sync.Once
+	return e, func() {
+		once.Do(func() {
+			r.mu.Lock()
+			r.exposed--
+			last := r.done && r.exposed == 0
+			r.mu.Unlock()
+			if last {
+				r.n.pinned.put(r.b)
+			}
+		})
+	}, nil
+}
+
+var _ cluster.ExposableReplica = (*gpuReplica)(nil)

@@ -3,12 +3,16 @@ package node_test
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
+	"github.com/cudaipc/cudaipc/cluster/node"
+	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
 // Four daemons get one object at once: their pulls fan out (each replica
@@ -61,4 +65,96 @@ func TestDaemonsFanOut(t *testing.T) {
 			return err != nil
 		})
 	}
+}
+
+// GPU replicas feed too: three daemons get one GPU object of a fourth, each
+// starting once the one before it is moving bytes, so that each pull
+// overlaps the next. The first reads from the publisher, each later one
+// from the reader before it while that one is still pulling (its pinned
+// landing buffer): every byte the later readers got came from a feeder, and
+// every replica is the publisher's bytes, in GPU memory.
+func TestGPUFanOut(t *testing.T) {
+	dev := testutil.RequireGPU(t)
+	gpu := dev.UUID().String()
+	srv := etcdtest.Start(t)
+	const size = 1<<30 + 4097 // ~1 s a pull over UCX tcp on loopback
+	a := startDaemonOn(t, srv, "a", 2<<30, "cuda")
+	var readers []*daemon
+	for _, name := range []string{"b", "c", "d"} {
+		readers = append(readers, startDaemonOn(t, srv, name, 2<<30, "cuda"))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	want := randomBytes(size, 31)
+	putGPU(t, ctx, a, "fanned", gpu, want, client.CreateOptions{})
+
+	got := make([][]byte, len(readers))
+	errs := make([]error, len(readers))
+	var wg sync.WaitGroup
+	for i, d := range readers {
+		if i > 0 {
+			// The reader before this one is moving bytes, and not done.
+			prev := readers[i-1]
+			testutil.Eventually(t, testutil.Wait, func() error {
+				if prev.node.Stats().Pulls > 0 {
+					t.Fatalf("%s's pull ended before %s's began: the object is too small for this link", prev.name, d.name)
+				}
+				if prev.node.Stats().InFlight != 1 || node.StagedBytes(prev.node) == 0 {
+					return fmt.Errorf("%s's pull has not moved bytes yet", prev.name)
+				}
+				return nil
+			})
+		}
+		wg.Go(func() {
+			l, err := d.c.Get(ctx, "fanned")
+			if err != nil {
+				errs[i] = err
+				return
+			}
+			defer l.Release()
+			if l.Device() == "" || l.Device() == "host" {
+				errs[i] = fmt.Errorf("lease in %q memory, want the GPU", l.Device())
+				return
+			}
+			got[i] = make([]byte, l.Size())
+			_, errs[i] = l.ReadAt(got[i], 0)
+		})
+	}
+	wg.Wait()
+	for i, d := range readers {
+		if errs[i] != nil {
+			t.Fatalf("get on %s: %v", d.name, errs[i])
+		}
+		if !bytes.Equal(got[i], want) {
+			t.Fatalf("get on %s: bytes differ from the publisher's", d.name)
+		}
+		st := d.node.Stats()
+		t.Logf("%s: %+v", d.name, st)
+		if st.Pulls != 1 || st.Failed != 0 {
+			t.Errorf("%s: %d pulls, %d failed: want 1, 0", d.name, st.Pulls, st.Failed)
+		}
+		switch fed := st.FedBytes; {
+		case i == 0 && fed != 0:
+			t.Errorf("%s read %d bytes from feeders: want none (it started first)", d.name, fed)
+		case i > 0 && fed != size:
+			t.Errorf("%s read %d of %d bytes from feeders: want all (from %s)", d.name, fed, size, readers[i-1].name)
+		}
+	}
+	// Every exposure of a landing buffer was released: nothing pinned, and
+	// the readers are holders.
+	testutil.Eventually(t, testutil.Wait, func() error {
+		e, err := a.node.Directory().Lookup(ctx, cluster.Ref{Name: "fanned"})
+		if err != nil {
+			return err
+		}
+		if len(e.Holders) != 1+len(readers) {
+			return fmt.Errorf("holders %v", e.Holders)
+		}
+		for _, d := range append(readers, a) {
+			if n := node.PinsHeld(d.node); n != 0 {
+				return fmt.Errorf("%s holds %d pins", d.name, n)
+			}
+		}
+		return nil
+	})
 }

@@ -290,6 +290,9 @@ type gpuReplica struct {
 	mu     sync.Mutex
 	sealed bool
 	done   bool
+	// exposed counts exposures of b to peers not yet released (Expose,
+	// fanout.go): b goes back to the pool with the last of them.
+	exposed int
 }
 
 func (s sink) createGPU(f *store.ClusterFile, o cluster.Object) (cluster.Replica, error) {
@@ -335,17 +338,20 @@ func (r *gpuReplica) Abort() {
 	}
 }
 
-// end gives the pinned buffer back and ends the replica's store session
-// (once).
+// end gives the pinned buffer back (or leaves that to the release of its
+// last exposure to peers) and ends the replica's store session (once).
 func (r *gpuReplica) end() {
 	r.mu.Lock()
 	done := r.done
 	r.done = true
+	exposed := r.exposed > 0
 	r.mu.Unlock()
 	if done {
 		return
 	}
-	r.n.pinned.put(r.b)
+	if !exposed {
+		r.n.pinned.put(r.b)
+	}
 	r.f.Release()
 }
 
