@@ -190,12 +190,10 @@ func (s *ControlServer) serveHave(req ctlRequest) ctlResponse {
 	f := s.Feeding.lookup(req.Ref, req.ID)
 	if f == nil {
 		// Sealed here meanwhile, or gone: the Source knows.
-		_, rel, err := s.Source.Expose(req.Ref, req.ID)
-		if err != nil {
+		if err := s.holds(req.Ref, req.ID); err != nil {
 			resp.Err, resp.NotHeld = fmt.Sprintf("%v (%v)", ErrFeedGone, err), true
 			return resp
 		}
-		rel()
 		resp.Complete = true
 		return resp
 	}
@@ -220,6 +218,31 @@ func (s *ControlServer) serveHave(req ctlRequest) ctlResponse {
 			return resp
 		}
 	}
+}
+
+// ReplicaChecker is an optional interface of a Source: whether it holds a
+// sealed replica, without exposing it. A "have" request whose feeder has
+// finished asks it: exposing a GPU replica just to say so would stage it
+// to host memory for nothing. A Source without it is asked to Expose the
+// replica, which is then released at once.
+type ReplicaChecker interface {
+	// HoldsReplica returns nil when this node holds the sealed replica of
+	// ref, incarnation id, and an error wrapping ErrNotFound when it does
+	// not.
+	HoldsReplica(ref Ref, id string) error
+}
+
+// holds says whether the Source holds the sealed replica of ref,
+// incarnation id (nil), or why not.
+func (s *ControlServer) holds(ref Ref, id string) error {
+	if c, ok := s.Source.(ReplicaChecker); ok {
+		return c.HoldsReplica(ref, id)
+	}
+	_, rel, err := s.Source.Expose(ref, id)
+	if err == nil {
+		rel()
+	}
+	return err
 }
 
 // Feed asks the node for its replica of ref, incarnation id, whether it is

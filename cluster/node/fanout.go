@@ -1,11 +1,13 @@
 package node
 
 import (
+	"errors"
 	"fmt"
 	"sync"
 	"time"
 
 	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/store"
 )
 
 // feedRefs counts a replica's exposures to peers while it is pulled (it is
@@ -108,3 +110,21 @@ func (r *gpuReplica) Expose() (cluster.Exposure, func(), error) {
 }
 
 var _ cluster.ExposableReplica = (*gpuReplica)(nil)
+
+// HoldsReplica implements cluster.ReplicaChecker: whether this node holds
+// the sealed replica, by leasing it and letting it go, where an exposure
+// of a GPU replica would stage it to host memory.
+func (s source) HoldsReplica(ref cluster.Ref, id string) error {
+	f, err := s.n.st.LeaseCluster(ref.Owner, ref.Name, ref.Version, ref.Shard, id)
+	if err != nil {
+		if errors.Is(err, store.ErrNotFound) {
+			err = fmt.Errorf("%w: %v", cluster.ErrNotFound, err)
+		}
+		return err
+	}
+	if f.File != nil {
+		f.File.Close()
+	}
+	f.Release()
+	return nil
+}
