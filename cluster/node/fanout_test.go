@@ -77,11 +77,11 @@ func TestGPUFanOut(t *testing.T) {
 	dev := testutil.RequireGPU(t)
 	gpu := dev.UUID().String()
 	srv := etcdtest.Start(t)
-	const size = 1<<30 + 4097 // ~1 s a pull over UCX tcp on loopback
-	a := startDaemonOn(t, srv, "a", 2<<30, "cuda")
+	const size = 2<<30 + 4097 // ~2 s a pull over UCX tcp on loopback
+	a := startDaemonOn(t, srv, "a", 3<<30, "cuda")
 	var readers []*daemon
 	for _, name := range []string{"b", "c", "d"} {
-		readers = append(readers, startDaemonOn(t, srv, name, 2<<30, "cuda"))
+		readers = append(readers, startDaemonOn(t, srv, name, 3<<30, "cuda"))
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
