@@ -362,19 +362,22 @@ def run_procs(targets: List[Tuple[Any, tuple]], results: Any, want: int, timeout
 
 def ucx_floor(test_bin: Optional[str], extra: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """Raw UCX GETs between two processes on the same link: the best of
-    BenchmarkGetChunks's chunk sizes and depths (256 MiB a round)."""
+    BenchmarkGetChunks's chunk sizes and depths over one connection and of
+    BenchmarkGetLanes's 1, 2, 4 and 8 connections (a worker pair each, as the
+    daemons' --cluster-lanes), 256 MiB a round: over tcp on loopback more
+    connections carry more, so the link's floor is the best of them all."""
     if not test_bin:
         return {"error": "no --ucxperf-test"}
     env = dict(os.environ, **LINK_ENV)
     env.update(extra or {})
     try:
-        r = subprocess.run([test_bin, "-test.run", "^$", "-test.bench", "GetChunks", "-test.benchtime", "4x"],
+        r = subprocess.run([test_bin, "-test.run", "^$", "-test.bench", "GetChunks|GetLanes", "-test.benchtime", "4x"],
                            capture_output=True, text=True, timeout=240, env=env, cwd=tempfile.gettempdir())
     except (OSError, subprocess.TimeoutExpired) as e:
         return {"error": str(e)}
     rows = {}
     for line in r.stdout.splitlines():
-        m = re.match(r"BenchmarkGetChunks/(\S+?)(-\d+)?\s+\d+\s+\d+ ns/op\s+([\d.]+) MB/s", line)
+        m = re.match(r"BenchmarkGet(?:Chunks|Lanes)/(\S+?)(-\d+)?\s+\d+\s+\d+ ns/op\s+([\d.]+) MB/s", line)
         if m:
             rows[m.group(1)] = float(m.group(3)) / 1e3
     if not rows:
@@ -443,6 +446,8 @@ def main(argv: List[str]) -> None:
             print("floor: raw UCX GET%s %s" % (" (UCX's default tcp segments)" if extra else "",
                                                ("%.2f GB/s (%s)" % (out[key]["GBps"], out[key]["best"]))
                                                if "GBps" in out[key] else out[key]["error"]), flush=True)
+            if "rows_GBps" in out[key]:
+                print("  " + ", ".join("%s %.2f" % kv for kv in out[key]["rows_GBps"].items()), flush=True)
         out["floor_cluster_host"] = cluster_floor(args.bin, args.etcd)
         fc = out["floor_cluster_host"]
         print("floor: cluster pull of a 1 GiB host object %s" % (

@@ -28,10 +28,14 @@ func TestMain(m *testing.M) {
 
 type arenaInfo struct {
 	Addr, Key string
+	// Addrs are the addresses of every serving worker ($LANES of them,
+	// default one; Addr is the first).
+	Addrs []string
 }
 
 // arenaRole maps a memfd arena of $SIZE bytes (as the daemon's arenas
-// are), registers it once, and serves it until stdin closes.
+// are), registers it once, and serves it until stdin closes, from $LANES
+// workers (default one), each progressed by its own goroutine.
 func arenaRole(p *testutil.Peer) error {
 	size, _ := strconv.Atoi(os.Getenv("SIZE"))
 	fd, err := unix.MemfdCreate("ucxperf-arena", unix.MFD_CLOEXEC)
@@ -51,20 +55,26 @@ func arenaRole(p *testutil.Peer) error {
 		return err
 	}
 	defer c.Close()
-	w, err := c.NewWorker(ucx.WorkerOptions{})
-	if err != nil {
-		return err
-	}
 	r, err := c.Register(mem)
 	if err != nil {
 		return err
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go w.Serve(ctx)
-	a, _ := w.Address().MarshalBinary()
+	lanes, _ := strconv.Atoi(os.Getenv("LANES"))
+	var info arenaInfo
+	for range max(lanes, 1) {
+		w, err := c.NewWorker(ucx.WorkerOptions{})
+		if err != nil {
+			return err
+		}
+		go w.Serve(ctx)
+		a, _ := w.Address().MarshalBinary()
+		info.Addrs = append(info.Addrs, base64.StdEncoding.EncodeToString(a))
+	}
 	k, _ := r.Key().MarshalBinary()
-	if err := p.Send(arenaInfo{Addr: base64.StdEncoding.EncodeToString(a), Key: base64.StdEncoding.EncodeToString(k)}); err != nil {
+	info.Addr, info.Key = info.Addrs[0], base64.StdEncoding.EncodeToString(k)
+	if err := p.Send(info); err != nil {
 		return err
 	}
 	var v any

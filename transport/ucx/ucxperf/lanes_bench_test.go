@@ -1,0 +1,113 @@
+package ucxperf_test
+
+import (
+	"context"
+	"encoding/base64"
+	"fmt"
+	"strconv"
+	"sync"
+	"testing"
+
+	"github.com/cudaipc/cudaipc/internal/testutil"
+	"github.com/cudaipc/cudaipc/transport/ucx"
+)
+
+// connectLanes starts an arena process of size bytes serving from lanes
+// workers and connects one worker of this process to each: an endpoint
+// and the arena's key on each lane.
+func connectLanes(b *testing.B, size, lanes int) ([]*ucx.Endpoint, []*ucx.RemoteKey) {
+	b.Helper()
+	if err := ucx.Available(); err != nil {
+		b.Skip(err)
+	}
+	child := testutil.Spawn(b, "arena", "SIZE="+strconv.Itoa(size), "LANES="+strconv.Itoa(lanes))
+	var info arenaInfo
+	if err := child.Recv(&info); err != nil {
+		b.Fatalf("arena: %v\n%s", err, child.Stderr())
+	}
+	if len(info.Addrs) != lanes {
+		b.Fatalf("arena: %d serving workers, want %d", len(info.Addrs), lanes)
+	}
+	c, err := ucx.NewContext(ucx.ContextOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { c.Close() })
+	var rk ucx.RegionKey
+	kb, _ := base64.StdEncoding.DecodeString(info.Key)
+	if err := rk.UnmarshalBinary(kb); err != nil {
+		b.Fatal(err)
+	}
+	var eps []*ucx.Endpoint
+	var keys []*ucx.RemoteKey
+	for _, a := range info.Addrs {
+		w, err := c.NewWorker(ucx.WorkerOptions{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		var addr ucx.WorkerAddress
+		ab, _ := base64.StdEncoding.DecodeString(a)
+		if err := addr.UnmarshalBinary(ab); err != nil {
+			b.Fatal(err)
+		}
+		ep, err := w.Connect(addr)
+		if err != nil {
+			b.Fatal(err)
+		}
+		key, err := ep.Unpack(rk)
+		if err != nil {
+			b.Fatal(err)
+		}
+		eps, keys = append(eps, ep), append(keys, key)
+	}
+	return eps, keys
+}
+
+// BenchmarkGetLanes pulls 256 MiB from another process over 1, 2, 4 and 8
+// lanes: a worker pair and a connection each, every lane reading its share
+// of the range (16 MiB reads, two in flight) at once. It is the raw floor
+// of a pull between daemons of as many lanes (serve --cluster-lanes): over
+// tcp one connection and one progress thread a side bound a transfer
+// below what the link (here the loopback, i.e. the CPUs) carries.
+func BenchmarkGetLanes(b *testing.B) {
+	const size = 256 << 20
+	for _, lanes := range []int{1, 2, 4, 8} {
+		b.Run(fmt.Sprintf("lanes=%d", lanes), func(b *testing.B) {
+			eps, keys := connectLanes(b, size, lanes)
+			dst := make([]byte, size)
+			ctx := context.Background()
+			part := size / lanes
+			get := func() error {
+				errs := make([]error, lanes)
+				var wg sync.WaitGroup
+				for i := range lanes {
+					wg.Go(func() {
+						off := i * part
+						errs[i] = ucx.GetWith(ctx, eps[i], keys[i], keys[i].Key().Addr+uint64(off), dst[off:off+part],
+							ucx.GetOptions{Chunk: 16 << 20, Depth: 2})
+					})
+				}
+				wg.Wait()
+				for _, err := range errs {
+					if err != nil {
+						return err
+					}
+				}
+				return nil
+			}
+			if err := get(); err != nil { // connect, fault dst in
+				b.Fatal(err)
+			}
+			want := testutil.RandomBytes(7, 1<<20)
+			if string(dst[:len(want)]) != string(want) {
+				b.Fatal("the first MiB read is not the arena's")
+			}
+			b.SetBytes(size)
+			for b.Loop() {
+				if err := get(); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
