@@ -3,6 +3,7 @@ package node_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -140,6 +141,10 @@ func TestGPUFanOut(t *testing.T) {
 			t.Errorf("%s read %d of %d bytes from feeders: want all (from %s)", d.name, fed, size, readers[i-1].name)
 		}
 	}
+	// Asked whether it still feeds, a finished reader says it holds the
+	// replica without exposing it (an exposure would stage it to host
+	// memory).
+	haveComplete(t, ctx, readers[0], cluster.Ref{Name: "fanned"})
 	// Every exposure of a landing buffer was released: nothing pinned, and
 	// the readers are holders.
 	testutil.Eventually(t, testutil.Wait, func() error {
@@ -157,4 +162,46 @@ func TestGPUFanOut(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// haveComplete asks d, over its control channel, which chunks it has of
+// its sealed replica of ref: complete, answered without an exposure; and
+// refused for an incarnation it does not hold.
+func haveComplete(t *testing.T, ctx context.Context, d *daemon, ref cluster.Ref) {
+	t.Helper()
+	dir := d.node.Directory()
+	e, err := dir.Lookup(ctx, ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := dir.Node(ctx, d.name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cc, err := cluster.DialControl(ctx, secret, "asker", d.name, n.Control)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	exposed, staged := node.Exposures(d.node), node.StagedBytes(d.node)
+	if _, _, complete, err := cc.Have(ctx, e.Ref(), e.ID, 0); err != nil || !complete {
+		t.Fatalf("have of %s's sealed replica: complete=%v, %v", d.name, complete, err)
+	}
+	if _, _, _, err := cc.Have(ctx, e.Ref(), cluster.NewID(), 0); !errors.Is(err, cluster.ErrFeedGone) {
+		t.Fatalf("have of an incarnation %s does not hold: %v, want ErrFeedGone", d.name, err)
+	}
+	if x, s := node.Exposures(d.node)-exposed, node.StagedBytes(d.node)-staged; x != 0 || s != 0 {
+		t.Fatalf("answering have, %s made %d exposures and staged %d bytes: want none", d.name, x, s)
+	}
+}
+
+// A node asked whether it still feeds a replica it has sealed answers from
+// its store, without exposing it.
+func TestHaveOfSealedReplica(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a := startDaemon(t, srv, "a")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	a.put(t, "ns/held", 3<<20+1, client.CreateOptions{Cluster: true})
+	haveComplete(t, ctx, a, cluster.Ref{Name: "ns/held"})
 }
