@@ -164,12 +164,20 @@ func (s *ControlServer) serveFeed(req ctlRequest, held map[uint64]func(), next *
 		rel func()
 		err error
 	)
-	if f := s.Feeding.lookup(req.Ref, req.ID); f != nil {
+	f := s.Feeding.lookup(req.Ref, req.ID)
+	if f != nil {
 		if e, rel, err = f.rep.Expose(); err == nil {
 			resp.Have, resp.Chunks, _, _ = f.state()
+		} else if errors.Is(err, ErrNotFound) {
+			// The pull ended (its replica sealed, or aborted) after the
+			// lookup, before its feed was withdrawn: the Source knows.
+			f = nil
 		}
-	} else if e, rel, err = s.Source.Expose(req.Ref, req.ID); err == nil {
-		resp.Complete = true
+	}
+	if f == nil {
+		if e, rel, err = s.Source.Expose(req.Ref, req.ID); err == nil {
+			resp.Complete = true
+		}
 	}
 	if err != nil {
 		resp.Err, resp.NotHeld = err.Error(), errors.Is(err, ErrNotFound)

@@ -1,9 +1,12 @@
 package cluster
 
 import (
+	"context"
 	"errors"
+	"net"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // checkedObject is oneObject that can say it holds its replica without
@@ -45,5 +48,49 @@ func TestHaveAsksReplicaChecker(t *testing.T) {
 	ctx, cc = dialServed(t, src.oneObject)
 	if _, _, complete, err := cc.Have(ctx, src.ref, "id1", 0); err != nil || !complete {
 		t.Fatalf("have of the sealed replica, plain Source: complete=%v, %v", complete, err)
+	}
+}
+
+// endedReplica is a replica being pulled whose pull has just ended: it
+// refuses exposures as an ended ExposableReplica does.
+type endedReplica struct{}
+
+func (endedReplica) Bytes() []byte { return nil }
+func (endedReplica) Seal() error   { return nil }
+func (endedReplica) Abort()        {}
+func (endedReplica) Expose() (Exposure, func(), error) {
+	return Exposure{}, nil, ErrNotFound
+}
+
+// A "feed" that finds the feed of a pull that has just ended (sealed, its
+// feed not withdrawn yet) is answered from the Source: the sealed replica,
+// complete, rather than a refusal that would send the reader to the
+// holders.
+func TestFeedOfAPullJustEnded(t *testing.T) {
+	src := oneObject{Ref{Owner: 1, Name: "x"}, "id1"}
+	feeding := &Feeding{}
+	feeding.start(src.ref, src.id, endedReplica{}, 4)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs := &ControlServer{Node: "srv", Secret: testSecret, Source: src, Feeding: feeding}
+	done := make(chan struct{})
+	go func() { cs.Serve(ln); close(done) }()
+	defer func() { ln.Close(); <-done }()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	cc, err := DialControl(ctx, testSecret, "cli", "srv", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	e, _, have, complete, err := cc.Feed(ctx, src.ref, src.id)
+	if err != nil || !complete || have != nil || e.Size != 10 {
+		t.Fatalf("feed of a pull just ended: %+v complete=%v have=%v, %v; want the sealed replica, complete", e, complete, have, err)
+	}
+	// Another incarnation is refused, as not held.
+	if _, _, _, _, err := cc.Feed(ctx, src.ref, "id2"); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("feed of another incarnation: %v, want ErrNotFound", err)
 	}
 }
