@@ -549,10 +549,10 @@ func (p *Puller) advertise(ctx context.Context, e Entry, rep Replica) {
 }
 
 // run reads chunks from sources until all are done, the pull fails, or
-// every source failed. Each source is read by one stream of reads
-// (getStream) that keeps StreamsPerHolder chunks in flight; a chunk read
-// goes to the checkers, which check it against its checksum and land it,
-// so that a source's reads never wait for a check.
+// every source failed. Each source has StreamsPerHolder reads in flight
+// (readChunks); a chunk read goes to the checkers, which check it against
+// its checksum and land it, so that a source's reads never wait for a
+// check.
 func (p *Puller) run(ctx context.Context, t *transfer, sources []*source) {
 	depth := p.StreamsPerHolder
 	if depth <= 0 {
@@ -589,7 +589,7 @@ func (p *Puller) run(ctx context.Context, t *transfer, sources []*source) {
 				}, timeout)
 			})
 		}
-		wg.Go(func() { p.stream(ctx, t, s, &dead, StreamOptions{Depth: depth, Timeout: timeout}, check) })
+		wg.Go(func() { p.stream(ctx, t, s, &dead, depth, timeout, check) })
 	}
 	// Wake waiters when ctx ends.
 	stop := context.AfterFunc(ctx, func() {
@@ -609,12 +609,12 @@ type readChunk struct {
 	i int
 }
 
-// stream reads chunks from one source, o.Depth at a time, handing each
+// stream reads chunks from one source, depth at a time, handing each
 // read to check, until there is nothing left or the source fails: a
 // failed read gives its chunk back and drops the source.
-func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomic.Bool, o StreamOptions, check chan<- readChunk) {
+func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomic.Bool, depth int, timeout time.Duration, check chan<- readChunk) {
 	readBytes := p.ReadBytes
-	next := func(wait bool) (Read, bool) {
+	next := func() (chunkRead, bool) {
 		t.mu.Lock()
 		defer t.mu.Unlock()
 		for t.fatal == nil && !dead.Load() && ctx.Err() == nil {
@@ -632,28 +632,28 @@ func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomi
 				if m > 1 {
 					dst = t.dst[off:min(off+int64(m)*t.e.ChunkSize, t.e.Size)]
 				}
-				return Read{Addr: s.exp.Addr + uint64(off), Dst: dst, Tag: i}, true
+				return chunkRead{addr: s.exp.Addr + uint64(off), dst: dst, first: i}, true
 			}
-			if !wait || (len(t.pending) == 0 && t.done >= t.want) {
+			if len(t.pending) == 0 && t.done >= t.want {
 				break
 			}
 			t.cond.Wait() // for a chunk given back, or one the feeder s gets
 		}
-		return Read{}, false
+		return chunkRead{}, false
 	}
 	// chunks are the chunks of read r.
-	chunks := func(r Read) int { return int((int64(len(r.Dst)) + t.e.ChunkSize - 1) / t.e.ChunkSize) }
-	done := func(r Read, err error) {
+	chunks := func(r chunkRead) int { return int((int64(len(r.dst)) + t.e.ChunkSize - 1) / t.e.ChunkSize) }
+	done := func(r chunkRead, err error) {
 		n := max(chunks(r), 1)
 		if err != nil {
 			t.mu.Lock()
 			for i := range n {
-				t.pending = append(t.pending, r.Tag+i)
+				t.pending = append(t.pending, r.first+i)
 			}
 			if ctx.Err() == nil {
 				why := oneLine(err)
 				if errors.Is(err, context.DeadlineExceeded) {
-					why = fmt.Sprintf("no chunk within %v", o.Timeout)
+					why = fmt.Sprintf("no chunk within %v", timeout)
 				}
 				p.drop(t, s, dead, why)
 			}
@@ -662,10 +662,10 @@ func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomi
 			return
 		}
 		for i := range n {
-			check <- readChunk{s: s, i: r.Tag + i}
+			check <- readChunk{s: s, i: r.first + i}
 		}
 	}
-	if err := getStream(ctx, s.ep, s.exp.RKey, o, next, done); err != nil && ctx.Err() == nil {
+	if err := readChunks(ctx, s.ep, s.exp.RKey, depth, timeout, next, done); err != nil && ctx.Err() == nil {
 		t.mu.Lock()
 		p.drop(t, s, dead, oneLine(err))
 		t.cond.Broadcast()

@@ -30,51 +30,28 @@ type Endpoint interface {
 	Close() error
 }
 
-// Read is one read of a stream of reads (StreamEndpoint): len(Dst) bytes
-// at remote address Addr. Tag is the caller's, handed back with it.
-type Read struct {
-	Addr uint64
-	Dst  []byte
-	Tag  int
+// chunkRead is one read of a pull: len(dst) bytes at remote address addr,
+// chunk first and those after it.
+type chunkRead struct {
+	addr  uint64
+	dst   []byte
+	first int
 }
 
-// StreamOptions tune a stream of reads.
-type StreamOptions struct {
-	// Depth is how many reads are in flight at once.
-	Depth int
-	// Timeout bounds each read from its issue; a read not complete by
-	// then fails with an error wrapping context.DeadlineExceeded and
-	// stops the stream. 0 means no bound.
-	Timeout time.Duration
-}
-
-// StreamEndpoint is an Endpoint that keeps several reads in flight from
-// one goroutine (UCX: one loop issues the GETs, progresses the worker and
-// sees each completion), which the puller prefers to concurrent Gets.
-type StreamEndpoint interface {
-	Endpoint
-	// GetStream reads what next hands it, up to o.Depth reads at once,
-	// until next has no more: next is called when a read can be issued
-	// (wait: none is in flight, and next may block until it has one;
-	// returning false then ends the stream, and otherwise means "none
-	// now", asked again after the next completion). done is called once
-	// for every read next returned, with nil when its bytes are in Dst or
-	// its error, after which nothing writes into Dst. next and done may
-	// be called from several goroutines at once (an endpoint of several
-	// connections runs a loop on each) and must not wait for the stream's
-	// own reads. The first failed read stops the issuing of new
-	// ones; GetStream returns when every read is done, with the first
-	// error (ctx's when it ended).
-	GetStream(ctx context.Context, rkey []byte, o StreamOptions, next func(wait bool) (Read, bool), done func(Read, error)) error
-}
-
-// getStream runs a stream of reads on ep: its own GetStream when it has
-// one, else o.Depth goroutines each doing one Get at a time (next and
-// done are then called from several goroutines at once).
-func getStream(ctx context.Context, ep Endpoint, rkey []byte, o StreamOptions, next func(wait bool) (Read, bool), done func(Read, error)) error {
-	if se, ok := ep.(StreamEndpoint); ok {
-		return se.GetStream(ctx, rkey, o, next, done)
-	}
+// readChunks keeps up to depth reads from ep in flight, each a Get on a
+// goroutine of its own bounded by timeout (0: none), until next has no
+// more. next may block until it has a read; false ends that goroutine.
+// done gets every read next returned, with nil when its bytes are in dst
+// or its error; a goroutine stops at its first failed read. next and done
+// are called from several goroutines at once. readChunks returns when
+// every goroutine has, with the first error (ctx's when it ended).
+//
+// The reads of one endpoint could instead be issued from one loop that
+// progresses the worker (transport/ucx.GetStream); on the H200 that read no
+// faster than concurrent Gets, and with Debian's UCX 1.13 it made a daemon
+// closing right after a pull abort on an assertion that UCX 1.14 removed
+// (docs/cluster.md, "The 1 GiB pull").
+func readChunks(ctx context.Context, ep Endpoint, rkey []byte, depth int, timeout time.Duration, next func() (chunkRead, bool), done func(chunkRead, error)) error {
 	var (
 		mu    sync.Mutex
 		first error
@@ -85,18 +62,18 @@ func getStream(ctx context.Context, ep Endpoint, rkey []byte, o StreamOptions, n
 		defer mu.Unlock()
 		return first != nil
 	}
-	for range max(o.Depth, 1) {
+	for range max(depth, 1) {
 		wg.Go(func() {
 			for !failed() {
-				r, ok := next(true)
+				r, ok := next()
 				if !ok {
 					return
 				}
 				rctx, cancel := ctx, context.CancelFunc(func() {})
-				if o.Timeout > 0 {
-					rctx, cancel = context.WithTimeout(ctx, o.Timeout)
+				if timeout > 0 {
+					rctx, cancel = context.WithTimeout(ctx, timeout)
 				}
-				err := ep.Get(rctx, rkey, r.Addr, r.Dst)
+				err := ep.Get(rctx, rkey, r.addr, r.dst)
 				if err == nil {
 					err = rctx.Err()
 				}

@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 
 	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/transport/ucx"
@@ -37,8 +38,9 @@ type Options struct {
 	// Lanes is how many serving workers (each progressed by its own
 	// goroutine) and pulling workers the transport has, at most MaxLanes;
 	// 0 means 1. A pull from a node of several lanes reads over as many
-	// endpoints (over tcp: connections), each read by its own loop, so
-	// that one progress thread a side does not bound the pull. A node of
+	// endpoints (over tcp: connections), on as many workers, its reads
+	// taking the lanes in turn, so that one progress thread a side does
+	// not bound the pull. A node of
 	// one lane publishes a plain worker address; one of several, the
 	// lanes' addresses (lanes.go), which only nodes of this version read.
 	Lanes int
@@ -175,6 +177,7 @@ func (t *Transport) Connect(ctx context.Context, addr []byte) (cluster.Endpoint,
 // endpoint reads from one peer over its lanes.
 type endpoint struct {
 	lanes []*ucx.Endpoint
+	next  atomic.Uint64 // the lane of the next Get
 	mu    sync.Mutex
 	keys  map[string][]*ucx.RemoteKey // by envelope: one per lane
 }
@@ -203,49 +206,16 @@ func (e *endpoint) key(rkey []byte) ([]*ucx.RemoteKey, error) {
 	return ks, nil
 }
 
-// Get implements cluster.Endpoint, on the first lane. rkey is a
-// RegionKey envelope.
+// Get implements cluster.Endpoint: on the next lane, in turn, so that a
+// pull's concurrent reads spread over the lanes. rkey is a RegionKey
+// envelope.
 func (e *endpoint) Get(ctx context.Context, rkey []byte, addr uint64, dst []byte) error {
 	k, err := e.key(rkey)
 	if err != nil {
 		return err
 	}
-	return peerGone(ucx.Get(ctx, e.lanes[0], k[0], addr, dst))
-}
-
-// GetStream implements cluster.StreamEndpoint with a ucx.GetStream on each
-// lane, o.Depth reads in flight in all (at least one a lane), next and
-// done shared: a lane asks for a read when it has room. It returns when
-// every lane's stream has, with the first error.
-func (e *endpoint) GetStream(ctx context.Context, rkey []byte, o cluster.StreamOptions, next func(wait bool) (cluster.Read, bool), done func(cluster.Read, error)) error {
-	k, err := e.key(rkey)
-	if err != nil {
-		return err
-	}
-	depth := (max(o.Depth, 1) + len(e.lanes) - 1) / len(e.lanes)
-	lane := func(i int) error {
-		return ucx.GetStream(ctx, e.lanes[i], k[i], ucx.StreamOptions{Depth: depth, Timeout: o.Timeout},
-			func(wait bool) (ucx.Read, bool) {
-				r, ok := next(wait)
-				return ucx.Read(r), ok
-			},
-			func(r ucx.Read, err error) { done(cluster.Read(r), peerGone(err)) })
-	}
-	if len(e.lanes) == 1 {
-		return peerGone(lane(0))
-	}
-	errs := make([]error, len(e.lanes))
-	var wg sync.WaitGroup
-	for i := range e.lanes {
-		wg.Go(func() { errs[i] = lane(i) })
-	}
-	wg.Wait()
-	for _, err := range errs {
-		if err != nil {
-			return peerGone(err)
-		}
-	}
-	return nil
+	i := int(e.next.Add(1) % uint64(len(e.lanes)))
+	return peerGone(ucx.Get(ctx, e.lanes[i], k[i], addr, dst))
 }
 
 // peerGone says so in an error of a peer that failed.
