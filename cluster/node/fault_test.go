@@ -58,11 +58,9 @@ type daemonReply struct {
 	Version uint64
 	Held    bool
 	// InFlight, Pulls and Failed are the node's pull counters, Got the
-	// bytes its pulls' chunk reads delivered (SlowPulls), Staged its
-	// staged bytes.
-	InFlight      int64
-	Pulls, Failed uint64
-	Got, Staged   uint64
+	// bytes its pulls' chunk reads delivered (SlowPulls).
+	InFlight           int64
+	Pulls, Failed, Got uint64
 	// GetErr is the result of the get started by "get", once it is done
 	// ("" while running or after a success, which sets GetDone).
 	GetErr  string
@@ -159,7 +157,7 @@ func daemonRole(p *testutil.Peer) error {
 			default:
 			}
 			s := n.Stats()
-			r.InFlight, r.Pulls, r.Failed, r.Got, r.Staged = s.InFlight, s.Pulls, s.Failed, got.Load(), node.StagedBytes(n)
+			r.InFlight, r.Pulls, r.Failed, r.Got = s.InFlight, s.Pulls, s.Failed, got.Load()
 			if getFinished {
 				r.GetDone = true
 				if getErr != nil {
