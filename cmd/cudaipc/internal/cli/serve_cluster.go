@@ -29,8 +29,8 @@ type clusterFlags struct {
 	EtcdCA        string `name:"etcd-ca" help:"CA certificate that signed etcd's (turns on TLS)." placeholder:"FILE"`
 	EtcdCert      string `name:"etcd-cert" help:"Client certificate for etcd (with --etcd-key)." placeholder:"FILE"`
 	EtcdKey       string `name:"etcd-key" help:"Client key for etcd." placeholder:"FILE"`
-	Streams       int    `name:"cluster-streams" default:"0" help:"Reads a pull keeps in flight from one holder (0: the default, 8); more can fill a fast link whose round trip is long." placeholder:"N"`
-	Lanes         int    `name:"cluster-lanes" default:"0" env:"CUDAIPC_CLUSTER_LANES" help:"UCX workers serving and pulling, each with its own progress thread and, between two daemons of several, its own connection (0: one; at most 16). Daemons of one lane cannot read from daemons of several." placeholder:"N"`
+	Streams       int    `name:"cluster-streams" default:"0" help:"Reads a pull keeps in flight from one holder (0: the default, four a lane and at least 8); more can fill a fast link whose round trip is long." placeholder:"N"`
+	Lanes         int    `name:"cluster-lanes" default:"2" env:"CUDAIPC_CLUSTER_LANES" help:"UCX workers serving and pulling, each with its own progress thread and, between two daemons of several, its own connection (default ${default}; 0 or 1: one; at most 16). Over tcp one connection and one progress thread a side bound a pull well below what a fast link carries (docs/cluster.md). Daemons of versions before lanes cannot read from daemons of several." placeholder:"N"`
 	UCXLib        string `name:"ucx-lib" help:"Use this libucp.so.0 (and the libucs, libuct, libucm beside it) instead of the system's, e.g. a UCX built with CUDA (HPC-X) to register GPU arenas directly; 'cudaipc doctor --ucx-lib PATH' checks it." placeholder:"PATH"`
 }
 
@@ -88,8 +88,15 @@ func (f *clusterFlags) startCluster(ctx context.Context, g *Globals) (*node.Node
 			return nil, fmt.Errorf("--ucx-lib: %w", err)
 		}
 	}
+	streams := f.Streams
+	if streams == 0 {
+		// Four reads in flight on each connection to a holder (the
+		// reads take the lanes in turn), and never fewer than one lane
+		// needs (cluster.DefaultStreamsPerHolder).
+		streams = max(cluster.DefaultStreamsPerHolder, 4*max(f.Lanes, 1))
+	}
 	n, err := node.Start(ctx, node.Config{Directory: dc, Listen: f.ClusterListen, Advertise: f.ClusterAdv, Logger: g.log,
-		StreamsPerHolder: f.Streams, Lanes: f.Lanes})
+		StreamsPerHolder: streams, Lanes: f.Lanes})
 	if err != nil {
 		return nil, fmt.Errorf("serve --cluster: %w", err)
 	}
