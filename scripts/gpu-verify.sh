@@ -11,7 +11,10 @@
 # and no-copy, 5 versions), WS_TIMEOUT (170), XNODE_ARGS (default the 8B
 # shapes, 3 versions), XNODE_TIMEOUT (300), TEST_TIMEOUT (300, Go and Python
 # each), TEST_RUN (Go -test.run regexp, default all), GATHER_COMPARE=1 (the in-place
-# path's copies with and without the gather kernel, step 1b).
+# path's copies with and without the gather kernel, step 1b), XNODE_ALONE=1 (the
+# cross-node benchmark alone on the machine, before the tests, instead of beside
+# them), XNODE_VARIANTS (e.g. "--lanes 4;--lanes 8": after it, the cudaipc path
+# again with each set of flags, appended to xnode.txt; 45 s each).
 # At most 8 files come back from $OUT: summary.txt, ws.{txt,json},
 # xnode.{txt,json}, gotests.log, pytest.log.
 set -uo pipefail
@@ -42,15 +45,25 @@ if [ -n "${GATHER_COMPARE:-}" ]; then
   done
 fi
 
-# 2. The cross-node weight sync (issue 19) beside every GPU test.
-(
+# 2. The cross-node weight sync (issue 19), beside every GPU test or (XNODE_ALONE=1) alone first.
+xnode() {
+  local x=(python3 scripts/bench/weight_sync.py --cross-node --bin .gpu/bin/cudaipc
+    --etcd "$PWD/.gpu/tools/bin/etcd" --ucxperf-test "$PWD/.gpu/bin/transport_ucx_ucxperf.test")
   # shellcheck disable=SC2086 # XNODE_ARGS is a list of flags
-  PYTHONUNBUFFERED=1 timeout "${XNODE_TIMEOUT:-300}" python3 scripts/bench/weight_sync.py --cross-node \
-    --bin .gpu/bin/cudaipc --etcd "$PWD/.gpu/tools/bin/etcd" \
-    --ucxperf-test "$PWD/.gpu/bin/transport_ucx_ucxperf.test" \
-    ${XNODE_ARGS:---models dense --versions 3} --json "$out/xnode.json" >"$out/xnode.txt" 2>&1
+  PYTHONUNBUFFERED=1 timeout "${XNODE_TIMEOUT:-300}" "${x[@]}" ${XNODE_ARGS:---models dense --versions 3} \
+    --json "$out/xnode.json" >"$out/xnode.txt" 2>&1
   stamp "cross-node weight sync rc=$?"
-) &
+  local v variants
+  IFS=';' read -ra variants <<<"${XNODE_VARIANTS:-}"
+  for v in "${variants[@]}"; do
+    echo "== $v" >>"$out/xnode.txt"
+    # shellcheck disable=SC2086 # v is a list of flags
+    PYTHONUNBUFFERED=1 timeout 45 "${x[@]}" --models dense --versions 3 --paths cudaipc-cluster --no-floors $v \
+      >>"$out/xnode.txt" 2>&1
+    stamp "cross-node weight sync $v rc=$?"
+  done
+}
+if [ -n "${XNODE_ALONE:-}" ]; then xnode; else xnode & fi
 (
   for t in .gpu/bin/*.test; do
     name=$(basename "$t" .test); dir=$(echo "$name" | tr _ /); [ "$name" = root ] && dir=.
