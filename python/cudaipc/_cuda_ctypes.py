@@ -93,7 +93,7 @@ def _blocking_stream(ordinal: int) -> int:
 
 
 def copy_batch(ordinal: int, stream: int, dsts: Any, srcs: Any, sizes: Any,
-               serial: Any = (), wait: bool = True, kernel: bool = False, store: bool = False) -> Tuple[int, str]:
+               serial: Any = (), wait: bool = True, kernel: bool = False, arena: bool = False) -> Tuple[int, str]:
     """Copy sizes[i] bytes from srcs[i] to dsts[i] (device or UVA addresses, as
     contiguous uint64 arrays with a ``ctypes.data`` address, e.g. NumPy's) on
     ``stream`` of GPU ``ordinal`` (0: PyTorch's legacy default stream; a blocking
@@ -101,8 +101,8 @@ def copy_batch(ordinal: int, stream: int, dsts: Any, srcs: Any, sizes: Any,
     (dst, src, n) copies one by one in order, after the batch; then wait for the
     stream unless ``wait`` is false. The batch's copies must not overlap each other.
     With ``kernel`` (every address is one this GPU's context maps: its own memory,
-    or another GPU's opened through it), copies under _gather.MAX_BYTES (_gather.STORE_MAX_BYTES
-    with ``store``: copies into a bundle) go to one
+    or another GPU's opened through it), copies under _gather.MAX_BYTES (_gather.ARENA_MAX_BYTES
+    with ``arena``: copies to or from a bundle in the daemon's arena) go to one
     launch of the gather kernel instead, where it works on this GPU
     (cudaipc._gather: no cost per copy), the others to the batch. Where the driver lacks cuMemcpyBatchAsync, or it fails, the batch is
     issued as one cuMemcpyAsync per copy (``batch_unavailable`` says why). Returns
@@ -117,7 +117,7 @@ def copy_batch(ordinal: int, stream: int, dsts: Any, srcs: Any, sizes: Any,
         s = stream or _blocking_stream(ordinal)
         fn_k = _gather.ready(ordinal) if kernel and n > 1 else None
         if fn_k is not None:
-            small = sizes < (_gather.STORE_MAX_BYTES if store else _gather.MAX_BYTES)
+            small = sizes < (_gather.ARENA_MAX_BYTES if arena else _gather.MAX_BYTES)
             if int(small.sum()) > 1:
                 _gather.launch(ordinal, fn_k, dsts[small], srcs[small], sizes[small], s)
                 calls += 1

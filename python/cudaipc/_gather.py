@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ._cuda import check, driver, on
 from .errors import CudaError
 
-__all__ = ["CHUNK", "MAX_BYTES", "STORE_MAX_BYTES", "ENABLED", "unavailable", "launch", "ready", "wait_ready"]
+__all__ = ["CHUNK", "MAX_BYTES", "ARENA_MAX_BYTES", "ENABLED", "unavailable", "launch", "ready", "wait_ready"]
 
 CHUNK = 128 << 10
 """Bytes one thread block copies at most."""
@@ -55,18 +55,21 @@ def _env_bytes(name: str, default: int) -> int:
 _MAX_ENV = _env_bytes("CUDAIPC_GATHER_MAX_BYTES", -1)
 
 MAX_BYTES = _MAX_ENV if _MAX_ENV >= 0 else 1 << 62
-"""Copies out of a bundle (``load_into``) of at least this many bytes are left to the
-driver's batch; by default none: on the H200 the kernel copied the 8B shapes' 16 GB
-(219 copies) in 8.13 ms where the batch took 8.35 (python/bench/nocopy_phases.py), and
-the MoE shapes' 2,064 copies in 2.3 ms where the batch took 11.7.
-``CUDAIPC_GATHER_MAX_BYTES`` sets it (and STORE_MAX_BYTES) for a process."""
+"""Copies between parameters and a no-copy bundle's memory (the publisher's own
+allocations) of at least this many bytes are left to the driver's batch; by default
+none: on the H200 the kernel copied the 8B shapes' 16 GB (219 copies) in 8.13 ms where
+the batch took 8.35 (python/bench/nocopy_phases.py), and the MoE shapes' 2,064 copies in
+2.3 ms where the batch took 11.7. ``CUDAIPC_GATHER_MAX_BYTES`` sets it (and
+ARENA_MAX_BYTES) for a process."""
 
-STORE_MAX_BYTES = _MAX_ENV if _MAX_ENV >= 0 else 16 << 20
-"""The same for copies into a bundle (``put_bundle``): 16 MiB by default. On the H200
-the in-place 8B weight sync (a put and a load of 16 GB a version) took 1.47x its
-floor with the kernel copying every size both ways, 1.19x with copies from 16 MiB on
-left to the batch, 1.17x with the kernel off (scripts/gpu-verify.sh GATHER_COMPARE=1,
-2026-12-01), while loads alone (the no-copy path) were faster through the kernel."""
+ARENA_MAX_BYTES = _MAX_ENV if _MAX_ENV >= 0 else 16 << 20
+"""The same for copies to and from a bundle in the daemon's arena (``put_bundle``, and
+``load_into`` of such a bundle): 16 MiB by default. On the H200 the in-place 8B weight
+sync (a put and a load of 16 GB a version, both through the arena) took 1.47-1.54x its
+floor with the kernel copying every size, 1.19x with copies from 16 MiB on left to the
+batch and 1.17x with the kernel off; its load alone took 14.7 ms of copies through the
+kernel where a no-copy bundle's load of the same shapes took 8.4 (scripts/gpu-verify.sh,
+2026-12-01; the cause, e.g. the tensors' alignment in the arena, is not established)."""
 
 ENABLED = os.environ.get("CUDAIPC_GATHER", "1").strip() != "0"
 """Whether copy_batch uses the kernel (benchmarks turn it off to compare;

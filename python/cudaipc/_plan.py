@@ -254,7 +254,8 @@ class Plan:
                 methods.append("host")
                 continue
             c, m = _cuda_ctypes.copy_batch(g.ordinal, self.lib.stream_handle(stream, g.ordinal), dsts, srcs, g.size, serial,
-                                           kernel=base_ordinal is not None and base_ordinal == g.ordinal, store=not load)
+                                           kernel=base_ordinal is not None and base_ordinal == g.ordinal,
+                                           arena=isinstance(base, int))
             calls += c
             methods.append(m)
         if self.lib_names:

@@ -171,14 +171,15 @@ def test_gpu_gather_kernel_copies_random_ranges_exactly(gstore, monkeypatch):
         a, b = d - dst.data_ptr(), s_ - src.data_ptr()
         want[a:a + n] = host[b:b + n]
     assert np.array_equal(dst.cpu().numpy(), want)
-    # Stores into a bundle have their own limit (STORE_MAX_BYTES, 16 MiB unless
-    # CUDAIPC_GATHER_MAX_BYTES is set): with loads sent wholly to the kernel, the
-    # same copies as a store still send the big ones to the batch.
+    # Copies to and from a bundle in the daemon's arena have their own limit
+    # (ARENA_MAX_BYTES, 16 MiB unless CUDAIPC_GATHER_MAX_BYTES is set): with other
+    # copies sent wholly to the kernel, the same copies as an arena's still send the
+    # big ones to the batch.
     monkeypatch.setattr(_gather, "MAX_BYTES", 1 << 62)
-    monkeypatch.setattr(_gather, "STORE_MAX_BYTES", 16 << 20)
+    monkeypatch.setattr(_gather, "ARENA_MAX_BYTES", 16 << 20)
     dst.zero_()
     args = (np.array(dsts, dtype=u), np.array(srcs, dtype=u), np.array(sizes, dtype=u))
-    assert _cuda_ctypes.copy_batch(0, 0, *args, kernel=True, store=True)[1] == "kernel+batch"
+    assert _cuda_ctypes.copy_batch(0, 0, *args, kernel=True, arena=True)[1] == "kernel+batch"
     assert np.array_equal(dst.cpu().numpy(), want)
     dst.zero_()
     assert _cuda_ctypes.copy_batch(0, 0, *args, kernel=True)[1] == "kernel"

@@ -1,5 +1,5 @@
 """The gather kernel's process switches: CUDAIPC_GATHER and CUDAIPC_GATHER_MAX_BYTES
-(which sets the limit of loads and of stores into a bundle alike)."""
+(which sets the limit of no-copy bundles' copies and of an arena's alike)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ PKG = os.path.dirname(HERE)
 
 
 def _import_gather(env: dict) -> subprocess.CompletedProcess:
-    code = "import cudaipc._gather as g; print(g.MAX_BYTES, g.STORE_MAX_BYTES, g.ENABLED)"
+    code = "import cudaipc._gather as g; print(g.MAX_BYTES, g.ARENA_MAX_BYTES, g.ENABLED)"
     return subprocess.run([sys.executable, "-c", code], cwd=PKG, capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=PKG, **env))
 
@@ -23,7 +23,7 @@ def test_switches_set_the_limit_and_turn_the_kernel_off() -> None:
     assert out.stdout.split() == ["16777216", "16777216", "False"]
     out = _import_gather({"CUDAIPC_GATHER_MAX_BYTES": "", "CUDAIPC_GATHER": ""})
     assert out.returncode == 0, out.stderr
-    # Unset: loads all go to the kernel, stores into a bundle from 16 MiB on to the batch.
+    # Unset: no-copy bundles' copies all go to the kernel, an arena's from 16 MiB on to the batch.
     assert out.stdout.split() == [str(1 << 62), str(16 << 20), "True"]
 
 
