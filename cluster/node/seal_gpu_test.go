@@ -6,7 +6,6 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
-	"strconv"
 	"testing"
 	"time"
 
@@ -34,13 +33,7 @@ import (
 //	CUDAIPC_SEAL_GIB=8 ./cluster_node.test -test.run GPUVersionTimes -test.v
 func TestGPUVersionTimes(t *testing.T) {
 	dev := testutil.RequireGPU(t)
-	gib := int64(1)
-	if s := os.Getenv("CUDAIPC_SEAL_GIB"); s != "" {
-		var err error
-		if gib, err = strconv.ParseInt(s, 10, 64); err != nil || gib <= 0 {
-			t.Fatalf("CUDAIPC_SEAL_GIB=%q", s)
-		}
-	}
+	gib := testutil.PositiveEnv(t, "CUDAIPC_SEAL_GIB", 1)
 	size := gib<<30 + 4097
 	// staging.AllocPinned's populate and register times, at debug level.
 	defer slog.SetDefault(slog.Default())

@@ -9,7 +9,6 @@ import (
 	"os"
 	"runtime"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -36,13 +35,7 @@ import (
 //	CUDAIPC_SEAL_GIB=16 ./cluster_staging.test -test.run SealGPU -test.v
 func TestSealGPU(t *testing.T) {
 	dev := testutil.RequireGPU(t)
-	gib := int64(1)
-	if s := os.Getenv("CUDAIPC_SEAL_GIB"); s != "" {
-		var err error
-		if gib, err = strconv.ParseInt(s, 10, 64); err != nil || gib <= 0 {
-			t.Fatalf("CUDAIPC_SEAL_GIB=%q", s)
-		}
-	}
+	gib := testutil.PositiveEnv(t, "CUDAIPC_SEAL_GIB", 1)
 	size := gib<<30 + 12345
 	chunk := cluster.ChunkSizeFor(size)
 	thp, _ := os.ReadFile("/sys/kernel/mm/transparent_hugepage/enabled")

@@ -85,44 +85,10 @@ func arenaRole(p *testutil.Peer) error {
 }
 
 // connect starts an arena process of size bytes and connects to it.
-func connect(b testing.TB, size int) (*ucx.Endpoint, *ucx.RemoteKey) {
+func connect(b *testing.B, size int) (*ucx.Endpoint, *ucx.RemoteKey) {
 	b.Helper()
-	if err := ucx.Available(); err != nil {
-		b.Skip(err)
-	}
-	child := testutil.Spawn(b, "arena", "SIZE="+strconv.Itoa(size))
-	var info arenaInfo
-	if err := child.Recv(&info); err != nil {
-		b.Fatalf("arena: %v\n%s", err, child.Stderr())
-	}
-	c, err := ucx.NewContext(ucx.ContextOptions{})
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { c.Close() })
-	w, err := c.NewWorker(ucx.WorkerOptions{})
-	if err != nil {
-		b.Fatal(err)
-	}
-	var addr ucx.WorkerAddress
-	var rk ucx.RegionKey
-	ab, _ := base64.StdEncoding.DecodeString(info.Addr)
-	kb, _ := base64.StdEncoding.DecodeString(info.Key)
-	if err := addr.UnmarshalBinary(ab); err != nil {
-		b.Fatal(err)
-	}
-	if err := rk.UnmarshalBinary(kb); err != nil {
-		b.Fatal(err)
-	}
-	ep, err := w.Connect(addr)
-	if err != nil {
-		b.Fatal(err)
-	}
-	key, err := ep.Unpack(rk)
-	if err != nil {
-		b.Fatal(err)
-	}
-	return ep, key
+	eps, keys := connectLanes(b, size, 1)
+	return eps[0], keys[0]
 }
 
 // BenchmarkGet1GiB pulls a 1 GiB memfd arena from another process, in
