@@ -47,7 +47,7 @@ type chunkRead struct {
 // every goroutine has, with the first error (ctx's when it ended).
 //
 // The reads of one endpoint could instead be issued from one loop that
-// progresses the worker (transport/ucx.GetStream); on the H200 that read no
+// progresses the worker (a ucx.GetStream, removed after cc987f9); on the H200 that read no
 // faster than concurrent Gets, and with Debian's UCX 1.13 it made a daemon
 // closing right after a pull abort on an assertion that UCX 1.14 removed
 // (docs/cluster.md, "The 1 GiB pull").

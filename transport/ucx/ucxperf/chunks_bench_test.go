@@ -33,9 +33,8 @@ func BenchmarkGetChunks(b *testing.B) {
 
 // BenchmarkGetPatterns pulls 256 MiB in 4 MiB pieces (the cluster's
 // chunk) the ways a pull can: N goroutines each doing one Get of a piece
-// at a time on one endpoint (they contend for the worker), one GetStream
-// keeping N pieces in flight, the same with 16 MiB reads, and one Get of
-// the whole range with 4 MiB x 4 in flight (the transport alone). Run
+// at a time on one endpoint (they contend for the worker, as the cluster's
+// pull does), and one Get of the whole range with 4 MiB x 4 in flight (the transport alone). Run
 // them in one process, alternating with -count, to compare.
 func BenchmarkGetPatterns(b *testing.B) {
 	const size, piece = 256 << 20, 4 << 20
@@ -74,30 +73,6 @@ func BenchmarkGetPatterns(b *testing.B) {
 				}
 			}
 		})
-		for _, read := range []int{piece, 4 * piece} {
-			b.Run(fmt.Sprintf("stream=%d,read=%dMiB", n, read>>20), func(b *testing.B) {
-				b.SetBytes(size)
-				for b.Loop() {
-					off := 0
-					var failed error
-					err := ucx.GetStream(ctx, ep, key, ucx.StreamOptions{Depth: n}, func(bool) (ucx.Read, bool) {
-						if off >= size {
-							return ucx.Read{}, false
-						}
-						r := ucx.Read{Addr: base + uint64(off), Dst: dst[off : off+read]}
-						off += read
-						return r, true
-					}, func(_ ucx.Read, err error) {
-						if err != nil && failed == nil {
-							failed = err
-						}
-					})
-					if err != nil || failed != nil {
-						b.Fatal(err, failed)
-					}
-				}
-			})
-		}
 	}
 	b.Run("get,chunk=4MiB,depth=4", func(b *testing.B) {
 		b.SetBytes(size)
