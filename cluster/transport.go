@@ -6,11 +6,12 @@ import (
 	"time"
 )
 
-// Transport is the data plane seam: one-sided reads of memory that another
-// node exposed (its UCX worker address, an rkey and a remote address, from
-// an Exposure). The UCX implementation registers arenas once, when they
-// are made, and reads with ucp_get_nbx; tests use an in-process one that
-// moves real bytes.
+// Transport is the data plane seam: reads of memory that another node
+// exposed (its UCX worker address, an rkey and a remote address, from an
+// Exposure). The UCX implementation registers arenas once, when they are
+// made, and reads by asking the holder's UCX worker to send the bytes
+// (ucx.Fetch; one-sided GETs with peers of earlier versions); tests use an
+// in-process one that moves real bytes.
 type Transport interface {
 	// WorkerAddress is this node's worker address, which peers connect
 	// to.

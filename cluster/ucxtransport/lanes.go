@@ -11,21 +11,37 @@ import (
 // MaxLanes bounds Options.Lanes, and the lanes a peer's address may name.
 const MaxLanes = 16
 
-// The address of a node of several lanes: magicLanes (4), the number of
-// lanes (1), then each lane's worker address envelope (ucx.WorkerAddress's
+// The address of a node: magicFetch (4), the number of lanes (1, 1 to
+// MaxLanes), then each lane's worker address envelope (ucx.WorkerAddress's
 // binary encoding, which carries its own checksum) after its length (4,
-// little-endian). A node of one lane publishes its worker address envelope
-// alone, as nodes did before lanes.
-var magicLanes = [4]byte{'u', 'c', 'L', 'N'}
+// little-endian). magicFetch says that the node's serving workers answer
+// ucx.Fetch. Nodes of earlier versions published, and are read with GETs
+// at, magicLanes and the same layout (2 lanes or more), or a worker address
+// envelope alone (one lane).
+var (
+	magicFetch = [4]byte{'u', 'c', 'F', 'T'}
+	magicLanes = [4]byte{'u', 'c', 'L', 'N'}
+)
 
-// marshalLanes encodes the lanes' worker addresses.
-func marshalLanes(addrs []ucx.WorkerAddress) ([]byte, error) {
-	if len(addrs) == 1 {
-		return addrs[0].MarshalBinary()
+// peerAddress is a node's decoded address.
+type peerAddress struct {
+	lanes []ucx.WorkerAddress
+	// fetch: the node answers ucx.Fetch (magicFetch).
+	fetch bool
+}
+
+// marshal encodes a.
+func (a peerAddress) marshal() ([]byte, error) {
+	if !a.fetch && len(a.lanes) == 1 {
+		return a.lanes[0].MarshalBinary()
 	}
-	b := append(magicLanes[:len(magicLanes):len(magicLanes)], byte(len(addrs)))
-	for _, a := range addrs {
-		env, err := a.MarshalBinary()
+	magic := magicLanes
+	if a.fetch {
+		magic = magicFetch
+	}
+	b := append(magic[:len(magic):len(magic)], byte(len(a.lanes)))
+	for _, l := range a.lanes {
+		env, err := l.MarshalBinary()
 		if err != nil {
 			return nil, err
 		}
@@ -35,46 +51,51 @@ func marshalLanes(addrs []ucx.WorkerAddress) ([]byte, error) {
 	return b, nil
 }
 
-// unmarshalLanes decodes and checks what marshalLanes made: a worker
-// address envelope, or the addresses of 2 to MaxLanes lanes. Anything else
-// is an error matching ucx.ErrMalformed.
-func unmarshalLanes(b []byte) ([]ucx.WorkerAddress, error) {
-	if !bytes.HasPrefix(b, magicLanes[:]) {
+// parsePeerAddress decodes and checks what marshal made: a worker address
+// envelope, the addresses of 2 to MaxLanes lanes (magicLanes), or of 1 to
+// MaxLanes (magicFetch). Anything else is an error matching
+// ucx.ErrMalformed.
+func parsePeerAddress(b []byte) (peerAddress, error) {
+	fetch := bytes.HasPrefix(b, magicFetch[:])
+	if !fetch && !bytes.HasPrefix(b, magicLanes[:]) {
 		var a ucx.WorkerAddress
 		if err := a.UnmarshalBinary(b); err != nil {
-			return nil, err
+			return peerAddress{}, err
 		}
-		return []ucx.WorkerAddress{a}, nil
+		return peerAddress{lanes: []ucx.WorkerAddress{a}}, nil
 	}
 	bad := func(format string, args ...any) error {
 		return &ucx.MalformedError{What: "worker address", Reason: "lanes: " + fmt.Sprintf(format, args...)}
 	}
 	b = b[len(magicLanes):]
 	if len(b) < 1 {
-		return nil, bad("no count")
+		return peerAddress{}, bad("no count")
 	}
-	n := int(b[0])
-	if n < 2 || n > MaxLanes {
-		return nil, bad("%d lanes, want 2 to %d", n, MaxLanes)
+	n, least := int(b[0]), 2
+	if fetch {
+		least = 1
+	}
+	if n < least || n > MaxLanes {
+		return peerAddress{}, bad("%d lanes, want %d to %d", n, least, MaxLanes)
 	}
 	b = b[1:]
 	addrs := make([]ucx.WorkerAddress, n)
 	for i := range addrs {
 		if len(b) < 4 {
-			return nil, bad("lane %d: truncated", i)
+			return peerAddress{}, bad("lane %d: truncated", i)
 		}
 		l := binary.LittleEndian.Uint32(b)
 		b = b[4:]
 		if uint64(l) > uint64(len(b)) {
-			return nil, bad("lane %d: %d bytes, %d left", i, l, len(b))
+			return peerAddress{}, bad("lane %d: %d bytes, %d left", i, l, len(b))
 		}
 		if err := addrs[i].UnmarshalBinary(b[:l]); err != nil {
-			return nil, err
+			return peerAddress{}, err
 		}
 		b = b[l:]
 	}
 	if len(b) != 0 {
-		return nil, bad("%d bytes after the last lane", len(b))
+		return peerAddress{}, bad("%d bytes after the last lane", len(b))
 	}
-	return addrs, nil
+	return peerAddress{lanes: addrs, fetch: fetch}, nil
 }

@@ -27,23 +27,36 @@ func lanesOf(t testing.TB, n int) []byte {
 	return tr.WorkerAddress()
 }
 
-// TestLanesAddress: a node of one lane publishes its worker address
-// envelope alone; one of several, every lane's, which decode to the same
-// addresses; malformed ones are ErrMalformed.
+// TestLanesAddress: a node publishes every lane's worker address and that
+// it answers fetches; the addresses nodes of earlier versions published (a
+// worker address envelope alone, magicLanes) decode to GET-only peers;
+// malformed ones are ErrMalformed.
 func TestLanesAddress(t *testing.T) {
-	one := lanesOf(t, 1)
-	var a ucx.WorkerAddress
-	if err := a.UnmarshalBinary(one); err != nil {
-		t.Fatalf("a node of one lane: %v", err)
+	one, err := parsePeerAddress(lanesOf(t, 1))
+	if err != nil || len(one.lanes) != 1 || !one.fetch {
+		t.Fatalf("a node of one lane: %d lanes, fetch %v, %v", len(one.lanes), one.fetch, err)
 	}
 	three := lanesOf(t, 3)
-	addrs, err := unmarshalLanes(three)
-	if err != nil || len(addrs) != 3 {
-		t.Fatalf("three lanes: %d addresses, %v", len(addrs), err)
+	pa, err := parsePeerAddress(three)
+	if err != nil || len(pa.lanes) != 3 || !pa.fetch {
+		t.Fatalf("three lanes: %d addresses, fetch %v, %v", len(pa.lanes), pa.fetch, err)
 	}
-	again, err := marshalLanes(addrs)
+	again, err := pa.marshal()
 	if err != nil || !bytes.Equal(again, three) {
 		t.Fatalf("three lanes encoded again differ (%v)", err)
+	}
+	for _, old := range []peerAddress{{lanes: pa.lanes[:1]}, {lanes: pa.lanes}} {
+		b, err := old.marshal()
+		if err != nil {
+			t.Fatal(err)
+		}
+		back, err := parsePeerAddress(b)
+		if err != nil || back.fetch || len(back.lanes) != len(old.lanes) {
+			t.Fatalf("an earlier node's address of %d lanes: %d lanes, fetch %v, %v", len(old.lanes), len(back.lanes), back.fetch, err)
+		}
+	}
+	if _, err := NewWith("too-many", Options{Lanes: MaxLanes + 1}); err == nil {
+		t.Fatal("more than MaxLanes lanes accepted")
 	}
 	if _, err := NewWith("too-many", Options{Lanes: MaxLanes + 1}); err == nil {
 		t.Fatal("more than MaxLanes lanes accepted")
@@ -58,7 +71,7 @@ func TestLanesAddress(t *testing.T) {
 	flipped[len(flipped)/2] ^= 0x10
 	for name, b := range map[string][]byte{
 		"magic alone":     three[:4],
-		"one lane":        count(1),
+		"no lane":         count(0),
 		"too many lanes":  count(MaxLanes + 1),
 		"more lanes":      count(4),
 		"truncated":       three[:len(three)-1],
@@ -67,7 +80,7 @@ func TestLanesAddress(t *testing.T) {
 		"length off":      grown(1),
 		"a lane corrupt":  flipped,
 	} {
-		if _, err := unmarshalLanes(b); !errors.Is(err, ucx.ErrMalformed) {
+		if _, err := parsePeerAddress(b); !errors.Is(err, ucx.ErrMalformed) {
 			t.Errorf("%s: %v, want ErrMalformed", name, err)
 		}
 	}
@@ -84,19 +97,20 @@ func FuzzLanesAddress(f *testing.F) {
 		}
 	}
 	f.Add([]byte("ucLN\x02\x00\x00\x00\x00"))
+	f.Add([]byte("ucFT\x01\x00\x00\x00\x00"))
 	f.Add([]byte{})
 	f.Fuzz(func(t *testing.T, b []byte) {
-		addrs, err := unmarshalLanes(b)
+		pa, err := parsePeerAddress(b)
 		if err != nil {
 			if !errors.Is(err, ucx.ErrMalformed) {
 				t.Fatalf("error not ErrMalformed: %v", err)
 			}
 			return
 		}
-		if len(addrs) < 1 || len(addrs) > MaxLanes {
-			t.Fatalf("%d addresses", len(addrs))
+		if len(pa.lanes) < 1 || len(pa.lanes) > MaxLanes {
+			t.Fatalf("%d addresses", len(pa.lanes))
 		}
-		again, err := marshalLanes(addrs)
+		again, err := pa.marshal()
 		if err != nil || !bytes.Equal(again, b) {
 			t.Fatalf("encoded again: %v (%x vs %x)", err, again, b)
 		}

@@ -1,9 +1,9 @@
 // Package ucxtransport is the cluster's data plane on UCX: it implements
 // cluster.Transport with transport/ucx, one worker serving this node's
-// registered memory (progressed by its own goroutine, as GETs over tcp and
-// shared memory are emulated with messages the serving side must handle)
+// registered memory (progressed by its own goroutine: it answers peers'
+// fetches, and GETs, which tcp and shared memory emulate with messages)
 // and one worker for this node's reads; with Options.Lanes, several of
-// each (lanes.go).
+// each (lanes.go). Reads are ucx.Fetch by default (Options.Read).
 //
 // Worker addresses and rkeys cross nodes in transport/ucx's checked
 // envelopes (WorkerAddress and RegionKey binary encodings): what a peer sends
@@ -24,6 +24,9 @@ import (
 
 // Transport is a node's UCX data plane.
 type Transport struct {
+	read      ReadMode
+	fetches   atomic.Uint64
+	gets      atomic.Uint64
 	c         *ucx.Context
 	serve     []*ucx.Worker
 	pull      []*ucx.Worker
@@ -44,7 +47,24 @@ type Options struct {
 	// one lane publishes a plain worker address; one of several, the
 	// lanes' addresses (lanes.go), which only nodes of this version read.
 	Lanes int
+	// Read is how this node reads from peers: ReadFetch (the default) or
+	// ReadGet. Peers of earlier versions, which do not answer fetches,
+	// are read with GETs either way.
+	Read ReadMode
 }
+
+// ReadMode is how a node reads peers' memory.
+type ReadMode string
+
+// Read modes.
+const (
+	// ReadFetch asks the holder to send the bytes (ucx.Fetch): over tcp it
+	// copies less than UCX's emulated GET, and a reader killed mid-read
+	// cannot abort the holder, as the emulated GET can with UCX 1.16.
+	ReadFetch ReadMode = "fetch"
+	// ReadGet reads with one-sided GETs (ucx.Get).
+	ReadGet ReadMode = "get"
+)
 
 // New initializes UCX (transports and devices from UCX_TLS,
 // UCX_NET_DEVICES, ...) and starts serving, with one lane. Without libucp
@@ -58,11 +78,18 @@ func NewWith(name string, o Options) (*Transport, error) {
 	if lanes > MaxLanes {
 		return nil, fmt.Errorf("ucx: %d lanes, at most %d", lanes, MaxLanes)
 	}
+	switch o.Read {
+	case "":
+		o.Read = ReadFetch
+	case ReadFetch, ReadGet:
+	default:
+		return nil, fmt.Errorf("ucx: read mode %q, want %q or %q", o.Read, ReadFetch, ReadGet)
+	}
 	c, err := ucx.NewContext(ucx.ContextOptions{Name: name})
 	if err != nil {
 		return nil, err
 	}
-	t := &Transport{c: c}
+	t := &Transport{c: c, read: o.Read}
 	addrs := make([]ucx.WorkerAddress, 0, lanes)
 	for i := 0; i < lanes && err == nil; i++ {
 		suffix := ""
@@ -79,7 +106,7 @@ func NewWith(name string, o Options) (*Transport, error) {
 		}
 	}
 	if err == nil {
-		t.addr, err = marshalLanes(addrs)
+		t.addr, err = peerAddress{lanes: addrs, fetch: true}.marshal()
 	}
 	if err != nil {
 		c.Close()
@@ -92,6 +119,10 @@ func NewWith(name string, o Options) (*Transport, error) {
 	}
 	return t, nil
 }
+
+// Reads returns how many reads this node has made of peers' memory with
+// ucx.Fetch and with ucx.Get.
+func (t *Transport) Reads() (fetches, gets uint64) { return t.fetches.Load(), t.gets.Load() }
 
 // Close stops serving and releases UCX: registered regions, endpoints and
 // workers.
@@ -158,12 +189,12 @@ func (r *Region) Close() error { return r.r.Close() }
 // Connect implements cluster.Transport: an endpoint to each of the peer's
 // lanes (as many as both sides have), on this node's pulling workers.
 func (t *Transport) Connect(ctx context.Context, addr []byte) (cluster.Endpoint, error) {
-	addrs, err := unmarshalLanes(addr)
+	pa, err := parsePeerAddress(addr)
 	if err != nil {
 		return nil, err
 	}
-	e := &endpoint{keys: map[string][]*ucx.RemoteKey{}}
-	for i, a := range addrs[:min(len(addrs), len(t.pull))] {
+	e := &endpoint{t: t, keys: map[string][]*ucx.RemoteKey{}, fetch: pa.fetch && t.read == ReadFetch}
+	for i, a := range pa.lanes[:min(len(pa.lanes), len(t.pull))] {
 		ep, err := t.pull[i].Connect(a)
 		if err != nil {
 			e.Close()
@@ -176,7 +207,9 @@ func (t *Transport) Connect(ctx context.Context, addr []byte) (cluster.Endpoint,
 
 // endpoint reads from one peer over its lanes.
 type endpoint struct {
+	t     *Transport
 	lanes []*ucx.Endpoint
+	fetch bool          // read with ucx.Fetch, not ucx.Get
 	next  atomic.Uint64 // the lane of the next Get
 	mu    sync.Mutex
 	keys  map[string][]*ucx.RemoteKey // by envelope: one per lane
@@ -215,6 +248,11 @@ func (e *endpoint) Get(ctx context.Context, rkey []byte, addr uint64, dst []byte
 		return err
 	}
 	i := int(e.next.Add(1) % uint64(len(e.lanes)))
+	if e.fetch {
+		e.t.fetches.Add(1)
+		return peerGone(ucx.Fetch(ctx, e.lanes[i], k[i], addr, dst, ucx.FetchOptions{}))
+	}
+	e.t.gets.Add(1)
 	return peerGone(ucx.Get(ctx, e.lanes[i], k[i], addr, dst))
 }
 

@@ -47,9 +47,11 @@ func (n node) Register(b []byte) ([]byte, uint64, func(), error) {
 	return r.Key(), r.Addr(0), func() { r.Close() }, nil
 }
 
-func newNode(t *testing.T, name string) node {
+func newNode(t *testing.T, name string) node { return newNodeWith(t, name, ucxtransport.Options{}) }
+
+func newNodeWith(t *testing.T, name string, o ucxtransport.Options) node {
 	t.Helper()
-	tr, err := ucxtransport.New(name)
+	tr, err := ucxtransport.NewWith(name, o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -59,12 +61,15 @@ func newNode(t *testing.T, name string) node {
 
 var secret, _ = cluster.NewSecret([]byte("ucx-transport-test-secret"))
 
+// TestPullOverUCX: B pulls from A with fetches (the default), C with
+// GETs; both replicas are right.
 func TestPullOverUCX(t *testing.T) {
 	requireUCX(t)
 	srv := etcdtest.Start(t)
+	bt, ct := newNode(t, "b"), newNodeWith(t, "c", ucxtransport.Options{Read: ucxtransport.ReadGet})
 	a := clustertest.StartNode(t, srv, newNode(t, "a"), "a", secret)
-	b := clustertest.StartNode(t, srv, newNode(t, "b"), "b", secret)
-	c := clustertest.StartNode(t, srv, newNode(t, "c"), "c", secret)
+	b := clustertest.StartNode(t, srv, bt, "b", secret)
+	c := clustertest.StartNode(t, srv, ct, "c", secret)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	o, want := a.Put(t, "ns/ucx", 9<<20+4321, 1<<20)
@@ -79,6 +84,15 @@ func TestPullOverUCX(t *testing.T) {
 	}
 	if !bytes.Equal(c.Store.Get(o.Ref()), want) {
 		t.Fatal("C's replica differs")
+	}
+	if f, g := bt.Reads(); f == 0 || g != 0 {
+		t.Errorf("B read with %d fetches and %d GETs; want fetches only", f, g)
+	}
+	if f, g := ct.Reads(); f != 0 || g == 0 {
+		t.Errorf("C (ReadGet) read with %d fetches and %d GETs; want GETs only", f, g)
+	}
+	if _, err := ucxtransport.NewWith("bad", ucxtransport.Options{Read: "telepathy"}); err == nil {
+		t.Error("an unknown read mode was accepted")
 	}
 	// A pull releases its exposures after it answers (in the background).
 	testutil.Eventually(t, 10*time.Second, func() error {
@@ -121,6 +135,14 @@ func TestMalformedPeerData(t *testing.T) {
 	}
 	if err := ep.Get(ctx, key, r.Addr(1<<20-100), dst); !errors.Is(err, ucx.ErrOutOfBounds) {
 		t.Errorf("get past the region: %v", err)
+	}
+	gone, err := a.Transport.Register(make([]byte, 1<<20))
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone.Close()
+	if err := ep.Get(ctx, gone.Key(), gone.Addr(0), dst); !errors.Is(err, ucx.ErrRefused) {
+		t.Errorf("get of a region the holder closed: %v, want ErrRefused", err)
 	}
 	copy(buf[8192:], "through the registered arena")
 	if err := ep.Get(ctx, key, r.Addr(8192), dst[:28]); err != nil || !strings.HasPrefix(string(dst), "through the registered arena") {

@@ -28,6 +28,7 @@ type (
 
 // Feature bits of Params.Features (ucp_feature).
 const (
+	FeatureTag    uint64 = 1 << 0
 	FeatureRMA    uint64 = 1 << 1
 	FeatureWakeup uint64 = 1 << 4
 	FeatureAM     uint64 = 1 << 6
@@ -159,6 +160,7 @@ const (
 	OpAttrFieldDatatype   uint32 = 1 << 3
 	OpAttrFieldFlags      uint32 = 1 << 4
 	OpAttrFieldMemoryType uint32 = 1 << 6
+	OpAttrFieldRecvInfo   uint32 = 1 << 7
 	OpAttrFieldMemh       uint32 = 1 << 8
 	OpAttrFlagNoImmCmpl   uint32 = 1 << 16
 	OpAttrFlagFastCmpl    uint32 = 1 << 17
@@ -282,6 +284,13 @@ type RequestParam struct {
 	RecvInfo    uintptr
 	Memh        Mem
 	_           slack
+}
+
+// TagRecvInfo is ucp_tag_recv_info_t (16 bytes): what a completed tag
+// receive matched.
+type TagRecvInfo struct {
+	SenderTag uint64
+	Length    uint64
 }
 
 func status(r uintptr) Status { return Status(int8(r)) }
@@ -533,6 +542,33 @@ func GetNbxAt(e Ep, dst uint64, n uint64, remoteAddr uint64, k Rkey, param *Requ
 	}
 	r, _, _ := purego.SyscallN(procs.getNbx, uintptr(e), uintptr(dst), uintptr(n), uintptr(remoteAddr), uintptr(k), uintptr(unsafe.Pointer(param)))
 	return statusPtr("ucp_get_nbx", r)
+}
+
+// TagSendNbx calls ucp_tag_send_nbx to send n bytes at addr with tag: 0
+// when it completed at once (the bytes may be reused), or a Request. Until
+// that request completes UCX reads the n bytes at addr: the caller keeps
+// them mapped and unchanged until then.
+func TagSendNbx(e Ep, addr uint64, n uint64, tag uint64, param *RequestParam) (Request, error) {
+	r, _, _ := purego.SyscallN(procs.tagSendNbx, uintptr(e), uintptr(addr), uintptr(n), uintptr(tag), uintptr(unsafe.Pointer(param)))
+	return statusPtr("ucp_tag_send_nbx", r)
+}
+
+// TagRecvNbx calls ucp_tag_recv_nbx to receive, into the n bytes at addr,
+// a message whose tag equals tag in the bits of mask. With
+// OpAttrFlagNoImmCmpl in param it always returns a Request, to be polled
+// and then read with TagRecvRequestTest. Until it completes (or is
+// canceled) UCX may write the n bytes at addr.
+func TagRecvNbx(w Worker, addr uint64, n uint64, tag, mask uint64, param *RequestParam) (Request, error) {
+	r, _, _ := purego.SyscallN(procs.tagRecvNbx, uintptr(w), uintptr(addr), uintptr(n), uintptr(tag), uintptr(mask), uintptr(unsafe.Pointer(param)))
+	return statusPtr("ucp_tag_recv_nbx", r)
+}
+
+// TagRecvRequestTest calls ucp_tag_recv_request_test: InProgress, or the
+// status the receive completed with and, in info, the tag it matched and
+// the length it received.
+func TagRecvRequestTest(req Request, info *TagRecvInfo) Status {
+	r, _, _ := purego.SyscallN(procs.tagRecvRequestTest, uintptr(req), uintptr(unsafe.Pointer(info)))
+	return status(r)
 }
 
 // RequestCheckStatus calls ucp_request_check_status: InProgress, OK or the

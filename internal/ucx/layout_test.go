@@ -102,6 +102,10 @@ func TestLayouts(t *testing.T) {
 		{"recv_info", unsafe.Offsetof(rp.RecvInfo), 56},
 		{"memh", unsafe.Offsetof(rp.Memh), 64},
 	})
+	var ti TagRecvInfo
+	if unsafe.Sizeof(ti) != 16 || unsafe.Offsetof(ti.Length) != 8 {
+		t.Errorf("ucp_tag_recv_info_t is {sender_tag at 0, length at 8} in 16 bytes; TagRecvInfo has length at %d in %d", unsafe.Offsetof(ti.Length), unsafe.Sizeof(ti))
+	}
 }
 
 func TestStatusPtr(t *testing.T) {

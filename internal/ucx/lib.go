@@ -65,6 +65,7 @@ var procs struct {
 	memMap, memUnmap, rkeyPack, rkeyBufferRelease                   uintptr
 	epCreate, epCloseNbx, epRkeyUnpack, rkeyDestroy                 uintptr
 	getNbx, requestCheckStatus, requestFree, requestCancel, epFlush uintptr
+	tagSendNbx, tagRecvNbx, tagRecvRequestTest                      uintptr
 	contextPrintInfo                                                uintptr // optional
 }
 
@@ -118,6 +119,9 @@ func load(path string) error {
 		{"ucp_request_free", &procs.requestFree},
 		{"ucp_request_cancel", &procs.requestCancel},
 		{"ucp_ep_flush_nbx", &procs.epFlush},
+		{"ucp_tag_send_nbx", &procs.tagSendNbx},
+		{"ucp_tag_recv_nbx", &procs.tagRecvNbx},
+		{"ucp_tag_recv_request_test", &procs.tagRecvRequestTest},
 	}
 	for _, s := range syms {
 		p, err := purego.Dlsym(h, s.name)

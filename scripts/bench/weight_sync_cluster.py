@@ -361,25 +361,26 @@ def run_procs(targets: List[Tuple[Any, tuple]], results: Any, want: int, timeout
 # -- floors of the link -----------------------------------------------------------------
 
 def ucx_floor(test_bin: Optional[str], extra: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
-    """Raw UCX GETs between two processes on the same link: the best of
-    BenchmarkGetChunks's chunk sizes and depths over one connection and of
-    BenchmarkGetLanes's 1, 2, 4 and 8 connections (a worker pair each, as the
-    daemons' --cluster-lanes), 256 MiB a round: over tcp on loopback more
+    """Raw UCX reads between two processes on the same link: the best of
+    BenchmarkGetChunks's chunk sizes and depths over one connection, and of
+    BenchmarkGetLanes's and BenchmarkFetchLanes's 1, 2, 4 and 8 connections (a
+    worker pair each, as the daemons' --cluster-lanes; GETs, and the holder
+    sending by rendezvous), 256 MiB a round: over tcp on loopback more
     connections carry more, so the link's floor is the best of them all."""
     if not test_bin:
         return {"error": "no --ucxperf-test"}
     env = dict(os.environ, **LINK_ENV)
     env.update(extra or {})
     try:
-        r = subprocess.run([test_bin, "-test.run", "^$", "-test.bench", "GetChunks|GetLanes", "-test.benchtime", "4x"],
+        r = subprocess.run([test_bin, "-test.run", "^$", "-test.bench", "GetChunks|GetLanes|FetchLanes", "-test.benchtime", "4x"],
                            capture_output=True, text=True, timeout=240, env=env, cwd=tempfile.gettempdir())
     except (OSError, subprocess.TimeoutExpired) as e:
         return {"error": str(e)}
     rows = {}
     for line in r.stdout.splitlines():
-        m = re.match(r"BenchmarkGet(?:Chunks|Lanes)/(\S+?)(-\d+)?\s+\d+\s+\d+ ns/op\s+([\d.]+) MB/s", line)
+        m = re.match(r"Benchmark(Get|Fetch)(?:Chunks|Lanes)/(\S+?)(-\d+)?\s+\d+\s+\d+ ns/op\s+([\d.]+) MB/s", line)
         if m:
-            rows[m.group(1)] = float(m.group(3)) / 1e3
+            rows[m.group(1).lower() + "/" + m.group(2)] = float(m.group(4)) / 1e3
     if not rows:
         return {"error": (r.stdout + r.stderr)[-400:]}
     best = max(rows, key=lambda k: rows[k])

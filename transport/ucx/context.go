@@ -172,7 +172,7 @@ func releaseLeaked(hs *handles) {
 func NewContext(o ContextOptions) (*Context, error) {
 	p := &raw.Params{
 		FieldMask:       raw.ParamFieldFeatures | raw.ParamFieldMtWorkersShared,
-		Features:        raw.FeatureRMA | raw.FeatureWakeup,
+		Features:        raw.FeatureRMA | raw.FeatureTag | raw.FeatureWakeup,
 		MtWorkersShared: 1, // workers are driven from different OS threads
 	}
 	if o.Name != "" {

@@ -69,13 +69,18 @@ func (w *Worker) Connect(addr WorkerAddress) (*Endpoint, error) {
 	if err := checkAddress(addr.b); err != nil {
 		return nil, err
 	}
-	buf := make([]byte, len(addr.b)+overreadSlack)
-	copy(buf, addr.b)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.closed {
 		return nil, ErrClosed
 	}
+	return w.connectLocked(addr)
+}
+
+// connectLocked is Connect with w.mu held, of a checked address.
+func (w *Worker) connectLocked(addr WorkerAddress) (*Endpoint, error) {
+	buf := make([]byte, len(addr.b)+overreadSlack)
+	copy(buf, addr.b)
 	e := &Endpoint{w: w, id: endpointIDs.Add(1), keys: map[*RemoteKey]struct{}{}}
 	p := &raw.EpParams{
 		FieldMask:     raw.EpParamFieldRemoteAddress | raw.EpParamFieldErrHandlingMode | raw.EpParamFieldErrHandler,

@@ -3,7 +3,10 @@ package ucx
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	raw "github.com/cudaipc/cudaipc/internal/ucx"
 )
@@ -22,6 +25,8 @@ type MemRegion struct {
 	memType MemoryType
 	closed  bool
 	key     RegionKey
+	// sending counts the Fetch replies under way from the region's bytes.
+	sending atomic.Int64
 }
 
 // Register registers mem (host memory: an mmap'd arena, or a Go slice) for
@@ -104,7 +109,9 @@ func (r *MemRegion) Key() RegionKey { return r.key }
 func (r *MemRegion) Bytes() []byte { return r.mem }
 
 // Close deregisters the memory (ucp_mem_unmap). Peers' reads in flight
-// fail. It is idempotent.
+// fail. Fetch replies under way from it are given closeWait to finish,
+// then their endpoints are closed forcibly, so that once Close returns UCX
+// no longer reads the memory. It is idempotent.
 func (r *MemRegion) Close() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -112,10 +119,56 @@ func (r *MemRegion) Close() error {
 		return nil
 	}
 	r.closed = true
-	r.ctx.handles.remove(0, r.h)
-	err := raw.MemUnmap(r.ctx.h, r.h)
-	r.ctx.mu.Lock()
-	delete(r.ctx.regions, r)
-	r.ctx.mu.Unlock()
-	return err
+	c := r.ctx
+	c.mu.Lock()
+	delete(c.regions, r) // no Fetch reply starts from it any more
+	workers := make([]*Worker, 0, len(c.workers))
+	for w := range c.workers {
+		workers = append(workers, w)
+	}
+	c.mu.Unlock()
+	r.drain(workers)
+	c.handles.remove(0, r.h)
+	return raw.MemUnmap(c.h, r.h)
+}
+
+// drain waits for the Fetch replies from r: closeWait, then as long again
+// after closing their endpoints forcibly (their served workers complete
+// them on the next progress).
+func (r *MemRegion) drain(workers []*Worker) {
+	wait := func(d time.Duration) bool {
+		for deadline := time.Now().Add(d); r.sending.Load() > 0; time.Sleep(100 * time.Microsecond) {
+			if time.Now().After(deadline) {
+				return false
+			}
+		}
+		return true
+	}
+	if wait(closeWait) {
+		return
+	}
+	for _, w := range workers {
+		w.mu.Lock()
+		if w.fetch != nil {
+			w.fetch.shutSendsOf(r)
+		}
+		w.mu.Unlock()
+	}
+	if !wait(closeWait) {
+		slog.Warn("ucx: a region was closed with fetch replies still under way from it", "replies", r.sending.Load())
+	}
+}
+
+// regionFor returns the registered region holding [addr, +n) with a Fetch
+// reply counted on it, or nil.
+func (c *Context) regionFor(addr, n uint64) *MemRegion {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for r := range c.regions {
+		if r.key.Contains(addr, n) {
+			r.sending.Add(1)
+			return r
+		}
+	}
+	return nil
 }

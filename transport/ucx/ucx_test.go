@@ -32,7 +32,7 @@ const EnvPeerLibrary = "CUDAIPC_TEST_PEER_LIBUCP"
 
 func TestMain(m *testing.M) {
 	testutil.SetUCXLoopbackEnv()
-	testutil.RunRole(testutil.Roles{"server": serveRole})
+	testutil.RunRole(testutil.Roles{"server": serveRole, "fetcher": fetcherRole})
 	os.Exit(m.Run())
 }
 

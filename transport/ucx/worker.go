@@ -36,7 +36,9 @@ type Worker struct {
 	endpoints map[*Endpoint]struct{}
 	serving   bool
 	served    chan struct{} // closed when Serve returns; nil when not serving
-	gets      int           // Gets running on the worker's endpoints
+	gets      int           // Gets and Fetches running on the worker's endpoints
+	fetchSeq  uint64        // the last Fetch reply tag's sequence number
+	fetch     *fetchServer  // answers fetch requests while Serve runs
 }
 
 // NewWorker creates a worker (ucp_worker_create) and fetches its address.
@@ -110,7 +112,8 @@ const serveSpin = 200 * time.Microsecond
 const serveSleep = 100 * time.Millisecond
 
 // Serve progresses the worker until ctx is done or the worker is closed,
-// and returns nil then. It runs on a locked OS thread, polls while there is
+// and returns nil then. While it runs, the worker answers peers' Fetch
+// requests for bytes of the regions its Context has registered. It runs on a locked OS thread, polls while there is
 // work and sleeps on the worker's event descriptor (ucp_worker_arm) when
 // idle. One Serve runs per worker at a time; a second returns an error.
 func (w *Worker) Serve(ctx context.Context) error {
@@ -126,10 +129,13 @@ func (w *Worker) Serve(ctx context.Context) error {
 	w.serving = true
 	done := make(chan struct{})
 	w.served = done
+	w.fetch = newFetchServer(w)
 	w.mu.Unlock()
 	defer close(done)
 	defer func() {
 		w.mu.Lock()
+		w.fetch.stopLocked()
+		w.fetch = nil
 		w.serving = false
 		w.mu.Unlock()
 	}()
@@ -147,7 +153,8 @@ func (w *Worker) Serve(ctx context.Context) error {
 			w.mu.Unlock()
 			return nil
 		}
-		n := raw.WorkerProgress(w.h)
+		n := int(raw.WorkerProgress(w.h))
+		n += w.fetch.pollLocked()
 		w.mu.Unlock()
 		if n > 0 {
 			last = time.Now()

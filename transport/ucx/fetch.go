@@ -1,0 +1,583 @@
+package ucx
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime"
+	"time"
+
+	raw "github.com/cudaipc/cudaipc/internal/ucx"
+)
+
+// Fetch is the two-sided read: the reader asks, the holder sends.
+//
+// Over transports without remote memory access (tcp), UCX emulates a GET
+// with messages the holder's worker answers inside ucp_worker_progress,
+// 8 KiB at a time, copied on both sides; and when the reader dies while
+// such an answer is under way, UCX 1.16 (and its master of 2026-12)
+// aborts the holder's process (ucp_get_req_handler → ucp_request_try_send:
+// "unexpected error: Endpoint timeout"). Fetch instead sends a request
+// (a tagged message) to the holder, whose Serve answers with a tagged send
+// of the bytes from its registered memory straight into the reader's
+// posted receive: large messages go by UCX's rendezvous protocol, which
+// over tcp writes from the holder's memory and reads into the reader's
+// (its PUT zcopy), and on RDMA is a zero-copy transfer. Both are requests
+// of the caller's own, which UCX completes with an error when the peer
+// dies, and the holder serves only bytes inside the regions it registered.
+//
+// The request is an envelope (wire.go) of magic "ucFR": its header is the
+// reply tag (8), the address (8) and the length (8) of the bytes wanted;
+// its payload the reader's raw worker address, which the holder connects
+// back to. The holder answers with the bytes under the reply tag, or with
+// a short error text under the reply tag with fetchReplyErr set.
+var magicFetch = [4]byte{'u', 'c', 'F', 'R'}
+
+// Tags of the fetch protocol. Requests carry fetchRequestTag exactly;
+// replies fetchReplyBase plus a sequence number of the reader's worker (and
+// fetchReplyErr for a refusal), so that they never match a request.
+const (
+	fetchRequestTag uint64 = 0xC1DA << 48
+	fetchReplyBase  uint64 = 0xC1DB << 48
+	fetchReplyErr   uint64 = 1 << 47
+	fetchReplySeq   uint64 = fetchReplyErr - 1
+	fetchHeaderLen         = 24
+	// MaxFetchRequest bounds a fetch request: the holder receives requests
+	// into buffers of this size.
+	MaxFetchRequest = 4096
+	// fetchRecvs is how many request receives a serving worker keeps
+	// posted; more requests wait in UCX's unexpected queue.
+	fetchRecvs = 16
+	// maxFetchPeers bounds the endpoints a serving worker keeps to
+	// readers; beyond it, idle ones are closed.
+	maxFetchPeers = 256
+	// maxRefusal bounds a refusal's text.
+	maxRefusal = 512
+)
+
+// fetchRequest is a decoded request.
+type fetchRequest struct {
+	replyTag uint64
+	addr     uint64
+	n        uint64
+	reader   WorkerAddress
+}
+
+func (r fetchRequest) marshal() []byte {
+	hdr := make([]byte, 0, fetchHeaderLen)
+	hdr = binary.LittleEndian.AppendUint64(hdr, r.replyTag)
+	hdr = binary.LittleEndian.AppendUint64(hdr, r.addr)
+	hdr = binary.LittleEndian.AppendUint64(hdr, r.n)
+	return seal(magicFetch, r.reader.ucxMajor, r.reader.ucxMinor, hdr, r.reader.b)
+}
+
+// parseFetchRequest decodes and checks a request from a peer: an error
+// matching ErrMalformed for anything that is not one.
+func parseFetchRequest(b []byte) (fetchRequest, error) {
+	major, minor, hdr, payload, err := open("fetch request", magicFetch, fetchHeaderLen, b, MaxFetchRequest)
+	if err != nil {
+		return fetchRequest{}, err
+	}
+	r := fetchRequest{
+		replyTag: binary.LittleEndian.Uint64(hdr),
+		addr:     binary.LittleEndian.Uint64(hdr[8:]),
+		n:        binary.LittleEndian.Uint64(hdr[16:]),
+	}
+	bad := func(format string, args ...any) error {
+		return &MalformedError{What: "fetch request", Reason: fmt.Sprintf(format, args...)}
+	}
+	switch {
+	case r.replyTag&^(fetchReplySeq) != fetchReplyBase:
+		return fetchRequest{}, bad("reply tag %#x is not a fetch reply tag", r.replyTag)
+	case r.n == 0:
+		return fetchRequest{}, bad("asks for 0 bytes")
+	case r.addr+r.n < r.addr:
+		return fetchRequest{}, bad("[%#x, +%d) wraps around the address space", r.addr, r.n)
+	}
+	if err := checkAddress(payload); err != nil {
+		return fetchRequest{}, err
+	}
+	r.reader = WorkerAddress{ucxMajor: major, ucxMinor: minor, b: payload}
+	return r, nil
+}
+
+// FetchOptions tune Fetch. The zero value gives the defaults.
+type FetchOptions struct {
+	// Chunk is the size of one request; 0 means DefaultFetchChunk.
+	Chunk int
+	// Depth is how many requests are in flight at once; 0 means
+	// DefaultDepth.
+	Depth int
+	// CancelWait bounds how long a canceled Fetch waits for the replies
+	// under way; 0 means DefaultCancelWait.
+	CancelWait time.Duration
+}
+
+// DefaultFetchChunk is FetchOptions.Chunk's default: rendezvous transfers
+// cost a round trip each, so they are larger than a Get's.
+const DefaultFetchChunk = 8 << 20
+
+// Fetch reads len(dst) bytes at remoteAddr of the peer's region behind key
+// into dst, asking the peer's served worker (Serve) to send them, in
+// chunks with several in flight; see the comment on magicFetch for why
+// this, not Get, is the read to use over tcp. The read must lie inside the
+// key's region (ErrOutOfBounds), and the peer sends only bytes inside a
+// region it still has registered (else the error quotes its refusal). When
+// ctx ends, the receives the peer has not begun to answer are canceled and
+// Fetch waits up to o.CancelWait, then purgeWait, for the others: when it
+// returns with ctx's error UCX no longer writes into dst, unless the error
+// says otherwise. A peer that dies fails Fetch with an error IsPeerFailure
+// recognizes.
+func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64, dst []byte, o FetchOptions) error {
+	if key.e != ep {
+		return errors.New("ucx: the remote key was unpacked on another endpoint")
+	}
+	n := uint64(len(dst))
+	if !key.key.Contains(remoteAddr, n) {
+		return fmt.Errorf("%w: [%#x, +%d) is not inside [%#x, +%d)", ErrOutOfBounds, remoteAddr, n, key.key.Addr, key.key.Len)
+	}
+	if n == 0 {
+		return nil
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	chunk, depth, cancelWait := uint64(o.Chunk), o.Depth, o.CancelWait
+	if o.Chunk <= 0 {
+		chunk = DefaultFetchChunk
+	}
+	if depth <= 0 {
+		depth = DefaultDepth
+	}
+	if cancelWait <= 0 {
+		cancelWait = DefaultCancelWait
+	}
+	var pin runtime.Pinner
+	pin.Pin(&dst[0])
+	defer pin.Unpin()
+	base := raw.Addr(dst)
+
+	w := ep.w
+	w.mu.Lock()
+	w.gets++
+	w.mu.Unlock()
+	defer func() {
+		w.mu.Lock()
+		w.gets--
+		w.mu.Unlock()
+	}()
+
+	type op struct {
+		off, end   uint64
+		tag        uint64
+		recv, send raw.Request
+		msg        []byte // the request, kept until its send completes
+		canceled   bool
+	}
+	var (
+		inflight []*op
+		next     uint64
+		firstErr error
+		stopped  error
+		giveUp   time.Time
+		idle     idleWait
+		pins     runtime.Pinner
+	)
+	defer pins.Unpin()
+	// fail records the first error and cancels the receives still waiting:
+	// no more is issued, and what UCX has not matched ends at once.
+	fail := func(err error) {
+		if firstErr == nil && stopped == nil {
+			firstErr = err
+		}
+	}
+	cancelWaiting := func() {
+		for _, o := range inflight {
+			if o.recv != 0 && !o.canceled {
+				raw.RequestCancel(w.h, o.recv)
+				o.canceled = true
+			}
+		}
+	}
+	recvParam := raw.RequestParam{OpAttrMask: raw.OpAttrFlagNoImmCmpl}
+	for {
+		w.mu.Lock()
+		if w.closed {
+			w.mu.Unlock()
+			return stoppedErr(stopped, ErrClosed)
+		}
+		if stopped == nil && (ep.closed || key.closed) {
+			stopped, giveUp = ErrClosed, time.Now().Add(cancelWait)
+		}
+		if ep.failed.Load() != 0 {
+			fail(ep.Err())
+		}
+		if firstErr != nil || stopped != nil {
+			cancelWaiting()
+		}
+		for firstErr == nil && stopped == nil && next < n && len(inflight) < depth {
+			o := &op{off: next, end: min(next+chunk, n)}
+			w.fetchSeq++
+			o.tag = fetchReplyBase | (w.fetchSeq & fetchReplySeq)
+			req, err := raw.TagRecvNbx(w.h, base+o.off, o.end-o.off, o.tag, ^fetchReplyErr, &recvParam)
+			if err != nil {
+				fail(err)
+				break
+			}
+			o.recv = req
+			o.msg = fetchRequest{replyTag: o.tag, addr: remoteAddr + o.off, n: o.end - o.off, reader: w.addr}.marshal()
+			pins.Pin(&o.msg[0])
+			sreq, err := raw.TagSendNbx(ep.h, raw.Addr(o.msg), uint64(len(o.msg)), fetchRequestTag, &raw.RequestParam{})
+			inflight = append(inflight, o)
+			if err != nil {
+				fail(err)
+				break
+			}
+			o.send = sreq
+			next = o.end
+		}
+		var progressed uint32
+		if len(inflight) > 0 {
+			progressed = raw.WorkerProgress(w.h)
+		}
+		before := len(inflight)
+		kept := inflight[:0]
+		for _, o := range inflight {
+			if o.send != 0 {
+				if s := raw.RequestCheckStatus(o.send); s != raw.InProgress {
+					raw.RequestFree(o.send)
+					o.send = 0
+					if s != raw.OK {
+						fail(&raw.Error{Func: "ucp_tag_send_nbx", Status: s})
+					}
+				}
+			}
+			if o.recv != 0 {
+				var info raw.TagRecvInfo
+				s := raw.TagRecvRequestTest(o.recv, &info)
+				if s != raw.InProgress {
+					raw.RequestFree(o.recv)
+					o.recv = 0
+					switch {
+					case s == raw.ErrCanceled && o.canceled:
+					case s != raw.OK:
+						fail(&raw.Error{Func: "ucp_tag_recv_nbx", Status: s})
+					case info.SenderTag&fetchReplyErr != 0:
+						text := dst[o.off : o.off+min(info.Length, o.end-o.off)]
+						fail(fmt.Errorf("%w: %s", ErrRefused, text))
+					case info.Length != o.end-o.off:
+						fail(fmt.Errorf("ucx: the peer sent %d bytes for a fetch of %d", info.Length, o.end-o.off))
+					}
+				}
+			}
+			if o.recv != 0 || o.send != 0 {
+				kept = append(kept, o)
+			}
+		}
+		inflight = kept
+		if len(inflight) == 0 && (firstErr != nil || stopped != nil || next == n) {
+			if firstErr != nil && IsPeerFailure(firstErr) {
+				ep.broken = firstErr
+			}
+			w.mu.Unlock()
+			break
+		}
+		if stopped != nil && time.Now().After(giveUp.Add(purgeWait)) {
+			// Replies the peer began (rendezvous under way) did not finish:
+			// give the requests back to UCX, which releases each when it
+			// completes, and say that dst is not safe.
+			left := len(inflight)
+			for _, o := range inflight {
+				for _, r := range []raw.Request{o.recv, o.send} {
+					if r != 0 {
+						raw.RequestFree(r)
+					}
+				}
+			}
+			w.mu.Unlock()
+			return fmt.Errorf("%w; %d replies were still under way %v after the fetch stopped and may still write into dst", stopped, left, cancelWait+purgeWait)
+		}
+		w.mu.Unlock()
+		if stopped == nil {
+			if err := ctx.Err(); err != nil {
+				stopped, giveUp = err, time.Now().Add(cancelWait)
+			}
+		}
+		idle.after(progressed > 0 || len(inflight) < before)
+	}
+	runtime.KeepAlive(dst)
+	if stopped != nil {
+		return stopped
+	}
+	return firstErr
+}
+
+// ErrRefused matches the error of a Fetch the peer refused (the bytes are
+// not inside a region it has registered); the error quotes its reason.
+var ErrRefused = errors.New("ucx: the peer refused the fetch")
+
+// fetchServer answers fetch requests on a served worker. Its fields are
+// guarded by the worker's mu; it lives while Serve runs.
+type fetchServer struct {
+	w     *Worker
+	recvs []*fetchSlot
+	sends []*fetchSend
+	peers map[string]*Endpoint // by the reader's raw worker address
+	pins  runtime.Pinner
+	log   *slog.Logger
+}
+
+// fetchSlot is a posted receive of requests.
+type fetchSlot struct {
+	buf []byte
+	req raw.Request
+}
+
+// fetchSend is a reply under way: the bytes of region r (nil for a
+// refusal, whose text msg holds) to ep.
+type fetchSend struct {
+	req raw.Request
+	ep  *Endpoint
+	r   *MemRegion
+	msg []byte
+	pin runtime.Pinner
+}
+
+func newFetchServer(w *Worker) *fetchServer {
+	fs := &fetchServer{w: w, peers: map[string]*Endpoint{}, log: slog.With("ucx", "fetch")}
+	for range fetchRecvs {
+		s := &fetchSlot{buf: make([]byte, MaxFetchRequest)}
+		fs.pins.Pin(&s.buf[0])
+		fs.recvs = append(fs.recvs, s)
+	}
+	return fs
+}
+
+// pollLocked posts the request receives, handles the requests that
+// arrived and releases the replies that completed; w.mu is held. It
+// returns how many it handled.
+func (fs *fetchServer) pollLocked() int {
+	w, handled := fs.w, 0
+	param := raw.RequestParam{OpAttrMask: raw.OpAttrFlagNoImmCmpl}
+	for _, s := range fs.recvs {
+		if s.req != 0 {
+			var info raw.TagRecvInfo
+			st := raw.TagRecvRequestTest(s.req, &info)
+			if st == raw.InProgress {
+				continue
+			}
+			raw.RequestFree(s.req)
+			s.req = 0
+			handled++
+			if st == raw.OK {
+				fs.handleLocked(s.buf[:min(info.Length, uint64(len(s.buf)))])
+			} else {
+				fs.log.Debug("ucx: a fetch request was not received", "status", st)
+			}
+		}
+		req, err := raw.TagRecvNbx(w.h, raw.Addr(s.buf), uint64(len(s.buf)), fetchRequestTag, ^uint64(0), &param)
+		if err != nil {
+			fs.log.Warn("ucx: cannot post a fetch request receive", "err", err)
+			break
+		}
+		s.req = req
+	}
+	kept := fs.sends[:0]
+	for _, sd := range fs.sends {
+		st := raw.RequestCheckStatus(sd.req)
+		if st == raw.InProgress {
+			kept = append(kept, sd)
+			continue
+		}
+		handled++
+		fs.finish(sd)
+		if st != raw.OK {
+			fs.log.Debug("ucx: a fetch reply failed", "status", st)
+		}
+	}
+	fs.sends = kept
+	for a, ep := range fs.peers {
+		switch {
+		case ep.closed:
+			delete(fs.peers, a)
+		case ep.failed.Load() != 0 && !fs.sending(ep):
+			ep.shutLocked()
+			delete(fs.peers, a)
+		}
+	}
+	return handled
+}
+
+// finish releases a completed reply.
+func (fs *fetchServer) finish(sd *fetchSend) {
+	raw.RequestFree(sd.req)
+	sd.pin.Unpin()
+	if sd.r != nil {
+		sd.r.sending.Add(-1)
+	}
+}
+
+func (fs *fetchServer) sending(ep *Endpoint) bool {
+	for _, sd := range fs.sends {
+		if sd.ep == ep {
+			return true
+		}
+	}
+	return false
+}
+
+// handleLocked answers one request: the bytes, or a refusal; a request
+// that cannot be answered (malformed, its reader unreachable) is dropped,
+// and the reader's Fetch ends by its context.
+func (fs *fetchServer) handleLocked(b []byte) {
+	req, err := parseFetchRequest(b)
+	if err != nil {
+		fs.log.Warn("ucx: dropped a malformed fetch request", "err", err)
+		return
+	}
+	ep, err := fs.peerLocked(req.reader)
+	if err != nil {
+		fs.log.Warn("ucx: cannot reach a fetching reader", "err", err)
+		return
+	}
+	r := fs.w.ctx.regionFor(req.addr, req.n)
+	if r == nil {
+		fs.refuseLocked(ep, req, fmt.Sprintf("[%#x, +%d) is not inside a region this worker's context has registered", req.addr, req.n))
+		return
+	}
+	p := raw.RequestParam{OpAttrMask: raw.OpAttrFieldMemh | raw.OpAttrFieldMemoryType, Memh: r.h, MemoryType: r.memType}
+	sreq, err := raw.TagSendNbx(ep.h, req.addr, req.n, req.replyTag, &p)
+	switch {
+	case err != nil:
+		r.sending.Add(-1)
+		fs.log.Debug("ucx: a fetch reply failed", "err", err)
+	case sreq == 0:
+		r.sending.Add(-1)
+	default:
+		fs.sends = append(fs.sends, &fetchSend{req: sreq, ep: ep, r: r})
+	}
+}
+
+// refuseLocked sends the reader a refusal in place of the bytes.
+func (fs *fetchServer) refuseLocked(ep *Endpoint, req fetchRequest, why string) {
+	msg := []byte("holder: " + why)
+	msg = msg[:min(uint64(len(msg)), req.n, maxRefusal)]
+	sd := &fetchSend{ep: ep, msg: msg}
+	sd.pin.Pin(&msg[0])
+	sreq, err := raw.TagSendNbx(ep.h, raw.Addr(msg), uint64(len(msg)), req.replyTag|fetchReplyErr, &raw.RequestParam{})
+	if err != nil || sreq == 0 {
+		sd.pin.Unpin()
+		return
+	}
+	sd.req = sreq
+	fs.sends = append(fs.sends, sd)
+}
+
+// peerLocked returns the endpoint to a reader, connecting on first use.
+func (fs *fetchServer) peerLocked(a WorkerAddress) (*Endpoint, error) {
+	if ep, ok := fs.peers[string(a.b)]; ok && !ep.closed && ep.failed.Load() == 0 {
+		return ep, nil
+	}
+	if len(fs.peers) >= maxFetchPeers {
+		for k, ep := range fs.peers {
+			if !fs.sending(ep) {
+				if !ep.closed {
+					ep.shutLocked()
+				}
+				delete(fs.peers, k)
+				break
+			}
+		}
+		if len(fs.peers) >= maxFetchPeers {
+			return nil, fmt.Errorf("ucx: %d readers have replies under way", len(fs.peers))
+		}
+	}
+	ep, err := fs.w.connectLocked(a)
+	if err != nil {
+		return nil, err
+	}
+	fs.peers[string(a.b)] = ep
+	return ep, nil
+}
+
+// stopLocked ends the server when Serve returns: it cancels the request
+// receives and waits, progressing the worker, for the replies under way,
+// up to closeWait before it closes their endpoints forcibly and purgeWait
+// after; w.mu is held.
+func (fs *fetchServer) stopLocked() {
+	w := fs.w
+	for _, s := range fs.recvs {
+		if s.req != 0 {
+			raw.RequestCancel(w.h, s.req)
+		}
+	}
+	start := time.Now()
+	forced := false
+	for {
+		raw.WorkerProgress(w.h)
+		for _, s := range fs.recvs {
+			if s.req != 0 && raw.RequestCheckStatus(s.req) != raw.InProgress {
+				raw.RequestFree(s.req)
+				s.req = 0
+			}
+		}
+		kept := fs.sends[:0]
+		for _, sd := range fs.sends {
+			if raw.RequestCheckStatus(sd.req) != raw.InProgress {
+				fs.finish(sd)
+				continue
+			}
+			kept = append(kept, sd)
+		}
+		fs.sends = kept
+		pending := len(fs.sends)
+		for _, s := range fs.recvs {
+			if s.req != 0 {
+				pending++
+			}
+		}
+		if pending == 0 {
+			break
+		}
+		if !forced && time.Since(start) > closeWait {
+			for _, ep := range fs.peers {
+				if !ep.closed {
+					ep.shutLocked()
+				}
+			}
+			forced = true
+		}
+		if time.Since(start) > closeWait+purgeWait {
+			fs.log.Warn("ucx: fetch replies did not complete after their endpoints were closed", "replies", len(fs.sends))
+			for _, sd := range fs.sends {
+				fs.finish(sd)
+			}
+			for _, s := range fs.recvs {
+				if s.req != 0 {
+					raw.RequestFree(s.req)
+				}
+			}
+			break
+		}
+	}
+	for _, ep := range fs.peers {
+		if !ep.closed {
+			ep.shutLocked()
+		}
+	}
+	fs.peers = nil
+	fs.sends = nil
+	fs.pins.Unpin()
+}
+
+// shutSendsOf closes forcibly the endpoints of replies from region r, so
+// that UCX completes them (canceled) on the next progress; w.mu is held.
+func (fs *fetchServer) shutSendsOf(r *MemRegion) {
+	for _, sd := range fs.sends {
+		if sd.r == r && !sd.ep.closed {
+			sd.ep.shutLocked()
+		}
+	}
+}
