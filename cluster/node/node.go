@@ -60,6 +60,9 @@ type Config struct {
 	// Lanes is how many UCX workers serve and pull
 	// (ucxtransport.Options.Lanes); 0 means one.
 	Lanes int
+	// Read is how the node reads peers' memory
+	// (ucxtransport.Options.Read); "" means ucxtransport.ReadFetch.
+	Read ucxtransport.ReadMode
 }
 
 // Node is a daemon's membership of a cluster.
@@ -128,7 +131,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	if err := cluster.ValidateNodeName(cfg.Directory.Node); err != nil {
 		return nil, fmt.Errorf("--node: %w", err)
 	}
-	tr, err := ucxtransport.NewWith("cudaipc-"+cfg.Directory.Node, ucxtransport.Options{Lanes: cfg.Lanes})
+	tr, err := ucxtransport.NewWith("cudaipc-"+cfg.Directory.Node, ucxtransport.Options{Lanes: cfg.Lanes, Read: cfg.Read})
 	if err != nil {
 		return nil, fmt.Errorf("cluster data plane: %w", err)
 	}

@@ -139,7 +139,8 @@ class Cluster:
                  "--log-level", "warn", "--cluster", "etcd://127.0.0.1:%d" % cp, "--node", node,
                  "--cluster-secret", self.secret, "--cluster-listen", "127.0.0.1:0"]
                 + (["--cluster-streams", str(args.streams)] if args.streams else [])
-                + (["--cluster-lanes", str(args.lanes)] if args.lanes else []),
+                + (["--cluster-lanes", str(args.lanes)] if args.lanes else [])
+                + (["--cluster-read", args.read] if args.read else []),
                 stdout=dlog, stderr=subprocess.STDOUT, env=env))
             self.sockets[node] = sock
         deadline = time.monotonic() + 60
@@ -428,6 +429,7 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--capacity", default="48GiB", help="each daemon's capacity per device")
     ap.add_argument("--streams", type=int, default=0, help="chunks a pull reads from one holder at once (serve --cluster-streams; 0: the daemon's default)")
+    ap.add_argument("--read", choices=["fetch", "get"], help="how daemon B reads A's memory (serve --cluster-read; default: the daemon's, fetch)")
     ap.add_argument("--lanes", type=int, default=0, help="UCX worker pairs of each daemon (serve --cluster-lanes; 0: the daemon's default)")
     ap.add_argument("--shard-tensors", type=int, default=SHARD_TENSORS, help="tensors per shard of a version")
     ap.add_argument("--smoke", action="store_true", help="a tiny model in host memory (any machine): checks the script")
@@ -440,11 +442,11 @@ def main(argv: List[str]) -> None:
         args.models, args.gpu, args.capacity, args.backend, args.no_floors = "smoke", -1, "256MiB", "host", True
     import torch.multiprocessing as mp
     tmp = tempfile.mkdtemp(prefix="weight-sync-xnode-")
-    out: Dict[str, Any] = {"link": LINK_ENV, "streams": args.streams, "lanes": args.lanes, "results": []}
+    out: Dict[str, Any] = {"link": LINK_ENV, "streams": args.streams, "lanes": args.lanes, "read": args.read or "fetch", "results": []}
     if not args.no_floors:
         for key, extra in (("floor_ucx", None), ("floor_ucx_default_segments", UCX_DEFAULT_SEGS)):
             out[key] = ucx_floor(args.ucxperf_test, extra)
-            print("floor: raw UCX GET%s %s" % (" (UCX's default tcp segments)" if extra else "",
+            print("floor: raw UCX reads%s %s" % (" (UCX's default tcp segments)" if extra else "",
                                                ("%.2f GB/s (%s)" % (out[key]["GBps"], out[key]["best"]))
                                                if "GBps" in out[key] else out[key]["error"]), flush=True)
             if "rows_GBps" in out[key]:
@@ -458,6 +460,8 @@ def main(argv: List[str]) -> None:
         if fl:
             out["floor_copies"] = fl[0]
             print("floor: pinned copies d2h %.1f GB/s, h2d %.1f GB/s" % (fl[0]["d2h_GBps"], fl[0]["h2d_GBps"]), flush=True)
+    print("daemons: --cluster-lanes %s, --cluster-read %s, --cluster-streams %s" % (
+        args.lanes or "default", args.read or "default (fetch)", args.streams or "default"), flush=True)
     cl = Cluster(args, tmp)
     try:
         for m in args.models.split(","):

@@ -31,6 +31,7 @@ type clusterFlags struct {
 	EtcdKey       string `name:"etcd-key" help:"Client key for etcd." placeholder:"FILE"`
 	Streams       int    `name:"cluster-streams" default:"0" help:"Reads a pull keeps in flight from one holder (0: the default, four a lane and at least 8); more can fill a fast link whose round trip is long." placeholder:"N"`
 	Lanes         int    `name:"cluster-lanes" default:"2" env:"CUDAIPC_CLUSTER_LANES" help:"UCX workers serving and pulling, each with its own progress thread and, between two daemons of several, its own connection (default ${default}; 0 or 1: one; at most 16). Over tcp one connection and one progress thread a side bound a pull well below what a fast link carries (docs/cluster.md). Daemons of versions before lanes cannot read from daemons of several." placeholder:"N"`
+	Read          string `name:"cluster-read" default:"fetch" enum:"fetch,get" env:"CUDAIPC_CLUSTER_READ" help:"How this daemon reads other daemons' memory: fetch (default: the holder sends the bytes by UCX rendezvous, copying less over tcp, and a reader killed mid-read cannot bring the holder down) or get (UCX one-sided GETs, which tcp emulates). Daemons of earlier versions are read with GETs either way." placeholder:"MODE"`
 	UCXLib        string `name:"ucx-lib" help:"Use this libucp.so.0 (and the libucs, libuct, libucm beside it) instead of the system's, e.g. a UCX built with CUDA (HPC-X) to register GPU arenas directly; 'cudaipc doctor --ucx-lib PATH' checks it." placeholder:"PATH"`
 }
 
@@ -96,7 +97,7 @@ func (f *clusterFlags) startCluster(ctx context.Context, g *Globals) (*node.Node
 		streams = max(cluster.DefaultStreamsPerHolder, 4*max(f.Lanes, 1))
 	}
 	n, err := node.Start(ctx, node.Config{Directory: dc, Listen: f.ClusterListen, Advertise: f.ClusterAdv, Logger: g.log,
-		StreamsPerHolder: streams, Lanes: f.Lanes})
+		StreamsPerHolder: streams, Lanes: f.Lanes, Read: ucxtransport.ReadMode(f.Read)})
 	if err != nil {
 		return nil, fmt.Errorf("serve --cluster: %w", err)
 	}
