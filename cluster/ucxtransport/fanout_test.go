@@ -277,7 +277,7 @@ func TestFanoutOverLimitedLinks(t *testing.T) {
 			name = fmt.Sprintf("r%d", i)
 		}
 		c := testutil.SpawnWith(t, "fanout-node", testutil.SpawnOptions{SysProcAttr: clustertest.NewNetnsAttr(),
-			Env: []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0", "UCX_WARN_UNUSED_ENV_VARS=n", "UCX_LOG_FILE=/dev/stderr"}})
+			Env: []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0", "UCX_WARN_UNUSED_ENV_VARS=n", "UCX_LOG_FILE=stderr"}})
 		ip := nw.Link(c.Pid(), rate)
 		if err := c.Send(nodeCmd{Op: "start", Node: name, IP: ip, Etcd: etcd, Streams: streams}); err != nil {
 			t.Fatal(err)

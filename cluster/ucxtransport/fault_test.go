@@ -25,7 +25,7 @@ func TestReaderKilledMidPull(t *testing.T) {
 	etcd := nw.StartEtcd()
 	spawn := func(name string) *testutil.Child {
 		c := testutil.SpawnWith(t, "fanout-node", testutil.SpawnOptions{SysProcAttr: clustertest.NewNetnsAttr(),
-			Env: []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0", "UCX_WARN_UNUSED_ENV_VARS=n", "UCX_LOG_FILE=/dev/stderr"}})
+			Env: []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0", "UCX_WARN_UNUSED_ENV_VARS=n", "UCX_LOG_FILE=stderr"}})
 		ip := nw.Link(c.Pid(), "20mbit") // 16 MiB take ~7 s: time to kill the reader mid-pull
 		if err := c.Send(nodeCmd{Op: "start", Node: name, IP: ip, Etcd: etcd, Streams: 2}); err != nil {
 			t.Fatal(err)
@@ -111,7 +111,7 @@ func TestPublisherKilledMidVersion(t *testing.T) {
 	var nodes []*testutil.Child
 	for _, name := range []string{"pub", "reader"} {
 		c := testutil.SpawnWith(t, "fanout-node", testutil.SpawnOptions{SysProcAttr: clustertest.NewNetnsAttr(),
-			Env: []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0", "UCX_WARN_UNUSED_ENV_VARS=n", "UCX_LOG_FILE=/dev/stderr"}})
+			Env: []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0", "UCX_WARN_UNUSED_ENV_VARS=n", "UCX_LOG_FILE=stderr"}})
 		if err := c.Send(nodeCmd{Op: "start", Node: name, IP: nw.Link(c.Pid(), ""), Etcd: etcd}); err != nil {
 			t.Fatal(err)
 		}
@@ -157,7 +157,7 @@ func TestPublisherKilledMidVersion(t *testing.T) {
 	}
 	// A live node publishing shard 0 again completes the version.
 	pub2 := testutil.SpawnWith(t, "fanout-node", testutil.SpawnOptions{SysProcAttr: clustertest.NewNetnsAttr(),
-		Env: []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0", "UCX_WARN_UNUSED_ENV_VARS=n", "UCX_LOG_FILE=/dev/stderr"}})
+		Env: []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0", "UCX_WARN_UNUSED_ENV_VARS=n", "UCX_LOG_FILE=stderr"}})
 	if err := pub2.Send(nodeCmd{Op: "start", Node: "pub2", IP: nw.Link(pub2.Pid(), ""), Etcd: etcd}); err != nil {
 		t.Fatal(err)
 	}

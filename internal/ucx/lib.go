@@ -76,10 +76,17 @@ const (
 	minMinor = 10
 )
 
+// EnvLogFile is UCX's setting of where it logs. Load sets it to "stderr"
+// (UCX's name for the stream) unless the user has set it: UCX's default,
+// stdout, would mix its warnings into output that scripts read (--json).
+const EnvLogFile = "UCX_LOG_FILE"
+
 func load(path string) error {
-	if _, set := os.LookupEnv(EnvErrorSignals); !set {
-		if err := os.Setenv(EnvErrorSignals, ""); err != nil {
-			return &LoadError{Path: path, Reason: "cannot set " + EnvErrorSignals + ": " + err.Error()}
+	for k, v := range map[string]string{EnvErrorSignals: "", EnvLogFile: "stderr"} {
+		if _, set := os.LookupEnv(k); !set {
+			if err := os.Setenv(k, v); err != nil {
+				return &LoadError{Path: path, Reason: "cannot set " + k + ": " + err.Error()}
+			}
 		}
 	}
 	if err := loadSiblings(path); err != nil {

@@ -71,6 +71,6 @@
 // Transports and devices are UCX's settings (UCX_TLS, UCX_NET_DEVICES, ...),
 // read when a Context is made. internal/ucx sets UCX_ERROR_SIGNALS="" before
 // loading libucp unless it is set (UCX's handlers would replace the Go
-// runtime's). UCX logs to the process's stdout unless UCX_LOG_FILE says
-// otherwise.
+// runtime's), and UCX_LOG_FILE=stderr unless it is set (UCX's default,
+// stdout, would mix its warnings into output scripts read).
 package ucx
