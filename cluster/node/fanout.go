@@ -91,13 +91,18 @@ func (r *gpuReplica) Expose() (cluster.Exposure, func(), error) {
 		r.b.reg = reg
 		r.n.registerNanos.Add(int64(time.Since(start)))
 	}
+	key, closeWindow, err := r.b.reg.Window(0, r.o.Size)
+	if err != nil {
+		return cluster.Exposure{}, nil, err
+	}
 	r.exposed++
-	e := cluster.Exposure{Worker: r.n.tr.WorkerAddress(), RKey: r.b.reg.Key(), Addr: r.b.reg.Addr(0), Size: r.o.Size}
+	e := cluster.Exposure{Worker: r.n.tr.WorkerAddress(), RKey: key, Addr: r.b.reg.Addr(0), Size: r.o.Size}
 	r.n.exposures.Add(1)
 	r.n.exposedBytes.Add(uint64(r.o.Size))
 	var once sync.Once
 	return e, func() {
 		once.Do(func() {
+			closeWindow()
 			r.mu.Lock()
 			r.exposed--
 			last := r.done && r.exposed == 0

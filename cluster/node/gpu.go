@@ -258,10 +258,16 @@ func (n *Node) exposeGPU(f *store.ClusterFile, id string) (cluster.Exposure, fun
 		}
 		n.registerNanos.Add(int64(time.Since(start)))
 	}
-	e := cluster.Exposure{Worker: n.tr.WorkerAddress(), RKey: b.reg.Key(), Addr: b.reg.Addr(0), Size: f.Size}
+	key, closeWindow, err := b.reg.Window(0, f.Size)
+	if err != nil {
+		n.pinned.put(b)
+		return cluster.Exposure{}, nil, err
+	}
+	e := cluster.Exposure{Worker: n.tr.WorkerAddress(), RKey: key, Addr: b.reg.Addr(0), Size: f.Size}
 	n.exposures.Add(1)
 	n.exposedBytes.Add(uint64(f.Size))
 	return e, func() {
+		closeWindow()
 		b.tag = id
 		n.pinned.put(b)
 	}, nil

@@ -760,12 +760,18 @@ func (n *Node) exposeRegistered(f *store.ClusterFile, register func() (*arenaReg
 		}
 		n.arenas[f.ArenaID] = a
 	}
+	key, closeWindow, err := a.reg.Window(f.Offset, f.Size)
+	if err != nil {
+		n.mu.Unlock()
+		return cluster.Exposure{}, nil, err
+	}
 	a.refs++
 	n.mu.Unlock()
-	e := cluster.Exposure{Worker: n.tr.WorkerAddress(), RKey: a.reg.Key(), Addr: a.reg.Addr(f.Offset), Size: f.Size}
+	e := cluster.Exposure{Worker: n.tr.WorkerAddress(), RKey: key, Addr: a.reg.Addr(f.Offset), Size: f.Size}
 	n.exposures.Add(1)
 	n.exposedBytes.Add(uint64(f.Size))
 	return e, func() {
+		closeWindow()
 		n.mu.Lock()
 		if a.refs--; a.refs == 0 {
 			a.reg.Close()

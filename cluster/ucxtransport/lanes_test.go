@@ -2,9 +2,11 @@ package ucxtransport
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"os"
+	"strings"
 	"testing"
 
 	"github.com/cudaipc/cudaipc/transport/ucx"
@@ -33,8 +35,16 @@ func lanesOf(t testing.TB, n int) []byte {
 // malformed ones are ErrMalformed.
 func TestLanesAddress(t *testing.T) {
 	one, err := parsePeerAddress(lanesOf(t, 1))
-	if err != nil || len(one.lanes) != 1 || !one.fetch {
-		t.Fatalf("a node of one lane: %d lanes, fetch %v, %v", len(one.lanes), one.fetch, err)
+	if err != nil || len(one.lanes) != 1 || !one.fetch || one.get {
+		t.Fatalf("a node of one lane: %d lanes, fetch %v, get %v, %v", len(one.lanes), one.fetch, one.get, err)
+	}
+	tr, err := NewWith("lanes-get", Options{Read: ReadGet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tr.Close()
+	if pa, err := parsePeerAddress(tr.WorkerAddress()); err != nil || !pa.fetch || !pa.get {
+		t.Fatalf("a node reading with GETs: fetch %v, get %v, %v; want both", pa.fetch, pa.get, err)
 	}
 	three := lanesOf(t, 3)
 	pa, err := parsePeerAddress(three)
@@ -45,32 +55,52 @@ func TestLanesAddress(t *testing.T) {
 	if err != nil || !bytes.Equal(again, three) {
 		t.Fatalf("three lanes encoded again differ (%v)", err)
 	}
-	for _, old := range []peerAddress{{lanes: pa.lanes[:1]}, {lanes: pa.lanes}} {
+	for _, old := range []peerAddress{{lanes: pa.lanes[:1], get: true}, {lanes: pa.lanes, get: true}} {
 		b, err := old.marshal()
 		if err != nil {
 			t.Fatal(err)
 		}
 		back, err := parsePeerAddress(b)
-		if err != nil || back.fetch || len(back.lanes) != len(old.lanes) {
+		if err != nil || back.fetch || !back.get || len(back.lanes) != len(old.lanes) {
 			t.Fatalf("an earlier node's address of %d lanes: %d lanes, fetch %v, %v", len(old.lanes), len(back.lanes), back.fetch, err)
 		}
 	}
-	if _, err := NewWith("too-many", Options{Lanes: MaxLanes + 1}); err == nil {
-		t.Fatal("more than MaxLanes lanes accepted")
+	// A node that reads with fetches cannot read a peer that answers only
+	// GETs, and says what to do; one that reads with GETs can.
+	oldAddr, err := peerAddress{lanes: pa.lanes[:1], get: true}.marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fetcher, err := NewWith("lanes-fetch", Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fetcher.Close()
+	if _, err := fetcher.Connect(context.Background(), oldAddr); err == nil || !strings.Contains(err.Error(), "--cluster-read get") {
+		t.Errorf("a fetching node connecting to a GET-only peer: %v", err)
+	}
+	if ep, err := tr.Connect(context.Background(), oldAddr); err != nil {
+		t.Errorf("a node reading with GETs connecting to a GET-only peer: %v", err)
+	} else {
+		ep.Close()
 	}
 	if _, err := NewWith("too-many", Options{Lanes: MaxLanes + 1}); err == nil {
 		t.Fatal("more than MaxLanes lanes accepted")
 	}
-	count := func(n byte) []byte { b := bytes.Clone(three); b[4] = n; return b }
+	count := func(n byte) []byte { b := bytes.Clone(three); b[5] = n; return b }
 	grown := func(d uint32) []byte {
 		b := bytes.Clone(three)
-		binary.LittleEndian.PutUint32(b[5:], binary.LittleEndian.Uint32(b[5:])+d)
+		binary.LittleEndian.PutUint32(b[6:], binary.LittleEndian.Uint32(b[6:])+d)
 		return b
 	}
+	flags := bytes.Clone(three)
+	flags[4] = 0x80
 	flipped := bytes.Clone(three)
 	flipped[len(flipped)/2] ^= 0x10
 	for name, b := range map[string][]byte{
 		"magic alone":     three[:4],
+		"no count":        three[:5],
+		"unknown flags":   flags,
 		"no lane":         count(0),
 		"too many lanes":  count(MaxLanes + 1),
 		"more lanes":      count(4),
@@ -97,7 +127,8 @@ func FuzzLanesAddress(f *testing.F) {
 		}
 	}
 	f.Add([]byte("ucLN\x02\x00\x00\x00\x00"))
-	f.Add([]byte("ucFT\x01\x00\x00\x00\x00"))
+	f.Add([]byte("ucFT\x00\x01\x00\x00\x00\x00"))
+	f.Add([]byte("ucFT\x01\x02\x00\x00\x00\x00"))
 	f.Add([]byte{})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		pa, err := parsePeerAddress(b)

@@ -12,6 +12,7 @@
 package ucxtransport
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -48,8 +49,10 @@ type Options struct {
 	// lanes' addresses (lanes.go), which only nodes of this version read.
 	Lanes int
 	// Read is how this node reads from peers: ReadFetch (the default) or
-	// ReadGet. Peers of earlier versions, which do not answer fetches,
-	// are read with GETs either way.
+	// ReadGet. A node of ReadGet also answers peers' GETs (UCX's RMA
+	// feature), and reads with fetches from peers that do not; one of
+	// ReadFetch answers no GETs, and cannot read from peers of earlier
+	// versions, which answer nothing else.
 	Read ReadMode
 }
 
@@ -62,7 +65,10 @@ const (
 	// copies less than UCX's emulated GET, and a reader killed mid-read
 	// cannot abort the holder, as the emulated GET can with UCX 1.16.
 	ReadFetch ReadMode = "fetch"
-	// ReadGet reads with one-sided GETs (ucx.Get).
+	// ReadGet reads with one-sided GETs (ucx.Get) where the peer answers
+	// them, and answers peers' GETs: over tcp UCX answers an emulated GET
+	// of any address of the daemon's process, so use it only where every
+	// host that can reach the daemon's UCX ports is trusted.
 	ReadGet ReadMode = "get"
 )
 
@@ -85,7 +91,10 @@ func NewWith(name string, o Options) (*Transport, error) {
 	default:
 		return nil, fmt.Errorf("ucx: read mode %q, want %q or %q", o.Read, ReadFetch, ReadGet)
 	}
-	c, err := ucx.NewContext(ucx.ContextOptions{Name: name})
+	// Without RMA, this node answers no GETs: over tcp UCX answers an
+	// emulated GET of any address of the process, whatever the rkey, so
+	// only a node that reads with GETs (and whose peers do) enables it.
+	c, err := ucx.NewContext(ucx.ContextOptions{Name: name, NoRMA: o.Read != ReadGet})
 	if err != nil {
 		return nil, err
 	}
@@ -106,7 +115,7 @@ func NewWith(name string, o Options) (*Transport, error) {
 		}
 	}
 	if err == nil {
-		t.addr, err = peerAddress{lanes: addrs, fetch: true}.marshal()
+		t.addr, err = peerAddress{lanes: addrs, fetch: true, get: o.Read == ReadGet}.marshal()
 	}
 	if err != nil {
 		c.Close()
@@ -177,8 +186,44 @@ func (t *Transport) RegisterDevice(addr, length uint64) (*Region, error) {
 	return packRegion(t.c.RegisterMemory(addr, length, ucx.MemoryCUDA))
 }
 
-// Key is the region's packed key in its envelope: Exposure.RKey.
+// Key is the region's packed key in its envelope: the whole region, for
+// GETs. Exposure.RKey is a Window's key.
 func (r *Region) Key() []byte { return r.key }
+
+// magicWindow starts a window key: magicWindow (4), the window's token
+// (16), then the region's key envelope.
+var magicWindow = [4]byte{'u', 'c', 'W', 'K'}
+
+// Window opens a window on n bytes of the region at offset off for peers'
+// reads and returns its key (Exposure.RKey): peers that fetch read only
+// those bytes, and only until release. GETs, where this node answers them,
+// read the whole region.
+func (r *Region) Window(off, n int64) (key []byte, release func(), err error) {
+	if off < 0 || n < 0 {
+		return nil, nil, fmt.Errorf("ucx: window [%d, +%d)", off, n)
+	}
+	w, err := r.r.Window(uint64(off), uint64(n))
+	if err != nil {
+		return nil, nil, err
+	}
+	tok := w.Token()
+	key = append(append(append(make([]byte, 0, len(magicWindow)+len(tok)+len(r.key)), magicWindow[:]...), tok[:]...), r.key...)
+	return key, func() { w.Close() }, nil
+}
+
+// parseKey splits a key a peer handed out: a window key (a token and its
+// region's key), or a region key alone (a peer of an earlier version).
+func parseKey(b []byte) (rk ucx.RegionKey, tok ucx.Token, window bool, err error) {
+	if bytes.HasPrefix(b, magicWindow[:]) {
+		if len(b) < len(magicWindow)+len(tok) {
+			return rk, tok, false, &ucx.MalformedError{What: "region key", Reason: fmt.Sprintf("window key of %d bytes, truncated", len(b))}
+		}
+		tok = ucx.Token(b[len(magicWindow):])
+		b, window = b[len(magicWindow)+len(tok):], true
+	}
+	err = rk.UnmarshalBinary(b)
+	return rk, tok, window, err
+}
 
 // Addr is the remote address of byte off of the region: Exposure.Addr.
 func (r *Region) Addr(off int64) uint64 { return r.r.Key().Addr + uint64(off) }
@@ -193,7 +238,13 @@ func (t *Transport) Connect(ctx context.Context, addr []byte) (cluster.Endpoint,
 	if err != nil {
 		return nil, err
 	}
-	e := &endpoint{t: t, keys: map[string][]*ucx.RemoteKey{}, fetch: pa.fetch && t.read == ReadFetch}
+	// Fetch where the peer answers fetches, unless both read with GETs;
+	// a node without RMA cannot read a peer that answers only GETs.
+	fetch := pa.fetch && (t.read == ReadFetch || !pa.get)
+	if !fetch && t.read != ReadGet {
+		return nil, errors.New("ucx: the peer answers only GETs (a daemon of an earlier version): this one reads with fetches; upgrade the peer, or run this one with --cluster-read get")
+	}
+	e := &endpoint{t: t, keys: map[string]*peerKey{}, fetch: fetch}
 	for i, a := range pa.lanes[:min(len(pa.lanes), len(t.pull))] {
 		ep, err := t.pull[i].Connect(a)
 		if err != nil {
@@ -212,48 +263,53 @@ type endpoint struct {
 	fetch bool          // read with ucx.Fetch, not ucx.Get
 	next  atomic.Uint64 // the lane of the next Get
 	mu    sync.Mutex
-	keys  map[string][]*ucx.RemoteKey // by envelope: one per lane
+	keys  map[string]*peerKey // by the key's bytes
 }
 
-// key returns rkey (a RegionKey envelope) unpacked on each lane, once per
-// endpoint.
-func (e *endpoint) key(rkey []byte) ([]*ucx.RemoteKey, error) {
+// peerKey is a key a peer handed out, unpacked on each lane.
+type peerKey struct {
+	lanes  []*ucx.RemoteKey
+	token  ucx.Token
+	window bool
+}
+
+// key returns rkey (a window key, or a region key envelope) unpacked on
+// each lane, once per endpoint.
+func (e *endpoint) key(rkey []byte) (*peerKey, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if k, ok := e.keys[string(rkey)]; ok {
 		return k, nil
 	}
-	var rk ucx.RegionKey
-	if err := rk.UnmarshalBinary(rkey); err != nil {
+	rk, tok, window, err := parseKey(rkey)
+	if err != nil {
 		return nil, err
 	}
-	ks := make([]*ucx.RemoteKey, len(e.lanes))
+	k := &peerKey{lanes: make([]*ucx.RemoteKey, len(e.lanes)), token: tok, window: window}
 	for i, ep := range e.lanes {
-		k, err := ep.Unpack(rk)
-		if err != nil {
+		if k.lanes[i], err = ep.Unpack(rk); err != nil {
 			return nil, err
 		}
-		ks[i] = k
 	}
-	e.keys[string(rkey)] = ks
-	return ks, nil
+	e.keys[string(rkey)] = k
+	return k, nil
 }
 
 // Get implements cluster.Endpoint: on the next lane, in turn, so that a
-// pull's concurrent reads spread over the lanes. rkey is a RegionKey
-// envelope.
+// pull's concurrent reads spread over the lanes. rkey is a window key
+// (fetched) or a region key (read with GETs).
 func (e *endpoint) Get(ctx context.Context, rkey []byte, addr uint64, dst []byte) error {
 	k, err := e.key(rkey)
 	if err != nil {
 		return err
 	}
 	i := int(e.next.Add(1) % uint64(len(e.lanes)))
-	if e.fetch {
+	if e.fetch && k.window {
 		e.t.fetches.Add(1)
-		return peerGone(ucx.Fetch(ctx, e.lanes[i], k[i], addr, dst, ucx.FetchOptions{}))
+		return peerGone(ucx.Fetch(ctx, e.lanes[i], k.lanes[i], addr, dst, ucx.FetchOptions{Token: k.token}))
 	}
 	e.t.gets.Add(1)
-	return peerGone(ucx.Get(ctx, e.lanes[i], k[i], addr, dst))
+	return peerGone(ucx.Get(ctx, e.lanes[i], k.lanes[i], addr, dst))
 }
 
 // peerGone says so in an error of a peer that failed.

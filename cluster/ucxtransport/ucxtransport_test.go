@@ -44,7 +44,12 @@ func (n node) Register(b []byte) ([]byte, uint64, func(), error) {
 	if err != nil {
 		return nil, 0, nil, err
 	}
-	return r.Key(), r.Addr(0), func() { r.Close() }, nil
+	key, closeWindow, err := r.Window(0, int64(len(b)))
+	if err != nil {
+		r.Close()
+		return nil, 0, nil, err
+	}
+	return key, r.Addr(0), func() { closeWindow(); r.Close() }, nil
 }
 
 func newNode(t *testing.T, name string) node { return newNodeWith(t, name, ucxtransport.Options{}) }
@@ -61,13 +66,15 @@ func newNodeWith(t *testing.T, name string, o ucxtransport.Options) node {
 
 var secret, _ = cluster.NewSecret([]byte("ucx-transport-test-secret"))
 
-// TestPullOverUCX: B pulls from A with fetches (the default), C with
-// GETs; both replicas are right.
+// TestPullOverUCX: A reads with GETs, so it answers them too; B pulls from
+// it with fetches (the default), C (reading with GETs) with GETs, and A
+// from B, which answers no GETs, with fetches; every replica is right.
 func TestPullOverUCX(t *testing.T) {
 	requireUCX(t)
 	srv := etcdtest.Start(t)
-	bt, ct := newNode(t, "b"), newNodeWith(t, "c", ucxtransport.Options{Read: ucxtransport.ReadGet})
-	a := clustertest.StartNode(t, srv, newNode(t, "a"), "a", secret)
+	getter := ucxtransport.Options{Read: ucxtransport.ReadGet}
+	at, bt, ct := newNodeWith(t, "a", getter), newNode(t, "b"), newNodeWith(t, "c", getter)
+	a := clustertest.StartNode(t, srv, at, "a", secret)
 	b := clustertest.StartNode(t, srv, bt, "b", secret)
 	c := clustertest.StartNode(t, srv, ct, "c", secret)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
@@ -88,8 +95,20 @@ func TestPullOverUCX(t *testing.T) {
 	if f, g := bt.Reads(); f == 0 || g != 0 {
 		t.Errorf("B read with %d fetches and %d GETs; want fetches only", f, g)
 	}
-	if f, g := ct.Reads(); f != 0 || g == 0 {
-		t.Errorf("C (ReadGet) read with %d fetches and %d GETs; want GETs only", f, g)
+	// C reads from A and B, which both hold the object now: with GETs
+	// from A, with fetches from B.
+	if f, g := ct.Reads(); g == 0 {
+		t.Errorf("C (ReadGet) read with %d fetches and %d GETs; want GETs from A", f, g)
+	}
+	o2, want2 := b.Put(t, "ns/ucx-back", 3<<20+5, 1<<20)
+	if _, err := a.P.Pull(ctx, o2.Ref()); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(a.Store.Get(o2.Ref()), want2) {
+		t.Fatal("A's replica differs")
+	}
+	if f, g := at.Reads(); f == 0 || g != 0 {
+		t.Errorf("A (ReadGet) read from B, which answers no GETs, with %d fetches and %d GETs; want fetches only", f, g)
 	}
 	if _, err := ucxtransport.NewWith("bad", ucxtransport.Options{Read: "telepathy"}); err == nil {
 		t.Error("an unknown read mode was accepted")
@@ -124,7 +143,11 @@ func TestMalformedPeerData(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ep.Close()
-	key := r.Key()
+	key, closeWindow, err := r.Window(0, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeWindow()
 	flipped := append([]byte(nil), key...)
 	flipped[len(flipped)/2] ^= 1
 	dst := make([]byte, 4096)
@@ -140,10 +163,25 @@ func TestMalformedPeerData(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	goneKey, _, err := gone.Window(0, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
 	gone.Close()
-	if err := ep.Get(ctx, gone.Key(), gone.Addr(0), dst); !errors.Is(err, ucx.ErrRefused) {
+	if err := ep.Get(ctx, goneKey, gone.Addr(0), dst); !errors.Is(err, ucx.ErrRefused) {
 		t.Errorf("get of a region the holder closed: %v, want ErrRefused", err)
 	}
+	if err := ep.Get(ctx, r.Key(), r.Addr(0), dst); !errors.Is(err, ucx.ErrNoRMA) {
+		t.Errorf("get with a region key (no window) from a node that reads with fetches: %v, want ErrNoRMA", err)
+	}
+	small, closeSmall, err := r.Window(4096, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ep.Get(ctx, small, r.Addr(8192), dst[:10]); !errors.Is(err, ucx.ErrRefused) {
+		t.Errorf("get past a window: %v, want ErrRefused", err)
+	}
+	closeSmall()
 	copy(buf[8192:], "through the registered arena")
 	if err := ep.Get(ctx, key, r.Addr(8192), dst[:28]); err != nil || !strings.HasPrefix(string(dst), "through the registered arena") {
 		t.Fatalf("get: %v %q", err, dst[:28])

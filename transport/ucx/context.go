@@ -101,6 +101,13 @@ const (
 type ContextOptions struct {
 	// Name names the context in UCX's logs; empty leaves UCX's default.
 	Name string
+	// NoRMA leaves out UCX's RMA feature: the context's workers neither
+	// read with Get nor answer peers' GETs; Fetch works both ways. Over
+	// tcp UCX answers an emulated GET of any address of the process,
+	// whatever rkey came with it: a context that serves peers it does not
+	// trust should set NoRMA and be read with Fetch, which answers only
+	// for bytes inside a Window.
+	NoRMA bool
 }
 
 // Context is a UCP context (ucp_context_h) with the features this module
@@ -113,6 +120,8 @@ type Context struct {
 	memTypes uint64
 	workers  map[*Worker]struct{}
 	regions  map[*MemRegion]struct{}
+	windows  map[Token]*Window
+	noRMA    bool
 	handles  *handles // what a cleanup releases if the Context is dropped unclosed
 }
 
@@ -172,8 +181,11 @@ func releaseLeaked(hs *handles) {
 func NewContext(o ContextOptions) (*Context, error) {
 	p := &raw.Params{
 		FieldMask:       raw.ParamFieldFeatures | raw.ParamFieldMtWorkersShared,
-		Features:        raw.FeatureRMA | raw.FeatureTag | raw.FeatureWakeup,
+		Features:        raw.FeatureTag | raw.FeatureWakeup,
 		MtWorkersShared: 1, // workers are driven from different OS threads
+	}
+	if !o.NoRMA {
+		p.Features |= raw.FeatureRMA
 	}
 	if o.Name != "" {
 		p.FieldMask |= raw.ParamFieldName
@@ -193,6 +205,8 @@ func NewContext(o ContextOptions) (*Context, error) {
 		memTypes: attr.MemoryTypes,
 		workers:  map[*Worker]struct{}{},
 		regions:  map[*MemRegion]struct{}{},
+		windows:  map[Token]*Window{},
+		noRMA:    o.NoRMA,
 		handles:  &handles{h: h, workers: map[raw.Worker]struct{}{}, mems: map[raw.Mem]struct{}{}},
 	}
 	runtime.AddCleanup(c, releaseLeaked, c.handles)

@@ -246,6 +246,10 @@ const (
 	DefaultCancelWait = 100 * time.Millisecond
 )
 
+// ErrNoRMA is returned by Get on a context made with NoRMA: read with
+// Fetch.
+var ErrNoRMA = errors.New("ucx: Get on a context made with NoRMA (no one-sided reads): use Fetch")
+
 // ErrOutOfBounds is returned by Get for a read outside the key's region.
 var ErrOutOfBounds = errors.New("ucx: read outside the remote region")
 
@@ -307,6 +311,9 @@ type issueFunc func(from, end uint64, k raw.Rkey, p *raw.RequestParam) (raw.Requ
 func get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64, o GetOptions, issue issueFunc) error {
 	if key.e != ep {
 		return errors.New("ucx: the remote key was unpacked on another endpoint")
+	}
+	if ep.w.ctx.noRMA {
+		return ErrNoRMA
 	}
 	if !key.key.Contains(remoteAddr, n) {
 		return fmt.Errorf("%w: [%#x, +%d) is not inside [%#x, +%d)", ErrOutOfBounds, remoteAddr, n, key.key.Addr, key.key.Len)

@@ -7,8 +7,8 @@ func LeakedContexts() int64 { return leakedContexts.Load() }
 func MakeWorkerAddress(b []byte) WorkerAddress { return WorkerAddress{ucxMajor: 1, ucxMinor: 16, b: b} }
 
 // MakeFetchRequest encodes a fetch request.
-func MakeFetchRequest(replyTag, addr, n uint64, reader WorkerAddress) []byte {
-	return fetchRequest{replyTag: replyTag, addr: addr, n: n, reader: reader}.marshal()
+func MakeFetchRequest(replyTag, addr, n uint64, token Token, reader WorkerAddress) []byte {
+	return fetchRequest{replyTag: replyTag, addr: addr, n: n, token: token, reader: reader}.marshal()
 }
 
 // ParseFetchRequest decodes b as a fetch request and re-encodes it.

@@ -26,12 +26,13 @@ import (
 // over tcp writes from the holder's memory and reads into the reader's
 // (its PUT zcopy), and on RDMA is a zero-copy transfer. Both are requests
 // of the caller's own, which UCX completes with an error when the peer
-// dies, and the holder serves only bytes inside the regions it registered.
+// dies, and the holder serves only bytes inside a Window it opened, named
+// by the window's token, which it hands to the readers it chose.
 //
 // The request is an envelope (wire.go) of magic "ucFR": its header is the
-// reply tag (8), the address (8) and the length (8) of the bytes wanted;
-// its payload the reader's raw worker address, which the holder connects
-// back to. The holder answers with the bytes under the reply tag, or with
+// reply tag (8), the address (8) and the length (8) of the bytes wanted,
+// and the window's token (16); its payload the reader's raw worker
+// address, which the holder connects back to. The holder answers with the bytes under the reply tag, or with
 // a short error text under the reply tag with fetchReplyErr set.
 var magicFetch = [4]byte{'u', 'c', 'F', 'R'}
 
@@ -43,7 +44,7 @@ const (
 	fetchReplyBase  uint64 = 0xC1DB << 48
 	fetchReplyErr   uint64 = 1 << 47
 	fetchReplySeq   uint64 = fetchReplyErr - 1
-	fetchHeaderLen         = 24
+	fetchHeaderLen         = 40
 	// MaxFetchRequest bounds a fetch request: the holder receives requests
 	// into buffers of this size.
 	MaxFetchRequest = 4096
@@ -62,6 +63,7 @@ type fetchRequest struct {
 	replyTag uint64
 	addr     uint64
 	n        uint64
+	token    Token
 	reader   WorkerAddress
 }
 
@@ -70,6 +72,7 @@ func (r fetchRequest) marshal() []byte {
 	hdr = binary.LittleEndian.AppendUint64(hdr, r.replyTag)
 	hdr = binary.LittleEndian.AppendUint64(hdr, r.addr)
 	hdr = binary.LittleEndian.AppendUint64(hdr, r.n)
+	hdr = append(hdr, r.token[:]...)
 	return seal(magicFetch, r.reader.ucxMajor, r.reader.ucxMinor, hdr, r.reader.b)
 }
 
@@ -84,6 +87,7 @@ func parseFetchRequest(b []byte) (fetchRequest, error) {
 		replyTag: binary.LittleEndian.Uint64(hdr),
 		addr:     binary.LittleEndian.Uint64(hdr[8:]),
 		n:        binary.LittleEndian.Uint64(hdr[16:]),
+		token:    Token(hdr[24:40]),
 	}
 	bad := func(format string, args ...any) error {
 		return &MalformedError{What: "fetch request", Reason: fmt.Sprintf(format, args...)}
@@ -113,6 +117,8 @@ type FetchOptions struct {
 	// CancelWait bounds how long a canceled Fetch waits for the replies
 	// under way; 0 means DefaultCancelWait.
 	CancelWait time.Duration
+	// Token names the holder's Window that the bytes lie in.
+	Token Token
 }
 
 // DefaultFetchChunk is FetchOptions.Chunk's default: rendezvous transfers
@@ -123,14 +129,15 @@ const DefaultFetchChunk = 8 << 20
 // into dst, asking the peer's served worker (Serve) to send them, in
 // chunks with several in flight; see the comment on magicFetch for why
 // this, not Get, is the read to use over tcp. The read must lie inside the
-// key's region (ErrOutOfBounds), and the peer sends only bytes inside a
-// region it still has registered (else the error quotes its refusal). When
+// key's region (ErrOutOfBounds), and the peer sends only bytes inside the
+// open Window that opt.Token names (else the error, matching ErrRefused,
+// quotes its refusal). When
 // ctx ends, the receives the peer has not begun to answer are canceled and
-// Fetch waits up to o.CancelWait, then purgeWait, for the others: when it
+// Fetch waits up to opt.CancelWait, then purgeWait, for the others: when it
 // returns with ctx's error UCX no longer writes into dst, unless the error
 // says otherwise. A peer that dies fails Fetch with an error IsPeerFailure
 // recognizes.
-func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64, dst []byte, o FetchOptions) error {
+func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64, dst []byte, opt FetchOptions) error {
 	if key.e != ep {
 		return errors.New("ucx: the remote key was unpacked on another endpoint")
 	}
@@ -144,8 +151,8 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	chunk, depth, cancelWait := uint64(o.Chunk), o.Depth, o.CancelWait
-	if o.Chunk <= 0 {
+	chunk, depth, cancelWait := uint64(opt.Chunk), opt.Depth, opt.CancelWait
+	if opt.Chunk <= 0 {
 		chunk = DefaultFetchChunk
 	}
 	if depth <= 0 {
@@ -227,7 +234,7 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 				break
 			}
 			o.recv = req
-			o.msg = fetchRequest{replyTag: o.tag, addr: remoteAddr + o.off, n: o.end - o.off, reader: w.addr}.marshal()
+			o.msg = fetchRequest{replyTag: o.tag, addr: remoteAddr + o.off, n: o.end - o.off, token: opt.Token, reader: w.addr}.marshal()
 			pins.Pin(&o.msg[0])
 			sreq, err := raw.TagSendNbx(ep.h, raw.Addr(o.msg), uint64(len(o.msg)), fetchRequestTag, &raw.RequestParam{})
 			inflight = append(inflight, o)
@@ -315,7 +322,7 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 }
 
 // ErrRefused matches the error of a Fetch the peer refused (the bytes are
-// not inside a region it has registered); the error quotes its reason.
+// not inside an open Window of the token); the error quotes its reason.
 var ErrRefused = errors.New("ucx: the peer refused the fetch")
 
 // fetchServer answers fetch requests on a served worker. Its fields are
@@ -442,9 +449,9 @@ func (fs *fetchServer) handleLocked(b []byte) {
 		fs.log.Warn("ucx: cannot reach a fetching reader", "err", err)
 		return
 	}
-	r := fs.w.ctx.regionFor(req.addr, req.n)
+	r, why := fs.w.ctx.windowFor(req.token, req.addr, req.n)
 	if r == nil {
-		fs.refuseLocked(ep, req, fmt.Sprintf("[%#x, +%d) is not inside a region this worker's context has registered", req.addr, req.n))
+		fs.refuseLocked(ep, req, why)
 		return
 	}
 	p := raw.RequestParam{OpAttrMask: raw.OpAttrFieldMemh | raw.OpAttrFieldMemoryType, Memh: r.h, MemoryType: r.memType}

@@ -22,7 +22,7 @@ func TestFetchWholeRegion(t *testing.T) {
 	const size = 64 << 20
 	p := startServer(t, 1901, size)
 	base := p.key.Key().Addr
-	for _, o := range []ucx.FetchOptions{{}, {Chunk: 256 << 10, Depth: 3}, {Chunk: 1<<20 + 7, Depth: 1}} {
+	for _, o := range []ucx.FetchOptions{{Token: p.token}, {Chunk: 256 << 10, Depth: 3, Token: p.token}, {Chunk: 1<<20 + 7, Depth: 1, Token: p.token}} {
 		dst := make([]byte, size)
 		if err := ucx.Fetch(timeout(t, 60*time.Second), p.ep, p.key, base, dst, o); err != nil {
 			t.Fatalf("%+v: %v", o, err)
@@ -36,7 +36,7 @@ func TestFetchWholeRegion(t *testing.T) {
 		n := 1 + rng.IntN(256<<10)
 		off := rng.IntN(size - n + 1)
 		dst := make([]byte, n)
-		if err := ucx.Fetch(timeout(t, 10*time.Second), p.ep, p.key, base+uint64(off), dst, ucx.FetchOptions{Chunk: 64 << 10}); err != nil {
+		if err := ucx.Fetch(timeout(t, 10*time.Second), p.ep, p.key, base+uint64(off), dst, ucx.FetchOptions{Chunk: 64 << 10, Token: p.token}); err != nil {
 			t.Fatalf("fetch %d [%d, +%d): %v", i, off, n, err)
 		}
 		if !bytes.Equal(dst, p.data[off:off+n]) {
@@ -45,10 +45,10 @@ func TestFetchWholeRegion(t *testing.T) {
 	}
 }
 
-// TestFetchRefused: bytes past the holder's registered region are refused
-// by the holder (with a key claiming a longer region), and a read outside
-// the key is refused before anything is sent; the endpoint still works
-// afterwards.
+// TestFetchRefused: bytes past the holder's window are refused by the
+// holder (with a key claiming a longer region), as are a token it never
+// made; a read outside the key is refused before anything is sent; the
+// endpoint still works afterwards.
 func TestFetchRefused(t *testing.T) {
 	const size = 1 << 20
 	p := startServer(t, 1902, size)
@@ -59,15 +59,23 @@ func TestFetchRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	dst := make([]byte, 4096)
-	err = ucx.Fetch(timeout(t, 10*time.Second), p.ep, lk, k.Addr+size-100, dst, ucx.FetchOptions{})
+	err = ucx.Fetch(timeout(t, 10*time.Second), p.ep, lk, k.Addr+size-100, dst, ucx.FetchOptions{Token: p.token})
 	if !errors.Is(err, ucx.ErrRefused) {
-		t.Fatalf("fetch past the holder's region: %v, want ErrRefused", err)
+		t.Fatalf("fetch past the holder's window: %v, want ErrRefused", err)
 	}
 	t.Logf("refused: %v", err)
-	if err := ucx.Fetch(timeout(t, 10*time.Second), p.ep, p.key, k.Addr+size-100, dst, ucx.FetchOptions{}); !errors.Is(err, ucx.ErrOutOfBounds) {
+	bad := p.token
+	bad[3] ^= 1
+	for _, tok := range []ucx.Token{bad, {}} {
+		err := ucx.Fetch(timeout(t, 10*time.Second), p.ep, p.key, k.Addr, dst, ucx.FetchOptions{Token: tok})
+		if !errors.Is(err, ucx.ErrRefused) {
+			t.Fatalf("fetch with token %v: %v, want ErrRefused", tok, err)
+		}
+	}
+	if err := ucx.Fetch(timeout(t, 10*time.Second), p.ep, p.key, k.Addr+size-100, dst, ucx.FetchOptions{Token: p.token}); !errors.Is(err, ucx.ErrOutOfBounds) {
 		t.Fatalf("fetch outside the key: %v, want ErrOutOfBounds", err)
 	}
-	if err := ucx.Fetch(timeout(t, 10*time.Second), p.ep, p.key, k.Addr+size-4096, dst, ucx.FetchOptions{}); err != nil {
+	if err := ucx.Fetch(timeout(t, 10*time.Second), p.ep, p.key, k.Addr+size-4096, dst, ucx.FetchOptions{Token: p.token}); err != nil {
 		t.Fatalf("fetch after the refusals: %v", err)
 	}
 	if !bytes.Equal(dst, p.data[size-4096:]) {
@@ -84,7 +92,7 @@ func TestFetchCanceledMidTransfer(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	go func() { time.Sleep(3 * time.Millisecond); cancel() }()
 	dst := make([]byte, size)
-	err := ucx.Fetch(ctx, p.ep, p.key, base, dst, ucx.FetchOptions{Chunk: 256 << 10})
+	err := ucx.Fetch(ctx, p.ep, p.key, base, dst, ucx.FetchOptions{Chunk: 256 << 10, Token: p.token})
 	if err == nil {
 		t.Skip("the whole fetch finished before the cancellation")
 	}
@@ -92,7 +100,7 @@ func TestFetchCanceledMidTransfer(t *testing.T) {
 		t.Fatalf("canceled Fetch: %v", err)
 	}
 	small := make([]byte, 4096)
-	if err := ucx.Fetch(timeout(t, 10*time.Second), p.ep, p.key, base+8192, small, ucx.FetchOptions{}); err != nil {
+	if err := ucx.Fetch(timeout(t, 10*time.Second), p.ep, p.key, base+8192, small, ucx.FetchOptions{Token: p.token}); err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(small, p.data[8192:8192+4096]) {
@@ -106,7 +114,7 @@ func TestFetchHolderKilled(t *testing.T) {
 	const size = 64 << 20
 	p := startServer(t, 1904, size)
 	base := p.key.Key().Addr
-	if err := ucx.Fetch(timeout(t, 10*time.Second), p.ep, p.key, base, make([]byte, 8), ucx.FetchOptions{}); err != nil {
+	if err := ucx.Fetch(timeout(t, 10*time.Second), p.ep, p.key, base, make([]byte, 8), ucx.FetchOptions{Token: p.token}); err != nil {
 		t.Fatal(err)
 	}
 	go func() {
@@ -117,7 +125,7 @@ func TestFetchHolderKilled(t *testing.T) {
 	var err error
 	start := time.Now()
 	for i := 0; i < 20 && err == nil; i++ { // until the kill lands in a fetch
-		err = ucx.Fetch(timeout(t, 30*time.Second), p.ep, p.key, base, dst, ucx.FetchOptions{Chunk: 256 << 10})
+		err = ucx.Fetch(timeout(t, 30*time.Second), p.ep, p.key, base, dst, ucx.FetchOptions{Chunk: 256 << 10, Token: p.token})
 	}
 	if err == nil {
 		t.Fatal("every fetch succeeded from a killed holder")
@@ -129,7 +137,7 @@ func TestFetchHolderKilled(t *testing.T) {
 }
 
 // fetcherRole fetches $KEY's region from the worker at $ADDR (both base64
-// envelopes) over and over, saying "fetching" after the first, until it is
+// envelopes) through the window of $TOKEN over and over, saying "fetching" after the first, until it is
 // killed or 60 s pass.
 func fetcherRole(p *testutil.Peer) error {
 	dec := func(s string) []byte {
@@ -162,10 +170,11 @@ func fetcherRole(p *testutil.Peer) error {
 		return err
 	}
 	dst := make([]byte, rk.Len)
+	tok := ucx.Token(dec(os.Getenv("TOKEN")))
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	for i := 0; ctx.Err() == nil; i++ {
-		if err := ucx.Fetch(ctx, ep, k, rk.Addr, dst, ucx.FetchOptions{Chunk: 1 << 20, Depth: 16}); err != nil {
+		if err := ucx.Fetch(ctx, ep, k, rk.Addr, dst, ucx.FetchOptions{Chunk: 1 << 20, Depth: 16, Token: tok}); err != nil {
 			return err
 		}
 		if i == 0 {
@@ -216,7 +225,13 @@ func TestFetchReaderKilled(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	env := []string{"ADDR=" + base64.StdEncoding.EncodeToString(addr), "KEY=" + base64.StdEncoding.EncodeToString(key)}
+	win, err := r.Window(0, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tok := win.Token()
+	env := []string{"ADDR=" + base64.StdEncoding.EncodeToString(addr), "KEY=" + base64.StdEncoding.EncodeToString(key),
+		"TOKEN=" + base64.StdEncoding.EncodeToString(tok[:])}
 	for i := range 3 {
 		child := testutil.Spawn(t, "fetcher", env...)
 		var msg string
@@ -248,7 +263,7 @@ func TestFetchReaderKilled(t *testing.T) {
 		t.Fatal(err)
 	}
 	dst := make([]byte, size)
-	if err := ucx.Fetch(timeout(t, 30*time.Second), ep, k, r.Key().Addr, dst, ucx.FetchOptions{}); err != nil {
+	if err := ucx.Fetch(timeout(t, 30*time.Second), ep, k, r.Key().Addr, dst, ucx.FetchOptions{Token: tok}); err != nil {
 		t.Fatalf("fetch after the readers were killed: %v", err)
 	}
 	if !bytes.Equal(dst, data) {
@@ -268,8 +283,8 @@ func TestFetchReaderKilled(t *testing.T) {
 // the same bytes.
 func FuzzFetchRequest(f *testing.F) {
 	a := ucx.MakeWorkerAddress([]byte{0x01, 0x02, 0x03, 0x04})
-	f.Add(ucx.MakeFetchRequest(0xC1DB<<48|7, 0x1000, 4096, a))
-	f.Add(ucx.MakeFetchRequest(0xC1DB<<48|1<<47, 0, 1, a))
+	f.Add(ucx.MakeFetchRequest(0xC1DB<<48|7, 0x1000, 4096, ucx.Token{1, 2, 3}, a))
+	f.Add(ucx.MakeFetchRequest(0xC1DB<<48|1<<47, 0, 1, ucx.Token{}, a))
 	f.Add([]byte("ucFR"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		back, err := ucx.ParseFetchRequest(b)
@@ -283,4 +298,57 @@ func FuzzFetchRequest(f *testing.F) {
 			t.Fatalf("decoded and re-encoded to %x, from %x", back, b)
 		}
 	})
+}
+
+// TestFetchNoRMA: contexts without the RMA feature fetch from each other;
+// a GET from a reader with RMA at such a holder fails (bounded by its
+// context) and leaves the holder serving.
+func TestFetchNoRMA(t *testing.T) {
+	const size = 8 << 20
+	p := startServerWith(t, 1906, size, ucx.ContextOptions{NoRMA: true})
+	base := p.key.Key().Addr
+	dst := make([]byte, size)
+	if err := ucx.Fetch(timeout(t, 20*time.Second), p.ep, p.key, base, dst, ucx.FetchOptions{Token: p.token}); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst, p.data) {
+		t.Fatal("bytes differ")
+	}
+	if err := ucx.Get(timeout(t, 5*time.Second), p.ep, p.key, base, dst[:4096]); !errors.Is(err, ucx.ErrNoRMA) {
+		t.Fatalf("Get on a context without RMA: %v, want ErrNoRMA", err)
+	}
+	g := startServerWith(t, 1906, size, ucx.ContextOptions{NoRMA: true})
+	c, err := ucx.NewContext(ucx.ContextOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	w, err := c.NewWorker(ucx.WorkerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var addr ucx.WorkerAddress
+	if err := addr.UnmarshalBinary(b64(t, g.info.Addr)); err != nil {
+		t.Fatal(err)
+	}
+	ep, err := w.Connect(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k, err := ep.Unpack(g.key.Key())
+	if err != nil {
+		t.Fatal(err)
+	}
+	gbase := g.key.Key().Addr
+	err = ucx.Get(timeout(t, 3*time.Second), ep, k, gbase, dst[:4096])
+	t.Logf("GET at a holder without RMA: %v", err)
+	if err == nil {
+		t.Fatal("a holder without RMA answered a GET")
+	}
+	if err := ucx.Fetch(timeout(t, 20*time.Second), g.ep, g.key, gbase, dst, ucx.FetchOptions{Token: g.token}); err != nil {
+		t.Fatalf("fetch after a refused GET: %v", err)
+	}
+	if !bytes.Equal(dst, g.data) {
+		t.Fatal("bytes differ after a refused GET")
+	}
 }

@@ -121,7 +121,8 @@ func (r *MemRegion) Close() error {
 	r.closed = true
 	c := r.ctx
 	c.mu.Lock()
-	delete(c.regions, r) // no Fetch reply starts from it any more
+	delete(c.regions, r)
+	c.closeWindowsLocked(r) // no Fetch reply starts from it any more
 	workers := make([]*Worker, 0, len(c.workers))
 	for w := range c.workers {
 		workers = append(workers, w)
@@ -157,18 +158,4 @@ func (r *MemRegion) drain(workers []*Worker) {
 	if !wait(closeWait) {
 		slog.Warn("ucx: a region was closed with fetch replies still under way from it", "replies", r.sending.Load())
 	}
-}
-
-// regionFor returns the registered region holding [addr, +n) with a Fetch
-// reply counted on it, or nil.
-func (c *Context) regionFor(addr, n uint64) *MemRegion {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	for r := range c.regions {
-		if r.key.Contains(addr, n) {
-			r.sending.Add(1)
-			return r
-		}
-	}
-	return nil
 }

@@ -49,9 +49,10 @@ func requireUCX(t testing.TB) {
 // serverInfo is what the server role tells the test: its worker address
 // and region key in their binary encodings, and its pid.
 type serverInfo struct {
-	Addr string `json:"addr"`
-	Key  string `json:"key"`
-	Pid  int    `json:"pid"`
+	Addr  string `json:"addr"`
+	Key   string `json:"key"`
+	Token string `json:"token"` // of a Window on the whole region
+	Pid   int    `json:"pid"`
 }
 
 // serveRole registers $SEED's random bytes ($SIZE of them) and serves them
@@ -59,7 +60,7 @@ type serverInfo struct {
 func serveRole(p *testutil.Peer) error {
 	seed, _ := strconv.ParseUint(os.Getenv("SEED"), 10, 64)
 	size, _ := strconv.Atoi(os.Getenv("SIZE"))
-	c, err := ucx.NewContext(ucx.ContextOptions{Name: "test-server"})
+	c, err := ucx.NewContext(ucx.ContextOptions{Name: "test-server", NoRMA: os.Getenv("NORMA") == "1"})
 	if err != nil {
 		return err
 	}
@@ -85,7 +86,13 @@ func serveRole(p *testutil.Peer) error {
 	if err != nil {
 		return err
 	}
-	if err := p.Send(serverInfo{Addr: base64.StdEncoding.EncodeToString(addr), Key: base64.StdEncoding.EncodeToString(key), Pid: os.Getpid()}); err != nil {
+	win, err := r.Window(0, uint64(size))
+	if err != nil {
+		return err
+	}
+	tok := win.Token()
+	if err := p.Send(serverInfo{Addr: base64.StdEncoding.EncodeToString(addr), Key: base64.StdEncoding.EncodeToString(key),
+		Token: base64.StdEncoding.EncodeToString(tok[:]), Pid: os.Getpid()}); err != nil {
 		return err
 	}
 	var v any
@@ -106,13 +113,24 @@ type peer struct {
 	w     *ucx.Worker
 	ep    *ucx.Endpoint
 	key   *ucx.RemoteKey
-	data  []byte // what the server registered
+	token ucx.Token // of the server's window on its whole region
+	data  []byte    // what the server registered
 }
 
 func startServer(t *testing.T, seed uint64, size int) *peer {
 	t.Helper()
+	return startServerWith(t, seed, size, ucx.ContextOptions{})
+}
+
+// startServerWith is startServer with the server's and this side's
+// context options: NoRMA is passed to the server as $NORMA.
+func startServerWith(t *testing.T, seed uint64, size int, o ucx.ContextOptions) *peer {
+	t.Helper()
 	requireUCX(t)
 	env := []string{"SEED=" + strconv.FormatUint(seed, 10), "SIZE=" + strconv.Itoa(size)}
+	if o.NoRMA {
+		env = append(env, "NORMA=1")
+	}
 	if lib := os.Getenv(EnvPeerLibrary); lib != "" {
 		env = append(env, "CUDAIPC_LIBUCP="+lib)
 	}
@@ -121,7 +139,7 @@ func startServer(t *testing.T, seed uint64, size int) *peer {
 	if err := child.Recv(&info); err != nil {
 		t.Fatalf("server: %v\n%s", err, child.Stderr())
 	}
-	c, err := ucx.NewContext(ucx.ContextOptions{})
+	c, err := ucx.NewContext(o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -153,7 +171,7 @@ func startServer(t *testing.T, seed uint64, size int) *peer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &peer{child: child, info: info, ctx: c, w: w, ep: ep, key: key, data: testutil.RandomBytes(seed, size)}
+	return &peer{child: child, info: info, ctx: c, w: w, ep: ep, key: key, token: ucx.Token(b64(t, info.Token)), data: testutil.RandomBytes(seed, size)}
 }
 
 func b64(t testing.TB, s string) []byte {

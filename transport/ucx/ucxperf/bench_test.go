@@ -31,6 +31,8 @@ type arenaInfo struct {
 	// Addrs are the addresses of every serving worker ($LANES of them,
 	// default one; Addr is the first).
 	Addrs []string
+	// Token is of a Window on the whole arena, for Fetch.
+	Token string
 }
 
 // arenaRole maps a memfd arena of $SIZE bytes (as the daemon's arenas
@@ -74,6 +76,12 @@ func arenaRole(p *testutil.Peer) error {
 	}
 	k, _ := r.Key().MarshalBinary()
 	info.Addr, info.Key = info.Addrs[0], base64.StdEncoding.EncodeToString(k)
+	win, err := r.Window(0, uint64(size))
+	if err != nil {
+		return err
+	}
+	tok := win.Token()
+	info.Token = base64.StdEncoding.EncodeToString(tok[:])
 	if err := p.Send(info); err != nil {
 		return err
 	}

@@ -16,6 +16,13 @@ import (
 // workers and connects one worker of this process to each: an endpoint
 // and the arena's key on each lane.
 func connectLanes(b *testing.B, size, lanes int) ([]*ucx.Endpoint, []*ucx.RemoteKey) {
+	eps, keys, _ := connectLanesToken(b, size, lanes)
+	return eps, keys
+}
+
+// connectLanesToken is connectLanes that also returns the token of a
+// window on the whole arena.
+func connectLanesToken(b *testing.B, size, lanes int) ([]*ucx.Endpoint, []*ucx.RemoteKey, ucx.Token) {
 	b.Helper()
 	if err := ucx.Available(); err != nil {
 		b.Skip(err)
@@ -60,7 +67,8 @@ func connectLanes(b *testing.B, size, lanes int) ([]*ucx.Endpoint, []*ucx.Remote
 		}
 		eps, keys = append(eps, ep), append(keys, key)
 	}
-	return eps, keys
+	tb, _ := base64.StdEncoding.DecodeString(info.Token)
+	return eps, keys, ucx.Token(tb)
 }
 
 // BenchmarkGetLanes pulls 256 MiB from another process over 1, 2, 4 and 8
@@ -70,7 +78,7 @@ func connectLanes(b *testing.B, size, lanes int) ([]*ucx.Endpoint, []*ucx.Remote
 // tcp one connection and one progress thread a side bound a transfer
 // below what the link (here the loopback, i.e. the CPUs) carries.
 func BenchmarkGetLanes(b *testing.B) {
-	benchLanes(b, func(ctx context.Context, ep *ucx.Endpoint, key *ucx.RemoteKey, addr uint64, dst []byte) error {
+	benchLanes(b, func(ctx context.Context, ep *ucx.Endpoint, key *ucx.RemoteKey, _ ucx.Token, addr uint64, dst []byte) error {
 		return ucx.GetWith(ctx, ep, key, addr, dst, ucx.GetOptions{Chunk: 16 << 20, Depth: 2})
 	})
 }
@@ -80,18 +88,18 @@ func BenchmarkGetLanes(b *testing.B) {
 // UCX's rendezvous protocol, which over tcp writes from its memory into
 // the reader's, rather than answering emulated GETs 8 KiB at a time.
 func BenchmarkFetchLanes(b *testing.B) {
-	benchLanes(b, func(ctx context.Context, ep *ucx.Endpoint, key *ucx.RemoteKey, addr uint64, dst []byte) error {
-		return ucx.Fetch(ctx, ep, key, addr, dst, ucx.FetchOptions{Chunk: 16 << 20, Depth: 2})
+	benchLanes(b, func(ctx context.Context, ep *ucx.Endpoint, key *ucx.RemoteKey, tok ucx.Token, addr uint64, dst []byte) error {
+		return ucx.Fetch(ctx, ep, key, addr, dst, ucx.FetchOptions{Chunk: 16 << 20, Depth: 2, Token: tok})
 	})
 }
 
 // benchLanes reads 256 MiB with read over 1, 2, 4 and 8 lanes at once,
 // each lane its share.
-func benchLanes(b *testing.B, read func(ctx context.Context, ep *ucx.Endpoint, key *ucx.RemoteKey, addr uint64, dst []byte) error) {
+func benchLanes(b *testing.B, read func(ctx context.Context, ep *ucx.Endpoint, key *ucx.RemoteKey, tok ucx.Token, addr uint64, dst []byte) error) {
 	const size = 256 << 20
 	for _, lanes := range []int{1, 2, 4, 8} {
 		b.Run(fmt.Sprintf("lanes=%d", lanes), func(b *testing.B) {
-			eps, keys := connectLanes(b, size, lanes)
+			eps, keys, tok := connectLanesToken(b, size, lanes)
 			dst := make([]byte, size)
 			ctx := context.Background()
 			part := size / lanes
@@ -101,7 +109,7 @@ func benchLanes(b *testing.B, read func(ctx context.Context, ep *ucx.Endpoint, k
 				for i := range lanes {
 					wg.Go(func() {
 						off := i * part
-						errs[i] = read(ctx, eps[i], keys[i], keys[i].Key().Addr+uint64(off), dst[off:off+part])
+						errs[i] = read(ctx, eps[i], keys[i], tok, keys[i].Key().Addr+uint64(off), dst[off:off+part])
 					})
 				}
 				wg.Wait()
