@@ -44,6 +44,7 @@ type rig struct {
 	src, dst     *cudaipc.Buffer
 	ringA, ringB *cudaipc.HostBuffer
 	regA         *ucxtransport.Region
+	keyA         []byte // a window on ringA, for fetches
 	ep           cluster.Endpoint
 	sA, sB       *cudaipc.Stream
 	want         [32]byte
@@ -94,6 +95,10 @@ func newRig(tb testing.TB, devA, devB *cudaipc.Device, l staging.Layout) *rig {
 	r.regA, err = ta.Register(r.ringA.Bytes())
 	must(err)
 	tb.Cleanup(func() { r.regA.Close() })
+	var closeWindow func()
+	r.keyA, closeWindow, err = r.regA.Window(0, int64(len(r.ringA.Bytes())))
+	must(err)
+	tb.Cleanup(closeWindow)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	r.ep, err = tbr.Connect(ctx, ta.WorkerAddress())
@@ -112,7 +117,7 @@ func (r *rig) ends() staging.Ends {
 			return r.sA.Synchronize()
 		},
 		Wire: func(ctx context.Context, off, n, slot int64) error {
-			return r.ep.Get(ctx, r.regA.Key(), r.regA.Addr(slot), b[slot:slot+n])
+			return r.ep.Get(ctx, r.keyA, r.regA.Addr(slot), b[slot:slot+n])
 		},
 		In: func(ctx context.Context, off, n, slot int64) error {
 			if err := r.sB.CopyToDeviceAsync(r.dst.Ptr()+cudaipc.DevicePtr(off), b[slot:slot+n]); err != nil {

@@ -16,11 +16,19 @@ import (
 func TestPopulate(t *testing.T) {
 	page := os.Getpagesize()
 	n := 2*populateStep + 5*page + 123
-	mem, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	// Between two inaccessible pages, so that the kernel cannot merge the
+	// mapping with a neighbour, which /proc/self/smaps would then count
+	// with it.
+	rounded := (n + page - 1) / page * page
+	full, err := unix.Mmap(-1, 0, rounded+2*page, unix.PROT_NONE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer unix.Munmap(mem)
+	defer unix.Munmap(full)
+	if err := unix.Mprotect(full[page:page+rounded], unix.PROT_READ|unix.PROT_WRITE); err != nil {
+		t.Fatal(err)
+	}
+	mem := full[page : page+n]
 	resident := func() int { return rssPages(t, mem) }
 	if k := resident(); k == (n+page-1)/page {
 		t.Fatalf("a fresh mapping has all %d pages resident already", k)
