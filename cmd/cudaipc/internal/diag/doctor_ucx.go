@@ -41,5 +41,6 @@ func ucxCheck(lib string) (name, status, detail string) {
 	if r.CanRegisterCUDA() {
 		gpu = "GPU objects: holders register GPU arenas with UCX directly (UCX reports CUDA memory; GPUDirect RDMA where UCX_TLS and the NIC allow); readers land chunks in pinned memory, check them, copy host→device"
 	}
-	return name, "ok", fmt.Sprintf("UCX %s from %s (chosen by %s); transports %s; %s", r.Version, r.Library, why, strings.Join(res, " "), gpu)
+	reads := "reads: fetches (the holder sends the bytes of an exposure's window by UCX rendezvous; a daemon that reads so answers no GETs, which over tcp UCX would answer for any address); serve --cluster-read get reads with, and answers, GETs"
+	return name, "ok", fmt.Sprintf("UCX %s from %s (chosen by %s); transports %s; %s; %s", r.Version, r.Library, why, strings.Join(res, " "), gpu, reads)
 }
