@@ -150,6 +150,19 @@ class Cluster:
                     raise RuntimeError("daemon %s did not start: see %s" % (node, os.path.join(tmp, "daemon-%s.log" % node)))
                 time.sleep(0.05)
 
+    def cpu_seconds(self) -> Dict[str, float]:
+        """User plus system CPU seconds each daemon has used so far (/proc)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for node, p in zip(("A", "B"), self.procs[-2:]):
+            try:
+                with open("/proc/%d/stat" % p.pid) as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[node] = (int(fields[11]) + int(fields[12])) / tick
+            except (OSError, IndexError, ValueError):
+                pass
+        return out
+
     def close(self) -> None:
         for p in reversed(self.procs):
             if p.poll() is None:
@@ -406,6 +419,9 @@ def summarize(r: dict) -> str:
     r["median_s"], r["first_s"], r["gbps"] = med, r["times"][0], r["bytes"] / med / 1e9
     out = "median %8.1f ms (first %8.1f ms)  %6.2f GB/s  %d tensors  %.2f GB  checksum failures %d of %d" % (
         med * 1e3, r["times"][0] * 1e3, r["gbps"], r["tensors"], r["bytes"] / 1e9, r["bad_versions"], r["versions"])
+    if r.get("daemon_cpu_s_per_version"):
+        out += "\n  %-16s daemon CPU a version (first included): %s" % ("", ", ".join(
+            "%s %.2f s" % kv for kv in sorted(r["daemon_cpu_s_per_version"].items())))
     if "seal" in r:
         s = r["seal"][1:] if len(r["seal"]) > 1 else r["seal"]
         g = r["lease"][1:] if len(r["lease"]) > 1 else r["lease"]
@@ -474,8 +490,12 @@ def main(argv: List[str]) -> None:
                 q = ctx.Queue()
                 a, b = ctx.Pipe()
                 if path == "cudaipc-cluster":
+                    cpu0 = cl.cpu_seconds()
                     rs = run_procs([(trainer, (a, dict(cfg, socket=cl.sockets["A"]))),
                                     (engine, (b, dict(cfg, socket=cl.sockets["B"]), q))], q, 1, args.timeout)
+                    cpu1 = cl.cpu_seconds()
+                    for r in rs:
+                        r["daemon_cpu_s_per_version"] = {k: (cpu1[k] - cpu0[k]) / cfg["versions"] for k in cpu1 if k in cpu0}
                 elif path == "torch-gloo":
                     cfg["port"] = free_port()
                     rs = run_procs([(gloo_rank, (0, a, cfg, q)), (gloo_rank, (1, b, cfg, q))], q, 1, args.timeout)

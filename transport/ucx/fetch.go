@@ -191,8 +191,19 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 		giveUp   time.Time
 		idle     idleWait
 		pins     runtime.Pinner
+		spinner  bool // this call polls the worker for every Fetch on it
+		follow   = time.NewTimer(fetchFollowWait)
 	)
 	defer pins.Unpin()
+	defer follow.Stop()
+	defer func() {
+		if spinner {
+			w.fetchSpinner.Store(false)
+			w.mu.Lock()
+			w.fetchTickLocked() // a follower takes over at once
+			w.mu.Unlock()
+		}
+	}()
 	// fail records the first error and cancels the receives still waiting:
 	// no more is issued, and what UCX has not matched ends at once.
 	fail := func(err error) {
@@ -248,6 +259,9 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 		var progressed uint32
 		if len(inflight) > 0 {
 			progressed = raw.WorkerProgress(w.h)
+			if progressed > 0 && spinner {
+				w.fetchTickLocked()
+			}
 		}
 		before := len(inflight)
 		kept := inflight[:0]
@@ -306,19 +320,51 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 			w.mu.Unlock()
 			return fmt.Errorf("%w; %d replies were still under way %v after the fetch stopped and may still write into dst", stopped, left, cancelWait+purgeWait)
 		}
+		tick := w.fetchTick
 		w.mu.Unlock()
 		if stopped == nil {
 			if err := ctx.Err(); err != nil {
 				stopped, giveUp = err, time.Now().Add(cancelWait)
 			}
 		}
-		idle.after(progressed > 0 || len(inflight) < before)
+		if !spinner {
+			spinner = w.fetchSpinner.CompareAndSwap(false, true)
+		}
+		switch {
+		case spinner:
+			idle.after(progressed > 0 || len(inflight) < before)
+		case len(inflight) < before || stopped != nil:
+			// Something of this call completed, or it is stopping: go on.
+		default:
+			// Another Fetch polls the worker, which completes this call's
+			// requests too: wait for its next round that handled events.
+			follow.Reset(fetchFollowWait)
+			select {
+			case <-tick:
+			case <-follow.C:
+			}
+		}
 	}
 	runtime.KeepAlive(dst)
 	if stopped != nil {
 		return stopped
 	}
 	return firstErr
+}
+
+// fetchFollowWait bounds how long a Fetch that does not poll the worker
+// (another Fetch on it does: one spins a worker at a time, so that many
+// reads in flight do not keep as many CPUs busy) waits between looks at
+// its requests.
+const fetchFollowWait = 200 * time.Microsecond
+
+// fetchTickLocked wakes the Fetches waiting for the spinning one's next
+// round; w.mu is held.
+func (w *Worker) fetchTickLocked() {
+	if w.fetchTick != nil {
+		close(w.fetchTick)
+	}
+	w.fetchTick = make(chan struct{})
 }
 
 // ErrRefused matches the error of a Fetch the peer refused (the bytes are
