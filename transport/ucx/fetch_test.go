@@ -352,3 +352,43 @@ func TestFetchNoRMA(t *testing.T) {
 		t.Fatal("bytes differ after a refused GET")
 	}
 }
+
+// TestConcurrentFetches: eight fetches at once on one endpoint (one polls
+// the worker, the others wait on its rounds), one of them canceled early,
+// and every other reads its bytes right.
+func TestConcurrentFetches(t *testing.T) {
+	const size = 32 << 20
+	p := startServer(t, 1907, size)
+	base := p.key.Key().Addr
+	const n = 8
+	part := size / n
+	errs := make([]error, n)
+	dsts := make([][]byte, n)
+	done := make(chan struct{})
+	for i := range n {
+		dsts[i] = make([]byte, part)
+		go func() {
+			defer func() { done <- struct{}{} }()
+			ctx := timeout(t, 30*time.Second)
+			if i == 3 {
+				c, cancel := context.WithCancel(ctx)
+				time.AfterFunc(time.Millisecond, cancel)
+				ctx = c
+			}
+			errs[i] = ucx.Fetch(ctx, p.ep, p.key, base+uint64(i*part), dsts[i], ucx.FetchOptions{Chunk: 256 << 10, Depth: 4, Token: p.token})
+		}()
+	}
+	for range n {
+		testutil.Next(t, done, 60*time.Second)
+	}
+	for i := range n {
+		switch {
+		case i == 3 && errs[i] != nil && !errors.Is(errs[i], context.Canceled):
+			t.Errorf("the canceled fetch: %v", errs[i])
+		case i != 3 && errs[i] != nil:
+			t.Errorf("fetch %d: %v", i, errs[i])
+		case i != 3 && !bytes.Equal(dsts[i], p.data[i*part:(i+1)*part]):
+			t.Errorf("fetch %d: bytes differ", i)
+		}
+	}
+}
