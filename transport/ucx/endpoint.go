@@ -309,30 +309,12 @@ type issueFunc func(from, end uint64, k raw.Rkey, p *raw.RequestParam) (raw.Requ
 // get is the loop of GetWith and GetInto: n bytes in chunks issued by
 // issue, progressed until done, bounded by ctx as GetWith describes.
 func get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64, o GetOptions, issue issueFunc) error {
-	if key.e != ep {
-		return errors.New("ucx: the remote key was unpacked on another endpoint")
-	}
 	if ep.w.ctx.noRMA {
 		return ErrNoRMA
 	}
-	if !key.key.Contains(remoteAddr, n) {
-		return fmt.Errorf("%w: [%#x, +%d) is not inside [%#x, +%d)", ErrOutOfBounds, remoteAddr, n, key.key.Addr, key.key.Len)
-	}
-	if n == 0 {
-		return nil
-	}
-	if err := ctx.Err(); err != nil {
+	chunk, depth, cancelWait, ok, err := checkRead(ctx, ep, key, remoteAddr, n, readLimits{o.Chunk, o.Depth, o.CancelWait, DefaultChunk})
+	if !ok {
 		return err
-	}
-	chunk, depth, cancelWait := uint64(o.Chunk), o.Depth, o.CancelWait
-	if o.Chunk <= 0 {
-		chunk = DefaultChunk
-	}
-	if depth <= 0 {
-		depth = DefaultDepth
-	}
-	if cancelWait <= 0 {
-		cancelWait = DefaultCancelWait
 	}
 	var param raw.RequestParam
 	if l := o.Local; l != nil {
@@ -351,14 +333,7 @@ func get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64
 	}
 
 	w := ep.w
-	w.mu.Lock()
-	w.gets++
-	w.mu.Unlock()
-	defer func() {
-		w.mu.Lock()
-		w.gets--
-		w.mu.Unlock()
-	}()
+	defer w.reading()()
 	var (
 		inflight = make([]raw.Request, 0, depth)
 		next     uint64
@@ -455,6 +430,54 @@ func get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64
 		return stopped
 	}
 	return firstErr
+}
+
+// readLimits are a read's chunk, depth and cancel wait as given (0: the
+// default), and its default chunk.
+type readLimits struct {
+	chunk, depth int
+	cancelWait   time.Duration
+	defaultChunk uint64
+}
+
+// checkRead checks a read of n bytes at remoteAddr with key on ep and
+// returns its chunk, depth and cancel wait; ok is false when the read ends
+// here, with err (nil for an empty read).
+func checkRead(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64, l readLimits) (chunk uint64, depth int, cancelWait time.Duration, ok bool, err error) {
+	switch {
+	case key.e != ep:
+		return 0, 0, 0, false, errors.New("ucx: the remote key was unpacked on another endpoint")
+	case !key.key.Contains(remoteAddr, n):
+		return 0, 0, 0, false, fmt.Errorf("%w: [%#x, +%d) is not inside [%#x, +%d)", ErrOutOfBounds, remoteAddr, n, key.key.Addr, key.key.Len)
+	case n == 0:
+		return 0, 0, 0, false, nil
+	case ctx.Err() != nil:
+		return 0, 0, 0, false, ctx.Err()
+	}
+	chunk, depth, cancelWait = uint64(l.chunk), l.depth, l.cancelWait
+	if l.chunk <= 0 {
+		chunk = l.defaultChunk
+	}
+	if depth <= 0 {
+		depth = DefaultDepth
+	}
+	if cancelWait <= 0 {
+		cancelWait = DefaultCancelWait
+	}
+	return chunk, depth, cancelWait, true, nil
+}
+
+// reading counts a Get or Fetch running on the worker (Close waits for
+// them) and returns the function that uncounts it.
+func (w *Worker) reading() func() {
+	w.mu.Lock()
+	w.gets++
+	w.mu.Unlock()
+	return func() {
+		w.mu.Lock()
+		w.gets--
+		w.mu.Unlock()
+	}
 }
 
 // purgeWait bounds how long a stopped Get waits, after closing its endpoint

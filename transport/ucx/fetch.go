@@ -138,43 +138,17 @@ const DefaultFetchChunk = 8 << 20
 // says otherwise. A peer that dies fails Fetch with an error IsPeerFailure
 // recognizes.
 func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64, dst []byte, opt FetchOptions) error {
-	if key.e != ep {
-		return errors.New("ucx: the remote key was unpacked on another endpoint")
-	}
 	n := uint64(len(dst))
-	if !key.key.Contains(remoteAddr, n) {
-		return fmt.Errorf("%w: [%#x, +%d) is not inside [%#x, +%d)", ErrOutOfBounds, remoteAddr, n, key.key.Addr, key.key.Len)
-	}
-	if n == 0 {
-		return nil
-	}
-	if err := ctx.Err(); err != nil {
+	chunk, depth, cancelWait, ok, err := checkRead(ctx, ep, key, remoteAddr, n, readLimits{opt.Chunk, opt.Depth, opt.CancelWait, DefaultFetchChunk})
+	if !ok {
 		return err
-	}
-	chunk, depth, cancelWait := uint64(opt.Chunk), opt.Depth, opt.CancelWait
-	if opt.Chunk <= 0 {
-		chunk = DefaultFetchChunk
-	}
-	if depth <= 0 {
-		depth = DefaultDepth
-	}
-	if cancelWait <= 0 {
-		cancelWait = DefaultCancelWait
 	}
 	var pin runtime.Pinner
 	pin.Pin(&dst[0])
 	defer pin.Unpin()
 	base := raw.Addr(dst)
-
 	w := ep.w
-	w.mu.Lock()
-	w.gets++
-	w.mu.Unlock()
-	defer func() {
-		w.mu.Lock()
-		w.gets--
-		w.mu.Unlock()
-	}()
+	defer w.reading()()
 
 	type op struct {
 		off, end   uint64
