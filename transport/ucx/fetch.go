@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"runtime"
+	"sync"
 	"time"
 
 	raw "github.com/cudaipc/cudaipc/internal/ucx"
@@ -302,7 +304,7 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 			}
 		}
 		if !spinner {
-			spinner = w.fetchSpinner.CompareAndSwap(false, true)
+			spinner = spinAll() || w.fetchSpinner.CompareAndSwap(false, true)
 		}
 		switch {
 		case spinner:
@@ -331,6 +333,12 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 // reads in flight do not keep as many CPUs busy) waits between looks at
 // its requests.
 const fetchFollowWait = 200 * time.Microsecond
+
+// EnvFetchSpinAll, set to 1, makes every Fetch poll its worker itself,
+// as before one polled for all: for measuring the difference.
+const EnvFetchSpinAll = "CUDAIPC_FETCH_SPIN_ALL"
+
+var spinAll = sync.OnceValue(func() bool { return os.Getenv(EnvFetchSpinAll) == "1" })
 
 // fetchTickLocked wakes the Fetches waiting for the spinning one's next
 // round; w.mu is held.
