@@ -5,7 +5,6 @@ import (
 	"errors"
 	"runtime"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	raw "github.com/cudaipc/cudaipc/internal/ucx"
@@ -40,11 +39,6 @@ type Worker struct {
 	gets      int           // Gets and Fetches running on the worker's endpoints
 	fetchSeq  uint64        // the last Fetch reply tag's sequence number
 	fetch     *fetchServer  // answers fetch requests while Serve runs
-	// fetchSpinner is held by the Fetch that polls the worker for all;
-	// fetchTick is closed (and replaced) after each of its rounds that
-	// handled events, waking the others.
-	fetchSpinner atomic.Bool
-	fetchTick    chan struct{}
 }
 
 // NewWorker creates a worker (ucp_worker_create) and fetches its address.
