@@ -230,7 +230,13 @@ func startNsDaemon(t *testing.T, ns *netns, i, port int, name, secretFile, dir s
 		[]string{"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0", "UCX_WARN_UNUSED_ENV_VARS=n"},
 		bin, "--socket", sock, "--log-level", "debug", "serve", "--backend", "host", "--capacity", "512MiB",
 		"--cluster", "etcd://"+netPrefix+"1:2379", "--node", name, "--cluster-secret", secretFile,
-		"--cluster-listen", fmt.Sprintf("%s:%d", nodeAddr(i), port))
+		"--cluster-listen", fmt.Sprintf("%s:%d", nodeAddr(i), port),
+		// Four reads in flight a holder, so that of ns/big's 12 chunks
+		// neither holder can take all at once: the kill -9 below lands in
+		// reads of the killed one (serve's default, 16 at 4 lanes, let the
+		// other holder's reads take every chunk first in 2 of 4 runs
+		// under -race, and the kill went unseen).
+		"--cluster-streams", "4")
 	d := &nsDaemon{name: name, p: p, sock: sock}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
