@@ -2,13 +2,16 @@ package node
 
 import (
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/cudaipc/cudaipc/transport/ucx"
 )
 
 // Collectors returns the node's metrics: bytes pulled (whole replicas
 // and partial ones) and exposed, pulls (by result) and in flight,
-// failovers. The daemon registers them beside the store's.
+// failovers, reads of peers (fetch or get) and the answers to peers'
+// fetches. The daemon registers them beside the store's.
 func (n *Node) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{
+	cs := []prometheus.Collector{
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_pulled_bytes_total",
 			Help: "Bytes of replicas pulled from other nodes and checked."},
 			func() float64 { return float64(n.p.Stats().Bytes) }),
@@ -31,7 +34,29 @@ func (n *Node) Collectors() []prometheus.Collector {
 			Help: "Replicas exposed to authenticated peers for reading."},
 			func() float64 { return float64(n.exposures.Load()) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_exposed_bytes_total",
-			Help: "Bytes of the replicas exposed to peers (what they may read; the reads themselves are one-sided)."},
+			Help: "Bytes of the replicas exposed to peers (what they may read through the exposure's window)."},
 			func() float64 { return float64(n.exposedBytes.Load()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_reads_total",
+			Help: "Reads of other nodes' memory, by how they were made.", ConstLabels: prometheus.Labels{"read": "fetch"}},
+			func() float64 { f, _ := n.tr.Reads(); return float64(f) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_reads_total",
+			Help: "Reads of other nodes' memory, by how they were made.", ConstLabels: prometheus.Labels{"read": "get"}},
+			func() float64 { _, g := n.tr.Reads(); return float64(g) }),
 	}
+	for _, a := range []struct {
+		result string
+		v      func(ucx.FetchStats) uint64
+	}{
+		{"sent", func(s ucx.FetchStats) uint64 { return s.Sent }},
+		{"refused", func(s ucx.FetchStats) uint64 { return s.Refused }},
+		{"dropped", func(s ucx.FetchStats) uint64 { return s.Dropped }},
+	} {
+		cs = append(cs, prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_fetch_answers_total",
+			Help:        "Peers' fetch requests this node answered: with the bytes, with a refusal (no open window of the token, or bytes outside it), or not at all (malformed, or the reader unreachable).",
+			ConstLabels: prometheus.Labels{"result": a.result}},
+			func() float64 { return float64(a.v(n.tr.Served())) }))
+	}
+	return append(cs, prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_fetch_sent_bytes_total",
+		Help: "Bytes this node sent answering peers' fetches."},
+		func() float64 { return float64(n.tr.Served().SentBytes) }))
 }

@@ -206,6 +206,20 @@ func TestDaemonsShareObjects(t *testing.T) {
 	if m := metric(t, a.st, "cudaipc_cluster_exposures_total"); m == "0" || m == "" {
 		t.Errorf("A's exposures metric: %q", m)
 	}
+	if f, g := metric(t, b.st, `cudaipc_cluster_reads_total{read="fetch"}`), metric(t, b.st, `cudaipc_cluster_reads_total{read="get"}`); f == "0" || f == "" || g != "0" {
+		t.Errorf("B's reads: %q fetches, %q GETs; want fetches only", f, g)
+	}
+	// A answered B's fetches, and perhaps C's (C reads from A and B).
+	if m := metric(t, a.st, `cudaipc_cluster_fetch_answers_total{result="sent"}`); m == "0" || m == "" {
+		t.Errorf("A's fetch answers sent: %q", m)
+	}
+	var sent float64
+	if _, err := fmt.Sscan(metric(t, a.st, "cudaipc_cluster_fetch_sent_bytes_total"), &sent); err != nil || sent < float64(len(want)) {
+		t.Errorf("A sent %g bytes answering fetches (%v), want at least B's %d", sent, err, len(want))
+	}
+	if m := metric(t, a.st, `cudaipc_cluster_fetch_answers_total{result="refused"}`); m != "0" {
+		t.Errorf("A refused %q fetches", m)
+	}
 	// B and C advertise their replicas after answering the gets.
 	testutil.Eventually(t, testutil.Wait, func() error {
 		ls, err := c.node.Directory().List(ctx)

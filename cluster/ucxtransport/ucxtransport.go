@@ -133,6 +133,10 @@ func NewWith(name string, o Options) (*Transport, error) {
 // ucx.Fetch and with ucx.Get.
 func (t *Transport) Reads() (fetches, gets uint64) { return t.fetches.Load(), t.gets.Load() }
 
+// Served returns what this node's serving workers answered to peers'
+// fetches.
+func (t *Transport) Served() ucx.FetchStats { return t.c.FetchStats() }
+
 // Close stops serving and releases UCX: registered regions, endpoints and
 // workers.
 func (t *Transport) Close() error {

@@ -122,6 +122,7 @@ type Context struct {
 	regions  map[*MemRegion]struct{}
 	windows  map[Token]*Window
 	noRMA    bool
+	fetched  fetchCounters
 	handles  *handles // what a cleanup releases if the Context is dropped unclosed
 }
 

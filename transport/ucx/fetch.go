@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime"
+	"sync/atomic"
 	"time"
 
 	raw "github.com/cudaipc/cudaipc/internal/ucx"
@@ -303,6 +304,29 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 // not inside an open Window of the token); the error quotes its reason.
 var ErrRefused = errors.New("ucx: the peer refused the fetch")
 
+// FetchStats count what a Context's served workers answered to fetch
+// requests.
+type FetchStats struct {
+	// Sent counts replies of bytes handed to UCX, and SentBytes their
+	// bytes.
+	Sent, SentBytes uint64
+	// Refused counts refusals: no open window of the token, or bytes
+	// outside it.
+	Refused uint64
+	// Dropped counts requests left unanswered: malformed, or from a
+	// reader this worker could not reach.
+	Dropped uint64
+}
+
+// fetchCounters are a Context's FetchStats.
+type fetchCounters struct{ sent, sentBytes, refused, dropped atomic.Uint64 }
+
+// FetchStats returns what the context's served workers answered so far.
+func (c *Context) FetchStats() FetchStats {
+	f := &c.fetched
+	return FetchStats{Sent: f.sent.Load(), SentBytes: f.sentBytes.Load(), Refused: f.refused.Load(), Dropped: f.dropped.Load()}
+}
+
 // fetchServer answers fetch requests on a served worker. Its fields are
 // guarded by the worker's mu; it lives while Serve runs.
 type fetchServer struct {
@@ -417,21 +441,27 @@ func (fs *fetchServer) sending(ep *Endpoint) bool {
 // that cannot be answered (malformed, its reader unreachable) is dropped,
 // and the reader's Fetch ends by its context.
 func (fs *fetchServer) handleLocked(b []byte) {
+	counts := &fs.w.ctx.fetched
 	req, err := parseFetchRequest(b)
 	if err != nil {
+		counts.dropped.Add(1)
 		fs.log.Warn("ucx: dropped a malformed fetch request", "err", err)
 		return
 	}
 	ep, err := fs.peerLocked(req.reader)
 	if err != nil {
+		counts.dropped.Add(1)
 		fs.log.Warn("ucx: cannot reach a fetching reader", "err", err)
 		return
 	}
 	r, why := fs.w.ctx.windowFor(req.token, req.addr, req.n)
 	if r == nil {
+		counts.refused.Add(1)
 		fs.refuseLocked(ep, req, why)
 		return
 	}
+	counts.sent.Add(1)
+	counts.sentBytes.Add(req.n)
 	p := raw.RequestParam{OpAttrMask: raw.OpAttrFieldMemh | raw.OpAttrFieldMemoryType, Memh: r.h, MemoryType: r.memType}
 	sreq, err := raw.TagSendNbx(ep.h, req.addr, req.n, req.replyTag, &p)
 	switch {
