@@ -22,8 +22,18 @@ func TestBenchCluster(t *testing.T) {
 	if err := ucx.Available(); err != nil {
 		t.Skip(err)
 	}
-	out := mustRun(t, "bench", "cluster", "--size", "8MiB", "--count", "20", "--json")
+	for _, read := range []string{"fetch", "get"} {
+		benchCluster(t, read)
+	}
+}
+
+// benchCluster runs bench cluster with the daemons reading by read and
+// checks its JSON.
+func benchCluster(t *testing.T, read string) {
+	t.Helper()
+	out := mustRun(t, "bench", "cluster", "--size", "8MiB", "--count", "20", "--read", read, "--json")
 	var r struct {
+		Read       string  `json:"read"`
 		LargeGBps  float64 `json:"large_GBps"`
 		LargeEqual bool    `json:"large_bytes_equal"`
 		SmallEqual bool    `json:"small_bytes_equal"`
@@ -36,7 +46,7 @@ func TestBenchCluster(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &r); err != nil {
 		t.Fatalf("%v: %s", err, out)
 	}
-	if !r.LargeEqual || !r.SmallEqual || r.SmallCount != 20 || r.LargeGBps <= 0 || r.SmallP50 <= 0 || r.SmallP99 < r.SmallP50 ||
+	if r.Read != read || !r.LargeEqual || !r.SmallEqual || r.SmallCount != 20 || r.LargeGBps <= 0 || r.SmallP50 <= 0 || r.SmallP99 < r.SmallP50 ||
 		r.Inline != 20 || r.LocalP50 <= 0 {
 		t.Fatalf("bench cluster: %s", out)
 	}

@@ -25,6 +25,7 @@ import (
 	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/cluster/etcddir"
 	"github.com/cudaipc/cudaipc/cluster/node"
+	"github.com/cudaipc/cudaipc/cluster/ucxtransport"
 	"github.com/cudaipc/cudaipc/internal/bytesize"
 	"github.com/cudaipc/cudaipc/store"
 	"github.com/cudaipc/cudaipc/transport/ucx"
@@ -42,8 +43,10 @@ type BenchClusterCmd struct {
 	// ReadSize bounds one read of a pull (node.Config.ReadBytes).
 	ReadSize bytesize.Size `name:"read-size" default:"0" help:"Most bytes one read of a pull covers (consecutive chunks read together); 0: the daemon's default." placeholder:"BYTES"`
 	// Lanes is the daemons' UCX lanes (node.Config.Lanes).
-	Lanes int  `default:"0" help:"UCX workers each daemon serves and pulls with (0: one)." placeholder:"N"`
-	JSON  bool `name:"json" help:"Print one JSON object: GB/s, p50/p99, ucx_perftest's figures and the ratios."`
+	Lanes int `default:"0" help:"UCX workers each daemon serves and pulls with (0: one)." placeholder:"N"`
+	// Read is how the reading daemon reads (node.Config.Read).
+	Read string `default:"fetch" enum:"fetch,get" help:"How the daemons read each other: fetch (the holder sends; serve's default) or get (UCX GETs)." placeholder:"MODE"`
+	JSON bool   `name:"json" help:"Print one JSON object: GB/s, p50/p99, ucx_perftest's figures and the ratios."`
 	// CPUProfile, when set, is where the large get's CPU profile goes.
 	CPUProfile string `name:"cpu-profile" help:"Write a CPU profile of the large get (both daemons run in this process) to FILE, for 'go tool pprof'." placeholder:"FILE" type:"path"`
 	// EtcdDir is where the private etcd keeps its data.
@@ -83,6 +86,7 @@ type benchClusterResult struct {
 	Streams    int     `json:"streams_per_holder,omitempty"`
 	ReadBytes  int64   `json:"read_bytes,omitempty"`
 	Lanes      int     `json:"lanes,omitempty"`
+	Read       string  `json:"read"`
 	SmallBytes int64   `json:"small_bytes"`
 	SmallCount int     `json:"small_count"`
 	SmallP50US float64 `json:"small_p50_us"`
@@ -117,7 +121,7 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 		}
 	}
 	res := benchClusterResult{UCXTLS: os.Getenv("UCX_TLS"), UCXDevices: os.Getenv("UCX_NET_DEVICES"),
-		Streams: c.Streams, ReadBytes: int64(c.ReadSize), Lanes: c.Lanes, LargeBytes: int64(c.Size), SmallBytes: int64(c.Small), SmallCount: c.Count, UCXLibrary: ucx.Library()}
+		Streams: c.Streams, ReadBytes: int64(c.ReadSize), Lanes: c.Lanes, Read: c.Read, LargeBytes: int64(c.Size), SmallBytes: int64(c.Small), SmallCount: c.Count, UCXLibrary: ucx.Library()}
 	res.UCXVersion, _ = ucx.Version()
 	progress := func(format string, args ...any) {
 		if isTTY(e.Stderr) {
@@ -158,12 +162,12 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 	}
 	capacity := 2*int64(c.Size) + 2*int64(c.Count)*max(int64(c.Small), 64<<10) + 256<<20
 	progress("starting two daemons")
-	a, err := startBenchDaemon(ctx, e, tmp, "a", etcd.endpoint, sec, capacity, c.Streams, int64(c.ReadSize), c.Lanes)
+	a, err := startBenchDaemon(ctx, e, tmp, "a", etcd.endpoint, sec, capacity, c.Streams, int64(c.ReadSize), c.Lanes, c.Read)
 	if err != nil {
 		return err
 	}
 	defer a.stop()
-	b, err := startBenchDaemon(ctx, e, tmp, "b", etcd.endpoint, sec, capacity, c.Streams, int64(c.ReadSize), c.Lanes)
+	b, err := startBenchDaemon(ctx, e, tmp, "b", etcd.endpoint, sec, capacity, c.Streams, int64(c.ReadSize), c.Lanes, c.Read)
 	if err != nil {
 		return err
 	}
@@ -263,7 +267,7 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 		return printJSON(e.Stdout, res)
 	}
 	w := e.Stdout
-	fmt.Fprintf(w, "link: UCX_TLS=%s UCX_NET_DEVICES=%s (two daemons on this machine, UCX %s from %s), etcd data in %s\n", res.UCXTLS, res.UCXDevices, res.UCXVersion, res.UCXLibrary, res.EtcdDir)
+	fmt.Fprintf(w, "link: UCX_TLS=%s UCX_NET_DEVICES=%s (two daemons on this machine, UCX %s from %s, reads: %s), etcd data in %s\n", res.UCXTLS, res.UCXDevices, res.UCXVersion, res.UCXLibrary, res.Read, res.EtcdDir)
 	fmt.Fprintf(w, "%-34s %10.2f GB/s  (%.3f s, %.3f s of CPU, bytes equal: %v)\n", "get of a "+c.Size.String()+" object", res.LargeGBps, res.LargeSeconds, res.LargeCPU, res.LargeEqual)
 	fmt.Fprintf(w, "%-34s p50 %8.1f µs  p99 %8.1f µs  (bytes equal: %v)\n", fmt.Sprintf("gets of %d objects of %s", c.Count, c.Small), res.SmallP50US, res.SmallP99US, res.SmallEqual)
 	fmt.Fprintf(w, "%-34s %d read inline, %d looked up in the mirror (no etcd read)\n", "  of which", res.SmallInline, res.SmallMirrored)
@@ -325,7 +329,7 @@ func (d *benchDaemon) stop() {
 	}
 }
 
-func startBenchDaemon(ctx context.Context, e *Env, dir, name, endpoint string, sec cluster.Secret, capacity int64, streams int, readBytes int64, lanes int) (*benchDaemon, error) {
+func startBenchDaemon(ctx context.Context, e *Env, dir, name, endpoint string, sec cluster.Secret, capacity int64, streams int, readBytes int64, lanes int, read string) (*benchDaemon, error) {
 	// The daemons' warnings and errors only: their info lines would bury
 	// the progress.
 	log := slog.New(slog.NewTextHandler(e.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).With("node", name)
@@ -334,6 +338,7 @@ func startBenchDaemon(ctx context.Context, e *Env, dir, name, endpoint string, s
 	n, err := node.Start(sctx, node.Config{
 		Directory: etcddir.Config{Endpoints: []string{endpoint}, Node: name, Secret: sec, Prefix: "/cudaipc-bench/"},
 		Listen:    "127.0.0.1:0", Logger: log, StreamsPerHolder: streams, ReadBytes: readBytes, Lanes: lanes,
+		Read: ucxtransport.ReadMode(read),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("bench cluster: start node %s: %w", name, err)
