@@ -147,3 +147,45 @@ func FuzzLanesAddress(f *testing.F) {
 		}
 	})
 }
+
+// FuzzWindowKey: whatever a peer hands out as an exposure's key decodes to
+// a token and a checked region key, or to an ErrMalformed error, never a
+// crash; a window key of a real region decodes to its token and region.
+func FuzzWindowKey(f *testing.F) {
+	if ucx.Available() == nil {
+		if tr, err := NewWith("fuzz-window", Options{}); err == nil {
+			mem := make([]byte, 1<<16)
+			if r, err := tr.Register(mem); err == nil {
+				if key, closeWindow, err := r.Window(4096, 8192); err == nil {
+					f.Add(key)
+					closeWindow()
+				}
+				f.Add(r.Key())
+				r.Close()
+			}
+			tr.Close()
+		}
+	}
+	f.Add([]byte("ucWK"))
+	f.Add(append([]byte("ucWK"), make([]byte, 20)...))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		rk, tok, window, err := parseKey(b)
+		if err != nil {
+			if !errors.Is(err, ucx.ErrMalformed) {
+				t.Fatalf("error not ErrMalformed: %v", err)
+			}
+			return
+		}
+		again, err := rk.MarshalBinary()
+		if err != nil {
+			t.Fatalf("a decoded region key does not encode: %v", err)
+		}
+		want := again
+		if window {
+			want = append(append([]byte("ucWK"), tok[:]...), again...)
+		}
+		if !bytes.Equal(want, b) {
+			t.Fatalf("decoded and encoded again to %x, from %x", want, b)
+		}
+	})
+}
