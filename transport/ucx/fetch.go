@@ -335,6 +335,8 @@ type fetchServer struct {
 	sends []*fetchSend
 	peers map[string]*Endpoint // by the reader's raw worker address
 	pins  runtime.Pinner
+	again bool      // the last poll posted or handled something: look again
+	swept time.Time // when failed readers' endpoints were last swept
 	log   *slog.Logger
 }
 
@@ -355,7 +357,7 @@ type fetchSend struct {
 }
 
 func newFetchServer(w *Worker) *fetchServer {
-	fs := &fetchServer{w: w, peers: map[string]*Endpoint{}, log: slog.With("ucx", "fetch")}
+	fs := &fetchServer{w: w, peers: map[string]*Endpoint{}, log: slog.With("ucx", "fetch"), again: true}
 	for range fetchRecvs {
 		s := &fetchSlot{buf: make([]byte, MaxFetchRequest)}
 		fs.pins.Pin(&s.buf[0])
@@ -367,8 +369,18 @@ func newFetchServer(w *Worker) *fetchServer {
 // pollLocked posts the request receives, handles the requests that
 // arrived and releases the replies that completed; w.mu is held. It
 // returns how many it handled.
-func (fs *fetchServer) pollLocked() int {
-	w, handled := fs.w, 0
+//
+// Requests and replies complete inside ucp_worker_progress, or when a
+// receive is posted for a request already waiting: unless progressed (the
+// last progress handled events) or the last poll posted or handled
+// something, it returns at once, so that a spinning Serve does not test
+// every posted receive on every turn. Endpoints to readers that failed are
+// swept after a reply failed, and once a second otherwise.
+func (fs *fetchServer) pollLocked(progressed bool) int {
+	if !progressed && !fs.again {
+		return 0
+	}
+	w, handled, posted, failed := fs.w, 0, false, false
 	param := raw.RequestParam{OpAttrMask: raw.OpAttrFlagNoImmCmpl}
 	for _, s := range fs.recvs {
 		if s.req != 0 {
@@ -391,7 +403,7 @@ func (fs *fetchServer) pollLocked() int {
 			fs.log.Warn("ucx: cannot post a fetch request receive", "err", err)
 			break
 		}
-		s.req = req
+		s.req, posted = req, true
 	}
 	kept := fs.sends[:0]
 	for _, sd := range fs.sends {
@@ -403,10 +415,16 @@ func (fs *fetchServer) pollLocked() int {
 		handled++
 		fs.finish(sd)
 		if st != raw.OK {
+			failed = true
 			fs.log.Debug("ucx: a fetch reply failed", "status", st)
 		}
 	}
 	fs.sends = kept
+	fs.again = posted || handled > 0
+	if !failed && time.Since(fs.swept) < time.Second {
+		return handled
+	}
+	fs.swept = time.Now()
 	for a, ep := range fs.peers {
 		switch {
 		case ep.closed:

@@ -154,7 +154,7 @@ func (w *Worker) Serve(ctx context.Context) error {
 			return nil
 		}
 		n := int(raw.WorkerProgress(w.h))
-		n += w.fetch.pollLocked()
+		n += w.fetch.pollLocked(n > 0)
 		w.mu.Unlock()
 		if n > 0 {
 			last = time.Now()
@@ -167,6 +167,14 @@ func (w *Worker) Serve(ctx context.Context) error {
 		if w.closed {
 			w.mu.Unlock()
 			return nil
+		}
+		// A last look at every fetch request and reply before sleeping
+		// (a receive posted for a request already waiting completes
+		// without waking the event descriptor).
+		if w.fetch.pollLocked(true) > 0 || w.fetch.again {
+			w.mu.Unlock()
+			last = time.Now()
+			continue
 		}
 		err := raw.WorkerArm(w.h)
 		w.mu.Unlock()
