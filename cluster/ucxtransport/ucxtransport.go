@@ -44,9 +44,8 @@ type Options struct {
 	// 0 means 1. A pull from a node of several lanes reads over as many
 	// endpoints (over tcp: connections), on as many workers, its reads
 	// taking the lanes in turn, so that one progress thread a side does
-	// not bound the pull. A node of
-	// one lane publishes a plain worker address; one of several, the
-	// lanes' addresses (lanes.go), which only nodes of this version read.
+	// not bound the pull. A node publishes every lane's address
+	// (lanes.go), and whether it answers GETs.
 	Lanes int
 	// Read is how this node reads from peers: ReadFetch (the default) or
 	// ReadGet. A node of ReadGet also answers peers' GETs (UCX's RMA
@@ -61,9 +60,9 @@ type ReadMode string
 
 // Read modes.
 const (
-	// ReadFetch asks the holder to send the bytes (ucx.Fetch): over tcp it
-	// copies less than UCX's emulated GET, and a reader killed mid-read
-	// cannot abort the holder, as the emulated GET can with UCX 1.16.
+	// ReadFetch asks the holder to send the bytes of an exposure's window
+	// (ucx.Fetch): a reader killed mid-read cannot abort the holder, as
+	// UCX 1.16's emulated GET over tcp can, and the holder answers no GETs.
 	ReadFetch ReadMode = "fetch"
 	// ReadGet reads with one-sided GETs (ucx.Get) where the peer answers
 	// them, and answers peers' GETs: over tcp UCX answers an emulated GET
