@@ -760,26 +760,36 @@ func (n *Node) exposeRegistered(f *store.ClusterFile, register func() (*arenaReg
 		}
 		n.arenas[f.ArenaID] = a
 	}
-	key, closeWindow, err := a.reg.Window(f.Offset, f.Size)
-	if err != nil {
-		n.mu.Unlock()
-		return cluster.Exposure{}, nil, err
-	}
 	a.refs++
 	n.mu.Unlock()
+	// unref drops this exposure's reference; the last one closes the
+	// registration outside n.mu (the close waits for fetch replies under
+	// way, which must not hold up other exposures).
+	unref := func() {
+		n.mu.Lock()
+		a.refs--
+		last := a.refs == 0
+		if last && n.arenas[f.ArenaID] == a {
+			delete(n.arenas, f.ArenaID)
+		}
+		n.mu.Unlock()
+		if last {
+			a.reg.Close()
+			if a.mem != nil {
+				unix.Munmap(a.mem)
+			}
+		}
+	}
+	key, closeWindow, err := a.reg.Window(f.Offset, f.Size)
+	if err != nil {
+		unref()
+		return cluster.Exposure{}, nil, err
+	}
 	e := cluster.Exposure{Worker: n.tr.WorkerAddress(), RKey: key, Addr: a.reg.Addr(f.Offset), Size: f.Size}
 	n.exposures.Add(1)
 	n.exposedBytes.Add(uint64(f.Size))
 	return e, func() {
 		closeWindow()
-		n.mu.Lock()
-		if a.refs--; a.refs == 0 {
-			a.reg.Close()
-			if a.mem != nil {
-				unix.Munmap(a.mem)
-			}
-			delete(n.arenas, f.ArenaID)
-		}
-		n.mu.Unlock()
+		unref()
 	}, nil
 }
