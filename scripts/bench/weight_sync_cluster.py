@@ -141,7 +141,8 @@ class Cluster:
                  "--cluster-secret", self.secret, "--cluster-listen", "127.0.0.1:0"]
                 + (["--cluster-streams", str(args.streams)] if args.streams else [])
                 + (["--cluster-lanes", str(args.lanes)] if args.lanes else [])
-                + (["--cluster-read", args.read] if args.read else []),
+                + (["--cluster-read", args.read] if args.read else [])
+                + (["--cpu-profile", "%s-%s.pprof" % (args.cpu_profile, node)] if args.cpu_profile else []),
                 stdout=dlog, stderr=subprocess.STDOUT, env=env))
             self.sockets[node] = sock
         deadline = time.monotonic() + 60
@@ -452,6 +453,7 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--capacity", default="48GiB", help="each daemon's capacity per device")
     ap.add_argument("--streams", type=int, default=0, help="chunks a pull reads from one holder at once (serve --cluster-streams; 0: the daemon's default)")
     ap.add_argument("--read", choices=["fetch", "get"], help="how daemon B reads A's memory (serve --cluster-read; default: the daemon's, fetch)")
+    ap.add_argument("--cpu-profile", metavar="PREFIX", help="each daemon writes a CPU profile of its whole run to PREFIX-A.pprof and PREFIX-B.pprof (serve --cpu-profile)")
     ap.add_argument("--lanes", type=int, default=0, help="UCX worker pairs of each daemon (serve --cluster-lanes; 0: the daemon's default)")
     ap.add_argument("--shard-tensors", type=int, default=SHARD_TENSORS, help="tensors per shard of a version")
     ap.add_argument("--smoke", action="store_true", help="a tiny model in host memory (any machine): checks the script")

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os"
+	"runtime/pprof"
 	"strconv"
 	"time"
 
@@ -33,6 +35,7 @@ type serveCmd struct {
 	MaxObjUID    int           `name:"max-objects-per-uid" default:"0" help:"Most objects of one uid over all its connections: drafts, sealed, and deleted ones still leased (0: default 65536)." placeholder:"N"`
 	MaxFDs       int           `name:"max-fds" default:"0" help:"Most descriptors the daemon keeps for objects: two per host arena, one per VMM GPU arena, manifest and registered piece (0: half of what the descriptor limit leaves beside --max-conns)." placeholder:"N"`
 	MaxFDsUID    int           `name:"max-fds-per-uid" default:"0" help:"Most descriptors the daemon keeps for one uid's objects (0: a fair share of --max-fds among the uids admitted)." placeholder:"N"`
+	CPUProfile   string        `name:"cpu-profile" help:"Write a CPU profile of the daemon, from its start until it stops, to FILE (for 'go tool pprof'): where a node's CPU goes while it serves and pulls." placeholder:"FILE" type:"path"`
 
 	clusterFlags `embed:""` // serve_cluster.go
 }
@@ -50,6 +53,13 @@ func (c *serveCmd) Run(g *Globals) error {
 	if c.Capacity < 0 || c.Quota < 0 || c.KeepArenas < 0 || c.MaxObjects < 0 || c.MaxLeases < 0 || c.MaxConns < 0 || c.MaxConnsUID < 0 ||
 		c.MaxObjUID < 0 || c.MaxFDs < 0 || c.MaxFDsUID < 0 {
 		return errors.New("--capacity, --quota, --keep-arenas, --max-objects, --max-leases, --max-conns, --max-conns-per-uid, --max-objects-per-uid, --max-fds and --max-fds-per-uid must not be negative")
+	}
+	if c.CPUProfile != "" {
+		stop, err := startCPUProfile(c.CPUProfile)
+		if err != nil {
+			return err
+		}
+		defer stop()
 	}
 	cn, err := c.startCluster(g.Context(), g)
 	if err != nil {
@@ -111,6 +121,22 @@ func (c *serveCmd) Run(g *Globals) error {
 	}
 	g.log.Info("store daemon stopped", "socket", sock)
 	return nil
+}
+
+// startCPUProfile profiles the process's CPU into path until stop.
+func startCPUProfile(path string) (stop func(), err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, fmt.Errorf("serve --cpu-profile: %w", err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("serve --cpu-profile: %w", err)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		f.Close()
+	}, nil
 }
 
 // spinConfig maps --spin (0: never poll) to store.Config.Spin (0: the
