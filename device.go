@@ -73,6 +73,10 @@ type Device struct {
 	ctxOnce sync.Once
 	ctx     cu.Context
 	ctxErr  error
+
+	crcOnce sync.Once // crc32c.go
+	crc     *crcKernel
+	crcErr  error
 }
 
 var deviceTable struct {

@@ -2,6 +2,8 @@ package cu
 
 import (
 	"bytes"
+	"runtime"
+	"slices"
 	"unsafe"
 )
 
@@ -245,6 +247,14 @@ func MemcpyDtoH(dst []byte, src DevicePtr) error {
 	return callMemcpyDtoH(unsafe.Pointer(&dst[0]), src, uint64(len(dst)))
 }
 
+// MemcpyDtoHWords copies len(dst) 32-bit words from device to host.
+func MemcpyDtoHWords(dst []uint32, src DevicePtr) error {
+	if len(dst) == 0 {
+		return loaded("cuMemcpyDtoH")
+	}
+	return callMemcpyDtoH(unsafe.Pointer(&dst[0]), src, uint64(len(dst))*4)
+}
+
 // MemcpyAsync queues a copy of n bytes between device addresses on s.
 func MemcpyAsync(dst, src DevicePtr, n uint64, s Stream) error {
 	return callMemcpyAsync(dst, src, n, s)
@@ -359,4 +369,44 @@ func cString(b []byte) string {
 		b = b[:i]
 	}
 	return string(b)
+}
+
+// ModuleLoadData loads a module from image, PTX text or a cubin, into the
+// current context (the driver compiles PTX for the device). PTX must end
+// with a NUL byte; ModuleLoadData adds one to a copy when it does not.
+func ModuleLoadData(image []byte) (Module, error) {
+	if len(image) == 0 || image[len(image)-1] != 0 {
+		image = append(slices.Clip(image), 0)
+	}
+	var m Module
+	err := callModuleLoadData(&m, unsafe.Pointer(unsafe.SliceData(image)))
+	return m, err
+}
+
+// ModuleUnload unloads m.
+func ModuleUnload(m Module) error { return callModuleUnload(m) }
+
+// ModuleGetFunction returns the kernel of m named name.
+func ModuleGetFunction(m Module, name string) (Function, error) {
+	var f Function
+	cname := append([]byte(name), 0)
+	err := callModuleGetFunction(&f, m, unsafe.SliceData(cname))
+	return f, err
+}
+
+// LaunchKernel queues f on s over a grid of grid blocks of block threads
+// with sharedMem bytes of dynamic shared memory. args are the kernel's
+// parameters in order, each passed in an 8-byte slot: a .u64 or pointer
+// parameter reads all of it, a .u32 one its low half (little-endian).
+func LaunchKernel(f Function, grid, block [3]uint32, sharedMem uint32, s Stream, args ...uint64) error {
+	vals := slices.Clone(args)
+	ptrs := make([]unsafe.Pointer, len(vals)+1)
+	for i := range vals {
+		ptrs[i] = unsafe.Pointer(&vals[i])
+	}
+	err := callLaunchKernel(f, grid[0], grid[1], grid[2], block[0], block[1], block[2], sharedMem, s,
+		unsafe.SliceData(ptrs), nil)
+	runtime.KeepAlive(vals)
+	runtime.KeepAlive(ptrs)
+	return err
 }

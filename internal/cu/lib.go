@@ -35,6 +35,10 @@ type (
 	Stream uintptr
 	// Event is a CUevent.
 	Event uintptr
+	// Module is a CUmodule: code loaded into a context.
+	Module uintptr
+	// Function is a CUfunction: a kernel of a Module.
+	Function uintptr
 	// DevicePtr is a CUdeviceptr: a device address in the unified address space.
 	DevicePtr uint64
 	// IpcMemHandle is CUipcMemHandle, passed by value to the driver.

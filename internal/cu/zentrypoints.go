@@ -73,6 +73,10 @@ var procs struct {
 	cuMemGetAllocationGranularity          uintptr
 	cuMemGetAllocationPropertiesFromHandle uintptr
 	cuMemRetainAllocationHandle            uintptr
+	cuModuleLoadData                       uintptr
+	cuModuleUnload                         uintptr
+	cuModuleGetFunction                    uintptr
+	cuLaunchKernel                         uintptr
 }
 
 // Bindings for the calls that pass a struct by value.
@@ -145,6 +149,10 @@ var entries = []entry{
 	{"cuMemGetAllocationGranularity", "cuMemGetAllocationGranularity", true, nil, &procs.cuMemGetAllocationGranularity},
 	{"cuMemGetAllocationPropertiesFromHandle", "cuMemGetAllocationPropertiesFromHandle", false, nil, &procs.cuMemGetAllocationPropertiesFromHandle},
 	{"cuMemRetainAllocationHandle", "cuMemRetainAllocationHandle", false, nil, &procs.cuMemRetainAllocationHandle},
+	{"cuModuleLoadData", "cuModuleLoadData", false, nil, &procs.cuModuleLoadData},
+	{"cuModuleUnload", "cuModuleUnload", false, nil, &procs.cuModuleUnload},
+	{"cuModuleGetFunction", "cuModuleGetFunction", false, nil, &procs.cuModuleGetFunction},
+	{"cuLaunchKernel", "cuLaunchKernel", false, nil, &procs.cuLaunchKernel},
 }
 
 // cuInit is the trampoline of CUresult cuInit(unsigned int Flags).
@@ -1038,4 +1046,72 @@ func callMemRetainAllocationHandle(handle *MemGenericAllocationHandle, addr Devi
 		return missing("cuMemRetainAllocationHandle", "cuMemRetainAllocationHandle")
 	}
 	return check("cuMemRetainAllocationHandle", cuMemRetainAllocationHandle(handle, addr))
+}
+
+// cuModuleLoadData is the trampoline of CUresult cuModuleLoadData(CUmodule *module, const void *image).
+func cuModuleLoadData(module *Module, image unsafe.Pointer) Result {
+	r, _, _ := purego.SyscallN(procs.cuModuleLoadData, uintptr(unsafe.Pointer(module)), uintptr(image))
+	return Result(int32(r))
+}
+
+// callModuleLoadData calls cuModuleLoadData (optional, symbol cuModuleLoadData).
+func callModuleLoadData(module *Module, image unsafe.Pointer) error {
+	if err := loaded("cuModuleLoadData"); err != nil {
+		return err
+	}
+	if procs.cuModuleLoadData == 0 {
+		return missing("cuModuleLoadData", "cuModuleLoadData")
+	}
+	return check("cuModuleLoadData", cuModuleLoadData(module, image))
+}
+
+// cuModuleUnload is the trampoline of CUresult cuModuleUnload(CUmodule hmod).
+func cuModuleUnload(hmod Module) Result {
+	r, _, _ := purego.SyscallN(procs.cuModuleUnload, uintptr(hmod))
+	return Result(int32(r))
+}
+
+// callModuleUnload calls cuModuleUnload (optional, symbol cuModuleUnload).
+func callModuleUnload(hmod Module) error {
+	if err := loaded("cuModuleUnload"); err != nil {
+		return err
+	}
+	if procs.cuModuleUnload == 0 {
+		return missing("cuModuleUnload", "cuModuleUnload")
+	}
+	return check("cuModuleUnload", cuModuleUnload(hmod))
+}
+
+// cuModuleGetFunction is the trampoline of CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name).
+func cuModuleGetFunction(hfunc *Function, hmod Module, name *byte) Result {
+	r, _, _ := purego.SyscallN(procs.cuModuleGetFunction, uintptr(unsafe.Pointer(hfunc)), uintptr(hmod), uintptr(unsafe.Pointer(name)))
+	return Result(int32(r))
+}
+
+// callModuleGetFunction calls cuModuleGetFunction (optional, symbol cuModuleGetFunction).
+func callModuleGetFunction(hfunc *Function, hmod Module, name *byte) error {
+	if err := loaded("cuModuleGetFunction"); err != nil {
+		return err
+	}
+	if procs.cuModuleGetFunction == 0 {
+		return missing("cuModuleGetFunction", "cuModuleGetFunction")
+	}
+	return check("cuModuleGetFunction", cuModuleGetFunction(hfunc, hmod, name))
+}
+
+// cuLaunchKernel is the trampoline of CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra).
+func cuLaunchKernel(f Function, gridDimX uint32, gridDimY uint32, gridDimZ uint32, blockDimX uint32, blockDimY uint32, blockDimZ uint32, sharedMemBytes uint32, hStream Stream, kernelParams *unsafe.Pointer, extra *unsafe.Pointer) Result {
+	r, _, _ := purego.SyscallN(procs.cuLaunchKernel, uintptr(f), uintptr(gridDimX), uintptr(gridDimY), uintptr(gridDimZ), uintptr(blockDimX), uintptr(blockDimY), uintptr(blockDimZ), uintptr(sharedMemBytes), uintptr(hStream), uintptr(unsafe.Pointer(kernelParams)), uintptr(unsafe.Pointer(extra)))
+	return Result(int32(r))
+}
+
+// callLaunchKernel calls cuLaunchKernel (optional, symbol cuLaunchKernel).
+func callLaunchKernel(f Function, gridDimX uint32, gridDimY uint32, gridDimZ uint32, blockDimX uint32, blockDimY uint32, blockDimZ uint32, sharedMemBytes uint32, hStream Stream, kernelParams *unsafe.Pointer, extra *unsafe.Pointer) error {
+	if err := loaded("cuLaunchKernel"); err != nil {
+		return err
+	}
+	if procs.cuLaunchKernel == 0 {
+		return missing("cuLaunchKernel", "cuLaunchKernel")
+	}
+	return check("cuLaunchKernel", cuLaunchKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra))
 }
