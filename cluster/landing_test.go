@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -81,4 +82,101 @@ func TestLandingReplica(t *testing.T) {
 	if b.Store.Get(o2.Ref()) != nil {
 		t.Fatal("a failed pull left a replica")
 	}
+}
+
+// summingSink makes SummingReplicas, as a GPU replica whose device
+// checksums each chunk where it lands: flips corrupts the landing of the
+// chunk at that offset, its first flips times, as a faulty host→device
+// copy would (the host bytes stay right).
+type summingSink struct {
+	landingSink
+	flip  int64
+	flips int
+	sumOK bool
+}
+
+type summingReplica struct {
+	landingReplica
+	s *summingSink
+}
+
+func (s *summingSink) Create(ctx context.Context, o cluster.Object) (cluster.Replica, error) {
+	r, err := s.landingSink.Create(ctx, o)
+	if err != nil {
+		return nil, err
+	}
+	return summingReplica{r.(landingReplica), s}, nil
+}
+
+func (r summingReplica) SumsLanded() bool { return r.s.sumOK }
+
+func (r summingReplica) LandedSum(off int64, b []byte) (uint32, error) {
+	landed := bytes.Clone(b)
+	r.s.mu.Lock()
+	defer r.s.mu.Unlock()
+	if off == r.s.flip && r.s.flips > 0 {
+		r.s.flips--
+		landed[len(landed)/2] ^= 0x10
+	}
+	copy(r.s.out[off:], landed)
+	r.s.landed[off]++
+	return cluster.Checksum(landed), nil
+}
+
+// A SummingReplica's chunks are checked as they landed: a landing that
+// corrupts a chunk (which a check of the host bytes would pass) is caught
+// and the chunk read again; one that keeps corrupting it fails the pull,
+// naming the chunk, and leaves no replica. A replica that cannot sum is
+// checked on the host and landed with Landed.
+func TestSummingReplica(t *testing.T) {
+	srv := etcdtest.Start(t)
+	nw := memtransport.NewNetwork()
+	a, b := startNode(t, srv, nw, "a", secret), startNode(t, srv, nw, "b", secret)
+	ctx := bounded(t, 30*time.Second)
+
+	o, want := a.Put(t, "ns/summed", 5<<20+777, 1<<20)
+	ss := &summingSink{landingSink: landingSink{Sink: b.P.Sink, fail: -1}, flip: 2 << 20, flips: 1, sumOK: true}
+	b.P.Sink = ss
+	if _, err := b.P.Pull(ctx, o.Ref()); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(ss.out, want) {
+		t.Fatal("the landed bytes differ from A's object")
+	}
+	for off := int64(0); off < o.Size; off += 1 << 20 {
+		if want := 1 + b2i(off == 2<<20); ss.landed[off] != want {
+			t.Fatalf("chunk at %d landed %d times, want %d", off, ss.landed[off], want)
+		}
+	}
+
+	o2, _ := a.Put(t, "ns/summed-bad", 3<<20+5, 1<<20)
+	ss.flip, ss.flips = 1<<20, 100
+	_, err := b.P.Pull(ctx, o2.Ref())
+	if !errors.Is(err, cluster.ErrChecksum) || !strings.Contains(err.Error(), "chunk 1 ") {
+		t.Fatalf("a chunk that always lands corrupt: %v", err)
+	}
+	if b.Store.Get(o2.Ref()) != nil {
+		t.Fatal("a failed pull left a replica")
+	}
+
+	// SumsLanded false: the host checks, Landed lands (landingSink counts
+	// those; LandedSum is never called, as the flip would show).
+	o3, want3 := a.Put(t, "ns/host-summed", 2<<20+9, 1<<20)
+	ss.sumOK, ss.flip, ss.flips = false, 0, 100
+	if _, err := b.P.Pull(ctx, o3.Ref()); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(ss.out, want3) {
+		t.Fatal("the bytes landed with Landed differ from A's object")
+	}
+	if ss.flips != 100 {
+		t.Fatal("LandedSum was called for a replica that does not sum")
+	}
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }

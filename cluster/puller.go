@@ -59,6 +59,21 @@ type LandingReplica interface {
 	Landed(off int64, b []byte) error
 }
 
+// SummingReplica is a LandingReplica that can also checksum each chunk
+// where it lands (a GPU replica: the device computes the CRC-32C of the
+// chunk once it is copied host→device): the puller then checks the bytes
+// as they landed, a check that covers the landing too, and the host reads
+// no chunk for its checksum.
+type SummingReplica interface {
+	LandingReplica
+	// SumsLanded reports whether LandedSum may be used for this replica.
+	SumsLanded() bool
+	// LandedSum lands b at off, as Landed does, and returns the Checksum
+	// of the bytes landed. Called from the pull's goroutines (different
+	// chunks at once).
+	LandedSum(off int64, b []byte) (uint32, error)
+}
+
 // Defaults for the zero values of Puller's fields.
 const (
 	DefaultChunkTimeout     = 30 * time.Second
@@ -375,8 +390,11 @@ type transfer struct {
 	failed  map[string]string // node → why, for the final error
 	start   time.Time
 	feed    *feed // this node's feed of the replica, nil without fan-out
-	// land, when set, takes each checked chunk onwards (LandingReplica).
-	land LandingReplica
+	// land, when set, takes each checked chunk onwards (LandingReplica);
+	// sumLand, when set, also checksums each chunk where it lands
+	// (SummingReplica).
+	land    LandingReplica
+	sumLand SummingReplica
 }
 
 func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error) {
@@ -415,6 +433,9 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 	t := &transfer{e: e, dst: dst, want: n, bad: map[int]int{}, failed: map[string]string{}, start: time.Now()}
 	t.cond = sync.NewCond(&t.mu)
 	t.land, _ = rep.(LandingReplica)
+	if sr, ok := rep.(SummingReplica); ok && sr.SumsLanded() {
+		t.sumLand = sr
+	}
 	for i := range n {
 		t.pending = append(t.pending, i)
 	}
@@ -673,17 +694,24 @@ func (p *Puller) stream(ctx context.Context, t *transfer, s *source, dead *atomi
 	}
 }
 
-// check checks chunk c.i, just read, against its checksum and lands it:
-// it is done, or given back (a bad checksum, maxBadChunk times fatal), or
-// the pull fails (a landing that failed).
+// check checks chunk c.i, just read, against its checksum and lands it
+// (a summing replica lands it first and checksums it where it landed): it
+// is done, or given back (a bad checksum, maxBadChunk times fatal), or the
+// pull fails (a landing that failed).
 func (p *Puller) check(t *transfer, c readChunk) {
 	i := c.i
 	chunk := t.chunk(i)
 	off := int64(i) * t.e.ChunkSize
 	var err, landErr error
-	if Checksum(chunk) != t.e.Sums[i] {
+	switch {
+	case t.sumLand != nil:
+		var sum uint32
+		if sum, landErr = t.sumLand.LandedSum(off, chunk); landErr == nil && sum != t.e.Sums[i] {
+			err = fmt.Errorf("%w: chunk %d", ErrChecksum, i)
+		}
+	case Checksum(chunk) != t.e.Sums[i]:
 		err = fmt.Errorf("%w: chunk %d", ErrChecksum, i)
-	} else if t.land != nil {
+	case t.land != nil:
 		landErr = t.land.Landed(off, chunk)
 	}
 	t.mu.Lock()

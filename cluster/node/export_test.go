@@ -145,3 +145,10 @@ func (e slowEndpoint) Get(ctx context.Context, rkey []byte, addr uint64, dst []b
 	e.t.got.Add(uint64(len(dst)))
 	return nil
 }
+
+// GPUChecksummed is how many bytes of GPU objects had their chunk
+// checksums computed by the device and by the host.
+func GPUChecksummed(n *Node) (device, host uint64) { return n.deviceSummed.Load(), n.hostSummed.Load() }
+
+// SetHostChecksums switches Config.HostChecksums.
+func SetHostChecksums(n *Node, on bool) { n.hostSums.Store(on) }

@@ -204,19 +204,66 @@ func (n *Node) stageOut(f *store.ClusterFile, id string) (*pinned, error) {
 // among them, alloc) and publishing its record.
 type gpuSealTimes struct{ stage, alloc, publish time.Duration }
 
+// deviceSums reports whether this node checksums GPU objects of dev on
+// the device (cudaipc.Device.ChunkCRC32C) rather than on the host: unless
+// Config.HostChecksums, where the driver runs the kernel (a device that
+// cannot is logged once).
+func (n *Node) deviceSums(dev *cudaipc.Device) bool {
+	if n.hostSums.Load() {
+		return false
+	}
+	if err := dev.CRC32CSupported(); err != nil {
+		if _, logged := n.noDeviceSums.LoadOrStore(dev, true); !logged {
+			n.log.Warn("GPU objects' chunk checksums run on the host: the device cannot compute them", "device", dev.String(), "err", err)
+		}
+		return false
+	}
+	return true
+}
+
 // gpuChecksums copies the GPU object of f device→host into a pinned
-// buffer and computes its chunk checksums there, the checksums of each
-// slice while the next one copies, and returns the buffer holding the
-// object, for the caller to tag (once published) and give back.
+// buffer and returns its chunk checksums and the buffer holding the
+// object, for the caller to tag (once published) and give back. The
+// device computes the checksums while the bytes copy (deviceSums; the
+// host computes them after the copy if the device fails at it), or else
+// the host computes each slice's while the next one copies.
 func (n *Node) gpuChecksums(ctx context.Context, f *store.ClusterFile, chunk int64) ([]uint32, *pinned, error) {
 	dev, src := f.GPU.Device, f.GPU.Ptr
-	sums, b, err := stageSums(ctx, &n.pinned, dev, f.Size, chunk, func(off int64, p []byte) error {
-		return dev.CopyFromDevice(p, src+cudaipc.DevicePtr(off))
-	})
+	copyOut := func(off int64, p []byte) error { return dev.CopyFromDevice(p, src+cudaipc.DevicePtr(off)) }
+	if !n.deviceSums(dev) {
+		sums, b, err := stageSums(ctx, &n.pinned, dev, f.Size, chunk, copyOut)
+		if err != nil {
+			return nil, nil, err
+		}
+		n.stagedBytes.Add(uint64(f.Size))
+		n.hostSummed.Add(uint64(f.Size))
+		return sums, b, nil
+	}
+	b, err := n.pinned.get(dev, f.Size)
 	if err != nil {
 		return nil, nil, err
 	}
+	var sums []uint32
+	var sumErr error
+	summed := make(chan struct{})
+	go func() {
+		defer close(summed)
+		sums, sumErr = dev.ChunkCRC32C(src, f.Size, chunk)
+	}()
+	err = staging.CopyOutOnly(ctx, b.mem[:f.Size], 0, copyOut)
+	<-summed
+	if err != nil {
+		n.pinned.put(b)
+		return nil, nil, fmt.Errorf("stage a GPU object device→host: %w", err)
+	}
 	n.stagedBytes.Add(uint64(f.Size))
+	if sumErr != nil {
+		n.log.Warn("the device failed to checksum a GPU object: the host checksums its staged copy", "device", dev.String(), "err", sumErr)
+		sums = cluster.ChecksumsParallel(b.mem[:f.Size], chunk)
+		n.hostSummed.Add(uint64(f.Size))
+	} else {
+		n.deviceSummed.Add(uint64(f.Size))
+	}
 	return sums, b, nil
 }
 
@@ -299,6 +346,8 @@ type gpuReplica struct {
 	// exposed counts exposures of b to peers not yet released (Expose,
 	// fanout.go): b goes back to the pool with the last of them.
 	exposed int
+	// sums: the device checksums each chunk once landed (LandedSum).
+	sums bool
 }
 
 func (s sink) createGPU(f *store.ClusterFile, o cluster.Object) (cluster.Replica, error) {
@@ -307,19 +356,48 @@ func (s sink) createGPU(f *store.ClusterFile, o cluster.Object) (cluster.Replica
 		f.Release()
 		return nil, fmt.Errorf("node %s: replica of %s: %w", s.n.cfg.Directory.Node, o.Ref(), err)
 	}
-	return &gpuReplica{n: s.n, f: f, o: o, b: b}, nil
+	sums := s.n.deviceSums(f.GPU.Device) && f.GPU.Ptr%16 == 0
+	return &gpuReplica{n: s.n, f: f, o: o, b: b, sums: sums}, nil
 }
 
 func (r *gpuReplica) Bytes() []byte { return r.b.mem[:r.o.Size] }
 
 // Landed implements cluster.LandingReplica: the checked chunk at off goes
-// to the replica's GPU memory.
+// to the replica's GPU memory (the host checked it: the puller calls
+// LandedSum instead where the device checks).
 func (r *gpuReplica) Landed(off int64, b []byte) error {
+	if err := r.land(off, b); err != nil {
+		return err
+	}
+	r.n.hostSummed.Add(uint64(len(b)))
+	return nil
+}
+
+func (r *gpuReplica) land(off int64, b []byte) error {
 	if err := r.f.GPU.Device.CopyToDevice(r.f.GPU.Ptr+cudaipc.DevicePtr(off), b); err != nil {
 		return fmt.Errorf("node %s: copy a chunk of %s host→device: %w", r.n.cfg.Directory.Node, r.o.Ref(), err)
 	}
 	r.n.stagedBytes.Add(uint64(len(b)))
 	return nil
+}
+
+// SumsLanded implements cluster.SummingReplica: the device checksums the
+// chunks where it runs the kernel and the replica is 16-byte aligned.
+func (r *gpuReplica) SumsLanded() bool { return r.sums }
+
+// LandedSum implements cluster.SummingReplica: the chunk at off goes to
+// the replica's GPU memory, and the device computes its CRC-32C there.
+func (r *gpuReplica) LandedSum(off int64, b []byte) (uint32, error) {
+	if err := r.land(off, b); err != nil {
+		return 0, err
+	}
+	n := int64(len(b))
+	sums, err := r.f.GPU.Device.ChunkCRC32C(r.f.GPU.Ptr+cudaipc.DevicePtr(off), n, (n+255)/256*256)
+	if err != nil || len(sums) != 1 {
+		return 0, fmt.Errorf("node %s: checksum a chunk of %s on %s: %w", r.n.cfg.Directory.Node, r.o.Ref(), r.f.GPU.Device, err)
+	}
+	r.n.deviceSummed.Add(uint64(n))
+	return sums[0], nil
 }
 
 func (r *gpuReplica) Seal() error {
@@ -361,4 +439,4 @@ func (r *gpuReplica) end() {
 	r.f.Release()
 }
 
-var _ cluster.LandingReplica = (*gpuReplica)(nil)
+var _ cluster.SummingReplica = (*gpuReplica)(nil)

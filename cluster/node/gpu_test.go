@@ -71,8 +71,14 @@ func TestGPUObjectsAcrossDaemons(t *testing.T) {
 	defer cancel()
 
 	// Plain objects, random bytes: many chunks with a short last one, and
-	// one shorter than a chunk.
-	for i, size := range []int{96<<20 + 4097, 1000} {
+	// one shorter than a chunk; their checksums computed on the device
+	// (the default), then on the host (HostChecksums) for the last two.
+	for i, size := range []int{96<<20 + 4097, 1000, 40<<20 + 17, 999} {
+		host := i >= 2
+		node.SetHostChecksums(a.node, host)
+		node.SetHostChecksums(b.node, host)
+		devA, hostA := node.GPUChecksummed(a.node)
+		devB, hostB := node.GPUChecksummed(b.node)
 		name := "w" + string(rune('0'+i))
 		want := randomBytes(size, byte(i))
 		putGPU(t, ctx, a, name, gpu, want, client.CreateOptions{})
@@ -93,7 +99,19 @@ func TestGPUObjectsAcrossDaemons(t *testing.T) {
 		if d := node.StagedBytes(b.node) - staged; d != uint64(size) {
 			t.Fatalf("B staged %d bytes host→device for %d", d, size)
 		}
+		dA, hA := node.GPUChecksummed(a.node)
+		dB, hB := node.GPUChecksummed(b.node)
+		sums := [4]uint64{dA - devA, hA - hostA, dB - devB, hB - hostB}
+		wantSums := [4]uint64{uint64(size), 0, uint64(size), 0}
+		if host {
+			wantSums = [4]uint64{0, uint64(size), 0, uint64(size)}
+		}
+		if sums != wantSums {
+			t.Fatalf("%s: bytes checksummed on A's device, A's host, B's device, B's host: %v, want %v", name, sums, wantSums)
+		}
 	}
+	node.SetHostChecksums(a.node, false)
+	node.SetHostChecksums(b.node, false)
 
 	// A bundle of several tensors on the GPU.
 	tensors := tensorsOf(t, 10,

@@ -63,6 +63,11 @@ type Config struct {
 	// Read is how the node reads peers' memory
 	// (ucxtransport.Options.Read); "" means ucxtransport.ReadFetch.
 	Read ucxtransport.ReadMode
+	// HostChecksums makes the node compute GPU objects' chunk checksums
+	// on the host, at the seal and after each chunk a pull lands: by
+	// default the device computes them (cudaipc.Device.ChunkCRC32C), where
+	// its driver runs the kernel, and the host reads none of the bytes.
+	HostChecksums bool
 }
 
 // Node is a daemon's membership of a cluster.
@@ -92,7 +97,13 @@ type Node struct {
 	// stagedBytes counts bytes of GPU objects copied through pinned host
 	// memory (gpu.go): exposed, or landed in a replica.
 	stagedBytes atomic.Uint64
-	pinned      pinnedPool
+	// deviceSummed and hostSummed count bytes of GPU objects whose chunk
+	// checksums the device and the host computed (gpu.go); noDeviceSums
+	// holds the devices that cannot (logged once).
+	deviceSummed, hostSummed atomic.Uint64
+	noDeviceSums             sync.Map
+	hostSums                 atomic.Bool // Config.HostChecksums
+	pinned                   pinnedPool
 	// lastGPUSeal is where the time of the last GPU object's seal went;
 	// registerNanos counts the time pinned buffers took to register with
 	// UCX (the first exposure of each).
@@ -175,6 +186,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	n := &Node{cfg: cfg, log: log, dir: dir, tr: tr, ln: ln, arenas: map[uint64]*arenaReg{}, pins: map[string]*store.ClusterFile{},
 		mirror: dir.Mirror(context.Background())}
 	n.pinned.max = DefaultPinnedIdle
+	n.hostSums.Store(cfg.HostChecksums)
 	feeding := &cluster.Feeding{} // fan-out: replicas being pulled feed other readers (fanout.go)
 	n.p = &cluster.Puller{Dir: dir, Transport: tr, Secret: cfg.Directory.Secret, Sink: sink{n}, Logger: log,
 		Feeds: dir, Feeding: feeding, StreamsPerHolder: cfg.StreamsPerHolder, ReadBytes: cfg.ReadBytes}

@@ -82,3 +82,24 @@ func CopyOut(ctx context.Context, dst []byte, chunk, slice int64, workers int, c
 	}
 	return sums, nil
 }
+
+// CopyOutOnly is CopyOut without the checksums (the caller has them from
+// elsewhere: the device's, cudaipc.Device.ChunkCRC32C): it fills dst with
+// copyOut, slice bytes at a time (slice <= 0 means DefaultSealSlice),
+// checking ctx between slices.
+func CopyOutOnly(ctx context.Context, dst []byte, slice int64, copyOut func(off int64, b []byte) error) error {
+	if slice <= 0 {
+		slice = DefaultSealSlice
+	}
+	size := int64(len(dst))
+	for off := int64(0); off < size; off += slice {
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("staging: copy out at %d of %d bytes: %w", off, size, err)
+		}
+		end := min(off+slice, size)
+		if err := copyOut(off, dst[off:end]); err != nil {
+			return fmt.Errorf("staging: copy out [%d, %d) of %d bytes: %w", off, end, size, err)
+		}
+	}
+	return nil
+}

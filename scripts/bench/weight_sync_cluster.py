@@ -142,6 +142,7 @@ class Cluster:
                 + (["--cluster-streams", str(args.streams)] if args.streams else [])
                 + (["--cluster-lanes", str(args.lanes)] if args.lanes else [])
                 + (["--cluster-read", args.read] if args.read else [])
+                + (["--cluster-checksums", args.checksums] if args.checksums else [])
                 + (["--cpu-profile", "%s-%s.pprof" % (args.cpu_profile, node)] if args.cpu_profile else []),
                 stdout=dlog, stderr=subprocess.STDOUT, env=env))
             self.sockets[node] = sock
@@ -453,6 +454,7 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--capacity", default="48GiB", help="each daemon's capacity per device")
     ap.add_argument("--streams", type=int, default=0, help="chunks a pull reads from one holder at once (serve --cluster-streams; 0: the daemon's default)")
     ap.add_argument("--read", choices=["fetch", "get"], help="how daemon B reads A's memory (serve --cluster-read; default: the daemon's, fetch)")
+    ap.add_argument("--checksums", choices=["auto", "host"], help="where the daemons compute GPU objects' chunk checksums (serve --cluster-checksums; default: the daemon's, auto: on the GPU)")
     ap.add_argument("--cpu-profile", metavar="PREFIX", help="each daemon writes a CPU profile of its whole run to PREFIX-A.pprof and PREFIX-B.pprof (serve --cpu-profile)")
     ap.add_argument("--lanes", type=int, default=0, help="UCX worker pairs of each daemon (serve --cluster-lanes; 0: the daemon's default)")
     ap.add_argument("--shard-tensors", type=int, default=SHARD_TENSORS, help="tensors per shard of a version")
@@ -484,8 +486,9 @@ def main(argv: List[str]) -> None:
         if fl:
             out["floor_copies"] = fl[0]
             print("floor: pinned copies d2h %.1f GB/s, h2d %.1f GB/s" % (fl[0]["d2h_GBps"], fl[0]["h2d_GBps"]), flush=True)
-    print("daemons: --cluster-lanes %s, --cluster-read %s, --cluster-streams %s" % (
-        args.lanes or "default", args.read or "default (fetch)", args.streams or "default"), flush=True)
+    print("daemons: --cluster-lanes %s, --cluster-read %s, --cluster-streams %s, --cluster-checksums %s" % (
+        args.lanes or "default", args.read or "default (fetch)", args.streams or "default",
+        args.checksums or "default (auto)"), flush=True)
     cl = Cluster(args, tmp)
     try:
         for m in args.models.split(","):

@@ -32,6 +32,7 @@ type clusterFlags struct {
 	Streams       int    `name:"cluster-streams" default:"0" help:"Reads a pull keeps in flight from one holder (0: the default, four a lane and at least 8); more can fill a fast link whose round trip is long." placeholder:"N"`
 	Lanes         int    `name:"cluster-lanes" default:"4" env:"CUDAIPC_CLUSTER_LANES" help:"UCX workers serving and pulling, each with its own progress thread and, between two daemons of several, its own connection (default ${default}; 0 or 1: one; at most 16). Over tcp one connection and one progress thread a side bound a pull well below what a fast link carries (docs/cluster.md). Daemons of versions before lanes cannot read from daemons of several." placeholder:"N"`
 	Read          string `name:"cluster-read" default:"fetch" enum:"fetch,get" env:"CUDAIPC_CLUSTER_READ" help:"How this daemon reads other daemons' memory: fetch (default: the holder sends an exposed object's bytes by UCX rendezvous and answers no GETs; a reader killed mid-read cannot bring the holder down) or get (UCX one-sided GETs, which tcp emulates; the daemon then answers GETs of any of its addresses from anyone who reaches its UCX port). A fetching daemon cannot read daemons of versions before fetches." placeholder:"MODE"`
+	Checksums     string `name:"cluster-checksums" default:"auto" enum:"auto,host" env:"CUDAIPC_CLUSTER_CHECKSUMS" help:"Where GPU objects' chunk checksums (CRC-32C, at the seal and on each chunk a pull lands) are computed: auto (default: on the object's GPU, by a small kernel of the daemon, where the driver runs it; else on the host) or host (the daemon's CPUs read every byte)." placeholder:"WHERE"`
 	UCXLib        string `name:"ucx-lib" help:"Use this libucp.so.0 (and the libucs, libuct, libucm beside it) instead of the system's, e.g. a UCX built with CUDA (HPC-X) to register GPU arenas directly; 'cudaipc doctor --ucx-lib PATH' checks it." placeholder:"PATH"`
 }
 
@@ -97,7 +98,8 @@ func (f *clusterFlags) startCluster(ctx context.Context, g *Globals) (*node.Node
 		streams = max(cluster.DefaultStreamsPerHolder, 4*max(f.Lanes, 1))
 	}
 	n, err := node.Start(ctx, node.Config{Directory: dc, Listen: f.ClusterListen, Advertise: f.ClusterAdv, Logger: g.log,
-		StreamsPerHolder: streams, Lanes: f.Lanes, Read: ucxtransport.ReadMode(f.Read)})
+		StreamsPerHolder: streams, Lanes: f.Lanes, Read: ucxtransport.ReadMode(f.Read),
+		HostChecksums: f.Checksums == "host"})
 	if err != nil {
 		return nil, fmt.Errorf("serve --cluster: %w", err)
 	}
