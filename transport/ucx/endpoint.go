@@ -125,6 +125,7 @@ func (e *Endpoint) close(force bool) error {
 		k.closed = true
 	}
 	e.keys = nil
+	w.cancelDrainsLocked(e)
 	err := e.closeLocked(force || e.broken != nil || e.failed.Load() != 0)
 	e.closed = true
 	delete(w.endpoints, e)
@@ -372,7 +373,7 @@ func get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64
 		}
 		var progressed uint32
 		if len(inflight) > 0 {
-			progressed = raw.WorkerProgress(w.h)
+			progressed = w.progressLocked()
 		}
 		before := len(inflight)
 		kept := inflight[:0]
@@ -500,6 +501,7 @@ func (e *Endpoint) shutLocked() {
 		k.closed = true
 	}
 	e.keys = nil
+	e.w.cancelDrainsLocked(e)
 	_ = e.closeLocked(true)
 	e.closed = true
 	delete(e.w.endpoints, e)

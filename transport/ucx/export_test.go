@@ -19,3 +19,29 @@ func ParseFetchRequest(b []byte) ([]byte, error) {
 	}
 	return r.marshal(), nil
 }
+
+// FetchDrains returns how many drains of replies to canceled fetches the
+// worker has pending, and how many completed with a reply and without one.
+func (w *Worker) FetchDrains() (pending int, done, dropped uint64) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.drains), w.drainsDone, w.drainsDropped
+}
+
+// PendingFetchReplies is how many fetch replies the worker's Serve has
+// under way (0 when it is not serving).
+func (w *Worker) PendingFetchReplies() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.fetch == nil {
+		return 0
+	}
+	return len(w.fetch.sends)
+}
+
+// Hold takes the worker's lock, which stops Serve and every read on it
+// from progressing it, and returns the function that releases it.
+func (w *Worker) Hold() (release func()) {
+	w.mu.Lock()
+	return w.mu.Unlock
+}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	raw "github.com/cudaipc/cudaipc/internal/ucx"
+	"golang.org/x/sys/unix"
 )
 
 // Fetch is the two-sided read: the reader asks, the holder sends.
@@ -136,8 +137,10 @@ const DefaultFetchChunk = 8 << 20
 // ctx ends, the receives the peer has not begun to answer are canceled and
 // Fetch waits up to opt.CancelWait, then purgeWait, for the others: when it
 // returns with ctx's error UCX no longer writes into dst, unless the error
-// says otherwise. A peer that dies fails Fetch with an error IsPeerFailure
-// recognizes.
+// says otherwise. The worker drains the replies the peer sends later to
+// canceled receives (fetchDrain) while it is progressed: by Serve, or by
+// later reads on it. A peer that dies fails Fetch with an error
+// IsPeerFailure recognizes.
 func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64, dst []byte, opt FetchOptions) error {
 	n := uint64(len(dst))
 	chunk, depth, cancelWait, ok, err := checkRead(ctx, ep, key, remoteAddr, n, readLimits{opt.Chunk, opt.Depth, opt.CancelWait, DefaultFetchChunk})
@@ -156,7 +159,9 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 		tag        uint64
 		recv, send raw.Request
 		msg        []byte // the request, kept until its send completes
-		canceled   bool
+		canceled   bool   // the receive was canceled
+		unanswered bool   // it ended canceled, before any reply matched it
+		sendFailed bool   // the request may not have reached the peer
 	}
 	var (
 		inflight []*op
@@ -214,6 +219,7 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 			sreq, err := raw.TagSendNbx(ep.h, raw.Addr(o.msg), uint64(len(o.msg)), fetchRequestTag, &raw.RequestParam{})
 			inflight = append(inflight, o)
 			if err != nil {
+				o.sendFailed = true
 				fail(err)
 				break
 			}
@@ -222,7 +228,7 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 		}
 		var progressed uint32
 		if len(inflight) > 0 {
-			progressed = raw.WorkerProgress(w.h)
+			progressed = w.progressLocked()
 		}
 		before := len(inflight)
 		kept := inflight[:0]
@@ -232,6 +238,7 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 					raw.RequestFree(o.send)
 					o.send = 0
 					if s != raw.OK {
+						o.sendFailed = true
 						fail(&raw.Error{Func: "ucp_tag_send_nbx", Status: s})
 					}
 				}
@@ -244,6 +251,7 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 					o.recv = 0
 					switch {
 					case s == raw.ErrCanceled && o.canceled:
+						o.unanswered = true
 					case s != raw.OK:
 						fail(&raw.Error{Func: "ucp_tag_recv_nbx", Status: s})
 					case info.SenderTag&fetchReplyErr != 0:
@@ -254,10 +262,14 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 					}
 				}
 			}
-			if o.recv != 0 || o.send != 0 {
+			switch {
+			case o.recv != 0 || o.send != 0:
 				kept = append(kept, o)
+			case o.unanswered && !o.sendFailed:
+				w.drainLocked(ep, o.tag)
 			}
 		}
+		clear(inflight[len(kept):])
 		inflight = kept
 		if len(inflight) == 0 && (firstErr != nil || stopped != nil || next == n) {
 			if firstErr != nil && IsPeerFailure(firstErr) {
@@ -298,6 +310,145 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 		return stopped
 	}
 	return firstErr
+}
+
+// fetchDrain is a truncating receive a worker posts for the reply to a
+// canceled fetch. A Fetch that stops cancels the receives the holder has
+// not answered yet, but a holder that already got the request answers it
+// all the same: unmatched, its reply would stay in the reader's unexpected
+// queue (an eager reply whole, a rendezvous one as its announcement), and
+// the holder's send of a rendezvous reply would stay pending until the
+// endpoint it goes by closed. So for each receive that ended canceled
+// after its request was sent, the worker posts a receive of drainLen
+// bytes on the same reply tag (refusal bit masked out, as the fetch's
+// own receive), which takes the reply without its bytes. What UCX does
+// with a receive shorter than the message (read in the v1.13.1 and
+// v1.16.0 sources):
+//
+//   - Eager, one fragment: ucp_datatype_iter_unpack_single (1.16;
+//     ucp_dt_unpack_only in 1.13) sees the message longer than the buffer,
+//     copies nothing, releases the unexpected descriptor and completes the
+//     receive with UCS_ERR_MESSAGE_TRUNCATED. Several fragments:
+//     ucp_request_process_recv_data marks the receive truncated at the
+//     first (ucp_request_recv_msg_truncated copies nothing), still
+//     consumes every later fragment of the message and completes with
+//     UCS_ERR_MESSAGE_TRUNCATED after the last. The holder's eager send
+//     completed when UCX buffered it, whatever the reader does.
+//   - Rendezvous, 1.16 (protocols v2, UCX_PROTO_ENABLE=y by default):
+//     ucp_proto_rndv_receive_start sees rts->size above the buffer's
+//     length, sets the receive's status to UCS_ERR_MESSAGE_TRUNCATED and
+//     runs UCP_OP_ID_RNDV_RECV_DROP (the "rndv/ats" protocol: no data is
+//     fetched), which sends the holder an ATS with status UCS_OK and the
+//     message's full size (ucp_proto_rndv_pack_ack); the receive completes
+//     once the ATS is sent. The holder's ucp_proto_rndv_ats_handler counts
+//     that size as done and completes its send with UCS_OK.
+//   - Rendezvous, 1.13 (protocols v1, the default there): ucp_rndv_receive
+//     sends the ATS with UCS_OK (ucp_rndv_req_send_ack) and completes the
+//     receive with UCS_ERR_MESSAGE_TRUNCATED at once; ucp_rndv_ats_handler
+//     completes the holder's send with the ATS's status, UCS_OK.
+//
+// So both sides are released, and the holder sees a reply sent (FetchStats
+// counts it) whose bytes nobody read. A drain completes only while its
+// worker is progressed (Serve, or reads on it). It is bounded: a worker
+// keeps at most maxDrains (beyond, the oldest is canceled), and a drain
+// whose reply never comes (the holder dropped the request, or died) is
+// canceled when its endpoint or worker closes. Tags are never reused, so
+// a drain matches no other reply.
+type fetchDrain struct {
+	req raw.Request
+	ep  *Endpoint // the endpoint the request went by
+}
+
+const (
+	// drainLen is the length of a drain's receive, shorter than any
+	// rendezvous message; an eager reply that fits completes it as well.
+	drainLen = 8
+	// maxDrains bounds the drains a worker keeps.
+	maxDrains = 128
+)
+
+// drainLocked posts a drain for the reply under tag to a request sent by
+// ep; w.mu is held.
+func (w *Worker) drainLocked(ep *Endpoint, tag uint64) {
+	if ep.closed || ep.failed.Load() != 0 {
+		return
+	}
+	if w.drainBuf == nil {
+		// Shared by the worker's drains (nothing reads it) and unmapped
+		// after the worker is destroyed: UCX may write into it until then.
+		// It lies outside Go's heap, as a Pinner held that long would
+		// panic when a Worker leaked with its Context were collected.
+		buf, err := unix.Mmap(-1, 0, unix.Getpagesize(), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+		if err != nil {
+			slog.Debug("ucx: cannot drain the reply to a canceled fetch", "err", err)
+			return
+		}
+		w.drainBuf = buf
+	}
+	if len(w.drains) >= maxDrains {
+		// The oldest: canceled unless a reply matched it, and then
+		// released by UCX when it completes.
+		d := w.drains[0]
+		raw.RequestCancel(w.h, d.req)
+		raw.RequestFree(d.req)
+		w.drainsDropped++
+		w.drains = append(w.drains[:0], w.drains[1:]...)
+	}
+	p := raw.RequestParam{OpAttrMask: raw.OpAttrFlagNoImmCmpl}
+	req, err := raw.TagRecvNbx(w.h, raw.Addr(w.drainBuf), drainLen, tag, ^fetchReplyErr, &p)
+	if err != nil {
+		slog.Debug("ucx: cannot drain the reply to a canceled fetch", "err", err)
+		return
+	}
+	w.drains = append(w.drains, fetchDrain{req: req, ep: ep})
+	if raw.RequestCheckStatus(req) != raw.InProgress {
+		w.reapDrainsLocked() // the reply was waiting
+	}
+}
+
+// reapDrainsLocked releases the drains that completed; w.mu is held.
+func (w *Worker) reapDrainsLocked() {
+	kept := w.drains[:0]
+	for _, d := range w.drains {
+		s := raw.RequestCheckStatus(d.req)
+		if s == raw.InProgress {
+			kept = append(kept, d)
+			continue
+		}
+		raw.RequestFree(d.req)
+		if s == raw.OK || s == raw.ErrMessageTruncated {
+			w.drainsDone++
+		} else {
+			w.drainsDropped++
+		}
+	}
+	clear(w.drains[len(kept):])
+	w.drains = kept
+}
+
+// cancelDrainsLocked cancels the drains of requests sent by ep, or all
+// when ep is nil; w.mu is held. A drain a reply already matched completes
+// later.
+func (w *Worker) cancelDrainsLocked(ep *Endpoint) {
+	if len(w.drains) == 0 {
+		return
+	}
+	for _, d := range w.drains {
+		if ep == nil || d.ep == ep {
+			raw.RequestCancel(w.h, d.req)
+		}
+	}
+	w.reapDrainsLocked()
+}
+
+// progressLocked runs ucp_worker_progress once, releases the drains that
+// completed and returns how many events it handled; w.mu is held.
+func (w *Worker) progressLocked() uint32 {
+	n := raw.WorkerProgress(w.h)
+	if n > 0 && len(w.drains) > 0 {
+		w.reapDrainsLocked()
+	}
+	return n
 }
 
 // ErrRefused matches the error of a Fetch the peer refused (the bytes are

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/base64"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"syscall"
@@ -391,4 +392,235 @@ func TestConcurrentFetches(t *testing.T) {
 			t.Errorf("fetch %d: bytes differ", i)
 		}
 	}
+}
+
+// localPair is a holder and a reader in this process, on contexts of
+// their own: the holder serves a region of random bytes through a window
+// of token tok, and the reader has an endpoint ep to it with the region's
+// key k.
+type localPair struct {
+	data   []byte
+	hc, rc *ucx.Context
+	hw, rw *ucx.Worker
+	ep     *ucx.Endpoint
+	k      *ucx.RemoteKey
+	tok    ucx.Token
+	base   uint64
+}
+
+func newLocalPair(t *testing.T, seed uint64, size int) *localPair {
+	t.Helper()
+	requireUCX(t)
+	p := &localPair{data: testutil.RandomBytes(seed, size)}
+	newWorker := func(name string) (*ucx.Context, *ucx.Worker) {
+		c, err := ucx.NewContext(ucx.ContextOptions{Name: name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			if err := c.Close(); err != nil {
+				t.Errorf("closing %s: %v", name, err)
+			}
+		})
+		w, err := c.NewWorker(ucx.WorkerOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c, w
+	}
+	p.hc, p.hw = newWorker("test-holder")
+	r, err := p.hc.Register(p.data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	win, err := r.Window(0, uint64(size))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.tok, p.base = win.Token(), r.Key().Addr
+	serve(t, p.hw)
+	p.rc, p.rw = newWorker("test-reader")
+	if p.ep, err = p.rw.Connect(p.hw.Address()); err != nil {
+		t.Fatal(err)
+	}
+	if p.k, err = p.ep.Unpack(r.Key()); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// serve runs w.Serve until the test ends.
+func serve(t *testing.T, w *ucx.Worker) {
+	ctx, stop := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- w.Serve(ctx) }()
+	t.Cleanup(func() {
+		stop()
+		if err := testutil.Next(t, served, 20*time.Second); err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	})
+}
+
+// check fetches n bytes at off with chunk and compares them.
+func (p *localPair) check(t *testing.T, off, n, chunk int) {
+	t.Helper()
+	dst := make([]byte, n)
+	if err := ucx.Fetch(timeout(t, 20*time.Second), p.ep, p.k, p.base+uint64(off), dst, ucx.FetchOptions{Chunk: chunk, Token: p.tok}); err != nil {
+		t.Fatalf("fetch [%d, +%d): %v", off, n, err)
+	}
+	if !bytes.Equal(dst, p.data[off:off+n]) {
+		t.Fatalf("fetch [%d, +%d): bytes differ", off, n)
+	}
+}
+
+// cancelAtHeldHolder runs fetches while the holder's worker is held (its
+// requests wait unread), so that each ends by its context with every
+// receive canceled before a reply, and returns how many requests they
+// sent. The holder stays held: the caller releases it.
+func (p *localPair) cancelAtHeldHolder(t *testing.T, fetches []canceledFetch) (requests int) {
+	t.Helper()
+	for _, f := range fetches {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
+		dst := make([]byte, f.n)
+		start := time.Now()
+		err := ucx.Fetch(ctx, p.ep, p.k, p.base+uint64(f.off), dst, ucx.FetchOptions{Chunk: f.chunk, Depth: 64, Token: f.tok})
+		cancel()
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("fetch [%d, +%d) at a held holder: %v, want its deadline", f.off, f.n, err)
+		}
+		if d := time.Since(start); d > 5*time.Second {
+			t.Fatalf("a fetch at a held holder took %v to end", d)
+		}
+		requests += (f.n + f.chunk - 1) / f.chunk
+	}
+	return requests
+}
+
+type canceledFetch struct {
+	off, n, chunk int
+	tok           ucx.Token
+}
+
+// TestFetchCanceledRepliesDrained: fetches canceled before the holder
+// answered them (rendezvous replies of 4 MiB, eager ones of 1 KiB, 40 KiB
+// ones and a refusal) are answered once the holder runs again; the
+// reader's worker drains every reply, so that the holder's replies all
+// complete without any endpoint closing, and later fetches on the same
+// endpoint read right bytes. The reader's worker is progressed by
+// Progress in the first round and by Serve, with fetches running, in the
+// second.
+func TestFetchCanceledRepliesDrained(t *testing.T) {
+	const size = 48 << 20
+	p := newLocalPair(t, 1908, size)
+	p.check(t, 0, 64<<10, 16<<10) // connects both ways
+	bad := p.tok
+	bad[0] ^= 1
+	fetches := []canceledFetch{
+		{off: 0, n: 16 << 20, chunk: 4 << 20, tok: p.tok},
+		{off: 16 << 20, n: 8 << 10, chunk: 1 << 10, tok: p.tok},
+		{off: 17 << 20, n: 3 * 40 << 10, chunk: 40 << 10, tok: p.tok},
+		{off: 18 << 20, n: 4 << 10, chunk: 4 << 10, tok: bad},
+	}
+	var wantDone uint64
+	for round := range 2 {
+		before := p.hc.FetchStats()
+		release := p.hw.Hold()
+		n := p.cancelAtHeldHolder(t, fetches)
+		pending, done, dropped := p.rw.FetchDrains()
+		if pending != n || done != wantDone || dropped != 0 {
+			release()
+			t.Fatalf("round %d: %d requests canceled unanswered; drains %d pending, %d done, %d dropped", round, n, pending, done, dropped)
+		}
+		release()
+		wantDone += uint64(n)
+		if round == 1 {
+			serve(t, p.rw)
+			for i := range 4 {
+				p.check(t, 20<<20+i*(5<<20), 5<<20, 1<<20)
+			}
+		}
+		testutil.Eventually(t, 20*time.Second, func() error {
+			if round == 0 {
+				if _, err := p.rw.Progress(); err != nil {
+					return err
+				}
+			}
+			s := p.hc.FetchStats()
+			answered := s.Sent + s.Refused - before.Sent - before.Refused
+			if round == 1 {
+				answered -= 4 * 5 // the checks' chunks
+			}
+			pending, done, dropped := p.rw.FetchDrains()
+			if h := p.hw.PendingFetchReplies(); answered != uint64(n) || h != 0 || pending != 0 || done != wantDone || dropped != 0 {
+				return fmt.Errorf("holder answered %d of %d requests, %d replies pending; reader's drains: %d pending, %d done (want %d), %d dropped",
+					answered, n, h, pending, done, wantDone, dropped)
+			}
+			return nil
+		})
+		if s := p.hc.FetchStats(); s.Refused-before.Refused != 1 {
+			t.Errorf("round %d: the holder refused %d requests, want 1", round, s.Refused-before.Refused)
+		}
+		if err := p.ep.Err(); err != nil {
+			t.Fatalf("round %d: the endpoint failed: %v", round, err)
+		}
+		p.check(t, 0, size, 0)
+		p.check(t, 16<<20+1, 8<<10, 1<<10)
+	}
+}
+
+// TestFetchDrainsBounded: a worker keeps at most 128 drains (beyond, the
+// oldest are dropped), and closing the endpoint drops those still waiting
+// for replies; the holder's replies complete and it serves another
+// reader right.
+func TestFetchDrainsBounded(t *testing.T) {
+	const size = 1 << 20
+	p := newLocalPair(t, 1909, size)
+	p.check(t, 0, 64<<10, 16<<10)
+	release := p.hw.Hold()
+	held := true
+	defer func() {
+		if held {
+			release()
+		}
+	}()
+	n := p.cancelAtHeldHolder(t, []canceledFetch{
+		{off: 0, n: 64 << 10, chunk: 1 << 10, tok: p.tok},
+		{off: 64 << 10, n: 64 << 10, chunk: 1 << 10, tok: p.tok},
+		{off: 128 << 10, n: 64 << 10, chunk: 1 << 10, tok: p.tok},
+	})
+	if pending, done, dropped := p.rw.FetchDrains(); n != 192 || pending != 128 || done != 0 || dropped != 64 {
+		t.Fatalf("%d requests canceled unanswered; drains %d pending, %d done, %d dropped; want 192, 128, 0, 64", n, pending, done, dropped)
+	}
+	if err := p.ep.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if pending, done, dropped := p.rw.FetchDrains(); pending != 0 || done != 0 || dropped != 192 {
+		t.Fatalf("after the endpoint closed, drains %d pending, %d done, %d dropped; want 0, 0, 192", pending, done, dropped)
+	}
+	release()
+	held = false
+	testutil.Eventually(t, 10*time.Second, func() error {
+		if s := p.hc.FetchStats(); s.Sent < 192 {
+			return fmt.Errorf("the holder answered %d requests", s.Sent)
+		}
+		if h := p.hw.PendingFetchReplies(); h != 0 {
+			return fmt.Errorf("%d eager replies pending at the holder", h)
+		}
+		return nil
+	})
+	// From a new worker: one that closed its endpoint to a holder and
+	// connected again fails the holder's rendezvous replies canceled (UCX
+	// logs "ep ... has already been closed"), which this test is not about.
+	var err error
+	if p.rw, err = p.rc.NewWorker(ucx.WorkerOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if p.ep, err = p.rw.Connect(p.hw.Address()); err != nil {
+		t.Fatal(err)
+	}
+	if p.k, err = p.ep.Unpack(p.k.Key()); err != nil {
+		t.Fatal(err)
+	}
+	p.check(t, 0, size, 64<<10)
 }

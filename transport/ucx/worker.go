@@ -39,6 +39,12 @@ type Worker struct {
 	gets      int           // Gets and Fetches running on the worker's endpoints
 	fetchSeq  uint64        // the last Fetch reply tag's sequence number
 	fetch     *fetchServer  // answers fetch requests while Serve runs
+
+	// Drains of replies to canceled fetches (fetchDrain), their shared
+	// buffer, and how many completed with a reply and without one.
+	drains                    []fetchDrain
+	drainBuf                  []byte
+	drainsDone, drainsDropped uint64
 }
 
 // NewWorker creates a worker (ucp_worker_create) and fetches its address.
@@ -98,7 +104,7 @@ func (w *Worker) Progress() (int, error) {
 	if w.closed {
 		return 0, ErrClosed
 	}
-	return int(raw.WorkerProgress(w.h)), nil
+	return int(w.progressLocked()), nil
 }
 
 // serveSpin is how long Serve keeps polling after the last event before it
@@ -153,7 +159,7 @@ func (w *Worker) Serve(ctx context.Context) error {
 			w.mu.Unlock()
 			return nil
 		}
-		n := int(raw.WorkerProgress(w.h))
+		n := int(w.progressLocked())
 		n += w.fetch.pollLocked(n > 0)
 		w.mu.Unlock()
 		if n > 0 {
@@ -248,11 +254,31 @@ func (w *Worker) Close() error {
 		<-served
 	}
 	w.mu.Lock()
+	w.closeDrainsLocked()
 	w.ctx.handles.remove(w.h, 0)
 	raw.WorkerDestroy(w.h)
+	if w.drainBuf != nil {
+		_ = unix.Munmap(w.drainBuf)
+		w.drainBuf = nil
+	}
 	w.mu.Unlock()
 	w.ctx.mu.Lock()
 	delete(w.ctx.workers, w)
 	w.ctx.mu.Unlock()
 	return errors.Join(errs...)
+}
+
+// closeDrainsLocked ends the worker's drains before it is destroyed: it
+// cancels them, waits up to closeWait for those a reply already matched,
+// and gives the rest back to UCX; w.mu is held.
+func (w *Worker) closeDrainsLocked() {
+	w.cancelDrainsLocked(nil)
+	for deadline := time.Now().Add(closeWait); len(w.drains) > 0 && time.Now().Before(deadline); {
+		raw.WorkerProgress(w.h)
+		w.reapDrainsLocked()
+	}
+	for _, d := range w.drains {
+		raw.RequestFree(d.req)
+	}
+	w.drains = nil
 }
