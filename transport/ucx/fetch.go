@@ -486,9 +486,12 @@ type fetchServer struct {
 	sends []*fetchSend
 	peers map[string]*Endpoint // by the reader's raw worker address
 	pins  runtime.Pinner
-	again bool      // the last poll posted or handled something: look again
-	swept time.Time // when failed readers' endpoints were last swept
-	log   *slog.Logger
+	// deferred are requests for bytes of filling windows not ready yet,
+	// answered when they are (Window.Ready wakes Serve).
+	deferred []deferredFetch
+	again    bool      // the last poll posted or handled something: look again
+	swept    time.Time // when failed readers' endpoints were last swept
+	log      *slog.Logger
 }
 
 // fetchSlot is a posted receive of requests.
@@ -528,10 +531,14 @@ func newFetchServer(w *Worker) *fetchServer {
 // every posted receive on every turn. Endpoints to readers that failed are
 // swept after a reply failed, and once a second otherwise.
 func (fs *fetchServer) pollLocked(progressed bool) int {
-	if !progressed && !fs.again {
+	retried := 0
+	if len(fs.deferred) > 0 {
+		retried = fs.retryDeferredLocked()
+	}
+	if !progressed && !fs.again && retried == 0 {
 		return 0
 	}
-	w, handled, posted, failed := fs.w, 0, false, false
+	w, handled, posted, failed := fs.w, retried, false, false
 	param := raw.RequestParam{OpAttrMask: raw.OpAttrFlagNoImmCmpl}
 	for _, s := range fs.recvs {
 		if s.req != 0 {
@@ -623,12 +630,74 @@ func (fs *fetchServer) handleLocked(b []byte) {
 		fs.log.Warn("ucx: cannot reach a fetching reader", "err", err)
 		return
 	}
-	r, why := fs.w.ctx.windowFor(req.token, req.addr, req.n)
-	if r == nil {
+	r, wait, why := fs.w.ctx.windowFor(req.token, req.addr, req.n)
+	switch {
+	case wait && len(fs.deferred) >= maxDeferred:
+		counts.refused.Add(1)
+		fs.refuseLocked(ep, req, fmt.Sprintf("%d fetches already wait for bytes not ready yet", len(fs.deferred)))
+	case wait:
+		fs.deferred = append(fs.deferred, deferredFetch{ep: ep, req: req, since: time.Now()})
+	case r == nil:
 		counts.refused.Add(1)
 		fs.refuseLocked(ep, req, why)
-		return
+	default:
+		fs.sendLocked(ep, req, r)
 	}
+}
+
+// deferredFetch is a request for bytes of a FillingWindow that were not
+// ready when it came.
+type deferredFetch struct {
+	ep    *Endpoint
+	req   fetchRequest
+	since time.Time
+}
+
+// DeferWait bounds how long a fetch of bytes not ready yet (FillingWindow)
+// waits at the holder: it is refused then.
+const DeferWait = 30 * time.Second
+
+// maxDeferred bounds the fetches a served worker keeps waiting for bytes
+// not ready yet; more are refused at once.
+const maxDeferred = 4096
+
+// retryDeferredLocked answers the waiting fetches whose bytes are ready
+// now (or whose window closed, or that waited DeferWait: refused) and
+// returns how many it answered; w.mu is held.
+func (fs *fetchServer) retryDeferredLocked() int {
+	counts, answered := &fs.w.ctx.fetched, 0
+	kept := fs.deferred[:0]
+	for _, d := range fs.deferred {
+		if d.ep.closed || d.ep.failed.Load() != 0 {
+			counts.dropped.Add(1)
+			answered++
+			continue
+		}
+		r, wait, why := fs.w.ctx.windowFor(d.req.token, d.req.addr, d.req.n)
+		switch {
+		case wait && time.Since(d.since) < DeferWait:
+			kept = append(kept, d)
+			continue
+		case wait:
+			counts.refused.Add(1)
+			fs.refuseLocked(d.ep, d.req, fmt.Sprintf("the bytes were not ready within %v", DeferWait))
+		case r == nil:
+			counts.refused.Add(1)
+			fs.refuseLocked(d.ep, d.req, why)
+		default:
+			fs.sendLocked(d.ep, d.req, r)
+		}
+		answered++
+	}
+	clear(fs.deferred[len(kept):])
+	fs.deferred = kept
+	return answered
+}
+
+// sendLocked sends the reader the bytes it asked for, from region r (a
+// reply counted on r by windowFor).
+func (fs *fetchServer) sendLocked(ep *Endpoint, req fetchRequest, r *MemRegion) {
+	counts := &fs.w.ctx.fetched
 	counts.sent.Add(1)
 	counts.sentBytes.Add(req.n)
 	p := raw.RequestParam{OpAttrMask: raw.OpAttrFieldMemh | raw.OpAttrFieldMemoryType, Memh: r.h, MemoryType: r.memType}
@@ -692,6 +761,7 @@ func (fs *fetchServer) peerLocked(a WorkerAddress) (*Endpoint, error) {
 // after; w.mu is held.
 func (fs *fetchServer) stopLocked() {
 	w := fs.w
+	fs.deferred = nil // never answered: their readers' fetches end by their contexts
 	for _, s := range fs.recvs {
 		if s.req != 0 {
 			raw.RequestCancel(w.h, s.req)

@@ -22,19 +22,34 @@ func (t Token) String() string { return hex.EncodeToString(t[:4]) + "…" }
 // window its token names. Open one per exposure of an object (its bytes,
 // not the whole arena around them) and close it when the exposure ends.
 type Window struct {
-	r      *MemRegion
-	addr   uint64
-	n      uint64
-	token  Token
-	closed bool // guarded by r.ctx.mu
+	r     *MemRegion
+	addr  uint64
+	n     uint64
+	token Token
+	// ready is how many of the window's first bytes peers may fetch; a
+	// fetch of bytes past them waits (FillingWindow). Guarded by r.ctx.mu,
+	// as is closed.
+	ready  uint64
+	closed bool
 }
 
 // Window opens a window on n bytes of the region at offset off.
-func (r *MemRegion) Window(off, n uint64) (*Window, error) {
+func (r *MemRegion) Window(off, n uint64) (*Window, error) { return r.window(off, n, n) }
+
+// FillingWindow opens a window on n bytes of the region at offset off
+// whose bytes are still being written: a fetch of bytes past what Ready
+// last said waits at the holder (up to DeferWait, then it is refused)
+// instead of reading them, and is answered as soon as they are ready. A
+// reader can so start on an object's first bytes while the holder still
+// copies the rest in (a GPU object staged device→host after its record
+// was published).
+func (r *MemRegion) FillingWindow(off, n uint64) (*Window, error) { return r.window(off, n, 0) }
+
+func (r *MemRegion) window(off, n, ready uint64) (*Window, error) {
 	if n == 0 || off > r.key.Len || n > r.key.Len-off {
 		return nil, fmt.Errorf("ucx: window [%d, +%d) is not inside the region of %d bytes", off, n, r.key.Len)
 	}
-	w := &Window{r: r, addr: r.key.Addr + off, n: n}
+	w := &Window{r: r, addr: r.key.Addr + off, n: n, ready: ready}
 	if _, err := rand.Read(w.token[:]); err != nil {
 		return nil, err
 	}
@@ -57,6 +72,28 @@ func (w *Window) Addr() uint64 { return w.addr }
 // Len returns the window's length.
 func (w *Window) Len() uint64 { return w.n }
 
+// Ready says that the window's first k bytes (at most its length) hold
+// what peers may fetch, and answers the fetches waiting for them. Ready
+// never takes bytes back: a k below an earlier one changes nothing.
+func (w *Window) Ready(k uint64) {
+	c := w.r.ctx
+	c.mu.Lock()
+	k = min(k, w.n)
+	if w.closed || k <= w.ready {
+		c.mu.Unlock()
+		return
+	}
+	w.ready = k
+	var serving []*Worker
+	for wk := range c.workers {
+		serving = append(serving, wk)
+	}
+	c.mu.Unlock()
+	for _, wk := range serving {
+		wk.wakeServe()
+	}
+}
+
 // Close closes the window: later fetches of its token are refused. Replies
 // under way finish (MemRegion.Close waits for them). It is idempotent.
 func (w *Window) Close() error {
@@ -74,20 +111,23 @@ func (w *Window) Close() error {
 var errNoWindow = errors.New("no open window has that token (never opened, or closed: the exposure ended)")
 
 // windowFor returns the region of the open window that token names, with
-// a Fetch reply counted on it, when [addr, +n) lies inside the window;
-// else nil and the refusal's reason.
-func (c *Context) windowFor(token Token, addr, n uint64) (*MemRegion, string) {
+// a Fetch reply counted on it, when [addr, +n) lies inside the window and
+// is ready; else nil and, when the bytes are not ready yet, wait, or the
+// refusal's reason.
+func (c *Context) windowFor(token Token, addr, n uint64) (r *MemRegion, wait bool, why string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	w := c.windows[token]
 	switch {
 	case w == nil:
-		return nil, errNoWindow.Error()
+		return nil, false, errNoWindow.Error()
 	case addr < w.addr || addr+n > w.addr+w.n:
-		return nil, fmt.Sprintf("[%#x, +%d) is not inside window %v [%#x, +%d)", addr, n, token, w.addr, w.n)
+		return nil, false, fmt.Sprintf("[%#x, +%d) is not inside window %v [%#x, +%d)", addr, n, token, w.addr, w.n)
+	case addr+n > w.addr+w.ready:
+		return nil, true, ""
 	}
 	w.r.sending.Add(1)
-	return w.r, ""
+	return w.r, false, ""
 }
 
 // closeWindowsLocked closes r's windows; c.mu is held.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	raw "github.com/cudaipc/cudaipc/internal/ucx"
@@ -45,6 +46,8 @@ type Worker struct {
 	drains                    []fetchDrain
 	drainBuf                  []byte
 	drainsDone, drainsDropped uint64
+
+	readied atomic.Bool // a window's bytes became ready since Serve last looked
 }
 
 // NewWorker creates a worker (ucp_worker_create) and fetches its address.
@@ -117,6 +120,10 @@ const serveSpin = 200 * time.Microsecond
 // cannot wake the descriptor are still handled.
 const serveSleep = 100 * time.Millisecond
 
+// deferredSleep bounds one sleep of Serve while fetches wait for bytes not
+// ready yet.
+const deferredSleep = 10 * time.Millisecond
+
 // Serve progresses the worker until ctx is done or the worker is closed,
 // and returns nil then. While it runs, the worker answers peers' Fetch
 // requests for bytes of the regions its Context has registered. It runs on a locked OS thread, polls while there is
@@ -183,6 +190,10 @@ func (w *Worker) Serve(ctx context.Context) error {
 			continue
 		}
 		err := raw.WorkerArm(w.h)
+		sleep := serveSleep
+		if len(w.fetch.deferred) > 0 {
+			sleep = deferredSleep // to refuse those waiting DeferWait in time
+		}
 		w.mu.Unlock()
 		if errors.Is(err, raw.ErrBusy) {
 			last = time.Now()
@@ -191,7 +202,13 @@ func (w *Worker) Serve(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		if _, err := unix.Poll(fds, int(serveSleep/time.Millisecond)); err != nil && !errors.Is(err, unix.EINTR) {
+		// Bytes made ready before the arm (whose signal the arm may have
+		// taken) are answered without sleeping.
+		if w.readied.Swap(false) {
+			last = time.Now()
+			continue
+		}
+		if _, err := unix.Poll(fds, int(sleep/time.Millisecond)); err != nil && !errors.Is(err, unix.EINTR) {
 			return err
 		}
 		last = time.Now()
@@ -206,6 +223,17 @@ func (w *Worker) Serving() bool {
 }
 
 // wake makes a sleeping Serve return to its loop (ucp_worker_signal).
+// wakeServe wakes a Serve of w to answer fetches waiting for bytes that
+// became ready (Window.Ready); readied tells a Serve about to sleep.
+func (w *Worker) wakeServe() {
+	w.readied.Store(true)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.closed && w.serving {
+		_ = raw.WorkerSignal(w.h)
+	}
+}
+
 func (w *Worker) wake() {
 	w.mu.Lock()
 	defer w.mu.Unlock()

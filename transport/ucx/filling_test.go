@@ -1,0 +1,160 @@
+package ucx_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cudaipc/cudaipc/internal/testutil"
+	"github.com/cudaipc/cudaipc/transport/ucx"
+)
+
+// fillingHolder is an in-process holder: a served worker and a region of
+// size bytes, zeros until the test fills it, and a reader's endpoint and
+// key for it.
+type fillingHolder struct {
+	mem []byte
+	r   *ucx.MemRegion
+	ep  *ucx.Endpoint
+	key *ucx.RemoteKey
+	c   *ucx.Context
+}
+
+func startFillingHolder(t *testing.T, size int) *fillingHolder {
+	t.Helper()
+	requireUCX(t)
+	hc, err := ucx.NewContext(ucx.ContextOptions{Name: "test-filling-holder", NoRMA: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { hc.Close() })
+	hw, err := hc.NewWorker(ucx.WorkerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem := make([]byte, size)
+	r, err := hc.Register(mem)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- hw.Serve(ctx) }()
+	t.Cleanup(func() {
+		stop()
+		if err := testutil.Next(t, served, 20*time.Second); err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	})
+	rc, err := ucx.NewContext(ucx.ContextOptions{Name: "test-filling-reader", NoRMA: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rc.Close() })
+	rw, err := rc.NewWorker(ucx.WorkerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ep, err := rw.Connect(hw.Address())
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, err := ep.Unpack(r.Key())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &fillingHolder{mem: mem, r: r, ep: ep, key: key, c: hc}
+}
+
+// TestFillingWindow: fetches of a FillingWindow's bytes wait until Ready
+// covers them and then read the bytes written before it, while the holder
+// fills the region slice by slice behind the readers (whole-window
+// fetches, and random ranges from several goroutines); bytes already ready
+// are answered at once; a window closed while fetches wait refuses them;
+// Ready beyond the window or backwards changes nothing.
+func TestFillingWindow(t *testing.T) {
+	const size, slice = 24 << 20, 1 << 20
+	h := startFillingHolder(t, size)
+	data := testutil.RandomBytes(1907, size)
+	win, err := h.r.FillingWindow(0, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := h.r.Key().Addr
+	opt := ucx.FetchOptions{Chunk: 512 << 10, Depth: 8, Token: win.Token()}
+
+	// Readers start before any byte is ready.
+	type result struct {
+		off, n int
+		got    []byte
+		err    error
+		at     time.Time
+	}
+	results := make(chan result, 16)
+	var wg sync.WaitGroup
+	ranges := [][2]int{{0, size}, {size - 4096, 4096}, {5<<20 + 3, 7<<20 + 11}, {0, 1}}
+	for _, rg := range ranges {
+		wg.Go(func() {
+			dst := make([]byte, rg[1])
+			err := ucx.Fetch(timeout(t, 30*time.Second), h.ep, h.key, base+uint64(rg[0]), dst, opt)
+			results <- result{rg[0], rg[1], dst, err, time.Now()}
+		})
+	}
+	time.Sleep(50 * time.Millisecond)
+	select {
+	case r := <-results:
+		t.Fatalf("a fetch of [%d, +%d) returned before any byte was ready: %v", r.off, r.n, r.err)
+	default:
+	}
+	filled := make([]time.Time, 0, size/slice)
+	for off := 0; off < size; off += slice {
+		copy(h.mem[off:off+slice], data[off:off+slice])
+		filled = append(filled, time.Now()) // before Ready: no fetch of the slice can end before it
+		win.Ready(uint64(off + slice))
+		time.Sleep(2 * time.Millisecond)
+	}
+	wg.Wait()
+	close(results)
+	for r := range results {
+		if r.err != nil {
+			t.Fatalf("fetch of [%d, +%d): %v", r.off, r.n, r.err)
+		}
+		if !bytes.Equal(r.got, data[r.off:r.off+r.n]) {
+			t.Fatalf("fetch of [%d, +%d): bytes differ from those filled", r.off, r.n)
+		}
+		if last := (r.off + r.n - 1) / slice; r.at.Before(filled[last]) {
+			t.Fatalf("fetch of [%d, +%d) returned before its last slice was ready", r.off, r.n)
+		}
+	}
+
+	// Ready bytes are answered at once; Ready never goes back or past.
+	win.Ready(1)
+	win.Ready(size + 1)
+	dst := make([]byte, 4096)
+	if err := ucx.Fetch(timeout(t, 5*time.Second), h.ep, h.key, base+size-4096, dst, opt); err != nil || !bytes.Equal(dst, data[size-4096:]) {
+		t.Fatalf("a fetch of ready bytes: %v", err)
+	}
+
+	// A second window, closed while a fetch waits: the fetch is refused.
+	win2, err := h.r.FillingWindow(8<<20, 8<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	win2.Ready(1 << 20)
+	errc := make(chan error, 1)
+	go func() {
+		errc <- ucx.Fetch(timeout(t, 30*time.Second), h.ep, h.key, base+8<<20, make([]byte, 4<<20),
+			ucx.FetchOptions{Token: win2.Token()})
+	}()
+	time.Sleep(50 * time.Millisecond)
+	win2.Close()
+	if err := testutil.Next(t, errc, 20*time.Second); !errors.Is(err, ucx.ErrRefused) {
+		t.Fatalf("a fetch waiting when its window closed: %v, want ErrRefused", err)
+	}
+	if s := h.c.FetchStats(); s.Refused == 0 || s.Sent == 0 {
+		t.Fatalf("holder's answers: %+v", s)
+	}
+}
