@@ -152,3 +152,26 @@ func GPUChecksummed(n *Node) (device, host uint64) { return n.deviceSummed.Load(
 
 // SetHostChecksums switches Config.HostChecksums.
 func SetHostChecksums(n *Node, on bool) { n.hostSums.Store(on) }
+
+// HookStaging runs hook before each slice a GPU object published before
+// it is staged copies out (nil: none).
+func HookStaging(n *Node, hook func(off int64) error) {
+	if hook == nil {
+		n.stageHook.Store(nil)
+		return
+	}
+	n.stageHook.Store(&hook)
+}
+
+// Filling is how many GPU objects are being staged behind their records.
+func Filling(n *Node) int {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return len(n.filling)
+}
+
+// FetchesDeferred is how many peers' fetches waited for bytes being staged.
+func FetchesDeferred(n *Node) uint64 { return n.tr.Served().Deferred }
+
+// FetchesRefused is how many peers' fetches the node refused.
+func FetchesRefused(n *Node) uint64 { return n.tr.Served().Refused }

@@ -293,6 +293,9 @@ func (n *Node) exposeGPU(f *store.ClusterFile, id string) (cluster.Exposure, fun
 	if n.tr.CanRegisterCUDA() {
 		return n.exposeDeviceArena(f)
 	}
+	if fl := n.fillingFor(id); fl != nil {
+		return n.exposeFilling(fl) // published before staged: staging now
+	}
 	b, err := n.stageOut(f, id)
 	if err != nil {
 		return cluster.Exposure{}, nil, err

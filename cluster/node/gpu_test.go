@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -258,5 +260,102 @@ func TestGPUReaderGoneMidPull(t *testing.T) {
 	})
 	if _, err := b.c.Stat(ctx, "victim"); !errors.Is(err, client.ErrNotFound) {
 		t.Fatalf("B kept something of the abandoned pull: %v", err)
+	}
+}
+
+// TestGPUPublishedBeforeStaged: a GPU object's record goes out before its
+// staging device→host ends (slowed down here): A's seal returns while the
+// staging runs, B's pull starts on the first slices, its fetches of the
+// rest wait at A and are answered as the slices land, and B gets every
+// byte right. A staging that fails mid-way fails B's pull (no replica);
+// a later get stages the object anew and succeeds.
+func TestGPUPublishedBeforeStaged(t *testing.T) {
+	dev := testutil.RequireGPU(t)
+	gpu := dev.UUID().String()
+	srv := etcdtest.Start(t)
+	a, b := startDaemonOn(t, srv, "a", 2<<30, "cuda"), startDaemonOn(t, srv, "b", 2<<30, "cuda")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+
+	const size = 640<<20 + 4097 // 11 slices of 64 MiB
+	var slices atomic.Int64
+	node.HookStaging(a.node, func(off int64) error {
+		slices.Add(1)
+		time.Sleep(40 * time.Millisecond)
+		return nil
+	})
+	want := randomBytes(size, 31)
+	putGPU(t, ctx, a, "early", gpu, want, client.CreateOptions{})
+	if n, s := node.Filling(a.node), slices.Load(); n != 1 || s >= 11 {
+		t.Fatalf("after the seal returned: %d objects staging on A, %d slices staged; want 1 still staging", n, s)
+	}
+	deferred := node.FetchesDeferred(a.node)
+	l, err := b.c.Get(ctx, "early")
+	if err != nil {
+		t.Fatalf("get on B: %v", err)
+	}
+	got := readGPU(t, l)
+	l.Release()
+	if !bytes.Equal(got, want) {
+		t.Fatal("B's replica differs from A's object")
+	}
+	if d := node.FetchesDeferred(a.node) - deferred; d == 0 {
+		t.Fatal("no fetch of B waited for A's staging: the pull did not overlap it")
+	}
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if n := node.Filling(a.node); n != 0 {
+			return fmt.Errorf("%d objects still staging on A", n)
+		}
+		return nil
+	})
+
+	// A staging that fails at its fourth slice, once B's fetches wait
+	// for it: they are refused, B's pull drops A, looks again and gets
+	// A's object staged anew (not behind its record: the failed one is
+	// gone), every byte right.
+	release := make(chan struct{})
+	node.HookStaging(a.node, func(off int64) error {
+		if off >= 3*64<<20 {
+			<-release
+			return errors.New("injected staging failure")
+		}
+		return nil
+	})
+	want2 := randomBytes(size, 32)
+	putGPU(t, ctx, a, "early-bad", gpu, want2, client.CreateOptions{})
+	refused, failovers := node.FetchesRefused(a.node), b.node.Stats().Failovers
+	deferred = node.FetchesDeferred(a.node)
+	type result struct {
+		got []byte
+		err error
+	}
+	res := make(chan result, 1)
+	go func() {
+		l, err := b.c.Get(ctx, "early-bad")
+		if err != nil {
+			res <- result{nil, err}
+			return
+		}
+		got := readGPU(t, l)
+		l.Release()
+		res <- result{got, nil}
+	}()
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if node.FetchesDeferred(a.node) == deferred {
+			return errors.New("no fetch of B waits for A's staging yet")
+		}
+		return nil
+	})
+	close(release)
+	r := testutil.Next(t, res, time.Minute)
+	node.HookStaging(a.node, nil)
+	if r.err != nil {
+		t.Fatalf("B's get while A's staging failed: %v", r.err)
+	}
+	if !bytes.Equal(r.got, want2) {
+		t.Fatal("B's replica after A's failed staging differs from A's object")
+	}
+	if node.FetchesRefused(a.node) == refused || b.node.Stats().Failovers == failovers {
+		t.Fatal("A's failed staging refused no fetch, or B's pull did not drop A once")
 	}
 }

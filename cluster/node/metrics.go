@@ -62,6 +62,9 @@ func (n *Node) Collectors() []prometheus.Collector {
 			ConstLabels: prometheus.Labels{"result": a.result}},
 			func() float64 { return float64(a.v(n.tr.Served())) }))
 	}
+	cs = append(cs, prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_fetch_deferred_total",
+		Help: "Peers' fetches that waited for bytes still being staged (a GPU object published before its device→host copy ended)."},
+		func() float64 { return float64(n.tr.Served().Deferred) }))
 	return append(cs, prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_fetch_sent_bytes_total",
 		Help: "Bytes this node sent answering peers' fetches."},
 		func() float64 { return float64(n.tr.Served().SentBytes) }))

@@ -103,7 +103,10 @@ type Node struct {
 	deviceSummed, hostSummed atomic.Uint64
 	noDeviceSums             sync.Map
 	hostSums                 atomic.Bool // Config.HostChecksums
-	pinned                   pinnedPool
+	// stageHook, when set, runs before each slice a filling staging
+	// copies (tests slow it down or fail it).
+	stageHook atomic.Pointer[func(off int64) error]
+	pinned    pinnedPool
 	// lastGPUSeal is where the time of the last GPU object's seal went;
 	// registerNanos counts the time pinned buffers took to register with
 	// UCX (the first exposure of each).
@@ -113,9 +116,10 @@ type Node struct {
 	// (their device memory).
 	replicaNanos atomic.Int64
 
-	mu     sync.Mutex
-	arenas map[uint64]*arenaReg          // registered arenas, by store arena id
-	pins   map[string]*store.ClusterFile // holds for pins, by pin key
+	mu      sync.Mutex
+	arenas  map[uint64]*arenaReg          // registered arenas, by store arena id
+	pins    map[string]*store.ClusterFile // holds for pins, by pin key
+	filling map[string]*filling           // GPU objects staged behind their records, by incarnation (filling.go)
 
 	// mirror answers lookups without etcd while it is in sync.
 	mirror  *etcddir.Mirror
@@ -184,7 +188,8 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		return nil, err
 	}
 	n := &Node{cfg: cfg, log: log, dir: dir, tr: tr, ln: ln, arenas: map[uint64]*arenaReg{}, pins: map[string]*store.ClusterFile{},
-		mirror: dir.Mirror(context.Background())}
+		filling: map[string]*filling{},
+		mirror:  dir.Mirror(context.Background())}
 	n.pinned.max = DefaultPinnedIdle
 	n.hostSums.Store(cfg.HostChecksums)
 	feeding := &cluster.Feeding{} // fan-out: replicas being pulled feed other readers (fanout.go)
@@ -484,19 +489,38 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 	if err != nil {
 		return "", err
 	}
-	defer f.Release()
+	release := f.Release
+	defer func() {
+		if release != nil {
+			release()
+		}
+	}()
 	chunk := cluster.ChunkSizeFor(co.Size)
+	id := cluster.NewID()
 	var sums []uint32
 	var staged *pinned // a GPU object's bytes in pinned memory, for its first exposures
 	var times *gpuSealTimes
-	if f.GPU != nil {
+	switch {
+	case f.GPU != nil && n.fillsAfterPublish(f.GPU.Device):
+		// Published once the device has the checksums, staged behind it.
+		start, allocs := time.Now(), n.pinned.allocNanos.Load()
+		var started bool
+		sums, started, err = n.gpuFilling(ctx, f, chunk, id)
+		if started {
+			release = nil // the staging releases f when it is done
+		}
+		if err != nil {
+			return "", err
+		}
+		times = &gpuSealTimes{stage: time.Since(start), alloc: time.Duration(n.pinned.allocNanos.Load() - allocs)}
+	case f.GPU != nil:
 		start, allocs := time.Now(), n.pinned.allocNanos.Load()
 		if sums, staged, err = n.gpuChecksums(ctx, f, chunk); err != nil {
 			return "", err
 		}
 		defer func() { n.pinned.put(staged) }()
 		times = &gpuSealTimes{stage: time.Since(start), alloc: time.Duration(n.pinned.allocNanos.Load() - allocs)}
-	} else {
+	default:
 		mem, base, err := mapRange(f.File, f.Offset, f.Size, unix.PROT_READ)
 		f.File.Close()
 		if err != nil {
@@ -507,7 +531,7 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 	}
 	o := cluster.Object{Name: co.Name, Owner: co.Owner, Shared: co.Shared, Size: co.Size, ChunkSize: chunk,
 		Version: co.Version, Shard: co.Shard, Shards: co.Shards, Keep: co.Keep,
-		Sums: sums, Manifest: co.Manifest, GPU: f.GPU != nil, ID: cluster.NewID()}
+		Sums: sums, Manifest: co.Manifest, GPU: f.GPU != nil, ID: id}
 	published := time.Now()
 	if _, err := n.dir.Publish(ctx, o); err != nil {
 		if !errors.Is(err, cluster.ErrExists) || !n.awaitOwnWithdrawal(ctx, o) {

@@ -209,9 +209,27 @@ func (r *Region) Window(off, n int64) (key []byte, release func(), err error) {
 	if err != nil {
 		return nil, nil, err
 	}
+	return r.windowKey(w), func() { w.Close() }, nil
+}
+
+// FillingWindow is Window on bytes still being written: peers' fetches of
+// bytes past what ready last said wait at this node until ready covers
+// them (ucx.MemRegion.FillingWindow). A node that answers GETs must not
+// expose bytes so: GETs read whatever the region holds.
+func (r *Region) FillingWindow(off, n int64) (key []byte, ready func(k int64), release func(), err error) {
+	if off < 0 || n < 0 {
+		return nil, nil, nil, fmt.Errorf("ucx: window [%d, +%d)", off, n)
+	}
+	w, err := r.r.FillingWindow(uint64(off), uint64(n))
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	return r.windowKey(w), func(k int64) { w.Ready(uint64(max(k, 0))) }, func() { w.Close() }, nil
+}
+
+func (r *Region) windowKey(w *ucx.Window) []byte {
 	tok := w.Token()
-	key = append(append(append(make([]byte, 0, len(magicWindow)+len(tok)+len(r.key)), magicWindow[:]...), tok[:]...), r.key...)
-	return key, func() { w.Close() }, nil
+	return append(append(append(make([]byte, 0, len(magicWindow)+len(tok)+len(r.key)), magicWindow[:]...), tok[:]...), r.key...)
 }
 
 // parseKey splits a key a peer handed out: a window key (a token and its

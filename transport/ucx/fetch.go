@@ -467,15 +467,19 @@ type FetchStats struct {
 	// Dropped counts requests left unanswered: malformed, or from a
 	// reader this worker could not reach.
 	Dropped uint64
+	// Deferred counts requests that waited for bytes of a filling window
+	// to be ready (counted again in Sent or Refused once answered).
+	Deferred uint64
 }
 
 // fetchCounters are a Context's FetchStats.
-type fetchCounters struct{ sent, sentBytes, refused, dropped atomic.Uint64 }
+type fetchCounters struct{ sent, sentBytes, refused, dropped, deferred atomic.Uint64 }
 
 // FetchStats returns what the context's served workers answered so far.
 func (c *Context) FetchStats() FetchStats {
 	f := &c.fetched
-	return FetchStats{Sent: f.sent.Load(), SentBytes: f.sentBytes.Load(), Refused: f.refused.Load(), Dropped: f.dropped.Load()}
+	return FetchStats{Sent: f.sent.Load(), SentBytes: f.sentBytes.Load(), Refused: f.refused.Load(), Dropped: f.dropped.Load(),
+		Deferred: f.deferred.Load()}
 }
 
 // fetchServer answers fetch requests on a served worker. Its fields are
@@ -636,6 +640,7 @@ func (fs *fetchServer) handleLocked(b []byte) {
 		counts.refused.Add(1)
 		fs.refuseLocked(ep, req, fmt.Sprintf("%d fetches already wait for bytes not ready yet", len(fs.deferred)))
 	case wait:
+		counts.deferred.Add(1)
 		fs.deferred = append(fs.deferred, deferredFetch{ep: ep, req: req, since: time.Now()})
 	case r == nil:
 		counts.refused.Add(1)

@@ -1,0 +1,222 @@
+package node
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/cudaipc/cudaipc"
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/staging"
+	"github.com/cudaipc/cudaipc/cluster/ucxtransport"
+	"github.com/cudaipc/cudaipc/store"
+)
+
+// A GPU object published before it is staged. Where the device computes
+// the chunk checksums (milliseconds for gigabytes) and this node answers
+// only fetches, the seal publishes the record as soon as it has them and
+// stages the object device→host into a pinned buffer behind it, a slice
+// at a time. Readers that come meanwhile are exposed the buffer through a
+// filling window (ucx.MemRegion.FillingWindow): their fetches of bytes not
+// staged yet wait at this node and are answered as each slice lands, so
+// the first chunks cross the wire while the last ones are still copied
+// out. A node that answers GETs stages first (GETs would read bytes not
+// staged yet).
+
+// filling is a GPU object's pinned copy being staged after its record.
+type filling struct {
+	n    *Node
+	id   string
+	b    *pinned
+	size int64
+	done chan struct{} // closed when the staging ended
+
+	mu      sync.Mutex
+	staged  int64 // bytes staged so far
+	ended   bool
+	err     error                    // the staging's failure
+	windows map[*fillWindow]struct{} // exposures' windows, opened as slices land
+	users   int                      // the staging and each exposure: the buffer goes back with the last
+}
+
+type fillWindow struct {
+	ready func(k int64)
+	close func()
+}
+
+// fillsAfterPublish reports whether a GPU object of dev is published
+// before it is staged: the device computes its checksums, UCX does not
+// register GPU memory (exposures read a staged copy), and this node
+// answers no GETs.
+func (n *Node) fillsAfterPublish(dev *cudaipc.Device) bool {
+	return n.cfg.Read != ucxtransport.ReadGet && !n.tr.CanRegisterCUDA() && n.deviceSums(dev)
+}
+
+// gpuFilling starts staging the GPU object of f, incarnation id, into a
+// pinned buffer registered with UCX, and returns its chunk checksums,
+// computed by the device meanwhile (or, should the device fail at it, by
+// the host once the staging is done). started reports whether the staging
+// began: it then releases f when it ends, whatever gpuFilling returns.
+func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64, id string) (sums []uint32, started bool, err error) {
+	dev, src, size := f.GPU.Device, f.GPU.Ptr, f.Size
+	b, err := n.pinned.get(dev, size)
+	if err != nil {
+		return nil, false, err
+	}
+	if b.reg == nil {
+		start := time.Now()
+		if b.reg, err = n.tr.Register(b.mem); err != nil {
+			n.pinned.put(b)
+			return nil, false, fmt.Errorf("register a pinned staging buffer with UCX: %w", err)
+		}
+		n.registerNanos.Add(int64(time.Since(start)))
+	}
+	fl := &filling{n: n, id: id, b: b, size: size, done: make(chan struct{}), windows: map[*fillWindow]struct{}{}, users: 1}
+	n.mu.Lock()
+	n.filling[id] = fl
+	n.mu.Unlock()
+	go func() {
+		defer f.Release()
+		err := staging.CopyOutOnly(context.Background(), b.mem[:size], 0, func(off int64, p []byte) error {
+			if h := n.stageHook.Load(); h != nil {
+				if err := (*h)(off); err != nil {
+					return err
+				}
+			}
+			if err := dev.CopyFromDevice(p, src+cudaipc.DevicePtr(off)); err != nil {
+				return err
+			}
+			fl.advance(off + int64(len(p)))
+			return nil
+		})
+		fl.end(err)
+	}()
+	if sums, err = dev.ChunkCRC32C(src, size, chunk); err == nil {
+		n.deviceSummed.Add(uint64(size))
+		return sums, true, nil
+	}
+	n.log.Warn("the device failed to checksum a GPU object: the host checksums its staged copy", "device", dev.String(), "err", err)
+	select {
+	case <-fl.done:
+	case <-ctx.Done():
+		return nil, true, ctx.Err()
+	}
+	if err := fl.failure(); err != nil {
+		return nil, true, fmt.Errorf("stage a GPU object device→host: %w", err)
+	}
+	n.hostSummed.Add(uint64(size))
+	return cluster.ChecksumsParallel(b.mem[:size], chunk), true, nil
+}
+
+// advance says that the first k bytes are staged.
+func (fl *filling) advance(k int64) {
+	fl.mu.Lock()
+	fl.staged = k
+	ws := make([]*fillWindow, 0, len(fl.windows))
+	for w := range fl.windows {
+		ws = append(ws, w)
+	}
+	fl.mu.Unlock()
+	for _, w := range ws {
+		w.ready(k)
+	}
+}
+
+// end ends the staging: on a failure the exposures' windows close (their
+// readers' waiting fetches are refused and their pulls fail); later
+// exposures stage the object anew.
+func (fl *filling) end(err error) {
+	fl.mu.Lock()
+	fl.ended, fl.err = true, err
+	var closes []func()
+	if err != nil {
+		for w := range fl.windows {
+			closes = append(closes, w.close)
+		}
+	}
+	fl.mu.Unlock()
+	for _, c := range closes {
+		c()
+	}
+	if err != nil {
+		fl.n.log.Warn("staging a published GPU object failed: its readers fail and later ones stage it again", "id", fl.id, "err", err)
+	} else {
+		fl.n.stagedBytes.Add(uint64(fl.size))
+	}
+	fl.n.mu.Lock()
+	delete(fl.n.filling, fl.id)
+	fl.n.mu.Unlock()
+	close(fl.done)
+	fl.drop()
+}
+
+func (fl *filling) failure() error {
+	fl.mu.Lock()
+	defer fl.mu.Unlock()
+	return fl.err
+}
+
+// drop ends one use of the buffer; the last gives it back, tagged with
+// the incarnation when it holds all of it.
+func (fl *filling) drop() {
+	fl.mu.Lock()
+	fl.users--
+	last, whole := fl.users == 0, fl.ended && fl.err == nil
+	fl.mu.Unlock()
+	if !last {
+		return
+	}
+	fl.b.tag = ""
+	if whole {
+		fl.b.tag = fl.id
+	}
+	fl.n.pinned.put(fl.b)
+}
+
+// fillingFor returns the filling of incarnation id, with a use taken for
+// an exposure, or nil when it is not being staged.
+func (n *Node) fillingFor(id string) *filling {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	fl := n.filling[id]
+	if fl != nil {
+		fl.mu.Lock()
+		fl.users++
+		fl.mu.Unlock()
+	}
+	return fl
+}
+
+// exposeFilling exposes fl's buffer through a filling window, ready as
+// far as it is staged and advancing with the staging; release ends the
+// exposure. It owns the use fillingFor took.
+func (n *Node) exposeFilling(fl *filling) (cluster.Exposure, func(), error) {
+	key, ready, closeWindow, err := fl.b.reg.FillingWindow(0, fl.size)
+	if err != nil {
+		fl.drop()
+		return cluster.Exposure{}, nil, err
+	}
+	w := &fillWindow{ready: ready, close: closeWindow}
+	fl.mu.Lock()
+	if fl.err != nil {
+		err := fl.err
+		fl.mu.Unlock()
+		closeWindow()
+		fl.drop()
+		return cluster.Exposure{}, nil, fmt.Errorf("stage a GPU object device→host: %w", err)
+	}
+	ready(fl.staged)
+	fl.windows[w] = struct{}{}
+	fl.mu.Unlock()
+	n.exposures.Add(1)
+	n.exposedBytes.Add(uint64(fl.size))
+	e := cluster.Exposure{Worker: n.tr.WorkerAddress(), RKey: key, Addr: fl.b.reg.Addr(0), Size: fl.size}
+	return e, func() {
+		closeWindow()
+		fl.mu.Lock()
+		delete(fl.windows, w)
+		fl.mu.Unlock()
+		fl.drop()
+	}, nil
+}
