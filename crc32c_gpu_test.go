@@ -146,6 +146,44 @@ func BenchmarkChunkCRC32C(b *testing.B) {
 			}
 		}
 	})
+	// Beside a device→host copy into pinned memory, as a GPU object's
+	// staging runs (the copy goes on, 256 MiB at a time, until the
+	// sub-benchmark ends).
+	b.Run("device-beside-copy", func(b *testing.B) {
+		src, err := dev.Alloc(1 << 30)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer src.Free()
+		pin, err := dev.AllocHost(256 << 20)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer pin.Free()
+		stop := make(chan struct{})
+		var copies sync.WaitGroup
+		copies.Go(func() {
+			for off := int64(0); ; off = (off + 256<<20) % (1 << 30) {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if err := dev.CopyFromDevice(pin.Bytes(), src.Ptr()+cudaipc.DevicePtr(off)); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		})
+		b.SetBytes(size)
+		for b.Loop() {
+			if _, err := dev.ChunkCRC32C(buf.Ptr(), size, 4<<20); err != nil {
+				b.Fatal(err)
+			}
+		}
+		close(stop)
+		copies.Wait()
+	})
 	tab := crc32.MakeTable(crc32.Castagnoli)
 	b.Run("host-one-core", func(b *testing.B) {
 		b.SetBytes(size)

@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -53,11 +54,19 @@ func (n *Node) fillsAfterPublish(dev *cudaipc.Device) bool {
 	return n.cfg.Read != ucxtransport.ReadGet && !n.tr.CanRegisterCUDA() && n.deviceSums(dev)
 }
 
-// gpuFilling starts staging the GPU object of f, incarnation id, into a
-// pinned buffer registered with UCX, and returns its chunk checksums,
-// computed by the device meanwhile (or, should the device fail at it, by
-// the host once the staging is done). started reports whether the staging
-// began: it then releases f when it ends, whatever gpuFilling returns.
+// errNoDeviceSums: the device could not checksum a GPU object; its seal
+// stages it and checksums it on the host instead (gpuChecksums).
+var errNoDeviceSums = errors.New("the device could not checksum the object")
+
+// gpuFilling has the device compute the chunk checksums of the GPU object
+// of f, incarnation id, then starts staging it into a pinned buffer
+// registered with UCX and returns the checksums, for the caller to
+// publish while the staging goes on. The checksums come first: alone the
+// kernel takes milliseconds, beside the device→host copy it took ten times
+// longer on the H200, and readers come only once the record is out.
+// started reports whether the staging began: it then releases f when it
+// ends, whatever gpuFilling returns. errNoDeviceSums means the caller must
+// seal the object the other way.
 func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64, id string) (sums []uint32, started bool, err error) {
 	dev, src, size := f.GPU.Device, f.GPU.Ptr, f.Size
 	b, err := n.pinned.get(dev, size)
@@ -72,6 +81,12 @@ func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64
 		}
 		n.registerNanos.Add(int64(time.Since(start)))
 	}
+	if sums, err = dev.ChunkCRC32C(src, size, chunk); err != nil {
+		n.pinned.put(b)
+		n.log.Warn("the device failed to checksum a GPU object: the host checksums it", "device", dev.String(), "err", err)
+		return nil, false, errNoDeviceSums
+	}
+	n.deviceSummed.Add(uint64(size))
 	fl := &filling{n: n, id: id, b: b, size: size, done: make(chan struct{}), windows: map[*fillWindow]struct{}{}, users: 1}
 	n.mu.Lock()
 	n.filling[id] = fl
@@ -92,21 +107,7 @@ func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64
 		})
 		fl.end(err)
 	}()
-	if sums, err = dev.ChunkCRC32C(src, size, chunk); err == nil {
-		n.deviceSummed.Add(uint64(size))
-		return sums, true, nil
-	}
-	n.log.Warn("the device failed to checksum a GPU object: the host checksums its staged copy", "device", dev.String(), "err", err)
-	select {
-	case <-fl.done:
-	case <-ctx.Done():
-		return nil, true, ctx.Err()
-	}
-	if err := fl.failure(); err != nil {
-		return nil, true, fmt.Errorf("stage a GPU object device→host: %w", err)
-	}
-	n.hostSummed.Add(uint64(size))
-	return cluster.ChecksumsParallel(b.mem[:size], chunk), true, nil
+	return sums, true, nil
 }
 
 // advance says that the first k bytes are staged.
@@ -149,12 +150,6 @@ func (fl *filling) end(err error) {
 	fl.n.mu.Unlock()
 	close(fl.done)
 	fl.drop()
-}
-
-func (fl *filling) failure() error {
-	fl.mu.Lock()
-	defer fl.mu.Unlock()
-	return fl.err
 }
 
 // drop ends one use of the buffer; the last gives it back, tagged with

@@ -500,8 +500,8 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 	var sums []uint32
 	var staged *pinned // a GPU object's bytes in pinned memory, for its first exposures
 	var times *gpuSealTimes
-	switch {
-	case f.GPU != nil && n.fillsAfterPublish(f.GPU.Device):
+	filled := false
+	if f.GPU != nil && n.fillsAfterPublish(f.GPU.Device) {
 		// Published once the device has the checksums, staged behind it.
 		start, allocs := time.Now(), n.pinned.allocNanos.Load()
 		var started bool
@@ -509,10 +509,16 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 		if started {
 			release = nil // the staging releases f when it is done
 		}
-		if err != nil {
+		switch {
+		case err == nil:
+			filled = true
+			times = &gpuSealTimes{stage: time.Since(start), alloc: time.Duration(n.pinned.allocNanos.Load() - allocs)}
+		case !errors.Is(err, errNoDeviceSums):
 			return "", err
 		}
-		times = &gpuSealTimes{stage: time.Since(start), alloc: time.Duration(n.pinned.allocNanos.Load() - allocs)}
+	}
+	switch {
+	case filled:
 	case f.GPU != nil:
 		start, allocs := time.Now(), n.pinned.allocNanos.Load()
 		if sums, staged, err = n.gpuChecksums(ctx, f, chunk); err != nil {
