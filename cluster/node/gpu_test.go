@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -278,10 +279,17 @@ func TestGPUPublishedBeforeStaged(t *testing.T) {
 	defer cancel()
 
 	const size = 640<<20 + 4097 // 11 slices of 64 MiB
+	// The staging stops before its third slice until B's fetches wait for
+	// it (B pulls slower than A stages: unheld, B may never catch up).
 	var slices atomic.Int64
+	hold := make(chan struct{})
+	var unhold sync.Once
+	t.Cleanup(func() { unhold.Do(func() { close(hold) }) }) // a failed test stops no staging for good
 	node.HookStaging(a.node, func(off int64) error {
 		slices.Add(1)
-		time.Sleep(40 * time.Millisecond)
+		if off >= 2*64<<20 {
+			<-hold
+		}
 		return nil
 	})
 	want := randomBytes(size, 31)
@@ -290,17 +298,34 @@ func TestGPUPublishedBeforeStaged(t *testing.T) {
 		t.Fatalf("after the seal returned: %d objects staging on A, %d slices staged; want 1 still staging", n, s)
 	}
 	deferred := node.FetchesDeferred(a.node)
-	l, err := b.c.Get(ctx, "early")
-	if err != nil {
-		t.Fatalf("get on B: %v", err)
+	type result struct {
+		got []byte
+		err error
 	}
-	got := readGPU(t, l)
-	l.Release()
-	if !bytes.Equal(got, want) {
+	res := make(chan result, 1)
+	go func() {
+		l, err := b.c.Get(ctx, "early")
+		if err != nil {
+			res <- result{nil, err}
+			return
+		}
+		got := readGPU(t, l)
+		l.Release()
+		res <- result{got, nil}
+	}()
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if node.FetchesDeferred(a.node) == deferred {
+			return errors.New("no fetch of B waits for A's staging yet")
+		}
+		return nil
+	})
+	unhold.Do(func() { close(hold) })
+	r := testutil.Next(t, res, time.Minute)
+	if r.err != nil {
+		t.Fatalf("get on B: %v", r.err)
+	}
+	if !bytes.Equal(r.got, want) {
 		t.Fatal("B's replica differs from A's object")
-	}
-	if d := node.FetchesDeferred(a.node) - deferred; d == 0 {
-		t.Fatal("no fetch of B waited for A's staging: the pull did not overlap it")
 	}
 	testutil.Eventually(t, testutil.Wait, func() error {
 		if n := node.Filling(a.node); n != 0 {
@@ -314,6 +339,8 @@ func TestGPUPublishedBeforeStaged(t *testing.T) {
 	// no replica on B; a later get has A stage the object anew (not
 	// behind its record: the failed staging is gone) and gets every byte.
 	release := make(chan struct{})
+	var unrelease sync.Once
+	t.Cleanup(func() { unrelease.Do(func() { close(release) }) })
 	node.HookStaging(a.node, func(off int64) error {
 		if off >= 3*64<<20 {
 			<-release
@@ -339,8 +366,8 @@ func TestGPUPublishedBeforeStaged(t *testing.T) {
 		}
 		return nil
 	})
-	close(release)
-	err = testutil.Next(t, errc, time.Minute)
+	unrelease.Do(func() { close(release) })
+	err := testutil.Next(t, errc, time.Minute)
 	node.HookStaging(a.node, nil)
 	if err == nil || !strings.Contains(err.Error(), "node a") || !strings.Contains(err.Error(), "refused") {
 		t.Fatalf("B's get while A's staging failed: %v, want a failure naming node a's refusal", err)
@@ -351,11 +378,11 @@ func TestGPUPublishedBeforeStaged(t *testing.T) {
 	if b.st.HasCluster(0, "early-bad", 0, 0) {
 		t.Fatal("B kept a replica of a failed pull")
 	}
-	l, err = b.c.Get(ctx, "early-bad")
+	l, err := b.c.Get(ctx, "early-bad")
 	if err != nil {
 		t.Fatalf("B's get after A's failed staging: %v", err)
 	}
-	got = readGPU(t, l)
+	got := readGPU(t, l)
 	l.Release()
 	if !bytes.Equal(got, want2) {
 		t.Fatal("B's replica after A's failed staging differs from A's object")
