@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"time"
 
 	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/cluster"
@@ -73,13 +72,9 @@ func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64
 	if err != nil {
 		return nil, false, err
 	}
-	if b.reg == nil {
-		start := time.Now()
-		if b.reg, err = n.tr.Register(b.mem); err != nil {
-			n.pinned.put(b)
-			return nil, false, fmt.Errorf("register a pinned staging buffer with UCX: %w", err)
-		}
-		n.registerNanos.Add(int64(time.Since(start)))
+	if err := n.registerPinned(b); err != nil {
+		n.pinned.put(b)
+		return nil, false, err
 	}
 	if sums, err = dev.ChunkCRC32C(src, size, chunk); err != nil {
 		n.pinned.put(b)

@@ -300,13 +300,9 @@ func (n *Node) exposeGPU(f *store.ClusterFile, id string) (cluster.Exposure, fun
 	if err != nil {
 		return cluster.Exposure{}, nil, err
 	}
-	if b.reg == nil {
-		start := time.Now()
-		if b.reg, err = n.tr.Register(b.mem); err != nil {
-			n.pinned.put(b)
-			return cluster.Exposure{}, nil, fmt.Errorf("register a pinned staging buffer with UCX: %w", err)
-		}
-		n.registerNanos.Add(int64(time.Since(start)))
+	if err := n.registerPinned(b); err != nil {
+		n.pinned.put(b)
+		return cluster.Exposure{}, nil, err
 	}
 	key, closeWindow, err := b.reg.Window(0, f.Size)
 	if err != nil {
@@ -321,6 +317,21 @@ func (n *Node) exposeGPU(f *store.ClusterFile, id string) (cluster.Exposure, fun
 		b.tag = id
 		n.pinned.put(b)
 	}, nil
+}
+
+// registerPinned registers b with UCX, once for the buffer's life.
+func (n *Node) registerPinned(b *pinned) error {
+	if b.reg != nil {
+		return nil
+	}
+	start := time.Now()
+	reg, err := n.tr.Register(b.mem)
+	if err != nil {
+		return fmt.Errorf("register a pinned staging buffer with UCX: %w", err)
+	}
+	b.reg = reg
+	n.registerNanos.Add(int64(time.Since(start)))
+	return nil
 }
 
 // exposeDeviceArena registers f's GPU arena with UCX directly (once while
