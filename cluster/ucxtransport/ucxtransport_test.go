@@ -229,3 +229,55 @@ func TestPullOverUCXLanes(t *testing.T) {
 		t.Fatal("A's replica (1 lane to 3) differs")
 	}
 }
+
+// TestFillingWindowOverLanes: B reads, over three lanes, a window of A's
+// that A fills a slice at a time after handing out its key: B's reads of
+// bytes not ready yet wait at A (counted Deferred) and end with the bytes
+// written before each slice was said ready.
+func TestFillingWindowOverLanes(t *testing.T) {
+	requireUCX(t)
+	a := newNodeWith(t, "a", ucxtransport.Options{Lanes: 3})
+	b := newNodeWith(t, "b", ucxtransport.Options{Lanes: 3})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const size, slice = 12 << 20, 1 << 20
+	buf := make([]byte, size)
+	want := testutil.RandomBytes(1919, size)
+	r, err := a.Transport.Register(buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	key, ready, closeWindow, err := r.FillingWindow(0, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeWindow()
+	ep, err := b.Connect(ctx, a.WorkerAddress())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ep.Close()
+	errs := make(chan error, size/(2<<20))
+	dst := make([]byte, size)
+	for off := 0; off < size; off += 2 << 20 { // one read per 2 MiB, in flight at once
+		go func() { errs <- ep.Get(ctx, key, r.Addr(int64(off)), dst[off:off+2<<20]) }()
+	}
+	time.Sleep(20 * time.Millisecond)
+	for off := 0; off < size; off += slice {
+		copy(buf[off:off+slice], want[off:off+slice])
+		ready(int64(off + slice))
+		time.Sleep(2 * time.Millisecond)
+	}
+	for range size / (2 << 20) {
+		if err := testutil.Next(t, errs, 20*time.Second); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !bytes.Equal(dst, want) {
+		t.Fatal("the bytes read through the filling window differ from those written")
+	}
+	if s := a.Served(); s.Deferred == 0 || s.Sent < size/(2<<20) {
+		t.Fatalf("A's answers: %+v; want reads that waited", s)
+	}
+}
