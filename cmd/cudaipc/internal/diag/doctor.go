@@ -71,6 +71,11 @@ func (c *DoctorCmd) Run(e *Env) error {
 			if !d.IPCEventSupported() {
 				notes = append(notes, "no IPC events")
 			}
+			if err := d.CRC32CSupported(); err != nil {
+				notes = append(notes, "cluster checksums of its objects run on the host (the daemon's CRC-32C kernel does not load: "+err.Error()+")")
+			} else {
+				notes = append(notes, "cluster checksums of its objects run on it (CRC-32C kernel loaded)")
+			}
 			detail := d.String()
 			if len(notes) > 0 {
 				detail += ": " + strings.Join(notes, "; ")
