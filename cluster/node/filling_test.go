@@ -22,10 +22,9 @@ import (
 // taken while it fills are read by another node: their reads wait for the
 // slices and end with the right bytes; the buffer goes back to the pool,
 // tagged with the incarnation, only after the staging and the last
-// exposure ended. A second filling fails mid-way: the reads waiting are
-// refused, a later exposure of it is refused, it is no longer listed (a
-// later exposure stages the object anew), and its buffer goes back
-// untagged.
+// exposure ended. A second filling fails mid-way: the read waiting is
+// refused, the filling is no longer listed (a later exposure stages the
+// object anew), and its buffer goes back untagged.
 func TestFillingExposures(t *testing.T) {
 	if err := ucx.Available(); err != nil {
 		if os.Getenv("CUDAIPC_REQUIRE_UCX") == "1" || os.Getenv(etcdtest.EnvRequire) == "1" {
