@@ -9,6 +9,8 @@
 // Endpoints; an Endpoint holds RemoteKeys. Every object has an idempotent
 // Close, and closing a parent closes what is still open under it
 // (Context.Close closes everything). After Close, methods return ErrClosed.
+// Endpoint.Close keeps the UCX endpoint of a live peer for the worker's
+// next Connect to the same address (its comment says why).
 // A Context that becomes unreachable without Close, with everything made
 // on it, is released by a runtime cleanup that logs a warning: a backstop,
 // not a way to close.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -31,6 +32,7 @@ type Endpoint struct {
 	closed bool         // guarded by w.mu
 	broken error        // guarded by w.mu
 	keys   map[*RemoteKey]struct{}
+	addr   string // the peer's raw worker address
 }
 
 // The endpoints' error handler: one C callback for the process (purego has
@@ -63,8 +65,10 @@ func (e *Endpoint) Err() error {
 	return nil
 }
 
-// Connect creates an endpoint to the worker at addr. UCX connects lazily:
-// an unreachable peer shows at the first Get, not here.
+// Connect creates an endpoint to the worker at addr, on a UCX endpoint
+// to addr that an earlier Close kept (Close says why) when there is one.
+// UCX connects lazily: an unreachable peer shows at the first Get, not
+// here.
 func (w *Worker) Connect(addr WorkerAddress) (*Endpoint, error) {
 	if err := checkAddress(addr.b); err != nil {
 		return nil, err
@@ -74,6 +78,9 @@ func (w *Worker) Connect(addr WorkerAddress) (*Endpoint, error) {
 	if w.closed {
 		return nil, ErrClosed
 	}
+	if e := w.unparkLocked(addr); e != nil {
+		return e, nil
+	}
 	return w.connectLocked(addr)
 }
 
@@ -81,7 +88,7 @@ func (w *Worker) Connect(addr WorkerAddress) (*Endpoint, error) {
 func (w *Worker) connectLocked(addr WorkerAddress) (*Endpoint, error) {
 	buf := make([]byte, len(addr.b)+overreadSlack)
 	copy(buf, addr.b)
-	e := &Endpoint{w: w, id: endpointIDs.Add(1), keys: map[*RemoteKey]struct{}{}}
+	e := &Endpoint{w: w, id: endpointIDs.Add(1), keys: map[*RemoteKey]struct{}{}, addr: string(addr.b)}
 	p := &raw.EpParams{
 		FieldMask:     raw.EpParamFieldRemoteAddress | raw.EpParamFieldErrHandlingMode | raw.EpParamFieldErrHandler,
 		Address:       &buf[0],
@@ -108,9 +115,31 @@ func (w *Worker) connectLocked(addr WorkerAddress) (*Endpoint, error) {
 // operations flushed, the peer told) before it forces one.
 const closeWait = 2 * time.Second
 
-// Close closes the endpoint: gracefully when the peer answers within a
-// short time, forcibly otherwise. Its remote keys are destroyed. It is
-// idempotent.
+// Close closes the endpoint and destroys its remote keys. It is
+// idempotent. The operations in flight on it are flushed first
+// (ucp_ep_flush_nbx, up to a short time); then the worker keeps the UCX
+// endpoint for the next Connect to the same address, unless it failed or
+// the flush did not finish, which close it forcibly.
+//
+// Why it is kept: the endpoint a served peer creates back to this worker
+// (to send Fetch replies) is usually the same UCX connection as this one:
+// ucp_ep_create_api_to_worker_addr takes the endpoint that this one's
+// wireup request created at the peer when their connection sequence
+// numbers line up (ucp_ep_match_get_sn, ucp_ep_match_retrieve of
+// UCS_CONN_MATCH_QUEUE_UNEXP, in v1.13.1 and v1.16.0). A UCX endpoint
+// closed gracefully stays inside UCX until the worker is destroyed,
+// flagged closed, once its peer connected to it (ucp_ep_disconnected:
+// "not destroying ep ... because of connection from remote"), and the
+// peer is told nothing; every rendezvous message arriving on it is then
+// dropped, its receive completed with UCS_ERR_CANCELED
+// (UCP_WORKER_GET_VALID_EP_BY_ID in ucp_rndv_receive, 1.13, and
+// ucp_proto_rndv_receive_start, 1.16). So after a graceful close, every
+// Fetch reply of rendezvous size from that peer to this worker would be
+// canceled until the worker is destroyed. A kept endpoint costs what
+// UCX's graceful close would have kept; a worker keeps at most maxParked,
+// and closes those whose peer failed. A forced close leaves the peer's
+// endpoint back to this worker sending to a destroyed endpoint until the
+// peer notices the closed connection.
 func (e *Endpoint) Close() error { return e.close(false) }
 
 func (e *Endpoint) close(force bool) error {
@@ -126,11 +155,95 @@ func (e *Endpoint) close(force bool) error {
 	}
 	e.keys = nil
 	w.cancelDrainsLocked(e)
-	err := e.closeLocked(force || e.broken != nil || e.failed.Load() != 0)
 	e.closed = true
 	delete(w.endpoints, e)
+	if !force && e.broken == nil && e.failed.Load() == 0 && e.flushLocked() {
+		w.parkLocked(e)
+		return nil
+	}
+	err := e.closeLocked(true)
 	endpointsByID.Delete(e.id)
 	return err
+}
+
+// maxParked bounds the UCX endpoints a worker keeps after Close; beyond,
+// the oldest is closed forcibly.
+const maxParked = 256
+
+// flushLocked waits, progressing the worker, up to closeWait for the
+// operations in flight on the endpoint to complete (ucp_ep_flush_nbx) and
+// reports whether they did; w.mu is held.
+func (e *Endpoint) flushLocked() bool {
+	w := e.w
+	req, err := raw.EpFlushNbx(e.h, &raw.RequestParam{})
+	if err != nil {
+		return false
+	}
+	if req == 0 {
+		return true
+	}
+	deadline := time.Now().Add(closeWait)
+	for {
+		raw.WorkerProgress(w.h)
+		if s := raw.RequestCheckStatus(req); s != raw.InProgress {
+			raw.RequestFree(req)
+			return s == raw.OK
+		}
+		if time.Now().After(deadline) {
+			// UCX releases the request when it completes: the forced
+			// close that follows cancels it.
+			raw.RequestFree(req)
+			return false
+		}
+	}
+}
+
+// parkLocked keeps the UCX endpoint of e, which Close closed, for the next
+// Connect to its address; w.mu is held. The error handler still reaches e
+// (its id), so that a failure while parked is seen.
+func (w *Worker) parkLocked(e *Endpoint) {
+	w.sweepParkedLocked()
+	if len(w.parked) >= maxParked {
+		old := w.parked[0]
+		w.parked = slices.Delete(w.parked, 0, 1)
+		_ = old.closeLocked(true)
+		endpointsByID.Delete(old.id)
+	}
+	w.parked = append(w.parked, e)
+}
+
+// unparkLocked returns a new Endpoint on the most recently parked UCX
+// endpoint to addr, or nil when there is none; w.mu is held.
+func (w *Worker) unparkLocked(addr WorkerAddress) *Endpoint {
+	w.sweepParkedLocked()
+	for i := len(w.parked) - 1; i >= 0; i-- {
+		p := w.parked[i]
+		if p.addr != string(addr.b) {
+			continue
+		}
+		w.parked = slices.Delete(w.parked, i, i+1)
+		e := &Endpoint{w: w, h: p.h, id: p.id, keys: map[*RemoteKey]struct{}{}, addr: p.addr}
+		endpointsByID.Store(e.id, e)
+		w.endpoints[e] = struct{}{}
+		return e
+	}
+	return nil
+}
+
+// sweepParkedLocked closes forcibly the parked endpoints whose peer
+// failed, or all of them when the worker is closing; w.mu is held.
+func (w *Worker) sweepParkedLocked() {
+	kept := w.parked[:0]
+	for _, p := range w.parked {
+		if p.failed.Load() == 0 && !w.closed {
+			kept = append(kept, p)
+			continue
+		}
+		_ = p.closeLocked(true)
+		endpointsByID.Delete(p.id)
+	}
+	clear(w.parked[len(kept):])
+	w.parked = kept
 }
 
 // closeLocked runs ucp_ep_close_nbx and progresses the worker until it

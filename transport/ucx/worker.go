@@ -35,6 +35,7 @@ type Worker struct {
 	efd       int
 	addr      WorkerAddress
 	endpoints map[*Endpoint]struct{}
+	parked    []*Endpoint // closed endpoints whose UCX endpoints are kept (Endpoint.Close), oldest first
 	serving   bool
 	served    chan struct{} // closed when Serve returns; nil when not serving
 	gets      int           // Gets and Fetches running on the worker's endpoints
@@ -282,6 +283,7 @@ func (w *Worker) Close() error {
 		<-served
 	}
 	w.mu.Lock()
+	w.sweepParkedLocked() // all: w.closed
 	w.closeDrainsLocked()
 	w.ctx.handles.remove(w.h, 0)
 	raw.WorkerDestroy(w.h)
