@@ -111,8 +111,8 @@ func (w *Worker) connectLocked(addr WorkerAddress) (*Endpoint, error) {
 	return e, nil
 }
 
-// closeWait bounds how long Close waits for a graceful close (in-flight
-// operations flushed, the peer told) before it forces one.
+// closeWait bounds how long Close waits for the operations in flight on
+// an endpoint to flush before it closes the endpoint forcibly.
 const closeWait = 2 * time.Second
 
 // Close closes the endpoint and destroys its remote keys. It is
@@ -161,7 +161,7 @@ func (e *Endpoint) close(force bool) error {
 		w.parkLocked(e)
 		return nil
 	}
-	err := e.closeLocked(true)
+	err := e.closeLocked()
 	endpointsByID.Delete(e.id)
 	return err
 }
@@ -206,7 +206,7 @@ func (w *Worker) parkLocked(e *Endpoint) {
 	if len(w.parked) >= maxParked {
 		old := w.parked[0]
 		w.parked = slices.Delete(w.parked, 0, 1)
-		_ = old.closeLocked(true)
+		_ = old.closeLocked()
 		endpointsByID.Delete(old.id)
 	}
 	w.parked = append(w.parked, e)
@@ -239,47 +239,34 @@ func (w *Worker) sweepParkedLocked() {
 			kept = append(kept, p)
 			continue
 		}
-		_ = p.closeLocked(true)
+		_ = p.closeLocked()
 		endpointsByID.Delete(p.id)
 	}
 	clear(w.parked[len(kept):])
 	w.parked = kept
 }
 
-// closeLocked runs ucp_ep_close_nbx and progresses the worker until it
-// completes; w.mu is held. A graceful close that does not finish within
-// closeWait is abandoned for a forced one.
-func (e *Endpoint) closeLocked(force bool) error {
+// closeLocked closes the UCX endpoint forcibly (ucp_ep_close_nbx with
+// UCP_EP_CLOSE_FLAG_FORCE: requests in flight on it complete canceled)
+// and progresses the worker until the close completes, up to twice
+// closeWait; w.mu is held. Endpoints are never closed gracefully in UCX:
+// Close keeps them instead (it says why), and UCX refuses a second close
+// of an endpoint whose graceful close did not finish.
+func (e *Endpoint) closeLocked() error {
 	w := e.w
-	p := &raw.RequestParam{OpAttrMask: raw.OpAttrFieldFlags}
-	if force {
-		p.Flags = raw.EpCloseFlagForce
-	}
+	p := &raw.RequestParam{OpAttrMask: raw.OpAttrFieldFlags, Flags: raw.EpCloseFlagForce}
 	req, err := raw.EpCloseNbx(e.h, p)
 	if err != nil || req == 0 {
-		if force {
-			return nil // a forced close of a failed endpoint may report its failure
-		}
-		return err
+		return nil // a forced close of a failed endpoint may report its failure
 	}
-	deadline := time.Now().Add(closeWait)
+	deadline := time.Now().Add(2 * closeWait)
 	for {
 		raw.WorkerProgress(w.h)
-		s := raw.RequestCheckStatus(req)
-		if s != raw.InProgress {
+		if raw.RequestCheckStatus(req) != raw.InProgress {
 			raw.RequestFree(req)
-			if s == raw.OK || force {
-				return nil
-			}
-			return &raw.Error{Func: "ucp_ep_close_nbx", Status: s}
+			return nil
 		}
-		if !force && time.Now().After(deadline) {
-			// The request belongs to the endpoint and ends with the forced
-			// close below.
-			raw.RequestFree(req)
-			return e.closeLocked(true)
-		}
-		if force && time.Now().After(deadline.Add(closeWait)) {
+		if time.Now().After(deadline) {
 			raw.RequestFree(req)
 			return errors.New("ucx: the forced close of an endpoint did not complete")
 		}
@@ -615,7 +602,7 @@ func (e *Endpoint) shutLocked() {
 	}
 	e.keys = nil
 	e.w.cancelDrainsLocked(e)
-	_ = e.closeLocked(true)
+	_ = e.closeLocked()
 	e.closed = true
 	delete(e.w.endpoints, e)
 	endpointsByID.Delete(e.id)
