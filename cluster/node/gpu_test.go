@@ -282,16 +282,7 @@ func TestGPUPublishedBeforeStaged(t *testing.T) {
 	// The staging stops before its third slice until B's fetches wait for
 	// it (B pulls slower than A stages: unheld, B may never catch up).
 	var slices atomic.Int64
-	hold := make(chan struct{})
-	var unhold sync.Once
-	t.Cleanup(func() { unhold.Do(func() { close(hold) }) }) // a failed test stops no staging for good
-	node.HookStaging(a.node, func(off int64) error {
-		slices.Add(1)
-		if off >= 2*64<<20 {
-			<-hold
-		}
-		return nil
-	})
+	unhold := holdStaging(t, a.node, 2*64<<20, nil, &slices)
 	want := randomBytes(size, 31)
 	putGPU(t, ctx, a, "early", gpu, want, client.CreateOptions{})
 	if n, s := node.Filling(a.node), slices.Load(); n != 1 || s >= 11 {
@@ -313,13 +304,8 @@ func TestGPUPublishedBeforeStaged(t *testing.T) {
 		l.Release()
 		res <- result{got, nil}
 	}()
-	testutil.Eventually(t, testutil.Wait, func() error {
-		if node.FetchesDeferred(a.node) == deferred {
-			return errors.New("no fetch of B waits for A's staging yet")
-		}
-		return nil
-	})
-	unhold.Do(func() { close(hold) })
+	awaitDeferred(t, a.node, deferred)
+	unhold()
 	r := testutil.Next(t, res, time.Minute)
 	if r.err != nil {
 		t.Fatalf("get on B: %v", r.err)
@@ -338,16 +324,7 @@ func TestGPUPublishedBeforeStaged(t *testing.T) {
 	// for it: they are refused and B's get fails, naming A and why, with
 	// no replica on B; a later get has A stage the object anew (not
 	// behind its record: the failed staging is gone) and gets every byte.
-	release := make(chan struct{})
-	var unrelease sync.Once
-	t.Cleanup(func() { unrelease.Do(func() { close(release) }) })
-	node.HookStaging(a.node, func(off int64) error {
-		if off >= 3*64<<20 {
-			<-release
-			return errors.New("injected staging failure")
-		}
-		return nil
-	})
+	release := holdStaging(t, a.node, 3*64<<20, errors.New("injected staging failure"), nil)
 	want2 := randomBytes(size, 32)
 	putGPU(t, ctx, a, "early-bad", gpu, want2, client.CreateOptions{})
 	refused := node.FetchesRefused(a.node)
@@ -360,13 +337,8 @@ func TestGPUPublishedBeforeStaged(t *testing.T) {
 		}
 		errc <- err
 	}()
-	testutil.Eventually(t, testutil.Wait, func() error {
-		if node.FetchesDeferred(a.node) == deferred {
-			return errors.New("no fetch of B waits for A's staging yet")
-		}
-		return nil
-	})
-	unrelease.Do(func() { close(release) })
+	awaitDeferred(t, a.node, deferred)
+	release()
 	err := testutil.Next(t, errc, time.Minute)
 	node.HookStaging(a.node, nil)
 	if err == nil || !strings.Contains(err.Error(), "node a") || !strings.Contains(err.Error(), "refused") {
@@ -387,4 +359,38 @@ func TestGPUPublishedBeforeStaged(t *testing.T) {
 	if !bytes.Equal(got, want2) {
 		t.Fatal("B's replica after A's failed staging differs from A's object")
 	}
+}
+
+// holdStaging makes n's stagings behind published records stop before the
+// slice at off until release (called by the test, or at its end, so that
+// a failed test leaves no staging stopped), then fail with fail (nil: go
+// on); slices, when set, counts the slices begun.
+func holdStaging(t *testing.T, n *node.Node, off int64, fail error, slices *atomic.Int64) (release func()) {
+	held := make(chan struct{})
+	var once sync.Once
+	release = func() { once.Do(func() { close(held) }) }
+	t.Cleanup(release)
+	node.HookStaging(n, func(o int64) error {
+		if slices != nil {
+			slices.Add(1)
+		}
+		if o >= off {
+			<-held
+			return fail
+		}
+		return nil
+	})
+	return release
+}
+
+// awaitDeferred waits until a fetch of n's peers has waited for bytes
+// being staged since n counted since of them.
+func awaitDeferred(t *testing.T, n *node.Node, since uint64) {
+	t.Helper()
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if node.FetchesDeferred(n) == since {
+			return errors.New("no fetch waits for the staging yet")
+		}
+		return nil
+	})
 }

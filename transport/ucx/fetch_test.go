@@ -196,28 +196,7 @@ func TestFetchReaderKilled(t *testing.T) {
 	requireUCX(t)
 	const size = 32 << 20
 	data := testutil.RandomBytes(1905, size)
-	c, err := ucx.NewContext(ucx.ContextOptions{Name: "test-holder"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	hw, err := c.NewWorker(ucx.WorkerOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := c.Register(data)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, stop := context.WithCancel(context.Background())
-	served := make(chan error, 1)
-	go func() { served <- hw.Serve(ctx) }()
-	defer func() {
-		stop()
-		if err := testutil.Next(t, served, 20*time.Second); err != nil {
-			t.Errorf("serve: %v", err)
-		}
-	}()
+	_, hw, r := serveInProcess(t, ucx.ContextOptions{Name: "test-holder"}, data)
 	addr, err := hw.Address().MarshalBinary()
 	if err != nil {
 		t.Fatal(err)

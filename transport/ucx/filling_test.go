@@ -12,6 +12,35 @@ import (
 	"github.com/cudaipc/cudaipc/transport/ucx"
 )
 
+// serveInProcess is a holder in this process: a context of o, a worker
+// served until the test ends (then the context closes) and mem registered.
+func serveInProcess(t *testing.T, o ucx.ContextOptions, mem []byte) (*ucx.Context, *ucx.Worker, *ucx.MemRegion) {
+	t.Helper()
+	c, err := ucx.NewContext(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	w, err := c.NewWorker(ucx.WorkerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := c.Register(mem)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- w.Serve(ctx) }()
+	t.Cleanup(func() {
+		stop()
+		if err := testutil.Next(t, served, 20*time.Second); err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	})
+	return c, w, r
+}
+
 // fillingHolder is an in-process holder: a served worker and a region of
 // size bytes, zeros until the test fills it, and a reader's endpoint and
 // key for it.
@@ -26,29 +55,8 @@ type fillingHolder struct {
 func startFillingHolder(t *testing.T, size int) *fillingHolder {
 	t.Helper()
 	requireUCX(t)
-	hc, err := ucx.NewContext(ucx.ContextOptions{Name: "test-filling-holder", NoRMA: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { hc.Close() })
-	hw, err := hc.NewWorker(ucx.WorkerOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
 	mem := make([]byte, size)
-	r, err := hc.Register(mem)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, stop := context.WithCancel(context.Background())
-	served := make(chan error, 1)
-	go func() { served <- hw.Serve(ctx) }()
-	t.Cleanup(func() {
-		stop()
-		if err := testutil.Next(t, served, 20*time.Second); err != nil {
-			t.Errorf("serve: %v", err)
-		}
-	})
+	hc, hw, r := serveInProcess(t, ucx.ContextOptions{Name: "test-filling-holder", NoRMA: true}, mem)
 	rc, err := ucx.NewContext(ucx.ContextOptions{Name: "test-filling-reader", NoRMA: true})
 	if err != nil {
 		t.Fatal(err)
