@@ -62,6 +62,11 @@ SHARD_TENSORS = 1000
 # The link, for the daemons and the floors alike. UCX's tcp transport emulates a GET
 # with active messages of at most UCX_TCP_TX_SEG_SIZE (8 KiB by default): 256 KiB
 # segments moved 2-4x the bytes a second in raw GETs on the 2-core CPU machine.
+# MiB a round of the raw UCX floor's lanes benchmarks: a round of 1 GiB takes
+# 50-100 ms here, against 13-25 ms for 256 MiB, whose rounds the scheduler's
+# noise moved by up to 2x between calls.
+FLOOR_LANES_MIB = 1024
+
 LINK_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n",
             "UCX_TCP_TX_SEG_SIZE": "256K", "UCX_TCP_RX_SEG_SIZE": "256K"}
 UCX_DEFAULT_SEGS = {"UCX_TCP_TX_SEG_SIZE": "8K", "UCX_TCP_RX_SEG_SIZE": "64K"}
@@ -382,19 +387,22 @@ def run_procs(targets: List[Tuple[Any, tuple]], results: Any, want: int, timeout
 
 # -- floors of the link -----------------------------------------------------------------
 
-def ucx_floor(test_bin: Optional[str], extra: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+def ucx_floor(test_bin: Optional[str], extra: Optional[Dict[str, str]] = None,
+              bench: str = "GetChunks|GetLanes|FetchLanes", lanes_mib: int = FLOOR_LANES_MIB) -> Dict[str, Any]:
     """Raw UCX reads between two processes on the same link: the best of
-    BenchmarkGetChunks's chunk sizes and depths over one connection, and of
-    BenchmarkGetLanes's and BenchmarkFetchLanes's 1, 2, 4 and 8 connections (a
-    worker pair each, as the daemons' --cluster-lanes; GETs, and the holder
-    sending by rendezvous), 256 MiB a round: over tcp on loopback more
-    connections carry more, so the link's floor is the best of them all."""
+    BenchmarkGetChunks's chunk sizes and depths over one connection (256 MiB a
+    round), and of BenchmarkGetLanes's and BenchmarkFetchLanes's 1, 2, 4, 8 and 16
+    connections (a worker pair each, as the daemons' --cluster-lanes; GETs, and the
+    holder sending by rendezvous), lanes_mib MiB a round, 4 rounds after a first:
+    over tcp on loopback more connections carry more, so the link's floor is the
+    best of them all."""
     if not test_bin:
         return {"error": "no --ucxperf-test"}
     env = dict(os.environ, **LINK_ENV)
     env.update(extra or {})
+    env["UCXPERF_LANES_MIB"] = str(lanes_mib)
     try:
-        r = subprocess.run([test_bin, "-test.run", "^$", "-test.bench", "GetChunks|GetLanes|FetchLanes", "-test.benchtime", "4x"],
+        r = subprocess.run([test_bin, "-test.run", "^$", "-test.bench", bench, "-test.benchtime", "4x"],
                            capture_output=True, text=True, timeout=240, env=env, cwd=tempfile.gettempdir())
     except (OSError, subprocess.TimeoutExpired) as e:
         return {"error": str(e)}
@@ -406,7 +414,22 @@ def ucx_floor(test_bin: Optional[str], extra: Optional[Dict[str, str]] = None) -
     if not rows:
         return {"error": (r.stdout + r.stderr)[-400:]}
     best = max(rows, key=lambda k: rows[k])
-    return {"rows_GBps": rows, "best": best, "GBps": rows[best]}
+    return {"rows_GBps": rows, "best": best, "GBps": rows[best], "lanes_MiB": lanes_mib}
+
+
+def print_ucx_floor(label: str, f: Dict[str, Any]) -> None:
+    """One line for a ucx_floor result, and one of its rows."""
+    print("floor: raw UCX reads%s %s" % (label, ("%.2f GB/s (%s)" % (f["GBps"], f["best"])) if "GBps" in f else f["error"]),
+          flush=True)
+    if "rows_GBps" in f:
+        print("  " + ", ".join("%s %.2f" % kv for kv in f["rows_GBps"].items()), flush=True)
+
+
+def link_floor(out: Dict[str, Any]) -> Optional[float]:
+    """The link floor the ratios use: the higher of the raw UCX floors measured
+    before and after the models (the stricter reference)."""
+    got = [out[k]["GBps"] for k in ("floor_ucx", "floor_ucx_after") if "GBps" in out.get(k, {})]
+    return max(got) if got else None
 
 
 def cluster_floor(bin_: str, etcd: str) -> Dict[str, Any]:
@@ -472,11 +495,7 @@ def main(argv: List[str]) -> None:
     if not args.no_floors:
         for key, extra in (("floor_ucx", None), ("floor_ucx_default_segments", UCX_DEFAULT_SEGS)):
             out[key] = ucx_floor(args.ucxperf_test, extra)
-            print("floor: raw UCX reads%s %s" % (" (UCX's default tcp segments)" if extra else "",
-                                               ("%.2f GB/s (%s)" % (out[key]["GBps"], out[key]["best"]))
-                                               if "GBps" in out[key] else out[key]["error"]), flush=True)
-            if "rows_GBps" in out[key]:
-                print("  " + ", ".join("%s %.2f" % kv for kv in out[key]["rows_GBps"].items()), flush=True)
+            print_ucx_floor(" (UCX's default tcp segments)" if extra else "", out[key])
         out["floor_cluster_host"] = cluster_floor(args.bin, args.etcd)
         fc = out["floor_cluster_host"]
         print("floor: cluster pull of a 1 GiB host object %s" % (
@@ -536,19 +555,22 @@ def main(argv: List[str]) -> None:
             mine = [r for r in out["results"] if r["model"] == m]
             c = next((r for r in mine if r["path"] == "cudaipc-cluster"), None)
             g = next((r for r in mine if r["path"] == "torch-gloo"), None)
-            link = out.get("floor_ucx", {}).get("GBps")
-            cop = out.get("floor_copies")
-            if c is not None:
-                if g is not None:
-                    c["x_gloo"] = g["median_s"] / c["median_s"]
-                    print("  cudaipc-cluster is %.2fx torch-gloo's speed" % c["x_gloo"], flush=True)
-                if link and cop:
-                    floor = min(link, cop["d2h_GBps"], cop["h2d_GBps"])
-                    c["x_floor"] = c["gbps"] / floor
-                    print("  cudaipc-cluster %.2f GB/s is %.2fx min(link %.2f, staging %.1f) GB/s" % (
-                        c["gbps"], c["x_floor"], link, min(cop["d2h_GBps"], cop["h2d_GBps"])), flush=True)
+            if c is not None and g is not None:
+                c["x_gloo"] = g["median_s"] / c["median_s"]
+                print("  cudaipc-cluster is %.2fx torch-gloo's speed" % c["x_gloo"], flush=True)
     finally:
         cl.close()
+    if not args.no_floors:
+        # The link floor again, with the daemons gone: the ratios take the higher of the two.
+        out["floor_ucx_after"] = ucx_floor(args.ucxperf_test, bench="GetLanes|FetchLanes")
+        print_ucx_floor(" again, after the models", out["floor_ucx_after"])
+    link, cop = link_floor(out), out.get("floor_copies")
+    if link and cop:
+        staging = min(cop["d2h_GBps"], cop["h2d_GBps"])
+        for c in (r for r in out["results"] if r["path"] == "cudaipc-cluster"):
+            c["x_floor"] = c["gbps"] / min(link, staging)
+            print("%s: cudaipc-cluster %.2f GB/s is %.2fx min(link %.2f, staging %.1f) GB/s" % (
+                c["model"], c["gbps"], c["x_floor"], link, staging), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"fmt"
+	"os"
 	"strconv"
 	"sync"
 	"testing"
@@ -71,8 +72,8 @@ func connectLanesToken(b *testing.B, size, lanes int) ([]*ucx.Endpoint, []*ucx.R
 	return eps, keys, ucx.Token(tb)
 }
 
-// BenchmarkGetLanes pulls 256 MiB from another process over 1, 2, 4 and 8
-// lanes: a worker pair and a connection each, every lane reading its share
+// BenchmarkGetLanes pulls 256 MiB from another process over 1, 2, 4, 8
+// and 16 lanes: a worker pair and a connection each, every lane reading its share
 // of the range (16 MiB reads, two in flight) at once. It is the raw floor
 // of a pull between daemons of as many lanes (serve --cluster-lanes): over
 // tcp one connection and one progress thread a side bound a transfer
@@ -93,11 +94,19 @@ func BenchmarkFetchLanes(b *testing.B) {
 	})
 }
 
-// benchLanes reads 256 MiB with read over 1, 2, 4 and 8 lanes at once,
-// each lane its share.
+// benchLanes reads 256 MiB (or $UCXPERF_LANES_MIB MiB, which a floor
+// compared with a transfer of seconds sets larger) with read over 1, 2,
+// 4, 8 and 16 lanes at once, each lane its share.
 func benchLanes(b *testing.B, read func(ctx context.Context, ep *ucx.Endpoint, key *ucx.RemoteKey, tok ucx.Token, addr uint64, dst []byte) error) {
-	const size = 256 << 20
-	for _, lanes := range []int{1, 2, 4, 8} {
+	size := 256 << 20
+	if v := os.Getenv("UCXPERF_LANES_MIB"); v != "" {
+		mib, err := strconv.Atoi(v)
+		if err != nil || mib < 16 || mib > 64<<10 {
+			b.Fatalf("UCXPERF_LANES_MIB=%q: want a whole number of MiB from 16 to 65536", v)
+		}
+		size = mib << 20
+	}
+	for _, lanes := range []int{1, 2, 4, 8, 16} {
 		b.Run(fmt.Sprintf("lanes=%d", lanes), func(b *testing.B) {
 			eps, keys, tok := connectLanesToken(b, size, lanes)
 			dst := make([]byte, size)
@@ -127,7 +136,7 @@ func benchLanes(b *testing.B, read func(ctx context.Context, ep *ucx.Endpoint, k
 			if string(dst[:len(want)]) != string(want) {
 				b.Fatal("the first MiB read is not the arena's")
 			}
-			b.SetBytes(size)
+			b.SetBytes(int64(size))
 			for b.Loop() {
 				if err := get(); err != nil {
 					b.Fatal(err)
