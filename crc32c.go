@@ -279,13 +279,40 @@ func (d *Device) CRC32CSupported() error {
 // block of 256 B–16 KiB. p must be 16-byte aligned and chunk a multiple
 // of 256; n 0 gives no sums. Safe for concurrent use.
 func (d *Device) ChunkCRC32C(p DevicePtr, n, chunk int64) ([]uint32, error) {
-	switch {
-	case n < 0:
+	if n < 0 {
 		return nil, &ArgError{Op: "ChunkCRC32C", Arg: "n", Reason: "negative"}
+	}
+	return d.sumChunks("ChunkCRC32C", p, n, chunk, nil)
+}
+
+// CopyToDeviceCRC32C copies src to device address dst, as CopyToDevice
+// does, and returns the CRC-32C of each chunk of the bytes as they landed
+// in device memory (ChunkCRC32C's values). The copy, the kernel and the
+// sums' copy back run on one stream of the kernel's own and the call
+// waits for that stream alone: unlike CopyToDevice followed by
+// ChunkCRC32C, it never queues behind other copies on the legacy default
+// stream, so concurrent calls (a pull landing chunks on several
+// goroutines) overlap one another's copies and kernels. With src in
+// page-locked memory (AllocHost) the copy is a direct DMA. dst must be
+// 16-byte aligned and chunk a multiple of 256; an empty src copies
+// nothing and gives no sums. Safe for concurrent use.
+func (d *Device) CopyToDeviceCRC32C(dst DevicePtr, src []byte, chunk int64) ([]uint32, error) {
+	if len(src) == 0 {
+		return d.sumChunks("CopyToDeviceCRC32C", dst, 0, chunk, nil)
+	}
+	return d.sumChunks("CopyToDeviceCRC32C", dst, int64(len(src)), chunk, func(st cu.Stream) error {
+		return cu.MemcpyHtoDAsync(cu.DevicePtr(dst), src, st)
+	})
+}
+
+// sumChunks checksums the n bytes at p in chunks on one of the kernel's
+// scratch streams, after before (when not nil) has queued its work there.
+func (d *Device) sumChunks(op string, p DevicePtr, n, chunk int64, before func(cu.Stream) error) ([]uint32, error) {
+	switch {
 	case chunk <= 0 || chunk%crcMinBlock != 0:
-		return nil, &ArgError{Op: "ChunkCRC32C", Arg: "chunk", Reason: fmt.Sprintf("%d is not a positive multiple of %d", chunk, crcMinBlock)}
+		return nil, &ArgError{Op: op, Arg: "chunk", Reason: fmt.Sprintf("%d is not a positive multiple of %d", chunk, crcMinBlock)}
 	case p%16 != 0:
-		return nil, &ArgError{Op: "ChunkCRC32C", Arg: "p", Reason: fmt.Sprintf("%#x is not 16-byte aligned", uint64(p))}
+		return nil, &ArgError{Op: op, Arg: "p", Reason: fmt.Sprintf("%#x is not 16-byte aligned", uint64(p))}
 	case n == 0:
 		return nil, nil
 	}
@@ -324,18 +351,26 @@ func (d *Device) ChunkCRC32C(p DevicePtr, n, chunk int64) ([]uint32, error) {
 		if ctas > 1<<31-1 {
 			return fmt.Errorf("%d bytes need %d thread blocks", n, ctas)
 		}
+		if before != nil {
+			if err := before(s.stream); err != nil {
+				return err
+			}
+		}
 		shift := uint64(bits.TrailingZeros64(uint64(block)))
 		if err := cu.LaunchKernel(k.fn, [3]uint32{uint32(ctas), 1, 1}, [3]uint32{crcThreads, 1, 1}, 0, s.stream,
 			uint64(p), uint64(n), uint64(k.table), uint64(s.out), shift); err != nil {
 			return err
 		}
-		if err := cu.StreamSynchronize(s.stream); err != nil {
+		// The sums come back on the same stream: a synchronous copy would
+		// queue on the legacy default stream, behind every other copy of
+		// the process (what made the kernel crawl beside a staging copy).
+		if err := cu.MemcpyDtoHWordsAsync(s.host[:blocks], s.out, s.stream); err != nil {
 			return err
 		}
-		return cu.MemcpyDtoHWords(s.host[:blocks], s.out)
+		return cu.StreamSynchronize(s.stream)
 	})
 	if err != nil {
-		return nil, fmt.Errorf("cudaipc: ChunkCRC32C of %d bytes on %s: %w", n, d, err)
+		return nil, fmt.Errorf("cudaipc: %s of %d bytes on %s: %w", op, n, d, err)
 	}
 	return combineCRC32C(s.host[:blocks], n, block, chunk), nil
 }

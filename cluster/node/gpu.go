@@ -406,16 +406,19 @@ func (r *gpuReplica) land(off int64, b []byte) error {
 func (r *gpuReplica) SumsLanded() bool { return r.sums }
 
 // LandedSum implements cluster.SummingReplica: the chunk at off goes to
-// the replica's GPU memory, and the device computes its CRC-32C there.
+// the replica's GPU memory, and the device computes its CRC-32C there, on
+// a stream of the kernel's own (cudaipc.Device.CopyToDeviceCRC32C): the
+// pull's landings overlap rather than queue on the legacy default stream.
 func (r *gpuReplica) LandedSum(off int64, b []byte) (uint32, error) {
-	if err := r.land(off, b); err != nil {
-		return 0, err
-	}
 	n := int64(len(b))
-	sums, err := r.f.GPU.Device.ChunkCRC32C(r.f.GPU.Ptr+cudaipc.DevicePtr(off), n, (n+255)/256*256)
-	if err != nil || len(sums) != 1 {
-		return 0, fmt.Errorf("node %s: checksum a chunk of %s on %s: %w", r.n.cfg.Directory.Node, r.o.Ref(), r.f.GPU.Device, err)
+	sums, err := r.f.GPU.Device.CopyToDeviceCRC32C(r.f.GPU.Ptr+cudaipc.DevicePtr(off), b, (n+255)/256*256)
+	if err == nil && len(sums) != 1 {
+		err = fmt.Errorf("%d sums for one chunk of %d bytes", len(sums), n)
 	}
+	if err != nil {
+		return 0, fmt.Errorf("node %s: copy a chunk of %s host→device and checksum it on %s: %w", r.n.cfg.Directory.Node, r.o.Ref(), r.f.GPU.Device, err)
+	}
+	r.n.stagedBytes.Add(uint64(n))
 	r.n.deviceSummed.Add(uint64(n))
 	return sums[0], nil
 }

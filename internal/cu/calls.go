@@ -255,6 +255,16 @@ func MemcpyDtoHWords(dst []uint32, src DevicePtr) error {
 	return callMemcpyDtoH(unsafe.Pointer(&dst[0]), src, uint64(len(dst))*4)
 }
 
+// MemcpyDtoHWordsAsync queues a copy of len(dst) 32-bit words from device
+// to host on s (dst is pageable: the call returns once the copy is done,
+// ordered on s alone rather than on the legacy default stream).
+func MemcpyDtoHWordsAsync(dst []uint32, src DevicePtr, s Stream) error {
+	if len(dst) == 0 {
+		return loaded("cuMemcpyDtoHAsync")
+	}
+	return callMemcpyDtoHAsync(unsafe.Pointer(&dst[0]), src, uint64(len(dst))*4, s)
+}
+
 // MemcpyAsync queues a copy of n bytes between device addresses on s.
 func MemcpyAsync(dst, src DevicePtr, n uint64, s Stream) error {
 	return callMemcpyAsync(dst, src, n, s)
