@@ -2,7 +2,7 @@
 # A short device call for cluster GPU work: the root package's tests and
 # benchmarks matching ROOT_RUN, then the cross-node weight sync (8B shapes)
 # with its floors at the daemons' defaults, each daemon's CPU profile beside
-# it (xnode-A.pprof, xnode-B.pprof), then XNODE_VARIANTS (';'-separated flag
+# it (xnode-A.pprof, xnode-B.pprof) and XNODE_ARGS's flags, then XNODE_VARIANTS (';'-separated flag
 # sets, without floors), then the Go tests of NODE_PKGS matching NODE_RUN.
 # Run after scripts/gpu-build.sh, with carry [".gpu"]:
 #
@@ -24,7 +24,8 @@ if [ -n "${ROOT_RUN:-}" ]; then
 fi
 x=(python3 scripts/bench/weight_sync.py --cross-node --bin .gpu/bin/cudaipc --etcd "$CUDAIPC_ETCD"
   --ucxperf-test "$PWD/.gpu/bin/transport_ucx_ucxperf.test" --models dense --versions 3)
-PYTHONUNBUFFERED=1 timeout "${XNODE_TIMEOUT:-170}" "${x[@]}" --cpu-profile "$out/xnode" >"$out/xnode.txt" 2>&1
+# shellcheck disable=SC2086 # XNODE_ARGS is a list of flags
+PYTHONUNBUFFERED=1 timeout "${XNODE_TIMEOUT:-170}" "${x[@]}" --cpu-profile "$out/xnode" ${XNODE_ARGS:-} >"$out/xnode.txt" 2>&1
 stamp "cross-node weight sync rc=$?"
 IFS=';' read -ra variants <<<"${XNODE_VARIANTS:-}"
 for v in "${variants[@]}"; do

@@ -62,14 +62,13 @@ SHARD_TENSORS = 1000
 # The link, for the daemons and the floors alike. UCX's tcp transport emulates a GET
 # with active messages of at most UCX_TCP_TX_SEG_SIZE (8 KiB by default): 256 KiB
 # segments moved 2-4x the bytes a second in raw GETs on the 2-core CPU machine.
+LINK_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n",
+            "UCX_TCP_TX_SEG_SIZE": "256K", "UCX_TCP_RX_SEG_SIZE": "256K"}
+UCX_DEFAULT_SEGS = {"UCX_TCP_TX_SEG_SIZE": "8K", "UCX_TCP_RX_SEG_SIZE": "64K"}
 # MiB a round of the raw UCX floor's lanes benchmarks: a round of 1 GiB takes
 # 50-100 ms here, against 13-25 ms for 256 MiB, whose rounds the scheduler's
 # noise moved by up to 2x between calls.
 FLOOR_LANES_MIB = 1024
-
-LINK_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n",
-            "UCX_TCP_TX_SEG_SIZE": "256K", "UCX_TCP_RX_SEG_SIZE": "256K"}
-UCX_DEFAULT_SEGS = {"UCX_TCP_TX_SEG_SIZE": "8K", "UCX_TCP_RX_SEG_SIZE": "64K"}
 
 
 def shapes_of(model: str, max_gib: float) -> List[Tuple[str, Tuple[int, ...]]]:
@@ -142,7 +141,7 @@ class Cluster:
             dlog = open(os.path.join(tmp, "daemon-%s.log" % node), "w")
             self.procs.append(subprocess.Popen(
                 [args.bin, "serve", "--socket", sock, "--backend", args.backend, "--capacity", args.capacity,
-                 "--log-level", "warn", "--cluster", "etcd://127.0.0.1:%d" % cp, "--node", node,
+                 "--log-level", args.daemon_log_level, "--cluster", "etcd://127.0.0.1:%d" % cp, "--node", node,
                  "--cluster-secret", self.secret, "--cluster-listen", "127.0.0.1:0"]
                 + (["--cluster-streams", str(args.streams)] if args.streams else [])
                 + (["--cluster-lanes", str(args.lanes)] if args.lanes else [])
@@ -444,6 +443,21 @@ def cluster_floor(bin_: str, etcd: str) -> Dict[str, Any]:
         return {"error": str(e)}
 
 
+def print_pull_phases(log: str) -> None:
+    """The phases of each pull node B's daemon logged at debug level ("cluster
+    pull done": setup, transfer, seal, took)."""
+    try:
+        with open(log) as f:
+            lines = [ln for ln in f if "cluster pull done" in ln]
+    except OSError as e:
+        print("pull phases: %s" % e, flush=True)
+        return
+    for ln in lines:
+        kv = dict(re.findall(r'(\w+)=("[^"]*"|\S+)', ln))
+        print("pull on B: %s" % " ".join("%s %s" % (k, kv[k]) for k in ("bytes", "setup", "transfer", "seal", "took") if k in kv),
+              flush=True)
+
+
 def summarize(r: dict) -> str:
     t = r["times"][1:] if len(r["times"]) > 1 else r["times"]
     med = statistics.median(t)
@@ -484,6 +498,8 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--smoke", action="store_true", help="a tiny model in host memory (any machine): checks the script")
     ap.add_argument("--timeout", type=float, default=400, help="seconds per model and path")
     ap.add_argument("--no-floors", action="store_true")
+    ap.add_argument("--daemon-log-level", default="warn", choices=["debug", "info", "warn"],
+                    help="the daemons' --log-level; with debug, each pull's phases (setup, transfer, seal) on node B are printed at the end")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     args.backend = "cuda"
@@ -571,6 +587,8 @@ def main(argv: List[str]) -> None:
             c["x_floor"] = c["gbps"] / min(link, staging)
             print("%s: cudaipc-cluster %.2f GB/s is %.2fx min(link %.2f, staging %.1f) GB/s" % (
                 c["model"], c["gbps"], c["x_floor"], link, staging), flush=True)
+    if args.daemon_log_level == "debug":
+        print_pull_phases(os.path.join(tmp, "daemon-B.log"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -79,9 +79,32 @@ func connectLanesToken(b *testing.B, size, lanes int) ([]*ucx.Endpoint, []*ucx.R
 // tcp one connection and one progress thread a side bound a transfer
 // below what the link (here the loopback, i.e. the CPUs) carries.
 func BenchmarkGetLanes(b *testing.B) {
+	chunk, depth := lanesReads(b)
 	benchLanes(b, func(ctx context.Context, ep *ucx.Endpoint, key *ucx.RemoteKey, _ ucx.Token, addr uint64, dst []byte) error {
-		return ucx.GetWith(ctx, ep, key, addr, dst, ucx.GetOptions{Chunk: 16 << 20, Depth: 2})
+		return ucx.GetWith(ctx, ep, key, addr, dst, ucx.GetOptions{Chunk: chunk, Depth: depth})
 	})
+}
+
+// lanesReads returns the read size and the reads in flight a lane of the
+// lanes benchmarks: 16 MiB and 2, or $UCXPERF_LANES_CHUNK_KIB and
+// $UCXPERF_LANES_DEPTH (to compare with a pull's chunks: 4 MiB by default).
+func lanesReads(b *testing.B) (chunk, depth int) {
+	chunk, depth = 16<<20, 2
+	if v := os.Getenv("UCXPERF_LANES_CHUNK_KIB"); v != "" {
+		kib, err := strconv.Atoi(v)
+		if err != nil || kib < 4 || kib > 1<<20 {
+			b.Fatalf("UCXPERF_LANES_CHUNK_KIB=%q: want a whole number of KiB from 4 to 1048576", v)
+		}
+		chunk = kib << 10
+	}
+	if v := os.Getenv("UCXPERF_LANES_DEPTH"); v != "" {
+		d, err := strconv.Atoi(v)
+		if err != nil || d < 1 || d > 256 {
+			b.Fatalf("UCXPERF_LANES_DEPTH=%q: want 1 to 256", v)
+		}
+		depth = d
+	}
+	return chunk, depth
 }
 
 // BenchmarkFetchLanes is BenchmarkGetLanes with ucx.Fetch: the arena
@@ -89,8 +112,9 @@ func BenchmarkGetLanes(b *testing.B) {
 // UCX's rendezvous protocol, which over tcp writes from its memory into
 // the reader's, rather than answering emulated GETs 8 KiB at a time.
 func BenchmarkFetchLanes(b *testing.B) {
+	chunk, depth := lanesReads(b)
 	benchLanes(b, func(ctx context.Context, ep *ucx.Endpoint, key *ucx.RemoteKey, tok ucx.Token, addr uint64, dst []byte) error {
-		return ucx.Fetch(ctx, ep, key, addr, dst, ucx.FetchOptions{Chunk: 16 << 20, Depth: 2, Token: tok})
+		return ucx.Fetch(ctx, ep, key, addr, dst, ucx.FetchOptions{Chunk: chunk, Depth: depth, Token: tok})
 	})
 }
 
