@@ -48,9 +48,9 @@ type fillWindow struct {
 // fillsAfterPublish reports whether a GPU object of dev is published
 // before it is staged: the device computes its checksums, UCX does not
 // register GPU memory (exposures read a staged copy), and this node
-// answers no GETs.
+// answers no GETs; and Config.StageFirst is not set.
 func (n *Node) fillsAfterPublish(dev *cudaipc.Device) bool {
-	return n.cfg.Read != ucxtransport.ReadGet && !n.tr.CanRegisterCUDA() && n.deviceSums(dev)
+	return !n.cfg.StageFirst && n.cfg.Read != ucxtransport.ReadGet && !n.tr.CanRegisterCUDA() && n.deviceSums(dev)
 }
 
 // errNoDeviceSums: the device could not checksum a GPU object; its seal

@@ -68,6 +68,19 @@ type Config struct {
 	// default the device computes them (cudaipc.Device.ChunkCRC32C), where
 	// its driver runs the kernel, and the host reads none of the bytes.
 	HostChecksums bool
+	// ChunkSize is the chunk of the objects this node seals: a power of
+	// two from cluster.MinChunkSize to cluster.MaxChunkSize. 0 means
+	// cluster.ChunkSizeFor's; an object too large for this many chunks of
+	// it gets ChunkSizeFor's larger one.
+	ChunkSize int64
+	// StageFirst makes the seal of a GPU object stage it into pinned host
+	// memory before the record is published, as where the device cannot
+	// checksum. By default (where it can) the record goes out once the
+	// device has the checksums and the staging runs behind it, readers'
+	// fetches of bytes not staged yet waiting at this node; where both
+	// daemons share one machine's memory bandwidth, the staging then
+	// competes with the transfer it feeds.
+	StageFirst bool
 }
 
 // Node is a daemon's membership of a cluster.
@@ -145,6 +158,9 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	cfg.Directory.Logger = log
 	if err := cluster.ValidateNodeName(cfg.Directory.Node); err != nil {
 		return nil, fmt.Errorf("--node: %w", err)
+	}
+	if c := cfg.ChunkSize; c != 0 && (c < cluster.MinChunkSize || c > cluster.MaxChunkSize || c&(c-1) != 0) {
+		return nil, fmt.Errorf("chunk size %d: want a power of two from %d to %d bytes", c, cluster.MinChunkSize, cluster.MaxChunkSize)
 	}
 	tr, err := ucxtransport.NewWith("cudaipc-"+cfg.Directory.Node, ucxtransport.Options{Lanes: cfg.Lanes, Read: cfg.Read})
 	if err != nil {
@@ -495,7 +511,7 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 			release()
 		}
 	}()
-	chunk := cluster.ChunkSizeFor(co.Size)
+	chunk := max(cluster.ChunkSizeFor(co.Size), n.cfg.ChunkSize)
 	id := cluster.NewID()
 	var sums []uint32
 	var staged *pinned // a GPU object's bytes in pinned memory, for its first exposures

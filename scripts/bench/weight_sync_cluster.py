@@ -147,6 +147,8 @@ class Cluster:
                 + (["--cluster-lanes", str(args.lanes)] if args.lanes else [])
                 + (["--cluster-read", args.read] if args.read else [])
                 + (["--cluster-checksums", args.checksums] if args.checksums else [])
+                + (["--cluster-chunk", args.chunk] if args.chunk else [])
+                + (["--cluster-gpu-publish", args.gpu_publish] if args.gpu_publish else [])
                 + (["--cpu-profile", "%s-%s.pprof" % (args.cpu_profile, node)] if args.cpu_profile else []),
                 stdout=dlog, stderr=subprocess.STDOUT, env=env))
             self.sockets[node] = sock
@@ -492,6 +494,8 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--streams", type=int, default=0, help="chunks a pull reads from one holder at once (serve --cluster-streams; 0: the daemon's default)")
     ap.add_argument("--read", choices=["fetch", "get"], help="how daemon B reads A's memory (serve --cluster-read; default: the daemon's, fetch)")
     ap.add_argument("--checksums", choices=["auto", "host"], help="where the daemons compute GPU objects' chunk checksums (serve --cluster-checksums; default: the daemon's, auto: on the GPU)")
+    ap.add_argument("--chunk", help="chunk of the objects node A publishes, e.g. 16MiB (serve --cluster-chunk; default: the daemon's)")
+    ap.add_argument("--gpu-publish", choices=["early", "staged"], help="when node A publishes a GPU object (serve --cluster-gpu-publish; default: the daemon's, early)")
     ap.add_argument("--cpu-profile", metavar="PREFIX", help="each daemon writes a CPU profile of its whole run to PREFIX-A.pprof and PREFIX-B.pprof (serve --cpu-profile)")
     ap.add_argument("--lanes", type=int, default=0, help="UCX worker pairs of each daemon (serve --cluster-lanes; 0: the daemon's default)")
     ap.add_argument("--shard-tensors", type=int, default=SHARD_TENSORS, help="tensors per shard of a version")
@@ -521,9 +525,9 @@ def main(argv: List[str]) -> None:
         if fl:
             out["floor_copies"] = fl[0]
             print("floor: pinned copies d2h %.1f GB/s, h2d %.1f GB/s" % (fl[0]["d2h_GBps"], fl[0]["h2d_GBps"]), flush=True)
-    print("daemons: --cluster-lanes %s, --cluster-read %s, --cluster-streams %s, --cluster-checksums %s" % (
+    print("daemons: --cluster-lanes %s, --cluster-read %s, --cluster-streams %s, --cluster-checksums %s, --cluster-chunk %s, --cluster-gpu-publish %s" % (
         args.lanes or "default", args.read or "default (fetch)", args.streams or "default",
-        args.checksums or "default (auto)"), flush=True)
+        args.checksums or "default (auto)", args.chunk or "default", args.gpu_publish or "default (early)"), flush=True)
     cl = Cluster(args, tmp)
     try:
         for m in args.models.split(","):

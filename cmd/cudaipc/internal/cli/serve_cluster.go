@@ -12,6 +12,7 @@ import (
 	"github.com/cudaipc/cudaipc/cluster/etcddir"
 	"github.com/cudaipc/cudaipc/cluster/node"
 	"github.com/cudaipc/cudaipc/cluster/ucxtransport"
+	"github.com/cudaipc/cudaipc/internal/bytesize"
 	"github.com/cudaipc/cudaipc/store"
 	"github.com/cudaipc/cudaipc/transport/ucx"
 )
@@ -20,20 +21,22 @@ import (
 // (docs/cluster.md); without --cluster the daemon runs alone and none of
 // this runs.
 type clusterFlags struct {
-	Cluster       string `help:"Join a cluster of daemons whose directory is this etcd: etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS). Needs --cluster-secret." placeholder:"URL" env:"CUDAIPC_CLUSTER"`
-	Node          string `help:"This daemon's name in the cluster (default: the host name)." placeholder:"NAME"`
-	ClusterSecret string `name:"cluster-secret" help:"File holding the cluster's shared secret (at least 16 bytes, mode 0600): daemons without it are refused." placeholder:"FILE" env:"CUDAIPC_CLUSTER_SECRET"`
-	ClusterListen string `name:"cluster-listen" default:":7946" help:"Address the cluster control channel listens on (default ${default})." placeholder:"ADDR"`
-	ClusterAdv    string `name:"cluster-advertise" help:"HOST:PORT other daemons reach the control channel at (default: this host's address towards etcd)." placeholder:"HOST:PORT"`
-	ClusterPrefix string `name:"cluster-prefix" default:"/cudaipc/v1/" help:"etcd key prefix of the cluster (default ${default}; clusters sharing an etcd use different ones)." placeholder:"PREFIX"`
-	EtcdCA        string `name:"etcd-ca" help:"CA certificate that signed etcd's (turns on TLS)." placeholder:"FILE"`
-	EtcdCert      string `name:"etcd-cert" help:"Client certificate for etcd (with --etcd-key)." placeholder:"FILE"`
-	EtcdKey       string `name:"etcd-key" help:"Client key for etcd." placeholder:"FILE"`
-	Streams       int    `name:"cluster-streams" default:"0" help:"Reads a pull keeps in flight from one holder (0: the default, four a lane and at least 8); more can fill a fast link whose round trip is long." placeholder:"N"`
-	Lanes         int    `name:"cluster-lanes" default:"8" env:"CUDAIPC_CLUSTER_LANES" help:"UCX workers serving and pulling, each with its own progress thread and, between two daemons of several, its own connection (default ${default}; 0 or 1: one; at most 16). Over tcp one connection and one progress thread a side bound a pull well below what a fast link carries (docs/cluster.md). Daemons of versions before lanes cannot read from daemons of several." placeholder:"N"`
-	Read          string `name:"cluster-read" default:"fetch" enum:"fetch,get" env:"CUDAIPC_CLUSTER_READ" help:"How this daemon reads other daemons' memory: fetch (default: the holder sends an exposed object's bytes by UCX rendezvous and answers no GETs; a reader killed mid-read cannot bring the holder down) or get (UCX one-sided GETs, which tcp emulates; the daemon then answers GETs of any of its addresses from anyone who reaches its UCX port). A fetching daemon cannot read daemons of versions before fetches." placeholder:"MODE"`
-	Checksums     string `name:"cluster-checksums" default:"auto" enum:"auto,host" env:"CUDAIPC_CLUSTER_CHECKSUMS" help:"Where GPU objects' chunk checksums (CRC-32C, at the seal and on each chunk a pull lands) are computed: auto (default: on the object's GPU, by a small kernel of the daemon, where the driver runs it; else on the host) or host (the daemon's CPUs read every byte)." placeholder:"WHERE"`
-	UCXLib        string `name:"ucx-lib" help:"Use this libucp.so.0 (and the libucs, libuct, libucm beside it) instead of the system's, e.g. a UCX built with CUDA (HPC-X) to register GPU arenas directly; 'cudaipc doctor --ucx-lib PATH' checks it." placeholder:"PATH"`
+	Cluster       string        `help:"Join a cluster of daemons whose directory is this etcd: etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS). Needs --cluster-secret." placeholder:"URL" env:"CUDAIPC_CLUSTER"`
+	Node          string        `help:"This daemon's name in the cluster (default: the host name)." placeholder:"NAME"`
+	ClusterSecret string        `name:"cluster-secret" help:"File holding the cluster's shared secret (at least 16 bytes, mode 0600): daemons without it are refused." placeholder:"FILE" env:"CUDAIPC_CLUSTER_SECRET"`
+	ClusterListen string        `name:"cluster-listen" default:":7946" help:"Address the cluster control channel listens on (default ${default})." placeholder:"ADDR"`
+	ClusterAdv    string        `name:"cluster-advertise" help:"HOST:PORT other daemons reach the control channel at (default: this host's address towards etcd)." placeholder:"HOST:PORT"`
+	ClusterPrefix string        `name:"cluster-prefix" default:"/cudaipc/v1/" help:"etcd key prefix of the cluster (default ${default}; clusters sharing an etcd use different ones)." placeholder:"PREFIX"`
+	EtcdCA        string        `name:"etcd-ca" help:"CA certificate that signed etcd's (turns on TLS)." placeholder:"FILE"`
+	EtcdCert      string        `name:"etcd-cert" help:"Client certificate for etcd (with --etcd-key)." placeholder:"FILE"`
+	EtcdKey       string        `name:"etcd-key" help:"Client key for etcd." placeholder:"FILE"`
+	Streams       int           `name:"cluster-streams" default:"0" help:"Reads a pull keeps in flight from one holder (0: the default, four a lane and at least 8); more can fill a fast link whose round trip is long." placeholder:"N"`
+	Lanes         int           `name:"cluster-lanes" default:"8" env:"CUDAIPC_CLUSTER_LANES" help:"UCX workers serving and pulling, each with its own progress thread and, between two daemons of several, its own connection (default ${default}; 0 or 1: one; at most 16). Over tcp one connection and one progress thread a side bound a pull well below what a fast link carries (docs/cluster.md). Daemons of versions before lanes cannot read from daemons of several." placeholder:"N"`
+	Read          string        `name:"cluster-read" default:"fetch" enum:"fetch,get" env:"CUDAIPC_CLUSTER_READ" help:"How this daemon reads other daemons' memory: fetch (default: the holder sends an exposed object's bytes by UCX rendezvous and answers no GETs; a reader killed mid-read cannot bring the holder down) or get (UCX one-sided GETs, which tcp emulates; the daemon then answers GETs of any of its addresses from anyone who reaches its UCX port). A fetching daemon cannot read daemons of versions before fetches." placeholder:"MODE"`
+	Checksums     string        `name:"cluster-checksums" default:"auto" enum:"auto,host" env:"CUDAIPC_CLUSTER_CHECKSUMS" help:"Where GPU objects' chunk checksums (CRC-32C, at the seal and on each chunk a pull lands) are computed: auto (default: on the object's GPU, by a small kernel of the daemon, where the driver runs it; else on the host) or host (the daemon's CPUs read every byte)." placeholder:"WHERE"`
+	Chunk         bytesize.Size `name:"cluster-chunk" default:"0" env:"CUDAIPC_CLUSTER_CHUNK" help:"Chunk of the objects this daemon publishes: the unit a pull reads, checks and lands, a power of two from 64KiB to 1GiB (0: the default, 4MiB, doubled for objects of more than 65536 chunks). Larger chunks cost fewer reads per byte; a corrupted chunk is read again whole." placeholder:"BYTES"`
+	GPUPublish    string        `name:"cluster-gpu-publish" default:"early" enum:"early,staged" env:"CUDAIPC_CLUSTER_GPU_PUBLISH" help:"When a GPU object's record goes out: early (default: once its GPU has the checksums, its copy to pinned host memory running behind, readers' fetches of bytes not copied yet waiting) or staged (after that copy: better where both daemons share one machine's memory bandwidth)." placeholder:"WHEN"`
+	UCXLib        string        `name:"ucx-lib" help:"Use this libucp.so.0 (and the libucs, libuct, libucm beside it) instead of the system's, e.g. a UCX built with CUDA (HPC-X) to register GPU arenas directly; 'cudaipc doctor --ucx-lib PATH' checks it." placeholder:"PATH"`
 }
 
 // directoryConfig is the etcd directory configuration the flags give.
@@ -78,6 +81,9 @@ func (f *clusterFlags) startCluster(ctx context.Context, g *Globals) (*node.Node
 	if f.Streams < 0 || f.Streams > 64 {
 		return nil, fmt.Errorf("--cluster-streams %d: want 0 (the default) to 64", f.Streams)
 	}
+	if c := int64(f.Chunk); c != 0 && (c < cluster.MinChunkSize || c > cluster.MaxChunkSize || c&(c-1) != 0) {
+		return nil, fmt.Errorf("--cluster-chunk %s: want 0 (the default) or a power of two from 64KiB to 1GiB", f.Chunk)
+	}
 	if f.Lanes < 0 || f.Lanes > ucxtransport.MaxLanes {
 		return nil, fmt.Errorf("--cluster-lanes %d: want 0 (one) to %d", f.Lanes, ucxtransport.MaxLanes)
 	}
@@ -99,7 +105,7 @@ func (f *clusterFlags) startCluster(ctx context.Context, g *Globals) (*node.Node
 	}
 	n, err := node.Start(ctx, node.Config{Directory: dc, Listen: f.ClusterListen, Advertise: f.ClusterAdv, Logger: g.log,
 		StreamsPerHolder: streams, Lanes: f.Lanes, Read: ucxtransport.ReadMode(f.Read),
-		HostChecksums: f.Checksums == "host"})
+		HostChecksums: f.Checksums == "host", ChunkSize: int64(f.Chunk), StageFirst: f.GPUPublish == "staged"})
 	if err != nil {
 		return nil, fmt.Errorf("serve --cluster: %w", err)
 	}
