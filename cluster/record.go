@@ -66,8 +66,13 @@ func Checksum(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }
 
 // ChunkSizeFor returns the chunk size for an object of size bytes:
 // DefaultChunkSize, doubled until the object has at most MaxChunks chunks.
-func ChunkSizeFor(size int64) int64 {
-	c := int64(DefaultChunkSize)
+func ChunkSizeFor(size int64) int64 { return ChunkSizeFrom(size, DefaultChunkSize) }
+
+// ChunkSizeFrom returns the chunk size for an object of size bytes
+// starting from base (a power of two from MinChunkSize to MaxChunkSize):
+// base, doubled until the object has at most MaxChunks chunks.
+func ChunkSizeFrom(size, base int64) int64 {
+	c := base
 	for c < MaxChunkSize && (size+c-1)/c > MaxChunks {
 		c *= 2
 	}

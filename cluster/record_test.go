@@ -170,6 +170,14 @@ func TestChunkSizes(t *testing.T) {
 			t.Errorf("ChunkSizeFor(%d) = %d, want %d", c.size, got, c.chunk)
 		}
 	}
+	for _, c := range []struct{ size, base, chunk int64 }{
+		{5<<20 + 1, 1 << 20, 1 << 20}, {MaxChunks << 20, 1 << 20, 1 << 20}, {MaxChunks<<20 + 1, 1 << 20, 2 << 20},
+		{1, MinChunkSize, MinChunkSize}, {1 << 40, MaxChunkSize, MaxChunkSize}, {16 << 30, 16 << 20, 16 << 20},
+	} {
+		if got := ChunkSizeFrom(c.size, c.base); got != c.chunk {
+			t.Errorf("ChunkSizeFrom(%d, %d) = %d, want %d", c.size, c.base, got, c.chunk)
+		}
+	}
 	b := randBytes(10<<20, 3)
 	sums := Checksums(b, DefaultChunkSize)
 	if len(sums) != 3 || sums[0] != Checksum(b[:DefaultChunkSize]) || sums[2] != Checksum(b[8<<20:]) {

@@ -44,6 +44,9 @@ type daemonCmd struct {
 	Op, Etcd, Prefix, Node, Backend, Name string
 	Capacity, Size, Hold                  int64
 	PullDelay                             time.Duration
+	// Streams is the node's reads in flight from one holder
+	// (Config.StreamsPerHolder; 0: the default).
+	Streams int
 	Seed                                  byte
 	Versioned                             bool
 	Version                               uint64
@@ -80,7 +83,7 @@ func daemonRole(p *testutil.Peer) error {
 	n, err := node.Start(ctx, node.Config{
 		Directory: etcddir.Config{Endpoints: []string{c.Etcd}, Node: c.Node, Secret: secret, TTL: 2 * time.Second,
 			CallTimeout: 5 * time.Second, Prefix: c.Prefix, KeepRecords: 2},
-		Listen: "127.0.0.1:0", Logger: log,
+		Listen: "127.0.0.1:0", Logger: log, StreamsPerHolder: c.Streams,
 	})
 	if err != nil {
 		return err
@@ -229,10 +232,16 @@ type helperDaemon struct {
 
 func startHelperDaemon(t *testing.T, srv *etcdtest.Server, name, backend string, capacity int64, pullDelay time.Duration) *helperDaemon {
 	t.Helper()
-	c := testutil.Spawn(t, "daemon")
-	h := &helperDaemon{name: name, c: c}
-	h.ask(t, daemonCmd{Op: "start", Etcd: srv.Endpoint(), Prefix: "/t/" + t.Name() + "/", Node: name, Backend: backend,
-		Capacity: capacity, PullDelay: pullDelay})
+	return startHelperDaemonWith(t, srv, daemonCmd{Node: name, Backend: backend, Capacity: capacity, PullDelay: pullDelay})
+}
+
+// startHelperDaemonWith is startHelperDaemon with the start command's
+// other fields (Streams) as c has them.
+func startHelperDaemonWith(t *testing.T, srv *etcdtest.Server, c daemonCmd) *helperDaemon {
+	t.Helper()
+	h := &helperDaemon{name: c.Node, c: testutil.Spawn(t, "daemon")}
+	c.Op, c.Etcd, c.Prefix = "start", srv.Endpoint(), "/t/"+t.Name()+"/"
+	h.ask(t, c)
 	return h
 }
 
@@ -286,7 +295,10 @@ func leasesOn(t *testing.T, ctx context.Context, d *daemon, name string) int {
 // etcd lease (TTL 2 s), the exposure with its control connection, both
 // with the store leases they held; the reader never became a holder; a
 // later reader pulls the right bytes. The reader's chunk reads are slowed
-// (SlowPulls) so that the kill lands mid-pull on any link.
+// (SlowPulls, 1 s each) and it keeps two in flight, so that its pull of 17
+// chunks takes some 9 s and the kill lands mid-pull on any link however
+// fast the chunks land (with 8 in flight, as by default, the pull took 3
+// s, and on the H200 a faster landing once let it end between two polls).
 func readerKilledMidPull(t *testing.T, backend, device string, size int) {
 	srv := etcdtest.Start(t)
 	a := startDaemonOn(t, srv, "a", 1<<30, backend)
@@ -307,7 +319,7 @@ func readerKilledMidPull(t *testing.T, backend, device string, size int) {
 	}
 	base := leasesOn(t, ctx, a, "victim")
 	ref := cluster.Ref{Name: "victim"}
-	reader := startHelperDaemon(t, srv, "reader", backend, 1<<30, time.Second)
+	reader := startHelperDaemonWith(t, srv, daemonCmd{Node: "reader", Backend: backend, Capacity: 1 << 30, PullDelay: time.Second, Streams: 2})
 	reader.ask(t, daemonCmd{Op: "get", Name: "victim"})
 	// Kill it once chunks flow (its UCX endpoint wired up: a reader dying
 	// while it is being wired up crashes the holder in UCX 1.13;

@@ -511,7 +511,10 @@ func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, erro
 			release()
 		}
 	}()
-	chunk := max(cluster.ChunkSizeFor(co.Size), n.cfg.ChunkSize)
+	chunk := cluster.ChunkSizeFor(co.Size)
+	if n.cfg.ChunkSize != 0 {
+		chunk = cluster.ChunkSizeFrom(co.Size, n.cfg.ChunkSize)
+	}
 	id := cluster.NewID()
 	var sums []uint32
 	var staged *pinned // a GPU object's bytes in pinned memory, for its first exposures

@@ -67,6 +67,13 @@ func startDaemonOn(t testing.TB, srv *etcdtest.Server, name string, capacity int
 // startDaemonKeep is startDaemonOn with the directory's KeepRecords.
 func startDaemonKeep(t testing.TB, srv *etcdtest.Server, name string, capacity int64, backend string, keepRecords int) *daemon {
 	t.Helper()
+	return startDaemonWith(t, srv, name, capacity, backend, func(c *node.Config) { c.Directory.KeepRecords = keepRecords })
+}
+
+// startDaemonWith is startDaemonOn with the node's configuration as set
+// changes it (after the test's defaults: KeepRecords 2).
+func startDaemonWith(t testing.TB, srv *etcdtest.Server, name string, capacity int64, backend string, set func(*node.Config)) *daemon {
+	t.Helper()
 	if err := ucx.Available(); err != nil {
 		if os.Getenv("CUDAIPC_REQUIRE_UCX") == "1" || os.Getenv(etcdtest.EnvRequire) == "1" {
 			t.Fatal(err)
@@ -77,11 +84,13 @@ func startDaemonKeep(t testing.TB, srv *etcdtest.Server, name string, capacity i
 	defer cancel()
 	d := &daemon{name: name}
 	log := slog.New(slog.NewTextHandler(testWriter{t, name, &d.logMu, &d.logBuf}, &slog.HandlerOptions{Level: slog.LevelInfo}))
-	n, err := node.Start(ctx, node.Config{
+	cfg := node.Config{
 		Directory: etcddir.Config{Endpoints: []string{srv.Endpoint()}, Node: name, Secret: secret, TTL: 2 * time.Second,
-			CallTimeout: 5 * time.Second, Prefix: "/t/" + t.Name() + "/", KeepRecords: keepRecords},
+			CallTimeout: 5 * time.Second, Prefix: "/t/" + t.Name() + "/", KeepRecords: 2},
 		Listen: "127.0.0.1:0", Logger: log,
-	})
+	}
+	set(&cfg)
+	n, err := node.Start(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -308,6 +317,46 @@ func TestRestartedNodeRejoins(t *testing.T) {
 	n.Close()
 	if !errors.Is(err, cluster.ErrExists) || time.Since(start) > 10*time.Second {
 		t.Fatalf("a second node b: %v after %v, want ErrExists within the TTL", err, time.Since(start))
+	}
+}
+
+// TestChunkSizeConfig: a node configured with a chunk size publishes its
+// objects in chunks of it (and a larger one only where the object would
+// have too many), and another node of the default pulls them intact; a
+// chunk size that is not a power of two in bounds is refused at Start.
+func TestChunkSizeConfig(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a := startDaemonWith(t, srv, "a", 256<<20, "host", func(c *node.Config) { c.ChunkSize = 1 << 20 })
+	b := startDaemon(t, srv, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	want := a.put(t, "fine", 5<<20+123, client.CreateOptions{Cluster: true})
+	e, err := b.node.Directory().Lookup(ctx, cluster.Ref{Name: "fine"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e.ChunkSize != 1<<20 || len(e.Sums) != 6 {
+		t.Fatalf("A's record: chunk %d, %d sums; want 1 MiB chunks, 6", e.ChunkSize, len(e.Sums))
+	}
+	if got, err := b.get(ctx, "fine"); err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("get on B: %v (bytes equal: %v)", err, bytes.Equal(got, want))
+	}
+	// B's default: 4 MiB.
+	want = b.put(t, "coarse", 5<<20+123, client.CreateOptions{Cluster: true})
+	if e, err = a.node.Directory().Lookup(ctx, cluster.Ref{Name: "coarse"}); err != nil || e.ChunkSize != cluster.DefaultChunkSize {
+		t.Fatalf("B's record: chunk %d, %v; want the default, %d", e.ChunkSize, err, cluster.DefaultChunkSize)
+	}
+	if got, err := a.get(ctx, "coarse"); err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("get on A: %v", err)
+	}
+	for _, bad := range []int64{3 << 20, cluster.MinChunkSize / 2, 2 * cluster.MaxChunkSize, -1} {
+		_, err := node.Start(ctx, node.Config{
+			Directory: etcddir.Config{Endpoints: []string{srv.Endpoint()}, Node: "bad", Secret: secret, Prefix: "/t/" + t.Name() + "/"},
+			Listen:    "127.0.0.1:0", ChunkSize: bad,
+		})
+		if err == nil || !strings.Contains(err.Error(), "power of two") {
+			t.Fatalf("chunk size %d: %v, want a refusal naming a power of two", bad, err)
+		}
 	}
 }
 
