@@ -46,11 +46,11 @@ type daemonCmd struct {
 	PullDelay                             time.Duration
 	// Streams is the node's reads in flight from one holder
 	// (Config.StreamsPerHolder; 0: the default).
-	Streams int
-	Seed                                  byte
-	Versioned                             bool
-	Version                               uint64
-	Shard, Shards                         int
+	Streams       int
+	Seed          byte
+	Versioned     bool
+	Version       uint64
+	Shard, Shards int
 }
 
 // daemonReply answers a daemonCmd.
