@@ -359,6 +359,61 @@ def copy_floor(cfg: Dict[str, Any], results: Any) -> None:
     results.put({"path": "floor-copies", **out})
 
 
+def copy_loops(cfg: Dict[str, Any], started: Any, stop: Any, results: Any) -> None:
+    """Device->host and host->device copies of 256 MiB between pinned and GPU memory,
+    on two streams at once, each direction paced to cfg["rate"] GB/s (0: as fast as
+    they go), from when started is set until stop is (at most 300 s): the staging
+    copies of a sync, beside which the link floor is measured again."""
+    import torch
+    dev = ws.device(cfg["gpu"])
+    torch.cuda.set_device(dev)
+    n, rate = 256 << 20, float(cfg["rate"])
+    g1, g2 = (torch.empty(n, dtype=torch.uint8, device=dev) for _ in range(2))
+    h1, h2 = (torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    moved, t0 = 0, ws.now()
+    started.set()
+    while not stop.is_set() and ws.now() - t0 < 300:
+        t = ws.now()
+        with torch.cuda.stream(s1):
+            h1.copy_(g1, non_blocking=True)
+        with torch.cuda.stream(s2):
+            g2.copy_(h2, non_blocking=True)
+        s1.synchronize()
+        s2.synchronize()
+        moved += n
+        if rate > 0:
+            time.sleep(max(0.0, n / (rate * 1e9) - (ws.now() - t)))
+    took = ws.now() - t0
+    results.put({"path": "copy-loops", "d2h_GBps": moved / took / 1e9, "h2d_GBps": moved / took / 1e9, "seconds": took})
+
+
+def floor_beside_copies(args: argparse.Namespace) -> Dict[str, Any]:
+    """The raw UCX lanes floor again while copy_loops runs at args.floor_beside_copies
+    GB/s each way: how much of the link's floor the staging copies' memory traffic
+    leaves on one host."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q, started, stop = ctx.Queue(), ctx.Event(), ctx.Event()
+    p = ctx.Process(target=copy_loops, args=({"gpu": args.gpu, "rate": args.floor_beside_copies}, started, stop, q))
+    p.start()
+    try:
+        if not started.wait(120):
+            return {"error": "the copy loops did not start"}
+        f = ucx_floor(args.ucxperf_test, bench="GetLanes|FetchLanes")
+        stop.set()
+        try:
+            f["copies"] = q.get(timeout=60)
+        except Exception as e:  # noqa: BLE001 - queue.Empty
+            f["copies"] = {"error": str(e)}
+        return f
+    finally:
+        stop.set()
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+
+
 def run_procs(targets: List[Tuple[Any, tuple]], results: Any, want: int, timeout: float) -> List[dict]:
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
@@ -502,6 +557,9 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--smoke", action="store_true", help="a tiny model in host memory (any machine): checks the script")
     ap.add_argument("--timeout", type=float, default=400, help="seconds per model and path")
     ap.add_argument("--no-floors", action="store_true")
+    ap.add_argument("--floor-beside-copies", type=float, metavar="GBPS",
+                    help="also measure the link floor while device<->host copies run beside it, each way at this many GB/s "
+                         "(0: flat out): what the staging copies' memory traffic leaves of the link on one host")
     ap.add_argument("--daemon-log-level", default="warn", choices=["debug", "info", "warn"],
                     help="the daemons' --log-level; with debug, each pull's phases (setup, transfer, seal) on node B are printed at the end")
     ap.add_argument("--json", help="write the results here")
@@ -584,6 +642,12 @@ def main(argv: List[str]) -> None:
         # The link floor again, with the daemons gone: the ratios take the higher of the two.
         out["floor_ucx_after"] = ucx_floor(args.ucxperf_test, bench="GetLanes|FetchLanes")
         print_ucx_floor(" again, after the models", out["floor_ucx_after"])
+        if args.floor_beside_copies is not None:
+            fb = out["floor_ucx_beside_copies"] = floor_beside_copies(args)
+            print_ucx_floor(" beside copies of %s GB/s each way" % (args.floor_beside_copies or "max"), fb)
+            copies: Dict[str, Any] = fb.get("copies", {})
+            if "d2h_GBps" in copies:
+                print("  the copies meanwhile: %.1f GB/s each way" % copies["d2h_GBps"], flush=True)
     link, cop = link_floor(out), out.get("floor_copies")
     if link and cop:
         staging = min(cop["d2h_GBps"], cop["h2d_GBps"])
