@@ -9,6 +9,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"weak"
 
 	raw "github.com/cudaipc/cudaipc/internal/ucx"
 )
@@ -36,19 +37,43 @@ type Endpoint struct {
 }
 
 // The endpoints' error handler: one C callback for the process (purego has
-// a fixed number), which finds the endpoint by the id UCX hands back.
+// a fixed number), which finds the endpoint by the id UCX hands back. The
+// table holds weak pointers: an endpoint of a Context dropped without
+// Close must not keep that Context reachable, or its cleanup (the backstop
+// against a leaked Context) would never run. An endpoint nobody can reach
+// has nobody to tell of its failure.
 var (
 	errHandlerOnce sync.Once
 	errHandler     uintptr
 	endpointIDs    atomic.Uintptr
-	endpointsByID  sync.Map // uintptr -> *Endpoint
+	endpointsByID  endpointTable
 )
+
+// endpointTable maps the ids UCX hands the error handler to endpoints,
+// weakly.
+type endpointTable struct{ m sync.Map } // uintptr -> weak.Pointer[Endpoint]
+
+// Store records e under id.
+func (t *endpointTable) Store(id uintptr, e *Endpoint) { t.m.Store(id, weak.Make(e)) }
+
+// Delete forgets id.
+func (t *endpointTable) Delete(id uintptr) { t.m.Delete(id) }
+
+// Load returns the endpoint recorded under id, if it is still reachable.
+func (t *endpointTable) Load(id uintptr) (*Endpoint, bool) {
+	v, ok := t.m.Load(id)
+	if !ok {
+		return nil, false
+	}
+	e := v.(weak.Pointer[Endpoint]).Value()
+	return e, e != nil
+}
 
 func endpointErrHandler() uintptr {
 	errHandlerOnce.Do(func() {
 		errHandler = raw.NewErrHandler(func(arg uintptr, _ raw.Ep, s raw.Status) {
-			if v, ok := endpointsByID.Load(arg); ok {
-				v.(*Endpoint).failed.CompareAndSwap(0, int32(s))
+			if e, ok := endpointsByID.Load(arg); ok {
+				e.failed.CompareAndSwap(0, int32(s))
 			}
 		})
 	})

@@ -1,6 +1,7 @@
 package ucx_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/base64"
 	"errors"
@@ -723,6 +724,63 @@ func TestLeakedContextReleased(t *testing.T) {
 			t.Fatal(err)
 		}
 		if err := closed.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}()
+	testutil.Eventually(t, testutil.Wait, func() error {
+		runtime.GC()
+		if n := ucx.LeakedContexts() - before; n != 1 {
+			return fmt.Errorf("%d contexts released by the cleanup, want 1", n)
+		}
+		return nil
+	})
+}
+
+// TestLeakedContextWithEndpointsReleased: a Context dropped without Close
+// whose worker has an open endpoint and one that Close kept (parked) for
+// the next Connect is released by its cleanup too: nothing global (the
+// endpoints' error-handler table) keeps it reachable.
+func TestLeakedContextWithEndpointsReleased(t *testing.T) {
+	const size = 4 << 20
+	p := startServer(t, 1811, size)
+	before := ucx.LeakedContexts()
+	func() {
+		c, err := ucx.NewContext(ucx.ContextOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		w, err := c.NewWorker(ucx.WorkerOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var addr ucx.WorkerAddress
+		if err := addr.UnmarshalBinary(b64(t, p.info.Addr)); err != nil {
+			t.Fatal(err)
+		}
+		var rk ucx.RegionKey
+		if err := rk.UnmarshalBinary(b64(t, p.info.Key)); err != nil {
+			t.Fatal(err)
+		}
+		var eps []*ucx.Endpoint
+		for range 2 {
+			ep, err := w.Connect(addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			key, err := ep.Unpack(rk)
+			if err != nil {
+				t.Fatal(err)
+			}
+			dst := make([]byte, size)
+			if err := ucx.Get(timeout(t, time.Minute), ep, key, rk.Addr, dst); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(dst, p.data) {
+				t.Fatal("the bytes read differ from the server's")
+			}
+			eps = append(eps, ep)
+		}
+		if err := eps[0].Close(); err != nil { // kept for the next Connect
 			t.Fatal(err)
 		}
 	}()
