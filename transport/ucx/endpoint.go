@@ -34,6 +34,9 @@ type Endpoint struct {
 	broken error        // guarded by w.mu
 	keys   map[*RemoteKey]struct{}
 	addr   string // the peer's raw worker address
+	// sn is the UCX endpoint's connection sequence number towards the
+	// peer, or -1 where UCX matches none (Worker.sns says why).
+	sn int
 }
 
 // The endpoints' error handler: one C callback for the process (purego has
@@ -113,7 +116,7 @@ func (w *Worker) Connect(addr WorkerAddress) (*Endpoint, error) {
 func (w *Worker) connectLocked(addr WorkerAddress) (*Endpoint, error) {
 	buf := make([]byte, len(addr.b)+overreadSlack)
 	copy(buf, addr.b)
-	e := &Endpoint{w: w, id: endpointIDs.Add(1), keys: map[*RemoteKey]struct{}{}, addr: string(addr.b)}
+	e := &Endpoint{w: w, id: endpointIDs.Add(1), keys: map[*RemoteKey]struct{}{}, addr: string(addr.b), sn: w.nextSNLocked(addr.b)}
 	p := &raw.EpParams{
 		FieldMask:     raw.EpParamFieldRemoteAddress | raw.EpParamFieldErrHandlingMode | raw.EpParamFieldErrHandler,
 		Address:       &buf[0],
@@ -134,6 +137,36 @@ func (w *Worker) connectLocked(addr WorkerAddress) (*Endpoint, error) {
 	e.h = h
 	w.endpoints[e] = struct{}{}
 	return e, nil
+}
+
+// maxConnSN is UCX's ucp_ep_match_conn_sn_t's maximum (a uint16 in 1.13
+// and 1.16): the sequence number at which UCX stops counting and matching.
+const maxConnSN = 1<<16 - 1
+
+// nextSNLocked returns the connection sequence number UCX gives the next
+// endpoint w creates to the worker at addr, and counts it; w.mu is held.
+//
+// UCX pairs two workers' endpoints to each other by these numbers: the
+// n-th endpoint one creates to the other (ucp_ep_match_get_sn, one a
+// destination, once per ucp_ep_create) takes the connection the other's
+// n-th endpoint to it opened, or waits for it (ucp_ep_match_retrieve and
+// ucp_ep_match_insert in ucp_ep_create_api_to_worker_addr; v1.13.1 and
+// v1.16.0). Every UCX endpoint of w is made by connectLocked, so this
+// count is UCX's. -1: UCX matches none (its count saturated, or addr is
+// w's own, whose endpoints UCX pairs with each other).
+func (w *Worker) nextSNLocked(addr []byte) int {
+	if string(addr) == string(w.addr.b) {
+		return -1
+	}
+	if w.sns == nil {
+		w.sns = map[string]int{}
+	}
+	sn := w.sns[string(addr)]
+	if sn >= maxConnSN {
+		return -1
+	}
+	w.sns[string(addr)] = sn + 1
+	return sn
 }
 
 // closeWait bounds how long Close waits for the operations in flight on
@@ -163,8 +196,9 @@ const closeWait = 2 * time.Second
 // canceled until the worker is destroyed. A kept endpoint costs what
 // UCX's graceful close would have kept; a worker keeps at most maxParked,
 // and closes those whose peer failed. A forced close leaves the peer's
-// endpoint back to this worker sending to a destroyed endpoint until the
-// peer notices the closed connection.
+// endpoint paired with it (UCX tells the peer nothing): a serving peer
+// replies to later fetches on the endpoint paired with the one each was
+// sent on instead (fetchServer.peerLocked).
 func (e *Endpoint) Close() error { return e.close(false) }
 
 func (e *Endpoint) close(force bool) error {
@@ -247,7 +281,7 @@ func (w *Worker) unparkLocked(addr WorkerAddress) *Endpoint {
 			continue
 		}
 		w.parked = slices.Delete(w.parked, i, i+1)
-		e := &Endpoint{w: w, h: p.h, id: p.id, keys: map[*RemoteKey]struct{}{}, addr: p.addr}
+		e := &Endpoint{w: w, h: p.h, id: p.id, keys: map[*RemoteKey]struct{}{}, addr: p.addr, sn: p.sn}
 		endpointsByID.Store(e.id, e)
 		w.endpoints[e] = struct{}{}
 		return e

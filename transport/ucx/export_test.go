@@ -45,3 +45,23 @@ func (w *Worker) Hold() (release func()) {
 	w.mu.Lock()
 	return w.mu.Unlock
 }
+
+// ForceClose closes the endpoint forcibly, as Close does one that failed.
+func (e *Endpoint) ForceClose() error { return e.close(true) }
+
+// ReplyTag and ReplySN expose the fetch reply tags' layout.
+func ReplyTag(seq uint64, sn int) uint64 { return replyTag(seq, sn) }
+
+// ReplySN is the connection sequence number a reply tag carries, or -1.
+func ReplySN(tag uint64) int { return replySN(tag) }
+
+// FetchPeers is how many endpoints back to readers the serving worker
+// keeps.
+func (w *Worker) FetchPeers() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.fetch == nil {
+		return 0
+	}
+	return len(w.fetch.peers)
+}

@@ -40,13 +40,24 @@ var magicFetch = [4]byte{'u', 'c', 'F', 'R'}
 
 // Tags of the fetch protocol. Requests carry fetchRequestTag exactly;
 // replies fetchReplyBase plus a sequence number of the reader's worker (and
-// fetchReplyErr for a refusal), so that they never match a request.
+// fetchReplyErr for a refusal), so that they never match a request. The
+// sequence number's low 30 bits count the worker's requests; with
+// fetchReplyHasSN set, bits 30-45 are the connection sequence number of
+// the reader's endpoint that sent the request (Worker.nextSNLocked), and
+// the holder replies on its endpoint of the same number, which UCX paired
+// with that one (fetchServer.peerLocked). Readers of before set neither
+// (their count never reached 2^30 bits' worth of requests); holders of
+// before took all 47 bits as one number: both interwork.
 const (
-	fetchRequestTag uint64 = 0xC1DA << 48
-	fetchReplyBase  uint64 = 0xC1DB << 48
-	fetchReplyErr   uint64 = 1 << 47
-	fetchReplySeq   uint64 = fetchReplyErr - 1
-	fetchHeaderLen         = 40
+	fetchRequestTag   uint64 = 0xC1DA << 48
+	fetchReplyBase    uint64 = 0xC1DB << 48
+	fetchReplyErr     uint64 = 1 << 47
+	fetchReplySeq     uint64 = fetchReplyErr - 1
+	fetchReplyHasSN   uint64 = 1 << 46
+	fetchReplySNShift        = 30
+	fetchReplySN      uint64 = maxConnSN << fetchReplySNShift
+	fetchReplyCount   uint64 = 1<<fetchReplySNShift - 1
+	fetchHeaderLen           = 40
 	// MaxFetchRequest bounds a fetch request: the holder receives requests
 	// into buffers of this size.
 	MaxFetchRequest = 4096
@@ -207,7 +218,7 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 		for firstErr == nil && stopped == nil && next < n && len(inflight) < depth {
 			o := &op{off: next, end: min(next+chunk, n)}
 			w.fetchSeq++
-			o.tag = fetchReplyBase | (w.fetchSeq & fetchReplySeq)
+			o.tag = replyTag(w.fetchSeq, ep.sn)
 			req, err := raw.TagRecvNbx(w.h, base+o.off, o.end-o.off, o.tag, ^fetchReplyErr, &recvParam)
 			if err != nil {
 				fail(err)
@@ -488,7 +499,7 @@ type fetchServer struct {
 	w     *Worker
 	recvs []*fetchSlot
 	sends []*fetchSend
-	peers map[string]*Endpoint // by the reader's raw worker address
+	peers map[fetchPeer]*Endpoint // endpoints back to readers
 	pins  runtime.Pinner
 	// deferred are requests for bytes of filling windows not ready yet,
 	// answered when they are (Window.Ready wakes Serve).
@@ -515,7 +526,7 @@ type fetchSend struct {
 }
 
 func newFetchServer(w *Worker) *fetchServer {
-	fs := &fetchServer{w: w, peers: map[string]*Endpoint{}, log: slog.With("ucx", "fetch"), again: true}
+	fs := &fetchServer{w: w, peers: map[fetchPeer]*Endpoint{}, log: slog.With("ucx", "fetch"), again: true}
 	for range fetchRecvs {
 		s := &fetchSlot{buf: make([]byte, MaxFetchRequest)}
 		fs.pins.Pin(&s.buf[0])
@@ -628,7 +639,7 @@ func (fs *fetchServer) handleLocked(b []byte) {
 		fs.log.Warn("ucx: dropped a malformed fetch request", "err", err)
 		return
 	}
-	ep, err := fs.peerLocked(req.reader)
+	ep, err := fs.peerLocked(req.reader, replySN(req.replyTag))
 	if err != nil {
 		counts.dropped.Add(1)
 		fs.log.Warn("ucx: cannot reach a fetching reader", "err", err)
@@ -733,31 +744,89 @@ func (fs *fetchServer) refuseLocked(ep *Endpoint, req fetchRequest, why string) 
 	fs.sends = append(fs.sends, sd)
 }
 
-// peerLocked returns the endpoint to a reader, connecting on first use.
-func (fs *fetchServer) peerLocked(a WorkerAddress) (*Endpoint, error) {
-	if ep, ok := fs.peers[string(a.b)]; ok && !ep.closed && ep.failed.Load() == 0 {
+// replyTag is the reply tag of a Fetch's seq-th request, sent on an
+// endpoint of connection sequence number sn (-1: none).
+func replyTag(seq uint64, sn int) uint64 {
+	t := fetchReplyBase | seq&fetchReplyCount
+	if sn >= 0 {
+		t |= fetchReplyHasSN | uint64(sn)<<fetchReplySNShift
+	}
+	return t
+}
+
+// replySN is the connection sequence number a reply tag carries, or -1.
+func replySN(tag uint64) int {
+	if tag&fetchReplyHasSN == 0 {
+		return -1
+	}
+	return int(tag & fetchReplySN >> fetchReplySNShift)
+}
+
+// fetchPeer names an endpoint of a serving worker back to a reader: the
+// reader's address, and the connection sequence number it pairs with
+// (-1: the one endpoint for readers whose requests carry none).
+type fetchPeer struct {
+	addr string
+	sn   int
+}
+
+// maxCatchUp bounds the endpoints peerLocked creates for one request to
+// reach the reader's connection sequence number.
+const maxCatchUp = 64
+
+// peerLocked returns the endpoint to reply to a reader on, whose request
+// came on its endpoint of connection sequence number sn (-1: unknown).
+//
+// UCX sends a reply to the reader's endpoint that it paired the holder's
+// with (nextSNLocked says how), and the reader's worker cancels every
+// rendezvous reply arriving for one it closed forcibly (UCS_ERR_CANCELED,
+// for as long as the holder keeps its endpoint: it is told nothing). So
+// the reply goes on the holder's endpoint of the same number as the one
+// the request came on, which is open since it just sent it: the one made
+// for it before, or one made now, after those of the numbers between
+// (which pair with the reader's endpoints of theirs). Where that number is
+// past (this worker's own endpoint took it, or it was closed) or too far
+// ahead, or the request has none, the reply goes on one endpoint kept for
+// the reader, as before numbers were sent.
+func (fs *fetchServer) peerLocked(a WorkerAddress, sn int) (*Endpoint, error) {
+	key := fetchPeer{string(a.b), sn}
+	if ep, ok := fs.peers[key]; ok && !ep.closed && ep.failed.Load() == 0 {
 		return ep, nil
 	}
-	if len(fs.peers) >= maxFetchPeers {
-		for k, ep := range fs.peers {
-			if !fs.sending(ep) {
-				if !ep.closed {
-					ep.shutLocked()
+	next := fs.w.sns[string(a.b)]
+	if sn < next || sn-next >= maxCatchUp {
+		key.sn = -1
+		if ep, ok := fs.peers[key]; ok && !ep.closed && ep.failed.Load() == 0 {
+			return ep, nil
+		}
+	}
+	for {
+		if len(fs.peers) >= maxFetchPeers {
+			for k, ep := range fs.peers {
+				if !fs.sending(ep) {
+					if !ep.closed {
+						ep.shutLocked()
+					}
+					delete(fs.peers, k)
+					break
 				}
-				delete(fs.peers, k)
-				break
+			}
+			if len(fs.peers) >= maxFetchPeers {
+				return nil, fmt.Errorf("ucx: %d endpoints to readers have replies under way", len(fs.peers))
 			}
 		}
-		if len(fs.peers) >= maxFetchPeers {
-			return nil, fmt.Errorf("ucx: %d readers have replies under way", len(fs.peers))
+		ep, err := fs.w.connectLocked(a)
+		if err != nil {
+			return nil, err
 		}
+		if key.sn < 0 || ep.sn < 0 || ep.sn >= key.sn {
+			// The one wanted; or (UCX's count saturated) the last.
+			fs.peers[key] = ep
+			return ep, nil
+		}
+		// A number on the way: the reader's endpoint of it may be open.
+		fs.peers[fetchPeer{key.addr, ep.sn}] = ep
 	}
-	ep, err := fs.w.connectLocked(a)
-	if err != nil {
-		return nil, err
-	}
-	fs.peers[string(a.b)] = ep
-	return ep, nil
 }
 
 // stopLocked ends the server when Serve returns: it cancels the request

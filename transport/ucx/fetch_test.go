@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -648,4 +649,91 @@ func TestFetchAfterReconnect(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestFetchAfterForcedClose: a reader worker that closes its endpoint to
+// a live holder forcibly (as a stopped Get, a failed flush or too many
+// kept endpoints do) and connects again reads rendezvous-size replies
+// right at once, and so does its other endpoint to the same holder, over
+// three such rounds. Before the holder replied on the endpoint UCX paired
+// with the one the request came on, every fetch after the first forced
+// close failed UCS_ERR_CANCELED for as long as the holder lived (5 s and
+// more here), and after the second, those of the new endpoint did.
+func TestFetchAfterForcedClose(t *testing.T) {
+	const size = 24 << 20
+	p := newLocalPair(t, 1920, size)
+	p.check(t, 0, size, 4<<20)
+	other, err := p.rw.Connect(p.hw.Address())
+	if err != nil {
+		t.Fatal(err)
+	}
+	otherKey, err := other.Unpack(p.k.Key())
+	if err != nil {
+		t.Fatal(err)
+	}
+	fetchOn := func(ep *ucx.Endpoint, k *ucx.RemoteKey, off int) error {
+		dst := make([]byte, 8<<20)
+		if err := ucx.Fetch(timeout(t, 10*time.Second), ep, k, p.base+uint64(off), dst, ucx.FetchOptions{Chunk: 4 << 20, Token: p.tok}); err != nil {
+			return err
+		}
+		if !bytes.Equal(dst, p.data[off:off+len(dst)]) {
+			return errors.New("the bytes fetched differ from the holder's")
+		}
+		return nil
+	}
+	if err := fetchOn(other, otherKey, 4096); err != nil {
+		t.Fatal(err)
+	}
+	for round := range 3 {
+		if err := p.ep.ForceClose(); err != nil {
+			t.Fatalf("round %d: forced close: %v", round, err)
+		}
+		ep, err := p.rw.Connect(p.hw.Address())
+		if err != nil {
+			t.Fatal(err)
+		}
+		k, err := ep.Unpack(p.k.Key())
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.ep, p.k = ep, k
+		if err := fetchOn(p.ep, p.k, round<<20); err != nil {
+			t.Fatalf("round %d: the new endpoint: %v", round, err)
+		}
+		if err := fetchOn(other, otherKey, (round+1)<<20); err != nil {
+			t.Fatalf("round %d: the other endpoint: %v", round, err)
+		}
+	}
+	// One endpoint back for each of the reader's five, at most.
+	if n := p.hw.FetchPeers(); n > 5 {
+		t.Fatalf("the holder keeps %d endpoints back to one reader worker of 5", n)
+	}
+	testutil.Eventually(t, 10*time.Second, func() error {
+		if n := p.hw.PendingFetchReplies(); n != 0 {
+			return fmt.Errorf("%d replies pending at the holder", n)
+		}
+		return nil
+	})
+}
+
+// TestFetchReplyTags: a reply tag carries the reader's connection
+// sequence number, or none, and stays a fetch reply tag (what holders of
+// before check) for every count and number.
+func TestFetchReplyTags(t *testing.T) {
+	for _, c := range []struct {
+		seq uint64
+		sn  int
+	}{{1, 0}, {1, -1}, {1<<30 - 1, 65534}, {1 << 30, 7}, {^uint64(0), 12345}, {5, -1}} {
+		tag := ucx.ReplyTag(c.seq, c.sn)
+		if got := ucx.ReplySN(tag); got != c.sn {
+			t.Errorf("seq %d sn %d: tag %#x carries sn %d", c.seq, c.sn, tag, got)
+		}
+		req := ucx.MakeFetchRequest(tag, 4096, 64, ucx.Token{}, ucx.MakeWorkerAddress(make([]byte, 64)))
+		if _, err := ucx.ParseFetchRequest(req); err != nil && strings.Contains(err.Error(), "reply tag") {
+			t.Errorf("seq %d sn %d: tag %#x refused: %v", c.seq, c.sn, tag, err)
+		}
+	}
+	if a, b := ucx.ReplyTag(1, 3), ucx.ReplyTag(2, 3); a == b {
+		t.Fatal("two requests of one endpoint share a reply tag")
+	}
 }

@@ -40,7 +40,11 @@ type Worker struct {
 	served    chan struct{} // closed when Serve returns; nil when not serving
 	gets      int           // Gets and Fetches running on the worker's endpoints
 	fetchSeq  uint64        // the last Fetch reply tag's sequence number
-	fetch     *fetchServer  // answers fetch requests while Serve runs
+	// sns counts the UCX endpoints w created to each peer address
+	// (nextSNLocked): what UCX pairs them by. Like UCX's own count, it
+	// lasts as long as the worker.
+	sns   map[string]int
+	fetch *fetchServer // answers fetch requests while Serve runs
 
 	// Drains of replies to canceled fetches (fetchDrain), their shared
 	// buffer, and how many completed with a reply and without one.
