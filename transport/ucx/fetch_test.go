@@ -589,15 +589,10 @@ func TestFetchDrainsBounded(t *testing.T) {
 		}
 		return nil
 	})
-	// From a new worker: the close could not flush while the holder was
-	// held, so it closed the endpoint forcibly, and until the holder
-	// notices, its endpoint back to this worker (the same UCX connection)
-	// sends rendezvous replies to the destroyed endpoint, which cancels
-	// their receives; this test is not about that.
+	// From the same worker: the close could not flush while the holder was
+	// held, so it closed the endpoint forcibly, and the holder replies on
+	// its endpoint paired with the new one (TestFetchAfterForcedClose).
 	var err error
-	if p.rw, err = p.rc.NewWorker(ucx.WorkerOptions{}); err != nil {
-		t.Fatal(err)
-	}
 	if p.ep, err = p.rw.Connect(p.hw.Address()); err != nil {
 		t.Fatal(err)
 	}
