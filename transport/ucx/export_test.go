@@ -1,5 +1,13 @@
 package ucx
 
+import (
+	"errors"
+	"runtime"
+	"time"
+
+	raw "github.com/cudaipc/cudaipc/internal/ucx"
+)
+
 // LeakedContexts is how many Contexts the cleanup backstop released.
 func LeakedContexts() int64 { return leakedContexts.Load() }
 
@@ -64,4 +72,30 @@ func (w *Worker) FetchPeers() int {
 		return 0
 	}
 	return len(w.fetch.peers)
+}
+
+// SendFetchRequest sends msg as a fetch request on e, as a hostile reader
+// could, and waits until UCX has sent it.
+func (e *Endpoint) SendFetchRequest(msg []byte) error {
+	w := e.w
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var pin runtime.Pinner
+	pin.Pin(&msg[0])
+	defer pin.Unpin()
+	req, err := raw.TagSendNbx(e.h, raw.Addr(msg), uint64(len(msg)), fetchRequestTag, &raw.RequestParam{})
+	if err != nil || req == 0 {
+		return err
+	}
+	defer raw.RequestFree(req)
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); {
+		raw.WorkerProgress(w.h)
+		if s := raw.RequestCheckStatus(req); s != raw.InProgress {
+			if s != raw.OK {
+				return &raw.Error{Func: "ucp_tag_send_nbx", Status: s}
+			}
+			return nil
+		}
+	}
+	return errors.New("the request was not sent within 10 s")
 }

@@ -639,7 +639,14 @@ func (fs *fetchServer) handleLocked(b []byte) {
 		fs.log.Warn("ucx: dropped a malformed fetch request", "err", err)
 		return
 	}
-	ep, err := fs.peerLocked(req.reader, replySN(req.replyTag))
+	// Endpoints are made to catch up with a reader's sequence number only
+	// for requests naming an open window: anyone who reaches the worker
+	// may send requests, and a refusal needs but the one endpoint.
+	sn := -1
+	if fs.w.ctx.windowOpen(req.token) {
+		sn = replySN(req.replyTag)
+	}
+	ep, err := fs.peerLocked(req.reader, sn)
 	if err != nil {
 		counts.dropped.Add(1)
 		fs.log.Warn("ucx: cannot reach a fetching reader", "err", err)

@@ -732,3 +732,30 @@ func TestFetchReplyTags(t *testing.T) {
 		t.Fatal("two requests of one endpoint share a reply tag")
 	}
 }
+
+// TestFetchHostileSequenceNumber: a request that names no open window and
+// claims a connection sequence number far ahead makes the holder create
+// no endpoints to catch up (anyone who reaches the worker can send one):
+// it is refused over one endpoint, and fetches go on right.
+func TestFetchHostileSequenceNumber(t *testing.T) {
+	const size = 4 << 20
+	p := newLocalPair(t, 1930, size)
+	p.check(t, 0, size, 1<<20)
+	before, peers := p.hc.FetchStats(), p.hw.FetchPeers()
+	for i := range 4 {
+		msg := ucx.MakeFetchRequest(ucx.ReplyTag(uint64(1000+i), 60+i), p.base, 4096, ucx.Token{9, byte(i)}, p.rw.Address())
+		if err := p.ep.SendFetchRequest(msg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testutil.Eventually(t, 10*time.Second, func() error {
+		if s := p.hc.FetchStats(); s.Refused < before.Refused+4 {
+			return fmt.Errorf("%d requests refused, want 4", s.Refused-before.Refused)
+		}
+		return nil
+	})
+	if n := p.hw.FetchPeers(); n > peers+1 {
+		t.Fatalf("the holder keeps %d endpoints back to the reader after the hostile requests, %d before", n, peers)
+	}
+	p.check(t, 4096, size-4096, 1<<20)
+}
