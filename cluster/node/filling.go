@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"sync"
 
 	"github.com/cudaipc/cudaipc"
@@ -109,10 +111,7 @@ func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64
 func (fl *filling) advance(k int64) {
 	fl.mu.Lock()
 	fl.staged = k
-	ws := make([]*fillWindow, 0, len(fl.windows))
-	for w := range fl.windows {
-		ws = append(ws, w)
-	}
+	ws := slices.Collect(maps.Keys(fl.windows))
 	fl.mu.Unlock()
 	for _, w := range ws {
 		w.ready(k)

@@ -639,20 +639,23 @@ func (fs *fetchServer) handleLocked(b []byte) {
 		fs.log.Warn("ucx: dropped a malformed fetch request", "err", err)
 		return
 	}
+	r, wait, why := fs.w.ctx.windowFor(req.token, req.addr, req.n)
 	// Endpoints are made to catch up with a reader's sequence number only
-	// for requests naming an open window: anyone who reaches the worker
-	// may send requests, and a refusal needs but the one endpoint.
+	// for requests the window answers: anyone who reaches the worker may
+	// send requests, and a refusal needs but the one endpoint.
 	sn := -1
-	if fs.w.ctx.windowOpen(req.token) {
+	if r != nil || wait {
 		sn = replySN(req.replyTag)
 	}
 	ep, err := fs.peerLocked(req.reader, sn)
 	if err != nil {
+		if r != nil {
+			r.sending.Add(-1) // the reply windowFor counted
+		}
 		counts.dropped.Add(1)
 		fs.log.Warn("ucx: cannot reach a fetching reader", "err", err)
 		return
 	}
-	r, wait, why := fs.w.ctx.windowFor(req.token, req.addr, req.n)
 	switch {
 	case wait && len(fs.deferred) >= maxDeferred:
 		counts.refused.Add(1)

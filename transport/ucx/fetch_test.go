@@ -442,6 +442,21 @@ func serve(t *testing.T, w *ucx.Worker) {
 	})
 }
 
+// connect connects the reader's worker to the holder again and unpacks
+// the holder's key on the new endpoint.
+func (p *localPair) connect(t *testing.T) (*ucx.Endpoint, *ucx.RemoteKey) {
+	t.Helper()
+	ep, err := p.rw.Connect(p.hw.Address())
+	if err != nil {
+		t.Fatal(err)
+	}
+	k, err := ep.Unpack(p.k.Key())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ep, k
+}
+
 // check fetches n bytes at off with chunk and compares them.
 func (p *localPair) check(t *testing.T, off, n, chunk int) {
 	t.Helper()
@@ -592,13 +607,7 @@ func TestFetchDrainsBounded(t *testing.T) {
 	// From the same worker: the close could not flush while the holder was
 	// held, so it closed the endpoint forcibly, and the holder replies on
 	// its endpoint paired with the new one (TestFetchAfterForcedClose).
-	var err error
-	if p.ep, err = p.rw.Connect(p.hw.Address()); err != nil {
-		t.Fatal(err)
-	}
-	if p.k, err = p.ep.Unpack(p.k.Key()); err != nil {
-		t.Fatal(err)
-	}
+	p.ep, p.k = p.connect(t)
 	p.check(t, 0, size, 64<<10)
 }
 
@@ -611,29 +620,17 @@ func TestFetchAfterReconnect(t *testing.T) {
 	const size = 24 << 20
 	p := newLocalPair(t, 1910, size)
 	p.check(t, 0, size, 4<<20)
-	connect := func() (*ucx.Endpoint, *ucx.RemoteKey) {
-		t.Helper()
-		ep, err := p.rw.Connect(p.hw.Address())
-		if err != nil {
-			t.Fatal(err)
-		}
-		k, err := ep.Unpack(p.k.Key())
-		if err != nil {
-			t.Fatal(err)
-		}
-		return ep, k
-	}
 	for round := range 4 {
 		var ep *ucx.Endpoint
 		var k *ucx.RemoteKey
 		if round%2 == 1 {
-			ep, k = connect()
+			ep, k = p.connect(t)
 		}
 		if err := p.ep.Close(); err != nil {
 			t.Fatalf("round %d: close: %v", round, err)
 		}
 		if round%2 == 0 {
-			ep, k = connect()
+			ep, k = p.connect(t)
 		}
 		p.ep, p.k = ep, k
 		p.check(t, round<<20, size-(round<<20), 4<<20)
@@ -658,14 +655,7 @@ func TestFetchAfterForcedClose(t *testing.T) {
 	const size = 24 << 20
 	p := newLocalPair(t, 1920, size)
 	p.check(t, 0, size, 4<<20)
-	other, err := p.rw.Connect(p.hw.Address())
-	if err != nil {
-		t.Fatal(err)
-	}
-	otherKey, err := other.Unpack(p.k.Key())
-	if err != nil {
-		t.Fatal(err)
-	}
+	other, otherKey := p.connect(t)
 	fetchOn := func(ep *ucx.Endpoint, k *ucx.RemoteKey, off int) error {
 		dst := make([]byte, 8<<20)
 		if err := ucx.Fetch(timeout(t, 10*time.Second), ep, k, p.base+uint64(off), dst, ucx.FetchOptions{Chunk: 4 << 20, Token: p.tok}); err != nil {
@@ -683,15 +673,7 @@ func TestFetchAfterForcedClose(t *testing.T) {
 		if err := p.ep.ForceClose(); err != nil {
 			t.Fatalf("round %d: forced close: %v", round, err)
 		}
-		ep, err := p.rw.Connect(p.hw.Address())
-		if err != nil {
-			t.Fatal(err)
-		}
-		k, err := ep.Unpack(p.k.Key())
-		if err != nil {
-			t.Fatal(err)
-		}
-		p.ep, p.k = ep, k
+		p.ep, p.k = p.connect(t)
 		if err := fetchOn(p.ep, p.k, round<<20); err != nil {
 			t.Fatalf("round %d: the new endpoint: %v", round, err)
 		}

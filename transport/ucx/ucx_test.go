@@ -153,14 +153,7 @@ func startServerWith(t *testing.T, seed uint64, size int, o ucx.ContextOptions) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	var addr ucx.WorkerAddress
-	if err := addr.UnmarshalBinary(b64(t, info.Addr)); err != nil {
-		t.Fatal(err)
-	}
-	var rk ucx.RegionKey
-	if err := rk.UnmarshalBinary(b64(t, info.Key)); err != nil {
-		t.Fatal(err)
-	}
+	addr, rk := info.target(t)
 	if rk.Len != uint64(size) {
 		t.Fatalf("region of %d bytes, want %d", rk.Len, size)
 	}
@@ -173,6 +166,20 @@ func startServerWith(t *testing.T, seed uint64, size int, o ucx.ContextOptions) 
 		t.Fatal(err)
 	}
 	return &peer{child: child, info: info, ctx: c, w: w, ep: ep, key: key, token: ucx.Token(b64(t, info.Token)), data: testutil.RandomBytes(seed, size)}
+}
+
+// target decodes the server's worker address and region key.
+func (info serverInfo) target(t testing.TB) (ucx.WorkerAddress, ucx.RegionKey) {
+	t.Helper()
+	var addr ucx.WorkerAddress
+	if err := addr.UnmarshalBinary(b64(t, info.Addr)); err != nil {
+		t.Fatal(err)
+	}
+	var rk ucx.RegionKey
+	if err := rk.UnmarshalBinary(b64(t, info.Key)); err != nil {
+		t.Fatal(err)
+	}
+	return addr, rk
 }
 
 func b64(t testing.TB, s string) []byte {
@@ -727,6 +734,13 @@ func TestLeakedContextReleased(t *testing.T) {
 			t.Fatal(err)
 		}
 	}()
+	awaitLeakedReleased(t, before)
+}
+
+// awaitLeakedReleased waits until the cleanup backstop has released one
+// Context more than before.
+func awaitLeakedReleased(t *testing.T, before int64) {
+	t.Helper()
 	testutil.Eventually(t, testutil.Wait, func() error {
 		runtime.GC()
 		if n := ucx.LeakedContexts() - before; n != 1 {
@@ -753,14 +767,7 @@ func TestLeakedContextWithEndpointsReleased(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		var addr ucx.WorkerAddress
-		if err := addr.UnmarshalBinary(b64(t, p.info.Addr)); err != nil {
-			t.Fatal(err)
-		}
-		var rk ucx.RegionKey
-		if err := rk.UnmarshalBinary(b64(t, p.info.Key)); err != nil {
-			t.Fatal(err)
-		}
+		addr, rk := p.info.target(t)
 		var eps []*ucx.Endpoint
 		for range 2 {
 			ep, err := w.Connect(addr)
@@ -784,13 +791,7 @@ func TestLeakedContextWithEndpointsReleased(t *testing.T) {
 			t.Fatal(err)
 		}
 	}()
-	testutil.Eventually(t, testutil.Wait, func() error {
-		runtime.GC()
-		if n := ucx.LeakedContexts() - before; n != 1 {
-			return fmt.Errorf("%d contexts released by the cleanup, want 1", n)
-		}
-		return nil
-	})
+	awaitLeakedReleased(t, before)
 }
 
 // TestProbe: on a machine with UCX, Probe names the version, the tcp/lo

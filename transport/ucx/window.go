@@ -110,13 +110,6 @@ func (w *Window) Close() error {
 // errNoWindow is the refusal of a token no open window has.
 var errNoWindow = errors.New("no open window has that token (never opened, or closed: the exposure ended)")
 
-// windowOpen reports whether token names an open window.
-func (c *Context) windowOpen(token Token) bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.windows[token] != nil
-}
-
 // windowFor returns the region of the open window that token names, with
 // a Fetch reply counted on it, when [addr, +n) lies inside the window and
 // is ready; else nil and, when the bytes are not ready yet, wait, or the
