@@ -21,6 +21,7 @@ import (
 
 	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
+	"github.com/cudaipc/cudaipc/internal/testutil"
 	"github.com/cudaipc/cudaipc/transport/ucx"
 )
 
@@ -396,9 +397,18 @@ func TestClusterInNetworkNamespaces(t *testing.T) {
 		}
 		return true
 	})
-	if got, err := c.get(ctx, "ns/after"); err != nil || !bytes.Equal(got, want2) {
-		t.Fatalf("get on C after etcd came back: %v", err)
-	}
+	// C fails fast for a while after its own last failed call of the
+	// outage (etcddir's fastFail), which can end after B's put works.
+	testutil.Eventually(t, 60*time.Second, func() error {
+		got, err := c.get(ctx, "ns/after")
+		if err != nil {
+			return fmt.Errorf("get on C after etcd came back: %w", err)
+		}
+		if !bytes.Equal(got, want2) {
+			t.Fatal("C's copy of ns/after differs from B's")
+		}
+		return nil
+	})
 
 	// kill -9 of a holder mid-pull, another holder alive: B's get
 	// finishes from C.
