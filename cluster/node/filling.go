@@ -7,6 +7,7 @@ import (
 	"maps"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/cluster"
@@ -40,11 +41,17 @@ type filling struct {
 	err     error                    // the staging's failure
 	windows map[*fillWindow]struct{} // exposures' windows, opened as slices land
 	users   int                      // the staging and each exposure: the buffer goes back with the last
+
+	// paceWanted is how far the readers had asked when pace last saw it
+	// move, at paceMoved (the staging's own: no lock).
+	paceWanted int64
+	paceMoved  time.Time
 }
 
 type fillWindow struct {
-	ready func(k int64)
-	close func()
+	ready  func(k int64)
+	wanted func() int64
+	close  func()
 }
 
 // fillsAfterPublish reports whether a GPU object of dev is published
@@ -90,7 +97,10 @@ func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64
 	n.mu.Unlock()
 	go func() {
 		defer f.Release()
+		begin := time.Now()
+		var paced time.Duration
 		err := staging.CopyOutOnly(context.Background(), b.mem[:size], 0, func(off int64, p []byte) error {
+			paced += fl.pace(off, off+int64(len(p)))
 			if h := n.stageHook.Load(); h != nil {
 				if err := (*h)(off); err != nil {
 					return err
@@ -102,10 +112,51 @@ func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64
 			fl.advance(off + int64(len(p)))
 			return nil
 		})
+		n.log.Debug("staged a published GPU object", "id", id, "bytes", size, "took", time.Since(begin), "paced", paced, "err", err)
 		fl.end(err)
 	}()
 	return sums, true, nil
 }
+
+// pace waits, where Config.StageAhead asks for it, before the staging
+// copies the bytes [off, end): while readers' windows are open, until a
+// reader asks for a byte at or past off (it must not wait for the pace) or
+// end is at most StageAhead past the furthest byte asked for. Once the
+// readers have asked for nothing new for stageIdle, it waits no more until
+// they do. It returns the time it waited. Only the staging calls it.
+func (fl *filling) pace(off, end int64) time.Duration {
+	ahead := fl.n.cfg.StageAhead
+	if ahead <= 0 {
+		return 0
+	}
+	begin := time.Now()
+	for {
+		wanted, open := fl.wanted()
+		now := time.Now()
+		if wanted != fl.paceWanted || fl.paceMoved.IsZero() {
+			fl.paceWanted, fl.paceMoved = wanted, now
+		}
+		if !open || wanted > off || end <= wanted+ahead || now.Sub(fl.paceMoved) >= time.Duration(fl.n.stageIdle.Load()) {
+			return now.Sub(begin)
+		}
+		time.Sleep(stagePoll)
+	}
+}
+
+// wanted returns how far into the object the readers' open windows were
+// asked for, and whether any is open.
+func (fl *filling) wanted() (wanted int64, open bool) {
+	fl.mu.Lock()
+	defer fl.mu.Unlock()
+	for w := range fl.windows {
+		wanted = max(wanted, w.wanted())
+	}
+	return wanted, len(fl.windows) > 0
+}
+
+// stagePoll is how often a paced staging looks at how far its readers
+// asked: a small part of a slice's copy (~1 ms for 64 MiB).
+const stagePoll = 100 * time.Microsecond
 
 // advance says that the first k bytes are staged.
 func (fl *filling) advance(k int64) {
@@ -181,28 +232,28 @@ func (n *Node) fillingFor(id string) *filling {
 // far as it is staged and advancing with the staging; release ends the
 // exposure. It owns the use fillingFor took.
 func (n *Node) exposeFilling(fl *filling) (cluster.Exposure, func(), error) {
-	key, ready, closeWindow, err := fl.b.reg.FillingWindow(0, fl.size)
+	fw, err := fl.b.reg.FillingWindow(0, fl.size)
 	if err != nil {
 		fl.drop()
 		return cluster.Exposure{}, nil, err
 	}
-	w := &fillWindow{ready: ready, close: closeWindow}
+	w := &fillWindow{ready: fw.Ready, wanted: fw.Wanted, close: fw.Close}
 	fl.mu.Lock()
 	if fl.err != nil {
 		err := fl.err
 		fl.mu.Unlock()
-		closeWindow()
+		fw.Close()
 		fl.drop()
 		return cluster.Exposure{}, nil, fmt.Errorf("stage a GPU object device→host: %w", err)
 	}
-	ready(fl.staged)
+	fw.Ready(fl.staged)
 	fl.windows[w] = struct{}{}
 	fl.mu.Unlock()
 	n.exposures.Add(1)
 	n.exposedBytes.Add(uint64(fl.size))
-	e := cluster.Exposure{Worker: n.tr.WorkerAddress(), RKey: key, Addr: fl.b.reg.Addr(0), Size: fl.size}
+	e := cluster.Exposure{Worker: n.tr.WorkerAddress(), RKey: fw.Key, Addr: fl.b.reg.Addr(0), Size: fl.size}
 	return e, func() {
-		closeWindow()
+		fw.Close()
 		fl.mu.Lock()
 		delete(fl.windows, w)
 		fl.mu.Unlock()

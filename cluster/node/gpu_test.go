@@ -394,3 +394,87 @@ func awaitDeferred(t *testing.T, n *node.Node, since uint64) {
 		return nil
 	})
 }
+
+// TestGPUStagingPaced: with Config.StageAhead, A's staging behind a
+// published GPU object copies each slice, once B reads, only when B asked
+// for bytes at or past it or when the slice ends at most StageAhead past
+// the furthest byte B asked for (it would otherwise race far ahead: A
+// stages at tens of GB/s, B reads over loopback at a few); B gets every
+// byte.
+func TestGPUStagingPaced(t *testing.T) {
+	dev := testutil.RequireGPU(t)
+	gpu := dev.UUID().String()
+	const ahead, slice = 64 << 20, 64 << 20
+	srv := etcdtest.Start(t)
+	a := startDaemonWith(t, srv, "a", 2<<30, "cuda", func(c *node.Config) { c.StageAhead = ahead })
+	b := startDaemonOn(t, srv, "b", 2<<30, "cuda")
+	node.SetStageIdle(a.node, time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+
+	const size = 640<<20 + 4097 // 11 slices of 64 MiB
+	type seen struct {
+		off, wanted int64
+		open        bool
+	}
+	var mu sync.Mutex
+	var slicesSeen []seen
+	held := make(chan struct{})
+	var once sync.Once
+	unhold := func() { once.Do(func() { close(held) }) }
+	t.Cleanup(unhold)
+	// The staging stops before its second slice until B's fetches wait
+	// for it: from then on B's window is open until its pull ends.
+	node.HookStaging(a.node, func(off int64) error {
+		if off == slice {
+			<-held
+		}
+		w, open := node.FillingWanted(a.node)
+		mu.Lock()
+		slicesSeen = append(slicesSeen, seen{off, w, open})
+		mu.Unlock()
+		return nil
+	})
+	defer node.HookStaging(a.node, nil)
+	want := randomBytes(size, 37)
+	putGPU(t, ctx, a, "paced", gpu, want, client.CreateOptions{})
+	deferred := node.FetchesDeferred(a.node)
+	res := make(chan []byte, 1)
+	go func() {
+		l, err := b.c.Get(ctx, "paced")
+		if err != nil {
+			t.Errorf("get on B: %v", err)
+			res <- nil
+			return
+		}
+		got := readGPU(t, l)
+		l.Release()
+		res <- got
+	}()
+	awaitDeferred(t, a.node, deferred)
+	unhold()
+	got := testutil.Next(t, res, time.Minute)
+	if !bytes.Equal(got, want) {
+		t.Fatal("B's replica differs from A's object")
+	}
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if n := node.Filling(a.node); n != 0 {
+			return fmt.Errorf("%d objects still staging on A", n)
+		}
+		return nil
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if len(slicesSeen) != 11 {
+		t.Fatalf("the hook saw %d slices, want 11", len(slicesSeen))
+	}
+	for _, s := range slicesSeen[2:] { // the slices after the hold, B reading
+		end := min(s.off+slice, size)
+		if !s.open {
+			t.Fatalf("slice at %d staged with no reader's window open", s.off)
+		}
+		if s.wanted <= s.off && end > s.wanted+ahead {
+			t.Fatalf("slice at %d staged with B asking up to %d: more than %d bytes ahead", s.off, s.wanted, ahead)
+		}
+	}
+}

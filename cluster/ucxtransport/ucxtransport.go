@@ -213,19 +213,37 @@ func (r *Region) Window(off, n int64) (key []byte, release func(), err error) {
 }
 
 // FillingWindow is Window on bytes still being written: peers' fetches of
-// bytes past what ready last said wait at this node until ready covers
-// them (ucx.MemRegion.FillingWindow). A node that answers GETs must not
-// expose bytes so: GETs read whatever the region holds.
-func (r *Region) FillingWindow(off, n int64) (key []byte, ready func(k int64), release func(), err error) {
+// bytes past what Filling.Ready last said wait at this node until it
+// covers them (ucx.MemRegion.FillingWindow). A node that answers GETs must
+// not expose bytes so: GETs read whatever the region holds.
+func (r *Region) FillingWindow(off, n int64) (*Filling, error) {
 	if off < 0 || n < 0 {
-		return nil, nil, nil, fmt.Errorf("ucx: window [%d, +%d)", off, n)
+		return nil, fmt.Errorf("ucx: window [%d, +%d)", off, n)
 	}
 	w, err := r.r.FillingWindow(uint64(off), uint64(n))
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, err
 	}
-	return r.windowKey(w), func(k int64) { w.Ready(uint64(max(k, 0))) }, func() { w.Close() }, nil
+	return &Filling{Key: r.windowKey(w), w: w}, nil
 }
+
+// Filling is an open FillingWindow.
+type Filling struct {
+	// Key is the window's key (Exposure.RKey).
+	Key []byte
+	w   *ucx.Window
+}
+
+// Ready says that the window's first k bytes hold what peers may read.
+func (f *Filling) Ready(k int64) { f.w.Ready(uint64(max(k, 0))) }
+
+// Wanted says how far into the window peers' fetches have asked so far
+// (ucx.Window.Wanted).
+func (f *Filling) Wanted() int64 { return int64(f.w.Wanted()) }
+
+// Close closes the window: peers' later fetches, and those waiting, are
+// refused.
+func (f *Filling) Close() { f.w.Close() }
 
 func (r *Region) windowKey(w *ucx.Window) []byte {
 	tok := w.Token()

@@ -248,11 +248,12 @@ func TestFillingWindowOverLanes(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer r.Close()
-	key, ready, closeWindow, err := r.FillingWindow(0, size)
+	fw, err := r.FillingWindow(0, size)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer closeWindow()
+	defer fw.Close()
+	key := fw.Key
 	ep, err := b.Connect(ctx, a.WorkerAddress())
 	if err != nil {
 		t.Fatal(err)
@@ -266,7 +267,7 @@ func TestFillingWindowOverLanes(t *testing.T) {
 	time.Sleep(20 * time.Millisecond)
 	for off := 0; off < size; off += slice {
 		copy(buf[off:off+slice], want[off:off+slice])
-		ready(int64(off + slice))
+		fw.Ready(int64(off + slice))
 		time.Sleep(2 * time.Millisecond)
 	}
 	for range size / (2 << 20) {
@@ -276,6 +277,9 @@ func TestFillingWindowOverLanes(t *testing.T) {
 	}
 	if !bytes.Equal(dst, want) {
 		t.Fatal("the bytes read through the filling window differ from those written")
+	}
+	if w := fw.Wanted(); w != size {
+		t.Fatalf("Wanted after reads of the whole window: %d, want %d", w, size)
 	}
 	if s := a.Served(); s.Deferred == 0 || s.Sent < size/(2<<20) {
 		t.Fatalf("A's answers: %+v; want reads that waited", s)

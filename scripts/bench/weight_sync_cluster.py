@@ -149,6 +149,7 @@ class Cluster:
                 + (["--cluster-checksums", args.checksums] if args.checksums else [])
                 + (["--cluster-chunk", args.chunk] if args.chunk else [])
                 + (["--cluster-gpu-publish", args.gpu_publish] if args.gpu_publish else [])
+                + (["--cluster-stage-ahead", args.stage_ahead] if args.stage_ahead else [])
                 + (["--cpu-profile", "%s-%s.pprof" % (args.cpu_profile, node)] if args.cpu_profile else []),
                 stdout=dlog, stderr=subprocess.STDOUT, env=env))
             self.sockets[node] = sock
@@ -502,19 +503,21 @@ def cluster_floor(bin_: str, etcd: str) -> Dict[str, Any]:
         return {"error": str(e)}
 
 
-def print_pull_phases(log: str) -> None:
-    """The phases of each pull node B's daemon logged at debug level ("cluster
-    pull done": setup, transfer, seal, took)."""
-    try:
-        with open(log) as f:
-            lines = [ln for ln in f if "cluster pull done" in ln]
-    except OSError as e:
-        print("pull phases: %s" % e, flush=True)
-        return
-    for ln in lines:
-        kv = dict(re.findall(r'(\w+)=("[^"]*"|\S+)', ln))
-        print("pull on B: %s" % " ".join("%s %s" % (k, kv[k]) for k in ("bytes", "setup", "transfer", "seal", "took") if k in kv),
-              flush=True)
+def print_pull_phases(log_a: str, log_b: str) -> None:
+    """What the daemons logged at debug level of each version: node A's staging
+    of the published GPU object ("staged a published GPU object": took, paced)
+    and node B's pull ("cluster pull done": setup, transfer, seal, took)."""
+    for log, what, label, keys in ((log_a, "staged a published GPU object", "staging on A", ("bytes", "took", "paced", "err")),
+                                   (log_b, "cluster pull done", "pull on B", ("bytes", "setup", "transfer", "seal", "took"))):
+        try:
+            with open(log) as f:
+                lines = [ln for ln in f if what in ln]
+        except OSError as e:
+            print("%s: %s" % (label, e), flush=True)
+            continue
+        for ln in lines:
+            kv = dict(re.findall(r'(\w+)=("[^"]*"|\S+)', ln))
+            print("%s: %s" % (label, " ".join("%s %s" % (k, kv[k]) for k in keys if k in kv)), flush=True)
 
 
 def summarize(r: dict) -> str:
@@ -552,6 +555,7 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--read", choices=["fetch", "get"], help="how daemon B reads A's memory (serve --cluster-read; default: the daemon's, fetch)")
     ap.add_argument("--checksums", choices=["auto", "host"], help="where the daemons compute GPU objects' chunk checksums (serve --cluster-checksums; default: the daemon's, auto: on the GPU)")
     ap.add_argument("--chunk", help="chunk of the objects node A publishes, e.g. 16MiB (serve --cluster-chunk; default: the daemon's)")
+    ap.add_argument("--stage-ahead", help="how far node A's copy of a published GPU object to pinned memory may run ahead of node B's reads, e.g. 512MiB (serve --cluster-stage-ahead; default: the daemon's, flat out)")
     ap.add_argument("--gpu-publish", choices=["early", "staged"], help="when node A publishes a GPU object (serve --cluster-gpu-publish; default: the daemon's, early)")
     ap.add_argument("--cpu-profile", metavar="PREFIX", help="each daemon writes a CPU profile of its whole run to PREFIX-A.pprof and PREFIX-B.pprof (serve --cpu-profile)")
     ap.add_argument("--lanes", type=int, default=0, help="UCX worker pairs of each daemon (serve --cluster-lanes; 0: the daemon's default)")
@@ -563,7 +567,7 @@ def main(argv: List[str]) -> None:
                     help="also measure the link floor while device<->host copies run beside it, each way at this many GB/s "
                          "(0: flat out): what the staging copies' memory traffic leaves of the link on one host")
     ap.add_argument("--daemon-log-level", default="warn", choices=["debug", "info", "warn"],
-                    help="the daemons' --log-level; with debug, each pull's phases (setup, transfer, seal) on node B are printed at the end")
+                    help="the daemons' --log-level; with debug, node A's staging of each version and node B's pull phases (setup, transfer, seal) are printed at the end")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     args.backend = "cuda"
@@ -585,9 +589,10 @@ def main(argv: List[str]) -> None:
         if fl:
             out["floor_copies"] = fl[0]
             print("floor: pinned copies d2h %.1f GB/s, h2d %.1f GB/s" % (fl[0]["d2h_GBps"], fl[0]["h2d_GBps"]), flush=True)
-    print("daemons: --cluster-lanes %s, --cluster-read %s, --cluster-streams %s, --cluster-checksums %s, --cluster-chunk %s, --cluster-gpu-publish %s" % (
+    print("daemons: --cluster-lanes %s, --cluster-read %s, --cluster-streams %s, --cluster-checksums %s, --cluster-chunk %s, --cluster-gpu-publish %s, --cluster-stage-ahead %s" % (
         args.lanes or "default", args.read or "default (fetch)", args.streams or "default",
-        args.checksums or "default (auto)", args.chunk or "default", args.gpu_publish or "default (early)"), flush=True)
+        args.checksums or "default (auto)", args.chunk or "default", args.gpu_publish or "default (early)",
+        args.stage_ahead or "default (flat out)"), flush=True)
     cl = Cluster(args, tmp)
     try:
         for m in args.models.split(","):
@@ -662,7 +667,7 @@ def main(argv: List[str]) -> None:
             print("%s: cudaipc-cluster %.2f GB/s is %.2fx min(link %.2f, staging %.1f) GB/s" % (
                 c["model"], c["gbps"], c["x_floor"], link, staging), flush=True)
     if args.daemon_log_level == "debug":
-        print_pull_phases(os.path.join(tmp, "daemon-B.log"))
+        print_pull_phases(os.path.join(tmp, "daemon-A.log"), os.path.join(tmp, "daemon-B.log"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

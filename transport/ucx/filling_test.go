@@ -166,3 +166,61 @@ func TestFillingWindow(t *testing.T) {
 		t.Fatalf("holder's answers: %+v", s)
 	}
 }
+
+// TestWindowWanted: Wanted reports the end of the furthest bytes fetches
+// inside the window asked for, counted from the window's start: waiting
+// requests count (the reader's first Depth chunks, before any byte is
+// ready), answered ones too, and requests outside the window do not.
+func TestWindowWanted(t *testing.T) {
+	const size, off, n = 16 << 20, 4 << 20, 8 << 20
+	h := startFillingHolder(t, size)
+	data := testutil.RandomBytes(1931, size)
+	copy(h.mem, data)
+	win, err := h.r.FillingWindow(off, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer win.Close()
+	if w := win.Wanted(); w != 0 {
+		t.Fatalf("Wanted before any fetch: %d, want 0", w)
+	}
+	base := h.r.Key().Addr
+	opt := ucx.FetchOptions{Chunk: 512 << 10, Depth: 2, Token: win.Token()}
+	errc := make(chan error, 1)
+	dst := make([]byte, 3<<20)
+	go func() { errc <- ucx.Fetch(timeout(t, 30*time.Second), h.ep, h.key, base+off, dst, opt) }()
+	// Nothing is ready: the reader's first two chunks wait at the holder.
+	deadline := time.Now().Add(10 * time.Second)
+	for win.Wanted() < 1<<20 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	if w := win.Wanted(); w != 1<<20 {
+		t.Fatalf("Wanted with two 512 KiB requests waiting: %d, want %d", w, 1<<20)
+	}
+	win.Ready(n)
+	if err := testutil.Next(t, errc, 20*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst, data[off:off+3<<20]) {
+		t.Fatal("the fetched bytes differ from the region's")
+	}
+	if w := win.Wanted(); w != 3<<20 {
+		t.Fatalf("Wanted after a 3 MiB fetch: %d, want %d", w, 3<<20)
+	}
+	// A request past the window is refused and moves nothing.
+	err = ucx.Fetch(timeout(t, 10*time.Second), h.ep, h.key, base+off+n-4096, make([]byte, 8192), opt)
+	if !errors.Is(err, ucx.ErrRefused) {
+		t.Fatalf("a fetch past the window: %v, want ErrRefused", err)
+	}
+	if w := win.Wanted(); w != 3<<20 {
+		t.Fatalf("Wanted after a refused fetch: %d, want %d", w, 3<<20)
+	}
+	// The window's last bytes.
+	last := make([]byte, 4096)
+	if err := ucx.Fetch(timeout(t, 10*time.Second), h.ep, h.key, base+off+n-4096, last, opt); err != nil || !bytes.Equal(last, data[off+n-4096:off+n]) {
+		t.Fatalf("a fetch of the window's last bytes: %v", err)
+	}
+	if w := win.Wanted(); w != n {
+		t.Fatalf("Wanted after a fetch of the last bytes: %d, want %d", w, n)
+	}
+}
