@@ -360,6 +360,81 @@ def copy_floor(cfg: Dict[str, Any], results: Any) -> None:
     results.put({"path": "floor-copies", **out})
 
 
+def copy_side(cfg: Dict[str, Any], ready: Any, go: Any, results: Any) -> None:
+    """One side of the staging at full speed: cfg["dirs"] ("d2h", "h2d") between
+    1 GiB of GPU memory and 1 GiB of pinned memory, 64 MiB slices (the staging's),
+    each direction on its own stream, for cfg["seconds"] from when go is set; with
+    cfg["check"], a kernel reads each slice copied in (as a pull's landing checks
+    it). Two of these in two processes are the two daemons' copies of a sync."""
+    import torch
+    dev = ws.device(cfg["gpu"])
+    torch.cuda.set_device(dev)
+    n, sl = 1 << 30, 64 << 20
+    bufs = {d: (torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, pin_memory=True),
+                torch.cuda.Stream()) for d in cfg["dirs"]}
+    sink = torch.zeros(1, dtype=torch.int64, device=dev)
+
+    def one_pass() -> None:
+        for d, (g, h, st) in bufs.items():
+            with torch.cuda.stream(st):
+                for off in range(0, n, sl):
+                    if d == "d2h":
+                        h[off:off + sl].copy_(g[off:off + sl], non_blocking=True)
+                    else:
+                        g[off:off + sl].copy_(h[off:off + sl], non_blocking=True)
+                        if cfg.get("check"):
+                            sink.add_(g[off:off + sl].view(torch.int32).sum())
+        for _, _, st in bufs.values():
+            st.synchronize()
+    one_pass()   # warm
+    ready.set()
+    go.wait(120)
+    moved, t0 = 0, ws.now()
+    while ws.now() - t0 < cfg["seconds"]:
+        one_pass()
+        moved += n
+    took = ws.now() - t0
+    results.put({"side": cfg["side"], "GBps": moved / took / 1e9, "dirs": cfg["dirs"], "check": bool(cfg.get("check"))})
+
+
+def both_sides_floor(gpu: int, seconds: float = 2.0) -> Dict[str, Any]:
+    """The staging floor of a sync whose two daemons share one machine: node A's
+    device->host copies in one process and node B's host->device copies in another,
+    at once, on their GPUs (the same one here); then B's copies each followed by a
+    kernel reading the slice (B's landing checks); then both directions in one
+    process on two streams, for contrast. Copies of two processes on one GPU
+    share it: its scheduler time-slices between their contexts."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    out: Dict[str, Any] = {}
+    for label, sides in (("two_processes", [("A", ["d2h"], False), ("B", ["h2d"], False)]),
+                         ("two_processes_b_checks", [("A", ["d2h"], False), ("B", ["h2d"], True)]),
+                         ("one_process", [("AB", ["d2h", "h2d"], False)])):
+        q, go = ctx.Queue(), ctx.Event()
+        readies = [ctx.Event() for _ in sides]
+        procs = [ctx.Process(target=copy_side, args=({"gpu": gpu, "side": sd, "dirs": dirs, "check": chk, "seconds": seconds},
+                                                     rd, go, q)) for (sd, dirs, chk), rd in zip(sides, readies)]
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + 120
+            while not all(r.is_set() for r in readies):
+                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError("the copy processes did not start")
+                time.sleep(0.05)
+            go.set()
+            got = [q.get(timeout=seconds + 60) for _ in sides]
+            out[label] = {r["side"]: r["GBps"] for r in got}
+        except Exception as e:  # noqa: BLE001 - queue.Empty or a failed start: reported in place of the floor
+            out[label] = {"error": "%s: %s" % (type(e).__name__, e)}
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+    return out
+
+
 def copy_loops(cfg: Dict[str, Any], started: Any, stop: Any, results: Any) -> None:
     """Device->host and host->device copies of 256 MiB between pinned and GPU memory,
     on two streams at once, each direction paced to cfg["rate"] GB/s (0: as fast as
@@ -589,6 +664,14 @@ def main(argv: List[str]) -> None:
         if fl:
             out["floor_copies"] = fl[0]
             print("floor: pinned copies d2h %.1f GB/s, h2d %.1f GB/s" % (fl[0]["d2h_GBps"], fl[0]["h2d_GBps"]), flush=True)
+        if args.gpu >= 0:
+            fs = out["floor_copies_both_sides"] = both_sides_floor(args.gpu)
+            for label, what in (("two_processes", "A's d2h and B's h2d at once, two processes on GPU %d" % args.gpu),
+                                ("two_processes_b_checks", "the same, a kernel reading each slice B copies in"),
+                                ("one_process", "both directions at once in one process (two streams)")):
+                r = fs.get(label, {})
+                print("floor: pinned copies, %s: %s" % (what, r.get("error") or ", ".join(
+                    "%s %.1f GB/s" % kv for kv in sorted(r.items()))), flush=True)
     print("daemons: --cluster-lanes %s, --cluster-read %s, --cluster-streams %s, --cluster-checksums %s, --cluster-chunk %s, --cluster-gpu-publish %s, --cluster-stage-ahead %s" % (
         args.lanes or "default", args.read or "default (fetch)", args.streams or "default",
         args.checksums or "default (auto)", args.chunk or "default", args.gpu_publish or "default (early)",
@@ -662,10 +745,18 @@ def main(argv: List[str]) -> None:
     link, cop = link_floor(out), out.get("floor_copies")
     if link and cop:
         staging = min(cop["d2h_GBps"], cop["h2d_GBps"])
+        both = out.get("floor_copies_both_sides", {}).get("two_processes", {})
+        at_once = min(both["A"], both["B"]) if "A" in both and "B" in both else None
         for c in (r for r in out["results"] if r["path"] == "cudaipc-cluster"):
             c["x_floor"] = c["gbps"] / min(link, staging)
             print("%s: cudaipc-cluster %.2f GB/s is %.2fx min(link %.2f, staging %.1f) GB/s" % (
                 c["model"], c["gbps"], c["x_floor"], link, staging), flush=True)
+            if at_once:
+                # Both daemons' copies run at once on one GPU here: the staging
+                # path's floor is what the two copy at once, not each alone.
+                c["x_floor_both_sides"] = c["gbps"] / min(link, at_once)
+                print("%s: cudaipc-cluster %.2f GB/s is %.2fx min(link %.2f, staging both sides at once %.1f) GB/s" % (
+                    c["model"], c["gbps"], c["x_floor_both_sides"], link, at_once), flush=True)
     if args.daemon_log_level == "debug":
         print_pull_phases(os.path.join(tmp, "daemon-A.log"), os.path.join(tmp, "daemon-B.log"))
     if args.json:
