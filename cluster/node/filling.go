@@ -99,23 +99,72 @@ func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64
 		defer f.Release()
 		begin := time.Now()
 		var paced time.Duration
-		err := staging.CopyOutOnly(context.Background(), b.mem[:size], 0, func(off int64, p []byte) error {
-			paced += fl.pace(off, off+int64(len(p)))
+		err := n.stageQueued(dev, b.mem[:size], src, func(off, end int64) error {
+			paced += fl.pace(off, end)
 			if h := n.stageHook.Load(); h != nil {
-				if err := (*h)(off); err != nil {
-					return err
-				}
+				return (*h)(off)
 			}
-			if err := dev.CopyFromDevice(p, src+cudaipc.DevicePtr(off)); err != nil {
-				return err
-			}
-			fl.advance(off + int64(len(p)))
 			return nil
-		})
+		}, fl.advance)
 		n.log.Debug("staged a published GPU object", "id", id, "bytes", size, "took", time.Since(begin), "paced", paced, "err", err)
 		fl.end(err)
 	}()
 	return sums, true, nil
+}
+
+// stageDepth is how many slices of a filling's staging are queued on the
+// device at once: the copy engine goes on with the next ones while the
+// staging goroutine waits for a CPU. Copied one slice at a time, the
+// staging of 16 GB took 1.2-1.4 s beside a pull on the H200 (0.3 s
+// alone): each slice's wait for the scheduler, among the busy lanes of
+// both daemons, left the engine idle.
+const stageDepth = 4
+
+// stageQueued copies dst's len(dst) bytes from src on dev into dst
+// (pinned), DefaultSealSlice bytes a slice, stageDepth slices queued at a
+// time on a stream of its own (staging.CopyOutQueued); before queueing each
+// slice [off, end) it calls before, whose error stops the copy, and as
+// the first k bytes land, landed(k).
+func (n *Node) stageQueued(dev *cudaipc.Device, dst []byte, src cudaipc.DevicePtr, before func(off, end int64) error, landed func(k int64)) (err error) {
+	st, err := dev.NewStream()
+	if err != nil {
+		return err
+	}
+	defer func() {
+		st.Synchronize() // a copy queued when a later step failed lands before dst goes back
+		st.Close()
+	}()
+	var evs [stageDepth]*cudaipc.Event
+	for i := range evs {
+		if evs[i], err = dev.NewEvent(cudaipc.EventDisableTiming | cudaipc.EventBlockingSync); err != nil {
+			break
+		}
+	}
+	defer func() {
+		for _, e := range evs {
+			if e != nil {
+				e.Close()
+			}
+		}
+	}()
+	if err != nil {
+		return err
+	}
+	i := 0
+	return staging.CopyOutQueued(context.Background(), dst, 0, stageDepth, func(off int64, b []byte) (func() error, error) {
+		if err := before(off, off+int64(len(b))); err != nil {
+			return nil, err
+		}
+		if err := st.CopyFromDeviceAsync(b, src+cudaipc.DevicePtr(off)); err != nil {
+			return nil, err
+		}
+		e := evs[i%stageDepth]
+		i++
+		if err := e.Record(st); err != nil {
+			return nil, err
+		}
+		return e.Synchronize, nil
+	}, landed)
 }
 
 // pace waits, where Config.StageAhead asks for it, before the staging

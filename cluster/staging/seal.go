@@ -103,3 +103,79 @@ func CopyOutOnly(ctx context.Context, dst []byte, slice int64, copyOut func(off 
 	}
 	return nil
 }
+
+// CopyOutQueued fills dst slice bytes at a time (slice <= 0 means
+// DefaultSealSlice), keeping up to depth slices' copies queued at once
+// (depth <= 0 means one), so that a copy engine never idles while a
+// goroutine waits for the scheduler. start(off, b) queues the copy that
+// fills b with the object's bytes [off, off+len(b)) and returns wait,
+// which returns once they have landed; start is called from the calling
+// goroutine in order of off, and may block (to pace the copy) while the
+// slices queued before land. A goroutine of CopyOutQueued's waits for the
+// slices in the same order and calls landed(k) as the first k bytes of dst
+// have landed.
+//
+// The first error of start or wait, or ctx's (checked before each start),
+// stops the copy and is returned naming the slice; every slice queued is
+// waited for first, so the caller may reuse or free dst when it returns.
+// Nothing landed past a failed slice is reported.
+func CopyOutQueued(ctx context.Context, dst []byte, slice int64, depth int, start func(off int64, b []byte) (wait func() error, err error), landed func(k int64)) error {
+	if slice <= 0 {
+		slice = DefaultSealSlice
+	}
+	depth = max(depth, 1)
+	size := int64(len(dst))
+	type queued struct {
+		off, end int64
+		wait     func() error
+	}
+	sem := make(chan struct{}, depth) // a slot per slice queued and not yet waited for
+	work := make(chan queued, depth)
+	failed := make(chan struct{}) // closed at the waiter's first error
+	var werr error                // the waiter's first error, read after done
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for s := range work {
+			if err := s.wait(); err != nil && werr == nil {
+				werr = fmt.Errorf("staging: copy out [%d, %d) of %d bytes: %w", s.off, s.end, size, err)
+				close(failed)
+			}
+			if werr == nil {
+				landed(s.end)
+			}
+			<-sem
+		}
+	}()
+	var err error
+	for off := int64(0); off < size && err == nil; {
+		select {
+		case sem <- struct{}{}:
+		case <-failed:
+		}
+		select {
+		case <-failed:
+			off = size // the waiter's error is returned
+			continue
+		default:
+		}
+		end := min(off+slice, size)
+		if err = ctx.Err(); err != nil {
+			err = fmt.Errorf("staging: copy out at %d of %d bytes: %w", off, size, err)
+			continue
+		}
+		wait, serr := start(off, dst[off:end])
+		if serr != nil {
+			err = fmt.Errorf("staging: copy out [%d, %d) of %d bytes: %w", off, end, size, serr)
+			continue
+		}
+		work <- queued{off, end, wait}
+		off = end
+	}
+	close(work)
+	<-done
+	if err == nil {
+		err = werr
+	}
+	return err
+}

@@ -180,3 +180,100 @@ func BenchmarkSeal(b *testing.B) {
 		})
 	}
 }
+
+// queuedCopier is an asynchronous copy engine for CopyOutQueued: each
+// start copies src into b on a goroutine of its own after a random delay
+// (the slices may finish out of order) and counts the copies queued at
+// once; failAt's wait fails.
+type queuedCopier struct {
+	src            []byte
+	failAt         int64
+	queued, most   int
+	started, waits int
+	mu             chan struct{} // a lock the test's goroutines share
+}
+
+func (c *queuedCopier) start(off int64, b []byte) (func() error, error) {
+	c.mu <- struct{}{}
+	c.queued++
+	c.started++
+	c.most = max(c.most, c.queued)
+	<-c.mu
+	done := make(chan struct{})
+	go func() {
+		time.Sleep(time.Duration(rand.IntN(300)) * time.Microsecond)
+		copy(b, c.src[off:])
+		close(done)
+	}()
+	return func() error {
+		<-done
+		c.mu <- struct{}{}
+		c.queued--
+		c.waits++
+		<-c.mu
+		if off == c.failAt {
+			return errors.New("injected copy failure")
+		}
+		return nil
+	}, nil
+}
+
+// TestCopyOutQueued: CopyOutQueued fills dst with the source's bytes,
+// keeping at most depth slices queued, says the bytes landed in order and
+// as a prefix; a failing wait stops it, names its slice, reports nothing
+// landed past the slice before, and every slice queued is waited for; so
+// does a cancelled context.
+func TestCopyOutQueued(t *testing.T) {
+	const size, slice = 10<<20 + 777, 1 << 20
+	src := testutil.RandomBytes(1941, size)
+	for _, depth := range []int{1, 3, 8} {
+		t.Run(fmt.Sprintf("depth=%d", depth), func(t *testing.T) {
+			c := &queuedCopier{src: src, failAt: -1, mu: make(chan struct{}, 1)}
+			dst := make([]byte, size)
+			var marks []int64
+			err := staging.CopyOutQueued(context.Background(), dst, slice, depth, c.start, func(k int64) { marks = append(marks, k) })
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(dst, src) {
+				t.Fatal("dst differs from the source")
+			}
+			if c.most > depth || (depth > 1 && c.most < 2) {
+				t.Fatalf("%d slices queued at most, want 2 to %d", c.most, depth)
+			}
+			if len(marks) != 11 || marks[10] != size || !slices.IsSorted(marks) {
+				t.Fatalf("landed marks %v, want 11 rising to %d", marks, size)
+			}
+			for i, k := range marks[:10] {
+				if k != int64(i+1)*slice {
+					t.Fatalf("landed mark %d is %d, want %d", i, k, int64(i+1)*slice)
+				}
+			}
+		})
+	}
+
+	c := &queuedCopier{src: src, failAt: 3 * slice, mu: make(chan struct{}, 1)}
+	var last int64
+	err := staging.CopyOutQueued(context.Background(), make([]byte, size), slice, 4, c.start, func(k int64) { last = k })
+	if err == nil || !strings.Contains(err.Error(), fmt.Sprintf("[%d, %d)", 3*slice, 4*slice)) || !strings.Contains(err.Error(), "injected") {
+		t.Fatalf("a failing slice: %v, want its range and cause", err)
+	}
+	if last != 3*slice {
+		t.Fatalf("landed up to %d with slice 3 failing, want %d", last, 3*slice)
+	}
+	if c.waits != c.started {
+		t.Fatalf("%d slices queued, %d waited for", c.started, c.waits)
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	c = &queuedCopier{src: src, failAt: -1, mu: make(chan struct{}, 1)}
+	err = staging.CopyOutQueued(ctx, make([]byte, size), slice, 4, func(off int64, b []byte) (func() error, error) {
+		if off == 5*slice {
+			cancel()
+		}
+		return c.start(off, b)
+	}, func(int64) {})
+	if !errors.Is(err, context.Canceled) || c.waits != c.started || c.started != 6 {
+		t.Fatalf("cancelled at slice 5: %v, %d queued and %d waited for; want Canceled, 6 and 6", err, c.started, c.waits)
+	}
+}
