@@ -307,6 +307,14 @@ func readerKilledMidPull(t *testing.T, backend, device string, size int) {
 	want := randomBytes(size, 31)
 	if device != "" {
 		putGPU(t, ctx, a, "victim", device, want, client.CreateOptions{})
+		// A's staging behind the record holds a lease on the object
+		// until it ends: count the leases after it.
+		testutil.Eventually(t, testutil.Wait, func() error {
+			if n := node.Filling(a.node); n != 0 {
+				return fmt.Errorf("%d objects still staging on A", n)
+			}
+			return nil
+		})
 	} else {
 		o, err := a.c.Create(ctx, "victim", int64(size), client.CreateOptions{Cluster: true})
 		if err != nil {
