@@ -2,8 +2,6 @@ package node
 
 import (
 	"context"
-	"maps"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -163,24 +161,6 @@ func HookStaging(n *Node, hook func(off int64) error) {
 		return
 	}
 	n.stageHook.Store(&hook)
-}
-
-// SetStageIdle sets how long a paced staging waits for readers that ask
-// for nothing new (StageIdle).
-func SetStageIdle(n *Node, d time.Duration) { n.stageIdle.Store(int64(d)) }
-
-// FillingWanted is how far readers asked into the GPU objects being staged
-// behind their records (the furthest of them), and whether any reader's
-// window is open on one.
-func FillingWanted(n *Node) (wanted int64, open bool) {
-	n.mu.Lock()
-	fls := slices.Collect(maps.Values(n.filling))
-	n.mu.Unlock()
-	for _, fl := range fls {
-		w, o := fl.wanted()
-		wanted, open = max(wanted, w), open || o
-	}
-	return wanted, open
 }
 
 // Filling is how many GPU objects are being staged behind their records.

@@ -41,17 +41,11 @@ type filling struct {
 	err     error                    // the staging's failure
 	windows map[*fillWindow]struct{} // exposures' windows, opened as slices land
 	users   int                      // the staging and each exposure: the buffer goes back with the last
-
-	// paceWanted is how far the readers had asked when pace last saw it
-	// move, at paceMoved (the staging's own: no lock).
-	paceWanted int64
-	paceMoved  time.Time
 }
 
 type fillWindow struct {
-	ready  func(k int64)
-	wanted func() int64
-	close  func()
+	ready func(k int64)
+	close func()
 }
 
 // fillsAfterPublish reports whether a GPU object of dev is published
@@ -98,15 +92,13 @@ func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64
 	go func() {
 		defer f.Release()
 		begin := time.Now()
-		var paced time.Duration
-		err := n.stageQueued(dev, b.mem[:size], src, func(off, end int64) error {
-			paced += fl.pace(off, end)
+		err := n.stageQueued(dev, b.mem[:size], src, func(off int64) error {
 			if h := n.stageHook.Load(); h != nil {
 				return (*h)(off)
 			}
 			return nil
 		}, fl.advance)
-		n.log.Debug("staged a published GPU object", "id", id, "bytes", size, "took", time.Since(begin), "paced", paced, "err", err)
+		n.log.Debug("staged a published GPU object", "id", id, "bytes", size, "took", time.Since(begin), "err", err)
 		fl.end(err)
 	}()
 	return sums, true, nil
@@ -122,10 +114,10 @@ const stageDepth = 4
 
 // stageQueued copies dst's len(dst) bytes from src on dev into dst
 // (pinned), DefaultSealSlice bytes a slice, stageDepth slices queued at a
-// time on a stream of its own (staging.CopyOutQueued); before queueing each
-// slice [off, end) it calls before, whose error stops the copy, and as
+// time on a stream of its own (staging.CopyOutQueued); before queueing the
+// slice at off it calls before(off), whose error stops the copy, and as
 // the first k bytes land, landed(k).
-func (n *Node) stageQueued(dev *cudaipc.Device, dst []byte, src cudaipc.DevicePtr, before func(off, end int64) error, landed func(k int64)) (err error) {
+func (n *Node) stageQueued(dev *cudaipc.Device, dst []byte, src cudaipc.DevicePtr, before func(off int64) error, landed func(k int64)) (err error) {
 	st, err := dev.NewStream()
 	if err != nil {
 		return err
@@ -152,7 +144,7 @@ func (n *Node) stageQueued(dev *cudaipc.Device, dst []byte, src cudaipc.DevicePt
 	}
 	i := 0
 	return staging.CopyOutQueued(context.Background(), dst, 0, stageDepth, func(off int64, b []byte) (func() error, error) {
-		if err := before(off, off+int64(len(b))); err != nil {
+		if err := before(off); err != nil {
 			return nil, err
 		}
 		if err := st.CopyFromDeviceAsync(b, src+cudaipc.DevicePtr(off)); err != nil {
@@ -166,46 +158,6 @@ func (n *Node) stageQueued(dev *cudaipc.Device, dst []byte, src cudaipc.DevicePt
 		return e.Synchronize, nil
 	}, landed)
 }
-
-// pace waits, where Config.StageAhead asks for it, before the staging
-// copies the bytes [off, end): while readers' windows are open, until a
-// reader asks for a byte at or past off (it must not wait for the pace) or
-// end is at most StageAhead past the furthest byte asked for. Once the
-// readers have asked for nothing new for stageIdle, it waits no more until
-// they do. It returns the time it waited. Only the staging calls it.
-func (fl *filling) pace(off, end int64) time.Duration {
-	ahead := fl.n.cfg.StageAhead
-	if ahead <= 0 {
-		return 0
-	}
-	begin := time.Now()
-	for {
-		wanted, open := fl.wanted()
-		now := time.Now()
-		if wanted != fl.paceWanted || fl.paceMoved.IsZero() {
-			fl.paceWanted, fl.paceMoved = wanted, now
-		}
-		if !open || wanted > off || end <= wanted+ahead || now.Sub(fl.paceMoved) >= time.Duration(fl.n.stageIdle.Load()) {
-			return now.Sub(begin)
-		}
-		time.Sleep(stagePoll)
-	}
-}
-
-// wanted returns how far into the object the readers' open windows were
-// asked for, and whether any is open.
-func (fl *filling) wanted() (wanted int64, open bool) {
-	fl.mu.Lock()
-	defer fl.mu.Unlock()
-	for w := range fl.windows {
-		wanted = max(wanted, w.wanted())
-	}
-	return wanted, len(fl.windows) > 0
-}
-
-// stagePoll is how often a paced staging looks at how far its readers
-// asked: a small part of a slice's copy (~1 ms for 64 MiB).
-const stagePoll = 100 * time.Microsecond
 
 // advance says that the first k bytes are staged.
 func (fl *filling) advance(k int64) {
@@ -286,7 +238,7 @@ func (n *Node) exposeFilling(fl *filling) (cluster.Exposure, func(), error) {
 		fl.drop()
 		return cluster.Exposure{}, nil, err
 	}
-	w := &fillWindow{ready: fw.Ready, wanted: fw.Wanted, close: fw.Close}
+	w := &fillWindow{ready: fw.Ready, close: fw.Close}
 	fl.mu.Lock()
 	if fl.err != nil {
 		err := fl.err

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"os"
-	"slices"
 	"testing"
 	"time"
 
@@ -186,118 +185,5 @@ func TestFillingExposures(t *testing.T) {
 	release3()
 	if b := n.pinned.take("inc-2", nil, size); b != nil {
 		t.Fatal("a failed staging's buffer went back tagged")
-	}
-}
-
-// TestFillingPaced: a staging paced by Config.StageAhead copies a slice
-// only once a reader asked for bytes at or past it, or when the slice ends
-// at most StageAhead past the furthest byte asked for, while the reader,
-// reading a little at a time, gets every byte; a reader that stops asking
-// holds the staging back once, for stageIdle, and no longer; with no
-// window open the staging never waits.
-func TestFillingPaced(t *testing.T) {
-	const size, slice, ahead = 16 << 20, 1 << 20, 1 << 20
-	n, reader := fillingNode(t, Config{StageAhead: ahead})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	want := testutil.RandomBytes(1933, size)
-
-	// stage stages fl slice by slice, paced, and returns each pace's wait
-	// and the slices that broke the pace with a window open.
-	stage := func(fl *filling) (waits []time.Duration, broke []int64) {
-		for off := int64(0); off < size; off += slice {
-			end := min(off+slice, size)
-			waits = append(waits, fl.pace(off, end))
-			if wanted, open := fl.wanted(); open && wanted <= off && end > wanted+ahead {
-				broke = append(broke, off)
-			}
-			copy(fl.b.mem[off:end], want[off:end])
-			fl.advance(end)
-		}
-		fl.end(nil)
-		return waits, broke
-	}
-	// read reads the exposure's first n bytes, 256 KiB a read, one read
-	// at a time, then leaves the exposure open until release.
-	read := func(e cluster.Exposure, n int) <-chan error {
-		errc := make(chan error, 1)
-		go func() {
-			ep, err := reader.Connect(ctx, e.Worker)
-			if err != nil {
-				errc <- err
-				return
-			}
-			defer ep.Close()
-			dst := make([]byte, n)
-			for off := 0; off < n; off += 256 << 10 {
-				if err := ep.Get(ctx, e.RKey, e.Addr+uint64(off), dst[off:min(off+256<<10, n)]); err != nil {
-					errc <- err
-					return
-				}
-			}
-			if !bytes.Equal(dst, want[:n]) {
-				errc <- errors.New("the bytes read differ from those staged")
-				return
-			}
-			errc <- nil
-		}()
-		return errc
-	}
-
-	// A reader of the whole object: the staging keeps pace with it.
-	n.stageIdle.Store(int64(time.Minute))
-	fl := startFilling(t, n, "inc-1", size)
-	e, release, err := n.exposeFilling(n.fillingFor("inc-1"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := read(e, size)
-	waits, broke := stage(fl)
-	if err := testutil.Next(t, r, 30*time.Second); err != nil {
-		t.Fatal(err)
-	}
-	release()
-	if len(broke) > 0 {
-		t.Fatalf("slices at %v were staged more than %d bytes past what the reader asked for", broke, ahead)
-	}
-	var waited time.Duration
-	for _, w := range waits {
-		waited += w
-	}
-	if waited == 0 {
-		t.Fatal("the staging never waited for a reader that reads 256 KiB at a time")
-	}
-
-	// A reader that read the first 512 KiB (staged before the pace
-	// starts) and asks for nothing more: one wait of stageIdle, then flat
-	// out.
-	const idle = 50 * time.Millisecond
-	n.stageIdle.Store(int64(idle))
-	fl = startFilling(t, n, "inc-2", size)
-	e, release, err = n.exposeFilling(n.fillingFor("inc-2"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	copy(fl.b.mem[:slice], want[:slice])
-	fl.advance(slice)
-	if err := testutil.Next(t, read(e, 512<<10), 30*time.Second); err != nil {
-		t.Fatal(err)
-	}
-	waits, _ = stage(fl)
-	release()
-	long := 0
-	for _, w := range waits {
-		if w >= idle/2 { // idle counts from the reader's last request, before the wait
-			long++
-		}
-	}
-	if long != 1 {
-		t.Fatalf("waits %v: want exactly one of %v (the reader stopped asking)", waits, idle)
-	}
-
-	// No window: never a wait.
-	fl = startFilling(t, n, "inc-3", size)
-	if waits, _ = stage(fl); slices.Max(waits) >= idle/2 {
-		t.Fatalf("waits %v with no reader", waits)
 	}
 }

@@ -81,20 +81,7 @@ type Config struct {
 	// daemons share one machine's memory bandwidth, the staging then
 	// competes with the transfer it feeds.
 	StageFirst bool
-	// StageAhead paces the staging behind a published GPU object's record
-	// (the default, not StageFirst): while readers fetch the object, the
-	// staging copies a slice only when it ends at most StageAhead bytes
-	// past the furthest byte they have asked for, instead of copying flat
-	// out beside their transfer. With no reader, or readers that asked
-	// for nothing new for StageIdle, it copies flat out. 0 means always
-	// flat out.
-	StageAhead int64
 }
-
-// StageIdle is how long a paced staging (Config.StageAhead) waits for its
-// readers to ask for more before it copies on regardless: a reader that
-// stalled, died or reads only part of the object holds no staging back.
-const StageIdle = 20 * time.Millisecond
 
 // Node is a daemon's membership of a cluster.
 type Node struct {
@@ -132,8 +119,6 @@ type Node struct {
 	// stageHook, when set, runs before each slice a filling staging
 	// copies (tests slow it down or fail it).
 	stageHook atomic.Pointer[func(off int64) error]
-	// stageIdle is StageIdle in nanoseconds (tests lengthen it).
-	stageIdle atomic.Int64
 	pinned    pinnedPool
 	// lastGPUSeal is where the time of the last GPU object's seal went;
 	// registerNanos counts the time pinned buffers took to register with
@@ -176,9 +161,6 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	}
 	if c := cfg.ChunkSize; c != 0 && (c < cluster.MinChunkSize || c > cluster.MaxChunkSize || c&(c-1) != 0) {
 		return nil, fmt.Errorf("chunk size %d: want a power of two from %d to %d bytes", c, cluster.MinChunkSize, cluster.MaxChunkSize)
-	}
-	if cfg.StageAhead < 0 {
-		return nil, fmt.Errorf("stage-ahead %d bytes: want 0 (flat out) or more", cfg.StageAhead)
 	}
 	tr, err := ucxtransport.NewWith("cudaipc-"+cfg.Directory.Node, ucxtransport.Options{Lanes: cfg.Lanes, Read: cfg.Read})
 	if err != nil {
@@ -224,7 +206,6 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	n := &Node{cfg: cfg, log: log, dir: dir, tr: tr, ln: ln, arenas: map[uint64]*arenaReg{}, pins: map[string]*store.ClusterFile{},
 		filling: map[string]*filling{},
 		mirror:  dir.Mirror(context.Background())}
-	n.stageIdle.Store(int64(StageIdle))
 	n.pinned.max = DefaultPinnedIdle
 	n.hostSums.Store(cfg.HostChecksums)
 	feeding := &cluster.Feeding{} // fan-out: replicas being pulled feed other readers (fanout.go)

@@ -237,10 +237,6 @@ type Filling struct {
 // Ready says that the window's first k bytes hold what peers may read.
 func (f *Filling) Ready(k int64) { f.w.Ready(uint64(max(k, 0))) }
 
-// Wanted says how far into the window peers' fetches have asked so far
-// (ucx.Window.Wanted).
-func (f *Filling) Wanted() int64 { return int64(f.w.Wanted()) }
-
 // Close closes the window: peers' later fetches, and those waiting, are
 // refused.
 func (f *Filling) Close() { f.w.Close() }

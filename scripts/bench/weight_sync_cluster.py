@@ -149,7 +149,6 @@ class Cluster:
                 + (["--cluster-checksums", args.checksums] if args.checksums else [])
                 + (["--cluster-chunk", args.chunk] if args.chunk else [])
                 + (["--cluster-gpu-publish", args.gpu_publish] if args.gpu_publish else [])
-                + (["--cluster-stage-ahead", args.stage_ahead] if args.stage_ahead else [])
                 + (["--cpu-profile", "%s-%s.pprof" % (args.cpu_profile, node)] if args.cpu_profile else []),
                 stdout=dlog, stderr=subprocess.STDOUT, env=env))
             self.sockets[node] = sock
@@ -582,7 +581,7 @@ def print_pull_phases(log_a: str, log_b: str) -> None:
     """What the daemons logged at debug level of each version: node A's staging
     of the published GPU object ("staged a published GPU object": took, paced)
     and node B's pull ("cluster pull done": setup, transfer, seal, took)."""
-    for log, what, label, keys in ((log_a, "staged a published GPU object", "staging on A", ("bytes", "took", "paced", "err")),
+    for log, what, label, keys in ((log_a, "staged a published GPU object", "staging on A", ("bytes", "took", "err")),
                                    (log_b, "cluster pull done", "pull on B", ("bytes", "setup", "transfer", "seal", "took"))):
         try:
             with open(log) as f:
@@ -630,7 +629,6 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--read", choices=["fetch", "get"], help="how daemon B reads A's memory (serve --cluster-read; default: the daemon's, fetch)")
     ap.add_argument("--checksums", choices=["auto", "host"], help="where the daemons compute GPU objects' chunk checksums (serve --cluster-checksums; default: the daemon's, auto: on the GPU)")
     ap.add_argument("--chunk", help="chunk of the objects node A publishes, e.g. 16MiB (serve --cluster-chunk; default: the daemon's)")
-    ap.add_argument("--stage-ahead", help="how far node A's copy of a published GPU object to pinned memory may run ahead of node B's reads, e.g. 512MiB (serve --cluster-stage-ahead; default: the daemon's, flat out)")
     ap.add_argument("--gpu-publish", choices=["early", "staged"], help="when node A publishes a GPU object (serve --cluster-gpu-publish; default: the daemon's, early)")
     ap.add_argument("--cpu-profile", metavar="PREFIX", help="each daemon writes a CPU profile of its whole run to PREFIX-A.pprof and PREFIX-B.pprof (serve --cpu-profile)")
     ap.add_argument("--lanes", type=int, default=0, help="UCX worker pairs of each daemon (serve --cluster-lanes; 0: the daemon's default)")
@@ -672,10 +670,9 @@ def main(argv: List[str]) -> None:
                 r = fs.get(label, {})
                 print("floor: pinned copies, %s: %s" % (what, r.get("error") or ", ".join(
                     "%s %.1f GB/s" % kv for kv in sorted(r.items()))), flush=True)
-    print("daemons: --cluster-lanes %s, --cluster-read %s, --cluster-streams %s, --cluster-checksums %s, --cluster-chunk %s, --cluster-gpu-publish %s, --cluster-stage-ahead %s" % (
+    print("daemons: --cluster-lanes %s, --cluster-read %s, --cluster-streams %s, --cluster-checksums %s, --cluster-chunk %s, --cluster-gpu-publish %s" % (
         args.lanes or "default", args.read or "default (fetch)", args.streams or "default",
-        args.checksums or "default (auto)", args.chunk or "default", args.gpu_publish or "default (early)",
-        args.stage_ahead or "default (flat out)"), flush=True)
+        args.checksums or "default (auto)", args.chunk or "default", args.gpu_publish or "default (early)"), flush=True)
     cl = Cluster(args, tmp)
     try:
         for m in args.models.split(","):

@@ -31,9 +31,6 @@ type Window struct {
 	// as is closed.
 	ready  uint64
 	closed bool
-	// wanted is the end of the furthest bytes a fetch inside the window
-	// asked for, answered or waiting (Wanted). Guarded by r.ctx.mu.
-	wanted uint64
 }
 
 // Window opens a window on n bytes of the region at offset off.
@@ -97,18 +94,6 @@ func (w *Window) Ready(k uint64) {
 	}
 }
 
-// Wanted returns how far into the window fetches have asked so far: the
-// end, counted from the window's first byte, of the furthest range that a
-// fetch inside it asked for, answered at once or left waiting. A holder
-// filling the window may pace its writes by it: keep a margin ahead of the
-// readers instead of racing them for memory bandwidth.
-func (w *Window) Wanted() uint64 {
-	c := w.r.ctx
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return w.wanted
-}
-
 // Close closes the window: later fetches of its token are refused. Replies
 // under way finish (MemRegion.Close waits for them). It is idempotent.
 func (w *Window) Close() error {
@@ -138,9 +123,7 @@ func (c *Context) windowFor(token Token, addr, n uint64) (r *MemRegion, wait boo
 		return nil, false, errNoWindow.Error()
 	case addr < w.addr || addr+n > w.addr+w.n:
 		return nil, false, fmt.Sprintf("[%#x, +%d) is not inside window %v [%#x, +%d)", addr, n, token, w.addr, w.n)
-	}
-	w.wanted = max(w.wanted, addr+n-w.addr)
-	if addr+n > w.addr+w.ready {
+	case addr+n > w.addr+w.ready:
 		return nil, true, ""
 	}
 	w.r.sending.Add(1)

@@ -36,7 +36,6 @@ type clusterFlags struct {
 	Checksums     string        `name:"cluster-checksums" default:"auto" enum:"auto,host" env:"CUDAIPC_CLUSTER_CHECKSUMS" help:"Where GPU objects' chunk checksums (CRC-32C, at the seal and on each chunk a pull lands) are computed: auto (default: on the object's GPU, by a small kernel of the daemon, where the driver runs it; else on the host) or host (the daemon's CPUs read every byte)." placeholder:"WHERE"`
 	Chunk         bytesize.Size `name:"cluster-chunk" default:"0" env:"CUDAIPC_CLUSTER_CHUNK" help:"Chunk of the objects this daemon publishes: the unit a pull reads, checks and lands, a power of two from 64KiB to 1GiB (0: the default, 4MiB, doubled for objects of more than 65536 chunks). Larger chunks cost fewer reads per byte; a corrupted chunk is read again whole." placeholder:"BYTES"`
 	GPUPublish    string        `name:"cluster-gpu-publish" default:"early" enum:"early,staged" env:"CUDAIPC_CLUSTER_GPU_PUBLISH" help:"When a GPU object's record goes out: early (default: once its GPU has the checksums, its copy to pinned host memory running behind, readers' fetches of bytes not copied yet waiting) or staged (after that copy: better where both daemons share one machine's memory bandwidth)." placeholder:"WHEN"`
-	StageAhead    bytesize.Size `name:"cluster-stage-ahead" default:"0" env:"CUDAIPC_CLUSTER_STAGE_AHEAD" help:"With --cluster-gpu-publish early: while readers fetch a published GPU object, keep its copy to pinned host memory at most this many bytes ahead of the furthest byte they asked for, instead of copying flat out beside their transfer (0: the default, flat out). With no reader, or none asking for more for 20ms, the copy runs flat out." placeholder:"BYTES"`
 	UCXLib        string        `name:"ucx-lib" help:"Use this libucp.so.0 (and the libucs, libuct, libucm beside it) instead of the system's, e.g. a UCX built with CUDA (HPC-X) to register GPU arenas directly; 'cudaipc doctor --ucx-lib PATH' checks it." placeholder:"PATH"`
 }
 
@@ -106,8 +105,7 @@ func (f *clusterFlags) startCluster(ctx context.Context, g *Globals) (*node.Node
 	}
 	n, err := node.Start(ctx, node.Config{Directory: dc, Listen: f.ClusterListen, Advertise: f.ClusterAdv, Logger: g.log,
 		StreamsPerHolder: streams, Lanes: f.Lanes, Read: ucxtransport.ReadMode(f.Read),
-		HostChecksums: f.Checksums == "host", ChunkSize: int64(f.Chunk), StageFirst: f.GPUPublish == "staged",
-		StageAhead: int64(f.StageAhead)})
+		HostChecksums: f.Checksums == "host", ChunkSize: int64(f.Chunk), StageFirst: f.GPUPublish == "staged"})
 	if err != nil {
 		return nil, fmt.Errorf("serve --cluster: %w", err)
 	}
