@@ -106,10 +106,11 @@ func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64
 
 // stageDepth is how many slices of a filling's staging are queued on the
 // device at once: the copy engine goes on with the next ones while the
-// staging goroutine waits for a CPU. Copied one slice at a time, the
-// staging of 16 GB took 1.2-1.4 s beside a pull on the H200 (0.3 s
-// alone): each slice's wait for the scheduler, among the busy lanes of
-// both daemons, left the engine idle.
+// staging goroutine waits for a CPU, and the landing of each is said as
+// soon as it lands. On the H200 the staging of 16 GB took 0.3 s alone and
+// 1.2-1.4 s beside a pull both ways, one slice at a time or four queued:
+// not the scheduler but something both daemons share on one host slows it
+// there (docs/benchmarks.md).
 const stageDepth = 4
 
 // stageQueued copies dst's len(dst) bytes from src on dev into dst
