@@ -363,18 +363,32 @@ def copy_side(cfg: Dict[str, Any], ready: Any, go: Any, results: Any) -> None:
     """One side of the staging at full speed: cfg["dirs"] ("d2h", "h2d") between
     1 GiB of GPU memory and 1 GiB of pinned memory, 64 MiB slices (the staging's),
     each direction on its own stream, for cfg["seconds"] from when go is set; with
-    cfg["check"], a kernel reads each slice copied in (as a pull's landing checks
-    it). Two of these in two processes are the two daemons' copies of a sync."""
+    cfg["check"], a kernel reads each slice copied in. With cfg["land"], the
+    host->device copies go as a pull lands chunks instead: 4 MiB chunks on 8
+    streams in turn, each chunk's copy followed by a kernel reading it and the
+    copy of the kernel's result back to pinned memory (the checksum's read-back of
+    cudaipc.Device.CopyToDeviceCRC32C: a small device->host copy a chunk). Two of
+    these in two processes are the two daemons' copies of a sync."""
     import torch
     dev = ws.device(cfg["gpu"])
     torch.cuda.set_device(dev)
-    n, sl = 1 << 30, 64 << 20
+    n, sl, chunk = 1 << 30, 64 << 20, 4 << 20
     bufs = {d: (torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, pin_memory=True),
                 torch.cuda.Stream()) for d in cfg["dirs"]}
     sink = torch.zeros(1, dtype=torch.int64, device=dev)
+    lanes = [torch.cuda.Stream() for _ in range(8)]
+    sums = torch.zeros(n // chunk, dtype=torch.int64, device=dev)
+    sums_host = torch.zeros(n // chunk, dtype=torch.int64, pin_memory=True)
 
     def one_pass() -> None:
         for d, (g, h, st) in bufs.items():
+            if d == "h2d" and cfg.get("land"):
+                for i, off in enumerate(range(0, n, chunk)):
+                    with torch.cuda.stream(lanes[i % len(lanes)]):
+                        g[off:off + chunk].copy_(h[off:off + chunk], non_blocking=True)
+                        torch.sum(g[off:off + chunk].view(torch.int32), dim=0, dtype=torch.int64, out=sums[i])
+                        sums_host[i:i + 1].copy_(sums[i:i + 1], non_blocking=True)
+                continue
             with torch.cuda.stream(st):
                 for off in range(0, n, sl):
                     if d == "d2h":
@@ -383,7 +397,7 @@ def copy_side(cfg: Dict[str, Any], ready: Any, go: Any, results: Any) -> None:
                         g[off:off + sl].copy_(h[off:off + sl], non_blocking=True)
                         if cfg.get("check"):
                             sink.add_(g[off:off + sl].view(torch.int32).sum())
-        for _, _, st in bufs.values():
+        for st in [b[2] for b in bufs.values()] + lanes:
             st.synchronize()
     one_pass()   # warm
     ready.set()
@@ -393,26 +407,42 @@ def copy_side(cfg: Dict[str, Any], ready: Any, go: Any, results: Any) -> None:
         one_pass()
         moved += n
     took = ws.now() - t0
-    results.put({"side": cfg["side"], "GBps": moved / took / 1e9, "dirs": cfg["dirs"], "check": bool(cfg.get("check"))})
+    results.put({"side": cfg["side"], "GBps": moved / took / 1e9, "dirs": cfg["dirs"], "check": bool(cfg.get("check")),
+                 "land": bool(cfg.get("land"))})
+
+
+# The floors of both_sides_floor: a label, what it prints, and each process's side,
+# directions and options.
+BOTH_SIDES: List[Tuple[str, str, List[Tuple[str, List[str], Dict[str, Any]]]]] = [
+    ("two_processes", "A's d2h and B's h2d at once, two processes on GPU %(gpu)d",
+     [("A", ["d2h"], {}), ("B", ["h2d"], {})]),
+    ("two_processes_b_checks", "the same, a kernel reading each slice B copies in",
+     [("A", ["d2h"], {}), ("B", ["h2d"], {"check": True})]),
+    ("b_lands_alone", "B landing 4 MiB chunks as a pull does (copy, kernel, its result copied back), alone",
+     [("B", ["h2d"], {"land": True})]),
+    ("two_processes_b_lands", "A's d2h beside B landing so",
+     [("A", ["d2h"], {}), ("B", ["h2d"], {"land": True})]),
+    ("one_process", "both directions at once in one process (two streams)",
+     [("AB", ["d2h", "h2d"], {})]),
+]
 
 
 def both_sides_floor(gpu: int, seconds: float = 2.0) -> Dict[str, Any]:
     """The staging floor of a sync whose two daemons share one machine: node A's
     device->host copies in one process and node B's host->device copies in another,
-    at once, on their GPUs (the same one here); then B's copies each followed by a
-    kernel reading the slice (B's landing checks); then both directions in one
-    process on two streams, for contrast. Copies of two processes on one GPU
-    share it: its scheduler time-slices between their contexts."""
+    at once, on their GPUs (the same one here), in the ways of BOTH_SIDES: plain
+    copies; B's each followed by a kernel reading the slice; B landing chunks as a
+    pull does (alone, and beside A's copies: B's small device->host copies of the
+    checksums share the device's device->host copy engine with A's staging); both
+    directions in one process, for contrast."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     out: Dict[str, Any] = {}
-    for label, sides in (("two_processes", [("A", ["d2h"], False), ("B", ["h2d"], False)]),
-                         ("two_processes_b_checks", [("A", ["d2h"], False), ("B", ["h2d"], True)]),
-                         ("one_process", [("AB", ["d2h", "h2d"], False)])):
+    for label, _, sides in BOTH_SIDES:
         q, go = ctx.Queue(), ctx.Event()
         readies = [ctx.Event() for _ in sides]
-        procs = [ctx.Process(target=copy_side, args=({"gpu": gpu, "side": sd, "dirs": dirs, "check": chk, "seconds": seconds},
-                                                     rd, go, q)) for (sd, dirs, chk), rd in zip(sides, readies)]
+        procs = [ctx.Process(target=copy_side, args=(dict(opts, gpu=gpu, side=sd, dirs=dirs, seconds=seconds), rd, go, q))
+                 for (sd, dirs, opts), rd in zip(sides, readies)]
         try:
             for p in procs:
                 p.start()
@@ -664,9 +694,8 @@ def main(argv: List[str]) -> None:
             print("floor: pinned copies d2h %.1f GB/s, h2d %.1f GB/s" % (fl[0]["d2h_GBps"], fl[0]["h2d_GBps"]), flush=True)
         if args.gpu >= 0:
             fs = out["floor_copies_both_sides"] = both_sides_floor(args.gpu)
-            for label, what in (("two_processes", "A's d2h and B's h2d at once, two processes on GPU %d" % args.gpu),
-                                ("two_processes_b_checks", "the same, a kernel reading each slice B copies in"),
-                                ("one_process", "both directions at once in one process (two streams)")):
+            for label, what, _ in BOTH_SIDES:
+                what = what % {"gpu": args.gpu}
                 r = fs.get(label, {})
                 print("floor: pinned copies, %s: %s" % (what, r.get("error") or ", ".join(
                     "%s %.1f GB/s" % kv for kv in sorted(r.items()))), flush=True)
