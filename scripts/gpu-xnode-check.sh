@@ -8,7 +8,7 @@
 #
 #   ROOT_RUN=CRC32C NODE_RUN=GPU XNODE_VARIANTS="--lanes 8;--checksums host" bash scripts/gpu-xnode-check.sh
 #
-# Files back from $OUT: summary.txt, root.log, xnode.txt, xnode-{A,B}.pprof, node.log.
+# Files back from $OUT: summary.txt, topology.txt, root.log, xnode.txt, xnode-{A,B}.pprof, node.log.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"; sum=$out/summary.txt
 export CUDAIPC_REQUIRE_GPU=${CUDAIPC_REQUIRE_GPU:-$(nvidia-smi -L | grep -c '^GPU')}
@@ -16,6 +16,14 @@ for f in .gpu/bin/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
 if [ -e .gpu/tools.tar.xz ] && [ ! -d .gpu/tools ]; then mkdir -p .gpu/tools && tar -C .gpu/tools -xJf .gpu/tools.tar.xz; fi
 export CUDAIPC_ETCD=$PWD/.gpu/tools/bin/etcd
 stamp() { echo "[$(date +%T)] $*" | tee -a "$sum"; }
+{ # The host's layout, for NUMA questions: GPUs and their NUMA nodes and CPUs.
+  nvidia-smi topo -m; lscpu | grep -E 'NUMA|Socket|Model name|^CPU\(s\)'
+  command -v numactl >/dev/null && numactl --hardware
+  for d in $(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader); do
+    p=/sys/bus/pci/devices/$(echo "${d: -12}" | tr 'A-F' 'a-f') # 00000000:19:00.0 -> 0000:19:00.0
+    echo "GPU $d: numa_node $(cat "$p/numa_node" 2>/dev/null) local_cpulist $(cat "$p/local_cpulist" 2>/dev/null)"
+  done
+} >"$out/topology.txt" 2>&1
 count() { printf 'pass %d fail %d skip %d' "$(grep -a -c -- '^\s*--- PASS' "$1")" "$(grep -a -c -- '^\s*--- FAIL' "$1")" "$(grep -a -c -- '^\s*--- SKIP' "$1")"; }
 if [ -n "${ROOT_RUN:-}" ]; then
   timeout 120 .gpu/bin/root.test -test.v -test.run "$ROOT_RUN" -test.bench "$ROOT_RUN" -test.benchtime 3x >"$out/root.log" 2>&1

@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import shlex
 import signal
 import socket
 import statistics
@@ -139,14 +140,16 @@ class Cluster:
         for node in ("A", "B"):
             sock = os.path.join(tmp, node + ".sock")
             dlog = open(os.path.join(tmp, "daemon-%s.log" % node), "w")
+            checksums = (args.b_checksums if node == "B" else None) or args.checksums
             self.procs.append(subprocess.Popen(
+                shlex.split(args.daemon_prefix or "") +
                 [args.bin, "serve", "--socket", sock, "--backend", args.backend, "--capacity", args.capacity,
                  "--log-level", args.daemon_log_level, "--cluster", "etcd://127.0.0.1:%d" % cp, "--node", node,
                  "--cluster-secret", self.secret, "--cluster-listen", "127.0.0.1:0"]
                 + (["--cluster-streams", str(args.streams)] if args.streams else [])
                 + (["--cluster-lanes", str(args.lanes)] if args.lanes else [])
                 + (["--cluster-read", args.read] if args.read else [])
-                + (["--cluster-checksums", args.checksums] if args.checksums else [])
+                + (["--cluster-checksums", checksums] if checksums else [])
                 + (["--cluster-chunk", args.chunk] if args.chunk else [])
                 + (["--cluster-gpu-publish", args.gpu_publish] if args.gpu_publish else [])
                 + (["--cpu-profile", "%s-%s.pprof" % (args.cpu_profile, node)] if args.cpu_profile else []),
@@ -658,6 +661,8 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--streams", type=int, default=0, help="chunks a pull reads from one holder at once (serve --cluster-streams; 0: the daemon's default)")
     ap.add_argument("--read", choices=["fetch", "get"], help="how daemon B reads A's memory (serve --cluster-read; default: the daemon's, fetch)")
     ap.add_argument("--checksums", choices=["auto", "host"], help="where the daemons compute GPU objects' chunk checksums (serve --cluster-checksums; default: the daemon's, auto: on the GPU)")
+    ap.add_argument("--b-checksums", choices=["auto", "host"], help="--checksums for node B alone: host leaves B's landings no copies back from the GPU while A still publishes early")
+    ap.add_argument("--daemon-prefix", metavar="CMD", help="run each daemon under this command, e.g. 'numactl --cpunodebind=0 --membind=0' or 'taskset -c 0-7'")
     ap.add_argument("--chunk", help="chunk of the objects node A publishes, e.g. 16MiB (serve --cluster-chunk; default: the daemon's)")
     ap.add_argument("--gpu-publish", choices=["early", "staged"], help="when node A publishes a GPU object (serve --cluster-gpu-publish; default: the daemon's, early)")
     ap.add_argument("--cpu-profile", metavar="PREFIX", help="each daemon writes a CPU profile of its whole run to PREFIX-A.pprof and PREFIX-B.pprof (serve --cpu-profile)")
@@ -702,6 +707,9 @@ def main(argv: List[str]) -> None:
     print("daemons: --cluster-lanes %s, --cluster-read %s, --cluster-streams %s, --cluster-checksums %s, --cluster-chunk %s, --cluster-gpu-publish %s" % (
         args.lanes or "default", args.read or "default (fetch)", args.streams or "default",
         args.checksums or "default (auto)", args.chunk or "default", args.gpu_publish or "default (early)"), flush=True)
+    if args.b_checksums or args.daemon_prefix:
+        print("daemons: node B's --cluster-checksums %s; each daemon under %r" % (
+            args.b_checksums or "as A's", args.daemon_prefix or ""), flush=True)
     cl = Cluster(args, tmp)
     try:
         for m in args.models.split(","):
