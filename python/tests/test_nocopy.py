@@ -197,8 +197,11 @@ def test_publisher_killed_withdraws_its_legacy_version(daemon, store: cudaipc.St
         deadline = time.monotonic() + 10
         while True:
             try:
-                store._conn.call(pb.Request(get=pb.GetRequest(name="weights", timeout_ms=0, newer_than=0)), "get", "weights")
-                store._conn.send_detached(pb.Request(release=pb.ReleaseRequest(lease_id=r.resp.get.lease_id)))
+                # Still readable: release this get's own lease (not the first's,
+                # which the test releases at the end) and look again.
+                again = store._conn.call(pb.Request(get=pb.GetRequest(name="weights", timeout_ms=0, newer_than=0)), "get", "weights")
+                again.close_fds()
+                store._conn.send_detached(pb.Request(release=pb.ReleaseRequest(lease_id=again.resp.get.lease_id)))
             except cudaipc.Timeout:
                 break
             assert time.monotonic() < deadline, "the dead publisher's legacy version is still readable"
