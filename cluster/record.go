@@ -64,6 +64,12 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 // that).
 func Checksum(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }
 
+// ValidChunkSize reports whether c may be an object's chunk size: a power
+// of two from MinChunkSize to MaxChunkSize.
+func ValidChunkSize(c int64) bool {
+	return c >= MinChunkSize && c <= MaxChunkSize && bits.OnesCount64(uint64(c)) == 1
+}
+
 // ChunkSizeFor returns the chunk size for an object of size bytes:
 // DefaultChunkSize, doubled until the object has at most MaxChunks chunks.
 func ChunkSizeFor(size int64) int64 { return ChunkSizeFrom(size, DefaultChunkSize) }
@@ -389,7 +395,7 @@ func (o *Object) validate() error {
 	if err := protocol.ValidateSize(uint64(o.Size)); o.Size <= 0 || err != nil {
 		return bad("object %s: size %d", o.Name, o.Size)
 	}
-	if o.ChunkSize < MinChunkSize || o.ChunkSize > MaxChunkSize || bits.OnesCount64(uint64(o.ChunkSize)) != 1 {
+	if !ValidChunkSize(o.ChunkSize) {
 		return bad("object %s: chunk size %d is not a power of two in [%d, %d]", o.Name, o.ChunkSize, MinChunkSize, MaxChunkSize)
 	}
 	if n := (o.Size + o.ChunkSize - 1) / o.ChunkSize; n != int64(len(o.Sums)) {

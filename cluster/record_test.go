@@ -270,3 +270,17 @@ func TestChecksumsParallel(t *testing.T) {
 		}
 	}
 }
+
+// TestValidChunkSize: powers of two from MinChunkSize to MaxChunkSize, and
+// nothing else (the bound of records, node.Config.ChunkSize and the CLI).
+func TestValidChunkSize(t *testing.T) {
+	for c, want := range map[int64]bool{
+		MinChunkSize: true, 4 << 20: true, MaxChunkSize: true,
+		MinChunkSize / 2: false, MaxChunkSize * 2: false, 3 << 20: false,
+		0: false, -(4 << 20): false, 1: false,
+	} {
+		if got := ValidChunkSize(c); got != want {
+			t.Errorf("ValidChunkSize(%d) = %v, want %v", c, got, want)
+		}
+	}
+}

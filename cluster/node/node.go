@@ -159,7 +159,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	if err := cluster.ValidateNodeName(cfg.Directory.Node); err != nil {
 		return nil, fmt.Errorf("--node: %w", err)
 	}
-	if c := cfg.ChunkSize; c != 0 && (c < cluster.MinChunkSize || c > cluster.MaxChunkSize || c&(c-1) != 0) {
+	if c := cfg.ChunkSize; c != 0 && !cluster.ValidChunkSize(c) {
 		return nil, fmt.Errorf("chunk size %d: want a power of two from %d to %d bytes", c, cluster.MinChunkSize, cluster.MaxChunkSize)
 	}
 	tr, err := ucxtransport.NewWith("cudaipc-"+cfg.Directory.Node, ucxtransport.Options{Lanes: cfg.Lanes, Read: cfg.Read})

@@ -81,7 +81,7 @@ func (f *clusterFlags) startCluster(ctx context.Context, g *Globals) (*node.Node
 	if f.Streams < 0 || f.Streams > 64 {
 		return nil, fmt.Errorf("--cluster-streams %d: want 0 (the default) to 64", f.Streams)
 	}
-	if c := int64(f.Chunk); c != 0 && (c < cluster.MinChunkSize || c > cluster.MaxChunkSize || c&(c-1) != 0) {
+	if c := int64(f.Chunk); c != 0 && !cluster.ValidChunkSize(c) {
 		return nil, fmt.Errorf("--cluster-chunk %s: want 0 (the default) or a power of two from 64KiB to 1GiB", f.Chunk)
 	}
 	if f.Lanes < 0 || f.Lanes > ucxtransport.MaxLanes {
