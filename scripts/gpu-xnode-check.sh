@@ -9,10 +9,14 @@
 #   ROOT_RUN=CRC32C NODE_RUN=GPU XNODE_VARIANTS="--lanes 8;--checksums host" bash scripts/gpu-xnode-check.sh
 #
 # Files back from $OUT: summary.txt, topology.txt, root.log, xnode.txt, xnode-{A,B}.pprof, node.log.
+# BIN_DIR (default .gpu/bin) takes the CLI and test binaries from another build
+# (e.g. a branch's, built with GPU_PKGS and NO_TOOLS=1 and moved to .gpu-branch/bin):
+# the tools and ucxperf's test binary stay .gpu's.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"; sum=$out/summary.txt
 export CUDAIPC_REQUIRE_GPU=${CUDAIPC_REQUIRE_GPU:-$(nvidia-smi -L | grep -c '^GPU')}
-for f in .gpu/bin/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
+bin=${BIN_DIR:-.gpu/bin}
+for f in .gpu/bin/*.gz "$bin"/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
 if [ -e .gpu/tools.tar.xz ] && [ ! -d .gpu/tools ]; then mkdir -p .gpu/tools && tar -C .gpu/tools -xJf .gpu/tools.tar.xz; fi
 export CUDAIPC_ETCD=$PWD/.gpu/tools/bin/etcd
 stamp() { echo "[$(date +%T)] $*" | tee -a "$sum"; }
@@ -26,11 +30,11 @@ stamp() { echo "[$(date +%T)] $*" | tee -a "$sum"; }
 } >"$out/topology.txt" 2>&1
 count() { printf 'pass %d fail %d skip %d' "$(grep -a -c -- '^\s*--- PASS' "$1")" "$(grep -a -c -- '^\s*--- FAIL' "$1")" "$(grep -a -c -- '^\s*--- SKIP' "$1")"; }
 if [ -n "${ROOT_RUN:-}" ]; then
-  timeout 120 .gpu/bin/root.test -test.v -test.run "$ROOT_RUN" -test.bench "$ROOT_RUN" -test.benchtime 3x >"$out/root.log" 2>&1
+  timeout 120 "$bin/root.test" -test.v -test.run "$ROOT_RUN" -test.bench "$ROOT_RUN" -test.benchtime 3x >"$out/root.log" 2>&1
   rc=$?; stamp "go root ($ROOT_RUN) $(count "$out/root.log") rc $rc"
   [ $rc -ne 0 ] && [ -z "${KEEP_GOING:-}" ] && exit 1
 fi
-x=(python3 scripts/bench/weight_sync.py --cross-node --bin .gpu/bin/cudaipc --etcd "$CUDAIPC_ETCD"
+x=(python3 scripts/bench/weight_sync.py --cross-node --bin "$bin/cudaipc" --etcd "$CUDAIPC_ETCD"
   --ucxperf-test "$PWD/.gpu/bin/transport_ucx_ucxperf.test" --models dense --versions 3)
 # shellcheck disable=SC2086 # XNODE_ARGS is a list of flags
 PYTHONUNBUFFERED=1 timeout "${XNODE_TIMEOUT:-170}" "${x[@]}" --cpu-profile "$out/xnode" ${XNODE_ARGS:-} >"$out/xnode.txt" 2>&1
@@ -44,7 +48,7 @@ for v in "${variants[@]}"; do
 done
 for p in ${NODE_PKGS:-cluster_node cluster_staging}; do
   dir=$(echo "$p" | tr _ /)
-  (cd "$dir" && timeout "${TEST_TIMEOUT:-200}" "$OLDPWD/.gpu/bin/$p.test" -test.v -test.run "${NODE_RUN:-.}" -test.timeout 5m) >/tmp/$p.log 2>&1
+  (cd "$dir" && timeout "${TEST_TIMEOUT:-200}" "$OLDPWD/$bin/$p.test" -test.v -test.run "${NODE_RUN:-.}" -test.timeout 5m) >/tmp/$p.log 2>&1
   rc=$?; stamp "go $p (${NODE_RUN:-.}) $(count /tmp/$p.log) rc $rc"
   if [ $rc -ne 0 ]; then cat /tmp/$p.log; else grep -a -E -A1 -- '--- SKIP|^(ok|PASS|FAIL)' /tmp/$p.log; fi >>"$out/node.log"
 done

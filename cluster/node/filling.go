@@ -92,13 +92,14 @@ func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64
 	go func() {
 		defer f.Release()
 		begin := time.Now()
-		err := n.stageQueued(dev, b.mem[:size], src, func(off int64) error {
+		t, err := n.stageQueued(dev, b.mem[:size], src, func(off int64) error {
 			if h := n.stageHook.Load(); h != nil {
 				return (*h)(off)
 			}
 			return nil
 		}, fl.advance)
-		n.log.Debug("staged a published GPU object", "id", id, "bytes", size, "took", time.Since(begin), "err", err)
+		n.log.Debug("staged a published GPU object", "id", id, "bytes", size, "took", time.Since(begin),
+			"copying", t.copying, "idle", t.idle, "err", err)
 		fl.end(err)
 	}()
 	return sums, true, nil
@@ -113,51 +114,87 @@ func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64
 // there (docs/benchmarks.md).
 const stageDepth = 4
 
+// stageTimes is how a staging spent the device's time, from timing events
+// around each slice's copy: copying, the copies' own time; idle, the time
+// the stream sat empty between a slice's end and the next one's start (the
+// staging goroutine or the scheduler late to queue it). Their sum is about
+// the staging's wall time: a slow staging with little idle time has slow
+// copies, not a late goroutine.
+type stageTimes struct{ copying, idle time.Duration }
+
 // stageQueued copies dst's len(dst) bytes from src on dev into dst
 // (pinned), DefaultSealSlice bytes a slice, stageDepth slices queued at a
 // time on a stream of its own (staging.CopyOutQueued); before queueing the
 // slice at off it calls before(off), whose error stops the copy, and as
-// the first k bytes land, landed(k).
-func (n *Node) stageQueued(dev *cudaipc.Device, dst []byte, src cudaipc.DevicePtr, before func(off int64) error, landed func(k int64)) (err error) {
+// the first k bytes land, landed(k). It returns how the device's time went.
+func (n *Node) stageQueued(dev *cudaipc.Device, dst []byte, src cudaipc.DevicePtr, before func(off int64) error, landed func(k int64)) (t stageTimes, err error) {
 	st, err := dev.NewStream()
 	if err != nil {
-		return err
+		return t, err
 	}
 	defer func() {
 		st.Synchronize() // a copy queued when a later step failed lands before dst goes back
 		st.Close()
 	}()
-	var evs [stageDepth]*cudaipc.Event
-	for i := range evs {
-		if evs[i], err = dev.NewEvent(cudaipc.EventDisableTiming | cudaipc.EventBlockingSync); err != nil {
+	// Two events a slice (its copy's start and end), in a ring twice the
+	// queue's depth: slice k's events are recorded again only by slice
+	// k+2*stageDepth, queued after slice k+stageDepth was waited for, so the
+	// waiter of slice k+1 still reads slice k's end.
+	var begins, ends [2 * stageDepth]*cudaipc.Event
+	for i := range begins {
+		if begins[i], err = dev.NewEvent(cudaipc.EventBlockingSync); err != nil {
+			break
+		}
+		if ends[i], err = dev.NewEvent(cudaipc.EventBlockingSync); err != nil {
 			break
 		}
 	}
 	defer func() {
-		for _, e := range evs {
+		for _, e := range append(begins[:], ends[:]...) {
 			if e != nil {
 				e.Close()
 			}
 		}
 	}()
 	if err != nil {
-		return err
+		return t, err
 	}
-	i := 0
-	return staging.CopyOutQueued(context.Background(), dst, 0, stageDepth, func(off int64, b []byte) (func() error, error) {
+	queued, waited := 0, 0
+	err = staging.CopyOutQueued(context.Background(), dst, 0, stageDepth, func(off int64, b []byte) (func() error, error) {
 		if err := before(off); err != nil {
+			return nil, err
+		}
+		k := queued % len(begins)
+		if err := begins[k].Record(st); err != nil {
 			return nil, err
 		}
 		if err := st.CopyFromDeviceAsync(b, src+cudaipc.DevicePtr(off)); err != nil {
 			return nil, err
 		}
-		e := evs[i%stageDepth]
-		i++
-		if err := e.Record(st); err != nil {
+		if err := ends[k].Record(st); err != nil {
 			return nil, err
 		}
-		return e.Synchronize, nil
+		queued++
+		return func() error { // the waiter's, in order of the slices
+			i := waited
+			waited++
+			k := i % len(begins)
+			if err := ends[k].Synchronize(); err != nil {
+				return err
+			}
+			// Timing is diagnostics: an error of Elapsed costs the numbers, not the staging.
+			if d, err := ends[k].Elapsed(begins[k]); err == nil {
+				t.copying += d
+			}
+			if i > 0 {
+				if d, err := begins[k].Elapsed(ends[(i-1)%len(ends)]); err == nil {
+					t.idle += d
+				}
+			}
+			return nil
+		}, nil
 	}, landed)
+	return t, err
 }
 
 // advance says that the first k bytes are staged.

@@ -614,7 +614,7 @@ def print_pull_phases(log_a: str, log_b: str) -> None:
     """What the daemons logged at debug level of each version: node A's staging
     of the published GPU object ("staged a published GPU object": took, paced)
     and node B's pull ("cluster pull done": setup, transfer, seal, took)."""
-    for log, what, label, keys in ((log_a, "staged a published GPU object", "staging on A", ("bytes", "took", "err")),
+    for log, what, label, keys in ((log_a, "staged a published GPU object", "staging on A", ("bytes", "took", "copying", "idle", "err")),
                                    (log_b, "cluster pull done", "pull on B", ("bytes", "setup", "transfer", "seal", "took"))):
         try:
             with open(log) as f:
