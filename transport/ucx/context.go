@@ -119,11 +119,14 @@ type Context struct {
 	closed   bool
 	memTypes uint64
 	workers  map[*Worker]struct{}
-	regions  map[*MemRegion]struct{}
-	windows  map[Token]*Window
-	noRMA    bool
-	fetched  fetchCounters
-	handles  *handles // what a cleanup releases if the Context is dropped unclosed
+	// serving is a copy of workers' keys, replaced (under mu) as workers
+	// come and go: what Window.Ready wakes, read without mu.
+	serving atomic.Pointer[[]*Worker]
+	regions map[*MemRegion]struct{}
+	windows map[Token]*Window
+	noRMA   bool
+	fetched fetchCounters
+	handles *handles // what a cleanup releases if the Context is dropped unclosed
 }
 
 // handles are the raw UCX objects of a Context, kept apart from it (and
@@ -316,4 +319,14 @@ func parseResources(info string) []Resource {
 		out = append(out, Resource{Transport: tl, Device: dev})
 	}
 	return out
+}
+
+// workersChangedLocked refreshes c.serving after c.workers changed; c.mu
+// is held.
+func (c *Context) workersChangedLocked() {
+	ws := make([]*Worker, 0, len(c.workers))
+	for w := range c.workers {
+		ws = append(ws, w)
+	}
+	c.serving.Store(&ws)
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"sync/atomic"
 )
 
 // Token names a Window: 16 random bytes, which only the readers its owner
@@ -27,9 +28,10 @@ type Window struct {
 	n     uint64
 	token Token
 	// ready is how many of the window's first bytes peers may fetch; a
-	// fetch of bytes past them waits (FillingWindow). Guarded by r.ctx.mu,
-	// as is closed.
-	ready  uint64
+	// fetch of bytes past them waits (FillingWindow). Atomic, so that
+	// Ready takes no lock the served workers' loops take (closed is
+	// guarded by r.ctx.mu).
+	ready  atomic.Uint64
 	closed bool
 }
 
@@ -49,7 +51,8 @@ func (r *MemRegion) window(off, n, ready uint64) (*Window, error) {
 	if n == 0 || off > r.key.Len || n > r.key.Len-off {
 		return nil, fmt.Errorf("ucx: window [%d, +%d) is not inside the region of %d bytes", off, n, r.key.Len)
 	}
-	w := &Window{r: r, addr: r.key.Addr + off, n: n, ready: ready}
+	w := &Window{r: r, addr: r.key.Addr + off, n: n}
+	w.ready.Store(ready)
 	if _, err := rand.Read(w.token[:]); err != nil {
 		return nil, err
 	}
@@ -75,22 +78,27 @@ func (w *Window) Len() uint64 { return w.n }
 // Ready says that the window's first k bytes (at most its length) hold
 // what peers may fetch, and answers the fetches waiting for them. Ready
 // never takes bytes back: a k below an earlier one changes nothing.
+//
+// Ready takes no lock that a served worker's loop holds: a holder staging
+// an object calls it after every slice, and waiting for those locks (a
+// Serve spinning through a stream of fetches takes its worker's lock again
+// at once) kept its copy engine idle most of the time (issue 19). A Ready
+// on a closed window changes nothing that a fetch reads.
 func (w *Window) Ready(k uint64) {
-	c := w.r.ctx
-	c.mu.Lock()
 	k = min(k, w.n)
-	if w.closed || k <= w.ready {
-		c.mu.Unlock()
-		return
+	for {
+		cur := w.ready.Load()
+		if k <= cur {
+			return
+		}
+		if w.ready.CompareAndSwap(cur, k) {
+			break
+		}
 	}
-	w.ready = k
-	var serving []*Worker
-	for wk := range c.workers {
-		serving = append(serving, wk)
-	}
-	c.mu.Unlock()
-	for _, wk := range serving {
-		wk.wakeServe()
+	if ws := w.r.ctx.serving.Load(); ws != nil {
+		for _, wk := range *ws {
+			wk.wakeServe()
+		}
 	}
 }
 
@@ -123,7 +131,7 @@ func (c *Context) windowFor(token Token, addr, n uint64) (r *MemRegion, wait boo
 		return nil, false, errNoWindow.Error()
 	case addr < w.addr || addr+n > w.addr+w.n:
 		return nil, false, fmt.Sprintf("[%#x, +%d) is not inside window %v [%#x, +%d)", addr, n, token, w.addr, w.n)
-	case addr+n > w.addr+w.ready:
+	case addr+n > w.addr+w.ready.Load():
 		return nil, true, ""
 	}
 	w.r.sending.Add(1)

@@ -53,6 +53,14 @@ type Worker struct {
 	drainsDone, drainsDropped uint64
 
 	readied atomic.Bool // a window's bytes became ready since Serve last looked
+	// sleeping is set while Serve sleeps on the event descriptor (from
+	// just before its last look at readied): only then does wakeServe
+	// signal the worker.
+	sleeping atomic.Bool
+	// sig guards gone, set before the worker is destroyed: wakeServe
+	// signals under sig rather than mu, which a spinning Serve holds.
+	sig  sync.Mutex
+	gone bool
 }
 
 // NewWorker creates a worker (ucp_worker_create) and fetches its address.
@@ -96,6 +104,7 @@ func (c *Context) NewWorker(o WorkerOptions) (*Worker, error) {
 		endpoints: map[*Endpoint]struct{}{},
 	}
 	c.workers[w] = struct{}{}
+	c.workersChangedLocked()
 	c.handles.add(h, 0)
 	return w, nil
 }
@@ -208,12 +217,17 @@ func (w *Worker) Serve(ctx context.Context) error {
 			return err
 		}
 		// Bytes made ready before the arm (whose signal the arm may have
-		// taken) are answered without sleeping.
+		// taken) are answered without sleeping. sleeping is set first: a
+		// wakeServe after this look at readied sees it and signals.
+		w.sleeping.Store(true)
 		if w.readied.Swap(false) {
+			w.sleeping.Store(false)
 			last = time.Now()
 			continue
 		}
-		if _, err := unix.Poll(fds, int(sleep/time.Millisecond)); err != nil && !errors.Is(err, unix.EINTR) {
+		_, err = unix.Poll(fds, int(sleep/time.Millisecond))
+		w.sleeping.Store(false)
+		if err != nil && !errors.Is(err, unix.EINTR) {
 			return err
 		}
 		last = time.Now()
@@ -229,12 +243,18 @@ func (w *Worker) Serving() bool {
 
 // wake makes a sleeping Serve return to its loop (ucp_worker_signal).
 // wakeServe wakes a Serve of w to answer fetches waiting for bytes that
-// became ready (Window.Ready); readied tells a Serve about to sleep.
+// became ready (Window.Ready); readied tells a Serve about to sleep. A
+// Serve that is not sleeping retries its waiting fetches on every turn of
+// its loop: it is not signaled, and w.mu, which it holds most of the
+// time, is not taken (ucp_worker_signal may be called from any thread).
 func (w *Worker) wakeServe() {
 	w.readied.Store(true)
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if !w.closed && w.serving {
+	if !w.sleeping.Load() {
+		return
+	}
+	w.sig.Lock()
+	defer w.sig.Unlock()
+	if !w.gone {
 		_ = raw.WorkerSignal(w.h)
 	}
 }
@@ -290,6 +310,9 @@ func (w *Worker) Close() error {
 	w.sweepParkedLocked() // all: w.closed
 	w.closeDrainsLocked()
 	w.ctx.handles.remove(w.h, 0)
+	w.sig.Lock()
+	w.gone = true
+	w.sig.Unlock()
 	raw.WorkerDestroy(w.h)
 	if w.drainBuf != nil {
 		_ = unix.Munmap(w.drainBuf)
@@ -298,6 +321,7 @@ func (w *Worker) Close() error {
 	w.mu.Unlock()
 	w.ctx.mu.Lock()
 	delete(w.ctx.workers, w)
+	w.ctx.workersChangedLocked()
 	w.ctx.mu.Unlock()
 	return errors.Join(errs...)
 }
