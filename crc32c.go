@@ -214,11 +214,21 @@ type crcKernel struct {
 	scratch chan *crcScratch
 }
 
+// crcScratch is one call's stream and the words the kernel writes its
+// blocks' CRCs into: page-locked host memory the kernel stores to across
+// the bus (cu.MemAllocHostWords), so that reading them back takes no copy.
+// A copy back, a small device→host copy after every chunk a pull lands,
+// queued on the device's device→host copy engine behind other processes'
+// large copies (a holder's staging on the same GPU).
 type crcScratch struct {
 	stream cu.Stream
-	out    cu.DevicePtr
-	cap    int64 // words at out
-	host   []uint32
+	// done marks the end of the call's work on stream; waiting for it
+	// blocks the thread (EventBlockingSync) where StreamSynchronize would
+	// spin on a CPU under the primary context's default scheduling, a CPU
+	// the host's socket copies need beside a pull (issue 19).
+	done cu.Event
+	out  cu.DevicePtr // where the kernel writes host
+	host []uint32
 }
 
 // crcScratches bounds the calls of one device that run at once (the
@@ -332,20 +342,25 @@ func (d *Device) sumChunks(op string, p DevicePtr, n, chunk int64, before func(c
 			}
 			s.stream = st
 		}
-		if s.cap < blocks {
-			if s.out != 0 {
-				if err := cu.MemFree(s.out); err != nil {
-					return err
-				}
-				s.out, s.cap = 0, 0
-			}
-			c := max(blocks, 16<<10)
-			out, err := cu.MemAlloc(uint64(c) * 4)
+		if s.done == 0 {
+			e, err := cu.EventCreate(cu.EventBlockingSync | cu.EventDisableTiming)
 			if err != nil {
 				return err
 			}
-			s.out, s.cap = out, c
-			s.host = make([]uint32, c)
+			s.done = e
+		}
+		if int64(len(s.host)) < blocks {
+			if s.host != nil {
+				if err := cu.MemFreeHostWords(s.host); err != nil {
+					return err
+				}
+				s.host, s.out = nil, 0
+			}
+			host, out, err := cu.MemAllocHostWords(uint64(max(blocks, 16<<10)))
+			if err != nil {
+				return err
+			}
+			s.host, s.out = host, out
 		}
 		ctas := (blocks + crcThreads - 1) / crcThreads
 		if ctas > 1<<31-1 {
@@ -361,13 +376,11 @@ func (d *Device) sumChunks(op string, p DevicePtr, n, chunk int64, before func(c
 			uint64(p), uint64(n), uint64(k.table), uint64(s.out), shift); err != nil {
 			return err
 		}
-		// The sums come back on the same stream: a synchronous copy would
-		// queue on the legacy default stream, behind every other copy of
-		// the process (what made the kernel crawl beside a staging copy).
-		if err := cu.MemcpyDtoHWordsAsync(s.host[:blocks], s.out, s.stream); err != nil {
+		// The kernel's stores reach s.host once the stream is done.
+		if err := cu.EventRecord(s.done, s.stream); err != nil {
 			return err
 		}
-		return cu.StreamSynchronize(s.stream)
+		return cu.EventSynchronize(s.done)
 	})
 	if err != nil {
 		return nil, fmt.Errorf("cudaipc: %s of %d bytes on %s: %w", op, n, d, err)

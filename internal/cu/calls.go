@@ -175,6 +175,26 @@ func MemAllocHost(size uint64) ([]byte, error) {
 // MemFreeHost frees memory returned by MemAllocHost.
 func MemFreeHost(b []byte) error { return callMemFreeHost(unsafe.Pointer(unsafe.SliceData(b))) }
 
+// MemAllocHostWords is MemAllocHost of n 32-bit words, with the address
+// at which kernels of the current context reach them: the device writes
+// them across the bus with plain stores, and no copy engine moves them
+// (cuMemHostGetDevicePointer). Free them with MemFreeHostWords.
+func MemAllocHostWords(n uint64) ([]uint32, DevicePtr, error) {
+	var p unsafe.Pointer
+	if err := callMemAllocHost(&p, n*4); err != nil {
+		return nil, 0, err
+	}
+	var d DevicePtr
+	if err := callMemHostGetDevicePointer(&d, p, 0); err != nil {
+		callMemFreeHost(p)
+		return nil, 0, err
+	}
+	return unsafe.Slice((*uint32)(p), n), d, nil
+}
+
+// MemFreeHostWords frees words returned by MemAllocHostWords.
+func MemFreeHostWords(w []uint32) error { return callMemFreeHost(unsafe.Pointer(unsafe.SliceData(w))) }
+
 // MemHostRegisterPortable is cuMemHostRegister's CU_MEMHOSTREGISTER_PORTABLE:
 // the memory is page-locked for every context, not only the current one.
 const MemHostRegisterPortable = 1
@@ -253,16 +273,6 @@ func MemcpyDtoHWords(dst []uint32, src DevicePtr) error {
 		return loaded("cuMemcpyDtoH")
 	}
 	return callMemcpyDtoH(unsafe.Pointer(&dst[0]), src, uint64(len(dst))*4)
-}
-
-// MemcpyDtoHWordsAsync queues a copy of len(dst) 32-bit words from device
-// to host on s (dst is pageable: the call returns once the copy is done,
-// ordered on s alone rather than on the legacy default stream).
-func MemcpyDtoHWordsAsync(dst []uint32, src DevicePtr, s Stream) error {
-	if len(dst) == 0 {
-		return loaded("cuMemcpyDtoHAsync")
-	}
-	return callMemcpyDtoHAsync(unsafe.Pointer(&dst[0]), src, uint64(len(dst))*4, s)
 }
 
 // MemcpyAsync queues a copy of n bytes between device addresses on s.

@@ -30,6 +30,7 @@ var procs struct {
 	cuMemAllocHost                         uintptr
 	cuMemFreeHost                          uintptr
 	cuMemHostRegister                      uintptr
+	cuMemHostGetDevicePointer              uintptr
 	cuMemHostUnregister                    uintptr
 	cuMemGetInfo                           uintptr
 	cuMemGetAddressRange                   uintptr
@@ -106,6 +107,7 @@ var entries = []entry{
 	{"cuMemAllocHost", "cuMemAllocHost_v2", true, nil, &procs.cuMemAllocHost},
 	{"cuMemFreeHost", "cuMemFreeHost", true, nil, &procs.cuMemFreeHost},
 	{"cuMemHostRegister", "cuMemHostRegister_v2", false, nil, &procs.cuMemHostRegister},
+	{"cuMemHostGetDevicePointer", "cuMemHostGetDevicePointer_v2", false, nil, &procs.cuMemHostGetDevicePointer},
 	{"cuMemHostUnregister", "cuMemHostUnregister", false, nil, &procs.cuMemHostUnregister},
 	{"cuMemGetInfo", "cuMemGetInfo_v2", true, nil, &procs.cuMemGetInfo},
 	{"cuMemGetAddressRange", "cuMemGetAddressRange_v2", false, nil, &procs.cuMemGetAddressRange},
@@ -422,6 +424,23 @@ func callMemHostRegister(p unsafe.Pointer, bytesize uint64, Flags uint32) error 
 		return missing("cuMemHostRegister", "cuMemHostRegister_v2")
 	}
 	return check("cuMemHostRegister", cuMemHostRegister(p, bytesize, Flags))
+}
+
+// cuMemHostGetDevicePointer is the trampoline of CUresult cuMemHostGetDevicePointer(CUdeviceptr *pdptr, void *p, unsigned int Flags).
+func cuMemHostGetDevicePointer(pdptr *DevicePtr, p unsafe.Pointer, Flags uint32) Result {
+	r, _, _ := purego.SyscallN(procs.cuMemHostGetDevicePointer, uintptr(unsafe.Pointer(pdptr)), uintptr(p), uintptr(Flags))
+	return Result(int32(r))
+}
+
+// callMemHostGetDevicePointer calls cuMemHostGetDevicePointer (optional, symbol cuMemHostGetDevicePointer_v2).
+func callMemHostGetDevicePointer(pdptr *DevicePtr, p unsafe.Pointer, Flags uint32) error {
+	if err := loaded("cuMemHostGetDevicePointer"); err != nil {
+		return err
+	}
+	if procs.cuMemHostGetDevicePointer == 0 {
+		return missing("cuMemHostGetDevicePointer", "cuMemHostGetDevicePointer_v2")
+	}
+	return check("cuMemHostGetDevicePointer", cuMemHostGetDevicePointer(pdptr, p, Flags))
 }
 
 // cuMemHostUnregister is the trampoline of CUresult cuMemHostUnregister(void *p).
