@@ -108,10 +108,11 @@ func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64
 // stageDepth is how many slices of a filling's staging are queued on the
 // device at once: the copy engine goes on with the next ones while the
 // staging goroutine waits for a CPU, and the landing of each is said as
-// soon as it lands. On the H200 the staging of 16 GB took 0.3 s alone and
-// 1.2-1.4 s beside a pull both ways, one slice at a time or four queued:
-// not the scheduler but something both daemons share on one host slows it
-// there (docs/benchmarks.md).
+// soon as it lands. On the H200 the staging of 16 GB takes 0.3 s alone and
+// beside a pull alike, its stream idle under 20 ms (stageTimes), now that
+// saying a landing (Window.Ready) takes no lock of the served workers';
+// before that, it took 1.2-1.5 s beside a pull, idle most of it
+// (docs/benchmarks.md).
 const stageDepth = 4
 
 // stageTimes is how a staging spent the device's time, from timing events
