@@ -166,3 +166,124 @@ func TestFillingWindow(t *testing.T) {
 		t.Fatalf("holder's answers: %+v", s)
 	}
 }
+
+// BenchmarkWindowReady times Window.Ready, what a holder staging an
+// object calls after every slice, in two ways in one run: idle, with its
+// context's workers served and nothing to do (they sleep), and busy, with
+// every worker answering a stream of fetches from a reader of its own (its
+// Serve spins, taking the worker's lock again at once). Ready took a lock
+// of each worker, so the busy case once cost about a millisecond a worker
+// (issue 19); compare busy's ns/op with idle's.
+func BenchmarkWindowReady(b *testing.B) {
+	requireUCX(b)
+	const workers, size = 4, 8 << 20
+	mem := testutil.RandomBytes(4271, 2*size)
+	c, err := ucx.NewContext(ucx.ContextOptions{Name: "bench-ready-holder", NoRMA: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer c.Close()
+	r, err := c.Register(mem)
+	if err != nil {
+		b.Fatal(err)
+	}
+	rc, err := ucx.NewContext(ucx.ContextOptions{Name: "bench-ready-reader", NoRMA: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer rc.Close()
+	ctx, stop := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer stop()
+	var served sync.WaitGroup
+	defer served.Wait()
+	defer stop()
+	type reader struct {
+		ep  *ucx.Endpoint
+		key *ucx.RemoteKey
+	}
+	var readers []reader
+	for range workers {
+		hw, err := c.NewWorker(ucx.WorkerOptions{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		served.Go(func() { _ = hw.Serve(ctx) })
+		rw, err := rc.NewWorker(ucx.WorkerOptions{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		ep, err := rw.Connect(hw.Address())
+		if err != nil {
+			b.Fatal(err)
+		}
+		key, err := ep.Unpack(r.Key())
+		if err != nil {
+			b.Fatal(err)
+		}
+		readers = append(readers, reader{ep, key})
+	}
+	ready, err := r.Window(0, size) // what the readers stream
+	if err != nil {
+		b.Fatal(err)
+	}
+	run := func(b *testing.B) {
+		filling, err := r.FillingWindow(size, size)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer filling.Close()
+		k := uint64(0)
+		for b.Loop() {
+			k = k%size + 1 // Ready never goes back: a fresh window when it is full
+			if k == size {
+				filling.Close()
+				if filling, err = r.FillingWindow(size, size); err != nil {
+					b.Fatal(err)
+				}
+				k = 1
+			}
+			filling.Ready(k)
+		}
+	}
+	b.Run("idle", run)
+	// Each reader fetches the ready window over and over until the busy
+	// case ends (or 10 minutes pass, or a fetch fails).
+	busy, done := context.WithCancel(ctx)
+	var streams sync.WaitGroup
+	var fetched sync.Map
+	for i, rd := range readers {
+		streams.Go(func() {
+			dst := make([]byte, size)
+			for n := 0; busy.Err() == nil; n++ {
+				if err := ucx.Fetch(busy, rd.ep, rd.key, r.Key().Addr, dst, ucx.FetchOptions{Token: ready.Token(), Chunk: 1 << 20, Depth: 4}); err != nil {
+					if busy.Err() == nil {
+						fetched.Store(i, err)
+					}
+					return
+				}
+				fetched.Store(i, n+1)
+			}
+		})
+	}
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(time.Millisecond) {
+		n := 0
+		fetched.Range(func(_, v any) bool {
+			if _, ok := v.(int); ok {
+				n++
+			}
+			return true
+		})
+		if n == workers || time.Now().After(deadline) {
+			break
+		}
+	}
+	b.Run("busy", run)
+	done()
+	streams.Wait()
+	fetched.Range(func(i, v any) bool {
+		if err, ok := v.(error); ok {
+			b.Errorf("reader %v: %v", i, err)
+		}
+		return true
+	})
+}
