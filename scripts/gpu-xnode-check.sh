@@ -12,6 +12,8 @@
 # BIN_DIR (default .gpu/bin) takes the CLI and test binaries from another build
 # (e.g. a branch's, built with GPU_PKGS and NO_TOOLS=1 and moved to .gpu-branch/bin):
 # the tools and ucxperf's test binary stay .gpu's.
+# The device tool brings back at most 8 files: a second run in the same call writes
+# to OUT=/tmp/o2 and copies what it needs into $OUT (e.g. xnode.txt as block-xnode.txt).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"; sum=$out/summary.txt
 export CUDAIPC_REQUIRE_GPU=${CUDAIPC_REQUIRE_GPU:-$(nvidia-smi -L | grep -c '^GPU')}
