@@ -1,6 +1,7 @@
 package cudaipc
 
 import (
+	"errors"
 	"fmt"
 	"hash/crc32"
 	"math/bits"
@@ -216,10 +217,10 @@ type crcKernel struct {
 
 // crcScratch is one call's stream and the words the kernel writes its
 // blocks' CRCs into: page-locked host memory the kernel stores to across
-// the bus (cu.MemAllocHostWords), so that reading them back takes no copy.
-// A copy back, a small device→host copy after every chunk a pull lands,
-// queued on the device's device→host copy engine behind other processes'
-// large copies (a holder's staging on the same GPU).
+// the bus (cu.MemAllocHostWords), so that reading them takes no copy. A
+// copy back (a small device→host copy after every chunk a pull lands)
+// would queue on the device→host copy engine behind other processes'
+// large copies, such as a holder's staging on the same GPU.
 type crcScratch struct {
 	stream cu.Stream
 	// done marks the end of the call's work on stream; waiting for it
@@ -227,7 +228,7 @@ type crcScratch struct {
 	// spin on a CPU under the primary context's default scheduling, a CPU
 	// the host's socket copies need beside a pull (issue 19).
 	done cu.Event
-	out  cu.DevicePtr // where the kernel writes host
+	out  cu.DevicePtr // host, as the kernel addresses it
 	host []uint32
 }
 
@@ -245,6 +246,11 @@ func (d *Device) crcKernel() (*crcKernel, error) {
 func (d *Device) loadCRCKernel() (*crcKernel, error) {
 	k := &crcKernel{scratch: make(chan *crcScratch, crcScratches)}
 	err := d.do(func() error {
+		if !cu.Has("cuMemHostGetDevicePointer") {
+			// Where the kernel writes its sums (crcScratch): without it
+			// every call would fail, so the device reports no support.
+			return errors.New("the driver lacks cuMemHostGetDevicePointer_v2")
+		}
 		m, err := cu.ModuleLoadData([]byte(crcPTX))
 		if err != nil {
 			return fmt.Errorf("load the CRC-32C kernel: %w", err)
