@@ -164,7 +164,9 @@ func TestLargestObjectRecordFits(t *testing.T) {
 
 func TestChunkSizes(t *testing.T) {
 	for _, c := range []struct{ size, chunk int64 }{
-		{1, DefaultChunkSize}, {256 << 30, DefaultChunkSize}, {257 << 30, 8 << 20}, {1 << 40, 16 << 20},
+		{1, DefaultChunkSize}, {4 << 30, DefaultChunkSize}, {4<<30 + 1, 8 << 20}, {8 << 30, 8 << 20},
+		{8<<30 + 1, LargeChunkSize}, {16_060_522_496, LargeChunkSize}, {1 << 40, LargeChunkSize},
+		{1<<40 + 1, 32 << 20}, {2 << 40, 32 << 20},
 	} {
 		if got := ChunkSizeFor(c.size); got != c.chunk {
 			t.Errorf("ChunkSizeFor(%d) = %d, want %d", c.size, got, c.chunk)
