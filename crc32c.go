@@ -1,11 +1,11 @@
 package cudaipc
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/crc32"
 	"math/bits"
-	"strings"
 	"sync"
 
 	"github.com/cudaipc/cudaipc/internal/cu"
@@ -20,7 +20,9 @@ import (
 //
 // The kernel: thread i computes the raw CRC (register 0 at the start, no
 // final inversion) of block i, bytes [i·B, min((i+1)·B, n)), 16 bytes a
-// load, a byte at a time through the reflected table in shared memory.
+// load, a 4-byte word at a time by slicing-by-4 (crcTables, in shared
+// memory: four lookups that do not wait for each other, where a byte at a
+// time chains four), a tail shorter than 16 bytes a byte at a time.
 // For the host: with raw(c, p) the CRC register after p from c,
 // raw(c, a‖b) = shift_|b|(raw(c, a)) ⊕ raw(0, b), where shift_L(c) =
 // raw(c, L zero bytes) is linear in c (one table per byte of c), and
@@ -29,13 +31,28 @@ import (
 // castagnoli is hash/crc32's reflected Castagnoli table, the kernel's.
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
+// crcTables are the kernel's slicing-by-4 tables: [0] is castagnoli (a
+// byte's step), [k][i] the register after byte i and k zero bytes. For a
+// word w (little-endian) the register c becomes, with x = c ⊕ w,
+// [3][x&255] ⊕ [2][x>>8&255] ⊕ [1][x>>16&255] ⊕ [0][x>>24].
+var crcTables = func() (t [4][256]uint32) {
+	t[0] = *castagnoli
+	for k := 1; k < 4; k++ {
+		for i := range 256 {
+			v := t[k-1][i]
+			t[k][i] = v>>8 ^ t[0][v&255]
+		}
+	}
+	return t
+}()
+
 // crcMinBlock and crcMaxBlock bound the kernel's block: small enough for
 // a few tens of thousands of threads over a 4 MiB chunk, large enough that
 // combining the blocks' CRCs costs the host little against the bytes.
 const (
 	crcMinBlock = 256
 	crcMaxBlock = 16 << 10
-	crcThreads  = 256 // threads a CTA: the kernel loads its table with them
+	crcThreads  = 256 // threads a CTA: the kernel loads its tables with them
 )
 
 // crcBlockFor returns the block for n bytes cut in chunks of chunk bytes:
@@ -119,9 +136,12 @@ func combineCRC32C(raw []uint32, n, block, chunk int64) []uint32 {
 	return sums
 }
 
-// crcPTX is the kernel. Parameters: data (16-byte aligned), n, table (256
-// words), out (a word a block), shift (log2 of the block).
+// crcPTX is the kernel. Parameters: data (16-byte aligned), n, tables
+// (crcTables: 1024 words), out (a word a block), shift (log2 of the
+// block). It runs crcThreads threads a CTA, each loading four words of the
+// tables into shared memory.
 var crcPTX = func() string {
+	// step: a byte already xored into %r10, through crcTables[0].
 	step := `	and.b32 %r16, %r10, 255;
 	shl.b32 %r16, %r16, 2;
 	add.s32 %r16, %r3, %r16;
@@ -129,7 +149,29 @@ var crcPTX = func() string {
 	shr.u32 %r10, %r10, 8;
 	xor.b32 %r10, %r10, %r17;
 `
-	word := func(r string) string { return "\txor.b32 %r10, %r10, " + r + ";\n" + strings.Repeat(step, 4) }
+	// word: a 4-byte word, through the four of crcTables at once.
+	word := func(r string) string {
+		return "\txor.b32 %r10, %r10, " + r + ";\n" + `	and.b32 %r16, %r10, 255;
+	shl.b32 %r16, %r16, 2;
+	add.s32 %r16, %r3, %r16;
+	ld.shared.u32 %r17, [%r16+3072];
+	bfe.u32 %r18, %r10, 8, 8;
+	shl.b32 %r18, %r18, 2;
+	add.s32 %r18, %r3, %r18;
+	ld.shared.u32 %r19, [%r18+2048];
+	bfe.u32 %r20, %r10, 16, 8;
+	shl.b32 %r20, %r20, 2;
+	add.s32 %r20, %r3, %r20;
+	ld.shared.u32 %r21, [%r20+1024];
+	shr.u32 %r22, %r10, 24;
+	shl.b32 %r22, %r22, 2;
+	add.s32 %r22, %r3, %r22;
+	ld.shared.u32 %r23, [%r22];
+	xor.b32 %r10, %r17, %r19;
+	xor.b32 %r10, %r10, %r21;
+	xor.b32 %r10, %r10, %r23;
+`
+	}
 	return `.version 7.0
 .target sm_70
 .address_size 64
@@ -145,7 +187,7 @@ var crcPTX = func() string {
 	.reg .pred %p<4>;
 	.reg .b32 %r<24>;
 	.reg .b64 %rd<24>;
-	.shared .align 4 .b32 tab[256];
+	.shared .align 4 .b32 tab[1024];
 
 	mov.u32 %r1, %tid.x;
 	ld.param.u64 %rd1, [p_table];
@@ -157,6 +199,12 @@ var crcPTX = func() string {
 	shl.b32 %r4, %r1, 2;
 	add.s32 %r5, %r3, %r4;
 	st.shared.u32 [%r5], %r2;
+	ld.global.u32 %r2, [%rd3+1024];
+	st.shared.u32 [%r5+1024], %r2;
+	ld.global.u32 %r2, [%rd3+2048];
+	st.shared.u32 [%r5+2048], %r2;
+	ld.global.u32 %r2, [%rd3+3072];
+	st.shared.u32 [%r5+3072], %r2;
 	bar.sync 0;
 
 	mov.u32 %r6, %ctaid.x;
@@ -207,7 +255,7 @@ DONE:
 `
 }()
 
-// crcKernel is a device's loaded kernel, its table in device memory, and
+// crcKernel is a device's loaded kernel, its tables in device memory, and
 // scratch for calls (a stream and a buffer for the blocks' CRCs each).
 type crcKernel struct {
 	fn      cu.Function
@@ -258,12 +306,14 @@ func (d *Device) loadCRCKernel() (*crcKernel, error) {
 		if k.fn, err = cu.ModuleGetFunction(m, "cudaipc_crc32c_blocks"); err != nil {
 			return fmt.Errorf("find the CRC-32C kernel: %w", err)
 		}
-		if k.table, err = cu.MemAlloc(256 * 4); err != nil {
+		if k.table, err = cu.MemAlloc(4 * 256 * 4); err != nil {
 			return err
 		}
-		tab := make([]byte, 256*4)
-		for i, v := range castagnoli {
-			tab[4*i], tab[4*i+1], tab[4*i+2], tab[4*i+3] = byte(v), byte(v>>8), byte(v>>16), byte(v>>24)
+		tab := make([]byte, 0, 4*256*4)
+		for _, t := range crcTables {
+			for _, v := range t {
+				tab = binary.LittleEndian.AppendUint32(tab, v)
+			}
 		}
 		if err := cu.MemcpyHtoD(k.table, tab); err != nil {
 			return err

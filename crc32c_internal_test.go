@@ -1,6 +1,7 @@
 package cudaipc
 
 import (
+	"encoding/binary"
 	"hash/crc32"
 	"math/rand/v2"
 	"testing"
@@ -45,6 +46,38 @@ func TestCombineCRC32C(t *testing.T) {
 			if got[i] != want[i] {
 				t.Fatalf("n %d chunk %d block %d: chunk %d sum %08x, want %08x", c.n, c.chunk, block, i, got[i], want[i])
 			}
+		}
+	}
+}
+
+// crcRawWords advances c over p (a multiple of 4 bytes) as the kernel
+// does, a word at a time through crcTables.
+func crcRawWords(c uint32, p []byte) uint32 {
+	for ; len(p) >= 4; p = p[4:] {
+		x := c ^ binary.LittleEndian.Uint32(p)
+		c = crcTables[3][x&255] ^ crcTables[2][x>>8&255] ^ crcTables[1][x>>16&255] ^ crcTables[0][x>>24]
+	}
+	return c
+}
+
+// TestCRCTables checks the kernel's slicing-by-4 tables without a GPU: a
+// word at a time through them gives the register a byte at a time through
+// hash/crc32's table gives, from random registers over random bytes, and
+// the first table is that table.
+func TestCRCTables(t *testing.T) {
+	if crcTables[0] != *castagnoli {
+		t.Fatal("crcTables[0] is not hash/crc32's Castagnoli table")
+	}
+	rng := rand.New(rand.NewPCG(4, 19))
+	data := make([]byte, 64<<10)
+	for i := range data {
+		data[i] = byte(rng.Uint32())
+	}
+	for range 200 {
+		c := rng.Uint32()
+		n := 4 * rng.IntN(len(data)/4+1)
+		if got, want := crcRawWords(c, data[:n]), crcRaw(c, data[:n]); got != want {
+			t.Fatalf("register %#x over %d bytes: words give %#x, bytes %#x", c, n, got, want)
 		}
 	}
 }
