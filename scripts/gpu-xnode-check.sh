@@ -8,6 +8,9 @@
 #
 #   ROOT_RUN=CRC32C NODE_RUN=GPU XNODE_VARIANTS="--lanes 8;--checksums host" bash scripts/gpu-xnode-check.sh
 #
+# Issue 19's bound over several runs, each with fresh daemons (about 20 s a run
+# after the floors): XNODE_TIMEOUT=300 XNODE_ARGS="--repeats 5" NODE_PKGS=NONE bash scripts/gpu-xnode-check.sh
+#
 # Files back from $OUT: summary.txt, topology.txt, root.log, xnode.txt, xnode-{A,B}.pprof, node.log.
 # BIN_DIR (default .gpu/bin) takes the CLI and test binaries from another build
 # (e.g. a branch's, built with GPU_PKGS and NO_TOOLS=1 and moved to .gpu-branch/bin):
