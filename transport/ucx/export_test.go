@@ -36,6 +36,13 @@ func (w *Worker) FetchDrains() (pending int, done, dropped uint64) {
 	return len(w.drains), w.drainsDone, w.drainsDropped
 }
 
+// FetchRequests is how many fetch requests the worker has posted.
+func (w *Worker) FetchRequests() uint64 {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.fetchSeq
+}
+
 // PendingFetchReplies is how many fetch replies the worker's Serve has
 // under way (0 when it is not serving).
 func (w *Worker) PendingFetchReplies() int {

@@ -231,18 +231,7 @@ func TestFetchReaderKilled(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer rc.Close()
-	rw, err := rc.NewWorker(ucx.WorkerOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ep, err := rw.Connect(hw.Address())
-	if err != nil {
-		t.Fatal(err)
-	}
-	k, err := ep.Unpack(r.Key())
-	if err != nil {
-		t.Fatal(err)
-	}
+	ep, k := connectReader(t, rc, hw, r.Key())
 	dst := make([]byte, size)
 	if err := ucx.Fetch(timeout(t, 30*time.Second), ep, k, r.Key().Addr, dst, ucx.FetchOptions{Token: tok}); err != nil {
 		t.Fatalf("fetch after the readers were killed: %v", err)
@@ -476,18 +465,33 @@ func (p *localPair) check(t *testing.T, off, n, chunk int) {
 func (p *localPair) cancelAtHeldHolder(t *testing.T, fetches []canceledFetch) (requests int) {
 	t.Helper()
 	for _, f := range fetches {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
+		// Canceled once all of its requests are out (a deadline could
+		// end it before it posts them all on a loaded machine).
+		want := (f.n + f.chunk - 1) / f.chunk
+		from := p.rw.FetchRequests()
+		ctx, cancel := context.WithCancel(context.Background())
+		posted := make(chan uint64, 1)
+		go func() {
+			defer cancel()
+			deadline := time.Now().Add(5 * time.Second)
+			for p.rw.FetchRequests()-from < uint64(want) && time.Now().Before(deadline) {
+				time.Sleep(time.Millisecond)
+			}
+			posted <- p.rw.FetchRequests() - from
+		}()
 		dst := make([]byte, f.n)
 		start := time.Now()
 		err := ucx.Fetch(ctx, p.ep, p.k, p.base+uint64(f.off), dst, ucx.FetchOptions{Chunk: f.chunk, Depth: 64, Token: f.tok})
-		cancel()
-		if !errors.Is(err, context.DeadlineExceeded) {
-			t.Fatalf("fetch [%d, +%d) at a held holder: %v, want its deadline", f.off, f.n, err)
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("fetch [%d, +%d) at a held holder: %v, want it canceled", f.off, f.n, err)
 		}
-		if d := time.Since(start); d > 5*time.Second {
+		if n := <-posted; n != uint64(want) {
+			t.Fatalf("fetch [%d, +%d) at a held holder posted %d requests within 5 s, want %d", f.off, f.n, n, want)
+		}
+		if d := time.Since(start); d > 10*time.Second {
 			t.Fatalf("a fetch at a held holder took %v to end", d)
 		}
-		requests += (f.n + f.chunk - 1) / f.chunk
+		requests += want
 	}
 	return requests
 }

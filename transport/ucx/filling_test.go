@@ -62,19 +62,27 @@ func startFillingHolder(t *testing.T, size int) *fillingHolder {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { rc.Close() })
+	ep, key := connectReader(t, rc, hw, r.Key())
+	return &fillingHolder{mem: mem, r: r, ep: ep, key: key, c: hc}
+}
+
+// connectReader makes a worker of rc, connects it to the holder's worker
+// and unpacks the holder's region key on the new endpoint.
+func connectReader(tb testing.TB, rc *ucx.Context, holder *ucx.Worker, key ucx.RegionKey) (*ucx.Endpoint, *ucx.RemoteKey) {
+	tb.Helper()
 	rw, err := rc.NewWorker(ucx.WorkerOptions{})
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
-	ep, err := rw.Connect(hw.Address())
+	ep, err := rw.Connect(holder.Address())
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
-	key, err := ep.Unpack(r.Key())
+	k, err := ep.Unpack(key)
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
-	return &fillingHolder{mem: mem, r: r, ep: ep, key: key, c: hc}
+	return ep, k
 }
 
 // TestFillingWindow: fetches of a FillingWindow's bytes wait until Ready
@@ -208,18 +216,7 @@ func BenchmarkWindowReady(b *testing.B) {
 			b.Fatal(err)
 		}
 		served.Go(func() { _ = hw.Serve(ctx) })
-		rw, err := rc.NewWorker(ucx.WorkerOptions{})
-		if err != nil {
-			b.Fatal(err)
-		}
-		ep, err := rw.Connect(hw.Address())
-		if err != nil {
-			b.Fatal(err)
-		}
-		key, err := ep.Unpack(r.Key())
-		if err != nil {
-			b.Fatal(err)
-		}
+		ep, key := connectReader(b, rc, hw, r.Key())
 		readers = append(readers, reader{ep, key})
 	}
 	ready, err := r.Window(0, size) // what the readers stream
