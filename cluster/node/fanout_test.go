@@ -52,10 +52,12 @@ func TestDaemonsFanOut(t *testing.T) {
 		}
 	}
 	t.Logf("bytes read from feeders: %d of %d", fed, 4*len(want))
-	ls, err := a.node.Directory().List(ctx)
-	if err != nil || len(ls) != 1 || len(ls[0].Holders) != 5 {
-		t.Fatalf("directory: %+v %v", ls, err)
-	}
+	// A reader that fed nobody advertises its replica after its get
+	// returned (Puller.advertise): every node is a holder soon after.
+	eventually(t, 10*time.Second, "the object listed once with 5 holders", func() bool {
+		ls, err := a.node.Directory().List(ctx)
+		return err == nil && len(ls) == 1 && len(ls[0].Holders) == 5
+	})
 	// A later get on a reader is local; a delete goes everywhere.
 	if err := readers[0].c.Delete(ctx, "ns/fanned"); err != nil {
 		t.Fatal(err)
