@@ -215,6 +215,47 @@ func TestFanoutFeederDies(t *testing.T) {
 	}
 }
 
+// noAdvertise is a directory whose AddHolder fails as one whose lease is
+// lost does (ErrUnavailable).
+type noAdvertise struct{ cluster.Directory }
+
+func (noAdvertise) AddHolder(context.Context, cluster.Entry) error {
+	return fmt.Errorf("%w: the lease is lost", cluster.ErrUnavailable)
+}
+
+// Fanned-out readers that cannot advertise their replicas (the directory
+// away at the end of the pull, as when etcd drops the node's lease) keep
+// them, local and unadvertised: every pull succeeds with the publisher's
+// bytes, and the directory lists the publisher alone. Dropping a sealed
+// replica then failed the get, and freed memory a peer still read.
+func TestFanoutWithoutAdvertising(t *testing.T) {
+	pub, rs, _, open := fanoutCluster(t, 3)
+	ctx := bounded(t, 60*time.Second)
+	for _, r := range rs {
+		r.P.Dir = noAdvertise{r.P.Dir}
+	}
+	const chunk = 128 << 10
+	o, want := pub.Put(t, "ns/unadvertised", 16*chunk+3, chunk)
+	wait := pullAll(ctx, rs, o.Ref())
+	feedersAre(t, pub, o, 3)
+	open()
+	for i, err := range wait() {
+		if err != nil {
+			t.Fatalf("reader %s: %v", rs[i].Name, err)
+		}
+		if !bytes.Equal(rs[i].Store.Get(o.Ref()), want) {
+			t.Fatalf("reader %s's replica differs", rs[i].Name)
+		}
+		if st := rs[i].P.Stats(); st.Pulls != 1 || st.Failed != 0 {
+			t.Errorf("reader %s: %+v, want 1 pull and no failure", rs[i].Name, st)
+		}
+	}
+	e, err := pub.Dir.Lookup(ctx, o.Ref())
+	if err != nil || len(e.Holders) != 1 || e.Holders[0] != pub.Name {
+		t.Fatalf("holders %v (%v), want the publisher alone", e.Holders, err)
+	}
+}
+
 // A "have" for an object a node neither feeds nor holds is refused; one
 // for a sealed replica says it is complete.
 func TestFeedRequests(t *testing.T) {

@@ -525,10 +525,16 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 	ok = true
 	if t.feed != nil {
 		// Fanned out: readers behind this node move from its feed to its
-		// replica, so it is a holder before the feed ends.
-		if err := p.Dir.AddHolder(ctx, e); err != nil {
+		// replica, so it is a holder before the feed ends. A name deleted
+		// or replaced meanwhile drops the replica; any other failure (the
+		// directory away) leaves it local and unadvertised, as advertise
+		// does: readers behind move to the holders they know. Dropping it
+		// then failed a get whose bytes were all in and checked.
+		if err := p.Dir.AddHolder(ctx, e); errors.Is(err, ErrNotFound) {
 			ok = false
 			return e, fmt.Errorf("pull %s: %w", ref, err)
+		} else if err != nil {
+			p.log().Warn("cluster pull: replica not advertised", "object", ref.String(), "err", err)
 		}
 	} else {
 		p.advertise(ctx, e, rep)
