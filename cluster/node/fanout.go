@@ -18,6 +18,10 @@ type feedRefs struct {
 	refs  int
 	ended bool // Seal or Abort ran: the session ends with the last exposure
 	done  bool // the session ended
+	// held leases a sealed replica that its pull then aborted (dropping
+	// its name), while exposures remain: its memory is freed only once
+	// the last is released, never under a peer's read.
+	held *store.ClusterFile
 }
 
 // Expose implements cluster.ExposableReplica: peers read the replica
@@ -66,6 +70,36 @@ func (r *replica) end() {
 func (r *replica) release() {
 	r.f.File.Close()
 	r.f.Release()
+	r.feeds.mu.Lock()
+	held := r.feeds.held
+	r.feeds.held = nil
+	r.feeds.mu.Unlock()
+	if held != nil {
+		if held.File != nil {
+			held.File.Close()
+		}
+		held.Release()
+	}
+}
+
+// holdWhileExposed leases the sealed replica, before its aborted pull
+// drops its name, where peers still hold exposures of it: the store then
+// frees its memory with the last exposure's release (release), not while
+// a peer reads it (or reads what the store put there next).
+func (r *replica) holdWhileExposed() {
+	r.feeds.mu.Lock()
+	defer r.feeds.mu.Unlock()
+	if r.feeds.done {
+		return
+	}
+	f, err := r.n.st.LeaseCluster(r.o.Owner, r.o.Name, r.o.Version, r.o.Shard, r.o.ID)
+	if err != nil {
+		// Already gone (deleted here meanwhile): nothing to keep, and
+		// the exposures' reads fail their checksums at worst.
+		r.n.log.Warn("keeping an aborted replica for the peers that read it failed", "object", r.o.Ref(), "err", err)
+		return
+	}
+	r.feeds.held = f
 }
 
 // Expose implements cluster.ExposableReplica for a GPU replica being

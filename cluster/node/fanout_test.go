@@ -5,6 +5,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"net/http/httptest"
+	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -14,6 +19,7 @@ import (
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 	"github.com/cudaipc/cudaipc/cluster/node"
 	"github.com/cudaipc/cudaipc/internal/testutil"
+	"github.com/cudaipc/cudaipc/store"
 )
 
 // Four daemons get one object at once: their pulls fan out (each replica
@@ -206,4 +212,78 @@ func TestHaveOfSealedReplica(t *testing.T) {
 	defer cancel()
 	a.put(t, "ns/held", 3<<20+1, client.CreateOptions{Cluster: true})
 	haveComplete(t, ctx, a, cluster.Ref{Name: "ns/held"})
+}
+
+// A fanned-out replica that its pull seals and then aborts (the name was
+// deleted on its origin as the replica was advertised) keeps its memory
+// while a peer still reads it: the peer reads the replica's bytes, not an
+// object put after the abort, and the memory goes back with the peer's
+// exposure.
+func TestAbortedReplicaKeepsExposedMemory(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b := startDaemonCap(t, srv, "a", 16<<20), startDaemon(t, srv, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const size = 3 << 20
+	want := make([]byte, size)
+	rand.NewChaCha8([32]byte{'a', 'b', 'o', 'r', 't'}).Read(want)
+	r, err := node.CreateReplica(ctx, a.node, cluster.Object{Name: "ns/aborted", Owner: uint32(os.Getuid()), Size: size,
+		ChunkSize: size, ID: "aborted-incarnation", Origin: "z", Sealed: time.Now()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(r.Bytes(), want)
+	e, release, err := r.(cluster.ExposableReplica).Expose()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Seal(); err != nil {
+		t.Fatal(err)
+	}
+	r.Abort()
+	if _, err := a.c.Stat(ctx, "ns/aborted"); !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("stat of the aborted replica: %v, want not found", err)
+	}
+	held := bytesUsed(t, a.st)
+	a.put(t, "ns/after", size, client.CreateOptions{})
+	got := make([]byte, size)
+	if err := node.ReadExposure(ctx, b.node, e, got); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatalf("a peer read other bytes than the aborted replica's through its exposure (first difference at %d)", firstDiff(got, want))
+	}
+	release()
+	eventually(t, 10*time.Second, "the aborted replica's memory given back", func() bool {
+		return bytesUsed(t, a.st) == held
+	})
+}
+
+// bytesUsed sums st's cudaipc_store_bytes_used over its devices.
+func bytesUsed(t *testing.T, st *store.Store) int64 {
+	t.Helper()
+	rec := httptest.NewRecorder()
+	st.MetricsHandler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	var sum int64
+	for line := range strings.SplitSeq(rec.Body.String(), "\n") {
+		if !strings.HasPrefix(line, "cudaipc_store_bytes_used{") {
+			continue
+		}
+		f := strings.Fields(line)
+		v, err := strconv.ParseFloat(f[len(f)-1], 64)
+		if err != nil {
+			t.Fatalf("metric line %q: %v", line, err)
+		}
+		sum += int64(v)
+	}
+	return sum
+}
+
+func firstDiff(a, b []byte) int {
+	for i := range min(len(a), len(b)) {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return min(len(a), len(b))
 }

@@ -714,6 +714,7 @@ func (r *replica) Abort() {
 	r.unmap()
 	r.end()
 	if r.sealed {
+		r.holdWhileExposed()
 		r.n.st.DropCluster(r.o.Owner, r.o.Name, r.o.ID)
 	}
 }
