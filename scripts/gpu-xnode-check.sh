@@ -3,13 +3,15 @@
 # benchmarks matching ROOT_RUN, then the cross-node weight sync (8B shapes)
 # with its floors at the daemons' defaults, each daemon's CPU profile beside
 # it (xnode-A.pprof, xnode-B.pprof) and XNODE_ARGS's flags, then XNODE_VARIANTS (';'-separated flag
-# sets, without floors), then the Go tests of NODE_PKGS matching NODE_RUN.
+# sets, without floors, VARIANT_TIMEOUT seconds each, default 60), then the Go tests of NODE_PKGS matching NODE_RUN.
 # Run after scripts/gpu-build.sh, with carry [".gpu"]:
 #
 #   ROOT_RUN=CRC32C NODE_RUN=GPU XNODE_VARIANTS="--lanes 8;--checksums host" bash scripts/gpu-xnode-check.sh
 #
 # Issue 19's bound over several runs, each with fresh daemons (about 20 s a run
 # after the floors): XNODE_TIMEOUT=300 XNODE_ARGS="--repeats 5" NODE_PKGS=NONE bash scripts/gpu-xnode-check.sh
+# and paired against other daemon flags (runs 2, 4, ... with them):
+#   XNODE_TIMEOUT=400 XNODE_ARGS="--repeats 8" XNODE_ALTERNATE="--lanes 16" NODE_PKGS=NONE bash scripts/gpu-xnode-check.sh
 #
 # Files back from $OUT: summary.txt, topology.txt, root.log, xnode.txt, xnode-{A,B}.pprof, node.log.
 # BIN_DIR (default .gpu/bin) takes the CLI and test binaries from another build
@@ -42,13 +44,14 @@ fi
 x=(python3 scripts/bench/weight_sync.py --cross-node --bin "$bin/cudaipc" --etcd "$CUDAIPC_ETCD"
   --ucxperf-test "$PWD/.gpu/bin/transport_ucx_ucxperf.test" --models dense --versions 3)
 # shellcheck disable=SC2086 # XNODE_ARGS is a list of flags
-PYTHONUNBUFFERED=1 timeout "${XNODE_TIMEOUT:-170}" "${x[@]}" --cpu-profile "$out/xnode" ${XNODE_ARGS:-} >"$out/xnode.txt" 2>&1
+PYTHONUNBUFFERED=1 timeout "${XNODE_TIMEOUT:-170}" "${x[@]}" --cpu-profile "$out/xnode" ${XNODE_ARGS:-} \
+  ${XNODE_ALTERNATE:+--alternate "$XNODE_ALTERNATE"} >"$out/xnode.txt" 2>&1
 stamp "cross-node weight sync rc=$?"
 IFS=';' read -ra variants <<<"${XNODE_VARIANTS:-}"
 for v in "${variants[@]}"; do
   echo "== $v" >>"$out/xnode.txt"
   # shellcheck disable=SC2086 # v is a list of flags
-  PYTHONUNBUFFERED=1 timeout 60 "${x[@]}" --paths cudaipc-cluster --no-floors $v >>"$out/xnode.txt" 2>&1
+  PYTHONUNBUFFERED=1 timeout "${VARIANT_TIMEOUT:-60}" "${x[@]}" --paths cudaipc-cluster --no-floors $v >>"$out/xnode.txt" 2>&1
   stamp "cross-node weight sync $v rc=$?"
 done
 for p in ${NODE_PKGS:-cluster_node cluster_staging}; do

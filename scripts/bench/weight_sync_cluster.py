@@ -31,6 +31,9 @@ The sync's speed moves by up to a quarter between runs with fresh daemons, more 
 between the versions of one run: --repeats N runs the cudaipc-cluster path N times,
 each with a fresh etcd and fresh daemons, and prints the median run's ratio to the
 floors with the range and how many runs reached 0.8x (issue 19's bound).
+--alternate FLAGS makes every second of those runs use the daemon flags FLAGS (e.g.
+"--lanes 16") on top of the others, and prints the two sets' medians apart: a paired
+comparison, each set spread over the same stretch of the machine's drift.
 """
 
 from __future__ import annotations
@@ -727,6 +730,9 @@ def main(argv: List[str]) -> None:
                     help="runs of the cudaipc-cluster path, each with a fresh etcd and fresh daemons (after the first, "
                          "which runs with --paths): runs spread more than the versions of one run do, so the ratios "
                          "are printed for each run and for their median")
+    ap.add_argument("--alternate", metavar="FLAGS",
+                    help="with --repeats: every second run (2, 4, ...) adds these flags, e.g. '--lanes 16'; "
+                         "the medians of both sets are printed apart")
     ap.add_argument("--floor-beside-copies", type=float, metavar="GBPS",
                     help="also measure the link floor while device<->host copies run beside it, each way at this many GB/s "
                          "(0: flat out): what the staging copies' memory traffic leaves of the link on one host")
@@ -736,6 +742,16 @@ def main(argv: List[str]) -> None:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats %d: want 1 or more" % args.repeats)
+    alt: Optional[argparse.Namespace] = None
+    if args.alternate:
+        if args.repeats < 2:
+            ap.error("--alternate needs --repeats 2 or more")
+        alt = ap.parse_args(argv + shlex.split(args.alternate))
+        if alt.alternate != args.alternate:
+            ap.error("--alternate %r: its flags may not set --alternate" % args.alternate)
+        # Only what FLAGS changes: the rest stays args' (which --smoke changes below).
+        base = ap.parse_args(argv)
+        alt = argparse.Namespace(**{k: v for k, v in vars(alt).items() if getattr(base, k) != v})
     args.backend = "cuda"
     if args.smoke:
         args.models, args.gpu, args.capacity, args.backend, args.no_floors = "smoke", -1, "256MiB", "host", True
@@ -785,14 +801,19 @@ def main(argv: List[str]) -> None:
         cl.close()
     if args.repeats > 1 and "cudaipc-cluster" in args.paths.split(","):
         rargs = argparse.Namespace(**dict(vars(args), cpu_profile=None))  # the first run's profiles stay
+        aargs = argparse.Namespace(**dict(vars(rargs), **vars(alt))) if alt else rargs
         for run in range(2, args.repeats + 1):
             rtmp = os.path.join(tmp, "run%d" % run)
             os.mkdir(rtmp)
-            print("run %d of %d: fresh etcd and daemons (logs in %s)" % (run, args.repeats, rtmp), flush=True)
-            cl = Cluster(rargs, rtmp)
+            alternate = alt is not None and run % 2 == 0
+            print("run %d of %d: fresh etcd and daemons%s (logs in %s)" % (
+                run, args.repeats, ", with " + args.alternate if alternate else "", rtmp), flush=True)
+            cl = Cluster(aargs if alternate else rargs, rtmp)
             try:
                 for m in args.models.split(","):
-                    run_path(rargs, cl, m, "cudaipc-cluster", out, run)
+                    run_path(aargs if alternate else rargs, cl, m, "cudaipc-cluster", out, run)
+                    if alternate:
+                        out["results"][-1]["flags"] = args.alternate
             finally:
                 cl.close()
     if not args.no_floors:
@@ -816,8 +837,8 @@ def main(argv: List[str]) -> None:
         at_once = min(both["A"], both["B"]) if "A" in both and "B" in both else None
         for c in (r for r in out["results"] if r["path"] == "cudaipc-cluster"):
             c["x_floor"] = c["gbps"] / min(link, staging)
-            print("%s: cudaipc-cluster %.2f GB/s is %.2fx min(link %.2f, staging %.1f) GB/s" % (
-                c["model"], c["gbps"], c["x_floor"], link, staging), flush=True)
+            print("%s: cudaipc-cluster%s %.2f GB/s is %.2fx min(link %.2f, staging %.1f) GB/s" % (
+                c["model"], " " + c["flags"] if c.get("flags") else "", c["gbps"], c["x_floor"], link, staging), flush=True)
             if at_once:
                 # Both daemons' copies run at once on one GPU here: the staging
                 # path's floor is what the two copy at once, not each alone.
@@ -826,21 +847,24 @@ def main(argv: List[str]) -> None:
                     c["model"], c["gbps"], c["x_floor_both_sides"], link, at_once), flush=True)
     if args.repeats > 1:
         for m in args.models.split(","):
-            runs = [r for r in out["results"] if r["model"] == m and r["path"] == "cudaipc-cluster"]
-            if not runs:
-                continue
-            g = sorted(r["gbps"] for r in runs)
-            med = statistics.median(g)
-            summary: Dict[str, Any] = {"runs": len(g), "median_GBps": med, "min_GBps": g[0], "max_GBps": g[-1]}
-            line = "%s: cudaipc-cluster over %d runs: median %.2f GB/s (%.2f-%.2f)" % (m, len(g), med, g[0], g[-1])
-            if link and cop:
-                floor = min(link, min(cop["d2h_GBps"], cop["h2d_GBps"]))
-                summary["x_floor_median"] = med / floor
-                summary["runs_at_least_0.8x"] = sum(1 for v in g if v / floor >= 0.8)
-                line += ", %.2fx the floor (%.2f-%.2fx; %d of %d runs at 0.8x or more)" % (
-                    med / floor, g[0] / floor, g[-1] / floor, summary["runs_at_least_0.8x"], len(g))
-            out.setdefault("repeats", {})[m] = summary
-            print(line, flush=True)
+            for flags in ([None, args.alternate] if args.alternate else [None]):
+                runs = [r for r in out["results"]
+                        if r["model"] == m and r["path"] == "cudaipc-cluster" and r.get("flags") == flags]
+                if not runs:
+                    continue
+                g = sorted(r["gbps"] for r in runs)
+                med = statistics.median(g)
+                summary: Dict[str, Any] = {"runs": len(g), "median_GBps": med, "min_GBps": g[0], "max_GBps": g[-1]}
+                line = "%s: cudaipc-cluster%s over %d runs: median %.2f GB/s (%.2f-%.2f)" % (
+                    m, " " + flags if flags else "", len(g), med, g[0], g[-1])
+                if link and cop:
+                    floor = min(link, min(cop["d2h_GBps"], cop["h2d_GBps"]))
+                    summary["x_floor_median"] = med / floor
+                    summary["runs_at_least_0.8x"] = sum(1 for v in g if v / floor >= 0.8)
+                    line += ", %.2fx the floor (%.2f-%.2fx; %d of %d runs at 0.8x or more)" % (
+                        med / floor, g[0] / floor, g[-1] / floor, summary["runs_at_least_0.8x"], len(g))
+                out.setdefault("repeats", {})[m + (" " + flags if flags else "")] = summary
+                print(line, flush=True)
     if args.daemon_log_level == "debug":
         print_pull_phases(os.path.join(tmp, "daemon-A.log"), os.path.join(tmp, "daemon-B.log"))
         for run in range(2, args.repeats + 1):
