@@ -245,7 +245,25 @@ type ClusterFile struct {
 	ArenaSize       int64
 	Offset, Size    int64
 	release, commit func() error
+	detach          func() bool
 	ss              *session
+}
+
+// Detach gives up the name of a replica made by CreateReplica that will
+// not be sealed, while its memory stays until Release: peers still
+// reading what it holds read it, and a new replica of the name can be
+// made meanwhile. Subscribers are told of its abort now. Only a plain
+// object's replica detaches (a shard stays its version's until Release);
+// Detach reports whether it did. Seal fails after it.
+func (f *ClusterFile) Detach() bool {
+	if f.detach == nil || f.ss == nil {
+		return false
+	}
+	ok := f.detach()
+	if ok {
+		f.commit = nil
+	}
+	return ok
 }
 
 // ClusterGPU is where a cluster-visible object lies in GPU memory that the
@@ -447,6 +465,20 @@ func (s *Store) createClusterDraft(owner uint32, r createReq, gpu bool, manifest
 		return nil, err
 	}
 	f := clusterFile(ss, p, mem)
+	if !r.versioned {
+		f.detach = func() bool {
+			s.mu.Lock()
+			defer s.mu.Unlock()
+			o, err := ss.draftLocked(r.name, 0, 0)
+			if err != nil || o.slice != nil {
+				return false
+			}
+			s.unclaimLocked(o.name, o.entry())
+			o.detached = true
+			s.emitObjectLocked(eventAborted, o)
+			return true
+		}
+	}
 	f.commit = func() error {
 		s.mu.Lock()
 		o, err := ss.draftLocked(r.name, r.version, r.shard)

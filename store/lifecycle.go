@@ -415,7 +415,9 @@ func (ss *session) abortLocked(o *object) {
 	s.unclaimLocked(o.name, o.entry())
 	o.deleted = true
 	s.forgetCreatorLocked(o)
-	s.emitObjectLocked(eventAborted, o)
+	if !o.detached {
+		s.emitObjectLocked(eventAborted, o)
+	}
 	s.freeLocked(o)
 	s.log.Debug("object aborted", "session", ss.id, "name", o.name)
 }

@@ -215,6 +215,9 @@ type object struct {
 
 	sealed  bool
 	deleted bool // name removed; memory kept until the last lease ends
+	// detached: an unsealed replica whose name went (ClusterFile.Detach)
+	// while its memory stays its session's; its abort is told no one.
+	detached bool
 	// cluster: published in the cluster directory (created cluster-visible,
 	// or a replica); clusterID is its incarnation there once published.
 	cluster   bool

@@ -82,6 +82,19 @@ func (r *replica) release() {
 	}
 }
 
+// detachWhileExposed frees the name of an unsealed replica whose pull
+// aborted while peers still hold exposures of it: its memory stays until
+// the last is released, and a retry of the pull can make a new replica of
+// the name meanwhile (else it would fail, the name taken, until every peer
+// had let go). A shard of a version stays its version's (store.Detach).
+func (r *replica) detachWhileExposed() {
+	r.feeds.mu.Lock()
+	defer r.feeds.mu.Unlock()
+	if !r.feeds.done {
+		r.f.Detach()
+	}
+}
+
 // holdWhileExposed leases the sealed replica, before its aborted pull
 // drops its name, where peers still hold exposures of it: the store then
 // frees its memory with the last exposure's release (release), not while

@@ -287,3 +287,53 @@ func firstDiff(a, b []byte) int {
 	}
 	return min(len(a), len(b))
 }
+
+// A pull that aborts its replica while a peer still reads it (fan-out)
+// frees the name at once: a retry makes a new replica, seals it and gets
+// it, while the peer still reads the aborted replica's bytes through its
+// exposure; the aborted replica's memory goes back with the exposure.
+func TestRetryBesideExposedAbortedReplica(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const size = 3 << 20
+	o := cluster.Object{Name: "ns/retried", Owner: uint32(os.Getuid()), Size: size, ChunkSize: size, ID: "retried-incarnation",
+		Origin: "z", Sealed: time.Now()}
+	old, fresh := make([]byte, size), make([]byte, size)
+	rand.NewChaCha8([32]byte{'o', 'l', 'd'}).Read(old)
+	rand.NewChaCha8([32]byte{'n', 'e', 'w'}).Read(fresh)
+	r, err := node.CreateReplica(ctx, a.node, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(r.Bytes(), old)
+	e, release, err := r.(cluster.ExposableReplica).Expose()
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Abort()
+	before := bytesUsed(t, a.st)
+	r2, err := node.CreateReplica(ctx, a.node, o)
+	if err != nil {
+		t.Fatalf("a retry beside the aborted replica a peer reads: %v", err)
+	}
+	copy(r2.Bytes(), fresh)
+	if err := r2.Seal(); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := a.get(ctx, "ns/retried"); err != nil || !bytes.Equal(got, fresh) {
+		t.Fatalf("get of the retried replica: %v (equal %v)", err, bytes.Equal(got, fresh))
+	}
+	got := make([]byte, size)
+	if err := node.ReadExposure(ctx, b.node, e, got); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, old) {
+		t.Fatalf("the peer read other bytes than the aborted replica's (first difference at %d)", firstDiff(got, old))
+	}
+	release()
+	eventually(t, 10*time.Second, "the aborted replica's memory given back", func() bool {
+		return bytesUsed(t, a.st) == before
+	})
+}

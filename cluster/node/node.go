@@ -716,6 +716,8 @@ func (r *replica) Abort() {
 	if r.sealed {
 		r.holdWhileExposed()
 		r.n.st.DropCluster(r.o.Owner, r.o.Name, r.o.ID)
+	} else {
+		r.detachWhileExposed()
 	}
 }
 

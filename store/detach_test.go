@@ -1,0 +1,99 @@
+package store
+
+import (
+	"bytes"
+	"errors"
+	"math/rand/v2"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// usedBytes is how many bytes the store's objects hold, drafts included.
+func usedBytes(s *Store) int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var n int64
+	for _, d := range s.devices {
+		n += d.alloc.Stats().Used
+	}
+	return n
+}
+
+// A replica detached from its name keeps its bytes and memory until
+// released, while a new replica of the name is made, sealed and read; a
+// versioned shard's replica does not detach.
+func TestClusterReplicaDetach(t *testing.T) {
+	s := newTestStore(t, Config{Capacity: 64 << 20, Cluster: nopCluster{}})
+	const size = 1 << 20
+	old := make([]byte, size)
+	rand.NewChaCha8([32]byte{1}).Read(old)
+	f, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "w", Size: size, ID: "id-old"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(int(f.File.Fd()), 0, int(f.ArenaSize), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	copy(mem[f.Offset:], old)
+	before := usedBytes(s)
+	if !f.Detach() {
+		t.Fatal("a plain replica did not detach")
+	}
+	if err := f.Seal(); err == nil {
+		t.Fatal("a detached replica sealed")
+	}
+	// The name is free: a new replica takes it, seals, and is what a
+	// cluster read finds.
+	g, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "w", Size: size, ID: "id-new"})
+	if err != nil {
+		t.Fatalf("a replica beside a detached one: %v", err)
+	}
+	fresh := make([]byte, size)
+	rand.NewChaCha8([32]byte{2}).Read(fresh)
+	if _, err := g.File.WriteAt(fresh, g.Offset); err != nil {
+		t.Fatal(err)
+	}
+	g.File.Close()
+	if err := g.Seal(); err != nil {
+		t.Fatal(err)
+	}
+	g.Release()
+	r, err := s.LeaseCluster(1000, "w", 0, 0, "id-new")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, size)
+	if _, err := r.File.ReadAt(got, r.Offset); err != nil || !bytes.Equal(got, fresh) {
+		t.Fatalf("the new replica's bytes: %v, equal %v", err, bytes.Equal(got, fresh))
+	}
+	r.File.Close()
+	r.Release()
+	if _, err := s.LeaseCluster(1000, "w", 0, 0, "id-old"); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("lease of the detached incarnation: %v, want not found", err)
+	}
+	// The detached one's bytes and memory are still its own.
+	if !bytes.Equal(mem[f.Offset:f.Offset+size], old) {
+		t.Fatal("the detached replica's bytes changed before its release")
+	}
+	if used := usedBytes(s); used < before+size {
+		t.Fatalf("used %d bytes with both replicas, want at least %d", used, before+size)
+	}
+	f.File.Close()
+	f.Release()
+	if used := usedBytes(s); used != before {
+		t.Fatalf("used %d bytes after the detached replica's release, want %d", used, before)
+	}
+
+	v, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "series", Size: 4096, ID: "id-v", Version: 1, Shard: 0, Shards: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Release()
+	v.File.Close()
+	if v.Detach() {
+		t.Fatal("a shard's replica detached")
+	}
+}
