@@ -14,7 +14,8 @@
 # each), TEST_RUN (Go -test.run regexp, default all), GATHER_COMPARE=1 (the in-place
 # path's copies with and without the gather kernel, step 1b), XNODE_ALONE=1 (the
 # cross-node benchmark alone on the machine, before the tests, instead of beside
-# them), XNODE_VARIANTS (e.g. "--lanes 4;--lanes 8": after it, the cudaipc path
+# them), TEST_BINS (which Go test binaries, in that order, e.g. "store cluster_node";
+# default all), XNODE_VARIANTS (e.g. "--lanes 4;--lanes 8": after it, the cudaipc path
 # again with each set of flags, appended to xnode.txt; 45 s each).
 # At most 8 files come back from $OUT: summary.txt, ws.{txt,json},
 # xnode.{txt,json}, gotests.log, pytest.log.
@@ -70,7 +71,9 @@ if [ -n "${XNODE_ALONE:-}" ]; then xnode; else xnode & fi
   # abort over tcp: docs/cluster.md, "Failure behaviour") run in an invocation of
   # their own after the rest of their package, so that an abort there hides no other test.
   iso=${ISOLATE:-DaemonKilledMid}
-  for t in .gpu/bin/*.test; do
+  # TEST_BINS: which test binaries, in this order (names as in .gpu/bin, without .test).
+  bins=(.gpu/bin/*.test); [ -n "${TEST_BINS:-}" ] && read -ra bins <<<"$(printf '.gpu/bin/%s.test ' $TEST_BINS)"
+  for t in "${bins[@]}"; do
     name=$(basename "$t" .test); dir=$(echo "$name" | tr _ /); [ "$name" = root ] && dir=.
     echo "=== $name" >>"$out/gotests.log"
     for part in rest isolated; do
