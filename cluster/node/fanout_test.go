@@ -246,7 +246,15 @@ func TestAbortedReplicaKeepsExposedMemory(t *testing.T) {
 	}
 	held := bytesUsed(t, a.st)
 	a.put(t, "ns/after", size, client.CreateOptions{})
-	got := make([]byte, size)
+	peerReadsAborted(ctx, t, a, b, e, release, want, held)
+}
+
+// peerReadsAborted has b read exposure e of a's aborted replica, whose
+// bytes are want, releases the exposure, and waits for a's store to hold
+// used bytes again (the replica's memory given back).
+func peerReadsAborted(ctx context.Context, t *testing.T, a, b *daemon, e cluster.Exposure, release func(), want []byte, used int64) {
+	t.Helper()
+	got := make([]byte, len(want))
 	if err := node.ReadExposure(ctx, b.node, e, got); err != nil {
 		t.Fatal(err)
 	}
@@ -255,7 +263,7 @@ func TestAbortedReplicaKeepsExposedMemory(t *testing.T) {
 	}
 	release()
 	eventually(t, 10*time.Second, "the aborted replica's memory given back", func() bool {
-		return bytesUsed(t, a.st) == held
+		return bytesUsed(t, a.st) == used
 	})
 }
 
@@ -325,15 +333,5 @@ func TestRetryBesideExposedAbortedReplica(t *testing.T) {
 	if got, err := a.get(ctx, "ns/retried"); err != nil || !bytes.Equal(got, fresh) {
 		t.Fatalf("get of the retried replica: %v (equal %v)", err, bytes.Equal(got, fresh))
 	}
-	got := make([]byte, size)
-	if err := node.ReadExposure(ctx, b.node, e, got); err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(got, old) {
-		t.Fatalf("the peer read other bytes than the aborted replica's (first difference at %d)", firstDiff(got, old))
-	}
-	release()
-	eventually(t, 10*time.Second, "the aborted replica's memory given back", func() bool {
-		return bytesUsed(t, a.st) == before
-	})
+	peerReadsAborted(ctx, t, a, b, e, release, old, before)
 }
