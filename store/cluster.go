@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"slices"
 	"time"
 
 	"github.com/cudaipc/cudaipc"
@@ -252,9 +253,11 @@ type ClusterFile struct {
 // Detach gives up the name of a replica made by CreateReplica that will
 // not be sealed, while its memory stays until Release: peers still
 // reading what it holds read it, and a new replica of the name can be
-// made meanwhile. Subscribers are told of its abort now. Only a plain
-// object's replica detaches (a shard stays its version's until Release);
-// Detach reports whether it did. Seal fails after it.
+// made meanwhile. Subscribers are told of its abort now. A shard's replica
+// detaches when it is its version's only shard made here (the version goes
+// with it); one beside other shards stays its version's until Release, as
+// its abort then frees them all. Detach reports whether it detached. Seal
+// fails after it.
 func (f *ClusterFile) Detach() bool {
 	if f.detach == nil || f.ss == nil {
 		return false
@@ -465,19 +468,29 @@ func (s *Store) createClusterDraft(owner uint32, r createReq, gpu bool, manifest
 		return nil, err
 	}
 	f := clusterFile(ss, p, mem)
-	if !r.versioned {
-		f.detach = func() bool {
-			s.mu.Lock()
-			defer s.mu.Unlock()
-			o, err := ss.draftLocked(r.name, 0, 0)
-			if err != nil || o.slice != nil {
-				return false
-			}
-			s.unclaimLocked(o.name, o.entry())
-			o.detached = true
-			s.emitObjectLocked(eventAborted, o)
-			return true
+	f.detach = func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		o, err := ss.draftLocked(r.name, r.version, r.shard)
+		if err != nil || o.slice != nil {
+			return false
 		}
+		v := o.ver
+		if v != nil && slices.ContainsFunc(v.shards, func(x *object) bool { return x != nil && x != o }) {
+			// Other shards' drafts or seals keep the version pending: without
+			// this one's abort (at its release) nothing would free them.
+			return false
+		}
+		s.emitObjectLocked(eventAborted, o)
+		if v != nil {
+			v.shards[o.shard] = nil
+			s.dropEmptyVersionLocked(v, false)
+			o.ver = nil
+		} else {
+			s.unclaimLocked(o.name, o.entry())
+		}
+		o.detached = true
+		return true
 	}
 	f.commit = func() error {
 		s.mu.Lock()

@@ -87,13 +87,52 @@ func TestClusterReplicaDetach(t *testing.T) {
 		t.Fatalf("used %d bytes after the detached replica's release, want %d", used, before)
 	}
 
-	v, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "series", Size: 4096, ID: "id-v", Version: 1, Shard: 0, Shards: 1})
+	// A version's only shard detaches with its version: the retry makes
+	// the version again, seals and publishes it.
+	v, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "series", Size: 4096, ID: "id-v", Version: 3, Shards: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer v.Release()
 	v.File.Close()
-	if v.Detach() {
-		t.Fatal("a shard's replica detached")
+	if !v.Detach() {
+		t.Fatal("a version's only shard did not detach")
+	}
+	w, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "series", Size: 4096, ID: "id-v2", Version: 3, Shards: 1})
+	if err != nil {
+		t.Fatalf("the version again beside its detached shard: %v", err)
+	}
+	w.File.Close()
+	if err := w.Seal(); err != nil {
+		t.Fatal(err)
+	}
+	w.Release()
+	if !s.HasCluster(1000, "series", 3, 0) {
+		t.Fatal("the version made again is not there")
+	}
+	both := usedBytes(s)
+	v.Release()
+	if used := usedBytes(s); used >= both {
+		t.Fatalf("used %d bytes after the detached shard's release, %d before", used, both)
+	}
+	if !s.HasCluster(1000, "series", 3, 0) {
+		t.Fatal("the detached shard's release took the version made again")
+	}
+
+	// Beside another shard of its version, a shard does not detach: its
+	// abort must free the version.
+	a, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "sharded", Size: 4096, ID: "id-a", Version: 1, Shard: 0, Shards: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Release()
+	a.File.Close()
+	b, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "sharded", Size: 4096, ID: "id-a", Version: 1, Shard: 1, Shards: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Release()
+	b.File.Close()
+	if a.Detach() {
+		t.Fatal("a shard beside another of its version detached")
 	}
 }

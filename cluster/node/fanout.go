@@ -86,7 +86,8 @@ func (r *replica) release() {
 // aborted while peers still hold exposures of it: its memory stays until
 // the last is released, and a retry of the pull can make a new replica of
 // the name meanwhile (else it would fail, the name taken, until every peer
-// had let go). A shard of a version stays its version's (store.Detach).
+// had let go). A shard beside other shards of its version made here stays
+// its version's (store.ClusterFile.Detach).
 func (r *replica) detachWhileExposed() {
 	r.feeds.mu.Lock()
 	defer r.feeds.mu.Unlock()

@@ -299,39 +299,49 @@ func firstDiff(a, b []byte) int {
 // A pull that aborts its replica while a peer still reads it (fan-out)
 // frees the name at once: a retry makes a new replica, seals it and gets
 // it, while the peer still reads the aborted replica's bytes through its
-// exposure; the aborted replica's memory goes back with the exposure.
+// exposure; the aborted replica's memory goes back with the exposure. A
+// plain object, and a version's only shard.
 func TestRetryBesideExposedAbortedReplica(t *testing.T) {
 	srv := etcdtest.Start(t)
 	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	const size = 3 << 20
-	o := cluster.Object{Name: "ns/retried", Owner: uint32(os.Getuid()), Size: size, ChunkSize: size, ID: "retried-incarnation",
-		Origin: "z", Sealed: time.Now()}
-	old, fresh := make([]byte, size), make([]byte, size)
-	rand.NewChaCha8([32]byte{'o', 'l', 'd'}).Read(old)
-	rand.NewChaCha8([32]byte{'n', 'e', 'w'}).Read(fresh)
-	r, err := node.CreateReplica(ctx, a.node, o)
-	if err != nil {
-		t.Fatal(err)
+	for _, version := range []uint64{0, 7} {
+		t.Run(fmt.Sprintf("version=%d", version), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			const size = 3 << 20
+			name := fmt.Sprintf("ns/retried-%d", version)
+			o := cluster.Object{Name: name, Owner: uint32(os.Getuid()), Size: size, ChunkSize: size, ID: "retried-incarnation",
+				Origin: "z", Sealed: time.Now(), Version: version}
+			if version != 0 {
+				o.Shards = 1
+			}
+			old, fresh := make([]byte, size), make([]byte, size)
+			rand.NewChaCha8([32]byte{'o', 'l', 'd', byte(version)}).Read(old)
+			rand.NewChaCha8([32]byte{'n', 'e', 'w', byte(version)}).Read(fresh)
+			r, err := node.CreateReplica(ctx, a.node, o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			copy(r.Bytes(), old)
+			e, release, err := r.(cluster.ExposableReplica).Expose()
+			if err != nil {
+				t.Fatal(err)
+			}
+			r.Abort()
+			before := bytesUsed(t, a.st)
+			r2, err := node.CreateReplica(ctx, a.node, o)
+			if err != nil {
+				t.Fatalf("a retry beside the aborted replica a peer reads: %v", err)
+			}
+			copy(r2.Bytes(), fresh)
+			if err := r2.Seal(); err != nil {
+				t.Fatal(err)
+			}
+			v, got, err := a.getVersion(ctx, name, client.GetOptions{Version: version})
+			if err != nil || v != version || !bytes.Equal(got, fresh) {
+				t.Fatalf("get of the retried replica: version %d, %v (equal %v)", v, err, bytes.Equal(got, fresh))
+			}
+			peerReadsAborted(ctx, t, a, b, e, release, old, before)
+		})
 	}
-	copy(r.Bytes(), old)
-	e, release, err := r.(cluster.ExposableReplica).Expose()
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.Abort()
-	before := bytesUsed(t, a.st)
-	r2, err := node.CreateReplica(ctx, a.node, o)
-	if err != nil {
-		t.Fatalf("a retry beside the aborted replica a peer reads: %v", err)
-	}
-	copy(r2.Bytes(), fresh)
-	if err := r2.Seal(); err != nil {
-		t.Fatal(err)
-	}
-	if got, err := a.get(ctx, "ns/retried"); err != nil || !bytes.Equal(got, fresh) {
-		t.Fatalf("get of the retried replica: %v (equal %v)", err, bytes.Equal(got, fresh))
-	}
-	peerReadsAborted(ctx, t, a, b, e, release, old, before)
 }
