@@ -143,6 +143,12 @@ type Directory struct {
 	mu    sync.Mutex
 	lease clientv3.LeaseID // 0 while none is held
 	owned map[string][]byte
+	// deferred holds the holder records AddHolder could not write for want
+	// of a lease, each with its guard: the next lease writes those whose
+	// object record is still the one the pull read.
+	deferred map[string]deferredHold
+	// beforeGrant, when set (tests), runs before each grant.
+	beforeGrant func()
 	// leaseUp is closed while a lease is held, replaced when it is lost.
 	leaseUp chan struct{}
 
@@ -213,7 +219,7 @@ func Open(ctx context.Context, cfg Config) (*Directory, error) {
 	}
 	d := &Directory{
 		cfg: cfg, k: keys{cfg.Prefix}, cli: cli, log: log.With("etcd", strings.Join(cfg.Endpoints, ",")),
-		name: strings.Join(cfg.Endpoints, ","), owned: map[string][]byte{}, leaseUp: make(chan struct{}),
+		name: strings.Join(cfg.Endpoints, ","), owned: map[string][]byte{}, deferred: map[string]deferredHold{}, leaseUp: make(chan struct{}),
 		done: make(chan struct{}),
 	}
 	if err := d.grant(ctx); err != nil {
@@ -249,8 +255,22 @@ func (d *Directory) NodeName() string { return d.cfg.Node }
 // Secret returns the cluster secret the directory seals records with.
 func (d *Directory) Secret() cluster.Secret { return d.cfg.Secret }
 
-// grant takes a new lease and writes every owned key on it.
+// deferredHold is a holder record waiting for a lease, and the guard its
+// write keeps: its object record unchanged since the pull read it.
+type deferredHold struct {
+	val   []byte
+	guard clientv3.Cmp
+}
+
+// grant takes a new lease and writes every owned key on it, then the
+// deferred holder records whose guards still hold.
 func (d *Directory) grant(ctx context.Context) error {
+	d.mu.Lock()
+	before := d.beforeGrant
+	d.mu.Unlock()
+	if before != nil {
+		before()
+	}
 	ctx, cancel := context.WithTimeoutCause(ctx, d.cfg.CallTimeout, errCallTimeout)
 	defer cancel()
 	g, err := d.cli.Grant(ctx, int64((d.cfg.TTL+time.Second-1)/time.Second))
@@ -275,12 +295,44 @@ func (d *Directory) grant(ctx context.Context) error {
 	d.mu.Lock()
 	d.lease = g.ID
 	close(d.leaseUp)
+	deferred := maps.Clone(d.deferred)
 	d.mu.Unlock()
 	d.downUntil.Store(0)
 	if len(owned) > 0 {
 		d.log.Info("cluster lease granted; records restored", "records", len(owned))
 	}
+	d.writeDeferred(ctx, g.ID, deferred)
 	return nil
+}
+
+// writeDeferred writes the holder records AddHolder deferred, each on
+// lease if its guard holds (the name neither deleted nor replaced since);
+// those that fail to write for want of etcd wait for the next lease, and
+// those whose guard fails are dropped (the node's watch drops the replica).
+func (d *Directory) writeDeferred(ctx context.Context, lease clientv3.LeaseID, deferred map[string]deferredHold) {
+	for key, h := range deferred {
+		d.mu.Lock()
+		_, still := d.deferred[key] // not withdrawn meanwhile (RemoveHolder)
+		if still {
+			d.owned[key] = h.val
+		}
+		d.mu.Unlock()
+		if !still {
+			continue
+		}
+		r, err := d.cli.Txn(ctx).If(h.guard).Then(clientv3.OpPut(key, string(h.val), clientv3.WithLease(lease))).Commit()
+		d.mu.Lock()
+		if err != nil || !r.Succeeded {
+			delete(d.owned, key)
+		}
+		if err == nil {
+			delete(d.deferred, key) // written, or its name deleted or replaced
+		}
+		d.mu.Unlock()
+		if err != nil {
+			d.log.Warn("a deferred holder record is not written yet (the next lease writes it)", "key", key, "err", err)
+		}
+	}
 }
 
 // keep renews the lease until ctx is done, and grants a new one whenever it
@@ -348,7 +400,7 @@ func (d *Directory) leased(what string) (clientv3.LeaseID, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.lease == 0 {
-		return 0, fmt.Errorf("%w: %s: this node's etcd lease is lost until etcd at %s answers", cluster.ErrUnavailable, what, d.name)
+		return 0, fmt.Errorf("%w: %s: %w until etcd at %s answers", cluster.ErrUnavailable, what, errNoLease, d.name)
 	}
 	return d.lease, nil
 }
@@ -385,6 +437,10 @@ func (d *Directory) putOwned(ctx context.Context, what, key string, val []byte, 
 }
 
 var errGuard = errors.New("guard failed")
+
+// errNoLease is why a write that needs this node's lease failed while it
+// held none.
+var errNoLease = errors.New("this node's etcd lease is lost")
 
 // errCallTimeout is the cause of a call's context when CallTimeout ran out.
 var errCallTimeout = errors.New("etcd call timeout")
@@ -690,10 +746,25 @@ func (d *Directory) AddHolder(ctx context.Context, e Entry) error {
 	if err != nil {
 		return err
 	}
-	err = d.putOwned(ctx, "advertise "+ref.String(), hkey, hval,
-		clientv3.Compare(clientv3.ModRevision(d.k.obj(ref)), "=", e.Revision))
+	guard := clientv3.Compare(clientv3.ModRevision(d.k.obj(ref)), "=", e.Revision)
+	err = d.putOwned(ctx, "advertise "+ref.String(), hkey, hval, guard)
 	if errors.Is(err, errGuard) {
 		return fmt.Errorf("advertise %s: %w (deleted or replaced during the pull)", ref, cluster.ErrNotFound)
+	}
+	if errors.Is(err, errNoLease) {
+		// The next lease writes it, guarded as here: a replica pulled while
+		// this node's lease was lost is advertised once etcd answers.
+		d.mu.Lock()
+		if d.lease == 0 {
+			d.deferred[hkey] = deferredHold{val: hval, guard: guard}
+			err = fmt.Errorf("%w (deferred: written when this node has a lease again)", err)
+		} else {
+			err = nil // granted meanwhile: write it now
+		}
+		d.mu.Unlock()
+		if err == nil {
+			return d.AddHolder(ctx, e)
+		}
 	}
 	return err
 }
@@ -701,7 +772,11 @@ func (d *Directory) AddHolder(ctx context.Context, e Entry) error {
 // RemoveHolder withdraws this node as a holder of ref (its replica is
 // going).
 func (d *Directory) RemoveHolder(ctx context.Context, ref cluster.Ref) error {
-	return d.deleteOwned(ctx, "withdraw "+ref.String(), d.k.hold(ref, d.cfg.Node))
+	key := d.k.hold(ref, d.cfg.Node)
+	d.mu.Lock()
+	delete(d.deferred, key)
+	d.mu.Unlock()
+	return d.deleteOwned(ctx, "withdraw "+ref.String(), key)
 }
 
 // Delete removes a name from the cluster: every version's records, their

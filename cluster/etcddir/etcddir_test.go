@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -645,6 +646,60 @@ func TestWatchCommits(t *testing.T) {
 			want = want[1:]
 		case <-time.After(5 * time.Second):
 			t.Fatalf("no commit event within 5s; want %+v", want[0])
+		}
+	}
+}
+
+// A replica pulled while this node's lease is lost is advertised once a
+// new lease is granted, unless its name was deleted meanwhile (the
+// advertisement's guard) or the node withdrew it.
+func TestAddHolderWithoutLeaseDeferred(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b := open(t, srv, "a"), open(t, srv, "b")
+	ctx := ctxT(t)
+	var refs []cluster.Ref
+	var entries []Entry
+	for _, name := range []string{"ns/kept", "ns/deleted", "ns/withdrawn"} {
+		o, _ := object(name, 4096)
+		if _, err := b.Publish(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+		e, err := a.Lookup(ctx, o.Ref())
+		if err != nil {
+			t.Fatal(err)
+		}
+		refs, entries = append(refs, o.Ref()), append(entries, e)
+	}
+	release := holdGrants(t, a)
+	lost := a.currentLease()
+	if _, err := b.cli.Revoke(ctx, lost); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "a notices its lease is lost", func() bool { return a.currentLease() == 0 })
+	for _, e := range entries {
+		err := a.AddHolder(ctx, e)
+		if !errors.Is(err, cluster.ErrUnavailable) || !strings.Contains(err.Error(), "deferred") {
+			t.Fatalf("advertise without a lease: %v, want unavailable and deferred", err)
+		}
+	}
+	if err := b.Delete(ctx, refs[1].Owner, refs[1].Name); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.RemoveHolder(ctx, refs[2]); err != nil {
+		t.Fatal(err)
+	}
+	release()
+	eventually(t, 10*time.Second, "a advertised as a holder on its new lease", func() bool {
+		e, err := b.Lookup(ctx, refs[0])
+		return a.currentLease() != 0 && err == nil && slices.Equal(e.Holders, []string{"a", "b"})
+	})
+	if _, err := b.Lookup(ctx, refs[1]); !errors.Is(err, cluster.ErrNotFound) {
+		t.Fatalf("lookup of the deleted name: %v", err)
+	}
+	for _, ref := range refs[1:] {
+		r, err := b.cli.Get(ctx, a.k.hold(ref, "a"))
+		if err != nil || r.Count != 0 {
+			t.Fatalf("holder record of %s: %d (%v), want none", ref, r.Count, err)
 		}
 	}
 }

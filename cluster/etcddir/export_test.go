@@ -1,6 +1,11 @@
 package etcddir
 
-import clientv3 "go.etcd.io/etcd/client/v3"
+import (
+	"sync"
+	"testing"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+)
 
 // abandon stops renewing the lease without revoking it, as a node that
 // dies does: its records vanish when the TTL runs out.
@@ -19,4 +24,17 @@ func (d *Directory) currentLease() clientv3.LeaseID {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return d.lease
+}
+
+// holdGrants makes d's next grants of a lease wait until release is
+// called (or the test ends).
+func holdGrants(t testing.TB, d *Directory) (release func()) {
+	ch := make(chan struct{})
+	var once sync.Once
+	release = func() { once.Do(func() { close(ch) }) }
+	d.mu.Lock()
+	d.beforeGrant = func() { <-ch }
+	d.mu.Unlock()
+	t.Cleanup(release)
+	return release
 }
