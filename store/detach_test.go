@@ -86,6 +86,22 @@ func TestClusterReplicaDetach(t *testing.T) {
 	if used := usedBytes(s); used != before {
 		t.Fatalf("used %d bytes after the detached replica's release, want %d", used, before)
 	}
+	// Nothing to detach: a released replica, a cluster read.
+	if f.Detach() {
+		t.Fatal("a released replica detached")
+	}
+	r, err = s.LeaseCluster(1000, "w", 0, 0, "id-new")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.File.Close()
+	if r.Detach() {
+		t.Fatal("a cluster read detached")
+	}
+	r.Release()
+	if !s.HasCluster(1000, "w", 0, 0) {
+		t.Fatal("the sealed replica went with a refused detach")
+	}
 
 	// A version's only shard detaches with its version: the retry makes
 	// the version again, seals and publishes it.

@@ -227,16 +227,8 @@ func TestAbortedReplicaKeepsExposedMemory(t *testing.T) {
 	const size = 3 << 20
 	want := make([]byte, size)
 	rand.NewChaCha8([32]byte{'a', 'b', 'o', 'r', 't'}).Read(want)
-	r, err := node.CreateReplica(ctx, a.node, cluster.Object{Name: "ns/aborted", Owner: uint32(os.Getuid()), Size: size,
-		ChunkSize: size, ID: "aborted-incarnation", Origin: "z", Sealed: time.Now()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	copy(r.Bytes(), want)
-	e, release, err := r.(cluster.ExposableReplica).Expose()
-	if err != nil {
-		t.Fatal(err)
-	}
+	r, e, release := exposedReplica(ctx, t, a, cluster.Object{Name: "ns/aborted", Owner: uint32(os.Getuid()), Size: size,
+		ChunkSize: size, ID: "aborted-incarnation", Origin: "z", Sealed: time.Now()}, want)
 	if err := r.Seal(); err != nil {
 		t.Fatal(err)
 	}
@@ -247,6 +239,22 @@ func TestAbortedReplicaKeepsExposedMemory(t *testing.T) {
 	held := bytesUsed(t, a.st)
 	a.put(t, "ns/after", size, client.CreateOptions{})
 	peerReadsAborted(ctx, t, a, b, e, release, want, held)
+}
+
+// exposedReplica makes a replica of o on d holding b, as a pull does, and
+// exposes it to peers, as a fanned-out pull does.
+func exposedReplica(ctx context.Context, t *testing.T, d *daemon, o cluster.Object, b []byte) (cluster.Replica, cluster.Exposure, func()) {
+	t.Helper()
+	r, err := node.CreateReplica(ctx, d.node, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(r.Bytes(), b)
+	e, release, err := r.(cluster.ExposableReplica).Expose()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r, e, release
 }
 
 // peerReadsAborted has b read exposure e of a's aborted replica, whose
@@ -318,15 +326,7 @@ func TestRetryBesideExposedAbortedReplica(t *testing.T) {
 			old, fresh := make([]byte, size), make([]byte, size)
 			rand.NewChaCha8([32]byte{'o', 'l', 'd', byte(version)}).Read(old)
 			rand.NewChaCha8([32]byte{'n', 'e', 'w', byte(version)}).Read(fresh)
-			r, err := node.CreateReplica(ctx, a.node, o)
-			if err != nil {
-				t.Fatal(err)
-			}
-			copy(r.Bytes(), old)
-			e, release, err := r.(cluster.ExposableReplica).Expose()
-			if err != nil {
-				t.Fatal(err)
-			}
+			r, e, release := exposedReplica(ctx, t, a, o, old)
 			r.Abort()
 			before := bytesUsed(t, a.st)
 			r2, err := node.CreateReplica(ctx, a.node, o)
