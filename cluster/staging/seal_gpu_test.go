@@ -30,7 +30,7 @@ import (
 // object's size (allocation, the first copy into it, its UCX
 // registration, its free), each twice, the second round in the opposite
 // order. CUDAIPC_SEAL_GIB sets the object's size (1
-// GiB by default); the numbers in docs/cluster.md come from
+// GiB by default); the numbers in docs/lab/cluster-measured.md come from
 //
 //	CUDAIPC_SEAL_GIB=16 ./cluster_staging.test -test.run SealGPU -test.v
 func TestSealGPU(t *testing.T) {

@@ -225,7 +225,7 @@ func parseRate(t *testing.T, s string) float64 {
 // CPUs, set the pace: at the default 25 Mbit/s the five processes move
 // about 12 MB/s in all, a tenth of what the project's 2-core machine moves
 // between them, and one copy takes 4 s, so the bound leaves 1.2 s for what
-// the chain adds. What it adds, measured (docs/cluster.md): the frames'
+// the chain adds. What it adds, measured (docs/lab/cluster-measured.md): the frames'
 // headers (0.7% at MTU 9000), the setup before the first read (10-50 ms:
 // directory records, control channel, UCX connect), one chunk's time on the
 // link per hop (64 KiB: 21 ms; chunks are whole when forwarded) and
