@@ -23,6 +23,12 @@ publish (its new weights are in its memory) until the consumer's copies are comp
   bucketed       verl-style: one 2 GB IPC buffer shared once; the producer packs
                  tensors into it chunk by chunk, a socket handshake per chunk, the
                  consumer copies each chunk out
+  nccl-bucketed  torch.distributed broadcast from the trainer (rank 0) to the engine
+                 (rank 1), as verl and SGLang update weights over NCCL: tensors packed
+                 into 1 GiB buckets, one broadcast per bucket, unpacked into the
+                 engine's parameters (NCCL across two GPUs; gloo in --smoke)
+  nccl-per-tensor the same, one broadcast per tensor (SGLang's
+                 update_weights_from_distributed without buckets)
   floor          the same bytes copied device-to-device inside one process, tensor
                  by tensor (_foreach_copy_ on one GPU; copy_ per tensor across GPUs,
                  the peer-copy floor), and as one flat copy
@@ -63,6 +69,8 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(REPO, "python"))
 
 BUCKET = 2 << 30
+DIST_BUCKET = 1 << 30   # the torch.distributed paths' bucket (verl's and SGLang's order of size)
+DIST_PATHS = ("nccl-bucketed", "nccl-per-tensor")
 
 
 def dense_shapes() -> List[Tuple[str, Tuple[int, ...]]]:
@@ -368,6 +376,79 @@ def consumer(conn, cfg, results) -> None:
     assert conn.recv() == "bye"
 
 
+def dist_rank(rank: int, conn, cfg, results) -> None:
+    """torch.distributed broadcast of the state dict from rank 0 (the trainer, on the
+    producer GPU) to rank 1 (the engine, on the consumer GPU), for each of cfg's
+    nccl-* paths: bucketed (packed into DIST_BUCKET buffers) and per tensor. NCCL
+    between two GPUs; gloo on host memory (--smoke)."""
+    import torch
+    import torch.distributed as dist
+    dev = device(cfg["producer_gpu"] if rank == 0 else cfg["consumer_gpu"])
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    os.environ.update(GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method="tcp://127.0.0.1:%d" % cfg["dist_port"], rank=rank, world_size=2)
+    params = alloc(MODELS[cfg["model"]](), dev)
+    flat = [t.reshape(-1).view(torch.uint8) for t in params.values()]
+    buckets: List[List[Any]] = [[]]
+    used = 0
+    for t in flat:
+        if buckets[-1] and used + t.numel() > DIST_BUCKET:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(t)
+        used += t.numel()
+    for path, versions in cfg["paths"]:
+        if path not in DIST_PATHS:
+            continue
+        buf = None
+        if path == "nccl-bucketed":
+            buf = torch.empty(max(sum(t.numel() for t in b) for b in buckets), dtype=torch.uint8, device=dev)
+        times, bad = [], 0
+        for _ in range(versions):
+            sums = None
+            if rank == 0:
+                randomize(params)
+                sync(dev)
+                sums = checksums(params)
+            dist.barrier()
+            t0 = now()
+            if path == "nccl-per-tensor":
+                for t in flat:   # the same bytes as uint8: gloo has no bfloat16
+                    dist.broadcast(t, src=0)
+            else:
+                for b in buckets:
+                    off = 0
+                    if rank == 0:
+                        for t in b:
+                            buf[off:off + t.numel()].copy_(t, non_blocking=True)
+                            off += t.numel()
+                    dist.broadcast(buf[:sum(t.numel() for t in b)], src=0)
+                    if rank == 1:
+                        for t in b:
+                            t.copy_(buf[off:off + t.numel()], non_blocking=True)
+                            off += t.numel()
+            sync(dev)
+            if rank == 0:
+                conn.send((t0, sums))
+            else:
+                t1 = now()
+                t0r, want = conn.recv()
+                if checksums(params) != want:
+                    bad += 1
+                times.append(t1 - t0r)
+            dist.barrier()
+        if rank == 1:
+            results.put({"model": cfg["model"], "path": path, "times": times, "bad_versions": bad,
+                         "versions": versions, "bytes": nbytes(params), "tensors": len(params),
+                         "how": "%s, %d broadcasts" % (backend, len(params) if path == "nccl-per-tensor" else len(buckets))})
+        del buf
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
 def floor(cfg, results) -> None:
     """The same bytes copied device-to-device in one process: tensor by tensor, and as
     one flat copy, producer GPU -> consumer GPU."""
@@ -477,16 +558,29 @@ def run_model(cfg) -> List[dict]:
     results = ctx.Queue()
     f = ctx.Process(target=floor, args=(cfg, results))
     a, b = ctx.Pipe()
-    p = ctx.Process(target=producer, args=(a, cfg))
-    c = ctx.Process(target=consumer, args=(b, cfg, results))
+    dist_paths = [p for p, _ in cfg["paths"] if p in DIST_PATHS]
+    ipc = dict(cfg, paths=[(p, n) for p, n in cfg["paths"] if p not in DIST_PATHS])
+    p = ctx.Process(target=producer, args=(a, ipc))
+    c = ctx.Process(target=consumer, args=(b, ipc, results))
+    ranks = []
     try:
         f.start()
         f.join(cfg["timeout"])
         p.start()
         c.start()
-        return collect(cfg, results, p, c)
+        out = collect(ipc, results, p, c)
+        if dist_paths:
+            # After the cudaipc paths, alone on the GPUs: two ranks of torch.distributed.
+            ra, rb = ctx.Pipe()
+            cfg = dict(cfg, dist_port=free_port())
+            ranks = [ctx.Process(target=dist_rank, args=(0, ra, cfg, results)),
+                     ctx.Process(target=dist_rank, args=(1, rb, cfg, results))]
+            for x in ranks:
+                x.start()
+            out += collect(dict(cfg, paths=[], expect=len(dist_paths)), results, ranks[0], ranks[1])
+        return out
     finally:
-        for x in (f, p, c):
+        for x in [f, p, c] + ranks:
             if x.pid is not None and x.is_alive():
                 x.kill()
                 x.join(5)
@@ -494,7 +588,10 @@ def run_model(cfg) -> List[dict]:
 
 def collect(cfg, results, p, c) -> List[dict]:
     out = []
-    want = 4 + len(cfg["paths"]) if cfg["consumer_gpu"] >= 0 else 2 + len(cfg["paths"])
+    if "expect" in cfg:
+        want = cfg["expect"]
+    else:   # the floors (three on a GPU, one on the host) and one result per path
+        want = 4 + len(cfg["paths"]) if cfg["consumer_gpu"] >= 0 else 2 + len(cfg["paths"])
     deadline = time.monotonic() + cfg["timeout"]
     while len(out) < want and time.monotonic() < deadline:
         try:
@@ -509,6 +606,13 @@ def collect(cfg, results, p, c) -> List[dict]:
         if x.is_alive():
             x.kill()
     return out
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def summarize(r: dict) -> str:
@@ -557,7 +661,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", default=shutil.which("cudaipc") or os.path.join(REPO, "cudaipc"), help="the cudaipc binary")
     ap.add_argument("--models", default="dense,moe")
-    ap.add_argument("--paths", default="cudaipc,cudaipc-put,cudaipc-nocopy,per-tensor,bucketed")
+    ap.add_argument("--paths", default="cudaipc,cudaipc-put,cudaipc-nocopy,per-tensor,bucketed,nccl-bucketed,nccl-per-tensor",
+                    help="nccl-* need two GPUs (skipped when --producer-gpu equals --consumer-gpu)")
     ap.add_argument("--versions", type=int, default=5, help="versions per path (the first is reported apart)")
     ap.add_argument("--per-tensor-versions-moe", type=int, default=3)
     ap.add_argument("--producer-gpu", type=int, default=0)
@@ -574,6 +679,12 @@ def main() -> None:
         args.models, args.producer_gpu, args.consumer_gpu, args.capacity = "smoke", -1, -1, "256MiB"
         # Publishing without a copy shares CUDA memory: not in host memory.
         args.paths = ",".join(p for p in args.paths.split(",") if p != "cudaipc-nocopy")
+    if args.producer_gpu >= 0 and args.producer_gpu == args.consumer_gpu:
+        # NCCL needs one GPU per rank.
+        dropped = [p for p in args.paths.split(",") if p in DIST_PATHS]
+        if dropped:
+            print("skipping %s: NCCL needs two GPUs (--producer-gpu 0 --consumer-gpu 1)" % ",".join(dropped), flush=True)
+            args.paths = ",".join(p for p in args.paths.split(",") if p not in DIST_PATHS)
     daemon = subprocess.Popen([args.bin, "serve", "--socket", sock, "--backend", "host" if args.smoke else "cuda",
                                "--capacity", args.capacity,
                                "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
@@ -599,9 +710,14 @@ def main() -> None:
                 r["producer_gpu"], r["consumer_gpu"] = args.producer_gpu, args.consumer_gpu
                 if fl is not None and "median_s" in r and "median_s" in fl:
                     r["x_floor"] = r["median_s"] / fl["median_s"]
+            nb = next((r for r in rs if r["path"] == "nccl-bucketed" and "median_s" in r), None)
+            for r in rs:
+                if nb is not None and "median_s" in r:
+                    r["x_nccl_bucketed"] = r["median_s"] / nb["median_s"]
             for r in rs:
                 if "x_floor" in r:
-                    print("  %-11s %6.2fx floor" % (r["path"], r["x_floor"]), flush=True)
+                    vs = "  %6.2fx nccl-bucketed" % r["x_nccl_bucketed"] if "x_nccl_bucketed" in r else ""
+                    print("  %-11s %6.2fx floor%s" % (r["path"], r["x_floor"], vs), flush=True)
             fa = next((r for r in rs if r["path"] == "floor-alloc" and "median_s" in r), None)
             for r in rs:
                 if fa is not None and r["path"].startswith("cudaipc") and "median_s" in r:
