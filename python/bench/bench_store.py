@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Python client benchmarks against a running daemon, beside the Go client's in the
-same run (docs/python.md "Benchmarks").
+same run (docs/python.md, "Tests and benchmarks").
 
   python3 bench/bench_store.py --bin path/to/cudaipc [--device host|0] [--socket S]
 
