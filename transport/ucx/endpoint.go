@@ -179,26 +179,14 @@ const closeWait = 2 * time.Second
 // endpoint for the next Connect to the same address, unless it failed or
 // the flush did not finish, which close it forcibly.
 //
-// Why it is kept: the endpoint a served peer creates back to this worker
-// (to send Fetch replies) is usually the same UCX connection as this one:
-// ucp_ep_create_api_to_worker_addr takes the endpoint that this one's
-// wireup request created at the peer when their connection sequence
-// numbers line up (ucp_ep_match_get_sn, ucp_ep_match_retrieve of
-// UCS_CONN_MATCH_QUEUE_UNEXP, in v1.13.1 and v1.16.0). A UCX endpoint
-// closed gracefully stays inside UCX until the worker is destroyed,
-// flagged closed, once its peer connected to it (ucp_ep_disconnected:
-// "not destroying ep ... because of connection from remote"), and the
-// peer is told nothing; every rendezvous message arriving on it is then
-// dropped, its receive completed with UCS_ERR_CANCELED
-// (UCP_WORKER_GET_VALID_EP_BY_ID in ucp_rndv_receive, 1.13, and
-// ucp_proto_rndv_receive_start, 1.16). So after a graceful close, every
-// Fetch reply of rendezvous size from that peer to this worker would be
-// canceled until the worker is destroyed. A kept endpoint costs what
-// UCX's graceful close would have kept; a worker keeps at most maxParked,
-// and closes those whose peer failed. A forced close leaves the peer's
-// endpoint paired with it (UCX tells the peer nothing): a serving peer
-// replies to later fetches on the endpoint paired with the one each was
-// sent on instead (fetchServer.peerLocked).
+// Why it is kept: a served peer's endpoint back to this worker (for Fetch
+// replies) is usually paired by UCX with this one, and a gracefully closed
+// UCX endpoint stays paired but drops every rendezvous message that
+// arrives on it, so the peer's later replies would be canceled. A worker
+// keeps at most maxParked and closes those whose peer failed; after a
+// forced close the serving peer replies on the endpoint paired with the
+// one each request came by (fetchServer.peerLocked). The reading of UCX's
+// sources behind this: docs/lab/ucx-data-plane.md, "Kept endpoints".
 func (e *Endpoint) Close() error { return e.close(false) }
 
 func (e *Endpoint) close(force bool) error {

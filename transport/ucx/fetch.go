@@ -16,20 +16,14 @@ import (
 
 // Fetch is the two-sided read: the reader asks, the holder sends.
 //
-// Over transports without remote memory access (tcp), UCX emulates a GET
-// with messages the holder's worker answers inside ucp_worker_progress,
-// 8 KiB at a time, copied on both sides; and when the reader dies while
-// such an answer is under way, UCX 1.16 (and its master of 2026-12)
-// aborts the holder's process (ucp_get_req_handler → ucp_request_try_send:
-// "unexpected error: Endpoint timeout"). Fetch instead sends a request
-// (a tagged message) to the holder, whose Serve answers with a tagged send
-// of the bytes from its registered memory straight into the reader's
-// posted receive: large messages go by UCX's rendezvous protocol, which
-// over tcp writes from the holder's memory and reads into the reader's
-// (its PUT zcopy), and on RDMA is a zero-copy transfer. Both are requests
-// of the caller's own, which UCX completes with an error when the peer
-// dies, and the holder serves only bytes inside a Window it opened, named
-// by the window's token, which it hands to the readers it chose.
+// Over tcp UCX emulates a GET with messages the holder's worker answers,
+// and a reader that dies mid-answer can abort the holder's process
+// (docs/cluster.md, "Known crashes in UCX"). Fetch instead sends the holder
+// a tagged request, and its Serve answers with a tagged send of the bytes
+// from its registered memory into the reader's posted receive (rendezvous
+// for large messages). Both are requests of the caller's own, which UCX
+// fails when the peer dies, and the holder serves only bytes inside a
+// Window it opened, named by a token it hands to the readers it chose.
 //
 // The request is an envelope (wire.go) of magic "ucFR": its header is the
 // reply tag (8), the address (8) and the length (8) of the bytes wanted,
@@ -310,10 +304,9 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 				stopped, giveUp = err, time.Now().Add(cancelWait)
 			}
 		}
-		// Every Fetch on a worker polls it: with one polling for all and
-		// the others waiting for its rounds (up to 200 us), the 8B weight
-		// sync on the H200 ran at 7.05 and 7.90 GB/s against 8.59 and 8.62
-		// alternated in one call (2026-12-01), for the same CPU.
+		// Every Fetch on a worker polls it: one poller for all, the others
+		// waiting on its rounds, measured slower for the same CPU
+		// (docs/lab/bench-cross-node-sync.md, "Fetches").
 		idle.after(progressed > 0 || len(inflight) < before)
 	}
 	runtime.KeepAlive(dst)
@@ -324,47 +317,14 @@ func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64,
 }
 
 // fetchDrain is a truncating receive a worker posts for the reply to a
-// canceled fetch. A Fetch that stops cancels the receives the holder has
-// not answered yet, but a holder that already got the request answers it
-// all the same: unmatched, its reply would stay in the reader's unexpected
-// queue (an eager reply whole, a rendezvous one as its announcement), and
-// the holder's send of a rendezvous reply would stay pending until the
-// endpoint it goes by closed. So for each receive that ended canceled
-// after its request was sent, the worker posts a receive of drainLen
-// bytes on the same reply tag (refusal bit masked out, as the fetch's
-// own receive), which takes the reply without its bytes. What UCX does
-// with a receive shorter than the message (read in the v1.13.1 and
-// v1.16.0 sources):
-//
-//   - Eager, one fragment: ucp_datatype_iter_unpack_single (1.16;
-//     ucp_dt_unpack_only in 1.13) sees the message longer than the buffer,
-//     copies nothing, releases the unexpected descriptor and completes the
-//     receive with UCS_ERR_MESSAGE_TRUNCATED. Several fragments:
-//     ucp_request_process_recv_data marks the receive truncated at the
-//     first (ucp_request_recv_msg_truncated copies nothing), still
-//     consumes every later fragment of the message and completes with
-//     UCS_ERR_MESSAGE_TRUNCATED after the last. The holder's eager send
-//     completed when UCX buffered it, whatever the reader does.
-//   - Rendezvous, 1.16 (protocols v2, UCX_PROTO_ENABLE=y by default):
-//     ucp_proto_rndv_receive_start sees rts->size above the buffer's
-//     length, sets the receive's status to UCS_ERR_MESSAGE_TRUNCATED and
-//     runs UCP_OP_ID_RNDV_RECV_DROP (the "rndv/ats" protocol: no data is
-//     fetched), which sends the holder an ATS with status UCS_OK and the
-//     message's full size (ucp_proto_rndv_pack_ack); the receive completes
-//     once the ATS is sent. The holder's ucp_proto_rndv_ats_handler counts
-//     that size as done and completes its send with UCS_OK.
-//   - Rendezvous, 1.13 (protocols v1, the default there): ucp_rndv_receive
-//     sends the ATS with UCS_OK (ucp_rndv_req_send_ack) and completes the
-//     receive with UCS_ERR_MESSAGE_TRUNCATED at once; ucp_rndv_ats_handler
-//     completes the holder's send with the ATS's status, UCS_OK.
-//
-// So both sides are released, and the holder sees a reply sent (FetchStats
-// counts it) whose bytes nobody read. A drain completes only while its
-// worker is progressed (Serve, or reads on it). It is bounded: a worker
-// keeps at most maxDrains (beyond, the oldest is canceled), and a drain
-// whose reply never comes (the holder dropped the request, or died) is
-// canceled when its endpoint or worker closes. Tags are never reused, so
-// a drain matches no other reply.
+// canceled fetch whose request was sent: the holder answers it all the same,
+// and unmatched, that reply would stay in the reader's unexpected queue and
+// keep a rendezvous send pending at the holder. A receive of drainLen bytes
+// on the same reply tag takes the reply without its bytes and completes both
+// sides (UCX truncates an eager reply and acknowledges a rendezvous one
+// unread: docs/lab/ucx-data-plane.md, "Drains"). Drains complete while the
+// worker is progressed; a worker keeps at most maxDrains, and one whose
+// reply never comes is canceled when its endpoint or worker closes.
 type fetchDrain struct {
 	req raw.Request
 	ep  *Endpoint // the endpoint the request went by
@@ -797,7 +757,7 @@ const maxCatchUp = 64
 // (which pair with the reader's endpoints of theirs). Where that number is
 // past (this worker's own endpoint took it, or it was closed) or too far
 // ahead, or the request has none, the reply goes on one endpoint kept for
-// the reader, as before numbers were sent.
+// the reader, as for a reader that sends none.
 func (fs *fetchServer) peerLocked(a WorkerAddress, sn int) (*Endpoint, error) {
 	key := fetchPeer{string(a.b), sn}
 	if ep, ok := fs.peers[key]; ok && !ep.closed && ep.failed.Load() == 0 {

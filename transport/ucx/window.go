@@ -82,7 +82,7 @@ func (w *Window) Len() uint64 { return w.n }
 // Ready takes no lock that a served worker's loop holds: a holder staging
 // an object calls it after every slice, and waiting for those locks (a
 // Serve spinning through a stream of fetches takes its worker's lock again
-// at once) kept its copy engine idle most of the time (issue 19). A Ready
+// at once) kept its copy engine idle most of the time. A Ready
 // on a closed window changes nothing that a fetch reads.
 func (w *Window) Ready(k uint64) {
 	k = min(k, w.n)
