@@ -23,11 +23,10 @@
 //
 // An object is pulled and checked in chunks (ChunkSizeFor: 4 MiB, up to
 // 16 MiB for objects beyond 4 GiB, more beyond 1 TiB); each chunk's
-// CRC-32C is recorded at seal and checked after the pull. CRC-32C runs on the CPU's CRC instructions
-// (SSE 4.2, ARMv8) through hash/crc32, 16.5 GB/s on this project's 2-core
-// CPU test machine against 9.4 GB/s for xxhash64; it detects corruption,
-// and the records' MACs and the authenticated channel guard against
-// forgery.
+// CRC-32C is recorded at seal and checked after the pull, on the CPU's CRC
+// instructions (SSE 4.2, ARMv8) through hash/crc32, or on the GPU for GPU
+// objects; it detects corruption, and the records' MACs and the
+// authenticated channel guard against forgery.
 //
 // # Users
 //

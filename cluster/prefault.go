@@ -18,11 +18,10 @@ const prefaultStep = 4 << 20
 // own page faults cost less.
 const prefaultMin = 16 << 20
 
-// prefaultWorkers is how many goroutines map a replica in: one zeroes and
-// maps about 2 GB/s of shared memory (the H200 host's 16 cores: a single
-// one, busy for the whole pull, paced the GETs of a host object at
-// 1.9–2.0 GB/s, half the link), so a quarter of the CPUs, up to 4, keeps
-// ahead of a fast link and leaves a small machine one.
+// prefaultWorkers is how many goroutines map a replica in: one goroutine
+// zeroes and maps shared memory slower than a fast link delivers it, so a
+// quarter of the CPUs, up to 4, keeps ahead of the reads and leaves a small
+// machine one (docs/lab/cluster-measured.md, "Checks beside the reads").
 func prefaultWorkers() int { return min(max(runtime.GOMAXPROCS(0)/4, 1), 4) }
 
 // prefault maps in the pages of dst, the fresh mapping of a local replica,

@@ -46,11 +46,9 @@ const (
 	// TargetChunks and LargeChunkSize: ChunkSizeFor doubles
 	// DefaultChunkSize, up to LargeChunkSize, while an object has more
 	// than TargetChunks chunks. A multi-GiB object (a model's weights) is
-	// read in 16 MiB chunks: over tcp each read costs a rendezvous, and on
-	// the H200 machine 16 MiB chunks synced 16 GB of weights 10% faster
-	// than 4 MiB ones in the same run (docs/benchmarks.md). Objects up to
-	// 4 GiB keep the finer grain that partial reads, fan-out and rereads of
-	// corrupt chunks gain from.
+	// read in 16 MiB chunks, since over tcp each read costs a rendezvous;
+	// objects up to 4 GiB keep the finer grain that partial reads, fan-out
+	// and rereads of corrupt chunks gain from (docs/cluster.md, "Chunks").
 	TargetChunks   = 1024
 	LargeChunkSize = 16 << 20
 	// MaxManifestLen bounds a bundle's manifest carried in its record:

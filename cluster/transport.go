@@ -46,12 +46,9 @@ type chunkRead struct {
 // or its error; a goroutine stops at its first failed read. next and done
 // are called from several goroutines at once. readChunks returns when
 // every goroutine has, with the first error (ctx's when it ended).
-//
-// The reads of one endpoint could instead be issued from one loop that
-// progresses the worker (a ucx.GetStream, removed after cc987f9); on the H200 that read no
-// faster than concurrent Gets, and with Debian's UCX 1.13 it made a daemon
-// closing right after a pull abort on an assertion that UCX 1.14 removed
-// (docs/cluster.md, "The 1 GiB pull").
+// Concurrent reads rather than one loop issuing them all: the loop read no
+// faster and tripped a UCX 1.13 assertion when a daemon closed right after
+// a pull (docs/lab/cluster-measured.md, "Checks beside the reads").
 func readChunks(ctx context.Context, ep Endpoint, rkey []byte, depth int, timeout time.Duration, next func() (chunkRead, bool), done func(chunkRead, error)) error {
 	var (
 		mu    sync.Mutex

@@ -63,9 +63,9 @@ var errNoDeviceSums = errors.New("the device could not checksum the object")
 // gpuFilling has the device compute the chunk checksums of the GPU object
 // of f, incarnation id, then starts staging it into a pinned buffer
 // registered with UCX and returns the checksums, for the caller to
-// publish while the staging goes on. The checksums come first: alone the
-// kernel takes milliseconds, beside the device→host copy it took ten times
-// longer on the H200, and readers come only once the record is out.
+// publish while the staging goes on. The checksums come first: the kernel
+// runs much slower beside the device→host copy, and readers come only once
+// the record is out.
 // started reports whether the staging began: it then releases f when it
 // ends, whatever gpuFilling returns. errNoDeviceSums means the caller must
 // seal the object the other way.
@@ -108,11 +108,8 @@ func (n *Node) gpuFilling(ctx context.Context, f *store.ClusterFile, chunk int64
 // stageDepth is how many slices of a filling's staging are queued on the
 // device at once: the copy engine goes on with the next ones while the
 // staging goroutine waits for a CPU, and the landing of each is said as
-// soon as it lands. On the H200 the staging of 16 GB takes 0.3 s alone and
-// beside a pull alike, its stream idle under 20 ms (stageTimes), now that
-// saying a landing (Window.Ready) takes no lock of the served workers';
-// before that, it took 1.2-1.5 s beside a pull, idle most of it
-// (docs/benchmarks.md).
+// soon as it lands (Window.Ready, which takes no lock of the served
+// workers, so the stream is not left idle beside a pull: stageTimes says).
 const stageDepth = 4
 
 // stageTimes is how a staging spent the device's time, from timing events

@@ -14,32 +14,14 @@ import (
 	"github.com/cudaipc/cudaipc/store"
 )
 
-// GPU objects cross nodes through pinned host memory (the staging path of
-// docs/cluster.md, "GPU objects"): UCX builds without CUDA memory support
-// cannot read GPU memory.
-//
-//   - seal: the object's GPU computes the CRC-32C of every chunk
-//     (cudaipc.Device.ChunkCRC32C), the record is published, and the object
-//     is copied device→host into a pinned buffer behind it (filling.go),
-//     readers that come meanwhile waiting at this node for the slices not
-//     copied yet. Where the device cannot checksum (or Config.HostChecksums,
-//     or this node answers GETs), the copy comes first and the host
-//     checksums each slice while the next one copies (staging.CopyOut).
-//     Either way the buffer goes back to the pool tagged with the object's
-//     incarnation;
-//   - expose: peers read a pinned buffer holding the object, registered
-//     with UCX once (kept with the buffer): the one being filled behind the
-//     record, or the one tagged with its incarnation if the pool still has
-//     it (staged at the seal, by an earlier exposure, or landed by this
-//     node's pull), else a new copy;
-//   - pull: chunks land in a pinned buffer of the reader, and each is
-//     copied host→device into the replica and checked there by the GPU
-//     (cluster.SummingReplica; with host checksums, checked in the landing
-//     buffer, then copied: cluster.LandingReplica), overlapping the wire.
-//
-// Pinned buffers are pooled (pinnedPool): allocating and registering
-// gigabytes of pinned memory costs more than copying them, and a name
-// published every training step needs the same sizes again and again.
+// GPU objects cross nodes through pinned host memory where UCX cannot read
+// GPU memory (docs/cluster.md, "GPU objects"): the seal checksums the object
+// on its GPU, publishes the record and stages it into a pinned buffer behind
+// it (filling.go); an exposure lends peers a pinned buffer that holds it
+// (the pool keeps buffers tagged with their incarnation); a pull lands
+// chunks in a pinned buffer and copies and checks each on the reader's GPU
+// (cluster.SummingReplica). Pinned buffers are pooled (pinnedPool):
+// allocating gigabytes of pinned memory costs more than copying them.
 
 // DefaultPinnedIdle bounds the bytes of idle pinned buffers a node keeps
 // for the next GPU object's staging.

@@ -696,8 +696,7 @@ func (r *replica) Bytes() []byte { return r.mem }
 // Seal makes the replica visible. Nothing writes through its mapping any
 // more (the pull's reads have completed), and the mapping is unmapped after
 // the seal on a goroutine of its own: tearing down the page tables of a
-// large replica (80-240 ms a GiB on the 2-core test machine) is then off
-// the get's path.
+// large replica is then off the get's path.
 func (r *replica) Seal() error {
 	whole := r.whole
 	r.whole, r.mem = nil, nil

@@ -31,13 +31,10 @@ func AllocPinned(dev *cudaipc.Device, n int64) ([]byte, func() error, error) {
 
 // pinnedHugePages says whether AllocPinned asks for transparent huge
 // pages (MADV_HUGEPAGE) before faulting its mapping in: 512 times fewer
-// faults, and pages the driver pins 2 MiB at a time. On the H200 machine
-// a 16 GiB buffer took 0.86-0.92 s so, 1.9-2.0 s with 4 KiB pages and
-// 6.6-9.0 s from cuMemAllocHost (docs/cluster.md, "GPU objects"), and
-// THP did at least as well as 4 KiB pages on memory the VM had not touched
-// before; on the 2-core CPU machine it was erratic on such memory. Where
-// THP is off the advice does nothing; where the kernel finds no huge page
-// it falls back to 4 KiB pages.
+// faults, and pages the driver pins 2 MiB at a time: several times faster
+// than 4 KiB pages or cuMemAllocHost for a large buffer (docs/benchmarks.md,
+// "Inside the pull"). Where THP is off the advice does nothing; where the
+// kernel finds no huge page it falls back to 4 KiB pages.
 const pinnedHugePages = true
 
 func allocPinned(dev *cudaipc.Device, n int64, huge bool) ([]byte, func() error, error) {
