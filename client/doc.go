@@ -58,7 +58,9 @@
 //
 // Errors match the package's sentinels with errors.Is: ErrNotFound,
 // ErrExists, ErrTimeout, ErrStoreFull, ErrPermission, ErrLimit, ErrInvalid,
-// ErrNotSealed, ErrSealed, ErrVersion and ErrInternal are protocol's (one
+// ErrNotSealed, ErrSealed, ErrVersion, ErrInternal, and from a daemon in a
+// cluster ErrUnavailable (retry later) and ErrDataLoss (a record or the
+// bytes do not verify: retrying does not help), are protocol's (one
 // table maps the daemon's codes to them); ErrStoreGone (the daemon went
 // away: Dial again once a new daemon runs) and ErrClosed are the client's
 // own. When this process cannot map GPU memory the daemon sent, the error

@@ -29,6 +29,14 @@ var (
 	// ErrInternal is a failure inside the daemon, or a daemon reply that
 	// breaks the protocol.
 	ErrInternal = protocol.ErrInternal
+	// ErrUnavailable means a daemon in a cluster could not reach what the
+	// answer needs: the cluster directory, or every live node holding the
+	// object. Nothing was lost; retry later.
+	ErrUnavailable = protocol.ErrUnavailable
+	// ErrDataLoss means a record or the bytes of the object, as another
+	// node holds them, do not verify (forged, written with another cluster
+	// secret, or corrupt). Retrying does not help.
+	ErrDataLoss = protocol.ErrDataLoss
 	// ErrStoreGone means the connection to the daemon is lost (the daemon
 	// stopped, restarted or closed the connection) or there is no daemon.
 	// The Client is unusable afterwards; Dial again. It has no protocol

@@ -80,7 +80,7 @@ func (p *Puller) acquire(ctx context.Context, node string) (*peer, error) {
 		return pe, nil
 	}
 	ps.mu.Unlock()
-	rec, err := p.Dir.Node(ctx, node)
+	rec, err := p.liveNode(ctx, node)
 	if err != nil {
 		return nil, err
 	}

@@ -106,7 +106,7 @@ func (p *Puller) readInline(ctx context.Context, t *transfer, tried map[string]b
 			}
 		}
 		if err != nil {
-			t.failed[h] = oneLine(err)
+			t.holderFailed(h, err)
 			if errors.Is(err, ErrUnavailable) {
 				return false, fmt.Errorf("pull %s: %w", e.Ref(), err)
 			}

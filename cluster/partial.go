@@ -197,7 +197,7 @@ func (p *Puller) readChunks(ctx context.Context, t *transfer) error {
 			tried[h] = true
 			s, err := p.open(ctx, t.e, h, false)
 			if err != nil {
-				t.failed[h] = oneLine(err)
+				t.holderFailed(h, err)
 				if errors.Is(err, ErrUnavailable) {
 					return fmt.Errorf("pull %s: %w", ref, err)
 				}
@@ -210,7 +210,7 @@ func (p *Puller) readChunks(ctx context.Context, t *transfer) error {
 			if round == 0 && len(t.failed) == 0 {
 				return fmt.Errorf("pull %s: %w (holders in the directory: %s)", ref, ErrNoHolder, holderList(t.e.Holders))
 			}
-			return t.failure(ref, ErrNoHolder)
+			return t.failure(ref)
 		}
 		p.run(ctx, t, fresh)
 		switch {
@@ -221,7 +221,7 @@ func (p *Puller) readChunks(ctx context.Context, t *transfer) error {
 		case ctx.Err() != nil:
 			return fmt.Errorf("pull %s: %w after %d of %d chunks (%s)", ref, ctx.Err(), t.done, t.want, t.why())
 		case round+1 >= maxRounds:
-			return t.failure(ref, nil)
+			return t.failure(ref)
 		}
 	}
 }

@@ -298,7 +298,7 @@ func (p *Puller) open(ctx context.Context, e Entry, holder string, feeder bool) 
 	}
 	ref := e.Ref()
 	s := &source{node: holder}
-	n, err := p.Dir.Node(ctx, holder)
+	n, err := p.liveNode(ctx, holder)
 	if err != nil {
 		return nil, err
 	}
@@ -388,6 +388,13 @@ type transfer struct {
 	bad     map[int]int
 	fatal   error
 	failed  map[string]string // node → why, for the final error
+	// reachedFailed: a holder that is live, as far as this node can tell,
+	// failed (refused, dropped out, stalled); without one, the holders
+	// that failed hold nothing any more (see holderFailed).
+	reachedFailed bool
+	// corrupt: the holders that failed with bytes that do not match the
+	// record's checksums.
+	corrupt map[string]bool
 	start   time.Time
 	feed    *feed // this node's feed of the replica, nil without fan-out
 	// land, when set, takes each checked chunk onwards (LandingReplica);
@@ -482,7 +489,7 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 				}
 			}
 			if err != nil {
-				t.failed[h.node] = oneLine(err)
+				t.holderFailed(h.node, err)
 				if errors.Is(err, ErrUnavailable) {
 					return e, fmt.Errorf("pull %s: %w", ref, err)
 				}
@@ -495,7 +502,7 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 			if round == 0 && len(t.failed) == 0 {
 				return e, fmt.Errorf("pull %s: %w (holders in the directory: %s)", ref, ErrNoHolder, holderList(e.Holders))
 			}
-			return e, t.failure(ref, ErrNoHolder)
+			return e, t.failure(ref)
 		}
 		if round > 0 {
 			p.log().Info("cluster pull: moving to other holders", "object", ref.String(), "holders", len(fresh))
@@ -513,7 +520,7 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 			return e, fmt.Errorf("pull %s: %w after %d of %d chunks (%s)", ref, ctx.Err(), t.done, n, t.why())
 		}
 		if round+1 >= maxRounds {
-			return e, t.failure(ref, nil)
+			return e, t.failure(ref)
 		}
 	}
 	stopFault()
@@ -763,6 +770,7 @@ func (p *Puller) drop(t *transfer, s *source, dead *atomic.Bool, why string) {
 	}
 	s.bad.Store(true)
 	t.failed[s.node] = why
+	t.reachedFailed = true
 	p.failovers.Add(1)
 	p.log().Warn("cluster pull: dropping a holder", "object", t.e.Ref().String(), "node", s.node, "err", why,
 		"chunks_done", t.done, "chunks", t.want)
@@ -779,12 +787,58 @@ func (t *transfer) why() string {
 	return strings.Join(parts, "; ")
 }
 
-func (t *transfer) failure(ref Ref, sentinel error) error {
-	n := t.want
-	if sentinel != nil {
-		return fmt.Errorf("pull %s: %w: every holder failed after %d of %d chunks (%s)", ref, sentinel, t.done, n, t.why())
+// holderFailed records that a holder could not be opened, and why. A
+// holder whose node record is gone or does not verify, or that answers it
+// no longer holds the object, is gone; any other failure leaves the
+// holder live but unreachable.
+func (t *transfer) holderFailed(node string, err error) {
+	t.failed[node] = oneLine(err)
+	switch {
+	case errors.Is(err, ErrChecksum):
+		if t.corrupt == nil {
+			t.corrupt = map[string]bool{}
+		}
+		t.corrupt[node] = true
+		t.reachedFailed = true
+	case !errors.Is(err, errNotLive) && !errors.Is(err, ErrNotFound):
+		t.reachedFailed = true
 	}
-	return fmt.Errorf("pull %s: every holder failed after %d of %d chunks in %v (%s)", ref, t.done, n, time.Since(t.start).Round(time.Millisecond), t.why())
+}
+
+// failure is the error of a pull whose every holder failed: wrapping
+// ErrNoHolder when they all turned out gone (no live node holds the
+// object), ErrChecksum when every one sent bytes that do not verify, else
+// ErrUnreachable (one that may still hold it failed).
+func (t *transfer) failure(ref Ref) error {
+	n := t.want
+	switch {
+	case !t.reachedFailed:
+		return fmt.Errorf("pull %s: %w: every holder failed after %d of %d chunks (%s)", ref, ErrNoHolder, t.done, n, t.why())
+	case len(t.corrupt) == len(t.failed):
+		return fmt.Errorf("pull %s: %w: every holder sent bytes that fail their checksums (%s)", ref, ErrChecksum, t.why())
+	}
+	return fmt.Errorf("pull %s: %w: every holder failed after %d of %d chunks in %v (%s)", ref, ErrUnreachable, t.done, n, time.Since(t.start).Round(time.Millisecond), t.why())
+}
+
+// errNotLive marks the failure to read a holder's node record: expired,
+// or one that does not verify. Such a holder is not a live node.
+var errNotLive = errors.New("not a live node")
+
+// notLive is a failure to read node's record, keeping its text and
+// matching errNotLive as well.
+type notLive struct{ err error }
+
+func (e *notLive) Error() string   { return e.err.Error() }
+func (e *notLive) Unwrap() []error { return []error{errNotLive, e.err} }
+
+// liveNode reads node's record, failing with an error that matches
+// errNotLive unless the directory did not answer.
+func (p *Puller) liveNode(ctx context.Context, node string) (Node, error) {
+	n, err := p.Dir.Node(ctx, node)
+	if err != nil && !errors.Is(err, ErrUnavailable) && ctx.Err() == nil {
+		err = &notLive{err}
+	}
+	return n, err
 }
 
 func holderList(h []string) string {

@@ -16,6 +16,8 @@ import (
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 	"github.com/cudaipc/cudaipc/cluster/internal/memtransport"
 	"github.com/cudaipc/cudaipc/internal/testutil"
+	"github.com/cudaipc/cudaipc/protocol"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
 var secret = mustSecret("the-cluster-secret-for-tests")
@@ -122,8 +124,8 @@ func TestPullAcrossNodes(t *testing.T) {
 		t.Errorf("stats %+v", st)
 	}
 	// Unknown names and deleted names.
-	if _, err := c.P.Pull(ctx, cluster.Ref{Owner: 1000, Name: "nope"}); !errors.Is(err, cluster.ErrNotFound) {
-		t.Fatalf("pull of an unknown name: %v", err)
+	if _, err := c.P.Pull(ctx, cluster.Ref{Owner: 1000, Name: "nope"}); !errors.Is(err, cluster.ErrNotFound) || protocol.CodeOf(err) != storev1.Error_NOT_FOUND {
+		t.Fatalf("pull of an unknown name: %v (code %v)", err, protocol.CodeOf(err))
 	}
 }
 
@@ -186,6 +188,10 @@ func TestPullOnlyHolderDies(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "node a") || strings.Contains(err.Error(), "\n") {
 		t.Fatalf("pull from a dead only holder: %v; want one line naming node a", err)
 	}
+	// A's record is live still: unreachable, not gone.
+	if !errors.Is(err, cluster.ErrUnreachable) || protocol.CodeOf(err) != storev1.Error_UNAVAILABLE {
+		t.Fatalf("pull from a dead only holder: %v (code %v), want UNAVAILABLE", err, protocol.CodeOf(err))
+	}
 	t.Logf("failed after %v: %v", took.Round(time.Millisecond), err)
 	if b.Store.Get(o.Ref()) != nil {
 		t.Fatal("a half replica is visible")
@@ -200,8 +206,8 @@ func TestPullOnlyHolderDies(t *testing.T) {
 	worker(h).SetDelay(time.Hour)
 	start = time.Now()
 	_, err = b.P.Pull(ctx, o2.Ref())
-	if err == nil || !strings.Contains(err.Error(), "node h: no chunk within 500ms") {
-		t.Fatalf("pull from a hung holder: %v", err)
+	if err == nil || !strings.Contains(err.Error(), "node h: no chunk within 500ms") || protocol.CodeOf(err) != storev1.Error_UNAVAILABLE {
+		t.Fatalf("pull from a hung holder: %v (code %v)", err, protocol.CodeOf(err))
 	}
 	if took := time.Since(start); took > 5*time.Second {
 		t.Fatalf("pull from a hung holder took %v", took)
@@ -216,8 +222,9 @@ func TestPullChecksum(t *testing.T) {
 	o, data := a.Put(t, "flaky", 3<<20, 1<<20)
 	data[(1<<20)+7] ^= 0x40 // corrupt A's copy after its checksums were recorded
 	_, err := b.P.Pull(ctx, o.Ref())
-	if !errors.Is(err, cluster.ErrChecksum) || !strings.Contains(err.Error(), "chunk 1") || !strings.Contains(err.Error(), "node a") {
-		t.Fatalf("pull of a corrupt chunk: %v", err)
+	if !errors.Is(err, cluster.ErrChecksum) || !strings.Contains(err.Error(), "chunk 1") || !strings.Contains(err.Error(), "node a") ||
+		protocol.CodeOf(err) != storev1.Error_DATA_LOSS {
+		t.Fatalf("pull of a corrupt chunk: %v (code %v)", err, protocol.CodeOf(err))
 	}
 	if b.Store.Get(o.Ref()) != nil {
 		t.Fatal("a corrupt replica is visible")
@@ -233,8 +240,8 @@ func TestPullRefusedWithoutSecret(t *testing.T) {
 	// A node with another secret: its directory cannot read the
 	// records (forged to it), and A refuses its control channel.
 	evil := startNode(t, srv, nw, "evil", mustSecret("not-the-cluster-secret!!"))
-	if _, err := evil.P.Pull(ctx, o.Ref()); !errors.Is(err, cluster.ErrBadRecord) {
-		t.Fatalf("pull with the wrong secret: %v", err)
+	if _, err := evil.P.Pull(ctx, o.Ref()); !errors.Is(err, cluster.ErrBadRecord) || protocol.CodeOf(err) != storev1.Error_DATA_LOSS {
+		t.Fatalf("pull with the wrong secret: %v (code %v)", err, protocol.CodeOf(err))
 	}
 	an, err := a.Dir.Node(ctx, "a")
 	if err != nil {

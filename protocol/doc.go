@@ -25,9 +25,11 @@
 // ErrorResponse builds one from a Go error and ResponseError turns one back
 // into a *CodeError, which matches (errors.Is) the sentinel of its code:
 // ErrNotFound, ErrExists, ErrTimeout, ErrStoreFull, ErrPermission, ErrLimit,
-// ErrInvalid, ErrNotSealed, ErrSealed, ErrVersion, ErrInternal. CodeOf maps
-// such errors, however wrapped, back to codes, so server and client share
-// one table.
+// ErrInvalid, ErrNotSealed, ErrSealed, ErrVersion, ErrInternal, and for a
+// daemon in a cluster ErrUnavailable (retry later) and ErrDataLoss (a record
+// or chunk does not verify). CodeOf maps such errors, however wrapped, back
+// to codes, so server and client share one table; package cluster's
+// sentinels wrap these, so its failures keep their class on the wire.
 //
 // # Handshake
 //

@@ -66,20 +66,40 @@ var (
 	ErrSealed     = errors.New("object already sealed")
 	ErrVersion    = errors.New("unsupported protocol version")
 	ErrInternal   = errors.New("internal error")
+	// ErrUnavailable: the cluster directory, or every live holder of the
+	// object, cannot be reached now; a retry later may succeed.
+	ErrUnavailable = errors.New("unavailable")
+	// ErrDataLoss: a record or chunk the answer needs does not verify
+	// (forged, written with another cluster secret, or corrupt); a retry
+	// does not help.
+	ErrDataLoss = errors.New("data does not verify")
 )
 
 var codeSentinels = map[storev1.Error_Code]error{
-	storev1.Error_INVALID:    ErrInvalid,
-	storev1.Error_NOT_FOUND:  ErrNotFound,
-	storev1.Error_EXISTS:     ErrExists,
-	storev1.Error_TIMEOUT:    ErrTimeout,
-	storev1.Error_STORE_FULL: ErrStoreFull,
-	storev1.Error_PERMISSION: ErrPermission,
-	storev1.Error_LIMIT:      ErrLimit,
-	storev1.Error_NOT_SEALED: ErrNotSealed,
-	storev1.Error_SEALED:     ErrSealed,
-	storev1.Error_VERSION:    ErrVersion,
-	storev1.Error_INTERNAL:   ErrInternal,
+	storev1.Error_INVALID:     ErrInvalid,
+	storev1.Error_NOT_FOUND:   ErrNotFound,
+	storev1.Error_EXISTS:      ErrExists,
+	storev1.Error_TIMEOUT:     ErrTimeout,
+	storev1.Error_STORE_FULL:  ErrStoreFull,
+	storev1.Error_PERMISSION:  ErrPermission,
+	storev1.Error_LIMIT:       ErrLimit,
+	storev1.Error_NOT_SEALED:  ErrNotSealed,
+	storev1.Error_SEALED:      ErrSealed,
+	storev1.Error_VERSION:     ErrVersion,
+	storev1.Error_INTERNAL:    ErrInternal,
+	storev1.Error_UNAVAILABLE: ErrUnavailable,
+	storev1.Error_DATA_LOSS:   ErrDataLoss,
+}
+
+// codeOrder is the order CodeOf tries the sentinels in, for errors that
+// match several: the specific cluster classes first (a pull that failed
+// for want of a reachable holder may also wrap a holder's NOT_FOUND),
+// then the rest in code order.
+var codeOrder = []storev1.Error_Code{
+	storev1.Error_DATA_LOSS, storev1.Error_UNAVAILABLE,
+	storev1.Error_INVALID, storev1.Error_NOT_FOUND, storev1.Error_EXISTS, storev1.Error_TIMEOUT,
+	storev1.Error_STORE_FULL, storev1.Error_PERMISSION, storev1.Error_LIMIT, storev1.Error_NOT_SEALED,
+	storev1.Error_SEALED, storev1.Error_VERSION, storev1.Error_INTERNAL,
 }
 
 // Sentinel returns the sentinel error of code: ErrNotFound for NOT_FOUND,
@@ -156,9 +176,9 @@ func CodeOf(err error) storev1.Error_Code {
 	if ce, ok := errors.AsType[*CodeError](err); ok {
 		return ce.Code
 	}
-	// Iterate in code order so that the answer does not depend on map order
-	// for errors that match several sentinels.
-	for c := storev1.Error_INVALID; c <= storev1.Error_INTERNAL; c++ {
+	// A fixed order, so that the answer does not depend on map order for
+	// errors that match several sentinels.
+	for _, c := range codeOrder {
 		if errors.Is(err, codeSentinels[c]) {
 			return c
 		}

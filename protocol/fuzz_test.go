@@ -47,6 +47,8 @@ func seedResponses() []*storev1.Response {
 		{Id: 3, Body: &storev1.Response_Seal{Seal: &storev1.SealResponse{}}},
 		NewEvent(storev1.Event_EVICTED, "x"),
 		ErrorResponse(4, Errorf(storev1.Error_STORE_FULL, "need %d bytes", 1<<30)),
+		ErrorResponse(14, Errorf(storev1.Error_UNAVAILABLE, "cluster directory unavailable")),
+		ErrorResponse(15, Errorf(storev1.Error_DATA_LOSS, "record does not verify")),
 	}
 }
 

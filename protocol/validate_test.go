@@ -261,7 +261,16 @@ func TestValidateResponse(t *testing.T) {
 }
 
 func TestErrorCodesRoundTrip(t *testing.T) {
-	for c := storev1.Error_INVALID; c <= storev1.Error_INTERNAL; c++ {
+	// Every code of the schema but OK, new ones included, has a sentinel
+	// that CodeOf tries.
+	if len(codeOrder) != len(storev1.Error_Code_name)-1 {
+		t.Fatalf("CodeOf tries %d codes, the schema has %d besides OK", len(codeOrder), len(storev1.Error_Code_name)-1)
+	}
+	for n := range storev1.Error_Code_name {
+		c := storev1.Error_Code(n)
+		if c == storev1.Error_OK {
+			continue
+		}
 		sentinel := codeSentinels[c]
 		if sentinel == nil {
 			t.Fatalf("no sentinel for %v", c)
@@ -299,6 +308,8 @@ func TestErrorCodesRoundTrip(t *testing.T) {
 		{fmt.Errorf("create: %w", Errorf(storev1.Error_STORE_FULL, "need 4096 bytes")), "store full: create: need 4096 bytes"},
 		{fmt.Errorf("create: %w", &CodeError{Code: storev1.Error_LIMIT}), "limit reached: create"},
 		{errors.New("disk on fire"), "internal error: disk on fire"},
+		{fmt.Errorf("get: %w", Errorf(storev1.Error_UNAVAILABLE, "etcd did not answer")), "unavailable: get: etcd did not answer"},
+		{fmt.Errorf("get chunk 3: %w", ErrDataLoss), "data does not verify: get chunk 3"},
 	} {
 		got := ResponseError(ErrorResponse(1, c.err))
 		if got.Error() != c.want {
@@ -372,5 +383,46 @@ func TestListPage(t *testing.T) {
 	}
 	if r := ListPage(1, nil); r.GetList().GetMore() || len(r.GetList().GetObjects()) != 0 || ValidateResponse(r, 0) != nil {
 		t.Errorf("empty list page: %v", r)
+	}
+}
+
+// classError is a sentinel of another package that wraps a protocol
+// sentinel to say which code it travels as (package cluster's do).
+type classError struct {
+	msg   string
+	class error
+}
+
+func (e *classError) Error() string { return e.msg }
+func (e *classError) Unwrap() error { return e.class }
+
+// TestClusterClassesMapToCodes: a foreign sentinel wrapping ErrUnavailable
+// or ErrDataLoss travels with that code, keeps its own text once, and wins
+// over a NOT_FOUND the same error also wraps (a pull whose holders were
+// unreachable may also carry a holder's "not found").
+func TestClusterClassesMapToCodes(t *testing.T) {
+	unavailable := &classError{"cluster directory unavailable", ErrUnavailable}
+	badRecord := &classError{"malformed or unauthenticated cluster record", ErrDataLoss}
+	for _, c := range []struct {
+		err  error
+		code storev1.Error_Code
+		want string
+	}{
+		{fmt.Errorf("%w: etcd at x did not answer", unavailable), storev1.Error_UNAVAILABLE, "unavailable: cluster directory unavailable: etcd at x did not answer"},
+		{fmt.Errorf("look up 1000:w: %w", badRecord), storev1.Error_DATA_LOSS, "data does not verify: look up 1000:w: malformed or unauthenticated cluster record"},
+		{fmt.Errorf("pull: %w (node b: %w)", unavailable, ErrNotFound), storev1.Error_UNAVAILABLE, "unavailable: pull: cluster directory unavailable (node b: not found)"},
+		{fmt.Errorf("pull: %w (node b: %w)", ErrNotFound, badRecord), storev1.Error_DATA_LOSS, "data does not verify: pull: not found (node b: malformed or unauthenticated cluster record)"},
+	} {
+		if got := CodeOf(c.err); got != c.code {
+			t.Errorf("CodeOf(%q) = %v, want %v", c.err, got, c.code)
+		}
+		var back storev1.Response
+		if err := proto.Unmarshal(mustMarshal(t, ErrorResponse(3, c.err)), &back); err != nil {
+			t.Fatal(err)
+		}
+		got := ResponseError(&back)
+		if !errors.Is(got, Sentinel(c.code)) || got.Error() != c.want {
+			t.Errorf("%q arrives as %q (code %v), want %q", c.err, got, CodeOf(got), c.want)
+		}
 	}
 }

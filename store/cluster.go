@@ -684,10 +684,7 @@ func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs 
 	}
 	if err != nil && !errors.Is(err, ErrNotFound) {
 		cn.log.Info("cluster fetch failed", "name", name, "err", err)
-		if !errors.Is(err, ErrStoreFull) && !errors.Is(err, protocol.ErrLimit) && !errors.Is(err, ErrInvalid) {
-			// A replica that did not fit here keeps its code (the reader
-			// may free room), and a tensor the bundle lacks is INVALID;
-			// every other cluster failure is INTERNAL.
+		if !keepsCode(err) {
 			err = fmt.Errorf("%w: %v", protocol.ErrInternal, err)
 		}
 		cn.reply("get", protocol.ErrorResponse(id, err), nil)
@@ -713,6 +710,22 @@ func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs 
 		}
 		cn.waitAndGrant(id, name, sel, left)
 	}
+}
+
+// keepsCode reports whether a failed cluster fetch reaches the reader with
+// its own code: UNAVAILABLE (the directory or every holder unreachable:
+// retry), DATA_LOSS (a record or the bytes do not verify), STORE_FULL (a
+// replica that did not fit here: the reader may free room), LIMIT, and
+// INVALID (a tensor the bundle lacks). Every other failure is INTERNAL, so
+// that a code the get cannot mean (EXISTS from a replica's name, say) does
+// not reach the reader.
+func keepsCode(err error) bool {
+	for _, s := range []error{protocol.ErrUnavailable, protocol.ErrDataLoss, ErrStoreFull, protocol.ErrLimit, ErrInvalid} {
+		if errors.Is(err, s) {
+			return true
+		}
+	}
+	return false
 }
 
 // HasCluster reports whether this node holds a sealed copy of owner's

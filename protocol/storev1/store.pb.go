@@ -41,7 +41,8 @@ const (
 	Error_OK Error_Code = 0
 	// A malformed or out-of-range argument, or a request out of order.
 	Error_INVALID Error_Code = 1
-	// No object of that name (or lease of that id) visible to the caller.
+	// No object of that name (or lease of that id) visible to the caller,
+	// or, in a cluster, no live node holds it.
 	Error_NOT_FOUND Error_Code = 2
 	// An object of that name already exists.
 	Error_EXISTS Error_Code = 3
@@ -61,6 +62,14 @@ const (
 	Error_VERSION Error_Code = 10
 	// A server-side failure; the message says more.
 	Error_INTERNAL Error_Code = 11
+	// Something the answer needs cannot be reached now: the cluster
+	// directory, or every live node that holds the object. Retrying later
+	// may succeed; nothing was lost.
+	Error_UNAVAILABLE Error_Code = 12
+	// A record or chunk that the answer needs does not verify: a directory
+	// record forged or written with another cluster secret, or bytes that
+	// kept failing their checksum. Retrying does not help.
+	Error_DATA_LOSS Error_Code = 13
 )
 
 // Enum value maps for Error_Code.
@@ -78,20 +87,24 @@ var (
 		9:  "SEALED",
 		10: "VERSION",
 		11: "INTERNAL",
+		12: "UNAVAILABLE",
+		13: "DATA_LOSS",
 	}
 	Error_Code_value = map[string]int32{
-		"OK":         0,
-		"INVALID":    1,
-		"NOT_FOUND":  2,
-		"EXISTS":     3,
-		"TIMEOUT":    4,
-		"STORE_FULL": 5,
-		"PERMISSION": 6,
-		"LIMIT":      7,
-		"NOT_SEALED": 8,
-		"SEALED":     9,
-		"VERSION":    10,
-		"INTERNAL":   11,
+		"OK":          0,
+		"INVALID":     1,
+		"NOT_FOUND":   2,
+		"EXISTS":      3,
+		"TIMEOUT":     4,
+		"STORE_FULL":  5,
+		"PERMISSION":  6,
+		"LIMIT":       7,
+		"NOT_SEALED":  8,
+		"SEALED":      9,
+		"VERSION":     10,
+		"INTERNAL":    11,
+		"UNAVAILABLE": 12,
+		"DATA_LOSS":   13,
 	}
 )
 
@@ -3654,11 +3667,11 @@ const file_store_proto_rawDesc = "" +
 	"\bwithdraw\x180 \x01(\v2\".cudaipc.store.v1.WithdrawResponseH\x00R\bwithdraw\x12G\n" +
 	"\vlease_table\x18  \x01(\v2$.cudaipc.store.v1.LeaseTableResponseH\x00R\n" +
 	"leaseTableB\x06\n" +
-	"\x04body\"\xf1\x03\n" +
+	"\x04body\"\x91\x04\n" +
 	"\x05Error\x120\n" +
 	"\x04code\x18\x01 \x01(\x0e2\x1c.cudaipc.store.v1.Error.CodeR\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x123\n" +
-	"\x05limit\x18\x03 \x01(\x0e2\x1d.cudaipc.store.v1.Error.LimitR\x05limit\"\xa5\x01\n" +
+	"\x05limit\x18\x03 \x01(\x0e2\x1d.cudaipc.store.v1.Error.LimitR\x05limit\"\xc5\x01\n" +
 	"\x04Code\x12\x06\n" +
 	"\x02OK\x10\x00\x12\v\n" +
 	"\aINVALID\x10\x01\x12\r\n" +
@@ -3677,7 +3690,9 @@ const file_store_proto_rawDesc = "" +
 	"\x06SEALED\x10\t\x12\v\n" +
 	"\aVERSION\x10\n" +
 	"\x12\f\n" +
-	"\bINTERNAL\x10\v\"\xbe\x01\n" +
+	"\bINTERNAL\x10\v\x12\x0f\n" +
+	"\vUNAVAILABLE\x10\f\x12\r\n" +
+	"\tDATA_LOSS\x10\r\"\xbe\x01\n" +
 	"\x05Limit\x12\x15\n" +
 	"\x11LIMIT_UNSPECIFIED\x10\x00\x12\x0f\n" +
 	"\vCONNECTIONS\x10\x01\x12\x17\n" +

@@ -24,9 +24,10 @@ from ._deps import require as _require
 
 _require("google.protobuf", "import cudaipc")   # the wire format: say what to install, not "No module named 'google'"
 
-from .errors import (Closed, CudaError, CudaipcError, Exists, InternalError, InvalidArgument,
-                     InvalidRegion, LimitReached, NotFound, NotSealed, PermissionDenied, Sealed,
-                     StoreError, StoreFull, StoreGone, Timeout, VersionMismatch)
+from .errors import (Closed, CudaError, CudaipcError, DataLossError, Exists, InternalError,
+                     InvalidArgument, InvalidRegion, LimitReached, NotFound, NotSealed,
+                     PermissionDenied, Sealed, StoreError, StoreFull, StoreGone, Timeout,
+                     UnavailableError, VersionMismatch)
 from .extmem import NotExportable, export_pointer
 from .info import (SHARE_CUDA_IPC, SHARE_HOST, SHARE_VMM_FD, Event, ObjectInfo, ServerInfo,
                    TensorDesc)
@@ -45,7 +46,7 @@ __all__ = [
     "Event", "ServerInfo", "Region", "decode_region", "import_region", "Mapping",
     "CudaipcError", "StoreError", "InvalidArgument", "NotFound", "Exists", "Timeout", "StoreFull",
     "PermissionDenied", "LimitReached", "NotSealed", "Sealed", "VersionMismatch", "InternalError",
-    "StoreGone", "Closed", "InvalidRegion", "CudaError", "MissingDependency",
+    "UnavailableError", "DataLossError", "StoreGone", "Closed", "InvalidRegion", "CudaError", "MissingDependency",
     "share", "export_pointer", "NotExportable", "SHARE_HOST", "SHARE_CUDA_IPC", "SHARE_VMM_FD",
     "bundle", "Bundle", "LoadMismatch", "LoadReport", "load_into",
 ]

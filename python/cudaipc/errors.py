@@ -8,8 +8,8 @@ from typing import Dict, Optional, Type
 __all__ = [
     "CudaipcError", "StoreError", "InvalidArgument", "NotFound", "Exists", "Timeout",
     "StoreFull", "PermissionDenied", "LimitReached", "NotSealed", "Sealed",
-    "VersionMismatch", "InternalError", "StoreGone", "Closed", "InvalidRegion",
-    "CudaError",
+    "VersionMismatch", "InternalError", "UnavailableError", "DataLossError", "StoreGone",
+    "Closed", "InvalidRegion", "CudaError",
 ]
 
 
@@ -106,6 +106,25 @@ class InternalError(StoreError):
     code, text = 11, "internal store error"
 
 
+class UnavailableError(StoreError):
+    """A daemon in a cluster could not reach what the answer needs: the cluster
+    directory (etcd), or every live node holding the object (code UNAVAILABLE);
+    Go's ErrUnavailable.
+
+    Nothing was lost: retry later. The connection to the daemon stays usable."""
+    code, text = 12, "unavailable"
+
+
+class DataLossError(StoreError):
+    """A record or the bytes the answer needs do not verify: a directory record
+    forged or written with another cluster secret, or an object whose bytes keep
+    failing their checksums (code DATA_LOSS); Go's ErrDataLoss.
+
+    Retrying does not help; the daemon's log and ``cudaipc doctor --cluster``
+    say which record."""
+    code, text = 13, "data does not verify"
+
+
 class StoreGone(StoreError, ConnectionError):
     """There is no daemon, or the connection to it is lost; Go's ErrStoreGone.
 
@@ -120,7 +139,8 @@ class Closed(StoreError):
 
 _BY_CODE: Dict[int, Type[StoreError]] = {
     c.code: c for c in (InvalidArgument, NotFound, Exists, Timeout, StoreFull, PermissionDenied,
-                        LimitReached, NotSealed, Sealed, VersionMismatch, InternalError)
+                        LimitReached, NotSealed, Sealed, VersionMismatch, InternalError,
+                        UnavailableError, DataLossError)
 }
 
 

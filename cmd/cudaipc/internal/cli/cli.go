@@ -89,8 +89,42 @@ type ExitError struct {
 func (e *ExitError) Error() string { return e.Err.Error() }
 func (e *ExitError) Unwrap() error { return e.Err }
 
+// Exit codes of the command line besides 0 (success), 1 (any other
+// failure) and 2 (bad arguments): one per class of store failure a script
+// may act on differently. docs/protocol.md tabulates them with the
+// protocol's codes.
+const (
+	// ExitNotFound: no such object (in a cluster: no live node holds it).
+	ExitNotFound = 3
+	// ExitUnavailable: the cluster directory or every holder of the object
+	// is unreachable now; retry later.
+	ExitUnavailable = 4
+	// ExitDataLoss: a cluster record or the object's bytes do not verify;
+	// retrying does not help.
+	ExitDataLoss = 5
+	// ExitTimeout: the object was not readable before --timeout.
+	ExitTimeout = 6
+	// ExitStoreFull: not enough memory for the object, even after eviction.
+	ExitStoreFull = 7
+)
+
+// exitClasses maps store sentinels to exit codes; an error of several
+// classes (rm of several names) exits with the first that it matches.
+var exitClasses = []struct {
+	err  error
+	code int
+}{
+	{client.ErrDataLoss, ExitDataLoss},
+	{client.ErrUnavailable, ExitUnavailable},
+	{client.ErrStoreFull, ExitStoreFull},
+	{client.ErrTimeout, ExitTimeout},
+	{client.ErrNotFound, ExitNotFound},
+}
+
 // ExitCode returns the process exit code for an error returned by Run: 2
-// for bad arguments, else 1 unless an *ExitError says otherwise.
+// for bad arguments, the code of its class for a store failure of one of
+// exitClasses (ExitNotFound, ExitUnavailable, ...), else 1, unless an
+// *ExitError says otherwise.
 func ExitCode(err error) int {
 	var ee *ExitError
 	if errors.As(err, &ee) {
@@ -99,6 +133,11 @@ func ExitCode(err error) int {
 	var ue *diag.UsageError
 	if errors.As(err, &ue) {
 		return 2
+	}
+	for _, c := range exitClasses {
+		if errors.Is(err, c.err) {
+			return c.code
+		}
 	}
 	return 1
 }
@@ -125,7 +164,10 @@ func runIO(ctx context.Context, args []string, stdin io.Reader, stdout, stderr i
 	exit := -1
 	parser, err := kong.New(&root,
 		kong.Name("cudaipc"),
-		kong.Description("Zero-copy GPU memory sharing between processes on one machine."),
+		kong.Description("Zero-copy GPU memory sharing between processes on one machine.\n\n"+
+			"Exit status: 0 success; 1 failure; 2 bad arguments; 3 not found (in a cluster: no live node holds it); "+
+			"4 unavailable: etcd or every holder unreachable, retry later; 5 a cluster record or the bytes do not verify; "+
+			"6 timed out; 7 store full."),
 		kong.Writers(stdout, stderr),
 		kong.Exit(func(code int) { exit = code; panic(exitPanic{}) }),
 		kong.UsageOnError(),

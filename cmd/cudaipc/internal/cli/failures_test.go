@@ -17,7 +17,8 @@ import (
 
 // TestFailuresAreOneLine runs each failure path of the CLI as a process and
 // checks what a person sees: one line on stderr, naming the program once,
-// with no doubled prefix, and the exit status (2 for bad arguments, else 1).
+// with no doubled prefix, and the exit status (2 for bad arguments, the
+// class's code for a store failure of one (ExitNotFound, ...), else 1).
 func TestFailuresAreOneLine(t *testing.T) {
 	sock := serve(t)
 	dir := t.TempDir()
@@ -45,15 +46,15 @@ func TestFailuresAreOneLine(t *testing.T) {
 		{args: []string{"bogus"}, code: 2, want: "unexpected argument"},
 		{args: []string{"get"}, code: 2, want: "name"},
 		{args: []string{"ls", "--socket", none}, code: 1, want: "start one with 'cudaipc serve'"},
-		{args: []string{"stat", "missing", "--socket", sock}, code: 1, want: "'cudaipc ls'"},
-		{args: []string{"rm", "missing1", "missing2", "--socket", sock}, code: 1, want: `"missing1": no such object: 'cudaipc ls' lists the objects you can read; delete "missing2"`},
+		{args: []string{"stat", "missing", "--socket", sock}, code: ExitNotFound, want: "'cudaipc ls'"},
+		{args: []string{"rm", "missing1", "missing2", "--socket", sock}, code: ExitNotFound, want: `"missing1": no such object: 'cudaipc ls' lists the objects you can read; delete "missing2"`},
 		{args: []string{"put", file, "--name", "taken", "--socket", sock}, code: 1, want: "'cudaipc rm'"},
 		{args: []string{"put", filepath.Join(dir, "absent"), "--name", "x", "--socket", sock}, code: 1, want: "no such file"},
 		{args: []string{"put", file, "--name", "bad\x01name", "--socket", sock}, code: 1, want: "names are"},
 		{args: []string{"put", file, "--name", "x", "--dtype", "float99", "--socket", sock}, code: 2, want: "not a dtype; one of bfloat16, bool, complex128"},
 		{args: []string{"bench"}, code: 2, want: `expected one of "ipc", "store", "put", "cluster" (see 'cudaipc help bench')`},
-		{args: []string{"get", "never", "--timeout", "20ms", "--socket", sock}, code: 1, want: "--timeout"},
-		{args: []string{"get", "never", "--socket", sock}, code: 1, want: `get "never": no such object: 'cudaipc ls' lists the objects you can read; --wait waits for it to be put`},
+		{args: []string{"get", "never", "--timeout", "20ms", "--socket", sock}, code: ExitTimeout, want: "--timeout"},
+		{args: []string{"get", "never", "--socket", sock}, code: ExitNotFound, want: `get "never": no such object: 'cudaipc ls' lists the objects you can read; --wait waits for it to be put`},
 		{args: []string{"get", "taken", "-o", filepath.Join(dir, "no", "such", "dir"), "--socket", sock}, code: 1, want: "-o"},
 		{args: []string{"serve", "--socket", sock, "--log-level", "warn"}, code: 1, want: "already running"},
 		{args: []string{"serve", "--gpu-share", "bogus", "--socket", none}, code: 2, want: "--gpu-share"},

@@ -68,6 +68,10 @@ func explain(err error, socket string) error {
 		return reword(err, "%s: the store daemon at %s speaks another protocol version: run a cudaipc of the daemon's release", why("dial"), socket)
 	case errors.Is(err, client.ErrStoreGone):
 		return reword(err, "%s: lost the connection to the store daemon at %s: check that 'cudaipc serve' still runs, then retry", what, socket)
+	case errors.Is(err, client.ErrUnavailable):
+		return reword(err, "%s: %s: retry later; 'cudaipc doctor --cluster ETCD' checks etcd and the nodes", what, why("the cluster cannot serve it now"))
+	case errors.Is(err, client.ErrDataLoss):
+		return reword(err, "%s: %s: retrying does not help; 'cudaipc doctor --cluster ETCD --cluster-secret FILE' lists the records that do not verify", what, why("a cluster record or the object's bytes do not verify"))
 	case errors.Is(err, client.ErrNotFound):
 		return reword(err, "%s: no such object: 'cudaipc ls' lists the objects you can read", what)
 	case errors.Is(err, client.ErrExists):
