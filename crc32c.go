@@ -274,7 +274,7 @@ type crcScratch struct {
 	// done marks the end of the call's work on stream; waiting for it
 	// blocks the thread (EventBlockingSync) where StreamSynchronize would
 	// spin on a CPU under the primary context's default scheduling, a CPU
-	// the host's socket copies need beside a pull (issue 19).
+	// the host's socket copies need beside a pull.
 	done cu.Event
 	out  cu.DevicePtr // host, as the kernel addresses it
 	host []uint32
