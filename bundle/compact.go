@@ -9,8 +9,8 @@ import (
 // the Python client and safetensors itself write (no whitespace; each
 // tensor's keys in the order dtype, shape, data_offsets; names without
 // escapes; plain non-negative integers) at a small fraction of
-// encoding/json's cost: 18,867 tensors took 139 ms on the H200's host, all
-// of it between the first publish of a model and its readers. ok is false
+// encoding/json's cost, which for a model of many thousand tensors stood
+// between its first publish and its readers. ok is false
 // for anything else, which parseJSON decodes; a header it accepts decodes
 // to what parseJSON makes of it (FuzzParse checks).
 func parseCompact(h []byte) (m *Manifest, ok bool, err error) {
