@@ -13,10 +13,10 @@ import (
 )
 
 // Arena sizes of GPU devices. Each arena costs every client that reads from
-// it one cuIpcOpenMemHandle (40–80 µs, more across GPUs) or, shared by
-// descriptor, one import and map (67–134 µs on an H200), so GPU arenas
-// start larger than host ones and grow to 1 GiB; an object larger than
-// that gets an arena of its own size.
+// it one cuIpcOpenMemHandle or, shared by descriptor, one import and map
+// (tens of µs each: docs/benchmarks.md), so GPU arenas start larger than
+// host ones and grow to 1 GiB; an object larger than that gets an arena of
+// its own size.
 const (
 	gpuFirstArena  = 64 << 20
 	gpuMostArena   = 1 << 30
