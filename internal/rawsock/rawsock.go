@@ -7,8 +7,8 @@
 // a wake-up of the runtime's monitor thread (a futex call) before the
 // system call itself; exitsyscall after. On a non-blocking socket the call
 // never blocks (EAGAIN instead), so a raw system call is correct and skips
-// that work on every packet: on the 2-core CPU machine it took 10–18% off
-// a store round trip (docs/benchmarks.md, "Store round trip").
+// that work on every packet, a measurable part of a store round trip
+// (docs/lab/bench-store.md, "Store round trip").
 //
 // It is, with internal/cu and internal/shm, the only package with unsafe:
 // the message header the kernel reads holds pointers to Go memory. Callers
