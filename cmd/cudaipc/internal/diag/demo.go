@@ -354,7 +354,7 @@ func demoWorker(env *Env, config []byte) error {
 	}
 	defer cl.Close()
 	if c.Device != "host" {
-		// Create the GPU's context now (~0.1-0.2 s on an H200), so that the
+		// Create the GPU's context now (a fraction of a second), so that the
 		// first object's seal→lease time measures sharing, not CUDA start-up.
 		dev, err := cudaipc.LookupDevice(c.Device)
 		if err != nil {
