@@ -16,7 +16,10 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"syscall"
 	"time"
+
+	"github.com/cudaipc/cudaipc/internal/loglimit"
 )
 
 // The control channel: a TCP connection between two daemons over which they
@@ -41,8 +44,14 @@ const (
 	controlProto = "cudaipc-control/1"
 	// MaxControlFrame bounds a control frame.
 	MaxControlFrame = 1 << 20
-	// HandshakeTimeout bounds the handshake.
-	HandshakeTimeout = 5 * time.Second
+	// HandshakeTimeout bounds a whole handshake, from the connection's
+	// accept (or dial) to the peer's proof: a connection that has not
+	// authenticated by then is closed.
+	HandshakeTimeout = 3 * time.Second
+	// maxHandshakeFrame bounds a frame of the handshake (a hello or a
+	// proof is some 200 bytes), so that a connection not yet
+	// authenticated never makes the server allocate more.
+	maxHandshakeFrame = 4 << 10
 	// MaxExposures bounds the objects one control connection holds
 	// exposed at once.
 	MaxExposures = 1024
@@ -131,14 +140,17 @@ func writeFrame(w io.Writer, b []byte) error {
 	return err
 }
 
-func readFrame(r io.Reader) ([]byte, error) {
+func readFrame(r io.Reader) ([]byte, error) { return readFrameMax(r, MaxControlFrame) }
+
+// readFrameMax reads a frame of at most limit bytes.
+func readFrameMax(r io.Reader, limit uint32) ([]byte, error) {
 	var h [4]byte
 	if _, err := io.ReadFull(r, h[:]); err != nil {
 		return nil, err
 	}
 	n := binary.BigEndian.Uint32(h[:])
-	if n > MaxControlFrame {
-		return nil, fmt.Errorf("%w: control frame of %d bytes, at most %d", ErrBadRecord, n, MaxControlFrame)
+	if n > limit {
+		return nil, fmt.Errorf("%w: control frame of %d bytes, at most %d", ErrBadRecord, n, limit)
 	}
 	b := make([]byte, n)
 	if _, err := io.ReadFull(r, b); err != nil {
@@ -323,7 +335,7 @@ func clientHandshake(conn net.Conn, s Secret, self, want string) (*channel, erro
 
 // serverHandshake authenticates a connecting peer.
 func serverHandshake(conn net.Conn, s Secret, self string) (*channel, error) {
-	b, err := readFrame(conn)
+	b, err := readFrameMax(conn, maxHandshakeFrame)
 	if err != nil {
 		return nil, err
 	}
@@ -340,9 +352,9 @@ func serverHandshake(conn net.Conn, s Secret, self string) (*channel, error) {
 	if err := writeFrame(conn, b); err != nil {
 		return nil, err
 	}
-	b, err = readFrame(conn)
+	b, err = readFrameMax(conn, maxHandshakeFrame)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %s closed the handshake: %v", ErrAuth, h.Node, err)
+		return nil, fmt.Errorf("%w: %s closed the handshake: %w", ErrAuth, h.Node, err)
 	}
 	var p ctlProof
 	if err := decodeStrict(b, &p); err != nil {
@@ -368,8 +380,53 @@ type Source interface {
 	Expose(ref Ref, id string) (e Exposure, release func(), err error)
 }
 
+// Bounds of a ControlServer's connections (ControlServer's fields of the
+// same names, when those are 0).
+const (
+	// DefaultMaxPendingPerSource bounds the connections not yet
+	// authenticated from one source: an IPv4 address, or an IPv6 /64.
+	DefaultMaxPendingPerSource = 16
+	// DefaultMaxPending bounds the connections not yet authenticated in
+	// all.
+	DefaultMaxPending = 256
+	// DefaultMaxChannels bounds the authenticated channels: each peer
+	// node keeps one to this node between pulls (DefaultMaxPeers of
+	// them), and dials another now and then while that one is busy or
+	// stale.
+	DefaultMaxChannels = 1024
+)
+
+// Refusal reasons, as the control server's log lines and Stats count
+// them.
+const (
+	// RefusedClosed: the peer closed the connection before it
+	// authenticated.
+	RefusedClosed = "closed"
+	// RefusedTimeout: the peer had not authenticated within
+	// HandshakeTimeout.
+	RefusedTimeout = "timeout"
+	// RefusedMalformed: the peer sent something other than a handshake.
+	RefusedMalformed = "malformed"
+	// RefusedAuth: the peer does not hold the cluster secret, or refused
+	// this node's proof.
+	RefusedAuth = "auth"
+	// RefusedSourceLimit: too many connections not yet authenticated
+	// from the peer's source address (MaxPendingPerSource).
+	RefusedSourceLimit = "source-limit"
+	// RefusedPendingLimit: too many connections not yet authenticated in
+	// all (MaxPending), and no other source holds more than the new
+	// connection's would; when one does, its oldest is closed instead.
+	RefusedPendingLimit = "pending-limit"
+	// RefusedChannelLimit: too many authenticated channels (MaxChannels).
+	RefusedChannelLimit = "channel-limit"
+)
+
 // ControlServer serves the control channel: it authenticates peers and
-// exposes replicas to them.
+// exposes replicas to them. Connections not yet authenticated are bounded
+// per source address and in all, and each has HandshakeTimeout to
+// authenticate; one over a bound is closed at once. Refusals are logged
+// under a rate limit: the first ones each in a line, then a summary line
+// per interval with their counts by reason.
 type ControlServer struct {
 	// Node is this node's name; Secret the cluster secret.
 	Node   string
@@ -381,10 +438,78 @@ type ControlServer struct {
 	Feeding *Feeding
 	// Logger receives refusals and errors; nil discards them.
 	Logger *slog.Logger
+	// MaxPendingPerSource, MaxPending and MaxChannels bound the
+	// connections (the Default constants of the same names when 0).
+	MaxPendingPerSource, MaxPending, MaxChannels int
 
-	mu    sync.Mutex
-	conns map[net.Conn]struct{}
-	wg    sync.WaitGroup
+	mu       sync.Mutex
+	conns    map[net.Conn]*ctlConn
+	sources  map[string]int // connections not yet authenticated, by source
+	pending  int
+	channels int
+	refused  map[string]uint64
+	wg       sync.WaitGroup
+}
+
+// ctlConn is a connection the server holds.
+type ctlConn struct {
+	source   string
+	accepted time.Time
+	// pending: counted as not yet authenticated; authed: counted as a
+	// channel.
+	pending, authed bool
+	// evicted: closed to make room for another source's connection
+	// (RefusedPendingLimit).
+	evicted bool
+}
+
+// ControlStats are a control server's connection counts.
+type ControlStats struct {
+	// Pending counts connections not yet authenticated, Channels the
+	// authenticated ones.
+	Pending, Channels int
+	// Refused counts refused connections by reason (the Refused
+	// constants).
+	Refused map[string]uint64
+}
+
+// Stats returns the server's connection counts.
+func (s *ControlServer) Stats() ControlStats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := ControlStats{Pending: s.pending, Channels: s.channels, Refused: map[string]uint64{}}
+	for k, v := range s.refused {
+		st.Refused[k] = v
+	}
+	return st
+}
+
+// refusalLogBurst and refusalLogEvery bound the log lines refused
+// connections cause: that many at once, then one summary per interval
+// however many are refused.
+const (
+	refusalLogBurst = 10
+	refusalLogEvery = 5 * time.Second
+)
+
+// sourceOf is the key a connection counts under: the remote IPv4
+// address, or the /64 of an IPv6 one (what one host is commonly given).
+func sourceOf(a net.Addr) string {
+	ta, ok := a.(*net.TCPAddr)
+	if !ok {
+		return a.String()
+	}
+	if ip4 := ta.IP.To4(); ip4 != nil {
+		return ip4.String()
+	}
+	return (&net.IPNet{IP: ta.IP.Mask(net.CIDRMask(64, 128)), Mask: net.CIDRMask(64, 128)}).String()
+}
+
+func orDefault(v, def int) int {
+	if v > 0 {
+		return v
+	}
+	return def
 }
 
 // Serve accepts connections on ln until it is closed, then closes every
@@ -394,6 +519,7 @@ func (s *ControlServer) Serve(ln net.Listener) error {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	refusals := loglimit.NewRefusals(log, "control: refused connections", refusalLogBurst, refusalLogEvery)
 	defer func() {
 		s.mu.Lock()
 		for c := range s.conns {
@@ -401,38 +527,148 @@ func (s *ControlServer) Serve(ln net.Listener) error {
 		}
 		s.mu.Unlock()
 		s.wg.Wait()
+		refusals.Close()
 	}()
+	var backoff time.Duration
 	for {
 		c, err := ln.Accept()
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				return nil
 			}
-			return err
+			// Out of descriptors, or another passing failure: wait a
+			// little rather than stop serving peers.
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			refusals.Refuse("accept", "-", "control: accepting a connection", "err", err, "retry_in", backoff)
+			time.Sleep(backoff)
+			continue
 		}
-		s.mu.Lock()
-		if s.conns == nil {
-			s.conns = map[net.Conn]struct{}{}
+		backoff = 0
+		cc := &ctlConn{source: sourceOf(c.RemoteAddr()), accepted: time.Now()}
+		if reason := s.admit(c, cc); reason != "" {
+			c.Close()
+			s.refuse(refusals, cc, reason, "control: refused a connection", nil)
+			continue
 		}
-		s.conns[c] = struct{}{}
-		s.mu.Unlock()
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
-			s.serveConn(c, log)
+			s.serveConn(c, cc, log, refusals)
 			s.mu.Lock()
 			delete(s.conns, c)
+			if cc.authed {
+				s.channels--
+			}
+			s.unpendLocked(cc)
 			s.mu.Unlock()
 			c.Close()
 		}()
 	}
 }
 
-func (s *ControlServer) serveConn(c net.Conn, log *slog.Logger) {
-	_ = c.SetDeadline(time.Now().Add(HandshakeTimeout))
-	ch, err := serverHandshake(c, s.Secret, s.Node)
+// admit counts c as a connection not yet authenticated, or says which
+// bound refuses it. With all pending places taken, the oldest connection
+// of the source holding the most goes instead, when that source holds
+// more than c's would: one busy source cannot crowd out the others.
+func (s *ControlServer) admit(c net.Conn, cc *ctlConn) (reason string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.conns == nil {
+		s.conns, s.sources, s.refused = map[net.Conn]*ctlConn{}, map[string]int{}, map[string]uint64{}
+	}
+	if s.sources[cc.source] >= orDefault(s.MaxPendingPerSource, DefaultMaxPendingPerSource) {
+		return RefusedSourceLimit
+	}
+	if s.pending >= orDefault(s.MaxPending, DefaultMaxPending) {
+		var top string
+		for src, n := range s.sources {
+			if top == "" || n > s.sources[top] {
+				top = src
+			}
+		}
+		if s.sources[top] <= s.sources[cc.source]+1 {
+			return RefusedPendingLimit
+		}
+		var oldest net.Conn
+		for o, oc := range s.conns {
+			if oc.pending && oc.source == top && (oldest == nil || oc.accepted.Before(s.conns[oldest].accepted)) {
+				oldest = o
+			}
+		}
+		if oldest == nil {
+			return RefusedPendingLimit
+		}
+		// Its handshake fails and its goroutine uncounts it.
+		s.conns[oldest].evicted = true
+		s.unpendLocked(s.conns[oldest])
+		oldest.Close()
+	}
+	s.conns[c] = cc
+	cc.pending = true
+	s.sources[cc.source]++
+	s.pending++
+	return ""
+}
+
+// unpendLocked uncounts cc as not yet authenticated, once.
+func (s *ControlServer) unpendLocked(cc *ctlConn) {
+	if !cc.pending {
+		return
+	}
+	cc.pending = false
+	if s.sources[cc.source]--; s.sources[cc.source] <= 0 {
+		delete(s.sources, cc.source)
+	}
+	s.pending--
+}
+
+// refuse counts a refusal and logs it under the rate limit.
+func (s *ControlServer) refuse(r *loglimit.Refusals, cc *ctlConn, reason, msg string, err error) {
+	s.mu.Lock()
+	s.refused[reason]++
+	s.mu.Unlock()
+	var args []any
 	if err != nil {
-		log.Warn("control: refused a peer", "remote", c.RemoteAddr().String(), "err", err)
+		args = append(args, "err", err)
+	}
+	r.Refuse(reason, cc.source, msg, args...)
+}
+
+// handshakeRefusal is the reason a handshake failed with err.
+func handshakeRefusal(err error) string {
+	var ne net.Error
+	switch {
+	case errors.As(err, &ne) && ne.Timeout():
+		return RefusedTimeout
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, net.ErrClosed), errors.Is(err, syscall.ECONNRESET):
+		return RefusedClosed
+	case errors.Is(err, ErrAuth):
+		return RefusedAuth
+	default:
+		return RefusedMalformed
+	}
+}
+
+func (s *ControlServer) serveConn(c net.Conn, cc *ctlConn, log *slog.Logger, refusals *loglimit.Refusals) {
+	_ = c.SetDeadline(cc.accepted.Add(HandshakeTimeout))
+	ch, err := serverHandshake(c, s.Secret, s.Node)
+	var reason string
+	s.mu.Lock()
+	switch {
+	case cc.evicted:
+		reason = RefusedPendingLimit
+	case err != nil:
+		reason = handshakeRefusal(err)
+	case s.channels >= orDefault(s.MaxChannels, DefaultMaxChannels):
+		reason, err = RefusedChannelLimit, fmt.Errorf("peer %s: %d authenticated channels already", ch.peer, s.channels)
+	default:
+		s.unpendLocked(cc)
+		cc.authed = true
+		s.channels++
+	}
+	s.mu.Unlock()
+	if reason != "" {
+		s.refuse(refusals, cc, reason, "control: refused a peer", err)
 		return
 	}
 	_ = c.SetDeadline(time.Time{})

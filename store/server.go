@@ -217,7 +217,7 @@ func (s *Store) handshake(uc *net.UnixConn, c *protocol.Conn, p peer, log *slog.
 	files, err := c.Recv(&req)
 	if err != nil {
 		s.metrics.rejected.WithLabelValues("handshake").Inc()
-		if ok, suppressed := s.refusals.allow(); ok {
+		if ok, suppressed := s.refusals.Allow(); ok {
 			log.Warn("closing connection: no hello", "err", err, "suppressed", suppressed)
 		}
 		return nil, false
@@ -225,7 +225,7 @@ func (s *Store) handshake(uc *net.UnixConn, c *protocol.Conn, p peer, log *slog.
 	uc.SetReadDeadline(time.Time{})
 	protocol.CloseFiles(files)
 	reject := func(reason string, err error) (*storev1.Request, bool) {
-		if ok, suppressed := s.refusals.allow(); ok {
+		if ok, suppressed := s.refusals.Allow(); ok {
 			log.Warn("rejecting connection", "reason", reason, "err", err, "suppressed", suppressed)
 		}
 		s.metrics.rejected.WithLabelValues(reason).Inc()
@@ -250,7 +250,7 @@ func (s *Store) handshake(uc *net.UnixConn, c *protocol.Conn, p peer, log *slog.
 // become a flood of logs.
 func (s *Store) refuse(uc *net.UnixConn, c *protocol.Conn, p peer, reason string, err error, msg string, args ...any) {
 	s.metrics.rejected.WithLabelValues(reason).Inc()
-	if ok, suppressed := s.refusals.allow(); ok {
+	if ok, suppressed := s.refusals.Allow(); ok {
 		args = append(args, "pid", p.pid, "uid", p.uid, "reason", reason, "suppressed", suppressed)
 		if err != nil {
 			args = append(args, "err", err)

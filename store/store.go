@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/cudaipc/cudaipc/internal/loglimit"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 	"github.com/cudaipc/cudaipc/store/internal/alloc"
 )
@@ -153,7 +154,7 @@ type Store struct {
 	conns      int
 	connsByUID map[uint32]int
 	// refusals bounds the rate of log lines about refused connections.
-	refusals logLimiter
+	refusals *loglimit.Limiter
 	// clientLogs are the per-uid rate-limited loggers (logFor).
 	logsMu     sync.Mutex
 	clientLogs map[uint32]*slog.Logger
@@ -309,7 +310,7 @@ func New(cfg Config) (*Store, error) {
 		uid:         uint32(os.Geteuid()),
 		connsByUID:  make(map[uint32]int),
 		clientLogs:  make(map[uint32]*slog.Logger),
-		refusals:    logLimiter{burst: 10, every: time.Second},
+		refusals:    &loglimit.Limiter{Burst: 10, Every: time.Second},
 		devices:     make(map[string]*device),
 		names:       make(map[string]entry),
 		usage:       make(map[uint32]*usage),

@@ -41,8 +41,10 @@ type Config struct {
 	// Directory configures the etcd directory (endpoints, node name,
 	// secret, TLS).
 	Directory etcddir.Config
-	// Listen is the control channel's listen address; "" means
-	// ":DefaultControlPort".
+	// Listen is the control channel's listen address; "" means the
+	// address the node advertises: Advertise, or else the address this
+	// host uses to reach etcd with DefaultControlPort. Never every
+	// interface unless asked (":PORT").
 	Listen string
 	// Advertise is the host:port other daemons reach the control channel
 	// at; "" means the address this host uses to reach etcd, with the
@@ -173,23 +175,10 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		log.Warn("this UCX aborts the daemon if a peer dies while its endpoint is being wired up (an assertion UCX 1.14 removed): give --ucx-lib a UCX of 1.14 or later, or a build configured with --disable-assertions",
 			"ucx", v, "lib", ucx.Library())
 	}
-	listen := cfg.Listen
-	if listen == "" {
-		listen = ":" + strconv.Itoa(DefaultControlPort)
-	}
-	ln, err := net.Listen("tcp", listen)
+	ln, adv, err := listenControl(cfg.Listen, cfg.Advertise, cfg.Directory.Endpoints)
 	if err != nil {
 		tr.Close()
-		return nil, fmt.Errorf("cluster control channel: listen on %s: %w", listen, err)
-	}
-	adv := cfg.Advertise
-	if adv == "" {
-		adv, err = advertise(cfg.Directory.Endpoints, ln.Addr().(*net.TCPAddr).Port)
-		if err != nil {
-			ln.Close()
-			tr.Close()
-			return nil, err
-		}
+		return nil, err
 	}
 	if err := cluster.ValidateControlAddr(adv); err != nil {
 		ln.Close()
@@ -214,6 +203,50 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 	n.cs = &cluster.ControlServer{Node: cfg.Directory.Node, Secret: cfg.Directory.Secret, Source: source{n}, Logger: log,
 		Feeding: feeding}
 	return n, nil
+}
+
+// listenControl listens for control connections at listen, or, when it
+// is "", at the address the node advertises, and returns the listener
+// and that address (advertise, or the host's address towards etcd with
+// the listening port). A failure to listen names --cluster-listen, which
+// chooses another address.
+func listenControl(listen, adv string, endpoints []string) (net.Listener, string, error) {
+	flag := "--cluster-listen"
+	if listen == "" {
+		if adv != "" {
+			listen, flag = adv, "--cluster-advertise (no --cluster-listen given)"
+		} else {
+			a, err := advertise(endpoints, DefaultControlPort)
+			if err != nil {
+				return nil, "", err
+			}
+			listen, flag = a, "the address towards etcd (no --cluster-listen given)"
+		}
+	}
+	ln, err := net.Listen("tcp", listen)
+	if err != nil {
+		hint := "give this daemon another address with --cluster-listen HOST:PORT"
+		if errors.Is(err, unix.EADDRINUSE) {
+			hint = "another daemon or program holds that port: give this one another with --cluster-listen HOST:PORT (e.g. port " + strconv.Itoa(portOf(listen)+1) + ") or stop the other"
+		}
+		return nil, "", fmt.Errorf("cluster control channel: listen on %s (%s): %w; %s", listen, flag, err, hint)
+	}
+	if adv == "" {
+		if adv, err = advertise(endpoints, ln.Addr().(*net.TCPAddr).Port); err != nil {
+			ln.Close()
+			return nil, "", err
+		}
+	}
+	return ln, adv, nil
+}
+
+// portOf is the port of a host:port address, or DefaultControlPort.
+func portOf(addr string) int {
+	_, p, err := net.SplitHostPort(addr)
+	if n, perr := strconv.Atoi(p); err == nil && perr == nil && n > 0 {
+		return n
+	}
+	return DefaultControlPort
 }
 
 // advertise finds the address this host reaches etcd from: the control

@@ -24,7 +24,7 @@ type clusterFlags struct {
 	Cluster       string        `help:"Join a cluster of daemons whose directory is this etcd: etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS). Needs --cluster-secret." placeholder:"URL" env:"CUDAIPC_CLUSTER"`
 	Node          string        `help:"This daemon's name in the cluster (default: the host name)." placeholder:"NAME"`
 	ClusterSecret string        `name:"cluster-secret" help:"File holding the cluster's shared secret (at least 16 bytes, mode 0600): daemons without it are refused." placeholder:"FILE" env:"CUDAIPC_CLUSTER_SECRET"`
-	ClusterListen string        `name:"cluster-listen" default:":7946" help:"Address the cluster control channel listens on (default ${default})." placeholder:"ADDR"`
+	ClusterListen string        `name:"cluster-listen" help:"Address the cluster control channel listens on (default: the address it advertises, --cluster-advertise or else this host's address towards etcd with port 7946; :PORT for every interface)." placeholder:"HOST:PORT"`
 	ClusterAdv    string        `name:"cluster-advertise" help:"HOST:PORT other daemons reach the control channel at (default: this host's address towards etcd)." placeholder:"HOST:PORT"`
 	ClusterPrefix string        `name:"cluster-prefix" default:"/cudaipc/v1/" help:"etcd key prefix of the cluster (default ${default}; clusters sharing an etcd use different ones)." placeholder:"PREFIX"`
 	EtcdCA        string        `name:"etcd-ca" help:"CA certificate that signed etcd's (turns on TLS)." placeholder:"FILE"`
