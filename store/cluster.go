@@ -693,7 +693,13 @@ func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs 
 	switch {
 	case timeoutMs == 0:
 		cn.order.Lock()
-		cn.grant(id, name, sel, false)
+		if err == nil {
+			cn.grant(id, name, sel, false)
+		} else if !cn.grant(id, name, sel, true) {
+			// Nothing here either: the cluster's NOT_FOUND says why (not
+			// in the directory, or recorded with no live holder).
+			cn.replyLocked("get", protocol.ErrorResponse(id, err), nil)
+		}
 		cn.order.Unlock()
 	case forever:
 		cn.waitAndGrant(id, name, sel, timeoutMs)
