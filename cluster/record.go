@@ -222,6 +222,31 @@ type Latest struct {
 	// replicas of versions Version-Keep and older when it sees this
 	// record; 0 leaves retention to each node.
 	Keep uint32 `json:"keep,omitempty"`
+	// Pruned is the newest version whose records the commits of this
+	// name have deleted (the directory keeps only the newest few): a
+	// holder of an older version sees from it that its record went by a
+	// commit, not by someone without the secret, and does not write it
+	// back. 0: none pruned.
+	Pruned uint64 `json:"pruned,omitempty"`
+}
+
+// MaxTombstoneIDs bounds the incarnations one tombstone names.
+const MaxTombstoneIDs = 4096
+
+// Tombstone is the owner's deletion of a name, as every holder verifies
+// it: a holder drops its replica of an incarnation only when a tombstone
+// sealed with the cluster secret names it, never because a record went
+// from the directory. It lives on a lease of its own (tombstones expire).
+type Tombstone struct {
+	Owner uint32 `json:"owner"`
+	Name  string `json:"name"`
+	// IDs are the incarnations deleted: every shard of every version of a
+	// versioned name, and those of earlier deletes of the name whose
+	// tombstones had not expired.
+	IDs []string `json:"ids"`
+	// Node is the node the owner deleted the name on.
+	Node    string    `json:"node"`
+	Deleted time.Time `json:"deleted"`
 }
 
 // Ref names one object of the cluster: a plain object (Version 0) or one
@@ -268,7 +293,7 @@ type Pin struct {
 
 // record is what can be sealed into a directory value.
 type record interface {
-	*Node | *Object | *Latest | *Holder | *Pin
+	*Node | *Object | *Latest | *Holder | *Pin | *Tombstone
 	validate() error
 }
 
@@ -462,6 +487,21 @@ func (l *Latest) validate() error {
 		return bad("latest of %s: version 0", l.Name)
 	}
 	return validVersion(l.Name, l.Version, 0, l.Shards)
+}
+
+func (t *Tombstone) validate() error {
+	if err := validName(t.Name); err != nil {
+		return err
+	}
+	if len(t.IDs) == 0 || len(t.IDs) > MaxTombstoneIDs {
+		return bad("tombstone of %s: %d incarnations (1 to %d)", t.Name, len(t.IDs), MaxTombstoneIDs)
+	}
+	for _, id := range t.IDs {
+		if err := validID(id); err != nil {
+			return bad("tombstone of %s: %v", t.Name, err)
+		}
+	}
+	return validNode(t.Node)
 }
 
 func (h *Holder) validate() error {

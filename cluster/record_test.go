@@ -286,3 +286,25 @@ func TestValidChunkSize(t *testing.T) {
 		}
 	}
 }
+
+func FuzzOpenTombstone(f *testing.F) {
+	ts := Tombstone{Owner: 1000, Name: "w", IDs: []string{NewID(), NewID()}, Node: "a", Deleted: time.Unix(1, 0).UTC()}
+	val, _ := Seal(testSecret, "/t", &ts)
+	f.Add(val)
+	f.Add(val[35:])
+	f.Add([]byte(`{"owner":1,"name":"x","ids":[],"node":"a","deleted":"2026-01-01T00:00:00Z"}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		for _, v := range [][]byte{b, resealRaw(testSecret, "/t", string(b))} {
+			var got Tombstone
+			if err := Open(testSecret, "/t", v, &got); err != nil {
+				if !errors.Is(err, ErrBadRecord) {
+					t.Fatalf("error does not wrap ErrBadRecord: %v", err)
+				}
+				continue
+			}
+			if got.validate() != nil || len(got.IDs) == 0 {
+				t.Fatalf("accepted an invalid tombstone: %+v", got)
+			}
+		}
+	})
+}

@@ -33,12 +33,14 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
@@ -58,6 +60,9 @@ const (
 	// DefaultKeepRecords is how many versions of a versioned name keep
 	// their records behind (and including) the latest.
 	DefaultKeepRecords = 8
+	// DefaultTombstoneTTL is how long the tombstone of a deleted name
+	// stays in the directory.
+	DefaultTombstoneTTL = time.Hour
 	// fastFail is how long calls fail at once after one found etcd away.
 	fastFail = time.Second
 )
@@ -93,6 +98,12 @@ type Config struct {
 	// bound. Nodes keep their own replicas by their own keep_last. 0 means
 	// DefaultKeepRecords.
 	KeepRecords int
+	// TombstoneTTL is how long the tombstone of a deleted name stays in
+	// the directory (on a lease, so that tombstones do not accumulate): a
+	// node cut off from etcd for longer, whose watch then finds its
+	// history compacted away, sees no tombstone of a name deleted
+	// meanwhile and writes its record back. 0 means DefaultTombstoneTTL.
+	TombstoneTTL time.Duration
 	// CAFile, CertFile and KeyFile turn on TLS to etcd: the CA that signed
 	// etcd's certificate, and this node's client certificate and key
 	// (both or neither).
@@ -152,8 +163,29 @@ type Directory struct {
 	// leaseUp is closed while a lease is held, replaced when it is lost.
 	leaseUp chan struct{}
 
+	// The guard's state (guard.go): the objects this node holds, by
+	// object key; the latest records of their names; the keys to look at;
+	// the keys whose rewrite was logged, and the rewrites since.
+	held                   map[string]*heldObj
+	latestSeen             map[string]latestSeen
+	dirty                  map[string]struct{}
+	kick                   chan struct{}
+	logged                 map[string]bool
+	rewrites, rewriteTotal uint64
+	summarized             time.Time
+	// guardMu is held by a rewrite from its read to its write, and by
+	// whatever stops guarding a record before it deletes it, so that no
+	// rewrite brings back a record its node withdrew.
+	guardMu sync.Mutex
+	// tombLease carries tombstones, granted at tombGranted for
+	// TombstoneTTL and used for half of it.
+	tombLease   clientv3.LeaseID
+	tombGranted time.Time
+
 	stop context.CancelFunc
 	done chan struct{}
+	// guarding counts the guard's goroutines.
+	guarding sync.WaitGroup
 }
 
 // Open connects to etcd, grants this node's lease and keeps it alive until
@@ -186,6 +218,9 @@ func Open(ctx context.Context, cfg Config) (*Directory, error) {
 	}
 	if cfg.KeepRecords <= 0 {
 		cfg.KeepRecords = DefaultKeepRecords
+	}
+	if cfg.TombstoneTTL <= 0 {
+		cfg.TombstoneTTL = DefaultTombstoneTTL
 	}
 	log := cfg.Logger
 	if log == nil {
@@ -220,7 +255,8 @@ func Open(ctx context.Context, cfg Config) (*Directory, error) {
 	d := &Directory{
 		cfg: cfg, k: keys{cfg.Prefix}, cli: cli, log: log.With("etcd", strings.Join(cfg.Endpoints, ",")),
 		name: strings.Join(cfg.Endpoints, ","), owned: map[string][]byte{}, deferred: map[string]deferredHold{}, leaseUp: make(chan struct{}),
-		done: make(chan struct{}),
+		held: map[string]*heldObj{}, latestSeen: map[string]latestSeen{}, dirty: map[string]struct{}{}, kick: make(chan struct{}, 1),
+		logged: map[string]bool{}, done: make(chan struct{}),
 	}
 	if err := d.grant(ctx); err != nil {
 		cli.Close()
@@ -229,6 +265,8 @@ func Open(ctx context.Context, cfg Config) (*Directory, error) {
 	kctx, cancel := context.WithCancel(context.Background())
 	d.stop = cancel
 	go d.keep(kctx)
+	d.guarding.Go(func() { d.guardWatch(kctx) })
+	d.guarding.Go(func() { d.guardWork(kctx) })
 	return d, nil
 }
 
@@ -237,6 +275,7 @@ func Open(ctx context.Context, cfg Config) (*Directory, error) {
 func (d *Directory) Close() error {
 	d.stop()
 	<-d.done
+	d.guarding.Wait()
 	d.mu.Lock()
 	lease := d.lease
 	d.lease = 0
@@ -260,6 +299,10 @@ func (d *Directory) Secret() cluster.Secret { return d.cfg.Secret }
 type deferredHold struct {
 	val   []byte
 	guard clientv3.Cmp
+	// ref, id and obj are the object held and its record, for the guard.
+	ref cluster.Ref
+	id  string
+	obj []byte
 }
 
 // grant takes a new lease and writes every owned key on it, then the
@@ -329,6 +372,9 @@ func (d *Directory) writeDeferred(ctx context.Context, lease clientv3.LeaseID, d
 			delete(d.deferred, key) // written, or its name deleted or replaced
 		}
 		d.mu.Unlock()
+		if err == nil && r.Succeeded {
+			d.hold(h.ref, h.id, h.obj, key, h.val)
+		}
 		if err != nil {
 			d.log.Warn("a deferred holder record is not written yet (the next lease writes it)", "key", key, "err", err)
 		}
@@ -447,9 +493,12 @@ var errCallTimeout = errors.New("etcd call timeout")
 
 // deleteOwned forgets key and deletes it.
 func (d *Directory) deleteOwned(ctx context.Context, what, key string) error {
+	d.guardMu.Lock()
 	d.mu.Lock()
 	delete(d.owned, key)
+	delete(d.logged, key)
 	d.mu.Unlock()
+	d.guardMu.Unlock()
 	ctx, cancel, err := d.call(ctx, what)
 	if err != nil {
 		return err
@@ -463,7 +512,9 @@ func (d *Directory) deleteOwned(ctx context.Context, what, key string) error {
 
 // Join writes this node's record on its lease. It fails with
 // cluster.ErrExists while another live node has the same name (a node that
-// died frees its name within the TTL).
+// died frees its name within the TTL). A record under the name that is no
+// live node's (one without a lease, or that does not verify: no node
+// wrote it) is replaced at once.
 func (d *Directory) Join(ctx context.Context, n cluster.Node) error {
 	if n.Name != d.cfg.Node {
 		return fmt.Errorf("join: record of node %q on the directory of node %q", n.Name, d.cfg.Node)
@@ -481,17 +532,57 @@ func (d *Directory) Join(ctx context.Context, n cluster.Node) error {
 		return err
 	}
 	err = d.putOwned(ctx, "join", key, val, clientv3.Compare(clientv3.LeaseValue(key), "=", lease))
-	if errors.Is(err, errGuard) {
+	for try := 0; errors.Is(err, errGuard) && try < 3; try++ {
 		err = d.putOwned(ctx, "join", key, val, clientv3.Compare(clientv3.CreateRevision(key), "=", 0))
+		if !errors.Is(err, errGuard) {
+			break
+		}
+		var cur *mvccpb.KeyValue
+		if cur, err = d.get(ctx, "join", key); err != nil {
+			return err
+		}
+		if cur == nil {
+			err = errGuard // gone meanwhile: create it
+			continue
+		}
+		var old cluster.Node
+		why := ""
+		if oerr := cluster.Open(d.cfg.Secret, key, cur.Value, &old); oerr != nil {
+			why = oerr.Error()
+		} else if cur.Lease == 0 {
+			why = "it has no lease, so it never expires: no node wrote it"
+		}
+		if why == "" {
+			return fmt.Errorf("join: %w: node %q is live in the cluster (if it died, its record expires within %v)", cluster.ErrExists, n.Name, d.cfg.TTL)
+		}
+		d.log.Warn("replacing a record under this node's name that is no live node's", "key", key, "why", why)
+		err = d.putOwned(ctx, "join", key, val, clientv3.Compare(clientv3.ModRevision(key), "=", cur.ModRevision))
 	}
 	if errors.Is(err, errGuard) {
-		return fmt.Errorf("join: %w: node %q is live in the cluster (if it died, its record expires within %v)", cluster.ErrExists, n.Name, d.cfg.TTL)
+		return fmt.Errorf("join: the record of node %q kept changing under this node", n.Name)
 	}
 	return err
 }
 
-// Nodes returns the records of the live nodes. Records that do not verify
-// are logged and left out.
+// get reads key, nil when it is not there.
+func (d *Directory) get(ctx context.Context, what, key string) (*mvccpb.KeyValue, error) {
+	ctx, cancel, err := d.call(ctx, what)
+	if err != nil {
+		return nil, err
+	}
+	defer cancel()
+	r, err := d.cli.Get(ctx, key)
+	if err != nil {
+		return nil, d.fail(ctx, what, err)
+	}
+	if len(r.Kvs) == 0 {
+		return nil, nil
+	}
+	return r.Kvs[0], nil
+}
+
+// Nodes returns the records of the live nodes. Records that do not verify,
+// or have no lease (no node wrote them), are logged and left out.
 func (d *Directory) Nodes(ctx context.Context) ([]cluster.Node, error) {
 	ctx, cancel, err := d.call(ctx, "list nodes")
 	if err != nil {
@@ -505,7 +596,7 @@ func (d *Directory) Nodes(ctx context.Context) ([]cluster.Node, error) {
 	var out []cluster.Node
 	for _, kv := range r.Kvs {
 		var n cluster.Node
-		if err := cluster.Open(d.cfg.Secret, string(kv.Key), kv.Value, &n); err != nil {
+		if err := openNode(d.cfg.Secret, kv, &n); err != nil {
 			d.log.Warn("ignoring a node record", "err", err)
 			continue
 		}
@@ -516,7 +607,7 @@ func (d *Directory) Nodes(ctx context.Context) ([]cluster.Node, error) {
 
 // Node returns the record of a live node, or an error wrapping
 // cluster.ErrNotFound (a dead node's record has expired) or
-// cluster.ErrBadRecord.
+// cluster.ErrBadRecord (it does not verify, or has no lease).
 func (d *Directory) Node(ctx context.Context, name string) (cluster.Node, error) {
 	var n cluster.Node
 	if err := cluster.ValidateNodeName(name); err != nil {
@@ -535,7 +626,49 @@ func (d *Directory) Node(ctx context.Context, name string) (cluster.Node, error)
 	if len(r.Kvs) == 0 {
 		return n, fmt.Errorf("node %s: %w (not live)", name, cluster.ErrNotFound)
 	}
-	return n, cluster.Open(d.cfg.Secret, key, r.Kvs[0].Value, &n)
+	return n, openNode(d.cfg.Secret, r.Kvs[0], &n)
+}
+
+// openNode opens a node record: it must verify and live on a lease, as
+// every node writes its record; one without a lease never expires, so it
+// says nothing of a live node.
+func openNode(s cluster.Secret, kv *mvccpb.KeyValue, n *cluster.Node) error {
+	if err := cluster.Open(s, string(kv.Key), kv.Value, n); err != nil {
+		return err
+	}
+	if kv.Lease == 0 {
+		return fmt.Errorf("%w: %s: no lease (nodes write their records on their lease): not a live node", cluster.ErrBadRecord, kv.Key)
+	}
+	return nil
+}
+
+// UnverifiedNodes returns the names of the other nodes whose records do
+// not verify with this node's secret (or are not valid records), and how
+// many others verify: where none verifies, the cluster secrets probably
+// differ.
+func (d *Directory) UnverifiedNodes(ctx context.Context) (bad []string, good int, err error) {
+	ctx, cancel, err := d.call(ctx, "list nodes")
+	if err != nil {
+		return nil, 0, err
+	}
+	defer cancel()
+	r, err := d.cli.Get(ctx, d.k.nodes(), clientv3.WithPrefix())
+	if err != nil {
+		return nil, 0, d.fail(ctx, "list nodes", err)
+	}
+	for _, kv := range r.Kvs {
+		name := strings.TrimPrefix(string(kv.Key), d.k.nodes())
+		if name == d.cfg.Node {
+			continue
+		}
+		var n cluster.Node
+		if cluster.Open(d.cfg.Secret, string(kv.Key), kv.Value, &n) != nil {
+			bad = append(bad, name)
+		} else {
+			good++
+		}
+	}
+	return bad, good, nil
 }
 
 // Entry is an object's record with its live holders.
@@ -607,6 +740,7 @@ func (d *Directory) Publish(ctx context.Context, o cluster.Object) (committed bo
 			return false, d.fail(cctx, "publish "+ref.String(), err)
 		}
 		if r.Succeeded {
+			d.hold(ref, o.ID, val, hkey, hval)
 			if o.Version == 0 {
 				return false, nil
 			}
@@ -627,9 +761,10 @@ func (d *Directory) Publish(ctx context.Context, o cluster.Object) (committed bo
 func (d *Directory) commit(ctx context.Context, o cluster.Object) (bool, error) {
 	what := fmt.Sprintf("commit %s version %d", o.Name, o.Version)
 	lkey := d.k.latest(o.Owner, o.Name)
-	lval, err := cluster.Seal(d.cfg.Secret, lkey, &cluster.Latest{Name: o.Name, Owner: o.Owner, Version: o.Version, Shards: o.Shards, Keep: o.Keep})
-	if err != nil {
-		return false, err
+	latest := cluster.Latest{Name: o.Name, Owner: o.Owner, Version: o.Version, Shards: o.Shards, Keep: o.Keep}
+	keep := uint64(d.cfg.KeepRecords)
+	if o.Version > keep {
+		latest.Pruned = o.Version - keep
 	}
 	for range 8 {
 		cctx, cancel, err := d.call(ctx, what)
@@ -667,16 +802,25 @@ func (d *Directory) commit(ctx context.Context, o cluster.Object) (bool, error) 
 			return false, nil
 		}
 		cmp := clientv3.Compare(clientv3.CreateRevision(lkey), "=", 0)
+		l := latest
 		if kvs := r.Responses[1].GetResponseRange().Kvs; len(kvs) > 0 {
-			var l cluster.Latest
-			if err := cluster.Open(d.cfg.Secret, lkey, kvs[0].Value, &l); err == nil && l.Version >= o.Version {
-				cancel()
-				return false, nil
+			var prev cluster.Latest
+			if err := cluster.Open(d.cfg.Secret, lkey, kvs[0].Value, &prev); err == nil {
+				if prev.Version >= o.Version {
+					cancel()
+					return false, nil
+				}
+				l.Pruned = max(l.Pruned, prev.Pruned) // nodes keeping more versions pruned less
 			}
 			cmp = clientv3.Compare(clientv3.ModRevision(lkey), "=", kvs[0].ModRevision)
 		}
+		lval, err := cluster.Seal(d.cfg.Secret, lkey, &l)
+		if err != nil {
+			cancel()
+			return false, err
+		}
 		ops := []clientv3.Op{clientv3.OpPut(lkey, string(lval))}
-		if keep := uint64(d.cfg.KeepRecords); o.Version > keep {
+		if o.Version > keep {
 			// Versions up to o.Version-keep lose their records: the keys
 			// sort by version (20 digits), so one range each.
 			upTo := fmt.Sprintf("%020d/", o.Version-keep+1)
@@ -690,6 +834,7 @@ func (d *Directory) commit(ctx context.Context, o cluster.Object) (bool, error) 
 			return false, d.fail(cctx, what, err)
 		}
 		if t.Succeeded {
+			d.seeLatest(lkey, lval, o.Version)
 			return true, nil
 		}
 	}
@@ -729,7 +874,7 @@ func (d *Directory) Lookup(ctx context.Context, ref cluster.Ref) (Entry, error) 
 			d.log.Warn("ignoring a holder record", "err", err)
 			continue
 		}
-		if h.ID == e.ID && strings.HasSuffix(string(kv.Key), "/"+h.Node) {
+		if h.ID == e.ID && strings.HasSuffix(string(kv.Key), "/"+h.Node) && kv.Lease != 0 {
 			e.Holders = append(e.Holders, h.Node)
 		}
 	}
@@ -746,8 +891,15 @@ func (d *Directory) AddHolder(ctx context.Context, e Entry) error {
 	if err != nil {
 		return err
 	}
+	oval, err := cluster.Seal(d.cfg.Secret, d.k.obj(ref), &e.Object)
+	if err != nil {
+		return err
+	}
 	guard := clientv3.Compare(clientv3.ModRevision(d.k.obj(ref)), "=", e.Revision)
 	err = d.putOwned(ctx, "advertise "+ref.String(), hkey, hval, guard)
+	if err == nil {
+		d.hold(ref, e.ID, oval, hkey, hval)
+	}
 	if errors.Is(err, errGuard) {
 		return fmt.Errorf("advertise %s: %w (deleted or replaced during the pull)", ref, cluster.ErrNotFound)
 	}
@@ -756,7 +908,7 @@ func (d *Directory) AddHolder(ctx context.Context, e Entry) error {
 		// this node's lease was lost is advertised once etcd answers.
 		d.mu.Lock()
 		if d.lease == 0 {
-			d.deferred[hkey] = deferredHold{val: hval, guard: guard}
+			d.deferred[hkey] = deferredHold{val: hval, guard: guard, ref: ref, id: e.ID, obj: oval}
 			err = fmt.Errorf("%w (deferred: written when this node has a lease again)", err)
 		} else {
 			err = nil // granted meanwhile: write it now
@@ -773,35 +925,127 @@ func (d *Directory) AddHolder(ctx context.Context, e Entry) error {
 // going).
 func (d *Directory) RemoveHolder(ctx context.Context, ref cluster.Ref) error {
 	key := d.k.hold(ref, d.cfg.Node)
+	d.guardMu.Lock()
 	d.mu.Lock()
 	delete(d.deferred, key)
+	if h := d.held[d.k.obj(ref)]; h != nil && h.hkey == key {
+		d.forgetLocked(d.k.obj(ref))
+	}
 	d.mu.Unlock()
+	d.guardMu.Unlock()
 	return d.deleteOwned(ctx, "withdraw "+ref.String(), key)
 }
 
 // Delete removes a name from the cluster: every version's records, their
-// holders and the latest pointer, in one transaction. Holders drop their
-// replicas when they see the records go (WatchDeletes). It fails with
-// cluster.ErrNotFound when nothing was recorded.
+// holders and the latest pointer, in one transaction that writes the
+// name's tombstone, sealed with the cluster secret and naming every
+// incarnation deleted. Holders drop their replicas when they see the
+// tombstone (Watch), never because records went. It fails with
+// cluster.ErrNotFound when nothing was recorded and this node held
+// nothing of the name.
 func (d *Directory) Delete(ctx context.Context, owner uint32, name string) error {
 	what := fmt.Sprintf("delete %d:%s", owner, name)
-	ctx, cancel, err := d.call(ctx, what)
+	mine := d.forgetName(owner, name)
+	tkey := d.k.tomb(owner, name)
+	for range 8 {
+		cctx, cancel, err := d.call(ctx, what)
+		if err != nil {
+			return err
+		}
+		r, err := d.cli.Txn(cctx).Then(
+			clientv3.OpGet(d.k.objName(owner, name), clientv3.WithPrefix()),
+			clientv3.OpGet(tkey)).Commit()
+		if err != nil {
+			cancel()
+			return d.fail(cctx, what, err)
+		}
+		objs := r.Responses[0].GetResponseRange().Kvs
+		ids := slices.Clone(mine)
+		for _, kv := range objs {
+			var o cluster.Object
+			if err := cluster.Open(d.cfg.Secret, string(kv.Key), kv.Value, &o); err == nil && !slices.Contains(ids, o.ID) {
+				ids = append(ids, o.ID)
+			}
+		}
+		if len(objs) == 0 && len(ids) == 0 {
+			cancel()
+			return fmt.Errorf("%s: %w", what, cluster.ErrNotFound)
+		}
+		tcmp := clientv3.Compare(clientv3.CreateRevision(tkey), "=", 0)
+		if kvs := r.Responses[1].GetResponseRange().Kvs; len(kvs) > 0 {
+			// Deleted before, within the tombstones' life: keep naming
+			// the incarnations deleted then, for holders not yet told.
+			var t cluster.Tombstone
+			if cluster.Open(d.cfg.Secret, tkey, kvs[0].Value, &t) == nil {
+				for _, id := range t.IDs {
+					if !slices.Contains(ids, id) {
+						ids = append(ids, id)
+					}
+				}
+			}
+			tcmp = clientv3.Compare(clientv3.ModRevision(tkey), "=", kvs[0].ModRevision)
+		}
+		if len(ids) > cluster.MaxTombstoneIDs {
+			ids = ids[:cluster.MaxTombstoneIDs] // this delete's first, then the newest before
+		}
+		var ops []clientv3.Op
+		if len(ids) > 0 {
+			lease, err := d.tombstoneLease(cctx)
+			if err != nil {
+				cancel()
+				return err
+			}
+			tval, err := cluster.Seal(d.cfg.Secret, tkey, &cluster.Tombstone{Owner: owner, Name: name, IDs: ids, Node: d.cfg.Node, Deleted: time.Now().UTC()})
+			if err != nil {
+				cancel()
+				return err
+			}
+			ops = append(ops, clientv3.OpPut(tkey, string(tval), clientv3.WithLease(lease)))
+		}
+		ops = append(ops,
+			clientv3.OpDelete(d.k.objName(owner, name), clientv3.WithPrefix()),
+			clientv3.OpDelete(d.k.holdName(owner, name), clientv3.WithPrefix()),
+			clientv3.OpDelete(d.k.latest(owner, name)))
+		// No record may have come since the read: its incarnation would
+		// not be in the tombstone.
+		t, err := d.cli.Txn(cctx).If(tcmp,
+			clientv3.Compare(clientv3.ModRevision(d.k.objName(owner, name)), "<", r.Header.Revision+1).WithPrefix()).
+			Then(ops...).Commit()
+		cancel()
+		if err != nil {
+			if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+				d.mu.Lock()
+				d.tombLease = 0
+				d.mu.Unlock()
+				continue
+			}
+			return d.fail(cctx, what, err)
+		}
+		if t.Succeeded {
+			return nil
+		}
+	}
+	return fmt.Errorf("%s: the name's records kept changing under this node", what)
+}
+
+// tombstoneLease returns the lease tombstones are written on: granted for
+// TombstoneTTL and used for half of it, so that a tombstone lives from
+// half the TTL to all of it.
+func (d *Directory) tombstoneLease(ctx context.Context) (clientv3.LeaseID, error) {
+	d.mu.Lock()
+	lease, at := d.tombLease, d.tombGranted
+	d.mu.Unlock()
+	if lease != 0 && time.Since(at) < d.cfg.TombstoneTTL/2 {
+		return lease, nil
+	}
+	g, err := d.cli.Grant(ctx, int64((d.cfg.TombstoneTTL+time.Second-1)/time.Second))
 	if err != nil {
-		return err
+		return 0, d.fail(ctx, "grant a tombstone lease", err)
 	}
-	defer cancel()
-	r, err := d.cli.Txn(ctx).Then(
-		clientv3.OpDelete(d.k.objName(owner, name), clientv3.WithPrefix()),
-		clientv3.OpDelete(d.k.holdName(owner, name), clientv3.WithPrefix()),
-		clientv3.OpDelete(d.k.latest(owner, name)),
-	).Commit()
-	if err != nil {
-		return d.fail(ctx, what, err)
-	}
-	if r.Responses[0].GetResponseDeleteRange().Deleted == 0 {
-		return fmt.Errorf("%s: %w", what, cluster.ErrNotFound)
-	}
-	return nil
+	d.mu.Lock()
+	d.tombLease, d.tombGranted = g.ID, time.Now()
+	d.mu.Unlock()
+	return g.ID, nil
 }
 
 // Latest returns a versioned name's latest committed version, or an error
@@ -910,13 +1154,12 @@ func (d *Directory) Pinned(ctx context.Context, ref cluster.Ref) (int, error) {
 type Event struct {
 	// Ref is the object concerned.
 	Ref cluster.Ref
-	// Deleted: its record was deleted (the name removed from the cluster);
-	// every node drops its replica of that incarnation.
+	// Deleted: the owner deleted the name (a tombstone sealed with the
+	// cluster secret names the incarnation ID); every node drops its
+	// replica of that incarnation. Ref names the name (Version 0).
 	Deleted bool
-	// ID is the deleted record's incarnation id, so that a node drops only
-	// a replica of the object that went, never one of the name created
-	// again since; "" when etcd did not return the old value (compacted)
-	// or it did not verify, which concerns every incarnation.
+	// ID is the incarnation deleted, so that a node drops only a replica
+	// of the object that went, never one of the name created again since.
 	ID string
 	// Pinned and Unpinned: a reader pinned or unpinned this node's
 	// replica; Reader names it.
@@ -931,9 +1174,11 @@ type Event struct {
 	Keep      uint32
 }
 
-// Watch reports deletions of object records, commits of versions (the
-// latest records written) and pins of this node's replicas until ctx is
-// done, on a channel it closes then. It reports
+// Watch reports the owners' deletions of names (their tombstones, one
+// event per incarnation deleted), commits of versions (the latest records
+// written) and pins of this node's replicas until ctx is done, on a
+// channel it closes then. A record that went from the directory, or a
+// tombstone that does not verify, is no deletion: nothing is reported. It reports
 // every such change made after Watch returns (it reads the directory's
 // revision first, when etcd answers), and after etcd was away it resumes
 // from the revision after the last event it reported, so changes made
@@ -968,7 +1213,7 @@ func (d *Directory) Watch(ctx context.Context) <-chan Event {
 		pins := d.k.pinsOf(d.cfg.Node)
 		for ctx.Err() == nil {
 			wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-			wo := d.cli.Watch(wctx, d.k.objects(), from(nextO, clientv3.WithFilterPut(), clientv3.WithPrevKV())...)
+			wo := d.cli.Watch(wctx, d.k.tombs(), from(nextO, clientv3.WithFilterDelete())...)
 			wp := d.cli.Watch(wctx, pins, from(nextP, clientv3.WithPrevKV())...)
 			wl := d.cli.Watch(wctx, d.k.latests(), from(nextL, clientv3.WithFilterDelete())...)
 			for wo != nil || wp != nil || wl != nil {
@@ -1008,20 +1253,18 @@ func (d *Directory) Watch(ctx context.Context) <-chan Event {
 					var e Event
 					e.Key = key
 					switch {
-					case strings.HasPrefix(key, d.k.objects()):
-						r, _, err := parseRef(strings.TrimPrefix(key, d.k.objects()))
-						if err != nil {
-							continue
+					case strings.HasPrefix(key, d.k.tombs()):
+						var t cluster.Tombstone
+						if err := cluster.Open(d.cfg.Secret, key, ev.Kv.Value, &t); err != nil || d.k.tomb(t.Owner, t.Name) != key {
+							continue // logged by the guard
 						}
-						e.Ref, e.Deleted = r, true
-						if ev.PrevKv != nil {
-							var o cluster.Object
-							if err := cluster.Open(d.cfg.Secret, key, ev.PrevKv.Value, &o); err != nil {
-								d.log.Warn("a deleted record does not verify: treating the deletion as of every incarnation", "object", r.String(), "err", err)
-							} else {
-								e.ID = o.ID
+						for _, id := range t.IDs {
+							if !send(Event{Ref: cluster.Ref{Owner: t.Owner, Name: t.Name}, Deleted: true, ID: id, Key: key}) {
+								cancel()
+								return
 							}
 						}
+						continue
 					case strings.HasPrefix(key, d.k.latests()):
 						var l cluster.Latest
 						if err := cluster.Open(d.cfg.Secret, key, ev.Kv.Value, &l); err != nil || d.k.latest(l.Owner, l.Name) != key {

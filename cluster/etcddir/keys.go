@@ -19,6 +19,7 @@ import (
 //	hold/UID/NAME/VERSION/SHARD/NODE             cluster.Holder  holder's lease
 //	latest/UID/NAME                              cluster.Latest  no lease
 //	pin/HOLDER/UID/NAME/VERSION/SHARD/READER/ID  cluster.Pin     reader's lease
+//	tomb/UID/NAME                                cluster.Tombstone  a tombstone lease
 type keys struct{ p string }
 
 func (k keys) node(n string) string { return k.p + "node/" + n }
@@ -55,6 +56,11 @@ func (k keys) latest(uid uint32, name string) string {
 	return k.p + "latest/" + strings.TrimSuffix(refPath(uid, name), "/")
 }
 func (k keys) latests() string { return k.p + "latest/" }
+
+func (k keys) tomb(uid uint32, name string) string {
+	return k.p + "tomb/" + strings.TrimSuffix(refPath(uid, name), "/")
+}
+func (k keys) tombs() string { return k.p + "tomb/" }
 
 func (k keys) pinsOf(holder string) string { return k.p + "pin/" + holder + "/" }
 func (k keys) pinsRef(holder string, r cluster.Ref) string {

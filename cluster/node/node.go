@@ -303,7 +303,27 @@ func (n *Node) Attach(ctx context.Context, st *store.Store) error {
 	n.wg.Go(func() { _ = n.cs.Serve(n.ln) })
 	n.wg.Go(func() { n.watch(wctx) })
 	n.log.Info("joined the cluster", "node", n.cfg.Directory.Node, "control", n.cfg.Advertise, "etcd", n.cfg.Directory.Endpoints)
+	n.checkSecret(ctx)
 	return nil
+}
+
+// checkSecret says loudly, at start, when the other nodes' records do not
+// verify with this node's secret: the cluster secrets probably differ, and
+// this node can read none of their objects, nor they any of its.
+func (n *Node) checkSecret(ctx context.Context) {
+	bad, good, err := n.dir.UnverifiedNodes(ctx)
+	if err != nil {
+		n.log.Warn("could not check the other nodes' records against this node's cluster secret", "err", err)
+		return
+	}
+	if len(bad) == 0 {
+		return
+	}
+	msg := "the records of other nodes do not verify with this node's --cluster-secret: the cluster secrets probably differ (or the records are forged); this node cannot read their objects, nor they this node's"
+	if good > 0 {
+		msg = "the records of some other nodes do not verify with this node's --cluster-secret: those nodes probably have another cluster secret (or their records are forged); objects they hold cannot be read here"
+	}
+	n.log.Error(msg, "nodes", bad, "verified", good)
 }
 
 // Close leaves the cluster: this node's records go at once, exposures and
@@ -354,11 +374,9 @@ func (n *Node) watch(ctx context.Context) {
 func (n *Node) handle(ctx context.Context, ev etcddir.Event) {
 	switch {
 	case ev.Deleted:
-		if ev.Ref.Version != 0 && !n.nameGone(ctx, ev.Ref) {
-			return // an old version's records pruned: replicas go by keep_last (Committed)
-		}
-		// Only the incarnation deleted: this node may have created the
-		// name again before its watch saw the delete.
+		// The owner's delete, sealed in a tombstone. Only the incarnation
+		// deleted: this node may have created the name again before its
+		// watch saw the delete.
 		if n.st.DropCluster(ev.Ref.Owner, ev.Ref.Name, ev.ID) {
 			n.log.Info("cluster deleted a name: local replica dropped", "object", ev.Ref.String())
 		}
@@ -391,16 +409,6 @@ func (n *Node) handle(ctx context.Context, ev etcddir.Event) {
 		}
 		n.mu.Unlock()
 	}
-}
-
-// nameGone reports whether a versioned name was deleted from the cluster
-// (its latest record is gone), as opposed to old versions' records
-// pruned. When etcd cannot say, the name is kept.
-func (n *Node) nameGone(ctx context.Context, ref cluster.Ref) bool {
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	_, err := n.dir.Latest(ctx, ref.Owner, ref.Name)
-	return errors.Is(err, cluster.ErrNotFound)
 }
 
 // Fetch implements store.ClusterHook: it pulls owner's name, or the
