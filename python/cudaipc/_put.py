@@ -163,9 +163,9 @@ class Putter:
     """One connection's put: its object made ahead and its interprocess events.
 
     ``create(name, nbytes, device, shared=, dtype=, shape=, _spin=)`` is Store.create;
-    ``created(reply, name, nbytes)`` makes the Object of a create's reply."""
+    ``created(reply, name, nbytes, shared=)`` makes the Object of a create's reply."""
 
-    def __init__(self, conn: Conn, create: Callable[..., Object], created: Callable[[Reply, str, int], Object]):
+    def __init__(self, conn: Conn, create: Callable[..., Object], created: Callable[..., Object]):
         self.conn = conn
         self.create = create
         self.created = created
@@ -368,5 +368,5 @@ class Putter:
             if r.fd >= 0:
                 os.close(r.fd)
             return None   # e.g. the store was full then: put creates as usual
-        return self.created(r, a.hidden, a.key.nbytes)
+        return self.created(r, a.hidden, a.key.nbytes, shared=a.key.shared)
 

@@ -8,6 +8,7 @@ import array
 import collections
 import ctypes
 import itertools
+import logging
 import os
 import re
 import select
@@ -21,6 +22,8 @@ from . import _store_pb2 as pb
 from ._encode import id_field
 from .errors import Closed, InternalError, InvalidArgument, StoreGone, StoreError, from_code
 
+_log = logging.getLogger("cudaipc")
+
 MAX_MESSAGE = 65536
 MAX_FILES = 60  # protocol.MaxFiles: a register request or its get carries one per piece
 _ANC = socket.CMSG_SPACE(4 * (MAX_FILES + 4))  # room for more than MAX_FILES, so extras are seen and closed
@@ -29,7 +32,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_PROT_READ, _PROT_WRITE, _MAP_SHARED = 1, 2, 1
+_PROT_READ, _PROT_WRITE, _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED = 1, 2, 1, 2, 0x10
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 # The socket module's flags as plain ints: combining its IntFlag members costs
@@ -79,6 +82,8 @@ def spin_option(spin: Optional[float]) -> float:
 
 def _unmap(addr: int, size: int, fd: int) -> None:
     _libc.munmap(addr, size)
+    if fd < 0:
+        return
     try:
         os.close(fd)
     except OSError:
@@ -100,7 +105,7 @@ class HostArena:
     """One mmap of a memfd arena, unmapped (and its descriptor closed) when the
     connection and every lease or object using it have let go of it."""
 
-    def __init__(self, fd: int, size: int, writable: bool):
+    def __init__(self, fd: int, size: int, writable: bool, arena_id: int = 0):
         prot = _PROT_READ | (_PROT_WRITE if writable else 0)
         addr = _libc.mmap(None, size, prot, _MAP_SHARED, fd, 0)
         if addr is None or addr == _MAP_FAILED:
@@ -109,7 +114,24 @@ class HostArena:
         self.addr = int(addr)
         self.size = size
         self.fd = fd
+        self.key = (arena_id, writable)
         self._fin = weakref.finalize(self, _unmap, self.addr, size, fd)
+
+    def make_read_only(self) -> bool:
+        """Replace the writable shared mapping by a read-only private one of the same
+        bytes at the same address, and close the writable descriptor: views made
+        before read the same memory and fault on a write, and since no writable
+        mapping of the memfd is left, the daemon can seal it against writes for every
+        reader (docs/hardening.md, "Sealed objects"). False if the kernel refused
+        (the mapping stays as it was)."""
+        addr = _libc.mmap(self.addr, self.size, _PROT_READ, _MAP_PRIVATE | _MAP_FIXED, self.fd, 0)
+        if addr is None or addr == _MAP_FAILED or int(addr) != self.addr:
+            return False
+        self._fin.detach()
+        os.close(self.fd)
+        self.fd = -1
+        self._fin = weakref.finalize(self, _unmap, self.addr, self.size, -1)
+        return True
 
 
 class Reply:
@@ -491,15 +513,24 @@ class Conn:
             return Reply(resp)
         a = self._arenas.get(key)
         if p.fd_attached:
-            a = HostArena(fds[0], p.arena_size, p.writable)
+            a = HostArena(fds[0], p.arena_size, p.writable, p.arena_id)
             self._arenas[key] = a
         elif a is None:
             self._fail(InternalError("recv", message="placement in arena %d without its descriptor" % p.arena_id))
             return Reply(resp)
         elif a.size < p.offset + p.size:  # the arena grew: map it again
-            a = HostArena(os.dup(a.fd), p.arena_size, p.writable)
+            a = HostArena(os.dup(a.fd), p.arena_size, p.writable, p.arena_id)
             self._arenas[key] = a
         return Reply(resp, arena=a)
+
+    def seal_host_arena(self, a: HostArena) -> None:
+        """Let go of the writable mapping of a sealed shared host object, whose arena
+        is its own and is never written again (the Go client's unrefSealed): the
+        connection forgets the arena and its mapping becomes read-only."""
+        if self._arenas.get(a.key) is a:
+            self._arenas.pop(a.key, None)
+        if not a.make_read_only():
+            _log.debug("cudaipc: arena %d stays mapped writable: %s", a.key[0], os.strerror(ctypes.get_errno()))
 
     def drop_host_arenas(self, ids: Any) -> None:
         """Forget host arenas the daemon emptied (mappings go when unused)."""

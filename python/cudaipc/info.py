@@ -88,6 +88,7 @@ class ObjectInfo:
     orphaned: bool = False          # registered VMM memory whose exporter is gone: readable while leased
     exporter_bound: bool = False    # a legacy registration: removed when its exporter disconnects
     partial: bool = False           # a partial replica: only the tensors a get_bundle named (docs/cluster.md)
+    creator_can_write: bool = False  # sealed, yet its creator can still change its bytes (docs/hardening.md, "Sealed objects")
 
     @classmethod
     def _from_pb(cls, o: Any) -> "ObjectInfo":
@@ -101,7 +102,7 @@ class ObjectInfo:
                    datetime.datetime.fromtimestamp(o.created_unix_nano / 1e9, datetime.timezone.utc),
                    region, TensorDesc._from_pb(o.tensor) if o.HasField("tensor") else None,
                    o.version, o.shards, o.shard, o.manifest_size, o.tensors,
-                   o.external, o.orphaned, o.exporter_bound, o.partial)
+                   o.external, o.orphaned, o.exporter_bound, o.partial, o.creator_can_write)
 
 
 @dataclasses.dataclass(frozen=True)

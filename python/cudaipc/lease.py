@@ -227,17 +227,20 @@ class Object(MemoryViews):
     """A new object being written (from :meth:`Store.create`): fill its memory in place
     through ``tensor()``, ``cupy()``, ``numpy()``, ``memoryview()`` or ``write()``, then
     ``seal()`` (publish) or ``abort()``. Views of an Object must not be used after
-    seal or abort (GPU mappings are closed then, as the protocol requires). An Object
-    collected unsealed is aborted."""
+    seal or abort (GPU mappings are closed then, as the protocol requires); those of
+    a shared host object turn read-only at its seal (a write through them faults),
+    so that no one can change it any more. An Object collected unsealed is aborted."""
 
-    __slots__ = ("_conn", "_mem", "_rec", "_state", "_desc", "version", "shard", "__weakref__")
+    __slots__ = ("_conn", "_mem", "_rec", "_state", "_desc", "_shared", "version", "shard", "__weakref__")
 
-    def __init__(self, conn: Conn, rec: Record, desc: Optional[TensorDesc], version: int = 0, shard: int = 0):
+    def __init__(self, conn: Conn, rec: Record, desc: Optional[TensorDesc], version: int = 0, shard: int = 0,
+                 shared: bool = False):
         self._conn = conn
         self._rec = rec
         self._mem: Optional[Hold] = Hold(rec)
         self._state = "open"
         self._desc = desc
+        self._shared = shared    # a shared object: a host one has an arena of its own
         self.version = version   # for a shard of a version: its version
         self.shard = shard
 
@@ -277,6 +280,12 @@ class Object(MemoryViews):
         # The GPU mapping goes before the daemon hears: it may free the arena at once.
         self._let_go("sealed" if op == "seal" else "aborted")
         self._conn.call(req, op, name or self.name)
+        r = self._rec
+        if op == "seal" and self._shared and r.arena is not None:
+            # Sealed: the host views made before become read-only, and the daemon
+            # can seal the memory against writes (creator_can_write false).
+            r.writable = False
+            self._conn.seal_host_arena(r.arena)
 
     def _let_go(self, state: str, name: Optional[str] = None, desc: Optional[TensorDesc] = None) -> None:
         """Unmap the object and mark it ``state`` without telling the daemon (the

@@ -193,10 +193,10 @@ class Store:
         if desc is not None:
             req.create.tensor.CopyFrom(desc._to_pb())
         r = self._conn.call(req, "create", name, spin=_spin)
-        return self._created(r, name, nbytes, desc, manifest, shard)
+        return self._created(r, name, nbytes, desc, manifest, shard, shared)
 
     def _created(self, r: Reply, name: str, nbytes: int, desc: Optional[TensorDesc] = None,
-                 manifest: Optional[bytes] = None, shard: int = 0) -> Object:
+                 manifest: Optional[bytes] = None, shard: int = 0, shared: bool = False) -> Object:
         """The Object of a create's reply."""
         p = r.resp.create.placement
         if not p.writable or p.size != nbytes or (r.manifest_fd >= 0) != bool(manifest):
@@ -216,7 +216,7 @@ class Store:
         except BaseException:
             self._conn._cleanup(r, "create", name)
             raise
-        return Object(self._conn, rec, desc, r.resp.create.version, shard)
+        return Object(self._conn, rec, desc, r.resp.create.version, shard, shared)
 
     def publish(self, name: str, nbytes: int, device: Any = None, *, shards: int = 0, shard: int = 0,
                 keep_last: int = 0, **kw: Any) -> Object:

@@ -531,3 +531,49 @@ def test_get_of_a_name_not_sealed(store, daemon):
         o.seal()
         th.join(10)
         assert out.get("data") == b"87654321"
+
+
+SEALED_WRITER = r"""
+import os, sys
+sys.path.insert(0, sys.argv[2])
+import cudaipc
+s = cudaipc.connect(sys.argv[1])
+data = os.urandom(4096)
+obj = s.create("sealed-then-written", 4096, shared=True)
+mv = obj.memoryview()
+mv[:] = data
+obj.seal()
+print(data.hex(), flush=True)
+mv[0] = mv[0] ^ 0xFF
+print("wrote after the seal", flush=True)
+"""
+
+
+def test_sealed_shared_host_object_is_read_only_for_its_creator(store, daemon):
+    """After the seal of a shared host object its creator holds no writable mapping
+    (as the Go client): the daemon seals the memory against writes (stat says
+    creator_can_write false), the creator's old views read the sealed bytes, and a
+    write through them faults."""
+    data = rand_bytes(1 << 16)
+    obj = store.create("sealed-ro", len(data), shared=True)
+    mv = obj.memoryview()
+    mv[:] = data
+    obj.seal()
+    assert store.stat("sealed-ro").creator_can_write is False
+    assert bytes(mv) == data
+    with cudaipc.connect(daemon.socket) as other, other.get("sealed-ro") as lease:
+        assert lease.read() == data
+
+    put = rand_bytes(8192)
+    store.put("put-ro", put, shared=True)
+    assert store.stat("put-ro").creator_can_write is False
+    store.put("put-private", put)
+    assert store.stat("put-private").creator_can_write is True   # its arena holds the owner's drafts too
+
+    p = subprocess.run([sys.executable, "-c", SEALED_WRITER, daemon.socket, PYROOT], capture_output=True, timeout=60)
+    lines = p.stdout.split()
+    assert len(lines) == 1, (p.stdout, p.stderr)
+    assert p.returncode == -signal.SIGSEGV, (p.returncode, p.stderr)
+    with store.get("sealed-then-written") as lease:
+        assert lease.read() == bytes.fromhex(lines[0].decode())
+        assert store.stat("sealed-then-written").creator_can_write is False
