@@ -6,12 +6,15 @@ import (
 	"errors"
 	"strings"
 	"testing"
+
+	"github.com/cudaipc/cudaipc/protocol"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
 // TestQuotaKeepsUsersApart: with two uids admitted each has half the
 // capacity; one filling the store evicts only its own objects, never the
 // other's, and once everything it has is leased its creates fail with
-// ErrStoreFull naming its quota.
+// ErrLimit (BYTES_PER_UID) naming its quota and the flag that sets it.
 func TestQuotaKeepsUsersApart(t *testing.T) {
 	const capacity = 16 << 20
 	s := newTestStore(t, Config{Capacity: capacity, AllowUIDs: []uint32{65534}})
@@ -46,8 +49,10 @@ func TestQuotaKeepsUsersApart(t *testing.T) {
 		}
 	}
 	_, err := other.ss.createObject("more", 1<<20, "", false)
-	if !errors.Is(err, ErrStoreFull) || !strings.Contains(err.Error(), "uid 65534's quota") {
-		t.Fatalf("create over a full quota: %v", err)
+	if !errors.Is(err, ErrLimit) || protocol.LimitOf(err) != storev1.Error_BYTES_PER_UID ||
+		!strings.Contains(err.Error(), "uid 65534's quota") || !strings.Contains(err.Error(), "serve --quota") ||
+		strings.Contains(err.Error(), "--capacity") {
+		t.Fatalf("create over a full quota: %v (limit %v)", err, protocol.LimitOf(err))
 	}
 	// Root, within its quota, still creates.
 	root.put("r3", 1<<20, false)

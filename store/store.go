@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/cudaipc/cudaipc/internal/loglimit"
+	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 	"github.com/cudaipc/cudaipc/store/internal/alloc"
 )
@@ -88,8 +89,9 @@ type Config struct {
 	KeepVersions int
 	// Quota bounds the bytes of each uid's arenas on each device (host, and
 	// every GPU), so that one user's objects cannot evict another's: a
-	// create only evicts objects of its own uid, and fails with
-	// ErrStoreFull, naming the uid, when that uid's quota is full. 0 means
+	// create only evicts objects of its own uid, and fails with ErrLimit
+	// (protocol limit BYTES_PER_UID), naming the uid, when that uid's
+	// quota is full. 0 means
 	// a fair share: Capacity divided by the number of uids named
 	// (the daemon's own and AllowUIDs, plus one for AllowGIDs), which is
 	// all of it when the daemon admits no one else. Root's objects count
@@ -434,8 +436,8 @@ func (s *Store) quota() int64 {
 
 // allocLocked places a new object's block on its device: in an arena of
 // its owner's pool, a shared object in one of its own. Room is made by
-// evicting only the owner's objects; a full quota or device is
-// ErrStoreFull, saying which.
+// evicting only the owner's objects; a full device is ErrStoreFull, a
+// full quota ErrLimit (BYTES_PER_UID).
 //
 // With noEvict nothing is evicted: a create whose input may still be
 // rejected asks for it (CreateRequest.no_evict).
@@ -466,8 +468,9 @@ func (s *Store) allocLocked(d *device, o *object, noEvict bool) (*alloc.Block[po
 		return nil, fmt.Errorf("%w: device %s has no room for %d bytes without evicting, and the create asked not to evict (no_evict): %v", ErrStoreFull, d.name, o.size, err)
 	}
 	if q := s.quota(); q > 0 && d.alloc.QuotaBound(p) {
-		return nil, fmt.Errorf("%w: uid %d's quota on device %s is full: its arenas take %d of its %d bytes and evicting its unleased objects would not make room for %d more (delete or release some; the daemon's --quota sets it)",
-			ErrStoreFull, o.owner, d.name, d.alloc.Owned(o.owner), q, o.size)
+		return nil, protocol.LimitErrorf(storev1.Error_BYTES_PER_UID,
+			"uid %d's quota on device %s is full: its arenas take %d of its %d bytes and evicting its unleased objects would not make room for %d more: delete or release some, or raise the daemon's per-uid quota (serve --quota; by default the capacity divided by the uids it admits)",
+			o.owner, d.name, d.alloc.Owned(o.owner), q, o.size)
 	}
 	return nil, fmt.Errorf("%w: device %s: %v", ErrStoreFull, d.name, err)
 }

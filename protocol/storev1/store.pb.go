@@ -157,6 +157,9 @@ const (
 	Error_DESCRIPTORS_PER_UID Error_Limit = 6
 	// The descriptors the daemon keeps for all uids.
 	Error_DESCRIPTORS Error_Limit = 7
+	// The bytes one uid's arenas take on one device: its quota (serve
+	// --quota; by default a fair share of the capacity).
+	Error_BYTES_PER_UID Error_Limit = 8
 )
 
 // Enum value maps for Error_Limit.
@@ -170,6 +173,7 @@ var (
 		5: "OBJECTS_PER_UID",
 		6: "DESCRIPTORS_PER_UID",
 		7: "DESCRIPTORS",
+		8: "BYTES_PER_UID",
 	}
 	Error_Limit_value = map[string]int32{
 		"LIMIT_UNSPECIFIED":      0,
@@ -180,6 +184,7 @@ var (
 		"OBJECTS_PER_UID":        5,
 		"DESCRIPTORS_PER_UID":    6,
 		"DESCRIPTORS":            7,
+		"BYTES_PER_UID":          8,
 	}
 )
 
@@ -3667,7 +3672,7 @@ const file_store_proto_rawDesc = "" +
 	"\bwithdraw\x180 \x01(\v2\".cudaipc.store.v1.WithdrawResponseH\x00R\bwithdraw\x12G\n" +
 	"\vlease_table\x18  \x01(\v2$.cudaipc.store.v1.LeaseTableResponseH\x00R\n" +
 	"leaseTableB\x06\n" +
-	"\x04body\"\x91\x04\n" +
+	"\x04body\"\xa4\x04\n" +
 	"\x05Error\x120\n" +
 	"\x04code\x18\x01 \x01(\x0e2\x1c.cudaipc.store.v1.Error.CodeR\x04code\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x123\n" +
@@ -3692,7 +3697,7 @@ const file_store_proto_rawDesc = "" +
 	"\x12\f\n" +
 	"\bINTERNAL\x10\v\x12\x0f\n" +
 	"\vUNAVAILABLE\x10\f\x12\r\n" +
-	"\tDATA_LOSS\x10\r\"\xbe\x01\n" +
+	"\tDATA_LOSS\x10\r\"\xd1\x01\n" +
 	"\x05Limit\x12\x15\n" +
 	"\x11LIMIT_UNSPECIFIED\x10\x00\x12\x0f\n" +
 	"\vCONNECTIONS\x10\x01\x12\x17\n" +
@@ -3701,7 +3706,8 @@ const file_store_proto_rawDesc = "" +
 	"\x15LEASES_PER_CONNECTION\x10\x04\x12\x13\n" +
 	"\x0fOBJECTS_PER_UID\x10\x05\x12\x17\n" +
 	"\x13DESCRIPTORS_PER_UID\x10\x06\x12\x0f\n" +
-	"\vDESCRIPTORS\x10\a\"|\n" +
+	"\vDESCRIPTORS\x10\a\x12\x11\n" +
+	"\rBYTES_PER_UID\x10\b\"|\n" +
 	"\rHelloResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12%\n" +
 	"\x0eserver_version\x18\x02 \x01(\tR\rserverVersion\x12\x10\n" +

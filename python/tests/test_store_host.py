@@ -577,3 +577,18 @@ def test_sealed_shared_host_object_is_read_only_for_its_creator(store, daemon):
     with store.get("sealed-then-written") as lease:
         assert lease.read() == bytes.fromhex(lines[0].decode())
         assert store.stat("sealed-then-written").creator_can_write is False
+
+
+def test_put_over_the_quota_names_the_quota(cudaipc_bin):
+    """A put over the uid's quota fails LimitReached (the LIMIT code) naming the quota
+    and the flag that sets it, not the capacity: the store itself has room."""
+    d = Daemon(cudaipc_bin, ["--backend", "host", "--capacity", "64MiB", "--quota", "1MiB"])
+    try:
+        with cudaipc.connect(d.socket) as s:
+            with pytest.raises(cudaipc.LimitReached) as e:
+                s.put("over", rand_bytes(2 << 20))
+            msg = str(e.value)
+            assert "quota" in msg and "serve --quota" in msg and "--capacity" not in msg, msg
+            s.put("within", rand_bytes(512 << 10))
+    finally:
+        d.stop()

@@ -2,6 +2,7 @@ package cli
 
 import (
 	"bytes"
+	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -155,4 +156,29 @@ func TestDoctorWithoutDriver(t *testing.T) {
 			t.Errorf("check %q: %q, want %q (all: %v)", name, got[name], want, got)
 		}
 	}
+}
+
+// TestQuotaFullNamesTheQuota: a put over the uid's quota says that the
+// quota is full and which flag sets it, with the LIMIT code, and does not
+// send the user to --capacity (the store has room).
+func TestQuotaFullNamesTheQuota(t *testing.T) {
+	sock := serve(t, "--backend", "host", "--capacity", "64MiB", "--quota", "1MiB")
+	file := filepath.Join(t.TempDir(), "in")
+	data := make([]byte, 2<<20)
+	if _, err := rand.Read(data); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(file, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err := storeCLI(t, "put", file, "--name", "over", "--socket", sock)
+	if err == nil {
+		t.Fatal("a put of 2 MiB within a 1 MiB quota succeeded")
+	}
+	msg := Message(err)
+	if !errors.Is(err, client.ErrLimit) || ExitCode(err) != 1 || !strings.Contains(msg, "uid") || !strings.Contains(msg, "quota") ||
+		!strings.Contains(msg, "serve --quota") || strings.Contains(msg, "--capacity") || strings.Contains(msg, "\n") {
+		t.Fatalf("put over the quota: %q (exit %d, LIMIT %v)", msg, ExitCode(err), errors.Is(err, client.ErrLimit))
+	}
+	t.Log(msg)
 }
