@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math"
 	"os"
 	"slices"
 	"time"
@@ -633,34 +632,22 @@ func (s *Store) clusterCreateOK(r createReq, _ string) error {
 }
 
 // fetchAndGrant answers a get of something this node lacks on a daemon in
-// a cluster: the hook may pull a replica; then the get goes on as it would
-// have (granted, failed at once, or waiting for what is left of
-// timeoutMs). A get that names tensors of a bundle may instead be granted
-// a partial replica of just those (FetchTensors).
+// a cluster: the cluster makes it local before the get's deadline
+// (makeLocal), then the get goes on as any get does: granted, failed at
+// once, or waiting what is left of its timeout. A get that names tensors
+// of a bundle may be granted a partial replica of just those instead.
 func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs int64, tensors []string) {
-	ctx := cn.ss.ctx
-	var cancel context.CancelFunc
-	forever := timeoutMs < 0 || timeoutMs > math.MaxInt64/int64(time.Millisecond)
-	var deadline time.Time
-	switch {
-	case forever:
-		ctx, cancel = context.WithCancel(ctx)
-	case timeoutMs > 0:
-		deadline = time.Now().Add(time.Duration(timeoutMs) * time.Millisecond)
-		ctx, cancel = context.WithDeadline(ctx, deadline)
-	default:
-		ctx, cancel = context.WithTimeout(ctx, DefaultClusterFetchTimeout)
+	wait := timeoutMs != 0
+	ctx, cancel := context.WithTimeout(cn.ss.ctx, DefaultClusterFetchTimeout)
+	if wait {
+		cancel()
+		ctx, cancel = cn.getContext(timeoutMs)
 	}
-	owner, bare, _ := protocol.SplitOwner(name)
-	cg := ClusterGet{Version: sel.version, Shard: sel.shard, NewerThan: sel.newerThan, Wait: timeoutMs != 0, Tensors: tensors}
+	defer cancel()
 	var err error
 	for try := 0; ; try++ {
-		slice := ""
-		if len(tensors) == 0 {
-			err = cn.s.cfg.Cluster.Fetch(ctx, cn.ss.peer.uid, owner, bare, cg)
-		} else {
-			slice, err = cn.s.cfg.Cluster.FetchTensors(ctx, cn.ss.peer.uid, owner, bare, cg)
-		}
+		var slice string
+		slice, err = cn.makeLocal(ctx, name, sel, wait, tensors)
 		if err != nil || slice == "" || cn.ss.ctx.Err() != nil {
 			break
 		}
@@ -668,7 +655,6 @@ func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs 
 		done := cn.grant(id, slice, versionSel{}, true)
 		cn.order.Unlock()
 		if done {
-			cancel()
 			return
 		}
 		// Evicted or dropped between its seal and this lease: pull it
@@ -678,7 +664,6 @@ func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs 
 			break
 		}
 	}
-	cancel()
 	if cn.ss.ctx.Err() != nil {
 		return
 	}
@@ -690,8 +675,7 @@ func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs 
 		cn.reply("get", protocol.ErrorResponse(id, err), nil)
 		return
 	}
-	switch {
-	case timeoutMs == 0:
+	if !wait {
 		cn.order.Lock()
 		if err == nil {
 			cn.grant(id, name, sel, false)
@@ -701,21 +685,39 @@ func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs 
 			cn.replyLocked("get", protocol.ErrorResponse(id, err), nil)
 		}
 		cn.order.Unlock()
-	case forever:
-		cn.waitAndGrant(id, name, sel, timeoutMs)
-	default:
-		left := time.Until(deadline).Milliseconds()
-		if left <= 0 {
-			// Out of time: answer as a get that waited would, at once.
-			cn.order.Lock()
-			if !cn.grant(id, name, sel, true) {
-				cn.replyLocked("get", protocol.ErrorResponse(id, fmt.Errorf("%q was not readable in time: %w", name, ErrTimeout)), nil)
-			}
-			cn.order.Unlock()
-			return
-		}
-		cn.waitAndGrant(id, name, sel, left)
+		return
 	}
+	cn.waitAndGrant(ctx, id, name, sel)
+}
+
+// makeLocal has the cluster hook make what a get of name asks for local
+// (ClusterHook.Fetch, or FetchTensors where the get names tensors: slice
+// is then the partial replica made, if any) until ctx ends. For a get
+// that waits, a local seal that makes the name readable ends it early.
+func (cn *conn) makeLocal(ctx context.Context, name string, sel versionSel, wait bool, tensors []string) (slice string, err error) {
+	if wait {
+		var stop context.CancelFunc
+		ctx, stop = context.WithCancel(ctx)
+		sealed := make(chan struct{})
+		go func() {
+			defer close(sealed)
+			// Readable here, or the get fails here (a limit): either way
+			// the cluster need not make it local.
+			if err := cn.ss.waitReady(ctx, name, sel); err == nil || ctx.Err() == nil {
+				stop()
+			}
+		}()
+		defer func() {
+			stop()
+			<-sealed
+		}()
+	}
+	owner, bare, _ := protocol.SplitOwner(name)
+	cg := ClusterGet{Version: sel.version, Shard: sel.shard, NewerThan: sel.newerThan, Wait: wait, Tensors: tensors}
+	if len(tensors) == 0 {
+		return "", cn.s.cfg.Cluster.Fetch(ctx, cn.ss.peer.uid, owner, bare, cg)
+	}
+	return cn.s.cfg.Cluster.FetchTensors(ctx, cn.ss.peer.uid, owner, bare, cg)
 }
 
 // keepsCode reports whether a failed cluster fetch reaches the reader with

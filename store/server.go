@@ -440,7 +440,11 @@ func (cn *conn) handle(req *storev1.Request) {
 		if !done && fetch {
 			cn.wg.Go(func() { cn.fetchAndGrant(id, r.GetName(), sel, r.GetTimeoutMs(), r.GetTensors()) })
 		} else if !done {
-			cn.wg.Go(func() { cn.waitAndGrant(id, r.GetName(), sel, r.GetTimeoutMs()) })
+			cn.wg.Go(func() {
+				ctx, cancel := cn.getContext(r.GetTimeoutMs())
+				defer cancel()
+				cn.waitAndGrant(ctx, id, r.GetName(), sel)
+			})
 		}
 	case *storev1.Request_Release:
 		if err := ss.release(b.Release.GetLeaseId()); err != nil {
@@ -596,16 +600,18 @@ func (cn *conn) grant(id uint64, name string, sel versionSel, retry bool) bool {
 	return true
 }
 
-// waitAndGrant answers a get that may wait timeoutMs milliseconds (forever
-// when negative).
-func (cn *conn) waitAndGrant(id uint64, name string, sel versionSel, timeoutMs int64) {
-	ctx := cn.ss.ctx
-	// Beyond what a Duration holds (292 years) is as good as forever.
-	if timeoutMs > 0 && timeoutMs <= math.MaxInt64/int64(time.Millisecond) {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, time.Duration(timeoutMs)*time.Millisecond)
-		defer cancel()
+// getContext is the context of a get that may wait timeoutMs
+// milliseconds (forever when negative, or beyond what a Duration holds:
+// 292 years): the session's, with the get's deadline.
+func (cn *conn) getContext(timeoutMs int64) (context.Context, context.CancelFunc) {
+	if timeoutMs < 0 || timeoutMs > math.MaxInt64/int64(time.Millisecond) {
+		return context.WithCancel(cn.ss.ctx)
 	}
+	return context.WithTimeout(cn.ss.ctx, time.Duration(timeoutMs)*time.Millisecond)
+}
+
+// waitAndGrant answers a get that may wait until ctx's deadline.
+func (cn *conn) waitAndGrant(ctx context.Context, id uint64, name string, sel versionSel) {
 	for {
 		if err := cn.ss.waitReady(ctx, name, sel); err != nil {
 			if cn.ss.ctx.Err() == nil {

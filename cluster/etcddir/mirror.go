@@ -39,6 +39,7 @@ type Mirror struct {
 	objs   map[cluster.Ref]*mirrorObj
 	holds  map[cluster.Ref]map[string]string // holder node → incarnation id
 	latest map[ownerName]cluster.Latest
+	waits  map[ownerName]*nameWait // Changed's channels, by name
 
 	loads  atomic.Uint64
 	breaks chan struct{} // signalled when the connection leaves Ready
@@ -59,6 +60,13 @@ const MirrorMaxRecord = 16 << 10
 type ownerName struct {
 	owner uint32
 	name  string
+}
+
+// nameWait is the channel Changed hands out for a name until its next
+// change closes it, and how many callers hold it.
+type nameWait struct {
+	ch chan struct{}
+	n  int
 }
 
 // mirrorObj is one object record, verified and decoded as it arrives
@@ -177,6 +185,12 @@ func (m *Mirror) watch(ctx context.Context, rev int64) {
 	wc := m.d.cli.Watch(wctx, from, clientv3.WithRange(to), clientv3.WithRev(rev+1))
 	m.mu.Lock()
 	m.synced = m.rev == rev
+	if m.synced {
+		// Loaded afresh: whatever changed while it was out of sync is in.
+		for on := range m.waits {
+			m.wakeLocked(on)
+		}
+	}
 	m.mu.Unlock()
 	for {
 		select {
@@ -194,10 +208,16 @@ func (m *Mirror) watch(ctx context.Context, rev int64) {
 				}
 				return
 			}
+			// etcd answered: calls need not fail fast any more (a get woken
+			// by this change looks the name up at once).
+			m.d.downUntil.Store(0)
 			m.mu.Lock()
 			for _, ev := range wr.Events {
 				m.apply(m.objs, m.holds, m.latest, ev.Type, ev.Kv)
 				m.rev = ev.Kv.ModRevision
+				if on, ok := m.nameOf(string(ev.Kv.Key)); ok && ev.Type == mvccpb.PUT {
+					m.wakeLocked(on)
+				}
 			}
 			if wr.Header.Revision > m.rev {
 				m.rev = wr.Header.Revision
@@ -274,6 +294,59 @@ func (m *Mirror) apply(objs map[cluster.Ref]*mirrorObj, holds map[cluster.Ref]ma
 			return
 		}
 		latest[ownerName{l.Owner, l.Name}] = l
+	}
+}
+
+// nameOf returns the name a mirrored key is a record of.
+func (m *Mirror) nameOf(key string) (ownerName, bool) {
+	k := m.d.k
+	for _, prefix := range []string{k.objects(), k.holders()} {
+		if tail, ok := strings.CutPrefix(key, prefix); ok {
+			ref, _, err := parseRef(tail)
+			return ownerName{ref.Owner, ref.Name}, err == nil
+		}
+	}
+	if tail, ok := strings.CutPrefix(key, k.latests()); ok {
+		owner, name, ok := parseLatestKey(tail)
+		return ownerName{owner, name}, ok
+	}
+	return ownerName{}, false
+}
+
+// Changed returns a channel that is closed at the next change the mirror
+// sees of owner's name: a record of it written (its object's, a holder's,
+// its latest version's, of any version), or the mirror in sync again after
+// a break (etcd away, the watch compacted past), which may hide any
+// change. A get that waits for the name asks for the channel before it
+// looks the name up, so that no change after its look-up goes unseen.
+// done forgets the channel; call it once, after the close or not.
+func (m *Mirror) Changed(owner uint32, name string) (changed <-chan struct{}, done func()) {
+	on := ownerName{owner, name}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.waits == nil {
+		m.waits = map[ownerName]*nameWait{}
+	}
+	w := m.waits[on]
+	if w == nil {
+		w = &nameWait{ch: make(chan struct{})}
+		m.waits[on] = w
+	}
+	w.n++
+	return w.ch, func() {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		if w.n--; w.n == 0 && m.waits[on] == w {
+			delete(m.waits, on)
+		}
+	}
+}
+
+// wakeLocked closes the channel Changed handed out for on, if any.
+func (m *Mirror) wakeLocked(on ownerName) {
+	if w := m.waits[on]; w != nil {
+		close(w.ch)
+		delete(m.waits, on)
 	}
 }
 

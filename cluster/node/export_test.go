@@ -175,3 +175,6 @@ func FetchesDeferred(n *Node) uint64 { return n.tr.Served().Deferred }
 
 // FetchesRefused is how many peers' fetches the node refused.
 func FetchesRefused(n *Node) uint64 { return n.tr.Served().Refused }
+
+// WaitingGets is how many gets wait on n's directory for their name.
+func WaitingGets(n *Node) int64 { return n.waitingGets.Load() }

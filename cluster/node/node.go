@@ -131,6 +131,10 @@ type Node struct {
 	// (their device memory).
 	replicaNanos atomic.Int64
 
+	// waitingGets counts the gets waiting for the cluster to have their
+	// name (untilFetched).
+	waitingGets atomic.Int64
+
 	mu      sync.Mutex
 	arenas  map[uint64]*arenaReg          // registered arenas, by store arena id
 	pins    map[string]*store.ClusterFile // holds for pins, by pin key
@@ -413,47 +417,22 @@ func (n *Node) handle(ctx context.Context, ev etcddir.Event) {
 
 // Fetch implements store.ClusterHook: it pulls owner's name, or the
 // version a get asks for, when the cluster has it and the reader may read
-// it. A get of a version newer than some waits on the directory's watch of
-// the name's latest version, as long as ctx allows.
+// it. A get that waits waits for any node to create it (untilFetched).
 func (n *Node) Fetch(ctx context.Context, reader, owner uint32, name string, sel store.ClusterGet) error {
-	err := n.fetch(ctx, reader, owner, name, sel)
-	if sel.Wait && errors.Is(err, cluster.ErrUnavailable) {
-		// Local work goes on without etcd: a get that waits may still be
-		// answered by a local seal.
-		n.log.Warn("cluster unavailable: the get waits for a local object only", "name", name, "owner", owner, "err", err)
-		return fmt.Errorf("%w: %v", store.ErrNotFound, err)
-	}
-	return err
+	return n.untilFetched(ctx, owner, name, sel, func() error { return n.fetch(ctx, reader, owner, name, sel) })
 }
 
 func (n *Node) fetch(ctx context.Context, reader, owner uint32, name string, sel store.ClusterGet) error {
-	notFound := func(err error) error {
-		if errors.Is(err, cluster.ErrNotFound) {
-			return fmt.Errorf("%w: %v", store.ErrNotFound, err)
-		}
-		return err
-	}
+	notFound := storeNotFound
 	switch {
 	case sel.Version != 0:
 		return notFound(n.withLookup(ctx, cluster.Ref{Owner: owner, Name: name, Version: sel.Version}, func(e cluster.Entry) error {
 			return n.pullVersion(ctx, reader, e)
 		}))
 	case sel.NewerThan != 0:
-		l, ok := n.mirror.Latest(owner, name)
-		if !ok || l.Version <= sel.NewerThan {
-			// Not committed yet as far as the mirror knows: wait on etcd.
-			if !ok {
-				if _, err := n.dir.Latest(ctx, owner, name); err != nil {
-					return notFound(err) // not a cluster name: the get waits locally
-				}
-			}
-			var err error
-			if l, err = n.dir.WaitNewer(ctx, owner, name, sel.NewerThan); err != nil {
-				if ctx.Err() != nil {
-					return nil // the get times out as it would have
-				}
-				return err
-			}
+		l, err := n.latestNewer(ctx, owner, name, sel.NewerThan)
+		if err != nil {
+			return notFound(err)
 		}
 		return notFound(n.withLookup(ctx, cluster.Ref{Owner: owner, Name: name, Version: l.Version}, func(e cluster.Entry) error {
 			return n.pullVersion(ctx, reader, e)

@@ -525,8 +525,8 @@ func TestLocalWorkWithoutEtcd(t *testing.T) {
 		}
 		done <- err
 	}()
-	eventually(t, 20*time.Second, "the waiting get fell back to a local wait", func() bool {
-		return a.logged("the get waits for a local object only")
+	eventually(t, 20*time.Second, "the waiting get found the directory away", func() bool {
+		return a.logged("cluster directory unavailable: the get waits")
 	})
 	a.put(t, "later", 100, client.CreateOptions{})
 	select {

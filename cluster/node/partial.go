@@ -50,15 +50,13 @@ type sliceCall struct {
 // FetchTensors implements store.ClusterHook: it answers a get of some
 // tensors (sel.Tensors) of owner's bundle name, as Fetch would answer a
 // get of the whole, with a slice holding just those tensors.
-func (n *Node) FetchTensors(ctx context.Context, reader, owner uint32, name string, sel store.ClusterGet) (string, error) {
-	slice, err := n.fetchTensors(ctx, reader, owner, name, sel)
-	if sel.Wait && errors.Is(err, cluster.ErrUnavailable) {
-		n.log.Warn("cluster unavailable: the get waits for a local object only", "name", name, "owner", owner, "err", err)
-		return "", fmt.Errorf("%w: %v", store.ErrNotFound, err)
-	}
-	if errors.Is(err, cluster.ErrNotFound) {
-		return "", fmt.Errorf("%w: %v", store.ErrNotFound, err)
-	}
+func (n *Node) FetchTensors(ctx context.Context, reader, owner uint32, name string, sel store.ClusterGet) (slice string, err error) {
+	err = n.untilFetched(ctx, owner, name, sel, func() (err error) {
+		if slice, err = n.fetchTensors(ctx, reader, owner, name, sel); err != nil {
+			slice = ""
+		}
+		return err
+	})
 	return slice, err
 }
 
@@ -81,14 +79,8 @@ func (n *Node) fetchTensors(ctx context.Context, reader, owner uint32, name stri
 	case sel.Version != 0:
 		return latest(sel.Version)
 	case sel.NewerThan != 0:
-		if _, err := n.dir.Latest(ctx, owner, name); err != nil {
-			return "", err // not a cluster name: the get waits locally
-		}
-		l, err := n.dir.WaitNewer(ctx, owner, name, sel.NewerThan)
+		l, err := n.latestNewer(ctx, owner, name, sel.NewerThan)
 		if err != nil {
-			if ctx.Err() != nil {
-				return "", nil // the get times out as it would have
-			}
 			return "", err
 		}
 		return latest(l.Version)
