@@ -239,7 +239,7 @@ func (c *Client) handshake(ctx context.Context) error {
 		return c.handshakeError(ctx, err)
 	}
 	c.nextID = 2 // the hello was request 1
-	c.server = ServerInfo{Version: h.GetVersion(), ServerVersion: h.GetServerVersion(), PID: int(h.GetPid()), Backend: h.GetBackend()}
+	c.server = ServerInfo{Version: h.GetVersion(), ServerVersion: h.GetServerVersion(), PID: int(h.GetPid()), Backend: h.GetBackend(), PeerUID: h.GetPeerUid()}
 	return nil
 }
 
@@ -369,7 +369,7 @@ func (c *Client) readOne(self uint64, spin time.Duration) (r reply, mine bool, e
 		closeFiles(files)
 	case p.GetKind() == storev1.Placement_HOST && !p.GetExternal():
 		r.m, r.err = c.place(p, files)
-	case p.GetKind() == storev1.Placement_VMM_FD:
+	case p.GetKind() == storev1.Placement_VMM_FD, p.GetExternal():
 		r.files = files // holds checks their number
 	default:
 		closeFiles(files)

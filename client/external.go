@@ -3,6 +3,7 @@ package client
 import (
 	"context"
 	"fmt"
+	"golang.org/x/sys/unix"
 	"os"
 
 	"github.com/cudaipc/cudaipc"
@@ -16,6 +17,10 @@ type RegisterOptions struct {
 	Shared bool
 	// Tensor optionally says what the bytes are as a typed array.
 	Tensor *TensorDesc
+	// Space optionally describes the KV space the memory is a region of
+	// (package kv encodes it; at most protocol.MaxSpaceSize bytes): the
+	// daemon keeps it and returns it in the object's info.
+	Space []byte
 }
 
 // Register makes memory this process owns, exported with
@@ -53,7 +58,7 @@ func (c *Client) Register(ctx context.Context, name string, r cudaipc.Region, fi
 		return invalid(fmt.Sprintf("%d descriptors for a %s region of %d allocations (closed already?)", len(files), r.Kind, len(r.Pieces())))
 	}
 	req := &storev1.RegisterRequest{Name: name, Size: uint64(r.Size), Device: r.Device.String(), Shared: opts.Shared,
-		Tensor: opts.Tensor.proto(), Region: b, Files: uint32(len(files))}
+		Tensor: opts.Tensor.proto(), Region: b, Files: uint32(len(files)), Space: opts.Space}
 	// Descriptors beyond one packet's are staged first; the register takes
 	// them (a failed stage leaves the rest for the register to refuse and
 	// drop, so a retry starts clean).
@@ -71,6 +76,47 @@ func (c *Client) Register(ctx context.Context, name string, r cudaipc.Region, fi
 		return ObjectInfo{}, err
 	}
 	return infoFromProto(rep.resp.GetRegister().GetInfo()), nil
+}
+
+// RegisterHost makes host memory this process owns, the first size bytes
+// of the memfd f (created with MFD_ALLOW_SEALING, which lets the daemon
+// seal it against shrinking), readable by other clients under name,
+// without copying it: the daemon keeps a duplicate of f and hands
+// duplicates to readers, whose leases map it read-only. Register's
+// lifetime rules for VMM memory apply: when this connection ends the
+// object is orphaned, stays readable while leased and goes with its last
+// lease. RegisterHost does not close f.
+func (c *Client) RegisterHost(ctx context.Context, name string, f *os.File, size int64, opts RegisterOptions) (ObjectInfo, error) {
+	if err := checkName("register", name); err != nil {
+		return ObjectInfo{}, err
+	}
+	if f == nil || size <= 0 {
+		return ObjectInfo{}, &Error{Op: "register", Name: name, Err: ErrInvalid, Message: fmt.Sprintf("host memory needs its memfd and a positive size, not %d", size)}
+	}
+	req := &storev1.RegisterRequest{Name: name, Size: uint64(size), Device: "host", Shared: opts.Shared,
+		Tensor: opts.Tensor.proto(), Files: 1, Space: opts.Space}
+	c.registerMu.Lock()
+	defer c.registerMu.Unlock()
+	rep, err := c.roundTripFiles(ctx, "register", name, &storev1.Request{Body: &storev1.Request_Register{Register: req}}, []*os.File{f})
+	if err != nil {
+		return ObjectInfo{}, err
+	}
+	return infoFromProto(rep.resp.GetRegister().GetInfo()), nil
+}
+
+// mapHostExternal maps the registered host memory of placement p, whose
+// memfd is files[0], read-only into v. It closes files.
+func mapHostExternal(name string, p *storev1.Placement, files []*os.File, v *view) error {
+	defer closeFiles(files)
+	if len(files) != 1 {
+		return &Error{Op: "get", Name: name, Err: ErrInternal, Message: fmt.Sprintf("registered host memory came with %d descriptors, not its memfd", len(files))}
+	}
+	b, err := unix.Mmap(int(files[0].Fd()), 0, int(p.GetSize()), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return &Error{Op: "get", Name: name, Err: fmt.Errorf("mapping registered host memory: %w", err)}
+	}
+	v.own, v.data = b, b
+	return nil
 }
 
 // moreFiles completes the descriptors of a lease of registered memory

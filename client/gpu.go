@@ -2,6 +2,7 @@ package client
 
 import (
 	"fmt"
+	"golang.org/x/sys/unix"
 	"io"
 	"os"
 
@@ -147,6 +148,7 @@ type view struct {
 	size   int64
 	data   []byte           // host objects
 	gpu    *cudaipc.Mapping // GPU objects
+	own    []byte           // registered host memory: the view's own mapping, which close unmaps
 	open   bool
 }
 
@@ -216,6 +218,11 @@ func (v *view) close() error {
 	}
 	v.open = false
 	v.data = nil
+	if v.own != nil {
+		err := unix.Munmap(v.own)
+		v.own = nil
+		return err
+	}
 	if v.gpu != nil {
 		return v.gpu.Close()
 	}

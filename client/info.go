@@ -68,6 +68,9 @@ type ObjectInfo struct {
 	// an object of their own. Name, Version, Shards and Shard are the
 	// bundle's; Size, ManifestSize and Tensors the slice's.
 	Partial bool `json:"partial,omitempty"`
+	// Space is the description of the KV space registered memory is a
+	// region of (RegisterOptions.Space; package kv decodes it), or nil.
+	Space []byte `json:"space,omitempty"`
 }
 
 // TensorDesc says what an object's bytes are as a typed array, so that
@@ -109,6 +112,9 @@ type ServerInfo struct {
 	ServerVersion string // daemon build version
 	PID           int    // daemon process id
 	Backend       string // memory backend, e.g. "host"
+	// PeerUID is this client's uid as the daemon sees it: the uid of its
+	// objects' qualified names (UID:NAME), by which other uids address them.
+	PeerUID uint32
 }
 
 // CreateOptions are the options of Client.Create.

@@ -116,6 +116,13 @@ func (c *Client) get(ctx context.Context, name string, gr *storev1.GetRequest, w
 			return nil, err
 		}
 	}
+	if p.GetKind() == storev1.Placement_HOST { // registered host memory
+		if err := mapHostExternal(name, p, files, &l.v); err != nil {
+			c.cleanup(reply{resp: r.resp, manifest: r.manifest}, name) // releases the lease
+			return nil, err
+		}
+		return l, nil
+	}
 	if err := c.placeGPU("get", name, p, files, &l.v); err != nil {
 		c.cleanup(reply{resp: r.resp, manifest: r.manifest}, name) // releases the lease
 		return nil, err
@@ -281,6 +288,7 @@ func infoBody(p *storev1.ObjectInfo) ObjectInfo {
 
 		CreatorCanWrite: p.GetCreatorCanWrite(),
 		Partial:         p.GetPartial(),
+		Space:           p.GetSpace(),
 	}
 }
 

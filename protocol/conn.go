@@ -37,6 +37,10 @@ const (
 	// and files answers; the daemon's descriptor limits per uid and in all
 	// bound what one user may have it keep.
 	MaxPieces = 1 << 16
+	// MaxSpaceSize is the largest KV space description a registration may
+	// carry (RegisterRequest.space): it travels in every info of the
+	// object, which must fit in a packet beside the rest.
+	MaxSpaceSize = 16 << 10
 )
 
 // maxSpinSkip bounds the receives that skip polling after windows that

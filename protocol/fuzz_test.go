@@ -138,7 +138,7 @@ func FuzzDecodeRequest(f *testing.F) {
 			return
 		}
 		if reg := req.GetRegister(); reg != nil {
-			if files > int(reg.GetFiles()) || files > MaxFiles || reg.GetFiles() > MaxPieces || len(reg.GetRegion()) == 0 {
+			if files > int(reg.GetFiles()) || files > MaxFiles || reg.GetFiles() > MaxPieces || (len(reg.GetRegion()) == 0) != (reg.GetDevice() == "host") || len(reg.GetSpace()) > MaxSpaceSize {
 				t.Fatalf("ValidateRequest accepted a register of %d descriptors with %d files", reg.GetFiles(), files)
 			}
 			files = 0

@@ -446,6 +446,13 @@ func validatePlacement(p *storev1.Placement, writable bool) error {
 		// region with its descriptors beside the placement, or a cuda-ipc
 		// region.
 		// A no-copy version's create has nothing to map: no descriptors.
+		// Registered host memory is its memfd, beside the placement.
+		if k := p.GetKind(); k == storev1.Placement_HOST {
+			if !host || p.GetFiles() != 1 || len(p.GetRegion()) != 0 {
+				return invalid("placement: external host memory is one memfd on device host, without a region")
+			}
+			return nil
+		}
 		if k := p.GetKind(); host || k != storev1.Placement_VMM_FD && k != storev1.Placement_CUDA_IPC ||
 			(k == storev1.Placement_VMM_FD) != (p.GetFiles() > 0) && !(writable && p.GetFiles() == 0 && len(p.GetRegion()) == 0) {
 			return invalid("placement: an external placement is VMM_FD with descriptors or CUDA_IPC without")
@@ -538,9 +545,10 @@ func QualifiedName(uid uint32, name string) string {
 
 // ValidateRegister checks a register request carrying nfiles descriptors:
 // a valid name, size, device and tensor, a region (which the store decodes:
-// this package does not read regions), at most MaxPieces descriptors in
-// all and no more on the packet than the request says (the rest are staged
-// on the connection: the store checks the total).
+// this package does not read regions) or for host memory one descriptor,
+// at most MaxPieces descriptors in all and no more on the packet than the
+// request says (the rest are staged on the connection: the store checks
+// the total), and a space description of at most MaxSpaceSize bytes.
 func ValidateRegister(r *storev1.RegisterRequest, nfiles int) error {
 	if err := ValidateName(r.GetName()); err != nil {
 		return err
@@ -555,7 +563,11 @@ func ValidateRegister(r *storev1.RegisterRequest, nfiles int) error {
 		return err
 	}
 	switch n := r.GetFiles(); {
-	case len(r.GetRegion()) == 0:
+	case len(r.GetSpace()) > MaxSpaceSize:
+		return Errorf(storev1.Error_INVALID, "register: a space description of %d bytes, at most %d", len(r.GetSpace()), MaxSpaceSize)
+	case r.GetDevice() == "host" && (len(r.GetRegion()) != 0 || n != 1):
+		return Errorf(storev1.Error_INVALID, "register: host memory is one memfd and no region, not %d descriptors and a region of %d bytes", n, len(r.GetRegion()))
+	case r.GetDevice() != "host" && len(r.GetRegion()) == 0:
 		return Errorf(storev1.Error_INVALID, "register: no region: send the memory's binary region (docs/region.md)")
 	case n > MaxPieces:
 		return Errorf(storev1.Error_INVALID, "register: %d descriptors, at most %d", n, MaxPieces)
@@ -572,7 +584,7 @@ func validateExternal(p *storev1.Placement, in *storev1.ObjectInfo) error {
 		return invalid("get: an external placement for an object that is not external")
 	case p.GetArenaId() != 0:
 		return invalid("get: an external placement with an arena id")
-	case (len(p.GetRegion()) == 0) == (in.GetSourcesSize() == 0):
+	case (len(p.GetRegion()) == 0) == (in.GetSourcesSize() == 0) && p.GetKind() != storev1.Placement_HOST:
 		return invalid("get: an external placement has its region or, for a no-copy version, a sources table")
 	case p.GetFiles() > MaxPieces || p.GetFdAttached():
 		return invalid("get: bad external descriptors")

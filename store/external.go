@@ -13,12 +13,14 @@ import (
 )
 
 // External memory: a client registers memory it owns (PyTorch, CuPy, its
-// own allocator) under a name. The daemon keeps the descriptors of VMM
-// memory, never the memory: it does not map it and counts none of it
-// against capacity. Readers get duplicates of the descriptors with their
-// lease and map the memory themselves. docs/containers.md.
+// own allocator, or host memory in a memfd) under a name. The daemon keeps
+// the descriptors of VMM memory and host memfds, never the memory: it does
+// not map it and counts none of it against capacity. Readers get
+// duplicates of the descriptors with their lease and map the memory
+// themselves. docs/containers.md; a KV space's regions (docs/kv.md) are
+// registered memory too.
 //
-// Lifetimes. A VMM descriptor keeps its physical memory alive, so a
+// Lifetimes. A VMM descriptor or a memfd keeps its memory alive, so a
 // reader's mapping outlives the registering process: when that connection
 // ends the object is marked orphaned and stays readable while it is leased;
 // the daemon closes its descriptors when the last lease ends (or at once if
@@ -35,10 +37,11 @@ type external struct {
 	owner   uint32
 	created time.Time
 	tensor  *storev1.TensorDesc
+	space   []byte // a KV space's description, opaque (docs/kv.md)
 
 	region []byte     // the registered binary region (docs/region.md), either kind
-	files  []*os.File // vmm-fd: one per piece of region; nil once dropped
-	legacy []byte     // cuda-ipc: region again (the exporter must outlive its readers); nil for vmm-fd
+	files  []*os.File // vmm-fd: one per piece of region; host: the memfd; nil once dropped
+	legacy []byte     // cuda-ipc: region again (the exporter must outlive its readers); nil for vmm-fd and host
 
 	registrar *session // the registering connection, while it lives
 	orphaned  bool
@@ -54,7 +57,7 @@ func (e *external) info() info {
 	return info{
 		Name: e.name, Size: e.size, Device: e.device, Sealed: true, Leases: e.leases,
 		Shared: e.shared, OwnerUID: e.owner, Created: e.created, Region: e.region, Tensor: e.tensor,
-		External: true, Orphaned: e.orphaned, ExporterBound: e.legacy != nil,
+		External: true, Orphaned: e.orphaned, ExporterBound: e.legacy != nil, Space: e.space,
 		CreatorCanWrite: true, // the memory is the registering process's
 	}
 }
@@ -96,33 +99,17 @@ func (ss *session) register(r *storev1.RegisterRequest, files []*os.File) (info,
 	if len(files) != int(r.GetFiles()) {
 		return info{}, invalidf("register: the request says %d descriptors; %d were staged and attached", r.GetFiles(), len(files))
 	}
-	u, err := cudaipc.ParseUUID(r.GetDevice())
-	if err != nil {
-		return info{}, invalidf("register: device %q: memory is named by its GPU's UUID (GPU-…): %v", r.GetDevice(), err)
-	}
-	// Only memory of a GPU the daemon has: another's descriptors would be
-	// kept for readers that can do nothing with them.
-	if _, err := s.backend.device(u.String()); err != nil {
-		return info{}, fmt.Errorf("register: %w", err)
-	}
 	e := &external{
-		name: r.GetName(), size: int64(r.GetSize()), device: u.String(), shared: r.GetShared(),
+		name: r.GetName(), size: int64(r.GetSize()), device: r.GetDevice(), shared: r.GetShared(),
 		owner: ss.peer.uid, created: time.Now(), tensor: r.GetTensor(), region: r.GetRegion(),
-		files: files, registrar: ss,
+		space: r.GetSpace(), files: files, registrar: ss,
 	}
-	reg, err := cudaipc.DecodeRegion(e.region)
-	switch {
-	case err != nil:
-		return info{}, invalidf("register: region: %v", err)
-	case reg.Size != e.size || reg.Device != u:
-		return info{}, invalidf("register: the region is %d bytes on %s, the request says %d bytes on %s", reg.Size, reg.Device, e.size, u)
-	case reg.Kind == cudaipc.KindCUDAIPC && len(files) != 0:
-		return info{}, invalidf("register: a cuda-ipc region comes without descriptors, not %d", len(files))
-	case reg.Kind == cudaipc.KindVMMFD && len(files) != len(reg.Pieces()):
-		return info{}, invalidf("register: %d descriptors for a vmm-fd region of %d allocations: send one per piece, first piece first", len(files), len(reg.Pieces()))
-	}
-	if reg.Kind == cudaipc.KindCUDAIPC {
-		e.legacy = e.region
+	if e.device == "host" {
+		if err := checkHostMemory(files[0], e.size); err != nil {
+			return info{}, err
+		}
+	} else if err := s.checkGPURegistration(e, files); err != nil {
+		return info{}, err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -148,12 +135,62 @@ func (ss *session) register(r *storev1.RegisterRequest, files []*os.File) (info,
 	return e.info(), nil
 }
 
+// checkGPURegistration checks e's region (GPU memory) against the request
+// and its descriptors, and marks a legacy one.
+func (s *Store) checkGPURegistration(e *external, files []*os.File) error {
+	u, err := cudaipc.ParseUUID(e.device)
+	if err != nil {
+		return invalidf("register: device %q: memory is named by its GPU's UUID (GPU-…) or is host memory: %v", e.device, err)
+	}
+	e.device = u.String()
+	// Only memory of a GPU the daemon has: another's descriptors would be
+	// kept for readers that can do nothing with them.
+	if _, err := s.backend.device(e.device); err != nil {
+		return fmt.Errorf("register: %w", err)
+	}
+	reg, err := cudaipc.DecodeRegion(e.region)
+	switch {
+	case err != nil:
+		return invalidf("register: region: %v", err)
+	case reg.Size != e.size || reg.Device != u:
+		return invalidf("register: the region is %d bytes on %s, the request says %d bytes on %s", reg.Size, reg.Device, e.size, u)
+	case reg.Kind == cudaipc.KindCUDAIPC && len(files) != 0:
+		return invalidf("register: a cuda-ipc region comes without descriptors, not %d", len(files))
+	case reg.Kind == cudaipc.KindVMMFD && len(files) != len(reg.Pieces()):
+		return invalidf("register: %d descriptors for a vmm-fd region of %d allocations: send one per piece, first piece first", len(files), len(reg.Pieces()))
+	}
+	if reg.Kind == cudaipc.KindCUDAIPC {
+		e.legacy = e.region
+	}
+	return nil
+}
+
+// checkHostMemory checks that f, registered host memory of size bytes, is
+// a memfd of at least that size, and seals it against shrinking: a reader
+// maps it, and a shrunk file would fault the reader's loads.
+func checkHostMemory(f *os.File, size int64) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return fmt.Errorf("register: host memory's descriptor: %w", err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size < size {
+		return invalidf("register: host memory is a memfd of at least %d bytes; the descriptor is not one (mode %o, %d bytes)", size, st.Mode&unix.S_IFMT, st.Size)
+	}
+	if _, err := unix.FcntlInt(f.Fd(), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK); err != nil {
+		return invalidf("register: host memory's memfd cannot be sealed against shrinking (%v): create it with MFD_ALLOW_SEALING", err)
+	}
+	return nil
+}
+
 // leaseExternalLocked grants a read lease on e: duplicates of its
 // descriptors travel with the placement.
 func (ss *session) leaseExternalLocked(e *external) (placement, error) {
 	p := placement{device: e.device, size: e.size, arenaSize: e.size, external: true, region: e.region, kind: storev1.Placement_VMM_FD}
-	if e.legacy != nil {
+	switch {
+	case e.legacy != nil:
 		p.kind = storev1.Placement_CUDA_IPC
+	case e.device == "host":
+		p.kind = storev1.Placement_HOST
 	}
 	p.files = len(e.files)
 	for _, f := range e.files[:min(len(e.files), protocol.MaxFiles)] {

@@ -153,6 +153,7 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 		ServerVersion: serverVersion(),
 		Pid:           uint32(os.Getpid()),
 		Backend:       s.backend.name(),
+		PeerUid:       cn.ss.peer.uid,
 	}}}); err != nil {
 		return
 	}
@@ -687,6 +688,7 @@ func (in *info) proto() *storev1.ObjectInfo {
 		Orphaned:        in.Orphaned,
 		ExporterBound:   in.ExporterBound,
 		SourcesSize:     uint64(in.SourcesSize),
+		Space:           in.Space,
 		Cluster:         in.Cluster,
 		CreatorCanWrite: in.CreatorCanWrite,
 		Partial:         in.Partial,

@@ -617,6 +617,8 @@ type info struct {
 	// no-copy versions; SourcesSize is a no-copy version's sources table.
 	External, Orphaned, ExporterBound bool
 	SourcesSize                       int64
+	// Space: registered memory's KV space description (opaque here).
+	Space []byte
 	// Cluster: cluster-visible.
 	Cluster bool
 	// CreatorCanWrite: the bytes may still change through the creator's

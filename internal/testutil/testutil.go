@@ -206,13 +206,20 @@ type SpawnOptions struct {
 	// SysProcAttr, if set, is the child's exec.Cmd.SysProcAttr, e.g. to
 	// start it in new namespaces.
 	SysProcAttr *syscall.SysProcAttr
+	// Exe, if set, is the binary to run instead of this test binary (a
+	// copy of it that a child of another uid may execute).
+	Exe string
 }
 
 // SpawnWith is Spawn with descriptors to pass and process attributes.
 func SpawnWith(t testing.TB, role string, o SpawnOptions) *Child {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
+	exe := os.Args[0]
+	if o.Exe != "" {
+		exe = o.Exe
+	}
+	cmd := exec.CommandContext(ctx, exe, "-test.run=^$")
 	cmd.Env = append(append(os.Environ(), EnvRole+"="+role), o.Env...)
 	cmd.ExtraFiles = o.ExtraFiles
 	cmd.SysProcAttr = o.SysProcAttr

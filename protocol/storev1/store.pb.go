@@ -2012,7 +2012,10 @@ type HelloResponse struct {
 	Pid uint32 `protobuf:"varint,3,opt,name=pid,proto3" json:"pid,omitempty"`
 	// Memory backend in use: "host" (host memory only) or "cuda" (GPUs by
 	// UUID, and host memory).
-	Backend       string `protobuf:"bytes,4,opt,name=backend,proto3" json:"backend,omitempty"`
+	Backend string `protobuf:"bytes,4,opt,name=backend,proto3" json:"backend,omitempty"`
+	// The client's uid as the daemon sees it (SO_PEERCRED): the uid its
+	// bare names are qualified with (UID:NAME).
+	PeerUid       uint32 `protobuf:"varint,5,opt,name=peer_uid,json=peerUid,proto3" json:"peer_uid,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2073,6 +2076,13 @@ func (x *HelloResponse) GetBackend() string {
 		return x.Backend
 	}
 	return ""
+}
+
+func (x *HelloResponse) GetPeerUid() uint32 {
+	if x != nil {
+		return x.PeerUid
+	}
+	return 0
 }
 
 // Placement tells a client where an object's bytes live.
@@ -2281,7 +2291,10 @@ type ObjectInfo struct {
 	// bundle `name` (of this version and shard), pulled from another node,
 	// in an object of their own; its manifest lists just those. Never the
 	// whole bundle, never a holder of it for other nodes.
-	Partial       bool `protobuf:"varint,56,opt,name=partial,proto3" json:"partial,omitempty"`
+	Partial bool `protobuf:"varint,56,opt,name=partial,proto3" json:"partial,omitempty"`
+	// Registered memory that is a region of a KV space: the space's
+	// description (RegisterRequest.space).
+	Space         []byte `protobuf:"bytes,57,opt,name=space,proto3" json:"space,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2468,6 +2481,13 @@ func (x *ObjectInfo) GetPartial() bool {
 		return x.Partial
 	}
 	return false
+}
+
+func (x *ObjectInfo) GetSpace() []byte {
+	if x != nil {
+		return x.Space
+	}
+	return nil
 }
 
 // CreateResponse gives the writable placement of a new object.
@@ -3110,7 +3130,9 @@ type RegisterRequest struct {
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// Size of the object in bytes: 1..2^40.
 	Size uint64 `protobuf:"varint,2,opt,name=size,proto3" json:"size,omitempty"`
-	// UUID of the GPU that holds the memory ("GPU-…").
+	// UUID of the GPU that holds the memory ("GPU-…"), or "host" for host
+	// memory: a memfd (one descriptor, of at least size bytes) and no
+	// region.
 	Device string `protobuf:"bytes,3,opt,name=device,proto3" json:"device,omitempty"`
 	// Readable by every admitted uid, not only the registering one.
 	Shared bool `protobuf:"varint,4,opt,name=shared,proto3" json:"shared,omitempty"`
@@ -3119,15 +3141,19 @@ type RegisterRequest struct {
 	// exporter's PID namespace, and the exporter must outlive them), or a
 	// vmm-fd region, version 2 when the memory spans several allocations
 	// (PyTorch's expandable segments), whose descriptors come with the
-	// request, one per piece, first piece first.
+	// request, one per piece, first piece first. Empty for host memory.
 	Region []byte `protobuf:"bytes,9,opt,name=region,proto3" json:"region,omitempty"`
 	// How many descriptors the registration has: 0 for a cuda-ipc region,
-	// the region's piece count for a vmm-fd one. Those staged on this
+	// the region's piece count for a vmm-fd one, 1 for host memory. Those staged on this
 	// connection (stage_files) come first, then those attached to the request
 	// (at most 60, protocol.MaxFiles), together exactly this many.
 	Files uint32 `protobuf:"varint,10,opt,name=files,proto3" json:"files,omitempty"`
 	// Optional typed-array descriptor, as for create.
-	Tensor        *TensorDesc `protobuf:"bytes,8,opt,name=tensor,proto3" json:"tensor,omitempty"`
+	Tensor *TensorDesc `protobuf:"bytes,8,opt,name=tensor,proto3" json:"tensor,omitempty"`
+	// Optional description of the KV space this memory is a region of
+	// (docs/kv.md), at most 16 KiB: the daemon keeps it opaque and returns
+	// it in the object's info.
+	Space         []byte `protobuf:"bytes,11,opt,name=space,proto3" json:"space,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3207,6 +3233,13 @@ func (x *RegisterRequest) GetFiles() uint32 {
 func (x *RegisterRequest) GetTensor() *TensorDesc {
 	if x != nil {
 		return x.Tensor
+	}
+	return nil
+}
+
+func (x *RegisterRequest) GetSpace() []byte {
+	if x != nil {
+		return x.Space
 	}
 	return nil
 }
@@ -3707,12 +3740,13 @@ const file_store_proto_rawDesc = "" +
 	"\x0fOBJECTS_PER_UID\x10\x05\x12\x17\n" +
 	"\x13DESCRIPTORS_PER_UID\x10\x06\x12\x0f\n" +
 	"\vDESCRIPTORS\x10\a\x12\x11\n" +
-	"\rBYTES_PER_UID\x10\b\"|\n" +
+	"\rBYTES_PER_UID\x10\b\"\x97\x01\n" +
 	"\rHelloResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12%\n" +
 	"\x0eserver_version\x18\x02 \x01(\tR\rserverVersion\x12\x10\n" +
 	"\x03pid\x18\x03 \x01(\rR\x03pid\x12\x18\n" +
-	"\abackend\x18\x04 \x01(\tR\abackend\"\x8e\x03\n" +
+	"\abackend\x18\x04 \x01(\tR\abackend\x12\x19\n" +
+	"\bpeer_uid\x18\x05 \x01(\rR\apeerUid\"\x8e\x03\n" +
 	"\tPlacement\x12\x19\n" +
 	"\barena_id\x18\x01 \x01(\x04R\aarenaId\x12\x16\n" +
 	"\x06device\x18\x02 \x01(\tR\x06device\x12\x16\n" +
@@ -3732,7 +3766,7 @@ const file_store_proto_rawDesc = "" +
 	"\x04HOST\x10\x01\x12\f\n" +
 	"\bCUDA_IPC\x10\x02\x12\n" +
 	"\n" +
-	"\x06VMM_FD\x10\x03J\x04\b.\x10/\"\x94\x05\n" +
+	"\x06VMM_FD\x10\x03J\x04\b.\x10/\"\xaa\x05\n" +
 	"\n" +
 	"ObjectInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
@@ -3756,7 +3790,8 @@ const file_store_proto_rawDesc = "" +
 	"\fsources_size\x180 \x01(\x04R\vsourcesSize\x12\x18\n" +
 	"\acluster\x181 \x01(\bR\acluster\x12*\n" +
 	"\x11creator_can_write\x187 \x01(\bR\x0fcreatorCanWrite\x12\x18\n" +
-	"\apartial\x188 \x01(\bR\apartial\"\x92\x01\n" +
+	"\apartial\x188 \x01(\bR\apartial\x12\x14\n" +
+	"\x05space\x189 \x01(\fR\x05space\"\x92\x01\n" +
 	"\x0eCreateResponse\x129\n" +
 	"\tplacement\x18\x01 \x01(\v2\x1b.cudaipc.store.v1.PlacementR\tplacement\x12\x18\n" +
 	"\aversion\x18# \x01(\x04R\aversion\x12+\n" +
@@ -3794,7 +3829,7 @@ const file_store_proto_rawDesc = "" +
 	"\x06SEALED\x10\x01\x12\v\n" +
 	"\aDELETED\x10\x02\x12\v\n" +
 	"\aEVICTED\x10\x03\x12\v\n" +
-	"\aABORTED\x10\x04\"\xdf\x01\n" +
+	"\aABORTED\x10\x04\"\xf5\x01\n" +
 	"\x0fRegisterRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x16\n" +
@@ -3803,7 +3838,8 @@ const file_store_proto_rawDesc = "" +
 	"\x06region\x18\t \x01(\fR\x06region\x12\x14\n" +
 	"\x05files\x18\n" +
 	" \x01(\rR\x05files\x124\n" +
-	"\x06tensor\x18\b \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensorJ\x04\b\x05\x10\x06J\x04\b\x06\x10\aJ\x04\b\a\x10\b\"\x13\n" +
+	"\x06tensor\x18\b \x01(\v2\x1c.cudaipc.store.v1.TensorDescR\x06tensor\x12\x14\n" +
+	"\x05space\x18\v \x01(\fR\x05spaceJ\x04\b\x05\x10\x06J\x04\b\x06\x10\aJ\x04\b\a\x10\b\"\x13\n" +
 	"\x11StageFilesRequest\",\n" +
 	"\x12StageFilesResponse\x12\x16\n" +
 	"\x06staged\x18\x01 \x01(\rR\x06staged\"=\n" +
