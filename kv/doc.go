@@ -1,0 +1,14 @@
+// Package kv moves blocks of KV cache between the paged KV memory of
+// inference engines on one node: an engine registers its KV memory once
+// as a space (Register: its regions become registered memory of the
+// daemon, each carrying the space's description), hands readers the
+// space's Desc in its own metadata, and a reader copies any set of blocks
+// of any range of layers into its own space with one ReadBlocks, however
+// many blocks, completing layer by layer.
+//
+// Lifetimes are registered memory's: a space's regions go when its
+// engine's connection ends or it closes the space, but a reader mid-read
+// holds leases of them, so it never reads freed memory; the source sees a
+// read end when its regions' leases do. docs/kv.md has the model, the
+// layouts it covers and what is not built yet.
+package kv

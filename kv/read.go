@@ -1,0 +1,283 @@
+package kv
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/cudaipc/cudaipc/client"
+)
+
+// Errors of a read, matched with errors.Is. A read of a space that is gone
+// (its engine ended or closed it) or unknown fails with client.ErrNotFound,
+// one of another uid that did not share it with client.ErrNotFound or
+// client.ErrPermission, inside a *BlockError.
+var (
+	// ErrBlockRange: a block id past the end of its space, or negative.
+	ErrBlockRange = errors.New("kv: block id out of range")
+	// ErrMismatch: the two spaces' layouts do not fit each other (layers,
+	// parts, block bytes), or the request's lists do not.
+	ErrMismatch = errors.New("kv: layouts do not match")
+	// ErrStale: the description names an earlier registration of the space.
+	ErrStale = errors.New("kv: the space was registered again since this description")
+	// ErrNotSupported: a read this version cannot do (host to GPU memory,
+	// GPUs of two devices).
+	ErrNotSupported = errors.New("kv: not supported")
+)
+
+// BlockError is a read's failure: Blocks are the destination block ids
+// whose bytes are not (all) there, from layer Layer on.
+type BlockError struct {
+	Space  string
+	Layer  int
+	Blocks []int
+	Err    error
+}
+
+func (e *BlockError) Error() string {
+	return fmt.Sprintf("kv: reading %d blocks of %s failed from layer %d: %v", len(e.Blocks), e.Space, e.Layer, e.Err)
+}
+
+func (e *BlockError) Unwrap() error { return e.Err }
+
+// Request is one vectored read: block SrcBlocks[i] of the registered space
+// Src into block DstBlocks[i] of the local space Dst, for the layers
+// [First, First+Count) (Count 0: every layer from First).
+type Request struct {
+	Src       *Desc
+	SrcBlocks []int
+	Dst       *Local
+	DstBlocks []int
+	First     int
+	Count     int
+}
+
+// run is a stretch of pairs whose source and destination ids both ascend
+// by one.
+type run struct{ src, dst, n int }
+
+// runs coalesces the pairs (src[i], dst[i]) into runs, in order.
+func runs(src, dst []int) []run {
+	var out []run
+	for i := range src {
+		if k := len(out) - 1; k >= 0 && out[k].src+out[k].n == src[i] && out[k].dst+out[k].n == dst[i] {
+			out[k].n++
+			continue
+		}
+		out = append(out, run{src[i], dst[i], 1})
+	}
+	return out
+}
+
+// Transfer is a read in flight. Its methods are safe for concurrent use.
+type Transfer struct {
+	first  int
+	layers []chan struct{} // closed when layer first+i is complete
+	done   chan struct{}
+	err    error // set before done is closed
+}
+
+// Done is closed when the read has ended, complete or failed.
+func (t *Transfer) Done() <-chan struct{} { return t.done }
+
+// Err returns the read's error once Done is closed (nil before, and on
+// success).
+func (t *Transfer) Err() error {
+	select {
+	case <-t.done:
+		return t.err
+	default:
+		return nil
+	}
+}
+
+// Wait waits for the read to end, as long as ctx allows, and returns its
+// error. A Wait that gives up leaves the read running.
+func (t *Transfer) Wait(ctx context.Context) error {
+	select {
+	case <-t.done:
+		return t.err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// WaitLayer waits until every requested block of layer l is in the
+// destination (the engine may start that layer's attention), the read
+// fails first, or ctx ends.
+func (t *Transfer) WaitLayer(ctx context.Context, l int) error {
+	if l < t.first || l >= t.first+len(t.layers) {
+		return fmt.Errorf("%w: layer %d is not among the read's [%d, %d)", ErrMismatch, l, t.first, t.first+len(t.layers))
+	}
+	select {
+	case <-t.layers[l-t.first]:
+		return nil
+	case <-t.done:
+		select {
+		case <-t.layers[l-t.first]:
+			return nil
+		default:
+			return t.err
+		}
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// ReadBlocks starts the read r through c: it checks the request, then,
+// in the background, leases the source regions the layers need (so that
+// their memory stays valid however the source ends), copies every layer's
+// blocks (adjacent blocks coalesced into one copy), completing layer by
+// layer, and releases the leases (which the source side sees in its
+// regions' lease counts). Bad requests fail at once with ErrBlockRange,
+// ErrMismatch, ErrInvalidDesc or ErrNotSupported; failures of the read
+// itself come as a *BlockError from the Transfer.
+func ReadBlocks(ctx context.Context, c *client.Client, r Request) (*Transfer, error) {
+	p, err := plan(r)
+	if err != nil {
+		return nil, err
+	}
+	t := &Transfer{first: p.first, layers: make([]chan struct{}, p.count), done: make(chan struct{})}
+	for i := range t.layers {
+		t.layers[i] = make(chan struct{})
+	}
+	go func() {
+		defer close(t.done)
+		t.err = p.read(ctx, c, t.layers)
+	}()
+	return t, nil
+}
+
+// readPlan is a checked request.
+type readPlan struct {
+	Request
+	desc         []byte // the source's description, as its regions must carry it
+	first, count int
+	runs         []run
+	regions      []int // the source regions the layers use
+}
+
+func plan(r Request) (*readPlan, error) {
+	if r.Src == nil || r.Dst == nil {
+		return nil, fmt.Errorf("%w: a read needs a source description and a destination", ErrMismatch)
+	}
+	desc, err := r.Src.MarshalBinary() // validates
+	if err != nil {
+		return nil, err
+	}
+	if err := r.Dst.check(); err != nil {
+		return nil, err
+	}
+	if len(r.SrcBlocks) != len(r.DstBlocks) || len(r.SrcBlocks) == 0 {
+		return nil, fmt.Errorf("%w: %d source and %d destination blocks: want as many, at least one", ErrMismatch, len(r.SrcBlocks), len(r.DstBlocks))
+	}
+	for _, side := range []struct {
+		name   string
+		ids    []int
+		blocks int
+	}{{"source", r.SrcBlocks, r.Src.Blocks}, {"destination", r.DstBlocks, r.Dst.Blocks}} {
+		var bad []int
+		for _, b := range side.ids {
+			if b < 0 || b >= side.blocks {
+				bad = append(bad, b)
+			}
+		}
+		if bad != nil {
+			return nil, &BlockError{Space: r.Src.Name, Layer: r.First, Blocks: bad,
+				Err: fmt.Errorf("%w: %s block ids %v of a space of %d blocks", ErrBlockRange, side.name, bad, side.blocks)}
+		}
+	}
+	count := r.Count
+	if count == 0 {
+		count = len(r.Src.Layers) - r.First
+	}
+	if r.First < 0 || count <= 0 || r.First+count > len(r.Src.Layers) || len(r.Src.Layers) != len(r.Dst.Layers) {
+		return nil, fmt.Errorf("%w: layers [%d, %d) of spaces of %d (source) and %d (destination) layers", ErrMismatch, r.First, r.First+count, len(r.Src.Layers), len(r.Dst.Layers))
+	}
+	p := &readPlan{Request: r, desc: desc, first: r.First, count: count, runs: runs(r.SrcBlocks, r.DstBlocks)}
+	used := make([]bool, len(r.Src.Regions))
+	for l := r.First; l < r.First+count; l++ {
+		src, dst := r.Src.Layers[l], r.Dst.Layers[l]
+		if len(src) != len(dst) {
+			return nil, fmt.Errorf("%w: layer %d has %d parts in the source, %d in the destination", ErrMismatch, l, len(src), len(dst))
+		}
+		for i := range src {
+			if src[i].Bytes != dst[i].Bytes {
+				return nil, fmt.Errorf("%w: layer %d part %d: blocks of %d bytes in the source, %d in the destination", ErrMismatch, l, i, src[i].Bytes, dst[i].Bytes)
+			}
+			if r.Src.Regions[src[i].Region].Device != "host" || r.Dst.Memory[dst[i].Region].Device != nil {
+				return nil, fmt.Errorf("%w: layer %d part %d: a read between %s and %s memory (this version reads host memory into host memory)",
+					ErrNotSupported, l, i, r.Src.Regions[src[i].Region].Device, r.Dst.Memory[dst[i].Region].device())
+			}
+			used[src[i].Region] = true
+		}
+	}
+	for i, u := range used {
+		if u {
+			p.regions = append(p.regions, i)
+		}
+	}
+	return p, nil
+}
+
+// read leases the source regions, copies layer by layer (closing
+// layers[i] as layer first+i completes) and releases the leases.
+func (p *readPlan) read(ctx context.Context, c *client.Client, layers []chan struct{}) (err error) {
+	fail := func(layer int, err error) error {
+		return &BlockError{Space: p.Src.Name, Layer: layer, Blocks: p.DstBlocks, Err: err}
+	}
+	src := make([][]byte, len(p.Src.Regions))
+	for _, i := range p.regions {
+		l, err := lease(ctx, c, p.Src, i, p.desc)
+		if err != nil {
+			return fail(p.first, err)
+		}
+		defer func() {
+			if rerr := l.Release(); rerr != nil && err == nil {
+				err = fail(p.first+p.count, rerr)
+			}
+		}()
+		src[i] = l.Bytes()
+	}
+	for l := p.first; l < p.first+p.count; l++ {
+		if err := ctx.Err(); err != nil {
+			return fail(l, err)
+		}
+		for i, sp := range p.Src.Layers[l] {
+			dp := p.Dst.Layers[l][i]
+			s, d := src[sp.Region], p.Dst.Memory[dp.Region].Host
+			contiguous := sp.Stride == sp.Bytes && dp.Stride == dp.Bytes
+			for _, r := range p.runs {
+				so, do := sp.Base+int64(r.src)*sp.Stride, dp.Base+int64(r.dst)*dp.Stride
+				if contiguous {
+					copy(d[do:do+int64(r.n)*dp.Bytes], s[so:so+int64(r.n)*sp.Bytes])
+					continue
+				}
+				for k := range int64(r.n) {
+					copy(d[do+k*dp.Stride:do+k*dp.Stride+dp.Bytes], s[so+k*sp.Stride:so+k*sp.Stride+sp.Bytes])
+				}
+			}
+		}
+		close(layers[l-p.first])
+	}
+	return nil
+}
+
+// lease leases region i of the space d, whose encoding is desc, and checks
+// that it is of that registration.
+func lease(ctx context.Context, c *client.Client, d *Desc, i int, desc []byte) (*client.Lease, error) {
+	name := d.RegionName(i)
+	l, err := c.Get(ctx, name)
+	if err != nil {
+		if errors.Is(err, client.ErrNotFound) {
+			return nil, fmt.Errorf("region %d (%s): %w (the space's engine ended or closed it, or it was never registered)", i, name, err)
+		}
+		return nil, fmt.Errorf("region %d (%s): %w", i, name, err)
+	}
+	if info := l.Info(); !bytes.Equal(info.Space, desc) || l.Size() != d.Regions[i].Size || l.Device() != d.Regions[i].Device {
+		l.Release()
+		return nil, fmt.Errorf("%w: region %d (%s) is not of the registration the description names", ErrStale, i, name)
+	}
+	return l, nil
+}
