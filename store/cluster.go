@@ -48,6 +48,13 @@ type ClusterHook interface {
 	// node otherwise (evicted, a version retired, or removed because the
 	// cluster deleted it): the node no longer holds it.
 	Dropped(obj ClusterObject)
+	// MayEvict is called when a create (a client's, or a replica's) finds
+	// no room unless cluster-visible objects sealed here go (objs, each
+	// with its incarnation ID). It reports, for each, whether another
+	// live node holds that incarnation too, so that this copy may be
+	// evicted; one it cannot vouch for (the directory unreachable, say)
+	// is a last copy, and stays. Its answer holds for that create only.
+	MayEvict(ctx context.Context, objs []ClusterObject) []bool
 }
 
 // ClusterGet is what a get asks for: the zero value is a plain get that

@@ -20,6 +20,9 @@ func (nopCluster) FetchTensors(context.Context, uint32, uint32, string, ClusterG
 func (nopCluster) Sealed(context.Context, ClusterObject) (string, error) { return "id-1", nil }
 func (nopCluster) Deleted(ClusterObject)                                 {}
 func (nopCluster) Dropped(ClusterObject)                                 {}
+func (nopCluster) MayEvict(_ context.Context, objs []ClusterObject) []bool {
+	return make([]bool, len(objs))
+}
 
 // A replica of a GPU bundle is made on the daemon's GPU with its manifest,
 // handed to the cluster side as GPU memory, sealed as a bundle, and read

@@ -46,6 +46,9 @@ type createReq struct {
 	// slice makes the object a partial replica (slice.go), its name the
 	// store's own.
 	slice *sliceOf
+	// vouched is what the cluster said may be evicted for this create
+	// (room.go): nil before it was asked.
+	vouched map[*object]string
 }
 
 func createReqOf(r *storev1.CreateRequest) createReq {
@@ -69,6 +72,13 @@ func (ss *session) create(r createReq) (placement, uint64, error) {
 		}
 	}
 	p, n, err := ss.createIn(r, src)
+	var ask *roomAsk
+	if errors.As(err, &ask) {
+		// Room only evicting cluster-visible objects can make: those the
+		// cluster vouches for may go, asked without the store's lock.
+		r.vouched = ss.s.vouch(ss.ctx, ask)
+		p, n, err = ss.createIn(r, src)
+	}
 	if err != nil {
 		src.close()
 	}
@@ -175,7 +185,7 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 		o.block = sp.block
 		o.block.Value = o
 	} else {
-		b, err := s.allocLocked(d, o, r.noEvict)
+		b, err := s.allocLocked(d, o, r.noEvict, r.vouched)
 		if err != nil {
 			undo()
 			return fail(fmt.Errorf("object %q: %w", r.name, err))

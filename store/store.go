@@ -436,20 +436,39 @@ func (s *Store) quota() int64 {
 
 // allocLocked places a new object's block on its device: in an arena of
 // its owner's pool, a shared object in one of its own. Room is made by
-// evicting only the owner's objects; a full device is ErrStoreFull, a
-// full quota ErrLimit (BYTES_PER_UID).
+// evicting only the owner's objects, and of those a cluster-visible one
+// only where vouched names it (with its incarnation): another live node
+// holds it too (room.go). A full device is ErrStoreFull and a full quota
+// ErrLimit (BYTES_PER_UID), each saying what holds the room; where
+// evicting cluster-visible objects might make it and vouched is nil, the
+// error is a *roomAsk for them.
 //
 // With noEvict nothing is evicted: a create whose input may still be
 // rejected asks for it (CreateRequest.no_evict).
-func (s *Store) allocLocked(d *device, o *object, noEvict bool) (*alloc.Block[pool, *object], error) {
+func (s *Store) allocLocked(d *device, o *object, noEvict bool, vouched map[*object]string) (*alloc.Block[pool, *object], error) {
 	p := pool{owner: o.owner, shared: o.shared}
 	if o.shared {
 		s.nextSolo++
 		p.solo = s.nextSolo
 	}
-	allocate := d.alloc.Alloc
-	if noEvict {
-		allocate = d.alloc.AllocNoEvict
+	may := func(b *alloc.Block[pool, *object]) bool { return mayEvictLocked(b.Value, vouched) }
+	allocate := func(p pool, size int64, o *object) (*alloc.Block[pool, *object], error) {
+		if noEvict {
+			return d.alloc.AllocNoEvict(p, size, o)
+		}
+		return d.alloc.AllocWhere(p, size, o, may)
+	}
+	if !noEvict && vouched == nil && s.cfg.Cluster != nil && !s.cfg.NoEvict {
+		// Eviction keeps its least recently used order over node-local
+		// objects and the cluster-visible ones the cluster vouches for: it
+		// is asked before anything is evicted.
+		b, err := d.alloc.AllocNoEvict(p, o.size, o)
+		if !errors.Is(err, alloc.ErrFull) {
+			return b, err
+		}
+		if ask := s.roomAskLocked(d, o.owner); ask != nil {
+			return nil, ask
+		}
 	}
 	b, err := allocate(p, o.size, o)
 	if errors.Is(err, alloc.ErrFull) && s.freeSparesLocked(d) {
@@ -467,12 +486,13 @@ func (s *Store) allocLocked(d *device, o *object, noEvict bool) (*alloc.Block[po
 	if noEvict && !s.cfg.NoEvict {
 		return nil, fmt.Errorf("%w: device %s has no room for %d bytes without evicting, and the create asked not to evict (no_evict): %v", ErrStoreFull, d.name, o.size, err)
 	}
+	held := s.roomHeldLocked(d, o.owner, vouched)
 	if q := s.quota(); q > 0 && d.alloc.QuotaBound(p) {
 		return nil, protocol.LimitErrorf(storev1.Error_BYTES_PER_UID,
-			"uid %d's quota on device %s is full: its arenas take %d of its %d bytes and evicting its unleased objects would not make room for %d more: delete or release some, or raise the daemon's per-uid quota (serve --quota; by default the capacity divided by the uids it admits)",
-			o.owner, d.name, d.alloc.Owned(o.owner), q, o.size)
+			"uid %d's quota on device %s is full: its arenas take %d of its %d bytes and evicting its unleased objects would not make room for %d more: delete or release some, or raise the daemon's per-uid quota (serve --quota; by default the capacity divided by the uids it admits): %s",
+			o.owner, d.name, d.alloc.Owned(o.owner), q, o.size, held)
 	}
-	return nil, fmt.Errorf("%w: device %s: %v", ErrStoreFull, d.name, err)
+	return nil, fmt.Errorf("%w: device %s: %v: %s", ErrStoreFull, d.name, err, held)
 }
 
 // evictLocked forgets an object the allocator is about to free.

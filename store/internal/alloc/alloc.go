@@ -184,16 +184,23 @@ func New[P comparable, V any](cfg Config[P, V]) (*Allocator[P, V], error) {
 // evictable blocks whose eviction can make room. It fails with ErrFull, and
 // evicts nothing, when even evicting all of them would not make room.
 func (a *Allocator[P, V]) Alloc(pool P, size int64, value V) (*Block[P, V], error) {
-	return a.alloc(pool, size, value, !a.cfg.NoEvict)
+	return a.alloc(pool, size, value, !a.cfg.NoEvict, nil)
 }
 
 // AllocNoEvict is Alloc without eviction: it fails with ErrFull when the
 // block fits neither a free extent nor a new arena.
 func (a *Allocator[P, V]) AllocNoEvict(pool P, size int64, value V) (*Block[P, V], error) {
-	return a.alloc(pool, size, value, false)
+	return a.alloc(pool, size, value, false, nil)
 }
 
-func (a *Allocator[P, V]) alloc(pool P, size int64, value V, evict bool) (*Block[P, V], error) {
+// AllocWhere is Alloc that evicts only the evictable blocks may allows:
+// the others stay, in their place in the eviction order, as if pinned for
+// this call.
+func (a *Allocator[P, V]) AllocWhere(pool P, size int64, value V, may func(*Block[P, V]) bool) (*Block[P, V], error) {
+	return a.alloc(pool, size, value, !a.cfg.NoEvict, may)
+}
+
+func (a *Allocator[P, V]) alloc(pool P, size int64, value V, evict bool, may func(*Block[P, V]) bool) (*Block[P, V], error) {
 	if size <= 0 {
 		return nil, fmt.Errorf("alloc: size %d is not positive", size)
 	}
@@ -214,14 +221,17 @@ func (a *Allocator[P, V]) alloc(pool P, size int64, value V, evict bool) (*Block
 	if !evict {
 		return nil, fmt.Errorf("%w: %d bytes requested, %d of %d reserved and eviction is off", ErrFull, size, a.reserved, a.cfg.Capacity)
 	}
-	helpful, ok := a.plan(pool, span)
+	if may == nil {
+		may = func(*Block[P, V]) bool { return true }
+	}
+	helpful, ok := a.plan(pool, span, may)
 	if !ok {
 		return nil, fmt.Errorf("%w: %d bytes requested and evicting every unused object would not make room", ErrFull, size)
 	}
 	for e := a.lru.Front(); e != nil; {
 		next := e.Next()
 		victim := e.Value.(*Block[P, V])
-		if helpful[victim.arena] {
+		if helpful[victim.arena] && may(victim) {
 			if a.cfg.Evict != nil {
 				a.cfg.Evict(victim)
 			}
@@ -342,7 +352,8 @@ func (a *Allocator[P, V]) place(c *candidate[P, V], size int64, value V) *Block[
 // span bytes in pool, and which arenas hold blocks worth evicting: the
 // pool's own arenas (room inside them) and arenas of any pool whose blocks
 // are all evictable (an emptied arena gives its size back to the capacity).
-func (a *Allocator[P, V]) plan(pool P, span int64) (map[*Arena[P, V]]bool, bool) {
+// A block may refuses counts as pinned.
+func (a *Allocator[P, V]) plan(pool P, span int64, may func(*Block[P, V]) bool) (map[*Arena[P, V]]bool, bool) {
 	helpful := make(map[*Arena[P, V]]bool)
 	ok := false
 	freeable := a.left(pool)
@@ -352,7 +363,7 @@ func (a *Allocator[P, V]) plan(pool P, span int64) (map[*Arena[P, V]]bool, bool)
 			continue
 		}
 		for _, ar := range arenas {
-			pinned := ar.pinned()
+			pinned := ar.pinned(may)
 			if len(pinned) == 0 {
 				helpful[ar] = true
 				freeable += ar.Size
@@ -380,11 +391,12 @@ func (a *Allocator[P, V]) plan(pool P, span int64) (map[*Arena[P, V]]bool, bool)
 	return helpful, ok
 }
 
-// pinned returns the arena's blocks that are not evictable, by offset.
-func (ar *Arena[P, V]) pinned() []*Block[P, V] {
+// pinned returns the arena's blocks that are not evictable, or that may
+// refuses, by offset.
+func (ar *Arena[P, V]) pinned(may func(*Block[P, V]) bool) []*Block[P, V] {
 	var bs []*Block[P, V]
 	for _, b := range ar.blocks {
-		if b.lru == nil {
+		if b.lru == nil || !may(b) {
 			bs = append(bs, b)
 		}
 	}
@@ -547,6 +559,23 @@ func (a *Allocator[P, V]) SetEvictable(b *Block[P, V], on bool) {
 	case !on && b.lru != nil:
 		a.lru.Remove(b.lru)
 		b.lru = nil
+	}
+}
+
+// Blocks calls yield with every block of the arenas of pools for which
+// match is true, until yield returns false.
+func (a *Allocator[P, V]) Blocks(match func(P) bool, yield func(*Block[P, V]) bool) {
+	for p, arenas := range a.pools {
+		if !match(p) {
+			continue
+		}
+		for _, ar := range arenas {
+			for _, b := range ar.blocks {
+				if !yield(b) {
+					return
+				}
+			}
+		}
 	}
 }
 

@@ -358,3 +358,44 @@ func TestArenasDoubleFromMinimum(t *testing.T) {
 		t.Fatalf("first arena of a new pool: %d bytes", b.Arena().Size)
 	}
 }
+
+// AllocWhere evicts only the blocks its predicate allows, least recently
+// used first, keeps the refused ones in the eviction order for later
+// calls, and fails without evicting anything when the allowed blocks
+// cannot make room.
+func TestAllocWhereSparesRefused(t *testing.T) {
+	h := newHarness(t, 4096, 4096, false)
+	var bs []*Block[pool, string]
+	for _, name := range []string{"keep1", "a", "b", "keep2"} {
+		b := h.alloc("p", 1024, name)
+		h.a.SetEvictable(b, true)
+		bs = append(bs, b)
+	}
+	spare := func(b *Block[pool, string]) bool { return b.Value != "keep1" && b.Value != "keep2" }
+	if _, err := h.a.AllocWhere("p", 2048, "c", spare); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(h.evicted, []string{"a", "b"}) {
+		t.Fatalf("evicted %v, want a and b", h.evicted)
+	}
+	// Only the refused blocks are left beside c: nothing more fits.
+	if _, err := h.a.AllocWhere("p", 1024, "d", spare); !errors.Is(err, ErrFull) {
+		t.Fatalf("AllocWhere with only refused blocks to evict: %v, want ErrFull", err)
+	}
+	if len(h.evicted) != 2 {
+		t.Fatalf("a failed AllocWhere evicted %v", h.evicted[2:])
+	}
+	if !bs[0].Evictable() || !bs[3].Evictable() {
+		t.Fatal("refused blocks left the eviction order")
+	}
+	// Alloc may evict them: keep1 first, the least recently used.
+	h.alloc("p", 1024, "e")
+	if !slices.Equal(h.evicted, []string{"a", "b", "keep1"}) {
+		t.Fatalf("evicted %v, want keep1 last", h.evicted)
+	}
+	var n int
+	h.a.Blocks(func(pool) bool { return true }, func(*Block[pool, string]) bool { n++; return true })
+	if n != 3 {
+		t.Fatalf("Blocks yielded %d blocks, want 3 (c, keep2, e)", n)
+	}
+}
