@@ -85,11 +85,10 @@ func (cc *ControlClient) Read(ctx context.Context, ref Ref, id string, size int6
 func inline(e Entry) bool { return !e.GPU && e.Size > 0 && e.Size <= MaxInline }
 
 // readInline reads t's object whole from the first holder that serves it
-// (each holder tried is marked in tried, why it failed in t.failed),
-// checks every chunk and fills the replica. done is false when no holder
-// served it: the pull goes on with the holders not tried (those that
-// do not serve "read").
-func (p *Puller) readInline(ctx context.Context, t *transfer, tried map[string]bool) (done bool, err error) {
+// (each holder tried is marked in tried, why it failed in t.failed), and
+// checks every chunk. data is nil when no holder served it: the pull goes
+// on with the holders not tried (those that do not serve "read").
+func (p *Puller) readInline(ctx context.Context, t *transfer, tried map[string]bool) (data []byte, err error) {
 	e := t.e
 	for _, h := range e.Holders {
 		if tried[h] {
@@ -108,17 +107,14 @@ func (p *Puller) readInline(ctx context.Context, t *transfer, tried map[string]b
 		if err != nil {
 			t.holderFailed(h, err)
 			if errors.Is(err, ErrUnavailable) {
-				return false, fmt.Errorf("pull %s: %w", e.Ref(), err)
+				return nil, fmt.Errorf("pull %s: %w", e.Ref(), err)
 			}
 			p.log().Debug("cluster pull: inline read failed", "object", e.Ref().String(), "node", h, "err", err)
 			continue
 		}
-		copy(t.dst, data)
-		t.done = t.want
-		p.inline.Add(1)
-		return true, nil
+		return data, nil
 	}
-	return false, nil
+	return nil, nil
 }
 
 // readFrom reads e's replica from holder over the pooled control channel,

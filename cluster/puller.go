@@ -226,6 +226,29 @@ func (p *Puller) pullOnce(ctx context.Context, ref Ref, known *Entry) (Entry, er
 	return c.e, c.err
 }
 
+// openFirst opens t's object at the first of its holders (not tried yet)
+// that answers, marking each in tried and why it failed in t. It fails as
+// a pull whose every holder failed does (transfer.failure), or wrapping
+// ErrUnavailable when the directory is away.
+func (p *Puller) openFirst(ctx context.Context, t *transfer, tried map[string]bool) (*source, error) {
+	e := t.e
+	for _, h := range e.Holders {
+		if tried[h] {
+			continue
+		}
+		tried[h] = true
+		s, err := p.open(ctx, e, h, false)
+		if err == nil {
+			return s, nil
+		}
+		t.holderFailed(h, err)
+		if errors.Is(err, ErrUnavailable) {
+			return nil, fmt.Errorf("pull %s: %w", e.Ref(), err)
+		}
+	}
+	return nil, t.failure(e.Ref())
+}
+
 // source is one holder a pull reads from.
 type source struct {
 	node   string
@@ -414,6 +437,33 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 	} else if e, err = p.Dir.Lookup(ctx, ref); err != nil {
 		return e, fmt.Errorf("pull %s: %w", ref, err)
 	}
+	// The replica's creation may evict objects to make room: it comes only
+	// once a live holder has answered for the object (sent it whole, or
+	// opened it for this pull), so that a pull with no one to read from
+	// evicts nothing.
+	tried := map[string]bool{self: true}
+	n := int((e.Size + e.ChunkSize - 1) / e.ChunkSize)
+	t := &transfer{e: e, want: n, bad: map[int]int{}, failed: map[string]string{}, start: time.Now()}
+	if !slices.ContainsFunc(e.Holders, func(h string) bool { return h != self }) {
+		return e, fmt.Errorf("pull %s: %w (holders in the directory: %s)", ref, ErrNoHolder, holderList(e.Holders))
+	}
+	var data []byte // a small object, whole (inline.go)
+	if inline(e) {
+		if data, err = p.readInline(ctx, t, tried); err != nil {
+			return e, err
+		}
+	}
+	var first *source // the holder that answered, until the pull reads from it
+	defer func() {
+		if first != nil {
+			first.close()
+		}
+	}()
+	if data == nil {
+		if first, err = p.openFirst(ctx, t, tried); err != nil {
+			return e, err
+		}
+	}
 	rep, err := p.Sink.Create(ctx, e.Object)
 	if err != nil {
 		return e, fmt.Errorf("pull %s: make the local replica: %w", ref, err)
@@ -436,8 +486,7 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 		stopFault = prefault(dst)
 	}
 	defer stopFault()
-	n := int((e.Size + e.ChunkSize - 1) / e.ChunkSize)
-	t := &transfer{e: e, dst: dst, want: n, bad: map[int]int{}, failed: map[string]string{}, start: time.Now()}
+	t.dst = dst
 	t.cond = sync.NewCond(&t.mu)
 	t.land, _ = rep.(LandingReplica)
 	if sr, ok := rep.(SummingReplica); ok && sr.SumsLanded() {
@@ -449,8 +498,8 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 	var upstream string
 	var stopFeed func()
 	t.feed, upstream, stopFeed = p.fanout(ctx, e, rep, n)
-	defer stopFeed() // before the Abort above, so that peers stop reading first
-	tried := map[string]bool{self: true}
+	// Before the Abort above, so that peers stop reading first.
+	defer stopFeed()
 	var transfer time.Duration // in p.run
 	var sources []*source
 	defer func() {
@@ -458,12 +507,22 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 			s.close()
 		}
 	}()
-	// A small object comes whole in the holder's answer (inline.go).
-	var inlined bool
-	if inline(e) && t.feed == nil && t.land == nil && upstream == "" {
-		if inlined, err = p.readInline(ctx, t, tried); err != nil {
-			return e, err
+	if upstream != "" && first != nil {
+		// A feeder ahead serves this pull, and the holder is left to it
+		// (fanout.go); the holder stays a candidate if the feeder fails.
+		first.close()
+		tried[first.node] = false
+		first = nil
+	}
+	// A small object came whole in the holder's answer.
+	inlined := data != nil
+	if inlined {
+		copy(t.dst, data)
+		for i := range n {
+			t.feed.mark(i)
 		}
+		t.done = t.want
+		p.inline.Add(1)
 	}
 	for round := 0; !inlined; round++ {
 		if round > 0 {
@@ -475,6 +534,9 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 		}
 		cands := p.candidates(ctx, e, round, upstream)
 		var fresh []*source
+		if first != nil {
+			fresh, first = append(fresh, first), nil
+		}
 		for ci := 0; ci < len(cands); ci++ {
 			h := cands[ci]
 			if tried[h.node] {

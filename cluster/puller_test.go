@@ -339,3 +339,22 @@ func TestPullRetriesBadChunk(t *testing.T) {
 		})
 	}
 }
+
+// A pull makes its replica (and so room for it, which may evict) only once
+// a holder has answered for the object: a pull whose only holder is
+// recorded but does not serve it makes none, and fails naming it.
+func TestPullMakesNoRoomWithoutHolder(t *testing.T) {
+	srv := etcdtest.Start(t)
+	nw := memtransport.NewNetwork()
+	a, b := startNode(t, srv, nw, "a", secret), startNode(t, srv, nw, "b", secret)
+	ctx := bounded(t, 30*time.Second)
+	o, _ := a.Put(t, "unreachable", 4<<20, 1<<20)
+	a.Store.Forget(o.Ref()) // A's records and lease live on
+	_, err := b.P.Pull(ctx, o.Ref())
+	if !errors.Is(err, cluster.ErrNoHolder) || !strings.Contains(err.Error(), "node a") {
+		t.Fatalf("pull from a holder that cannot be read: %v; want ErrNoHolder naming node a", err)
+	}
+	if n := b.Store.Creates(); n != 0 {
+		t.Fatalf("the failed pull made %d replicas: room was made before a holder answered", n)
+	}
+}

@@ -32,6 +32,7 @@ type Store struct {
 	mu      sync.Mutex
 	objects map[cluster.Ref]*obj
 	exposed int
+	creates int
 }
 
 type obj struct {
@@ -49,6 +50,7 @@ func (s *Store) Create(ctx context.Context, o cluster.Object) (cluster.Replica, 
 	}
 	ob := &obj{id: o.ID, b: make([]byte, o.Size)}
 	s.objects[o.Ref()] = ob
+	s.creates++
 	return &replica{s: s, ref: o.Ref(), o: ob}, nil
 }
 
@@ -69,6 +71,22 @@ func (r *replica) Abort() {
 	r.s.mu.Lock()
 	delete(r.s.objects, r.ref)
 	r.s.mu.Unlock()
+}
+
+// Creates counts the replicas Create made: the room a store would have
+// made for them.
+func (s *Store) Creates() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.creates
+}
+
+// Forget drops the local object ref, leaving its records as they are: the
+// directory still names this node a holder, which refuses to expose it.
+func (s *Store) Forget(ref cluster.Ref) {
+	s.mu.Lock()
+	delete(s.objects, ref)
+	s.mu.Unlock()
 }
 
 // Expose implements cluster.Source.
