@@ -7,8 +7,8 @@ import (
 )
 
 // Collectors returns the node's metrics: bytes pulled (whole replicas
-// and partial ones) and exposed, pulls (by result) and in flight,
-// failovers, reads of peers (fetch or get) and the answers to peers'
+// and partial ones) and exposed, pulls (by result) and in flight, gets
+// waiting for the cluster, failovers, reads of peers (fetch or get) and the answers to peers'
 // fetches. The daemon registers them beside the store's.
 func (n *Node) Collectors() []prometheus.Collector {
 	cs := []prometheus.Collector{
@@ -27,6 +27,9 @@ func (n *Node) Collectors() []prometheus.Collector {
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "cudaipc_cluster_pulls_in_flight",
 			Help: "Pulls under way."},
 			func() float64 { return float64(n.p.Stats().InFlight) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "cudaipc_cluster_waiting_gets",
+			Help: "Gets waiting for the cluster to have their name (any node's create, or the directory back after an outage)."},
+			func() float64 { return float64(n.waitingGets.Load()) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_failovers_total",
 			Help: "Holders dropped mid-pull whose remaining chunks went to other holders."},
 			func() float64 { return float64(n.p.Stats().Failovers) }),
