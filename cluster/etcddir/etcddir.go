@@ -5,6 +5,11 @@
 // cluster record sealed with the cluster secret (cluster.Seal); a value
 // that does not verify is reported and ignored, never trusted.
 //
+// The directory is an index and cannot delete data: a holder drops a
+// replica only on the owner's delete, a tombstone sealed with the secret,
+// and each node writes back its own records that went or changed
+// otherwise (guard.go).
+//
 // The key layout is in keys.go and docs/cluster.md. A node keeps a Mirror
 // of the object, holder and latest records (mirror.go), so that its gets
 // of names with a live holder read no etcd.
@@ -1342,6 +1347,9 @@ func (d *Directory) List(ctx context.Context) ([]Listing, error) {
 		if err != nil {
 			d.log.Warn("ignoring a holder record", "err", err)
 			continue
+		}
+		if kv.Lease == 0 {
+			continue // no node's: holders write theirs on their lease
 		}
 		holders[ref] = append(holders[ref], h)
 	}

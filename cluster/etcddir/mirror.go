@@ -269,7 +269,7 @@ func (m *Mirror) apply(objs map[cluster.Ref]*mirrorObj, holds map[cluster.Ref]ma
 			return
 		}
 		var h cluster.Holder
-		if err := cluster.Open(m.d.cfg.Secret, key, kv.Value, &h); err != nil || h.Node != node {
+		if err := cluster.Open(m.d.cfg.Secret, key, kv.Value, &h); err != nil || h.Node != node || kv.Lease == 0 {
 			m.d.log.Warn("mirror: ignoring a holder record", "key", key, "err", err)
 			if hs := holds[ref]; hs != nil {
 				delete(hs, node)
