@@ -594,3 +594,15 @@ func (ss *session) abortName(name string) error { return ss.abort(name, 0, 0) }
 func (ss *session) getName(ctx context.Context, name string, wait bool) (placement, error) {
 	return ss.get(ctx, name, versionSel{}, wait)
 }
+
+// TestHostBackendRefusesGPUDevices: a create on a GPU asks a host-only
+// daemon for what it does not have; the INVALID answer says that the
+// daemon has no GPU backend and how to start one that has.
+func TestHostBackendRefusesGPUDevices(t *testing.T) {
+	s := newTestStore(t, Config{})
+	c := connect(t, s, 0)
+	_, err := c.ss.createObject("x", 100, "GPU-5f1c2a3b-4d5e-6f70-8192-a3b4c5d6e7f8", false)
+	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "no GPU backend") || !strings.Contains(err.Error(), "--backend auto") {
+		t.Fatalf("create on a GPU of a host daemon: %v", err)
+	}
+}

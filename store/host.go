@@ -23,7 +23,7 @@ func (hostBackend) device(requested string) (string, error) {
 	if requested == "" || requested == hostDevice {
 		return hostDevice, nil
 	}
-	return "", invalidf("device %q: the host backend only has device %q", requested, hostDevice)
+	return "", invalidf("device %q: this daemon has no GPU backend, only host memory (it runs --backend host, or --backend auto found no GPU): GPU objects need 'cudaipc serve --backend auto' (or cuda) on a machine with a GPU and its driver", requested)
 }
 
 func (hostBackend) granularity(string) int64 { return int64(os.Getpagesize()) }

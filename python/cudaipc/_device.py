@@ -9,9 +9,16 @@ from . import _cuda
 from .errors import InvalidArgument
 from .region import gpu_uuid_text, parse_gpu_uuid
 
-__all__ = ["resolve_device"]
+__all__ = ["resolve_device", "is_host"]
 
 _ordinal_uuid: Dict[int, str] = {}   # GPU ordinal -> its UUID text (the ordinals of a process do not change)
+
+
+def is_host(device: Any) -> bool:
+    """Whether ``device`` names host memory (None, "host", "", a CPU torch.device)."""
+    if device is None or device == "host" or device == "":
+        return True
+    return type(device).__module__.startswith("torch") and getattr(device, "type", None) == "cpu"
 
 
 def resolve_device(device: Any) -> str:

@@ -24,7 +24,6 @@ from . import _cuda
 from . import _cuda_ctypes
 from . import _store_pb2 as pb
 from . import _views
-from ._device import resolve_device
 from ._wire import Conn, Reply
 from .errors import InvalidArgument, StoreError
 from .info import ObjectInfo, TensorDesc
@@ -163,12 +162,15 @@ class Putter:
     """One connection's put: its object made ahead and its interprocess events.
 
     ``create(name, nbytes, device, shared=, dtype=, shape=, _spin=)`` is Store.create;
-    ``created(reply, name, nbytes, shared=)`` makes the Object of a create's reply."""
+    ``created(reply, name, nbytes, shared=)`` makes the Object of a create's reply;
+    ``device(device, op, name)`` is the protocol's device string (Store._device)."""
 
-    def __init__(self, conn: Conn, create: Callable[..., Object], created: Callable[..., Object]):
+    def __init__(self, conn: Conn, create: Callable[..., Object], created: Callable[..., Object],
+                 device: Callable[[Any, str, str], str]):
         self.conn = conn
         self.create = create
         self.created = created
+        self.device = device
         self.ahead_lock = threading.Lock()
         self.ahead: Optional[Ahead] = None
         self.ahead_seq = 0
@@ -192,7 +194,7 @@ class Putter:
         src = Source.of(data, name)
         if device is None:
             device = src.ordinal if src.ordinal is not None else "host"
-        key = PutKey(resolve_device(device), src.nbytes, shared)
+        key = PutKey(self.device(device, "put", name), src.nbytes, shared)
         obj = self.take_ahead(key)
         if obj is None:
             # A GPU put polls for the create's answer as for its seal's (below).

@@ -10,13 +10,14 @@ import os
 import sys
 from typing import Any, Iterator, List, Optional, Sequence
 
+from . import _deps
 from . import _fastpath
 from . import _store_pb2 as pb
 from . import bundle as _bundle
 from . import extmem as _extmem
 from ._arenas import MAX_IDLE_ARENAS, ArenaCache
 from ._external import external_record
-from ._device import resolve_device
+from ._device import is_host, resolve_device
 from ._fastpath import LeaseTable
 from . import _nocopy
 from ._memory import GPUClose, Hold, ManifestFD, Record, Taken
@@ -76,7 +77,7 @@ class Store:
         except OSError as e:
             raise StoreGone("dial", message="%s: %s" % (path, e)) from None
         self._arenas = ArenaCache(self._conn, MAX_IDLE_ARENAS if max_idle_arenas is None else max_idle_arenas)
-        self._put = Putter(self._conn, self.create, self._created)
+        self._put = Putter(self._conn, self.create, self._created, self._device)
         self._conn.on_arenas_freed = self._arenas_freed
         name = client_name or "%s[%d]" % (os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python"), os.getpid())
         try:
@@ -182,7 +183,7 @@ class Store:
         ``versioned`` (see :meth:`publish`) makes shard ``shard`` of ``shards`` of a
         version of ``name``; ``manifest`` (a safetensors header) makes a bundle (see
         :meth:`put_bundle`)."""
-        dev = resolve_device(device)
+        dev = self._device(device, "create", name)
         if not isinstance(nbytes, int) or not 0 < nbytes <= MAX_OBJECT_SIZE:
             raise InvalidArgument("create", name, "size %r is outside 1..%d" % (nbytes, MAX_OBJECT_SIZE))
         desc = TensorDesc.of(nbytes, dtype, shape, strides, name)
@@ -194,6 +195,18 @@ class Store:
             req.create.tensor.CopyFrom(desc._to_pb())
         r = self._conn.call(req, "create", name, spin=_spin)
         return self._created(r, name, nbytes, desc, manifest, shard, shared)
+
+    def _device(self, device: Any, op: str, name: str) -> str:
+        """The protocol's device string of ``device`` (resolve_device), refusing a GPU
+        on a daemon without a GPU backend before this process looks for one."""
+        if self.server.backend == "host" and not is_host(device):
+            msg = ("device %r: the daemon at %s has no GPU backend, only host memory (it runs --backend host, "
+                   "or --backend auto found no GPU): GPU objects need 'cudaipc serve --backend auto' (or cuda) "
+                   "on a machine with a GPU" % (device, self.socket))
+            if not _deps.available("cuda.bindings"):
+                msg += "; this process also needs NVIDIA's cuda-bindings for them (%s)" % _deps.install_hint("cuda.bindings")
+            raise InvalidArgument(op, name, msg)
+        return resolve_device(device)
 
     def _created(self, r: Reply, name: str, nbytes: int, desc: Optional[TensorDesc] = None,
                  manifest: Optional[bytes] = None, shard: int = 0, shared: bool = False) -> Object:

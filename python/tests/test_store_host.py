@@ -592,3 +592,17 @@ def test_put_over_the_quota_names_the_quota(cudaipc_bin):
             s.put("within", rand_bytes(512 << 10))
     finally:
         d.stop()
+
+
+def test_gpu_device_on_a_host_daemon_names_the_daemon(store):
+    """A GPU device asked of a daemon without a GPU backend says so first (not that
+    this process lacks cuda-bindings), with the command that starts one that has."""
+    for call in (lambda: store.put("g", rand_bytes(64), device=0),
+                 lambda: store.create("g", 64, device="cuda:0"),
+                 lambda: store.put_bundle("gb", {"a": np.arange(8)}, device=0)):
+        with pytest.raises(cudaipc.InvalidArgument) as e:
+            call()
+        msg = str(e.value)
+        assert "has no GPU backend" in msg and "cudaipc serve --backend auto" in msg, msg
+        assert msg.index("no GPU backend") < msg.find("cuda-bindings") or "cuda-bindings" not in msg, msg
+    assert store.list() == []
