@@ -7,6 +7,7 @@ how to copy bit for bit what the driver's batched copies do not take."""
 from __future__ import annotations
 
 import operator
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import _gcpause
@@ -406,6 +407,52 @@ def pick(views: str) -> ArrayLib:
     if views == "auto":
         return TORCH if available("torch") else ARRAYS
     raise ValueError("views=%r: want \"auto\", \"torch\" or \"numpy\"" % (views,))
+
+
+ACCEPTED = "torch tensors (CPU or CUDA), NumPy arrays or CuPy arrays"
+
+
+def _kind(v: Any) -> Optional[str]:
+    """"torch", "numpy" or "cupy" for a value a bundle can store, else None."""
+    mod = type(v).__module__
+    if mod.startswith("torch"):
+        torch = sys.modules.get("torch")
+        return "torch" if torch is not None and isinstance(v, torch.Tensor) else None
+    if mod.startswith("numpy"):
+        np = sys.modules.get("numpy")
+        return "numpy" if np is not None and isinstance(v, np.ndarray) else None
+    if mod.startswith("cupy"):
+        cp = sys.modules.get("cupy")
+        return "cupy" if cp is not None and isinstance(v, cp.ndarray) else None
+    return None
+
+
+def refuse_values(op: str, name: str, names: List[Any], values: List[Any], one_kind: bool = True) -> None:
+    """Raise a one-line TypeError naming the first value of a state dict that a
+    bundle cannot store (not an array, or with ``one_kind`` not of the first value's
+    kind), its key and what a bundle takes; return when every value is fine. Called
+    once a put failed, so that the happy path pays nothing for it."""
+    first: Optional[Tuple[Any, str]] = None
+    for k, v in zip(names, values):
+        kind = _kind(v)
+        if kind is None:
+            t = type(v)
+            tn = t.__name__ if t.__module__ == "builtins" else "%s.%s" % (t.__module__, t.__name__)
+            if isinstance(v, (list, tuple)):
+                hint = " (numpy.asarray(x) or torch.tensor(x) makes one of it)"
+            elif isinstance(v, (int, float, complex)) or t.__module__ == "numpy":
+                hint = " (a scalar goes as a 0-d array: numpy.asarray(x) or torch.tensor(x))"
+            else:
+                hint = ""
+            raise TypeError("%s %r: state_dict[%r] is a %s; a bundle's values are %s%s"
+                            % (op, name, k, tn, ACCEPTED, hint)) from None
+        if not one_kind:
+            continue
+        if first is None:
+            first = (k, kind)
+        elif (kind == "torch") != (first[1] == "torch"):
+            raise TypeError("%s %r: state_dict[%r] is a %s array and state_dict[%r] a %s one; a bundle's values are "
+                            "all of one kind: %s" % (op, name, k, kind, first[0], first[1], ACCEPTED)) from None
 
 
 def of_values(values: List[Any], default: ArrayLib) -> ArrayLib:

@@ -58,6 +58,13 @@ def _nbytes(dtype: str, shape: Sequence[int]) -> int:
     return n * bits // 8
 
 
+def check_tensor_name(name: Any) -> None:
+    """A TypeError naming a bundle key that is not a string (the manifest's keys are)."""
+    if type(name) is not str:
+        raise TypeError("state_dict key %r is a %s: a bundle's keys (its tensors' names) are strings"
+                        % (name, type(name).__name__))
+
+
 def layout(specs: Iterable[Tuple[str, str, Sequence[int]]], align: int = ALIGNMENT) -> Tuple[List[TensorEntry], int]:
     """Place (name, safetensors dtype, shape) one after the other, each at the next
     multiple of ``align``; returns the entries and the object size they need."""
@@ -65,6 +72,7 @@ def layout(specs: Iterable[Tuple[str, str, Sequence[int]]], align: int = ALIGNME
     seen = set()
     at = 0
     for name, dt, shape in specs:
+        check_tensor_name(name)
         if name == "__metadata__" or name in seen:
             raise ValueError("tensor name %r is reserved or repeated" % name)
         seen.add(name)
@@ -82,6 +90,8 @@ def encode_manifest(entries: Sequence[TensorEntry], metadata: Optional[Mapping[s
     if metadata:
         parts.append('"__metadata__":' + json.dumps({str(k): str(v) for k, v in sorted(metadata.items())},
                                                     separators=(",", ":"), ensure_ascii=False))
+    for e in entries:
+        check_tensor_name(e.name)
     for e in sorted(entries, key=lambda e: (e.begin, e.end, e.name)):
         parts.append('%s:{"dtype":"%s","shape":[%s],"data_offsets":[%d,%d]}' % (
             json.dumps(e.name, ensure_ascii=False), e.dtype, ",".join(str(d) for d in e.shape), e.begin, e.end))

@@ -30,6 +30,7 @@ from . import _cuda
 from . import _cuda_ctypes
 from . import _gcpause
 from . import _store_pb2 as pb
+from ._arrays import refuse_values
 from ._manifest import TensorEntry, encode_manifest, st_dtype_of
 from .errors import CudaError, InternalError, InvalidArgument, NotFound
 from ._external import _more_fds
@@ -199,12 +200,13 @@ def _still_valid(p: _Published) -> bool:
     return _cuda_ctypes.buffer_ids(p.ordinal, [s.base for s in checked]) == [s.buffer_id for s in checked]
 
 
-def _refuse_non_tensors(name: str, values: List[Any]) -> None:
+def _refuse_non_tensors(name: str, names: List[str], values: List[Any]) -> None:
+    refuse_values("put_bundle", name, names, values, one_kind=False)   # no array at all
     import torch
-    for v in values:
+    for k, v in zip(names, values):
         if not isinstance(v, torch.Tensor):
-            raise InvalidArgument("put_bundle", name, "copy=False publishes torch CUDA tensors in place, not %s: "
-                                  "publish with copy=True" % type(v).__name__) from None
+            raise InvalidArgument("put_bundle", name, "copy=False publishes torch CUDA tensors in place; state_dict[%r] "
+                                  "is a %s: publish with copy=True" % (k, type(v).__name__)) from None
 
 
 def _prepare(store: Any, name: str, names: List[str], values: List[Any],
@@ -224,7 +226,7 @@ def _prepare(store: Any, name: str, names: List[str], values: List[Any],
             return old
         ptrs, metas, contig = TORCH.signature(values)
     except TypeError:
-        _refuse_non_tensors(name, values)
+        _refuse_non_tensors(name, names, values)
         raise
     key = (names, ptrs, metas, meta_items)
     for n, v, c in zip(names, values, contig):

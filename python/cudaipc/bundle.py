@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import KeysView
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from ._arrays import ARRAYS, TORCH, ArrayLib, of_values, pick
+from ._arrays import ARRAYS, TORCH, ArrayLib, of_values, pick, refuse_values
 from ._manifest import (ALIGNMENT, BITS, FROM_SAFETENSORS, TO_SAFETENSORS, Layout, TensorEntry,
                         encode_manifest, layout, layout_of, parse_manifest, put_layout, st_dtype_of)
 from ._plan import LoadMismatch, LoadReport, plan_stats, run_plan
@@ -56,7 +56,8 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
                stream: Any = None, copy: bool = True, release_timeout: Optional[float] = 60.0,
                cluster: bool = False) -> BundleInfo:
     """Store the tensors of ``state_dict`` (torch tensors, CPU or CUDA; or NumPy and
-    CuPy arrays) as one bundle.
+    CuPy arrays; string keys) as one bundle. Any other value or key is a TypeError
+    naming it.
 
     ``copy=False`` (with ``publish``) copies nothing: the version points into the
     tensors themselves, one region per CUDA allocation they lie in (legacy IPC for
@@ -91,8 +92,12 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
         return BundleInfo(name, v, span, n, dev)
     names = list(state_dict)
     values = list(state_dict.values())
-    lib = of_values(values, TORCH)
-    sig = lib.signature(values)
+    try:
+        lib = of_values(values, TORCH)
+        sig = lib.signature(values)
+    except Exception:
+        refuse_values("put_bundle", name, names, values)   # a value it cannot store, named
+        raise
     lay = put_layout(names, sig[1], metadata)
     if device is None:
         cuda = next((w[1] for w in map(lib.where, values) if w[0] == "cuda"), None)

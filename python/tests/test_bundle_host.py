@@ -593,3 +593,34 @@ def test_load_into_with_a_cached_plan_refuses_a_parameter_made_non_contiguous_in
         cudaipc.load_into(b, params)
         assert B.plan_stats["built"] == b0 + 1
     assert torch.equal(params["a"], sd["a"])   # element for element, though laid out transposed
+
+
+@pytest.mark.parametrize("state_dict, key, kind", [
+    ({"a": [1, 2, 3]}, "a", "list"),
+    ({"w": torch.ones(3), "b": 3}, "b", "int"),
+    ({"w": torch.ones(3), "s": "text"}, "s", "str"),
+    ({"w": torch.ones(3), "n": None}, "n", "NoneType"),
+])
+def test_put_bundle_names_a_value_it_cannot_store(store, state_dict, key, kind):
+    """A value that is no tensor or array is refused in one line naming its key, its
+    type and what a bundle takes; nothing is created."""
+    with pytest.raises(TypeError) as e:
+        store.put_bundle("bad", state_dict)
+    msg = str(e.value)
+    assert "\n" not in msg and "data_ptr" not in msg, msg
+    assert "state_dict[%r]" % key in msg and kind in msg, msg
+    assert "torch tensor" in msg and "NumPy array" in msg and "CuPy array" in msg, msg
+    assert store.list() == []
+
+
+def test_put_bundle_names_mixed_kinds_and_a_key_that_is_no_string(store):
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError) as e:
+        store.put_bundle("mixed", {"t": torch.ones(2), "a": np.ones(2)})
+    assert "state_dict['a']" in str(e.value) and "all of one kind" in str(e.value), str(e.value)
+    with pytest.raises(TypeError) as e:
+        store.put_bundle("keys", {1: torch.ones(2)})
+    assert "key 1" in str(e.value) and "strings" in str(e.value), str(e.value)
+    assert store.list() == []
+    info = store.put_bundle("good", {"t": torch.arange(4)})
+    assert info.tensors == 1

@@ -144,8 +144,10 @@ def test_copy_false_refuses_what_it_cannot_share(store: cudaipc.Store) -> None:
     with pytest.raises(cudaipc.InvalidArgument, match="publish=True"):
         store.put_bundle("m", sd, copy=False)
     import numpy as np
-    for other in (np.zeros(4, dtype=np.float32), b"bytes", 3):
-        with pytest.raises(cudaipc.InvalidArgument, match="not %s: publish with copy=True" % type(other).__name__):
+    with pytest.raises(cudaipc.InvalidArgument, match=r"state_dict\['x'\] is a ndarray: publish with copy=True"):
+        store.put_bundle("m", {"w": sd["w"], "x": np.zeros(4, dtype=np.float32)}, publish=True, copy=False)
+    for other in (b"bytes", 3):   # what no bundle takes
+        with pytest.raises(TypeError, match=r"state_dict\['x'\] is a %s; a bundle's values are torch tensors" % type(other).__name__):
             store.put_bundle("m", {"w": sd["w"], "x": other}, publish=True, copy=False)
 
 
