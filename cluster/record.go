@@ -325,6 +325,29 @@ func Seal[R record](s Secret, key string, r R) ([]byte, error) {
 // failure (short, wrong magic, bad MAC, bad JSON, invalid fields) wraps
 // ErrBadRecord and names the key.
 func Open[R record](s Secret, key string, val []byte, r R) error {
+	if err := Verify(s, key, val); err != nil {
+		return err
+	}
+	body := val[len(recordMagic)+macLen:]
+	d := json.NewDecoder(bytes.NewReader(body))
+	d.DisallowUnknownFields()
+	if err := d.Decode(r); err != nil {
+		return fmt.Errorf("%w: %s: %v", ErrBadRecord, key, err)
+	}
+	if d.More() {
+		return fmt.Errorf("%w: %s: trailing data", ErrBadRecord, key)
+	}
+	if err := r.validate(); err != nil {
+		return fmt.Errorf("%s: %w", key, err)
+	}
+	return nil
+}
+
+// Verify checks that val was sealed with s as the value of key, without
+// decoding it: a record of any kind. It fails wrapping ErrBadRecord for a
+// value that is no cudaipc record, and for one whose MAC does not verify
+// (forged, copied from another key, or sealed with another secret).
+func Verify(s Secret, key string, val []byte) error {
 	if !s.Valid() {
 		return fmt.Errorf("%w: no secret", ErrSecret)
 	}
@@ -338,17 +361,6 @@ func Open[R record](s Secret, key string, val []byte, r R) error {
 	body := val[len(recordMagic)+macLen:]
 	if !hmac.Equal(mac, recordMAC(s, key, body)) {
 		return fmt.Errorf("%w: %s: MAC does not verify (forged, or written with another cluster secret)", ErrBadRecord, key)
-	}
-	d := json.NewDecoder(bytes.NewReader(body))
-	d.DisallowUnknownFields()
-	if err := d.Decode(r); err != nil {
-		return fmt.Errorf("%w: %s: %v", ErrBadRecord, key, err)
-	}
-	if d.More() {
-		return fmt.Errorf("%w: %s: trailing data", ErrBadRecord, key)
-	}
-	if err := r.validate(); err != nil {
-		return fmt.Errorf("%s: %w", key, err)
 	}
 	return nil
 }

@@ -26,6 +26,7 @@ type DoctorCmd struct {
 	UCXLib string `name:"ucx-lib" help:"Check this libucp.so.0 instead of the system's (as serve --ucx-lib uses it)." placeholder:"PATH"`
 	// The cluster directory to check, as serve's flags name it.
 	Cluster       string `help:"Check that this cluster directory answers: etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS), as serve --cluster takes it." placeholder:"URL" env:"CUDAIPC_CLUSTER"`
+	ClusterSecret string `name:"cluster-secret" help:"With --cluster: the cluster secret file, to verify every node and object record in etcd with it (without it the keys are only counted)." placeholder:"FILE" env:"CUDAIPC_CLUSTER_SECRET"`
 	ClusterPrefix string `name:"cluster-prefix" default:"/cudaipc/v1/" help:"etcd key prefix of the cluster, as serve's (default ${default})." placeholder:"PREFIX"`
 	EtcdCA        string `name:"etcd-ca" help:"CA certificate that signed etcd's (turns on TLS)." placeholder:"FILE"`
 	EtcdCert      string `name:"etcd-cert" help:"Client certificate for etcd (with --etcd-key)." placeholder:"FILE"`
@@ -36,6 +37,8 @@ type check struct {
 	Name   string `json:"name"`
 	Status string `json:"status"` // ok, warn, fail, skip
 	Detail string `json:"detail"`
+	// Cluster is the "cluster records" check's finding.
+	Cluster *clusterRecords `json:"cluster,omitempty"`
 }
 
 // Run runs the checks and prints them; it fails when one fails. A machine
@@ -44,7 +47,9 @@ type check struct {
 // runs.
 func (c *DoctorCmd) Run(e *Env) error {
 	var checks []check
-	add := func(name, status, detail string) { checks = append(checks, check{name, status, detail}) }
+	add := func(name, status, detail string) {
+		checks = append(checks, check{Name: name, Status: status, Detail: detail})
+	}
 
 	devs, derr := cudaipc.Devices()
 	switch {
@@ -122,8 +127,8 @@ func (c *DoctorCmd) Run(e *Env) error {
 		add("ipc round trip", "skip", "no GPU")
 	}
 
-	add(ucxCheck(c.UCXLib))  // doctor_ucx.go
-	add(etcdCheck(e.Ctx, c)) // doctor_etcd.go
+	add(ucxCheck(c.UCXLib))                          // doctor_ucx.go
+	checks = append(checks, etcdChecks(e.Ctx, c)...) // doctor_etcd.go
 	add(storeCheck(e))
 
 	failed := 0
