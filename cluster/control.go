@@ -421,6 +421,10 @@ const (
 	RefusedChannelLimit = "channel-limit"
 )
 
+// RefusalReasons are the Refused constants.
+var RefusalReasons = []string{RefusedClosed, RefusedTimeout, RefusedMalformed, RefusedAuth,
+	RefusedSourceLimit, RefusedPendingLimit, RefusedChannelLimit}
+
 // ControlServer serves the control channel: it authenticates peers and
 // exposes replicas to them. Connections not yet authenticated are bounded
 // per source address and in all, and each has HandshakeTimeout to

@@ -3,13 +3,15 @@ package node
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/transport/ucx"
 )
 
 // Collectors returns the node's metrics: bytes pulled (whole replicas
 // and partial ones) and exposed, pulls (by result) and in flight, gets
-// waiting for the cluster, failovers, reads of peers (fetch or get) and the answers to peers'
-// fetches. The daemon registers them beside the store's.
+// waiting for the cluster, failovers, reads of peers (fetch or get), the
+// answers to peers' fetches, and the control port's connections and
+// refusals. The daemon registers them beside the store's.
 func (n *Node) Collectors() []prometheus.Collector {
 	cs := []prometheus.Collector{
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_pulled_bytes_total",
@@ -51,6 +53,24 @@ func (n *Node) Collectors() []prometheus.Collector {
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_reads_total",
 			Help: "Reads of other nodes' memory, by how they were made.", ConstLabels: prometheus.Labels{"read": "get"}},
 			func() float64 { _, g := n.tr.Reads(); return float64(g) }),
+	}
+	for _, st := range []string{"pending", "channel"} {
+		cs = append(cs, prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "cudaipc_cluster_control_connections",
+			Help:        "Connections to the control port: not yet authenticated (pending, bounded per source and in all) and authenticated channels.",
+			ConstLabels: prometheus.Labels{"state": st}},
+			func() float64 {
+				s := n.cs.Stats()
+				if st == "pending" {
+					return float64(s.Pending)
+				}
+				return float64(s.Channels)
+			}))
+	}
+	for _, reason := range cluster.RefusalReasons {
+		cs = append(cs, prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_control_refused_total",
+			Help:        "Connections the control port refused, by reason: closed, timeout, malformed, auth (no proof of the secret), source-limit, pending-limit, channel-limit.",
+			ConstLabels: prometheus.Labels{"reason": reason}},
+			func() float64 { return float64(n.cs.Stats().Refused[reason]) }))
 	}
 	for _, a := range []struct {
 		result string
