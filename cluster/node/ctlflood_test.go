@@ -454,7 +454,8 @@ func TestControlPortFlood(t *testing.T) {
 	heldP50, nh := lat.p50("held")
 	t.Logf("churn: %d connections (%d dials failed) in %v (%.0f/s); held: %d connections from %d sources (%d dials failed)",
 		made.Load(), dialFailed.Load(), churnTook.Round(time.Millisecond), float64(made.Load())/churnTook.Seconds(), len(held), heldSources, heldFailed)
-	t.Logf("a's log: %d lines for %d connections, %d refusals counted in them", len(lines), attempts, logged)
+	t.Logf("a's log: %d lines for %d connections, %d refusals counted in them; the first summary:\n%s", len(lines), attempts, logged,
+		lines[slices.IndexFunc(lines, func(l string) bool { return summary.MatchString(l) })])
 	t.Logf("a's descriptors: %d before, at most %d in the churn, %d in all, %d after", baseFds, churnFds, maxFds.Load(), afterFds)
 	t.Logf("local get p50 on a: quiet %v (%d gets), churn %v (%d), held %v (%d), after %v (%d)", quiet, nq, churn, nc, heldP50, nh, after, na)
 }
