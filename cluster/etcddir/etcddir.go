@@ -1082,44 +1082,6 @@ func (d *Directory) latest(ctx context.Context, owner uint32, name string) (clus
 	return l, r.Header.Revision, nil
 }
 
-// WaitNewer returns the latest version of a versioned name once it is
-// newer than after, waiting on an etcd watch until ctx is done. A record
-// that does not verify, or that goes back in version, is ignored.
-func (d *Directory) WaitNewer(ctx context.Context, owner uint32, name string, after uint64) (cluster.Latest, error) {
-	l, rev, err := d.latest(ctx, owner, name)
-	if err == nil && l.Version > after {
-		return l, nil
-	}
-	if err != nil && !errors.Is(err, cluster.ErrNotFound) {
-		return l, err
-	}
-	key := d.k.latest(owner, name)
-	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-	defer cancel()
-	for wr := range d.cli.Watch(wctx, key, clientv3.WithRev(rev+1)) {
-		if err := wr.Err(); err != nil {
-			return l, d.fail(ctx, "watch "+key, err)
-		}
-		for _, ev := range wr.Events {
-			if ev.Type != mvccpb.PUT {
-				continue
-			}
-			var n cluster.Latest
-			if err := cluster.Open(d.cfg.Secret, key, ev.Kv.Value, &n); err != nil {
-				d.log.Warn("ignoring a latest record", "err", err)
-				continue
-			}
-			if n.Version > after {
-				return n, nil
-			}
-		}
-	}
-	if err := ctx.Err(); err != nil {
-		return l, fmt.Errorf("waiting for a version of %d:%s newer than %d: %w", owner, name, after, err)
-	}
-	return l, fmt.Errorf("%w: the watch on %s ended (etcd at %s lost)", cluster.ErrUnavailable, key, d.name)
-}
-
 // Pin records that this node is pulling ref's incarnation id from holder,
 // on this node's lease: the holder keeps its replica while the pin exists.
 // unpin removes it; a reader that dies loses its pins with its lease.

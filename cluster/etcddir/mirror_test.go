@@ -328,3 +328,108 @@ func TestMirrorLeavesLargeRecordsToEtcd(t *testing.T) {
 		t.Fatalf("etcd's answer: %+v %v", e.ID, err)
 	}
 }
+
+// closedWithin reports whether ch is closed within d.
+func closedWithin(ch <-chan struct{}, d time.Duration) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+	}
+	select {
+	case <-ch:
+		return true
+	case <-time.After(d):
+		return false
+	}
+}
+
+// Changed's channel for a name closes at a record of that name written by
+// any node (its object, a holder, its latest version) and at the mirror's
+// return to sync after etcd was away; not at another name's records.
+// Waiters of one name share one channel, forgotten with the last done.
+func TestMirrorChanged(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b, c := open(t, srv, "a"), open(t, srv, "b"), open(t, srv, "c")
+	ctx := ctxT(t)
+	m := c.Mirror(ctx)
+	defer m.Close()
+	eventually(t, 10*time.Second, "the mirror loads", m.Synced)
+
+	w1, done1 := m.Changed(1000, "w")
+	w2, done2 := m.Changed(1000, "w")
+	other, doneOther := m.Changed(1000, "other")
+	if w1 != w2 {
+		t.Fatal("two waiters of one name got two channels")
+	}
+	o, _ := object("w", 5000)
+	if _, err := a.Publish(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	if !closedWithin(w1, 10*time.Second) {
+		t.Fatal("a publish of the name did not wake its waiters")
+	}
+	if closedWithin(other, 100*time.Millisecond) {
+		t.Fatal("a publish of another name woke this one's waiters")
+	}
+	done1()
+	done2()
+
+	// A holder joining wakes too.
+	e, err := b.Lookup(ctx, o.Ref())
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, done := m.Changed(1000, "w")
+	if err := b.AddHolder(ctx, e); err != nil {
+		t.Fatal(err)
+	}
+	if !closedWithin(w, 10*time.Second) {
+		t.Fatal("a holder of the name joining did not wake its waiters")
+	}
+	done()
+
+	// A version committed by its last shard wakes at each shard's record.
+	w, done = m.Changed(1000, "v")
+	for shard, d := range []*Directory{a, b} {
+		v, _ := object("v", 3000)
+		v.Version, v.Shard, v.Shards = 1, uint32(shard), 2
+		if _, err := d.Publish(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+		if !closedWithin(w, 10*time.Second) {
+			t.Fatalf("shard %d of v1 did not wake the name's waiters", shard)
+		}
+		done()
+		w, done = m.Changed(1000, "v")
+	}
+	// The commit (the latest record) may follow the last shard's record.
+	if _, ok := m.Latest(1000, "v"); !ok && !closedWithin(w, 10*time.Second) {
+		t.Fatal("the commit of v1 did not wake the name's waiters")
+	}
+	done()
+	if l, ok := m.Latest(1000, "v"); !ok || l.Version != 1 {
+		t.Fatalf("the mirror's latest of v: %+v %v", l, ok)
+	}
+
+	// etcd away and back: the mirror loads afresh and wakes every waiter,
+	// as a change may have hidden in the outage.
+	w, done = m.Changed(1000, "y")
+	srv.Kill()
+	eventually(t, 10*time.Second, "the mirror leaves sync with etcd down", func() bool { return !m.Synced() })
+	srv.Restart()
+	if !closedWithin(w, 30*time.Second) {
+		t.Fatal("the mirror's return to sync did not wake the waiters")
+	}
+	done()
+	if !closedWithin(other, 0) {
+		t.Fatal("the return to sync did not wake every name's waiters")
+	}
+	doneOther()
+	m.mu.Lock()
+	left := len(m.waits)
+	m.mu.Unlock()
+	if left != 0 {
+		t.Fatalf("%d names' channels left after every waiter is done", left)
+	}
+}
