@@ -30,7 +30,7 @@ func TestRegisterOnlyOnDevicesTheDaemonHas(t *testing.T) {
 	defer f.Close()
 	r := &storev1.RegisterRequest{Name: "w", Size: 1 << 20, Device: testGPU, Region: vmmRegion(t, 0, 1<<20, 2<<20), Files: 1}
 	_, hostPath, _ := serve(t, Config{})
-	if resp := dialRaw(t, hostPath).register(r, f); code(resp) != storev1.Error_INVALID || !strings.Contains(resp.GetError().GetMessage(), "host backend") {
+	if resp := dialRaw(t, hostPath).register(r, f); code(resp) != storev1.Error_INVALID || !strings.Contains(resp.GetError().GetMessage(), "no GPU backend") {
 		t.Errorf("register on a host-only daemon: %v (%s), want INVALID", code(resp), resp.GetError().GetMessage())
 	}
 	_, gpuPath, _ := serveGPU(t, Config{})

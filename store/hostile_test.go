@@ -593,7 +593,7 @@ func TestHostileUID(t *testing.T) {
 		if bound := hostileFDsPerUID + hostileConnsPerUID + baseFDs + 16; fds > bound {
 			t.Errorf("the daemon holds %d descriptors, bound %d", fds, bound)
 		}
-		if r, _ := rep["register"].(string); !strings.HasPrefix(r, storev1.Error_INVALID.String()) || !strings.Contains(r, "host backend") {
+		if r, _ := rep["register"].(string); !strings.HasPrefix(r, storev1.Error_INVALID.String()) || !strings.Contains(r, "no GPU backend") {
 			t.Errorf("a GPU registration on a host-only daemon: %v, want INVALID", rep["register"])
 		}
 		for _, k := range []string{"stage_limit", "shared_limit"} {
