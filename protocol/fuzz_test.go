@@ -229,7 +229,7 @@ func FuzzDecodeResponse(f *testing.F) {
 }
 
 func FuzzValidateName(f *testing.F) {
-	for _, s := range []string{"a", "tensor-0", "a/b", "", "\x00", "é", "\u202e", strings.Repeat("x", 256)} {
+	for _, s := range []string{"a", "tensor-0", "a/b", "", "\x00", "é", "\u202e", strings.Repeat("x", 256), " 65534:x", "065534:x", "65534:x", "x "} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, name string) {
@@ -246,6 +246,15 @@ func FuzzValidateName(f *testing.F) {
 		}
 		if len(name) == 0 || len(name) > limit || !utf8.ValidString(name) || strings.ContainsAny(name, "\x00\n\r\t\x7f") {
 			t.Fatalf("ValidateName accepted %q", name)
+		}
+		if strings.TrimSpace(name) != name {
+			t.Fatalf("ValidateName accepted %q, which starts or ends with a space", name)
+		}
+		// A uid prefix is canonical: what looks like one is one.
+		if i := strings.IndexByte(name, ':'); i > 0 && i < len(name)-1 && strings.Trim(name[:i], "0123456789 ") == "" {
+			if _, _, ok := SplitOwner(name); !ok {
+				t.Fatalf("ValidateName accepted %q, whose uid prefix is not canonical", name)
+			}
 		}
 		for i := 0; i < len(name); i++ {
 			if name[i] < 0x20 {

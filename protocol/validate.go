@@ -31,7 +31,12 @@ const (
 // file paths. The error is a *CodeError with code INVALID.
 //
 // A qualified name, "UID:NAME" (see SplitOwner), may be up to
-// MaxQualifiedNameLen bytes, its NAME part up to MaxNameLen.
+// MaxQualifiedNameLen bytes, its NAME part up to MaxNameLen. A name that
+// starts with digits and ':' names a uid, so its digits are the uid in
+// canonical decimal (no leading zeros, no spaces, at most 2^32-1): "065534:x"
+// or "65534 :x" would otherwise be plain names of their creator, shown to
+// others as "0:065534:x". No name, nor the NAME of a qualified one, starts
+// or ends with a space.
 func ValidateName(name string) error {
 	if name == "" {
 		return Errorf(storev1.Error_INVALID, "empty object name")
@@ -48,6 +53,20 @@ func ValidateName(name string) error {
 		switch {
 		case !unicode.IsPrint(r):
 			return Errorf(storev1.Error_INVALID, "object name %q contains non-printable character %U at byte %d", name, r, i)
+		}
+	}
+	bare := name
+	if _, rest, ok := SplitOwner(name); ok {
+		bare = rest
+	}
+	first, _ := utf8.DecodeRuneInString(bare)
+	last, _ := utf8.DecodeLastRuneInString(name)
+	if unicode.IsSpace(first) || unicode.IsSpace(last) {
+		return Errorf(storev1.Error_INVALID, "object name %q starts or ends with a space: names may not (spaces inside a name are fine)", name)
+	}
+	if i := strings.IndexByte(bare, ':'); i > 0 && i < len(bare)-1 && strings.Trim(bare[:i], "0123456789 ") == "" {
+		if _, _, ok := SplitOwner(bare); !ok {
+			return Errorf(storev1.Error_INVALID, "object name %q: %q is not a uid in canonical decimal: a UID: prefix names that uid's namespace, as digits without leading zeros or spaces (65534:x)", name, bare[:i])
 		}
 	}
 	return nil

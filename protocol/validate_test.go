@@ -28,6 +28,40 @@ func TestValidateName(t *testing.T) {
 	}
 }
 
+// TestValidateNameUIDPrefix: a name that starts with a uid prefix has it in
+// canonical decimal (no leading zeros, no spaces, a uint32), and no name,
+// or the part of a qualified one after its uid, starts or ends with a
+// space: otherwise " 65534:x" or "065534:x" would be plain names of the
+// caller, shown to others as "0: 65534:x".
+func TestValidateNameUIDPrefix(t *testing.T) {
+	good := []string{"0:x", "65534:x", "65534:model/w", "4294967295:x", "a b", "2024-01:ckpt", "x:007", "v1.0:x", "1a:x", "65534:1:x"}
+	for _, n := range good {
+		if err := ValidateName(n); err != nil {
+			t.Errorf("ValidateName(%q) = %v, want nil", n, err)
+		}
+	}
+	for n, want := range map[string]string{
+		" 65534:x":       "starts or ends with a space",
+		"065534:x":       "canonical decimal",
+		"00:x":           "canonical decimal",
+		"65534 :x":       "canonical decimal",
+		"655 34:x":       "canonical decimal",
+		"4294967296:x":   "canonical decimal",
+		"12345678901:x":  "canonical decimal",
+		"65534:065534:x": "canonical decimal",
+		"65534: x":       "starts or ends with a space",
+		"x ":             "starts or ends with a space",
+		" x":             "starts or ends with a space",
+		"65534:x ":       "starts or ends with a space",
+		" ":              "starts or ends with a space",
+	} {
+		err := ValidateName(n)
+		if !errors.Is(err, ErrInvalid) || CodeOf(err) != storev1.Error_INVALID || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "\n") {
+			t.Errorf("ValidateName(%q) = %v, want INVALID saying %q", n, err, want)
+		}
+	}
+}
+
 func TestValidateSizeAndDevice(t *testing.T) {
 	for _, s := range []uint64{1, 4096, MaxObjectSize} {
 		if err := ValidateSize(s); err != nil {

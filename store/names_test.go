@@ -3,6 +3,7 @@ package store
 import (
 	"crypto/rand"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/cudaipc/cudaipc/protocol"
@@ -106,6 +107,39 @@ func TestLeaseLimitCountsEveryKind(t *testing.T) {
 	for _, name := range []string{"ext", "obj"} {
 		if resp := get(name); code(resp) != storev1.Error_LIMIT {
 			t.Errorf("a third lease (%s): %v, want LIMIT", name, code(resp))
+		}
+	}
+}
+
+// A name the daemon would show as something else is refused, one line,
+// INVALID, by every request that takes a name: " 65534:x" and "065534:x"
+// were plain names of their creator, listed to others as "0: 65534:x".
+// A canonical qualified name still reaches another uid's object.
+func TestNonCanonicalUIDPrefixIsInvalid(t *testing.T) {
+	_, path, _ := serve(t, Config{})
+	c := dialRaw(t, path)
+	for _, name := range []string{" 65534:x", "065534:x", "65534 :x", "x ", "0:065534:x"} {
+		for _, r := range []*storev1.Request{
+			req(&storev1.CreateRequest{Name: name, Size: 4096}),
+			req(&storev1.GetRequest{Name: name}),
+			req(&storev1.StatRequest{Name: name}),
+			req(&storev1.DeleteRequest{Name: name}),
+		} {
+			resp, files := c.do(r)
+			protocol.CloseFiles(files)
+			wantCode(t, resp, storev1.Error_INVALID)
+			if msg := resp.GetError().GetMessage(); strings.Contains(msg, "\n") || !strings.Contains(msg, "object name") {
+				t.Errorf("%T of %q: %q", r.GetBody(), name, msg)
+			}
+		}
+	}
+	c.put("x", 4096, false)
+	resp, _ := c.do(req(&storev1.StatRequest{Name: "0:x"}))
+	wantCode(t, resp, storev1.Error_OK)
+	resp, _ = c.do(req(&storev1.ListRequest{}))
+	for _, o := range resp.GetList().GetObjects() {
+		if o.GetName() != "x" {
+			t.Errorf("listed %q", o.GetName())
 		}
 	}
 }

@@ -606,3 +606,19 @@ def test_gpu_device_on_a_host_daemon_names_the_daemon(store):
         assert "has no GPU backend" in msg and "cudaipc serve --backend auto" in msg, msg
         assert msg.index("no GPU backend") < msg.find("cuda-bindings") or "cuda-bindings" not in msg, msg
     assert store.list() == []
+
+
+def test_names_with_a_non_canonical_uid_prefix_are_refused(store):
+    """A name that would be shown as another (" 65534:x" listed as "0: 65534:x") is
+    refused by the daemon, INVALID in one line; a canonical qualified name works."""
+    for name in (" 65534:x", "065534:x", "65534 :x", "x ", "0:065534:x"):
+        with pytest.raises(cudaipc.InvalidArgument) as e:
+            store.put(name, rand_bytes(16))
+        assert "\n" not in str(e.value) and "object name" in str(e.value), str(e.value)
+        with pytest.raises(cudaipc.InvalidArgument):
+            store.get(name)
+    data = rand_bytes(64)
+    store.put("x", data)
+    with store.get("%d:x" % os.getuid()) as lease:
+        assert lease.read() == data
+    assert [o.name for o in store.list()] == ["x"]
