@@ -147,6 +147,9 @@ func TestDirectoryCannotDeleteData(t *testing.T) {
 	if n := a.logCount("written back;"); n > 8 {
 		t.Errorf("A logged %d first rewrites, want at most one per record of its own (8)", n)
 	}
+	if n := a.node.Directory().Rewrites() + b.node.Directory().Rewrites(); n < 6 {
+		t.Errorf("A and B count %d records written back (cudaipc_cluster_records_rewritten_total), want at least one a deletion", n)
+	}
 }
 
 // The owner's delete still removes the name from every holder: its

@@ -9,9 +9,10 @@ import (
 
 // Collectors returns the node's metrics: bytes pulled (whole replicas
 // and partial ones) and exposed, pulls (by result) and in flight, gets
-// waiting for the cluster, failovers, reads of peers (fetch or get), the
-// answers to peers' fetches, and the control port's connections and
-// refusals. The daemon registers them beside the store's.
+// waiting for the cluster, records written back, failovers, reads of
+// peers (fetch or get), the answers to peers' fetches, and the control
+// port's connections and refusals. The daemon registers them beside the
+// store's.
 func (n *Node) Collectors() []prometheus.Collector {
 	cs := []prometheus.Collector{
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_pulled_bytes_total",
@@ -32,6 +33,9 @@ func (n *Node) Collectors() []prometheus.Collector {
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "cudaipc_cluster_waiting_gets",
 			Help: "Gets waiting for the cluster to have their name (any node's create, or the directory back after an outage)."},
 			func() float64 { return float64(n.waitingGets.Load()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_records_rewritten_total",
+			Help: "Records of this node written back to the directory after someone deleted or changed them without the cluster secret."},
+			func() float64 { return float64(n.dir.Rewrites()) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_failovers_total",
 			Help: "Holders dropped mid-pull whose remaining chunks went to other holders."},
 			func() float64 { return float64(n.p.Stats().Failovers) }),
