@@ -63,7 +63,7 @@ func checkFile(f string) []string {
 	case strings.HasSuffix(f, ".go"):
 		return checkGo(f)
 	case strings.HasSuffix(f, ".md"):
-		return checkRefs(f, false)
+		return append(checkRefs(f, false), checkSecretRecipes(f)...)
 	case strings.HasSuffix(f, ".py"), strings.HasSuffix(f, ".sh"):
 		return checkRefs(f, true)
 	}
@@ -109,6 +109,29 @@ func checkGo(f string) []string {
 		}
 		for _, b := range docRefs(f, text, true) {
 			bad = append(bad, fmt.Sprintf("%s:%d: %s", f, at, b))
+		}
+	}
+	return bad
+}
+
+// secretWrite is a shell line that writes random bytes to a secret's file.
+var secretWrite = regexp.MustCompile(`/dev/urandom.*>\s*\S*secret`)
+
+// checkSecretRecipes finds recipes in Markdown that write a secret from
+// /dev/urandom without a umask that keeps it unreadable from the start (a
+// chmod after the write leaves a window) or without making its directory.
+func checkSecretRecipes(f string) []string {
+	src, err := os.ReadFile(f)
+	if err != nil {
+		return []string{fmt.Sprintf("%s: %v", f, err)}
+	}
+	var bad []string
+	for i, line := range strings.Split(string(src), "\n") {
+		if !secretWrite.MatchString(line) {
+			continue
+		}
+		if !strings.Contains(line, "umask 077") || !strings.Contains(line, "mkdir -p") {
+			bad = append(bad, fmt.Sprintf("%s:%d: a secret is written readable, or into a directory that may not exist: write it as (umask 077; mkdir -p DIR && head -c 32 /dev/urandom | base64 > DIR/FILE)", f, i+1))
 		}
 	}
 	return bad

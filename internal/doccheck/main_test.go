@@ -98,3 +98,31 @@ func write(t *testing.T, name, text string) {
 		t.Fatal(err)
 	}
 }
+
+// TestSecretRecipes: a recipe that writes a secret from /dev/urandom makes
+// its directory and writes it under umask 077, in this repository's docs
+// too (they had it written readable before a chmod, into /etc/cudaipc,
+// which a fresh machine lacks).
+func TestSecretRecipes(t *testing.T) {
+	root, err := filepath.Abs("../..")
+	if err != nil {
+		t.Fatal(err)
+	}
+	docs, _ := filepath.Glob(filepath.Join(root, "docs", "*.md"))
+	for _, f := range append(docs, filepath.Join(root, "README.md")) {
+		for _, b := range checkSecretRecipes(f) {
+			t.Error(b)
+		}
+	}
+	dir := t.TempDir()
+	t.Chdir(dir)
+	write(t, "a.md", strings.Join([]string{
+		"head -c 32 /dev/urandom | base64 > /etc/cudaipc/secret && chmod 600 /etc/cudaipc/secret",
+		"(umask 077; mkdir -p /etc/cudaipc && head -c 32 /dev/urandom | base64 > /etc/cudaipc/secret)",
+		"head -c 64M /dev/urandom | cudaipc put --name x -",
+	}, "\n"))
+	got := checkSecretRecipes("a.md")
+	if len(got) != 1 || !strings.HasPrefix(got[0], "a.md:1: ") {
+		t.Errorf("findings: %q, want one for line 1", got)
+	}
+}
