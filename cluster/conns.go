@@ -65,21 +65,78 @@ type peers struct {
 	m     map[string]*peer
 	clock uint64
 	dials uint64
+	// dialling holds the dial under way to each node: the pulls that
+	// need that node meanwhile wait for it rather than dial too, so that
+	// a burst of pulls from one holder costs it one handshake, never
+	// more connections than its bound per source address.
+	dialling map[string]*dial
+}
+
+// dial is a control channel being dialled; done closes once err is set
+// or the peer is in the pool.
+type dial struct {
+	done      chan struct{}
+	err       error
+	abandoned bool // err came with the dialling pull's context's end
 }
 
 // acquire returns a peer for node, from the pool or dialled now (after
 // reading the node's record), counting one more user.
 func (p *Puller) acquire(ctx context.Context, node string) (*peer, error) {
 	ps := &p.peers
-	ps.mu.Lock()
-	if pe := ps.m[node]; pe != nil {
-		pe.refs++
-		ps.clock++
-		pe.used = ps.clock
+	for {
+		ps.mu.Lock()
+		if pe := ps.m[node]; pe != nil {
+			pe.refs++
+			ps.clock++
+			pe.used = ps.clock
+			ps.mu.Unlock()
+			return pe, nil
+		}
+		d := ps.dialling[node]
+		if d == nil {
+			break // ps.mu held: this pull dials
+		}
 		ps.mu.Unlock()
-		return pe, nil
+		select {
+		case <-d.done:
+			// A dial given up with its own pull (whose context ended) is
+			// tried again by this one.
+			if d.err != nil && !d.abandoned {
+				return nil, d.err
+			}
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
 	}
+	d := &dial{done: make(chan struct{})}
+	if ps.dialling == nil {
+		ps.dialling = map[string]*dial{}
+	}
+	ps.dialling[node] = d
 	ps.mu.Unlock()
+	pe, err := p.dialPeer(ctx, node)
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	delete(ps.dialling, node)
+	d.err, d.abandoned = err, err != nil && ctx.Err() != nil
+	close(d.done)
+	if err != nil {
+		return nil, err
+	}
+	ps.dials++
+	if ps.m == nil {
+		ps.m = map[string]*peer{}
+	}
+	ps.clock++
+	pe.used = ps.clock
+	ps.m[node] = pe
+	p.evictLocked()
+	return pe, nil
+}
+
+// dialPeer reads node's record and dials its control channel.
+func (p *Puller) dialPeer(ctx context.Context, node string) (*peer, error) {
 	rec, err := p.liveNode(ctx, node)
 	if err != nil {
 		return nil, err
@@ -88,24 +145,7 @@ func (p *Puller) acquire(ctx context.Context, node string) (*peer, error) {
 	if err != nil {
 		return nil, err
 	}
-	pe := &peer{node: node, rec: rec, cc: cc, refs: 1}
-	ps.mu.Lock()
-	defer ps.mu.Unlock()
-	ps.dials++
-	if ps.m == nil {
-		ps.m = map[string]*peer{}
-	}
-	if old := ps.m[node]; old != nil {
-		// Another pull dialled meanwhile: keep the pooled one.
-		old.refs++
-		p.bg.Go(func() { cc.Close() })
-		return old, nil
-	}
-	ps.clock++
-	pe.used = ps.clock
-	ps.m[node] = pe
-	p.evictLocked()
-	return pe, nil
+	return &peer{node: node, rec: rec, cc: cc, refs: 1}, nil
 }
 
 // evictLocked drops the least recently used peers beyond the bound.

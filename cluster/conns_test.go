@@ -2,9 +2,13 @@ package cluster_test
 
 import (
 	"bytes"
+	"fmt"
 	"testing"
 	"time"
 
+	"golang.org/x/sync/errgroup"
+
+	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/cluster/internal/clustertest"
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 	"github.com/cudaipc/cudaipc/cluster/internal/memtransport"
@@ -77,5 +81,45 @@ func TestPooledChannelReplacedAfterRestart(t *testing.T) {
 	pull(a2, "ns/five", 4096)
 	if d := b.P.Dials(); d != 3 {
 		t.Fatalf("after ForgetNode: %d dials, want 3", d)
+	}
+}
+
+// A burst of pulls from one holder, more at once than the holder admits
+// unauthenticated connections from one address, costs one handshake: the
+// pulls wait for the dial under way rather than dial too, and every one
+// succeeds with the right bytes.
+func TestBurstOfPullsDialsOnce(t *testing.T) {
+	srv := etcdtest.Start(t)
+	nw := memtransport.NewNetwork()
+	ctx := bounded(t, 60*time.Second)
+	a := startNode(t, srv, nw, "a", secret)
+	b := startNode(t, srv, nw, "b", secret)
+	const n = 3 * cluster.DefaultMaxPendingPerSource
+	refs := make([]cluster.Ref, n)
+	wants := make([][]byte, n)
+	for i := range n {
+		obj, want, err := a.Publish(ctx, fmt.Sprintf("ns/burst%d", i), 4096+int64(i), 1<<20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		refs[i], wants[i] = obj.Ref(), want
+	}
+	var g errgroup.Group
+	for i := range n {
+		g.Go(func() error {
+			if _, err := b.P.Pull(ctx, refs[i]); err != nil {
+				return fmt.Errorf("pull %d of %d at once: %w", i, n, err)
+			}
+			if !bytes.Equal(b.Store.Get(refs[i]), wants[i]) {
+				return fmt.Errorf("B's replica of %s differs", refs[i])
+			}
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if d := b.P.Dials(); d != 1 {
+		t.Fatalf("%d pulls at once from one holder dialled %d control channels, want 1", n, d)
 	}
 }
