@@ -463,6 +463,11 @@ func (s *Store) allocLocked(d *device, o *object, noEvict bool, vouched map[*obj
 		// objects and the cluster-visible ones the cluster vouches for: it
 		// is asked before anything is evicted.
 		b, err := d.alloc.AllocNoEvict(p, o.size, o)
+		if errors.Is(err, alloc.ErrFull) && s.sweepLocked() {
+			// Leases released through lease tables: their objects may be
+			// evicted, and are asked about.
+			b, err = d.alloc.AllocNoEvict(p, o.size, o)
+		}
 		if !errors.Is(err, alloc.ErrFull) {
 			return b, err
 		}

@@ -114,6 +114,10 @@ func SlowPulls(n *Node, delay time.Duration) *atomic.Uint64 {
 	return &got
 }
 
+// SetChunkTimeout sets n's pulls' chunk timeout (cluster.Puller's). Call
+// it before n pulls anything.
+func SetChunkTimeout(n *Node, d time.Duration) { n.p.ChunkTimeout = d }
+
 type slowTransport struct {
 	cluster.Transport
 	delay time.Duration

@@ -2,6 +2,7 @@ package node_test
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -51,6 +52,12 @@ type daemonCmd struct {
 	Versioned     bool
 	Version       uint64
 	Shard, Shards int
+	// Local makes a put's object node-local (not cluster-visible).
+	Local bool
+	// Listen is the control channel's address ("" for 127.0.0.1:0), and
+	// ChunkTimeout the node's pulls' (0: the default), at "start".
+	Listen       string
+	ChunkTimeout time.Duration
 }
 
 // daemonReply answers a daemonCmd.
@@ -68,6 +75,11 @@ type daemonReply struct {
 	// ("" while running or after a success, which sets GetDone).
 	GetErr  string
 	GetDone bool
+	// Has answers "has" (Name: the store has it sealed, stat finds it);
+	// Holders answers "holders" (Name: the directory's live holders of
+	// the plain object).
+	Has     bool
+	Holders []string
 }
 
 // daemonRole runs a daemon joined to the test's etcd, serving the store on
@@ -80,17 +92,30 @@ func daemonRole(p *testutil.Peer) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo})).With("node", c.Node)
-	n, err := node.Start(ctx, node.Config{
-		Directory: etcddir.Config{Endpoints: []string{c.Etcd}, Node: c.Node, Secret: secret, TTL: 2 * time.Second,
-			CallTimeout: 5 * time.Second, Prefix: c.Prefix, KeepRecords: 2},
-		Listen: "127.0.0.1:0", Logger: log, StreamsPerHolder: c.Streams,
-	})
+	var n *node.Node
+	var err error
+	for {
+		n, err = node.Start(ctx, node.Config{
+			Directory: etcddir.Config{Endpoints: []string{c.Etcd}, Node: c.Node, Secret: secret, TTL: 2 * time.Second,
+				CallTimeout: 5 * time.Second, Prefix: c.Prefix, KeepRecords: 2},
+			Listen: cmp.Or(c.Listen, "127.0.0.1:0"), Logger: log, StreamsPerHolder: c.Streams,
+		})
+		// An etcd started beside the daemons (in a network namespace) is
+		// waited for, bounded.
+		if err == nil || !errors.Is(err, cluster.ErrUnavailable) || ctx.Err() != nil {
+			break
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
 	if err != nil {
 		return err
 	}
 	defer n.Close()
 	// Before the store serves anything: its goroutines start after this.
 	got := node.SlowPulls(n, c.PullDelay)
+	if c.ChunkTimeout > 0 {
+		node.SetChunkTimeout(n, c.ChunkTimeout)
+	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(n.Collectors()...)
 	st, err := store.New(store.Config{Backend: c.Backend, Capacity: c.Capacity, Cluster: n, Logger: log, Registerer: reg})
@@ -153,6 +178,26 @@ func daemonRole(p *testutil.Peer) error {
 				}
 				getDone <- err
 			}(c.Name)
+		case "read":
+			// A get that does not wait, its bytes checked against
+			// randomBytes(Size, Seed); a failure is the answer's GetErr.
+			r.GetDone = true
+			if err := readOn(cl, c); err != nil {
+				r.GetErr = err.Error()
+			}
+		case "has":
+			sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			in, err := cl.Stat(sctx, c.Name)
+			cancel()
+			r.Has = err == nil && in.Sealed
+		case "holders":
+			hctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			e, err := n.Directory().Lookup(hctx, cluster.Ref{Owner: uint32(os.Getuid()), Name: c.Name})
+			cancel()
+			if err != nil {
+				r.Err = err.Error()
+			}
+			r.Holders = e.Holders
 		case "stats":
 			select {
 			case getErr = <-getDone:
@@ -203,7 +248,7 @@ func daemonRole(p *testutil.Peer) error {
 func putOn(cl *client.Client, device string, c daemonCmd) (uint64, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	opts := client.CreateOptions{Cluster: true, Device: device}
+	opts := client.CreateOptions{Cluster: !c.Local, Device: device}
 	var o *client.Object
 	var err error
 	if c.Versioned {
@@ -222,6 +267,22 @@ func putOn(cl *client.Client, device string, c daemonCmd) (uint64, error) {
 		return 0, err
 	}
 	return o.Version(), nil
+}
+
+// readOn gets c.Name without waiting and checks its bytes against
+// randomBytes(c.Size, c.Seed).
+func readOn(cl *client.Client, c daemonCmd) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	l, err := cl.Get(ctx, c.Name)
+	if err != nil {
+		return err
+	}
+	defer l.Release()
+	if !bytes.Equal(l.Bytes(), randomBytes(int(c.Size), c.Seed)) {
+		return fmt.Errorf("%s: %d bytes that are not the ones put", c.Name, len(l.Bytes()))
+	}
+	return nil
 }
 
 // helperDaemon is a daemon in a helper process.

@@ -24,6 +24,7 @@ type Net struct {
 	t     testing.TB
 	sw    string // the switch namespace's name
 	links int
+	ports map[int]string // the switch's port of each linked process
 }
 
 // netPrefix is the switch's subnet, inside the test's namespaces only.
@@ -128,6 +129,10 @@ func (n *Net) Link(pid int, rate string) (ip string) {
 	i := n.links
 	ip = netPrefix + strconv.Itoa(10+i)
 	port := "p" + strconv.Itoa(i)
+	if n.ports == nil {
+		n.ports = map[int]string{}
+	}
+	n.ports[pid] = port
 	ns := "/proc/" + strconv.Itoa(pid) + "/ns/net"
 	n.run("ip", "-n", n.sw, "link", "add", port, "address", portMAC(i), "type", "veth", "peer", "name", "eth0", "netns", strconv.Itoa(pid))
 	n.run("ip", "-n", n.sw, "link", "set", port, "master", "br0", "up")
@@ -143,6 +148,26 @@ func (n *Net) Link(pid int, rate string) (ip string) {
 		shape(func(args ...string) { n.run(append([]string{"ip", "netns", "exec", n.sw}, args...)...) }, port, rate)
 	}
 	return ip
+}
+
+// Partition cuts process pid's link (Link) off: from now on it drops every
+// packet, both ways (at the node's eth0 and at the switch's end), as tc's
+// netem loss 100% does; where the kernel has no netem, a byte FIFO of no
+// room (bfifo limit 0) drops them.
+func (n *Net) Partition(pid int) {
+	n.t.Helper()
+	port, ok := n.ports[pid]
+	if !ok {
+		n.t.Fatalf("partition of process %d, which is not linked", pid)
+	}
+	drop := func(ns, dev string) {
+		args := []string{"nsenter", "--net=" + ns, "tc", "qdisc", "replace", "dev", dev, "root"}
+		if exec.Command(args[0], append(args[1:], "netem", "loss", "100%")...).Run() != nil {
+			n.run(append(args, "bfifo", "limit", "0")...)
+		}
+	}
+	drop("/proc/"+strconv.Itoa(pid)+"/ns/net", "eth0")
+	drop("/run/netns/"+n.sw, port)
 }
 
 // LinkMTU is the links' MTU: jumbo frames, as on the data-centre links
