@@ -182,7 +182,7 @@ func daemonRole(p *testutil.Peer) error {
 			// A get that does not wait, its bytes checked against
 			// randomBytes(Size, Seed); a failure is the answer's GetErr.
 			r.GetDone = true
-			if err := readOn(cl, c); err != nil {
+			if err := readOn(sock, c); err != nil {
 				r.GetErr = err.Error()
 			}
 		case "has":
@@ -269,11 +269,19 @@ func putOn(cl *client.Client, device string, c daemonCmd) (uint64, error) {
 	return o.Version(), nil
 }
 
-// readOn gets c.Name without waiting and checks its bytes against
-// randomBytes(c.Size, c.Seed).
-func readOn(cl *client.Client, c daemonCmd) error {
+// readOn gets c.Name without waiting, on a connection of its own to the
+// daemon at sock, and checks its bytes against randomBytes(c.Size,
+// c.Seed). The connection's end releases the lease at once, as a reader
+// process's exit does (a lease released through the connection's lease
+// table is reclaimed only when the store needs the room).
+func readOn(sock string, c daemonCmd) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
+	cl, err := client.Dial(ctx, sock)
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
 	l, err := cl.Get(ctx, c.Name)
 	if err != nil {
 		return err
