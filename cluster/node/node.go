@@ -215,25 +215,30 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 // the listening port). A failure to listen names --cluster-listen, which
 // chooses another address.
 func listenControl(listen, adv string, endpoints []string) (net.Listener, string, error) {
-	flag := "--cluster-listen"
+	from := "--cluster-listen"
 	if listen == "" {
 		if adv != "" {
-			listen, flag = adv, "--cluster-advertise (no --cluster-listen given)"
+			listen, from = adv, "from --cluster-advertise, without --cluster-listen"
 		} else {
 			a, err := advertise(endpoints, DefaultControlPort)
 			if err != nil {
 				return nil, "", err
 			}
-			listen, flag = a, "the address towards etcd (no --cluster-listen given)"
+			listen, from = a, "this host's address towards etcd, without --cluster-listen"
 		}
 	}
 	ln, err := net.Listen("tcp", listen)
 	if err != nil {
+		next := strconv.Itoa(portOf(listen) + 1)
 		hint := "give this daemon another address with --cluster-listen HOST:PORT"
-		if errors.Is(err, unix.EADDRINUSE) {
-			hint = "another daemon or program holds that port: give this one another with --cluster-listen HOST:PORT (e.g. port " + strconv.Itoa(portOf(listen)+1) + ") or stop the other"
+		switch {
+		case errors.Is(err, unix.EADDRINUSE) && listen == adv:
+			hint = "another daemon or program holds that port: give this one another, e.g. --cluster-advertise HOST:" + next +
+				" (it listens there unless --cluster-listen HOST:PORT says otherwise), or stop the other"
+		case errors.Is(err, unix.EADDRINUSE):
+			hint = "another daemon or program holds that port: give this one another with --cluster-listen HOST:PORT (e.g. port " + next + "), or stop the other"
 		}
-		return nil, "", fmt.Errorf("cluster control channel: listen on %s (%s): %w; %s", listen, flag, err, hint)
+		return nil, "", fmt.Errorf("cluster control channel: listen on %s (%s): %w; %s", listen, from, err, hint)
 	}
 	if adv == "" {
 		if adv, err = advertise(endpoints, ln.Addr().(*net.TCPAddr).Port); err != nil {
