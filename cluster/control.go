@@ -389,10 +389,10 @@ const (
 	// DefaultMaxPending bounds the connections not yet authenticated in
 	// all.
 	DefaultMaxPending = 256
-	// DefaultMaxChannels bounds the authenticated channels: each peer
-	// node keeps one to this node between pulls (DefaultMaxPeers of
-	// them), and dials another now and then while that one is busy or
-	// stale.
+	// DefaultMaxChannels bounds the authenticated channels: every other
+	// node of the cluster keeps one to this node between pulls, and
+	// dials another only to replace a stale one, so this serves
+	// clusters of up to about a thousand nodes.
 	DefaultMaxChannels = 1024
 )
 
@@ -415,7 +415,8 @@ const (
 	RefusedSourceLimit = "source-limit"
 	// RefusedPendingLimit: too many connections not yet authenticated in
 	// all (MaxPending), and no other source holds more than the new
-	// connection's would; when one does, its oldest is closed instead.
+	// connection's would; when one does, its oldest is closed instead,
+	// and counted under this reason.
 	RefusedPendingLimit = "pending-limit"
 	// RefusedChannelLimit: too many authenticated channels (MaxChannels).
 	RefusedChannelLimit = "channel-limit"
