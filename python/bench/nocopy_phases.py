@@ -110,7 +110,7 @@ def main() -> None:
                     _gather.ENABLED = kernel
                     _gather.MAX_BYTES = most
                     # A fresh check per mode: each mode's own kind of Check.
-                    _nocopy.forget(store)
+                    _nocopy.forget(store, store._conn)
                     _plan._PLANS.clear()
                     one_version(store, name, src, dst)   # builds (not measured)
                     STEPS.clear()
@@ -150,7 +150,7 @@ def main() -> None:
             _arrays.FAST_CHECKS = True
             _gather.ENABLED = True
             _gather.MAX_BYTES = limit
-            _nocopy.forget(store)
+            _nocopy.forget(store, store._conn)
             _plan._PLANS.clear()
             one_version(store, name, src, dst)
             prof = cProfile.Profile()

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ._deps import install_hint
 from .errors import CudaError
 
-_lock = threading.RLock()
+driver_lock = threading.RLock()
 _cu: Any = None
 _ctx: Dict[int, Any] = {}               # ordinal -> retained primary context
 _uuids: Optional[List[bytes]] = None    # UUID bytes by ordinal
@@ -28,7 +28,7 @@ def driver() -> Any:
     global _cu
     if _cu is not None:
         return _cu
-    with _lock:
+    with driver_lock:
         if _cu is None:
             try:
                 from cuda.bindings import driver as cu  # cuda-bindings >= 12.6
@@ -40,18 +40,49 @@ def driver() -> Any:
                                     "GPU objects need NVIDIA's cuda-bindings: " + install_hint("cuda.bindings")) from None
             err = cu.cuInit(0)[0]
             if err != cu.CUresult.CUDA_SUCCESS:
-                raise CudaError("cuInit", _name(cu, err), "no usable CUDA driver or GPU")
+                raise CudaError("cuInit", result_name(cu, err), "no usable CUDA driver or GPU")
             _cu = cu
     return _cu
 
 
-def _name(cu: Any, err: Any) -> str:
+def result_name(cu: Any, err: Any) -> str:
+    """The CUresult name of ``err`` (its number where the driver cannot name it)."""
     try:
         r = cu.cuGetErrorName(err)
         n = r[1]
         return n.decode() if isinstance(n, bytes) else str(n)
     except Exception:  # noqa: BLE001 - naming an error must not fail
         return str(err)
+
+
+_procs: Dict[str, Any] = {}
+
+
+def proc(symbol: str, version: int, proto: Any) -> Any:
+    """A driver entry point (cuGetProcAddress through cuda-bindings) as a ctypes
+    function of prototype ``proto``, or None where this driver lacks it; found once."""
+    key = "%s@%d" % (symbol, version)
+    if key in _procs:
+        return _procs[key]
+    cu = driver()
+    fn = None
+    try:
+        res = cu.cuGetProcAddress(symbol.encode(), version, 0)
+        if res[0] == cu.CUresult.CUDA_SUCCESS and int(res[1]):
+            fn = proto(int(res[1]))
+    except Exception:  # noqa: BLE001 - old bindings: treat as absent
+        fn = None
+    _procs[key] = fn
+    return fn
+
+
+def err_name(err: int) -> str:
+    """The CUresult name of a driver entry point's return value."""
+    cu = driver()
+    try:
+        return result_name(cu, cu.CUresult(err))
+    except Exception:  # noqa: BLE001
+        return "CUresult %d" % err
 
 
 def check(call: str, res: Any) -> Any:
@@ -61,14 +92,15 @@ def check(call: str, res: Any) -> Any:
         res = (res,)
     err = res[0]
     if err != cu.CUresult.CUDA_SUCCESS:
-        raise CudaError(call, _name(cu, err))
+        raise CudaError(call, result_name(cu, err))
     rest = res[1:]
     if not rest:
         return None
     return rest[0] if len(rest) == 1 else rest
 
 
-def _bytes(v: Any, n: int) -> bytes:
+def as_bytes(v: Any, n: int) -> bytes:
+    """The ``n`` bytes of a cuda-bindings byte field (a handle, a UUID)."""
     if isinstance(v, str):
         v = v.encode("latin-1")
     if isinstance(v, (list, tuple)):
@@ -94,7 +126,7 @@ def uuids() -> List[bytes]:
             dev = check("cuDeviceGet", cu.cuDeviceGet(i))
             fn = getattr(cu, "cuDeviceGetUuid_v2", None) or cu.cuDeviceGetUuid
             u = check("cuDeviceGetUuid", fn(dev))
-            out.append(_bytes(u.bytes, 16))
+            out.append(as_bytes(u.bytes, 16))
         _uuids = out
     return _uuids
 
@@ -112,7 +144,7 @@ def primary_context(ordinal: int) -> Any:
     cu = driver()
     ctx = _ctx.get(ordinal)
     if ctx is None:
-        with _lock:
+        with driver_lock:
             ctx = _ctx.get(ordinal)
             if ctx is None:
                 dev = check("cuDeviceGet", cu.cuDeviceGet(ordinal))
@@ -162,7 +194,7 @@ def ipc_open(handle: bytes, buffer_id: int, ordinal: int) -> int:
     """Open (or reuse) a legacy IPC handle on GPU ``ordinal``; return the base address."""
     cu = driver()
     key = (handle, buffer_id, ordinal)
-    with _lock:
+    with driver_lock:
         e = _ipc.get(key)
         if e is not None:
             e[1] += 1
@@ -180,7 +212,7 @@ def ipc_close(handle: bytes, buffer_id: int, ordinal: int) -> None:
     """Drop one reference taken by ipc_open; close the handle with the last."""
     cu = driver()
     key = (handle, buffer_id, ordinal)
-    with _lock:
+    with driver_lock:
         e = _ipc.get(key)
         if e is None:
             return
@@ -194,7 +226,7 @@ def ipc_close(handle: bytes, buffer_id: int, ordinal: int) -> None:
 
 def ipc_open_count() -> int:
     """How many legacy IPC handles this process has open (for tests)."""
-    with _lock:
+    with driver_lock:
         return len(_ipc)
 
 
@@ -416,7 +448,7 @@ def export_legacy(ptr: int, nbytes: int) -> LegacyExport:
             raise CudaError(e.call, e.result, "legacy IPC cannot export this memory: PyTorch with "
                             "expandable_segments:True or cudaMallocAsync pools are not exportable; "
                             "use the default caching allocator") from None
-    return LegacyExport(_bytes(h.reserved, 64), base, alloc, bid, ordinal, uuids()[ordinal])
+    return LegacyExport(as_bytes(h.reserved, 64), base, alloc, bid, ordinal, uuids()[ordinal])
 
 
 def allocation_bases(ordinal: int, addrs: List[int]) -> List[int]:

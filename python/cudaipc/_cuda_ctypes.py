@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ._cuda import _bytes, _lock, _name, check, driver, on, primary_context
+from ._cuda import as_bytes, check, driver, driver_lock, err_name, on, primary_context, proc
 from .errors import CudaError
 from . import _gather
 
@@ -43,37 +43,15 @@ _BATCH_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, 
 _COPY_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
 _SYNC_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 
-_procs: Dict[str, Any] = {}
 _streams: Dict[int, Any] = {}   # ordinal -> a blocking stream of the primary context
 batch_unavailable = ""          # why cuMemcpyBatchAsync is not used ("" while it is)
 _attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
 _attrs_idx = ctypes.c_size_t(0)
 
 
-def _proc(symbol: str, version: int, proto: Any) -> Any:
-    """A driver entry point (cuGetProcAddress through cuda-bindings) as a ctypes
-    function, or None where this driver lacks it."""
-    key = "%s@%d" % (symbol, version)
-    if key in _procs:
-        return _procs[key]
-    cu = driver()
-    fn = None
-    try:
-        res = cu.cuGetProcAddress(symbol.encode(), version, 0)
-        if res[0] == cu.CUresult.CUDA_SUCCESS and int(res[1]):
-            fn = proto(int(res[1]))
-    except Exception:  # noqa: BLE001 - old bindings: treat as absent
-        fn = None
-    _procs[key] = fn
-    return fn
-
-
-def _err_name(err: int) -> str:
-    cu = driver()
-    try:
-        return _name(cu, cu.CUresult(err))
-    except Exception:  # noqa: BLE001
-        return "CUresult %d" % err
+def warm() -> None:
+    """Find cuMemcpyBatchAsync now rather than in the first batched copy."""
+    proc("cuMemcpyBatchAsync", _BATCH_VERSION, _BATCH_PROTO)
 
 
 def _blocking_stream(ordinal: int) -> int:
@@ -83,7 +61,7 @@ def _blocking_stream(ordinal: int) -> int:
     refuses the legacy stream itself."""
     s = _streams.get(ordinal)
     if s is None:
-        with _lock:
+        with driver_lock:
             s = _streams.get(ordinal)
             if s is None:
                 with on(ordinal):
@@ -129,7 +107,7 @@ def copy_batch(ordinal: int, stream: int, dsts: Any, srcs: Any, sizes: Any,
                     dsts, srcs, sizes = dsts[big], srcs[big], sizes[big]
                     n = len(sizes)
         if n:
-            fn = None if batch_unavailable else _proc("cuMemcpyBatchAsync", _BATCH_VERSION, _BATCH_PROTO)
+            fn = None if batch_unavailable else proc("cuMemcpyBatchAsync", _BATCH_VERSION, _BATCH_PROTO)
             err = -1
             why = "cuMemcpyBatchAsync: not in this driver (CUDA 12.8 or later has it)"
             if fn is not None:
@@ -137,7 +115,7 @@ def copy_batch(ordinal: int, stream: int, dsts: Any, srcs: Any, sizes: Any,
                 err = fn(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n, ctypes.addressof(_attrs),
                          ctypes.addressof(_attrs_idx), 1, ctypes.addressof(fail), s)
                 calls += 1
-                why = "cuMemcpyBatchAsync: %s (copy %d of %d)" % (_err_name(err), fail.value, n)
+                why = "cuMemcpyBatchAsync: %s (copy %d of %d)" % (err_name(err), fail.value, n)
             if err != 0:
                 # The copies one by one: a bad copy fails there with its own error;
                 # if they all work, the batch is what this driver cannot do.
@@ -152,17 +130,17 @@ def copy_batch(ordinal: int, stream: int, dsts: Any, srcs: Any, sizes: Any,
                     batch_unavailable = why
         calls += _copy_each(serial, s)
         if wait:
-            sync = _proc("cuStreamSynchronize", 2000, _SYNC_PROTO)
+            sync = proc("cuStreamSynchronize", 2000, _SYNC_PROTO)
             err = sync(s) if sync is not None else -1
             if err != 0:
-                raise CudaError("cuStreamSynchronize", _err_name(err) if err > 0 else "not in this driver")
+                raise CudaError("cuStreamSynchronize", err_name(err) if err > 0 else "not in this driver")
     if prefix:
         method = prefix if not n else prefix + "+" + method
     return calls, method
 
 
 def _copy_each(copies: Any, stream: int) -> int:
-    fn = _proc("cuMemcpyAsync", 4000, _COPY_PROTO)
+    fn = proc("cuMemcpyAsync", 4000, _COPY_PROTO)
     if fn is None:
         raise CudaError("cuGetProcAddress", "cuMemcpyAsync not found")
     calls = 0
@@ -170,7 +148,7 @@ def _copy_each(copies: Any, stream: int) -> int:
         err = fn(d, src, n, stream)
         calls += 1
         if err != 0:
-            raise CudaError("cuMemcpyAsync", _err_name(err), "%d bytes %#x -> %#x" % (n, src, d))
+            raise CudaError("cuMemcpyAsync", err_name(err), "%d bytes %#x -> %#x" % (n, src, d))
     return calls
 
 
@@ -188,7 +166,7 @@ def buffer_ids(ordinal: int, ptrs: Sequence[int]) -> List[int]:
     """The buffer id (CU_POINTER_ATTRIBUTE_BUFFER_ID: never reused within a process)
     of the allocation each device address of GPU ``ordinal`` lies in; 0 for an
     address the driver does not know."""
-    fn = _proc("cuPointerGetAttribute", 4000, _ATTR_PROTO)
+    fn = proc("cuPointerGetAttribute", 4000, _ATTR_PROTO)
     out: List[int] = []
     if fn is None:
         cu = driver()
@@ -226,7 +204,7 @@ class IPCEvent:
                 raise
         self.handle = int(self.event)                 # the CUevent, for raw driver calls
         self.ctx = int(primary_context(ordinal))      # its context
-        self.ipc_handle = _bytes(h.reserved, 64)
+        self.ipc_handle = as_bytes(h.reserved, 64)
         self.descriptor = b""   # its EventDescriptor, for whoever sends it (_put.seal_event)
 
     def close(self) -> None:
@@ -248,12 +226,12 @@ class _PutCalls:
     (then the cuda-bindings calls are used)."""
 
     def __init__(self) -> None:
-        self.get_ctx = _proc("cuCtxGetCurrent", 4000, _CTX_OUT_PROTO)
-        self.push = _proc("cuCtxPushCurrent", 4000, _SYNC_PROTO)
-        self.pop = _proc("cuCtxPopCurrent", 4000, _CTX_OUT_PROTO)
-        self.copy = _proc("cuMemcpyAsync", 4000, _COPY_PROTO)
-        self.record = _proc("cuEventRecord", 2000, _REC_PROTO)
-        self.sync = _proc("cuEventSynchronize", 2000, _SYNC_PROTO)
+        self.get_ctx = proc("cuCtxGetCurrent", 4000, _CTX_OUT_PROTO)
+        self.push = proc("cuCtxPushCurrent", 4000, _SYNC_PROTO)
+        self.pop = proc("cuCtxPopCurrent", 4000, _CTX_OUT_PROTO)
+        self.copy = proc("cuMemcpyAsync", 4000, _COPY_PROTO)
+        self.record = proc("cuEventRecord", 2000, _REC_PROTO)
+        self.sync = proc("cuEventSynchronize", 2000, _SYNC_PROTO)
         self.ok = None not in (self.get_ctx, self.push, self.pop, self.copy, self.record, self.sync)
 
 
@@ -269,7 +247,7 @@ def _put_fns() -> _PutCalls:
 
 def _raw(call: str, err: int) -> None:
     if err != 0:
-        raise CudaError(call, _err_name(err))
+        raise CudaError(call, err_name(err))
 
 
 class _current:

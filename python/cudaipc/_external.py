@@ -26,7 +26,7 @@ LEGACY_FIX = ("the exporter registered legacy (cudaMalloc) memory, which opens o
               "so that it registers descriptors")
 
 
-def _more_fds(conn: Conn, name: str, lease_id: int, fds: List[int], n: int) -> None:
+def more_fds(conn: Conn, name: str, lease_id: int, fds: List[int], n: int) -> None:
     """Append to ``fds`` the lease's descriptors beyond those the get carried."""
     while len(fds) < n:
         req = pb.FilesRequest(lease_id=lease_id)
@@ -55,7 +55,7 @@ def external_record(conn: Conn, r: Reply, p: Any, name: str, desc: Any, end: Any
         if p.offset + p.size > region.size:
             raise InternalError("get", name, "placement [%d, %d) lies outside the %d-byte region" % (p.offset, p.offset + p.size, region.size))
         if vmm:
-            _more_fds(conn, name, lease_id, fds, p.files)
+            more_fds(conn, name, lease_id, fds, p.files)
             if len(fds) != len(region.pieces):
                 raise InternalError("get", name, "%d descriptors for a region of %d allocations" % (len(fds), len(region.pieces)))
         part = region.sub(p.offset, p.size)

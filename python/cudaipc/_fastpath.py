@@ -25,7 +25,7 @@ import os
 import threading
 from typing import Any, Dict, List, Optional
 
-from ._wire import _MAP_FAILED, _MAP_SHARED, _PROT_READ, _PROT_WRITE, _libc
+from ._wire import MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE, libc
 
 _log = logging.getLogger("cudaipc")
 
@@ -132,8 +132,8 @@ class LeaseTable:
         st = os.fstat(fd)
         if st.st_size < size:
             raise ValueError("lease table memfd has %d bytes, %d slots need %d" % (st.st_size, slots, size))
-        addr = _libc.mmap(None, size, _PROT_READ | _PROT_WRITE, _MAP_SHARED, fd, 0)
-        if addr is None or addr == _MAP_FAILED:
+        addr = libc.mmap(None, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        if addr is None or addr == MAP_FAILED:
             e = ctypes.get_errno()
             raise OSError(e, "mmap of the lease table: %s" % os.strerror(e))
         self.addr = int(addr)
@@ -271,7 +271,7 @@ class LeaseTable:
             out = list(self.by_slot.values())
             self.by_slot.clear()
             self.idle.clear()
-            _libc.munmap(self.addr, self.size)
+            libc.munmap(self.addr, self.size)
         return_stale(out)
 
     def idle_count(self) -> int:

@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._cuda import check, driver, on
+from ._cuda import check, driver, err_name, on, proc
 from .errors import CudaError
 
 __all__ = ["CHUNK", "MAX_BYTES", "ARENA_MAX_BYTES", "ENABLED", "unavailable", "launch", "ready", "wait_ready"]
@@ -160,16 +160,6 @@ _tables_lock = threading.Lock()
 _MAX_TABLES = 8
 
 
-def _proc(symbol: str, version: int, proto: Any) -> Any:
-    from ._cuda_ctypes import _proc as p
-    return p(symbol, version, proto)
-
-
-def _err(err: int) -> str:
-    from ._cuda_ctypes import _err_name
-    return _err_name(err)
-
-
 def chunk_table(dsts: Any, srcs: Any, sizes: Any, chunk: int = CHUNK) -> Any:
     """The (destination, source, bytes) rows the kernel copies, as a (chunks, 3)
     uint64 array: each copy cut into pieces of at most ``chunk`` bytes, in order."""
@@ -192,16 +182,16 @@ def _upload(tab: Any) -> int:
     cu = driver()
     n = max(tab.nbytes, 1)
     dev = int(check("cuMemAlloc", cu.cuMemAlloc(n)))
-    htod = _proc("cuMemcpyHtoD", 3020, _HTOD_PROTO)
+    htod = proc("cuMemcpyHtoD", 3020, _HTOD_PROTO)
     err = htod(dev, tab.ctypes.data, tab.nbytes) if htod is not None else -1
     if err != 0:
         cu.cuMemFree(dev)
-        raise CudaError("cuMemcpyHtoD", _err(err) if err > 0 else "not in this driver", "the copy table")
+        raise CudaError("cuMemcpyHtoD", err_name(err) if err > 0 else "not in this driver", "the copy table")
     return dev
 
 
 def _run(ordinal: int, fn: int, dev_tab: int, chunks: int, stream: int) -> None:
-    launch_fn = _proc("cuLaunchKernel", 4000, _LAUNCH_PROTO)
+    launch_fn = proc("cuLaunchKernel", 4000, _LAUNCH_PROTO)
     if launch_fn is None:
         raise CudaError("cuGetProcAddress", "cuLaunchKernel not found")
     a, b = ctypes.c_uint64(dev_tab), ctypes.c_uint64(chunks)
@@ -213,7 +203,7 @@ def _run(ordinal: int, fn: int, dev_tab: int, chunks: int, stream: int) -> None:
         b.value = n
         err = launch_fn(fn, n, 1, 1, _THREADS, 1, 1, 0, stream, ctypes.addressof(params), None)
         if err != 0:
-            raise CudaError("cuLaunchKernel", _err(err), "%d copy chunks" % n)
+            raise CudaError("cuLaunchKernel", err_name(err), "%d copy chunks" % n)
         done += n
 
 
@@ -228,15 +218,15 @@ def _self_test(ordinal: int, fn: int) -> Optional[str]:
     dst = int(check("cuMemAlloc", cu.cuMemAlloc(size)))
     dev_tab = 0
     try:
-        htod = _proc("cuMemcpyHtoD", 3020, _HTOD_PROTO)
-        dtoh = _proc("cuMemcpyDtoH", 3020, _DTOH_PROTO)
+        htod = proc("cuMemcpyHtoD", 3020, _HTOD_PROTO)
+        dtoh = proc("cuMemcpyDtoH", 3020, _DTOH_PROTO)
         if htod is None or dtoh is None:
             return "cuMemcpyHtoD/DtoH not in this driver"
         zero = np.zeros(size, dtype=np.uint8)
         for d, h in ((src, data), (dst, zero)):
             err = htod(d, h.ctypes.data, size)
             if err != 0:
-                return "cuMemcpyHtoD: %s" % _err(err)
+                return "cuMemcpyHtoD: %s" % err_name(err)
         # (dst offset, src offset, bytes): aligned over several chunks, misaligned on
         # either side, a lone byte, a tail of 15, a 16-byte multiple.
         ranges = [(0, 0, 2 * CHUNK + 4007), (2 * CHUNK + 4096, 7, 1000), (2 * CHUNK + 5125, 4096, 999),
@@ -248,7 +238,7 @@ def _self_test(ordinal: int, fn: int) -> Optional[str]:
         got = np.empty(size, dtype=np.uint8)
         err = dtoh(got.ctypes.data, dst, size)   # (synchronous: after the kernel on the legacy stream)
         if err != 0:
-            return "the kernel's test copy: %s" % _err(err)
+            return "the kernel's test copy: %s" % err_name(err)
         want = zero.copy()
         for d, s, n in ranges:
             want[d:d + n] = data[s:s + n]

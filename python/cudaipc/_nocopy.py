@@ -33,7 +33,7 @@ from . import _store_pb2 as pb
 from ._arrays import refuse_values
 from ._manifest import TensorEntry, encode_manifest, st_dtype_of
 from .errors import CudaError, InternalError, InvalidArgument, NotFound
-from ._external import _more_fds
+from ._external import more_fds
 from .lease import Lease
 from .region import KIND_CUDA_IPC, KIND_VMM_FD, Region, local_identity
 
@@ -169,7 +169,7 @@ def _find_sources(ptrs: List[int], sizes: List[int], ordinal: int) -> List[_Sour
         with _cuda.on(ordinal):
             for base, (size, bid) in legacy.items():
                 h = _cuda.check("cuIpcGetMemHandle", cu.cuIpcGetMemHandle(base))
-                r = Region(handle=_cuda._bytes(h.reserved, 64), offset=0, size=size, alloc_size=size, device=uuid,
+                r = Region(handle=_cuda.as_bytes(h.reserved, 64), offset=0, size=size, alloc_size=size, device=uuid,
                            exporter_pid=me, pid_namespace=ns, boot_id=boot, buffer_id=bid, exporter_base=base)
                 out.append(_Source(base, size, r.to_bytes(), bid, []))
     # Adjacent VMM chunks (one expandable segment) make one region over several pieces.
@@ -309,16 +309,16 @@ def _unreleased(conn: Any, name: str) -> bool:
         return False
 
 
-def publish(store: Any, name: str, state_dict: Any, *, keep_last: int = 0, shared: bool = False,
+def publish(store: Any, conn: Any, name: str, state_dict: Any, *, keep_last: int = 0, shared: bool = False,
             metadata: Optional[Dict[str, str]] = None, stream: Any = None,
             release_timeout: Optional[float] = 60.0) -> Tuple[int, int, int, str]:
-    """put_bundle(copy=False): see there. Returns (version, span, tensors, device)."""
+    """Store.publish_no_copy through ``store``'s connection ``conn``: see there.
+    Returns (version, span, tensors, device)."""
     import torch
     names = list(state_dict)
     values = list(state_dict.values())
     if not values:
         raise InvalidArgument("put_bundle", name, "copy=False needs at least one CUDA tensor")
-    conn = store._conn
     pub = _prepare(store, name, names, values, metadata)
     # The previous no-copy versions alias these tensors: none may be read from now on
     # (nothing to wait for when a wait_released answered since the last publish).
@@ -347,12 +347,11 @@ def send_version(conn: Any, name: str, raw: bytes, table: bytes, fds: List[int],
     nothing written. A daemon that refuses (that version is not the last it kept for
     this connection) gets the version afresh; one that does not know the field
     answers as to any create, and the bytes are written and sealed as always."""
-    from .extmem import _register_lock
     like = like if not fds else 0
     req = pb.Request(create=pb.CreateRequest(name=name, size=span, device=device, shared=shared,
                                              versioned=True, keep_last=keep_last, manifest_size=len(raw),
                                              sources_size=len(table), files=len(fds), like_version=like))
-    with _register_lock(conn):
+    with conn.staging_lock:
         rest = fds
         while len(rest) > MAX_FILES:
             conn.call(pb.Request(stage_files=pb.StageFilesRequest()), "put_bundle", name, fds=rest[:MAX_FILES])
@@ -388,12 +387,13 @@ def send_version(conn: Any, name: str, raw: bytes, table: bytes, fds: List[int],
     return version
 
 
-def forget(store: Any) -> None:
-    """Close the exports kept for a store's publishes (the store closes)."""
+def forget(store: Any, conn: Any) -> None:
+    """Close the exports kept for the publishes of ``store`` through its connection
+    ``conn`` (the store closes)."""
     with _pub_lock:
         gone = [k for k in _published if k[0] == id(store)]
         pubs = [_published.pop(k) for k in gone]
-        _released.pop(id(store._conn), None)
+        _released.pop(id(conn), None)
     for p in pubs:
         p.close()
 
@@ -618,7 +618,7 @@ def _read_memfd(name: str, mfd: int, msize: int, ssize: int) -> Optional[Tuple[b
     return manifest, table
 
 
-def lease_sources(store: Any, r: Any, p: Any, info: Any, name: str) -> Tuple[SourceMaps, bytes]:
+def lease_sources(conn: Any, r: Any, p: Any, info: Any, name: str) -> Tuple[SourceMaps, bytes]:
     """A no-copy version's get: read its manifest and sources table from the memfd,
     fetch the descriptors beyond the attached ones, map the regions. Returns the maps
     and the manifest bytes; closes every descriptor."""
@@ -633,7 +633,7 @@ def lease_sources(store: Any, r: Any, p: Any, info: Any, name: str) -> Tuple[Sou
             raise InternalError("get", name, "the manifest memfd is shorter than its manifest and sources table")
         manifest, table = got
         mfd = -1   # (kept by _read_memfd)
-        _more_fds(store._conn, name, r.resp.get.lease_id, fds, p.files)
+        more_fds(conn, name, r.resp.get.lease_id, fds, p.files)
         ordinal = _cuda.pick_ordinal(bytes.fromhex(p.device[4:].replace("-", "")))
         maps = SourceMaps.acquire(name, table, fds, ordinal)
         return maps, manifest

@@ -26,8 +26,8 @@ from . import _store_pb2 as pb
 from . import _views
 from ._wire import Conn, Reply
 from .errors import InvalidArgument, StoreError
-from .info import ObjectInfo, TensorDesc
-from .lease import Object
+from .info import ObjectInfo, TensorDesc, desc_to_pb
+from .lease import Object, let_go, seal_as
 from .region import event_descriptor, local_identity
 
 __all__ = ["Source", "PutKey", "Ahead", "Putter", "PREPARE_AHEAD_BYTES", "SEAL_SPIN"]
@@ -215,7 +215,7 @@ class Putter:
             obj.abort()
             raise
         if obj.name != name:
-            obj._seal_as(name, TensorDesc.of(src.nbytes, src.dtype, src.shape, None, name))
+            seal_as(obj, name, TensorDesc.of(src.nbytes, src.dtype, src.shape, None, name))
         else:
             obj.seal()
         if reserve_next:
@@ -255,7 +255,7 @@ class Putter:
                 desc = TensorDesc.of(src.nbytes, src.dtype, src.shape, None, name)
                 req = pb.Request(seal=pb.SealRequest(name=hidden, rename=name, wait_event=ev.descriptor))
                 if desc is not None:
-                    req.seal.tensor.CopyFrom(desc._to_pb())
+                    req.seal.tensor.CopyFrom(desc_to_pb(desc))
             else:                # created by this put, with its descriptor
                 desc = obj.tensor_desc
                 req = pb.Request(seal=pb.SealRequest(name=name, wait_event=ev.descriptor))
@@ -293,11 +293,11 @@ class Putter:
                 try:
                     _cuda_ctypes.stream_synchronize(src.ordinal, src.stream)  # type: ignore[arg-type]
                 finally:
-                    obj._let_go("aborted")
+                    let_go(obj, "aborted")
                     self.conn.send_detached(pb.Request(abort=pb.AbortRequest(name=hidden)))
         # Sealed: the copy is complete (the daemon saw the event), and the object
         # keeps its arena, so the mapping may go now.
-        obj._let_go("sealed", name, desc)
+        let_go(obj, "sealed", name, desc)
 
     def reserve(self, key: PutKey) -> None:
         """Send the create of the next put's object (put's reserve_next); its reply is

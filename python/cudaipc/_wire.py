@@ -28,12 +28,12 @@ MAX_MESSAGE = 65536
 MAX_FILES = 60  # protocol.MaxFiles: a register request or its get carries one per piece
 _ANC = socket.CMSG_SPACE(4 * (MAX_FILES + 4))  # room for more than MAX_FILES, so extras are seen and closed
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_PROT_READ, _PROT_WRITE, _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED = 1, 2, 1, 2, 0x10
-_MAP_FAILED = ctypes.c_void_p(-1).value
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+PROT_READ, PROT_WRITE, MAP_SHARED, MAP_PRIVATE, MAP_FIXED = 1, 2, 1, 2, 0x10
+MAP_FAILED = ctypes.c_void_p(-1).value
 
 # The socket module's flags as plain ints: combining its IntFlag members costs
 # microseconds a receive (enum machinery).
@@ -81,7 +81,7 @@ def spin_option(spin: Optional[float]) -> float:
 
 
 def _unmap(addr: int, size: int, fd: int) -> None:
-    _libc.munmap(addr, size)
+    libc.munmap(addr, size)
     if fd < 0:
         return
     try:
@@ -106,9 +106,9 @@ class HostArena:
     connection and every lease or object using it have let go of it."""
 
     def __init__(self, fd: int, size: int, writable: bool, arena_id: int = 0):
-        prot = _PROT_READ | (_PROT_WRITE if writable else 0)
-        addr = _libc.mmap(None, size, prot, _MAP_SHARED, fd, 0)
-        if addr is None or addr == _MAP_FAILED:
+        prot = PROT_READ | (PROT_WRITE if writable else 0)
+        addr = libc.mmap(None, size, prot, MAP_SHARED, fd, 0)
+        if addr is None or addr == MAP_FAILED:
             e = ctypes.get_errno()
             raise OSError(e, "mmap of a %d-byte arena: %s" % (size, os.strerror(e)))
         self.addr = int(addr)
@@ -124,8 +124,8 @@ class HostArena:
         mapping of the memfd is left, the daemon can seal it against writes for every
         reader (docs/hardening.md, "Sealed objects"). False if the kernel refused
         (the mapping stays as it was)."""
-        addr = _libc.mmap(self.addr, self.size, _PROT_READ, _MAP_PRIVATE | _MAP_FIXED, self.fd, 0)
-        if addr is None or addr == _MAP_FAILED or int(addr) != self.addr:
+        addr = libc.mmap(self.addr, self.size, PROT_READ, MAP_PRIVATE | MAP_FIXED, self.fd, 0)
+        if addr is None or addr == MAP_FAILED or int(addr) != self.addr:
             return False
         self._fin.detach()
         os.close(self.fd)
@@ -186,6 +186,9 @@ class Conn:
         self._poller.register(s.fileno(), select.POLLIN)
         self._ids = itertools.count(1)
         self._send_lock = threading.RLock()  # re-entrant: a finalizer may release during a send
+        # Held from a stage_files request to the request that takes the staged
+        # descriptors (register, a no-copy create), so that no other's come between.
+        self.staging_lock = threading.Lock()
         self._cv = threading.Condition(threading.Lock())
         self._reading = False
         self._replies: Dict[int, Reply] = {}
@@ -282,7 +285,7 @@ class Conn:
                     self._abandoned[rid] = (op, name)
                 r2 = self._replies.pop(rid, None)
             if r2 is not None:
-                self._cleanup(r2, op, name)
+                self.cleanup(r2, op, name)
             raise
         err = r.resp.error if r.resp.HasField("error") else None
         if err is not None and err.code != 0:
@@ -467,7 +470,7 @@ class Conn:
         if drop:
             reply.close_fds()
             return
-        self._cleanup(reply, *cleanup)
+        self.cleanup(reply, *cleanup)
 
     def _place(self, resp: Any, body: Optional[str], fds: List[int]) -> Reply:
         """Map a host placement now, in the order the daemon sent them, so that the
@@ -547,9 +550,9 @@ class Conn:
                 if self.dead is None:
                     self._abandoned[rid] = (op, name)
                 return
-        self._cleanup(r, op, name)
+        self.cleanup(r, op, name)
 
-    def _cleanup(self, r: Reply, op: str, name: str) -> None:
+    def cleanup(self, r: Reply, op: str, name: str) -> None:
         """Undo the reply of a call whose caller gave up."""
         r.close_fds()
         body = r.resp.WhichOneof("body")

@@ -36,9 +36,10 @@ from ._manifest import (ALIGNMENT, BITS, FROM_SAFETENSORS, TO_SAFETENSORS, Layou
 from ._plan import LoadMismatch, LoadReport, plan_stats, run_plan
 from . import _gather
 from .errors import InvalidArgument
+from .lease import view_owner
 
 __all__ = ["ALIGNMENT", "Bundle", "BundleWriter", "create_bundle", "LoadReport", "LoadMismatch", "TensorEntry", "layout",
-           "encode_manifest", "parse_manifest", "put_bundle", "get_bundle", "load_into"]
+           "encode_manifest", "parse_manifest", "put_bundle", "publish_no_copy", "get_bundle", "load_into"]
 
 @dataclasses.dataclass(frozen=True)
 class BundleInfo:
@@ -59,15 +60,9 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
     CuPy arrays; string keys) as one bundle. Any other value or key is a TypeError
     naming it.
 
-    ``copy=False`` (with ``publish``) copies nothing: the version points into the
-    tensors themselves, one region per CUDA allocation they lie in (legacy IPC for
-    PyTorch's default allocator: readers in this PID namespace, valid while this
-    process lives; VMM descriptors for ``expandable_segments:True``, across
-    containers). The tensors must not change while readers copy: call
-    ``store.wait_released(name)`` before changing them (the next ``copy=False``
-    publish does it first, waiting at most ``release_timeout`` seconds and raising
-    Timeout naming the readers' count). The tensors' stream is synchronized before
-    the seal. They must be contiguous CUDA tensors of one GPU that do not overlap.
+    ``copy=False`` (with ``publish``) is the older spelling of
+    :func:`publish_no_copy`, which it calls: the version points into the tensors
+    themselves.
 
     ``device`` defaults to where the first CUDA tensor is (else host memory). The
     copies go as :func:`load_into`'s do, the other way: for contiguous CUDA tensors
@@ -85,11 +80,8 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
             raise InvalidArgument("put_bundle", name, "copy=False versions stay on this node: put with copy=True for cluster=True")
         if not publish or shards > 1:
             raise InvalidArgument("put_bundle", name, "copy=False publishes a version: set publish=True (one shard)")
-        from . import _nocopy
-        v, span, n, dev = _nocopy.publish(store, name, state_dict, keep_last=keep_last, shared=shared,
-                                          metadata=dict(metadata) if metadata else None, stream=stream,
-                                          release_timeout=release_timeout)
-        return BundleInfo(name, v, span, n, dev)
+        return publish_no_copy(store, name, state_dict, keep_last=keep_last, shared=shared, metadata=metadata,
+                               stream=stream, release_timeout=release_timeout)
     names = list(state_dict)
     values = list(state_dict.values())
     try:
@@ -121,6 +113,13 @@ def put_bundle(store: Any, name: str, state_dict: Mapping[str, Any], device: Any
         raise
     obj.seal()
     return BundleInfo(name, obj.version, lay.size, len(lay.entries), obj.device)
+
+
+def publish_no_copy(store: Any, name: str, state_dict: Mapping[str, Any], **kw: Any) -> BundleInfo:
+    """``store.publish_no_copy(name, state_dict, ...)``: the next version of the
+    bundle ``name`` as the tensors' own memory, copying nothing (see
+    :meth:`cudaipc.Store.publish_no_copy`; Go: PublishNoCopy)."""
+    return store.publish_no_copy(name, state_dict, **kw)  # type: ignore[no-any-return]
 
 
 class BundleWriter:
@@ -214,7 +213,7 @@ class Bundle(dict):
         assert lay is not None
         src = getattr(self.lease, "sources", None)
         if src is not None:   # a version without a copy: a view in the region the entry lies in
-            region, e = src.view(self.lease._mem, lay.entries[i])
+            region, e = src.view(view_owner(self.lease), lay.entries[i])
             return self._lib.entry_view(self._lib.whole(region), {}, e)
         if self._base is None:
             self._base = self._lib.whole(self.lease)
@@ -399,7 +398,7 @@ def get_bundle(store: Any, name: str, timeout: Optional[float] = None, *, versio
             if n in seen:
                 raise InvalidArgument("get", name, "tensor %r is named twice" % n)
             seen.add(n)
-        lease = store._get(name, timeout, version, shard, newer_than, wait, names)
+        lease = store.get(name, timeout, version=version, shard=shard, newer_than=newer_than, wait=wait, tensors=names)
     if lease.ordinal is not None:
         _gather.ready(lease.ordinal)   # (its load starts now, beside the parse and the plan)
     try:

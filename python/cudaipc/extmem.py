@@ -17,7 +17,6 @@ while this process lives. Anything else raises :class:`NotExportable` naming the
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any, List, Optional, Tuple
 
 from . import _cuda
@@ -127,7 +126,7 @@ def export_pointer(obj: Any, nbytes: Optional[int] = None) -> Export:
             if err != cu.CUresult.CUDA_SUCCESS:
                 if not pieces:
                     break  # not VMM memory
-                raise CudaError("cuMemRetainAllocationHandle", _cuda._name(cu, err), "at %#x" % nxt)
+                raise CudaError("cuMemRetainAllocationHandle", _cuda.result_name(cu, err), "at %#x" % nxt)
             try:
                 base, msize = _cuda.check("cuMemGetAddressRange", cu.cuMemGetAddressRange(nxt))
                 base, msize = int(base), int(msize)
@@ -185,27 +184,13 @@ def register_request(name: str, x: Export, shared: bool) -> Any:
     return Request(register=r)
 
 
-_locks_guard = threading.Lock()
-
-
-def _register_lock(conn: Any) -> Any:
-    """The connection's lock that keeps a registration's staged descriptors and its
-    register together."""
-    with _locks_guard:
-        lock = getattr(conn, "_cudaipc_register_lock", None)
-        if lock is None:
-            lock = threading.Lock()
-            setattr(conn, "_cudaipc_register_lock", lock)
-        return lock
-
-
 def send_register(conn: Any, name: str, x: Export, shared: bool) -> Any:
     """Register export ``x`` under ``name`` on connection ``conn`` and return the reply.
     Descriptors beyond one packet's (MAX_FILES) are staged first (stage_files), as
     memory of PyTorch's expandable segments has one per 20 MiB piece; the register
     takes them all (docs/protocol.md, section 6.5)."""
     fds = list(x.fds)
-    with _register_lock(conn):
+    with conn.staging_lock:
         while len(fds) > MAX_FILES:
             conn.call(Request(stage_files=StageFilesRequest()), "register", name, fds=fds[:MAX_FILES])
             fds = fds[MAX_FILES:]

@@ -36,13 +36,6 @@ class TensorDesc:
     strides: Optional[Tuple[int, ...]] = None
 
     @classmethod
-    def _from_pb(cls, t: Any) -> "TensorDesc":
-        return cls(t.dtype, tuple(t.shape), tuple(t.strides) or None)
-
-    def _to_pb(self) -> Any:
-        return pb.TensorDesc(dtype=self.dtype, shape=list(self.shape), strides=list(self.strides or ()))
-
-    @classmethod
     def of(cls, nbytes: int, dtype: Any, shape: Optional[Sequence[int]], strides: Optional[Sequence[int]],
            name: str) -> Optional["TensorDesc"]:
         """The descriptor a create records for ``nbytes`` of ``dtype`` in ``shape``
@@ -90,19 +83,31 @@ class ObjectInfo:
     partial: bool = False           # a partial replica: only the tensors a get_bundle named (docs/cluster.md)
     creator_can_write: bool = False  # sealed, yet its creator can still change its bytes (docs/hardening.md, "Sealed objects")
 
-    @classmethod
-    def _from_pb(cls, o: Any) -> "ObjectInfo":
-        region = None
-        if o.region:
-            try:
-                region = decode_region(o.region)
-            except Exception:  # noqa: BLE001 - a newer daemon's region kind: leave it out
-                region = None
-        return cls(o.name, o.size, o.device, o.sealed, o.leases, o.shared, o.owner_uid,
-                   datetime.datetime.fromtimestamp(o.created_unix_nano / 1e9, datetime.timezone.utc),
-                   region, TensorDesc._from_pb(o.tensor) if o.HasField("tensor") else None,
-                   o.version, o.shards, o.shard, o.manifest_size, o.tensors,
-                   o.external, o.orphaned, o.exporter_bound, o.partial, o.creator_can_write)
+
+
+def desc_from_pb(t: Any) -> TensorDesc:
+    """The TensorDesc of a wire TensorDesc."""
+    return TensorDesc(t.dtype, tuple(t.shape), tuple(t.strides) or None)
+
+
+def desc_to_pb(d: TensorDesc) -> Any:
+    """The wire TensorDesc of ``d``."""
+    return pb.TensorDesc(dtype=d.dtype, shape=list(d.shape), strides=list(d.strides or ()))
+
+
+def info_from_pb(o: Any) -> ObjectInfo:
+    """The ObjectInfo of a wire ObjectInfo."""
+    region = None
+    if o.region:
+        try:
+            region = decode_region(o.region)
+        except Exception:  # noqa: BLE001 - a newer daemon's region kind: leave it out
+            region = None
+    return ObjectInfo(o.name, o.size, o.device, o.sealed, o.leases, o.shared, o.owner_uid,
+                      datetime.datetime.fromtimestamp(o.created_unix_nano / 1e9, datetime.timezone.utc),
+                      region, desc_from_pb(o.tensor) if o.HasField("tensor") else None,
+                      o.version, o.shards, o.shard, o.manifest_size, o.tensors,
+                      o.external, o.orphaned, o.exporter_bound, o.partial, o.creator_can_write)
 
 
 @dataclasses.dataclass(frozen=True)

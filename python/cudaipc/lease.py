@@ -15,10 +15,12 @@ from . import _views
 from ._memory import Hold, ManifestFD, Record
 from ._wire import Conn
 from .errors import InvalidArgument
-from .info import LEGACY_GPU_SHARE, ObjectInfo, TensorDesc
+from .info import LEGACY_GPU_SHARE, ObjectInfo, TensorDesc, desc_to_pb, info_from_pb
 from .region import Region
 
 __all__ = ["Lease", "Object", "MemoryViews"]
+# The package's own calls on Leases and Objects (not for users): let_go, seal_as,
+# retaken and view_owner below.
 
 
 class MemoryViews:
@@ -169,7 +171,7 @@ class Lease(MemoryViews):
             d = self._rec
             p = d.info_pb
             if p is not None and p.name:
-                info = ObjectInfo._from_pb(p)
+                info = info_from_pb(p)
                 pl = d.placement
                 if info.region is None and pl is not None and pl.region:
                     # A get's info leaves the region out: it is the placement's, at
@@ -305,7 +307,7 @@ class Object(MemoryViews):
         hidden = self.name
         req = pb.Request(seal=pb.SealRequest(name=hidden, rename=name))
         if desc is not None:
-            req.seal.tensor.CopyFrom(desc._to_pb())
+            req.seal.tensor.CopyFrom(desc_to_pb(desc))
         try:
             self._finish("seal", req, name)
         except BaseException:
@@ -326,3 +328,35 @@ class Object(MemoryViews):
 
     def __repr__(self) -> str:
         return "<cudaipc.Object %r %d bytes on %s, %s>" % (self.name, self.size, self.device, self._state)
+
+
+def let_go(obj: Object, state: str, name: Optional[str] = None, desc: Optional[TensorDesc] = None) -> None:
+    """Unmap ``obj`` and mark it ``state`` without telling the daemon (the caller
+    does: put's seal after an event); with ``name``, it was sealed as that."""
+    obj._let_go(state, name, desc)
+
+
+def seal_as(obj: Object, name: str, desc: Optional[TensorDesc]) -> None:
+    """Seal ``obj`` (created ahead under a name of its own) as ``name`` (put's
+    reserve_next); on failure it is aborted."""
+    obj._seal_as(name, desc)
+
+
+_new_taken = _memory.Taken.__new__
+_new_lease = Lease.__new__
+
+
+def retaken(rec: Record) -> Lease:
+    """The Lease of a lease taken back through the lease table (Store.get's hot
+    path, docs/python.md "What a cycle costs"): objects made without __init__, only
+    what the cycle needs set."""
+    m = _new_taken(_memory.Taken)
+    m.rec, m.views = rec, rec.views
+    lease = _new_lease(Lease)
+    lease._mem, lease._rec, lease._info, lease._manifest = m, rec, None, None
+    return lease
+
+
+def view_owner(lease: Lease) -> Any:
+    """What a view of ``lease``'s memory keeps alive (None once released)."""
+    return lease._mem

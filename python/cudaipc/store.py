@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Mapping, Optional, Sequence
 
 from . import _deps
 from . import _fastpath
@@ -20,14 +20,15 @@ from ._external import external_record
 from ._device import is_host, resolve_device
 from ._fastpath import LeaseTable
 from . import _nocopy
-from ._memory import GPUClose, Hold, ManifestFD, Record, Taken
+from ._memory import GPUClose, Hold, ManifestFD, Record
 from ._put import Putter
 from ._encode import Release, encode_get
 from ._wire import Conn, Reply, spin_option
 from .errors import (Closed, InternalError, InvalidArgument, NotFound, PermissionDenied, StoreError,
                      StoreGone, Timeout)
-from .info import EVENT_KINDS, SHARE_CUDA_IPC, SHARE_HOST, SHARE_VMM_FD, Event, ObjectInfo, ServerInfo, TensorDesc
-from .lease import Lease, Object
+from .info import (EVENT_KINDS, SHARE_CUDA_IPC, SHARE_HOST, SHARE_VMM_FD, Event, ObjectInfo, ServerInfo, TensorDesc,
+                   desc_from_pb, desc_to_pb, info_from_pb)
+from .lease import Lease, Object, retaken
 
 __all__ = ["connect", "default_socket_path", "share", "Store", "Lease", "Object", "ObjectInfo",
            "TensorDesc", "Event", "ServerInfo", "MAX_IDLE_ARENAS"]
@@ -37,8 +38,6 @@ _log = logging.getLogger("cudaipc")
 MAX_OBJECT_SIZE = 1 << 40
 PROTOCOL_VERSION = 2  # docs/protocol.md section 4
 
-_new_taken = Taken.__new__
-_new_lease = Lease.__new__
 
 
 def default_socket_path() -> str:
@@ -142,7 +141,7 @@ class Store:
         Idempotent."""
         self._put.forget_ahead()   # the daemon aborts it with the connection
         self._conn.close()
-        _nocopy.forget(self)   # the exports of this connection's no-copy publishes
+        _nocopy.forget(self, self._conn)   # the exports of this connection's no-copy publishes
         self._put.close_events()
         if self._table is not None:
             self._table.close()   # idle leases let go of their arenas
@@ -164,7 +163,7 @@ class Store:
         extmem.NotExportable naming the fix for memory that cannot be shared."""
         with _extmem.export_pointer(obj, nbytes) as x:
             rep = _extmem.send_register(self._conn, name, x, shared)
-        return ObjectInfo._from_pb(rep.resp.register.info)
+        return info_from_pb(rep.resp.register.info)
 
     # -- create / put ----------------------------------------------------------------
     def create(self, name: str, nbytes: int, device: Any = None, *, shared: bool = False,
@@ -192,7 +191,7 @@ class Store:
                                                  shard=shard, keep_last=keep_last,
                                                  manifest_size=len(manifest or b""), cluster=cluster))
         if desc is not None:
-            req.create.tensor.CopyFrom(desc._to_pb())
+            req.create.tensor.CopyFrom(desc_to_pb(desc))
         r = self._conn.call(req, "create", name, spin=_spin)
         return self._created(r, name, nbytes, desc, manifest, shard, shared)
 
@@ -213,13 +212,13 @@ class Store:
         """The Object of a create's reply."""
         p = r.resp.create.placement
         if not p.writable or p.size != nbytes or (r.manifest_fd >= 0) != bool(manifest):
-            self._conn._cleanup(r, "create", name)
+            self._conn.cleanup(r, "create", name)
             raise InternalError("create", name, "daemon sent no writable placement of the requested size")
         if r.manifest_fd >= 0:
             try:
                 os.pwrite(r.manifest_fd, manifest, 0)   # type: ignore[arg-type]
             except OSError as e:
-                self._conn._cleanup(r, "create", name)
+                self._conn.cleanup(r, "create", name)
                 raise InternalError("create", name, "writing the manifest: %s" % e) from None
             os.close(r.manifest_fd)
             r.manifest_fd = -1
@@ -227,7 +226,7 @@ class Store:
             rec = self._record(r, p, name, desc, pb.Request(abort=pb.AbortRequest(
                 name=name, version=r.resp.create.version, shard=shard)), "create")
         except BaseException:
-            self._conn._cleanup(r, "create", name)
+            self._conn.cleanup(r, "create", name)
             raise
         return Object(self._conn, rec, desc, r.resp.create.version, shard, shared)
 
@@ -249,6 +248,26 @@ class Store:
     def put_bundle(self, name: str, state_dict: Any, device: Any = None, **kw: Any) -> Any:
         """Store a dict of tensors as one bundle object; see :func:`cudaipc.bundle.put_bundle`."""
         return _bundle.put_bundle(self, name, state_dict, device, **kw)
+
+    def publish_no_copy(self, name: str, state_dict: Any, *, keep_last: int = 0, shared: bool = False,
+                        metadata: Optional[Mapping[str, str]] = None, stream: Any = None,
+                        release_timeout: Optional[float] = 60.0) -> Any:
+        """Publish the next version of the bundle ``name`` as the tensors' own memory,
+        copying nothing (the Go client's PublishNoCopy; ``put_bundle(...,
+        publish=True, copy=False)`` is its older spelling), and return its
+        ``BundleInfo``. The version points into the tensors, one region per CUDA
+        allocation they lie in (legacy IPC for PyTorch's default allocator: readers
+        in this PID namespace, valid while this process lives; VMM descriptors for
+        ``expandable_segments:True``, across containers). The tensors must be
+        contiguous CUDA tensors of one GPU that do not overlap, and must not change
+        while readers copy: call :meth:`wait_released` before changing them (this
+        call does it first, waiting at most ``release_timeout`` seconds and raising
+        Timeout naming the readers' count). The tensors' stream (or ``stream``) is
+        synchronized before the seal. The version stays on this node."""
+        v, span, n, dev = _nocopy.publish(self, self._conn, name, state_dict, keep_last=keep_last, shared=shared,
+                                          metadata=dict(metadata) if metadata else None, stream=stream,
+                                          release_timeout=release_timeout)
+        return _bundle.BundleInfo(name, v, span, n, dev)
 
     def get_bundle(self, name: str, timeout: Optional[float] = None, **kw: Any) -> Any:
         """Zero-copy tensors of a bundle, by name; see :func:`cudaipc.bundle.get_bundle`."""
@@ -275,7 +294,7 @@ class Store:
 
     # -- get ---------------------------------------------------------------------------
     def get(self, name: str, timeout: Optional[float] = None, *, version: int = 0, shard: int = 0,
-            newer_than: int = 0, wait: bool = False) -> Lease:
+            newer_than: int = 0, wait: bool = False, tensors: Optional[List[str]] = None) -> Lease:
         """Lease the sealed object ``name``. Without ``timeout`` or ``wait`` it does not
         wait: NotFound when no sealed object of that name is visible (none, or one
         still being written: unsealed objects are invisible to readers). With
@@ -285,19 +304,17 @@ class Store:
         For a versioned name: ``version`` (0: the latest), ``shard``, and ``newer_than``
         (wait for a version above it; it waits as ``wait`` does). A lease on any shard
         keeps the whole version, so ``get(name, version=lease.version, shard=k)`` finds
-        every other shard of it."""
+        every other shard of it.
+
+        ``tensors`` (get_bundle's) names the tensors of a bundle wanted: a daemon of a
+        cluster that does not hold the bundle may then lease a partial replica of
+        just those (``info.partial``); one that holds it leases the whole."""
         t = self._table
-        if t is not None and t.idle.get(name) and not (version or shard or newer_than) and self._conn.dead is None:
+        if t is not None and t.idle.get(name) and not (version or shard or newer_than or tensors) and self._conn.dead is None:
             g = t.retake(name)
             if g is not None:
-                # The hot path (docs/python.md, "What a cycle costs"): objects made
-                # without __init__, only what the cycle needs set.
-                m = _new_taken(Taken)
-                m.rec, m.views = g, g.views
-                lease = _new_lease(Lease)
-                lease._mem, lease._rec, lease._info, lease._manifest = m, g, None, None
-                return lease
-        return self._get(name, timeout, version, shard, newer_than, wait, None)
+                return retaken(g)   # the hot path (docs/python.md, "What a cycle costs")
+        return self._get(name, timeout, version, shard, newer_than, wait, tensors)
 
     def _get(self, name: str, timeout: Optional[float], version: int, shard: int, newer_than: int,
              wait: bool, tensors: Optional[List[str]]) -> Lease:
@@ -325,10 +342,10 @@ class Store:
         g = r.resp.get
         p = g.placement
         if p.writable:
-            self._conn._cleanup(r, "get", name)
+            self._conn.cleanup(r, "get", name)
             raise InternalError("get", name, "daemon sent a writable placement for a get")
         info = g.info if g.HasField("info") else None
-        desc = TensorDesc._from_pb(info.tensor) if info is not None and info.HasField("tensor") else None
+        desc = desc_from_pb(info.tensor) if info is not None and info.HasField("tensor") else None
         if info is not None and info.sources_size:
             return self._sources_lease(r, p, info, name, desc)
         try:
@@ -337,7 +354,7 @@ class Store:
             else:
                 rec = self._record(r, p, name, desc, Release(g.lease_id), "get")
         except BaseException:
-            self._conn._cleanup(r, "get", name)
+            self._conn.cleanup(r, "get", name)
             raise
         rec.lease_id, rec.info_pb, rec.placement = g.lease_id, info, p
         hold = Hold(rec)   # from here on, the lease ends when this goes
@@ -358,9 +375,9 @@ class Store:
         regions mapped (cudaipc._nocopy), read with get_bundle and load_into."""
         g = r.resp.get
         try:
-            maps, manifest = _nocopy.lease_sources(self, r, p, info, name)
+            maps, manifest = _nocopy.lease_sources(self._conn, r, p, info, name)
         except BaseException:
-            self._conn._cleanup(r, "get", name)
+            self._conn.cleanup(r, "get", name)
             raise
         share = SHARE_VMM_FD if p.kind == pb.Placement.VMM_FD else SHARE_CUDA_IPC
         rec = Record(self._conn, name, p.size, p.device, 0, maps.ordinal, False, share, None,
@@ -409,7 +426,7 @@ class Store:
     def stat(self, name: str) -> ObjectInfo:
         """Describe one object; NotFound if there is none this user may read."""
         r = self._conn.call(pb.Request(stat=pb.StatRequest(name=name)), "stat", name)
-        return ObjectInfo._from_pb(r.resp.stat.info)
+        return info_from_pb(r.resp.stat.info)
 
     def list(self) -> List[ObjectInfo]:
         """The objects this user may read, sorted by name (Go: Client.List)."""
@@ -418,7 +435,7 @@ class Store:
         while True:
             r = self._conn.call(pb.Request(list=pb.ListRequest(start_after=after)), "list")
             page = r.resp.list
-            out.extend(ObjectInfo._from_pb(o) for o in page.objects)
+            out.extend(info_from_pb(o) for o in page.objects)
             if not page.more or not page.objects:
                 return out
             after = out[-1].name
@@ -474,7 +491,7 @@ def _warm_gpu() -> None:
     try:
         from . import _cuda, _cuda_ctypes
         _cuda.driver()
-        _cuda_ctypes._proc("cuMemcpyBatchAsync", _cuda_ctypes._BATCH_VERSION, _cuda_ctypes._BATCH_PROTO)
+        _cuda_ctypes.warm()
     except Exception:  # noqa: BLE001 - no driver or bindings here: GPU calls say so when made
         pass
 

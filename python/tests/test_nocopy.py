@@ -95,7 +95,8 @@ def test_buffer_ids_read_each_allocation_through_the_driver_entry_point(monkeypa
         ctypes.c_uint64.from_address(data).value = ids[ptr]
         return 0
     fn = _cuda_ctypes._ATTR_PROTO(get_attribute)
-    monkeypatch.setitem(_cuda_ctypes._procs, "cuPointerGetAttribute@4000", fn)
+    from cudaipc import _cuda
+    monkeypatch.setitem(_cuda._procs, "cuPointerGetAttribute@4000", fn)
     monkeypatch.setattr(_cuda_ctypes, "on", _NoContext)
     ptrs = list(ids) + [unknown]
     rng.shuffle(ptrs)
@@ -514,3 +515,22 @@ def test_republish_sends_nothing_and_readers_reuse_its_bytes(store: cudaipc.Stor
     assert v3 == v2 + 1 and calls == ["create", "create", "seal"]
     got3 = read(v2)
     assert got3[0] == v3 and got3[1] == raw and got3[1] is not got1[1] and got3[2] == table
+
+
+def test_publish_no_copy_and_its_older_spelling(store: cudaipc.Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Store.publish_no_copy (Go's PublishNoCopy) is the no-copy publish;
+    put_bundle(publish=True, copy=False) and bundle.publish_no_copy call it."""
+    torch = pytest.importorskip("torch")
+    sd = {"w": torch.arange(10, dtype=torch.float32)}
+    with pytest.raises(cudaipc.InvalidArgument, match="CUDA tensors"):
+        store.publish_no_copy("m", sd)   # CPU tensors cannot be published in place
+    calls = []
+
+    def fake(self: cudaipc.Store, name: str, state_dict, **kw):   # type: ignore[no-untyped-def]
+        calls.append((name, list(state_dict), kw))
+        return "info"
+    monkeypatch.setattr(cudaipc.Store, "publish_no_copy", fake)
+    assert store.put_bundle("m", sd, publish=True, copy=False, keep_last=3) == "info"
+    assert cudaipc.bundle.publish_no_copy(store, "n", sd, shared=True) == "info"
+    assert [c[:2] for c in calls] == [("m", ["w"]), ("n", ["w"])]
+    assert calls[0][2]["keep_last"] == 3 and calls[1][2] == {"shared": True}
