@@ -182,6 +182,8 @@ type Directory struct {
 	// whatever stops guarding a record before it deletes it, so that no
 	// rewrite brings back a record its node withdrew.
 	guardMu sync.Mutex
+	// guardPause stops the guard's watch (tests: holdGuard).
+	guardPause chan pauseReq
 	// tombLease carries tombstones, granted at tombGranted for
 	// TombstoneTTL and used for half of it.
 	tombLease   clientv3.LeaseID
@@ -260,7 +262,7 @@ func Open(ctx context.Context, cfg Config) (*Directory, error) {
 	d := &Directory{
 		cfg: cfg, k: keys{cfg.Prefix}, cli: cli, log: log.With("etcd", strings.Join(cfg.Endpoints, ",")),
 		name: strings.Join(cfg.Endpoints, ","), owned: map[string][]byte{}, deferred: map[string]deferredHold{}, leaseUp: make(chan struct{}),
-		held: map[string]*heldObj{}, latestSeen: map[string]latestSeen{}, dirty: map[string]struct{}{}, kick: make(chan struct{}, 1),
+		held: map[string]*heldObj{}, latestSeen: map[string]latestSeen{}, dirty: map[string]struct{}{}, kick: make(chan struct{}, 1), guardPause: make(chan pauseReq),
 		logged: map[string]bool{}, done: make(chan struct{}),
 	}
 	if err := d.grant(ctx); err != nil {

@@ -38,3 +38,15 @@ func holdGrants(t testing.TB, d *Directory) (release func()) {
 	t.Cleanup(release)
 	return release
 }
+
+// holdGuard stops d's guard from seeing changes, as if d were cut off from
+// etcd, until resume is called (or the test ends).
+func holdGuard(t testing.TB, d *Directory) (resume func()) {
+	p := pauseReq{held: make(chan struct{}), resume: make(chan struct{})}
+	d.guardPause <- p
+	<-p.held
+	var once sync.Once
+	resume = func() { once.Do(func() { close(p.resume) }) }
+	t.Cleanup(resume)
+	return resume
+}

@@ -175,8 +175,11 @@ func (d *Directory) markAll() {
 
 // guardWatch follows every key under the prefix and hands the guard those
 // of this node's records that went or changed, until ctx is done. After
-// etcd was away it resumes where it stopped; after its history was
-// compacted away it looks at every record.
+// its watch broke (etcd away) it resumes where it stopped, or from the
+// present when etcd compacted that history away, and looks at every record
+// of this node either way: etcd keeps no deletion at or before the
+// revision it compacted at, so even a watch resumed at exactly that
+// revision can miss one.
 func (d *Directory) guardWatch(ctx context.Context) {
 	var next int64
 	if cctx, cancel, err := d.call(ctx, "guard"); err == nil {
@@ -185,33 +188,63 @@ func (d *Directory) guardWatch(ctx context.Context) {
 		}
 		cancel()
 	}
-	for ctx.Err() == nil {
+	for first := true; ctx.Err() == nil; first = false {
 		opts := []clientv3.OpOption{clientv3.WithPrefix()}
 		if next > 0 {
 			opts = append(opts, clientv3.WithRev(next))
-		} else {
-			d.markAll()
 		}
 		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-		for wr := range d.cli.Watch(wctx, d.k.p, opts...) {
-			if wr.CompactRevision != 0 {
-				d.log.Warn("the directory guard's watch lost history to compaction: checking every record of this node", "revision", wr.CompactRevision)
-				next = 0
-				break
-			}
-			if wr.Err() != nil {
-				break
-			}
-			d.guardEvents(wr.Events)
-			if n := len(wr.Events); n > 0 {
-				next = wr.Events[n-1].Kv.ModRevision + 1
+		wc := d.cli.Watch(wctx, d.k.p, opts...)
+		if !first || next == 0 {
+			d.markAll()
+		}
+		again := fastFail / 2 // after an error: etcd may be away
+	follow:
+		for {
+			select {
+			case p := <-d.guardPause: // tests: a node cut off from etcd
+				if !d.pausedGuard(ctx, p) {
+					cancel()
+					return
+				}
+				again = 0
+				break follow
+			case wr, ok := <-wc:
+				if !ok {
+					break follow
+				}
+				if wr.CompactRevision != 0 {
+					d.log.Warn("the directory guard's watch lost history to compaction: checking every record of this node", "revision", wr.CompactRevision)
+					next, again = 0, 0
+					break follow
+				}
+				if wr.Err() != nil {
+					break follow
+				}
+				d.guardEvents(wr.Events)
+				if n := len(wr.Events); n > 0 {
+					next = wr.Events[n-1].Kv.ModRevision + 1
+				}
 			}
 		}
 		cancel()
 		select {
 		case <-ctx.Done():
-		case <-time.After(fastFail / 2):
+		case <-time.After(again):
 		}
+	}
+}
+
+// pausedGuard stops the guard's watch, as if this node were cut off from
+// etcd, from when p is held until it is resumed (tests); it is false when
+// ctx ended first.
+func (d *Directory) pausedGuard(ctx context.Context, p pauseReq) bool {
+	close(p.held)
+	select {
+	case <-p.resume:
+		return true
+	case <-ctx.Done():
+		return false
 	}
 }
 

@@ -403,3 +403,43 @@ func TestUnverifiedNodes(t *testing.T) {
 		t.Fatalf("evil: %v %d %v, want a and b unverified", bad, good, err)
 	}
 }
+
+// A node that could not see its records go (cut off from etcd) writes
+// them back when its watch resumes, having checked every record of its
+// own: whether it resumes where it stopped or, etcd having compacted that
+// history away, from the present.
+func TestGuardResumesAfterCutOff(t *testing.T) {
+	srv := etcdtest.Start(t)
+	var alog logBuf
+	a, b := open(t, srv, "a", withLog(&alog)), open(t, srv, "b")
+	ctx := ctxT(t)
+	o, _ := object("w", 9000)
+	if _, err := a.Publish(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	for _, compact := range []bool{false, true} {
+		resume := holdGuard(t, a)
+		if _, err := b.cli.Delete(ctx, a.k.obj(o.Ref())); err != nil {
+			t.Fatal(err)
+		}
+		if compact {
+			// Past the delete: etcd keeps no deletion at or before the
+			// compaction's revision.
+			r, err := b.cli.Put(ctx, a.k.p+"unrelated", "x")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := b.cli.Compact(ctx, r.Header.Revision); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := b.Lookup(ctx, o.Ref()); !errors.Is(err, cluster.ErrNotFound) {
+			t.Fatalf("compact %v: the record while A's guard is held: %v, want ErrNotFound", compact, err)
+		}
+		resume()
+		t.Logf("compact %v: written back %v after the guard resumed", compact, restored(t, b, o.Ref(), o.ID, []string{"a"}).Round(time.Millisecond))
+	}
+	eventually(t, rewriteBound, "A says its guard lost history to compaction", func() bool {
+		return alog.count("lost history to compaction") == 1
+	})
+}

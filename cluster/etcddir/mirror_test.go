@@ -20,8 +20,8 @@ func sameEntry(a, b Entry) bool {
 }
 
 // watchIDs polls m's answer for ref in the background and records every
-// incarnation id it served, in order, until stop.
-func watchIDs(m *Mirror, ref cluster.Ref) (stop func() []string) {
+// incarnation id it served, in order, until stop; last is the latest.
+func watchIDs(m *Mirror, ref cluster.Ref) (stop func() []string, last func() string) {
 	var mu sync.Mutex
 	var ids []string
 	var done atomic.Bool
@@ -39,10 +39,17 @@ func watchIDs(m *Mirror, ref cluster.Ref) (stop func() []string) {
 		}
 	})
 	return func() []string {
-		done.Store(true)
-		wg.Wait()
-		return ids
-	}
+			done.Store(true)
+			wg.Wait()
+			return ids
+		}, func() string {
+			mu.Lock()
+			defer mu.Unlock()
+			if len(ids) == 0 {
+				return ""
+			}
+			return ids[len(ids)-1]
+		}
 }
 
 // waitMirror waits (10 s at most) until whether m answers for ref is
@@ -73,7 +80,7 @@ func TestMirrorFollowsCreateReplaceDelete(t *testing.T) {
 	if _, ok := m.Lookup(ref); ok {
 		t.Fatal("the mirror answers for a name not recorded")
 	}
-	ids := watchIDs(m, ref)
+	ids, lastID := watchIDs(m, ref)
 	if _, err := a.Publish(ctx, o); err != nil {
 		t.Fatal(err)
 	}
@@ -128,7 +135,9 @@ func TestMirrorFollowsCreateReplaceDelete(t *testing.T) {
 		e, ok := m.Lookup(ref)
 		return ok && e.ID == o3.ID
 	})
-	time.Sleep(50 * time.Millisecond)
+	// The poller sees it too (a sleep here was too short under -race on
+	// a loaded machine).
+	eventually(t, 10*time.Second, "the poller sees the re-created name", func() bool { return lastID() == o3.ID })
 	// The poller may miss a short-lived incarnation, never see one out
 	// of order.
 	got, order := ids(), []string{o.ID, o2.ID, o3.ID}
