@@ -5,6 +5,8 @@ import (
 	"testing"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/cudaipc/cudaipc/cluster"
 )
 
 // abandon stops renewing the lease without revoking it, as a node that
@@ -49,4 +51,15 @@ func holdGuard(t testing.TB, d *Directory) (resume func()) {
 	resume = func() { once.Do(func() { close(p.resume) }) }
 	t.Cleanup(resume)
 	return resume
+}
+
+// heldRecord returns the object record of ref as d guards it, nil when d
+// does not guard it.
+func (d *Directory) heldRecord(ref cluster.Ref) []byte {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if h := d.held[d.k.obj(ref)]; h != nil {
+		return h.val
+	}
+	return nil
 }

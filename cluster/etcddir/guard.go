@@ -55,16 +55,6 @@ const guardRetry = 200 * time.Millisecond
 // guardSummary is how often, at most, later rewrites are logged (counted).
 const guardSummary = time.Minute
 
-// held returns the object record of ref, as this node holds it (tests).
-func (d *Directory) heldRecord(ref cluster.Ref) []byte {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if h := d.held[d.k.obj(ref)]; h != nil {
-		return h.val
-	}
-	return nil
-}
-
 // hold records that this node holds the incarnation sealed in val (the
 // object record under ref's key), advertised by hval under hkey: the guard
 // writes them back if they go. A versioned name whose latest record this

@@ -443,3 +443,44 @@ func TestGuardResumesAfterCutOff(t *testing.T) {
 		return alog.count("lost history to compaction") == 1
 	})
 }
+
+// An object record replaced by another verified incarnation (published
+// where no live holder was recorded, its holders' records having gone
+// while they could not see it) is the name's now: its former holders stop
+// guarding theirs, and nobody fights over the record.
+func TestSupersededIncarnationNotFought(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b, c := open(t, srv, "a"), open(t, srv, "b"), open(t, srv, "c")
+	ctx := ctxT(t)
+	o, _ := object("w", 5000)
+	if _, err := a.Publish(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	e, err := b.Lookup(ctx, o.Ref())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.AddHolder(ctx, e); err != nil {
+		t.Fatal(err)
+	}
+	ra, rb := holdGuard(t, a), holdGuard(t, b)
+	if _, err := c.cli.Delete(ctx, c.k.holdRef(o.Ref()), clientv3.WithPrefix()); err != nil {
+		t.Fatal(err)
+	}
+	o2 := o
+	o2.ID = cluster.NewID()
+	if _, err := c.Publish(ctx, o2); err != nil {
+		t.Fatalf("publish over a record without holders: %v", err)
+	}
+	ra()
+	rb()
+	eventually(t, rewriteBound, "a and b stop guarding the replaced incarnation", func() bool {
+		return a.heldRecord(o.Ref()) == nil && b.heldRecord(o.Ref()) == nil
+	})
+	if e, err := c.Lookup(ctx, o.Ref()); err != nil || e.ID != o2.ID || !slices.Equal(e.Holders, []string{"c"}) {
+		t.Fatalf("after the replacement: %+v %v, want o2 held by c", e, err)
+	}
+	if n := a.Rewrites() + b.Rewrites(); n != 0 {
+		t.Fatalf("a and b wrote back %d records over the new incarnation", n)
+	}
+}
