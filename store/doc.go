@@ -38,7 +38,9 @@
 // sharing mode only, so a mapping never exposes bytes its holder may not
 // read. Arenas are added up to Config.Capacity per device and given back
 // when empty. When a create does not fit, sealed objects without leases are
-// evicted, least recently used first, unless Config.NoEvict.
+// evicted, least recently used first, unless Config.NoEvict; on a daemon in
+// a cluster, a cluster-visible one only where the cluster hook vouches that
+// another live node holds it too (ClusterHook.MayEvict, room.go).
 //
 // The host backend keeps arenas in memfds. Creators receive a read-write
 // descriptor; readers a read-only one, which cannot be mapped writable,
