@@ -1,6 +1,7 @@
 package node_test
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"slices"
@@ -8,9 +9,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/cluster/internal/clustertest"
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
+	"github.com/cudaipc/cudaipc/cluster/node"
 	"github.com/cudaipc/cudaipc/internal/testutil"
+	"github.com/cudaipc/cudaipc/store"
 	"github.com/cudaipc/cudaipc/transport/ucx"
 )
 
@@ -193,4 +198,65 @@ func TestPartitionedHolderSparesLastCopy(t *testing.T) {
 	if failed > 3*chunkTimeout+5*time.Second {
 		t.Errorf("B's pull failed %v after the partition, with a chunk timeout of %v", failed, chunkTimeout)
 	}
+}
+
+// MayEvict vouches for a replica only while the directory says another
+// live node holds the same incarnation: not for an object only this node
+// holds, nor for another incarnation, nor for anything while etcd is away
+// (a last copy, by default); once etcd is back it vouches again.
+func TestMayEvictAsksTheDirectory(t *testing.T) {
+	srv := requireClusterDaemons(t)
+	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	a.put(t, "shared-copy", 1<<20, client.CreateOptions{Cluster: true})
+	b.put(t, "only-b", 1<<20, client.CreateOptions{Cluster: true})
+	if _, err := b.get(ctx, "shared-copy"); err != nil {
+		t.Fatal(err)
+	}
+	owner := uint32(os.Getuid())
+	entry := func(name string, holders ...string) cluster.Entry {
+		var e cluster.Entry
+		testutil.Eventually(t, 20*time.Second, func() error {
+			var err error
+			if e, err = b.node.Directory().Lookup(ctx, cluster.Ref{Owner: owner, Name: name}); err != nil {
+				return err
+			}
+			if !slices.Equal(e.Holders, holders) {
+				return fmt.Errorf("%s: holders %v, want %v", name, e.Holders, holders)
+			}
+			return nil
+		})
+		return e
+	}
+	both, mine := entry("shared-copy", "a", "b"), entry("only-b", "b")
+	objs := []store.ClusterObject{
+		{Owner: owner, Name: "shared-copy", ID: both.ID},
+		{Owner: owner, Name: "only-b", ID: mine.ID},
+		{Owner: owner, Name: "shared-copy", ID: "another-incarnation"},
+	}
+	vouched := func(n *node.Node) []bool { return n.MayEvict(ctx, objs) }
+	testutil.Eventually(t, 10*time.Second, func() error {
+		if got := vouched(b.node); !slices.Equal(got, []bool{true, false, false}) {
+			return fmt.Errorf("B vouches %v, want [true false false]", got)
+		}
+		return nil
+	})
+	if got := vouched(a.node)[0]; !got {
+		t.Fatal("A does not vouch for shared-copy, which B holds too")
+	}
+	srv.Kill()
+	testutil.Eventually(t, 20*time.Second, func() error {
+		if got := vouched(b.node); slices.Contains(got, true) {
+			return fmt.Errorf("B vouches %v with etcd away, want nothing", got)
+		}
+		return nil
+	})
+	srv.Restart()
+	testutil.Eventually(t, 30*time.Second, func() error {
+		if got := vouched(b.node); !slices.Equal(got, []bool{true, false, false}) {
+			return fmt.Errorf("B vouches %v once etcd is back, want [true false false]", got)
+		}
+		return nil
+	})
 }
