@@ -22,6 +22,21 @@ func (s *Size) UnmarshalText(text []byte) error {
 	return nil
 }
 
+// MarshalText prints s exactly, in the largest binary unit that divides it
+// (1GiB, 1536KiB, 4097), so that UnmarshalText reads back the same count.
+func (s Size) MarshalText() ([]byte, error) {
+	n := int64(s)
+	for _, u := range []struct {
+		suffix string
+		mult   int64
+	}{{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10}} {
+		if n != 0 && n%u.mult == 0 {
+			return []byte(strconv.FormatInt(n/u.mult, 10) + u.suffix), nil
+		}
+	}
+	return []byte(strconv.FormatInt(n, 10)), nil
+}
+
 // String formats s with Format.
 func (s Size) String() string { return Format(int64(s)) }
 

@@ -29,3 +29,16 @@ func TestFormat(t *testing.T) {
 		}
 	}
 }
+
+func TestMarshalText(t *testing.T) {
+	for n, want := range map[int64]string{0: "0", 4097: "4097", 1 << 10: "1KiB", 1536 << 10: "1536KiB", 1 << 30: "1GiB", 3 << 40: "3TiB", 5 << 50: "5120TiB"} {
+		text, err := Size(n).MarshalText()
+		if err != nil || string(text) != want {
+			t.Errorf("Size(%d).MarshalText() = %q, %v; want %q", n, text, err, want)
+		}
+		var back Size
+		if err := back.UnmarshalText(text); err != nil || int64(back) != n {
+			t.Errorf("UnmarshalText(%q) = %d, %v; want %d", text, back, err, n)
+		}
+	}
+}
