@@ -34,13 +34,13 @@ func TestLimitErrorsSayWhichLimit(t *testing.T) {
 	defer l.Release()
 	_, err = c.Get(ctx, "x")
 	var ce *client.Error
-	if !errors.As(err, &ce) || !errors.Is(err, client.ErrLimit) || ce.Limit != "LEASES_PER_CONNECTION" || !strings.Contains(ce.Message, "--max-leases") {
+	if !errors.As(err, &ce) || !errors.Is(err, client.ErrLimit) || ce.Limit != "LEASES_PER_CONNECTION" || !strings.Contains(ce.Message, "max-leases setting") {
 		t.Fatalf("a second lease over --max-leases 1: %#v", err)
 	}
 	dial(t, sock) // the uid's second connection (startDaemon's probe closed, and Close waits for the daemon)
 	_, err = client.Dial(ctx, sock)
 	if !errors.As(err, &ce) || !errors.Is(err, client.ErrLimit) || ce.Limit != "CONNECTIONS_PER_UID" ||
-		!strings.Contains(ce.Message, "--max-conns-per-uid") || strings.Contains(err.Error(), "admitted") {
+		!strings.Contains(ce.Message, "max-conns-per-uid setting") || strings.Contains(err.Error(), "admitted") {
 		t.Fatalf("a third connection over --max-conns-per-uid 2: %v", err)
 	}
 }

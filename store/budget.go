@@ -45,7 +45,7 @@ func (s *Store) forgetUsageLocked(uid uint32) {
 func (s *Store) objectRoomForLocked(uid uint32) error {
 	if u := s.usage[uid]; u != nil && u.objects >= s.cfg.MaxObjectsPerUID {
 		return protocol.LimitErrorf(storev1.Error_OBJECTS_PER_UID,
-			"uid %d has %d objects (drafts, sealed, and deleted ones still leased), the daemon's limit per uid (serve --max-objects-per-uid): delete or abort some",
+			"uid %d has %d objects (drafts, sealed, and deleted ones still leased), the daemon's limit per uid (its max-objects-per-uid setting): delete or abort some",
 			uid, u.objects)
 	}
 	return nil
@@ -72,13 +72,13 @@ func (s *Store) takeFDsLocked(uid uint32, n int) error {
 	if u.fds+n > s.cfg.MaxFDsPerUID {
 		s.forgetUsageLocked(uid)
 		return protocol.LimitErrorf(storev1.Error_DESCRIPTORS_PER_UID,
-			"uid %d has the daemon keep %d descriptors (arenas, manifests, registrations' pieces) and %d more would pass its limit per uid, %d (serve --max-fds-per-uid): delete objects or registrations",
+			"uid %d has the daemon keep %d descriptors (arenas, manifests, registrations' pieces) and %d more would pass its limit per uid, %d (its max-fds-per-uid setting): delete objects or registrations",
 			uid, u.fds, n, s.cfg.MaxFDsPerUID)
 	}
 	if s.fds+n > s.cfg.MaxFDs {
 		s.forgetUsageLocked(uid)
 		return protocol.LimitErrorf(storev1.Error_DESCRIPTORS,
-			"the daemon keeps %d descriptors for objects and %d more would pass its limit, %d (serve --max-fds): try again once objects are deleted",
+			"the daemon keeps %d descriptors for objects and %d more would pass its limit, %d (its max-fds setting): try again once objects are deleted",
 			s.fds, n, s.cfg.MaxFDs)
 	}
 	u.fds += n

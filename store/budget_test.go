@@ -64,7 +64,7 @@ func TestDescriptorsBoundedPerUID(t *testing.T) {
 		return c.register(&storev1.RegisterRequest{Name: name, Size: 1 << 20, Device: testGPU, Region: vmmRegion(t, 0, 1<<20, sizes...), Files: uint32(n)}, pieces(n)...)
 	}
 	wantCode(t, reg("a", 4), storev1.Error_OK)
-	wantLimit(t, reg("b", 3), storev1.Error_DESCRIPTORS_PER_UID, "--max-fds-per-uid")
+	wantLimit(t, reg("b", 3), storev1.Error_DESCRIPTORS_PER_UID, "max-fds-per-uid setting")
 	if _, c := c.stat("b"); c != storev1.Error_NOT_FOUND {
 		t.Fatalf("a refused registration left its name: %v", c)
 	}
@@ -73,7 +73,7 @@ func TestDescriptorsBoundedPerUID(t *testing.T) {
 	// A manifest takes one more: over.
 	resp, files := c.do(req(&storev1.CreateRequest{Name: "bundle", Size: 4096, ManifestSize: 64}))
 	protocol.CloseFiles(files)
-	wantLimit(t, resp, storev1.Error_DESCRIPTORS_PER_UID, "--max-fds-per-uid")
+	wantLimit(t, resp, storev1.Error_DESCRIPTORS_PER_UID, "max-fds-per-uid setting")
 	resp, _ = c.do(req(&storev1.DeleteRequest{Name: "a"}))
 	wantCode(t, resp, storev1.Error_OK)
 	wantCode(t, reg("b", 3), storev1.Error_OK)
@@ -87,7 +87,7 @@ func TestDescriptorsBoundedPerUID(t *testing.T) {
 	resp, _ = c.sendFiles(stageReq(), pieces(1)...)
 	wantCode(t, resp, storev1.Error_OK)
 	resp, _ = c.sendFiles(stageReq(), pieces(1)...)
-	wantLimit(t, resp, storev1.Error_DESCRIPTORS_PER_UID, "--max-fds-per-uid")
+	wantLimit(t, resp, storev1.Error_DESCRIPTORS_PER_UID, "max-fds-per-uid setting")
 	s.mu.Lock()
 	fds = s.fds
 	s.mu.Unlock()
@@ -108,7 +108,7 @@ func TestObjectsBoundedPerUID(t *testing.T) {
 	}
 	b.put("two", 10, true)
 	_, err := b.ss.createObject("three", 10, "", false)
-	if protocol.CodeOf(err) != storev1.Error_LIMIT || protocol.LimitOf(err) != storev1.Error_OBJECTS_PER_UID || !strings.Contains(err.Error(), "--max-objects-per-uid") {
+	if protocol.CodeOf(err) != storev1.Error_LIMIT || protocol.LimitOf(err) != storev1.Error_OBJECTS_PER_UID || !strings.Contains(err.Error(), "max-objects-per-uid setting") {
 		t.Fatalf("a fourth object of uid 1000: %v", err)
 	}
 	other.put("theirs", 10, false) // another uid is not held up
@@ -189,7 +189,7 @@ func TestNoCopyVersionsCounted(t *testing.T) {
 		t.Fatalf("a no-copy version counts %d objects and %d descriptors, want 1 and 2 (its manifest, its piece)", objects, fds)
 	}
 	r := pub.createNoCopy("policy", nc, 1, piece)
-	wantLimit(t, r.resp, storev1.Error_OBJECTS_PER_UID, "--max-objects-per-uid")
+	wantLimit(t, r.resp, storev1.Error_OBJECTS_PER_UID, "max-objects-per-uid setting")
 	resp, _ := pub.do(req(&storev1.DeleteRequest{Name: "policy"}))
 	wantCode(t, resp, storev1.Error_OK)
 	s.mu.Lock()

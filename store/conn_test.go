@@ -250,7 +250,7 @@ func TestConnectionFlood(t *testing.T) {
 		switch {
 		case err == nil:
 			admitted++
-		case errors.Is(err, protocol.ErrLimit) && strings.Contains(err.Error(), "--max-conns"):
+		case errors.Is(err, protocol.ErrLimit) && strings.Contains(err.Error(), "max-conns"):
 			limited++
 		default:
 			t.Fatalf("root connection: %v", err)

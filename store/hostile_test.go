@@ -597,8 +597,8 @@ func TestHostileUID(t *testing.T) {
 			t.Errorf("a GPU registration on a host-only daemon: %v, want INVALID", rep["register"])
 		}
 		for _, k := range []string{"stage_limit", "shared_limit"} {
-			if l, _ := rep[k].(string); !strings.HasPrefix(l, storev1.Error_DESCRIPTORS_PER_UID.String()) || !strings.Contains(l, "--max-fds-per-uid") {
-				t.Errorf("%s: %q, want DESCRIPTORS_PER_UID naming --max-fds-per-uid", k, l)
+			if l, _ := rep[k].(string); !strings.HasPrefix(l, storev1.Error_DESCRIPTORS_PER_UID.String()) || !strings.Contains(l, "max-fds-per-uid setting") {
+				t.Errorf("%s: %q, want DESCRIPTORS_PER_UID naming max-fds-per-uid", k, l)
 			}
 		}
 		rootWorks("uid 65534 at its descriptor limit")
@@ -621,8 +621,8 @@ func TestHostileUID(t *testing.T) {
 		if drafts > hostileObjsPerUID {
 			t.Errorf("%d drafts made, bound %d", drafts, hostileObjsPerUID)
 		}
-		if l, _ := rep["limit"].(string); !strings.HasPrefix(l, storev1.Error_OBJECTS_PER_UID.String()) || !strings.Contains(l, "--max-objects-per-uid") {
-			t.Errorf("limit %q, want OBJECTS_PER_UID naming --max-objects-per-uid", l)
+		if l, _ := rep["limit"].(string); !strings.HasPrefix(l, storev1.Error_OBJECTS_PER_UID.String()) || !strings.Contains(l, "max-objects-per-uid setting") {
+			t.Errorf("limit %q, want OBJECTS_PER_UID naming max-objects-per-uid", l)
 		}
 		// Bound: 4 KiB a draft beyond the daemon at rest, and 64 MiB.
 		if bound := (baseRSS + hostileObjsPerUID*4 + 64<<10) * raceFactor; rss > bound {
@@ -662,7 +662,7 @@ func TestHostileUID(t *testing.T) {
 			t.Errorf("%v connections admitted, want %d", rep["conns"], hostileConnsPerUID)
 		}
 		msg, _ := rep["refused"].(string)
-		if rep["limit"] != storev1.Error_CONNECTIONS_PER_UID.String() || !strings.Contains(msg, "--max-conns-per-uid") || strings.Contains(msg, "admitted") {
+		if rep["limit"] != storev1.Error_CONNECTIONS_PER_UID.String() || !strings.Contains(msg, "max-conns-per-uid setting") || strings.Contains(msg, "admitted") {
 			t.Errorf("at the limit: %v %q", rep["limit"], msg)
 		}
 		rootWorks("uid 65534 at its connection limit")

@@ -240,7 +240,7 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 func (ss *session) objectRoomLocked() error {
 	if n := len(ss.created) + len(ss.registered); n >= ss.s.cfg.MaxObjectsPerClient {
 		return protocol.LimitErrorf(storev1.Error_OBJECTS_PER_CONNECTION,
-			"this connection already has %d objects (drafts, objects it created and registrations), the daemon's limit per connection (serve --max-objects): delete or abort some, or use another connection", n)
+			"this connection already has %d objects (drafts, objects it created and registrations), the daemon's limit per connection (its max-objects setting): delete or abort some, or use another connection", n)
 	}
 	return nil
 }
@@ -250,7 +250,7 @@ func (ss *session) objectRoomLocked() error {
 func (ss *session) leaseRoomLocked() error {
 	if len(ss.leases)+ss.waiting >= ss.s.cfg.MaxLeasesPerClient {
 		return protocol.LimitErrorf(storev1.Error_LEASES_PER_CONNECTION,
-			"this connection already holds %d leases and %d waiting gets, the daemon's limit per connection (serve --max-leases): release some", len(ss.leases), ss.waiting)
+			"this connection already holds %d leases and %d waiting gets, the daemon's limit per connection (its max-leases setting): release some", len(ss.leases), ss.waiting)
 	}
 	return nil
 }

@@ -273,11 +273,11 @@ func (s *Store) admitConn(uid uint32) (done func(), reason string, err error) {
 	defer s.connMu.Unlock()
 	if s.conns >= s.cfg.MaxConns {
 		return nil, "limit_total", protocol.LimitErrorf(storev1.Error_CONNECTIONS,
-			"connection limit: the store serves %d connections, its limit (serve --max-conns); try again later", s.conns)
+			"connection limit: the store serves %d connections, its limit (its max-conns setting); try again later", s.conns)
 	}
 	if n := s.connsByUID[uid]; n >= s.cfg.MaxConnsPerUID {
 		return nil, "limit_uid", protocol.LimitErrorf(storev1.Error_CONNECTIONS_PER_UID,
-			"connection limit: uid %d already has %d connections, the limit per uid (serve --max-conns-per-uid); close some", uid, n)
+			"connection limit: uid %d already has %d connections, the limit per uid (its max-conns-per-uid setting); close some", uid, n)
 	}
 	s.conns++
 	s.connsByUID[uid]++

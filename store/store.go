@@ -494,7 +494,7 @@ func (s *Store) allocLocked(d *device, o *object, noEvict bool, vouched map[*obj
 	held := s.roomHeldLocked(d, o.owner, vouched)
 	if q := s.quota(); q > 0 && d.alloc.QuotaBound(p) {
 		return nil, protocol.LimitErrorf(storev1.Error_BYTES_PER_UID,
-			"uid %d's quota on device %s is full: its arenas take %d of its %d bytes and evicting its unleased objects would not make room for %d more: delete or release some, or raise the daemon's per-uid quota (serve --quota; by default the capacity divided by the uids it admits): %s",
+			"uid %d's quota on device %s is full: its arenas take %d of its %d bytes and evicting its unleased objects would not make room for %d more: delete or release some, or raise the daemon's per-uid quota (its quota setting; by default the capacity divided by the uids it admits): %s",
 			o.owner, d.name, d.alloc.Owned(o.owner), q, o.size, held)
 	}
 	return nil, fmt.Errorf("%w: device %s: %v: %s", ErrStoreFull, d.name, err, held)

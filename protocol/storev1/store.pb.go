@@ -141,9 +141,9 @@ type Error_Limit int32
 
 const (
 	Error_LIMIT_UNSPECIFIED Error_Limit = 0
-	// The connections the daemon serves at once (serve --max-conns).
+	// The connections the daemon serves at once (its max-conns setting).
 	Error_CONNECTIONS Error_Limit = 1
-	// The connections of one uid (serve --max-conns-per-uid).
+	// The connections of one uid (its max-conns-per-uid setting).
 	Error_CONNECTIONS_PER_UID Error_Limit = 2
 	// The objects (drafts, sealed objects and registrations) one
 	// connection created.
