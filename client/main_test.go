@@ -153,7 +153,7 @@ func runDaemon(ctx context.Context, sock string) error {
 		cfg.Capacity, _ = strconv.ParseInt(v, 10, 64)
 	}
 	cfg.NoEvict = os.Getenv("NOEVICT") == "1"
-	if v := os.Getenv("DAEMON_SPIN"); v != "" { // BenchmarkRoundTrip: serve --spin
+	if v := os.Getenv("DAEMON_SPIN"); v != "" { // BenchmarkRoundTrip: serve --experimental-spin
 		if d, err := time.ParseDuration(v); err == nil {
 			cfg.Spin = -1 // 0: never
 			if d > 0 {

@@ -8,7 +8,7 @@ package client_test
 //	go test -run '^$' -bench RoundTrip -benchtime 2s ./client
 //
 // The environment variables CUDAIPC_SPIN (the client's Options.Spin) and
-// DAEMON_SPIN (the daemon's serve --spin; 0 turns polling off) compare
+// DAEMON_SPIN (the daemon's serve --experimental-spin; 0 turns polling off) compare
 // polling windows.
 //
 // Each sub-benchmark reports x-floor: its ns/op over the floor's ns/op,

@@ -50,7 +50,7 @@ func TestQuotaKeepsUsersApart(t *testing.T) {
 	}
 	_, err := other.ss.createObject("more", 1<<20, "", false)
 	if !errors.Is(err, ErrLimit) || protocol.LimitOf(err) != storev1.Error_BYTES_PER_UID ||
-		!strings.Contains(err.Error(), "uid 65534's quota") || !strings.Contains(err.Error(), "serve --quota") ||
+		!strings.Contains(err.Error(), "uid 65534's quota") || !strings.Contains(err.Error(), "quota setting") ||
 		strings.Contains(err.Error(), "--capacity") {
 		t.Fatalf("create over a full quota: %v (limit %v)", err, protocol.LimitOf(err))
 	}

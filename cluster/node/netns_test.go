@@ -237,7 +237,7 @@ func startNsDaemon(t *testing.T, ns *netns, i, port int, name, secretFile, dir s
 		// reads of the killed one (serve's default, 16 at 4 lanes, let the
 		// other holder's reads take every chunk first in 2 of 4 runs
 		// under -race, and the kill went unseen).
-		"--cluster-streams", "4")
+		"--experimental-cluster-streams", "4")
 	d := &nsDaemon{name: name, p: p, sock: sock}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

@@ -176,7 +176,7 @@ func Start(ctx context.Context, cfg Config) (*Node, error) {
 		// Built with assertions (as Debian's is), UCX 1.12 and 1.13 abort
 		// when a peer dies while their endpoint is being wired up
 		// (docs/cluster.md, "Failure behaviour").
-		log.Warn("this UCX aborts the daemon if a peer dies while its endpoint is being wired up (an assertion UCX 1.14 removed): give --ucx-lib a UCX of 1.14 or later, or a build configured with --disable-assertions",
+		log.Warn("this UCX aborts the daemon if a peer dies while its endpoint is being wired up (an assertion UCX 1.14 removed): set ucx-lib to a UCX of 1.14 or later, or a build configured with --disable-assertions",
 			"ucx", v, "lib", ucx.Library())
 	}
 	ln, adv, err := listenControl(cfg.Listen, cfg.Advertise, cfg.Directory.Endpoints)

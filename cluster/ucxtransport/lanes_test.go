@@ -76,7 +76,7 @@ func TestLanesAddress(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer fetcher.Close()
-	if _, err := fetcher.Connect(context.Background(), oldAddr); err == nil || !strings.Contains(err.Error(), "--cluster-read get") {
+	if _, err := fetcher.Connect(context.Background(), oldAddr); err == nil || !strings.Contains(err.Error(), `experimental-cluster-read = "get"`) {
 		t.Errorf("a fetching node connecting to a GET-only peer: %v", err)
 	}
 	if ep, err := tr.Connect(context.Background(), oldAddr); err != nil {

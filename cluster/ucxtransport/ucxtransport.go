@@ -277,7 +277,7 @@ func (t *Transport) Connect(ctx context.Context, addr []byte) (cluster.Endpoint,
 	// a node without RMA cannot read a peer that answers only GETs.
 	fetch := pa.fetch && (t.read == ReadFetch || !pa.get)
 	if !fetch && t.read != ReadGet {
-		return nil, errors.New("ucx: the peer answers only GETs (a daemon of an earlier version): this one reads with fetches; upgrade the peer, or run this one with --cluster-read get")
+		return nil, errors.New("ucx: the peer answers only GETs (a daemon of an earlier version): this one reads with fetches; upgrade the peer, or run this one with experimental-cluster-read = \"get\"")
 	}
 	e := &endpoint{t: t, keys: map[string]*peerKey{}, fetch: fetch}
 	for i, a := range pa.lanes[:min(len(pa.lanes), len(t.pull))] {

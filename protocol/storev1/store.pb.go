@@ -157,8 +157,8 @@ const (
 	Error_DESCRIPTORS_PER_UID Error_Limit = 6
 	// The descriptors the daemon keeps for all uids.
 	Error_DESCRIPTORS Error_Limit = 7
-	// The bytes one uid's arenas take on one device: its quota (serve
-	// --quota; by default a fair share of the capacity).
+	// The bytes one uid's arenas take on one device: its quota (its
+	// quota setting; by default a fair share of the capacity).
 	Error_BYTES_PER_UID Error_Limit = 8
 )
 

@@ -45,11 +45,16 @@ def cudaipc_bin(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 class Daemon:
-    """A running ``cudaipc serve``."""
+    """A running ``cudaipc serve``; config, if given, is the text of its --config file."""
 
-    def __init__(self, binary: str, args: List[str]):
+    def __init__(self, binary: str, args: List[str], config: Optional[str] = None):
         self.dir = tempfile.mkdtemp(prefix="cudaipc-py-")
         self.socket = os.path.join(self.dir, "store.sock")
+        if config is not None:
+            path = os.path.join(self.dir, "serve.toml")
+            with open(path, "w") as f:
+                f.write(config)
+            args = ["--config", path] + list(args)
         self.binary = binary
         self.log = open(os.path.join(self.dir, "daemon.log"), "w+")
         self.proc = subprocess.Popen([binary, "serve", "--socket", self.socket] + args,

@@ -94,10 +94,10 @@ def nodes(cudaipc_bin: str, etcd: str, monkeypatch: pytest.MonkeyPatch) -> Itera
     metrics = _free_port()
     started: List[Daemon] = []
     try:
-        for name, extra in (("a", []), ("b", ["--metrics", str(metrics)])):
+        for name, config in (("a", None), ("b", 'metrics = "%d"\n' % metrics)):
             started.append(Daemon(cudaipc_bin, ["--backend", "host", "--capacity", "256MiB", "--cluster", etcd,
                                                 "--node", name, "--cluster-secret", secret,
-                                                "--cluster-listen", "127.0.0.1:0"] + extra))
+                                                "--cluster-listen", "127.0.0.1:0"], config=config))
         yield started[0], started[1], metrics
     finally:
         for dm in started:

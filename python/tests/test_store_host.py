@@ -491,7 +491,7 @@ def test_zero_d_tensor_keeps_its_shape(store):
 def test_connection_limit_is_named(cudaipc_bin):
     """A connection beyond the daemon's limit per uid is told so (LIMIT, naming the
     limit), not taken for a uid the daemon does not admit."""
-    d = Daemon(cudaipc_bin, ["--backend", "host", "--max-conns-per-uid", "2"])
+    d = Daemon(cudaipc_bin, ["--backend", "host"], config="max-conns-per-uid = 2\n")
     try:
         held = [cudaipc.connect(d.socket) for _ in range(2)]
         for _ in range(5):   # however the refusal races the handshake
@@ -582,13 +582,13 @@ def test_sealed_shared_host_object_is_read_only_for_its_creator(store, daemon):
 def test_put_over_the_quota_names_the_quota(cudaipc_bin):
     """A put over the uid's quota fails LimitReached (the LIMIT code) naming the quota
     and the flag that sets it, not the capacity: the store itself has room."""
-    d = Daemon(cudaipc_bin, ["--backend", "host", "--capacity", "64MiB", "--quota", "1MiB"])
+    d = Daemon(cudaipc_bin, ["--backend", "host", "--capacity", "64MiB"], config='quota = "1MiB"\n')
     try:
         with cudaipc.connect(d.socket) as s:
             with pytest.raises(cudaipc.LimitReached) as e:
                 s.put("over", rand_bytes(2 << 20))
             msg = str(e.value)
-            assert "quota" in msg and "serve --quota" in msg and "--capacity" not in msg, msg
+            assert "quota" in msg and "quota setting" in msg and "--capacity" not in msg, msg
             s.put("within", rand_bytes(512 << 10))
     finally:
         d.stop()

@@ -6,8 +6,9 @@
 #
 # For each round, device and binary: `BIN serve` on a fresh socket, then `BIN bench store
 # --socket S --device D --clients 1 --duration 2s --json`, once with the default polling
-# window and once with polling off (`serve --spin 0`, CUDAIPC_SPIN=0; binaries older than
-# the polling window run once, plainly). Prints one line a run (p50/p99 µs and p50 ÷ the
+# window and once with polling off (`serve --experimental-spin 0`, or `--spin 0` for binaries
+# before the config file, CUDAIPC_SPIN=0; binaries older than the polling window run once,
+# plainly). Prints one line a run (p50/p99 µs and p50 ÷ the
 # floor measured by the same bench); the JSON goes to $OUT (or /tmp). The docs' H200
 # table ("The round trip on the H200") came from this, run through the device tool.
 set -uo pipefail
@@ -33,7 +34,10 @@ PY
 }
 for _ in $(seq "$rounds"); do for dev in $devices; do for bin in "$@"; do
   name=$(basename "$bin")
-  if "$bin" serve --help 2>&1 | grep -q -- '--spin'; then
+  if "$bin" serve --print-config 2>/dev/null | grep -q '^experimental-spin'; then
+    one "$bin" "$dev" "" X=1 "$name"
+    one "$bin" "$dev" "--experimental-spin 0" CUDAIPC_SPIN=0 "$name,no-polling"
+  elif "$bin" serve --help 2>&1 | grep -q -- '--spin'; then
     one "$bin" "$dev" "" X=1 "$name"
     one "$bin" "$dev" "--spin 0" CUDAIPC_SPIN=0 "$name,no-polling"
   else

@@ -154,13 +154,13 @@ class Cluster:
                 [args.bin, "serve", "--socket", sock, "--backend", args.backend, "--capacity", args.capacity,
                  "--log-level", args.daemon_log_level, "--cluster", "etcd://127.0.0.1:%d" % cp, "--node", node,
                  "--cluster-secret", self.secret, "--cluster-listen", "127.0.0.1:0"]
-                + (["--cluster-streams", str(args.streams)] if args.streams else [])
-                + (["--cluster-lanes", str(args.lanes)] if args.lanes else [])
-                + (["--cluster-read", args.read] if args.read else [])
-                + (["--cluster-checksums", checksums] if checksums else [])
-                + (["--cluster-chunk", args.chunk] if args.chunk else [])
-                + (["--cluster-gpu-publish", args.gpu_publish] if args.gpu_publish else [])
-                + (["--cpu-profile", "%s-%s.pprof" % (args.cpu_profile, node)] if args.cpu_profile else []),
+                + (["--experimental-cluster-streams", str(args.streams)] if args.streams else [])
+                + (["--experimental-cluster-lanes", str(args.lanes)] if args.lanes else [])
+                + (["--experimental-cluster-read", args.read] if args.read else [])
+                + (["--experimental-cluster-checksums", checksums] if checksums else [])
+                + (["--experimental-cluster-chunk", args.chunk] if args.chunk else [])
+                + (["--experimental-cluster-gpu-publish", args.gpu_publish] if args.gpu_publish else [])
+                + (["--experimental-cpu-profile", "%s-%s.pprof" % (args.cpu_profile, node)] if args.cpu_profile else []),
                 stdout=dlog, stderr=subprocess.STDOUT, env=env))
             self.sockets[node] = sock
         deadline = time.monotonic() + 60
@@ -569,7 +569,7 @@ def ucx_floor(test_bin: Optional[str], extra: Optional[Dict[str, str]] = None,
     """Raw UCX reads between two processes on the same link: the best of
     BenchmarkGetChunks's chunk sizes and depths over one connection (256 MiB a
     round), and of BenchmarkGetLanes's and BenchmarkFetchLanes's 1, 2, 4, 8 and 16
-    connections (a worker pair each, as the daemons' --cluster-lanes; GETs, and the
+    connections (a worker pair each, as the daemons' experimental-cluster-lanes; GETs, and the
     holder sending by rendezvous), lanes_mib MiB a round, 4 rounds after a first:
     over tcp on loopback more connections carry more, so the link's floor is the
     best of them all."""
@@ -716,15 +716,15 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--max-gib", type=float, default=0, help="only the first tensors of each model, up to this many GiB")
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--capacity", default="48GiB", help="each daemon's capacity per device")
-    ap.add_argument("--streams", type=int, default=0, help="chunks a pull reads from one holder at once (serve --cluster-streams; 0: the daemon's default)")
-    ap.add_argument("--read", choices=["fetch", "get"], help="how daemon B reads A's memory (serve --cluster-read; default: the daemon's, fetch)")
-    ap.add_argument("--checksums", choices=["auto", "host"], help="where the daemons compute GPU objects' chunk checksums (serve --cluster-checksums; default: the daemon's, auto: on the GPU)")
+    ap.add_argument("--streams", type=int, default=0, help="chunks a pull reads from one holder at once (serve --experimental-cluster-streams; 0: the daemon's default)")
+    ap.add_argument("--read", choices=["fetch", "get"], help="how daemon B reads A's memory (serve --experimental-cluster-read; default: the daemon's, fetch)")
+    ap.add_argument("--checksums", choices=["auto", "host"], help="where the daemons compute GPU objects' chunk checksums (serve --experimental-cluster-checksums; default: the daemon's, auto: on the GPU)")
     ap.add_argument("--b-checksums", choices=["auto", "host"], help="--checksums for node B alone: host leaves B's landings no copies back from the GPU while A still publishes early")
     ap.add_argument("--daemon-prefix", metavar="CMD", help="run each daemon under this command, e.g. 'numactl --cpunodebind=0 --membind=0' or 'taskset -c 0-7'")
-    ap.add_argument("--chunk", help="chunk of the objects node A publishes, e.g. 16MiB (serve --cluster-chunk; default: the daemon's)")
-    ap.add_argument("--gpu-publish", choices=["early", "staged"], help="when node A publishes a GPU object (serve --cluster-gpu-publish; default: the daemon's, early)")
-    ap.add_argument("--cpu-profile", metavar="PREFIX", help="each daemon writes a CPU profile of its whole run to PREFIX-A.pprof and PREFIX-B.pprof (serve --cpu-profile)")
-    ap.add_argument("--lanes", type=int, default=0, help="UCX worker pairs of each daemon (serve --cluster-lanes; 0: the daemon's default)")
+    ap.add_argument("--chunk", help="chunk of the objects node A publishes, e.g. 16MiB (serve --experimental-cluster-chunk; default: the daemon's)")
+    ap.add_argument("--gpu-publish", choices=["early", "staged"], help="when node A publishes a GPU object (serve --experimental-cluster-gpu-publish; default: the daemon's, early)")
+    ap.add_argument("--cpu-profile", metavar="PREFIX", help="each daemon writes a CPU profile of its whole run to PREFIX-A.pprof and PREFIX-B.pprof (serve --experimental-cpu-profile)")
+    ap.add_argument("--lanes", type=int, default=0, help="UCX worker pairs of each daemon (serve --experimental-cluster-lanes; 0: the daemon's default)")
     ap.add_argument("--shard-tensors", type=int, default=SHARD_TENSORS, help="tensors per shard of a version")
     ap.add_argument("--smoke", action="store_true", help="a tiny model in host memory (any machine): checks the script")
     ap.add_argument("--timeout", type=float, default=400, help="seconds per model and path")
@@ -781,11 +781,11 @@ def main(argv: List[str]) -> None:
                 r = fs.get(label, {})
                 print("floor: pinned copies, %s: %s" % (what, r.get("error") or ", ".join(
                     "%s %.1f GB/s" % kv for kv in sorted(r.items()))), flush=True)
-    print("daemons: --cluster-lanes %s, --cluster-read %s, --cluster-streams %s, --cluster-checksums %s, --cluster-chunk %s, --cluster-gpu-publish %s" % (
+    print("daemons: lanes %s, read %s, streams %s, checksums %s, chunk %s, gpu-publish %s" % (
         args.lanes or "default", args.read or "default (fetch)", args.streams or "default",
         args.checksums or "default (auto)", args.chunk or "default", args.gpu_publish or "default (early)"), flush=True)
     if args.b_checksums or args.daemon_prefix:
-        print("daemons: node B's --cluster-checksums %s; each daemon under %r" % (
+        print("daemons: node B's checksums %s; each daemon under %r" % (
             args.b_checksums or "as A's", args.daemon_prefix or ""), flush=True)
     cl = Cluster(args, tmp)
     try:

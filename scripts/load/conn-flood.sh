@@ -22,7 +22,8 @@ if [[ -z $bin ]]; then
 	(cd "$(dirname "$0")/../.." && CGO_ENABLED=0 go build -o "$bin" ./cmd/cudaipc)
 fi
 export CUDAIPC_SOCKET=$dir/store.sock
-"$bin" serve --backend host --allow-uid 65534 --metrics 127.0.0.1:0 --log-level info 2>"$dir/daemon.log" &
+echo 'metrics = "127.0.0.1:0"' >"$dir/serve.toml"
+"$bin" serve --backend host --allow-uid 65534 --config "$dir/serve.toml" --log-level info 2>"$dir/daemon.log" &
 daemon=$!
 for _ in $(seq 100); do "$bin" ls >/dev/null 2>&1 && break; sleep 0.05; done
 murl=$(grep -o 'url=http://[^ ]*' "$dir/daemon.log" | head -1 | cut -d= -f2)

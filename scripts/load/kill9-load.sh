@@ -25,7 +25,8 @@ if [[ -z $bin ]]; then
 	(cd "$(dirname "$0")/../.." && CGO_ENABLED=0 go build -o "$bin" ./cmd/cudaipc)
 fi
 export CUDAIPC_SOCKET=$dir/store.sock
-"$bin" serve --backend host --capacity 3GiB --no-evict --log-level warn 2>"$dir/daemon.log" &
+echo 'evict = false' >"$dir/serve.toml"
+"$bin" serve --backend host --capacity 3GiB --config "$dir/serve.toml" --log-level warn 2>"$dir/daemon.log" &
 daemon=$!
 for _ in $(seq 100); do "$bin" ls >/dev/null 2>&1 && break; sleep 0.05; done
 

@@ -75,7 +75,7 @@ func connectLanesToken(b *testing.B, size, lanes int) ([]*ucx.Endpoint, []*ucx.R
 // BenchmarkGetLanes pulls 256 MiB from another process over 1, 2, 4, 8
 // and 16 lanes: a worker pair and a connection each, every lane reading its share
 // of the range (16 MiB reads, two in flight) at once. It is the raw floor
-// of a pull between daemons of as many lanes (serve --cluster-lanes): over
+// of a pull between daemons of as many lanes (serve --experimental-cluster-lanes): over
 // tcp one connection and one progress thread a side bound a transfer
 // below what the link (here the loopback, i.e. the CPUs) carries.
 func BenchmarkGetLanes(b *testing.B) {

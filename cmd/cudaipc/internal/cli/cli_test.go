@@ -280,7 +280,7 @@ func TestServeMetrics(t *testing.T) {
 	}
 	port := strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
 	l.Close() // a small window in which another process could take the port
-	sock := serve(t, "--metrics", port)
+	sock := serve(t, "--config", writeConfig(t, "metrics = \""+port+"\"\n"))
 	data := testutil.RandomBytes(uint64(time.Now().UnixNano()), 10000)
 	file := filepath.Join(t.TempDir(), "in")
 	if err := os.WriteFile(file, data, 0o600); err != nil {

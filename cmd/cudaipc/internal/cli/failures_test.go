@@ -59,11 +59,11 @@ func TestFailuresAreOneLine(t *testing.T) {
 		{args: []string{"get", "taken", "-o", filepath.Join(dir, "no", "such", "dir"), "--socket", sock}, code: 1, want: "-o"},
 		{args: []string{"serve", "--socket", sock, "--log-level", "warn"}, code: 1, want: "already running"},
 		{args: []string{"serve", "--gpu-share", "bogus", "--socket", none}, code: 2, want: "--gpu-share"},
-		{args: []string{"serve", "--cluster", "etcd://127.0.0.1:9", "--cluster-secret", filepath.Join(dir, "absent"), "--cluster-streams", "65", "--socket", none}, code: 1, want: "--cluster-streams 65: want 0 (the default) to 64"},
-		{args: []string{"serve", "--cluster", "etcd://127.0.0.1:9", "--cluster-secret", filepath.Join(dir, "absent"), "--cluster-lanes", "17", "--socket", none}, code: 1, want: "--cluster-lanes 17: want 0 (one) to 16"},
-		{args: []string{"serve", "--cluster", "etcd://127.0.0.1:9", "--cluster-secret", filepath.Join(dir, "absent"), "--cluster-chunk", "3MiB", "--socket", none}, code: 1, want: "--cluster-chunk 3 MiB: want 0 (the default) or a power of two from 64KiB to 1GiB"},
-		{args: []string{"serve", "--cluster", "etcd://127.0.0.1:9", "--cluster-secret", filepath.Join(dir, "absent"), "--cluster-chunk", "2GiB", "--socket", none}, code: 1, want: "--cluster-chunk 2 GiB: want 0 (the default) or a power of two"},
-		{args: []string{"serve", "--cluster", "etcd://127.0.0.1:9", "--cluster-secret", filepath.Join(dir, "absent"), "--cluster-gpu-publish", "later", "--socket", none}, code: 2, want: "--cluster-gpu-publish must be one of"},
+		{args: []string{"serve", "--cluster", "etcd://127.0.0.1:9", "--cluster-secret", filepath.Join(dir, "absent"), "--experimental-cluster-streams", "65", "--socket", none}, code: 1, want: "experimental-cluster-streams = 65: want 0 (the default) to 64"},
+		{args: []string{"serve", "--cluster", "etcd://127.0.0.1:9", "--cluster-secret", filepath.Join(dir, "absent"), "--experimental-cluster-lanes", "17", "--socket", none}, code: 1, want: "experimental-cluster-lanes = 17: want 0 (one) to 16"},
+		{args: []string{"serve", "--cluster", "etcd://127.0.0.1:9", "--cluster-secret", filepath.Join(dir, "absent"), "--experimental-cluster-chunk", "3MiB", "--socket", none}, code: 1, want: "experimental-cluster-chunk = 3 MiB: want 0 (the default) or a power of two from 64KiB to 1GiB"},
+		{args: []string{"serve", "--cluster", "etcd://127.0.0.1:9", "--cluster-secret", filepath.Join(dir, "absent"), "--experimental-cluster-chunk", "2GiB", "--socket", none}, code: 1, want: "experimental-cluster-chunk = 2 GiB: want 0 (the default) or a power of two"},
+		{args: []string{"serve", "--cluster", "etcd://127.0.0.1:9", "--cluster-secret", filepath.Join(dir, "absent"), "--experimental-cluster-gpu-publish", "later", "--socket", none}, code: 2, want: "--experimental-cluster-gpu-publish must be one of"},
 		{args: []string{"dump", "--region", "xyz"}, code: 2, want: "docs/region.md"},
 		{args: []string{"dump", "--region", `{"version":"x"}`}, code: 2, want: "docs/region.md"},
 		{args: []string{"dump", "--region", `{"version":1,"device":"bad"}`}, code: 2, want: "GPU UUID"},
@@ -159,10 +159,10 @@ func TestDoctorWithoutDriver(t *testing.T) {
 }
 
 // TestQuotaFullNamesTheQuota: a put over the uid's quota says that the
-// quota is full and which flag sets it, with the LIMIT code, and does not
+// quota is full and which setting sets it, with the LIMIT code, and does not
 // send the user to --capacity (the store has room).
 func TestQuotaFullNamesTheQuota(t *testing.T) {
-	sock := serve(t, "--backend", "host", "--capacity", "64MiB", "--quota", "1MiB")
+	sock := serve(t, "--backend", "host", "--capacity", "64MiB", "--config", writeConfig(t, "quota = \"1MiB\"\n"))
 	file := filepath.Join(t.TempDir(), "in")
 	data := make([]byte, 2<<20)
 	if _, err := rand.Read(data); err != nil {
@@ -177,7 +177,7 @@ func TestQuotaFullNamesTheQuota(t *testing.T) {
 	}
 	msg := Message(err)
 	if !errors.Is(err, client.ErrLimit) || ExitCode(err) != 1 || !strings.Contains(msg, "uid") || !strings.Contains(msg, "quota") ||
-		!strings.Contains(msg, "serve --quota") || strings.Contains(msg, "--capacity") || strings.Contains(msg, "\n") {
+		!strings.Contains(msg, "quota setting") || strings.Contains(msg, "--capacity") || strings.Contains(msg, "\n") {
 		t.Fatalf("put over the quota: %q (exit %d, LIMIT %v)", msg, ExitCode(err), errors.Is(err, client.ErrLimit))
 	}
 	t.Log(msg)

@@ -46,9 +46,8 @@ func (f *lsClusterFlags) list(g *Globals, asJSON bool) error {
 	if f.Etcd == "" || f.ClusterSecret == "" {
 		return errors.New("ls --cluster needs --etcd URL and --cluster-secret FILE (or $CUDAIPC_CLUSTER and $CUDAIPC_CLUSTER_SECRET)")
 	}
-	cf := clusterFlags{Cluster: f.Etcd, ClusterSecret: f.ClusterSecret, Node: "cudaipc-ls", ClusterPrefix: f.ClusterPrefix,
-		EtcdCA: f.EtcdCA, EtcdCert: f.EtcdCert, EtcdKey: f.EtcdKey}
-	dc, err := cf.directoryConfig()
+	dc, err := directoryConfig(&daemonConfig{Cluster: f.Etcd, ClusterSecret: f.ClusterSecret, Node: "cudaipc-ls", ClusterPrefix: f.ClusterPrefix,
+		EtcdCA: f.EtcdCA, EtcdCert: f.EtcdCert, EtcdKey: f.EtcdKey})
 	if err != nil {
 		return fmt.Errorf("ls --cluster (--etcd): %w", err)
 	}

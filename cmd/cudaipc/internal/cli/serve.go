@@ -15,29 +15,55 @@ import (
 	"github.com/cudaipc/cudaipc/store"
 )
 
+// serveCmd runs the daemon. Its flags are the settings an operator picks
+// per machine; every setting, these included, can also come from the file
+// of --config (serve_config.go), which the flags override.
 type serveCmd struct {
-	Backend      string        `default:"auto" enum:"auto,cuda,host" help:"Memory backend: auto (cuda where the CUDA driver sees a GPU, else host), cuda (GPU objects, named by UUID, and host ones; fails without a GPU) or host."`
-	GPUShare     string        `name:"gpu-share" default:"ipc" enum:"ipc,fd" help:"How GPU arenas reach clients: ipc (legacy CUDA IPC, clients in the daemon's PID namespace only) or fd (VMM memory sent as file descriptors: clients in other containers too)."`
-	Capacity     bytesize.Size `default:"0" help:"Bytes of memory per device (host, and each GPU) the store may use, e.g. 4GiB (0: 1 GiB)." placeholder:"BYTES"`
-	AllowUID     []uint32      `name:"allow-uid" help:"Also admit this uid (repeatable; the daemon's own uid and root are always admitted)." placeholder:"N"`
-	AllowGID     []uint32      `name:"allow-gid" help:"Also admit members of this gid (repeatable)." placeholder:"N"`
-	Metrics      string        `help:"Serve Prometheus metrics on ADDR at /metrics; a bare port (9464 or :9464) binds loopback only." placeholder:"ADDR"`
-	NoEvict      bool          `name:"no-evict" help:"Never evict sealed, unleased objects to make room; creation fails with 'store full' instead."`
-	KeepVersions int           `name:"keep-versions" default:"1" help:"Keep this many newest versions of each versioned name without leases (a name may set its own)."`
-	MaxObjects   int           `name:"max-objects" default:"0" help:"Most unsealed+sealed objects one client may create (0: default 4096)." placeholder:"N"`
-	MaxLeases    int           `name:"max-leases" default:"0" help:"Most leases one client may hold at once (0: default 65536)." placeholder:"N"`
-	MaxConns     int           `name:"max-conns" default:"0" help:"Most connections served at once; more get a LIMIT error (0: default 4096, or half the descriptor limit if lower)." placeholder:"N"`
-	Quota        bytesize.Size `default:"0" help:"Bytes each uid's objects may take on each device (host, and each GPU); a user's creates evict only that user's objects (0: a fair share, the capacity divided by the uids admitted: all of it when only the daemon's uid uses it)." placeholder:"BYTES"`
-	KeepArenas   bytesize.Size `name:"keep-arenas" default:"0" help:"Bytes of empty GPU arenas each GPU keeps for their owner's next objects, so that a put after the last object went costs no allocation or import (0: up to the capacity; they give their room back to any create that needs it)." placeholder:"BYTES"`
-	NoKeepArenas bool          `name:"no-keep-arenas" help:"Give empty GPU arenas back at once (see --keep-arenas)."`
-	Spin         time.Duration `default:"50us" help:"How long each connection keeps polling for the client's next request before sleeping: a request that comes within it costs no wake-up, at the cost of up to this much CPU per request (0: never poll)." placeholder:"D"`
-	MaxConnsUID  int           `name:"max-conns-per-uid" default:"0" help:"Most connections of one uid, root's included (0: default 1024). Uids the daemon does not admit are closed at once and never count." placeholder:"N"`
-	MaxObjUID    int           `name:"max-objects-per-uid" default:"0" help:"Most objects of one uid over all its connections: drafts, sealed, and deleted ones still leased (0: default 65536)." placeholder:"N"`
-	MaxFDs       int           `name:"max-fds" default:"0" help:"Most descriptors the daemon keeps for objects: two per host arena, one per VMM GPU arena, manifest and registered piece (0: half of what the descriptor limit leaves beside --max-conns)." placeholder:"N"`
-	MaxFDsUID    int           `name:"max-fds-per-uid" default:"0" help:"Most descriptors the daemon keeps for one uid's objects (0: a fair share of --max-fds among the uids admitted)." placeholder:"N"`
-	CPUProfile   string        `name:"cpu-profile" help:"Write a CPU profile of the daemon, from its start until it stops, to FILE (for 'go tool pprof'): where a node's CPU goes while it serves and pulls." placeholder:"FILE" type:"path"`
+	Config      string `help:"Read settings from this TOML file (docs/configuration.md); flags override it." placeholder:"FILE" type:"path"`
+	PrintConfig bool   `name:"print-config" help:"Print the settings serve would run with (defaults, then --config, then flags) as a config file, and exit."`
 
-	clusterFlags `embed:""` // serve_cluster.go
+	Backend  *string        `enum:"auto,cuda,host" help:"Memory backend: auto (cuda where the CUDA driver sees a GPU, else host; the default), cuda (GPU objects, named by UUID, and host ones; fails without a GPU) or host." placeholder:"auto|cuda|host"`
+	GPUShare *string        `name:"gpu-share" enum:"ipc,fd" help:"How GPU arenas reach clients: ipc (the default: CUDA IPC, clients in the daemon's PID namespace only) or fd (VMM memory sent as file descriptors: clients in other containers too)." placeholder:"ipc|fd"`
+	Capacity *bytesize.Size `help:"Bytes of memory per device (host, and each GPU) the store may use, e.g. 4GiB (default 1GiB)." placeholder:"BYTES"`
+	AllowUID []uint32       `name:"allow-uid" help:"Also admit this uid (repeatable; the daemon's own uid and root are always admitted)." placeholder:"N"`
+	AllowGID []uint32       `name:"allow-gid" help:"Also admit members of this gid (repeatable)." placeholder:"N"`
+
+	clusterFlags      `embed:""` // serve_cluster.go
+	experimentalFlags `embed:""`
+	deprecatedFlags   `embed:""`
+}
+
+// experimentalFlags set the experimental- settings: tuning that may change
+// or go away, hidden from the help.
+type experimentalFlags struct {
+	Spin              *time.Duration `name:"experimental-spin" hidden:""`
+	KeepArenas        *keptBytes     `name:"experimental-keep-arenas" hidden:""`
+	CPUProfile        *string        `name:"experimental-cpu-profile" hidden:"" type:"path"`
+	ClusterStreams    *int           `name:"experimental-cluster-streams" hidden:""`
+	ClusterLanes      *int           `name:"experimental-cluster-lanes" hidden:""`
+	ClusterRead       *string        `name:"experimental-cluster-read" hidden:"" enum:"fetch,get"`
+	ClusterChecksums  *string        `name:"experimental-cluster-checksums" hidden:"" enum:"auto,host"`
+	ClusterChunk      *bytesize.Size `name:"experimental-cluster-chunk" hidden:""`
+	ClusterGPUPublish *string        `name:"experimental-cluster-gpu-publish" hidden:"" enum:"early,staged"`
+}
+
+// deprecatedFlags are the earlier flags of settings that now live in the
+// config file, still accepted, with a warning, so that unit files written
+// for them keep working.
+type deprecatedFlags struct {
+	Metrics          *string        `name:"metrics" hidden:""`
+	NoEvict          *bool          `name:"no-evict" hidden:""`
+	KeepVersions     *int           `name:"keep-versions" hidden:""`
+	Quota            *bytesize.Size `name:"quota" hidden:""`
+	MaxConns         *int           `name:"max-conns" hidden:""`
+	MaxConnsPerUID   *int           `name:"max-conns-per-uid" hidden:""`
+	MaxObjects       *int           `name:"max-objects" hidden:""`
+	MaxObjectsPerUID *int           `name:"max-objects-per-uid" hidden:""`
+	MaxLeases        *int           `name:"max-leases" hidden:""`
+	MaxFDs           *int           `name:"max-fds" hidden:""`
+	MaxFDsPerUID     *int           `name:"max-fds-per-uid" hidden:""`
+	ClusterPrefix    *string        `name:"cluster-prefix" hidden:""`
+	UCXLib           *string        `name:"ucx-lib" hidden:""`
 }
 
 func (c *serveCmd) Help() string {
@@ -46,50 +72,105 @@ func (c *serveCmd) Help() string {
 The socket is --socket, else $CUDAIPC_SOCKET, else $XDG_RUNTIME_DIR/cudaipc/store.sock,
 else /run/cudaipc/store.sock for root and /tmp/cudaipc-<uid>/store.sock for others.
 Only the daemon's uid and root may connect unless --allow-uid/--allow-gid admit others.
-Objects are private to their creator's uid unless created shared ('cudaipc put --shared').`
+Objects are private to their creator's uid unless created shared ('cudaipc put --shared').
+
+Limits, metrics and tuning are set in the file of --config; 'cudaipc serve --print-config'
+prints every setting with its value, and docs/configuration.md describes them.`
+}
+
+// settings is the configuration serve runs with: the defaults, then the
+// file of --config, then the flags given.
+func (c *serveCmd) settings(g *Globals) (daemonConfig, error) {
+	cfg := defaultConfig()
+	if c.Config != "" {
+		if err := loadConfigFile(c.Config, &cfg); err != nil {
+			return cfg, err
+		}
+	}
+	set(&cfg.Backend, c.Backend)
+	set(&cfg.GPUShare, c.GPUShare)
+	set(&cfg.Capacity, c.Capacity)
+	if c.AllowUID != nil {
+		cfg.AllowUID = c.AllowUID
+	}
+	if c.AllowGID != nil {
+		cfg.AllowGID = c.AllowGID
+	}
+	c.clusterFlags.apply(&cfg)
+
+	e := &c.experimentalFlags
+	set(&cfg.Spin, e.Spin)
+	set(&cfg.KeepArenas, e.KeepArenas)
+	set(&cfg.CPUProfile, e.CPUProfile)
+	set(&cfg.ClusterStreams, e.ClusterStreams)
+	set(&cfg.ClusterLanes, e.ClusterLanes)
+	set(&cfg.ClusterRead, e.ClusterRead)
+	set(&cfg.ClusterChecksums, e.ClusterChecksums)
+	set(&cfg.ClusterChunk, e.ClusterChunk)
+	set(&cfg.ClusterGPUPublish, e.ClusterGPUPublish)
+
+	d := &c.deprecatedFlags
+	old := func(flag, key string, given bool) {
+		if given {
+			g.log.Warn("serve --" + flag + " is deprecated: set " + key + " in the file of --config instead")
+		}
+	}
+	old("metrics", "metrics", set(&cfg.Metrics, d.Metrics))
+	if d.NoEvict != nil {
+		cfg.Evict = !*d.NoEvict
+		old("no-evict", "evict = false", true)
+	}
+	old("keep-versions", "keep-versions", set(&cfg.KeepVersions, d.KeepVersions))
+	old("quota", "quota", set(&cfg.Quota, d.Quota))
+	old("max-conns", "max-conns", set(&cfg.MaxConns, d.MaxConns))
+	old("max-conns-per-uid", "max-conns-per-uid", set(&cfg.MaxConnsPerUID, d.MaxConnsPerUID))
+	old("max-objects", "max-objects", set(&cfg.MaxObjects, d.MaxObjects))
+	old("max-objects-per-uid", "max-objects-per-uid", set(&cfg.MaxObjectsPerUID, d.MaxObjectsPerUID))
+	old("max-leases", "max-leases", set(&cfg.MaxLeases, d.MaxLeases))
+	old("max-fds", "max-fds", set(&cfg.MaxFDs, d.MaxFDs))
+	old("max-fds-per-uid", "max-fds-per-uid", set(&cfg.MaxFDsPerUID, d.MaxFDsPerUID))
+	old("cluster-prefix", "cluster-prefix", set(&cfg.ClusterPrefix, d.ClusterPrefix))
+	old("ucx-lib", "ucx-lib", set(&cfg.UCXLib, d.UCXLib))
+	return cfg, cfg.validate()
+}
+
+// set overrides *dst with a flag's value, if the flag was given, and
+// reports whether it was.
+func set[T any](dst *T, flag *T) bool {
+	if flag == nil {
+		return false
+	}
+	*dst = *flag
+	return true
 }
 
 func (c *serveCmd) Run(g *Globals) error {
-	if c.Capacity < 0 || c.Quota < 0 || c.KeepArenas < 0 || c.MaxObjects < 0 || c.MaxLeases < 0 || c.MaxConns < 0 || c.MaxConnsUID < 0 ||
-		c.MaxObjUID < 0 || c.MaxFDs < 0 || c.MaxFDsUID < 0 {
-		return errors.New("--capacity, --quota, --keep-arenas, --max-objects, --max-leases, --max-conns, --max-conns-per-uid, --max-objects-per-uid, --max-fds and --max-fds-per-uid must not be negative")
+	cfg, err := c.settings(g)
+	if err != nil {
+		return err
 	}
-	if c.CPUProfile != "" {
-		stop, err := startCPUProfile(c.CPUProfile)
+	if c.PrintConfig {
+		return printConfig(g.stdout, cfg)
+	}
+	if cfg.CPUProfile != "" {
+		stop, err := startCPUProfile(cfg.CPUProfile)
 		if err != nil {
 			return err
 		}
 		defer stop()
 	}
-	cn, err := c.startCluster(g.Context(), g)
+	cn, err := startCluster(g.Context(), g, &cfg)
 	if err != nil {
 		return err
 	}
 	if cn != nil {
 		defer cn.Close()
 	}
-	st, err := store.New(store.Config{
-		Backend:             c.Backend,
-		GPUShare:            c.GPUShare,
-		Capacity:            int64(c.Capacity),
-		NoEvict:             c.NoEvict,
-		KeepVersions:        c.KeepVersions,
-		AllowUIDs:           c.AllowUID,
-		AllowGIDs:           c.AllowGID,
-		MaxObjectsPerClient: c.MaxObjects,
-		MaxLeasesPerClient:  c.MaxLeases,
-		MaxConns:            c.MaxConns,
-		Quota:               int64(c.Quota),
-		KeepArenas:          keepArenas(int64(c.KeepArenas), c.NoKeepArenas),
-		MaxConnsPerUID:      c.MaxConnsUID,
-		MaxObjectsPerUID:    c.MaxObjUID,
-		MaxFDs:              c.MaxFDs,
-		MaxFDsPerUID:        c.MaxFDsUID,
-		Spin:                spinConfig(c.Spin),
-		Logger:              g.log,
-		Cluster:             clusterHook(cn),
-		Registerer:          clusterRegistry(cn),
-	})
+	sc := cfg.storeConfig()
+	sc.Logger = g.log
+	sc.Cluster = clusterHook(cn)
+	sc.Registerer = clusterRegistry(cn)
+	st, err := store.New(sc)
 	if err != nil {
 		return err
 	}
@@ -102,8 +183,8 @@ func (c *serveCmd) Run(g *Globals) error {
 
 	ctx, cancel := context.WithCancel(g.Context())
 	defer cancel()
-	if c.Metrics != "" {
-		stop, err := serveMetrics(ctx, g, metricsAddr(c.Metrics), st.MetricsHandler())
+	if cfg.Metrics != "" {
+		stop, err := serveMetrics(ctx, g, metricsAddr(cfg.Metrics), st.MetricsHandler())
 		if err != nil {
 			return err
 		}
@@ -127,25 +208,16 @@ func (c *serveCmd) Run(g *Globals) error {
 func startCPUProfile(path string) (stop func(), err error) {
 	f, err := os.Create(path)
 	if err != nil {
-		return nil, fmt.Errorf("serve --cpu-profile: %w", err)
+		return nil, fmt.Errorf("serve experimental-cpu-profile: %w", err)
 	}
 	if err := pprof.StartCPUProfile(f); err != nil {
 		f.Close()
-		return nil, fmt.Errorf("serve --cpu-profile: %w", err)
+		return nil, fmt.Errorf("serve experimental-cpu-profile: %w", err)
 	}
 	return func() {
 		pprof.StopCPUProfile()
 		f.Close()
 	}, nil
-}
-
-// spinConfig maps --spin (0: never poll) to store.Config.Spin (0: the
-// default; negative: never).
-func spinConfig(d time.Duration) time.Duration {
-	if d <= 0 {
-		return -1
-	}
-	return d
 }
 
 // metricsAddr binds a bare port to loopback: metrics are for the node's
@@ -163,7 +235,7 @@ func metricsAddr(a string) string {
 func serveMetrics(ctx context.Context, g *Globals, addr string, h http.Handler) (stop func(), err error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return nil, fmt.Errorf("serve: metrics address %s: %w: pick another --metrics address", addr, err)
+		return nil, fmt.Errorf("serve: metrics address %s: %w: pick another metrics address", addr, err)
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", h)
@@ -179,12 +251,4 @@ func serveMetrics(ctx context.Context, g *Globals, addr string, h http.Handler) 
 		defer cancel()
 		_ = srv.Shutdown(sctx)
 	}, nil
-}
-
-// keepArenas is store.Config.KeepArenas for --keep-arenas and --no-keep-arenas.
-func keepArenas(n int64, off bool) int64 {
-	if off {
-		return -1
-	}
-	return n
 }

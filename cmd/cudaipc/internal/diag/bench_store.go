@@ -46,7 +46,7 @@ It reports rates, p50/p99 latencies and their ratios to the floor.
 With --socket (or CUDAIPC_SOCKET) it measures that running daemon; without, it
 runs an embedded store in this process. The clients poll for their replies as
 any client does (50µs; CUDAIPC_SPIN=0 turns it off), the daemon for requests
-as its 'serve --spin' says (the embedded store: 50µs).`
+as its experimental-spin setting says (the embedded store: 50µs).`
 }
 
 // benchPath is the measurement of one path.

@@ -23,7 +23,7 @@ import (
 // and says what to fix when it cannot: 'cudaipc doctor'.
 type DoctorCmd struct {
 	JSON   bool   `help:"Print the checks as a JSON array."`
-	UCXLib string `name:"ucx-lib" help:"Check this libucp.so.0 instead of the system's (as serve --ucx-lib uses it)." placeholder:"PATH"`
+	UCXLib string `name:"ucx-lib" help:"Check this libucp.so.0 instead of the system's (as the daemon's ucx-lib setting uses it)." placeholder:"PATH"`
 	// The cluster directory to check, as serve's flags name it.
 	Cluster       string `help:"Check that this cluster directory answers: etcd://HOST:PORT[,HOST:PORT...] (etcds:// for TLS), as serve --cluster takes it." placeholder:"URL" env:"CUDAIPC_CLUSTER"`
 	ClusterSecret string `name:"cluster-secret" help:"With --cluster: the cluster secret file, to verify every node and object record in etcd with it (without it the keys are only counted)." placeholder:"FILE" env:"CUDAIPC_CLUSTER_SECRET"`

@@ -37,10 +37,10 @@ func ucxCheck(lib string) (name, status, detail string) {
 	for _, x := range r.Resources {
 		res = append(res, x.String())
 	}
-	gpu := "GPU objects: the staging path (holders checksum an object on its GPU, publish it, then copy it device→host into a pinned buffer registered with UCX, readers' fetches waiting for the slices not copied yet; readers land chunks in pinned memory, copy them host→device and check them on their GPU), since this UCX registers host memory only; a UCX built with CUDA, given with --ucx-lib, registers GPU arenas directly"
+	gpu := "GPU objects: the staging path (holders checksum an object on its GPU, publish it, then copy it device→host into a pinned buffer registered with UCX, readers' fetches waiting for the slices not copied yet; readers land chunks in pinned memory, copy them host→device and check them on their GPU), since this UCX registers host memory only; a UCX built with CUDA, given with the ucx-lib setting, registers GPU arenas directly"
 	if r.CanRegisterCUDA() {
 		gpu = "GPU objects: holders register GPU arenas with UCX directly (UCX reports CUDA memory; GPUDirect RDMA where UCX_TLS and the NIC allow); readers land chunks in pinned memory, copy them host→device and check them on their GPU"
 	}
-	reads := "reads: fetches (the holder sends the bytes of an exposure's window by UCX rendezvous; a daemon that reads so answers no GETs, which over tcp UCX would answer for any address); serve --cluster-read get reads with, and answers, GETs"
+	reads := "reads: fetches (the holder sends the bytes of an exposure's window by UCX rendezvous; a daemon that reads so answers no GETs, which over tcp UCX would answer for any address); a daemon of experimental-cluster-read = get reads with, and answers, GETs"
 	return name, "ok", fmt.Sprintf("UCX %s from %s (chosen by %s); transports %s; %s; %s", r.Version, r.Library, why, strings.Join(res, " "), gpu, reads)
 }
