@@ -181,7 +181,7 @@ func TestServeHelpFlags(t *testing.T) {
 	}
 	global := map[string]bool{"help": true, "socket": true, "log-level": true, "version": true}
 	var own []string
-	for _, m := range regexp.MustCompile(`(?m)^\s+(?:-\w, )?--([a-z0-9-]+)`).FindAllStringSubmatch(out, -1) {
+	for _, m := range regexp.MustCompile(`(?m)^  (?:-\w, |    )--([a-z0-9-]+)`).FindAllStringSubmatch(out, -1) {
 		if !global[m[1]] {
 			own = append(own, m[1])
 		}
