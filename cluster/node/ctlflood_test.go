@@ -80,9 +80,13 @@ func startProcDaemon(t *testing.T, srv *etcdtest.Server, dir, secretFile, name s
 	sock := filepath.Join(dir, name+".sock")
 	// No --cluster-listen: the control port listens where it is
 	// advertised, on 127.0.0.1 only.
-	d.cmd = exec.Command(bin, "--socket", sock, "serve", "--backend", "host", "--capacity", "256MiB",
-		"--cluster", "etcd://"+srv.HostPort(), "--cluster-prefix", "/t/"+t.Name()+"/", "--node", name,
-		"--cluster-secret", secretFile, "--cluster-advertise", d.adv, "--cluster-lanes", "1")
+	config := filepath.Join(dir, name+".toml")
+	if err := os.WriteFile(config, []byte("cluster-prefix = \"/t/"+t.Name()+"/\"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d.cmd = exec.Command(bin, "--socket", sock, "serve", "--backend", "host", "--capacity", "256MiB", "--config", config,
+		"--cluster", "etcd://"+srv.HostPort(), "--node", name,
+		"--cluster-secret", secretFile, "--cluster-advertise", d.adv, "--experimental-cluster-lanes", "1")
 	d.cmd.Env = append(os.Environ(), testutil.UCXLoopbackEnv...)
 	d.cmd.Stdout, d.cmd.Stderr = f, f
 	d.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}

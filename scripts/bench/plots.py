@@ -143,7 +143,7 @@ def cross_node(data, out):
         ax.plot([i - 0.12] * len(defaults), defaults, "o", color=CUDAIPC, label="cudaipc, defaults (8 lanes)" if i == 0 else None)
         if lanes:
             ax.plot([i + 0.12] * len(lanes), lanes, "s", color=CUDAIPC, mfc="none",
-                    label="cudaipc, --cluster-lanes 16" if i == 0 else None)
+                    label="cudaipc, --experimental-cluster-lanes 16" if i == 0 else None)
         ax.plot([i] * len(gloo), gloo, "x", color="#d62728", label="torch.distributed, gloo" if i == 0 else None)
     ax.set_xticks(range(len(calls)), ["device call %s" % c for c in calls])
     ax.set_ylim(0, 25)

@@ -102,7 +102,7 @@ func TestClusterExitCodes(t *testing.T) {
 	}
 	const prefix = "/cli-codes/"
 	sock := serve(t, "--cluster", "etcd://"+strings.TrimPrefix(url, "http://"), "--cluster-secret", secret, "--node", "n1",
-		"--cluster-listen", "127.0.0.1:0", "--cluster-prefix", prefix, "--cluster-lanes", "1")
+		"--cluster-listen", "127.0.0.1:0", "--config", writeConfig(t, "cluster-prefix = \""+prefix+"\"\n"), "--experimental-cluster-lanes", "1")
 	ec, err := clientv3.New(clientv3.Config{Endpoints: []string{url}, DialTimeout: 5 * time.Second})
 	if err != nil {
 		t.Fatal(err)
