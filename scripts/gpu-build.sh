@@ -19,7 +19,7 @@
 #   .gpu/tools/bin/ucx_perftest   a wrapper running Debian's ucx_perftest (UCX 1.13) with
 #                                 the libraries below
 #   .gpu/tools/ucx113/lib/        Debian's libucp/libuct/libucs/libucm 1.13 and their
-#                                 modules (ucx/), for cudaipc's CUDAIPC_LIBUCP / --ucx-lib,
+#                                 modules (ucx/), for cudaipc's CUDAIPC_LIBUCP / ucx-lib setting,
 #                                 so the daemons and ucx_perftest run the same UCX
 # NO_TOOLS=1 leaves them out (~6.5 MB).
 set -euo pipefail
