@@ -269,3 +269,18 @@ func TestConfigDocumented(t *testing.T) {
 		t.Errorf("docs/configuration.md has a row for %s, which is no setting", key)
 	}
 }
+
+// experimental-keep-arenas and experimental-spin reach the store in its
+// own terms: "capacity" is its 0, a 0 of the setting its "none".
+func TestStoreConfigMapping(t *testing.T) {
+	for k, want := range map[keptBytes]int64{keepCapacity: 0, 0: -1, 64 << 20: 64 << 20} {
+		if got := storeKeepArenas(k); got != want {
+			t.Errorf("storeKeepArenas(%d) = %d, want %d", k, got, want)
+		}
+	}
+	for d, want := range map[time.Duration]time.Duration{0: -1, 50 * time.Microsecond: 50 * time.Microsecond} {
+		if got := storeSpin(d); got != want {
+			t.Errorf("storeSpin(%v) = %v, want %v", d, got, want)
+		}
+	}
+}
