@@ -77,6 +77,10 @@ type Device struct {
 	crcOnce sync.Once // crc32c.go
 	crc     *crcKernel
 	crcErr  error
+
+	gatherOnce sync.Once // gather.go
+	gather     *gatherKernel
+	gatherErr  error
 }
 
 var deviceTable struct {
