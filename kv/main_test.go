@@ -12,6 +12,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/internal/testutil"
 	"github.com/cudaipc/cudaipc/kv"
@@ -29,6 +30,9 @@ func roleDaemon(*testutil.Peer) error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
 	cfg := store.Config{Backend: "host"}
+	if b := os.Getenv("BACKEND"); b != "" {
+		cfg.Backend = b
+	}
 	for _, f := range strings.Fields(os.Getenv("ALLOW_UIDS")) {
 		u, _ := strconv.ParseUint(f, 10, 32)
 		cfg.AllowUIDs = append(cfg.AllowUIDs, uint32(u))
@@ -48,9 +52,11 @@ type engineMsg struct {
 	Done string `json:"done,omitempty"`
 }
 
-// roleEngine registers the host space NAME of layout LAYOUT (testSpace),
-// region i filled with random bytes of SEED+i, says its description, then
-// obeys "close" (closes the space) until its input ends.
+// roleEngine registers the space NAME of layout LAYOUT (testLayout),
+// region i filled with random bytes of SEED+i, in host memory or, with
+// GPU=vmm or GPU=legacy, in GPU 0's memory (VMM memory shared by
+// descriptor, or cudaMalloc memory); it says its description, then obeys
+// "close" (closes the space) until its input ends.
 func roleEngine(p *testutil.Peer) error {
 	ctx := context.Background()
 	c, err := client.Dial(ctx, os.Getenv("SOCK"))
@@ -65,12 +71,25 @@ func roleEngine(p *testutil.Peer) error {
 	layout, sizes := testLayout(os.Getenv("LAYOUT"), layers, blocks, bytes)
 	local := &kv.Local{Layout: layout}
 	for i, n := range sizes {
+		data := testutil.RandomBytes(seed+uint64(i), int(n))
+		if os.Getenv("GPU") != "" {
+			m, free, err := gpuMemory(os.Getenv("GPU"), n)
+			if err != nil {
+				return err
+			}
+			defer free()
+			if err := m.Device.CopyToDevice(m.Ptr, data); err != nil {
+				return err
+			}
+			local.Memory = append(local.Memory, m)
+			continue
+		}
 		h, err := kv.AllocHost(n)
 		if err != nil {
 			return err
 		}
 		defer h.Close()
-		copy(h.Bytes(), testutil.RandomBytes(seed+uint64(i), int(n)))
+		copy(h.Bytes(), data)
 		local.Memory = append(local.Memory, h.Memory())
 	}
 	sp, err := kv.Register(ctx, c, os.Getenv("NAME"), local, client.RegisterOptions{Shared: os.Getenv("SHARED") == "1"})
@@ -243,4 +262,25 @@ func roleReader(p *testutil.Peer) error {
 		all = append(all, m.Host...)
 	}
 	return p.Send(readerMsg{Sum: testutil.Sum(all)})
+}
+
+// gpuMemory allocates n bytes of GPU 0's memory: VMM memory shared by
+// descriptor (kind "vmm") or cudaMalloc memory ("legacy").
+func gpuMemory(kind string, n int64) (kv.Memory, func(), error) {
+	dev, err := cudaipc.DeviceByOrdinal(0)
+	if err != nil {
+		return kv.Memory{}, nil, err
+	}
+	if kind == "vmm" {
+		b, err := dev.AllocShareable(n)
+		if err != nil {
+			return kv.Memory{}, nil, err
+		}
+		return kv.Memory{Device: dev, Ptr: b.Ptr(), Size: n}, func() { b.Free() }, nil
+	}
+	b, err := dev.Alloc(n)
+	if err != nil {
+		return kv.Memory{}, nil, err
+	}
+	return kv.Memory{Device: dev, Ptr: b.Ptr(), Size: n}, func() { b.Free() }, nil
 }

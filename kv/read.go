@@ -5,7 +5,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 
+	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/client"
 )
 
@@ -21,8 +23,8 @@ var (
 	ErrMismatch = errors.New("kv: layouts do not match")
 	// ErrStale: the description names an earlier registration of the space.
 	ErrStale = errors.New("kv: the space was registered again since this description")
-	// ErrNotSupported: a read this version cannot do (host to GPU memory,
-	// GPUs of two devices).
+	// ErrNotSupported: a read this version cannot do (between host and GPU
+	// memory, or between two GPUs).
 	ErrNotSupported = errors.New("kv: not supported")
 )
 
@@ -155,7 +157,8 @@ type readPlan struct {
 	desc         []byte // the source's description, as its regions must carry it
 	first, count int
 	runs         []run
-	regions      []int // the source regions the layers use
+	regions      []int           // the source regions the layers use
+	gpu          *cudaipc.Device // the GPU of every region the read touches; nil: host memory
 }
 
 func plan(r Request) (*readPlan, error) {
@@ -206,9 +209,13 @@ func plan(r Request) (*readPlan, error) {
 			if src[i].Bytes != dst[i].Bytes {
 				return nil, fmt.Errorf("%w: layer %d part %d: blocks of %d bytes in the source, %d in the destination", ErrMismatch, l, i, src[i].Bytes, dst[i].Bytes)
 			}
-			if r.Src.Regions[src[i].Region].Device != "host" || r.Dst.Memory[dst[i].Region].Device != nil {
-				return nil, fmt.Errorf("%w: layer %d part %d: a read between %s and %s memory (this version reads host memory into host memory)",
-					ErrNotSupported, l, i, r.Src.Regions[src[i].Region].Device, r.Dst.Memory[dst[i].Region].device())
+			sdev, dm := r.Src.Regions[src[i].Region].Device, r.Dst.Memory[dst[i].Region]
+			if l == r.First && i == 0 {
+				p.gpu = dm.Device
+			}
+			if sdev != dm.device() || dm.Device != p.gpu {
+				return nil, fmt.Errorf("%w: layer %d part %d: a read from %s memory into %s memory, in a read into %s memory (this version reads host memory into host memory, and a GPU's memory into its own)",
+					ErrNotSupported, l, i, sdev, dm.device(), p.where())
 			}
 			used[src[i].Region] = true
 		}
@@ -221,24 +228,49 @@ func plan(r Request) (*readPlan, error) {
 	return p, nil
 }
 
+func (p *readPlan) where() string {
+	if p.gpu == nil {
+		return "host"
+	}
+	return p.gpu.UUID().String()
+}
+
 // read leases the source regions, copies layer by layer (closing
 // layers[i] as layer first+i completes) and releases the leases.
 func (p *readPlan) read(ctx context.Context, c *client.Client, layers []chan struct{}) (err error) {
 	fail := func(layer int, err error) error {
 		return &BlockError{Space: p.Src.Name, Layer: layer, Blocks: p.DstBlocks, Err: err}
 	}
+	// The regions' leases are asked for at once, and released at once:
+	// their round trips overlap.
+	leases := make([]*client.Lease, len(p.Src.Regions))
+	errs := make([]error, len(p.Src.Regions))
+	var wg sync.WaitGroup
+	for _, i := range p.regions {
+		wg.Go(func() { leases[i], errs[i] = lease(ctx, c, p.Src, i, p.desc) })
+	}
+	wg.Wait()
+	defer func() {
+		for _, i := range p.regions {
+			if leases[i] != nil {
+				wg.Go(func() { errs[i] = leases[i].Release() })
+			}
+		}
+		wg.Wait()
+		if rerr := errors.Join(errs...); rerr != nil && err == nil {
+			err = fail(p.first+p.count, rerr)
+		}
+	}()
+	if err := errors.Join(errs...); err != nil {
+		clear(errs)
+		return fail(p.first, err)
+	}
+	if p.gpu != nil {
+		return p.gather(leases, layers, fail)
+	}
 	src := make([][]byte, len(p.Src.Regions))
 	for _, i := range p.regions {
-		l, err := lease(ctx, c, p.Src, i, p.desc)
-		if err != nil {
-			return fail(p.first, err)
-		}
-		defer func() {
-			if rerr := l.Release(); rerr != nil && err == nil {
-				err = fail(p.first+p.count, rerr)
-			}
-		}()
-		src[i] = l.Bytes()
+		src[i] = leases[i].Bytes()
 	}
 	for l := p.first; l < p.first+p.count; l++ {
 		if err := ctx.Err(); err != nil {
@@ -260,6 +292,36 @@ func (p *readPlan) read(ctx context.Context, c *client.Client, layers []chan str
 			}
 		}
 		close(layers[l-p.first])
+	}
+	return nil
+}
+
+// gather copies on the GPU: one kernel launch a layer, each copying its
+// layer's coalesced runs of blocks.
+func (p *readPlan) gather(leases []*client.Lease, layers []chan struct{}, fail func(int, error) error) error {
+	groups := make([][]cudaipc.Copy, p.count)
+	for l := p.first; l < p.first+p.count; l++ {
+		g := make([]cudaipc.Copy, 0, len(p.runs)*len(p.Src.Layers[l]))
+		for i, sp := range p.Src.Layers[l] {
+			dp := p.Dst.Layers[l][i]
+			s, d := leases[sp.Region].Ptr(), p.Dst.Memory[dp.Region].Ptr
+			contiguous := sp.Stride == sp.Bytes && dp.Stride == dp.Bytes
+			for _, r := range p.runs {
+				so, do := sp.Base+int64(r.src)*sp.Stride, dp.Base+int64(r.dst)*dp.Stride
+				if contiguous {
+					g = append(g, cudaipc.Copy{Dst: d + cudaipc.DevicePtr(do), Src: s + cudaipc.DevicePtr(so), Bytes: int64(r.n) * sp.Bytes})
+					continue
+				}
+				for k := range int64(r.n) {
+					g = append(g, cudaipc.Copy{Dst: d + cudaipc.DevicePtr(do+k*dp.Stride), Src: s + cudaipc.DevicePtr(so+k*sp.Stride), Bytes: sp.Bytes})
+				}
+			}
+		}
+		groups[l-p.first] = g
+	}
+	next := 0
+	if err := p.gpu.Gather(groups, func(i int) { close(layers[i]); next = i + 1 }); err != nil {
+		return fail(p.first+next, err)
 	}
 	return nil
 }
