@@ -54,7 +54,9 @@ type Client struct {
 	noCopy      map[string]noCopySent
 	republished int
 
-	parked      parking       // idle GPU arenas kept mapped (park.go)
+	parked      parking                  // idle GPU arenas kept mapped (park.go)
+	hostMaps    map[hostKey]*hostMapping // registered host memory mapped (hostext.go)
+	hostClock   uint64
 	table       *leaseTable   // the lease fast path (fastpath.go); nil without one
 	callTimeout time.Duration // bounds the calls that take no context
 	spin        time.Duration // a call reading its own reply polls this long first (0: never)
@@ -319,6 +321,7 @@ func (c *Client) Close() error {
 	c.closeLeaseTable()
 	c.mu.Lock()
 	c.releaseArenasLocked()
+	c.dropHostMapsLocked()
 	c.mu.Unlock()
 	return err
 }

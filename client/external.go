@@ -3,7 +3,6 @@ package client
 import (
 	"context"
 	"fmt"
-	"golang.org/x/sys/unix"
 	"os"
 
 	"github.com/cudaipc/cudaipc"
@@ -102,21 +101,6 @@ func (c *Client) RegisterHost(ctx context.Context, name string, f *os.File, size
 		return ObjectInfo{}, err
 	}
 	return infoFromProto(rep.resp.GetRegister().GetInfo()), nil
-}
-
-// mapHostExternal maps the registered host memory of placement p, whose
-// memfd is files[0], read-only into v. It closes files.
-func mapHostExternal(name string, p *storev1.Placement, files []*os.File, v *view) error {
-	defer closeFiles(files)
-	if len(files) != 1 {
-		return &Error{Op: "get", Name: name, Err: ErrInternal, Message: fmt.Sprintf("registered host memory came with %d descriptors, not its memfd", len(files))}
-	}
-	b, err := unix.Mmap(int(files[0].Fd()), 0, int(p.GetSize()), unix.PROT_READ, unix.MAP_SHARED)
-	if err != nil {
-		return &Error{Op: "get", Name: name, Err: fmt.Errorf("mapping registered host memory: %w", err)}
-	}
-	v.own, v.data = b, b
-	return nil
 }
 
 // moreFiles completes the descriptors of a lease of registered memory

@@ -2,7 +2,6 @@ package client
 
 import (
 	"fmt"
-	"golang.org/x/sys/unix"
 	"io"
 	"os"
 
@@ -148,7 +147,7 @@ type view struct {
 	size   int64
 	data   []byte           // host objects
 	gpu    *cudaipc.Mapping // GPU objects
-	own    []byte           // registered host memory: the view's own mapping, which close unmaps
+	host   *hostMapping     // registered host memory: the mapping data lies in (hostext.go)
 	open   bool
 }
 
@@ -218,10 +217,10 @@ func (v *view) close() error {
 	}
 	v.open = false
 	v.data = nil
-	if v.own != nil {
-		err := unix.Munmap(v.own)
-		v.own = nil
-		return err
+	if v.host != nil {
+		v.host.release()
+		v.host = nil
+		return nil
 	}
 	if v.gpu != nil {
 		return v.gpu.Close()

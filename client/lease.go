@@ -117,7 +117,7 @@ func (c *Client) get(ctx context.Context, name string, gr *storev1.GetRequest, w
 		}
 	}
 	if p.GetKind() == storev1.Placement_HOST { // registered host memory
-		if err := mapHostExternal(name, p, files, &l.v); err != nil {
+		if err := c.mapHostExternal(name, p, files, &l.v); err != nil {
 			c.cleanup(reply{resp: r.resp, manifest: r.manifest}, name) // releases the lease
 			return nil, err
 		}

@@ -381,3 +381,38 @@ func TestRegisterHostLifetime(t *testing.T) {
 		t.Errorf("registering a pipe: %v, want ErrInvalid", err)
 	}
 }
+
+// TestHostMappingReused: a client maps registered host memory once: two
+// leases held together share the mapping, and a lease after both ended
+// finds it kept; each holds the engine's bytes.
+func TestHostMappingReused(t *testing.T) {
+	sock := startDaemon(t)
+	c := dial(t, sock)
+	ctx := context.Background()
+	e := startEngine(t, sock, "reuse/kv", "host", 2, 8, 64, 12, testutil.SpawnOptions{})
+	get := func() (*client.Lease, *byte) {
+		l, err := c.Get(ctx, e.desc.RegionName(0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(l.Bytes(), e.region(0)) {
+			t.Fatal("a lease of registered host memory does not hold the engine's bytes")
+		}
+		return l, &l.Bytes()[0]
+	}
+	l1, a1 := get()
+	l2, a2 := get()
+	if a1 != a2 {
+		t.Errorf("two leases of one memfd at %p and %p: want one mapping", a1, a2)
+	}
+	for _, l := range []*client.Lease{l1, l2} {
+		if err := l.Release(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	l3, a3 := get()
+	defer l3.Release()
+	if a3 != a1 {
+		t.Errorf("a lease after the others ended mapped at %p, not the kept %p", a3, a1)
+	}
+}
