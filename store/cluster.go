@@ -63,8 +63,9 @@ type ClusterGet struct {
 	Version   uint64
 	Shard     uint32
 	NewerThan uint64
-	// Wait: the get waits for the name if it is not readable yet (it may
-	// still be sealed here).
+	// Wait: the get waits for the name if it is not readable yet: the hook
+	// waits for any node to create it, through directory outages, until
+	// ctx ends (the store ends ctx at a local seal of the name).
 	Wait bool
 	// Tensors names the tensors of a bundle the get wants (FetchTensors).
 	Tensors []string
