@@ -122,6 +122,15 @@ func TestControlChannelBound(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer first.Close()
+	// The dialler's handshake ends with its own proof, before the server
+	// has checked it and counted the channel: wait for the count, or the
+	// second dial could take the place first.
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if st := cs.Stats(); st.Channels != 1 {
+			return fmt.Errorf("%+v: want the first channel counted", st)
+		}
+		return nil
+	})
 	second, err := DialControl(ctx, testSecret, "cli", "srv", addr)
 	if err == nil {
 		defer second.Close()
