@@ -130,8 +130,10 @@ func (t *Transfer) WaitLayer(ctx context.Context, l int) error {
 // ReadBlocks starts the read r through c: it checks the request, then,
 // in the background, leases the source regions the layers need (so that
 // their memory stays valid however the source ends), copies every layer's
-// blocks (adjacent blocks coalesced into one copy), completing layer by
-// layer, and releases the leases (which the source side sees in its
+// blocks (adjacent blocks coalesced into one copy; host memory by memmove,
+// a GPU's memory into its own with one gather kernel launch a layer,
+// cudaipc.Device.Gather), completing layer by layer, and releases the
+// leases (which the source side sees in its
 // regions' lease counts). Bad requests fail at once with ErrBlockRange,
 // ErrMismatch, ErrInvalidDesc or ErrNotSupported; failures of the read
 // itself come as a *BlockError from the Transfer.
