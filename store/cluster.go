@@ -175,7 +175,9 @@ const publishWait = 10 * time.Second
 
 // clusterSealed publishes the cluster-visible object or shard just sealed,
 // if it is one. When that fails (etcd away, say), the put fails as a whole:
-// a plain object is removed, a shard's pending version aborted, so that
+// a plain object is removed, a shard's pending version aborted (a version
+// is visible here only once its cluster publish succeeded, so this holds
+// for its last shard too, and its number is free again), so that
 // the client can simply put it again, and no node holds a cluster-visible
 // object the cluster does not know.
 func (ss *session) clusterSealed(ctx context.Context, name string, version uint64, shard uint32) error {
@@ -220,7 +222,9 @@ func (ss *session) clusterSealed(ctx context.Context, name string, version uint6
 		case o.ver == nil:
 			plain = true
 		case !o.ver.visible:
-			s.abortVersionLocked(o.ver)
+			v := o.ver
+			s.abortVersionLocked(v)
+			v.s.unopenLocked(v.n)
 			undone = true
 		}
 		s.mu.Unlock()
@@ -235,6 +239,11 @@ func (ss *session) clusterSealed(ctx context.Context, name string, version uint6
 	s.mu.Lock()
 	if !o.deleted {
 		o.clusterID = id
+		// A version is published here once the cluster has all its shards
+		// this node wrote (readyLocked).
+		if v := o.ver; v != nil && !v.visible && v.readyLocked() {
+			s.publishLocked(v)
+		}
 	}
 	s.mu.Unlock()
 	return nil

@@ -309,7 +309,8 @@ func sealReqOf(r *storev1.SealRequest) sealReq {
 // seal makes a draft this session created immutable and visible: a plain
 // object under its name (or, atomically, under r.rename: a taken name is
 // ErrExists and the draft stays as it was), a shard as part of its version,
-// which is published when its last shard is sealed. A bundle's manifest is
+// which is published when its last shard is sealed (a cluster-visible one
+// once the cluster has it too: clusterSealed). A bundle's manifest is
 // sealed and checked first.
 func (ss *session) seal(r sealReq) error {
 	s := ss.s
@@ -380,7 +381,7 @@ func (ss *session) sealLocked(o *object) {
 	if v := o.ver; v != nil {
 		v.sealed++
 		s.log.Debug("shard sealed", "session", ss.id, "name", v.s.name, "version", v.n, "shard", o.shard, "sealed", v.sealed, "shards", len(v.shards))
-		if v.sealed == len(v.shards) {
+		if v.readyLocked() {
 			s.publishLocked(v)
 		}
 		return

@@ -47,6 +47,8 @@ type version struct {
 	n       uint64
 	shards  []*object // nil until created
 	sealed  int
+	// visible: published here, once every shard is sealed and every
+	// cluster-visible one published in the cluster (readyLocked).
 	visible bool
 	retired bool
 	leases  int // over all shards
@@ -136,6 +138,20 @@ func (sr *series) openLocked(n uint64, shards uint32) *version {
 	return v
 }
 
+// unopenLocked gives back the number n of a version aborted before any
+// reader could see it (its cluster publish failed), when it is the highest
+// opened: a get of n then answers as before the put, and the same put may
+// come again.
+func (sr *series) unopenLocked(n uint64) {
+	if sr.last != n {
+		return
+	}
+	sr.last = sr.latest
+	for m := range sr.versions {
+		sr.last = max(sr.last, m)
+	}
+}
+
 // dropEmptyVersionLocked forgets a version no shard was created in, after
 // a failed create, and its series too when that create made it.
 func (s *Store) dropEmptyVersionLocked(v *version, newSeries bool) {
@@ -150,6 +166,22 @@ func (s *Store) dropEmptyVersionLocked(v *version, newSeries bool) {
 
 // readableBy reports whether a peer of uid may read sr's versions.
 func (sr *series) readableBy(uid uint32) bool { return sr.shared || sr.owner == uid || uid == 0 }
+
+// readyLocked reports whether v may be published here: every shard is
+// sealed, and every cluster-visible one is published in the cluster
+// directory, so that no node shows a version the cluster does not know
+// (a failed cluster publish aborts the version instead: clusterSealed).
+func (v *version) readyLocked() bool {
+	if v.sealed != len(v.shards) {
+		return false
+	}
+	for _, o := range v.shards {
+		if o.cluster && o.clusterID == "" {
+			return false
+		}
+	}
+	return true
+}
 
 // publishLocked makes a version whose shards are all sealed visible, and
 // retires the versions beyond the series' keep.
