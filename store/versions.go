@@ -43,10 +43,10 @@ type series struct {
 
 // version is one version of a series.
 type version struct {
-	s       *series
-	n       uint64
-	shards  []*object // nil until created
-	sealed  int
+	s      *series
+	n      uint64
+	shards []*object // nil until created
+	sealed int
 	// visible: published here, once every shard is sealed and every
 	// cluster-visible one published in the cluster (readyLocked).
 	visible bool
