@@ -163,6 +163,13 @@ type Directory struct {
 	// of a lease, each with its guard: the next lease writes those whose
 	// object record is still the one the pull read.
 	deferred map[string]deferredHold
+	// orphans holds the keys this node gave up (deleteOwned) whose delete
+	// etcd did not answer: they stay on a lost lease that etcd may keep
+	// across its restart for a TTL, or on this node's lease if it outlived
+	// the outage, so the next lease, or the next publish, deletes them
+	// first (a version whose put failed while etcd was away can then be
+	// put again at once).
+	orphans map[string]struct{}
 	// beforeGrant, when set (tests), runs before each grant.
 	beforeGrant func()
 	// leaseUp is closed while a lease is held, replaced when it is lost.
@@ -261,7 +268,7 @@ func Open(ctx context.Context, cfg Config) (*Directory, error) {
 	}
 	d := &Directory{
 		cfg: cfg, k: keys{cfg.Prefix}, cli: cli, log: log.With("etcd", strings.Join(cfg.Endpoints, ",")),
-		name: strings.Join(cfg.Endpoints, ","), owned: map[string][]byte{}, deferred: map[string]deferredHold{}, leaseUp: make(chan struct{}),
+		name: strings.Join(cfg.Endpoints, ","), owned: map[string][]byte{}, deferred: map[string]deferredHold{}, orphans: map[string]struct{}{}, leaseUp: make(chan struct{}),
 		held: map[string]*heldObj{}, latestSeen: map[string]latestSeen{}, dirty: map[string]struct{}{}, kick: make(chan struct{}, 1), guardPause: make(chan pauseReq),
 		logged: map[string]bool{}, done: make(chan struct{}),
 	}
@@ -312,8 +319,8 @@ type deferredHold struct {
 	obj []byte
 }
 
-// grant takes a new lease and writes every owned key on it, then the
-// deferred holder records whose guards still hold.
+// grant takes a new lease and writes every owned key on it (deleting the
+// orphans), then the deferred holder records whose guards still hold.
 func (d *Directory) grant(ctx context.Context) error {
 	d.mu.Lock()
 	before := d.beforeGrant
@@ -329,8 +336,17 @@ func (d *Directory) grant(ctx context.Context) error {
 	}
 	d.mu.Lock()
 	owned := maps.Clone(d.owned)
+	var orphans []string
+	for k := range d.orphans {
+		if _, ok := owned[k]; !ok {
+			orphans = append(orphans, k)
+		}
+	}
 	d.mu.Unlock()
 	var ops []clientv3.Op
+	for _, k := range orphans {
+		ops = append(ops, clientv3.OpDelete(k))
+	}
 	for k, v := range owned {
 		ops = append(ops, clientv3.OpPut(k, string(v), clientv3.WithLease(g.ID)))
 	}
@@ -343,6 +359,9 @@ func (d *Directory) grant(ctx context.Context) error {
 		ops = ops[n:]
 	}
 	d.mu.Lock()
+	for _, k := range orphans {
+		delete(d.orphans, k)
+	}
 	d.lease = g.ID
 	close(d.leaseUp)
 	deferred := maps.Clone(d.deferred)
@@ -498,7 +517,39 @@ var errNoLease = errors.New("this node's etcd lease is lost")
 // errCallTimeout is the cause of a call's context when CallTimeout ran out.
 var errCallTimeout = errors.New("etcd call timeout")
 
-// deleteOwned forgets key and deletes it.
+// deleteOrphans deletes the keys this node gave up while etcd was away
+// (orphans) when etcd answers, before a publish that may find one of them.
+// Those it cannot delete wait for the next try.
+func (d *Directory) deleteOrphans(ctx context.Context) {
+	d.mu.Lock()
+	var ops []clientv3.Op
+	for k := range d.orphans {
+		if _, ok := d.owned[k]; !ok && len(ops) < 100 {
+			ops = append(ops, clientv3.OpDelete(k))
+		}
+	}
+	d.mu.Unlock()
+	if len(ops) == 0 {
+		return
+	}
+	ctx, cancel, err := d.call(ctx, "delete this node's given-up records")
+	if err != nil {
+		return
+	}
+	defer cancel()
+	if _, err := d.cli.Txn(ctx).Then(ops...).Commit(); err != nil {
+		_ = d.fail(ctx, "delete this node's given-up records", err)
+		return
+	}
+	d.mu.Lock()
+	for _, op := range ops {
+		delete(d.orphans, string(op.KeyBytes()))
+	}
+	d.mu.Unlock()
+}
+
+// deleteOwned forgets key and deletes it; a delete etcd does not answer is
+// made by the next lease's grant or before the next publish (orphans).
 func (d *Directory) deleteOwned(ctx context.Context, what, key string) error {
 	d.guardMu.Lock()
 	d.mu.Lock()
@@ -506,14 +557,26 @@ func (d *Directory) deleteOwned(ctx context.Context, what, key string) error {
 	delete(d.logged, key)
 	d.mu.Unlock()
 	d.guardMu.Unlock()
+	orphan := func() {
+		d.mu.Lock()
+		if _, ok := d.owned[key]; !ok {
+			d.orphans[key] = struct{}{}
+		}
+		d.mu.Unlock()
+	}
 	ctx, cancel, err := d.call(ctx, what)
 	if err != nil {
+		orphan()
 		return err
 	}
 	defer cancel()
 	if _, err := d.cli.Delete(ctx, key); err != nil {
+		orphan()
 		return d.fail(ctx, what, err)
 	}
+	d.mu.Lock()
+	delete(d.orphans, key)
+	d.mu.Unlock()
 	return nil
 }
 
@@ -705,6 +768,7 @@ func (d *Directory) Publish(ctx context.Context, o cluster.Object) (committed bo
 	if err != nil {
 		return false, err
 	}
+	d.deleteOrphans(ctx)
 	for range 3 {
 		lease, err := d.leased("publish " + ref.String())
 		if err != nil {
