@@ -24,6 +24,11 @@ TO_SAFETENSORS = {
     "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0",
 }
 FROM_SAFETENSORS = {v: k for k, v in TO_SAFETENSORS.items()}
+# Characters Go's encoding/json escapes in strings and json.dumps does not: a
+# manifest's bytes are the same whichever language wrote it.
+_GO_ESCAPED = ("<", ">", "&", "\u2028", "\u2029")
+_GO_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026",
+                             "\u2028": "\\u2028", "\u2029": "\\u2029"})
 BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8,
         "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32,
         "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
@@ -95,7 +100,10 @@ def encode_manifest(entries: Sequence[TensorEntry], metadata: Optional[Mapping[s
     for e in sorted(entries, key=lambda e: (e.begin, e.end, e.name)):
         parts.append('%s:{"dtype":"%s","shape":[%s],"data_offsets":[%d,%d]}' % (
             json.dumps(e.name, ensure_ascii=False), e.dtype, ",".join(str(d) for d in e.shape), e.begin, e.end))
-    b = ("{" + ",".join(parts) + "}").encode("utf-8")
+    text = "{" + ",".join(parts) + "}"
+    if any(c in text for c in _GO_ESCAPED):   # (only inside strings: nothing else writes them)
+        text = text.translate(_GO_ESCAPES)
+    b = text.encode("utf-8")
     return b + b" " * (-len(b) % 8)
 
 
