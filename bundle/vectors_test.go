@@ -106,7 +106,7 @@ type manifestVectors struct {
 func tensorVectors(ts []Tensor) []tensorVector {
 	out := make([]tensorVector, len(ts))
 	for i, t := range ts {
-		out[i] = tensorVector{t.Name, t.DType, t.Shape, t.Begin, t.End}
+		out[i] = tensorVector(t)
 	}
 	return out
 }
@@ -114,7 +114,7 @@ func tensorVectors(ts []Tensor) []tensorVector {
 func specsOf(sv []specVector) []Spec {
 	out := make([]Spec, len(sv))
 	for i, s := range sv {
-		out[i] = Spec{s.Name, s.DType, s.Shape}
+		out[i] = Spec(s)
 	}
 	return out
 }

@@ -92,3 +92,90 @@ def test_sources_invalid_sizes_vectors(case):
     assert case["error"] == "invalid"
     with pytest.raises(ValueError):
         source_starts(case["sizes"])
+
+
+def word(h):
+    (w,) = struct.unpack("<Q", bytes.fromhex(h))
+    return w
+
+
+@pytest.mark.parametrize("case", SLOTS["words"], ids=lambda c: str(c["gen"]))
+def test_lease_slot_word_vectors(case):
+    assert struct.pack("<Q", _fastpath.held_word(case["gen"])).hex() == case["held"]
+    assert struct.pack("<Q", _fastpath.idle_word(case["gen"])).hex() == case["idle"]
+
+
+class _Entry:
+    """What LeaseTable keeps of a lease (a _memory.Record's fields it uses)."""
+
+    def __init__(self, name):
+        self.name, self.arena_id, self.dropped = name, 1, 0
+
+    def drop(self):
+        self.dropped += 1
+
+
+@pytest.fixture
+def table():
+    """A real two-slot lease table in a memfd, swapped with libatomic's CAS."""
+    a = _fastpath.atomics()
+    if a is None:
+        pytest.fail("libatomic.so.1 is missing")
+    fd = os.memfd_create("leaseslot-vectors")
+    os.ftruncate(fd, 16)
+    t = _fastpath.LeaseTable(fd, 2, a.cas)
+    os.close(fd)
+    yield t
+    t.close()
+
+
+def put_word(t, slot, w):
+    ctypes.c_uint64.from_address(t.addr + (slot - 1) * 8).value = w
+
+
+@pytest.mark.parametrize("case", SLOTS["release"], ids=ids)
+def test_lease_slot_release_vectors(table, case):
+    e = _Entry("x")
+    table.prepare(e, 2, case["gen"])
+    put_word(table, 1, 0xA5A5A5A5A5A5A5A5)   # the neighbour slot is left alone
+    put_word(table, 2, word(case["word"]))
+    assert table.release(e) == case["ok"]
+    assert table.word(2) == word(case["next"]) and table.word(1) == 0xA5A5A5A5A5A5A5A5
+    assert table.idle_count() == (1 if case["ok"] else 0)
+
+
+@pytest.mark.parametrize("case", SLOTS["retake"], ids=ids)
+def test_lease_slot_retake_vectors(table, case):
+    e = _Entry("x")
+    table.prepare(e, 2, case["gen"])
+    put_word(table, 2, _fastpath.held_word(case["gen"]))
+    assert table.release(e)                   # idle, recorded for a take-back
+    put_word(table, 2, word(case["word"]))    # what the daemon made of it meanwhile
+    got = table.retake("x")
+    assert (got is e) == case["ok"] and e.dropped == (0 if case["ok"] else 1)
+    assert table.word(2) == word(case["next"])
+
+
+def test_framing_limits():
+    assert (FRAMING["max_message_size"], FRAMING["max_files"]) == (MAX_MESSAGE, MAX_FILES)
+
+
+@pytest.mark.parametrize("case", FRAMING["requests"], ids=ids)
+def test_framing_request_vectors(case):
+    if "get" in case:
+        g = case["get"]
+        packet = id_field(case["id"]) + encode_get(g["name"], g["timeout_ms"])
+        want = pb.Request(id=case["id"], get=pb.GetRequest(name=g["name"], timeout_ms=g["timeout_ms"]))
+    else:
+        packet = id_field(case["id"]) + Release(case["release"]["lease_id"]).body
+        want = pb.Request(id=case["id"], release=pb.ReleaseRequest(lease_id=case["release"]["lease_id"]))
+    assert packet.hex() == case["packet"]
+    assert pb.Request.FromString(bytes.fromhex(case["packet"])) == want
+
+
+@pytest.mark.parametrize("case", FRAMING["invalid"], ids=ids)
+def test_framing_invalid_vectors(case):
+    from google.protobuf.message import DecodeError
+    assert case["error"] == "malformed"
+    with pytest.raises(DecodeError):
+        pb.Request.FromString(bytes.fromhex(case["packet"]))
