@@ -598,8 +598,14 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 		// or replaced meanwhile drops the replica; any other failure (the
 		// directory away) leaves it local and unadvertised, as advertise
 		// does: readers behind move to the holders they know. Dropping it
-		// then failed a get whose bytes were all in and checked.
-		if err := p.Dir.AddHolder(ctx, e); errors.Is(err, ErrNotFound) {
+		// then failed a get whose bytes were all in and checked. The write
+		// outlives the get's context: a get that ends meanwhile (another
+		// shard's seal completed its version) must not leave this replica
+		// unadvertised for good.
+		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), AdvertiseTimeout)
+		err := p.Dir.AddHolder(actx, e)
+		cancel()
+		if errors.Is(err, ErrNotFound) {
 			ok = false
 			return e, fmt.Errorf("pull %s: %w", ref, err)
 		} else if err != nil {
