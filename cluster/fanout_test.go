@@ -287,3 +287,42 @@ func TestFeedRequests(t *testing.T) {
 		t.Fatal("feed of an unknown object answered")
 	}
 }
+
+// endsGetFirst is a directory whose AddHolder first ends the get the pull
+// serves (cancel), as a waiting get ends once its replica is sealed, then
+// advertises.
+type endsGetFirst struct {
+	cluster.Directory
+	cancel context.CancelFunc
+}
+
+func (d endsGetFirst) AddHolder(ctx context.Context, e cluster.Entry) error {
+	d.cancel()
+	return d.Directory.AddHolder(ctx, e)
+}
+
+// A fanned-out reader advertises its sealed replica even when the get it
+// pulled for ends before the write goes out: the write has a context of
+// its own. Under the get's context the replica stayed local and
+// unadvertised for good.
+func TestFanoutAdvertisesAfterTheGetEnds(t *testing.T) {
+	pub, rs, _, open := fanoutCluster(t, 1)
+	ctx := bounded(t, 60*time.Second)
+	get, cancel := context.WithCancel(ctx)
+	defer cancel()
+	r := rs[0]
+	r.P.Dir = endsGetFirst{r.P.Dir, cancel}
+	const chunk = 128 << 10
+	o, want := pub.Put(t, "ns/waited", 8*chunk+5, chunk)
+	open()
+	if _, err := r.P.Pull(get, o.Ref()); err != nil {
+		t.Fatalf("pull: %v", err)
+	}
+	if !bytes.Equal(r.Store.Get(o.Ref()), want) {
+		t.Fatal("the replica differs from the publisher's object")
+	}
+	e, err := pub.Dir.Lookup(ctx, o.Ref())
+	if err != nil || len(e.Holders) != 2 {
+		t.Fatalf("holders %v (%v), want the publisher and %s", e.Holders, err, r.Name)
+	}
+}
