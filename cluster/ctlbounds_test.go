@@ -183,9 +183,13 @@ func TestControlJunkRefusalsLogged(t *testing.T) {
 		}
 		return nil
 	})
-	for _, want := range []string{"reason=malformed", "reason=closed", "reason=auth", "source=127.0.0.1"} {
-		if !strings.Contains(logs.String(), want) {
-			t.Fatalf("no line with %s:\n%s", want, logs.String())
+	// A refusal is counted before its line is written: wait for the lines.
+	testutil.Eventually(t, testutil.Wait, func() error {
+		for _, want := range []string{"reason=malformed", "reason=closed", "reason=auth", "source=127.0.0.1"} {
+			if !strings.Contains(logs.String(), want) {
+				return fmt.Errorf("no line with %s:\n%s", want, logs.String())
+			}
 		}
-	}
+		return nil
+	})
 }
