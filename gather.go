@@ -23,7 +23,8 @@ const gatherChunk = 128 << 10
 const gatherThreads = 256
 
 // gatherPTX is the kernel. Parameters: the table (its device address) and
-// the number of its rows.
+// the number of its rows. python/cudaipc/_gather.py carries the same text
+// (TestGatherPTXMatchesPython keeps them equal).
 const gatherPTX = `.version 7.0
 .target sm_70
 .address_size 64
