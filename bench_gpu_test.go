@@ -2,7 +2,6 @@ package cudaipc_test
 
 import (
 	"slices"
-	"strconv"
 	"testing"
 	"time"
 
@@ -49,24 +48,19 @@ func BenchmarkGetMemHandle(b *testing.B) {
 
 func benchExporter(b *testing.B, size int64) (*cudaipc.Device, exportMsg) {
 	dev := testutil.RequireGPU(b)
-	c := testutil.Spawn(b, "exporter", "SIZE="+itoa(size), "SEED=1", "DEVICE="+dev.UUID().String())
-	var m exportMsg
-	if err := c.Recv(&m); err != nil || m.Err != "" {
-		b.Fatalf("exporter: %v %s", err, m.Err)
-	}
+	_, m := startExporter(b, dev, size, 1)
 	return dev, m
 }
 
-// BenchmarkOpenCloseCold opens and closes a 1 MiB allocation: every open
-// maps it anew (docs/driver-facts.md, earlier: open p50 41 µs, close p50 30 µs).
-func BenchmarkOpenCloseCold(b *testing.B) {
-	dev, m := benchExporter(b, 1<<20)
+// benchOpenClose times an open of h and the close after it, each
+// iteration.
+func benchOpenClose(b *testing.B, dev *cudaipc.Device, h cudaipc.MemHandle) {
 	var open, cl timer
 	for b.Loop() {
 		var p cudaipc.DevicePtr
 		open.time(func() {
 			var err error
-			if p, err = dev.OpenMemHandle(m.Handle, cudaipc.LazyEnablePeerAccess); err != nil {
+			if p, err = dev.OpenMemHandle(h, cudaipc.LazyEnablePeerAccess); err != nil {
 				b.Fatal(err)
 			}
 		})
@@ -78,6 +72,13 @@ func BenchmarkOpenCloseCold(b *testing.B) {
 	}
 	open.report(b, "open")
 	cl.report(b, "close")
+}
+
+// BenchmarkOpenCloseCold opens and closes a 1 MiB allocation: every open
+// maps it anew (docs/driver-facts.md, earlier: open p50 41 µs, close p50 30 µs).
+func BenchmarkOpenCloseCold(b *testing.B) {
+	dev, m := benchExporter(b, 1<<20)
+	benchOpenClose(b, dev, m.Handle)
 }
 
 // BenchmarkOpenAlreadyOpen opens a handle that is already open in this
@@ -89,22 +90,7 @@ func BenchmarkOpenAlreadyOpen(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer dev.CloseMemHandle(keep)
-	var open, cl timer
-	for b.Loop() {
-		var p cudaipc.DevicePtr
-		open.time(func() {
-			if p, err = dev.OpenMemHandle(m.Handle, cudaipc.LazyEnablePeerAccess); err != nil {
-				b.Fatal(err)
-			}
-		})
-		cl.time(func() {
-			if err := dev.CloseMemHandle(p); err != nil {
-				b.Fatal(err)
-			}
-		})
-	}
-	open.report(b, "open")
-	cl.report(b, "close")
+	benchOpenClose(b, dev, m.Handle)
 }
 
 // BenchmarkOpenEventHandle opens and closes an exported IPC event
@@ -175,5 +161,3 @@ func BenchmarkImportCached(b *testing.B) {
 		b.Fatalf("%d driver opens in the cached loop", d)
 	}
 }
-
-func itoa(n int64) string { return strconv.FormatInt(n, 10) }

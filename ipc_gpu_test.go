@@ -63,17 +63,7 @@ func roleExporter(p *testutil.Peer) error {
 	if err := p.Send(exportMsg{Handle: h, EventHandle: eh, Size: size, Sum: testutil.Sum(data), UUID: dev.UUID(), Pid: os.Getpid()}); err != nil {
 		return err
 	}
-	stream, err := dev.NewStream()
-	if err != nil {
-		return err
-	}
-	// scratch makes the stream busy so that a write queued behind it lands
-	// well after the exporter reports it: only the event orders the reader.
-	scratch, err := dev.Alloc(512 << 20)
-	if err != nil {
-		return err
-	}
-	scratch2, err := dev.Alloc(512 << 20)
+	late, err := newLateWriter(dev)
 	if err != nil {
 		return err
 	}
@@ -84,13 +74,7 @@ func roleExporter(p *testutil.Peer) error {
 		}
 		switch c.Op {
 		case "write":
-			late := lateWriter{dev: dev, stream: stream, scratch: scratch, scratch2: scratch2}
-			if err := late.write(buf.Ptr(), size, c.Seed, func() error {
-				if err := ev.Record(stream); err != nil {
-					return err
-				}
-				return p.Send(map[string]string{"recorded": "yes"})
-			}); err != nil {
+			if err := late.write(p, buf.Ptr(), size, c.Seed, ev.Record); err != nil {
 				return err
 			}
 		case "exit":
@@ -110,10 +94,37 @@ type lateWriter struct {
 	scratch, scratch2 *cudaipc.Buffer
 }
 
+// newLateWriter makes the stream and the two scratch buffers whose copies
+// keep it busy.
+func newLateWriter(dev *cudaipc.Device) (lateWriter, error) {
+	w := lateWriter{dev: dev}
+	var err error
+	if w.stream, err = dev.NewStream(); err != nil {
+		return w, err
+	}
+	if w.scratch, err = dev.Alloc(512 << 20); err != nil {
+		return w, err
+	}
+	w.scratch2, err = dev.Alloc(512 << 20)
+	return w, err
+}
+
+// close frees what newLateWriter made.
+func (w lateWriter) close() {
+	for _, b := range []*cudaipc.Buffer{w.scratch, w.scratch2} {
+		if b != nil {
+			b.Free()
+		}
+	}
+	if w.stream != nil {
+		w.stream.Close()
+	}
+}
+
 // write queues the busy copies and the write of size bytes from seed at
-// dst, calls queued (which records or signals an event and tells the test),
-// then waits for the stream.
-func (w lateWriter) write(dst cudaipc.DevicePtr, size int64, seed uint64, queued func() error) error {
+// dst, then signal on the stream (an event record or a counter), tells
+// the test {"queued": "yes"} through p, and waits for the stream.
+func (w lateWriter) write(p *testutil.Peer, dst cudaipc.DevicePtr, size int64, seed uint64, signal func(*cudaipc.Stream) error) error {
 	host, err := w.dev.AllocHost(size)
 	if err != nil {
 		return err
@@ -128,7 +139,10 @@ func (w lateWriter) write(dst cudaipc.DevicePtr, size int64, seed uint64, queued
 	if err := w.stream.CopyToDeviceAsync(dst, host.Bytes()); err != nil {
 		return err
 	}
-	if err := queued(); err != nil {
+	if err := signal(w.stream); err != nil {
+		return err
+	}
+	if err := p.Send(map[string]string{"queued": "yes"}); err != nil {
 		return err
 	}
 	return w.stream.Synchronize()
@@ -171,18 +185,48 @@ func helperDevice() (*cudaipc.Device, error) {
 	return cudaipc.DeviceByOrdinal(0)
 }
 
-func startExporter(t *testing.T, dev *cudaipc.Device, size int64, seed uint64, env ...string) (*testutil.Child, exportMsg) {
+// helperReply is the reply of a helper role that carries the helper's
+// own failure as text.
+type helperReply interface{ helperErr() string }
+
+func (m exportMsg) helperErr() string     { return m.Err }
+func (m regionMsg) helperErr() string     { return m.Err }
+func (r fdReply) helperErr() string       { return r.Err }
+func (r fdRegionReply) helperErr() string { return r.Err }
+
+// recvReply receives a reply from c and fails the test when receiving it
+// fails or the helper reports a failure; what names the step in messages.
+func recvReply[R helperReply](t testing.TB, c *testutil.Child, what string) R {
 	t.Helper()
-	env = append(env, "SIZE="+strconv.FormatInt(size, 10), "SEED="+strconv.FormatUint(seed, 10), "DEVICE="+dev.UUID().String())
-	c := testutil.Spawn(t, "exporter", env...)
-	var m exportMsg
-	if err := c.Recv(&m); err != nil {
-		t.Fatalf("exporter: %v\n%s", err, c.Stderr())
+	var r R
+	if err := c.Recv(&r); err != nil {
+		t.Fatalf("%s: %v\n%s", what, err, c.Stderr())
 	}
-	if m.Err != "" {
-		t.Fatalf("exporter: %s", m.Err)
+	if e := r.helperErr(); e != "" {
+		t.Fatalf("helper %s: %s", what, e)
 	}
-	return c, m
+	return r
+}
+
+// askHelper sends cmd to c and receives the reply as recvReply does.
+func askHelper[R helperReply](t testing.TB, c *testutil.Child, what string, cmd any) R {
+	t.Helper()
+	if err := c.Send(cmd); err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	return recvReply[R](t, c, what)
+}
+
+// exporterEnv is the environment of an exporter role: SIZE bytes on dev
+// filled from SEED, then the caller's env.
+func exporterEnv(dev *cudaipc.Device, size int64, seed uint64, env []string) []string {
+	return append([]string{"SIZE=" + strconv.FormatInt(size, 10), "SEED=" + strconv.FormatUint(seed, 10), "DEVICE=" + dev.UUID().String()}, env...)
+}
+
+func startExporter(t testing.TB, dev *cudaipc.Device, size int64, seed uint64, env ...string) (*testutil.Child, exportMsg) {
+	t.Helper()
+	c := testutil.Spawn(t, "exporter", exporterEnv(dev, size, seed, env)...)
+	return c, recvReply[exportMsg](t, c, "exporter")
 }
 
 func readAll(t *testing.T, dev *cudaipc.Device, p cudaipc.DevicePtr, n int64) []byte {
@@ -314,6 +358,15 @@ func TestIPCEventOrdersImporterAfterExporterWrite(t *testing.T) {
 	if !ev.Imported() {
 		t.Fatal("opened event not marked imported")
 	}
+	readAfterLateWrite(t, dev, c, p, size, m.Sum, seedB, func(s *cudaipc.Stream) error { return s.WaitEvent(ev) })
+}
+
+// readAfterLateWrite asks the exporter c to rewrite its size bytes from
+// seed behind a busy stream and to signal its IPC event, makes a stream of
+// dev wait through wait, and copies from p on it: the copy must hold the
+// new bytes, not the old ones (oldSum), which only the event ensures.
+func readAfterLateWrite(t *testing.T, dev *cudaipc.Device, c *testutil.Child, p cudaipc.DevicePtr, size int64, oldSum string, seed uint64, wait func(*cudaipc.Stream) error) {
+	t.Helper()
 	s, err := dev.NewStream()
 	if err != nil {
 		t.Fatal(err)
@@ -324,15 +377,14 @@ func TestIPCEventOrdersImporterAfterExporterWrite(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer host.Free()
-
-	if err := c.Send(cmd{Op: "write", Seed: seedB}); err != nil {
+	if err := c.Send(cmd{Op: "write", Seed: seed}); err != nil {
 		t.Fatal(err)
 	}
 	var ack map[string]string
-	if err := c.Recv(&ack); err != nil {
-		t.Fatalf("exporter: %v\n%s", err, c.Stderr())
+	if err := c.Recv(&ack); err != nil || ack["queued"] != "yes" {
+		t.Fatalf("exporter: %v %v\n%s", err, ack, c.Stderr())
 	}
-	if err := s.WaitEvent(ev); err != nil {
+	if err := wait(s); err != nil {
 		t.Fatal(err)
 	}
 	if err := s.CopyFromDeviceAsync(host.Bytes(), p); err != nil {
@@ -342,11 +394,11 @@ func TestIPCEventOrdersImporterAfterExporterWrite(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := testutil.Sum(host.Bytes())
-	if got == m.Sum {
-		t.Fatal("importer read the earlier value: the event did not order the read")
+	if got == oldSum {
+		t.Fatal("read the earlier value: the event did not order the read after the write")
 	}
-	if got != testutil.Sum(testutil.RandomBytes(seedB, size)) {
-		t.Fatal("importer read neither value")
+	if got != testutil.Sum(testutil.RandomBytes(seed, int(size))) {
+		t.Fatal("read neither value")
 	}
 }
 

@@ -98,17 +98,7 @@ func roleFDRegionImporter(p *testutil.Peer) error {
 
 func askRegion(t *testing.T, c *testutil.Child, cmd fdRegionCmd) fdRegionReply {
 	t.Helper()
-	if err := c.Send(cmd); err != nil {
-		t.Fatalf("%s: %v", cmd.Op, err)
-	}
-	var r fdRegionReply
-	if err := c.Recv(&r); err != nil {
-		t.Fatalf("%s: %v\n%s", cmd.Op, err, c.Stderr())
-	}
-	if r.Err != "" {
-		t.Fatalf("helper %s: %s", cmd.Op, r.Err)
-	}
-	return r
+	return askHelper[fdRegionReply](t, c, cmd.Op, cmd)
 }
 
 // shareRegions exports pieces of b as regions, sends them with one
@@ -131,11 +121,7 @@ func shareRegions(t *testing.T, b *cudaipc.ShareableBuffer, attr *syscall.SysPro
 		}
 		regions = append(regions, r)
 	}
-	mine, theirs := fdSockets(t)
-	c := testutil.SpawnWith(t, "fdRegionImporter", testutil.SpawnOptions{
-		Env: env, ExtraFiles: []*os.File{theirs}, SysProcAttr: attr,
-	})
-	theirs.Close()
+	c, mine := spawnWithSocket(t, "fdRegionImporter", attr, env)
 	f, err := b.ExportFD()
 	if err != nil {
 		t.Fatal(err)
@@ -147,10 +133,7 @@ func shareRegions(t *testing.T, b *cudaipc.ShareableBuffer, attr *syscall.SysPro
 		t.Fatal(err)
 	}
 	f.Close()
-	var r fdRegionReply
-	if err := c.Recv(&r); err != nil || r.Err != "" {
-		t.Fatalf("import: %v %s\n%s", err, r.Err, c.Stderr())
-	}
+	r := recvReply[fdRegionReply](t, c, "import")
 	for i, reg := range regions {
 		if want := testutil.Sum(data[reg.Offset : reg.Offset+reg.Size]); r.Sums[i] != want {
 			t.Fatalf("region %d (%d bytes at %d): the importer read other bytes", i, reg.Size, reg.Offset)
@@ -210,10 +193,7 @@ func TestImportVMMFDRegionIntoNewPIDNamespace(t *testing.T) {
 	defer b.Free()
 	attr, env := testutil.NewNamespaces()
 	c, _, r := shareRegions(t, b, attr, env)
-	if r.Pid != 1 || r.PidNS == pidNS() || r.PidNS == "" {
-		t.Fatalf("importer has pid %d in %q, the test %q: not in a new PID namespace", r.Pid, r.PidNS, pidNS())
-	}
-	t.Logf("importer: pid %d in %s (test: %s)", r.Pid, r.PidNS, pidNS())
+	requireNewPIDNamespace(t, r.Pid, r.PidNS)
 	seed := uint64(time.Now().UnixNano())
 	askRegion(t, c, fdRegionCmd{Op: "write", Index: 0, Seed: seed})
 	if string(readShareable(t, b)) != string(testutil.RandomBytes(seed, int(b.Size()))) {

@@ -77,15 +77,7 @@ func roleRegionExporter(p *testutil.Peer) error {
 	if err := p.Send(m); err != nil {
 		return err
 	}
-	stream, err := dev.NewStream()
-	if err != nil {
-		return err
-	}
-	scratch, err := dev.Alloc(512 << 20)
-	if err != nil {
-		return err
-	}
-	scratch2, err := dev.Alloc(512 << 20)
+	late, err := newLateWriter(dev)
 	if err != nil {
 		return err
 	}
@@ -106,13 +98,7 @@ func roleRegionExporter(p *testutil.Peer) error {
 				return err
 			}
 		case "write":
-			late := lateWriter{dev: dev, stream: stream, scratch: scratch, scratch2: scratch2}
-			if err := late.write(buf.Ptr(), size, c.Seed, func() error {
-				if err := ev.Signal(stream); err != nil {
-					return err
-				}
-				return p.Send(map[string]string{"signalled": "yes"})
-			}); err != nil {
+			if err := late.write(p, buf.Ptr(), size, c.Seed, ev.Signal); err != nil {
 				return err
 			}
 		case "exit":
@@ -148,16 +134,8 @@ func roleRegionImporter(p *testutil.Peer) error {
 
 func startRegionExporter(t testing.TB, dev *cudaipc.Device, size int64, seed uint64, env ...string) (*testutil.Child, regionMsg) {
 	t.Helper()
-	env = append([]string{"SIZE=" + strconv.FormatInt(size, 10), "SEED=" + strconv.FormatUint(seed, 10), "DEVICE=" + dev.UUID().String()}, env...)
-	c := testutil.Spawn(t, "regionExporter", env...)
-	var m regionMsg
-	if err := c.Recv(&m); err != nil {
-		t.Fatalf("exporter: %v\n%s", err, c.Stderr())
-	}
-	if m.Err != "" {
-		t.Fatalf("exporter: %s", m.Err)
-	}
-	return c, m
+	c := testutil.Spawn(t, "regionExporter", exporterEnv(dev, size, seed, env)...)
+	return c, recvReply[regionMsg](t, c, "exporter")
 }
 
 func readMapping(t testing.TB, m *cudaipc.Mapping) []byte {
@@ -324,13 +302,7 @@ func TestImportAfterReallocNotStale(t *testing.T) {
 	if testutil.Sum(readMapping(t, old)) != sum1 {
 		t.Fatal("first allocation: wrong bytes")
 	}
-	if err := c.Send(cmd{Op: "realloc", Seed: seed2}); err != nil {
-		t.Fatal(err)
-	}
-	var msg2 regionMsg
-	if err := c.Recv(&msg2); err != nil || msg2.Err != "" {
-		t.Fatalf("realloc: %v %s\n%s", err, msg2.Err, c.Stderr())
-	}
+	msg2 := askHelper[regionMsg](t, c, "realloc", cmd{Op: "realloc", Seed: seed2})
 	sameHandle := msg2.Region.Handle == msg1.Region.Handle
 	t.Logf("realloc: same address %v, same handle bytes %v, buffer id %d -> %d",
 		msg2.Region.ExporterBase == msg1.Region.ExporterBase, sameHandle, msg1.Region.BufferID, msg2.Region.BufferID)
@@ -512,39 +484,7 @@ func TestEventSignalWait(t *testing.T) {
 	if err := ev2.Close(); err != nil {
 		t.Fatal(err)
 	}
-	s, err := dev.NewStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	host, err := dev.AllocHost(size)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer host.Free()
-	if err := c.Send(cmd{Op: "write", Seed: seedB}); err != nil {
-		t.Fatal(err)
-	}
-	var ack map[string]string
-	if err := c.Recv(&ack); err != nil {
-		t.Fatalf("exporter: %v\n%s", err, c.Stderr())
-	}
-	if err := ev.Wait(s); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.CopyFromDeviceAsync(host.Bytes(), m.Ptr()); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Synchronize(); err != nil {
-		t.Fatal(err)
-	}
-	got := testutil.Sum(host.Bytes())
-	if got == testutil.Sum(testutil.RandomBytes(seedA, size)) {
-		t.Fatal("read the earlier value: Wait did not order the read after Signal")
-	}
-	if got != testutil.Sum(testutil.RandomBytes(seedB, size)) {
-		t.Fatal("read neither value")
-	}
+	readAfterLateWrite(t, dev, c, m.Ptr(), size, testutil.Sum(testutil.RandomBytes(seedA, size)), seedB, ev.Wait)
 }
 
 // TestEventImportInExportingProcess: the exporter's own event comes back

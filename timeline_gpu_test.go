@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
@@ -31,28 +32,12 @@ func roleTimelineProducer(p *testutil.Peer) error {
 		return err
 	}
 	defer tl.Close()
-	stream, err := dev.NewStream()
+	late, err := newLateWriter(dev)
+	defer late.close()
 	if err != nil {
 		return err
 	}
-	defer stream.Close()
-	scratch, err := dev.Alloc(512 << 20)
-	if err != nil {
-		return err
-	}
-	defer scratch.Free()
-	scratch2, err := dev.Alloc(512 << 20)
-	if err != nil {
-		return err
-	}
-	defer scratch2.Free()
-	late := lateWriter{dev: dev, stream: stream, scratch: scratch, scratch2: scratch2}
-	return late.write(data.Ptr(), size, seed, func() error {
-		if err := tl.Signal(stream, 1); err != nil {
-			return err
-		}
-		return p.Send(map[string]string{"queued": "yes"})
-	})
+	return late.write(p, data.Ptr(), size, seed, func(s *cudaipc.Stream) error { return tl.Signal(s, 1) })
 }
 
 // A consumer's stream that waits on a Timeline reads what a producer in a

@@ -79,6 +79,16 @@ func pidNS() string {
 	return s
 }
 
+// requireNewPIDNamespace fails the test unless a helper's pid and PID
+// namespace say it runs as the first process of a namespace of its own.
+func requireNewPIDNamespace(t *testing.T, pid int, ns string) {
+	t.Helper()
+	if pid != 1 || ns == pidNS() || ns == "" {
+		t.Fatalf("importer has pid %d in %q, the test %q: not in a new PID namespace", pid, ns, pidNS())
+	}
+	t.Logf("importer: pid %d in %s (test: %s)", pid, ns, pidNS())
+}
+
 // roleFDImporter receives descriptors on descriptor 3, imports them on its
 // device 0 and obeys commands: it is the consumer in another container.
 func roleFDImporter(p *testutil.Peer) error {
@@ -179,29 +189,36 @@ func roleFDExporter(p *testutil.Peer) error {
 // the test's end of the socket.
 func fdImporter(t *testing.T, dev *cudaipc.Device, attr *syscall.SysProcAttr, env ...string) (*testutil.Child, *os.File) {
 	t.Helper()
+	return spawnWithSocket(t, "fdimporter", attr, append([]string{"DEVICE=" + dev.UUID().String()}, env...))
+}
+
+// spawnWithSocket starts the helper role with one end of an fdSockets pair
+// as its descriptor 3 and returns it with the test's end.
+func spawnWithSocket(t testing.TB, role string, attr *syscall.SysProcAttr, env []string) (*testutil.Child, *os.File) {
+	t.Helper()
 	mine, theirs := fdSockets(t)
-	c := testutil.SpawnWith(t, "fdimporter", testutil.SpawnOptions{
-		Env:         append([]string{"DEVICE=" + dev.UUID().String()}, env...),
-		ExtraFiles:  []*os.File{theirs},
-		SysProcAttr: attr,
-	})
+	c := testutil.SpawnWith(t, role, testutil.SpawnOptions{Env: env, ExtraFiles: []*os.File{theirs}, SysProcAttr: attr})
 	theirs.Close()
 	return c, mine
 }
 
+// startFDExporter starts an fdexporter of size bytes filled from seed and
+// returns it with its report and the descriptor it sent.
+func startFDExporter(t testing.TB, dev *cudaipc.Device, size int64, seed uint64) (*testutil.Child, fdReply, *os.File) {
+	t.Helper()
+	c, mine := spawnWithSocket(t, "fdexporter", nil, exporterEnv(dev, size, seed, nil))
+	r := recvReply[fdReply](t, c, "exporter")
+	f, err := recvFD(mine)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return c, r, f
+}
+
 func ask(t *testing.T, c *testutil.Child, cmd fdCmd) fdReply {
 	t.Helper()
-	if err := c.Send(cmd); err != nil {
-		t.Fatalf("%s: %v", cmd.Op, err)
-	}
-	var r fdReply
-	if err := c.Recv(&r); err != nil {
-		t.Fatalf("%s: %v\n%s", cmd.Op, err, c.Stderr())
-	}
-	if r.Err != "" {
-		t.Fatalf("helper %s: %s", cmd.Op, r.Err)
-	}
-	return r
+	return askHelper[fdReply](t, c, cmd.Op, cmd)
 }
 
 func readShareable(t *testing.T, b *cudaipc.ShareableBuffer) []byte {
@@ -308,10 +325,7 @@ func TestFDShareIntoNewPIDNamespace(t *testing.T) {
 	attr, env := testutil.NewNamespaces()
 	c, sock := fdImporter(t, dev, attr, env)
 	r := shareWith(t, b, c, sock, b.Size())
-	if r.Pid != 1 || r.PidNS == pidNS() || r.PidNS == "" {
-		t.Fatalf("importer has pid %d in %q, the test %q: not in a new PID namespace", r.Pid, r.PidNS, pidNS())
-	}
-	t.Logf("importer: pid %d in %s (test: %s)", r.Pid, r.PidNS, pidNS())
+	requireNewPIDNamespace(t, r.Pid, r.PidNS)
 	seed := uint64(time.Now().UnixNano())
 	ask(t, c, fdCmd{Op: "write", Seed: seed})
 	if string(readShareable(t, b)) != string(testutil.RandomBytes(seed, int(b.Size()))) {
@@ -485,21 +499,7 @@ func TestFDOutlivesExporterFree(t *testing.T) {
 // and reads the bytes.
 func TestFDOutlivesExporterProcess(t *testing.T) {
 	dev := testutil.RequireGPU(t)
-	mine, theirs := fdSockets(t)
-	c := testutil.SpawnWith(t, "fdexporter", testutil.SpawnOptions{
-		Env:        []string{"SIZE=4194304", "SEED=7", "DEVICE=" + dev.UUID().String()},
-		ExtraFiles: []*os.File{theirs},
-	})
-	theirs.Close()
-	var r fdReply
-	if err := c.Recv(&r); err != nil || r.Err != "" {
-		t.Fatalf("exporter: %v %s\n%s", err, r.Err, c.Stderr())
-	}
-	f, err := recvFD(mine)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
+	c, r, f := startFDExporter(t, dev, 4<<20, 7)
 	if err := c.Send(fdCmd{Op: "exit"}); err != nil {
 		t.Fatal(err)
 	}
@@ -601,25 +601,12 @@ func BenchmarkFDImportMap(b *testing.B) {
 	for _, size := range []int64{1 << 20, 1 << 30} {
 		b.Run(sizeName(size), func(b *testing.B) {
 			dev := testutil.RequireGPU(b)
-			mine, theirs := fdSockets(b)
-			c := testutil.SpawnWith(b, "fdexporter", testutil.SpawnOptions{
-				Env:        []string{"SIZE=" + strconv.FormatInt(size, 10), "SEED=1", "DEVICE=" + dev.UUID().String()},
-				ExtraFiles: []*os.File{theirs},
-			})
-			theirs.Close()
-			var r fdReply
-			if err := c.Recv(&r); err != nil || r.Err != "" {
-				b.Fatalf("exporter: %v %s", err, r.Err)
-			}
-			f, err := recvFD(mine)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer f.Close()
+			_, r, f := startFDExporter(b, dev, size, 1)
 			var imp, cls timer
 			for b.Loop() {
 				var m *cudaipc.Mapping
 				imp.time(func() {
+					var err error
 					if m, err = dev.ImportFD(f, r.Size); err != nil {
 						b.Fatal(err)
 					}
