@@ -78,14 +78,7 @@ func TestGetWaitsForSealWhileOtherCallsProceed(t *testing.T) {
 	if b := <-got; !bytes.Equal(b, want2) {
 		t.Errorf("waiting Get read %d bytes, not what was sealed", len(b))
 	}
-	l, err := c.Get(ctx, "other")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Release()
-	if !bytes.Equal(l.Bytes(), want) {
-		t.Error("other: bytes differ")
-	}
+	checkGet(t, c, "other", want)
 }
 
 func TestGetDeadlineAndCancel(t *testing.T) {
@@ -204,15 +197,7 @@ func TestKillCreatorMidWrite(t *testing.T) {
 		t.Errorf("Stat after the creator died: %v", err)
 	}
 	// The name is free again.
-	want := put(t, c, "half", 1<<20)
-	l, err := c.Get(ctx, "half")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Release()
-	if !bytes.Equal(l.Bytes(), want) {
-		t.Error("bytes differ")
-	}
+	checkGet(t, c, "half", put(t, c, "half", 1<<20))
 }
 
 func TestUIDNotAllowed(t *testing.T) {
@@ -332,11 +317,7 @@ func TestDeleteWhileLeased(t *testing.T) {
 	d := startDaemon(t, socketPath(t))
 	c := dial(t, d.socket)
 	ctx := context.Background()
-	want := put(t, c, "doomed", 3<<20)
-	l, err := c.Get(ctx, "doomed")
-	if err != nil {
-		t.Fatal(err)
-	}
+	want, l := putLeased(t, c, "doomed", 3<<20)
 	other := dial(t, d.socket)
 	if err := other.Delete(ctx, "doomed"); err != nil {
 		t.Fatal(err)
@@ -347,20 +328,8 @@ func TestDeleteWhileLeased(t *testing.T) {
 	// The name is free at once; the new object must not reuse the leased
 	// memory.
 	want2 := put(t, other, "doomed", 3<<20)
-	if !bytes.Equal(l.Bytes(), want) {
-		t.Fatal("a deleted object's bytes changed under its lease")
-	}
-	if err := l.Release(); err != nil {
-		t.Fatal(err)
-	}
-	l2, err := c.Get(ctx, "doomed")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l2.Release()
-	if !bytes.Equal(l2.Bytes(), want2) {
-		t.Error("the new object's bytes differ")
-	}
+	checkLeaseHeld(t, l, want, "its object was deleted and the name reused")
+	checkGet(t, c, "doomed", want2)
 }
 
 func TestEvictionUnderPressure(t *testing.T) {
@@ -373,12 +342,7 @@ func TestEvictionUnderPressure(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A leased object is never evicted.
-	keep := put(t, c, "keep", mib)
-	l, err := c.Get(ctx, "keep")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Release()
+	keep, l := putLeased(t, c, "keep", mib)
 	// Far more than fits: older unleased objects make room for newer.
 	for i := range 24 {
 		put(t, c, "e"+strconv.Itoa(i), mib)
@@ -444,11 +408,7 @@ func TestDaemonRestart(t *testing.T) {
 	d := startDaemon(t, sock)
 	c := dial(t, sock)
 	ctx := context.Background()
-	want := put(t, c, "before", 5000)
-	l, err := c.Get(ctx, "before")
-	if err != nil {
-		t.Fatal(err)
-	}
+	want, l := putLeased(t, c, "before", 5000)
 	events, err := c.Subscribe(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -465,12 +425,7 @@ func TestDaemonRestart(t *testing.T) {
 		t.Errorf("Stat after the daemon died: %v, want ErrStoreGone", err)
 	}
 	// The lease's memory stays mapped until Release.
-	if !bytes.Equal(l.Bytes(), want) {
-		t.Error("lease bytes changed after the daemon died")
-	}
-	if err := l.Release(); err != nil {
-		t.Errorf("Release after the daemon died: %v", err)
-	}
+	checkLeaseHeld(t, l, want, "the daemon died")
 	if _, err := client.Dial(ctx, sock); !errors.Is(err, client.ErrStoreGone) {
 		t.Errorf("Dial with no daemon: %v, want ErrStoreGone", err)
 	}
@@ -480,15 +435,7 @@ func TestDaemonRestart(t *testing.T) {
 	if _, err := c2.Stat(ctx, "before"); !errors.Is(err, client.ErrNotFound) {
 		t.Errorf("new daemon knows an old object: %v", err)
 	}
-	want2 := put(t, c2, "after", 5000)
-	l2, err := c2.Get(ctx, "after")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l2.Release()
-	if !bytes.Equal(l2.Bytes(), want2) {
-		t.Error("bytes differ on the new daemon")
-	}
+	checkGet(t, c2, "after", put(t, c2, "after", 5000))
 }
 
 func TestCloseWithLiveLease(t *testing.T) {
@@ -497,21 +444,12 @@ func TestCloseWithLiveLease(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := put(t, c, "kept", 9000)
-	l, err := c.Get(context.Background(), "kept")
-	if err != nil {
-		t.Fatal(err)
-	}
+	want, l := putLeased(t, c, "kept", 9000)
 	if err := c.Close(); err != nil {
 		t.Fatal(err)
 	}
 	// Still mapped: Close leaves memory in use alone.
-	if !bytes.Equal(l.Bytes(), want) {
-		t.Error("bytes changed after Close")
-	}
-	if err := l.Release(); err != nil {
-		t.Errorf("Release after Close: %v", err)
-	}
+	checkLeaseHeld(t, l, want, "Close")
 	if _, err := c.Stat(context.Background(), "kept"); !errors.Is(err, client.ErrClosed) {
 		t.Errorf("Stat after Close: %v, want ErrClosed", err)
 	}

@@ -121,16 +121,7 @@ func TestFastPathProcesses(t *testing.T) {
 		procs[i] = spawn(t, "cycler", nil, env...)
 		procs[i].expect("cycling")
 		// Meanwhile this process's own fast-path leases stay right.
-		l, err := c.Get(ctx, "obj")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !bytes.Equal(l.Bytes(), want) {
-			t.Fatal("wrong bytes")
-		}
-		if err := l.Release(); err != nil {
-			t.Fatal(err)
-		}
+		checkGet(t, c, "obj", want)
 	}
 	for _, p := range procs {
 		p.kill9()

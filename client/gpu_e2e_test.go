@@ -251,38 +251,63 @@ func TestGPUDeleteWhileLeased(t *testing.T) {
 // kill -9 of a GPU lease holder releases its lease.
 func TestGPUKilledLeaseHolderReleases(t *testing.T) {
 	d, _ := startGPUDaemon(t)
-	env := gpuEnvs(d.socket, 17, "held", 1, 1<<20)
-	spawn(t, "gpu-producer", nil, env...).expect("sealed 1")
-	h := spawn(t, "gpu-holder", nil, env...)
-	if got := h.expect("leased "); got != hash(stream(17, "held-0", 1<<20)) {
-		t.Fatal("holder read other bytes")
-	}
-	c := dial(t, d.socket)
-	waitLeases(t, c, "held-0", 1)
-	h.kill9()
-	waitLeases(t, c, "held-0", 0)
+	c := killHolder(t, d.socket, 17)
 
 	// Closing a client closes the GPU mappings of its leases: the daemon
 	// may free that memory once the connection is gone.
-	c2, err := client.Dial(context.Background(), d.socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := c2.Get(context.Background(), "held-0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := c2.Close(); err != nil {
-		t.Fatal(err)
-	}
+	l := leaseOfClosedClient(t, d.socket, "held-0")
 	if _, err := l.ReadAt(make([]byte, 1), 0); err == nil || l.Ptr() != 0 || l.Mapping() != nil {
 		t.Fatalf("lease of a closed client: ReadAt %v, ptr %#x", err, l.Ptr())
 	}
+	releaseAndDelete(t, c, l, "held-0")
+}
+
+// killHolder has a gpu-producer seal held-0 (one MiB from seed), a
+// gpu-holder lease and read it, and kills the holder with SIGKILL; it
+// checks that the daemon at sock drops the holder's lease and returns a
+// client of the daemon. env adds to the helpers' environment.
+func killHolder(t *testing.T, sock string, seed uint64, env ...string) *client.Client {
+	t.Helper()
+	env = append(gpuEnvs(sock, seed, "held", 1, 1<<20), env...)
+	spawn(t, "gpu-producer", nil, env...).expect("sealed 1")
+	h := spawn(t, "gpu-holder", nil, env...)
+	if got := h.expect("leased "); got != hash(stream(seed, "held-0", 1<<20)) {
+		t.Fatal("holder read other bytes")
+	}
+	c := dial(t, sock)
+	waitLeases(t, c, "held-0", 1)
+	h.kill9()
+	waitLeases(t, c, "held-0", 0)
+	return c
+}
+
+// leaseOfClosedClient leases name on a client of its own and closes that
+// client, leaving the lease to the test.
+func leaseOfClosedClient(t *testing.T, sock, name string) *client.Lease {
+	t.Helper()
+	c, err := client.Dial(context.Background(), sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := c.Get(context.Background(), name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// releaseAndDelete releases l, the lease of name of a closed client,
+// checks that c sees no lease left on name and deletes it.
+func releaseAndDelete(t *testing.T, c *client.Client, l *client.Lease, name string) {
+	t.Helper()
 	if err := l.Release(); err != nil {
 		t.Fatal(err)
 	}
-	waitLeases(t, c, "held-0", 0)
-	if err := c.Delete(context.Background(), "held-0"); err != nil {
+	waitLeases(t, c, name, 0)
+	if err := c.Delete(context.Background(), name); err != nil {
 		t.Fatal(err)
 	}
 }

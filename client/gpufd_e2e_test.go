@@ -152,40 +152,15 @@ func TestGPUFDNewPIDNamespace(t *testing.T) {
 // its imported arenas.
 func TestGPUFDKilledLeaseHolderReleases(t *testing.T) {
 	d, _ := startFDDaemon(t)
-	env := append(gpuEnvs(d.socket, 37, "held", 1, 1<<20), fdShare)
-	spawn(t, "gpu-producer", nil, env...).expect("sealed 1")
-	h := spawn(t, "gpu-holder", nil, env...)
-	if got := h.expect("leased "); got != hash(stream(37, "held-0", 1<<20)) {
-		t.Fatal("holder read other bytes")
-	}
-	c := dial(t, d.socket)
-	waitLeases(t, c, "held-0", 1)
-	h.kill9()
-	waitLeases(t, c, "held-0", 0)
+	c := killHolder(t, d.socket, 37, fdShare)
 
 	before := cudaipc.ImportCacheStats().Mapped
-	c2, err := client.Dial(context.Background(), d.socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := c2.Get(context.Background(), "held-0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := c2.Close(); err != nil {
-		t.Fatal(err)
-	}
+	l := leaseOfClosedClient(t, d.socket, "held-0")
 	if _, err := l.ReadAt(make([]byte, 1), 0); err == nil || l.Ptr() != 0 || l.CUDADevice() != nil {
 		t.Fatalf("lease of a closed client: ReadAt %v, ptr %#x", err, l.Ptr())
 	}
 	if n := cudaipc.ImportCacheStats().Mapped - before; n != 0 {
 		t.Fatalf("%d allocations still mapped after Close", n)
 	}
-	if err := l.Release(); err != nil {
-		t.Fatal(err)
-	}
-	waitLeases(t, c, "held-0", 0)
-	if err := c.Delete(context.Background(), "held-0"); err != nil {
-		t.Fatal(err)
-	}
+	releaseAndDelete(t, c, l, "held-0")
 }

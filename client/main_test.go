@@ -362,6 +362,47 @@ func put(t *testing.T, c *client.Client, name string, size int64) []byte {
 	return want
 }
 
+// putLeased puts an object as put does and leases it; the lease is
+// released when the test ends, if the test has not released it.
+func putLeased(t *testing.T, c *client.Client, name string, size int64) ([]byte, *client.Lease) {
+	t.Helper()
+	want := put(t, c, name, size)
+	l, err := c.Get(context.Background(), name)
+	if err != nil {
+		t.Fatalf("get %s: %v", name, err)
+	}
+	t.Cleanup(func() { l.Release() })
+	return want, l
+}
+
+// checkGet leases name, fails the test unless the lease reads want, and
+// releases it.
+func checkGet(t *testing.T, c *client.Client, name string, want []byte) {
+	t.Helper()
+	l, err := c.Get(context.Background(), name)
+	if err != nil {
+		t.Fatalf("get %s: %v", name, err)
+	}
+	if !bytes.Equal(l.Bytes(), want) {
+		t.Fatalf("%s: the lease reads other bytes than were sealed", name)
+	}
+	if err := l.Release(); err != nil {
+		t.Fatalf("release %s: %v", name, err)
+	}
+}
+
+// checkLeaseHeld fails the test unless l still reads want and then
+// releases cleanly, after what happened meanwhile (after names it).
+func checkLeaseHeld(t *testing.T, l *client.Lease, want []byte, after string) {
+	t.Helper()
+	if !bytes.Equal(l.Bytes(), want) {
+		t.Fatalf("the lease's bytes changed after %s", after)
+	}
+	if err := l.Release(); err != nil {
+		t.Fatalf("Release after %s: %v", after, err)
+	}
+}
+
 // getBytes leases name, reads its size bytes (host or GPU object) and
 // releases it.
 func getBytes(t *testing.T, c *client.Client, name string, size int64) []byte {

@@ -73,16 +73,7 @@ func TestFreedHostArenaUnmapped(t *testing.T) {
 	ctx := context.Background()
 	base := arenaMappings(t)
 	want := put(t, w, "x", 10000)
-	l, err := r.Get(ctx, "x")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(l.Bytes(), want) {
-		t.Fatal("wrong bytes")
-	}
-	if err := l.Release(); err != nil {
-		t.Fatal(err)
-	}
+	checkGet(t, r, "x", want)
 	if n := arenaMappings(t) - base; n != 2 { // the writer's and the reader's
 		t.Fatalf("%d arena mappings, want 2", n)
 	}

@@ -1,7 +1,6 @@
 package client_test
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"testing"
@@ -26,16 +25,7 @@ func TestReleaseSeenByOthers(t *testing.T) {
 		n = 1000
 	}
 	for i := range n {
-		l, err := reader.Get(ctx, "small")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !bytes.Equal(l.Bytes(), small) {
-			t.Fatal("small: wrong bytes")
-		}
-		if err := l.Release(); err != nil {
-			t.Fatal(err)
-		}
+		checkGet(t, reader, "small", small)
 		info, err := other.Stat(ctx, "small")
 		if err != nil {
 			t.Fatal(err)
