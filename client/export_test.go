@@ -11,3 +11,19 @@ func Republished(c *Client) int {
 	defer c.mu.Unlock()
 	return c.republished
 }
+
+// IdleLeases says how many leases c released through its lease table and
+// keeps for a later take-back.
+func IdleLeases(c *Client) int {
+	t := c.table
+	if t == nil {
+		return 0
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	n := 0
+	for _, list := range t.idle {
+		n += len(list)
+	}
+	return n
+}

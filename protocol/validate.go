@@ -601,8 +601,6 @@ func validateExternal(p *storev1.Placement, in *storev1.ObjectInfo) error {
 	switch {
 	case !in.GetExternal():
 		return invalid("get: an external placement for an object that is not external")
-	case p.GetArenaId() != 0:
-		return invalid("get: an external placement with an arena id")
 	case (len(p.GetRegion()) == 0) == (in.GetSourcesSize() == 0) && p.GetKind() != storev1.Placement_HOST:
 		return invalid("get: an external placement has its region or, for a no-copy version, a sources table")
 	case p.GetFiles() > MaxPieces || p.GetFdAttached():

@@ -47,6 +47,11 @@ type external struct {
 	orphaned  bool
 	deleted   bool // no longer in Store.externals
 	leases    int
+	// id names e in ArenasFreed, as an arena id would: a client keeps the
+	// mapping of a lease it released through its lease table (an idle
+	// lease) until the daemon reclaims it, and then drops it on this id.
+	id      uint64
+	slotted map[*lease]*session // its leases that have a lease table slot, and their session
 }
 
 // readableBy reports whether a peer of uid may read e: its owner, root,
@@ -55,8 +60,9 @@ func (e *external) readableBy(uid uint32) bool { return e.shared || e.owner == u
 
 func (e *external) info() info {
 	return info{
-		Name: e.name, Size: e.size, Device: e.device, Sealed: true, Leases: e.leases,
+		Name: e.name, Size: e.size, Device: e.device, Sealed: true,
 		Shared: e.shared, OwnerUID: e.owner, Created: e.created, Region: e.region, Tensor: e.tensor,
+		Leases: e.leases - idleLeasesLocked(e.slotted),
 		External: true, Orphaned: e.orphaned, ExporterBound: e.legacy != nil, Space: e.space,
 		CreatorCanWrite: true, // the memory is the registering process's
 	}
@@ -69,6 +75,9 @@ func (s *Store) dropExternalLocked(e *external, kind eventKind) {
 		e.deleted = true
 		s.unclaimLocked(e.name, e.entry())
 		s.emitLocked(event{kind: kind, name: e.name}, readers(e.owner, e.shared))
+		// Idle leases go now (a later get finds no name), held ones through
+		// the socket; either may bring the count to zero and come back here.
+		doomSlotsLocked(e.slotted)
 	}
 	if e.leases == 0 && e.files != nil {
 		for _, f := range e.files {
@@ -127,6 +136,8 @@ func (ss *session) register(r *storev1.RegisterRequest, files []*os.File) (info,
 		return info{}, err
 	}
 	ok = true
+	s.nextArena++
+	e.id = s.nextArena
 	ss.registered[e] = struct{}{}
 	s.wakeLocked(e.name)
 	s.emitLocked(event{kind: eventSealed, name: e.name}, readers(e.owner, e.shared))
@@ -202,8 +213,9 @@ func (ss *session) leaseExternalLocked(e *external) (placement, error) {
 		p.pieceFiles = append(p.pieceFiles, d)
 	}
 	l := ss.addLeaseLocked(nil, e)
+	ss.slotLocked(l)
 	e.leases++
-	p.leaseID = l.id
+	p.leaseID, p.leaseSlot, p.leaseGen, p.arenaID = l.id, l.slot, l.gen, e.id
 	p.info = e.info()
 	return p, nil
 }
@@ -222,6 +234,9 @@ func (ss *session) unregisterLocked(e *external) {
 	}
 	e.orphaned = true
 	s.logFor(e.owner).Info("external memory orphaned: its exporter disconnected; readers keep their mappings", "name", e.name, "leases", e.leases)
+	// An idle lease is no reader: it goes now, so that the memory goes with
+	// the last lease held; a held one is released through the socket.
+	doomSlotsLocked(e.slotted)
 	if e.leases == 0 {
 		s.dropExternalLocked(e, eventDeleted)
 	}

@@ -75,10 +75,10 @@ func (ss *session) leaseTable() (*os.File, int, error) {
 }
 
 // slotLocked gives l a slot of the session's table, when it has one with
-// room and l's object is a plain one.
+// room and l is of a plain object or of registered memory.
 func (ss *session) slotLocked(l *lease) {
 	t := ss.table
-	if t == nil || len(t.free) == 0 || l.obj.ver != nil {
+	if t == nil || len(t.free) == 0 || (l.obj != nil && l.obj.ver != nil) {
 		return
 	}
 	i := t.free[len(t.free)-1]
@@ -90,11 +90,20 @@ func (ss *session) slotLocked(l *lease) {
 	l.slot, l.gen = i+1, t.gens[i]
 	t.words.Store(i, protocol.SlotWord(l.gen, protocol.SlotHeld, false))
 	t.used[l] = struct{}{}
-	o := l.obj
-	if o.slotted == nil {
-		o.slotted = make(map[*lease]*session)
+	m := l.slotted()
+	if *m == nil {
+		*m = make(map[*lease]*session)
 	}
-	o.slotted[l] = ss
+	(*m)[l] = ss
+}
+
+// slotted is the record of slotted leases of l's object or registered
+// memory.
+func (l *lease) slotted() *map[*lease]*session {
+	if l.ext != nil {
+		return &l.ext.slotted
+	}
+	return &l.obj.slotted
 }
 
 // unslotLocked frees l's slot (the lease ends).
@@ -107,7 +116,7 @@ func (ss *session) unslotLocked(l *lease) {
 	t.words.Store(i, protocol.SlotWord(l.gen, protocol.SlotFree, false))
 	t.free = append(t.free, i)
 	delete(t.used, l)
-	delete(l.obj.slotted, l)
+	delete(*l.slotted(), l)
 	l.slot = 0
 }
 
@@ -133,14 +142,25 @@ func (ss *session) reclaimLocked(l *lease) bool {
 		return false
 	}
 	ss.releaseLocked(l)
+	if e := l.ext; e != nil {
+		// The client keeps an idle lease's mapping of registered memory
+		// until told, and that mapping keeps the memory (a VMM allocation,
+		// a memfd): tell it as for an arena freed.
+		ss.freed = append(ss.freed, e.id)
+		select {
+		case ss.notify <- struct{}{}:
+		default:
+		}
+	}
 	return true
 }
 
-// idleLeasesLocked counts o's leases released through a lease table and not
-// reclaimed yet: Stat and List leave them out.
-func (o *object) idleLeasesLocked() int {
+// idleLeasesLocked counts the leases of slotted (an object's or registered
+// memory's) released through a lease table and not reclaimed yet: Stat and
+// List leave them out.
+func idleLeasesLocked(slotted map[*lease]*session) int {
 	n := 0
-	for l, ss := range o.slotted {
+	for l, ss := range slotted {
 		if ss.idleLocked(l) {
 			n++
 		}
@@ -148,11 +168,15 @@ func (o *object) idleLeasesLocked() int {
 	return n
 }
 
-// doomLocked marks o's slotted leases doomed (o was deleted): held ones are
+// doomLocked marks o's slotted leases doomed (o was deleted).
+func (s *Store) doomLocked(o *object) { doomSlotsLocked(o.slotted) }
+
+// doomSlotsLocked marks the slotted leases doomed (their object was
+// deleted, or their registered memory's exporter ended): held ones are
 // released through the socket, never taken back; idle ones are reclaimed
-// now, so that o's memory is freed with its last lease.
-func (s *Store) doomLocked(o *object) {
-	for l, ss := range o.slotted {
+// now, so that the memory goes with the last lease held.
+func doomSlotsLocked(slotted map[*lease]*session) {
+	for l, ss := range slotted {
 		i := l.slot - 1
 		for {
 			w := ss.table.words.Load(i)
@@ -174,6 +198,9 @@ func (s *Store) sweepLocked() bool {
 	any := false
 	for ss := range s.tables {
 		for l := range ss.table.used {
+			if l.ext != nil {
+				continue // registered memory holds none of the store's
+			}
 			if ss.reclaimLocked(l) {
 				any = true
 			}

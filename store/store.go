@@ -687,7 +687,7 @@ func (o *object) info() info {
 		Name:     o.name,
 		Size:     o.size,
 		Sealed:   o.sealed,
-		Leases:   o.leases - o.idleLeasesLocked(),
+		Leases:   o.leases - idleLeasesLocked(o.slotted),
 		Shared:   o.shared,
 		OwnerUID: o.owner,
 		Created:  o.created,
