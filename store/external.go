@@ -62,7 +62,7 @@ func (e *external) info() info {
 	return info{
 		Name: e.name, Size: e.size, Device: e.device, Sealed: true,
 		Shared: e.shared, OwnerUID: e.owner, Created: e.created, Region: e.region, Tensor: e.tensor,
-		Leases: e.leases - idleLeasesLocked(e.slotted),
+		Leases:   e.leases - idleLeasesLocked(e.slotted),
 		External: true, Orphaned: e.orphaned, ExporterBound: e.legacy != nil, Space: e.space,
 		CreatorCanWrite: true, // the memory is the registering process's
 	}
