@@ -14,6 +14,7 @@ import (
 
 	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
+	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
 // testCallTimeout is long: the test machine may be loaded.
@@ -75,6 +76,32 @@ func object(name string, size int64) (cluster.Object, []byte) {
 	return cluster.Object{Name: name, Owner: 1000, Size: size, ChunkSize: chunk, Sums: cluster.Checksums(b, chunk), ID: cluster.NewID()}, b
 }
 
+// mustPublish publishes o through d and fails the test if that fails.
+func mustPublish(t *testing.T, ctx context.Context, d *Directory, o cluster.Object) {
+	t.Helper()
+	if _, err := d.Publish(ctx, o); err != nil {
+		t.Fatalf("publish %s: %v", o.Ref(), err)
+	}
+}
+
+// mustJoin joins d to the cluster as node(name) and fails the test if
+// that fails.
+func mustJoin(t *testing.T, ctx context.Context, d *Directory, name string) {
+	t.Helper()
+	if err := d.Join(ctx, node(name)); err != nil {
+		t.Fatalf("join %s: %v", name, err)
+	}
+}
+
+// wantDeleted fails the test unless the next event, within 5 s, reports
+// the deletion of o's incarnation.
+func wantDeleted(t *testing.T, events <-chan Event, o cluster.Object) {
+	t.Helper()
+	if ev := testutil.Next(t, events, 5*time.Second); !ev.Deleted || ev.Ref != o.Ref() || ev.ID != o.ID {
+		t.Fatalf("event %+v, want the deletion of %s incarnation %s", ev, o.Ref(), o.ID)
+	}
+}
+
 func TestParseURL(t *testing.T) {
 	eps, tls, err := ParseURL("etcd://a:2379,10.0.0.2:2379")
 	if err != nil || tls || !slices.Equal(eps, []string{"http://a:2379", "http://10.0.0.2:2379"}) {
@@ -95,12 +122,8 @@ func TestNodesJoinAndVanish(t *testing.T) {
 	srv := etcdtest.Start(t)
 	a, b := open(t, srv, "a"), open(t, srv, "b")
 	ctx := ctxT(t)
-	if err := a.Join(ctx, node("a")); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.Join(ctx, node("b")); err != nil {
-		t.Fatal(err)
-	}
+	mustJoin(t, ctx, a, "a")
+	mustJoin(t, ctx, b, "b")
 	if err := a.Join(ctx, node("a")); err != nil {
 		t.Fatalf("rejoin on the same lease: %v", err)
 	}
@@ -121,9 +144,7 @@ func TestNodesJoinAndVanish(t *testing.T) {
 	})
 	t.Logf("a dead node's record went after %v (TTL 2s)", time.Since(start).Round(100*time.Millisecond))
 	// Its name is free again.
-	if err := a2.Join(ctx, node("a")); err != nil {
-		t.Fatal(err)
-	}
+	mustJoin(t, ctx, a2, "a")
 	// A node that closes leaves at once.
 	b.Close()
 	if _, err := a2.Node(ctx, "b"); !errors.Is(err, cluster.ErrNotFound) {
@@ -141,9 +162,7 @@ func TestPublishLookupHoldersDelete(t *testing.T) {
 	if _, err := b.Lookup(ctx, ref); !errors.Is(err, cluster.ErrNotFound) {
 		t.Fatalf("lookup before publish: %v", err)
 	}
-	if _, err := a.Publish(ctx, o); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, o)
 	e, err := b.Lookup(ctx, ref)
 	if err != nil {
 		t.Fatal(err)
@@ -165,9 +184,7 @@ func TestPublishLookupHoldersDelete(t *testing.T) {
 	// Another owner's name of the same spelling is another object.
 	other := o
 	other.Owner, other.ID = 1001, cluster.NewID()
-	if _, err := c.Publish(ctx, other); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, c, other)
 	ls, err := c.List(ctx)
 	if err != nil || len(ls) != 2 || ls[0].Owner != 1000 || len(ls[0].Holders) != 2 || ls[1].Owner != 1001 {
 		t.Fatalf("list %+v %v", ls, err)
@@ -204,14 +221,7 @@ func TestPublishLookupHoldersDelete(t *testing.T) {
 	if err := b.AddHolder(ctx, e); !errors.Is(err, cluster.ErrNotFound) {
 		t.Fatalf("advertise a deleted name: %v", err)
 	}
-	select {
-	case ev := <-events:
-		if !ev.Deleted || ev.Ref != ref || ev.ID != o2.ID {
-			t.Fatalf("event %+v, want the deletion of %s incarnation %s", ev, ref, o2.ID)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("no delete event within 5s")
-	}
+	wantDeleted(t, events, o2)
 }
 
 func TestForgedRecordsRejected(t *testing.T) {
@@ -220,23 +230,17 @@ func TestForgedRecordsRejected(t *testing.T) {
 	evil := open(t, srv, "evil", func(c *Config) { c.Secret = mustSecret("another-secret-of-16+bytes") })
 	ctx := ctxT(t)
 	o, _ := object("x", 1000)
-	if _, err := evil.Publish(ctx, o); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, evil, o)
 	if _, err := a.Lookup(ctx, o.Ref()); !errors.Is(err, cluster.ErrBadRecord) {
 		t.Fatalf("record written with another secret: %v, want ErrBadRecord", err)
 	}
-	if err := evil.Join(ctx, node("evil")); err != nil {
-		t.Fatal(err)
-	}
+	mustJoin(t, ctx, evil, "evil")
 	if ns, err := a.Nodes(ctx); err != nil || len(ns) != 0 {
 		t.Fatalf("nodes with a forged one: %+v %v", ns, err)
 	}
 	// A genuine record moved to another key does not verify either.
 	y, _ := object("y", 1000)
-	if _, err := a.Publish(ctx, y); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, y)
 	r, err := a.cli.Get(ctx, a.k.obj(y.Ref()))
 	if err != nil {
 		t.Fatal(err)
@@ -263,9 +267,7 @@ func TestVersionsAcrossNodes(t *testing.T) {
 	if _, err := c.Latest(ctx, 1000, "w"); !errors.Is(err, cluster.ErrNotFound) {
 		t.Fatalf("latest before any: %v", err)
 	}
-	m := c.Mirror(ctx)
-	defer m.Close()
-	eventually(t, 10*time.Second, "the mirror loads", m.Synced)
+	m := loadedMirror(t, ctx, c)
 	for v := uint64(1); v <= 3; v++ {
 		for shard, d := range []*Directory{a, b} {
 			o, _ := object("w", 70000)
@@ -350,9 +352,7 @@ func TestPins(t *testing.T) {
 	ctx := ctxT(t)
 	events := a.Watch(ctx)
 	o, _ := object("p", 1<<20)
-	if _, err := a.Publish(ctx, o); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, o)
 	unpin, err := b.Pin(ctx, "a", o.Ref(), o.ID)
 	if err != nil {
 		t.Fatal(err)
@@ -408,13 +408,9 @@ func TestEtcdStoppedAndBack(t *testing.T) {
 	srv := etcdtest.Start(t)
 	a, b := open(t, srv, "a"), open(t, srv, "b")
 	ctx := ctxT(t)
-	if err := a.Join(ctx, node("a")); err != nil {
-		t.Fatal(err)
-	}
+	mustJoin(t, ctx, a, "a")
 	o, _ := object("survivor", 4096)
-	if _, err := a.Publish(ctx, o); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, o)
 	before := a.currentLease()
 	srv.Kill()
 	// The first call waits out its timeout; later ones fail at once.
@@ -514,13 +510,9 @@ func TestLeaseLapseRestores(t *testing.T) {
 	srv := etcdtest.Start(t)
 	a, b := open(t, srv, "a"), open(t, srv, "b")
 	ctx := ctxT(t)
-	if err := a.Join(ctx, node("a")); err != nil {
-		t.Fatal(err)
-	}
+	mustJoin(t, ctx, a, "a")
 	o, _ := object("lapse", 4096)
-	if _, err := b.Publish(ctx, o); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, b, o)
 	e, err := a.Lookup(ctx, o.Ref())
 	if err != nil {
 		t.Fatal(err)
@@ -555,9 +547,7 @@ func TestManyObjects(t *testing.T) {
 	ctx := ctxT(t)
 	for i := range 50 {
 		o, _ := object(fmt.Sprintf("ns/obj-%02d", i), int64(1+rand.IntN(10<<20)))
-		if _, err := a.Publish(ctx, o); err != nil {
-			t.Fatal(err)
-		}
+		mustPublish(t, ctx, a, o)
 	}
 	ls, err := a.List(ctx)
 	if err != nil || len(ls) != 50 {
@@ -647,9 +637,7 @@ func TestAddHolderWithoutLeaseDeferred(t *testing.T) {
 	var entries []Entry
 	for _, name := range []string{"ns/kept", "ns/deleted", "ns/withdrawn"} {
 		o, _ := object(name, 4096)
-		if _, err := b.Publish(ctx, o); err != nil {
-			t.Fatal(err)
-		}
+		mustPublish(t, ctx, b, o)
 		e, err := a.Lookup(ctx, o.Ref())
 		if err != nil {
 			t.Fatal(err)

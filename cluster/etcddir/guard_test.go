@@ -90,9 +90,7 @@ func TestUnsignedDeleteWrittenBack(t *testing.T) {
 	ctx := ctxT(t)
 	events := c.Watch(ctx)
 	o, _ := object("w", 3<<20+5)
-	if _, err := a.Publish(ctx, o); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, o)
 	e, err := b.Lookup(ctx, o.Ref())
 	if err != nil {
 		t.Fatal(err)
@@ -124,9 +122,7 @@ func TestUnsignedDeleteWrittenBack(t *testing.T) {
 		t.Errorf("A logged %d first rewrites and %d summaries, want at most 2 (its object and holder records) and none", n, again)
 	}
 	s, _ := object("sentinel", 1000)
-	if _, err := a.Publish(ctx, s); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, s)
 	if err := a.Delete(ctx, s.Owner, s.Name); err != nil {
 		t.Fatal(err)
 	}
@@ -145,9 +141,7 @@ func TestTombstones(t *testing.T) {
 	o, _ := object("w", 5000)
 	x, _ := object("x", 6000)
 	for _, p := range []cluster.Object{o, x} {
-		if _, err := a.Publish(ctx, p); err != nil {
-			t.Fatal(err)
-		}
+		mustPublish(t, ctx, a, p)
 		e, err := b.Lookup(ctx, p.Ref())
 		if err != nil {
 			t.Fatal(err)
@@ -160,14 +154,7 @@ func TestTombstones(t *testing.T) {
 	if err := b.Delete(ctx, x.Owner, x.Name); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case ev := <-events:
-		if !ev.Deleted || ev.Ref != x.Ref() || ev.ID != x.ID {
-			t.Fatalf("event %+v, want the deletion of %s incarnation %s", ev, x.Ref(), x.ID)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("no deletion reported within 5s")
-	}
+	wantDeleted(t, events, x)
 	xt, err := c.cli.Get(ctx, a.k.tomb(x.Owner, x.Name))
 	if err != nil || len(xt.Kvs) != 1 || xt.Kvs[0].Lease == 0 {
 		t.Fatalf("x's tombstone: %+v %v, want one on a lease", xt, err)
@@ -188,9 +175,7 @@ func TestTombstones(t *testing.T) {
 		t.Fatal("a forged tombstone made a holder stop guarding its record")
 	}
 	s, _ := object("sentinel", 1000)
-	if _, err := a.Publish(ctx, s); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, s)
 	if err := a.Delete(ctx, s.Owner, s.Name); err != nil {
 		t.Fatal(err)
 	}
@@ -200,22 +185,13 @@ func TestTombstones(t *testing.T) {
 	if err := c.Delete(ctx, o.Owner, o.Name); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case ev := <-events:
-		if !ev.Deleted || ev.Ref != o.Ref() || ev.ID != o.ID {
-			t.Fatalf("event %+v, want the deletion of %s incarnation %s", ev, o.Ref(), o.ID)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("no deletion reported within 5s")
-	}
+	wantDeleted(t, events, o)
 	eventually(t, rewriteBound, "holders stop guarding a deleted name", func() bool {
 		return a.heldRecord(o.Ref()) == nil && b.heldRecord(o.Ref()) == nil
 	})
 	// A later rewrite of another object (x2) comes after any of o's.
 	x2, _ := object("x2", 1000)
-	if _, err := a.Publish(ctx, x2); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, x2)
 	if _, err := c.cli.Delete(ctx, a.k.obj(x2.Ref())); err != nil {
 		t.Fatal(err)
 	}
@@ -233,12 +209,8 @@ func TestNodeRecordsNeedLease(t *testing.T) {
 	srv := etcdtest.Start(t)
 	a, b := open(t, srv, "a"), open(t, srv, "b")
 	ctx := ctxT(t)
-	if err := a.Join(ctx, node("a")); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.Join(ctx, node("b")); err != nil {
-		t.Fatal(err)
-	}
+	mustJoin(t, ctx, a, "a")
+	mustJoin(t, ctx, b, "b")
 	key := a.k.node("a")
 	r, err := b.cli.Get(ctx, key)
 	if err != nil {
@@ -352,16 +324,12 @@ func TestWholePrefixDeleted(t *testing.T) {
 	var objs []cluster.Object
 	for i, name := range []string{"p", "q", "r"} {
 		o, _ := object(name, 3000+int64(i))
-		if _, err := a.Publish(ctx, o); err != nil {
-			t.Fatal(err)
-		}
+		mustPublish(t, ctx, a, o)
 		objs = append(objs, o)
 	}
 	v, _ := object("v", 7000)
 	v.Version, v.Shards = 1, 1
-	if _, err := b.Publish(ctx, v); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, b, v)
 	e, err := a.Lookup(ctx, objs[0].Ref())
 	if err != nil {
 		t.Fatal(err)
@@ -414,9 +382,7 @@ func TestGuardResumesAfterCutOff(t *testing.T) {
 	a, b := open(t, srv, "a", withLog(&alog)), open(t, srv, "b")
 	ctx := ctxT(t)
 	o, _ := object("w", 9000)
-	if _, err := a.Publish(ctx, o); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, o)
 	for _, compact := range []bool{false, true} {
 		resume := holdGuard(t, a)
 		if _, err := b.cli.Delete(ctx, a.k.obj(o.Ref())); err != nil {
@@ -453,9 +419,7 @@ func TestSupersededIncarnationNotFought(t *testing.T) {
 	a, b, c := open(t, srv, "a"), open(t, srv, "b"), open(t, srv, "c")
 	ctx := ctxT(t)
 	o, _ := object("w", 5000)
-	if _, err := a.Publish(ctx, o); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, o)
 	e, err := b.Lookup(ctx, o.Ref())
 	if err != nil {
 		t.Fatal(err)

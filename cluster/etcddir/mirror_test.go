@@ -1,6 +1,7 @@
 package etcddir
 
 import (
+	"context"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -52,6 +53,23 @@ func watchIDs(m *Mirror, ref cluster.Ref) (stop func() []string, last func() str
 		}
 }
 
+// loadedMirror starts a mirror of d, closed when the test ends, and waits
+// (10 s at most) until it has loaded the records.
+func loadedMirror(t *testing.T, ctx context.Context, d *Directory) *Mirror {
+	t.Helper()
+	m := d.Mirror(ctx)
+	t.Cleanup(func() { m.Close() })
+	eventually(t, 10*time.Second, "the mirror loads", m.Synced)
+	return m
+}
+
+// publishMirrored publishes o through d and waits until m answers for it.
+func publishMirrored(t *testing.T, ctx context.Context, d *Directory, m *Mirror, o cluster.Object) {
+	t.Helper()
+	mustPublish(t, ctx, d, o)
+	waitMirror(t, m, o.Ref(), true, "the mirror has "+o.Name)
+}
+
 // waitMirror waits (10 s at most) until whether m answers for ref is
 // answers.
 func waitMirror(t *testing.T, m *Mirror, ref cluster.Ref, answers bool, what string) {
@@ -65,12 +83,8 @@ func TestMirrorFollowsCreateReplaceDelete(t *testing.T) {
 	ctx := ctxT(t)
 	// A record made before the mirror starts comes with its load.
 	before, _ := object("before", 4096)
-	if _, err := a.Publish(ctx, before); err != nil {
-		t.Fatal(err)
-	}
-	m := c.Mirror(ctx)
-	defer m.Close()
-	eventually(t, 10*time.Second, "the mirror loads", m.Synced)
+	mustPublish(t, ctx, a, before)
+	m := loadedMirror(t, ctx, c)
 	if e, ok := m.Lookup(before.Ref()); !ok || e.ID != before.ID || !slices.Equal(e.Holders, []string{"a"}) {
 		t.Fatalf("record made before the mirror: %+v %v", e, ok)
 	}
@@ -81,9 +95,7 @@ func TestMirrorFollowsCreateReplaceDelete(t *testing.T) {
 		t.Fatal("the mirror answers for a name not recorded")
 	}
 	ids, lastID := watchIDs(m, ref)
-	if _, err := a.Publish(ctx, o); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, o)
 	var e Entry
 	eventually(t, 10*time.Second, "the mirror has the new record", func() bool {
 		var ok bool
@@ -113,9 +125,7 @@ func TestMirrorFollowsCreateReplaceDelete(t *testing.T) {
 	// Replaced by a new incarnation.
 	o2 := o
 	o2.ID = cluster.NewID()
-	if _, err := b.Publish(ctx, o2); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, b, o2)
 	eventually(t, 10*time.Second, "the mirror has the new incarnation", func() bool {
 		e, ok := m.Lookup(ref)
 		return ok && e.ID == o2.ID && slices.Equal(e.Holders, []string{"b"})
@@ -128,9 +138,7 @@ func TestMirrorFollowsCreateReplaceDelete(t *testing.T) {
 	waitMirror(t, m, ref, false, "the mirror drops the deleted name")
 	o3 := o
 	o3.ID = cluster.NewID()
-	if _, err := a.Publish(ctx, o3); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, o3)
 	eventually(t, 10*time.Second, "the mirror has the re-created name", func() bool {
 		e, ok := m.Lookup(ref)
 		return ok && e.ID == o3.ID
@@ -156,9 +164,7 @@ func TestMirrorFollowsCreateReplaceDelete(t *testing.T) {
 	// Versions: the latest record is mirrored, and each shard's record.
 	v := o
 	v.Name, v.Version, v.Shards, v.ID = "versioned", 3, 1, cluster.NewID()
-	if _, err := a.Publish(ctx, v); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, v)
 	eventually(t, 10*time.Second, "the mirror has the version", func() bool {
 		l, ok := m.Latest(v.Owner, v.Name)
 		e, ok2 := m.Lookup(v.Ref())
@@ -182,14 +188,9 @@ func TestMirrorIgnoresForgedRecords(t *testing.T) {
 	srv := etcdtest.Start(t)
 	a, c := open(t, srv, "a"), open(t, srv, "c")
 	ctx := ctxT(t)
-	m := c.Mirror(ctx)
-	defer m.Close()
-	eventually(t, 10*time.Second, "the mirror loads", m.Synced)
+	m := loadedMirror(t, ctx, c)
 	o, _ := object("forged", 4096)
-	if _, err := a.Publish(ctx, o); err != nil {
-		t.Fatal(err)
-	}
-	waitMirror(t, m, o.Ref(), true, "the mirror has the record")
+	publishMirrored(t, ctx, a, m, o)
 	// Someone with etcd access but not the secret replaces the record: the
 	// mirror never serves it, and the holder writes the genuine one back.
 	evil := o
@@ -214,10 +215,7 @@ func TestMirrorIgnoresForgedRecords(t *testing.T) {
 		t.Fatal(err)
 	}
 	p, _ := object("after", 1000)
-	if _, err := a.Publish(ctx, p); err != nil {
-		t.Fatal(err)
-	}
-	waitMirror(t, m, p.Ref(), true, "the mirror has a later record")
+	publishMirrored(t, ctx, a, m, p)
 	if e, ok := m.Lookup(x.Ref()); ok {
 		t.Fatalf("the mirror served a forged record: %+v", e)
 	}
@@ -230,14 +228,9 @@ func TestMirrorResyncsAfterBreak(t *testing.T) {
 	srv := etcdtest.Start(t)
 	a, c := open(t, srv, "a"), open(t, srv, "c")
 	ctx := ctxT(t)
-	m := c.Mirror(ctx)
-	defer m.Close()
-	eventually(t, 10*time.Second, "the mirror loads", m.Synced)
+	m := loadedMirror(t, ctx, c)
 	x, _ := object("x", 4096)
-	if _, err := a.Publish(ctx, x); err != nil {
-		t.Fatal(err)
-	}
-	waitMirror(t, m, x.Ref(), true, "the mirror has x")
+	publishMirrored(t, ctx, a, m, x)
 	loads := m.Loads()
 
 	resume := m.hold()
@@ -249,13 +242,9 @@ func TestMirrorResyncsAfterBreak(t *testing.T) {
 	}
 	x2 := x
 	x2.ID = cluster.NewID()
-	if _, err := a.Publish(ctx, x2); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, x2)
 	y, _ := object("y", 8192)
-	if _, err := a.Publish(ctx, y); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, y)
 	r, err := a.cli.Get(ctx, "compact")
 	if err != nil {
 		t.Fatal(err)
@@ -280,13 +269,9 @@ func TestMirrorEtcdRestart(t *testing.T) {
 	srv := etcdtest.Start(t)
 	a, c := open(t, srv, "a"), open(t, srv, "c")
 	ctx := ctxT(t)
-	m := c.Mirror(ctx)
-	defer m.Close()
+	m := loadedMirror(t, ctx, c)
 	x, _ := object("x", 4096)
-	if _, err := a.Publish(ctx, x); err != nil {
-		t.Fatal(err)
-	}
-	waitMirror(t, m, x.Ref(), true, "the mirror has x")
+	publishMirrored(t, ctx, a, m, x)
 	loads := m.Loads()
 	srv.Kill()
 	waitMirror(t, m, x.Ref(), false, "the mirror stops answering with etcd down")
@@ -310,26 +295,17 @@ func TestMirrorLeavesLargeRecordsToEtcd(t *testing.T) {
 	srv := etcdtest.Start(t)
 	a, c := open(t, srv, "a"), open(t, srv, "c")
 	ctx := ctxT(t)
-	m := c.Mirror(ctx)
-	defer m.Close()
+	m := loadedMirror(t, ctx, c)
 	o, _ := object("big-manifest", 4096)
-	if _, err := a.Publish(ctx, o); err != nil {
-		t.Fatal(err)
-	}
-	waitMirror(t, m, o.Ref(), true, "the mirror has the small record")
+	publishMirrored(t, ctx, a, m, o)
 	if err := a.Delete(ctx, o.Owner, o.Name); err != nil {
 		t.Fatal(err)
 	}
 	big := o
 	big.ID, big.Manifest = cluster.NewID(), make([]byte, MirrorMaxRecord)
-	if _, err := a.Publish(ctx, big); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, big)
 	other, _ := object("after", 4096)
-	if _, err := a.Publish(ctx, other); err != nil {
-		t.Fatal(err)
-	}
-	waitMirror(t, m, other.Ref(), true, "the mirror saw the later record")
+	publishMirrored(t, ctx, a, m, other)
 	if e, ok := m.Lookup(o.Ref()); ok {
 		t.Fatalf("the mirror answers for a large record (incarnation %s)", e.ID)
 	}
@@ -361,9 +337,7 @@ func TestMirrorChanged(t *testing.T) {
 	srv := etcdtest.Start(t)
 	a, b, c := open(t, srv, "a"), open(t, srv, "b"), open(t, srv, "c")
 	ctx := ctxT(t)
-	m := c.Mirror(ctx)
-	defer m.Close()
-	eventually(t, 10*time.Second, "the mirror loads", m.Synced)
+	m := loadedMirror(t, ctx, c)
 
 	w1, done1 := m.Changed(1000, "w")
 	w2, done2 := m.Changed(1000, "w")
@@ -372,9 +346,7 @@ func TestMirrorChanged(t *testing.T) {
 		t.Fatal("two waiters of one name got two channels")
 	}
 	o, _ := object("w", 5000)
-	if _, err := a.Publish(ctx, o); err != nil {
-		t.Fatal(err)
-	}
+	mustPublish(t, ctx, a, o)
 	if !closedWithin(w1, 10*time.Second) {
 		t.Fatal("a publish of the name did not wake its waiters")
 	}
@@ -403,9 +375,7 @@ func TestMirrorChanged(t *testing.T) {
 	for shard, d := range []*Directory{a, b} {
 		v, _ := object("v", 3000)
 		v.Version, v.Shard, v.Shards = 1, uint32(shard), 2
-		if _, err := d.Publish(ctx, v); err != nil {
-			t.Fatal(err)
-		}
+		mustPublish(t, ctx, d, v)
 		if !closedWithin(w, 10*time.Second) {
 			t.Fatalf("shard %d of v1 did not wake the name's waiters", shard)
 		}
