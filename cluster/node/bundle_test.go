@@ -18,10 +18,7 @@ import (
 // A cluster-visible host bundle put on A is a bundle on B: the replica
 // carries the manifest from A's record, and every tensor's bytes are A's.
 func TestBundleAcrossDaemons(t *testing.T) {
-	srv := etcdtest.Start(t)
-	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
+	_, a, b, ctx := twoDaemons(t, 60*time.Second)
 
 	tensors := tensorsOf(t, 7,
 		bundle.Spec{Name: "embed", DType: bundle.F32, Shape: []int64{1000, 700}},

@@ -156,10 +156,7 @@ func TestDirectoryCannotDeleteData(t *testing.T) {
 // tombstone, sealed with the secret, is honoured. A tombstone that does
 // not verify (garbage, sealed with another secret) deletes nothing.
 func TestTombstoneHonouredForgedIgnored(t *testing.T) {
-	srv := etcdtest.Start(t)
-	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	srv, a, b, ctx := twoDaemons(t, 2*time.Minute)
 	want := a.put(t, "ns/x", 2<<20+7, client.CreateOptions{Cluster: true})
 	a.put(t, "ns/sentinel", 5000, client.CreateOptions{Cluster: true})
 	for _, name := range []string{"ns/x", "ns/sentinel"} {

@@ -52,6 +52,19 @@ func putGPU(t *testing.T, ctx context.Context, d *daemon, name, gpu string, data
 	}
 }
 
+// gpuDaemons starts etcd and two daemons, a and b, with the cuda backend
+// and capacity bytes each. It returns GPU 0's UUID (the test skips without
+// a GPU) and a context that ends after two minutes or with the test.
+func gpuDaemons(t *testing.T, capacity int64) (gpu string, a, b *daemon, ctx context.Context) {
+	t.Helper()
+	gpu = testutil.RequireGPU(t).UUID().String()
+	srv := etcdtest.Start(t)
+	a, b = startDaemonOn(t, srv, "a", capacity, "cuda"), startDaemonOn(t, srv, "b", capacity, "cuda")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	return gpu, a, b, ctx
+}
+
 // readGPU reads a lease's bytes and checks that it is GPU memory.
 func readGPU(t *testing.T, l *client.Lease) []byte {
 	t.Helper()
@@ -66,12 +79,7 @@ func readGPU(t *testing.T, l *client.Lease) []byte {
 }
 
 func TestGPUObjectsAcrossDaemons(t *testing.T) {
-	dev := testutil.RequireGPU(t)
-	gpu := dev.UUID().String()
-	srv := etcdtest.Start(t)
-	a, b := startDaemonOn(t, srv, "a", 1<<30, "cuda"), startDaemonOn(t, srv, "b", 1<<30, "cuda")
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	gpu, a, b, ctx := gpuDaemons(t, 1<<30)
 
 	// Plain objects, random bytes: many chunks with a short last one, and
 	// one shorter than a chunk; their checksums computed on the device
@@ -213,12 +221,7 @@ func TestGPUReplicaStoreFull(t *testing.T) {
 // the get's pull) leaves no pin on the holder, no exposure held, and no
 // replica.
 func TestGPUReaderGoneMidPull(t *testing.T) {
-	dev := testutil.RequireGPU(t)
-	gpu := dev.UUID().String()
-	srv := etcdtest.Start(t)
-	a, b := startDaemonOn(t, srv, "a", 4<<30, "cuda"), startDaemonOn(t, srv, "b", 4<<30, "cuda")
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	gpu, a, b, ctx := gpuDaemons(t, 4<<30)
 	const size = 3 << 30 // ~3 s over UCX tcp on loopback
 	putGPU(t, ctx, a, "victim", gpu, randomBytes(size, 9), client.CreateOptions{})
 	rc, err := client.Dial(ctx, b.sock)
@@ -271,12 +274,7 @@ func TestGPUReaderGoneMidPull(t *testing.T) {
 // byte right. A staging that fails mid-way fails B's pull (no replica);
 // a later get stages the object anew and succeeds.
 func TestGPUPublishedBeforeStaged(t *testing.T) {
-	dev := testutil.RequireGPU(t)
-	gpu := dev.UUID().String()
-	srv := etcdtest.Start(t)
-	a, b := startDaemonOn(t, srv, "a", 2<<30, "cuda"), startDaemonOn(t, srv, "b", 2<<30, "cuda")
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	gpu, a, b, ctx := gpuDaemons(t, 2<<30)
 
 	const size = 640<<20 + 4097 // 11 slices of 64 MiB
 	// The staging stops before its third slice until B's fetches wait for

@@ -2,7 +2,6 @@ package node_test
 
 import (
 	"bytes"
-	"context"
 	"crypto/rand"
 	"fmt"
 	"sync"
@@ -10,7 +9,6 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc/client"
-	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 )
 
 // Small objects come whole in the holder's answer on the control channel
@@ -20,10 +18,7 @@ import (
 // own object's bytes, never a mix or the next object's, and the reads
 // went inline.
 func TestInlineReadRacesDeleteAndReuse(t *testing.T) {
-	srv := etcdtest.Start(t)
-	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
+	_, a, b, ctx := twoDaemons(t, 90*time.Second)
 	const size, rounds = 8 << 10, 300
 	type made struct {
 		name string

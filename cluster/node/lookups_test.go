@@ -88,10 +88,7 @@ func TestCachedLookupFollowsRepublish(t *testing.T) {
 // mirror already shows committed, finds the version and its shards in
 // the node's mirror.
 func TestVersionsFromTheMirror(t *testing.T) {
-	srv := etcdtest.Start(t)
-	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
+	_, a, b, ctx := twoDaemons(t, 60*time.Second)
 	v1, _ := a.publish(t, "mirrored", 2, 5000)
 	v2, s2 := a.publish(t, "mirrored", 2, 5000)
 	testutil.Eventually(t, testutil.Wait, func() error {
@@ -125,10 +122,7 @@ func TestVersionsFromTheMirror(t *testing.T) {
 // holder waits for its own seal instead of answering that it does not
 // hold the object. Every such get succeeds.
 func TestNewerThanRacesThePublishersSeal(t *testing.T) {
-	srv := etcdtest.Start(t)
-	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
+	_, a, b, ctx := twoDaemons(t, 90*time.Second)
 	v, _ := a.publish(t, "race", 1, 4096)
 	for range 40 {
 		type result struct {

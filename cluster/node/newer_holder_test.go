@@ -2,7 +2,6 @@ package node_test
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -11,7 +10,6 @@ import (
 
 	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/cluster"
-	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
@@ -21,10 +19,7 @@ import (
 // advertisement must not share the get's end: a cancelled write left the
 // replica local and unadvertised for good.
 func TestWaitedReplicaAdvertised(t *testing.T) {
-	srv := etcdtest.Start(t)
-	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	_, a, b, ctx := twoDaemons(t, 2*time.Minute)
 	for round := range 3 {
 		name := fmt.Sprintf("policy-%d", round)
 		v1, s1 := a.publish(t, name, 1, 3<<20+round)

@@ -59,6 +59,17 @@ func startDaemonCap(t testing.TB, srv *etcdtest.Server, name string, capacity in
 }
 
 // startDaemonOn is startDaemonCap with a store backend ("host", "cuda").
+// twoDaemons starts etcd and two host daemons, a and b, and returns them
+// with a context that ends after timeout or with the test.
+func twoDaemons(t *testing.T, timeout time.Duration) (srv *etcdtest.Server, a, b *daemon, ctx context.Context) {
+	t.Helper()
+	srv = etcdtest.Start(t)
+	a, b = startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	t.Cleanup(cancel)
+	return srv, a, b, ctx
+}
+
 func startDaemonOn(t testing.TB, srv *etcdtest.Server, name string, capacity int64, backend string) *daemon {
 	t.Helper()
 	return startDaemonKeep(t, srv, name, capacity, backend, 2)
@@ -564,10 +575,7 @@ func TestLocalWorkWithoutEtcd(t *testing.T) {
 }
 
 func TestPinHoldsReplica(t *testing.T) {
-	srv := etcdtest.Start(t)
-	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
+	_, a, b, ctx := twoDaemons(t, 60*time.Second)
 	a.put(t, "pinned", 100000, client.CreateOptions{Cluster: true})
 	e, err := b.node.Directory().Lookup(ctx, cluster.Ref{Owner: 0, Name: "pinned"})
 	if err != nil {
@@ -597,10 +605,7 @@ func TestPinHoldsReplica(t *testing.T) {
 // A version of more shards than a node pulls at once (shardPulls): one get
 // on B brings every shard, each with A's bytes.
 func TestManyShardsAcrossDaemons(t *testing.T) {
-	srv := etcdtest.Start(t)
-	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
+	_, a, b, ctx := twoDaemons(t, 60*time.Second)
 	const shards = 9
 	v, want := a.publish(t, "many", shards, 300001)
 	if ver, got, err := b.getVersion(ctx, "many", client.GetOptions{}); err != nil || ver != v || !bytes.Equal(got, want[0]) {

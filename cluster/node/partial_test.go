@@ -42,10 +42,7 @@ func checkSlice(t *testing.T, where string, l *client.Lease, m *bundle.Manifest,
 // stat and list, leased again without reading on a repeat, and replaced by
 // the whole bundle on a full get.
 func TestPartialRead(t *testing.T) {
-	srv := etcdtest.Start(t)
-	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
+	_, a, b, ctx := twoDaemons(t, 60*time.Second)
 	tensors := randomTensors(t, 3, 8)
 	m, err := a.c.PutBundle(ctx, "model", tensors, map[string]string{"format": "pt"}, client.CreateOptions{Cluster: true})
 	if err != nil {
@@ -195,10 +192,7 @@ func TestPartialReadEvicted(t *testing.T) {
 // lease keeps its bytes), a get newer_than waits for the next version,
 // and the name's deletion drops every slice.
 func TestPartialReadVersions(t *testing.T) {
-	srv := etcdtest.Start(t)
-	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
+	_, a, b, ctx := twoDaemons(t, 60*time.Second)
 	publish := func(seed byte) []client.TensorData {
 		t.Helper()
 		ts := randomTensors(t, seed, 4)
@@ -289,12 +283,7 @@ func TestPartialReadVersions(t *testing.T) {
 // A partial read of a bundle in GPU memory: the slice is on the reader's
 // GPU, its bytes the publisher's, and only the slice crossed host→device.
 func TestPartialReadGPU(t *testing.T) {
-	dev := testutil.RequireGPU(t)
-	gpu := dev.UUID().String()
-	srv := etcdtest.Start(t)
-	a, b := startDaemonOn(t, srv, "a", 1<<30, "cuda"), startDaemonOn(t, srv, "b", 1<<30, "cuda")
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	gpu, a, b, ctx := gpuDaemons(t, 1<<30)
 	tensors := randomTensors(t, 9, 6)
 	m, err := a.c.PutBundle(ctx, "gmodel", tensors, nil, client.CreateOptions{Cluster: true, Device: gpu})
 	if err != nil {

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/cudaipc/cudaipc/client"
-	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 )
 
 // putShard writes shard of version ver (of shards shards) of the
@@ -52,10 +51,7 @@ func errKind(err error) string {
 // is aborted as a whole when its second shard's publish fails: its first,
 // published, shard goes too.
 func TestVersionPublishWithoutEtcd(t *testing.T) {
-	srv := etcdtest.Start(t)
-	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
-	defer cancel()
+	srv, a, b, ctx := twoDaemons(t, 120*time.Second)
 	const size = 100001
 	for _, shards := range []int{1, 2} {
 		name := "verfail" + string(rune('0'+shards))

@@ -11,7 +11,6 @@ import (
 
 	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/cluster"
-	"github.com/cudaipc/cudaipc/cluster/internal/etcdtest"
 	"github.com/cudaipc/cudaipc/cluster/node"
 	"github.com/cudaipc/cudaipc/internal/testutil"
 )
@@ -46,10 +45,7 @@ func recordGone(t *testing.T, d *daemon, ref cluster.Ref) {
 // incarnation whose record went. Other nodes drop their replicas of the
 // old one and then read the new one.
 func TestRecreatedBeforeWatchSeesDelete(t *testing.T) {
-	srv := etcdtest.Start(t)
-	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
+	_, a, b, ctx := twoDaemons(t, 60*time.Second)
 	old := a.put(t, "ns/obj", 5000, client.CreateOptions{Cluster: true})
 	if got, err := b.get(ctx, "ns/obj"); err != nil || !bytes.Equal(got, old) {
 		t.Fatalf("B's first get: %v", err)
@@ -92,10 +88,7 @@ func TestRecreatedBeforeWatchSeesDelete(t *testing.T) {
 // pending shard stays; once the second is published, other nodes read
 // the new version.
 func TestRecreatedVersionBeforeWatchSeesDelete(t *testing.T) {
-	srv := etcdtest.Start(t)
-	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
+	_, a, b, ctx := twoDaemons(t, 60*time.Second)
 	ver, first := a.publish(t, "pol", 1, 3000)
 	if v, got, err := b.getVersion(ctx, "pol", client.GetOptions{}); err != nil || v != ver || !bytes.Equal(got, first[0]) {
 		t.Fatalf("B's first get: v%d %v", v, err)
@@ -160,10 +153,7 @@ func TestRecreatedVersionBeforeWatchSeesDelete(t *testing.T) {
 // for that claim to go (held back here until the put is waiting), then
 // publishes; other nodes then read the new object.
 func TestPutRightAfterDelete(t *testing.T) {
-	srv := etcdtest.Start(t)
-	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
+	_, a, b, ctx := twoDaemons(t, 60*time.Second)
 	old := a.put(t, "ns/again", 5000, client.CreateOptions{Cluster: true})
 	if got, err := b.get(ctx, "ns/again"); err != nil || !bytes.Equal(got, old) {
 		t.Fatalf("B's first get: %v", err)
