@@ -63,6 +63,7 @@ type Client struct {
 	idleRead    *time.Timer   // starts the background reader (reader.go)
 	readerDone  chan struct{} // closed once the connection has ended
 	endOnce     sync.Once
+	notices     notices // readers' notices not taken yet (notice.go)
 }
 
 // Defaults for the zero values of Options.
@@ -349,6 +350,9 @@ func (c *Client) readOne(self uint64, spin time.Duration) (r reply, mine bool, e
 		closeFiles(files)
 		if ev := resp.GetEvent(); ev != nil {
 			c.dispatch(ev)
+		}
+		if n := resp.GetNotice(); n != nil {
+			c.notices.push(n)
 		}
 		if af := resp.GetArenasFreed(); af != nil {
 			// Unmapping can take a driver call: not on the reader.

@@ -229,7 +229,8 @@ type readerMsg struct {
 }
 
 // roleReader reads blocks 0..3 of the space DESC into blocks 4..7 of a
-// zeroed local space of the same layout, and says how it went.
+// zeroed local space of the same layout (telling the source NOTIFY when
+// set), and says how it went.
 func roleReader(p *testutil.Peer) error {
 	ctx := context.Background()
 	c, err := client.Dial(ctx, os.Getenv("SOCK"))
@@ -245,7 +246,11 @@ func roleReader(p *testutil.Peer) error {
 	for _, r := range d.Regions {
 		dst.Memory = append(dst.Memory, kv.Memory{Host: make([]byte, r.Size)})
 	}
-	tr, err := kv.ReadBlocks(ctx, c, kv.Request{Src: &d, SrcBlocks: []int{0, 1, 2, 3}, Dst: dst, DstBlocks: []int{4, 5, 6, 7}})
+	req := kv.Request{Src: &d, SrcBlocks: []int{0, 1, 2, 3}, Dst: dst, DstBlocks: []int{4, 5, 6, 7}}
+	if n, ok := os.LookupEnv("NOTIFY"); ok {
+		req.Notify = []byte(n)
+	}
+	tr, err := kv.ReadBlocks(ctx, c, req)
 	if err == nil {
 		err = tr.Wait(ctx)
 	}

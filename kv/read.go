@@ -5,10 +5,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
+	"time"
 
 	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/client"
+	"github.com/cudaipc/cudaipc/protocol"
 )
 
 // Errors of a read, matched with errors.Is. A read of a space that is gone
@@ -21,6 +24,9 @@ var (
 	// ErrMismatch: the two spaces' layouts do not fit each other (layers,
 	// parts, block bytes), or the request's lists do not.
 	ErrMismatch = errors.New("kv: layouts do not match")
+	// ErrInvalidRequest: a request field out of its bounds (Notify too
+	// long).
+	ErrInvalidRequest = errors.New("kv: invalid request")
 	// ErrStale: the description names an earlier registration of the space.
 	ErrStale = errors.New("kv: the space was registered again since this description")
 	// ErrNotSupported: a read this version cannot do (between host and GPU
@@ -53,6 +59,10 @@ type Request struct {
 	DstBlocks []int
 	First     int
 	Count     int
+	// Notify, when not nil, is sent to the source's engine when the read
+	// ends, completed or failed (Space.TakeNotices there): at most
+	// protocol.MaxNoticePayload-1 bytes, e.g. the request's id.
+	Notify []byte
 }
 
 // run is a stretch of pairs whose source and destination ids both ascend
@@ -149,9 +159,30 @@ func ReadBlocks(ctx context.Context, c *client.Client, r Request) (*Transfer, er
 	go func() {
 		defer close(t.done)
 		t.err = p.read(ctx, c, t.layers)
+		if r.Notify != nil {
+			p.notify(c, t.err)
+		}
 	}()
 	return t, nil
 }
+
+// notify tells the source's engine that the read ended (err: how), before
+// the read's Done: a reader that exits once its read is done has sent it.
+// The engine may be gone; that is logged, not the read's failure.
+func (p *readPlan) notify(c *client.Client, err error) {
+	status := byte(0)
+	if err != nil {
+		status = 1
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), noticeTimeout)
+	defer cancel()
+	if nerr := c.Notify(ctx, p.Src.RegionName(0), append([]byte{status}, p.Notify...)); nerr != nil {
+		slog.Debug("kv: the source's engine was not told that a read ended", "space", p.Src.Name, "err", nerr)
+	}
+}
+
+// noticeTimeout bounds the notice at the end of a read.
+const noticeTimeout = 5 * time.Second
 
 // readPlan is a checked request.
 type readPlan struct {
@@ -173,6 +204,9 @@ func plan(r Request) (*readPlan, error) {
 	}
 	if err := r.Dst.check(); err != nil {
 		return nil, err
+	}
+	if len(r.Notify) >= protocol.MaxNoticePayload {
+		return nil, fmt.Errorf("%w: a notice of %d bytes (at most %d)", ErrInvalidRequest, len(r.Notify), protocol.MaxNoticePayload-1)
 	}
 	if len(r.SrcBlocks) != len(r.DstBlocks) || len(r.SrcBlocks) == 0 {
 		return nil, fmt.Errorf("%w: %d source and %d destination blocks: want as many, at least one", ErrMismatch, len(r.SrcBlocks), len(r.DstBlocks))

@@ -217,6 +217,11 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 		return nil
 	case *storev1.Request_Withdraw:
 		return ValidateName(b.Withdraw.GetName())
+	case *storev1.Request_Notify:
+		if n := len(b.Notify.GetPayload()); n > MaxNoticePayload {
+			return Errorf(storev1.Error_INVALID, "notify: a payload of %d bytes (at most %d)", n, MaxNoticePayload)
+		}
+		return ValidateName(b.Notify.GetName())
 	case nil:
 		return Errorf(storev1.Error_INVALID, "request %d has no known operation", r.GetId())
 	default:
@@ -294,6 +299,8 @@ func RequestKind(r *storev1.Request) string {
 		return "files"
 	case *storev1.Request_Withdraw:
 		return "withdraw"
+	case *storev1.Request_Notify:
+		return "notify"
 	default:
 		return "unknown"
 	}
@@ -339,11 +346,11 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 	}
 	var isEvent bool
 	switch r.GetBody().(type) {
-	case *storev1.Response_Event, *storev1.Response_ArenasFreed:
+	case *storev1.Response_Event, *storev1.Response_ArenasFreed, *storev1.Response_Notice:
 		isEvent = true
 	}
 	if (r.GetId() == 0) != isEvent {
-		return invalid("id 0 is for events (and arenas_freed) only")
+		return invalid("id 0 is for events (arenas_freed and notices too) only")
 	}
 	placementFiles := 0
 	switch b := r.GetBody().(type) {
@@ -419,6 +426,13 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		if err := validateArenaIDs("arenas_freed", b.ArenasFreed.GetArenaIds()); err != nil {
 			return invalid(err.Error())
 		}
+	case *storev1.Response_Notice:
+		if err := ValidateName(b.Notice.GetName()); err != nil {
+			return invalid("notice: " + err.Error())
+		}
+		if len(b.Notice.GetPayload()) > MaxNoticePayload {
+			return invalid("notice: payload too long")
+		}
 	case *storev1.Response_Register:
 		if err := validateInfo(b.Register.GetInfo()); err != nil {
 			return err
@@ -434,7 +448,8 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		}
 		placementFiles = int(n)
 	case *storev1.Response_Seal, *storev1.Response_Abort, *storev1.Response_Release,
-		*storev1.Response_Delete, *storev1.Response_Subscribe, *storev1.Response_ForgetArenas, *storev1.Response_Withdraw:
+		*storev1.Response_Delete, *storev1.Response_Subscribe, *storev1.Response_ForgetArenas, *storev1.Response_Withdraw,
+		*storev1.Response_Notify:
 	case nil:
 		return invalid("success response without a known body")
 	default:
@@ -518,6 +533,13 @@ func validateInfo(o *storev1.ObjectInfo) error {
 // MaxArenaIDs bounds the arena ids of one ForgetArenasRequest or
 // ArenasFreed.
 const MaxArenaIDs = 1024
+
+// MaxNoticePayload bounds a notice's payload (NotifyRequest).
+const MaxNoticePayload = 4096
+
+// MaxPendingNotices bounds the notices a daemon keeps for one exporter's
+// connection before sending them: a notify beyond it fails with LIMIT.
+const MaxPendingNotices = 4096
 
 func validateArenaIDs(what string, ids []uint64) error {
 	if len(ids) == 0 || len(ids) > MaxArenaIDs {

@@ -500,6 +500,12 @@ func (cn *conn) handle(req *storev1.Request) {
 	case *storev1.Request_Withdraw:
 		r := b.Withdraw
 		cn.wg.Go(func() { cn.withdrawReply(id, r.GetName(), r.GetTimeoutMs()) })
+	case *storev1.Request_Notify:
+		if err := ss.sendNotice(b.Notify.GetName(), b.Notify.GetPayload()); err != nil {
+			fail(err)
+			return
+		}
+		ok(&storev1.Response{Body: &storev1.Response_Notify{Notify: &storev1.NotifyResponse{}}})
 	case *storev1.Request_ForgetArenas:
 		if err := ss.forget(b.ForgetArenas.GetArenaIds()); err != nil {
 			fail(err)
@@ -550,7 +556,8 @@ func (cn *conn) createWithFiles(req *storev1.Request, files []*os.File) {
 }
 
 // tellFreed sends the client the arenas given back that it maps
-// (ArenasFreed, id 0), until the session ends.
+// (ArenasFreed, id 0) and its readers' notices (Notice, id 0), until the
+// session ends.
 func (cn *conn) tellFreed() {
 	s, ss := cn.s, cn.ss
 	for {
@@ -561,7 +568,13 @@ func (cn *conn) tellFreed() {
 		}
 		s.mu.Lock()
 		ids := ss.takeFreedLocked()
+		notices := ss.takeNoticesLocked()
 		s.mu.Unlock()
+		for _, n := range notices {
+			if cn.send(&storev1.Response{Body: &storev1.Response_Notice{Notice: n}}) != nil {
+				return
+			}
+		}
 		for len(ids) > 0 {
 			n := min(len(ids), protocol.MaxArenaIDs)
 			if cn.send(&storev1.Response{Body: &storev1.Response_ArenasFreed{ArenasFreed: &storev1.ArenasFreed{ArenaIds: ids[:n]}}}) != nil {
@@ -733,6 +746,8 @@ func (cn *conn) qualifyNames(req *storev1.Request) error {
 		b.Withdraw.Name, err = cn.qualify(b.Withdraw.Name, true)
 	case *storev1.Request_Stat:
 		b.Stat.Name, err = cn.qualify(b.Stat.Name, false)
+	case *storev1.Request_Notify:
+		b.Notify.Name, err = cn.qualify(b.Notify.Name, false)
 	case *storev1.Request_List:
 		if b.List.StartAfter != "" {
 			b.List.StartAfter, err = cn.qualify(b.List.StartAfter, false)

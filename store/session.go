@@ -39,7 +39,8 @@ type session struct {
 	sent       map[sentKey]bool    // arenas (and modes) already sent
 	holds      map[uint64]struct{} // arenas this connection maps (hold.go)
 	freed      []uint64            // arenas given back that it has not been told of
-	notify     chan struct{}       // signalled when freed grows
+	notices    []*storev1.Notice   // readers' notices not sent yet (notice.go)
+	notify     chan struct{}       // signalled when freed or notices grow
 	table      *leaseTable         // nil until asked for (leasetable.go)
 	events     chan event          // nil until subscribed
 	// republish holds, per name, the last no-copy version it sealed, for a

@@ -360,6 +360,7 @@ type Request struct {
 	//	*Request_StageFiles
 	//	*Request_Files
 	//	*Request_Withdraw
+	//	*Request_Notify
 	Body          isRequest_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -553,6 +554,15 @@ func (x *Request) GetWithdraw() *WithdrawRequest {
 	return nil
 }
 
+func (x *Request) GetNotify() *NotifyRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_Notify); ok {
+			return x.Notify
+		}
+	}
+	return nil
+}
+
 type isRequest_Body interface {
 	isRequest_Body()
 }
@@ -621,6 +631,10 @@ type Request_Withdraw struct {
 	Withdraw *WithdrawRequest `protobuf:"bytes,48,opt,name=withdraw,proto3,oneof"`
 }
 
+type Request_Notify struct {
+	Notify *NotifyRequest `protobuf:"bytes,49,opt,name=notify,proto3,oneof"`
+}
+
 func (*Request_Hello) isRequest_Body() {}
 
 func (*Request_Create) isRequest_Body() {}
@@ -652,6 +666,8 @@ func (*Request_StageFiles) isRequest_Body() {}
 func (*Request_Files) isRequest_Body() {}
 
 func (*Request_Withdraw) isRequest_Body() {}
+
+func (*Request_Notify) isRequest_Body() {}
 
 // HelloRequest must be the first request on a connection.
 type HelloRequest struct {
@@ -1605,6 +1621,8 @@ type Response struct {
 	//	*Response_StageFiles
 	//	*Response_Files
 	//	*Response_Withdraw
+	//	*Response_Notify
+	//	*Response_Notice
 	//	*Response_LeaseTable
 	Body          isResponse_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
@@ -1815,6 +1833,24 @@ func (x *Response) GetWithdraw() *WithdrawResponse {
 	return nil
 }
 
+func (x *Response) GetNotify() *NotifyResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_Notify); ok {
+			return x.Notify
+		}
+	}
+	return nil
+}
+
+func (x *Response) GetNotice() *Notice {
+	if x != nil {
+		if x, ok := x.Body.(*Response_Notice); ok {
+			return x.Notice
+		}
+	}
+	return nil
+}
+
 func (x *Response) GetLeaseTable() *LeaseTableResponse {
 	if x != nil {
 		if x, ok := x.Body.(*Response_LeaseTable); ok {
@@ -1898,6 +1934,16 @@ type Response_Withdraw struct {
 	Withdraw *WithdrawResponse `protobuf:"bytes,48,opt,name=withdraw,proto3,oneof"`
 }
 
+type Response_Notify struct {
+	Notify *NotifyResponse `protobuf:"bytes,49,opt,name=notify,proto3,oneof"`
+}
+
+type Response_Notice struct {
+	// Sent with id 0, unasked, to the connection that registered memory:
+	// a notice a reader of it sent (NotifyRequest).
+	Notice *Notice `protobuf:"bytes,50,opt,name=notice,proto3,oneof"`
+}
+
 type Response_LeaseTable struct {
 	// The lease table's memfd is attached.
 	LeaseTable *LeaseTableResponse `protobuf:"bytes,32,opt,name=lease_table,json=leaseTable,proto3,oneof"`
@@ -1936,6 +1982,10 @@ func (*Response_StageFiles) isResponse_Body() {}
 func (*Response_Files) isResponse_Body() {}
 
 func (*Response_Withdraw) isResponse_Body() {}
+
+func (*Response_Notify) isResponse_Body() {}
+
+func (*Response_Notice) isResponse_Body() {}
 
 func (*Response_LeaseTable) isResponse_Body() {}
 
@@ -3590,11 +3640,176 @@ func (x *WithdrawResponse) GetVersions() uint32 {
 	return 0
 }
 
+// NotifyRequest sends payload to the connection that registered the memory
+// name (a KV space's region: its reader says that a read ended, docs/kv.md).
+// The sender must be able to get name. NOT_FOUND: no such registered
+// memory, or its exporter's connection ended; LIMIT: that connection has
+// MaxPendingNotices notices not sent yet.
+type NotifyRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// At most 4096 bytes.
+	Payload       []byte `protobuf:"bytes,2,opt,name=payload,proto3" json:"payload,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NotifyRequest) Reset() {
+	*x = NotifyRequest{}
+	mi := &file_store_proto_msgTypes[40]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NotifyRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NotifyRequest) ProtoMessage() {}
+
+func (x *NotifyRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[40]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NotifyRequest.ProtoReflect.Descriptor instead.
+func (*NotifyRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{40}
+}
+
+func (x *NotifyRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *NotifyRequest) GetPayload() []byte {
+	if x != nil {
+		return x.Payload
+	}
+	return nil
+}
+
+type NotifyResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NotifyResponse) Reset() {
+	*x = NotifyResponse{}
+	mi := &file_store_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NotifyResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NotifyResponse) ProtoMessage() {}
+
+func (x *NotifyResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NotifyResponse.ProtoReflect.Descriptor instead.
+func (*NotifyResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{41}
+}
+
+// Notice is a reader's NotifyRequest, as the exporter receives it.
+type Notice struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The registered memory's qualified name.
+	Name    string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Payload []byte `protobuf:"bytes,2,opt,name=payload,proto3" json:"payload,omitempty"`
+	// The sender's uid and pid, as the daemon saw them.
+	Uid           uint32 `protobuf:"varint,3,opt,name=uid,proto3" json:"uid,omitempty"`
+	Pid           uint32 `protobuf:"varint,4,opt,name=pid,proto3" json:"pid,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Notice) Reset() {
+	*x = Notice{}
+	mi := &file_store_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Notice) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Notice) ProtoMessage() {}
+
+func (x *Notice) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Notice.ProtoReflect.Descriptor instead.
+func (*Notice) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{42}
+}
+
+func (x *Notice) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *Notice) GetPayload() []byte {
+	if x != nil {
+		return x.Payload
+	}
+	return nil
+}
+
+func (x *Notice) GetUid() uint32 {
+	if x != nil {
+		return x.Uid
+	}
+	return 0
+}
+
+func (x *Notice) GetPid() uint32 {
+	if x != nil {
+		return x.Pid
+	}
+	return 0
+}
+
 var File_store_proto protoreflect.FileDescriptor
 
 const file_store_proto_rawDesc = "" +
 	"\n" +
-	"\vstore.proto\x12\x10cudaipc.store.v1\"\xf2\a\n" +
+	"\vstore.proto\x12\x10cudaipc.store.v1\"\xad\b\n" +
 	"\aRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x126\n" +
 	"\x05hello\x18\n" +
@@ -3615,7 +3830,8 @@ const file_store_proto_rawDesc = "" +
 	"\vstage_files\x18. \x01(\v2#.cudaipc.store.v1.StageFilesRequestH\x00R\n" +
 	"stageFiles\x126\n" +
 	"\x05files\x18/ \x01(\v2\x1e.cudaipc.store.v1.FilesRequestH\x00R\x05files\x12?\n" +
-	"\bwithdraw\x180 \x01(\v2!.cudaipc.store.v1.WithdrawRequestH\x00R\bwithdrawB\x06\n" +
+	"\bwithdraw\x180 \x01(\v2!.cudaipc.store.v1.WithdrawRequestH\x00R\bwithdraw\x129\n" +
+	"\x06notify\x181 \x01(\v2\x1f.cudaipc.store.v1.NotifyRequestH\x00R\x06notifyB\x06\n" +
 	"\x04body\"I\n" +
 	"\fHelloRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1f\n" +
@@ -3680,7 +3896,8 @@ const file_store_proto_rawDesc = "" +
 	"\x10SubscribeRequest\"\x13\n" +
 	"\x11LeaseTableRequest\"2\n" +
 	"\x13ForgetArenasRequest\x12\x1b\n" +
-	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\xa7\t\n" +
+	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\x97\n" +
+	"\n" +
 	"\bResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12-\n" +
 	"\x05error\x18\x02 \x01(\v2\x17.cudaipc.store.v1.ErrorR\x05error\x127\n" +
@@ -3702,7 +3919,9 @@ const file_store_proto_rawDesc = "" +
 	"\vstage_files\x18. \x01(\v2$.cudaipc.store.v1.StageFilesResponseH\x00R\n" +
 	"stageFiles\x127\n" +
 	"\x05files\x18/ \x01(\v2\x1f.cudaipc.store.v1.FilesResponseH\x00R\x05files\x12@\n" +
-	"\bwithdraw\x180 \x01(\v2\".cudaipc.store.v1.WithdrawResponseH\x00R\bwithdraw\x12G\n" +
+	"\bwithdraw\x180 \x01(\v2\".cudaipc.store.v1.WithdrawResponseH\x00R\bwithdraw\x12:\n" +
+	"\x06notify\x181 \x01(\v2 .cudaipc.store.v1.NotifyResponseH\x00R\x06notify\x122\n" +
+	"\x06notice\x182 \x01(\v2\x18.cudaipc.store.v1.NoticeH\x00R\x06notice\x12G\n" +
 	"\vlease_table\x18  \x01(\v2$.cudaipc.store.v1.LeaseTableResponseH\x00R\n" +
 	"leaseTableB\x06\n" +
 	"\x04body\"\xa4\x04\n" +
@@ -3856,7 +4075,16 @@ const file_store_proto_rawDesc = "" +
 	"\n" +
 	"timeout_ms\x18\x02 \x01(\x03R\ttimeoutMs\".\n" +
 	"\x10WithdrawResponse\x12\x1a\n" +
-	"\bversions\x18\x01 \x01(\rR\bversionsB-Z+github.com/cudaipc/cudaipc/protocol/storev1b\x06proto3"
+	"\bversions\x18\x01 \x01(\rR\bversions\"=\n" +
+	"\rNotifyRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
+	"\apayload\x18\x02 \x01(\fR\apayload\"\x10\n" +
+	"\x0eNotifyResponse\"Z\n" +
+	"\x06Notice\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
+	"\apayload\x18\x02 \x01(\fR\apayload\x12\x10\n" +
+	"\x03uid\x18\x03 \x01(\rR\x03uid\x12\x10\n" +
+	"\x03pid\x18\x04 \x01(\rR\x03pidB-Z+github.com/cudaipc/cudaipc/protocol/storev1b\x06proto3"
 
 var (
 	file_store_proto_rawDescOnce sync.Once
@@ -3871,7 +4099,7 @@ func file_store_proto_rawDescGZIP() []byte {
 }
 
 var file_store_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
+var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 43)
 var file_store_proto_goTypes = []any{
 	(Error_Code)(0),              // 0: cudaipc.store.v1.Error.Code
 	(Error_Limit)(0),             // 1: cudaipc.store.v1.Error.Limit
@@ -3917,6 +4145,9 @@ var file_store_proto_goTypes = []any{
 	(*RegisterResponse)(nil),     // 41: cudaipc.store.v1.RegisterResponse
 	(*WithdrawRequest)(nil),      // 42: cudaipc.store.v1.WithdrawRequest
 	(*WithdrawResponse)(nil),     // 43: cudaipc.store.v1.WithdrawResponse
+	(*NotifyRequest)(nil),        // 44: cudaipc.store.v1.NotifyRequest
+	(*NotifyResponse)(nil),       // 45: cudaipc.store.v1.NotifyResponse
+	(*Notice)(nil),               // 46: cudaipc.store.v1.Notice
 }
 var file_store_proto_depIdxs = []int32{
 	5,  // 0: cudaipc.store.v1.Request.hello:type_name -> cudaipc.store.v1.HelloRequest
@@ -3935,44 +4166,47 @@ var file_store_proto_depIdxs = []int32{
 	37, // 13: cudaipc.store.v1.Request.stage_files:type_name -> cudaipc.store.v1.StageFilesRequest
 	39, // 14: cudaipc.store.v1.Request.files:type_name -> cudaipc.store.v1.FilesRequest
 	42, // 15: cudaipc.store.v1.Request.withdraw:type_name -> cudaipc.store.v1.WithdrawRequest
-	7,  // 16: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	7,  // 17: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	19, // 18: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
-	20, // 19: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
-	23, // 20: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
-	24, // 21: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
-	25, // 22: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
-	26, // 23: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
-	27, // 24: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
-	28, // 25: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
-	29, // 26: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
-	30, // 27: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
-	31, // 28: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
-	35, // 29: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
-	32, // 30: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
-	34, // 31: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
-	41, // 32: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
-	38, // 33: cudaipc.store.v1.Response.stage_files:type_name -> cudaipc.store.v1.StageFilesResponse
-	40, // 34: cudaipc.store.v1.Response.files:type_name -> cudaipc.store.v1.FilesResponse
-	43, // 35: cudaipc.store.v1.Response.withdraw:type_name -> cudaipc.store.v1.WithdrawResponse
-	33, // 36: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
-	0,  // 37: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
-	1,  // 38: cudaipc.store.v1.Error.limit:type_name -> cudaipc.store.v1.Error.Limit
-	2,  // 39: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
-	7,  // 40: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	21, // 41: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
-	21, // 42: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
-	22, // 43: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	22, // 44: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
-	22, // 45: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	3,  // 46: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
-	7,  // 47: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	22, // 48: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	49, // [49:49] is the sub-list for method output_type
-	49, // [49:49] is the sub-list for method input_type
-	49, // [49:49] is the sub-list for extension type_name
-	49, // [49:49] is the sub-list for extension extendee
-	0,  // [0:49] is the sub-list for field type_name
+	44, // 16: cudaipc.store.v1.Request.notify:type_name -> cudaipc.store.v1.NotifyRequest
+	7,  // 17: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	7,  // 18: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	19, // 19: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
+	20, // 20: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
+	23, // 21: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
+	24, // 22: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
+	25, // 23: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
+	26, // 24: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
+	27, // 25: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
+	28, // 26: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
+	29, // 27: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
+	30, // 28: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
+	31, // 29: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
+	35, // 30: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
+	32, // 31: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
+	34, // 32: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
+	41, // 33: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
+	38, // 34: cudaipc.store.v1.Response.stage_files:type_name -> cudaipc.store.v1.StageFilesResponse
+	40, // 35: cudaipc.store.v1.Response.files:type_name -> cudaipc.store.v1.FilesResponse
+	43, // 36: cudaipc.store.v1.Response.withdraw:type_name -> cudaipc.store.v1.WithdrawResponse
+	45, // 37: cudaipc.store.v1.Response.notify:type_name -> cudaipc.store.v1.NotifyResponse
+	46, // 38: cudaipc.store.v1.Response.notice:type_name -> cudaipc.store.v1.Notice
+	33, // 39: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
+	0,  // 40: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
+	1,  // 41: cudaipc.store.v1.Error.limit:type_name -> cudaipc.store.v1.Error.Limit
+	2,  // 42: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
+	7,  // 43: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	21, // 44: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
+	21, // 45: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
+	22, // 46: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	22, // 47: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
+	22, // 48: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	3,  // 49: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
+	7,  // 50: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	22, // 51: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	52, // [52:52] is the sub-list for method output_type
+	52, // [52:52] is the sub-list for method input_type
+	52, // [52:52] is the sub-list for extension type_name
+	52, // [52:52] is the sub-list for extension extendee
+	0,  // [0:52] is the sub-list for field type_name
 }
 
 func init() { file_store_proto_init() }
@@ -3997,6 +4231,7 @@ func file_store_proto_init() {
 		(*Request_StageFiles)(nil),
 		(*Request_Files)(nil),
 		(*Request_Withdraw)(nil),
+		(*Request_Notify)(nil),
 	}
 	file_store_proto_msgTypes[6].OneofWrappers = []any{}
 	file_store_proto_msgTypes[14].OneofWrappers = []any{
@@ -4017,6 +4252,8 @@ func file_store_proto_init() {
 		(*Response_StageFiles)(nil),
 		(*Response_Files)(nil),
 		(*Response_Withdraw)(nil),
+		(*Response_Notify)(nil),
+		(*Response_Notice)(nil),
 		(*Response_LeaseTable)(nil),
 	}
 	type x struct{}
@@ -4025,7 +4262,7 @@ func file_store_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_store_proto_rawDesc), len(file_store_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   40,
+			NumMessages:   43,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
