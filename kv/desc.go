@@ -172,8 +172,10 @@ func (l *Layout) check(size func(int) (int64, bool)) error {
 			switch {
 			case !ok:
 				return descErr("layers", "layer %d part %d names region %d, which the space does not have", li, pi, p.Region)
-			case p.Bytes <= 0 || p.Base < 0 || p.Stride < p.Bytes:
-				return descErr("layers", "layer %d part %d: base %d, stride %d, bytes %d: want bytes > 0, base >= 0, stride >= bytes", li, pi, p.Base, p.Stride, p.Bytes)
+			case p.Bytes <= 0 || p.Base < 0 || p.Stride < p.Bytes || p.Stride > protocol.MaxObjectSize:
+				// (A stride past any region reaches nothing, but the decoder
+				// refuses it: so does the encoder.)
+				return descErr("layers", "layer %d part %d: base %d, stride %d, bytes %d: want bytes > 0, base >= 0, bytes <= stride <= %d", li, pi, p.Base, p.Stride, p.Bytes, int64(protocol.MaxObjectSize))
 			case p.Base > n || p.Bytes > n-p.Base || last > 0 && last > (n-p.Base-p.Bytes)/p.Stride:
 				return descErr("layers", "layer %d part %d: %d blocks of %d bytes every %d bytes from %d pass the end of region %d (%d bytes)", li, pi, l.Blocks, p.Bytes, p.Stride, p.Base, p.Region, n)
 			}

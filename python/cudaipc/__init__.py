@@ -37,6 +37,7 @@ from .region import Region, decode_region
 from .store import Store, connect, default_socket_path, share
 from ._deps import MissingDependency
 from . import bundle
+from . import kv
 from .bundle import Bundle, LoadMismatch, LoadReport, load_into
 
 __version__ = "0.1.0"
@@ -48,5 +49,5 @@ __all__ = [
     "PermissionDenied", "LimitReached", "NotSealed", "Sealed", "VersionMismatch", "InternalError",
     "UnavailableError", "DataLossError", "StoreGone", "Closed", "InvalidRegion", "CudaError", "MissingDependency",
     "share", "export_pointer", "NotExportable", "SHARE_HOST", "SHARE_CUDA_IPC", "SHARE_VMM_FD",
-    "bundle", "Bundle", "LoadMismatch", "LoadReport", "load_into",
+    "bundle", "kv", "Bundle", "LoadMismatch", "LoadReport", "load_into",
 ]

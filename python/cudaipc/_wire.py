@@ -492,8 +492,9 @@ class Conn:
         host = p.kind == pb.Placement.HOST
         if p.external:
             # A no-copy version's memfd travels with them (docs/protocol.md 6.8).
+            # Registered host memory comes with its memfd (one descriptor).
             attached = MAX_FILES - 1 if body == "get" and resp.get.manifest_attached else MAX_FILES
-            if len(fds) != min(p.files, attached) or host:
+            if len(fds) != min(p.files, attached) or (host and (len(fds) != 1 or body != "get")):
                 for fd in fds:
                     os.close(fd)
                 self._fail(InternalError("recv", message="registered memory of %d descriptors came with %d" % (p.files, len(fds))))

@@ -3,13 +3,14 @@ client's sentinels (client.ErrNotFound is NotFound, and so on)."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Type
+from typing import Dict, List, Optional, Type
 
 __all__ = [
     "CudaipcError", "StoreError", "InvalidArgument", "NotFound", "Exists", "Timeout",
     "StoreFull", "PermissionDenied", "LimitReached", "NotSealed", "Sealed",
     "VersionMismatch", "InternalError", "UnavailableError", "DataLossError", "StoreGone",
-    "Closed", "InvalidRegion", "CudaError",
+    "Closed", "InvalidRegion", "CudaError", "KVError", "InvalidDescError", "LayoutMismatch",
+    "StaleSpaceError", "KVNotSupported", "BlockError", "BlockRangeError",
 ]
 
 
@@ -172,3 +173,52 @@ class CudaError(CudaipcError, RuntimeError):
         if detail:
             s += " (" + detail + ")"
         super().__init__(s)
+
+
+class KVError(CudaipcError):
+    """Base class of the KV space errors (cudaipc.kv; the Go package kv's)."""
+
+
+class InvalidDescError(KVError, ValueError):
+    """A KV space description that breaks the format's rules (docs/kv.md): a bad
+    encoding, a block past its region, sizes that overflow. ``field`` names the
+    wrong field as Go's kv.DescError does; Go's kv.ErrInvalidDesc."""
+
+    def __init__(self, field: str, reason: str):
+        self.field = field
+        self.reason = reason
+        super().__init__("kv: invalid space description: %s: %s" % (field, reason))
+
+
+class LayoutMismatch(KVError, ValueError):
+    """Two spaces' layouts do not fit each other (layers, parts, block bytes), or a
+    read's lists do not; Go's kv.ErrMismatch."""
+
+
+class StaleSpaceError(KVError):
+    """The description names an earlier registration of the space: the name was
+    registered again since; Go's kv.ErrStale."""
+
+
+class KVNotSupported(KVError):
+    """A read this version cannot do (between host and GPU memory, or between two
+    GPUs); Go's kv.ErrNotSupported."""
+
+
+class BlockError(KVError):
+    """A read's failure: ``blocks`` are the destination block ids whose bytes are not
+    (all) there, from layer ``layer`` on; ``space`` is the source space's name and
+    ``cause`` the error underneath (also ``__cause__``): NotFound for a space that is
+    gone, StaleSpaceError, a CudaError...; Go's kv.BlockError."""
+
+    def __init__(self, space: str, layer: int, blocks: List[int], cause: BaseException):
+        self.space = space
+        self.layer = layer
+        self.blocks = list(blocks)
+        self.cause = cause
+        super().__init__("kv: reading %d blocks of %s failed from layer %d: %s" % (len(self.blocks), space, layer, cause))
+
+
+class BlockRangeError(BlockError, IndexError):
+    """A block id past the end of its space, or negative (``blocks`` lists them);
+    Go's kv.ErrBlockRange inside a kv.BlockError."""

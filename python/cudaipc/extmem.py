@@ -176,15 +176,16 @@ def export_pointer(obj: Any, nbytes: Optional[int] = None) -> Export:
     return Export(Region.from_pointer(ptr, size))
 
 
-def register_request(name: str, x: Export, shared: bool) -> Any:
+def register_request(name: str, x: Export, shared: bool, space: bytes = b"") -> Any:
     """The register request (docs/protocol.md) of an export; its descriptors
-    (``x.fds``) travel with it."""
+    (``x.fds``) travel with it. ``space`` is the description of the KV space the
+    memory is a region of (cudaipc.kv), if any."""
     r = RegisterRequest(name=name, size=x.size, device="GPU-" + _uuid_text(x.device), shared=shared,
-                        region=x.region.to_bytes(), files=len(x.fds))
+                        region=x.region.to_bytes(), files=len(x.fds), space=space)
     return Request(register=r)
 
 
-def send_register(conn: Any, name: str, x: Export, shared: bool) -> Any:
+def send_register(conn: Any, name: str, x: Export, shared: bool, space: bytes = b"") -> Any:
     """Register export ``x`` under ``name`` on connection ``conn`` and return the reply.
     Descriptors beyond one packet's (MAX_FILES) are staged first (stage_files), as
     memory of PyTorch's expandable segments has one per 20 MiB piece; the register
@@ -194,7 +195,7 @@ def send_register(conn: Any, name: str, x: Export, shared: bool) -> Any:
         while len(fds) > MAX_FILES:
             conn.call(Request(stage_files=StageFilesRequest()), "register", name, fds=fds[:MAX_FILES])
             fds = fds[MAX_FILES:]
-        return conn.call(register_request(name, x, shared), "register", name, fds=fds)
+        return conn.call(register_request(name, x, shared, space), "register", name, fds=fds)
 
 
 def _uuid_text(u: bytes) -> str:

@@ -82,6 +82,7 @@ class ObjectInfo:
     exporter_bound: bool = False    # a legacy registration: removed when its exporter disconnects
     partial: bool = False           # a partial replica: only the tensors a get_bundle named (docs/cluster.md)
     creator_can_write: bool = False  # sealed, yet its creator can still change its bytes (docs/hardening.md, "Sealed objects")
+    space: bytes = b""              # registered memory of a KV space: the space's description (cudaipc.kv)
 
 
 
@@ -107,7 +108,7 @@ def info_from_pb(o: Any) -> ObjectInfo:
                       datetime.datetime.fromtimestamp(o.created_unix_nano / 1e9, datetime.timezone.utc),
                       region, desc_from_pb(o.tensor) if o.HasField("tensor") else None,
                       o.version, o.shards, o.shard, o.manifest_size, o.tensors,
-                      o.external, o.orphaned, o.exporter_bound, o.partial, o.creator_can_write)
+                      o.external, o.orphaned, o.exporter_bound, o.partial, o.creator_can_write, bytes(o.space))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,3 +130,4 @@ class ServerInfo:
     server_version: str
     pid: int
     backend: str
+    peer_uid: int = 0   # the uid the daemon sees this connection as (a qualified name's UID:)

@@ -16,7 +16,7 @@ from . import _store_pb2 as pb
 from . import bundle as _bundle
 from . import extmem as _extmem
 from ._arenas import MAX_IDLE_ARENAS, ArenaCache
-from ._external import external_record
+from ._external import HostMaps, external_record, host_record
 from ._device import is_host, resolve_device
 from ._fastpath import LeaseTable
 from . import _nocopy
@@ -65,6 +65,7 @@ class Store:
                  max_idle_arenas: Optional[int] = None):
         path = socket or default_socket_path()
         self._table: Optional[LeaseTable] = None
+        self._host_maps = HostMaps()
         self.socket = path
         window = spin_option(spin)
         try:
@@ -95,7 +96,7 @@ class Store:
         if h.version != PROTOCOL_VERSION:
             self._conn.close()
             raise InternalError("dial", message="daemon answered version %d to version %d" % (h.version, PROTOCOL_VERSION))
-        self.server = ServerInfo(h.version, h.server_version, h.pid, h.backend)
+        self.server = ServerInfo(h.version, h.server_version, h.pid, h.backend, h.peer_uid)
         if fast_path:
             self._open_lease_table()
         if h.backend == "cuda":
@@ -146,6 +147,7 @@ class Store:
         if self._table is not None:
             self._table.close()   # idle leases let go of their arenas
         self._arenas.close()
+        self._host_maps.close()
 
     def __enter__(self) -> "Store":
         return self
@@ -154,15 +156,35 @@ class Store:
         self.close()
 
     # -- register (memory this process owns) -------------------------------------------
-    def register(self, name: str, obj: Any, nbytes: Optional[int] = None, *, shared: bool = False) -> ObjectInfo:
+    def register(self, name: str, obj: Any, nbytes: Optional[int] = None, *, shared: bool = False,
+                 space: bytes = b"") -> ObjectInfo:
         """Make a CUDA tensor/array this process allocated readable under ``name``
         without copying it (cudaipc.extmem): VMM memory (PyTorch with
         expandable_segments:True) as descriptors that readers in other containers map
         read-only and that outlive this process; cudaMalloc memory as a legacy region,
         removed when this connection closes. Keep the memory alive meanwhile. Raises
-        extmem.NotExportable naming the fix for memory that cannot be shared."""
+        extmem.NotExportable naming the fix for memory that cannot be shared.
+        ``space`` (cudaipc.kv's) is the description of the KV space the memory is a
+        region of; the daemon returns it in the object's info."""
         with _extmem.export_pointer(obj, nbytes) as x:
-            rep = _extmem.send_register(self._conn, name, x, shared)
+            rep = _extmem.send_register(self._conn, name, x, shared, space)
+        return info_from_pb(rep.resp.register.info)
+
+    def register_host(self, name: str, fd: int, nbytes: int, *, shared: bool = False,
+                      space: bytes = b"") -> ObjectInfo:
+        """Make the first ``nbytes`` of the memfd ``fd`` (created with
+        MFD_ALLOW_SEALING; the daemon seals it against shrinking) readable under
+        ``name`` without copying (Go's Client.RegisterHost): the daemon keeps a
+        duplicate of the descriptor and hands readers duplicates, whose leases map it
+        read-only. When this connection ends the object is orphaned: readable while
+        leased, gone with its last lease. ``fd`` stays this caller's to close.
+        ``space`` as for :meth:`register`."""
+        if not isinstance(nbytes, int) or not 0 < nbytes <= MAX_OBJECT_SIZE:
+            raise InvalidArgument("register", name, "host memory needs its memfd and a size of 1..%d bytes, not %r" % (MAX_OBJECT_SIZE, nbytes))
+        req = pb.Request(register=pb.RegisterRequest(name=name, size=nbytes, device="host", shared=shared,
+                                                     files=1, space=space))
+        with self._conn.staging_lock:
+            rep = self._conn.call(req, "register", name, fds=[fd])
         return info_from_pb(rep.resp.register.info)
 
     # -- create / put ----------------------------------------------------------------
@@ -349,7 +371,9 @@ class Store:
         if info is not None and info.sources_size:
             return self._sources_lease(r, p, info, name, desc)
         try:
-            if p.external:
+            if p.external and p.kind == pb.Placement.HOST:
+                rec = host_record(self._host_maps, self._conn, r, p, name, desc, Release(g.lease_id))
+            elif p.external:
                 rec = external_record(self._conn, r, p, name, desc, Release(g.lease_id), g.lease_id)
             else:
                 rec = self._record(r, p, name, desc, Release(g.lease_id), "get")

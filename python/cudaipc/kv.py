@@ -1,0 +1,155 @@
+"""KV spaces and vectored block reads between engines on one node (docs/kv.md): the
+Python twin of the Go package ``kv``.
+
+An engine registers its paged KV memory once as a *space* and hands readers the
+space's description (a small blob, base64 in ``desc.to_text()``) in its own
+metadata; a reader copies any set of blocks, of any range of layers, into its own
+space with one :func:`read_blocks`, completing layer by layer::
+
+    from cudaipc import kv
+    # Engine (prefill): its KV memory, registered once.
+    local = kv.vllm_layout(kv_caches)              # per-layer [2, num_blocks, block_size, heads, dim]
+    space = kv.register(store, "ns/engine-7/kv", local)
+    meta = space.desc.to_text()                    # into the request's metadata
+
+    # Reader (decode): one read for the request's blocks.
+    t = kv.read_blocks(store, src=kv.Desc.from_text(meta), src_blocks=prefill_ids,
+                       dst=my_local, dst_blocks=my_ids)
+    for l in range(num_layers):
+        t.wait_layer(l)                            # BlockError names the blocks on failure
+        ...                                        # run layer l
+
+Lifetimes are registered memory's: a space's regions go when its engine's
+connection ends or it closes the space, but a reader mid-read holds leases of them,
+so it never reads freed memory; a later read fails with a BlockError whose cause is
+NotFound. Reads go host -> host (memfd memory: :func:`alloc_host`) or GPU -> the
+same GPU (one gather kernel launch a layer); anything else is KVNotSupported.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Union
+
+from . import _kvread
+from ._kvdesc import (MAX_BLOCKS, MAX_LAYERS, MAX_PARTS, MAX_REGIONS, Desc, Layout, Part, Region, new_id)
+from ._kvlocal import Local, Memory, alloc_host, offload_layout, sglang_layout, vllm_layout
+from ._kvread import Transfer
+from .errors import (BlockError, BlockRangeError, InvalidDescError, KVError, KVNotSupported, LayoutMismatch,
+                     NotFound, StaleSpaceError)
+
+__all__ = ["Desc", "Layout", "Part", "Region", "Local", "Memory", "Space", "Transfer", "alloc_host",
+           "vllm_layout", "sglang_layout", "offload_layout", "register", "read_blocks", "new_id",
+           "KVError", "InvalidDescError", "LayoutMismatch", "StaleSpaceError", "KVNotSupported", "BlockError",
+           "BlockRangeError", "MAX_LAYERS", "MAX_PARTS", "MAX_REGIONS", "MAX_BLOCKS"]
+
+
+class Space:
+    """A registered KV space: its regions are registered memory of the connection
+    that registered it (``store``), ``desc`` describes it to readers. Its regions stay
+    readable until :meth:`close` or the connection's end (then, for host and VMM
+    memory, while a reader holds a lease of them). A context manager: leaving it
+    closes the space."""
+
+    def __init__(self, store: Any, desc: Desc, local: Local):
+        self.store = store
+        self.desc = desc
+        self.local = local
+        self.names: List[str] = []   # the regions' registered names, region i first
+
+    @property
+    def name(self) -> str:
+        """The space's qualified name (``UID:NAME``)."""
+        return self.desc.name
+
+    def close(self) -> None:
+        """Remove the space's regions from the daemon (readers holding leases keep
+        what they mapped until they release). Idempotent."""
+        names, self.names = self.names, []
+        first: Optional[BaseException] = None
+        for n in names:
+            try:
+                self.store.delete(n)
+            except NotFound:
+                pass
+            except Exception as e:  # noqa: BLE001 - remove the rest, then raise the first
+                first = first or e
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> "Space":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return "<kv.Space %s: %d regions%s>" % (self.desc.name, len(self.desc.regions), "" if self.names else ", closed")
+
+
+def register(store: Any, name: str, local: Any, *, shared: bool = False) -> Space:
+    """Register ``local``'s memory as the space ``name`` through ``store`` (region i
+    as the registered object ``name/i``, each carrying the space's description, as
+    Go's kv.Register) and return the Space. ``local`` is a :class:`Local` (from
+    :func:`vllm_layout`, :func:`sglang_layout`, :func:`offload_layout` or your own
+    layout), or a list of vLLM per-layer tensors (``vllm_layout(local)``). Host
+    regions must be memory from :func:`alloc_host`; GPU regions go through the
+    registered-memory path (``Store.register``: VMM memory by descriptor, cudaMalloc
+    memory by legacy IPC, which readers may use only while this process lives).
+    ``shared`` makes the regions readable by every uid the daemon admits."""
+    if not isinstance(local, Local):
+        local = vllm_layout(local)
+    local.check()
+    for i, m in enumerate(local.memory):
+        if not m.is_gpu and m.fd < 0:
+            raise InvalidDescError("memory", "region %d is host memory outside alloc_host: registered host memory "
+                                             "is a memfd readers can map (allocate it with kv.alloc_host)" % i)
+    uid = store.server.peer_uid
+    desc = Desc("%d:%s" % (uid, name), new_id(), [Region(m.device, m.size) for m in local.memory], local.layout)
+    space_bytes = desc.to_bytes()
+    sp = Space(store, desc, local)
+    try:
+        for i, m in enumerate(local.memory):
+            rname = "%s/%d" % (name, i)
+            if m.is_gpu:
+                store.register(rname, m.addr, m.size, shared=shared, space=space_bytes)
+            else:
+                store.register_host(rname, m.fd, m.size, shared=shared, space=space_bytes)
+            sp.names.append(rname)
+    except BaseException:
+        try:
+            sp.close()
+        except Exception:  # noqa: BLE001 - the registration's error is the one to raise
+            pass
+        raise
+    return sp
+
+
+def _gpu_copier() -> Optional[_kvread.Copier]:
+    return None
+
+
+def read_blocks(store: Any, src: Union[Desc, str, bytes], src_blocks: Any, dst: Union[Local, Space],
+                dst_blocks: Any, layers: Any = None) -> Transfer:
+    """Start copying block ``src_blocks[i]`` of the registered space ``src`` (its
+    :class:`Desc`, or the text or bytes of one) into block ``dst_blocks[i]`` of
+    ``dst`` (a :class:`Local`, or a Space of this process), for ``layers`` (None: all;
+    a ``range``; or one layer number), and return its :class:`Transfer` at once.
+
+    The request is checked first: ids in range (else BlockRangeError naming them),
+    the two layouts fitting (same layers, parts and block bytes: else LayoutMismatch),
+    a valid description (InvalidDescError), memory this version can copy between
+    (KVNotSupported). The copy runs on a thread of its own: it leases the source
+    regions the layers use, checks each carries this description (StaleSpaceError
+    if the space was registered again), copies layer by layer (adjacent blocks
+    coalesced; host memory by memmove, a GPU's memory into its own with one gather
+    kernel launch a layer) and releases the leases. Its failures come as a BlockError
+    from the Transfer (``wait``, ``wait_layer``, ``error``)."""
+    if isinstance(src, str):
+        src = Desc.from_text(src)
+    elif isinstance(src, (bytes, bytearray, memoryview)):
+        src = Desc.from_bytes(src)
+    if isinstance(dst, Space):
+        dst = dst.local
+    p = _kvread.plan(src, src_blocks, dst, dst_blocks, layers)
+    return _kvread.start(store, p, _gpu_copier() if p.ordinal is not None else None)
+

@@ -1,0 +1,45 @@
+"""An engine process for the KV tests: python kv_engine.py SOCKET NAME KIND LAYERS
+BLOCKS BYTES SEED [shared]
+
+Registers the host space NAME of layout KIND (kvutil.make_local) over alloc_host
+memory filled with kvutil.region_bytes(SEED, i), prints its description's text,
+then obeys lines on stdin: "close" closes the space, "reregister" closes it and
+registers it again (a new description, printed); each is answered "done".
+It exits when stdin ends."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cudaipc  # noqa: E402
+from cudaipc import kv  # noqa: E402
+
+import kvutil  # noqa: E402
+
+
+def main() -> None:
+    sock, name, kind = sys.argv[1:4]
+    layers, blocks, nbytes, seed = (int(a) for a in sys.argv[4:8])
+    shared = sys.argv[8:] == ["shared"]
+    store = cudaipc.connect(sock)
+    local = kvutil.make_local(kind, layers, blocks, nbytes, lambda shape: kv.alloc_host(shape))
+    kvutil.fill(local, seed)
+    space = kv.register(store, name, local, shared=shared)
+    print(space.desc.to_text(), flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "close":
+            space.close()
+        elif cmd == "reregister":
+            space.close()
+            space = kv.register(store, name, local, shared=shared)
+            print(space.desc.to_text(), flush=True)
+        else:
+            raise SystemExit("unknown command %r" % cmd)
+        print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
