@@ -10,7 +10,6 @@ import dataclasses
 import operator
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from . import _cuda
@@ -276,7 +275,7 @@ def _gpu_alloc_bases(ordinal: int) -> Any:
     return bases
 
 
-_PLANS: "OrderedDict[Tuple[int, bool, int], Plan]" = OrderedDict()   # (id(layout), gpu, id(plan))
+_PLANS: List[Plan] = []   # the plans built last, oldest first
 _MAX_PLANS = 8
 _plan_lock = threading.Lock()
 plan_stats = {"built": 0, "reused": 0}
@@ -288,11 +287,11 @@ def plan_for(layout: Layout, names: List[str], values: List[Any], gpu: bool, lib
     if sig is None and fresh:
         sig = lib.signature(values)
     with _plan_lock:
-        cands = [p for k, p in _PLANS.items() if k[0] == id(layout) and k[1] == gpu and p.layout is layout]
+        cands = [p for p in _PLANS if p.layout is layout and p.gpu == gpu]
         if fresh:   # drop what matches: it failed
             assert sig is not None
-            for k in [k for k, p in _PLANS.items() if p in cands and p.matches(names, sig, lib)]:
-                del _PLANS[k]
+            for p in [p for p in cands if p.matches(names, sig, lib)]:
+                _PLANS.remove(p)
             cands = []
     for p in reversed(cands):
         if p.matches(names, sig, lib) if sig is not None else p.fits(names, values, lib):
@@ -304,9 +303,8 @@ def plan_for(layout: Layout, names: List[str], values: List[Any], gpu: bool, lib
         p = Plan(layout, names, values, gpu, lib, sig)
     plan_stats["built"] += 1
     with _plan_lock:
-        _PLANS[(id(layout), gpu, id(p))] = p
-        while len(_PLANS) > _MAX_PLANS:
-            _PLANS.popitem(last=False)
+        _PLANS.append(p)
+        del _PLANS[:-_MAX_PLANS]
     return p
 
 
