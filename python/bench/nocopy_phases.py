@@ -82,10 +82,10 @@ def main() -> None:
     import weight_sync
     torch.cuda.set_device(0)
     _gather.wait_ready(0)
-    timed(_nocopy, "_prepare", "prepare")
-    timed(_nocopy, "withdraw", "withdraw")
+    timed(_nocopy.Publications, "prepare", "prepare")
+    timed(_nocopy.Publications, "withdraw", "withdraw")
     timed(_nocopy, "send_version", "send_version")
-    timed(_nocopy, "lease_sources", "lease_sources")
+    timed(_nocopy.KeptSources, "lease_sources", "lease_sources")
     timed(B, "layout_of", "layout_of")
     timed(_plan, "plan_for", "plan_for")
     timed(_plan.Plan, "run", "plan_run")
@@ -110,7 +110,7 @@ def main() -> None:
                     _gather.ENABLED = kernel
                     _gather.MAX_BYTES = most
                     # A fresh check per mode: each mode's own kind of Check.
-                    _nocopy.forget(store, store._conn)
+                    store._published.close()
                     _plan._PLANS.clear()
                     one_version(store, name, src, dst)   # builds (not measured)
                     STEPS.clear()
@@ -141,7 +141,7 @@ def main() -> None:
                                                                     dynamic_dims_strides=None)),
                              "guards_check": per_call(lambda: g.check(*values)),
                              "ptrs_equal": per_call(lambda: ptrs_equal(values, sig[0], idx))})
-            pub = _nocopy._published.get((id(store), name))
+            pub = store._published.last.get(name)
             if pub is not None:
                 prim["allocations"] = len(pub.sources)
                 prim["buffer_ids"] = per_call(lambda: _nocopy._still_valid(pub))
@@ -150,7 +150,7 @@ def main() -> None:
             _arrays.FAST_CHECKS = True
             _gather.ENABLED = True
             _gather.MAX_BYTES = limit
-            _nocopy.forget(store, store._conn)
+            store._published.close()
             _plan._PLANS.clear()
             one_version(store, name, src, dst)
             prof = cProfile.Profile()

@@ -2,20 +2,21 @@
 bytes are the publisher's own CUDA tensors, one region per CUDA allocation they lie
 in, listed in a *sources table* that follows the manifest in its memfd.
 
-Publisher side (:func:`publish`): the tensors are grouped by allocation (legacy IPC
-regions of ``cudaMalloc`` memory, base + offset; VMM regions with descriptors for
-PyTorch's expandable segments, ranges of adjacent chunks), laid end to end as the
-protocol says, and the manifest's offsets point into that span. The allocation
-lookups, exports and the encoded manifest are kept for the next version of the same
-tensors at the same addresses (buffer ids are checked on every publish, so a
-freed and reallocated segment is exported afresh).
+Publisher side (:class:`Publications`, one per Store): the tensors are grouped by
+allocation (legacy IPC regions of ``cudaMalloc`` memory, base + offset; VMM regions
+with descriptors for PyTorch's expandable segments, ranges of adjacent chunks), laid
+end to end as the protocol says, and the manifest's offsets point into that span.
+The allocation lookups, exports and the encoded manifest are kept for the next
+version of the same tensors at the same addresses (buffer ids are checked on every
+publish, so a freed and reallocated segment is exported afresh).
 
-Reader side (:class:`SourceMaps`): each region is mapped read-only through the
-process-wide mapping cache, and one reference per region of the latest version read
-under a name is kept between leases, so that later versions over the same
-allocations open nothing (``driver_opens()`` counts what was mapped anew). The
-publisher exports VMM memory afresh for every version (nothing tells it that a
-chunk of an expandable segment was not replaced), so VMM regions map per version.
+Reader side (:class:`KeptSources`, one per Store, and :class:`SourceMaps`): each
+region is mapped read-only through the process-wide mapping cache, and one reference
+per region of the latest version read under a name is kept between leases, so that
+later versions over the same allocations open nothing (``driver_opens()`` counts
+what was mapped anew). The publisher exports VMM memory afresh for every version
+(nothing tells it that a chunk of an expandable segment was not replaced), so VMM
+regions map per version.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from ._external import more_fds
 from .lease import Lease
 from .region import KIND_CUDA_IPC, KIND_VMM_FD, Region, local_identity
 
-__all__ = ["SOURCE_ALIGN", "source_starts", "encode_sources", "decode_sources", "publish", "SourceMaps",
-           "driver_opens", "MAX_FILES"]
+__all__ = ["SOURCE_ALIGN", "source_starts", "encode_sources", "decode_sources", "Publications", "KeptSources",
+           "SourceMaps", "driver_opens", "MAX_FILES"]
 
 SOURCE_ALIGN = 256
 MAX_FILES = 60          # protocol.MaxFiles: descriptors one packet carries
@@ -115,9 +116,6 @@ class _Published:
         for s in self.sources:
             s.close()
 
-
-_pub_lock = threading.Lock()
-_published: Dict[Tuple[int, str], _Published] = {}   # (id(store), name) -> the last publish
 
 
 def _attr(cu: Any, attr: Any, ptr: int) -> int:
@@ -209,130 +207,141 @@ def _refuse_non_tensors(name: str, names: List[str], values: List[Any]) -> None:
                                   "is a %s: publish with copy=True" % (k, type(v).__name__)) from None
 
 
-def _prepare(store: Any, name: str, names: List[str], values: List[Any],
-             metadata: Optional[Dict[str, str]]) -> _Published:
-    """The sources, manifest and table of a no-copy publish of these tensors: those of
-    the last publish when the tensors are the same (names, addresses, shapes, dtypes:
-    the cheapest reads, as load_into's plan check) over the same allocations."""
-    from ._arrays import TORCH
-    meta_items = sorted((metadata or {}).items())
-    k = (id(store), name)
-    with _pub_lock:
-        old = _published.get(k)
-    try:   # (a TypeError for a value that is no tensor)
-        same = (old is not None and old.check is not None and old.key[0] == names and old.key[3] == meta_items
-                and old.check.fits(values))
-        if same and old is not None and _still_valid(old):
-            return old
-        ptrs, metas, contig = TORCH.signature(values)
-    except TypeError:
-        _refuse_non_tensors(name, names, values)
-        raise
-    key = (names, ptrs, metas, meta_items)
-    for n, v, c in zip(names, values, contig):
-        if not v.is_cuda:
-            raise InvalidArgument("put_bundle", name, "copy=False publishes CUDA tensors in place; %r is on %s: "
-                                  "publish it with copy=True" % (n, v.device))
-        if not c:
-            raise InvalidArgument("put_bundle", name, "copy=False needs contiguous tensors; %r is not "
-                                  "(pass .contiguous(), or copy=True)" % n)
-    ordinals = {v.device.index for v in values}
-    if len(ordinals) != 1:
-        raise InvalidArgument("put_bundle", name, "copy=False publishes tensors of one GPU, these are on %s"
-                              % sorted(ordinals))
-    ordinal = ordinals.pop()
-    sizes = [v.numel() * v.element_size() for v in values]
-    sources = _find_sources(ptrs, sizes, ordinal)
-    try:
-        starts, span = source_starts([s.size for s in sources])
-        bases = [s.base for s in sources]
-        entries: List[TensorEntry] = []
-        with _gcpause.paused():
-            for n, p, nb, (shape, dt) in zip(names, ptrs, sizes, metas):
-                st = st_dtype_of(dt)
-                if nb == 0:
-                    entries.append(TensorEntry(n, st, tuple(shape), span, span))
-                    continue
-                j = bisect.bisect_right(bases, p) - 1
-                off = starts[j] + p - bases[j]
-                entries.append(TensorEntry(n, st, tuple(shape), off, off + nb))
-            entries.sort(key=lambda e: (e.begin, e.end))
-            raw = encode_manifest(entries, metadata)
-        for a, b in zip(entries, entries[1:]):
-            if b.begin < a.end:
-                raise InvalidArgument("put_bundle", name, "tensors %r and %r share memory (tied weights?): a bundle's "
-                                      "tensors may not overlap; publish one of them, or copy=True" % (a.name, b.name))
-        table = encode_sources([s.region for s in sources])
-    except BaseException:
-        for s in sources:
-            s.close()
-        raise
-    pub = _Published(key, ordinal, _cuda.uuids()[ordinal], sources, raw, table, span)
-    pub.sig = (ptrs, metas, contig)
-    pub.check = TORCH.check(values, pub.sig)
-    with _pub_lock:
-        old = _published.get(k)
-        _published[k] = pub
-    if old is not None:
-        old.close()
-    return pub
-
-
 def _uuid_text(u: bytes) -> str:
     h = u.hex()
     return "GPU-%s-%s-%s-%s-%s" % (h[:8], h[8:12], h[12:16], h[16:20], h[20:])
 
 
-# id(conn) -> the names whose no-copy versions published through that connection
-# are all withdrawn and unleased: a withdraw answered since its last no-copy create.
-# A no-copy publish of such a name has nothing to wait for and skips the request.
-_released: Dict[int, Set[str]] = {}
+class Publications:
+    """What a Store's no-copy publishes keep between versions (one per Store, closed
+    with it): per name, what the last publish computed (its sources, manifest and
+    table, reused for the same tensors over the same allocations), and the names
+    whose versions are all withdrawn and unleased (a withdraw answered since their
+    last no-copy create): a publish of such a name has nothing to wait for and skips
+    the request."""
 
+    def __init__(self, conn: Any):
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.last: Dict[str, _Published] = {}
+        self.released: Set[str] = set()
 
-def withdraw(conn: Any, name: str, timeout: Optional[float]) -> int:
-    """Store.wait_released's request: see there."""
-    ms = -1 if timeout is None else max(int(timeout * 1000), 0)
-    r = conn.call(pb.Request(withdraw=pb.WithdrawRequest(name=name, timeout_ms=ms)), "wait_released", name)
-    with _pub_lock:
-        _released.setdefault(id(conn), set()).add(name)
-    return int(r.resp.withdraw.versions)
+    def publish(self, name: str, state_dict: Any, *, keep_last: int = 0, shared: bool = False,
+                metadata: Optional[Dict[str, str]] = None, stream: Any = None,
+                release_timeout: Optional[float] = 60.0) -> Tuple[int, int, int, str]:
+        """Store.publish_no_copy: see there. Returns (version, span, tensors, device)."""
+        import torch
+        names = list(state_dict)
+        values = list(state_dict.values())
+        if not values:
+            raise InvalidArgument("put_bundle", name, "copy=False needs at least one CUDA tensor")
+        pub = self.prepare(name, names, values, metadata)
+        # The previous no-copy versions alias these tensors: none may be read from now on
+        # (nothing to wait for when a wait_released answered since the last publish).
+        if self._unreleased(name):
+            self.withdraw(name, release_timeout)
+            self._unreleased(name)
+        # The tensors' writes are done before readers may copy.
+        s = stream if stream is not None else torch.cuda.current_stream(pub.ordinal)
+        s.synchronize()
+        fds = [d for src in pub.sources for d in src.fds]
+        version = send_version(self.conn, name, pub.raw, pub.table, fds, pub.span, _uuid_text(pub.device),
+                               keep_last=keep_last, shared=shared, like=pub.sent)
+        pub.sent = version
+        return version, pub.span, len(names), _uuid_text(pub.device)
 
+    def prepare(self, name: str, names: List[str], values: List[Any],
+                metadata: Optional[Dict[str, str]]) -> _Published:
+        """The sources, manifest and table of a no-copy publish of these tensors: those of
+        the last publish when the tensors are the same (names, addresses, shapes, dtypes:
+        the cheapest reads, as load_into's plan check) over the same allocations."""
+        from ._arrays import TORCH
+        meta_items = sorted((metadata or {}).items())
+        with self.lock:
+            old = self.last.get(name)
+        try:   # (a TypeError for a value that is no tensor)
+            same = (old is not None and old.check is not None and old.key[0] == names and old.key[3] == meta_items
+                    and old.check.fits(values))
+            if same and old is not None and _still_valid(old):
+                return old
+            ptrs, metas, contig = TORCH.signature(values)
+        except TypeError:
+            _refuse_non_tensors(name, names, values)
+            raise
+        key = (names, ptrs, metas, meta_items)
+        for n, v, c in zip(names, values, contig):
+            if not v.is_cuda:
+                raise InvalidArgument("put_bundle", name, "copy=False publishes CUDA tensors in place; %r is on %s: "
+                                      "publish it with copy=True" % (n, v.device))
+            if not c:
+                raise InvalidArgument("put_bundle", name, "copy=False needs contiguous tensors; %r is not "
+                                      "(pass .contiguous(), or copy=True)" % n)
+        ordinals = {v.device.index for v in values}
+        if len(ordinals) != 1:
+            raise InvalidArgument("put_bundle", name, "copy=False publishes tensors of one GPU, these are on %s"
+                                  % sorted(ordinals))
+        ordinal = ordinals.pop()
+        sizes = [v.numel() * v.element_size() for v in values]
+        sources = _find_sources(ptrs, sizes, ordinal)
+        try:
+            starts, span = source_starts([s.size for s in sources])
+            bases = [s.base for s in sources]
+            entries: List[TensorEntry] = []
+            with _gcpause.paused():
+                for n, p, nb, (shape, dt) in zip(names, ptrs, sizes, metas):
+                    st = st_dtype_of(dt)
+                    if nb == 0:
+                        entries.append(TensorEntry(n, st, tuple(shape), span, span))
+                        continue
+                    j = bisect.bisect_right(bases, p) - 1
+                    off = starts[j] + p - bases[j]
+                    entries.append(TensorEntry(n, st, tuple(shape), off, off + nb))
+                entries.sort(key=lambda e: (e.begin, e.end))
+                raw = encode_manifest(entries, metadata)
+            for a, b in zip(entries, entries[1:]):
+                if b.begin < a.end:
+                    raise InvalidArgument("put_bundle", name, "tensors %r and %r share memory (tied weights?): a bundle's "
+                                          "tensors may not overlap; publish one of them, or copy=True" % (a.name, b.name))
+            table = encode_sources([s.region for s in sources])
+        except BaseException:
+            for s in sources:
+                s.close()
+            raise
+        pub = _Published(key, ordinal, _cuda.uuids()[ordinal], sources, raw, table, span)
+        pub.sig = (ptrs, metas, contig)
+        pub.check = TORCH.check(values, pub.sig)
+        with self.lock:
+            old = self.last.get(name)
+            self.last[name] = pub
+        if old is not None:
+            old.close()
+        return pub
 
-def _unreleased(conn: Any, name: str) -> bool:
-    """Mark ``name`` as about to have a no-copy version through ``conn``; say whether
-    one may still be live or leased (no withdraw answered since the last create)."""
-    with _pub_lock:
-        names = _released.get(id(conn))
-        if names is None or name not in names:
-            return True
-        names.discard(name)
-        return False
+    def withdraw(self, name: str, timeout: Optional[float]) -> int:
+        """Store.wait_released's request: see there."""
+        ms = -1 if timeout is None else max(int(timeout * 1000), 0)
+        r = self.conn.call(pb.Request(withdraw=pb.WithdrawRequest(name=name, timeout_ms=ms)), "wait_released", name)
+        with self.lock:
+            self.released.add(name)
+        return int(r.resp.withdraw.versions)
 
+    def _unreleased(self, name: str) -> bool:
+        """Mark ``name`` as about to have a no-copy version; say whether one may still
+        be live or leased (no withdraw answered since the last create)."""
+        with self.lock:
+            if name not in self.released:
+                return True
+            self.released.discard(name)
+            return False
 
-def publish(store: Any, conn: Any, name: str, state_dict: Any, *, keep_last: int = 0, shared: bool = False,
-            metadata: Optional[Dict[str, str]] = None, stream: Any = None,
-            release_timeout: Optional[float] = 60.0) -> Tuple[int, int, int, str]:
-    """Store.publish_no_copy through ``store``'s connection ``conn``: see there.
-    Returns (version, span, tensors, device)."""
-    import torch
-    names = list(state_dict)
-    values = list(state_dict.values())
-    if not values:
-        raise InvalidArgument("put_bundle", name, "copy=False needs at least one CUDA tensor")
-    pub = _prepare(store, name, names, values, metadata)
-    # The previous no-copy versions alias these tensors: none may be read from now on
-    # (nothing to wait for when a wait_released answered since the last publish).
-    if _unreleased(conn, name):
-        withdraw(conn, name, release_timeout)
-        _unreleased(conn, name)
-    # The tensors' writes are done before readers may copy.
-    s = stream if stream is not None else torch.cuda.current_stream(pub.ordinal)
-    s.synchronize()
-    fds = [d for src in pub.sources for d in src.fds]
-    version = send_version(conn, name, pub.raw, pub.table, fds, pub.span, _uuid_text(pub.device),
-                           keep_last=keep_last, shared=shared, like=pub.sent)
-    pub.sent = version
-    return version, pub.span, len(names), _uuid_text(pub.device)
+    def close(self) -> None:
+        """Close the exports kept for the next publishes (the store closes)."""
+        with self.lock:
+            pubs = list(self.last.values())
+            self.last.clear()
+            self.released.clear()
+        for p in pubs:
+            p.close()
 
 
 def send_version(conn: Any, name: str, raw: bytes, table: bytes, fds: List[int], span: int, device: str, *,
@@ -387,27 +396,9 @@ def send_version(conn: Any, name: str, raw: bytes, table: bytes, fds: List[int],
     return version
 
 
-def forget(store: Any, conn: Any) -> None:
-    """Close the exports kept for the publishes of ``store`` through its connection
-    ``conn`` (the store closes)."""
-    with _pub_lock:
-        gone = [k for k in _published if k[0] == id(store)]
-        pubs = [_published.pop(k) for k in gone]
-        _released.pop(id(conn), None)
-    for p in pubs:
-        p.close()
-
-
 # -- reader ------------------------------------------------------------------------
 
-_opens = [0]
-_cache_lock = threading.Lock()
-# name -> the regions of the latest version read under that name, mapped. A lease of
-# a later version with the same sources table shares them (no driver call, no
-# parse); one with another table maps anew, taking its references before the older
-# set lets go, so that regions both have stay mapped. A set is unmapped once it is
-# no longer the latest and no lease uses it.
-_latest: Dict[str, "SourceMaps"] = {}
+_opens = [0]   # driver_opens(): a count of the whole process
 
 
 def driver_opens() -> int:
@@ -448,6 +439,7 @@ class SourceMaps:
         from .mapping import map_region
         self.name, self.table, self.ordinal = name, table, ordinal
         self.users = 0
+        self.kept: Any = None   # the KeptSources that acquired it
         encoded = decode_sources(table)
         regions = [Region.from_bytes(b) for b in encoded]
         starts, self.span = source_starts([r.size for r in regions])
@@ -489,32 +481,9 @@ class SourceMaps:
         self.bases = np.array(ptrs, dtype=np.uint64)
         self.delta = self.bases - self.starts   # modulo 2^64: added back in addresses()
 
-    @classmethod
-    def acquire(cls, name: str, table: bytes, fds: List[int], ordinal: int) -> "SourceMaps":
-        """The mapped regions of a version of ``name`` with this sources table, for one
-        more lease (``release`` when it ends)."""
-        with _cache_lock:
-            cur = _latest.get(name)
-            if cur is not None and cur.table == table and cur.ordinal == ordinal:
-                cur.users += 1
-                return cur
-        new = cls(name, table, fds, ordinal, cur)
-        with _cache_lock:
-            new.users += 1
-            prev = _latest.get(name)
-            _latest[name] = new
-            gone = prev is not None and prev.users == 0
-        if gone:
-            assert prev is not None
-            prev.close()
-        return new
-
     def release(self) -> None:
         """One lease of these regions ended."""
-        with _cache_lock:
-            self.users -= 1
-            gone = self.users == 0 and _latest.get(self.name) is not self
-        if gone:
+        if self.kept.let_go(self):
             self.close()
 
     def region_of(self, off: int) -> int:
@@ -566,83 +535,118 @@ class SourceMaps:
                 pass
 
 
-def forget_kept() -> None:
-    """Let go of the regions of the latest versions read (each set is unmapped once no
-    lease uses it)."""
-    with _cache_lock:
-        sets = [m for m in _latest.values() if m.users == 0]
-        _latest.clear()
-        kept = [e[0] for e in _memfds.values()]
-        _memfds.clear()
-    for m in sets:
-        m.close()
-    for fd in kept:
-        os.close(fd)
+class KeptSources:
+    """What a Store's readers of no-copy versions keep between leases (one per Store,
+    closed with it), per name: the regions of the latest version read under that
+    name, mapped (:class:`SourceMaps`), and that version's manifest memfd (kept open:
+    its inode can be no other file's while it is) with its (st_dev, st_ino) and the
+    manifest and sources table read from it. A lease of a later version with the
+    same sources table shares the regions (no driver call, no parse); one with
+    another table maps anew, taking its references before the older set lets go, so
+    that regions both have stay mapped. A set is unmapped once it is no longer the
+    latest and no lease uses it."""
 
+    def __init__(self, conn: Any):
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.latest: Dict[str, SourceMaps] = {}
+        self.memfds: Dict[str, Tuple[int, Tuple[int, int], bytes, bytes]] = {}
 
-# name -> the manifest memfd of the latest no-copy version read under it (kept open:
-# its inode can be no other file's while it is), its (st_dev, st_ino), and the
-# manifest and sources table read from it.
-_memfds: Dict[str, Tuple[int, Tuple[int, int], bytes, bytes]] = {}
+    def lease_sources(self, r: Any, p: Any, info: Any, name: str) -> Tuple[SourceMaps, bytes]:
+        """A no-copy version's get: read its manifest and sources table from the memfd,
+        fetch the descriptors beyond the attached ones, map the regions. Returns the
+        maps and the manifest bytes; closes every descriptor."""
+        fds, r.fds = list(r.fds), ()
+        mfd, r.manifest_fd = r.manifest_fd, -1
+        try:
+            if mfd < 0:
+                raise InternalError("get", name, "a no-copy version without its manifest memfd")
+            msize, ssize = int(info.manifest_size), int(info.sources_size)
+            got = self.read_memfd(name, mfd, msize, ssize)
+            if got is None:
+                raise InternalError("get", name, "the manifest memfd is shorter than its manifest and sources table")
+            manifest, table = got
+            mfd = -1   # (kept by read_memfd)
+            more_fds(self.conn, name, r.resp.get.lease_id, fds, p.files)
+            ordinal = _cuda.pick_ordinal(bytes.fromhex(p.device[4:].replace("-", "")))
+            maps = self.acquire(name, table, fds, ordinal)
+            return maps, manifest
+        finally:
+            if mfd >= 0:
+                os.close(mfd)
+            for fd in fds:
+                os.close(fd)
 
+    def acquire(self, name: str, table: bytes, fds: List[int], ordinal: int) -> SourceMaps:
+        """The mapped regions of a version of ``name`` with this sources table, for one
+        more lease (``SourceMaps.release`` when it ends)."""
+        with self.lock:
+            cur = self.latest.get(name)
+            if cur is not None and cur.table == table and cur.ordinal == ordinal:
+                cur.users += 1
+                return cur
+        new = SourceMaps(name, table, fds, ordinal, cur)
+        new.kept = self
+        with self.lock:
+            new.users += 1
+            prev = self.latest.get(name)
+            self.latest[name] = new
+            gone = prev is not None and prev.users == 0
+        if gone:
+            assert prev is not None
+            prev.close()
+        return new
 
-def _read_memfd(name: str, mfd: int, msize: int, ssize: int) -> Optional[Tuple[bytes, bytes]]:
-    """The manifest and sources table in memfd ``mfd`` (taken: kept or closed); None
-    when it is shorter. A republished version (like_version) comes with the very
-    memfd of the version before it: sealed against writes, so the bytes read from it
-    then are its bytes now, the same objects (which the parse's and the mapped
-    regions' caches then recognize by identity)."""
-    import fcntl
-    st = os.fstat(mfd)
-    key = (st.st_dev, st.st_ino)
-    with _cache_lock:
-        old = _memfds.get(name)
-    if (old is not None and old[1] == key and len(old[2]) == msize and len(old[3]) == ssize
-            and fcntl.fcntl(mfd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE):
-        os.close(mfd)
-        return old[2], old[3]
-    try:
-        manifest = os.pread(mfd, msize, 0)
-        table = os.pread(mfd, ssize, msize)
-    except BaseException:
-        os.close(mfd)
-        raise
-    if len(manifest) != msize or len(table) != ssize:
-        os.close(mfd)
-        return None
-    with _cache_lock:
-        old = _memfds.get(name)
-        _memfds[name] = (mfd, key, manifest, table)
-    if old is not None:
-        os.close(old[0])
-    return manifest, table
+    def let_go(self, m: SourceMaps) -> bool:
+        """One lease of ``m`` ended: whether that was its last one and it is no longer
+        the latest (then the caller unmaps it)."""
+        with self.lock:
+            m.users -= 1
+            return m.users == 0 and self.latest.get(m.name) is not m
 
-
-def lease_sources(conn: Any, r: Any, p: Any, info: Any, name: str) -> Tuple[SourceMaps, bytes]:
-    """A no-copy version's get: read its manifest and sources table from the memfd,
-    fetch the descriptors beyond the attached ones, map the regions. Returns the maps
-    and the manifest bytes; closes every descriptor."""
-    fds, r.fds = list(r.fds), ()
-    mfd, r.manifest_fd = r.manifest_fd, -1
-    try:
-        if mfd < 0:
-            raise InternalError("get", name, "a no-copy version without its manifest memfd")
-        msize, ssize = int(info.manifest_size), int(info.sources_size)
-        got = _read_memfd(name, mfd, msize, ssize)
-        if got is None:
-            raise InternalError("get", name, "the manifest memfd is shorter than its manifest and sources table")
-        manifest, table = got
-        mfd = -1   # (kept by _read_memfd)
-        more_fds(conn, name, r.resp.get.lease_id, fds, p.files)
-        ordinal = _cuda.pick_ordinal(bytes.fromhex(p.device[4:].replace("-", "")))
-        maps = SourceMaps.acquire(name, table, fds, ordinal)
-        return maps, manifest
-    finally:
-        if mfd >= 0:
+    def read_memfd(self, name: str, mfd: int, msize: int, ssize: int) -> Optional[Tuple[bytes, bytes]]:
+        """The manifest and sources table in memfd ``mfd`` (taken: kept or closed);
+        None when it is shorter. A republished version (like_version) comes with the
+        very memfd of the version before it: sealed against writes, so the bytes read
+        from it then are its bytes now, the same objects (which the parse's and the
+        mapped regions' caches then recognize by identity)."""
+        import fcntl
+        st = os.fstat(mfd)
+        key = (st.st_dev, st.st_ino)
+        with self.lock:
+            old = self.memfds.get(name)
+        if (old is not None and old[1] == key and len(old[2]) == msize and len(old[3]) == ssize
+                and fcntl.fcntl(mfd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE):
             os.close(mfd)
-        for fd in fds:
-            os.close(fd)
+            return old[2], old[3]
+        try:
+            manifest = os.pread(mfd, msize, 0)
+            table = os.pread(mfd, ssize, msize)
+        except BaseException:
+            os.close(mfd)
+            raise
+        if len(manifest) != msize or len(table) != ssize:
+            os.close(mfd)
+            return None
+        with self.lock:
+            old = self.memfds.get(name)
+            self.memfds[name] = (mfd, key, manifest, table)
+        if old is not None:
+            os.close(old[0])
+        return manifest, table
 
+    def close(self) -> None:
+        """Let go of the regions of the latest versions read (each set is unmapped once
+        no lease uses it) and of their manifest memfds (the store closes)."""
+        with self.lock:
+            sets = [m for m in self.latest.values() if m.users == 0]
+            self.latest.clear()
+            kept = [e[0] for e in self.memfds.values()]
+            self.memfds.clear()
+        for m in sets:
+            m.close()
+        for fd in kept:
+            os.close(fd)
 
 
 class SourcesLease(Lease):

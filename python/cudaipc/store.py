@@ -78,6 +78,8 @@ class Store:
             raise StoreGone("dial", message="%s: %s" % (path, e)) from None
         self._arenas = ArenaCache(self._conn, MAX_IDLE_ARENAS if max_idle_arenas is None else max_idle_arenas)
         self._put = Putter(self._conn, self.create, self._created, self._device)
+        self._published = _nocopy.Publications(self._conn)   # this connection's no-copy publishes
+        self._kept_sources = _nocopy.KeptSources(self._conn)  # what its no-copy reads keep
         self._conn.on_arenas_freed = self._arenas_freed
         name = client_name or "%s[%d]" % (os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python"), os.getpid())
         try:
@@ -142,7 +144,8 @@ class Store:
         Idempotent."""
         self._put.forget_ahead()   # the daemon aborts it with the connection
         self._conn.close()
-        _nocopy.forget(self, self._conn)   # the exports of this connection's no-copy publishes
+        self._published.close()
+        self._kept_sources.close()
         self._put.close_events()
         if self._table is not None:
             self._table.close()   # idle leases let go of their arenas
@@ -286,9 +289,9 @@ class Store:
         call does it first, waiting at most ``release_timeout`` seconds and raising
         Timeout naming the readers' count). The tensors' stream (or ``stream``) is
         synchronized before the seal. The version stays on this node."""
-        v, span, n, dev = _nocopy.publish(self, self._conn, name, state_dict, keep_last=keep_last, shared=shared,
-                                          metadata=dict(metadata) if metadata else None, stream=stream,
-                                          release_timeout=release_timeout)
+        v, span, n, dev = self._published.publish(name, state_dict, keep_last=keep_last, shared=shared,
+                                                  metadata=dict(metadata) if metadata else None, stream=stream,
+                                                  release_timeout=release_timeout)
         return _bundle.BundleInfo(name, v, span, n, dev)
 
     def get_bundle(self, name: str, timeout: Optional[float] = None, **kw: Any) -> Any:
@@ -399,7 +402,7 @@ class Store:
         regions mapped (cudaipc._nocopy), read with get_bundle and load_into."""
         g = r.resp.get
         try:
-            maps, manifest = _nocopy.lease_sources(self._conn, r, p, info, name)
+            maps, manifest = self._kept_sources.lease_sources(r, p, info, name)
         except BaseException:
             self._conn.cleanup(r, "get", name)
             raise
@@ -417,7 +420,7 @@ class Store:
         Raises Timeout, naming how many readers still hold leases, when ``timeout``
         seconds pass first (None: no limit); the versions stay withdrawn. Returns how
         many versions were withdrawn. The next no-copy put_bundle does this first."""
-        return _nocopy.withdraw(self._conn, name, timeout)
+        return self._published.withdraw(name, timeout)
 
     def _record(self, r: Reply, p: Any, name: str, desc: Optional[TensorDesc], end: Any, op: str) -> Record:
         """The Record of a placement (the placement states its kind: protocol version 2)."""

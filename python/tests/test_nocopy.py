@@ -317,11 +317,12 @@ def test_gpu_nocopy_publisher_that_reallocates_its_tensors_is_read_from_the_new_
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_publish_reuses_the_last_exports_only_for_the_same_tensors(monkeypatch: pytest.MonkeyPatch, fast: bool) -> None:
-    """_prepare's cache, exercised with host tensors standing in for CUDA ones (only
-    a rebuild looks at the device, and refuses them: that is how a rebuild shows
-    here): the same tensors, metadata and allocations reuse the last publish; a
-    tensor with a new storage, a reshaped or retyped view at the same address,
-    another name order, other metadata or a reallocated allocation do not."""
+    """Publications.prepare's cache, exercised with host tensors standing in for CUDA
+    ones (only a rebuild looks at the device, and refuses them: that is how a
+    rebuild shows here): the same tensors, metadata and allocations reuse the last
+    publish; a tensor with a new storage, a reshaped or retyped view at the same
+    address, another name order, other metadata or a reallocated allocation do
+    not."""
     torch = pytest.importorskip("torch")
     from cudaipc import _arrays, _cuda_ctypes
     names = ["a", "b", "c"]
@@ -334,11 +335,11 @@ def test_publish_reuses_the_last_exports_only_for_the_same_tensors(monkeypatch: 
     monkeypatch.setattr(_arrays, "FAST_CHECKS", fast)
     pub.check = _arrays.TORCH.check(list(sd.values()), pub.sig)
     monkeypatch.setattr(_cuda_ctypes, "buffer_ids", lambda ordinal, ptrs: [ids["buf"]] * len(ptrs))
-    store = object()
-    monkeypatch.setitem(_nocopy._published, (id(store), "m"), pub)
+    pubs = _nocopy.Publications(None)
+    pubs.last["m"] = pub
 
     def prepare(d: dict, meta: dict = {"k": "v"}) -> _nocopy._Published:
-        return _nocopy._prepare(store, "m", list(d), list(d.values()), meta)
+        return pubs.prepare("m", list(d), list(d.values()), meta)
     assert prepare(sd) is pub
     changed = [dict(sd, b=torch.zeros(8, dtype=torch.bfloat16)),      # new storage
                dict(sd, a=sd["a"].view(2, 8)),                          # same address, other shape
@@ -515,6 +516,37 @@ def test_republish_sends_nothing_and_readers_reuse_its_bytes(store: cudaipc.Stor
     assert v3 == v2 + 1 and calls == ["create", "create", "seal"]
     got3 = read(v2)
     assert got3[0] == v3 and got3[1] == raw and got3[1] is not got1[1] and got3[2] == table
+
+
+def test_no_copy_reads_keep_per_store_and_close_with_it(daemon, store: cudaipc.Store,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """What no-copy reads keep between leases (the latest version's manifest memfd,
+    manifest, sources table and mapped regions, per name) is their Store's: two
+    Stores reading one name each read and keep their own, and closing a Store closes
+    what it kept (no descriptor of it stays open). (Regions are made up: mapping
+    them is stood in for.)"""
+    from cudaipc import _cuda, mapping
+    monkeypatch.setattr(mapping, "map_region", lambda r, fds, writable=False: (0x7F0000000000, 0, None))
+    monkeypatch.setattr(_cuda, "pick_ordinal", lambda u: 0)
+    publish_fake(store, "kept")
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+    before = open_fds()
+    readers = [cudaipc.connect(daemon.socket) for _ in range(2)]
+    got = []
+    for r in readers:
+        for _ in range(2):
+            lease = r.get("kept", 5)
+            got.append((lease._manifest, lease.sources))
+            lease.release()
+    assert got[0][0] is got[1][0] and got[0][1] is got[1][1], "one Store's second read did not reuse what it kept"
+    assert got[2][0] is got[3][0] and got[2][1] is got[3][1]
+    assert got[0][0] == got[2][0] and got[0][0] is not got[2][0] and got[0][1] is not got[2][1], \
+        "two Stores share what their reads keep"
+    for r in readers:
+        r.close()
+    assert open_fds() == before, "a closed Store left descriptors of its no-copy reads open"
 
 
 def test_publish_no_copy_and_its_older_spelling(store: cudaipc.Store, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,9 @@
 """The package's structure, read from its source with ast: no module reaches into
 another's private names (a leading underscore is private to the module that defines
-it), and the modules import each other without cycles, function-level imports
-included (a cycle hidden inside a function is still a cycle)."""
+it), the modules import each other without cycles, function-level imports
+included (a cycle hidden inside a function is still a cycle), and no module keeps
+state in a module-level container keyed by ``id()`` (per-connection state belongs
+on the Store; an id is reused once its object is gone)."""
 
 from __future__ import annotations
 
@@ -102,6 +104,41 @@ def _cycles(mods: Dict[str, ast.Module]) -> Set[str]:
     return cycles
 
 
+def _calls_id(node: ast.AST, keys: Set[str] = set()) -> bool:
+    """Whether node calls id(), or names a variable in keys (one assigned such a value)."""
+    return any((isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "id")
+               or (isinstance(c, ast.Name) and c.id in keys) for c in ast.walk(node))
+
+
+def _keyed_by_id(mods: Dict[str, ast.Module]) -> List[str]:
+    """Where a module indexes one of its module-level names with a key made with
+    ``id()``: ``g[id(x)]``, ``g.get((id(x), n))`` (any method taking such a key) or
+    ``id(x) in g``, the key written there or in a variable assigned it."""
+    found = []
+    for m, tree in mods.items():
+        glob: Set[str] = set()
+        for n in tree.body:
+            if isinstance(n, ast.Assign):
+                glob.update(t.id for t in n.targets if isinstance(t, ast.Name))
+            elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                glob.add(n.target.id)
+        keys = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and _calls_id(n.value)
+                for t in n.targets if isinstance(t, ast.Name)}
+        for n in ast.walk(tree):
+            name = None
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and _calls_id(n.slice, keys):
+                name = n.value.id
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) \
+                    and any(_calls_id(a, keys) for a in n.args):
+                name = n.func.value.id
+            elif isinstance(n, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in n.ops) \
+                    and _calls_id(n.left, keys):
+                name = next((c.id for c in n.comparators if isinstance(c, ast.Name) and c.id in glob), None)
+            if name in glob:
+                found.append("%s.py:%d keys the module-level %s with id()" % (m, n.lineno, name))
+    return found
+
+
 def test_no_module_reaches_into_another_modules_private_names() -> None:
     found = _reach_ins(_modules())
     assert not found, "cross-module private access:\n" + "\n".join(found)
@@ -110,6 +147,11 @@ def test_no_module_reaches_into_another_modules_private_names() -> None:
 def test_no_import_cycles() -> None:
     cycles = _cycles(_modules())
     assert not cycles, "import cycles:\n" + "\n".join(sorted(cycles))
+
+
+def test_no_module_level_state_keyed_by_id() -> None:
+    found = _keyed_by_id(_modules())
+    assert not found, "module-level containers keyed by id():\n" + "\n".join(found)
 
 
 def test_the_checks_find_what_they_look_for(tmp_path) -> None:
@@ -124,3 +166,11 @@ def test_the_checks_find_what_they_look_for(tmp_path) -> None:
     found = _reach_ins(mods)
     assert len(found) == 2 and "imports b._hidden" in found[0] and "s._conn (private to b)" in found[1], found
     assert _cycles(mods) == {"a -> b -> a"}
+    (tmp_path / "c.py").write_text("_by_conn: dict = {}\n_names = {}\n\n\nclass C:\n"
+                                   "    def f(self, conn, n, x):\n        _by_conn[id(conn)] = 1\n"
+                                   "        _names.get((id(conn), n))\n        if id(conn) in _by_conn:\n"
+                                   "            pass\n        seen = {}\n        seen[id(x)] = x\n"
+                                   "        self._m[id(x)] = x\n        k = (id(conn), n)\n"
+                                   "        _names.pop(k)\n        return _names[n]\n")
+    found = _keyed_by_id(_modules(str(tmp_path)))
+    assert sorted(f.split(" ", 1)[0] for f in found) == ["c.py:15", "c.py:7", "c.py:8", "c.py:9"], found
