@@ -11,15 +11,39 @@ The pieces:
 - Paging: :func:`page_in` copies a contiguous KV cache into vLLM's per-layer paged
   layout ``[2, num_blocks, block_size, kv_heads, head_dim]`` at given block ids (vLLM's
   ``reshape_and_cache`` through a slot mapping), :func:`page_out` copies it back.
+- The roles, each a process (``python kv_model.py ROLE JSON``):
+
+  ``prefill`` runs each prompt, pages its cache into a paged cache of its own at
+  scattered block ids, registered as a KV space (cudaipc.kv), and prints one JSON line
+  a request: the space's description, the block ids, the prompt's length and first
+  token (what vLLM carries from prefill to decode in ``kv_transfer_params``); then it
+  keeps the space until its input ends.
+
+  ``decode`` reads each request's blocks into its own paged cache at other block ids
+  with one ``read_blocks``, rebuilds the cache layer by layer as each layer's blocks
+  arrive (``wait_layer``) and generates greedily; it prints one JSON line a request
+  (done, or the read's error and the blocks it names) and saves tokens and logits,
+  and beside them the same model doing prefill and decode in this one process.
+
+- :func:`disaggregate` and :func:`killed_prefill` run the roles for the tests,
+  :func:`check_decoded` compares.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import os
+import queue
+import signal
+import subprocess
 import sys
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -161,8 +185,7 @@ class HFModel:
         conf = LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.mlp,
                            num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
                            num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                           max_position_embeddings=4096, initializer_range=0.1)
-        conf._attn_implementation = "eager"
+                           max_position_embeddings=4096, initializer_range=0.1, attn_implementation="eager")
         torch.manual_seed(cfg.seed)
         self.model = LlamaForCausalLM(conf).to(device=cfg.device, dtype=cfg.torch_dtype).eval()
 
@@ -253,13 +276,25 @@ def slot_mapping(blocks: Sequence[int], seq: int, block_size: int = BLOCK_SIZE) 
     return torch.tensor(list(blocks), dtype=torch.long)[i // block_size] * block_size + i % block_size
 
 
-def paged_cache(cfg: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE) -> List[torch.Tensor]:
+def paged_cache(cfg: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE,
+                alloc: Optional[Callable[[int], torch.Tensor]] = None) -> List[torch.Tensor]:
     """A paged KV cache of num_blocks blocks, as vLLM allocates it: a tensor a layer of
     shape ``[2, num_blocks, block_size, kv_heads, head_dim]`` (K then V), on the config's
-    device, filled with random values so that a block never written is not zero."""
+    device, filled with random values so that a block never written is not zero.
+    ``alloc(nbytes)``, if given, allocates each layer's memory (a uint8 tensor), e.g. host
+    memory other processes can map."""
     g = torch.Generator().manual_seed(cfg.seed + num_blocks)
     shape = (2, num_blocks, block_size, cfg.kv_heads, cfg.head_dim)
-    return [torch.randn(shape, generator=g).to(device=cfg.device, dtype=cfg.torch_dtype) for _ in range(cfg.layers)]
+    out = []
+    for _ in range(cfg.layers):
+        fill = torch.randn(shape, generator=g).to(device=cfg.device, dtype=cfg.torch_dtype)
+        if alloc is None:
+            out.append(fill)
+            continue
+        t = alloc(fill.numel() * fill.element_size()).view(cfg.torch_dtype).view(shape)
+        t.copy_(fill)
+        out.append(t)
+    return out
 
 
 def page_in_layer(k: torch.Tensor, v: torch.Tensor, paged: torch.Tensor, blocks: Sequence[int]) -> None:
@@ -298,3 +333,250 @@ def scattered(num_blocks: int, seed: int) -> List[int]:
     """All block ids of a paged cache in a random order: requests take them in turn, so
     that a request's blocks are scattered, as a busy engine's are."""
     return torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# --- the roles --------------------------------------------------------------------------
+
+
+def _say(msg: Dict[str, Any]) -> None:
+    print(json.dumps(msg), flush=True)
+
+
+def _connect(socket: str) -> Any:
+    import cudaipc
+    return cudaipc.connect(socket)
+
+
+def _alloc(cfg: ModelConfig) -> Optional[Callable[[int], torch.Tensor]]:
+    """How a role allocates its paged cache: host memory other processes can map (a
+    memfd: kv.alloc_host) on the CPU; torch's allocator on a GPU (with
+    expandable_segments:True in PYTORCH_CUDA_ALLOC_CONF, VMM memory shared by
+    descriptor; else cudaMalloc memory, shared by legacy IPC)."""
+    if cfg.device != "cpu":
+        return None
+    from cudaipc import kv as ckv
+    return lambda n: torch.from_numpy(ckv.alloc_host(n))
+
+
+def role_prefill(a: Dict[str, Any]) -> None:
+    """Args: socket, name (the space's), model (a ModelConfig's fields), lengths,
+    num_blocks, block_seed. Registers its paged cache as the space name, then per
+    length runs a prompt, pages its cache in at the next scattered blocks and prints
+    {"length", "desc" (the space's description, base64), "blocks", "first" (the token
+    the prompt's last logits choose), "prefill_logits"}; then {"ready": true} and keeps
+    the space until its input ends."""
+    from cudaipc import kv as ckv
+    cfg = ModelConfig(**a["model"])
+    if cfg.device != "cpu":
+        torch.cuda.set_device(torch.device(cfg.device))
+    model = make_model(cfg)
+    paged = paged_cache(cfg, a["num_blocks"], alloc=_alloc(cfg))
+    free = scattered(a["num_blocks"], a["block_seed"])
+    store = _connect(a["socket"])
+    space = ckv.register(store, a["name"], paged)
+    meta = space.desc.to_text()
+    for n in a["lengths"]:
+        last, cache = model.prefill(prompt(cfg, n))
+        blocks, free = free[:blocks_for(n)], free[blocks_for(n):]
+        page_in(model.to_layers(cache), paged, blocks)
+        if cfg.device != "cpu":
+            torch.cuda.synchronize()
+        _say(dict(length=n, desc=meta, blocks=blocks, first=int(torch.argmax(last).item()),
+                  prefill_logits=last.float().cpu().tolist()))
+    _say(dict(ready=True, pid=os.getpid()))
+    sys.stdin.read()
+    space.close()
+    store.close()
+
+
+def role_decode(a: Dict[str, Any]) -> None:
+    """Args: socket, model, requests (prefill's lines), num_blocks, block_seed, steps,
+    out, reference (bool). Reads each request's blocks with one read, waits layer by
+    layer, rebuilds the cache and decodes; prints a JSON line a request, {"length",
+    "ok": true, "blocks"} or {"length", "error", "blocks", "message", "cause"} (blocks:
+    its own, the read's destination), and saves (torch.save, at out) {"decoded":
+    {length: {tokens, logits}}, "reference": reference(...) of the requests' lengths, if
+    asked: this process doing prefill and decode itself}."""
+    from cudaipc import kv as ckv
+    cfg = ModelConfig(**a["model"])
+    if cfg.device != "cpu":
+        torch.cuda.set_device(torch.device(cfg.device))
+    model = make_model(cfg)
+    paged = paged_cache(cfg, a["num_blocks"], alloc=_alloc(cfg))
+    free = scattered(a["num_blocks"], a["block_seed"])
+    store = _connect(a["socket"])
+    local = ckv.vllm_layout(paged)
+    decoded: Dict[int, Dict[str, Any]] = {}
+    for req in a["requests"]:
+        n = req["length"]
+        mine, free = free[:blocks_for(n)], free[blocks_for(n):]
+        try:
+            t = ckv.read_blocks(store, src=req["desc"], src_blocks=req["blocks"], dst=local, dst_blocks=mine)
+            kv: KV = []
+            for layer in range(cfg.layers):
+                t.wait_layer(layer, timeout=60)
+                kv.append(page_out_layer(paged[layer], mine, n))
+            t.wait(timeout=60)
+        except ckv.BlockError as e:
+            _say(dict(length=n, error=type(e).__name__, blocks=mine, error_blocks=e.blocks, layer=e.layer,
+                      space=e.space, message=str(e), cause=type(e.cause).__name__))
+            continue
+        tokens, logits = decode(model, model.from_layers(kv), req["first"], a["steps"])
+        decoded[n] = dict(tokens=tokens, logits=logits.cpu())
+        _say(dict(length=n, ok=True, blocks=mine))
+    ref = reference(cfg, [r["length"] for r in a["requests"]], a["steps"]) if a.get("reference") else {}
+    torch.save(dict(decoded=decoded, reference=ref), a["out"])
+    store.close()
+
+
+# --- running the roles (the test's side) ------------------------------------------------
+
+
+class Prefill:
+    """A prefill process, started with its role's arguments: :attr:`requests` are its
+    JSON lines, one a request, read once it says it is ready. Its space lives until
+    :meth:`close` (its input ends) or :meth:`kill` (``kill -9``)."""
+
+    def __init__(self, args: Dict[str, Any], env: Optional[Dict[str, str]] = None, timeout: float = 120.0):
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "prefill", json.dumps(args)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, env=env)
+        lines: "queue.Queue[Optional[bytes]]" = queue.Queue()
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                lines.put(line)
+            lines.put(None)
+        threading.Thread(target=pump, daemon=True).start()
+        self.requests: List[Dict[str, Any]] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.kill()
+                raise RuntimeError("prefill did not get ready in %.0f s: %s" % (timeout, self.stderr()))
+            if line is None:
+                self.proc.wait()
+                raise RuntimeError("prefill exited (%s) before it was ready: %s" % (self.proc.returncode, self.stderr()))
+            msg = json.loads(line)
+            if msg.get("ready"):
+                break
+            self.requests.append(msg)
+
+    def stderr(self) -> str:
+        """What the process wrote on its standard error (its last 4,000 characters)."""
+        self.err.seek(0)
+        return self.err.read().decode(errors="replace")[-4000:]
+
+    def kill(self) -> None:
+        """kill -9 the process and reap it."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def close(self) -> None:
+        """End its input (it closes its space and exits) and wait for it."""
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.err.close()
+
+    def __enter__(self) -> "Prefill":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def run_role(role: str, args: Dict[str, Any], env: Optional[Dict[str, str]] = None,
+             timeout: float = 300.0) -> List[Dict[str, Any]]:
+    """Run a decode or reference process to its end; its JSON lines. A non-zero exit
+    raises with its standard error."""
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), role, json.dumps(args)],
+                       capture_output=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise RuntimeError("%s exited %d: %s" % (role, r.returncode, r.stderr.decode(errors="replace")[-4000:]))
+    return [json.loads(x) for x in r.stdout.decode().splitlines() if x.startswith("{")]
+
+
+def disaggregate(cfg: ModelConfig, lengths: Sequence[int], steps: int, prefill_socket: str, decode_socket: str,
+                 out: str, env: Optional[Dict[str, str]] = None) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], Dict[str, Any]]:
+    """One prefill process (on prefill_socket's daemon) serving the prompts of lengths,
+    and one decode process (on decode_socket's) reading and decoding them, which also
+    computes the reference in-process; the prefill's lines, the decode's lines, and the
+    decode's saved results. The two paged caches differ in size and block order."""
+    need = sum(blocks_for(n) for n in lengths)
+    args = dict(socket=prefill_socket, name="kvmodel/prefill/kv", model=asdict(cfg), lengths=list(lengths),
+                num_blocks=need + 11, block_seed=1)
+    with Prefill(args, env=env) as p:
+        lines = run_role("decode", dict(socket=decode_socket, model=asdict(cfg), requests=p.requests,
+                                        num_blocks=need + 23, block_seed=2, steps=steps, out=out, reference=True), env=env)
+    return p.requests, lines, torch.load(out)
+
+
+def check_decoded(requests: List[Dict[str, Any]], lines: List[Dict[str, Any]], res: Dict[str, Any],
+                  rtol: float, atol: float) -> None:
+    """Assert that every request was read and decoded as one process does: the prefill's
+    first token and last logits, then every decoded token and step's logits, against
+    the reference; and that its blocks were scattered, elsewhere on each side."""
+    assert [x["length"] for x in lines] == [r["length"] for r in requests], lines
+    for req, line in zip(requests, lines):
+        n = req["length"]
+        assert line.get("ok"), line
+        ref, got = res["reference"][n], res["decoded"][n]
+        assert req["first"] == ref["first"], n
+        torch.testing.assert_close(torch.tensor(req["prefill_logits"]), ref["prefill_logits"].float(), rtol=rtol, atol=atol)
+        assert got["tokens"] == ref["tokens"], (n, got["tokens"], ref["tokens"])
+        assert got["logits"].dtype == ref["logits"].dtype
+        torch.testing.assert_close(got["logits"], ref["logits"], rtol=rtol, atol=atol)
+        src, dst = req["blocks"], line["blocks"]
+        assert len(src) == len(dst) == blocks_for(n) and src != dst
+        if len(src) > 1:   # not one run of ids (the seeds are fixed: this is the test's set-up)
+            assert src != list(range(src[0], src[0] + len(src))) and dst != list(range(dst[0], dst[0] + len(dst)))
+
+
+def killed_prefill(cfg: ModelConfig, prefill_socket: str, decode_socket: str, out: str,
+                   env: Optional[Dict[str, str]] = None) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], Dict[str, Any]]:
+    """Two prefill engines on prefill_socket's daemon, each with one request; the first
+    is killed (kill -9) after handing its request over and before the decode process
+    reads it, and its space is gone from the daemon; the decode process then reads
+    both requests. The two engines' requests, the decode's lines and its results."""
+    import cudaipc
+    base = dict(socket=prefill_socket, model=asdict(cfg), num_blocks=40)
+    doomed = Prefill(dict(base, name="kvmodel/doomed/kv", lengths=[100], block_seed=3), env=env)
+    with Prefill(dict(base, name="kvmodel/live/kv", lengths=[37], block_seed=4), env=env) as live:
+        doomed.kill()
+        doomed.close()
+        with cudaipc.connect(prefill_socket) as st:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    st.stat("kvmodel/doomed/kv/0")
+                except cudaipc.NotFound:
+                    break
+                if time.monotonic() > deadline:
+                    raise AssertionError("the killed engine's space is still on its daemon after 20 s")
+                time.sleep(0.02)
+        lines = run_role("decode", dict(socket=decode_socket, model=asdict(cfg), requests=doomed.requests + live.requests,
+                                        num_blocks=30, block_seed=5, steps=4, out=out, reference=True), env=env)
+        return doomed.requests + live.requests, lines, torch.load(out)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("role", choices=["prefill", "decode"])
+    p.add_argument("args", help="the role's arguments, as JSON")
+    ns = p.parse_args(argv)
+    torch.set_num_threads(1)
+    a = json.loads(ns.args)
+    {"prefill": role_prefill, "decode": role_decode}[ns.role](a)
+
+
+if __name__ == "__main__":
+    main()

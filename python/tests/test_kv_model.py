@@ -8,10 +8,14 @@ kv_model.py."""
 
 from __future__ import annotations
 
-import torch
+import os
 
-from kv_model import (BLOCK_SIZE, ModelConfig, TinyModel, page_in, page_in_layer, page_out, paged_cache,
-                      prompt, scattered, slot_mapping)
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kv_model import (BLOCK_SIZE, ModelConfig, TinyModel, check_decoded, disaggregate, killed_prefill, page_in,
+                      page_in_layer, page_out, paged_cache, prompt, scattered, slot_mapping)  # noqa: E402
 
 CFG = ModelConfig(kind="tiny", layers=3)
 LENGTHS = [16, 37, 100, 256]
@@ -108,3 +112,34 @@ def test_decode_from_a_paged_copy_equals_one_process() -> None:
         tokens, logits = decode(m, page_out(dst, db, n), int(torch.argmax(last)), STEPS)
         assert tokens == ref[n]["tokens"]
         assert torch.equal(logits, ref[n]["logits"])
+
+
+def test_prefill_and_decode_processes_equal_one_process(daemon, tmp_path) -> None:
+    # The flow of disaggregated serving, on one daemon: a prefill process pages the
+    # prompts' caches into its host-memory space at scattered blocks; a decode process
+    # reads each request's blocks with one read into its own space at other blocks,
+    # waits layer by layer, rebuilds the cache and decodes. Every token and logit equals
+    # one process doing both (the same float32 computation: equal to 1e-6).
+    requests, lines, res = disaggregate(CFG, LENGTHS, STEPS, daemon.socket, daemon.socket, str(tmp_path / "out.pt"))
+    check_decoded(requests, lines, res, rtol=1e-6, atol=1e-6)
+
+
+def test_killed_prefill_names_the_blocks_and_nothing_else_is_disturbed(daemon, store, tmp_path) -> None:
+    # A prefill engine killed with kill -9 after handing over its request, before the
+    # decode side reads it (a host read holds leases of the regions it copies from, so
+    # an engine killed during a read leaves it its bytes: only a read that starts after
+    # the space went can fail): the read fails with a BlockError naming the destination
+    # blocks, from layer 0, caused by NotFound. The decode process then reads another
+    # engine's request and decodes it as one process does, and the daemon still serves
+    # puts and gets.
+    requests, lines, res = killed_prefill(CFG, daemon.socket, daemon.socket, str(tmp_path / "out.pt"))
+    dead, ok = lines
+    assert dead["length"] == 100 and dead["error"] == "BlockError", dead
+    assert sorted(dead["error_blocks"]) == sorted(dead["blocks"]) and len(dead["blocks"]) == 7, dead
+    assert dead["layer"] == 0 and dead["cause"] == "NotFound", dead
+    assert "kvmodel/doomed/kv" in dead["message"], dead
+    check_decoded(requests[1:], [ok], res, rtol=1e-6, atol=1e-6)
+    data = os.urandom(1 << 16)
+    store.put("kvmodel/after", data)
+    with store.get("kvmodel/after", timeout=5) as lease:
+        assert lease.read() == data
