@@ -32,10 +32,13 @@ The pieces:
 from __future__ import annotations
 
 import argparse
+import base64
+import contextlib
 import json
 import math
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,7 +46,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -503,6 +506,53 @@ def run_role(role: str, args: Dict[str, Any], env: Optional[Dict[str, str]] = No
     if r.returncode != 0:
         raise RuntimeError("%s exited %d: %s" % (role, r.returncode, r.stderr.decode(errors="replace")[-4000:]))
     return [json.loads(x) for x in r.stdout.decode().splitlines() if x.startswith("{")]
+
+
+NODES = ["one-node"]
+"""Where the decode process's daemon is, for the tests' ``daemons`` fixtures: "one-node"
+is the prefill's own daemon; "two-nodes" a second daemon of a cluster on this host
+(etcd, UCX over tcp on loopback), so that the read crosses nodes. Add "two-nodes" once
+a space can be read from another node."""
+
+
+@contextlib.contextmanager
+def daemons(nodes: str, cudaipc_bin: str, args: List[str], etcd: Optional[str] = None) -> Iterator[Tuple[Any, Any]]:
+    """(the prefill's daemon, the decode's daemon) for nodes (see :data:`NODES`), each
+    started with args; for "two-nodes", members of the cluster whose directory is etcd,
+    sharing a fresh cluster secret."""
+    from conftest import Daemon
+    if nodes == "one-node":
+        d = Daemon(cudaipc_bin, args)
+        try:
+            yield d, d
+        finally:
+            d.stop()
+        return
+    if nodes != "two-nodes" or etcd is None:
+        raise ValueError("nodes %r (etcd %r): want one-node, or two-nodes with an etcd" % (nodes, etcd))
+    env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    tmp = tempfile.mkdtemp(prefix="cudaipc-secret-")
+    secret = os.path.join(tmp, "secret")
+    with open(secret, "w") as f:
+        f.write(base64.b64encode(os.urandom(32)).decode() + "\n")
+    os.chmod(secret, 0o600)
+    started: List[Any] = []
+    try:
+        for name in ("a", "b"):
+            started.append(Daemon(cudaipc_bin, args + ["--cluster", etcd, "--node", name, "--cluster-secret", secret,
+                                                      "--cluster-listen", "127.0.0.1:0"]))
+        yield started[0], started[1]
+    finally:
+        for d in started:
+            d.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def disaggregate(cfg: ModelConfig, lengths: Sequence[int], steps: int, prefill_socket: str, decode_socket: str,

@@ -9,13 +9,19 @@ kv_model.py."""
 from __future__ import annotations
 
 import os
+from typing import Iterator, Tuple
 
 import pytest
 
+import cudaipc
+from conftest import Daemon
+from test_cluster_partial import etcd  # noqa: F401 (the fixture, for NODES' "two-nodes")
+
 torch = pytest.importorskip("torch")
 
-from kv_model import (BLOCK_SIZE, ModelConfig, TinyModel, check_decoded, disaggregate, killed_prefill, page_in,
-                      page_in_layer, page_out, paged_cache, prompt, scattered, slot_mapping)  # noqa: E402
+from kv_model import (BLOCK_SIZE, NODES, ModelConfig, TinyModel, check_decoded, disaggregate,  # noqa: E402
+                      killed_prefill, page_in, page_in_layer, page_out, paged_cache, prompt, scattered, slot_mapping)
+from kv_model import daemons as kv_daemons  # noqa: E402
 
 CFG = ModelConfig(kind="tiny", layers=3)
 LENGTHS = [16, 37, 100, 256]
@@ -114,32 +120,44 @@ def test_decode_from_a_paged_copy_equals_one_process() -> None:
         assert torch.equal(logits, ref[n]["logits"])
 
 
-def test_prefill_and_decode_processes_equal_one_process(daemon, tmp_path) -> None:
-    # The flow of disaggregated serving, on one daemon: a prefill process pages the
+@pytest.fixture(params=NODES)
+def daemons(request, cudaipc_bin: str) -> Iterator[Tuple[Daemon, Daemon]]:
+    """(the prefill's daemon, the decode's daemon), host memory."""
+    etcd_url = request.getfixturevalue("etcd") if request.param == "two-nodes" else None
+    with kv_daemons(request.param, cudaipc_bin, ["--backend", "host", "--capacity", "256MiB"], etcd_url) as pair:
+        yield pair
+
+
+def test_prefill_and_decode_processes_equal_one_process(daemons, tmp_path) -> None:
+    # The flow of disaggregated serving (on one daemon, or two: NODES): a prefill process pages the
     # prompts' caches into its host-memory space at scattered blocks; a decode process
     # reads each request's blocks with one read into its own space at other blocks,
     # waits layer by layer, rebuilds the cache and decodes. Every token and logit equals
     # one process doing both (the same float32 computation: equal to 1e-6).
-    requests, lines, res = disaggregate(CFG, LENGTHS, STEPS, daemon.socket, daemon.socket, str(tmp_path / "out.pt"))
+    pre, dec = daemons
+    requests, lines, res = disaggregate(CFG, LENGTHS, STEPS, pre.socket, dec.socket, str(tmp_path / "out.pt"))
     check_decoded(requests, lines, res, rtol=1e-6, atol=1e-6)
 
 
-def test_killed_prefill_names_the_blocks_and_nothing_else_is_disturbed(daemon, store, tmp_path) -> None:
+def test_killed_prefill_names_the_blocks_and_nothing_else_is_disturbed(daemons, tmp_path) -> None:
     # A prefill engine killed with kill -9 after handing over its request, before the
     # decode side reads it (a host read holds leases of the regions it copies from, so
     # an engine killed during a read leaves it its bytes: only a read that starts after
     # the space went can fail): the read fails with a BlockError naming the destination
     # blocks, from layer 0, caused by NotFound. The decode process then reads another
-    # engine's request and decodes it as one process does, and the daemon still serves
+    # engine's request and decodes it as one process does, and the daemons still serve
     # puts and gets.
-    requests, lines, res = killed_prefill(CFG, daemon.socket, daemon.socket, str(tmp_path / "out.pt"))
+    pre, dec = daemons
+    requests, lines, res = killed_prefill(CFG, pre.socket, dec.socket, str(tmp_path / "out.pt"))
     dead, ok = lines
     assert dead["length"] == 100 and dead["error"] == "BlockError", dead
     assert sorted(dead["error_blocks"]) == sorted(dead["blocks"]) and len(dead["blocks"]) == 7, dead
     assert dead["layer"] == 0 and dead["cause"] == "NotFound", dead
     assert "kvmodel/doomed/kv" in dead["message"], dead
     check_decoded(requests[1:], [ok], res, rtol=1e-6, atol=1e-6)
-    data = os.urandom(1 << 16)
-    store.put("kvmodel/after", data)
-    with store.get("kvmodel/after", timeout=5) as lease:
-        assert lease.read() == data
+    for d in {pre.socket, dec.socket}:
+        data = os.urandom(1 << 16)
+        with cudaipc.connect(d) as st:
+            st.put("kvmodel/after", data)
+            with st.get("kvmodel/after", timeout=5) as lease:
+                assert lease.read() == data

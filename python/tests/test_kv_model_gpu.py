@@ -9,12 +9,9 @@ twin. Skips without a GPU, torch or transformers, unless CUDAIPC_REQUIRE_GPU is 
 
 from __future__ import annotations
 
-import base64
 import importlib.util
 import os
-import shutil
-import tempfile
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, Tuple
 
 import pytest
 
@@ -29,17 +26,12 @@ except ImportError:
         raise
     pytest.skip("torch is not installed", allow_module_level=True)
 
-from kv_model import ModelConfig, check_decoded, disaggregate, killed_prefill  # noqa: E402
+from kv_model import NODES, ModelConfig, check_decoded, disaggregate, killed_prefill  # noqa: E402
+from kv_model import daemons as kv_daemons  # noqa: E402
 
 LENGTHS = [16, 37, 100, 256]
 STEPS = 8
 DAEMON_ARGS = ["--backend", "cuda", "--gpu-share", "fd", "--capacity", "1GiB"]
-
-# Where the decode process's daemon is: "one-node" is the prefill's own daemon;
-# "two-nodes" a second daemon of a cluster on this host (etcd, UCX over tcp on
-# loopback), so that the read crosses nodes. Add "two-nodes" once a space can be
-# read from another node.
-NODES = ["one-node"]
 
 
 def _need_stack() -> None:
@@ -56,32 +48,11 @@ def _need_stack() -> None:
 
 @pytest.fixture(params=NODES)
 def daemons(request, cudaipc_bin: str) -> Iterator[Tuple[Daemon, Daemon]]:
-    """(the prefill's daemon, the decode's daemon), GPU backends."""
+    """(the prefill's daemon, the decode's daemon), with GPU backends."""
     _need_stack()
-    if request.param == "one-node":
-        d = Daemon(cudaipc_bin, DAEMON_ARGS)
-        yield d, d
-        d.stop()
-        return
-    url = request.getfixturevalue("etcd")
-    mp = request.getfixturevalue("monkeypatch")
-    for k, v in {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}.items():
-        mp.setenv(k, v)
-    d = tempfile.mkdtemp(prefix="cudaipc-secret-")
-    secret = os.path.join(d, "secret")
-    with open(secret, "w") as f:
-        f.write(base64.b64encode(os.urandom(32)).decode() + "\n")
-    os.chmod(secret, 0o600)
-    started: List[Daemon] = []
-    try:
-        for name in ("a", "b"):
-            started.append(Daemon(cudaipc_bin, DAEMON_ARGS + ["--cluster", url, "--node", name, "--cluster-secret",
-                                                              secret, "--cluster-listen", "127.0.0.1:0"]))
-        yield started[0], started[1]
-    finally:
-        for dm in started:
-            dm.stop()
-        shutil.rmtree(d, ignore_errors=True)
+    etcd_url = request.getfixturevalue("etcd") if request.param == "two-nodes" else None
+    with kv_daemons(request.param, cudaipc_bin, DAEMON_ARGS, etcd_url) as pair:
+        yield pair
 
 
 def _env(alloc: str) -> Dict[str, str]:
