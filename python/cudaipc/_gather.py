@@ -32,7 +32,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from ._cuda import check, driver, err_name, on, proc
 from .errors import CudaError
 
-__all__ = ["CHUNK", "MAX_BYTES", "ARENA_MAX_BYTES", "ENABLED", "unavailable", "launch", "ready", "wait_ready"]
+__all__ = ["CHUNK", "MAX_BYTES", "ARENA_MAX_BYTES", "ENABLED", "unavailable", "launch", "ready", "wait_ready",
+           "chunk_table", "upload_table", "launch_rows"]
 
 CHUNK = 128 << 10
 """Bytes one thread block copies at most."""
@@ -205,6 +206,20 @@ def _run(ordinal: int, fn: int, dev_tab: int, chunks: int, stream: int) -> None:
         if err != 0:
             raise CudaError("cuLaunchKernel", err_name(err), "%d copy chunks" % n)
         done += n
+
+
+def upload_table(tab: Any) -> int:
+    """A device copy (cuMemAlloc: the caller frees it with cuMemFree, once no launch
+    reading it can still run) of a chunk table (chunk_table's rows), for callers that
+    launch parts of one table themselves (cudaipc.kv: a launch a layer)."""
+    return _upload(tab)
+
+
+def launch_rows(fn: int, dev_tab: int, first: int, rows: int, stream: int) -> None:
+    """Queue on ``stream`` one launch of kernel ``fn`` over rows [first, first + rows)
+    of the device table ``dev_tab`` (the caller holds the GPU's context)."""
+    if rows > 0:
+        _run(0, fn, dev_tab + 24 * first, rows, stream)
 
 
 def _self_test(ordinal: int, fn: int) -> Optional[str]:

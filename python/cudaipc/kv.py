@@ -125,7 +125,9 @@ def register(store: Any, name: str, local: Any, *, shared: bool = False) -> Spac
 
 
 def _gpu_copier() -> Optional[_kvread.Copier]:
-    return None
+    """The GPU copy (cudaipc._kvgpu), imported when a read needs it."""
+    from . import _kvgpu
+    return _kvgpu.copy
 
 
 def read_blocks(store: Any, src: Union[Desc, str, bytes], src_blocks: Any, dst: Union[Local, Space],

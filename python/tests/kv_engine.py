@@ -1,8 +1,9 @@
 """An engine process for the KV tests: python kv_engine.py SOCKET NAME KIND LAYERS
-BLOCKS BYTES SEED [shared]
+BLOCKS BYTES SEED [shared] [gpu|gpu-vmm]
 
-Registers the host space NAME of layout KIND (kvutil.make_local) over alloc_host
-memory filled with kvutil.region_bytes(SEED, i), prints its description's text,
+Registers the space NAME of layout KIND (kvutil.make_local) over alloc_host memory,
+or with gpu over PyTorch CUDA tensors of GPU 0 (gpu-vmm: of expandable segments, VMM
+memory), filled with kvutil.region_bytes(SEED, i), prints its description's text,
 then obeys lines on stdin: "close" closes the space, "reregister" closes it and
 registers it again (a new description, printed); each is answered "done".
 It exits when stdin ends."""
@@ -22,10 +23,19 @@ import kvutil  # noqa: E402
 def main() -> None:
     sock, name, kind = sys.argv[1:4]
     layers, blocks, nbytes, seed = (int(a) for a in sys.argv[4:8])
-    shared = sys.argv[8:] == ["shared"]
+    flags = set(sys.argv[8:])
+    shared = "shared" in flags
+    if "gpu-vmm" in flags:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     store = cudaipc.connect(sock)
-    local = kvutil.make_local(kind, layers, blocks, nbytes, lambda shape: kv.alloc_host(shape))
-    kvutil.fill(local, seed)
+    if flags & {"gpu", "gpu-vmm"}:
+        import torch
+        local = kvutil.make_local(kind, layers, blocks, nbytes,
+                                  lambda shape: torch.zeros(shape, dtype=torch.uint8, device="cuda:0"))
+        torch.cuda.synchronize()
+    else:
+        local = kvutil.make_local(kind, layers, blocks, nbytes, lambda shape: kv.alloc_host(shape))
+    kvutil.fill(local, seed)   # (synchronous copies: the bytes are there before the description goes out)
     space = kv.register(store, name, local, shared=shared)
     print(space.desc.to_text(), flush=True)
     for line in sys.stdin:

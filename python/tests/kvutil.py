@@ -40,14 +40,25 @@ def region_bytes(seed, i, size):
 
 
 def fill(local, seed):
-    """Fill every (host) region of ``local`` with region_bytes."""
+    """Fill every region of ``local`` (host or GPU) with region_bytes."""
     for i, m in enumerate(local.memory):
-        view = np.ctypeslib.as_array((ctypes.c_uint8 * m.size).from_address(m.addr))
-        view[:] = region_bytes(seed, i, m.size)
+        data = region_bytes(seed, i, m.size)
+        if m.is_gpu:
+            from cudaipc import _cuda
+            with _cuda.on(m.ordinal):
+                _cuda.memcpy_htod(m.addr, data.ctypes.data, m.size)
+        else:
+            host_region(m)[:] = data
 
 
 def host_region(m):
-    """A NumPy view of a host kv.Memory."""
+    """A NumPy view of a host kv.Memory; of a GPU one, a copy of its bytes."""
+    if m.is_gpu:
+        from cudaipc import _cuda
+        out = np.empty(m.size, dtype=np.uint8)
+        with _cuda.on(m.ordinal):
+            _cuda.memcpy_dtoh(out.ctypes.data, m.addr, m.size)
+        return out
     return np.ctypeslib.as_array((ctypes.c_uint8 * m.size).from_address(m.addr))
 
 

@@ -26,10 +26,10 @@ LAYERS, BLOCKS, BYTES = 4, 24, 96
 class Engine:
     """A kv_engine.py process and its space's description."""
 
-    def __init__(self, sock, name, kind="vllm", seed=1, layers=LAYERS, blocks=BLOCKS, nbytes=BYTES, shared=False):
+    def __init__(self, sock, name, kind="vllm", seed=1, layers=LAYERS, blocks=BLOCKS, nbytes=BYTES, shared=False, gpu=""):
         self.seed = seed
         args = [sys.executable, os.path.join(HERE, "kv_engine.py"), sock, name, kind, str(layers), str(blocks),
-                str(nbytes), str(seed)] + (["shared"] if shared else [])
+                str(nbytes), str(seed)] + (["shared"] if shared else []) + ([gpu] if gpu else [])
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
         self.desc = kv.Desc.from_text(self.line())
 

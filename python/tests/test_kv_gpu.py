@@ -1,0 +1,129 @@
+"""KV spaces on a GPU (cudaipc.kv): an engine process registers vLLM-layout PyTorch
+CUDA tensors of random bytes (cudaMalloc memory, shared by legacy IPC, or expandable
+segments, VMM memory shared by descriptor); this process reads scattered blocks into
+CUDA tensors of its own with one gather kernel launch a layer, waits layer by layer,
+and checks every byte. Skips without a GPU (CUDAIPC_REQUIRE_GPU=N fails instead).
+
+The first test needs no GPU: the GPU path's copy list, applied to host memory, gives
+what the host path gives."""
+
+import ctypes
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import cudaipc
+from conftest import Daemon, need_gpus, need_module
+from cudaipc import kv
+from cudaipc import _kvgpu, _kvread
+
+import kvutil
+from test_kv_host import BLOCKS, BYTES, LAYERS, Engine, dst_local, snapshot
+
+SRC = [2, 3, 4, 5, 9, 0, 17, 16, 23, 11, 12]
+DST = [7, 8, 9, 10, 1, 23, 3, 2, 0, 14, 15]
+
+
+class _FakeLease:
+    def __init__(self, m):
+        self.data_ptr = m.addr
+
+
+@pytest.mark.parametrize("kinds", [("vllm", "vllm"), ("vllm-blocks-first", "sglang"), ("offload", "vllm-one-buffer")])
+def test_gpu_copy_list_on_host_memory(kinds):
+    """_kvgpu.copies (the gather kernel's copies, layer by layer) over host memory
+    standing in for device memory: applied with memmove they give every byte the
+    read must."""
+    src_kind, dst_kind = kinds
+    src = kvutil.make_local(src_kind, LAYERS, BLOCKS, BYTES, lambda shape: np.zeros(shape, dtype=np.uint8))
+    kvutil.fill(src, 21)
+    desc = kv.Desc("0:kv/fake", kv.new_id(), [kv.Region("host", m.size) for m in src.memory], src.layout)
+    dst = dst_local(dst_kind)
+    before = snapshot(dst)
+    p = _kvread.plan(desc, SRC, dst, DST, range(1, LAYERS))
+    groups = _kvgpu.copies(p, [_FakeLease(m) for m in src.memory])
+    assert len(groups) == LAYERS - 1
+    for d, s, n in groups:
+        assert d.dtype == s.dtype == n.dtype == np.uint64
+        for dd, ss, nn in zip(d.tolist(), s.tolist(), n.tolist()):
+            ctypes.memmove(dd, ss, nn)
+    kvutil.check_bytes(dst, kvutil.expected(desc, 21, dst, SRC, DST, range(1, LAYERS), before))
+
+
+@pytest.fixture
+def cuda_daemon(cudaipc_bin):
+    need_gpus(1)
+    need_module("torch")
+    d = Daemon(cudaipc_bin, ["--backend", "cuda", "--capacity", "256MiB"])
+    yield d
+    d.stop()
+
+
+def cuda_local(kind, blocks=BLOCKS, nbytes=BYTES):
+    import torch
+    local = kvutil.make_local(kind, LAYERS, blocks, nbytes, lambda shape: torch.zeros(shape, dtype=torch.uint8, device="cuda:0"))
+    torch.cuda.synchronize()
+    return local
+
+
+@pytest.mark.parametrize("memory", ["gpu", "gpu-vmm"])
+@pytest.mark.parametrize("kind", ["vllm", "vllm-blocks-first"])
+def test_gpu_read_scattered_blocks(cuda_daemon, memory, kind):
+    """Scattered blocks of a vLLM space on GPU 0 into this process's CUDA tensors,
+    layer by layer: each layer's bytes are there when its wait returns."""
+    e = Engine(cuda_daemon.socket, "kv/gpu-%s-%s" % (memory, kind), kind, seed=31, gpu=memory)
+    try:
+        assert all(r.device.startswith("GPU-") for r in e.desc.regions)
+        with cudaipc.connect(cuda_daemon.socket) as store:
+            info = store.stat(e.desc.region_name(0))
+            assert info.space == e.desc.to_bytes() and info.exporter_bound == (memory == "gpu")
+            dst = cuda_local(kind)
+            before = snapshot(dst)
+            t = kv.read_blocks(store, e.desc, SRC, dst, DST)
+            for layer in range(LAYERS):
+                t.wait_layer(layer, 60)
+                want = kvutil.expected(e.desc, e.seed, dst, SRC, DST, range(layer + 1), before)
+                assert np.array_equal(kvutil.host_region(dst.memory[layer]), want[layer]), "layer %d" % layer
+            t.wait(60)
+            kvutil.check_bytes(dst, kvutil.expected(e.desc, e.seed, dst, SRC, DST, range(LAYERS), before))
+            # Many blocks, a layer range, again (the leases' mappings cached).
+            ids = list(range(BLOCKS))
+            kv.read_blocks(store, e.desc, ids, dst, ids[::-1], layers=range(2, 4)).wait(60)
+            want = kvutil.expected(e.desc, e.seed, dst, SRC, DST, range(LAYERS), before)
+            want = kvutil.expected(e.desc, e.seed, dst, ids, ids[::-1], range(2, 4), want)
+            kvutil.check_bytes(dst, want)
+            # GPU memory into host memory: not in this version.
+            with pytest.raises(kv.KVNotSupported):
+                kv.read_blocks(store, e.desc, [0], dst_local(kind), [0])
+    finally:
+        e.stop()
+
+
+@pytest.mark.parametrize("memory", ["gpu", "gpu-vmm"])
+def test_gpu_killed_engine(cuda_daemon, memory):
+    """A killed engine's GPU space: a later read fails with a BlockError naming the
+    destination blocks (NotFound), and this process's GPU stays usable."""
+    import torch
+    e = Engine(cuda_daemon.socket, "kv/gpu-killed-%s" % memory, "vllm", seed=32, gpu=memory)
+    try:
+        with cudaipc.connect(cuda_daemon.socket) as store:
+            dst = cuda_local("vllm")
+            kv.read_blocks(store, e.desc, [1], dst, [1]).wait(60)
+            e.proc.send_signal(signal.SIGKILL)
+            e.proc.wait(10)
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    store.stat(e.desc.region_name(0))
+                except cudaipc.NotFound:
+                    break
+                assert time.monotonic() < deadline, "the killed engine's region is still there"
+                time.sleep(0.02)
+            with pytest.raises(kv.BlockError) as x:
+                kv.read_blocks(store, e.desc, [4, 5], dst, [6, 7]).wait(60)
+            assert x.value.blocks == [6, 7] and isinstance(x.value.cause, cudaipc.NotFound)
+            assert torch.ones(4, device="cuda:0").sum().item() == 4
+    finally:
+        e.stop()
