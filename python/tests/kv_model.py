@@ -383,7 +383,7 @@ def role_prefill(a: Dict[str, Any]) -> None:
         blocks, free = free[:blocks_for(n)], free[blocks_for(n):]
         page_in(model.to_layers(cache), paged, blocks)
         if cfg.device != "cpu":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()   # the blocks are written before a reader is told of them
         _say(dict(length=n, desc=meta, blocks=blocks, first=int(torch.argmax(last).item()),
                   prefill_logits=last.float().cpu().tolist()))
     _say(dict(ready=True, pid=os.getpid()))
@@ -396,8 +396,9 @@ def role_decode(a: Dict[str, Any]) -> None:
     """Args: socket, model, requests (prefill's lines), num_blocks, block_seed, steps,
     out, reference (bool). Reads each request's blocks with one read, waits layer by
     layer, rebuilds the cache and decodes; prints a JSON line a request, {"length",
-    "ok": true, "blocks"} or {"length", "error", "blocks", "message", "cause"} (blocks:
-    its own, the read's destination), and saves (torch.save, at out) {"decoded":
+    "ok": true, "blocks"} or {"length", "blocks", "error", "error_blocks", "layer",
+    "space", "message", "cause"} (blocks: its own, the read's destination; the rest the
+    read's BlockError, cause its cause's class), and saves (torch.save, at out) {"decoded":
     {length: {tokens, logits}}, "reference": reference(...) of the requests' lengths, if
     asked: this process doing prefill and decode itself}."""
     from cudaipc import kv as ckv
@@ -409,6 +410,10 @@ def role_decode(a: Dict[str, Any]) -> None:
     free = scattered(a["num_blocks"], a["block_seed"])
     store = _connect(a["socket"])
     local = ckv.vllm_layout(paged)
+    if cfg.device != "cpu":
+        # The read copies on a stream of its own, which does not wait for torch's: the
+        # paged cache's filling must be done before a read can write into it.
+        torch.cuda.synchronize()
     decoded: Dict[int, Dict[str, Any]] = {}
     for req in a["requests"]:
         n = req["length"]
@@ -600,23 +605,25 @@ def killed_prefill(cfg: ModelConfig, prefill_socket: str, decode_socket: str, ou
     import cudaipc
     base = dict(socket=prefill_socket, model=asdict(cfg), num_blocks=40)
     doomed = Prefill(dict(base, name="kvmodel/doomed/kv", lengths=[100], block_seed=3), env=env)
-    with Prefill(dict(base, name="kvmodel/live/kv", lengths=[37], block_seed=4), env=env) as live:
-        doomed.kill()
+    try:
+        with Prefill(dict(base, name="kvmodel/live/kv", lengths=[37], block_seed=4), env=env) as live:
+            doomed.kill()
+            with cudaipc.connect(prefill_socket) as st:
+                deadline = time.monotonic() + 20
+                while True:
+                    try:
+                        st.stat("kvmodel/doomed/kv/0")
+                    except cudaipc.NotFound:
+                        break
+                    if time.monotonic() > deadline:
+                        raise AssertionError("the killed engine's space is still on its daemon after 20 s")
+                    time.sleep(0.02)
+            requests = doomed.requests + live.requests
+            lines = run_role("decode", dict(socket=decode_socket, model=asdict(cfg), requests=requests, num_blocks=30,
+                                            block_seed=5, steps=4, out=out, reference=True), env=env)
+            return requests, lines, torch.load(out)
+    finally:
         doomed.close()
-        with cudaipc.connect(prefill_socket) as st:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    st.stat("kvmodel/doomed/kv/0")
-                except cudaipc.NotFound:
-                    break
-                if time.monotonic() > deadline:
-                    raise AssertionError("the killed engine's space is still on its daemon after 20 s")
-                time.sleep(0.02)
-        lines = run_role("decode", dict(socket=decode_socket, model=asdict(cfg), requests=doomed.requests + live.requests,
-                                        num_blocks=30, block_seed=5, steps=4, out=out, reference=True), env=env)
-        return doomed.requests + live.requests, lines, torch.load(out)
-
 
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -31,7 +31,7 @@ from kv_model import daemons as kv_daemons  # noqa: E402
 
 LENGTHS = [16, 37, 100, 256]
 STEPS = 8
-DAEMON_ARGS = ["--backend", "cuda", "--gpu-share", "fd", "--capacity", "1GiB"]
+DAEMON_ARGS = ["--backend", "cuda", "--capacity", "256MiB"]
 
 
 def _need_stack() -> None:
