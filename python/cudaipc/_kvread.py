@@ -9,15 +9,18 @@ releases the leases, which the source sees in its regions' lease counts."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ._kvdesc import Desc
 from ._kvlocal import Local
-from .errors import (BlockError, BlockRangeError, KVNotSupported, LayoutMismatch, NotFound,
+from .errors import (BlockError, BlockRangeError, InvalidKVRequest, KVNotSupported, LayoutMismatch, NotFound,
                      StaleSpaceError)
 
-__all__ = ["Transfer", "Plan", "plan", "runs", "start"]
+__all__ = ["Transfer", "Plan", "plan", "runs", "start", "MAX_NOTIFY"]
+
+_log = logging.getLogger("cudaipc")
 
 
 def runs(src: Sequence[int], dst: Sequence[int]) -> List[Tuple[int, int, int]]:
@@ -123,8 +126,9 @@ class Plan:
     use; ``ordinal`` is the GPU of every region the read touches (None: host)."""
 
     def __init__(self, src: Desc, desc: bytes, dst: Local, src_blocks: List[int], dst_blocks: List[int],
-                 first: int, count: int):
+                 first: int, count: int, notify: Optional[bytes] = None):
         self.src, self.desc, self.dst = src, desc, dst
+        self.notify = notify
         self.src_blocks, self.dst_blocks = src_blocks, dst_blocks
         self.first, self.count = first, count
         self.runs = runs(src_blocks, dst_blocks)
@@ -159,12 +163,18 @@ def _layers(layers: Any, total: int) -> Tuple[int, int]:
     raise TypeError("kv: layers %r: want None (all), a range or a layer number" % (layers,))
 
 
-def plan(src: Desc, src_blocks: Any, dst: Local, dst_blocks: Any, layers: Any) -> Plan:
+MAX_NOTIFY = 4095   # protocol.MaxNoticePayload less the status byte
+
+
+def plan(src: Desc, src_blocks: Any, dst: Local, dst_blocks: Any, layers: Any, notify: Optional[bytes] = None) -> Plan:
     """Check a read as Go's plan does: the description valid, the ids in range
     (BlockRangeError naming them), the two layouts fitting each other (LayoutMismatch),
-    and memory this version can copy between (KVNotSupported)."""
+    memory this version can copy between (KVNotSupported), a notify payload within
+    its bound (InvalidKVRequest)."""
     if not isinstance(src, Desc) or not isinstance(dst, Local):
         raise LayoutMismatch("kv: a read needs a source description and a destination Local")
+    if notify is not None and len(notify) > MAX_NOTIFY:
+        raise InvalidKVRequest("kv: a notify payload of %d bytes: at most %d" % (len(notify), MAX_NOTIFY))
     desc = src.to_bytes()   # validates
     dst.check()
     sb, db = _ids(src_blocks, "source"), _ids(dst_blocks, "destination")
@@ -181,7 +191,7 @@ def plan(src: Desc, src_blocks: Any, dst: Local, dst_blocks: Any, layers: Any) -
     if first < 0 or count <= 0 or first + count > len(src.layers) or len(src.layers) != len(dst.layers):
         raise LayoutMismatch("kv: layers [%d, %d) of spaces of %d (source) and %d (destination) layers"
                              % (first, first + count, len(src.layers), len(dst.layers)))
-    p = Plan(src, desc, dst, sb, db, first, count)
+    p = Plan(src, desc, dst, sb, db, first, count, None if notify is None else bytes(notify))
     used = [False] * len(src.regions)
     where: Optional[str] = None
     for li in range(first, first + count):
@@ -263,7 +273,19 @@ def _run(store: Any, p: Plan, t: Transfer, gpu_copy: Optional[Copier]) -> None:
                     rel = rel or e
         if err is None and rel is not None:
             err = p.fail(p.first + p.count, rel)
+        if p.notify is not None:
+            _notify(store, p, err)
         t.finish(err)
+
+
+def _notify(store: Any, p: Plan, err: Optional[BlockError]) -> None:
+    """Tell the source's engine that the read ended (err: how), before the read's
+    end: a reader that exits once its read is done has sent it. The engine may be
+    gone: that is logged, not the read's failure."""
+    try:
+        store.notify(p.src.region_name(0), bytes([1 if err is not None else 0]) + (p.notify or b""))
+    except Exception as e:  # noqa: BLE001
+        _log.debug("kv: the source's engine was not told that a read of %s ended: %s", p.src.name, e)
 
 
 _memmove = ctypes.memmove

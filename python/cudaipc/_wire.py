@@ -44,6 +44,7 @@ _SOL_SOCKET, _SCM_RIGHTS = int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS)
 _PLACED = frozenset(("create", "get", "lease_table", "files"))   # answers that may carry a placement or descriptor
 DEFAULT_SPIN = 50e-6   # seconds; the Go client's DefaultSpin
 MAX_SPIN_SKIP = 64     # the most receives a fruitless polling window makes skip polling
+MAX_KEPT_NOTICES = 1 << 16   # notices kept until taken (Go's client.MaxKeptNotices); the oldest go first
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
 _UNIT = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -197,6 +198,8 @@ class Conn:
         self._detached: Set[int] = set()                   # ids whose reply nobody reads
         self._arenas: Dict[Tuple[int, bool], HostArena] = {}
         self.events: Deque[Any] = collections.deque()
+        self.notices: Deque[Any] = collections.deque()   # Notice messages not taken yet
+        self.notices_dropped = 0
         self.subscribed = False
         self.on_arenas_freed: Any = None   # called with arena ids the daemon emptied
         self.dead: Optional[StoreError] = None
@@ -357,6 +360,52 @@ class Conn:
                     self._reading = False
                     self._cv.notify_all()
 
+    def take_notices(self, names: Sequence[str], timeout: Optional[float]) -> List[Any]:
+        """Remove and return the Notice messages about ``names`` (every one without
+        names), oldest first, after reading what the socket holds; with ``timeout``
+        (seconds; None: no limit) wait until there is at least one, [] when it
+        passes first. Notices arrive unasked (id 0) and are read by whichever call
+        reads the socket, this one included."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        want = set(names)
+        drained = False
+        while True:
+            with self._cv:
+                while True:
+                    out = [n for n in self.notices if not want or n.name in want]
+                    if out:
+                        keep = [n for n in self.notices if want and n.name not in want]
+                        self.notices.clear()
+                        self.notices.extend(keep)
+                        return out
+                    if self.dead is not None:
+                        raise self.dead
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if drained and left is not None and left <= 0:
+                        return []
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    if left is not None and left <= 0:
+                        return []   # another caller is reading: what it reads comes next time
+                    self._cv.wait(left)
+            try:
+                # At least one read that does not wait (the socket's backlog), then
+                # reads that wait as long as the timeout allows.
+                left = None if deadline is None else max(deadline - time.monotonic(), 1e-6)
+                self.sock.settimeout(1e-6 if not drained else left)
+                try:
+                    self._read_one()
+                except socket.timeout:
+                    drained = True
+                finally:
+                    if self.dead is None:
+                        self.sock.settimeout(None)
+            finally:
+                with self._cv:
+                    self._reading = False
+                    self._cv.notify_all()
+
     def _poll(self, spin: float) -> Optional[Tuple[bytes, Any, int, Any]]:
         """Retry a non-blocking receive for at most ``spin`` seconds: the packet, or
         None when none came (then the next receives skip polling, backing off). The
@@ -430,6 +479,13 @@ class Conn:
             if body == "event":
                 with self._cv:
                     self.events.append(resp.event)
+            elif body == "notice":
+                with self._cv:
+                    if len(self.notices) >= MAX_KEPT_NOTICES:
+                        self.notices.popleft()
+                        self.notices_dropped += 1
+                    self.notices.append(resp.notice)
+                    self._cv.notify_all()
             elif body == "arenas_freed":
                 if self.on_arenas_freed is not None:
                     self.on_arenas_freed(list(resp.arenas_freed.arena_ids))

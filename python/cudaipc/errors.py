@@ -10,7 +10,7 @@ __all__ = [
     "StoreFull", "PermissionDenied", "LimitReached", "NotSealed", "Sealed",
     "VersionMismatch", "InternalError", "UnavailableError", "DataLossError", "StoreGone",
     "Closed", "InvalidRegion", "CudaError", "KVError", "InvalidDescError", "LayoutMismatch",
-    "StaleSpaceError", "KVNotSupported", "BlockError", "BlockRangeError",
+    "StaleSpaceError", "KVNotSupported", "InvalidKVRequest", "BlockError", "BlockRangeError",
 ]
 
 
@@ -193,6 +193,11 @@ class InvalidDescError(KVError, ValueError):
 class LayoutMismatch(KVError, ValueError):
     """Two spaces' layouts do not fit each other (layers, parts, block bytes), or a
     read's lists do not; Go's kv.ErrMismatch."""
+
+
+class InvalidKVRequest(KVError, ValueError):
+    """A read's field out of its bounds (a notify payload too long); Go's
+    kv.ErrInvalidRequest."""
 
 
 class StaleSpaceError(KVError):

@@ -12,7 +12,7 @@ from . import _views
 from .errors import InvalidArgument
 from .region import Region, decode_region
 
-__all__ = ["TensorDesc", "ObjectInfo", "Event", "ServerInfo", "SHARE_HOST", "SHARE_CUDA_IPC",
+__all__ = ["TensorDesc", "ObjectInfo", "Event", "Notice", "ServerInfo", "SHARE_HOST", "SHARE_CUDA_IPC",
            "SHARE_VMM_FD", "SHARE_KINDS"]
 
 # How an object's memory reaches a client: the protocol's Placement kinds (HOST,
@@ -121,6 +121,17 @@ class Event:
 
 EVENT_KINDS = {pb.Event.SEALED: "sealed", pb.Event.DELETED: "deleted", pb.Event.EVICTED: "evicted",
                pb.Event.ABORTED: "aborted"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Notice:
+    """What a reader of memory this connection registered sent it (Store.notify):
+    ``name`` is the registered memory's qualified name, ``uid`` and ``pid`` the
+    sender's as the daemon saw them (Go's client.Notice)."""
+    name: str
+    payload: bytes
+    uid: int
+    pid: int
 
 
 @dataclasses.dataclass(frozen=True)

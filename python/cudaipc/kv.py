@@ -28,19 +28,39 @@ same GPU (one gather kernel launch a layer); anything else is KVNotSupported.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, List, Optional, Union
 
 from . import _kvread
 from ._kvdesc import (MAX_BLOCKS, MAX_LAYERS, MAX_PARTS, MAX_REGIONS, Desc, Layout, Part, Region, new_id)
 from ._kvlocal import Local, Memory, alloc_host, offload_layout, sglang_layout, vllm_layout
 from ._kvread import Transfer
-from .errors import (BlockError, BlockRangeError, InvalidDescError, KVError, KVNotSupported, LayoutMismatch,
-                     NotFound, StaleSpaceError)
+from .errors import (BlockError, BlockRangeError, InvalidDescError, InvalidKVRequest, KVError, KVNotSupported,
+                     LayoutMismatch, NotFound, StaleSpaceError)
 
-__all__ = ["Desc", "Layout", "Part", "Region", "Local", "Memory", "Space", "Transfer", "alloc_host",
+__all__ = ["Desc", "Layout", "Part", "Region", "Local", "Memory", "Space", "Transfer", "Notice", "alloc_host",
            "vllm_layout", "sglang_layout", "offload_layout", "register", "read_blocks", "new_id",
-           "KVError", "InvalidDescError", "LayoutMismatch", "StaleSpaceError", "KVNotSupported", "BlockError",
+           "KVError", "InvalidDescError", "LayoutMismatch", "StaleSpaceError", "KVNotSupported", "InvalidKVRequest", "BlockError",
            "BlockRangeError", "MAX_LAYERS", "MAX_PARTS", "MAX_REGIONS", "MAX_BLOCKS"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Notice:
+    """A reader's word that its read of this space ended (``read_blocks(...,
+    notify=payload)``; vLLM's get_finished): ``payload`` is the reader's (a request
+    id, say), ``failed`` set when the read did not complete (its blocks are not all
+    at the reader: it may read them again), ``uid`` and ``pid`` the reader's as the
+    daemon saw them (Go's kv.Notice)."""
+    payload: bytes
+    failed: bool
+    uid: int
+    pid: int
+
+
+def _notices(raw: List[Any]) -> List[Notice]:
+    """The notices of the kv form (a status byte, then the payload); others (any
+    reader may notify) are dropped."""
+    return [Notice(n.payload[1:], n.payload[0] == 1, n.uid, n.pid) for n in raw if n.payload and n.payload[0] <= 1]
 
 
 class Space:
@@ -60,6 +80,23 @@ class Space:
     def name(self) -> str:
         """The space's qualified name (``UID:NAME``)."""
         return self.desc.name
+
+    def take_notices(self) -> List[Notice]:
+        """Remove and return the notices readers sent this space, oldest first,
+        without waiting (Go's Space.TakeNotices). They reach this process through its
+        connection: they are read when this (or another call on ``store``) reads it."""
+        return _notices(self.store.take_notices(self.desc.region_name(0)))
+
+    def wait_notices(self, timeout: Optional[float] = None) -> List[Notice]:
+        """:meth:`take_notices` that waits until there is at least one, at most
+        ``timeout`` seconds (None: no limit); [] when the timeout passes first."""
+        import time
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            out = _notices(self.store.wait_notices(self.desc.region_name(0), timeout=left))
+            if out or (deadline is not None and time.monotonic() >= deadline):
+                return out
 
     def close(self) -> None:
         """Remove the space's regions from the daemon (readers holding leases keep
@@ -131,7 +168,7 @@ def _gpu_copier() -> Optional[_kvread.Copier]:
 
 
 def read_blocks(store: Any, src: Union[Desc, str, bytes], src_blocks: Any, dst: Union[Local, Space],
-                dst_blocks: Any, layers: Any = None) -> Transfer:
+                dst_blocks: Any, layers: Any = None, notify: Optional[bytes] = None) -> Transfer:
     """Start copying block ``src_blocks[i]`` of the registered space ``src`` (its
     :class:`Desc`, or the text or bytes of one) into block ``dst_blocks[i]`` of
     ``dst`` (a :class:`Local`, or a Space of this process), for ``layers`` (None: all;
@@ -145,13 +182,17 @@ def read_blocks(store: Any, src: Union[Desc, str, bytes], src_blocks: Any, dst: 
     if the space was registered again), copies layer by layer (adjacent blocks
     coalesced; host memory by memmove, a GPU's memory into its own with one gather
     kernel launch a layer) and releases the leases. Its failures come as a BlockError
-    from the Transfer (``wait``, ``wait_layer``, ``error``)."""
+    from the Transfer (``wait``, ``wait_layer``, ``error``).
+
+    ``notify`` (at most 4,095 bytes, e.g. the request's id), when not None, is sent
+    to the source's engine as the read ends, completed or failed, before the
+    Transfer is done (its :meth:`Space.take_notices`)."""
     if isinstance(src, str):
         src = Desc.from_text(src)
     elif isinstance(src, (bytes, bytearray, memoryview)):
         src = Desc.from_bytes(src)
     if isinstance(dst, Space):
         dst = dst.local
-    p = _kvread.plan(src, src_blocks, dst, dst_blocks, layers)
+    p = _kvread.plan(src, src_blocks, dst, dst_blocks, layers, notify)
     return _kvread.start(store, p, _gpu_copier() if p.ordinal is not None else None)
 

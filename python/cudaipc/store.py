@@ -26,7 +26,7 @@ from ._encode import Release, encode_get
 from ._wire import Conn, Reply, spin_option
 from .errors import (Closed, InternalError, InvalidArgument, NotFound, PermissionDenied, StoreError,
                      StoreGone, Timeout)
-from .info import (EVENT_KINDS, SHARE_CUDA_IPC, SHARE_HOST, SHARE_VMM_FD, Event, ObjectInfo, ServerInfo, TensorDesc,
+from .info import (EVENT_KINDS, SHARE_CUDA_IPC, SHARE_HOST, SHARE_VMM_FD, Event, Notice, ObjectInfo, ServerInfo, TensorDesc,
                    desc_from_pb, desc_to_pb, info_from_pb)
 from .lease import Lease, Object, retaken
 
@@ -36,6 +36,7 @@ __all__ = ["connect", "default_socket_path", "share", "Store", "Lease", "Object"
 _log = logging.getLogger("cudaipc")
 
 MAX_OBJECT_SIZE = 1 << 40
+MAX_NOTICE_PAYLOAD = 4096   # protocol.MaxNoticePayload
 PROTOCOL_VERSION = 2  # docs/protocol.md section 4
 
 
@@ -477,6 +478,28 @@ class Store:
     rm = delete
     """The command line's name of :meth:`delete`."""
 
+    def notify(self, name: str, payload: bytes = b"") -> None:
+        """Send ``payload`` (at most MAX_NOTICE_PAYLOAD bytes) to the process that
+        registered the memory ``name``, which this connection must be able to get
+        (Go's Client.Notify): a KV reader's word that it is done with a space's blocks.
+        NotFound when there is no such registered memory or its exporter's connection
+        ended; LimitReached when the exporter has too many notices not delivered."""
+        if len(payload) > MAX_NOTICE_PAYLOAD:
+            raise InvalidArgument("notify", name, "a payload of %d bytes: at most %d" % (len(payload), MAX_NOTICE_PAYLOAD))
+        self._conn.call(pb.Request(notify=pb.NotifyRequest(name=name, payload=bytes(payload))), "notify", name)
+
+    def take_notices(self, *names: str) -> List[Notice]:
+        """Remove and return the notices readers sent about the registered memory
+        ``names`` (qualified, as Notice.name; every notice without names), oldest
+        first, without waiting for more (what the socket holds is read first).
+        Notices are kept until taken, the newest 65,536 of them."""
+        return [_notice(n) for n in self._conn.take_notices(names, 0.0)]
+
+    def wait_notices(self, *names: str, timeout: Optional[float] = None) -> List[Notice]:
+        """:meth:`take_notices` that waits until there is at least one, at most
+        ``timeout`` seconds (None: no limit); [] when the timeout passes first."""
+        return [_notice(n) for n in self._conn.take_notices(names, timeout)]
+
     def subscribe(self, timeout: Optional[float] = None) -> Iterator[Event]:
         """Iterate over store events (seals, deletions, evictions, aborts) from now on.
         With a timeout (seconds), the iteration ends when no event comes for that long."""
@@ -496,6 +519,10 @@ class Store:
 
     def __repr__(self) -> str:
         return "<cudaipc.Store %s backend=%s>" % (self.socket, getattr(self, "server", None) and self.server.backend)
+
+
+def _notice(n: Any) -> Notice:
+    return Notice(n.name, bytes(n.payload), n.uid, n.pid)
 
 
 _warmed = False

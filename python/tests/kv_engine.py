@@ -5,11 +5,15 @@ Registers the space NAME of layout KIND (kvutil.make_local) over alloc_host memo
 or with gpu over PyTorch CUDA tensors of GPU 0 (gpu-vmm: of expandable segments, VMM
 memory), filled with kvutil.region_bytes(SEED, i), prints its description's text,
 then obeys lines on stdin: "close" closes the space, "reregister" closes it and
-registers it again (a new description, printed); each is answered "done".
+registers it again (a new description, printed), "notices N [SECONDS]" waits (at
+most SECONDS, 20 by default) for N notices of readers and prints them as a JSON list of {payload (hex), failed,
+pid}; each is answered "done".
 It exits when stdin ends."""
 
+import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +50,13 @@ def main() -> None:
             space.close()
             space = kv.register(store, name, local, shared=shared)
             print(space.desc.to_text(), flush=True)
+        elif cmd.startswith("notices "):
+            args = cmd.split()[1:]
+            want, got = int(args[0]), []
+            deadline = time.monotonic() + (float(args[1]) if len(args) > 1 else 20)
+            while len(got) < want and time.monotonic() < deadline:
+                got += space.wait_notices(timeout=max(deadline - time.monotonic(), 0))
+            print(json.dumps([dict(payload=n.payload.hex(), failed=n.failed, pid=n.pid) for n in got]), flush=True)
         else:
             raise SystemExit("unknown command %r" % cmd)
         print("done", flush=True)

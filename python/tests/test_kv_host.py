@@ -4,6 +4,7 @@ blocks into a space of its own and checks every byte of it; layer ranges, per-la
 waits, refused requests, a description of an earlier registration, an engine that
 closes its space or is killed, and a reader of another uid."""
 
+import json
 import os
 import select
 import signal
@@ -45,10 +46,15 @@ class Engine:
         self.proc.stdin.write(c.encode() + b"\n")
         self.proc.stdin.flush()
         out = self.line()
+        said = None
         if c == "reregister":
             self.desc = kv.Desc.from_text(out)
             out = self.line()
+        elif c.startswith("notices"):
+            said = json.loads(out)
+            out = self.line()
         assert out == "done", out
+        return said
 
     def stop(self):
         if self.proc.poll() is None:
@@ -344,3 +350,36 @@ def test_reader_of_another_uid(cudaipc_bin, tmp_path):
         assert results[True].startswith("ok ") and results[True] != "ok 0", results
     finally:
         d.stop()
+
+
+def test_notices_to_the_engine(store, daemon, engines):
+    """A read with notify tells the engine it ended, completed or failed (vLLM's
+    get_finished), through the daemon; the engine takes the notices from its Space."""
+    e = engines(daemon.socket, "kv/notices", "vllm", seed=12)
+    dst = dst_local("vllm")
+    kv.read_blocks(store, e.desc, [0, 1], dst, [2, 3], notify=b"req-1").wait(30)
+    # A failed read: a description whose second region the engine never registered
+    # (so its regions carry another description): StaleSpaceError, then the notice.
+    bad = kv.Desc.from_bytes(e.desc.to_bytes())
+    bad.regions.append(kv.Region("host", 4096))
+    t = kv.read_blocks(store, bad, [0], dst, [0], notify=b"req-2")
+    with pytest.raises(kv.BlockError) as x:
+        t.wait(30)
+    assert isinstance(x.value.cause, kv.StaleSpaceError)
+    kv.read_blocks(store, e.desc, [5], dst, [5]).wait(30)   # without notify: no notice
+    got = e.cmd("notices 2")
+    assert got == [dict(payload=b"req-1".hex(), failed=False, pid=os.getpid()),
+                   dict(payload=b"req-2".hex(), failed=True, pid=os.getpid())]
+    assert e.cmd("notices 1 0.5") == []   # nothing more came
+    with pytest.raises(kv.InvalidKVRequest):
+        kv.read_blocks(store, e.desc, [0], dst, [0], notify=bytes(4096))
+    with pytest.raises(cudaipc.NotFound):
+        store.notify("%d:kv/nobody/0" % os.getuid(), b"x")
+    # The engine's own store: notices it sent to memory of its own come back to it.
+    local = kvutil.make_local("offload", 2, 4, 64, lambda shape: kv.alloc_host(shape))
+    with kv.register(store, "kv/self-notice", local) as sp:
+        kv.read_blocks(store, sp.desc, [1], dst_local("offload", layers=2, blocks=4, nbytes=64), [2], notify=b"me").wait(30)
+        assert sp.take_notices() == [kv.Notice(b"me", False, os.getuid(), os.getpid())]
+        assert sp.take_notices() == [] and sp.wait_notices(0.05) == []
+        store.notify(sp.desc.region_name(0), b"\x07not a kv notice")
+        assert sp.wait_notices(0.2) == []
