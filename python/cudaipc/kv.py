@@ -184,6 +184,11 @@ def read_blocks(store: Any, src: Union[Desc, str, bytes], src_blocks: Any, dst: 
     kernel launch a layer) and releases the leases. Its failures come as a BlockError
     from the Transfer (``wait``, ``wait_layer``, ``error``).
 
+    On a GPU the copies run on a stream of the read's own that waits for no other:
+    the source's bytes must be written (its engine synchronized) before it handed
+    out the blocks, and the destination must have no GPU work pending on it
+    (synchronize PyTorch's stream first), as for Go's ReadBlocks.
+
     ``notify`` (at most 4,095 bytes, e.g. the request's id), when not None, is sent
     to the source's engine as the read ends, completed or failed, before the
     Transfer is done (its :meth:`Space.take_notices`)."""
