@@ -454,190 +454,98 @@ func GetInto(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint6
 // issueFunc issues the read of bytes [from, end) of a Get; w.mu is held.
 type issueFunc func(from, end uint64, k raw.Rkey, p *raw.RequestParam) (raw.Request, error)
 
-// get is the loop of GetWith and GetInto: n bytes in chunks issued by
-// issue, progressed until done, bounded by ctx as GetWith describes.
+// get is GetWith's and GetInto's read: n bytes in chunks issued by issue,
+// in readLoop, bounded by ctx as GetWith describes.
 func get(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64, o GetOptions, issue issueFunc) error {
 	if ep.w.ctx.noRMA {
 		return ErrNoRMA
 	}
-	chunk, depth, cancelWait, ok, err := checkRead(ctx, ep, key, remoteAddr, n, readLimits{o.Chunk, o.Depth, o.CancelWait, DefaultChunk})
+	l, ok, err := newReadLoop(ctx, ep, key, remoteAddr, n, readLimits{o.Chunk, o.Depth, o.CancelWait, DefaultChunk})
 	if !ok {
 		return err
 	}
-	var param raw.RequestParam
-	if l := o.Local; l != nil {
-		if l.ctx != ep.w.ctx {
+	g := &getOps{issueFn: issue, reqs: make([]raw.Request, 0, l.depth)}
+	if lr := o.Local; lr != nil {
+		if lr.ctx != ep.w.ctx {
 			return errors.New("ucx: GetOptions.Local belongs to another Context than the endpoint")
 		}
-		l.mu.Lock()
-		closed := l.closed
-		l.mu.Unlock()
+		lr.mu.Lock()
+		closed := lr.closed
+		lr.mu.Unlock()
 		if closed {
 			return ErrClosed
 		}
-		param.OpAttrMask |= raw.OpAttrFieldMemh | raw.OpAttrFieldMemoryType
-		param.Memh = l.h
-		param.MemoryType = l.memType
+		g.param.OpAttrMask |= raw.OpAttrFieldMemh | raw.OpAttrFieldMemoryType
+		g.param.Memh = lr.h
+		g.param.MemoryType = lr.memType
 	}
-
-	w := ep.w
-	defer w.reading()()
-	var (
-		inflight = make([]raw.Request, 0, depth)
-		next     uint64
-		firstErr error     // the first failed chunk
-		stopped  error     // ctx's error, or ErrClosed when ep or key was closed
-		giveUp   time.Time // when a stopped Get stops waiting for the peer
-		forced   time.Time // when the forced close began
-		idle     idleWait
-	)
-	for {
-		w.mu.Lock()
-		if w.closed {
-			// The worker is destroyed, and with it every request: nothing
-			// can write into dst any more, and the requests must not be
-			// touched.
-			w.mu.Unlock()
-			return stoppedErr(stopped, ErrClosed)
-		}
-		if stopped == nil && (ep.closed || key.closed) {
-			stopped, giveUp = ErrClosed, time.Now().Add(cancelWait)
-		}
-		if firstErr == nil && ep.failed.Load() != 0 {
-			firstErr = ep.Err()
-		}
-		for firstErr == nil && stopped == nil && next < n && len(inflight) < depth {
-			end := min(next+chunk, n)
-			req, err := issue(next, end, key.h, &param)
-			if err != nil {
-				firstErr = err
-				break
-			}
-			if req != 0 {
-				inflight = append(inflight, req)
-			}
-			next = end
-		}
-		var progressed uint32
-		if len(inflight) > 0 {
-			progressed = w.progressLocked()
-		}
-		before := len(inflight)
-		kept := inflight[:0]
-		for _, r := range inflight {
-			s := raw.RequestCheckStatus(r)
-			if s == raw.InProgress {
-				kept = append(kept, r)
-				continue
-			}
-			raw.RequestFree(r)
-			if s != raw.OK && firstErr == nil && forced.IsZero() {
-				firstErr = &raw.Error{Func: "ucp_get_nbx", Status: s}
-			}
-		}
-		inflight = kept
-		if len(inflight) == 0 && (firstErr != nil || stopped != nil || next == n) {
-			if firstErr != nil && IsPeerFailure(firstErr) {
-				ep.broken = firstErr
-			}
-			w.mu.Unlock()
-			break
-		}
-		switch {
-		case stopped != nil && forced.IsZero() && time.Now().After(giveUp):
-			// The peer does not complete the reads in flight. UCX cannot
-			// cancel a GET, but a forced close of the endpoint completes its
-			// requests as canceled once its lanes are discarded (on the next
-			// progress calls); until they complete they may still write.
-			forced = time.Now()
-			if !ep.closed {
-				ep.shutLocked()
-			}
-		case !forced.IsZero() && time.Since(forced) > purgeWait:
-			// UCX did not end the requests: give them back to it (each is
-			// released when it completes) and say that dst is not safe.
-			n := len(inflight)
-			for _, r := range inflight {
-				raw.RequestFree(r)
-			}
-			w.mu.Unlock()
-			return fmt.Errorf("%w; %d reads were still in flight %v after the endpoint was closed and may still write into dst", stopped, n, purgeWait)
-		}
-		w.mu.Unlock()
-		if stopped == nil {
-			if err := ctx.Err(); err != nil {
-				stopped, giveUp = err, time.Now().Add(cancelWait)
-			}
-		}
-		idle.after(progressed > 0 || len(inflight) < before)
+	err = l.run(ctx, g)
+	if l.stopped != nil && err == l.stopped && !g.forced.IsZero() && !errors.Is(err, ErrClosed) {
+		return fmt.Errorf("%w (the endpoint was closed to end the reads in flight)", err)
 	}
-	if stopped != nil {
-		if !forced.IsZero() && !errors.Is(stopped, ErrClosed) {
-			return fmt.Errorf("%w (the endpoint was closed to end the reads in flight)", stopped)
-		}
-		return stopped
-	}
-	return firstErr
+	return err
 }
 
-// readLimits are a read's chunk, depth and cancel wait as given (0: the
-// default), and its default chunk.
-type readLimits struct {
-	chunk, depth int
-	cancelWait   time.Duration
-	defaultChunk uint64
+// getOps are a Get's steps in readLoop: one ucp_get_nbx a chunk. UCX cannot
+// cancel a GET: a stopped Get whose reads do not end closes the endpoint
+// forcibly, which completes them as canceled.
+type getOps struct {
+	issueFn issueFunc
+	param   raw.RequestParam
+	reqs    []raw.Request
+	forced  time.Time // when the forced close began
 }
 
-// checkRead checks a read of n bytes at remoteAddr with key on ep and
-// returns its chunk, depth and cancel wait; ok is false when the read ends
-// here, with err (nil for an empty read).
-func checkRead(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr, n uint64, l readLimits) (chunk uint64, depth int, cancelWait time.Duration, ok bool, err error) {
+func (g *getOps) issue(l *readLoop, from, end uint64) error {
+	req, err := g.issueFn(from, end, l.key.h, &g.param)
+	if err == nil && req != 0 {
+		g.reqs = append(g.reqs, req)
+	}
+	return err
+}
+
+func (g *getOps) inflight() int { return len(g.reqs) }
+
+func (g *getOps) halt(*readLoop) {}
+
+func (g *getOps) reap(l *readLoop) {
+	kept := g.reqs[:0]
+	for _, r := range g.reqs {
+		s := raw.RequestCheckStatus(r)
+		if s == raw.InProgress {
+			kept = append(kept, r)
+			continue
+		}
+		raw.RequestFree(r)
+		if s != raw.OK && g.forced.IsZero() {
+			l.fail(&raw.Error{Func: "ucp_get_nbx", Status: s})
+		}
+	}
+	g.reqs = kept
+}
+
+func (g *getOps) stalled(l *readLoop) error {
 	switch {
-	case key.e != ep:
-		return 0, 0, 0, false, errors.New("ucx: the remote key was unpacked on another endpoint")
-	case !key.key.Contains(remoteAddr, n):
-		return 0, 0, 0, false, fmt.Errorf("%w: [%#x, +%d) is not inside [%#x, +%d)", ErrOutOfBounds, remoteAddr, n, key.key.Addr, key.key.Len)
-	case n == 0:
-		return 0, 0, 0, false, nil
-	case ctx.Err() != nil:
-		return 0, 0, 0, false, ctx.Err()
+	case g.forced.IsZero() && time.Now().After(l.giveUp):
+		// The peer does not complete the reads in flight. A forced close of
+		// the endpoint completes its requests as canceled once its lanes
+		// are discarded (on the next progress calls); until they complete
+		// they may still write.
+		g.forced = time.Now()
+		if !l.ep.closed {
+			l.ep.shutLocked()
+		}
+	case !g.forced.IsZero() && time.Since(g.forced) > purgeWait:
+		// UCX did not end the requests: give them back to it (each is
+		// released when it completes) and say that dst is not safe.
+		n := len(g.reqs)
+		for _, r := range g.reqs {
+			raw.RequestFree(r)
+		}
+		g.reqs = nil
+		return fmt.Errorf("%w; %d reads were still in flight %v after the endpoint was closed and may still write into dst", l.stopped, n, purgeWait)
 	}
-	chunk, depth, cancelWait = uint64(l.chunk), l.depth, l.cancelWait
-	if l.chunk <= 0 {
-		chunk = l.defaultChunk
-	}
-	if depth <= 0 {
-		depth = DefaultDepth
-	}
-	if cancelWait <= 0 {
-		cancelWait = DefaultCancelWait
-	}
-	return chunk, depth, cancelWait, true, nil
-}
-
-// reading counts a Get or Fetch running on the worker (Close waits for
-// them) and returns the function that uncounts it.
-func (w *Worker) reading() func() {
-	w.mu.Lock()
-	w.gets++
-	w.mu.Unlock()
-	return func() {
-		w.mu.Lock()
-		w.gets--
-		w.mu.Unlock()
-	}
-}
-
-// purgeWait bounds how long a stopped Get waits, after closing its endpoint
-// forcibly, for UCX to complete the requests in flight (it takes one
-// progress call on tcp).
-const purgeWait = 5 * time.Second
-
-func stoppedErr(stopped, otherwise error) error {
-	if stopped != nil {
-		return stopped
-	}
-	return otherwise
+	return nil
 }
 
 // shutLocked closes the endpoint forcibly and destroys its keys; w.mu is
@@ -653,32 +561,4 @@ func (e *Endpoint) shutLocked() {
 	e.closed = true
 	delete(e.w.endpoints, e)
 	endpointsByID.Delete(e.id)
-}
-
-// idleWait paces a loop that polls UCX: it spins while there is progress
-// and for getSpin after the last, so that short reads complete at UCX's
-// own latency, then sleeps between polls (from 10 µs, doubling to
-// getMaxSleep), so that a read waiting on a slow link or a slow peer does
-// not keep a CPU busy. Over tcp the kernel buffers what arrives meanwhile.
-type idleWait struct {
-	last  time.Time
-	sleep time.Duration
-}
-
-const (
-	getSpin     = 50 * time.Microsecond
-	getMaxSleep = time.Millisecond
-)
-
-func (i *idleWait) after(progress bool) {
-	now := time.Now()
-	if progress || i.last.IsZero() {
-		i.last, i.sleep = now, 0
-		return
-	}
-	if now.Sub(i.last) < getSpin {
-		return
-	}
-	i.sleep = min(max(2*i.sleep, 10*time.Microsecond), getMaxSleep)
-	time.Sleep(i.sleep)
 }

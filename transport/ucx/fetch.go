@@ -147,173 +147,141 @@ const DefaultFetchChunk = 8 << 20
 // later reads on it. A peer that dies fails Fetch with an error
 // IsPeerFailure recognizes.
 func Fetch(ctx context.Context, ep *Endpoint, key *RemoteKey, remoteAddr uint64, dst []byte, opt FetchOptions) error {
-	n := uint64(len(dst))
-	chunk, depth, cancelWait, ok, err := checkRead(ctx, ep, key, remoteAddr, n, readLimits{opt.Chunk, opt.Depth, opt.CancelWait, DefaultFetchChunk})
+	l, ok, err := newReadLoop(ctx, ep, key, remoteAddr, uint64(len(dst)), readLimits{opt.Chunk, opt.Depth, opt.CancelWait, DefaultFetchChunk})
 	if !ok {
 		return err
 	}
 	var pin runtime.Pinner
 	pin.Pin(&dst[0])
 	defer pin.Unpin()
-	base := raw.Addr(dst)
-	w := ep.w
-	defer w.reading()()
-
-	type op struct {
-		off, end   uint64
-		tag        uint64
-		recv, send raw.Request
-		msg        []byte // the request, kept until its send completes
-		canceled   bool   // the receive was canceled
-		unanswered bool   // it ended canceled, before any reply matched it
-		sendFailed bool   // the request may not have reached the peer
-	}
-	var (
-		inflight []*op
-		next     uint64
-		firstErr error
-		stopped  error
-		giveUp   time.Time
-		idle     idleWait
-		pins     runtime.Pinner
-	)
-	defer pins.Unpin()
-	// fail records the first error and cancels the receives still waiting:
-	// no more is issued, and what UCX has not matched ends at once.
-	fail := func(err error) {
-		if firstErr == nil && stopped == nil {
-			firstErr = err
-		}
-	}
-	cancelWaiting := func() {
-		for _, o := range inflight {
-			if o.recv != 0 && !o.canceled {
-				raw.RequestCancel(w.h, o.recv)
-				o.canceled = true
-			}
-		}
-	}
-	recvParam := raw.RequestParam{OpAttrMask: raw.OpAttrFlagNoImmCmpl}
-	for {
-		w.mu.Lock()
-		if w.closed {
-			w.mu.Unlock()
-			return stoppedErr(stopped, ErrClosed)
-		}
-		if stopped == nil && (ep.closed || key.closed) {
-			stopped, giveUp = ErrClosed, time.Now().Add(cancelWait)
-		}
-		if ep.failed.Load() != 0 {
-			fail(ep.Err())
-		}
-		if firstErr != nil || stopped != nil {
-			cancelWaiting()
-		}
-		for firstErr == nil && stopped == nil && next < n && len(inflight) < depth {
-			o := &op{off: next, end: min(next+chunk, n)}
-			w.fetchSeq++
-			o.tag = replyTag(w.fetchSeq, ep.sn)
-			req, err := raw.TagRecvNbx(w.h, base+o.off, o.end-o.off, o.tag, ^fetchReplyErr, &recvParam)
-			if err != nil {
-				fail(err)
-				break
-			}
-			o.recv = req
-			o.msg = fetchRequest{replyTag: o.tag, addr: remoteAddr + o.off, n: o.end - o.off, token: opt.Token, reader: w.addr}.marshal()
-			pins.Pin(&o.msg[0])
-			sreq, err := raw.TagSendNbx(ep.h, raw.Addr(o.msg), uint64(len(o.msg)), fetchRequestTag, &raw.RequestParam{})
-			inflight = append(inflight, o)
-			if err != nil {
-				o.sendFailed = true
-				fail(err)
-				break
-			}
-			o.send = sreq
-			next = o.end
-		}
-		var progressed uint32
-		if len(inflight) > 0 {
-			progressed = w.progressLocked()
-		}
-		before := len(inflight)
-		kept := inflight[:0]
-		for _, o := range inflight {
-			if o.send != 0 {
-				if s := raw.RequestCheckStatus(o.send); s != raw.InProgress {
-					raw.RequestFree(o.send)
-					o.send = 0
-					if s != raw.OK {
-						o.sendFailed = true
-						fail(&raw.Error{Func: "ucp_tag_send_nbx", Status: s})
-					}
-				}
-			}
-			if o.recv != 0 {
-				var info raw.TagRecvInfo
-				s := raw.TagRecvRequestTest(o.recv, &info)
-				if s != raw.InProgress {
-					raw.RequestFree(o.recv)
-					o.recv = 0
-					switch {
-					case s == raw.ErrCanceled && o.canceled:
-						o.unanswered = true
-					case s != raw.OK:
-						fail(&raw.Error{Func: "ucp_tag_recv_nbx", Status: s})
-					case info.SenderTag&fetchReplyErr != 0:
-						text := dst[o.off : o.off+min(info.Length, o.end-o.off)]
-						fail(fmt.Errorf("%w: %s", ErrRefused, text))
-					case info.Length != o.end-o.off:
-						fail(fmt.Errorf("ucx: the peer sent %d bytes for a fetch of %d", info.Length, o.end-o.off))
-					}
-				}
-			}
-			switch {
-			case o.recv != 0 || o.send != 0:
-				kept = append(kept, o)
-			case o.unanswered && !o.sendFailed:
-				w.drainLocked(ep, o.tag)
-			}
-		}
-		clear(inflight[len(kept):])
-		inflight = kept
-		if len(inflight) == 0 && (firstErr != nil || stopped != nil || next == n) {
-			if firstErr != nil && IsPeerFailure(firstErr) {
-				ep.broken = firstErr
-			}
-			w.mu.Unlock()
-			break
-		}
-		if stopped != nil && time.Now().After(giveUp.Add(purgeWait)) {
-			// Replies the peer began (rendezvous under way) did not finish:
-			// give the requests back to UCX, which releases each when it
-			// completes, and say that dst is not safe.
-			left := len(inflight)
-			for _, o := range inflight {
-				for _, r := range []raw.Request{o.recv, o.send} {
-					if r != 0 {
-						raw.RequestFree(r)
-					}
-				}
-			}
-			w.mu.Unlock()
-			return fmt.Errorf("%w; %d replies were still under way %v after the fetch stopped and may still write into dst", stopped, left, cancelWait+purgeWait)
-		}
-		w.mu.Unlock()
-		if stopped == nil {
-			if err := ctx.Err(); err != nil {
-				stopped, giveUp = err, time.Now().Add(cancelWait)
-			}
-		}
-		// Every Fetch on a worker polls it: one poller for all, the others
-		// waiting on its rounds, measured slower for the same CPU
-		// (docs/lab/bench-cross-node-sync.md, "Fetches").
-		idle.after(progressed > 0 || len(inflight) < before)
-	}
+	f := &fetchOps{dst: dst, base: raw.Addr(dst), remoteAddr: remoteAddr, token: opt.Token,
+		recvParam: raw.RequestParam{OpAttrMask: raw.OpAttrFlagNoImmCmpl}}
+	defer f.pins.Unpin()
+	err = l.run(ctx, f)
 	runtime.KeepAlive(dst)
-	if stopped != nil {
-		return stopped
+	return err
+}
+
+// fetchOps are a Fetch's steps in readLoop: each chunk is a tagged receive
+// into dst and the request that asks the peer to send to it. A failed or
+// stopped Fetch cancels the receives the peer has not begun to answer; the
+// replies it sends them later are drained (fetchDrain).
+type fetchOps struct {
+	dst        []byte
+	base       uint64 // dst's address
+	remoteAddr uint64
+	token      Token
+	recvParam  raw.RequestParam
+	ops        []*fetchOp
+	pins       runtime.Pinner // the requests' bytes, while UCX sends them
+}
+
+// fetchOp is one chunk of a Fetch in flight.
+type fetchOp struct {
+	off, end   uint64
+	tag        uint64
+	recv, send raw.Request
+	msg        []byte // the request, kept until its send completes
+	canceled   bool   // the receive was canceled
+	unanswered bool   // it ended canceled, before any reply matched it
+	sendFailed bool   // the request may not have reached the peer
+}
+
+func (f *fetchOps) issue(l *readLoop, from, end uint64) error {
+	w, ep := l.ep.w, l.ep
+	o := &fetchOp{off: from, end: end}
+	w.fetchSeq++
+	o.tag = replyTag(w.fetchSeq, ep.sn)
+	req, err := raw.TagRecvNbx(w.h, f.base+o.off, o.end-o.off, o.tag, ^fetchReplyErr, &f.recvParam)
+	if err != nil {
+		return err
 	}
-	return firstErr
+	o.recv = req
+	o.msg = fetchRequest{replyTag: o.tag, addr: f.remoteAddr + o.off, n: o.end - o.off, token: f.token, reader: w.addr}.marshal()
+	f.pins.Pin(&o.msg[0])
+	sreq, err := raw.TagSendNbx(ep.h, raw.Addr(o.msg), uint64(len(o.msg)), fetchRequestTag, &raw.RequestParam{})
+	f.ops = append(f.ops, o)
+	if err != nil {
+		o.sendFailed = true
+		return err
+	}
+	o.send = sreq
+	return nil
+}
+
+func (f *fetchOps) inflight() int { return len(f.ops) }
+
+// halt cancels the receives still waiting: what UCX has not matched ends at
+// once.
+func (f *fetchOps) halt(l *readLoop) {
+	for _, o := range f.ops {
+		if o.recv != 0 && !o.canceled {
+			raw.RequestCancel(l.ep.w.h, o.recv)
+			o.canceled = true
+		}
+	}
+}
+
+func (f *fetchOps) reap(l *readLoop) {
+	kept := f.ops[:0]
+	for _, o := range f.ops {
+		if o.send != 0 {
+			if s := raw.RequestCheckStatus(o.send); s != raw.InProgress {
+				raw.RequestFree(o.send)
+				o.send = 0
+				if s != raw.OK {
+					o.sendFailed = true
+					l.fail(&raw.Error{Func: "ucp_tag_send_nbx", Status: s})
+				}
+			}
+		}
+		if o.recv != 0 {
+			var info raw.TagRecvInfo
+			s := raw.TagRecvRequestTest(o.recv, &info)
+			if s != raw.InProgress {
+				raw.RequestFree(o.recv)
+				o.recv = 0
+				switch {
+				case s == raw.ErrCanceled && o.canceled:
+					o.unanswered = true
+				case s != raw.OK:
+					l.fail(&raw.Error{Func: "ucp_tag_recv_nbx", Status: s})
+				case info.SenderTag&fetchReplyErr != 0:
+					text := f.dst[o.off : o.off+min(info.Length, o.end-o.off)]
+					l.fail(fmt.Errorf("%w: %s", ErrRefused, text))
+				case info.Length != o.end-o.off:
+					l.fail(fmt.Errorf("ucx: the peer sent %d bytes for a fetch of %d", info.Length, o.end-o.off))
+				}
+			}
+		}
+		switch {
+		case o.recv != 0 || o.send != 0:
+			kept = append(kept, o)
+		case o.unanswered && !o.sendFailed:
+			l.ep.w.drainLocked(l.ep, o.tag)
+		}
+	}
+	clear(f.ops[len(kept):])
+	f.ops = kept
+}
+
+func (f *fetchOps) stalled(l *readLoop) error {
+	if !time.Now().After(l.giveUp.Add(purgeWait)) {
+		return nil
+	}
+	// Replies the peer began (rendezvous under way) did not finish: give
+	// the requests back to UCX, which releases each when it completes, and
+	// say that dst is not safe.
+	left := len(f.ops)
+	for _, o := range f.ops {
+		for _, r := range []raw.Request{o.recv, o.send} {
+			if r != 0 {
+				raw.RequestFree(r)
+			}
+		}
+	}
+	f.ops = nil
+	return fmt.Errorf("%w; %d replies were still under way %v after the fetch stopped and may still write into dst", l.stopped, left, l.cancelWait+purgeWait)
 }
 
 // fetchDrain is a truncating receive a worker posts for the reply to a
