@@ -1,8 +1,9 @@
 """KV spaces between the Go and Python clients, through one daemon: a space the Go
 package kv registers (its test binary's engine role, kv/main_test.go) read from
 Python, and a space Python registers read by Go's reader role. The Go test binary is
-$CUDAIPC_KV_TEST_BIN, else built with ``go test -c ./kv`` (skipped where neither is
-to be had, as on the GPU machine, which has no Go toolchain)."""
+$CUDAIPC_KV_TEST_BIN, else kv.test beside $CUDAIPC_BIN (the GPU machine's .gpu/bin,
+which scripts/gpu-build.sh fills), else built with ``go test -c ./kv`` (skipped where
+none is to be had)."""
 
 import hashlib
 import json
@@ -27,6 +28,9 @@ def kv_test_bin(tmp_path_factory):
     env = os.environ.get("CUDAIPC_KV_TEST_BIN")
     if env:
         return env
+    beside = os.path.join(os.path.dirname(os.environ.get("CUDAIPC_BIN", "")), "kv.test")
+    if os.environ.get("CUDAIPC_BIN") and os.access(beside, os.X_OK):
+        return beside
     go = shutil.which("go")
     if go is None:
         pytest.skip("no Go toolchain to build the kv test binary (set CUDAIPC_KV_TEST_BIN)")
