@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, List, Optional, Union
 
-from . import _kvread
+from . import _kvgpu, _kvread
 from ._kvdesc import (MAX_BLOCKS, MAX_LAYERS, MAX_PARTS, MAX_REGIONS, Desc, Layout, Part, Region, new_id)
 from ._kvlocal import Local, Memory, alloc_host, offload_layout, sglang_layout, vllm_layout
 from ._kvread import Transfer
@@ -161,12 +161,6 @@ def register(store: Any, name: str, local: Any, *, shared: bool = False) -> Spac
     return sp
 
 
-def _gpu_copier() -> Optional[_kvread.Copier]:
-    """The GPU copy (cudaipc._kvgpu), imported when a read needs it."""
-    from . import _kvgpu
-    return _kvgpu.copy
-
-
 def read_blocks(store: Any, src: Union[Desc, str, bytes], src_blocks: Any, dst: Union[Local, Space],
                 dst_blocks: Any, layers: Any = None, notify: Optional[bytes] = None) -> Transfer:
     """Start copying block ``src_blocks[i]`` of the registered space ``src`` (its
@@ -199,5 +193,5 @@ def read_blocks(store: Any, src: Union[Desc, str, bytes], src_blocks: Any, dst: 
     if isinstance(dst, Space):
         dst = dst.local
     p = _kvread.plan(src, src_blocks, dst, dst_blocks, layers, notify)
-    return _kvread.start(store, p, _gpu_copier() if p.ordinal is not None else None)
+    return _kvread.start(store, p, _kvgpu.copy if p.ordinal is not None else None)
 
