@@ -428,45 +428,25 @@ type transfer struct {
 }
 
 func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error) {
-	self := p.Dir.NodeName()
-	var e Entry
-	var err error
 	begin := time.Now()
-	if known != nil {
-		e = *known
-	} else if e, err = p.Dir.Lookup(ctx, ref); err != nil {
-		return e, fmt.Errorf("pull %s: %w", ref, err)
-	}
+	pl := &pulling{ref: ref}
 	// The replica's creation may evict objects to make room: it comes only
 	// once a live holder has answered for the object (sent it whole, or
 	// opened it for this pull), so that a pull with no one to read from
 	// evicts nothing.
-	tried := map[string]bool{self: true}
-	n := int((e.Size + e.ChunkSize - 1) / e.ChunkSize)
-	t := &transfer{e: e, want: n, bad: map[int]int{}, failed: map[string]string{}, start: time.Now()}
-	if !slices.ContainsFunc(e.Holders, func(h string) bool { return h != self }) {
-		return e, fmt.Errorf("pull %s: %w (holders in the directory: %s)", ref, ErrNoHolder, holderList(e.Holders))
-	}
-	var data []byte // a small object, whole (inline.go)
-	if inline(e) {
-		if data, err = p.readInline(ctx, t, tried); err != nil {
-			return e, err
-		}
-	}
-	var first *source // the holder that answered, until the pull reads from it
+	data, err := p.startPull(ctx, pl, known)
 	defer func() {
-		if first != nil {
-			first.close()
+		if pl.first != nil {
+			pl.first.close()
 		}
 	}()
-	if data == nil {
-		if first, err = p.openFirst(ctx, t, tried); err != nil {
-			return e, err
-		}
-	}
-	rep, err := p.Sink.Create(ctx, e.Object)
 	if err != nil {
-		return e, fmt.Errorf("pull %s: make the local replica: %w", ref, err)
+		return pl.e, err
+	}
+	e, t := pl.e, pl.t
+	rep, stopFault, err := p.makeReplica(ctx, ref, t)
+	if err != nil {
+		return e, err
 	}
 	ok := false
 	defer func() {
@@ -474,155 +454,245 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 			rep.Abort()
 		}
 	}()
-	dst := rep.Bytes()
-	if int64(len(dst)) != e.Size {
-		return e, fmt.Errorf("pull %s: local replica of %d bytes for %d", ref, len(dst), e.Size)
-	}
 	// Stopped before the replica is sealed or aborted (both unmap dst):
-	// this defer runs before the Abort above. A landing area (pinned
-	// memory, kept between pulls) is mapped in already.
-	stopFault := func() {}
+	// this defer runs before the Abort above.
+	defer stopFault()
+	var stopFeed func()
+	t.feed, pl.upstream, stopFeed = p.fanout(ctx, e, rep, t.want)
+	// Before the Abort above, so that peers stop reading first.
+	defer stopFeed()
+	defer func() {
+		for _, s := range pl.sources {
+			s.close()
+		}
+	}()
+	if data != nil {
+		t.whole(data)
+		p.inline.Add(1)
+	} else if err := p.readFromHolders(ctx, pl); err != nil {
+		return pl.e, err
+	}
+	stopFault()
+	s0 := time.Now()
+	if err := rep.Seal(); err != nil {
+		return pl.e, fmt.Errorf("pull %s: seal the local replica: %w", ref, err)
+	}
+	seal := time.Since(s0)
+	ok = true
+	if err := p.announce(ctx, ref, pl.e, rep, t.feed != nil); err != nil {
+		ok = false
+		return pl.e, err
+	}
+	p.bytes.Add(uint64(e.Size))
+	for _, s := range pl.sources {
+		p.fed.Add(uint64(s.fed))
+	}
+	// The phases, for profiling a pull: the lookup and the replica's
+	// creation, the reads (opening the sources is the rest), the seal.
+	p.log().Debug("cluster pull done", "object", ref.String(), "bytes", e.Size, "sources", len(pl.sources), "took", time.Since(begin),
+		"setup", t.start.Sub(begin), "transfer", pl.transfer, "seal", seal)
+	return pl.e, nil
+}
+
+// pulling is one pull under way: what its steps share.
+type pulling struct {
+	ref Ref
+	e   Entry // the directory's record; its holders are read again when all failed
+	t   *transfer
+	// tried: the holders opened for this pull, or not to open (this node).
+	tried map[string]bool
+	// first: the holder that answered, until the pull reads from it.
+	first *source
+	// upstream: the feeder ahead that serves this pull (fanout.go), if any.
+	upstream string
+	// sources: every source the pull read from, closed when it ends.
+	sources []*source
+	// transfer: the time spent reading (in Puller.run).
+	transfer time.Duration
+}
+
+// startPull looks ref up (known: the caller did) and finds a live holder:
+// one that sends the object whole when it is small (returned; inline.go),
+// or one that opens it for this pull (pl.first).
+func (p *Puller) startPull(ctx context.Context, pl *pulling, known *Entry) ([]byte, error) {
+	self := p.Dir.NodeName()
+	if known != nil {
+		pl.e = *known
+	} else {
+		e, err := p.Dir.Lookup(ctx, pl.ref)
+		if err != nil {
+			return nil, fmt.Errorf("pull %s: %w", pl.ref, err)
+		}
+		pl.e = e
+	}
+	e := pl.e
+	pl.tried = map[string]bool{self: true}
+	n := int((e.Size + e.ChunkSize - 1) / e.ChunkSize)
+	pl.t = &transfer{e: e, want: n, bad: map[int]int{}, failed: map[string]string{}, start: time.Now()}
+	if !slices.ContainsFunc(e.Holders, func(h string) bool { return h != self }) {
+		return nil, fmt.Errorf("pull %s: %w (holders in the directory: %s)", pl.ref, ErrNoHolder, holderList(e.Holders))
+	}
+	if inline(e) {
+		data, err := p.readInline(ctx, pl.t, pl.tried)
+		if err != nil || data != nil {
+			return data, err
+		}
+	}
+	var err error
+	pl.first, err = p.openFirst(ctx, pl.t, pl.tried)
+	return nil, err
+}
+
+// makeReplica creates the local replica of t's object and makes t write
+// into it; stopFault stops prefaulting its memory (a landing area, pinned
+// memory kept between pulls, is mapped in already).
+func (p *Puller) makeReplica(ctx context.Context, ref Ref, t *transfer) (rep Replica, stopFault func(), err error) {
+	rep, err = p.Sink.Create(ctx, t.e.Object)
+	if err != nil {
+		return nil, nil, fmt.Errorf("pull %s: make the local replica: %w", ref, err)
+	}
+	dst := rep.Bytes()
+	if int64(len(dst)) != t.e.Size {
+		rep.Abort()
+		return nil, nil, fmt.Errorf("pull %s: local replica of %d bytes for %d", ref, len(dst), t.e.Size)
+	}
+	stopFault = func() {}
 	if _, landing := rep.(LandingReplica); !landing {
 		stopFault = prefault(dst)
 	}
-	defer stopFault()
 	t.dst = dst
 	t.cond = sync.NewCond(&t.mu)
 	t.land, _ = rep.(LandingReplica)
 	if sr, ok := rep.(SummingReplica); ok && sr.SumsLanded() {
 		t.sumLand = sr
 	}
-	for i := range n {
+	for i := range t.want {
 		t.pending = append(t.pending, i)
 	}
-	var upstream string
-	var stopFeed func()
-	t.feed, upstream, stopFeed = p.fanout(ctx, e, rep, n)
-	// Before the Abort above, so that peers stop reading first.
-	defer stopFeed()
-	var transfer time.Duration // in p.run
-	var sources []*source
-	defer func() {
-		for _, s := range sources {
-			s.close()
-		}
-	}()
-	if upstream != "" && first != nil {
+	return rep, stopFault, nil
+}
+
+// whole takes a small object that came whole in a holder's answer
+// (inline.go): every chunk is in.
+func (t *transfer) whole(data []byte) {
+	copy(t.dst, data)
+	for i := range t.want {
+		t.feed.mark(i)
+	}
+	t.done = t.want
+}
+
+// readFromHolders reads every chunk of pl's transfer, in rounds: each opens
+// the candidates not tried yet (the feeder ahead, holders, pl.first) and
+// reads from them until the chunks are in or every source failed; a later
+// round looks the holders up again (a replica made meanwhile). It fails
+// as transfer.failure says once no candidate is left or maxRounds passed.
+func (p *Puller) readFromHolders(ctx context.Context, pl *pulling) error {
+	t, ref := pl.t, pl.ref
+	if pl.upstream != "" && pl.first != nil {
 		// A feeder ahead serves this pull, and the holder is left to it
 		// (fanout.go); the holder stays a candidate if the feeder fails.
-		first.close()
-		tried[first.node] = false
-		first = nil
+		pl.first.close()
+		pl.tried[pl.first.node] = false
+		pl.first = nil
 	}
-	// A small object came whole in the holder's answer.
-	inlined := data != nil
-	if inlined {
-		copy(t.dst, data)
-		for i := range n {
-			t.feed.mark(i)
-		}
-		t.done = t.want
-		p.inline.Add(1)
-	}
-	for round := 0; !inlined; round++ {
+	for round := 0; ; round++ {
 		if round > 0 {
-			// Every source failed: look for holders not tried yet (a
-			// replica made meanwhile), once or twice.
-			if e2, err := p.Dir.Lookup(ctx, ref); err == nil && e2.ID == e.ID {
-				e.Holders = e2.Holders
+			if e2, err := p.Dir.Lookup(ctx, ref); err == nil && e2.ID == pl.e.ID {
+				pl.e.Holders = e2.Holders
 			}
 		}
-		cands := p.candidates(ctx, e, round, upstream)
-		var fresh []*source
-		if first != nil {
-			fresh, first = append(fresh, first), nil
+		fresh, err := p.openCandidates(ctx, pl, round)
+		if err != nil {
+			return err
 		}
-		for ci := 0; ci < len(cands); ci++ {
-			h := cands[ci]
-			if tried[h.node] {
-				continue
-			}
-			tried[h.node] = true
-			s, err := p.open(ctx, e, h.node, h.feeder)
-			if err != nil && round == 0 && h.node == upstream {
-				// The feeder before this one is gone already: the holders.
-				for _, hh := range e.Holders {
-					cands = append(cands, candidate{node: hh})
-				}
-			}
-			if err != nil {
-				t.holderFailed(h.node, err)
-				if errors.Is(err, ErrUnavailable) {
-					return e, fmt.Errorf("pull %s: %w", ref, err)
-				}
-				continue
-			}
-			fresh = append(fresh, s)
-		}
-		sources = append(sources, fresh...)
 		if len(fresh) == 0 {
 			if round == 0 && len(t.failed) == 0 {
-				return e, fmt.Errorf("pull %s: %w (holders in the directory: %s)", ref, ErrNoHolder, holderList(e.Holders))
+				return fmt.Errorf("pull %s: %w (holders in the directory: %s)", ref, ErrNoHolder, holderList(pl.e.Holders))
 			}
-			return e, t.failure(ref)
+			return t.failure(ref)
 		}
 		if round > 0 {
 			p.log().Info("cluster pull: moving to other holders", "object", ref.String(), "holders", len(fresh))
 		}
 		r0 := time.Now()
 		p.run(ctx, t, fresh)
-		transfer += time.Since(r0)
-		if t.done == n {
-			break
-		}
-		if t.fatal != nil {
-			return e, t.fatal
-		}
-		if ctx.Err() != nil {
-			return e, fmt.Errorf("pull %s: %w after %d of %d chunks (%s)", ref, ctx.Err(), t.done, n, t.why())
-		}
-		if round+1 >= maxRounds {
-			return e, t.failure(ref)
+		pl.transfer += time.Since(r0)
+		switch {
+		case t.done == t.want:
+			return nil
+		case t.fatal != nil:
+			return t.fatal
+		case ctx.Err() != nil:
+			return fmt.Errorf("pull %s: %w after %d of %d chunks (%s)", ref, ctx.Err(), t.done, t.want, t.why())
+		case round+1 >= maxRounds:
+			return t.failure(ref)
 		}
 	}
-	stopFault()
-	s0 := time.Now()
-	if err := rep.Seal(); err != nil {
-		return e, fmt.Errorf("pull %s: seal the local replica: %w", ref, err)
+}
+
+// openCandidates opens the sources of a round: pl.first, then the
+// candidates not tried yet, each added to pl.sources. It fails wrapping
+// ErrUnavailable when the directory is away.
+func (p *Puller) openCandidates(ctx context.Context, pl *pulling, round int) ([]*source, error) {
+	var fresh []*source
+	if pl.first != nil {
+		fresh = append(fresh, pl.first)
+		pl.sources = append(pl.sources, pl.first)
+		pl.first = nil
 	}
-	seal := time.Since(s0)
-	ok = true
-	if t.feed != nil {
-		// Fanned out: readers behind this node move from its feed to its
-		// replica, so it is a holder before the feed ends. A name deleted
-		// or replaced meanwhile drops the replica; any other failure (the
-		// directory away) leaves it local and unadvertised, as advertise
-		// does: readers behind move to the holders they know. Dropping it
-		// then failed a get whose bytes were all in and checked. The write
-		// outlives the get's context: a get that ends meanwhile (another
-		// shard's seal completed its version) must not leave this replica
-		// unadvertised for good.
-		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), AdvertiseTimeout)
-		err := p.Dir.AddHolder(actx, e)
-		cancel()
-		if errors.Is(err, ErrNotFound) {
-			ok = false
-			return e, fmt.Errorf("pull %s: %w", ref, err)
-		} else if err != nil {
-			p.log().Warn("cluster pull: replica not advertised", "object", ref.String(), "err", err)
+	cands := p.candidates(ctx, pl.e, round, pl.upstream)
+	for ci := 0; ci < len(cands); ci++ {
+		h := cands[ci]
+		if pl.tried[h.node] {
+			continue
 		}
-	} else {
+		pl.tried[h.node] = true
+		s, err := p.open(ctx, pl.e, h.node, h.feeder)
+		if err != nil && round == 0 && h.node == pl.upstream {
+			// The feeder before this one is gone already: the holders.
+			for _, hh := range pl.e.Holders {
+				cands = append(cands, candidate{node: hh})
+			}
+		}
+		if err != nil {
+			pl.t.holderFailed(h.node, err)
+			if errors.Is(err, ErrUnavailable) {
+				return nil, fmt.Errorf("pull %s: %w", pl.ref, err)
+			}
+			continue
+		}
+		fresh = append(fresh, s)
+		pl.sources = append(pl.sources, s)
+	}
+	return fresh, nil
+}
+
+// announce makes a sealed replica of ref a holder of e. A fanned-out pull's
+// replica is recorded before the pull returns: readers behind this node
+// move from its feed to its replica, so it is a holder before the feed
+// ends. A name deleted or replaced meanwhile fails the pull (ErrNotFound:
+// the replica is dropped); any other failure (the directory away) leaves
+// it local and unadvertised, as advertise does: readers behind move to the
+// holders they know. Dropping it then failed a get whose bytes were all in
+// and checked. The write outlives the get's context: a get that ends
+// meanwhile (another shard's seal completed its version) must not leave
+// this replica unadvertised for good. Without fan-out the replica is
+// advertised in the background (advertise).
+func (p *Puller) announce(ctx context.Context, ref Ref, e Entry, rep Replica, fannedOut bool) error {
+	if !fannedOut {
 		p.advertise(ctx, e, rep)
+		return nil
 	}
-	p.bytes.Add(uint64(e.Size))
-	for _, s := range sources {
-		p.fed.Add(uint64(s.fed))
+	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), AdvertiseTimeout)
+	err := p.Dir.AddHolder(actx, e)
+	cancel()
+	if errors.Is(err, ErrNotFound) {
+		return fmt.Errorf("pull %s: %w", ref, err)
+	} else if err != nil {
+		p.log().Warn("cluster pull: replica not advertised", "object", ref.String(), "err", err)
 	}
-	// The phases, for profiling a pull: the lookup and the replica's
-	// creation, the reads (opening the sources is the rest), the seal.
-	p.log().Debug("cluster pull done", "object", ref.String(), "bytes", e.Size, "sources", len(sources), "took", time.Since(begin),
-		"setup", t.start.Sub(begin), "transfer", transfer, "seal", seal)
-	return e, nil
+	return nil
 }
 
 // AdvertiseTimeout bounds the directory write that advertises a new
