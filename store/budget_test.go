@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cudaipc/cudaipc/bundle"
 	"github.com/cudaipc/cudaipc/internal/testutil"
 	"github.com/cudaipc/cudaipc/protocol"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
@@ -197,5 +198,42 @@ func TestNoCopyVersionsCounted(t *testing.T) {
 	s.mu.Unlock()
 	if u != nil || fds != 0 {
 		t.Fatalf("after the delete: usage %+v, %d descriptors", u, fds)
+	}
+}
+
+// An evicted bundle gives back its manifest's descriptor with its memory,
+// as a deleted one does.
+func TestEvictedBundleGivesBackItsManifest(t *testing.T) {
+	s := newTestStore(t, Config{Capacity: 64 << 10})
+	c := connect(t, s, 1000)
+	specs := []bundle.Spec{{Name: "w", DType: "F32", Shape: []int64{8192}}}
+	man, size, err := bundle.Layout(specs, 0, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw := man.Marshal()
+	p, _, err := c.ss.create(createReq{name: "bundle", size: size, manifestSize: int64(len(raw))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.manifest.WriteAt(raw, 0); err != nil {
+		t.Fatal(err)
+	}
+	copy(c.mapping(p), randomBytes(size)) // closes the placement's descriptors
+	if err := c.ss.sealName("bundle"); err != nil {
+		t.Fatal(err)
+	}
+	fds := func() int {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.fds
+	}
+	before := fds()
+	c.put("big", 48<<10, false) // evicts the bundle
+	if _, err := c.ss.stat("bundle"); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("the bundle was not evicted: %v", err)
+	}
+	if got := fds(); got != before-1 {
+		t.Fatalf("the daemon keeps %d descriptors after the bundle's eviction, want %d (its manifest's given back)", got, before-1)
 	}
 }

@@ -510,6 +510,7 @@ func (s *Store) evictLocked(o *object) {
 	s.metrics.evictions.WithLabelValues(o.dev.name).Inc()
 	s.logFor(o.owner).Info("object evicted", "name", o.name, "size", o.size, "device", o.dev.name)
 	s.emitObjectLocked(eventEvicted, o)
+	o.manifest.close()
 	o.discardLocked()
 }
 
