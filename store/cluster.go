@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"slices"
 	"time"
 
 	"github.com/cudaipc/cudaipc"
@@ -121,7 +120,7 @@ func (o *object) clusterObject() ClusterObject {
 // from the cluster) or not.
 func (s *Store) clusterGoneLocked(o *object, deleted bool) {
 	h := s.cfg.Cluster
-	if h == nil || !o.cluster || !o.sealed || o.clusterID == "" {
+	if h == nil || !o.cluster || !o.sealed() || o.clusterID == "" {
 		return
 	}
 	co := o.clusterObject()
@@ -188,7 +187,7 @@ func (ss *session) clusterSealed(ctx context.Context, name string, version uint6
 	}
 	s.mu.Lock()
 	o := s.clusterObjectLocked(name, version, shard)
-	if o == nil || !o.cluster || !o.sealed || o.clusterID != "" {
+	if o == nil || !o.cluster || o.state != stateSealed || o.clusterID != "" {
 		s.mu.Unlock()
 		return nil
 	}
@@ -218,7 +217,7 @@ func (ss *session) clusterSealed(ctx context.Context, name string, version uint6
 		s.mu.Lock()
 		undone, plain := false, false
 		switch {
-		case o.deleted || o.clusterID != "":
+		case o.state != stateSealed || o.clusterID != "":
 		case o.ver == nil:
 			plain = true
 		case !o.ver.visible:
@@ -237,7 +236,7 @@ func (ss *session) clusterSealed(ctx context.Context, name string, version uint6
 		return fmt.Errorf("object %q is sealed on this node but not published to the cluster: %w", name, err)
 	}
 	s.mu.Lock()
-	if !o.deleted {
+	if o.state == stateSealed {
 		o.clusterID = id
 		// A version is published here once the cluster has all its shards
 		// this node wrote (readyLocked).
@@ -371,7 +370,7 @@ func (s *Store) LeaseCluster(owner uint32, name string, version uint64, shard ui
 		s.mu.Lock()
 		o = s.clusterObjectLocked(qname, version, shard)
 	}
-	if o == nil || !o.cluster || !o.sealed || (id != "" && o.clusterID != id) {
+	if o == nil || !o.cluster || o.state != stateSealed || (id != "" && o.clusterID != id) {
 		s.mu.Unlock()
 		ss.close(errors.New("cluster read refused"))
 		return nil, fmt.Errorf("cluster object %q version %d shard %d (incarnation %s): %w", qname, version, shard, id, ErrNotFound)
@@ -488,25 +487,7 @@ func (s *Store) createClusterDraft(owner uint32, r createReq, gpu bool, manifest
 		s.mu.Lock()
 		defer s.mu.Unlock()
 		o, err := ss.draftLocked(r.name, r.version, r.shard)
-		if err != nil || o.slice != nil {
-			return false
-		}
-		v := o.ver
-		if v != nil && slices.ContainsFunc(v.shards, func(x *object) bool { return x != nil && x != o }) {
-			// Other shards' drafts or seals keep the version pending: without
-			// this one's abort (at its release) nothing would free them.
-			return false
-		}
-		s.emitObjectLocked(eventAborted, o)
-		if v != nil {
-			v.shards[o.shard] = nil
-			s.dropEmptyVersionLocked(v, false)
-			o.ver = nil
-		} else {
-			s.unclaimLocked(o.name, o.entry())
-		}
-		o.detached = true
-		return true
+		return err == nil && s.detachLocked(o)
 	}
 	f.commit = func() error {
 		s.mu.Lock()
@@ -562,7 +543,7 @@ func (s *Store) DropCluster(owner uint32, name, id string) bool {
 	whole := false
 	switch {
 	case e.is(kindObject):
-		whole = e.obj.cluster && e.obj.sealed && (id == "" || e.obj.clusterID == id)
+		whole = e.obj.cluster && e.obj.state == stateSealed && (id == "" || e.obj.clusterID == id)
 		if whole {
 			e.obj.clusterID = "" // the cluster knows
 		}
@@ -761,5 +742,5 @@ func (s *Store) HasCluster(owner uint32, name string, version uint64, shard uint
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	o := s.clusterObjectLocked(protocol.QualifiedName(owner, name), version, shard)
-	return o != nil && o.cluster && o.sealed
+	return o != nil && o.cluster && o.state == stateSealed
 }

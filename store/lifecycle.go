@@ -273,9 +273,9 @@ func (ss *session) draftLocked(name string, ver uint64, shard uint32) (*object, 
 	}
 	switch {
 	case o == nil:
-	case !o.sealed && o.creator == ss:
+	case o.state == stateDraft && o.creator == ss:
 		return o, nil
-	case o.sealed && o.readableBy(ss.peer.uid):
+	case o.state == stateSealed && o.readableBy(ss.peer.uid):
 		return nil, draftErr(name, ver, shard, ErrSealed)
 	}
 	return nil, draftErr(name, ver, shard, ErrNotFound)
@@ -369,29 +369,6 @@ func checkSeal(o *object, r sealReq) error {
 	return nil
 }
 
-// sealLocked seals a draft.
-func (ss *session) sealLocked(o *object) {
-	s := ss.s
-	o.sealed = true
-	if ar := o.arenaLocked(); o.shared && ar != nil {
-		// Its arena is its own: sealed against writes where the kernel
-		// lets it (docs/hardening.md, "Sealed objects").
-		ar.sealWrites()
-	}
-	if v := o.ver; v != nil {
-		v.sealed++
-		s.log.Debug("shard sealed", "session", ss.id, "name", v.s.name, "version", v.n, "shard", o.shard, "sealed", v.sealed, "shards", len(v.shards))
-		if v.readyLocked() {
-			s.publishLocked(v)
-		}
-		return
-	}
-	o.dev.alloc.SetEvictable(o.block, true)
-	s.wakeLocked(o.name)
-	s.emitObjectLocked(eventSealed, o)
-	s.log.Debug("object sealed", "session", ss.id, "name", o.name)
-}
-
 // abort discards a draft this session created; for a shard, its whole
 // version.
 func (ss *session) abort(name string, ver uint64, shard uint32) error {
@@ -404,7 +381,7 @@ func (ss *session) abort(name string, ver uint64, shard uint32) error {
 		// of its shard index (an abandoned create) may name another.
 		if e := s.lookupLocked(name); e.is(kindSeries) && e.ser.versions[ver] != nil {
 			for _, x := range e.ser.versions[ver].shards {
-				if x != nil && x.creator == ss && !x.sealed {
+				if x != nil && x.creator == ss && x.state == stateDraft {
 					o, err = x, nil
 				}
 			}
@@ -415,22 +392,6 @@ func (ss *session) abort(name string, ver uint64, shard uint32) error {
 	}
 	ss.abortLocked(o)
 	return nil
-}
-
-func (ss *session) abortLocked(o *object) {
-	s := ss.s
-	if o.ver != nil {
-		s.abortVersionLocked(o.ver)
-		return
-	}
-	s.unclaimLocked(o.name, o.entry())
-	o.deleted = true
-	s.forgetCreatorLocked(o)
-	if !o.detached {
-		s.emitObjectLocked(eventAborted, o)
-	}
-	s.freeLocked(o)
-	s.log.Debug("object aborted", "session", ss.id, "name", o.name)
 }
 
 // wakeLocked wakes the gets waiting for name: something under it may have
@@ -455,9 +416,9 @@ func (s *Store) emitObjectLocked(kind eventKind, o *object) {
 			// A series without a visible version is in no one's list.
 			to = audience{owner: sr.owner}
 		}
-	case !o.sealed && kind == eventAborted:
+	case !o.sealed() && kind == eventAborted:
 		to = audience{owner: o.owner}
-	case !o.sealed:
+	case !o.sealed():
 		return
 	}
 	s.emitLocked(o.event(kind), to)
@@ -499,7 +460,7 @@ func (ss *session) resolveLocked(name string, sel versionSel) (*object, *externa
 			return nil, e.ext, nil
 		}
 	case kindObject:
-		if o := e.obj; o.sealed && o.readableBy(uid) {
+		if o := e.obj; o.state == stateSealed && o.readableBy(uid) {
 			return o, nil, nil
 		}
 	case kindSeries:
@@ -684,9 +645,8 @@ func (ss *session) releaseLocked(l *lease) {
 	if o.leases > 0 {
 		return
 	}
-	if o.deleted {
-		o.dev.deleted--
-		s.freeLocked(o)
+	if o.state == stateDeleted {
+		s.lastLeaseLocked(o)
 		return
 	}
 	// The most recently used object is the last to be evicted.
@@ -710,7 +670,7 @@ func (ss *session) delete(name string) error {
 	if _, sees := ss.infoLocked(e); !sees && !(e.is(kindSeries) && e.ser.owner == ss.peer.uid) {
 		return fmt.Errorf("object %q: %w", name, ErrNotFound)
 	}
-	if e.is(kindObject) && !e.obj.sealed {
+	if e.is(kindObject) && e.obj.state == stateDraft {
 		ss.abortLocked(e.obj)
 		return nil
 	}
@@ -723,19 +683,8 @@ func (ss *session) delete(name string) error {
 	case kindSeries:
 		ss.deleteSeriesLocked(e.ser)
 	case kindObject:
-		o := e.obj
-		s.clusterGoneLocked(o, true)
-		s.unclaimLocked(name, e)
-		o.deleted = true
-		s.forgetCreatorLocked(o)
-		s.emitObjectLocked(eventDeleted, o)
-		if o.leases == 0 {
-			s.freeLocked(o)
-		} else {
-			o.dev.deleted++
-			s.doomLocked(o) // idle leases go now, held ones through the socket
-		}
-		s.log.Debug("object deleted", "session", ss.id, "name", name, "leases", o.leases)
+		s.deleteLocked(e.obj, eventDeleted)
+		s.log.Debug("object deleted", "session", ss.id, "name", name, "leases", e.obj.leases)
 	}
 	return nil
 }
@@ -743,7 +692,7 @@ func (ss *session) delete(name string) error {
 // seesLocked reports whether o shows in this session's list and stat:
 // sealed objects it may read, and the drafts it created.
 func (ss *session) seesLocked(o *object) bool {
-	if !o.sealed {
+	if o.state == stateDraft {
 		return o.creator == ss
 	}
 	return o.readableBy(ss.peer.uid)

@@ -115,7 +115,7 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 		if !e.is(kindObject) {
 			continue
 		}
-		if o := e.obj; o.sealed {
+		if o := e.obj; o.sealed() {
 			byDev[o.dev].sealed++
 		} else {
 			byDev[o.dev].unsealed++

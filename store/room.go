@@ -53,7 +53,7 @@ func (s *Store) roomAskLocked(d *device, owner uint32) *roomAsk {
 	}
 	var ask roomAsk
 	d.alloc.Blocks(func(p pool) bool { return p.owner == owner }, func(b *alloc.Block[pool, *object]) bool {
-		if o := b.Value; b.Evictable() && o.cluster && o.clusterID != "" && o.sealed && !o.deleted {
+		if o := b.Value; b.Evictable() && o.cluster && o.clusterID != "" && o.state == stateSealed {
 			ask.objs = append(ask.objs, o)
 			ask.cos = append(ask.cos, o.clusterObject())
 		}
@@ -98,9 +98,9 @@ func (s *Store) roomHeldLocked(d *device, owner uint32, vouched map[*object]stri
 			h = &others
 		case o.ver != nil:
 			h = &versions
-		case !o.sealed:
+		case !o.sealed():
 			h = &drafts
-		case o.leases > 0 || o.deleted:
+		case o.leases > 0 || o.state == stateDeleted:
 			h = &leased
 		case !mayEvictLocked(o, vouched):
 			h = &last

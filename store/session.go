@@ -222,7 +222,7 @@ func (ss *session) close(cause error) {
 	delete(s.subscribers, ss)
 	aborted, released := 0, len(ss.leases)
 	for o := range ss.created {
-		if !o.sealed {
+		if !o.sealed() {
 			ss.abortLocked(o)
 			aborted++
 		} else {

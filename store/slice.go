@@ -69,7 +69,7 @@ func (s *Store) CreateSlice(sl ClusterSlice) (name string, f *ClusterFile, err e
 	name = sliceName(sl)
 	bundleName := protocol.QualifiedName(sl.Of.Owner, sl.Of.Name)
 	s.mu.Lock()
-	if e := s.lookupLocked(name); e.is(kindObject) && e.obj.sealed && e.obj.slice != nil {
+	if e := s.lookupLocked(name); e.is(kindObject) && e.obj.state == stateSealed && e.obj.slice != nil {
 		s.mu.Unlock()
 		return name, nil, nil
 	}
@@ -113,19 +113,11 @@ func (s *Store) dropSlicesLocked(bundleName string, drop func(*sliceOf) bool) in
 			continue // gone (evicted, or its pull failed)
 		}
 		o := e.obj
-		if !o.sealed || !drop(o.slice) {
+		if o.state != stateSealed || !drop(o.slice) {
 			keep = append(keep, name)
 			continue
 		}
-		s.unclaimLocked(name, e)
-		o.deleted = true
-		s.forgetCreatorLocked(o)
-		if o.leases == 0 {
-			s.freeLocked(o)
-		} else {
-			o.dev.deleted++
-			s.doomLocked(o)
-		}
+		s.deleteLocked(o, eventDeleted) // no event: a slice's name is the store's own
 		n++
 	}
 	if len(keep) == 0 {

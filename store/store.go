@@ -216,11 +216,8 @@ type object struct {
 	dev     *device
 	block   *alloc.Block[pool, *object]
 
-	sealed  bool
-	deleted bool // name removed; memory kept until the last lease ends
-	// detached: an unsealed replica whose name went (ClusterFile.Detach)
-	// while its memory stays its session's; its abort is told no one.
-	detached bool
+	// state is where o is in its life (state.go): only o.to changes it.
+	state objState
 	// cluster: published in the cluster directory (created cluster-visible,
 	// or a replica); clusterID is its incarnation there once published.
 	cluster   bool
@@ -502,16 +499,9 @@ func (s *Store) allocLocked(d *device, o *object, noEvict bool, vouched map[*obj
 
 // evictLocked forgets an object the allocator is about to free.
 func (s *Store) evictLocked(o *object) {
-	s.clusterGoneLocked(o, false)
-	s.unclaimLocked(o.name, o.entry())
-	o.deleted = true
-	s.forgetCreatorLocked(o)
-	s.objectGoneLocked(o)
+	s.deleteLocked(o, eventEvicted)
 	s.metrics.evictions.WithLabelValues(o.dev.name).Inc()
 	s.logFor(o.owner).Info("object evicted", "name", o.name, "size", o.size, "device", o.dev.name)
-	s.emitObjectLocked(eventEvicted, o)
-	o.manifest.close()
-	o.discardLocked()
 }
 
 // freeLocked gives an object's memory back to its device.
@@ -535,14 +525,6 @@ func (s *Store) freeLocked(o *object) {
 func (o *object) discardLocked() {
 	if ar := o.dev.arenas[o.block.Arena().ID]; ar != nil {
 		ar.discard(o.block.Offset, o.size)
-	}
-}
-
-// forgetCreatorLocked stops counting o against its creator's limit.
-func (s *Store) forgetCreatorLocked(o *object) {
-	if c := o.creator; c != nil {
-		delete(c.created, o)
-		o.creator = nil
 	}
 }
 
@@ -660,7 +642,7 @@ type info struct {
 // be written again and must not be reused for a new object.
 func (o *object) writeSealedLocked() bool {
 	ar := o.arenaLocked()
-	return o.sealed && o.shared && ar != nil && ar.placementKind() == storev1.Placement_HOST
+	return o.sealed() && o.shared && ar != nil && ar.placementKind() == storev1.Placement_HOST
 }
 
 // arenaLocked returns the arena o's memory is in; nil when o has none.
@@ -682,12 +664,12 @@ func (o *object) info() info {
 	}
 	// Only a shared object's arena, its alone, can be sealed against
 	// writes; a private arena holds its owner's drafts too.
-	canWrite := !o.sealed || !o.shared || ar == nil || !ar.sealWrites()
+	canWrite := !o.sealed() || !o.shared || ar == nil || !ar.sealWrites()
 	in := info{
 		Region:   region,
 		Name:     o.name,
 		Size:     o.size,
-		Sealed:   o.sealed,
+		Sealed:   o.sealed(),
 		Leases:   o.leases - idleLeasesLocked(o.slotted),
 		Shared:   o.shared,
 		OwnerUID: o.owner,

@@ -245,26 +245,11 @@ func (s *Store) retireVersionLocked(v *version) {
 func (s *Store) freeVersionLocked(v *version) {
 	sr := v.s
 	for i, o := range v.shards {
-		if o == nil {
-			continue
+		if o != nil {
+			s.endShardLocked(v, i)
 		}
-		s.clusterGoneLocked(o, false)
-		o.deleted = true
-		s.forgetCreatorLocked(o)
-		if o.src == nil && v.visible && s.lookupLocked(sr.name) == sr.entry() && sr.spare[i] == nil && !o.writeSealedLocked() {
-			// Keep the memory for the next version's shard i.
-			o.manifest.close()
-			o.manifest = nil
-			if sr.spare == nil {
-				sr.spare = make(map[int]*object)
-			}
-			sr.spare[i] = o
-		} else {
-			s.freeLocked(o)
-		}
-		v.shards[i] = nil
 	}
-	delete(v.s.versions, v.n)
+	delete(sr.versions, v.n)
 	s.log.Debug("version freed", "name", v.s.name, "version", v.n)
 }
 

@@ -1,0 +1,225 @@
+package store
+
+import (
+	"fmt"
+	"slices"
+)
+
+// The life of an object: a plain object, a shard of a version, a no-copy
+// version's shard or a partial replica alike (what differs is objKind's
+// data). Its state is one objState, changed only by to, and every
+// transition is one function of this file, which does the bookkeeping
+// that belongs to it:
+//
+//	from              to        function           when
+//	(new)             draft     createIn           create, a replica or slice made
+//	draft             sealed    sealLocked         its creator's seal
+//	draft             detached  detachLocked       a replica's pull gave up while peers read it
+//	draft, detached   aborted   abortLocked        abort, delete of a draft, the creator's end
+//	sealed            deleted   deleteLocked       delete, eviction, a slice dropped
+//	draft, sealed     aborted,  endShardLocked     its version freed (retired and unleased,
+//	                  deleted                      or aborted)
+//
+// A draft and a sealed object hold their name (a shard: its place in its
+// version); the other states do not. A deleted object's memory goes with
+// its last lease (releaseLocked), or stays its series' spare; an aborted
+// one's at once; a detached one's when its creator aborts it.
+
+// objState is where an object is in its life.
+type objState uint8
+
+const (
+	// stateDraft: created, writable by its creator, seen by it alone.
+	stateDraft objState = iota
+	// stateSealed: immutable and readable (a shard: once its version is
+	// published).
+	stateSealed
+	// stateDetached: a draft whose name went while its memory stays its
+	// creator's (ClusterFile.Detach); no one is told of its abort.
+	stateDetached
+	// stateDeleted: a sealed object whose name went; leases keep its
+	// memory.
+	stateDeleted
+	// stateAborted: a draft discarded; its memory is freed.
+	stateAborted
+)
+
+func (st objState) String() string {
+	switch st {
+	case stateDraft:
+		return "draft"
+	case stateSealed:
+		return "sealed"
+	case stateDetached:
+		return "detached"
+	case stateDeleted:
+		return "deleted"
+	case stateAborted:
+		return "aborted"
+	}
+	return fmt.Sprintf("objState(%d)", uint8(st))
+}
+
+// mayBecome reports whether an object in state st may go to next.
+func (st objState) mayBecome(next objState) bool {
+	switch st {
+	case stateDraft:
+		return next == stateSealed || next == stateDetached || next == stateAborted
+	case stateDetached:
+		return next == stateAborted
+	case stateSealed:
+		return next == stateDeleted
+	}
+	return false
+}
+
+// end is the state an object in state st goes to when it ends: deleted
+// when sealed (its leases keep its memory), else aborted.
+func (st objState) end() objState {
+	if st == stateSealed {
+		return stateDeleted
+	}
+	return stateAborted
+}
+
+// to moves o to state next. A transition the table above does not have is
+// a bug of the store, and panics. An object that ends (deleted, aborted)
+// no longer counts against its creator's limit.
+func (o *object) to(next objState) {
+	if !o.state.mayBecome(next) {
+		panic(fmt.Sprintf("store: object %q: no transition from %s to %s", o.name, o.state, next))
+	}
+	o.state = next
+	if next == stateDeleted || next == stateAborted {
+		if c := o.creator; c != nil {
+			delete(c.created, o)
+			o.creator = nil
+		}
+	}
+}
+
+// sealed reports whether o was sealed: its bytes can no longer change
+// (sealed, or deleted since).
+func (o *object) sealed() bool { return o.state == stateSealed || o.state == stateDeleted }
+
+// sealLocked seals a draft: draft → sealed. A plain object becomes
+// readable (and evictable while unleased), and the gets waiting on its
+// name wake; a shard counts towards its version, which is published once
+// ready (readyLocked).
+func (ss *session) sealLocked(o *object) {
+	s := ss.s
+	o.to(stateSealed)
+	if ar := o.arenaLocked(); o.shared && ar != nil {
+		// Its arena is its own: sealed against writes where the kernel
+		// lets it (docs/hardening.md, "Sealed objects").
+		ar.sealWrites()
+	}
+	if v := o.ver; v != nil {
+		v.sealed++
+		s.log.Debug("shard sealed", "session", ss.id, "name", v.s.name, "version", v.n, "shard", o.shard, "sealed", v.sealed, "shards", len(v.shards))
+		if v.readyLocked() {
+			s.publishLocked(v)
+		}
+		return
+	}
+	o.dev.alloc.SetEvictable(o.block, true)
+	s.wakeLocked(o.name)
+	s.emitObjectLocked(eventSealed, o)
+	s.log.Debug("object sealed", "session", ss.id, "name", o.name)
+}
+
+// abortLocked discards a draft or detached object of this session: →
+// aborted, its memory freed at once. A shard's abort aborts its whole
+// version.
+func (ss *session) abortLocked(o *object) {
+	s := ss.s
+	if o.ver != nil {
+		s.abortVersionLocked(o.ver)
+		return
+	}
+	detached := o.state == stateDetached
+	s.unclaimLocked(o.name, o.entry())
+	o.to(stateAborted)
+	if !detached {
+		s.emitObjectLocked(eventAborted, o)
+	}
+	s.freeLocked(o)
+	s.log.Debug("object aborted", "session", ss.id, "name", o.name)
+}
+
+// detachLocked gives up the name of the unsealed replica o (draft →
+// detached) while its memory stays its creator's until it aborts it, and
+// reports whether it did. A slice does not detach, nor a shard beside
+// other shards of its version: their drafts or seals keep the version
+// pending, and without this one's abort nothing would free them.
+func (s *Store) detachLocked(o *object) bool {
+	if o.slice != nil {
+		return false
+	}
+	v := o.ver
+	if v != nil && slices.ContainsFunc(v.shards, func(x *object) bool { return x != nil && x != o }) {
+		return false
+	}
+	s.emitObjectLocked(eventAborted, o)
+	if v != nil {
+		v.shards[o.shard] = nil
+		s.dropEmptyVersionLocked(v, false)
+		o.ver = nil
+	} else {
+		s.unclaimLocked(o.name, o.entry())
+	}
+	o.to(stateDetached)
+	return true
+}
+
+// deleteLocked takes the sealed plain object (or slice) o's name at once:
+// sealed → deleted. kind tells subscribers and the cluster why:
+// eventDeleted for a delete (the owner's, or the cluster's), eventEvicted
+// for an eviction, where the allocator frees the block once its Evict
+// returns. Otherwise its memory goes now or with its last lease, and its
+// idle leases go now.
+func (s *Store) deleteLocked(o *object, kind eventKind) {
+	s.clusterGoneLocked(o, kind == eventDeleted)
+	s.unclaimLocked(o.name, o.entry())
+	o.to(stateDeleted)
+	s.emitObjectLocked(kind, o)
+	switch {
+	case kind == eventEvicted:
+		o.manifest.close()
+		s.objectGoneLocked(o)
+		o.discardLocked()
+	case o.leases == 0:
+		s.freeLocked(o)
+	default:
+		o.dev.deleted++
+		s.doomLocked(o) // idle leases go now, held ones through the socket
+	}
+}
+
+// lastLeaseLocked frees the memory of the deleted plain object o, whose
+// last lease just ended.
+func (s *Store) lastLeaseLocked(o *object) {
+	o.dev.deleted--
+	s.freeLocked(o)
+}
+
+// endShardLocked ends shard i of v, whose version is freed: a sealed shard
+// is deleted, a draft aborted. Its memory is kept as the series' spare for
+// the next version's shard i where it may be reused, else freed.
+func (s *Store) endShardLocked(v *version, i int) {
+	o, sr := v.shards[i], v.s
+	s.clusterGoneLocked(o, false)
+	o.to(o.state.end())
+	if o.src == nil && v.visible && s.lookupLocked(sr.name) == sr.entry() && sr.spare[i] == nil && !o.writeSealedLocked() {
+		// Keep the memory for the next version's shard i.
+		o.manifest.close()
+		o.manifest = nil
+		if sr.spare == nil {
+			sr.spare = make(map[int]*object)
+		}
+		sr.spare[i] = o
+	} else {
+		s.freeLocked(o)
+	}
+	v.shards[i] = nil
+}
