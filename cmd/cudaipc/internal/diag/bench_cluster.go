@@ -130,12 +130,40 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 	}
 	ctx, cancel := context.WithTimeout(e.Ctx, 30*time.Minute)
 	defer cancel()
-	tmp, err := os.MkdirTemp("", "cudaipc-bench-cluster-")
+	a, b, stop, err := c.startCluster(ctx, e, &res, progress)
+	defer stop()
 	if err != nil {
 		return err
 	}
-	defer os.RemoveAll(tmp)
+	if err := c.measureGets(ctx, a, b, &res, progress); err != nil {
+		return err
+	}
+	a.stop()
+	b.stop()
+	progress("running ucx_perftest on the same link")
+	perftestFloor(ctx, &res, int(c.Small))
+	if c.JSON {
+		return printJSON(e.Stdout, res)
+	}
+	c.print(e.Stdout, res)
+	return nil
+}
 
+// startCluster starts a private etcd and the two daemons, a and b, joined
+// as a cluster; stop (to call even when err is set) stops what started and
+// removes their directories.
+func (c *BenchClusterCmd) startCluster(ctx context.Context, e *Env, res *benchClusterResult, progress func(string, ...any)) (a, b *benchDaemon, stop func(), err error) {
+	var stops []func()
+	stop = func() {
+		for i := len(stops) - 1; i >= 0; i-- {
+			stops[i]()
+		}
+	}
+	tmp, err := os.MkdirTemp("", "cudaipc-bench-cluster-")
+	if err != nil {
+		return nil, nil, stop, err
+	}
+	stops = append(stops, func() { os.RemoveAll(tmp) })
 	etcdDir := c.EtcdDir
 	if etcdDir == "" {
 		base := ""
@@ -143,37 +171,42 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 			base = "/dev/shm"
 		}
 		if etcdDir, err = os.MkdirTemp(base, "cudaipc-bench-etcd-"); err != nil {
-			return err
+			return nil, nil, stop, err
 		}
-		defer os.RemoveAll(etcdDir)
+		stops = append(stops, func() { os.RemoveAll(etcdDir) })
 	}
 	res.EtcdDir = etcdDir
 	progress("starting etcd (data in %s)", etcdDir)
 	etcd, err := startEtcd(ctx, etcdDir)
 	if err != nil {
-		return fmt.Errorf("bench cluster: %w", err)
+		return nil, nil, stop, fmt.Errorf("bench cluster: %w", err)
 	}
-	defer etcd.stop()
+	stops = append(stops, etcd.stop)
 	key := make([]byte, 32)
 	_, _ = rand.Read(key)
 	sec, err := cluster.NewSecret(key)
 	if err != nil {
-		return err
+		return nil, nil, stop, err
 	}
 	capacity := 2*int64(c.Size) + 2*int64(c.Count)*max(int64(c.Small), 64<<10) + 256<<20
 	progress("starting two daemons")
-	a, err := startBenchDaemon(ctx, e, tmp, "a", etcd.endpoint, sec, capacity, c.Streams, int64(c.ReadSize), c.Lanes, c.Read)
-	if err != nil {
-		return err
+	for _, d := range []struct {
+		name string
+		to   **benchDaemon
+	}{{"a", &a}, {"b", &b}} {
+		bd, err := startBenchDaemon(ctx, e, tmp, d.name, etcd.endpoint, sec, capacity, c.Streams, int64(c.ReadSize), c.Lanes, c.Read)
+		if err != nil {
+			return nil, nil, stop, err
+		}
+		stops = append(stops, bd.stop)
+		*d.to = bd
 	}
-	defer a.stop()
-	b, err := startBenchDaemon(ctx, e, tmp, "b", etcd.endpoint, sec, capacity, c.Streams, int64(c.ReadSize), c.Lanes, c.Read)
-	if err != nil {
-		return err
-	}
-	defer b.stop()
+	return a, b, stop, nil
+}
 
-	// The objects, on A.
+// measureGets puts the large object and the small ones on a and times
+// their gets on b (pulls), then the small ones' gets on a (the floor).
+func (c *BenchClusterCmd) measureGets(ctx context.Context, a, b *benchDaemon, res *benchClusterResult, progress func(string, ...any)) error {
 	progress("putting %s and %d objects of %s on node a", c.Size, c.Count, c.Small)
 	large, err := benchPutHost(ctx, a.c, "bench/large", int64(c.Size))
 	if err != nil {
@@ -187,6 +220,33 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 	}
 
 	progress("getting the %s object on node b", c.Size)
+	if err := c.getLarge(ctx, b, large, res); err != nil {
+		return err
+	}
+
+	progress("getting %d objects of %s on node b", c.Count, c.Small)
+	st0 := b.n.Stats()
+	hits0, _ := b.n.Mirror().Stats()
+	lat, equal, err := timeGets(ctx, b, "b", smalls)
+	if err != nil {
+		return err
+	}
+	res.SmallEqual = equal
+	res.SmallP50US = float64(lat[len(lat)/2].Nanoseconds()) / 1e3
+	res.SmallP99US = float64(lat[len(lat)*99/100].Nanoseconds()) / 1e3
+	res.SmallInline = b.n.Stats().Inline - st0.Inline
+	hits1, _ := b.n.Mirror().Stats()
+	res.SmallMirrored = hits1 - hits0
+	if lat, _, err = timeGets(ctx, a, "a", smalls); err != nil {
+		return err
+	}
+	res.LocalP50US = float64(lat[len(lat)/2].Nanoseconds()) / 1e3
+	return nil
+}
+
+// getLarge times the get of the large object on b (with the CPU profile
+// --cpu-profile asks for) and checks its bytes.
+func (c *BenchClusterCmd) getLarge(ctx context.Context, b *benchDaemon, want []byte, res *benchClusterResult) error {
 	if c.CPUProfile != "" {
 		f, err := os.Create(c.CPUProfile)
 		if err != nil {
@@ -208,52 +268,40 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 	}
 	res.LargeSeconds = time.Since(t0).Seconds()
 	res.LargeGBps = float64(c.Size) / res.LargeSeconds / 1e9
-	res.LargeEqual = bytes.Equal(l.Bytes(), large)
+	res.LargeEqual = bytes.Equal(l.Bytes(), want)
 	l.Release()
+	return nil
+}
 
-	progress("getting %d objects of %s on node b", c.Count, c.Small)
-	lat := make([]time.Duration, 0, c.Count)
-	res.SmallEqual = true
-	st0 := b.n.Stats()
-	hits0, _ := b.n.Mirror().Stats()
+// timeGets gets each of the small objects on d (named node) and returns the
+// sorted latencies and whether every object read its bytes.
+func timeGets(ctx context.Context, d *benchDaemon, node string, smalls [][]byte) ([]time.Duration, bool, error) {
+	lat := make([]time.Duration, 0, len(smalls))
+	equal := true
 	for i := range smalls {
 		t := time.Now()
-		l, err := b.c.Get(ctx, fmt.Sprintf("bench/small/%d", i))
+		l, err := d.c.Get(ctx, fmt.Sprintf("bench/small/%d", i))
 		if err != nil {
-			return fmt.Errorf("bench cluster: get of a small object on node b: %w", err)
+			return nil, false, fmt.Errorf("bench cluster: get of a small object on node %s: %w", node, err)
 		}
 		lat = append(lat, time.Since(t))
-		res.SmallEqual = res.SmallEqual && bytes.Equal(l.Bytes(), smalls[i])
+		equal = equal && bytes.Equal(l.Bytes(), smalls[i])
 		l.Release()
 	}
 	slices.Sort(lat)
-	res.SmallP50US = float64(lat[len(lat)/2].Nanoseconds()) / 1e3
-	res.SmallP99US = float64(lat[len(lat)*99/100].Nanoseconds()) / 1e3
-	res.SmallInline = b.n.Stats().Inline - st0.Inline
-	hits1, _ := b.n.Mirror().Stats()
-	res.SmallMirrored = hits1 - hits0
-	lat = lat[:0]
-	for i := range smalls {
-		t := time.Now()
-		l, err := a.c.Get(ctx, fmt.Sprintf("bench/small/%d", i))
-		if err != nil {
-			return fmt.Errorf("bench cluster: get of a small object on node a: %w", err)
-		}
-		lat = append(lat, time.Since(t))
-		l.Release()
-	}
-	slices.Sort(lat)
-	res.LocalP50US = float64(lat[len(lat)/2].Nanoseconds()) / 1e3
-	a.stop()
-	b.stop()
+	return lat, equal, nil
+}
 
-	progress("running ucx_perftest on the same link")
+// perftestFloor runs ucx_perftest on the link of res for the floors:
+// ucp_get of 1 MiB, 8 in flight, for the bandwidth and ucp_am_lat of small
+// bytes for the round trip; a failure is in res.PerftestError.
+func perftestFloor(ctx context.Context, res *benchClusterResult, small int) {
 	env := []string{"UCX_TLS=" + res.UCXTLS, "UCX_NET_DEVICES=" + res.UCXDevices}
 	pt, err := ucxperf.Perftest(ctx, ucxperf.PerftestOptions{Test: "ucp_get", Size: 1 << 20, Iters: 2048, Warmup: 64, Outstanding: 8, Env: env})
 	if err == nil {
 		res.PerftestGBps = pt.BytesPerSec / 1e9
 		res.RatioLarge = res.LargeGBps / res.PerftestGBps
-		pt, err = ucxperf.Perftest(ctx, ucxperf.PerftestOptions{Test: "ucp_am_lat", Size: int(c.Small), Iters: 2000, Warmup: 100, Env: env})
+		pt, err = ucxperf.Perftest(ctx, ucxperf.PerftestOptions{Test: "ucp_am_lat", Size: small, Iters: 2000, Warmup: 100, Env: env})
 	}
 	if err == nil {
 		// ucx_perftest's latency is half a round trip.
@@ -263,10 +311,10 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 	if err != nil {
 		res.PerftestError = err.Error()
 	}
-	if c.JSON {
-		return printJSON(e.Stdout, res)
-	}
-	w := e.Stdout
+}
+
+// print writes res as text.
+func (c *BenchClusterCmd) print(w io.Writer, res benchClusterResult) {
 	fmt.Fprintf(w, "link: UCX_TLS=%s UCX_NET_DEVICES=%s (two daemons on this machine, UCX %s from %s, reads: %s), etcd data in %s\n", res.UCXTLS, res.UCXDevices, res.UCXVersion, res.UCXLibrary, res.Read, res.EtcdDir)
 	fmt.Fprintf(w, "%-34s %10.2f GB/s  (%.3f s, %.3f s of CPU, bytes equal: %v)\n", "get of a "+c.Size.String()+" object", res.LargeGBps, res.LargeSeconds, res.LargeCPU, res.LargeEqual)
 	fmt.Fprintf(w, "%-34s p50 %8.1f µs  p99 %8.1f µs  (bytes equal: %v)\n", fmt.Sprintf("gets of %d objects of %s", c.Count, c.Small), res.SmallP50US, res.SmallP99US, res.SmallEqual)
@@ -274,11 +322,10 @@ func (c *BenchClusterCmd) Run(e *Env) error {
 	fmt.Fprintf(w, "%-34s p50 %8.1f µs  (the floor under a remote get)\n", "  the same gets on the holder", res.LocalP50US)
 	if res.PerftestError != "" {
 		fmt.Fprintf(w, "ucx_perftest: %s\n", res.PerftestError)
-		return nil
+		return
 	}
 	fmt.Fprintf(w, "%-34s %10.2f GB/s  -> pull/perftest %.2fx\n", "ucx_perftest ucp_get 1 MiB x8", res.PerftestGBps, res.RatioLarge)
 	fmt.Fprintf(w, "%-34s %10.1f µs    -> p50/round trip %.2fx\n", "ucx_perftest ucp_am_lat round trip", res.PerftestRTTUS, res.RatioSmall)
-	return nil
 }
 
 // cpuTime is the user and system CPU time this process has taken.
