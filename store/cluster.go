@@ -105,9 +105,30 @@ const MaxClusterManifest = 192 << 10
 // itself does not wait.
 const DefaultClusterFetchTimeout = 2 * time.Minute
 
+// clusterPart is a cluster-visible object's place in the cluster: created
+// cluster-visible, or a replica.
+type clusterPart struct {
+	// id is its incarnation in the directory once published; "" before,
+	// and again once the hook was told it left (told once).
+	id string
+	// publishing is closed when the publish of this object (clusterSealed)
+	// ends, set while it runs: the directory may show the incarnation
+	// before id is set, and a holder's LeaseCluster waits for it.
+	publishing chan struct{}
+}
+
+// clusterID is o's cluster incarnation: "" for a node-local object, or
+// one not (or no longer) published.
+func (o *object) clusterID() string {
+	if o.cluster == nil {
+		return ""
+	}
+	return o.cluster.id
+}
+
 func (o *object) clusterObject() ClusterObject {
 	uid, name, _ := protocol.SplitOwner(o.name)
-	co := ClusterObject{Owner: uid, Name: name, Size: o.size, Shared: o.shared, ID: o.clusterID,
+	co := ClusterObject{Owner: uid, Name: name, Size: o.size, Shared: o.shared, ID: o.clusterID(),
 		GPU: o.dev != nil && o.dev.name != hostDevice}
 	if v := o.ver; v != nil {
 		co.Version, co.Shard, co.Shards, co.Keep = v.n, uint32(o.shard), uint32(len(v.shards)), uint32(v.s.keep)
@@ -120,11 +141,11 @@ func (o *object) clusterObject() ClusterObject {
 // from the cluster) or not.
 func (s *Store) clusterGoneLocked(o *object, deleted bool) {
 	h := s.cfg.Cluster
-	if h == nil || !o.cluster || !o.sealed() || o.clusterID == "" {
+	if h == nil || !o.sealed() || o.clusterID() == "" {
 		return
 	}
 	co := o.clusterObject()
-	o.clusterID = "" // told once
+	o.cluster.id = "" // told once
 	if deleted && o.ver == nil {
 		go h.Deleted(co)
 	} else {
@@ -142,9 +163,9 @@ func (s *Store) clusterSeriesDeletedLocked(sr *series) {
 	published := false
 	for _, v := range sr.versions {
 		for _, o := range v.shards {
-			if o != nil && o.cluster && o.clusterID != "" {
+			if o != nil && o.clusterID() != "" {
 				published = true
-				o.clusterID = "" // the whole name goes: no Dropped per shard
+				o.cluster.id = "" // the whole name goes: no Dropped per shard
 			}
 		}
 	}
@@ -187,16 +208,16 @@ func (ss *session) clusterSealed(ctx context.Context, name string, version uint6
 	}
 	s.mu.Lock()
 	o := s.clusterObjectLocked(name, version, shard)
-	if o == nil || !o.cluster || o.state != stateSealed || o.clusterID != "" {
+	if o == nil || o.cluster == nil || o.state != stateSealed || o.cluster.id != "" {
 		s.mu.Unlock()
 		return nil
 	}
 	co := o.clusterObject()
 	published := make(chan struct{})
-	o.publishing = published
+	o.cluster.publishing = published
 	defer func() {
 		s.mu.Lock()
-		o.publishing = nil
+		o.cluster.publishing = nil
 		s.mu.Unlock()
 		close(published)
 	}()
@@ -217,7 +238,7 @@ func (ss *session) clusterSealed(ctx context.Context, name string, version uint6
 		s.mu.Lock()
 		undone, plain := false, false
 		switch {
-		case o.state != stateSealed || o.clusterID != "":
+		case o.state != stateSealed || o.cluster.id != "":
 		case o.ver == nil:
 			plain = true
 		case !o.ver.visible:
@@ -237,7 +258,7 @@ func (ss *session) clusterSealed(ctx context.Context, name string, version uint6
 	}
 	s.mu.Lock()
 	if o.state == stateSealed {
-		o.clusterID = id
+		o.cluster.id = id
 		// A version is published here once the cluster has all its shards
 		// this node wrote (readyLocked).
 		if v := o.ver; v != nil && !v.visible && v.readyLocked() {
@@ -358,10 +379,10 @@ func (s *Store) LeaseCluster(owner uint32, name string, version uint64, shard ui
 	s.mu.Lock()
 	o := s.clusterObjectLocked(qname, version, shard)
 	// The directory shows an incarnation as soon as its publish wrote it, a
-	// moment before clusterSealed sets clusterID: a reader woken by that
+	// moment before clusterSealed sets its id: a reader woken by that
 	// write waits for the publish to end (bounded), not a refusal.
-	if o != nil && id != "" && o.clusterID == "" && o.publishing != nil {
-		published := o.publishing
+	if o != nil && o.cluster != nil && id != "" && o.cluster.id == "" && o.cluster.publishing != nil {
+		published := o.cluster.publishing
 		s.mu.Unlock()
 		select {
 		case <-published:
@@ -370,7 +391,7 @@ func (s *Store) LeaseCluster(owner uint32, name string, version uint64, shard ui
 		s.mu.Lock()
 		o = s.clusterObjectLocked(qname, version, shard)
 	}
-	if o == nil || !o.cluster || o.state != stateSealed || (id != "" && o.clusterID != id) {
+	if o == nil || o.cluster == nil || o.state != stateSealed || (id != "" && o.cluster.id != id) {
 		s.mu.Unlock()
 		ss.close(errors.New("cluster read refused"))
 		return nil, fmt.Errorf("cluster object %q version %d shard %d (incarnation %s): %w", qname, version, shard, id, ErrNotFound)
@@ -423,7 +444,7 @@ func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
 		r.versioned, r.version, r.shard, r.shards, r.keep = true, obj.Version, obj.Shard, obj.Shards, obj.Keep
 	}
 	return s.createClusterDraft(obj.Owner, r, obj.GPU, obj.Manifest, fmt.Sprintf("replica %q", qname), func(ss *session, o *object) {
-		o.clusterID = obj.ID
+		o.cluster.id = obj.ID
 		ss.sealLocked(o)
 		// Slices of older versions, and of this shard, are of no use
 		// any more.
@@ -543,22 +564,22 @@ func (s *Store) DropCluster(owner uint32, name, id string) bool {
 	whole := false
 	switch {
 	case e.is(kindObject):
-		whole = e.obj.cluster && e.obj.state == stateSealed && (id == "" || e.obj.clusterID == id)
+		whole = e.obj.cluster != nil && e.obj.state == stateSealed && (id == "" || e.obj.cluster.id == id)
 		if whole {
-			e.obj.clusterID = "" // the cluster knows
+			e.obj.cluster.id = "" // the cluster knows
 		}
 	case e.is(kindSeries):
 		for _, v := range e.ser.versions {
 			for _, o := range v.shards {
-				if o != nil && o.cluster && (id == "" || o.clusterID == id) {
+				if o != nil && o.cluster != nil && (id == "" || o.cluster.id == id) {
 					whole = true
 				}
 			}
 		}
 		for _, v := range e.ser.versions {
 			for _, o := range v.shards {
-				if whole && o != nil && o.cluster {
-					o.clusterID = ""
+				if whole && o != nil && o.cluster != nil {
+					o.cluster.id = ""
 				}
 			}
 		}
@@ -605,7 +626,7 @@ func (s *Store) RetireCluster(owner uint32, name string, below uint64) int {
 func (sr *series) clusterLocked() bool {
 	for _, v := range sr.versions {
 		for _, o := range v.shards {
-			if o != nil && o.cluster {
+			if o != nil && o.cluster != nil {
 				return true
 			}
 		}
@@ -742,5 +763,5 @@ func (s *Store) HasCluster(owner uint32, name string, version uint64, shard uint
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	o := s.clusterObjectLocked(protocol.QualifiedName(owner, name), version, shard)
-	return o != nil && o.cluster && o.state == stateSealed
+	return o != nil && o.cluster != nil && o.state == stateSealed
 }

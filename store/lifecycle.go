@@ -161,7 +161,10 @@ func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error
 		}
 	}
 	o := &object{name: r.name, size: r.size, shared: r.shared, owner: ss.peer.uid, created: time.Now(),
-		dev: d, creator: ss, manifest: man, tensor: r.tensor, src: src, cluster: r.cluster, slice: r.slice}
+		dev: d, creator: ss, objKind: objKind{manifest: man, tensor: r.tensor, src: src, slice: r.slice}}
+	if r.cluster {
+		o.cluster = &clusterPart{}
+	}
 	var v *version
 	newSeries := false
 	if r.versioned {

@@ -38,10 +38,10 @@ func (*roomAsk) Error() string {
 // whose cluster answer is vouched: a cluster-visible object only where
 // vouched names its incarnation.
 func mayEvictLocked(o *object, vouched map[*object]string) bool {
-	if !o.cluster {
+	if o.cluster == nil {
 		return true
 	}
-	return o.clusterID != "" && vouched[o] == o.clusterID
+	return o.cluster.id != "" && vouched[o] == o.cluster.id
 }
 
 // roomAskLocked returns the cluster-visible objects of owner's pools on d
@@ -53,7 +53,7 @@ func (s *Store) roomAskLocked(d *device, owner uint32) *roomAsk {
 	}
 	var ask roomAsk
 	d.alloc.Blocks(func(p pool) bool { return p.owner == owner }, func(b *alloc.Block[pool, *object]) bool {
-		if o := b.Value; b.Evictable() && o.cluster && o.clusterID != "" && o.state == stateSealed {
+		if o := b.Value; b.Evictable() && o.clusterID() != "" && o.state == stateSealed {
 			ask.objs = append(ask.objs, o)
 			ask.cos = append(ask.cos, o.clusterObject())
 		}

@@ -217,25 +217,26 @@ type object struct {
 	block   *alloc.Block[pool, *object]
 
 	// state is where o is in its life (state.go): only o.to changes it.
-	state objState
-	// cluster: published in the cluster directory (created cluster-visible,
-	// or a replica); clusterID is its incarnation there once published.
-	cluster   bool
-	clusterID string
-	// publishing is closed when the publish of this object (clusterSealed)
-	// ends, set while it runs: the directory may show the incarnation
-	// before clusterID is set, and a holder's LeaseCluster waits for it.
-	publishing chan struct{}
-	creator    *session // the connection that created it, while it lives
-	leases     int
-	slotted    map[*lease]*session // its leases that have a lease table slot, and their session
+	state   objState
+	creator *session // the connection that created it, while it lives
+	leases  int
+	slotted map[*lease]*session // its leases that have a lease table slot, and their session
 
+	objKind
+}
+
+// objKind is what differs between objects, as data: the zero objKind is
+// a plain object in the store's memory, and each part set makes it one
+// kind more. Kinds combine: a cluster-visible shard of a bundle has ver,
+// manifest and cluster set.
+type objKind struct {
 	ver      *version            // the version it is a shard of; nil for a plain object
 	shard    int                 // its shard index in ver
 	manifest *manifest           // a bundle's manifest; nil for a plain object
 	src      *sources            // a no-copy version's bytes (sources.go), with dev and block nil; nil for memory of the store
 	tensor   *storev1.TensorDesc // typed-array descriptor from create (or seal); nil if none; never modified, only replaced
 	slice    *sliceOf            // what a partial replica is a slice of (slice.go); nil for every other object
+	cluster  *clusterPart        // its place in the cluster (store/cluster.go); nil for a node-local object
 }
 
 // waiter wakes the gets waiting for one name.
@@ -675,7 +676,7 @@ func (o *object) info() info {
 		OwnerUID: o.owner,
 		Created:  o.created,
 		Tensor:   o.tensor,
-		Cluster:  o.cluster,
+		Cluster:  o.cluster != nil,
 
 		CreatorCanWrite: canWrite,
 	}

@@ -176,7 +176,7 @@ func (v *version) readyLocked() bool {
 		return false
 	}
 	for _, o := range v.shards {
-		if o.cluster && o.clusterID == "" {
+		if o.cluster != nil && o.cluster.id == "" {
 			return false
 		}
 	}
