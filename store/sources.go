@@ -278,6 +278,12 @@ func (s *Store) publisherGoneLocked(o *object) {
 	if v == nil || v.withdrawn {
 		return
 	}
+	if !v.visible {
+		// No reader has it: the version goes as a shard's creator that
+		// dies before sealing takes it.
+		s.abortVersionLocked(v)
+		return
+	}
 	if o.src.legacy {
 		s.logFor(v.s.owner).Info("no-copy version withdrawn: its publisher disconnected (legacy IPC is valid only while it lives)", "name", v.s.name, "version", v.n, "leases", v.leases)
 		s.withdrawVersionLocked(v)

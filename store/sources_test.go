@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/rand"
 	"errors"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
@@ -452,5 +453,49 @@ func TestNoCopyRepublish(t *testing.T) {
 	wantCode(t, pub.withdraw("policy", time.Second), storev1.Error_OK)
 	if v := pub.publishNoCopy("policy", nc, 1); v != v3+1 {
 		t.Fatalf("next version %d, want %d", v, v3+1)
+	}
+}
+
+// A publisher that disconnects with a sealed shard of a pending no-copy
+// version (shard 0 not created yet) discards the version: no reader ever
+// sees it, and the daemon goes on serving.
+func TestNoCopyPublisherGoneBeforeVersionComplete(t *testing.T) {
+	_, path, _ := serve(t, Config{})
+	for _, legacy := range []bool{true, false} {
+		pub := dialRaw(t, path)
+		piece := memfdPiece(t, make([]byte, 32))
+		region, files := vmmRegion(t, 0, 2<<20, 2<<20), []*os.File{piece}
+		if legacy {
+			region, files = ipcRegion(t, 2<<20, testGPU), nil
+		}
+		nc := newNoCopy(t, region)
+		name := fmt.Sprintf("sharded-%v", legacy)
+		pub.id++
+		r := &storev1.CreateRequest{Name: name, Size: uint64(nc.size), Device: testGPU, Shared: true, Versioned: true, Shards: 2, Shard: 1,
+			ManifestSize: uint64(len(nc.header)), SourcesSize: uint64(len(nc.table)), Files: uint32(len(files))}
+		if err := pub.c.Send(&storev1.Request{Id: pub.id, Body: &storev1.Request_Create{Create: r}}, files...); err != nil {
+			t.Fatal(err)
+		}
+		resp, got := pub.recv(pub.id)
+		wantCode(t, resp, storev1.Error_OK)
+		if _, err := got[0].WriteAt(append(append([]byte{}, nc.header...), nc.table...), 0); err != nil {
+			t.Fatal(err)
+		}
+		protocol.CloseFiles(got)
+		v := resp.GetCreate().GetVersion()
+		s, _ := pub.do(req(&storev1.SealRequest{Name: name, Version: v, Shard: 1}))
+		wantCode(t, s, storev1.Error_OK)
+		pub.c.Close()
+		piece.Close()
+
+		other := dialRaw(t, path)
+		testutil.Eventually(t, testutil.Wait, func() error {
+			if g, _ := other.do(req(&storev1.GetRequest{Name: name, Version: v, Shard: 1})); code(g) != storev1.Error_NOT_FOUND {
+				return fmt.Errorf("get of the discarded version's shard: %v, want NOT_FOUND", code(g))
+			}
+			return nil
+		})
+		g, _ := other.do(req(&storev1.GetRequest{Name: name}))
+		wantCode(t, g, storev1.Error_TIMEOUT)
 	}
 }
