@@ -226,11 +226,7 @@ func TestFetchReaderKilled(t *testing.T) {
 		_ = child.Wait(10 * time.Second)
 	}
 
-	rc, err := ucx.NewContext(ucx.ContextOptions{Name: "test-reader"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rc.Close()
+	rc := newContext(t, ucx.ContextOptions{Name: "test-reader"})
 	ep, k := connectReader(t, rc, hw, r.Key())
 	dst := make([]byte, size)
 	if err := ucx.Fetch(timeout(t, 30*time.Second), ep, k, r.Key().Addr, dst, ucx.FetchOptions{Token: tok}); err != nil {
@@ -288,27 +284,12 @@ func TestFetchNoRMA(t *testing.T) {
 		t.Fatalf("Get on a context without RMA: %v, want ErrNoRMA", err)
 	}
 	g := startServerWith(t, 1906, size, ucx.ContextOptions{NoRMA: true})
-	c, err := ucx.NewContext(ucx.ContextOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := newContext(t, ucx.ContextOptions{})
 	w, err := c.NewWorker(ucx.WorkerOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	var addr ucx.WorkerAddress
-	if err := addr.UnmarshalBinary(b64(t, g.info.Addr)); err != nil {
-		t.Fatal(err)
-	}
-	ep, err := w.Connect(addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	k, err := ep.Unpack(g.key.Key())
-	if err != nil {
-		t.Fatal(err)
-	}
+	ep, k := g.info.dial(t, w)
 	gbase := g.key.Key().Addr
 	err = ucx.Get(timeout(t, 3*time.Second), ep, k, gbase, dst[:4096])
 	t.Logf("GET at a holder without RMA: %v", err)

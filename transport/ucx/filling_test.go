@@ -16,11 +16,7 @@ import (
 // served until the test ends (then the context closes) and mem registered.
 func serveInProcess(t *testing.T, o ucx.ContextOptions, mem []byte) (*ucx.Context, *ucx.Worker, *ucx.MemRegion) {
 	t.Helper()
-	c, err := ucx.NewContext(o)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
+	c := newContext(t, o)
 	w, err := c.NewWorker(ucx.WorkerOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -57,11 +53,7 @@ func startFillingHolder(t *testing.T, size int) *fillingHolder {
 	requireUCX(t)
 	mem := make([]byte, size)
 	hc, hw, r := serveInProcess(t, ucx.ContextOptions{Name: "test-filling-holder", NoRMA: true}, mem)
-	rc, err := ucx.NewContext(ucx.ContextOptions{Name: "test-filling-reader", NoRMA: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { rc.Close() })
+	rc := newContext(t, ucx.ContextOptions{Name: "test-filling-reader", NoRMA: true})
 	ep, key := connectReader(t, rc, hw, r.Key())
 	return &fillingHolder{mem: mem, r: r, ep: ep, key: key, c: hc}
 }
@@ -186,20 +178,12 @@ func BenchmarkWindowReady(b *testing.B) {
 	requireUCX(b)
 	const workers, size = 4, 8 << 20
 	mem := testutil.RandomBytes(4271, 2*size)
-	c, err := ucx.NewContext(ucx.ContextOptions{Name: "bench-ready-holder", NoRMA: true})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer c.Close()
+	c := newContext(b, ucx.ContextOptions{Name: "bench-ready-holder", NoRMA: true})
 	r, err := c.Register(mem)
 	if err != nil {
 		b.Fatal(err)
 	}
-	rc, err := ucx.NewContext(ucx.ContextOptions{Name: "bench-ready-reader", NoRMA: true})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer rc.Close()
+	rc := newContext(b, ucx.ContextOptions{Name: "bench-ready-reader", NoRMA: true})
 	ctx, stop := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer stop()
 	var served sync.WaitGroup

@@ -153,17 +153,9 @@ func startServerWith(t *testing.T, seed uint64, size int, o ucx.ContextOptions) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr, rk := info.target(t)
-	if rk.Len != uint64(size) {
-		t.Fatalf("region of %d bytes, want %d", rk.Len, size)
-	}
-	ep, err := w.Connect(addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	key, err := ep.Unpack(rk)
-	if err != nil {
-		t.Fatal(err)
+	ep, key := info.dial(t, w)
+	if key.Key().Len != uint64(size) {
+		t.Fatalf("region of %d bytes, want %d", key.Key().Len, size)
 	}
 	return &peer{child: child, info: info, ctx: c, w: w, ep: ep, key: key, token: ucx.Token(b64(t, info.Token)), data: testutil.RandomBytes(seed, size)}
 }
@@ -180,6 +172,32 @@ func (info serverInfo) target(t testing.TB) (ucx.WorkerAddress, ucx.RegionKey) {
 		t.Fatal(err)
 	}
 	return addr, rk
+}
+
+// newContext makes a context with o, closed when the test ends.
+func newContext(tb testing.TB, o ucx.ContextOptions) *ucx.Context {
+	tb.Helper()
+	c, err := ucx.NewContext(o)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { c.Close() })
+	return c
+}
+
+// dial connects w to the server's worker and unpacks its region's key.
+func (info serverInfo) dial(t testing.TB, w *ucx.Worker) (*ucx.Endpoint, *ucx.RemoteKey) {
+	t.Helper()
+	addr, rk := info.target(t)
+	ep, err := w.Connect(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, err := ep.Unpack(rk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ep, key
 }
 
 func b64(t testing.TB, s string) []byte {
@@ -319,18 +337,7 @@ func TestConcurrentGets(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var addr ucx.WorkerAddress
-	if err := addr.UnmarshalBinary(b64(t, p.info.Addr)); err != nil {
-		t.Fatal(err)
-	}
-	ep2, err := w2.Connect(addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	key2, err := ep2.Unpack(p.key.Key())
-	if err != nil {
-		t.Fatal(err)
-	}
+	ep2, key2 := p.info.dial(t, w2)
 	const parts = 8
 	dst := make([]byte, size)
 	errs := make(chan error, parts)
@@ -508,11 +515,7 @@ func TestClose(t *testing.T) {
 // is closed, and refuses a second concurrent Serve.
 func TestServeStops(t *testing.T) {
 	requireUCX(t)
-	c, err := ucx.NewContext(ucx.ContextOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := newContext(t, ucx.ContextOptions{})
 	if !c.Supports(ucx.MemoryHost) {
 		t.Fatalf("host memory not among %v", c.MemoryTypes())
 	}
@@ -565,11 +568,7 @@ func TestServeStops(t *testing.T) {
 // a Go panic, not a UCX crash handler (UCX_ERROR_SIGNALS).
 func TestGoSignalHandlersKept(t *testing.T) {
 	requireUCX(t)
-	c, err := ucx.NewContext(ucx.ContextOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	newContext(t, ucx.ContextOptions{}) // loads libucp
 	recovered := func() (r any) {
 		defer func() { r = recover() }()
 		var p *int
@@ -621,11 +620,7 @@ func TestGetIntoRegisteredMemory(t *testing.T) {
 // not support before asking UCX.
 func TestResourcesAndMemoryTypes(t *testing.T) {
 	requireUCX(t)
-	c, err := ucx.NewContext(ucx.ContextOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := newContext(t, ucx.ContextOptions{})
 	rs, err := c.Resources()
 	if err != nil {
 		t.Fatal(err)
