@@ -56,6 +56,7 @@ type Client struct {
 
 	parked      parking                  // idle GPU arenas kept mapped (park.go)
 	hostMaps    map[hostKey]*hostMapping // registered host memory mapped (hostext.go)
+	progress    map[uint64]func(int)     // kv_reads under way: their progress callbacks, by request id (kvread.go)
 	hostClock   uint64
 	table       *leaseTable   // the lease fast path (fastpath.go); nil without one
 	callTimeout time.Duration // bounds the calls that take no context
@@ -242,7 +243,7 @@ func (c *Client) handshake(ctx context.Context) error {
 		return c.handshakeError(ctx, err)
 	}
 	c.nextID = 2 // the hello was request 1
-	c.server = ServerInfo{Version: h.GetVersion(), ServerVersion: h.GetServerVersion(), PID: int(h.GetPid()), Backend: h.GetBackend(), PeerUID: h.GetPeerUid()}
+	c.server = ServerInfo{Version: h.GetVersion(), ServerVersion: h.GetServerVersion(), PID: int(h.GetPid()), Backend: h.GetBackend(), PeerUID: h.GetPeerUid(), Node: h.GetNode()}
 	return nil
 }
 
@@ -358,6 +359,10 @@ func (c *Client) readOne(self uint64, spin time.Duration) (r reply, mine bool, e
 			// Unmapping can take a driver call: not on the reader.
 			go c.arenasFreed(af.GetArenaIds())
 		}
+		return reply{}, false, nil
+	}
+	if c.progressed(resp) {
+		closeFiles(files)
 		return reply{}, false, nil
 	}
 	r = reply{resp: resp}

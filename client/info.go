@@ -115,6 +115,9 @@ type ServerInfo struct {
 	// PeerUID is this client's uid as the daemon sees it: the uid of its
 	// objects' qualified names (UID:NAME), by which other uids address them.
 	PeerUID uint32
+	// Node is the daemon's node name in its cluster, "" for a daemon
+	// without one.
+	Node string
 }
 
 // CreateOptions are the options of Client.Create.

@@ -86,6 +86,11 @@ type ctlRequest struct {
 	// Known is, for "have" (fanout.go), how many chunks the reader knows
 	// the feeder has.
 	Known int `json:"known,omitempty"`
+	// Reader, Space and Regions are, for "kvopen" (kvspace.go), the uid of
+	// the reader, the KV space's description and the regions to expose.
+	Reader  uint32 `json:"reader,omitempty"`
+	Space   []byte `json:"space,omitempty"`
+	Regions []int  `json:"regions,omitempty"`
 }
 
 // ctlResponse answers a ctlRequest.
@@ -104,6 +109,9 @@ type ctlResponse struct {
 	// Inline answers "read": the replica's bytes, this many, follow in
 	// the next frame.
 	Inline int64 `json:"inline,omitempty"`
+	// Regions answers "kvopen" (kvspace.go): where each region asked for
+	// lies, read through the worker of Exposure.Worker.
+	Regions []SpaceRegion `json:"space_regions,omitempty"`
 }
 
 // Exposure says where a peer reads an exposed replica: the holder's UCX
@@ -714,6 +722,8 @@ func (s *ControlServer) serveConn(c net.Conn, cc *ctlConn, log *slog.Logger, ref
 			log.Debug("control: exposed", "object", req.Ref.String(), "size", e.Size)
 		case "feed":
 			resp = s.serveFeed(req, held, &next)
+		case "kvopen":
+			resp = s.serveSpace(req, held, &next)
 		case "have":
 			resp = s.serveHave(req)
 		case "close":

@@ -32,16 +32,19 @@ type Endpoint interface {
 }
 
 // chunkRead is one read of a pull: len(dst) bytes at remote address addr,
-// chunk first and those after it.
+// chunk first and those after it; or of a space read (kvspace.go): of
+// region region, first its tag, through rkey.
 type chunkRead struct {
-	addr  uint64
-	dst   []byte
-	first int
+	addr   uint64
+	dst    []byte
+	first  int
+	rkey   []byte // nil: readChunks's
+	region int
 }
 
-// readChunks keeps up to depth reads from ep in flight, each a Get on a
-// goroutine of its own bounded by timeout (0: none), until next has no
-// more. next may block until it has a read; false ends that goroutine.
+// readChunks keeps up to depth reads from ep in flight, each a Get (of
+// rkey, or of the read's own) on a goroutine of its own bounded by timeout
+// (0: none), until next has no more. next may block until it has a read; false ends that goroutine.
 // done gets every read next returned, with nil when its bytes are in dst
 // or its error; a goroutine stops at its first failed read. next and done
 // are called from several goroutines at once. readChunks returns when
@@ -71,7 +74,11 @@ func readChunks(ctx context.Context, ep Endpoint, rkey []byte, depth int, timeou
 				if timeout > 0 {
 					rctx, cancel = context.WithTimeout(ctx, timeout)
 				}
-				err := ep.Get(rctx, rkey, r.addr, r.dst)
+				key := rkey
+				if r.rkey != nil {
+					key = r.rkey
+				}
+				err := ep.Get(rctx, key, r.addr, r.dst)
 				if err == nil {
 					err = rctx.Err()
 				}

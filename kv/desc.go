@@ -17,7 +17,7 @@ import (
 // Bounds of a description. A description travels in every info of its
 // regions, so its encoding is at most protocol.MaxSpaceSize bytes.
 const (
-	MaxLayers  = 1024
+	MaxLayers  = protocol.MaxKVLayers
 	MaxParts   = 8
 	MaxRegions = 1024
 	MaxBlocks  = 1 << 30

@@ -148,6 +148,9 @@ func (t *Transfer) WaitLayer(ctx context.Context, l int) error {
 // ErrMismatch, ErrInvalidDesc or ErrNotSupported; failures of the read
 // itself come as a *BlockError from the Transfer.
 func ReadBlocks(ctx context.Context, c *client.Client, r Request) (*Transfer, error) {
+	if remote(c, r.Src) {
+		return readRemote(ctx, c, r)
+	}
 	p, err := plan(r)
 	if err != nil {
 		return nil, err
@@ -208,43 +211,15 @@ func plan(r Request) (*readPlan, error) {
 	if len(r.Notify) >= protocol.MaxNoticePayload {
 		return nil, fmt.Errorf("%w: a notice of %d bytes (at most %d)", ErrInvalidRequest, len(r.Notify), protocol.MaxNoticePayload-1)
 	}
-	if len(r.SrcBlocks) != len(r.DstBlocks) || len(r.SrcBlocks) == 0 {
-		return nil, fmt.Errorf("%w: %d source and %d destination blocks: want as many, at least one", ErrMismatch, len(r.SrcBlocks), len(r.DstBlocks))
-	}
-	for _, side := range []struct {
-		name   string
-		ids    []int
-		blocks int
-	}{{"source", r.SrcBlocks, r.Src.Blocks}, {"destination", r.DstBlocks, r.Dst.Blocks}} {
-		var bad []int
-		for _, b := range side.ids {
-			if b < 0 || b >= side.blocks {
-				bad = append(bad, b)
-			}
-		}
-		if bad != nil {
-			return nil, &BlockError{Space: r.Src.Name, Layer: r.First, Blocks: bad,
-				Err: fmt.Errorf("%w: %s block ids %v of a space of %d blocks", ErrBlockRange, side.name, bad, side.blocks)}
-		}
-	}
-	count := r.Count
-	if count == 0 {
-		count = len(r.Src.Layers) - r.First
-	}
-	if r.First < 0 || count <= 0 || r.First+count > len(r.Src.Layers) || len(r.Src.Layers) != len(r.Dst.Layers) {
-		return nil, fmt.Errorf("%w: layers [%d, %d) of spaces of %d (source) and %d (destination) layers", ErrMismatch, r.First, r.First+count, len(r.Src.Layers), len(r.Dst.Layers))
+	count, err := checkPairs(r.Src.Name, &r.Src.Layout, &r.Dst.Layout, r.SrcBlocks, r.DstBlocks, r.First, r.Count)
+	if err != nil {
+		return nil, err
 	}
 	p := &readPlan{Request: r, desc: desc, first: r.First, count: count, runs: runs(r.SrcBlocks, r.DstBlocks)}
 	used := make([]bool, len(r.Src.Regions))
 	for l := r.First; l < r.First+count; l++ {
 		src, dst := r.Src.Layers[l], r.Dst.Layers[l]
-		if len(src) != len(dst) {
-			return nil, fmt.Errorf("%w: layer %d has %d parts in the source, %d in the destination", ErrMismatch, l, len(src), len(dst))
-		}
 		for i := range src {
-			if src[i].Bytes != dst[i].Bytes {
-				return nil, fmt.Errorf("%w: layer %d part %d: blocks of %d bytes in the source, %d in the destination", ErrMismatch, l, i, src[i].Bytes, dst[i].Bytes)
-			}
 			sdev, dm := r.Src.Regions[src[i].Region].Device, r.Dst.Memory[dst[i].Region]
 			if l == r.First && i == 0 {
 				p.gpu = dm.Device
@@ -262,6 +237,60 @@ func plan(r Request) (*readPlan, error) {
 		}
 	}
 	return p, nil
+}
+
+// checkPairs checks a read's block lists against the two layouts (ids in
+// range, as many of each) and its layers [first, first+count) (count 0:
+// every layer from first), in which the layouts must fit each other: the
+// same parts, of the same block bytes. It returns the count of layers.
+func checkPairs(space string, src, dst *Layout, srcBlocks, dstBlocks []int, first, count int) (int, error) {
+	if len(srcBlocks) != len(dstBlocks) || len(srcBlocks) == 0 {
+		return 0, fmt.Errorf("%w: %d source and %d destination blocks: want as many, at least one", ErrMismatch, len(srcBlocks), len(dstBlocks))
+	}
+	for _, side := range []struct {
+		name   string
+		ids    []int
+		blocks int
+	}{{"source", srcBlocks, src.Blocks}, {"destination", dstBlocks, dst.Blocks}} {
+		var bad []int
+		for _, b := range side.ids {
+			if b < 0 || b >= side.blocks {
+				bad = append(bad, b)
+			}
+		}
+		if bad != nil {
+			return 0, &BlockError{Space: space, Layer: first, Blocks: bad,
+				Err: fmt.Errorf("%w: %s block ids %s of a space of %d blocks", ErrBlockRange, side.name, idList(bad), side.blocks)}
+		}
+	}
+	if count == 0 {
+		count = len(src.Layers) - first
+	}
+	if first < 0 || count <= 0 || first+count > len(src.Layers) || len(src.Layers) != len(dst.Layers) {
+		return 0, fmt.Errorf("%w: layers [%d, %d) of spaces of %d (source) and %d (destination) layers", ErrMismatch, first, first+count, len(src.Layers), len(dst.Layers))
+	}
+	for l := first; l < first+count; l++ {
+		s, d := src.Layers[l], dst.Layers[l]
+		if len(s) != len(d) {
+			return 0, fmt.Errorf("%w: layer %d has %d parts in the source, %d in the destination", ErrMismatch, l, len(s), len(d))
+		}
+		for i := range s {
+			if s[i].Bytes != d[i].Bytes {
+				return 0, fmt.Errorf("%w: layer %d part %d: blocks of %d bytes in the source, %d in the destination", ErrMismatch, l, i, s[i].Bytes, d[i].Bytes)
+			}
+		}
+	}
+	return count, nil
+}
+
+// idList formats ids for an error message: the first few, and how many
+// more.
+func idList(ids []int) string {
+	const shown = 16
+	if len(ids) <= shown {
+		return fmt.Sprint(ids)
+	}
+	return fmt.Sprintf("%v and %d more", ids[:shown], len(ids)-shown)
 }
 
 func (p *readPlan) where() string {

@@ -89,6 +89,9 @@ func (h *HostMemory) Close() error {
 type Local struct {
 	Layout
 	Memory []Memory
+	// space is the registration of this memory (Register), which a read
+	// from another node writes through.
+	space *Space
 }
 
 // check validates the layout against the memory.
@@ -127,7 +130,7 @@ func Register(ctx context.Context, c *client.Client, name string, local *Local, 
 	if err := local.check(); err != nil {
 		return nil, err
 	}
-	d := Desc{Name: qualified(c, name), ID: NewID(), Layout: local.Layout}
+	d := Desc{Name: qualified(c, name), ID: NewID(), Node: c.Server().Node, Layout: local.Layout}
 	for _, m := range local.Memory {
 		d.Regions = append(d.Regions, Region{Device: m.device(), Size: m.size()})
 	}
@@ -144,6 +147,7 @@ func Register(ctx context.Context, c *client.Client, name string, local *Local, 
 		}
 		s.names = append(s.names, rname)
 	}
+	local.space = s
 	return s, nil
 }
 
@@ -189,5 +193,8 @@ func (s *Space) Close(ctx context.Context) error {
 		}
 	}
 	s.names = nil
+	if s.local.space == s {
+		s.local.space = nil
+	}
 	return errors.Join(errs...)
 }

@@ -222,6 +222,13 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 			return Errorf(storev1.Error_INVALID, "notify: a payload of %d bytes (at most %d)", n, MaxNoticePayload)
 		}
 		return ValidateName(b.Notify.GetName())
+	case *storev1.Request_KvRead:
+		return validateKVRead(b.KvRead)
+	case *storev1.Request_KvCancel:
+		if b.KvCancel.GetReadId() == 0 {
+			return Errorf(storev1.Error_INVALID, "kv_cancel: read id 0")
+		}
+		return nil
 	case nil:
 		return Errorf(storev1.Error_INVALID, "request %d has no known operation", r.GetId())
 	default:
@@ -301,6 +308,10 @@ func RequestKind(r *storev1.Request) string {
 		return "withdraw"
 	case *storev1.Request_Notify:
 		return "notify"
+	case *storev1.Request_KvRead:
+		return "kv_read"
+	case *storev1.Request_KvCancel:
+		return "kv_cancel"
 	default:
 		return "unknown"
 	}
@@ -447,9 +458,13 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 			return invalid("files: bad range")
 		}
 		placementFiles = int(n)
+	case *storev1.Response_KvRead:
+		if b.KvRead.GetLayers() > MaxKVLayers {
+			return invalid("kv_read: bad layer count")
+		}
 	case *storev1.Response_Seal, *storev1.Response_Abort, *storev1.Response_Release,
 		*storev1.Response_Delete, *storev1.Response_Subscribe, *storev1.Response_ForgetArenas, *storev1.Response_Withdraw,
-		*storev1.Response_Notify:
+		*storev1.Response_Notify, *storev1.Response_KvCancel:
 	case nil:
 		return invalid("success response without a known body")
 	default:
@@ -676,4 +691,26 @@ func AttachedFiles(manifest bool) int {
 		return MaxFiles - 1
 	}
 	return MaxFiles
+}
+
+// MaxKVLayers bounds the layers of a KV space (kv.MaxLayers), and so a
+// kv_read's first and count.
+const MaxKVLayers = 1024
+
+// validateKVRead checks what a kv_read carries that needs no decoding of
+// its descriptions (the daemon decodes and checks those against each
+// other and the block ids): both present, at most MaxSpaceSize bytes, as
+// many source as destination blocks and at least one, layers in bounds.
+func validateKVRead(r *storev1.KvReadRequest) error {
+	switch {
+	case len(r.GetSrc()) == 0 || len(r.GetSrc()) > MaxSpaceSize:
+		return Errorf(storev1.Error_INVALID, "kv_read: source description of %d bytes, want 1 to %d", len(r.GetSrc()), MaxSpaceSize)
+	case len(r.GetDst()) == 0 || len(r.GetDst()) > MaxSpaceSize:
+		return Errorf(storev1.Error_INVALID, "kv_read: destination description of %d bytes, want 1 to %d", len(r.GetDst()), MaxSpaceSize)
+	case len(r.GetSrcBlocks()) == 0 || len(r.GetSrcBlocks()) != len(r.GetDstBlocks()):
+		return Errorf(storev1.Error_INVALID, "kv_read: %d source and %d destination blocks: want as many, at least one", len(r.GetSrcBlocks()), len(r.GetDstBlocks()))
+	case r.GetFirst() >= MaxKVLayers || r.GetCount() > MaxKVLayers:
+		return Errorf(storev1.Error_INVALID, "kv_read: layers from %d, %d of them: a space has at most %d", r.GetFirst(), r.GetCount(), MaxKVLayers)
+	}
+	return nil
 }

@@ -96,6 +96,7 @@ type conn struct {
 	wg      sync.WaitGroup // waiting gets and the event pump
 	pumping bool           // the event pump runs; read and set by the receiving goroutine only
 	events  connEvents     // CUDA events seals wait on (sealwait.go)
+	kv      kvReads        // kv_reads under way (kvread.go)
 }
 
 func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
@@ -154,6 +155,7 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 		Pid:           uint32(os.Getpid()),
 		Backend:       s.backend.name(),
 		PeerUid:       cn.ss.peer.uid,
+		Node:          s.nodeName(),
 	}}}); err != nil {
 		return
 	}
@@ -514,6 +516,10 @@ func (cn *conn) handle(req *storev1.Request) {
 		ok(&storev1.Response{Body: &storev1.Response_ForgetArenas{ForgetArenas: &storev1.ForgetArenasResponse{}}})
 	case *storev1.Request_Files:
 		cn.filesReply(id, b.Files)
+	case *storev1.Request_KvRead:
+		cn.kvRead(id, b.KvRead)
+	case *storev1.Request_KvCancel:
+		cn.kvCancel(id, b.KvCancel)
 	default:
 		fail(protocol.Errorf(storev1.Error_INVALID, "unsupported operation %s", op))
 	}

@@ -182,3 +182,14 @@ func FetchesRefused(n *Node) uint64 { return n.tr.Served().Refused }
 
 // WaitingGets is how many gets wait on n's directory for their name.
 func WaitingGets(n *Node) int64 { return n.waitingGets.Load() }
+
+// ControlAddr is the address the node's control channel is reached at.
+func ControlAddr(n *Node) string { return n.cfg.Advertise }
+
+// SpacesMapped counts the registrations whose memory the node keeps
+// mapped for reads of KV spaces across nodes.
+func SpacesMapped(n *Node) int {
+	n.spaces.mu.Lock()
+	defer n.spaces.mu.Unlock()
+	return len(n.spaces.m)
+}

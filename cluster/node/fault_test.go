@@ -58,6 +58,12 @@ type daemonCmd struct {
 	// ChunkTimeout the node's pulls' (0: the default), at "start".
 	Listen       string
 	ChunkTimeout time.Duration
+	// Layout, Layers, Blocks and Shared are, for "kvspace" (Name, Size:
+	// the block bytes, Seed), the KV space the daemon's own client
+	// registers (kvspace_test.go).
+	Layout         string
+	Layers, Blocks int
+	Shared         bool
 }
 
 // daemonReply answers a daemonCmd.
@@ -80,6 +86,8 @@ type daemonReply struct {
 	// the plain object).
 	Has     bool
 	Holders []string
+	// Desc answers "kvspace": the space's description (MarshalText).
+	Desc string
 }
 
 // daemonRole runs a daemon joined to the test's etcd, serving the store on
@@ -184,6 +192,10 @@ func daemonRole(p *testutil.Peer) error {
 			r.GetDone = true
 			if err := readOn(sock, c); err != nil {
 				r.GetErr = err.Error()
+			}
+		case "kvspace":
+			if r.Desc, err = registerKVSpace(cl, c); err != nil {
+				r.Err = err.Error()
 			}
 		case "has":
 			sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

@@ -143,6 +143,7 @@ type Node struct {
 	// mirror answers lookups without etcd while it is in sync.
 	mirror  *etcddir.Mirror
 	slicing slicePulls // partial replicas being read (partial.go)
+	spaces  spaceMaps  // KV spaces' memory mapped for reads across nodes (kvspace.go)
 }
 
 // arenaReg is an arena registered with UCX while exposures use it: a host
@@ -311,6 +312,7 @@ func (n *Node) Attach(ctx context.Context, st *store.Store) error {
 	n.stop = cancel
 	n.wg.Go(func() { _ = n.cs.Serve(n.ln) })
 	n.wg.Go(func() { n.watch(wctx) })
+	n.wg.Go(func() { n.sweepSpaces(wctx) })
 	n.log.Info("joined the cluster", "node", n.cfg.Directory.Node, "control", n.cfg.Advertise, "etcd", n.cfg.Directory.Endpoints)
 	n.checkSecret(ctx)
 	return nil
@@ -351,6 +353,7 @@ func (n *Node) Close() error {
 	}
 	n.mu.Unlock()
 	n.p.Close()
+	n.spaces.close()
 	n.pinned.close()
 	err := n.dir.Close()
 	n.tr.Close()

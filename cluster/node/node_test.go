@@ -85,6 +85,28 @@ func startDaemonKeep(t testing.TB, srv *etcdtest.Server, name string, capacity i
 // changes it (after the test's defaults: KeepRecords 2).
 func startDaemonWith(t testing.TB, srv *etcdtest.Server, name string, capacity int64, backend string, set func(*node.Config)) *daemon {
 	t.Helper()
+	return startDaemonOpts(t, srv, name, daemonOpts{capacity: capacity, backend: backend, node: set})
+}
+
+// daemonOpts are what startDaemonOpts starts a daemon with.
+type daemonOpts struct {
+	capacity int64
+	backend  string
+	// node and store, when set, change the node's and the store's
+	// configuration after the test's defaults.
+	node  func(*node.Config)
+	store func(*store.Config)
+	// public puts the socket in a directory every uid may enter.
+	public bool
+}
+
+// startDaemonOpts is startDaemon with options.
+func startDaemonOpts(t testing.TB, srv *etcdtest.Server, name string, o daemonOpts) *daemon {
+	t.Helper()
+	capacity, backend, set := o.capacity, o.backend, o.node
+	if set == nil {
+		set = func(*node.Config) {}
+	}
 	if err := ucx.Available(); err != nil {
 		if os.Getenv("CUDAIPC_REQUIRE_UCX") == "1" || os.Getenv(etcdtest.EnvRequire) == "1" {
 			t.Fatal(err)
@@ -107,7 +129,11 @@ func startDaemonWith(t testing.TB, srv *etcdtest.Server, name string, capacity i
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(n.Collectors()...)
-	st, err := store.New(store.Config{Backend: backend, Capacity: capacity, Cluster: n, Logger: log, Registerer: reg})
+	scfg := store.Config{Backend: backend, Capacity: capacity, Cluster: n, Logger: log, Registerer: reg}
+	if o.store != nil {
+		o.store(&scfg)
+	}
+	st, err := store.New(scfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -115,6 +141,17 @@ func startDaemonWith(t testing.TB, srv *etcdtest.Server, name string, capacity i
 		t.Fatal(err)
 	}
 	d.node, d.st, d.sock = n, st, filepath.Join(t.TempDir(), "s.sock")
+	if o.public {
+		dir, err := os.MkdirTemp("", "cudaipc-node-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { os.RemoveAll(dir) })
+		if err := os.Chmod(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		d.sock = filepath.Join(dir, "s.sock")
+	}
 	sctx, stop := context.WithCancel(context.Background())
 	served := make(chan struct{})
 	go func() { st.ListenAndServe(sctx, d.sock); close(served) }()

@@ -249,15 +249,24 @@ func (r *Region) windowKey(w *ucx.Window) []byte {
 // parseKey splits a key a peer handed out: a window key (a token and its
 // region's key), or a region key alone (a peer of an earlier version).
 func parseKey(b []byte) (rk ucx.RegionKey, tok ucx.Token, window bool, err error) {
-	if bytes.HasPrefix(b, magicWindow[:]) {
-		if len(b) < len(magicWindow)+len(tok) {
-			return rk, tok, false, &ucx.MalformedError{What: "region key", Reason: fmt.Sprintf("window key of %d bytes, truncated", len(b))}
-		}
-		tok = ucx.Token(b[len(magicWindow):])
-		b, window = b[len(magicWindow)+len(tok):], true
+	tok, b, window, err = splitKey(b)
+	if err == nil {
+		err = rk.UnmarshalBinary(b)
 	}
-	err = rk.UnmarshalBinary(b)
 	return rk, tok, window, err
+}
+
+// splitKey splits a key a peer handed out into its window's token (a
+// window key) and its region's key envelope, which it does not check.
+func splitKey(b []byte) (tok ucx.Token, region []byte, window bool, err error) {
+	if !bytes.HasPrefix(b, magicWindow[:]) {
+		return tok, b, false, nil
+	}
+	if len(b) < len(magicWindow)+len(tok) {
+		return tok, nil, false, &ucx.MalformedError{What: "region key", Reason: fmt.Sprintf("window key of %d bytes, truncated", len(b))}
+	}
+	tok = ucx.Token(b[len(magicWindow):])
+	return tok, b[len(magicWindow)+len(tok):], true, nil
 }
 
 // Addr is the remote address of byte off of the region: Exposure.Addr.
@@ -298,50 +307,53 @@ type endpoint struct {
 	fetch bool          // read with ucx.Fetch, not ucx.Get
 	next  atomic.Uint64 // the lane of the next Get
 	mu    sync.Mutex
-	keys  map[string]*peerKey // by the key's bytes
+	keys  map[string]*peerKey // by the region key envelope's bytes
 }
 
-// peerKey is a key a peer handed out, unpacked on each lane.
+// peerKey is a peer's region key, unpacked on each lane.
 type peerKey struct {
-	lanes  []*ucx.RemoteKey
-	token  ucx.Token
-	window bool
+	lanes []*ucx.RemoteKey
 }
 
-// key returns rkey (a window key, or a region key envelope) unpacked on
-// each lane, once per endpoint.
-func (e *endpoint) key(rkey []byte) (*peerKey, error) {
+// key returns the region key of rkey (a window key, or a region key
+// envelope) unpacked on each lane, once per endpoint and region: the
+// windows a peer opens on one region, a token each, share it.
+func (e *endpoint) key(rkey []byte) (k *peerKey, tok ucx.Token, window bool, err error) {
+	tok, region, window, err := splitKey(rkey)
+	if err != nil {
+		return nil, tok, false, err
+	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if k, ok := e.keys[string(rkey)]; ok {
-		return k, nil
+	if k, ok := e.keys[string(region)]; ok {
+		return k, tok, window, nil
 	}
-	rk, tok, window, err := parseKey(rkey)
-	if err != nil {
-		return nil, err
+	var rk ucx.RegionKey
+	if err := rk.UnmarshalBinary(region); err != nil {
+		return nil, tok, false, err
 	}
-	k := &peerKey{lanes: make([]*ucx.RemoteKey, len(e.lanes)), token: tok, window: window}
+	k = &peerKey{lanes: make([]*ucx.RemoteKey, len(e.lanes))}
 	for i, ep := range e.lanes {
 		if k.lanes[i], err = ep.Unpack(rk); err != nil {
-			return nil, err
+			return nil, tok, false, err
 		}
 	}
-	e.keys[string(rkey)] = k
-	return k, nil
+	e.keys[string(region)] = k
+	return k, tok, window, nil
 }
 
 // Get implements cluster.Endpoint: on the next lane, in turn, so that a
 // pull's concurrent reads spread over the lanes. rkey is a window key
 // (fetched) or a region key (read with GETs).
 func (e *endpoint) Get(ctx context.Context, rkey []byte, addr uint64, dst []byte) error {
-	k, err := e.key(rkey)
+	k, tok, window, err := e.key(rkey)
 	if err != nil {
 		return err
 	}
 	i := int(e.next.Add(1) % uint64(len(e.lanes)))
-	if e.fetch && k.window {
+	if e.fetch && window {
 		e.t.fetches.Add(1)
-		return peerGone(ucx.Fetch(ctx, e.lanes[i], k.lanes[i], addr, dst, ucx.FetchOptions{Token: k.token}))
+		return peerGone(ucx.Fetch(ctx, e.lanes[i], k.lanes[i], addr, dst, ucx.FetchOptions{Token: tok}))
 	}
 	e.t.gets.Add(1)
 	return peerGone(ucx.Get(ctx, e.lanes[i], k.lanes[i], addr, dst))

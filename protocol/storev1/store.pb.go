@@ -361,6 +361,8 @@ type Request struct {
 	//	*Request_Files
 	//	*Request_Withdraw
 	//	*Request_Notify
+	//	*Request_KvRead
+	//	*Request_KvCancel
 	Body          isRequest_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -563,6 +565,24 @@ func (x *Request) GetNotify() *NotifyRequest {
 	return nil
 }
 
+func (x *Request) GetKvRead() *KvReadRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_KvRead); ok {
+			return x.KvRead
+		}
+	}
+	return nil
+}
+
+func (x *Request) GetKvCancel() *KvCancelRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_KvCancel); ok {
+			return x.KvCancel
+		}
+	}
+	return nil
+}
+
 type isRequest_Body interface {
 	isRequest_Body()
 }
@@ -635,6 +655,14 @@ type Request_Notify struct {
 	Notify *NotifyRequest `protobuf:"bytes,49,opt,name=notify,proto3,oneof"`
 }
 
+type Request_KvRead struct {
+	KvRead *KvReadRequest `protobuf:"bytes,51,opt,name=kv_read,json=kvRead,proto3,oneof"`
+}
+
+type Request_KvCancel struct {
+	KvCancel *KvCancelRequest `protobuf:"bytes,52,opt,name=kv_cancel,json=kvCancel,proto3,oneof"`
+}
+
 func (*Request_Hello) isRequest_Body() {}
 
 func (*Request_Create) isRequest_Body() {}
@@ -668,6 +696,10 @@ func (*Request_Files) isRequest_Body() {}
 func (*Request_Withdraw) isRequest_Body() {}
 
 func (*Request_Notify) isRequest_Body() {}
+
+func (*Request_KvRead) isRequest_Body() {}
+
+func (*Request_KvCancel) isRequest_Body() {}
 
 // HelloRequest must be the first request on a connection.
 type HelloRequest struct {
@@ -1623,6 +1655,8 @@ type Response struct {
 	//	*Response_Withdraw
 	//	*Response_Notify
 	//	*Response_Notice
+	//	*Response_KvRead
+	//	*Response_KvCancel
 	//	*Response_LeaseTable
 	Body          isResponse_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
@@ -1851,6 +1885,24 @@ func (x *Response) GetNotice() *Notice {
 	return nil
 }
 
+func (x *Response) GetKvRead() *KvReadResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_KvRead); ok {
+			return x.KvRead
+		}
+	}
+	return nil
+}
+
+func (x *Response) GetKvCancel() *KvCancelResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_KvCancel); ok {
+			return x.KvCancel
+		}
+	}
+	return nil
+}
+
 func (x *Response) GetLeaseTable() *LeaseTableResponse {
 	if x != nil {
 		if x, ok := x.Body.(*Response_LeaseTable); ok {
@@ -1944,6 +1996,16 @@ type Response_Notice struct {
 	Notice *Notice `protobuf:"bytes,50,opt,name=notice,proto3,oneof"`
 }
 
+type Response_KvRead struct {
+	// A kv_read's progress (done unset, any number of them) and its end
+	// (done set); all carry the read's request id.
+	KvRead *KvReadResponse `protobuf:"bytes,51,opt,name=kv_read,json=kvRead,proto3,oneof"`
+}
+
+type Response_KvCancel struct {
+	KvCancel *KvCancelResponse `protobuf:"bytes,52,opt,name=kv_cancel,json=kvCancel,proto3,oneof"`
+}
+
 type Response_LeaseTable struct {
 	// The lease table's memfd is attached.
 	LeaseTable *LeaseTableResponse `protobuf:"bytes,32,opt,name=lease_table,json=leaseTable,proto3,oneof"`
@@ -1986,6 +2048,10 @@ func (*Response_Withdraw) isResponse_Body() {}
 func (*Response_Notify) isResponse_Body() {}
 
 func (*Response_Notice) isResponse_Body() {}
+
+func (*Response_KvRead) isResponse_Body() {}
+
+func (*Response_KvCancel) isResponse_Body() {}
 
 func (*Response_LeaseTable) isResponse_Body() {}
 
@@ -2065,7 +2131,10 @@ type HelloResponse struct {
 	Backend string `protobuf:"bytes,4,opt,name=backend,proto3" json:"backend,omitempty"`
 	// The client's uid as the daemon sees it (SO_PEERCRED): the uid its
 	// bare names are qualified with (UID:NAME).
-	PeerUid       uint32 `protobuf:"varint,5,opt,name=peer_uid,json=peerUid,proto3" json:"peer_uid,omitempty"`
+	PeerUid uint32 `protobuf:"varint,5,opt,name=peer_uid,json=peerUid,proto3" json:"peer_uid,omitempty"`
+	// The daemon's node name in its cluster; empty for a daemon without one.
+	// A KV space registered here names this node in its description.
+	Node          string `protobuf:"bytes,6,opt,name=node,proto3" json:"node,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2133,6 +2202,13 @@ func (x *HelloResponse) GetPeerUid() uint32 {
 		return x.PeerUid
 	}
 	return 0
+}
+
+func (x *HelloResponse) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
 }
 
 // Placement tells a client where an object's bytes live.
@@ -3805,11 +3881,260 @@ func (x *Notice) GetPid() uint32 {
 	return 0
 }
 
+// KvReadRequest reads blocks of a KV space registered on another node of
+// the daemon's cluster straight into a KV space the caller registered on
+// this daemon (docs/kv.md, "Across nodes"; docs/protocol.md section 6.9):
+// no replica, no directory write. The daemon answers with KvReadResponses
+// under the request's id: progress ones (done unset) as layers complete,
+// then one with done set, or an error, which ends the read.
+type KvReadRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The source space's description (kv.Desc's binary encoding, at most
+	// 16 KiB), as its engine handed it over: its node is another node of the
+	// cluster.
+	Src []byte `protobuf:"bytes,1,opt,name=src,proto3" json:"src,omitempty"`
+	// The destination space's description: a space registered on this
+	// daemon by the caller's uid, host memory.
+	Dst []byte `protobuf:"bytes,2,opt,name=dst,proto3" json:"dst,omitempty"`
+	// Block src_blocks[i] of the source into block dst_blocks[i] of the
+	// destination, as many of each, at least one.
+	SrcBlocks []uint32 `protobuf:"varint,3,rep,packed,name=src_blocks,json=srcBlocks,proto3" json:"src_blocks,omitempty"`
+	DstBlocks []uint32 `protobuf:"varint,4,rep,packed,name=dst_blocks,json=dstBlocks,proto3" json:"dst_blocks,omitempty"`
+	// The layers [first, first+count); count 0: every layer from first.
+	First uint32 `protobuf:"varint,5,opt,name=first,proto3" json:"first,omitempty"`
+	Count uint32 `protobuf:"varint,6,opt,name=count,proto3" json:"count,omitempty"`
+	// How long the read may take, in milliseconds; 0: the daemon's bound
+	// on each transfer alone.
+	TimeoutMs     int64 `protobuf:"varint,7,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KvReadRequest) Reset() {
+	*x = KvReadRequest{}
+	mi := &file_store_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KvReadRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KvReadRequest) ProtoMessage() {}
+
+func (x *KvReadRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KvReadRequest.ProtoReflect.Descriptor instead.
+func (*KvReadRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{43}
+}
+
+func (x *KvReadRequest) GetSrc() []byte {
+	if x != nil {
+		return x.Src
+	}
+	return nil
+}
+
+func (x *KvReadRequest) GetDst() []byte {
+	if x != nil {
+		return x.Dst
+	}
+	return nil
+}
+
+func (x *KvReadRequest) GetSrcBlocks() []uint32 {
+	if x != nil {
+		return x.SrcBlocks
+	}
+	return nil
+}
+
+func (x *KvReadRequest) GetDstBlocks() []uint32 {
+	if x != nil {
+		return x.DstBlocks
+	}
+	return nil
+}
+
+func (x *KvReadRequest) GetFirst() uint32 {
+	if x != nil {
+		return x.First
+	}
+	return 0
+}
+
+func (x *KvReadRequest) GetCount() uint32 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
+func (x *KvReadRequest) GetTimeoutMs() int64 {
+	if x != nil {
+		return x.TimeoutMs
+	}
+	return 0
+}
+
+// KvReadResponse is a kv_read's progress or end.
+type KvReadResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// How many layers, from the request's first, have all their blocks in
+	// the destination.
+	Layers uint32 `protobuf:"varint,1,opt,name=layers,proto3" json:"layers,omitempty"`
+	// The read has ended, every requested layer written.
+	Done          bool `protobuf:"varint,2,opt,name=done,proto3" json:"done,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KvReadResponse) Reset() {
+	*x = KvReadResponse{}
+	mi := &file_store_proto_msgTypes[44]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KvReadResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KvReadResponse) ProtoMessage() {}
+
+func (x *KvReadResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[44]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KvReadResponse.ProtoReflect.Descriptor instead.
+func (*KvReadResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{44}
+}
+
+func (x *KvReadResponse) GetLayers() uint32 {
+	if x != nil {
+		return x.Layers
+	}
+	return 0
+}
+
+func (x *KvReadResponse) GetDone() bool {
+	if x != nil {
+		return x.Done
+	}
+	return false
+}
+
+// KvCancelRequest stops a kv_read of this connection still under way: it
+// ends with an error once nothing writes into its destination any more.
+// An id of no read under way is not an error.
+type KvCancelRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The request id of the kv_read.
+	ReadId        uint64 `protobuf:"varint,1,opt,name=read_id,json=readId,proto3" json:"read_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KvCancelRequest) Reset() {
+	*x = KvCancelRequest{}
+	mi := &file_store_proto_msgTypes[45]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KvCancelRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KvCancelRequest) ProtoMessage() {}
+
+func (x *KvCancelRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[45]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KvCancelRequest.ProtoReflect.Descriptor instead.
+func (*KvCancelRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{45}
+}
+
+func (x *KvCancelRequest) GetReadId() uint64 {
+	if x != nil {
+		return x.ReadId
+	}
+	return 0
+}
+
+// KvCancelResponse acknowledges a cancel.
+type KvCancelResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KvCancelResponse) Reset() {
+	*x = KvCancelResponse{}
+	mi := &file_store_proto_msgTypes[46]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KvCancelResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KvCancelResponse) ProtoMessage() {}
+
+func (x *KvCancelResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[46]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KvCancelResponse.ProtoReflect.Descriptor instead.
+func (*KvCancelResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{46}
+}
+
 var File_store_proto protoreflect.FileDescriptor
 
 const file_store_proto_rawDesc = "" +
 	"\n" +
-	"\vstore.proto\x12\x10cudaipc.store.v1\"\xad\b\n" +
+	"\vstore.proto\x12\x10cudaipc.store.v1\"\xab\t\n" +
 	"\aRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x126\n" +
 	"\x05hello\x18\n" +
@@ -3831,7 +4156,9 @@ const file_store_proto_rawDesc = "" +
 	"stageFiles\x126\n" +
 	"\x05files\x18/ \x01(\v2\x1e.cudaipc.store.v1.FilesRequestH\x00R\x05files\x12?\n" +
 	"\bwithdraw\x180 \x01(\v2!.cudaipc.store.v1.WithdrawRequestH\x00R\bwithdraw\x129\n" +
-	"\x06notify\x181 \x01(\v2\x1f.cudaipc.store.v1.NotifyRequestH\x00R\x06notifyB\x06\n" +
+	"\x06notify\x181 \x01(\v2\x1f.cudaipc.store.v1.NotifyRequestH\x00R\x06notify\x12:\n" +
+	"\akv_read\x183 \x01(\v2\x1f.cudaipc.store.v1.KvReadRequestH\x00R\x06kvRead\x12@\n" +
+	"\tkv_cancel\x184 \x01(\v2!.cudaipc.store.v1.KvCancelRequestH\x00R\bkvCancelB\x06\n" +
 	"\x04body\"I\n" +
 	"\fHelloRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1f\n" +
@@ -3896,8 +4223,7 @@ const file_store_proto_rawDesc = "" +
 	"\x10SubscribeRequest\"\x13\n" +
 	"\x11LeaseTableRequest\"2\n" +
 	"\x13ForgetArenasRequest\x12\x1b\n" +
-	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\x97\n" +
-	"\n" +
+	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\x97\v\n" +
 	"\bResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12-\n" +
 	"\x05error\x18\x02 \x01(\v2\x17.cudaipc.store.v1.ErrorR\x05error\x127\n" +
@@ -3921,7 +4247,9 @@ const file_store_proto_rawDesc = "" +
 	"\x05files\x18/ \x01(\v2\x1f.cudaipc.store.v1.FilesResponseH\x00R\x05files\x12@\n" +
 	"\bwithdraw\x180 \x01(\v2\".cudaipc.store.v1.WithdrawResponseH\x00R\bwithdraw\x12:\n" +
 	"\x06notify\x181 \x01(\v2 .cudaipc.store.v1.NotifyResponseH\x00R\x06notify\x122\n" +
-	"\x06notice\x182 \x01(\v2\x18.cudaipc.store.v1.NoticeH\x00R\x06notice\x12G\n" +
+	"\x06notice\x182 \x01(\v2\x18.cudaipc.store.v1.NoticeH\x00R\x06notice\x12;\n" +
+	"\akv_read\x183 \x01(\v2 .cudaipc.store.v1.KvReadResponseH\x00R\x06kvRead\x12A\n" +
+	"\tkv_cancel\x184 \x01(\v2\".cudaipc.store.v1.KvCancelResponseH\x00R\bkvCancel\x12G\n" +
 	"\vlease_table\x18  \x01(\v2$.cudaipc.store.v1.LeaseTableResponseH\x00R\n" +
 	"leaseTableB\x06\n" +
 	"\x04body\"\xa4\x04\n" +
@@ -3959,13 +4287,14 @@ const file_store_proto_rawDesc = "" +
 	"\x0fOBJECTS_PER_UID\x10\x05\x12\x17\n" +
 	"\x13DESCRIPTORS_PER_UID\x10\x06\x12\x0f\n" +
 	"\vDESCRIPTORS\x10\a\x12\x11\n" +
-	"\rBYTES_PER_UID\x10\b\"\x97\x01\n" +
+	"\rBYTES_PER_UID\x10\b\"\xab\x01\n" +
 	"\rHelloResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12%\n" +
 	"\x0eserver_version\x18\x02 \x01(\tR\rserverVersion\x12\x10\n" +
 	"\x03pid\x18\x03 \x01(\rR\x03pid\x12\x18\n" +
 	"\abackend\x18\x04 \x01(\tR\abackend\x12\x19\n" +
-	"\bpeer_uid\x18\x05 \x01(\rR\apeerUid\"\x8e\x03\n" +
+	"\bpeer_uid\x18\x05 \x01(\rR\apeerUid\x12\x12\n" +
+	"\x04node\x18\x06 \x01(\tR\x04node\"\x8e\x03\n" +
 	"\tPlacement\x12\x19\n" +
 	"\barena_id\x18\x01 \x01(\x04R\aarenaId\x12\x16\n" +
 	"\x06device\x18\x02 \x01(\tR\x06device\x12\x16\n" +
@@ -4084,7 +4413,24 @@ const file_store_proto_rawDesc = "" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
 	"\apayload\x18\x02 \x01(\fR\apayload\x12\x10\n" +
 	"\x03uid\x18\x03 \x01(\rR\x03uid\x12\x10\n" +
-	"\x03pid\x18\x04 \x01(\rR\x03pidB-Z+github.com/cudaipc/cudaipc/protocol/storev1b\x06proto3"
+	"\x03pid\x18\x04 \x01(\rR\x03pid\"\xbc\x01\n" +
+	"\rKvReadRequest\x12\x10\n" +
+	"\x03src\x18\x01 \x01(\fR\x03src\x12\x10\n" +
+	"\x03dst\x18\x02 \x01(\fR\x03dst\x12\x1d\n" +
+	"\n" +
+	"src_blocks\x18\x03 \x03(\rR\tsrcBlocks\x12\x1d\n" +
+	"\n" +
+	"dst_blocks\x18\x04 \x03(\rR\tdstBlocks\x12\x14\n" +
+	"\x05first\x18\x05 \x01(\rR\x05first\x12\x14\n" +
+	"\x05count\x18\x06 \x01(\rR\x05count\x12\x1d\n" +
+	"\n" +
+	"timeout_ms\x18\a \x01(\x03R\ttimeoutMs\"<\n" +
+	"\x0eKvReadResponse\x12\x16\n" +
+	"\x06layers\x18\x01 \x01(\rR\x06layers\x12\x12\n" +
+	"\x04done\x18\x02 \x01(\bR\x04done\"*\n" +
+	"\x0fKvCancelRequest\x12\x17\n" +
+	"\aread_id\x18\x01 \x01(\x04R\x06readId\"\x12\n" +
+	"\x10KvCancelResponseB-Z+github.com/cudaipc/cudaipc/protocol/storev1b\x06proto3"
 
 var (
 	file_store_proto_rawDescOnce sync.Once
@@ -4099,7 +4445,7 @@ func file_store_proto_rawDescGZIP() []byte {
 }
 
 var file_store_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 43)
+var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 47)
 var file_store_proto_goTypes = []any{
 	(Error_Code)(0),              // 0: cudaipc.store.v1.Error.Code
 	(Error_Limit)(0),             // 1: cudaipc.store.v1.Error.Limit
@@ -4148,6 +4494,10 @@ var file_store_proto_goTypes = []any{
 	(*NotifyRequest)(nil),        // 44: cudaipc.store.v1.NotifyRequest
 	(*NotifyResponse)(nil),       // 45: cudaipc.store.v1.NotifyResponse
 	(*Notice)(nil),               // 46: cudaipc.store.v1.Notice
+	(*KvReadRequest)(nil),        // 47: cudaipc.store.v1.KvReadRequest
+	(*KvReadResponse)(nil),       // 48: cudaipc.store.v1.KvReadResponse
+	(*KvCancelRequest)(nil),      // 49: cudaipc.store.v1.KvCancelRequest
+	(*KvCancelResponse)(nil),     // 50: cudaipc.store.v1.KvCancelResponse
 }
 var file_store_proto_depIdxs = []int32{
 	5,  // 0: cudaipc.store.v1.Request.hello:type_name -> cudaipc.store.v1.HelloRequest
@@ -4167,46 +4517,50 @@ var file_store_proto_depIdxs = []int32{
 	39, // 14: cudaipc.store.v1.Request.files:type_name -> cudaipc.store.v1.FilesRequest
 	42, // 15: cudaipc.store.v1.Request.withdraw:type_name -> cudaipc.store.v1.WithdrawRequest
 	44, // 16: cudaipc.store.v1.Request.notify:type_name -> cudaipc.store.v1.NotifyRequest
-	7,  // 17: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	7,  // 18: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	19, // 19: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
-	20, // 20: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
-	23, // 21: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
-	24, // 22: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
-	25, // 23: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
-	26, // 24: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
-	27, // 25: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
-	28, // 26: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
-	29, // 27: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
-	30, // 28: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
-	31, // 29: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
-	35, // 30: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
-	32, // 31: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
-	34, // 32: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
-	41, // 33: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
-	38, // 34: cudaipc.store.v1.Response.stage_files:type_name -> cudaipc.store.v1.StageFilesResponse
-	40, // 35: cudaipc.store.v1.Response.files:type_name -> cudaipc.store.v1.FilesResponse
-	43, // 36: cudaipc.store.v1.Response.withdraw:type_name -> cudaipc.store.v1.WithdrawResponse
-	45, // 37: cudaipc.store.v1.Response.notify:type_name -> cudaipc.store.v1.NotifyResponse
-	46, // 38: cudaipc.store.v1.Response.notice:type_name -> cudaipc.store.v1.Notice
-	33, // 39: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
-	0,  // 40: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
-	1,  // 41: cudaipc.store.v1.Error.limit:type_name -> cudaipc.store.v1.Error.Limit
-	2,  // 42: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
-	7,  // 43: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	21, // 44: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
-	21, // 45: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
-	22, // 46: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	22, // 47: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
-	22, // 48: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	3,  // 49: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
-	7,  // 50: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	22, // 51: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	52, // [52:52] is the sub-list for method output_type
-	52, // [52:52] is the sub-list for method input_type
-	52, // [52:52] is the sub-list for extension type_name
-	52, // [52:52] is the sub-list for extension extendee
-	0,  // [0:52] is the sub-list for field type_name
+	47, // 17: cudaipc.store.v1.Request.kv_read:type_name -> cudaipc.store.v1.KvReadRequest
+	49, // 18: cudaipc.store.v1.Request.kv_cancel:type_name -> cudaipc.store.v1.KvCancelRequest
+	7,  // 19: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	7,  // 20: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	19, // 21: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
+	20, // 22: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
+	23, // 23: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
+	24, // 24: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
+	25, // 25: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
+	26, // 26: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
+	27, // 27: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
+	28, // 28: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
+	29, // 29: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
+	30, // 30: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
+	31, // 31: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
+	35, // 32: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
+	32, // 33: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
+	34, // 34: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
+	41, // 35: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
+	38, // 36: cudaipc.store.v1.Response.stage_files:type_name -> cudaipc.store.v1.StageFilesResponse
+	40, // 37: cudaipc.store.v1.Response.files:type_name -> cudaipc.store.v1.FilesResponse
+	43, // 38: cudaipc.store.v1.Response.withdraw:type_name -> cudaipc.store.v1.WithdrawResponse
+	45, // 39: cudaipc.store.v1.Response.notify:type_name -> cudaipc.store.v1.NotifyResponse
+	46, // 40: cudaipc.store.v1.Response.notice:type_name -> cudaipc.store.v1.Notice
+	48, // 41: cudaipc.store.v1.Response.kv_read:type_name -> cudaipc.store.v1.KvReadResponse
+	50, // 42: cudaipc.store.v1.Response.kv_cancel:type_name -> cudaipc.store.v1.KvCancelResponse
+	33, // 43: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
+	0,  // 44: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
+	1,  // 45: cudaipc.store.v1.Error.limit:type_name -> cudaipc.store.v1.Error.Limit
+	2,  // 46: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
+	7,  // 47: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	21, // 48: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
+	21, // 49: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
+	22, // 50: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	22, // 51: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
+	22, // 52: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	3,  // 53: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
+	7,  // 54: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	22, // 55: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	56, // [56:56] is the sub-list for method output_type
+	56, // [56:56] is the sub-list for method input_type
+	56, // [56:56] is the sub-list for extension type_name
+	56, // [56:56] is the sub-list for extension extendee
+	0,  // [0:56] is the sub-list for field type_name
 }
 
 func init() { file_store_proto_init() }
@@ -4232,6 +4586,8 @@ func file_store_proto_init() {
 		(*Request_Files)(nil),
 		(*Request_Withdraw)(nil),
 		(*Request_Notify)(nil),
+		(*Request_KvRead)(nil),
+		(*Request_KvCancel)(nil),
 	}
 	file_store_proto_msgTypes[6].OneofWrappers = []any{}
 	file_store_proto_msgTypes[14].OneofWrappers = []any{
@@ -4254,6 +4610,8 @@ func file_store_proto_init() {
 		(*Response_Withdraw)(nil),
 		(*Response_Notify)(nil),
 		(*Response_Notice)(nil),
+		(*Response_KvRead)(nil),
+		(*Response_KvCancel)(nil),
 		(*Response_LeaseTable)(nil),
 	}
 	type x struct{}
@@ -4262,7 +4620,7 @@ func file_store_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_store_proto_rawDesc), len(file_store_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   43,
+			NumMessages:   47,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

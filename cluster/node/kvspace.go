@@ -1,0 +1,351 @@
+package node
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/ucxtransport"
+	"github.com/cudaipc/cudaipc/kv"
+	"github.com/cudaipc/cudaipc/protocol"
+	"github.com/cudaipc/cudaipc/protocol/storev1"
+	"github.com/cudaipc/cudaipc/store"
+)
+
+// KV spaces across nodes (docs/kv.md, "Across nodes"). On the reader's
+// node, ReadSpace serves a client's kv_read: it leases the destination
+// space the client's uid registered here and maps it, has the source's
+// node expose the regions the read uses (cluster.Puller.ReadSpace) and
+// reads each copy of the plan (kv.Plan) straight into the mapping,
+// reporting layers as they complete. On the source's node, ExposeSpace
+// leases the regions for the reader's uid (the store's rules: its owner,
+// root, anyone when registered shared) and exposes them through UCX.
+//
+// Both sides keep a registration's memory mapped (and, on the source,
+// registered with UCX) from its first read until the registration ends:
+// spaceMaps, swept every spaceSweep.
+
+// maxSpaceCopy bounds one Get of a space read: a longer copy (a run of
+// contiguous blocks) is cut, so that its pieces go in flight side by side.
+const maxSpaceCopy = 4 << 20
+
+// spaceSweep is how often the maps of registrations that ended are dropped.
+const spaceSweep = 2 * time.Second
+
+// NodeName implements store.SpaceReader: the node's name in the cluster.
+func (n *Node) NodeName() string { return n.cfg.Directory.Node }
+
+// invalid is a kv_read's request error (code INVALID).
+func invalid(format string, a ...any) error {
+	return protocol.Errorf(storev1.Error_INVALID, "kv_read: "+format, a...)
+}
+
+// ReadSpace implements store.SpaceReader.
+func (n *Node) ReadSpace(ctx context.Context, r store.SpaceRead, progress func(layers int)) error {
+	var src, dst kv.Desc
+	if err := src.UnmarshalBinary(r.Src); err != nil {
+		return invalid("source: %v", err)
+	}
+	if err := dst.UnmarshalBinary(r.Dst); err != nil {
+		return invalid("destination: %v", err)
+	}
+	self := n.cfg.Directory.Node
+	if src.Node == "" || src.Node == self {
+		return invalid("space %s is on this node (%q), not another: read it directly", src.Name, src.Node)
+	}
+	if dst.Node != self {
+		return invalid("destination %s is on node %q, not this one (%s)", dst.Name, dst.Node, self)
+	}
+	if uid, _, ok := protocol.SplitOwner(dst.Name); !ok || uid != r.Reader {
+		return protocol.Errorf(storev1.Error_PERMISSION, "kv_read: destination %s is not a space of uid %d: a read writes only into the reader's own", dst.Name, r.Reader)
+	}
+	p, err := kv.NewPlan(&src, &dst, ints(r.SrcBlocks), ints(r.DstBlocks), r.First, r.Count)
+	if err != nil {
+		return invalid("%v", err)
+	}
+	srcRegions, dstRegions := p.Regions()
+	for _, i := range srcRegions {
+		if d := src.Regions[i].Device; d != "host" {
+			return invalid("region %d of %s is in GPU memory (%s): across nodes this version reads host memory", i, src.Name, d)
+		}
+	}
+	names := make([]string, len(dstRegions))
+	for k, i := range dstRegions {
+		if d := dst.Regions[i].Device; d != "host" {
+			return invalid("destination region %d is in GPU memory (%s): across nodes this version writes host memory", i, d)
+		}
+		names[k] = dst.RegionName(i)
+	}
+	lease, err := n.st.LeaseRegistered(r.Reader, names)
+	if err != nil {
+		return fmt.Errorf("destination %s: %w", dst.Name, err)
+	}
+	defer lease.Release()
+	mem := make([][]byte, len(dst.Regions))
+	for k, reg := range lease.Regions {
+		i := dstRegions[k]
+		switch {
+		case reg.Owner != r.Reader:
+			return protocol.Errorf(storev1.Error_PERMISSION, "kv_read: destination region %s is uid %d's, not the reader's (%d)", reg.Name, reg.Owner, r.Reader)
+		case !bytes.Equal(reg.Space, r.Dst) || reg.Device != "host" || reg.Size != dst.Regions[i].Size || len(reg.Files) != 1:
+			return fmt.Errorf("destination region %s is not of the registration the description names (registered again since?): %w", reg.Name, store.ErrNotFound)
+		}
+		m, err := n.spaces.acquire(reg, true, nil)
+		if err != nil {
+			return fmt.Errorf("destination region %s: %w", reg.Name, err)
+		}
+		defer n.spaces.release(m)
+		mem[i] = m.mem
+	}
+	index := make(map[int]int, len(srcRegions))
+	sizes := make([]int64, len(srcRegions))
+	for k, i := range srcRegions {
+		index[i], sizes[k] = k, src.Regions[i].Size
+	}
+	lr := &layerReads{p: p, progress: progress, pending: make([]int, p.Count), index: index, dst: mem, l: p.First}
+	for i := range lr.pending {
+		lr.pending[i] = -1
+	}
+	return n.p.ReadSpace(ctx, cluster.SpaceRead{Node: src.Node, Reader: r.Reader, Desc: r.Src, Regions: srcRegions, Sizes: sizes,
+		Next: lr.next, Done: lr.done})
+}
+
+// layerReads hands out a plan's copies layer by layer as Gets (their Tag
+// the layer) and reports layers as all their Gets are done.
+type layerReads struct {
+	p        *kv.Plan
+	progress func(int)
+	index    map[int]int // source region → its index in the exposure
+	dst      [][]byte    // destination regions' mappings
+	// next's state (cluster.SpaceRead calls it one at a time): the layer
+	// handed out, its copies, the next of them.
+	l      int
+	copies []kv.Copy
+	k      int
+
+	mu       sync.Mutex
+	pending  []int // Gets not done, by layer from First; -1 until handed out
+	complete int   // layers reported complete
+}
+
+func (lr *layerReads) next() (cluster.SpaceGet, bool) {
+	for lr.k == len(lr.copies) {
+		if lr.copies != nil {
+			lr.l++
+		}
+		if lr.l >= lr.p.First+lr.p.Count {
+			return cluster.SpaceGet{}, false
+		}
+		lr.copies, lr.k = lr.p.Layer(lr.l, maxSpaceCopy), 0
+		lr.mu.Lock()
+		lr.pending[lr.l-lr.p.First] = len(lr.copies)
+		lr.mu.Unlock()
+	}
+	c := lr.copies[lr.k]
+	lr.k++
+	return cluster.SpaceGet{Region: lr.index[c.SrcRegion], Off: c.Src, Dst: lr.dst[c.DstRegion][c.Dst : c.Dst+c.Bytes], Tag: lr.l}, true
+}
+
+func (lr *layerReads) done(g cluster.SpaceGet) {
+	lr.mu.Lock()
+	defer lr.mu.Unlock()
+	lr.pending[g.Tag-lr.p.First]--
+	n := lr.complete
+	for n < len(lr.pending) && lr.pending[n] == 0 {
+		n++
+	}
+	if n > lr.complete {
+		lr.complete = n
+		// Under lr.mu: progress is reported in order, from one goroutine
+		// at a time.
+		lr.progress(n)
+	}
+}
+
+func ints(ids []uint32) []int {
+	out := make([]int, len(ids))
+	for i, b := range ids {
+		out[i] = int(b)
+	}
+	return out
+}
+
+// ExposeSpace implements cluster.SpaceSource: regions of a space
+// registered on this node, leased for the reader's uid, exposed through
+// UCX windows on their mappings until release.
+func (s source) ExposeSpace(reader uint32, desc []byte, regions []int) (cluster.SpaceExposure, func(), error) {
+	n := s.n
+	var d kv.Desc
+	if err := d.UnmarshalBinary(desc); err != nil {
+		return cluster.SpaceExposure{}, nil, err
+	}
+	if self := n.cfg.Directory.Node; d.Node != self {
+		return cluster.SpaceExposure{}, nil, fmt.Errorf("%w: space %s is on node %q, not this one", cluster.ErrNoSpace, d.Name, d.Node)
+	}
+	names := make([]string, len(regions))
+	for k, i := range regions {
+		if i < 0 || i >= len(d.Regions) || k > 0 && i <= regions[k-1] {
+			return cluster.SpaceExposure{}, nil, fmt.Errorf("regions %v of a space of %d: want ascending region numbers", regions, len(d.Regions))
+		}
+		if d.Regions[i].Device != "host" {
+			return cluster.SpaceExposure{}, nil, fmt.Errorf("region %d of %s is in GPU memory: this node exposes host memory", i, d.Name)
+		}
+		names[k] = d.RegionName(i)
+	}
+	lease, err := n.st.LeaseRegistered(reader, names)
+	if err != nil {
+		if errors.Is(err, store.ErrNotFound) {
+			err = fmt.Errorf("%w: %v (its engine ended or closed it, or it was never registered, or not for this uid)", cluster.ErrNoSpace, err)
+		}
+		return cluster.SpaceExposure{}, nil, err
+	}
+	var undo []func()
+	release := func() {
+		for _, u := range undo {
+			u()
+		}
+		lease.Release()
+	}
+	e := cluster.SpaceExposure{Worker: n.tr.WorkerAddress()}
+	for k, reg := range lease.Regions {
+		i := regions[k]
+		if !bytes.Equal(reg.Space, desc) || reg.Device != "host" || reg.Size != d.Regions[i].Size || len(reg.Files) != 1 {
+			release()
+			return cluster.SpaceExposure{}, nil, fmt.Errorf("%w: region %s is not of the registration the description names (registered again since)", cluster.ErrNoSpace, reg.Name)
+		}
+		m, err := n.spaces.acquire(reg, false, n.tr.Register)
+		if err != nil {
+			release()
+			return cluster.SpaceExposure{}, nil, fmt.Errorf("region %s: %w", reg.Name, err)
+		}
+		undo = append(undo, func() { n.spaces.release(m) })
+		key, closeWindow, err := m.reg.Window(0, reg.Size)
+		if err != nil {
+			release()
+			return cluster.SpaceExposure{}, nil, fmt.Errorf("region %s: %w", reg.Name, err)
+		}
+		undo = append(undo, closeWindow)
+		e.Regions = append(e.Regions, cluster.SpaceRegion{RKey: key, Addr: m.reg.Addr(0), Size: reg.Size})
+		n.exposedBytes.Add(uint64(reg.Size))
+	}
+	n.exposures.Add(1)
+	var once sync.Once
+	return e, func() { once.Do(release) }, nil
+}
+
+// spaceMaps are registrations' memory mapped into the daemon for reads
+// across nodes, kept from their first read until the registration ends.
+type spaceMaps struct {
+	mu sync.Mutex
+	m  map[spaceKey]*spaceMap
+}
+
+// spaceKey names a mapping: a registration, mapped for reading (a source,
+// registered with UCX) or for writing (a destination).
+type spaceKey struct {
+	reg   store.Registration
+	write bool
+}
+
+// spaceMap is one mapping; users count the reads using it.
+type spaceMap struct {
+	key   spaceKey
+	mem   []byte
+	reg   *ucxtransport.Region // a source's registration with UCX
+	users int
+	gone  bool // out of the cache: the last user unmaps it
+}
+
+// acquire returns reg's mapping (read-write with write), mapping it (and,
+// with register, registering it) the first time, with one more user.
+func (sm *spaceMaps) acquire(reg *store.Registered, write bool, register func([]byte) (*ucxtransport.Region, error)) (*spaceMap, error) {
+	key := spaceKey{reg.Registration, write}
+	sm.mu.Lock()
+	defer sm.mu.Unlock()
+	if m := sm.m[key]; m != nil {
+		m.users++
+		return m, nil
+	}
+	prot := unix.PROT_READ
+	if write {
+		prot |= unix.PROT_WRITE
+	}
+	mem, err := unix.Mmap(int(reg.Files[0].Fd()), 0, int(reg.Size), prot, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("map the registered memory: %w", err)
+	}
+	m := &spaceMap{key: key, mem: mem, users: 1}
+	if register != nil {
+		if m.reg, err = register(mem); err != nil {
+			unix.Munmap(mem)
+			return nil, fmt.Errorf("register with UCX: %w", err)
+		}
+	}
+	if sm.m == nil {
+		sm.m = map[spaceKey]*spaceMap{}
+	}
+	sm.m[key] = m
+	return m, nil
+}
+
+// release lets go of m.
+func (sm *spaceMaps) release(m *spaceMap) {
+	sm.mu.Lock()
+	m.users--
+	last := m.gone && m.users == 0
+	sm.mu.Unlock()
+	if last {
+		m.close()
+	}
+}
+
+func (m *spaceMap) close() {
+	if m.reg != nil {
+		m.reg.Close() // waits for replies under way
+	}
+	unix.Munmap(m.mem)
+}
+
+// sweep drops the mappings of registrations that ended (live says which
+// have not); those in use go with their last user.
+func (sm *spaceMaps) sweep(live func(store.Registration) bool) {
+	sm.mu.Lock()
+	var closing []*spaceMap
+	for k, m := range sm.m {
+		if !live(k.reg) {
+			m.gone = true
+			delete(sm.m, k)
+			if m.users == 0 {
+				closing = append(closing, m)
+			}
+		}
+	}
+	sm.mu.Unlock()
+	for _, m := range closing {
+		m.close()
+	}
+}
+
+// close drops every mapping: the node is closing, and no read uses them.
+func (sm *spaceMaps) close() { sm.sweep(func(store.Registration) bool { return false }) }
+
+// sweepSpaces sweeps the node's space mappings every spaceSweep until ctx
+// ends.
+func (n *Node) sweepSpaces(ctx context.Context) {
+	t := time.NewTicker(spaceSweep)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			n.spaces.sweep(n.st.Live)
+		}
+	}
+}
