@@ -1,10 +1,12 @@
 // Package kv moves blocks of KV cache between the paged KV memory of
-// inference engines on one node: an engine registers its KV memory once
-// as a space (Register: its regions become registered memory of the
-// daemon, each carrying the space's description), hands readers the
-// space's Desc in its own metadata, and a reader copies any set of blocks
-// of any range of layers into its own space with one ReadBlocks, however
-// many blocks, completing layer by layer.
+// inference engines: an engine registers its KV memory once as a space
+// (Register: its regions become registered memory of the daemon, each
+// carrying the space's description), hands readers the space's Desc in its
+// own metadata, and a reader copies any set of blocks of any range of
+// layers into its own space with one ReadBlocks, however many blocks,
+// completing layer by layer. A space of another node of a cluster is read
+// through the reader's daemon, which writes into the reader's registered
+// space (one kv_read request; Plan is the read both daemons run).
 //
 // Lifetimes are registered memory's: a space's regions go when its
 // engine's connection ends or it closes the space, but a reader mid-read

@@ -144,7 +144,10 @@ func (t *Transfer) WaitLayer(ctx context.Context, l int) error {
 // a GPU's memory into its own with one gather kernel launch a layer,
 // cudaipc.Device.Gather), completing layer by layer, and releases the
 // leases (which the source side sees in its
-// regions' lease counts). Bad requests fail at once with ErrBlockRange,
+// regions' lease counts). A read whose source names another node goes
+// through c's daemon instead (docs/kv.md, "Across nodes"): r.Dst must be
+// registered with it (Register), host memory on both sides, and no Notify;
+// the Transfer is the same. Bad requests fail at once with ErrBlockRange,
 // ErrMismatch, ErrInvalidDesc or ErrNotSupported; failures of the read
 // itself come as a *BlockError from the Transfer.
 func ReadBlocks(ctx context.Context, c *client.Client, r Request) (*Transfer, error) {

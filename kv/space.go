@@ -126,6 +126,8 @@ type Space struct {
 // Register registers local's memory as the space name (region i as the
 // object name/i, each carrying the space's description) through c. opts
 // apply to every region (Shared: readable by every uid the daemon admits).
+// local stays bound to the space until Close: a read from another node
+// into local is written by c's daemon, through this registration.
 func Register(ctx context.Context, c *client.Client, name string, local *Local, opts client.RegisterOptions) (*Space, error) {
 	if err := local.check(); err != nil {
 		return nil, err

@@ -847,3 +847,37 @@ func TestKVReadCanceled(t *testing.T) {
 		return nil
 	})
 }
+
+// TestKVReadSplit reads 20,000 scattered blocks, more ids than one
+// kv_read's packet holds: the read goes as several requests, and its
+// layers complete once every request has them.
+func TestKVReadSplit(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a := startDaemon(t, srv, "a")
+	b := startDaemon(t, srv, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const layers, blocks, bsize = 3, 20000, 64
+	layout, sizes := kvLayout("vllm", layers, blocks, bsize)
+	src := newHostSpace(t, layout, sizes, 21)
+	sp, err := kv.Register(ctx, a.c, "split/src", src.local, client.RegisterOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dst := registerDst(t, b, "split/dst", "sglang", layers, blocks, bsize)
+	r := rand.New(rand.NewPCG(3, 4))
+	srcIDs, dstIDs := r.Perm(blocks), r.Perm(blocks)
+	tr, err := kv.ReadBlocks(ctx, b.c, kv.Request{Src: sp.Desc(), SrcBlocks: srcIDs, Dst: dst.local, DstBlocks: dstIDs, First: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for l := 1; l < layers; l++ {
+		if err := tr.WaitLayer(ctx, l); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tr.Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	checkRead(t, src, dst, make2(dst), srcIDs, dstIDs, 1, layers-1)
+}
