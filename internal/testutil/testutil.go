@@ -220,6 +220,11 @@ func SpawnWith(t testing.TB, role string, o SpawnOptions) *Child {
 		exe = o.Exe
 	}
 	cmd := exec.CommandContext(ctx, exe, "-test.run=^$")
+	if cpus := os.Getenv(EnvChildCPUs); cpus != "" {
+		// Pinned from its first instruction (the Go runtime's threads
+		// inherit it): a benchmark's two ends on CPUs of their own.
+		cmd = exec.CommandContext(ctx, "taskset", "-c", cpus, exe, "-test.run=^$")
+	}
 	cmd.Env = append(append(os.Environ(), EnvRole+"="+role), o.Env...)
 	cmd.ExtraFiles = o.ExtraFiles
 	cmd.SysProcAttr = o.SysProcAttr
@@ -250,6 +255,12 @@ func SpawnWith(t testing.TB, role string, o SpawnOptions) *Child {
 	})
 	return c
 }
+
+// EnvChildCPUs, when set (a taskset CPU list, e.g. "0-7"), runs every
+// child SpawnWith starts on those CPUs: benchmarks whose two ends must
+// share no CPU (scripts/bench/weight_sync_cluster.py --split-cpus) pin the
+// parent with taskset and the child with this.
+const EnvChildCPUs = "CUDAIPC_TEST_CHILD_CPUS"
 
 // Pid returns the child's process id.
 func (c *Child) Pid() int { return c.cmd.Process.Pid }

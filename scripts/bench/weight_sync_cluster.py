@@ -149,8 +149,11 @@ class Cluster:
             sock = os.path.join(tmp, node + ".sock")
             dlog = open(os.path.join(tmp, "daemon-%s.log" % node), "w")
             checksums = (args.b_checksums if node == "B" else None) or args.checksums
+            prefix = shlex.split(args.daemon_prefix or "")
+            if args.split_cpus:
+                prefix = ["taskset", "-c", cpu_list(args.halves[node])]
             self.procs.append(subprocess.Popen(
-                shlex.split(args.daemon_prefix or "") +
+                prefix +
                 [args.bin, "serve", "--socket", sock, "--backend", args.backend, "--capacity", args.capacity,
                  "--log-level", args.daemon_log_level, "--cluster", "etcd://127.0.0.1:%d" % cp, "--node", node,
                  "--cluster-secret", self.secret, "--cluster-listen", "127.0.0.1:0"]
@@ -201,8 +204,29 @@ class Cluster:
 
 # -- trainer and engine -----------------------------------------------------------------
 
+def pin(cpus: Optional[List[int]]) -> None:
+    """Run this process (and the threads it starts from now on) on cpus, if any."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def cpu_list(cpus: List[int]) -> str:
+    """cpus as taskset's list ("0,1,2")."""
+    return ",".join(str(c) for c in cpus)
+
+
+def split_cpus() -> Dict[str, List[int]]:
+    """This process's CPUs in two halves, node A's (the lower) and node B's."""
+    cpus = sorted(os.sched_getaffinity(0))
+    h = len(cpus) // 2
+    if h == 0:
+        sys.exit("--split-cpus needs at least two CPUs")
+    return {"A": cpus[:h], "B": cpus[h:2 * h]}
+
+
 def trainer(conn: Any, cfg: Dict[str, Any]) -> None:
     """Node A's side: a new version of a cluster-visible GPU bundle, filled in place."""
+    pin(cfg.get("cpus"))
     import torch
     import cudaipc
     from cudaipc import bundle as B
@@ -236,6 +260,7 @@ def trainer(conn: Any, cfg: Dict[str, Any]) -> None:
 def engine(conn: Any, cfg: Dict[str, Any], results: Any) -> None:
     """Node B's side: wait for each newer version and load it into the engine's own
     parameters."""
+    pin(cfg.get("cpus"))
     import torch
     import cudaipc
     from cudaipc import bundle as B
@@ -521,7 +546,7 @@ def floor_beside_copies(args: argparse.Namespace) -> Dict[str, Any]:
         while not started.wait(1):
             if not p.is_alive() or time.monotonic() > deadline:
                 return {"error": "the copy loops did not start (exit code %s)" % p.exitcode}
-        f = ucx_floor(args.ucxperf_test, bench="GetLanes|FetchLanes")
+        f = ucx_floor(args.ucxperf_test, bench="GetLanes|FetchLanes", halves=args.halves)
         stop.set()
         try:
             f["copies"] = q.get(timeout=60)
@@ -565,21 +590,29 @@ def run_procs(targets: List[Tuple[Any, tuple]], results: Any, want: int, timeout
 # -- floors of the link -----------------------------------------------------------------
 
 def ucx_floor(test_bin: Optional[str], extra: Optional[Dict[str, str]] = None,
-              bench: str = "GetChunks|GetLanes|FetchLanes", lanes_mib: int = FLOOR_LANES_MIB) -> Dict[str, Any]:
+              bench: str = "GetChunks|GetLanes|FetchLanes", lanes_mib: int = FLOOR_LANES_MIB,
+              halves: Optional[Dict[str, List[int]]] = None) -> Dict[str, Any]:
     """Raw UCX reads between two processes on the same link: the best of
     BenchmarkGetChunks's chunk sizes and depths over one connection (256 MiB a
     round), and of BenchmarkGetLanes's and BenchmarkFetchLanes's 1, 2, 4, 8 and 16
     connections (a worker pair each, as the daemons' experimental-cluster-lanes; GETs, and the
     holder sending by rendezvous), lanes_mib MiB a round, 4 rounds after a first:
     over tcp on loopback more connections carry more, so the link's floor is the
-    best of them all."""
+    best of them all. With halves (--split-cpus) its two ends run on node A's and
+    node B's CPUs."""
     if not test_bin:
         return {"error": "no --ucxperf-test"}
     env = dict(os.environ, **LINK_ENV)
     env.update(extra or {})
     env["UCXPERF_LANES_MIB"] = str(lanes_mib)
+    prefix: List[str] = []
+    if halves:
+        # The reading end (this benchmark process) on node B's half, the holding end
+        # (the child it spawns) on node A's: as the daemons, sharing no CPU.
+        prefix = ["taskset", "-c", cpu_list(halves["B"])]
+        env["CUDAIPC_TEST_CHILD_CPUS"] = cpu_list(halves["A"])
     try:
-        r = subprocess.run([test_bin, "-test.run", "^$", "-test.bench", bench, "-test.benchtime", "4x"],
+        r = subprocess.run(prefix + [test_bin, "-test.run", "^$", "-test.bench", bench, "-test.benchtime", "4x"],
                            capture_output=True, text=True, timeout=240, env=env, cwd=tempfile.gettempdir())
     except (OSError, subprocess.TimeoutExpired) as e:
         return {"error": str(e)}
@@ -676,8 +709,9 @@ def run_path(args: argparse.Namespace, cl: "Cluster", m: str, path: str, out: Di
             sampled.set()
         th = threading.Thread(target=sample, daemon=True)
         th.start()
-        rs = run_procs([(trainer, (a, dict(cfg, socket=cl.sockets["A"]))),
-                        (engine, (b, dict(cfg, socket=cl.sockets["B"], first_done=first_done,
+        halves = args.halves or {}
+        rs = run_procs([(trainer, (a, dict(cfg, socket=cl.sockets["A"], cpus=halves.get("A")))),
+                        (engine, (b, dict(cfg, socket=cl.sockets["B"], cpus=halves.get("B"), first_done=first_done,
                                           sampled=sampled), q))], q, 1, args.timeout)
         first_done.set()
         th.join(5)
@@ -720,6 +754,10 @@ def main(argv: List[str]) -> None:
     ap.add_argument("--read", choices=["fetch", "get"], help="how daemon B reads A's memory (serve --experimental-cluster-read; default: the daemon's, fetch)")
     ap.add_argument("--checksums", choices=["auto", "host"], help="where the daemons compute GPU objects' chunk checksums (serve --experimental-cluster-checksums; default: the daemon's, auto: on the GPU)")
     ap.add_argument("--b-checksums", choices=["auto", "host"], help="--checksums for node B alone: host leaves B's landings no copies back from the GPU while A still publishes early")
+    ap.add_argument("--split-cpus", action="store_true",
+                    help="two nodes on one host that share no CPU: daemon A and the trainer on the lower half of this "
+                         "process's CPUs, daemon B and the engine on the upper half, and the UCX floor's two ends the same "
+                         "way (overrides --daemon-prefix)")
     ap.add_argument("--daemon-prefix", metavar="CMD", help="run each daemon under this command, e.g. 'numactl --cpunodebind=0 --membind=0' or 'taskset -c 0-7'")
     ap.add_argument("--chunk", help="chunk of the objects node A publishes, e.g. 16MiB (serve --experimental-cluster-chunk; default: the daemon's)")
     ap.add_argument("--gpu-publish", choices=["early", "staged"], help="when node A publishes a GPU object (serve --experimental-cluster-gpu-publish; default: the daemon's, early)")
@@ -756,14 +794,15 @@ def main(argv: List[str]) -> None:
         base = ap.parse_args(argv)
         alt = argparse.Namespace(**{k: v for k, v in vars(alt).items() if getattr(base, k) != v})
     args.backend = "cuda"
+    args.halves = split_cpus() if args.split_cpus else None
     if args.smoke:
         args.models, args.gpu, args.capacity, args.backend, args.no_floors = "smoke", -1, "256MiB", "host", True
     import torch.multiprocessing as mp
     tmp = tempfile.mkdtemp(prefix="weight-sync-xnode-")
-    out: Dict[str, Any] = {"link": LINK_ENV, "streams": args.streams, "lanes": args.lanes, "read": args.read or "fetch", "results": []}
+    out: Dict[str, Any] = {"cpus": args.halves, "link": LINK_ENV, "streams": args.streams, "lanes": args.lanes, "read": args.read or "fetch", "results": []}
     if not args.no_floors:
         for key, extra in (("floor_ucx", None), ("floor_ucx_default_segments", UCX_DEFAULT_SEGS)):
-            out[key] = ucx_floor(args.ucxperf_test, extra)
+            out[key] = ucx_floor(args.ucxperf_test, extra, halves=args.halves)
             print_ucx_floor(" (UCX's default tcp segments)" if extra else "", out[key])
         out["floor_cluster_host"] = cluster_floor(args.bin, args.etcd)
         fc = out["floor_cluster_host"]
@@ -784,6 +823,9 @@ def main(argv: List[str]) -> None:
     print("daemons: lanes %s, read %s, streams %s, checksums %s, chunk %s, gpu-publish %s" % (
         args.lanes or "default", args.read or "default (fetch)", args.streams or "default",
         args.checksums or "default (auto)", args.chunk or "default", args.gpu_publish or "default (early)"), flush=True)
+    if args.halves:
+        print("nodes: A (daemon, trainer, the floor's holding end) on CPUs %s; B (daemon, engine, the floor's reading "
+              "end) on CPUs %s" % (cpu_list(args.halves["A"]), cpu_list(args.halves["B"])), flush=True)
     if args.b_checksums or args.daemon_prefix:
         print("daemons: node B's checksums %s; each daemon under %r" % (
             args.b_checksums or "as A's", args.daemon_prefix or ""), flush=True)
@@ -821,7 +863,7 @@ def main(argv: List[str]) -> None:
                 cl.close()
     if not args.no_floors:
         # The link floor again, with the daemons gone: the ratios take the higher of the two.
-        out["floor_ucx_after"] = ucx_floor(args.ucxperf_test, bench="GetLanes|FetchLanes")
+        out["floor_ucx_after"] = ucx_floor(args.ucxperf_test, bench="GetLanes|FetchLanes", halves=args.halves)
         print_ucx_floor(" again, after the models", out["floor_ucx_after"])
         if args.floor_beside_copies is not None:
             try:
