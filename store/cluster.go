@@ -241,7 +241,7 @@ func (ss *session) clusterSealed(ctx context.Context, name string, version uint6
 		case o.state != stateSealed || o.cluster.id != "":
 		case o.ver == nil:
 			plain = true
-		case !o.ver.visible:
+		case !o.ver.visible():
 			v := o.ver
 			s.abortVersionLocked(v)
 			v.s.unopenLocked(v.n)
@@ -261,7 +261,7 @@ func (ss *session) clusterSealed(ctx context.Context, name string, version uint6
 		o.cluster.id = id
 		// A version is published here once the cluster has all its shards
 		// this node wrote (readyLocked).
-		if v := o.ver; v != nil && !v.visible && v.readyLocked() {
+		if v := o.ver; v != nil && !v.visible() && v.readyLocked() {
 			s.publishLocked(v)
 		}
 	}
@@ -397,7 +397,7 @@ func (s *Store) LeaseCluster(owner uint32, name string, version uint64, shard ui
 		return nil, fmt.Errorf("cluster object %q version %d shard %d (incarnation %s): %w", qname, version, shard, id, ErrNotFound)
 	}
 	var p placement
-	leased := o.ver == nil || o.ver.visible
+	leased := o.ver == nil || o.ver.visible()
 	if !leased {
 		p, err = ss.placeLocked(o, false)
 	}
@@ -610,7 +610,7 @@ func (s *Store) RetireCluster(owner uint32, name string, below uint64) int {
 	sr.floor = max(sr.floor, below)
 	n := 0
 	for _, v := range sr.versions {
-		if v.visible && !v.retired && v.n <= sr.floor {
+		if v.visible() && !v.retired() && v.n <= sr.floor {
 			s.retireVersionLocked(v)
 			n++
 		}

@@ -468,7 +468,7 @@ func (ss *session) resolveLocked(name string, sel versionSel) (*object, *externa
 		}
 	case kindSeries:
 		if sr := e.ser; sr.readableBy(uid) && sr.latest != 0 {
-			if v := sr.versions[sr.latest]; v != nil && !v.withdrawn {
+			if v := sr.versions[sr.latest]; v != nil && !v.withdrawn() {
 				return v.shards[0], nil, nil
 			}
 		}
@@ -638,7 +638,7 @@ func (ss *session) releaseLocked(l *lease) {
 			v.released = nil
 		}
 		switch {
-		case v.retired:
+		case v.retired():
 			s.freeVersionLocked(v)
 		case o.src != nil && o.src.orphaned:
 			s.withdrawVersionLocked(v)

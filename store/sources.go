@@ -275,10 +275,10 @@ func (ss *session) placeSourcesLocked(o *object, writable bool) (placement, erro
 // the no-copy version o (sealed): see the lifetimes above.
 func (s *Store) publisherGoneLocked(o *object) {
 	v := o.ver
-	if v == nil || v.withdrawn {
+	if v == nil || v.withdrawn() {
 		return
 	}
-	if !v.visible {
+	if !v.visible() {
 		// No reader has it: the version goes as a shard's creator that
 		// dies before sealing takes it.
 		s.abortVersionLocked(v)
@@ -294,14 +294,6 @@ func (s *Store) publisherGoneLocked(o *object) {
 	if v.leases == 0 {
 		s.withdrawVersionLocked(v)
 	}
-}
-
-// withdrawVersionLocked grants no new lease of v; its memory goes now or
-// with its last lease.
-func (s *Store) withdrawVersionLocked(v *version) {
-	v.withdrawn = true
-	s.emitObjectLocked(eventDeleted, v.shards[0])
-	s.retireVersionLocked(v)
 }
 
 // withdraw withdraws the visible no-copy versions of name this session
@@ -327,12 +319,12 @@ func (ss *session) withdraw(ctx context.Context, name string) (int, error) {
 	sr := e.ser
 	var mine []*version
 	for _, v := range sr.versions {
-		if o := v.shards[0]; v.visible && o != nil && o.src != nil && o.creatorOf(ss) {
+		if o := v.shards[0]; v.visible() && o != nil && o.src != nil && o.creatorOf(ss) {
 			mine = append(mine, v)
 		}
 	}
 	for _, v := range mine {
-		if !v.withdrawn {
+		if !v.withdrawn() {
 			s.withdrawVersionLocked(v)
 		}
 	}

@@ -210,7 +210,7 @@ func (s *Store) endShardLocked(v *version, i int) {
 	o, sr := v.shards[i], v.s
 	s.clusterGoneLocked(o, false)
 	o.to(o.state.end())
-	if o.src == nil && v.visible && s.lookupLocked(sr.name) == sr.entry() && sr.spare[i] == nil && !o.writeSealedLocked() {
+	if o.src == nil && v.visible() && s.lookupLocked(sr.name) == sr.entry() && sr.spare[i] == nil && !o.writeSealedLocked() {
 		// Keep the memory for the next version's shard i.
 		o.manifest.close()
 		o.manifest = nil
@@ -222,4 +222,151 @@ func (s *Store) endShardLocked(v *version, i int) {
 		s.freeLocked(o)
 	}
 	v.shards[i] = nil
+}
+
+// verState is where a version of a versioned name is in its life.
+type verState uint8
+
+const (
+	// verPending: some shard is not sealed yet, or not published in the
+	// cluster (readyLocked); no reader sees it.
+	verPending verState = iota
+	// verVisible: published here; readers get its shards.
+	verVisible
+	// verRetired: beyond its name's keep_last (or the cluster's): no
+	// longer the latest for a get, readable by version while leased.
+	verRetired
+	// verWithdrawn: a no-copy version its publisher withdrew (sources.go):
+	// no new lease at all.
+	verWithdrawn
+	// verFreed: its shards ended and it left its series.
+	verFreed
+)
+
+func (st verState) String() string {
+	switch st {
+	case verPending:
+		return "pending"
+	case verVisible:
+		return "visible"
+	case verRetired:
+		return "retired"
+	case verWithdrawn:
+		return "withdrawn"
+	case verFreed:
+		return "freed"
+	}
+	return fmt.Sprintf("verState(%d)", uint8(st))
+}
+
+// mayBecome reports whether a version in state st may go to next.
+func (st verState) mayBecome(next verState) bool {
+	switch st {
+	case verPending:
+		return next == verVisible || next == verFreed
+	case verVisible:
+		return next == verRetired || next == verWithdrawn
+	case verRetired:
+		return next == verWithdrawn || next == verFreed
+	case verWithdrawn:
+		return next == verFreed
+	}
+	return false
+}
+
+// to moves v to state next; a transition the table lacks panics.
+func (v *version) to(next verState) {
+	if !v.state.mayBecome(next) {
+		panic(fmt.Sprintf("store: version %d of %q: no transition from %s to %s", v.n, v.s.name, v.state, next))
+	}
+	v.state = next
+}
+
+// visible reports whether v was published here (retired and withdrawn
+// versions were).
+func (v *version) visible() bool {
+	return v.state == verVisible || v.state == verRetired || v.state == verWithdrawn
+}
+
+// retired reports whether v was retired (withdrawn versions are).
+func (v *version) retired() bool { return v.state == verRetired || v.state == verWithdrawn }
+
+// withdrawn reports whether v was withdrawn by its no-copy publisher.
+func (v *version) withdrawn() bool { return v.state == verWithdrawn }
+
+// publishLocked makes a version whose shards are all sealed visible
+// (pending → visible), and retires the versions beyond the series' keep.
+func (s *Store) publishLocked(v *version) {
+	sr := v.s
+	v.to(verVisible)
+	if v.n > sr.latest {
+		sr.latest = v.n
+	}
+	s.retireLocked(sr)
+	if v.n <= sr.floor && !v.retired() {
+		s.retireVersionLocked(v)
+	}
+	s.wakeLocked(sr.name)
+	if v.state == verVisible { // not retired (nor freed) at once
+		s.emitObjectLocked(eventSealed, v.shards[0])
+	}
+	s.log.Debug("version published", "name", sr.name, "version", v.n, "shards", len(v.shards))
+}
+
+// retireVersionLocked ends a visible version's life as the latest
+// (visible → retired); its memory goes now or with its last lease.
+func (s *Store) retireVersionLocked(v *version) {
+	v.to(verRetired)
+	s.leaveVersionLocked(v)
+}
+
+// withdrawVersionLocked grants no new lease of the visible or retired
+// no-copy version v (→ withdrawn); its memory goes now or with its last
+// lease.
+func (s *Store) withdrawVersionLocked(v *version) {
+	v.to(verWithdrawn)
+	s.emitObjectLocked(eventDeleted, v.shards[0])
+	s.leaveVersionLocked(v)
+}
+
+// leaveVersionLocked tells the cluster at once that this node no longer
+// holds v's shards, and frees v unless it is leased.
+func (s *Store) leaveVersionLocked(v *version) {
+	for _, o := range v.shards {
+		if o != nil {
+			s.clusterGoneLocked(o, false)
+		}
+	}
+	if v.leases == 0 {
+		s.freeVersionLocked(v)
+	}
+}
+
+// freeVersionLocked ends every shard of a version and forgets it (→
+// freed): a retired or withdrawn version once unleased, or an aborted
+// one.
+func (s *Store) freeVersionLocked(v *version) {
+	sr := v.s
+	for i, o := range v.shards {
+		if o != nil {
+			s.endShardLocked(v, i)
+		}
+	}
+	v.to(verFreed)
+	delete(sr.versions, v.n)
+	s.log.Debug("version freed", "name", sr.name, "version", v.n)
+}
+
+// abortVersionLocked discards a pending version: every shard, sealed or
+// not. A shard's creator that dies before sealing aborts the version this
+// way, so that no reader ever sees it.
+func (s *Store) abortVersionLocked(v *version) {
+	for _, o := range v.shards {
+		if o != nil {
+			s.emitObjectLocked(eventAborted, o)
+			break
+		}
+	}
+	s.freeVersionLocked(v)
+	s.logFor(v.s.owner).Info("version aborted", "name", v.s.name, "version", v.n)
 }

@@ -47,15 +47,10 @@ type version struct {
 	n      uint64
 	shards []*object // nil until created
 	sealed int
-	// visible: published here, once every shard is sealed and every
-	// cluster-visible one published in the cluster (readyLocked).
-	visible bool
-	retired bool
-	leases  int // over all shards
-	// withdrawn: a no-copy version (sources.go) no lease may be granted on
-	// any more; it is retired too.
-	withdrawn bool
-	released  chan struct{} // closed when leases drop to 0; made by a withdraw that waits
+	// state is where v is in its life (state.go): only v.to changes it.
+	state    verState
+	leases   int           // over all shards
+	released chan struct{} // closed when leases drop to 0; made by a withdraw that waits
 }
 
 // keepLocked is how many visible versions of sr are kept without leases.
@@ -103,7 +98,7 @@ func (ss *session) openForCreateLocked(sr *series, opt createReq, shards uint32)
 	if opt.version != 0 {
 		if v := sr.versions[opt.version]; v != nil {
 			switch {
-			case v.visible:
+			case v.visible():
 				return nil, fmt.Errorf("version %d of %q is already published: %w", opt.version, name, ErrExists)
 			case len(v.shards) != int(shards):
 				return nil, invalidf("version %d of %q has %d shards, not %d", opt.version, name, len(v.shards), shards)
@@ -121,7 +116,7 @@ func (ss *session) openForCreateLocked(sr *series, opt createReq, shards uint32)
 	// each create "the next version" meet in the same one.
 	var pick *version
 	for _, v := range sr.versions {
-		if !v.visible && len(v.shards) == int(shards) && v.shards[opt.shard] == nil && (pick == nil || v.n < pick.n) {
+		if !v.visible() && len(v.shards) == int(shards) && v.shards[opt.shard] == nil && (pick == nil || v.n < pick.n) {
 			pick = v
 		}
 	}
@@ -183,31 +178,12 @@ func (v *version) readyLocked() bool {
 	return true
 }
 
-// publishLocked makes a version whose shards are all sealed visible, and
-// retires the versions beyond the series' keep.
-func (s *Store) publishLocked(v *version) {
-	sr := v.s
-	v.visible = true
-	if v.n > sr.latest {
-		sr.latest = v.n
-	}
-	s.retireLocked(sr)
-	if v.n <= sr.floor && !v.retired {
-		s.retireVersionLocked(v)
-	}
-	s.wakeLocked(sr.name)
-	if !v.retired {
-		s.emitObjectLocked(eventSealed, v.shards[0])
-	}
-	s.log.Debug("version published", "name", sr.name, "version", v.n, "shards", len(v.shards))
-}
-
 // retireLocked retires the visible versions of sr beyond its keep newest,
 // freeing those without leases.
 func (s *Store) retireLocked(sr *series) {
 	var visible []*version
 	for _, v := range sr.versions {
-		if v.visible && !v.retired {
+		if v.visible() && !v.retired() {
 			visible = append(visible, v)
 		}
 	}
@@ -226,47 +202,6 @@ func (s *Store) retireLocked(sr *series) {
 	}
 }
 
-// retireVersionLocked ends a version's life as a readable version; its
-// memory goes now or with its last lease. The cluster is told at once that
-// this node no longer holds its shards.
-func (s *Store) retireVersionLocked(v *version) {
-	v.retired = true
-	for _, o := range v.shards {
-		if o != nil {
-			s.clusterGoneLocked(o, false)
-		}
-	}
-	if v.leases == 0 {
-		s.freeVersionLocked(v)
-	}
-}
-
-// freeVersionLocked frees every shard of a version and forgets it.
-func (s *Store) freeVersionLocked(v *version) {
-	sr := v.s
-	for i, o := range v.shards {
-		if o != nil {
-			s.endShardLocked(v, i)
-		}
-	}
-	delete(sr.versions, v.n)
-	s.log.Debug("version freed", "name", v.s.name, "version", v.n)
-}
-
-// abortVersionLocked discards a pending version: every shard, sealed or
-// not. A shard's creator that dies before sealing aborts the version this
-// way, so that no reader ever sees it.
-func (s *Store) abortVersionLocked(v *version) {
-	for _, o := range v.shards {
-		if o != nil {
-			s.emitObjectLocked(eventAborted, o)
-			break
-		}
-	}
-	s.freeVersionLocked(v)
-	s.logFor(v.s.owner).Info("version aborted", "name", v.s.name, "version", v.n)
-}
-
 // versionShardLocked finds the shard of the version sel names of sr for a
 // get: ErrTimeout while that version is not (yet) visible to this session.
 func (ss *session) versionShardLocked(sr *series, sel versionSel) (*object, error) {
@@ -278,17 +213,17 @@ func (ss *session) versionShardLocked(sr *series, sel versionSel) (*object, erro
 	switch {
 	case sel.version != 0:
 		v = sr.versions[sel.version]
-		if v != nil && v.withdrawn {
+		if v != nil && v.withdrawn() {
 			return nil, fmt.Errorf("version %d of %q was withdrawn by its publisher (latest is %d): %w", sel.version, name, sr.latest, ErrNotFound)
 		}
-		if v == nil || !v.visible {
+		if v == nil || !v.visible() {
 			// Gone for good: opened (or superseded) and no longer here.
 			if v == nil && sel.version <= max(sr.latest, sr.last) {
 				return nil, fmt.Errorf("version %d of %q was reclaimed or aborted (latest is %d): %w", sel.version, name, sr.latest, ErrNotFound)
 			}
 			return nil, fmt.Errorf("version %d of %q is not published yet: %w", sel.version, name, ErrTimeout)
 		}
-	case sr.latest > sel.newerThan && sr.versions[sr.latest] != nil && !sr.versions[sr.latest].withdrawn:
+	case sr.latest > sel.newerThan && sr.versions[sr.latest] != nil && !sr.versions[sr.latest].withdrawn():
 		v = sr.versions[sr.latest]
 	case sr.latest > sel.newerThan:
 		return nil, fmt.Errorf("version %d of %q was withdrawn by its publisher; none newer yet: %w", sr.latest, name, ErrTimeout)
@@ -311,7 +246,7 @@ func (ss *session) seriesInfoLocked(sr *series) (info, bool) {
 		return info{}, false
 	}
 	v := sr.versions[sr.latest]
-	if v == nil || v.withdrawn || v.shards[0] == nil {
+	if v == nil || v.withdrawn() || v.shards[0] == nil {
 		return info{}, false
 	}
 	return v.shards[0].info(), true
@@ -335,9 +270,9 @@ func (ss *session) deleteSeriesLocked(sr *series) {
 		s.emitObjectLocked(eventDeleted, latest)
 	}
 	for _, v := range sr.versions {
-		if !v.visible {
+		if !v.visible() {
 			s.abortVersionLocked(v)
-		} else if !v.retired {
+		} else if !v.retired() {
 			s.retireVersionLocked(v)
 		}
 	}
