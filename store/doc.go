@@ -31,6 +31,37 @@
 // lease the same way, whatever its kind. Subscribers are told only of
 // names their list would show them.
 //
+// # States
+//
+// Each entry's state is one value with its transitions in one file
+// (state.go), which refuses any transition not listed here. An object (a
+// plain object, a version's shard, a no-copy shard or a partial replica
+// alike):
+//
+//	from             to        when
+//	-                draft     create (a replica or slice the cluster makes too)
+//	draft            sealed    its creator seals it
+//	draft            detached  a replica's pull gave up while peers read it: its name goes, its memory stays
+//	draft, detached  aborted   abort, delete of a draft, its creator's end, its version aborted
+//	sealed           deleted   delete, eviction, a slice dropped, its version freed
+//
+// Drafts and sealed objects hold their name; a deleted object's memory
+// goes with its last lease, an aborted one's at once. A version of a
+// versioned name:
+//
+//	from                       to         when
+//	-                          pending    the create of its first shard
+//	pending                    visible    its last shard sealed (and, if cluster-visible, published)
+//	pending                    freed      aborted: a shard aborted or its creator gone, a failed cluster publish, its name deleted
+//	visible                    retired    beyond keep_last (the name's, or the cluster's), or its name deleted
+//	visible, retired           withdrawn  its no-copy publisher withdrew it, or went
+//	retired, withdrawn         freed      its last lease ended (at once when unleased)
+//
+// A registration of external memory is registered, then orphaned when its
+// registering connection ends (readable while leased), and dropped when
+// deleted, when a legacy one's exporter ends, or with an orphan's last
+// lease; its descriptors close with its last lease.
+//
 // # Memory
 //
 // Objects live in arenas, sub-allocated with 256-byte alignment by

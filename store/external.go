@@ -44,9 +44,9 @@ type external struct {
 	legacy []byte     // cuda-ipc: region again (the exporter must outlive its readers); nil for vmm-fd and host
 
 	registrar *session // the registering connection, while it lives
-	orphaned  bool
-	deleted   bool // no longer in Store.externals
-	leases    int
+	// state is where e is in its life (state.go): only e.to changes it.
+	state  extState
+	leases int
 	// id names e in ArenasFreed, as an arena id would: a client keeps the
 	// mapping of a lease it released through its lease table (an idle
 	// lease) until the daemon reclaims it, and then drops it on this id.
@@ -63,28 +63,8 @@ func (e *external) info() info {
 		Name: e.name, Size: e.size, Device: e.device, Sealed: true,
 		Shared: e.shared, OwnerUID: e.owner, Created: e.created, Region: e.region, Tensor: e.tensor,
 		Leases:   e.leases - idleLeasesLocked(e.slotted),
-		External: true, Orphaned: e.orphaned, ExporterBound: e.legacy != nil, Space: e.space,
+		External: true, Orphaned: e.state == extOrphaned, ExporterBound: e.legacy != nil, Space: e.space,
 		CreatorCanWrite: true, // the memory is the registering process's
-	}
-}
-
-// dropExternalLocked forgets e's name, telling subscribers kind, and
-// closes its descriptors once no lease is left.
-func (s *Store) dropExternalLocked(e *external, kind eventKind) {
-	if !e.deleted {
-		e.deleted = true
-		s.unclaimLocked(e.name, e.entry())
-		s.emitLocked(event{kind: kind, name: e.name}, readers(e.owner, e.shared))
-		// Idle leases go now (a later get finds no name), held ones through
-		// the socket; either may bring the count to zero and come back here.
-		doomSlotsLocked(e.slotted)
-	}
-	if e.leases == 0 && e.files != nil {
-		for _, f := range e.files {
-			f.Close()
-		}
-		s.giveFDsLocked(e.owner, len(e.files))
-		e.files = nil
 	}
 }
 
@@ -218,28 +198,6 @@ func (ss *session) leaseExternalLocked(e *external) (placement, error) {
 	p.leaseID, p.leaseSlot, p.leaseGen, p.arenaID = l.id, l.slot, l.gen, e.id
 	p.info = e.info()
 	return p, nil
-}
-
-// unregisterLocked handles the registering connection's end.
-func (ss *session) unregisterLocked(e *external) {
-	s := ss.s
-	e.registrar = nil
-	if e.deleted {
-		return
-	}
-	if e.legacy != nil {
-		s.logFor(e.owner).Info("external memory removed: its exporter disconnected (a legacy region is valid only while the exporter lives)", "name", e.name, "leases", e.leases)
-		s.dropExternalLocked(e, eventDeleted)
-		return
-	}
-	e.orphaned = true
-	s.logFor(e.owner).Info("external memory orphaned: its exporter disconnected; readers keep their mappings", "name", e.name, "leases", e.leases)
-	// An idle lease is no reader: it goes now, so that the memory goes with
-	// the last lease held; a held one is released through the socket.
-	doomSlotsLocked(e.slotted)
-	if e.leases == 0 {
-		s.dropExternalLocked(e, eventDeleted)
-	}
 }
 
 // dupFile duplicates f, close-on-exec.

@@ -254,5 +254,5 @@ func (s *Store) Live(r Registration) bool {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return !r.e.deleted
+	return r.e.state != extDropped
 }

@@ -621,7 +621,7 @@ func (ss *session) releaseLocked(l *lease) {
 	delete(ss.leases, l.id)
 	s.leases--
 	if e := l.ext; e != nil {
-		if e.leases--; e.leases == 0 && (e.deleted || e.orphaned) {
+		if e.leases--; e.leases == 0 && e.state != extRegistered {
 			s.dropExternalLocked(e, eventDeleted)
 		}
 		return

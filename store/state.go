@@ -5,25 +5,11 @@ import (
 	"slices"
 )
 
-// The life of an object: a plain object, a shard of a version, a no-copy
-// version's shard or a partial replica alike (what differs is objKind's
-// data). Its state is one objState, changed only by to, and every
-// transition is one function of this file, which does the bookkeeping
-// that belongs to it:
-//
-//	from              to        function           when
-//	(new)             draft     createIn           create, a replica or slice made
-//	draft             sealed    sealLocked         its creator's seal
-//	draft             detached  detachLocked       a replica's pull gave up while peers read it
-//	draft, detached   aborted   abortLocked        abort, delete of a draft, the creator's end
-//	sealed            deleted   deleteLocked       delete, eviction, a slice dropped
-//	draft, sealed     aborted,  endShardLocked     its version freed (retired and unleased,
-//	                  deleted                      or aborted)
-//
-// A draft and a sealed object hold their name (a shard: its place in its
-// version); the other states do not. A deleted object's memory goes with
-// its last lease (releaseLocked), or stays its series' spare; an aborted
-// one's at once; a detached one's when its creator aborts it.
+// The states of the name table's entries and their transitions: objects
+// (objState), versions (verState) and registrations (extState). Each
+// state changes only by its type's to, which refuses a transition the
+// tables of doc.go ("States") do not list, and each transition is one
+// function below that does the bookkeeping belonging to it.
 
 // objState is where an object is in its life.
 type objState uint8
@@ -369,4 +355,85 @@ func (s *Store) abortVersionLocked(v *version) {
 	}
 	s.freeVersionLocked(v)
 	s.logFor(v.s.owner).Info("version aborted", "name", v.s.name, "version", v.n)
+}
+
+// extState is where a registration of external memory is in its life
+// (external.go).
+type extState uint8
+
+const (
+	// extRegistered: named and readable; its registering connection lives.
+	extRegistered extState = iota
+	// extOrphaned: its registering connection ended; readable while
+	// leased, dropped with its last lease.
+	extOrphaned
+	// extDropped: its name went; its descriptors close with its last
+	// lease.
+	extDropped
+)
+
+func (st extState) String() string {
+	switch st {
+	case extRegistered:
+		return "registered"
+	case extOrphaned:
+		return "orphaned"
+	case extDropped:
+		return "dropped"
+	}
+	return fmt.Sprintf("extState(%d)", uint8(st))
+}
+
+// to moves e to state next: registered → orphaned → dropped, or
+// registered → dropped. Another transition panics.
+func (e *external) to(next extState) {
+	if next <= e.state {
+		panic(fmt.Sprintf("store: registration %q: no transition from %s to %s", e.name, e.state, next))
+	}
+	e.state = next
+}
+
+// dropExternalLocked forgets e's name (→ dropped), telling subscribers
+// kind, and closes its descriptors once no lease is left: at once, or
+// at its last lease's release.
+func (s *Store) dropExternalLocked(e *external, kind eventKind) {
+	if e.state != extDropped {
+		e.to(extDropped)
+		s.unclaimLocked(e.name, e.entry())
+		s.emitLocked(event{kind: kind, name: e.name}, readers(e.owner, e.shared))
+		// Idle leases go now (a later get finds no name), held ones through
+		// the socket; either may bring the count to zero and come back here.
+		doomSlotsLocked(e.slotted)
+	}
+	if e.leases == 0 && e.files != nil {
+		for _, f := range e.files {
+			f.Close()
+		}
+		s.giveFDsLocked(e.owner, len(e.files))
+		e.files = nil
+	}
+}
+
+// unregisterLocked handles the registering connection's end: a legacy
+// registration is dropped, another orphaned (registered → orphaned), and
+// dropped with its last lease.
+func (ss *session) unregisterLocked(e *external) {
+	s := ss.s
+	e.registrar = nil
+	if e.state == extDropped {
+		return
+	}
+	if e.legacy != nil {
+		s.logFor(e.owner).Info("external memory removed: its exporter disconnected (a legacy region is valid only while the exporter lives)", "name", e.name, "leases", e.leases)
+		s.dropExternalLocked(e, eventDeleted)
+		return
+	}
+	e.to(extOrphaned)
+	s.logFor(e.owner).Info("external memory orphaned: its exporter disconnected; readers keep their mappings", "name", e.name, "leases", e.leases)
+	// An idle lease is no reader: it goes now, so that the memory goes with
+	// the last lease held; a held one is released through the socket.
+	doomSlotsLocked(e.slotted)
+	if e.leases == 0 {
+		s.dropExternalLocked(e, eventDeleted)
+	}
 }
