@@ -86,11 +86,13 @@ type ctlRequest struct {
 	// Known is, for "have" (fanout.go), how many chunks the reader knows
 	// the feeder has.
 	Known int `json:"known,omitempty"`
-	// Reader, Space and Regions are, for "kvopen" (kvspace.go), the uid of
-	// the reader, the KV space's description and the regions to expose.
-	Reader  uint32 `json:"reader,omitempty"`
-	Space   []byte `json:"space,omitempty"`
-	Regions []int  `json:"regions,omitempty"`
+	// Reader, Space, Regions and Stage are, for "kvopen" (kvspace.go), the
+	// uid of the reader, the KV space's description, the regions to expose
+	// and, for a staged read, its blocks.
+	Reader  uint32      `json:"reader,omitempty"`
+	Space   []byte      `json:"space,omitempty"`
+	Regions []int       `json:"regions,omitempty"`
+	Stage   *SpaceStage `json:"stage,omitempty"`
 }
 
 // ctlResponse answers a ctlRequest.
@@ -724,6 +726,8 @@ func (s *ControlServer) serveConn(c net.Conn, cc *ctlConn, log *slog.Logger, ref
 			resp = s.serveFeed(req, held, &next)
 		case "kvopen":
 			resp = s.serveSpace(req, held, &next)
+		case "kvread":
+			resp, raw = s.serveSpaceRead(req)
 		case "have":
 			resp = s.serveHave(req)
 		case "close":

@@ -42,7 +42,30 @@ type SpaceSource interface {
 	// release. It fails with an error wrapping ErrNotFound when this node
 	// has no such space (never, or no longer, or registered again since),
 	// or the reader may not read it: ErrNoSpace.
-	ExposeSpace(reader uint32, desc []byte, regions []int) (e SpaceExposure, release func(), err error)
+	//
+	// With stage, it exposes instead one buffer into which it gathers the
+	// blocks stage names, as kv.Staging lays them out (regions are the
+	// regions those layers use), each layer readable as soon as it is
+	// gathered: reads of bytes not gathered yet wait at this node.
+	ExposeSpace(reader uint32, desc []byte, regions []int, stage *SpaceStage) (e SpaceExposure, release func(), err error)
+}
+
+// SpaceGatherer is a SpaceSource that also answers a small staged read
+// with its bytes, in the control channel's answer ("kvread"): one round
+// trip, no exposure to release, no UCX transfer.
+type SpaceGatherer interface {
+	// GatherSpace returns the bytes a staged read of stage gathers (as
+	// ExposeSpace with stage would expose them), at most max of them,
+	// failing as ExposeSpace does.
+	GatherSpace(reader uint32, desc []byte, regions []int, stage *SpaceStage, max int64) ([]byte, error)
+}
+
+// SpaceStage is what a staged read gathers: block Blocks[i] of each part
+// of layers [First, First+Count).
+type SpaceStage struct {
+	Blocks []int `json:"blocks"`
+	First  int   `json:"first"`
+	Count  int   `json:"count"`
 }
 
 // SpaceExposure says where a reader reads the exposed regions of a space:
@@ -79,7 +102,11 @@ func (s *ControlServer) serveSpace(req ctlRequest, held map[uint64]func(), next 
 		resp.Err = fmt.Sprintf("kvopen of %d regions of a description of %d bytes", len(req.Regions), len(req.Space))
 		return resp
 	}
-	e, rel, err := ss.ExposeSpace(req.Reader, req.Space, req.Regions)
+	if st := req.Stage; st != nil && (len(st.Blocks) == 0 || st.First < 0 || st.Count <= 0) {
+		resp.Err = fmt.Sprintf("kvopen of a staging of %d blocks of layers from %d, %d of them", len(st.Blocks), st.First, st.Count)
+		return resp
+	}
+	e, rel, err := ss.ExposeSpace(req.Reader, req.Space, req.Regions, req.Stage)
 	if err != nil {
 		resp.Err, resp.NotHeld = err.Error(), errors.Is(err, ErrNoSpace)
 		return resp
@@ -90,13 +117,63 @@ func (s *ControlServer) serveSpace(req ctlRequest, held map[uint64]func(), next 
 	return resp
 }
 
+// serveSpaceRead answers a "kvread" request: the staged read's bytes
+// follow the answer in a frame of their own, sealed like every frame of
+// the channel.
+func (s *ControlServer) serveSpaceRead(req ctlRequest) (ctlResponse, []byte) {
+	var resp ctlResponse
+	sg, ok := s.Source.(SpaceGatherer)
+	st := req.Stage
+	switch {
+	case !ok:
+		resp.Err = fmt.Sprintf("%s %q", unknownOp, req.Op)
+		return resp, nil
+	case st == nil || len(st.Blocks) == 0 || st.First < 0 || st.Count <= 0 || len(req.Regions) == 0 || len(req.Regions) > maxSpaceRegions:
+		resp.Err = "kvread of no staging, or of no regions"
+		return resp, nil
+	}
+	b, err := sg.GatherSpace(req.Reader, req.Space, req.Regions, st, MaxInline)
+	if err != nil {
+		resp.Err, resp.NotHeld = err.Error(), errors.Is(err, ErrNoSpace)
+		return resp, nil
+	}
+	if len(b) == 0 || len(b) > MaxInline {
+		resp.Err = fmt.Sprintf("a staging of %d bytes cannot be read inline", len(b))
+		return resp, nil
+	}
+	resp.Inline = int64(len(b))
+	return resp, b
+}
+
+// GatherSpace asks the node for the bytes of a staged read of the KV
+// space desc (size of them, at most MaxInline) in its answer. It fails
+// wrapping ErrNoSpace as OpenSpace does.
+func (cc *ControlClient) GatherSpace(ctx context.Context, reader uint32, desc []byte, regions []int, stage *SpaceStage, size int64) ([]byte, error) {
+	var data []byte
+	resp, err := cc.exchange(ctx, ctlRequest{Op: "kvread", Reader: reader, Space: desc, Regions: regions, Stage: stage}, &data)
+	if err != nil {
+		return nil, err
+	}
+	if resp.Err != "" {
+		if resp.NotHeld {
+			return nil, fmt.Errorf("node %s: %w", cc.ch.peer, errorText{resp.Err, ErrNoSpace})
+		}
+		return nil, fmt.Errorf("node %s: %s", cc.ch.peer, resp.Err)
+	}
+	if int64(len(data)) != size {
+		return nil, fmt.Errorf("%w: node %s sent %d bytes of a staging of %d", ErrBadRecord, cc.ch.peer, len(data), size)
+	}
+	return data, nil
+}
+
 // OpenSpace asks the node to expose regions of the KV space desc to a
 // reader of uid reader, and returns where to read them and a handle for
 // Release. The node keeps them until Release or until this connection
 // closes. It fails wrapping ErrNoSpace when the node has no such space for
-// the reader.
-func (cc *ControlClient) OpenSpace(ctx context.Context, reader uint32, desc []byte, regions []int) (SpaceExposure, uint64, error) {
-	resp, err := cc.roundTrip(ctx, ctlRequest{Op: "kvopen", Reader: reader, Space: desc, Regions: regions})
+// the reader. With stage, the node exposes one buffer of the blocks stage
+// names (SpaceSource).
+func (cc *ControlClient) OpenSpace(ctx context.Context, reader uint32, desc []byte, regions []int, stage *SpaceStage) (SpaceExposure, uint64, error) {
+	resp, err := cc.roundTrip(ctx, ctlRequest{Op: "kvopen", Reader: reader, Space: desc, Regions: regions, Stage: stage})
 	if err != nil {
 		return SpaceExposure{}, 0, err
 	}
@@ -107,7 +184,11 @@ func (cc *ControlClient) OpenSpace(ctx context.Context, reader uint32, desc []by
 		return SpaceExposure{}, 0, fmt.Errorf("node %s: %s", cc.ch.peer, resp.Err)
 	}
 	e := SpaceExposure{Worker: resp.Exposure.Worker, Regions: resp.Regions}
-	if err := e.validate(len(regions)); err != nil {
+	want := len(regions)
+	if stage != nil {
+		want = 1
+	}
+	if err := e.validate(want); err != nil {
 		cc.Release(ctx, resp.Handle) //nolint:errcheck // the answer is refused; the exposure goes with it
 		return SpaceExposure{}, 0, fmt.Errorf("node %s: %w", cc.ch.peer, err)
 	}
@@ -146,8 +227,12 @@ type SpaceRead struct {
 	Desc    []byte
 	Regions []int
 	Sizes   []int64
-	Next    func() (SpaceGet, bool)
-	Done    func(SpaceGet)
+	// Stage, when set, makes the read staged: the node exposes one buffer
+	// (SpaceSource), which the Gets read (their Region 0), of Sizes[0]
+	// bytes.
+	Stage *SpaceStage
+	Next  func() (SpaceGet, bool)
+	Done  func(SpaceGet)
 	// Depth is how many Gets are in flight at once (DefaultSpaceDepth
 	// when 0); Timeout bounds each (the puller's ChunkTimeout when 0).
 	Depth   int
@@ -161,6 +246,31 @@ type SpaceGet struct {
 	Off    int64
 	Dst    []byte
 	Tag    int
+}
+
+// GatherSpace reads the staged read r (r.Stage, of r.Sizes[0] bytes, at
+// most MaxInline) in one answer over the puller's pooled connection to
+// r.Node (SpaceGatherer), failing as ReadSpace does; r's Gets are not
+// used.
+func (p *Puller) GatherSpace(ctx context.Context, r SpaceRead) ([]byte, error) {
+	for attempt := 0; ; attempt++ {
+		pe, err := p.acquire(ctx, r.Node)
+		if err != nil {
+			if errors.Is(err, errNotLive) {
+				return nil, fmt.Errorf("node %s is not a live node of the cluster: %w: %v", r.Node, ErrNotFound, err)
+			}
+			return nil, unreachable(r.Node, err)
+		}
+		b, err := pe.cc.GatherSpace(ctx, r.Reader, r.Desc, r.Regions, r.Stage, r.Sizes[0])
+		stale := errors.Is(err, errChannel)
+		p.release(pe, stale || errors.Is(err, ErrBadRecord))
+		if err == nil || !stale || attempt > 0 || ctx.Err() != nil {
+			if err != nil && !errors.Is(err, ErrNoSpace) && !errors.Is(err, ErrBadRecord) {
+				err = unreachable(r.Node, err)
+			}
+			return b, err
+		}
+	}
 }
 
 // ReadSpace reads r over the puller's pooled connection to r.Node: it has
@@ -184,7 +294,7 @@ func (p *Puller) ReadSpace(ctx context.Context, r SpaceRead) error {
 			}
 			return unreachable(r.Node, err)
 		}
-		exp, handle, err = pe.cc.OpenSpace(ctx, r.Reader, r.Desc, r.Regions)
+		exp, handle, err = pe.cc.OpenSpace(ctx, r.Reader, r.Desc, r.Regions, r.Stage)
 		if err == nil {
 			break
 		}
@@ -210,7 +320,7 @@ func (p *Puller) ReadSpace(ctx context.Context, r SpaceRead) error {
 	}()
 	for i, reg := range exp.Regions {
 		if reg.Size != r.Sizes[i] {
-			return fmt.Errorf("%w: node %s exposes %d bytes of region %d, the description says %d", ErrBadRecord, r.Node, reg.Size, r.Regions[i], r.Sizes[i])
+			return fmt.Errorf("%w: node %s exposes %d bytes (region %d), the read expects %d", ErrBadRecord, r.Node, reg.Size, i, r.Sizes[i])
 		}
 	}
 	ep, err := pe.endpoint(ctx, p.Transport, exp.Worker)

@@ -28,11 +28,12 @@ type SpaceReader interface {
 	// clients, and the KV spaces they register name it.
 	NodeName() string
 	// ReadSpace reads r, calling progress (from one goroutine, in order)
-	// each time the count of complete layers from r.First grows, until
-	// every layer is complete or it fails; it returns once nothing writes
-	// into the destination any more. Its errors wrap the protocol's
-	// sentinels (the code the client gets).
-	ReadSpace(ctx context.Context, r SpaceRead, progress func(layers int)) error
+	// each time the count of complete layers from r.First grows, but for
+	// the last layer, until every layer is complete or it fails; it
+	// returns once nothing writes into the destination any more, with the
+	// count of layers read. Its errors wrap the protocol's sentinels (the
+	// code the client gets).
+	ReadSpace(ctx context.Context, r SpaceRead, progress func(layers int)) (int, error)
 }
 
 // SpaceRead is a kv_read as the store hands it to its SpaceReader: Reader
@@ -62,8 +63,8 @@ func (s *Store) nodeName() string {
 }
 
 // kvRead serves a kv_read (valid as protocol.ValidateRequest checks it) in
-// a goroutine of its own: progress responses as layers complete, then the
-// end, all under the request's id.
+// a goroutine of its own: progress responses as layers complete (not the
+// last: the end says it), then the end, all under the request's id.
 func (cn *conn) kvRead(id uint64, r *storev1.KvReadRequest) {
 	sr, ok := cn.s.cfg.Cluster.(SpaceReader)
 	if !ok {
@@ -106,7 +107,7 @@ func (cn *conn) kvRead(id uint64, r *storev1.KvReadRequest) {
 			cancel()
 		}()
 		sent := 0
-		err := sr.ReadSpace(ctx, read, func(layers int) {
+		layers, err := sr.ReadSpace(ctx, read, func(layers int) {
 			if layers > sent {
 				sent = layers
 				cn.send(&storev1.Response{Id: id, Body: &storev1.Response_KvRead{KvRead: &storev1.KvReadResponse{Layers: uint32(layers)}}})
@@ -122,7 +123,7 @@ func (cn *conn) kvRead(id uint64, r *storev1.KvReadRequest) {
 			cn.reply("kv_read", protocol.ErrorResponse(id, err), nil)
 			return
 		}
-		cn.reply("kv_read", &storev1.Response{Id: id, Body: &storev1.Response_KvRead{KvRead: &storev1.KvReadResponse{Layers: uint32(sent), Done: true}}}, nil)
+		cn.reply("kv_read", &storev1.Response{Id: id, Body: &storev1.Response_KvRead{KvRead: &storev1.KvReadResponse{Layers: uint32(layers), Done: true}}}, nil)
 	})
 }
 

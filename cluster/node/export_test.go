@@ -193,3 +193,21 @@ func SpacesMapped(n *Node) int {
 	defer n.spaces.mu.Unlock()
 	return len(n.spaces.m)
 }
+
+// SetSpaceMode makes n's reads of KV spaces across nodes go "direct" (a
+// Get a copy), "staged" (gathered at the source), or by their copies'
+// size ("auto").
+func SetSpaceMode(n *Node, mode string) {
+	n.spaceMode.Store(map[string]int32{"auto": spaceModeAuto, "direct": spaceModeDirect, "staged": spaceModeStaged}[mode])
+}
+
+// KVStagedBytes counts the bytes n gathered for staged reads of its spaces.
+func KVStagedBytes(n *Node) uint64 { return n.kvStagedBytes.Load() }
+
+// SetMaxStaged bounds the staging of a group of layers of a staged read
+// (on both sides: every node of the test process) until the test ends.
+func SetMaxStaged(t testing.TB, n int64) {
+	old := maxStaged
+	maxStaged = n
+	t.Cleanup(func() { maxStaged = old })
+}

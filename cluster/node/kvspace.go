@@ -47,44 +47,53 @@ func invalid(format string, a ...any) error {
 }
 
 // ReadSpace implements store.SpaceReader.
-func (n *Node) ReadSpace(ctx context.Context, r store.SpaceRead, progress func(layers int)) error {
+func (n *Node) ReadSpace(ctx context.Context, r store.SpaceRead, progress func(layers int)) (int, error) {
+	p, err := n.readSpace(ctx, r, progress)
+	if err != nil {
+		return 0, err
+	}
+	return p.Count, nil
+}
+
+// readSpace is ReadSpace, returning the read's plan.
+func (n *Node) readSpace(ctx context.Context, r store.SpaceRead, progress func(layers int)) (*kv.Plan, error) {
 	var src, dst kv.Desc
 	if err := src.UnmarshalBinary(r.Src); err != nil {
-		return invalid("source: %v", err)
+		return nil, invalid("source: %v", err)
 	}
 	if err := dst.UnmarshalBinary(r.Dst); err != nil {
-		return invalid("destination: %v", err)
+		return nil, invalid("destination: %v", err)
 	}
 	self := n.cfg.Directory.Node
 	if src.Node == "" || src.Node == self {
-		return invalid("space %s is on this node (%q), not another: read it directly", src.Name, src.Node)
+		return nil, invalid("space %s is on this node (%q), not another: read it directly", src.Name, src.Node)
 	}
 	if dst.Node != self {
-		return invalid("destination %s is on node %q, not this one (%s)", dst.Name, dst.Node, self)
+		return nil, invalid("destination %s is on node %q, not this one (%s)", dst.Name, dst.Node, self)
 	}
 	if uid, _, ok := protocol.SplitOwner(dst.Name); !ok || uid != r.Reader {
-		return protocol.Errorf(storev1.Error_PERMISSION, "kv_read: destination %s is not a space of uid %d: a read writes only into the reader's own", dst.Name, r.Reader)
+		return nil, protocol.Errorf(storev1.Error_PERMISSION, "kv_read: destination %s is not a space of uid %d: a read writes only into the reader's own", dst.Name, r.Reader)
 	}
 	p, err := kv.NewPlan(&src, &dst, ints(r.SrcBlocks), ints(r.DstBlocks), r.First, r.Count)
 	if err != nil {
-		return invalid("%v", err)
+		return nil, invalid("%v", err)
 	}
 	srcRegions, dstRegions := p.Regions()
 	for _, i := range srcRegions {
 		if d := src.Regions[i].Device; d != "host" {
-			return invalid("region %d of %s is in GPU memory (%s): across nodes this version reads host memory", i, src.Name, d)
+			return nil, invalid("region %d of %s is in GPU memory (%s): across nodes this version reads host memory", i, src.Name, d)
 		}
 	}
 	names := make([]string, len(dstRegions))
 	for k, i := range dstRegions {
 		if d := dst.Regions[i].Device; d != "host" {
-			return invalid("destination region %d is in GPU memory (%s): across nodes this version writes host memory", i, d)
+			return nil, invalid("destination region %d is in GPU memory (%s): across nodes this version writes host memory", i, d)
 		}
 		names[k] = dst.RegionName(i)
 	}
 	lease, err := n.st.LeaseRegistered(r.Reader, names)
 	if err != nil {
-		return fmt.Errorf("destination %s: %w", dst.Name, err)
+		return nil, fmt.Errorf("destination %s: %w", dst.Name, err)
 	}
 	defer lease.Release()
 	mem := make([][]byte, len(dst.Regions))
@@ -92,16 +101,19 @@ func (n *Node) ReadSpace(ctx context.Context, r store.SpaceRead, progress func(l
 		i := dstRegions[k]
 		switch {
 		case reg.Owner != r.Reader:
-			return protocol.Errorf(storev1.Error_PERMISSION, "kv_read: destination region %s is uid %d's, not the reader's (%d)", reg.Name, reg.Owner, r.Reader)
+			return nil, protocol.Errorf(storev1.Error_PERMISSION, "kv_read: destination region %s is uid %d's, not the reader's (%d)", reg.Name, reg.Owner, r.Reader)
 		case !bytes.Equal(reg.Space, r.Dst) || reg.Device != "host" || reg.Size != dst.Regions[i].Size || len(reg.Files) != 1:
-			return fmt.Errorf("destination region %s is not of the registration the description names (registered again since?): %w", reg.Name, store.ErrNotFound)
+			return nil, fmt.Errorf("destination region %s is not of the registration the description names (registered again since?): %w", reg.Name, store.ErrNotFound)
 		}
 		m, err := n.spaces.acquire(reg, true, nil)
 		if err != nil {
-			return fmt.Errorf("destination region %s: %w", reg.Name, err)
+			return nil, fmt.Errorf("destination region %s: %w", reg.Name, err)
 		}
 		defer n.spaces.release(m)
 		mem[i] = m.mem
+	}
+	if n.staged(p) {
+		return p, n.readStaged(ctx, r, &src, p, ints(r.SrcBlocks), ints(r.DstBlocks), mem, progress)
 	}
 	index := make(map[int]int, len(srcRegions))
 	sizes := make([]int64, len(srcRegions))
@@ -112,7 +124,7 @@ func (n *Node) ReadSpace(ctx context.Context, r store.SpaceRead, progress func(l
 	for i := range lr.pending {
 		lr.pending[i] = -1
 	}
-	return n.p.ReadSpace(ctx, cluster.SpaceRead{Node: src.Node, Reader: r.Reader, Desc: r.Src, Regions: srcRegions, Sizes: sizes,
+	return p, n.p.ReadSpace(ctx, cluster.SpaceRead{Node: src.Node, Reader: r.Reader, Desc: r.Src, Regions: srcRegions, Sizes: sizes,
 		Next: lr.next, Done: lr.done})
 }
 
@@ -163,8 +175,10 @@ func (lr *layerReads) done(g cluster.SpaceGet) {
 	if n > lr.complete {
 		lr.complete = n
 		// Under lr.mu: progress is reported in order, from one goroutine
-		// at a time.
-		lr.progress(n)
+		// at a time. The last layer is the read's end.
+		if n < len(lr.pending) {
+			lr.progress(n)
+		}
 	}
 }
 
@@ -179,30 +193,10 @@ func ints(ids []uint32) []int {
 // ExposeSpace implements cluster.SpaceSource: regions of a space
 // registered on this node, leased for the reader's uid, exposed through
 // UCX windows on their mappings until release.
-func (s source) ExposeSpace(reader uint32, desc []byte, regions []int) (cluster.SpaceExposure, func(), error) {
+func (s source) ExposeSpace(reader uint32, desc []byte, regions []int, stage *cluster.SpaceStage) (cluster.SpaceExposure, func(), error) {
 	n := s.n
-	var d kv.Desc
-	if err := d.UnmarshalBinary(desc); err != nil {
-		return cluster.SpaceExposure{}, nil, err
-	}
-	if self := n.cfg.Directory.Node; d.Node != self {
-		return cluster.SpaceExposure{}, nil, fmt.Errorf("%w: space %s is on node %q, not this one", cluster.ErrNoSpace, d.Name, d.Node)
-	}
-	names := make([]string, len(regions))
-	for k, i := range regions {
-		if i < 0 || i >= len(d.Regions) || k > 0 && i <= regions[k-1] {
-			return cluster.SpaceExposure{}, nil, fmt.Errorf("regions %v of a space of %d: want ascending region numbers", regions, len(d.Regions))
-		}
-		if d.Regions[i].Device != "host" {
-			return cluster.SpaceExposure{}, nil, fmt.Errorf("region %d of %s is in GPU memory: this node exposes host memory", i, d.Name)
-		}
-		names[k] = d.RegionName(i)
-	}
-	lease, err := n.st.LeaseRegistered(reader, names)
+	d, lease, err := n.leaseSpace(reader, desc, regions)
 	if err != nil {
-		if errors.Is(err, store.ErrNotFound) {
-			err = fmt.Errorf("%w: %v (its engine ended or closed it, or it was never registered, or not for this uid)", cluster.ErrNoSpace, err)
-		}
 		return cluster.SpaceExposure{}, nil, err
 	}
 	var undo []func()
@@ -212,13 +206,18 @@ func (s source) ExposeSpace(reader uint32, desc []byte, regions []int) (cluster.
 		}
 		lease.Release()
 	}
-	e := cluster.SpaceExposure{Worker: n.tr.WorkerAddress()}
-	for k, reg := range lease.Regions {
-		i := regions[k]
-		if !bytes.Equal(reg.Space, desc) || reg.Device != "host" || reg.Size != d.Regions[i].Size || len(reg.Files) != 1 {
-			release()
-			return cluster.SpaceExposure{}, nil, fmt.Errorf("%w: region %s is not of the registration the description names (registered again since)", cluster.ErrNoSpace, reg.Name)
+	if stage != nil {
+		e, rel, err := n.exposeStaged(d, regions, lease, stage)
+		if err != nil {
+			lease.Release()
+			return e, nil, err
 		}
+		n.exposures.Add(1)
+		var once sync.Once
+		return e, func() { once.Do(func() { rel(); lease.Release() }) }, nil
+	}
+	e := cluster.SpaceExposure{Worker: n.tr.WorkerAddress()}
+	for _, reg := range lease.Regions {
 		m, err := n.spaces.acquire(reg, false, n.tr.Register)
 		if err != nil {
 			release()
@@ -237,6 +236,43 @@ func (s source) ExposeSpace(reader uint32, desc []byte, regions []int) (cluster.
 	n.exposures.Add(1)
 	var once sync.Once
 	return e, func() { once.Do(release) }, nil
+}
+
+// leaseSpace leases, for uid reader, the regions of the space whose
+// description is desc, checking that they are of that registration.
+func (n *Node) leaseSpace(reader uint32, desc []byte, regions []int) (*kv.Desc, *store.RegisteredLease, error) {
+	d := new(kv.Desc)
+	if err := d.UnmarshalBinary(desc); err != nil {
+		return nil, nil, err
+	}
+	if self := n.cfg.Directory.Node; d.Node != self {
+		return nil, nil, fmt.Errorf("%w: space %s is on node %q, not this one", cluster.ErrNoSpace, d.Name, d.Node)
+	}
+	names := make([]string, len(regions))
+	for k, i := range regions {
+		if i < 0 || i >= len(d.Regions) || k > 0 && i <= regions[k-1] {
+			return nil, nil, fmt.Errorf("regions %v of a space of %d: want ascending region numbers", regions, len(d.Regions))
+		}
+		if d.Regions[i].Device != "host" {
+			return nil, nil, fmt.Errorf("region %d of %s is in GPU memory: this node exposes host memory", i, d.Name)
+		}
+		names[k] = d.RegionName(i)
+	}
+	lease, err := n.st.LeaseRegistered(reader, names)
+	if err != nil {
+		if errors.Is(err, store.ErrNotFound) {
+			err = fmt.Errorf("%w: %v (its engine ended or closed it, or it was never registered, or not for this uid)", cluster.ErrNoSpace, err)
+		}
+		return nil, nil, err
+	}
+	for k, reg := range lease.Regions {
+		i := regions[k]
+		if !bytes.Equal(reg.Space, desc) || reg.Device != "host" || reg.Size != d.Regions[i].Size || len(reg.Files) != 1 {
+			lease.Release()
+			return nil, nil, fmt.Errorf("%w: region %s is not of the registration the description names (registered again since)", cluster.ErrNoSpace, reg.Name)
+		}
+	}
+	return d, lease, nil
 }
 
 // spaceMaps are registrations' memory mapped into the daemon for reads
@@ -269,6 +305,12 @@ func (sm *spaceMaps) acquire(reg *store.Registered, write bool, register func([]
 	sm.mu.Lock()
 	defer sm.mu.Unlock()
 	if m := sm.m[key]; m != nil {
+		if m.reg == nil && register != nil {
+			var err error
+			if m.reg, err = register(m.mem); err != nil {
+				return nil, fmt.Errorf("register with UCX: %w", err)
+			}
+		}
 		m.users++
 		return m, nil
 	}

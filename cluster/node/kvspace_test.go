@@ -171,60 +171,17 @@ func TestKVReadAcrossNodes(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	const layers, blocks, bsize = 6, 40, 512
 	r := rand.New(rand.NewPCG(1, 2))
 	for i, kind := range []string{"vllm", "blocks-first", "sglang", "offload"} {
 		dkind := []string{"sglang", "vllm", "offload", "blocks-first"}[i]
-		t.Run(kind+"-to-"+dkind, func(t *testing.T) {
-			sl, ssizes := kvLayout(kind, layers, blocks, bsize)
-			src := newHostSpace(t, sl, ssizes, uint64(100*i+1))
-			sp, err := kv.Register(ctx, a.c, "engine/"+kind, src.local, client.RegisterOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer sp.Close(ctx)
-			if sp.Desc().Node != "a" {
-				t.Fatalf("the space's description names node %q, want a", sp.Desc().Node)
-			}
-			text, err := sp.Desc().MarshalText()
-			if err != nil {
-				t.Fatal(err)
-			}
-			var desc kv.Desc
-			if err := desc.UnmarshalText(text); err != nil {
-				t.Fatal(err)
-			}
-			dl, dsizes := kvLayout(dkind, layers, blocks, bsize)
-			dst := newHostSpace(t, dl, dsizes, uint64(100*i+50))
-			dsp, err := kv.Register(ctx, b.c, "decode/"+dkind, dst.local, client.RegisterOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer dsp.Close(ctx)
-			for _, lr := range [][2]int{{0, 0}, {2, 3}, {layers - 1, 1}} {
-				n := 1 + r.IntN(blocks/2)
-				srcIDs, dstIDs := scattered(r, n, blocks), scattered(r, n, blocks)
-				before := dst.snapshot()
-				tr, err := kv.ReadBlocks(ctx, b.c, kv.Request{Src: &desc, SrcBlocks: srcIDs, Dst: dst.local, DstBlocks: dstIDs, First: lr[0], Count: lr[1]})
-				if err != nil {
-					t.Fatal(err)
-				}
-				count := lr[1]
-				if count == 0 {
-					count = layers - lr[0]
-				}
-				for l := lr[0]; l < lr[0]+count; l++ {
-					if err := tr.WaitLayer(ctx, l); err != nil {
-						t.Fatalf("layer %d: %v", l, err)
-					}
-				}
-				if err := tr.Wait(ctx); err != nil {
-					t.Fatal(err)
-				}
-				checkRead(t, src, dst, before, srcIDs, dstIDs, lr[0], count)
-			}
-		})
+		for _, mode := range []string{"direct", "staged"} {
+			t.Run(mode+"/"+kind+"-to-"+dkind, func(t *testing.T) {
+				node.SetSpaceMode(b.node, mode)
+				readLayouts(ctx, t, a, b, r, uint64(100*i+1), mode, kind, dkind)
+			})
+		}
 	}
+	node.SetSpaceMode(b.node, "auto")
 	objs, err := b.c.List(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -236,6 +193,63 @@ func TestKVReadAcrossNodes(t *testing.T) {
 	}
 	if st := b.node.Stats(); st.Pulls != 0 {
 		t.Errorf("daemon b pulled %d objects", st.Pulls)
+	}
+	if node.KVStagedBytes(a.node) == 0 {
+		t.Error("no read was staged")
+	}
+}
+
+// readLayouts reads scattered blocks of a space of layout kind registered
+// on a into one of layout dkind registered on b, for three layer ranges,
+// checking every byte and each layer's completion.
+func readLayouts(ctx context.Context, t *testing.T, a, b *daemon, r *rand.Rand, seed uint64, mode, kind, dkind string) {
+	const layers, blocks, bsize = 6, 40, 512
+	sl, ssizes := kvLayout(kind, layers, blocks, bsize)
+	src := newHostSpace(t, sl, ssizes, seed)
+	sp, err := kv.Register(ctx, a.c, "engine/"+mode+"/"+kind, src.local, client.RegisterOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sp.Close(ctx)
+	if sp.Desc().Node != "a" {
+		t.Fatalf("the space's description names node %q, want a", sp.Desc().Node)
+	}
+	text, err := sp.Desc().MarshalText()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var desc kv.Desc
+	if err := desc.UnmarshalText(text); err != nil {
+		t.Fatal(err)
+	}
+	dl, dsizes := kvLayout(dkind, layers, blocks, bsize)
+	dst := newHostSpace(t, dl, dsizes, seed+49)
+	dsp, err := kv.Register(ctx, b.c, "decode/"+mode+"/"+dkind, dst.local, client.RegisterOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dsp.Close(ctx)
+	for _, lr := range [][2]int{{0, 0}, {2, 3}, {layers - 1, 1}} {
+		n := 1 + r.IntN(blocks/2)
+		srcIDs, dstIDs := scattered(r, n, blocks), scattered(r, n, blocks)
+		before := dst.snapshot()
+		tr, err := kv.ReadBlocks(ctx, b.c, kv.Request{Src: &desc, SrcBlocks: srcIDs, Dst: dst.local, DstBlocks: dstIDs, First: lr[0], Count: lr[1]})
+		if err != nil {
+			t.Fatal(err)
+		}
+		count := lr[1]
+		if count == 0 {
+			count = layers - lr[0]
+		}
+		for l := lr[0]; l < lr[0]+count; l++ {
+			if err := tr.WaitLayer(ctx, l); err != nil {
+				t.Fatalf("layer %d: %v", l, err)
+			}
+		}
+		if err := tr.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+		checkRead(t, src, dst, before, srcIDs, dstIDs, lr[0], count)
 	}
 }
 
@@ -385,9 +399,16 @@ func seq(n int) []int {
 // mid-read, the read ends, complete (the exposure held the memory) or with
 // a BlockError; both daemons serve on: a new engine's space is read.
 func TestKVReadEngineGone(t *testing.T) {
+	for _, mode := range []string{"direct", "staged"} {
+		t.Run(mode, func(t *testing.T) { kvReadEngineGone(t, mode) })
+	}
+}
+
+func kvReadEngineGone(t *testing.T, mode string) {
 	srv := etcdtest.Start(t)
 	a := startDaemon(t, srv, "a")
 	b := startDaemon(t, srv, "b")
+	node.SetSpaceMode(b.node, mode)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	small := daemonCmd{Name: "gone/small", Layout: "vllm", Layers: 4, Blocks: 16, Size: 4096, Seed: 1}
@@ -462,9 +483,16 @@ func make2(h *hostSpace) [][]byte {
 // fails as clearly (UNAVAILABLE while its record lives, NOT_FOUND once it
 // went); the reader's daemon serves on.
 func TestKVReadSourceDaemonKilled(t *testing.T) {
+	for _, mode := range []string{"direct", "staged"} {
+		t.Run(mode, func(t *testing.T) { kvReadSourceDaemonKilled(t, mode) })
+	}
+}
+
+func kvReadSourceDaemonKilled(t *testing.T, mode string) {
 	srv := etcdtest.Start(t)
 	a := startHelperDaemon(t, srv, "a", "host", 1<<30, 0)
 	b := startDaemon(t, srv, "b")
+	node.SetSpaceMode(b.node, mode)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	big := daemonCmd{Op: "kvspace", Name: "killed/kv", Layout: "vllm", Layers: 16, Blocks: 128, Size: 32 << 10, Seed: 4}
@@ -763,28 +791,39 @@ func TestKVReadHostile(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cc.Close()
+	stage := func(blocks []int, first, count int) *cluster.SpaceStage {
+		return &cluster.SpaceStage{Blocks: blocks, First: first, Count: count}
+	}
 	for _, c := range []struct {
 		name    string
 		desc    []byte
 		regions []int
+		stage   *cluster.SpaceStage
 	}{
-		{"garbage", []byte("junk"), []int{0}},
-		{"region out of range", srcB, []int{2}},
-		{"negative region", srcB, []int{-1}},
-		{"regions not ascending", srcB, []int{1, 0}},
-		{"no regions", srcB, nil},
-		{"too many regions", srcB, make([]int, 2000)},
+		{"garbage", []byte("junk"), []int{0}, nil},
+		{"region out of range", srcB, []int{2}, nil},
+		{"negative region", srcB, []int{-1}, nil},
+		{"regions not ascending", srcB, []int{1, 0}, nil},
+		{"no regions", srcB, nil, nil},
+		{"too many regions", srcB, make([]int, 2000), nil},
+		{"a staging of no blocks", srcB, []int{0, 1}, stage(nil, 0, 2)},
+		{"a staging of a block out of range", srcB, []int{0, 1}, stage([]int{8}, 0, 2)},
+		{"a staging of a negative block", srcB, []int{0, 1}, stage([]int{-1}, 0, 2)},
+		{"a staging of layers past the end", srcB, []int{0, 1}, stage([]int{1}, 1, 2)},
+		{"a staging of negative layers", srcB, []int{0, 1}, stage([]int{1}, -1, 2)},
+		{"a staging of no layers", srcB, []int{0, 1}, stage([]int{1}, 0, 0)},
+		{"a staging with other regions", srcB, []int{0, 1}, stage([]int{1}, 0, 1)},
 	} {
-		if _, _, err := cc.OpenSpace(ctx, 0, c.desc, c.regions); err == nil {
+		if _, _, err := cc.OpenSpace(ctx, 0, c.desc, c.regions, c.stage); err == nil {
 			t.Errorf("kvopen of %s was served", c.name)
 		} else {
 			t.Logf("kvopen of %s: %v", c.name, err)
 		}
 	}
-	if _, _, err := cc.OpenSpace(ctx, 65533, srcB, []int{0}); !errors.Is(err, cluster.ErrNoSpace) {
+	if _, _, err := cc.OpenSpace(ctx, 65533, srcB, []int{0}, nil); !errors.Is(err, cluster.ErrNoSpace) {
 		t.Errorf("kvopen of root's private space for uid 65533: %v, want ErrNoSpace", err)
 	}
-	e, h, err := cc.OpenSpace(ctx, 0, srcB, []int{0, 1})
+	e, h, err := cc.OpenSpace(ctx, 0, srcB, []int{0, 1}, nil)
 	if err != nil || len(e.Regions) != 2 {
 		t.Fatalf("kvopen after refusals: %+v, %v", e, err)
 	}
@@ -802,9 +841,16 @@ func TestKVReadHostile(t *testing.T) {
 // (kv_cancel) and fails with the context's error; a registration's
 // mapping goes from the daemons' cache once the registration ends.
 func TestKVReadCanceled(t *testing.T) {
+	for _, mode := range []string{"direct", "staged"} {
+		t.Run(mode, func(t *testing.T) { kvReadCanceled(t, mode) })
+	}
+}
+
+func kvReadCanceled(t *testing.T, mode string) {
 	srv := etcdtest.Start(t)
 	a := startDaemon(t, srv, "a")
 	b := startDaemon(t, srv, "b")
+	node.SetSpaceMode(b.node, mode)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	layout, sizes := kvLayout("vllm", 16, 128, 32<<10)
@@ -880,4 +926,40 @@ func TestKVReadSplit(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkRead(t, src, dst, make2(dst), srcIDs, dstIDs, 1, layers-1)
+}
+
+// TestKVReadStagedGroups reads a staged read in groups of layers (a
+// staging of at most 3 MiB a group, layers of 1 MiB: four groups, two at
+// a time), every byte checked and each layer completing in order.
+func TestKVReadStagedGroups(t *testing.T) {
+	node.SetMaxStaged(t, 3<<20)
+	srv := etcdtest.Start(t)
+	a := startDaemon(t, srv, "a")
+	b := startDaemon(t, srv, "b")
+	node.SetSpaceMode(b.node, "staged")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const layers, blocks, bsize = 12, 96, 8 << 10
+	layout, sizes := kvLayout("blocks-first", layers, blocks, bsize)
+	src := newHostSpace(t, layout, sizes, 31)
+	sp, err := kv.Register(ctx, a.c, "groups/src", src.local, client.RegisterOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dst := registerDst(t, b, "groups/dst", "sglang", layers, blocks, bsize)
+	r := rand.New(rand.NewPCG(5, 6))
+	srcIDs, dstIDs := r.Perm(blocks)[:64], r.Perm(blocks)[:64]
+	tr, err := kv.ReadBlocks(ctx, b.c, kv.Request{Src: sp.Desc(), SrcBlocks: srcIDs, Dst: dst.local, DstBlocks: dstIDs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for l := range layers {
+		if err := tr.WaitLayer(ctx, l); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tr.Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	checkRead(t, src, dst, make2(dst), srcIDs, dstIDs, 0, layers)
 }

@@ -144,6 +144,11 @@ type Node struct {
 	mirror  *etcddir.Mirror
 	slicing slicePulls // partial replicas being read (partial.go)
 	spaces  spaceMaps  // KV spaces' memory mapped for reads across nodes (kvspace.go)
+	// stageBufs are staged KV reads' buffers, kvStagedBytes the bytes
+	// gathered into them, spaceMode how reads go (kvstage.go).
+	stageBufs     stageBufs
+	kvStagedBytes atomic.Uint64
+	spaceMode     atomic.Int32
 }
 
 // arenaReg is an arena registered with UCX while exposures use it: a host
@@ -354,6 +359,7 @@ func (n *Node) Close() error {
 	n.mu.Unlock()
 	n.p.Close()
 	n.spaces.close()
+	n.stageBufs.close()
 	n.pinned.close()
 	err := n.dir.Close()
 	n.tr.Close()

@@ -1,0 +1,448 @@
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/bits"
+	"slices"
+	"sync"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cudaipc/cudaipc/cluster"
+	"github.com/cudaipc/cudaipc/cluster/staging"
+	"github.com/cudaipc/cudaipc/cluster/ucxtransport"
+	"github.com/cudaipc/cudaipc/kv"
+	"github.com/cudaipc/cudaipc/store"
+)
+
+// Staged reads of KV spaces across nodes (docs/kv.md, "Across nodes"):
+// where a read's copies are small (scattered blocks of tens of KiB), one
+// transfer each costs UCX over tcp far more than the bytes, so the source's
+// daemon gathers the read's blocks into one buffer (kv.Staging), layer by
+// layer, exposed as a filling window, and the reader's daemon fetches it
+// in pieces of stagePiece bytes, several in flight, and scatters each into
+// the destination: two copies of memory in exchange for a few large
+// transfers. A read is staged in groups of layers of at most maxStaged
+// bytes, two groups under way at once.
+
+const (
+	// stagedBelow: a read whose copies average fewer bytes is staged.
+	stagedBelow = 1 << 20
+	// stagePiece is one fetch of a staged read.
+	stagePiece = 4 << 20
+	// stagedGroups is how many groups of a staged read are under way at
+	// once: the next group's gathering overlaps the transfer of the last.
+	stagedGroups = 2
+	// stageIdle bounds the bytes of idle staging buffers a node keeps.
+	stageIdle = 1 << 30
+	// gatherInline: a staging of at most this many bytes is gathered
+	// before the exposure is answered, rather than behind it.
+	gatherInline = 1 << 20
+	// minStageBuf is the smallest staging buffer: buffers are powers of
+	// two from it, so that reads of nearby sizes share them.
+	minStageBuf = 64 << 10
+)
+
+// maxStaged bounds one staged exposure (a group of layers); tests lower
+// it (SetMaxStaged).
+var maxStaged int64 = 256 << 20
+
+// Space read modes, for tests (SetSpaceMode): by the copies' size, or
+// always direct, or always staged.
+const (
+	spaceModeAuto = iota
+	spaceModeDirect
+	spaceModeStaged
+)
+
+// staged reports whether a read of p goes staged.
+func (n *Node) staged(p *kv.Plan) bool {
+	switch n.spaceMode.Load() {
+	case spaceModeDirect:
+		return false
+	case spaceModeStaged:
+		return true
+	}
+	var bytes, copies int64
+	for l := p.First; l < p.First+p.Count; l++ {
+		for _, c := range p.Layer(l, maxSpaceCopy) {
+			bytes += c.Bytes
+			copies++
+		}
+	}
+	return bytes < stagedBelow*copies
+}
+
+// layerGroup is a group of layers of a staged read.
+type layerGroup struct{ first, count int }
+
+// stageGroups cuts the layers of p into groups whose staging is at most
+// maxStaged bytes (a layer alone may be more).
+func stageGroups(p *kv.Plan, n int) []layerGroup {
+	var out []layerGroup
+	g, size := layerGroup{first: p.First}, int64(0)
+	for l := p.First; l < p.First+p.Count; l++ {
+		var b int64
+		for _, pt := range p.Src.Layers[l] {
+			b += int64(n) * pt.Bytes
+		}
+		if g.count > 0 && size+b > maxStaged {
+			out = append(out, g)
+			g, size = layerGroup{first: l}, 0
+		}
+		g.count++
+		size += b
+	}
+	return append(out, g)
+}
+
+// readStaged reads p staged: groups of layers, stagedGroups at once, each
+// one exposure of the source's node gathered there and scattered here
+// into dst (the destination regions' mappings), reporting layers in order
+// as they complete.
+func (n *Node) readStaged(ctx context.Context, r store.SpaceRead, src *kv.Desc, p *kv.Plan, srcIDs, dstIDs []int, dst [][]byte, progress func(int)) error {
+	groups := stageGroups(p, len(srcIDs))
+	var (
+		mu       sync.Mutex
+		pending  = make([]int64, p.Count) // bytes of each layer not scattered yet; -1 until its group is under way
+		complete int
+	)
+	for i := range pending {
+		pending[i] = -1
+	}
+	scattered := func(l int, b int64) {
+		mu.Lock()
+		defer mu.Unlock()
+		pending[l-p.First] -= b
+		k := complete
+		for k < len(pending) && pending[k] == 0 {
+			k++
+		}
+		if k > complete {
+			complete = k
+			if k < len(pending) { // the last layer is the read's end
+				progress(k)
+			}
+		}
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	sem := make(chan struct{}, stagedGroups)
+	errs := make([]error, len(groups))
+	var wg sync.WaitGroup
+	for gi, g := range groups {
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+		}
+		if ctx.Err() != nil {
+			break
+		}
+		st, err := kv.NewStaging(&p.Dst.Layout, len(dstIDs), g.first, g.count)
+		if err != nil {
+			errs[gi] = err
+			<-sem
+			break
+		}
+		mu.Lock()
+		for l := g.first; l < g.first+g.count; l++ {
+			_, size := st.Layer(l)
+			pending[l-p.First] = size
+		}
+		mu.Unlock()
+		var regions []int
+		for l := g.first; l < g.first+g.count; l++ {
+			for _, pt := range src.Layers[l] {
+				regions = append(regions, pt.Region)
+			}
+		}
+		slices.Sort(regions)
+		regions = slices.Compact(regions)
+		wg.Go(func() {
+			defer func() { <-sem }()
+			errs[gi] = n.readGroup(ctx, r, src, p, st, g, regions, dstIDs, dst, scattered)
+			if errs[gi] != nil {
+				cancel()
+			}
+		})
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil && !errors.Is(err, context.Canceled) {
+			return err
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	return ctx.Err()
+}
+
+// pieceBufs are the buffers staged reads fetch pieces into.
+var pieceBufs = sync.Pool{New: func() any { b := make([]byte, stagePiece); return &b }}
+
+// readGroup reads one group of a staged read: it fetches the staging in
+// pieces into buffers of its own and scatters each into dst; a staging of
+// at most cluster.MaxInline bytes comes whole in the source's answer.
+func (n *Node) readGroup(ctx context.Context, r store.SpaceRead, src *kv.Desc, p *kv.Plan, st *kv.Staging, g layerGroup, regions, dstIDs []int, dst [][]byte, scattered func(l int, b int64)) error {
+	scatter := func(off int64, b []byte) {
+		at := off
+		st.Pieces(off, int64(len(b)), func(pc kv.Piece) {
+			dp := p.Dst.Layers[pc.L][pc.P]
+			d := dp.Base + int64(dstIDs[pc.K])*dp.Stride + pc.Skip
+			copy(dst[dp.Region][d:d+pc.Bytes], b[at-off:at-off+pc.Bytes])
+			at += pc.Bytes
+			scattered(pc.L, pc.Bytes)
+		})
+	}
+	size := st.Size()
+	read := cluster.SpaceRead{Node: src.Node, Reader: r.Reader, Desc: r.Src, Regions: regions, Sizes: []int64{size},
+		Stage: &cluster.SpaceStage{Blocks: ints(r.SrcBlocks), First: g.first, Count: g.count}}
+	if size <= cluster.MaxInline {
+		b, err := n.p.GatherSpace(ctx, read)
+		if err != nil {
+			return err
+		}
+		scatter(0, b)
+		return nil
+	}
+	var next int64
+	read.Next = func() (cluster.SpaceGet, bool) {
+		if next >= size {
+			return cluster.SpaceGet{}, false
+		}
+		b := *pieceBufs.Get().(*[]byte)
+		m := min(stagePiece, size-next)
+		get := cluster.SpaceGet{Region: 0, Off: next, Dst: b[:m]}
+		next += m
+		return get, true
+	}
+	read.Done = func(get cluster.SpaceGet) {
+		scatter(get.Off, get.Dst)
+		b := get.Dst[:cap(get.Dst)]
+		pieceBufs.Put(&b)
+	}
+	return n.p.ReadSpace(ctx, read)
+}
+
+// stagedRegions checks stage against the space d and regions (those its
+// layers use) and maps the regions of lease, returning the staging, each
+// region's mapping by its number, and the function that lets them go.
+func (n *Node) stagedRegions(d *kv.Desc, regions []int, lease *store.RegisteredLease, stage *cluster.SpaceStage) (*kv.Staging, [][]byte, func(), error) {
+	for _, b := range stage.Blocks {
+		if b < 0 || b >= d.Blocks {
+			return nil, nil, nil, fmt.Errorf("staging of block %d of a space of %d", b, d.Blocks)
+		}
+	}
+	st, err := kv.NewStaging(&d.Layout, len(stage.Blocks), stage.First, stage.Count)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	if st.Size() > maxStaged {
+		return nil, nil, nil, fmt.Errorf("a staging of %d bytes, at most %d: fewer layers a kvopen", st.Size(), maxStaged)
+	}
+	var want []int
+	for l := stage.First; l < stage.First+stage.Count; l++ {
+		for _, pt := range d.Layers[l] {
+			want = append(want, pt.Region)
+		}
+	}
+	slices.Sort(want)
+	if want = slices.Compact(want); !slices.Equal(want, regions) {
+		return nil, nil, nil, fmt.Errorf("regions %v for a staging whose layers use %v", regions, want)
+	}
+	mem := make([][]byte, len(d.Regions))
+	var maps []*spaceMap
+	undo := func() {
+		for _, m := range maps {
+			n.spaces.release(m)
+		}
+	}
+	for k, reg := range lease.Regions {
+		m, err := n.spaces.acquire(reg, false, nil)
+		if err != nil {
+			undo()
+			return nil, nil, nil, fmt.Errorf("region %s: %w", reg.Name, err)
+		}
+		maps = append(maps, m)
+		mem[regions[k]] = m.mem
+	}
+	return st, mem, undo, nil
+}
+
+// gatherLayer copies the blocks of stage of layer l of d (its regions'
+// mappings mem) where st lays them out in buf.
+func gatherLayer(d *kv.Desc, st *kv.Staging, stage *cluster.SpaceStage, mem [][]byte, l int, buf []byte) {
+	for pi, pt := range d.Layers[l] {
+		for k, b := range stage.Blocks {
+			off, m := st.Block(l, pi, k)
+			s := pt.Base + int64(b)*pt.Stride
+			copy(buf[off:off+m], mem[pt.Region][s:s+m])
+		}
+	}
+}
+
+// exposeStaged is ExposeSpace of a staged read: the regions of lease (the
+// space d's), mapped, gathered into a staging buffer of the node's pool
+// layer by layer (by a goroutine of its own, but for a small staging),
+// exposed as a filling window. release stops the gathering and gives the
+// buffer back.
+func (n *Node) exposeStaged(d *kv.Desc, regions []int, lease *store.RegisteredLease, stage *cluster.SpaceStage) (cluster.SpaceExposure, func(), error) {
+	st, mem, undo, err := n.stagedRegions(d, regions, lease, stage)
+	if err != nil {
+		return cluster.SpaceExposure{}, nil, err
+	}
+	buf, err := n.stageBufs.get(n.tr, st.Size())
+	if err != nil {
+		undo()
+		return cluster.SpaceExposure{}, nil, err
+	}
+	fw, err := buf.reg.FillingWindow(0, st.Size())
+	if err != nil {
+		n.stageBufs.put(buf)
+		undo()
+		return cluster.SpaceExposure{}, nil, err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	gather := func() {
+		for l := stage.First; l < stage.First+stage.Count; l++ {
+			if ctx.Err() != nil {
+				return
+			}
+			gatherLayer(d, st, stage, mem, l, buf.mem)
+			off, m := st.Layer(l)
+			fw.Ready(off + m)
+			n.kvStagedBytes.Add(uint64(m))
+		}
+	}
+	gathered := make(chan struct{})
+	if st.Size() <= gatherInline {
+		// Before the answer: the reader's first fetch finds it ready.
+		gather()
+		close(gathered)
+	} else {
+		go func() {
+			defer close(gathered)
+			gather()
+		}()
+	}
+	var once sync.Once
+	return cluster.SpaceExposure{Worker: n.tr.WorkerAddress(), Regions: []cluster.SpaceRegion{{RKey: fw.Key, Addr: buf.reg.Addr(0), Size: st.Size()}}},
+		func() {
+			once.Do(func() {
+				cancel()
+				<-gathered
+				fw.Close()
+				n.stageBufs.put(buf)
+				undo()
+			})
+		}, nil
+}
+
+// GatherSpace implements cluster.SpaceGatherer: a small staged read's
+// bytes, gathered for the answer.
+func (s source) GatherSpace(reader uint32, desc []byte, regions []int, stage *cluster.SpaceStage, max int64) ([]byte, error) {
+	n := s.n
+	d, lease, err := n.leaseSpace(reader, desc, regions)
+	if err != nil {
+		return nil, err
+	}
+	defer lease.Release()
+	st, mem, undo, err := n.stagedRegions(d, regions, lease, stage)
+	if err != nil {
+		return nil, err
+	}
+	defer undo()
+	if st.Size() > max {
+		return nil, fmt.Errorf("a staging of %d bytes, at most %d inline", st.Size(), max)
+	}
+	buf := make([]byte, st.Size())
+	for l := stage.First; l < stage.First+stage.Count; l++ {
+		gatherLayer(d, st, stage, mem, l, buf)
+	}
+	n.kvStagedBytes.Add(uint64(len(buf)))
+	n.exposures.Add(1)
+	return buf, nil
+}
+
+// stageBuf is a staging buffer of host memory, registered with UCX once
+// for its life.
+type stageBuf struct {
+	mem []byte
+	reg *ucxtransport.Region
+}
+
+func (b *stageBuf) free() {
+	b.reg.Close()
+	unix.Munmap(b.mem)
+}
+
+// stageBufs keeps idle staging buffers by size (powers of two), at most
+// stageIdle bytes of them.
+type stageBufs struct {
+	mu     sync.Mutex
+	idle   map[int64][]*stageBuf
+	bytes  int64
+	closed bool
+}
+
+// get returns a buffer of at least size bytes: an idle one, or a new one
+// registered with tr.
+func (sb *stageBufs) get(tr *ucxtransport.Transport, size int64) (*stageBuf, error) {
+	c := int64(minStageBuf)
+	if size > c {
+		c = 1 << bits.Len64(uint64(size-1))
+	}
+	sb.mu.Lock()
+	if l := sb.idle[c]; len(l) > 0 {
+		b := l[len(l)-1]
+		sb.idle[c] = l[:len(l)-1]
+		sb.bytes -= c
+		sb.mu.Unlock()
+		return b, nil
+	}
+	sb.mu.Unlock()
+	mem, err := unix.Mmap(-1, 0, int(c), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return nil, fmt.Errorf("a staging buffer of %d bytes: %w", c, err)
+	}
+	staging.Populate(mem, 0)
+	reg, err := tr.Register(mem)
+	if err != nil {
+		unix.Munmap(mem)
+		return nil, fmt.Errorf("register a staging buffer with UCX: %w", err)
+	}
+	return &stageBuf{mem: mem, reg: reg}, nil
+}
+
+// put gives b back, freeing it beyond the bound.
+func (sb *stageBufs) put(b *stageBuf) {
+	c := int64(len(b.mem))
+	sb.mu.Lock()
+	if sb.closed || sb.bytes+c > stageIdle {
+		sb.mu.Unlock()
+		b.free()
+		return
+	}
+	if sb.idle == nil {
+		sb.idle = map[int64][]*stageBuf{}
+	}
+	sb.idle[c] = append(sb.idle[c], b)
+	sb.bytes += c
+	sb.mu.Unlock()
+}
+
+// close frees the idle buffers; those in use are freed when put back.
+func (sb *stageBufs) close() {
+	sb.mu.Lock()
+	idle := sb.idle
+	sb.idle, sb.bytes, sb.closed = nil, 0, true
+	sb.mu.Unlock()
+	for _, l := range idle {
+		for _, b := range l {
+			b.free()
+		}
+	}
+}
