@@ -64,7 +64,8 @@ type Client struct {
 	idleRead    *time.Timer   // starts the background reader (reader.go)
 	readerDone  chan struct{} // closed once the connection has ended
 	endOnce     sync.Once
-	notices     notices // readers' notices not taken yet (notice.go)
+	notices     notices   // readers' notices not taken yet (notice.go)
+	bulk        bulkCache // memfds for the arrays of block requests (kvpool.go)
 }
 
 // Defaults for the zero values of Options.
@@ -325,6 +326,7 @@ func (c *Client) Close() error {
 	c.releaseArenasLocked()
 	c.dropHostMapsLocked()
 	c.mu.Unlock()
+	c.bulk.close()
 	return err
 }
 
@@ -375,7 +377,7 @@ func (c *Client) readOne(self uint64, spin time.Duration) (r reply, mine bool, e
 	// need no per-connection state and are imported by the caller.
 	p := placementOf(resp)
 	switch {
-	case resp.GetLeaseTable() != nil && len(files) == 1, resp.GetFiles() != nil:
+	case resp.GetLeaseTable() != nil && len(files) == 1, resp.GetFiles() != nil, resp.GetPoolStat() != nil:
 		r.files = files
 	case p == nil || responseError("", "", resp) != nil:
 		closeFiles(files)
@@ -462,6 +464,9 @@ func (c *Client) cleanup(r reply, name string) {
 		// For a shard, the daemon aborts its version whichever shard
 		// index the abort names.
 		req = &storev1.Request{Body: &storev1.Request_Abort{Abort: &storev1.AbortRequest{Name: name, Version: resp.GetCreate().GetVersion()}}}
+	case resp.GetBlockGet().GetPin() != 0, resp.GetBlockLookup().GetPin() != 0:
+		pin := max(resp.GetBlockGet().GetPin(), resp.GetBlockLookup().GetPin())
+		req = &storev1.Request{Body: &storev1.Request_BlockUnpin{BlockUnpin: &storev1.BlockUnpinRequest{Pin: pin}}}
 	default:
 		return
 	}

@@ -132,9 +132,12 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 	switch r.GetBody().(type) {
 	case *storev1.Request_Register, *storev1.Request_StageFiles, *storev1.Request_Create:
 	default:
-		if nfiles != 0 {
-			return Errorf(storev1.Error_INVALID, "requests carry no file descriptors, got %d", nfiles)
+		if nfiles != 0 && (!BlockRequest(r) || nfiles > 1) {
+			return Errorf(storev1.Error_INVALID, "requests carry no file descriptors (but register's, create's and a block request's bulk file), got %d", nfiles)
 		}
+	}
+	if ok, err := validatePool(r, nfiles); ok {
+		return err
 	}
 	switch b := r.GetBody().(type) {
 	case *storev1.Request_Register:
@@ -312,9 +315,11 @@ func RequestKind(r *storev1.Request) string {
 		return "kv_read"
 	case *storev1.Request_KvCancel:
 		return "kv_cancel"
-	default:
-		return "unknown"
 	}
+	if k := poolKind(r); k != "" {
+		return k
+	}
+	return "unknown"
 }
 
 // ValidateResponse checks a response received with nfiles attached file
@@ -364,6 +369,15 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		return invalid("id 0 is for events (arenas_freed and notices too) only")
 	}
 	placementFiles := 0
+	if files, ok, err := validatePoolResponse(r); ok {
+		if err != nil {
+			return err
+		}
+		if nfiles != files {
+			return invalid("a pool's response with the wrong number of descriptors")
+		}
+		return nil
+	}
 	switch b := r.GetBody().(type) {
 	case *storev1.Response_Hello:
 		if b.Hello.GetVersion() == 0 {

@@ -29,6 +29,8 @@ type metrics struct {
 
 	eventsDropped prometheus.Counter
 	heldAfterFree prometheus.Gauge
+
+	pools *poolMetrics // KV block pools (kvpool_metrics.go)
 }
 
 const metricPrefix = "cudaipc_store_"
@@ -74,6 +76,7 @@ func newMetrics(s *Store) *metrics {
 			Name: metricPrefix + "arenas_held_after_free",
 			Help: "Empty GPU arenas given back to the allocator whose memory stays allocated until every client that mapped them unmaps them.",
 		}),
+		pools: newPoolMetrics(s),
 	}
 }
 
@@ -92,7 +95,7 @@ func (m *metrics) request(op, result string) {
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	return errors.Join(reg.Register(m), reg.Register(m.evictions), reg.Register(m.requests), reg.Register(m.rejected), reg.Register(m.eventsDropped), reg.Register(m.heldAfterFree))
+	return errors.Join(reg.Register(m), reg.Register(m.evictions), reg.Register(m.requests), reg.Register(m.rejected), reg.Register(m.eventsDropped), reg.Register(m.heldAfterFree), m.pools.register(reg))
 }
 
 // Describe implements prometheus.Collector.

@@ -89,13 +89,15 @@ func (s *Store) roomHeldLocked(d *device, owner uint32, vouched map[*object]stri
 		n    int
 		size int64
 	}
-	var last, leased, drafts, versions, evictable, others held
+	var last, leased, drafts, versions, pools, evictable, others held
 	d.alloc.Blocks(func(pool) bool { return true }, func(b *alloc.Block[pool, *object]) bool {
 		o := b.Value
 		var h *held
 		switch {
 		case o.owner != owner:
 			h = &others
+		case o.kvpool != nil:
+			h = &pools
 		case o.ver != nil:
 			h = &versions
 		case !o.sealed():
@@ -127,6 +129,7 @@ func (s *Store) roomHeldLocked(d *device, owner uint32, vouched map[*object]stri
 	add(leased, "is leased", "are leased")
 	add(drafts, "is being written", "are being written")
 	add(versions, "is a kept version's shard", "are kept versions' shards")
+	add(pools, "is a KV block pool's memory", "are KV block pools' memory")
 	add(evictable, "could go but would not free a range large enough", "could go but would not free a range large enough")
 	add(others, "is another uid's", "are other uids'")
 	if len(parts) == 0 {

@@ -191,6 +191,9 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 			}
 			continue
 		}
+		if cn.poolRequest(&req, files) {
+			continue
+		}
 		if r := req.GetRegister(); r != nil {
 			cn.registerReply(req.GetId(), r, files)
 			continue

@@ -411,6 +411,7 @@ func (s *Store) dropExternalLocked(e *external, kind eventKind) {
 		}
 		s.giveFDsLocked(e.owner, len(e.files))
 		e.files = nil
+		s.pools.forgetSourceLocked(e)
 	}
 }
 

@@ -182,6 +182,8 @@ type Store struct {
 
 	manifests      manifestCache // manifests checked lately (versions.go); its own lock
 	sourcesChecked sourcesCache  // no-copy sources tables checked lately (sources.go); its own lock
+
+	pools poolTable // KV block pools (kvpool.go); its own locks
 }
 
 // device is the store's state for one device: its allocator and arenas.
@@ -237,6 +239,7 @@ type objKind struct {
 	tensor   *storev1.TensorDesc // typed-array descriptor from create (or seal); nil if none; never modified, only replaced
 	slice    *sliceOf            // what a partial replica is a slice of (slice.go); nil for every other object
 	cluster  *clusterPart        // its place in the cluster (store/cluster.go); nil for a node-local object
+	kvpool   *blockPool          // the KV block pool this is the memory of (kvpool.go), never named, leased or evicted; nil for every other object
 }
 
 // waiter wakes the gets waiting for one name.
@@ -433,7 +436,8 @@ func (s *Store) quota() int64 {
 }
 
 // allocLocked places a new object's block on its device: in an arena of
-// its owner's pool, a shared object in one of its own. Room is made by
+// its owner's pool, a shared object (and a KV block pool's memory) in one of
+// its own. Room is made by
 // evicting only the owner's objects, and of those a cluster-visible one
 // only where vouched names it (with its incarnation): another live node
 // holds it too (room.go). A full device is ErrStoreFull and a full quota
@@ -445,7 +449,7 @@ func (s *Store) quota() int64 {
 // rejected asks for it (CreateRequest.no_evict).
 func (s *Store) allocLocked(d *device, o *object, noEvict bool, vouched map[*object]string) (*alloc.Block[pool, *object], error) {
 	p := pool{owner: o.owner, shared: o.shared}
-	if o.shared {
+	if o.shared || o.kvpool != nil {
 		s.nextSolo++
 		p.solo = s.nextSolo
 	}
@@ -560,6 +564,7 @@ func (s *Store) Close() error {
 	for _, ss := range sessions {
 		ss.close(errStoreClosed)
 	}
+	s.closePools()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var errs []error

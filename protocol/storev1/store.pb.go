@@ -363,6 +363,16 @@ type Request struct {
 	//	*Request_Notify
 	//	*Request_KvRead
 	//	*Request_KvCancel
+	//	*Request_PoolCreate
+	//	*Request_PoolDelete
+	//	*Request_PoolStat
+	//	*Request_PoolList
+	//	*Request_BlockPut
+	//	*Request_BlockLookup
+	//	*Request_BlockGet
+	//	*Request_BlockUnpin
+	//	*Request_BlockDelete
+	//	*Request_BlockEvict
 	Body          isRequest_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -583,6 +593,96 @@ func (x *Request) GetKvCancel() *KvCancelRequest {
 	return nil
 }
 
+func (x *Request) GetPoolCreate() *PoolCreateRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_PoolCreate); ok {
+			return x.PoolCreate
+		}
+	}
+	return nil
+}
+
+func (x *Request) GetPoolDelete() *PoolDeleteRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_PoolDelete); ok {
+			return x.PoolDelete
+		}
+	}
+	return nil
+}
+
+func (x *Request) GetPoolStat() *PoolStatRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_PoolStat); ok {
+			return x.PoolStat
+		}
+	}
+	return nil
+}
+
+func (x *Request) GetPoolList() *PoolListRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_PoolList); ok {
+			return x.PoolList
+		}
+	}
+	return nil
+}
+
+func (x *Request) GetBlockPut() *BlockPutRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_BlockPut); ok {
+			return x.BlockPut
+		}
+	}
+	return nil
+}
+
+func (x *Request) GetBlockLookup() *BlockLookupRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_BlockLookup); ok {
+			return x.BlockLookup
+		}
+	}
+	return nil
+}
+
+func (x *Request) GetBlockGet() *BlockGetRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_BlockGet); ok {
+			return x.BlockGet
+		}
+	}
+	return nil
+}
+
+func (x *Request) GetBlockUnpin() *BlockUnpinRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_BlockUnpin); ok {
+			return x.BlockUnpin
+		}
+	}
+	return nil
+}
+
+func (x *Request) GetBlockDelete() *BlockDeleteRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_BlockDelete); ok {
+			return x.BlockDelete
+		}
+	}
+	return nil
+}
+
+func (x *Request) GetBlockEvict() *BlockEvictRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_BlockEvict); ok {
+			return x.BlockEvict
+		}
+	}
+	return nil
+}
+
 type isRequest_Body interface {
 	isRequest_Body()
 }
@@ -663,6 +763,47 @@ type Request_KvCancel struct {
 	KvCancel *KvCancelRequest `protobuf:"bytes,52,opt,name=kv_cancel,json=kvCancel,proto3,oneof"`
 }
 
+type Request_PoolCreate struct {
+	// KV block pools (fields 60-69; docs/protocol.md section 6.10).
+	PoolCreate *PoolCreateRequest `protobuf:"bytes,60,opt,name=pool_create,json=poolCreate,proto3,oneof"`
+}
+
+type Request_PoolDelete struct {
+	PoolDelete *PoolDeleteRequest `protobuf:"bytes,61,opt,name=pool_delete,json=poolDelete,proto3,oneof"`
+}
+
+type Request_PoolStat struct {
+	PoolStat *PoolStatRequest `protobuf:"bytes,62,opt,name=pool_stat,json=poolStat,proto3,oneof"`
+}
+
+type Request_PoolList struct {
+	PoolList *PoolListRequest `protobuf:"bytes,63,opt,name=pool_list,json=poolList,proto3,oneof"`
+}
+
+type Request_BlockPut struct {
+	BlockPut *BlockPutRequest `protobuf:"bytes,64,opt,name=block_put,json=blockPut,proto3,oneof"`
+}
+
+type Request_BlockLookup struct {
+	BlockLookup *BlockLookupRequest `protobuf:"bytes,65,opt,name=block_lookup,json=blockLookup,proto3,oneof"`
+}
+
+type Request_BlockGet struct {
+	BlockGet *BlockGetRequest `protobuf:"bytes,66,opt,name=block_get,json=blockGet,proto3,oneof"`
+}
+
+type Request_BlockUnpin struct {
+	BlockUnpin *BlockUnpinRequest `protobuf:"bytes,67,opt,name=block_unpin,json=blockUnpin,proto3,oneof"`
+}
+
+type Request_BlockDelete struct {
+	BlockDelete *BlockDeleteRequest `protobuf:"bytes,68,opt,name=block_delete,json=blockDelete,proto3,oneof"`
+}
+
+type Request_BlockEvict struct {
+	BlockEvict *BlockEvictRequest `protobuf:"bytes,69,opt,name=block_evict,json=blockEvict,proto3,oneof"`
+}
+
 func (*Request_Hello) isRequest_Body() {}
 
 func (*Request_Create) isRequest_Body() {}
@@ -700,6 +841,26 @@ func (*Request_Notify) isRequest_Body() {}
 func (*Request_KvRead) isRequest_Body() {}
 
 func (*Request_KvCancel) isRequest_Body() {}
+
+func (*Request_PoolCreate) isRequest_Body() {}
+
+func (*Request_PoolDelete) isRequest_Body() {}
+
+func (*Request_PoolStat) isRequest_Body() {}
+
+func (*Request_PoolList) isRequest_Body() {}
+
+func (*Request_BlockPut) isRequest_Body() {}
+
+func (*Request_BlockLookup) isRequest_Body() {}
+
+func (*Request_BlockGet) isRequest_Body() {}
+
+func (*Request_BlockUnpin) isRequest_Body() {}
+
+func (*Request_BlockDelete) isRequest_Body() {}
+
+func (*Request_BlockEvict) isRequest_Body() {}
 
 // HelloRequest must be the first request on a connection.
 type HelloRequest struct {
@@ -1657,6 +1818,16 @@ type Response struct {
 	//	*Response_Notice
 	//	*Response_KvRead
 	//	*Response_KvCancel
+	//	*Response_PoolCreate
+	//	*Response_PoolDelete
+	//	*Response_PoolStat
+	//	*Response_PoolList
+	//	*Response_BlockPut
+	//	*Response_BlockLookup
+	//	*Response_BlockGet
+	//	*Response_BlockUnpin
+	//	*Response_BlockDelete
+	//	*Response_BlockEvict
 	//	*Response_LeaseTable
 	Body          isResponse_Body `protobuf_oneof:"body"`
 	unknownFields protoimpl.UnknownFields
@@ -1903,6 +2074,96 @@ func (x *Response) GetKvCancel() *KvCancelResponse {
 	return nil
 }
 
+func (x *Response) GetPoolCreate() *PoolCreateResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_PoolCreate); ok {
+			return x.PoolCreate
+		}
+	}
+	return nil
+}
+
+func (x *Response) GetPoolDelete() *PoolDeleteResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_PoolDelete); ok {
+			return x.PoolDelete
+		}
+	}
+	return nil
+}
+
+func (x *Response) GetPoolStat() *PoolStatResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_PoolStat); ok {
+			return x.PoolStat
+		}
+	}
+	return nil
+}
+
+func (x *Response) GetPoolList() *PoolListResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_PoolList); ok {
+			return x.PoolList
+		}
+	}
+	return nil
+}
+
+func (x *Response) GetBlockPut() *BlockPutResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_BlockPut); ok {
+			return x.BlockPut
+		}
+	}
+	return nil
+}
+
+func (x *Response) GetBlockLookup() *BlockLookupResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_BlockLookup); ok {
+			return x.BlockLookup
+		}
+	}
+	return nil
+}
+
+func (x *Response) GetBlockGet() *BlockGetResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_BlockGet); ok {
+			return x.BlockGet
+		}
+	}
+	return nil
+}
+
+func (x *Response) GetBlockUnpin() *BlockUnpinResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_BlockUnpin); ok {
+			return x.BlockUnpin
+		}
+	}
+	return nil
+}
+
+func (x *Response) GetBlockDelete() *BlockDeleteResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_BlockDelete); ok {
+			return x.BlockDelete
+		}
+	}
+	return nil
+}
+
+func (x *Response) GetBlockEvict() *BlockEvictResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_BlockEvict); ok {
+			return x.BlockEvict
+		}
+	}
+	return nil
+}
+
 func (x *Response) GetLeaseTable() *LeaseTableResponse {
 	if x != nil {
 		if x, ok := x.Body.(*Response_LeaseTable); ok {
@@ -2006,6 +2267,47 @@ type Response_KvCancel struct {
 	KvCancel *KvCancelResponse `protobuf:"bytes,52,opt,name=kv_cancel,json=kvCancel,proto3,oneof"`
 }
 
+type Response_PoolCreate struct {
+	PoolCreate *PoolCreateResponse `protobuf:"bytes,60,opt,name=pool_create,json=poolCreate,proto3,oneof"`
+}
+
+type Response_PoolDelete struct {
+	PoolDelete *PoolDeleteResponse `protobuf:"bytes,61,opt,name=pool_delete,json=poolDelete,proto3,oneof"`
+}
+
+type Response_PoolStat struct {
+	// With fd_attached, the pool's memory (a read-only memfd) is attached.
+	PoolStat *PoolStatResponse `protobuf:"bytes,62,opt,name=pool_stat,json=poolStat,proto3,oneof"`
+}
+
+type Response_PoolList struct {
+	PoolList *PoolListResponse `protobuf:"bytes,63,opt,name=pool_list,json=poolList,proto3,oneof"`
+}
+
+type Response_BlockPut struct {
+	BlockPut *BlockPutResponse `protobuf:"bytes,64,opt,name=block_put,json=blockPut,proto3,oneof"`
+}
+
+type Response_BlockLookup struct {
+	BlockLookup *BlockLookupResponse `protobuf:"bytes,65,opt,name=block_lookup,json=blockLookup,proto3,oneof"`
+}
+
+type Response_BlockGet struct {
+	BlockGet *BlockGetResponse `protobuf:"bytes,66,opt,name=block_get,json=blockGet,proto3,oneof"`
+}
+
+type Response_BlockUnpin struct {
+	BlockUnpin *BlockUnpinResponse `protobuf:"bytes,67,opt,name=block_unpin,json=blockUnpin,proto3,oneof"`
+}
+
+type Response_BlockDelete struct {
+	BlockDelete *BlockDeleteResponse `protobuf:"bytes,68,opt,name=block_delete,json=blockDelete,proto3,oneof"`
+}
+
+type Response_BlockEvict struct {
+	BlockEvict *BlockEvictResponse `protobuf:"bytes,69,opt,name=block_evict,json=blockEvict,proto3,oneof"`
+}
+
 type Response_LeaseTable struct {
 	// The lease table's memfd is attached.
 	LeaseTable *LeaseTableResponse `protobuf:"bytes,32,opt,name=lease_table,json=leaseTable,proto3,oneof"`
@@ -2052,6 +2354,26 @@ func (*Response_Notice) isResponse_Body() {}
 func (*Response_KvRead) isResponse_Body() {}
 
 func (*Response_KvCancel) isResponse_Body() {}
+
+func (*Response_PoolCreate) isResponse_Body() {}
+
+func (*Response_PoolDelete) isResponse_Body() {}
+
+func (*Response_PoolStat) isResponse_Body() {}
+
+func (*Response_PoolList) isResponse_Body() {}
+
+func (*Response_BlockPut) isResponse_Body() {}
+
+func (*Response_BlockLookup) isResponse_Body() {}
+
+func (*Response_BlockGet) isResponse_Body() {}
+
+func (*Response_BlockUnpin) isResponse_Body() {}
+
+func (*Response_BlockDelete) isResponse_Body() {}
+
+func (*Response_BlockEvict) isResponse_Body() {}
 
 func (*Response_LeaseTable) isResponse_Body() {}
 
@@ -4130,11 +4452,1573 @@ func (*KvCancelResponse) Descriptor() ([]byte, []int) {
 	return file_store_proto_rawDescGZIP(), []int{46}
 }
 
+// PoolCreateRequest makes a pool: capacity bytes of device, charged to the
+// creator's quota at once (made room for as a create is), cut into blocks.
+type PoolCreateRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The pool's name, as an object name.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Bytes of one block: 1..2^30.
+	BlockBytes uint64 `protobuf:"varint,2,opt,name=block_bytes,json=blockBytes,proto3" json:"block_bytes,omitempty"`
+	// Bytes of one key: 16..32.
+	KeyBytes uint32 `protobuf:"varint,3,opt,name=key_bytes,json=keyBytes,proto3" json:"key_bytes,omitempty"`
+	// Bytes of memory: at least one block (of block_bytes rounded up to 256),
+	// at most 2^40 and 2^22 blocks.
+	Capacity uint64 `protobuf:"varint,4,opt,name=capacity,proto3" json:"capacity,omitempty"`
+	// "" or "host": host memory (the only tier built).
+	Device string `protobuf:"bytes,5,opt,name=device,proto3" json:"device,omitempty"`
+	// Every admitted uid may look blocks up and get them (only the owner's
+	// uid and root put, delete and evict).
+	Shared        bool `protobuf:"varint,6,opt,name=shared,proto3" json:"shared,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PoolCreateRequest) Reset() {
+	*x = PoolCreateRequest{}
+	mi := &file_store_proto_msgTypes[47]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PoolCreateRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PoolCreateRequest) ProtoMessage() {}
+
+func (x *PoolCreateRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[47]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PoolCreateRequest.ProtoReflect.Descriptor instead.
+func (*PoolCreateRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{47}
+}
+
+func (x *PoolCreateRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *PoolCreateRequest) GetBlockBytes() uint64 {
+	if x != nil {
+		return x.BlockBytes
+	}
+	return 0
+}
+
+func (x *PoolCreateRequest) GetKeyBytes() uint32 {
+	if x != nil {
+		return x.KeyBytes
+	}
+	return 0
+}
+
+func (x *PoolCreateRequest) GetCapacity() uint64 {
+	if x != nil {
+		return x.Capacity
+	}
+	return 0
+}
+
+func (x *PoolCreateRequest) GetDevice() string {
+	if x != nil {
+		return x.Device
+	}
+	return ""
+}
+
+func (x *PoolCreateRequest) GetShared() bool {
+	if x != nil {
+		return x.Shared
+	}
+	return false
+}
+
+type PoolCreateResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Info          *PoolInfo              `protobuf:"bytes,1,opt,name=info,proto3" json:"info,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PoolCreateResponse) Reset() {
+	*x = PoolCreateResponse{}
+	mi := &file_store_proto_msgTypes[48]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PoolCreateResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PoolCreateResponse) ProtoMessage() {}
+
+func (x *PoolCreateResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[48]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PoolCreateResponse.ProtoReflect.Descriptor instead.
+func (*PoolCreateResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{48}
+}
+
+func (x *PoolCreateResponse) GetInfo() *PoolInfo {
+	if x != nil {
+		return x.Info
+	}
+	return nil
+}
+
+// PoolDeleteRequest removes a pool (its owner's uid or root): its name goes
+// at once, its memory once no put writes into it; readers that mapped it
+// keep their mapping.
+type PoolDeleteRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PoolDeleteRequest) Reset() {
+	*x = PoolDeleteRequest{}
+	mi := &file_store_proto_msgTypes[49]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PoolDeleteRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PoolDeleteRequest) ProtoMessage() {}
+
+func (x *PoolDeleteRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[49]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PoolDeleteRequest.ProtoReflect.Descriptor instead.
+func (*PoolDeleteRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{49}
+}
+
+func (x *PoolDeleteRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type PoolDeleteResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PoolDeleteResponse) Reset() {
+	*x = PoolDeleteResponse{}
+	mi := &file_store_proto_msgTypes[50]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PoolDeleteResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PoolDeleteResponse) ProtoMessage() {}
+
+func (x *PoolDeleteResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[50]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PoolDeleteResponse.ProtoReflect.Descriptor instead.
+func (*PoolDeleteResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{50}
+}
+
+// PoolStatRequest describes a pool; with map, the pool's memory is
+// attached as a read-only memfd (PoolStatResponse.fd_attached), for gets.
+type PoolStatRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Map           bool                   `protobuf:"varint,2,opt,name=map,proto3" json:"map,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PoolStatRequest) Reset() {
+	*x = PoolStatRequest{}
+	mi := &file_store_proto_msgTypes[51]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PoolStatRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PoolStatRequest) ProtoMessage() {}
+
+func (x *PoolStatRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[51]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PoolStatRequest.ProtoReflect.Descriptor instead.
+func (*PoolStatRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{51}
+}
+
+func (x *PoolStatRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *PoolStatRequest) GetMap() bool {
+	if x != nil {
+		return x.Map
+	}
+	return false
+}
+
+type PoolStatResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Info          *PoolInfo              `protobuf:"bytes,1,opt,name=info,proto3" json:"info,omitempty"`
+	FdAttached    bool                   `protobuf:"varint,2,opt,name=fd_attached,json=fdAttached,proto3" json:"fd_attached,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PoolStatResponse) Reset() {
+	*x = PoolStatResponse{}
+	mi := &file_store_proto_msgTypes[52]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PoolStatResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PoolStatResponse) ProtoMessage() {}
+
+func (x *PoolStatResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[52]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PoolStatResponse.ProtoReflect.Descriptor instead.
+func (*PoolStatResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{52}
+}
+
+func (x *PoolStatResponse) GetInfo() *PoolInfo {
+	if x != nil {
+		return x.Info
+	}
+	return nil
+}
+
+func (x *PoolStatResponse) GetFdAttached() bool {
+	if x != nil {
+		return x.FdAttached
+	}
+	return false
+}
+
+// PoolListRequest lists the pools the caller may read, by qualified name,
+// as many as fit one packet; more: ask again from the last name.
+type PoolListRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	StartAfter    string                 `protobuf:"bytes,1,opt,name=start_after,json=startAfter,proto3" json:"start_after,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PoolListRequest) Reset() {
+	*x = PoolListRequest{}
+	mi := &file_store_proto_msgTypes[53]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PoolListRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PoolListRequest) ProtoMessage() {}
+
+func (x *PoolListRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[53]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PoolListRequest.ProtoReflect.Descriptor instead.
+func (*PoolListRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{53}
+}
+
+func (x *PoolListRequest) GetStartAfter() string {
+	if x != nil {
+		return x.StartAfter
+	}
+	return ""
+}
+
+type PoolListResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Pools         []*PoolInfo            `protobuf:"bytes,1,rep,name=pools,proto3" json:"pools,omitempty"`
+	More          bool                   `protobuf:"varint,2,opt,name=more,proto3" json:"more,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PoolListResponse) Reset() {
+	*x = PoolListResponse{}
+	mi := &file_store_proto_msgTypes[54]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PoolListResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PoolListResponse) ProtoMessage() {}
+
+func (x *PoolListResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[54]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PoolListResponse.ProtoReflect.Descriptor instead.
+func (*PoolListResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{54}
+}
+
+func (x *PoolListResponse) GetPools() []*PoolInfo {
+	if x != nil {
+		return x.Pools
+	}
+	return nil
+}
+
+func (x *PoolListResponse) GetMore() bool {
+	if x != nil {
+		return x.More
+	}
+	return false
+}
+
+// PoolInfo describes a pool: its shape, its counts now and its counters
+// since it was made.
+type PoolInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Bare for the receiver's own pools, UID:NAME for other uids'.
+	Name     string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	OwnerUid uint32 `protobuf:"varint,2,opt,name=owner_uid,json=ownerUid,proto3" json:"owner_uid,omitempty"`
+	Shared   bool   `protobuf:"varint,3,opt,name=shared,proto3" json:"shared,omitempty"`
+	Device   string `protobuf:"bytes,4,opt,name=device,proto3" json:"device,omitempty"`
+	// This incarnation of the name: a pool deleted and made again has
+	// another id.
+	Id         uint64 `protobuf:"varint,5,opt,name=id,proto3" json:"id,omitempty"`
+	BlockBytes uint64 `protobuf:"varint,6,opt,name=block_bytes,json=blockBytes,proto3" json:"block_bytes,omitempty"`
+	KeyBytes   uint32 `protobuf:"varint,7,opt,name=key_bytes,json=keyBytes,proto3" json:"key_bytes,omitempty"`
+	// Block slot s lies at s * slot_bytes of the pool's memory (block_bytes
+	// rounded up to 256).
+	SlotBytes      uint64 `protobuf:"varint,8,opt,name=slot_bytes,json=slotBytes,proto3" json:"slot_bytes,omitempty"`
+	CapacityBlocks uint64 `protobuf:"varint,9,opt,name=capacity_blocks,json=capacityBlocks,proto3" json:"capacity_blocks,omitempty"`
+	// Bytes of the pool's memory (its memfd): capacity_blocks * slot_bytes,
+	// rounded up to a page.
+	MemorySize uint64 `protobuf:"varint,10,opt,name=memory_size,json=memorySize,proto3" json:"memory_size,omitempty"`
+	// Blocks readable now, being written, and pinned (by lookups and gets).
+	Blocks  uint64 `protobuf:"varint,11,opt,name=blocks,proto3" json:"blocks,omitempty"`
+	Writing uint64 `protobuf:"varint,12,opt,name=writing,proto3" json:"writing,omitempty"`
+	Pinned  uint64 `protobuf:"varint,13,opt,name=pinned,proto3" json:"pinned,omitempty"`
+	// Counters: keys found and not found by lookups and gets, blocks stored
+	// by puts, and blocks evicted to make room (or by evict requests).
+	Hits            uint64 `protobuf:"varint,14,opt,name=hits,proto3" json:"hits,omitempty"`
+	Misses          uint64 `protobuf:"varint,15,opt,name=misses,proto3" json:"misses,omitempty"`
+	Stored          uint64 `protobuf:"varint,16,opt,name=stored,proto3" json:"stored,omitempty"`
+	Evictions       uint64 `protobuf:"varint,17,opt,name=evictions,proto3" json:"evictions,omitempty"`
+	CreatedUnixNano int64  `protobuf:"varint,18,opt,name=created_unix_nano,json=createdUnixNano,proto3" json:"created_unix_nano,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *PoolInfo) Reset() {
+	*x = PoolInfo{}
+	mi := &file_store_proto_msgTypes[55]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PoolInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PoolInfo) ProtoMessage() {}
+
+func (x *PoolInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[55]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PoolInfo.ProtoReflect.Descriptor instead.
+func (*PoolInfo) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{55}
+}
+
+func (x *PoolInfo) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *PoolInfo) GetOwnerUid() uint32 {
+	if x != nil {
+		return x.OwnerUid
+	}
+	return 0
+}
+
+func (x *PoolInfo) GetShared() bool {
+	if x != nil {
+		return x.Shared
+	}
+	return false
+}
+
+func (x *PoolInfo) GetDevice() string {
+	if x != nil {
+		return x.Device
+	}
+	return ""
+}
+
+func (x *PoolInfo) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *PoolInfo) GetBlockBytes() uint64 {
+	if x != nil {
+		return x.BlockBytes
+	}
+	return 0
+}
+
+func (x *PoolInfo) GetKeyBytes() uint32 {
+	if x != nil {
+		return x.KeyBytes
+	}
+	return 0
+}
+
+func (x *PoolInfo) GetSlotBytes() uint64 {
+	if x != nil {
+		return x.SlotBytes
+	}
+	return 0
+}
+
+func (x *PoolInfo) GetCapacityBlocks() uint64 {
+	if x != nil {
+		return x.CapacityBlocks
+	}
+	return 0
+}
+
+func (x *PoolInfo) GetMemorySize() uint64 {
+	if x != nil {
+		return x.MemorySize
+	}
+	return 0
+}
+
+func (x *PoolInfo) GetBlocks() uint64 {
+	if x != nil {
+		return x.Blocks
+	}
+	return 0
+}
+
+func (x *PoolInfo) GetWriting() uint64 {
+	if x != nil {
+		return x.Writing
+	}
+	return 0
+}
+
+func (x *PoolInfo) GetPinned() uint64 {
+	if x != nil {
+		return x.Pinned
+	}
+	return 0
+}
+
+func (x *PoolInfo) GetHits() uint64 {
+	if x != nil {
+		return x.Hits
+	}
+	return 0
+}
+
+func (x *PoolInfo) GetMisses() uint64 {
+	if x != nil {
+		return x.Misses
+	}
+	return 0
+}
+
+func (x *PoolInfo) GetStored() uint64 {
+	if x != nil {
+		return x.Stored
+	}
+	return 0
+}
+
+func (x *PoolInfo) GetEvictions() uint64 {
+	if x != nil {
+		return x.Evictions
+	}
+	return 0
+}
+
+func (x *PoolInfo) GetCreatedUnixNano() int64 {
+	if x != nil {
+		return x.CreatedUnixNano
+	}
+	return 0
+}
+
+// Blob is one array of a block request or response. Without a bulk file
+// (no descriptor on the request) it is inline: data, with offset and
+// length 0. With one (the request carries one memfd, its bulk file), every
+// Blob of the request and of its response lies in that file at [offset,
+// offset+length), and data is empty: the daemon reads the request's arrays
+// with pread and writes the response's array where the request says
+// (status_at, slots_at) before it answers.
+type Blob struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Data          []byte                 `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	Offset        uint64                 `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
+	Length        uint64                 `protobuf:"varint,3,opt,name=length,proto3" json:"length,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Blob) Reset() {
+	*x = Blob{}
+	mi := &file_store_proto_msgTypes[56]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Blob) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Blob) ProtoMessage() {}
+
+func (x *Blob) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[56]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Blob.ProtoReflect.Descriptor instead.
+func (*Blob) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{56}
+}
+
+func (x *Blob) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *Blob) GetOffset() uint64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *Blob) GetLength() uint64 {
+	if x != nil {
+		return x.Length
+	}
+	return 0
+}
+
+// BlockPart is where one piece of every block of a put lies in the source:
+// for block id b, the bytes bytes at base + b*stride of source region
+// region. A pool block is its parts, in order, end to end.
+type BlockPart struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Region        uint32                 `protobuf:"varint,1,opt,name=region,proto3" json:"region,omitempty"`
+	Base          uint64                 `protobuf:"varint,2,opt,name=base,proto3" json:"base,omitempty"`
+	Stride        uint64                 `protobuf:"varint,3,opt,name=stride,proto3" json:"stride,omitempty"`
+	Bytes         uint64                 `protobuf:"varint,4,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockPart) Reset() {
+	*x = BlockPart{}
+	mi := &file_store_proto_msgTypes[57]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockPart) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockPart) ProtoMessage() {}
+
+func (x *BlockPart) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[57]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockPart.ProtoReflect.Descriptor instead.
+func (*BlockPart) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{57}
+}
+
+func (x *BlockPart) GetRegion() uint32 {
+	if x != nil {
+		return x.Region
+	}
+	return 0
+}
+
+func (x *BlockPart) GetBase() uint64 {
+	if x != nil {
+		return x.Base
+	}
+	return 0
+}
+
+func (x *BlockPart) GetStride() uint64 {
+	if x != nil {
+		return x.Stride
+	}
+	return 0
+}
+
+func (x *BlockPart) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+// BlockSource is what a put copies from: registered host memory the caller
+// may read (a KV space's regions, docs/kv.md).
+type BlockSource struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The registered objects, by name (at most 1024).
+	Regions []string `protobuf:"bytes,1,rep,name=regions,proto3" json:"regions,omitempty"`
+	// The block's parts (at most 1024), their bytes adding up to the pool's
+	// block_bytes.
+	Parts []*BlockPart `protobuf:"bytes,2,rep,name=parts,proto3" json:"parts,omitempty"`
+	// The source block id of each key: count little-endian uint32s.
+	Ids *Blob `protobuf:"bytes,3,opt,name=ids,proto3" json:"ids,omitempty"`
+	// Optional: the KV space description (at most 16 KiB) every region must
+	// have been registered with (RegisterRequest.space); NOT_FOUND if one was
+	// registered again since.
+	Space         []byte `protobuf:"bytes,4,opt,name=space,proto3" json:"space,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockSource) Reset() {
+	*x = BlockSource{}
+	mi := &file_store_proto_msgTypes[58]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockSource) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockSource) ProtoMessage() {}
+
+func (x *BlockSource) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[58]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockSource.ProtoReflect.Descriptor instead.
+func (*BlockSource) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{58}
+}
+
+func (x *BlockSource) GetRegions() []string {
+	if x != nil {
+		return x.Regions
+	}
+	return nil
+}
+
+func (x *BlockSource) GetParts() []*BlockPart {
+	if x != nil {
+		return x.Parts
+	}
+	return nil
+}
+
+func (x *BlockSource) GetIds() *Blob {
+	if x != nil {
+		return x.Ids
+	}
+	return nil
+}
+
+func (x *BlockSource) GetSpace() []byte {
+	if x != nil {
+		return x.Space
+	}
+	return nil
+}
+
+// BlockPutRequest stores blocks (the pool's owner's uid or root): for each
+// key absent from the pool, the daemon takes a free block (evicting the
+// least recently used block neither pinned nor being written when none is
+// free), copies the key's source block into it and makes it readable. A
+// key present (or being written) is left as it is.
+type BlockPutRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Pool  string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	// Keys in the request: 1..262144.
+	Count uint32 `protobuf:"varint,2,opt,name=count,proto3" json:"count,omitempty"`
+	// count keys of the pool's key_bytes each, end to end.
+	Keys   *Blob        `protobuf:"bytes,3,opt,name=keys,proto3" json:"keys,omitempty"`
+	Source *BlockSource `protobuf:"bytes,4,opt,name=source,proto3" json:"source,omitempty"`
+	// With a bulk file: where the daemon writes the status array.
+	StatusAt      uint64 `protobuf:"varint,5,opt,name=status_at,json=statusAt,proto3" json:"status_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockPutRequest) Reset() {
+	*x = BlockPutRequest{}
+	mi := &file_store_proto_msgTypes[59]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockPutRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockPutRequest) ProtoMessage() {}
+
+func (x *BlockPutRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[59]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockPutRequest.ProtoReflect.Descriptor instead.
+func (*BlockPutRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{59}
+}
+
+func (x *BlockPutRequest) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
+func (x *BlockPutRequest) GetCount() uint32 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
+func (x *BlockPutRequest) GetKeys() *Blob {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
+func (x *BlockPutRequest) GetSource() *BlockSource {
+	if x != nil {
+		return x.Source
+	}
+	return nil
+}
+
+func (x *BlockPutRequest) GetStatusAt() uint64 {
+	if x != nil {
+		return x.StatusAt
+	}
+	return 0
+}
+
+type BlockPutResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Keys stored, present already, and not stored for want of room (every
+	// block pinned or being written).
+	Stored  uint32 `protobuf:"varint,1,opt,name=stored,proto3" json:"stored,omitempty"`
+	Existed uint32 `protobuf:"varint,2,opt,name=existed,proto3" json:"existed,omitempty"`
+	Full    uint32 `protobuf:"varint,3,opt,name=full,proto3" json:"full,omitempty"`
+	// count bytes: 0 stored, 1 present already, 2 no room.
+	Status        *Blob `protobuf:"bytes,4,opt,name=status,proto3" json:"status,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockPutResponse) Reset() {
+	*x = BlockPutResponse{}
+	mi := &file_store_proto_msgTypes[60]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockPutResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockPutResponse) ProtoMessage() {}
+
+func (x *BlockPutResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[60]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockPutResponse.ProtoReflect.Descriptor instead.
+func (*BlockPutResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{60}
+}
+
+func (x *BlockPutResponse) GetStored() uint32 {
+	if x != nil {
+		return x.Stored
+	}
+	return 0
+}
+
+func (x *BlockPutResponse) GetExisted() uint32 {
+	if x != nil {
+		return x.Existed
+	}
+	return 0
+}
+
+func (x *BlockPutResponse) GetFull() uint32 {
+	if x != nil {
+		return x.Full
+	}
+	return 0
+}
+
+func (x *BlockPutResponse) GetStatus() *Blob {
+	if x != nil {
+		return x.Status
+	}
+	return nil
+}
+
+// BlockLookupRequest counts the keys present from the first on: the
+// length of the present prefix (the first key absent, or being written,
+// ends it). It changes nothing, but with pin the prefix's blocks are
+// pinned (kept from eviction) until a get takes the pin over, an unpin,
+// pin_timeout_ms, or the connection's end.
+type BlockLookupRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Pool  string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	Count uint32                 `protobuf:"varint,2,opt,name=count,proto3" json:"count,omitempty"`
+	Keys  *Blob                  `protobuf:"bytes,3,opt,name=keys,proto3" json:"keys,omitempty"`
+	Pin   bool                   `protobuf:"varint,4,opt,name=pin,proto3" json:"pin,omitempty"`
+	// 0: 30 seconds; at most 600000.
+	PinTimeoutMs  int64 `protobuf:"varint,5,opt,name=pin_timeout_ms,json=pinTimeoutMs,proto3" json:"pin_timeout_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockLookupRequest) Reset() {
+	*x = BlockLookupRequest{}
+	mi := &file_store_proto_msgTypes[61]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockLookupRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockLookupRequest) ProtoMessage() {}
+
+func (x *BlockLookupRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[61]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockLookupRequest.ProtoReflect.Descriptor instead.
+func (*BlockLookupRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{61}
+}
+
+func (x *BlockLookupRequest) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
+func (x *BlockLookupRequest) GetCount() uint32 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
+func (x *BlockLookupRequest) GetKeys() *Blob {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
+func (x *BlockLookupRequest) GetPin() bool {
+	if x != nil {
+		return x.Pin
+	}
+	return false
+}
+
+func (x *BlockLookupRequest) GetPinTimeoutMs() int64 {
+	if x != nil {
+		return x.PinTimeoutMs
+	}
+	return 0
+}
+
+type BlockLookupResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Found uint32                 `protobuf:"varint,1,opt,name=found,proto3" json:"found,omitempty"`
+	// The pin, with pin set and found > 0; 0 otherwise.
+	Pin           uint64 `protobuf:"varint,2,opt,name=pin,proto3" json:"pin,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockLookupResponse) Reset() {
+	*x = BlockLookupResponse{}
+	mi := &file_store_proto_msgTypes[62]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockLookupResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockLookupResponse) ProtoMessage() {}
+
+func (x *BlockLookupResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[62]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockLookupResponse.ProtoReflect.Descriptor instead.
+func (*BlockLookupResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{62}
+}
+
+func (x *BlockLookupResponse) GetFound() uint32 {
+	if x != nil {
+		return x.Found
+	}
+	return 0
+}
+
+func (x *BlockLookupResponse) GetPin() uint64 {
+	if x != nil {
+		return x.Pin
+	}
+	return 0
+}
+
+// BlockGetRequest finds the blocks of keys and pins those present until the
+// caller unpins (or its connection ends): it copies them out of the pool's
+// memory (PoolStatRequest.map) meanwhile.
+type BlockGetRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Pool  string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	Count uint32                 `protobuf:"varint,2,opt,name=count,proto3" json:"count,omitempty"`
+	Keys  *Blob                  `protobuf:"bytes,3,opt,name=keys,proto3" json:"keys,omitempty"`
+	// A pin of this connection's lookup that the get takes over: it ends
+	// once the get's blocks are pinned. 0: none.
+	Pin uint64 `protobuf:"varint,4,opt,name=pin,proto3" json:"pin,omitempty"`
+	// With a bulk file: where the daemon writes the slots array.
+	SlotsAt       uint64 `protobuf:"varint,5,opt,name=slots_at,json=slotsAt,proto3" json:"slots_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockGetRequest) Reset() {
+	*x = BlockGetRequest{}
+	mi := &file_store_proto_msgTypes[63]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockGetRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockGetRequest) ProtoMessage() {}
+
+func (x *BlockGetRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[63]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockGetRequest.ProtoReflect.Descriptor instead.
+func (*BlockGetRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{63}
+}
+
+func (x *BlockGetRequest) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
+func (x *BlockGetRequest) GetCount() uint32 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
+func (x *BlockGetRequest) GetKeys() *Blob {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
+func (x *BlockGetRequest) GetPin() uint64 {
+	if x != nil {
+		return x.Pin
+	}
+	return 0
+}
+
+func (x *BlockGetRequest) GetSlotsAt() uint64 {
+	if x != nil {
+		return x.SlotsAt
+	}
+	return 0
+}
+
+type BlockGetResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The get's pin (0 when no key was found): unpin it after copying.
+	Pin   uint64 `protobuf:"varint,1,opt,name=pin,proto3" json:"pin,omitempty"`
+	Found uint32 `protobuf:"varint,2,opt,name=found,proto3" json:"found,omitempty"`
+	// The pool's id: a client that mapped another incarnation of the name
+	// maps it again.
+	PoolId uint64 `protobuf:"varint,3,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
+	// count little-endian uint32s: the slot of each key's block, 0xffffffff
+	// for a key absent.
+	Slots         *Blob `protobuf:"bytes,4,opt,name=slots,proto3" json:"slots,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockGetResponse) Reset() {
+	*x = BlockGetResponse{}
+	mi := &file_store_proto_msgTypes[64]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockGetResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockGetResponse) ProtoMessage() {}
+
+func (x *BlockGetResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[64]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockGetResponse.ProtoReflect.Descriptor instead.
+func (*BlockGetResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{64}
+}
+
+func (x *BlockGetResponse) GetPin() uint64 {
+	if x != nil {
+		return x.Pin
+	}
+	return 0
+}
+
+func (x *BlockGetResponse) GetFound() uint32 {
+	if x != nil {
+		return x.Found
+	}
+	return 0
+}
+
+func (x *BlockGetResponse) GetPoolId() uint64 {
+	if x != nil {
+		return x.PoolId
+	}
+	return 0
+}
+
+func (x *BlockGetResponse) GetSlots() *Blob {
+	if x != nil {
+		return x.Slots
+	}
+	return nil
+}
+
+// BlockUnpinRequest ends a pin of this connection.
+type BlockUnpinRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Pin           uint64                 `protobuf:"varint,1,opt,name=pin,proto3" json:"pin,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockUnpinRequest) Reset() {
+	*x = BlockUnpinRequest{}
+	mi := &file_store_proto_msgTypes[65]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockUnpinRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockUnpinRequest) ProtoMessage() {}
+
+func (x *BlockUnpinRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[65]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockUnpinRequest.ProtoReflect.Descriptor instead.
+func (*BlockUnpinRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{65}
+}
+
+func (x *BlockUnpinRequest) GetPin() uint64 {
+	if x != nil {
+		return x.Pin
+	}
+	return 0
+}
+
+type BlockUnpinResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockUnpinResponse) Reset() {
+	*x = BlockUnpinResponse{}
+	mi := &file_store_proto_msgTypes[66]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockUnpinResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockUnpinResponse) ProtoMessage() {}
+
+func (x *BlockUnpinResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[66]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockUnpinResponse.ProtoReflect.Descriptor instead.
+func (*BlockUnpinResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{66}
+}
+
+// BlockDeleteRequest removes keys (the pool's owner's uid or root); a
+// pinned block's memory is reused once its pins end.
+type BlockDeleteRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Pool          string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	Count         uint32                 `protobuf:"varint,2,opt,name=count,proto3" json:"count,omitempty"`
+	Keys          *Blob                  `protobuf:"bytes,3,opt,name=keys,proto3" json:"keys,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockDeleteRequest) Reset() {
+	*x = BlockDeleteRequest{}
+	mi := &file_store_proto_msgTypes[67]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockDeleteRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockDeleteRequest) ProtoMessage() {}
+
+func (x *BlockDeleteRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[67]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockDeleteRequest.ProtoReflect.Descriptor instead.
+func (*BlockDeleteRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{67}
+}
+
+func (x *BlockDeleteRequest) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
+func (x *BlockDeleteRequest) GetCount() uint32 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
+func (x *BlockDeleteRequest) GetKeys() *Blob {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
+type BlockDeleteResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Deleted       uint32                 `protobuf:"varint,1,opt,name=deleted,proto3" json:"deleted,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockDeleteResponse) Reset() {
+	*x = BlockDeleteResponse{}
+	mi := &file_store_proto_msgTypes[68]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockDeleteResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockDeleteResponse) ProtoMessage() {}
+
+func (x *BlockDeleteResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[68]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockDeleteResponse.ProtoReflect.Descriptor instead.
+func (*BlockDeleteResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{68}
+}
+
+func (x *BlockDeleteResponse) GetDeleted() uint32 {
+	if x != nil {
+		return x.Deleted
+	}
+	return 0
+}
+
+// BlockEvictRequest evicts up to blocks least recently used blocks that
+// are neither pinned nor being written (the pool's owner's uid or root).
+type BlockEvictRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Pool          string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	Blocks        uint32                 `protobuf:"varint,2,opt,name=blocks,proto3" json:"blocks,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockEvictRequest) Reset() {
+	*x = BlockEvictRequest{}
+	mi := &file_store_proto_msgTypes[69]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockEvictRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockEvictRequest) ProtoMessage() {}
+
+func (x *BlockEvictRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[69]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockEvictRequest.ProtoReflect.Descriptor instead.
+func (*BlockEvictRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{69}
+}
+
+func (x *BlockEvictRequest) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
+func (x *BlockEvictRequest) GetBlocks() uint32 {
+	if x != nil {
+		return x.Blocks
+	}
+	return 0
+}
+
+type BlockEvictResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Evicted       uint32                 `protobuf:"varint,1,opt,name=evicted,proto3" json:"evicted,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BlockEvictResponse) Reset() {
+	*x = BlockEvictResponse{}
+	mi := &file_store_proto_msgTypes[70]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BlockEvictResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BlockEvictResponse) ProtoMessage() {}
+
+func (x *BlockEvictResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[70]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BlockEvictResponse.ProtoReflect.Descriptor instead.
+func (*BlockEvictResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{70}
+}
+
+func (x *BlockEvictResponse) GetEvicted() uint32 {
+	if x != nil {
+		return x.Evicted
+	}
+	return 0
+}
+
 var File_store_proto protoreflect.FileDescriptor
 
 const file_store_proto_rawDesc = "" +
 	"\n" +
-	"\vstore.proto\x12\x10cudaipc.store.v1\"\xab\t\n" +
+	"\vstore.proto\x12\x10cudaipc.store.v1\"\xe9\x0e\n" +
 	"\aRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x126\n" +
 	"\x05hello\x18\n" +
@@ -4158,7 +6042,21 @@ const file_store_proto_rawDesc = "" +
 	"\bwithdraw\x180 \x01(\v2!.cudaipc.store.v1.WithdrawRequestH\x00R\bwithdraw\x129\n" +
 	"\x06notify\x181 \x01(\v2\x1f.cudaipc.store.v1.NotifyRequestH\x00R\x06notify\x12:\n" +
 	"\akv_read\x183 \x01(\v2\x1f.cudaipc.store.v1.KvReadRequestH\x00R\x06kvRead\x12@\n" +
-	"\tkv_cancel\x184 \x01(\v2!.cudaipc.store.v1.KvCancelRequestH\x00R\bkvCancelB\x06\n" +
+	"\tkv_cancel\x184 \x01(\v2!.cudaipc.store.v1.KvCancelRequestH\x00R\bkvCancel\x12F\n" +
+	"\vpool_create\x18< \x01(\v2#.cudaipc.store.v1.PoolCreateRequestH\x00R\n" +
+	"poolCreate\x12F\n" +
+	"\vpool_delete\x18= \x01(\v2#.cudaipc.store.v1.PoolDeleteRequestH\x00R\n" +
+	"poolDelete\x12@\n" +
+	"\tpool_stat\x18> \x01(\v2!.cudaipc.store.v1.PoolStatRequestH\x00R\bpoolStat\x12@\n" +
+	"\tpool_list\x18? \x01(\v2!.cudaipc.store.v1.PoolListRequestH\x00R\bpoolList\x12@\n" +
+	"\tblock_put\x18@ \x01(\v2!.cudaipc.store.v1.BlockPutRequestH\x00R\bblockPut\x12I\n" +
+	"\fblock_lookup\x18A \x01(\v2$.cudaipc.store.v1.BlockLookupRequestH\x00R\vblockLookup\x12@\n" +
+	"\tblock_get\x18B \x01(\v2!.cudaipc.store.v1.BlockGetRequestH\x00R\bblockGet\x12F\n" +
+	"\vblock_unpin\x18C \x01(\v2#.cudaipc.store.v1.BlockUnpinRequestH\x00R\n" +
+	"blockUnpin\x12I\n" +
+	"\fblock_delete\x18D \x01(\v2$.cudaipc.store.v1.BlockDeleteRequestH\x00R\vblockDelete\x12F\n" +
+	"\vblock_evict\x18E \x01(\v2#.cudaipc.store.v1.BlockEvictRequestH\x00R\n" +
+	"blockEvictB\x06\n" +
 	"\x04body\"I\n" +
 	"\fHelloRequest\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\rR\aversion\x12\x1f\n" +
@@ -4223,7 +6121,7 @@ const file_store_proto_rawDesc = "" +
 	"\x10SubscribeRequest\"\x13\n" +
 	"\x11LeaseTableRequest\"2\n" +
 	"\x13ForgetArenasRequest\x12\x1b\n" +
-	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\x97\v\n" +
+	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\xdf\x10\n" +
 	"\bResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12-\n" +
 	"\x05error\x18\x02 \x01(\v2\x17.cudaipc.store.v1.ErrorR\x05error\x127\n" +
@@ -4250,6 +6148,20 @@ const file_store_proto_rawDesc = "" +
 	"\x06notice\x182 \x01(\v2\x18.cudaipc.store.v1.NoticeH\x00R\x06notice\x12;\n" +
 	"\akv_read\x183 \x01(\v2 .cudaipc.store.v1.KvReadResponseH\x00R\x06kvRead\x12A\n" +
 	"\tkv_cancel\x184 \x01(\v2\".cudaipc.store.v1.KvCancelResponseH\x00R\bkvCancel\x12G\n" +
+	"\vpool_create\x18< \x01(\v2$.cudaipc.store.v1.PoolCreateResponseH\x00R\n" +
+	"poolCreate\x12G\n" +
+	"\vpool_delete\x18= \x01(\v2$.cudaipc.store.v1.PoolDeleteResponseH\x00R\n" +
+	"poolDelete\x12A\n" +
+	"\tpool_stat\x18> \x01(\v2\".cudaipc.store.v1.PoolStatResponseH\x00R\bpoolStat\x12A\n" +
+	"\tpool_list\x18? \x01(\v2\".cudaipc.store.v1.PoolListResponseH\x00R\bpoolList\x12A\n" +
+	"\tblock_put\x18@ \x01(\v2\".cudaipc.store.v1.BlockPutResponseH\x00R\bblockPut\x12J\n" +
+	"\fblock_lookup\x18A \x01(\v2%.cudaipc.store.v1.BlockLookupResponseH\x00R\vblockLookup\x12A\n" +
+	"\tblock_get\x18B \x01(\v2\".cudaipc.store.v1.BlockGetResponseH\x00R\bblockGet\x12G\n" +
+	"\vblock_unpin\x18C \x01(\v2$.cudaipc.store.v1.BlockUnpinResponseH\x00R\n" +
+	"blockUnpin\x12J\n" +
+	"\fblock_delete\x18D \x01(\v2%.cudaipc.store.v1.BlockDeleteResponseH\x00R\vblockDelete\x12G\n" +
+	"\vblock_evict\x18E \x01(\v2$.cudaipc.store.v1.BlockEvictResponseH\x00R\n" +
+	"blockEvict\x12G\n" +
 	"\vlease_table\x18  \x01(\v2$.cudaipc.store.v1.LeaseTableResponseH\x00R\n" +
 	"leaseTableB\x06\n" +
 	"\x04body\"\xa4\x04\n" +
@@ -4430,7 +6342,115 @@ const file_store_proto_rawDesc = "" +
 	"\x04done\x18\x02 \x01(\bR\x04done\"*\n" +
 	"\x0fKvCancelRequest\x12\x17\n" +
 	"\aread_id\x18\x01 \x01(\x04R\x06readId\"\x12\n" +
-	"\x10KvCancelResponseB-Z+github.com/cudaipc/cudaipc/protocol/storev1b\x06proto3"
+	"\x10KvCancelResponse\"\xb1\x01\n" +
+	"\x11PoolCreateRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1f\n" +
+	"\vblock_bytes\x18\x02 \x01(\x04R\n" +
+	"blockBytes\x12\x1b\n" +
+	"\tkey_bytes\x18\x03 \x01(\rR\bkeyBytes\x12\x1a\n" +
+	"\bcapacity\x18\x04 \x01(\x04R\bcapacity\x12\x16\n" +
+	"\x06device\x18\x05 \x01(\tR\x06device\x12\x16\n" +
+	"\x06shared\x18\x06 \x01(\bR\x06shared\"D\n" +
+	"\x12PoolCreateResponse\x12.\n" +
+	"\x04info\x18\x01 \x01(\v2\x1a.cudaipc.store.v1.PoolInfoR\x04info\"'\n" +
+	"\x11PoolDeleteRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\"\x14\n" +
+	"\x12PoolDeleteResponse\"7\n" +
+	"\x0fPoolStatRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x10\n" +
+	"\x03map\x18\x02 \x01(\bR\x03map\"c\n" +
+	"\x10PoolStatResponse\x12.\n" +
+	"\x04info\x18\x01 \x01(\v2\x1a.cudaipc.store.v1.PoolInfoR\x04info\x12\x1f\n" +
+	"\vfd_attached\x18\x02 \x01(\bR\n" +
+	"fdAttached\"2\n" +
+	"\x0fPoolListRequest\x12\x1f\n" +
+	"\vstart_after\x18\x01 \x01(\tR\n" +
+	"startAfter\"X\n" +
+	"\x10PoolListResponse\x120\n" +
+	"\x05pools\x18\x01 \x03(\v2\x1a.cudaipc.store.v1.PoolInfoR\x05pools\x12\x12\n" +
+	"\x04more\x18\x02 \x01(\bR\x04more\"\xfa\x03\n" +
+	"\bPoolInfo\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1b\n" +
+	"\towner_uid\x18\x02 \x01(\rR\bownerUid\x12\x16\n" +
+	"\x06shared\x18\x03 \x01(\bR\x06shared\x12\x16\n" +
+	"\x06device\x18\x04 \x01(\tR\x06device\x12\x0e\n" +
+	"\x02id\x18\x05 \x01(\x04R\x02id\x12\x1f\n" +
+	"\vblock_bytes\x18\x06 \x01(\x04R\n" +
+	"blockBytes\x12\x1b\n" +
+	"\tkey_bytes\x18\a \x01(\rR\bkeyBytes\x12\x1d\n" +
+	"\n" +
+	"slot_bytes\x18\b \x01(\x04R\tslotBytes\x12'\n" +
+	"\x0fcapacity_blocks\x18\t \x01(\x04R\x0ecapacityBlocks\x12\x1f\n" +
+	"\vmemory_size\x18\n" +
+	" \x01(\x04R\n" +
+	"memorySize\x12\x16\n" +
+	"\x06blocks\x18\v \x01(\x04R\x06blocks\x12\x18\n" +
+	"\awriting\x18\f \x01(\x04R\awriting\x12\x16\n" +
+	"\x06pinned\x18\r \x01(\x04R\x06pinned\x12\x12\n" +
+	"\x04hits\x18\x0e \x01(\x04R\x04hits\x12\x16\n" +
+	"\x06misses\x18\x0f \x01(\x04R\x06misses\x12\x16\n" +
+	"\x06stored\x18\x10 \x01(\x04R\x06stored\x12\x1c\n" +
+	"\tevictions\x18\x11 \x01(\x04R\tevictions\x12*\n" +
+	"\x11created_unix_nano\x18\x12 \x01(\x03R\x0fcreatedUnixNano\"J\n" +
+	"\x04Blob\x12\x12\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\x12\x16\n" +
+	"\x06offset\x18\x02 \x01(\x04R\x06offset\x12\x16\n" +
+	"\x06length\x18\x03 \x01(\x04R\x06length\"e\n" +
+	"\tBlockPart\x12\x16\n" +
+	"\x06region\x18\x01 \x01(\rR\x06region\x12\x12\n" +
+	"\x04base\x18\x02 \x01(\x04R\x04base\x12\x16\n" +
+	"\x06stride\x18\x03 \x01(\x04R\x06stride\x12\x14\n" +
+	"\x05bytes\x18\x04 \x01(\x04R\x05bytes\"\x9a\x01\n" +
+	"\vBlockSource\x12\x18\n" +
+	"\aregions\x18\x01 \x03(\tR\aregions\x121\n" +
+	"\x05parts\x18\x02 \x03(\v2\x1b.cudaipc.store.v1.BlockPartR\x05parts\x12(\n" +
+	"\x03ids\x18\x03 \x01(\v2\x16.cudaipc.store.v1.BlobR\x03ids\x12\x14\n" +
+	"\x05space\x18\x04 \x01(\fR\x05space\"\xbb\x01\n" +
+	"\x0fBlockPutRequest\x12\x12\n" +
+	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x14\n" +
+	"\x05count\x18\x02 \x01(\rR\x05count\x12*\n" +
+	"\x04keys\x18\x03 \x01(\v2\x16.cudaipc.store.v1.BlobR\x04keys\x125\n" +
+	"\x06source\x18\x04 \x01(\v2\x1d.cudaipc.store.v1.BlockSourceR\x06source\x12\x1b\n" +
+	"\tstatus_at\x18\x05 \x01(\x04R\bstatusAt\"\x88\x01\n" +
+	"\x10BlockPutResponse\x12\x16\n" +
+	"\x06stored\x18\x01 \x01(\rR\x06stored\x12\x18\n" +
+	"\aexisted\x18\x02 \x01(\rR\aexisted\x12\x12\n" +
+	"\x04full\x18\x03 \x01(\rR\x04full\x12.\n" +
+	"\x06status\x18\x04 \x01(\v2\x16.cudaipc.store.v1.BlobR\x06status\"\xa2\x01\n" +
+	"\x12BlockLookupRequest\x12\x12\n" +
+	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x14\n" +
+	"\x05count\x18\x02 \x01(\rR\x05count\x12*\n" +
+	"\x04keys\x18\x03 \x01(\v2\x16.cudaipc.store.v1.BlobR\x04keys\x12\x10\n" +
+	"\x03pin\x18\x04 \x01(\bR\x03pin\x12$\n" +
+	"\x0epin_timeout_ms\x18\x05 \x01(\x03R\fpinTimeoutMs\"=\n" +
+	"\x13BlockLookupResponse\x12\x14\n" +
+	"\x05found\x18\x01 \x01(\rR\x05found\x12\x10\n" +
+	"\x03pin\x18\x02 \x01(\x04R\x03pin\"\x94\x01\n" +
+	"\x0fBlockGetRequest\x12\x12\n" +
+	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x14\n" +
+	"\x05count\x18\x02 \x01(\rR\x05count\x12*\n" +
+	"\x04keys\x18\x03 \x01(\v2\x16.cudaipc.store.v1.BlobR\x04keys\x12\x10\n" +
+	"\x03pin\x18\x04 \x01(\x04R\x03pin\x12\x19\n" +
+	"\bslots_at\x18\x05 \x01(\x04R\aslotsAt\"\x81\x01\n" +
+	"\x10BlockGetResponse\x12\x10\n" +
+	"\x03pin\x18\x01 \x01(\x04R\x03pin\x12\x14\n" +
+	"\x05found\x18\x02 \x01(\rR\x05found\x12\x17\n" +
+	"\apool_id\x18\x03 \x01(\x04R\x06poolId\x12,\n" +
+	"\x05slots\x18\x04 \x01(\v2\x16.cudaipc.store.v1.BlobR\x05slots\"%\n" +
+	"\x11BlockUnpinRequest\x12\x10\n" +
+	"\x03pin\x18\x01 \x01(\x04R\x03pin\"\x14\n" +
+	"\x12BlockUnpinResponse\"j\n" +
+	"\x12BlockDeleteRequest\x12\x12\n" +
+	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x14\n" +
+	"\x05count\x18\x02 \x01(\rR\x05count\x12*\n" +
+	"\x04keys\x18\x03 \x01(\v2\x16.cudaipc.store.v1.BlobR\x04keys\"/\n" +
+	"\x13BlockDeleteResponse\x12\x18\n" +
+	"\adeleted\x18\x01 \x01(\rR\adeleted\"?\n" +
+	"\x11BlockEvictRequest\x12\x12\n" +
+	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x16\n" +
+	"\x06blocks\x18\x02 \x01(\rR\x06blocks\".\n" +
+	"\x12BlockEvictResponse\x12\x18\n" +
+	"\aevicted\x18\x01 \x01(\rR\aevictedB-Z+github.com/cudaipc/cudaipc/protocol/storev1b\x06proto3"
 
 var (
 	file_store_proto_rawDescOnce sync.Once
@@ -4445,7 +6465,7 @@ func file_store_proto_rawDescGZIP() []byte {
 }
 
 var file_store_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 47)
+var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 71)
 var file_store_proto_goTypes = []any{
 	(Error_Code)(0),              // 0: cudaipc.store.v1.Error.Code
 	(Error_Limit)(0),             // 1: cudaipc.store.v1.Error.Limit
@@ -4498,6 +6518,30 @@ var file_store_proto_goTypes = []any{
 	(*KvReadResponse)(nil),       // 48: cudaipc.store.v1.KvReadResponse
 	(*KvCancelRequest)(nil),      // 49: cudaipc.store.v1.KvCancelRequest
 	(*KvCancelResponse)(nil),     // 50: cudaipc.store.v1.KvCancelResponse
+	(*PoolCreateRequest)(nil),    // 51: cudaipc.store.v1.PoolCreateRequest
+	(*PoolCreateResponse)(nil),   // 52: cudaipc.store.v1.PoolCreateResponse
+	(*PoolDeleteRequest)(nil),    // 53: cudaipc.store.v1.PoolDeleteRequest
+	(*PoolDeleteResponse)(nil),   // 54: cudaipc.store.v1.PoolDeleteResponse
+	(*PoolStatRequest)(nil),      // 55: cudaipc.store.v1.PoolStatRequest
+	(*PoolStatResponse)(nil),     // 56: cudaipc.store.v1.PoolStatResponse
+	(*PoolListRequest)(nil),      // 57: cudaipc.store.v1.PoolListRequest
+	(*PoolListResponse)(nil),     // 58: cudaipc.store.v1.PoolListResponse
+	(*PoolInfo)(nil),             // 59: cudaipc.store.v1.PoolInfo
+	(*Blob)(nil),                 // 60: cudaipc.store.v1.Blob
+	(*BlockPart)(nil),            // 61: cudaipc.store.v1.BlockPart
+	(*BlockSource)(nil),          // 62: cudaipc.store.v1.BlockSource
+	(*BlockPutRequest)(nil),      // 63: cudaipc.store.v1.BlockPutRequest
+	(*BlockPutResponse)(nil),     // 64: cudaipc.store.v1.BlockPutResponse
+	(*BlockLookupRequest)(nil),   // 65: cudaipc.store.v1.BlockLookupRequest
+	(*BlockLookupResponse)(nil),  // 66: cudaipc.store.v1.BlockLookupResponse
+	(*BlockGetRequest)(nil),      // 67: cudaipc.store.v1.BlockGetRequest
+	(*BlockGetResponse)(nil),     // 68: cudaipc.store.v1.BlockGetResponse
+	(*BlockUnpinRequest)(nil),    // 69: cudaipc.store.v1.BlockUnpinRequest
+	(*BlockUnpinResponse)(nil),   // 70: cudaipc.store.v1.BlockUnpinResponse
+	(*BlockDeleteRequest)(nil),   // 71: cudaipc.store.v1.BlockDeleteRequest
+	(*BlockDeleteResponse)(nil),  // 72: cudaipc.store.v1.BlockDeleteResponse
+	(*BlockEvictRequest)(nil),    // 73: cudaipc.store.v1.BlockEvictRequest
+	(*BlockEvictResponse)(nil),   // 74: cudaipc.store.v1.BlockEvictResponse
 }
 var file_store_proto_depIdxs = []int32{
 	5,  // 0: cudaipc.store.v1.Request.hello:type_name -> cudaipc.store.v1.HelloRequest
@@ -4519,48 +6563,80 @@ var file_store_proto_depIdxs = []int32{
 	44, // 16: cudaipc.store.v1.Request.notify:type_name -> cudaipc.store.v1.NotifyRequest
 	47, // 17: cudaipc.store.v1.Request.kv_read:type_name -> cudaipc.store.v1.KvReadRequest
 	49, // 18: cudaipc.store.v1.Request.kv_cancel:type_name -> cudaipc.store.v1.KvCancelRequest
-	7,  // 19: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	7,  // 20: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	19, // 21: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
-	20, // 22: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
-	23, // 23: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
-	24, // 24: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
-	25, // 25: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
-	26, // 26: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
-	27, // 27: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
-	28, // 28: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
-	29, // 29: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
-	30, // 30: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
-	31, // 31: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
-	35, // 32: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
-	32, // 33: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
-	34, // 34: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
-	41, // 35: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
-	38, // 36: cudaipc.store.v1.Response.stage_files:type_name -> cudaipc.store.v1.StageFilesResponse
-	40, // 37: cudaipc.store.v1.Response.files:type_name -> cudaipc.store.v1.FilesResponse
-	43, // 38: cudaipc.store.v1.Response.withdraw:type_name -> cudaipc.store.v1.WithdrawResponse
-	45, // 39: cudaipc.store.v1.Response.notify:type_name -> cudaipc.store.v1.NotifyResponse
-	46, // 40: cudaipc.store.v1.Response.notice:type_name -> cudaipc.store.v1.Notice
-	48, // 41: cudaipc.store.v1.Response.kv_read:type_name -> cudaipc.store.v1.KvReadResponse
-	50, // 42: cudaipc.store.v1.Response.kv_cancel:type_name -> cudaipc.store.v1.KvCancelResponse
-	33, // 43: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
-	0,  // 44: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
-	1,  // 45: cudaipc.store.v1.Error.limit:type_name -> cudaipc.store.v1.Error.Limit
-	2,  // 46: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
-	7,  // 47: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	21, // 48: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
-	21, // 49: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
-	22, // 50: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	22, // 51: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
-	22, // 52: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	3,  // 53: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
-	7,  // 54: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	22, // 55: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	56, // [56:56] is the sub-list for method output_type
-	56, // [56:56] is the sub-list for method input_type
-	56, // [56:56] is the sub-list for extension type_name
-	56, // [56:56] is the sub-list for extension extendee
-	0,  // [0:56] is the sub-list for field type_name
+	51, // 19: cudaipc.store.v1.Request.pool_create:type_name -> cudaipc.store.v1.PoolCreateRequest
+	53, // 20: cudaipc.store.v1.Request.pool_delete:type_name -> cudaipc.store.v1.PoolDeleteRequest
+	55, // 21: cudaipc.store.v1.Request.pool_stat:type_name -> cudaipc.store.v1.PoolStatRequest
+	57, // 22: cudaipc.store.v1.Request.pool_list:type_name -> cudaipc.store.v1.PoolListRequest
+	63, // 23: cudaipc.store.v1.Request.block_put:type_name -> cudaipc.store.v1.BlockPutRequest
+	65, // 24: cudaipc.store.v1.Request.block_lookup:type_name -> cudaipc.store.v1.BlockLookupRequest
+	67, // 25: cudaipc.store.v1.Request.block_get:type_name -> cudaipc.store.v1.BlockGetRequest
+	69, // 26: cudaipc.store.v1.Request.block_unpin:type_name -> cudaipc.store.v1.BlockUnpinRequest
+	71, // 27: cudaipc.store.v1.Request.block_delete:type_name -> cudaipc.store.v1.BlockDeleteRequest
+	73, // 28: cudaipc.store.v1.Request.block_evict:type_name -> cudaipc.store.v1.BlockEvictRequest
+	7,  // 29: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	7,  // 30: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	19, // 31: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
+	20, // 32: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
+	23, // 33: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
+	24, // 34: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
+	25, // 35: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
+	26, // 36: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
+	27, // 37: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
+	28, // 38: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
+	29, // 39: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
+	30, // 40: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
+	31, // 41: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
+	35, // 42: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
+	32, // 43: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
+	34, // 44: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
+	41, // 45: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
+	38, // 46: cudaipc.store.v1.Response.stage_files:type_name -> cudaipc.store.v1.StageFilesResponse
+	40, // 47: cudaipc.store.v1.Response.files:type_name -> cudaipc.store.v1.FilesResponse
+	43, // 48: cudaipc.store.v1.Response.withdraw:type_name -> cudaipc.store.v1.WithdrawResponse
+	45, // 49: cudaipc.store.v1.Response.notify:type_name -> cudaipc.store.v1.NotifyResponse
+	46, // 50: cudaipc.store.v1.Response.notice:type_name -> cudaipc.store.v1.Notice
+	48, // 51: cudaipc.store.v1.Response.kv_read:type_name -> cudaipc.store.v1.KvReadResponse
+	50, // 52: cudaipc.store.v1.Response.kv_cancel:type_name -> cudaipc.store.v1.KvCancelResponse
+	52, // 53: cudaipc.store.v1.Response.pool_create:type_name -> cudaipc.store.v1.PoolCreateResponse
+	54, // 54: cudaipc.store.v1.Response.pool_delete:type_name -> cudaipc.store.v1.PoolDeleteResponse
+	56, // 55: cudaipc.store.v1.Response.pool_stat:type_name -> cudaipc.store.v1.PoolStatResponse
+	58, // 56: cudaipc.store.v1.Response.pool_list:type_name -> cudaipc.store.v1.PoolListResponse
+	64, // 57: cudaipc.store.v1.Response.block_put:type_name -> cudaipc.store.v1.BlockPutResponse
+	66, // 58: cudaipc.store.v1.Response.block_lookup:type_name -> cudaipc.store.v1.BlockLookupResponse
+	68, // 59: cudaipc.store.v1.Response.block_get:type_name -> cudaipc.store.v1.BlockGetResponse
+	70, // 60: cudaipc.store.v1.Response.block_unpin:type_name -> cudaipc.store.v1.BlockUnpinResponse
+	72, // 61: cudaipc.store.v1.Response.block_delete:type_name -> cudaipc.store.v1.BlockDeleteResponse
+	74, // 62: cudaipc.store.v1.Response.block_evict:type_name -> cudaipc.store.v1.BlockEvictResponse
+	33, // 63: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
+	0,  // 64: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
+	1,  // 65: cudaipc.store.v1.Error.limit:type_name -> cudaipc.store.v1.Error.Limit
+	2,  // 66: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
+	7,  // 67: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	21, // 68: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
+	21, // 69: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
+	22, // 70: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	22, // 71: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
+	22, // 72: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	3,  // 73: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
+	7,  // 74: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	22, // 75: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	59, // 76: cudaipc.store.v1.PoolCreateResponse.info:type_name -> cudaipc.store.v1.PoolInfo
+	59, // 77: cudaipc.store.v1.PoolStatResponse.info:type_name -> cudaipc.store.v1.PoolInfo
+	59, // 78: cudaipc.store.v1.PoolListResponse.pools:type_name -> cudaipc.store.v1.PoolInfo
+	61, // 79: cudaipc.store.v1.BlockSource.parts:type_name -> cudaipc.store.v1.BlockPart
+	60, // 80: cudaipc.store.v1.BlockSource.ids:type_name -> cudaipc.store.v1.Blob
+	60, // 81: cudaipc.store.v1.BlockPutRequest.keys:type_name -> cudaipc.store.v1.Blob
+	62, // 82: cudaipc.store.v1.BlockPutRequest.source:type_name -> cudaipc.store.v1.BlockSource
+	60, // 83: cudaipc.store.v1.BlockPutResponse.status:type_name -> cudaipc.store.v1.Blob
+	60, // 84: cudaipc.store.v1.BlockLookupRequest.keys:type_name -> cudaipc.store.v1.Blob
+	60, // 85: cudaipc.store.v1.BlockGetRequest.keys:type_name -> cudaipc.store.v1.Blob
+	60, // 86: cudaipc.store.v1.BlockGetResponse.slots:type_name -> cudaipc.store.v1.Blob
+	60, // 87: cudaipc.store.v1.BlockDeleteRequest.keys:type_name -> cudaipc.store.v1.Blob
+	88, // [88:88] is the sub-list for method output_type
+	88, // [88:88] is the sub-list for method input_type
+	88, // [88:88] is the sub-list for extension type_name
+	88, // [88:88] is the sub-list for extension extendee
+	0,  // [0:88] is the sub-list for field type_name
 }
 
 func init() { file_store_proto_init() }
@@ -4588,6 +6664,16 @@ func file_store_proto_init() {
 		(*Request_Notify)(nil),
 		(*Request_KvRead)(nil),
 		(*Request_KvCancel)(nil),
+		(*Request_PoolCreate)(nil),
+		(*Request_PoolDelete)(nil),
+		(*Request_PoolStat)(nil),
+		(*Request_PoolList)(nil),
+		(*Request_BlockPut)(nil),
+		(*Request_BlockLookup)(nil),
+		(*Request_BlockGet)(nil),
+		(*Request_BlockUnpin)(nil),
+		(*Request_BlockDelete)(nil),
+		(*Request_BlockEvict)(nil),
 	}
 	file_store_proto_msgTypes[6].OneofWrappers = []any{}
 	file_store_proto_msgTypes[14].OneofWrappers = []any{
@@ -4612,6 +6698,16 @@ func file_store_proto_init() {
 		(*Response_Notice)(nil),
 		(*Response_KvRead)(nil),
 		(*Response_KvCancel)(nil),
+		(*Response_PoolCreate)(nil),
+		(*Response_PoolDelete)(nil),
+		(*Response_PoolStat)(nil),
+		(*Response_PoolList)(nil),
+		(*Response_BlockPut)(nil),
+		(*Response_BlockLookup)(nil),
+		(*Response_BlockGet)(nil),
+		(*Response_BlockUnpin)(nil),
+		(*Response_BlockDelete)(nil),
+		(*Response_BlockEvict)(nil),
 		(*Response_LeaseTable)(nil),
 	}
 	type x struct{}
@@ -4620,7 +6716,7 @@ func file_store_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_store_proto_rawDesc), len(file_store_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   47,
+			NumMessages:   71,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
