@@ -652,9 +652,10 @@ func (s *Store) clusterCreateOK(r createReq, _ string) error {
 
 // fetchAndGrant answers a get of something this node lacks on a daemon in
 // a cluster: the cluster makes it local before the get's deadline
-// (makeLocal), then the get goes on as any get does: granted, failed at
-// once, or waiting what is left of its timeout. A get that names tensors
-// of a bundle may be granted a partial replica of just those instead.
+// (makeLocal), then the get goes on as any get does (waitAndGrant):
+// granted, failed at once, or waiting what is left of its timeout. A get
+// that names tensors of a bundle may be granted a partial replica of just
+// those instead.
 func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs int64, tensors []string) {
 	wait := timeoutMs != 0
 	ctx, cancel := context.WithTimeout(cn.ss.ctx, DefaultClusterFetchTimeout)
@@ -664,24 +665,18 @@ func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs 
 	}
 	defer cancel()
 	var err error
-	for try := 0; ; try++ {
+	for try := 0; try < 2; try++ {
 		var slice string
 		slice, err = cn.makeLocal(ctx, name, sel, wait, tensors)
 		if err != nil || slice == "" || cn.ss.ctx.Err() != nil {
 			break
 		}
-		cn.order.Lock()
-		done := cn.grant(id, slice, versionSel{}, true)
-		cn.order.Unlock()
-		if done {
+		if cn.grantNow(id, slice, versionSel{}) {
 			return
 		}
 		// Evicted or dropped between its seal and this lease: pull it
 		// again, once.
-		if try == 1 {
-			err = fmt.Errorf("the partial replica of %q was evicted twice before it could be leased: free memory on this node", name)
-			break
-		}
+		err = fmt.Errorf("the partial replica of %q was evicted twice before it could be leased: free memory on this node", name)
 	}
 	if cn.ss.ctx.Err() != nil {
 		return
@@ -694,19 +689,9 @@ func (cn *conn) fetchAndGrant(id uint64, name string, sel versionSel, timeoutMs 
 		cn.reply("get", protocol.ErrorResponse(id, err), nil)
 		return
 	}
-	if !wait {
-		cn.order.Lock()
-		if err == nil {
-			cn.grant(id, name, sel, false)
-		} else if !cn.grant(id, name, sel, true) {
-			// Nothing here either: the cluster's NOT_FOUND says why (not
-			// in the directory, or recorded with no live holder).
-			cn.replyLocked("get", protocol.ErrorResponse(id, err), nil)
-		}
-		cn.order.Unlock()
-		return
-	}
-	cn.waitAndGrant(ctx, id, name, sel)
+	// Nothing here either, after a NOT_FOUND: the cluster's error says why
+	// (not in the directory, or recorded with no live holder).
+	cn.waitAndGrant(ctx, id, name, sel, wait, err)
 }
 
 // makeLocal has the cluster hook make what a get of name asks for local

@@ -449,7 +449,7 @@ func (cn *conn) handle(req *storev1.Request) {
 			cn.wg.Go(func() {
 				ctx, cancel := cn.getContext(r.GetTimeoutMs())
 				defer cancel()
-				cn.waitAndGrant(ctx, id, r.GetName(), sel)
+				cn.waitAndGrant(ctx, id, r.GetName(), sel, true, nil)
 			})
 		}
 	case *storev1.Request_Release:
@@ -633,8 +633,28 @@ func (cn *conn) getContext(timeoutMs int64) (context.Context, context.CancelFunc
 	return context.WithTimeout(cn.ss.ctx, time.Duration(timeoutMs)*time.Millisecond)
 }
 
-// waitAndGrant answers a get that may wait until ctx's deadline.
-func (cn *conn) waitAndGrant(ctx context.Context, id uint64, name string, sel versionSel) {
+// grantNow answers a get with a lease on what name holds, and reports
+// true, or reports false and sends nothing when nothing readable is
+// there.
+func (cn *conn) grantNow(id uint64, name string, sel versionSel) bool {
+	cn.order.Lock()
+	defer cn.order.Unlock()
+	return cn.grant(id, name, sel, true)
+}
+
+// waitAndGrant answers a get that was not granted at once. With wait, it
+// waits until what it names is readable, or until ctx's deadline. Without,
+// it answers now: a lease, or missing where nothing readable is there
+// (nil: the get's own ErrTimeout).
+func (cn *conn) waitAndGrant(ctx context.Context, id uint64, name string, sel versionSel, wait bool, missing error) {
+	if !wait {
+		cn.order.Lock()
+		defer cn.order.Unlock()
+		if !cn.grant(id, name, sel, missing != nil) {
+			cn.replyLocked("get", protocol.ErrorResponse(id, missing), nil)
+		}
+		return
+	}
 	for {
 		if err := cn.ss.waitReady(ctx, name, sel); err != nil {
 			if cn.ss.ctx.Err() == nil {
@@ -642,12 +662,9 @@ func (cn *conn) waitAndGrant(ctx context.Context, id uint64, name string, sel ve
 			}
 			return
 		}
-		cn.order.Lock()
 		// Not ready means deleted or evicted between the wake-up and now:
 		// wait on.
-		done := cn.grant(id, name, sel, true)
-		cn.order.Unlock()
-		if done {
+		if cn.grantNow(id, name, sel) {
 			return
 		}
 	}
