@@ -309,7 +309,7 @@ func (s *source) close() {
 // open pins holder's replica, authenticates to it and connects to its
 // worker. A holder is reached over the puller's pooled connection to it.
 // Its replica is held before any byte is read by the exposure: the holder
-// leases the replica (store.LeaseCluster) before it answers Open and
+// leases the replica (store.Replicas.Lease) before it answers Open and
 // keeps it until Release or the channel's end. The pin record in etcd
 // (which the holder's watch turns into a second lease) is written
 // alongside, off the get's path, and removed after the pull. A feeder (a node still pulling the object) is not

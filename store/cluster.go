@@ -56,6 +56,18 @@ type ClusterHook interface {
 	MayEvict(ctx context.Context, objs []ClusterObject) []bool
 }
 
+// Replicas is what the cluster side of the daemon (package cluster/node)
+// does with this node's store, the other way from ClusterHook: it reads
+// cluster-visible objects for peers (Lease), makes replicas and partial
+// replicas of other nodes' objects (Create, CreateSlice), removes and
+// retires them as the cluster says (Drop, Retire, DropSlices), and leases
+// registered memory for reads across nodes (LeaseRegistered). Its methods
+// are safe for concurrent use.
+type Replicas struct{ s *Store }
+
+// Replicas returns the store's side for the cluster.
+func (s *Store) Replicas() *Replicas { return &Replicas{s: s} }
+
 // ClusterGet is what a get asks for: the zero value is a plain get that
 // does not wait.
 type ClusterGet struct {
@@ -82,16 +94,16 @@ type ClusterObject struct {
 	Shard, Shards uint32
 	// Keep is the keep_last the versioned name was created with here (0
 	// when none was given): Sealed records it, so that every node keeps
-	// only the name's newest Keep versions; CreateReplica keeps that many
+	// only the name's newest Keep versions; Replicas.Create keeps that many
 	// of the replica's versions here.
 	Keep uint32
 	// ID is its cluster incarnation id ("" until published).
 	ID string
 	// Manifest is a bundle's manifest (its header bytes), nil for an
-	// object without one: Sealed gets the sealed manifest, CreateReplica
+	// object without one: Sealed gets the sealed manifest, Replicas.Create
 	// makes the replica a bundle with it (validated at its seal).
 	Manifest []byte
-	// GPU: the object is in GPU memory (Sealed); CreateReplica makes the
+	// GPU: the object is in GPU memory (Sealed); Replicas.Create makes the
 	// replica on this daemon's first GPU, or in host memory where it has
 	// none.
 	GPU bool
@@ -113,7 +125,7 @@ type clusterPart struct {
 	id string
 	// publishing is closed when the publish of this object (clusterSealed)
 	// ends, set while it runs: the directory may show the incarnation
-	// before id is set, and a holder's LeaseCluster waits for it.
+	// before id is set, and a holder's Replicas.Lease waits for it.
 	publishing chan struct{}
 }
 
@@ -189,7 +201,7 @@ func (s *Store) clusterObjectLocked(qname string, version uint64, shard uint32) 
 	return nil
 }
 
-// publishWait bounds how long LeaseCluster waits for a publish in progress
+// publishWait bounds how long Replicas.Lease waits for a publish in progress
 // of the object asked for; a directory call is bounded by 2 s by default.
 const publishWait = 10 * time.Second
 
@@ -286,7 +298,7 @@ type ClusterFile struct {
 	ss              *session
 }
 
-// Detach gives up the name of a replica made by CreateReplica that will
+// Detach gives up the name of a replica made by Replicas.Create that will
 // not be sealed, while its memory stays until Release: peers still
 // reading what it holds read it, and a new replica of the name can be
 // made meanwhile. Subscribers are told of its abort now. A shard's replica
@@ -336,8 +348,8 @@ func (s *Store) gpuMemoryAt(p placement) *ClusterGPU {
 	return &ClusterGPU{Device: m.Device(), Ptr: m.Ptr() + cudaipc.DevicePtr(p.offset)}
 }
 
-// Release ends a read (LeaseCluster) or aborts an unsealed replica
-// (CreateReplica). It is idempotent.
+// Release ends a read (Replicas.Lease) or aborts an unsealed replica
+// (Replicas.Create). It is idempotent.
 func (f *ClusterFile) Release() {
 	if f.ss == nil {
 		return
@@ -349,7 +361,7 @@ func (f *ClusterFile) Release() {
 	f.ss = nil
 }
 
-// Seal seals a replica made by CreateReplica: it becomes an ordinary sealed
+// Seal seals a replica made by Replicas.Create: it becomes an ordinary sealed
 // local object (or shard: its version is published here once all its
 // shards are), cluster-visible, of incarnation id. Release it afterwards.
 func (f *ClusterFile) Seal() error {
@@ -361,7 +373,7 @@ func (f *ClusterFile) Seal() error {
 	return err
 }
 
-// LeaseCluster gives the cluster side of the daemon read access to owner's
+// Lease gives the cluster side of the daemon read access to owner's
 // sealed cluster-visible object name (version 0) or shard of a version, of
 // incarnation id ("" for any), and returns its arena's read-only memfd. A
 // plain object or a shard of a published version is leased by the daemon
@@ -370,7 +382,8 @@ func (f *ClusterFile) Seal() error {
 // written) cannot be evicted either. An object in GPU memory comes as
 // ClusterFile.GPU. It fails with ErrNotFound when there is no such
 // object.
-func (s *Store) LeaseCluster(owner uint32, name string, version uint64, shard uint32, id string) (*ClusterFile, error) {
+func (rp *Replicas) Lease(owner uint32, name string, version uint64, shard uint32, id string) (*ClusterFile, error) {
+	s := rp.s
 	qname := protocol.QualifiedName(owner, name)
 	ss, err := s.newSession(context.Background(), peer{uid: owner})
 	if err != nil {
@@ -430,14 +443,15 @@ func (s *Store) LeaseCluster(owner uint32, name string, version uint64, shard ui
 	return f, nil
 }
 
-// CreateReplica makes an unsealed object for a replica of obj (a plain
+// Create makes an unsealed object for a replica of obj (a plain
 // object, or a shard of a version) pulled from another node, and returns
 // its arena's read-write memfd for the pull to write through; a replica of
 // a GPU object goes on this daemon's first GPU where it has one, returned
 // as ClusterFile.GPU.
 // Seal makes it an ordinary sealed local object, cluster-visible; Release
 // before Seal removes it.
-func (s *Store) CreateReplica(obj ClusterObject) (*ClusterFile, error) {
+func (rp *Replicas) Create(obj ClusterObject) (*ClusterFile, error) {
+	s := rp.s
 	qname := protocol.QualifiedName(obj.Owner, obj.Name)
 	r := createReq{name: qname, size: obj.Size, shared: obj.Shared, cluster: true}
 	if obj.Version != 0 {
@@ -542,7 +556,7 @@ func clusterFile(ss *session, p placement, gpu *ClusterGPU) *ClusterFile {
 	return f
 }
 
-// DropCluster removes owner's cluster-visible name from this node (the
+// Drop removes owner's cluster-visible name from this node (the
 // cluster deleted it): a plain object of incarnation id ("" for any), or a
 // versioned name with all its versions when one of its shards is of
 // incarnation id (or id is ""), as its owner's delete would, without
@@ -550,7 +564,8 @@ func clusterFile(ss *session, p placement, gpu *ClusterGPU) *ClusterFile {
 // deleted it stays. Leases held keep the memory until they
 // end; its partial replicas (slice.go) go too. It reports whether there
 // was such a name or slice.
-func (s *Store) DropCluster(owner uint32, name, id string) bool {
+func (rp *Replicas) Drop(owner uint32, name, id string) bool {
+	s := rp.s
 	qname := protocol.QualifiedName(owner, name)
 	ss, err := s.newSession(context.Background(), peer{uid: owner})
 	if err != nil {
@@ -591,7 +606,7 @@ func (s *Store) DropCluster(owner uint32, name, id string) bool {
 	return ss.delete(qname) == nil || ok
 }
 
-// RetireCluster retires this node's versions up to and including below
+// Retire retires this node's versions up to and including below
 // of owner's cluster-visible versioned name (the cluster committed a
 // version whose keep_last leaves them out), as local retention retires
 // versions beyond keep_last: a version no lease holds goes now, a leased
@@ -599,7 +614,8 @@ func (s *Store) DropCluster(owner uint32, name, id string) bool {
 // node withdraws as its holder at once. A version of the name sealed here
 // later at or below below is retired as soon as it is published. It
 // reports how many versions it retired.
-func (s *Store) RetireCluster(owner uint32, name string, below uint64) int {
+func (rp *Replicas) Retire(owner uint32, name string, below uint64) int {
+	s := rp.s
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e := s.lookupLocked(protocol.QualifiedName(owner, name))
@@ -740,11 +756,12 @@ func keepsCode(err error) bool {
 	return false
 }
 
-// HasCluster reports whether this node holds a sealed copy of owner's
+// Has reports whether this node holds a sealed copy of owner's
 // cluster-visible object name (version 0) or shard of a version, published
 // or not: a shard this node published of a version whose other shards come
 // from other nodes is one.
-func (s *Store) HasCluster(owner uint32, name string, version uint64, shard uint32) bool {
+func (rp *Replicas) Has(owner uint32, name string, version uint64, shard uint32) bool {
+	s := rp.s
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	o := s.clusterObjectLocked(protocol.QualifiedName(owner, name), version, shard)

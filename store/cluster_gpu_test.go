@@ -34,7 +34,7 @@ func TestClusterReplicaOfGPUBundle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "model", Size: size, GPU: true, ID: "id-r",
+	f, err := s.Replicas().Create(ClusterObject{Owner: 1000, Name: "model", Size: size, GPU: true, ID: "id-r",
 		Version: 4, Shards: 1, Manifest: man.Marshal()})
 	if err != nil {
 		t.Fatal(err)
@@ -50,10 +50,10 @@ func TestClusterReplicaOfGPUBundle(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.Release()
-	if !s.HasCluster(1000, "model", 4, 0) {
+	if !s.Replicas().Has(1000, "model", 4, 0) {
 		t.Fatal("the sealed replica is not a cluster object here")
 	}
-	l, err := s.LeaseCluster(1000, "model", 4, 0, "")
+	l, err := s.Replicas().Lease(1000, "model", 4, 0, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -67,7 +67,7 @@ func TestClusterReplicaOfGPUBundle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	name, sf, err := s.CreateSlice(ClusterSlice{Of: ClusterObject{Owner: 1000, Name: "model", GPU: true, ID: "id-r", Version: 4, Shards: 1},
+	name, sf, err := s.Replicas().CreateSlice(ClusterSlice{Of: ClusterObject{Owner: 1000, Name: "model", GPU: true, ID: "id-r", Version: 4, Shards: 1},
 		Key: "a", Size: ssize, Manifest: sman.Marshal()})
 	if err != nil {
 		t.Fatal(err)
@@ -80,7 +80,7 @@ func TestClusterReplicaOfGPUBundle(t *testing.T) {
 	}
 	sf.Release()
 	// A host replica still comes as a file.
-	h, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "plain", Size: 4096, ID: "id-h"})
+	h, err := s.Replicas().Create(ClusterObject{Owner: 1000, Name: "plain", Size: 4096, ID: "id-h"})
 	if err != nil {
 		t.Fatal(err)
 	}

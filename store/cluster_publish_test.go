@@ -21,7 +21,7 @@ type readDuringPublish struct {
 
 func (h *readDuringPublish) Sealed(_ context.Context, co ClusterObject) (string, error) {
 	go func() {
-		f, err := h.s.LeaseCluster(co.Owner, co.Name, co.Version, co.Shard, h.id)
+		f, err := h.s.Replicas().Lease(co.Owner, co.Name, co.Version, co.Shard, h.id)
 		if err == nil {
 			f.Release()
 		}
@@ -67,7 +67,7 @@ func TestLeaseClusterWaitsForPublish(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("the holder's read never ended")
 	}
-	f, err := s.LeaseCluster(1000, "w", 0, 0, h.id)
+	f, err := s.Replicas().Lease(1000, "w", 0, 0, h.id)
 	if err != nil {
 		t.Fatal(err)
 	}

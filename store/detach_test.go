@@ -28,7 +28,7 @@ func TestClusterReplicaDetach(t *testing.T) {
 	const size = 1 << 20
 	old := make([]byte, size)
 	rand.NewChaCha8([32]byte{1}).Read(old)
-	f, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "w", Size: size, ID: "id-old"})
+	f, err := s.Replicas().Create(ClusterObject{Owner: 1000, Name: "w", Size: size, ID: "id-old"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -47,7 +47,7 @@ func TestClusterReplicaDetach(t *testing.T) {
 	}
 	// The name is free: a new replica takes it, seals, and is what a
 	// cluster read finds.
-	g, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "w", Size: size, ID: "id-new"})
+	g, err := s.Replicas().Create(ClusterObject{Owner: 1000, Name: "w", Size: size, ID: "id-new"})
 	if err != nil {
 		t.Fatalf("a replica beside a detached one: %v", err)
 	}
@@ -61,7 +61,7 @@ func TestClusterReplicaDetach(t *testing.T) {
 		t.Fatal(err)
 	}
 	g.Release()
-	r, err := s.LeaseCluster(1000, "w", 0, 0, "id-new")
+	r, err := s.Replicas().Lease(1000, "w", 0, 0, "id-new")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -71,7 +71,7 @@ func TestClusterReplicaDetach(t *testing.T) {
 	}
 	r.File.Close()
 	r.Release()
-	if _, err := s.LeaseCluster(1000, "w", 0, 0, "id-old"); !errors.Is(err, ErrNotFound) {
+	if _, err := s.Replicas().Lease(1000, "w", 0, 0, "id-old"); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("lease of the detached incarnation: %v, want not found", err)
 	}
 	// The detached one's bytes and memory are still its own.
@@ -90,7 +90,7 @@ func TestClusterReplicaDetach(t *testing.T) {
 	if f.Detach() {
 		t.Fatal("a released replica detached")
 	}
-	r, err = s.LeaseCluster(1000, "w", 0, 0, "id-new")
+	r, err = s.Replicas().Lease(1000, "w", 0, 0, "id-new")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,13 +99,13 @@ func TestClusterReplicaDetach(t *testing.T) {
 		t.Fatal("a cluster read detached")
 	}
 	r.Release()
-	if !s.HasCluster(1000, "w", 0, 0) {
+	if !s.Replicas().Has(1000, "w", 0, 0) {
 		t.Fatal("the sealed replica went with a refused detach")
 	}
 
 	// A version's only shard detaches with its version: the retry makes
 	// the version again, seals and publishes it.
-	v, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "series", Size: 4096, ID: "id-v", Version: 3, Shards: 1})
+	v, err := s.Replicas().Create(ClusterObject{Owner: 1000, Name: "series", Size: 4096, ID: "id-v", Version: 3, Shards: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -113,7 +113,7 @@ func TestClusterReplicaDetach(t *testing.T) {
 	if !v.Detach() {
 		t.Fatal("a version's only shard did not detach")
 	}
-	w, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "series", Size: 4096, ID: "id-v2", Version: 3, Shards: 1})
+	w, err := s.Replicas().Create(ClusterObject{Owner: 1000, Name: "series", Size: 4096, ID: "id-v2", Version: 3, Shards: 1})
 	if err != nil {
 		t.Fatalf("the version again beside its detached shard: %v", err)
 	}
@@ -122,7 +122,7 @@ func TestClusterReplicaDetach(t *testing.T) {
 		t.Fatal(err)
 	}
 	w.Release()
-	if !s.HasCluster(1000, "series", 3, 0) {
+	if !s.Replicas().Has(1000, "series", 3, 0) {
 		t.Fatal("the version made again is not there")
 	}
 	both := usedBytes(s)
@@ -130,19 +130,19 @@ func TestClusterReplicaDetach(t *testing.T) {
 	if used := usedBytes(s); used >= both {
 		t.Fatalf("used %d bytes after the detached shard's release, %d before", used, both)
 	}
-	if !s.HasCluster(1000, "series", 3, 0) {
+	if !s.Replicas().Has(1000, "series", 3, 0) {
 		t.Fatal("the detached shard's release took the version made again")
 	}
 
 	// Beside another shard of its version, a shard does not detach: its
 	// abort must free the version.
-	a, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "sharded", Size: 4096, ID: "id-a", Version: 1, Shard: 0, Shards: 2})
+	a, err := s.Replicas().Create(ClusterObject{Owner: 1000, Name: "sharded", Size: 4096, ID: "id-a", Version: 1, Shard: 0, Shards: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer a.Release()
 	a.File.Close()
-	b, err := s.CreateReplica(ClusterObject{Owner: 1000, Name: "sharded", Size: 4096, ID: "id-a", Version: 1, Shard: 1, Shards: 2})
+	b, err := s.Replicas().Create(ClusterObject{Owner: 1000, Name: "sharded", Size: 4096, ID: "id-a", Version: 1, Shard: 1, Shards: 2})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -196,7 +196,8 @@ func (l *RegisteredLease) Release() {
 // all or none: a name that is not registered memory the reader may read
 // fails with ErrNotFound naming it. The memory stays registered (orphaned
 // at most) until Release.
-func (s *Store) LeaseRegistered(reader uint32, names []string) (*RegisteredLease, error) {
+func (rp *Replicas) LeaseRegistered(reader uint32, names []string) (*RegisteredLease, error) {
+	s := rp.s
 	ss, err := s.newSession(context.Background(), peer{uid: reader})
 	if err != nil {
 		return nil, err
@@ -249,7 +250,8 @@ func (ss *session) leaseRegistered(name string) (*Registered, error) {
 
 // Live reports whether the registration is still registered: not deleted,
 // not dropped with its registering connection's end.
-func (s *Store) Live(r Registration) bool {
+func (rp *Replicas) Live(r Registration) bool {
+	s := rp.s
 	if r.e == nil {
 		return false
 	}

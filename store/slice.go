@@ -58,11 +58,12 @@ func sliceName(sl ClusterSlice) string {
 // sl.Manifest, owned and shared as the bundle, in host memory, whose
 // arena's read-write memfd f the caller fills, or, for a slice of a GPU
 // bundle, on this daemon's first GPU where it has one (f.GPU, as
-// CreateReplica); f.Seal makes it leasable under name
+// Replicas.Create); f.Seal makes it leasable under name
 // (ClusterHook.FetchTensors returns it), f.Release before Seal removes it.
 // While one is being filled, another CreateSlice of it fails with
 // ErrExists.
-func (s *Store) CreateSlice(sl ClusterSlice) (name string, f *ClusterFile, err error) {
+func (rp *Replicas) CreateSlice(sl ClusterSlice) (name string, f *ClusterFile, err error) {
+	s := rp.s
 	if sl.Key == "" || len(sl.Key) > maxSliceKey {
 		return "", nil, invalidf("slice key of %d bytes: want 1 to %d", len(sl.Key), maxSliceKey)
 	}
@@ -76,7 +77,7 @@ func (s *Store) CreateSlice(sl ClusterSlice) (name string, f *ClusterFile, err e
 	s.mu.Unlock()
 	r := createReq{name: name, size: sl.Size, shared: sl.Of.Shared,
 		slice: &sliceOf{bundle: bundleName, id: sl.Of.ID, version: sl.Of.Version, shard: sl.Of.Shard, shards: sl.Of.Shards}}
-	// A slice of a GPU bundle goes where CreateReplica puts a replica of
+	// A slice of a GPU bundle goes where Replicas.Create puts a replica of
 	// the whole.
 	f, err = s.createClusterDraft(sl.Of.Owner, r, sl.Of.GPU, sl.Manifest, fmt.Sprintf("a slice of %q", bundleName), func(ss *session, o *object) {
 		ss.sealLocked(o)
@@ -94,7 +95,8 @@ func (s *Store) CreateSlice(sl ClusterSlice) (name string, f *ClusterFile, err e
 // DropSlices removes owner's partial replicas of the versioned bundle name
 // whose version is below below (a newer version has come). Leases held
 // keep their memory until they end. It returns how many it removed.
-func (s *Store) DropSlices(owner uint32, name string, below uint64) int {
+func (rp *Replicas) DropSlices(owner uint32, name string, below uint64) int {
+	s := rp.s
 	bundleName := protocol.QualifiedName(owner, name)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -130,7 +132,8 @@ func (s *Store) dropSlicesLocked(bundleName string, drop func(*sliceOf) bool) in
 
 // Slices returns how many partial replicas this node keeps (sealed or
 // being filled), for tests and metrics.
-func (s *Store) Slices() int {
+func (rp *Replicas) Slices() int {
+	s := rp.s
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	n := 0

@@ -31,7 +31,7 @@ type series struct {
 	latest   uint64 // latest visible version; 0 when none yet
 	last     uint64 // highest version number ever opened
 	// floor: versions up to it are out of the cluster's keep_last window
-	// (RetireCluster), retired as soon as they are published.
+	// (Replicas.Retire), retired as soon as they are published.
 	floor uint64
 	// spare holds, per shard index, the memory of a reclaimed version,
 	// kept for the next version's shard of the same size: double

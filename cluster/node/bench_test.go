@@ -60,7 +60,7 @@ func benchPull(b *testing.B, size, objects int) {
 		}
 		b.StopTimer()
 		for _, name := range names {
-			r.st.DropCluster(0, name, "")
+			r.st.Replicas().Drop(0, name, "")
 		}
 		b.StartTimer()
 	}
@@ -123,7 +123,7 @@ func BenchmarkPartialRead(b *testing.B) {
 		}
 		d := time.Since(t0)
 		l.Release()
-		r.st.DropCluster(0, "model", "")
+		r.st.Replicas().Drop(0, "model", "")
 		st2 := r.node.Stats()
 		return d, st2.Bytes - st.Bytes + st2.PartialBytes - st.PartialBytes
 	}

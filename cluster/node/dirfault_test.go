@@ -189,7 +189,7 @@ func TestTombstoneHonouredForgedIgnored(t *testing.T) {
 		t.Fatal(err)
 	}
 	testutil.Eventually(t, testutil.Wait, func() error {
-		if b.st.HasCluster(uid(), "ns/sentinel", 0, 0) {
+		if b.st.Replicas().Has(uid(), "ns/sentinel", 0, 0) {
 			return errors.New("B still holds ns/sentinel after its owner deleted it")
 		}
 		return nil
@@ -203,7 +203,7 @@ func TestTombstoneHonouredForgedIgnored(t *testing.T) {
 		t.Fatal(err)
 	}
 	testutil.Eventually(t, testutil.Wait, func() error {
-		if b.st.HasCluster(uid(), "ns/x", 0, 0) {
+		if b.st.Replicas().Has(uid(), "ns/x", 0, 0) {
 			return errors.New("B still holds ns/x after its owner deleted it")
 		}
 		return nil

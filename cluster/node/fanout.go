@@ -106,7 +106,7 @@ func (r *replica) holdWhileExposed() {
 	if r.feeds.done {
 		return
 	}
-	f, err := r.n.st.LeaseCluster(r.o.Owner, r.o.Name, r.o.Version, r.o.Shard, r.o.ID)
+	f, err := r.n.st.Lease(r.o.Owner, r.o.Name, r.o.Version, r.o.Shard, r.o.ID)
 	if err != nil {
 		// Already gone (deleted here meanwhile): nothing to keep, and
 		// the exposures' reads fail their checksums at worst.
@@ -168,7 +168,7 @@ var _ cluster.ExposableReplica = (*gpuReplica)(nil)
 // the sealed replica, by leasing it and letting it go, where an exposure
 // of a GPU replica would stage it to host memory.
 func (s source) HoldsReplica(ref cluster.Ref, id string) error {
-	f, err := s.n.st.LeaseCluster(ref.Owner, ref.Name, ref.Version, ref.Shard, id)
+	f, err := s.n.st.Lease(ref.Owner, ref.Name, ref.Version, ref.Shard, id)
 	if err != nil {
 		if errors.Is(err, store.ErrNotFound) {
 			err = fmt.Errorf("%w: %v", cluster.ErrNotFound, err)

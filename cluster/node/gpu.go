@@ -423,7 +423,7 @@ func (r *gpuReplica) Abort() {
 	sealed := r.sealed
 	r.mu.Unlock()
 	if sealed {
-		r.n.st.DropCluster(r.o.Owner, r.o.Name, r.o.ID)
+		r.n.st.Drop(r.o.Owner, r.o.Name, r.o.ID)
 	}
 }
 

@@ -345,7 +345,7 @@ func TestGPUPublishedBeforeStaged(t *testing.T) {
 	if node.FetchesRefused(a.node) == refused {
 		t.Fatal("A's failed staging refused no fetch")
 	}
-	if b.st.HasCluster(0, "early-bad", 0, 0) {
+	if b.st.Replicas().Has(0, "early-bad", 0, 0) {
 		t.Fatal("B kept a replica of a failed pull")
 	}
 	l, err := b.c.Get(ctx, "early-bad")

@@ -60,7 +60,7 @@ func TestCachedLookupFollowsRepublish(t *testing.T) {
 		})
 		hits, _ := b.node.Mirror().Stats()
 		get(b, want)
-		b.st.DropCluster(0, "ns/obj", "")
+		b.st.Replicas().Drop(0, "ns/obj", "")
 		get(b, want)
 		if h, _ := b.node.Mirror().Stats(); h == hits {
 			t.Fatalf("round %d: B's gets never found the record in its mirror", round)
@@ -75,7 +75,7 @@ func TestCachedLookupFollowsRepublish(t *testing.T) {
 		}
 		for _, r := range all {
 			testutil.Eventually(t, testutil.Wait, func() error {
-				if r.st.HasCluster(0, "ns/obj", 0, 0) {
+				if r.st.Replicas().Has(0, "ns/obj", 0, 0) {
 					return fmt.Errorf("node %s still holds the deleted name", r.name)
 				}
 				return nil

@@ -94,7 +94,7 @@ type Node struct {
 	ln   net.Listener
 	cs   *cluster.ControlServer
 	p    *cluster.Puller
-	st   *store.Store
+	st   *store.Replicas
 	stop context.CancelFunc
 	wg   sync.WaitGroup
 
@@ -287,7 +287,7 @@ func advertise(endpoints []string, port int) (string, error) {
 // starts serving peers. The store must have been made with this node as
 // its Config.Cluster.
 func (n *Node) Attach(ctx context.Context, st *store.Store) error {
-	n.st = st
+	n.st = st.Replicas()
 	// The worker address stays out of the directory: it is a capability
 	// (docs/cluster.md, "What UCX does not confine").
 	rec := cluster.Node{Name: n.cfg.Directory.Node, Control: n.cfg.Advertise}
@@ -395,7 +395,7 @@ func (n *Node) handle(ctx context.Context, ev etcddir.Event) {
 		// The owner's delete, sealed in a tombstone. Only the incarnation
 		// deleted: this node may have created the name again before its
 		// watch saw the delete.
-		if n.st.DropCluster(ev.Ref.Owner, ev.Ref.Name, ev.ID) {
+		if n.st.Drop(ev.Ref.Owner, ev.Ref.Name, ev.ID) {
 			n.log.Info("cluster deleted a name: local replica dropped", "object", ev.Ref.String())
 		}
 	case ev.Committed:
@@ -404,11 +404,11 @@ func (n *Node) handle(ctx context.Context, ev etcddir.Event) {
 		if ev.Keep == 0 || ev.Ref.Version <= uint64(ev.Keep) {
 			return
 		}
-		if k := n.st.RetireCluster(ev.Ref.Owner, ev.Ref.Name, ev.Ref.Version-uint64(ev.Keep)); k > 0 {
+		if k := n.st.Retire(ev.Ref.Owner, ev.Ref.Name, ev.Ref.Version-uint64(ev.Keep)); k > 0 {
 			n.log.Debug("versions out of the cluster's keep_last retired", "object", ev.Ref.String(), "keep", ev.Keep, "versions", k)
 		}
 	case ev.Pinned:
-		f, err := n.st.LeaseCluster(ev.Ref.Owner, ev.Ref.Name, ev.Ref.Version, ev.Ref.Shard, "")
+		f, err := n.st.Lease(ev.Ref.Owner, ev.Ref.Name, ev.Ref.Version, ev.Ref.Shard, "")
 		if err != nil {
 			return // not here (any more): the reader moves on
 		}
@@ -511,7 +511,7 @@ func (n *Node) pullVersion(ctx context.Context, reader uint32, e cluster.Entry) 
 	g, gctx := errgroup.WithContext(ctx)
 	g.SetLimit(shardPulls)
 	for shard := range e.Shards {
-		if n.st.HasCluster(e.Owner, e.Name, e.Version, shard) {
+		if n.st.Has(e.Owner, e.Name, e.Version, shard) {
 			continue // published here: the version's other shards came from other nodes
 		}
 		ref := cluster.Ref{Owner: e.Owner, Name: e.Name, Version: e.Version, Shard: shard}
@@ -535,7 +535,7 @@ func (n *Node) pullVersion(ctx context.Context, reader uint32, e cluster.Entry) 
 // with the checksums of its chunks, this node as its holder; the last shard
 // of a version recorded commits the version as the name's latest.
 func (n *Node) Sealed(ctx context.Context, co store.ClusterObject) (string, error) {
-	f, err := n.st.LeaseCluster(co.Owner, co.Name, co.Version, co.Shard, "")
+	f, err := n.st.Lease(co.Owner, co.Name, co.Version, co.Shard, "")
 	if err != nil {
 		return "", err
 	}
@@ -694,7 +694,7 @@ type sink struct{ n *Node }
 
 func (s sink) Create(ctx context.Context, o cluster.Object) (cluster.Replica, error) {
 	start := time.Now()
-	f, err := s.n.st.CreateReplica(store.ClusterObject{Owner: o.Owner, Name: o.Name, Size: o.Size, Shared: o.Shared,
+	f, err := s.n.st.Create(store.ClusterObject{Owner: o.Owner, Name: o.Name, Size: o.Size, Shared: o.Shared,
 		Version: o.Version, Shard: o.Shard, Shards: o.Shards, Keep: o.Keep, ID: o.ID, Manifest: o.Manifest, GPU: o.GPU})
 	if err != nil {
 		// The reader's error says where the replica did not fit (the
@@ -748,7 +748,7 @@ func (r *replica) Abort() {
 	r.end()
 	if r.sealed {
 		r.holdWhileExposed()
-		r.n.st.DropCluster(r.o.Owner, r.o.Name, r.o.ID)
+		r.n.st.Drop(r.o.Owner, r.o.Name, r.o.ID)
 	} else {
 		r.detachWhileExposed()
 	}
@@ -768,7 +768,7 @@ type source struct{ n *Node }
 
 func (s source) Expose(ref cluster.Ref, id string) (cluster.Exposure, func(), error) {
 	n := s.n
-	f, err := n.st.LeaseCluster(ref.Owner, ref.Name, ref.Version, ref.Shard, id)
+	f, err := n.st.Lease(ref.Owner, ref.Name, ref.Version, ref.Shard, id)
 	if err != nil {
 		if errors.Is(err, store.ErrNotFound) {
 			err = fmt.Errorf("%w: %v", cluster.ErrNotFound, err)
@@ -800,7 +800,7 @@ func (s source) Expose(ref cluster.Ref, id string) (cluster.Exposure, func(), er
 // out of its arena while the store's lease holds it.
 func (s source) ReadReplica(ref cluster.Ref, id string, max int64) ([]byte, error) {
 	n := s.n
-	f, err := n.st.LeaseCluster(ref.Owner, ref.Name, ref.Version, ref.Shard, id)
+	f, err := n.st.Lease(ref.Owner, ref.Name, ref.Version, ref.Shard, id)
 	if err != nil {
 		if errors.Is(err, store.ErrNotFound) {
 			err = fmt.Errorf("%w: %v", cluster.ErrNotFound, err)

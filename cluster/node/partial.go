@@ -20,14 +20,14 @@ import (
 // Partial replicas: a get that names some tensors of a bundle this node
 // does not hold reads only those tensors' byte ranges from the holders
 // (cluster.Puller.PullRangesEntry) into a slice of the store
-// (store.CreateSlice): an object of its own, laid out by
+// (store.Replicas.CreateSlice): an object of its own, laid out by
 // cluster.TensorSlice, with a manifest of just those tensors. A slice is
 // this node's alone: it is never advertised as a holder of the bundle, and
 // no peer reads from it. A repeat get of the same tensors (of the same
 // incarnation and version) leases it again without reading anything; a get
 // of the whole bundle pulls the whole, which drops the slices it makes
 // redundant; a slice of a newer version drops the older versions' slices;
-// the cluster deleting the name drops them all (store.DropCluster).
+// the cluster deleting the name drops them all (store.Replicas.Drop).
 //
 // A slice of a GPU bundle goes on this daemon's first GPU, as a replica of
 // the whole would: the holder exposes the bundle as it does for any pull

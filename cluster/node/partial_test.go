@@ -89,8 +89,8 @@ func TestPartialRead(t *testing.T) {
 	if infos, err := b.c.List(ctx); err != nil || len(infos) != 0 {
 		t.Fatalf("list on B: %+v, %v", infos, err)
 	}
-	if b.st.Slices() != 1 {
-		t.Fatalf("B keeps %d slices", b.st.Slices())
+	if b.st.Replicas().Slices() != 1 {
+		t.Fatalf("B keeps %d slices", b.st.Replicas().Slices())
 	}
 
 	// The same tensors again, in another order: leased again, nothing read.
@@ -99,8 +99,8 @@ func TestPartialRead(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkSlice(t, "B's slice again", l2, sm2, tensors, names...)
-	if st2 := b.node.Stats(); st2.PartialBytes != st.PartialBytes || b.st.Slices() != 1 {
-		t.Fatalf("a repeat read %d bytes more, %d slices", st2.PartialBytes-st.PartialBytes, b.st.Slices())
+	if st2 := b.node.Stats(); st2.PartialBytes != st.PartialBytes || b.st.Replicas().Slices() != 1 {
+		t.Fatalf("a repeat read %d bytes more, %d slices", st2.PartialBytes-st.PartialBytes, b.st.Replicas().Slices())
 	}
 	l2.Release()
 
@@ -134,7 +134,7 @@ func TestPartialRead(t *testing.T) {
 	if st2 := b.node.Stats(); st2.Bytes != uint64(e.Size) {
 		t.Fatalf("full pull read %d bytes of %d", st2.Bytes, e.Size)
 	}
-	if n := b.st.Slices(); n != 0 {
+	if n := b.st.Replicas().Slices(); n != 0 {
 		t.Fatalf("%d slices kept beside the whole bundle", n)
 	}
 	checkSlice(t, "B's slice, released after the whole came", l, sm, tensors, names...)
@@ -173,7 +173,7 @@ func TestPartialReadEvicted(t *testing.T) {
 	read := b.node.Stats().PartialBytes
 	// B's own object takes the room the slice held.
 	b.put(t, "local", 16<<20, client.CreateOptions{})
-	if n := b.st.Slices(); n != 0 {
+	if n := b.st.Replicas().Slices(); n != 0 {
 		t.Fatalf("%d slices kept after B's memory was needed", n)
 	}
 	l, sm, err = b.c.GetBundle(ctx, "model", client.GetOptions{Tensors: names})
@@ -230,7 +230,7 @@ func TestPartialReadVersions(t *testing.T) {
 		t.Fatalf("v2 slice: %+v", in)
 	}
 	checkSlice(t, "v2", l2, m2, v2, names...)
-	if n := b.st.Slices(); n != 1 {
+	if n := b.st.Replicas().Slices(); n != 1 {
 		t.Fatalf("B keeps %d slices after v2's", n)
 	}
 	checkSlice(t, "v1, leased before v2 came", l1, m1, v1, names...)
@@ -243,7 +243,7 @@ func TestPartialReadVersions(t *testing.T) {
 	}
 	checkSlice(t, "v2 by number", lo, mo, v2, "layer.0.w", "layer.3.w")
 	lo.Release()
-	if n := b.st.Slices(); n != 2 {
+	if n := b.st.Replicas().Slices(); n != 2 {
 		t.Fatalf("B keeps %d slices of v2, want 2", n)
 	}
 
@@ -273,7 +273,7 @@ func TestPartialReadVersions(t *testing.T) {
 		t.Fatal(err)
 	}
 	testutil.Eventually(t, testutil.Wait, func() error {
-		if n := b.st.Slices(); n != 0 {
+		if n := b.st.Replicas().Slices(); n != 0 {
 			return fmt.Errorf("B keeps %d slices of a deleted name", n)
 		}
 		return nil

@@ -43,7 +43,7 @@ func (d *daemon) publishKeep(t *testing.T, name string, size, keep int) (uint64,
 func (d *daemon) holds(name string, upTo uint64) []uint64 {
 	var vs []uint64
 	for v := uint64(1); v <= upTo; v++ {
-		if d.st.HasCluster(0, name, v, 0) {
+		if d.st.Replicas().Has(0, name, v, 0) {
 			vs = append(vs, v)
 		}
 	}

@@ -67,7 +67,7 @@ func TestRecreatedBeforeWatchSeesDelete(t *testing.T) {
 		}
 		return nil
 	})
-	if !a.st.HasCluster(0, "ns/obj", 0, 0) {
+	if !a.st.Replicas().Has(0, "ns/obj", 0, 0) {
 		t.Fatal("A dropped the object it created again when its watch saw the old one's delete")
 	}
 	testutil.Eventually(t, testutil.Wait, func() error {
@@ -123,11 +123,11 @@ func TestRecreatedVersionBeforeWatchSeesDelete(t *testing.T) {
 		}
 		return nil
 	})
-	if !a.st.HasCluster(0, "pol", ver, 0) {
+	if !a.st.Replicas().Has(0, "pol", ver, 0) {
 		t.Fatal("A dropped the shard it published again when its watch saw the old version's delete")
 	}
 	testutil.Eventually(t, testutil.Wait, func() error {
-		if b.st.HasCluster(0, "pol", ver, 0) {
+		if b.st.Replicas().Has(0, "pol", ver, 0) {
 			return fmt.Errorf("B still holds the deleted version")
 		}
 		return nil
