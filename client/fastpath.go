@@ -31,6 +31,7 @@ type leaseTable struct {
 
 // idleLease is a lease released through the table, with its view kept.
 type idleLease struct {
+	key   string // the name a Get takes it back by
 	id    uint64
 	slot  int
 	gen   uint64
@@ -84,7 +85,7 @@ func (c *Client) retake(name string) *Lease {
 		}
 		old, next := protocol.SlotRetake(e.gen)
 		if t.words.CompareAndSwap(e.slot-1, old, next) {
-			l := &Lease{c: c, id: e.id, info: e.info, v: e.v, m: e.m, slot: e.slot, gen: e.gen, arena: e.arena}
+			l := &Lease{c: c, id: e.id, info: e.info, v: e.v, m: e.m, slot: e.slot, gen: e.gen, arena: e.arena, key: e.key}
 			if l.v.gpu != nil && !c.trackGPU(l) {
 				stale = append(stale, e)
 				return nil
@@ -120,8 +121,8 @@ func (l *Lease) releaseFast() bool {
 		t.mu.Unlock()
 		return false
 	}
-	e := &idleLease{id: l.id, slot: l.slot, gen: l.gen, arena: l.arena, info: l.info, v: l.v, m: l.m}
-	t.idle[l.info.Name] = append(t.idle[l.info.Name], e)
+	e := &idleLease{key: l.key, id: l.id, slot: l.slot, gen: l.gen, arena: l.arena, info: l.info, v: l.v, m: l.m}
+	t.idle[l.key] = append(t.idle[l.key], e)
 	t.mu.Unlock()
 	l.c.untrackGPU(l)
 	l.v, l.m = view{device: l.v.device, size: l.v.size}, nil

@@ -33,10 +33,13 @@ type Lease struct {
 	bundle   leaseManifest
 	src      *leaseSources // a version published without a copy (nocopy.go); nil otherwise
 	// The lease's slot in the lease table (1-based; 0: released through
-	// the socket), its generation, and the arena it lies in.
+	// the socket), its generation, and the arena it lies in; key is the
+	// name it was got by (a later Get of that name takes it back), which
+	// may be qualified (UID:NAME) where Info().Name is not.
 	slot  int
 	gen   uint64
 	arena uint64
+	key   string
 }
 
 // Get leases the sealed object name. It does not wait: when no sealed
@@ -100,7 +103,7 @@ func (c *Client) get(ctx context.Context, name string, gr *storev1.GetRequest, w
 	l := &Lease{c: c, id: g.GetLeaseId(), info: info, m: r.m, v: view{device: p.GetDevice(), size: int64(p.GetSize()), open: true}}
 	l.bundle.file = r.manifest
 	if t := c.table; t != nil && g.GetLeaseSlot() != 0 && int(g.GetLeaseSlot()) <= t.words.Len() && r.manifest == nil && info.Version == 0 {
-		l.slot, l.gen, l.arena = int(g.GetLeaseSlot()), g.GetLeaseGen(), p.GetArenaId()
+		l.slot, l.gen, l.arena, l.key = int(g.GetLeaseSlot()), g.GetLeaseGen(), p.GetArenaId(), name
 	}
 	if r.m != nil {
 		l.v.data = r.m.slice(p)
