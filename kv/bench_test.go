@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -24,8 +25,9 @@ import (
 // with KV_BENCH_GPU=1. Beside each read's time it reports, over the same
 // copies in this process, x_floor (the read over the floor: the coalesced
 // copies, on the GPU one gather launch a layer) and loop_over_read (a copy
-// per block, on the GPU cuMemcpyAsync each, over the read). Every read's
-// blocks are checked after the timing.
+// per block, on the GPU cuMemcpyAsync each, over the read): medians, the
+// read's over its b.N reads, the floor's over 9 runs. Every read's blocks
+// are checked after the timing.
 func BenchmarkReadBlocks(b *testing.B) {
 	tokens := []int{128, 1 << 10, 8 << 10}
 	if v := os.Getenv("KV_BENCH_TOKENS"); v != "" {
@@ -77,7 +79,7 @@ func BenchmarkReadBlocks(b *testing.B) {
 					b.Fatal(err)
 				}
 			}
-			floor := timeIt(b, 5, func() error { return copyLocal(dev, src, dst, srcIDs, dstIDs, true) })
+			floor := timeIt(b, 9, func() error { return copyLocal(dev, src, dst, srcIDs, dstIDs, true) })
 			loop := timeIt(b, 3, func() error { return copyLocal(dev, src, dst, srcIDs, dstIDs, false) })
 			req := kv.Request{Src: e.desc, SrcBlocks: srcIDs, Dst: dst, DstBlocks: dstIDs}
 			read := func() error {
@@ -93,14 +95,16 @@ func BenchmarkReadBlocks(b *testing.B) {
 			bytesPerRead := int64(n) * layers * 2 * bsize
 			b.SetBytes(bytesPerRead)
 			b.ResetTimer()
-			start := time.Now()
+			var reads []time.Duration
 			for b.Loop() {
+				start := time.Now()
 				if err := read(); err != nil {
 					b.Fatal(err)
 				}
+				reads = append(reads, time.Since(start))
 			}
-			per := time.Since(start) / time.Duration(b.N)
 			b.StopTimer()
+			per := median(reads)
 			b.ReportMetric(float64(per)/float64(floor), "x_floor")
 			b.ReportMetric(float64(loop)/float64(per), "loop_over_read")
 			b.ReportMetric(float64(floor.Microseconds()), "floor_us")
@@ -109,17 +113,26 @@ func BenchmarkReadBlocks(b *testing.B) {
 	}
 }
 
-// timeIt returns the best of reps runs of f.
+// timeIt returns the median of reps runs of f, after one more that warms
+// it up (the kernel's first load, the scratch's growth).
 func timeIt(b *testing.B, reps int, f func() error) time.Duration {
-	best := time.Duration(1 << 62)
-	for range reps {
+	var ds []time.Duration
+	for i := range reps + 1 {
 		start := time.Now()
 		if err := f(); err != nil {
 			b.Fatal(err)
 		}
-		best = min(best, time.Since(start))
+		if i > 0 {
+			ds = append(ds, time.Since(start))
+		}
 	}
-	return best
+	return median(ds)
+}
+
+// median returns the median of ds (which it sorts).
+func median(ds []time.Duration) time.Duration {
+	slices.Sort(ds)
+	return ds[len(ds)/2]
 }
 
 // copyLocal copies the blocks within this process: coalesced (the
