@@ -79,6 +79,6 @@ def test_cross_node(cudaipc_bin: str, tmp_path: Any) -> None:
         return
     check_requests(x["requests"], floor=False)
     check_small(x["small"])
-    assert x["floor_GBps"] > 0 and x["round_trip_us"] > 0
+    assert x["floor_GBps"] >= 0 and x["floor_msg_per_s"] > 0 and x["round_trip_us"] > 0
     for r in x["requests"]:
         assert len(r["daemon_cpu_s_per_GB"]) == 2
