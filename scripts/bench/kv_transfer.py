@@ -672,6 +672,7 @@ def measure_requests(a: argparse.Namespace, shape: Shape, start: Starter, engine
             if i == a.warmup and daemons:
                 cpu0 = daemons.cpu()
             kinds = ["read"] + (["floor"] if floor else []) + (["loop"] if floor and i < a.warmup + a.loop_reads else [])
+            kinds = kinds[i % len(kinds):] + kinds[:i % len(kinds)]   # no kind always first after another's check
             for kind in kinds:
                 src_ids = ids.next()
                 f = read if kind == "read" else getattr(floor, kind)
