@@ -174,6 +174,38 @@ def python_client(data, out):
     save(fig, out, "put.svg")
 
 
+def kv_transfer(data, out):
+    """ms a request: one node's read beside its floor and the per-block loop, and the
+    read across two daemons: the first run of each part in kv-transfer.json."""
+    d = load(data, "kv-transfer.json")
+    one = next(r for r in d["runs"] if "one_node" in r)
+    cross = next((r for r in d["runs"] if "requests" in r.get("cross_node", {})), None)
+    reqs = one["one_node"]["requests"]
+    tokens = [r["tokens"] for r in reqs]
+    series = [("floor: the copies in one process", [r["floor"]["p50_ms"] for r in reqs], FLOOR, None),
+              ("cudaipc.kv read, one node", [r["read"]["p50_ms"] for r in reqs], CUDAIPC, None),
+              ("a copy per block", [r["loop"]["p50_ms"] for r in reqs], OTHER, None)]
+    if cross:
+        by = {r["tokens"]: r["read"]["p50_ms"] for r in cross["cross_node"]["requests"]}
+        series.append(("cudaipc.kv read, across two daemons", [by.get(t, 0) for t in tokens], "white", CUDAIPC))
+    fig, ax = plt.subplots(figsize=(7.5, 2.8))
+    w = 0.8 / len(series)
+    for i, (name, vs, color, edge) in enumerate(series):
+        xs = [k + (i - (len(series) - 1) / 2) * w for k in range(len(vs))]
+        ax.bar([x for x, v in zip(xs, vs) if v], [v for v in vs if v], w, label=name, color=color,
+               edgecolor=edge or color, hatch="//" if edge else None)
+        for x, v in zip(xs, vs):
+            if v:
+                ax.text(x, v, num(v), ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(range(len(tokens)), ["%s tokens\n%s MiB" % ("{:,}".format(t), num(r["bytes"] / (1 << 20)))
+                                       for t, r in zip(tokens, reqs)])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms a request, p50 (log scale)")
+    ax.set_title("Llama-3-8B KV blocks, %s memory" % one["device"], fontsize=9)
+    ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
+    save(fig, out, "kv-transfer.svg")
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
@@ -181,7 +213,7 @@ def main(argv):
     ap.add_argument("--out", default=os.path.join(root, "docs", "img"))
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    for f in (ipc, store, weight_sync, cross_node, python_client):
+    for f in (ipc, store, weight_sync, cross_node, python_client, kv_transfer):
         f(a.data, a.out)
 
 
