@@ -437,57 +437,16 @@ func (n *Node) Fetch(ctx context.Context, reader, owner uint32, name string, sel
 }
 
 func (n *Node) fetch(ctx context.Context, reader, owner uint32, name string, sel store.ClusterGet) error {
-	notFound := storeNotFound
-	switch {
-	case sel.Version != 0:
-		return notFound(n.withLookup(ctx, cluster.Ref{Owner: owner, Name: name, Version: sel.Version}, func(e cluster.Entry) error {
+	return n.withRecord(ctx, owner, name, sel, 0, func(e cluster.Entry) error {
+		if e.Version != 0 {
 			return n.pullVersion(ctx, reader, e)
-		}))
-	case sel.NewerThan != 0:
-		l, err := n.latestNewer(ctx, owner, name, sel.NewerThan)
-		if err != nil {
-			return notFound(err)
 		}
-		return notFound(n.withLookup(ctx, cluster.Ref{Owner: owner, Name: name, Version: l.Version}, func(e cluster.Entry) error {
-			return n.pullVersion(ctx, reader, e)
-		}))
-	}
-	ref := cluster.Ref{Owner: owner, Name: name}
-	if _, ok := n.mirror.Latest(owner, name); ok {
-		// A versioned name. Its latest version is read from etcd, as the
-		// mirror may not have seen a version whose publish has returned
-		// on another node; that version's records come from the mirror.
-		l, err := n.dir.Latest(ctx, owner, name)
-		if err != nil {
-			return notFound(err)
-		}
-		return notFound(n.withLookup(ctx, cluster.Ref{Owner: owner, Name: name, Version: l.Version}, func(e cluster.Entry) error {
-			return n.pullVersion(ctx, reader, e)
-		}))
-	}
-	e, cached, err := n.lookup(ctx, ref)
-	if errors.Is(err, cluster.ErrNotFound) {
-		l, lerr := n.dir.Latest(ctx, owner, name)
-		if lerr != nil {
-			return notFound(lerr)
-		}
-		e, err = n.dir.Lookup(ctx, cluster.Ref{Owner: owner, Name: name, Version: l.Version})
-		if err != nil {
-			return notFound(err)
-		}
-		return n.pullVersion(ctx, reader, e)
-	}
-	if err != nil {
-		return err
-	}
-	pull := func(e cluster.Entry) error {
 		if !readable(e, reader) {
-			return fmt.Errorf("%s: %w", ref, store.ErrNotFound) // not the reader's to pull
+			return fmt.Errorf("%s: %w", e.Ref(), store.ErrNotFound) // not the reader's to pull
 		}
 		_, err := n.p.PullEntry(ctx, e)
 		return err
-	}
-	return notFound(n.withEntry(ctx, ref, e, cached, pull))
+	})
 }
 
 func readable(e cluster.Entry, reader uint32) bool {

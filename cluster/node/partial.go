@@ -62,48 +62,12 @@ func (n *Node) FetchTensors(ctx context.Context, reader, owner uint32, name stri
 
 func (n *Node) fetchTensors(ctx context.Context, reader, owner uint32, name string, sel store.ClusterGet) (string, error) {
 	var slice string
-	looked := false
-	sliceOf := func(ref cluster.Ref) error {
-		return n.withLookup(ctx, ref, func(e cluster.Entry) error {
-			looked = true
-			var err error
-			slice, err = n.slice(ctx, reader, e, sel.Tensors)
-			return err
-		})
-	}
-	latest := func(version uint64) (string, error) {
-		err := sliceOf(cluster.Ref{Owner: owner, Name: name, Version: version, Shard: sel.Shard})
-		return slice, err
-	}
-	switch {
-	case sel.Version != 0:
-		return latest(sel.Version)
-	case sel.NewerThan != 0:
-		l, err := n.latestNewer(ctx, owner, name, sel.NewerThan)
-		if err != nil {
-			return "", err
-		}
-		return latest(l.Version)
-	}
-	if _, ok := n.mirror.Latest(owner, name); ok {
-		// A versioned name: its latest version from etcd (the mirror may
-		// lag behind a publish that returned elsewhere), its records
-		// from the mirror.
-		l, err := n.dir.Latest(ctx, owner, name)
-		if err != nil {
-			return "", err
-		}
-		return latest(l.Version)
-	}
-	if err := sliceOf(cluster.Ref{Owner: owner, Name: name}); looked || !errors.Is(err, cluster.ErrNotFound) {
-		return slice, err
-	}
-	// No plain object of that name: a versioned name's latest version.
-	l, err := n.dir.Latest(ctx, owner, name)
-	if err != nil {
-		return "", err
-	}
-	return latest(l.Version)
+	err := n.withRecord(ctx, owner, name, sel, sel.Shard, func(e cluster.Entry) error {
+		var err error
+		slice, err = n.slice(ctx, reader, e, sel.Tensors)
+		return err
+	})
+	return slice, err
 }
 
 // slice returns the name of the sealed slice of tensors of e's bundle,
