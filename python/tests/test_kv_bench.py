@@ -68,11 +68,14 @@ def test_one_node_gpu(cudaipc_bin: str, tmp_path: Any) -> None:
 
 def test_cross_node(cudaipc_bin: str, tmp_path: Any) -> None:
     etcd = os.environ.get("CUDAIPC_ETCD") or shutil.which("etcd")
-    if not etcd or not shutil.which("ucx_perftest"):
+    # The GPU machine's tools (scripts/gpu-build.sh) keep ucx_perftest beside etcd.
+    perftest = shutil.which("ucx_perftest") or (etcd and shutil.which("ucx_perftest", path=os.path.dirname(etcd)))
+    if not etcd or not perftest:
         if os.environ.get("CUDAIPC_REQUIRE_CLUSTER") == "1":
             pytest.fail("CUDAIPC_REQUIRE_CLUSTER=1 but etcd or ucx_perftest is missing")
         pytest.skip("etcd or ucx_perftest is missing (Debian: etcd-server, ucx-utils)")
-    got = run(cudaipc_bin, tmp_path, "--no-one-node", "--cross-node", "--etcd", etcd, "--perftest-iters", "200")
+    got = run(cudaipc_bin, tmp_path, "--no-one-node", "--cross-node", "--etcd", etcd, "--ucx-perftest", perftest,
+              "--perftest-iters", "200")
     x = got["cross_node"]
     if "pending" in x:
         assert "cross-node read" in x["pending"]

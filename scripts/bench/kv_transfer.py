@@ -577,7 +577,8 @@ class GPUFloor:
             raise RuntimeError("the gather kernel is not available on GPU 0: %s" % _gather.unavailable.get(0, "off"))
         cu = _cuda.driver()
         with _cuda.on(0):
-            self.stream = int(_cuda.check("cuStreamCreate", cu.cuStreamCreate(1)))
+            self._stream = _cuda.check("cuStreamCreate", cu.cuStreamCreate(1))   # CU_STREAM_NON_BLOCKING
+        self.stream = int(self._stream)
         self.copy_fn = _cuda.proc("cuMemcpyAsync", 4000, ctypes.CFUNCTYPE(
             ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p))
         self.sync_fn = _cuda.proc("cuStreamSynchronize", 2000, ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p))
@@ -628,7 +629,7 @@ class GPUFloor:
 
     def close(self) -> None:
         with self._cuda.on(0):
-            self._cuda.driver().cuStreamDestroy(self.stream)
+            self._cuda.driver().cuStreamDestroy(self._stream)
         self.copies = []
 
 
