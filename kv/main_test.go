@@ -20,12 +20,13 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	testutil.RunRole(testutil.Roles{"daemon": roleDaemon, "engine": roleEngine, "reader": roleReader})
+	testutil.RunRole(testutil.Roles{"daemon": roleDaemon, "engine": roleEngine, "reader": roleReader,
+		"pooluser": rolePoolUser, "stormer": roleStormer})
 	os.Exit(m.Run())
 }
 
 // roleDaemon serves a host-backend store on SOCK (admitting ALLOW_UIDS
-// beside its own) until killed.
+// beside its own; of CAPACITY bytes when set) until killed.
 func roleDaemon(*testutil.Peer) error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
@@ -33,6 +34,7 @@ func roleDaemon(*testutil.Peer) error {
 	if b := os.Getenv("BACKEND"); b != "" {
 		cfg.Backend = b
 	}
+	cfg.Capacity, _ = strconv.ParseInt(os.Getenv("CAPACITY"), 10, 64)
 	for _, f := range strings.Fields(os.Getenv("ALLOW_UIDS")) {
 		u, _ := strconv.ParseUint(f, 10, 32)
 		cfg.AllowUIDs = append(cfg.AllowUIDs, uint32(u))

@@ -29,6 +29,12 @@ func seedRequests() []*storev1.Request {
 		{Id: 8, Body: &storev1.Request_List{List: &storev1.ListRequest{StartAfter: "t"}}},
 		{Id: 9, Body: &storev1.Request_Stat{Stat: &storev1.StatRequest{Name: "tensor-0"}}},
 		{Id: 10, Body: &storev1.Request_Subscribe{Subscribe: &storev1.SubscribeRequest{}}},
+		{Id: 11, Body: &storev1.Request_PoolCreate{PoolCreate: &storev1.PoolCreateRequest{Name: "pool", BlockBytes: 2 << 20, KeyBytes: 32, Capacity: 1 << 30}}},
+		{Id: 12, Body: &storev1.Request_BlockPut{BlockPut: &storev1.BlockPutRequest{Pool: "pool", Count: 1, Keys: &storev1.Blob{Data: make([]byte, 32)},
+			Source: &storev1.BlockSource{Regions: []string{"kv/0"}, Parts: []*storev1.BlockPart{{Base: 0, Stride: 64, Bytes: 64}}, Ids: &storev1.Blob{Data: make([]byte, 4)}}}}},
+		{Id: 13, Body: &storev1.Request_BlockLookup{BlockLookup: &storev1.BlockLookupRequest{Pool: "pool", Count: 2, Keys: &storev1.Blob{Offset: 64, Length: 64}, Pin: true}}},
+		{Id: 14, Body: &storev1.Request_BlockGet{BlockGet: &storev1.BlockGetRequest{Pool: "pool", Count: 1, Keys: &storev1.Blob{Data: make([]byte, 16)}, Pin: 3}}},
+		{Id: 15, Body: &storev1.Request_BlockUnpin{BlockUnpin: &storev1.BlockUnpinRequest{Pin: 3}}},
 	}
 }
 
@@ -49,6 +55,9 @@ func seedResponses() []*storev1.Response {
 		ErrorResponse(4, Errorf(storev1.Error_STORE_FULL, "need %d bytes", 1<<30)),
 		ErrorResponse(14, Errorf(storev1.Error_UNAVAILABLE, "cluster directory unavailable")),
 		ErrorResponse(15, Errorf(storev1.Error_DATA_LOSS, "record does not verify")),
+		{Id: 16, Body: &storev1.Response_PoolStat{PoolStat: &storev1.PoolStatResponse{FdAttached: true, Info: &storev1.PoolInfo{Name: "pool", Id: 1,
+			BlockBytes: 96, KeyBytes: 32, SlotBytes: 256, CapacityBlocks: 16, MemorySize: 4096, Device: "host"}}}},
+		{Id: 17, Body: &storev1.Response_BlockGet{BlockGet: &storev1.BlockGetResponse{Pin: 2, Found: 1, PoolId: 1, Slots: &storev1.Blob{Data: make([]byte, 8)}}}},
 	}
 }
 
@@ -148,6 +157,12 @@ func FuzzDecodeRequest(f *testing.F) {
 				t.Fatalf("ValidateRequest accepted a stage_files with %d files", files)
 			}
 			files = 0
+		}
+		if BlockRequest(&req) {
+			if files > 1 {
+				t.Fatalf("ValidateRequest accepted a block request with %d files", files)
+			}
+			files = 0 // its bulk file
 		}
 		if files != 0 || req.GetId() == 0 || RequestKind(&req) == "unknown" {
 			t.Fatalf("ValidateRequest accepted %v with %d files", &req, files)

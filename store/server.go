@@ -181,7 +181,8 @@ func (s *Store) serveConn(ctx context.Context, uc *net.UnixConn) {
 			protocol.CloseFiles(files)
 			op := protocol.RequestKind(&req)
 			cn.reply(op, protocol.ErrorResponse(req.GetId(), err), nil)
-			if len(files) > 0 && req.GetRegister() == nil && req.GetStageFiles() == nil || req.GetId() == 0 {
+			bulk := len(files) == 1 && protocol.BlockRequest(&req) // a block request's bulk file
+			if len(files) > 0 && req.GetRegister() == nil && req.GetStageFiles() == nil && !bulk || req.GetId() == 0 {
 				// Not a bad argument but a client that does not follow the
 				// framing rules (docs/protocol.md, section 2); an error
 				// with id 0 means the connection closes. Unknown
