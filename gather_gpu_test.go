@@ -107,3 +107,57 @@ func TestGather(t *testing.T) {
 		t.Errorf("a copy of -1 bytes: %v, want an ArgError", err)
 	}
 }
+
+// TestGatherMappedHost: host memory registered with RegisterHostMapped is
+// a gather's destination (device → host across the bus, as a KV read's
+// source gathers its blocks) and its source (host → device, as the
+// reader scatters them); Unregister gives the memory back.
+func TestGatherMappedHost(t *testing.T) {
+	dev := testutil.RequireGPU(t)
+	const size = 1 << 20
+	gpu, err := dev.Alloc(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gpu.Free()
+	data := testutil.RandomBytes(11, size)
+	if err := dev.CopyToDevice(gpu.Ptr(), data); err != nil {
+		t.Fatal(err)
+	}
+	host := make([]byte, 2*size)
+	reg, ptr, err := dev.RegisterHostMapped(host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reg.Unregister()
+	// Odd pieces of the device's bytes, reversed, into the host's first half.
+	var copies []cudaipc.Copy
+	want := make([]byte, 2*size)
+	for i, off := 0, int64(0); off < size; i++ {
+		n := min(int64(4096+i*517), size-off)
+		dst := size - off - n
+		copies = append(copies, cudaipc.Copy{Dst: ptr + cudaipc.DevicePtr(dst), Src: gpu.Ptr() + cudaipc.DevicePtr(off), Bytes: n})
+		copy(want[dst:dst+n], data[off:off+n])
+		off += n
+	}
+	if err := dev.Gather([][]cudaipc.Copy{copies}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(host[:size], want[:size]) {
+		t.Fatal("device → mapped host: the bytes differ")
+	}
+	// And back: the host's first half into the device, shifted by one byte.
+	if err := dev.Gather([][]cudaipc.Copy{{{Dst: gpu.Ptr() + 1, Src: ptr, Bytes: size - 1}}}, nil); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, size)
+	if err := dev.CopyFromDevice(got, gpu.Ptr()); err != nil {
+		t.Fatal(err)
+	}
+	if got[0] != data[0] || !bytes.Equal(got[1:], host[:size-1]) {
+		t.Fatal("mapped host → device: the bytes differ")
+	}
+	if _, _, err := dev.RegisterHostMapped(nil); err == nil {
+		t.Error("RegisterHostMapped of no memory succeeded")
+	}
+}

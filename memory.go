@@ -534,6 +534,35 @@ func (d *Device) RegisterHost(b []byte) (*HostRegistration, error) {
 	return h, nil
 }
 
+// RegisterHostMapped is RegisterHost that also maps b for kernels
+// (CU_MEMHOSTREGISTER_DEVICEMAP) and returns the device address at which
+// kernels of d's context reach it: a kernel (Gather) then reads or writes
+// host memory across the bus, with no copy engine between.
+func (d *Device) RegisterHostMapped(b []byte) (*HostRegistration, DevicePtr, error) {
+	if len(b) == 0 {
+		return nil, 0, &ArgError{Op: "RegisterHostMapped", Arg: "b", Reason: "empty"}
+	}
+	var ptr DevicePtr
+	err := d.do(func() error {
+		if err := cu.MemHostRegister(b, cu.MemHostRegisterPortable|cu.MemHostRegisterDeviceMap); err != nil {
+			return err
+		}
+		p, err := cu.MemHostGetDevicePointer(b)
+		if err != nil {
+			cu.MemHostUnregister(b)
+		}
+		ptr = DevicePtr(p)
+		return err
+	})
+	if err != nil {
+		return nil, 0, err
+	}
+	h := &HostRegistration{dev: d, b: b}
+	live.hostRegs.Add(1)
+	h.cleanup = runtime.AddCleanup(h, unregisterLeakedHost, hostRegLeak{d, b})
+	return h, ptr, nil
+}
+
 // Bytes returns the registered memory.
 func (h *HostRegistration) Bytes() []byte {
 	h.mu.Lock()

@@ -146,8 +146,8 @@ func (t *Transfer) WaitLayer(ctx context.Context, l int) error {
 // leases (which the source side sees in its
 // regions' lease counts). A read whose source names another node goes
 // through c's daemon instead (docs/kv.md, "Across nodes"): r.Dst must be
-// registered with it (Register), host memory on both sides, and no Notify;
-// the Transfer is the same. Bad requests fail at once with ErrBlockRange,
+// registered with it (Register), and r has no Notify; host or GPU memory
+// on either side; the Transfer is the same. Bad requests fail at once with ErrBlockRange,
 // ErrMismatch, ErrInvalidDesc or ErrNotSupported; failures of the read
 // itself come as a *BlockError from the Transfer.
 func ReadBlocks(ctx context.Context, c *client.Client, r Request) (*Transfer, error) {

@@ -142,17 +142,6 @@ func readRemote(ctx context.Context, c *client.Client, r Request) (*Transfer, er
 	if err != nil {
 		return nil, err
 	}
-	srcRegions, dstRegions := p.Regions()
-	for _, i := range srcRegions {
-		if d := r.Src.Regions[i].Device; d != "host" {
-			return nil, fmt.Errorf("%w: region %d of %s is in GPU memory (%s): across nodes this version reads host memory into host memory", ErrNotSupported, i, r.Src.Name, d)
-		}
-	}
-	for _, i := range dstRegions {
-		if d := sp.desc.Regions[i].Device; d != "host" {
-			return nil, fmt.Errorf("%w: destination region %d is in GPU memory (%s): across nodes this version reads host memory into host memory", ErrNotSupported, i, d)
-		}
-	}
 	parts := splitPairs(r.SrcBlocks, r.DstBlocks, protocol.MaxMessageSize-len(src)-len(dst)-256)
 	t := &Transfer{first: p.First, layers: make([]chan struct{}, p.Count), done: make(chan struct{})}
 	for i := range t.layers {

@@ -58,12 +58,15 @@ type daemonCmd struct {
 	// ChunkTimeout the node's pulls' (0: the default), at "start".
 	Listen       string
 	ChunkTimeout time.Duration
-	// Layout, Layers, Blocks and Shared are, for "kvspace" (Name, Size:
+	// Layout, Layers, Blocks, Shared and GPU are, for "kvspace" (Name, Size:
 	// the block bytes, Seed), the KV space the daemon's own client
 	// registers (kvspace_test.go).
 	Layout         string
 	Layers, Blocks int
 	Shared         bool
+	// GPU puts the space in GPU 0's memory: "vmm" (shared by descriptor)
+	// or "legacy" (cudaMalloc memory); "" in host memory.
+	GPU string
 }
 
 // daemonReply answers a daemonCmd.

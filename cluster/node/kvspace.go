@@ -10,6 +10,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/cluster/ucxtransport"
 	"github.com/cudaipc/cudaipc/kv"
@@ -79,16 +80,13 @@ func (n *Node) readSpace(ctx context.Context, r store.SpaceRead, progress func(l
 		return nil, invalid("%v", err)
 	}
 	srcRegions, dstRegions := p.Regions()
+	gpu := false
 	for _, i := range srcRegions {
-		if d := src.Regions[i].Device; d != "host" {
-			return nil, invalid("region %d of %s is in GPU memory (%s): across nodes this version reads host memory", i, src.Name, d)
-		}
+		gpu = gpu || src.Regions[i].Device != "host"
 	}
 	names := make([]string, len(dstRegions))
 	for k, i := range dstRegions {
-		if d := dst.Regions[i].Device; d != "host" {
-			return nil, invalid("destination region %d is in GPU memory (%s): across nodes this version writes host memory", i, d)
-		}
+		gpu = gpu || dst.Regions[i].Device != "host"
 		names[k] = dst.RegionName(i)
 	}
 	lease, err := n.st.LeaseRegistered(r.Reader, names)
@@ -96,24 +94,32 @@ func (n *Node) readSpace(ctx context.Context, r store.SpaceRead, progress func(l
 		return nil, fmt.Errorf("destination %s: %w", dst.Name, err)
 	}
 	defer lease.Release()
-	mem := make([][]byte, len(dst.Regions))
+	maps := make([]*spaceMap, len(dst.Regions))
+	mem := make([][]byte, len(dst.Regions)) // host memory's, for direct reads
+	var dev *cudaipc.Device
 	for k, reg := range lease.Regions {
 		i := dstRegions[k]
 		switch {
 		case reg.Owner != r.Reader:
 			return nil, protocol.Errorf(storev1.Error_PERMISSION, "kv_read: destination region %s is uid %d's, not the reader's (%d)", reg.Name, reg.Owner, r.Reader)
-		case !bytes.Equal(reg.Space, r.Dst) || reg.Device != "host" || reg.Size != dst.Regions[i].Size || len(reg.Files) != 1:
+		case !bytes.Equal(reg.Space, r.Dst) || reg.Device != dst.Regions[i].Device || reg.Size != dst.Regions[i].Size || reg.Device == "host" && len(reg.Files) != 1:
 			return nil, fmt.Errorf("destination region %s is not of the registration the description names (registered again since?): %w", reg.Name, store.ErrNotFound)
 		}
 		m, err := n.spaces.acquire(reg, true, nil)
 		if err != nil {
-			return nil, fmt.Errorf("destination region %s: %w", reg.Name, err)
+			return nil, invalid("destination region %s: %v", reg.Name, err)
 		}
 		defer n.spaces.release(m)
-		mem[i] = m.mem
+		maps[i], mem[i] = m, m.mem
+		if m.gpu != nil && dev == nil {
+			dev = m.gpu.Device()
+		}
+		if (m.gpu == nil) != (dev == nil) || m.gpu != nil && m.gpu.Device() != dev {
+			return nil, invalid("destination %s: the regions a read writes are on one GPU or all in host memory", dst.Name)
+		}
 	}
-	if n.staged(p) {
-		return p, n.readStaged(ctx, r, &src, p, ints(r.SrcBlocks), ints(r.DstBlocks), mem, progress)
+	if gpu || n.staged(p) {
+		return p, n.readStaged(ctx, r, &src, p, ints(r.SrcBlocks), ints(r.DstBlocks), maps, dev, progress)
 	}
 	index := make(map[int]int, len(srcRegions))
 	sizes := make([]int64, len(srcRegions))
@@ -218,6 +224,12 @@ func (s source) ExposeSpace(reader uint32, desc []byte, regions []int, stage *cl
 	}
 	e := cluster.SpaceExposure{Worker: n.tr.WorkerAddress()}
 	for _, reg := range lease.Regions {
+		if reg.Device != "host" {
+			release()
+			return cluster.SpaceExposure{}, nil, fmt.Errorf("region %s is in GPU memory: it is read staged", reg.Name)
+		}
+	}
+	for _, reg := range lease.Regions {
 		m, err := n.spaces.acquire(reg, false, n.tr.Register)
 		if err != nil {
 			release()
@@ -253,9 +265,6 @@ func (n *Node) leaseSpace(reader uint32, desc []byte, regions []int) (*kv.Desc, 
 		if i < 0 || i >= len(d.Regions) || k > 0 && i <= regions[k-1] {
 			return nil, nil, fmt.Errorf("regions %v of a space of %d: want ascending region numbers", regions, len(d.Regions))
 		}
-		if d.Regions[i].Device != "host" {
-			return nil, nil, fmt.Errorf("region %d of %s is in GPU memory: this node exposes host memory", i, d.Name)
-		}
 		names[k] = d.RegionName(i)
 	}
 	lease, err := n.st.LeaseRegistered(reader, names)
@@ -267,7 +276,7 @@ func (n *Node) leaseSpace(reader uint32, desc []byte, regions []int) (*kv.Desc, 
 	}
 	for k, reg := range lease.Regions {
 		i := regions[k]
-		if !bytes.Equal(reg.Space, desc) || reg.Device != "host" || reg.Size != d.Regions[i].Size || len(reg.Files) != 1 {
+		if !bytes.Equal(reg.Space, desc) || reg.Device != d.Regions[i].Device || reg.Size != d.Regions[i].Size || reg.Device == "host" && len(reg.Files) != 1 {
 			lease.Release()
 			return nil, nil, fmt.Errorf("%w: region %s is not of the registration the description names (registered again since)", cluster.ErrNoSpace, reg.Name)
 		}
@@ -289,10 +298,12 @@ type spaceKey struct {
 	write bool
 }
 
-// spaceMap is one mapping; users count the reads using it.
+// spaceMap is one mapping, of host memory (mem) or of GPU memory (gpu);
+// users count the reads using it.
 type spaceMap struct {
 	key   spaceKey
 	mem   []byte
+	gpu   *cudaipc.Mapping
 	reg   *ucxtransport.Region // a source's registration with UCX
 	users int
 	gone  bool // out of the cache: the last user unmaps it
@@ -314,6 +325,20 @@ func (sm *spaceMaps) acquire(reg *store.Registered, write bool, register func([]
 		m.users++
 		return m, nil
 	}
+	m := &spaceMap{key: key, users: 1}
+	if reg.Device != "host" {
+		if register != nil {
+			return nil, fmt.Errorf("GPU memory is staged, not registered with UCX")
+		}
+		if err := m.importGPU(reg, write); err != nil {
+			return nil, err
+		}
+		if sm.m == nil {
+			sm.m = map[spaceKey]*spaceMap{}
+		}
+		sm.m[key] = m
+		return m, nil
+	}
 	prot := unix.PROT_READ
 	if write {
 		prot |= unix.PROT_WRITE
@@ -322,7 +347,7 @@ func (sm *spaceMaps) acquire(reg *store.Registered, write bool, register func([]
 	if err != nil {
 		return nil, fmt.Errorf("map the registered memory: %w", err)
 	}
-	m := &spaceMap{key: key, mem: mem, users: 1}
+	m.mem = mem
 	if register != nil {
 		if m.reg, err = register(mem); err != nil {
 			unix.Munmap(mem)
@@ -347,9 +372,31 @@ func (sm *spaceMaps) release(m *spaceMap) {
 	}
 }
 
+// importGPU maps reg, GPU memory (a vmm-fd region and its descriptors,
+// or a cuda-ipc one), into the daemon, read-only unless write.
+func (m *spaceMap) importGPU(reg *store.Registered, write bool) error {
+	r, err := cudaipc.DecodeRegion(reg.Region)
+	if err != nil {
+		return fmt.Errorf("registered GPU memory's region: %w", err)
+	}
+	access := cudaipc.ReadOnly
+	if write {
+		access = cudaipc.ReadWrite
+	}
+	m.gpu, err = cudaipc.Import(r, cudaipc.WithFiles(reg.Files...), cudaipc.WithAccess(access))
+	if err != nil {
+		return fmt.Errorf("map registered GPU memory: %w", err)
+	}
+	return nil
+}
+
 func (m *spaceMap) close() {
 	if m.reg != nil {
 		m.reg.Close() // waits for replies under way
+	}
+	if m.gpu != nil {
+		m.gpu.Close()
+		return
 	}
 	unix.Munmap(m.mem)
 }

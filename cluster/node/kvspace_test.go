@@ -266,12 +266,21 @@ func registerKVSpace(cl *client.Client, c daemonCmd) (string, error) {
 	layout, sizes := kvLayout(c.Layout, c.Layers, c.Blocks, c.Size)
 	local := &kv.Local{Layout: layout}
 	for i, n := range sizes {
+		data := testutil.RandomBytes(uint64(c.Seed)*1000+uint64(i), int(n))
+		if c.GPU != "" {
+			m, err := gpuRegion(c.GPU, n, data)
+			if err != nil {
+				return "", err
+			}
+			local.Memory = append(local.Memory, m)
+			continue
+		}
 		m, err := kv.AllocHost(n)
 		if err != nil {
 			return "", err
 		}
 		kvHeld = append(kvHeld, m)
-		copy(m.Bytes(), testutil.RandomBytes(uint64(c.Seed)*1000+uint64(i), int(n)))
+		copy(m.Bytes(), data)
 		local.Memory = append(local.Memory, m.Memory())
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

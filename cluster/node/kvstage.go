@@ -5,11 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"math/bits"
+	"runtime"
 	"slices"
 	"sync"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/cudaipc/cudaipc"
 	"github.com/cudaipc/cudaipc/cluster"
 	"github.com/cudaipc/cudaipc/cluster/staging"
 	"github.com/cudaipc/cudaipc/cluster/ucxtransport"
@@ -100,9 +102,10 @@ func stageGroups(p *kv.Plan, n int) []layerGroup {
 
 // readStaged reads p staged: groups of layers, stagedGroups at once, each
 // one exposure of the source's node gathered there and scattered here
-// into dst (the destination regions' mappings), reporting layers in order
+// into dst (the destination regions' mappings; on GPU dev, or host memory
+// when dev is nil), reporting layers in order
 // as they complete.
-func (n *Node) readStaged(ctx context.Context, r store.SpaceRead, src *kv.Desc, p *kv.Plan, srcIDs, dstIDs []int, dst [][]byte, progress func(int)) error {
+func (n *Node) readStaged(ctx context.Context, r store.SpaceRead, src *kv.Desc, p *kv.Plan, srcIDs, dstIDs []int, dst []*spaceMap, dev *cudaipc.Device, progress func(int)) error {
 	groups := stageGroups(p, len(srcIDs))
 	var (
 		mu       sync.Mutex
@@ -162,7 +165,7 @@ func (n *Node) readStaged(ctx context.Context, r store.SpaceRead, src *kv.Desc, 
 		regions = slices.Compact(regions)
 		wg.Go(func() {
 			defer func() { <-sem }()
-			errs[gi] = n.readGroup(ctx, r, src, p, st, g, regions, dstIDs, dst, scattered)
+			errs[gi] = n.readGroup(ctx, r, src, p, st, g, regions, dstIDs, dst, dev, scattered)
 			if errs[gi] != nil {
 				cancel()
 			}
@@ -184,18 +187,50 @@ func (n *Node) readStaged(ctx context.Context, r store.SpaceRead, src *kv.Desc, 
 var pieceBufs = sync.Pool{New: func() any { b := make([]byte, stagePiece); return &b }}
 
 // readGroup reads one group of a staged read: it fetches the staging in
-// pieces into buffers of its own and scatters each into dst; a staging of
-// at most cluster.MaxInline bytes comes whole in the source's answer.
-func (n *Node) readGroup(ctx context.Context, r store.SpaceRead, src *kv.Desc, p *kv.Plan, st *kv.Staging, g layerGroup, regions, dstIDs []int, dst [][]byte, scattered func(l int, b int64)) error {
-	scatter := func(off int64, b []byte) {
+// pieces into buffers of its own and scatters each into dst (host memory
+// by memmove; a GPU's with one gather kernel launch a piece, from pinned
+// buffers the kernel reads across the bus); a staging of at most
+// cluster.MaxInline bytes comes whole in the source's answer.
+func (n *Node) readGroup(ctx context.Context, r store.SpaceRead, src *kv.Desc, p *kv.Plan, st *kv.Staging, g layerGroup, regions, dstIDs []int, dst []*spaceMap, dev *cudaipc.Device, scattered func(l int, b int64)) error {
+	var (
+		mu   sync.Mutex
+		fail error // a failure of the GPU side, which the Gets cannot return
+	)
+	failed := func(err error) {
+		mu.Lock()
+		if fail == nil {
+			fail = err
+		}
+		mu.Unlock()
+	}
+	// scatter puts b, bytes [off, off+len(b)) of the staging, in place;
+	// on the GPU from ptr, where its kernels reach b.
+	scatter := func(off int64, b []byte, ptr cudaipc.DevicePtr) {
+		var copies []cudaipc.Copy
 		at := off
 		st.Pieces(off, int64(len(b)), func(pc kv.Piece) {
 			dp := p.Dst.Layers[pc.L][pc.P]
 			d := dp.Base + int64(dstIDs[pc.K])*dp.Stride + pc.Skip
-			copy(dst[dp.Region][d:d+pc.Bytes], b[at-off:at-off+pc.Bytes])
+			if dev == nil {
+				copy(dst[dp.Region].mem[d:d+pc.Bytes], b[at-off:at-off+pc.Bytes])
+			} else {
+				copies = append(copies, cudaipc.Copy{Dst: dst[dp.Region].gpu.Ptr() + cudaipc.DevicePtr(d), Src: ptr + cudaipc.DevicePtr(at-off), Bytes: pc.Bytes})
+			}
 			at += pc.Bytes
-			scattered(pc.L, pc.Bytes)
 		})
+		if dev != nil {
+			err := dev.Gather([][]cudaipc.Copy{copies}, nil)
+			for _, m := range dst {
+				if m != nil {
+					runtime.KeepAlive(m.gpu)
+				}
+			}
+			if err != nil {
+				failed(fmt.Errorf("copy staged blocks to %s: %w", dev, err))
+				return
+			}
+		}
+		st.Pieces(off, int64(len(b)), func(pc kv.Piece) { scattered(pc.L, pc.Bytes) })
 	}
 	size := st.Size()
 	read := cluster.SpaceRead{Node: src.Node, Reader: r.Reader, Desc: r.Src, Regions: regions, Sizes: []int64{size},
@@ -205,43 +240,166 @@ func (n *Node) readGroup(ctx context.Context, r store.SpaceRead, src *kv.Desc, p
 		if err != nil {
 			return err
 		}
-		scatter(0, b)
-		return nil
+		if dev == nil {
+			scatter(0, b, 0)
+			return nil
+		}
+		pc, err := n.gpuPieces.get(dev)
+		if err != nil {
+			return err
+		}
+		defer n.gpuPieces.put(pc)
+		copy(pc.mem, b)
+		scatter(0, pc.mem[:len(b)], pc.ptr)
+		return fail
 	}
-	var next int64
+	var (
+		next   int64
+		pieces = map[int]*gpuPiece{} // by Get tag, under mu
+		tag    int
+	)
 	read.Next = func() (cluster.SpaceGet, bool) {
 		if next >= size {
 			return cluster.SpaceGet{}, false
 		}
-		b := *pieceBufs.Get().(*[]byte)
 		m := min(stagePiece, size-next)
-		get := cluster.SpaceGet{Region: 0, Off: next, Dst: b[:m]}
+		get := cluster.SpaceGet{Region: 0, Off: next}
+		if dev == nil {
+			get.Dst = (*pieceBufs.Get().(*[]byte))[:m]
+		} else {
+			pc, err := n.gpuPieces.get(dev)
+			if err != nil {
+				failed(err)
+				return cluster.SpaceGet{}, false
+			}
+			mu.Lock()
+			tag++
+			pieces[tag] = pc
+			mu.Unlock()
+			get.Dst, get.Tag = pc.mem[:m], tag
+		}
 		next += m
 		return get, true
 	}
 	read.Done = func(get cluster.SpaceGet) {
-		scatter(get.Off, get.Dst)
-		b := get.Dst[:cap(get.Dst)]
-		pieceBufs.Put(&b)
+		if dev == nil {
+			scatter(get.Off, get.Dst, 0)
+			b := get.Dst[:cap(get.Dst)]
+			pieceBufs.Put(&b)
+			return
+		}
+		mu.Lock()
+		pc := pieces[get.Tag]
+		delete(pieces, get.Tag)
+		mu.Unlock()
+		scatter(get.Off, get.Dst, pc.ptr)
+		n.gpuPieces.put(pc)
 	}
-	return n.p.ReadSpace(ctx, read)
+	err := n.p.ReadSpace(ctx, read)
+	mu.Lock()
+	defer mu.Unlock()
+	for _, pc := range pieces { // Gets that failed
+		n.gpuPieces.put(pc)
+	}
+	if err == nil {
+		err = fail
+	}
+	return err
+}
+
+// gpuPiece is a piece buffer of a staged read into GPU memory: pinned
+// host memory whose device's kernels reach it at ptr.
+type gpuPiece struct {
+	mem []byte
+	reg *cudaipc.HostRegistration
+	ptr cudaipc.DevicePtr
+	dev *cudaipc.Device
+}
+
+// gpuPieces keeps idle GPU piece buffers, up to maxIdlePieces a device.
+type gpuPieces struct {
+	mu     sync.Mutex
+	idle   map[*cudaipc.Device][]*gpuPiece
+	closed bool
+}
+
+// maxIdlePieces bounds the idle GPU piece buffers a device keeps (of
+// stagePiece bytes each).
+const maxIdlePieces = 32
+
+func (gp *gpuPieces) get(dev *cudaipc.Device) (*gpuPiece, error) {
+	gp.mu.Lock()
+	if l := gp.idle[dev]; len(l) > 0 {
+		pc := l[len(l)-1]
+		gp.idle[dev] = l[:len(l)-1]
+		gp.mu.Unlock()
+		return pc, nil
+	}
+	gp.mu.Unlock()
+	mem, err := unix.Mmap(-1, 0, stagePiece, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return nil, fmt.Errorf("a piece buffer: %w", err)
+	}
+	staging.Populate(mem, 1)
+	reg, ptr, err := dev.RegisterHostMapped(mem)
+	if err != nil {
+		unix.Munmap(mem)
+		return nil, fmt.Errorf("register a piece buffer with %s: %w", dev, err)
+	}
+	return &gpuPiece{mem: mem, reg: reg, ptr: ptr, dev: dev}, nil
+}
+
+func (gp *gpuPieces) put(pc *gpuPiece) {
+	gp.mu.Lock()
+	if !gp.closed && len(gp.idle[pc.dev]) < maxIdlePieces {
+		if gp.idle == nil {
+			gp.idle = map[*cudaipc.Device][]*gpuPiece{}
+		}
+		gp.idle[pc.dev] = append(gp.idle[pc.dev], pc)
+		gp.mu.Unlock()
+		return
+	}
+	gp.mu.Unlock()
+	pc.free()
+}
+
+func (pc *gpuPiece) free() {
+	pc.reg.Unregister()
+	unix.Munmap(pc.mem)
+}
+
+// close frees the idle buffers; those in use are freed when put back.
+func (gp *gpuPieces) close() {
+	gp.mu.Lock()
+	idle := gp.idle
+	gp.idle, gp.closed = nil, true
+	gp.mu.Unlock()
+	for _, l := range idle {
+		for _, pc := range l {
+			pc.free()
+		}
+	}
 }
 
 // stagedRegions checks stage against the space d and regions (those its
 // layers use) and maps the regions of lease, returning the staging, each
-// region's mapping by its number, and the function that lets them go.
-func (n *Node) stagedRegions(d *kv.Desc, regions []int, lease *store.RegisteredLease, stage *cluster.SpaceStage) (*kv.Staging, [][]byte, func(), error) {
+// region's mapping by its number, the GPU they are all on (nil: all host
+// memory), and the function that lets the mappings go.
+func (n *Node) stagedRegions(d *kv.Desc, regions []int, lease *store.RegisteredLease, stage *cluster.SpaceStage) (*kv.Staging, []*spaceMap, *cudaipc.Device, func(), error) {
+	fail := func(err error) (*kv.Staging, []*spaceMap, *cudaipc.Device, func(), error) {
+		return nil, nil, nil, nil, err
+	}
 	for _, b := range stage.Blocks {
 		if b < 0 || b >= d.Blocks {
-			return nil, nil, nil, fmt.Errorf("staging of block %d of a space of %d", b, d.Blocks)
+			return fail(fmt.Errorf("staging of block %d of a space of %d", b, d.Blocks))
 		}
 	}
 	st, err := kv.NewStaging(&d.Layout, len(stage.Blocks), stage.First, stage.Count)
 	if err != nil {
-		return nil, nil, nil, err
+		return fail(err)
 	}
 	if st.Size() > maxStaged {
-		return nil, nil, nil, fmt.Errorf("a staging of %d bytes, at most %d: fewer layers a kvopen", st.Size(), maxStaged)
+		return fail(fmt.Errorf("a staging of %d bytes, at most %d: fewer layers a kvopen", st.Size(), maxStaged))
 	}
 	var want []int
 	for l := stage.First; l < stage.First+stage.Count; l++ {
@@ -251,46 +409,84 @@ func (n *Node) stagedRegions(d *kv.Desc, regions []int, lease *store.RegisteredL
 	}
 	slices.Sort(want)
 	if want = slices.Compact(want); !slices.Equal(want, regions) {
-		return nil, nil, nil, fmt.Errorf("regions %v for a staging whose layers use %v", regions, want)
+		return fail(fmt.Errorf("regions %v for a staging whose layers use %v", regions, want))
 	}
-	mem := make([][]byte, len(d.Regions))
-	var maps []*spaceMap
+	maps := make([]*spaceMap, len(d.Regions))
+	var held []*spaceMap
 	undo := func() {
-		for _, m := range maps {
+		for _, m := range held {
 			n.spaces.release(m)
 		}
 	}
+	var dev *cudaipc.Device
 	for k, reg := range lease.Regions {
 		m, err := n.spaces.acquire(reg, false, nil)
 		if err != nil {
 			undo()
-			return nil, nil, nil, fmt.Errorf("region %s: %w", reg.Name, err)
+			return fail(fmt.Errorf("region %s: %w", reg.Name, err))
 		}
-		maps = append(maps, m)
-		mem[regions[k]] = m.mem
+		held = append(held, m)
+		maps[regions[k]] = m
+		if m.gpu != nil && k == 0 {
+			dev = m.gpu.Device()
+		}
+		if (m.gpu == nil) != (dev == nil) || m.gpu != nil && m.gpu.Device() != dev {
+			undo()
+			return fail(fmt.Errorf("%w: the regions a staging reads are on one GPU or all in host memory", errMixed))
+		}
 	}
-	return st, mem, undo, nil
+	return st, maps, dev, undo, nil
 }
 
-// gatherLayer copies the blocks of stage of layer l of d (its regions'
-// mappings mem) where st lays them out in buf.
-func gatherLayer(d *kv.Desc, st *kv.Staging, stage *cluster.SpaceStage, mem [][]byte, l int, buf []byte) {
+// errMixed: a read whose regions on one side are in different kinds of
+// memory.
+var errMixed = errors.New("mixed memory")
+
+// gatherLayer copies the blocks of stage of layer l of d, host memory
+// (its regions' mappings maps), where st lays them out in buf.
+func gatherLayer(d *kv.Desc, st *kv.Staging, stage *cluster.SpaceStage, maps []*spaceMap, l int, buf []byte) {
 	for pi, pt := range d.Layers[l] {
 		for k, b := range stage.Blocks {
 			off, m := st.Block(l, pi, k)
 			s := pt.Base + int64(b)*pt.Stride
-			copy(buf[off:off+m], mem[pt.Region][s:s+m])
+			copy(buf[off:off+m], maps[pt.Region].mem[s:s+m])
 		}
 	}
 }
 
+// gatherGPU copies the blocks of stage of d, GPU memory of dev (its
+// regions' mappings maps), where st lays them out in host memory that
+// dev's kernels reach at buf: one gather kernel launch a layer, layer(l)
+// called as layer l is there.
+func gatherGPU(dev *cudaipc.Device, d *kv.Desc, st *kv.Staging, stage *cluster.SpaceStage, maps []*spaceMap, buf cudaipc.DevicePtr, layer func(l int)) error {
+	groups := make([][]cudaipc.Copy, stage.Count)
+	for i := range groups {
+		l := stage.First + i
+		for pi, pt := range d.Layers[l] {
+			src := maps[pt.Region].gpu.Ptr()
+			for k, b := range stage.Blocks {
+				off, m := st.Block(l, pi, k)
+				groups[i] = append(groups[i], cudaipc.Copy{Dst: buf + cudaipc.DevicePtr(off), Src: src + cudaipc.DevicePtr(pt.Base+int64(b)*pt.Stride), Bytes: m})
+			}
+		}
+	}
+	err := dev.Gather(groups, func(i int) { layer(stage.First + i) })
+	for _, m := range maps {
+		if m != nil {
+			runtime.KeepAlive(m.gpu)
+		}
+	}
+	return err
+}
+
 // exposeStaged is ExposeSpace of a staged read: the regions of lease (the
 // space d's), mapped, gathered into a staging buffer of the node's pool
-// layer by layer (by a goroutine of its own, but for a small staging),
-// exposed as a filling window. release stops the gathering and gives the
-// buffer back.
+// layer by layer (by a goroutine of its own, but for a small staging of
+// host memory), exposed as a filling window. GPU memory is gathered by
+// the device straight into the buffer, mapped for it. release stops the
+// gathering and gives the buffer back.
 func (n *Node) exposeStaged(d *kv.Desc, regions []int, lease *store.RegisteredLease, stage *cluster.SpaceStage) (cluster.SpaceExposure, func(), error) {
-	st, mem, undo, err := n.stagedRegions(d, regions, lease, stage)
+	st, maps, dev, undo, err := n.stagedRegions(d, regions, lease, stage)
 	if err != nil {
 		return cluster.SpaceExposure{}, nil, err
 	}
@@ -299,6 +495,14 @@ func (n *Node) exposeStaged(d *kv.Desc, regions []int, lease *store.RegisteredLe
 		undo()
 		return cluster.SpaceExposure{}, nil, err
 	}
+	var devPtr cudaipc.DevicePtr
+	if dev != nil {
+		if devPtr, err = buf.mapFor(dev); err != nil {
+			n.stageBufs.put(buf)
+			undo()
+			return cluster.SpaceExposure{}, nil, err
+		}
+	}
 	fw, err := buf.reg.FillingWindow(0, st.Size())
 	if err != nil {
 		n.stageBufs.put(buf)
@@ -306,19 +510,30 @@ func (n *Node) exposeStaged(d *kv.Desc, regions []int, lease *store.RegisteredLe
 		return cluster.SpaceExposure{}, nil, err
 	}
 	ctx, cancel := context.WithCancel(context.Background())
+	ready := func(l int) {
+		off, m := st.Layer(l)
+		fw.Ready(off + m)
+		n.kvStagedBytes.Add(uint64(m))
+	}
 	gather := func() {
+		if dev != nil {
+			if err := gatherGPU(dev, d, st, stage, maps, devPtr, ready); err != nil {
+				// The reader's fetches of what is not there are refused.
+				fw.Close()
+				n.log.Warn("KV read: gathering GPU blocks failed", "space", d.Name, "err", err)
+			}
+			return
+		}
 		for l := stage.First; l < stage.First+stage.Count; l++ {
 			if ctx.Err() != nil {
 				return
 			}
-			gatherLayer(d, st, stage, mem, l, buf.mem)
-			off, m := st.Layer(l)
-			fw.Ready(off + m)
-			n.kvStagedBytes.Add(uint64(m))
+			gatherLayer(d, st, stage, maps, l, buf.mem)
+			ready(l)
 		}
 	}
 	gathered := make(chan struct{})
-	if st.Size() <= gatherInline {
+	if dev == nil && st.Size() <= gatherInline {
 		// Before the answer: the reader's first fetch finds it ready.
 		gather()
 		close(gathered)
@@ -350,7 +565,7 @@ func (s source) GatherSpace(reader uint32, desc []byte, regions []int, stage *cl
 		return nil, err
 	}
 	defer lease.Release()
-	st, mem, undo, err := n.stagedRegions(d, regions, lease, stage)
+	st, maps, dev, undo, err := n.stagedRegions(d, regions, lease, stage)
 	if err != nil {
 		return nil, err
 	}
@@ -358,23 +573,67 @@ func (s source) GatherSpace(reader uint32, desc []byte, regions []int, stage *cl
 	if st.Size() > max {
 		return nil, fmt.Errorf("a staging of %d bytes, at most %d inline", st.Size(), max)
 	}
-	buf := make([]byte, st.Size())
-	for l := stage.First; l < stage.First+stage.Count; l++ {
-		gatherLayer(d, st, stage, mem, l, buf)
+	out := make([]byte, st.Size())
+	if dev != nil {
+		buf, err := n.stageBufs.get(n.tr, st.Size())
+		if err != nil {
+			return nil, err
+		}
+		defer n.stageBufs.put(buf)
+		ptr, err := buf.mapFor(dev)
+		if err != nil {
+			return nil, err
+		}
+		if err := gatherGPU(dev, d, st, stage, maps, ptr, func(int) {}); err != nil {
+			return nil, fmt.Errorf("gather GPU blocks: %w", err)
+		}
+		copy(out, buf.mem)
+	} else {
+		for l := stage.First; l < stage.First+stage.Count; l++ {
+			gatherLayer(d, st, stage, maps, l, out)
+		}
 	}
-	n.kvStagedBytes.Add(uint64(len(buf)))
+	n.kvStagedBytes.Add(uint64(len(out)))
 	n.exposures.Add(1)
-	return buf, nil
+	return out, nil
 }
 
 // stageBuf is a staging buffer of host memory, registered with UCX once
-// for its life.
+// for its life, and mapped for the GPUs that gathered into it.
 type stageBuf struct {
-	mem []byte
-	reg *ucxtransport.Region
+	mem    []byte
+	reg    *ucxtransport.Region
+	mapped map[*cudaipc.Device]mappedHost
+}
+
+// mappedHost is host memory registered with a GPU's driver for its
+// kernels, at ptr.
+type mappedHost struct {
+	reg *cudaipc.HostRegistration
+	ptr cudaipc.DevicePtr
+}
+
+// mapFor returns the address at which dev's kernels reach b, registering
+// it the first time.
+func (b *stageBuf) mapFor(dev *cudaipc.Device) (cudaipc.DevicePtr, error) {
+	if m, ok := b.mapped[dev]; ok {
+		return m.ptr, nil
+	}
+	reg, ptr, err := dev.RegisterHostMapped(b.mem)
+	if err != nil {
+		return 0, fmt.Errorf("register a staging buffer with %s: %w", dev, err)
+	}
+	if b.mapped == nil {
+		b.mapped = map[*cudaipc.Device]mappedHost{}
+	}
+	b.mapped[dev] = mappedHost{reg, ptr}
+	return ptr, nil
 }
 
 func (b *stageBuf) free() {
+	for _, m := range b.mapped {
+		m.reg.Unregister()
+	}
 	b.reg.Close()
 	unix.Munmap(b.mem)
 }

@@ -147,6 +147,7 @@ type Node struct {
 	// stageBufs are staged KV reads' buffers, kvStagedBytes the bytes
 	// gathered into them, spaceMode how reads go (kvstage.go).
 	stageBufs     stageBufs
+	gpuPieces     gpuPieces
 	kvStagedBytes atomic.Uint64
 	spaceMode     atomic.Int32
 }
@@ -360,6 +361,7 @@ func (n *Node) Close() error {
 	n.p.Close()
 	n.spaces.close()
 	n.stageBufs.close()
+	n.gpuPieces.close()
 	n.pinned.close()
 	err := n.dir.Close()
 	n.tr.Close()

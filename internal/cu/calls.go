@@ -199,6 +199,23 @@ func MemFreeHostWords(w []uint32) error { return callMemFreeHost(unsafe.Pointer(
 // the memory is page-locked for every context, not only the current one.
 const MemHostRegisterPortable = 1
 
+// MemHostRegisterDeviceMap is cuMemHostRegister's
+// CU_MEMHOSTREGISTER_DEVICEMAP: kernels reach the memory at the address
+// MemHostGetDevicePointer gives.
+const MemHostRegisterDeviceMap = 2
+
+// MemHostGetDevicePointer returns the address at which kernels of the
+// current context reach b, host memory registered with
+// MemHostRegisterDeviceMap (cuMemHostGetDevicePointer).
+func MemHostGetDevicePointer(b []byte) (DevicePtr, error) {
+	var d DevicePtr
+	if len(b) == 0 {
+		return 0, loaded("cuMemHostGetDevicePointer")
+	}
+	err := callMemHostGetDevicePointer(&d, unsafe.Pointer(unsafe.SliceData(b)), 0)
+	return d, err
+}
+
 // MemHostRegister page-locks b, memory the caller allocated (an anonymous
 // mapping, say), and registers it with the driver, so that copies to and
 // from it run as from MemAllocHost's memory. b must stay allocated until

@@ -4216,7 +4216,7 @@ type KvReadRequest struct {
 	// cluster.
 	Src []byte `protobuf:"bytes,1,opt,name=src,proto3" json:"src,omitempty"`
 	// The destination space's description: a space registered on this
-	// daemon by the caller's uid, host memory.
+	// daemon by the caller's uid (host memory, or one GPU's).
 	Dst []byte `protobuf:"bytes,2,opt,name=dst,proto3" json:"dst,omitempty"`
 	// Block src_blocks[i] of the source into block dst_blocks[i] of the
 	// destination, as many of each, at least one.
