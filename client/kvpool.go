@@ -41,25 +41,30 @@ type PoolConfig struct {
 // since it was made.
 type PoolInfo struct {
 	// Name is bare for this uid's pools, UID:NAME for another's.
-	Name     string
-	OwnerUID uint32
-	Shared   bool
-	Device   string
+	Name     string `json:"name"`
+	OwnerUID uint32 `json:"owner_uid"`
+	Shared   bool   `json:"shared"`
+	Device   string `json:"device"`
 	// ID is this incarnation of the name.
-	ID         uint64
-	BlockBytes int64
-	KeyBytes   int
+	ID         uint64 `json:"id"`
+	BlockBytes int64  `json:"block_bytes"`
+	KeyBytes   int    `json:"key_bytes"`
 	// SlotBytes is the distance between blocks in the pool's memory:
 	// block slot s lies at s*SlotBytes.
-	SlotBytes      int64
-	CapacityBlocks int
-	MemorySize     int64
+	SlotBytes      int64 `json:"slot_bytes"`
+	CapacityBlocks int   `json:"capacity_blocks"`
+	MemorySize     int64 `json:"memory_size"`
 	// Blocks readable now, being written, and pinned.
-	Blocks, Writing, Pinned int
+	Blocks  int `json:"blocks"`
+	Writing int `json:"writing"`
+	Pinned  int `json:"pinned"`
 	// Hits and Misses count the keys lookups and gets found and did not;
 	// Stored the blocks puts stored; Evictions the blocks evicted.
-	Hits, Misses, Stored, Evictions uint64
-	Created                         time.Time
+	Hits      uint64    `json:"hits"`
+	Misses    uint64    `json:"misses"`
+	Stored    uint64    `json:"stored"`
+	Evictions uint64    `json:"evictions"`
+	Created   time.Time `json:"created"`
 }
 
 func poolInfoFromProto(p *storev1.PoolInfo) PoolInfo {

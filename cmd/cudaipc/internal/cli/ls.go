@@ -2,6 +2,7 @@ package cli
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"sort"
@@ -13,13 +14,15 @@ import (
 )
 
 type lsCmd struct {
-	JSON bool `name:"json" help:"Print a JSON array of objects (the fields of 'cudaipc stat --json')."`
+	JSON  bool `name:"json" help:"Print a JSON array of objects (the fields of 'cudaipc stat --json'), or with --pools of KV block pools."`
+	Pools bool `name:"pools" help:"List KV block pools only (their counts and bytes, not their blocks)."`
 
 	lsClusterFlags `embed:""` // ls_cluster.go
 }
 
 func (c *lsCmd) Help() string {
-	return "Lists the objects you may read: yours, and shared ones. Unsealed objects of other clients are not shown."
+	return "Lists the objects you may read: yours, and shared ones. Unsealed objects of other clients are not shown. " +
+		"The KV block pools you may read follow the objects (docs/kv.md, \"Block pools\"): --pools lists them alone."
 }
 
 func (c *lsCmd) Run(g *Globals) error {
@@ -31,6 +34,22 @@ func (c *lsCmd) Run(g *Globals) error {
 		return err
 	}
 	defer cl.Close()
+	var pools []client.PoolInfo
+	if c.Pools || !c.JSON {
+		if pools, err = cl.ListPools(g.Context()); err != nil && (c.Pools || !errors.Is(err, client.ErrInvalid)) {
+			// A daemon that predates pools answers INVALID: it has none.
+			return explain(err, g.socketPath())
+		}
+	}
+	if c.Pools {
+		if c.JSON {
+			if pools == nil {
+				pools = []client.PoolInfo{}
+			}
+			return printJSON(g.stdout, pools)
+		}
+		return printPools(g.stdout, pools)
+	}
 	objs, err := cl.List(g.Context())
 	if err != nil {
 		return explain(err, g.socketPath())
@@ -42,7 +61,24 @@ func (c *lsCmd) Run(g *Globals) error {
 		}
 		return printJSON(g.stdout, objs)
 	}
-	return printTable(g.stdout, objs)
+	if err := printTable(g.stdout, objs); err != nil || len(pools) == 0 {
+		return err
+	}
+	fmt.Fprintln(g.stdout)
+	return printPools(g.stdout, pools)
+}
+
+// printPools prints a table of KV block pools: their counts now and since
+// they were made, not their blocks.
+func printPools(w io.Writer, pools []client.PoolInfo) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "POOL\tBLOCKS\tBYTES\tCAPACITY\tBLOCK\tKEY\tDEVICE\tPINNED\tHITS\tMISSES\tEVICTIONS\tSHARED\tOWNER")
+	for _, p := range pools {
+		fmt.Fprintf(tw, "%s\t%d/%d\t%s\t%s\t%s\t%d\t%s\t%d\t%d\t%d\t%d\t%t\t%d\n", p.Name, p.Blocks, p.CapacityBlocks,
+			bytesize.Format(int64(p.Blocks)*p.BlockBytes), bytesize.Format(p.MemorySize), bytesize.Format(p.BlockBytes), p.KeyBytes,
+			p.Device, p.Pinned, p.Hits, p.Misses, p.Evictions, p.Shared, p.OwnerUID)
+	}
+	return tw.Flush()
 }
 
 func printTable(w io.Writer, objs []client.ObjectInfo) error {
