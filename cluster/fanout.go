@@ -37,15 +37,6 @@ type Feeds interface {
 	Feeders(ctx context.Context, ref Ref, id string) ([]string, error)
 }
 
-// ExposableReplica is a Replica that peers may read before it is sealed:
-// what a node needs to feed. Expose makes the replica's memory readable by
-// peers (whatever bytes it holds yet) and keeps that memory from being
-// reused until release is called, sealed, aborted or not.
-type ExposableReplica interface {
-	Replica
-	Expose() (e Exposure, release func(), err error)
-}
-
 // Feeding is a node's replicas being pulled that peers may read from: the
 // Puller adds them, the ControlServer serves them. Its methods are safe for
 // concurrent use.
@@ -59,7 +50,8 @@ type feed struct {
 	f   *Feeding
 	ref Ref
 	id  string
-	rep ExposableReplica
+	// expose is the replica's ReplicaTraits.Expose.
+	expose func() (Exposure, func(), error)
 
 	// under f.mu
 	have    []byte // bit i: chunk i is in and checked
@@ -69,9 +61,10 @@ type feed struct {
 	changed chan struct{} // closed and replaced on every change
 }
 
-// start adds rep as a feed of ref's incarnation id of n chunks.
-func (fd *Feeding) start(ref Ref, id string, rep ExposableReplica, n int) *feed {
-	f := &feed{f: fd, ref: ref, id: id, rep: rep, have: make([]byte, (n+7)/8), n: n, changed: make(chan struct{})}
+// start adds a replica, exposed by expose, as a feed of ref's incarnation
+// id of n chunks.
+func (fd *Feeding) start(ref Ref, id string, expose func() (Exposure, func(), error), n int) *feed {
+	f := &feed{f: fd, ref: ref, id: id, expose: expose, have: make([]byte, (n+7)/8), n: n, changed: make(chan struct{})}
 	fd.mu.Lock()
 	if fd.feeds == nil {
 		fd.feeds = map[Ref]*feed{}
@@ -166,7 +159,7 @@ func (s *ControlServer) serveFeed(req ctlRequest, held map[uint64]func(), next *
 	)
 	f := s.Feeding.lookup(req.Ref, req.ID)
 	if f != nil {
-		if e, rel, err = f.rep.Expose(); err == nil {
+		if e, rel, err = f.expose(); err == nil {
 			resp.Have, resp.Chunks, _, _ = f.state()
 		} else if errors.Is(err, ErrNotFound) {
 			// The pull ended (its replica sealed, or aborted) after the
@@ -300,15 +293,14 @@ func (m chunkMap) has(i int) bool { return m == nil || (i/8 < len(m) && m[i/8]&(
 // fanout starts feeding rep and advertises it, and returns the feed and the
 // node to pull from first: the feeder that started just before this one,
 // or "" for the holders. Fan-out needs Feeds, Feeding and a replica that
-// can be exposed; without them it returns nothing and the pull reads from
-// the holders alone.
-func (p *Puller) fanout(ctx context.Context, e Entry, rep Replica, n int) (f *feed, upstream string, stop func()) {
-	xr, ok := rep.(ExposableReplica)
-	if p.Feeds == nil || p.Feeding == nil || !ok || n <= 1 {
+// can be exposed (ReplicaTraits.Expose); without them it returns nothing
+// and the pull reads from the holders alone.
+func (p *Puller) fanout(ctx context.Context, e Entry, expose func() (Exposure, func(), error), n int) (f *feed, upstream string, stop func()) {
+	if p.Feeds == nil || p.Feeding == nil || expose == nil || n <= 1 {
 		return nil, "", func() {}
 	}
 	ref := e.Ref()
-	f = p.Feeding.start(ref, e.ID, xr, n)
+	f = p.Feeding.start(ref, e.ID, expose, n)
 	stop = func() {
 		f.end()
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)

@@ -52,12 +52,15 @@ func TestHaveAsksReplicaChecker(t *testing.T) {
 }
 
 // endedReplica is a replica being pulled whose pull has just ended: it
-// refuses exposures as an ended ExposableReplica does.
+// refuses exposures as an ended replica's ReplicaTraits.Expose does.
 type endedReplica struct{}
 
 func (endedReplica) Bytes() []byte { return nil }
 func (endedReplica) Seal() error   { return nil }
 func (endedReplica) Abort()        {}
+func (r endedReplica) Traits() ReplicaTraits {
+	return ReplicaTraits{Expose: r.Expose}
+}
 func (endedReplica) Expose() (Exposure, func(), error) {
 	return Exposure{}, nil, ErrNotFound
 }
@@ -69,7 +72,7 @@ func (endedReplica) Expose() (Exposure, func(), error) {
 func TestFeedOfAPullJustEnded(t *testing.T) {
 	src := oneObject{Ref{Owner: 1, Name: "x"}, "id1"}
 	feeding := &Feeding{}
-	feeding.start(src.ref, src.id, endedReplica{}, 4)
+	feeding.start(src.ref, src.id, endedReplica{}.Traits().Expose, 4)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

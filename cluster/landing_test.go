@@ -38,6 +38,12 @@ func (s *landingSink) Create(ctx context.Context, o cluster.Object) (cluster.Rep
 	return landingReplica{r, s}, nil
 }
 
+func (r landingReplica) Traits() cluster.ReplicaTraits {
+	t := r.Replica.Traits()
+	t.Land = r.Landed
+	return t
+}
+
 func (r landingReplica) Landed(off int64, b []byte) error {
 	r.s.mu.Lock()
 	defer r.s.mu.Unlock()
@@ -49,7 +55,7 @@ func (r landingReplica) Landed(off int64, b []byte) error {
 	return nil
 }
 
-// A LandingReplica gets every chunk once, checked, at its offset; a chunk
+// A replica with ReplicaTraits.Land gets every chunk once, checked, at its offset; a chunk
 // that cannot be landed fails the pull and leaves no replica.
 func TestLandingReplica(t *testing.T) {
 	srv := etcdtest.Start(t)
@@ -84,7 +90,7 @@ func TestLandingReplica(t *testing.T) {
 	}
 }
 
-// summingSink makes SummingReplicas, as a GPU replica whose device
+// summingSink makes replicas with ReplicaTraits.LandSum, as a GPU replica whose device
 // checksums each chunk where it lands: flips corrupts the landing of the
 // chunk at that offset, its first flips times, as a faulty host→device
 // copy would (the host bytes stay right).
@@ -108,7 +114,13 @@ func (s *summingSink) Create(ctx context.Context, o cluster.Object) (cluster.Rep
 	return summingReplica{r.(landingReplica), s}, nil
 }
 
-func (r summingReplica) SumsLanded() bool { return r.s.sumOK }
+func (r summingReplica) Traits() cluster.ReplicaTraits {
+	t := r.landingReplica.Traits()
+	if r.s.sumOK {
+		t.LandSum = r.LandedSum
+	}
+	return t
+}
 
 func (r summingReplica) LandedSum(off int64, b []byte) (uint32, error) {
 	landed := bytes.Clone(b)
@@ -123,7 +135,7 @@ func (r summingReplica) LandedSum(off int64, b []byte) (uint32, error) {
 	return cluster.Checksum(landed), nil
 }
 
-// A SummingReplica's chunks are checked as they landed: a landing that
+// A replica's chunks are checked as they landed (ReplicaTraits.LandSum): a landing that
 // corrupts a chunk (which a check of the host bytes would pass) is caught
 // and the chunk read again; one that keeps corrupting it fails the pull,
 // naming the chunk, and leaves no replica. A replica that cannot sum is
@@ -159,7 +171,7 @@ func TestSummingReplica(t *testing.T) {
 		t.Fatal("a failed pull left a replica")
 	}
 
-	// SumsLanded false: the host checks, Landed lands (landingSink counts
+	// No LandSum: the host checks, Land lands (landingSink counts
 	// those; LandedSum is never called, as the flip would show).
 	o3, want3 := a.Put(t, "ns/host-summed", 2<<20+9, 1<<20)
 	ss.sumOK, ss.flip, ss.flips = false, 0, 100

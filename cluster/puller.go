@@ -38,40 +38,43 @@ type Sink interface {
 	Create(ctx context.Context, o Object) (Replica, error)
 }
 
-// Replica is a local object being filled by a pull.
+// Replica is a local object being filled by a pull: the one interface
+// the puller knows a replica by. What differs between replicas (a landing
+// area in front of GPU memory, peers' reads while it is pulled) is data,
+// its Traits.
 type Replica interface {
-	// Bytes is the object's memory, written by the pull.
+	// Bytes is where the pull writes the object's chunks: the object's
+	// memory, or a landing area in front of it (Traits.Land).
 	Bytes() []byte
+	// Traits says what else the replica does, once for the pull.
+	Traits() ReplicaTraits
 	// Seal makes it visible, as an ordinary sealed local object.
 	Seal() error
 	// Abort removes it, sealed or not.
 	Abort()
 }
 
-// LandingReplica is a Replica whose Bytes are a landing area (pinned host
-// memory in front of GPU memory, its pages present: the puller does not
-// map them in beforehand as it does a fresh replica's): the puller calls
-// Landed with each chunk once it is in Bytes and checked, from the pull's
-// goroutines (different chunks at once), and Landed moves it on
-// (host→device). An error fails the pull.
-type LandingReplica interface {
-	Replica
-	Landed(off int64, b []byte) error
-}
-
-// SummingReplica is a LandingReplica that can also checksum each chunk
-// where it lands (a GPU replica: the device computes the CRC-32C of the
-// chunk once it is copied host→device): the puller then checks the bytes
-// as they landed, a check that covers the landing too, and the host reads
-// no chunk for its checksum.
-type SummingReplica interface {
-	LandingReplica
-	// SumsLanded reports whether LandedSum may be used for this replica.
-	SumsLanded() bool
-	// LandedSum lands b at off, as Landed does, and returns the Checksum
-	// of the bytes landed. Called from the pull's goroutines (different
-	// chunks at once).
-	LandedSum(off int64, b []byte) (uint32, error)
+// ReplicaTraits is what a replica does besides being written in place;
+// each field is nil where it does not. The puller calls Land, LandSum
+// and Expose from the pull's goroutines (different chunks at once).
+type ReplicaTraits struct {
+	// Land: Bytes is a landing area (pinned host memory in front of GPU
+	// memory, its pages present: the puller does not map them in
+	// beforehand as it does a fresh replica's), and Land moves the chunk
+	// at off on (host→device) once it is in Bytes and checked. An error
+	// fails the pull.
+	Land func(off int64, b []byte) error
+	// LandSum, where Land is set, lands the chunk at off as Land does and
+	// returns the Checksum of the bytes landed (a GPU replica's device
+	// computes it): the puller then checks each chunk as it landed, a
+	// check that covers the landing too, and the host reads no chunk for
+	// its checksum.
+	LandSum func(off int64, b []byte) (uint32, error)
+	// Expose makes the replica's memory readable by peers while it is
+	// pulled (fan-out), whatever bytes it holds yet, and keeps that
+	// memory from being reused until release is called, sealed, aborted
+	// or not. Once the pull is over it fails wrapping ErrNotFound.
+	Expose func() (e Exposure, release func(), err error)
 }
 
 // Defaults for the zero values of Puller's fields.
@@ -420,11 +423,8 @@ type transfer struct {
 	corrupt map[string]bool
 	start   time.Time
 	feed    *feed // this node's feed of the replica, nil without fan-out
-	// land, when set, takes each checked chunk onwards (LandingReplica);
-	// sumLand, when set, also checksums each chunk where it lands
-	// (SummingReplica).
-	land    LandingReplica
-	sumLand SummingReplica
+	// traits: what the replica does besides being written in place.
+	traits ReplicaTraits
 }
 
 func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error) {
@@ -458,7 +458,7 @@ func (p *Puller) pull(ctx context.Context, ref Ref, known *Entry) (Entry, error)
 	// this defer runs before the Abort above.
 	defer stopFault()
 	var stopFeed func()
-	t.feed, pl.upstream, stopFeed = p.fanout(ctx, e, rep, t.want)
+	t.feed, pl.upstream, stopFeed = p.fanout(ctx, e, t.traits.Expose, t.want)
 	// Before the Abort above, so that peers stop reading first.
 	defer stopFeed()
 	defer func() {
@@ -556,16 +556,16 @@ func (p *Puller) makeReplica(ctx context.Context, ref Ref, t *transfer) (rep Rep
 		rep.Abort()
 		return nil, nil, fmt.Errorf("pull %s: local replica of %d bytes for %d", ref, len(dst), t.e.Size)
 	}
+	t.traits = rep.Traits()
+	if t.traits.Land == nil {
+		t.traits.LandSum = nil
+	}
 	stopFault = func() {}
-	if _, landing := rep.(LandingReplica); !landing {
+	if t.traits.Land == nil {
 		stopFault = prefault(dst)
 	}
 	t.dst = dst
 	t.cond = sync.NewCond(&t.mu)
-	t.land, _ = rep.(LandingReplica)
-	if sr, ok := rep.(SummingReplica); ok && sr.SumsLanded() {
-		t.sumLand = sr
-	}
 	for i := range t.want {
 		t.pending = append(t.pending, i)
 	}
@@ -855,15 +855,15 @@ func (p *Puller) check(t *transfer, c readChunk) {
 	off := int64(i) * t.e.ChunkSize
 	var err, landErr error
 	switch {
-	case t.sumLand != nil:
+	case t.traits.LandSum != nil:
 		var sum uint32
-		if sum, landErr = t.sumLand.LandedSum(off, chunk); landErr == nil && sum != t.e.Sums[i] {
+		if sum, landErr = t.traits.LandSum(off, chunk); landErr == nil && sum != t.e.Sums[i] {
 			err = fmt.Errorf("%w: chunk %d", ErrChecksum, i)
 		}
 	case Checksum(chunk) != t.e.Sums[i]:
 		err = fmt.Errorf("%w: chunk %d", ErrChecksum, i)
-	case t.land != nil:
-		landErr = t.land.Landed(off, chunk)
+	case t.traits.Land != nil:
+		landErr = t.traits.Land(off, chunk)
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()

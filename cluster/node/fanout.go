@@ -10,8 +10,8 @@ import (
 	"github.com/cudaipc/cudaipc/store"
 )
 
-// feedRefs counts a replica's exposures to peers while it is pulled (it is
-// a cluster.ExposableReplica), so that its store session, which keeps its
+// feedRefs counts a replica's exposures to peers while it is pulled (it has
+// cluster.ReplicaTraits.Expose), so that its store session, which keeps its
 // memory, ends only when the pull is over and every exposure released.
 type feedRefs struct {
 	mu    sync.Mutex
@@ -24,7 +24,7 @@ type feedRefs struct {
 	held *store.ClusterFile
 }
 
-// Expose implements cluster.ExposableReplica: peers read the replica
+// Expose is a host replica's ReplicaTraits.Expose: peers read the replica
 // while it is pulled (fan-out). Its memory stays the replica's until
 // release, sealed, aborted or not.
 func (r *replica) Expose() (cluster.Exposure, func(), error) {
@@ -116,7 +116,7 @@ func (r *replica) holdWhileExposed() {
 	r.feeds.held = f
 }
 
-// Expose implements cluster.ExposableReplica for a GPU replica being
+// Expose is a GPU replica's ReplicaTraits.Expose while it is being
 // pulled: peers read its pinned landing buffer, whatever chunks it holds
 // yet (the puller tells them which are in and checked), never its GPU
 // memory. The buffer is registered with UCX once and keeps the
@@ -162,7 +162,11 @@ func (r *gpuReplica) Expose() (cluster.Exposure, func(), error) {
 	}, nil
 }
 
-var _ cluster.ExposableReplica = (*gpuReplica)(nil)
+// Traits implements cluster.Replica: peers may read a host replica while
+// it is pulled.
+func (r *replica) Traits() cluster.ReplicaTraits {
+	return cluster.ReplicaTraits{Expose: r.Expose}
+}
 
 // HoldsReplica implements cluster.ReplicaChecker: whether this node holds
 // the sealed replica, by leasing it and letting it go, where an exposure

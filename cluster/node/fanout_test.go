@@ -250,7 +250,7 @@ func exposedReplica(ctx context.Context, t *testing.T, d *daemon, o cluster.Obje
 		t.Fatal(err)
 	}
 	copy(r.Bytes(), b)
-	e, release, err := r.(cluster.ExposableReplica).Expose()
+	e, release, err := r.Traits().Expose()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -20,7 +20,7 @@ import (
 // it (filling.go); an exposure lends peers a pinned buffer that holds it
 // (the pool keeps buffers tagged with their incarnation); a pull lands
 // chunks in a pinned buffer and copies and checks each on the reader's GPU
-// (cluster.SummingReplica). Pinned buffers are pooled (pinnedPool):
+// (cluster.ReplicaTraits.LandSum). Pinned buffers are pooled (pinnedPool):
 // allocating gigabytes of pinned memory costs more than copying them.
 
 // DefaultPinnedIdle bounds the bytes of idle pinned buffers a node keeps
@@ -364,9 +364,9 @@ func (s sink) createGPU(f *store.ClusterFile, o cluster.Object) (cluster.Replica
 
 func (r *gpuReplica) Bytes() []byte { return r.b.mem[:r.o.Size] }
 
-// Landed implements cluster.LandingReplica: the checked chunk at off goes
-// to the replica's GPU memory (the host checked it: the puller calls
-// LandedSum instead where the device checks).
+// Landed is ReplicaTraits.Land: the checked chunk at off goes to the
+// replica's GPU memory (the host checked it: the puller calls LandedSum
+// instead where the device checks).
 func (r *gpuReplica) Landed(off int64, b []byte) error {
 	if err := r.land(off, b); err != nil {
 		return err
@@ -383,11 +383,8 @@ func (r *gpuReplica) land(off int64, b []byte) error {
 	return nil
 }
 
-// SumsLanded implements cluster.SummingReplica: the device checksums the
-// chunks where it runs the kernel and the replica is 16-byte aligned.
-func (r *gpuReplica) SumsLanded() bool { return r.sums }
-
-// LandedSum implements cluster.SummingReplica: the chunk at off goes to
+// LandedSum is ReplicaTraits.LandSum (where the device runs the kernel
+// and the replica is 16-byte aligned: sums): the chunk at off goes to
 // the replica's GPU memory, and the device computes its CRC-32C there, on
 // a stream of the kernel's own (cudaipc.Device.CopyToDeviceCRC32C): the
 // pull's landings overlap rather than queue on the legacy default stream.
@@ -444,4 +441,13 @@ func (r *gpuReplica) end() {
 	r.f.Release()
 }
 
-var _ cluster.SummingReplica = (*gpuReplica)(nil)
+// Traits implements cluster.Replica: a GPU replica's Bytes are its pinned
+// landing buffer, each chunk landed (and, where the device can, checksummed
+// there), and peers may read that buffer while it is pulled.
+func (r *gpuReplica) Traits() cluster.ReplicaTraits {
+	t := cluster.ReplicaTraits{Land: r.Landed, Expose: r.Expose}
+	if r.sums {
+		t.LandSum = r.LandedSum
+	}
+	return t
+}

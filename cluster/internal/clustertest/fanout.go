@@ -8,8 +8,12 @@ func (n *Node) EnableFanout() {
 	n.P.Feeds, n.P.Feeding = n.Dir, n.Feeding
 }
 
-// Expose implements cluster.ExposableReplica: the replica's bytes, filled
-// or not, registered for peers' reads.
+// Traits implements cluster.Replica: peers may read the replica while it
+// is pulled.
+func (r *replica) Traits() cluster.ReplicaTraits { return cluster.ReplicaTraits{Expose: r.Expose} }
+
+// Expose is ReplicaTraits.Expose: the replica's bytes, filled or not,
+// registered for peers' reads.
 func (r *replica) Expose() (cluster.Exposure, func(), error) {
 	rkey, addr, release, err := r.s.T.Register(r.o.b)
 	if err != nil {
