@@ -18,7 +18,7 @@ from ._kvlocal import Local
 from .errors import (BlockError, BlockRangeError, InvalidKVRequest, KVNotSupported, LayoutMismatch, NotFound,
                      StaleSpaceError)
 
-__all__ = ["Transfer", "Plan", "plan", "runs", "start", "MAX_NOTIFY"]
+__all__ = ["Transfer", "Plan", "plan", "runs", "start", "block_ids", "layer_range", "MAX_NOTIFY"]
 
 _log = logging.getLogger("cudaipc")
 
@@ -141,7 +141,7 @@ class Plan:
         return e
 
 
-def _ids(v: Any, what: str) -> List[int]:
+def block_ids(v: Any, what: str) -> List[int]:
     try:
         if hasattr(v, "tolist"):
             v = v.tolist()
@@ -150,7 +150,7 @@ def _ids(v: Any, what: str) -> List[int]:
         raise TypeError("kv: %s block ids: want a sequence of ints, got %s" % (what, type(v).__name__)) from None
 
 
-def _layers(layers: Any, total: int) -> Tuple[int, int]:
+def layer_range(layers: Any, total: int) -> Tuple[int, int]:
     """(first, count) of None (all), a range of step 1, or one layer."""
     if layers is None:
         return 0, total
@@ -177,10 +177,10 @@ def plan(src: Desc, src_blocks: Any, dst: Local, dst_blocks: Any, layers: Any, n
         raise InvalidKVRequest("kv: a notify payload of %d bytes: at most %d" % (len(notify), MAX_NOTIFY))
     desc = src.to_bytes()   # validates
     dst.check()
-    sb, db = _ids(src_blocks, "source"), _ids(dst_blocks, "destination")
+    sb, db = block_ids(src_blocks, "source"), block_ids(dst_blocks, "destination")
     if len(sb) != len(db) or not sb:
         raise LayoutMismatch("kv: %d source and %d destination blocks: want as many, at least one" % (len(sb), len(db)))
-    first, count = _layers(layers, len(src.layers))
+    first, count = layer_range(layers, len(src.layers))
     for side, ids, blocks in (("source", sb, src.blocks), ("destination", db, dst.blocks)):
         bad = [b for b in ids if not 0 <= b < blocks]
         if bad:

@@ -537,6 +537,8 @@ class Conn:
             return Reply(resp, fd=fds[0])   # the table's memfd, for the caller to map and close
         if body == "files" and not failed and 0 < len(fds) == resp.files.count:
             return Reply(resp, fds=fds)     # more descriptors of registered memory
+        if body == "pool_stat" and not failed and len(fds) == 1 and resp.pool_stat.fd_attached:
+            return Reply(resp, fd=fds[0])   # a KV block pool's memory, for the caller to map and close
         if body == "create":
             p = resp.create.placement
         elif body == "get":
@@ -617,6 +619,8 @@ class Conn:
             self.send_detached(pb.Request(release=pb.ReleaseRequest(lease_id=r.resp.get.lease_id)))
         elif body == "create":
             self.send_detached(pb.Request(abort=pb.AbortRequest(name=name, version=r.resp.create.version)))
+        elif body in ("block_get", "block_lookup") and getattr(r.resp, body).pin:
+            self.send_detached(pb.Request(block_unpin=pb.BlockUnpinRequest(pin=getattr(r.resp, body).pin)))
 
     def refusal(self) -> Optional[StoreError]:
         """Why the daemon refused this connection, if it said so: the error (id 0) it

@@ -224,6 +224,12 @@ class BlockError(KVError):
         super().__init__("kv: reading %d blocks of %s failed from layer %d: %s" % (len(self.blocks), space, layer, cause))
 
 
+class MissingBlocks(KVError):
+    """Keys a pool get asked for that the pool does not hold: the ``cause`` of the
+    get's BlockError, whose ``blocks`` are their destination blocks; Go's
+    kv.ErrMissing."""
+
+
 class BlockRangeError(BlockError, IndexError):
     """A block id past the end of its space, or negative (``blocks`` lists them);
     Go's kv.ErrBlockRange inside a kv.BlockError."""

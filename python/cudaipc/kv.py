@@ -19,6 +19,16 @@ space with one :func:`read_blocks`, completing layer by layer::
         t.wait_layer(l)                            # BlockError names the blocks on failure
         ...                                        # run layer l
 
+A block *pool* is a cache of KV blocks in the daemon by the engines' content hashes
+(docs/kv.md, "Block pools"): :func:`create_pool`, then ``pool.put`` from a registered
+space, ``pool.lookup`` of a key chain (the present prefix), ``pool.get`` into a local
+space layer by layer::
+
+    pool = kv.create_pool(store, "llama3-8b/prefix", kv.block_bytes(space.desc), 64 << 30)
+    pool.put(hashes, space, block_ids)             # after a prefill
+    n, pin = pool.lookup(hashes, pin=True)         # before one: the cached prefix
+    t = pool.get(hashes[:n], my_local, my_ids[:n], pin=pin)
+
 Lifetimes are registered memory's: a space's regions go when its engine's
 connection ends or it closes the space, but a reader mid-read holds leases of them,
 so it never reads freed memory; a later read fails with a BlockError whose cause is
@@ -34,14 +44,19 @@ from typing import Any, List, Optional, Union
 from . import _kvgpu, _kvread
 from ._kvdesc import (MAX_BLOCKS, MAX_LAYERS, MAX_PARTS, MAX_REGIONS, Desc, Layout, Part, Region, new_id)
 from ._kvlocal import Local, Memory, alloc_host, offload_layout, sglang_layout, vllm_layout
+from ._kvpool import (BLOCK_EXISTED, BLOCK_FULL, BLOCK_STORED, MAX_BLOCK_KEYS, MAX_KEY_BYTES, MIN_KEY_BYTES, Pool,
+                      PoolInfo, PutResult, block_bytes)
 from ._kvread import Transfer
 from .errors import (BlockError, BlockRangeError, InvalidDescError, InvalidKVRequest, KVError, KVNotSupported,
-                     LayoutMismatch, NotFound, StaleSpaceError)
+                     LayoutMismatch, MissingBlocks, NotFound, StaleSpaceError)
 
 __all__ = ["Desc", "Layout", "Part", "Region", "Local", "Memory", "Space", "Transfer", "Notice", "alloc_host",
            "vllm_layout", "sglang_layout", "offload_layout", "register", "read_blocks", "new_id",
            "KVError", "InvalidDescError", "LayoutMismatch", "StaleSpaceError", "KVNotSupported", "InvalidKVRequest", "BlockError",
-           "BlockRangeError", "MAX_LAYERS", "MAX_PARTS", "MAX_REGIONS", "MAX_BLOCKS"]
+           "BlockRangeError", "MAX_LAYERS", "MAX_PARTS", "MAX_REGIONS", "MAX_BLOCKS",
+           "Pool", "PoolInfo", "PutResult", "MissingBlocks", "create_pool", "open_pool", "stat_pool", "delete_pool",
+           "list_pools", "block_bytes", "MIN_KEY_BYTES", "MAX_KEY_BYTES", "MAX_BLOCK_KEYS", "BLOCK_STORED",
+           "BLOCK_EXISTED", "BLOCK_FULL"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,3 +210,39 @@ def read_blocks(store: Any, src: Union[Desc, str, bytes], src_blocks: Any, dst: 
     p = _kvread.plan(src, src_blocks, dst, dst_blocks, layers, notify)
     return _kvread.start(store, p, _kvgpu.copy if p.ordinal is not None else None)
 
+
+
+def create_pool(store: Any, name: str, block_bytes: int, capacity: int, *, key_bytes: int = 32,
+                shared: bool = False, device: Optional[str] = None) -> Pool:
+    """Make the block pool ``name`` through ``store`` and return it (Go's
+    kv.CreatePool): ``capacity`` bytes of the daemon's host memory, taken at once and
+    charged to this uid's quota, cut into blocks of ``block_bytes`` (a space's:
+    :func:`block_bytes`) under keys of ``key_bytes`` (16 to 32: the engine's content
+    hashes). ``shared`` lets every uid the daemon admits look blocks up and get them
+    (only this uid and root put, delete and evict)."""
+    pool: Pool = store.create_pool(name, block_bytes, capacity, key_bytes=key_bytes, shared=shared, device=device)
+    return pool
+
+
+def open_pool(store: Any, name: str) -> Pool:
+    """The existing block pool ``name`` (another uid's shared one by ``UID:NAME``;
+    Go's kv.OpenPool)."""
+    pool: Pool = store.open_pool(name)
+    return pool
+
+
+def stat_pool(store: Any, name: str) -> PoolInfo:
+    """Describe the block pool ``name``."""
+    info: PoolInfo = store.stat_pool(name)
+    return info
+
+
+def delete_pool(store: Any, name: str) -> None:
+    """Remove the block pool ``name`` (its owner's uid or root)."""
+    store.delete_pool(name)
+
+
+def list_pools(store: Any) -> List[PoolInfo]:
+    """The block pools this uid may read, by qualified name."""
+    pools: List[PoolInfo] = store.list_pools()
+    return pools

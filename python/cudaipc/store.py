@@ -19,6 +19,7 @@ from ._arenas import MAX_IDLE_ARENAS, ArenaCache
 from ._external import HostMaps, external_record, host_record
 from ._device import is_host, resolve_device
 from ._fastpath import LeaseTable
+from . import _kvpool
 from . import _nocopy
 from ._memory import GPUClose, Hold, ManifestFD, Record
 from ._put import Putter
@@ -477,6 +478,35 @@ class Store:
     """The command line's name of :meth:`list`."""
     rm = delete
     """The command line's name of :meth:`delete`."""
+
+    # -- KV block pools (docs/kv.md, "Block pools"; cudaipc.kv) -------------------
+    def create_pool(self, name: str, block_bytes: int, capacity: int, *, key_bytes: int = 32,
+                    shared: bool = False, device: Optional[str] = None) -> "_kvpool.Pool":
+        """Make the KV block pool ``name`` (Go's Client.CreatePool): ``capacity`` bytes
+        of the daemon's host memory, taken at once and charged to this uid's quota,
+        cut into blocks of ``block_bytes`` under keys of ``key_bytes`` (16 to 32);
+        ``shared`` lets every admitted uid look blocks up and get them. Returns the
+        :class:`cudaipc.kv.Pool`. Exists, StoreFull, LimitReached, InvalidArgument."""
+        return _kvpool.create_pool(self._conn, name, block_bytes, capacity, key_bytes=key_bytes, shared=shared, device=device)
+
+    def open_pool(self, name: str) -> "_kvpool.Pool":
+        """The existing KV block pool ``name`` (another uid's shared one by
+        ``UID:NAME``); NotFound if there is none this uid may read."""
+        return _kvpool.open_pool(self._conn, name)
+
+    def stat_pool(self, name: str) -> "_kvpool.PoolInfo":
+        """Describe the KV block pool ``name`` (Go's Client.StatPool)."""
+        return _kvpool.stat_pool(self._conn, name)
+
+    def delete_pool(self, name: str) -> None:
+        """Remove the KV block pool ``name`` (its owner's uid or root; Go's
+        Client.DeletePool); readers that mapped it keep their mappings."""
+        _kvpool.delete_pool(self._conn, name)
+
+    def list_pools(self) -> List["_kvpool.PoolInfo"]:
+        """The KV block pools this uid may read, by qualified name (Go's
+        Client.ListPools)."""
+        return _kvpool.list_pools(self._conn)
 
     def notify(self, name: str, payload: bytes = b"") -> None:
         """Send ``payload`` (at most MAX_NOTICE_PAYLOAD bytes) to the process that

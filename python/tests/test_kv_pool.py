@@ -1,0 +1,196 @@
+"""KV block pools (cudaipc.kv.create_pool; docs/kv.md, "Block pools") against a real
+daemon: puts from a registered host space, lookups of the present prefix, gets into
+a local space of another layout layer by layer with every byte checked, keys
+present already, absent keys named, ten thousand keys in one call (their arrays in
+a bulk file), least recently used eviction and pins, refused requests, and the
+pools ``cudaipc ls --pools`` lists."""
+
+import json
+
+import numpy as np
+import pytest
+
+import cudaipc
+from cudaipc import kv
+
+import kvutil
+
+LAYERS, BLOCKS, BYTES = 4, 32, 96
+
+
+def keys(seed, n, size=32):
+    """n random keys of size bytes."""
+    raw = np.random.default_rng(seed).bytes(n * size)
+    return [raw[i * size:(i + 1) * size] for i in range(n)]
+
+
+def space(store, name, kind, seed, layers=LAYERS, blocks=BLOCKS, nbytes=BYTES):
+    """A registered host space of kind, filled with kvutil.region_bytes(seed, ...)."""
+    local = kvutil.make_local(kind, layers, blocks, nbytes, lambda shape: kv.alloc_host(shape))
+    kvutil.fill(local, seed)
+    return kv.register(store, name, local)
+
+
+def local(kind, seed, layers=LAYERS, blocks=BLOCKS, nbytes=BYTES):
+    """An unregistered host space of kind holding random bytes (seed)."""
+    loc = kvutil.make_local(kind, layers, blocks, nbytes, lambda shape: np.zeros(shape, dtype=np.uint8))
+    kvutil.fill(loc, seed)
+    return loc
+
+
+def snapshot(loc):
+    return [kvutil.host_region(m).copy() for m in loc.memory]
+
+
+@pytest.mark.parametrize("src_kind,dst_kind", [("vllm", "sglang"), ("sglang", "offload"), ("offload", "vllm-blocks-first")])
+def test_put_lookup_get(store, src_kind, dst_kind):
+    sp = space(store, "pool/%s/kv" % src_kind, src_kind, 5)
+    bb = kv.block_bytes(sp.desc)
+    assert bb == LAYERS * 2 * BYTES
+    pool = kv.create_pool(store, "pool-" + src_kind, bb, 48 * 768)
+    assert (pool.info.capacity_blocks, pool.info.slot_bytes, pool.info.key_bytes) == (48, 768, 32)
+    ks = keys(1, 40)
+    src_ids = list(np.random.default_rng(2).permutation(BLOCKS)[:30]) + [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    r = pool.put(ks[:30], sp, src_ids[:30])
+    assert (r.stored, r.existed, r.full, r.status) == (30, 0, 0, bytes(30))
+    # Keys present are left as they are; the rest are stored.
+    r = pool.put(ks[20:], sp, src_ids[:10] + src_ids[30:])
+    assert (r.stored, r.existed) == (10, 10)
+    assert r.status == bytes([kv.BLOCK_EXISTED] * 10 + [kv.BLOCK_STORED] * 10)
+    held = src_ids   # keys 20..29 kept their blocks; 30..39 hold src_ids[30..39]
+
+    assert pool.lookup(ks) == (40, 0)
+    assert pool.lookup(ks[:7] + keys(9, 1) + ks[8:])[0] == 7
+    assert pool.lookup(keys(10, 1) + ks)[0] == 0
+    n, pin = pool.lookup(ks, pin=True)
+    assert n == 40 and pin != 0
+
+    dst = local(dst_kind, 7, blocks=BLOCKS + 8)
+    before = snapshot(dst)
+    dst_ids = list(np.random.default_rng(3).permutation(BLOCKS + 8)[:40])
+    t = pool.get(ks, dst, dst_ids, pin=pin)
+    for li in range(LAYERS):
+        t.wait_layer(li, timeout=30)
+    t.wait(timeout=30)
+    kvutil.check_bytes(dst, kvutil.expected(sp.desc, 5, dst, held, dst_ids, range(LAYERS), before))
+
+    # Two absent keys: the others arrive, the error names their blocks.
+    before = snapshot(dst)
+    mixed = list(ks[:6])
+    mixed[1], mixed[4] = keys(11, 1)[0], keys(12, 1)[0]
+    t = pool.get(mixed, dst, [1, 2, 3, 4, 5, 6])
+    with pytest.raises(kv.BlockError) as ei:
+        t.wait(timeout=30)
+    assert ei.value.blocks == [2, 5] and isinstance(ei.value.cause, kv.MissingBlocks)
+    kvutil.check_bytes(dst, kvutil.expected(sp.desc, 5, dst, [held[0], held[2], held[3], held[5]], [1, 3, 4, 6],
+                                            range(LAYERS), before))
+    info = pool.stat()
+    assert (info.blocks, info.stored) == (40, 40)
+    pool.close()
+
+
+def test_layer_range(store):
+    sp = space(store, "range/kv", "vllm", 8)
+    pool = kv.create_pool(store, "range", kv.block_bytes(sp.desc, range(1, 3)), 1 << 20, key_bytes=16)
+    ks = keys(13, 5, 16)
+    with pytest.raises(kv.LayoutMismatch):
+        pool.put(ks, sp, [0, 1, 2, 3, 4])
+    assert pool.put(ks, sp, [9, 3, 4, 15, 0], layers=range(1, 3)).stored == 5
+    dst = local("sglang", 14)
+    before = snapshot(dst)
+    t = pool.get(ks, dst, [7, 6, 5, 4, 3], layers=range(1, 3))
+    t.wait_layer(1, timeout=30)
+    t.wait_layer(2, timeout=30)
+    t.wait(timeout=30)
+    kvutil.check_bytes(dst, kvutil.expected(sp.desc, 8, dst, [9, 3, 4, 15, 0], [7, 6, 5, 4, 3], range(1, 3), before))
+    with pytest.raises(kv.LayoutMismatch):
+        t.wait_layer(0)
+
+
+def test_bulk(store):
+    n = 10000
+    sp = space(store, "bulk/kv", "offload", 15, layers=1, blocks=n, nbytes=24)
+    pool = kv.create_pool(store, "bulk", 48, 12000 * 256)
+    ks = keys(16, 2 * n)
+    ids = list(range(n - 1, -1, -1))
+    r = pool.put(np.frombuffer(b"".join(ks[:n]), dtype=np.uint8).reshape(n, 32), sp, ids)   # keys as an array
+    assert r.stored == n and len(r.status) == n
+    assert pool.lookup(ks[:n])[0] == n
+    assert pool.lookup(ks[n:])[0] == 0
+    assert pool.lookup(ks[n // 2:n // 2 + n])[0] == n // 2
+    dst = local("offload", 17, layers=1, blocks=n, nbytes=24)
+    before = snapshot(dst)
+    t = pool.get(ks[n // 2:n // 2 + n], dst, list(range(n)))
+    with pytest.raises(kv.BlockError) as ei:
+        t.wait(timeout=60)
+    assert ei.value.blocks == list(range(n // 2, n))
+    kvutil.check_bytes(dst, kvutil.expected(sp.desc, 15, dst, ids[n // 2:], list(range(n // 2)), range(1), before))
+
+
+def test_eviction_and_pins(store):
+    sp = space(store, "evict/kv", "vllm", 18, layers=2)
+    pool = kv.create_pool(store, "evict", 2 * 2 * BYTES, 8 * 512, key_bytes=20)
+    ks = keys(19, 16, 20)
+    pool.put(ks[:8], sp, list(range(8)))
+    t = pool.get(ks[:1], local("vllm", 1, layers=2), [0])
+    t.wait(timeout=30)
+
+    def no_pins():
+        import time
+        deadline = time.monotonic() + 10
+        while pool.stat().pinned:
+            assert time.monotonic() < deadline, "pins left"
+            time.sleep(0.01)
+
+    def present():
+        return [i for i, k in enumerate(ks) if pool.lookup([k])[0] == 1]
+
+    no_pins()
+    n, pin = pool.lookup(ks[1:2], pin=True)
+    assert n == 1 and pin
+    assert pool.put(ks[8:11], sp, [8, 9, 10]).stored == 3
+    assert present() == [0, 1, 5, 6, 7, 8, 9, 10]      # 2, 3, 4 went, least recently used first
+    _, every = pool.lookup([ks[i] for i in present()], pin=True, pin_timeout=0.3)
+    r = pool.put(ks[11:13], sp, [11, 12])
+    assert (r.stored, r.full, r.status) == (0, 2, bytes([kv.BLOCK_FULL] * 2))
+    assert pool.evict(8) == 0
+    pool.unpin(pin)
+    with pytest.raises(cudaipc.NotFound):
+        pool.unpin(pin)
+    no_pins()   # the second pin timed out
+    assert pool.evict(2) == 2
+    assert present() == [5, 6, 7, 8, 9, 10]
+    assert pool.delete(ks[5:7]) == 2
+    assert pool.delete(ks[5:7]) == 0
+    assert pool.stat().evictions == 5
+
+
+def test_refused(store, daemon):
+    sp = space(store, "refused/kv", "vllm", 20)
+    pool = kv.create_pool(store, "refused", kv.block_bytes(sp.desc), 1 << 20)
+    with pytest.raises(cudaipc.Exists):
+        kv.create_pool(store, "refused", 64, 1 << 20)
+    with pytest.raises(cudaipc.InvalidArgument):
+        kv.create_pool(store, "p", 64, 1 << 20, key_bytes=8)
+    with pytest.raises(cudaipc.StoreFull):
+        kv.create_pool(store, "huge", 4096, 1 << 30)
+    with pytest.raises(cudaipc.InvalidArgument):
+        pool.lookup(keys(1, 2, 16))                  # the pool's keys are 32 bytes
+    with pytest.raises(cudaipc.InvalidArgument):
+        pool.lookup([b"x" * 32, b"y" * 20])
+    with pytest.raises(cudaipc.NotFound):
+        kv.open_pool(store, "nope")
+    with pytest.raises(kv.BlockRangeError):
+        pool.put(keys(2, 1), sp, [BLOCKS])
+    with pytest.raises(kv.LayoutMismatch):
+        pool.get(keys(2, 1), local("vllm", 1, layers=2), [0])
+    desc = sp.desc
+    sp.close()
+    with pytest.raises(cudaipc.NotFound):   # the space's regions are gone
+        pool.put(keys(3, 1), desc, [0])
+    # ls lists the pool with its counts.
+    out = json.loads(daemon.cli("ls", "--pools", "--json").stdout)
+    assert [p["name"] for p in out] == ["refused"] and out[0]["capacity_blocks"] == pool.info.capacity_blocks
+    assert [p.name for p in kv.list_pools(store)] == ["refused"]
+    kv.delete_pool(store, "refused")
+    assert kv.list_pools(store) == []
