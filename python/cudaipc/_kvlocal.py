@@ -171,6 +171,10 @@ class Local:
         self.layout = layout
         self.memory: List[Memory] = [m if isinstance(m, Memory) else memory_of(m, "region %d" % i)[0]
                                      for i, m in enumerate(memory)]
+        # The kv.Space this memory is registered as (kv.register binds it, until the
+        # space closes): a read from another node is written by the daemon into
+        # that registration.
+        self.space: Optional[Any] = None
         self.check()
 
     @property

@@ -13,12 +13,12 @@ import logging
 import threading
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from ._kvdesc import Desc
+from ._kvdesc import Desc, Layout
 from ._kvlocal import Local
 from .errors import (BlockError, BlockRangeError, InvalidKVRequest, KVNotSupported, LayoutMismatch, NotFound,
                      StaleSpaceError)
 
-__all__ = ["Transfer", "Plan", "plan", "runs", "start", "block_ids", "layer_range", "MAX_NOTIFY"]
+__all__ = ["Transfer", "Plan", "plan", "check_pairs", "runs", "start", "block_ids", "layer_range", "MAX_NOTIFY"]
 
 _log = logging.getLogger("cudaipc")
 
@@ -142,6 +142,7 @@ class Plan:
 
 
 def block_ids(v: Any, what: str) -> List[int]:
+    """A read's block ids as a list of ints (from any sequence, or an array's tolist)."""
     try:
         if hasattr(v, "tolist"):
             v = v.tolist()
@@ -178,30 +179,13 @@ def plan(src: Desc, src_blocks: Any, dst: Local, dst_blocks: Any, layers: Any, n
     desc = src.to_bytes()   # validates
     dst.check()
     sb, db = block_ids(src_blocks, "source"), block_ids(dst_blocks, "destination")
-    if len(sb) != len(db) or not sb:
-        raise LayoutMismatch("kv: %d source and %d destination blocks: want as many, at least one" % (len(sb), len(db)))
-    first, count = layer_range(layers, len(src.layers))
-    for side, ids, blocks in (("source", sb, src.blocks), ("destination", db, dst.blocks)):
-        bad = [b for b in ids if not 0 <= b < blocks]
-        if bad:
-            cause = IndexError("kv: %s block ids %s of a space of %d blocks" % (side, _short(bad), blocks))
-            e = BlockRangeError(src.name, first, bad, cause)
-            e.__cause__ = cause
-            raise e
-    if first < 0 or count <= 0 or first + count > len(src.layers) or len(src.layers) != len(dst.layers):
-        raise LayoutMismatch("kv: layers [%d, %d) of spaces of %d (source) and %d (destination) layers"
-                             % (first, first + count, len(src.layers), len(dst.layers)))
+    first, count = check_pairs(src.name, src.layout, dst.layout, sb, db, layers)
     p = Plan(src, desc, dst, sb, db, first, count, None if notify is None else bytes(notify))
     used = [False] * len(src.regions)
     where: Optional[str] = None
     for li in range(first, first + count):
         s, d = src.layers[li], dst.layers[li]
-        if len(s) != len(d):
-            raise LayoutMismatch("kv: layer %d has %d parts in the source, %d in the destination" % (li, len(s), len(d)))
         for i in range(len(s)):
-            if s[i].nbytes != d[i].nbytes:
-                raise LayoutMismatch("kv: layer %d part %d: blocks of %d bytes in the source, %d in the destination"
-                                     % (li, i, s[i].nbytes, d[i].nbytes))
             sdev = src.regions[s[i].region].device
             dm = dst.memory[d[i].region]
             if where is None:
@@ -215,6 +199,36 @@ def plan(src: Desc, src_blocks: Any, dst: Local, dst_blocks: Any, layers: Any, n
             used[s[i].region] = True
     p.regions = [i for i, u in enumerate(used) if u]
     return p
+
+
+def check_pairs(space: str, src: Layout, dst: Layout, sb: List[int], db: List[int], layers: Any) -> Tuple[int, int]:
+    """Check a read's block lists against the two layouts (as many of each, at least
+    one; ids in range, else BlockRangeError naming them) and its layers (None: all; a
+    range; one layer), in which the layouts must fit each other: the same parts, of
+    the same block bytes (LayoutMismatch). Returns (first, count) of the layers (Go's
+    checkPairs)."""
+    if len(sb) != len(db) or not sb:
+        raise LayoutMismatch("kv: %d source and %d destination blocks: want as many, at least one" % (len(sb), len(db)))
+    first, count = layer_range(layers, len(src.layers))
+    for side, ids, blocks in (("source", sb, src.blocks), ("destination", db, dst.blocks)):
+        bad = [b for b in ids if not 0 <= b < blocks]
+        if bad:
+            cause = IndexError("kv: %s block ids %s of a space of %d blocks" % (side, _short(bad), blocks))
+            e = BlockRangeError(space, first, bad, cause)
+            e.__cause__ = cause
+            raise e
+    if first < 0 or count <= 0 or first + count > len(src.layers) or len(src.layers) != len(dst.layers):
+        raise LayoutMismatch("kv: layers [%d, %d) of spaces of %d (source) and %d (destination) layers"
+                             % (first, first + count, len(src.layers), len(dst.layers)))
+    for li in range(first, first + count):
+        s, d = src.layers[li], dst.layers[li]
+        if len(s) != len(d):
+            raise LayoutMismatch("kv: layer %d has %d parts in the source, %d in the destination" % (li, len(s), len(d)))
+        for i in range(len(s)):
+            if s[i].nbytes != d[i].nbytes:
+                raise LayoutMismatch("kv: layer %d part %d: blocks of %d bytes in the source, %d in the destination"
+                                     % (li, i, s[i].nbytes, d[i].nbytes))
+    return first, count
 
 
 def _short(ids: List[int]) -> str:

@@ -162,6 +162,12 @@ class Reply:
             os.close(fd)
 
 
+def _last_answer(resp: Any, body: Optional[str]) -> bool:
+    """Whether resp is the last answer to its request: anything but a kv_read's
+    progress (docs/protocol.md section 6.9)."""
+    return body != "kv_read" or resp.kv_read.done or (resp.HasField("error") and resp.error.code != 0)
+
+
 class Conn:
     """A protocol connection. Calls from several threads may wait at once: whichever
     waiter finds no reader reads the next packet and hands it out (no thread of its
@@ -196,6 +202,7 @@ class Conn:
         self._waiting: Set[int] = set()
         self._abandoned: Dict[int, Tuple[str, str]] = {}   # id -> (op, name): clean up the reply
         self._detached: Set[int] = set()                   # ids whose reply nobody reads
+        self._dropped_streams: Set[int] = set()            # kv_read ids whose answers nobody reads any more
         self._arenas: Dict[Tuple[int, bool], HostArena] = {}
         self.events: Deque[Any] = collections.deque()
         self.notices: Deque[Any] = collections.deque()   # Notice messages not taken yet
@@ -516,6 +523,10 @@ class Conn:
             if rid in self._detached:
                 self._detached.discard(rid)
                 drop = True
+            elif rid in self._dropped_streams:
+                if _last_answer(resp, body):
+                    self._dropped_streams.discard(rid)
+                drop = True
             elif rid in self._abandoned:
                 op, name = self._abandoned.pop(rid)
                 drop = False
@@ -610,6 +621,19 @@ class Conn:
                     self._abandoned[rid] = (op, name)
                 return
         self.cleanup(r, op, name)
+
+    def drop_stream(self, rid: int) -> None:
+        """Give up the answers of a request answered more than once (a kv_read's
+        progress, then its end): the one waiting, if any, and those still to come, up
+        to its last, are dropped as they arrive."""
+        with self._cv:
+            r = self._replies.pop(rid, None)
+            if r is not None:
+                r.close_fds()
+                if _last_answer(r.resp, r.resp.WhichOneof("body")):
+                    return
+            if self.dead is None:
+                self._dropped_streams.add(rid)
 
     def cleanup(self, r: Reply, op: str, name: str) -> None:
         """Undo the reply of a call whose caller gave up."""

@@ -142,3 +142,4 @@ class ServerInfo:
     pid: int
     backend: str
     peer_uid: int = 0   # the uid the daemon sees this connection as (a qualified name's UID:)
+    node: str = ""      # the daemon's node name in its cluster (docs/cluster.md); "" without one

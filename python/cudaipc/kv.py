@@ -34,6 +34,10 @@ connection ends or it closes the space, but a reader mid-read holds leases of th
 so it never reads freed memory; a later read fails with a BlockError whose cause is
 NotFound. Reads go host -> host (memfd memory: :func:`alloc_host`) or GPU -> the
 same GPU (one gather kernel launch a layer); anything else is KVNotSupported.
+
+A space registered with another daemon of a cluster (its description names that
+node) is read the same way, into a space the reader registered with its own daemon,
+which moves the bytes between the nodes (docs/kv.md, "Across nodes").
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, List, Optional, Union
 
-from . import _kvgpu, _kvread
+from . import _kvgpu, _kvread, _kvremote
 from ._kvdesc import (MAX_BLOCKS, MAX_LAYERS, MAX_PARTS, MAX_REGIONS, Desc, Layout, Part, Region, new_id)
 from ._kvlocal import Local, Memory, alloc_host, offload_layout, sglang_layout, vllm_layout
 from ._kvpool import (BLOCK_EXISTED, BLOCK_FULL, BLOCK_STORED, MAX_BLOCK_KEYS, MAX_KEY_BYTES, MIN_KEY_BYTES, Pool,
@@ -117,6 +121,8 @@ class Space:
         """Remove the space's regions from the daemon (readers holding leases keep
         what they mapped until they release). Idempotent."""
         names, self.names = self.names, []
+        if self.local.space is self:
+            self.local.space = None
         first: Optional[BaseException] = None
         for n in names:
             try:
@@ -156,7 +162,8 @@ def register(store: Any, name: str, local: Any, *, shared: bool = False) -> Spac
             raise InvalidDescError("memory", "region %d is host memory outside alloc_host: registered host memory "
                                              "is a memfd readers can map (allocate it with kv.alloc_host)" % i)
     uid = store.server.peer_uid
-    desc = Desc("%d:%s" % (uid, name), new_id(), [Region(m.device, m.size) for m in local.memory], local.layout)
+    desc = Desc("%d:%s" % (uid, name), new_id(), [Region(m.device, m.size) for m in local.memory], local.layout,
+                node=store.server.node)
     space_bytes = desc.to_bytes()
     sp = Space(store, desc, local)
     try:
@@ -167,6 +174,7 @@ def register(store: Any, name: str, local: Any, *, shared: bool = False) -> Spac
             else:
                 store.register_host(rname, m.fd, m.size, shared=shared, space=space_bytes)
             sp.names.append(rname)
+        local.space = sp
     except BaseException:
         try:
             sp.close()
@@ -200,11 +208,27 @@ def read_blocks(store: Any, src: Union[Desc, str, bytes], src_blocks: Any, dst: 
 
     ``notify`` (at most 4,095 bytes, e.g. the request's id), when not None, is sent
     to the source's engine as the read ends, completed or failed, before the
-    Transfer is done (its :meth:`Space.take_notices`)."""
+    Transfer is done (its :meth:`Space.take_notices`).
+
+    A source whose description names a node other than ``store``'s daemon's
+    (``store.server.node``) is read across nodes (docs/kv.md, "Across nodes"):
+    ``store``'s daemon reads the blocks from the source's node and writes them into
+    ``dst``, which must therefore be a Space registered through ``store`` (or its
+    Local, which :func:`register` binds to it), in host memory, as the source; and
+    ``notify`` is not supported there (KVNotSupported, as in Go). The Transfer is the
+    same: its layers complete as the daemon reports them, and a failure is a
+    BlockError whose cause is the daemon's error (NotFound for a space gone,
+    registered again, not readable by this uid or of a node no longer in the
+    cluster; UnavailableError for a source node that cannot be reached or dies
+    mid-read; InvalidArgument for a request the daemon refuses)."""
     if isinstance(src, str):
         src = Desc.from_text(src)
     elif isinstance(src, (bytes, bytearray, memoryview)):
         src = Desc.from_bytes(src)
+    if isinstance(src, Desc) and _kvremote.remote(store, src):
+        space = dst if isinstance(dst, Space) else dst.space if isinstance(dst, Local) else None
+        local = dst.local if isinstance(dst, Space) else dst
+        return _kvremote.start(store, src, src_blocks, local, space, dst_blocks, layers, notify)
     if isinstance(dst, Space):
         dst = dst.local
     p = _kvread.plan(src, src_blocks, dst, dst_blocks, layers, notify)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence
 
 from . import _deps
 from . import _fastpath
@@ -26,7 +26,7 @@ from ._put import Putter
 from ._encode import Release, encode_get
 from ._wire import Conn, Reply, spin_option
 from .errors import (Closed, InternalError, InvalidArgument, NotFound, PermissionDenied, StoreError,
-                     StoreGone, Timeout)
+                     StoreGone, Timeout, from_code)
 from .info import (EVENT_KINDS, SHARE_CUDA_IPC, SHARE_HOST, SHARE_VMM_FD, Event, Notice, ObjectInfo, ServerInfo, TensorDesc,
                    desc_from_pb, desc_to_pb, info_from_pb)
 from .lease import Lease, Object, retaken
@@ -100,7 +100,7 @@ class Store:
         if h.version != PROTOCOL_VERSION:
             self._conn.close()
             raise InternalError("dial", message="daemon answered version %d to version %d" % (h.version, PROTOCOL_VERSION))
-        self.server = ServerInfo(h.version, h.server_version, h.pid, h.backend, h.peer_uid)
+        self.server = ServerInfo(h.version, h.server_version, h.pid, h.backend, h.peer_uid, h.node)
         if fast_path:
             self._open_lease_table()
         if h.backend == "cuda":
@@ -517,6 +517,47 @@ class Store:
         if len(payload) > MAX_NOTICE_PAYLOAD:
             raise InvalidArgument("notify", name, "a payload of %d bytes: at most %d" % (len(payload), MAX_NOTICE_PAYLOAD))
         self._conn.call(pb.Request(notify=pb.NotifyRequest(name=name, payload=bytes(payload))), "notify", name)
+
+    def read_space(self, src: bytes, dst: bytes, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                   first: int = 0, count: int = 0, progress: Optional[Callable[[int], None]] = None,
+                   timeout: Optional[float] = None) -> None:
+        """Have this connection's daemon read block ``src_blocks[i]`` of the KV space
+        whose description (bytes) is ``src``, registered on another node of its
+        cluster, into block ``dst_blocks[i]`` of the space ``dst`` registered with it
+        by this uid, for layers ``[first, first + count)`` (count 0: all from first):
+        one kv_read (docs/protocol.md section 6.9; Go's Client.ReadSpace).
+        ``progress(layers)`` is called, on this thread, each time more of the first
+        layers are complete. Returns when the read has ended; raises its StoreError
+        (InvalidArgument, NotFound, PermissionDenied, UnavailableError, Timeout).
+        ``timeout`` (seconds) bounds the read at the daemon. A call left by an
+        exception (a progress callback's, say) asks the daemon to stop the read.
+        cudaipc.kv.read_blocks is the call engines use."""
+        req = pb.KvReadRequest(src=bytes(src), dst=bytes(dst), src_blocks=src_blocks, dst_blocks=dst_blocks,
+                               first=first, count=count)
+        if timeout is not None:
+            req.timeout_ms = max(int(timeout * 1000), 1)
+        conn = self._conn
+        rid = conn.send(pb.Request(kv_read=req))
+        ended = False
+        try:
+            while True:
+                r = conn.wait(rid)
+                if r.resp.HasField("error") and r.resp.error.code != 0:
+                    ended = True
+                    raise from_code(r.resp.error.code, "kv_read", "", r.resp.error.message)
+                if r.resp.WhichOneof("body") != "kv_read":
+                    ended = True
+                    raise InternalError("kv_read", message="the daemon answered a kv_read with %s"
+                                        % r.resp.WhichOneof("body"))
+                if r.resp.kv_read.done:
+                    ended = True
+                    return
+                if progress is not None:
+                    progress(r.resp.kv_read.layers)
+        finally:
+            if not ended:
+                conn.drop_stream(rid)
+                conn.send_detached(pb.Request(kv_cancel=pb.KvCancelRequest(read_id=rid)))
 
     def take_notices(self, *names: str) -> List[Notice]:
         """Remove and return the notices readers sent about the registered memory

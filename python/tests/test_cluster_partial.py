@@ -6,20 +6,14 @@ without them unless CUDAIPC_REQUIRE_CLUSTER=1."""
 
 from __future__ import annotations
 
-import base64
 import json
-import os
-import shutil
-import socket
 import struct
-import subprocess
-import tempfile
-import time
 import urllib.request
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, Tuple
 
 import pytest
 
+from clusterutil import cluster_daemons, free_port, start_etcd
 from conftest import Daemon
 
 import cudaipc
@@ -28,81 +22,18 @@ from cudaipc.errors import InvalidArgument
 np = pytest.importorskip("numpy")
 
 
-def _need(what: str, ok: bool) -> None:
-    if ok:
-        return
-    if os.environ.get("CUDAIPC_REQUIRE_CLUSTER") == "1":
-        pytest.fail("CUDAIPC_REQUIRE_CLUSTER=1 but %s is missing" % what)
-    pytest.skip("%s is missing (Debian: etcd-server, libucx0)" % what)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def etcd() -> Iterator[str]:
-    binary = os.environ.get("CUDAIPC_ETCD") or shutil.which("etcd")
-    _need("etcd (on PATH or at $CUDAIPC_ETCD)", binary is not None)
-    _need("libucp.so.0", any(os.path.exists(os.path.join(d, "libucp.so.0"))
-                             for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib")))
-    d = tempfile.mkdtemp(prefix="cudaipc-etcd-")
-    client, peer = _free_port(), _free_port()
-    url = "http://127.0.0.1:%d" % client
-    log = open(os.path.join(d, "etcd.log"), "w+")
-    proc = subprocess.Popen([str(binary), "--data-dir", os.path.join(d, "data"), "--listen-client-urls", url,
-                             "--advertise-client-urls", url, "--listen-peer-urls", "http://127.0.0.1:%d" % peer,
-                             "--initial-advertise-peer-urls", "http://127.0.0.1:%d" % peer,
-                             "--initial-cluster", "default=http://127.0.0.1:%d" % peer],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if b"true" in r.read():
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError("etcd did not start: " + log.read())
-            time.sleep(0.05)
-        yield "etcd://127.0.0.1:%d" % client
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        shutil.rmtree(d, ignore_errors=True)
+    with start_etcd() as url:
+        yield url
 
 
 @pytest.fixture
-def nodes(cudaipc_bin: str, etcd: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Tuple[Daemon, Daemon, int]]:
-    for k, v in {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}.items():
-        monkeypatch.setenv(k, v)
-    d = tempfile.mkdtemp(prefix="cudaipc-secret-")
-    secret = os.path.join(d, "secret")
-    with open(secret, "w") as f:
-        f.write(base64.b64encode(os.urandom(32)).decode() + "\n")
-    os.chmod(secret, 0o600)
-    metrics = _free_port()
-    started: List[Daemon] = []
-    try:
-        for name, config in (("a", None), ("b", 'metrics = "%d"\n' % metrics)):
-            started.append(Daemon(cudaipc_bin, ["--backend", "host", "--capacity", "256MiB", "--cluster", etcd,
-                                                "--node", name, "--cluster-secret", secret,
-                                                "--cluster-listen", "127.0.0.1:0"], config=config))
-        yield started[0], started[1], metrics
-    finally:
-        for dm in started:
-            dm.stop()
-        shutil.rmtree(d, ignore_errors=True)
+def nodes(cudaipc_bin: str, etcd: str) -> Iterator[Tuple[Daemon, Daemon, int]]:
+    metrics = free_port()
+    with cluster_daemons(cudaipc_bin, etcd, ["--backend", "host", "--capacity", "256MiB"],
+                         configs=[None, 'metrics = "%d"\n' % metrics]) as (a, b):
+        yield a, b, metrics
 
 
 def _safetensors(path: str, tensors: Dict[str, "np.ndarray"]) -> None:
