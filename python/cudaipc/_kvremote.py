@@ -4,7 +4,9 @@ names a node other than the reader's daemon's goes through that daemon as kv_rea
 requests (Store.read_space): one, or as many as it takes to keep each within a
 packet. The daemon has the source's daemon expose the regions the layers use and
 writes the bytes straight into the destination, which must be a space registered
-with it (kv.register); its progress responses complete the Transfer's layers."""
+with it (kv.register); its progress responses complete the Transfer's layers. Either
+side may be host memory or one GPU's: the daemons stage GPU memory through pinned
+host memory (each side's GPU gathers or scatters), and refuse a side over both."""
 
 from __future__ import annotations
 
@@ -110,14 +112,6 @@ def start(store: Any, src: Desc, src_blocks: Any, local: Any, space: Any, dst_bl
     local.check()
     sb, db = block_ids(src_blocks, "source"), block_ids(dst_blocks, "destination")
     first, count = check_pairs(src.name, src.layout, dst_desc.layout, sb, db, layers)
-    for li in range(first, first + count):
-        for i, (sp, dp) in enumerate(zip(src.layers[li], dst_desc.layers[li])):
-            for side, d, region in (("source", src, sp.region), ("destination", dst_desc, dp.region)):
-                dev = d.regions[region].device
-                if dev != "host":
-                    raise KVNotSupported("kv: layer %d part %d: %s region %d of %s is in GPU memory (%s): across "
-                                         "nodes this version reads host memory into host memory"
-                                         % (li, i, side, region, d.name, dev))
     parts = split_pairs(sb, db, MAX_MESSAGE - len(src_bytes) - len(dst_bytes) - 256)
     t = Transfer(src.name, first, count, db)
     pr = _Progress(t, len(parts))

@@ -214,13 +214,16 @@ def read_blocks(store: Any, src: Union[Desc, str, bytes], src_blocks: Any, dst: 
     (``store.server.node``) is read across nodes (docs/kv.md, "Across nodes"):
     ``store``'s daemon reads the blocks from the source's node and writes them into
     ``dst``, which must therefore be a Space registered through ``store`` (or its
-    Local, which :func:`register` binds to it), in host memory, as the source; and
-    ``notify`` is not supported there (KVNotSupported, as in Go). The Transfer is the
-    same: its layers complete as the daemon reports them, and a failure is a
-    BlockError whose cause is the daemon's error (NotFound for a space gone,
-    registered again, not readable by this uid or of a node no longer in the
-    cluster; UnavailableError for a source node that cannot be reached or dies
-    mid-read; InvalidArgument for a request the daemon refuses)."""
+    Local, which :func:`register` binds to it); and ``notify`` is not supported there
+    (KVNotSupported, as in Go). Each side may be host memory or one GPU's, GPU to
+    host and host to GPU included (the daemons stage GPU memory through pinned host
+    memory). The Transfer is the same: its layers complete as the daemon reports
+    them, and a failure is a BlockError whose cause is the daemon's error (NotFound
+    for a space gone, registered again, not readable by this uid or of a node no
+    longer in the cluster; UnavailableError for a source node that cannot be reached
+    or dies mid-read; InvalidArgument for a request the daemon refuses, e.g. a side
+    over host and GPU memory). Bytes the daemon wrote into GPU memory are there for
+    any stream once a layer's wait returns."""
     if isinstance(src, str):
         src = Desc.from_text(src)
     elif isinstance(src, (bytes, bytearray, memoryview)):

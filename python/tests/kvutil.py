@@ -8,9 +8,11 @@ layer), "offload" (one block-major [blocks, layers, 2, bytes] buffer), and
 "vllm-one-buffer" (vLLM's per-layer tensors as views of one buffer: one region)."""
 
 import ctypes
+import time
 
 import numpy as np
 
+import cudaipc
 from cudaipc import kv
 
 KINDS = ["vllm", "vllm-blocks-first", "sglang", "offload", "vllm-one-buffer"]
@@ -84,3 +86,16 @@ def check_bytes(dst_local, want):
         if not np.array_equal(got, w):
             bad = int(np.nonzero(got != w)[0][0])
             raise AssertionError("destination region %d differs first at byte %d of %d" % (i, bad, m.size))
+
+
+def wait_gone(store, name, timeout=20.0):
+    """Return once the object name is gone from store's daemon (a killed engine's
+    region, say); fail after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            store.stat(name)
+        except cudaipc.NotFound:
+            return
+        assert time.monotonic() < deadline, "%s is still there after %ss" % (name, timeout)
+        time.sleep(0.02)

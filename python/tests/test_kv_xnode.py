@@ -67,17 +67,6 @@ def scattered(rng, n, blocks):
     return [b for i in rng.permutation(len(runs)) for b in runs[i]][:n]
 
 
-def wait_gone(store, name, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            store.stat(name)
-        except cudaipc.NotFound:
-            return
-        assert time.monotonic() < deadline, "%s is still there after %ss" % (name, timeout)
-        time.sleep(0.02)
-
-
 @pytest.mark.parametrize("kind,dkind", list(zip(kvutil.KINDS, ["sglang", "vllm", "offload", "vllm-one-buffer",
                                                                "vllm-blocks-first"])))
 def test_read_scattered_blocks_from_another_node(cluster, reader, engines, kind, dkind):
@@ -175,7 +164,7 @@ def test_refused_at_once(cluster, reader, engines, cudaipc_bin):
     """What the reader's side refuses before sending anything, as Go's readRemote:
     a notice across nodes, a destination not registered with the reader's daemon (a
     plain Local, or one whose space is closed), ids out of range, layouts that do not
-    fit, GPU memory, a reader's daemon without a cluster."""
+    fit, a reader's daemon without a cluster."""
     a, _ = cluster
     e = engines(a.socket, "xnode/refused", "vllm", seed=51, layers=LAYERS, blocks=BLOCKS, nbytes=BYTES)
     with registered(reader, "xnode/refused-dst", "vllm") as dst:
@@ -196,11 +185,14 @@ def test_refused_at_once(cluster, reader, engines, cudaipc_bin):
         with registered(reader, "xnode/refused-other", "vllm", nbytes=2 * BYTES) as other:
             with pytest.raises(kv.LayoutMismatch):
                 kv.read_blocks(reader, e.desc, [0], other, [0])
+        # A description that says GPU memory where the engine registered host memory
+        # is the daemons' to refuse (either side may be GPU memory across nodes).
         gpu = kv.Desc.from_bytes(e.desc.to_bytes())
         for r in gpu.regions:
             r.device = "GPU-00000000-0000-0000-0000-000000000001"
-        with pytest.raises(kv.KVNotSupported, match="GPU"):
-            kv.read_blocks(reader, gpu, [0], dst, [0])
+        with pytest.raises(kv.BlockError) as x:
+            kv.read_blocks(reader, gpu, [0], dst, [7]).wait(30)
+        assert x.value.blocks == [7] and isinstance(x.value.cause, cudaipc.NotFound), repr(x.value.cause)
         with pytest.raises(kv.InvalidDescError):
             kv.read_blocks(reader, "bm90IGEgZGVzY3JpcHRpb24=", [0], dst, [0])
         local = dst.local
@@ -254,7 +246,7 @@ def test_engine_gone(cluster, reader, engines):
         killed.proc.send_signal(signal.SIGKILL)
         killed.proc.wait(10)
         with cudaipc.connect(a.socket) as sa:
-            wait_gone(sa, killed.desc.region_name(0))
+            kvutil.wait_gone(sa, killed.desc.region_name(0))
         ids = [9, 4, 17, 16, 30]
         with pytest.raises(kv.BlockError) as x:
             kv.read_blocks(reader, killed.desc, [0, 1, 2, 3, 4], dst, ids).wait(30)
