@@ -44,7 +44,8 @@ says (the data plane reads host to host), each read one kv_read request to daemo
 client does). The same requests and small reads, against ucx_perftest on the same
 link at the same message sizes: a block (ucp_get with 16 in flight, as the daemons
 read, and ucp_am_bw: the higher bandwidth), 4 KiB (ucp_am_lat's round trip; the
-message rate of ucp_get with 64 in flight and of ucp_am_bw: the higher); and CPU
+message rate of ucp_get with 64 in flight and of ucp_am_bw: the higher; and for scale
+ucp_get of 1 MiB with 8 in flight, cudaipc bench cluster's floor); and CPU
 seconds per GB of both daemons over the timed reads (/proc/<pid>/stat) against
 ucx_perftest's client and server on their own bytes. --pin puts daemon A, the engine
 and perftest's server on the first half of the CPUs, daemon B, this reader and
@@ -930,7 +931,9 @@ def cross_node(a: argparse.Namespace, shape: Shape, tmp: str, blocks: int) -> Di
           "am_bw_32k": perftest(a, "ucp_am_bw", shape.block_bytes, a.perftest_iters, 0, pins),
           "am_lat_4k": perftest(a, "ucp_am_lat", SMALL_BLOCK, a.perftest_iters, 0, pins),
           "get_4k": perftest(a, "ucp_get", SMALL_BLOCK, a.perftest_iters, 64, pins),
-          "am_bw_4k": perftest(a, "ucp_am_bw", SMALL_BLOCK, a.perftest_iters, 0, pins)}
+          "am_bw_4k": perftest(a, "ucp_am_bw", SMALL_BLOCK, a.perftest_iters, 0, pins),
+          # The link with large messages (bench cluster's floor), for scale: not the ratios' floor.
+          "get_1m": perftest(a, "ucp_get", 1 << 20, max(a.perftest_iters // 32, 64), 8, pins)}
     res["perftest"] = pt
     bw = [p for p in (pt["get_32k"], pt["am_bw_32k"]) if "GBps" in p]
     rate = [p for p in (pt["get_4k"], pt["am_bw_4k"]) if "msg_per_s" in p]
@@ -939,18 +942,21 @@ def cross_node(a: argparse.Namespace, shape: Shape, tmp: str, blocks: int) -> Di
         res["floor_GBps"], res["floor_cpu_s_per_GB"] = best["GBps"], best["cpu_s_per_GB"]
         for r in res["requests"]:
             r["x_perftest"] = round(r["read"]["GBps"] / best["GBps"], 3)
+            if "GBps" in pt["get_1m"]:
+                r["x_perftest_1MiB"] = round(r["read"]["GBps"] / pt["get_1m"]["GBps"], 3)
             r["cpu_over_perftest"] = round(sum(r["daemon_cpu_s_per_GB"]) / best["cpu_s_per_GB"], 3)
     if "p50_us" in pt["am_lat_4k"]:
         res["round_trip_us"] = round(2 * pt["am_lat_4k"]["p50_us"], 2)   # perftest's latency is half a round trip
     if rate:
         res["floor_msg_per_s"] = max(p["msg_per_s"] for p in rate)
-    print("ucx_perftest on the same link: %s" % ", ".join(
-        "%s %s" % (k, ("%.2f GB/s, %.0f msg/s, %.2f CPU-s/GB, p50 %.1f µs" % (v["GBps"], v["msg_per_s"], v["cpu_s_per_GB"], v["p50_us"]))
-                   if "GBps" in v else v["error"]) for k, v in pt.items()))
+    print("ucx_perftest on the same link:")
+    for k, v in pt.items():
+        print("  %-9s %s" % (k, "%.3f GB/s, %.0f msg/s, %.2f CPU-s/GB, p50 %.1f µs" % (
+            v["GBps"], v["msg_per_s"], v["cpu_s_per_GB"], v["p50_us"]) if "GBps" in v else v["error"]))
     for r in res["requests"]:
         if "x_perftest" in r:
-            print("  %6d tokens: %.2fx perftest's bandwidth, daemons' CPU %.2fx perftest's" % (
-                r["tokens"], r["x_perftest"], r["cpu_over_perftest"]))
+            print("  %6d tokens: %.2fx perftest's bandwidth at the block size (%.2fx at 1 MiB), the daemons' CPU "
+                  "%.2fx perftest's" % (r["tokens"], r["x_perftest"], r.get("x_perftest_1MiB", 0), r["cpu_over_perftest"]))
     if "small" in res:
         print_small(res["small"], "UCX round trip", res.get("round_trip_us"), res.get("floor_msg_per_s"))
     return res
