@@ -19,11 +19,13 @@ The pieces:
   token (what vLLM carries from prefill to decode in ``kv_transfer_params``); then it
   keeps the space until its input ends.
 
-  ``decode`` reads each request's blocks into its own paged cache at other block ids
-  with one ``read_blocks``, rebuilds the cache layer by layer as each layer's blocks
-  arrive (``wait_layer``) and generates greedily; it prints one JSON line a request
-  (done, or the read's error and the blocks it names) and saves tokens and logits,
-  and beside them the same model doing prefill and decode in this one process.
+  ``decode`` registers its own paged cache as a space with its daemon (which writes
+  into it when the prefill's daemon is another node of a cluster), reads each
+  request's blocks into it at other block ids with one ``read_blocks``, rebuilds the
+  cache layer by layer as each layer's blocks arrive (``wait_layer``) and generates
+  greedily; it prints one JSON line a request (done, or the read's error and the
+  blocks it names) and saves tokens and logits, and beside them the same model doing
+  prefill and decode in this one process.
 
 - :func:`disaggregate` and :func:`killed_prefill` run the roles for the tests,
   :func:`check_decoded` compares.
@@ -32,13 +34,11 @@ The pieces:
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import json
 import math
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
@@ -409,17 +409,20 @@ def role_decode(a: Dict[str, Any]) -> None:
     paged = paged_cache(cfg, a["num_blocks"], alloc=_alloc(cfg))
     free = scattered(a["num_blocks"], a["block_seed"])
     store = _connect(a["socket"])
-    local = ckv.vllm_layout(paged)
     if cfg.device != "cpu":
-        # The read copies on a stream of its own, which does not wait for torch's: the
-        # paged cache's filling must be done before a read can write into it.
+        # The read copies on a stream of its own (or its daemon writes), which does not
+        # wait for torch's: the paged cache's filling must be done before a read can
+        # write into it.
         torch.cuda.synchronize()
+    # Registered with its daemon, which writes into it when a request's blocks are on
+    # another node (on the prefill's node the read copies them itself).
+    space = ckv.register(store, "kvmodel/decode-%d/kv" % os.getpid(), paged)
     decoded: Dict[int, Dict[str, Any]] = {}
     for req in a["requests"]:
         n = req["length"]
         mine, free = free[:blocks_for(n)], free[blocks_for(n):]
         try:
-            t = ckv.read_blocks(store, src=req["desc"], src_blocks=req["blocks"], dst=local, dst_blocks=mine)
+            t = ckv.read_blocks(store, src=req["desc"], src_blocks=req["blocks"], dst=space, dst_blocks=mine)
             kv: KV = []
             for layer in range(cfg.layers):
                 t.wait_layer(layer, timeout=60)
@@ -434,6 +437,7 @@ def role_decode(a: Dict[str, Any]) -> None:
         _say(dict(length=n, ok=True, blocks=mine))
     ref = reference(cfg, [r["length"] for r in a["requests"]], a["steps"]) if a.get("reference") else {}
     torch.save(dict(decoded=decoded, reference=ref), a["out"])
+    space.close()
     store.close()
 
 
@@ -513,51 +517,21 @@ def run_role(role: str, args: Dict[str, Any], env: Optional[Dict[str, str]] = No
     return [json.loads(x) for x in r.stdout.decode().splitlines() if x.startswith("{")]
 
 
-NODES = ["one-node"]
+NODES = ["one-node", "two-nodes"]
 """Where the decode process's daemon is, for the tests' ``daemons`` fixtures: "one-node"
 is the prefill's own daemon; "two-nodes" a second daemon of a cluster on this host
-(etcd, UCX over tcp on loopback), so that the read crosses nodes. Add "two-nodes" once
-a space can be read from another node."""
+(etcd, UCX over tcp on loopback), so that the read crosses nodes (docs/kv.md, "Across
+nodes")."""
 
 
 @contextlib.contextmanager
 def daemons(nodes: str, cudaipc_bin: str, args: List[str], etcd: Optional[str] = None) -> Iterator[Tuple[Any, Any]]:
     """(the prefill's daemon, the decode's daemon) for nodes (see :data:`NODES`), each
-    started with args; for "two-nodes", members of the cluster whose directory is etcd,
-    sharing a fresh cluster secret."""
-    from conftest import Daemon
-    if nodes == "one-node":
-        d = Daemon(cudaipc_bin, args)
-        try:
-            yield d, d
-        finally:
-            d.stop()
-        return
-    if nodes != "two-nodes" or etcd is None:
-        raise ValueError("nodes %r (etcd %r): want one-node, or two-nodes with an etcd" % (nodes, etcd))
-    env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    tmp = tempfile.mkdtemp(prefix="cudaipc-secret-")
-    secret = os.path.join(tmp, "secret")
-    with open(secret, "w") as f:
-        f.write(base64.b64encode(os.urandom(32)).decode() + "\n")
-    os.chmod(secret, 0o600)
-    started: List[Any] = []
-    try:
-        for name in ("a", "b"):
-            started.append(Daemon(cudaipc_bin, args + ["--cluster", etcd, "--node", name, "--cluster-secret", secret,
-                                                      "--cluster-listen", "127.0.0.1:0"]))
-        yield started[0], started[1]
-    finally:
-        for d in started:
-            d.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    started with args; for "two-nodes", members of the cluster whose directory is etcd
+    (clusterutil.daemons)."""
+    from clusterutil import daemons as pair
+    with pair(nodes, cudaipc_bin, args, etcd) as p:
+        yield p
 
 
 def disaggregate(cfg: ModelConfig, lengths: Sequence[int], steps: int, prefill_socket: str, decode_socket: str,

@@ -3,7 +3,9 @@ spaces (the CPU twin of test_kv_model_gpu.py): a prefill process pages each prom
 KV cache into a paged space of its own (vLLM's layout, 16-token blocks at scattered
 ids) and registers it; a decode process reads each request's blocks into its own
 paged space with one read, rebuilds the cache layer by layer and generates; its
-tokens and logits equal one process doing both. The roles and the model are in
+tokens and logits equal one process doing both. The decode process's daemon is the
+prefill's, or another node of a cluster (NODES in kv_model.py: etcd and libucx0
+needed, else skipped unless CUDAIPC_REQUIRE_CLUSTER=1). The roles and the model are in
 kv_model.py."""
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Iterator, Tuple
 import pytest
 
 import cudaipc
+from cudaipc import kv
 from conftest import Daemon
 from test_cluster_partial import etcd  # noqa: F401 (the fixture, for NODES' "two-nodes")
 
@@ -129,22 +132,25 @@ def daemons(request, cudaipc_bin: str) -> Iterator[Tuple[Daemon, Daemon]]:
 
 
 def test_prefill_and_decode_processes_equal_one_process(daemons, tmp_path) -> None:
-    # The flow of disaggregated serving (on one daemon, or two: NODES): a prefill process pages the
-    # prompts' caches into its host-memory space at scattered blocks; a decode process
-    # reads each request's blocks with one read into its own space at other blocks,
-    # waits layer by layer, rebuilds the cache and decodes. Every token and logit equals
-    # one process doing both (the same float32 computation: equal to 1e-6).
+    # The flow of disaggregated serving (on one daemon, or across two nodes of a
+    # cluster: NODES): a prefill process pages the prompts' caches into its host-memory
+    # space at scattered blocks; a decode process reads each request's blocks with one
+    # read into its own space at other blocks, waits layer by layer, rebuilds the cache
+    # and decodes. Every token and logit equals one process doing both (the same
+    # float32 computation: equal to 1e-6).
     pre, dec = daemons
     requests, lines, res = disaggregate(CFG, LENGTHS, STEPS, pre.socket, dec.socket, str(tmp_path / "out.pt"))
+    assert kv.Desc.from_text(requests[0]["desc"]).node == ("" if pre is dec else "a")
     check_decoded(requests, lines, res, rtol=1e-6, atol=1e-6)
 
 
 def test_killed_prefill_names_the_blocks_and_nothing_else_is_disturbed(daemons, tmp_path) -> None:
     # A prefill engine killed with kill -9 after handing over its request, before the
-    # decode side reads it (a host read holds leases of the regions it copies from, so
-    # an engine killed during a read leaves it its bytes: only a read that starts after
-    # the space went can fail): the read fails with a BlockError naming the destination
-    # blocks, from layer 0, caused by NotFound. The decode process then reads another
+    # decode side reads it (a read holds leases of the regions it copies from, on one
+    # node its own, across nodes the source daemon's for the read, so an engine killed
+    # during a read leaves it its bytes: only a read that starts after the space went
+    # can fail): the read fails with a BlockError naming the destination blocks, from
+    # layer 0, caused by NotFound. The decode process then reads another
     # engine's request and decodes it as one process does, and the daemons still serve
     # puts and gets.
     pre, dec = daemons

@@ -4,8 +4,11 @@ each prompt, pages its ``DynamicCache`` into its paged KV memory (vLLM's layout,
 ``[2, num_blocks, 16, kv_heads, head_dim]`` tensor a layer, scattered block ids) and
 registers it; a decode process reads each request's blocks into its own paged memory
 with one read, waits layer by layer, rebuilds a ``DynamicCache`` and generates
-greedily; tokens and logits equal one process doing both. test_kv_model.py is the CPU
-twin. Skips without a GPU, torch or transformers, unless CUDAIPC_REQUIRE_GPU is set."""
+greedily; tokens and logits equal one process doing both. The decode process's daemon
+is the prefill's, or another node of a cluster (NODES in kv_model.py), whose daemons
+stage the GPU blocks through pinned host memory. test_kv_model.py is the CPU twin.
+Skips without a GPU, torch or transformers, unless CUDAIPC_REQUIRE_GPU is set (and
+without etcd and libucx0 for two nodes, unless CUDAIPC_REQUIRE_CLUSTER=1)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Dict, Iterator, Tuple
 import pytest
 
 import cudaipc
+from cudaipc import kv
 from conftest import Daemon, need_gpus, need_module
 from test_cluster_partial import etcd  # noqa: F401 (the fixture, for NODES' "two-nodes")
 
@@ -79,13 +83,15 @@ def test_llama_prefill_and_decode_processes_equal_one_process(daemons, tmp_path,
     pre, dec = daemons
     requests, lines, res = disaggregate(_cfg(dtype), LENGTHS, STEPS, pre.socket, dec.socket, str(tmp_path / "out.pt"),
                                         env=_env(alloc))
+    assert kv.Desc.from_text(requests[0]["desc"]).node == ("" if pre is dec else "a")
     check_decoded(requests, lines, res, rtol=1e-5, atol=1e-5)
 
 
 def test_llama_killed_prefill_names_the_blocks_and_nothing_else_is_disturbed(daemons, tmp_path) -> None:
     # A prefill engine killed with kill -9 after handing over its request, before the
     # decode side reads it (a read holds leases of the source regions it copies from,
-    # so only a read starting after the space went can fail, deterministically): the
+    # across nodes through the source daemon, so only a read starting after the space
+    # went can fail, deterministically): the
     # read fails with a BlockError naming the destination blocks, from layer 0, caused
     # by NotFound; the decode process then reads another engine's request and decodes
     # it as one process does, and both daemons still serve puts and gets.
