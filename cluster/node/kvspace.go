@@ -51,7 +51,14 @@ func invalid(format string, a ...any) error {
 func (n *Node) ReadSpace(ctx context.Context, r store.SpaceRead, progress func(layers int)) (int, error) {
 	p, err := n.readSpace(ctx, r, progress)
 	if err != nil {
+		n.kvReadsFailed.Add(1)
 		return 0, err
+	}
+	n.kvReads.Add(1)
+	for l := p.First; l < p.First+p.Count; l++ {
+		for _, pt := range p.Src.Layers[l] {
+			n.kvReadBytes.Add(uint64(pt.Bytes) * uint64(len(r.SrcBlocks)))
+		}
 	}
 	return p.Count, nil
 }

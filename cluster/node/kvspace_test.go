@@ -935,6 +935,16 @@ func TestKVReadSplit(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkRead(t, src, dst, make2(dst), srcIDs, dstIDs, 1, layers-1)
+	want := fmt.Sprintf("%g", float64((layers-1)*2*blocks*bsize))
+	if m := metric(t, b.st, "cudaipc_cluster_kv_read_bytes_total"); m != want {
+		t.Errorf("b's cudaipc_cluster_kv_read_bytes_total is %s, want %s", m, want)
+	}
+	if m := metric(t, b.st, `cudaipc_cluster_kv_reads_total{result="ok"}`); m == "0" || m == "1" || m == "" {
+		t.Errorf("b counts %s kv_reads, want the read cut into several", m)
+	}
+	if m := metric(t, a.st, "cudaipc_cluster_kv_staged_bytes_total"); m != want {
+		t.Errorf("a's cudaipc_cluster_kv_staged_bytes_total is %s, want %s (the read staged)", m, want)
+	}
 }
 
 // TestKVReadStagedGroups reads a staged read in groups of layers (a

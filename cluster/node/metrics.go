@@ -58,6 +58,24 @@ func (n *Node) Collectors() []prometheus.Collector {
 			Help: "Reads of other nodes' memory, by how they were made.", ConstLabels: prometheus.Labels{"read": "get"}},
 			func() float64 { _, g := n.tr.Reads(); return float64(g) }),
 	}
+	for _, res := range []string{"ok", "failed"} {
+		cs = append(cs, prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_kv_reads_total",
+			Help:        "Reads of KV spaces of other nodes (kv_read) this node made for its clients, finished, by result.",
+			ConstLabels: prometheus.Labels{"result": res}},
+			func() float64 {
+				if res == "ok" {
+					return float64(n.kvReads.Load())
+				}
+				return float64(n.kvReadsFailed.Load())
+			}))
+	}
+	cs = append(cs,
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_kv_read_bytes_total",
+			Help: "Bytes of KV blocks read from other nodes' spaces into this node's clients' spaces."},
+			func() float64 { return float64(n.kvReadBytes.Load()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "cudaipc_cluster_kv_staged_bytes_total",
+			Help: "Bytes of this node's KV spaces gathered for other nodes' staged reads."},
+			func() float64 { return float64(n.kvStagedBytes.Load()) }))
 	for _, st := range []string{"pending", "channel"} {
 		cs = append(cs, prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "cudaipc_cluster_control_connections",
 			Help:        "Connections to the control port: not yet authenticated (pending, bounded per source and in all) and authenticated channels.",

@@ -144,11 +144,14 @@ type Node struct {
 	mirror  *etcddir.Mirror
 	slicing slicePulls // partial replicas being read (partial.go)
 	spaces  spaceMaps  // KV spaces' memory mapped for reads across nodes (kvspace.go)
-	// stageBufs are staged KV reads' buffers, kvStagedBytes the bytes
-	// gathered into them, spaceMode how reads go (kvstage.go).
+	// stageBufs and gpuPieces are staged KV reads' buffers, kvStagedBytes
+	// the bytes gathered into them, spaceMode how reads go (kvstage.go).
 	stageBufs     stageBufs
 	gpuPieces     gpuPieces
 	kvStagedBytes atomic.Uint64
+	// kvReads, kvReadsFailed and kvReadBytes count the kv_reads this node
+	// made for its clients (kvspace.go).
+	kvReads, kvReadsFailed, kvReadBytes atomic.Uint64
 	spaceMode     atomic.Int32
 }
 
