@@ -29,7 +29,7 @@ const MaxStaging = 1 << 40
 // NewStaging returns the staging of n blocks a part of layers [first,
 // first+count) of layout l.
 func NewStaging(l *Layout, n, first, count int) (*Staging, error) {
-	if n <= 0 || first < 0 || count <= 0 || first+count > len(l.Layers) {
+	if n <= 0 || first < 0 || count <= 0 || first > len(l.Layers) || count > len(l.Layers)-first {
 		return nil, fmt.Errorf("%w: staging of %d blocks of layers [%d, %d) of %d", ErrMismatch, n, first, first+count, len(l.Layers))
 	}
 	s := &Staging{n: n, first: first, count: count, layer: make([]int64, count+1), part: make([][]int64, count), bytes: make([][]int64, count)}
@@ -40,9 +40,10 @@ func NewStaging(l *Layout, n, first, count int) (*Staging, error) {
 		s.part[i], s.bytes[i] = make([]int64, len(parts)), make([]int64, len(parts))
 		for p, pt := range parts {
 			s.part[i][p], s.bytes[i][p] = off, pt.Bytes
-			if off += int64(n) * pt.Bytes; off > MaxStaging {
+			if pt.Bytes <= 0 || int64(n) > (MaxStaging-off)/pt.Bytes {
 				return nil, fmt.Errorf("%w: a staging of more than %d bytes", ErrMismatch, int64(MaxStaging))
 			}
+			off += int64(n) * pt.Bytes
 		}
 	}
 	s.layer[count] = off

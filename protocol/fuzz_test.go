@@ -128,6 +128,11 @@ func FuzzDecodeRequest(f *testing.F) {
 	f.Add(mustMarshal(f, big), uint8(1))
 	files := &storev1.Request{Id: 13, Body: &storev1.Request_Files{Files: &storev1.FilesRequest{LeaseId: 4, From: 60}}}
 	f.Add(mustMarshal(f, files), uint8(0))
+	// A KV read across nodes, and its cancel.
+	kvRead := &storev1.Request{Id: 14, Body: &storev1.Request_KvRead{KvRead: &storev1.KvReadRequest{
+		Src: []byte("CKVS-src"), Dst: []byte("CKVS-dst"), SrcBlocks: []uint32{3, 1, 40000}, DstBlocks: []uint32{0, 1, 2}, First: 2, Count: 30, TimeoutMs: 500}}}
+	f.Add(mustMarshal(f, kvRead), uint8(0))
+	f.Add(mustMarshal(f, &storev1.Request{Id: 15, Body: &storev1.Request_KvCancel{KvCancel: &storev1.KvCancelRequest{ReadId: 14}}}), uint8(0))
 	raw, sock := socketpair(f)
 	c := newConn(f, sock)
 	f.Fuzz(func(t *testing.T, data []byte, nfiles uint8) {
@@ -166,6 +171,10 @@ func FuzzDecodeRequest(f *testing.F) {
 		}
 		if files != 0 || req.GetId() == 0 || RequestKind(&req) == "unknown" {
 			t.Fatalf("ValidateRequest accepted %v with %d files", &req, files)
+		}
+		if r := req.GetKvRead(); r != nil && (len(r.GetSrc()) == 0 || len(r.GetSrc()) > MaxSpaceSize || len(r.GetDst()) == 0 || len(r.GetDst()) > MaxSpaceSize ||
+			len(r.GetSrcBlocks()) == 0 || len(r.GetSrcBlocks()) != len(r.GetDstBlocks()) || r.GetFirst() >= MaxKVLayers || r.GetCount() > MaxKVLayers) {
+			t.Fatalf("ValidateRequest accepted a kv_read of %d and %d blocks, descriptions of %d and %d bytes, layers %d+%d", len(r.GetSrcBlocks()), len(r.GetDstBlocks()), len(r.GetSrc()), len(r.GetDst()), r.GetFirst(), r.GetCount())
 		}
 		if c := req.GetCreate(); c != nil && (c.GetSize() == 0 || c.GetSize() > MaxObjectSize) {
 			t.Fatalf("accepted size %d", c.GetSize())

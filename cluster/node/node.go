@@ -152,7 +152,7 @@ type Node struct {
 	// kvReads, kvReadsFailed and kvReadBytes count the kv_reads this node
 	// made for its clients (kvspace.go).
 	kvReads, kvReadsFailed, kvReadBytes atomic.Uint64
-	spaceMode     atomic.Int32
+	spaceMode                           atomic.Int32
 }
 
 // arenaReg is an arena registered with UCX while exposures use it: a host
