@@ -349,6 +349,14 @@ func (c *Client) UnpinBlocks(ctx context.Context, pin uint64) error {
 	return err
 }
 
+// UnpinBlocksAsync ends a pin of this connection without waiting for
+// the daemon's answer: the daemon handles a connection's requests in the
+// order they come, so any request this client sends afterwards finds the
+// blocks unpinned. A pin unknown to the daemon goes unnoticed.
+func (c *Client) UnpinBlocksAsync(pin uint64) error {
+	return c.sendDetached(unpinRequest(pin))
+}
+
 // DeleteBlocks removes keys from the pool (its owner's uid or root) and
 // returns how many it held.
 func (c *Client) DeleteBlocks(ctx context.Context, pool string, keys [][]byte) (int, error) {

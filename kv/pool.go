@@ -208,7 +208,8 @@ type GetRequest struct {
 
 // Get finds and pins the blocks of r.Keys in one round trip, then, in the
 // background, copies them out of the pool's memory into r.Dst layer by
-// layer (Transfer.WaitLayer) and unpins them. A key the pool does not
+// layer (Transfer.WaitLayer) and unpins them before the transfer is done
+// (requests c sends after that find them unpinned). A key the pool does not
 // hold fails the transfer at its end with a *BlockError naming its
 // destination blocks, matching ErrMissing; the others are copied, and
 // WaitLayer reports that error for every layer. Bad requests fail at once
@@ -224,12 +225,9 @@ func (p *Pool) Get(ctx context.Context, r GetRequest) (*Transfer, error) {
 	}
 	unpin := func() {
 		if l.Pin != 0 {
-			// Asynchronous: the blocks are copied, the answer matters not.
-			go func() {
-				ctx, cancel := context.WithTimeout(context.Background(), noticeTimeout)
-				defer cancel()
-				_ = p.c.UnpinBlocks(ctx, l.Pin)
-			}()
+			// Sent before the transfer is done, not waited for: every later
+			// request of this connection finds the blocks unpinned.
+			_ = p.c.UnpinBlocksAsync(l.Pin)
 		}
 	}
 	mem, err := p.memory(ctx, l.PoolID)
@@ -339,8 +337,8 @@ func (p *Pool) plan(r GetRequest) (*getPlan, error) {
 	return g, nil
 }
 
-// copyWorkerBytes is how many bytes of a layer a get copies per worker
-// goroutine at least.
+// copyWorkerBytes is how many bytes a get copies per worker goroutine at
+// least: below it one goroutine copies.
 const copyWorkerBytes = 8 << 20
 
 // copyOut copies every found block into the destination, layer by layer,
@@ -355,12 +353,11 @@ func (g *getPlan) copyOut(mem *client.PoolMemory, slots []uint32, dst []int, lay
 			found = append(found, i)
 		}
 	}
+	// The workers split each layer's blocks, so that layers still complete
+	// in order.
+	workers := min(runtime.GOMAXPROCS(0), 8, int(int64(len(found))*g.blockBytes/copyWorkerBytes))
 	for l := g.first; l < g.first+g.count; l++ {
 		parts := g.Dst.Layers[l]
-		var layerBytes int64
-		for _, pt := range parts {
-			layerBytes += pt.Bytes
-		}
 		one := func(i int) {
 			from := int64(slots[i]) * slot
 			for j, pt := range parts {
@@ -370,7 +367,6 @@ func (g *getPlan) copyOut(mem *client.PoolMemory, slots []uint32, dst []int, lay
 				copy(d[do:do+pt.Bytes], src[so:so+pt.Bytes])
 			}
 		}
-		workers := min(runtime.GOMAXPROCS(0), 8, int(int64(len(found))*layerBytes/copyWorkerBytes))
 		if workers <= 1 {
 			for _, i := range found {
 				one(i)

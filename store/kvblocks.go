@@ -175,22 +175,25 @@ func (cn *conn) poolStat(id uint64, r *storev1.PoolStatRequest) {
 	cn.sendLocked(resp, f)
 }
 
-// blockKeys resolves a block request's pool and reads its keys.
-func (cn *conn) blockKeys(pool string, count uint32, keys *storev1.Blob, bulk *os.File, write bool) (*blockPool, []blocks.Key, error) {
+// blockKeys resolves a block request's pool and reads its keys; done
+// gives their buffer back.
+func (cn *conn) blockKeys(pool string, count uint32, keys *storev1.Blob, bulk *os.File, write bool) (p *blockPool, ks blocks.Keys, done func(), err error) {
 	name, err := cn.qualify(pool, false)
 	if err != nil {
-		return nil, nil, err
+		return nil, ks, nil, err
 	}
-	p, err := cn.ss.poolFor(name, write)
+	if p, err = cn.ss.poolFor(name, write); err != nil {
+		return nil, ks, nil, err
+	}
+	data, done, err := readBlob("keys", keys, bulk)
 	if err != nil {
-		return nil, nil, err
+		return nil, ks, nil, err
 	}
-	data, err := readBlob("keys", keys, bulk)
-	if err != nil {
-		return nil, nil, err
+	if ks, err = p.parseKeys(data, count); err != nil {
+		done()
+		return nil, ks, nil, err
 	}
-	ks, err := p.parseKeys(data, count)
-	return p, ks, err
+	return p, ks, done, nil
 }
 
 // blockPut stores the blocks of a put: it maps the source regions, takes
@@ -198,16 +201,18 @@ func (cn *conn) blockKeys(pool string, count uint32, keys *storev1.Blob, bulk *o
 // committed), copies each key's parts into its slot and commits.
 func (cn *conn) blockPut(r *storev1.BlockPutRequest, bulk *os.File) (*storev1.BlockPutResponse, error) {
 	ss := cn.ss
-	p, keys, err := cn.blockKeys(r.GetPool(), r.GetCount(), r.GetKeys(), bulk, true)
+	p, keys, done, err := cn.blockKeys(r.GetPool(), r.GetCount(), r.GetKeys(), bulk, true)
 	if err != nil {
 		return nil, err
 	}
+	defer done()
 	src := r.GetSource()
-	raw, err := readBlob("ids", src.GetIds(), bulk)
+	raw, doneIDs, err := readBlob("ids", src.GetIds(), bulk)
 	if err != nil {
 		return nil, err
 	}
-	ids := make([]uint32, len(keys))
+	defer doneIDs()
+	ids := make([]uint32, keys.Len())
 	maxID := uint32(0)
 	for i := range ids {
 		ids[i] = binary.LittleEndian.Uint32(raw[4*i:])
@@ -232,8 +237,8 @@ func (cn *conn) blockPut(r *storev1.BlockPutRequest, bulk *os.File) (*storev1.Bl
 		return nil, &protocol.CodeError{Code: storev1.Error_NOT_FOUND, Message: "KV block pool " + r.GetPool() + ": " + errPoolGone.Error()}
 	}
 	defer cn.s.leavePool(p)
-	slots := make([]int32, len(keys))
-	status := make([]blocks.Status, len(keys))
+	slots := make([]int32, keys.Len())
+	status := make([]blocks.Status, keys.Len())
 	p.mu.Lock()
 	stored, evicted := p.idx.Reserve(keys, slots, status)
 	p.evictions += uint64(evicted)
@@ -248,7 +253,7 @@ func (cn *conn) blockPut(r *storev1.BlockPutRequest, bulk *os.File) (*storev1.Bl
 	m.stored.WithLabelValues(p.device).Add(float64(stored))
 	m.putBytes.WithLabelValues(p.device).Add(float64(int64(stored) * p.blockBytes))
 	resp := &storev1.BlockPutResponse{Stored: uint32(stored)}
-	st := make([]byte, len(keys))
+	st := make([]byte, len(status))
 	for i, s := range status {
 		st[i] = byte(s)
 		switch s {
@@ -349,7 +354,7 @@ func pinTimeout(ms int64) time.Duration {
 // blockLookup counts the present prefix of keys, pinning it when asked.
 func (cn *conn) blockLookup(r *storev1.BlockLookupRequest, bulk *os.File) (*storev1.BlockLookupResponse, error) {
 	start := time.Now()
-	p, keys, err := cn.blockKeys(r.GetPool(), r.GetCount(), r.GetKeys(), bulk, false)
+	p, keys, done, err := cn.blockKeys(r.GetPool(), r.GetCount(), r.GetKeys(), bulk, false)
 	if err != nil {
 		return nil, err
 	}
@@ -357,11 +362,12 @@ func (cn *conn) blockLookup(r *storev1.BlockLookupRequest, bulk *os.File) (*stor
 	p.mu.Lock()
 	n := p.idx.Prefix(keys)
 	if r.GetPin() && n > 0 {
-		slots = p.idx.PinPrefix(keys[:n], make([]int32, 0, n))
+		slots = p.idx.PinPrefix(keys.Slice(0, n), make([]int32, 0, n))
 	}
 	p.hits += uint64(n)
-	p.misses += uint64(len(keys) - n)
+	p.misses += uint64(keys.Len() - n)
 	p.mu.Unlock()
+	done()
 	resp := &storev1.BlockLookupResponse{Found: uint32(n)}
 	if slots != nil {
 		if resp.Pin, err = cn.ss.addPin(p, slots, pinTimeout(r.GetPinTimeoutMs())); err != nil {
@@ -370,23 +376,24 @@ func (cn *conn) blockLookup(r *storev1.BlockLookupRequest, bulk *os.File) (*stor
 	}
 	m := cn.s.metrics.pools
 	m.hits.WithLabelValues(p.device, "lookup").Add(float64(n))
-	m.misses.WithLabelValues(p.device, "lookup").Add(float64(len(keys) - n))
+	m.misses.WithLabelValues(p.device, "lookup").Add(float64(keys.Len() - n))
 	m.lookupSeconds.Observe(time.Since(start).Seconds())
 	return resp, nil
 }
 
 // blockGet pins the present blocks of keys and says where they are.
 func (cn *conn) blockGet(r *storev1.BlockGetRequest, bulk *os.File) (*storev1.BlockGetResponse, error) {
-	p, keys, err := cn.blockKeys(r.GetPool(), r.GetCount(), r.GetKeys(), bulk, false)
+	p, keys, done, err := cn.blockKeys(r.GetPool(), r.GetCount(), r.GetKeys(), bulk, false)
 	if err != nil {
 		return nil, err
 	}
-	slots := make([]int32, len(keys))
+	slots := make([]int32, keys.Len())
 	p.mu.Lock()
 	found := p.idx.Acquire(keys, slots)
 	p.hits += uint64(found)
-	p.misses += uint64(len(keys) - found)
+	p.misses += uint64(keys.Len() - found)
 	p.mu.Unlock()
+	done()
 	resp := &storev1.BlockGetResponse{Found: uint32(found), PoolId: p.id}
 	if found > 0 {
 		held := make([]int32, 0, found)
@@ -421,17 +428,18 @@ func (cn *conn) blockGet(r *storev1.BlockGetRequest, bulk *os.File) (*storev1.Bl
 	}
 	m := cn.s.metrics.pools
 	m.hits.WithLabelValues(p.device, "get").Add(float64(found))
-	m.misses.WithLabelValues(p.device, "get").Add(float64(len(keys) - found))
+	m.misses.WithLabelValues(p.device, "get").Add(float64(len(slots) - found))
 	m.getBytes.WithLabelValues(p.device).Add(float64(int64(found) * p.blockBytes))
 	return resp, nil
 }
 
 // blockDelete removes keys from a pool.
 func (cn *conn) blockDelete(r *storev1.BlockDeleteRequest, bulk *os.File) (int, error) {
-	p, keys, err := cn.blockKeys(r.GetPool(), r.GetCount(), r.GetKeys(), bulk, true)
+	p, keys, done, err := cn.blockKeys(r.GetPool(), r.GetCount(), r.GetKeys(), bulk, true)
 	if err != nil {
 		return 0, err
 	}
+	defer done()
 	p.mu.Lock()
 	n := p.idx.Delete(keys)
 	p.mu.Unlock()

@@ -20,6 +20,27 @@ const KeySize = 32
 // Key is a block's key, zero-padded to KeySize bytes.
 type Key [KeySize]byte
 
+// Keys are a request's keys end to end, Size bytes each (at most
+// KeySize): the index reads them where they lie, without a copy of the
+// list.
+type Keys struct {
+	Data []byte
+	Size int
+}
+
+// Len returns the number of keys.
+func (ks Keys) Len() int { return len(ks.Data) / ks.Size }
+
+// At returns key i, zero-padded.
+func (ks Keys) At(i int) Key {
+	var k Key
+	copy(k[:], ks.Data[i*ks.Size:(i+1)*ks.Size])
+	return k
+}
+
+// Slice returns keys [i, j).
+func (ks Keys) Slice(i, j int) Keys { return Keys{ks.Data[i*ks.Size : j*ks.Size], ks.Size} }
+
 // None is the slot of no block.
 const None int32 = -1
 
@@ -135,8 +156,9 @@ func (x *Index) evictOne() int32 {
 // being written. slots[i] and status[i] receive each key's slot (None
 // unless Reserved) and status; a key given twice is Existed the second
 // time. It returns how many were reserved and how many blocks it evicted.
-func (x *Index) Reserve(keys []Key, slots []int32, status []Status) (reserved, evicted int) {
-	for i, k := range keys {
+func (x *Index) Reserve(keys Keys, slots []int32, status []Status) (reserved, evicted int) {
+	for i := range keys.Len() {
+		k := keys.At(i)
 		slots[i] = None
 		if _, ok := x.byKey[k]; ok {
 			status[i] = Existed
@@ -207,13 +229,14 @@ func (x *Index) readable(k Key) (int32, bool) {
 
 // Prefix returns how many keys, from the first, are readable: the first
 // absent one (or one being written) ends the prefix. It changes nothing.
-func (x *Index) Prefix(keys []Key) int {
-	for i, k := range keys {
-		if _, ok := x.readable(k); !ok {
+func (x *Index) Prefix(keys Keys) int {
+	n := keys.Len()
+	for i := range n {
+		if _, ok := x.readable(keys.At(i)); !ok {
 			return i
 		}
 	}
-	return len(keys)
+	return n
 }
 
 // pin pins slot j, taking it off the eviction list.
@@ -231,9 +254,9 @@ func (x *Index) pin(j int32) {
 // PinPrefix pins the blocks of the first n keys, which must be readable
 // (Prefix said so, with no call between), and appends their slots to
 // slots.
-func (x *Index) PinPrefix(keys []Key, slots []int32) []int32 {
-	for _, k := range keys {
-		j, ok := x.readable(k)
+func (x *Index) PinPrefix(keys Keys, slots []int32) []int32 {
+	for i := range keys.Len() {
+		j, ok := x.readable(keys.At(i))
 		if !ok {
 			panic("blocks: PinPrefix of a key not readable")
 		}
@@ -245,9 +268,9 @@ func (x *Index) PinPrefix(keys []Key, slots []int32) []int32 {
 
 // Acquire pins the readable blocks of keys: slots[i] is key i's slot, or
 // None. It returns how many it found.
-func (x *Index) Acquire(keys []Key, slots []int32) (found int) {
-	for i, k := range keys {
-		j, ok := x.readable(k)
+func (x *Index) Acquire(keys Keys, slots []int32) (found int) {
+	for i := range keys.Len() {
+		j, ok := x.readable(keys.At(i))
 		slots[i] = j
 		if ok {
 			x.pin(j)
@@ -284,9 +307,10 @@ func (x *Index) Unpin(slots []int32) {
 
 // Delete removes the readable blocks of keys; a pinned one's slot is
 // reused once its pins end. It returns how many it removed.
-func (x *Index) Delete(keys []Key) int {
+func (x *Index) Delete(keys Keys) int {
 	n := 0
-	for _, k := range keys {
+	for i := range keys.Len() {
+		k := keys.At(i)
 		j, ok := x.readable(k)
 		if !ok {
 			continue

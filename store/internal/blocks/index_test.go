@@ -13,17 +13,28 @@ func key(n int) Key {
 	return k
 }
 
-func keys(ns ...int) []Key {
-	out := make([]Key, len(ns))
-	for i, n := range ns {
-		out[i] = key(n)
+func keys(ns ...int) Keys {
+	var out []byte
+	for _, n := range ns {
+		k := key(n)
+		out = append(out, k[:]...)
+	}
+	return Keys{out, KeySize}
+}
+
+func list(ks Keys) []Key {
+	out := make([]Key, ks.Len())
+	for i := range out {
+		out[i] = ks.At(i)
 	}
 	return out
 }
 
-func put(t *testing.T, x *Index, ks []Key) ([]int32, []Status) {
+func one(k Key) Keys { return Keys{k[:], KeySize} }
+
+func put(t *testing.T, x *Index, ks Keys) ([]int32, []Status) {
 	t.Helper()
-	slots, st := make([]int32, len(ks)), make([]Status, len(ks))
+	slots, st := make([]int32, ks.Len()), make([]Status, ks.Len())
 	x.Reserve(ks, slots, st)
 	x.Commit(slots)
 	if err := x.Check(); err != nil {
@@ -43,11 +54,11 @@ func TestPrefixAndDuplicates(t *testing.T) {
 		t.Fatalf("statuses %v, want %v", st, want)
 	}
 	for _, c := range []struct {
-		ks   []Key
+		ks   Keys
 		want int
 	}{{keys(1, 2, 3, 4), 4}, {keys(1, 2, 9, 4), 2}, {keys(9, 1), 0}, {keys(4), 1}} {
 		if n := x.Prefix(c.ks); n != c.want {
-			t.Errorf("prefix of %d keys: %d, want %d", len(c.ks), n, c.want)
+			t.Errorf("prefix of %d keys: %d, want %d", c.ks.Len(), n, c.want)
 		}
 	}
 }
@@ -91,7 +102,7 @@ func TestEvictionOrderAndPins(t *testing.T) {
 	x.Unpin(s)
 	// Pin 2 through a lookup's prefix.
 	pinned := x.PinPrefix(keys(2), nil)
-	if got, want := x.Order(), keys(3, 4, 1); !slices.Equal(got, want) {
+	if got, want := x.Order(), list(keys(3, 4, 1)); !slices.Equal(got, want) {
 		t.Fatalf("eviction order %v, want %v", got, want)
 	}
 	_, st := put(t, x, keys(5, 6, 7))
@@ -111,7 +122,7 @@ func TestEvictionOrderAndPins(t *testing.T) {
 	}
 	x.Unpin(pinned)
 	x.Unpin(all)
-	if got, want := x.Order(), keys(2, 5, 6, 7); !slices.Equal(got, want) {
+	if got, want := x.Order(), list(keys(2, 5, 6, 7)); !slices.Equal(got, want) {
 		t.Fatalf("eviction order after unpins %v, want %v", got, want)
 	}
 }
@@ -157,33 +168,35 @@ func TestRandomAgainstModel(t *testing.T) {
 	for step := range 20000 {
 		switch r.IntN(6) {
 		case 0, 1:
-			ks := make([]Key, 1+r.IntN(8))
-			for i := range ks {
-				ks[i] = key(r.IntN(200))
+			ns := make([]int, 1+r.IntN(8))
+			for i := range ns {
+				ns[i] = r.IntN(200)
 			}
-			slots, st := make([]int32, len(ks)), make([]Status, len(ks))
+			ks := keys(ns...)
+			slots, st := make([]int32, ks.Len()), make([]Status, ks.Len())
 			x.Reserve(ks, slots, st)
 			if r.IntN(8) == 0 {
 				x.Abort(slots)
 			} else {
 				x.Commit(slots)
-				for i, k := range ks {
+				for i, k := range list(ks) {
 					if st[i] == Reserved {
 						stored[k] = true
 					}
 				}
 			}
 		case 2:
-			ks := make([]Key, 1+r.IntN(8))
-			for i := range ks {
-				ks[i] = key(r.IntN(200))
+			ns := make([]int, 1+r.IntN(8))
+			for i := range ns {
+				ns[i] = r.IntN(200)
 			}
-			slots := make([]int32, len(ks))
+			ks := keys(ns...)
+			slots := make([]int32, ks.Len())
 			x.Acquire(ks, slots)
 			var held pinSet
 			for i, j := range slots {
 				if j != None {
-					held.keys, held.slots = append(held.keys, ks[i]), append(held.slots, j)
+					held.keys, held.slots = append(held.keys, ks.At(i)), append(held.slots, j)
 				}
 			}
 			pins = append(pins, held)
@@ -194,8 +207,8 @@ func TestRandomAgainstModel(t *testing.T) {
 				pins = slices.Delete(pins, i, i+1)
 			}
 		case 4:
-			for _, k := range keys(r.IntN(200)) {
-				if x.Delete([]Key{k}) == 1 {
+			for _, k := range list(keys(r.IntN(200))) {
+				if x.Delete(one(k)) == 1 {
 					// A deleted key held by a pin is no longer required.
 					for pi := range pins {
 						for ki, pk := range pins[pi].keys {
@@ -214,7 +227,7 @@ func TestRandomAgainstModel(t *testing.T) {
 		}
 		for _, p := range pins {
 			for _, k := range p.keys {
-				if k != (Key{}) && x.Prefix([]Key{k}) != 1 {
+				if k != (Key{}) && x.Prefix(one(k)) != 1 {
 					t.Fatalf("step %d: a pinned key went", step)
 				}
 			}
