@@ -100,6 +100,23 @@ func (c *Client) Notify(ctx context.Context, name string, payload []byte) error 
 	return err
 }
 
+// NotifySpace sends payload (at most protocol.MaxNoticePayload bytes) to
+// the engine of the KV space whose description is space (kv.Desc's binary
+// encoding), registered on another node of the daemon's cluster: the
+// daemons forward it (kv_notify), and it reaches the engine as a notice
+// of this client's uid on the space's first region (pid 0). It fails with
+// ErrNotFound when that node has no such space for this uid or its engine
+// is gone, ErrUnavailable when the node cannot be reached, ErrInvalid for
+// a daemon outside a cluster or a space of its own node (use Notify).
+func (c *Client) NotifySpace(ctx context.Context, space, payload []byte) error {
+	if len(payload) > protocol.MaxNoticePayload {
+		return &Error{Op: "kv_notify", Err: ErrInvalid, Message: fmt.Sprintf("a payload of %d bytes: at most %d", len(payload), protocol.MaxNoticePayload)}
+	}
+	req := &storev1.Request{Body: &storev1.Request_KvNotify{KvNotify: &storev1.KvNotifyRequest{Space: space, Payload: payload}}}
+	_, err := c.roundTrip(ctx, "kv_notify", "", req)
+	return err
+}
+
 // TakeNotices removes and returns the notices readers sent about the
 // registered memory names (qualified, as Notice.Name; every notice
 // without names), oldest first. It never blocks.

@@ -93,6 +93,9 @@ type ctlRequest struct {
 	Space   []byte      `json:"space,omitempty"`
 	Regions []int       `json:"regions,omitempty"`
 	Stage   *SpaceStage `json:"stage,omitempty"`
+	// Payload is, for "kvnotify" (kvspace.go), the notice for the space's
+	// engine.
+	Payload []byte `json:"payload,omitempty"`
 }
 
 // ctlResponse answers a ctlRequest.
@@ -728,6 +731,8 @@ func (s *ControlServer) serveConn(c net.Conn, cc *ctlConn, log *slog.Logger, ref
 			resp = s.serveSpace(req, held, &next)
 		case "kvread":
 			resp, raw = s.serveSpaceRead(req)
+		case "kvnotify":
+			resp = s.serveSpaceNotify(req)
 		case "have":
 			resp = s.serveHave(req)
 		case "close":

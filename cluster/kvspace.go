@@ -60,6 +60,77 @@ type SpaceGatherer interface {
 	GatherSpace(reader uint32, desc []byte, regions []int, stage *SpaceStage, max int64) ([]byte, error)
 }
 
+// SpaceNotifier is a SpaceSource that also queues notices from readers on
+// other nodes for the engines of its spaces ("kvnotify": a read of the
+// space ended).
+type SpaceNotifier interface {
+	// NotifySpace queues payload from a reader of uid reader for the
+	// engine of the space whose description is desc, failing with an
+	// error wrapping ErrNoSpace when this node has no such space for the
+	// reader, or its engine's connection ended.
+	NotifySpace(reader uint32, desc, payload []byte) error
+}
+
+// maxNoticePayload bounds a "kvnotify"'s payload (protocol.MaxNoticePayload).
+const maxNoticePayload = 4096
+
+// serveSpaceNotify answers a "kvnotify" request.
+func (s *ControlServer) serveSpaceNotify(req ctlRequest) ctlResponse {
+	var resp ctlResponse
+	sn, ok := s.Source.(SpaceNotifier)
+	switch {
+	case !ok:
+		resp.Err = fmt.Sprintf("%s %q", unknownOp, req.Op)
+	case len(req.Space) == 0 || len(req.Payload) > maxNoticePayload:
+		resp.Err = fmt.Sprintf("kvnotify of a description of %d bytes with a payload of %d", len(req.Space), len(req.Payload))
+	default:
+		if err := sn.NotifySpace(req.Reader, req.Space, req.Payload); err != nil {
+			resp.Err, resp.NotHeld = err.Error(), errors.Is(err, ErrNoSpace)
+		}
+	}
+	return resp
+}
+
+// NotifySpace asks the node to queue payload, from a reader of uid
+// reader, for the engine of the KV space desc. It fails wrapping
+// ErrNoSpace as OpenSpace does.
+func (cc *ControlClient) NotifySpace(ctx context.Context, reader uint32, desc, payload []byte) error {
+	resp, err := cc.roundTrip(ctx, ctlRequest{Op: "kvnotify", Reader: reader, Space: desc, Payload: payload})
+	if err != nil {
+		return err
+	}
+	if resp.Err != "" {
+		if resp.NotHeld {
+			return fmt.Errorf("node %s: %w", cc.ch.peer, errorText{resp.Err, ErrNoSpace})
+		}
+		return fmt.Errorf("node %s: %s", cc.ch.peer, resp.Err)
+	}
+	return nil
+}
+
+// NotifySpace sends a notice for the engine of the KV space desc to node,
+// over the puller's pooled connection to it, failing as GatherSpace does.
+func (p *Puller) NotifySpace(ctx context.Context, node string, reader uint32, desc, payload []byte) error {
+	for attempt := 0; ; attempt++ {
+		pe, err := p.acquire(ctx, node)
+		if err != nil {
+			if errors.Is(err, errNotLive) {
+				return fmt.Errorf("node %s is not a live node of the cluster: %w: %v", node, ErrNotFound, err)
+			}
+			return unreachable(node, err)
+		}
+		err = pe.cc.NotifySpace(ctx, reader, desc, payload)
+		stale := errors.Is(err, errChannel)
+		p.release(pe, stale)
+		if err == nil || !stale || attempt > 0 || ctx.Err() != nil {
+			if err != nil && !errors.Is(err, ErrNoSpace) {
+				err = unreachable(node, err)
+			}
+			return err
+		}
+	}
+}
+
 // SpaceStage is what a staged read gathers: block Blocks[i] of each part
 // of layers [First, First+Count).
 type SpaceStage struct {

@@ -176,15 +176,19 @@ func ReadBlocks(ctx context.Context, c *client.Client, r Request) (*Transfer, er
 // the read's Done: a reader that exits once its read is done has sent it.
 // The engine may be gone; that is logged, not the read's failure.
 func (p *readPlan) notify(c *client.Client, err error) {
-	status := byte(0)
-	if err != nil {
-		status = 1
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), noticeTimeout)
 	defer cancel()
-	if nerr := c.Notify(ctx, p.Src.RegionName(0), append([]byte{status}, p.Notify...)); nerr != nil {
+	if nerr := c.Notify(ctx, p.Src.RegionName(0), append([]byte{status(err)}, p.Notify...)); nerr != nil {
 		slog.Debug("kv: the source's engine was not told that a read ended", "space", p.Src.Name, "err", nerr)
 	}
+}
+
+// status is a notice's status byte for a read that ended with err.
+func status(err error) byte {
+	if err != nil {
+		return 1
+	}
+	return 0
 }
 
 // noticeTimeout bounds the notice at the end of a read.

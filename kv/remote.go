@@ -3,6 +3,7 @@ package kv
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"sync"
 
 	"google.golang.org/protobuf/encoding/protowire"
@@ -120,9 +121,6 @@ func readRemote(ctx context.Context, c *client.Client, r Request) (*Transfer, er
 	if self == "" {
 		return nil, fmt.Errorf("%w: space %s is on node %s, and this client's daemon is not part of a cluster", ErrNotSupported, r.Src.Name, r.Src.Node)
 	}
-	if r.Notify != nil {
-		return nil, fmt.Errorf("%w: a notice to the source's engine (Request.Notify) across nodes", ErrNotSupported)
-	}
 	sp := r.Dst.space
 	if sp == nil {
 		return nil, fmt.Errorf("%w: a read from another node (%s) is written by this node's daemon, which must know the destination: register it (kv.Register)", ErrNotSupported, r.Src.Node)
@@ -164,8 +162,22 @@ func readRemote(ctx context.Context, c *client.Client, r Request) (*Transfer, er
 		defer close(t.done)
 		wg.Wait()
 		t.err = pr.failure(r, parts, errs)
+		if r.Notify != nil {
+			notifyRemote(c, r.Src.Name, src, r.Notify, t.err)
+		}
 	}()
 	return t, nil
+}
+
+// notifyRemote tells the engine of the space src (on another node) that a
+// read ended (err: how), through this client's daemon and the source's,
+// before the read's Done, as notify does on one node.
+func notifyRemote(c *client.Client, name string, src, payload []byte, err error) {
+	ctx, cancel := context.WithTimeout(context.Background(), noticeTimeout)
+	defer cancel()
+	if nerr := c.NotifySpace(ctx, src, append([]byte{status(err)}, payload...)); nerr != nil {
+		slog.Debug("kv: the source's engine was not told that a read ended", "space", name, "err", nerr)
+	}
 }
 
 // remoteProgress follows the layers each kv_read of a read has completed;

@@ -227,6 +227,14 @@ func ValidateRequest(r *storev1.Request, nfiles int) error {
 		return ValidateName(b.Notify.GetName())
 	case *storev1.Request_KvRead:
 		return validateKVRead(b.KvRead)
+	case *storev1.Request_KvNotify:
+		switch r := b.KvNotify; {
+		case len(r.GetSpace()) == 0 || len(r.GetSpace()) > MaxSpaceSize:
+			return Errorf(storev1.Error_INVALID, "kv_notify: a description of %d bytes, want 1 to %d", len(r.GetSpace()), MaxSpaceSize)
+		case len(r.GetPayload()) > MaxNoticePayload:
+			return Errorf(storev1.Error_INVALID, "kv_notify: a payload of %d bytes (at most %d)", len(r.GetPayload()), MaxNoticePayload)
+		}
+		return nil
 	case *storev1.Request_KvCancel:
 		if b.KvCancel.GetReadId() == 0 {
 			return Errorf(storev1.Error_INVALID, "kv_cancel: read id 0")
@@ -315,6 +323,8 @@ func RequestKind(r *storev1.Request) string {
 		return "kv_read"
 	case *storev1.Request_KvCancel:
 		return "kv_cancel"
+	case *storev1.Request_KvNotify:
+		return "kv_notify"
 	}
 	if k := poolKind(r); k != "" {
 		return k
@@ -478,7 +488,7 @@ func validateResponse(r *storev1.Response, nfiles int) error {
 		}
 	case *storev1.Response_Seal, *storev1.Response_Abort, *storev1.Response_Release,
 		*storev1.Response_Delete, *storev1.Response_Subscribe, *storev1.Response_ForgetArenas, *storev1.Response_Withdraw,
-		*storev1.Response_Notify, *storev1.Response_KvCancel:
+		*storev1.Response_Notify, *storev1.Response_KvCancel, *storev1.Response_KvNotify:
 	case nil:
 		return invalid("success response without a known body")
 	default:

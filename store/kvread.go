@@ -34,6 +34,34 @@ type SpaceReader interface {
 	// count of layers read. Its errors wrap the protocol's sentinels (the
 	// code the client gets).
 	ReadSpace(ctx context.Context, r SpaceRead, progress func(layers int)) (int, error)
+	// NotifySpace queues payload, from a reader of uid reader, for the
+	// engine of the space whose description is space, registered on
+	// another node (Replicas.Notify there). Its errors wrap the protocol's
+	// sentinels.
+	NotifySpace(ctx context.Context, reader uint32, space, payload []byte) error
+}
+
+// kvNotifyTimeout bounds a kv_notify's forwarding to the space's node.
+const kvNotifyTimeout = 10 * time.Second
+
+// kvNotify serves a kv_notify (valid as protocol.ValidateRequest checks
+// it), in a goroutine of its own: the notice goes to the space's node.
+func (cn *conn) kvNotify(id uint64, r *storev1.KvNotifyRequest) {
+	sr, ok := cn.s.cfg.Cluster.(SpaceReader)
+	if !ok {
+		cn.reply("kv_notify", protocol.ErrorResponse(id, protocol.Errorf(storev1.Error_INVALID,
+			"kv_notify: this daemon is not part of a cluster: a KV space of another node cannot be notified through it")), nil)
+		return
+	}
+	ctx, cancel := context.WithTimeout(cn.ss.ctx, kvNotifyTimeout)
+	defer cancel()
+	if err := sr.NotifySpace(ctx, cn.ss.peer.uid, r.GetSpace(), r.GetPayload()); err != nil {
+		if cn.ss.ctx.Err() == nil {
+			cn.reply("kv_notify", protocol.ErrorResponse(id, err), nil)
+		}
+		return
+	}
+	cn.reply("kv_notify", &storev1.Response{Id: id, Body: &storev1.Response_KvNotify{KvNotify: &storev1.KvNotifyResponse{}}}, nil)
 }
 
 // SpaceRead is a kv_read as the store hands it to its SpaceReader: Reader

@@ -22,8 +22,26 @@ func (ss *session) sendNotice(name string, payload []byte) error {
 	if ss.closed {
 		return errSessionClosed
 	}
+	return s.noticeLocked(ss.peer, name, payload)
+}
+
+// Notify queues payload for the exporter of the registered memory name
+// (qualified), from a reader of uid reader on another node (a KV read
+// across nodes that ended: docs/kv.md), as a notify request of that uid
+// would; the notice's pid is 0. It fails as notify does: ErrNotFound,
+// ErrLimit.
+func (rp *Replicas) Notify(reader uint32, name string, payload []byte) error {
+	s := rp.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.noticeLocked(peer{uid: reader}, name, payload)
+}
+
+// noticeLocked queues payload from the peer from for the exporter of the
+// registered memory name, which from must be able to read.
+func (s *Store) noticeLocked(from peer, name string, payload []byte) error {
 	e := s.lookupLocked(name)
-	if e.kind != kindExternal || !e.ext.readableBy(ss.peer.uid) {
+	if e.kind != kindExternal || !e.ext.readableBy(from.uid) {
 		return fmt.Errorf("no registered memory %q to notify: %w", name, ErrNotFound)
 	}
 	to := e.ext.registrar
@@ -33,7 +51,7 @@ func (ss *session) sendNotice(name string, payload []byte) error {
 	if len(to.notices) >= protocol.MaxPendingNotices {
 		return fmt.Errorf("the exporter of %q has %d notices not sent yet: %w", name, len(to.notices), ErrLimit)
 	}
-	to.notices = append(to.notices, &storev1.Notice{Name: name, Payload: payload, Uid: ss.peer.uid, Pid: uint32(ss.peer.pid)})
+	to.notices = append(to.notices, &storev1.Notice{Name: name, Payload: payload, Uid: from.uid, Pid: uint32(from.pid)})
 	select {
 	case to.notify <- struct{}{}:
 	default:

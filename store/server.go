@@ -524,6 +524,9 @@ func (cn *conn) handle(req *storev1.Request) {
 		cn.kvRead(id, b.KvRead)
 	case *storev1.Request_KvCancel:
 		cn.kvCancel(id, b.KvCancel)
+	case *storev1.Request_KvNotify:
+		r := b.KvNotify
+		cn.wg.Go(func() { cn.kvNotify(id, r) })
 	default:
 		fail(protocol.Errorf(storev1.Error_INVALID, "unsupported operation %s", op))
 	}

@@ -257,6 +257,40 @@ func (s source) ExposeSpace(reader uint32, desc []byte, regions []int, stage *cl
 	return e, func() { once.Do(release) }, nil
 }
 
+// NotifySpace implements store.SpaceReader: a reader's notice for the
+// engine of a space of another node, sent to that node.
+func (n *Node) NotifySpace(ctx context.Context, reader uint32, space, payload []byte) error {
+	var d kv.Desc
+	if err := d.UnmarshalBinary(space); err != nil {
+		return protocol.Errorf(storev1.Error_INVALID, "kv_notify: %v", err)
+	}
+	if d.Node == "" || d.Node == n.cfg.Directory.Node {
+		return protocol.Errorf(storev1.Error_INVALID, "kv_notify: space %s is on this node (%q), not another: notify it directly", d.Name, d.Node)
+	}
+	return n.p.NotifySpace(ctx, d.Node, reader, space, payload)
+}
+
+// NotifySpace implements cluster.SpaceNotifier: a notice from a reader on
+// another node, queued for the engine of a space of this one (its first
+// region's registration).
+func (s source) NotifySpace(reader uint32, desc, payload []byte) error {
+	n := s.n
+	var d kv.Desc
+	if err := d.UnmarshalBinary(desc); err != nil {
+		return err
+	}
+	if self := n.cfg.Directory.Node; d.Node != self {
+		return fmt.Errorf("%w: space %s is on node %q, not this one", cluster.ErrNoSpace, d.Name, d.Node)
+	}
+	if err := n.st.Notify(reader, d.RegionName(0), payload); err != nil {
+		if errors.Is(err, store.ErrNotFound) {
+			err = fmt.Errorf("%w: %v", cluster.ErrNoSpace, err)
+		}
+		return err
+	}
+	return nil
+}
+
 // leaseSpace leases, for uid reader, the regions of the space whose
 // description is desc, checking that they are of that registration.
 func (n *Node) leaseSpace(reader uint32, desc []byte, regions []int) (*kv.Desc, *store.RegisteredLease, error) {

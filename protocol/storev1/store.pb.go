@@ -363,6 +363,7 @@ type Request struct {
 	//	*Request_Notify
 	//	*Request_KvRead
 	//	*Request_KvCancel
+	//	*Request_KvNotify
 	//	*Request_PoolCreate
 	//	*Request_PoolDelete
 	//	*Request_PoolStat
@@ -593,6 +594,15 @@ func (x *Request) GetKvCancel() *KvCancelRequest {
 	return nil
 }
 
+func (x *Request) GetKvNotify() *KvNotifyRequest {
+	if x != nil {
+		if x, ok := x.Body.(*Request_KvNotify); ok {
+			return x.KvNotify
+		}
+	}
+	return nil
+}
+
 func (x *Request) GetPoolCreate() *PoolCreateRequest {
 	if x != nil {
 		if x, ok := x.Body.(*Request_PoolCreate); ok {
@@ -763,6 +773,10 @@ type Request_KvCancel struct {
 	KvCancel *KvCancelRequest `protobuf:"bytes,52,opt,name=kv_cancel,json=kvCancel,proto3,oneof"`
 }
 
+type Request_KvNotify struct {
+	KvNotify *KvNotifyRequest `protobuf:"bytes,53,opt,name=kv_notify,json=kvNotify,proto3,oneof"`
+}
+
 type Request_PoolCreate struct {
 	// KV block pools (fields 60-69; docs/protocol.md section 6.10).
 	PoolCreate *PoolCreateRequest `protobuf:"bytes,60,opt,name=pool_create,json=poolCreate,proto3,oneof"`
@@ -841,6 +855,8 @@ func (*Request_Notify) isRequest_Body() {}
 func (*Request_KvRead) isRequest_Body() {}
 
 func (*Request_KvCancel) isRequest_Body() {}
+
+func (*Request_KvNotify) isRequest_Body() {}
 
 func (*Request_PoolCreate) isRequest_Body() {}
 
@@ -1818,6 +1834,7 @@ type Response struct {
 	//	*Response_Notice
 	//	*Response_KvRead
 	//	*Response_KvCancel
+	//	*Response_KvNotify
 	//	*Response_PoolCreate
 	//	*Response_PoolDelete
 	//	*Response_PoolStat
@@ -2074,6 +2091,15 @@ func (x *Response) GetKvCancel() *KvCancelResponse {
 	return nil
 }
 
+func (x *Response) GetKvNotify() *KvNotifyResponse {
+	if x != nil {
+		if x, ok := x.Body.(*Response_KvNotify); ok {
+			return x.KvNotify
+		}
+	}
+	return nil
+}
+
 func (x *Response) GetPoolCreate() *PoolCreateResponse {
 	if x != nil {
 		if x, ok := x.Body.(*Response_PoolCreate); ok {
@@ -2267,6 +2293,10 @@ type Response_KvCancel struct {
 	KvCancel *KvCancelResponse `protobuf:"bytes,52,opt,name=kv_cancel,json=kvCancel,proto3,oneof"`
 }
 
+type Response_KvNotify struct {
+	KvNotify *KvNotifyResponse `protobuf:"bytes,53,opt,name=kv_notify,json=kvNotify,proto3,oneof"`
+}
+
 type Response_PoolCreate struct {
 	PoolCreate *PoolCreateResponse `protobuf:"bytes,60,opt,name=pool_create,json=poolCreate,proto3,oneof"`
 }
@@ -2354,6 +2384,8 @@ func (*Response_Notice) isResponse_Body() {}
 func (*Response_KvRead) isResponse_Body() {}
 
 func (*Response_KvCancel) isResponse_Body() {}
+
+func (*Response_KvNotify) isResponse_Body() {}
 
 func (*Response_PoolCreate) isResponse_Body() {}
 
@@ -4452,6 +4484,105 @@ func (*KvCancelResponse) Descriptor() ([]byte, []int) {
 	return file_store_proto_rawDescGZIP(), []int{46}
 }
 
+// KvNotifyRequest sends a notice to the engine of a KV space registered on
+// another node of the cluster (a reader's "my read ended", docs/kv.md): the
+// daemon forwards it to that node over the control channel, where it is
+// queued as a notify of the caller's uid on the space's first region would
+// be (the notice's pid is 0). NOT_FOUND: no such space there for this uid,
+// or its engine's connection ended; UNAVAILABLE: the node cannot be
+// reached; INVALID: a daemon not in a cluster, or a space of this node
+// (notify it directly).
+type KvNotifyRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The space's description (kv.Desc's binary encoding, at most 16 KiB).
+	Space []byte `protobuf:"bytes,1,opt,name=space,proto3" json:"space,omitempty"`
+	// At most 4096 bytes.
+	Payload       []byte `protobuf:"bytes,2,opt,name=payload,proto3" json:"payload,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KvNotifyRequest) Reset() {
+	*x = KvNotifyRequest{}
+	mi := &file_store_proto_msgTypes[47]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KvNotifyRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KvNotifyRequest) ProtoMessage() {}
+
+func (x *KvNotifyRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[47]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KvNotifyRequest.ProtoReflect.Descriptor instead.
+func (*KvNotifyRequest) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{47}
+}
+
+func (x *KvNotifyRequest) GetSpace() []byte {
+	if x != nil {
+		return x.Space
+	}
+	return nil
+}
+
+func (x *KvNotifyRequest) GetPayload() []byte {
+	if x != nil {
+		return x.Payload
+	}
+	return nil
+}
+
+// KvNotifyResponse acknowledges a notice queued at the space's node.
+type KvNotifyResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KvNotifyResponse) Reset() {
+	*x = KvNotifyResponse{}
+	mi := &file_store_proto_msgTypes[48]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KvNotifyResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KvNotifyResponse) ProtoMessage() {}
+
+func (x *KvNotifyResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_store_proto_msgTypes[48]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KvNotifyResponse.ProtoReflect.Descriptor instead.
+func (*KvNotifyResponse) Descriptor() ([]byte, []int) {
+	return file_store_proto_rawDescGZIP(), []int{48}
+}
+
 // PoolCreateRequest makes a pool: capacity bytes of device, charged to the
 // creator's quota at once (made room for as a create is), cut into blocks.
 type PoolCreateRequest struct {
@@ -4476,7 +4607,7 @@ type PoolCreateRequest struct {
 
 func (x *PoolCreateRequest) Reset() {
 	*x = PoolCreateRequest{}
-	mi := &file_store_proto_msgTypes[47]
+	mi := &file_store_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4488,7 +4619,7 @@ func (x *PoolCreateRequest) String() string {
 func (*PoolCreateRequest) ProtoMessage() {}
 
 func (x *PoolCreateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[47]
+	mi := &file_store_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4501,7 +4632,7 @@ func (x *PoolCreateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolCreateRequest.ProtoReflect.Descriptor instead.
 func (*PoolCreateRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{47}
+	return file_store_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *PoolCreateRequest) GetName() string {
@@ -4555,7 +4686,7 @@ type PoolCreateResponse struct {
 
 func (x *PoolCreateResponse) Reset() {
 	*x = PoolCreateResponse{}
-	mi := &file_store_proto_msgTypes[48]
+	mi := &file_store_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4567,7 +4698,7 @@ func (x *PoolCreateResponse) String() string {
 func (*PoolCreateResponse) ProtoMessage() {}
 
 func (x *PoolCreateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[48]
+	mi := &file_store_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4580,7 +4711,7 @@ func (x *PoolCreateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolCreateResponse.ProtoReflect.Descriptor instead.
 func (*PoolCreateResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{48}
+	return file_store_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *PoolCreateResponse) GetInfo() *PoolInfo {
@@ -4602,7 +4733,7 @@ type PoolDeleteRequest struct {
 
 func (x *PoolDeleteRequest) Reset() {
 	*x = PoolDeleteRequest{}
-	mi := &file_store_proto_msgTypes[49]
+	mi := &file_store_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4614,7 +4745,7 @@ func (x *PoolDeleteRequest) String() string {
 func (*PoolDeleteRequest) ProtoMessage() {}
 
 func (x *PoolDeleteRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[49]
+	mi := &file_store_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4627,7 +4758,7 @@ func (x *PoolDeleteRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolDeleteRequest.ProtoReflect.Descriptor instead.
 func (*PoolDeleteRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{49}
+	return file_store_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *PoolDeleteRequest) GetName() string {
@@ -4645,7 +4776,7 @@ type PoolDeleteResponse struct {
 
 func (x *PoolDeleteResponse) Reset() {
 	*x = PoolDeleteResponse{}
-	mi := &file_store_proto_msgTypes[50]
+	mi := &file_store_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4657,7 +4788,7 @@ func (x *PoolDeleteResponse) String() string {
 func (*PoolDeleteResponse) ProtoMessage() {}
 
 func (x *PoolDeleteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[50]
+	mi := &file_store_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4670,7 +4801,7 @@ func (x *PoolDeleteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolDeleteResponse.ProtoReflect.Descriptor instead.
 func (*PoolDeleteResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{50}
+	return file_store_proto_rawDescGZIP(), []int{52}
 }
 
 // PoolStatRequest describes a pool; with map, the pool's memory is
@@ -4685,7 +4816,7 @@ type PoolStatRequest struct {
 
 func (x *PoolStatRequest) Reset() {
 	*x = PoolStatRequest{}
-	mi := &file_store_proto_msgTypes[51]
+	mi := &file_store_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4697,7 +4828,7 @@ func (x *PoolStatRequest) String() string {
 func (*PoolStatRequest) ProtoMessage() {}
 
 func (x *PoolStatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[51]
+	mi := &file_store_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4710,7 +4841,7 @@ func (x *PoolStatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolStatRequest.ProtoReflect.Descriptor instead.
 func (*PoolStatRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{51}
+	return file_store_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *PoolStatRequest) GetName() string {
@@ -4737,7 +4868,7 @@ type PoolStatResponse struct {
 
 func (x *PoolStatResponse) Reset() {
 	*x = PoolStatResponse{}
-	mi := &file_store_proto_msgTypes[52]
+	mi := &file_store_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4749,7 +4880,7 @@ func (x *PoolStatResponse) String() string {
 func (*PoolStatResponse) ProtoMessage() {}
 
 func (x *PoolStatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[52]
+	mi := &file_store_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4762,7 +4893,7 @@ func (x *PoolStatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolStatResponse.ProtoReflect.Descriptor instead.
 func (*PoolStatResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{52}
+	return file_store_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *PoolStatResponse) GetInfo() *PoolInfo {
@@ -4790,7 +4921,7 @@ type PoolListRequest struct {
 
 func (x *PoolListRequest) Reset() {
 	*x = PoolListRequest{}
-	mi := &file_store_proto_msgTypes[53]
+	mi := &file_store_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4802,7 +4933,7 @@ func (x *PoolListRequest) String() string {
 func (*PoolListRequest) ProtoMessage() {}
 
 func (x *PoolListRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[53]
+	mi := &file_store_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4815,7 +4946,7 @@ func (x *PoolListRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolListRequest.ProtoReflect.Descriptor instead.
 func (*PoolListRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{53}
+	return file_store_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *PoolListRequest) GetStartAfter() string {
@@ -4835,7 +4966,7 @@ type PoolListResponse struct {
 
 func (x *PoolListResponse) Reset() {
 	*x = PoolListResponse{}
-	mi := &file_store_proto_msgTypes[54]
+	mi := &file_store_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4847,7 +4978,7 @@ func (x *PoolListResponse) String() string {
 func (*PoolListResponse) ProtoMessage() {}
 
 func (x *PoolListResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[54]
+	mi := &file_store_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4860,7 +4991,7 @@ func (x *PoolListResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolListResponse.ProtoReflect.Descriptor instead.
 func (*PoolListResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{54}
+	return file_store_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *PoolListResponse) GetPools() []*PoolInfo {
@@ -4915,7 +5046,7 @@ type PoolInfo struct {
 
 func (x *PoolInfo) Reset() {
 	*x = PoolInfo{}
-	mi := &file_store_proto_msgTypes[55]
+	mi := &file_store_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4927,7 +5058,7 @@ func (x *PoolInfo) String() string {
 func (*PoolInfo) ProtoMessage() {}
 
 func (x *PoolInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[55]
+	mi := &file_store_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4940,7 +5071,7 @@ func (x *PoolInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolInfo.ProtoReflect.Descriptor instead.
 func (*PoolInfo) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{55}
+	return file_store_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *PoolInfo) GetName() string {
@@ -5087,7 +5218,7 @@ type Blob struct {
 
 func (x *Blob) Reset() {
 	*x = Blob{}
-	mi := &file_store_proto_msgTypes[56]
+	mi := &file_store_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5099,7 +5230,7 @@ func (x *Blob) String() string {
 func (*Blob) ProtoMessage() {}
 
 func (x *Blob) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[56]
+	mi := &file_store_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5112,7 +5243,7 @@ func (x *Blob) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Blob.ProtoReflect.Descriptor instead.
 func (*Blob) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{56}
+	return file_store_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *Blob) GetData() []byte {
@@ -5151,7 +5282,7 @@ type BlockPart struct {
 
 func (x *BlockPart) Reset() {
 	*x = BlockPart{}
-	mi := &file_store_proto_msgTypes[57]
+	mi := &file_store_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5163,7 +5294,7 @@ func (x *BlockPart) String() string {
 func (*BlockPart) ProtoMessage() {}
 
 func (x *BlockPart) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[57]
+	mi := &file_store_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5176,7 +5307,7 @@ func (x *BlockPart) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockPart.ProtoReflect.Descriptor instead.
 func (*BlockPart) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{57}
+	return file_store_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *BlockPart) GetRegion() uint32 {
@@ -5228,7 +5359,7 @@ type BlockSource struct {
 
 func (x *BlockSource) Reset() {
 	*x = BlockSource{}
-	mi := &file_store_proto_msgTypes[58]
+	mi := &file_store_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5240,7 +5371,7 @@ func (x *BlockSource) String() string {
 func (*BlockSource) ProtoMessage() {}
 
 func (x *BlockSource) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[58]
+	mi := &file_store_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5253,7 +5384,7 @@ func (x *BlockSource) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockSource.ProtoReflect.Descriptor instead.
 func (*BlockSource) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{58}
+	return file_store_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *BlockSource) GetRegions() []string {
@@ -5305,7 +5436,7 @@ type BlockPutRequest struct {
 
 func (x *BlockPutRequest) Reset() {
 	*x = BlockPutRequest{}
-	mi := &file_store_proto_msgTypes[59]
+	mi := &file_store_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5317,7 +5448,7 @@ func (x *BlockPutRequest) String() string {
 func (*BlockPutRequest) ProtoMessage() {}
 
 func (x *BlockPutRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[59]
+	mi := &file_store_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5330,7 +5461,7 @@ func (x *BlockPutRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockPutRequest.ProtoReflect.Descriptor instead.
 func (*BlockPutRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{59}
+	return file_store_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *BlockPutRequest) GetPool() string {
@@ -5383,7 +5514,7 @@ type BlockPutResponse struct {
 
 func (x *BlockPutResponse) Reset() {
 	*x = BlockPutResponse{}
-	mi := &file_store_proto_msgTypes[60]
+	mi := &file_store_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5395,7 +5526,7 @@ func (x *BlockPutResponse) String() string {
 func (*BlockPutResponse) ProtoMessage() {}
 
 func (x *BlockPutResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[60]
+	mi := &file_store_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5408,7 +5539,7 @@ func (x *BlockPutResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockPutResponse.ProtoReflect.Descriptor instead.
 func (*BlockPutResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{60}
+	return file_store_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *BlockPutResponse) GetStored() uint32 {
@@ -5458,7 +5589,7 @@ type BlockLookupRequest struct {
 
 func (x *BlockLookupRequest) Reset() {
 	*x = BlockLookupRequest{}
-	mi := &file_store_proto_msgTypes[61]
+	mi := &file_store_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5470,7 +5601,7 @@ func (x *BlockLookupRequest) String() string {
 func (*BlockLookupRequest) ProtoMessage() {}
 
 func (x *BlockLookupRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[61]
+	mi := &file_store_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5483,7 +5614,7 @@ func (x *BlockLookupRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockLookupRequest.ProtoReflect.Descriptor instead.
 func (*BlockLookupRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{61}
+	return file_store_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *BlockLookupRequest) GetPool() string {
@@ -5532,7 +5663,7 @@ type BlockLookupResponse struct {
 
 func (x *BlockLookupResponse) Reset() {
 	*x = BlockLookupResponse{}
-	mi := &file_store_proto_msgTypes[62]
+	mi := &file_store_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5544,7 +5675,7 @@ func (x *BlockLookupResponse) String() string {
 func (*BlockLookupResponse) ProtoMessage() {}
 
 func (x *BlockLookupResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[62]
+	mi := &file_store_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5557,7 +5688,7 @@ func (x *BlockLookupResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockLookupResponse.ProtoReflect.Descriptor instead.
 func (*BlockLookupResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{62}
+	return file_store_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *BlockLookupResponse) GetFound() uint32 {
@@ -5593,7 +5724,7 @@ type BlockGetRequest struct {
 
 func (x *BlockGetRequest) Reset() {
 	*x = BlockGetRequest{}
-	mi := &file_store_proto_msgTypes[63]
+	mi := &file_store_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5605,7 +5736,7 @@ func (x *BlockGetRequest) String() string {
 func (*BlockGetRequest) ProtoMessage() {}
 
 func (x *BlockGetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[63]
+	mi := &file_store_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5618,7 +5749,7 @@ func (x *BlockGetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockGetRequest.ProtoReflect.Descriptor instead.
 func (*BlockGetRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{63}
+	return file_store_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *BlockGetRequest) GetPool() string {
@@ -5673,7 +5804,7 @@ type BlockGetResponse struct {
 
 func (x *BlockGetResponse) Reset() {
 	*x = BlockGetResponse{}
-	mi := &file_store_proto_msgTypes[64]
+	mi := &file_store_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5685,7 +5816,7 @@ func (x *BlockGetResponse) String() string {
 func (*BlockGetResponse) ProtoMessage() {}
 
 func (x *BlockGetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[64]
+	mi := &file_store_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5698,7 +5829,7 @@ func (x *BlockGetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockGetResponse.ProtoReflect.Descriptor instead.
 func (*BlockGetResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{64}
+	return file_store_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *BlockGetResponse) GetPin() uint64 {
@@ -5739,7 +5870,7 @@ type BlockUnpinRequest struct {
 
 func (x *BlockUnpinRequest) Reset() {
 	*x = BlockUnpinRequest{}
-	mi := &file_store_proto_msgTypes[65]
+	mi := &file_store_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5751,7 +5882,7 @@ func (x *BlockUnpinRequest) String() string {
 func (*BlockUnpinRequest) ProtoMessage() {}
 
 func (x *BlockUnpinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[65]
+	mi := &file_store_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5764,7 +5895,7 @@ func (x *BlockUnpinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockUnpinRequest.ProtoReflect.Descriptor instead.
 func (*BlockUnpinRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{65}
+	return file_store_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *BlockUnpinRequest) GetPin() uint64 {
@@ -5782,7 +5913,7 @@ type BlockUnpinResponse struct {
 
 func (x *BlockUnpinResponse) Reset() {
 	*x = BlockUnpinResponse{}
-	mi := &file_store_proto_msgTypes[66]
+	mi := &file_store_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5794,7 +5925,7 @@ func (x *BlockUnpinResponse) String() string {
 func (*BlockUnpinResponse) ProtoMessage() {}
 
 func (x *BlockUnpinResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[66]
+	mi := &file_store_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5807,7 +5938,7 @@ func (x *BlockUnpinResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockUnpinResponse.ProtoReflect.Descriptor instead.
 func (*BlockUnpinResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{66}
+	return file_store_proto_rawDescGZIP(), []int{68}
 }
 
 // BlockDeleteRequest removes keys (the pool's owner's uid or root); a
@@ -5823,7 +5954,7 @@ type BlockDeleteRequest struct {
 
 func (x *BlockDeleteRequest) Reset() {
 	*x = BlockDeleteRequest{}
-	mi := &file_store_proto_msgTypes[67]
+	mi := &file_store_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5835,7 +5966,7 @@ func (x *BlockDeleteRequest) String() string {
 func (*BlockDeleteRequest) ProtoMessage() {}
 
 func (x *BlockDeleteRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[67]
+	mi := &file_store_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5848,7 +5979,7 @@ func (x *BlockDeleteRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockDeleteRequest.ProtoReflect.Descriptor instead.
 func (*BlockDeleteRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{67}
+	return file_store_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *BlockDeleteRequest) GetPool() string {
@@ -5881,7 +6012,7 @@ type BlockDeleteResponse struct {
 
 func (x *BlockDeleteResponse) Reset() {
 	*x = BlockDeleteResponse{}
-	mi := &file_store_proto_msgTypes[68]
+	mi := &file_store_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5893,7 +6024,7 @@ func (x *BlockDeleteResponse) String() string {
 func (*BlockDeleteResponse) ProtoMessage() {}
 
 func (x *BlockDeleteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[68]
+	mi := &file_store_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5906,7 +6037,7 @@ func (x *BlockDeleteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockDeleteResponse.ProtoReflect.Descriptor instead.
 func (*BlockDeleteResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{68}
+	return file_store_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *BlockDeleteResponse) GetDeleted() uint32 {
@@ -5928,7 +6059,7 @@ type BlockEvictRequest struct {
 
 func (x *BlockEvictRequest) Reset() {
 	*x = BlockEvictRequest{}
-	mi := &file_store_proto_msgTypes[69]
+	mi := &file_store_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5940,7 +6071,7 @@ func (x *BlockEvictRequest) String() string {
 func (*BlockEvictRequest) ProtoMessage() {}
 
 func (x *BlockEvictRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[69]
+	mi := &file_store_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5953,7 +6084,7 @@ func (x *BlockEvictRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockEvictRequest.ProtoReflect.Descriptor instead.
 func (*BlockEvictRequest) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{69}
+	return file_store_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *BlockEvictRequest) GetPool() string {
@@ -5979,7 +6110,7 @@ type BlockEvictResponse struct {
 
 func (x *BlockEvictResponse) Reset() {
 	*x = BlockEvictResponse{}
-	mi := &file_store_proto_msgTypes[70]
+	mi := &file_store_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5991,7 +6122,7 @@ func (x *BlockEvictResponse) String() string {
 func (*BlockEvictResponse) ProtoMessage() {}
 
 func (x *BlockEvictResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_store_proto_msgTypes[70]
+	mi := &file_store_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6004,7 +6135,7 @@ func (x *BlockEvictResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlockEvictResponse.ProtoReflect.Descriptor instead.
 func (*BlockEvictResponse) Descriptor() ([]byte, []int) {
-	return file_store_proto_rawDescGZIP(), []int{70}
+	return file_store_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *BlockEvictResponse) GetEvicted() uint32 {
@@ -6018,7 +6149,7 @@ var File_store_proto protoreflect.FileDescriptor
 
 const file_store_proto_rawDesc = "" +
 	"\n" +
-	"\vstore.proto\x12\x10cudaipc.store.v1\"\xe9\x0e\n" +
+	"\vstore.proto\x12\x10cudaipc.store.v1\"\xab\x0f\n" +
 	"\aRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x126\n" +
 	"\x05hello\x18\n" +
@@ -6042,7 +6173,8 @@ const file_store_proto_rawDesc = "" +
 	"\bwithdraw\x180 \x01(\v2!.cudaipc.store.v1.WithdrawRequestH\x00R\bwithdraw\x129\n" +
 	"\x06notify\x181 \x01(\v2\x1f.cudaipc.store.v1.NotifyRequestH\x00R\x06notify\x12:\n" +
 	"\akv_read\x183 \x01(\v2\x1f.cudaipc.store.v1.KvReadRequestH\x00R\x06kvRead\x12@\n" +
-	"\tkv_cancel\x184 \x01(\v2!.cudaipc.store.v1.KvCancelRequestH\x00R\bkvCancel\x12F\n" +
+	"\tkv_cancel\x184 \x01(\v2!.cudaipc.store.v1.KvCancelRequestH\x00R\bkvCancel\x12@\n" +
+	"\tkv_notify\x185 \x01(\v2!.cudaipc.store.v1.KvNotifyRequestH\x00R\bkvNotify\x12F\n" +
 	"\vpool_create\x18< \x01(\v2#.cudaipc.store.v1.PoolCreateRequestH\x00R\n" +
 	"poolCreate\x12F\n" +
 	"\vpool_delete\x18= \x01(\v2#.cudaipc.store.v1.PoolDeleteRequestH\x00R\n" +
@@ -6121,7 +6253,7 @@ const file_store_proto_rawDesc = "" +
 	"\x10SubscribeRequest\"\x13\n" +
 	"\x11LeaseTableRequest\"2\n" +
 	"\x13ForgetArenasRequest\x12\x1b\n" +
-	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\xdf\x10\n" +
+	"\tarena_ids\x18\x01 \x03(\x04R\barenaIds\"\xa2\x11\n" +
 	"\bResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12-\n" +
 	"\x05error\x18\x02 \x01(\v2\x17.cudaipc.store.v1.ErrorR\x05error\x127\n" +
@@ -6147,7 +6279,8 @@ const file_store_proto_rawDesc = "" +
 	"\x06notify\x181 \x01(\v2 .cudaipc.store.v1.NotifyResponseH\x00R\x06notify\x122\n" +
 	"\x06notice\x182 \x01(\v2\x18.cudaipc.store.v1.NoticeH\x00R\x06notice\x12;\n" +
 	"\akv_read\x183 \x01(\v2 .cudaipc.store.v1.KvReadResponseH\x00R\x06kvRead\x12A\n" +
-	"\tkv_cancel\x184 \x01(\v2\".cudaipc.store.v1.KvCancelResponseH\x00R\bkvCancel\x12G\n" +
+	"\tkv_cancel\x184 \x01(\v2\".cudaipc.store.v1.KvCancelResponseH\x00R\bkvCancel\x12A\n" +
+	"\tkv_notify\x185 \x01(\v2\".cudaipc.store.v1.KvNotifyResponseH\x00R\bkvNotify\x12G\n" +
 	"\vpool_create\x18< \x01(\v2$.cudaipc.store.v1.PoolCreateResponseH\x00R\n" +
 	"poolCreate\x12G\n" +
 	"\vpool_delete\x18= \x01(\v2$.cudaipc.store.v1.PoolDeleteResponseH\x00R\n" +
@@ -6342,7 +6475,11 @@ const file_store_proto_rawDesc = "" +
 	"\x04done\x18\x02 \x01(\bR\x04done\"*\n" +
 	"\x0fKvCancelRequest\x12\x17\n" +
 	"\aread_id\x18\x01 \x01(\x04R\x06readId\"\x12\n" +
-	"\x10KvCancelResponse\"\xb1\x01\n" +
+	"\x10KvCancelResponse\"A\n" +
+	"\x0fKvNotifyRequest\x12\x14\n" +
+	"\x05space\x18\x01 \x01(\fR\x05space\x12\x18\n" +
+	"\apayload\x18\x02 \x01(\fR\apayload\"\x12\n" +
+	"\x10KvNotifyResponse\"\xb1\x01\n" +
 	"\x11PoolCreateRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1f\n" +
 	"\vblock_bytes\x18\x02 \x01(\x04R\n" +
@@ -6465,7 +6602,7 @@ func file_store_proto_rawDescGZIP() []byte {
 }
 
 var file_store_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 71)
+var file_store_proto_msgTypes = make([]protoimpl.MessageInfo, 73)
 var file_store_proto_goTypes = []any{
 	(Error_Code)(0),              // 0: cudaipc.store.v1.Error.Code
 	(Error_Limit)(0),             // 1: cudaipc.store.v1.Error.Limit
@@ -6518,30 +6655,32 @@ var file_store_proto_goTypes = []any{
 	(*KvReadResponse)(nil),       // 48: cudaipc.store.v1.KvReadResponse
 	(*KvCancelRequest)(nil),      // 49: cudaipc.store.v1.KvCancelRequest
 	(*KvCancelResponse)(nil),     // 50: cudaipc.store.v1.KvCancelResponse
-	(*PoolCreateRequest)(nil),    // 51: cudaipc.store.v1.PoolCreateRequest
-	(*PoolCreateResponse)(nil),   // 52: cudaipc.store.v1.PoolCreateResponse
-	(*PoolDeleteRequest)(nil),    // 53: cudaipc.store.v1.PoolDeleteRequest
-	(*PoolDeleteResponse)(nil),   // 54: cudaipc.store.v1.PoolDeleteResponse
-	(*PoolStatRequest)(nil),      // 55: cudaipc.store.v1.PoolStatRequest
-	(*PoolStatResponse)(nil),     // 56: cudaipc.store.v1.PoolStatResponse
-	(*PoolListRequest)(nil),      // 57: cudaipc.store.v1.PoolListRequest
-	(*PoolListResponse)(nil),     // 58: cudaipc.store.v1.PoolListResponse
-	(*PoolInfo)(nil),             // 59: cudaipc.store.v1.PoolInfo
-	(*Blob)(nil),                 // 60: cudaipc.store.v1.Blob
-	(*BlockPart)(nil),            // 61: cudaipc.store.v1.BlockPart
-	(*BlockSource)(nil),          // 62: cudaipc.store.v1.BlockSource
-	(*BlockPutRequest)(nil),      // 63: cudaipc.store.v1.BlockPutRequest
-	(*BlockPutResponse)(nil),     // 64: cudaipc.store.v1.BlockPutResponse
-	(*BlockLookupRequest)(nil),   // 65: cudaipc.store.v1.BlockLookupRequest
-	(*BlockLookupResponse)(nil),  // 66: cudaipc.store.v1.BlockLookupResponse
-	(*BlockGetRequest)(nil),      // 67: cudaipc.store.v1.BlockGetRequest
-	(*BlockGetResponse)(nil),     // 68: cudaipc.store.v1.BlockGetResponse
-	(*BlockUnpinRequest)(nil),    // 69: cudaipc.store.v1.BlockUnpinRequest
-	(*BlockUnpinResponse)(nil),   // 70: cudaipc.store.v1.BlockUnpinResponse
-	(*BlockDeleteRequest)(nil),   // 71: cudaipc.store.v1.BlockDeleteRequest
-	(*BlockDeleteResponse)(nil),  // 72: cudaipc.store.v1.BlockDeleteResponse
-	(*BlockEvictRequest)(nil),    // 73: cudaipc.store.v1.BlockEvictRequest
-	(*BlockEvictResponse)(nil),   // 74: cudaipc.store.v1.BlockEvictResponse
+	(*KvNotifyRequest)(nil),      // 51: cudaipc.store.v1.KvNotifyRequest
+	(*KvNotifyResponse)(nil),     // 52: cudaipc.store.v1.KvNotifyResponse
+	(*PoolCreateRequest)(nil),    // 53: cudaipc.store.v1.PoolCreateRequest
+	(*PoolCreateResponse)(nil),   // 54: cudaipc.store.v1.PoolCreateResponse
+	(*PoolDeleteRequest)(nil),    // 55: cudaipc.store.v1.PoolDeleteRequest
+	(*PoolDeleteResponse)(nil),   // 56: cudaipc.store.v1.PoolDeleteResponse
+	(*PoolStatRequest)(nil),      // 57: cudaipc.store.v1.PoolStatRequest
+	(*PoolStatResponse)(nil),     // 58: cudaipc.store.v1.PoolStatResponse
+	(*PoolListRequest)(nil),      // 59: cudaipc.store.v1.PoolListRequest
+	(*PoolListResponse)(nil),     // 60: cudaipc.store.v1.PoolListResponse
+	(*PoolInfo)(nil),             // 61: cudaipc.store.v1.PoolInfo
+	(*Blob)(nil),                 // 62: cudaipc.store.v1.Blob
+	(*BlockPart)(nil),            // 63: cudaipc.store.v1.BlockPart
+	(*BlockSource)(nil),          // 64: cudaipc.store.v1.BlockSource
+	(*BlockPutRequest)(nil),      // 65: cudaipc.store.v1.BlockPutRequest
+	(*BlockPutResponse)(nil),     // 66: cudaipc.store.v1.BlockPutResponse
+	(*BlockLookupRequest)(nil),   // 67: cudaipc.store.v1.BlockLookupRequest
+	(*BlockLookupResponse)(nil),  // 68: cudaipc.store.v1.BlockLookupResponse
+	(*BlockGetRequest)(nil),      // 69: cudaipc.store.v1.BlockGetRequest
+	(*BlockGetResponse)(nil),     // 70: cudaipc.store.v1.BlockGetResponse
+	(*BlockUnpinRequest)(nil),    // 71: cudaipc.store.v1.BlockUnpinRequest
+	(*BlockUnpinResponse)(nil),   // 72: cudaipc.store.v1.BlockUnpinResponse
+	(*BlockDeleteRequest)(nil),   // 73: cudaipc.store.v1.BlockDeleteRequest
+	(*BlockDeleteResponse)(nil),  // 74: cudaipc.store.v1.BlockDeleteResponse
+	(*BlockEvictRequest)(nil),    // 75: cudaipc.store.v1.BlockEvictRequest
+	(*BlockEvictResponse)(nil),   // 76: cudaipc.store.v1.BlockEvictResponse
 }
 var file_store_proto_depIdxs = []int32{
 	5,  // 0: cudaipc.store.v1.Request.hello:type_name -> cudaipc.store.v1.HelloRequest
@@ -6563,80 +6702,82 @@ var file_store_proto_depIdxs = []int32{
 	44, // 16: cudaipc.store.v1.Request.notify:type_name -> cudaipc.store.v1.NotifyRequest
 	47, // 17: cudaipc.store.v1.Request.kv_read:type_name -> cudaipc.store.v1.KvReadRequest
 	49, // 18: cudaipc.store.v1.Request.kv_cancel:type_name -> cudaipc.store.v1.KvCancelRequest
-	51, // 19: cudaipc.store.v1.Request.pool_create:type_name -> cudaipc.store.v1.PoolCreateRequest
-	53, // 20: cudaipc.store.v1.Request.pool_delete:type_name -> cudaipc.store.v1.PoolDeleteRequest
-	55, // 21: cudaipc.store.v1.Request.pool_stat:type_name -> cudaipc.store.v1.PoolStatRequest
-	57, // 22: cudaipc.store.v1.Request.pool_list:type_name -> cudaipc.store.v1.PoolListRequest
-	63, // 23: cudaipc.store.v1.Request.block_put:type_name -> cudaipc.store.v1.BlockPutRequest
-	65, // 24: cudaipc.store.v1.Request.block_lookup:type_name -> cudaipc.store.v1.BlockLookupRequest
-	67, // 25: cudaipc.store.v1.Request.block_get:type_name -> cudaipc.store.v1.BlockGetRequest
-	69, // 26: cudaipc.store.v1.Request.block_unpin:type_name -> cudaipc.store.v1.BlockUnpinRequest
-	71, // 27: cudaipc.store.v1.Request.block_delete:type_name -> cudaipc.store.v1.BlockDeleteRequest
-	73, // 28: cudaipc.store.v1.Request.block_evict:type_name -> cudaipc.store.v1.BlockEvictRequest
-	7,  // 29: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	7,  // 30: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	19, // 31: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
-	20, // 32: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
-	23, // 33: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
-	24, // 34: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
-	25, // 35: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
-	26, // 36: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
-	27, // 37: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
-	28, // 38: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
-	29, // 39: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
-	30, // 40: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
-	31, // 41: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
-	35, // 42: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
-	32, // 43: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
-	34, // 44: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
-	41, // 45: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
-	38, // 46: cudaipc.store.v1.Response.stage_files:type_name -> cudaipc.store.v1.StageFilesResponse
-	40, // 47: cudaipc.store.v1.Response.files:type_name -> cudaipc.store.v1.FilesResponse
-	43, // 48: cudaipc.store.v1.Response.withdraw:type_name -> cudaipc.store.v1.WithdrawResponse
-	45, // 49: cudaipc.store.v1.Response.notify:type_name -> cudaipc.store.v1.NotifyResponse
-	46, // 50: cudaipc.store.v1.Response.notice:type_name -> cudaipc.store.v1.Notice
-	48, // 51: cudaipc.store.v1.Response.kv_read:type_name -> cudaipc.store.v1.KvReadResponse
-	50, // 52: cudaipc.store.v1.Response.kv_cancel:type_name -> cudaipc.store.v1.KvCancelResponse
-	52, // 53: cudaipc.store.v1.Response.pool_create:type_name -> cudaipc.store.v1.PoolCreateResponse
-	54, // 54: cudaipc.store.v1.Response.pool_delete:type_name -> cudaipc.store.v1.PoolDeleteResponse
-	56, // 55: cudaipc.store.v1.Response.pool_stat:type_name -> cudaipc.store.v1.PoolStatResponse
-	58, // 56: cudaipc.store.v1.Response.pool_list:type_name -> cudaipc.store.v1.PoolListResponse
-	64, // 57: cudaipc.store.v1.Response.block_put:type_name -> cudaipc.store.v1.BlockPutResponse
-	66, // 58: cudaipc.store.v1.Response.block_lookup:type_name -> cudaipc.store.v1.BlockLookupResponse
-	68, // 59: cudaipc.store.v1.Response.block_get:type_name -> cudaipc.store.v1.BlockGetResponse
-	70, // 60: cudaipc.store.v1.Response.block_unpin:type_name -> cudaipc.store.v1.BlockUnpinResponse
-	72, // 61: cudaipc.store.v1.Response.block_delete:type_name -> cudaipc.store.v1.BlockDeleteResponse
-	74, // 62: cudaipc.store.v1.Response.block_evict:type_name -> cudaipc.store.v1.BlockEvictResponse
-	33, // 63: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
-	0,  // 64: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
-	1,  // 65: cudaipc.store.v1.Error.limit:type_name -> cudaipc.store.v1.Error.Limit
-	2,  // 66: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
-	7,  // 67: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	21, // 68: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
-	21, // 69: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
-	22, // 70: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	22, // 71: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
-	22, // 72: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	3,  // 73: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
-	7,  // 74: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
-	22, // 75: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
-	59, // 76: cudaipc.store.v1.PoolCreateResponse.info:type_name -> cudaipc.store.v1.PoolInfo
-	59, // 77: cudaipc.store.v1.PoolStatResponse.info:type_name -> cudaipc.store.v1.PoolInfo
-	59, // 78: cudaipc.store.v1.PoolListResponse.pools:type_name -> cudaipc.store.v1.PoolInfo
-	61, // 79: cudaipc.store.v1.BlockSource.parts:type_name -> cudaipc.store.v1.BlockPart
-	60, // 80: cudaipc.store.v1.BlockSource.ids:type_name -> cudaipc.store.v1.Blob
-	60, // 81: cudaipc.store.v1.BlockPutRequest.keys:type_name -> cudaipc.store.v1.Blob
-	62, // 82: cudaipc.store.v1.BlockPutRequest.source:type_name -> cudaipc.store.v1.BlockSource
-	60, // 83: cudaipc.store.v1.BlockPutResponse.status:type_name -> cudaipc.store.v1.Blob
-	60, // 84: cudaipc.store.v1.BlockLookupRequest.keys:type_name -> cudaipc.store.v1.Blob
-	60, // 85: cudaipc.store.v1.BlockGetRequest.keys:type_name -> cudaipc.store.v1.Blob
-	60, // 86: cudaipc.store.v1.BlockGetResponse.slots:type_name -> cudaipc.store.v1.Blob
-	60, // 87: cudaipc.store.v1.BlockDeleteRequest.keys:type_name -> cudaipc.store.v1.Blob
-	88, // [88:88] is the sub-list for method output_type
-	88, // [88:88] is the sub-list for method input_type
-	88, // [88:88] is the sub-list for extension type_name
-	88, // [88:88] is the sub-list for extension extendee
-	0,  // [0:88] is the sub-list for field type_name
+	51, // 19: cudaipc.store.v1.Request.kv_notify:type_name -> cudaipc.store.v1.KvNotifyRequest
+	53, // 20: cudaipc.store.v1.Request.pool_create:type_name -> cudaipc.store.v1.PoolCreateRequest
+	55, // 21: cudaipc.store.v1.Request.pool_delete:type_name -> cudaipc.store.v1.PoolDeleteRequest
+	57, // 22: cudaipc.store.v1.Request.pool_stat:type_name -> cudaipc.store.v1.PoolStatRequest
+	59, // 23: cudaipc.store.v1.Request.pool_list:type_name -> cudaipc.store.v1.PoolListRequest
+	65, // 24: cudaipc.store.v1.Request.block_put:type_name -> cudaipc.store.v1.BlockPutRequest
+	67, // 25: cudaipc.store.v1.Request.block_lookup:type_name -> cudaipc.store.v1.BlockLookupRequest
+	69, // 26: cudaipc.store.v1.Request.block_get:type_name -> cudaipc.store.v1.BlockGetRequest
+	71, // 27: cudaipc.store.v1.Request.block_unpin:type_name -> cudaipc.store.v1.BlockUnpinRequest
+	73, // 28: cudaipc.store.v1.Request.block_delete:type_name -> cudaipc.store.v1.BlockDeleteRequest
+	75, // 29: cudaipc.store.v1.Request.block_evict:type_name -> cudaipc.store.v1.BlockEvictRequest
+	7,  // 30: cudaipc.store.v1.CreateRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	7,  // 31: cudaipc.store.v1.SealRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	19, // 32: cudaipc.store.v1.Response.error:type_name -> cudaipc.store.v1.Error
+	20, // 33: cudaipc.store.v1.Response.hello:type_name -> cudaipc.store.v1.HelloResponse
+	23, // 34: cudaipc.store.v1.Response.create:type_name -> cudaipc.store.v1.CreateResponse
+	24, // 35: cudaipc.store.v1.Response.seal:type_name -> cudaipc.store.v1.SealResponse
+	25, // 36: cudaipc.store.v1.Response.abort:type_name -> cudaipc.store.v1.AbortResponse
+	26, // 37: cudaipc.store.v1.Response.get:type_name -> cudaipc.store.v1.GetResponse
+	27, // 38: cudaipc.store.v1.Response.release:type_name -> cudaipc.store.v1.ReleaseResponse
+	28, // 39: cudaipc.store.v1.Response.delete:type_name -> cudaipc.store.v1.DeleteResponse
+	29, // 40: cudaipc.store.v1.Response.list:type_name -> cudaipc.store.v1.ListResponse
+	30, // 41: cudaipc.store.v1.Response.stat:type_name -> cudaipc.store.v1.StatResponse
+	31, // 42: cudaipc.store.v1.Response.subscribe:type_name -> cudaipc.store.v1.SubscribeResponse
+	35, // 43: cudaipc.store.v1.Response.event:type_name -> cudaipc.store.v1.Event
+	32, // 44: cudaipc.store.v1.Response.forget_arenas:type_name -> cudaipc.store.v1.ForgetArenasResponse
+	34, // 45: cudaipc.store.v1.Response.arenas_freed:type_name -> cudaipc.store.v1.ArenasFreed
+	41, // 46: cudaipc.store.v1.Response.register:type_name -> cudaipc.store.v1.RegisterResponse
+	38, // 47: cudaipc.store.v1.Response.stage_files:type_name -> cudaipc.store.v1.StageFilesResponse
+	40, // 48: cudaipc.store.v1.Response.files:type_name -> cudaipc.store.v1.FilesResponse
+	43, // 49: cudaipc.store.v1.Response.withdraw:type_name -> cudaipc.store.v1.WithdrawResponse
+	45, // 50: cudaipc.store.v1.Response.notify:type_name -> cudaipc.store.v1.NotifyResponse
+	46, // 51: cudaipc.store.v1.Response.notice:type_name -> cudaipc.store.v1.Notice
+	48, // 52: cudaipc.store.v1.Response.kv_read:type_name -> cudaipc.store.v1.KvReadResponse
+	50, // 53: cudaipc.store.v1.Response.kv_cancel:type_name -> cudaipc.store.v1.KvCancelResponse
+	52, // 54: cudaipc.store.v1.Response.kv_notify:type_name -> cudaipc.store.v1.KvNotifyResponse
+	54, // 55: cudaipc.store.v1.Response.pool_create:type_name -> cudaipc.store.v1.PoolCreateResponse
+	56, // 56: cudaipc.store.v1.Response.pool_delete:type_name -> cudaipc.store.v1.PoolDeleteResponse
+	58, // 57: cudaipc.store.v1.Response.pool_stat:type_name -> cudaipc.store.v1.PoolStatResponse
+	60, // 58: cudaipc.store.v1.Response.pool_list:type_name -> cudaipc.store.v1.PoolListResponse
+	66, // 59: cudaipc.store.v1.Response.block_put:type_name -> cudaipc.store.v1.BlockPutResponse
+	68, // 60: cudaipc.store.v1.Response.block_lookup:type_name -> cudaipc.store.v1.BlockLookupResponse
+	70, // 61: cudaipc.store.v1.Response.block_get:type_name -> cudaipc.store.v1.BlockGetResponse
+	72, // 62: cudaipc.store.v1.Response.block_unpin:type_name -> cudaipc.store.v1.BlockUnpinResponse
+	74, // 63: cudaipc.store.v1.Response.block_delete:type_name -> cudaipc.store.v1.BlockDeleteResponse
+	76, // 64: cudaipc.store.v1.Response.block_evict:type_name -> cudaipc.store.v1.BlockEvictResponse
+	33, // 65: cudaipc.store.v1.Response.lease_table:type_name -> cudaipc.store.v1.LeaseTableResponse
+	0,  // 66: cudaipc.store.v1.Error.code:type_name -> cudaipc.store.v1.Error.Code
+	1,  // 67: cudaipc.store.v1.Error.limit:type_name -> cudaipc.store.v1.Error.Limit
+	2,  // 68: cudaipc.store.v1.Placement.kind:type_name -> cudaipc.store.v1.Placement.Kind
+	7,  // 69: cudaipc.store.v1.ObjectInfo.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	21, // 70: cudaipc.store.v1.CreateResponse.placement:type_name -> cudaipc.store.v1.Placement
+	21, // 71: cudaipc.store.v1.GetResponse.placement:type_name -> cudaipc.store.v1.Placement
+	22, // 72: cudaipc.store.v1.GetResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	22, // 73: cudaipc.store.v1.ListResponse.objects:type_name -> cudaipc.store.v1.ObjectInfo
+	22, // 74: cudaipc.store.v1.StatResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	3,  // 75: cudaipc.store.v1.Event.kind:type_name -> cudaipc.store.v1.Event.Kind
+	7,  // 76: cudaipc.store.v1.RegisterRequest.tensor:type_name -> cudaipc.store.v1.TensorDesc
+	22, // 77: cudaipc.store.v1.RegisterResponse.info:type_name -> cudaipc.store.v1.ObjectInfo
+	61, // 78: cudaipc.store.v1.PoolCreateResponse.info:type_name -> cudaipc.store.v1.PoolInfo
+	61, // 79: cudaipc.store.v1.PoolStatResponse.info:type_name -> cudaipc.store.v1.PoolInfo
+	61, // 80: cudaipc.store.v1.PoolListResponse.pools:type_name -> cudaipc.store.v1.PoolInfo
+	63, // 81: cudaipc.store.v1.BlockSource.parts:type_name -> cudaipc.store.v1.BlockPart
+	62, // 82: cudaipc.store.v1.BlockSource.ids:type_name -> cudaipc.store.v1.Blob
+	62, // 83: cudaipc.store.v1.BlockPutRequest.keys:type_name -> cudaipc.store.v1.Blob
+	64, // 84: cudaipc.store.v1.BlockPutRequest.source:type_name -> cudaipc.store.v1.BlockSource
+	62, // 85: cudaipc.store.v1.BlockPutResponse.status:type_name -> cudaipc.store.v1.Blob
+	62, // 86: cudaipc.store.v1.BlockLookupRequest.keys:type_name -> cudaipc.store.v1.Blob
+	62, // 87: cudaipc.store.v1.BlockGetRequest.keys:type_name -> cudaipc.store.v1.Blob
+	62, // 88: cudaipc.store.v1.BlockGetResponse.slots:type_name -> cudaipc.store.v1.Blob
+	62, // 89: cudaipc.store.v1.BlockDeleteRequest.keys:type_name -> cudaipc.store.v1.Blob
+	90, // [90:90] is the sub-list for method output_type
+	90, // [90:90] is the sub-list for method input_type
+	90, // [90:90] is the sub-list for extension type_name
+	90, // [90:90] is the sub-list for extension extendee
+	0,  // [0:90] is the sub-list for field type_name
 }
 
 func init() { file_store_proto_init() }
@@ -6664,6 +6805,7 @@ func file_store_proto_init() {
 		(*Request_Notify)(nil),
 		(*Request_KvRead)(nil),
 		(*Request_KvCancel)(nil),
+		(*Request_KvNotify)(nil),
 		(*Request_PoolCreate)(nil),
 		(*Request_PoolDelete)(nil),
 		(*Request_PoolStat)(nil),
@@ -6698,6 +6840,7 @@ func file_store_proto_init() {
 		(*Response_Notice)(nil),
 		(*Response_KvRead)(nil),
 		(*Response_KvCancel)(nil),
+		(*Response_KvNotify)(nil),
 		(*Response_PoolCreate)(nil),
 		(*Response_PoolDelete)(nil),
 		(*Response_PoolStat)(nil),
@@ -6716,7 +6859,7 @@ func file_store_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_store_proto_rawDesc), len(file_store_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   71,
+			NumMessages:   73,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -10,14 +10,17 @@ host memory (each side's GPU gathers or scatters), and refuse a side over both."
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ._kvdesc import Desc
 from ._kvlocal import Local
-from ._kvread import Transfer, block_ids, check_pairs
+from ._kvread import MAX_NOTIFY, Transfer, block_ids, check_pairs
 from ._wire import MAX_MESSAGE
-from .errors import BlockError, KVNotSupported, LayoutMismatch
+from .errors import BlockError, InvalidKVRequest, KVNotSupported, LayoutMismatch
+
+_log = logging.getLogger("cudaipc")
 
 __all__ = ["remote", "start", "split_pairs"]
 
@@ -101,8 +104,8 @@ def start(store: Any, src: Desc, src_blocks: Any, local: Any, space: Any, dst_bl
     if self_node == "":
         raise KVNotSupported("kv: space %s is on node %s, and this client's daemon is not part of a cluster"
                              % (src.name, src.node))
-    if notify is not None:
-        raise KVNotSupported("kv: a notice to the source's engine (notify=) across nodes")
+    if notify is not None and len(notify) > MAX_NOTIFY:
+        raise InvalidKVRequest("kv: a notify payload of %d bytes: at most %d" % (len(notify), MAX_NOTIFY))
     if space is None or local.space is not space:
         raise KVNotSupported("kv: a read from another node (%s) is written by this node's daemon, which must know "
                              "the destination: register it (kv.register) and pass the Space" % src.node)
@@ -134,7 +137,15 @@ def start(store: Any, src: Desc, src_blocks: Any, local: Any, space: Any, dst_bl
         part(0)
         for th in others:
             th.join()
-        t.finish(pr.failure(src, db, parts, errs))
+        err = pr.failure(src, db, parts, errs)
+        if notify is not None:
+            # The source's engine is told through both daemons (kv_notify), before
+            # the read's end, as on one node; a failure to tell it is logged.
+            try:
+                store.notify_space(src_bytes, bytes([1 if err is not None else 0]) + bytes(notify))
+            except Exception as e:  # noqa: BLE001
+                _log.debug("kv: the source's engine was not told that a read of %s ended: %s", src.name, e)
+        t.finish(err)
 
     threading.Thread(target=run, name="cudaipc-kv-read", daemon=True).start()
     return t

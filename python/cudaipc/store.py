@@ -518,6 +518,18 @@ class Store:
             raise InvalidArgument("notify", name, "a payload of %d bytes: at most %d" % (len(payload), MAX_NOTICE_PAYLOAD))
         self._conn.call(pb.Request(notify=pb.NotifyRequest(name=name, payload=bytes(payload))), "notify", name)
 
+    def notify_space(self, space: bytes, payload: bytes = b"") -> None:
+        """Send ``payload`` (at most MAX_NOTICE_PAYLOAD bytes) to the engine of the KV
+        space whose description is ``space`` (its binary encoding), registered on another
+        node of the daemon's cluster (Go's Client.NotifySpace): both daemons forward it,
+        and the engine gets it as a notice of this uid on the space's first region, pid
+        0. NotFound when that node has no such space for this uid or its engine is gone;
+        UnavailableError when the node cannot be reached; InvalidArgument for a daemon
+        outside a cluster or a space of its own node (use :meth:`notify`)."""
+        if len(payload) > MAX_NOTICE_PAYLOAD:
+            raise InvalidArgument("kv_notify", "", "a payload of %d bytes: at most %d" % (len(payload), MAX_NOTICE_PAYLOAD))
+        self._conn.call(pb.Request(kv_notify=pb.KvNotifyRequest(space=bytes(space), payload=bytes(payload))), "kv_notify", "")
+
     def read_space(self, src: bytes, dst: bytes, src_blocks: Sequence[int], dst_blocks: Sequence[int],
                    first: int = 0, count: int = 0, progress: Optional[Callable[[int], None]] = None,
                    timeout: Optional[float] = None) -> None:

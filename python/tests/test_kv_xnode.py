@@ -162,14 +162,14 @@ def _varint(v):
 
 def test_refused_at_once(cluster, reader, engines, cudaipc_bin):
     """What the reader's side refuses before sending anything, as Go's readRemote:
-    a notice across nodes, a destination not registered with the reader's daemon (a
+    a notice past its bound, a destination not registered with the reader's daemon (a
     plain Local, or one whose space is closed), ids out of range, layouts that do not
     fit, a reader's daemon without a cluster."""
     a, _ = cluster
     e = engines(a.socket, "xnode/refused", "vllm", seed=51, layers=LAYERS, blocks=BLOCKS, nbytes=BYTES)
     with registered(reader, "xnode/refused-dst", "vllm") as dst:
-        with pytest.raises(kv.KVNotSupported, match="notice"):
-            kv.read_blocks(reader, e.desc, [0], dst, [0], notify=b"req-1")
+        with pytest.raises(kv.InvalidKVRequest):
+            kv.read_blocks(reader, e.desc, [0], dst, [0], notify=b"x" * 4096)
         plain = kvutil.make_local("vllm", LAYERS, BLOCKS, BYTES, lambda shape: np.zeros(shape, dtype=np.uint8))
         with pytest.raises(kv.KVNotSupported, match="register"):
             kv.read_blocks(reader, e.desc, [0], plain, [0])
@@ -211,6 +211,31 @@ def test_refused_at_once(cluster, reader, engines, cudaipc_bin):
                     kv.read_blocks(s, e.desc, [0], d, [0])
     finally:
         lone.stop()
+
+
+def test_notices_across_nodes(cluster, reader):
+    """A read with notify= of a space on another node tells the space's engine, through
+    both daemons, when it ends: the payload, completed or failed, the reader's uid and
+    pid 0 (the pid means nothing on another host); a space gone is NotFound."""
+    a, _ = cluster
+    eng = cudaipc.connect(a.socket)
+    try:
+        src = registered(eng, "xnode/notice-src", "vllm", seed=61)
+        with registered(reader, "xnode/notice-dst", "vllm") as dst:
+            kv.read_blocks(reader, src.desc, [3, 1], dst, [0, 2], notify=b"req-1").wait(30)
+            got = src.wait_notices(timeout=30)
+            assert [(n.payload, n.failed, n.pid, n.uid) for n in got] == [(b"req-1", False, 0, os.getuid())]
+            eng.delete(src.desc.name.split(":", 1)[1] + "/2")   # a region gone: the next read fails
+            t = kv.read_blocks(reader, src.desc, [3, 1], dst, [0, 2], notify=b"req-2")
+            with pytest.raises(kv.BlockError):
+                t.wait(30)
+            got = src.wait_notices(timeout=30)
+            assert [(n.payload, n.failed) for n in got] == [(b"req-2", True)]
+            src.close()
+            with pytest.raises(cudaipc.NotFound):
+                reader.notify_space(src.desc.to_bytes(), b"\x00")
+    finally:
+        eng.close()
 
 
 def test_engine_gone(cluster, reader, engines):
