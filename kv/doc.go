@@ -8,6 +8,13 @@
 // through the reader's daemon, which writes into the reader's registered
 // space (one kv_read request; Plan is the read both daemons run).
 //
+// A Pool is a cache of KV blocks in the daemon's memory by the engines'
+// content hashes: Put stores blocks of a registered space (the daemon
+// copies them), Lookup counts the present prefix of a key chain, Get
+// copies blocks into a local space layer by layer; each one round trip
+// whatever the number of keys. Blocks are immutable once written, and a
+// block pinned by a lookup or a get in flight is never evicted.
+//
 // Lifetimes are registered memory's: a space's regions go when its
 // engine's connection ends or it closes the space, but a reader mid-read
 // holds leases of them, so it never reads freed memory; the source sees a
