@@ -265,7 +265,7 @@ class Engine:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      preexec_fn=preexec)
         r, _, _ = select.select([self.proc.stdout], [], [], a.start_timeout)
-        line = self.proc.stdout.readline() if r else b""
+        line = self.proc.stdout.readline() if r and self.proc.stdout else b""
         if not line:
             self.stop()
             self.log.seek(0)
@@ -281,7 +281,8 @@ class Engine:
     def stop(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.proc.stdin.close()
+                if self.proc.stdin:
+                    self.proc.stdin.close()
                 self.proc.wait(30)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
@@ -301,7 +302,8 @@ def pinned(cpus: Optional[List[int]]) -> Optional[Callable[[], None]]:
     """A preexec_fn putting a child (every thread it starts) on cpus."""
     if not cpus:
         return None
-    return lambda: os.sched_setaffinity(0, cpus)
+    on = list(cpus)
+    return lambda: os.sched_setaffinity(0, on)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -315,7 +317,7 @@ class Daemons:
     """`cudaipc serve` processes: one (one node), or two joined as a cluster through a
     private etcd (cross-node), each with its socket."""
 
-    def __init__(self, a: argparse.Namespace, tmp: str, nodes: int, pins: Sequence[Optional[List[int]]] = ()):
+    def __init__(self, a: argparse.Namespace, tmp: str, nodes: int, pins: Sequence[List[int]] = ()):
         self.procs: List[subprocess.Popen] = []
         self.daemons: List[subprocess.Popen] = []
         self.sockets: List[str] = []
@@ -780,7 +782,7 @@ def one_node(a: argparse.Namespace, shape: Shape, tmp: str, blocks: int) -> Dict
 # -- across two daemons -------------------------------------------------------------------
 
 def perftest(a: argparse.Namespace, test: str, size: int, iters: int, outstanding: int = 0,
-             pins: Sequence[Optional[List[int]]] = ()) -> Dict[str, Any]:
+             pins: Sequence[List[int]] = ()) -> Dict[str, Any]:
     """One ucx_perftest run on the link (server, then client, on loopback), with its
     p50 latency (µs), bandwidth (MB/s of 2^20 bytes, as it prints), message rate and
     the CPU seconds of both ends."""
@@ -816,11 +818,11 @@ def perftest(a: argparse.Namespace, test: str, size: int, iters: int, outstandin
     for line in out.splitlines():
         f = line.strip().split(",")
         if len(f) == 8 and f[0].isdigit():
-            v = [float(x) for x in f[1:]]
+            got = [float(x) for x in f[1:]]
             nbytes = int(f[0]) * size
             cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-            return {"test": test, "size": size, "iters": int(f[0]), "outstanding": outstanding, "p50_us": v[0],
-                    "MBps": v[4], "GBps": round(v[4] * (1 << 20) / 1e9, 3), "msg_per_s": v[6],
+            return {"test": test, "size": size, "iters": int(f[0]), "outstanding": outstanding, "p50_us": got[0],
+                    "MBps": got[4], "GBps": round(got[4] * (1 << 20) / 1e9, 3), "msg_per_s": got[6],
                     "cpu_s": round(cpu, 3), "cpu_s_per_GB": round(cpu / (nbytes / 1e9), 4)}
     return {"test": test, "error": out[-500:]}
 
@@ -835,10 +837,10 @@ def cross_node(a: argparse.Namespace, shape: Shape, tmp: str, blocks: int) -> Di
     """(b)-(d): the engine on daemon A, this reader on daemon B, against ucx_perftest
     (and, for GPU spaces, the staging copies)."""
     mem = memory_kind(a.device)
-    pins: Sequence[Optional[List[int]]] = halves() if a.pin else ()
+    pins: List[List[int]] = list(halves()) if a.pin else []
     own = os.sched_getaffinity(0)
     res: Dict[str, Any] = {"link": {k: os.environ.get(k, v) for k, v in LINK_ENV.items() if k != "UCX_WARN_UNUSED_ENV_VARS"},
-                           "pinned": [list(p) for p in pins] if pins else None}
+                           "pinned": pins or None}
     d = Daemons(a, tmp, 2, pins)
     engine = None
     try:
