@@ -278,23 +278,68 @@ type LookupOptions struct {
 // number, and with opts.Pin the pin that holds them (0 when none was
 // found).
 func (c *Client) LookupBlocks(ctx context.Context, pool string, keys [][]byte, opts LookupOptions) (found int, pin uint64, err error) {
+	p, err := c.lookup(ctx, pool, keys, opts, false)
+	return p.Found, p.Pin, err
+}
+
+// Presence is a per-key lookup's answer: which keys the pool holds.
+type Presence struct {
+	// Found is the length of the present prefix, as LookupBlocks counts
+	// it; Count the keys present, in the prefix or not.
+	Found, Count int
+	// Pin holds every key present, with LookupOptions.Pin (0 when none
+	// was).
+	Pin uint64
+	// Bits has bit i%8 (least significant first) of Bits[i/8] set when
+	// key i is present.
+	Bits []byte
+}
+
+// Has reports whether key i is present.
+func (p Presence) Has(i int) bool { return p.Bits[i>>3]&(1<<(i&7)) != 0 }
+
+// LookupPresent says which of keys the pool holds, each on its own
+// (keys that are not a chain: Mooncake's batch_is_exist), in one round
+// trip whatever their number. With opts.Pin every key present is pinned
+// under the answer's Pin, which a GetBlocks of any of them may take over.
+func (c *Client) LookupPresent(ctx context.Context, pool string, keys [][]byte, opts LookupOptions) (Presence, error) {
+	return c.lookup(ctx, pool, keys, opts, true)
+}
+
+// lookup sends a block_lookup, asking for the answer's bitmap with perKey.
+func (c *Client) lookup(ctx context.Context, pool string, keys [][]byte, opts LookupOptions, perKey bool) (Presence, error) {
 	const op = "block_lookup"
 	ms := opts.PinTimeout.Milliseconds()
 	if opts.PinTimeout < 0 || ms > protocol.MaxPinTimeoutMs || opts.PinTimeout > 0 && ms == 0 {
-		return 0, 0, &Error{Op: op, Name: pool, Err: ErrInvalid, Message: fmt.Sprintf("pin timeout %v: want 1ms to %dms", opts.PinTimeout, protocol.MaxPinTimeoutMs)}
+		return Presence{}, &Error{Op: op, Name: pool, Err: ErrInvalid, Message: fmt.Sprintf("pin timeout %v: want 1ms to %dms", opts.PinTimeout, protocol.MaxPinTimeoutMs)}
 	}
 	b, err := c.blockArrays(op, pool, keys, 0)
 	if err != nil {
-		return 0, 0, err
+		return Presence{}, err
+	}
+	var at uint64
+	if perKey {
+		at = b.reserve((len(keys) + 7) / 8)
 	}
 	r, err := b.roundTrip(ctx, &storev1.Request{Body: &storev1.Request_BlockLookup{BlockLookup: &storev1.BlockLookupRequest{
-		Pool: pool, Count: uint32(len(keys)), Keys: b.keys, Pin: opts.Pin, PinTimeoutMs: ms}}})
+		Pool: pool, Count: uint32(len(keys)), Keys: b.keys, Pin: opts.Pin, PinTimeoutMs: ms, PerKey: perKey, PresentAt: at}}})
 	if err != nil {
-		return 0, 0, err
+		return Presence{}, err
 	}
-	b.done(true)
+	defer b.done(true)
 	l := r.resp.GetBlockLookup()
-	return int(l.GetFound()), l.GetPin(), nil
+	p := Presence{Found: int(l.GetFound()), Pin: l.GetPin()}
+	if !perKey {
+		return p, nil
+	}
+	p.Count = int(l.GetPresentCount())
+	if p.Bits, err = b.read(l.GetPresent(), (len(keys)+7)/8); err != nil {
+		if p.Pin != 0 {
+			go func() { _ = c.sendDetached(unpinRequest(p.Pin)) }()
+		}
+		return Presence{}, err
+	}
+	return p, nil
 }
 
 // BlockLease is a get's answer: Slots[i] is key i's block slot in the

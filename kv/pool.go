@@ -16,7 +16,8 @@ import (
 // the layers [First, First+Count) of one block of a space, its parts laid
 // end to end layer by layer (BlockBytes says how many bytes that is); Put
 // stores blocks of a registered space, Lookup counts the present prefix of
-// a key chain, Get copies blocks into a local space layer by layer.
+// a key chain, Present says which keys are present one by one, Get copies
+// blocks into a local space layer by layer.
 
 // ErrMissing is a get's failure for keys the pool does not hold: their
 // destination blocks are the BlockError's.
@@ -164,6 +165,14 @@ func (p *Pool) Put(ctx context.Context, r PutRequest) (client.PutResult, error) 
 // Unpin, the pin's timeout or the end of c's connection.
 func (p *Pool) Lookup(ctx context.Context, keys [][]byte, opts client.LookupOptions) (found int, pin uint64, err error) {
 	return p.c.LookupBlocks(ctx, p.name, keys, opts)
+}
+
+// Present says which of keys the pool holds, each on its own (keys that
+// are not a chain), in one round trip. With opts.Pin every key present
+// stays until a Get takes the pin over, Unpin, the pin's timeout or the
+// end of c's connection.
+func (p *Pool) Present(ctx context.Context, keys [][]byte, opts client.LookupOptions) (client.Presence, error) {
+	return p.c.LookupPresent(ctx, p.name, keys, opts)
 }
 
 // Unpin ends a lookup's pin that no Get took over.

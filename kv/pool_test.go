@@ -440,3 +440,114 @@ func TestPoolEviction(t *testing.T) {
 		t.Fatalf("stat: %+v, want 5 evictions", info)
 	}
 }
+
+// TestPoolPresent checks per-key lookups against the keys put, inline and
+// through a bulk file: every key's bit, the prefix and the count; that
+// they change nothing without a pin; and that with one every key present
+// is pinned until a get takes the pin over.
+func TestPoolPresent(t *testing.T) {
+	sock := startDaemon(t)
+	c := dial(t, sock)
+	ctx := context.Background()
+	const n = 10000
+	sp := poolSpace(t, c, "present/kv", "host", 1, n, 48, 21)
+	pool, err := kv.CreatePool(ctx, c, "present", client.PoolConfig{BlockBytes: 96, KeyBytes: 24, Capacity: n * 256})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	keys := poolKeys(22, 2*n, 24)
+	r := rand.New(rand.NewPCG(23, 24))
+	held := map[int]bool{}
+	var put [][]byte
+	var ids []int
+	for i := range 2 * n {
+		if r.IntN(3) > 0 && len(put) < n {
+			held[i] = true
+			put = append(put, keys[i])
+			ids = append(ids, len(ids))
+		}
+	}
+	if res, err := pool.Put(ctx, kv.PutRequest{Keys: put, Src: sp.Desc(), SrcBlocks: ids}); err != nil || res.Stored != len(put) {
+		t.Fatalf("put: %+v, %v", res, err)
+	}
+	check := func(idx []int, opts client.LookupOptions) client.Presence {
+		t.Helper()
+		ks := make([][]byte, len(idx))
+		for i, k := range idx {
+			ks[i] = keys[k]
+		}
+		got, err := pool.Present(ctx, ks, opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		prefix, count := len(idx), 0
+		for i, k := range idx {
+			if got.Has(i) != held[k] {
+				t.Fatalf("key %d of %d (#%d): present %v, put %v", i, len(idx), k, got.Has(i), held[k])
+			}
+			if held[k] {
+				count++
+			} else {
+				prefix = min(prefix, i)
+			}
+		}
+		if got.Found != prefix || got.Count != count || len(got.Bits) != (len(idx)+7)/8 {
+			t.Fatalf("%d keys: found %d, count %d, %d bytes of bits; want %d, %d", len(idx), got.Found, got.Count, len(got.Bits), prefix, count)
+		}
+		if (got.Pin != 0) != (opts.Pin && count > 0) {
+			t.Fatalf("pin %d with opts %+v and %d keys present", got.Pin, opts, count)
+		}
+		return got
+	}
+	all := make([]int, 2*n)
+	for i := range all {
+		all[i] = i
+	}
+	r.Shuffle(len(all), func(i, j int) { all[i], all[j] = all[j], all[i] })
+	check(all[:20], client.LookupOptions{})       // inline
+	check(all[:n], client.LookupOptions{})        // a bulk file
+	check([]int{0, 1, 2}, client.LookupOptions{}) // fewer than 8 keys
+	var heldIdx []int
+	for i := range 2 * n {
+		if held[i] {
+			heldIdx = append(heldIdx, i)
+		}
+	}
+	check(heldIdx, client.LookupOptions{}) // every key present: the prefix is all
+	if info, err := pool.Stat(ctx); err != nil || info.Pinned != 0 {
+		t.Fatalf("after lookups without a pin: %+v, %v", info, err)
+	}
+	// A pin holds every key present; a get of some of them takes it over
+	// and its unpin leaves nothing pinned.
+	idx := all[n : n+500]
+	p := check(idx, client.LookupOptions{Pin: true})
+	if info, err := pool.Stat(ctx); err != nil || info.Pinned != p.Count {
+		t.Fatalf("pinned %d, want %d (%v)", info.Pinned, p.Count, err)
+	}
+	var gk [][]byte
+	var dst []int
+	for i, k := range idx {
+		if p.Has(i) && len(gk) < 40 {
+			gk = append(gk, keys[k])
+			dst = append(dst, len(dst))
+		}
+	}
+	tr, err := pool.Get(ctx, kv.GetRequest{Keys: gk, Dst: localSpace("host", 1, 40, 48, 25), DstBlocks: dst, Pin: p.Pin})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := waitGet(t, tr, 0, 1); err != nil {
+		t.Fatal(err)
+	}
+	testutil.Eventually(t, testutil.Wait, func() error {
+		info, err := pool.Stat(ctx)
+		if err != nil || info.Pinned != 0 {
+			return fmt.Errorf("%d blocks pinned after the get took the pin over (%v)", info.Pinned, err)
+		}
+		return nil
+	})
+	if err := pool.Unpin(ctx, p.Pin); !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("unpin of a pin a get took over: %v", err)
+	}
+}

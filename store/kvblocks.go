@@ -351,32 +351,73 @@ func pinTimeout(ms int64) time.Duration {
 	return time.Duration(ms) * time.Millisecond
 }
 
-// blockLookup counts the present prefix of keys, pinning it when asked.
+// blockLookup counts the present prefix of keys, and with per_key says
+// which keys are present; it pins what it found when asked (the prefix, or
+// with per_key every key present).
 func (cn *conn) blockLookup(r *storev1.BlockLookupRequest, bulk *os.File) (*storev1.BlockLookupResponse, error) {
 	start := time.Now()
 	p, keys, done, err := cn.blockKeys(r.GetPool(), r.GetCount(), r.GetKeys(), bulk, false)
 	if err != nil {
 		return nil, err
 	}
-	var slots []int32
-	p.mu.Lock()
-	n := p.idx.Prefix(keys)
-	if r.GetPin() && n > 0 {
-		slots = p.idx.PinPrefix(keys.Slice(0, n), make([]int32, 0, n))
+	var slots, held []int32
+	var bits []byte
+	if r.GetPerKey() {
+		bits = make([]byte, (keys.Len()+7)/8)
+		if r.GetPin() {
+			slots = make([]int32, keys.Len())
+		}
 	}
-	p.hits += uint64(n)
-	p.misses += uint64(keys.Len() - n)
+	// hit is what the metrics count as found: the prefix, or with per_key
+	// every key present.
+	var n, hit int
+	p.mu.Lock()
+	switch {
+	case slots != nil:
+		hit = p.idx.Acquire(keys, slots)
+	case bits != nil:
+		n, hit = p.idx.Present(keys, bits)
+	default:
+		n = p.idx.Prefix(keys)
+		hit = n
+		if r.GetPin() && n > 0 {
+			held = p.idx.PinPrefix(keys.Slice(0, n), make([]int32, 0, n))
+		}
+	}
+	p.hits += uint64(hit)
+	p.misses += uint64(keys.Len() - hit)
 	p.mu.Unlock()
 	done()
-	resp := &storev1.BlockLookupResponse{Found: uint32(n)}
 	if slots != nil {
-		if resp.Pin, err = cn.ss.addPin(p, slots, pinTimeout(r.GetPinTimeoutMs())); err != nil {
+		n = len(slots)
+		held = make([]int32, 0, hit)
+		for i, s := range slots {
+			if s == blocks.None {
+				n = min(n, i) // the first absent key ends the prefix
+				continue
+			}
+			bits[i>>3] |= 1 << (i & 7)
+			held = append(held, s)
+		}
+	}
+	resp := &storev1.BlockLookupResponse{Found: uint32(n)}
+	if bits != nil {
+		resp.PresentCount = uint32(hit)
+		if resp.Present, err = writeBlob("present", bits, bulk, r.GetPresentAt()); err != nil {
+			if len(held) > 0 {
+				p.unpin(held)
+			}
+			return nil, err
+		}
+	}
+	if len(held) > 0 {
+		if resp.Pin, err = cn.ss.addPin(p, held, pinTimeout(r.GetPinTimeoutMs())); err != nil {
 			return nil, err
 		}
 	}
 	m := cn.s.metrics.pools
-	m.hits.WithLabelValues(p.device, "lookup").Add(float64(n))
-	m.misses.WithLabelValues(p.device, "lookup").Add(float64(keys.Len() - n))
+	m.hits.WithLabelValues(p.device, "lookup").Add(float64(hit))
+	m.misses.WithLabelValues(p.device, "lookup").Add(float64(keys.Len() - hit))
 	m.lookupSeconds.Observe(time.Since(start).Seconds())
 	return resp, nil
 }

@@ -138,6 +138,7 @@ func TestPoolBadRequests(t *testing.T) {
 		{"no keys", &storev1.Request{Body: &storev1.Request_BlockLookup{BlockLookup: &storev1.BlockLookupRequest{Pool: "p"}}}, nil, storev1.Error_INVALID},
 		{"a pin timeout too long", &storev1.Request{Body: &storev1.Request_BlockLookup{BlockLookup: &storev1.BlockLookupRequest{Pool: "p", Count: 1, Keys: &storev1.Blob{Data: keys}, Pin: true, PinTimeoutMs: protocol.MaxPinTimeoutMs + 1}}}, nil, storev1.Error_INVALID},
 		{"a negative pin timeout", &storev1.Request{Body: &storev1.Request_BlockLookup{BlockLookup: &storev1.BlockLookupRequest{Pool: "p", Count: 1, Keys: &storev1.Blob{Data: keys}, PinTimeoutMs: -1}}}, nil, storev1.Error_INVALID},
+		{"a bitmap past 64 MiB", &storev1.Request{Body: &storev1.Request_BlockLookup{BlockLookup: &storev1.BlockLookupRequest{Pool: "p", Count: 1, Keys: &storev1.Blob{Length: 16}, PerKey: true, Pin: true, PresentAt: protocol.MaxBulkSize}}}, small, storev1.Error_INVALID},
 		{"unpin 0", &storev1.Request{Body: &storev1.Request_BlockUnpin{BlockUnpin: &storev1.BlockUnpinRequest{}}}, nil, storev1.Error_INVALID},
 		{"unpin of no pin", &storev1.Request{Body: &storev1.Request_BlockUnpin{BlockUnpin: &storev1.BlockUnpinRequest{Pin: 77}}}, nil, storev1.Error_NOT_FOUND},
 		{"evict 0", &storev1.Request{Body: &storev1.Request_BlockEvict{BlockEvict: &storev1.BlockEvictRequest{Pool: "p"}}}, nil, storev1.Error_INVALID},

@@ -5574,7 +5574,9 @@ func (x *BlockPutResponse) GetStatus() *Blob {
 // length of the present prefix (the first key absent, or being written,
 // ends it). It changes nothing, but with pin the prefix's blocks are
 // pinned (kept from eviction) until a get takes the pin over, an unpin,
-// pin_timeout_ms, or the connection's end.
+// pin_timeout_ms, or the connection's end. With per_key the answer also
+// says, for every key, whether it is present (keys that are not a chain),
+// and pin pins every key present, not only the prefix.
 type BlockLookupRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Pool  string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
@@ -5582,7 +5584,10 @@ type BlockLookupRequest struct {
 	Keys  *Blob                  `protobuf:"bytes,3,opt,name=keys,proto3" json:"keys,omitempty"`
 	Pin   bool                   `protobuf:"varint,4,opt,name=pin,proto3" json:"pin,omitempty"`
 	// 0: 30 seconds; at most 600000.
-	PinTimeoutMs  int64 `protobuf:"varint,5,opt,name=pin_timeout_ms,json=pinTimeoutMs,proto3" json:"pin_timeout_ms,omitempty"`
+	PinTimeoutMs int64 `protobuf:"varint,5,opt,name=pin_timeout_ms,json=pinTimeoutMs,proto3" json:"pin_timeout_ms,omitempty"`
+	PerKey       bool  `protobuf:"varint,6,opt,name=per_key,json=perKey,proto3" json:"per_key,omitempty"`
+	// With per_key and a bulk file: where the daemon writes the bitmap.
+	PresentAt     uint64 `protobuf:"varint,7,opt,name=present_at,json=presentAt,proto3" json:"present_at,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -5652,11 +5657,30 @@ func (x *BlockLookupRequest) GetPinTimeoutMs() int64 {
 	return 0
 }
 
+func (x *BlockLookupRequest) GetPerKey() bool {
+	if x != nil {
+		return x.PerKey
+	}
+	return false
+}
+
+func (x *BlockLookupRequest) GetPresentAt() uint64 {
+	if x != nil {
+		return x.PresentAt
+	}
+	return 0
+}
+
 type BlockLookupResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Found uint32                 `protobuf:"varint,1,opt,name=found,proto3" json:"found,omitempty"`
-	// The pin, with pin set and found > 0; 0 otherwise.
-	Pin           uint64 `protobuf:"varint,2,opt,name=pin,proto3" json:"pin,omitempty"`
+	// The pin, with pin set and a key pinned; 0 otherwise.
+	Pin uint64 `protobuf:"varint,2,opt,name=pin,proto3" json:"pin,omitempty"`
+	// With per_key: the keys present, and a bitmap of ceil(count/8) bytes in
+	// which bit i%8 (least significant first) of byte i/8 is set when key i
+	// is present.
+	PresentCount  uint32 `protobuf:"varint,3,opt,name=present_count,json=presentCount,proto3" json:"present_count,omitempty"`
+	Present       *Blob  `protobuf:"bytes,4,opt,name=present,proto3" json:"present,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -5703,6 +5727,20 @@ func (x *BlockLookupResponse) GetPin() uint64 {
 		return x.Pin
 	}
 	return 0
+}
+
+func (x *BlockLookupResponse) GetPresentCount() uint32 {
+	if x != nil {
+		return x.PresentCount
+	}
+	return 0
+}
+
+func (x *BlockLookupResponse) GetPresent() *Blob {
+	if x != nil {
+		return x.Present
+	}
+	return nil
 }
 
 // BlockGetRequest finds the blocks of keys and pins those present until the
@@ -6553,16 +6591,21 @@ const file_store_proto_rawDesc = "" +
 	"\x06stored\x18\x01 \x01(\rR\x06stored\x12\x18\n" +
 	"\aexisted\x18\x02 \x01(\rR\aexisted\x12\x12\n" +
 	"\x04full\x18\x03 \x01(\rR\x04full\x12.\n" +
-	"\x06status\x18\x04 \x01(\v2\x16.cudaipc.store.v1.BlobR\x06status\"\xa2\x01\n" +
+	"\x06status\x18\x04 \x01(\v2\x16.cudaipc.store.v1.BlobR\x06status\"\xda\x01\n" +
 	"\x12BlockLookupRequest\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x14\n" +
 	"\x05count\x18\x02 \x01(\rR\x05count\x12*\n" +
 	"\x04keys\x18\x03 \x01(\v2\x16.cudaipc.store.v1.BlobR\x04keys\x12\x10\n" +
 	"\x03pin\x18\x04 \x01(\bR\x03pin\x12$\n" +
-	"\x0epin_timeout_ms\x18\x05 \x01(\x03R\fpinTimeoutMs\"=\n" +
+	"\x0epin_timeout_ms\x18\x05 \x01(\x03R\fpinTimeoutMs\x12\x17\n" +
+	"\aper_key\x18\x06 \x01(\bR\x06perKey\x12\x1d\n" +
+	"\n" +
+	"present_at\x18\a \x01(\x04R\tpresentAt\"\x94\x01\n" +
 	"\x13BlockLookupResponse\x12\x14\n" +
 	"\x05found\x18\x01 \x01(\rR\x05found\x12\x10\n" +
-	"\x03pin\x18\x02 \x01(\x04R\x03pin\"\x94\x01\n" +
+	"\x03pin\x18\x02 \x01(\x04R\x03pin\x12#\n" +
+	"\rpresent_count\x18\x03 \x01(\rR\fpresentCount\x120\n" +
+	"\apresent\x18\x04 \x01(\v2\x16.cudaipc.store.v1.BlobR\apresent\"\x94\x01\n" +
 	"\x0fBlockGetRequest\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x14\n" +
 	"\x05count\x18\x02 \x01(\rR\x05count\x12*\n" +
@@ -6770,14 +6813,15 @@ var file_store_proto_depIdxs = []int32{
 	64, // 84: cudaipc.store.v1.BlockPutRequest.source:type_name -> cudaipc.store.v1.BlockSource
 	62, // 85: cudaipc.store.v1.BlockPutResponse.status:type_name -> cudaipc.store.v1.Blob
 	62, // 86: cudaipc.store.v1.BlockLookupRequest.keys:type_name -> cudaipc.store.v1.Blob
-	62, // 87: cudaipc.store.v1.BlockGetRequest.keys:type_name -> cudaipc.store.v1.Blob
-	62, // 88: cudaipc.store.v1.BlockGetResponse.slots:type_name -> cudaipc.store.v1.Blob
-	62, // 89: cudaipc.store.v1.BlockDeleteRequest.keys:type_name -> cudaipc.store.v1.Blob
-	90, // [90:90] is the sub-list for method output_type
-	90, // [90:90] is the sub-list for method input_type
-	90, // [90:90] is the sub-list for extension type_name
-	90, // [90:90] is the sub-list for extension extendee
-	0,  // [0:90] is the sub-list for field type_name
+	62, // 87: cudaipc.store.v1.BlockLookupResponse.present:type_name -> cudaipc.store.v1.Blob
+	62, // 88: cudaipc.store.v1.BlockGetRequest.keys:type_name -> cudaipc.store.v1.Blob
+	62, // 89: cudaipc.store.v1.BlockGetResponse.slots:type_name -> cudaipc.store.v1.Blob
+	62, // 90: cudaipc.store.v1.BlockDeleteRequest.keys:type_name -> cudaipc.store.v1.Blob
+	91, // [91:91] is the sub-list for method output_type
+	91, // [91:91] is the sub-list for method input_type
+	91, // [91:91] is the sub-list for extension type_name
+	91, // [91:91] is the sub-list for extension extendee
+	0,  // [0:91] is the sub-list for field type_name
 }
 
 func init() { file_store_proto_init() }

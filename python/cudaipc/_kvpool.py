@@ -16,7 +16,7 @@ import mmap
 import os
 import struct
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _deps
 from . import _store_pb2 as pb
@@ -27,7 +27,7 @@ from ._wire import Conn, HostArena
 from .errors import (BlockError, BlockRangeError, InternalError, InvalidArgument, KVNotSupported, LayoutMismatch,
                      MissingBlocks, StaleSpaceError)
 
-__all__ = ["Pool", "PoolInfo", "PutResult", "create_pool", "open_pool", "stat_pool", "delete_pool", "list_pools",
+__all__ = ["Pool", "PoolInfo", "PutResult", "Presence", "create_pool", "open_pool", "stat_pool", "delete_pool", "list_pools",
            "block_bytes", "MIN_KEY_BYTES", "MAX_KEY_BYTES", "MAX_BLOCK_KEYS", "BLOCK_STORED", "BLOCK_EXISTED", "BLOCK_FULL"]
 
 MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 32    # protocol.MinKeyBytes, MaxKeyBytes
@@ -79,6 +79,33 @@ class PutResult:
     existed: int
     full: int
     status: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Presence:
+    """A per-key lookup's answer (Go's client.Presence): ``found`` is the length of
+    the present prefix (as :meth:`Pool.lookup` counts it), ``count`` the keys
+    present, ``pin`` the pin holding them (0 when not pinned), and ``bits`` a bit a
+    key: bit i%8 (least significant first) of byte i//8 is set when key i is
+    present. ``presence[i]`` is key i's answer, ``list(presence)`` all of them."""
+    found: int
+    count: int
+    pin: int
+    bits: bytes
+    n: int
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> bool:
+        if not -self.n <= i < self.n:
+            raise IndexError("key %d of %d" % (i, self.n))
+        i %= self.n
+        return bool(self.bits[i >> 3] >> (i & 7) & 1)
+
+    def __iter__(self) -> Iterator[bool]:
+        bits = self.bits
+        return (bool(bits[i >> 3] >> (i & 7) & 1) for i in range(self.n))
 
 
 def block_bytes(layout: Layout, layers: Any = None) -> int:
@@ -279,15 +306,40 @@ class Pool:
         those blocks stay until a :meth:`get` takes the pin over, :meth:`unpin`,
         ``pin_timeout`` seconds (None: 30) or the end of the connection; 0 when not
         pinned or none was found."""
+        c = _Call(self, "block_lookup", keys)
+        resp = c.call(self._lookup_request(c, pin, pin_timeout, 0, False))
+        c.done()
+        return int(resp.block_lookup.found), int(resp.block_lookup.pin)
+
+    def present(self, keys: Any, pin: bool = False, pin_timeout: Optional[float] = None) -> Presence:
+        """Which of ``keys`` the pool holds, each on its own (keys that are not a
+        chain: Mooncake's ``batch_is_exist``), in one round trip, as a
+        :class:`Presence`. With ``pin`` every key present stays until a :meth:`get`
+        takes the pin over, :meth:`unpin`, ``pin_timeout`` seconds (None: 30) or the
+        end of the connection."""
+        c = _Call(self, "block_lookup", keys)
+        nbits = (c.n + 7) // 8
+        resp = c.call(self._lookup_request(c, pin, pin_timeout, c.reserve(nbits), True))
+        lk = resp.block_lookup
+        try:
+            bits = c.read(lk.present, nbits)
+        except BaseException:
+            if lk.pin:
+                self.conn.send_detached(pb.Request(block_unpin=pb.BlockUnpinRequest(pin=lk.pin)))
+            raise
+        finally:
+            c.done()
+        return Presence(int(lk.found), int(lk.present_count), int(lk.pin), bits, c.n)
+
+    def _lookup_request(self, c: _Call, pin: bool, pin_timeout: Optional[float], present_at: int, per_key: bool) -> Any:
         ms = 0
         if pin_timeout is not None:
             if not 0.001 <= pin_timeout <= MAX_PIN_TIMEOUT:
+                c.done()
                 raise InvalidArgument("block_lookup", self.name, "pin timeout %ss: want 0.001 to %s" % (pin_timeout, MAX_PIN_TIMEOUT))
             ms = int(pin_timeout * 1000)
-        c = _Call(self, "block_lookup", keys)
-        resp = c.call(pb.Request(block_lookup=pb.BlockLookupRequest(pool=self.name, count=c.n, keys=c.keys, pin=pin, pin_timeout_ms=ms)))
-        c.done()
-        return int(resp.block_lookup.found), int(resp.block_lookup.pin)
+        return pb.Request(block_lookup=pb.BlockLookupRequest(pool=self.name, count=c.n, keys=c.keys, pin=pin, pin_timeout_ms=ms,
+                                                             per_key=per_key, present_at=present_at))
 
     def unpin(self, pin: int) -> None:
         """End a lookup's pin that no get took over."""

@@ -21,8 +21,8 @@ space with one :func:`read_blocks`, completing layer by layer::
 
 A block *pool* is a cache of KV blocks in the daemon by the engines' content hashes
 (docs/kv.md, "Block pools"): :func:`create_pool`, then ``pool.put`` from a registered
-space, ``pool.lookup`` of a key chain (the present prefix), ``pool.get`` into a local
-space layer by layer::
+space, ``pool.lookup`` of a key chain (the present prefix) or ``pool.present`` of
+keys one by one, ``pool.get`` into a local space layer by layer::
 
     pool = kv.create_pool(store, "llama3-8b/prefix", kv.block_bytes(space.desc), 64 << 30)
     pool.put(hashes, space, block_ids)             # after a prefill
@@ -49,7 +49,7 @@ from . import _kvgpu, _kvread, _kvremote
 from ._kvdesc import (MAX_BLOCKS, MAX_LAYERS, MAX_PARTS, MAX_REGIONS, Desc, Layout, Part, Region, new_id)
 from ._kvlocal import Local, Memory, alloc_host, offload_layout, sglang_layout, vllm_layout
 from ._kvpool import (BLOCK_EXISTED, BLOCK_FULL, BLOCK_STORED, MAX_BLOCK_KEYS, MAX_KEY_BYTES, MIN_KEY_BYTES, Pool,
-                      PoolInfo, PutResult, block_bytes)
+                      PoolInfo, Presence, PutResult, block_bytes)
 from ._kvread import Transfer
 from .errors import (BlockError, BlockRangeError, InvalidDescError, InvalidKVRequest, KVError, KVNotSupported,
                      LayoutMismatch, MissingBlocks, NotFound, StaleSpaceError)
@@ -58,7 +58,7 @@ __all__ = ["Desc", "Layout", "Part", "Region", "Local", "Memory", "Space", "Tran
            "vllm_layout", "sglang_layout", "offload_layout", "register", "read_blocks", "new_id",
            "KVError", "InvalidDescError", "LayoutMismatch", "StaleSpaceError", "KVNotSupported", "InvalidKVRequest", "BlockError",
            "BlockRangeError", "MAX_LAYERS", "MAX_PARTS", "MAX_REGIONS", "MAX_BLOCKS",
-           "Pool", "PoolInfo", "PutResult", "MissingBlocks", "create_pool", "open_pool", "stat_pool", "delete_pool",
+           "Pool", "PoolInfo", "PutResult", "Presence", "MissingBlocks", "create_pool", "open_pool", "stat_pool", "delete_pool",
            "list_pools", "block_bytes", "MIN_KEY_BYTES", "MAX_KEY_BYTES", "MAX_BLOCK_KEYS", "BLOCK_STORED",
            "BLOCK_EXISTED", "BLOCK_FULL"]
 

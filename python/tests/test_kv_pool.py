@@ -1,9 +1,9 @@
 """KV block pools (cudaipc.kv.create_pool; docs/kv.md, "Block pools") against a real
-daemon: puts from a registered host space, lookups of the present prefix, gets into
-a local space of another layout layer by layer with every byte checked, keys
-present already, absent keys named, ten thousand keys in one call (their arrays in
-a bulk file), least recently used eviction and pins, refused requests, and the
-pools ``cudaipc ls --pools`` lists."""
+daemon: puts from a registered host space, lookups of the present prefix and of each
+key alone, gets into a local space of another layout layer by layer with every byte
+checked, keys present already, absent keys named, ten thousand keys in one call
+(their arrays in a bulk file), least recently used eviction and pins, refused
+requests, and the pools ``cudaipc ls --pools`` lists."""
 
 import json
 
@@ -125,6 +125,48 @@ def test_bulk(store):
         t.wait(timeout=60)
     assert ei.value.blocks == list(range(n // 2, n))
     kvutil.check_bytes(dst, kvutil.expected(sp.desc, 15, dst, ids[n // 2:], list(range(n // 2)), range(1), before))
+
+
+def test_present(store):
+    """Per-key lookups (pool.present) of keys that are not a chain, inline and through
+    a bulk file: every key's answer, the prefix and the count; with a pin, every key
+    present is held until a get takes the pin over."""
+    n = 10000
+    sp = space(store, "present/kv", "offload", 26, layers=1, blocks=n, nbytes=24)
+    pool = kv.create_pool(store, "present", 48, n * 256, key_bytes=24)
+    ks = keys(27, 2 * n, 24)
+    rng = np.random.default_rng(28)
+    held = sorted(rng.choice(2 * n, size=n, replace=False).tolist())
+    assert pool.put([ks[i] for i in held], sp, list(range(n))).stored == n
+    hs = set(held)
+    order = rng.permutation(2 * n).tolist()
+
+    def check(idx, **kw):
+        p = pool.present(np.frombuffer(b"".join(ks[i] for i in idx), dtype=np.uint8).reshape(len(idx), 24), **kw)
+        want = [i in hs for i in idx]
+        assert list(p) == want and len(p) == len(idx)
+        assert p.count == sum(want)
+        assert p.found == (want.index(False) if False in want else len(idx))
+        assert p[0] == want[0] and p[-1] == want[-1]
+        return p
+
+    for idx in (order[:20], order[:n], order[:3], held):   # inline, bulk, under 8 keys, all present
+        assert check(idx).pin == 0
+    assert pool.stat().pinned == 0
+    p = check(order[n:n + 500], pin=True)
+    assert p.pin and pool.stat().pinned == p.count
+    got = [order[n + i] for i in range(500) if p[i]][:40]
+    dst = local("offload", 29, layers=1, blocks=40, nbytes=24)
+    before = snapshot(dst)
+    pool.get([ks[i] for i in got], dst, list(range(len(got))), pin=p.pin).wait(timeout=30)
+    kvutil.check_bytes(dst, kvutil.expected(sp.desc, 26, dst, [held.index(i) for i in got], list(range(len(got))), range(1), before))
+    import time
+    deadline = time.monotonic() + 10
+    while pool.stat().pinned:
+        assert time.monotonic() < deadline, "pins left after the get took the pin over"
+        time.sleep(0.01)
+    with pytest.raises(IndexError):
+        p[500]
 
 
 def test_eviction_and_pins(store):

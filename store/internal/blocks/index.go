@@ -239,6 +239,26 @@ func (x *Index) Prefix(keys Keys) int {
 	return n
 }
 
+// Present sets bit i%8 of bits[i/8] for every readable key i (bits holds
+// at least (keys.Len()+7)/8 bytes, zeroed) and returns the length of the
+// readable prefix, as Prefix does, and the count of readable keys. It
+// changes nothing.
+func (x *Index) Present(keys Keys, bits []byte) (prefix, count int) {
+	prefix = -1
+	for i := range keys.Len() {
+		if _, ok := x.readable(keys.At(i)); ok {
+			bits[i>>3] |= 1 << (i & 7)
+			count++
+		} else if prefix < 0 {
+			prefix = i
+		}
+	}
+	if prefix < 0 {
+		prefix = keys.Len()
+	}
+	return prefix, count
+}
+
 // pin pins slot j, taking it off the eviction list.
 func (x *Index) pin(j int32) {
 	s := &x.slots[j]

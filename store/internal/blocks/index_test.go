@@ -88,6 +88,12 @@ func TestWritingIsInvisible(t *testing.T) {
 	if x.Prefix(keys(1, 2)) != 1 {
 		t.Fatalf("prefix after commit of 1 and abort of 2")
 	}
+	x.Reserve(keys(3), s2, st2)
+	bits := make([]byte, 1)
+	if p, n := x.Present(keys(3, 1, 2), bits); p != 0 || n != 1 || bits[0] != 0b010 {
+		t.Fatalf("present with 3 being written, 1 readable, 2 aborted: prefix %d, %d present, bits %08b", p, n, bits[0])
+	}
+	x.Commit(s2)
 	if err := x.Check(); err != nil {
 		t.Fatal(err)
 	}
@@ -232,10 +238,52 @@ func TestRandomAgainstModel(t *testing.T) {
 				}
 			}
 		}
+		checkPresent(t, x, keys(r.IntN(200), r.IntN(200), r.IntN(200), r.IntN(200), r.IntN(200), r.IntN(200), r.IntN(200), r.IntN(200), r.IntN(200)))
 		for k := range x.byKey {
 			if !stored[k] && x.slots[x.byKey[k]].state == ready {
 				t.Fatalf("step %d: a key never stored is readable", step)
 			}
 		}
+	}
+}
+
+// checkPresent checks Present against Prefix and a lookup of each key
+// alone.
+func checkPresent(t *testing.T, x *Index, ks Keys) {
+	t.Helper()
+	bits := make([]byte, (ks.Len()+7)/8)
+	prefix, count := x.Present(ks, bits)
+	if want := x.Prefix(ks); prefix != want {
+		t.Fatalf("present's prefix %d, Prefix %d", prefix, want)
+	}
+	n := 0
+	for i := range ks.Len() {
+		has := bits[i/8]&(1<<(i%8)) != 0
+		if want := x.Prefix(ks.Slice(i, i+1)) == 1; has != want {
+			t.Fatalf("key %d of %d: present %v, want %v", i, ks.Len(), has, want)
+		}
+		if has {
+			n++
+		}
+	}
+	if count != n {
+		t.Fatalf("present counts %d keys, its bits %d", count, n)
+	}
+}
+
+func TestPresent(t *testing.T) {
+	x := New(8)
+	put(t, x, keys(1, 3, 5, 7))
+	bits := make([]byte, 2)
+	prefix, count := x.Present(keys(1, 3, 2, 5, 9, 7, 1, 4, 3), bits)
+	// Keys 0, 1, 3, 5, 6 and 8 are present.
+	if prefix != 2 || count != 6 || bits[0] != 0b01101011 || bits[1] != 0b1 {
+		t.Fatalf("prefix %d, %d present, bits %08b %08b", prefix, count, bits[1], bits[0])
+	}
+	checkPresent(t, x, keys(7, 5, 3, 1))
+	checkPresent(t, x, keys(8, 6, 4, 2, 0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23))
+	// Present changes nothing: key 1 stays the least recently used.
+	if x.Order()[0] != key(1) {
+		t.Fatalf("present changed the eviction order: %v", x.Order())
 	}
 }
