@@ -3,7 +3,7 @@ daemon: puts from a registered host space, lookups of the present prefix and of 
 key alone, gets into a local space of another layout layer by layer with every byte
 checked, keys present already, absent keys named, ten thousand keys in one call
 (their arrays in a bulk file), least recently used eviction and pins, refused
-requests, and the pools ``cudaipc ls --pools`` lists."""
+requests, the pools ``cudaipc ls --pools`` lists and the metrics /metrics serves."""
 
 import json
 
@@ -236,3 +236,62 @@ def test_refused(store, daemon):
     assert [p.name for p in kv.list_pools(store)] == ["refused"]
     kv.delete_pool(store, "refused")
     assert kv.list_pools(store) == []
+
+
+def _metrics(port):
+    """The daemon's /metrics as {name{labels}: value}."""
+    import urllib.request
+    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metrics(cudaipc_bin):
+    """The pool metrics as /metrics serves them, by tier: pools, blocks, bytes and
+    capacity; hits and misses of lookups (prefix and per key) and gets; blocks
+    stored, their bytes, bytes got, evictions; the lookup latency histogram."""
+    from clusterutil import free_port
+    from conftest import Daemon
+    port = free_port()
+    d = Daemon(cudaipc_bin, ["--backend", "host", "--capacity", "64MiB"], config='metrics = "%d"\n' % port)
+    try:
+        with cudaipc.connect(d.socket) as st:
+            sp = space(st, "metrics/kv", "vllm", 30)
+            bb = kv.block_bytes(sp.desc)
+            pool = kv.create_pool(st, "metrics", bb, 8 * bb)
+            slot = pool.info.slot_bytes
+            ks = keys(31, 12)
+            assert pool.put(ks[:8], sp, list(range(8))).stored == 8
+            assert pool.put(ks[8:10], sp, [8, 9]).stored == 2                # 0 and 1 evicted: 8 slots
+            assert pool.lookup(ks[2:12])[0] == 8                           # 8 hits, 2 misses
+            assert pool.present(ks[:4]).count == 2                          # 2 hits, 2 misses
+            pool.get(ks[6:10], local("vllm", 32), [0, 1, 2, 3]).wait(timeout=30)   # 4 hits
+            assert pool.evict(1) == 1
+            m = _metrics(port)
+            host = '{device="host"}'
+            want = {
+                "cudaipc_store_kv_pools" + host: 1,
+                'cudaipc_store_kv_pool_blocks{device="host",state="ready"}': 7,
+                "cudaipc_store_kv_pool_bytes" + host: 7 * bb,
+                "cudaipc_store_kv_pool_capacity_bytes" + host: pool.info.memory_size,
+                'cudaipc_store_kv_pool_hits_total{device="host",op="lookup"}': 10,
+                'cudaipc_store_kv_pool_misses_total{device="host",op="lookup"}': 4,
+                'cudaipc_store_kv_pool_hits_total{device="host",op="get"}': 4,
+                "cudaipc_store_kv_pool_stored_total" + host: 10,
+                "cudaipc_store_kv_pool_put_bytes_total" + host: 10 * bb,
+                "cudaipc_store_kv_pool_get_bytes_total" + host: 4 * bb,
+                "cudaipc_store_kv_pool_evictions_total" + host: 3,
+                "cudaipc_store_kv_pool_lookup_seconds_count": 2,
+            }
+            got = {k: m.get(k) for k in want}
+            assert got == want
+            assert pool.info.memory_size >= 8 * slot
+            assert m['cudaipc_store_kv_pool_lookup_seconds_bucket{le="+Inf"}'] == 2
+            assert 0 < m["cudaipc_store_kv_pool_lookup_seconds_sum"] < 1
+    finally:
+        d.stop()
