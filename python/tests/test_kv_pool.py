@@ -152,6 +152,9 @@ def test_present(store):
 
     for idx in (order[:20], order[:n], order[:3], held):   # inline, bulk, under 8 keys, all present
         assert check(idx).pin == 0
+    every = np.frombuffer(b"".join(ks), dtype=np.uint8).reshape(2 * n, 24)
+    assert list(pool.present(every[::2])) == [i in hs for i in range(0, 2 * n, 2)]   # keys not contiguous
+    assert list(pool.present([ks[i] for i in order[:n]])) == [i in hs for i in order[:n]]   # a list of bytes
     assert pool.stat().pinned == 0
     p = check(order[n:n + 500], pin=True)
     assert p.pin and pool.stat().pinned == p.count
@@ -220,6 +223,9 @@ def test_refused(store, daemon):
         pool.lookup(keys(1, 2, 16))                  # the pool's keys are 32 bytes
     with pytest.raises(cudaipc.InvalidArgument):
         pool.lookup([b"x" * 32, b"y" * 20])
+    with pytest.raises(cudaipc.InvalidArgument):
+        pool.lookup([b"x" * 31, b"y" * 33])          # 64 bytes, but not two keys of 32
+    assert pool.lookup([bytearray(b"x" * 32), memoryview(b"y" * 32)]) == (0, 0)   # any bytes-like keys
     with pytest.raises(cudaipc.NotFound):
         kv.open_pool(store, "nope")
     with pytest.raises(kv.BlockRangeError):
