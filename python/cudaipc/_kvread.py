@@ -1,15 +1,23 @@
 """Vectored block reads between KV spaces on one node (cudaipc.kv.read_blocks): the
-Go package kv's read.go. A read is checked at once (plan), then runs on a thread of
-its own: it leases the source regions the layers use (so that their memory stays
-valid however the source ends), checks that each carries the description the reader
-was given, copies layer by layer (host memory: one memmove per coalesced run; a GPU's
-memory into its own: one gather kernel launch a layer, with an event after each) and
-releases the leases, which the source sees in its regions' lease counts."""
+Go package kv's read.go. A read is checked at once (plan), then runs: it leases the
+source regions the layers use (so that their memory stays valid however the source
+ends), checks that each carries the description the reader was given, copies layer
+by layer (host memory: one memmove per coalesced run; a GPU's memory into its own:
+one gather kernel launch a layer, with an event after each) and releases the leases,
+which the source sees in its regions' lease counts.
+
+A read runs on the first thread to want it: a thread of a small pool of workers
+(started for it at once), or the caller's own when it waits for the read before a
+worker took it up, so that a read waited for at once costs no hand-off between
+threads; a host read the caller waits for layer by layer runs that far on the
+caller's thread and leaves the rest to a worker."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
+import os
 import threading
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -51,6 +59,9 @@ class Transfer:
         self._complete = 0      # layers [first, first + _complete) are in place
         self._ended = False
         self._error: Optional[BlockError] = None
+        self._waiters = 0       # threads in a wait: a layer's completion wakes them
+        self._job: Optional[_Read] = None   # the read's work, until it ends
+        self._running = False   # a thread runs _job
 
     @property
     def layers(self) -> range:
@@ -70,11 +81,21 @@ class Transfer:
     def wait(self, timeout: Optional[float] = None) -> None:
         """Wait for the read to end (at most ``timeout`` seconds; None: no limit) and
         raise its BlockError if it failed. TimeoutError if it is still running then
-        (the read goes on)."""
+        (the read goes on). A read no thread has taken up yet runs on the calling
+        thread, which then returns once it ended: ``timeout`` bounds the wait for a
+        read another thread runs."""
+        if timeout is None or timeout > 0:
+            self._run_here(self.count)
         with self._cv:
-            if not self._cv.wait_for(lambda: self._ended, timeout):
-                raise TimeoutError("kv: the read of %d blocks of %s is still running after %ss"
-                                   % (len(self.blocks), self.space, timeout))
+            if not self._ended:
+                self._waiters += 1
+                try:
+                    ended = self._cv.wait_for(lambda: self._ended, timeout)
+                finally:
+                    self._waiters -= 1
+                if not ended:
+                    raise TimeoutError("kv: the read of %d blocks of %s is still running after %ss"
+                                       % (len(self.blocks), self.space, timeout))
             err = self._error
         if err is not None:
             raise err
@@ -83,13 +104,22 @@ class Transfer:
         """Wait until every requested block of ``layer`` is in the destination, and
         return; raise the read's BlockError if it failed before that layer was
         complete, TimeoutError after ``timeout`` seconds, LayoutMismatch for a layer
-        the read does not copy."""
+        the read does not copy. Layers of a host read no thread is copying yet are
+        copied on the calling thread, up to ``layer``; the rest go on on a worker."""
         if not self.first <= layer < self.first + self.count:
             raise LayoutMismatch("kv: layer %d is not among the read's [%d, %d)" % (layer, self.first, self.first + self.count))
         i = layer - self.first
+        if self._complete <= i and (timeout is None or timeout > 0):
+            self._run_here(i + 1)
         with self._cv:
-            if not self._cv.wait_for(lambda: self._complete > i or self._ended, timeout):
-                raise TimeoutError("kv: layer %d of the read of %s is not complete after %ss" % (layer, self.space, timeout))
+            if self._complete <= i and not self._ended:
+                self._waiters += 1
+                try:
+                    ok = self._cv.wait_for(lambda: self._complete > i or self._ended, timeout)
+                finally:
+                    self._waiters -= 1
+                if not ok:
+                    raise TimeoutError("kv: layer %d of the read of %s is not complete after %ss" % (layer, self.space, timeout))
             if self._complete > i:
                 return
             err = self._error
@@ -100,7 +130,8 @@ class Transfer:
         """Mark layers up to first + i complete (the reading thread's call)."""
         with self._cv:
             self._complete = max(self._complete, i + 1)
-            self._cv.notify_all()
+            if self._waiters:
+                self._cv.notify_all()
 
     def reached(self) -> int:
         """The first layer not complete."""
@@ -112,12 +143,98 @@ class Transfer:
         with self._cv:
             self._error = err
             self._ended = True
-            self._cv.notify_all()
+            self._job = None
+            if self._waiters:
+                self._cv.notify_all()
+
+    def _start(self, job: "_Read") -> None:
+        """Give the read its work and a worker to run it, unless a waiter takes it
+        up first."""
+        self._job = job
+        _workers.submit(self)
+
+    def _take(self, upto: int) -> "Optional[_Read]":
+        """The read's work if no thread runs it (now this one does), and it can
+        stop after ``upto`` layers or that is all of them; else None."""
+        with self._cv:
+            j = self._job
+            if j is None or self._running or (upto < self.count and not j.layer_wise):
+                return None
+            self._running = True
+            return j
+
+    def _run_here(self, upto: int) -> None:
+        """Run the read's first ``upto`` layers on this thread if no thread runs it;
+        then hand what is left back to a worker."""
+        j = self._take(upto)
+        if j is None:
+            return
+        try:
+            j.run(self, upto)
+        finally:
+            with self._cv:
+                self._running = False
+                left = self._job is not None
+            if left:
+                _workers.submit(self)
 
     def __repr__(self) -> str:
         state = "running" if not self._ended else ("failed" if self._error is not None else "done")
         return "<kv.Transfer %d blocks of %s, layers [%d, %d), %s>" % (
             len(self.blocks), self.space, self.first, self.first + self.count, state)
+
+
+class _Workers:
+    """Threads that run reads no caller ran itself: as many as reads wait for one,
+    up to ``limit``; an idle one waits for the next read."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._queue: "collections.deque[Transfer]" = collections.deque()
+        self._idle = 0
+        self._threads = 0
+
+    def submit(self, t: Transfer) -> None:
+        """Have a worker run t's read (unless another thread takes it up first)."""
+        with self._cv:
+            self._queue.append(t)
+            spawn = len(self._queue) > self._idle and self._threads < self.limit
+            if spawn:
+                self._threads += 1
+            else:
+                self._cv.notify()
+        if spawn:
+            try:
+                threading.Thread(target=self._work, name="cudaipc-kv-read", daemon=True).start()
+            except BaseException:
+                with self._cv:
+                    self._threads -= 1
+                    if self._threads == 0 and t in self._queue:   # no worker: the read goes with its caller's error
+                        self._queue.remove(t)
+                raise
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._idle += 1
+                    try:
+                        self._cv.wait()
+                    finally:
+                        self._idle -= 1
+                t = self._queue.popleft()
+            try:
+                t._run_here(t.count)
+            except BaseException as e:  # noqa: BLE001 - the read ended with it; the worker goes on
+                _log.debug("kv: a read of %s ended with %r", t.space, e)
+
+
+_workers = _Workers(8)
+os.register_at_fork(after_in_child=_workers._reset)   # a child has none of its parent's threads
 
 
 class Plan:
@@ -256,28 +373,59 @@ Copier = Callable[[Plan, List[Any], Transfer], None]
 
 
 def start(store: Any, p: Plan, gpu_copy: Optional[Copier]) -> Transfer:
-    """Run the read p on a thread of its own and return its Transfer."""
+    """Start the read p (on a worker, or the first thread to wait for it) and
+    return its Transfer."""
     t = Transfer(p.src.name, p.first, p.count, p.dst_blocks)
-    th = threading.Thread(target=_run, args=(store, p, t, gpu_copy), name="cudaipc-kv-read", daemon=True)
-    th.start()
+    t._start(_Read(store, p, gpu_copy))
     return t
 
 
-def _run(store: Any, p: Plan, t: Transfer, gpu_copy: Optional[Copier]) -> None:
-    err: Optional[BlockError] = None
-    leases: List[Any] = [None] * len(p.src.regions)
-    try:
-        for i in p.regions:
-            leases[i] = lease(store, p.src, i, p.desc)
-        if p.ordinal is not None:
-            if gpu_copy is None:
-                raise KVNotSupported("kv: GPU reads need the gather kernel (cuda-bindings)")
-            gpu_copy(p, leases, t)
-        else:
-            _host_copy(p, leases, t)
-    except BaseException as e:  # noqa: BLE001 - any failure ends the read with its blocks named
-        err = p.fail(t.reached(), e)
-    finally:
+class _Read:
+    """The work of one read, run by one thread at a time: its leases, then its
+    layers in order (a host read's can stop after any layer and go on on another
+    thread: ``layer_wise``; a GPU read's run whole), then its end."""
+
+    def __init__(self, store: Any, p: Plan, gpu_copy: Optional[Copier]):
+        self.store, self.p, self.gpu_copy = store, p, gpu_copy
+        self.layer_wise = p.ordinal is None
+        self.leases: Optional[List[Any]] = None
+        self.src: List[int] = []   # a host read's source region addresses
+        self.next = 0              # layers copied
+
+    def run(self, t: Transfer, upto: int) -> None:
+        """Copy layers up to ``upto`` (a GPU read: all), and end the read after its
+        last. Every failure ends it, as a BlockError; an interrupt of the calling
+        thread (KeyboardInterrupt) ends it so and is raised again."""
+        p = self.p
+        try:
+            if self.leases is None:
+                self.leases = [None] * len(p.src.regions)
+                for i in p.regions:
+                    self.leases[i] = lease(self.store, p.src, i, p.desc)
+                self.src = [le.data_ptr if le is not None else 0 for le in self.leases]
+            if p.ordinal is not None:
+                if self.gpu_copy is None:
+                    raise KVNotSupported("kv: GPU reads need the gather kernel (cuda-bindings)")
+                self.gpu_copy(p, self.leases, t)
+                self.next = p.count
+            else:
+                while self.next < upto:
+                    _host_layer(p, self.src, p.first + self.next)
+                    t.layer_done(self.next)
+                    self.next += 1
+            if self.next < p.count:
+                return
+        except BaseException as e:  # noqa: BLE001 - any failure ends the read with its blocks named
+            self._end(t, p.fail(t.reached(), e))
+            if not isinstance(e, Exception):
+                raise
+            return
+        self._end(t, None)
+
+    def _end(self, t: Transfer, err: Optional[BlockError]) -> None:
+        """Release the leases, tell the source's engine if asked, end t."""
+        p = self.p
+        leases, self.leases = self.leases or [], []
         rel: Optional[BaseException] = None
         for le in leases:
             if le is not None:
@@ -288,7 +436,7 @@ def _run(store: Any, p: Plan, t: Transfer, gpu_copy: Optional[Copier]) -> None:
         if err is None and rel is not None:
             err = p.fail(p.first + p.count, rel)
         if p.notify is not None:
-            _notify(store, p, err)
+            _notify(self.store, p, err)
         t.finish(err)
 
 
@@ -305,21 +453,20 @@ def _notify(store: Any, p: Plan, err: Optional[BlockError]) -> None:
 _memmove = ctypes.memmove
 
 
-def _host_copy(p: Plan, leases: List[Any], t: Transfer) -> None:
-    """Copy host memory layer by layer: one memmove per coalesced run of a part
-    whose blocks are contiguous on both sides (stride = bytes), else per block."""
-    src = [le.data_ptr if le is not None else 0 for le in leases]
+def _host_layer(p: Plan, src: List[int], li: int) -> None:
+    """Copy layer li of a host read from the source regions at ``src``: one memmove
+    per coalesced run of a part whose blocks are contiguous on both sides (stride =
+    bytes), else per block."""
     dst = p.dst
-    for li in range(p.first, p.first + p.count):
-        for sp, dp in zip(p.src.layers[li], dst.layers[li]):
-            s, d = src[sp.region] + sp.base, dst.memory[dp.region].addr + dp.base
-            n = sp.nbytes
-            if sp.stride == n and dp.stride == n:
-                for rs, rd, k in p.runs:
-                    _memmove(d + rd * n, s + rs * n, k * n)
-                continue
-            ss, ds = sp.stride, dp.stride
+    mm = _memmove
+    for sp, dp in zip(p.src.layers[li], dst.layers[li]):
+        s, d = src[sp.region] + sp.base, dst.memory[dp.region].addr + dp.base
+        n = sp.nbytes
+        if sp.stride == n and dp.stride == n:
             for rs, rd, k in p.runs:
-                for j in range(k):
-                    _memmove(d + (rd + j) * ds, s + (rs + j) * ss, n)
-        t.layer_done(li - p.first)
+                mm(d + rd * n, s + rs * n, k * n)
+            continue
+        ss, ds = sp.stride, dp.stride
+        for rs, rd, k in p.runs:
+            for j in range(k):
+                mm(d + (rd + j) * ds, s + (rs + j) * ss, n)

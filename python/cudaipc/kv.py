@@ -194,12 +194,13 @@ def read_blocks(store: Any, src: Union[Desc, str, bytes], src_blocks: Any, dst: 
     The request is checked first: ids in range (else BlockRangeError naming them),
     the two layouts fitting (same layers, parts and block bytes: else LayoutMismatch),
     a valid description (InvalidDescError), memory this version can copy between
-    (KVNotSupported). The copy runs on a thread of its own: it leases the source
-    regions the layers use, checks each carries this description (StaleSpaceError
-    if the space was registered again), copies layer by layer (adjacent blocks
-    coalesced; host memory by memmove, a GPU's memory into its own with one gather
-    kernel launch a layer) and releases the leases. Its failures come as a BlockError
-    from the Transfer (``wait``, ``wait_layer``, ``error``).
+    (KVNotSupported). The copy starts at once on a worker thread, or runs on the
+    caller's when it waits before a worker took it up (``Transfer.wait``): it
+    leases the source regions the layers use, checks each carries this description
+    (StaleSpaceError if the space was registered again), copies layer by layer
+    (adjacent blocks coalesced; host memory by memmove, a GPU's memory into its own
+    with one gather kernel launch a layer) and releases the leases. Its failures
+    come as a BlockError from the Transfer (``wait``, ``wait_layer``, ``error``).
 
     On a GPU the copies run on a stream of the read's own that waits for no other:
     the source's bytes must be written (its engine synchronized) before it handed
