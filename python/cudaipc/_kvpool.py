@@ -486,11 +486,22 @@ class Pool:
         return "<kv.Pool %s: %d of %d blocks of %d bytes on %s>" % (self.name, i.blocks, i.capacity_blocks, i.block_bytes, i.device)
 
 
+# A get copies on up to this many threads, one for every _COPY_WORKER_BYTES at least
+# (Go's copyWorkerBytes); runs of at least _MIN_RUN consecutive slots copy with one
+# NumPy scatter a part, shorter ones a memmove a piece.
+_MAX_COPY_WORKERS = 8
+_COPY_WORKER_BYTES = 8 << 20
+_MIN_RUN = 4
+
+
 def _copy_out(t: Transfer, mem: HostArena, slot_bytes: int, slots: Sequence[int], dst: Local, db: List[int],
               first: int, count: int, complete: bool) -> None:
     """Copy every found block into the destination layer by layer (marking each
-    layer done when ``complete``): with NumPy one gather and scatter a part of a
-    layer, else a memmove a part of a block."""
+    layer done when ``complete``). With NumPy, the blocks in order of their slots:
+    a run of consecutive slots is one scatter a part of a layer (the pool's rows a
+    plain view, so no temporary copy), the rest a memmove a piece, on several
+    threads for large gets, each taking a share of every layer so that layers still
+    complete in order. Without NumPy, a memmove a piece on this thread."""
     found = [i for i, s in enumerate(slots) if s != NO_SLOT]
     offs: List[List[int]] = []
     off = 0
@@ -500,35 +511,86 @@ def _copy_out(t: Transfer, mem: HostArena, slot_bytes: int, slots: Sequence[int]
             row.append(off)
             off += pt.nbytes
         offs.append(row)
-    if found and _deps.available("numpy"):
-        import numpy as np
-        nslots = max(slots[i] for i in found) + 1
-        pool = np.ctypeslib.as_array((ctypes.c_uint8 * (nslots * slot_bytes)).from_address(mem.addr)).reshape(nslots, slot_bytes)
-        fs = np.array([slots[i] for i in found], dtype=np.intp)
-        fd = np.array([db[i] for i in found], dtype=np.intp)
-        views: Dict[Tuple[int, int, int, int], Any] = {}
+    if not found or not _deps.available("numpy"):
         for li in range(first, first + count):
             for j, pt in enumerate(dst.layers[li]):
-                m = dst.memory[pt.region]
-                key = (pt.region, pt.base, pt.stride, pt.nbytes)
-                d = views.get(key)
-                if d is None:
-                    arr = np.ctypeslib.as_array((ctypes.c_uint8 * m.size).from_address(m.addr))
-                    d = np.lib.stride_tricks.as_strided(arr[pt.base:], shape=(dst.blocks, pt.nbytes), strides=(pt.stride, 1))
-                    views[key] = d
+                base = dst.memory[pt.region].addr + pt.base
                 o = offs[li - first][j]
-                d[fd] = pool[fs, o:o + pt.nbytes]
+                for i in found:
+                    ctypes.memmove(base + db[i] * pt.stride, mem.addr + slots[i] * slot_bytes + o, pt.nbytes)
             if complete:
                 t.layer_done(li - first)
         return
+    import numpy as np
+    order = sorted(found, key=lambda i: slots[i])
+    workers = max(1, min(os.cpu_count() or 1, _MAX_COPY_WORKERS, len(found) * off // _COPY_WORKER_BYTES))
+    per = (len(order) + workers - 1) // workers
+    shares = [_runs(order[w * per:(w + 1) * per], slots, db, np) for w in range(workers)]
+    shares = [sh for sh in shares if sh[0] or sh[1]]
+    nslots = max(slots[i] for i in found) + 1
+    pool = np.ctypeslib.as_array((ctypes.c_uint8 * (nslots * slot_bytes)).from_address(mem.addr)).reshape(nslots, slot_bytes)
+    views: Dict[Tuple[int, int, int, int], Any] = {}
     for li in range(first, first + count):
-        for j, pt in enumerate(dst.layers[li]):
-            base = dst.memory[pt.region].addr + pt.base
-            o = offs[li - first][j]
-            for i in found:
-                ctypes.memmove(base + db[i] * pt.stride, mem.addr + slots[i] * slot_bytes + o, pt.nbytes)
-        if complete:
-            t.layer_done(li - first)
+        for pt in dst.layers[li]:
+            key = (pt.region, pt.base, pt.stride, pt.nbytes)
+            if key not in views:
+                m = dst.memory[pt.region]
+                arr = np.ctypeslib.as_array((ctypes.c_uint8 * m.size).from_address(m.addr))
+                views[key] = np.lib.stride_tricks.as_strided(arr[pt.base:], shape=(dst.blocks, pt.nbytes), strides=(pt.stride, 1))
+    lock = threading.Lock()
+    passed = [0] * count
+    errors: List[BaseException] = []
+
+    def work(share: Tuple[List[Tuple[int, Any]], List[Tuple[int, int]]]) -> None:
+        runs, singles = share
+        try:
+            for li in range(first, first + count):
+                if errors:
+                    return
+                for j, pt in enumerate(dst.layers[li]):
+                    d = views[(pt.region, pt.base, pt.stride, pt.nbytes)]
+                    o = offs[li - first][j]
+                    for s0, to in runs:
+                        d[to] = pool[s0:s0 + len(to), o:o + pt.nbytes]
+                    if singles:
+                        base = dst.memory[pt.region].addr + pt.base
+                        src = mem.addr + o
+                        for s, b in singles:
+                            ctypes.memmove(base + b * pt.stride, src + s * slot_bytes, pt.nbytes)
+                with lock:
+                    passed[li - first] += 1
+                    if complete and passed[li - first] == len(shares):
+                        t.layer_done(li - first)
+        except BaseException as e:  # noqa: BLE001 - the get's thread raises it
+            errors.append(e)
+
+    helpers = [threading.Thread(target=work, args=(sh,), name="cudaipc-kv-pool-copy", daemon=True) for sh in shares[1:]]
+    for h in helpers:
+        h.start()
+    work(shares[0])
+    for h in helpers:
+        h.join()
+    if errors:
+        raise errors[0]
+
+
+def _runs(order: List[int], slots: Sequence[int], db: List[int], np: Any) -> Tuple[List[Tuple[int, Any]], List[Tuple[int, int]]]:
+    """Keys (indices in order of their slots) as runs of consecutive slots, each its
+    first slot and its destination blocks (an index array), and the (slot, block)
+    pairs of runs shorter than _MIN_RUN."""
+    runs: List[Tuple[int, Any]] = []
+    singles: List[Tuple[int, int]] = []
+    i = 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and slots[order[j]] == slots[order[j - 1]] + 1:
+            j += 1
+        if j - i >= _MIN_RUN:
+            runs.append((slots[order[i]], np.array([db[k] for k in order[i:j]], dtype=np.intp)))
+        else:
+            singles.extend((slots[k], db[k]) for k in order[i:j])
+        i = j
+    return runs, singles
 
 
 def _pool_create_args(block_bytes_: int, capacity: int, key_bytes: int) -> None:

@@ -172,6 +172,45 @@ def test_present(store):
         p[500]
 
 
+def test_get_threads_and_runs(store):
+    """A get of 40 MB (copied on several threads where there are several CPUs) of
+    keys whose slots are partly runs and partly scattered (a pool with holes
+    refilled), into a destination of another layout: every byte, layers complete in
+    order."""
+    layers, blocks, nbytes = 4, 640, 8192
+    sp = space(store, "threads/kv", "vllm", 33, layers=layers, blocks=blocks, nbytes=nbytes)
+    bb = kv.block_bytes(sp.desc)
+    pool = kv.create_pool(store, "threads", bb, blocks * bb)
+    ks = keys(34, blocks)
+    assert pool.put(ks[:480], sp, list(range(480))).stored == 480
+    holes = list(range(0, 480, 3)) + list(range(100, 140))          # single slots and a run freed
+    assert pool.delete([ks[i] for i in sorted(set(holes))]) == len(set(holes))
+    rest = sorted(set(holes)) + list(range(480, blocks))
+    assert pool.put([ks[i] for i in rest], sp, rest).stored == len(rest)
+    rng = np.random.default_rng(35)
+    src_ids = rng.permutation(blocks)[:400].tolist()                 # slots with gaps: runs and single ones
+    dst_ids = rng.permutation(blocks)[:400].tolist()
+    dst = local("sglang", 36, layers=layers, blocks=blocks, nbytes=nbytes)
+    before = snapshot(dst)
+    t = pool.get([ks[i] for i in src_ids], dst, dst_ids)
+    for li in range(layers):
+        t.wait_layer(li, timeout=60)
+        assert t.reached() >= li + 1
+    t.wait(timeout=60)
+    kvutil.check_bytes(dst, kvutil.expected(sp.desc, 33, dst, src_ids, dst_ids, range(layers), before))
+
+
+def test_runs():
+    """A get's plan: keys in slot order, runs of at least four consecutive slots (a
+    key given twice breaks a run), the rest one by one."""
+    from cudaipc._kvpool import _runs
+    slots = [7, 3, 4, 5, 6, 20, 9, 10, 11, 30, 31, 32, 33, 33, 40]
+    db = list(range(100, 100 + len(slots)))
+    runs, singles = _runs(sorted(range(len(slots)), key=lambda i: slots[i]), slots, db, np)
+    assert [(s0, to.tolist()) for s0, to in runs] == [(3, [101, 102, 103, 104, 100]), (30, [109, 110, 111, 112])]
+    assert sorted(singles) == [(9, 106), (10, 107), (11, 108), (20, 105), (33, 113), (40, 114)]
+
+
 def test_eviction_and_pins(store):
     sp = space(store, "evict/kv", "vllm", 18, layers=2)
     pool = kv.create_pool(store, "evict", 2 * 2 * BYTES, 8 * 512, key_bytes=20)
