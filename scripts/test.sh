@@ -26,7 +26,8 @@ command -v go >/dev/null || { echo "FAIL: no go on PATH: install Go 1.26 or late
 #   libucx0 ucx-utils  the UCX data plane (libucp.so.0; ucx_perftest)
 #   etcd-server     the cluster directory's tests (a real etcd on loopback)
 #   iproute2        ip, for tests in network namespaces
-packages="gcc python3 python3-protobuf python3-numpy python3-pytest python3-torch python3-mypy protobuf-compiler util-linux libucx0 ucx-utils etcd-server iproute2"
+#   redis-server    the KV pool benchmark's smoke test (Redis's MSET and MGET beside a pool)
+packages="gcc python3 python3-protobuf python3-numpy python3-pytest python3-torch python3-mypy protobuf-compiler util-linux libucx0 ucx-utils etcd-server iproute2 redis-server"
 if command -v dpkg-query >/dev/null; then
   missing=""
   for p in $packages; do
@@ -44,7 +45,7 @@ if command -v dpkg-query >/dev/null; then
 else
   echo "not a Debian/Ubuntu machine (no dpkg-query): the tests need the equivalents of: $packages"
 fi
-export CUDAIPC_REQUIRE_UCX=1 CUDAIPC_REQUIRE_CLUSTER=1
+export CUDAIPC_REQUIRE_UCX=1 CUDAIPC_REQUIRE_CLUSTER=1 CUDAIPC_REQUIRE_REDIS=1
 
 py="${CUDAIPC_PYTHON:-}"
 if [ -z "$py" ]; then

@@ -16,7 +16,7 @@ import mmap
 import os
 import struct
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import _deps
 from . import _store_pb2 as pb
@@ -108,10 +108,10 @@ class Presence:
         return (bool(bits[i >> 3] >> (i & 7) & 1) for i in range(self.n))
 
 
-def block_bytes(layout: Layout, layers: Any = None) -> int:
+def block_bytes(layout: Union[Layout, Desc, Local], layers: Any = None) -> int:
     """The bytes of one block of ``layers`` (None: all; a range; one layer) of
-    ``layout`` (a Desc's or a Local's): the block size of a pool that holds them
-    (Go's Layout.BlockBytes)."""
+    ``layout`` (a Layout, or a Desc's or a Local's): the block size of a pool that
+    holds them (Go's Layout.BlockBytes)."""
     if isinstance(layout, (Desc, Local)):
         layout = layout.layout
     first, count = layer_range(layers, len(layout.layers))
