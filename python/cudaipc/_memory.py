@@ -55,11 +55,12 @@ class Record:
     reference), the producer's ``tensor`` descriptor, ``end_request`` (what the
     daemon hears when it ends: a release or an abort), ``views`` (default view
     construction data, by kind, kept with an idle lease), and for leases ``name``,
-    ``lease_id``, ``info_pb`` and, with a lease-table slot, ``table`` and the slot's
+    ``lease_id``, ``info_pb`` (and ``info``, its decoded form once a lease
+    asked for it, kept with an idle lease) and, with a lease-table slot, ``table`` and the slot's
     words (set by LeaseTable.prepare)."""
 
     __slots__ = ("conn", "name", "nbytes", "device", "addr", "ordinal", "writable", "share", "arena",
-                 "gpu_close", "tensor", "end_request", "views", "lease_id", "info_pb", "placement",
+                 "gpu_close", "tensor", "end_request", "views", "lease_id", "info_pb", "info", "placement",
                  "table", "slot", "gen", "arena_id", "w_held", "w_idle", "p_slot", "p_held", "p_idle")
 
     def __init__(self, conn: Conn, name: str, nbytes: int, device: str, addr: int, ordinal: Optional[int],
@@ -80,6 +81,7 @@ class Record:
         self.views: Dict[str, Any] = {}
         self.lease_id = 0
         self.info_pb: Any = None
+        self.info: Any = None      # info_pb decoded (lease.Lease.info), for every take-back of the lease
         self.placement: Any = None  # a lease's placement, whose region the info leaves out
         self.table: Any = None     # the LeaseTable of a lease granted with a slot
         self.arena_id = 0

@@ -170,7 +170,9 @@ class Lease(MemoryViews):
         if self._info is None:
             d = self._rec
             p = d.info_pb
-            if p is not None and p.name:
+            if d.info is not None:
+                self._info = d.info
+            elif p is not None and p.name:
                 info = info_from_pb(p)
                 pl = d.placement
                 if info.region is None and pl is not None and pl.region:
@@ -180,7 +182,7 @@ class Lease(MemoryViews):
                         info = dataclasses.replace(info, region=Region.from_bytes(pl.region).sub(pl.offset, pl.size))
                     except Exception:  # noqa: BLE001 - a newer daemon's region kind: leave it out
                         pass
-                self._info = info
+                self._info = d.info = info
             else:
                 self._info = ObjectInfo(d.name, d.nbytes, d.device, True, 1, False, 0,
                                         datetime.datetime.now(datetime.timezone.utc), None, d.tensor)

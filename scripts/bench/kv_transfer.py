@@ -29,6 +29,12 @@ block each (p50/p99), and (d) the same number of reads started at once from this
 one client (reads a second, p50/p99 of each read's start to the moment it was seen
 done, waiting in start order: an upper bound).
 
+Before the timed reads, one untimed read of every block of the engine's spaces
+(unless --cold-reader): the floor maps the engine's memory populated, so that no
+operation pays a source page's first touch, and a long-running reader's mappings
+are as warm; with --cold-reader a read's first touch of each source page (a page
+fault every 64 KiB or so) is in its time.
+
 Every operation (read, floor, loop; warm-up included) reads its own source block
 ids, unlike the previous operation's at every position, and the destination's
 blocks are checked after it, untimed, against the engine's checksums (a wrapping
@@ -746,6 +752,17 @@ def dst_space(mem: Any, shape: Shape, blocks: int, small_count: int) -> Tuple[Li
     return tensors, kv.vllm_layout(tensors), small, small_local(small)
 
 
+def warm_reader(store: Any, engine: Engine, dst: Any, small_dst: Any, timeout: float) -> None:
+    """Read every block of the engine's spaces once, untimed: the reader's mappings
+    of the source then have every page in place, as the floor's populated mapping
+    has and as a long-running reader's have (a page's first touch is paid once a
+    process). The measured operations zero and check their own blocks."""
+    every = list(range(engine.desc.blocks))
+    kv.read_blocks(store, engine.desc, every, dst, every).wait(timeout)
+    small = list(range(engine.small.blocks))
+    kv.read_blocks(store, engine.small, small, small_dst, small).wait(timeout)
+
+
 def one_node(a: argparse.Namespace, shape: Shape, tmp: str, blocks: int) -> Dict[str, Any]:
     """(a): an engine and this reader on one daemon."""
     mem = memory_kind(a.device)
@@ -758,6 +775,8 @@ def one_node(a: argparse.Namespace, shape: Shape, tmp: str, blocks: int) -> Dict
 
         dst_tensors, dst, small_t, small_dst = dst_space(mem, shape, blocks, a.small_count)
         floor = GPUFloor(store, mem, engine, dst) if a.device == "cuda" else HostFloor(engine, dst)
+        if not a.cold_reader:
+            warm_reader(store, engine, dst, small_dst, a.read_timeout)
         rt = round_trip_us(store, engine.desc.region_name(0))
         print("one node: an engine process and this reader on one daemon, %s memory; store round trip (stat) %.1f µs"
               % (a.device, rt), flush=True)
@@ -975,6 +994,9 @@ def parse(argv: List[str]) -> argparse.Namespace:
     ap.add_argument("--small-count", type=int, default=1000, help="4 KiB reads in (c) and (d); 0: none (default %(default)s)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--one-node", action=argparse.BooleanOptionalAction, default=True, help="run (a) (default: yes)")
+    ap.add_argument("--cold-reader", action="store_true",
+                    help="(a): no untimed read of every block first, so that reads pay each source page's first "
+                         "touch, which the floor's populated mapping does not")
     ap.add_argument("--cross-node", action="store_true", help="run (b)-(d) across two daemons of a cluster")
     ap.add_argument("--etcd", help="the etcd binary for --cross-node (default: etcd on PATH)")
     ap.add_argument("--ucx-perftest", help="the ucx_perftest binary (default: on PATH)")
@@ -1012,6 +1034,7 @@ def main(argv: List[str]) -> int:
             return 2
     out: Dict[str, Any] = {"machine": a.machine or machine(a.device), "device": a.device, "shape": shape.as_dict(),
                            "space_blocks": blocks, "reads": a.reads, "warmup": a.warmup, "loop_reads": a.loop_reads,
+                           "cold_reader": a.cold_reader,
                            "command": " ".join(["python3", "scripts/bench/kv_transfer.py"] + argv)}
     print("KV block reads: %d layers, K and V blocks of %d bytes (%d tokens x %d heads x %d dims x 2 bytes), vLLM's layout, "
           "spaces of %d blocks, %d reads a size after %d; %s" % (
