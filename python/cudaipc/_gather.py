@@ -33,7 +33,7 @@ from ._cuda import check, driver, err_name, on, proc
 from .errors import CudaError
 
 __all__ = ["CHUNK", "MAX_BYTES", "ARENA_MAX_BYTES", "ENABLED", "unavailable", "launch", "ready", "wait_ready",
-           "chunk_table", "upload_table", "launch_rows"]
+           "chunk_table", "upload_table", "write_table", "launch_rows"]
 
 CHUNK = 128 << 10
 """Bytes one thread block copies at most."""
@@ -150,6 +150,7 @@ _LAUNCH_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, c
                                  ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_void_p)
 _HTOD_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t)
+_HTOD_ASYNC_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 _DTOH_PROTO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t)
 
 _lock = threading.Lock()
@@ -213,6 +214,18 @@ def upload_table(tab: Any) -> int:
     reading it can still run) of a chunk table (chunk_table's rows), for callers that
     launch parts of one table themselves (cudaipc.kv: a launch a layer)."""
     return _upload(tab)
+
+
+def write_table(dev: int, tab: Any, stream: int) -> None:
+    """Queue on ``stream`` a copy of a chunk table into device memory at ``dev`` (at
+    least ``tab.nbytes`` bytes that no launch still reads), for callers that keep one
+    table buffer for many sets of copies (cudaipc.kv: a buffer a stream). From
+    pageable memory it returns once the driver staged the bytes (``tab`` may go),
+    and, unlike cuMemcpyHtoD, waits for no work of other streams."""
+    htod = proc("cuMemcpyHtoDAsync", 3020, _HTOD_ASYNC_PROTO)
+    err = htod(dev, tab.ctypes.data, tab.nbytes, stream) if htod is not None else -1
+    if err != 0:
+        raise CudaError("cuMemcpyHtoDAsync", err_name(err) if err > 0 else "not in this driver", "the copy table")
 
 
 def launch_rows(fn: int, dev_tab: int, first: int, rows: int, stream: int) -> None:

@@ -3,9 +3,12 @@ memory into its own, one gather kernel launch a layer (cudaipc._gather, the kern
 the Go client shares), on a stream of the read's own with an event after each layer,
 so that the reading thread marks each layer complete as its event is reached.
 
-The copies of every layer are cut into one chunk table, uploaded once, each layer's
-launch covering its rows. Where the kernel is off or failed on the GPU
-(``_gather.unavailable`` says why) the copies go one cuMemcpyAsync each.
+The copies of every layer are cut into one chunk table, uploaded once into a device
+buffer the stream keeps (no allocation, nor a free that would wait for the whole
+GPU, a read), each layer's launch covering its rows. Where the kernel is off or
+failed on the GPU (``_gather.unavailable`` says why) the copies go one
+cuMemcpyAsync each. Layers are marked complete as their events are reached while a
+thread waits for a layer; while none does, the read waits for its last event only.
 """
 
 from __future__ import annotations
@@ -24,18 +27,33 @@ _EVENT_FLAGS = 1 | 2       # CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING: w
 
 
 class _Scratch:
-    """A stream and events of one GPU, used by one read at a time."""
+    """A stream, events and a chunk table buffer of one GPU, used by one read at a
+    time (whose work has ended before the next takes it)."""
 
     def __init__(self, ordinal: int):
         cu = _cuda.driver()
         self.ordinal = ordinal
         self.stream = _cuda.check("cuStreamCreate", cu.cuStreamCreate(_STREAM_NON_BLOCKING))
         self.events: List[Any] = []
+        self.table = 0         # device buffer of table_bytes bytes
+        self.table_bytes = 0
 
     def grow(self, n: int) -> None:
         cu = _cuda.driver()
         while len(self.events) < n:
             self.events.append(_cuda.check("cuEventCreate", cu.cuEventCreate(_EVENT_FLAGS)))
+
+    def table_of(self, nbytes: int) -> int:
+        """The table buffer, of at least nbytes (grown to the next power of two)."""
+        if nbytes > self.table_bytes:
+            cu = _cuda.driver()
+            if self.table:
+                cu.cuMemFree(self.table)
+                self.table, self.table_bytes = 0, 0
+            size = max(1 << (nbytes - 1).bit_length(), 64 << 10)
+            self.table = int(_cuda.check("cuMemAlloc", cu.cuMemAlloc(size)))
+            self.table_bytes = size
+        return self.table
 
 
 _lock = threading.Lock()
@@ -101,7 +119,10 @@ def copy(p: Plan, leases: List[Any], t: Transfer) -> None:
             s.grow(len(groups))
             if fn is not None:
                 tables = [_gather.chunk_table(d, src, n) for d, src, n in groups]
-                dev_tab = _gather.upload_table(np.concatenate(tables) if tables else np.empty((0, 3), np.uint64))
+                tab = np.concatenate(tables) if tables else np.empty((0, 3), np.uint64)
+                dev_tab = s.table_of(max(tab.nbytes, 1))
+                _gather.write_table(dev_tab, tab, int(s.stream))
+                queued = True
             row = 0
             for i, (d, src, n) in enumerate(groups):
                 queued = True
@@ -113,14 +134,16 @@ def copy(p: Plan, leases: List[Any], t: Transfer) -> None:
                     for dd, ss, nn in zip(d.tolist(), src.tolist(), n.tolist()):
                         _cuda.check("cuMemcpyDtoDAsync", cu.cuMemcpyDtoDAsync(dd, ss, nn, s.stream))
                 _cuda.check("cuEventRecord", cu.cuEventRecord(s.events[i], s.stream))
-            for i in range(len(groups)):
-                _cuda.check("cuEventSynchronize", cu.cuEventSynchronize(s.events[i]))
-                t.layer_done(i)
+            i, last = 0, len(groups) - 1
+            while i <= last:
+                # The next layer while a thread waits for one, else the last.
+                j = i if t.layer_waiters() else last
+                _cuda.check("cuEventSynchronize", cu.cuEventSynchronize(s.events[j]))
+                t.layer_done(j)
+                i = j + 1
             queued = False
         finally:
             if queued:
                 # Whatever was queued ends before the table and the stream are reused.
                 cu.cuStreamSynchronize(s.stream)
-            if dev_tab:
-                cu.cuMemFree(dev_tab)
             _give(s)

@@ -60,6 +60,7 @@ class Transfer:
         self._ended = False
         self._error: Optional[BlockError] = None
         self._waiters = 0       # threads in a wait: a layer's completion wakes them
+        self._layer_waiters = 0  # of which in wait_layer
         self._job: Optional[_Read] = None   # the read's work, until it ends
         self._running = False   # a thread runs _job
 
@@ -114,10 +115,12 @@ class Transfer:
         with self._cv:
             if self._complete <= i and not self._ended:
                 self._waiters += 1
+                self._layer_waiters += 1
                 try:
                     ok = self._cv.wait_for(lambda: self._complete > i or self._ended, timeout)
                 finally:
                     self._waiters -= 1
+                    self._layer_waiters -= 1
                 if not ok:
                     raise TimeoutError("kv: layer %d of the read of %s is not complete after %ss" % (layer, self.space, timeout))
             if self._complete > i:
@@ -132,6 +135,11 @@ class Transfer:
             self._complete = max(self._complete, i + 1)
             if self._waiters:
                 self._cv.notify_all()
+
+    def layer_waiters(self) -> int:
+        """How many threads wait for a layer now (the reading thread's hint: while
+        none does, it may mark layers complete in one step at the end)."""
+        return self._layer_waiters
 
     def reached(self) -> int:
         """The first layer not complete."""

@@ -127,3 +127,62 @@ def test_gpu_killed_engine(cuda_daemon, memory):
             assert torch.ones(4, device="cuda:0").sum().item() == 4
     finally:
         e.stop()
+
+
+def test_gpu_reads_waited_every_way(cuda_daemon):
+    """GPU reads one after another on the streams and table buffers the reads keep:
+    one waited for at once (it runs on this thread: its layers complete at its last
+    event), one waited for layer by layer (on a worker, a layer marked complete as
+    its event is reached), a large one that grows the table buffer, then small ones
+    in it again, and several at once from threads; every byte checked each time."""
+    import threading
+    e = Engine(cuda_daemon.socket, "kv/gpu-waits", "vllm", seed=33, gpu="gpu-vmm", blocks=BLOCKS)
+    try:
+        with cudaipc.connect(cuda_daemon.socket) as store:
+            dst = cuda_local("vllm")
+            want = snapshot(dst)
+            rng = np.random.default_rng(8)
+
+            def read(kind, src, dsts):
+                nonlocal want
+                t = kv.read_blocks(store, e.desc, src, dst, dsts)
+                if kind == "layers":
+                    for layer in range(LAYERS):
+                        t.wait_layer(layer, 60)
+                        w = kvutil.expected(e.desc, e.seed, dst, src, dsts, range(layer + 1), want)
+                        assert np.array_equal(kvutil.host_region(dst.memory[layer]), w[layer]), "layer %d" % layer
+                t.wait(60)
+                want = kvutil.expected(e.desc, e.seed, dst, src, dsts, range(LAYERS), want)
+                kvutil.check_bytes(dst, want)
+
+            read("wait", SRC, DST)
+            read("layers", DST, SRC)
+            every = list(range(BLOCKS))
+            read("wait", every, rng.permutation(BLOCKS).tolist())
+            tables = [s.table for s in _kvgpu._free.get(0, [])]
+            assert tables and all(tables)
+            for _ in range(3):
+                read("wait", SRC, DST)
+                read("layers", rng.permutation(BLOCKS)[:5].tolist(), rng.permutation(BLOCKS)[:5].tolist())
+            assert set(s.table for s in _kvgpu._free.get(0, [])) >= set(tables)   # kept, not made again
+            # Several reads at once into disjoint blocks, from threads.
+            perm = rng.permutation(BLOCKS).tolist()
+            jobs = [(perm[k::4], perm[k::4][::-1]) for k in range(4)]
+            errs = []
+
+            def run(src):
+                try:
+                    kv.read_blocks(store, e.desc, src, dst, src[::-1]).wait(60)
+                except BaseException as x:  # noqa: BLE001
+                    errs.append(x)
+            ths = [threading.Thread(target=run, args=(s,)) for s, _ in jobs]
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join(120)
+            assert not errs
+            for s, d in jobs:
+                want = kvutil.expected(e.desc, e.seed, dst, s, d, range(LAYERS), want)
+            kvutil.check_bytes(dst, want)
+    finally:
+        e.stop()
