@@ -206,6 +206,47 @@ def kv_transfer(data, out):
     save(fig, out, "kv-transfer.svg")
 
 
+def kv_pool(data, out):
+    """Left: µs a lookup of 10^4 keys (p50, p99 as a tick), prefix and per key.
+    Right: ms a put and a get of a prefix beside the memcpy floor and Redis's MSET
+    and MGET of the same blocks. From kv-pool.json."""
+    d = load(data, "kv-pool.json")
+    lk = d["lookup"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 2.9), gridspec_kw={"width_ratios": [1, 2.2]})
+    cases = ["hit", "half", "miss"]
+    w = 0.38
+    for i, (suffix, name, color) in enumerate([("", "lookup (prefix)", CUDAIPC), ("_per_key", "present (per key)", OTHER)]):
+        xs = [k + (i - 0.5) * w for k in range(len(cases))]
+        p50 = [lk[c + suffix]["p50_us"] for c in cases]
+        p99 = [lk[c + suffix]["p99_us"] for c in cases]
+        ax.bar(xs, p50, w, label=name, color=color)
+        ax.plot(xs, p99, "_", color="black", ms=8, label="p99" if i == 0 else None)
+        for x, v in zip(xs, p50):
+            ax.text(x, v, num(v), ha="center", va="bottom", fontsize=6)
+    ax.axhline(1000, color=FLOOR, lw=0.8, ls="--", label="1 ms")
+    ax.set_xticks(range(len(cases)), ["all present", "half", "none"])
+    ax.set_ylabel("µs a lookup of %s keys, p50" % "{:,}".format(lk["keys"]))
+    ax.legend(frameon=False, fontsize=7)
+    sizes = d["sizes"]
+    series = [("memcpy floor, same bytes", "memcpy", FLOOR, None), ("pool put", "put", CUDAIPC, None),
+              ("pool get", "get", CUDAIPC, "white"), ("Redis MSET", "mset", OTHER, None), ("Redis MGET", "mget", OTHER, "white")]
+    w = 0.8 / len(series)
+    for i, (name, op, color, face) in enumerate(series):
+        xs = [k + (i - (len(series) - 1) / 2) * w for k in range(len(sizes))]
+        vs = [s[op]["p50_ms"] if op in s else 0 for s in sizes]
+        bx.bar([x for x, v in zip(xs, vs) if v], [v for v in vs if v], w, label=name,
+               color=face or color, edgecolor=color, hatch="//" if face else None)
+        for x, v in zip(xs, vs):
+            if v:
+                bx.text(x, v, num(v), ha="center", va="bottom", fontsize=6)
+    bx.set_xticks(range(len(sizes)), ["%s tokens\n%s MiB" % ("{:,}".format(s["tokens"]), num(s["bytes"] / (1 << 20))) for s in sizes])
+    bx.set_yscale("log")
+    bx.set_ylabel("ms a prefix, p50 (log scale)")
+    bx.legend(frameon=False, fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.suptitle("KV block pool, host tier, Llama-3-8B blocks of 16 tokens (2 MiB)", fontsize=9)
+    save(fig, out, "kv-pool.svg")
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
@@ -213,7 +254,7 @@ def main(argv):
     ap.add_argument("--out", default=os.path.join(root, "docs", "img"))
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    for f in (ipc, store, weight_sync, cross_node, python_client, kv_transfer):
+    for f in (ipc, store, weight_sync, cross_node, python_client, kv_transfer, kv_pool):
         f(a.data, a.out)
 
 
