@@ -85,156 +85,260 @@ func (ss *session) create(r createReq) (placement, uint64, error) {
 	return p, n, err
 }
 
+// creation is one create as it passes through createIn's steps: what each
+// step resolved or made for the ones after it.
+type creation struct {
+	r   createReq
+	src *sources // the publisher's memory of a no-copy version, or nil
+	// shards is r.shards with 0 read as 1.
+	shards uint32
+	// devName and dev are the device of the store's memory; "" and nil
+	// for a no-copy version.
+	devName string
+	dev     *device
+	man     *manifest // nil for none; createIn closes it on failure
+	o       *object
+	// v is the version o is a shard of, nil for a plain object;
+	// newSeries says v's series was made for this create.
+	v         *version
+	newSeries bool
+}
+
+// createIn makes the draft of one create, in steps: prepareCreate checks
+// the request without the store's lock; under it, admitCreateLocked checks
+// room, claimDraftLocked claims the draft's name or slot, backDraftLocked
+// gives it memory, placeDraftLocked describes it for the caller and
+// recordDraftLocked files it. A step that fails undoes the steps before it.
+// It returns a *roomAsk where only evicting cluster-visible objects could
+// make room (create asks the cluster and calls it again).
 func (ss *session) createIn(r createReq, src *sources) (placement, uint64, error) {
+	c := &creation{r: r, src: src}
+	if err := ss.prepareCreate(c); err != nil {
+		return placement{}, 0, err
+	}
 	s := ss.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	p, err := ss.createLocked(c)
+	if err != nil {
+		c.man.close()
+		return placement{}, 0, err
+	}
+	n := ss.recordDraftLocked(c)
+	s.log.Debug("object created", "session", ss.id, "name", r.name, "size", r.size, "device", c.devName, "shared", r.shared,
+		"version", n, "shard", r.shard, "shards", c.shards, "manifest", r.manifestSize)
+	return p, n, nil
+}
+
+// prepareCreate is what a create checks and makes before it takes the
+// store's lock: the name, the sizes and the versioned fields are valid, the
+// device exists (a no-copy version has none of the store's), the cluster
+// may take a cluster-visible object, and a new manifest's memfd is made
+// (a republish takes its earlier version's under the lock).
+func (ss *session) prepareCreate(c *creation) error {
+	r := c.r
 	if r.slice == nil {
 		if err := checkName(r.name); err != nil {
-			return placement{}, 0, err
+			return err
 		}
 	}
 	if r.size <= 0 {
-		return placement{}, 0, invalidf("object size %d is not positive", r.size)
+		return invalidf("object size %d is not positive", r.size)
 	}
 	if r.manifestSize < 0 || r.manifestSize > bundle.MaxHeaderSize {
-		return placement{}, 0, invalidf("manifest size %d is outside 0..%d", r.manifestSize, bundle.MaxHeaderSize)
+		return invalidf("manifest size %d is outside 0..%d", r.manifestSize, bundle.MaxHeaderSize)
 	}
-	shards := max(r.shards, 1)
+	c.shards = max(r.shards, 1)
 	if !r.versioned && (r.version != 0 || r.shards > 1 || r.shard != 0 || r.keep != 0) {
-		return placement{}, 0, invalidf("version, shards, shard and keep_last need versioned")
+		return invalidf("version, shards, shard and keep_last need versioned")
 	}
-	if shards > MaxShards || r.shard >= shards {
-		return placement{}, 0, invalidf("shard %d of %d: want shard < shards <= %d", r.shard, shards, MaxShards)
+	if c.shards > MaxShards || r.shard >= c.shards {
+		return invalidf("shard %d of %d: want shard < shards <= %d", r.shard, c.shards, MaxShards)
 	}
-	devName := ""
 	var err error
-	if src == nil {
-		if devName, err = s.backend.device(r.device); err != nil {
-			return placement{}, 0, err
+	if c.src == nil {
+		if c.devName, err = ss.s.backend.device(r.device); err != nil {
+			return err
 		}
 	} else if r.sourcesSize > protocol.MaxSourcesSize {
-		return placement{}, 0, invalidf("sources table of %d bytes, at most %d", r.sourcesSize, protocol.MaxSourcesSize)
+		return invalidf("sources table of %d bytes, at most %d", r.sourcesSize, protocol.MaxSourcesSize)
 	}
 	if r.cluster {
-		if err := s.clusterCreateOK(r, devName); err != nil {
-			return placement{}, 0, err
+		if err := ss.s.clusterCreateOK(r, c.devName); err != nil {
+			return err
 		}
 	}
-	var man *manifest
 	if r.manifestSize > 0 && r.like == 0 {
-		if man, err = newManifest(r.manifestSize, r.sourcesSize); err != nil {
-			return placement{}, 0, err
+		if c.man, err = newManifest(r.manifestSize, r.sourcesSize); err != nil {
+			return err
 		}
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	fail := func(err error) (placement, uint64, error) {
-		man.close()
-		return placement{}, 0, err
+	return nil
+}
+
+// createLocked runs the steps of a create that need the store's lock, up
+// to the placement it returns; on failure it has undone them all but the
+// manifest, which createIn closes.
+func (ss *session) createLocked(c *creation) (placement, error) {
+	if err := ss.admitCreateLocked(c); err != nil {
+		return placement{}, err
 	}
+	if err := ss.claimDraftLocked(c); err != nil {
+		return placement{}, err
+	}
+	if err := ss.s.backDraftLocked(c); err != nil {
+		ss.s.unclaimDraftLocked(c)
+		return placement{}, fmt.Errorf("object %q: %w", c.r.name, err)
+	}
+	p, err := ss.placeDraftLocked(c)
+	if err != nil {
+		c.o.manifest, c.o.src = nil, nil // createIn and create close them
+		if c.src == nil {
+			ss.s.freeLocked(c.o)
+		}
+		ss.s.unclaimDraftLocked(c)
+		return placement{}, err
+	}
+	return p, nil
+}
+
+// admitCreateLocked checks that the create may go ahead: the session is
+// open and it and its uid have room for another object. It settles the
+// manifest (a republish shares its earlier version's), charges it as a
+// descriptor of the uid's, and looks up the device.
+func (ss *session) admitCreateLocked(c *creation) error {
+	s, r := ss.s, c.r
 	if ss.closed {
-		return fail(errSessionClosed)
+		return errSessionClosed
 	}
 	if err := ss.objectRoomLocked(); err != nil {
-		return fail(err)
+		return err
 	}
 	if err := s.objectRoomForLocked(ss.peer.uid); err != nil {
-		return fail(err)
+		return err
 	}
+	var err error
 	if r.like != 0 {
-		if src == nil {
-			return fail(invalidf("like_version is for a no-copy version: set sources_size"))
+		if c.src == nil {
+			return invalidf("like_version is for a no-copy version: set sources_size")
 		}
-		if man, err = ss.likeLocked(r, src); err != nil {
-			return fail(err)
+		if c.man, err = ss.likeLocked(r, c.src); err != nil {
+			return err
 		}
 	}
-	if man != nil {
+	if c.man != nil {
 		if err := s.takeFDsLocked(ss.peer.uid, 1); err != nil {
-			return fail(err)
+			return err
 		}
-		man.charged, man.owner = s, ss.peer.uid
+		c.man.charged, c.man.owner = s, ss.peer.uid
 	}
-	var d *device
-	if src == nil {
-		if d, err = s.deviceLocked(devName); err != nil {
-			return fail(err)
+	if c.src == nil {
+		if c.dev, err = s.deviceLocked(c.devName); err != nil {
+			return err
 		}
 	}
+	return nil
+}
+
+// claimDraftLocked makes the draft object and claims its name, or for a
+// versioned create finds or opens the version it is a shard of.
+func (ss *session) claimDraftLocked(c *creation) error {
+	s, r := ss.s, c.r
 	o := &object{name: r.name, size: r.size, shared: r.shared, owner: ss.peer.uid, created: time.Now(),
-		dev: d, creator: ss, objKind: objKind{manifest: man, tensor: r.tensor, src: src, slice: r.slice}}
+		dev: c.dev, creator: ss, objKind: objKind{manifest: c.man, tensor: r.tensor, src: c.src, slice: r.slice}}
 	if r.cluster {
 		o.cluster = &clusterPart{}
 	}
-	var v *version
-	newSeries := false
+	var err error
 	if r.versioned {
-		v, newSeries, err = ss.versionForCreateLocked(r, shards)
+		c.v, c.newSeries, err = ss.versionForCreateLocked(r, c.shards)
 	} else {
 		err = s.claimLocked(r.name, o.entry())
 	}
 	if err != nil {
-		return fail(err)
+		return err
 	}
-	undo := func() {
-		if v != nil {
-			s.dropEmptyVersionLocked(v, newSeries)
-		} else {
-			s.unclaimLocked(r.name, o.entry())
-		}
+	c.o = o
+	return nil
+}
+
+// unclaimDraftLocked undoes claimDraftLocked.
+func (s *Store) unclaimDraftLocked(c *creation) {
+	if c.v != nil {
+		s.dropEmptyVersionLocked(c.v, c.newSeries)
+	} else {
+		s.unclaimLocked(c.r.name, c.o.entry())
 	}
-	if src != nil {
-		// No memory of the store's: the publisher's own (sources.go).
-	} else if sp := s.takeSpareLocked(v, int(r.shard), o); sp != nil {
+}
+
+// backDraftLocked gives the draft its memory: none of the store's for a
+// no-copy version (the publisher's own, sources.go), else a spare of the
+// version's (versions.go) or an allocation, which may evict to make room
+// (room.go).
+func (s *Store) backDraftLocked(c *creation) error {
+	o := c.o
+	if c.src != nil {
+		return nil
+	}
+	if sp := s.takeSpareLocked(c.v, int(c.r.shard), o); sp != nil {
 		o.block = sp.block
 		o.block.Value = o
-	} else {
-		b, err := s.allocLocked(d, o, r.noEvict, r.vouched)
-		if err != nil {
-			undo()
-			return fail(fmt.Errorf("object %q: %w", r.name, err))
-		}
-		o.block = b
-		s.objectMadeLocked(o)
+		return nil
 	}
-	p, err := ss.placeLocked(o, true)
-	if err == nil && man != nil && r.like == 0 {
-		p.manifest, err = man.dup()
+	b, err := s.allocLocked(c.dev, o, c.r.noEvict, c.r.vouched)
+	if err != nil {
+		return err
 	}
-	if err == nil && src != nil {
-		// The publisher's descriptors are kept like a registration's.
-		if err = s.takeFDsLocked(ss.peer.uid, len(src.files)); err == nil {
-			src.charged, src.owner = s, ss.peer.uid
+	o.block = b
+	s.objectMadeLocked(o)
+	return nil
+}
+
+// placeDraftLocked describes the draft for its creator, writable, with a
+// share of a new manifest's memfd, and charges a no-copy version's
+// descriptors to the uid, as a registration's are. On failure it has
+// closed what the placement held.
+func (ss *session) placeDraftLocked(c *creation) (placement, error) {
+	s := ss.s
+	p, err := ss.placeLocked(c.o, true)
+	if err == nil && c.man != nil && c.r.like == 0 {
+		p.manifest, err = c.man.dup()
+	}
+	if err == nil && c.src != nil {
+		if err = s.takeFDsLocked(ss.peer.uid, len(c.src.files)); err == nil {
+			c.src.charged, c.src.owner = s, ss.peer.uid
 		}
 	}
 	if err != nil {
 		p.closeShare()
-		o.manifest, o.src = nil, nil // fail and create close them
-		if src == nil {
-			s.freeLocked(o)
-		}
-		undo()
-		return fail(err)
+		return placement{}, err
 	}
-	if src != nil {
-		// Its bookkeeping counts against the uid like any object's.
-		s.objectMadeLocked(o)
-		src.counted = true
+	return p, nil
+}
+
+// recordDraftLocked files the placed draft: a no-copy version's
+// bookkeeping counts against the uid like any object's, a shard takes its
+// slot in its version, the session lists it among its creations, and a
+// republish, whose manifest and sources are sealed and checked already,
+// is sealed at once. It returns the draft's version, 0 for a plain object.
+func (ss *session) recordDraftLocked(c *creation) uint64 {
+	o := c.o
+	if c.src != nil {
+		ss.s.objectMadeLocked(o)
+		c.src.counted = true
 	}
 	var n uint64
-	if v != nil {
-		o.ver, o.shard = v, int(r.shard)
-		v.shards[r.shard] = o
-		n = v.n
+	if c.v != nil {
+		o.ver, o.shard = c.v, int(c.r.shard)
+		c.v.shards[c.r.shard] = o
+		n = c.v.n
 	}
 	ss.created[o] = struct{}{}
-	if r.like != 0 {
-		// Its manifest and sources are sealed and checked already.
+	if c.r.like != 0 {
 		ss.sealLocked(o)
 		ss.rememberLocked(o)
 	}
-	s.log.Debug("object created", "session", ss.id, "name", r.name, "size", r.size, "device", devName, "shared", r.shared,
-		"version", n, "shard", r.shard, "shards", shards, "manifest", r.manifestSize)
-	return p, n, nil
+	return n
 }
 
 // objectRoomLocked fails with ErrLimit when this connection may hold no
