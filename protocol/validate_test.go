@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/cudaipc/cudaipc/internal/testutil"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 	"google.golang.org/protobuf/proto"
 )
@@ -86,30 +87,9 @@ func TestValidateSizeAndDevice(t *testing.T) {
 }
 
 func TestValidateRequest(t *testing.T) {
-	req := func(id uint64, body any) *storev1.Request {
-		r := &storev1.Request{Id: id}
-		switch b := body.(type) {
-		case *storev1.HelloRequest:
-			r.Body = &storev1.Request_Hello{Hello: b}
-		case *storev1.CreateRequest:
-			r.Body = &storev1.Request_Create{Create: b}
-		case *storev1.SealRequest:
-			r.Body = &storev1.Request_Seal{Seal: b}
-		case *storev1.AbortRequest:
-			r.Body = &storev1.Request_Abort{Abort: b}
-		case *storev1.GetRequest:
-			r.Body = &storev1.Request_Get{Get: b}
-		case *storev1.ReleaseRequest:
-			r.Body = &storev1.Request_Release{Release: b}
-		case *storev1.DeleteRequest:
-			r.Body = &storev1.Request_Delete{Delete: b}
-		case *storev1.ListRequest:
-			r.Body = &storev1.Request_List{List: b}
-		case *storev1.StatRequest:
-			r.Body = &storev1.Request_Stat{Stat: b}
-		case *storev1.SubscribeRequest:
-			r.Body = &storev1.Request_Subscribe{Subscribe: b}
-		}
+	req := func(id uint64, body proto.Message) *storev1.Request {
+		r := testutil.Request(body)
+		r.Id = id
 		return r
 	}
 	good := []*storev1.Request{

@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/cudaipc/cudaipc/internal/testutil"
 	"github.com/cudaipc/cudaipc/protocol"
@@ -185,34 +186,8 @@ func (rc *rawClient) mapping(p *storev1.Placement, files []*os.File) []byte {
 	return m[p.GetOffset() : p.GetOffset()+p.GetSize()]
 }
 
-func req(body any) *storev1.Request {
-	r := &storev1.Request{}
-	switch b := body.(type) {
-	case *storev1.CreateRequest:
-		r.Body = &storev1.Request_Create{Create: b}
-	case *storev1.SealRequest:
-		r.Body = &storev1.Request_Seal{Seal: b}
-	case *storev1.AbortRequest:
-		r.Body = &storev1.Request_Abort{Abort: b}
-	case *storev1.GetRequest:
-		r.Body = &storev1.Request_Get{Get: b}
-	case *storev1.ReleaseRequest:
-		r.Body = &storev1.Request_Release{Release: b}
-	case *storev1.DeleteRequest:
-		r.Body = &storev1.Request_Delete{Delete: b}
-	case *storev1.ListRequest:
-		r.Body = &storev1.Request_List{List: b}
-	case *storev1.StatRequest:
-		r.Body = &storev1.Request_Stat{Stat: b}
-	case *storev1.SubscribeRequest:
-		r.Body = &storev1.Request_Subscribe{Subscribe: b}
-	case *storev1.HelloRequest:
-		r.Body = &storev1.Request_Hello{Hello: b}
-	default:
-		panic("unknown body")
-	}
-	return r
-}
+// req wraps body in a request; rawClient.do gives it its id.
+func req(body proto.Message) *storev1.Request { return testutil.Request(body) }
 
 func code(resp *storev1.Response) storev1.Error_Code { return resp.GetError().GetCode() }
 
