@@ -17,9 +17,10 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
+import operator
 import os
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._kvdesc import Desc, Layout
 from ._kvlocal import Local
@@ -86,7 +87,7 @@ class Transfer:
         thread, which then returns once it ended: ``timeout`` bounds the wait for a
         read another thread runs."""
         if timeout is None or timeout > 0:
-            self._run_here(self.count)
+            self._run_here(self.count, False)
         with self._cv:
             if not self._ended:
                 self._waiters += 1
@@ -111,7 +112,7 @@ class Transfer:
             raise LayoutMismatch("kv: layer %d is not among the read's [%d, %d)" % (layer, self.first, self.first + self.count))
         i = layer - self.first
         if self._complete <= i and (timeout is None or timeout > 0):
-            self._run_here(i + 1)
+            self._run_here(i + 1, False)
         with self._cv:
             if self._complete <= i and not self._ended:
                 self._waiters += 1
@@ -171,14 +172,15 @@ class Transfer:
             self._running = True
             return j
 
-    def _run_here(self, upto: int) -> None:
-        """Run the read's first ``upto`` layers on this thread if no thread runs it;
-        then hand what is left back to a worker."""
+    def _run_here(self, upto: int, worker: bool) -> None:
+        """Run the read's first ``upto`` layers on this thread (a ``worker``, or a
+        caller that waits) if no thread runs it; then hand what is left back to a
+        worker."""
         j = self._take(upto)
         if j is None:
             return
         try:
-            j.run(self, upto)
+            j.run(self, upto, not worker)
         finally:
             with self._cv:
                 self._running = False
@@ -236,7 +238,7 @@ class _Workers:
                         self._idle -= 1
                 t = self._queue.popleft()
             try:
-                t._run_here(t.count)
+                t._run_here(t.count, True)
             except BaseException as e:  # noqa: BLE001 - the read ended with it; the worker goes on
                 _log.debug("kv: a read of %s ended with %r", t.space, e)
 
@@ -257,6 +259,7 @@ class Plan:
         self.src_blocks, self.dst_blocks = src_blocks, dst_blocks
         self.first, self.count = first, count
         self.runs = runs(src_blocks, dst_blocks)
+        self.longest = max(r[2] for r in self.runs) if self.runs else 0   # blocks in the longest run
         self.regions: List[int] = []
         self.ordinal: Optional[int] = None
 
@@ -296,25 +299,77 @@ def plan(src: Desc, src_blocks: Any, dst: Local, dst_blocks: Any, layers: Any, n
     """Check a read as Go's plan does: the description valid, the ids in range
     (BlockRangeError naming them), the two layouts fitting each other (LayoutMismatch),
     memory this version can copy between (KVNotSupported), a notify payload within
-    its bound (InvalidKVRequest)."""
+    its bound (InvalidKVRequest). What depends only on the two spaces (all but the
+    ids) is checked once for a pair of spaces of the same values (_Fit)."""
     if not isinstance(src, Desc) or not isinstance(dst, Local):
         raise LayoutMismatch("kv: a read needs a source description and a destination Local")
     if notify is not None and len(notify) > MAX_NOTIFY:
         raise InvalidKVRequest("kv: a notify payload of %d bytes: at most %d" % (len(notify), MAX_NOTIFY))
-    desc = src.to_bytes()   # validates
-    dst.check()
+    key = _fit_key(src, dst)
+    fit = _fits.get(key) if key is not None else None
+    if fit is None:
+        fit = _Fit(src.to_bytes())   # validates
+        dst.check()
     sb, db = block_ids(src_blocks, "source"), block_ids(dst_blocks, "destination")
-    first, count = check_pairs(src.name, src.layout, dst.layout, sb, db, layers)
-    p = Plan(src, desc, dst, sb, db, first, count, None if notify is None else bytes(notify))
+    first, count = _check_ids(src.name, src.layout, dst.layout, sb, db, layers)
+    p = Plan(src, fit.desc, dst, sb, db, first, count, None if notify is None else bytes(notify))
+    got = fit.ranges.get((first, count))
+    if got is None:
+        _check_fit(src.layout, dst.layout, first, count)
+        got = fit.ranges[(first, count)] = _regions(src, dst, first, count)
+        if key is not None:
+            if len(_fits) >= _MAX_FITS:
+                _fits.clear()
+            _fits[key] = fit
+    p.regions, p.ordinal = got
+    return p
+
+
+class _Fit:
+    """What a source description and a destination were found to be: the
+    description's encoding, and per layer range (first, count) found to fit, the
+    source regions it uses and the GPU ordinal of its memory (None: host)."""
+
+    def __init__(self, desc: bytes):
+        self.desc = desc
+        self.ranges: Dict[Tuple[int, int], Tuple[List[int], Optional[int]]] = {}
+
+
+_MAX_FITS = 64
+_fits: Dict[Any, _Fit] = {}   # by _fit_key: the values of both spaces, so that a changed one is checked again
+_part_values = operator.attrgetter("region", "base", "stride", "nbytes")
+_memory_values = operator.attrgetter("device", "addr", "size", "ordinal", "writable")
+
+
+def _fit_key(src: Desc, dst: Local) -> Any:
+    """Every value plan's checks of the two spaces read (None: not kept)."""
+    if type(src.id) is not bytes or type(src.name) is not str or type(src.node) is not str:
+        return None
+    try:
+        key = (src.name, src.id, src.node, tuple([(r.device, r.size) for r in src.regions]), src.layout.blocks,
+               tuple([tuple([_part_values(p) for p in layer]) for layer in src.layout.layers]),
+               dst.layout.blocks, tuple([tuple([_part_values(p) for p in layer]) for layer in dst.layout.layers]),
+               tuple([_memory_values(m) for m in dst.memory]))
+        hash(key)
+        return key
+    except (AttributeError, TypeError):   # not what a space holds: the full checks say what
+        return None
+
+
+def _regions(src: Desc, dst: Local, first: int, count: int) -> Tuple[List[int], Optional[int]]:
+    """The source regions layers [first, first + count) use and the GPU ordinal of
+    the memory (None: host), checking that this version copies between it
+    (KVNotSupported) into writable memory (LayoutMismatch)."""
     used = [False] * len(src.regions)
     where: Optional[str] = None
+    ordinal: Optional[int] = None
     for li in range(first, first + count):
         s, d = src.layers[li], dst.layers[li]
         for i in range(len(s)):
             sdev = src.regions[s[i].region].device
             dm = dst.memory[d[i].region]
             if where is None:
-                where, p.ordinal = dm.device, dm.ordinal
+                where, ordinal = dm.device, dm.ordinal
             if sdev != dm.device or dm.device != where:
                 raise KVNotSupported("kv: layer %d part %d: a read from %s memory into %s memory, in a read into %s memory "
                                      "(this version reads host memory into host memory, and a GPU's memory into its own)"
@@ -322,8 +377,7 @@ def plan(src: Desc, src_blocks: Any, dst: Local, dst_blocks: Any, layers: Any, n
             if not dm.writable:
                 raise LayoutMismatch("kv: layer %d part %d: the destination's region %d is read-only" % (li, i, d[i].region))
             used[s[i].region] = True
-    p.regions = [i for i, u in enumerate(used) if u]
-    return p
+    return [i for i, u in enumerate(used) if u], ordinal
 
 
 def check_pairs(space: str, src: Layout, dst: Layout, sb: List[int], db: List[int], layers: Any) -> Tuple[int, int]:
@@ -332,16 +386,28 @@ def check_pairs(space: str, src: Layout, dst: Layout, sb: List[int], db: List[in
     range; one layer), in which the layouts must fit each other: the same parts, of
     the same block bytes (LayoutMismatch). Returns (first, count) of the layers (Go's
     checkPairs)."""
+    first, count = _check_ids(space, src, dst, sb, db, layers)
+    _check_fit(src, dst, first, count)
+    return first, count
+
+
+def _check_ids(space: str, src: Layout, dst: Layout, sb: List[int], db: List[int], layers: Any) -> Tuple[int, int]:
+    """check_pairs' checks of the ids; (first, count) of the layers."""
     if len(sb) != len(db) or not sb:
         raise LayoutMismatch("kv: %d source and %d destination blocks: want as many, at least one" % (len(sb), len(db)))
     first, count = layer_range(layers, len(src.layers))
     for side, ids, blocks in (("source", sb, src.blocks), ("destination", db, dst.blocks)):
-        bad = [b for b in ids if not 0 <= b < blocks]
-        if bad:
+        if min(ids) < 0 or max(ids) >= blocks:
+            bad = [b for b in ids if not 0 <= b < blocks]
             cause = IndexError("kv: %s block ids %s of a space of %d blocks" % (side, _short(bad), blocks))
             e = BlockRangeError(space, first, bad, cause)
             e.__cause__ = cause
             raise e
+    return first, count
+
+
+def _check_fit(src: Layout, dst: Layout, first: int, count: int) -> None:
+    """check_pairs' checks of the layers [first, first + count) of the two layouts."""
     if first < 0 or count <= 0 or first + count > len(src.layers) or len(src.layers) != len(dst.layers):
         raise LayoutMismatch("kv: layers [%d, %d) of spaces of %d (source) and %d (destination) layers"
                              % (first, first + count, len(src.layers), len(dst.layers)))
@@ -353,7 +419,6 @@ def check_pairs(space: str, src: Layout, dst: Layout, sb: List[int], db: List[in
             if s[i].nbytes != d[i].nbytes:
                 raise LayoutMismatch("kv: layer %d part %d: blocks of %d bytes in the source, %d in the destination"
                                      % (li, i, s[i].nbytes, d[i].nbytes))
-    return first, count
 
 
 def _short(ids: List[int]) -> str:
@@ -400,10 +465,12 @@ class _Read:
         self.src: List[int] = []   # a host read's source region addresses
         self.next = 0              # layers copied
 
-    def run(self, t: Transfer, upto: int) -> None:
+    def run(self, t: Transfer, upto: int, waiter: bool) -> None:
         """Copy layers up to ``upto`` (a GPU read: all), and end the read after its
-        last. Every failure ends it, as a BlockError; an interrupt of the calling
-        thread (KeyboardInterrupt) ends it so and is raised again."""
+        last; ``waiter``: on the thread of a caller waiting for it (which keeps the
+        GIL over a host read's small copies). Every failure ends it, as a
+        BlockError; an interrupt of the calling thread (KeyboardInterrupt) ends it
+        so and is raised again."""
         p = self.p
         try:
             if self.leases is None:
@@ -418,7 +485,7 @@ class _Read:
                 self.next = p.count
             else:
                 while self.next < upto:
-                    _host_layer(p, self.src, p.first + self.next)
+                    _host_layer(p, self.src, p.first + self.next, waiter)
                     t.layer_done(self.next)
                     self.next += 1
             if self.next < p.count:
@@ -458,22 +525,34 @@ def _notify(store: Any, p: Plan, err: Optional[BlockError]) -> None:
         _log.debug("kv: the source's engine was not told that a read of %s ended: %s", p.src.name, e)
 
 
-_memmove = ctypes.memmove
+_Copy = Callable[[int, int, int], Any]
+_memmove: _Copy = ctypes.memmove   # lets other threads run while it copies
+# The same copy keeping the GIL (a PyDLL function), for a waiting caller's own
+# read: its copies of at most _HOLD_BYTES each would otherwise let a thread that
+# wants the GIL (a worker woken for the read) take it at every copy, and make the
+# caller wait for it at the next; holding it that long is no longer than the
+# interpreter lets any thread run before it switches.
+_memmove_fn = ctypes.PyDLL(None).memmove
+_memmove_fn.restype = ctypes.c_void_p
+_memmove_fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+_memmove_held: _Copy = _memmove_fn
+_HOLD_BYTES = 1 << 20
 
 
-def _host_layer(p: Plan, src: List[int], li: int) -> None:
+def _host_layer(p: Plan, src: List[int], li: int, waiter: bool) -> None:
     """Copy layer li of a host read from the source regions at ``src``: one memmove
     per coalesced run of a part whose blocks are contiguous on both sides (stride =
-    bytes), else per block."""
+    bytes), else per block; ``waiter``: on a waiting caller's thread."""
     dst = p.dst
-    mm = _memmove
     for sp, dp in zip(p.src.layers[li], dst.layers[li]):
         s, d = src[sp.region] + sp.base, dst.memory[dp.region].addr + dp.base
         n = sp.nbytes
         if sp.stride == n and dp.stride == n:
+            mm = _memmove_held if waiter and n * p.longest <= _HOLD_BYTES else _memmove
             for rs, rd, k in p.runs:
                 mm(d + rd * n, s + rs * n, k * n)
             continue
+        mm = _memmove_held if waiter and n <= _HOLD_BYTES else _memmove
         ss, ds = sp.stride, dp.stride
         for rs, rd, k in p.runs:
             for j in range(k):

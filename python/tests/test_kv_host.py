@@ -383,3 +383,47 @@ def test_notices_to_the_engine(store, daemon, engines):
         assert sp.take_notices() == [] and sp.wait_notices(0.05) == []
         store.notify(sp.desc.region_name(0), b"\x07not a kv notice")
         assert sp.wait_notices(0.2) == []
+
+
+def test_plan_checks_a_changed_space_again():
+    """A read's checks of the two spaces are kept for spaces of the same values, and
+    made again once any value changes: a description or a destination changed in
+    place after a read is refused as a new one would be."""
+    from cudaipc import _kvread
+    src = kvutil.make_local("vllm", LAYERS, BLOCKS, BYTES, lambda shape: np.zeros(shape, dtype=np.uint8))
+    desc = kv.Desc("0:kv/changed", kv.new_id(), [kv.Region("host", m.size) for m in src.memory], src.layout)
+    dst = dst_local("vllm")
+    p = _kvread.plan(desc, [1, 2], dst, [3, 4], None)
+    assert p.desc == desc.to_bytes() and p.regions == list(range(LAYERS)) and p.ordinal is None
+    assert _kvread.plan(desc, [1, 2], dst, [3, 4], range(1, 2)).regions == [1]
+    # The same values in other objects: the same result.
+    same = kv.Desc.from_bytes(desc.to_bytes())
+    assert _kvread.plan(same, [5], dst_local("vllm"), [6], None).desc == p.desc
+    # Ids are checked every read.
+    with pytest.raises(kv.BlockRangeError):
+        _kvread.plan(desc, [1, BLOCKS], dst, [3, 4], None)
+    # A part of the description moved past its region.
+    base = desc.layers[2][1].base
+    desc.layers[2][1].base = desc.regions[2].size
+    with pytest.raises(kv.InvalidDescError):
+        _kvread.plan(desc, [1], dst, [3], None)
+    desc.layers[2][1].base = base
+    _kvread.plan(desc, [1], dst, [3], None)
+    # The destination: a region made read-only, a part made wider than the source's.
+    dst.memory[3].writable = False
+    with pytest.raises(kv.LayoutMismatch):
+        _kvread.plan(desc, [1], dst, [3], None)
+    assert _kvread.plan(desc, [1], dst, [3], range(0, 3)).regions == [0, 1, 2]
+    dst.memory[3].writable = True
+    dst.layers[0][0].nbytes = BYTES - 1
+    with pytest.raises(kv.LayoutMismatch):
+        _kvread.plan(desc, [1], dst, [3], None)
+    dst.layers[0][0].nbytes = BYTES
+    dst.layers[0][0].base = dst.memory[0].size
+    with pytest.raises(kv.InvalidDescError):
+        _kvread.plan(desc, [1], dst, [3], None)
+    dst.layers[0][0].base = 0
+    # Layers of unequal parts (the first moved last, with one part of two): refused.
+    desc.layers.append(desc.layers.pop(0)[:1])
+    with pytest.raises((kv.InvalidDescError, kv.LayoutMismatch)):
+        _kvread.plan(desc, [1], dst, [3], None)

@@ -127,7 +127,7 @@ class _Blocked:
         self.gate, self.running, self.lock = gate, running, lock
         self.runs = 0
 
-    def run(self, t, upto):
+    def run(self, t, upto, waiter):
         with self.lock:
             self.running[0] += 1
             self.running[1] = max(self.running[1], self.running[0])
@@ -181,3 +181,36 @@ def test_layers_arrive_in_order_on_a_worker(store, daemon, engines):
             assert np.array_equal(kvutil.host_region(dst.memory[i]), want[i]), "layer %d" % layer
     t.wait(30)
     kvutil.check_bytes(dst, kvutil.expected(e.desc, e.seed, dst, src, dsts, range(LAYERS), before))
+
+
+def test_copies_keep_the_gil_only_for_a_waiting_caller(store, daemon, engines, monkeypatch):
+    """A caller's own read copies with the GIL kept (no thread can take it at every
+    copy), runs of up to _HOLD_BYTES; a worker's copies let other threads run."""
+    e = engines(daemon.socket, "kv/gil", "vllm", seed=46)
+    dst = dst_local("vllm")
+    before = snapshot(dst)
+    calls = {"held": 0, "free": 0}
+
+    def counted(name, fn):
+        def f(d, s, n):
+            calls[name] += 1
+            return fn(d, s, n)
+        return f
+    monkeypatch.setattr(_kvread, "_memmove_held", counted("held", _kvread._memmove_held))
+    monkeypatch.setattr(_kvread, "_memmove", counted("free", _kvread._memmove))
+    kv.read_blocks(store, e.desc, SRC, dst, DST).wait(30)
+    assert calls["held"] > 0 and calls["free"] == 0, calls
+    kvutil.check_bytes(dst, kvutil.expected(e.desc, e.seed, dst, SRC, DST, range(LAYERS), before))
+    # Left to a worker.
+    n = calls["held"]
+    t = kv.read_blocks(store, e.desc, DST, dst, SRC)
+    deadline = time.monotonic() + 30
+    while not t.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert t.error is None and calls["held"] == n and calls["free"] > 0, calls
+    # Runs longer than _HOLD_BYTES let go of it on the caller's thread too.
+    monkeypatch.setattr(_kvread, "_HOLD_BYTES", 2 * 96 - 1)
+    calls["held"] = calls["free"] = 0
+    kv.read_blocks(store, e.desc, [0, 1], dst, [0, 1]).wait(30)     # one run of two 96-byte blocks a part
+    assert calls["held"] == 0 and calls["free"] > 0, calls

@@ -7,7 +7,8 @@ daemon of its own; this process reads --tokens' blocks (scattered, seeded) from 
 into a space of its own, --reads times per operation, interleaved:
   floor      one memmove per coalesced run from the engine's memfds mapped here
              (populated), as kv_transfer.py's floor
-  read       kv.read_blocks(...).wait(), fresh source ids each time
+  read       kv.read_blocks(...).wait(), fresh source ids each time (drawn
+             untimed, as every operation's)
   read-same  the same, always the same source ids (their pages already mapped)
   plan       cudaipc._kvread.plan alone
   leases     the leases of the regions the read uses, taken and released
@@ -72,41 +73,41 @@ def main(argv: List[str]) -> int:
             same = ids.next()
             p_same = _kvread.plan(engine.desc, same, dst, dst_ids, None)
 
-            def read() -> None:
-                kv.read_blocks(store, eng.desc, ids.next(), dst, dst_ids).wait(60)
+            def read(ids: Any) -> None:
+                kv.read_blocks(store, eng.desc, ids, dst, dst_ids).wait(60)
 
-            def read_same() -> None:
+            def read_same(ids: Any) -> None:
                 kv.read_blocks(store, eng.desc, same, dst, dst_ids).wait(60)
 
-            def plan() -> None:
-                _kvread.plan(eng.desc, ids.next(), dst, dst_ids, None)
+            def plan(ids: Any) -> None:
+                _kvread.plan(eng.desc, ids, dst, dst_ids, None)
 
-            def leases() -> None:
+            def leases(ids: Any) -> None:
                 ls = [_kvread.lease(store, eng.desc, i, p_same.desc) for i in p_same.regions]
                 for le in ls:
                     le.release()
 
-            held: List[Any] = [None] * len(eng.desc.regions)
+            held: List[Any] = [None] * len(engine.desc.regions)
             for i in p_same.regions:
-                held[i] = _kvread.lease(store, eng.desc, i, p_same.desc)
+                held[i] = _kvread.lease(store, engine.desc, i, p_same.desc)
             src = [le.data_ptr if le is not None else 0 for le in held]
 
-            def copy() -> None:
+            def copy(ids: Any) -> None:
                 for li in range(p_same.first, p_same.first + p_same.count):
-                    _kvread._host_layer(p_same, src, li)
+                    _kvread._host_layer(p_same, src, li, False)
 
-            def flr() -> None:
-                s = ids.next()
-                floor.floor(s, dst_ids)
+            def flr(ids: Any) -> None:
+                floor.floor(ids, dst_ids)
 
-            ops: Dict[str, Callable[[], None]] = {"floor": flr, "read": read, "read-same": read_same, "plan": plan,
-                                                  "leases": leases, "copy": copy}
+            ops: Dict[str, Callable[[Any], None]] = {"floor": flr, "read": read, "read-same": read_same, "plan": plan,
+                                                     "leases": leases, "copy": copy}
             times: Dict[str, List[float]] = {k: [] for k in ops}
             faults: Dict[str, List[int]] = {k: [] for k in ops}
             for i in range(a.reads + 3):
                 for k, f in ops.items():
+                    arg = ids.next()   # fresh source ids (their pages not yet mapped here, for read)
                     f0, t0 = minflt(), time.perf_counter()
-                    f()
+                    f(arg)
                     dt, df = time.perf_counter() - t0, minflt() - f0
                     if i >= 3:
                         times[k].append(dt)
