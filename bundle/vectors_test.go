@@ -1,16 +1,15 @@
 package bundle
 
 import (
-	"bytes"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"flag"
 	"math/rand/v2"
-	"os"
 	"path/filepath"
 	"reflect"
 	"testing"
+
+	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
 // The vectors in testdata/manifest and testdata/sources are the manifest
@@ -19,26 +18,6 @@ import (
 // go test -run 'ManifestVectors|SourcesVectors' -update rewrites them from
 // the code. Every invalid case is refused with ErrInvalid here.
 var update = flag.Bool("update", false, "rewrite testdata/manifest and testdata/sources from the code")
-
-// checkVectorFile writes v to path under -update, then fails unless the
-// file holds exactly what the code writes now.
-func checkVectorFile(t *testing.T, path string, v any) {
-	t.Helper()
-	b, err := json.MarshalIndent(v, "", "  ")
-	if err != nil {
-		t.Fatal(err)
-	}
-	b = append(b, '\n')
-	if *update {
-		if err := os.WriteFile(path, b, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	got, err := os.ReadFile(path)
-	if err != nil || !bytes.Equal(got, b) {
-		t.Fatalf("%s differs from what the code writes (%v); run go test -run %s -update and review the diff", path, err, t.Name())
-	}
-}
 
 func unhex(t *testing.T, s string) []byte {
 	t.Helper()
@@ -188,13 +167,8 @@ func manifestCases() manifestVectors {
 }
 
 func TestManifestVectors(t *testing.T) {
-	path := filepath.Join("..", "testdata", "manifest", "vectors.json")
-	checkVectorFile(t, path, manifestCases())
 	var v manifestVectors
-	b, _ := os.ReadFile(path)
-	if err := json.Unmarshal(b, &v); err != nil {
-		t.Fatal(err)
-	}
+	testutil.CheckVectorFile(t, filepath.Join("..", "testdata", "manifest", "vectors.json"), *update, manifestCases(), &v)
 	for _, c := range v.Layouts {
 		m, size, err := Layout(specsOf(c.Specs), 0, c.Metadata)
 		if err != nil {
@@ -333,13 +307,8 @@ func sourcesCases() sourcesVectors {
 }
 
 func TestSourcesVectors(t *testing.T) {
-	path := filepath.Join("..", "testdata", "sources", "vectors.json")
-	checkVectorFile(t, path, sourcesCases())
 	var v sourcesVectors
-	b, _ := os.ReadFile(path)
-	if err := json.Unmarshal(b, &v); err != nil {
-		t.Fatal(err)
-	}
+	testutil.CheckVectorFile(t, filepath.Join("..", "testdata", "sources", "vectors.json"), *update, sourcesCases(), &v)
 	for _, c := range v.Tables {
 		var regions [][]byte
 		for _, h := range c.Regions {

@@ -1,18 +1,16 @@
 package protocol
 
 import (
-	"bytes"
 	"encoding/binary"
 	"encoding/hex"
-	"encoding/json"
 	"flag"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"google.golang.org/protobuf/proto"
 
+	"github.com/cudaipc/cudaipc/internal/testutil"
 	"github.com/cudaipc/cudaipc/protocol/storev1"
 )
 
@@ -23,29 +21,6 @@ import (
 // go test -run 'LeaseSlotVectors|FramingVectors' -update rewrites them from
 // the code.
 var update = flag.Bool("update", false, "rewrite testdata/leaseslot and testdata/framing from the code")
-
-// checkVectorFile writes v to path under -update, fails unless the file
-// holds exactly what the code writes now, and decodes the file into out.
-func checkVectorFile(t *testing.T, path string, v, out any) {
-	t.Helper()
-	b, err := json.MarshalIndent(v, "", "  ")
-	if err != nil {
-		t.Fatal(err)
-	}
-	b = append(b, '\n')
-	if *update {
-		if err := os.WriteFile(path, b, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	got, err := os.ReadFile(path)
-	if err != nil || !bytes.Equal(got, b) {
-		t.Fatalf("%s differs from what the code writes (%v); run go test -run %s -update and review the diff", path, err, t.Name())
-	}
-	if err := json.Unmarshal(got, out); err != nil {
-		t.Fatal(err)
-	}
-}
 
 // slotBytes is a slot word as it lies in the lease table (little-endian,
 // as on every host the daemon runs on), in hex.
@@ -124,7 +99,7 @@ func leaseSlotCases() *leaseSlotVectors {
 
 func TestLeaseSlotVectors(t *testing.T) {
 	var v leaseSlotVectors
-	checkVectorFile(t, filepath.Join("..", "testdata", "leaseslot", "vectors.json"), leaseSlotCases(), &v)
+	testutil.CheckVectorFile(t, filepath.Join("..", "testdata", "leaseslot", "vectors.json"), *update, leaseSlotCases(), &v)
 	for _, c := range v.Words {
 		held, idle := slotWord(t, c.Held), slotWord(t, c.Idle)
 		if held != SlotWord(c.Gen, SlotHeld, false) || idle != SlotWord(c.Gen, SlotIdle, false) {
@@ -232,7 +207,7 @@ func framingCases() *framingVectors {
 
 func TestFramingVectors(t *testing.T) {
 	var v framingVectors
-	checkVectorFile(t, filepath.Join("..", "testdata", "framing", "vectors.json"), framingCases(), &v)
+	testutil.CheckVectorFile(t, filepath.Join("..", "testdata", "framing", "vectors.json"), *update, framingCases(), &v)
 	if v.MaxMessageSize != MaxMessageSize || v.MaxFiles != MaxFiles {
 		t.Errorf("limits %d %d", v.MaxMessageSize, v.MaxFiles)
 	}
