@@ -227,6 +227,16 @@ func closeAll(t testing.TB, ms []*Mapping) {
 	}
 }
 
+// mustImport imports r through c, failing the test on an error.
+func mustImport(t testing.TB, c *importCache, r Region, opts ...ImportOption) *Mapping {
+	t.Helper()
+	m, err := c.importMem(r, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
 func TestCacheThousandImportsOneOpen(t *testing.T) {
 	f := newFakeDriver(1)
 	c := newTestCache(f)
@@ -238,10 +248,7 @@ func TestCacheThousandImportsOneOpen(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		m, err := c.importMem(sub)
-		if err != nil {
-			t.Fatal(err)
-		}
+		m := mustImport(t, c, sub)
 		if m.Ptr() != ms0Base(ms, m)+DevicePtr(i*4096) || m.Size() != 4096 || m.Device() != f.devs[0] || m.Local() {
 			t.Fatalf("import %d: ptr %#x size %d", i, m.Ptr(), m.Size())
 		}
@@ -353,14 +360,8 @@ func TestCacheRefcountsAndIdempotentClose(t *testing.T) {
 	f := newFakeDriver(1)
 	c := newTestCache(f)
 	r := remoteRegion(f.devs[0].uuid, 4, 7)
-	a, err := c.importMem(r)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := c.importMem(r)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := mustImport(t, c, r)
+	b := mustImport(t, c, r)
 	if err := a.Close(); err != nil {
 		t.Fatal(err)
 	}
@@ -383,10 +384,7 @@ func TestCacheRefcountsAndIdempotentClose(t *testing.T) {
 		t.Fatal("last Close did not close")
 	}
 	// After the last close the next import opens again.
-	m, err := c.importMem(r)
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := mustImport(t, c, r)
 	if o, _ := f.counts(); o != 2 {
 		t.Fatalf("%d opens", o)
 	}
@@ -399,13 +397,10 @@ func TestCacheStaleBufferID(t *testing.T) {
 	f := newFakeDriver(1)
 	c := newTestCache(f)
 	old := remoteRegion(f.devs[0].uuid, 5, 7)
-	m1, err := c.importMem(old)
-	if err != nil {
-		t.Fatal(err)
-	}
+	m1 := mustImport(t, c, old)
 	fresh := old
 	fresh.BufferID = 8
-	_, err = c.importMem(fresh)
+	_, err := c.importMem(fresh)
 	if !errors.Is(err, ErrStaleMapping) || !strings.Contains(err.Error(), "close the old Mappings") {
 		t.Fatalf("import of a re-used handle: %v", err)
 	}
@@ -437,14 +432,8 @@ func TestCacheStaleBufferID(t *testing.T) {
 	f = newFakeDriver(1)
 	f.newPointers = true
 	c = newTestCache(f)
-	m1, err = c.importMem(old)
-	if err != nil {
-		t.Fatal(err)
-	}
-	m2, err = c.importMem(fresh)
-	if err != nil {
-		t.Fatal(err)
-	}
+	m1 = mustImport(t, c, old)
+	m2 = mustImport(t, c, fresh)
 	if m1.Ptr() == m2.Ptr() {
 		t.Fatal("stale entry reused")
 	}
@@ -467,10 +456,7 @@ func TestCacheWaitsForInFlightClose(t *testing.T) {
 	f.closeBegun = make(chan struct{}, 1)
 	c := newTestCache(f)
 	r := remoteRegion(f.devs[0].uuid, 6, 7)
-	m, err := c.importMem(r)
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := mustImport(t, c, r)
 	done := make(chan error)
 	go func() { done <- m.Close() }()
 	select { // the import below comes while the close is in the driver
@@ -480,10 +466,7 @@ func TestCacheWaitsForInFlightClose(t *testing.T) {
 	}
 	r2 := r
 	r2.BufferID = 9 // even for another allocation: it must not get the dying mapping
-	m2, err := c.importMem(r2)
-	if err != nil {
-		t.Fatal(err)
-	}
+	m2 := mustImport(t, c, r2)
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
@@ -579,10 +562,7 @@ func TestCacheSameProcess(t *testing.T) {
 	defer unregisterBuffer(b.ptr, b)
 	r := remoteRegion(dev.uuid, 10, 42)
 	r.ExporterPID, r.ExporterBase, r.AllocSize, r.Offset, r.Size = testSelf.PID, b.ptr, b.size, 4096, 8192
-	m, err := c.importMem(r)
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := mustImport(t, c, r)
 	if !m.Local() || m.Ptr() != b.ptr+4096 || m.Device() != dev {
 		t.Fatalf("local import at %#x", m.Ptr())
 	}
@@ -621,10 +601,7 @@ func TestCacheLeakedMappingIsReleased(t *testing.T) {
 	c := newTestCache(f)
 	before := LiveObjects().Mappings
 	func() {
-		m, err := c.importMem(remoteRegion(f.devs[0].uuid, 11, 7))
-		if err != nil {
-			t.Fatal(err)
-		}
+		m := mustImport(t, c, remoteRegion(f.devs[0].uuid, 11, 7))
 		_ = m.Ptr()
 	}()
 	deadline := time.Now().Add(5 * time.Second)
@@ -761,10 +738,7 @@ func TestCacheVMMFD(t *testing.T) {
 	var ms []*Mapping
 	for i := int64(0); i < 100; i++ {
 		sub, _ := r.Sub(i*4096, 4096)
-		m, err := c.importMem(sub, WithFile(fd))
-		if err != nil {
-			t.Fatal(err)
-		}
+		m := mustImport(t, c, sub, WithFile(fd))
 		if m.Device() != f.devs[1] || m.Local() || m.Ptr() != ms0Base(ms, m)+DevicePtr(i*4096) {
 			t.Fatalf("import %d: %v at %#x", i, m.Device(), m.Ptr())
 		}
@@ -802,18 +776,9 @@ func TestCacheVMMFDAccess(t *testing.T) {
 	c := newTestCache(f)
 	r := vmmRegion(f.devs[0].uuid, 1, 4<<20)
 	fd := fakeFD(t, f, 4<<20)
-	ro1, err := c.importMem(r, WithFile(fd), WithAccess(ReadOnly))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ro2, err := c.importMem(r, WithFile(fd), WithAccess(ReadOnly))
-	if err != nil {
-		t.Fatal(err)
-	}
-	rw, err := c.importMem(r, WithFile(fd))
-	if err != nil {
-		t.Fatal(err)
-	}
+	ro1 := mustImport(t, c, r, WithFile(fd), WithAccess(ReadOnly))
+	ro2 := mustImport(t, c, r, WithFile(fd), WithAccess(ReadOnly))
+	rw := mustImport(t, c, r, WithFile(fd))
 	if ro1.Ptr() != ro2.Ptr() || rw.Ptr() == ro1.Ptr() || f.fdImports != 2 {
 		t.Fatalf("ro %#x %#x, rw %#x, %d imports: want one read-only and one read-write mapping", ro1.Ptr(), ro2.Ptr(), rw.Ptr(), f.fdImports)
 	}
@@ -853,10 +818,7 @@ func TestCacheVMMFDRefusals(t *testing.T) {
 	}
 	// Once mapped at its real size, a region of the same id claiming more
 	// is refused without a driver call, and the mapping stays for others.
-	ok, err := c.importMem(vmmRegion(dev, 3, 2<<20), WithFile(fd))
-	if err != nil {
-		t.Fatal(err)
-	}
+	ok := mustImport(t, c, vmmRegion(dev, 3, 2<<20), WithFile(fd))
 	if _, err := c.importMem(big, WithFile(fd)); !errors.As(err, &re) || re.Field != "alloc_size" {
 		t.Fatalf("cached allocation, larger region: %v", err)
 	}
@@ -885,10 +847,7 @@ func TestCacheAllocSizeLargerThanAllocation(t *testing.T) {
 	}
 	// A region within the allocation imports.
 	r.AllocSize, r.Size = 1<<20, 1<<20
-	m, err := c.importMem(r)
-	if err != nil {
-		t.Fatal(err)
-	}
+	m := mustImport(t, c, r)
 	closeAll(t, []*Mapping{m})
 	// In the exporting process, the driver's size of the allocation is
 	// checked too.
@@ -929,17 +888,11 @@ func TestCacheVMMFDPieces(t *testing.T) {
 	dev := f.devs[0].uuid
 	r := piecesRegion(dev, 1, 3, g)
 	files := []*os.File{fakeFD(t, f, g), fakeFD(t, f, g), fakeFD(t, f, g)}
-	whole, err := c.importMem(r, WithFiles(files...), WithAccess(ReadOnly))
-	if err != nil {
-		t.Fatal(err)
-	}
+	whole := mustImport(t, c, r, WithFiles(files...), WithAccess(ReadOnly))
 	var ms []*Mapping
 	for _, off := range []int64{0, g - 1, g, 2*g + 5} {
 		sub, _ := r.Sub(off, 1)
-		m, err := c.importMem(sub, WithFiles(files...), WithAccess(ReadOnly))
-		if err != nil {
-			t.Fatal(err)
-		}
+		m := mustImport(t, c, sub, WithFiles(files...), WithAccess(ReadOnly))
 		if m.Ptr() != whole.Ptr()+DevicePtr(off) || m.Size() != 1 {
 			t.Fatalf("part at %d: %#x, want %#x", off, m.Ptr(), whole.Ptr()+DevicePtr(off))
 		}
