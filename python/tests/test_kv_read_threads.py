@@ -214,3 +214,53 @@ def test_copies_keep_the_gil_only_for_a_waiting_caller(store, daemon, engines, m
     calls["held"] = calls["free"] = 0
     kv.read_blocks(store, e.desc, [0, 1], dst, [0, 1]).wait(30)     # one run of two 96-byte blocks a part
     assert calls["held"] == 0 and calls["free"] > 0, calls
+
+
+def test_forked_child_reads_on_its_own_workers(store, daemon, engines):
+    """A child forked after this process's workers started has none of them: its
+    reads nobody waits for start workers of its own (else they would never run)."""
+    import os
+    import signal
+    e = engines(daemon.socket, "kv/fork", "vllm", seed=47)
+    dst = dst_local("vllm")
+    t = kv.read_blocks(store, e.desc, SRC, dst, DST)
+    while not t.done():   # a worker runs it: the pool has threads now
+        time.sleep(0.005)
+    assert _kvread._workers._threads > 0
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: report, never return into pytest
+        ok = b"0"
+        try:
+            import cudaipc
+            with cudaipc.connect(daemon.socket) as s:
+                before = snapshot(dst)
+                t = kv.read_blocks(s, e.desc, DST, dst, SRC)
+                deadline = time.monotonic() + 20
+                while not t.done() and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                t.wait(0)   # only looks: a worker of the child must have run it
+                kvutil.check_bytes(dst, kvutil.expected(e.desc, e.seed, dst, DST, SRC, range(LAYERS), before))
+                ok = b"1"
+        except BaseException as x:  # noqa: BLE001
+            ok = repr(x).encode()[:200]
+        finally:
+            os.write(w, ok)
+            os._exit(0)
+    os.close(w)
+    try:
+        got = b""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            chunk = os.read(r, 256)
+            if not chunk:
+                break
+            got += chunk
+        assert got == b"1", got
+    finally:
+        os.close(r)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
