@@ -194,14 +194,9 @@ func TestImportVMMFDRegionIntoNewPIDNamespace(t *testing.T) {
 	attr, env := testutil.NewNamespaces()
 	c, _, r := shareRegions(t, b, attr, env)
 	requireNewPIDNamespace(t, r.Pid, r.PidNS)
-	seed := uint64(time.Now().UnixNano())
-	askRegion(t, c, fdRegionCmd{Op: "write", Index: 0, Seed: seed})
-	if string(readShareable(t, b)) != string(testutil.RandomBytes(seed, int(b.Size()))) {
-		t.Fatal("the exporter does not see the writes of the importer in the other PID namespace")
-	}
-	if r := askRegion(t, c, fdRegionCmd{Op: "close"}); r.Live != (cudaipc.Live{}) {
-		t.Fatalf("importer live objects after Close: %+v", r.Live)
-	}
+	checkWritesFromNamespace(t, b,
+		func(seed uint64) { askRegion(t, c, fdRegionCmd{Op: "write", Index: 0, Seed: seed}) },
+		func() cudaipc.Live { return askRegion(t, c, fdRegionCmd{Op: "close"}).Live })
 }
 
 // TestImportVMMFDRegionInExportingProcess: the exporter imports its own

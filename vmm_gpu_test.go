@@ -326,13 +326,24 @@ func TestFDShareIntoNewPIDNamespace(t *testing.T) {
 	c, sock := fdImporter(t, dev, attr, env)
 	r := shareWith(t, b, c, sock, b.Size())
 	requireNewPIDNamespace(t, r.Pid, r.PidNS)
+	checkWritesFromNamespace(t, b,
+		func(seed uint64) { ask(t, c, fdCmd{Op: "write", Seed: seed}) },
+		func() cudaipc.Live { return ask(t, c, fdCmd{Op: "close"}).Live })
+}
+
+// checkWritesFromNamespace checks an importer of b in a new PID namespace:
+// it writes all of b from a fresh seed (write sends it that command), the
+// exporter reads exactly those bytes, and after closeImporter, which
+// returns the importer's live objects after its Close, it holds none.
+func checkWritesFromNamespace(t *testing.T, b *cudaipc.ShareableBuffer, write func(seed uint64), closeImporter func() cudaipc.Live) {
+	t.Helper()
 	seed := uint64(time.Now().UnixNano())
-	ask(t, c, fdCmd{Op: "write", Seed: seed})
+	write(seed)
 	if string(readShareable(t, b)) != string(testutil.RandomBytes(seed, int(b.Size()))) {
 		t.Fatal("the exporter does not see the writes of the importer in the other PID namespace")
 	}
-	if r := ask(t, c, fdCmd{Op: "close"}); r.Live != (cudaipc.Live{}) {
-		t.Fatalf("importer live objects after Close: %+v", r.Live)
+	if l := closeImporter(); l != (cudaipc.Live{}) {
+		t.Fatalf("importer live objects after Close: %+v", l)
 	}
 }
 
