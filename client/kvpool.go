@@ -35,6 +35,13 @@ type PoolConfig struct {
 	Device string
 	// Shared lets every uid the daemon admits look blocks up and get them.
 	Shared bool
+	// Cluster makes the pool cluster-wide (a daemon of a cluster only):
+	// its keys are placed on the cluster's live nodes, each holding a pool
+	// of this name, and the same calls reach them through this daemon
+	// (docs/kv.md, "Across the cluster"). Each node's engine makes it; a
+	// node that has it already, of the same block and key sizes and
+	// sharing, answers as though it made it.
+	Cluster bool
 }
 
 // PoolInfo describes a pool: its shape, its counts now and its counters
@@ -45,6 +52,9 @@ type PoolInfo struct {
 	OwnerUID uint32 `json:"owner_uid"`
 	Shared   bool   `json:"shared"`
 	Device   string `json:"device"`
+	// Cluster: the pool is cluster-wide; its counts and counters are
+	// this node's.
+	Cluster bool `json:"cluster,omitempty"`
 	// ID is this incarnation of the name.
 	ID         uint64 `json:"id"`
 	BlockBytes int64  `json:"block_bytes"`
@@ -74,7 +84,7 @@ func poolInfoFromProto(p *storev1.PoolInfo) PoolInfo {
 		CapacityBlocks: int(p.GetCapacityBlocks()), MemorySize: int64(p.GetMemorySize()),
 		Blocks: int(p.GetBlocks()), Writing: int(p.GetWriting()), Pinned: int(p.GetPinned()),
 		Hits: p.GetHits(), Misses: p.GetMisses(), Stored: p.GetStored(), Evictions: p.GetEvictions(),
-		Created: time.Unix(0, p.GetCreatedUnixNano()),
+		Created: time.Unix(0, p.GetCreatedUnixNano()), Cluster: p.GetCluster(),
 	}
 }
 
@@ -91,7 +101,7 @@ func (c *Client) CreatePool(ctx context.Context, name string, cfg PoolConfig) (P
 	}
 	r, err := c.roundTrip(ctx, "pool_create", name, &storev1.Request{Body: &storev1.Request_PoolCreate{PoolCreate: &storev1.PoolCreateRequest{
 		Name: name, BlockBytes: uint64(cfg.BlockBytes), KeyBytes: uint32(cfg.KeyBytes), Capacity: uint64(cfg.Capacity),
-		Device: cfg.Device, Shared: cfg.Shared}}})
+		Device: cfg.Device, Shared: cfg.Shared, Cluster: cfg.Cluster}}})
 	if err != nil {
 		return PoolInfo{}, err
 	}
@@ -213,10 +223,28 @@ type BlockSource struct {
 }
 
 // PutResult is what a put did: Status[i] is key i's (protocol.BlockStored,
-// BlockExisted or BlockFull).
+// BlockExisted, BlockFull, or for a cluster-wide pool BlockUnavailable:
+// the node owning the key did not answer).
 type PutResult struct {
-	Stored, Existed, Full int
-	Status                []byte
+	Stored, Existed, Full, Unavailable int
+	Status                             []byte
+}
+
+// BlockPutOptions are a block put's options.
+type BlockPutOptions struct {
+	// Timeout is how long, in a cluster-wide pool, the nodes owning keys
+	// have to store them: 0 means protocol.DefaultPoolTimeoutMs.
+	Timeout time.Duration
+}
+
+// poolTimeoutMs checks a cluster-wide pool's timeout and returns it in
+// milliseconds (0: the daemon's default).
+func poolTimeoutMs(op, pool string, d time.Duration) (int64, error) {
+	ms := d.Milliseconds()
+	if d < 0 || ms > protocol.MaxPoolTimeoutMs || d > 0 && ms == 0 {
+		return 0, &Error{Op: op, Name: pool, Err: ErrInvalid, Message: fmt.Sprintf("timeout %v: want 1ms to %dms", d, protocol.MaxPoolTimeoutMs)}
+	}
+	return ms, nil
 }
 
 // PutBlocks stores the blocks of keys, copied by the daemon from src (key
@@ -224,8 +252,12 @@ type PutResult struct {
 // present already is left as it is (BlockExisted), and one that finds no
 // block free or evictable is not stored (BlockFull). Only the pool's
 // owner's uid and root put.
-func (c *Client) PutBlocks(ctx context.Context, pool string, keys [][]byte, src BlockSource) (PutResult, error) {
+func (c *Client) PutBlocks(ctx context.Context, pool string, keys [][]byte, src BlockSource, opts BlockPutOptions) (PutResult, error) {
 	const op = "block_put"
+	timeoutMs, err := poolTimeoutMs(op, pool, opts.Timeout)
+	if err != nil {
+		return PutResult{}, err
+	}
 	if len(src.Blocks) != len(keys) {
 		return PutResult{}, &Error{Op: op, Name: pool, Err: ErrInvalid, Message: fmt.Sprintf("%d keys and %d source blocks: want one block a key", len(keys), len(src.Blocks))}
 	}
@@ -249,7 +281,7 @@ func (c *Client) PutBlocks(ctx context.Context, pool string, keys [][]byte, src 
 	s.Ids = ids.blob
 	statusAt := b.reserve(len(keys))
 	r, err := b.roundTrip(ctx, &storev1.Request{Body: &storev1.Request_BlockPut{BlockPut: &storev1.BlockPutRequest{
-		Pool: pool, Count: uint32(len(keys)), Keys: b.keys, Source: s, StatusAt: statusAt}}})
+		Pool: pool, Count: uint32(len(keys)), Keys: b.keys, Source: s, StatusAt: statusAt, TimeoutMs: timeoutMs}}})
 	if err != nil {
 		return PutResult{}, err
 	}
@@ -259,7 +291,7 @@ func (c *Client) PutBlocks(ctx context.Context, pool string, keys [][]byte, src 
 	if err != nil {
 		return PutResult{}, err
 	}
-	return PutResult{Stored: int(p.GetStored()), Existed: int(p.GetExisted()), Full: int(p.GetFull()), Status: st}, nil
+	return PutResult{Stored: int(p.GetStored()), Existed: int(p.GetExisted()), Full: int(p.GetFull()), Unavailable: int(p.GetUnavailable()), Status: st}, nil
 }
 
 // LookupOptions are a lookup's options.
@@ -271,6 +303,13 @@ type LookupOptions struct {
 	// PinTimeout is the pin's timeout: 0 means
 	// protocol.DefaultPinTimeoutMs.
 	PinTimeout time.Duration
+	// Timeout is how long, in a cluster-wide pool, the nodes owning keys
+	// have to answer: 0 means protocol.DefaultPoolLookupTimeoutMs. A node
+	// that does not answer in time ends the prefix at its first key. With
+	// Pin, the prefix's blocks held on other nodes are copied into this
+	// daemon's pool and pinned there, within Timeout again (0:
+	// protocol.DefaultPoolTimeoutMs).
+	Timeout time.Duration
 }
 
 // LookupBlocks returns how many keys, from the first, the pool holds (the
@@ -313,6 +352,10 @@ func (c *Client) lookup(ctx context.Context, pool string, keys [][]byte, opts Lo
 	if opts.PinTimeout < 0 || ms > protocol.MaxPinTimeoutMs || opts.PinTimeout > 0 && ms == 0 {
 		return Presence{}, &Error{Op: op, Name: pool, Err: ErrInvalid, Message: fmt.Sprintf("pin timeout %v: want 1ms to %dms", opts.PinTimeout, protocol.MaxPinTimeoutMs)}
 	}
+	timeoutMs, err := poolTimeoutMs(op, pool, opts.Timeout)
+	if err != nil {
+		return Presence{}, err
+	}
 	b, err := c.blockArrays(op, pool, keys, 0)
 	if err != nil {
 		return Presence{}, err
@@ -322,7 +365,7 @@ func (c *Client) lookup(ctx context.Context, pool string, keys [][]byte, opts Lo
 		at = b.reserve((len(keys) + 7) / 8)
 	}
 	r, err := b.roundTrip(ctx, &storev1.Request{Body: &storev1.Request_BlockLookup{BlockLookup: &storev1.BlockLookupRequest{
-		Pool: pool, Count: uint32(len(keys)), Keys: b.keys, Pin: opts.Pin, PinTimeoutMs: ms, PerKey: perKey, PresentAt: at}}})
+		Pool: pool, Count: uint32(len(keys)), Keys: b.keys, Pin: opts.Pin, PinTimeoutMs: ms, PerKey: perKey, PresentAt: at, TimeoutMs: timeoutMs}}})
 	if err != nil {
 		return Presence{}, err
 	}
@@ -344,27 +387,45 @@ func (c *Client) lookup(ctx context.Context, pool string, keys [][]byte, opts Lo
 
 // BlockLease is a get's answer: Slots[i] is key i's block slot in the
 // pool's memory (protocol.NoSlot for a key absent), held by Pin until
-// UnpinBlocks (0 when none was found).
+// UnpinBlocks (0 when none was found). In a cluster-wide pool, Unavailable
+// of the keys absent are so because the node owning them did not answer,
+// for the reason Reason says.
 type BlockLease struct {
-	Pin    uint64
-	Found  int
-	PoolID uint64
-	Slots  []uint32
+	Pin         uint64
+	Found       int
+	PoolID      uint64
+	Slots       []uint32
+	Unavailable int
+	Reason      string
+}
+
+// BlockGetOptions are a block get's options.
+type BlockGetOptions struct {
+	// Pin, when not 0, is a pin of this connection's lookup that the get
+	// takes over.
+	Pin uint64
+	// Timeout is how long, in a cluster-wide pool, the nodes owning keys
+	// have to send their blocks: 0 means protocol.DefaultPoolTimeoutMs.
+	Timeout time.Duration
 }
 
 // GetBlocks finds and pins the blocks of keys, in one round trip whatever
 // their number: copy them out of the pool's memory (MapPool), then
-// UnpinBlocks. pin, when not 0, is a pin of this connection's lookup that
-// the get takes over.
-func (c *Client) GetBlocks(ctx context.Context, pool string, keys [][]byte, pin uint64) (BlockLease, error) {
+// UnpinBlocks. In a cluster-wide pool the daemon first copies the blocks
+// held on other nodes into its own pool.
+func (c *Client) GetBlocks(ctx context.Context, pool string, keys [][]byte, opts BlockGetOptions) (BlockLease, error) {
 	const op = "block_get"
+	timeoutMs, err := poolTimeoutMs(op, pool, opts.Timeout)
+	if err != nil {
+		return BlockLease{}, err
+	}
 	b, err := c.blockArrays(op, pool, keys, 0)
 	if err != nil {
 		return BlockLease{}, err
 	}
 	slotsAt := b.reserve(4 * len(keys))
 	r, err := b.roundTrip(ctx, &storev1.Request{Body: &storev1.Request_BlockGet{BlockGet: &storev1.BlockGetRequest{
-		Pool: pool, Count: uint32(len(keys)), Keys: b.keys, Pin: pin, SlotsAt: slotsAt}}})
+		Pool: pool, Count: uint32(len(keys)), Keys: b.keys, Pin: opts.Pin, SlotsAt: slotsAt, TimeoutMs: timeoutMs}}})
 	if err != nil {
 		return BlockLease{}, err
 	}
@@ -377,7 +438,8 @@ func (c *Client) GetBlocks(ctx context.Context, pool string, keys [][]byte, pin 
 		}
 		return BlockLease{}, err
 	}
-	l := BlockLease{Pin: g.GetPin(), Found: int(g.GetFound()), PoolID: g.GetPoolId(), Slots: make([]uint32, len(keys))}
+	l := BlockLease{Pin: g.GetPin(), Found: int(g.GetFound()), PoolID: g.GetPoolId(), Slots: make([]uint32, len(keys)),
+		Unavailable: int(g.GetUnavailable()), Reason: g.GetUnavailableReason()}
 	for i := range l.Slots {
 		l.Slots[i] = binary.LittleEndian.Uint32(raw[4*i:])
 	}

@@ -96,6 +96,19 @@ type ctlRequest struct {
 	// Payload is, for "kvnotify" (kvspace.go), the notice for the space's
 	// engine.
 	Payload []byte `json:"payload,omitempty"`
+	// Pool, KeyBytes, Count and Shape are, for the pool ops (kvpool.go),
+	// the pool's qualified name, its key size, the request's keys and the
+	// pool's shape; Staged a put's blocks staged on the sender, TimeoutMs
+	// how long a put's owner has to fetch them.
+	Pool      string      `json:"pool,omitempty"`
+	KeyBytes  int         `json:"key_bytes,omitempty"`
+	Count     int         `json:"count,omitempty"`
+	Shape     *PoolShape  `json:"shape,omitempty"`
+	Staged    *PoolStaged `json:"staged,omitempty"`
+	TimeoutMs int64       `json:"timeout_ms,omitempty"`
+	// Inline says that a frame of this many bytes follows the request
+	// (the pool ops' keys, and a put's blocks inline after them).
+	Inline int64 `json:"inline,omitempty"`
 }
 
 // ctlResponse answers a ctlRequest.
@@ -117,6 +130,14 @@ type ctlResponse struct {
 	// Regions answers "kvopen" (kvspace.go): where each region asked for
 	// lies, read through the worker of Exposure.Worker.
 	Regions []SpaceRegion `json:"space_regions,omitempty"`
+	// Found, Deleted, Status and Mask answer the pool ops (kvpool.go): a
+	// lookup's present prefix, the keys a delete removed, a put's status
+	// of each key, and which keys a get found (a bit a key, from bit 0 of
+	// byte 0), whose blocks follow inline or lie in Regions[0].
+	Found   int    `json:"found,omitempty"`
+	Deleted int    `json:"deleted,omitempty"`
+	Status  []byte `json:"status,omitempty"`
+	Mask    []byte `json:"mask,omitempty"`
 }
 
 // Exposure says where a peer reads an exposed replica: the holder's UCX
@@ -244,8 +265,6 @@ func (s Secret) aead(purpose string, t []byte) cipher.AEAD {
 	}
 	return g
 }
-
-func (ch *channel) write(v any) error { return ch.writeWith(v, nil) }
 
 // writeWith seals v and, when raw is not nil, raw as the frame after it,
 // and sends both in one write, so that the peer reads them at once.
@@ -706,6 +725,18 @@ func (s *ControlServer) serveConn(c net.Conn, cc *ctlConn, log *slog.Logger, ref
 			}
 			return
 		}
+		var in []byte
+		if req.Inline != 0 {
+			if req.Inline < 0 || req.Inline > maxPoolRaw {
+				log.Warn("control: dropping the connection", "err", fmt.Sprintf("a request announcing a frame of %d bytes after it", req.Inline))
+				return
+			}
+			var err error
+			if in, err = ch.readRaw(); err != nil || int64(len(in)) != req.Inline {
+				log.Warn("control: dropping the connection", "err", err, "frame", len(in), "announced", req.Inline)
+				return
+			}
+		}
 		var resp ctlResponse
 		var raw []byte
 		switch req.Op {
@@ -733,6 +764,8 @@ func (s *ControlServer) serveConn(c net.Conn, cc *ctlConn, log *slog.Logger, ref
 			resp, raw = s.serveSpaceRead(req)
 		case "kvnotify":
 			resp = s.serveSpaceNotify(req)
+		case "poollookup", "poolpresent", "poolget", "poolput", "pooldelete":
+			resp, raw = s.servePool(req, in, ch.peer, held, &next)
 		case "have":
 			resp = s.serveHave(req)
 		case "close":
@@ -750,10 +783,15 @@ func (s *ControlServer) serveConn(c net.Conn, cc *ctlConn, log *slog.Logger, ref
 }
 
 // ControlClient is an authenticated control connection to one node. Its
-// methods are safe for concurrent use (one request at a time).
+// methods are safe for concurrent use (one request at a time: a request
+// waits for the one before it as long as its context allows).
 type ControlClient struct {
-	mu sync.Mutex
-	ch *channel
+	turn chan struct{} // holds a token while a request is under way
+	ch   *channel
+}
+
+func newControlClient(ch *channel) *ControlClient {
+	return &ControlClient{turn: make(chan struct{}, 1), ch: ch}
 }
 
 // DialControl connects to node's control address and authenticates both
@@ -778,7 +816,7 @@ func DialControl(ctx context.Context, s Secret, self, node, addr string) (*Contr
 		return nil, fmt.Errorf("control channel to node %s at %s: %w", node, addr, err)
 	}
 	_ = c.SetDeadline(time.Time{})
-	return &ControlClient{ch: ch}, nil
+	return newControlClient(ch), nil
 }
 
 // Open asks the node to expose its replica of ref, incarnation id, and
@@ -819,16 +857,26 @@ func (cc *ControlClient) roundTrip(ctx context.Context, req ctlRequest) (ctlResp
 // bytes follow (Inline), their frame into *raw; with raw nil, such an
 // answer breaks the channel.
 func (cc *ControlClient) exchange(ctx context.Context, req ctlRequest, raw *[]byte) (ctlResponse, error) {
-	cc.mu.Lock()
-	defer cc.mu.Unlock()
+	return cc.exchangeRaw(ctx, req, nil, raw)
+}
+
+// exchangeRaw is exchange with out, when not nil, sent as a frame after
+// the request (whose Inline must say its length).
+func (cc *ControlClient) exchangeRaw(ctx context.Context, req ctlRequest, out []byte, raw *[]byte) (ctlResponse, error) {
 	var resp ctlResponse
+	select {
+	case cc.turn <- struct{}{}:
+	case <-ctx.Done():
+		return resp, fmt.Errorf("control channel to node %s: waiting for the request before: %w", cc.ch.peer, ctx.Err())
+	}
+	defer func() { <-cc.turn }()
 	dl, ok := ctx.Deadline()
 	if !ok {
 		dl = time.Now().Add(30 * time.Second)
 	}
 	_ = cc.ch.c.SetDeadline(dl)
 	defer cc.ch.c.SetDeadline(time.Time{})
-	if err := cc.ch.write(&req); err != nil {
+	if err := cc.ch.writeWith(&req, out); err != nil {
 		return resp, fmt.Errorf("control channel to node %s: %w: %w", cc.ch.peer, errChannel, err)
 	}
 	if err := cc.ch.read(&resp); err != nil {

@@ -74,7 +74,7 @@ func TestControlUnaskedInline(t *testing.T) {
 	c1, c2 := net.Pipe()
 	defer c1.Close()
 	srv := &channel{c: c1, peer: "cli", send: testSecret.aead("s2c", tr), recv: testSecret.aead("c2s", tr)}
-	cc := &ControlClient{ch: &channel{c: c2, peer: "srv", send: testSecret.aead("c2s", tr), recv: testSecret.aead("s2c", tr)}}
+	cc := newControlClient(&channel{c: c2, peer: "srv", send: testSecret.aead("c2s", tr), recv: testSecret.aead("s2c", tr)})
 	go func() {
 		var req ctlRequest
 		if srv.read(&req) == nil {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"time"
 
 	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/protocol"
@@ -93,13 +94,15 @@ func (p *Pool) Stat(ctx context.Context) (client.PoolInfo, error) {
 
 // PutRequest is a put: block SrcBlocks[i] of the registered space Src,
 // layers [First, First+Count) (Count 0: every layer from First), under
-// Keys[i].
+// Keys[i]. Timeout is, in a cluster-wide pool, how long the nodes owning
+// keys have to store them (0: the daemon's default).
 type PutRequest struct {
 	Keys      [][]byte
 	Src       *Desc
 	SrcBlocks []int
 	First     int
 	Count     int
+	Timeout   time.Duration
 }
 
 // Put stores the blocks of r in one round trip: the daemon copies them
@@ -156,7 +159,7 @@ func (p *Pool) Put(ctx context.Context, r PutRequest) (client.PutResult, error) 
 			src.Parts = append(src.Parts, client.BlockPart{Region: i, Base: pt.Base, Stride: pt.Stride, Bytes: pt.Bytes})
 		}
 	}
-	return p.c.PutBlocks(ctx, p.name, r.Keys, src)
+	return p.c.PutBlocks(ctx, p.name, r.Keys, src, client.BlockPutOptions{Timeout: r.Timeout})
 }
 
 // Lookup returns how many of keys, from the first, the pool holds (the
@@ -205,7 +208,9 @@ func (p *Pool) Close() error {
 // GetRequest is a get: the block of Keys[i] into block DstBlocks[i] of
 // the local space Dst, layers [First, First+Count) (Count 0: every layer
 // from First), which the pool's blocks hold. Pin, when not 0, is a pin of
-// a Lookup on the same connection that the get takes over.
+// a Lookup on the same connection that the get takes over. Timeout is, in
+// a cluster-wide pool, how long the nodes owning keys have to send their
+// blocks (0: the daemon's default).
 type GetRequest struct {
 	Keys      [][]byte
 	Dst       *Local
@@ -213,6 +218,7 @@ type GetRequest struct {
 	First     int
 	Count     int
 	Pin       uint64
+	Timeout   time.Duration
 }
 
 // Get finds and pins the blocks of r.Keys in one round trip, then, in the
@@ -228,7 +234,7 @@ func (p *Pool) Get(ctx context.Context, r GetRequest) (*Transfer, error) {
 	if err != nil {
 		return nil, err
 	}
-	l, err := p.c.GetBlocks(ctx, p.name, r.Keys, r.Pin)
+	l, err := p.c.GetBlocks(ctx, p.name, r.Keys, client.BlockGetOptions{Pin: r.Pin, Timeout: r.Timeout})
 	if err != nil {
 		return nil, err
 	}
@@ -259,8 +265,13 @@ func (p *Pool) Get(ctx context.Context, r GetRequest) (*Transfer, error) {
 		defer unpin()
 		g.copyOut(mem, l.Slots, r.DstBlocks, t.layers, missing == nil)
 		if missing != nil {
-			t.err = &BlockError{Space: p.name, Layer: g.first, Blocks: missing,
-				Err: fmt.Errorf("%w: %d of %d keys", ErrMissing, len(missing), len(r.Keys))}
+			err := fmt.Errorf("%w: %d of %d keys", ErrMissing, len(missing), len(r.Keys))
+			if l.Unavailable > 0 {
+				// The cause an engine acts on is the node: a retry may find it back.
+				err = fmt.Errorf("%w: %w: %d of them because the nodes owning them did not answer (%s)",
+					err, client.ErrUnavailable, l.Unavailable, l.Reason)
+			}
+			t.err = &BlockError{Space: p.name, Layer: g.first, Blocks: missing, Err: err}
 		}
 	}()
 	return t, nil

@@ -32,7 +32,7 @@ func seedRequests() []*storev1.Request {
 		{Id: 11, Body: &storev1.Request_PoolCreate{PoolCreate: &storev1.PoolCreateRequest{Name: "pool", BlockBytes: 2 << 20, KeyBytes: 32, Capacity: 1 << 30}}},
 		{Id: 12, Body: &storev1.Request_BlockPut{BlockPut: &storev1.BlockPutRequest{Pool: "pool", Count: 1, Keys: &storev1.Blob{Data: make([]byte, 32)},
 			Source: &storev1.BlockSource{Regions: []string{"kv/0"}, Parts: []*storev1.BlockPart{{Base: 0, Stride: 64, Bytes: 64}}, Ids: &storev1.Blob{Data: make([]byte, 4)}}}}},
-		{Id: 13, Body: &storev1.Request_BlockLookup{BlockLookup: &storev1.BlockLookupRequest{Pool: "pool", Count: 2, Keys: &storev1.Blob{Offset: 64, Length: 64}, Pin: true}}},
+		{Id: 13, Body: &storev1.Request_BlockLookup{BlockLookup: &storev1.BlockLookupRequest{Pool: "pool", Count: 2, Keys: &storev1.Blob{Offset: 64, Length: 64}, Pin: true, TimeoutMs: 300}}},
 		{Id: 13, Body: &storev1.Request_BlockLookup{BlockLookup: &storev1.BlockLookupRequest{Pool: "pool", Count: 3, Keys: &storev1.Blob{Data: make([]byte, 48)}, PerKey: true, PresentAt: 4096}}},
 		{Id: 14, Body: &storev1.Request_BlockGet{BlockGet: &storev1.BlockGetRequest{Pool: "pool", Count: 1, Keys: &storev1.Blob{Data: make([]byte, 16)}, Pin: 3}}},
 		{Id: 15, Body: &storev1.Request_BlockUnpin{BlockUnpin: &storev1.BlockUnpinRequest{Pin: 3}}},

@@ -32,6 +32,13 @@ const (
 	// MaxPinTimeoutMs the longest one it may give.
 	DefaultPinTimeoutMs = 30_000
 	MaxPinTimeoutMs     = 600_000
+	// DefaultPoolLookupTimeoutMs and DefaultPoolTimeoutMs are how long the
+	// nodes owning keys of a cluster-wide pool have to answer a lookup, and
+	// a put or a get, when the request gives no timeout; MaxPoolTimeoutMs
+	// the longest one it may give.
+	DefaultPoolLookupTimeoutMs = 1_000
+	DefaultPoolTimeoutMs       = 30_000
+	MaxPoolTimeoutMs           = 600_000
 	// NoSlot is the slot of a key a get did not find.
 	NoSlot = 0xffffffff
 )
@@ -41,6 +48,9 @@ const (
 	BlockStored  = 0 // stored by this put
 	BlockExisted = 1 // present already (or being written by another put)
 	BlockFull    = 2 // not stored: every block is pinned or being written
+	// BlockUnavailable: not stored: the node owning the key (a cluster-wide
+	// pool's) did not answer.
+	BlockUnavailable = 3
 )
 
 // BlockRequest reports whether r is a request of a KV block pool that may
@@ -82,6 +92,9 @@ func validatePool(r *storev1.Request, nfiles int) (ok bool, err error) {
 		return true, nil
 	case *storev1.Request_BlockPut:
 		p := b.BlockPut
+		if err := validatePoolTimeout("block_put", p.GetTimeoutMs()); err != nil {
+			return true, err
+		}
 		if err := validateKeys("block_put", p.GetPool(), p.GetCount(), p.GetKeys(), bulk); err != nil {
 			return true, err
 		}
@@ -91,9 +104,15 @@ func validatePool(r *storev1.Request, nfiles int) (ok bool, err error) {
 		if t := l.GetPinTimeoutMs(); t < 0 || t > MaxPinTimeoutMs {
 			return true, Errorf(storev1.Error_INVALID, "block_lookup: pin timeout of %d ms, want 0 to %d", t, MaxPinTimeoutMs)
 		}
+		if err := validatePoolTimeout("block_lookup", l.GetTimeoutMs()); err != nil {
+			return true, err
+		}
 		return true, validateKeys("block_lookup", l.GetPool(), l.GetCount(), l.GetKeys(), bulk)
 	case *storev1.Request_BlockGet:
 		g := b.BlockGet
+		if err := validatePoolTimeout("block_get", g.GetTimeoutMs()); err != nil {
+			return true, err
+		}
 		return true, validateKeys("block_get", g.GetPool(), g.GetCount(), g.GetKeys(), bulk)
 	case *storev1.Request_BlockDelete:
 		d := b.BlockDelete
@@ -113,6 +132,15 @@ func validatePool(r *storev1.Request, nfiles int) (ok bool, err error) {
 		return true, nil
 	}
 	return false, nil
+}
+
+// validatePoolTimeout checks a block request's timeout for the nodes
+// owning keys of a cluster-wide pool.
+func validatePoolTimeout(op string, ms int64) error {
+	if ms < 0 || ms > MaxPoolTimeoutMs {
+		return Errorf(storev1.Error_INVALID, "%s: a timeout of %d ms, want 0 to %d", op, ms, MaxPoolTimeoutMs)
+	}
+	return nil
 }
 
 // validateKeys checks a block request's pool name, key count and keys:

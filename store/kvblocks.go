@@ -39,6 +39,12 @@ func (cn *conn) poolRequest(req *storev1.Request, files []*os.File) bool {
 		}
 	}
 	ss := cn.ss
+	// A request of a cluster-wide pool may wait for other nodes: it runs
+	// in a goroutine of its own, as a put does.
+	run := func(f func()) { f() }
+	if cn.clusterPoolRequest(req) {
+		run = func(f func()) { cn.wg.Go(f) }
+	}
 	switch b := req.GetBody().(type) {
 	case *storev1.Request_PoolCreate:
 		name, err := cn.qualify(b.PoolCreate.GetName(), true)
@@ -90,19 +96,23 @@ func (cn *conn) poolRequest(req *storev1.Request, files []*os.File) bool {
 			ok(&storev1.Response{Body: &storev1.Response_BlockPut{BlockPut: resp}})
 		})
 	case *storev1.Request_BlockLookup:
-		resp, err := cn.blockLookup(b.BlockLookup, bulk)
-		if err != nil {
-			fail(err)
-			return true
-		}
-		ok(&storev1.Response{Body: &storev1.Response_BlockLookup{BlockLookup: resp}})
+		run(func() {
+			resp, err := cn.blockLookup(b.BlockLookup, bulk)
+			if err != nil {
+				fail(err)
+				return
+			}
+			ok(&storev1.Response{Body: &storev1.Response_BlockLookup{BlockLookup: resp}})
+		})
 	case *storev1.Request_BlockGet:
-		resp, err := cn.blockGet(b.BlockGet, bulk)
-		if err != nil {
-			fail(err)
-			return true
-		}
-		ok(&storev1.Response{Body: &storev1.Response_BlockGet{BlockGet: resp}})
+		run(func() {
+			resp, err := cn.blockGet(b.BlockGet, bulk)
+			if err != nil {
+				fail(err)
+				return
+			}
+			ok(&storev1.Response{Body: &storev1.Response_BlockGet{BlockGet: resp}})
+		})
 	case *storev1.Request_BlockUnpin:
 		if err := ss.unpin(b.BlockUnpin.GetPin()); err != nil {
 			fail(err)
@@ -110,12 +120,14 @@ func (cn *conn) poolRequest(req *storev1.Request, files []*os.File) bool {
 		}
 		ok(&storev1.Response{Body: &storev1.Response_BlockUnpin{BlockUnpin: &storev1.BlockUnpinResponse{}}})
 	case *storev1.Request_BlockDelete:
-		n, err := cn.blockDelete(b.BlockDelete, bulk)
-		if err != nil {
-			fail(err)
-			return true
-		}
-		ok(&storev1.Response{Body: &storev1.Response_BlockDelete{BlockDelete: &storev1.BlockDeleteResponse{Deleted: uint32(n)}}})
+		run(func() {
+			n, err := cn.blockDelete(b.BlockDelete, bulk)
+			if err != nil {
+				fail(err)
+				return
+			}
+			ok(&storev1.Response{Body: &storev1.Response_BlockDelete{BlockDelete: &storev1.BlockDeleteResponse{Deleted: uint32(n)}}})
+		})
 	case *storev1.Request_BlockEvict:
 		n, err := cn.blockEvict(b.BlockEvict)
 		if err != nil {
@@ -233,10 +245,38 @@ func (cn *conn) blockPut(r *storev1.BlockPutRequest, bulk *os.File) (*storev1.Bl
 	if err != nil {
 		return nil, err
 	}
-	if !p.enter() {
-		return nil, &protocol.CodeError{Code: storev1.Error_NOT_FOUND, Message: "KV block pool " + r.GetPool() + ": " + errPoolGone.Error()}
+	var st []byte
+	if p.cluster {
+		st = cn.clusterPut(p, keys, ids, parts, mems, r.GetTimeoutMs())
+	} else if st, err = cn.s.putLocal(p, keys, ids, parts, mems); err != nil {
+		return nil, err
 	}
-	defer cn.s.leavePool(p)
+	resp := &storev1.BlockPutResponse{}
+	for _, s := range st {
+		switch s {
+		case protocol.BlockStored:
+			resp.Stored++
+		case protocol.BlockExisted:
+			resp.Existed++
+		case protocol.BlockFull:
+			resp.Full++
+		case protocol.BlockUnavailable:
+			resp.Unavailable++
+		}
+	}
+	if resp.Status, err = writeBlob("status", st, bulk, r.GetStatusAt()); err != nil {
+		return nil, err
+	}
+	return resp, nil
+}
+
+// putLocal stores the blocks of keys in this node's pool p, key i's from
+// source block ids[i], and returns each key's status.
+func (s *Store) putLocal(p *blockPool, keys blocks.Keys, ids []uint32, parts []part, mems [][]byte) ([]byte, error) {
+	if !p.enter() {
+		return nil, &protocol.CodeError{Code: storev1.Error_NOT_FOUND, Message: "KV block pool " + p.name + ": " + errPoolGone.Error()}
+	}
+	defer s.leavePool(p)
 	slots := make([]int32, keys.Len())
 	status := make([]blocks.Status, keys.Len())
 	p.mu.Lock()
@@ -248,25 +288,12 @@ func (cn *conn) blockPut(r *storev1.BlockPutRequest, bulk *os.File) (*storev1.Bl
 	p.idx.Commit(slots)
 	p.stored += uint64(stored)
 	p.mu.Unlock()
-	m := cn.s.metrics.pools
-	m.evictions.WithLabelValues(p.device).Add(float64(evicted))
-	m.stored.WithLabelValues(p.device).Add(float64(stored))
-	m.putBytes.WithLabelValues(p.device).Add(float64(int64(stored) * p.blockBytes))
-	resp := &storev1.BlockPutResponse{Stored: uint32(stored)}
+	s.metrics.pools.putDone(p, stored, evicted)
 	st := make([]byte, len(status))
 	for i, s := range status {
 		st[i] = byte(s)
-		switch s {
-		case blocks.Existed:
-			resp.Existed++
-		case blocks.Full:
-			resp.Full++
-		}
 	}
-	if resp.Status, err = writeBlob("status", st, bulk, r.GetStatusAt()); err != nil {
-		return nil, err
-	}
-	return resp, nil
+	return st, nil
 }
 
 // part is a checked BlockPart: where it lies in the source and in a block.
@@ -315,14 +342,7 @@ func (p *blockPool) copyIn(slots []int32, ids []uint32, parts []part, mems [][]b
 			todo = append(todo, i)
 		}
 	}
-	one := func(i int) {
-		dst := p.mem[int64(slots[i])*p.slotBytes:]
-		id := int64(ids[i])
-		for _, pt := range parts {
-			so := pt.base + id*pt.stride
-			copy(dst[pt.off:pt.off+pt.bytes], mems[pt.region][so:so+pt.bytes])
-		}
-	}
+	one := func(i int) { copyBlock(p.mem[int64(slots[i])*p.slotBytes:], int64(ids[i]), parts, mems) }
 	workers := min(runtime.GOMAXPROCS(0), 8, int(int64(len(todo))*p.blockBytes/copyWorkerBytes))
 	if workers <= 1 {
 		for _, i := range todo {
@@ -343,6 +363,14 @@ func (p *blockPool) copyIn(slots []int32, ids []uint32, parts []part, mems [][]b
 	wg.Wait()
 }
 
+// copyBlock copies the parts of source block id into dst, end to end.
+func copyBlock(dst []byte, id int64, parts []part, mems [][]byte) {
+	for _, pt := range parts {
+		so := pt.base + id*pt.stride
+		copy(dst[pt.off:pt.off+pt.bytes], mems[pt.region][so:so+pt.bytes])
+	}
+}
+
 // pinTimeout is a lookup's pin timeout.
 func pinTimeout(ms int64) time.Duration {
 	if ms == 0 {
@@ -359,6 +387,12 @@ func (cn *conn) blockLookup(r *storev1.BlockLookupRequest, bulk *os.File) (*stor
 	p, keys, done, err := cn.blockKeys(r.GetPool(), r.GetCount(), r.GetKeys(), bulk, false)
 	if err != nil {
 		return nil, err
+	}
+	if p.cluster {
+		defer done()
+		resp, err := cn.clusterLookup(p, keys, r, bulk)
+		cn.s.metrics.pools.lookupSeconds.Observe(time.Since(start).Seconds())
+		return resp, err
 	}
 	var slots, held []int32
 	var bits []byte
@@ -429,13 +463,23 @@ func (cn *conn) blockGet(r *storev1.BlockGetRequest, bulk *os.File) (*storev1.Bl
 		return nil, err
 	}
 	slots := make([]int32, keys.Len())
+	resp := &storev1.BlockGetResponse{PoolId: p.id}
+	var found int
+	if p.cluster {
+		var unavailable int
+		found, unavailable, resp.UnavailableReason = cn.acquireCluster(p, keys, slots, poolTimeout(r.GetTimeoutMs(), protocol.DefaultPoolTimeoutMs))
+		resp.Unavailable = uint32(unavailable)
+	} else {
+		p.mu.Lock()
+		found = p.idx.Acquire(keys, slots)
+		p.mu.Unlock()
+	}
 	p.mu.Lock()
-	found := p.idx.Acquire(keys, slots)
 	p.hits += uint64(found)
 	p.misses += uint64(keys.Len() - found)
 	p.mu.Unlock()
 	done()
-	resp := &storev1.BlockGetResponse{Found: uint32(found), PoolId: p.id}
+	resp.Found = uint32(found)
 	if found > 0 {
 		held := make([]int32, 0, found)
 		for _, s := range slots {
@@ -484,6 +528,9 @@ func (cn *conn) blockDelete(r *storev1.BlockDeleteRequest, bulk *os.File) (int, 
 	p.mu.Lock()
 	n := p.idx.Delete(keys)
 	p.mu.Unlock()
+	if p.cluster {
+		n += cn.clusterDelete(p, keys)
+	}
 	return n, nil
 }
 

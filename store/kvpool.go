@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"slices"
 	"sync"
@@ -62,10 +63,14 @@ type blockPool struct {
 	slotBytes  int64
 	keyBytes   int
 	created    time.Time
-	obj        *object // the pool's memory in the device's allocator
-	ar         arena
-	mem        []byte // the daemon's read-write mapping of the memory
-	memSize    int64
+	// cluster: the pool is cluster-wide (kvcluster.go); capacity is the
+	// capacity it was asked for, which other nodes make theirs with.
+	cluster  bool
+	capacity int64
+	obj      *object // the pool's memory in the device's allocator
+	ar       arena
+	mem      []byte // the daemon's read-write mapping of the memory
+	memSize  int64
 
 	mu    sync.Mutex
 	idx   *blocks.Index
@@ -97,7 +102,7 @@ func (p *blockPool) info() *storev1.PoolInfo {
 		CapacityBlocks: uint64(p.idx.Len()), MemorySize: uint64(p.memSize),
 		Blocks: uint64(st.Ready), Writing: uint64(st.Writing), Pinned: uint64(st.Pinned),
 		Hits: p.hits, Misses: p.misses, Stored: p.stored, Evictions: p.evictions,
-		CreatedUnixNano: p.created.UnixNano(),
+		CreatedUnixNano: p.created.UnixNano(), Cluster: p.cluster,
 	}
 	p.mu.Unlock()
 	return in
@@ -145,7 +150,16 @@ func (s *Store) freePoolLocked(p *blockPool) {
 
 // createPool makes the pool r describes, owned by this session's uid.
 func (ss *session) createPool(r *storev1.PoolCreateRequest) (*blockPool, error) {
-	s := ss.s
+	return ss.s.createPool(ss.peer.uid, r, func() bool { return ss.closed }, ss.log.With("session", ss.id))
+}
+
+// createPool makes the pool r describes, owned by uid owner, unless
+// closed says (under Store.mu) that its asker went. A cluster-wide pool
+// of that name made already, of r's shape, is returned as it is.
+func (s *Store) createPool(owner uint32, r *storev1.PoolCreateRequest, closed func() bool, log *slog.Logger) (*blockPool, error) {
+	if _, ok := s.cfg.Cluster.(PoolCluster); r.GetCluster() && !ok {
+		return nil, invalidf("pool_create: this daemon is not part of a cluster: a cluster-wide pool needs one")
+	}
 	dev, err := s.backend.device(r.GetDevice())
 	if err != nil {
 		return nil, err
@@ -161,16 +175,20 @@ func (ss *session) createPool(r *storev1.PoolCreateRequest) (*blockPool, error) 
 	size := roundUp(n*slot, int64(os.Getpagesize()))
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if ss.closed {
+	if closed() {
 		return nil, errSessionClosed
 	}
 	s.pools.mu.RLock()
-	_, taken := s.pools.byName[r.GetName()]
+	old := s.pools.byName[r.GetName()]
 	s.pools.mu.RUnlock()
-	if taken {
+	if old != nil {
+		if r.GetCluster() && old.cluster && old.owner == owner && old.blockBytes == int64(r.GetBlockBytes()) &&
+			old.keyBytes == int(r.GetKeyBytes()) && old.shared == r.GetShared() {
+			return old, nil
+		}
 		return nil, fmt.Errorf("KV block pool %q: %w", r.GetName(), ErrExists)
 	}
-	if err := s.objectRoomForLocked(ss.peer.uid); err != nil {
+	if err := s.objectRoomForLocked(owner); err != nil {
 		return nil, err
 	}
 	d, err := s.deviceLocked(dev)
@@ -179,11 +197,11 @@ func (ss *session) createPool(r *storev1.PoolCreateRequest) (*blockPool, error) 
 	}
 	s.pools.nextID++
 	p := &blockPool{
-		id: s.pools.nextID, name: r.GetName(), owner: ss.peer.uid, shared: r.GetShared(), device: dev,
+		id: s.pools.nextID, name: r.GetName(), owner: owner, shared: r.GetShared(), device: dev,
 		blockBytes: int64(r.GetBlockBytes()), slotBytes: slot, keyBytes: int(r.GetKeyBytes()), created: time.Now(),
-		memSize: size,
+		memSize: size, cluster: r.GetCluster(), capacity: int64(r.GetCapacity()),
 	}
-	o := &object{name: r.GetName(), size: size, shared: r.GetShared(), owner: ss.peer.uid, created: p.created, dev: d, objKind: objKind{kvpool: p}}
+	o := &object{name: r.GetName(), size: size, shared: r.GetShared(), owner: owner, created: p.created, dev: d, objKind: objKind{kvpool: p}}
 	// No cluster object goes for a pool: the empty vouched map says so.
 	b, err := s.allocLocked(d, o, false, map[*object]string{})
 	if err != nil {
@@ -210,8 +228,8 @@ func (ss *session) createPool(r *storev1.PoolCreateRequest) (*blockPool, error) 
 	}
 	s.pools.byName[p.name] = p
 	s.pools.mu.Unlock()
-	ss.log.Info("KV block pool created", "session", ss.id, "pool", p.name, "blocks", n, "block_bytes", p.blockBytes,
-		"key_bytes", p.keyBytes, "bytes", size, "shared", p.shared)
+	log.Info("KV block pool created", "pool", p.name, "blocks", n, "block_bytes", p.blockBytes,
+		"key_bytes", p.keyBytes, "bytes", size, "shared", p.shared, "cluster", p.cluster)
 	return p, nil
 }
 
@@ -221,11 +239,14 @@ func roundUp(n, to int64) int64 { return (n + to - 1) / to * to }
 // readable, and with write its owner's uid or root. A pool the session
 // may not read is ErrNotFound, as an object is.
 func (ss *session) poolFor(name string, write bool) (*blockPool, error) {
-	s := ss.s
+	return ss.s.poolFor(ss.peer.uid, name, write)
+}
+
+// poolFor returns the pool name (qualified) as uid may use it.
+func (s *Store) poolFor(uid uint32, name string, write bool) (*blockPool, error) {
 	s.pools.mu.RLock()
 	p := s.pools.byName[name]
 	s.pools.mu.RUnlock()
-	uid := ss.peer.uid
 	switch {
 	case p == nil || !p.readableBy(uid):
 		return nil, fmt.Errorf("no KV block pool %q: %w", name, ErrNotFound)

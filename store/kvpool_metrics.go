@@ -17,6 +17,7 @@ type poolMetrics struct {
 
 	hits, misses                          *prometheus.CounterVec // device, op (lookup or get)
 	stored, evictions, putBytes, getBytes *prometheus.CounterVec // device
+	remote                                *prometheus.CounterVec // op, result: cluster-wide pools' requests to other nodes
 	lookupSeconds                         prometheus.Histogram
 }
 
@@ -44,6 +45,9 @@ func newPoolMetrics(s *Store) *poolMetrics {
 		evictions: counter("evictions_total", "Blocks evicted from KV block pools to make room or by evict requests, by device."),
 		putBytes:  counter("put_bytes_total", "Bytes of blocks stored by puts, by device."),
 		getBytes:  counter("get_bytes_total", "Bytes of blocks handed to gets, by device."),
+		remote: prometheus.NewCounterVec(prometheus.CounterOpts{Name: poolPrefix + "remote_requests_total",
+			Help: "Requests of cluster-wide KV block pools this node sent the nodes owning their keys, by op and result (ok; absent: the node has no such pool; unavailable: it did not answer)."},
+			[]string{"op", "result"}),
 		lookupSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    poolPrefix + "lookup_seconds",
 			Help:    "Time the daemon takes to answer a lookup, from its decoded request to its answer.",
@@ -54,7 +58,14 @@ func newPoolMetrics(s *Store) *poolMetrics {
 
 func (m *poolMetrics) register(reg prometheus.Registerer) error {
 	return errors.Join(reg.Register(m), reg.Register(m.hits), reg.Register(m.misses), reg.Register(m.stored),
-		reg.Register(m.evictions), reg.Register(m.putBytes), reg.Register(m.getBytes), reg.Register(m.lookupSeconds))
+		reg.Register(m.evictions), reg.Register(m.putBytes), reg.Register(m.getBytes), reg.Register(m.remote), reg.Register(m.lookupSeconds))
+}
+
+// putDone counts a put's blocks stored in p and those it evicted.
+func (m *poolMetrics) putDone(p *blockPool, stored, evicted int) {
+	m.evictions.WithLabelValues(p.device).Add(float64(evicted))
+	m.stored.WithLabelValues(p.device).Add(float64(stored))
+	m.putBytes.WithLabelValues(p.device).Add(float64(int64(stored) * p.blockBytes))
 }
 
 // Describe implements prometheus.Collector.

@@ -88,6 +88,7 @@ func TestPoolBadRequests(t *testing.T) {
 		{&storev1.PoolCreateRequest{Name: "65534:p", BlockBytes: 96, KeyBytes: 16, Capacity: 1 << 20}, storev1.Error_PERMISSION},
 		{&storev1.PoolCreateRequest{Name: "p", BlockBytes: 96, KeyBytes: 16, Capacity: 1 << 41}, storev1.Error_INVALID},
 		{&storev1.PoolCreateRequest{Name: "big", BlockBytes: 4096, KeyBytes: 16, Capacity: 2 << 30}, storev1.Error_STORE_FULL},
+		{&storev1.PoolCreateRequest{Name: "c", BlockBytes: 96, KeyBytes: 16, Capacity: 1 << 20, Cluster: true}, storev1.Error_INVALID}, // no cluster
 		{&storev1.PoolCreateRequest{Name: "p", BlockBytes: blockBytes, KeyBytes: 16, Capacity: 8 * 256}, storev1.Error_OK},
 		{&storev1.PoolCreateRequest{Name: "p", BlockBytes: blockBytes, KeyBytes: 16, Capacity: 8 * 256}, storev1.Error_EXISTS},
 	} {
@@ -139,6 +140,8 @@ func TestPoolBadRequests(t *testing.T) {
 		{"a pin timeout too long", &storev1.Request{Body: &storev1.Request_BlockLookup{BlockLookup: &storev1.BlockLookupRequest{Pool: "p", Count: 1, Keys: &storev1.Blob{Data: keys}, Pin: true, PinTimeoutMs: protocol.MaxPinTimeoutMs + 1}}}, nil, storev1.Error_INVALID},
 		{"a negative pin timeout", &storev1.Request{Body: &storev1.Request_BlockLookup{BlockLookup: &storev1.BlockLookupRequest{Pool: "p", Count: 1, Keys: &storev1.Blob{Data: keys}, PinTimeoutMs: -1}}}, nil, storev1.Error_INVALID},
 		{"a bitmap past 64 MiB", &storev1.Request{Body: &storev1.Request_BlockLookup{BlockLookup: &storev1.BlockLookupRequest{Pool: "p", Count: 1, Keys: &storev1.Blob{Length: 16}, PerKey: true, Pin: true, PresentAt: protocol.MaxBulkSize}}}, small, storev1.Error_INVALID},
+		{"a cluster timeout too long", &storev1.Request{Body: &storev1.Request_BlockGet{BlockGet: &storev1.BlockGetRequest{Pool: "p", Count: 1, Keys: &storev1.Blob{Data: keys}, TimeoutMs: protocol.MaxPoolTimeoutMs + 1}}}, nil, storev1.Error_INVALID},
+		{"a negative cluster timeout", &storev1.Request{Body: &storev1.Request_BlockLookup{BlockLookup: &storev1.BlockLookupRequest{Pool: "p", Count: 1, Keys: &storev1.Blob{Data: keys}, TimeoutMs: -1}}}, nil, storev1.Error_INVALID},
 		{"unpin 0", &storev1.Request{Body: &storev1.Request_BlockUnpin{BlockUnpin: &storev1.BlockUnpinRequest{}}}, nil, storev1.Error_INVALID},
 		{"unpin of no pin", &storev1.Request{Body: &storev1.Request_BlockUnpin{BlockUnpin: &storev1.BlockUnpinRequest{Pin: 77}}}, nil, storev1.Error_NOT_FOUND},
 		{"evict 0", &storev1.Request{Body: &storev1.Request_BlockEvict{BlockEvict: &storev1.BlockEvictRequest{Pool: "p"}}}, nil, storev1.Error_INVALID},

@@ -17,8 +17,9 @@ import (
 )
 
 // Mirror is a node's in-memory copy of the directory's object records,
-// holders and latest versions, so that a get of a name with a live holder
-// reads no etcd. It loads the records with one read of their key range
+// holders, latest versions and live nodes, so that a get of a name with a
+// live holder reads no etcd, and cluster-wide KV block pools place keys on
+// the live nodes (LiveNodes) without asking it. It loads the records with one read of their key range
 // and follows them with a watch from that read's revision.
 //
 // A Mirror answers only while it is in sync: after its load, while its
@@ -39,7 +40,12 @@ type Mirror struct {
 	objs   map[cluster.Ref]*mirrorObj
 	holds  map[cluster.Ref]map[string]string // holder node → incarnation id
 	latest map[ownerName]cluster.Latest
+	nodes  map[string]cluster.Node // live nodes' records, by name
 	waits  map[ownerName]*nameWait // Changed's channels, by name
+	// live is the sorted names of nodes, rebuilt when they change; gen
+	// counts those changes.
+	live []string
+	gen  uint64
 
 	loads  atomic.Uint64
 	breaks chan struct{} // signalled when the connection leaves Ready
@@ -95,7 +101,7 @@ func (m *Mirror) Close() {
 
 // The mirrored key range: hold/, latest/, node/ and obj/ sort next to one
 // another (feed/ before, pin/ after), so one read and one watch, ordered
-// by revision, cover holders and objects. Node records in it are skipped.
+// by revision, cover holders, objects and nodes.
 func (m *Mirror) span() (from, to string) {
 	return m.d.k.holders(), m.d.k.p + "obj0" // '0' follows '/'
 }
@@ -167,11 +173,14 @@ func (m *Mirror) load(ctx context.Context) (int64, error) {
 	objs := map[cluster.Ref]*mirrorObj{}
 	holds := map[cluster.Ref]map[string]string{}
 	latest := map[ownerName]cluster.Latest{}
+	nodes := map[string]cluster.Node{}
 	for _, kv := range r.Kvs {
-		m.apply(objs, holds, latest, mvccpb.PUT, kv)
+		m.apply(objs, holds, latest, nodes, mvccpb.PUT, kv)
 	}
 	m.mu.Lock()
 	m.objs, m.holds, m.latest, m.rev = objs, holds, latest, r.Header.Revision
+	m.nodes = nodes
+	m.nodesChangedLocked()
 	m.mu.Unlock()
 	m.loads.Add(1)
 	return r.Header.Revision, nil
@@ -212,8 +221,13 @@ func (m *Mirror) watch(ctx context.Context, rev int64) {
 			// by this change looks the name up at once).
 			m.d.downUntil.Store(0)
 			m.mu.Lock()
+			nodes := len(m.nodes)
+			changed := false
 			for _, ev := range wr.Events {
-				m.apply(m.objs, m.holds, m.latest, ev.Type, ev.Kv)
+				if strings.HasPrefix(string(ev.Kv.Key), m.d.k.nodes()) {
+					changed = true
+				}
+				m.apply(m.objs, m.holds, m.latest, m.nodes, ev.Type, ev.Kv)
 				m.rev = ev.Kv.ModRevision
 				if on, ok := m.nameOf(string(ev.Kv.Key)); ok && ev.Type == mvccpb.PUT {
 					m.wakeLocked(on)
@@ -221,6 +235,9 @@ func (m *Mirror) watch(ctx context.Context, rev int64) {
 			}
 			if wr.Header.Revision > m.rev {
 				m.rev = wr.Header.Revision
+			}
+			if changed || nodes != len(m.nodes) {
+				m.nodesChangedLocked()
 			}
 			m.mu.Unlock()
 		}
@@ -230,10 +247,23 @@ func (m *Mirror) watch(ctx context.Context, rev int64) {
 // apply records one put or delete of a mirrored key, verifying and
 // decoding a record now; a record that does not verify is logged and
 // left out, as Lookup does.
-func (m *Mirror) apply(objs map[cluster.Ref]*mirrorObj, holds map[cluster.Ref]map[string]string, latest map[ownerName]cluster.Latest, typ mvccpb.Event_EventType, kv *mvccpb.KeyValue) {
+func (m *Mirror) apply(objs map[cluster.Ref]*mirrorObj, holds map[cluster.Ref]map[string]string, latest map[ownerName]cluster.Latest, nodes map[string]cluster.Node, typ mvccpb.Event_EventType, kv *mvccpb.KeyValue) {
 	key := string(kv.Key)
 	k := m.d.k
 	switch {
+	case strings.HasPrefix(key, k.nodes()):
+		name := strings.TrimPrefix(key, k.nodes())
+		if typ == mvccpb.DELETE {
+			delete(nodes, name)
+			return
+		}
+		var n cluster.Node
+		if err := openNode(m.d.cfg.Secret, kv, &n); err != nil || n.Name != name {
+			m.d.log.Warn("mirror: ignoring a node record", "key", key, "err", err)
+			delete(nodes, name)
+			return
+		}
+		nodes[name] = n
 	case strings.HasPrefix(key, k.objects()):
 		ref, rest, err := parseRef(strings.TrimPrefix(key, k.objects()))
 		if err != nil || rest != "" {
@@ -354,6 +384,24 @@ func (m *Mirror) wakeLocked(on ownerName) {
 func parseLatestKey(s string) (uint32, string, bool) {
 	r, _, err := parseRef(s + "/0/0")
 	return r.Owner, r.Name, err == nil
+}
+
+// nodesChangedLocked rebuilds the sorted list of live nodes.
+func (m *Mirror) nodesChangedLocked() {
+	m.live = slices.Sorted(maps.Keys(m.nodes))
+	m.gen++
+}
+
+// LiveNodes returns the names of the live nodes (their records in the
+// directory), sorted, as of the mirror's last load or event, and a number
+// that changes whenever they do; the slice is shared: do not modify it.
+// Out of sync the mirror keeps the nodes it last knew, and synced is
+// false. Cluster-wide KV block pools place keys on these nodes: a stale
+// list costs misses, never a wrong block.
+func (m *Mirror) LiveNodes() (names []string, gen uint64, synced bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.live, m.gen, m.synced
 }
 
 // Synced reports whether the mirror answers now.

@@ -2,6 +2,7 @@ package etcddir
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -411,4 +412,42 @@ func TestMirrorChanged(t *testing.T) {
 	if left != 0 {
 		t.Fatalf("%d names' channels left after every waiter is done", left)
 	}
+}
+
+// TestMirrorLiveNodes: the mirror follows the live nodes: those joined
+// before its load and after, a node that closes (at once) and one that
+// dies (its record expires), each change a new generation; a forged node
+// record is left out.
+func TestMirrorLiveNodes(t *testing.T) {
+	srv := etcdtest.Start(t)
+	a, b, c := open(t, srv, "a"), open(t, srv, "b"), open(t, srv, "c")
+	ctx := ctxT(t)
+	mustJoin(t, ctx, a, "a")
+	m := loadedMirror(t, ctx, c)
+	live := func(want ...string) {
+		t.Helper()
+		eventually(t, 10*time.Second, fmt.Sprintf("the mirror's live nodes are %v", want), func() bool {
+			got, _, _ := m.LiveNodes()
+			return slices.Equal(got, want)
+		})
+	}
+	live("a")
+	_, gen, synced := m.LiveNodes()
+	if !synced {
+		t.Fatal("a loaded mirror says it is not in sync")
+	}
+	mustJoin(t, ctx, b, "b")
+	mustJoin(t, ctx, c, "c")
+	live("a", "b", "c")
+	if _, g, _ := m.LiveNodes(); g == gen {
+		t.Fatal("the nodes changed and the generation did not")
+	}
+	// A record under node/ that does not verify is no live node.
+	if _, err := c.cli.Put(ctx, c.k.node("forged"), `{"name":"forged","control":"10.0.0.9:1"}`); err != nil {
+		t.Fatal(err)
+	}
+	b.Close()
+	live("a", "c")
+	a.abandon()
+	live("c")
 }

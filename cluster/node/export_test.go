@@ -211,3 +211,13 @@ func SetMaxStaged(t testing.TB, n int64) {
 	maxStaged = n
 	t.Cleanup(func() { maxStaged = old })
 }
+
+// OnPoolGet makes n call f(owner) each time a node owning keys of a get
+// answered it, before the blocks are fetched; nil stops it.
+func OnPoolGet(n *Node, f func(owner string)) {
+	if f == nil {
+		n.poolGetHook.Store(nil)
+		return
+	}
+	n.poolGetHook.Store(&f)
+}

@@ -153,6 +153,11 @@ type Node struct {
 	// made for its clients (kvspace.go).
 	kvReads, kvReadsFailed, kvReadBytes atomic.Uint64
 	spaceMode                           atomic.Int32
+	// pools places the keys of cluster-wide KV block pools (kvpool.go);
+	// poolGetHook, when set, runs when a node answered a get, before its
+	// blocks are fetched (tests kill it there).
+	pools       poolPlacement
+	poolGetHook atomic.Pointer[func(node string)]
 }
 
 // arenaReg is an arena registered with UCX while exposures use it: a host

@@ -4600,7 +4600,13 @@ type PoolCreateRequest struct {
 	Device string `protobuf:"bytes,5,opt,name=device,proto3" json:"device,omitempty"`
 	// Every admitted uid may look blocks up and get them (only the owner's
 	// uid and root put, delete and evict).
-	Shared        bool `protobuf:"varint,6,opt,name=shared,proto3" json:"shared,omitempty"`
+	Shared bool `protobuf:"varint,6,opt,name=shared,proto3" json:"shared,omitempty"`
+	// Cluster-wide (a daemon of a cluster only): the pool's keys are placed on
+	// the cluster's live nodes, a pool of this name on each (docs/kv.md,
+	// "Across the cluster"). A cluster-wide pool of this name that this node
+	// has already, of the same block and key sizes and sharing, is answered as
+	// made, not EXISTS.
+	Cluster       bool `protobuf:"varint,7,opt,name=cluster,proto3" json:"cluster,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -4673,6 +4679,13 @@ func (x *PoolCreateRequest) GetDevice() string {
 func (x *PoolCreateRequest) GetShared() bool {
 	if x != nil {
 		return x.Shared
+	}
+	return false
+}
+
+func (x *PoolCreateRequest) GetCluster() bool {
+	if x != nil {
+		return x.Cluster
 	}
 	return false
 }
@@ -5040,8 +5053,10 @@ type PoolInfo struct {
 	Stored          uint64 `protobuf:"varint,16,opt,name=stored,proto3" json:"stored,omitempty"`
 	Evictions       uint64 `protobuf:"varint,17,opt,name=evictions,proto3" json:"evictions,omitempty"`
 	CreatedUnixNano int64  `protobuf:"varint,18,opt,name=created_unix_nano,json=createdUnixNano,proto3" json:"created_unix_nano,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Cluster-wide: the counts and counters are this node's.
+	Cluster       bool `protobuf:"varint,19,opt,name=cluster,proto3" json:"cluster,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PoolInfo) Reset() {
@@ -5198,6 +5213,13 @@ func (x *PoolInfo) GetCreatedUnixNano() int64 {
 		return x.CreatedUnixNano
 	}
 	return 0
+}
+
+func (x *PoolInfo) GetCluster() bool {
+	if x != nil {
+		return x.Cluster
+	}
+	return false
 }
 
 // Blob is one array of a block request or response. Without a bulk file
@@ -5429,7 +5451,10 @@ type BlockPutRequest struct {
 	Keys   *Blob        `protobuf:"bytes,3,opt,name=keys,proto3" json:"keys,omitempty"`
 	Source *BlockSource `protobuf:"bytes,4,opt,name=source,proto3" json:"source,omitempty"`
 	// With a bulk file: where the daemon writes the status array.
-	StatusAt      uint64 `protobuf:"varint,5,opt,name=status_at,json=statusAt,proto3" json:"status_at,omitempty"`
+	StatusAt uint64 `protobuf:"varint,5,opt,name=status_at,json=statusAt,proto3" json:"status_at,omitempty"`
+	// Cluster-wide pools: how long the nodes owning keys have to store them
+	// (0: 30 seconds; at most 600000).
+	TimeoutMs     int64 `protobuf:"varint,6,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -5499,6 +5524,13 @@ func (x *BlockPutRequest) GetStatusAt() uint64 {
 	return 0
 }
 
+func (x *BlockPutRequest) GetTimeoutMs() int64 {
+	if x != nil {
+		return x.TimeoutMs
+	}
+	return 0
+}
+
 type BlockPutResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Keys stored, present already, and not stored for want of room (every
@@ -5506,8 +5538,10 @@ type BlockPutResponse struct {
 	Stored  uint32 `protobuf:"varint,1,opt,name=stored,proto3" json:"stored,omitempty"`
 	Existed uint32 `protobuf:"varint,2,opt,name=existed,proto3" json:"existed,omitempty"`
 	Full    uint32 `protobuf:"varint,3,opt,name=full,proto3" json:"full,omitempty"`
-	// count bytes: 0 stored, 1 present already, 2 no room.
-	Status        *Blob `protobuf:"bytes,4,opt,name=status,proto3" json:"status,omitempty"`
+	// count bytes: 0 stored, 1 present already, 2 no room, 3 not stored: the
+	// node owning the key (cluster-wide pools) did not answer.
+	Status        *Blob  `protobuf:"bytes,4,opt,name=status,proto3" json:"status,omitempty"`
+	Unavailable   uint32 `protobuf:"varint,5,opt,name=unavailable,proto3" json:"unavailable,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -5570,6 +5604,13 @@ func (x *BlockPutResponse) GetStatus() *Blob {
 	return nil
 }
 
+func (x *BlockPutResponse) GetUnavailable() uint32 {
+	if x != nil {
+		return x.Unavailable
+	}
+	return 0
+}
+
 // BlockLookupRequest counts the keys present from the first on: the
 // length of the present prefix (the first key absent, or being written,
 // ends it). It changes nothing, but with pin the prefix's blocks are
@@ -5587,7 +5628,12 @@ type BlockLookupRequest struct {
 	PinTimeoutMs int64 `protobuf:"varint,5,opt,name=pin_timeout_ms,json=pinTimeoutMs,proto3" json:"pin_timeout_ms,omitempty"`
 	PerKey       bool  `protobuf:"varint,6,opt,name=per_key,json=perKey,proto3" json:"per_key,omitempty"`
 	// With per_key and a bulk file: where the daemon writes the bitmap.
-	PresentAt     uint64 `protobuf:"varint,7,opt,name=present_at,json=presentAt,proto3" json:"present_at,omitempty"`
+	PresentAt uint64 `protobuf:"varint,7,opt,name=present_at,json=presentAt,proto3" json:"present_at,omitempty"`
+	// Cluster-wide pools: how long the nodes owning keys have to answer (0: 1
+	// second; at most 600000). A node that did not answer in time ends the
+	// prefix at its first key. With pin, the prefix's blocks held on other
+	// nodes are copied into this node's pool (as a get does) and pinned here.
+	TimeoutMs     int64 `protobuf:"varint,8,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -5671,6 +5717,13 @@ func (x *BlockLookupRequest) GetPresentAt() uint64 {
 	return 0
 }
 
+func (x *BlockLookupRequest) GetTimeoutMs() int64 {
+	if x != nil {
+		return x.TimeoutMs
+	}
+	return 0
+}
+
 type BlockLookupResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Found uint32                 `protobuf:"varint,1,opt,name=found,proto3" json:"found,omitempty"`
@@ -5679,8 +5732,11 @@ type BlockLookupResponse struct {
 	// With per_key: the keys present, and a bitmap of ceil(count/8) bytes in
 	// which bit i%8 (least significant first) of byte i/8 is set when key i
 	// is present.
-	PresentCount  uint32 `protobuf:"varint,3,opt,name=present_count,json=presentCount,proto3" json:"present_count,omitempty"`
-	Present       *Blob  `protobuf:"bytes,4,opt,name=present,proto3" json:"present,omitempty"`
+	PresentCount uint32 `protobuf:"varint,3,opt,name=present_count,json=presentCount,proto3" json:"present_count,omitempty"`
+	Present      *Blob  `protobuf:"bytes,4,opt,name=present,proto3" json:"present,omitempty"`
+	// Cluster-wide pools: why the prefix ended at a node that did not answer
+	// ("" when none failed).
+	Unavailable   string `protobuf:"bytes,5,opt,name=unavailable,proto3" json:"unavailable,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -5743,6 +5799,13 @@ func (x *BlockLookupResponse) GetPresent() *Blob {
 	return nil
 }
 
+func (x *BlockLookupResponse) GetUnavailable() string {
+	if x != nil {
+		return x.Unavailable
+	}
+	return ""
+}
+
 // BlockGetRequest finds the blocks of keys and pins those present until the
 // caller unpins (or its connection ends): it copies them out of the pool's
 // memory (PoolStatRequest.map) meanwhile.
@@ -5755,7 +5818,11 @@ type BlockGetRequest struct {
 	// once the get's blocks are pinned. 0: none.
 	Pin uint64 `protobuf:"varint,4,opt,name=pin,proto3" json:"pin,omitempty"`
 	// With a bulk file: where the daemon writes the slots array.
-	SlotsAt       uint64 `protobuf:"varint,5,opt,name=slots_at,json=slotsAt,proto3" json:"slots_at,omitempty"`
+	SlotsAt uint64 `protobuf:"varint,5,opt,name=slots_at,json=slotsAt,proto3" json:"slots_at,omitempty"`
+	// Cluster-wide pools: how long the nodes owning keys have to send their
+	// blocks (0: 30 seconds; at most 600000). Blocks held on other nodes are
+	// copied into this node's pool, then read as its own.
+	TimeoutMs     int64 `protobuf:"varint,6,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -5825,6 +5892,13 @@ func (x *BlockGetRequest) GetSlotsAt() uint64 {
 	return 0
 }
 
+func (x *BlockGetRequest) GetTimeoutMs() int64 {
+	if x != nil {
+		return x.TimeoutMs
+	}
+	return 0
+}
+
 type BlockGetResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The get's pin (0 when no key was found): unpin it after copying.
@@ -5835,9 +5909,13 @@ type BlockGetResponse struct {
 	PoolId uint64 `protobuf:"varint,3,opt,name=pool_id,json=poolId,proto3" json:"pool_id,omitempty"`
 	// count little-endian uint32s: the slot of each key's block, 0xffffffff
 	// for a key absent.
-	Slots         *Blob `protobuf:"bytes,4,opt,name=slots,proto3" json:"slots,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Slots *Blob `protobuf:"bytes,4,opt,name=slots,proto3" json:"slots,omitempty"`
+	// Cluster-wide pools: how many of the keys absent are so because the node
+	// owning them did not answer, and why ("" when none).
+	Unavailable       uint32 `protobuf:"varint,5,opt,name=unavailable,proto3" json:"unavailable,omitempty"`
+	UnavailableReason string `protobuf:"bytes,6,opt,name=unavailable_reason,json=unavailableReason,proto3" json:"unavailable_reason,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *BlockGetResponse) Reset() {
@@ -5896,6 +5974,20 @@ func (x *BlockGetResponse) GetSlots() *Blob {
 		return x.Slots
 	}
 	return nil
+}
+
+func (x *BlockGetResponse) GetUnavailable() uint32 {
+	if x != nil {
+		return x.Unavailable
+	}
+	return 0
+}
+
+func (x *BlockGetResponse) GetUnavailableReason() string {
+	if x != nil {
+		return x.UnavailableReason
+	}
+	return ""
 }
 
 // BlockUnpinRequest ends a pin of this connection.
@@ -6517,7 +6609,7 @@ const file_store_proto_rawDesc = "" +
 	"\x0fKvNotifyRequest\x12\x14\n" +
 	"\x05space\x18\x01 \x01(\fR\x05space\x12\x18\n" +
 	"\apayload\x18\x02 \x01(\fR\apayload\"\x12\n" +
-	"\x10KvNotifyResponse\"\xb1\x01\n" +
+	"\x10KvNotifyResponse\"\xcb\x01\n" +
 	"\x11PoolCreateRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1f\n" +
 	"\vblock_bytes\x18\x02 \x01(\x04R\n" +
@@ -6525,7 +6617,8 @@ const file_store_proto_rawDesc = "" +
 	"\tkey_bytes\x18\x03 \x01(\rR\bkeyBytes\x12\x1a\n" +
 	"\bcapacity\x18\x04 \x01(\x04R\bcapacity\x12\x16\n" +
 	"\x06device\x18\x05 \x01(\tR\x06device\x12\x16\n" +
-	"\x06shared\x18\x06 \x01(\bR\x06shared\"D\n" +
+	"\x06shared\x18\x06 \x01(\bR\x06shared\x12\x18\n" +
+	"\acluster\x18\a \x01(\bR\acluster\"D\n" +
 	"\x12PoolCreateResponse\x12.\n" +
 	"\x04info\x18\x01 \x01(\v2\x1a.cudaipc.store.v1.PoolInfoR\x04info\"'\n" +
 	"\x11PoolDeleteRequest\x12\x12\n" +
@@ -6543,7 +6636,7 @@ const file_store_proto_rawDesc = "" +
 	"startAfter\"X\n" +
 	"\x10PoolListResponse\x120\n" +
 	"\x05pools\x18\x01 \x03(\v2\x1a.cudaipc.store.v1.PoolInfoR\x05pools\x12\x12\n" +
-	"\x04more\x18\x02 \x01(\bR\x04more\"\xfa\x03\n" +
+	"\x04more\x18\x02 \x01(\bR\x04more\"\x94\x04\n" +
 	"\bPoolInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1b\n" +
 	"\towner_uid\x18\x02 \x01(\rR\bownerUid\x12\x16\n" +
@@ -6566,7 +6659,8 @@ const file_store_proto_rawDesc = "" +
 	"\x06misses\x18\x0f \x01(\x04R\x06misses\x12\x16\n" +
 	"\x06stored\x18\x10 \x01(\x04R\x06stored\x12\x1c\n" +
 	"\tevictions\x18\x11 \x01(\x04R\tevictions\x12*\n" +
-	"\x11created_unix_nano\x18\x12 \x01(\x03R\x0fcreatedUnixNano\"J\n" +
+	"\x11created_unix_nano\x18\x12 \x01(\x03R\x0fcreatedUnixNano\x12\x18\n" +
+	"\acluster\x18\x13 \x01(\bR\acluster\"J\n" +
 	"\x04Blob\x12\x12\n" +
 	"\x04data\x18\x01 \x01(\fR\x04data\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x04R\x06offset\x12\x16\n" +
@@ -6580,18 +6674,21 @@ const file_store_proto_rawDesc = "" +
 	"\aregions\x18\x01 \x03(\tR\aregions\x121\n" +
 	"\x05parts\x18\x02 \x03(\v2\x1b.cudaipc.store.v1.BlockPartR\x05parts\x12(\n" +
 	"\x03ids\x18\x03 \x01(\v2\x16.cudaipc.store.v1.BlobR\x03ids\x12\x14\n" +
-	"\x05space\x18\x04 \x01(\fR\x05space\"\xbb\x01\n" +
+	"\x05space\x18\x04 \x01(\fR\x05space\"\xda\x01\n" +
 	"\x0fBlockPutRequest\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x14\n" +
 	"\x05count\x18\x02 \x01(\rR\x05count\x12*\n" +
 	"\x04keys\x18\x03 \x01(\v2\x16.cudaipc.store.v1.BlobR\x04keys\x125\n" +
 	"\x06source\x18\x04 \x01(\v2\x1d.cudaipc.store.v1.BlockSourceR\x06source\x12\x1b\n" +
-	"\tstatus_at\x18\x05 \x01(\x04R\bstatusAt\"\x88\x01\n" +
+	"\tstatus_at\x18\x05 \x01(\x04R\bstatusAt\x12\x1d\n" +
+	"\n" +
+	"timeout_ms\x18\x06 \x01(\x03R\ttimeoutMs\"\xaa\x01\n" +
 	"\x10BlockPutResponse\x12\x16\n" +
 	"\x06stored\x18\x01 \x01(\rR\x06stored\x12\x18\n" +
 	"\aexisted\x18\x02 \x01(\rR\aexisted\x12\x12\n" +
 	"\x04full\x18\x03 \x01(\rR\x04full\x12.\n" +
-	"\x06status\x18\x04 \x01(\v2\x16.cudaipc.store.v1.BlobR\x06status\"\xda\x01\n" +
+	"\x06status\x18\x04 \x01(\v2\x16.cudaipc.store.v1.BlobR\x06status\x12 \n" +
+	"\vunavailable\x18\x05 \x01(\rR\vunavailable\"\xf9\x01\n" +
 	"\x12BlockLookupRequest\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x14\n" +
 	"\x05count\x18\x02 \x01(\rR\x05count\x12*\n" +
@@ -6600,23 +6697,30 @@ const file_store_proto_rawDesc = "" +
 	"\x0epin_timeout_ms\x18\x05 \x01(\x03R\fpinTimeoutMs\x12\x17\n" +
 	"\aper_key\x18\x06 \x01(\bR\x06perKey\x12\x1d\n" +
 	"\n" +
-	"present_at\x18\a \x01(\x04R\tpresentAt\"\x94\x01\n" +
+	"present_at\x18\a \x01(\x04R\tpresentAt\x12\x1d\n" +
+	"\n" +
+	"timeout_ms\x18\b \x01(\x03R\ttimeoutMs\"\xb6\x01\n" +
 	"\x13BlockLookupResponse\x12\x14\n" +
 	"\x05found\x18\x01 \x01(\rR\x05found\x12\x10\n" +
 	"\x03pin\x18\x02 \x01(\x04R\x03pin\x12#\n" +
 	"\rpresent_count\x18\x03 \x01(\rR\fpresentCount\x120\n" +
-	"\apresent\x18\x04 \x01(\v2\x16.cudaipc.store.v1.BlobR\apresent\"\x94\x01\n" +
+	"\apresent\x18\x04 \x01(\v2\x16.cudaipc.store.v1.BlobR\apresent\x12 \n" +
+	"\vunavailable\x18\x05 \x01(\tR\vunavailable\"\xb3\x01\n" +
 	"\x0fBlockGetRequest\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x14\n" +
 	"\x05count\x18\x02 \x01(\rR\x05count\x12*\n" +
 	"\x04keys\x18\x03 \x01(\v2\x16.cudaipc.store.v1.BlobR\x04keys\x12\x10\n" +
 	"\x03pin\x18\x04 \x01(\x04R\x03pin\x12\x19\n" +
-	"\bslots_at\x18\x05 \x01(\x04R\aslotsAt\"\x81\x01\n" +
+	"\bslots_at\x18\x05 \x01(\x04R\aslotsAt\x12\x1d\n" +
+	"\n" +
+	"timeout_ms\x18\x06 \x01(\x03R\ttimeoutMs\"\xd2\x01\n" +
 	"\x10BlockGetResponse\x12\x10\n" +
 	"\x03pin\x18\x01 \x01(\x04R\x03pin\x12\x14\n" +
 	"\x05found\x18\x02 \x01(\rR\x05found\x12\x17\n" +
 	"\apool_id\x18\x03 \x01(\x04R\x06poolId\x12,\n" +
-	"\x05slots\x18\x04 \x01(\v2\x16.cudaipc.store.v1.BlobR\x05slots\"%\n" +
+	"\x05slots\x18\x04 \x01(\v2\x16.cudaipc.store.v1.BlobR\x05slots\x12 \n" +
+	"\vunavailable\x18\x05 \x01(\rR\vunavailable\x12-\n" +
+	"\x12unavailable_reason\x18\x06 \x01(\tR\x11unavailableReason\"%\n" +
 	"\x11BlockUnpinRequest\x12\x10\n" +
 	"\x03pin\x18\x01 \x01(\x04R\x03pin\"\x14\n" +
 	"\x12BlockUnpinResponse\"j\n" +

@@ -72,11 +72,12 @@ func (c *lsCmd) Run(g *Globals) error {
 // they were made, not their blocks.
 func printPools(w io.Writer, pools []client.PoolInfo) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "POOL\tBLOCKS\tBYTES\tCAPACITY\tBLOCK\tKEY\tDEVICE\tPINNED\tHITS\tMISSES\tEVICTIONS\tSHARED\tOWNER")
+	fmt.Fprintln(tw, "POOL\tBLOCKS\tBYTES\tCAPACITY\tBLOCK\tKEY\tDEVICE\tPINNED\tHITS\tMISSES\tEVICTIONS\tSHARED\tOWNER\tCLUSTER")
 	for _, p := range pools {
-		fmt.Fprintf(tw, "%s\t%d/%d\t%s\t%s\t%s\t%d\t%s\t%d\t%d\t%d\t%d\t%t\t%d\n", p.Name, p.Blocks, p.CapacityBlocks,
+		// A cluster-wide pool's counts are this node's share.
+		fmt.Fprintf(tw, "%s\t%d/%d\t%s\t%s\t%s\t%d\t%s\t%d\t%d\t%d\t%d\t%t\t%d\t%t\n", p.Name, p.Blocks, p.CapacityBlocks,
 			bytesize.Format(int64(p.Blocks)*p.BlockBytes), bytesize.Format(p.MemorySize), bytesize.Format(p.BlockBytes), p.KeyBytes,
-			p.Device, p.Pinned, p.Hits, p.Misses, p.Evictions, p.Shared, p.OwnerUID)
+			p.Device, p.Pinned, p.Hits, p.Misses, p.Evictions, p.Shared, p.OwnerUID, p.Cluster)
 	}
 	return tw.Flush()
 }
