@@ -185,6 +185,11 @@ func TestPoolAcrossNodes(t *testing.T) {
 	if got, _, err := pb.Lookup(ctx, gap, client.LookupOptions{}); got != 50 || err != nil {
 		t.Fatalf("lookup of a chain whose key 50 is absent: %d, %v", got, err)
 	}
+	// Per key (keys that are not a chain): every key but the one replaced.
+	pr, err := pb.Present(ctx, gap, client.LookupOptions{})
+	if err != nil || pr.Found != 50 || pr.Count != n-1 || pr.Has(50) || !pr.Has(49) || !pr.Has(51) {
+		t.Fatalf("per-key lookup of the chain with a gap: %+v, %v", pr, err)
+	}
 	// A get through b: the blocks of a's and c's keys staged there (more
 	// than fits an answer), every byte.
 	staged := node.KVStagedBytes(a.node) + node.KVStagedBytes(c.node)
@@ -235,6 +240,17 @@ func TestPoolAcrossNodes(t *testing.T) {
 		t.Fatalf("get with the lookup's pin: %v %v", err, tr.Err())
 	}
 	checkBlocks(t, ea.src, dst3, srcIDs, dstIDs, seqFrom(40))
+	// A pinned per-key lookup through a pins every key present, there.
+	pr, err = ea.pool.Present(ctx, gap[40:60], client.LookupOptions{Pin: true})
+	if err != nil || pr.Count != 19 || pr.Found != 10 || pr.Pin == 0 {
+		t.Fatalf("pinned per-key lookup through a: %+v, %v", pr, err)
+	}
+	if info, _ := a.c.StatPool(ctx, "prefix"); info.Pinned != 19 {
+		t.Fatalf("a pins %d blocks after a pinned per-key lookup of 19 present", info.Pinned)
+	}
+	if err := ea.pool.Unpin(ctx, pr.Pin); err != nil {
+		t.Fatal(err)
+	}
 	// A delete through c removes the keys everywhere, copies included.
 	if k, err := pc.Delete(ctx, keys[:10]); err != nil || k < 10 {
 		t.Fatalf("delete: %d, %v", k, err)
