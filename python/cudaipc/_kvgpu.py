@@ -7,8 +7,9 @@ The copies of every layer are cut into one chunk table, uploaded once into a dev
 buffer the stream keeps (no allocation, nor a free that would wait for the whole
 GPU, a read), each layer's launch covering its rows. Where the kernel is off or
 failed on the GPU (``_gather.unavailable`` says why) the copies go one
-cuMemcpyAsync each. Layers are marked complete as their events are reached while a
-thread waits for a layer; while none does, the read waits for its last event only.
+cuMemcpyAsync each. Layers are marked complete as their events are reached; a read
+run by a caller waiting for all of it waits for its last event only (one blocking
+wait, not one a layer) while no other thread waits for a layer.
 """
 
 from __future__ import annotations
@@ -103,8 +104,10 @@ def copies(p: Plan, leases: List[Any]) -> List[Tuple[Any, Any, Any]]:
     return out
 
 
-def copy(p: Plan, leases: List[Any], t: Transfer) -> None:
-    """Copy the read's layers on its GPU, marking each complete in ``t`` as it is."""
+def copy(p: Plan, leases: List[Any], t: Transfer, waiter: bool = False) -> None:
+    """Copy the read's layers on its GPU, marking each complete in ``t`` as it is;
+    ``waiter``: on the thread of a caller waiting for the whole read, which, while
+    no other thread waits for a layer, waits for the last layer's event only."""
     import numpy as np
     ordinal = p.ordinal
     assert ordinal is not None
@@ -136,8 +139,9 @@ def copy(p: Plan, leases: List[Any], t: Transfer) -> None:
                 _cuda.check("cuEventRecord", cu.cuEventRecord(s.events[i], s.stream))
             i, last = 0, len(groups) - 1
             while i <= last:
-                # The next layer while a thread waits for one, else the last.
-                j = i if t.layer_waiters() else last
+                # The next layer, or for a caller waiting for the whole read the last
+                # (a thread that waits for a layer meanwhile waits that long).
+                j = last if waiter and not t.layer_waiters() else i
                 _cuda.check("cuEventSynchronize", cu.cuEventSynchronize(s.events[j]))
                 t.layer_done(j)
                 i = j + 1

@@ -138,8 +138,9 @@ class Transfer:
                 self._cv.notify_all()
 
     def layer_waiters(self) -> int:
-        """How many threads wait for a layer now (the reading thread's hint: while
-        none does, it may mark layers complete in one step at the end)."""
+        """How many threads wait for a layer now (a hint for the thread running the
+        read: while none does, a caller waiting for all of it may mark the layers
+        complete in one step at the end)."""
         return self._layer_waiters
 
     def reached(self) -> int:
@@ -442,7 +443,7 @@ def lease(store: Any, d: Desc, i: int, desc: bytes) -> Any:
     return lease
 
 
-Copier = Callable[[Plan, List[Any], Transfer], None]
+Copier = Callable[[Plan, List[Any], Transfer, bool], None]
 
 
 def start(store: Any, p: Plan, gpu_copy: Optional[Copier]) -> Transfer:
@@ -481,7 +482,7 @@ class _Read:
             if p.ordinal is not None:
                 if self.gpu_copy is None:
                     raise KVNotSupported("kv: GPU reads need the gather kernel (cuda-bindings)")
-                self.gpu_copy(p, self.leases, t)
+                self.gpu_copy(p, self.leases, t, waiter)
                 self.next = p.count
             else:
                 while self.next < upto:
