@@ -273,14 +273,38 @@ func TestRegisterAcrossContainers(t *testing.T) {
 		t.Fatalf("reader: %s\nwant %s", got, want)
 	}
 
-	fmt.Fprintln(exp.in, "write")
-	exp.expect("queued")
-	fmt.Fprintln(rd.in, "read")
-	newer := testutil.Sum(testutil.RandomBytes(seed+1, extSize))
-	if got := rd.expect("read "); got != newer {
-		t.Fatalf("the reader's stream read before the exporter's write landed (old bytes: %t)", got == testutil.Sum(old))
-	}
+	newer := func(string) string { return testutil.Sum(testutil.RandomBytes(seed+1, extSize)) }
+	host := checkLateWriteAndExit(t, share, qualified, exp, rd, testutil.Sum(old), newer, func(info client.ObjectInfo) {
+		if !info.External || info.Leases != 1 {
+			t.Fatalf("orphan %+v", info)
+		}
+	})
+	testutil.Eventually(t, testutil.Wait, func() error {
+		if _, err := host.Stat(context.Background(), qualified); !errors.Is(err, client.ErrNotFound) {
+			return fmt.Errorf("stat of %s after its last release: %v, want ErrNotFound", qualified, err)
+		}
+		return nil
+	})
+}
 
+// checkLateWriteAndExit drives an exporter of qualified (registered memory
+// and its Timeline) and a reader that leased both (role ext-reader),
+// through the daemon of the container share: the exporter queues a write
+// behind a Timeline signal ("write", answered "queued"), and the reader's
+// read, ordered by the Timeline, must see the new bytes, whose sum newer
+// gives from the rest of the exporter's answer (old is the sum before the
+// write); then the exporter exits, the daemon must show the object
+// orphaned (orphan checks more of its info), and the reader's mapping must
+// still read the new bytes before it releases both leases. It returns a
+// client of the daemon.
+func checkLateWriteAndExit(t *testing.T, share, qualified string, exp, rd *proc, old string, newer func(queued string) string, orphan func(client.ObjectInfo)) *client.Client {
+	t.Helper()
+	fmt.Fprintln(exp.in, "write")
+	want := newer(exp.expect("queued"))
+	fmt.Fprintln(rd.in, "read")
+	if got := rd.expect("read "); got != want {
+		t.Fatalf("the reader's stream read before the exporter's write landed (old bytes: %t)", got == old)
+	}
 	host := dial(t, share+"/store.sock")
 	fmt.Fprintln(exp.in, "exit")
 	<-exp.waited
@@ -292,23 +316,16 @@ func TestRegisterAcrossContainers(t *testing.T) {
 		if !info.Orphaned {
 			return fmt.Errorf("%s not orphaned after its exporter exited: %+v", qualified, info)
 		}
-		if !info.External || info.Leases != 1 {
-			t.Fatalf("orphan %+v", info)
-		}
+		orphan(info)
 		return nil
 	})
 	fmt.Fprintln(rd.in, "again")
-	if got := rd.expect("again "); got != newer {
+	if got := rd.expect("again "); got != want {
 		t.Fatal("the reader's mapping changed after the exporter exited")
 	}
 	fmt.Fprintln(rd.in, "release")
 	rd.expect("released")
-	testutil.Eventually(t, testutil.Wait, func() error {
-		if _, err := host.Stat(context.Background(), qualified); !errors.Is(err, client.ErrNotFound) {
-			return fmt.Errorf("stat of %s after its last release: %v, want ErrNotFound", qualified, err)
-		}
-		return nil
-	})
+	return host
 }
 
 // A legacy (cudaMalloc) registration cannot be opened from a sibling
@@ -353,6 +370,18 @@ func pythonWith(mods ...string) string {
 	return ""
 }
 
+// requirePython skips the test, or fails it when GPUs are required
+// (testutil.EnvRequireGPU), unless python3 can run with mods (pythonWith).
+func requirePython(t *testing.T, mods ...string) {
+	t.Helper()
+	if why := pythonWith(mods...); why != "" {
+		if testutil.GPURequired() {
+			t.Fatal(why)
+		}
+		t.Skip(why)
+	}
+}
+
 // A PyTorch tensor from the expandable-segments allocator, and a CuPy array
 // on a VMM allocator, registered by Python in one sibling container, are
 // read zero-copy (read-only) by a Go reader in another, ordered after the
@@ -362,12 +391,7 @@ func TestRegisterTorchCuPyAcrossContainers(t *testing.T) {
 	testutil.RequireGPU(t)
 	for _, kind := range []string{"torch", "cupy"} {
 		t.Run(kind, func(t *testing.T) {
-			if why := pythonWith(kind); why != "" {
-				if testutil.GPURequired() {
-					t.Fatal(why)
-				}
-				t.Skip(why)
-			}
+			requirePython(t, kind)
 			share, sock := containerDaemon(t, "BACKEND=cuda")
 			pydir, _ := filepath.Abs("../python")
 			script, _ := filepath.Abs("../scripts/containers/torch_export.py")
@@ -388,31 +412,9 @@ func TestRegisterTorchCuPyAcrossContainers(t *testing.T) {
 			if got := rd.expect("leased "); got != reg[0]+" memset-err=true ptr-nonzero=true info-external=true" {
 				t.Fatalf("reader: %s, want the exporter's %s", got, reg[0])
 			}
-			fmt.Fprintln(exp.in, "write")
-			newer := exp.expect("queued ")
-			fmt.Fprintln(rd.in, "read")
-			if got := rd.expect("read "); got != newer {
-				t.Fatalf("the reader read before the exporter's write landed (old bytes: %t)", got == reg[0])
-			}
-			fmt.Fprintln(exp.in, "exit")
-			<-exp.waited
-			host := dial(t, share+"/store.sock")
-			testutil.Eventually(t, testutil.Wait, func() error {
-				info, err := host.Stat(context.Background(), qualified)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if !info.Orphaned {
-					return fmt.Errorf("%s not orphaned after its exporter exited: %+v", qualified, info)
-				}
-				return nil
-			})
-			fmt.Fprintln(rd.in, "again")
-			if got := rd.expect("again "); got != newer {
-				t.Fatal("the reader's mapping changed after the exporter exited")
-			}
-			fmt.Fprintln(rd.in, "release")
-			rd.expect("released")
+			// The exporter's "queued" line carries the new bytes' sum.
+			newer := func(queued string) string { return queued }
+			checkLateWriteAndExit(t, share, qualified, exp, rd, reg[0], newer, func(client.ObjectInfo) {})
 		})
 	}
 }
@@ -474,12 +476,7 @@ func TestGPUFDLeaseIsReadOnly(t *testing.T) {
 // bytes, and after the exporter is killed (kill -9) they still do.
 func TestRegisterTorchReadFromPythonAcrossContainers(t *testing.T) {
 	testutil.RequireGPU(t)
-	if why := pythonWith("torch"); why != "" {
-		if testutil.GPURequired() {
-			t.Fatal(why)
-		}
-		t.Skip(why)
-	}
+	requirePython(t, "torch")
 	share, sock := containerDaemon(t, "BACKEND=cuda")
 	pydir, _ := filepath.Abs("../python")
 	script, _ := filepath.Abs("../scripts/containers/torch_export.py")
