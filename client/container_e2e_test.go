@@ -7,7 +7,6 @@ package client_test
 
 import (
 	"context"
-	"crypto/rand"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -15,7 +14,6 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/cudaipc/cudaipc/client"
 	"github.com/cudaipc/cudaipc/internal/testutil"
 )
 
@@ -44,28 +42,6 @@ var ownDialRoles = map[string]func(ctx context.Context, sock string, say func(st
 		io.Copy(io.Discard, os.Stdin) // stay alive: the next container must not reuse our namespaces
 		return nil
 	},
-	// Creates a shared host object NAME of SIZE random bytes, seals it,
-	// reports its hash and holds the connection until stdin closes.
-	"shared-producer": func(ctx context.Context, sock string, say func(string, ...any)) error {
-		c, err := client.Dial(ctx, sock)
-		if err != nil {
-			return err
-		}
-		defer c.Close()
-		var size int64
-		fmt.Sscan(os.Getenv("SIZE"), &size)
-		o, err := c.Create(ctx, os.Getenv("NAME"), size, client.CreateOptions{Shared: true})
-		if err != nil {
-			return err
-		}
-		rand.Read(o.Bytes())
-		h := hash(o.Bytes())
-		if err := o.Seal(ctx); err != nil {
-			return err
-		}
-		say("sealed %s", h)
-		return nil
-	},
 }
 
 // spawnIn starts role in a new sibling container c.
@@ -88,20 +64,7 @@ func containerDaemon(t *testing.T, env ...string) (share, sock string) {
 	sock = filepath.Join(testutil.ContainerShareDir, "store.sock")
 	d := spawnIn(t, testutil.Container{Share: share}, "daemon",
 		append(env, "CUDAIPC_SOCKET="+sock, fmt.Sprintf("ALLOW_UIDS=%d %d %d", exporterUID, readerUID, nobodyUID))...)
-	hostSock := filepath.Join(share, "store.sock")
-	testutil.Eventually(t, testutil.Wait, func() error {
-		select {
-		case <-d.waited:
-			t.Fatalf("daemon exited (%v):\n%s", d.err, d.stderr.String())
-		default:
-		}
-		c, err := client.Dial(context.Background(), hostSock)
-		if err != nil {
-			return err
-		}
-		c.Close()
-		return nil
-	})
+	d.waitAnswers(t, filepath.Join(share, "store.sock"))
 	return share, sock
 }
 
@@ -144,8 +107,8 @@ func TestContainersIsolation(t *testing.T) {
 		t.Errorf("a container's /dev/shm marker is visible on the host")
 	}
 
-	env := []string{"CUDAIPC_SOCKET=" + sock, "NAME=iso", "SIZE=65537"}
-	want := spawnIn(t, testutil.Container{Share: share, UID: exporterUID, GID: exporterUID}, "shared-producer", env...).expect("sealed ")
+	env := []string{"CUDAIPC_SOCKET=" + sock, "NAME=iso", "SIZE=65537", "SHARED=1"}
+	want := spawnIn(t, testutil.Container{Share: share, UID: exporterUID, GID: exporterUID}, "producer", env...).expect("sealed ")
 	// Each uid has its own namespace: the reader names the exporter's
 	// object by its owner.
 	r := spawnIn(t, testutil.Container{Share: share, UID: readerUID, GID: readerUID}, "holder",

@@ -120,9 +120,9 @@ func runRole(role string) error {
 		say("writing")
 		io.Copy(io.Discard, os.Stdin)
 		return nil
-	case "producer": // creates, fills with random bytes and seals NAME
+	case "producer": // creates, fills with random bytes and seals NAME (shared with other uids if SHARED=1)
 		size, _ := strconv.ParseInt(os.Getenv("SIZE"), 10, 64)
-		o, err := c.Create(ctx, name, size, client.CreateOptions{})
+		o, err := c.Create(ctx, name, size, client.CreateOptions{Shared: os.Getenv("SHARED") == "1"})
 		if err != nil {
 			return err
 		}
@@ -302,10 +302,18 @@ type daemon struct {
 func startDaemon(t testing.TB, sock string, env ...string) *daemon {
 	t.Helper()
 	d := &daemon{proc: spawn(t, "daemon", nil, append(env, "CUDAIPC_SOCKET="+sock)...), socket: sock}
+	d.waitAnswers(t, sock)
+	return d
+}
+
+// waitAnswers waits until a dial of sock, the daemon p's socket as this
+// process sees it, succeeds, and fails the test if p exits first.
+func (p *proc) waitAnswers(t testing.TB, sock string) {
+	t.Helper()
 	testutil.Eventually(t, testutil.Wait, func() error {
 		select {
-		case <-d.waited:
-			t.Fatalf("daemon exited (%v):\n%s", d.err, d.stderr.String())
+		case <-p.waited:
+			t.Fatalf("daemon exited (%v):\n%s", p.err, p.stderr.String())
 		default:
 		}
 		c, err := client.Dial(context.Background(), sock)
@@ -315,7 +323,6 @@ func startDaemon(t testing.TB, sock string, env ...string) *daemon {
 		c.Close()
 		return nil
 	})
-	return d
 }
 
 // socketPath returns a socket path in a fresh directory.
