@@ -35,8 +35,8 @@ import (
 //     them as its own: the client reads them from this node's memory;
 //   - a put copies each key's block to its node (which makes the pool
 //     with this pool's shape where it has none);
-//   - a delete removes the keys here and on their nodes; an evict evicts
-//     here only.
+//   - a delete removes the keys on every live node (their owners, and the
+//     copies gets left); an evict evicts here only.
 //
 // A node that does not answer costs its keys: absent for lookups and
 // gets, BlockUnavailable for puts. The cluster side (PoolCluster) moves
@@ -51,8 +51,8 @@ import (
 // ErrUnavailable where it did not answer.
 type PoolCluster interface {
 	// PlacePool places keys (keyBytes each, end to end) on the cluster's
-	// live nodes: owners[i] is key i's node, an index into nodes, or -1
-	// for this node.
+	// live nodes, which nodes lists (this one among them): owners[i] is
+	// key i's node, an index into nodes, or -1 for this node.
 	PlacePool(keys []byte, keyBytes int, owners []int32) (nodes []string)
 	// LookupPoolAt asks node how many of c's keys, from the first, it
 	// holds.
@@ -521,14 +521,23 @@ func (cn *conn) clusterPut(p *blockPool, keys blocks.Keys, ids []uint32, parts [
 	return status
 }
 
-// clusterDelete removes keys of other nodes on those nodes (this node's
-// pool deleted them here already) and returns how many they held.
+// clusterDelete removes keys on every other live node (this node's pool
+// deleted them here already): on their owners, and wherever a get left
+// copies. It returns how many blocks they held.
 func (cn *conn) clusterDelete(p *blockPool, keys blocks.Keys) int {
 	all := make([]int, keys.Len())
 	for i := range all {
 		all[i] = i
 	}
-	nodes, byNode, _ := cn.place(keys, all)
+	owners := make([]int32, 1)
+	nodes := cn.s.cfg.Cluster.(PoolCluster).PlacePool(keys.Data[:keys.Size], keys.Size, owners)
+	byNode := make([][]int, len(nodes))
+	for n := range nodes {
+		byNode[n] = all
+	}
+	if self := slices.Index(nodes, cn.s.nodeName()); self >= 0 {
+		byNode[self] = nil // this node deleted them already
+	}
 	ctx, cancel := context.WithTimeout(cn.ss.ctx, poolTimeout(0, protocol.DefaultPoolTimeoutMs))
 	defer cancel()
 	var mu sync.Mutex

@@ -25,16 +25,19 @@ from ._kvlocal import Local
 from ._kvread import Transfer, block_ids, layer_range
 from ._wire import Conn, HostArena
 from .errors import (BlockError, BlockRangeError, InternalError, InvalidArgument, KVNotSupported, LayoutMismatch,
-                     MissingBlocks, StaleSpaceError)
+                     MissingBlocks, StaleSpaceError, UnavailableError)
 
 __all__ = ["Pool", "PoolInfo", "PutResult", "Presence", "create_pool", "open_pool", "stat_pool", "delete_pool", "list_pools",
-           "block_bytes", "MIN_KEY_BYTES", "MAX_KEY_BYTES", "MAX_BLOCK_KEYS", "BLOCK_STORED", "BLOCK_EXISTED", "BLOCK_FULL"]
+           "block_bytes", "MIN_KEY_BYTES", "MAX_KEY_BYTES", "MAX_BLOCK_KEYS", "BLOCK_STORED", "BLOCK_EXISTED", "BLOCK_FULL",
+           "BLOCK_UNAVAILABLE"]
 
 MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 32    # protocol.MinKeyBytes, MaxKeyBytes
 MAX_BLOCK_KEYS = 1 << 18                 # protocol.MaxBlockKeys
 MAX_PIN_TIMEOUT = 600.0                  # seconds: protocol.MaxPinTimeoutMs
 NO_SLOT = 0xFFFFFFFF                     # protocol.NoSlot
 BLOCK_STORED, BLOCK_EXISTED, BLOCK_FULL = 0, 1, 2   # a put's status of one key
+BLOCK_UNAVAILABLE = 3                    # not stored: its node (a cluster-wide pool's) did not answer
+MAX_POOL_TIMEOUT = 600.0                 # seconds: protocol.MaxPoolTimeoutMs
 _BULK_INLINE = 48 << 10                  # the most bytes of arrays a request carries inline (Go's bulkInline)
 _MAX_BULK_KEPT = 4
 
@@ -44,7 +47,8 @@ class PoolInfo:
     """A pool: its shape, its counts now and its counters since it was made (Go's
     client.PoolInfo). ``name`` is bare for this uid's pools, ``UID:NAME`` for
     another's; ``id`` is this incarnation of the name; block slot s lies at
-    ``s * slot_bytes`` of its memory."""
+    ``s * slot_bytes`` of its memory. ``cluster``: the pool is cluster-wide, its
+    counts this node's."""
     name: str
     owner_uid: int
     shared: bool
@@ -63,22 +67,25 @@ class PoolInfo:
     stored: int
     evictions: int
     created_unix_nano: int
+    cluster: bool = False
 
     @classmethod
     def from_pb(cls, p: Any) -> "PoolInfo":
         return cls(p.name, p.owner_uid, p.shared, p.device, p.id, p.block_bytes, p.key_bytes, p.slot_bytes,
                    p.capacity_blocks, p.memory_size, p.blocks, p.writing, p.pinned, p.hits, p.misses, p.stored,
-                   p.evictions, p.created_unix_nano)
+                   p.evictions, p.created_unix_nano, p.cluster)
 
 
 @dataclasses.dataclass(frozen=True)
 class PutResult:
-    """What a put did: ``status[i]`` is key i's (BLOCK_STORED, BLOCK_EXISTED or
-    BLOCK_FULL); the counts of each (Go's client.PutResult)."""
+    """What a put did: ``status[i]`` is key i's (BLOCK_STORED, BLOCK_EXISTED,
+    BLOCK_FULL, or in a cluster-wide pool BLOCK_UNAVAILABLE: its node did not
+    answer); the counts of each (Go's client.PutResult)."""
     stored: int
     existed: int
     full: int
     status: bytes
+    unavailable: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +113,15 @@ class Presence:
     def __iter__(self) -> Iterator[bool]:
         bits = self.bits
         return (bool(bits[i >> 3] >> (i & 7) & 1) for i in range(self.n))
+
+
+def _timeout_ms(op: str, name: str, timeout: Optional[float]) -> int:
+    """A cluster-wide pool's timeout in milliseconds (None: 0, the daemon's default)."""
+    if timeout is None:
+        return 0
+    if not 0.001 <= timeout <= MAX_POOL_TIMEOUT:
+        raise InvalidArgument(op, name, "timeout %ss: want 0.001 to %s" % (timeout, MAX_POOL_TIMEOUT))
+    return int(timeout * 1000)
 
 
 def block_bytes(layout: Union[Layout, Desc, Local], layers: Any = None) -> int:
@@ -263,14 +279,17 @@ class Pool:
         self.info = stat_pool(self.conn, self.name)
         return self.info
 
-    def put(self, keys: Any, src: Any, src_blocks: Any, layers: Any = None) -> PutResult:
+    def put(self, keys: Any, src: Any, src_blocks: Any, layers: Any = None, timeout: Optional[float] = None) -> PutResult:
         """Store block ``src_blocks[i]`` of the registered space ``src`` (a Space of
         this process, or a :class:`Desc`), for ``layers`` (None: all; a range; one
         layer), under ``keys[i]``, in one round trip: the daemon copies them from the
         space's registered host memory (no copy in this process). Keys present
         already are left as they are (BLOCK_EXISTED); a key that finds every block
-        pinned or being written is not stored (BLOCK_FULL). LayoutMismatch for blocks
-        of another size than the pool's, BlockRangeError for ids out of the space."""
+        pinned or being written is not stored (BLOCK_FULL). In a cluster-wide pool each
+        key goes to its node, which has ``timeout`` seconds (None: 30) to store it
+        (BLOCK_UNAVAILABLE otherwise). LayoutMismatch for blocks of another size than
+        the pool's, BlockRangeError for ids out of the space."""
+        tms = _timeout_ms("block_put", self.name, timeout)
         desc = getattr(src, "desc", src)
         if not isinstance(desc, Desc):
             raise LayoutMismatch("kv: a put's source is a registered space or its Desc")
@@ -304,33 +323,40 @@ class Pool:
             raise LayoutMismatch("kv: %d keys and %d source blocks" % (c.n, len(ids)))
         s.ids.CopyFrom(c.array(struct.pack("<%dI" % len(ids), *ids)))
         at = c.reserve(c.n)
-        resp = c.call(pb.Request(block_put=pb.BlockPutRequest(pool=self.name, count=c.n, keys=c.keys, source=s, status_at=at)))
+        resp = c.call(pb.Request(block_put=pb.BlockPutRequest(pool=self.name, count=c.n, keys=c.keys, source=s, status_at=at,
+                                                              timeout_ms=tms)))
         try:
             p = resp.block_put
-            return PutResult(p.stored, p.existed, p.full, c.read(p.status, c.n))
+            return PutResult(p.stored, p.existed, p.full, c.read(p.status, c.n), p.unavailable)
         finally:
             c.done()
 
-    def lookup(self, keys: Any, pin: bool = False, pin_timeout: Optional[float] = None) -> Tuple[int, int]:
+    def lookup(self, keys: Any, pin: bool = False, pin_timeout: Optional[float] = None,
+               timeout: Optional[float] = None) -> Tuple[int, int]:
         """How many of ``keys``, from the first, the pool holds (the first absent key
         ends the prefix), in one round trip, and the pin holding them: with ``pin``
         those blocks stay until a :meth:`get` takes the pin over, :meth:`unpin`,
         ``pin_timeout`` seconds (None: 30) or the end of the connection; 0 when not
-        pinned or none was found."""
+        pinned or none was found. In a cluster-wide pool the nodes owning keys have
+        ``timeout`` seconds (None: 1) to answer, and one that did not ends the prefix
+        at its first key; with ``pin`` the prefix's blocks held elsewhere are first
+        brought to this daemon (within ``timeout`` again; None: 30) and pinned here."""
         c = _Call(self, "block_lookup", keys)
-        resp = c.call(self._lookup_request(c, pin, pin_timeout, 0, False))
+        resp = c.call(self._lookup_request(c, pin, pin_timeout, 0, False, timeout))
         c.done()
         return int(resp.block_lookup.found), int(resp.block_lookup.pin)
 
-    def present(self, keys: Any, pin: bool = False, pin_timeout: Optional[float] = None) -> Presence:
+    def present(self, keys: Any, pin: bool = False, pin_timeout: Optional[float] = None,
+                timeout: Optional[float] = None) -> Presence:
         """Which of ``keys`` the pool holds, each on its own (keys that are not a
         chain: Mooncake's ``batch_is_exist``), in one round trip, as a
         :class:`Presence`. With ``pin`` every key present stays until a :meth:`get`
         takes the pin over, :meth:`unpin`, ``pin_timeout`` seconds (None: 30) or the
-        end of the connection."""
+        end of the connection. ``timeout`` as for :meth:`lookup`: a node that did not
+        answer in time holds none of its keys."""
         c = _Call(self, "block_lookup", keys)
         nbits = (c.n + 7) // 8
-        resp = c.call(self._lookup_request(c, pin, pin_timeout, c.reserve(nbits), True))
+        resp = c.call(self._lookup_request(c, pin, pin_timeout, c.reserve(nbits), True, timeout))
         lk = resp.block_lookup
         try:
             bits = c.read(lk.present, nbits)
@@ -342,15 +368,20 @@ class Pool:
             c.done()
         return Presence(int(lk.found), int(lk.present_count), int(lk.pin), bits, c.n)
 
-    def _lookup_request(self, c: _Call, pin: bool, pin_timeout: Optional[float], present_at: int, per_key: bool) -> Any:
+    def _lookup_request(self, c: _Call, pin: bool, pin_timeout: Optional[float], present_at: int, per_key: bool,
+                        timeout: Optional[float]) -> Any:
         ms = 0
-        if pin_timeout is not None:
-            if not 0.001 <= pin_timeout <= MAX_PIN_TIMEOUT:
-                c.done()
-                raise InvalidArgument("block_lookup", self.name, "pin timeout %ss: want 0.001 to %s" % (pin_timeout, MAX_PIN_TIMEOUT))
-            ms = int(pin_timeout * 1000)
+        try:
+            if pin_timeout is not None:
+                if not 0.001 <= pin_timeout <= MAX_PIN_TIMEOUT:
+                    raise InvalidArgument("block_lookup", self.name, "pin timeout %ss: want 0.001 to %s" % (pin_timeout, MAX_PIN_TIMEOUT))
+                ms = int(pin_timeout * 1000)
+            tms = _timeout_ms("block_lookup", self.name, timeout)
+        except BaseException:
+            c.done()
+            raise
         return pb.Request(block_lookup=pb.BlockLookupRequest(pool=self.name, count=c.n, keys=c.keys, pin=pin, pin_timeout_ms=ms,
-                                                             per_key=per_key, present_at=present_at))
+                                                             per_key=per_key, present_at=present_at, timeout_ms=tms))
 
     def unpin(self, pin: int) -> None:
         """End a lookup's pin that no get took over."""
@@ -371,7 +402,8 @@ class Pool:
         r = self.conn.call(pb.Request(block_evict=pb.BlockEvictRequest(pool=self.name, blocks=n)), "block_evict", self.name)
         return int(r.resp.block_evict.evicted)
 
-    def get(self, keys: Any, dst: Any, dst_blocks: Any, layers: Any = None, pin: int = 0) -> Transfer:
+    def get(self, keys: Any, dst: Any, dst_blocks: Any, layers: Any = None, pin: int = 0,
+            timeout: Optional[float] = None) -> Transfer:
         """Find and pin the blocks of ``keys`` in one round trip, then, on a thread of
         its own, copy them out of the pool's memory into block ``dst_blocks[i]`` of
         ``dst`` (a :class:`Local` in host memory, or a Space of this process) for
@@ -380,7 +412,11 @@ class Pool:
         key the pool does not hold fails the transfer at its end with a BlockError
         naming its destination blocks (cause MissingBlocks); the others are copied.
         ``pin``, when not 0, is a lookup's pin on this connection that the get takes
-        over."""
+        over. In a cluster-wide pool the daemon first brings the blocks held on other
+        nodes, which have ``timeout`` seconds (None: 30) to send them; keys of a node
+        that did not are missing, and the MissingBlocks says how many and why
+        (``unavailable``, ``reason``; ``__cause__`` an UnavailableError)."""
+        tms = _timeout_ms("block_get", self.name, timeout)
         if not isinstance(dst, Local):
             dst = getattr(dst, "local", dst)
         if not isinstance(dst, Local):
@@ -410,7 +446,8 @@ class Pool:
             c.done()
             raise LayoutMismatch("kv: %d keys and %d destination blocks: want as many" % (c.n, len(db)))
         at = c.reserve(4 * c.n)
-        resp = c.call(pb.Request(block_get=pb.BlockGetRequest(pool=self.name, count=c.n, keys=c.keys, pin=pin, slots_at=at)))
+        resp = c.call(pb.Request(block_get=pb.BlockGetRequest(pool=self.name, count=c.n, keys=c.keys, pin=pin, slots_at=at,
+                                                              timeout_ms=tms)))
         g = resp.block_get
         try:
             slots = struct.unpack("<%dI" % c.n, c.read(g.slots, 4 * c.n))
@@ -421,7 +458,8 @@ class Pool:
                 self.conn.send_detached(pb.Request(block_unpin=pb.BlockUnpinRequest(pin=g.pin)))
             raise
         t = Transfer(self.name, first, count, db)
-        th = threading.Thread(target=self._copy, args=(t, base, slots, dst, db, first, count, g.pin),
+        th = threading.Thread(target=self._copy, args=(t, base, slots, dst, db, first, count, g.pin,
+                                                       int(g.unavailable), g.unavailable_reason),
                               name="cudaipc-kv-pool-get", daemon=True)
         th.start()
         return t
@@ -449,7 +487,8 @@ class Pool:
             self._mem, self._mem_id, self.info = mem, pool_id, info   # an older mapping goes with its last user
         return mem
 
-    def _copy(self, t: Transfer, mem: HostArena, slots: Sequence[int], dst: Local, db: List[int], first: int, count: int, pin: int) -> None:
+    def _copy(self, t: Transfer, mem: HostArena, slots: Sequence[int], dst: Local, db: List[int], first: int, count: int, pin: int,
+              unavailable: int = 0, reason: str = "") -> None:
         err: Optional[BlockError] = None
         missing = [db[i] for i, s in enumerate(slots) if s == NO_SLOT]
         try:
@@ -461,7 +500,12 @@ class Pool:
             if pin:
                 self.conn.send_detached(pb.Request(block_unpin=pb.BlockUnpinRequest(pin=pin)))
         if err is None and missing:
-            cause = MissingBlocks("kv: %d of %d keys are not in pool %s" % (len(missing), len(slots), self.name))
+            msg = "kv: %d of %d keys are not in pool %s" % (len(missing), len(slots), self.name)
+            if unavailable:
+                msg += ": %d of them because the nodes owning them did not answer (%s)" % (unavailable, reason)
+            cause = MissingBlocks(msg, unavailable, reason)
+            if unavailable:
+                cause.__cause__ = UnavailableError("block_get", self.name, reason)
             err = BlockError(self.name, first, missing, cause)
             err.__cause__ = cause
         t.finish(err)
@@ -600,16 +644,20 @@ def _pool_create_args(block_bytes_: int, capacity: int, key_bytes: int) -> None:
 
 
 def create_pool(conn: Conn, name: str, block_bytes: int, capacity: int, *, key_bytes: int = 32,
-                shared: bool = False, device: Optional[str] = None) -> Pool:
+                shared: bool = False, device: Optional[str] = None, cluster: bool = False) -> Pool:
     """Make the pool ``name``: ``capacity`` bytes of the daemon's host memory (taken
     at once, charged to this uid's quota) cut into blocks of ``block_bytes`` (see
     :func:`block_bytes`) under keys of ``key_bytes`` (16 to 32), and return it.
     ``shared`` lets every uid the daemon admits look blocks up and get them (only
-    this uid and root put, delete and evict). Exists, StoreFull, LimitReached,
-    InvalidArgument."""
+    this uid and root put, delete and evict). ``cluster`` makes it cluster-wide (a
+    daemon of a cluster only): its keys are placed on the cluster's live nodes, a
+    pool of this name on each (docs/kv.md, "Across the cluster"); a node that has
+    it already, of the same shape, answers as though it made it. Exists, StoreFull,
+    LimitReached, InvalidArgument."""
     _pool_create_args(block_bytes, capacity, key_bytes)
     r = conn.call(pb.Request(pool_create=pb.PoolCreateRequest(
-        name=name, block_bytes=block_bytes, key_bytes=key_bytes, capacity=capacity, device=device or "", shared=shared)),
+        name=name, block_bytes=block_bytes, key_bytes=key_bytes, capacity=capacity, device=device or "", shared=shared,
+        cluster=cluster)),
         "pool_create", name)
     return Pool(conn, name, PoolInfo.from_pb(r.resp.pool_create.info))
 

@@ -227,7 +227,15 @@ class BlockError(KVError):
 class MissingBlocks(KVError):
     """Keys a pool get asked for that the pool does not hold: the ``cause`` of the
     get's BlockError, whose ``blocks`` are their destination blocks; Go's
-    kv.ErrMissing."""
+    kv.ErrMissing. In a cluster-wide pool ``unavailable`` of them are missing
+    because the node owning them did not answer (``reason`` says which and why;
+    ``__cause__`` is then an UnavailableError, Go's client.ErrUnavailable): a
+    retry may find them."""
+
+    def __init__(self, message: str, unavailable: int = 0, reason: str = ""):
+        super().__init__(message)
+        self.unavailable = unavailable
+        self.reason = reason
 
 
 class BlockRangeError(BlockError, IndexError):

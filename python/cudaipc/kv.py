@@ -48,8 +48,8 @@ from typing import Any, List, Optional, Union
 from . import _kvgpu, _kvread, _kvremote
 from ._kvdesc import (MAX_BLOCKS, MAX_LAYERS, MAX_PARTS, MAX_REGIONS, Desc, Layout, Part, Region, new_id)
 from ._kvlocal import Local, Memory, alloc_host, offload_layout, sglang_layout, vllm_layout
-from ._kvpool import (BLOCK_EXISTED, BLOCK_FULL, BLOCK_STORED, MAX_BLOCK_KEYS, MAX_KEY_BYTES, MIN_KEY_BYTES, Pool,
-                      PoolInfo, Presence, PutResult, block_bytes)
+from ._kvpool import (BLOCK_EXISTED, BLOCK_FULL, BLOCK_STORED, BLOCK_UNAVAILABLE, MAX_BLOCK_KEYS, MAX_KEY_BYTES, MIN_KEY_BYTES,
+                      Pool, PoolInfo, Presence, PutResult, block_bytes)
 from ._kvread import Transfer
 from .errors import (BlockError, BlockRangeError, InvalidDescError, InvalidKVRequest, KVError, KVNotSupported,
                      LayoutMismatch, MissingBlocks, NotFound, StaleSpaceError)
@@ -60,7 +60,7 @@ __all__ = ["Desc", "Layout", "Part", "Region", "Local", "Memory", "Space", "Tran
            "BlockRangeError", "MAX_LAYERS", "MAX_PARTS", "MAX_REGIONS", "MAX_BLOCKS",
            "Pool", "PoolInfo", "PutResult", "Presence", "MissingBlocks", "create_pool", "open_pool", "stat_pool", "delete_pool",
            "list_pools", "block_bytes", "MIN_KEY_BYTES", "MAX_KEY_BYTES", "MAX_BLOCK_KEYS", "BLOCK_STORED",
-           "BLOCK_EXISTED", "BLOCK_FULL"]
+           "BLOCK_EXISTED", "BLOCK_FULL", "BLOCK_UNAVAILABLE"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,14 +241,19 @@ def read_blocks(store: Any, src: Union[Desc, str, bytes], src_blocks: Any, dst: 
 
 
 def create_pool(store: Any, name: str, block_bytes: int, capacity: int, *, key_bytes: int = 32,
-                shared: bool = False, device: Optional[str] = None) -> Pool:
+                shared: bool = False, device: Optional[str] = None, cluster: bool = False) -> Pool:
     """Make the block pool ``name`` through ``store`` and return it (Go's
     kv.CreatePool): ``capacity`` bytes of the daemon's host memory, taken at once and
     charged to this uid's quota, cut into blocks of ``block_bytes`` (a space's:
     :func:`block_bytes`) under keys of ``key_bytes`` (16 to 32: the engine's content
     hashes). ``shared`` lets every uid the daemon admits look blocks up and get them
-    (only this uid and root put, delete and evict)."""
-    pool: Pool = store.create_pool(name, block_bytes, capacity, key_bytes=key_bytes, shared=shared, device=device)
+    (only this uid and root put, delete and evict). ``cluster`` makes it cluster-wide
+    (a daemon of a cluster only): its keys are placed on the cluster's live nodes, a
+    pool of this name on each, and the same calls through any node's daemon reach
+    them (docs/kv.md, "Across the cluster"); each node's engine makes it, and a node
+    that has it already answers as though it made it."""
+    pool: Pool = store.create_pool(name, block_bytes, capacity, key_bytes=key_bytes, shared=shared, device=device,
+                                   cluster=cluster)
     return pool
 
 

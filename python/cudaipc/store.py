@@ -481,13 +481,15 @@ class Store:
 
     # -- KV block pools (docs/kv.md, "Block pools"; cudaipc.kv) -------------------
     def create_pool(self, name: str, block_bytes: int, capacity: int, *, key_bytes: int = 32,
-                    shared: bool = False, device: Optional[str] = None) -> "_kvpool.Pool":
+                    shared: bool = False, device: Optional[str] = None, cluster: bool = False) -> "_kvpool.Pool":
         """Make the KV block pool ``name`` (Go's Client.CreatePool): ``capacity`` bytes
         of the daemon's host memory, taken at once and charged to this uid's quota,
         cut into blocks of ``block_bytes`` under keys of ``key_bytes`` (16 to 32);
-        ``shared`` lets every admitted uid look blocks up and get them. Returns the
+        ``shared`` lets every admitted uid look blocks up and get them; ``cluster``
+        makes it cluster-wide (docs/kv.md, "Across the cluster"). Returns the
         :class:`cudaipc.kv.Pool`. Exists, StoreFull, LimitReached, InvalidArgument."""
-        return _kvpool.create_pool(self._conn, name, block_bytes, capacity, key_bytes=key_bytes, shared=shared, device=device)
+        return _kvpool.create_pool(self._conn, name, block_bytes, capacity, key_bytes=key_bytes, shared=shared, device=device,
+                                   cluster=cluster)
 
     def open_pool(self, name: str) -> "_kvpool.Pool":
         """The existing KV block pool ``name`` (another uid's shared one by
