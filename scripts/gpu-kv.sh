@@ -2,7 +2,7 @@
 # One short device call for the KV paths (docs/kv.md) when device time is
 # short: the one-node read benchmark on a quiet GPU first, then, side by side,
 # the Go tests that touch KV spaces and GPU staging and the Python KV tests
-# (one node, across nodes, the real-model test, the benchmark's smoke), with
+# (one node, across nodes, the real-model tests, the benchmark's smoke), with
 # CUDAIPC_REQUIRE_GPU set. Run after scripts/gpu-build.sh, with carry [".gpu"]:
 #
 #   bash scripts/gpu-kv.sh
@@ -36,7 +36,7 @@ stamp "kv benchmark rc=$?"
 ) &
 (
   cd python && CUDAIPC_BIN="$OLDPWD/.gpu/bin/cudaipc" timeout "$t" python3 -m pytest -q -rfEs -p no:cacheprovider \
-    tests/test_kv_gpu.py tests/test_kv_xnode_gpu.py tests/test_kv_model_gpu.py tests/test_kv_bench.py \
+    tests/test_kv_gpu.py tests/test_kv_xnode_gpu.py tests/test_kv_model_gpu.py tests/test_kv_prefix_gpu.py tests/test_kv_bench.py \
     tests/test_kv_xnode.py tests/test_external_gpu.py tests/test_nocopy.py >"$out/pytest.log" 2>&1
   rc=$?; last=$(tail -1 "$out/pytest.log")
   case "$last" in *passed* | *failed* | *error*) ;; *) last="no summary line, cut short: $last"; rc="$rc, incomplete" ;; esac
