@@ -7,8 +7,10 @@
 #
 #   bash scripts/gpu-kv.sh
 #
-# Environment: KV_TOKENS (the benchmark's sizes, default 128,1024,8192,32768),
-# TEST_TIMEOUT (seconds for the Go tests and for pytest, each; default 240).
+# Environment: KV_TOKENS (the benchmark's sizes, default 128,1024,8192,32768;
+# none: no benchmark), TEST_TIMEOUT (seconds for each Go binary and for pytest;
+# default 240), GO_SPECS (the Go tests, "binary regexp" pairs separated by ";"),
+# PY_TESTS (the pytest files).
 # Files under $OUT: kvbench.txt, gotests.log, pytest.log, summary.txt.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"; sum=$out/summary.txt
@@ -19,11 +21,15 @@ if [ -e .gpu/tools.tar.xz ] && [ ! -d .gpu/tools ]; then mkdir -p .gpu/tools && 
 stamp() { echo "[$(date +%T)] $*" | tee -a "$sum"; }
 stamp "start: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
 t=${TEST_TIMEOUT:-240}
-(cd kv && KV_BENCH_GPU=1 KV_BENCH_TOKENS=${KV_TOKENS:-128,1024,8192,32768} timeout 90 ../.gpu/bin/kv.test \
-  -test.run '^$' -test.bench BenchmarkReadBlocks -test.benchtime 20x) >"$out/kvbench.txt" 2>&1
-stamp "kv benchmark rc=$?"
+if [ "${KV_TOKENS:-}" != none ]; then
+  (cd kv && KV_BENCH_GPU=1 KV_BENCH_TOKENS=${KV_TOKENS:-128,1024,8192,32768} timeout 90 ../.gpu/bin/kv.test \
+    -test.run '^$' -test.bench BenchmarkReadBlocks -test.benchtime 20x) >"$out/kvbench.txt" 2>&1
+  stamp "kv benchmark rc=$?"
+fi
+py_tests=${PY_TESTS:-tests/test_kv_gpu.py tests/test_kv_xnode_gpu.py tests/test_kv_model_gpu.py tests/test_kv_bench.py tests/test_kv_xnode.py tests/test_external_gpu.py tests/test_nocopy.py}
 (
-  for spec in "kv ." "cluster_node GPU|KVRead|KVNotify" "root Gather|RegisterHost"; do
+  IFS=';' read -ra specs <<<"${GO_SPECS:-kv .;cluster_node GPU|KVRead|KVNotify;root Gather|RegisterHost}"
+  for spec in "${specs[@]}"; do
     read -r name run <<<"$spec"
     dir=$(echo "$name" | tr _ /); [ "$name" = root ] && dir=.
     log=/tmp/gokv-$name.log
