@@ -167,6 +167,10 @@ def chunk_table(dsts: Any, srcs: Any, sizes: Any, chunk: int = CHUNK) -> Any:
     uint64 array: each copy cut into pieces of at most ``chunk`` bytes, in order."""
     import numpy as np
     sizes = np.asarray(sizes, dtype=np.uint64)
+    if len(sizes) and sizes.min() >= 1 and sizes.max() <= chunk:   # a row a copy
+        tab = np.empty((len(sizes), 3), dtype=np.uint64)
+        tab[:, 0], tab[:, 1], tab[:, 2] = dsts, srcs, sizes
+        return tab
     counts = (sizes + np.uint64(chunk - 1)) // np.uint64(chunk)
     total = int(counts.sum())
     idx = np.repeat(np.arange(len(sizes)), counts.astype(np.int64))

@@ -3,7 +3,8 @@ memory into its own, one gather kernel launch a layer (cudaipc._gather, the kern
 the Go client shares), on a stream of the read's own with an event after each layer,
 so that the reading thread marks each layer complete as its event is reached.
 
-The copies of every layer are cut into one chunk table, uploaded once into a device
+The copies of every layer are cut into one chunk table (NumPy over all layers at
+once: no Python loop a layer or a copy), uploaded once into a device
 buffer the stream keeps (no allocation, nor a free that would wait for the whole
 GPU, a read), each layer's launch covering its rows. Where the kernel is off or
 failed on the GPU (``_gather.unavailable`` says why) the copies go one
@@ -21,7 +22,7 @@ from . import _cuda
 from . import _gather
 from ._kvread import Plan, Transfer
 
-__all__ = ["copy", "copies"]
+__all__ = ["copy", "copies", "table"]
 
 _STREAM_NON_BLOCKING = 1   # CU_STREAM_NON_BLOCKING: no wait for the legacy stream
 _EVENT_FLAGS = 1 | 2       # CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING: waiting blocks the thread
@@ -104,40 +105,83 @@ def copies(p: Plan, leases: List[Any]) -> List[Tuple[Any, Any, Any]]:
     return out
 
 
+def table(p: Plan, leases: List[Any]) -> Tuple[Any, List[int]]:
+    """The gather kernel's chunk table of the whole read and each layer's rows in
+    it: the rows of ``_gather.chunk_table`` of each layer's :func:`copies`, layer
+    after layer, computed for every layer at once where every part of the read is
+    of one kind (contiguous on both sides, or not), else layer by layer."""
+    import numpy as np
+    u64 = np.uint64
+    src = [part for layer in p.src.layers[p.first:p.first + p.count] for part in layer]
+    dst = [part for layer in p.dst.layers[p.first:p.first + p.count] for part in layer]
+    whole = [sp.stride == sp.nbytes and dp.stride == dp.nbytes for sp, dp in zip(src, dst)]
+    if not (all(whole) or not any(whole)):
+        tabs = [_gather.chunk_table(d, s, n) for d, s, n in copies(p, leases)]
+        return np.concatenate(tabs), [len(tb) for tb in tabs]
+    n = np.array([sp.nbytes for sp in src], dtype=u64)[:, None]
+    sbase = np.array([leases[sp.region].data_ptr + sp.base for sp in src], dtype=u64)[:, None]
+    dbase = np.array([p.dst.memory[dp.region].addr + dp.base for dp in dst], dtype=u64)[:, None]
+    if whole[0]:   # a copy a coalesced run: (dst + rd * n, src + rs * n, k * n)
+        runs = np.array(p.runs, dtype=u64).reshape(-1, 3)
+        si, di, k = runs[:, 0][None, :], runs[:, 1][None, :], runs[:, 2][None, :]
+        sstride = dstride = n
+    else:          # a copy a block: (dst + db * dst stride, src + sb * src stride, n)
+        si = np.array(p.src_blocks, dtype=u64)[None, :]
+        di = np.array(p.dst_blocks, dtype=u64)[None, :]
+        k = np.ones_like(si)
+        sstride = np.array([sp.stride for sp in src], dtype=u64)[:, None]
+        dstride = np.array([dp.stride for dp in dst], dtype=u64)[:, None]
+    # The copies as table rows, part after part (so layer after layer), written in place.
+    tab = np.empty((len(src), si.shape[1], 3), dtype=u64)
+    np.multiply(di, dstride, out=tab[:, :, 0])
+    tab[:, :, 0] += dbase
+    np.multiply(si, sstride, out=tab[:, :, 1])
+    tab[:, :, 1] += sbase
+    np.multiply(k, n, out=tab[:, :, 2])
+    tab = tab.reshape(-1, 3)
+    sizes = tab[:, 2]
+    if sizes.max() <= _gather.CHUNK:   # a row a copy (sizes are at least one byte)
+        return tab, [len(tab) // p.count] * p.count
+    chunks = (sizes + u64(_gather.CHUNK - 1)) // u64(_gather.CHUNK)
+    rows = chunks.reshape(p.count, -1).sum(axis=1, dtype=u64)
+    return _gather.chunk_table(tab[:, 0], tab[:, 1], sizes), [int(r) for r in rows]
+
+
 def copy(p: Plan, leases: List[Any], t: Transfer, waiter: bool = False) -> None:
     """Copy the read's layers on its GPU, marking each complete in ``t`` as it is;
     ``waiter``: on the thread of a caller waiting for the whole read, which, while
     no other thread waits for a layer, waits for the last layer's event only."""
-    import numpy as np
     ordinal = p.ordinal
     assert ordinal is not None
-    groups = copies(p, leases)
     fn = _gather.wait_ready(ordinal)
+    if fn is not None:
+        tab, rows = table(p, leases)
+        groups: List[Tuple[Any, Any, Any]] = []
+    else:
+        groups = copies(p, leases)
     cu = _cuda.driver()
     with _cuda.on(ordinal):
         s = _take(ordinal)
         dev_tab = 0
         queued = False
         try:
-            s.grow(len(groups))
+            s.grow(p.count)
             if fn is not None:
-                tables = [_gather.chunk_table(d, src, n) for d, src, n in groups]
-                tab = np.concatenate(tables) if tables else np.empty((0, 3), np.uint64)
                 dev_tab = s.table_of(max(tab.nbytes, 1))
                 _gather.write_table(dev_tab, tab, int(s.stream))
                 queued = True
             row = 0
-            for i, (d, src, n) in enumerate(groups):
+            for i in range(p.count):
                 queued = True
                 if fn is not None:
-                    rows = len(tables[i])
-                    _gather.launch_rows(fn, dev_tab, row, rows, int(s.stream))
-                    row += rows
+                    _gather.launch_rows(fn, dev_tab, row, rows[i], int(s.stream))
+                    row += rows[i]
                 else:
+                    d, src, n = groups[i]
                     for dd, ss, nn in zip(d.tolist(), src.tolist(), n.tolist()):
                         _cuda.check("cuMemcpyDtoDAsync", cu.cuMemcpyDtoDAsync(dd, ss, nn, s.stream))
                 _cuda.check("cuEventRecord", cu.cuEventRecord(s.events[i], s.stream))
-            i, last = 0, len(groups) - 1
+            i, last = 0, p.count - 1
             while i <= last:
                 # The next layer, or for a caller waiting for the whole read the last
                 # (a thread that waits for a layer meanwhile waits that long).

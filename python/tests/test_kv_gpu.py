@@ -52,6 +52,48 @@ def test_gpu_copy_list_on_host_memory(kinds):
     kvutil.check_bytes(dst, kvutil.expected(desc, 21, dst, SRC, DST, range(1, LAYERS), before))
 
 
+def _mixed_local(nbytes):
+    """A vLLM-like space whose K parts are contiguous and V parts interleaved with
+    padding (stride twice the bytes): parts of both kinds in one read."""
+    ks = [np.zeros((BLOCKS, nbytes), dtype=np.uint8) for _ in range(LAYERS)]
+    vs = [np.zeros((BLOCKS, 2 * nbytes), dtype=np.uint8) for _ in range(LAYERS)]
+    layers = [[kv.Part(2 * i, 0, nbytes, nbytes), kv.Part(2 * i + 1, 0, 2 * nbytes, nbytes)] for i in range(LAYERS)]
+    return kv.Local(kv.Layout(BLOCKS, layers), [a for pair in zip(ks, vs) for a in pair])
+
+
+@pytest.mark.parametrize("kinds,nbytes", [(("vllm", "vllm"), BYTES), (("vllm", "vllm"), 48 << 10),
+                                          (("vllm-blocks-first", "sglang"), BYTES), (("offload", "vllm-one-buffer"), 40 << 10),
+                                          (("vllm", "mixed"), BYTES), (("sglang", "mixed"), 48 << 10)])
+def test_gpu_table_on_host_memory(kinds, nbytes):
+    """_kvgpu.table (the whole read's chunk table, computed for all layers at once)
+    is the rows of _gather.chunk_table of each layer's copies, layer after layer,
+    with each layer's row count; runs past a chunk (48 KiB blocks, runs of three)
+    cut; parts of both kinds in one read (mixed) too. Applied with memmove over
+    host memory standing in for device memory, it gives every byte the read must."""
+    from cudaipc import _gather
+    src_kind, dst_kind = kinds
+    src = kvutil.make_local(src_kind, LAYERS, BLOCKS, nbytes, lambda shape: np.zeros(shape, dtype=np.uint8))
+    kvutil.fill(src, 22)
+    desc = kv.Desc("0:kv/fake", kv.new_id(), [kv.Region("host", m.size) for m in src.memory], src.layout)
+    dst = _mixed_local(nbytes) if dst_kind == "mixed" else \
+        kvutil.make_local(dst_kind, LAYERS, BLOCKS, nbytes, lambda shape: np.zeros(shape, dtype=np.uint8))
+    before = snapshot(dst)
+    src_ids = [2, 3, 4, 9, 0, 17, 16, 23, 11, 12, 13]
+    dst_ids = [7, 8, 9, 1, 23, 3, 2, 0, 14, 15, 16]
+    for layers in (None, range(1, LAYERS), 2):
+        p = _kvread.plan(desc, src_ids, dst, dst_ids, layers)
+        leases = [_FakeLease(m) for m in src.memory]
+        tab, rows = _kvgpu.table(p, leases)
+        want = [_gather.chunk_table(d, s, n) for d, s, n in _kvgpu.copies(p, leases)]
+        assert tab.dtype == np.uint64 and tab.shape[1] == 3
+        assert rows == [len(w) for w in want] and np.array_equal(tab, np.concatenate(want))
+        if nbytes > _gather.CHUNK // 3:
+            assert len(tab) > len(p.runs) * 2 * p.count   # some runs cut into chunks
+        for dd, ss, nn in tab.tolist():
+            ctypes.memmove(dd, ss, nn)
+    kvutil.check_bytes(dst, kvutil.expected(desc, 22, dst, src_ids, dst_ids, range(LAYERS), before))
+
+
 @pytest.fixture
 def cuda_daemon(cudaipc_bin):
     need_gpus(1)
