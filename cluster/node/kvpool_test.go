@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"slices"
 	"sync"
 	"syscall"
@@ -383,6 +384,7 @@ func TestPoolOwnerKilled(t *testing.T) {
 	if err := syscall.Kill(h.c.Pid(), syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
+	waitStopped(t, h.c.Pid())
 	start := time.Now()
 	got, _, err := pc.Lookup(ctx, keys, client.LookupOptions{Timeout: 300 * time.Millisecond})
 	took := time.Since(start)
@@ -473,6 +475,29 @@ func TestPoolOwnerKilled(t *testing.T) {
 	if st := protocol.BlockUnavailable; st != 3 {
 		t.Fatal("BlockUnavailable changed number")
 	}
+}
+
+// waitStopped waits until every thread of process pid is stopped (SIGSTOP
+// reaches a thread running on another CPU a moment after kill returns).
+func waitStopped(t *testing.T, pid int) {
+	t.Helper()
+	testutil.Eventually(t, 10*time.Second, func() error {
+		tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+		if err != nil {
+			return err
+		}
+		for _, task := range tasks {
+			b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, task.Name()))
+			if err != nil {
+				return err
+			}
+			// The state follows the command's closing parenthesis.
+			if i := bytes.LastIndexByte(b, ')'); i < 0 || i+2 >= len(b) || b[i+2] != 'T' && b[i+2] != 't' {
+				return fmt.Errorf("thread %s of process %d is not stopped yet", task.Name(), pid)
+			}
+		}
+		return nil
+	})
 }
 
 // be2 returns the blocks a BlockError names, nil for another error.
