@@ -13,7 +13,9 @@
 // copies them), Lookup counts the present prefix of a key chain, Get
 // copies blocks into a local space layer by layer; each one round trip
 // whatever the number of keys. Blocks are immutable once written, and a
-// block pinned by a lookup or a get in flight is never evicted.
+// block pinned by a lookup or a get in flight is never evicted. A pool made
+// cluster-wide (client.PoolConfig.Cluster) spreads its keys over the live
+// nodes of a cluster; the same calls through any node's daemon reach them.
 //
 // Lifetimes are registered memory's: a space's regions go when its
 // engine's connection ends or it closes the space, but a reader mid-read
