@@ -26,7 +26,7 @@ if [ "${KV_TOKENS:-}" != none ]; then
     -test.run '^$' -test.bench BenchmarkReadBlocks -test.benchtime 20x) >"$out/kvbench.txt" 2>&1
   stamp "kv benchmark rc=$?"
 fi
-py_tests=${PY_TESTS:-tests/test_kv_gpu.py tests/test_kv_xnode_gpu.py tests/test_kv_model_gpu.py tests/test_kv_bench.py tests/test_kv_xnode.py tests/test_external_gpu.py tests/test_nocopy.py}
+py_tests=${PY_TESTS:-tests/test_kv_gpu.py tests/test_kv_xnode_gpu.py tests/test_kv_model_gpu.py tests/test_kv_prefix_gpu.py tests/test_kv_bench.py tests/test_kv_xnode.py tests/test_external_gpu.py tests/test_nocopy.py}
 (
   IFS=';' read -ra specs <<<"${GO_SPECS:-kv .;cluster_node GPU|KVRead|KVNotify;root Gather|RegisterHost}"
   for spec in "${specs[@]}"; do
@@ -42,8 +42,7 @@ py_tests=${PY_TESTS:-tests/test_kv_gpu.py tests/test_kv_xnode_gpu.py tests/test_
 ) &
 (
   cd python && CUDAIPC_BIN="$OLDPWD/.gpu/bin/cudaipc" timeout "$t" python3 -m pytest -q -rfEs -p no:cacheprovider \
-    tests/test_kv_gpu.py tests/test_kv_xnode_gpu.py tests/test_kv_model_gpu.py tests/test_kv_prefix_gpu.py tests/test_kv_bench.py \
-    tests/test_kv_xnode.py tests/test_external_gpu.py tests/test_nocopy.py >"$out/pytest.log" 2>&1
+    $py_tests >"$out/pytest.log" 2>&1
   rc=$?; last=$(tail -1 "$out/pytest.log")
   case "$last" in *passed* | *failed* | *error*) ;; *) last="no summary line, cut short: $last"; rc="$rc, incomplete" ;; esac
   echo "[$(date +%T)] pytest rc=$rc: $last" >>"$sum"
