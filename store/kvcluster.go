@@ -65,10 +65,11 @@ type PoolCluster interface {
 	// the run goes, in key order (nil: skip it). GetPoolAt returns once
 	// they are all there, or fails (blocks partly written).
 	GetPoolAt(ctx context.Context, node string, c PoolCall, place func(first int, found []bool) [][]byte) error
-	// PutPoolAt stores c's blocks on node, fill writing them (end to end,
-	// in key order) into the buffer it is given, and returns each key's
-	// status (protocol.BlockStored, BlockExisted, BlockFull).
-	PutPoolAt(ctx context.Context, node string, c PoolCall, fill func(buf []byte)) ([]byte, error)
+	// PutPoolAt stores c's blocks on node and returns each key's status
+	// (protocol.BlockStored, BlockExisted, BlockFull). fill writes the
+	// blocks of keys first, first+1, ... end to end into buf, as many as
+	// it holds (a run of keys at a time: no buffer need hold them all).
+	PutPoolAt(ctx context.Context, node string, c PoolCall, fill func(first int, buf []byte)) ([]byte, error)
 	// DeletePoolAt removes c's keys on node and returns how many it held.
 	DeletePoolAt(ctx context.Context, node string, c PoolCall) (int, error)
 }
@@ -500,9 +501,9 @@ func (cn *conn) clusterPut(p *blockPool, keys blocks.Keys, ids []uint32, parts [
 		})
 	}
 	eachNode(nodes, byNode, func(node string, idx []int) {
-		st, err := cn.s.cfg.Cluster.(PoolCluster).PutPoolAt(ctx, node, p.call(cn.ss.peer.uid, keys, idx), func(buf []byte) {
-			for k, i := range idx {
-				copyBlock(buf[int64(k)*p.blockBytes:int64(k+1)*p.blockBytes], int64(ids[i]), parts, mems)
+		st, err := cn.s.cfg.Cluster.(PoolCluster).PutPoolAt(ctx, node, p.call(cn.ss.peer.uid, keys, idx), func(first int, buf []byte) {
+			for k := range int64(len(buf)) / p.blockBytes {
+				copyBlock(buf[k*p.blockBytes:(k+1)*p.blockBytes], int64(ids[idx[first+int(k)]]), parts, mems)
 			}
 		})
 		cn.remoteResult("put", err)

@@ -221,3 +221,11 @@ func OnPoolGet(n *Node, f func(owner string)) {
 	}
 	n.poolGetHook.Store(&f)
 }
+
+// SetMaxPoolCallBytes sets the most bytes of blocks one call of a
+// cluster-wide pool carries, until the test ends.
+func SetMaxPoolCallBytes(t testing.TB, n int64) {
+	old := maxPoolCallBytes
+	maxPoolCallBytes = n
+	t.Cleanup(func() { maxPoolCallBytes = old })
+}

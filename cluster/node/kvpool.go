@@ -27,10 +27,11 @@ var (
 	_ cluster.PoolSource = source{}
 )
 
+// maxPoolCallBytes bounds the blocks of one call: a put's or a get's
+// staging buffer. Tests lower it (SetMaxPoolCallBytes).
+var maxPoolCallBytes int64 = 256 << 20
+
 const (
-	// maxPoolCallBytes bounds the blocks of one call: a put's or a get's
-	// staging buffer.
-	maxPoolCallBytes = 256 << 20
 	// poolDownFor is how long a node that did not answer a pool call is
 	// taken as down: calls to it fail at once meanwhile, so that a dead
 	// node whose record has not expired yet costs lookups no time.
@@ -226,56 +227,51 @@ func countTrue(b []bool) int {
 }
 
 // PutPoolAt implements store.PoolCluster: each call's blocks go inline
-// when they fit, else through a staging buffer the node fetches from.
-func (n *Node) PutPoolAt(ctx context.Context, node string, c store.PoolCall, fill func(buf []byte)) ([]byte, error) {
-	count := len(c.Keys) / c.KeyBytes
-	size := int64(count) * c.BlockBytes
-	var all []byte
-	var buf *stageBuf
-	if size <= cluster.MaxInline {
-		all = make([]byte, size)
-	} else {
-		var err error
-		if buf, err = n.stageBufs.get(n.tr, size); err != nil {
-			return nil, err
-		}
-		defer n.stageBufs.put(buf)
-		all = buf.mem[:size]
-	}
-	fill(all)
+// when they fit, else through a staging buffer of that call's blocks,
+// which the node fetches from.
+func (n *Node) PutPoolAt(ctx context.Context, node string, c store.PoolCall, fill func(first int, buf []byte)) ([]byte, error) {
 	timeout := cluster.DefaultPoolStoreTimeout
 	if dl, ok := ctx.Deadline(); ok {
 		timeout = max(time.Until(dl), time.Millisecond)
 	}
 	var status []byte
 	for _, r := range poolSlices(c, true) {
-		from, to := int64(r[0])*c.BlockBytes, int64(r[1])*c.BlockBytes
-		b := cluster.PoolBlocks{}
-		var closeWindow func()
-		if buf == nil {
-			b.Inline = all[from:to]
-		} else {
-			key, release, err := buf.reg.Window(from, to-from)
-			if err != nil {
-				return nil, fmt.Errorf("exposing a put's blocks: %w", err)
-			}
-			closeWindow = release
-			b.Staged = &cluster.PoolStaged{Worker: n.tr.WorkerAddress(), Region: cluster.SpaceRegion{RKey: key, Addr: buf.reg.Addr(from), Size: to - from}}
-		}
-		var st []byte
-		err := n.poolCall(node, func() (err error) {
-			st, err = n.p.PoolPut(ctx, node, subCall(c, r), b, timeout)
-			return err
-		})
-		if closeWindow != nil {
-			closeWindow()
-		}
+		st, err := n.putSlice(ctx, node, c, r, fill, timeout)
 		if err != nil {
 			return nil, err
 		}
 		status = append(status, st...)
 	}
 	return status, nil
+}
+
+// putSlice puts the blocks of keys [r[0], r[1]) of c on node, in one call.
+func (n *Node) putSlice(ctx context.Context, node string, c store.PoolCall, r [2]int, fill func(int, []byte), timeout time.Duration) ([]byte, error) {
+	size := int64(r[1]-r[0]) * c.BlockBytes
+	var b cluster.PoolBlocks
+	if size <= cluster.MaxInline {
+		b.Inline = make([]byte, size)
+		fill(r[0], b.Inline)
+	} else {
+		buf, err := n.stageBufs.get(n.tr, size)
+		if err != nil {
+			return nil, err
+		}
+		defer n.stageBufs.put(buf)
+		fill(r[0], buf.mem[:size])
+		key, closeWindow, err := buf.reg.Window(0, size)
+		if err != nil {
+			return nil, fmt.Errorf("exposing a put's blocks: %w", err)
+		}
+		defer closeWindow()
+		b.Staged = &cluster.PoolStaged{Worker: n.tr.WorkerAddress(), Region: cluster.SpaceRegion{RKey: key, Addr: buf.reg.Addr(0), Size: size}}
+	}
+	var st []byte
+	err := n.poolCall(node, func() (err error) {
+		st, err = n.p.PoolPut(ctx, node, subCall(c, r), b, timeout)
+		return err
+	})
+	return st, err
 }
 
 // DeletePoolAt implements store.PoolCluster.

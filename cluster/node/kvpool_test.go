@@ -99,7 +99,7 @@ func newPoolEngine(ctx context.Context, t *testing.T, d *daemon, layers, blocks 
 	if err != nil {
 		t.Fatal(err)
 	}
-	e.cfg = client.PoolConfig{BlockBytes: bb, KeyBytes: 32, Capacity: 1024 * bb, Cluster: true}
+	e.cfg = client.PoolConfig{BlockBytes: bb, KeyBytes: 32, Capacity: int64(max(1024, blocks)) * bb, Cluster: true}
 	if e.pool, err = kv.CreatePool(ctx, d.c, "prefix", e.cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -506,4 +506,57 @@ func be2(err error, be **kv.BlockError) []int {
 		return (*be).Blocks
 	}
 	return nil
+}
+
+// TestPoolManyKeys: requests of more keys than one call to a node carries
+// (cluster.MaxPoolCallKeys) and of more bytes (lowered here) are cut into
+// several calls, gets two at a time: 40,000 keys through two daemons, put,
+// looked up (prefix and per key), got with every byte checked, deleted.
+func TestPoolManyKeys(t *testing.T) {
+	node.SetMaxPoolCallBytes(t, 1<<20)
+	srv := etcdtest.Start(t)
+	a, b := startDaemon(t, srv, "a"), startDaemon(t, srv, "b")
+	waitLive(t, []string{"a", "b"}, a, b)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	const n, blocks = 40_000, 50_000
+	e := newPoolEngine(ctx, t, a, 1, blocks, 128, 31) // blocks of 256 bytes
+	keys := chainKeys(6, n)
+	own := owners(keys, "a", "b")
+	if countOf(own, "b") <= cluster.MaxPoolCallKeys {
+		t.Fatalf("b owns %d keys: the test wants more than one call's %d", countOf(own, "b"), cluster.MaxPoolCallKeys)
+	}
+	r := rand.New(rand.NewPCG(11, 12))
+	srcIDs := r.Perm(blocks)[:n]
+	if res, err := e.pool.Put(ctx, kv.PutRequest{Keys: keys, Src: e.sp.Desc(), SrcBlocks: srcIDs}); err != nil || res.Stored != n {
+		t.Fatalf("put: %d stored, %d present, %d full, %d unavailable, %v", res.Stored, res.Existed, res.Full, res.Unavailable, err)
+	}
+	if info, err := b.c.StatPool(ctx, "prefix"); err != nil || info.Blocks != countOf(own, "b") {
+		t.Fatalf("b's share: %+v, %v; want %d", info, err, countOf(own, "b"))
+	}
+	if got, _, err := e.pool.Lookup(ctx, keys, client.LookupOptions{}); got != n || err != nil {
+		t.Fatalf("lookup: %d, %v", got, err)
+	}
+	gap := slices.Clone(keys)
+	gap[n-7] = chainKeys(7, 1)[0]
+	if pr, err := e.pool.Present(ctx, gap, client.LookupOptions{}); err != nil || pr.Count != n-1 || pr.Found != n-7 || pr.Has(n-7) {
+		t.Fatalf("per-key lookup: %d present, prefix %d, %v", pr.Count, pr.Found, err)
+	}
+	l, sizes := kvLayout("vllm", 1, blocks, 128)
+	dst := newHostSpace(t, l, sizes, 0)
+	dstIDs := r.Perm(blocks)[:n]
+	tr, err := e.pool.Get(ctx, kv.GetRequest{Keys: keys, Dst: dst.local, DstBlocks: dstIDs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tr.Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	checkBlocks(t, e.src, dst, srcIDs, dstIDs, seqFrom(n))
+	if k, err := e.pool.Delete(ctx, keys); err != nil || k < n {
+		t.Fatalf("delete: %d, %v", k, err)
+	}
+	if got, _, err := e.pool.Lookup(ctx, keys[n/2:], client.LookupOptions{}); got != 0 || err != nil {
+		t.Fatalf("lookup after the delete: %d, %v", got, err)
+	}
 }
