@@ -39,10 +39,14 @@ type Client struct {
 	// register together (external.go).
 	registerMu sync.Mutex
 
-	mu        sync.Mutex
-	nextID    uint64
-	pending   map[uint64]chan reply // calls waiting for their reply
-	abandoned map[uint64]string     // calls whose caller gave up (value: object name); the reply is cleaned up
+	mu      sync.Mutex
+	nextID  uint64
+	pending map[uint64]chan reply // calls waiting for their reply
+	// sending are the pending calls whose request is not sent yet: the
+	// read role is never handed to one (blocked sending, it would read
+	// nothing while the daemon may be blocked sending to this client).
+	sending   map[uint64]struct{}
+	abandoned map[uint64]string // calls whose caller gave up (value: object name); the reply is cleaned up
 	subs      map[*subscription]struct{}
 	arenas    map[arenaKey]*arena
 	gpu       map[gpuUser]struct{} // Objects and Leases with an open GPU mapping
@@ -179,6 +183,7 @@ func DialOptions(ctx context.Context, socket string, opts Options) (*Client, err
 		socket:      socket,
 		nextID:      1,
 		pending:     make(map[uint64]chan reply),
+		sending:     make(map[uint64]struct{}),
 		abandoned:   make(map[uint64]string),
 		subs:        make(map[*subscription]struct{}),
 		arenas:      make(map[arenaKey]*arena),
@@ -522,6 +527,7 @@ func (c *Client) roundTripFiles(ctx context.Context, op, name string, req *store
 	c.nextID++
 	req.Id = id
 	c.pending[id] = ch
+	c.sending[id] = struct{}{}
 	c.mu.Unlock()
 
 	c.sendMu.Lock()
@@ -530,6 +536,7 @@ func (c *Client) roundTripFiles(ctx context.Context, op, name string, req *store
 	if err != nil {
 		c.mu.Lock()
 		delete(c.pending, id)
+		delete(c.sending, id)
 		if c.role.reading && c.role.leader == id {
 			<-ch // the read role, handed over meanwhile: pass it on
 			c.handOffLocked()

@@ -50,6 +50,7 @@ func (c *Client) ReadSpace(ctx context.Context, r SpaceRead, progress func(layer
 	c.nextID++
 	req.Id = id
 	c.pending[id] = ch
+	c.sending[id] = struct{}{}
 	if progress != nil {
 		if c.progress == nil {
 			c.progress = map[uint64]func(int){}
@@ -68,6 +69,7 @@ func (c *Client) ReadSpace(ctx context.Context, r SpaceRead, progress func(layer
 	if err != nil {
 		c.mu.Lock()
 		delete(c.pending, id)
+		delete(c.sending, id)
 		if c.role.reading && c.role.leader == id {
 			<-ch // the read role, handed over meanwhile: pass it on
 			c.handOffLocked()

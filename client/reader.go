@@ -68,6 +68,9 @@ func (c *Client) handOffLocked() {
 		return
 	}
 	for id, ch := range c.pending {
+		if _, unsent := c.sending[id]; unsent {
+			continue
+		}
 		// Its channel is empty: replies come from the holder of the role.
 		c.role = readRole{reading: true, leader: id}
 		ch <- reply{lead: true}
@@ -84,6 +87,7 @@ func (c *Client) handOffLocked() {
 // when nobody else reads.
 func (c *Client) await(cl call) (reply, error) {
 	c.mu.Lock()
+	delete(c.sending, cl.id)
 	_, waiting := c.pending[cl.id] // else its reply is (about to be) in cl.ch
 	if waiting && c.err == nil && !c.role.reading {
 		c.role = readRole{reading: true, leader: cl.id}
