@@ -39,9 +39,29 @@ import (
 // under a key derived from the secret for this purpose. Either side that
 // finds a MAC wrong sends a refusal and closes. A relay between two genuine
 // daemons learns nothing: it cannot decrypt what follows.
+//
+// After the handshake a client may have up to MaxInFlight requests under
+// way on one channel: each carries a tag its answer repeats, the server
+// serves them side by side and answers each as it is done. A frame's
+// nonce is its sequence number in its direction, and frames are sealed
+// and written under one lock, in that order, so that no nonce is ever
+// used twice under a key: concurrent requests share the count, never
+// restart it. A peer speaking the first version of the protocol sends one
+// request at a time and is answered as before.
 
 const (
-	controlProto = "cudaipc-control/1"
+	controlProto = "cudaipc-control/2"
+	// controlProtoSerial is the first version: no tags, one request at a
+	// time. A server still answers its peers.
+	controlProtoSerial = "cudaipc-control/1"
+	// MaxInFlight bounds the requests under way on one control channel:
+	// a client's next waits for a place, and a server reads no more from
+	// a peer while it serves that many of its requests.
+	MaxInFlight = 256
+	// controlWriteTimeout bounds a write of the channel without a
+	// caller's deadline: a peer that reads nothing for that long is
+	// dropped.
+	controlWriteTimeout = 30 * time.Second
 	// MaxControlFrame bounds a control frame.
 	MaxControlFrame = 1 << 20
 	// HandshakeTimeout bounds a whole handshake, from the connection's
@@ -77,6 +97,9 @@ type ctlProof struct {
 
 // ctlRequest is a request after the handshake.
 type ctlRequest struct {
+	// Tag, set by a client of the current protocol, is repeated in the
+	// answer: requests are answered as they are done, not in order.
+	Tag uint64 `json:"tag,omitempty"`
 	// Op is "open" (expose Ref's replica of incarnation ID), "read"
 	// (send a small one's bytes: inline.go) or "close" (release Handle).
 	Op     string `json:"op"`
@@ -113,6 +136,8 @@ type ctlRequest struct {
 
 // ctlResponse answers a ctlRequest.
 type ctlResponse struct {
+	// Tag is the request's.
+	Tag uint64 `json:"tag,omitempty"`
 	Err string `json:"err,omitempty"`
 	// NotHeld: the node does not hold that incarnation (any more).
 	NotHeld bool `json:"not_held,omitempty"`
@@ -214,7 +239,7 @@ func decodeHello(b []byte) (ctlHello, error) {
 	if h.Refused != "" {
 		return h, nil
 	}
-	if h.Proto != controlProto {
+	if h.Proto != controlProto && h.Proto != controlProtoSerial {
 		return h, fmt.Errorf("%w: control protocol %q, want %q", ErrBadRecord, h.Proto, controlProto)
 	}
 	if err := ValidateNodeName(h.Node); err != nil {
@@ -242,15 +267,31 @@ func (s Secret) handshakeMAC(role string, t []byte) []byte {
 	return m.Sum(nil)
 }
 
-// channel is an authenticated, sealed control connection.
+// channel is an authenticated, sealed control connection. One goroutine
+// reads it (read, readRaw); any number write to it (write, send).
 type channel struct {
 	c net.Conn
 	// r buffers reads of c after the handshake (nil: read c directly),
 	// so that a frame and the one after it come in one read.
-	r          *bufio.Reader
-	peer       string
-	send, recv cipher.AEAD
-	sseq, rseq uint64
+	r    *bufio.Reader
+	peer string
+	// serial: the peer speaks the first version of the protocol (no
+	// tags, one request at a time).
+	serial   bool
+	sendAEAD cipher.AEAD
+	recv     cipher.AEAD
+	rseq     uint64
+
+	// wmu guards the sending side: sseq, and the frames sealed but not
+	// written yet. A sender that finds no write under way writes them all
+	// (its own and those others add meanwhile) in as few writes as it
+	// can; one that finds a write under way leaves its frames to it.
+	wmu     sync.Mutex
+	sseq    uint64
+	out     []byte // sealed frames not written yet
+	spare   []byte // the buffer of the last write, for the next frames
+	writing bool
+	werr    error // the write that failed: the channel is broken
 }
 
 func (s Secret) aead(purpose string, t []byte) cipher.AEAD {
@@ -266,35 +307,73 @@ func (s Secret) aead(purpose string, t []byte) cipher.AEAD {
 	return g
 }
 
-// writeWith seals v and, when raw is not nil, raw as the frame after it,
-// and sends both in one write, so that the peer reads them at once.
-func (ch *channel) writeWith(v any, raw []byte) error {
+// send seals v and, when raw is not nil, raw as the frame after it, and
+// writes both (with other senders' frames) at once, so that the peer
+// reads them together. A write in progress bounds itself by deadline (no
+// deadline: controlWriteTimeout from now); a write that fails or times
+// out breaks the channel (its connection is closed: a frame may be cut).
+// send may return before its frames are written by another sender; a
+// failure of that write fails the channel's next sends and its reader.
+func (ch *channel) send(v any, raw []byte, deadline time.Time) error {
 	b, err := json.Marshal(v)
 	if err != nil {
 		return err
 	}
-	buf, err := ch.seal(make([]byte, 0, 2*(4+ch.send.Overhead())+len(b)+len(raw)), b)
-	if err == nil && raw != nil {
-		buf, err = ch.seal(buf, raw)
+	o := ch.sendAEAD.Overhead()
+	if n := len(b) + o; n > MaxControlFrame {
+		return fmt.Errorf("control frame of %d bytes, at most %d", n, MaxControlFrame)
 	}
-	if err != nil {
+	if n := len(raw) + o; raw != nil && n > MaxControlFrame {
+		return fmt.Errorf("control frame of %d bytes, at most %d", n, MaxControlFrame)
+	}
+	ch.wmu.Lock()
+	if ch.werr != nil {
+		err := ch.werr
+		ch.wmu.Unlock()
 		return err
 	}
-	_, err = ch.c.Write(buf)
+	ch.out = ch.seal(ch.out, b)
+	if raw != nil {
+		ch.out = ch.seal(ch.out, raw)
+	}
+	if ch.writing {
+		ch.wmu.Unlock()
+		return nil
+	}
+	ch.writing = true
+	for len(ch.out) > 0 && ch.werr == nil {
+		buf := ch.out
+		ch.out = ch.spare[:0]
+		ch.wmu.Unlock()
+		if deadline.IsZero() {
+			deadline = time.Now().Add(controlWriteTimeout)
+		}
+		_ = ch.c.SetWriteDeadline(deadline)
+		_, err := ch.c.Write(buf)
+		ch.wmu.Lock()
+		ch.spare = buf[:0]
+		if err != nil {
+			ch.werr, ch.out = err, nil
+			ch.c.Close()
+		}
+	}
+	ch.writing = false
+	err = ch.werr
+	if cap(ch.spare) > 2*channelBuffer {
+		ch.spare = nil // a burst's buffer: let it go
+	}
+	ch.wmu.Unlock()
 	return err
 }
 
-// seal appends b to dst as the next frame.
-func (ch *channel) seal(dst, b []byte) ([]byte, error) {
-	n := len(b) + ch.send.Overhead()
-	if n > MaxControlFrame {
-		return dst, fmt.Errorf("control frame of %d bytes, at most %d", n, MaxControlFrame)
-	}
+// seal appends b, at most MaxControlFrame bytes sealed, to dst as the
+// next frame. Under wmu.
+func (ch *channel) seal(dst, b []byte) []byte {
 	var nonce [12]byte
 	binary.BigEndian.PutUint64(nonce[4:], ch.sseq)
 	ch.sseq++
-	dst = binary.BigEndian.AppendUint32(dst, uint32(n))
-	return ch.send.Seal(dst, nonce[:], b, nil), nil
+	dst = binary.BigEndian.AppendUint32(dst, uint32(len(b)+ch.sendAEAD.Overhead()))
+	return ch.sendAEAD.Seal(dst, nonce[:], b, nil)
 }
 
 func (ch *channel) read(v any) error {
@@ -333,8 +412,13 @@ func newNonce() []byte {
 
 // clientHandshake authenticates conn's peer, which must be node want.
 func clientHandshake(conn net.Conn, s Secret, self, want string) (*channel, error) {
+	return clientHandshakeProto(conn, s, self, want, controlProto)
+}
+
+// clientHandshakeProto is clientHandshake in protocol version proto.
+func clientHandshakeProto(conn net.Conn, s Secret, self, want, proto string) (*channel, error) {
 	nc := newNonce()
-	b, _ := json.Marshal(ctlHello{Proto: controlProto, Node: self, Nonce: nc})
+	b, _ := json.Marshal(ctlHello{Proto: proto, Node: self, Nonce: nc})
 	if err := writeFrame(conn, b); err != nil {
 		return nil, err
 	}
@@ -352,6 +436,9 @@ func clientHandshake(conn net.Conn, s Secret, self, want string) (*channel, erro
 	if h.Node != want {
 		return nil, fmt.Errorf("%w: dialled node %s but %s answered", ErrAuth, want, h.Node)
 	}
+	if h.Proto != proto {
+		return nil, fmt.Errorf("%w: node %s answered in control protocol %q, not %q", ErrBadRecord, want, h.Proto, proto)
+	}
 	t := transcript(nc, h.Nonce, self, h.Node)
 	if !hmac.Equal(h.MAC, s.handshakeMAC("server", t)) {
 		b, _ := json.Marshal(ctlProof{Refused: "your proof of the cluster secret is wrong"})
@@ -362,7 +449,7 @@ func clientHandshake(conn net.Conn, s Secret, self, want string) (*channel, erro
 	if err := writeFrame(conn, b); err != nil {
 		return nil, err
 	}
-	return &channel{c: conn, r: bufio.NewReaderSize(conn, channelBuffer), peer: want, send: s.aead("c2s", t), recv: s.aead("s2c", t)}, nil
+	return &channel{c: conn, r: bufio.NewReaderSize(conn, channelBuffer), peer: want, serial: proto == controlProtoSerial, sendAEAD: s.aead("c2s", t), recv: s.aead("s2c", t)}, nil
 }
 
 // serverHandshake authenticates a connecting peer.
@@ -380,7 +467,7 @@ func serverHandshake(conn net.Conn, s Secret, self string) (*channel, error) {
 	}
 	ns := newNonce()
 	t := transcript(h.Nonce, ns, h.Node, self)
-	b, _ = json.Marshal(ctlHello{Proto: controlProto, Node: self, Nonce: ns, MAC: s.handshakeMAC("server", t)})
+	b, _ = json.Marshal(ctlHello{Proto: h.Proto, Node: self, Nonce: ns, MAC: s.handshakeMAC("server", t)})
 	if err := writeFrame(conn, b); err != nil {
 		return nil, err
 	}
@@ -400,7 +487,7 @@ func serverHandshake(conn net.Conn, s Secret, self string) (*channel, error) {
 		_ = writeFrame(conn, b)
 		return nil, fmt.Errorf("%w: peer calling itself %s does not hold this cluster's secret", ErrAuth, h.Node)
 	}
-	return &channel{c: conn, r: bufio.NewReaderSize(conn, channelBuffer), peer: h.Node, send: s.aead("s2c", t), recv: s.aead("c2s", t)}, nil
+	return &channel{c: conn, r: bufio.NewReaderSize(conn, channelBuffer), peer: h.Node, serial: h.Proto == controlProtoSerial, sendAEAD: s.aead("s2c", t), recv: s.aead("c2s", t)}, nil
 }
 
 // Source is the local store as the control service sees it.
@@ -709,89 +796,235 @@ func (s *ControlServer) serveConn(c net.Conn, cc *ctlConn, log *slog.Logger, ref
 		return
 	}
 	_ = c.SetDeadline(time.Time{})
-	log = log.With("peer", ch.peer)
-	held := map[uint64]func(){}
+	sc := &servedConn{s: s, ch: ch, log: log.With("peer", ch.peer), slots: make(chan struct{}, MaxInFlight), work: make(chan ctlWork)}
+	sc.serve()
+}
+
+// servedConn is an authenticated channel a ControlServer serves: one
+// goroutine reads its requests and hands each to a worker, at most
+// MaxInFlight under way; workers wait a little for the next before they
+// end, so that a busy channel does not start a goroutine a request.
+type servedConn struct {
+	s     *ControlServer
+	ch    *channel
+	log   *slog.Logger
+	held  exposures
+	slots chan struct{} // a place per request under way
+	work  chan ctlWork  // to an idle worker
+	wg    sync.WaitGroup
+}
+
+// ctlWork is a request read, with the frame that came after it (Inline).
+type ctlWork struct {
+	req ctlRequest
+	in  []byte
+}
+
+// workerIdle is how long a worker of a channel waits for another request
+// before it ends.
+const workerIdle = time.Second
+
+// serve reads requests until the channel ends, then waits for those under
+// way and releases the channel's exposures.
+func (sc *servedConn) serve() {
 	defer func() {
-		for _, rel := range held {
-			rel()
-		}
+		close(sc.work)
+		sc.wg.Wait()
+		sc.held.releaseAll()
 	}()
-	var next uint64
 	for {
-		var req ctlRequest
-		if err := ch.read(&req); err != nil {
+		var w ctlWork
+		if err := sc.ch.read(&w.req); err != nil {
 			if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
-				log.Warn("control: dropping the connection", "err", err)
+				sc.log.Warn("control: dropping the connection", "err", err)
 			}
 			return
 		}
-		var in []byte
-		if req.Inline != 0 {
-			if req.Inline < 0 || req.Inline > maxPoolRaw {
-				log.Warn("control: dropping the connection", "err", fmt.Sprintf("a request announcing a frame of %d bytes after it", req.Inline))
+		if n := w.req.Inline; n != 0 {
+			if n < 0 || n > maxPoolRaw {
+				sc.log.Warn("control: dropping the connection", "err", fmt.Sprintf("a request announcing a frame of %d bytes after it", n))
 				return
 			}
 			var err error
-			if in, err = ch.readRaw(); err != nil || int64(len(in)) != req.Inline {
-				log.Warn("control: dropping the connection", "err", err, "frame", len(in), "announced", req.Inline)
+			if w.in, err = sc.ch.readRaw(); err != nil || int64(len(w.in)) != n {
+				sc.log.Warn("control: dropping the connection", "err", err, "frame", len(w.in), "announced", n)
 				return
 			}
 		}
-		var resp ctlResponse
-		var raw []byte
-		switch req.Op {
-		case "read":
-			resp, raw = s.serveRead(req)
-		case "open":
-			if len(held) >= MaxExposures {
-				resp.Err = fmt.Sprintf("more than %d objects exposed on one connection", MaxExposures)
-				break
-			}
-			e, rel, err := s.Source.Expose(req.Ref, req.ID)
-			if err != nil {
-				resp.Err, resp.NotHeld = err.Error(), errors.Is(err, ErrNotFound)
-				break
-			}
-			next++
-			held[next] = rel
-			resp.Handle, resp.Exposure = next, e
-			log.Debug("control: exposed", "object", req.Ref.String(), "size", e.Size)
-		case "feed":
-			resp = s.serveFeed(req, held, &next)
-		case "kvopen":
-			resp = s.serveSpace(req, held, &next)
-		case "kvread":
-			resp, raw = s.serveSpaceRead(req)
-		case "kvnotify":
-			resp = s.serveSpaceNotify(req)
-		case "poollookup", "poolpresent", "poolget", "poolput", "pooldelete":
-			resp, raw = s.servePool(req, in, ch.peer, held, &next)
-		case "have":
-			resp = s.serveHave(req)
-		case "close":
-			if rel, ok := held[req.Handle]; ok {
-				rel()
-				delete(held, req.Handle)
-			}
+		sc.slots <- struct{}{}
+		select {
+		case sc.work <- w:
 		default:
-			resp.Err = fmt.Sprintf("unknown control op %q", req.Op)
+			sc.wg.Add(1)
+			go sc.worker(w)
 		}
-		if err := ch.writeWith(&resp, raw); err != nil {
+	}
+}
+
+// worker serves req, then the requests handed to it, until none comes
+// within workerIdle or the channel ends.
+func (sc *servedConn) worker(w ctlWork) {
+	defer sc.wg.Done()
+	idle := time.NewTimer(workerIdle)
+	defer idle.Stop()
+	for {
+		resp, raw := sc.handle(w.req, w.in)
+		resp.Tag = w.req.Tag
+		if err := sc.ch.send(&resp, raw, time.Time{}); err != nil {
+			sc.ch.c.Close() // the reader ends
+		}
+		<-sc.slots
+		idle.Reset(workerIdle)
+		select {
+		case next, ok := <-sc.work:
+			if !ok {
+				return
+			}
+			w = next
+		case <-idle.C:
 			return
 		}
 	}
 }
 
-// ControlClient is an authenticated control connection to one node. Its
-// methods are safe for concurrent use (one request at a time: a request
-// waits for the one before it as long as its context allows).
-type ControlClient struct {
-	turn chan struct{} // holds a token while a request is under way
-	ch   *channel
+// handle serves one request, and in, the frame after it.
+func (sc *servedConn) handle(req ctlRequest, in []byte) (resp ctlResponse, raw []byte) {
+	s, held := sc.s, &sc.held
+	switch req.Op {
+	case "read":
+		return s.serveRead(req)
+	case "open":
+		if !held.reserve() {
+			resp.Err = fmt.Sprintf("more than %d objects exposed on one connection", MaxExposures)
+			break
+		}
+		e, rel, err := s.Source.Expose(req.Ref, req.ID)
+		if err != nil {
+			held.unreserve()
+			resp.Err, resp.NotHeld = err.Error(), errors.Is(err, ErrNotFound)
+			break
+		}
+		resp.Handle, resp.Exposure = held.add(rel), e
+		sc.log.Debug("control: exposed", "object", req.Ref.String(), "size", e.Size)
+	case "feed":
+		resp = s.serveFeed(req, held)
+	case "kvopen":
+		resp = s.serveSpace(req, held)
+	case "kvread":
+		return s.serveSpaceRead(req)
+	case "kvnotify":
+		resp = s.serveSpaceNotify(req)
+	case "poollookup", "poolpresent", "poolget", "poolput", "pooldelete":
+		return s.servePool(req, in, sc.ch.peer, held)
+	case "have":
+		resp = s.serveHave(req)
+	case "close":
+		held.release(req.Handle)
+	default:
+		resp.Err = fmt.Sprintf("unknown control op %q", req.Op)
+	}
+	return resp, nil
 }
 
-func newControlClient(ch *channel) *ControlClient {
-	return &ControlClient{turn: make(chan struct{}, 1), ch: ch}
+// exposures are what one channel holds exposed, by handle: at most
+// MaxExposures, counting those being made.
+type exposures struct {
+	mu       sync.Mutex
+	m        map[uint64]func()
+	next     uint64
+	reserved int
+	done     bool
+}
+
+// reserve takes a place for one more exposure, false when there is none.
+func (x *exposures) reserve() bool {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if len(x.m)+x.reserved >= MaxExposures {
+		return false
+	}
+	x.reserved++
+	return true
+}
+
+func (x *exposures) unreserve() {
+	x.mu.Lock()
+	x.reserved--
+	x.mu.Unlock()
+}
+
+// add holds rel in a reserved place and returns its handle; once the
+// channel is done, it releases rel at once.
+func (x *exposures) add(rel func()) uint64 {
+	x.mu.Lock()
+	x.reserved--
+	if x.done {
+		x.mu.Unlock()
+		rel()
+		return 0
+	}
+	if x.m == nil {
+		x.m = map[uint64]func(){}
+	}
+	x.next++
+	h := x.next
+	x.m[h] = rel
+	x.mu.Unlock()
+	return h
+}
+
+// release releases the exposure of handle h, if held.
+func (x *exposures) release(h uint64) {
+	x.mu.Lock()
+	rel := x.m[h]
+	delete(x.m, h)
+	x.mu.Unlock()
+	if rel != nil {
+		rel()
+	}
+}
+
+// releaseAll releases every exposure: the channel ended.
+func (x *exposures) releaseAll() {
+	x.mu.Lock()
+	m := x.m
+	x.m, x.done = nil, true
+	x.mu.Unlock()
+	for _, rel := range m {
+		rel()
+	}
+}
+
+// ControlClient is an authenticated control connection to one node. Its
+// methods are safe for concurrent use: up to MaxInFlight requests are
+// under way at once, each answered as the node finishes it; more wait
+// for a place.
+type ControlClient struct {
+	ch    *channel
+	slots chan struct{} // a place per request under way
+	done  chan struct{} // closed when the reader ends
+
+	mu      sync.Mutex
+	pending map[uint64]*ctlCall
+	tag     uint64
+	err     error // why the channel broke: every call fails with it
+}
+
+// ctlCall is a request under way.
+type ctlCall struct {
+	raw bool // its answer may carry bytes (Inline)
+	// slot: it holds a place (a detached release does not).
+	slot bool
+	// abandoned: its caller gave up; the reader lets its answer go
+	// (releasing an exposure it made). Under ControlClient.mu.
+	abandoned bool
+	answer    chan ctlAnswer // one answer, or the channel's failure
+}
+
+type ctlAnswer struct {
+	resp ctlResponse
+	raw  []byte
+	err  error
 }
 
 // DialControl connects to node's control address and authenticates both
@@ -817,6 +1050,13 @@ func DialControl(ctx context.Context, s Secret, self, node, addr string) (*Contr
 	}
 	_ = c.SetDeadline(time.Time{})
 	return newControlClient(ch), nil
+}
+
+// newControlClient starts the client of an authenticated channel.
+func newControlClient(ch *channel) *ControlClient {
+	cc := &ControlClient{ch: ch, slots: make(chan struct{}, MaxInFlight), done: make(chan struct{}), pending: map[uint64]*ctlCall{}}
+	go cc.read()
+	return cc
 }
 
 // Open asks the node to expose its replica of ref, incarnation id, and
@@ -846,16 +1086,19 @@ func (cc *ControlClient) Release(ctx context.Context, handle uint64) error {
 }
 
 // errChannel marks a request that got no answer: the channel is broken
-// (the peer died, restarted or dropped it).
+// (the peer died, restarted or dropped it), or the answer did not come
+// within the request's deadline.
 var errChannel = errors.New("no answer")
 
 func (cc *ControlClient) roundTrip(ctx context.Context, req ctlRequest) (ctlResponse, error) {
 	return cc.exchange(ctx, req, nil)
 }
 
-// exchange sends req and reads its answer and, when the answer says
+// exchange sends req and waits for its answer and, when the answer says
 // bytes follow (Inline), their frame into *raw; with raw nil, such an
-// answer breaks the channel.
+// answer breaks the channel. When ctx ends first, exchange returns its
+// error, wrapping errChannel if its deadline passed: the caller drops the
+// channel, as one whose node stalled (a request canceled leaves it be).
 func (cc *ControlClient) exchange(ctx context.Context, req ctlRequest, raw *[]byte) (ctlResponse, error) {
 	return cc.exchangeRaw(ctx, req, nil, raw)
 }
@@ -863,41 +1106,177 @@ func (cc *ControlClient) exchange(ctx context.Context, req ctlRequest, raw *[]by
 // exchangeRaw is exchange with out, when not nil, sent as a frame after
 // the request (whose Inline must say its length).
 func (cc *ControlClient) exchangeRaw(ctx context.Context, req ctlRequest, out []byte, raw *[]byte) (ctlResponse, error) {
-	var resp ctlResponse
+	fail := func(err error) (ctlResponse, error) {
+		return ctlResponse{}, fmt.Errorf("control channel to node %s: %w: %w", cc.ch.peer, errChannel, err)
+	}
 	select {
-	case cc.turn <- struct{}{}:
+	case cc.slots <- struct{}{}:
 	case <-ctx.Done():
-		return resp, fmt.Errorf("control channel to node %s: waiting for the request before: %w", cc.ch.peer, ctx.Err())
+		// Waiting for a place says nothing of the node.
+		return ctlResponse{}, fmt.Errorf("control channel to node %s: %w", cc.ch.peer, ctx.Err())
+	case <-cc.done:
+		return fail(cc.broken())
 	}
-	defer func() { <-cc.turn }()
-	dl, ok := ctx.Deadline()
-	if !ok {
-		dl = time.Now().Add(30 * time.Second)
+	call := &ctlCall{raw: raw != nil, slot: true, answer: make(chan ctlAnswer, 1)}
+	cc.mu.Lock()
+	if cc.err != nil {
+		err := cc.err
+		cc.mu.Unlock()
+		<-cc.slots
+		return fail(err)
 	}
-	_ = cc.ch.c.SetDeadline(dl)
-	defer cc.ch.c.SetDeadline(time.Time{})
-	if err := cc.ch.writeWith(&req, out); err != nil {
-		return resp, fmt.Errorf("control channel to node %s: %w: %w", cc.ch.peer, errChannel, err)
+	cc.tag++
+	req.Tag = cc.tag
+	cc.pending[req.Tag] = call
+	cc.mu.Unlock()
+	dl, _ := ctx.Deadline()
+	if err := cc.ch.send(&req, out, dl); err != nil {
+		cc.fail(err)
 	}
-	if err := cc.ch.read(&resp); err != nil {
-		return resp, fmt.Errorf("control channel to node %s: %w: %w", cc.ch.peer, errChannel, err)
-	}
-	if resp.Inline != 0 {
-		if raw == nil || resp.Inline < 0 || resp.Inline > MaxInline {
-			cc.ch.c.Close() // out of step with the peer: never reused
-			return resp, fmt.Errorf("control channel to node %s: %w: %w: %d inline bytes unasked", cc.ch.peer, errChannel, ErrBadRecord, resp.Inline)
+	select {
+	case a := <-call.answer:
+		<-cc.slots
+		if a.err != nil {
+			return fail(a.err)
 		}
-		b, err := cc.ch.readRaw()
+		if raw != nil {
+			*raw = a.raw
+		}
+		return a.resp, nil
+	case <-ctx.Done():
+		cc.mu.Lock()
+		if cc.pending[req.Tag] == call {
+			call.abandoned = true // the reader releases the place
+			cc.mu.Unlock()
+			return cc.ended(ctx)
+		}
+		cc.mu.Unlock()
+		a := <-call.answer // on its way
+		<-cc.slots
+		cc.drop(a.resp)
+		return cc.ended(ctx)
+	}
+}
+
+// ended is the error of a request whose ctx ended before its answer.
+func (cc *ControlClient) ended(ctx context.Context) (ctlResponse, error) {
+	err := ctx.Err()
+	if errors.Is(err, context.DeadlineExceeded) {
+		return ctlResponse{}, fmt.Errorf("control channel to node %s: %w: %w", cc.ch.peer, errChannel, err)
+	}
+	return ctlResponse{}, fmt.Errorf("control channel to node %s: %w", cc.ch.peer, err)
+}
+
+// drop lets go of the answer of a request whose caller gave up: an
+// exposure it made is released (a request of its own, not waited for).
+func (cc *ControlClient) drop(resp ctlResponse) {
+	if resp.Err != "" || resp.Handle == 0 {
+		return
+	}
+	go func() {
+		call := &ctlCall{abandoned: true}
+		cc.mu.Lock()
+		if cc.err != nil {
+			cc.mu.Unlock()
+			return // the node releases it with the channel
+		}
+		cc.tag++
+		req := ctlRequest{Tag: cc.tag, Op: "close", Handle: resp.Handle}
+		cc.pending[req.Tag] = call
+		cc.mu.Unlock()
+		if err := cc.ch.send(&req, nil, time.Now().Add(HandshakeTimeout)); err != nil {
+			cc.fail(err)
+		}
+	}()
+}
+
+// read reads the answers and hands each to its request, until the channel
+// breaks; then every request under way fails.
+func (cc *ControlClient) read() {
+	defer close(cc.done)
+	for {
+		p, err := cc.ch.readRaw()
 		if err != nil {
-			return resp, fmt.Errorf("control channel to node %s: %w: %w", cc.ch.peer, errChannel, err)
+			cc.fail(err)
+			return
 		}
-		*raw = b
+		var resp ctlResponse
+		if err := decodeStrict(p, &resp); err != nil {
+			cc.fail(err)
+			return
+		}
+		var raw []byte
+		if resp.Inline != 0 {
+			if resp.Inline < 0 || resp.Inline > MaxInline {
+				cc.fail(fmt.Errorf("%w: %d inline bytes", ErrBadRecord, resp.Inline))
+				return
+			}
+			if raw, err = cc.ch.readRaw(); err != nil {
+				cc.fail(err)
+				return
+			}
+		}
+		cc.mu.Lock()
+		call := cc.pending[resp.Tag]
+		delete(cc.pending, resp.Tag)
+		abandoned := call != nil && call.abandoned
+		cc.mu.Unlock()
+		switch {
+		case call == nil:
+			cc.fail(fmt.Errorf("%w: an answer to no request (tag %d)", ErrBadRecord, resp.Tag))
+			return
+		case resp.Inline != 0 && !call.raw:
+			// Out of step with the peer: the channel is never used again.
+			err := fmt.Errorf("%w: %d inline bytes unasked", ErrBadRecord, resp.Inline)
+			cc.fail(err)
+			if !abandoned {
+				call.answer <- ctlAnswer{err: err}
+			} else if call.slot {
+				<-cc.slots
+			}
+			return
+		case abandoned:
+			if call.slot {
+				<-cc.slots
+			}
+			cc.drop(resp)
+		default:
+			call.answer <- ctlAnswer{resp: resp, raw: raw}
+		}
 	}
-	return resp, nil
+}
+
+// fail breaks the channel with err, once: its connection is closed and
+// every request under way fails.
+func (cc *ControlClient) fail(err error) {
+	cc.mu.Lock()
+	if cc.err == nil {
+		cc.err = err
+	}
+	calls := cc.pending
+	cc.pending = map[uint64]*ctlCall{}
+	cc.mu.Unlock()
+	cc.ch.c.Close()
+	for _, call := range calls {
+		switch {
+		case !call.abandoned:
+			call.answer <- ctlAnswer{err: err}
+		case call.slot:
+			<-cc.slots
+		}
+	}
+}
+
+// broken is why the channel broke.
+func (cc *ControlClient) broken() error {
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	return cc.err
 }
 
 // Peer is the authenticated name of the node at the other end.
 func (cc *ControlClient) Peer() string { return cc.ch.peer }
 
-// Close closes the connection; the node releases every exposure of it.
+// Close closes the connection; the node releases every exposure of it,
+// and requests under way fail.
 func (cc *ControlClient) Close() error { return cc.ch.c.Close() }

@@ -163,7 +163,7 @@ func FuzzChannel(f *testing.F) {
 			}
 			c1, c2 := net.Pipe()
 			go func() { c1.Write(wire.Bytes()); c1.Close() }()
-			ch := &channel{c: c2, peer: "b", send: testSecret.aead("c2s", tr), recv: testSecret.aead("s2c", tr)}
+			ch := &channel{c: c2, peer: "b", sendAEAD: testSecret.aead("c2s", tr), recv: testSecret.aead("s2c", tr)}
 			var resp ctlResponse
 			err := ch.read(&resp)
 			c2.Close()

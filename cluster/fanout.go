@@ -146,9 +146,9 @@ var ErrFeedGone = errors.New("feeder stopped pulling the object")
 // serveFeed answers a "feed" request: an exposure of the replica being
 // pulled with the chunks it has, or of a sealed replica (every chunk),
 // which the reader releases by handle like an "open".
-func (s *ControlServer) serveFeed(req ctlRequest, held map[uint64]func(), next *uint64) ctlResponse {
+func (s *ControlServer) serveFeed(req ctlRequest, held *exposures) ctlResponse {
 	var resp ctlResponse
-	if len(held) >= MaxExposures {
+	if !held.reserve() {
 		resp.Err = fmt.Sprintf("more than %d objects exposed on one connection", MaxExposures)
 		return resp
 	}
@@ -173,12 +173,11 @@ func (s *ControlServer) serveFeed(req ctlRequest, held map[uint64]func(), next *
 		}
 	}
 	if err != nil {
+		held.unreserve()
 		resp.Err, resp.NotHeld = err.Error(), errors.Is(err, ErrNotFound)
 		return resp
 	}
-	*next++
-	held[*next] = rel
-	resp.Handle, resp.Exposure = *next, e
+	resp.Handle, resp.Exposure = held.add(rel), e
 	return resp
 }
 

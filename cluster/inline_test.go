@@ -73,12 +73,12 @@ func TestControlUnaskedInline(t *testing.T) {
 	tr := transcript(make([]byte, 32), make([]byte, 32), "cli", "srv")
 	c1, c2 := net.Pipe()
 	defer c1.Close()
-	srv := &channel{c: c1, peer: "cli", send: testSecret.aead("s2c", tr), recv: testSecret.aead("c2s", tr)}
-	cc := newControlClient(&channel{c: c2, peer: "srv", send: testSecret.aead("c2s", tr), recv: testSecret.aead("s2c", tr)})
+	srv := &channel{c: c1, peer: "cli", sendAEAD: testSecret.aead("s2c", tr), recv: testSecret.aead("c2s", tr)}
+	cc := newControlClient(&channel{c: c2, peer: "srv", sendAEAD: testSecret.aead("c2s", tr), recv: testSecret.aead("s2c", tr)})
 	go func() {
 		var req ctlRequest
 		if srv.read(&req) == nil {
-			_ = srv.writeWith(&ctlResponse{Handle: 1, Inline: 3, Exposure: Exposure{Worker: []byte("w"), RKey: []byte("k"), Addr: 1, Size: 3}}, []byte("abc"))
+			_ = srv.send(&ctlResponse{Tag: req.Tag, Handle: 1, Inline: 3, Exposure: Exposure{Worker: []byte("w"), RKey: []byte("k"), Addr: 1, Size: 3}}, []byte("abc"), time.Time{})
 		}
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

@@ -270,9 +270,9 @@ func unmask(m []byte, n int) []bool {
 	return out
 }
 
-// servePool answers the pool ops; held and next keep a get's exposure
-// until the peer releases it ("close").
-func (s *ControlServer) servePool(req ctlRequest, raw []byte, peer string, held map[uint64]func(), next *uint64) (ctlResponse, []byte) {
+// servePool answers the pool ops; held keeps a get's exposure until the
+// peer releases it ("close").
+func (s *ControlServer) servePool(req ctlRequest, raw []byte, peer string, held *exposures) (ctlResponse, []byte) {
 	var resp ctlResponse
 	ps, ok := s.Source.(PoolSource)
 	if !ok {
@@ -320,14 +320,16 @@ func (s *ControlServer) servePool(req ctlRequest, raw []byte, peer string, held 
 			return fail(fmt.Errorf("the store answered %d statuses for %d keys", len(resp.Status), c.Count()))
 		}
 	case "poolget":
-		if len(held) >= MaxExposures {
+		if !held.reserve() {
 			return fail(fmt.Errorf("more than %d objects exposed on one connection", MaxExposures))
 		}
 		found, b, e, release, err := ps.GatherPool(c, MaxInline)
 		if err != nil {
+			held.unreserve()
 			return fail(err)
 		}
 		if len(found) != c.Count() {
+			held.unreserve()
 			if release != nil {
 				release()
 			}
@@ -335,11 +337,10 @@ func (s *ControlServer) servePool(req ctlRequest, raw []byte, peer string, held 
 		}
 		resp.Mask = mask(found)
 		if release != nil {
-			*next++
-			held[*next] = release
-			resp.Handle, resp.Exposure.Worker, resp.Regions = *next, e.Worker, e.Regions
+			resp.Handle, resp.Exposure.Worker, resp.Regions = held.add(release), e.Worker, e.Regions
 			return resp, nil
 		}
+		held.unreserve()
 		if len(b) > 0 {
 			resp.Inline = int64(len(b))
 			return resp, b

@@ -159,15 +159,12 @@ const maxSpaceRegions = 1024
 
 // serveSpace answers a "kvopen" request: an exposure of the space's
 // regions, which the reader releases by handle like an "open".
-func (s *ControlServer) serveSpace(req ctlRequest, held map[uint64]func(), next *uint64) ctlResponse {
+func (s *ControlServer) serveSpace(req ctlRequest, held *exposures) ctlResponse {
 	var resp ctlResponse
 	ss, ok := s.Source.(SpaceSource)
 	switch {
 	case !ok:
 		resp.Err = fmt.Sprintf("%s %q", unknownOp, req.Op)
-		return resp
-	case len(held) >= MaxExposures:
-		resp.Err = fmt.Sprintf("more than %d objects exposed on one connection", MaxExposures)
 		return resp
 	case len(req.Regions) == 0 || len(req.Regions) > maxSpaceRegions || len(req.Space) == 0:
 		resp.Err = fmt.Sprintf("kvopen of %d regions of a description of %d bytes", len(req.Regions), len(req.Space))
@@ -177,14 +174,17 @@ func (s *ControlServer) serveSpace(req ctlRequest, held map[uint64]func(), next 
 		resp.Err = fmt.Sprintf("kvopen of a staging of %d blocks of layers from %d, %d of them", len(st.Blocks), st.First, st.Count)
 		return resp
 	}
+	if !held.reserve() {
+		resp.Err = fmt.Sprintf("more than %d objects exposed on one connection", MaxExposures)
+		return resp
+	}
 	e, rel, err := ss.ExposeSpace(req.Reader, req.Space, req.Regions, req.Stage)
 	if err != nil {
+		held.unreserve()
 		resp.Err, resp.NotHeld = err.Error(), errors.Is(err, ErrNoSpace)
 		return resp
 	}
-	*next++
-	held[*next] = rel
-	resp.Handle, resp.Exposure.Worker, resp.Regions = *next, e.Worker, e.Regions
+	resp.Handle, resp.Exposure.Worker, resp.Regions = held.add(rel), e.Worker, e.Regions
 	return resp
 }
 
