@@ -147,19 +147,23 @@ func readRemote(ctx context.Context, c *client.Client, r Request) (*Transfer, er
 	}
 	pr := &remoteProgress{t: t, got: make([]int, len(parts))}
 	errs := make([]error, len(parts))
-	var wg sync.WaitGroup
-	for k, part := range parts {
-		wg.Go(func() {
-			read := client.SpaceRead{Src: src, Dst: dst, SrcBlocks: ids32(r.SrcBlocks[part.from:part.to]),
-				DstBlocks: ids32(r.DstBlocks[part.from:part.to]), First: p.First, Count: p.Count}
-			errs[k] = c.ReadSpace(ctx, read, func(layers int) { pr.set(k, layers) })
-			if errs[k] == nil {
-				pr.set(k, p.Count)
-			}
-		})
+	read := func(k int) {
+		part := parts[k]
+		read := client.SpaceRead{Src: src, Dst: dst, SrcBlocks: ids32(r.SrcBlocks[part.from:part.to]),
+			DstBlocks: ids32(r.DstBlocks[part.from:part.to]), First: p.First, Count: p.Count}
+		errs[k] = c.ReadSpace(ctx, read, func(layers int) { pr.set(k, layers) })
+		if errs[k] == nil {
+			pr.set(k, p.Count)
+		}
 	}
 	go func() {
 		defer close(t.done)
+		// The first request on this goroutine, the others on their own.
+		var wg sync.WaitGroup
+		for k := 1; k < len(parts); k++ {
+			wg.Go(func() { read(k) })
+		}
+		read(0)
 		wg.Wait()
 		t.err = pr.failure(r, parts, errs)
 		if r.Notify != nil {

@@ -229,3 +229,17 @@ func SetMaxPoolCallBytes(t testing.TB, n int64) {
 	maxPoolCallBytes = n
 	t.Cleanup(func() { maxPoolCallBytes = old })
 }
+
+// GatherSpaceOnce has n read one small staged read of block block of the
+// one-region space desc (on another node, for uid reader) with the
+// control channel's "kvread": daemon to daemon, no client.
+func GatherSpaceOnce(ctx context.Context, n *Node, reader uint32, desc []byte, node string, block int, size int64) ([]byte, error) {
+	return n.p.GatherSpace(ctx, cluster.SpaceRead{Node: node, Reader: reader, Desc: desc, Regions: []int{0}, Sizes: []int64{size},
+		Stage: &cluster.SpaceStage{Blocks: []int{block}, First: 0, Count: 1}})
+}
+
+// SourceGather is what n, the space's node, does for one "kvread" of
+// block block of the one-region space desc, without the control channel.
+func SourceGather(n *Node, reader uint32, desc []byte, block int, max int64) ([]byte, error) {
+	return source{n}.GatherSpace(reader, desc, []int{0}, &cluster.SpaceStage{Blocks: []int{block}, First: 0, Count: 1}, max)
+}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -20,17 +21,19 @@ import (
 )
 
 // KV spaces across nodes (docs/kv.md, "Across nodes"). On the reader's
-// node, ReadSpace serves a client's kv_read: it leases the destination
-// space the client's uid registered here and maps it, has the source's
+// node, ReadSpace serves a client's kv_read: it maps the destination
+// space the client's uid registered here (holdRegions), has the source's
 // node expose the regions the read uses (cluster.Puller.ReadSpace) and
 // reads each copy of the plan (kv.Plan) straight into the mapping,
 // reporting layers as they complete. On the source's node, ExposeSpace
-// leases the regions for the reader's uid (the store's rules: its owner,
+// maps the regions for the reader's uid (the store's rules: its owner,
 // root, anyone when registered shared) and exposes them through UCX.
 //
 // Both sides keep a registration's memory mapped (and, on the source,
 // registered with UCX) from its first read until the registration ends:
-// spaceMaps, swept every spaceSweep.
+// spaceMaps, swept every spaceSweep; and a uid's first read of a space
+// leases its regions, the next only check that they are still registered
+// (kvhold.go).
 
 // maxSpaceCopy bounds one Get of a space read: a longer copy (a run of
 // contiguous blocks) is cut, so that its pieces go in flight side by side.
@@ -65,11 +68,12 @@ func (n *Node) ReadSpace(ctx context.Context, r store.SpaceRead, progress func(l
 
 // readSpace is ReadSpace, returning the read's plan.
 func (n *Node) readSpace(ctx context.Context, r store.SpaceRead, progress func(layers int)) (*kv.Plan, error) {
-	var src, dst kv.Desc
-	if err := src.UnmarshalBinary(r.Src); err != nil {
+	src, err := n.descs.parse(r.Src)
+	if err != nil {
 		return nil, invalid("source: %v", err)
 	}
-	if err := dst.UnmarshalBinary(r.Dst); err != nil {
+	dst, err := n.descs.parse(r.Dst)
+	if err != nil {
 		return nil, invalid("destination: %v", err)
 	}
 	self := n.cfg.Directory.Node
@@ -82,7 +86,7 @@ func (n *Node) readSpace(ctx context.Context, r store.SpaceRead, progress func(l
 	if uid, _, ok := protocol.SplitOwner(dst.Name); !ok || uid != r.Reader {
 		return nil, protocol.Errorf(storev1.Error_PERMISSION, "kv_read: destination %s is not a space of uid %d: a read writes only into the reader's own", dst.Name, r.Reader)
 	}
-	p, err := kv.NewPlan(&src, &dst, ints(r.SrcBlocks), ints(r.DstBlocks), r.First, r.Count)
+	p, err := kv.NewPlan(src, dst, ints(r.SrcBlocks), ints(r.DstBlocks), r.First, r.Count)
 	if err != nil {
 		return nil, invalid("%v", err)
 	}
@@ -91,32 +95,30 @@ func (n *Node) readSpace(ctx context.Context, r store.SpaceRead, progress func(l
 	for _, i := range srcRegions {
 		gpu = gpu || src.Regions[i].Device != "host"
 	}
-	names := make([]string, len(dstRegions))
-	for k, i := range dstRegions {
+	for _, i := range dstRegions {
 		gpu = gpu || dst.Regions[i].Device != "host"
-		names[k] = dst.RegionName(i)
 	}
-	lease, err := n.st.LeaseRegistered(r.Reader, names)
+	hold, err := n.holdRegions(r.Reader, r.Dst, dstRegions, true, nil, func(d *kv.Desc, i int, reg *store.Registered) error {
+		switch {
+		case reg.Owner != r.Reader:
+			return protocol.Errorf(storev1.Error_PERMISSION, "kv_read: destination region %s is uid %d's, not the reader's (%d)", reg.Name, reg.Owner, r.Reader)
+		case !bytes.Equal(reg.Space, r.Dst) || reg.Device != d.Regions[i].Device || reg.Size != d.Regions[i].Size || reg.Device == "host" && len(reg.Files) != 1:
+			return fmt.Errorf("destination region %s is not of the registration the description names (registered again since?): %w", reg.Name, store.ErrNotFound)
+		}
+		return nil
+	})
 	if err != nil {
+		if errors.As(err, new(mapError)) {
+			return nil, invalid("destination %s: %v", dst.Name, err)
+		}
 		return nil, fmt.Errorf("destination %s: %w", dst.Name, err)
 	}
-	defer lease.Release()
+	defer hold.release()
 	maps := make([]*spaceMap, len(dst.Regions))
 	mem := make([][]byte, len(dst.Regions)) // host memory's, for direct reads
 	var dev *cudaipc.Device
-	for k, reg := range lease.Regions {
+	for k, m := range hold.Maps {
 		i := dstRegions[k]
-		switch {
-		case reg.Owner != r.Reader:
-			return nil, protocol.Errorf(storev1.Error_PERMISSION, "kv_read: destination region %s is uid %d's, not the reader's (%d)", reg.Name, reg.Owner, r.Reader)
-		case !bytes.Equal(reg.Space, r.Dst) || reg.Device != dst.Regions[i].Device || reg.Size != dst.Regions[i].Size || reg.Device == "host" && len(reg.Files) != 1:
-			return nil, fmt.Errorf("destination region %s is not of the registration the description names (registered again since?): %w", reg.Name, store.ErrNotFound)
-		}
-		m, err := n.spaces.acquire(reg, true, nil)
-		if err != nil {
-			return nil, invalid("destination region %s: %v", reg.Name, err)
-		}
-		defer n.spaces.release(m)
 		maps[i], mem[i] = m, m.mem
 		if m.gpu != nil && dev == nil {
 			dev = m.gpu.Device()
@@ -126,7 +128,7 @@ func (n *Node) readSpace(ctx context.Context, r store.SpaceRead, progress func(l
 		}
 	}
 	if gpu || n.staged(p) {
-		return p, n.readStaged(ctx, r, &src, p, ints(r.SrcBlocks), ints(r.DstBlocks), maps, dev, progress)
+		return p, n.readStaged(ctx, r, src, p, ints(r.SrcBlocks), ints(r.DstBlocks), maps, dev, progress)
 	}
 	index := make(map[int]int, len(srcRegions))
 	sizes := make([]int64, len(srcRegions))
@@ -204,45 +206,37 @@ func ints(ids []uint32) []int {
 }
 
 // ExposeSpace implements cluster.SpaceSource: regions of a space
-// registered on this node, leased for the reader's uid, exposed through
+// registered on this node, held for the reader's uid, exposed through
 // UCX windows on their mappings until release.
 func (s source) ExposeSpace(reader uint32, desc []byte, regions []int, stage *cluster.SpaceStage) (cluster.SpaceExposure, func(), error) {
 	n := s.n
-	d, lease, err := n.leaseSpace(reader, desc, regions)
+	var register func([]byte) (*ucxtransport.Region, error)
+	if stage == nil {
+		register = n.tr.Register
+	}
+	h, err := n.holdSpace(reader, desc, regions, register)
 	if err != nil {
 		return cluster.SpaceExposure{}, nil, err
 	}
-	var undo []func()
-	release := func() {
-		for _, u := range undo {
-			u()
-		}
-		lease.Release()
-	}
 	if stage != nil {
-		e, rel, err := n.exposeStaged(d, regions, lease, stage)
+		e, rel, err := n.exposeStaged(h, regions, stage)
 		if err != nil {
-			lease.Release()
+			h.release()
 			return e, nil, err
 		}
 		n.exposures.Add(1)
 		var once sync.Once
-		return e, func() { once.Do(func() { rel(); lease.Release() }) }, nil
+		return e, func() { once.Do(func() { rel(); h.release() }) }, nil
+	}
+	undo := []func(){h.release}
+	release := func() {
+		for _, u := range slices.Backward(undo) {
+			u()
+		}
 	}
 	e := cluster.SpaceExposure{Worker: n.tr.WorkerAddress()}
-	for _, reg := range lease.Regions {
-		if reg.Device != "host" {
-			release()
-			return cluster.SpaceExposure{}, nil, fmt.Errorf("region %s is in GPU memory: it is read staged", reg.Name)
-		}
-	}
-	for _, reg := range lease.Regions {
-		m, err := n.spaces.acquire(reg, false, n.tr.Register)
-		if err != nil {
-			release()
-			return cluster.SpaceExposure{}, nil, fmt.Errorf("region %s: %w", reg.Name, err)
-		}
-		undo = append(undo, func() { n.spaces.release(m) })
+	for k, reg := range h.Regs {
+		m := h.Maps[k]
 		key, closeWindow, err := m.reg.Window(0, reg.Size)
 		if err != nil {
 			release()
@@ -291,38 +285,28 @@ func (s source) NotifySpace(reader uint32, desc, payload []byte) error {
 	return nil
 }
 
-// leaseSpace leases, for uid reader, the regions of the space whose
-// description is desc, checking that they are of that registration.
-func (n *Node) leaseSpace(reader uint32, desc []byte, regions []int) (*kv.Desc, *store.RegisteredLease, error) {
-	d := new(kv.Desc)
-	if err := d.UnmarshalBinary(desc); err != nil {
-		return nil, nil, err
+// holdSpace maps, for uid reader, the regions of the space of this node
+// whose description is desc (registered with UCX by register when set),
+// checking that they are of that registration: a space that is not here
+// for the reader fails it with an error wrapping cluster.ErrNoSpace.
+func (n *Node) holdSpace(reader uint32, desc []byte, regions []int, register func([]byte) (*ucxtransport.Region, error)) (*spaceHold, error) {
+	d, err := n.descs.parse(desc)
+	if err != nil {
+		return nil, err
 	}
 	if self := n.cfg.Directory.Node; d.Node != self {
-		return nil, nil, fmt.Errorf("%w: space %s is on node %q, not this one", cluster.ErrNoSpace, d.Name, d.Node)
+		return nil, fmt.Errorf("%w: space %s is on node %q, not this one", cluster.ErrNoSpace, d.Name, d.Node)
 	}
-	names := make([]string, len(regions))
-	for k, i := range regions {
-		if i < 0 || i >= len(d.Regions) || k > 0 && i <= regions[k-1] {
-			return nil, nil, fmt.Errorf("regions %v of a space of %d: want ascending region numbers", regions, len(d.Regions))
-		}
-		names[k] = d.RegionName(i)
-	}
-	lease, err := n.st.LeaseRegistered(reader, names)
-	if err != nil {
-		if errors.Is(err, store.ErrNotFound) {
-			err = fmt.Errorf("%w: %v (its engine ended or closed it, or it was never registered, or not for this uid)", cluster.ErrNoSpace, err)
-		}
-		return nil, nil, err
-	}
-	for k, reg := range lease.Regions {
-		i := regions[k]
+	h, err := n.holdRegions(reader, desc, regions, false, register, func(d *kv.Desc, i int, reg *store.Registered) error {
 		if !bytes.Equal(reg.Space, desc) || reg.Device != d.Regions[i].Device || reg.Size != d.Regions[i].Size || reg.Device == "host" && len(reg.Files) != 1 {
-			lease.Release()
-			return nil, nil, fmt.Errorf("%w: region %s is not of the registration the description names (registered again since)", cluster.ErrNoSpace, reg.Name)
+			return fmt.Errorf("%w: region %s is not of the registration the description names (registered again since)", cluster.ErrNoSpace, reg.Name)
 		}
+		return nil
+	})
+	if errors.Is(err, store.ErrNotFound) && !errors.Is(err, cluster.ErrNoSpace) {
+		err = fmt.Errorf("%w: %v (its engine ended or closed it, or it was never registered, or not for this uid)", cluster.ErrNoSpace, err)
 	}
-	return d, lease, nil
+	return h, err
 }
 
 // spaceMaps are registrations' memory mapped into the daemon for reads
@@ -402,6 +386,29 @@ func (sm *spaceMaps) acquire(reg *store.Registered, write bool, register func([]
 	return m, nil
 }
 
+// mapped returns reg's mapping (read-write with write), with one more
+// user, when it is mapped already (and, with register, registered or
+// registered now); nil when it is not.
+func (sm *spaceMaps) mapped(reg *store.Registered, write bool, register func([]byte) (*ucxtransport.Region, error)) *spaceMap {
+	sm.mu.Lock()
+	defer sm.mu.Unlock()
+	m := sm.m[spaceKey{reg.Registration, write}]
+	if m == nil {
+		return nil
+	}
+	if m.reg == nil && register != nil {
+		if m.gpu != nil {
+			return nil
+		}
+		var err error
+		if m.reg, err = register(m.mem); err != nil {
+			return nil
+		}
+	}
+	m.users++
+	return m
+}
+
 // release lets go of m.
 func (sm *spaceMaps) release(m *spaceMap) {
 	sm.mu.Lock()
@@ -475,6 +482,7 @@ func (n *Node) sweepSpaces(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+			n.descs.sweep(n.st.Live)
 			n.spaces.sweep(n.st.Live)
 		}
 	}

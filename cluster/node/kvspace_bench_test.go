@@ -2,6 +2,7 @@ package node_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -9,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -190,46 +192,68 @@ func rawGetFloor(ctx context.Context, n int64, depth, rounds int) (time.Duration
 	return best, nil
 }
 
+// smallSpaces is a host space of 4,096 blocks of 4 KiB registered with
+// daemon a (random bytes) and one of the same layout registered with
+// daemon r, the reader's.
+type smallSpaces struct {
+	a, r     *daemon
+	src, dst *hostSpace
+	sp       *kv.Space
+	desc     []byte
+}
+
+const smallBlocks, smallBlock = 4096, 4096
+
+func newSmallSpaces(b *testing.B, ctx context.Context) *smallSpaces {
+	srv := etcdtest.Start(b)
+	s := &smallSpaces{a: startDaemon(b, srv, "a"), r: startDaemon(b, srv, "b")}
+	layout := kv.Layout{Blocks: smallBlocks, Layers: [][]kv.Part{{{Region: 0, Stride: smallBlock, Bytes: smallBlock}}}}
+	s.src = newHostSpace(b, layout, []int64{smallBlocks * smallBlock}, 3)
+	var err error
+	if s.sp, err = kv.Register(ctx, s.a.c, "small/src", s.src.local, client.RegisterOptions{}); err != nil {
+		b.Fatal(err)
+	}
+	s.dst = newHostSpace(b, layout, []int64{smallBlocks * smallBlock}, 0)
+	if _, err := kv.Register(ctx, s.r.c, "small/dst", s.dst.local, client.RegisterOptions{}); err != nil {
+		b.Fatal(err)
+	}
+	if s.desc, err = s.sp.Desc().MarshalBinary(); err != nil {
+		b.Fatal(err)
+	}
+	return s
+}
+
+// read reads block i (mod the space's blocks) into the same block of the
+// reader's space.
+func (s *smallSpaces) read(ctx context.Context, i int) error {
+	tr, err := kv.ReadBlocks(ctx, s.r.c, kv.Request{Src: s.sp.Desc(), SrcBlocks: []int{i % smallBlocks}, Dst: s.dst.local, DstBlocks: []int{i % smallBlocks}})
+	if err != nil {
+		return err
+	}
+	return tr.Wait(ctx)
+}
+
 // BenchmarkKVSmallRead reads one 4 KiB block of a space of another daemon
-// (one kv_read, one kvopen, one fetch), one at a time (p50 and p99
-// beside ucx_perftest's active-message round trip at 4 KiB), then
-// KV_BENCH_CONCURRENT (1,000) at once from one client (reads a second and
-// their p99).
+// (one kv_read, one kvread between the daemons), one at a time (p50 and
+// p99 beside ucx_perftest's active-message round trip at 4 KiB), then
+// KV_BENCH_CONCURRENT (1,000) at once from one client, KV_BENCH_ROUNDS (3)
+// times (reads a second and their p99, beside ucx_perftest's message rate
+// of 4 KiB active messages).
 //
 //	go test -run '^$' -bench KVSmallRead -benchtime 2000x ./cluster/node/
 func BenchmarkKVSmallRead(b *testing.B) {
-	const blocks, bsize = 4096, 4096
-	srv := etcdtest.Start(b)
-	a := startDaemon(b, srv, "a")
-	r := startDaemon(b, srv, "b")
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	layout := kv.Layout{Blocks: blocks, Layers: [][]kv.Part{{{Region: 0, Stride: bsize, Bytes: bsize}}}}
-	src := newHostSpace(b, layout, []int64{blocks * bsize}, 3)
-	sp, err := kv.Register(ctx, a.c, "small/src", src.local, client.RegisterOptions{})
-	if err != nil {
-		b.Fatal(err)
-	}
-	dst := newHostSpace(b, layout, []int64{blocks * bsize}, 0)
-	if _, err := kv.Register(ctx, r.c, "small/dst", dst.local, client.RegisterOptions{}); err != nil {
-		b.Fatal(err)
-	}
-	read := func(i int) error {
-		tr, err := kv.ReadBlocks(ctx, r.c, kv.Request{Src: sp.Desc(), SrcBlocks: []int{i % blocks}, Dst: dst.local, DstBlocks: []int{i % blocks}})
-		if err != nil {
-			return err
-		}
-		return tr.Wait(ctx)
-	}
-	if err := read(0); err != nil {
+	s := newSmallSpaces(b, ctx)
+	if err := s.read(ctx, 0); err != nil {
 		b.Fatal(err)
 	}
 	lat := make([]time.Duration, 0, b.N)
-	b.SetBytes(bsize)
+	b.SetBytes(smallBlock)
 	b.ResetTimer()
 	for i := range b.N {
 		start := time.Now()
-		if err := read(i); err != nil {
+		if err := s.read(ctx, i); err != nil {
 			b.Fatal(err)
 		}
 		lat = append(lat, time.Since(start))
@@ -239,36 +263,52 @@ func BenchmarkKVSmallRead(b *testing.B) {
 	b.ReportMetric(float64(lat[len(lat)/2].Microseconds()), "p50_µs")
 	b.ReportMetric(float64(lat[len(lat)*99/100].Microseconds()), "p99_µs")
 	conc := 1000
-	if s := os.Getenv("KV_BENCH_CONCURRENT"); s != "" {
-		if conc, err = strconv.Atoi(s); err != nil {
+	if v := os.Getenv("KV_BENCH_CONCURRENT"); v != "" {
+		var err error
+		if conc, err = strconv.Atoi(v); err != nil {
 			b.Fatal(err)
 		}
 	}
-	clat := make([]time.Duration, conc)
-	errs := make([]error, conc)
-	var wg sync.WaitGroup
-	start := time.Now()
-	for i := range conc {
-		wg.Go(func() {
-			t0 := time.Now()
-			errs[i] = read(i)
-			clat[i] = time.Since(t0)
-		})
-	}
-	wg.Wait()
-	took := time.Since(start)
-	for _, err := range errs {
-		if err != nil {
+	rounds := 3
+	if v := os.Getenv("KV_BENCH_ROUNDS"); v != "" {
+		var err error
+		if rounds, err = strconv.Atoi(v); err != nil {
 			b.Fatal(err)
 		}
 	}
-	written := seq(min(max(conc, b.N), blocks)) // blocks 0, 1, ... read into the same ids
-	checkRead(b, src, dst, make2(dst), written, written, 0, 1)
+	clat := make([]time.Duration, 0, rounds*conc)
+	var took time.Duration
+	cpu0 := processCPU(b)
+	for range rounds {
+		lat := make([]time.Duration, conc)
+		errs := make([]error, conc)
+		var wg sync.WaitGroup
+		start := time.Now()
+		for i := range conc {
+			wg.Go(func() {
+				t0 := time.Now()
+				errs[i] = s.read(ctx, i)
+				lat[i] = time.Since(t0)
+			})
+		}
+		wg.Wait()
+		took += time.Since(start)
+		for _, err := range errs {
+			if err != nil {
+				b.Fatal(err)
+			}
+		}
+		clat = append(clat, lat...)
+	}
+	written := seq(min(max(conc, b.N), smallBlocks)) // blocks 0, 1, ... read into the same ids
+	checkRead(b, s.src, s.dst, make2(s.dst), written, written, 0, 1)
+	b.ReportMetric(float64((processCPU(b)-cpu0).Nanoseconds())/1e3/float64(len(clat)), "concurrent_cpu_µs/read")
 	slices.Sort(clat)
-	b.ReportMetric(float64(conc)/took.Seconds(), "concurrent_reads/s")
-	b.ReportMetric(float64(clat[conc*99/100].Microseconds()), "concurrent_p99_µs")
-	pt, err := ucxperf.Perftest(ctx, ucxperf.PerftestOptions{Test: "ucp_am_lat", Size: bsize, Iters: 2000, Warmup: 100,
-		Env: []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=lo"}})
+	rate := float64(len(clat)) / took.Seconds()
+	b.ReportMetric(rate, "concurrent_reads/s")
+	b.ReportMetric(float64(clat[len(clat)*99/100].Microseconds()), "concurrent_p99_µs")
+	env := []string{"UCX_TLS=tcp", "UCX_NET_DEVICES=lo"}
+	pt, err := ucxperf.Perftest(ctx, ucxperf.PerftestOptions{Test: "ucp_am_lat", Size: smallBlock, Iters: 2000, Warmup: 100, Env: env})
 	if err != nil {
 		b.Logf("ucx_perftest: %v", err)
 		return
@@ -276,4 +316,76 @@ func BenchmarkKVSmallRead(b *testing.B) {
 	rt := 2 * pt.P50
 	b.ReportMetric(float64(rt.Microseconds()), "perftest_am_round_trip_µs")
 	b.ReportMetric(float64(lat[len(lat)/2])/float64(rt), "p50_x_round_trip")
+	if pt, err = ucxperf.Perftest(ctx, ucxperf.PerftestOptions{Test: "ucp_am_bw", Size: smallBlock, Iters: 20000, Warmup: 1000, Env: env}); err == nil {
+		b.ReportMetric(pt.MsgRate, "perftest_am_msg/s")
+		b.ReportMetric(rate/pt.MsgRate, "concurrent_x_msg_rate")
+	}
+}
+
+// BenchmarkKVSmallReadParts times the parts of one 4 KiB read across
+// nodes, one at a time: the whole read (client, both daemons), the
+// client's round trip to its daemon (a stat), the daemons' "kvread" (the
+// reader's daemon to the source's and back, no client), and what the
+// source's daemon does for one (no control channel).
+//
+//	go test -run '^$' -bench KVSmallReadParts -benchtime 5000x ./cluster/node/
+func BenchmarkKVSmallReadParts(b *testing.B) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	s := newSmallSpaces(b, ctx)
+	if err := s.read(ctx, 0); err != nil {
+		b.Fatal(err)
+	}
+	parts := []struct {
+		name string
+		op   func(i int) error
+	}{
+		{"read", func(i int) error { return s.read(ctx, i) }},
+		{"client_round_trip", func(i int) error {
+			if _, err := s.r.c.Stat(ctx, "no/such"); err != nil && !errors.Is(err, client.ErrNotFound) {
+				return err
+			}
+			return nil
+		}},
+		{"daemons_kvread", func(i int) error {
+			_, err := node.GatherSpaceOnce(ctx, s.r.node, 0, s.desc, "a", i%smallBlocks, smallBlock)
+			return err
+		}},
+		{"source_gather", func(i int) error {
+			_, err := node.SourceGather(s.a.node, 0, s.desc, i%smallBlocks, cluster.MaxInline)
+			return err
+		}},
+	}
+	for _, p := range parts {
+		b.Run(p.name, func(b *testing.B) {
+			if err := p.op(0); err != nil {
+				b.Fatal(err)
+			}
+			lat := make([]time.Duration, 0, b.N)
+			cpu0 := processCPU(b)
+			b.ResetTimer()
+			for i := range b.N {
+				t0 := time.Now()
+				if err := p.op(i); err != nil {
+					b.Fatal(err)
+				}
+				lat = append(lat, time.Since(t0))
+			}
+			b.StopTimer()
+			b.ReportMetric(float64((processCPU(b)-cpu0).Nanoseconds())/1e3/float64(b.N), "cpu_µs/op")
+			slices.Sort(lat)
+			b.ReportMetric(float64(lat[len(lat)/2].Nanoseconds())/1e3, "p50_µs")
+			b.ReportMetric(float64(lat[len(lat)*99/100].Nanoseconds())/1e3, "p99_µs")
+		})
+	}
+}
+
+// processCPU is the CPU time this process has used (both daemons, their
+// clients and the benchmark: all run in it).
+func processCPU(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }

@@ -130,24 +130,12 @@ func (n *Node) readStaged(ctx context.Context, r store.SpaceRead, src *kv.Desc, 
 			}
 		}
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	sem := make(chan struct{}, stagedGroups)
-	errs := make([]error, len(groups))
-	var wg sync.WaitGroup
-	for gi, g := range groups {
-		select {
-		case sem <- struct{}{}:
-		case <-ctx.Done():
-		}
-		if ctx.Err() != nil {
-			break
-		}
+	// start readies group g: its staging, its layers' sizes, the source
+	// regions it reads.
+	start := func(g layerGroup) (*kv.Staging, []int, error) {
 		st, err := kv.NewStaging(&p.Dst.Layout, len(dstIDs), g.first, g.count)
 		if err != nil {
-			errs[gi] = err
-			<-sem
-			break
+			return nil, nil, err
 		}
 		mu.Lock()
 		for l := g.first; l < g.first+g.count; l++ {
@@ -162,7 +150,34 @@ func (n *Node) readStaged(ctx context.Context, r store.SpaceRead, src *kv.Desc, 
 			}
 		}
 		slices.Sort(regions)
-		regions = slices.Compact(regions)
+		return st, slices.Compact(regions), nil
+	}
+	if len(groups) == 1 { // a small read: on this goroutine
+		st, regions, err := start(groups[0])
+		if err != nil {
+			return err
+		}
+		return n.readGroup(ctx, r, src, p, st, groups[0], regions, dstIDs, dst, dev, scattered)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	sem := make(chan struct{}, stagedGroups)
+	errs := make([]error, len(groups))
+	var wg sync.WaitGroup
+	for gi, g := range groups {
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+		}
+		if ctx.Err() != nil {
+			break
+		}
+		st, regions, err := start(g)
+		if err != nil {
+			errs[gi] = err
+			<-sem
+			break
+		}
 		wg.Go(func() {
 			defer func() { <-sem }()
 			errs[gi] = n.readGroup(ctx, r, src, p, st, g, regions, dstIDs, dst, dev, scattered)
@@ -381,61 +396,62 @@ func (gp *gpuPieces) close() {
 	}
 }
 
-// stagedRegions checks stage against the space d and regions (those its
-// layers use) and maps the regions of lease, returning the staging, each
-// region's mapping by its number, the GPU they are all on (nil: all host
-// memory), and the function that lets the mappings go.
-func (n *Node) stagedRegions(d *kv.Desc, regions []int, lease *store.RegisteredLease, stage *cluster.SpaceStage) (*kv.Staging, []*spaceMap, *cudaipc.Device, func(), error) {
-	fail := func(err error) (*kv.Staging, []*spaceMap, *cudaipc.Device, func(), error) {
-		return nil, nil, nil, nil, err
-	}
+// stagedRegions checks stage against the space h.D and regions (those
+// its layers use, held by h), returning the staging, each region's
+// mapping by its number, and the GPU they are all on (nil: all host
+// memory).
+func stagedRegions(h *spaceHold, regions []int, stage *cluster.SpaceStage) (*kv.Staging, []*spaceMap, *cudaipc.Device, error) {
+	d := h.D
 	for _, b := range stage.Blocks {
 		if b < 0 || b >= d.Blocks {
-			return fail(fmt.Errorf("staging of block %d of a space of %d", b, d.Blocks))
+			return nil, nil, nil, fmt.Errorf("staging of block %d of a space of %d", b, d.Blocks)
 		}
 	}
 	st, err := kv.NewStaging(&d.Layout, len(stage.Blocks), stage.First, stage.Count)
 	if err != nil {
-		return fail(err)
+		return nil, nil, nil, err
 	}
 	if st.Size() > maxStaged {
-		return fail(fmt.Errorf("a staging of %d bytes, at most %d: fewer layers a kvopen", st.Size(), maxStaged))
+		return nil, nil, nil, fmt.Errorf("a staging of %d bytes, at most %d: fewer layers a kvopen", st.Size(), maxStaged)
 	}
-	var want []int
-	for l := stage.First; l < stage.First+stage.Count; l++ {
-		for _, pt := range d.Layers[l] {
-			want = append(want, pt.Region)
-		}
-	}
-	slices.Sort(want)
-	if want = slices.Compact(want); !slices.Equal(want, regions) {
-		return fail(fmt.Errorf("regions %v for a staging whose layers use %v", regions, want))
+	if !usesExactly(d, stage.First, stage.Count, regions) {
+		return nil, nil, nil, fmt.Errorf("regions %v for a staging whose layers use others", regions)
 	}
 	maps := make([]*spaceMap, len(d.Regions))
-	var held []*spaceMap
-	undo := func() {
-		for _, m := range held {
-			n.spaces.release(m)
-		}
-	}
 	var dev *cudaipc.Device
-	for k, reg := range lease.Regions {
-		m, err := n.spaces.acquire(reg, false, nil)
-		if err != nil {
-			undo()
-			return fail(fmt.Errorf("region %s: %w", reg.Name, err))
-		}
-		held = append(held, m)
+	for k, m := range h.Maps {
 		maps[regions[k]] = m
 		if m.gpu != nil && k == 0 {
 			dev = m.gpu.Device()
 		}
 		if (m.gpu == nil) != (dev == nil) || m.gpu != nil && m.gpu.Device() != dev {
-			undo()
-			return fail(fmt.Errorf("%w: the regions a staging reads are on one GPU or all in host memory", errMixed))
+			return nil, nil, nil, fmt.Errorf("%w: the regions a staging reads are on one GPU or all in host memory", errMixed)
 		}
 	}
-	return st, maps, dev, undo, nil
+	return st, maps, dev, nil
+}
+
+// usesExactly reports whether the layers [first, first+count) of d use
+// exactly regions (ascending).
+func usesExactly(d *kv.Desc, first, count int, regions []int) bool {
+	if len(regions) == 1 { // the common case: no allocation
+		for l := first; l < first+count; l++ {
+			for _, pt := range d.Layers[l] {
+				if pt.Region != regions[0] {
+					return false
+				}
+			}
+		}
+		return true
+	}
+	var want []int
+	for l := first; l < first+count; l++ {
+		for _, pt := range d.Layers[l] {
+			want = append(want, pt.Region)
+		}
+	}
+	slices.Sort(want)
+	return slices.Equal(slices.Compact(want), regions)
 }
 
 // errMixed: a read whose regions on one side are in different kinds of
@@ -479,34 +495,32 @@ func gatherGPU(dev *cudaipc.Device, d *kv.Desc, st *kv.Staging, stage *cluster.S
 	return err
 }
 
-// exposeStaged is ExposeSpace of a staged read: the regions of lease (the
-// space d's), mapped, gathered into a staging buffer of the node's pool
+// exposeStaged is ExposeSpace of a staged read: the regions h holds (of
+// the space h.D), gathered into a staging buffer of the node's pool
 // layer by layer (by a goroutine of its own, but for a small staging of
 // host memory), exposed as a filling window. GPU memory is gathered by
 // the device straight into the buffer, mapped for it. release stops the
-// gathering and gives the buffer back.
-func (n *Node) exposeStaged(d *kv.Desc, regions []int, lease *store.RegisteredLease, stage *cluster.SpaceStage) (cluster.SpaceExposure, func(), error) {
-	st, maps, dev, undo, err := n.stagedRegions(d, regions, lease, stage)
+// gathering and gives the buffer back; the caller then lets h go.
+func (n *Node) exposeStaged(h *spaceHold, regions []int, stage *cluster.SpaceStage) (cluster.SpaceExposure, func(), error) {
+	d := h.D
+	st, maps, dev, err := stagedRegions(h, regions, stage)
 	if err != nil {
 		return cluster.SpaceExposure{}, nil, err
 	}
 	buf, err := n.stageBufs.get(n.tr, st.Size())
 	if err != nil {
-		undo()
 		return cluster.SpaceExposure{}, nil, err
 	}
 	var devPtr cudaipc.DevicePtr
 	if dev != nil {
 		if devPtr, err = buf.mapFor(dev); err != nil {
 			n.stageBufs.put(buf)
-			undo()
 			return cluster.SpaceExposure{}, nil, err
 		}
 	}
 	fw, err := buf.reg.FillingWindow(0, st.Size())
 	if err != nil {
 		n.stageBufs.put(buf)
-		undo()
 		return cluster.SpaceExposure{}, nil, err
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -551,7 +565,6 @@ func (n *Node) exposeStaged(d *kv.Desc, regions []int, lease *store.RegisteredLe
 				<-gathered
 				fw.Close()
 				n.stageBufs.put(buf)
-				undo()
 			})
 		}, nil
 }
@@ -560,16 +573,16 @@ func (n *Node) exposeStaged(d *kv.Desc, regions []int, lease *store.RegisteredLe
 // bytes, gathered for the answer.
 func (s source) GatherSpace(reader uint32, desc []byte, regions []int, stage *cluster.SpaceStage, max int64) ([]byte, error) {
 	n := s.n
-	d, lease, err := n.leaseSpace(reader, desc, regions)
+	h, err := n.holdSpace(reader, desc, regions, nil)
 	if err != nil {
 		return nil, err
 	}
-	defer lease.Release()
-	st, maps, dev, undo, err := n.stagedRegions(d, regions, lease, stage)
+	defer h.release()
+	d := h.D
+	st, maps, dev, err := stagedRegions(h, regions, stage)
 	if err != nil {
 		return nil, err
 	}
-	defer undo()
 	if st.Size() > max {
 		return nil, fmt.Errorf("a staging of %d bytes, at most %d inline", st.Size(), max)
 	}

@@ -144,6 +144,7 @@ type Node struct {
 	mirror  *etcddir.Mirror
 	slicing slicePulls // partial replicas being read (partial.go)
 	spaces  spaceMaps  // KV spaces' memory mapped for reads across nodes (kvspace.go)
+	descs   spaceDescs // KV space descriptions parsed, and their registrations (kvhold.go)
 	// stageBufs and gpuPieces are staged KV reads' buffers, kvStagedBytes
 	// the bytes gathered into them, spaceMode how reads go (kvstage.go).
 	stageBufs     stageBufs

@@ -164,6 +164,7 @@ type PerftestResult struct {
 	P50         time.Duration // the median latency ucx_perftest prints
 	Avg         time.Duration
 	BytesPerSec float64 // overall bandwidth
+	MsgRate     float64 // overall messages a second
 }
 
 // ErrNoPerftest says that ucx_perftest is not installed (Debian/Ubuntu:
@@ -255,7 +256,7 @@ func parsePerftest(out []byte) (PerftestResult, error) {
 			}
 		}
 		us := func(x float64) time.Duration { return time.Duration(x * float64(time.Microsecond)) }
-		return PerftestResult{Iters: n, P50: us(v[1]), Avg: us(v[2]), BytesPerSec: v[5] * (1 << 20)}, nil
+		return PerftestResult{Iters: n, P50: us(v[1]), Avg: us(v[2]), BytesPerSec: v[5] * (1 << 20), MsgRate: v[7]}, nil
 	}
 	return PerftestResult{}, fmt.Errorf("no result line in ucx_perftest's output:\n%s", out)
 }

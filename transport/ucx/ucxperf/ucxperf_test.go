@@ -11,7 +11,7 @@ func TestParsePerftest(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r.Iters != 3000 || r.P50 != 2830914*time.Nanosecond || r.BytesPerSec != 1.24*(1<<20) {
+	if r.Iters != 3000 || r.P50 != 2830914*time.Nanosecond || r.BytesPerSec != 1.24*(1<<20) || r.MsgRate != 318 {
 		t.Fatalf("parsed %+v", r)
 	}
 	if _, err := parsePerftest([]byte("UCX ERROR something\n")); err == nil {
