@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -238,7 +239,7 @@ func (s *smallSpaces) read(ctx context.Context, i int) error {
 // p99 beside ucx_perftest's active-message round trip at 4 KiB), then
 // KV_BENCH_CONCURRENT (1,000) at once from one client, KV_BENCH_ROUNDS (3)
 // times (reads a second and their p99, beside ucx_perftest's message rate
-// of 4 KiB active messages).
+// of 4 KiB active messages; KV_BENCH_CPUPROFILE=FILE profiles them).
 //
 //	go test -run '^$' -bench KVSmallRead -benchtime 2000x ./cluster/node/
 func BenchmarkKVSmallRead(b *testing.B) {
@@ -278,6 +279,17 @@ func BenchmarkKVSmallRead(b *testing.B) {
 	}
 	clat := make([]time.Duration, 0, rounds*conc)
 	var took time.Duration
+	stopProfile := func() {}
+	if f := os.Getenv("KV_BENCH_CPUPROFILE"); f != "" { // the concurrent reads alone
+		out, err := os.Create(f)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := pprof.StartCPUProfile(out); err != nil {
+			b.Fatal(err)
+		}
+		stopProfile = func() { pprof.StopCPUProfile(); out.Close() }
+	}
 	cpu0 := processCPU(b)
 	for range rounds {
 		lat := make([]time.Duration, conc)
@@ -302,6 +314,7 @@ func BenchmarkKVSmallRead(b *testing.B) {
 	}
 	written := seq(min(max(conc, b.N), smallBlocks)) // blocks 0, 1, ... read into the same ids
 	checkRead(b, s.src, s.dst, make2(s.dst), written, written, 0, 1)
+	stopProfile()
 	b.ReportMetric(float64((processCPU(b)-cpu0).Nanoseconds())/1e3/float64(len(clat)), "concurrent_cpu_µs/read")
 	slices.Sort(clat)
 	rate := float64(len(clat)) / took.Seconds()
