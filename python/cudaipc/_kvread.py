@@ -20,6 +20,7 @@ import logging
 import operator
 import os
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._kvdesc import Desc, Layout
@@ -64,6 +65,10 @@ class Transfer:
         self._layer_waiters = 0  # of which in wait_layer
         self._job: Optional[_Read] = None   # the read's work, until it ends
         self._running = False   # a thread runs _job
+        # For a read whose answers come over a connection (across nodes): reads
+        # the connection until cond() holds or timeout seconds pass (0: what is
+        # there now), when no other thread reads it.
+        self._drive: Optional[Callable[[Callable[[], bool], Optional[float]], None]] = None
 
     @property
     def layers(self) -> range:
@@ -72,6 +77,8 @@ class Transfer:
 
     def done(self) -> bool:
         """Whether the read has ended, complete or failed."""
+        if not self._ended and self._drive is not None:
+            self._drive(lambda: self._ended, 0)
         return self._ended
 
     @property
@@ -88,6 +95,8 @@ class Transfer:
         read another thread runs."""
         if timeout is None or timeout > 0:
             self._run_here(self.count, False)
+        if self._drive is not None:
+            timeout = self._driven(lambda: self._ended, timeout)
         with self._cv:
             if not self._ended:
                 self._waiters += 1
@@ -113,6 +122,8 @@ class Transfer:
         i = layer - self.first
         if self._complete <= i and (timeout is None or timeout > 0):
             self._run_here(i + 1, False)
+        if self._drive is not None:
+            timeout = self._driven(lambda: self._complete > i or self._ended, timeout)
         with self._cv:
             if self._complete <= i and not self._ended:
                 self._waiters += 1
@@ -129,6 +140,17 @@ class Transfer:
             err = self._error
         if err is not None:
             raise err
+
+    def _driven(self, cond: Callable[[], bool], timeout: Optional[float]) -> Optional[float]:
+        """Read the connection until cond holds or timeout passes; return the time
+        left (an end the connection's failure brings is on its way then)."""
+        assert self._drive is not None
+        if timeout is None:
+            self._drive(cond, None)
+            return None
+        end = time.monotonic() + timeout
+        self._drive(cond, timeout)
+        return max(end - time.monotonic(), 0.0)
 
     def layer_done(self, i: int) -> None:
         """Mark layers up to first + i complete (the reading thread's call)."""

@@ -6,19 +6,25 @@ packet. The daemon has the source's daemon expose the regions the layers use and
 writes the bytes straight into the destination, which must be a space registered
 with it (kv.register); its progress responses complete the Transfer's layers. Either
 side may be host memory or one GPU's: the daemons stage GPU memory through pinned
-host memory (each side's GPU gathers or scatters), and refuse a side over both."""
+host memory (each side's GPU gathers or scatters), and refuse a side over both.
+
+No thread is started: read_blocks sends the requests from the caller's thread, and
+their answers are handled by whichever thread reads the connection (the Transfer's
+waiters read it when nobody else does; Transfer.done reads what is there), so many
+reads in flight cost a request each, not a thread each."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from . import _store_pb2 as pb
 from ._kvdesc import Desc
 from ._kvlocal import Local
 from ._kvread import MAX_NOTIFY, Transfer, block_ids, check_pairs
-from ._wire import MAX_MESSAGE
-from .errors import BlockError, InvalidKVRequest, KVNotSupported, LayoutMismatch
+from ._wire import MAX_MESSAGE, Reply
+from .errors import BlockError, InternalError, InvalidKVRequest, KVNotSupported, LayoutMismatch, StoreError, from_code
 
 _log = logging.getLogger("cudaipc")
 
@@ -93,11 +99,73 @@ class _Progress:
         return e
 
 
+class _Requests:
+    """The kv_read requests of one read and their answers (handled by whichever
+    thread reads the connection): progress to the Transfer's layers, and, once
+    every request has ended, the notice to the source's engine (kv_notify, when
+    asked for) and the Transfer's end."""
+
+    def __init__(self, conn: Any, t: Transfer, src: Desc, src_bytes: bytes, dst_blocks: List[int],
+                 parts: List[Tuple[int, int]], notify: Optional[bytes]):
+        self.conn, self.t, self.src, self.src_bytes = conn, t, src, src_bytes
+        self.dst_blocks, self.parts, self.notify = dst_blocks, parts, notify
+        self.pr = _Progress(t, len(parts))
+        self.errs: List[Optional[BaseException]] = [None] * len(parts)
+        self.lock = threading.Lock()
+        self.left = len(parts)
+
+    def handler(self, k: int) -> Callable[[Optional[Reply], Optional[StoreError]], None]:
+        return lambda r, err: self.answer(k, r, err)
+
+    def answer(self, k: int, r: Optional[Reply], err: Optional[StoreError]) -> None:
+        """An answer to request k, or the connection's end (err)."""
+        if r is None:
+            self.ended(k, err or InternalError("kv_read", message="the connection ended"))
+            return
+        resp = r.resp
+        if resp.HasField("error") and resp.error.code != 0:
+            self.ended(k, from_code(resp.error.code, "kv_read", "", resp.error.message))
+        elif resp.WhichOneof("body") != "kv_read":
+            self.ended(k, InternalError("kv_read", message="the daemon answered a kv_read with %s" % resp.WhichOneof("body")))
+        elif resp.kv_read.done:
+            self.pr.set(k, self.t.count)
+            self.ended(k, None)
+        else:
+            self.pr.set(k, resp.kv_read.layers)
+
+    def ended(self, k: int, err: Optional[BaseException]) -> None:
+        with self.lock:
+            self.errs[k] = err
+            self.left -= 1
+            last = self.left == 0
+        if not last:
+            return
+        failure = self.pr.failure(self.src, self.dst_blocks, self.parts, self.errs)
+        if self.notify is None:
+            self.t.finish(failure)
+            return
+        # The source's engine is told through both daemons (kv_notify), before the
+        # read's end, as on one node; a failure to tell it is logged.
+        payload = bytes([1 if failure is not None else 0]) + bytes(self.notify)
+
+        def told(r: Optional[Reply], err: Optional[StoreError]) -> None:
+            if r is not None and r.resp.HasField("error") and r.resp.error.code != 0:
+                err = from_code(r.resp.error.code, "kv_notify", "", r.resp.error.message)
+            if err is not None:
+                _log.debug("kv: the source's engine was not told that a read of %s ended: %s", self.src.name, err)
+            self.t.finish(failure)
+
+        try:
+            self.conn.send_stream(pb.Request(kv_notify=pb.KvNotifyRequest(space=self.src_bytes, payload=payload)), told)
+        except StoreError as e:
+            told(None, e)
+
+
 def start(store: Any, src: Desc, src_blocks: Any, local: Any, space: Any, dst_blocks: Any, layers: Any,
           notify: Optional[bytes]) -> Transfer:
     """Check a read of src (on another node) into local, registered with store's
-    daemon as space (a kv.Space; None if it is not), as Go's readRemote does, start
-    it as kv_read requests on threads of its own, and return its Transfer."""
+    daemon as space (a kv.Space; None if it is not), as Go's readRemote does, send
+    it as kv_read requests and return its Transfer."""
     if not isinstance(src, Desc) or not isinstance(local, Local):
         raise LayoutMismatch("kv: a read needs a source description and a destination Local")
     self_node = store.server.node
@@ -117,35 +185,14 @@ def start(store: Any, src: Desc, src_blocks: Any, local: Any, space: Any, dst_bl
     first, count = check_pairs(src.name, src.layout, dst_desc.layout, sb, db, layers)
     parts = split_pairs(sb, db, MAX_MESSAGE - len(src_bytes) - len(dst_bytes) - 256)
     t = Transfer(src.name, first, count, db)
-    pr = _Progress(t, len(parts))
-    errs: List[Optional[BaseException]] = [None] * len(parts)
-
-    def part(k: int) -> None:
-        lo, hi = parts[k]
+    conn = store._conn
+    reqs = _Requests(conn, t, src, src_bytes, db, parts, notify)
+    t._drive = conn.pump
+    for k, (lo, hi) in enumerate(parts):
+        req = pb.Request(kv_read=pb.KvReadRequest(src=src_bytes, dst=dst_bytes, src_blocks=sb[lo:hi],
+                                                  dst_blocks=db[lo:hi], first=first, count=count))
         try:
-            store.read_space(src_bytes, dst_bytes, sb[lo:hi], db[lo:hi], first, count,
-                             progress=lambda n: pr.set(k, n))
-            pr.set(k, count)
-        except BaseException as e:  # noqa: BLE001 - any failure ends the read with its blocks named
-            errs[k] = e
-
-    def run() -> None:
-        others = [threading.Thread(target=part, args=(k,), name="cudaipc-kv-read", daemon=True)
-                  for k in range(1, len(parts))]
-        for th in others:
-            th.start()
-        part(0)
-        for th in others:
-            th.join()
-        err = pr.failure(src, db, parts, errs)
-        if notify is not None:
-            # The source's engine is told through both daemons (kv_notify), before
-            # the read's end, as on one node; a failure to tell it is logged.
-            try:
-                store.notify_space(src_bytes, bytes([1 if err is not None else 0]) + bytes(notify))
-            except Exception as e:  # noqa: BLE001
-                _log.debug("kv: the source's engine was not told that a read of %s ended: %s", src.name, e)
-        t.finish(err)
-
-    threading.Thread(target=run, name="cudaipc-kv-read", daemon=True).start()
+            conn.send_stream(req, reqs.handler(k))
+        except StoreError as e:
+            reqs.ended(k, e)
     return t

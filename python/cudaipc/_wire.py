@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import _store_pb2 as pb
 from ._encode import id_field
@@ -135,6 +135,9 @@ class HostArena:
         return True
 
 
+StreamHandler = Callable[[Optional["Reply"], Optional[StoreError]], None]
+
+
 class Reply:
     """A response, with what the reader did with its placement."""
 
@@ -203,6 +206,9 @@ class Conn:
         self._abandoned: Dict[int, Tuple[str, str]] = {}   # id -> (op, name): clean up the reply
         self._detached: Set[int] = set()                   # ids whose reply nobody reads
         self._dropped_streams: Set[int] = set()            # kv_read ids whose answers nobody reads any more
+        # Requests whose answers go to a handler, called by whichever thread reads
+        # them (send_stream), up to the last answer or the connection's end.
+        self._streams: Dict[int, StreamHandler] = {}
         self._arenas: Dict[Tuple[int, bool], HostArena] = {}
         self.events: Deque[Any] = collections.deque()
         self.notices: Deque[Any] = collections.deque()   # Notice messages not taken yet
@@ -243,6 +249,82 @@ class Conn:
                 self._fail(StoreGone("send", message="%s: %s" % (self.path, e)))
                 raise self.dead  # type: ignore[misc]
         return rid
+
+    def send_stream(self, req: Any, handler: "StreamHandler") -> int:
+        """Send req and have ``handler(reply, None)`` called with each of its answers
+        (a kv_read's progress, then its end; one answer for other requests), or
+        ``handler(None, error)`` once if the connection ends first; by whichever
+        thread reads the connection (a waiter in :meth:`pump`, or any call), so the
+        handler must be quick and must not wait for the connection. Raises the
+        connection's error (the handler is then not called)."""
+        rid = next(self._ids)
+        req.id = rid
+        data = req.SerializeToString()
+        with self._cv:
+            if self.dead is not None:
+                raise self.dead
+            self._streams[rid] = handler
+        with self._send_lock:
+            err = self.dead
+            if err is None:
+                try:
+                    self.sock.send(data)
+                except OSError as e:
+                    err = StoreGone("send", message="%s: %s" % (self.path, e))
+        if err is not None:
+            with self._cv:
+                self._streams.pop(rid, None)
+            self._fail(err)
+            raise self.dead  # type: ignore[misc]
+        return rid
+
+    def pump(self, cond: Callable[[], bool], timeout: Optional[float]) -> None:
+        """Read the connection (when no other thread does) until ``cond()`` holds, at
+        most ``timeout`` seconds (None: no limit; 0: only what is there now), or the
+        connection ends. cond is called under the connection's lock, after each
+        answer read: it must be quick."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cv:
+                while True:
+                    if cond() or self.dead is not None:
+                        return
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    if left is not None and left <= 0:
+                        return
+                    self._cv.wait(left)
+            try:
+                got = self._poll(self.spin) if self.spin > 0 and (left is None or left > 0) else None
+                if got is None:
+                    ms = -1 if left is None else max(int(left * 1000), 0)
+                    if not self._poller.poll(ms):
+                        got = None
+                    else:
+                        try:
+                            got = self.sock.recvmsg(MAX_MESSAGE + 1, _ANC, _RECV_NOWAIT)
+                        except (BlockingIOError, InterruptedError):
+                            got = None
+                        except OSError as e:
+                            self._fail(StoreGone("recv", message="%s: %s" % (self.path, e)))
+                            return
+                if got is not None:
+                    data, anc, flags, _ = got
+                    fds = _fds_of(anc)
+                    try:
+                        self._handle(data, flags, fds)
+                    except BaseException:
+                        for fd in fds:
+                            os.close(fd)
+                        raise
+                elif left is not None and left <= 0:
+                    return
+            finally:
+                with self._cv:
+                    self._reading = False
+                    self._cv.notify_all()
 
     def send_detached(self, req: Any) -> None:
         """Send a request (a message, or an object with an encoded ``body``) whose
@@ -520,6 +602,16 @@ class Conn:
         else:
             reply = Reply(resp)   # an answer without a placement: the common short path
         with self._cv:
+            handler = self._streams.get(rid)
+            if handler is not None and _last_answer(resp, body):
+                del self._streams[rid]
+        if handler is not None:
+            try:
+                handler(reply, None)
+            except Exception:  # noqa: BLE001 - a handler's bug must not stop the reader
+                _log.exception("cudaipc: a stream handler failed")
+            return
+        with self._cv:
             if rid in self._detached:
                 self._detached.discard(rid)
                 drop = True
@@ -676,7 +768,16 @@ class Conn:
         with self._cv:
             if self.dead is None:
                 self.dead = err
+            streams, self._streams = self._streams, {}
             self._cv.notify_all()
+        self._end_streams(streams)
+
+    def _end_streams(self, streams: Dict[int, "StreamHandler"]) -> None:
+        for handler in streams.values():
+            try:
+                handler(None, self.dead)
+            except Exception:  # noqa: BLE001
+                _log.exception("cudaipc: a stream handler failed")
 
     def close(self) -> None:
         with self._cv:
@@ -684,7 +785,9 @@ class Conn:
                 return
             self.closed = True
             self.dead = Closed("call")
+            streams, self._streams = self._streams, {}
             self._cv.notify_all()
+        self._end_streams(streams)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -10,6 +10,7 @@ etcd-server and libucx0; skipped without them unless CUDAIPC_REQUIRE_CLUSTER=1."
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -135,6 +136,108 @@ def test_read_split_over_requests(cluster, reader, engines):
             t.wait_layer(layer, 60)
         t.wait(60)
         kvutil.check_bytes(dst.local, kvutil.expected(e.desc, e.seed, dst.local, src_ids, dst_ids, range(1, layers), before))
+
+
+def test_many_small_reads_in_flight(cluster, reader, engines):
+    """600 one-block reads started at once from one connection cost a request each,
+    no thread each (their answers are read by whoever waits); each lands its own
+    block, and reads of a space gone fail alone, among reads that succeed."""
+    a, _ = cluster
+    blocks = 600
+    e = engines(a.socket, "xnode/many", "sglang", seed=71, layers=1, blocks=blocks, nbytes=BYTES)
+    gone = engines(a.socket, "xnode/many-gone", "sglang", seed=72, layers=1, blocks=blocks, nbytes=BYTES)
+    gone.cmd("close")
+    rng = np.random.default_rng(71)
+    src = rng.permutation(blocks).tolist()
+    with registered(reader, "xnode/many-dst", "sglang", layers=1, blocks=blocks) as dst:
+        before = snapshot(dst.local)
+        threads = threading.active_count()
+        ts = [kv.read_blocks(reader, gone.desc if i % 7 == 3 else e.desc, [src[i]], dst, [i]) for i in range(blocks)]
+        assert threading.active_count() <= threads + 1, "a thread a read"
+        failed = []
+        for i, t in enumerate(ts):
+            if i % 7 == 3:
+                with pytest.raises(kv.BlockError) as x:
+                    t.wait(60)
+                assert x.value.blocks == [i] and isinstance(x.value.cause, cudaipc.NotFound)
+                failed.append(i)
+            else:
+                t.wait(60)
+        ok = [i for i in range(blocks) if i % 7 != 3]
+        want = kvutil.expected(e.desc, e.seed, dst.local, [src[i] for i in ok], ok, range(1), before)
+        kvutil.check_bytes(dst.local, want)
+        assert len(failed) == len(range(3, blocks, 7))
+
+
+def test_reads_complete_without_a_wait(cluster, reader, engines):
+    """A read nobody waits for completes as its caller polls done() (which reads
+    what the connection holds), and as another call on the connection reads."""
+    a, _ = cluster
+    e = engines(a.socket, "xnode/poll", "vllm", seed=73, layers=2, blocks=16, nbytes=BYTES)
+    with registered(reader, "xnode/poll-dst", "vllm", layers=2, blocks=16) as dst:
+        before = snapshot(dst.local)
+        t = kv.read_blocks(reader, e.desc, [1, 2, 3], dst, [4, 5, 6])
+        with pytest.raises(TimeoutError):
+            t.wait(0)    # two daemons away: not there yet
+        deadline = time.monotonic() + 30
+        while not t.done():
+            assert time.monotonic() < deadline, "done() never became true"
+            time.sleep(0.001)
+        assert t.error is None
+        t2 = kv.read_blocks(reader, e.desc, [7], dst, [8])
+        reader.put("xnode/poll-obj", b"x" * 10)    # a call: it reads the connection too
+        reader.delete("xnode/poll-obj")
+        t2.wait(30)
+        kvutil.check_bytes(dst.local, kvutil.expected(e.desc, e.seed, dst.local, [1, 2, 3, 7], [4, 5, 6, 8], range(2), before))
+
+
+def test_reads_from_many_threads(cluster, reader, engines):
+    """Threads each reading one block after another on one connection: whichever
+    waits reads everyone's answers; every block lands, none is lost."""
+    a, _ = cluster
+    n, each = 8, 40
+    blocks = n * each
+    e = engines(a.socket, "xnode/threads", "sglang", seed=74, layers=1, blocks=blocks, nbytes=BYTES)
+    with registered(reader, "xnode/threads-dst", "sglang", layers=1, blocks=blocks) as dst:
+        before = snapshot(dst.local)
+        errors = []
+
+        def work(k):
+            try:
+                for j in range(each):
+                    i = k * each + j
+                    kv.read_blocks(reader, e.desc, [blocks - 1 - i], dst, [i]).wait(60)
+            except BaseException as x:  # noqa: BLE001
+                errors.append(x)
+
+        ths = [threading.Thread(target=work, args=(k,)) for k in range(n)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(120)
+        assert not errors, errors
+        ids = list(range(blocks))
+        kvutil.check_bytes(dst.local, kvutil.expected(e.desc, e.seed, dst.local, [blocks - 1 - i for i in ids], ids,
+                                                      range(1), before))
+
+
+def test_connection_closed_mid_flight(cluster, engines):
+    """Reads in flight when their connection closes end, each with a BlockError or
+    complete, none left running; a wait with a timeout returns within it."""
+    a, b = cluster
+    e = engines(a.socket, "xnode/closed", "sglang", seed=75, layers=1, blocks=200, nbytes=BYTES)
+    s = cudaipc.connect(b.socket)
+    dst = registered(s, "xnode/closed-dst", "sglang", layers=1, blocks=200)
+    ts = [kv.read_blocks(s, e.desc, [i], dst, [i]) for i in range(200)]
+    start = time.monotonic()
+    s.close()
+    for t in ts:
+        try:
+            t.wait(10)
+        except kv.BlockError as x:
+            assert len(x.blocks) == 1
+        assert t.done()
+    assert time.monotonic() - start < 10
 
 
 def test_split_pairs_stays_within_the_budget():
