@@ -141,6 +141,11 @@ class Transfer:
         if err is not None:
             raise err
 
+    def drive_with(self, drive: Callable[[Callable[[], bool], Optional[float]], None]) -> None:
+        """Have waits read the connection themselves with ``drive(cond, timeout)``
+        (a read across nodes, whose answers come on the store's connection)."""
+        self._drive = drive
+
     def _driven(self, cond: Callable[[], bool], timeout: Optional[float]) -> Optional[float]:
         """Read the connection until cond holds or timeout passes; return the time
         left (an end the connection's failure brings is on its way then)."""

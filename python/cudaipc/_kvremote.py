@@ -185,9 +185,9 @@ def start(store: Any, src: Desc, src_blocks: Any, local: Any, space: Any, dst_bl
     first, count = check_pairs(src.name, src.layout, dst_desc.layout, sb, db, layers)
     parts = split_pairs(sb, db, MAX_MESSAGE - len(src_bytes) - len(dst_bytes) - 256)
     t = Transfer(src.name, first, count, db)
-    conn = store._conn
+    conn = store.connection()
     reqs = _Requests(conn, t, src, src_bytes, db, parts, notify)
-    t._drive = conn.pump
+    t.drive_with(conn.pump)
     for k, (lo, hi) in enumerate(parts):
         req = pb.Request(kv_read=pb.KvReadRequest(src=src_bytes, dst=dst_bytes, src_blocks=sb[lo:hi],
                                                   dst_blocks=db[lo:hi], first=first, count=count))

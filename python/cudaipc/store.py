@@ -510,6 +510,11 @@ class Store:
         Client.ListPools)."""
         return _kvpool.list_pools(self._conn)
 
+    def connection(self) -> Conn:
+        """The store's connection to its daemon (the wire layer, cudaipc._wire): for the
+        package's own modules that stream requests on it (cudaipc.kv across nodes)."""
+        return self._conn
+
     def notify(self, name: str, payload: bytes = b"") -> None:
         """Send ``payload`` (at most MAX_NOTICE_PAYLOAD bytes) to the process that
         registered the memory ``name``, which this connection must be able to get
