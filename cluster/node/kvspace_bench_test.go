@@ -200,7 +200,8 @@ type smallSpaces struct {
 	a, r     *daemon
 	src, dst *hostSpace
 	sp       *kv.Space
-	desc     []byte
+	desc     []byte // the source's description
+	dstDesc  []byte
 }
 
 const smallBlocks, smallBlock = 4096, 4096
@@ -215,10 +216,14 @@ func newSmallSpaces(b *testing.B, ctx context.Context) *smallSpaces {
 		b.Fatal(err)
 	}
 	s.dst = newHostSpace(b, layout, []int64{smallBlocks * smallBlock}, 0)
-	if _, err := kv.Register(ctx, s.r.c, "small/dst", s.dst.local, client.RegisterOptions{}); err != nil {
+	dsp, err := kv.Register(ctx, s.r.c, "small/dst", s.dst.local, client.RegisterOptions{})
+	if err != nil {
 		b.Fatal(err)
 	}
 	if s.desc, err = s.sp.Desc().MarshalBinary(); err != nil {
+		b.Fatal(err)
+	}
+	if s.dstDesc, err = dsp.Desc().MarshalBinary(); err != nil {
 		b.Fatal(err)
 	}
 	return s
@@ -336,8 +341,9 @@ func BenchmarkKVSmallRead(b *testing.B) {
 }
 
 // BenchmarkKVSmallReadParts times the parts of one 4 KiB read across
-// nodes, one at a time: the whole read (client, both daemons), the
-// client's round trip to its daemon (a stat), the daemons' "kvread" (the
+// nodes, one at a time: the whole read (client, both daemons), the same
+// kv_read sent with package client alone, the client's round trip to its
+// daemon (a stat), the daemons' "kvread" (the
 // reader's daemon to the source's and back, no client), and what the
 // source's daemon does for one (no control channel).
 //
@@ -354,6 +360,10 @@ func BenchmarkKVSmallReadParts(b *testing.B) {
 		op   func(i int) error
 	}{
 		{"read", func(i int) error { return s.read(ctx, i) }},
+		{"client_kv_read", func(i int) error { // the same, without package kv
+			b := uint32(i % smallBlocks)
+			return s.r.c.ReadSpace(ctx, client.SpaceRead{Src: s.desc, Dst: s.dstDesc, SrcBlocks: []uint32{b}, DstBlocks: []uint32{b}}, nil)
+		}},
 		{"client_round_trip", func(i int) error {
 			if _, err := s.r.c.Stat(ctx, "no/such"); err != nil && !errors.Is(err, client.ErrNotFound) {
 				return err
