@@ -16,6 +16,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -132,6 +133,8 @@ type ctlRequest struct {
 	// Inline says that a frame of this many bytes follows the request
 	// (the pool ops' keys, and a put's blocks inline after them).
 	Inline int64 `json:"inline,omitempty"`
+	// Batch is, for "kvreads" (kvbatch.go), the small reads it carries.
+	Batch []ctlSpaceRead `json:"batch,omitempty"`
 }
 
 // ctlResponse answers a ctlRequest.
@@ -163,6 +166,9 @@ type ctlResponse struct {
 	Deleted int    `json:"deleted,omitempty"`
 	Status  []byte `json:"status,omitempty"`
 	Mask    []byte `json:"mask,omitempty"`
+	// Batch answers "kvreads" (kvbatch.go): each read's, their bytes in
+	// the frame after the answer (Inline: all of them).
+	Batch []ctlSpaceAnswer `json:"batch,omitempty"`
 }
 
 // Exposure says where a peer reads an exposed replica: the holder's UCX
@@ -573,6 +579,8 @@ type ControlServer struct {
 	channels int
 	refused  map[string]uint64
 	wg       sync.WaitGroup
+
+	kvBatches atomic.Uint64
 }
 
 // ctlConn is a connection the server holds.
@@ -595,13 +603,15 @@ type ControlStats struct {
 	// Refused counts refused connections by reason (the Refused
 	// constants).
 	Refused map[string]uint64
+	// KVBatches counts the batches of small KV reads served ("kvreads").
+	KVBatches uint64
 }
 
 // Stats returns the server's connection counts.
 func (s *ControlServer) Stats() ControlStats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	st := ControlStats{Pending: s.pending, Channels: s.channels, Refused: map[string]uint64{}}
+	st := ControlStats{Pending: s.pending, Channels: s.channels, Refused: map[string]uint64{}, KVBatches: s.kvBatches.Load()}
 	for k, v := range s.refused {
 		st.Refused[k] = v
 	}
@@ -867,11 +877,15 @@ func (sc *servedConn) worker(w ctlWork) {
 	defer sc.wg.Done()
 	idle := time.NewTimer(workerIdle)
 	defer idle.Stop()
+	var scratch []byte // the small reads' bytes, sealed (copied) by send
 	for {
-		resp, raw := sc.handle(w.req, w.in)
+		resp, raw := sc.handle(w.req, w.in, scratch[:0])
 		resp.Tag = w.req.Tag
 		if err := sc.ch.send(&resp, raw, time.Time{}); err != nil {
 			sc.ch.c.Close() // the reader ends
+		}
+		if (w.req.Op == "kvread" || w.req.Op == "kvreads") && cap(raw) <= 2*maxGatherBatchBytes {
+			scratch = raw[:0]
 		}
 		<-sc.slots
 		idle.Reset(workerIdle)
@@ -887,8 +901,9 @@ func (sc *servedConn) worker(w ctlWork) {
 	}
 }
 
-// handle serves one request, and in, the frame after it.
-func (sc *servedConn) handle(req ctlRequest, in []byte) (resp ctlResponse, raw []byte) {
+// handle serves one request, and in, the frame after it; the bytes of
+// small reads ("kvread", "kvreads") it appends to scratch.
+func (sc *servedConn) handle(req ctlRequest, in, scratch []byte) (resp ctlResponse, raw []byte) {
 	s, held := sc.s, &sc.held
 	switch req.Op {
 	case "read":
@@ -911,7 +926,13 @@ func (sc *servedConn) handle(req ctlRequest, in []byte) (resp ctlResponse, raw [
 	case "kvopen":
 		resp = s.serveSpace(req, held)
 	case "kvread":
-		return s.serveSpaceRead(req)
+		resp, raw = s.serveSpaceRead(req, scratch)
+		if resp.Inline == 0 {
+			raw = nil
+		}
+		return resp, raw
+	case "kvreads":
+		return s.serveSpaceReads(req, scratch)
 	case "kvnotify":
 		resp = s.serveSpaceNotify(req)
 	case "poollookup", "poolpresent", "poolget", "poolput", "pooldelete":
@@ -1207,7 +1228,7 @@ func (cc *ControlClient) read() {
 		}
 		var raw []byte
 		if resp.Inline != 0 {
-			if resp.Inline < 0 || resp.Inline > MaxInline {
+			if resp.Inline < 0 || resp.Inline > maxGatherBatchBytes {
 				cc.fail(fmt.Errorf("%w: %d inline bytes", ErrBadRecord, resp.Inline))
 				return
 			}

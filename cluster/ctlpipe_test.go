@@ -59,12 +59,12 @@ func (s *pipeSource) wait(block int) error {
 	return nil
 }
 
-func (s *pipeSource) GatherSpace(reader uint32, desc []byte, regions []int, stage *SpaceStage, max int64) ([]byte, error) {
+func (s *pipeSource) GatherSpace(reader uint32, desc []byte, regions []int, stage *SpaceStage, max int64, dst []byte) ([]byte, error) {
 	b := stage.Blocks[0]
 	if err := s.wait(b); err != nil {
 		return nil, err
 	}
-	return s.blocks[b], nil
+	return append(dst, s.blocks[b]...), nil
 }
 
 func (s *pipeSource) ExposeSpace(reader uint32, desc []byte, regions []int, stage *SpaceStage) (SpaceExposure, func(), error) {
@@ -363,4 +363,187 @@ func BenchmarkControlGather(b *testing.B) {
 			}
 		})
 	})
+}
+
+// oneNodeDir is a directory of one node, srv at addr, for a Puller's
+// small reads.
+type oneNodeDir struct{ addr string }
+
+func (d oneNodeDir) NodeName() string { return "cli" }
+func (d oneNodeDir) Node(ctx context.Context, name string) (Node, error) {
+	if name != "srv" {
+		return Node{}, fmt.Errorf("%w: node %s", ErrNotFound, name)
+	}
+	return Node{Name: "srv", Control: d.addr}, nil
+}
+func (d oneNodeDir) Lookup(context.Context, Ref) (Entry, error) { return Entry{}, ErrNotFound }
+func (d oneNodeDir) AddHolder(context.Context, Entry) error     { return ErrNotFound }
+func (d oneNodeDir) Pin(context.Context, string, Ref, string) (func(), error) {
+	return nil, ErrNotFound
+}
+
+// pullerTo is a Puller whose directory holds the node srv at addr.
+func pullerTo(t *testing.T, addr string) *Puller {
+	p := &Puller{Dir: oneNodeDir{addr}, Secret: testSecret}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+// gatherRead is a small read of block b of src through p.
+func (s *pipeSource) gatherRead(ctx context.Context, p *Puller, b int) error {
+	got, err := p.GatherSpace(ctx, SpaceRead{Node: "srv", Desc: []byte("d"), Regions: []int{0}, Sizes: []int64{int64(len(s.blocks[b]))},
+		Stage: &SpaceStage{Blocks: []int{b}, Count: 1}})
+	if err != nil {
+		return err
+	}
+	if !bytes.Equal(got, s.blocks[b]) {
+		return fmt.Errorf("block %d: other bytes came back", b)
+	}
+	return nil
+}
+
+// Small reads to one node beyond the lanes under way wait and go together
+// ("kvreads") once a lane frees: each gets its own bytes, one the node
+// does not have fails alone, and one whose context ends leaves the others
+// be.
+func TestGatherBatched(t *testing.T) {
+	const n = 300
+	src := newPipeSource(n, 4096)
+	src.holdAll.Store(true)
+	for b := 5; b < n; b += 17 {
+		src.missing[b] = true
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs := &ControlServer{Node: "srv", Secret: testSecret, Source: src}
+	go cs.Serve(ln)
+	t.Cleanup(func() { ln.Close() })
+	p := pullerTo(t, ln.Addr().String())
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for b := range gatherLanes {
+		wg.Go(func() { errs[b] = src.gatherRead(ctx, p, b) })
+	}
+	testutil.Eventually(t, 10*time.Second, func() error {
+		if a := src.active.Load(); a != gatherLanes {
+			return fmt.Errorf("%d reads at the node", a)
+		}
+		return nil
+	})
+	for b := gatherLanes; b < n; b++ {
+		wg.Go(func() { errs[b] = src.gatherRead(ctx, p, b) })
+	}
+	// One more, given up while it waits.
+	wctx, wcancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	if err := src.gatherRead(wctx, p, 1); !errors.Is(err, ErrSpaceUnreachable) || wctx.Err() == nil {
+		t.Fatalf("a read given up while waiting: %v", err)
+	}
+	wcancel()
+	testutil.Eventually(t, 10*time.Second, func() error {
+		p.gathers.mu.Lock()
+		defer p.gathers.mu.Unlock()
+		if q := p.gathers.q["srv"]; q == nil || len(q.waiting) != n-gatherLanes {
+			return errors.New("the reads beyond the lanes are not all waiting")
+		}
+		return nil
+	})
+	if a := src.active.Load(); a != gatherLanes {
+		t.Fatalf("%d reads at the node while %d lanes are busy", a, gatherLanes)
+	}
+	close(src.hold)
+	wg.Wait()
+	for b, err := range errs {
+		switch {
+		case src.missing[b]:
+			if !errors.Is(err, ErrNoSpace) {
+				t.Errorf("block %d: %v, want ErrNoSpace", b, err)
+			}
+		case err != nil:
+			t.Errorf("block %d: %v", b, err)
+		}
+	}
+	p.gathers.mu.Lock()
+	left := len(p.gathers.q)
+	p.gathers.mu.Unlock()
+	if left != 0 {
+		t.Fatalf("%d queues left after the reads", left)
+	}
+	// 296 reads of 4 KiB waited: at most 64 a batch (256 KiB).
+	if b := cs.Stats().KVBatches; b < (n-gatherLanes)/64 || b > n-gatherLanes {
+		t.Fatalf("%d batches for %d reads that waited", b, n-gatherLanes)
+	}
+}
+
+// A node that answers no "kvreads" (an older daemon) gets the reads that
+// waited one a request.
+func TestGatherBatchRefused(t *testing.T) {
+	src := newPipeSource(40, 512)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	var served, refused atomic.Int64
+	release := make(chan struct{})
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				ch, err := serverHandshake(c, testSecret, "srv")
+				if err != nil {
+					return
+				}
+				for {
+					var req ctlRequest
+					if ch.read(&req) != nil {
+						return
+					}
+					go func() {
+						if req.Op == "kvreads" {
+							refused.Add(1)
+							ch.send(&ctlResponse{Tag: req.Tag, Err: fmt.Sprintf("%s %q", unknownOp, req.Op)}, nil, time.Time{})
+							return
+						}
+						if served.Add(1) <= gatherLanes {
+							<-release
+						}
+						b := src.blocks[req.Stage.Blocks[0]]
+						ch.send(&ctlResponse{Tag: req.Tag, Inline: int64(len(b))}, b, time.Time{})
+					}()
+				}
+			}()
+		}
+	}()
+	p := pullerTo(t, ln.Addr().String())
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	errs := make(chan error, len(src.blocks))
+	for b := range src.blocks {
+		go func() { errs <- src.gatherRead(ctx, p, b) }()
+	}
+	testutil.Eventually(t, 10*time.Second, func() error {
+		p.gathers.mu.Lock()
+		defer p.gathers.mu.Unlock()
+		if q := p.gathers.q["srv"]; q == nil || len(q.waiting) != len(src.blocks)-gatherLanes {
+			return errors.New("the reads beyond the lanes are not all waiting")
+		}
+		return nil
+	})
+	close(release)
+	for range src.blocks {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if refused.Load() == 0 || served.Load() != int64(len(src.blocks)) {
+		t.Fatalf("%d kvreads refused, %d kvread served of %d", refused.Load(), served.Load(), len(src.blocks))
+	}
 }

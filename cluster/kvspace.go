@@ -54,10 +54,10 @@ type SpaceSource interface {
 // with its bytes, in the control channel's answer ("kvread"): one round
 // trip, no exposure to release, no UCX transfer.
 type SpaceGatherer interface {
-	// GatherSpace returns the bytes a staged read of stage gathers (as
-	// ExposeSpace with stage would expose them), at most max of them,
-	// failing as ExposeSpace does.
-	GatherSpace(reader uint32, desc []byte, regions []int, stage *SpaceStage, max int64) ([]byte, error)
+	// GatherSpace appends to dst the bytes a staged read of stage gathers
+	// (as ExposeSpace with stage would expose them), at most max of them,
+	// and returns the extended slice, failing as ExposeSpace does.
+	GatherSpace(reader uint32, desc []byte, regions []int, stage *SpaceStage, max int64, dst []byte) ([]byte, error)
 }
 
 // SpaceNotifier is a SpaceSource that also queues notices from readers on
@@ -190,29 +190,30 @@ func (s *ControlServer) serveSpace(req ctlRequest, held *exposures) ctlResponse 
 
 // serveSpaceRead answers a "kvread" request: the staged read's bytes
 // follow the answer in a frame of their own, sealed like every frame of
-// the channel.
-func (s *ControlServer) serveSpaceRead(req ctlRequest) (ctlResponse, []byte) {
+// the channel. They are appended to dst, which it returns extended (or
+// as it was, for a read that failed).
+func (s *ControlServer) serveSpaceRead(req ctlRequest, dst []byte) (ctlResponse, []byte) {
 	var resp ctlResponse
 	sg, ok := s.Source.(SpaceGatherer)
 	st := req.Stage
 	switch {
 	case !ok:
 		resp.Err = fmt.Sprintf("%s %q", unknownOp, req.Op)
-		return resp, nil
+		return resp, dst
 	case st == nil || len(st.Blocks) == 0 || st.First < 0 || st.Count <= 0 || len(req.Regions) == 0 || len(req.Regions) > maxSpaceRegions:
 		resp.Err = "kvread of no staging, or of no regions"
-		return resp, nil
+		return resp, dst
 	}
-	b, err := sg.GatherSpace(req.Reader, req.Space, req.Regions, st, MaxInline)
+	b, err := sg.GatherSpace(req.Reader, req.Space, req.Regions, st, MaxInline, dst)
 	if err != nil {
 		resp.Err, resp.NotHeld = err.Error(), errors.Is(err, ErrNoSpace)
-		return resp, nil
+		return resp, dst
 	}
-	if len(b) == 0 || len(b) > MaxInline {
-		resp.Err = fmt.Sprintf("a staging of %d bytes cannot be read inline", len(b))
-		return resp, nil
+	if n := len(b) - len(dst); n <= 0 || n > MaxInline {
+		resp.Err = fmt.Sprintf("a staging of %d bytes cannot be read inline", n)
+		return resp, dst
 	}
-	resp.Inline = int64(len(b))
+	resp.Inline = int64(len(b) - len(dst))
 	return resp, b
 }
 
@@ -319,11 +320,9 @@ type SpaceGet struct {
 	Tag    int
 }
 
-// GatherSpace reads the staged read r (r.Stage, of r.Sizes[0] bytes, at
-// most MaxInline) in one answer over the puller's pooled connection to
-// r.Node (SpaceGatherer), failing as ReadSpace does; r's Gets are not
-// used.
-func (p *Puller) GatherSpace(ctx context.Context, r SpaceRead) ([]byte, error) {
+// gatherOne reads the staged read r in one "kvread" over the puller's
+// pooled connection to r.Node, failing as GatherSpace does.
+func (p *Puller) gatherOne(ctx context.Context, r SpaceRead) ([]byte, error) {
 	for attempt := 0; ; attempt++ {
 		pe, err := p.acquire(ctx, r.Node)
 		if err != nil {

@@ -147,6 +147,7 @@ type Puller struct {
 	MaxPeers int
 
 	peers    peers
+	gathers  gatherBatches  // small KV reads waiting to go together (kvbatch.go)
 	bg       sync.WaitGroup // releases and unpins after pulls, closes of peers
 	mu       sync.Mutex
 	inflight map[Ref]*pullCall

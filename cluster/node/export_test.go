@@ -241,5 +241,5 @@ func GatherSpaceOnce(ctx context.Context, n *Node, reader uint32, desc []byte, n
 // SourceGather is what n, the space's node, does for one "kvread" of
 // block block of the one-region space desc, without the control channel.
 func SourceGather(n *Node, reader uint32, desc []byte, block int, max int64) ([]byte, error) {
-	return source{n}.GatherSpace(reader, desc, []int{0}, &cluster.SpaceStage{Blocks: []int{block}, First: 0, Count: 1}, max)
+	return source{n}.GatherSpace(reader, desc, []int{0}, &cluster.SpaceStage{Blocks: []int{block}, First: 0, Count: 1}, max, nil)
 }

@@ -317,10 +317,10 @@ func BenchmarkKVSmallRead(b *testing.B) {
 		}
 		clat = append(clat, lat...)
 	}
-	written := seq(min(max(conc, b.N), smallBlocks)) // blocks 0, 1, ... read into the same ids
-	checkRead(b, s.src, s.dst, make2(s.dst), written, written, 0, 1)
 	stopProfile()
 	b.ReportMetric(float64((processCPU(b)-cpu0).Nanoseconds())/1e3/float64(len(clat)), "concurrent_cpu_µs/read")
+	written := seq(min(max(conc, b.N), smallBlocks)) // blocks 0, 1, ... read into the same ids
+	checkRead(b, s.src, s.dst, make2(s.dst), written, written, 0, 1)
 	slices.Sort(clat)
 	rate := float64(len(clat)) / took.Seconds()
 	b.ReportMetric(rate, "concurrent_reads/s")

@@ -571,7 +571,7 @@ func (n *Node) exposeStaged(h *spaceHold, regions []int, stage *cluster.SpaceSta
 
 // GatherSpace implements cluster.SpaceGatherer: a small staged read's
 // bytes, gathered for the answer.
-func (s source) GatherSpace(reader uint32, desc []byte, regions []int, stage *cluster.SpaceStage, max int64) ([]byte, error) {
+func (s source) GatherSpace(reader uint32, desc []byte, regions []int, stage *cluster.SpaceStage, max int64, dst []byte) ([]byte, error) {
 	n := s.n
 	h, err := n.holdSpace(reader, desc, regions, nil)
 	if err != nil {
@@ -586,7 +586,9 @@ func (s source) GatherSpace(reader uint32, desc []byte, regions []int, stage *cl
 	if st.Size() > max {
 		return nil, fmt.Errorf("a staging of %d bytes, at most %d inline", st.Size(), max)
 	}
-	out := make([]byte, st.Size())
+	at := len(dst)
+	dst = slices.Grow(dst, int(st.Size()))[:at+int(st.Size())]
+	out := dst[at:]
 	if dev != nil {
 		buf, err := n.stageBufs.get(n.tr, st.Size())
 		if err != nil {
@@ -608,7 +610,7 @@ func (s source) GatherSpace(reader uint32, desc []byte, regions []int, stage *cl
 	}
 	n.kvStagedBytes.Add(uint64(len(out)))
 	n.exposures.Add(1)
-	return out, nil
+	return dst, nil
 }
 
 // stageBuf is a staging buffer of host memory, registered with UCX once
