@@ -207,6 +207,23 @@ var pieceBufs = sync.Pool{New: func() any { b := make([]byte, stagePiece); retur
 // buffers the kernel reads across the bus); a staging of at most
 // cluster.MaxInline bytes comes whole in the source's answer.
 func (n *Node) readGroup(ctx context.Context, r store.SpaceRead, src *kv.Desc, p *kv.Plan, st *kv.Staging, g layerGroup, regions, dstIDs []int, dst []*spaceMap, dev *cudaipc.Device, scattered func(l int, b int64)) error {
+	size := st.Size()
+	read := cluster.SpaceRead{Node: src.Node, Reader: r.Reader, Desc: r.Src, Regions: regions, Sizes: []int64{size},
+		Stage: &cluster.SpaceStage{Blocks: ints(r.SrcBlocks), First: g.first, Count: g.count}}
+	if size <= cluster.MaxInline && dev == nil { // a small read into host memory: no closures, nothing kept
+		b, err := n.p.GatherSpace(ctx, read)
+		if err != nil {
+			return err
+		}
+		st.Pieces(0, size, func(pc kv.Piece) {
+			dp := p.Dst.Layers[pc.L][pc.P]
+			d := dp.Base + int64(dstIDs[pc.K])*dp.Stride + pc.Skip
+			copy(dst[dp.Region].mem[d:d+pc.Bytes], b[:pc.Bytes])
+			b = b[pc.Bytes:]
+			scattered(pc.L, pc.Bytes)
+		})
+		return nil
+	}
 	var (
 		mu   sync.Mutex
 		fail error // a failure of the GPU side, which the Gets cannot return
@@ -247,17 +264,10 @@ func (n *Node) readGroup(ctx context.Context, r store.SpaceRead, src *kv.Desc, p
 		}
 		st.Pieces(off, int64(len(b)), func(pc kv.Piece) { scattered(pc.L, pc.Bytes) })
 	}
-	size := st.Size()
-	read := cluster.SpaceRead{Node: src.Node, Reader: r.Reader, Desc: r.Src, Regions: regions, Sizes: []int64{size},
-		Stage: &cluster.SpaceStage{Blocks: ints(r.SrcBlocks), First: g.first, Count: g.count}}
 	if size <= cluster.MaxInline {
 		b, err := n.p.GatherSpace(ctx, read)
 		if err != nil {
 			return err
-		}
-		if dev == nil {
-			scatter(0, b, 0)
-			return nil
 		}
 		pc, err := n.gpuPieces.get(dev)
 		if err != nil {
