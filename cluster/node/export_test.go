@@ -243,3 +243,7 @@ func GatherSpaceOnce(ctx context.Context, n *Node, reader uint32, desc []byte, n
 func SourceGather(n *Node, reader uint32, desc []byte, block int, max int64) ([]byte, error) {
 	return source{n}.GatherSpace(reader, desc, []int{0}, &cluster.SpaceStage{Blocks: []int{block}, First: 0, Count: 1}, max, nil)
 }
+
+// KVBatches is how many batches of small KV reads ("kvreads") n's
+// control server answered.
+func KVBatches(n *Node) uint64 { return n.cs.Stats().KVBatches }
