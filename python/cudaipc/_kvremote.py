@@ -162,10 +162,11 @@ class _Requests:
 
 
 def start(store: Any, src: Desc, src_blocks: Any, local: Any, space: Any, dst_blocks: Any, layers: Any,
-          notify: Optional[bytes]) -> Transfer:
-    """Check a read of src (on another node) into local, registered with store's
-    daemon as space (a kv.Space; None if it is not), as Go's readRemote does, send
-    it as kv_read requests and return its Transfer."""
+          notify: Optional[bytes], src_bytes: Optional[bytes] = None) -> Transfer:
+    """Check a read of src (on another node; src_bytes its encoding, when known)
+    into local, registered with store's daemon as space (a kv.Space; None if it is
+    not), as Go's readRemote does, send it as kv_read requests and return its
+    Transfer."""
     if not isinstance(src, Desc) or not isinstance(local, Local):
         raise LayoutMismatch("kv: a read needs a source description and a destination Local")
     self_node = store.server.node
@@ -177,9 +178,10 @@ def start(store: Any, src: Desc, src_blocks: Any, local: Any, space: Any, dst_bl
     if space is None or local.space is not space:
         raise KVNotSupported("kv: a read from another node (%s) is written by this node's daemon, which must know "
                              "the destination: register it (kv.register) and pass the Space" % src.node)
-    src_bytes = src.to_bytes()   # validates
+    if src_bytes is None:
+        src_bytes = src.to_bytes()   # validates
     dst_desc = space.desc
-    dst_bytes = dst_desc.to_bytes()
+    dst_bytes = space.desc_bytes()
     local.check()
     sb, db = block_ids(src_blocks, "source"), block_ids(dst_blocks, "destination")
     first, count = check_pairs(src.name, src.layout, dst_desc.layout, sb, db, layers)

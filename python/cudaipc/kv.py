@@ -43,7 +43,8 @@ which moves the bytes between the nodes (docs/kv.md, "Across nodes").
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Union
+import threading
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from . import _kvgpu, _kvread, _kvremote
 from ._kvdesc import (MAX_BLOCKS, MAX_LAYERS, MAX_PARTS, MAX_REGIONS, Desc, Layout, Part, Region, new_id)
@@ -94,6 +95,14 @@ class Space:
         self.desc = desc
         self.local = local
         self.names: List[str] = []   # the regions' registered names, region i first
+        self._encoded: Optional[Tuple[Desc, bytes]] = None
+
+    def desc_bytes(self) -> bytes:
+        """The binary encoding of the space's description, as registered (made once)."""
+        e = self._encoded
+        if e is None or e[0] is not self.desc:
+            e = self._encoded = (self.desc, self.desc.to_bytes())
+        return e[1]
 
     @property
     def name(self) -> str:
@@ -215,8 +224,10 @@ def read_blocks(store: Any, src: Union[Desc, str, bytes], src_blocks: Any, dst: 
     (``store.server.node``) is read across nodes (docs/kv.md, "Across nodes"):
     ``store``'s daemon reads the blocks from the source's node and writes them into
     ``dst``, which must therefore be a Space registered through ``store`` (or its
-    Local, which :func:`register` binds to it); and ``notify`` is not supported there
-    (KVNotSupported, as in Go). Each side may be host memory or one GPU's, GPU to
+    Local, which :func:`register` binds to it), and ``notify`` goes through both
+    daemons. No thread is started there: the requests go from the caller's thread,
+    and their answers are read by whichever thread waits on a Transfer of ``store``
+    (or calls it; ``Transfer.done`` reads what has come). Each side may be host memory or one GPU's, GPU to
     host and host to GPU included (the daemons stage GPU memory through pinned host
     memory). The Transfer is the same: its layers complete as the daemon reports
     them, and a failure is a BlockError whose cause is the daemon's error (NotFound
@@ -225,19 +236,41 @@ def read_blocks(store: Any, src: Union[Desc, str, bytes], src_blocks: Any, dst: 
     or dies mid-read; InvalidArgument for a request the daemon refuses, e.g. a side
     over host and GPU memory). Bytes the daemon wrote into GPU memory are there for
     any stream once a layer's wait returns."""
-    if isinstance(src, str):
-        src = Desc.from_text(src)
-    elif isinstance(src, (bytes, bytearray, memoryview)):
-        src = Desc.from_bytes(src)
+    src_bytes: Optional[bytes] = None
+    if isinstance(src, (str, bytes, bytearray, memoryview)):
+        src, src_bytes = _parsed(src)
     if isinstance(src, Desc) and _kvremote.remote(store, src):
         space = dst if isinstance(dst, Space) else dst.space if isinstance(dst, Local) else None
         local = dst.local if isinstance(dst, Space) else dst
-        return _kvremote.start(store, src, src_blocks, local, space, dst_blocks, layers, notify)
+        return _kvremote.start(store, src, src_blocks, local, space, dst_blocks, layers, notify, src_bytes)
     if isinstance(dst, Space):
         dst = dst.local
     p = _kvread.plan(src, src_blocks, dst, dst_blocks, layers, notify)
     return _kvread.start(store, p, _kvgpu.copy if p.ordinal is not None else None)
 
+
+
+_MAX_PARSED = 256
+_parsed_descs: Dict[Union[str, bytes], Tuple[Desc, bytes]] = {}
+_parsed_lock = threading.Lock()
+
+
+def _parsed(v: Union[str, bytes, bytearray, memoryview]) -> Tuple[Desc, bytes]:
+    """The description whose text or bytes v is, and its bytes, decoded once for the
+    last few hundred seen (an engine reads the same spaces again and again; the
+    decoded Desc is used read-only)."""
+    key: Union[str, bytes] = v if isinstance(v, str) else bytes(v)
+    with _parsed_lock:
+        got = _parsed_descs.get(key)
+    if got is not None:
+        return got
+    d = Desc.from_text(key) if isinstance(key, str) else Desc.from_bytes(key)
+    got = (d, key if isinstance(key, bytes) else d.to_bytes())
+    with _parsed_lock:
+        if len(_parsed_descs) >= _MAX_PARSED:
+            _parsed_descs.clear()
+        _parsed_descs[key] = got
+    return got
 
 
 def create_pool(store: Any, name: str, block_bytes: int, capacity: int, *, key_bytes: int = 32,
