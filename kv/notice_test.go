@@ -13,28 +13,6 @@ import (
 	"github.com/cudaipc/cudaipc/kv"
 )
 
-// hostSpace registers, through c, a host space of the test layout kind
-// with random bytes (seed), in this process.
-func hostSpace(t *testing.T, c *client.Client, name, kind string, layers, blocks int, bytes int64, seed uint64) *kv.Space {
-	t.Helper()
-	layout, sizes := testLayout(kind, layers, blocks, bytes)
-	local := &kv.Local{Layout: layout}
-	for i, n := range sizes {
-		h, err := kv.AllocHost(n)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { h.Close() })
-		copy(h.Bytes(), testutil.RandomBytes(seed+uint64(i), int(n)))
-		local.Memory = append(local.Memory, h.Memory())
-	}
-	sp, err := kv.Register(context.Background(), c, name, local, client.RegisterOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return sp
-}
-
 // TestReadNotifiesSource: a read with Notify tells the source's engine
 // when it ends, completed or failed, with the reader's payload and pid
 // (vLLM's get_finished); notices of another form are dropped by kv; a
@@ -44,7 +22,7 @@ func TestReadNotifiesSource(t *testing.T) {
 	sock := startDaemon(t)
 	ctx := context.Background()
 	c := dial(t, sock)
-	sp := hostSpace(t, c, "notice/kv", "vllm", 2, 8, 64, 21)
+	sp := poolSpace(t, c, "notice/kv", "vllm", 2, 8, 64, 21)
 	text, err := sp.Desc().MarshalText()
 	if err != nil {
 		t.Fatal(err)

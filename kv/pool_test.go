@@ -17,7 +17,8 @@ import (
 )
 
 // poolSpace registers, through c, a host space of the given layout whose
-// regions hold random bytes (seed), and returns it.
+// regions hold random bytes (seed), and returns it (closed when the test
+// ends): a pool's source or destination, or a read's.
 func poolSpace(t testing.TB, c *client.Client, name, layout string, layers, blocks int, bytes int64, seed uint64) *kv.Space {
 	t.Helper()
 	l, sizes := testLayout(layout, layers, blocks, bytes)
