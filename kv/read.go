@@ -176,10 +176,19 @@ func ReadBlocks(ctx context.Context, c *client.Client, r Request) (*Transfer, er
 // the read's Done: a reader that exits once its read is done has sent it.
 // The engine may be gone; that is logged, not the read's failure.
 func (p *readPlan) notify(c *client.Client, err error) {
+	tellSource(p.Src.Name, p.Notify, err, func(ctx context.Context, payload []byte) error {
+		return c.Notify(ctx, p.Src.RegionName(0), payload)
+	})
+}
+
+// tellSource sends the notice of a read of space that ended with err (its
+// status byte, then payload) by send, within noticeTimeout; the engine may
+// be gone, which is logged, not the read's failure.
+func tellSource(space string, payload []byte, err error, send func(context.Context, []byte) error) {
 	ctx, cancel := context.WithTimeout(context.Background(), noticeTimeout)
 	defer cancel()
-	if nerr := c.Notify(ctx, p.Src.RegionName(0), append([]byte{status(err)}, p.Notify...)); nerr != nil {
-		slog.Debug("kv: the source's engine was not told that a read ended", "space", p.Src.Name, "err", nerr)
+	if nerr := send(ctx, append([]byte{status(err)}, payload...)); nerr != nil {
+		slog.Debug("kv: the source's engine was not told that a read ended", "space", space, "err", nerr)
 	}
 }
 

@@ -3,7 +3,6 @@ package kv
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"sync"
 
 	"google.golang.org/protobuf/encoding/protowire"
@@ -167,21 +166,13 @@ func readRemote(ctx context.Context, c *client.Client, r Request) (*Transfer, er
 		wg.Wait()
 		t.err = pr.failure(r, parts, errs)
 		if r.Notify != nil {
-			notifyRemote(c, r.Src.Name, src, r.Notify, t.err)
+			// Through this client's daemon and the source's (kv_notify).
+			tellSource(r.Src.Name, r.Notify, t.err, func(ctx context.Context, payload []byte) error {
+				return c.NotifySpace(ctx, src, payload)
+			})
 		}
 	}()
 	return t, nil
-}
-
-// notifyRemote tells the engine of the space src (on another node) that a
-// read ended (err: how), through this client's daemon and the source's,
-// before the read's Done, as notify does on one node.
-func notifyRemote(c *client.Client, name string, src, payload []byte, err error) {
-	ctx, cancel := context.WithTimeout(context.Background(), noticeTimeout)
-	defer cancel()
-	if nerr := c.NotifySpace(ctx, src, append([]byte{status(err)}, payload...)); nerr != nil {
-		slog.Debug("kv: the source's engine was not told that a read ended", "space", name, "err", nerr)
-	}
 }
 
 // remoteProgress follows the layers each kv_read of a read has completed;
